@@ -1,0 +1,44 @@
+"""KV-canary device kernels (Triton) and their torch references.
+
+Public API (SPEC §8); every launcher takes keyword arguments only and dispatches CUDA tensors
+to Triton, CPU tensors to the torch reference (or to Triton's interpreter under
+``TRITON_INTERPRET=1``).
+"""
+
+from sglang.jit_kernel.kv_canary.consts import (
+    CANARY_CHAIN_ANCHOR,
+    FailReason,
+    RealKvHashMode,
+    splitmix64,
+    splitmix64_mix3,
+)
+from sglang.jit_kernel.kv_canary.plan import launch_canary_plan_kernels
+from sglang.jit_kernel.kv_canary.plan_ref import launch_canary_plan_kernels_torch_reference
+from sglang.jit_kernel.kv_canary.scatter_req_token_ids import (
+    launch_scatter_req_token_ids_kernel,
+    scatter_req_token_ids_torch_reference,
+)
+from sglang.jit_kernel.kv_canary.verify import (
+    CANARY_SLOT_BYTES,
+    CanaryLaunchTag,
+    CanaryPhase,
+    KvHalf,
+    PoolKind,
+    RealKvSource,
+    VerifyOrWriteContext,
+    VerifyPlan,
+    launch_canary_verify_kernel,
+)
+from sglang.jit_kernel.kv_canary.verify_ref import launch_canary_verify_kernel_torch_reference
+from sglang.jit_kernel.kv_canary.write import WritePlan, launch_canary_write_kernel
+from sglang.jit_kernel.kv_canary.write_ref import launch_canary_write_kernel_torch_reference
+
+__all__ = [
+    "CANARY_CHAIN_ANCHOR", "CANARY_SLOT_BYTES", "CanaryLaunchTag", "CanaryPhase", "FailReason",
+    "KvHalf", "PoolKind", "RealKvHashMode", "RealKvSource", "VerifyOrWriteContext", "VerifyPlan",
+    "WritePlan", "launch_canary_plan_kernels", "launch_canary_plan_kernels_torch_reference",
+    "launch_canary_verify_kernel", "launch_canary_verify_kernel_torch_reference",
+    "launch_canary_write_kernel", "launch_canary_write_kernel_torch_reference",
+    "launch_scatter_req_token_ids_kernel", "scatter_req_token_ids_torch_reference",
+    "splitmix64", "splitmix64_mix3",
+]

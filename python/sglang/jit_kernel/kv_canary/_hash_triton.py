@@ -1,0 +1,84 @@
+"""Triton device functions for the canary hashes (u64 arithmetic, logical shifts).
+
+All values are ``tl.uint64``; callers bitcast int64 loads with ``.to(tl.uint64, bitcast=True)``
+and store back with ``.to(tl.int64, bitcast=True)``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def splitmix64(x):
+    x = x ^ (x >> 30)
+    x = x * 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 27)
+    x = x * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def mix3(a, b, c):
+    return splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)
+
+
+@triton.jit
+def as_u64(x):
+    return x.to(tl.int64).to(tl.uint64, bitcast=True)
+
+
+@triton.jit
+def as_i64(x):
+    return x.to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def chain_head_hash():
+    """``H(none) = splitmix64(CANARY_CHAIN_ANCHOR)`` as a u64 scalar."""
+    return splitmix64(tl.full([], 0xC0FFEE1234567890, tl.uint64))
+
+
+@triton.jit
+def record_hash(canary_ptr, slot, mask):
+    """``H(record[slot])`` for a block of slots (int64 canary words, 4 per row)."""
+    base = canary_ptr + slot * 4
+    tok = tl.load(base + 0, mask=mask, other=0)
+    pos = tl.load(base + 1, mask=mask, other=0)
+    prev = tl.load(base + 2, mask=mask, other=0)
+    return mix3(as_u64(prev), as_u64(tok), as_u64(pos))
+
+
+@triton.jit
+def _source_hash(src_ptr, row_stride_words, page_size, words_per_token, num_words, slot, mask):
+    page = slot // page_size
+    base = page * row_stride_words + (slot - page * page_size) * words_per_token
+    acc = tl.zeros(slot.shape, dtype=tl.uint64)
+    for w in range(0, num_words):
+        word = tl.load(src_ptr + base + w, mask=mask, other=0)
+        acc = splitmix64(acc ^ as_u64(word))
+    return acc
+
+
+@triton.jit
+def real_kv_fingerprint(
+    slot,
+    mask,
+    NUM_SOURCES: tl.constexpr,
+    s0_ptr, s0_stride, s0_page, s0_wpt, s0_nwords,
+    s1_ptr, s1_stride, s1_page, s1_wpt, s1_nwords,
+    s2_ptr, s2_stride, s2_page, s2_wpt, s2_nwords,
+    s3_ptr, s3_stride, s3_page, s3_wpt, s3_nwords,
+):
+    """Fingerprint of up to four real-KV sources for a block of slots (u64)."""
+    acc = tl.zeros(slot.shape, dtype=tl.uint64)
+    if NUM_SOURCES > 0:
+        acc = splitmix64(acc ^ _source_hash(s0_ptr, s0_stride, s0_page, s0_wpt, s0_nwords, slot, mask))
+    if NUM_SOURCES > 1:
+        acc = splitmix64(acc ^ _source_hash(s1_ptr, s1_stride, s1_page, s1_wpt, s1_nwords, slot, mask))
+    if NUM_SOURCES > 2:
+        acc = splitmix64(acc ^ _source_hash(s2_ptr, s2_stride, s2_page, s2_wpt, s2_nwords, slot, mask))
+    if NUM_SOURCES > 3:
+        acc = splitmix64(acc ^ _source_hash(s3_ptr, s3_stride, s3_page, s3_wpt, s3_nwords, slot, mask))
+    return acc

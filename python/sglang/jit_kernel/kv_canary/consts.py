@@ -1,0 +1,121 @@
+"""Constants of the KV-canary record format and its hashing (SPEC §2, §3).
+
+Everything here is plain Python (no torch, no Triton) so that host code, device kernels and
+tests agree on one definition. The device-side and torch versions of the hash live in
+``_hash_triton`` and ``_hash_torch``; both are checked against :func:`splitmix64` below.
+
+Record layout (one ``uint8[32]`` row per KV slot, four little-endian int64 fields)::
+
+    field 0 token | field 1 position | field 2 prev_hash | field 3 real_kv_hash
+
+Violation ring rows are ``int64[8]``::
+
+    kernel_kind | slot_idx | position | stored_token | expected_token |
+    stored_chain_hash | expected_aux | fail_reason_bits
+"""
+
+from __future__ import annotations
+
+import enum
+
+MASK64 = (1 << 64) - 1
+
+CANARY_CHAIN_ANCHOR = 0xC0FFEE1234567890
+SPLITMIX64_MUL1 = 0xBF58476D1CE4E5B9
+SPLITMIX64_MUL2 = 0x94D049BB133111EB
+
+# Record fields (int64 index into a 32-byte row).
+CANARY_FIELD_TOKEN = 0
+CANARY_FIELD_POSITION = 1
+CANARY_FIELD_PREV_HASH = 2
+CANARY_FIELD_REAL_KV_HASH = 3
+CANARY_NUM_FIELDS = 4
+
+# Violation ring columns.
+VIOLATION_FIELD_KERNEL_KIND = 0
+VIOLATION_FIELD_SLOT_IDX = 1
+VIOLATION_FIELD_POSITION = 2
+VIOLATION_FIELD_STORED_TOKEN = 3
+VIOLATION_FIELD_EXPECTED_TOKEN = 4
+VIOLATION_FIELD_STORED_CHAIN_HASH = 5
+VIOLATION_FIELD_EXPECTED_AUX = 6
+VIOLATION_FIELD_FAIL_REASON_BITS = 7
+VIOLATION_NUM_FIELDS = 8
+
+# Real-KV fingerprint limits (SPEC §2).
+REAL_KV_MAX_SOURCES = 4
+REAL_KV_PARTIAL_BYTES = 16
+REAL_KV_WORD_BYTES = 8
+
+# Sentinels used in plans.
+NO_PREV_SLOT = -1  # predecessor of position 0 (chain head)
+NO_EXPECTED_TOKEN = -1  # expected token unknown: token check skipped
+NO_SEED_SLOT = -1  # write seed of a chain head / padding row
+
+
+class FailReason(enum.IntFlag):
+    """Bits of the ``fail_reason_bits`` violation column (values fixed by the record format)."""
+
+    VERIFY_CHAIN_HASH_MISMATCH = 1
+    VERIFY_POSITION_MISMATCH = 2
+    VERIFY_REAL_KV_HASH_MISMATCH = 4
+    WRITE_TOKEN_MISMATCH = 8
+    WRITE_POSITION_MISMATCH = 16
+    VERIFY_TOKEN_MISMATCH = 32
+
+    @staticmethod
+    def describe(bits: int) -> str:
+        """Reasons joined with ``+``, lower-case, without ``_mismatch``.
+
+        ``FailReason.describe(5) == "verify_chain_hash+verify_real_kv_hash"``; unknown bits are
+        rendered as ``unknown_0x..`` so a corrupted ring row is still printable.
+        """
+        bits = int(bits)
+        names = []
+        for reason in FailReason:
+            if bits & reason.value:
+                names.append(reason.name.lower().removesuffix("_mismatch"))
+        unknown = bits & ~sum(r.value for r in FailReason)
+        if unknown:
+            names.append(f"unknown_0x{unknown & MASK64:x}")
+        return "+".join(names) if names else "none"
+
+
+class RealKvHashMode(enum.IntEnum):
+    """How much of each real-KV source a TAIL/SWEEP launch fingerprints."""
+
+    NONE = 0  # real_kv_hash stays 0
+    PARTIAL = 1  # the first min(16, read_bytes) bytes of each source
+    ALL = 2  # all read_bytes of each source
+
+
+def splitmix64(x: int) -> int:
+    """splitmix64 finaliser on a python int, mod 2**64 (the host-side oracle)."""
+    x &= MASK64
+    x ^= x >> 30
+    x = (x * SPLITMIX64_MUL1) & MASK64
+    x ^= x >> 27
+    x = (x * SPLITMIX64_MUL2) & MASK64
+    x ^= x >> 31
+    return x
+
+
+def splitmix64_mix3(a: int, b: int, c: int) -> int:
+    """``mix3(a, b, c) = splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)`` mod 2**64."""
+    return splitmix64(splitmix64(splitmix64(a) ^ (b & MASK64)) ^ (c & MASK64))
+
+
+def canary_chain_head_hash() -> int:
+    """``H(none)``: the prev_hash a position-0 record must carry."""
+    return splitmix64(CANARY_CHAIN_ANCHOR)
+
+
+def to_int64(x: int) -> int:
+    """Reinterpret an unsigned 64-bit value as the int64 bit pattern stored in tensors."""
+    x &= MASK64
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+def to_uint64(x: int) -> int:
+    """Reinterpret an int64 bit pattern as its unsigned 64-bit value."""
+    return int(x) & MASK64

@@ -1,0 +1,86 @@
+"""Torch reference of the plan kernels (the oracle, and the CPU serving path).
+
+Same signature and semantics as :func:`~sglang.jit_kernel.kv_canary.plan.launch_canary_plan_kernels`,
+fully vectorised. Host-synchronous (reads the total); not for CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang.jit_kernel.kv_canary.consts import NO_EXPECTED_TOKEN, NO_PREV_SLOT, NO_SEED_SLOT
+from sglang.jit_kernel.kv_canary.plan.api import validate_plan_args
+from sglang.jit_kernel.kv_canary.plan.utils import translate_slots_torch
+
+
+def launch_canary_plan_kernels_torch_reference(
+    *, verify_plan_out, write_plan_out, req_pool_indices, prefix_lens, extend_seq_lens,
+    req_to_token, swa_window_size, full_to_swa_index_mapping, verify_capacity,
+    req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+    kv_token_id_vs_position_offset,
+) -> None:
+    validate_plan_args(
+        verify_plan_out=verify_plan_out, write_plan_out=write_plan_out,
+        req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
+        extend_seq_lens=extend_seq_lens, req_to_token=req_to_token,
+        swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
+        verify_capacity=verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+        req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+    )
+    vp, wp = verify_plan_out, write_plan_out
+    lut = full_to_swa_index_mapping
+    bs = req_pool_indices.shape[0]
+    rows, cols = req_to_token.shape
+    device = req_to_token.device
+
+    rp = req_pool_indices.long()
+    live = (rp > 0) & (rp < rows)
+    rp_safe = torch.where(live, rp, 0)
+    pl = prefix_lens.long().clamp(0, cols)
+    ext = extend_seq_lens.long()
+    ws = (pl - swa_window_size).clamp_min(0) if swa_window_size > 0 else torch.zeros_like(pl)
+    vcount = torch.where(live, pl - ws, 0)
+    wcount = torch.where(live & (ext > 0), ext, 0)
+
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    wp.verify_req_offsets.zero_()
+    wp.verify_req_offsets[: bs + 1] = torch.cat([zero, vcount.cumsum(0)])
+    wp.write_offsets.zero_()
+    wp.write_offsets[: bs + 1] = torch.cat([zero, wcount.cumsum(0)])
+    has_seed = live & (pl > 0)
+    seed = req_to_token[rp_safe, (pl - 1).clamp_min(0)].long() if cols else torch.zeros_like(pl)
+    seed = translate_slots_torch(lut, seed)
+    wp.write_seed_slot_indices.fill_(NO_SEED_SLOT)
+    wp.write_seed_slot_indices[:bs] = torch.where(has_seed, seed, NO_SEED_SLOT)
+    wp.write_num_valid_reqs.fill_(bs)
+
+    total = int(vcount.sum().item())
+    enable = total <= verify_capacity
+    vp.enable.fill_(int(enable))
+    vp.verify_num_valid.fill_(total if enable else verify_capacity)
+    if not enable or total == 0:
+        return
+    req = torch.repeat_interleave(torch.arange(bs, device=device), vcount)
+    starts = wp.verify_req_offsets[:bs]
+    p = ws[req] + torch.arange(total, device=device) - starts[req]
+    row = rp_safe[req]
+    slot = translate_slots_torch(lut, req_to_token[row, p].long())
+    has_prev = p > 0
+    prev = translate_slots_torch(lut, req_to_token[row, (p - 1).clamp_min(0)].long())
+    prev = torch.where(has_prev, prev, NO_PREV_SLOT)
+    if req_to_verify_expected_tokens is not None:
+        exp = req_to_verify_expected_tokens
+        idx = p + kv_token_id_vs_position_offset
+        vl = req_to_verify_expected_tokens_valid_lens.long()[req]
+        ok = (idx >= 0) & (idx < vl) & (idx < exp.shape[1]) & (row < exp.shape[0])
+        gathered = exp[row.clamp(0, max(exp.shape[0] - 1, 0)),
+                       idx.clamp(0, max(exp.shape[1] - 1, 0))].long() if exp.numel() else \
+            torch.zeros_like(idx)
+        tok = torch.where(ok, gathered, NO_EXPECTED_TOKEN)
+    else:
+        tok = torch.full_like(p, NO_EXPECTED_TOKEN)
+    vp.verify_slot_indices[:total] = slot
+    vp.verify_expected_tokens[:total] = tok
+    vp.verify_expected_positions[:total] = p
+    vp.verify_prev_slot_indices[:total] = prev

@@ -1,0 +1,1 @@
+"""KV-canary runtime subsystem for SGLang (config, device state, pool patchers, runner)."""
