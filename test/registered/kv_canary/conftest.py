@@ -1,0 +1,30 @@
+"""pytest set-up for the KV-canary suites.
+
+Without a GPU, the Triton kernels run in Triton's interpreter on CPU tensors: TRITON_INTERPRET
+must be set before any kernel module is imported (Triton reads it when a kernel is decorated),
+so it is set here, at conftest import. With a GPU the kernels run compiled on CUDA tensors.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where the Triton kernels under test run: CUDA when present, else CPU (interpreter)."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")
