@@ -28,3 +28,12 @@ def pytest_collection_modifyitems(config, items):
 def device() -> torch.device:
     """Where the Triton kernels under test run: CUDA when present, else CPU (interpreter)."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def reference_kernels_on_cpu(monkeypatch):
+    """Serve CPU tensors with the torch references, as a CPU sglang server does (no
+    TRITON_INTERPRET there); the interpreter is for the kernel suites. No effect on CUDA."""
+    from sglang.jit_kernel.kv_canary import _launch
+
+    monkeypatch.setattr(_launch, "TRITON_INTERPRET", False)

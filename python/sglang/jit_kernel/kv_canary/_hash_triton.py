@@ -55,9 +55,13 @@ def _source_hash(src_ptr, row_stride_words, page_size, words_per_token, num_word
     page = slot // page_size
     base = page * row_stride_words + (slot - page * page_size) * words_per_token
     acc = tl.zeros(slot.shape, dtype=tl.uint64)
+    # Software-pipelined by one word: the next load is issued before the current word is
+    # folded, so its latency overlaps the (serial) hash.
+    word = tl.load(src_ptr + base, mask=mask & (num_words > 0), other=0)
     for w in range(0, num_words):
-        word = tl.load(src_ptr + base + w, mask=mask, other=0)
+        nxt = tl.load(src_ptr + base + w + 1, mask=mask & (w + 1 < num_words), other=0)
         acc = splitmix64(acc ^ as_u64(word))
+        word = nxt
     return acc
 
 

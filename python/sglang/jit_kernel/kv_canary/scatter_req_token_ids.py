@@ -2,8 +2,8 @@
 
 For every t in ``[0, offsets[bs])`` owned by request r at ``pos = t - offsets[r]``:
 ``pool_out[req_pool_indices[r], pos] = int32(flat_in[t])`` when ``pos < pool_out.shape[1]``.
-Rows not named are untouched. One program per request (grid-stride over its tokens), so any
-batch size works in one launch. Runs outside CUDA graphs (its inputs are fresh per forward),
+Rows not named are untouched. Grid ``(bs, splits)``: the programs of a request stride over
+its tokens, so any batch size works in one launch and long histories are split. Runs outside CUDA graphs (its inputs are fresh per forward),
 but is itself allocation- and sync-free.
 """
 
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.jit_kernel.kv_canary._launch import check_tensor, same_device, use_triton
+from sglang.jit_kernel.kv_canary._launch import check_tensor, grid_size, same_device, use_triton
 
 
 @triton.jit
@@ -22,12 +22,14 @@ def _scatter_req_token_ids_kernel(
     BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0)
+    split = tl.program_id(1)
+    nsplit = tl.num_programs(1)
     start = tl.load(offsets_ptr + r)
     end = tl.minimum(tl.load(offsets_ptr + r + 1), num_flat)
     rp = tl.load(rpi_ptr + r)
     if (rp >= 0) & (rp < pool_rows):
         n = tl.minimum(end - start, pool_cols)
-        for pos0 in range(0, n, BLOCK):
+        for pos0 in range(split * BLOCK, n, nsplit * BLOCK):
             pos = pos0 + tl.arange(0, BLOCK)
             m = (pos < n) & (start + pos >= 0)
             tok = tl.load(flat_ptr + start + pos, mask=m, other=0)
@@ -35,6 +37,7 @@ def _scatter_req_token_ids_kernel(
 
 
 SCATTER_BLOCK = 256
+SCATTER_MAX_SPLITS = 64
 
 
 def _validate(flat_in, offsets, req_pool_indices, pool_out) -> None:
@@ -63,7 +66,9 @@ def launch_scatter_req_token_ids_kernel(
     bs = req_pool_indices.shape[0]
     if bs == 0:
         return
-    _scatter_req_token_ids_kernel[(bs,)](
+    # splits per request: enough programs to fill the GPU at small batch sizes
+    splits = max(1, min(SCATTER_MAX_SPLITS, grid_size(pool_out.device, 1 << 30, 1) // bs))
+    _scatter_req_token_ids_kernel[(bs, splits)](
         flat_in, flat_in.shape[0], offsets, req_pool_indices, pool_out,
         pool_out.shape[0], pool_out.shape[1], BLOCK=SCATTER_BLOCK,
     )

@@ -117,12 +117,19 @@ def _canary_write_kernel(
             running = tl.where(seed_ok, H.record_hash(canary_ptr, seed, seed_ok), head)
             prev_pos = tl.load(canary_ptr + seed * 4 + 1, mask=seed_ok, other=0)
             check_pos = seed_ok & chain_assert_on
+            # Step j's inputs are loaded during step j-1 (software pipelining): the chain is
+            # serial, the loads are not.
+            act_n = (0 < length) & (start >= 0) & (start < num_tokens)
+            tok_n = tl.load(input_ids_ptr + start, mask=act_n, other=0).to(tl.int64)
+            pos_n = tl.load(positions_ptr + start, mask=act_n, other=0).to(tl.int64)
+            slot_n = tl.load(loc_ptr + start, mask=act_n, other=-1).to(tl.int64)
             for j in range(0, tl.max(length, axis=0)):
                 i = start + j
-                act = (j < length) & (i >= 0) & (i < num_tokens)
-                tok = tl.load(input_ids_ptr + i, mask=act, other=0).to(tl.int64)
-                pos = tl.load(positions_ptr + i, mask=act, other=0).to(tl.int64)
-                slot = tl.load(loc_ptr + i, mask=act, other=-1).to(tl.int64)
+                act, tok, pos, slot = act_n, tok_n, pos_n, slot_n
+                act_n = (j + 1 < length) & (i + 1 >= 0) & (i + 1 < num_tokens)
+                tok_n = tl.load(input_ids_ptr + i + 1, mask=act_n, other=0).to(tl.int64)
+                pos_n = tl.load(positions_ptr + i + 1, mask=act_n, other=0).to(tl.int64)
+                slot_n = tl.load(loc_ptr + i + 1, mask=act_n, other=-1).to(tl.int64)
                 store_ok = act & (slot >= 0) & (slot < num_slots)
                 rec = canary_ptr + slot * 4
                 tl.store(rec + 0, tok, mask=store_ok)

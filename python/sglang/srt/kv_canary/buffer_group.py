@@ -1,0 +1,63 @@
+"""``CanaryBufferGroup``: the canary buffers guarding one slot address space (SPEC §9)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from sglang.jit_kernel.kv_canary.verify import CANARY_SLOT_BYTES, PoolKind, RealKvSource
+
+__all__ = ["CanaryBufferGroup", "PoolKind"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CanaryBufferGroup:
+    """Canary buffers of one pool (FULL) or of one SWA sub-pool (SWA).
+
+    HEAD buffers are written/verified before the model forward (no real-KV fingerprint: the
+    new KV is not written yet); TAIL buffers after it (with the fingerprint); SWEEP launches
+    verify the TAIL buffers. Each buffer is uint8 ``[num_slots, 32]``; V buffers are ``None``
+    when V-half launches are off. ``swa_index_lut`` maps FULL slots to this group's slots (SWA
+    groups only; 0 = evicted) and ``swa_window_size`` is the sliding window (0 for FULL).
+    ``kv_token_id_vs_position_offset`` is 1 for EAGLE draft pools, else 0.
+    """
+
+    kind: PoolKind
+    k_head: torch.Tensor
+    k_tail: torch.Tensor
+    v_head: Optional[torch.Tensor]
+    v_tail: Optional[torch.Tensor]
+    real_kv_sources_k: Tuple[RealKvSource, ...]
+    real_kv_sources_v: Tuple[RealKvSource, ...]
+    swa_index_lut: Optional[torch.Tensor]
+    kv_token_id_vs_position_offset: int
+    swa_window_size: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.kind, PoolKind):
+            raise TypeError(f"kind must be a PoolKind, got {self.kind!r}")
+        bufs = {"k_head": self.k_head, "k_tail": self.k_tail}
+        if (self.v_head is None) != (self.v_tail is None):
+            raise ValueError("v_head and v_tail must both be given or both be None")
+        if self.v_head is not None:
+            bufs.update(v_head=self.v_head, v_tail=self.v_tail)
+        rows = self.k_head.shape[0]
+        for name, buf in bufs.items():
+            if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape != (rows, CANARY_SLOT_BYTES):
+                raise ValueError(f"{name} must be uint8 [{rows}, {CANARY_SLOT_BYTES}], got "
+                                 f"{buf.dtype} {tuple(buf.shape)}")
+        if self.kind == PoolKind.SWA:
+            if self.swa_index_lut is None or self.swa_window_size <= 0:
+                raise ValueError("a SWA group needs swa_index_lut and swa_window_size > 0")
+        elif self.swa_index_lut is not None or self.swa_window_size:
+            raise ValueError("a FULL group has no swa_index_lut and no window")
+
+    @property
+    def num_slots(self) -> int:
+        return self.k_head.shape[0]
+
+    @property
+    def has_v(self) -> bool:
+        return self.v_head is not None

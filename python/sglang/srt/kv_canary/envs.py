@@ -1,0 +1,122 @@
+"""The ``SGLANG_KV_CANARY_*`` environment variables, in one place, in sglang's ``Envs`` style.
+
+Unlike sglang's own fields (which warn and fall back to the default on a bad value), these
+raise a ``ValueError`` naming the variable: a canary that silently runs with settings other
+than the operator asked for is worse than none. They are read once, by
+:meth:`~sglang.srt.kv_canary.config.CanaryConfig.from_server_args`; nothing deeper reads the
+environment.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sglang.srt.environ import EnvBool, EnvFloat, EnvInt, EnvStr
+
+
+class _Strict:
+    """Mixin: parse errors raise, naming the variable and what is allowed."""
+
+    allowed: str = ""
+
+    def __set_name__(self, owner, name):
+        # sglang locks EnvField.__set_name__ once its own Envs class is built; ours are
+        # declared the same way, later, so name themselves here.
+        self.name = name
+
+    def get(self):
+        raw = os.environ.get(self.name)
+        if raw is None:
+            return self.default
+        try:
+            value = self.parse(raw)
+        except ValueError as e:
+            raise ValueError(
+                f"invalid value {raw!r} for environment variable {self.name}: {e} "
+                f"(allowed: {self.allowed})"
+            ) from None
+        self.check(value, raw)
+        return value
+
+    def check(self, value, raw) -> None:
+        pass
+
+
+class _Bool(_Strict, EnvBool):
+    allowed = "0/1, true/false, yes/no, on/off"
+
+    def parse(self, value: str) -> bool:
+        v = value.strip().lower()
+        if v in ("1", "true", "yes", "on", "y", "t"):
+            return True
+        if v in ("0", "false", "no", "off", "n", "f", ""):
+            return False
+        raise ValueError("not a boolean")
+
+
+class _NonNegInt(_Strict, EnvInt):
+    allowed = "an integer >= 0"
+
+    def parse(self, value: str) -> int:
+        return int(value.strip())
+
+    def check(self, value, raw) -> None:
+        if value < 0:
+            raise ValueError(f"invalid value {raw!r} for environment variable {self.name}: "
+                             f"must be >= 0")
+
+
+class _PosInt(_NonNegInt):
+    allowed = "an integer >= 1"
+
+    def check(self, value, raw) -> None:
+        if value < 1:
+            raise ValueError(f"invalid value {raw!r} for environment variable {self.name}: "
+                             f"must be >= 1")
+
+
+class _Prob(_Strict, EnvFloat):
+    allowed = "a probability in [0, 1]"
+
+    def parse(self, value: str) -> float:
+        return float(value.strip())
+
+    def check(self, value, raw) -> None:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"invalid value {raw!r} for environment variable {self.name}: "
+                             "must be a probability in [0, 1]")
+
+
+class _Choice(_Strict, EnvStr):
+    def __init__(self, default, choices):
+        super().__init__(default)
+        self.choices = tuple(choices)
+        self.allowed = ", ".join(repr(c) for c in self.choices)
+
+    def parse(self, value: str) -> str:
+        v = value.strip().lower()
+        if v not in self.choices:
+            raise ValueError("not one of the allowed values")
+        return v
+
+
+class CanaryEnvs:
+    """Every ``SGLANG_KV_CANARY_*`` variable with its default (SPEC §13, §14)."""
+
+    SGLANG_KV_CANARY_RING_CAPACITY = _PosInt(1024)
+    SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS = _NonNegInt(100)
+    SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT = _Bool(False)
+    SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT = _Bool(False)
+    SGLANG_KV_CANARY_ENABLE_MHA_V = _Bool(False)
+    SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL = _NonNegInt(0)
+    SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE = _Bool(False)
+    SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS = _NonNegInt(50)
+    SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB = _Prob(0.0)
+    SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB = _Prob(0.0)
+    SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB = _Prob(0.0)
+    SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB = _Prob(0.0)
+    SGLANG_KV_CANARY_PERTURB_TARGET_GROUP = _Choice("", ("", "full", "swa"))
+    SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB = _Prob(0.0)
+
+
+canary_envs = CanaryEnvs()

@@ -1,0 +1,56 @@
+"""``PlanInput``: per-forward (prefix, extend) per request, normalised across forward modes.
+
+The buffers are allocated once (``write_req_capacity`` rows) and refilled in place by
+:meth:`PlanInput.fill_from_forward_batch`, so the fill is capturable in a CUDA graph: only
+device copies between static tensors, no allocation, no host sync.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+
+class PlanInput:
+    """Static ``prefix_lens`` / ``extend_seq_lens`` int64 ``[write_req_capacity]`` buffers.
+
+    Normalisation (SPEC §10): decode / idle → prefix = positions, extend = 1; extend / mixed →
+    prefix = extend_prefix_lens, extend = extend_seq_lens; target-verify (EAGLE) → prefix =
+    seq_lens, extend = draft_token_num; draft-extend → prefix = seq_lens - extend_seq_lens,
+    extend = extend_seq_lens. Any other mode raises ``NotImplementedError`` naming it.
+    """
+
+    def __init__(self, *, write_req_capacity: int, device):
+        self.write_req_capacity = write_req_capacity
+        self.prefix_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
+        self.extend_seq_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
+
+    def fill_from_forward_batch(self, forward_batch) -> Tuple[torch.Tensor, torch.Tensor,
+                                                              torch.Tensor]:
+        """Fill from ``forward_batch``; returns ``(req_pool_indices, prefix_lens[:bs],
+        extend_seq_lens[:bs])`` with ``bs = req_pool_indices.shape[0]`` (padded in graphs)."""
+        mode = forward_batch.forward_mode
+        rpi = forward_batch.req_pool_indices
+        bs = rpi.shape[0]  # within capacity: checked outside the graph by the manager
+        prefix = self.prefix_lens[:bs]
+        extend = self.extend_seq_lens[:bs]
+        if mode in (ForwardMode.DECODE, ForwardMode.IDLE):
+            prefix.copy_(forward_batch.positions[:bs])
+            extend.fill_(1)
+        elif mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+            prefix.copy_(forward_batch.extend_prefix_lens)
+            extend.copy_(forward_batch.extend_seq_lens)
+        elif mode == ForwardMode.TARGET_VERIFY:
+            prefix.copy_(forward_batch.seq_lens[:bs])
+            extend.fill_(int(forward_batch.spec_info.draft_token_num))
+        elif mode in (ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2):
+            torch.sub(forward_batch.seq_lens[:bs], forward_batch.extend_seq_lens, out=prefix)
+            extend.copy_(forward_batch.extend_seq_lens)
+        else:
+            raise NotImplementedError(
+                f"kv_canary does not support forward mode {mode.name}; supported: DECODE, IDLE, "
+                "EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2"
+            )
+        return rpi, prefix, extend

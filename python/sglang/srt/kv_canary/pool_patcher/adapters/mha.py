@@ -1,0 +1,68 @@
+"""Adapter for ``MHATokenToKVPool`` and ``MHATokenToKVPoolFP4``: one FULL group.
+
+Real-KV sources: layer 0's K rows (and V rows for the V half), one token per row
+(``[size + page_size, head_num, head_dim]``), fingerprinted whole in ALL mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List
+
+from sglang.jit_kernel.kv_canary.verify import PoolKind, RealKvSource
+from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
+from sglang.srt.kv_canary.pool_patcher.buf_info_splice import splice_into_method
+from sglang.srt.kv_canary.pool_patcher.buffer_alloc import allocate_canary_buffer
+
+logger = logging.getLogger(__name__)
+
+
+def _layer0_source(buf) -> RealKvSource:
+    row_bytes = buf[0].nbytes
+    try:
+        return RealKvSource(tensor=buf, page_size=1, num_bytes_per_token=row_bytes,
+                            read_bytes=row_bytes)
+    except ValueError as e:
+        raise ValueError(f"kv_canary cannot fingerprint this MHA pool's layer-0 rows: {e}") from e
+
+
+def attach_mha(*, pool, config, device, kv_token_id_vs_position_offset: int = 0
+               ) -> List[CanaryBufferGroup]:
+    """Allocate K (and, with ``config.enable_mha_v``, V) head/tail buffers of
+    ``pool.size + pool.page_size`` rows, splice them into ``get_contiguous_buf_infos``."""
+    num_slots = pool.k_buffer[0].shape[0]
+    k_head = allocate_canary_buffer(num_slots, device)
+    k_tail = allocate_canary_buffer(num_slots, device)
+    v_head = v_tail = None
+    if config.enable_mha_v:
+        v_head = allocate_canary_buffer(num_slots, device)
+        v_tail = allocate_canary_buffer(num_slots, device)
+    group = CanaryBufferGroup(
+        kind=PoolKind.FULL,
+        k_head=k_head, k_tail=k_tail, v_head=v_head, v_tail=v_tail,
+        real_kv_sources_k=(_layer0_source(pool.k_buffer[0]),),
+        real_kv_sources_v=(_layer0_source(pool.v_buffer[0]),),
+        swa_index_lut=None,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+    )
+    splice_into_method(pool, "get_contiguous_buf_infos",
+                       num_k_entries=lambda infos: len(infos[0]) // 2,
+                       page_size=pool.page_size, k_head=k_head, k_tail=k_tail,
+                       v_head=v_head, v_tail=v_tail)
+    return [group]
+
+
+def register() -> None:
+    from sglang.srt.kv_canary.pool_patcher.registry import register_pool_attacher
+
+    try:
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    except ImportError:  # pragma: no cover - present in sglang 0.5.12
+        logger.warning("kv_canary: MHATokenToKVPool not found in this sglang; MHA adapter off")
+        return
+    register_pool_attacher(MHATokenToKVPool, attach_mha)
+    try:
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4
+    except ImportError:
+        return
+    register_pool_attacher(MHATokenToKVPoolFP4, attach_mha)

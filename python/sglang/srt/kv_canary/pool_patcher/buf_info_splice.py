@@ -1,0 +1,79 @@
+"""Splice canary buffers into a pool's buffer-info methods, so PD disaggregation transfers
+canary rows together with the KV pages they guard (SPEC §9).
+
+Order: K-head, the K layers, K-tail, V-head, the V layers, V-tail; a canary entry has
+``ptr = buf.data_ptr()``, ``len = buf.nbytes``, ``item_len = 32 * page_size`` (one item per KV
+page). Methods are wrapped on the pool *instance*, once: wrapping twice raises.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.jit_kernel.kv_canary.verify import CANARY_SLOT_BYTES
+
+BufInfos = Tuple[List[int], List[int], List[int]]
+
+_WRAPPED_MARK = "_kv_canary_wrapped_methods"
+
+
+def wrap_method_once(obj, method_name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+    """Replace ``obj.method_name`` with ``make_wrapper(original_bound_method)``.
+
+    Raises ``RuntimeError`` if the canary already wrapped this method on this object (a second
+    attach would splice the canary buffers twice and break PD transfers)."""
+    wrapped = obj.__dict__.setdefault(_WRAPPED_MARK, set())
+    if method_name in wrapped:
+        raise RuntimeError(
+            f"kv_canary already wrapped {type(obj).__name__}.{method_name} on this pool; "
+            "canary buffers can be attached to a pool only once"
+        )
+    original = getattr(obj, method_name)
+    wrapper = make_wrapper(original)
+    functools.update_wrapper(wrapper, original)
+    setattr(obj, method_name, wrapper)
+    wrapped.add(method_name)
+
+
+def _entry(buf: torch.Tensor, page_size: int) -> Tuple[int, int, int]:
+    return buf.data_ptr(), buf.nbytes, CANARY_SLOT_BYTES * page_size
+
+
+def splice_buf_infos(infos: BufInfos, *, num_k_entries: int, page_size: int,
+                     k_head: torch.Tensor, k_tail: torch.Tensor,
+                     v_head: Optional[torch.Tensor], v_tail: Optional[torch.Tensor]) -> BufInfos:
+    """Return new ``(ptrs, lens, item_lens)`` with the canary entries around the K entries
+    (the first ``num_k_entries``) and the V entries (the rest)."""
+    ptrs, lens, items = (list(x) for x in infos)
+    if not len(ptrs) == len(lens) == len(items):
+        raise ValueError(f"buf infos have mismatched lengths {len(ptrs)}/{len(lens)}/{len(items)}")
+    if not 0 <= num_k_entries <= len(ptrs):
+        raise ValueError(f"num_k_entries={num_k_entries} out of range for {len(ptrs)} entries")
+
+    def section(lo: int, hi: int, head, tail) -> List[Tuple[int, int, int]]:
+        body = list(zip(ptrs[lo:hi], lens[lo:hi], items[lo:hi]))
+        if head is None:
+            return body
+        return [_entry(head, page_size)] + body + [_entry(tail, page_size)]
+
+    rows = section(0, num_k_entries, k_head, k_tail) + section(num_k_entries, len(ptrs),
+                                                                v_head, v_tail)
+    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+
+
+def splice_into_method(pool, method_name: str, *, num_k_entries: Callable[[BufInfos], int],
+                       page_size: int, k_head, k_tail, v_head=None, v_tail=None) -> None:
+    """Wrap ``pool.method_name`` (once) so it returns the spliced buf infos."""
+
+    def make(original):
+        def wrapper(*args, **kwargs):
+            infos = original(*args, **kwargs)
+            return splice_buf_infos(infos, num_k_entries=num_k_entries(infos),
+                                    page_size=page_size, k_head=k_head, k_tail=k_tail,
+                                    v_head=v_head, v_tail=v_tail)
+        return wrapper
+
+    wrap_method_once(pool, method_name, make)

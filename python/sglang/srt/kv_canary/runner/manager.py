@@ -1,0 +1,181 @@
+"""``CanaryManager``: owns the device state, endpoints and single-forward managers of one
+model runner, and does the after-forward work (violation pump, health, stats) (SPEC §10).
+
+Call pattern per forward (the sglang hooks of SPEC §14 do this)::
+
+    with manager.with_active_single_forward_manager(0):
+        with manager.with_ops_outside_graph(forward_batch):
+            # eager forward: model.forward is wrapped to call
+            #   manager.pre_ops_maybe_inside_graph(fb) ... manager.post_ops_maybe_inside_graph(fb)
+            # CUDA-graph replay: the graph holds those launches; then call
+            #   manager.mark_replayed_inside_graph()
+            ...
+
+and around each CUDA-graph capture: ``with manager.with_active_single_forward_manager(i),
+manager.capturing(): ...``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.jit_kernel.kv_canary.verify import CanaryPhase
+from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
+from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
+from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.endpoint import build_endpoints_from_group
+from sglang.srt.kv_canary.runner.device_host import DelayedDeviceHostHandler
+from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
+from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
+from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
+from sglang.srt.kv_canary.runner.violation import ViolationManager, ViolationReporter
+from sglang.srt.kv_canary.single_forward_manager import SingleForwardManager
+from sglang.srt.kv_canary.single_forward_manager.manager import TokenScatter
+from sglang.srt.kv_canary.state import CanaryDeviceState
+
+logger = logging.getLogger(__name__)
+
+
+class CanaryManager:
+    def __init__(self, *, config: CanaryConfig, groups: Sequence[CanaryBufferGroup],
+                 capacities: CanaryLaunchCapacities, req_to_token: torch.Tensor, device,
+                 num_single_forward_managers: int = 1,
+                 token_scatter: Optional[TokenScatter] = None):
+        if not config.enabled:
+            raise ValueError("CanaryManager needs --kv-canary log or raise (got none)")
+        if not groups:
+            raise ValueError("CanaryManager needs at least one buffer group")
+        if num_single_forward_managers < 1:
+            raise ValueError("num_single_forward_managers must be >= 1")
+        device = torch.device(device)
+        self.config = config
+        self.capacities = capacities
+        self.groups = list(groups)
+        self.state = CanaryDeviceState.allocate(
+            ring_capacity=config.ring_capacity, device=device,
+            expected_token_pool_shape=(tuple(req_to_token.shape)
+                                       if config.enable_verify_token_assert else None))
+        self.endpoints = [ep for g in self.groups
+                          for ep in build_endpoints_from_group(group=g, state=self.state,
+                                                               config=config)]
+        self.sfms = [
+            SingleForwardManager(groups=self.groups, endpoints=self.endpoints, state=self.state,
+                                 capacities=capacities, config=config,
+                                 req_to_token=req_to_token, device=device, index=i,
+                                 token_scatter=token_scatter)
+            for i in range(num_single_forward_managers)
+        ]
+        watched = {
+            "violation_write_index": self.state.violation_log.violation_write_index,
+            "violation_ring": self.state.violation_log.violation_ring,
+            "kernel_run_counters": self.state.kernel_run_counters,
+            "slot_run_counters": self.state.slot_run_counters,
+        }
+        for sfm in self.sfms:
+            watched[f"plan_enabled_{sfm.index}"] = sfm.status_plan_enabled
+        self.device_host = DelayedDeviceHostHandler(watched)
+        self.violations = ViolationManager(reporter=ViolationReporter(config.mode),
+                                           ring_capacity=config.ring_capacity)
+        self.health = KernelRunCounterHealthChecker(
+            expected_tags=[ep.tag for ep in self.endpoints
+                           if ep.phase in (CanaryPhase.HEAD, CanaryPhase.TAIL)])
+        self.stats = PeriodicCanaryStatsLogger(every_n_steps=config.stats_print_every_n_steps)
+        self.overflow = VerifyOverflowWarner(verify_capacity=capacities.verify_capacity)
+        self.step = 0
+        self.sweep_passes = 0
+        self.radix_cache = None
+        self._active: Optional[SingleForwardManager] = None
+        self._staged_meta: Optional[Tuple[int, int]] = None  # (step, sfm index) of the stage
+
+    # ---- which single-forward manager is active ----------------------------------------
+
+    @contextlib.contextmanager
+    def with_active_single_forward_manager(self, index: int):
+        if not 0 <= index < len(self.sfms):
+            raise IndexError(f"single-forward manager {index} does not exist "
+                             f"({len(self.sfms)} configured)")
+        if self._active is not None:
+            raise RuntimeError(
+                f"kv_canary: single-forward manager {index} activated while "
+                f"{self._active.index} is active (nesting is not allowed)")
+        self._active = self.sfms[index]
+        try:
+            yield self._active
+        finally:
+            self._active = None
+
+    @property
+    def active_sfm(self) -> SingleForwardManager:
+        if self._active is None:
+            raise RuntimeError("kv_canary: no single-forward manager is active (missing "
+                               "with_active_single_forward_manager around the forward)")
+        return self._active
+
+    # ---- per-forward ops -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def with_ops_outside_graph(self, forward_batch):
+        sfm = self.active_sfm
+        sfm.pre_ops_outside_graph(forward_batch)
+        try:
+            yield sfm
+        except BaseException:
+            sfm.abort()
+            raise
+        sfm.post_ops_outside_graph()
+        self.after_forward(sfm)
+
+    def pre_ops_maybe_inside_graph(self, forward_batch) -> None:
+        self.active_sfm.pre_ops_maybe_inside_graph(forward_batch)
+
+    def post_ops_maybe_inside_graph(self, forward_batch) -> None:
+        self.active_sfm.post_ops_maybe_inside_graph(forward_batch)
+
+    def mark_replayed_inside_graph(self) -> None:
+        self.active_sfm.mark_replayed_inside_graph()
+
+    def capturing(self):
+        """Context for a CUDA-graph capture of the active single-forward manager."""
+        return self.active_sfm.capturing()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def mark_init_finished(self) -> None:
+        """End of warm-up and graph capture: turn the chain-position check on."""
+        self.state.mark_init_finished()
+
+    def attach_radix_cache(self, radix_cache) -> None:
+        self.radix_cache = radix_cache
+
+    # ---- after each forward ----------------------------------------------------------------
+
+    def after_forward(self, sfm: SingleForwardManager) -> None:
+        """Step counter, then the delayed violation / overflow / health / stats pump: on CUDA
+        the copies staged after the previous forward are consumed and this forward's are
+        staged (never syncing the forward stream); on CPU both happen now."""
+        self.step += 1
+        if self.device_host.synchronous:
+            self._stage(sfm)
+            self.device_host.consume(self._on_host_copies)
+        else:
+            self.device_host.consume(self._on_host_copies)
+            self._stage(sfm)
+
+    def _stage(self, sfm: SingleForwardManager) -> None:
+        self.device_host.stage()
+        self._staged_meta = (self.step, sfm.index)
+
+    def _on_host_copies(self, host: Dict[str, torch.Tensor]) -> None:
+        step, sfm_index = self._staged_meta
+        self.overflow.check(step=step, plan_enabled=host[f"plan_enabled_{sfm_index}"].tolist())
+        kernel_counters = host["kernel_run_counters"].tolist()
+        self.stats.maybe_log(step=step, kernel_counters=kernel_counters,
+                             slot_counters=host["slot_run_counters"].tolist(),
+                             violations=int(host["violation_write_index"][0]),
+                             sweep_passes=self.sweep_passes)
+        self.violations.process(host, step=step)
+        self.health.check(step=step, kernel_counters=kernel_counters)

@@ -1,0 +1,28 @@
+"""``PeriodicCanaryStatsLogger``: one stats line every N forward steps (SPEC §10)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from sglang.jit_kernel.kv_canary.verify import CanaryLaunchTag, CanaryPhase
+
+logger = logging.getLogger(__name__)
+
+STATS_LINE_PREFIX = "kv_canary stats:"
+
+
+class PeriodicCanaryStatsLogger:
+    def __init__(self, *, every_n_steps: int):
+        self.every_n_steps = every_n_steps
+
+    def maybe_log(self, *, step: int, kernel_counters: Sequence[int],
+                  slot_counters: Sequence[int], violations: int, sweep_passes: int) -> None:
+        if not self.every_n_steps or step % self.every_n_steps:
+            return
+        protected = sum(int(slot_counters[int(t)]) for t in CanaryLaunchTag
+                        if t.phase != CanaryPhase.SWEEP)
+        active = [t.name for t in CanaryLaunchTag if int(kernel_counters[int(t)]) > 0]
+        logger.info("%s step=%d protected_tokens=%d sweep_passes=%d violations=%d "
+                    "active_tags=%s", STATS_LINE_PREFIX, step, protected, sweep_passes,
+                    violations, ",".join(active) or "none")

@@ -1,0 +1,383 @@
+"""A deterministic serving loop over real sglang 0.5.12 pools and ForwardBatch objects, with
+the canary's four phases around every forward (test support for the runtime suites).
+
+What it exercises: chunked prefill (EXTEND with prefixes), decode, several requests sharing a
+prefix through ``req_to_token`` (as the radix cache does), requests finishing and their
+``req_to_token`` rows and KV slots being reused, optional decode CUDA graphs (the two
+"maybe inside graph" phases captured, replayed with the real batch copied in). The "model"
+writes KV bytes that are a deterministic function of (token, position, layer) into every
+layer of the real ``MHATokenToKVPool``.
+
+Fault injectors (each done once, on request) return what they changed, so a test can match
+the canary's report to the fault.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+from typing import Dict, List, Optional
+
+import torch
+
+from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
+from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
+from sglang.srt.kv_canary.runner import CanaryManager
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+VOCAB = 1000
+
+
+def next_token(rid: int, position: int) -> int:
+    return (rid * 7919 + position * 104729 + 17) % VOCAB
+
+
+@dataclasses.dataclass
+class DriverReq:
+    rid: int
+    prompt: List[int]
+    max_new: int
+    shared_prefix: int = 0  # leading tokens whose KV slots are shared (a radix hit)
+    row: Optional[int] = None
+    kv_len: int = 0  # tokens whose KV is in the cache
+    slots: List[int] = dataclasses.field(default_factory=list)
+    output: List[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens(self) -> List[int]:
+        return self.prompt + self.output
+
+    @property
+    def prefilled(self) -> bool:
+        return self.kv_len >= len(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new
+
+
+class ServingDriver:
+    def __init__(self, *, device="cpu", mode="raise", real_data="partial", num_slots=640,
+                 max_reqs=12, max_ctx=160, chunk=24, max_running=6, graph_bs=0,
+                 enable_mha_v=False, seed=0, stats_every=0):
+        self.device = torch.device(device)
+        self.rng = random.Random(seed)
+        self.chunk = chunk
+        self.max_running = max_running
+        self.req_to_token_pool = ReqToTokenPool(size=max_reqs, max_context_len=max_ctx,
+                                                device=str(self.device),
+                                                enable_memory_saver=False)
+        self.kv_pool = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16,
+                                        head_num=2, head_dim=8, layer_num=2,
+                                        device=str(self.device), enable_memory_saver=False,
+                                        enable_alt_stream=False)
+        self.allocator = TokenToKVPoolAllocator(num_slots, torch.bfloat16, str(self.device),
+                                                self.kv_pool, need_sort=False)
+        self.config = CanaryConfig(mode=mode, real_kv_hash_mode=real_data,
+                                   enable_mha_v=enable_mha_v, stats_print_every_n_steps=stats_every)
+        self.groups = attach_canary_buffers(pool=self.kv_pool, config=self.config,
+                                            device=self.device)
+        self.capacities = CanaryLaunchCapacities.from_args(
+            num_slots=self.kv_pool.k_buffer[0].shape[0], max_running_requests=max_reqs,
+            max_tokens_per_forward=chunk * max_reqs, cuda_graph_max_bs=graph_bs or None)
+        self.manager = CanaryManager(config=self.config, groups=self.groups,
+                                     capacities=self.capacities,
+                                     req_to_token=self.req_to_token_pool.req_to_token,
+                                     device=self.device)
+        self.waiting: List[DriverReq] = []
+        self.running: List[DriverReq] = []
+        self.finished: List[DriverReq] = []
+        self.prefix_cache: Dict[int, DriverReq] = {}  # prefix id -> owner of the shared slots
+        self.step_count = 0
+        self.slot_refs = collections.Counter()  # running requests referencing each slot
+        self.alloc_counts = collections.Counter()  # times each slot was handed out
+        self.shared_admitted = 0
+        self._next_rid = 1
+        self.graph_bs = graph_bs
+        self.graph = None
+        if graph_bs:
+            self._capture_decode_graph(graph_bs)
+        self.manager.mark_init_finished()
+
+    # ---- workload ------------------------------------------------------------------------
+
+    def add_request(self, prompt_len: int, max_new: int, share_with: Optional[DriverReq] = None,
+                    shared_len: int = 0) -> DriverReq:
+        rid = self._next_rid
+        self._next_rid += 1
+        prompt = [self.rng.randrange(VOCAB) for _ in range(prompt_len)]
+        req = DriverReq(rid=rid, prompt=prompt, max_new=max_new)
+        if share_with is not None and shared_len:
+            req.prompt[:shared_len] = share_with.prompt[:shared_len]
+            req.shared_prefix = shared_len
+            req.slots = list(share_with.slots[:shared_len])
+            req.kv_len = shared_len
+        self.waiting.append(req)
+        return req
+
+    def add_random_requests(self, n: int) -> None:
+        for _ in range(n):
+            donors = [r for r in self.running
+                      if r.prefilled and min(len(r.slots), len(r.prompt)) >= 8]
+            if donors and self.rng.random() < 0.5:
+                donor = self.rng.choice(donors)
+                self.add_request(self.rng.randint(10, 60), self.rng.randint(2, 12), donor,
+                                 self.rng.randint(4, min(len(donor.slots), len(donor.prompt)) - 1))
+            else:
+                self.add_request(self.rng.randint(4, 70), self.rng.randint(2, 12))
+
+    # ---- one scheduler step ------------------------------------------------------------------
+
+    def step(self) -> str:
+        """Run one forward (extend if any request is waiting or mid-prefill, else decode)."""
+        self._admit()
+        extend = [r for r in self.running if not r.prefilled]
+        if extend:
+            fb = self._extend_batch(extend)
+        elif self.running:
+            fb = self._decode_batch(self.running)
+        else:
+            return "idle"
+        self._forward(fb)
+        self._finish()
+        self.step_count += 1
+        return fb.forward_mode.name.lower()
+
+    def settle(self, max_steps: int = 200) -> None:
+        """Step without arrivals until every admitted request is prefilled and none waits,
+        so the next forward is a decode of all running requests."""
+        for _ in range(max_steps):
+            if not self.waiting and all(r.prefilled for r in self.running) and self.running:
+                return
+            if not self.running and not self.waiting:
+                self.add_random_requests(2)
+            self.step()
+        raise RuntimeError("driver: did not settle")
+
+    def run(self, steps: int, *, arrivals: float = 0.3) -> None:
+        for _ in range(steps):
+            if self.rng.random() < arrivals or not (self.running or self.waiting):
+                self.add_random_requests(1)
+            self.step()
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            if req.shared_prefix and any(s not in self._live_slots() for s in req.slots):
+                # donor finished and its slots may be reused: drop the sharing
+                req.slots, req.kv_len, req.shared_prefix = [], 0, 0
+            need = len(req.prompt) + req.max_new - req.kv_len
+            if self.allocator.available_size() < need + 8:
+                break
+            self.waiting.pop(0)
+            req.row = self.req_to_token_pool.free_slots.pop(0)
+            if req.slots:
+                self.req_to_token_pool.req_to_token[req.row, : len(req.slots)] = torch.tensor(
+                    req.slots, dtype=torch.int32)
+                self.shared_admitted += 1
+            self.slot_refs.update(req.slots)
+            self.running.append(req)
+
+    def _live_slots(self) -> set:
+        return set(self.slot_refs)
+
+    @property
+    def reused_slots(self) -> int:
+        """Slots handed out more than once (freed by a finished request, then reused)."""
+        return sum(1 for c in self.alloc_counts.values() if c > 1)
+
+    def _alloc(self, n: int) -> List[int]:
+        got = self.allocator.alloc(n)
+        if got is None:
+            raise RuntimeError("driver: KV pool exhausted")
+        got = got.tolist()
+        self.slot_refs.update(got)
+        self.alloc_counts.update(got)
+        return got
+
+    def _extend_batch(self, reqs: List[DriverReq]) -> ForwardBatch:
+        ids, pos, loc, rows, pre, ext = [], [], [], [], [], []
+        for r in reqs:
+            n = min(self.chunk, len(r.prompt) - r.kv_len)
+            new = self._alloc(n)
+            start = r.kv_len
+            self.req_to_token_pool.req_to_token[r.row, start:start + n] = torch.tensor(
+                new, dtype=torch.int32)
+            ids += r.prompt[start:start + n]
+            pos += list(range(start, start + n))
+            loc += new
+            rows.append(r.row)
+            pre.append(start)
+            ext.append(n)
+            r.slots += new
+            r.kv_len += n
+        return self._make_batch(ForwardMode.EXTEND, ids, pos, loc, rows,
+                                seq=[p + e for p, e in zip(pre, ext)], pre=pre, ext=ext)
+
+    def _decode_batch(self, reqs: List[DriverReq]) -> ForwardBatch:
+        ids, pos, loc, rows = [], [], [], []
+        for r in reqs:
+            tok = next_token(r.rid, len(r.tokens))
+            r.output.append(tok)
+            p = len(r.tokens) - 1
+            (slot,) = self._alloc(1)
+            self.req_to_token_pool.req_to_token[r.row, p] = slot
+            ids.append(r.tokens[p])
+            pos.append(p)
+            loc.append(slot)
+            rows.append(r.row)
+            r.slots.append(slot)
+            r.kv_len += 1
+        return self._make_batch(ForwardMode.DECODE, ids, pos, loc, rows,
+                                seq=[p + 1 for p in pos])
+
+    def _make_batch(self, mode, ids, pos, loc, rows, *, seq, pre=None, ext=None) -> ForwardBatch:
+        dev = self.device
+        i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+        fb = ForwardBatch(
+            forward_mode=mode, batch_size=len(rows), input_ids=i64(ids),
+            req_pool_indices=i64(rows), seq_lens=i64(seq), out_cache_loc=i64(loc),
+            seq_lens_sum=sum(seq), positions=i64(pos),
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.kv_pool,
+        )
+        if mode == ForwardMode.EXTEND:
+            fb.extend_prefix_lens = i64(pre)
+            fb.extend_seq_lens = i64(ext)
+            fb.extend_num_tokens = len(ids)
+            fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(pre), list(ext)
+        return fb
+
+    def _finish(self) -> None:
+        for r in list(self.running):
+            if r.prefilled and r.done:
+                self.running.remove(r)
+                self.slot_refs.subtract(r.slots)
+                dead = sorted({s for s in r.slots if self.slot_refs[s] <= 0})
+                for s in dead:
+                    del self.slot_refs[s]
+                self.allocator.free(torch.tensor(dead, dtype=torch.int64, device=self.device))
+                self.req_to_token_pool.free_slots.append(r.row)
+                self.finished.append(r)
+
+    # ---- the forward, with the canary around it ----------------------------------------------
+
+    def model_forward(self, fb: ForwardBatch) -> None:
+        """Write deterministic KV bytes for every token of ``fb`` into every layer."""
+        n = fb.out_cache_loc.shape[0]
+        base = (fb.input_ids[:n] * 31 + fb.positions[:n] * 7).unsqueeze(1)
+        for layer in range(self.kv_pool.layer_num):
+            vals = ((base + layer * 13 + torch.arange(16, device=self.device)) % 251).to(
+                torch.bfloat16) / 251
+            self.kv_pool.k_buffer[layer][fb.out_cache_loc] = vals.view(n, 2, 8)
+            self.kv_pool.v_buffer[layer][fb.out_cache_loc] = (vals * 0.5).view(n, 2, 8)
+
+    def _forward(self, fb: ForwardBatch) -> None:
+        mgr = self.manager
+        use_graph = self.graph is not None and fb.forward_mode == ForwardMode.DECODE \
+            and fb.batch_size <= self.graph_bs
+        with mgr.with_active_single_forward_manager(0):
+            with mgr.with_ops_outside_graph(fb):
+                if use_graph:
+                    self._load_graph_inputs(fb)
+                    self.graph.replay()
+                    mgr.mark_replayed_inside_graph()
+                else:
+                    mgr.pre_ops_maybe_inside_graph(fb)
+                    self.model_forward(fb)
+                    mgr.post_ops_maybe_inside_graph(fb)
+
+    # ---- decode CUDA graph -------------------------------------------------------------------
+
+    def _capture_decode_graph(self, bs: int) -> None:
+        dev = self.device
+        z = lambda: torch.zeros(bs, dtype=torch.int64, device=dev)  # noqa: E731
+        self.static = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=z(),
+            req_pool_indices=z(), seq_lens=z(), out_cache_loc=z(), seq_lens_sum=0,
+            positions=z(), req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.kv_pool)
+        mgr = self.manager
+
+        def body():
+            mgr.pre_ops_maybe_inside_graph(self.static)
+            self.model_forward(self.static)
+            mgr.post_ops_maybe_inside_graph(self.static)
+
+        with mgr.with_active_single_forward_manager(0), mgr.capturing():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                body()  # warm-up (compiles the kernels), as sglang does before capturing
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                body()
+        torch.cuda.synchronize()
+
+    def _load_graph_inputs(self, fb: ForwardBatch) -> None:
+        """Copy the real batch into the static buffers; rows past it are padding (row 0)."""
+        s, bs = self.static, fb.batch_size
+        for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
+            dst = getattr(s, name)
+            dst.zero_()
+            dst[:bs].copy_(getattr(fb, name))
+
+    # ---- fault injection -----------------------------------------------------------------------
+
+    def victim_request(self) -> DriverReq:
+        reqs = [r for r in self.running if r.prefilled and r.kv_len >= 4]
+        if not reqs:
+            raise RuntimeError("driver: no running request with a prefix to corrupt")
+        return self.rng.choice(reqs)
+
+    def fault_swap_req_to_token(self) -> dict:
+        """Point one position of a running request at another live request's slot."""
+        victim = self.victim_request()
+        others = [s for r in self.running if r is not victim for s in r.slots
+                  if s not in victim.slots]
+        if not others:
+            raise RuntimeError("driver: no other live slot to swap in")
+        p = self.rng.randrange(1, victim.kv_len - 1)
+        new = self.rng.choice(others)
+        old = int(self.req_to_token_pool.req_to_token[victim.row, p])
+        self.req_to_token_pool.req_to_token[victim.row, p] = new  # the scheduler's view is unchanged
+        return dict(rid=victim.rid, position=p, old_slot=old, new_slot=new)
+
+    def fault_flip_kv_byte(self) -> dict:
+        """Flip the first byte of layer 0's K row of a slot a running request reads."""
+        victim = self.victim_request()
+        p = self.rng.randrange(0, victim.kv_len - 1)
+        slot = victim.slots[p]
+        row = self.kv_pool.k_buffer[0][slot].view(torch.uint8).view(-1)
+        old = int(row[0])
+        row[0] ^= 0xFF
+        return dict(rid=victim.rid, position=p, slot=slot, old=old, new=int(row[0]))
+
+    def fault_flip_record_field(self, *, buffer: str = "k_head", field: int = 1) -> dict:
+        """Flip a bit of one int64 field of a live slot's canary record."""
+        victim = self.victim_request()
+        p = self.rng.randrange(0, victim.kv_len - 1)
+        slot = victim.slots[p]
+        words = getattr(self.groups[0], buffer).view(torch.int64)
+        old = int(words[slot, field])
+        words[slot, field] ^= 1 << 3
+        return dict(rid=victim.rid, position=p, slot=slot, field=field, old=old,
+                    new=int(words[slot, field]))
+
+    def fault_reuse_referenced_slot(self) -> dict:
+        """Free a slot still referenced by a running request and hand it to a new request,
+        which then writes its own KV (and canary record) into it."""
+        victim = self.victim_request()
+        p = self.rng.randrange(1, victim.kv_len - 1)
+        slot = victim.slots[p]
+        self.allocator.free_pages = torch.cat([
+            torch.tensor([slot], dtype=torch.int64, device=self.device),
+            self.allocator.free_pages[self.allocator.free_pages != slot]])
+        thief = self.add_request(prompt_len=3, max_new=2)
+        self.waiting.remove(thief)
+        self.waiting.insert(0, thief)
+        return dict(rid=victim.rid, position=p, slot=slot, thief=thief.rid)
