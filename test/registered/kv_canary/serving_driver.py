@@ -63,10 +63,13 @@ class DriverReq:
 class ServingDriver:
     def __init__(self, *, device="cpu", mode="raise", real_data="partial", num_slots=640,
                  max_reqs=12, max_ctx=160, chunk=24, max_running=6, graph_bs=0,
-                 enable_mha_v=False, seed=0, stats_every=0):
+                 enable_mha_v=False, seed=0, stats_every=0, forbid_host_sync=False):
         self.device = torch.device(device)
         self.rng = random.Random(seed)
         self.chunk = chunk
+        # CUDA only: every canary op of a forward runs under torch's sync debug mode "error",
+        # so any device->host synchronisation on the forward stream raises
+        self.forbid_host_sync = forbid_host_sync
         self.max_running = max_running
         self.req_to_token_pool = ReqToTokenPool(size=max_reqs, max_context_len=max_ctx,
                                                 device=str(self.device),
@@ -276,6 +279,15 @@ class ServingDriver:
             self.kv_pool.v_buffer[layer][fb.out_cache_loc] = (vals * 0.5).view(n, 2, 8)
 
     def _forward(self, fb: ForwardBatch) -> None:
+        if not self.forbid_host_sync:
+            return self._forward_inner(fb)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self._forward_inner(fb)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def _forward_inner(self, fb: ForwardBatch) -> None:
         mgr = self.manager
         use_graph = self.graph is not None and fb.forward_mode == ForwardMode.DECODE \
             and fb.batch_size <= self.graph_bs
