@@ -116,7 +116,8 @@ def _canary_write_kernel(
             seed_ok = rmask & (seed >= 0) & (seed < num_slots)
             running = tl.where(seed_ok, H.record_hash(canary_ptr, seed, seed_ok), head)
             prev_pos = tl.load(canary_ptr + seed * 4 + 1, mask=seed_ok, other=0)
-            check_pos = seed_ok & chain_assert_on
+            # slot 0 (an evicted SWA predecessor) holds no real record: no position to follow
+            check_pos = seed_ok & (seed > 0) & chain_assert_on
             # Step j's inputs are loaded during step j-1 (software pipelining): the chain is
             # serial, the loads are not.
             act_n = (0 < length) & (start >= 0) & (start < num_tokens)
@@ -229,8 +230,9 @@ def launch_canary_write_kernel(
     store ``(token, position, running, fingerprint)`` and advance
     ``running = mix3(running, token, position)``, starting from ``H(record[seed])`` or
     ``H(none)``. Checks: token/position vs ``expected_input_*`` (``enable_write_input_assert``)
-    and, when the request has a seed and ``context.enable_chain_position_assert == 1``,
-    position == previous position + 1. Violation rows: tag, slot, position, token, expected
+    and, when the request has a real seed (``seed > 0``; slot 0 is the padding slot an evicted
+    SWA predecessor translates to) and ``context.enable_chain_position_assert == 1``,
+    position == previous position + 1 (starting from the seed record's position). Violation rows: tag, slot, position, token, expected
     token (``expected_input_tokens[i]`` if the input assert is on, else the token), running
     chain hash, expected position, bits. Counters: kernel +1, slot + entries stored.
     """

@@ -43,7 +43,8 @@ def launch_canary_write_kernel_torch_reference(
     running[seed_ok] = record_hash_t(records[seeds[seed_ok]])
     prev_pos = torch.zeros_like(seeds)
     prev_pos[seed_ok] = records[seeds[seed_ok], 1]
-    check_pos = seed_ok & bool(int(context.enable_chain_position_assert[0].item()) == 1)
+    check_pos = seed_ok & (seeds > 0) & bool(
+        int(context.enable_chain_position_assert[0].item()) == 1)
     zero_fp = not context.fingerprint_mode
 
     written = 0

@@ -1,0 +1,143 @@
+"""Run a real sglang 0.5.12 server on a machine without a GPU (SPEC §15).
+
+Used by the end-to-end tests and by the demo. A tiny dummy-weight Llama (hidden 64, 2 layers,
+4 heads, 2 KV heads, vocab 512) is written to a directory as a bare ``config.json``; requests
+pass ``input_ids`` (no tokenizer). ``sgl_kernel``'s ``common_ops`` links ``libcuda.so.1``,
+which a GPU-less host lacks: :func:`build_libcuda_stub` reads the driver symbols it imports
+(``nm -D --undefined-only``), generates a C file whose functions return
+``CUDA_ERROR_NO_DEVICE`` and builds ``libcuda.so.1`` with ``gcc``; :func:`cpu_server_env`
+puts it on ``LD_LIBRARY_PATH`` with ``SGLANG_USE_CPU_ENGINE=1`` for the server's processes.
+
+Engine keyword arguments for the CPU server come from :func:`cpu_engine_kwargs`. sglang
+spawns processes, so scripts using the Engine must be guarded by
+``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+TINY_LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+_CUDA_ERROR_NO_DEVICE = 100
+
+
+def write_tiny_llama(model_dir, **overrides) -> str:
+    """Write the tiny Llama ``config.json`` into ``model_dir``; returns the directory."""
+    path = pathlib.Path(model_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**TINY_LLAMA_CONFIG, **overrides}, indent=1))
+    return str(path)
+
+
+def _common_ops_libraries() -> List[str]:
+    import importlib.util
+
+    spec = importlib.util.find_spec("sgl_kernel")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("sgl_kernel is not installed (it comes with sglang 0.5.12)")
+    root = spec.submodule_search_locations[0]
+    libs = sorted(glob.glob(os.path.join(root, "**", "common_ops*.so"), recursive=True))
+    if not libs:
+        raise RuntimeError(f"no common_ops*.so found under {root}")
+    return libs
+
+
+def libcuda_symbols(libraries: Optional[List[str]] = None) -> List[str]:
+    """CUDA driver-API symbols (``cu*``, unversioned) the given libraries import."""
+    if shutil.which("nm") is None:
+        raise RuntimeError("`nm` (binutils) is needed to build the libcuda stub")
+    names = set()
+    for lib in libraries or _common_ops_libraries():
+        out = subprocess.run(["nm", "-D", "--undefined-only", lib], check=True,
+                             capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            m = re.match(r"\s*U\s+(cu[A-Z]\w*)(@\S+)?$", line)
+            if m and (m.group(2) is None or "libcuda" in m.group(2)):
+                names.add(m.group(1))
+    return sorted(names)
+
+
+def build_libcuda_stub(out_dir) -> str:
+    """Build ``out_dir/libcuda.so.1`` (once; reused when present); returns ``out_dir``."""
+    out = pathlib.Path(out_dir)
+    lib = out / "libcuda.so.1"
+    if lib.exists():
+        return str(out)
+    if shutil.which("gcc") is None:
+        raise RuntimeError("`gcc` is needed to build the libcuda stub")
+    out.mkdir(parents=True, exist_ok=True)
+    symbols = libcuda_symbols() + ["cuInit", "cuDriverGetVersion", "cuDeviceGetCount"]
+    src = ["/* generated: a libcuda.so.1 whose every entry point reports no device */"]
+    for name in sorted(set(symbols)):
+        src.append(f"int {name}(void) {{ return {_CUDA_ERROR_NO_DEVICE}; }}")
+    c_file = out / "libcuda_stub.c"
+    c_file.write_text("\n".join(src) + "\n")
+    tmp = out / f"libcuda.so.1.tmp{os.getpid()}"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(tmp),
+                    str(c_file)], check=True)
+    os.replace(tmp, lib)
+    return str(out)
+
+
+def cpu_server_env(stub_dir, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """Environment for a CPU sglang server process (stub on LD_LIBRARY_PATH, CPU engine)."""
+    env = dict(os.environ if base is None else base)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (str(stub_dir), env.get("LD_LIBRARY_PATH", "")) if p)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env.pop("TRITON_INTERPRET", None)  # the CPU server runs the torch references
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def cpu_engine_kwargs(model_dir: str, **overrides) -> dict:
+    """``sglang.Engine`` keyword arguments for the tiny CPU server."""
+    kwargs = dict(
+        model_path=model_dir,
+        device="cpu",
+        attention_backend="torch_native",
+        sampling_backend="pytorch",
+        grammar_backend="none",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        disable_cuda_graph=True,
+        mem_fraction_static=0.05,
+        max_total_tokens=4096,
+        log_level="warning",
+        random_seed=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def run_python(code: str, *, env: Dict[str, str], timeout: float = 600,
+               cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+    """Run ``code`` (which must guard its Engine use with ``__main__``) in a fresh process."""
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)

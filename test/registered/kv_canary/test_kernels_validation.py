@@ -1,0 +1,802 @@
+"""Bad input for the KV-canary launchers and constructors (SPEC §4, §7, §8).
+
+Each case starts from a baseline that is accepted (``test_baselines_are_accepted``) and changes
+one argument; the error must be a ``TypeError`` (wrong type / dtype) or ``ValueError`` (shape,
+contiguity, capacity, missing SWA table or expected lengths, device) whose message names the
+argument. Launcher cases run against both the public launcher and its torch reference.
+Validation reads metadata only, so every case runs on CPU tensors (plus ``meta`` tensors as the
+"other device"), with or without a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Dict
+
+import pytest
+import torch
+
+from sglang.jit_kernel.kv_canary import (
+    CANARY_SLOT_BYTES,
+    CanaryLaunchTag,
+    RealKvHashMode,
+    RealKvSource,
+    VerifyOrWriteContext,
+    VerifyPlan,
+    WritePlan,
+    launch_canary_plan_kernels,
+    launch_canary_plan_kernels_torch_reference,
+    launch_canary_verify_kernel,
+    launch_canary_verify_kernel_torch_reference,
+    launch_canary_write_kernel,
+    launch_canary_write_kernel_torch_reference,
+    launch_scatter_req_token_ids_kernel,
+    scatter_req_token_ids_torch_reference,
+)
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+I64 = torch.int64
+I32 = torch.int32
+
+LAUNCHERS: Dict[str, Dict[str, Callable]] = {
+    "public": dict(plan=launch_canary_plan_kernels, write=launch_canary_write_kernel,
+                   verify=launch_canary_verify_kernel,
+                   scatter=launch_scatter_req_token_ids_kernel),
+    "torch_ref": dict(plan=launch_canary_plan_kernels_torch_reference,
+                      write=launch_canary_write_kernel_torch_reference,
+                      verify=launch_canary_verify_kernel_torch_reference,
+                      scatter=scatter_req_token_ids_torch_reference),
+}
+
+
+@pytest.fixture(params=sorted(LAUNCHERS))
+def launchers(request):
+    return LAUNCHERS[request.param]
+
+
+def _noncontig(t: torch.Tensor) -> torch.Tensor:
+    """Same shape/dtype/values as ``t``, not contiguous."""
+    wide = torch.zeros(t.shape + (2,), dtype=t.dtype)
+    out = wide[..., 0]
+    out.copy_(t)
+    assert not out.is_contiguous()
+    return out
+
+
+def _named(name: str) -> str:
+    """A regex matching ``name`` as a whole identifier (not a prefix of a longer one)."""
+    return r"(?<!\w)" + re.escape(name) + r"(?!\w)"
+
+
+# =============================================================================================
+# Baselines
+# =============================================================================================
+
+
+def make_source(*, pages=8, page_size=2, nbpt=16, read_bytes=16, device=CPU):
+    t = torch.zeros(pages, page_size * nbpt, dtype=torch.uint8, device=device)
+    return RealKvSource(tensor=t, page_size=page_size, num_bytes_per_token=nbpt,
+                        read_bytes=read_bytes)
+
+
+def context_kwargs(num_slots=16, device=CPU, **over):
+    kw = dict(
+        canary_buf=torch.zeros(num_slots, CANARY_SLOT_BYTES, dtype=torch.uint8, device=device),
+        kernel_kind=CanaryLaunchTag.TAIL_K_FULL,
+        violation_ring=torch.zeros(8, 8, dtype=I64, device=device),
+        violation_write_index=torch.zeros(1, dtype=I32, device=device),
+        slot_run_counter=torch.zeros(1, dtype=I64, device=device),
+        kernel_run_counter=torch.zeros(1, dtype=I64, device=device),
+        real_kv_sources=(),
+        real_kv_hash_mode=RealKvHashMode.NONE,
+        enable_chain_position_assert=torch.ones(1, dtype=I32, device=device),
+    )
+    kw.update(over)
+    return kw
+
+
+def make_context(**over):
+    return VerifyOrWriteContext(**context_kwargs(**over))
+
+
+def plan_kwargs(**over):
+    kw = dict(
+        verify_plan_out=VerifyPlan.allocate(verify_capacity=16, device=CPU),
+        write_plan_out=WritePlan.allocate(write_req_capacity=4, device=CPU),
+        req_pool_indices=torch.tensor([1, 2], dtype=I64),
+        prefix_lens=torch.tensor([1, 2], dtype=I32),
+        extend_seq_lens=torch.tensor([1, 1], dtype=I64),
+        req_to_token=torch.arange(1, 25, dtype=I32).reshape(3, 8),
+        swa_window_size=0,
+        full_to_swa_index_mapping=None,
+        verify_capacity=16,
+        req_to_verify_expected_tokens=None,
+        req_to_verify_expected_tokens_valid_lens=None,
+        kv_token_id_vs_position_offset=0,
+    )
+    kw.update(over)
+    return kw
+
+
+def write_kwargs(**over):
+    kw = dict(
+        context=make_context(),
+        plan=WritePlan.allocate(write_req_capacity=2, device=CPU),
+        input_ids=torch.tensor([5, 6, 7], dtype=I64),
+        positions=torch.tensor([0, 1, 2], dtype=I64),
+        out_cache_loc=torch.tensor([1, 2, 3], dtype=I64),
+        enable_write_input_assert=False,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+    )
+    kw.update(over)
+    return kw
+
+
+def verify_kwargs(**over):
+    kw = dict(context=make_context(), plan=VerifyPlan.allocate(verify_capacity=4, device=CPU),
+              check_verify_expected_token=False)
+    kw.update(over)
+    return kw
+
+
+def scatter_kwargs(**over):
+    kw = dict(flat_in=torch.tensor([1, 2, 3], dtype=I64),
+              offsets=torch.tensor([0, 2, 3], dtype=I64),
+              req_pool_indices=torch.tensor([1, 2], dtype=I64),
+              pool_out=torch.zeros(3, 4, dtype=I32))
+    kw.update(over)
+    return kw
+
+
+def test_baselines_are_accepted(launchers):
+    """Every negative case below differs from these accepted calls in one argument."""
+    launchers["plan"](**plan_kwargs())
+    launchers["plan"](**plan_kwargs(swa_window_size=2,
+                                    full_to_swa_index_mapping=torch.arange(32, dtype=I64)))
+    launchers["plan"](**plan_kwargs(
+        req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32),
+        req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2], dtype=I64)))
+    kw = write_kwargs()
+    launchers["write"](**kw)
+    assert int(kw["context"].kernel_run_counter[0]) == 1
+    launchers["write"](**write_kwargs(enable_write_input_assert=True,
+                                      expected_input_tokens=torch.tensor([5, 6, 7], dtype=I32),
+                                      expected_input_positions=torch.tensor([0, 1, 2], dtype=I32)))
+    kw = verify_kwargs()
+    launchers["verify"](**kw)
+    assert int(kw["context"].kernel_run_counter[0]) == 1
+    kw = scatter_kwargs()
+    launchers["scatter"](**kw)
+    assert kw["pool_out"].tolist() == [[0, 0, 0, 0], [1, 2, 0, 0], [3, 0, 0, 0]]
+
+
+def test_constructor_baselines_are_accepted():
+    ctx = make_context(kernel_kind=3, real_kv_sources=[make_source(), make_source(nbpt=8,
+                                                                                  read_bytes=8)],
+                       real_kv_hash_mode=1, enable_chain_position_assert=None)
+    assert ctx.kernel_kind is CanaryLaunchTag.TAIL_V_FULL
+    assert ctx.real_kv_hash_mode is RealKvHashMode.PARTIAL
+    assert isinstance(ctx.real_kv_sources, tuple) and len(ctx.real_kv_sources) == 2
+    assert ctx.enable_chain_position_assert.dtype == I32
+    assert ctx.enable_chain_position_assert.tolist() == [0]
+    # rows with padding between them (row stride > row bytes) are fine
+    big = torch.zeros(4, 64, dtype=torch.uint8)
+    RealKvSource(tensor=big[:, :48], page_size=2, num_bytes_per_token=24, read_bytes=16)
+    RealKvSource(tensor=torch.zeros(4, 2, 12, dtype=torch.bfloat16), page_size=2,
+                 num_bytes_per_token=24, read_bytes=24)
+    make_context(real_kv_sources=[make_source()] * 4, real_kv_hash_mode=RealKvHashMode.ALL)
+    assert VerifyPlan.allocate(verify_capacity=0, device="cpu").capacity == 0
+    assert WritePlan.allocate(write_req_capacity=0, device="cpu").req_capacity == 0
+
+
+# =============================================================================================
+# Plan launcher
+# =============================================================================================
+
+PLAN_CASES = [
+    ("verify_plan_out_type", lambda: dict(verify_plan_out=object()), TypeError,
+     "verify_plan_out"),
+    ("verify_plan_out_is_write_plan", lambda: dict(
+        verify_plan_out=WritePlan.allocate(write_req_capacity=16, device=CPU)), TypeError,
+     "verify_plan_out"),
+    ("write_plan_out_type", lambda: dict(
+        write_plan_out=VerifyPlan.allocate(verify_capacity=4, device=CPU)), TypeError,
+     "write_plan_out"),
+    ("req_pool_indices_not_tensor", lambda: dict(req_pool_indices=[1, 2]), TypeError,
+     "req_pool_indices"),
+    ("req_pool_indices_dtype", lambda: dict(req_pool_indices=torch.tensor([1., 2.])), TypeError,
+     "req_pool_indices"),
+    ("req_pool_indices_ndim", lambda: dict(req_pool_indices=torch.tensor([[1, 2]])), ValueError,
+     "req_pool_indices"),
+    ("req_pool_indices_noncontig", lambda: dict(
+        req_pool_indices=_noncontig(torch.tensor([1, 2]))), ValueError, "req_pool_indices"),
+    ("prefix_lens_dtype", lambda: dict(prefix_lens=torch.tensor([1, 2], dtype=torch.int16)),
+     TypeError, "prefix_lens"),
+    ("prefix_lens_shape", lambda: dict(prefix_lens=torch.tensor([1, 2, 3])), ValueError,
+     "prefix_lens"),
+    ("prefix_lens_noncontig", lambda: dict(prefix_lens=_noncontig(torch.tensor([1, 2]))),
+     ValueError, "prefix_lens"),
+    ("extend_seq_lens_dtype", lambda: dict(extend_seq_lens=torch.tensor([1., 1.])), TypeError,
+     "extend_seq_lens"),
+    ("extend_seq_lens_shape", lambda: dict(extend_seq_lens=torch.tensor([1])), ValueError,
+     "extend_seq_lens"),
+    ("extend_seq_lens_noncontig", lambda: dict(extend_seq_lens=_noncontig(torch.tensor([1, 1]))),
+     ValueError, "extend_seq_lens"),
+    ("req_to_token_dtype", lambda: dict(req_to_token=torch.zeros(3, 8)), TypeError,
+     "req_to_token"),
+    ("req_to_token_ndim", lambda: dict(req_to_token=torch.zeros(24, dtype=I32)), ValueError,
+     "req_to_token"),
+    ("req_to_token_noncontig", lambda: dict(req_to_token=torch.zeros(8, 3, dtype=I32).t()),
+     ValueError, "req_to_token"),
+    ("swa_window_size_negative", lambda: dict(swa_window_size=-1), ValueError,
+     "swa_window_size"),
+    ("swa_window_size_bool", lambda: dict(swa_window_size=True), TypeError, "swa_window_size"),
+    ("swa_window_size_float", lambda: dict(swa_window_size=2.0), TypeError, "swa_window_size"),
+    ("swa_window_size_tensor", lambda: dict(swa_window_size=torch.tensor(2)), TypeError,
+     "swa_window_size"),
+    ("swa_window_without_table", lambda: dict(swa_window_size=4), ValueError,
+     "full_to_swa_index_mapping"),
+    ("table_without_window", lambda: dict(full_to_swa_index_mapping=torch.arange(32)),
+     ValueError, "full_to_swa_index_mapping"),
+    ("table_dtype", lambda: dict(swa_window_size=4,
+                                 full_to_swa_index_mapping=torch.zeros(32)), TypeError,
+     "full_to_swa_index_mapping"),
+    ("table_ndim", lambda: dict(swa_window_size=4,
+                                full_to_swa_index_mapping=torch.zeros(4, 8, dtype=I64)),
+     ValueError, "full_to_swa_index_mapping"),
+    ("table_noncontig", lambda: dict(swa_window_size=4,
+                                     full_to_swa_index_mapping=_noncontig(torch.arange(32))),
+     ValueError, "full_to_swa_index_mapping"),
+    ("verify_capacity_mismatch", lambda: dict(verify_capacity=8), ValueError, "verify_capacity"),
+    ("verify_capacity_type", lambda: dict(verify_capacity=16.0), TypeError, "verify_capacity"),
+    ("verify_capacity_negative", lambda: dict(verify_capacity=-1), ValueError,
+     "verify_capacity"),
+    ("bs_over_write_capacity", lambda: dict(
+        req_pool_indices=torch.tensor([1, 2, 1, 2, 1]), prefix_lens=torch.ones(5, dtype=I64),
+        extend_seq_lens=torch.ones(5, dtype=I64)), ValueError, "req_pool_indices"),
+    ("expected_tokens_dtype", lambda: dict(
+        req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I64),
+        req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2])), TypeError,
+     "req_to_verify_expected_tokens"),
+    ("expected_tokens_ndim", lambda: dict(
+        req_to_verify_expected_tokens=torch.zeros(24, dtype=I32),
+        req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2])), ValueError,
+     "req_to_verify_expected_tokens"),
+    ("expected_tokens_noncontig", lambda: dict(
+        req_to_verify_expected_tokens=torch.zeros(8, 3, dtype=I32).t(),
+        req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2])), ValueError,
+     "req_to_verify_expected_tokens"),
+    ("expected_tokens_without_valid_lens", lambda: dict(
+        req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32)), ValueError,
+     "req_to_verify_expected_tokens_valid_lens"),
+    ("valid_lens_shape", lambda: dict(
+        req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32),
+        req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2, 3])), ValueError,
+     "req_to_verify_expected_tokens_valid_lens"),
+    ("valid_lens_dtype", lambda: dict(
+        req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32),
+        req_to_verify_expected_tokens_valid_lens=torch.tensor([1., 2.])), TypeError,
+     "req_to_verify_expected_tokens_valid_lens"),
+    ("token_offset_float", lambda: dict(kv_token_id_vs_position_offset=1.0), TypeError,
+     "kv_token_id_vs_position_offset"),
+    ("token_offset_none", lambda: dict(kv_token_id_vs_position_offset=None), TypeError,
+     "kv_token_id_vs_position_offset"),
+    ("device_req_to_token", lambda: dict(req_to_token=torch.zeros(3, 8, dtype=I32,
+                                                                  device=META)), ValueError,
+     "req_to_token"),
+    ("device_prefix_lens", lambda: dict(prefix_lens=torch.zeros(2, dtype=I32, device=META)),
+     ValueError, "prefix_lens"),
+    ("device_verify_plan", lambda: dict(
+        verify_plan_out=VerifyPlan.allocate(verify_capacity=16, device=META)), ValueError,
+     "verify_plan_out"),
+    ("device_write_plan", lambda: dict(
+        write_plan_out=WritePlan.allocate(write_req_capacity=4, device=META)), ValueError,
+     "write_plan_out"),
+    ("device_table", lambda: dict(swa_window_size=4, full_to_swa_index_mapping=torch.arange(
+        32, device=META)), ValueError, "full_to_swa_index_mapping"),
+    ("device_expected_tokens", lambda: dict(
+        req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32, device=META),
+        req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2])), ValueError,
+     "req_to_verify_expected_tokens"),
+]
+
+
+@pytest.mark.parametrize("over,exc,name", [c[1:] for c in PLAN_CASES],
+                         ids=[c[0] for c in PLAN_CASES])
+def test_plan_rejects(launchers, over, exc, name):
+    kw = plan_kwargs(**over())
+    before = kw["write_plan_out"].write_offsets.clone() if isinstance(
+        kw["write_plan_out"], WritePlan) and kw["write_plan_out"].write_offsets.device == CPU \
+        else None
+    with pytest.raises(exc, match=_named(name)):
+        launchers["plan"](**kw)
+    if before is not None:  # validation happens before anything is written
+        assert torch.equal(kw["write_plan_out"].write_offsets, before)
+
+
+def test_plan_errors_are_specific(launchers):
+    """The messages say what is wrong, not only which argument."""
+    with pytest.raises(ValueError, match=r"swa_window_size=4 needs full_to_swa_index_mapping"):
+        launchers["plan"](**plan_kwargs(swa_window_size=4))
+    with pytest.raises(ValueError, match=r"verify_capacity=8 does not match .*16"):
+        launchers["plan"](**plan_kwargs(verify_capacity=8))
+    with pytest.raises(ValueError, match=r"batch size 5 .*req_pool_indices.* capacity 4"):
+        launchers["plan"](**plan_kwargs(req_pool_indices=torch.ones(5, dtype=I64),
+                                        prefix_lens=torch.ones(5, dtype=I64),
+                                        extend_seq_lens=torch.ones(5, dtype=I64)))
+    with pytest.raises(TypeError, match=r"req_to_verify_expected_tokens must have dtype int32"):
+        launchers["plan"](**plan_kwargs(
+            req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I64),
+            req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2])))
+    with pytest.raises(ValueError, match=r"prefix_lens must have shape \(2,\)"):
+        launchers["plan"](**plan_kwargs(prefix_lens=torch.ones(3, dtype=I64)))
+
+
+# =============================================================================================
+# Write launcher
+# =============================================================================================
+
+WRITE_CASES = [
+    ("context_type", lambda: dict(context=object()), TypeError, "context"),
+    ("plan_type", lambda: dict(plan=VerifyPlan.allocate(verify_capacity=2, device=CPU)),
+     TypeError, "plan"),
+    ("input_assert_int", lambda: dict(enable_write_input_assert=1), TypeError,
+     "enable_write_input_assert"),
+    ("input_assert_none", lambda: dict(enable_write_input_assert=None), TypeError,
+     "enable_write_input_assert"),
+    ("input_assert_tensor", lambda: dict(enable_write_input_assert=torch.tensor(True)),
+     TypeError, "enable_write_input_assert"),
+    ("input_ids_not_tensor", lambda: dict(input_ids=[5, 6, 7]), TypeError, "input_ids"),
+    ("input_ids_dtype", lambda: dict(input_ids=torch.tensor([5., 6., 7.])), TypeError,
+     "input_ids"),
+    ("input_ids_ndim", lambda: dict(input_ids=torch.tensor([[5, 6, 7]])), ValueError,
+     "input_ids"),
+    ("input_ids_noncontig", lambda: dict(input_ids=_noncontig(torch.tensor([5, 6, 7]))),
+     ValueError, "input_ids"),
+    ("positions_dtype", lambda: dict(positions=torch.tensor([0, 1, 2], dtype=torch.int16)),
+     TypeError, "positions"),
+    ("positions_shape", lambda: dict(positions=torch.tensor([0, 1])), ValueError, "positions"),
+    ("positions_noncontig", lambda: dict(positions=_noncontig(torch.tensor([0, 1, 2]))),
+     ValueError, "positions"),
+    ("out_cache_loc_dtype", lambda: dict(out_cache_loc=torch.tensor([1., 2., 3.])), TypeError,
+     "out_cache_loc"),
+    ("out_cache_loc_shape", lambda: dict(out_cache_loc=torch.tensor([1, 2, 3, 4])), ValueError,
+     "out_cache_loc"),
+    ("out_cache_loc_noncontig", lambda: dict(out_cache_loc=_noncontig(torch.tensor([1, 2, 3]))),
+     ValueError, "out_cache_loc"),
+    ("expected_tokens_missing", lambda: dict(
+        enable_write_input_assert=True, expected_input_positions=torch.tensor([0, 1, 2])),
+     ValueError, "expected_input_tokens"),
+    ("expected_positions_missing", lambda: dict(
+        enable_write_input_assert=True, expected_input_tokens=torch.tensor([5, 6, 7])),
+     ValueError, "expected_input_positions"),
+    ("expected_tokens_shape", lambda: dict(
+        enable_write_input_assert=True, expected_input_tokens=torch.tensor([5, 6]),
+        expected_input_positions=torch.tensor([0, 1, 2])), ValueError, "expected_input_tokens"),
+    ("expected_tokens_dtype", lambda: dict(
+        enable_write_input_assert=True, expected_input_tokens=torch.tensor([5., 6., 7.]),
+        expected_input_positions=torch.tensor([0, 1, 2])), TypeError, "expected_input_tokens"),
+    ("expected_positions_noncontig", lambda: dict(
+        enable_write_input_assert=True, expected_input_tokens=torch.tensor([5, 6, 7]),
+        expected_input_positions=_noncontig(torch.tensor([0, 1, 2]))), ValueError,
+     "expected_input_positions"),
+    ("device_positions", lambda: dict(positions=torch.zeros(3, dtype=I64, device=META)),
+     ValueError, "positions"),
+    ("device_out_cache_loc", lambda: dict(out_cache_loc=torch.zeros(3, dtype=I64, device=META)),
+     ValueError, "out_cache_loc"),
+    ("device_plan", lambda: dict(plan=WritePlan.allocate(write_req_capacity=2, device=META)),
+     ValueError, "plan"),
+    ("device_expected_tokens", lambda: dict(
+        enable_write_input_assert=True,
+        expected_input_tokens=torch.zeros(3, dtype=I64, device=META),
+        expected_input_positions=torch.tensor([0, 1, 2])), ValueError, "expected_input_tokens"),
+]
+
+
+@pytest.mark.parametrize("over,exc,name", [c[1:] for c in WRITE_CASES],
+                         ids=[c[0] for c in WRITE_CASES])
+def test_write_rejects(launchers, over, exc, name):
+    kw = write_kwargs(**over())
+    ctx = kw["context"]
+    with pytest.raises(exc, match=_named(name)):
+        launchers["write"](**kw)
+    if isinstance(ctx, VerifyOrWriteContext):  # nothing ran
+        assert int(ctx.kernel_run_counter[0]) == 0
+        assert not ctx.canary_buf.any()
+
+
+def test_write_errors_are_specific(launchers):
+    with pytest.raises(ValueError,
+                       match=r"expected_input_tokens is required when enable_write_input_assert"):
+        launchers["write"](**write_kwargs(enable_write_input_assert=True))
+    with pytest.raises(TypeError, match=r"plan must be a WritePlan"):
+        launchers["write"](**write_kwargs(plan=VerifyPlan.allocate(verify_capacity=2,
+                                                                   device=CPU)))
+    with pytest.raises(TypeError, match=r"context must be a VerifyOrWriteContext"):
+        launchers["write"](**write_kwargs(context=None))
+    # expected tensors are ignored (not validated) while the input assert is off
+    launchers["write"](**write_kwargs(expected_input_tokens=torch.zeros(1),
+                                      expected_input_positions=None))
+
+
+# =============================================================================================
+# Verify launcher
+# =============================================================================================
+
+VERIFY_CASES = [
+    ("context_type", lambda: dict(context="ctx"), TypeError, "context"),
+    ("plan_type", lambda: dict(plan=WritePlan.allocate(write_req_capacity=2, device=CPU)),
+     TypeError, "plan"),
+    ("plan_none", lambda: dict(plan=None), TypeError, "plan"),
+    ("check_token_int", lambda: dict(check_verify_expected_token=1), TypeError,
+     "check_verify_expected_token"),
+    ("check_token_none", lambda: dict(check_verify_expected_token=None), TypeError,
+     "check_verify_expected_token"),
+    ("check_token_tensor", lambda: dict(check_verify_expected_token=torch.tensor(False)),
+     TypeError, "check_verify_expected_token"),
+    ("device_plan", lambda: dict(plan=VerifyPlan.allocate(verify_capacity=4, device=META)),
+     ValueError, "plan"),
+]
+
+
+@pytest.mark.parametrize("over,exc,name", [c[1:] for c in VERIFY_CASES],
+                         ids=[c[0] for c in VERIFY_CASES])
+def test_verify_rejects(launchers, over, exc, name):
+    kw = verify_kwargs(**over())
+    ctx = kw["context"]
+    with pytest.raises(exc, match=_named(name)):
+        launchers["verify"](**kw)
+    if isinstance(ctx, VerifyOrWriteContext):
+        assert int(ctx.kernel_run_counter[0]) == 0
+
+
+def test_verify_errors_are_specific(launchers):
+    with pytest.raises(TypeError, match=r"plan must be a VerifyPlan"):
+        launchers["verify"](**verify_kwargs(plan=WritePlan.allocate(write_req_capacity=2,
+                                                                    device=CPU)))
+    with pytest.raises(ValueError, match=r"plan is on meta.*canary_buf is on cpu"):
+        launchers["verify"](**verify_kwargs(plan=VerifyPlan.allocate(verify_capacity=4,
+                                                                     device=META)))
+
+
+# =============================================================================================
+# Scatter launcher
+# =============================================================================================
+
+SCATTER_CASES = [
+    ("flat_in_not_tensor", lambda: dict(flat_in=[1, 2, 3]), TypeError, "flat_in"),
+    ("flat_in_dtype", lambda: dict(flat_in=torch.tensor([1, 2, 3], dtype=I32)), TypeError,
+     "flat_in"),
+    ("flat_in_ndim", lambda: dict(flat_in=torch.tensor([[1, 2, 3]])), ValueError, "flat_in"),
+    ("flat_in_noncontig", lambda: dict(flat_in=_noncontig(torch.tensor([1, 2, 3]))),
+     ValueError, "flat_in"),
+    ("offsets_dtype", lambda: dict(offsets=torch.tensor([0, 2, 3], dtype=I32)), TypeError,
+     "offsets"),
+    ("offsets_shape", lambda: dict(offsets=torch.tensor([0, 3])), ValueError, "offsets"),
+    ("offsets_noncontig", lambda: dict(offsets=_noncontig(torch.tensor([0, 2, 3]))),
+     ValueError, "offsets"),
+    ("req_pool_indices_dtype", lambda: dict(req_pool_indices=torch.tensor([1, 2], dtype=I32)),
+     TypeError, "req_pool_indices"),
+    ("req_pool_indices_ndim", lambda: dict(req_pool_indices=torch.tensor([[1, 2]])),
+     ValueError, "req_pool_indices"),
+    ("pool_out_dtype", lambda: dict(pool_out=torch.zeros(3, 4, dtype=I64)), TypeError,
+     "pool_out"),
+    ("pool_out_ndim", lambda: dict(pool_out=torch.zeros(12, dtype=I32)), ValueError,
+     "pool_out"),
+    ("pool_out_noncontig", lambda: dict(pool_out=torch.zeros(4, 3, dtype=I32).t()), ValueError,
+     "pool_out"),
+    ("device_pool_out", lambda: dict(pool_out=torch.zeros(3, 4, dtype=I32, device=META)),
+     ValueError, "pool_out"),
+    ("device_offsets", lambda: dict(offsets=torch.zeros(3, dtype=I64, device=META)),
+     ValueError, "offsets"),
+]
+
+
+@pytest.mark.parametrize("over,exc,name", [c[1:] for c in SCATTER_CASES],
+                         ids=[c[0] for c in SCATTER_CASES])
+def test_scatter_rejects(launchers, over, exc, name):
+    kw = scatter_kwargs(**over())
+    pool = kw["pool_out"]
+    snapshot = pool.clone() if pool.device == CPU else None
+    with pytest.raises(exc, match=_named(name)):
+        launchers["scatter"](**kw)
+    if snapshot is not None:
+        assert torch.equal(pool, snapshot)
+
+
+def test_scatter_errors_are_specific(launchers):
+    with pytest.raises(TypeError, match=r"pool_out must have dtype int32"):
+        launchers["scatter"](**scatter_kwargs(pool_out=torch.zeros(3, 4, dtype=I64)))
+    with pytest.raises(TypeError, match=r"flat_in must have dtype int64"):
+        launchers["scatter"](**scatter_kwargs(flat_in=torch.tensor([1, 2, 3], dtype=I32)))
+    with pytest.raises(ValueError, match=r"offsets must have shape \(3,\)"):
+        launchers["scatter"](**scatter_kwargs(offsets=torch.tensor([0, 3])))
+
+
+# =============================================================================================
+# Keyword-only launchers, unsupported devices
+# =============================================================================================
+
+
+def test_launchers_are_keyword_only(launchers):
+    kw = plan_kwargs()
+    with pytest.raises(TypeError, match="positional"):
+        launchers["plan"](*kw.values())
+    with pytest.raises(TypeError, match="positional"):
+        launchers["plan"](kw["verify_plan_out"], **{k: v for k, v in kw.items()
+                                                    if k != "verify_plan_out"})
+    kw = write_kwargs()
+    with pytest.raises(TypeError, match="positional"):
+        launchers["write"](*kw.values())
+    assert int(kw["context"].kernel_run_counter[0]) == 0
+    kw = verify_kwargs()
+    with pytest.raises(TypeError, match="positional"):
+        launchers["verify"](kw["context"], kw["plan"], False)
+    with pytest.raises(TypeError, match="positional"):
+        launchers["verify"](kw["context"], plan=kw["plan"], check_verify_expected_token=False)
+    assert int(kw["context"].kernel_run_counter[0]) == 0
+    kw = scatter_kwargs()
+    with pytest.raises(TypeError, match="positional"):
+        launchers["scatter"](*kw.values())
+    assert not kw["pool_out"].any()
+
+
+def test_allocate_is_keyword_only():
+    with pytest.raises(TypeError, match="positional"):
+        VerifyPlan.allocate(4, "cpu")
+    with pytest.raises(TypeError, match="positional"):
+        WritePlan.allocate(4, "cpu")
+
+
+def test_public_launchers_reject_unsupported_device():
+    """All tensors on one device that is neither CUDA nor CPU: a clear ValueError."""
+    ctx = make_context(device=META)
+    with pytest.raises(ValueError, match=r"'cuda' and 'cpu'.*meta"):
+        launch_canary_verify_kernel(context=ctx,
+                                    plan=VerifyPlan.allocate(verify_capacity=4, device=META),
+                                    check_verify_expected_token=False)
+    with pytest.raises(ValueError, match=r"'cuda' and 'cpu'.*meta"):
+        launch_scatter_req_token_ids_kernel(
+            flat_in=torch.zeros(3, dtype=I64, device=META),
+            offsets=torch.zeros(3, dtype=I64, device=META),
+            req_pool_indices=torch.zeros(2, dtype=I64, device=META),
+            pool_out=torch.zeros(3, 4, dtype=I32, device=META))
+
+
+# =============================================================================================
+# RealKvSource
+# =============================================================================================
+
+
+def _misaligned():
+    base = torch.zeros(4 * 32 + 1, dtype=torch.uint8)
+    return base[1:].view(4, 32)
+
+
+def _source_kwargs(**over):
+    kw = dict(tensor=torch.zeros(8, 32, dtype=torch.uint8), page_size=2, num_bytes_per_token=16,
+              read_bytes=16)
+    kw.update(over)
+    return kw
+
+
+SOURCE_CASES = [
+    ("tensor_not_tensor", dict(tensor=[[0] * 32] * 8), TypeError, "RealKvSource.tensor"),
+    ("tensor_none", dict(tensor=None), TypeError, "RealKvSource.tensor"),
+    ("page_size_zero", dict(page_size=0), ValueError, "RealKvSource.page_size"),
+    ("page_size_float", dict(page_size=2.0), TypeError, "RealKvSource.page_size"),
+    ("page_size_bool", dict(page_size=True), TypeError, "RealKvSource.page_size"),
+    ("nbpt_not_multiple_of_8", dict(num_bytes_per_token=12, read_bytes=8), ValueError,
+     "RealKvSource.num_bytes_per_token"),
+    ("nbpt_zero", dict(num_bytes_per_token=0, read_bytes=8), ValueError,
+     "RealKvSource.num_bytes_per_token"),
+    ("nbpt_float", dict(num_bytes_per_token=16.0), TypeError,
+     "RealKvSource.num_bytes_per_token"),
+    ("read_bytes_not_multiple_of_8", dict(read_bytes=12), ValueError, "RealKvSource.read_bytes"),
+    ("read_bytes_4", dict(read_bytes=4), ValueError, "RealKvSource.read_bytes"),
+    ("read_bytes_zero", dict(read_bytes=0), ValueError, "RealKvSource.read_bytes"),
+    ("read_bytes_over_nbpt", dict(read_bytes=24), ValueError, "read_bytes"),
+    ("tensor_1d", dict(tensor=torch.zeros(256, dtype=torch.uint8)), ValueError,
+     "RealKvSource.tensor"),
+    ("rows_noncontig_stride", dict(tensor=torch.zeros(8, 64, dtype=torch.uint8)[:, ::2]),
+     ValueError, "RealKvSource.tensor"),
+    ("rows_noncontig_transposed", dict(
+        tensor=torch.zeros(8, 16, 4, dtype=torch.bfloat16).transpose(1, 2)), ValueError,
+     "RealKvSource.tensor"),
+    ("rows_too_short", dict(tensor=torch.zeros(8, 24, dtype=torch.uint8)), ValueError,
+     "num_bytes_per_token"),
+    ("rows_too_short_24_byte_tokens", dict(
+        tensor=torch.zeros(8, 2, 8, dtype=torch.bfloat16), num_bytes_per_token=24,
+        read_bytes=24), ValueError, "num_bytes_per_token"),
+    ("row_stride_not_multiple_of_8", dict(tensor=torch.zeros(8, 36, dtype=torch.uint8)),
+     ValueError, "RealKvSource.tensor row stride"),
+    ("misaligned_data", dict(tensor=_misaligned()), ValueError, "RealKvSource.tensor"),
+    ("no_rows", dict(tensor=torch.zeros(0, 32, dtype=torch.uint8)), ValueError,
+     "RealKvSource.tensor"),
+]
+
+
+@pytest.mark.parametrize("over,exc,name", [c[1:] for c in SOURCE_CASES],
+                         ids=[c[0] for c in SOURCE_CASES])
+def test_real_kv_source_rejects(over, exc, name):
+    with pytest.raises(exc, match=_named(name)):
+        RealKvSource(**_source_kwargs(**over))
+
+
+def test_real_kv_source_errors_are_specific():
+    with pytest.raises(ValueError, match=r"read_bytes \(32\) must not exceed "
+                                         r"num_bytes_per_token \(16\)"):
+        RealKvSource(**_source_kwargs(read_bytes=32))
+    with pytest.raises(ValueError, match=r"num_bytes_per_token must be a positive multiple of 8"):
+        RealKvSource(**_source_kwargs(num_bytes_per_token=20, read_bytes=8))
+    with pytest.raises(ValueError, match=r"contiguous rows"):
+        RealKvSource(**_source_kwargs(tensor=torch.zeros(8, 64, dtype=torch.uint8)[:, ::2]))
+    with pytest.raises(ValueError, match=r"exceeds the tensor's row"):
+        RealKvSource(**_source_kwargs(tensor=torch.zeros(8, 24, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match=r"8-byte aligned"):
+        RealKvSource(**_source_kwargs(tensor=_misaligned()))
+
+
+# =============================================================================================
+# VerifyOrWriteContext
+# =============================================================================================
+
+CONTEXT_CASES = [
+    ("canary_buf_not_tensor", lambda: dict(canary_buf=[[0] * 32] * 16), TypeError,
+     "canary_buf"),
+    ("canary_buf_dtype", lambda: dict(canary_buf=torch.zeros(16, 4, dtype=I64)), TypeError,
+     "canary_buf"),
+    ("canary_buf_width", lambda: dict(canary_buf=torch.zeros(16, 16, dtype=torch.uint8)),
+     ValueError, "canary_buf"),
+    ("canary_buf_ndim", lambda: dict(canary_buf=torch.zeros(16 * 32, dtype=torch.uint8)),
+     ValueError, "canary_buf"),
+    ("canary_buf_no_rows", lambda: dict(canary_buf=torch.zeros(0, 32, dtype=torch.uint8)),
+     ValueError, "canary_buf"),
+    ("canary_buf_noncontig", lambda: dict(canary_buf=torch.zeros(32, 32,
+                                                                 dtype=torch.uint8)[::2]),
+     ValueError, "canary_buf"),
+    ("kernel_kind_12", lambda: dict(kernel_kind=12), ValueError, "kernel_kind"),
+    ("kernel_kind_negative", lambda: dict(kernel_kind=-1), ValueError, "kernel_kind"),
+    ("violation_ring_dtype", lambda: dict(violation_ring=torch.zeros(8, 8, dtype=I32)),
+     TypeError, "violation_ring"),
+    ("violation_ring_shape", lambda: dict(violation_ring=torch.zeros(8, 7, dtype=I64)),
+     ValueError, "violation_ring"),
+    ("violation_ring_noncontig", lambda: dict(violation_ring=torch.zeros(16, 8,
+                                                                         dtype=I64)[::2]),
+     ValueError, "violation_ring"),
+    ("violation_write_index_dtype", lambda: dict(violation_write_index=torch.zeros(1,
+                                                                                   dtype=I64)),
+     TypeError, "violation_write_index"),
+    ("violation_write_index_shape", lambda: dict(violation_write_index=torch.zeros(2,
+                                                                                   dtype=I32)),
+     ValueError, "violation_write_index"),
+    ("slot_run_counter_dtype", lambda: dict(slot_run_counter=torch.zeros(1, dtype=I32)),
+     TypeError, "slot_run_counter"),
+    ("slot_run_counter_shape", lambda: dict(slot_run_counter=torch.zeros(12, dtype=I64)),
+     ValueError, "slot_run_counter"),
+    ("kernel_run_counter_dtype", lambda: dict(kernel_run_counter=torch.zeros(1)), TypeError,
+     "kernel_run_counter"),
+    ("kernel_run_counter_shape", lambda: dict(kernel_run_counter=torch.zeros(1, 1, dtype=I64)),
+     ValueError, "kernel_run_counter"),
+    ("chain_assert_dtype", lambda: dict(enable_chain_position_assert=torch.ones(1,
+                                                                                dtype=torch.bool)),
+     TypeError, "enable_chain_position_assert"),
+    ("chain_assert_shape", lambda: dict(enable_chain_position_assert=torch.ones(2, dtype=I32)),
+     ValueError, "enable_chain_position_assert"),
+    ("five_sources", lambda: dict(real_kv_sources=[make_source() for _ in range(5)],
+                                  real_kv_hash_mode=RealKvHashMode.ALL), ValueError,
+     "real_kv_sources"),
+    ("source_not_real_kv_source", lambda: dict(real_kv_sources=[torch.zeros(8, 32,
+                                                                            dtype=torch.uint8)]),
+     TypeError, "real_kv_sources[0]"),
+    ("source_too_small", lambda: dict(real_kv_sources=[make_source(), make_source(pages=4)]),
+     ValueError, "real_kv_sources[1]"),
+    ("partial_without_sources", lambda: dict(real_kv_hash_mode=RealKvHashMode.PARTIAL),
+     ValueError, "real_kv_hash_mode"),
+    ("all_without_sources", lambda: dict(real_kv_hash_mode=RealKvHashMode.ALL), ValueError,
+     "real_kv_hash_mode"),
+    ("mode_out_of_range", lambda: dict(real_kv_hash_mode=3, real_kv_sources=[make_source()]),
+     ValueError, "real_kv_hash_mode"),
+    ("device_violation_ring", lambda: dict(violation_ring=torch.zeros(8, 8, dtype=I64,
+                                                                      device=META)),
+     ValueError, "violation_ring"),
+    ("device_counter", lambda: dict(kernel_run_counter=torch.zeros(1, dtype=I64, device=META)),
+     ValueError, "kernel_run_counter"),
+    ("device_chain_assert", lambda: dict(enable_chain_position_assert=torch.ones(
+        1, dtype=I32, device=META)), ValueError, "enable_chain_position_assert"),
+]
+
+
+@pytest.mark.parametrize("over,exc,name", [c[1:] for c in CONTEXT_CASES],
+                         ids=[c[0] for c in CONTEXT_CASES])
+def test_context_rejects(over, exc, name):
+    with pytest.raises(exc, match=_named(name)):
+        VerifyOrWriteContext(**context_kwargs(**over()))
+
+
+def test_context_errors_are_specific():
+    with pytest.raises(ValueError, match=r"at most 4 sources, got 5"):
+        make_context(real_kv_sources=[make_source() for _ in range(5)])
+    with pytest.raises(ValueError, match=r"real_kv_sources\[1\] covers 8 slots but canary_buf "
+                                         r"has 16"):
+        make_context(real_kv_sources=[make_source(), make_source(pages=4)])
+    with pytest.raises(ValueError, match=r"real_kv_hash_mode=PARTIAL needs at least one"):
+        make_context(real_kv_hash_mode=RealKvHashMode.PARTIAL)
+    with pytest.raises(ValueError, match=r"kernel_kind must be a CanaryLaunchTag \(0\.\.11\)"):
+        make_context(kernel_kind=12)
+    with pytest.raises(TypeError, match=r"canary_buf must have dtype uint8"):
+        make_context(canary_buf=torch.zeros(16, 32, dtype=torch.int8))
+
+
+# =============================================================================================
+# VerifyPlan / WritePlan
+# =============================================================================================
+
+
+@pytest.mark.parametrize("value,exc", [(-1, ValueError), (2.5, TypeError), (True, TypeError),
+                                       ("4", TypeError), (None, TypeError)])
+def test_verify_plan_allocate_rejects(value, exc):
+    with pytest.raises(exc, match="verify_capacity"):
+        VerifyPlan.allocate(verify_capacity=value, device="cpu")
+
+
+@pytest.mark.parametrize("value,exc", [(-1, ValueError), (2.5, TypeError), (False, TypeError),
+                                       ("4", TypeError), (None, TypeError)])
+def test_write_plan_allocate_rejects(value, exc):
+    with pytest.raises(exc, match="write_req_capacity"):
+        WritePlan.allocate(write_req_capacity=value, device="cpu")
+
+
+def _verify_plan_fields(cap=4, **over):
+    kw = dict(verify_slot_indices=torch.zeros(cap, dtype=I64),
+              verify_expected_tokens=torch.zeros(cap, dtype=I64),
+              verify_expected_positions=torch.zeros(cap, dtype=I64),
+              verify_prev_slot_indices=torch.zeros(cap, dtype=I64),
+              verify_num_valid=torch.zeros(1, dtype=I32), enable=torch.zeros(1, dtype=I32))
+    kw.update(over)
+    return kw
+
+
+def _write_plan_fields(cap=4, **over):
+    kw = dict(write_offsets=torch.zeros(cap + 1, dtype=I64),
+              write_seed_slot_indices=torch.zeros(cap, dtype=I64),
+              write_num_valid_reqs=torch.zeros(1, dtype=I32),
+              verify_req_offsets=torch.zeros(cap + 1, dtype=I64))
+    kw.update(over)
+    return kw
+
+
+@pytest.mark.parametrize("over,exc,name", [
+    (dict(verify_expected_tokens=torch.zeros(5, dtype=I64)), ValueError,
+     "verify_expected_tokens"),
+    (dict(verify_prev_slot_indices=torch.zeros(4, dtype=I32)), TypeError,
+     "verify_prev_slot_indices"),
+    (dict(verify_slot_indices=torch.zeros(4, 1, dtype=I64)), ValueError, "verify_slot_indices"),
+    (dict(verify_expected_positions=_noncontig(torch.zeros(4, dtype=I64))), ValueError,
+     "verify_expected_positions"),
+    (dict(verify_num_valid=torch.zeros(1, dtype=I64)), TypeError, "verify_num_valid"),
+    (dict(enable=torch.zeros(2, dtype=I32)), ValueError, "enable"),
+    (dict(enable=torch.zeros(1, dtype=I32, device=META)), ValueError, "enable"),
+], ids=["tokens_capacity", "prev_dtype", "slots_ndim", "positions_noncontig", "num_valid_dtype",
+        "enable_shape", "enable_device"])
+def test_verify_plan_fields_rejected(over, exc, name):
+    VerifyPlan(**_verify_plan_fields())  # baseline
+    with pytest.raises(exc, match=_named(name)):
+        VerifyPlan(**_verify_plan_fields(**over))
+
+
+@pytest.mark.parametrize("over,exc,name", [
+    (dict(write_offsets=torch.zeros(4, dtype=I64)), ValueError, "write_offsets"),
+    (dict(write_seed_slot_indices=torch.zeros(4, dtype=I32)), TypeError,
+     "write_seed_slot_indices"),
+    (dict(write_num_valid_reqs=torch.zeros(1, dtype=I64)), TypeError, "write_num_valid_reqs"),
+    (dict(verify_req_offsets=torch.zeros(3, dtype=I64)), ValueError, "verify_req_offsets"),
+    (dict(write_offsets=torch.zeros(5, dtype=I64, device=META)), ValueError, "write_offsets"),
+], ids=["offsets_shape", "seeds_dtype", "num_valid_dtype", "verify_offsets_shape",
+        "offsets_device"])
+def test_write_plan_fields_rejected(over, exc, name):
+    WritePlan(**_write_plan_fields())  # baseline
+    with pytest.raises(exc, match=_named(name)):
+        WritePlan(**_write_plan_fields(**over))
