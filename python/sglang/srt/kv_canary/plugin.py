@@ -1,11 +1,130 @@
 """sglang plugin entry point (group ``sglang.srt.plugins``, name ``kv_canary``).
 
-sglang calls :func:`register` in every process through ``load_plugins()``. The hooks it will
-register are listed in SPEC §14; until the wiring lands it registers nothing, so installing this
-package changes no behaviour of sglang.
+sglang calls :func:`register` through ``load_plugins()`` in the launching process, the Engine
+and every scheduler process; the hooks below are applied right after. With ``--kv-canary
+none`` (the default) the runtime hooks find no manager and pass straight through.
+
+| hook | target | what |
+| --- | --- | --- |
+| AROUND | ``ServerArgs.__init__`` | accept ``kv_canary*`` kwargs (``Engine(kv_canary=...)``) |
+| AFTER | ``ServerArgs.add_cli_args`` | add the three ``--kv-canary*`` options |
+| AFTER | ``ServerArgs.from_cli_args`` | carry the parsed options over, validate at start-up |
+| AFTER | ``ModelRunner.init_memory_pool`` | ``install_canary`` (pool exists, graphs not yet) |
+| AFTER | ``ModelRunner.__init__`` | ``mark_init_finished`` (warm-up and capture done) |
+| AROUND | ``ModelRunner.forward`` | outside-graph bracket with single-forward manager 0 |
+| AROUND | ``CudaGraphRunner.capture_one_batch_size`` | capture bracket |
+| AROUND | ``CudaGraphRunner.replay`` | record that the graph ran the inside ops |
+| AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_radix_cache(tree_cache)`` |
 """
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+_SA = "sglang.srt.server_args.ServerArgs"
+_MR = "sglang.srt.model_executor.model_runner.ModelRunner"
+_CG = "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner"
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+
+
+def _server_args_init(original, self, *args, **kwargs):
+    from sglang.srt.kv_canary.api import check_server_args_for_canary
+    from sglang.srt.kv_canary.server_args_ext import pop_canary_kwargs, set_canary_attrs
+
+    set_canary_attrs(self, pop_canary_kwargs(kwargs))
+    result = original(self, *args, **kwargs)
+    check_server_args_for_canary(self)
+    return result
+
+
+def _add_cli_args(result, parser):
+    from sglang.srt.kv_canary.server_args_ext import add_canary_cli_args
+
+    add_canary_cli_args(parser)
+
+
+def _from_cli_args(result, cls, args):
+    from sglang.srt.kv_canary.api import check_server_args_for_canary
+    from sglang.srt.kv_canary.server_args_ext import DEFAULTS, set_canary_attrs
+
+    set_canary_attrs(result, {k: getattr(args, k, v) for k, v in DEFAULTS.items()})
+    check_server_args_for_canary(result)
+    return result
+
+
+def _after_init_memory_pool(result, self, *args, **kwargs):
+    from sglang.srt.kv_canary.api import install_canary
+
+    install_canary(server_args=self.server_args, model_runner=self)
+
+
+def _after_model_runner_init(result, self, *args, **kwargs):
+    from sglang.srt.kv_canary.api import get_canary_manager
+
+    manager = get_canary_manager(self)
+    if manager is not None:
+        manager.mark_init_finished()
+
+
+def _model_runner_forward(original, self, forward_batch, *args, **kwargs):
+    from sglang.srt.kv_canary.api import get_canary_manager
+
+    manager = get_canary_manager(self)
+    if manager is None:
+        return original(self, forward_batch, *args, **kwargs)
+    with manager.with_active_single_forward_manager(0):
+        with manager.with_ops_outside_graph(forward_batch):
+            return original(self, forward_batch, *args, **kwargs)
+
+
+def _capture_one_batch_size(original, self, *args, **kwargs):
+    from sglang.srt.kv_canary.api import get_canary_manager
+
+    manager = get_canary_manager(self.model_runner)
+    if manager is None:
+        return original(self, *args, **kwargs)
+    with manager.with_active_single_forward_manager(0), manager.capturing():
+        return original(self, *args, **kwargs)
+
+
+def _graph_replay(original, self, *args, **kwargs):
+    from sglang.srt.kv_canary.api import get_canary_manager
+
+    out = original(self, *args, **kwargs)
+    manager = get_canary_manager(self.model_runner)
+    if manager is not None:
+        manager.mark_replayed_inside_graph()
+    return out
+
+
+def _after_init_cache(result, self, *args, **kwargs):
+    from sglang.srt.kv_canary.api import get_canary_manager
+
+    worker = getattr(self, "tp_worker", None)
+    runner = getattr(worker, "model_runner", None) if worker is not None else None
+    manager = get_canary_manager(runner) if runner is not None else None
+    if manager is not None:
+        manager.attach_radix_cache(self.tree_cache)
+
+
+HOOKS = (
+    (f"{_SA}.__init__", _server_args_init, "AROUND"),
+    (f"{_SA}.add_cli_args", _add_cli_args, "AFTER"),
+    (f"{_SA}.from_cli_args", _from_cli_args, "AFTER"),
+    (f"{_MR}.init_memory_pool", _after_init_memory_pool, "AFTER"),
+    (f"{_MR}.__init__", _after_model_runner_init, "AFTER"),
+    (f"{_MR}.forward", _model_runner_forward, "AROUND"),
+    (f"{_CG}.capture_one_batch_size", _capture_one_batch_size, "AROUND"),
+    (f"{_CG}.replay", _graph_replay, "AROUND"),
+    (f"{_SCHED}.init_cache_with_memory_pool", _after_init_cache, "AFTER"),
+)
 
 
 def register() -> None:
-    """Register the KV-canary hooks with ``HookRegistry`` (none yet: a harmless no-op)."""
-    return None
+    """Register the KV-canary hooks with sglang's ``HookRegistry``."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook, kind in HOOKS:
+        HookRegistry.register(target, hook, HookType[kind])

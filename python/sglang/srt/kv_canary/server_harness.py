@@ -1,6 +1,7 @@
-"""Run a real sglang 0.5.12 server on a machine without a GPU (SPEC §15).
+"""Run a real sglang 0.5.12 server with a tiny dummy-weight model, on the CPU (SPEC §15) or on
+a GPU, for the end-to-end tests and the demo.
 
-Used by the end-to-end tests and by the demo. A tiny dummy-weight Llama (hidden 64, 2 layers,
+On a machine without a GPU: A tiny dummy-weight Llama (hidden 64, 2 layers,
 4 heads, 2 KV heads, vocab 512) is written to a directory as a bare ``config.json``; requests
 pass ``input_ids`` (no tokenizer). ``sgl_kernel``'s ``common_ops`` links ``libcuda.so.1``,
 which a GPU-less host lacks: :func:`build_libcuda_stub` reads the driver symbols it imports
@@ -128,6 +129,28 @@ def cpu_engine_kwargs(model_dir: str, **overrides) -> dict:
         skip_tokenizer_init=True,
         disable_cuda_graph=True,
         mem_fraction_static=0.05,
+        max_total_tokens=4096,
+        log_level="warning",
+        random_seed=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def gpu_engine_kwargs(model_dir: str, **overrides) -> dict:
+    """``sglang.Engine`` keyword arguments for the tiny model on one GPU, CUDA graphs on
+    (settings seen working with sglang 0.5.12 on an H100; the first capture JIT-compiles
+    Triton kernels, so keep ``cuda_graph_max_bs`` small)."""
+    kwargs = dict(
+        model_path=model_dir,
+        attention_backend="triton",
+        sampling_backend="pytorch",
+        grammar_backend="none",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        disable_piecewise_cuda_graph=True,
+        cuda_graph_max_bs=8,
+        mem_fraction_static=0.3,
         max_total_tokens=4096,
         log_level="warning",
         random_seed=0,

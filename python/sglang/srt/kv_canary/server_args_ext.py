@@ -1,0 +1,63 @@
+"""The three canary server arguments, added to sglang's ``ServerArgs`` through hooks.
+
+``ServerArgs`` is a dataclass we must not edit: the fields live as instance attributes set
+around ``__init__`` (so ``Engine(kv_canary=...)`` works and the values are pickled to the
+scheduler processes), the CLI options are added after ``add_cli_args`` (so ``--help`` and
+``--config`` YAML, with dashed keys, know them), and ``from_cli_args`` copies them over.
+Readers use :func:`canary_arg`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from sglang.srt.kv_canary.config import REAL_DATA_CHOICES, CanaryMode
+
+DEFAULTS = {
+    "kv_canary": "none",
+    "kv_canary_sweep_interval": 0,
+    "kv_canary_real_data": "none",
+}
+
+
+def canary_arg(server_args, name: str):
+    return getattr(server_args, name, DEFAULTS[name])
+
+
+def _non_negative_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
+    return n
+
+
+def add_canary_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KV-cache canary (sglang-kv-canary)")
+    group.add_argument(
+        "--kv-canary", type=str, default=DEFAULTS["kv_canary"],
+        choices=[m.value for m in CanaryMode],
+        help="Verify every KV slot attention reads against a fingerprint record: 'log' logs "
+             "each violation, 'raise' stops the server on the first one, 'none' (default) "
+             "installs nothing.")
+    group.add_argument(
+        "--kv-canary-sweep-interval", type=_non_negative_int,
+        default=DEFAULTS["kv_canary_sweep_interval"],
+        help="Every N forward steps also verify the KV slots idle in the radix cache "
+             "(0 = off, the default). Needs --kv-canary log or raise.")
+    group.add_argument(
+        "--kv-canary-real-data", type=str, default=DEFAULTS["kv_canary_real_data"],
+        choices=list(REAL_DATA_CHOICES),
+        help="Also fingerprint the real KV bytes: 'partial' (first 16 bytes of layer 0's "
+             "row), 'all' (the whole row) or 'none' (default).")
+
+
+def pop_canary_kwargs(kwargs: dict) -> dict:
+    return {k: kwargs.pop(k, v) for k, v in DEFAULTS.items()}
+
+
+def set_canary_attrs(server_args, values: dict) -> None:
+    for k, v in values.items():
+        setattr(server_args, k, v)

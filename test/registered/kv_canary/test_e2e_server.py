@@ -1,0 +1,136 @@
+"""End to end on a real sglang 0.5.12 server on the CPU (SPEC §15), canary wired through the
+plugin: CLI / YAML / Engine kwargs, a clean workload identical to canary-off, and a corrupted
+record stopping the server in raise mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from sglang.srt.kv_canary.server_harness import build_libcuda_stub, cpu_server_env, write_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+HERE = pathlib.Path(__file__).parent
+SUPPORT = HERE / "e2e_support"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cpu_server")
+    model = write_tiny_llama(root / "model")
+    env = cpu_server_env(build_libcuda_stub(root / "stub"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
+    return dict(model=model, env=env, root=root)
+
+
+def _run(args, env, timeout=600):
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _workload(server, mode, extra=None, env_extra=None, timeout=600):
+    env = dict(server["env"], **(env_extra or {}))
+    proc = _run([str(SUPPORT / "workload.py"), server["model"], mode, json.dumps(extra or {})],
+                env, timeout)
+    out = proc.stdout + proc.stderr
+    result = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
+              if line.startswith("RESULT ")]
+    return proc.returncode, out, (result[0] if result else None)
+
+
+# small chunks (chunked prefill) and a small pool (radix evictions)
+WORKLOAD_ARGS = dict(chunked_prefill_size=32, max_total_tokens=384, max_running_requests=8,
+                     log_level="info")
+
+
+def _assert_workload_coverage(out: str) -> None:
+    """From sglang's own prefill log lines: radix hits, chunked prefill, a full pool."""
+    import re
+
+    cached = [int(x) for x in re.findall(r"#cached-token: (\d+)", out)]
+    assert cached and max(cached) > 0, "no radix-cache hit"
+    assert re.search(r"#new-token: 32, .*#pending-token: [1-9]", out), "no chunked prefill"
+    usage = [float(x) for x in re.findall(r"token usage: ([0-9.]+)", out)]
+    assert max(usage) >= 0.85, f"pool never under pressure (max usage {max(usage)})"
+
+
+def test_clean_workload_matches_canary_off_and_log_mode_works(server):
+    env_extra = {"SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "20"}
+    rc_off, out_off, res_off = _workload(server, "none", WORKLOAD_ARGS)
+    assert rc_off == 0, out_off[-3000:]
+    assert "kv_canary" not in out_off.replace("sglang.srt.kv_canary", "")  # installs nothing
+    rc, out, res = _workload(server, "raise", WORKLOAD_ARGS, env_extra)
+    assert rc == 0, out[-3000:]
+    assert res == res_off, "greedy outputs differ with the canary on"
+    assert len(res) == 48
+    assert "kv_canary installed: mode=raise" in out
+    assert "kv_canary violation" not in out
+    assert "health check failed" not in out
+    stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
+    assert stats, "no stats line"
+    assert "violations=0" in stats[-1] and "HEAD_K_FULL" in stats[-1]
+    _assert_workload_coverage(out)
+    rc_log, out_log, res_log = _workload(server, "log", WORKLOAD_ARGS)
+    assert rc_log == 0, out_log[-3000:]
+    assert res_log == res_off
+    assert "kv_canary installed: mode=log" in out_log
+
+
+def test_corrupted_record_stops_the_server_in_raise_mode(server):
+    rc, out, res = _workload(
+        server, "raise", dict(WORKLOAD_ARGS, log_level="warning"),
+        {"KV_CANARY_TEST_CORRUPT_AFTER": "6", "SGLANG_KV_CANARY_RING_CAPACITY": "8"},
+        timeout=300)
+    assert "KV_CANARY_TEST: corrupted HEAD K records" in out
+    assert rc != 0 and res is None, out[-3000:]
+    assert "kv_canary violation: launch_tag=HEAD_K_FULL fail_reason=verify_position" in out
+
+
+def test_launch_server_help_lists_the_flags(server):
+    proc = _run(["-m", "sglang.launch_server", "--help"], server["env"], 300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for flag in ("--kv-canary ", "--kv-canary-sweep-interval", "--kv-canary-real-data"):
+        assert flag in proc.stdout
+    assert "{none,log,raise}" in proc.stdout and "{none,partial,all}" in proc.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--kv-canary", "maybe"], "argument --kv-canary: invalid choice: 'maybe'"),
+    (["--kv-canary-real-data", "most"], "argument --kv-canary-real-data: invalid choice"),
+    (["--kv-canary-sweep-interval", "-2"], "expected an integer >= 0, got -2"),
+    (["--kv-canary-sweep-interval", "5"], "--kv-canary-sweep-interval=5 needs the canary on"),
+])
+def test_launch_server_rejects_bad_values(server, argv, message):
+    proc = _run(["-m", "sglang.launch_server", "--model-path", server["model"], "--device",
+                 "cpu", *argv], server["env"], 300)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout
+
+
+def test_bad_environment_variable_is_named(server):
+    env = dict(server["env"], SGLANG_KV_CANARY_RING_CAPACITY="lots")
+    proc = _run(["-m", "sglang.launch_server", "--model-path", server["model"], "--device",
+                 "cpu", "--kv-canary", "log"], env, 300)
+    assert proc.returncode != 0
+    assert "SGLANG_KV_CANARY_RING_CAPACITY" in proc.stderr + proc.stdout
+
+
+def test_config_yaml_carries_the_flags(server, tmp_path):
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("kv-canary: log\nkv-canary-sweep-interval: 7\nkv-canary-real-data: partial\n")
+    code = (
+        "import sys\n"
+        "from sglang.srt.plugins import load_plugins\n"
+        "load_plugins()\n"
+        "from sglang.srt.server_args import prepare_server_args\n"
+        "sa = prepare_server_args(sys.argv[1:])\n"
+        "print('PARSED', sa.kv_canary, sa.kv_canary_sweep_interval, sa.kv_canary_real_data)\n")
+    proc = _run(["-c", code, "--model-path", server["model"], "--device", "cpu", "--config",
+                 str(cfg)], server["env"], 300)
+    assert "PARSED log 7 partial" in proc.stdout, proc.stderr[-2000:]
