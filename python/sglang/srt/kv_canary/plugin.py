@@ -13,6 +13,7 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 | AFTER | ``ModelRunner.__init__`` | ``mark_init_finished`` (warm-up and capture done) |
 | AROUND | ``ModelRunner.forward`` | outside-graph bracket with single-forward manager 0 |
 | AROUND | ``CudaGraphRunner.capture_one_batch_size`` | capture bracket |
+| AROUND | ``CudaGraphRunner.replay_prepare`` | padding rows really point at row 0 (below) |
 | AROUND | ``CudaGraphRunner.replay`` | record that the graph ran the inside ops |
 | AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_radix_cache(tree_cache)`` |
 """
@@ -89,6 +90,20 @@ def _capture_one_batch_size(original, self, *args, **kwargs):
         return original(self, *args, **kwargs)
 
 
+def _graph_replay_prepare(original, self, *args, **kwargs):
+    """sglang pads a decode batch of ``raw_bs`` requests to the captured ``bs`` by resetting
+    ``seq_lens`` and ``out_cache_loc`` of the padding rows, but leaves their
+    ``req_pool_indices`` from an earlier, larger replay. ``ReqToTokenPool`` reserves row 0 for
+    padded rows; a stale index makes the canary verify a request that is gone (whose row may
+    now hold another request). Zero the static buffer before sglang copies the real rows in:
+    one device memset on the forward stream, no sync."""
+    from sglang.srt.kv_canary.api import get_canary_manager
+
+    if get_canary_manager(self.model_runner) is not None:
+        self.buffers.req_pool_indices.zero_()
+    return original(self, *args, **kwargs)
+
+
 def _graph_replay(original, self, *args, **kwargs):
     from sglang.srt.kv_canary.api import get_canary_manager
 
@@ -117,6 +132,7 @@ HOOKS = (
     (f"{_MR}.__init__", _after_model_runner_init, "AFTER"),
     (f"{_MR}.forward", _model_runner_forward, "AROUND"),
     (f"{_CG}.capture_one_batch_size", _capture_one_batch_size, "AROUND"),
+    (f"{_CG}.replay_prepare", _graph_replay_prepare, "AROUND"),
     (f"{_CG}.replay", _graph_replay, "AROUND"),
     (f"{_SCHED}.init_cache_with_memory_pool", _after_init_cache, "AFTER"),
 )
