@@ -1,0 +1,73 @@
+"""CanaryConfig / environment variables / start-up refusals (no server needed)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from sglang.jit_kernel.kv_canary.consts import RealKvHashMode
+from sglang.srt.kv_canary.api import check_server_args_for_canary
+from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
+from sglang.srt.kv_canary.envs import CanaryEnvs
+
+
+def _args(**kw):
+    base = dict(kv_canary="raise", kv_canary_sweep_interval=0, kv_canary_real_data="none",
+                device="cpu", disable_piecewise_cuda_graph=True, enable_torch_compile=False)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_defaults_and_parsing(monkeypatch):
+    for name in vars(CanaryEnvs):
+        if name.startswith("SGLANG_"):
+            monkeypatch.delenv(name, raising=False)
+    cfg = CanaryConfig.from_server_args(_args(kv_canary="LOG", kv_canary_real_data="partial"))
+    assert cfg.mode == CanaryMode.LOG and cfg.real_kv_hash_mode == RealKvHashMode.PARTIAL
+    assert (cfg.ring_capacity, cfg.stats_print_every_n_steps, cfg.sweep_interval) == (1024, 100, 0)
+    assert not (cfg.enable_write_input_assert or cfg.enable_verify_token_assert or cfg.enable_mha_v)
+    assert not CanaryConfig.from_server_args(types.SimpleNamespace()).enabled  # no canary args
+
+
+def test_environment_is_parsed_once_into_the_config(monkeypatch):
+    monkeypatch.setenv("SGLANG_KV_CANARY_RING_CAPACITY", "16")
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_MHA_V", "true")
+    monkeypatch.setenv("SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS", "0")
+    cfg = CanaryConfig.from_server_args(_args())
+    assert cfg.ring_capacity == 16 and cfg.enable_mha_v and cfg.stats_print_every_n_steps == 0
+    monkeypatch.setenv("SGLANG_KV_CANARY_RING_CAPACITY", "999")
+    assert cfg.ring_capacity == 16  # frozen: nothing re-reads the environment
+
+
+@pytest.mark.parametrize("name,value,allowed", [
+    ("SGLANG_KV_CANARY_RING_CAPACITY", "0", ">= 1"),
+    ("SGLANG_KV_CANARY_RING_CAPACITY", "many", ">= 1"),
+    ("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "maybe", "0/1"),
+    ("SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS", "-1", ">= 0"),
+    ("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "1.5", "[0, 1]"),
+    ("SGLANG_KV_CANARY_PERTURB_TARGET_GROUP", "both", "'full'"),
+])
+def test_bad_environment_values_name_the_variable(monkeypatch, name, value, allowed):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name) as exc:
+        getattr(CanaryEnvs, name).get()
+        CanaryConfig.from_server_args(_args())
+    assert allowed in str(exc.value)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(kv_canary="sometimes"), "invalid --kv-canary value 'sometimes'"),
+    (dict(kv_canary_real_data="most"), "invalid --kv-canary-real-data value 'most'"),
+    (dict(kv_canary="none", kv_canary_sweep_interval=4), "--kv-canary-sweep-interval=4 needs"),
+    (dict(device="cuda", disable_piecewise_cuda_graph=False), "--disable-piecewise-cuda-graph"),
+    (dict(enable_torch_compile=True), "--enable-torch-compile"),
+])
+def test_startup_refusals_name_the_flag(kw, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        check_server_args_for_canary(_args(**kw))
+
+
+def test_canary_off_refuses_nothing():
+    assert not check_server_args_for_canary(
+        _args(kv_canary="none", device="cuda", disable_piecewise_cuda_graph=False)).enabled
