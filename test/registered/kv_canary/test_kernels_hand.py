@@ -27,6 +27,8 @@ from typing import Callable, List, Sequence
 import pytest
 import torch
 
+from canary_testlib import make_context
+
 from sglang.jit_kernel.kv_canary import (
     CANARY_CHAIN_ANCHOR,
     CANARY_SLOT_BYTES,
@@ -453,18 +455,8 @@ class Canary:
                  garbage_slot0=True):
         self.impl = impl
         dev = impl.device
-        self.ctx = VerifyOrWriteContext(
-            canary_buf=torch.zeros(num_slots, CANARY_SLOT_BYTES, dtype=torch.uint8, device=dev),
-            kernel_kind=kind,
-            violation_ring=torch.zeros(ring_capacity, 8, dtype=torch.int64, device=dev),
-            violation_write_index=torch.zeros(1, dtype=torch.int32, device=dev),
-            slot_run_counter=torch.zeros(1, dtype=torch.int64, device=dev),
-            kernel_run_counter=torch.zeros(1, dtype=torch.int64, device=dev),
-            real_kv_sources=tuple(sources),
-            real_kv_hash_mode=mode,
-            enable_chain_position_assert=torch.full((1,), chain_assert, dtype=torch.int32,
-                                                    device=dev),
-        )
+        self.ctx = make_context(num_slots, device=dev, kind=kind, sources=sources, mode=mode,
+                                ring_capacity=ring_capacity, chain_assert=chain_assert)
         self.oracle = Oracle(num_slots, kind=kind, ring_capacity=ring_capacity,
                              sources=sources, mode=mode, chain_assert=chain_assert)
         if garbage_slot0:

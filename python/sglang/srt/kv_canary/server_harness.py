@@ -117,46 +117,31 @@ def cpu_server_env(stub_dir, base: Optional[Dict[str, str]] = None) -> Dict[str,
     return env
 
 
+_COMMON_ENGINE_KWARGS = dict(
+    sampling_backend="pytorch",
+    grammar_backend="none",
+    load_format="dummy",
+    skip_tokenizer_init=True,
+    max_total_tokens=4096,
+    log_level="warning",
+    random_seed=0,
+)
+
+
 def cpu_engine_kwargs(model_dir: str, **overrides) -> dict:
     """``sglang.Engine`` keyword arguments for the tiny CPU server."""
-    kwargs = dict(
-        model_path=model_dir,
-        device="cpu",
-        attention_backend="torch_native",
-        sampling_backend="pytorch",
-        grammar_backend="none",
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        disable_cuda_graph=True,
-        mem_fraction_static=0.05,
-        max_total_tokens=4096,
-        log_level="warning",
-        random_seed=0,
-    )
-    kwargs.update(overrides)
-    return kwargs
+    return {**_COMMON_ENGINE_KWARGS, "model_path": model_dir, "device": "cpu",
+            "attention_backend": "torch_native", "disable_cuda_graph": True,
+            "mem_fraction_static": 0.05, **overrides}
 
 
 def gpu_engine_kwargs(model_dir: str, **overrides) -> dict:
     """``sglang.Engine`` keyword arguments for the tiny model on one GPU, CUDA graphs on
     (settings seen working with sglang 0.5.12 on an H100; the first capture JIT-compiles
     Triton kernels, so keep ``cuda_graph_max_bs`` small)."""
-    kwargs = dict(
-        model_path=model_dir,
-        attention_backend="triton",
-        sampling_backend="pytorch",
-        grammar_backend="none",
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        disable_piecewise_cuda_graph=True,
-        cuda_graph_max_bs=8,
-        mem_fraction_static=0.3,
-        max_total_tokens=4096,
-        log_level="warning",
-        random_seed=0,
-    )
-    kwargs.update(overrides)
-    return kwargs
+    return {**_COMMON_ENGINE_KWARGS, "model_path": model_dir, "attention_backend": "triton",
+            "disable_piecewise_cuda_graph": True, "cuda_graph_max_bs": 8,
+            "mem_fraction_static": 0.3, **overrides}
 
 
 def run_python(code: str, *, env: Dict[str, str], timeout: float = 600,
