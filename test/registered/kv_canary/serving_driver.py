@@ -24,6 +24,7 @@ import torch
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
+from sglang.srt.kv_canary.req_to_expected_token_ids_manager import attach_req_all_ids_info
 from sglang.srt.kv_canary.runner import CanaryManager
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -48,6 +49,14 @@ class DriverReq:
     output: List[int] = dataclasses.field(default_factory=list)
 
     @property
+    def origin_input_ids(self) -> List[int]:  # the names sglang's Req uses
+        return self.prompt
+
+    @property
+    def output_ids(self) -> List[int]:
+        return self.output
+
+    @property
     def tokens(self) -> List[int]:
         return self.prompt + self.output
 
@@ -63,7 +72,8 @@ class DriverReq:
 class ServingDriver:
     def __init__(self, *, device="cpu", mode="raise", real_data="partial", num_slots=640,
                  max_reqs=12, max_ctx=160, chunk=24, max_running=6, graph_bs=0,
-                 enable_mha_v=False, seed=0, stats_every=0, forbid_host_sync=False):
+                 enable_mha_v=False, seed=0, stats_every=0, forbid_host_sync=False,
+                 verify_tokens=False):
         self.device = torch.device(device)
         self.rng = random.Random(seed)
         self.chunk = chunk
@@ -81,7 +91,8 @@ class ServingDriver:
         self.allocator = TokenToKVPoolAllocator(num_slots, torch.bfloat16, str(self.device),
                                                 self.kv_pool, need_sort=False)
         self.config = CanaryConfig(mode=mode, real_kv_hash_mode=real_data,
-                                   enable_mha_v=enable_mha_v, stats_print_every_n_steps=stats_every)
+                                   enable_mha_v=enable_mha_v, stats_print_every_n_steps=stats_every,
+                                   enable_verify_token_assert=verify_tokens)
         self.groups = attach_canary_buffers(pool=self.kv_pool, config=self.config,
                                             device=self.device)
         self.capacities = CanaryLaunchCapacities.from_args(
@@ -219,7 +230,8 @@ class ServingDriver:
             r.slots += new
             r.kv_len += n
         return self._make_batch(ForwardMode.EXTEND, ids, pos, loc, rows,
-                                seq=[p + e for p, e in zip(pre, ext)], pre=pre, ext=ext)
+                                seq=[p + e for p, e in zip(pre, ext)], pre=pre, ext=ext,
+                                reqs=reqs)
 
     def _decode_batch(self, reqs: List[DriverReq]) -> ForwardBatch:
         ids, pos, loc, rows = [], [], [], []
@@ -236,9 +248,10 @@ class ServingDriver:
             r.slots.append(slot)
             r.kv_len += 1
         return self._make_batch(ForwardMode.DECODE, ids, pos, loc, rows,
-                                seq=[p + 1 for p in pos])
+                                seq=[p + 1 for p in pos], reqs=reqs)
 
-    def _make_batch(self, mode, ids, pos, loc, rows, *, seq, pre=None, ext=None) -> ForwardBatch:
+    def _make_batch(self, mode, ids, pos, loc, rows, *, seq, pre=None, ext=None,
+                    reqs=None) -> ForwardBatch:
         dev = self.device
         i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
         fb = ForwardBatch(
@@ -252,6 +265,8 @@ class ServingDriver:
             fb.extend_seq_lens = i64(ext)
             fb.extend_num_tokens = len(ids)
             fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(pre), list(ext)
+        if self.config.enable_verify_token_assert:  # what the ForwardBatch.init_new hook does
+            attach_req_all_ids_info(fb, reqs)
         return fb
 
     def _finish(self) -> None:
@@ -358,6 +373,28 @@ class ServingDriver:
         old = int(self.req_to_token_pool.req_to_token[victim.row, p])
         self.req_to_token_pool.req_to_token[victim.row, p] = new  # the scheduler's view is unchanged
         return dict(rid=victim.rid, position=p, old_slot=old, new_slot=new)
+
+    def fault_swap_same_position(self) -> dict:
+        """Point position p of a running request at the slot holding position p of another
+        running request whose token there differs. Prefers a pair sharing the prefix
+        [0, p) (through the same slots): then the swapped slot's chain hash is consistent and
+        only its token is wrong (``shared_prefix`` in the result)."""
+        pairs = [(v, o) for v in self.running for o in self.running
+                 if v is not o and v.prefilled and o.prefilled]
+        for want_shared in (True, False):
+            for victim, other in pairs:
+                for p in range(1, min(victim.kv_len, other.kv_len) - 1):
+                    shared = victim.slots[:p] == other.slots[:p]
+                    if shared != want_shared and want_shared:
+                        continue
+                    if victim.tokens[p] != other.tokens[p] and other.slots[p] not in victim.slots:
+                        new = other.slots[p]
+                        old = int(self.req_to_token_pool.req_to_token[victim.row, p])
+                        self.req_to_token_pool.req_to_token[victim.row, p] = new
+                        return dict(rid=victim.rid, position=p, old_slot=old, new_slot=new,
+                                    victim_token=victim.tokens[p],
+                                    other_token=other.tokens[p], shared_prefix=shared)
+        raise RuntimeError("driver: no same-position slot with a different token")
 
     def fault_flip_kv_byte(self) -> dict:
         """Flip the first byte of layer 0's K row of a slot a running request reads."""

@@ -60,15 +60,21 @@ def _assert_workload_coverage(out: str) -> None:
     assert max(usage) >= 0.85, f"pool never under pressure (max usage {max(usage)})"
 
 
-def test_clean_workload_matches_canary_off_and_log_mode_works(server):
+@pytest.fixture(scope="module")
+def baseline(server):
+    """Greedy outputs of the workload with the canary off (installs nothing)."""
+    rc, out, res = _workload(server, "none", WORKLOAD_ARGS)
+    assert rc == 0, out[-3000:]
+    assert "kv_canary" not in out.replace("sglang.srt.kv_canary", "")
+    assert res is not None and len(res) == 48
+    return res
+
+
+def test_clean_workload_matches_canary_off_and_log_mode_works(server, baseline):
     env_extra = {"SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "20"}
-    rc_off, out_off, res_off = _workload(server, "none", WORKLOAD_ARGS)
-    assert rc_off == 0, out_off[-3000:]
-    assert "kv_canary" not in out_off.replace("sglang.srt.kv_canary", "")  # installs nothing
     rc, out, res = _workload(server, "raise", WORKLOAD_ARGS, env_extra)
     assert rc == 0, out[-3000:]
-    assert res == res_off, "greedy outputs differ with the canary on"
-    assert len(res) == 48
+    assert res == baseline, "greedy outputs differ with the canary on"
     assert "kv_canary installed: mode=raise" in out
     assert "kv_canary violation" not in out
     assert "health check failed" not in out
@@ -78,8 +84,27 @@ def test_clean_workload_matches_canary_off_and_log_mode_works(server):
     _assert_workload_coverage(out)
     rc_log, out_log, res_log = _workload(server, "log", WORKLOAD_ARGS)
     assert rc_log == 0, out_log[-3000:]
-    assert res_log == res_off
+    assert res_log == baseline
     assert "kv_canary installed: mode=log" in out_log
+
+
+def test_token_checks_clean_workload(server, baseline):
+    rc, out, res = _workload(server, "raise", WORKLOAD_ARGS,
+                             {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"})
+    assert rc == 0, out[-3000:]
+    assert res == baseline
+    assert "kv_canary violation" not in out
+    _assert_workload_coverage(out)  # chunked prefill, radix reuse and decode all covered
+
+
+def test_token_checks_catch_a_req_to_token_swap(server):
+    rc, out, res = _workload(server, "raise", dict(WORKLOAD_ARGS, log_level="warning"),
+                             {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+                              "KV_CANARY_TEST_SWAP_SAME_POSITION_AFTER": "5"}, timeout=300)
+    assert "KV_CANARY_TEST: req_to_token[" in out, out[-3000:]
+    assert rc != 0 and res is None, out[-3000:]
+    reasons = re.findall(r"kv_canary violation: launch_tag=\w+ fail_reason=([\w+]+)", out)
+    assert any("verify_token" in r.split("+") for r in reasons), reasons
 
 
 def test_corrupted_record_stops_the_server_in_raise_mode(server):

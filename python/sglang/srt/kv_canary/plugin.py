@@ -16,6 +16,7 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 | AROUND | ``CudaGraphRunner.replay_prepare`` | padding rows really point at row 0 (below) |
 | AROUND | ``CudaGraphRunner.replay`` | record that the graph ran the inside ops |
 | AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_radix_cache(tree_cache)`` |
+| AFTER | ``ForwardBatch.init_new`` | token-id snapshot of ``batch.reqs`` (token checks on only) |
 """
 
 from __future__ import annotations
@@ -124,6 +125,16 @@ def _after_init_cache(result, self, *args, **kwargs):
         manager.attach_radix_cache(self.tree_cache)
 
 
+def _after_forward_batch_init(result, cls, batch, model_runner, *args, **kwargs):
+    from sglang.srt.kv_canary.api import get_canary_manager
+    from sglang.srt.kv_canary.req_to_expected_token_ids_manager import attach_req_all_ids_info
+
+    manager = get_canary_manager(model_runner)
+    if manager is not None and manager.config.enable_verify_token_assert:
+        attach_req_all_ids_info(result, getattr(batch, "reqs", None))
+    return result
+
+
 HOOKS = (
     (f"{_SA}.__init__", _server_args_init, "AROUND"),
     (f"{_SA}.add_cli_args", _add_cli_args, "AFTER"),
@@ -135,6 +146,8 @@ HOOKS = (
     (f"{_CG}.replay_prepare", _graph_replay_prepare, "AROUND"),
     (f"{_CG}.replay", _graph_replay, "AROUND"),
     (f"{_SCHED}.init_cache_with_memory_pool", _after_init_cache, "AFTER"),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+     _after_forward_batch_init, "AFTER"),
 )
 
 

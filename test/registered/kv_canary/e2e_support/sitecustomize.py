@@ -29,3 +29,39 @@ if _n:
 
     HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
                           _corrupt, HookType.AFTER)
+
+_swap = os.environ.get("KV_CANARY_TEST_SWAP_SAME_POSITION_AFTER")
+if _swap:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    _swap_calls = {"n": 0}
+
+    def _swap_same_position(result, self, forward_batch, *args, **kwargs):
+        """From forward N on, on each decode forward: point position p of one request at the
+        slot holding position p of another request whose token there differs (until the
+        canary stops the server)."""
+        manager = getattr(self, "kv_canary_manager", None)
+        if manager is None or not forward_batch.forward_mode.is_decode():
+            return result
+        _swap_calls["n"] += 1
+        pool = manager.state.req_to_verify_expected_tokens
+        if _swap_calls["n"] < int(_swap) or pool is None:
+            return result
+        r2t = self.req_to_token_pool.req_to_token
+        rows = forward_batch.req_pool_indices.tolist()
+        seqs = forward_batch.seq_lens.tolist()
+        for i, r0 in enumerate(rows):
+            for j, r1 in enumerate(rows):
+                if i == j:
+                    continue
+                for p in range(1, min(seqs[i], seqs[j]) - 2):
+                    if int(pool[r0, p]) != int(pool[r1, p]) and int(r2t[r0, p]) != int(r2t[r1, p]):
+                        r2t[r0, p] = r2t[r1, p]
+                        print(f"KV_CANARY_TEST: req_to_token[{r0}, {p}] -> slot "
+                              f"{int(r2t[r1, p])} (token {int(pool[r1, p])} instead of "
+                              f"{int(pool[r0, p])})", flush=True)
+                        return result
+        return result
+
+    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
+                          _swap_same_position, HookType.AFTER)

@@ -34,7 +34,6 @@ from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
 from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
 from sglang.srt.kv_canary.runner.violation import ViolationManager, ViolationReporter
 from sglang.srt.kv_canary.single_forward_manager import SingleForwardManager
-from sglang.srt.kv_canary.single_forward_manager.manager import TokenScatter
 from sglang.srt.kv_canary.state import CanaryDeviceState
 
 logger = logging.getLogger(__name__)
@@ -43,8 +42,7 @@ logger = logging.getLogger(__name__)
 class CanaryManager:
     def __init__(self, *, config: CanaryConfig, groups: Sequence[CanaryBufferGroup],
                  capacities: CanaryLaunchCapacities, req_to_token: torch.Tensor, device,
-                 num_single_forward_managers: int = 1,
-                 token_scatter: Optional[TokenScatter] = None):
+                 num_single_forward_managers: int = 1):
         if not config.enabled:
             raise ValueError("CanaryManager needs --kv-canary log or raise (got none)")
         if not groups:
@@ -65,8 +63,7 @@ class CanaryManager:
         self.sfms = [
             SingleForwardManager(groups=self.groups, endpoints=self.endpoints, state=self.state,
                                  capacities=capacities, config=config,
-                                 req_to_token=req_to_token, device=device, index=i,
-                                 token_scatter=token_scatter)
+                                 req_to_token=req_to_token, device=device, index=i)
             for i in range(num_single_forward_managers)
         ]
         watched = {

@@ -18,7 +18,7 @@ per-forward tensor is allocated in ``__init__``.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, Sequence
 
 import torch
 
@@ -29,6 +29,9 @@ from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.endpoint import CanaryEndpoint
 from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
 from sglang.srt.kv_canary.plan_input import PlanInput
+from sglang.srt.kv_canary.req_to_expected_token_ids_manager import (
+    populate_req_to_expected_token_ids,
+)
 from sglang.srt.kv_canary.runner.kernel_launcher import (
     GroupPlans,
     launch_group_plan,
@@ -42,28 +45,22 @@ from sglang.srt.kv_canary.single_forward_manager.phases import (
 )
 from sglang.srt.kv_canary.state import CanaryDeviceState
 
-# Called outside the graph with the forward batch, to fill the expected-token pool (SPEC §11).
-TokenScatter = Callable[[object], None]
-
-
 class SingleForwardManager:
     def __init__(self, *, groups: Sequence[CanaryBufferGroup],
                  endpoints: Sequence[CanaryEndpoint], state: CanaryDeviceState,
                  capacities: CanaryLaunchCapacities, config: CanaryConfig,
-                 req_to_token: torch.Tensor, device, index: int = 0,
-                 token_scatter: Optional[TokenScatter] = None):
+                 req_to_token: torch.Tensor, device, index: int = 0):
         self.index = index
         self.config = config
         self.capacities = capacities
         self.state = state
         self.endpoints = list(endpoints)
         self.req_to_token = req_to_token
-        self.token_scatter = token_scatter
         self.plans: Dict[int, GroupPlans] = {
             id(g): GroupPlans.allocate(g, capacities, device) for g in groups}
         self.plan_input = PlanInput(write_req_capacity=capacities.write_req_capacity,
                                     device=device)
-        # per-request valid lengths of the expected-token pool (filled by the token scatter)
+        # per-request valid lengths of the expected-token pool (filled outside the graph)
         self.expected_valid_lens = torch.zeros(capacities.write_req_capacity, dtype=torch.int64,
                                                device=device)
         self.expected_inputs = (ExpectedInputs(write_entry_capacity=capacities.write_entry_capacity,
@@ -119,8 +116,14 @@ class SingleForwardManager:
                 f"capacity {caps.write_entry_capacity}; it is sized from --max-prefill-tokens "
                 "and --chunked-prefill-size: raise them to cover this batch"
             )
-        if self.token_scatter is not None:
-            self.token_scatter(forward_batch)
+        if self.config.enable_verify_token_assert:
+            lens = populate_req_to_expected_token_ids(
+                forward_batch=forward_batch,
+                req_to_verify_expected_tokens=self.state.req_to_verify_expected_tokens)
+            if lens is None:  # no snapshot for this batch: no token checks this forward
+                self.expected_valid_lens.zero_()
+            else:
+                self.expected_valid_lens[:bs].copy_(lens, non_blocking=True)
 
     def pre_ops_maybe_inside_graph(self, forward_batch) -> None:
         self._advance("pre_ops_maybe_inside_graph")
