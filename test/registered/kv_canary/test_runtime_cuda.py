@@ -58,3 +58,20 @@ def test_graph_replay_detects_fault(fault):
     found = [m.groupdict() for m in LINE.finditer(str(exc.value))]
     assert {r for m in found for r in m["reason"].split("+")} & reasons
     assert info.get("slot", info.get("new_slot")) in {int(m["slot"]) for m in found}
+
+
+def test_graph_replay_with_token_checks():
+    """Token scatter outside the graph, gather + check inside it on static buffers."""
+    d = _driver(seed=12, verify_tokens=True, mode="raise")
+    d.run(150)
+    torch.cuda.synchronize()
+    assert int(d.manager.state.violation_log.violation_write_index) == 0
+    d.settle()
+    info = d.fault_swap_same_position()
+    assert info["shared_prefix"]
+    with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
+        for _ in range(2):  # found in the graph at step T, reported at T+1
+            d.step()
+    mine = [m.groupdict() for m in LINE.finditer(str(exc.value))
+            if int(m.group("slot")) == info["new_slot"]]
+    assert mine and all(m["reason"] == "verify_token" for m in mine)
