@@ -161,3 +161,22 @@ def test_config_yaml_carries_the_flags(server, tmp_path):
     proc = _run(["-c", code, "--model-path", server["model"], "--device", "cpu", "--config",
                  str(cfg)], server["env"], 300)
     assert "PARSED log 7 partial" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_sweep_catches_a_flipped_byte_in_a_cached_only_slot(server):
+    rc, out, res = _workload(
+        server, "raise",
+        dict(WORKLOAD_ARGS, log_level="info", kv_canary_sweep_interval=1,
+             kv_canary_real_data="partial"),
+        {"KV_CANARY_TEST_FLIP_CACHED_AFTER": "30",
+         "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10"}, timeout=300)
+    flipped = re.search(r"KV_CANARY_TEST: flipped K byte 0 of cached-only slot (\d+)", out)
+    assert flipped, out[-3000:]
+    assert rc != 0 and res is None, out[-3000:]
+    reports = re.findall(r"kv_canary violation: launch_tag=(\w+) fail_reason=([\w+]+) "
+                         r"slot_idx=(\d+)", out)
+    assert ("SWEEP_K_FULL", "verify_real_kv_hash", flipped.group(1)) in reports, reports
+    # sweeps ran (and found nothing) before the flip
+    passes = [int(x) for x in re.findall(r"kv_canary stats: .*sweep_passes=(\d+) violations=0",
+                                         out)]
+    assert passes and max(passes) >= 10

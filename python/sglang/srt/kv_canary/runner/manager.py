@@ -32,6 +32,7 @@ from sglang.srt.kv_canary.runner.device_host import DelayedDeviceHostHandler
 from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
 from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
 from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
+from sglang.srt.kv_canary.runner.sweep import SweepOrchestrator
 from sglang.srt.kv_canary.runner.violation import ViolationManager, ViolationReporter
 from sglang.srt.kv_canary.single_forward_manager import SingleForwardManager
 from sglang.srt.kv_canary.state import CanaryDeviceState
@@ -82,9 +83,9 @@ class CanaryManager:
                            if ep.phase in (CanaryPhase.HEAD, CanaryPhase.TAIL)])
         self.stats = PeriodicCanaryStatsLogger(every_n_steps=config.stats_print_every_n_steps)
         self.overflow = VerifyOverflowWarner(verify_capacity=capacities.verify_capacity)
+        self.sweep = SweepOrchestrator(interval=config.sweep_interval, endpoints=self.endpoints,
+                                       device=device)
         self.step = 0
-        self.sweep_passes = 0
-        self.radix_cache = None
         self._active: Optional[SingleForwardManager] = None
         self._staged_meta: Optional[Tuple[int, int]] = None  # (step, sfm index) of the stage
 
@@ -146,15 +147,26 @@ class CanaryManager:
         self.state.mark_init_finished()
 
     def attach_radix_cache(self, radix_cache) -> None:
-        self.radix_cache = radix_cache
+        """Hand over the scheduler's tree cache (for the sweep)."""
+        self.sweep.attach_radix_cache(radix_cache)
+
+    @property
+    def radix_cache(self):
+        return self.sweep.radix_cache
+
+    @property
+    def sweep_passes(self) -> int:
+        return self.sweep.sweep_passes
 
     # ---- after each forward ----------------------------------------------------------------
 
     def after_forward(self, sfm: SingleForwardManager) -> None:
-        """Step counter, then the delayed violation / overflow / health / stats pump: on CUDA
+        """Step counter, the radix sweep (when due), then the delayed violation / overflow /
+        health / stats pump: on CUDA
         the copies staged after the previous forward are consumed and this forward's are
         staged (never syncing the forward stream); on CPU both happen now."""
         self.step += 1
+        self.sweep.maybe_run_sweep(self.step)
         if self.device_host.synchronous:
             self._stage(sfm)
             self.device_host.consume(self._on_host_copies)

@@ -1,0 +1,106 @@
+"""Flatten a radix cache into (slot, position, predecessor slot) triples for the sweep (SPEC §12).
+
+The walk is iterative (deep trees never hit Python's recursion limit) and touches each node
+once on the host, collecting only its value tensor, depth and parent; the flattening itself
+(positions, predecessors) is vectorised on the device where the slots live, with no per-node
+device→host reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RadixCacheWalkResult:
+    """int64 ``[n]`` tensors in depth-first order: each cached slot, the sequence position it
+    holds (its depth in the tree) and the slot holding the previous position (the previous
+    slot of its node, or its parent's last slot; -1 for position 0)."""
+
+    slot_indices: torch.Tensor
+    positions: torch.Tensor
+    prev_slot_indices: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_indices.shape[0]
+
+
+def _supported_cache_types():
+    types = []
+    try:
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+
+        types.append(RadixCache)
+    except ImportError:  # pragma: no cover - present in sglang 0.5.12
+        pass
+    try:
+        from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
+
+        types.append(SWARadixCache)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(types)
+
+
+def _empty(device) -> RadixCacheWalkResult:
+    z = torch.zeros(0, dtype=torch.int64, device=device)
+    return RadixCacheWalkResult(z, z.clone(), z.clone())
+
+
+def walk_radix_cache_for_canary(*, radix_cache, unlocked_only: bool = False,
+                                swa_resident_only: bool = False) -> RadixCacheWalkResult:
+    """Every non-root node of a ``RadixCache`` / ``SWARadixCache``, depth first.
+
+    ``unlocked_only`` leaves out nodes locked by running requests (``lock_ref > 0``);
+    ``swa_resident_only`` leaves out SWA tombstones (their SWA slots are freed). Nodes whose
+    value was evicted are left out with their subtrees. Other cache types raise
+    ``NotImplementedError`` naming the type.
+    """
+    supported = _supported_cache_types()
+    if not isinstance(radix_cache, supported):
+        raise NotImplementedError(
+            f"kv_canary sweep does not support {type(radix_cache).__name__}; supported: "
+            f"{', '.join(t.__name__ for t in supported)}")
+    values: List[torch.Tensor] = []
+    starts: List[int] = []
+    parents: List[int] = []
+    keep: List[bool] = []
+    stack = [(child, -1, 0) for child in radix_cache.root_node.children.values()]
+    while stack:
+        node, parent, depth = stack.pop()
+        value = node.value
+        if value is None or len(value) == 0:
+            continue
+        index = len(values)
+        values.append(value)
+        starts.append(depth)
+        parents.append(parent)
+        keep.append(not ((unlocked_only and node.lock_ref > 0)
+                         or (swa_resident_only and getattr(node, "swa_tombstone", False))))
+        depth_after = depth + len(value)
+        stack.extend((child, index, depth_after) for child in node.children.values())
+    if not values:
+        return _empty(getattr(radix_cache, "device", "cpu"))
+
+    device = values[0].device
+    lens = torch.tensor([len(v) for v in values], dtype=torch.int64)
+    meta = torch.tensor([starts, parents, keep], dtype=torch.int64).to(device)
+    lens_d = lens.to(device)
+    node_starts, node_parents, node_keep = meta[0], meta[1], meta[2].bool()
+    offsets = torch.cumsum(lens_d, 0) - lens_d
+    flat = torch.cat([v.to(torch.int64) for v in values])
+    total = flat.shape[0]
+    node_of = torch.repeat_interleave(torch.arange(len(values), device=device), lens_d,
+                                      output_size=total)
+    within = torch.arange(total, device=device) - offsets[node_of]
+    positions = node_starts[node_of] + within
+    prev = torch.empty_like(flat)
+    prev[1:] = flat[:-1]
+    parent_last = flat[(offsets + lens_d - 1)[node_parents.clamp(min=0)]]
+    prev[offsets] = torch.where(node_parents >= 0, parent_last, -1)
+    mask = node_keep[node_of]
+    return RadixCacheWalkResult(flat[mask], positions[mask], prev[mask])
