@@ -66,33 +66,41 @@ def walk_radix_cache_for_canary(*, radix_cache, unlocked_only: bool = False,
             f"kv_canary sweep does not support {type(radix_cache).__name__}; supported: "
             f"{', '.join(t.__name__ for t in supported)}")
     values: List[torch.Tensor] = []
+    lens: List[int] = []
     starts: List[int] = []
     parents: List[int] = []
     keep: List[bool] = []
+    filtering = unlocked_only or swa_resident_only
     stack = [(child, -1, 0) for child in radix_cache.root_node.children.values()]
+    pop, push = stack.pop, stack.extend
     while stack:
-        node, parent, depth = stack.pop()
+        node, parent, depth = pop()
         value = node.value
-        if value is None or len(value) == 0:
+        if value is None:
+            continue
+        n = value.shape[0]
+        if n == 0:
             continue
         index = len(values)
         values.append(value)
+        lens.append(n)
         starts.append(depth)
         parents.append(parent)
-        keep.append(not ((unlocked_only and node.lock_ref > 0)
-                         or (swa_resident_only and getattr(node, "swa_tombstone", False))))
-        depth_after = depth + len(value)
-        stack.extend((child, index, depth_after) for child in node.children.values())
+        if filtering:
+            keep.append(not ((unlocked_only and node.lock_ref > 0)
+                             or (swa_resident_only and getattr(node, "swa_tombstone", False))))
+        if node.children:
+            depth += n
+            push((child, index, depth) for child in node.children.values())
     if not values:
         return _empty(getattr(radix_cache, "device", "cpu"))
 
     device = values[0].device
-    lens = torch.tensor([len(v) for v in values], dtype=torch.int64)
-    meta = torch.tensor([starts, parents, keep], dtype=torch.int64).to(device)
-    lens_d = lens.to(device)
-    node_starts, node_parents, node_keep = meta[0], meta[1], meta[2].bool()
+    lens_d = torch.tensor(lens, dtype=torch.int64).to(device)
+    meta = torch.tensor([starts, parents], dtype=torch.int64).to(device)
+    node_starts, node_parents = meta[0], meta[1]
     offsets = torch.cumsum(lens_d, 0) - lens_d
-    flat = torch.cat([v.to(torch.int64) for v in values])
+    flat = torch.cat(values).to(torch.int64)
     total = flat.shape[0]
     node_of = torch.repeat_interleave(torch.arange(len(values), device=device), lens_d,
                                       output_size=total)
@@ -102,5 +110,7 @@ def walk_radix_cache_for_canary(*, radix_cache, unlocked_only: bool = False,
     prev[1:] = flat[:-1]
     parent_last = flat[(offsets + lens_d - 1)[node_parents.clamp(min=0)]]
     prev[offsets] = torch.where(node_parents >= 0, parent_last, -1)
-    mask = node_keep[node_of]
+    if not filtering or all(keep):
+        return RadixCacheWalkResult(flat, positions, prev)
+    mask = torch.tensor(keep, dtype=torch.bool).to(device)[node_of]
     return RadixCacheWalkResult(flat[mask], positions[mask], prev[mask])
