@@ -73,7 +73,7 @@ class ServingDriver:
     def __init__(self, *, device="cpu", mode="raise", real_data="partial", num_slots=640,
                  max_reqs=12, max_ctx=160, chunk=24, max_running=6, graph_bs=0,
                  enable_mha_v=False, seed=0, stats_every=0, forbid_host_sync=False,
-                 verify_tokens=False, sweep_interval=0):
+                 verify_tokens=False, sweep_interval=0, ring_capacity=1024):
         self.device = torch.device(device)
         self.rng = random.Random(seed)
         self.chunk = chunk
@@ -93,7 +93,7 @@ class ServingDriver:
         self.config = CanaryConfig(mode=mode, real_kv_hash_mode=real_data,
                                    enable_mha_v=enable_mha_v, stats_print_every_n_steps=stats_every,
                                    enable_verify_token_assert=verify_tokens,
-                                   sweep_interval=sweep_interval)
+                                   sweep_interval=sweep_interval, ring_capacity=ring_capacity)
         self.groups = attach_canary_buffers(pool=self.kv_pool, config=self.config,
                                             device=self.device)
         self.capacities = CanaryLaunchCapacities.from_args(

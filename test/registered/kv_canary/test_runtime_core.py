@@ -155,15 +155,16 @@ def test_log_mode_logs_each_violation_once_and_keeps_serving(caplog):
 
 
 def test_ring_overflow_is_counted_and_reported():
-    d = ServingDriver(seed=2, mode="raise", real_data="partial")
+    d = ServingDriver(seed=2, mode="raise", real_data="partial", ring_capacity=4)
     d.run(40)
     d.settle()
-    # corrupt every K row of layer 0: far more violations than a tiny ring holds
+    # corrupt every K row of layer 0: far more violations than the ring holds
     d.kv_pool.k_buffer[0].view(torch.uint8)[1:, 0] ^= 0x5A
-    object.__setattr__(d.manager.violations, "ring_capacity", 4)
-    d.manager.state.violation_log.violation_ring[4:] = 0
-    with pytest.raises(RuntimeError, match="more violation\\(s\\) not recorded"):
+    with pytest.raises(RuntimeError, match="more violation\\(s\\) not recorded") as exc:
         d.step()
+    assert len(LINE.findall(str(exc.value))) == 4  # the kept rows, each reported
+    count = int(d.manager.state.violation_log.violation_write_index)
+    assert count > 4 and f"{count - 4} more violation(s)" in str(exc.value)
 
 
 # ---- phases, nesting, capacities, health ------------------------------------------------------
