@@ -6,8 +6,7 @@ reference on independent copies of the same state and returns both states for co
 
 from __future__ import annotations
 
-import copy
-from typing import Dict, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -17,8 +16,6 @@ from sglang.jit_kernel.kv_canary import (
     RealKvHashMode,
     RealKvSource,
     VerifyOrWriteContext,
-    VerifyPlan,
-    WritePlan,
 )
 from sglang.jit_kernel.kv_canary.consts import to_int64
 

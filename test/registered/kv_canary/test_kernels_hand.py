@@ -31,7 +31,6 @@ from canary_testlib import make_context
 
 from sglang.jit_kernel.kv_canary import (
     CANARY_CHAIN_ANCHOR,
-    CANARY_SLOT_BYTES,
     CanaryLaunchTag,
     CanaryPhase,
     FailReason,
@@ -39,7 +38,6 @@ from sglang.jit_kernel.kv_canary import (
     PoolKind,
     RealKvHashMode,
     RealKvSource,
-    VerifyOrWriteContext,
     VerifyPlan,
     WritePlan,
     launch_canary_plan_kernels,

@@ -24,7 +24,6 @@ from sglang.jit_kernel.kv_canary._launch import (
     use_triton,
 )
 from sglang.jit_kernel.kv_canary.consts import (
-    CANARY_NUM_FIELDS,
     REAL_KV_MAX_SOURCES,
     REAL_KV_PARTIAL_BYTES,
     REAL_KV_WORD_BYTES,

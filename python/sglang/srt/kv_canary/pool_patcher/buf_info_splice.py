@@ -9,7 +9,7 @@ page). Methods are wrapped on the pool *instance*, once: wrapping twice raises.
 from __future__ import annotations
 
 import functools
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
