@@ -102,14 +102,12 @@ class ViolationManager:
         self.reporter = reporter
         self.ring_capacity = ring_capacity
         self.reported = 0  # violations counted so far (kept or dropped)
-        self.total = 0
 
     def process(self, host: Dict[str, torch.Tensor], *, step: int) -> None:
         """``host`` holds ``violation_write_index`` and ``violation_ring`` copies."""
         count = int(host["violation_write_index"][0])
         if count <= self.reported:
             return
-        self.total = count
         lo = min(self.reported, self.ring_capacity)
         hi = min(count, self.ring_capacity)
         rows = host["violation_ring"][lo:hi].tolist()
