@@ -8,6 +8,14 @@ prefix through ``req_to_token`` (as the radix cache does), requests finishing an
 writes KV bytes that are a deterministic function of (token, position, layer) into every
 layer of the real ``MHATokenToKVPool``.
 
+``pool="swa"`` runs the same loop over a real ``SWAKVPool`` (layer 0 sliding-window, layer 1
+full) with a real ``SWATokenToKVPoolAllocator``, so the full → SWA table is filled by real
+allocations; decode steps evict SWA slots behind the window as sglang's
+``ScheduleBatch._evict_swa`` does (every ``swa_evict_interval`` steps, positions below
+``prefix - window - page_size``, never slots another running request shares).
+``pool="dsv4"`` uses a real ``DeepSeekV4TokenToKVPool`` with the same allocator and eviction,
+writing the SWA sub-pool's 584-byte token records with sglang's own ``SetKAndS`` (torch path).
+
 Fault injectors (each done once, on request) return what they changed, so a test can match
 the canary's report to the fault.
 """
@@ -44,6 +52,7 @@ class DriverReq:
     max_new: int
     shared_prefix: int = 0  # leading tokens whose KV slots are shared (a radix hit)
     row: Optional[int] = None
+    swa_evicted: int = 0  # positions below this had their SWA slots freed
     kv_len: int = 0  # tokens whose KV is in the cache
     slots: List[int] = dataclasses.field(default_factory=list)
     output: List[int] = dataclasses.field(default_factory=list)
@@ -73,7 +82,14 @@ class ServingDriver:
     def __init__(self, *, device="cpu", mode="raise", real_data="partial", num_slots=640,
                  max_reqs=12, max_ctx=160, chunk=24, max_running=6, graph_bs=0,
                  enable_mha_v=False, seed=0, stats_every=0, forbid_host_sync=False,
-                 verify_tokens=False, sweep_interval=0, ring_capacity=1024):
+                 verify_tokens=False, sweep_interval=0, ring_capacity=1024, pool="mha",
+                 swa_window=0, num_swa_slots=0, swa_evict_interval=4,
+                 swa_divergence_interval=0):
+        if pool not in ("mha", "swa", "dsv4"):
+            raise ValueError(f"driver pool must be mha, swa or dsv4, got {pool!r}")
+        self.pool_kind = pool
+        self.swa_window = swa_window
+        self.swa_evict_interval = swa_evict_interval
         self.device = torch.device(device)
         self.rng = random.Random(seed)
         self.chunk = chunk
@@ -84,20 +100,34 @@ class ServingDriver:
         self.req_to_token_pool = ReqToTokenPool(size=max_reqs, max_context_len=max_ctx,
                                                 device=str(self.device),
                                                 enable_memory_saver=False)
-        self.kv_pool = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16,
-                                        head_num=2, head_dim=8, layer_num=2,
-                                        device=str(self.device), enable_memory_saver=False,
-                                        enable_alt_stream=False)
-        self.allocator = TokenToKVPoolAllocator(num_slots, torch.bfloat16, str(self.device),
-                                                self.kv_pool, need_sort=False)
+        if pool == "mha":
+            self.kv_pool = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16,
+                                            head_num=2, head_dim=8, layer_num=2,
+                                            device=str(self.device), enable_memory_saver=False,
+                                            enable_alt_stream=False)
+            self.allocator = TokenToKVPoolAllocator(num_slots, torch.bfloat16,
+                                                    str(self.device), self.kv_pool,
+                                                    need_sort=False)
+        else:
+            if swa_window <= 0 or num_swa_slots <= 0:
+                raise ValueError("pool='swa'/'dsv4' needs swa_window and num_swa_slots")
+            self.kv_pool = (self._build_swa_pool(num_slots, num_swa_slots) if pool == "swa"
+                            else self._build_dsv4_pool(num_slots, num_swa_slots))
+            from sglang.srt.mem_cache.swa_memory_pool import SWATokenToKVPoolAllocator
+
+            self.allocator = SWATokenToKVPoolAllocator(
+                size=num_slots, size_swa=num_swa_slots, page_size=1, dtype=torch.bfloat16,
+                device=str(self.device), kvcache=self.kv_pool, need_sort=False)
         self.config = CanaryConfig(mode=mode, real_kv_hash_mode=real_data,
                                    enable_mha_v=enable_mha_v, stats_print_every_n_steps=stats_every,
                                    enable_verify_token_assert=verify_tokens,
-                                   sweep_interval=sweep_interval, ring_capacity=ring_capacity)
+                                   sweep_interval=sweep_interval, ring_capacity=ring_capacity,
+                                   swa_divergence_stats_interval=swa_divergence_interval)
         self.groups = attach_canary_buffers(pool=self.kv_pool, config=self.config,
-                                            device=self.device)
+                                            device=self.device,
+                                            swa_window_size=swa_window or None)
         self.capacities = CanaryLaunchCapacities.from_args(
-            num_slots=self.kv_pool.k_buffer[0].shape[0], max_running_requests=max_reqs,
+            num_slots=self.groups[0].num_slots, max_running_requests=max_reqs,
             max_tokens_per_forward=chunk * max_reqs, cuda_graph_max_bs=graph_bs or None)
         self.manager = CanaryManager(config=self.config, groups=self.groups,
                                      capacities=self.capacities,
@@ -117,6 +147,37 @@ class ServingDriver:
         if graph_bs:
             self._capture_decode_graph(graph_bs)
         self.manager.mark_init_finished()
+
+    def _build_swa_pool(self, num_slots: int, num_swa_slots: int):
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        return SWAKVPool(size=num_slots, size_swa=num_swa_slots, page_size=1,
+                         dtype=torch.bfloat16, head_num=2, head_dim=8,
+                         swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
+                         enable_kvcache_transpose=False, device=str(self.device),
+                         enable_memory_saver=False, enable_alt_stream=False)
+
+    def _build_dsv4_pool(self, num_slots: int, num_swa_slots: int):
+        from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+        from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+        # the pool reads the global server args (speculative or not) for its state rings
+        set_global_server_args_for_scheduler(ServerArgs(model_path="dummy",
+                                                        device=str(self.device.type)))
+        return DeepSeekV4TokenToKVPool(
+            max_num_reqs=4, swa_size=num_swa_slots, c4_size=num_slots // 4,
+            c128_size=max(num_slots // 128, 1), c4_state_pool_size=4, c128_state_pool_size=4,
+            page_size=128, swa_page_size=16, dtype=torch.uint8, state_dtype=torch.float32,
+            qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=2,
+            device=str(self.device), enable_memory_saver=False,
+            compression_ratios=[0, 4])
+
+    @property
+    def swa_table(self) -> Optional[torch.Tensor]:
+        return getattr(self.allocator, "full_to_swa_index_mapping", None)
+
+    def swa_slot(self, slot: int) -> int:
+        return int(self.swa_table[slot])
 
     # ---- workload ------------------------------------------------------------------------
 
@@ -234,8 +295,25 @@ class ServingDriver:
                                 seq=[p + e for p, e in zip(pre, ext)], pre=pre, ext=ext,
                                 reqs=reqs)
 
+    def _evict_swa(self, reqs: List[DriverReq]) -> None:
+        """sglang's decode-time SWA eviction: free the SWA slots of positions below
+        ``prefix - window - page_size`` (page_size 1), except slots other running requests
+        share (sglang protects shared, cached prefixes the same way)."""
+        if self.pool_kind == "mha" or self.step_count % self.swa_evict_interval:
+            return
+        for r in reqs:
+            hi = r.kv_len - self.swa_window - 1
+            if hi <= r.swa_evicted:
+                continue
+            own = [s for s in r.slots[r.swa_evicted:hi] if self.slot_refs[s] == 1]
+            if own:
+                self.allocator.free_swa(torch.tensor(own, dtype=torch.int64,
+                                                     device=self.device))
+            r.swa_evicted = hi
+
     def _decode_batch(self, reqs: List[DriverReq]) -> ForwardBatch:
         ids, pos, loc, rows = [], [], [], []
+        self._evict_swa(reqs)
         for r in reqs:
             tok = next_token(r.rid, len(r.tokens))
             r.output.append(tok)
@@ -286,6 +364,10 @@ class ServingDriver:
 
     def model_forward(self, fb: ForwardBatch) -> None:
         """Write deterministic KV bytes for every token of ``fb`` into every layer."""
+        if self.pool_kind == "swa":
+            return self._model_forward_swa(fb)
+        if self.pool_kind == "dsv4":
+            return self._model_forward_dsv4(fb)
         n = fb.out_cache_loc.shape[0]
         base = (fb.input_ids[:n] * 31 + fb.positions[:n] * 7).unsqueeze(1)
         for layer in range(self.kv_pool.layer_num):
@@ -293,6 +375,42 @@ class ServingDriver:
                 torch.bfloat16) / 251
             self.kv_pool.k_buffer[layer][fb.out_cache_loc] = vals.view(n, 2, 8)
             self.kv_pool.v_buffer[layer][fb.out_cache_loc] = (vals * 0.5).view(n, 2, 8)
+
+    def _kv_values(self, fb: ForwardBatch, layer: int, width: int) -> torch.Tensor:
+        n = fb.out_cache_loc.shape[0]
+        base = (fb.input_ids[:n] * 31 + fb.positions[:n] * 7).unsqueeze(1)
+        return (base + layer * 13 + torch.arange(width, device=self.device)) % 251
+
+    def _model_forward_swa(self, fb: ForwardBatch) -> None:
+        """Layer 0 (sliding window) into the SWA sub-pool at the translated slots, layer 1
+        (full attention) into the full sub-pool, as ``SWAKVPool.set_kv_buffer`` does."""
+        n = fb.out_cache_loc.shape[0]
+        loc = fb.out_cache_loc
+        swa_loc = self.swa_table[loc]
+        for layer, (sub, where) in enumerate(((self.kv_pool.swa_kv_pool, swa_loc),
+                                              (self.kv_pool.full_kv_pool, loc))):
+            vals = self._kv_values(fb, layer, 16).to(torch.bfloat16) / 251
+            sub.k_buffer[0][where] = vals.view(n, 2, 8)
+            sub.v_buffer[0][where] = (vals * 0.5).view(n, 2, 8)
+
+    def _model_forward_dsv4(self, fb: ForwardBatch) -> None:
+        """Every layer's SWA record (448 fp8 nope, 64 bf16 rope, 7 scale bytes) through
+        sglang's ``SetKAndS`` torch path, at the translated slots."""
+        from sglang.srt.layers.attention.dsv4.index_buf_accessor import (
+            NopeFp8RopeBf16Pack,
+            SetKAndS,
+            fp8_dtype,
+        )
+
+        swa = self.kv_pool.swa_kv_pool
+        swa_loc = self.swa_table[fb.out_cache_loc].contiguous()
+        for layer in range(swa.layer_num):
+            pack = NopeFp8RopeBf16Pack(
+                k_nope_fp8=(self._kv_values(fb, layer, 448).float() / 64).to(fp8_dtype),
+                k_rope_bf16=(self._kv_values(fb, layer + 1, 64).float() / 251).to(
+                    torch.bfloat16),
+                scale_k_nope_ue8m0=(self._kv_values(fb, layer + 2, 7) + 1).to(torch.uint8))
+            SetKAndS.torch(swa, swa.kv_buffer[layer], swa_loc, pack)
 
     def _forward(self, fb: ForwardBatch) -> None:
         if not self.forbid_host_sync:
@@ -406,6 +524,48 @@ class ServingDriver:
         old = int(row[0])
         row[0] ^= 0xFF
         return dict(rid=victim.rid, position=p, slot=slot, old=old, new=int(row[0]))
+
+    def window_positions(self, req: DriverReq) -> range:
+        """Positions the next decode forward's SWA verify covers for ``req``."""
+        return range(max(0, req.kv_len - self.swa_window), req.kv_len)
+
+    def _flip_swa_byte(self, swa_slot: int, part: str) -> tuple:
+        if self.pool_kind == "swa":
+            row = self.kv_pool.swa_kv_pool.k_buffer[0][swa_slot].view(torch.uint8).view(-1)
+            return row, 0
+        swa = self.kv_pool.swa_kv_pool
+        page, off = divmod(swa_slot, swa.page_size)
+        row = swa.kv_buffer[0][page]
+        if part == "data":
+            return row, off * 576
+        return row, swa.page_size * 576 + off * 8
+
+    def fault_flip_swa_kv_byte(self, *, inside_window: bool = True, part: str = "data") -> dict:
+        """Flip one byte of layer 0's SWA KV of a running request's position: inside the
+        window the next decode reads (``inside_window``), or resident in the SWA pool but
+        behind the window (never read again). ``part`` (dsv4): ``data`` (first nope byte) or
+        ``scale`` (first scale byte) of the 584-byte token record."""
+        if self.pool_kind == "mha":
+            raise RuntimeError("driver: fault_flip_swa_kv_byte needs pool='swa' or 'dsv4'")
+        for victim in self.rng.sample(self.running, len(self.running)):
+            if not victim.prefilled:
+                continue
+            window = self.window_positions(victim)
+            cands = (list(window)[:-1] if inside_window
+                     else range(victim.swa_evicted, window.start))
+            cands = [p for p in cands if self.swa_slot(victim.slots[p]) > 0
+                     and self.slot_refs[victim.slots[p]] == 1]
+            if cands:
+                p = self.rng.choice(cands)
+                slot = victim.slots[p]
+                swa_slot = self.swa_slot(slot)
+                row, i = self._flip_swa_byte(swa_slot, part)
+                old = int(row[i])
+                row[i] ^= 0xFF
+                return dict(rid=victim.rid, position=p, slot=slot, swa_slot=swa_slot,
+                            old=old, new=int(row[i]), window=(window.start, window.stop))
+        raise RuntimeError("driver: no SWA-resident position "
+                           f"{'inside' if inside_window else 'behind'} a window to corrupt")
 
     def fault_flip_record_field(self, *, buffer: str = "k_head", field: int = 1) -> dict:
         """Flip a bit of one int64 field of a live slot's canary record."""

@@ -93,8 +93,11 @@ def install_canary(*, server_args, model_runner, token_oracle_manager=None
         raise RuntimeError("kv_canary is already installed on this model runner")
     pool = model_runner.token_to_kv_pool
     device = model_runner.device
+    # the SWA layers' window, as the scheduler's SWA eviction uses it (None without SWA)
+    window = getattr(model_runner, "sliding_window_size", None)
     groups = attach_canary_buffers(pool=pool, config=config, device=device,
-                                   kv_token_id_vs_position_offset=0)
+                                   kv_token_id_vs_position_offset=0,
+                                   swa_window_size=int(window) if window else None)
     capacities = _capacities(server_args, model_runner, groups[0].num_slots)
     manager = CanaryManager(config=config, groups=groups, capacities=capacities,
                             req_to_token=model_runner.req_to_token_pool.req_to_token,

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 
-# attacher(*, pool, config, device, kv_token_id_vs_position_offset) -> list of groups
+# attacher(*, pool, config, device, kv_token_id_vs_position_offset, swa_window_size)
+#   -> list of groups (attachers of pools without a sliding window ignore swa_window_size)
 PoolAttacher = Callable[..., List[CanaryBufferGroup]]
 
 _ATTACHERS: Dict[type, PoolAttacher] = {}
@@ -38,18 +39,24 @@ def supported_pool_names() -> List[str]:
     return sorted(cls.__name__ for cls in _ATTACHERS)
 
 
-def attach_canary_buffers(*, pool, config, device, kv_token_id_vs_position_offset: int = 0
-                          ) -> List[CanaryBufferGroup]:
+def attach_canary_buffers(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
+                          swa_window_size: Optional[int] = None) -> List[CanaryBufferGroup]:
     """Allocate canary buffers for ``pool``, splice them into its buf-info methods (so PD
     transfers carry them), and return the buffer groups. Dispatches on the pool's class (exact
     match first, then its base classes); an unsupported pool raises ``NotImplementedError``
-    naming the supported ones."""
+    naming the supported ones.
+
+    ``swa_window_size``: the sliding window (tokens) of the model's SWA layers, i.e.
+    ``ModelRunner.sliding_window_size`` (what the scheduler's SWA eviction uses). Needed by
+    the SWA / DeepSeek-V4 attachers (the DSV4 one falls back to the pool's own
+    ``swa_window_size``); ignored by pools without a window. ``None`` = not known."""
     _load_adapters()
     for cls in type(pool).__mro__:
         attacher = _ATTACHERS.get(cls)
         if attacher is not None:
             return attacher(pool=pool, config=config, device=device,
-                            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+                            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+                            swa_window_size=swa_window_size)
     raise NotImplementedError(
         f"kv_canary does not support KV pool {type(pool).__name__}; supported pools: "
         f"{', '.join(supported_pool_names())}. Run without --kv-canary for this model."

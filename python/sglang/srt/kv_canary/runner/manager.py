@@ -32,6 +32,7 @@ from sglang.srt.kv_canary.runner.device_host import DelayedDeviceHostHandler
 from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
 from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
 from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
+from sglang.srt.kv_canary.runner.swa_divergence import SwaDivergenceReporter
 from sglang.srt.kv_canary.runner.sweep import SweepOrchestrator
 from sglang.srt.kv_canary.runner.violation import ViolationManager, ViolationReporter
 from sglang.srt.kv_canary.single_forward_manager import SingleForwardManager
@@ -75,6 +76,11 @@ class CanaryManager:
         }
         for sfm in self.sfms:
             watched[f"plan_enabled_{sfm.index}"] = sfm.status_plan_enabled
+        self.swa_divergence = SwaDivergenceReporter(
+            interval=config.swa_divergence_stats_interval,
+            sfm_plans={sfm.index: [(p.group.kind, p.verify_plan) for p in sfm.plans.values()]
+                       for sfm in self.sfms})
+        watched.update(self.swa_divergence.watched_tensors())
         self.device_host = DelayedDeviceHostHandler(watched)
         self.violations = ViolationManager(reporter=ViolationReporter(config.mode),
                                            ring_capacity=config.ring_capacity)
@@ -188,3 +194,4 @@ class CanaryManager:
                              sweep_passes=self.sweep_passes)
         self.violations.process(host, step=step)
         self.health.check(step=step, kernel_counters=kernel_counters)
+        self.swa_divergence.consume(host=host, step=step, sfm_index=sfm_index)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-_ADAPTER_MODULES = ("mha",)
+_ADAPTER_MODULES = ("mha", "swa", "dsv4")
 
 
 def load_all() -> None:

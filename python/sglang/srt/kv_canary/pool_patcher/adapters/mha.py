@@ -2,12 +2,16 @@
 
 Real-KV sources: layer 0's K rows (and V rows for the V half), one token per row
 (``[size + page_size, head_num, head_dim]``), fingerprinted whole in ALL mode.
+
+:func:`build_mha_group` is shared with the SWA adapter, whose two sub-pools are MHA pools.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import List
+from typing import List, Optional
+
+import torch
 
 from sglang.jit_kernel.kv_canary.verify import PoolKind, RealKvSource
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
@@ -26,29 +30,48 @@ def _layer0_source(buf) -> RealKvSource:
         raise ValueError(f"kv_canary cannot fingerprint this MHA pool's layer-0 rows: {e}") from e
 
 
-def attach_mha(*, pool, config, device, kv_token_id_vs_position_offset: int = 0
-               ) -> List[CanaryBufferGroup]:
+def build_mha_group(kv_pool, *, kind: PoolKind, config, device,
+                    kv_token_id_vs_position_offset: int,
+                    swa_index_lut: Optional[torch.Tensor] = None,
+                    swa_window_size: int = 0) -> CanaryBufferGroup:
     """Allocate K (and, with ``config.enable_mha_v``, V) head/tail buffers of
-    ``pool.size + pool.page_size`` rows, splice them into ``get_contiguous_buf_infos``."""
-    num_slots = pool.k_buffer[0].shape[0]
+    ``kv_pool.size + kv_pool.page_size`` rows (one per row of ``kv_pool.k_buffer[0]``) and
+    return the group; nothing is spliced here."""
+    num_slots = kv_pool.k_buffer[0].shape[0]
     k_head = allocate_canary_buffer(num_slots, device)
     k_tail = allocate_canary_buffer(num_slots, device)
     v_head = v_tail = None
     if config.enable_mha_v:
         v_head = allocate_canary_buffer(num_slots, device)
         v_tail = allocate_canary_buffer(num_slots, device)
-    group = CanaryBufferGroup(
-        kind=PoolKind.FULL,
+    return CanaryBufferGroup(
+        kind=kind,
         k_head=k_head, k_tail=k_tail, v_head=v_head, v_tail=v_tail,
-        real_kv_sources_k=(_layer0_source(pool.k_buffer[0]),),
-        real_kv_sources_v=(_layer0_source(pool.v_buffer[0]),),
-        swa_index_lut=None,
+        real_kv_sources_k=(_layer0_source(kv_pool.k_buffer[0]),),
+        real_kv_sources_v=(_layer0_source(kv_pool.v_buffer[0]),),
+        swa_index_lut=swa_index_lut,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        swa_window_size=swa_window_size,
     )
-    splice_into_method(pool, "get_contiguous_buf_infos",
+
+
+def splice_mha_group(pool, method_name: str, group: CanaryBufferGroup, page_size: int) -> None:
+    """Splice ``group``'s buffers into ``pool.method_name``, whose infos list the K layers
+    then the V layers of an MHA pool (so the first half are K entries)."""
+    splice_into_method(pool, method_name,
                        num_k_entries=lambda infos: len(infos[0]) // 2,
-                       page_size=pool.page_size, k_head=k_head, k_tail=k_tail,
-                       v_head=v_head, v_tail=v_tail)
+                       page_size=page_size, k_head=group.k_head, k_tail=group.k_tail,
+                       v_head=group.v_head, v_tail=group.v_tail)
+
+
+def attach_mha(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
+               swa_window_size: Optional[int] = None) -> List[CanaryBufferGroup]:
+    """One FULL group over the whole pool, spliced into ``get_contiguous_buf_infos``.
+    ``swa_window_size`` is accepted (every attacher gets it) and ignored: MHA pools have no
+    sliding window."""
+    group = build_mha_group(pool, kind=PoolKind.FULL, config=config, device=device,
+                            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+    splice_mha_group(pool, "get_contiguous_buf_infos", group, pool.page_size)
     return [group]
 
 

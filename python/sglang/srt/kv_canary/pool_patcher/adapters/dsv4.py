@@ -1,0 +1,147 @@
+"""Adapter for ``DeepSeekV4TokenToKVPool``: a FULL group on the logical full slots and an
+SWA group on the SWA sub-pool with real-KV fingerprints of its 584-byte token rows.
+
+DeepSeek-V4 keeps no per-token KV in the full slot space: its attention reads (a) the SWA
+sub-pool (``swa_kv_pool``, every layer, one 584-byte record per token, addressed through
+``full_to_swa_index_mapping``) over the sliding window, and (b) compressed pools ``c4_kv_pool``
+/ ``c128_kv_pool`` (+ the ``c4_indexer_kv_pool``) holding one entry per 4 / 128 tokens, located
+through ``req_to_token`` (``full_loc // ratio`` of the group's last token).
+
+Covered:
+
+- FULL group (tags ``*_FULL``), one record per logical full slot (``len(table) - 1`` rows):
+  chain / position / (with token checks) token of the whole prefix, every forward. This guards
+  the ``req_to_token`` addressing that every DSV4 read (SWA window and compressed entries)
+  goes through. No real-KV fingerprint: the full slot space has no bytes of its own.
+- SWA group (tags ``*_SWA``) on ``swa_kv_pool`` through ``full_to_swa_index_mapping``: the
+  window ``[max(0, prefix - window), prefix)``, evicted slots skipped, plus a real-KV
+  fingerprint of layer 0's 584 bytes per token, as sglang lays them out in a page of
+  ``P = swa_page_size`` tokens: the 576 nope(fp8)+rope(bf16) bytes at ``(s % P) * 576`` and
+  the 8 scale bytes (7 ue8m0 scales + 1 pad) at ``P * 576 + (s % P) * 8`` — two
+  :class:`RealKvSource` (8-byte granularity; PARTIAL folds the first 16 data bytes and the 8
+  scale bytes, ALL folds all 584).
+
+Not covered (documented in docs/architecture.md):
+
+- The bytes of the compressed pools (``c4_kv_pool``, ``c128_kv_pool``,
+  ``c4_indexer_kv_pool``) and of the compress-state rings (``compress_state_pools``): an
+  entry is written once per 4 / 128 tokens (only at positions ``≡ ratio - 1``), so a
+  per-full-slot fingerprint would read entries not yet written; a translated group for them
+  would need launch tags of its own to be reported apart from the SWA sub-pool's. Their
+  *addressing* is guarded by the FULL group's checks of ``req_to_token``.
+- Layers other than layer 0 of the SWA sub-pool (as for MHA, one layer is fingerprinted).
+- ``HiSparseC4DevicePool`` translation (irrelevant here: the c4 pool is not covered).
+- There is no V half (DSV4 stores K only); ``SGLANG_KV_CANARY_ENABLE_MHA_V`` is ignored.
+
+Buf infos (PD transfer): the FULL group's K buffers around ``get_contiguous_buf_infos`` (all
+of its entries, one item per full page, ``item_len = 32 * page_size``); the SWA group's K
+buffers around the SWA layers in ``get_state_buf_infos`` (``item_len = 32 *
+swa_page_size``), the compress-state entries after them untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Tuple
+
+import torch
+
+from sglang.jit_kernel.kv_canary.verify import PoolKind, RealKvSource
+from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
+from sglang.srt.kv_canary.pool_patcher.adapters.swa import (
+    require_sub_pool,
+    require_swa_table,
+    require_window,
+)
+from sglang.srt.kv_canary.pool_patcher.buf_info_splice import splice_into_method
+from sglang.srt.kv_canary.pool_patcher.buffer_alloc import allocate_canary_buffer
+
+logger = logging.getLogger(__name__)
+
+
+def dsv4_token_layout(kv_pool) -> Tuple[int, int]:
+    """``(data_bytes, scale_bytes)`` per token of a ``DeepSeekV4SingleKVPool`` page: nope fp8
+    + rope bf16 bytes, then (after all ``page_size`` tokens' data) the padded scale bytes."""
+    data = int(kv_pool.qk_nope_head_dim) + int(kv_pool.qk_rope_head_dim) * 2
+    scale = int(kv_pool.get_bytes_per_token()) - data
+    if data <= 0 or scale <= 0 or data % 8 or scale % 8:
+        raise ValueError(f"kv_canary: unexpected DeepSeek-V4 token layout ({data} data + "
+                         f"{scale} scale bytes); the fingerprint needs multiples of 8")
+    return data, scale
+
+
+def dsv4_layer_sources(kv_pool, layer: int = 0) -> Tuple[RealKvSource, RealKvSource]:
+    """The two real-KV sources covering the 584 bytes of every token of ``layer``."""
+    buf = kv_pool.kv_buffer[layer]
+    page = int(kv_pool.page_size)
+    data, scale = dsv4_token_layout(kv_pool)
+    if buf.dim() != 2 or buf[0].nbytes < page * (data + scale):
+        raise ValueError(f"kv_canary: DeepSeek-V4 layer buffer {tuple(buf.shape)} is too small "
+                         f"for {page} tokens of {data + scale} bytes")
+    u8 = buf if buf.dtype == torch.uint8 else buf.view(torch.uint8)  # rows are pages
+    try:
+        return (
+            RealKvSource(tensor=u8, page_size=page, num_bytes_per_token=data, read_bytes=data),
+            RealKvSource(tensor=u8[:, page * data: page * (data + scale)], page_size=page,
+                         num_bytes_per_token=scale, read_bytes=scale),
+        )
+    except ValueError as e:
+        raise ValueError(f"kv_canary cannot fingerprint the DeepSeek-V4 SWA pool: {e}") from e
+
+
+def attach_dsv4(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
+                swa_window_size: Optional[int] = None) -> List[CanaryBufferGroup]:
+    """``[FULL group, SWA group]`` for a ``DeepSeekV4TokenToKVPool`` (see module doc).
+    ``swa_window_size`` defaults to the pool's own ``swa_window_size``."""
+    swa_pool = require_sub_pool(pool, "swa_kv_pool")
+    lut = require_swa_table(pool)
+    if swa_window_size is None:
+        swa_window_size = getattr(pool, "swa_window_size", None)
+    window = require_window(swa_window_size, pool)
+    if config.enable_mha_v:
+        logger.info("kv_canary: DeepSeek-V4 stores no V; SGLANG_KV_CANARY_ENABLE_MHA_V ignored")
+
+    full_rows = lut.shape[0] - 1  # the table's last entry is the -1 sentinel
+    full = CanaryBufferGroup(
+        kind=PoolKind.FULL,
+        k_head=allocate_canary_buffer(full_rows, device),
+        k_tail=allocate_canary_buffer(full_rows, device),
+        v_head=None, v_tail=None,
+        real_kv_sources_k=(), real_kv_sources_v=(),
+        swa_index_lut=None,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+    )
+    swa_rows = swa_pool.kv_buffer[0].shape[0] * int(swa_pool.page_size)
+    swa = CanaryBufferGroup(
+        kind=PoolKind.SWA,
+        k_head=allocate_canary_buffer(swa_rows, device),
+        k_tail=allocate_canary_buffer(swa_rows, device),
+        v_head=None, v_tail=None,
+        real_kv_sources_k=dsv4_layer_sources(swa_pool, 0), real_kv_sources_v=(),
+        swa_index_lut=lut,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        swa_window_size=window,
+    )
+    splice_into_method(pool, "get_contiguous_buf_infos",
+                       num_k_entries=lambda infos: len(infos[0]),
+                       page_size=int(pool.page_size), k_head=full.k_head, k_tail=full.k_tail)
+    num_swa_layers = len(swa_pool.kv_buffer)
+    splice_into_method(pool, "get_state_buf_infos",
+                       num_k_entries=lambda infos: num_swa_layers,
+                       page_size=int(swa_pool.page_size), k_head=swa.k_head, k_tail=swa.k_tail)
+    logger.info("kv_canary: DeepSeekV4TokenToKVPool covered by a FULL group (%d logical "
+                "slots, no real-KV bytes) and an SWA group (%d slots, window %d, layer-0 "
+                "584-byte fingerprint); compressed c4/c128/indexer pools not fingerprinted",
+                full_rows, swa_rows, window)
+    return [full, swa]
+
+
+def register() -> None:
+    from sglang.srt.kv_canary.pool_patcher.registry import register_pool_attacher
+
+    try:
+        from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    except Exception as e:  # optional: its import pulls DSV4 kernels that may be missing
+        logger.info("kv_canary: DeepSeekV4TokenToKVPool unavailable (%s); DSV4 adapter off", e)
+        return
+    register_pool_attacher(DeepSeekV4TokenToKVPool, attach_dsv4)

@@ -1,0 +1,100 @@
+"""Adapter for ``SWAKVPool`` (hybrid sliding-window models): a FULL group and an SWA group.
+
+- FULL group on ``pool.full_kv_pool`` (the full-attention layers' MHA pool, addressed by the
+  slots in ``req_to_token``): every forward verifies the whole prefix of each request.
+- SWA group on ``pool.swa_kv_pool`` (the sliding-window layers' MHA pool, its own, smaller
+  slot space), carrying ``pool.full_to_swa_index_mapping`` (full slot → SWA slot; 0 = evicted
+  from the SWA pool, the table's last entry is -1 so -1 maps to -1). Every forward verifies only
+  the window ``[max(0, prefix - window), prefix)``, translating slots through the table
+  (evicted → 0 → skipped), and the write kernel stores to the translated ``out_cache_loc``.
+
+Real-KV sources: layer 0 of each sub-pool (K rows, and V rows for the V half), as for MHA.
+Buf infos (PD transfer): the FULL group's buffers are spliced into
+``get_contiguous_buf_infos`` (the full pool's K/V layers), the SWA group's into
+``get_state_buf_infos`` (the SWA pool's K/V layers). Tags of the SWA group's launches end in
+``_SWA``.
+
+The window comes from the caller (``ModelRunner.sliding_window_size``, which is what the
+scheduler's SWA eviction frees beyond); the table is the one the
+``SWATokenToKVPoolAllocator`` registers on the pool, so attach after the allocator exists
+(sglang builds both in ``ModelRunner.init_memory_pool``). The table is held by reference: the
+allocator updates it in place on every allocation and eviction.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+import torch
+
+from sglang.jit_kernel.kv_canary.verify import PoolKind
+from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
+from sglang.srt.kv_canary.pool_patcher.adapters.mha import build_mha_group, splice_mha_group
+
+logger = logging.getLogger(__name__)
+
+
+def require_sub_pool(pool, name: str):
+    """``pool.<name>``, or a ``ValueError`` naming the pool class and the missing sub-pool."""
+    sub = getattr(pool, name, None)
+    if sub is None:
+        raise ValueError(f"kv_canary: {type(pool).__name__} has no {name!r} sub-pool; the "
+                         "canary's SWA adapters need it (is this sglang build supported?)")
+    return sub
+
+
+def require_swa_table(pool) -> torch.Tensor:
+    """The pool's full → SWA slot table, checked: a 1-D int32/int64 tensor registered by the
+    SWA allocator."""
+    lut = getattr(pool, "full_to_swa_index_mapping", None)
+    if lut is None:
+        raise RuntimeError(
+            f"kv_canary: {type(pool).__name__}.full_to_swa_index_mapping is not set; the "
+            "SWATokenToKVPoolAllocator registers it, so the canary must be attached after "
+            "the allocator is built (sglang does both in ModelRunner.init_memory_pool)")
+    if not isinstance(lut, torch.Tensor) or lut.dim() != 1 or lut.dtype not in (
+            torch.int32, torch.int64):
+        raise TypeError(f"kv_canary: full_to_swa_index_mapping must be a 1-D int32/int64 "
+                        f"tensor, got {getattr(lut, 'dtype', type(lut))} "
+                        f"{tuple(getattr(lut, 'shape', ()))}")
+    return lut
+
+
+def require_window(swa_window_size: Optional[int], pool) -> int:
+    if isinstance(swa_window_size, bool) or not isinstance(swa_window_size, int) \
+            or swa_window_size <= 0:
+        raise ValueError(
+            f"kv_canary: {type(pool).__name__} needs the model's sliding window size (an int "
+            f">= 1, ModelRunner.sliding_window_size), got {swa_window_size!r}")
+    return swa_window_size
+
+
+def attach_swa(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
+               swa_window_size: Optional[int] = None) -> List[CanaryBufferGroup]:
+    """``[FULL group, SWA group]`` for an ``SWAKVPool``; splices both (see module doc)."""
+    full_pool = require_sub_pool(pool, "full_kv_pool")
+    swa_pool = require_sub_pool(pool, "swa_kv_pool")
+    lut = require_swa_table(pool)
+    window = require_window(swa_window_size, pool)
+    full = build_mha_group(full_pool, kind=PoolKind.FULL, config=config, device=device,
+                           kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+    swa = build_mha_group(swa_pool, kind=PoolKind.SWA, config=config, device=device,
+                          kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+                          swa_index_lut=lut, swa_window_size=window)
+    splice_mha_group(pool, "get_contiguous_buf_infos", full, pool.page_size)
+    splice_mha_group(pool, "get_state_buf_infos", swa, pool.page_size)
+    logger.info("kv_canary: SWAKVPool covered by a FULL group (%d slots) and an SWA group "
+                "(%d slots, window %d)", full.num_slots, swa.num_slots, window)
+    return [full, swa]
+
+
+def register() -> None:
+    from sglang.srt.kv_canary.pool_patcher.registry import register_pool_attacher
+
+    try:
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    except ImportError:
+        logger.warning("kv_canary: SWAKVPool not found in this sglang; SWA adapter off")
+        return
+    register_pool_attacher(SWAKVPool, attach_swa)
