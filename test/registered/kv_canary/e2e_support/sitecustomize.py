@@ -95,3 +95,37 @@ if _flip_cached:
 
     HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
                           _flip_cached_byte, HookType.AFTER)
+
+_flip_swa = os.environ.get("KV_CANARY_TEST_FLIP_SWA_AFTER")
+if _flip_swa:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    _swa_state = {"n": 0, "done": False}
+
+    def _flip_swa_byte(result, self, forward_batch, *args, **kwargs):
+        """From decode forward N on, once: flip the first K byte (layer 0 of the SWA sub-pool
+        of an ``SWAKVPool``) of the slot holding position ``seq_len - 2`` of the batch's first
+        request: inside the window its next decode reads (and the canary verifies)."""
+        manager = getattr(self, "kv_canary_manager", None)
+        pool = getattr(self, "token_to_kv_pool", None)
+        if (manager is None or _swa_state["done"] or not hasattr(pool, "swa_kv_pool")
+                or not forward_batch.forward_mode.is_decode()):
+            return result
+        _swa_state["n"] += 1
+        if _swa_state["n"] < int(_flip_swa):
+            return result
+        row = int(forward_batch.req_pool_indices[0])
+        p = int(forward_batch.seq_lens[0]) - 2
+        full_slot = int(self.req_to_token_pool.req_to_token[row, p])
+        swa_slot = int(pool.full_to_swa_index_mapping[full_slot])
+        if p < 1 or swa_slot <= 0:
+            return result
+        kv = pool.swa_kv_pool.k_buffer[0][swa_slot].view(-1).view(__import__("torch").uint8)
+        kv[0] ^= 0x5A
+        _swa_state["done"] = True
+        print(f"KV_CANARY_TEST: flipped SWA K byte 0 of position {p} (full slot {full_slot}, "
+              f"swa slot {swa_slot})", flush=True)
+        return result
+
+    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
+                          _flip_swa_byte, HookType.AFTER)

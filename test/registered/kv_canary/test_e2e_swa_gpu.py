@@ -1,0 +1,107 @@
+"""A full sglang Engine serving a tiny hybrid sliding-window model (``GptOssForCausalLM``,
+dummy weights: layer 0 sliding-window, layer 1 full attention → ``SWAKVPool`` with a
+``SWATokenToKVPoolAllocator`` and ``SWARadixCache``) with ``--kv-canary raise``: a clean
+workload (prompts far longer than the window, so SWA eviction runs) reports nothing, and a
+byte flipped in the SWA sub-pool inside a running request's window is reported with an
+``_SWA`` tag.
+
+GPU only: sglang 0.5.12's CPU path (``torch_native`` attention) has no sliding-window
+support, so no hybrid-SWA model runs on the CPU server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.cuda, pytest.mark.slow]
+
+SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
+WINDOW = 32
+ARGS = dict(chunked_prefill_size=64, max_total_tokens=2048, max_running_requests=8,
+            log_level="info", kv_canary_real_data="partial")
+
+TINY_GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "experts_per_token": 2,
+    "sliding_window": WINDOW,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 4096},
+    "swiglu_limit": 7.0,
+    "attention_bias": True,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss_swa")
+    (path / "config.json").write_text(json.dumps(TINY_GPT_OSS, indent=1))
+    return str(path)
+
+
+def _workload(model, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", ""))
+                                        if p)
+    proc = subprocess.run([sys.executable, str(SUPPORT / "workload.py"), model, "raise",
+                           json.dumps(ARGS), "cuda"],
+                          env=env, capture_output=True, text=True, timeout=480)
+    out = proc.stdout + proc.stderr
+    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
+           if x.startswith("RESULT ")]
+    return proc.returncode, out, res[0] if res else None
+
+
+def test_swa_engine_clean_run_has_no_violations(model):
+    rc, out, res = _workload(model, {"SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10",
+                                     "SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL": "10"})
+    assert rc == 0, out[-4000:]
+    assert res is not None and len(res) == 48
+    assert "kv_canary violation" not in out and "health check failed" not in out
+    assert "SWAKVPool covered by a FULL group" in out
+    stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
+    assert stats and "violations=0" in stats[-1]
+    assert "TAIL_K_FULL" in stats[-1] and "TAIL_K_SWA" in stats[-1]
+    div = [json.loads(line.split("kv_canary_swa_divergence=", 1)[1])
+           for line in out.splitlines() if "kv_canary_swa_divergence=" in line]
+    # prompts of 60-160 tokens against a 31-token window: the SWA group verifies far less
+    assert div and 0 < div[-1]["swa_verify_entries"] < div[-1]["full_verify_entries"]
+
+
+def test_swa_window_byte_flip_detected(model):
+    rc, out, res = _workload(model, {"KV_CANARY_TEST_FLIP_SWA_AFTER": "30",
+                                     "SGLANG_KV_CANARY_RING_CAPACITY": "8"})
+    m = re.search(r"KV_CANARY_TEST: flipped SWA K byte 0 of position (\d+) \(full slot \d+, "
+                  r"swa slot (\d+)\)", out)
+    assert m, out[-4000:]
+    assert rc != 0 and res is None, out[-4000:]
+    pos, swa_slot = m.groups()
+    assert re.search(rf"kv_canary violation: launch_tag=TAIL_K_SWA "
+                     rf"fail_reason=verify_real_kv_hash slot_idx={swa_slot} position={pos} ",
+                     out), out[-3000:]
