@@ -17,6 +17,8 @@ from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
 from sglang.srt.kv_canary.runner import CanaryManager
+from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
+from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +80,28 @@ def wrap_model_forward(model, manager: CanaryManager) -> None:
     setattr(model, _WRAPPED_FORWARD_MARK, True)
 
 
+def _use_token_oracle_sampler(model_runner) -> None:
+    """Make the runner sample with the token oracle. sglang builds its sampler from
+    ``--sampling-backend`` but forces ``pytorch`` on some devices (the CPU engine): then the
+    oracle is swapped in here, with a log line saying so."""
+    from sglang.srt.kv_canary.token_oracle.sampler import TokenOracleSampler
+
+    current = getattr(model_runner, "sampler", None)
+    if isinstance(current, TokenOracleSampler):
+        return
+    logger.info("kv_canary: token oracle on; replacing sglang's %s with the %s sampler",
+                type(current).__name__, TOKEN_ORACLE_BACKEND)
+    model_runner.sampler = TokenOracleSampler()
+
+
 def install_canary(*, server_args, model_runner, token_oracle_manager=None
                    ) -> Optional[CanaryManager]:
     """Install the canary on ``model_runner`` if ``--kv-canary`` is on; returns the manager
-    (also stored as ``model_runner.kv_canary_manager``) or None."""
+    (also stored as ``model_runner.kv_canary_manager``) or None.
+
+    With the token oracle on (``--sampling-backend token_oracle`` or
+    ``SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1``) a :class:`TokenOracleManager` is created unless
+    ``token_oracle_manager`` is given, and the runner samples with the oracle."""
     config = check_server_args_for_canary(server_args)
     if not config.enabled:
         return None
@@ -99,12 +119,22 @@ def install_canary(*, server_args, model_runner, token_oracle_manager=None
                                    kv_token_id_vs_position_offset=0,
                                    swa_window_size=int(window) if window else None)
     capacities = _capacities(server_args, model_runner, groups[0].num_slots)
+    if config.enable_token_oracle and token_oracle_manager is None:
+        token_oracle_manager = TokenOracleManager(
+            vocab_size=int(model_runner.model_config.vocab_size), device=device)
     manager = CanaryManager(config=config, groups=groups, capacities=capacities,
                             req_to_token=model_runner.req_to_token_pool.req_to_token,
-                            device=device)
+                            device=device, token_oracle=token_oracle_manager)
+    if token_oracle_manager is not None:
+        _use_token_oracle_sampler(model_runner)
     setattr(model_runner, MANAGER_ATTR, manager)
     wrap_model_forward(model_runner.model, manager)
-    logger.info("kv_canary installed: mode=%s real_data=%s groups=%d capacities=%s",
-                config.mode.value, config.real_kv_hash_mode.name.lower(), len(groups),
-                capacities)
+    logger.info("kv_canary installed: mode=%s real_data=%s groups=%d token_oracle=%s "
+                "capacities=%s", config.mode.value, config.real_kv_hash_mode.name.lower(),
+                len(groups), token_oracle_manager is not None, capacities)
+    if config.perturb.enabled:
+        logger.warning("kv_canary: FAULT INJECTION ON (%s) after %d warm-up steps: this server "
+                       "corrupts its own KV cache on purpose (self-test)",
+                       ", ".join(k.value for k in config.perturb.active_faults),
+                       config.perturb.warmup_steps)
     return manager

@@ -7,6 +7,12 @@ import enum
 
 from sglang.jit_kernel.kv_canary.consts import RealKvHashMode
 from sglang.srt.kv_canary.envs import canary_envs
+from sglang.srt.kv_canary.perturb.config import PerturbConfig, parse_target_group
+from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
+
+# ServerArgs attribute recording a ``--sampling-backend token_oracle`` request (sglang's CPU
+# engine rewrites ``sampling_backend`` to ``pytorch``; see plugin ``ServerArgs.__init__`` hook)
+TOKEN_ORACLE_REQUESTED_ATTR = "kv_canary_token_oracle_requested"
 
 
 class CanaryMode(str, enum.Enum):
@@ -56,6 +62,8 @@ class CanaryConfig:
     stats_print_every_n_steps: int = 100
     enable_mha_v: bool = False
     swa_divergence_stats_interval: int = 0
+    enable_token_oracle: bool = False
+    perturb: PerturbConfig = PerturbConfig()
 
     def __post_init__(self):
         object.__setattr__(self, "mode", CanaryMode.parse(self.mode))
@@ -94,4 +102,23 @@ class CanaryConfig:
             enable_mha_v=canary_envs.SGLANG_KV_CANARY_ENABLE_MHA_V.get(),
             swa_divergence_stats_interval=(
                 canary_envs.SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL.get()),
+            enable_token_oracle=(
+                canary_envs.SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE.get()
+                or getattr(server_args, "sampling_backend", None) == TOKEN_ORACLE_BACKEND
+                or bool(getattr(server_args, TOKEN_ORACLE_REQUESTED_ATTR, False))),
+            perturb=perturb_config_from_env(),
         )
+
+
+def perturb_config_from_env() -> PerturbConfig:
+    """The ``SGLANG_KV_CANARY_PERTURB_*`` variables as a :class:`PerturbConfig`."""
+    e = canary_envs
+    return PerturbConfig(
+        warmup_steps=e.SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS.get(),
+        req_to_token_prob=e.SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB.get(),
+        real_kv_used_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB.get(),
+        real_kv_unused_cache_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB.get(),
+        real_kv_post_forward_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB.get(),
+        next_token_swap_prob=e.SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB.get(),
+        target_group=parse_target_group(e.SGLANG_KV_CANARY_PERTURB_TARGET_GROUP.get()),
+    )

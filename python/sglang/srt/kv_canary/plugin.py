@@ -16,7 +16,11 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 | AROUND | ``CudaGraphRunner.replay_prepare`` | padding rows really point at row 0 (below) |
 | AROUND | ``CudaGraphRunner.replay`` | record that the graph ran the inside ops |
 | AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_radix_cache(tree_cache)`` |
-| AFTER | ``ForwardBatch.init_new`` | token-id snapshot of ``batch.reqs`` (token checks on only) |
+| AFTER | ``ForwardBatch.init_new`` | token-id snapshot of ``batch.reqs`` (token checks on only); |
+|  |  | token-oracle keys of the batch's requests (token oracle on only) |
+
+:func:`register` also registers the ``token_oracle`` sampling backend with sglang's
+``register_sampler_backend`` (so ``--sampling-backend token_oracle`` parses).
 """
 
 from __future__ import annotations
@@ -33,9 +37,14 @@ _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 
 def _server_args_init(original, self, *args, **kwargs):
     from sglang.srt.kv_canary.api import check_server_args_for_canary
-    from sglang.srt.kv_canary.server_args_ext import pop_canary_kwargs, set_canary_attrs
+    from sglang.srt.kv_canary.server_args_ext import (
+        note_requested_sampling_backend,
+        pop_canary_kwargs,
+        set_canary_attrs,
+    )
 
     set_canary_attrs(self, pop_canary_kwargs(kwargs))
+    note_requested_sampling_backend(self, kwargs.get("sampling_backend"))
     result = original(self, *args, **kwargs)
     check_server_args_for_canary(self)
     return result
@@ -130,8 +139,13 @@ def _after_forward_batch_init(result, cls, batch, model_runner, *args, **kwargs)
     from sglang.srt.kv_canary.req_to_expected_token_ids_manager import attach_req_all_ids_info
 
     manager = get_canary_manager(model_runner)
-    if manager is not None and manager.config.enable_verify_token_assert:
-        attach_req_all_ids_info(result, getattr(batch, "reqs", None))
+    if manager is None:
+        return result
+    reqs = getattr(batch, "reqs", None)
+    if manager.config.enable_verify_token_assert:
+        attach_req_all_ids_info(result, reqs)
+    if manager.token_oracle is not None:
+        manager.token_oracle.attach_batch(result, reqs)
     return result
 
 
@@ -157,3 +171,6 @@ def register() -> None:
 
     for target, hook, kind in HOOKS:
         HookRegistry.register(target, hook, HookType[kind])
+    from sglang.srt.kv_canary.token_oracle.sampler import register_token_oracle_backend
+
+    register_token_oracle_backend()

@@ -61,3 +61,13 @@ def pop_canary_kwargs(kwargs: dict) -> dict:
 def set_canary_attrs(server_args, values: dict) -> None:
     for k, v in values.items():
         setattr(server_args, k, v)
+
+
+def note_requested_sampling_backend(server_args, requested) -> None:
+    """Remember a ``--sampling-backend token_oracle`` request: sglang may rewrite
+    ``sampling_backend`` during ``__init__`` (its CPU engine forces ``pytorch``), and the
+    canary must still know the operator asked for the oracle."""
+    from sglang.srt.kv_canary.config import TOKEN_ORACLE_REQUESTED_ATTR
+    from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
+
+    setattr(server_args, TOKEN_ORACLE_REQUESTED_ATTR, requested == TOKEN_ORACLE_BACKEND)

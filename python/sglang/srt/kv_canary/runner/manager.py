@@ -28,6 +28,7 @@ from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.endpoint import build_endpoints_from_group
+from sglang.srt.kv_canary.perturb import CanaryPerturber
 from sglang.srt.kv_canary.runner.device_host import DelayedDeviceHostHandler
 from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
 from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
@@ -37,6 +38,7 @@ from sglang.srt.kv_canary.runner.sweep import SweepOrchestrator
 from sglang.srt.kv_canary.runner.violation import ViolationManager, ViolationReporter
 from sglang.srt.kv_canary.single_forward_manager import SingleForwardManager
 from sglang.srt.kv_canary.state import CanaryDeviceState
+from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,8 @@ logger = logging.getLogger(__name__)
 class CanaryManager:
     def __init__(self, *, config: CanaryConfig, groups: Sequence[CanaryBufferGroup],
                  capacities: CanaryLaunchCapacities, req_to_token: torch.Tensor, device,
-                 num_single_forward_managers: int = 1):
+                 num_single_forward_managers: int = 1,
+                 token_oracle: Optional[TokenOracleManager] = None):
         if not config.enabled:
             raise ValueError("CanaryManager needs --kv-canary log or raise (got none)")
         if not groups:
@@ -62,12 +65,25 @@ class CanaryManager:
         self.endpoints = [ep for g in self.groups
                           for ep in build_endpoints_from_group(group=g, state=self.state,
                                                                config=config)]
+        if config.enable_write_input_assert and token_oracle is None:
+            raise ValueError("enable_write_input_assert needs a TokenOracleManager "
+                             "(token_oracle=...)")
+        self.token_oracle = token_oracle
         self.sfms = [
             SingleForwardManager(groups=self.groups, endpoints=self.endpoints, state=self.state,
                                  capacities=capacities, config=config,
-                                 req_to_token=req_to_token, device=device, index=i)
+                                 req_to_token=req_to_token, device=device, index=i,
+                                 token_oracle=token_oracle)
             for i in range(num_single_forward_managers)
         ]
+        # fault injection (self-tests only): off unless a SGLANG_KV_CANARY_PERTURB_* is set
+        self.perturber: Optional[CanaryPerturber] = None
+        if config.perturb.enabled:
+            self.perturber = CanaryPerturber(config=config.perturb, groups=self.groups,
+                                             req_to_token=req_to_token,
+                                             radix_cache=lambda: self.radix_cache)
+            if token_oracle is not None:
+                token_oracle.after_sample = self.perturber.swap_next_tokens
         watched = {
             "violation_write_index": self.state.violation_log.violation_write_index,
             "violation_ring": self.state.violation_log.violation_ring,
@@ -124,6 +140,8 @@ class CanaryManager:
     @contextlib.contextmanager
     def with_ops_outside_graph(self, forward_batch):
         sfm = self.active_sfm
+        if self.perturber is not None:
+            self.perturber.before_forward(forward_batch, step=self.step + 1)
         sfm.pre_ops_outside_graph(forward_batch)
         try:
             yield sfm
@@ -131,7 +149,7 @@ class CanaryManager:
             sfm.abort()
             raise
         sfm.post_ops_outside_graph()
-        self.after_forward(sfm)
+        self.after_forward(sfm, forward_batch)
 
     def pre_ops_maybe_inside_graph(self, forward_batch) -> None:
         self.active_sfm.pre_ops_maybe_inside_graph(forward_batch)
@@ -166,12 +184,16 @@ class CanaryManager:
 
     # ---- after each forward ----------------------------------------------------------------
 
-    def after_forward(self, sfm: SingleForwardManager) -> None:
-        """Step counter, the radix sweep (when due), then the delayed violation / overflow /
+    def after_forward(self, sfm: SingleForwardManager, forward_batch=None) -> None:
+        """Step counter, fault injection (self-tests only; before the sweep so that a fault
+        in an idle cached slot is swept this step), the radix sweep (when due), then the
+        delayed violation / overflow /
         health / stats pump: on CUDA
         the copies staged after the previous forward are consumed and this forward's are
         staged (never syncing the forward stream); on CPU both happen now."""
         self.step += 1
+        if self.perturber is not None and forward_batch is not None:
+            self.perturber.after_forward(forward_batch, step=self.step)
         self.sweep.maybe_run_sweep(self.step)
         if self.device_host.synchronous:
             self._stage(sfm)

@@ -3,7 +3,8 @@
 Four ops, checked in order:
 
 1. ``pre_ops_outside_graph(forward_batch)`` — host checks (capacities, with the server flag to
-   change) and the token-id scatter; never captured.
+   change), the token-id scatter and, with ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1``,
+   the token oracle's expected written tokens / positions; never captured.
 2. ``pre_ops_maybe_inside_graph(forward_batch)`` — fill the plan input, plan every group, HEAD
    launches (verify, then write). Captured into decode CUDA graphs.
 3. ``post_ops_maybe_inside_graph(forward_batch)`` — TAIL launches (verify, then write), then copy
@@ -49,8 +50,10 @@ class SingleForwardManager:
     def __init__(self, *, groups: Sequence[CanaryBufferGroup],
                  endpoints: Sequence[CanaryEndpoint], state: CanaryDeviceState,
                  capacities: CanaryLaunchCapacities, config: CanaryConfig,
-                 req_to_token: torch.Tensor, device, index: int = 0):
+                 req_to_token: torch.Tensor, device, index: int = 0,
+                 token_oracle=None):
         self.index = index
+        self.token_oracle = token_oracle
         self.config = config
         self.capacities = capacities
         self.state = state
@@ -116,6 +119,8 @@ class SingleForwardManager:
                 f"capacity {caps.write_entry_capacity}; it is sized from --max-prefill-tokens "
                 "and --chunked-prefill-size: raise them to cover this batch"
             )
+        if self.expected_inputs is not None:
+            self.token_oracle.fill_expected_inputs(forward_batch, self.expected_inputs)
         if self.config.enable_verify_token_assert:
             lens = populate_req_to_expected_token_ids(
                 forward_batch=forward_batch,

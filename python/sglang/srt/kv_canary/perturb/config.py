@@ -1,0 +1,118 @@
+"""``PerturbConfig``: the fault-injection settings (SPEC §13), read once from the
+``SGLANG_KV_CANARY_PERTURB_*`` variables by :class:`~sglang.srt.kv_canary.config.CanaryConfig`.
+
+Faults are self-tests: they corrupt a live server on purpose. All are off by default and act
+only after ``warmup_steps`` forward steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional
+
+from sglang.jit_kernel.kv_canary.verify import PoolKind
+
+
+class FaultKind(str, enum.Enum):
+    """The five fault classes, with the variable that turns each on."""
+
+    REQ_TO_TOKEN = "req_to_token"
+    REAL_KV_USED = "real_kv_used"
+    REAL_KV_UNUSED_CACHE = "real_kv_unused_cache"
+    REAL_KV_POST_FORWARD = "real_kv_post_forward"
+    NEXT_TOKEN_SWAP = "next_token_swap"
+
+    @property
+    def env_var(self) -> str:
+        return f"SGLANG_KV_CANARY_PERTURB_{self.name}_PROB"
+
+    @property
+    def is_real_kv(self) -> bool:
+        return self in REAL_KV_FAULTS
+
+
+REAL_KV_FAULTS = frozenset({FaultKind.REAL_KV_USED, FaultKind.REAL_KV_UNUSED_CACHE,
+                            FaultKind.REAL_KV_POST_FORWARD})
+
+TARGET_GROUP_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"
+_TARGET_GROUPS = {"full": PoolKind.FULL, "swa": PoolKind.SWA}
+
+
+@dataclasses.dataclass(frozen=True)
+class PerturbConfig:
+    """Per-step probabilities of each fault (``[0, 1]``), the warm-up and the real-KV target.
+
+    ``target_group`` (``PoolKind`` or None) is required when a real-KV fault is on. Checks that
+    need the rest of the canary config (real-data mode, sweep, token oracle) are done by
+    :meth:`check_against`.
+    """
+
+    warmup_steps: int = 50
+    req_to_token_prob: float = 0.0
+    real_kv_used_prob: float = 0.0
+    real_kv_unused_cache_prob: float = 0.0
+    real_kv_post_forward_prob: float = 0.0
+    next_token_swap_prob: float = 0.0
+    target_group: Optional[PoolKind] = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) \
+                or self.warmup_steps < 0:
+            raise ValueError(f"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS must be an int >= 0, got "
+                             f"{self.warmup_steps!r}")
+        for kind in FaultKind:
+            p = self.prob(kind)
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+                raise ValueError(f"{kind.env_var} must be a probability in [0, 1], got {p!r}")
+        if isinstance(self.target_group, str):
+            object.__setattr__(self, "target_group", parse_target_group(self.target_group))
+        if self.target_group is not None and not isinstance(self.target_group, PoolKind):
+            raise ValueError(f"{TARGET_GROUP_VAR} must be full or swa, got {self.target_group!r}")
+        real_on = [k.env_var for k in REAL_KV_FAULTS if self.prob(k) > 0]
+        if real_on and self.target_group is None:
+            raise ValueError(f"{', '.join(sorted(real_on))} > 0 needs {TARGET_GROUP_VAR}=full "
+                             "or swa (the buffer group whose real KV bytes to corrupt)")
+
+    def prob(self, kind: FaultKind) -> float:
+        return getattr(self, f"{kind.value}_prob")
+
+    @property
+    def active_faults(self) -> tuple:
+        return tuple(k for k in FaultKind if self.prob(k) > 0)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.active_faults)
+
+    def check_against(self, *, canary_enabled: bool, real_kv_hash_on: bool, sweep_interval: int,
+                      token_oracle: bool) -> None:
+        """Refuse fault settings the rest of the configuration cannot act on or detect."""
+        active = self.active_faults
+        if not active:
+            return
+        names = ", ".join(k.env_var for k in active)
+        if not canary_enabled:
+            raise ValueError(f"{names} > 0 needs the canary on: pass --kv-canary log or raise")
+        if any(k.is_real_kv for k in active) and not real_kv_hash_on:
+            raise ValueError(f"{names} > 0 corrupts real KV bytes, which only real-data "
+                             "fingerprints see: pass --kv-canary-real-data partial or all")
+        if FaultKind.REAL_KV_UNUSED_CACHE in active and sweep_interval <= 0:
+            raise ValueError(f"{FaultKind.REAL_KV_UNUSED_CACHE.env_var} > 0 corrupts slots only "
+                             "the radix sweep reads: pass --kv-canary-sweep-interval N (N >= 1)")
+        if FaultKind.NEXT_TOKEN_SWAP in active and not token_oracle:
+            raise ValueError(f"{FaultKind.NEXT_TOKEN_SWAP.env_var} > 0 swaps the token "
+                             "oracle's samples: pass --sampling-backend token_oracle or set "
+                             "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1")
+
+
+def parse_target_group(value: str) -> Optional[PoolKind]:
+    v = (value or "").strip().lower()
+    if not v:
+        return None
+    try:
+        return _TARGET_GROUPS[v]
+    except KeyError:
+        raise ValueError(f"invalid {TARGET_GROUP_VAR} value {value!r}; allowed: full, swa") \
+            from None

@@ -1,0 +1,184 @@
+"""``CanaryPerturber``: injects the faults of SPEC §13 into a live runner, on purpose.
+
+Called by :class:`~sglang.srt.kv_canary.runner.CanaryManager` around each forward step
+(outside CUDA graphs):
+
+- :meth:`before_forward` — ``req_to_token`` (point one active request's prefix position at
+  another active slot, never one written this step) and ``real_kv_used`` (flip a byte of a slot
+  an active request reads this forward). Caught by this forward's HEAD (chain / position /
+  token) and TAIL (``real_kv_hash``) verifies.
+- :meth:`after_forward` — ``real_kv_post_forward`` (flip a byte of a slot this forward just
+  wrote; caught by the next verify of that slot) and ``real_kv_unused_cache`` (flip a byte of a
+  slot only the radix cache holds; caught by the sweep, which runs right after).
+- :meth:`swap_next_tokens` — the token oracle sampler's ``after_sample`` hook: swap two
+  requests' sampled tokens (caught as ``write_token_mismatch`` when they are written).
+
+Each fault fires with its probability per step once ``step > warmup_steps`` and logs one
+``kv_canary perturb:`` line saying what it changed. Host-synchronising and destructive: for
+self-tests and the demo, never for production traffic.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from sglang.jit_kernel.kv_canary.verify import PoolKind
+from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
+from sglang.srt.kv_canary.perturb.config import FaultKind, PerturbConfig
+from sglang.srt.kv_canary.perturb.real_kv import flip_first_byte
+from sglang.srt.kv_canary.perturb.report import log_perturbation
+from sglang.srt.kv_canary.plan_input import host_prefix_extend
+
+_MAX_TRIES = 64
+
+
+class CanaryPerturber:
+    """``req_to_token``: the runner's int32 ``[rows, max_context_len]`` table;
+    ``radix_cache``: a callable returning the scheduler's tree cache (or None before it is
+    attached)."""
+
+    def __init__(self, *, config: PerturbConfig, groups: Sequence[CanaryBufferGroup],
+                 req_to_token: torch.Tensor, radix_cache: Callable[[], object]):
+        self.config = config
+        self.req_to_token = req_to_token
+        self._radix_cache = radix_cache
+        self.rng = random.Random(config.seed)
+        self.step = 0
+        self.injected: List[str] = []  # every line logged, in order
+        self.target: Optional[CanaryBufferGroup] = None
+        if config.target_group is not None:
+            matches = [g for g in groups if g.kind == config.target_group]
+            if not matches:
+                raise ValueError(
+                    f"SGLANG_KV_CANARY_PERTURB_TARGET_GROUP={config.target_group.name.lower()} "
+                    f"but this pool has only {', '.join(g.kind.name.lower() for g in groups)} "
+                    "canary groups")
+            self.target = matches[0]
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    def _fires(self, kind: FaultKind) -> bool:
+        p = self.config.prob(kind)
+        if p <= 0.0 or self.step <= self.config.warmup_steps:
+            return False
+        return self.rng.random() < p
+
+    def _log(self, kind: FaultKind, **fields) -> None:
+        self.injected.append(log_perturbation(kind, step=self.step, **fields))
+
+    # ---- hooks -------------------------------------------------------------------------------
+
+    def before_forward(self, forward_batch, *, step: int) -> None:
+        """``step``: the number of the forward about to run (1-based)."""
+        self.step = step
+        if self._fires(FaultKind.REQ_TO_TOKEN):
+            self._perturb_req_to_token(forward_batch)
+        if self._fires(FaultKind.REAL_KV_USED):
+            self._perturb_real_kv_used(forward_batch)
+
+    def after_forward(self, forward_batch, *, step: int) -> None:
+        """``step``: the number of the forward that just ran."""
+        self.step = step
+        if self._fires(FaultKind.REAL_KV_POST_FORWARD):
+            self._perturb_real_kv_post_forward(forward_batch)
+        if self._fires(FaultKind.REAL_KV_UNUSED_CACHE):
+            self._perturb_real_kv_unused_cache()
+
+    def swap_next_tokens(self, next_token_ids: torch.Tensor) -> None:
+        """Swap two rows of the sampled tokens (rows whose tokens differ), in place."""
+        if not self._fires(FaultKind.NEXT_TOKEN_SWAP) or next_token_ids.shape[0] < 2:
+            return
+        tokens = next_token_ids.tolist()
+        for _ in range(_MAX_TRIES):
+            i, j = self.rng.sample(range(len(tokens)), 2)
+            if tokens[i] != tokens[j]:
+                next_token_ids[i], next_token_ids[j] = tokens[j], tokens[i]
+                self._log(FaultKind.NEXT_TOKEN_SWAP, row_a=i, row_b=j, old_a=tokens[i],
+                          new_a=tokens[j], old_b=tokens[j], new_b=tokens[i])
+                return
+
+    # ---- the faults --------------------------------------------------------------------------
+
+    def _active_prefix(self, forward_batch):
+        rows, prefix, _ = host_prefix_extend(forward_batch)
+        live = [(r, n) for r, n in zip(rows, prefix) if n > 0]
+        return live
+
+    def _perturb_req_to_token(self, forward_batch) -> None:
+        live = self._active_prefix(forward_batch)
+        if not live:
+            return
+        written = set(forward_batch.out_cache_loc.tolist())
+        r2t = self.req_to_token
+        fallback = None
+        for _ in range(_MAX_TRIES):
+            row, n = self.rng.choice(live)
+            pos = self.rng.randrange(n)
+            donor_row, donor_n = self.rng.choice(live)
+            donor_pos = self.rng.randrange(donor_n)
+            old, new = int(r2t[row, pos]), int(r2t[donor_row, donor_pos])
+            if new == old or new in written or new <= 0:
+                continue
+            if donor_pos == pos:  # a same-position swap: only the token check may see it
+                fallback = fallback or (row, pos, donor_row, donor_pos, old, new)
+                continue
+            break
+        else:
+            if fallback is None:
+                return
+            row, pos, donor_row, donor_pos, old, new = fallback
+        r2t[row, pos] = new
+        self._log(FaultKind.REQ_TO_TOKEN, req_pool_idx=row, position=pos, old_slot=old,
+                  new_slot=new, donor_req_pool_idx=donor_row, donor_position=donor_pos)
+
+    def _target_slot(self, full_slot: int) -> int:
+        """The target group's slot for a FULL slot (0 = evicted from the SWA pool)."""
+        if self.target.kind == PoolKind.SWA:
+            return int(self.target.swa_index_lut[full_slot])
+        return full_slot
+
+    def _flip(self, kind: FaultKind, full_slot: int, **fields) -> bool:
+        slot = self._target_slot(full_slot)
+        if slot <= 0:
+            return False
+        source = self.target.real_kv_sources_k[0]
+        flip = flip_first_byte(source, slot)
+        self._log(kind, group=self.target.kind.name.lower(), slot=slot, full_slot=full_slot,
+                  row=flip.row, byte=flip.byte, old=f"0x{flip.old:02x}", new=f"0x{flip.new:02x}",
+                  **fields)
+        return True
+
+    def _perturb_real_kv_used(self, forward_batch) -> None:
+        live = self._active_prefix(forward_batch)
+        window = self.target.swa_window_size
+        for _ in range(_MAX_TRIES if live else 0):
+            row, n = self.rng.choice(live)
+            lo = max(0, n - window) if window else 0
+            pos = self.rng.randrange(lo, n)
+            if self._flip(FaultKind.REAL_KV_USED, int(self.req_to_token[row, pos]),
+                          req_pool_idx=row, position=pos):
+                return
+
+    def _perturb_real_kv_post_forward(self, forward_batch) -> None:
+        written = forward_batch.out_cache_loc.tolist()
+        candidates = [s for s in written if s > 0]
+        for _ in range(_MAX_TRIES if candidates else 0):
+            if self._flip(FaultKind.REAL_KV_POST_FORWARD, self.rng.choice(candidates)):
+                return
+
+    def _perturb_real_kv_unused_cache(self) -> None:
+        from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
+
+        cache = self._radix_cache()
+        if cache is None:
+            return
+        walk = walk_radix_cache_for_canary(
+            radix_cache=cache, unlocked_only=True,
+            swa_resident_only=self.target.kind == PoolKind.SWA)
+        slots = [s for s in walk.slot_indices.tolist() if s > 0]
+        for _ in range(_MAX_TRIES if slots else 0):
+            if self._flip(FaultKind.REAL_KV_UNUSED_CACHE, self.rng.choice(slots)):
+                return

@@ -1,0 +1,130 @@
+"""``TokenOracleManager``: the oracle's per-batch bookkeeping on one model runner (SPEC §13).
+
+- :meth:`attach_batch` (``ForwardBatch.init_new`` hook, scheduler thread, host work): computes
+  each request's oracle key, attaches an :class:`OracleBatch` to the batch's
+  ``sampling_info`` (read by the ``token_oracle`` sampler) and the host rows to the batch
+  (read by :meth:`fill_expected_inputs`).
+- :meth:`fill_expected_inputs` (the single-forward manager's outside-graph pre-op, only with
+  ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1``): for every KV entry the forward writes, in
+  ``out_cache_loc`` order, the token it must carry (the prompt's token inside the prompt, the
+  oracle's token past it) and its position. The write kernel compares them with
+  ``input_ids`` / ``positions`` and reports ``write_token_mismatch`` /
+  ``write_position_mismatch``.
+
+Neither runs inside a CUDA graph; the expected inputs land in static buffers that the captured
+write launches read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
+from sglang.srt.kv_canary.plan_input import host_prefix_extend
+from sglang.srt.kv_canary.token_oracle.oracle import (
+    ORACLE_BATCH_ATTR,
+    OracleBatch,
+    oracle_tokens,
+    request_oracle_key,
+)
+
+ORACLE_ROWS_ATTR = "kv_canary_oracle_rows"
+_REQ_KEY_ATTR = "_kv_canary_oracle_key"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OracleRows:
+    """Host view of a batch for the oracle: ``keys`` int64 ``[bs]`` and each request's prompt
+    (``origin_input_ids``), row-aligned with the batch."""
+
+    keys: np.ndarray
+    prompts: Tuple[Sequence[int], ...]
+
+
+def _req_key(req) -> int:
+    key = getattr(req, _REQ_KEY_ATTR, None)
+    if key is None:
+        key = request_oracle_key(req.rid)
+        setattr(req, _REQ_KEY_ATTR, key)
+    return key
+
+
+class TokenOracleManager:
+    """One per model runner with the token oracle on.
+
+    ``vocab_size``: the model's vocabulary (tokens are drawn from ``[0, vocab_size)``).
+    ``after_sample``: optional in-place hook on the sampled tokens (the next-token-swap
+    self-test, :class:`~sglang.srt.kv_canary.perturb.CanaryPerturber`).
+    """
+
+    def __init__(self, *, vocab_size: int, device,
+                 after_sample: Optional[Callable[[torch.Tensor], None]] = None):
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = int(vocab_size)
+        self.device = torch.device(device)
+        self.after_sample = after_sample
+
+    def attach_batch(self, forward_batch, reqs: Optional[Sequence]) -> None:
+        """Attach the oracle data of ``reqs`` (row-aligned with ``forward_batch``); no-op for a
+        batch without requests (idle)."""
+        if reqs is None:
+            return
+        keys = np.fromiter((_req_key(r) for r in reqs), dtype=np.int64, count=len(reqs))
+        setattr(forward_batch, ORACLE_ROWS_ATTR,
+                OracleRows(keys=keys, prompts=tuple(r.origin_input_ids for r in reqs)))
+        sampling_info = getattr(forward_batch, "sampling_info", None)
+        if sampling_info is not None:
+            setattr(sampling_info, ORACLE_BATCH_ATTR, OracleBatch(
+                keys=torch.from_numpy(keys).to(self.device),
+                vocab_size=self.vocab_size, after_sample=self.after_sample))
+
+    def expected_inputs(self, forward_batch) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(tokens, positions)``: int64 CPU ``[num_written]`` in ``out_cache_loc`` order, or
+        None when the batch carries no oracle rows."""
+        rows: Optional[OracleRows] = getattr(forward_batch, ORACLE_ROWS_ATTR, None)
+        if rows is None:
+            return None
+        _, prefix, extend = host_prefix_extend(forward_batch)
+        if len(prefix) != rows.keys.shape[0]:
+            raise RuntimeError(
+                f"kv_canary: the oracle rows cover {rows.keys.shape[0]} requests but the forward "
+                f"batch has {len(prefix)}")
+        positions: List[np.ndarray] = []
+        prompt_tokens: List[np.ndarray] = []
+        for p0, n, prompt in zip(prefix, extend, rows.prompts):
+            pos = np.arange(p0, p0 + n, dtype=np.int64)
+            tok = np.full(n, -1, dtype=np.int64)
+            in_prompt = max(0, min(len(prompt), p0 + n) - p0)
+            if in_prompt:
+                tok[:in_prompt] = prompt[p0:p0 + in_prompt]
+            positions.append(pos)
+            prompt_tokens.append(tok)
+        pos_t = torch.from_numpy(np.concatenate(positions) if positions
+                                 else np.zeros(0, np.int64))
+        tok_t = torch.from_numpy(np.concatenate(prompt_tokens) if prompt_tokens
+                                 else np.zeros(0, np.int64))
+        keys_t = torch.from_numpy(np.repeat(rows.keys, extend))
+        generated = oracle_tokens(keys_t, pos_t, self.vocab_size)
+        return torch.where(tok_t >= 0, tok_t, generated), pos_t
+
+    def fill_expected_inputs(self, forward_batch, expected: ExpectedInputs) -> None:
+        """Fill ``expected`` for this forward; raises when the batch has no oracle rows (the
+        write kernel would compare against stale values) or their count disagrees with
+        ``out_cache_loc``."""
+        got = self.expected_inputs(forward_batch)
+        if got is None:
+            raise RuntimeError(
+                "kv_canary: SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1 but this forward batch "
+                "carries no oracle rows (ForwardBatch.init_new hook did not run)")
+        tokens, positions = got
+        n = forward_batch.out_cache_loc.shape[0]
+        if tokens.shape[0] != n:
+            raise RuntimeError(
+                f"kv_canary: the oracle expects {tokens.shape[0]} written tokens but the forward "
+                f"writes {n} (out_cache_loc)")
+        expected.set(tokens.to(expected.tokens.device), positions.to(expected.tokens.device))
