@@ -84,7 +84,7 @@ class ServingDriver:
                  enable_mha_v=False, seed=0, stats_every=0, forbid_host_sync=False,
                  verify_tokens=False, sweep_interval=0, ring_capacity=1024, pool="mha",
                  swa_window=0, num_swa_slots=0, swa_evict_interval=4,
-                 swa_divergence_interval=0):
+                 swa_divergence_interval=0, perturb=None):
         if pool not in ("mha", "swa", "dsv4"):
             raise ValueError(f"driver pool must be mha, swa or dsv4, got {pool!r}")
         self.pool_kind = pool
@@ -122,7 +122,8 @@ class ServingDriver:
                                    enable_mha_v=enable_mha_v, stats_print_every_n_steps=stats_every,
                                    enable_verify_token_assert=verify_tokens,
                                    sweep_interval=sweep_interval, ring_capacity=ring_capacity,
-                                   swa_divergence_stats_interval=swa_divergence_interval)
+                                   swa_divergence_stats_interval=swa_divergence_interval,
+                                   **({"perturb": perturb} if perturb is not None else {}))
         self.groups = attach_canary_buffers(pool=self.kv_pool, config=self.config,
                                             device=self.device,
                                             swa_window_size=swa_window or None)

@@ -81,6 +81,22 @@ class CanaryConfig:
                 f"--kv-canary-sweep-interval={self.sweep_interval} needs the canary on: "
                 "pass --kv-canary log or --kv-canary raise (or set the interval to 0)"
             )
+        if self.enable_token_oracle and not self.enabled:
+            raise ValueError(
+                f"the token oracle (--sampling-backend {TOKEN_ORACLE_BACKEND} or "
+                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1) needs --kv-canary log or raise")
+        if self.enable_write_input_assert and not self.enable_token_oracle:
+            raise ValueError(
+                "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1 checks written tokens against the "
+                f"token oracle: pass --sampling-backend {TOKEN_ORACLE_BACKEND} or set "
+                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1")
+        if not isinstance(self.perturb, PerturbConfig):
+            raise TypeError(f"CanaryConfig.perturb must be a PerturbConfig, got "
+                            f"{type(self.perturb).__name__}")
+        self.perturb.check_against(
+            canary_enabled=self.enabled,
+            real_kv_hash_on=self.real_kv_hash_mode != RealKvHashMode.NONE,
+            sweep_interval=self.sweep_interval, token_oracle=self.enable_token_oracle)
 
     @property
     def enabled(self) -> bool:

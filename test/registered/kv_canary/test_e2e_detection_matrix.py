@@ -1,0 +1,103 @@
+"""The detection matrix on a real sglang 0.5.12 CPU server (SPEC §13, §15): the demo runs the
+clean workload and then each fault class, one server each, with ``--kv-canary raise``, real-data
+``partial``, the sweep, the token oracle and both token checks on. Each fault must be reported
+with the reason it must cause; the clean run must report nothing; the demo's exit status must
+say so. Also: ``--sampling-backend token_oracle`` on the CPU engine (which rewrites the flag to
+``pytorch``) really samples the oracle's tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sglang.srt.kv_canary.server_harness import build_libcuda_stub, cpu_server_env, write_tiny_llama
+from sglang.srt.kv_canary.token_oracle import oracle_tokens, request_oracle_key
+
+pytestmark = pytest.mark.slow
+
+SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
+
+# fault -> (tags a matching report may carry, reasons of which one must appear)
+EXPECTED = {
+    "req_to_token": ({"HEAD_K_FULL", "TAIL_K_FULL"},
+                     {"verify_chain_hash", "verify_position", "verify_token"}),
+    "real_kv_used": ({"TAIL_K_FULL", "SWEEP_K_FULL"}, {"verify_real_kv_hash"}),
+    "real_kv_unused_cache": ({"SWEEP_K_FULL"}, {"verify_real_kv_hash"}),
+    "real_kv_post_forward": ({"TAIL_K_FULL", "SWEEP_K_FULL"}, {"verify_real_kv_hash"}),
+    "next_token_swap": ({"HEAD_K_FULL", "TAIL_K_FULL"}, {"write_token"}),
+}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
+    proc = subprocess.run([sys.executable, "-m", "sglang.srt.kv_canary.demo", "--device", "cpu",
+                           "--json", str(out / "rows.json"), "--logs", str(out / "logs")],
+                          env=env, capture_output=True, text=True, timeout=1500)
+    rows = json.loads((out / "rows.json").read_text()) if (out / "rows.json").exists() else []
+    return proc, {r["name"]: r for r in rows}, out / "logs"
+
+
+def test_demo_exit_status_and_table(demo):
+    proc, rows, _ = demo
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert set(rows) == {"clean", *EXPECTED}
+    assert "every fault detected, clean run quiet" in proc.stdout
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(rows)  # header + one row per run
+
+
+def test_clean_run_reports_nothing(demo):
+    _, rows, logs = demo
+    clean = rows["clean"]
+    assert clean["returncode"] == 0 and clean["finished"]
+    assert clean["violations"] == 0 and clean["injections"] == 0
+    assert clean["protected_tokens"] > 10_000 and clean["sweep_passes"] > 20
+    text = (logs / "clean.log").read_text()
+    # every check was on, and the workload hit the radix cache and chunked its prefills
+    assert "token_oracle=True" in text and "replacing sglang's Sampler" in text
+    assert "#cached-token: 0" in text and any(
+        f"#cached-token: {n}" in text for n in range(1, 200))
+    assert "#new-token: 32, " in text
+
+
+@pytest.mark.parametrize("fault", sorted(EXPECTED))
+def test_fault_detected_with_its_reason(demo, fault):
+    _, rows, logs = demo
+    row = rows[fault]
+    tags, reasons = EXPECTED[fault]
+    assert row["injections"] >= 1 and row["first_injection_step"] == 31  # warm-up is 30
+    assert row["detected"], row
+    assert 0 <= row["steps_to_report"] <= 3
+    assert set(row["tags"]) & tags and set(row["reasons"]) & reasons, row
+    assert row["returncode"] != 0 and not row["finished"]  # raise mode stopped the server
+    text = (logs / f"{fault}.log").read_text()
+    assert f"FAULT INJECTION ON ({fault})" in text
+    assert f"kv_canary perturb: fault={fault} step=31" in text
+
+
+def test_token_oracle_backend_flag_on_the_cpu_engine(tmp_path):
+    model = write_tiny_llama(tmp_path / "model")
+    env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
+    env["SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT"] = "1"
+    proc = subprocess.run([sys.executable, str(SUPPORT / "oracle_workload.py"), model], env=env,
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "kv_canary violation" not in out
+    assert "replacing sglang's Sampler with the token_oracle sampler" in out
+    res = json.loads(next(line for line in proc.stdout.splitlines()
+                          if line.startswith("RESULT "))[len("RESULT "):])
+    for r in res:
+        n = len(r["output_ids"])
+        assert n == 12
+        want = oracle_tokens(torch.full((n,), request_oracle_key(r["rid"])),
+                             torch.arange(r["prompt_len"], r["prompt_len"] + n), 512)
+        assert r["output_ids"] == want.tolist()

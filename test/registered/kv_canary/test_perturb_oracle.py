@@ -1,0 +1,358 @@
+"""Fault injection (``perturb/``) and the token oracle (``token_oracle/``) on real sglang 0.5.12
+objects: configuration and its errors, the oracle function and sampler, the expected written
+tokens, byte flips, and each runtime-injectable fault detected by the canary in the serving
+loop with the reason the fault must cause (SPEC §13). The CPU-server detection matrix is in
+``test_e2e_detection_matrix.py``."""
+
+from __future__ import annotations
+
+import random
+import re
+import types
+
+import pytest
+import torch
+
+from serving_driver import ServingDriver
+from sglang.jit_kernel.kv_canary._hash_torch import real_kv_fingerprint_t
+from sglang.jit_kernel.kv_canary.consts import splitmix64, to_uint64
+from sglang.jit_kernel.kv_canary.verify import PoolKind
+from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.demo import CASES_BY_NAME, evaluate, exit_status
+from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
+from sglang.srt.kv_canary.perturb import (
+    FaultKind,
+    PerturbConfig,
+    format_perturb_line,
+    parse_perturb_line,
+)
+from sglang.srt.kv_canary.perturb.real_kv import flip_first_byte
+from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
+from sglang.srt.kv_canary.token_oracle import OracleBatch, oracle_tokens, request_oracle_key
+from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
+from sglang.srt.kv_canary.token_oracle.oracle import ORACLE_BATCH_ATTR
+from sglang.srt.kv_canary.token_oracle.sampler import TokenOracleSampler
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+LINE = re.compile(r"kv_canary violation: launch_tag=(?P<tag>\w+) fail_reason=(?P<reason>[\w+]+) "
+                  r"slot_idx=(?P<slot>-?\d+)")
+
+
+def _server_args(mode="raise", real_data="partial", sweep=0, sampling_backend="pytorch"):
+    return types.SimpleNamespace(kv_canary=mode, kv_canary_real_data=real_data,
+                                 kv_canary_sweep_interval=sweep,
+                                 sampling_backend=sampling_backend)
+
+
+# ---- configuration ------------------------------------------------------------------------
+
+
+def test_perturb_settings_parsed_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS", "7")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB", "0.25")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_GROUP", "SWA")
+    config = CanaryConfig.from_server_args(_server_args())
+    p = config.perturb
+    assert (p.warmup_steps, p.real_kv_used_prob, p.req_to_token_prob) == (7, 0.25, 1.0)
+    assert p.target_group == PoolKind.SWA
+    assert p.active_faults == (FaultKind.REQ_TO_TOKEN, FaultKind.REAL_KV_USED)
+    assert CanaryConfig.from_server_args(_server_args(mode="raise")).perturb.enabled
+
+
+def test_perturbations_off_by_default(monkeypatch):
+    for var in [k.env_var for k in FaultKind] + ["SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"]:
+        monkeypatch.delenv(var, raising=False)
+    config = CanaryConfig.from_server_args(_server_args())
+    assert not config.perturb.enabled and config.perturb.warmup_steps == 50
+    assert not config.enable_token_oracle
+
+
+@pytest.mark.parametrize("env,args,message", [
+    ({"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1.5"}, {},
+     "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB"),
+    ({"SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB": "-0.1"}, {}, "probability in [0, 1]"),
+    ({"SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "mid"}, {}, "'full', 'swa'"),
+    ({"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "-3"}, {}, "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"),
+    ({"SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.5"}, {},
+     "needs SGLANG_KV_CANARY_PERTURB_TARGET_GROUP=full or swa"),
+    ({"SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB": "1",
+      "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full"}, {"real_data": "none"},
+     "--kv-canary-real-data partial or all"),
+    ({"SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB": "1",
+      "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full"}, {"sweep": 0},
+     "--kv-canary-sweep-interval N"),
+    ({"SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB": "1"}, {},
+     "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1"),
+    ({"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1"}, {"mode": "none"},
+     "needs the canary on"),
+    ({"SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "1"}, {},
+     "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1 checks written tokens against the token oracle"),
+    ({"SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "1"}, {"mode": "none"},
+     "the token oracle (--sampling-backend token_oracle or"),
+])
+def test_bad_perturb_or_oracle_settings_are_refused(monkeypatch, env, args, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError) as exc:
+        CanaryConfig.from_server_args(_server_args(**args))
+    assert message in str(exc.value)
+
+
+def test_token_oracle_on_from_the_sampling_backend_flag_or_its_recorded_request(monkeypatch):
+    monkeypatch.delenv("SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE", raising=False)
+    assert CanaryConfig.from_server_args(
+        _server_args(sampling_backend="token_oracle")).enable_token_oracle
+    # sglang's CPU engine rewrites sampling_backend to pytorch; the plugin records the request
+    args = _server_args(sampling_backend="pytorch")
+    args.kv_canary_token_oracle_requested = True
+    assert CanaryConfig.from_server_args(args).enable_token_oracle
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE", "yes")
+    assert CanaryConfig.from_server_args(_server_args()).enable_token_oracle
+
+
+def test_real_kv_target_group_must_exist_in_the_pool():
+    d = ServingDriver(seed=1, mode="raise", real_data="partial")
+    with pytest.raises(ValueError, match="TARGET_GROUP=swa but this pool has only full"):
+        from sglang.srt.kv_canary.perturb import CanaryPerturber
+
+        CanaryPerturber(config=PerturbConfig(real_kv_used_prob=1.0, target_group=PoolKind.SWA),
+                        groups=d.groups, req_to_token=d.req_to_token_pool.req_to_token,
+                        radix_cache=lambda: None)
+
+
+# ---- the oracle ---------------------------------------------------------------------------
+
+
+def test_oracle_tokens_match_the_python_definition():
+    rng = random.Random(3)
+    keys = [rng.randrange(-(1 << 63), 1 << 63) for _ in range(200)] + [0, -1, (1 << 63) - 1]
+    pos = [rng.randrange(0, 1 << 20) for _ in keys]
+    for vocab in (1, 3, 512, 151936, (1 << 31) - 1):
+        got = oracle_tokens(torch.tensor(keys), torch.tensor(pos), vocab).tolist()
+        want = [splitmix64(to_uint64(k ^ p)) % vocab for k, p in zip(keys, pos)]
+        assert got == want
+    with pytest.raises(ValueError, match="vocab_size must be >= 1"):
+        oracle_tokens(torch.tensor(keys), torch.tensor(pos), 0)
+
+
+def test_request_keys_are_stable_and_distinct():
+    keys = {request_oracle_key(f"req-{i}") for i in range(1000)}
+    assert len(keys) == 1000
+    assert request_oracle_key("abc") == request_oracle_key("abc")
+    assert all(-(1 << 63) <= k < (1 << 63) for k in keys)
+
+
+def test_oracle_sampler_ignores_logits_and_follows_the_oracle():
+    sampler = TokenOracleSampler()
+    keys = torch.tensor([request_oracle_key(r) for r in ("a", "b", "c")])
+    info = types.SimpleNamespace()
+    setattr(info, ORACLE_BATCH_ATTR, OracleBatch(keys=keys, vocab_size=512))
+    logits = types.SimpleNamespace(next_token_logits=torch.randn(3, 512))
+    positions = torch.tensor([4, 17, 0])
+    out = sampler(logits, info, False, [], [], positions)
+    assert out.dtype == torch.int64
+    assert out.tolist() == oracle_tokens(keys, positions + 1, 512).tolist()
+
+    swapped = []
+
+    def swap(tokens):
+        swapped.append(tokens.tolist())
+        tokens[0], tokens[1] = int(tokens[1]), int(tokens[0])
+
+    setattr(info, ORACLE_BATCH_ATTR, OracleBatch(keys=keys, vocab_size=512, after_sample=swap))
+    out2 = sampler(logits, info, False, [], [], positions)
+    assert out2.tolist() == [out[1], out[0], out[2]] and swapped == [out.tolist()]
+
+    with pytest.raises(RuntimeError, match="does not compute log-probs"):
+        sampler(logits, info, True, [0, 0, 0], [], positions)
+    with pytest.raises(RuntimeError, match="without oracle keys"):
+        sampler(logits, types.SimpleNamespace(), False, [], [], positions)
+
+
+def test_token_oracle_backend_is_registered_with_sglang():
+    from sglang.srt.kv_canary.token_oracle.sampler import register_token_oracle_backend as register
+    from sglang.srt.layers import sampler as sampler_mod
+    from sglang.srt.server_args import SAMPLING_BACKEND_CHOICES
+
+    register()
+    assert "token_oracle" in SAMPLING_BACKEND_CHOICES
+    assert sampler_mod._CUSTOM_SAMPLER_FACTORIES["token_oracle"] is TokenOracleSampler
+    register()  # idempotent: registering again keeps the one factory, no override warning
+    assert sampler_mod._CUSTOM_SAMPLER_FACTORIES["token_oracle"] is TokenOracleSampler
+
+
+def _batch(mode, rows, prefix, extend, reqs):
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    n = sum(extend)
+    seq = [p + e for p, e in zip(prefix, extend)]
+    fb = ForwardBatch(forward_mode=mode, batch_size=len(rows), input_ids=i64([0] * n),
+                      req_pool_indices=i64(rows), seq_lens=i64(seq),
+                      out_cache_loc=i64(list(range(1, n + 1))), seq_lens_sum=sum(seq),
+                      positions=i64([p for a, b in zip(prefix, extend) for p in range(a, a + b)]))
+    if mode == ForwardMode.EXTEND:
+        fb.extend_prefix_lens, fb.extend_seq_lens = i64(prefix), i64(extend)
+        fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(prefix), list(extend)
+    fb.sampling_info = types.SimpleNamespace()
+    return fb
+
+
+def test_expected_written_tokens_are_prompt_then_oracle():
+    reqs = [types.SimpleNamespace(rid="r0", origin_input_ids=[11, 12, 13, 14, 15]),
+            types.SimpleNamespace(rid="r1", origin_input_ids=[21, 22])]
+    mgr = TokenOracleManager(vocab_size=97, device="cpu")
+    # r0: chunk at prefix 3 of 4 tokens (2 prompt + 2 generated: a retracted request's
+    # re-prefill); r1: chunk at 0 of 2 (its whole prompt)
+    fb = _batch(ForwardMode.EXTEND, [5, 2], [3, 0], [4, 2], reqs)
+    mgr.attach_batch(fb, reqs)
+    tokens, positions = mgr.expected_inputs(fb)
+    k0, k1 = request_oracle_key("r0"), request_oracle_key("r1")
+    oracle = lambda k, p: int(oracle_tokens(torch.tensor([k]), torch.tensor([p]), 97))  # noqa: E731
+    assert positions.tolist() == [3, 4, 5, 6, 0, 1]
+    assert tokens.tolist() == [14, 15, oracle(k0, 5), oracle(k0, 6), 21, 22]
+    batch = getattr(fb.sampling_info, ORACLE_BATCH_ATTR)
+    assert batch.keys.tolist() == [k0, k1] and batch.vocab_size == 97
+
+    # decode: each row writes its last position, a generated token
+    fb = _batch(ForwardMode.DECODE, [5, 2], [9, 4], [1, 1], reqs)
+    mgr.attach_batch(fb, reqs)
+    exp = ExpectedInputs(write_entry_capacity=8, device="cpu")
+    mgr.fill_expected_inputs(fb, exp)
+    assert exp.positions[:2].tolist() == [9, 4]
+    assert exp.tokens[:2].tolist() == [oracle(k0, 9), oracle(k1, 4)]
+
+    # a batch the hook never saw, and a count mismatch, are refused
+    bare = _batch(ForwardMode.DECODE, [5], [9], [1], reqs[:1])
+    with pytest.raises(RuntimeError, match="carries no oracle rows"):
+        mgr.fill_expected_inputs(bare, exp)
+    mgr.attach_batch(bare, reqs)
+    with pytest.raises(RuntimeError, match="oracle rows cover 2 requests"):
+        mgr.fill_expected_inputs(bare, exp)
+
+
+# ---- perturbation pieces --------------------------------------------------------------------
+
+
+def test_flip_first_byte_changes_exactly_one_bit_of_the_slot():
+    pool = MHATokenToKVPool(size=16, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=8,
+                            layer_num=2, device="cpu", enable_memory_saver=False,
+                            enable_alt_stream=False)
+    pool.k_buffer[0].copy_(torch.randn_like(pool.k_buffer[0]))
+    group = attach_canary_buffers(pool=pool, config=CanaryConfig(mode="raise"), device="cpu")[0]
+    source = group.real_kv_sources_k[0]
+    before = pool.k_buffer[0].clone()
+    slots = torch.arange(1, 17)
+    fp_before = real_kv_fingerprint_t([source], [2], slots)
+    flip = flip_first_byte(source, 5)
+    changed = (pool.k_buffer[0].view(torch.uint8) != before.view(torch.uint8)).nonzero().tolist()
+    assert changed == [[5, 0, 0]]  # slot 5, head 0, byte 0 of element 0 only
+    assert (flip.row, flip.byte, flip.new) == (5, 0, flip.old ^ 1)
+    fp_after = real_kv_fingerprint_t([source], [2], slots)
+    assert (fp_before != fp_after).nonzero().flatten().tolist() == [4]  # only slot 5's
+    flip_first_byte(source, 5)
+    assert torch.equal(pool.k_buffer[0], before)
+    with pytest.raises(IndexError, match="outside the real-KV source"):
+        flip_first_byte(source, 10_000)
+
+
+def test_perturb_line_round_trip():
+    line = format_perturb_line(FaultKind.REAL_KV_USED, step=12, slot=7, old="0x20", new="0x21")
+    assert line == ("kv_canary perturb: fault=real_kv_used step=12 slot=7 old=0x20 new=0x21")
+    assert parse_perturb_line("[ts] " + line + "\n") == {
+        "fault": "real_kv_used", "step": "12", "slot": "7", "old": "0x20", "new": "0x21"}
+    assert parse_perturb_line("kv_canary stats: step=3") is None
+
+
+# ---- each fault in the serving loop ---------------------------------------------------------
+
+RUNTIME_FAULTS = {
+    # fault -> (perturb kwargs, tags allowed first, reasons, report must name an injected slot)
+    "req_to_token": (dict(req_to_token_prob=1.0), {"HEAD_K_FULL"},
+                     {"verify_chain_hash", "verify_position"}, True),
+    "real_kv_used": (dict(real_kv_used_prob=1.0, target_group="full"), {"TAIL_K_FULL"},
+                     {"verify_real_kv_hash"}, True),
+    "real_kv_post_forward": (dict(real_kv_post_forward_prob=1.0, target_group="full"),
+                             {"TAIL_K_FULL"}, {"verify_real_kv_hash"}, True),
+}
+
+
+def _injected(d: ServingDriver):
+    return [parse_perturb_line(line) for line in d.manager.perturber.injected]
+
+
+@pytest.mark.usefixtures("reference_kernels_on_cpu")
+@pytest.mark.parametrize("fault", sorted(RUNTIME_FAULTS))
+def test_runtime_fault_detected_with_its_reason(fault):
+    kwargs, tags, reasons, match_slot = RUNTIME_FAULTS[fault]
+    d = ServingDriver(seed=4, mode="raise", real_data="partial",
+                      perturb=PerturbConfig(warmup_steps=25, **kwargs))
+    with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
+        d.run(60)
+    injected = _injected(d)
+    assert injected and all(i["fault"] == fault for i in injected)
+    assert int(injected[0]["step"]) == 26  # first step after the warm-up
+    assert d.manager.step - int(injected[0]["step"]) <= 3
+    lines = [m.groupdict() for m in LINE.finditer(str(exc.value))]
+    assert lines and lines[0]["tag"] in tags, lines
+    assert reasons & {r for m in lines for r in m["reason"].split("+")}
+    if match_slot:
+        slots = {int(i.get("slot", i.get("new_slot"))) for i in injected}
+        assert int(lines[0]["slot"]) in slots, (lines, injected)
+
+
+@pytest.mark.usefixtures("reference_kernels_on_cpu")
+def test_real_kv_fault_on_the_swa_group_is_reported_with_swa_tags():
+    d = ServingDriver(seed=3, pool="swa", num_slots=640, num_swa_slots=400, swa_window=16,
+                      mode="raise", real_data="partial",
+                      perturb=PerturbConfig(warmup_steps=30, real_kv_used_prob=1.0,
+                                            target_group="swa"))
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d.run(80)
+    injected = _injected(d)
+    assert injected and injected[0]["group"] == "swa"
+    lines = [m.groupdict() for m in LINE.finditer(str(exc.value))]
+    assert {m["tag"] for m in lines} == {"TAIL_K_SWA"}
+    assert int(lines[0]["slot"]) in {int(i["slot"]) for i in injected}
+
+
+@pytest.mark.usefixtures("reference_kernels_on_cpu")
+def test_no_perturbation_before_the_warm_up_ends():
+    d = ServingDriver(seed=4, mode="raise", real_data="partial",
+                      perturb=PerturbConfig(warmup_steps=10_000, req_to_token_prob=1.0,
+                                            real_kv_used_prob=1.0, target_group="full"))
+    d.run(120)
+    assert d.manager.perturber.injected == []
+    assert int(d.manager.state.violation_log.violation_write_index) == 0
+
+
+# ---- the demo's verdicts --------------------------------------------------------------------
+
+_REPORT = ("kv_canary violation: launch_tag={tag} fail_reason={reason} slot_idx={slot} position=3 "
+           "stored_token=1 expected_token=1 stored_chain_hash=0x{z} expected_aux=0x{z}\n"
+           "  KV slot {slot} failed its canary check in launch {tag} (reported at forward step "
+           "{step}):\n")
+
+
+def _report(tag, reason, slot, step):
+    return _REPORT.format(tag=tag, reason=reason, slot=slot, step=step, z="0" * 16)
+
+
+def test_demo_verdicts():
+    inj = format_perturb_line(FaultKind.REAL_KV_USED, step=31, slot=11, row=11) + "\n"
+    case = CASES_BY_NAME["real_kv_used"]
+    hit = evaluate(case, inj + _report("TAIL_K_FULL", "verify_real_kv_hash", 11, 32), 1)
+    assert hit.detected and hit.steps_to_report == 1 and hit.ok
+    # a report of another slot, or with another reason, does not count
+    assert not evaluate(case, inj + _report("TAIL_K_FULL", "verify_real_kv_hash", 12, 32), 1).ok
+    assert not evaluate(case, inj + _report("HEAD_K_FULL", "verify_position", 11, 32), 1).ok
+    assert not evaluate(case, "nothing happened", 0).ok  # never injected
+    clean = CASES_BY_NAME["clean"]
+    quiet = evaluate(clean, "DEMO_RESULT {}\n", 0)
+    noisy = evaluate(clean, "DEMO_RESULT {}\n" + _report("HEAD_K_FULL", "verify_position", 3,
+                                                          9), 0)
+    crashed = evaluate(clean, "Traceback", 1)
+    assert quiet.ok and not noisy.ok and not crashed.ok
+    assert exit_status([quiet, hit]) == 0
+    assert exit_status([noisy, hit]) == 1 and exit_status([quiet, crashed]) == 1
+    assert exit_status([]) == 1
