@@ -1,0 +1,1040 @@
+#!/usr/bin/env python3
+"""End-to-end serving overhead of the KV-canary (SPEC §16): a real sglang 0.5.12 Engine on one
+GPU, canary off vs on, plus a per-launch breakdown of the canary's own GPU time per decode step.
+
+What it measures
+----------------
+Engine runs (default mode). A Qwen3-0.6B-shaped model (SPEC §16: hidden 1024, 28 layers, 16
+heads, 8 KV heads x head_dim 128, vocab 151936; dummy weights, only a ``config.json`` written to
+a temp dir, nothing downloaded) served by ``sglang.Engine`` with CUDA graphs on (decode graphs
+captured for batch sizes 1 and 128 only, to keep the start cheap), ``attention_backend=triton``,
+``sampling_backend=pytorch``, ``grammar_backend=none``, ``skip_tokenizer_init``,
+``disable_piecewise_cuda_graph`` (needed by the canary; used for the baseline too so that only
+the canary differs), chunked prefill 8192 (sglang's own default on an 80 GB GPU),
+``max_running_requests`` 128, a KV pool of 262144 tokens. Configs (one Engine each, each in its
+own process):
+
+    off            --kv-canary none
+    raise          --kv-canary raise
+    raise+partial  --kv-canary raise --kv-canary-real-data partial
+    raise+token    --kv-canary raise + SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1
+
+Scenarios (requests as ``input_ids``: random token ids from a seed fixed per scenario and run, so
+every config sees the same inputs; ``max_new_tokens`` = osl, ``ignore_eos``, temperature 0; the
+radix cache is flushed before every run, so no run hits a cached prefix):
+
+    decode_bs128   128 requests x isl 512, osl 1024 (one batch)
+    decode_bs1     1 request x isl 512, osl 1024
+    prefill_bs32   32 requests x isl 16384, osl 1 (latency of the whole batch = the prefill,
+                   chunked in 8192-token chunks, so the second chunk of every request verifies
+                   its 8192-token prefix)
+
+Per Engine: start, one warm-up run per scenario, then ``--runs`` (5) timed runs per scenario
+(wall time of the ``Engine.generate`` call); median and min. Overhead % = (on - off) / off of
+the medians (and of the mins). Off and on run in different Engines, one after the other, so
+compare the mins as well, and repeat with more ``--runs`` if the two disagree.
+
+Breakdown (``--breakdown``, in-process, no Engine). Real sglang pools on the GPU with the Qwen3
+shapes (``MHATokenToKVPool`` bf16, 28 layers x 8 KV heads x 128, 262144 slots, random KV;
+``ReqToTokenPool`` 128 rows x 40960; ``TokenToKVPoolAllocator``, slots shuffled as after churn),
+the canary installed as the runtime does (``attach_canary_buffers`` + ``CanaryManager`` with the
+capacities the runtime derives), bs 1 and bs 128 requests prefilled through the canary (1024
+tokens each, in 8192-token chunks) and then decoded. Per decode step, every canary launch's GPU
+time (torch.profiler: CUDA kernel / memcpy durations, attributed to the launch that issued them
+through ``record_function`` ranges around the runtime's launch functions), averaged over
+``--breakdown-steps`` eager steps; a 256 MB memset between the HEAD and TAIL launches and
+between steps stands in for the model (it evicts L2 as the model's weight reads would). Also the
+replay time of a CUDA graph holding one step's in-graph canary launches (what sglang's decode
+graphs run), ``triton.testing.do_bench`` median with L2 flushed. The decode step time of the
+model itself is the Engine runs' (latency / osl).
+
+How to run it on the device (H100; the machine keeps /tmp/site ~30 s between calls)
+-----------------------------------------------------------------------------------
+Bundles (see /work/shared/device/README.md): call 1 with carry ``[".device/a"]``::
+
+    . .device/a/setup.sh
+
+then, immediately, calls with carry ``[".device/b", ".device/c"]`` (or only ``[".device/c"]``
+once b is installed; its setup.sh sets PYTHONPATH again)::
+
+    . .device/b/setup.sh && python benchmark/kv_canary/bench_serving_overhead.py \
+        --configs off,raise --out $OUT/overhead.jsonl
+    . .device/c/setup.sh && python benchmark/kv_canary/bench_serving_overhead.py \
+        --configs raise+partial,raise+token --out $OUT/overhead.jsonl
+    . .device/c/setup.sh && python benchmark/kv_canary/bench_serving_overhead.py --breakdown \
+        --out $OUT/breakdown.jsonl
+
+Each Engine config takes about 1-2 min to start (Triton JIT, graph capture) plus ~1.5 min for
+the three scenarios at ``--runs 5``; keep one call under 9 min (two configs). Results are
+appended to ``--out`` as JSON lines (one per scenario x config, one per breakdown row), so the
+calls can be merged afterwards, here::
+
+    python benchmark/kv_canary/bench_serving_overhead.py --report overhead.jsonl breakdown.jsonl
+
+Each invocation prints its own summary table last; an Engine's full log goes to
+``<out>.<config>.log`` (next to ``--out``; ``+`` in a
+config name becomes ``_``).
+
+Without a GPU (``--smoke-cpu``): the same code paths on the CPU, sglang's CPU server (SPEC §15,
+tiny dummy Llama, libcuda stub, CUDA graphs off) with tiny scenarios (bs 2 / 1 / 2, isl 16 / 16
+/ 64, osl 8 / 8 / 1, chunked prefill 32) and ``--runs 2``; ``--breakdown --smoke-cpu`` builds
+tiny CPU pools (the kernels run as torch references) and reports CPU times. Numbers from smoke
+runs are meaningless; they only check that the script works::
+
+    python benchmark/kv_canary/bench_serving_overhead.py --smoke-cpu --out /tmp/s.jsonl
+    python benchmark/kv_canary/bench_serving_overhead.py --smoke-cpu --breakdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Sequence
+
+# ---- model, scenarios, configs ----------------------------------------------------------------
+
+QWEN3_0_6B_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+TOKEN_ENV = "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT"
+RESULT_PREFIX = "BENCH "  # lines the Engine child prints for the parent to echo
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    bs: int
+    isl: int
+    osl: int
+
+    @property
+    def kind(self) -> str:
+        return "prefill" if self.osl == 1 else "decode"
+
+
+SCENARIOS = {s.name: s for s in (
+    Scenario("decode_bs128", bs=128, isl=512, osl=1024),
+    Scenario("decode_bs1", bs=1, isl=512, osl=1024),
+    Scenario("prefill_bs32", bs=32, isl=16384, osl=1),
+)}
+SMOKE_SCENARIOS = {s.name: s for s in (
+    Scenario("decode_bs128", bs=2, isl=16, osl=8),
+    Scenario("decode_bs1", bs=1, isl=16, osl=8),
+    Scenario("prefill_bs32", bs=2, isl=64, osl=1),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    kv_canary: str = "none"
+    real_data: str = "none"
+    verify_tokens: bool = False
+
+    @property
+    def canary_on(self) -> bool:
+        return self.kv_canary != "none"
+
+    def engine_kwargs(self) -> dict:
+        kw = {"kv_canary": self.kv_canary}
+        if self.canary_on:
+            kw["kv_canary_real_data"] = self.real_data
+        return kw
+
+    def env(self) -> dict[str, str]:
+        return {TOKEN_ENV: "1"} if self.verify_tokens else {}
+
+
+CONFIGS = {c.name: c for c in (
+    BenchConfig("off"),
+    BenchConfig("raise", kv_canary="raise"),
+    BenchConfig("raise+partial", kv_canary="raise", real_data="partial"),
+    BenchConfig("raise+token", kv_canary="raise", verify_tokens=True),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """Server settings shared by every config (only the canary differs)."""
+
+    chunked_prefill_size: int = 8192
+    max_total_tokens: int = 262144
+    max_running_requests: int = 128
+    mem_fraction_static: float = 0.7
+    cuda_graph_bs: tuple = (1, 128)
+
+    def engine_kwargs(self, model_dir: str, *, smoke: bool) -> dict:
+        from sglang.srt.kv_canary.server_harness import (
+            cpu_engine_kwargs,
+            gpu_engine_kwargs,
+        )
+
+        if smoke:
+            return cpu_engine_kwargs(model_dir, chunked_prefill_size=self.chunked_prefill_size,
+                                     max_total_tokens=self.max_total_tokens,
+                                     max_running_requests=self.max_running_requests,
+                                     log_level="info")
+        return gpu_engine_kwargs(model_dir, chunked_prefill_size=self.chunked_prefill_size,
+                                 max_total_tokens=self.max_total_tokens,
+                                 max_running_requests=self.max_running_requests,
+                                 mem_fraction_static=self.mem_fraction_static,
+                                 cuda_graph_bs=list(self.cuda_graph_bs),
+                                 cuda_graph_max_bs=max(self.cuda_graph_bs),
+                                 log_level="info")
+
+
+SMOKE_SETTINGS = EngineSettings(chunked_prefill_size=32, max_total_tokens=4096,
+                                max_running_requests=8, mem_fraction_static=0.05,
+                                cuda_graph_bs=(1, 2))
+
+
+def parse_names(value: str, allowed: dict[str, object], flag: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise SystemExit(f"{flag}: unknown value(s) {', '.join(map(repr, bad)) or '(empty)'}; "
+                         f"allowed (comma-separated): {', '.join(allowed)}")
+    return names
+
+
+def gpu_name(smoke: bool) -> str:
+    """GPU name without initialising CUDA in this process (sglang spawns its own)."""
+    if smoke:
+        return "cpu (smoke)"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=False).stdout.strip()
+        return out.splitlines()[0] if out else "unknown GPU"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown GPU"
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def append_jsonl(path: str | None, record: dict) -> None:
+    if not path:
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(paths: Sequence[str]) -> list[dict]:
+    records = []
+    for p in paths:
+        with open(p) as f:
+            records += [json.loads(line) for line in f if line.strip()]
+    return records
+
+
+# ---- Engine child (one config, one process) ---------------------------------------------------
+
+def make_inputs(scenario: Scenario, run: int, vocab: int) -> list[list[int]]:
+    """Random token ids, fixed per (scenario, run): every config sees the same inputs, every
+    request and run differs (no radix hits)."""
+    import numpy as np
+
+    rng = np.random.default_rng(zlib.crc32(f"{scenario.name}/{run}".encode()))
+    lo, hi = min(100, vocab // 8), vocab - min(100, vocab // 8)
+    return rng.integers(lo, hi, size=(scenario.bs, scenario.isl)).tolist()
+
+
+def engine_child(args) -> None:
+    import sglang
+
+    smoke = args.smoke_cpu
+    cfg = CONFIGS[args.engine_child]
+    scenarios = [(SMOKE_SCENARIOS if smoke else SCENARIOS)[n]
+                 for n in parse_names(args.scenarios, SCENARIOS, "--scenarios")]
+    settings = SMOKE_SETTINGS if smoke else args.settings
+    with tempfile.TemporaryDirectory(prefix="kv_canary_bench_model_") as tmp:
+        if smoke:
+            from sglang.srt.kv_canary.server_harness import (
+                TINY_LLAMA_CONFIG,
+                write_tiny_llama,
+            )
+
+            model_dir, vocab = write_tiny_llama(tmp), TINY_LLAMA_CONFIG["vocab_size"]
+        else:
+            pathlib.Path(tmp, "config.json").write_text(json.dumps(QWEN3_0_6B_CONFIG, indent=1))
+            model_dir, vocab = tmp, QWEN3_0_6B_CONFIG["vocab_size"]
+        kwargs = {**settings.engine_kwargs(model_dir, smoke=smoke), **cfg.engine_kwargs()}
+        t0 = time.perf_counter()
+        engine = sglang.Engine(**kwargs)
+        startup_s = time.perf_counter() - t0
+        print(f"{RESULT_PREFIX}[{cfg.name}] engine up in {startup_s:.1f} s "
+              f"(kv_canary={getattr(engine.server_args, 'kv_canary', '?')}, "
+              f"real_data={getattr(engine.server_args, 'kv_canary_real_data', '?')}, "
+              f"{TOKEN_ENV}={os.environ.get(TOKEN_ENV, '0')})", flush=True)
+        try:
+            for sc in scenarios:
+                params = [{"max_new_tokens": sc.osl, "ignore_eos": True, "temperature": 0}
+                          for _ in range(sc.bs)]
+                times = []
+                for run in range(-1, args.runs):  # run -1: warm-up
+                    ids = make_inputs(sc, run, vocab)
+                    engine.flush_cache()
+                    t0 = time.perf_counter()
+                    outs = engine.generate(input_ids=ids, sampling_params=params)
+                    ms = (time.perf_counter() - t0) * 1e3
+                    lens = sorted({len(o["output_ids"]) for o in outs})
+                    if len(outs) != sc.bs or lens != [sc.osl]:
+                        raise RuntimeError(f"{sc.name}: expected {sc.bs} outputs of {sc.osl} "
+                                           f"tokens, got {len(outs)} with lengths {lens}")
+                    if run >= 0:
+                        times.append(ms)
+                    else:
+                        warmup_ms = ms
+                rec = dict(kind="engine", invocation=args.invocation, time=now_utc(),
+                           gpu=args.gpu, smoke=smoke, config=cfg.name, scenario=sc.name,
+                           bs=sc.bs, isl=sc.isl, osl=sc.osl, runs_ms=times,
+                           median_ms=statistics.median(times), min_ms=min(times),
+                           warmup_ms=warmup_ms, startup_s=startup_s,
+                           settings=dataclasses.asdict(settings),
+                           engine_kwargs={k: v for k, v in kwargs.items() if k != "model_path"},
+                           env={TOKEN_ENV: os.environ.get(TOKEN_ENV, "0")})
+                append_jsonl(args.out, rec)
+                print(f"{RESULT_PREFIX}[{cfg.name}] {sc.name}: median {rec['median_ms']:.1f} ms, "
+                      f"min {rec['min_ms']:.1f} ms, runs "
+                      f"{', '.join(f'{t:.1f}' for t in times)} (warm-up {warmup_ms:.1f})",
+                      flush=True)
+        finally:
+            engine.shutdown()
+
+
+# ---- parent: one child process per config ----------------------------------------------------
+
+def child_env(cfg: BenchConfig, smoke: bool, stub_dir: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop(TOKEN_ENV, None)
+    if smoke:
+        from sglang.srt.kv_canary.server_harness import cpu_server_env
+
+        env = cpu_server_env(stub_dir, env)
+    env.update(cfg.env())
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_child(args, cfg: BenchConfig, log_path: str, stub_dir: str | None) -> int:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_engine-child", cfg.name,
+           "--_invocation", args.invocation, "--_gpu", args.gpu,
+           "--scenarios", args.scenarios, "--runs", str(args.runs), "--out", args.out,
+           "--chunked-prefill-size", str(args.chunked_prefill_size),
+           "--max-total-tokens", str(args.max_total_tokens),
+           "--mem-fraction-static", str(args.mem_fraction_static)]
+    if args.smoke_cpu:
+        cmd.append("--smoke-cpu")
+    proc = subprocess.Popen(cmd, env=child_env(cfg, args.smoke_cpu, stub_dir),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own group: a timeout kills it whole
+    timed_out = threading.Event()
+
+    def kill():
+        timed_out.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    timer = threading.Timer(args.child_timeout, kill)
+    timer.start()
+    tail: list[str] = []
+    installed = []
+    try:
+        with open(log_path, "w") as log:
+            for line in proc.stdout:
+                log.write(line)
+                tail = (tail + [line])[-60:]
+                if line.startswith(RESULT_PREFIX):
+                    print(line[len(RESULT_PREFIX):], end="", flush=True)
+                if "kv_canary installed:" in line:
+                    installed.append(line.split("kv_canary installed:", 1)[1].strip())
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:  # this process failed or was interrupted: take the child down
+            kill()
+            proc.wait()
+    if timed_out.is_set():
+        print(f"[{cfg.name}] killed after --child-timeout {args.child_timeout} s", flush=True)
+        rc = rc or 124
+    if rc == 0 and cfg.canary_on and not installed:
+        print(f"[{cfg.name}] ERROR: the Engine log has no 'kv_canary installed' line: the "
+              "canary did not run; results of this config are invalid", flush=True)
+        rc = 3
+    if rc == 0 and not cfg.canary_on and installed:
+        print(f"[{cfg.name}] ERROR: the canary was installed in the 'off' config", flush=True)
+        rc = 3
+    if installed:
+        print(f"[{cfg.name}] kv_canary installed: {installed[0]}", flush=True)
+    if rc != 0:
+        print(f"[{cfg.name}] child exited {rc}; last lines of {log_path}:\n" + "".join(tail),
+              flush=True)
+    return rc
+
+
+def run_engines(args) -> int:
+    configs = parse_names(args.configs, CONFIGS, "--configs")
+    parse_names(args.scenarios, SCENARIOS, "--scenarios")
+    args.gpu = gpu_name(args.smoke_cpu)
+    args.invocation = uuid.uuid4().hex[:12]
+    tmpdir = tempfile.mkdtemp(prefix="kv_canary_bench_")
+    if not args.out:
+        args.out = os.path.join(tmpdir, "overhead.jsonl")
+    args.out = os.path.abspath(args.out)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    stub_dir = None
+    if args.smoke_cpu:
+        from sglang.srt.kv_canary.server_harness import build_libcuda_stub
+
+        stub_dir = build_libcuda_stub(os.path.join(tmpdir, "stub"))
+    print(f"KV-canary serving overhead — {args.gpu} — {now_utc()} — configs {', '.join(configs)}"
+          f" — runs {args.runs} — results to {args.out}", flush=True)
+    failed = []
+    for name in configs:
+        t0 = time.perf_counter()
+        log_path = f"{args.out}.{name.replace('+', '_')}.log"  # '+' does not survive $OUT
+        rc = run_child(args, CONFIGS[name], log_path, stub_dir)
+        print(f"[{name}] done in {time.perf_counter() - t0:.0f} s (log: {log_path})", flush=True)
+        if rc != 0:
+            failed.append(name)
+    records = [r for r in read_jsonl([args.out]) if r.get("invocation") == args.invocation] \
+        if os.path.exists(args.out) else []
+    print()
+    print(engine_table(records, title=f"This invocation ({args.gpu})"))
+    if failed:
+        print(f"\nFAILED configs: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+def pct(on: float, off: float) -> str:
+    return f"{(on - off) / off * 100:+.2f} %"
+
+
+def engine_table(records: list[dict], title: str) -> str:
+    """Per scenario x config: median / min ms and overhead vs ``off`` (the ``off`` of the same
+    invocation when there is one, else the latest ``off``; marked *)."""
+    if not records:
+        return f"{title}: no Engine results"
+    latest: dict[tuple, dict] = {}
+    for r in records:  # the latest record per (scenario, config, invocation)
+        latest[(r["scenario"], r["config"], r["invocation"])] = r
+    lines = [f"{title}", "",
+             ("| scenario | config | runs | median ms | min ms | ms / output token (median) | "
+              "overhead (median) | overhead (min) |"),
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    order = {n: i for i, n in enumerate(CONFIGS)}
+    sc_order = {n: i for i, n in enumerate(SCENARIOS)}
+    rows = sorted(latest.values(), key=lambda r: (sc_order.get(r["scenario"], 99),
+                                                 order.get(r["config"], 99), r["time"]))
+    cross = False
+    for r in rows:
+        offs = [o for o in rows if o["scenario"] == r["scenario"] and o["config"] == "off"]
+        same = [o for o in offs if o["invocation"] == r["invocation"]]
+        base = same[-1] if same else (offs[-1] if offs else None)
+        mark = "" if same else "*"
+        cross |= bool(base is not None and not same)
+        if r["config"] == "off" or base is None:
+            ov_med = ov_min = "—" if r["config"] == "off" else "no off"
+        else:
+            ov_med = pct(r["median_ms"], base["median_ms"]) + mark
+            ov_min = pct(r["min_ms"], base["min_ms"]) + mark
+        per_tok = f"{r['median_ms'] / r['osl']:.3f}" if r["osl"] > 1 else "—"
+        lines.append(f"| {r['scenario']} (bs{r['bs']} isl{r['isl']} osl{r['osl']}) | "
+                     f"{r['config']} | {len(r['runs_ms'])} | {r['median_ms']:.1f} | "
+                     f"{r['min_ms']:.1f} | {per_tok} | {ov_med} | "
+                     f"{ov_min} |")
+    if cross:
+        lines += ["", ("\\* overhead against an `off` measured in another invocation (another "
+                       "Engine start, possibly another machine).")]
+    return "\n".join(lines)
+
+
+BREAKDOWN_ORDER = ("token-id scatter (outside graph)", "plan input fill", "plan kernels",
+                   "HEAD verify", "HEAD write", "TAIL verify", "TAIL write",
+                   "status copy + rest of post-ops", "rest of pre-ops",
+                   "forward-stream total (sum)", "CUDA-graph replay of the in-graph ops",
+                   "D2H staging (side stream, copy engine)", "unattributed device time")
+
+
+def breakdown_table(records: list[dict]) -> str:
+    if not records:
+        return "Breakdown: no results"
+    unit = records[0]["unit"]
+    keys = sorted({(r["config"], r["bs"]) for r in records},
+                  key=lambda k: (list(CONFIGS).index(k[0]) if k[0] in CONFIGS else 99, k[1]))
+    latest = {(r["config"], r["bs"]): r for r in records}
+    head = " | ".join(f"{c} bs{bs}" for c, bs in keys)
+    lines = [(f"Canary {unit} per decode step (context {records[0]['ctx']} tokens; "
+              f"{records[0]['steps']} steps; {records[0]['gpu']}, {records[0]['time']})"), "",
+             f"| launch | {head} |", "| --- |" + " ---: |" * len(keys)]
+    for label in BREAKDOWN_ORDER:
+        vals = [latest[k]["launches"].get(label) for k in keys]
+        if all(v is None for v in vals):
+            continue
+        cells = " | ".join("—" if v is None else f"{v:.1f}" for v in vals)
+        bold = "**" if label == "forward-stream total (sum)" else ""
+        lines.append(f"| {bold}{label}{bold} | {cells} |")
+    lines += ["", ("Kernels by name (same steps, µs per step; HEAD and TAIL launches of one "
+                   "kernel add up):"), ""]
+    for k in keys:
+        by = latest[k]["by_kernel"]
+        top = sorted(by.items(), key=lambda kv: -kv[1])[:8]
+        lines.append(f"- {k[0]} bs{k[1]}: " + ("; ".join(f"`{n[:60]}` {v:.1f}" for n, v in top)
+                                                 or "(no device kernels recorded)"))
+    lines += ["", ("The model's own decode step time: the Engine runs (ms / output token of "
+                   "the decode scenarios).")]
+    return "\n".join(lines)
+
+
+def report(paths: Sequence[str]) -> None:
+    records = read_jsonl(paths)
+    eng = [r for r in records if r.get("kind") == "engine"]
+    brk = [r for r in records if r.get("kind") == "breakdown"]
+    gpus = sorted({r["gpu"] for r in records})
+    dates = sorted({r["time"] for r in records})
+    out = [f"# KV-canary serving overhead — {', '.join(gpus) or '?'}"]
+    if dates:
+        out.append(f"Measured {dates[0]} .. {dates[-1]}.")
+    if eng:
+        s = eng[0]
+        kw = s["engine_kwargs"]
+        out += ["", ("Settings: Qwen3-0.6B-shaped dummy model, "
+                f"attention {kw.get('attention_backend')}, CUDA graphs "
+                f"{'off' if kw.get('disable_cuda_graph') else 'bs ' + str(kw.get('cuda_graph_bs'))}, "
+                f"piecewise graphs off, chunked prefill {kw.get('chunked_prefill_size')}, "
+                f"max running requests {kw.get('max_running_requests')}, KV pool "
+                f"{kw.get('max_total_tokens')} tokens, mem fraction {kw.get('mem_fraction_static')}; "
+                "radix cache flushed before every run; latency = wall time of one "
+                "`Engine.generate` over the batch; median / min over the runs after one warm-up."),
+                ""]
+        out.append(engine_table(eng, title="## End-to-end latency"))
+    if brk:
+        out += ["", "## Canary GPU time per decode step", "", breakdown_table(brk)]
+        step_ms = {r["bs"]: r["median_ms"] / r["osl"] for r in eng
+                   if r["config"] == "off" and r["osl"] > 1}
+        shares = []
+        for r in brk:
+            graph = r["launches"].get("CUDA-graph replay of the in-graph ops")
+            if graph is not None and r["bs"] in step_ms:
+                shares.append(f"{r['config']} bs{r['bs']}: {graph:.1f} µs / "
+                              f"{step_ms[r['bs']] * 1e3:.0f} µs = "
+                              f"{graph / (step_ms[r['bs']] * 1e3) * 100:.2f} %")
+        if shares:
+            out += ["", ("In-graph canary time as a share of the `off` decode step (Engine "
+                         "latency / osl, which includes the prefill):"), ""]
+            out += [f"- {line}" for line in shares]
+    print("\n".join(out))
+
+
+# ---- breakdown ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BreakdownShape:
+    head_num: int
+    head_dim: int
+    layer_num: int
+    num_slots: int
+    max_reqs: int
+    max_context_len: int
+    ctx: int
+    batch_sizes: tuple
+    prefill_chunk: int
+    steps: int
+    warmup_steps: int
+    vocab: int
+
+
+LABEL = "kvc: "
+
+
+class _Req:
+    """What the token-id snapshot reads from an sglang ``Req``."""
+
+    def __init__(self, row: int, prompt: list[int]):
+        self.row = row
+        self.origin_input_ids = prompt
+        self.output_ids: list[int] = []
+        self.slots: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+
+@contextlib.contextmanager
+def labelled_launches(manager):
+    """Wrap the runtime's launch functions (module globals the single-forward manager and the
+    kernel launcher call) in ``record_function`` ranges that end with a device
+    synchronisation, so every kernel can be charged to the canary launch that issued it (the
+    syncs only add idle time between launches, kernel durations are unchanged). Restored on
+    exit."""
+    import torch
+    from sglang.jit_kernel.kv_canary.verify import CanaryLaunchTag
+    from sglang.srt.kv_canary import plan_input as pi_mod
+    from sglang.srt.kv_canary.runner import kernel_launcher as kl_mod
+    from sglang.srt.kv_canary.single_forward_manager import manager as sfm_mod
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def wrap(fn, label_of):
+        def wrapper(*a, **kw):
+            with torch.profiler.record_function(LABEL + label_of(*a, **kw)):
+                out = fn(*a, **kw)
+                sync()  # the range's device work ends inside it (see attribute())
+                return out
+        return wrapper
+
+    def tag_phase(**kw):
+        return CanaryLaunchTag(int(kw["context"].kernel_kind)).phase.name
+
+    patches = [
+        (sfm_mod, "populate_req_to_expected_token_ids",
+         lambda *a, **k: "token-id scatter (outside graph)"),
+        (sfm_mod, "launch_group_plan", lambda *a, **k: "plan kernels"),
+        (kl_mod, "launch_canary_verify_kernel", lambda *a, **k: f"{tag_phase(**k)} verify"),
+        (kl_mod, "launch_canary_write_kernel", lambda *a, **k: f"{tag_phase(**k)} write"),
+        (pi_mod.PlanInput, "fill_from_forward_batch", lambda *a, **k: "plan input fill"),
+        (sfm_mod.SingleForwardManager, "pre_ops_maybe_inside_graph", lambda *a, **k: "pre-ops"),
+        (sfm_mod.SingleForwardManager, "post_ops_maybe_inside_graph",
+         lambda *a, **k: "post-ops"),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    dh = manager.device_host
+    orig_stage = dh.stage
+    try:
+        for obj, name, label_of in patches:
+            setattr(obj, name, wrap(getattr(obj, name), label_of))
+        dh.stage = wrap(orig_stage, lambda *a, **k: "D2H staging")
+        yield
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+        dh.stage = orig_stage
+
+
+def attribute(events, *, use_cuda: bool):
+    """Per label: inclusive and exclusive (minus nested labelled ranges) time per label, summed
+    over all its ranges, in µs; also device time by kernel name inside canary ranges and the
+    device time outside every labelled range.
+
+    On CUDA by time: every labelled range ends with a device synchronisation (see
+    :func:`labelled_launches`), so each device activity (kernel, memcpy, memset) runs inside
+    the CPU time span of the range that launched it; it is charged to the innermost labelled
+    range containing its start. (The profiler's correlation-based attribution misses Triton
+    launches.) On the CPU: the ranges' CPU time."""
+    from torch.autograd import DeviceType
+
+    incl: dict[str, float] = {}
+    excl: dict[str, float] = {}
+    by_kernel: dict[str, float] = {}
+    ranges = sorted(((ev.time_range.start, ev.time_range.end, ev.name[len(LABEL):])
+                     for ev in events
+                     if ev.device_type == DeviceType.CPU and ev.name.startswith(LABEL)),
+                    key=lambda r: (r[0], -r[1]))
+    if not use_cuda:
+        for ev in events:
+            if ev.device_type != DeviceType.CPU or not ev.name.startswith(LABEL):
+                continue
+            name = ev.name[len(LABEL):]
+            below, todo = 0.0, list(ev.cpu_children)
+            while todo:
+                ch = todo.pop()
+                if ch.name.startswith(LABEL):
+                    below += ch.cpu_time_total
+                else:
+                    todo += ch.cpu_children
+            incl[name] = incl.get(name, 0.0) + ev.cpu_time_total
+            excl[name] = excl.get(name, 0.0) + ev.cpu_time_total - below
+        return incl, excl, by_kernel, 0.0
+    unattributed = 0.0
+    for ev in events:
+        if ev.device_type != DeviceType.CUDA or ev.name.startswith(LABEL):
+            continue  # (the device-side copies of the labelled ranges carry the label's name)
+        t, dur = ev.time_range.start, ev.time_range.end - ev.time_range.start
+        enclosing = [r for r in ranges if r[0] <= t <= r[1]]
+        if not enclosing:
+            unattributed += dur
+            continue
+        innermost = max(enclosing, key=lambda r: r[0])
+        excl[innermost[2]] = excl.get(innermost[2], 0.0) + dur
+        for name in {r[2] for r in enclosing}:
+            incl[name] = incl.get(name, 0.0) + dur
+        if not any(r[2] == "model stand-in" for r in enclosing):
+            by_kernel[ev.name] = by_kernel.get(ev.name, 0.0) + dur
+    return incl, excl, by_kernel, unattributed
+
+
+def run_breakdown(args) -> None:
+    import torch
+    from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
+    from sglang.srt.kv_canary.config import CanaryConfig
+    from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
+    from sglang.srt.kv_canary.req_to_expected_token_ids_manager import (
+        attach_req_all_ids_info,
+    )
+    from sglang.srt.kv_canary.runner import CanaryManager
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    smoke = args.smoke_cpu
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit("--breakdown needs a CUDA GPU (or pass --smoke-cpu for a CPU dry run)")
+    device = torch.device("cpu" if smoke else "cuda")
+    use_cuda = device.type == "cuda"
+    configs = [c for c in parse_names(args.configs, CONFIGS, "--configs") if c != "off"]
+    if not configs:
+        raise SystemExit("--breakdown: --configs names no canary-on config "
+                         f"(allowed: {', '.join(c for c in CONFIGS if c != 'off')})")
+    bss = tuple(int(b) for b in parse_ints(args.breakdown_bs, "--breakdown-bs"))
+    if smoke:
+        shape = BreakdownShape(head_num=2, head_dim=8, layer_num=2, num_slots=4096, max_reqs=8,
+                               max_context_len=256, ctx=64, batch_sizes=tuple(min(b, 4) for b in
+                                                                              bss),
+                               prefill_chunk=128, steps=2, warmup_steps=1, vocab=512)
+    else:
+        shape = BreakdownShape(head_num=8, head_dim=128, layer_num=28,
+                               num_slots=args.max_total_tokens, max_reqs=128,
+                               max_context_len=QWEN3_0_6B_CONFIG["max_position_embeddings"],
+                               ctx=args.breakdown_ctx, batch_sizes=bss,
+                               prefill_chunk=args.chunked_prefill_size,
+                               steps=args.breakdown_steps, warmup_steps=3,
+                               vocab=QWEN3_0_6B_CONFIG["vocab_size"])
+    if max(shape.batch_sizes) > shape.max_reqs:
+        raise SystemExit(f"--breakdown-bs: at most {shape.max_reqs} (the Engine's "
+                         "max_running_requests)")
+    need = max(shape.batch_sizes) * (shape.ctx + shape.warmup_steps + shape.steps + 2)
+    if need > shape.num_slots:
+        raise SystemExit(f"--breakdown-ctx / --max-total-tokens: {need} slots needed, the pool "
+                         f"has {shape.num_slots}")
+    name = torch.cuda.get_device_name() if use_cuda else "cpu (smoke)"
+    unit = "GPU µs" if use_cuda else "CPU µs (smoke, meaningless)"
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if use_cuda else None
+    print(f"KV-canary per-launch breakdown — {name} — {now_utc()} — context {shape.ctx}, "
+          f"{shape.steps} profiled decode steps", flush=True)
+    records = []
+    for cname in configs:
+        cfg = CONFIGS[cname]
+        for bs in shape.batch_sizes:
+            rec = breakdown_one(cfg, bs, shape, device, flush, name, unit, torch=torch,
+                                CanaryLaunchCapacities=CanaryLaunchCapacities,
+                                CanaryConfig=CanaryConfig,
+                                attach_canary_buffers=attach_canary_buffers,
+                                attach_req_all_ids_info=attach_req_all_ids_info,
+                                CanaryManager=CanaryManager,
+                                TokenToKVPoolAllocator=TokenToKVPoolAllocator,
+                                MHATokenToKVPool=MHATokenToKVPool, ReqToTokenPool=ReqToTokenPool,
+                                ForwardBatch=ForwardBatch, ForwardMode=ForwardMode)
+            append_jsonl(args.out, rec)
+            records.append(rec)
+            tot = rec["launches"]["forward-stream total (sum)"]
+            graph = rec["launches"].get("CUDA-graph replay of the in-graph ops")
+            print(f"[{cname} bs{bs}] forward-stream total {tot:.1f} {unit}/step"
+                  + (f", graph replay {graph:.1f} µs" if graph is not None else ""), flush=True)
+            gc.collect()  # the pools, the manager and the patched buf-info methods form cycles
+            if use_cuda:
+                torch.cuda.empty_cache()
+    print()
+    print(breakdown_table(records))
+
+
+def parse_ints(value: str, flag: str) -> list[int]:
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        out = []
+    if not out or any(v < 1 for v in out):
+        raise SystemExit(f"{flag}: expected comma-separated positive integers, got {value!r}")
+    return out
+
+
+def breakdown_one(cfg: BenchConfig, bs: int, shape: BreakdownShape, device, flush, gpu: str,
+                  unit: str, *, torch, CanaryLaunchCapacities, CanaryConfig,
+                  attach_canary_buffers, attach_req_all_ids_info, CanaryManager,
+                  TokenToKVPoolAllocator, MHATokenToKVPool, ReqToTokenPool, ForwardBatch,
+                  ForwardMode) -> dict:
+    use_cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if use_cuda else (lambda: None)
+    gen = torch.Generator().manual_seed(bs)
+    r2t = ReqToTokenPool(size=shape.max_reqs, max_context_len=shape.max_context_len,
+                         device=str(device), enable_memory_saver=False)
+    kv = MHATokenToKVPool(size=shape.num_slots, page_size=1, dtype=torch.bfloat16,
+                          head_num=shape.head_num, head_dim=shape.head_dim,
+                          layer_num=shape.layer_num, device=str(device),
+                          enable_memory_saver=False, enable_alt_stream=False)
+    kv.k_buffer[0].normal_()  # never hash zeros; layer 0 is what the canary reads
+    kv.v_buffer[0].normal_()
+    alloc = TokenToKVPoolAllocator(shape.num_slots, torch.bfloat16, str(device), kv,
+                                   need_sort=False)
+    config = CanaryConfig(mode=cfg.kv_canary, real_kv_hash_mode=cfg.real_data,
+                          enable_verify_token_assert=cfg.verify_tokens,
+                          stats_print_every_n_steps=0)
+    groups = attach_canary_buffers(pool=kv, config=config, device=device)
+    num_slots = kv.k_buffer[0].shape[0]
+    # what the runtime derives from the Engine's settings (sglang.srt.kv_canary.api)
+    caps = CanaryLaunchCapacities.from_args(
+        num_slots=num_slots, max_running_requests=r2t.req_to_token.shape[0],
+        max_tokens_per_forward=max(16384, shape.prefill_chunk, shape.max_context_len)
+        + r2t.req_to_token.shape[0],
+        cuda_graph_max_bs=shape.max_reqs)
+    mgr = CanaryManager(config=config, groups=groups, capacities=caps,
+                        req_to_token=r2t.req_to_token, device=device)
+    mgr.mark_init_finished()
+
+    # slots as after churn: the allocator's free list, shuffled
+    free = alloc.alloc(bs * (shape.ctx + shape.warmup_steps + shape.steps + 2))
+    free = free[torch.randperm(free.shape[0], generator=gen).to(free.device)].tolist()
+    reqs = [_Req(r2t.free_slots.pop(0),
+                 torch.randint(100, shape.vocab - 100, (shape.ctx,), generator=gen).tolist())
+            for _ in range(bs)]
+
+    def i64(v):
+        return torch.tensor(v, dtype=torch.int64, device=device)
+
+    def batch(mode, part, ids, pos, loc, pre=None, ext=None):
+        seq = [p + e for p, e in zip(pre, ext)] if pre is not None else [p + 1 for p in pos]
+        fb = ForwardBatch(forward_mode=mode, batch_size=len(part), input_ids=i64(ids),
+                          req_pool_indices=i64([r.row for r in part]), seq_lens=i64(seq),
+                          out_cache_loc=i64(loc), seq_lens_sum=sum(seq), positions=i64(pos),
+                          req_to_token_pool=r2t, token_to_kv_pool=kv)
+        if mode == ForwardMode.EXTEND:
+            fb.extend_prefix_lens, fb.extend_seq_lens = i64(pre), i64(ext)
+            fb.extend_num_tokens = len(ids)
+            fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(pre), list(ext)
+        if config.enable_verify_token_assert:  # what the ForwardBatch.init_new hook does
+            attach_req_all_ids_info(fb, part)
+        return fb
+
+    def model_stand_in():
+        if flush is not None:
+            with torch.profiler.record_function(LABEL + "model stand-in"):
+                flush.zero_()
+                torch.cuda.synchronize()
+
+    def forward(fb):
+        with mgr.with_active_single_forward_manager(0), mgr.with_ops_outside_graph(fb):
+            mgr.pre_ops_maybe_inside_graph(fb)
+            model_stand_in()  # the KV of the new tokens is already random
+            mgr.post_ops_maybe_inside_graph(fb)
+        model_stand_in()
+
+    # prefill through the canary, in chunks of at most prefill_chunk tokens per forward
+    per_fwd = max(1, shape.prefill_chunk // shape.ctx)
+    for start in range(0, bs, per_fwd):
+        part = reqs[start:start + per_fwd]
+        ids, pos, loc = [], [], []
+        for r in part:
+            r.slots = [free.pop() for _ in range(shape.ctx)]
+            r2t.req_to_token[r.row, :shape.ctx] = torch.tensor(r.slots, dtype=torch.int32)
+            ids += r.origin_input_ids
+            pos += list(range(shape.ctx))
+            loc += r.slots
+        forward(batch(ForwardMode.EXTEND, part, ids, pos, loc, pre=[0] * len(part),
+                      ext=[shape.ctx] * len(part)))
+
+    def decode_batch():
+        ids, pos, loc = [], [], []
+        for r in reqs:
+            tok = int(torch.randint(100, shape.vocab - 100, (1,), generator=gen))
+            r.output_ids.append(tok)
+            p = r.length - 1
+            slot = free.pop()
+            r2t.req_to_token[r.row, p] = slot
+            r.slots.append(slot)
+            ids.append(tok)
+            pos.append(p)
+            loc.append(slot)
+        return batch(ForwardMode.DECODE, reqs, ids, pos, loc)
+
+    for _ in range(shape.warmup_steps):  # compiles the Triton kernels
+        forward(decode_batch())
+    sync()
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if use_cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    fbs = [decode_batch() for _ in range(shape.steps)]  # host-side batch building unprofiled
+    with labelled_launches(mgr), torch.profiler.profile(activities=acts) as prof:
+        for fb in fbs:
+            forward(fb)
+        sync()
+    incl, excl, by_kernel, unattributed = attribute(prof.events(), use_cuda=use_cuda)
+    n = shape.steps
+    launches = {
+        "plan input fill": incl.get("plan input fill", 0.0) / n,
+        "plan kernels": incl.get("plan kernels", 0.0) / n,
+        "HEAD verify": incl.get("HEAD verify", 0.0) / n,
+        "HEAD write": incl.get("HEAD write", 0.0) / n,
+        "TAIL verify": incl.get("TAIL verify", 0.0) / n,
+        "TAIL write": incl.get("TAIL write", 0.0) / n,
+        "status copy + rest of post-ops": excl.get("post-ops", 0.0) / n,
+        "rest of pre-ops": excl.get("pre-ops", 0.0) / n,
+    }
+    if cfg.verify_tokens:
+        launches = {"token-id scatter (outside graph)":
+                    incl.get("token-id scatter (outside graph)", 0.0) / n, **launches}
+    launches["forward-stream total (sum)"] = sum(launches.values())
+    launches["D2H staging (side stream, copy engine)"] = incl.get("D2H staging", 0.0) / n
+    if use_cuda:
+        launches["unattributed device time"] = unattributed / n
+        launches["CUDA-graph replay of the in-graph ops"] = graph_replay_us(
+            mgr, decode_batch(), bs, device, torch=torch, ForwardBatch=ForwardBatch,
+            ForwardMode=ForwardMode, attach_req_all_ids_info=attach_req_all_ids_info,
+            reqs=reqs, r2t=r2t, kv=kv, verify_tokens=config.enable_verify_token_assert)
+    sync()
+    violations = int(mgr.state.violation_log.violation_write_index[0])
+    if violations:
+        raise SystemExit(f"breakdown {cfg.name} bs{bs}: {violations} canary violations on a "
+                         "clean workload")
+    rec = dict(kind="breakdown", time=now_utc(), gpu=gpu, unit=unit, config=cfg.name, bs=bs,
+               ctx=shape.ctx, steps=n, shape=dataclasses.asdict(shape), launches=launches,
+               by_kernel={k: v / n for k, v in by_kernel.items()},
+               capacities=dataclasses.asdict(caps))
+    return rec
+
+
+def graph_replay_us(mgr, fb, bs, device, *, torch, ForwardBatch, ForwardMode,
+                    attach_req_all_ids_info, reqs, r2t, kv, verify_tokens) -> float:
+    """Capture one decode step's in-graph canary ops (plan, HEAD, TAIL, status copy) into a
+    CUDA graph as sglang's decode graphs hold them, run it once as the runtime does (outside
+    ops + replay), then time replays (idempotent: same records rewritten, same prefix
+    verified) with ``do_bench`` (L2 flushed before each)."""
+    import triton
+
+    def z():
+        return torch.zeros(bs, dtype=torch.int64, device=device)
+
+    static = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=z(),
+                          req_pool_indices=z(), seq_lens=z(), out_cache_loc=z(),
+                          seq_lens_sum=fb.seq_lens_sum, positions=z(), req_to_token_pool=r2t,
+                          token_to_kv_pool=kv)
+    for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
+        getattr(static, name).copy_(getattr(fb, name))
+    if verify_tokens:
+        attach_req_all_ids_info(static, reqs)
+
+    def body():
+        mgr.pre_ops_maybe_inside_graph(static)
+        mgr.post_ops_maybe_inside_graph(static)
+
+    with mgr.with_active_single_forward_manager(0), mgr.capturing():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+    torch.cuda.synchronize()
+    with mgr.with_active_single_forward_manager(0), mgr.with_ops_outside_graph(static):
+        graph.replay()
+        mgr.mark_replayed_inside_graph()
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    return ms * 1e3
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated, from: {', '.join(CONFIGS)} (default: all)")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS),
+                    help=f"comma-separated, from: {', '.join(SCENARIOS)} (default: all)")
+    ap.add_argument("--runs", type=int, help="timed runs per scenario (default 5; 2 with "
+                    "--smoke-cpu)")
+    ap.add_argument("--out", help="append results as JSON lines to this file (Engine logs go "
+                    "to <out>.<config>.log)")
+    ap.add_argument("--report", nargs="+", metavar="JSONL",
+                    help="print the markdown report of these JSON lines files and exit")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="per-launch canary GPU time per decode step (in-process, no Engine)")
+    ap.add_argument("--breakdown-bs", default="1,128", help="decode batch sizes (default 1,128)")
+    ap.add_argument("--breakdown-ctx", type=int, default=1024,
+                    help="context per request before the profiled decode steps (default 1024)")
+    ap.add_argument("--breakdown-steps", type=int, default=20,
+                    help="profiled decode steps (default 20)")
+    ap.add_argument("--smoke-cpu", action="store_true",
+                    help="tiny CPU dry run (sglang CPU server / CPU pools); numbers meaningless")
+    ap.add_argument("--chunked-prefill-size", type=int, default=EngineSettings.chunked_prefill_size)
+    ap.add_argument("--max-total-tokens", type=int, default=EngineSettings.max_total_tokens)
+    ap.add_argument("--mem-fraction-static", type=float,
+                    default=EngineSettings.mem_fraction_static)
+    ap.add_argument("--child-timeout", type=float, default=540,
+                    help="seconds one config's Engine process may take (default 540)")
+    ap.add_argument("--_engine-child", dest="engine_child", help=argparse.SUPPRESS)
+    ap.add_argument("--_invocation", dest="invocation", help=argparse.SUPPRESS)
+    ap.add_argument("--_gpu", dest="gpu", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.runs is None:
+        args.runs = 2 if args.smoke_cpu else 5
+    for flag, value, minimum in (("--runs", args.runs, 1),
+                                 ("--breakdown-ctx", args.breakdown_ctx, 2),
+                                 ("--breakdown-steps", args.breakdown_steps, 1),
+                                 ("--chunked-prefill-size", args.chunked_prefill_size, 1),
+                                 ("--max-total-tokens", args.max_total_tokens, 1)):
+        if value < minimum:
+            ap.error(f"{flag} must be >= {minimum}, got {value}")
+    if not 0 < args.mem_fraction_static < 1:
+        ap.error(f"--mem-fraction-static must be in (0, 1), got {args.mem_fraction_static}")
+    if args.engine_child is not None and args.engine_child not in CONFIGS:
+        ap.error(f"--_engine-child: unknown config {args.engine_child!r}; allowed: "
+                 f"{', '.join(CONFIGS)}")
+    args.settings = EngineSettings(chunked_prefill_size=args.chunked_prefill_size,
+                                   max_total_tokens=args.max_total_tokens,
+                                   mem_fraction_static=args.mem_fraction_static)
+    if args.report:
+        missing = [p for p in args.report if not os.path.exists(p)]
+        if missing:
+            ap.error(f"--report: no such file(s): {', '.join(missing)}")
+        report(args.report)
+        return 0
+    if args.engine_child:
+        engine_child(args)
+        return 0
+    if args.breakdown:
+        run_breakdown(args)
+        return 0
+    return run_engines(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
