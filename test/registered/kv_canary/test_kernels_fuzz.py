@@ -27,6 +27,7 @@ from sglang.jit_kernel.kv_canary import (
     RealKvHashMode,
     RealKvSource,
     VerifyPlan,
+    WriteParts,
     WritePlan,
     launch_canary_plan_kernels,
     launch_canary_plan_kernels_torch_reference,
@@ -238,6 +239,37 @@ def test_plan_write_verify_match_reference(seed, device):
     launch_canary_verify_kernel(context=tri_ctx, plan=tri_vp,
                                 check_verify_expected_token=sc["check_token"])
     assert_contexts_equal(tri_ctx, ref_ctx)
+
+
+@pytest.mark.parametrize("seed", range(0, NUM_SEEDS, 3))
+def test_split_write_equals_one_write(seed, device):
+    """CHAIN then FINGERPRINT (the runtime's split around the model forward) leaves the bytes,
+    violation rows and counters of one ALL launch, in the reference and in Triton."""
+    sc = _scenario(seed)
+    ref_ctx = sc["ctx"]
+    ref_split = clone_context(ref_ctx, "cpu")
+    tri_split = clone_context(ref_ctx, device)
+    wp = WritePlan.allocate(write_req_capacity=sc["req_capacity"], device="cpu")
+    vp = VerifyPlan.allocate(verify_capacity=sc["verify_capacity"], device="cpu")
+    launch_canary_plan_kernels_torch_reference(verify_plan_out=vp, write_plan_out=wp,
+                                               **sc["plan_kwargs"])
+    tri_wp = clone_dataclass_tensors(wp, device)
+    launch_canary_write_kernel_torch_reference(context=ref_ctx, plan=wp, **sc["write_kwargs"])
+    for parts in (WriteParts.CHAIN, WriteParts.FINGERPRINT):
+        launch_canary_write_kernel_torch_reference(context=ref_split, plan=wp, parts=parts,
+                                                   **sc["write_kwargs"])
+        launch_canary_write_kernel(context=tri_split, plan=tri_wp, parts=parts,
+                                   **_to(sc["write_kwargs"], device))
+    assert_contexts_equal(ref_split, ref_ctx)
+    assert_contexts_equal(tri_split, ref_ctx)
+    if ref_ctx.fingerprint_mode:  # the chain part alone leaves the fingerprints at 0
+        only_chain = clone_context(sc["ctx"], "cpu")
+        launch_canary_write_kernel_torch_reference(context=only_chain, plan=wp,
+                                                   parts=WriteParts.CHAIN, **sc["write_kwargs"])
+        total = int(wp.write_offsets[int(wp.write_num_valid_reqs)])
+        slots = sc["write_kwargs"]["out_cache_loc"][:total].long()
+        slots = slots[(slots > 0) & (slots < ref_ctx.num_slots)]
+        assert (only_chain.canary_words[slots, 3] == 0).all()
 
 
 def test_fuzz_exercises_every_path():

@@ -30,13 +30,13 @@ from sglang.jit_kernel.kv_canary.verify import (
     launch_canary_verify_kernel,
 )
 from sglang.jit_kernel.kv_canary.verify_ref import launch_canary_verify_kernel_torch_reference
-from sglang.jit_kernel.kv_canary.write import WritePlan, launch_canary_write_kernel
+from sglang.jit_kernel.kv_canary.write import WriteParts, WritePlan, launch_canary_write_kernel
 from sglang.jit_kernel.kv_canary.write_ref import launch_canary_write_kernel_torch_reference
 
 __all__ = [
     "CANARY_CHAIN_ANCHOR", "CANARY_SLOT_BYTES", "CanaryLaunchTag", "CanaryPhase", "FailReason",
     "KvHalf", "PoolKind", "RealKvHashMode", "RealKvSource", "VerifyOrWriteContext", "VerifyPlan",
-    "WritePlan", "launch_canary_plan_kernels", "launch_canary_plan_kernels_torch_reference",
+    "WriteParts", "WritePlan", "launch_canary_plan_kernels", "launch_canary_plan_kernels_torch_reference",
     "launch_canary_verify_kernel", "launch_canary_verify_kernel_torch_reference",
     "launch_canary_write_kernel", "launch_canary_write_kernel_torch_reference",
     "launch_scatter_req_token_ids_kernel", "scatter_req_token_ids_torch_reference",

@@ -9,6 +9,7 @@ the other part fingerprints all written slots in parallel. Graph-safe on CUDA.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Optional
 
 import torch
@@ -25,6 +26,23 @@ from sglang.jit_kernel.kv_canary._launch import (
     use_triton,
 )
 from sglang.jit_kernel.kv_canary.verify import VerifyOrWriteContext, append_violations
+
+
+class WriteParts(enum.Enum):
+    """Which part of the write a launch does. ``CHAIN`` then ``FINGERPRINT`` (in stream order)
+    leaves exactly the bytes, violations and counters of one ``ALL`` launch; split, the serial
+    chain (which needs no KV bytes) can run before / beside the model forward and only the
+    parallel fingerprint after it.
+
+    - ``ALL``: records with chain and fingerprint (one launch).
+    - ``CHAIN``: token, position, chain hash, checks, counters; ``real_kv_hash`` stored as 0.
+    - ``FINGERPRINT``: only ``real_kv_hash`` of every written slot; no checks, no counters; a
+      no-op without real-data fingerprints.
+    """
+
+    ALL = "all"
+    CHAIN = "chain"
+    FINGERPRINT = "fingerprint"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -185,8 +203,10 @@ WRITE_FINGERPRINT_BLOCK = 128
 
 def validate_write_args(*, context, plan, input_ids, positions, out_cache_loc,
                         enable_write_input_assert, expected_input_tokens,
-                        expected_input_positions) -> None:
+                        expected_input_positions, parts=WriteParts.ALL) -> None:
     """Host-side checks shared by the launcher and the torch reference (metadata only)."""
+    if not isinstance(parts, WriteParts):
+        raise TypeError(f"parts must be a WriteParts, got {parts!r}")
     if not isinstance(context, VerifyOrWriteContext):
         raise TypeError(f"context must be a VerifyOrWriteContext, got {type(context).__name__}")
     if not isinstance(plan, WritePlan):
@@ -221,8 +241,10 @@ def launch_canary_write_kernel(
     enable_write_input_assert: bool,
     expected_input_tokens: Optional[torch.Tensor],
     expected_input_positions: Optional[torch.Tensor],
+    parts: WriteParts = WriteParts.ALL,
 ) -> None:
-    """Write the canary records of this forward's new KV slots.
+    """Write the canary records of this forward's new KV slots (``parts``: all of it, or only
+    the chain / only the fingerprints, see :class:`WriteParts`).
 
     ``input_ids`` / ``positions`` / ``out_cache_loc``: int32 or int64 ``[num_tokens]``, laid out
     as ``plan.write_offsets`` says (SWA callers pass translated slots). Per live request, serially:
@@ -239,7 +261,7 @@ def launch_canary_write_kernel(
     kwargs = dict(context=context, plan=plan, input_ids=input_ids, positions=positions,
                   out_cache_loc=out_cache_loc, enable_write_input_assert=enable_write_input_assert,
                   expected_input_tokens=expected_input_tokens,
-                  expected_input_positions=expected_input_positions)
+                  expected_input_positions=expected_input_positions, parts=parts)
     validate_write_args(**kwargs)
     if not use_triton(context.device):
         from sglang.jit_kernel.kv_canary.write_ref import launch_canary_write_kernel_torch_reference
@@ -249,6 +271,12 @@ def launch_canary_write_kernel(
     num_sources = len(context.real_kv_sources) if context.fingerprint_mode else 0
     n_chain = grid_size(context.device, plan.req_capacity, WRITE_REQ_BLOCK)
     n_fp = grid_size(context.device, num_tokens, WRITE_FINGERPRINT_BLOCK) if num_sources else 0
+    if parts == WriteParts.CHAIN:
+        num_sources, n_fp = 0, 0  # the chain part then stores real_kv_hash = 0
+    elif parts == WriteParts.FINGERPRINT:
+        if not n_fp:
+            return
+        n_chain = 0
     if enable_write_input_assert:
         exp_tok, exp_pos = expected_input_tokens, expected_input_positions
     else:  # never dereferenced: INPUT_ASSERT is a constexpr

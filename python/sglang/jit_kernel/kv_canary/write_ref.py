@@ -17,24 +17,45 @@ from sglang.jit_kernel.kv_canary._hash_torch import (
 )
 from sglang.jit_kernel.kv_canary._ring_torch import append_violation_rows, violation_rows
 from sglang.jit_kernel.kv_canary.consts import FailReason
-from sglang.jit_kernel.kv_canary.write import validate_write_args
+from sglang.jit_kernel.kv_canary.write import WriteParts, validate_write_args
 
 
 def launch_canary_write_kernel_torch_reference(
     *, context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
-    expected_input_tokens, expected_input_positions,
+    expected_input_tokens, expected_input_positions, parts=WriteParts.ALL,
 ) -> None:
     validate_write_args(context=context, plan=plan, input_ids=input_ids, positions=positions,
                         out_cache_loc=out_cache_loc,
                         enable_write_input_assert=enable_write_input_assert,
                         expected_input_tokens=expected_input_tokens,
-                        expected_input_positions=expected_input_positions)
-    context.kernel_run_counter.add_(1)
+                        expected_input_positions=expected_input_positions, parts=parts)
     records = context.canary_words
     num_slots = context.num_slots
     num_tokens = input_ids.shape[0]
     nreq = min(max(int(plan.write_num_valid_reqs[0].item()), 0), plan.req_capacity)
     offsets = plan.write_offsets[: nreq + 1]
+    if parts != WriteParts.FINGERPRINT:
+        _chain(context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
+               expected_input_tokens, expected_input_positions, nreq, offsets,
+               zero_fp=parts == WriteParts.CHAIN or not context.fingerprint_mode)
+    if parts != WriteParts.CHAIN and context.fingerprint_mode and nreq:
+        total = min(max(int(offsets[nreq].item()), 0), num_tokens)
+        slots = out_cache_loc[:total].long()
+        slots = slots[(slots >= 0) & (slots < num_slots)]
+        mode = context.fingerprint_mode
+        records[slots, 3] = real_kv_fingerprint_t(
+            context.real_kv_sources, [s.words_to_fold(mode) for s in context.real_kv_sources], slots
+        )
+
+
+def _chain(context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
+           expected_input_tokens, expected_input_positions, nreq, offsets, *, zero_fp):
+    """The serial chain part: records (with ``real_kv_hash`` 0 when ``zero_fp``), checks,
+    counters."""
+    context.kernel_run_counter.add_(1)
+    records = context.canary_words
+    num_slots = context.num_slots
+    num_tokens = input_ids.shape[0]
     start = offsets[:-1]
     length = (offsets[1:] - start).clamp_min(0)
     seeds = plan.write_seed_slot_indices[:nreq]
@@ -45,7 +66,6 @@ def launch_canary_write_kernel_torch_reference(
     prev_pos[seed_ok] = records[seeds[seed_ok], 1]
     check_pos = seed_ok & (seeds > 0) & bool(
         int(context.enable_chain_position_assert[0].item()) == 1)
-    zero_fp = not context.fingerprint_mode
 
     written = 0
     max_len = int(length.max().item()) if nreq and num_tokens else 0
@@ -85,12 +105,3 @@ def launch_canary_write_kernel_torch_reference(
         running = torch.where(act, mix3_t(running, tok, pos), running)
         prev_pos = torch.where(act, pos, prev_pos)
     context.slot_run_counter.add_(written)
-
-    if not zero_fp and nreq:
-        total = min(max(int(offsets[nreq].item()), 0), num_tokens)
-        slots = out_cache_loc[:total].long()
-        slots = slots[(slots >= 0) & (slots < num_slots)]
-        mode = context.fingerprint_mode
-        records[slots, 3] = real_kv_fingerprint_t(
-            context.real_kv_sources, [s.words_to_fold(mode) for s in context.real_kv_sources], slots
-        )

@@ -109,8 +109,14 @@ def _graph_replay_prepare(original, self, *args, **kwargs):
     one device memset on the forward stream, no sync."""
     from sglang.srt.kv_canary.api import get_canary_manager
 
-    if get_canary_manager(self.model_runner) is not None:
+    manager = get_canary_manager(self.model_runner)
+    if manager is not None:
         self.buffers.req_pool_indices.zero_()
+        if manager.config.enable_write_input_assert:
+            # padding rows then write token 0 at position 0, which the oracle's expected
+            # inputs say for every entry past the real ones (self-test mode only)
+            self.buffers.input_ids.zero_()
+            self.buffers.positions.zero_()
     return original(self, *args, **kwargs)
 
 

@@ -17,7 +17,11 @@ from sglang.jit_kernel.kv_canary.verify import (
     VerifyPlan,
     launch_canary_verify_kernel,
 )
-from sglang.jit_kernel.kv_canary.write import WritePlan, launch_canary_write_kernel
+from sglang.jit_kernel.kv_canary.write import (
+    WriteParts,
+    WritePlan,
+    launch_canary_write_kernel,
+)
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.endpoint import CanaryEndpoint
@@ -77,27 +81,46 @@ def launch_group_plan(plans: GroupPlans, *, req_pool_indices, prefix_lens, exten
 def write_slots_for(plans: GroupPlans, out_cache_loc: torch.Tensor) -> torch.Tensor:
     """The slots the write kernel stores to: ``out_cache_loc`` itself for FULL groups, its
     translation through the SWA table (into the static buffer) for SWA groups."""
-    if plans.write_slots is None:
-        return out_cache_loc
-    out = plans.write_slots[: out_cache_loc.shape[0]]
-    torch.index_select(plans.group.swa_index_lut, 0, out_cache_loc, out=out)
+    out = translated_slots(plans, out_cache_loc)
+    if plans.write_slots is not None:
+        torch.index_select(plans.group.swa_index_lut, 0, out_cache_loc, out=out)
     return out
 
 
-def launch_phase(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
-                 plans_by_group, input_ids, positions, out_cache_loc,
-                 check_verify_expected_token: bool,
-                 expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """For every endpoint of ``phase`` (HEAD or TAIL): verify its group's plan, then write."""
+def translated_slots(plans: GroupPlans, out_cache_loc: torch.Tensor) -> torch.Tensor:
+    """The view :func:`write_slots_for` fills (without filling it again)."""
+    if plans.write_slots is None:
+        return out_cache_loc
+    return plans.write_slots[: out_cache_loc.shape[0]]
+
+
+def launch_verifies(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
+                    plans_by_group, check_verify_expected_token: bool) -> None:
+    """Verify launch of every endpoint of ``phase`` (HEAD or TAIL), on its group's plan."""
+    for ep in endpoints:
+        if ep.phase == phase:
+            launch_canary_verify_kernel(context=ep.context,
+                                        plan=plans_by_group[id(ep.group)].verify_plan,
+                                        check_verify_expected_token=check_verify_expected_token)
+
+
+def launch_writes(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
+                  parts: WriteParts, plans_by_group, input_ids, positions, out_cache_loc,
+                  expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write launch (``parts`` of it) of every endpoint of ``phase``; SWA groups get their
+    translated slots (translated once per group, by the chain part or an ``ALL`` write)."""
+    translated = {}
     for ep in endpoints:
         if ep.phase != phase:
             continue
         plans = plans_by_group[id(ep.group)]
-        launch_canary_verify_kernel(context=ep.context, plan=plans.verify_plan,
-                                    check_verify_expected_token=check_verify_expected_token)
+        if id(plans) not in translated:
+            translated[id(plans)] = (write_slots_for(plans, out_cache_loc)
+                                     if parts != WriteParts.FINGERPRINT
+                                     else translated_slots(plans, out_cache_loc))
         launch_canary_write_kernel(
             context=ep.context, plan=plans.write_plan, input_ids=input_ids,
-            positions=positions, out_cache_loc=write_slots_for(plans, out_cache_loc),
+            positions=positions, out_cache_loc=translated[id(plans)], parts=parts,
             enable_write_input_assert=expected_inputs is not None,
             expected_input_tokens=expected_inputs[0] if expected_inputs is not None else None,
             expected_input_positions=expected_inputs[1] if expected_inputs is not None else None,

@@ -6,9 +6,11 @@ Four ops, checked in order:
    change), the token-id scatter and, with ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1``,
    the token oracle's expected written tokens / positions; never captured.
 2. ``pre_ops_maybe_inside_graph(forward_batch)`` — fill the plan input, plan every group, HEAD
-   launches (verify, then write). Captured into decode CUDA graphs.
-3. ``post_ops_maybe_inside_graph(forward_batch)`` — TAIL launches (verify, then write), then copy
-   the plans' ``enable`` flags into a static status buffer. Captured too.
+   launches (verify, then write), the chain part of the TAIL writes, and a copy of the plans'
+   ``enable`` flags into a static status buffer; on CUDA on a side stream, concurrently with
+   the model forward. Captured into decode CUDA graphs (as a parallel branch).
+3. ``post_ops_maybe_inside_graph(forward_batch)`` — join the side stream; TAIL verify, then the
+   TAIL writes' real-KV fingerprints of the new slots. Captured too.
 4. ``post_ops_outside_graph()`` — back to IDLE; the manager then reads results (delayed).
 
 When a CUDA graph replays, 2 and 3 run inside the graph; :meth:`mark_replayed_inside_graph`
@@ -33,10 +35,12 @@ from sglang.srt.kv_canary.plan_input import PlanInput
 from sglang.srt.kv_canary.req_to_expected_token_ids_manager import (
     populate_req_to_expected_token_ids,
 )
+from sglang.jit_kernel.kv_canary.write import WriteParts
 from sglang.srt.kv_canary.runner.kernel_launcher import (
     GroupPlans,
     launch_group_plan,
-    launch_phase,
+    launch_verifies,
+    launch_writes,
 )
 from sglang.srt.kv_canary.single_forward_manager.phases import (
     CAPTURE_TRANSITIONS,
@@ -71,6 +75,9 @@ class SingleForwardManager:
                                 if config.enable_write_input_assert else None)
         # static status written inside the graph: each group's plan `enable` flag
         self.status_plan_enabled = torch.zeros(len(self.plans), dtype=torch.int32, device=device)
+        # CUDA: the pre-forward work runs on this side stream, beside the model forward
+        device = torch.device(device)
+        self.side_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.phase = SfmPhase.IDLE
         self._capturing = False
 
@@ -130,23 +137,50 @@ class SingleForwardManager:
             else:
                 self.expected_valid_lens[:bs].copy_(lens, non_blocking=True)
 
+    @contextlib.contextmanager
+    def _beside_the_forward(self):
+        """Run the enclosed launches on the side stream, after what the forward stream has
+        queued so far (a fork; inside a capture it becomes a parallel graph branch). The
+        matching join is :meth:`_join`. CPU: runs in place."""
+        if self.side_stream is None:
+            yield
+            return
+        self.side_stream.wait_stream(torch.cuda.current_stream(self.side_stream.device))
+        with torch.cuda.stream(self.side_stream):
+            yield
+
+    def _join(self) -> None:
+        if self.side_stream is not None:
+            torch.cuda.current_stream(self.side_stream.device).wait_stream(self.side_stream)
+
     def pre_ops_maybe_inside_graph(self, forward_batch) -> None:
+        """Plan, HEAD verify + write, and the TAIL writes' chain part (which needs no KV
+        bytes). On CUDA all of it runs on the side stream, concurrently with the model forward
+        (none of it feeds the forward; :meth:`post_ops_maybe_inside_graph` joins), so the
+        serial chain of a long prefill costs the forward stream nothing."""
         self._advance("pre_ops_maybe_inside_graph")
-        rpi, prefix, extend = self.plan_input.fill_from_forward_batch(forward_batch)
-        expected = self.state.req_to_verify_expected_tokens \
-            if self.config.enable_verify_token_assert else None
-        for plans in self.plans.values():
-            launch_group_plan(plans, req_pool_indices=rpi, prefix_lens=prefix,
-                              extend_seq_lens=extend, req_to_token=self.req_to_token,
-                              expected_tokens=expected,
-                              expected_valid_lens=self.expected_valid_lens[: rpi.shape[0]])
-        self._launch(CanaryPhase.HEAD, forward_batch)
+        with self._beside_the_forward():
+            rpi, prefix, extend = self.plan_input.fill_from_forward_batch(forward_batch)
+            expected = self.state.req_to_verify_expected_tokens \
+                if self.config.enable_verify_token_assert else None
+            for plans in self.plans.values():
+                launch_group_plan(plans, req_pool_indices=rpi, prefix_lens=prefix,
+                                  extend_seq_lens=extend, req_to_token=self.req_to_token,
+                                  expected_tokens=expected,
+                                  expected_valid_lens=self.expected_valid_lens[: rpi.shape[0]])
+            self._verify(CanaryPhase.HEAD)
+            self._write(CanaryPhase.HEAD, WriteParts.ALL, forward_batch)
+            self._write(CanaryPhase.TAIL, WriteParts.CHAIN, forward_batch)
+            for i, plans in enumerate(self.plans.values()):
+                self.status_plan_enabled[i:i + 1].copy_(plans.verify_plan.enable)
 
     def post_ops_maybe_inside_graph(self, forward_batch) -> None:
+        """Join the side stream, then TAIL verify (records and real-KV fingerprints of the
+        prefix, after the forward) and the TAIL writes' fingerprints of the new slots."""
         self._advance("post_ops_maybe_inside_graph")
-        self._launch(CanaryPhase.TAIL, forward_batch)
-        for i, plans in enumerate(self.plans.values()):
-            self.status_plan_enabled[i:i + 1].copy_(plans.verify_plan.enable)
+        self._join()
+        self._verify(CanaryPhase.TAIL)
+        self._write(CanaryPhase.TAIL, WriteParts.FINGERPRINT, forward_batch)
 
     def mark_replayed_inside_graph(self) -> None:
         self._advance("mark_replayed_inside_graph")
@@ -158,13 +192,16 @@ class SingleForwardManager:
         """Back to IDLE after a forward that raised (its canary work is void)."""
         self.phase = SfmPhase.IDLE
 
-    def _launch(self, phase: CanaryPhase, forward_batch) -> None:
+    def _verify(self, phase: CanaryPhase) -> None:
+        launch_verifies(self.endpoints, phase, plans_by_group=self.plans,
+                        check_verify_expected_token=self.config.enable_verify_token_assert)
+
+    def _write(self, phase: CanaryPhase, parts: WriteParts, forward_batch) -> None:
         n = forward_batch.out_cache_loc.shape[0]
-        launch_phase(
-            self.endpoints, phase, plans_by_group=self.plans,
+        launch_writes(
+            self.endpoints, phase, parts=parts, plans_by_group=self.plans,
             input_ids=forward_batch.input_ids[:n], positions=forward_batch.positions[:n],
             out_cache_loc=forward_batch.out_cache_loc,
-            check_verify_expected_token=self.config.enable_verify_token_assert,
             expected_inputs=(self.expected_inputs.views(n)
                              if self.expected_inputs is not None else None),
         )
