@@ -105,3 +105,20 @@ def test_swa_window_byte_flip_detected(model):
     assert re.search(rf"kv_canary violation: launch_tag=TAIL_K_SWA "
                      rf"fail_reason=verify_real_kv_hash slot_idx={swa_slot} position={pos} ",
                      out), out[-3000:]
+
+
+def test_swa_targeted_fault_injection_detected(model):
+    """The runtime's own fault injection aimed at the SWA group: a byte of a slot inside a
+    running request's window flipped before a forward, reported on that SWA slot."""
+    rc, out, res = _workload(model, {"SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "1",
+                                     "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "swa",
+                                     "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "30",
+                                     "SGLANG_KV_CANARY_RING_CAPACITY": "8"})
+    flips = re.findall(r"kv_canary perturb: fault=real_kv_used step=\d+ group=swa slot=(\d+) ",
+                       out)
+    assert flips, out[-4000:]
+    assert rc != 0 and res is None, out[-4000:]
+    reported = re.findall(r"kv_canary violation: launch_tag=(\w+) fail_reason=([\w+]+) "
+                          r"slot_idx=(\d+)", out)
+    assert reported and {t for t, _, _ in reported} == {"TAIL_K_SWA"}, reported
+    assert any(r == "verify_real_kv_hash" and s in flips for _, r, s in reported), reported
