@@ -516,15 +516,16 @@ class ServingDriver:
                                     other_token=other.tokens[p], shared_prefix=shared)
         raise RuntimeError("driver: no same-position slot with a different token")
 
-    def fault_flip_kv_byte(self) -> dict:
-        """Flip the first byte of layer 0's K row of a slot a running request reads."""
+    def fault_flip_kv_byte(self, byte: int = 0) -> dict:
+        """Flip byte ``byte`` (negative: from the end) of layer 0's K row of a slot a running
+        request reads."""
         victim = self.victim_request()
         p = self.rng.randrange(0, victim.kv_len - 1)
         slot = victim.slots[p]
         row = self.kv_pool.k_buffer[0][slot].view(torch.uint8).view(-1)
-        old = int(row[0])
-        row[0] ^= 0xFF
-        return dict(rid=victim.rid, position=p, slot=slot, old=old, new=int(row[0]))
+        old = int(row[byte])
+        row[byte] ^= 0xFF
+        return dict(rid=victim.rid, position=p, slot=slot, old=old, new=int(row[byte]))
 
     def window_positions(self, req: DriverReq) -> range:
         """Positions the next decode forward's SWA verify covers for ``req``."""

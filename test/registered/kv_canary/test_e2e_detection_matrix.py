@@ -101,3 +101,24 @@ def test_token_oracle_backend_flag_on_the_cpu_engine(tmp_path):
         want = oracle_tokens(torch.full((n,), request_oracle_key(r["rid"])),
                              torch.arange(r["prompt_len"], r["prompt_len"] + n), 512)
         assert r["output_ids"] == want.tolist()
+
+
+def test_real_data_all_end_to_end(tmp_path):
+    """``--kv-canary-real-data all`` on the CPU server: the whole layer-0 K row of every slot
+    fingerprinted by the TAIL and SWEEP launches; a clean workload reports nothing. (Which
+    bytes each mode covers: ``test_perturb_oracle.py::test_real_data_mode_decides_...``.)"""
+    model = write_tiny_llama(tmp_path / "model")
+    env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
+    env["SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS"] = "20"
+    args = json.dumps(dict(chunked_prefill_size=32, max_total_tokens=384,
+                           max_running_requests=8, log_level="info",
+                           kv_canary_real_data="all", kv_canary_sweep_interval=3))
+    proc = subprocess.run([sys.executable, str(SUPPORT / "workload.py"), model, "raise", args],
+                          env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "kv_canary installed: mode=raise real_data=all" in out
+    assert "kv_canary violation" not in out
+    stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
+    assert stats and "violations=0" in stats[-1] and "TAIL_K_FULL" in stats[-1]
+    assert "SWEEP_K_FULL" in stats[-1]

@@ -317,6 +317,27 @@ def test_real_kv_fault_on_the_swa_group_is_reported_with_swa_tags():
 
 
 @pytest.mark.usefixtures("reference_kernels_on_cpu")
+@pytest.mark.parametrize("real_data,detected", [("all", True), ("partial", False),
+                                                ("none", False)])
+def test_real_data_mode_decides_which_bytes_are_covered(real_data, detected):
+    """The last byte of a slot's K row: fingerprinted with ``all`` only (``partial`` reads the
+    first 16 bytes, ``none`` no bytes)."""
+    d = ServingDriver(seed=6, mode="raise", real_data=real_data)
+    d.run(40)
+    d.settle()
+    info = d.fault_flip_kv_byte(byte=-1)
+    if not detected:
+        d.run(5)
+        assert int(d.manager.state.violation_log.violation_write_index) == 0
+        return
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d.run(5)
+    lines = [m.groupdict() for m in LINE.finditer(str(exc.value))]
+    assert (lines[0]["tag"], lines[0]["reason"], int(lines[0]["slot"])) == (
+        "TAIL_K_FULL", "verify_real_kv_hash", info["slot"])
+
+
+@pytest.mark.usefixtures("reference_kernels_on_cpu")
 def test_no_perturbation_before_the_warm_up_ends():
     d = ServingDriver(seed=4, mode="raise", real_data="partial",
                       perturb=PerturbConfig(warmup_steps=10_000, req_to_token_prob=1.0,
