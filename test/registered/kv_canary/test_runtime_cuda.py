@@ -75,3 +75,23 @@ def test_graph_replay_with_token_checks():
     mine = [m.groupdict() for m in LINE.finditer(str(exc.value))
             if int(m.group("slot")) == info["new_slot"]]
     assert mine and all(m["reason"] == "verify_token" for m in mine)
+
+
+@pytest.mark.parametrize("fenced", [True, False])
+def test_fence_orders_the_next_forward_after_the_read_back(fenced):
+    """A read-back held up on its side stream: with ``fence()`` the next forward's write to a
+    watched tensor waits for it (the host sees the staged value); without, it races ahead."""
+    from sglang.srt.kv_canary.runner import DelayedDeviceHostHandler
+
+    src = torch.zeros(1 << 20, dtype=torch.int64, device="cuda")
+    h = DelayedDeviceHostHandler({"x": src})
+    with torch.cuda.stream(h._stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the copy can start
+    h.stage()
+    if fenced:
+        h.fence()
+    src.add_(7)  # the "next forward" on the current stream
+    torch.cuda.synchronize()
+    got = {}
+    h.consume(lambda host: got.update(x=int(host["x"][-1])))
+    assert got["x"] == (0 if fenced else 7)

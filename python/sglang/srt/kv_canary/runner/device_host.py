@@ -5,7 +5,10 @@ tensors into pinned host buffers on a side stream (after the forward stream's wo
 and records an event; at step T+1, :meth:`consume` waits on that event (long since done) and
 hands the host copies to a callback. On CPU tensors both happen at once (synchronous copies).
 Two host buffer sets alternate, so staging step T+1 never overwrites what step T's consumer
-still reads.
+still reads. :meth:`DelayedDeviceHostHandler.fence`, called before the next forward is queued,
+orders that forward after the staged copies (a stream wait on their event, no host sync), so a
+kernel of step T+1 can never change a watched tensor while step T's copy is still reading it
+(e.g. bump the violation index before writing the row).
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ class FutureTensors:
     def __init__(self, tensors: Dict[str, torch.Tensor], event: Optional["torch.cuda.Event"]):
         self._tensors = tensors
         self._event = event
+
+    @property
+    def event(self) -> Optional["torch.cuda.Event"]:
+        return self._event
 
     def ready(self) -> bool:
         return self._event is None or self._event.query()
@@ -74,6 +81,13 @@ class DelayedDeviceHostHandler:
             event = torch.cuda.Event()
             event.record(self._stream)
         self._pending = FutureTensors(host, event)
+
+    def fence(self) -> None:
+        """Make the current stream wait for the pending copies (if any): work queued after
+        this cannot race them. A device-side wait on a recorded event; no host sync."""
+        pending = self._pending
+        if pending is not None and pending.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(pending.event)
 
     def consume(self, callback: Callable[[Dict[str, torch.Tensor]], None]) -> bool:
         """Hand the staged copies to ``callback``; False if nothing was staged. The pending

@@ -140,6 +140,7 @@ class CanaryManager:
     @contextlib.contextmanager
     def with_ops_outside_graph(self, forward_batch):
         sfm = self.active_sfm
+        self.device_host.fence()  # this forward's kernels queue after last step's read-back
         if self.perturber is not None:
             self.perturber.before_forward(forward_batch, step=self.step + 1)
         sfm.pre_ops_outside_graph(forward_batch)
