@@ -26,6 +26,7 @@ from typing import Dict, Sequence
 import torch
 
 from sglang.jit_kernel.kv_canary.verify import CanaryPhase
+from sglang.jit_kernel.kv_canary.write import WriteParts
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig
@@ -35,7 +36,6 @@ from sglang.srt.kv_canary.plan_input import PlanInput
 from sglang.srt.kv_canary.req_to_expected_token_ids_manager import (
     populate_req_to_expected_token_ids,
 )
-from sglang.jit_kernel.kv_canary.write import WriteParts
 from sglang.srt.kv_canary.runner.kernel_launcher import (
     GroupPlans,
     launch_group_plan,
