@@ -588,7 +588,7 @@ class _Req:
     """What the token-id snapshot reads from an sglang ``Req``."""
 
     def __init__(self, row: int, prompt: list[int]):
-        self.row = row
+        self.row = self.req_pool_idx = row
         self.origin_input_ids = prompt
         self.output_ids: list[int] = []
         self.slots: list[int] = []
@@ -706,9 +706,6 @@ def run_breakdown(args) -> None:
     from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
     from sglang.srt.kv_canary.config import CanaryConfig
     from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
-    from sglang.srt.kv_canary.req_to_expected_token_ids_manager import (
-        attach_req_all_ids_info,
-    )
     from sglang.srt.kv_canary.runner import CanaryManager
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -757,7 +754,6 @@ def run_breakdown(args) -> None:
                                 CanaryLaunchCapacities=CanaryLaunchCapacities,
                                 CanaryConfig=CanaryConfig,
                                 attach_canary_buffers=attach_canary_buffers,
-                                attach_req_all_ids_info=attach_req_all_ids_info,
                                 CanaryManager=CanaryManager,
                                 TokenToKVPoolAllocator=TokenToKVPoolAllocator,
                                 MHATokenToKVPool=MHATokenToKVPool, ReqToTokenPool=ReqToTokenPool,
@@ -787,7 +783,7 @@ def parse_ints(value: str, flag: str) -> list[int]:
 
 def breakdown_one(cfg: BenchConfig, bs: int, shape: BreakdownShape, device, flush, gpu: str,
                   unit: str, *, torch, CanaryLaunchCapacities, CanaryConfig,
-                  attach_canary_buffers, attach_req_all_ids_info, CanaryManager,
+                  attach_canary_buffers, CanaryManager,
                   TokenToKVPoolAllocator, MHATokenToKVPool, ReqToTokenPool, ForwardBatch,
                   ForwardMode) -> dict:
     use_cuda = device.type == "cuda"
@@ -838,8 +834,7 @@ def breakdown_one(cfg: BenchConfig, bs: int, shape: BreakdownShape, device, flus
             fb.extend_prefix_lens, fb.extend_seq_lens = i64(pre), i64(ext)
             fb.extend_num_tokens = len(ids)
             fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(pre), list(ext)
-        if config.enable_verify_token_assert:  # what the ForwardBatch.init_new hook does
-            attach_req_all_ids_info(fb, part)
+        mgr.attach_token_snapshot(fb, part)  # what the ForwardBatch.init_new hook does
         return fb
 
     def model_stand_in():
@@ -915,8 +910,7 @@ def breakdown_one(cfg: BenchConfig, bs: int, shape: BreakdownShape, device, flus
         launches["unattributed device time"] = unattributed / n
         launches["CUDA-graph replay of the in-graph ops"] = graph_replay_us(
             mgr, decode_batch(), bs, device, torch=torch, ForwardBatch=ForwardBatch,
-            ForwardMode=ForwardMode, attach_req_all_ids_info=attach_req_all_ids_info,
-            reqs=reqs, r2t=r2t, kv=kv, verify_tokens=config.enable_verify_token_assert)
+            ForwardMode=ForwardMode, reqs=reqs, r2t=r2t, kv=kv)
     sync()
     violations = int(mgr.state.violation_log.violation_write_index[0])
     if violations:
@@ -930,7 +924,7 @@ def breakdown_one(cfg: BenchConfig, bs: int, shape: BreakdownShape, device, flus
 
 
 def graph_replay_us(mgr, fb, bs, device, *, torch, ForwardBatch, ForwardMode,
-                    attach_req_all_ids_info, reqs, r2t, kv, verify_tokens) -> float:
+                    reqs, r2t, kv) -> float:
     """Capture one decode step's in-graph canary ops (plan, HEAD, TAIL, status copy) into a
     CUDA graph as sglang's decode graphs hold them, run it once as the runtime does (outside
     ops + replay), then time replays (idempotent: same records rewritten, same prefix
@@ -946,8 +940,7 @@ def graph_replay_us(mgr, fb, bs, device, *, torch, ForwardBatch, ForwardMode,
                           token_to_kv_pool=kv)
     for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
         getattr(static, name).copy_(getattr(fb, name))
-    if verify_tokens:
-        attach_req_all_ids_info(static, reqs)
+    mgr.attach_token_snapshot(static, reqs)
 
     def body():
         mgr.pre_ops_maybe_inside_graph(static)

@@ -32,7 +32,6 @@ import torch
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
-from sglang.srt.kv_canary.req_to_expected_token_ids_manager import attach_req_all_ids_info
 from sglang.srt.kv_canary.runner import CanaryManager
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -64,6 +63,10 @@ class DriverReq:
     @property
     def output_ids(self) -> List[int]:
         return self.output
+
+    @property
+    def req_pool_idx(self) -> Optional[int]:
+        return self.row
 
     @property
     def tokens(self) -> List[int]:
@@ -345,8 +348,8 @@ class ServingDriver:
             fb.extend_seq_lens = i64(ext)
             fb.extend_num_tokens = len(ids)
             fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(pre), list(ext)
-        if self.config.enable_verify_token_assert:  # what the ForwardBatch.init_new hook does
-            attach_req_all_ids_info(fb, reqs)
+        if reqs is not None:  # what the ForwardBatch.init_new hook does
+            self.manager.attach_token_snapshot(fb, reqs)
         return fb
 
     def _finish(self) -> None:

@@ -43,9 +43,14 @@ def model(tmp_path_factory):
                             num_key_value_heads=2)
 
 
-def test_engine_with_cuda_graphs_clean_and_identical(model):
-    rc_off, out_off, res_off = _workload(model, "none")
+@pytest.fixture(scope="module")
+def res_off(model):
+    rc_off, out_off, res = _workload(model, "none")
     assert rc_off == 0, out_off[-4000:]
+    return res
+
+
+def test_engine_with_cuda_graphs_clean_and_identical(model, res_off):
     rc, out, res = _workload(model, "raise", {"SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10"})
     assert rc == 0, out[-4000:]
     assert res == res_off
@@ -57,6 +62,19 @@ def test_engine_with_cuda_graphs_clean_and_identical(model):
     # protected tokens keep growing during graph-replayed decode: the launches are in the graph
     protected = [int(re.search(r"protected_tokens=(\d+)", s).group(1)) for s in stats]
     assert protected == sorted(protected) and protected[-1] > protected[0] and steps[-1] >= 50
+
+
+def test_engine_with_token_checks_clean_and_identical(model, res_off):
+    """The incremental token-id snapshots under sglang's overlap scheduler and decode graphs:
+    every forward runs the batch it snapshotted (no whole re-snapshot was needed) and the
+    token check reports nothing."""
+    rc, out, res = _workload(model, "raise", {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+                                              "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10"})
+    assert rc == 0, out[-4000:]
+    assert res == res_off
+    assert "kv_canary violation" not in out and "health check failed" not in out
+    assert re.search(r"Decode batch.*cuda graph: True", out), "decode never used a CUDA graph"
+    assert "re-snapshotted in full" not in out
 
 
 def test_corrupted_record_caught_through_graph_replay(model):

@@ -303,8 +303,9 @@ def test_fuzz_exercises_every_path():
         assert want in seen, f"fuzz seeds never produce {want}"
 
 
+@pytest.mark.parametrize("with_starts", [False, True], ids=["whole", "dst_starts"])
 @pytest.mark.parametrize("seed", range(8))
-def test_scatter_matches_reference(seed, device):
+def test_scatter_matches_reference(seed, device, with_starts):
     rng = random.Random(1000 + seed)
     g = torch.Generator().manual_seed(seed)
     bs = rng.randint(0, 9)
@@ -314,16 +315,22 @@ def test_scatter_matches_reference(seed, device):
     flat = torch.randint(-3, 2**40, (int(offsets[-1]),), generator=g)
     rpi = torch.tensor(rng.sample(range(rows), bs), dtype=torch.int64)
     pool = torch.randint(-9, 9, (rows, cols), dtype=torch.int32, generator=g)
+    starts = (torch.tensor([rng.randint(-2, cols + 2) for _ in range(bs)], dtype=torch.int64)
+              if with_starts else None)
     ref = pool.clone()
     scatter_req_token_ids_torch_reference(flat_in=flat, offsets=offsets, req_pool_indices=rpi,
-                                          pool_out=ref)
+                                          pool_out=ref, dst_starts=starts)
     out = pool.to(device)
-    launch_scatter_req_token_ids_kernel(flat_in=flat.to(device), offsets=offsets.to(device),
-                                        req_pool_indices=rpi.to(device), pool_out=out)
+    launch_scatter_req_token_ids_kernel(
+        flat_in=flat.to(device), offsets=offsets.to(device), req_pool_indices=rpi.to(device),
+        pool_out=out, dst_starts=starts.to(device) if with_starts else None)
     assert torch.equal(out.cpu(), ref)
     # and the reference itself against the definition
     want = pool.clone()
     for r in range(bs):
-        for p in range(min(lens[r], cols)):
-            want[rpi[r], p] = torch.tensor(int(flat[offsets[r] + p])).to(torch.int32)
+        first = int(starts[r]) if with_starts else 0
+        if first < 0:
+            continue
+        for p in range(min(lens[r], cols - first)):
+            want[rpi[r], first + p] = torch.tensor(int(flat[offsets[r] + p])).to(torch.int32)
     assert torch.equal(ref, want)

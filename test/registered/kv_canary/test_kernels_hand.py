@@ -1337,30 +1337,32 @@ def test_verify_out_of_range_entries(impl):
 # =============================================================================================
 
 
-def oracle_scatter(pool, flat, offsets, rpi):
+def oracle_scatter(pool, flat, offsets, rpi, starts=None):
     pool = [list(r) for r in pool]
     cols = len(pool[0])
     for r, rp in enumerate(rpi):
-        if not 0 <= rp < len(pool):
-            continue  # rows outside the pool are skipped (launcher docstring)
+        first = starts[r] if starts is not None else 0
+        if not 0 <= rp < len(pool) or first < 0:
+            continue  # rows outside the pool / negative starts are skipped (launcher docstring)
         for t in range(offsets[r], offsets[r + 1]):
-            pos = t - offsets[r]
+            pos = first + t - offsets[r]
             if pos < cols:
                 v = flat[t] & 0xFFFFFFFF
                 pool[rp][pos] = v - (1 << 32) if v >= (1 << 31) else v
     return pool
 
 
-def _run_scatter(impl, pool, flat, lengths, rpi):
+def _run_scatter(impl, pool, flat, lengths, rpi, starts=None):
     dev = impl.device
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
     out = torch.tensor(pool, dtype=torch.int32, device=dev)
+    extra = {} if starts is None else dict(dst_starts=_tensor(starts, torch.int64, dev))
     impl.scatter(flat_in=_tensor(flat, torch.int64, dev),
                  offsets=_tensor(offsets, torch.int64, dev),
-                 req_pool_indices=_tensor(rpi, torch.int64, dev), pool_out=out)
-    want = oracle_scatter(pool, flat, offsets, rpi)
+                 req_pool_indices=_tensor(rpi, torch.int64, dev), pool_out=out, **extra)
+    want = oracle_scatter(pool, flat, offsets, rpi, starts)
     assert out.cpu().tolist() == want
     return want
 
@@ -1375,6 +1377,20 @@ def test_scatter_truncation_and_untouched_rows(impl):
     assert got[0] == [40, 41, -7, -7]  # row 0 is a row like any other
     for r in (3, 5):
         assert got[r] == [-7] * 4  # rows not named (or out of the pool) are untouched
+
+
+def test_scatter_dst_starts_append_after_what_a_row_holds(impl):
+    pool = [[-7] * 5 for _ in range(5)]
+    flat = [10, 11, 20, 30, 31, 32, 40, 50]
+    # row 4: 2 tokens from column 3 (1 dropped past the end); row 1: 1 token at column 0;
+    # row 2: 3 tokens from column 5 (all past the end); row 0: a negative start (skipped);
+    # row 3: 1 token from column 4; row 9: outside the pool
+    got = _run_scatter(impl, pool, flat, [2, 1, 3, 1, 1, 0], [4, 1, 2, 0, 3, 9],
+                       starts=[3, 0, 5, -1, 4, 0])
+    assert got[4] == [-7, -7, -7, 10, 11]
+    assert got[1] == [20, -7, -7, -7, -7]
+    assert got[2] == [-7] * 5 and got[0] == [-7] * 5
+    assert got[3] == [-7, -7, -7, -7, 50]
 
 
 def test_scatter_empty_is_noop(impl):

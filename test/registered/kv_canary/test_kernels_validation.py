@@ -170,6 +170,9 @@ def test_baselines_are_accepted(launchers):
     kw = scatter_kwargs()
     launchers["scatter"](**kw)
     assert kw["pool_out"].tolist() == [[0, 0, 0, 0], [1, 2, 0, 0], [3, 0, 0, 0]]
+    kw = scatter_kwargs(dst_starts=torch.tensor([2, 1], dtype=I64))
+    launchers["scatter"](**kw)
+    assert kw["pool_out"].tolist() == [[0, 0, 0, 0], [0, 0, 1, 2], [0, 3, 0, 0]]
 
 
 def test_constructor_baselines_are_accepted():
@@ -491,6 +494,13 @@ SCATTER_CASES = [
      ValueError, "pool_out"),
     ("device_offsets", lambda: dict(offsets=torch.zeros(3, dtype=I64, device=META)),
      ValueError, "offsets"),
+    ("dst_starts_dtype", lambda: dict(dst_starts=torch.tensor([0, 1], dtype=I32)), TypeError,
+     "dst_starts"),
+    ("dst_starts_shape", lambda: dict(dst_starts=torch.tensor([0, 1, 2], dtype=I64)),
+     ValueError, "dst_starts"),
+    ("dst_starts_type", lambda: dict(dst_starts=[0, 1]), TypeError, "dst_starts"),
+    ("device_dst_starts", lambda: dict(dst_starts=torch.zeros(2, dtype=I64, device=META)),
+     ValueError, "dst_starts"),
 ]
 
 

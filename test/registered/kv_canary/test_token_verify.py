@@ -11,6 +11,7 @@ import torch
 
 from serving_driver import ServingDriver
 from sglang.srt.kv_canary.req_to_expected_token_ids_manager import (
+    ExpectedTokenRows,
     attach_req_all_ids_info,
     compute_req_all_ids_info,
     populate_req_to_expected_token_ids,
@@ -19,14 +20,23 @@ from sglang.srt.kv_canary.req_to_expected_token_ids_manager import (
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
 
-def _req(inp, out):
-    return types.SimpleNamespace(origin_input_ids=list(inp), output_ids=list(out))
+def _req(inp, out, row=None):
+    return types.SimpleNamespace(origin_input_ids=list(inp), output_ids=list(out),
+                                 req_pool_idx=row)
 
 
-def _batch(rows, reqs):
+def _batch(rows, reqs, tracker=None):
     fb = types.SimpleNamespace(req_pool_indices=torch.tensor(rows, dtype=torch.int64))
-    attach_req_all_ids_info(fb, reqs)
+    attach_req_all_ids_info(fb, reqs, rows=tracker)
     return fb
+
+
+def _upload(fb, pool):
+    return populate_req_to_expected_token_ids(forward_batch=fb, req_to_verify_expected_tokens=pool)
+
+
+def _history(req):
+    return list(req.origin_input_ids) + list(req.output_ids)
 
 
 def test_snapshot_contents_and_lengths():
@@ -73,6 +83,98 @@ def test_populate_mismatch_errors():
         populate_req_to_expected_token_ids(forward_batch=fb, req_to_verify_expected_tokens=pool)
 
 
+def test_incremental_snapshots_send_only_what_a_row_lacks():
+    tracker, pool = ExpectedTokenRows(6), torch.full((6, 16), -1, dtype=torch.int32)
+    a, b = _req([1, 2, 3], [], row=4), _req([7, 8], [9], row=1)
+    fb = _batch([4, 1], [a, b], tracker)
+    assert fb.req_all_ids_starts.tolist() == [0, 0]  # rows hold nothing yet: whole histories
+    assert _upload(fb, pool).tolist() == [3, 3]
+    for step in range(3):  # decode: one new output id each
+        a.output_ids.append(100 + step)
+        b.output_ids.append(200 + step)
+        fb = _batch([4, 1], [a, b], tracker)
+        assert fb.req_all_ids_flat.tolist() == [a.output_ids[-1], b.output_ids[-1]]
+        assert fb.req_all_ids_starts.tolist() == [len(_history(a)) - 1, len(_history(b)) - 1]
+        assert _upload(fb, pool).tolist() == [len(_history(a)), len(_history(b))]
+    assert pool[4, :6].tolist() == _history(a) and pool[1, :6].tolist() == _history(b)
+    # the flat ids, lengths and starts are views of one host buffer: one upload per forward
+    storage = fb.req_all_ids_lens.untyped_storage().data_ptr()
+    assert fb.req_all_ids_flat.untyped_storage().data_ptr() == storage
+    assert fb.req_all_ids_starts.untyped_storage().data_ptr() == storage
+    assert tracker.full_resnapshots == 0
+
+
+def test_a_row_given_to_another_request_is_sent_whole():
+    tracker, pool = ExpectedTokenRows(4), torch.full((4, 8), -1, dtype=torch.int32)
+    old = _req([1, 2, 3, 4, 5], [6], row=2)
+    _upload(_batch([2], [old], tracker), pool)
+    new = _req([9], [], row=2)  # the row freed and reused: same row, another request
+    fb = _batch([2], [new], tracker)
+    assert fb.req_all_ids_starts.tolist() == [0] and fb.req_all_ids_flat.tolist() == [9]
+    assert _upload(fb, pool).tolist() == [1]
+    assert pool[2, 0].item() == 9  # positions past the valid length are never checked
+    # a history that got shorter than what the row holds is sent whole as well
+    new.output_ids[:] = []
+    new.origin_input_ids[:] = []
+    fb = _batch([2], [new], tracker)
+    assert fb.req_all_ids_starts.tolist() == [0] and fb.req_all_ids_lens.tolist() == [0]
+    # a request without a row in this pool is sent whole every time and never recorded
+    loose = _req([5, 6], [7], row=None)
+    for _ in range(2):
+        fb = _batch([3], [loose], tracker)
+        assert fb.req_all_ids_starts.tolist() == [0] and fb.req_all_ids_flat.tolist() == [5, 6, 7]
+
+
+def test_a_snapshot_never_uploaded_forces_a_whole_resnapshot(caplog):
+    tracker, pool = ExpectedTokenRows(4), torch.full((4, 8), -1, dtype=torch.int32)
+    req = _req([1, 2], [], row=3)
+    _upload(_batch([3], [req], tracker), pool)
+    req.output_ids.append(3)
+    skipped = _batch([3], [req], tracker)  # built, never run: the row lacks token 3
+    req.output_ids.append(4)
+    fb = _batch([3], [req], tracker)
+    assert fb.req_all_ids_flat.tolist() == [4]  # assumes the skipped one was uploaded
+    assert _upload(fb, pool).tolist() == [4]
+    assert tracker.full_resnapshots == 1
+    assert fb.req_all_ids_starts.tolist() == [0]  # re-snapshotted whole before the upload
+    assert pool[3, :4].tolist() == [1, 2, 3, 4]
+    # the stale one, run late, belongs to a past epoch: whole again, and still correct
+    assert _upload(skipped, pool).tolist() == [4]
+    assert tracker.full_resnapshots == 2 and pool[3, :4].tolist() == [1, 2, 3, 4]
+    # in order again: incremental
+    req.output_ids.append(5)
+    fb = _batch([3], [req], tracker)
+    assert fb.req_all_ids_flat.tolist() == [5]
+    _upload(fb, pool)
+    assert tracker.full_resnapshots == 2 and pool[3, :5].tolist() == [1, 2, 3, 4, 5]
+    warned = [r.getMessage() for r in caplog.records if "out of order" in r.getMessage()]
+    assert len(warned) == 1 and "snapshot 2, last uploaded 0" in warned[0], warned
+
+
+def test_a_batch_uploaded_again_keeps_the_record():
+    """Split prefill runs one ForwardBatch several times, other batches in between."""
+    tracker, pool = ExpectedTokenRows(4), torch.full((4, 8), -1, dtype=torch.int32)
+    split = _batch([0], [_req([1, 2, 3], [], row=0)], tracker)
+    _upload(split, pool)
+    other = _req([7], [], row=1)
+    _upload(_batch([1], [other], tracker), pool)
+    _upload(split, pool)
+    other.output_ids.append(8)
+    fb = _batch([1], [other], tracker)
+    assert fb.req_all_ids_flat.tolist() == [8]
+    _upload(fb, pool)
+    assert tracker.full_resnapshots == 0
+    assert pool[0, :3].tolist() == [1, 2, 3] and pool[1, :2].tolist() == [7, 8]
+
+
+def test_expected_token_rows_checks():
+    with pytest.raises(ValueError, match="num_rows >= 1, got 0"):
+        ExpectedTokenRows(0)
+    fb = _batch([0], [_req([1], [], row=0)], ExpectedTokenRows(2))
+    with pytest.raises(RuntimeError, match="another expected-token pool"):
+        ExpectedTokenRows(2).check_upload(fb._kv_canary_token_snapshot_origin)
+
+
 def test_serving_loop_with_token_checks_is_clean():
     d = ServingDriver(seed=8, verify_tokens=True, real_data="partial")
     d.run(250)
@@ -84,6 +186,8 @@ def test_serving_loop_with_token_checks_is_clean():
         n = len(r.tokens)
         assert state.req_to_verify_expected_tokens[r.row, : n - 1].tolist() == r.tokens[: n - 1]
     assert d.shared_admitted >= 5 and d.reused_slots >= 50
+    # every forward ran the batch it snapshotted: the incremental record never had to reset
+    assert d.manager.expected_token_rows.full_resnapshots == 0
 
 
 @pytest.mark.parametrize("verify_tokens", [True, False])

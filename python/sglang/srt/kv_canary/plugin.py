@@ -142,14 +142,12 @@ def _after_init_cache(result, self, *args, **kwargs):
 
 def _after_forward_batch_init(result, cls, batch, model_runner, *args, **kwargs):
     from sglang.srt.kv_canary.api import get_canary_manager
-    from sglang.srt.kv_canary.req_to_expected_token_ids_manager import attach_req_all_ids_info
 
     manager = get_canary_manager(model_runner)
     if manager is None:
         return result
     reqs = getattr(batch, "reqs", None)
-    if manager.config.enable_verify_token_assert:
-        attach_req_all_ids_info(result, reqs)
+    manager.attach_token_snapshot(result, reqs)
     if manager.token_oracle is not None:
         manager.token_oracle.attach_batch(result, reqs)
     return result

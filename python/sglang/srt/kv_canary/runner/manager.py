@@ -29,6 +29,10 @@ from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.endpoint import build_endpoints_from_group
 from sglang.srt.kv_canary.perturb import CanaryPerturber
+from sglang.srt.kv_canary.req_to_expected_token_ids_manager import (
+    ExpectedTokenRows,
+    attach_req_all_ids_info,
+)
 from sglang.srt.kv_canary.runner.device_host import DelayedDeviceHostHandler
 from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
 from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
@@ -62,6 +66,9 @@ class CanaryManager:
             ring_capacity=config.ring_capacity, device=device,
             expected_token_pool_shape=(tuple(req_to_token.shape)
                                        if config.enable_verify_token_assert else None))
+        # what each expected-token pool row already holds: token snapshots send only the rest
+        self.expected_token_rows = (ExpectedTokenRows(req_to_token.shape[0])
+                                    if config.enable_verify_token_assert else None)
         self.endpoints = [ep for g in self.groups
                           for ep in build_endpoints_from_group(group=g, state=self.state,
                                                                config=config)]
@@ -170,6 +177,13 @@ class CanaryManager:
     def mark_init_finished(self) -> None:
         """End of warm-up and graph capture: turn the chain-position check on."""
         self.state.mark_init_finished()
+
+    def attach_token_snapshot(self, forward_batch, reqs) -> None:
+        """The ``ForwardBatch.init_new`` hook's token-id snapshot (SPEC §11): attaches the
+        tokens of ``reqs`` that their expected-token rows lack. No-op unless
+        ``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1``. Host only, not graph-related."""
+        if self.expected_token_rows is not None:
+            attach_req_all_ids_info(forward_batch, reqs, rows=self.expected_token_rows)
 
     def attach_radix_cache(self, radix_cache) -> None:
         """Hand over the scheduler's tree cache (for the sweep)."""
