@@ -332,8 +332,63 @@ def engine_child(args) -> None:
                       f"min {rec['min_ms']:.1f} ms, runs "
                       f"{', '.join(f'{t:.1f}' for t in times)} (warm-up {warmup_ms:.1f})",
                       flush=True)
+            if args.host_profile:
+                host_profile(engine, cfg, scenarios[-1], vocab, args.host_profile, tmp)
         finally:
             engine.shutdown()
+
+
+def host_profile(engine, cfg: BenchConfig, sc: Scenario, vocab: int, steps: int, tmp: str
+                 ) -> None:
+    """Profile ``steps`` forward steps of one more run of ``sc`` with sglang's own profiler
+    (torch.profiler, CPU + GPU activities, Python stacks) and print where the scheduler
+    process's host time goes: CUDA runtime calls (a host sync shows up here as
+    ``cudaEventSynchronize`` / ``cudaStreamSynchronize`` / ``cudaMemcpy*``) and the canary's own
+    Python functions (inclusive time). Diagnostic only: Python tracing slows the host down, so
+    compare configs with each other, not with the timed runs."""
+    import glob
+    import gzip
+
+    out_dir = os.path.join(tmp, "host_profile")
+    engine.flush_cache()
+    engine.start_profile(output_dir=out_dir, num_steps=steps, activities=["CPU", "GPU"],
+                         with_stack=True, record_shapes=False)
+    params = [{"max_new_tokens": sc.osl, "ignore_eos": True, "temperature": 0}
+              for _ in range(sc.bs)]
+    engine.generate(input_ids=make_inputs(sc, 0, vocab), sampling_params=params)
+    deadline = time.monotonic() + 120
+    files: list[str] = []
+    while time.monotonic() < deadline and not files:
+        time.sleep(1)
+        files = glob.glob(os.path.join(out_dir, "**", "*.trace.json*"), recursive=True)
+    if not files:
+        print(f"{RESULT_PREFIX}[{cfg.name}] host profile: no trace written in {out_dir}",
+              flush=True)
+        return
+    time.sleep(2)  # let the writer finish
+    opener = gzip.open if files[0].endswith(".gz") else open
+    with opener(files[0], "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    totals: dict[tuple, list] = {}
+    forwards = 0
+    for ev in events:
+        if ev.get("ph") != "X" or "dur" not in ev:
+            continue
+        cat, name = ev.get("cat", ""), ev.get("name", "")
+        if cat == "python_function" and "model_runner.py(" in name and name.endswith(": forward"):
+            forwards += 1
+        keep = (cat == "cuda_runtime" or (cat == "python_function" and "kv_canary" in name))
+        if keep:
+            t = totals.setdefault((cat, name), [0.0, 0])
+            t[0] += ev["dur"]
+            t[1] += 1
+    print(f"{RESULT_PREFIX}[{cfg.name}] host profile of {sc.name}: {forwards} forwards traced "
+          "(µs per forward, inclusive; count per forward)", flush=True)
+    per = max(forwards, 1)
+    for (cat, name), (dur, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:45]:
+        short = name.split("kv_canary/")[-1] if cat == "python_function" else name
+        print(f"{RESULT_PREFIX}[{cfg.name}]   {cat[:6]:6s} {dur / per:9.1f} µs  "
+              f"x{n / per:5.2f}  {short}", flush=True)
 
 
 # ---- parent: one child process per config ----------------------------------------------------
@@ -359,6 +414,8 @@ def run_child(args, cfg: BenchConfig, log_path: str, stub_dir: str | None) -> in
            "--mem-fraction-static", str(args.mem_fraction_static)]
     if args.smoke_cpu:
         cmd.append("--smoke-cpu")
+    if args.host_profile:
+        cmd += ["--host-profile", str(args.host_profile)]
     proc = subprocess.Popen(cmd, env=child_env(cfg, args.smoke_cpu, stub_dir),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own group: a timeout kills it whole
@@ -993,6 +1050,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     default=EngineSettings.mem_fraction_static)
     ap.add_argument("--child-timeout", type=float, default=540,
                     help="seconds one config's Engine process may take (default 540)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                    help="after the timed runs, profile STEPS forwards of one more run of the "
+                    "last scenario (sglang's torch profiler, Python stacks) and print the "
+                    "scheduler's host time per canary function and CUDA runtime call")
     ap.add_argument("--_engine-child", dest="engine_child", help=argparse.SUPPRESS)
     ap.add_argument("--_invocation", dest="invocation", help=argparse.SUPPRESS)
     ap.add_argument("--_gpu", dest="gpu", help=argparse.SUPPRESS)

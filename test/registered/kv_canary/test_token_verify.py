@@ -172,7 +172,7 @@ def test_expected_token_rows_checks():
         ExpectedTokenRows(0)
     fb = _batch([0], [_req([1], [], row=0)], ExpectedTokenRows(2))
     with pytest.raises(RuntimeError, match="another expected-token pool"):
-        ExpectedTokenRows(2).check_upload(fb._kv_canary_token_snapshot_origin)
+        ExpectedTokenRows(2).check_upload(fb._kv_canary_token_snapshot)
 
 
 def test_serving_loop_with_token_checks_is_clean():

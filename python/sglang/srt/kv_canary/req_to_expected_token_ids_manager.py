@@ -28,6 +28,8 @@ position that was not written.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import logging
 from typing import List, Optional, Sequence, Tuple
@@ -42,57 +44,72 @@ logger = logging.getLogger(__name__)
 SNAPSHOT_FLAT_ATTR = "req_all_ids_flat"
 SNAPSHOT_LENS_ATTR = "req_all_ids_lens"
 SNAPSHOT_STARTS_ATTR = "req_all_ids_starts"
-# (ExpectedTokenRows, epoch, seq, reqs) of an incremental snapshot, for the upload-order check
-_SNAPSHOT_ORIGIN_ATTR = "_kv_canary_token_snapshot_origin"
+_SNAPSHOT_ATTR = "_kv_canary_token_snapshot"
 
 
-def _pinned_if_cuda(n: int) -> torch.Tensor:
-    return torch.empty(n, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+@functools.lru_cache(maxsize=None)
+def _pin() -> bool:
+    return torch.cuda.is_available()
 
 
-def _pack(lens: Sequence[int], starts: Sequence[int], pieces, total: int
-          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One int64 host buffer ``[lens (bs) | starts (bs) | offsets (bs + 1) | flat (total)]``
-    (pinned when CUDA exists); returns its ``(flat, lens, starts)`` views."""
-    bs = len(lens)
-    packed = _pinned_if_cuda(3 * bs + 1 + total)
-    host = packed.numpy()
-    host[:bs] = lens
-    host[bs:2 * bs] = starts
-    host[2 * bs] = 0
-    np.cumsum(host[:bs] - host[bs:2 * bs], out=host[2 * bs + 1:3 * bs + 1])
-    host[3 * bs + 1:] = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64,
-                                    count=total)
-    return packed[3 * bs + 1:], packed[:bs], packed[bs:2 * bs]
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenIdSnapshot:
+    """One batch's token-id snapshot: ``packed`` is a single int64 host buffer
+    ``[lens (bs) | starts (bs) | offsets (bs + 1) | flat (total)]`` (pinned when CUDA exists),
+    ``flat`` / ``lens`` / ``starts`` its views (what the ForwardBatch attributes hold). For
+    an incremental snapshot, ``rows`` is the record it was taken against and ``epoch`` /
+    ``seq`` / ``reqs`` let the upload check the order (and re-snapshot when needed)."""
+
+    packed: torch.Tensor
+    flat: torch.Tensor
+    lens: torch.Tensor
+    starts: torch.Tensor
+    rows: Optional["ExpectedTokenRows"] = None
+    epoch: int = 0
+    seq: int = 0
+    reqs: tuple = ()
+
+    @classmethod
+    def pack(cls, lens: Sequence[int], starts: Sequence[int], pieces, total: int,
+             **origin) -> "TokenIdSnapshot":
+        """``pieces``: iterables of token ids whose concatenation holds ``total`` ids."""
+        bs = len(lens)
+        packed = torch.empty(3 * bs + 1 + total, dtype=torch.int64, pin_memory=_pin())
+        host = packed.numpy()
+        host[:bs] = lens
+        host[bs:2 * bs] = starts
+        host[2 * bs] = 0
+        np.cumsum(host[:bs] - host[bs:2 * bs], out=host[2 * bs + 1:3 * bs + 1])
+        host[3 * bs + 1:] = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64,
+                                        count=total)
+        return cls(packed=packed, flat=packed[3 * bs + 1:], lens=packed[:bs],
+                   starts=packed[bs:2 * bs], **origin)
+
+    def attach(self, forward_batch) -> None:
+        setattr(forward_batch, SNAPSHOT_FLAT_ATTR, self.flat)
+        setattr(forward_batch, SNAPSHOT_LENS_ATTR, self.lens)
+        setattr(forward_batch, SNAPSHOT_STARTS_ATTR, self.starts)
+        setattr(forward_batch, _SNAPSHOT_ATTR, self)
+
+    def is_attached_to(self, forward_batch) -> bool:
+        """True when the batch's attributes are still this snapshot's views."""
+        return (getattr(forward_batch, SNAPSHOT_FLAT_ATTR, None) is self.flat
+                and getattr(forward_batch, SNAPSHOT_LENS_ATTR, None) is self.lens
+                and getattr(forward_batch, SNAPSHOT_STARTS_ATTR, None) is self.starts)
 
 
-def _packed_source(flat: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor
-                   ) -> Optional[torch.Tensor]:
-    """The packed buffer ``flat``/``lens``/``starts`` are views of, or None if they are not
-    (tensors attached by other code)."""
-    bs = lens.shape[0]
-    storage = lens.untyped_storage()
-    if (starts.untyped_storage().data_ptr() != storage.data_ptr()
-            or flat.untyped_storage().data_ptr() != storage.data_ptr()
-            or lens.storage_offset() != 0 or starts.storage_offset() != bs
-            or flat.storage_offset() != 3 * bs + 1
-            or storage.nbytes() != (3 * bs + 1 + flat.shape[0]) * 8):
-        return None
-    return torch.empty(0, dtype=torch.int64).set_(storage)
-
-
-def _snapshot_whole(reqs: Sequence) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _snapshot_whole(reqs: Sequence) -> TokenIdSnapshot:
     lens = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
     pieces = [p for r in reqs for p in (r.origin_input_ids, r.output_ids)]
-    return _pack(lens, [0] * len(lens), pieces, sum(lens))
+    return TokenIdSnapshot.pack(lens, [0] * len(lens), pieces, sum(lens))
 
 
 def compute_req_all_ids_info(reqs: Sequence) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(flat, lens)``: int64 CPU tensors, ``flat`` = the concatenated ``origin_input_ids +
     output_ids`` of ``reqs`` in order, ``lens[i]`` = request i's length. Pinned when CUDA
     exists (so the later device copy is asynchronous)."""
-    flat, lens, _ = _snapshot_whole(reqs)
-    return flat, lens
+    snap = _snapshot_whole(reqs)
+    return snap.flat, snap.lens
 
 
 class ExpectedTokenRows:
@@ -115,12 +132,10 @@ class ExpectedTokenRows:
         self._uploaded_seq = -1
         self.full_resnapshots = 0  # times an out-of-order upload forced a full snapshot
 
-    def snapshot(self, reqs: Sequence) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
-        """Snapshot the tokens each request's row lacks; returns ``(flat, lens, starts,
-        origin)``: ``flat`` the new tokens, ``lens`` the whole lengths, ``starts`` where each
-        segment begins, ``origin`` what :meth:`check_upload` needs. A request without a row in
-        this pool (``req_pool_idx`` None or out of range) is snapshotted whole and not
-        recorded."""
+    def snapshot(self, reqs: Sequence) -> TokenIdSnapshot:
+        """Snapshot the tokens each request's row lacks: ``flat`` the new tokens, ``lens`` the
+        whole lengths, ``starts`` where each segment begins. A request without a row in this
+        pool (``req_pool_idx`` None or out of range) is snapshotted whole and not recorded."""
         owner, held, rows = self._owner, self._held, self.num_rows
         lens, starts, pieces = [], [], []
         for req in reqs:
@@ -142,18 +157,18 @@ class ExpectedTokenRows:
                 pieces += (origin_ids[start:], output_ids)
             else:
                 pieces.append(output_ids[start - n_in:])
-        flat, lens_t, starts_t = _pack(lens, starts, pieces, sum(lens) - sum(starts))
-        origin = (self, self._epoch, self._next_seq, tuple(reqs))
+        snap = TokenIdSnapshot.pack(lens, starts, pieces, sum(lens) - sum(starts), rows=self,
+                                    epoch=self._epoch, seq=self._next_seq, reqs=tuple(reqs))
         self._next_seq += 1
-        return flat, lens_t, starts_t, origin
+        return snap
 
-    def check_upload(self, origin: tuple) -> bool:
+    def check_upload(self, snap: TokenIdSnapshot) -> bool:
         """Called before a snapshot is uploaded. True when the rows hold what the snapshot
         assumed: it is the next one in order, or one of this epoch already uploaded (a batch
         run again, as split prefill does). False otherwise: the record is reset (a new epoch)
         and the caller must re-snapshot the batch (:meth:`snapshot` now sends it whole)."""
-        tracker, epoch, seq, _ = origin
-        if tracker is not self:
+        epoch, seq = snap.epoch, snap.seq
+        if snap.rows is not self:
             raise RuntimeError("kv_canary: a token-id snapshot of another expected-token pool "
                                "reached this one")
         if epoch == self._epoch and seq <= self._uploaded_seq + 1:
@@ -176,13 +191,6 @@ class ExpectedTokenRows:
         return False
 
 
-def _set_snapshot(forward_batch, flat, lens, starts, origin) -> None:
-    setattr(forward_batch, SNAPSHOT_FLAT_ATTR, flat)
-    setattr(forward_batch, SNAPSHOT_LENS_ATTR, lens)
-    setattr(forward_batch, SNAPSHOT_STARTS_ATTR, starts)
-    setattr(forward_batch, _SNAPSHOT_ORIGIN_ATTR, origin)
-
-
 def attach_req_all_ids_info(forward_batch, reqs: Optional[Sequence],
                             rows: Optional[ExpectedTokenRows] = None) -> None:
     """Set ``forward_batch.req_all_ids_flat`` / ``req_all_ids_lens`` (and
@@ -191,37 +199,25 @@ def attach_req_all_ids_info(forward_batch, reqs: Optional[Sequence],
     No-op when the batch carries no requests."""
     if reqs is None:
         return
-    if rows is None:
-        _set_snapshot(forward_batch, *_snapshot_whole(reqs), None)
-    else:
-        _set_snapshot(forward_batch, *rows.snapshot(reqs))
+    (_snapshot_whole(reqs) if rows is None else rows.snapshot(reqs)).attach(forward_batch)
 
 
-def populate_req_to_expected_token_ids(*, forward_batch,
-                                       req_to_verify_expected_tokens: Optional[torch.Tensor]
-                                       ) -> Optional[torch.Tensor]:
-    """Scatter the batch's snapshot into ``req_to_verify_expected_tokens`` (int32
-    ``[rows, max_context_len]``); returns the per-request lengths on its device (int64
-    ``[bs]``) for the plan's valid lengths, or None when there is nothing to do (no pool, no
-    snapshot, empty batch). Raises ``RuntimeError`` when the snapshot does not match the batch.
-    Runs outside CUDA graphs; one host→device copy and one scatter launch, no host sync."""
-    pool = req_to_verify_expected_tokens
-    flat = getattr(forward_batch, SNAPSHOT_FLAT_ATTR, None)
-    lens = getattr(forward_batch, SNAPSHOT_LENS_ATTR, None)
-    if pool is None or flat is None or lens is None:
-        return None
-    bs = forward_batch.req_pool_indices.shape[0]
-    if bs == 0:
-        return None
-    origin = getattr(forward_batch, _SNAPSHOT_ORIGIN_ATTR, None)
-    if origin is not None and not origin[0].check_upload(origin):
-        # rows lack what this snapshot assumed: the record was reset, so a new snapshot of
-        # the batch's requests (origin[3]) sends them whole, and is the next in order
-        rows = origin[0]
-        _set_snapshot(forward_batch, *rows.snapshot(origin[3]))
-        rows.check_upload(getattr(forward_batch, _SNAPSHOT_ORIGIN_ATTR))
-        flat = getattr(forward_batch, SNAPSHOT_FLAT_ATTR)
-        lens = getattr(forward_batch, SNAPSHOT_LENS_ATTR)
+def _snapshot_to_upload(forward_batch, bs: int) -> TokenIdSnapshot:
+    """The snapshot to upload for this batch: the attached one (re-taken whole if its record
+    says the rows lack what it assumed), or, for attributes set by other code, those
+    attributes packed after checking them against the batch."""
+    snap = getattr(forward_batch, _SNAPSHOT_ATTR, None)
+    if snap is not None and snap.is_attached_to(forward_batch):
+        if snap.rows is not None and not snap.rows.check_upload(snap):
+            # the record was reset: a new snapshot of the batch's requests sends them whole
+            # and is the next in order
+            snap = snap.rows.snapshot(snap.reqs)
+            snap.attach(forward_batch)
+            snap.rows.check_upload(snap)
+        if snap.lens.shape[0] == bs:
+            return snap
+    flat = getattr(forward_batch, SNAPSHOT_FLAT_ATTR)
+    lens = getattr(forward_batch, SNAPSHOT_LENS_ATTR)
     starts = getattr(forward_batch, SNAPSHOT_STARTS_ATTR, None)
     if starts is None:
         starts = torch.zeros_like(lens)
@@ -234,11 +230,26 @@ def populate_req_to_expected_token_ids(*, forward_batch,
         raise RuntimeError(
             f"kv_canary: the token-id snapshot holds {flat.shape[0]} ids but its lengths sum "
             f"to {total}")
-    packed = _packed_source(flat, lens, starts)
-    if packed is None:  # attached by other code as separate tensors: pack them once
-        flat, lens, starts = _pack(lens.tolist(), starts.tolist(), (flat.tolist(),), total)
-        packed = _packed_source(flat, lens, starts)
-    on_device = packed.to(pool.device, non_blocking=True)
+    return TokenIdSnapshot.pack(lens.tolist(), starts.tolist(), (flat.tolist(),), total)
+
+
+def populate_req_to_expected_token_ids(*, forward_batch,
+                                       req_to_verify_expected_tokens: Optional[torch.Tensor]
+                                       ) -> Optional[torch.Tensor]:
+    """Scatter the batch's snapshot into ``req_to_verify_expected_tokens`` (int32
+    ``[rows, max_context_len]``); returns the per-request lengths on its device (int64
+    ``[bs]``) for the plan's valid lengths, or None when there is nothing to do (no pool, no
+    snapshot, empty batch). Raises ``RuntimeError`` when the snapshot does not match the batch.
+    Runs outside CUDA graphs; one host→device copy and one scatter launch, no host sync."""
+    pool = req_to_verify_expected_tokens
+    if (pool is None or getattr(forward_batch, SNAPSHOT_FLAT_ATTR, None) is None
+            or getattr(forward_batch, SNAPSHOT_LENS_ATTR, None) is None):
+        return None
+    bs = forward_batch.req_pool_indices.shape[0]
+    if bs == 0:
+        return None
+    snap = _snapshot_to_upload(forward_batch, bs)
+    on_device = snap.packed.to(pool.device, non_blocking=True)
     lens_d, starts_d = on_device[:bs], on_device[bs:2 * bs]
     offsets_d, flat_d = on_device[2 * bs:3 * bs + 1], on_device[3 * bs + 1:]
     launch_scatter_req_token_ids_kernel(
