@@ -75,6 +75,16 @@ Each invocation prints its own summary table last; an Engine's full log goes to
 ``<out>.<config>.log`` (next to ``--out``; ``+`` in a
 config name becomes ``_``).
 
+Host profile (``--host-profile STEPS``, with the Engine runs): after an Engine's timed runs,
+one more run of the last scenario is profiled for STEPS forwards with sglang's own profiler
+(torch.profiler, Python stacks) and the scheduler's host time per canary function and per CUDA
+runtime call is printed (a host sync shows up as ``cudaEventSynchronize`` /
+``cudaStreamSynchronize``). The timed runs are not profiled; the profiled figures are inflated
+by the tracing, so compare configs, not absolute values::
+
+    . .device/c/setup.sh && python benchmark/kv_canary/bench_serving_overhead.py \
+        --configs raise,raise+token --scenarios decode_bs1 --runs 2 --host-profile 150
+
 Without a GPU (``--smoke-cpu``): the same code paths on the CPU, sglang's CPU server (SPEC §15,
 tiny dummy Llama, libcuda stub, CUDA graphs off) with tiny scenarios (bs 2 / 1 / 2, isl 16 / 16
 / 64, osl 8 / 8 / 1, chunked prefill 32) and ``--runs 2``; ``--breakdown --smoke-cpu`` builds
