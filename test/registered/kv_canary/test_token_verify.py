@@ -118,6 +118,15 @@ def test_a_row_given_to_another_request_is_sent_whole():
     new.origin_input_ids[:] = []
     fb = _batch([2], [new], tracker)
     assert fb.req_all_ids_starts.tolist() == [0] and fb.req_all_ids_lens.tolist() == [0]
+    # as is one whose lists were replaced (sglang restarts a retracted input_embeds request's
+    # output with a new list): same request, same row, same length, other tokens
+    new.output_ids.extend([4, 5])
+    _upload(_batch([2], [new], tracker), pool)
+    new.output_ids = [6, 7]
+    fb = _batch([2], [new], tracker)
+    assert fb.req_all_ids_starts.tolist() == [0] and fb.req_all_ids_flat.tolist() == [6, 7]
+    _upload(fb, pool)
+    assert pool[2, :2].tolist() == [6, 7]
     # a request without a row in this pool is sent whole every time and never recorded
     loose = _req([5, 6], [7], row=None)
     for _ in range(2):

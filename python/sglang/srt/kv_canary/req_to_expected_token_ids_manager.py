@@ -114,8 +114,12 @@ def compute_req_all_ids_info(reqs: Sequence) -> Tuple[torch.Tensor, torch.Tensor
 
 class ExpectedTokenRows:
     """Host record of the expected-token pool (one per pool; the runtime's ``CanaryManager``
-    owns it): for every row, the request whose history it holds (by identity, held alive
-    until the row is given to another request) and how many tokens of it.
+    owns it): for every row, the request whose history it holds and how many tokens of it.
+    The request and its ``origin_input_ids`` / ``output_ids`` lists are kept by identity (alive
+    until the row is given to another request): sglang only appends to these lists, and where
+    it rewrites a history (a retracted ``input_embeds`` request restarting its output, an abort
+    shortening the input) it assigns new lists, so the row is sent whole again. A history
+    shorter than what the row holds is sent whole as well.
 
     Used on sglang's scheduler thread only: :meth:`snapshot` from the ``ForwardBatch.init_new``
     hook, :meth:`check_upload` from :func:`populate_req_to_expected_token_ids`. Not
@@ -125,7 +129,7 @@ class ExpectedTokenRows:
         if num_rows < 1:
             raise ValueError(f"ExpectedTokenRows needs num_rows >= 1, got {num_rows}")
         self.num_rows = num_rows
-        self._owner: List[object] = [None] * num_rows
+        self._owner: List[Optional[tuple]] = [None] * num_rows
         self._held: List[int] = [0] * num_rows
         self._epoch = 0
         self._next_seq = 0
@@ -145,9 +149,11 @@ class ExpectedTokenRows:
             start = 0
             row = getattr(req, "req_pool_idx", None)
             if row is not None and 0 <= row < rows:
-                if owner[row] is req and held[row] <= n:
+                o = owner[row]
+                if (o is not None and o[0] is req and o[1] is origin_ids and o[2] is output_ids
+                        and held[row] <= n):
                     start = held[row]
-                owner[row] = req
+                owner[row] = (req, origin_ids, output_ids)
                 held[row] = n
             lens.append(n)
             starts.append(start)
@@ -184,10 +190,9 @@ class ExpectedTokenRows:
             logger.warning(
                 "kv_canary: a token-id snapshot reached the device out of order (snapshot %d, "
                 "last uploaded %d): a ForwardBatch was built and not run, or run out of order. "
-                "The batch was "
-                "re-snapshotted in full and the record reset; nothing goes unchecked, but "
-                "if this repeats the snapshots are no longer incremental (count: "
-                "ExpectedTokenRows.full_resnapshots; warned once)", seq, last_uploaded)
+                "The batch was re-snapshotted in full and the record reset; nothing goes "
+                "unchecked, but if this repeats the snapshots are no longer incremental "
+                "(count: ExpectedTokenRows.full_resnapshots; warned once)", seq, last_uploaded)
         return False
 
 
