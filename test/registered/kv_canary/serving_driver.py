@@ -348,8 +348,7 @@ class ServingDriver:
             fb.extend_seq_lens = i64(ext)
             fb.extend_num_tokens = len(ids)
             fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(pre), list(ext)
-        if reqs is not None:  # what the ForwardBatch.init_new hook does
-            self.manager.attach_token_snapshot(fb, reqs)
+        self.manager.attach_token_snapshot(fb, reqs)  # what the ForwardBatch.init_new hook does
         return fb
 
     def _finish(self) -> None:

@@ -81,6 +81,11 @@ def test_populate_mismatch_errors():
     fb.req_all_ids_flat = fb.req_all_ids_flat[:1]
     with pytest.raises(RuntimeError, match="holds 1 ids but its lengths sum to 2"):
         populate_req_to_expected_token_ids(forward_batch=fb, req_to_verify_expected_tokens=pool)
+    fb = _batch([1], [_req([1, 2], [])])
+    fb.req_all_ids_starts = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="has 2 starts for 1 lengths"):
+        populate_req_to_expected_token_ids(forward_batch=fb, req_to_verify_expected_tokens=pool)
+    assert not pool.any()  # nothing half-written
 
 
 def test_incremental_snapshots_send_only_what_a_row_lacks():

@@ -207,35 +207,44 @@ def attach_req_all_ids_info(forward_batch, reqs: Optional[Sequence],
     (_snapshot_whole(reqs) if rows is None else rows.snapshot(reqs)).attach(forward_batch)
 
 
-def _snapshot_to_upload(forward_batch, bs: int) -> TokenIdSnapshot:
-    """The snapshot to upload for this batch: the attached one (re-taken whole if its record
-    says the rows lack what it assumed), or, for attributes set by other code, those
-    attributes packed after checking them against the batch."""
-    snap = getattr(forward_batch, _SNAPSHOT_ATTR, None)
-    if snap is not None and snap.is_attached_to(forward_batch):
-        if snap.rows is not None and not snap.rows.check_upload(snap):
-            # the record was reset: a new snapshot of the batch's requests sends them whole
-            # and is the next in order
-            snap = snap.rows.snapshot(snap.reqs)
-            snap.attach(forward_batch)
-            snap.rows.check_upload(snap)
-        if snap.lens.shape[0] == bs:
-            return snap
+def _pack_attributes(forward_batch) -> TokenIdSnapshot:
+    """Pack ``req_all_ids_flat`` / ``req_all_ids_lens`` (/ ``req_all_ids_starts``, default 0)
+    set by other code than :meth:`TokenIdSnapshot.attach`, after checking they agree."""
     flat = getattr(forward_batch, SNAPSHOT_FLAT_ATTR)
     lens = getattr(forward_batch, SNAPSHOT_LENS_ATTR)
     starts = getattr(forward_batch, SNAPSHOT_STARTS_ATTR, None)
     if starts is None:
         starts = torch.zeros_like(lens)
-    if lens.shape[0] != bs or starts.shape[0] != bs:
+    if starts.shape != lens.shape:
         raise RuntimeError(
-            f"kv_canary: the token-id snapshot covers {lens.shape[0]} requests but the forward "
-            f"batch has {bs}: the batch's requests and req_pool_indices disagree")
+            f"kv_canary: the token-id snapshot has {starts.shape[0]} starts for "
+            f"{lens.shape[0]} lengths")
     total = int((lens - starts).sum())
     if total != flat.shape[0]:
         raise RuntimeError(
             f"kv_canary: the token-id snapshot holds {flat.shape[0]} ids but its lengths sum "
             f"to {total}")
     return TokenIdSnapshot.pack(lens.tolist(), starts.tolist(), (flat.tolist(),), total)
+
+
+def _snapshot_to_upload(forward_batch, bs: int) -> TokenIdSnapshot:
+    """The snapshot to upload for this batch of ``bs`` requests: the attached one (taken again,
+    whole, if its record says the rows lack what it assumed), or the batch's attributes
+    packed when other code set them."""
+    snap = getattr(forward_batch, _SNAPSHOT_ATTR, None)
+    if snap is None or not snap.is_attached_to(forward_batch):
+        snap = _pack_attributes(forward_batch)
+    if snap.lens.shape[0] != bs:
+        raise RuntimeError(
+            f"kv_canary: the token-id snapshot covers {snap.lens.shape[0]} requests but the "
+            f"forward batch has {bs}: the batch's requests and req_pool_indices disagree")
+    if snap.rows is not None and not snap.rows.check_upload(snap):
+        # the record was reset: a new snapshot of the batch's requests sends them whole and
+        # is the next in order
+        snap = snap.rows.snapshot(snap.reqs)
+        snap.attach(forward_batch)
+        snap.rows.check_upload(snap)
+    return snap
 
 
 def populate_req_to_expected_token_ids(*, forward_batch,
