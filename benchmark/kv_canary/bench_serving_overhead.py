@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""End-to-end serving overhead of the KV-canary (SPEC §16): a real sglang 0.5.12 Engine on one
-GPU, canary off vs on, plus a per-launch breakdown of the canary's own GPU time per decode step.
+"""End-to-end serving overhead of the KV-canary (docs/user_guide.md, "Overhead"): a real sglang
+0.5.12 Engine on one GPU, canary off vs on, plus a per-launch breakdown of the canary's own GPU time per decode step.
 
 What it measures
 ----------------
-Engine runs (default mode). A Qwen3-0.6B-shaped model (SPEC §16: hidden 1024, 28 layers, 16
+Engine runs (default mode). A Qwen3-0.6B-shaped model (hidden 1024, 28 layers, 16
 heads, 8 KV heads x head_dim 128, vocab 151936; dummy weights, only a ``config.json`` written to
 a temp dir, nothing downloaded) served by ``sglang.Engine`` with CUDA graphs on (decode graphs
 captured for batch sizes 1 and 128 only, to keep the start cheap), ``attention_backend=triton``,
@@ -37,8 +37,8 @@ compare the mins as well, and repeat with more ``--runs`` if the two disagree.
 Breakdown (``--breakdown``, in-process, no Engine). Real sglang pools on the GPU with the Qwen3
 shapes (``MHATokenToKVPool`` bf16, 28 layers x 8 KV heads x 128, 262144 slots, random KV;
 ``ReqToTokenPool`` 128 rows x 40960; ``TokenToKVPoolAllocator``, slots shuffled as after churn),
-the canary installed as the runtime does (``attach_canary_buffers`` + ``CanaryManager`` with the
-capacities the runtime derives), bs 1 and bs 128 requests prefilled through the canary (1024
+the canary assembled by the runtime's own builder (``build_canary``, with the Engine's limits),
+bs 1 and bs 128 requests prefilled through the canary (1024
 tokens each, in 8192-token chunks) and then decoded. Per decode step, every canary launch's GPU
 time (torch.profiler: CUDA kernel / memcpy durations, attributed to the launch that issued them
 through ``record_function`` ranges around the runtime's launch functions), averaged over
@@ -85,9 +85,10 @@ by the tracing, so compare configs, not absolute values::
     . .device/c/setup.sh && python benchmark/kv_canary/bench_serving_overhead.py \
         --configs raise,raise+token --scenarios decode_bs1 --runs 2 --host-profile 150
 
-Without a GPU (``--smoke-cpu``): the same code paths on the CPU, sglang's CPU server (SPEC §15,
-tiny dummy Llama, libcuda stub, CUDA graphs off) with tiny scenarios (bs 2 / 1 / 2, isl 16 / 16
-/ 64, osl 8 / 8 / 1, chunked prefill 32) and ``--runs 2``; ``--breakdown --smoke-cpu`` builds
+Without a GPU (``--smoke-cpu``): the same code paths on the CPU, sglang's CPU server
+(docs/architecture.md, "CPU server": tiny dummy Llama, libcuda stub, CUDA graphs off) with tiny
+scenarios (bs 2 / 1 / 2, isl 16 / 16 / 64, osl 8 / 8 / 1, chunked prefill 32) and
+``--runs 2``; ``--breakdown --smoke-cpu`` builds
 tiny CPU pools (the kernels run as torch references) and reports CPU times. Numbers from smoke
 runs are meaningless; they only check that the script works::
 
@@ -207,7 +208,7 @@ class EngineSettings:
     cuda_graph_bs: tuple = (1, 128)
 
     def engine_kwargs(self, model_dir: str, *, smoke: bool) -> dict:
-        from sglang.srt.kv_canary.server_harness import (
+        from sglang.srt.kv_canary.testing.server_harness import (
             cpu_engine_kwargs,
             gpu_engine_kwargs,
         )
@@ -293,7 +294,7 @@ def engine_child(args) -> None:
     settings = SMOKE_SETTINGS if smoke else args.settings
     with tempfile.TemporaryDirectory(prefix="kv_canary_bench_model_") as tmp:
         if smoke:
-            from sglang.srt.kv_canary.server_harness import (
+            from sglang.srt.kv_canary.testing.server_harness import (
                 TINY_LLAMA_CONFIG,
                 write_tiny_llama,
             )
@@ -407,7 +408,7 @@ def child_env(cfg: BenchConfig, smoke: bool, stub_dir: str | None) -> dict[str, 
     env = dict(os.environ)
     env.pop(TOKEN_ENV, None)
     if smoke:
-        from sglang.srt.kv_canary.server_harness import cpu_server_env
+        from sglang.srt.kv_canary.testing.server_harness import cpu_server_env
 
         env = cpu_server_env(stub_dir, env)
     env.update(cfg.env())
@@ -485,7 +486,7 @@ def run_engines(args) -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     stub_dir = None
     if args.smoke_cpu:
-        from sglang.srt.kv_canary.server_harness import build_libcuda_stub
+        from sglang.srt.kv_canary.testing.server_harness import build_libcuda_stub
 
         stub_dir = build_libcuda_stub(os.path.join(tmpdir, "stub"))
     print(f"KV-canary serving overhead — {args.gpu} — {now_utc()} — configs {', '.join(configs)}"
@@ -673,9 +674,10 @@ def labelled_launches(manager):
     syncs only add idle time between launches, kernel durations are unchanged). Restored on
     exit."""
     import torch
-    from sglang.jit_kernel.kv_canary.verify import CanaryLaunchTag
+    from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
     from sglang.srt.kv_canary import plan_input as pi_mod
-    from sglang.srt.kv_canary.runner import kernel_launcher as kl_mod
+    from sglang.srt.kv_canary import token_history as th_mod
+    from sglang.srt.kv_canary.single_forward_manager import launches as kl_mod
     from sglang.srt.kv_canary.single_forward_manager import manager as sfm_mod
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -692,7 +694,7 @@ def labelled_launches(manager):
         return CanaryLaunchTag(int(kw["context"].kernel_kind)).phase.name
 
     patches = [
-        (sfm_mod, "populate_req_to_expected_token_ids",
+        (th_mod.TokenHistoryUploader, "upload",
          lambda *a, **k: "token-id scatter (outside graph)"),
         (sfm_mod, "launch_group_plan", lambda *a, **k: "plan kernels"),
         (kl_mod, "launch_canary_verify_kernel", lambda *a, **k: f"{tag_phase(**k)} verify"),
@@ -770,10 +772,9 @@ def attribute(events, *, use_cuda: bool):
 
 def run_breakdown(args) -> None:
     import torch
-    from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
+    from sglang.srt.kv_canary.builder import build_canary
+    from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
     from sglang.srt.kv_canary.config import CanaryConfig
-    from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
-    from sglang.srt.kv_canary.runner import CanaryManager
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -818,10 +819,8 @@ def run_breakdown(args) -> None:
         cfg = CONFIGS[cname]
         for bs in shape.batch_sizes:
             rec = breakdown_one(cfg, bs, shape, device, flush, name, unit, torch=torch,
-                                CanaryLaunchCapacities=CanaryLaunchCapacities,
-                                CanaryConfig=CanaryConfig,
-                                attach_canary_buffers=attach_canary_buffers,
-                                CanaryManager=CanaryManager,
+                                CanaryCapacityInputs=CanaryCapacityInputs,
+                                CanaryConfig=CanaryConfig, build_canary=build_canary,
                                 TokenToKVPoolAllocator=TokenToKVPoolAllocator,
                                 MHATokenToKVPool=MHATokenToKVPool, ReqToTokenPool=ReqToTokenPool,
                                 ForwardBatch=ForwardBatch, ForwardMode=ForwardMode)
@@ -849,8 +848,7 @@ def parse_ints(value: str, flag: str) -> list[int]:
 
 
 def breakdown_one(cfg: BenchConfig, bs: int, shape: BreakdownShape, device, flush, gpu: str,
-                  unit: str, *, torch, CanaryLaunchCapacities, CanaryConfig,
-                  attach_canary_buffers, CanaryManager,
+                  unit: str, *, torch, CanaryCapacityInputs, CanaryConfig, build_canary,
                   TokenToKVPoolAllocator, MHATokenToKVPool, ReqToTokenPool, ForwardBatch,
                   ForwardMode) -> dict:
     use_cuda = device.type == "cuda"
@@ -869,16 +867,12 @@ def breakdown_one(cfg: BenchConfig, bs: int, shape: BreakdownShape, device, flus
     config = CanaryConfig(mode=cfg.kv_canary, real_kv_hash_mode=cfg.real_data,
                           enable_verify_token_assert=cfg.verify_tokens,
                           stats_print_every_n_steps=0)
-    groups = attach_canary_buffers(pool=kv, config=config, device=device)
-    num_slots = kv.k_buffer[0].shape[0]
-    # what the runtime derives from the Engine's settings (sglang.srt.kv_canary.api)
-    caps = CanaryLaunchCapacities.from_args(
-        num_slots=num_slots, max_running_requests=r2t.req_to_token.shape[0],
-        max_tokens_per_forward=max(16384, shape.prefill_chunk, shape.max_context_len)
-        + r2t.req_to_token.shape[0],
-        cuda_graph_max_bs=shape.max_reqs)
-    mgr = CanaryManager(config=config, groups=groups, capacities=caps,
-                        req_to_token=r2t.req_to_token, device=device)
+    # the production assembly, with the Engine's limits (max_prefill_tokens: its default)
+    mgr = build_canary(pool=kv, req_to_token=r2t.req_to_token, config=config, device=device,
+                       capacity_inputs=CanaryCapacityInputs(
+                           context_len=shape.max_context_len,
+                           chunked_prefill_size=shape.prefill_chunk, max_prefill_tokens=16384,
+                           cuda_graph_max_bs=shape.max_reqs))
     mgr.mark_init_finished()
 
     # slots as after churn: the allocator's free list, shuffled
@@ -901,7 +895,7 @@ def breakdown_one(cfg: BenchConfig, bs: int, shape: BreakdownShape, device, flus
             fb.extend_prefix_lens, fb.extend_seq_lens = i64(pre), i64(ext)
             fb.extend_num_tokens = len(ids)
             fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(pre), list(ext)
-        mgr.attach_token_snapshot(fb, part)  # what the ForwardBatch.init_new hook does
+        mgr.on_forward_batch_init(fb, part)  # what the ForwardBatch.init_new hook does
         return fb
 
     def model_stand_in():
@@ -986,7 +980,7 @@ def breakdown_one(cfg: BenchConfig, bs: int, shape: BreakdownShape, device, flus
     rec = dict(kind="breakdown", time=now_utc(), gpu=gpu, unit=unit, config=cfg.name, bs=bs,
                ctx=shape.ctx, steps=n, shape=dataclasses.asdict(shape), launches=launches,
                by_kernel={k: v / n for k, v in by_kernel.items()},
-               capacities=dataclasses.asdict(caps))
+               capacities=dataclasses.asdict(mgr.capacities))
     return rec
 
 
@@ -1007,7 +1001,7 @@ def graph_replay_us(mgr, fb, bs, device, *, torch, ForwardBatch, ForwardMode,
                           token_to_kv_pool=kv)
     for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
         getattr(static, name).copy_(getattr(fb, name))
-    mgr.attach_token_snapshot(static, reqs)
+    mgr.on_forward_batch_init(static, reqs)
 
     def body():
         mgr.pre_ops_maybe_inside_graph(static)

@@ -29,10 +29,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
+from sglang.srt.kv_canary.builder import build_canary
+from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig
-from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
-from sglang.srt.kv_canary.runner import CanaryManager
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -127,16 +126,16 @@ class ServingDriver:
                                    sweep_interval=sweep_interval, ring_capacity=ring_capacity,
                                    swa_divergence_stats_interval=swa_divergence_interval,
                                    **({"perturb": perturb} if perturb is not None else {}))
-        self.groups = attach_canary_buffers(pool=self.kv_pool, config=self.config,
-                                            device=self.device,
-                                            swa_window_size=swa_window or None)
-        self.capacities = CanaryLaunchCapacities.from_args(
-            num_slots=self.groups[0].num_slots, max_running_requests=max_reqs,
-            max_tokens_per_forward=chunk * max_reqs, cuda_graph_max_bs=graph_bs or None)
-        self.manager = CanaryManager(config=self.config, groups=self.groups,
-                                     capacities=self.capacities,
-                                     req_to_token=self.req_to_token_pool.req_to_token,
-                                     device=self.device)
+        # the production assembly (what install_canary does with a ModelRunner's pool): a
+        # prefill forward of this loop carries at most max_reqs chunks
+        self.manager = build_canary(
+            pool=self.kv_pool, req_to_token=self.req_to_token_pool.req_to_token,
+            config=self.config, device=self.device, swa_window_size=swa_window or None,
+            capacity_inputs=CanaryCapacityInputs(context_len=max_ctx, chunked_prefill_size=chunk,
+                                                 max_prefill_tokens=chunk * max_reqs,
+                                                 cuda_graph_max_bs=graph_bs or None))
+        self.groups = self.manager.groups
+        self.capacities = self.manager.capacities
         self.waiting: List[DriverReq] = []
         self.running: List[DriverReq] = []
         self.finished: List[DriverReq] = []
@@ -348,7 +347,7 @@ class ServingDriver:
             fb.extend_seq_lens = i64(ext)
             fb.extend_num_tokens = len(ids)
             fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(pre), list(ext)
-        self.manager.attach_token_snapshot(fb, reqs)  # what the ForwardBatch.init_new hook does
+        self.manager.on_forward_batch_init(fb, reqs)  # what the ForwardBatch.init_new hook does
         return fb
 
     def _finish(self) -> None:

@@ -1,15 +1,16 @@
 """Hand cases for the KV-canary kernels, checked against an independent scalar oracle.
 
-The oracle below is plain Python (python ints, one entry at a time) written from SPEC §2-§7
-and the launchers' docstrings; it only borrows the hash primitives of ``consts`` (themselves
-checked against the SPEC formula in ``test_hash_primitives_match_spec``). Real-KV fingerprints
-are computed from the source tensors' raw bytes (``tensor.view(torch.uint8)``).
+The oracle below is plain Python (python ints, one entry at a time) written from
+docs/architecture.md ("Record format" through "Token-id scatter") and the launchers' docstrings;
+it only borrows the hash primitives of ``consts`` (themselves checked against the documented
+formula in ``test_hash_primitives_match_spec``). Real-KV fingerprints are computed from the
+source tensors' raw bytes (``tensor.view(torch.uint8)``).
 
 Every kernel case runs twice (the ``impl`` fixture):
 
 - ``triton``: the public launchers on ``device`` tensors (compiled on CUDA; on CPU, Triton's
-  interpreter, since conftest sets ``TRITON_INTERPRET=1``). The torch references are patched to
-  raise on this path so a silent fallback to the reference cannot pass for Triton.
+  interpreter, since conftest sets ``TRITON_INTERPRET=1``). The launchers' reference path
+  (``run_*``) is patched to raise so a silent fallback to the reference cannot pass for Triton.
 - ``torch_ref``: the ``*_torch_reference`` functions on CPU tensors.
 
 Both are asserted against the oracle exactly: records (``ctx.canary_words``), plan tensors,
@@ -102,14 +103,16 @@ def impl(request, device, monkeypatch):
         if device.type == "cpu":
             assert _launch.TRITON_INTERPRET, (
                 "TRITON_INTERPRET must be on so that CPU launches run the Triton kernels")
-        # A launcher that dispatched to its torch reference would not be testing Triton.
-        monkeypatch.setattr(_plan_ref_mod, "launch_canary_plan_kernels_torch_reference",
+        # A launcher that dispatched to its torch reference would not be testing Triton. The
+        # launchers validate, then call the unvalidated ``run_*`` reference (looked up on its
+        # module at call time) on their CPU path: patch those.
+        monkeypatch.setattr(_plan_ref_mod, "run_canary_plan_reference",
                             _no_fallback("plan reference"))
-        monkeypatch.setattr(_write_ref_mod, "launch_canary_write_kernel_torch_reference",
+        monkeypatch.setattr(_write_ref_mod, "run_canary_write_reference",
                             _no_fallback("write reference"))
-        monkeypatch.setattr(_verify_ref_mod, "launch_canary_verify_kernel_torch_reference",
+        monkeypatch.setattr(_verify_ref_mod, "run_canary_verify_reference",
                             _no_fallback("verify reference"))
-        monkeypatch.setattr(_scatter_mod, "scatter_req_token_ids_torch_reference",
+        monkeypatch.setattr(_scatter_mod, "run_scatter_req_token_ids_reference",
                             _no_fallback("scatter reference"))
         return Impl("triton", device, launch_canary_plan_kernels, launch_canary_write_kernel,
                     launch_canary_verify_kernel, launch_scatter_req_token_ids_kernel)
@@ -130,7 +133,8 @@ def rec_hash(rec) -> int:
 
 
 def slot_bytes(src: RealKvSource, slot: int, nbytes: int) -> bytes:
-    """``tensor_u8[slot // page_size, (slot % page_size) * nbpt : ... + nbytes]`` (SPEC §2)."""
+    """``tensor_u8[slot // page_size, (slot % page_size) * nbpt : ... + nbytes]``
+    (docs/architecture.md, "Record format")."""
     page = slot // src.page_size
     row_u8 = src.tensor[page].detach().cpu().contiguous().view(torch.uint8).reshape(-1)
     off = (slot % src.page_size) * src.num_bytes_per_token

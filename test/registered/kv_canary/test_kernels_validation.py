@@ -1,4 +1,5 @@
-"""Bad input for the KV-canary launchers and constructors (SPEC §4, §7, §8).
+"""Bad input for the KV-canary launchers and constructors (docs/architecture.md, "Plans",
+"Token-id scatter" and "Kernel rules").
 
 Each case starts from a baseline that is accepted (``test_baselines_are_accepted``) and changes
 one argument; the error must be a ``TypeError`` (wrong type / dtype) or ``ValueError`` (shape,

@@ -1,8 +1,8 @@
 """KV-canary device kernels (Triton) and their torch references.
 
-Public API (SPEC §8); every launcher takes keyword arguments only and dispatches CUDA tensors
-to Triton, CPU tensors to the torch reference (or to Triton's interpreter under
-``TRITON_INTERPRET=1``).
+Public API (docs/architecture.md, "Kernel rules"); every launcher takes keyword arguments only
+and dispatches CUDA tensors to Triton, CPU tensors to the torch reference (or to Triton's
+interpreter under ``TRITON_INTERPRET=1``).
 """
 
 from sglang.jit_kernel.kv_canary.consts import (
@@ -18,7 +18,7 @@ from sglang.jit_kernel.kv_canary.scatter_req_token_ids import (
     launch_scatter_req_token_ids_kernel,
     scatter_req_token_ids_torch_reference,
 )
-from sglang.jit_kernel.kv_canary.verify import (
+from sglang.jit_kernel.kv_canary.types import (
     CANARY_SLOT_BYTES,
     CanaryLaunchTag,
     CanaryPhase,
@@ -27,10 +27,12 @@ from sglang.jit_kernel.kv_canary.verify import (
     RealKvSource,
     VerifyOrWriteContext,
     VerifyPlan,
-    launch_canary_verify_kernel,
+    WriteParts,
+    WritePlan,
 )
+from sglang.jit_kernel.kv_canary.verify import launch_canary_verify_kernel
 from sglang.jit_kernel.kv_canary.verify_ref import launch_canary_verify_kernel_torch_reference
-from sglang.jit_kernel.kv_canary.write import WriteParts, WritePlan, launch_canary_write_kernel
+from sglang.jit_kernel.kv_canary.write import launch_canary_write_kernel
 from sglang.jit_kernel.kv_canary.write_ref import launch_canary_write_kernel_torch_reference
 
 __all__ = [

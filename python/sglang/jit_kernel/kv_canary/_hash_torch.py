@@ -11,6 +11,9 @@ import torch
 
 from sglang.jit_kernel.kv_canary.consts import (
     CANARY_CHAIN_ANCHOR,
+    CANARY_FIELD_POSITION,
+    CANARY_FIELD_PREV_HASH,
+    CANARY_FIELD_TOKEN,
     SPLITMIX64_MUL1,
     SPLITMIX64_MUL2,
     canary_chain_head_hash,
@@ -43,13 +46,14 @@ def mix3_t(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 def record_hash_t(records: torch.Tensor) -> torch.Tensor:
     """``H(record)`` for an int64 ``[n, 4]`` block of records → int64 ``[n]``."""
-    return mix3_t(records[:, 2], records[:, 0], records[:, 1])
+    return mix3_t(records[:, CANARY_FIELD_PREV_HASH], records[:, CANARY_FIELD_TOKEN],
+                  records[:, CANARY_FIELD_POSITION])
 
 
 def real_kv_fingerprint_t(sources, num_words, slots: torch.Tensor) -> torch.Tensor:
     """Fingerprint of the real KV bytes of ``slots`` (int64 ``[n]``, all in range).
 
-    ``sources`` is a sequence of :class:`~sglang.jit_kernel.kv_canary.verify.RealKvSource`,
+    ``sources`` is a sequence of :class:`~sglang.jit_kernel.kv_canary.types.RealKvSource`,
     ``num_words`` the number of 8-byte words to fold from each (per hash mode). The fold is
     serial over words and vectorised over slots.
     """

@@ -9,13 +9,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from sglang.jit_kernel.kv_canary._kernel_consts import (
+    CHAIN_ANCHOR,
+    FIELD_POSITION,
+    FIELD_PREV_HASH,
+    FIELD_TOKEN,
+    RECORD_WORDS,
+    SPLITMIX_MUL1,
+    SPLITMIX_MUL2,
+)
+
 
 @triton.jit
 def splitmix64(x):
     x = x ^ (x >> 30)
-    x = x * 0xBF58476D1CE4E5B9
+    x = x * SPLITMIX_MUL1
     x = x ^ (x >> 27)
-    x = x * 0x94D049BB133111EB
+    x = x * SPLITMIX_MUL2
     return x ^ (x >> 31)
 
 
@@ -37,16 +47,16 @@ def as_i64(x):
 @triton.jit
 def chain_head_hash():
     """``H(none) = splitmix64(CANARY_CHAIN_ANCHOR)`` as a u64 scalar."""
-    return splitmix64(tl.full([], 0xC0FFEE1234567890, tl.uint64))
+    return splitmix64(tl.full([], CHAIN_ANCHOR, tl.uint64))
 
 
 @triton.jit
 def record_hash(canary_ptr, slot, mask):
-    """``H(record[slot])`` for a block of slots (int64 canary words, 4 per row)."""
-    base = canary_ptr + slot * 4
-    tok = tl.load(base + 0, mask=mask, other=0)
-    pos = tl.load(base + 1, mask=mask, other=0)
-    prev = tl.load(base + 2, mask=mask, other=0)
+    """``H(record[slot])`` for a block of slots (int64 canary words, ``RECORD_WORDS`` per row)."""
+    base = canary_ptr + slot * RECORD_WORDS
+    tok = tl.load(base + FIELD_TOKEN, mask=mask, other=0)
+    pos = tl.load(base + FIELD_POSITION, mask=mask, other=0)
+    prev = tl.load(base + FIELD_PREV_HASH, mask=mask, other=0)
     return mix3(as_u64(prev), as_u64(tok), as_u64(pos))
 
 

@@ -1,4 +1,4 @@
-"""Constants of the KV-canary record format and its hashing (SPEC §2, §3).
+"""Constants of the KV-canary record format and its hashing (docs/architecture.md, "Record format").
 
 Everything here is plain Python (no torch, no Triton) so that host code, device kernels and
 tests agree on one definition. The device-side and torch versions of the hash live in
@@ -25,6 +25,7 @@ SPLITMIX64_MUL1 = 0xBF58476D1CE4E5B9
 SPLITMIX64_MUL2 = 0x94D049BB133111EB
 
 # Record fields (int64 index into a 32-byte row).
+CANARY_FIELD_BYTES = 8  # each field is one little-endian int64
 CANARY_FIELD_TOKEN = 0
 CANARY_FIELD_POSITION = 1
 CANARY_FIELD_PREV_HASH = 2
@@ -42,7 +43,7 @@ VIOLATION_FIELD_EXPECTED_AUX = 6
 VIOLATION_FIELD_FAIL_REASON_BITS = 7
 VIOLATION_NUM_FIELDS = 8
 
-# Real-KV fingerprint limits (SPEC §2).
+# Real-KV fingerprint limits (docs/architecture.md, "Record format").
 REAL_KV_MAX_SOURCES = 4
 REAL_KV_PARTIAL_BYTES = 16
 REAL_KV_WORD_BYTES = 8

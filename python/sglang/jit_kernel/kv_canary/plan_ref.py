@@ -2,15 +2,33 @@
 
 Same signature and semantics as :func:`~sglang.jit_kernel.kv_canary.plan.launch_canary_plan_kernels`,
 fully vectorised. Host-synchronous (reads the total); not for CUDA-graph capture.
+``launch_canary_plan_kernels_torch_reference`` validates its arguments once, then runs
+:func:`run_canary_plan_reference`, which the public launcher's CPU path calls directly (it has
+validated already).
+
+Imports nothing under ``plan/`` (whose package init imports this module through ``plan.api``):
+the torch twin of the SWA slot translation lives here.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from sglang.jit_kernel.kv_canary import validation
 from sglang.jit_kernel.kv_canary.consts import NO_EXPECTED_TOKEN, NO_PREV_SLOT, NO_SEED_SLOT
-from sglang.jit_kernel.kv_canary.plan.api import validate_plan_args
-from sglang.jit_kernel.kv_canary.plan.utils import translate_slots_torch
+
+
+def translate_slots_torch(lut: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`~sglang.jit_kernel.kv_canary.plan.utils.translate_slots` on an int64
+    tensor."""
+    if lut is None:
+        return x
+    in_range = (x >= 0) & (x < lut.shape[0])
+    y = torch.where(in_range, lut[x.clamp(0, max(lut.shape[0] - 1, 0))].long(), 0) \
+        if lut.shape[0] else torch.zeros_like(x)
+    return torch.where(x < 0, x, y)
 
 
 def launch_canary_plan_kernels_torch_reference(
@@ -19,7 +37,8 @@ def launch_canary_plan_kernels_torch_reference(
     req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
     kv_token_id_vs_position_offset,
 ) -> None:
-    validate_plan_args(
+    """Validate the arguments, then :func:`run_canary_plan_reference`."""
+    kwargs = dict(
         verify_plan_out=verify_plan_out, write_plan_out=write_plan_out,
         req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
         extend_seq_lens=extend_seq_lens, req_to_token=req_to_token,
@@ -28,6 +47,17 @@ def launch_canary_plan_kernels_torch_reference(
         req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
     )
+    validation.validate_plan_args(**kwargs)
+    run_canary_plan_reference(**kwargs)
+
+
+def run_canary_plan_reference(
+    *, verify_plan_out, write_plan_out, req_pool_indices, prefix_lens, extend_seq_lens,
+    req_to_token, swa_window_size, full_to_swa_index_mapping, verify_capacity,
+    req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+    kv_token_id_vs_position_offset,
+) -> None:
+    """The plan reference on already validated arguments (the launcher's CPU path)."""
     vp, wp = verify_plan_out, write_plan_out
     lut = full_to_swa_index_mapping
     bs = req_pool_indices.shape[0]

@@ -1,12 +1,18 @@
-"""Scatter requests' token histories into the expected-token pool (SPEC §7).
+"""Scatter requests' token histories into the expected-token pool (docs/architecture.md,
+"Token-id scatter").
 
 For every t in ``[0, offsets[bs])`` owned by request r at ``pos = t - offsets[r]``:
 ``pool_out[req_pool_indices[r], pos] = int32(flat_in[t])`` when ``pos < pool_out.shape[1]``.
-Rows not named are untouched. With the optional ``dst_starts`` (an extension of SPEC §7 for
-incremental uploads) request r's segment lands at ``dst_starts[r] + pos`` instead: only the
-tokens a row does not hold yet need to travel. Grid ``(bs, splits)``: the programs of a request stride over
-its tokens, so any batch size works in one launch and long histories are split. Runs outside CUDA graphs (its inputs are fresh per forward),
-but is itself allocation- and sync-free.
+Rows not named are untouched. With the optional ``dst_starts`` (an extension of the documented
+scatter, for incremental uploads) request r's segment lands at ``dst_starts[r] + pos`` instead:
+only the tokens a row does not hold yet need to travel. Grid ``(bs, splits)``: the programs of
+a request stride over its tokens, so any batch size works in one launch and long histories are
+split. Runs outside CUDA graphs (its inputs are fresh per forward), but is itself allocation-
+and sync-free.
+
+``scatter_req_token_ids_torch_reference`` validates its arguments once, then runs
+:func:`run_scatter_req_token_ids_reference`, which the launcher's CPU path calls directly (it
+has validated already).
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.jit_kernel.kv_canary._launch import check_tensor, grid_size, same_device, use_triton
+from sglang.jit_kernel.kv_canary import validation
+from sglang.jit_kernel.kv_canary._launch import grid_size, use_triton
 
 
 @triton.jit
@@ -48,20 +55,6 @@ SCATTER_BLOCK = 256
 SCATTER_MAX_SPLITS = 64
 
 
-def _validate(flat_in, offsets, req_pool_indices, pool_out, dst_starts) -> None:
-    check_tensor("flat_in", flat_in, dtypes=(torch.int64,), ndim=1)
-    bs = check_tensor("req_pool_indices", req_pool_indices, dtypes=(torch.int64,),
-                      ndim=1).shape[0]
-    check_tensor("offsets", offsets, dtypes=(torch.int64,), shape=(bs + 1,))
-    check_tensor("pool_out", pool_out, dtypes=(torch.int32,), ndim=2)
-    tensors = {"flat_in": flat_in, "offsets": offsets, "req_pool_indices": req_pool_indices,
-               "pool_out": pool_out}
-    if dst_starts is not None:
-        tensors["dst_starts"] = check_tensor("dst_starts", dst_starts, dtypes=(torch.int64,),
-                                             shape=(bs,))
-    same_device(tensors)
-
-
 def launch_scatter_req_token_ids_kernel(
     *, flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,
     pool_out: torch.Tensor, dst_starts: Optional[torch.Tensor] = None,
@@ -71,9 +64,9 @@ def launch_scatter_req_token_ids_kernel(
     ``[rows, max_context_len]``, ``dst_starts`` optional int64 ``[bs]`` (first column of each
     request's segment; default 0). Tokens past ``pool_out.shape[1]`` are dropped; rows outside
     the pool and negative starts are skipped. Empty batch → no-op."""
-    _validate(flat_in, offsets, req_pool_indices, pool_out, dst_starts)
+    validation.validate_scatter_args(flat_in, offsets, req_pool_indices, pool_out, dst_starts)
     if not use_triton(pool_out.device):
-        return scatter_req_token_ids_torch_reference(
+        return run_scatter_req_token_ids_reference(
             flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices,
             pool_out=pool_out, dst_starts=dst_starts,
         )
@@ -94,8 +87,19 @@ def scatter_req_token_ids_torch_reference(
     *, flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,
     pool_out: torch.Tensor, dst_starts: Optional[torch.Tensor] = None,
 ) -> None:
-    """Vectorised torch twin of :func:`launch_scatter_req_token_ids_kernel`."""
-    _validate(flat_in, offsets, req_pool_indices, pool_out, dst_starts)
+    """Vectorised torch twin of :func:`launch_scatter_req_token_ids_kernel`: validate the
+    arguments, then :func:`run_scatter_req_token_ids_reference`."""
+    validation.validate_scatter_args(flat_in, offsets, req_pool_indices, pool_out, dst_starts)
+    run_scatter_req_token_ids_reference(flat_in=flat_in, offsets=offsets,
+                                        req_pool_indices=req_pool_indices, pool_out=pool_out,
+                                        dst_starts=dst_starts)
+
+
+def run_scatter_req_token_ids_reference(
+    *, flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor, dst_starts: Optional[torch.Tensor] = None,
+) -> None:
+    """The scatter reference on already validated arguments (the launcher's CPU path)."""
     bs = req_pool_indices.shape[0]
     if bs == 0:
         return

@@ -2,31 +2,48 @@
 
 Same signature and semantics as :func:`~sglang.jit_kernel.kv_canary.verify.launch_canary_verify_kernel`,
 vectorised over plan entries. Host-synchronous (reads ``enable`` / ``verify_num_valid``), so it is
-not for CUDA-graph capture.
+not for CUDA-graph capture. ``launch_canary_verify_kernel_torch_reference`` validates its
+arguments once, then runs :func:`run_canary_verify_reference`, which the public launcher's CPU
+path calls directly (it has validated already).
 """
 
 from __future__ import annotations
 
 import torch
 
+from sglang.jit_kernel.kv_canary import validation
 from sglang.jit_kernel.kv_canary._hash_torch import (
     CHAIN_HEAD_HASH_I64,
     real_kv_fingerprint_t,
     record_hash_t,
 )
 from sglang.jit_kernel.kv_canary._ring_torch import append_violation_rows, violation_rows
-from sglang.jit_kernel.kv_canary.consts import FailReason, NO_EXPECTED_TOKEN, NO_PREV_SLOT
-from sglang.jit_kernel.kv_canary.verify import (
-    VerifyOrWriteContext,
-    VerifyPlan,
-    validate_verify_args,
+from sglang.jit_kernel.kv_canary.consts import (
+    CANARY_FIELD_POSITION,
+    CANARY_FIELD_PREV_HASH,
+    CANARY_FIELD_REAL_KV_HASH,
+    CANARY_FIELD_TOKEN,
+    NO_EXPECTED_TOKEN,
+    NO_PREV_SLOT,
+    FailReason,
 )
+from sglang.jit_kernel.kv_canary.types import VerifyOrWriteContext, VerifyPlan
 
 
 def launch_canary_verify_kernel_torch_reference(
     *, context: VerifyOrWriteContext, plan: VerifyPlan, check_verify_expected_token: bool
 ) -> None:
-    validate_verify_args(context, plan, check_verify_expected_token)
+    """Validate the arguments, then :func:`run_canary_verify_reference`."""
+    validation.validate_verify_args(context, plan, check_verify_expected_token)
+    run_canary_verify_reference(
+        context=context, plan=plan, check_verify_expected_token=check_verify_expected_token
+    )
+
+
+def run_canary_verify_reference(
+    *, context: VerifyOrWriteContext, plan: VerifyPlan, check_verify_expected_token: bool
+) -> None:
+    """The verify reference on already validated arguments (the launcher's CPU path)."""
     context.kernel_run_counter.add_(1)
     if int(plan.enable[0].item()) != 1:
         return
@@ -42,7 +59,9 @@ def launch_canary_verify_kernel_torch_reference(
     prev = plan.verify_prev_slot_indices[:n][live]
     exp_pos = plan.verify_expected_positions[:n][live]
     stored = records[slot]
-    st_tok, st_pos, st_prev = stored[:, 0], stored[:, 1], stored[:, 2]
+    st_tok = stored[:, CANARY_FIELD_TOKEN]
+    st_pos = stored[:, CANARY_FIELD_POSITION]
+    st_prev = stored[:, CANARY_FIELD_PREV_HASH]
 
     has_prev_rec = (prev > 0) & (prev < num_slots)
     check_chain = has_prev_rec | (prev == NO_PREV_SLOT)
@@ -63,7 +82,7 @@ def launch_canary_verify_kernel_torch_reference(
         fp = real_kv_fingerprint_t(
             context.real_kv_sources, [s.words_to_fold(mode) for s in context.real_kv_sources], slot
         )
-        bits |= (stored[:, 3] != fp).long() * FailReason.VERIFY_REAL_KV_HASH_MISMATCH
+        bits |= (stored[:, CANARY_FIELD_REAL_KV_HASH] != fp).long() * FailReason.VERIFY_REAL_KV_HASH_MISMATCH
     aux = torch.where(check_chain, expected_chain, st_prev)
     bad = bits != 0
     rows = violation_rows(int(context.kernel_kind), slot[bad], st_pos[bad], st_tok[bad],

@@ -1,15 +1,16 @@
-"""Canary write kernel and its plan (SPEC §5).
+"""Canary write kernel (docs/architecture.md, "Write").
 
 ``launch_canary_write_kernel`` stores a fresh record for every slot a forward writes: token,
 position, the running chain hash of the request, and (TAIL launches) the real-KV fingerprint.
 One part of the grid walks each request's chain serially (lanes = requests, loop = chain steps);
 the other part fingerprints all written slots in parallel. Graph-safe on CUDA.
+
+:class:`WriteParts` and :class:`WritePlan` live in :mod:`~sglang.jit_kernel.kv_canary.types`
+(no Triton); they are re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from typing import Optional
 
 import torch
@@ -17,85 +18,26 @@ import triton
 import triton.language as tl
 
 from sglang.jit_kernel.kv_canary import _hash_triton as H
-from sglang.jit_kernel.kv_canary._launch import (
-    INDEX_DTYPES,
-    check_int,
-    check_tensor,
-    grid_size,
-    same_device,
-    use_triton,
+from sglang.jit_kernel.kv_canary import validation, write_ref
+from sglang.jit_kernel.kv_canary._kernel_consts import (
+    FAIL_WRITE_POSITION,
+    FAIL_WRITE_TOKEN,
+    FIELD_POSITION,
+    FIELD_PREV_HASH,
+    FIELD_REAL_KV_HASH,
+    FIELD_TOKEN,
+    NO_SEED_SLOT,
+    RECORD_WORDS,
 )
-from sglang.jit_kernel.kv_canary.verify import VerifyOrWriteContext, append_violations
+from sglang.jit_kernel.kv_canary._launch import grid_size, use_triton
+from sglang.jit_kernel.kv_canary._ring_triton import append_violations
+from sglang.jit_kernel.kv_canary.types import VerifyOrWriteContext
 
+# Re-exports from ``types``, kept for the documented import paths
+# (``from sglang.jit_kernel.kv_canary.write import WritePlan`` etc.).
+from sglang.jit_kernel.kv_canary.types import WriteParts, WritePlan  # noqa: F401
 
-class WriteParts(enum.Enum):
-    """Which part of the write a launch does. ``CHAIN`` then ``FINGERPRINT`` (in stream order)
-    leaves exactly the bytes, violations and counters of one ``ALL`` launch; split, the serial
-    chain (which needs no KV bytes) can run before / beside the model forward and only the
-    parallel fingerprint after it.
-
-    - ``ALL``: records with chain and fingerprint (one launch).
-    - ``CHAIN``: token, position, chain hash, checks, counters; ``real_kv_hash`` stored as 0.
-    - ``FINGERPRINT``: only ``real_kv_hash`` of every written slot; no checks, no counters; a
-      no-op without real-data fingerprints.
-    """
-
-    ALL = "all"
-    CHAIN = "chain"
-    FINGERPRINT = "fingerprint"
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class WritePlan:
-    """Per-forward write layout (device, fixed request capacity; filled by the plan kernels).
-
-    - ``write_offsets`` int64 ``[req_capacity + 1]``: request r writes the entries
-      ``[write_offsets[r], write_offsets[r + 1])`` of ``input_ids`` / ``positions`` /
-      ``out_cache_loc``; zero beyond the batch.
-    - ``write_seed_slot_indices`` int64 ``[req_capacity]``: slot holding position
-      ``prefix_len - 1`` (the chain seed), -1 for a chain head or a padding row.
-    - ``write_num_valid_reqs`` int32 ``[1]``: the batch size.
-    - ``verify_req_offsets`` int64 ``[req_capacity + 1]``: plan-internal scratch (per-request
-      exclusive prefix sum of verify entries), read by the plan's entries stage only.
-    """
-
-    write_offsets: torch.Tensor
-    write_seed_slot_indices: torch.Tensor
-    write_num_valid_reqs: torch.Tensor
-    verify_req_offsets: torch.Tensor
-
-    def __post_init__(self):
-        seeds = check_tensor("WritePlan.write_seed_slot_indices", self.write_seed_slot_indices,
-                             dtypes=(torch.int64,), ndim=1)
-        cap = seeds.shape[0]
-        check_tensor("WritePlan.write_offsets", self.write_offsets, dtypes=(torch.int64,),
-                     shape=(cap + 1,))
-        check_tensor("WritePlan.verify_req_offsets", self.verify_req_offsets,
-                     dtypes=(torch.int64,), shape=(cap + 1,))
-        check_tensor("WritePlan.write_num_valid_reqs", self.write_num_valid_reqs,
-                     dtypes=(torch.int32,), shape=(1,))
-        same_device({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-
-    @property
-    def req_capacity(self) -> int:
-        return self.write_seed_slot_indices.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.write_seed_slot_indices.device
-
-    @classmethod
-    def allocate(cls, *, write_req_capacity: int, device) -> "WritePlan":
-        check_int("write_req_capacity", write_req_capacity, minimum=0)
-        device = torch.device(device)
-        return cls(
-            write_offsets=torch.zeros(write_req_capacity + 1, dtype=torch.int64, device=device),
-            write_seed_slot_indices=torch.full((write_req_capacity,), -1, dtype=torch.int64,
-                                               device=device),
-            write_num_valid_reqs=torch.zeros(1, dtype=torch.int32, device=device),
-            verify_req_offsets=torch.zeros(write_req_capacity + 1, dtype=torch.int64,
-                                           device=device),
-        )
+__all__ = ["WriteParts", "WritePlan", "launch_canary_write_kernel"]
 
 
 @triton.jit
@@ -130,10 +72,11 @@ def _canary_write_kernel(
             start = tl.load(offsets_ptr + r, mask=rmask, other=0)
             end = tl.load(offsets_ptr + r + 1, mask=rmask, other=0)
             length = tl.where(rmask, tl.maximum(end - start, 0), 0)
-            seed = tl.load(seeds_ptr + r, mask=rmask, other=-1)
+            seed = tl.load(seeds_ptr + r, mask=rmask, other=NO_SEED_SLOT)
             seed_ok = rmask & (seed >= 0) & (seed < num_slots)
             running = tl.where(seed_ok, H.record_hash(canary_ptr, seed, seed_ok), head)
-            prev_pos = tl.load(canary_ptr + seed * 4 + 1, mask=seed_ok, other=0)
+            prev_pos = tl.load(canary_ptr + seed * RECORD_WORDS + FIELD_POSITION, mask=seed_ok,
+                               other=0)
             # slot 0 (an evicted SWA predecessor) holds no real record: no position to follow
             check_pos = seed_ok & (seed > 0) & chain_assert_on
             # Step j's inputs are loaded during step j-1 (software pipelining): the chain is
@@ -150,23 +93,23 @@ def _canary_write_kernel(
                 pos_n = tl.load(positions_ptr + i + 1, mask=act_n, other=0).to(tl.int64)
                 slot_n = tl.load(loc_ptr + i + 1, mask=act_n, other=-1).to(tl.int64)
                 store_ok = act & (slot >= 0) & (slot < num_slots)
-                rec = canary_ptr + slot * 4
-                tl.store(rec + 0, tok, mask=store_ok)
-                tl.store(rec + 1, pos, mask=store_ok)
-                tl.store(rec + 2, H.as_i64(running), mask=store_ok)
+                rec = canary_ptr + slot * RECORD_WORDS
+                tl.store(rec + FIELD_TOKEN, tok, mask=store_ok)
+                tl.store(rec + FIELD_POSITION, pos, mask=store_ok)
+                tl.store(rec + FIELD_PREV_HASH, H.as_i64(running), mask=store_ok)
                 if NUM_SOURCES == 0:
-                    tl.store(rec + 3, tl.zeros_like(tok), mask=store_ok)
+                    tl.store(rec + FIELD_REAL_KV_HASH, tl.zeros_like(tok), mask=store_ok)
                 bits = tl.zeros([RBLOCK], dtype=tl.int64)
                 if INPUT_ASSERT:
                     exp_tok = tl.load(exp_tok_ptr + i, mask=act, other=0).to(tl.int64)
                     exp_pos = tl.load(exp_pos_ptr + i, mask=act, other=0).to(tl.int64)
-                    bits |= tl.where(tok != exp_tok, 8, 0)
-                    bits |= tl.where(pos != exp_pos, 16, 0)
+                    bits |= tl.where(tok != exp_tok, FAIL_WRITE_TOKEN, 0)
+                    bits |= tl.where(pos != exp_pos, FAIL_WRITE_POSITION, 0)
                 else:
                     exp_tok = tok
                     exp_pos = pos
                 chain_bad = check_pos & (pos != prev_pos + 1)
-                bits |= tl.where(chain_bad, 16, 0)
+                bits |= tl.where(chain_bad, FAIL_WRITE_POSITION, 0)
                 exp_pos = tl.where(chain_bad, prev_pos + 1, exp_pos)
                 append_violations(
                     ring_ptr, ring_index_ptr, ring_capacity, store_ok & (bits != 0),
@@ -194,41 +137,12 @@ def _canary_write_kernel(
                     s2_ptr, s2_stride, s2_page, s2_wpt, s2_nwords,
                     s3_ptr, s3_stride, s3_page, s3_wpt, s3_nwords,
                 )
-                tl.store(canary_ptr + slot * 4 + 3, H.as_i64(fp), mask=ok)
+                tl.store(canary_ptr + slot * RECORD_WORDS + FIELD_REAL_KV_HASH, H.as_i64(fp),
+                         mask=ok)
 
 
 WRITE_REQ_BLOCK = 32
 WRITE_FINGERPRINT_BLOCK = 128
-
-
-def validate_write_args(*, context, plan, input_ids, positions, out_cache_loc,
-                        enable_write_input_assert, expected_input_tokens,
-                        expected_input_positions, parts=WriteParts.ALL) -> None:
-    """Host-side checks shared by the launcher and the torch reference (metadata only)."""
-    if not isinstance(parts, WriteParts):
-        raise TypeError(f"parts must be a WriteParts, got {parts!r}")
-    if not isinstance(context, VerifyOrWriteContext):
-        raise TypeError(f"context must be a VerifyOrWriteContext, got {type(context).__name__}")
-    if not isinstance(plan, WritePlan):
-        raise TypeError(f"plan must be a WritePlan, got {type(plan).__name__}")
-    if not isinstance(enable_write_input_assert, bool):
-        raise TypeError("enable_write_input_assert must be a bool, got "
-                        f"{type(enable_write_input_assert).__name__}")
-    n = check_tensor("input_ids", input_ids, dtypes=INDEX_DTYPES, ndim=1).shape[0]
-    check_tensor("positions", positions, dtypes=INDEX_DTYPES, shape=(n,))
-    check_tensor("out_cache_loc", out_cache_loc, dtypes=INDEX_DTYPES, shape=(n,))
-    if enable_write_input_assert:
-        for name, t in (("expected_input_tokens", expected_input_tokens),
-                        ("expected_input_positions", expected_input_positions)):
-            if t is None:
-                raise ValueError(f"{name} is required when enable_write_input_assert=True")
-            check_tensor(name, t, dtypes=INDEX_DTYPES, shape=(n,))
-    same_device({
-        "context.canary_buf": context.canary_buf, "plan.write_offsets": plan.write_offsets,
-        "input_ids": input_ids, "positions": positions, "out_cache_loc": out_cache_loc,
-        "expected_input_tokens": expected_input_tokens if enable_write_input_assert else None,
-        "expected_input_positions": expected_input_positions if enable_write_input_assert else None,
-    })
 
 
 def launch_canary_write_kernel(
@@ -262,11 +176,9 @@ def launch_canary_write_kernel(
                   out_cache_loc=out_cache_loc, enable_write_input_assert=enable_write_input_assert,
                   expected_input_tokens=expected_input_tokens,
                   expected_input_positions=expected_input_positions, parts=parts)
-    validate_write_args(**kwargs)
+    validation.validate_write_args(**kwargs)
     if not use_triton(context.device):
-        from sglang.jit_kernel.kv_canary.write_ref import launch_canary_write_kernel_torch_reference
-
-        return launch_canary_write_kernel_torch_reference(**kwargs)
+        return write_ref.run_canary_write_reference(**kwargs)
     num_tokens = input_ids.shape[0]
     num_sources = len(context.real_kv_sources) if context.fingerprint_mode else 0
     n_chain = grid_size(context.device, plan.req_capacity, WRITE_REQ_BLOCK)

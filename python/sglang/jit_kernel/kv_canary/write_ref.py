@@ -2,13 +2,16 @@
 
 Same signature and semantics as :func:`~sglang.jit_kernel.kv_canary.write.launch_canary_write_kernel`.
 Loops over chain steps (vectorised over requests), then fingerprints all written slots at once.
-Host-synchronous; not for CUDA-graph capture.
+Host-synchronous; not for CUDA-graph capture. ``launch_canary_write_kernel_torch_reference``
+validates its arguments once, then runs :func:`run_canary_write_reference`, which the public
+launcher's CPU path calls directly (it has validated already).
 """
 
 from __future__ import annotations
 
 import torch
 
+from sglang.jit_kernel.kv_canary import validation
 from sglang.jit_kernel.kv_canary._hash_torch import (
     CHAIN_HEAD_HASH_I64,
     mix3_t,
@@ -16,19 +19,34 @@ from sglang.jit_kernel.kv_canary._hash_torch import (
     record_hash_t,
 )
 from sglang.jit_kernel.kv_canary._ring_torch import append_violation_rows, violation_rows
-from sglang.jit_kernel.kv_canary.consts import FailReason
-from sglang.jit_kernel.kv_canary.write import WriteParts, validate_write_args
+from sglang.jit_kernel.kv_canary.consts import (
+    CANARY_FIELD_POSITION,
+    CANARY_FIELD_PREV_HASH,
+    CANARY_FIELD_REAL_KV_HASH,
+    CANARY_FIELD_TOKEN,
+    FailReason,
+)
+from sglang.jit_kernel.kv_canary.types import WriteParts
 
 
 def launch_canary_write_kernel_torch_reference(
     *, context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
     expected_input_tokens, expected_input_positions, parts=WriteParts.ALL,
 ) -> None:
-    validate_write_args(context=context, plan=plan, input_ids=input_ids, positions=positions,
-                        out_cache_loc=out_cache_loc,
-                        enable_write_input_assert=enable_write_input_assert,
-                        expected_input_tokens=expected_input_tokens,
-                        expected_input_positions=expected_input_positions, parts=parts)
+    """Validate the arguments, then :func:`run_canary_write_reference`."""
+    kwargs = dict(context=context, plan=plan, input_ids=input_ids, positions=positions,
+                  out_cache_loc=out_cache_loc, enable_write_input_assert=enable_write_input_assert,
+                  expected_input_tokens=expected_input_tokens,
+                  expected_input_positions=expected_input_positions, parts=parts)
+    validation.validate_write_args(**kwargs)
+    run_canary_write_reference(**kwargs)
+
+
+def run_canary_write_reference(
+    *, context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
+    expected_input_tokens, expected_input_positions, parts=WriteParts.ALL,
+) -> None:
+    """The write reference on already validated arguments (the launcher's CPU path)."""
     records = context.canary_words
     num_slots = context.num_slots
     num_tokens = input_ids.shape[0]
@@ -43,7 +61,7 @@ def launch_canary_write_kernel_torch_reference(
         slots = out_cache_loc[:total].long()
         slots = slots[(slots >= 0) & (slots < num_slots)]
         mode = context.fingerprint_mode
-        records[slots, 3] = real_kv_fingerprint_t(
+        records[slots, CANARY_FIELD_REAL_KV_HASH] = real_kv_fingerprint_t(
             context.real_kv_sources, [s.words_to_fold(mode) for s in context.real_kv_sources], slots
         )
 
@@ -63,7 +81,7 @@ def _chain(context, plan, input_ids, positions, out_cache_loc, enable_write_inpu
     running = torch.full_like(seeds, CHAIN_HEAD_HASH_I64)
     running[seed_ok] = record_hash_t(records[seeds[seed_ok]])
     prev_pos = torch.zeros_like(seeds)
-    prev_pos[seed_ok] = records[seeds[seed_ok], 1]
+    prev_pos[seed_ok] = records[seeds[seed_ok], CANARY_FIELD_POSITION]
     check_pos = seed_ok & (seeds > 0) & bool(
         int(context.enable_chain_position_assert[0].item()) == 1)
 
@@ -78,11 +96,11 @@ def _chain(context, plan, input_ids, positions, out_cache_loc, enable_write_inpu
         slot = torch.where(act, out_cache_loc[ia].long(), -1)
         ok = act & (slot >= 0) & (slot < num_slots)
         s = slot[ok]
-        records[s, 0] = tok[ok]
-        records[s, 1] = pos[ok]
-        records[s, 2] = running[ok]
+        records[s, CANARY_FIELD_TOKEN] = tok[ok]
+        records[s, CANARY_FIELD_POSITION] = pos[ok]
+        records[s, CANARY_FIELD_PREV_HASH] = running[ok]
         if zero_fp:
-            records[s, 3] = 0
+            records[s, CANARY_FIELD_REAL_KV_HASH] = 0
         bits = torch.zeros_like(tok)
         if enable_write_input_assert:
             exp_tok = expected_input_tokens[ia].long()

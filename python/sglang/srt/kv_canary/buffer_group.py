@@ -1,4 +1,5 @@
-"""``CanaryBufferGroup``: the canary buffers guarding one slot address space (SPEC §9)."""
+"""``CanaryBufferGroup``: the canary buffers guarding one slot address space
+(docs/architecture.md, "Buffer groups and adapters")."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from sglang.jit_kernel.kv_canary.verify import CANARY_SLOT_BYTES, PoolKind, RealKvSource
+from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES, PoolKind, RealKvSource
 
 __all__ = ["CanaryBufferGroup", "PoolKind"]
 

@@ -1,4 +1,9 @@
-"""Fixed capacities of the per-forward canary buffers (allocated once, before graph capture)."""
+"""Fixed capacities of the per-forward canary buffers (allocated once, before graph capture).
+
+The one place that derives them from the server's limits: :class:`CanaryCapacityInputs`
+(what the server says) → :meth:`CanaryLaunchCapacities.for_server` (what the canary
+allocates). The builder is its only production caller; tests and benchmarks go through the
+builder too."""
 
 from __future__ import annotations
 
@@ -7,6 +12,25 @@ from typing import Optional
 
 # Shared radix prefixes make the sum of the batch's prefix lengths exceed the pool size.
 VERIFY_CAPACITY_SLOTS_FACTOR = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryCapacityInputs:
+    """The server limits the capacities follow (``ServerArgs`` / the model config):
+    ``context_len`` (the model's context length), ``chunked_prefill_size`` (None or <= 0 =
+    unchunked), ``max_prefill_tokens`` (0 = unset) and ``cuda_graph_max_bs`` (None = no decode
+    graphs, or sglang's default)."""
+
+    context_len: int
+    chunked_prefill_size: Optional[int] = None
+    max_prefill_tokens: int = 0
+    cuda_graph_max_bs: Optional[int] = None
+
+    def __post_init__(self):
+        if isinstance(self.context_len, bool) or not isinstance(self.context_len, int) \
+                or self.context_len < 1:
+            raise ValueError(f"CanaryCapacityInputs.context_len must be an int >= 1, got "
+                             f"{self.context_len!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,4 +66,19 @@ class CanaryLaunchCapacities:
             verify_capacity=VERIFY_CAPACITY_SLOTS_FACTOR * max(num_slots, 1),
             write_req_capacity=reqs,
             write_entry_capacity=entries,
+        )
+
+    @classmethod
+    def for_server(cls, *, num_slots: int, req_to_token_rows: int,
+                   inputs: CanaryCapacityInputs) -> "CanaryLaunchCapacities":
+        """The capacities of a server: one request per ``req_to_token`` row (sglang sizes the
+        table from ``--max-running-requests``), and one forward carries at most a prefill
+        batch (``max(--max-prefill-tokens, --chunked-prefill-size)``) or one unchunked prompt
+        (the context length), plus the decodes mixed into it."""
+        prefill = max(int(inputs.max_prefill_tokens or 0), int(inputs.chunked_prefill_size or -1))
+        return cls.from_args(
+            num_slots=num_slots,
+            max_running_requests=req_to_token_rows,
+            max_tokens_per_forward=max(prefill, inputs.context_len) + req_to_token_rows,
+            cuda_graph_max_bs=inputs.cuda_graph_max_bs,
         )

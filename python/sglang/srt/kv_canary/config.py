@@ -1,4 +1,5 @@
-"""``CanaryConfig``: every canary setting, built once from server args + environment (SPEC §10)."""
+"""``CanaryConfig``: every canary setting, built once from server args + environment
+(docs/architecture.md, "Runtime")."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import dataclasses
 import enum
 
 from sglang.jit_kernel.kv_canary.consts import RealKvHashMode
+from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.envs import canary_envs
 from sglang.srt.kv_canary.perturb.config import PerturbConfig, parse_target_group
 from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
@@ -106,10 +108,11 @@ class CanaryConfig:
     def from_server_args(cls, server_args) -> "CanaryConfig":
         """Server args (``kv_canary``, ``kv_canary_sweep_interval``, ``kv_canary_real_data``)
         plus the ``SGLANG_KV_CANARY_*`` environment, parsed once."""
+        value = sglang_seam.server_args_value
         return cls(
-            mode=CanaryMode.parse(getattr(server_args, "kv_canary", "none") or "none"),
-            sweep_interval=int(getattr(server_args, "kv_canary_sweep_interval", 0) or 0),
-            real_kv_hash_mode=parse_real_data(getattr(server_args, "kv_canary_real_data", "none")
+            mode=CanaryMode.parse(value(server_args, "kv_canary", "none") or "none"),
+            sweep_interval=int(value(server_args, "kv_canary_sweep_interval", 0) or 0),
+            real_kv_hash_mode=parse_real_data(value(server_args, "kv_canary_real_data", "none")
                                               or "none"),
             ring_capacity=canary_envs.SGLANG_KV_CANARY_RING_CAPACITY.get(),
             enable_write_input_assert=canary_envs.SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT.get(),
@@ -120,8 +123,8 @@ class CanaryConfig:
                 canary_envs.SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL.get()),
             enable_token_oracle=(
                 canary_envs.SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE.get()
-                or getattr(server_args, "sampling_backend", None) == TOKEN_ORACLE_BACKEND
-                or bool(getattr(server_args, TOKEN_ORACLE_REQUESTED_ATTR, False))),
+                or value(server_args, "sampling_backend", None) == TOKEN_ORACLE_BACKEND
+                or bool(value(server_args, TOKEN_ORACLE_REQUESTED_ATTR, False))),
             perturb=perturb_config_from_env(),
         )
 

@@ -1,12 +1,14 @@
 """``python -m sglang.srt.kv_canary.demo``: watch the canary catch every fault class.
 
-Starts a tiny dummy-weight sglang server with ``--kv-canary raise`` (on the CPU through the
-harness of :mod:`~sglang.srt.kv_canary.server_harness` when no GPU is present, else on the GPU
-with CUDA graphs), runs a clean workload (shared prefixes → radix hits, chunked prefill, a
-small pool → evictions), then the same workload once per fault class of SPEC §13 with that
-fault injected after a warm-up. Every run has real-data fingerprints (``partial``), the radix
-sweep, the token oracle with the write-input check and the token-id check on, so the clean run
-shows that none of them reports anything on a healthy server.
+Starts a tiny dummy-weight sglang server with ``--kv-canary raise`` (on the CPU through
+the harness of :mod:`~sglang.srt.kv_canary.testing.server_harness` when no GPU is present,
+else on the GPU with CUDA graphs), runs a clean workload (shared prefixes → radix hits,
+chunked prefill, a small pool → evictions), then the same workload once per fault class
+(docs/architecture.md, "Self-tests") with that fault injected after a warm-up
+(docs/user_guide.md, "Self-tests: fault injection, the token oracle, the demo"). Every run has
+real-data fingerprints (``partial``), the radix sweep, the token oracle with the write-input
+check and the token-id check on, so the clean run shows that none of them reports anything on
+a healthy server.
 
 It prints one row per run: fault, injected (count, first step), detected, forward steps from
 injection to the first matching report, the launch tags and fail reasons reported, and the
@@ -34,7 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from sglang.srt.kv_canary.perturb.config import FaultKind
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.stats import STATS_LINE_PREFIX
-from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 
 RESULT_PREFIX = "DEMO_RESULT "
 
@@ -107,7 +109,7 @@ def demo_requests(seed: int = 0) -> List[Tuple[List[int], int]]:
 
 def _worker(model_dir: str, device: str) -> None:
     import sglang
-    from sglang.srt.kv_canary.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+    from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
     make = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
     engine = sglang.Engine(**make(model_dir, **DEMO_ENGINE_ARGS))
@@ -127,10 +129,6 @@ def _worker(model_dir: str, device: str) -> None:
 
 # ---- reading a run's output ------------------------------------------------------------------
 
-_VIOLATION_RE = re.compile(
-    re.escape(VIOLATION_LINE_PREFIX) + r" launch_tag=(\w+) fail_reason=([\w+]+) slot_idx=(-?\d+)"
-    r".*\n\s*KV slot -?\d+ failed its canary check in launch \w+ "
-    r"\(reported at forward step (\d+)\)")
 _STATS_RE = re.compile(re.escape(STATS_LINE_PREFIX) +
                        r" step=(\d+) protected_tokens=(\d+) sweep_passes=(\d+)")
 
@@ -146,9 +144,8 @@ class Violation:
 def parse_violations(text: str) -> List[Violation]:
     """Every distinct violation report in ``text`` (raise mode may print one twice)."""
     seen, out = set(), []
-    for m in _VIOLATION_RE.finditer(text):
-        v = Violation(m.group(1), tuple(m.group(2).split("+")), int(m.group(3)),
-                      int(m.group(4)))
+    for line in parse_violation_lines(text):
+        v = Violation(line.launch_tag, line.fail_reasons, line.slot_idx, line.forward_step)
         if v not in seen:
             seen.add(v)
             out.append(v)
@@ -302,7 +299,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--cases: unknown {', '.join(unknown) or '(empty)'}; allowed: "
                      f"{', '.join(CASES_BY_NAME)}")
     device = _detect_device(args.device)
-    from sglang.srt.kv_canary.server_harness import (
+    from sglang.srt.kv_canary.testing.server_harness import (
         build_libcuda_stub,
         cpu_server_env,
         write_tiny_llama,

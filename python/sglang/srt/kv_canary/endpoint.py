@@ -6,7 +6,7 @@ import dataclasses
 from typing import List
 
 from sglang.jit_kernel.kv_canary.consts import RealKvHashMode
-from sglang.jit_kernel.kv_canary.verify import (
+from sglang.jit_kernel.kv_canary.types import (
     CanaryLaunchTag,
     CanaryPhase,
     KvHalf,

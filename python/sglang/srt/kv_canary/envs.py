@@ -1,28 +1,40 @@
-"""The ``SGLANG_KV_CANARY_*`` environment variables, in one place, in sglang's ``Envs`` style.
+"""The ``SGLANG_KV_CANARY_*`` environment variables, in one place, declared like sglang's
+``Envs`` (a class attribute per variable, named by the attribute).
 
 Unlike sglang's own fields (which warn and fall back to the default on a bad value), these
 raise a ``ValueError`` naming the variable: a canary that silently runs with settings other
 than the operator asked for is worse than none. They are read once, by
 :meth:`~sglang.srt.kv_canary.config.CanaryConfig.from_server_args`; nothing deeper reads the
-environment.
+environment. (Own descriptors, not subclasses of sglang's ``EnvField``: that class refuses to
+name fields declared after sglang's ``Envs`` is built.)
 """
 
 from __future__ import annotations
 
+import abc
 import os
+from typing import Any
 
-from sglang.srt.environ import EnvBool, EnvFloat, EnvInt, EnvStr
 
-
-class _Strict:
-    """Mixin: parse errors raise, naming the variable and what is allowed."""
+class _Strict(abc.ABC):
+    """A variable: ``get()`` parses it (or returns the default when unset); parse errors raise,
+    naming the variable and what is allowed."""
 
     allowed: str = ""
 
+    def __init__(self, default: Any):
+        self.default = default
+        self.name = ""
+
     def __set_name__(self, owner, name):
-        # sglang locks EnvField.__set_name__ once its own Envs class is built; ours are
-        # declared the same way, later, so name themselves here.
         self.name = name
+
+    @abc.abstractmethod
+    def parse(self, value: str) -> Any:
+        """The value of ``value`` (the raw string), or ``ValueError``."""
+
+    def is_set(self) -> bool:
+        return self.name in os.environ
 
     def get(self):
         raw = os.environ.get(self.name)
@@ -42,7 +54,7 @@ class _Strict:
         pass
 
 
-class _Bool(_Strict, EnvBool):
+class _Bool(_Strict):
     allowed = "0/1, true/false, yes/no, on/off"
 
     def parse(self, value: str) -> bool:
@@ -54,7 +66,7 @@ class _Bool(_Strict, EnvBool):
         raise ValueError("not a boolean")
 
 
-class _NonNegInt(_Strict, EnvInt):
+class _NonNegInt(_Strict):
     allowed = "an integer >= 0"
 
     def parse(self, value: str) -> int:
@@ -75,7 +87,7 @@ class _PosInt(_NonNegInt):
                              f"must be >= 1")
 
 
-class _Prob(_Strict, EnvFloat):
+class _Prob(_Strict):
     allowed = "a probability in [0, 1]"
 
     def parse(self, value: str) -> float:
@@ -87,7 +99,7 @@ class _Prob(_Strict, EnvFloat):
                              "must be a probability in [0, 1]")
 
 
-class _Choice(_Strict, EnvStr):
+class _Choice(_Strict):
     def __init__(self, default, choices):
         super().__init__(default)
         self.choices = tuple(choices)
@@ -101,7 +113,8 @@ class _Choice(_Strict, EnvStr):
 
 
 class CanaryEnvs:
-    """Every ``SGLANG_KV_CANARY_*`` variable with its default (SPEC §13, §14)."""
+    """Every ``SGLANG_KV_CANARY_*`` variable with its default (docs/user_guide.md,
+    "Environment variables")."""
 
     SGLANG_KV_CANARY_RING_CAPACITY = _PosInt(1024)
     SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS = _NonNegInt(100)

@@ -10,13 +10,16 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from sglang.srt.kv_canary import sglang_seam
+from sglang.srt.kv_canary.sglang_seam import ForwardMode
 
 
 class PlanInput:
     """Static ``prefix_lens`` / ``extend_seq_lens`` int64 ``[write_req_capacity]`` buffers.
 
-    Normalisation (SPEC §10): decode / idle → prefix = positions, extend = 1; extend / mixed →
+    Normalisation (docs/architecture.md, "Runtime"): decode / idle → prefix = positions, extend
+    = 1; extend / mixed →
     prefix = extend_prefix_lens, extend = extend_seq_lens; target-verify (EAGLE) → prefix =
     seq_lens, extend = draft_token_num; draft-extend → prefix = seq_lens - extend_seq_lens,
     extend = extend_seq_lens. Any other mode raises ``NotImplementedError`` naming it.
@@ -44,7 +47,7 @@ class PlanInput:
             extend.copy_(forward_batch.extend_seq_lens)
         elif mode == ForwardMode.TARGET_VERIFY:
             prefix.copy_(forward_batch.seq_lens[:bs])
-            extend.fill_(int(forward_batch.spec_info.draft_token_num))
+            extend.fill_(sglang_seam.draft_token_num(forward_batch))
         elif mode in (ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2):
             torch.sub(forward_batch.seq_lens[:bs], forward_batch.extend_seq_lens, out=prefix)
             extend.copy_(forward_batch.extend_seq_lens)

@@ -16,8 +16,11 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 | AROUND | ``CudaGraphRunner.replay_prepare`` | padding rows really point at row 0 (below) |
 | AROUND | ``CudaGraphRunner.replay`` | record that the graph ran the inside ops |
 | AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_radix_cache(tree_cache)`` |
-| AFTER | ``ForwardBatch.init_new`` | token-id snapshot of ``batch.reqs`` (token checks on only); |
-|  |  | token-oracle keys of the batch's requests (token oracle on only) |
+| AFTER | ``ForwardBatch.init_new`` | the batch's canary state: token-id snapshot of |
+|  |  | ``batch.reqs`` (token checks on), token-oracle rows (token oracle on) |
+
+The targets and every sglang internal the hooks touch are in
+:mod:`~sglang.srt.kv_canary.sglang_seam`.
 
 :func:`register` also registers the ``token_oracle`` sampling backend with sglang's
 ``register_sampler_backend`` (so ``--sampling-backend token_oracle`` parses).
@@ -27,12 +30,9 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger(__name__)
+from sglang.srt.kv_canary import sglang_seam as seam
 
-_SA = "sglang.srt.server_args.ServerArgs"
-_MR = "sglang.srt.model_executor.model_runner.ModelRunner"
-_CG = "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner"
-_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+logger = logging.getLogger(__name__)
 
 
 def _server_args_init(original, self, *args, **kwargs):
@@ -58,9 +58,9 @@ def _add_cli_args(result, parser):
 
 def _from_cli_args(result, cls, args):
     from sglang.srt.kv_canary.api import check_server_args_for_canary
-    from sglang.srt.kv_canary.server_args_ext import DEFAULTS, set_canary_attrs
+    from sglang.srt.kv_canary.server_args_ext import canary_values_from_namespace, set_canary_attrs
 
-    set_canary_attrs(result, {k: getattr(args, k, v) for k, v in DEFAULTS.items()})
+    set_canary_attrs(result, canary_values_from_namespace(args))
     check_server_args_for_canary(result)
     return result
 
@@ -72,17 +72,13 @@ def _after_init_memory_pool(result, self, *args, **kwargs):
 
 
 def _after_model_runner_init(result, self, *args, **kwargs):
-    from sglang.srt.kv_canary.api import get_canary_manager
-
-    manager = get_canary_manager(self)
+    manager = seam.runner_canary(self)
     if manager is not None:
         manager.mark_init_finished()
 
 
 def _model_runner_forward(original, self, forward_batch, *args, **kwargs):
-    from sglang.srt.kv_canary.api import get_canary_manager
-
-    manager = get_canary_manager(self)
+    manager = seam.runner_canary(self)
     if manager is None:
         return original(self, forward_batch, *args, **kwargs)
     with manager.with_active_single_forward_manager(0):
@@ -91,9 +87,7 @@ def _model_runner_forward(original, self, forward_batch, *args, **kwargs):
 
 
 def _capture_one_batch_size(original, self, *args, **kwargs):
-    from sglang.srt.kv_canary.api import get_canary_manager
-
-    manager = get_canary_manager(self.model_runner)
+    manager = seam.runner_canary(seam.graph_runner_model_runner(self))
     if manager is None:
         return original(self, *args, **kwargs)
     with manager.with_active_single_forward_manager(0), manager.capturing():
@@ -105,76 +99,56 @@ def _graph_replay_prepare(original, self, *args, **kwargs):
     ``seq_lens`` and ``out_cache_loc`` of the padding rows, but leaves their
     ``req_pool_indices`` from an earlier, larger replay. ``ReqToTokenPool`` reserves row 0 for
     padded rows; a stale index makes the canary verify a request that is gone (whose row may
-    now hold another request). Zero the static buffer before sglang copies the real rows in:
-    one device memset on the forward stream, no sync."""
-    from sglang.srt.kv_canary.api import get_canary_manager
-
-    manager = get_canary_manager(self.model_runner)
+    now hold another request). Zero the static buffer before sglang copies the real rows in
+    (and, for the token oracle's write-input check, the token inputs: padding rows then write
+    token 0 at position 0, which the expected inputs say past the real entries)."""
+    manager = seam.runner_canary(seam.graph_runner_model_runner(self))
     if manager is not None:
-        self.buffers.req_pool_indices.zero_()
-        if manager.config.enable_write_input_assert:
-            # padding rows then write token 0 at position 0, which the oracle's expected
-            # inputs say for every entry past the real ones (self-test mode only)
-            self.buffers.input_ids.zero_()
-            self.buffers.positions.zero_()
+        seam.zero_graph_padding_inputs(
+            self, token_inputs=manager.config.enable_write_input_assert)
     return original(self, *args, **kwargs)
 
 
 def _graph_replay(original, self, *args, **kwargs):
-    from sglang.srt.kv_canary.api import get_canary_manager
-
     out = original(self, *args, **kwargs)
-    manager = get_canary_manager(self.model_runner)
+    manager = seam.runner_canary(seam.graph_runner_model_runner(self))
     if manager is not None:
         manager.mark_replayed_inside_graph()
     return out
 
 
 def _after_init_cache(result, self, *args, **kwargs):
-    from sglang.srt.kv_canary.api import get_canary_manager
-
-    worker = getattr(self, "tp_worker", None)
-    runner = getattr(worker, "model_runner", None) if worker is not None else None
-    manager = get_canary_manager(runner) if runner is not None else None
+    manager = seam.runner_canary(seam.scheduler_model_runner(self))
     if manager is not None:
-        manager.attach_radix_cache(self.tree_cache)
+        manager.attach_radix_cache(seam.scheduler_tree_cache(self))
 
 
 def _after_forward_batch_init(result, cls, batch, model_runner, *args, **kwargs):
-    from sglang.srt.kv_canary.api import get_canary_manager
-
-    manager = get_canary_manager(model_runner)
-    if manager is None:
-        return result
-    reqs = getattr(batch, "reqs", None)
-    manager.attach_token_snapshot(result, reqs)
-    if manager.token_oracle is not None:
-        manager.token_oracle.attach_batch(result, reqs)
+    manager = seam.runner_canary(model_runner)
+    if manager is not None:
+        manager.on_forward_batch_init(result, seam.schedule_batch_reqs(batch))
     return result
 
 
 HOOKS = (
-    (f"{_SA}.__init__", _server_args_init, "AROUND"),
-    (f"{_SA}.add_cli_args", _add_cli_args, "AFTER"),
-    (f"{_SA}.from_cli_args", _from_cli_args, "AFTER"),
-    (f"{_MR}.init_memory_pool", _after_init_memory_pool, "AFTER"),
-    (f"{_MR}.__init__", _after_model_runner_init, "AFTER"),
-    (f"{_MR}.forward", _model_runner_forward, "AROUND"),
-    (f"{_CG}.capture_one_batch_size", _capture_one_batch_size, "AROUND"),
-    (f"{_CG}.replay_prepare", _graph_replay_prepare, "AROUND"),
-    (f"{_CG}.replay", _graph_replay, "AROUND"),
-    (f"{_SCHED}.init_cache_with_memory_pool", _after_init_cache, "AFTER"),
-    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
-     _after_forward_batch_init, "AFTER"),
+    (seam.HOOK_SERVER_ARGS_INIT, _server_args_init, "AROUND"),
+    (seam.HOOK_SERVER_ARGS_ADD_CLI_ARGS, _add_cli_args, "AFTER"),
+    (seam.HOOK_SERVER_ARGS_FROM_CLI_ARGS, _from_cli_args, "AFTER"),
+    (seam.HOOK_MODEL_RUNNER_INIT_MEMORY_POOL, _after_init_memory_pool, "AFTER"),
+    (seam.HOOK_MODEL_RUNNER_INIT, _after_model_runner_init, "AFTER"),
+    (seam.HOOK_MODEL_RUNNER_FORWARD, _model_runner_forward, "AROUND"),
+    (seam.HOOK_GRAPH_CAPTURE_ONE_BATCH_SIZE, _capture_one_batch_size, "AROUND"),
+    (seam.HOOK_GRAPH_REPLAY_PREPARE, _graph_replay_prepare, "AROUND"),
+    (seam.HOOK_GRAPH_REPLAY, _graph_replay, "AROUND"),
+    (seam.HOOK_SCHEDULER_INIT_CACHE, _after_init_cache, "AFTER"),
+    (seam.HOOK_FORWARD_BATCH_INIT_NEW, _after_forward_batch_init, "AFTER"),
 )
 
 
 def register() -> None:
     """Register the KV-canary hooks with sglang's ``HookRegistry``."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     for target, hook, kind in HOOKS:
-        HookRegistry.register(target, hook, HookType[kind])
+        seam.register_hook(target, hook, kind)
     from sglang.srt.kv_canary.token_oracle.sampler import register_token_oracle_backend
 
     register_token_oracle_backend()

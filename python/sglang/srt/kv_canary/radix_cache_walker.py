@@ -1,4 +1,5 @@
-"""Flatten a radix cache into (slot, position, predecessor slot) triples for the sweep (SPEC §12).
+"""Flatten a radix cache into (slot, position, predecessor slot) triples for the sweep
+(docs/architecture.md, "Radix sweep").
 
 The walk is iterative (deep trees never hit Python's recursion limit) and touches each node
 once on the host, collecting only its value tensor, depth and parent; the flattening itself
@@ -12,6 +13,8 @@ import dataclasses
 from typing import List
 
 import torch
+
+from sglang.srt.kv_canary import sglang_seam as seam
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -29,23 +32,6 @@ class RadixCacheWalkResult:
         return self.slot_indices.shape[0]
 
 
-def _supported_cache_types():
-    types = []
-    try:
-        from sglang.srt.mem_cache.radix_cache import RadixCache
-
-        types.append(RadixCache)
-    except ImportError:  # pragma: no cover - present in sglang 0.5.12
-        pass
-    try:
-        from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
-
-        types.append(SWARadixCache)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(types)
-
-
 def _empty(device) -> RadixCacheWalkResult:
     z = torch.zeros(0, dtype=torch.int64, device=device)
     return RadixCacheWalkResult(z, z.clone(), z.clone())
@@ -60,7 +46,7 @@ def walk_radix_cache_for_canary(*, radix_cache, unlocked_only: bool = False,
     value was evicted are left out with their subtrees. Other cache types raise
     ``NotImplementedError`` naming the type.
     """
-    supported = _supported_cache_types()
+    supported = seam.radix_cache_types()
     if not isinstance(radix_cache, supported):
         raise NotImplementedError(
             f"kv_canary sweep does not support {type(radix_cache).__name__}; supported: "
@@ -71,11 +57,12 @@ def walk_radix_cache_for_canary(*, radix_cache, unlocked_only: bool = False,
     parents: List[int] = []
     keep: List[bool] = []
     filtering = unlocked_only or swa_resident_only
-    stack = [(child, -1, 0) for child in radix_cache.root_node.children.values()]
+    stack = [(child, -1, 0) for child in seam.radix_root_children(radix_cache)]
     pop, push = stack.pop, stack.extend
+    value_of, children_of = seam.radix_node_value, seam.radix_node_children
     while stack:
         node, parent, depth = pop()
-        value = node.value
+        value = value_of(node)
         if value is None:
             continue
         n = value.shape[0]
@@ -87,13 +74,13 @@ def walk_radix_cache_for_canary(*, radix_cache, unlocked_only: bool = False,
         starts.append(depth)
         parents.append(parent)
         if filtering:
-            keep.append(not ((unlocked_only and node.lock_ref > 0)
-                             or (swa_resident_only and getattr(node, "swa_tombstone", False))))
-        if node.children:
+            keep.append(not ((unlocked_only and seam.radix_node_locked(node))
+                             or (swa_resident_only and seam.radix_node_swa_tombstone(node))))
+        if seam.radix_node_has_children(node):
             depth += n
-            push((child, index, depth) for child in node.children.values())
+            push((child, index, depth) for child in children_of(node))
     if not values:
-        return _empty(getattr(radix_cache, "device", "cpu"))
+        return _empty(seam.radix_cache_device(radix_cache))
 
     device = values[0].device
     lens_d = torch.tensor(lens, dtype=torch.int64).to(device)

@@ -4,24 +4,27 @@
 around ``__init__`` (so ``Engine(kv_canary=...)`` works and the values are pickled to the
 scheduler processes), the CLI options are added after ``add_cli_args`` (so ``--help`` and
 ``--config`` YAML, with dashed keys, know them), and ``from_cli_args`` copies them over.
-Readers use :func:`canary_arg`.
+:meth:`~sglang.srt.kv_canary.config.CanaryConfig.from_server_args` reads them (through the
+sglang seam).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from sglang.srt.kv_canary.config import REAL_DATA_CHOICES, CanaryMode
+from sglang.srt.kv_canary import sglang_seam
+from sglang.srt.kv_canary.config import (
+    REAL_DATA_CHOICES,
+    TOKEN_ORACLE_REQUESTED_ATTR,
+    CanaryMode,
+)
+from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
 
 DEFAULTS = {
     "kv_canary": "none",
     "kv_canary_sweep_interval": 0,
     "kv_canary_real_data": "none",
 }
-
-
-def canary_arg(server_args, name: str):
-    return getattr(server_args, name, DEFAULTS[name])
 
 
 def _non_negative_int(value: str) -> int:
@@ -55,19 +58,23 @@ def add_canary_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def pop_canary_kwargs(kwargs: dict) -> dict:
+    """The canary's ``Engine`` / ``ServerArgs`` keyword arguments (defaults for the missing
+    ones), removed from ``kwargs``."""
     return {k: kwargs.pop(k, v) for k, v in DEFAULTS.items()}
 
 
+def canary_values_from_namespace(args: argparse.Namespace) -> dict:
+    """The parsed ``--kv-canary*`` options (defaults for the missing ones)."""
+    return {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
+
+
 def set_canary_attrs(server_args, values: dict) -> None:
-    for k, v in values.items():
-        setattr(server_args, k, v)
+    sglang_seam.set_server_args_values(server_args, values)
 
 
 def note_requested_sampling_backend(server_args, requested) -> None:
     """Remember a ``--sampling-backend token_oracle`` request: sglang may rewrite
     ``sampling_backend`` during ``__init__`` (its CPU engine forces ``pytorch``), and the
     canary must still know the operator asked for the oracle."""
-    from sglang.srt.kv_canary.config import TOKEN_ORACLE_REQUESTED_ATTR
-    from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
-
-    setattr(server_args, TOKEN_ORACLE_REQUESTED_ATTR, requested == TOKEN_ORACLE_BACKEND)
+    sglang_seam.set_server_args_values(
+        server_args, {TOKEN_ORACLE_REQUESTED_ATTR: requested == TOKEN_ORACLE_BACKEND})

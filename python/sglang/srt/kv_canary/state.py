@@ -1,4 +1,5 @@
-"""Device-side canary state shared by every launch of one model runner (SPEC §3, §10)."""
+"""Device-side canary state shared by every launch of one model runner (docs/architecture.md,
+"Record format")."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 
 from sglang.jit_kernel.kv_canary.consts import VIOLATION_NUM_FIELDS
-from sglang.jit_kernel.kv_canary.verify import NUM_CANARY_LAUNCH_TAGS, CanaryLaunchTag
+from sglang.jit_kernel.kv_canary.types import NUM_CANARY_LAUNCH_TAGS, CanaryLaunchTag
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

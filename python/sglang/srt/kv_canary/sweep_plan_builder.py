@@ -1,4 +1,5 @@
-"""Turn a radix-cache walk into verify-plan chunks for the sweep (SPEC §12)."""
+"""Turn a radix-cache walk into verify-plan chunks for the sweep (docs/architecture.md, "Radix
+sweep")."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Optional
 import torch
 
 from sglang.jit_kernel.kv_canary.consts import NO_EXPECTED_TOKEN
-from sglang.jit_kernel.kv_canary.verify import VerifyPlan
+from sglang.jit_kernel.kv_canary.types import VerifyPlan
 from sglang.srt.kv_canary.radix_cache_walker import RadixCacheWalkResult
 
 

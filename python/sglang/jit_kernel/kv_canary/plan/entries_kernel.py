@@ -9,6 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from sglang.jit_kernel.kv_canary._kernel_consts import NO_EXPECTED_TOKEN, NO_PREV_SLOT
 from sglang.jit_kernel.kv_canary.plan.utils import translate_slots
 
 
@@ -50,16 +51,17 @@ def plan_entries_kernel(
         slot = tl.load(row + p, mask=m, other=0).to(tl.int64)
         slot = translate_slots(lut_ptr, lut_len, slot, m, HAS_LUT)
         has_prev = m & (p > 0)
-        prev = tl.load(row + p - 1, mask=has_prev, other=-1).to(tl.int64)
+        prev = tl.load(row + p - 1, mask=has_prev, other=NO_PREV_SLOT).to(tl.int64)
         prev = translate_slots(lut_ptr, lut_len, prev, has_prev, HAS_LUT)
-        prev = tl.where(has_prev, prev, -1)
+        prev = tl.where(has_prev, prev, NO_PREV_SLOT)
         if HAS_EXPECTED:
             idx = p + token_offset
             vl = tl.load(valid_lens_ptr + r, mask=m, other=0).to(tl.int64)
             ok = m & (idx >= 0) & (idx < vl) & (idx < exp_cols) & (rp < exp_rows)
-            tok = tl.load(exp_pool_ptr + rp * exp_cols + idx, mask=ok, other=-1).to(tl.int64)
+            tok = tl.load(exp_pool_ptr + rp * exp_cols + idx, mask=ok,
+                          other=NO_EXPECTED_TOKEN).to(tl.int64)
         else:
-            tok = tl.full([BLOCK], -1, tl.int64)
+            tok = tl.full([BLOCK], NO_EXPECTED_TOKEN, tl.int64)
         tl.store(out_slot_ptr + e, slot, mask=m)
         tl.store(out_tok_ptr + e, tok, mask=m)
         tl.store(out_pos_ptr + e, p, mask=m)

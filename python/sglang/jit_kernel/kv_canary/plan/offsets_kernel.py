@@ -9,6 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from sglang.jit_kernel.kv_canary._kernel_consts import NO_SEED_SLOT
 from sglang.jit_kernel.kv_canary.plan.utils import translate_slots
 
 
@@ -43,18 +44,19 @@ def plan_offsets_kernel(
         tl.store(verify_offsets_ptr + r + 1, tl.cumsum(vcount, axis=0) + carry_v, mask=m)
         tl.store(write_offsets_ptr + r + 1, tl.cumsum(wcount, axis=0) + carry_w, mask=m)
         has_seed = live & (pl > 0)
-        seed = tl.load(r2t_ptr + rp * r2t_cols + pl - 1, mask=has_seed, other=-1).to(tl.int64)
+        seed = tl.load(r2t_ptr + rp * r2t_cols + pl - 1, mask=has_seed,
+                       other=NO_SEED_SLOT).to(tl.int64)
         seed = translate_slots(lut_ptr, lut_len, seed, has_seed, HAS_LUT)
-        tl.store(seeds_ptr + r, tl.where(has_seed, seed, -1), mask=m)
+        tl.store(seeds_ptr + r, tl.where(has_seed, seed, NO_SEED_SLOT), mask=m)
         carry_v += tl.sum(vcount, axis=0)
         carry_w += tl.sum(wcount, axis=0)
-    # Beyond the batch: offsets 0, seeds -1.
+    # Beyond the batch: offsets 0, seeds NO_SEED_SLOT.
     for start in range(bs, req_capacity, BLOCK):
         r = start + tl.arange(0, BLOCK)
         m = r < req_capacity
         tl.store(write_offsets_ptr + r + 1, tl.zeros([BLOCK], tl.int64), mask=m)
         tl.store(verify_offsets_ptr + r + 1, tl.zeros([BLOCK], tl.int64), mask=m)
-        tl.store(seeds_ptr + r, tl.full([BLOCK], -1, tl.int64), mask=m)
+        tl.store(seeds_ptr + r, tl.full([BLOCK], NO_SEED_SLOT, tl.int64), mask=m)
     enable = carry_v <= verify_capacity
     tl.store(enable_ptr, enable.to(tl.int32))
     tl.store(num_valid_ptr, tl.where(enable, carry_v, verify_capacity).to(tl.int32))

@@ -1,10 +1,10 @@
-"""Helpers shared by the two plan stages and the torch reference: SWA slot translation."""
+"""Helpers shared by the two plan stages: SWA slot translation, binary-search depth.
+
+The torch twin of :func:`translate_slots` is ``plan_ref.translate_slots_torch``.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
 import triton
 import triton.language as tl
 
@@ -19,16 +19,6 @@ def translate_slots(lut_ptr, lut_len, x, mask, HAS_LUT: tl.constexpr):
         return tl.where(x < 0, x, y)
     else:
         return x
-
-
-def translate_slots_torch(lut: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Torch twin of :func:`translate_slots` on an int64 tensor."""
-    if lut is None:
-        return x
-    in_range = (x >= 0) & (x < lut.shape[0])
-    y = torch.where(in_range, lut[x.clamp(0, max(lut.shape[0] - 1, 0))].long(), 0) \
-        if lut.shape[0] else torch.zeros_like(x)
-    return torch.where(x < 0, x, y)
 
 
 def search_steps(bs: int) -> int:

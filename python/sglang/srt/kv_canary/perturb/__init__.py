@@ -1,4 +1,5 @@
-"""Fault injection (SPEC §13): the self-tests that prove the canary catches what it claims."""
+"""Fault injection (docs/architecture.md, "Self-tests"): the self-tests that prove the canary
+catches what it claims."""
 
 from sglang.srt.kv_canary.perturb.config import FaultKind, PerturbConfig, parse_target_group
 from sglang.srt.kv_canary.perturb.perturber import CanaryPerturber

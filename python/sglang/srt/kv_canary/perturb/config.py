@@ -1,4 +1,5 @@
-"""``PerturbConfig``: the fault-injection settings (SPEC §13), read once from the
+"""``PerturbConfig``: the fault-injection settings (docs/architecture.md, "Self-tests"), read
+once from the
 ``SGLANG_KV_CANARY_PERTURB_*`` variables by :class:`~sglang.srt.kv_canary.config.CanaryConfig`.
 
 Faults are self-tests: they corrupt a live server on purpose. All are off by default and act
@@ -11,7 +12,7 @@ import dataclasses
 import enum
 from typing import Optional
 
-from sglang.jit_kernel.kv_canary.verify import PoolKind
+from sglang.jit_kernel.kv_canary.types import PoolKind
 
 
 class FaultKind(str, enum.Enum):

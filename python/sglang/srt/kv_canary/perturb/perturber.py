@@ -1,4 +1,5 @@
-"""``CanaryPerturber``: injects the faults of SPEC §13 into a live runner, on purpose.
+"""``CanaryPerturber``: injects the faults of docs/architecture.md, "Self-tests" into a live
+runner, on purpose.
 
 Called by :class:`~sglang.srt.kv_canary.runner.CanaryManager` around each forward step
 (outside CUDA graphs):
@@ -25,7 +26,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from sglang.jit_kernel.kv_canary.verify import PoolKind
+from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.perturb.config import FaultKind, PerturbConfig
 from sglang.srt.kv_canary.perturb.real_kv import flip_first_byte

@@ -1,4 +1,5 @@
-"""Flipping one bit of a slot's real KV bytes (the real-KV fault classes of SPEC §13)."""
+"""Flipping one bit of a slot's real KV bytes (the real-KV fault classes of
+docs/architecture.md, "Self-tests")."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import dataclasses
 
 import torch
 
-from sglang.jit_kernel.kv_canary.verify import RealKvSource
+from sglang.jit_kernel.kv_canary.types import RealKvSource
 
 
 @dataclasses.dataclass(frozen=True)

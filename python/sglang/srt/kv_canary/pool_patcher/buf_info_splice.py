@@ -1,5 +1,6 @@
 """Splice canary buffers into a pool's buffer-info methods, so PD disaggregation transfers
-canary rows together with the KV pages they guard (SPEC §9).
+canary rows together with the KV pages they guard (docs/architecture.md, "Buffer groups and
+adapters").
 
 Order: K-head, the K layers, K-tail, V-head, the V layers, V-tail; a canary entry has
 ``ptr = buf.data_ptr()``, ``len = buf.nbytes``, ``item_len = 32 * page_size`` (one item per KV
@@ -8,34 +9,14 @@ page). Methods are wrapped on the pool *instance*, once: wrapping twice raises.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from sglang.jit_kernel.kv_canary.verify import CANARY_SLOT_BYTES
+from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES
+from sglang.srt.kv_canary.sglang_seam import wrap_method_once
 
 BufInfos = Tuple[List[int], List[int], List[int]]
-
-_WRAPPED_MARK = "_kv_canary_wrapped_methods"
-
-
-def wrap_method_once(obj, method_name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
-    """Replace ``obj.method_name`` with ``make_wrapper(original_bound_method)``.
-
-    Raises ``RuntimeError`` if the canary already wrapped this method on this object (a second
-    attach would splice the canary buffers twice and break PD transfers)."""
-    wrapped = obj.__dict__.setdefault(_WRAPPED_MARK, set())
-    if method_name in wrapped:
-        raise RuntimeError(
-            f"kv_canary already wrapped {type(obj).__name__}.{method_name} on this pool; "
-            "canary buffers can be attached to a pool only once"
-        )
-    original = getattr(obj, method_name)
-    wrapper = make_wrapper(original)
-    functools.update_wrapper(wrapper, original)
-    setattr(obj, method_name, wrapper)
-    wrapped.add(method_name)
 
 
 def _entry(buf: torch.Tensor, page_size: int) -> Tuple[int, int, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang.jit_kernel.kv_canary.verify import CANARY_SLOT_BYTES
+from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES
 
 
 def allocate_canary_buffer(num_slots: int, device) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Pool-class → attacher registry and the ``attach_canary_buffers`` dispatcher (SPEC §9)."""
+"""Pool-class → attacher registry and the ``attach_canary_buffers`` dispatcher
+(docs/architecture.md, "Buffer groups and adapters")."""
 
 from __future__ import annotations
 

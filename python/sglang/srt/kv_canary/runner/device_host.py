@@ -1,4 +1,5 @@
-"""Delayed device→host reads that never stall the forward stream (SPEC §10).
+"""Delayed device→host reads that never stall the forward stream (docs/architecture.md,
+"Reading results").
 
 At step T, :meth:`DelayedDeviceHostHandler.stage` enqueues copies of the watched device
 tensors into pinned host buffers on a side stream (after the forward stream's work so far)
@@ -9,55 +10,83 @@ still reads. :meth:`DelayedDeviceHostHandler.fence`, called before the next forw
 orders that forward after the staged copies (a stream wait on their event, no host sync), so a
 kernel of step T+1 can never change a watched tensor while step T's copy is still reading it
 (e.g. bump the violation index before writing the row).
+
+What is watched is typed: a (frozen) dataclass whose fields are tensors, dataclasses of the
+same kind or tuples of either; the consumer gets an object of the same type holding the host
+copies.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+import dataclasses
+from typing import Any, Callable, Generic, Iterator, List, Optional, TypeVar
 
 import torch
 
+W = TypeVar("W")
 
-class FutureTensors:
-    """Host copies of a set of device tensors, ready once ``event`` has completed."""
 
-    def __init__(self, tensors: Dict[str, torch.Tensor], event: Optional["torch.cuda.Event"]):
-        self._tensors = tensors
+def _leaves(obj: Any, path: str) -> List[torch.Tensor]:
+    """The tensors of a watched structure, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, tuple):
+        return [t for i, x in enumerate(obj) for t in _leaves(x, f"{path}[{i}]")]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _leaves(getattr(obj, f.name),
+                                                                      f"{path}.{f.name}")]
+    raise TypeError(f"DelayedDeviceHostHandler watches tensors, dataclasses and tuples; "
+                    f"{path} is a {type(obj).__name__}")
+
+
+def _rebuild(obj: Any, host: Iterator[torch.Tensor]) -> Any:
+    """``obj``'s structure with each tensor replaced by the next of ``host``."""
+    if isinstance(obj, torch.Tensor):
+        return next(host)
+    if isinstance(obj, tuple):
+        return tuple(_rebuild(x, host) for x in obj)
+    return type(obj)(**{f.name: _rebuild(getattr(obj, f.name), host)
+                        for f in dataclasses.fields(obj)})
+
+
+class FutureTensors(Generic[W]):
+    """Host copies of a watched structure, ready once ``event`` has completed."""
+
+    def __init__(self, value: W, event: Optional["torch.cuda.Event"]):
+        self._value = value
         self._event = event
 
     @property
     def event(self) -> Optional["torch.cuda.Event"]:
         return self._event
 
-    def ready(self) -> bool:
-        return self._event is None or self._event.query()
-
-    def get(self) -> Dict[str, torch.Tensor]:
+    def get(self) -> W:
         if self._event is not None:
             self._event.synchronize()
-        return self._tensors
+        return self._value
 
 
-class DelayedDeviceHostHandler:
-    """Stages copies of ``sources`` (name → device tensor, fixed for its lifetime)."""
+class DelayedDeviceHostHandler(Generic[W]):
+    """Stages copies of ``sources`` (a dataclass of device tensors, fixed for its lifetime)."""
 
-    def __init__(self, sources: Dict[str, torch.Tensor]):
-        if not sources:
+    def __init__(self, sources: W):
+        self._sources = sources
+        self._device_leaves = _leaves(sources, type(sources).__name__)
+        if not self._device_leaves:
             raise ValueError("DelayedDeviceHostHandler needs at least one tensor to watch")
-        self._sources = dict(sources)
-        devices = {t.device for t in self._sources.values()}
+        devices = {t.device for t in self._device_leaves}
         if len(devices) != 1:
             raise ValueError(f"watched tensors span several devices: {sorted(map(str, devices))}")
         self.device = devices.pop()
         self.synchronous = self.device.type != "cuda"
         pin = not self.synchronous
-        self._host = [
-            {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in
-             self._sources.items()}
+        self._host_leaves = [
+            [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in self._device_leaves]
             for _ in range(2)
         ]
+        self._host = [_rebuild(sources, iter(leaves)) for leaves in self._host_leaves]
         self._flip = 0
-        self._pending: Optional[FutureTensors] = None
+        self._pending: Optional[FutureTensors[W]] = None
         self._stream = None if self.synchronous else torch.cuda.Stream(device=self.device)
 
     @property
@@ -66,21 +95,22 @@ class DelayedDeviceHostHandler:
 
     def stage(self) -> None:
         """Enqueue the copies for the current state (replacing an unconsumed earlier stage)."""
-        host = self._host[self._flip]
+        flip = self._flip
         self._flip ^= 1
+        pairs = zip(self._host_leaves[flip], self._device_leaves)
         if self.synchronous:
-            for k, v in self._sources.items():
-                host[k].copy_(v)
-            self._pending = FutureTensors(host, None)
+            for dst, src in pairs:
+                dst.copy_(src)
+            self._pending = FutureTensors(self._host[flip], None)
             return
         producer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             self._stream.wait_stream(producer)
-            for k, v in self._sources.items():
-                host[k].copy_(v, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
-        self._pending = FutureTensors(host, event)
+        self._pending = FutureTensors(self._host[flip], event)
 
     def fence(self) -> None:
         """Make the current stream wait for the pending copies (if any): work queued after
@@ -89,7 +119,7 @@ class DelayedDeviceHostHandler:
         if pending is not None and pending.event is not None:
             torch.cuda.current_stream(self.device).wait_event(pending.event)
 
-    def consume(self, callback: Callable[[Dict[str, torch.Tensor]], None]) -> bool:
+    def consume(self, callback: Callable[[W], None]) -> bool:
         """Hand the staged copies to ``callback``; False if nothing was staged. The pending
         stage is cleared before the callback runs, so a raising callback leaves none behind."""
         pending, self._pending = self._pending, None

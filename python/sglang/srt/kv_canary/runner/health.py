@@ -1,10 +1,11 @@
-"""``KernelRunCounterHealthChecker``: the canary must keep running (SPEC §10)."""
+"""``KernelRunCounterHealthChecker``: the canary must keep running (docs/architecture.md,
+"Runtime")."""
 
 from __future__ import annotations
 
 from typing import Dict, Iterable, Optional, Sequence
 
-from sglang.jit_kernel.kv_canary.verify import CanaryLaunchTag
+from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 
 HEALTH_WARMUP_STEPS = 100
 HEALTH_INTERVAL_STEPS = 100

@@ -1,7 +1,9 @@
 """``CanaryManager``: owns the device state, endpoints and single-forward managers of one
-model runner, and does the after-forward work (violation pump, health, stats) (SPEC §10).
+model runner, and does the after-forward work (violation pump, health, stats)
+(docs/architecture.md, "Runtime"). Built by :func:`~sglang.srt.kv_canary.builder.build_canary`.
 
-Call pattern per forward (the sglang hooks of SPEC §14 do this)::
+Call pattern per forward (the sglang hooks of docs/architecture.md, "Hooks and the sglang seam"
+do this)::
 
     with manager.with_active_single_forward_manager(0):
         with manager.with_ops_outside_graph(forward_batch):
@@ -18,21 +20,19 @@ manager.capturing(): ...``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-from typing import Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.jit_kernel.kv_canary.verify import CanaryPhase
+from sglang.jit_kernel.kv_canary.types import CanaryPhase
+from sglang.srt.kv_canary.batch_state import batch_state_for
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.endpoint import build_endpoints_from_group
 from sglang.srt.kv_canary.perturb import CanaryPerturber
-from sglang.srt.kv_canary.req_to_expected_token_ids_manager import (
-    ExpectedTokenRows,
-    attach_req_all_ids_info,
-)
 from sglang.srt.kv_canary.runner.device_host import DelayedDeviceHostHandler
 from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
 from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
@@ -40,14 +40,42 @@ from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
 from sglang.srt.kv_canary.runner.swa_divergence import SwaDivergenceReporter
 from sglang.srt.kv_canary.runner.sweep import SweepOrchestrator
 from sglang.srt.kv_canary.runner.violation import ViolationManager, ViolationReporter
-from sglang.srt.kv_canary.single_forward_manager import SingleForwardManager
+from sglang.srt.kv_canary.single_forward_manager import SfmStatus, SingleForwardManager
 from sglang.srt.kv_canary.state import CanaryDeviceState
+from sglang.srt.kv_canary.token_history import TokenHistoryUploader
 from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
+
+if TYPE_CHECKING:
+    from sglang.srt.kv_canary.sglang_seam import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class CanaryReadback:
+    """What the manager reads back after every forward (device tensors here; the delayed
+    host copy has the same type, holding host tensors).
+
+    - ``violation_write_index`` int32 ``[1]``, ``violation_ring`` int64 ``[capacity, 8]``;
+    - ``kernel_run_counters`` / ``slot_run_counters`` int64 ``[num tags]``;
+    - ``sfm_status``: each single-forward manager's :class:`SfmStatus`, by index;
+    - ``swa_verify_num_valid``: per single-forward manager, its plans' ``verify_num_valid``
+      (only with SWA divergence stats on; empty otherwise).
+    """
+
+    violation_write_index: torch.Tensor
+    violation_ring: torch.Tensor
+    kernel_run_counters: torch.Tensor
+    slot_run_counters: torch.Tensor
+    sfm_status: Tuple[SfmStatus, ...]
+    swa_verify_num_valid: Tuple[Tuple[torch.Tensor, ...], ...]
+
+
 class CanaryManager:
+    """One per guarded model runner. ``groups``: the pool's buffer groups; ``capacities``:
+    the per-forward buffer sizes; ``req_to_token``: the runner's int32 ``[rows,
+    max_context_len]`` table; ``token_oracle``: required with the write-input check."""
+
     def __init__(self, *, config: CanaryConfig, groups: Sequence[CanaryBufferGroup],
                  capacities: CanaryLaunchCapacities, req_to_token: torch.Tensor, device,
                  num_single_forward_managers: int = 1,
@@ -58,31 +86,31 @@ class CanaryManager:
             raise ValueError("CanaryManager needs at least one buffer group")
         if num_single_forward_managers < 1:
             raise ValueError("num_single_forward_managers must be >= 1")
+        if config.enable_write_input_assert and token_oracle is None:
+            raise ValueError("enable_write_input_assert needs a TokenOracleManager "
+                             "(token_oracle=...)")
         device = torch.device(device)
         self.config = config
         self.capacities = capacities
-        self.groups = list(groups)
+        self.groups = tuple(groups)
         self.state = CanaryDeviceState.allocate(
             ring_capacity=config.ring_capacity, device=device,
             expected_token_pool_shape=(tuple(req_to_token.shape)
                                        if config.enable_verify_token_assert else None))
-        # what each expected-token pool row already holds: token snapshots send only the rest
-        self.expected_token_rows = (ExpectedTokenRows(req_to_token.shape[0])
-                                    if config.enable_verify_token_assert else None)
-        self.endpoints = [ep for g in self.groups
-                          for ep in build_endpoints_from_group(group=g, state=self.state,
-                                                               config=config)]
-        if config.enable_write_input_assert and token_oracle is None:
-            raise ValueError("enable_write_input_assert needs a TokenOracleManager "
-                             "(token_oracle=...)")
+        # the one owner of the expected-token pool's contents (token checks on)
+        self.token_history = (TokenHistoryUploader(self.state.req_to_verify_expected_tokens)
+                              if config.enable_verify_token_assert else None)
+        self.endpoints = tuple(ep for g in self.groups
+                               for ep in build_endpoints_from_group(group=g, state=self.state,
+                                                                    config=config))
         self.token_oracle = token_oracle
-        self.sfms = [
+        self.sfms = tuple(
             SingleForwardManager(groups=self.groups, endpoints=self.endpoints, state=self.state,
                                  capacities=capacities, config=config,
                                  req_to_token=req_to_token, device=device, index=i,
-                                 token_oracle=token_oracle)
+                                 token_history=self.token_history, token_oracle=token_oracle)
             for i in range(num_single_forward_managers)
-        ]
+        )
         # fault injection (self-tests only): off unless a SGLANG_KV_CANARY_PERTURB_* is set
         self.perturber: Optional[CanaryPerturber] = None
         if config.perturb.enabled:
@@ -91,20 +119,19 @@ class CanaryManager:
                                              radix_cache=lambda: self.radix_cache)
             if token_oracle is not None:
                 token_oracle.after_sample = self.perturber.swap_next_tokens
-        watched = {
-            "violation_write_index": self.state.violation_log.violation_write_index,
-            "violation_ring": self.state.violation_log.violation_ring,
-            "kernel_run_counters": self.state.kernel_run_counters,
-            "slot_run_counters": self.state.slot_run_counters,
-        }
-        for sfm in self.sfms:
-            watched[f"plan_enabled_{sfm.index}"] = sfm.status_plan_enabled
         self.swa_divergence = SwaDivergenceReporter(
             interval=config.swa_divergence_stats_interval,
-            sfm_plans={sfm.index: [(p.group.kind, p.verify_plan) for p in sfm.plans.values()]
-                       for sfm in self.sfms})
-        watched.update(self.swa_divergence.watched_tensors())
-        self.device_host = DelayedDeviceHostHandler(watched)
+            sfm_plans=[[(g.kind, sfm.plans[g].verify_plan) for g in sfm.groups]
+                       for sfm in self.sfms])
+        log = self.state.violation_log
+        self.device_host = DelayedDeviceHostHandler(CanaryReadback(
+            violation_write_index=log.violation_write_index,
+            violation_ring=log.violation_ring,
+            kernel_run_counters=self.state.kernel_run_counters,
+            slot_run_counters=self.state.slot_run_counters,
+            sfm_status=tuple(sfm.status for sfm in self.sfms),
+            swa_verify_num_valid=self.swa_divergence.device_tensors(),
+        ))
         self.violations = ViolationManager(reporter=ViolationReporter(config.mode),
                                            ring_capacity=config.ring_capacity)
         self.health = KernelRunCounterHealthChecker(
@@ -116,7 +143,7 @@ class CanaryManager:
                                        device=device)
         self.step = 0
         self._active: Optional[SingleForwardManager] = None
-        self._staged_meta: Optional[Tuple[int, int]] = None  # (step, sfm index) of the stage
+        self._staged: Optional[Tuple[int, int]] = None  # (step, sfm index) of the stage
 
     # ---- which single-forward manager is active ----------------------------------------
 
@@ -145,7 +172,7 @@ class CanaryManager:
     # ---- per-forward ops -------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def with_ops_outside_graph(self, forward_batch):
+    def with_ops_outside_graph(self, forward_batch: "ForwardBatch"):
         sfm = self.active_sfm
         self.device_host.fence()  # this forward's kernels queue after last step's read-back
         if self.perturber is not None:
@@ -159,10 +186,10 @@ class CanaryManager:
         sfm.post_ops_outside_graph()
         self.after_forward(sfm, forward_batch)
 
-    def pre_ops_maybe_inside_graph(self, forward_batch) -> None:
+    def pre_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
         self.active_sfm.pre_ops_maybe_inside_graph(forward_batch)
 
-    def post_ops_maybe_inside_graph(self, forward_batch) -> None:
+    def post_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
         self.active_sfm.post_ops_maybe_inside_graph(forward_batch)
 
     def mark_replayed_inside_graph(self) -> None:
@@ -178,12 +205,17 @@ class CanaryManager:
         """End of warm-up and graph capture: turn the chain-position check on."""
         self.state.mark_init_finished()
 
-    def attach_token_snapshot(self, forward_batch, reqs) -> None:
-        """The ``ForwardBatch.init_new`` hook's token-id snapshot (SPEC §11): attaches the
-        tokens of ``reqs`` that their expected-token rows lack. No-op unless
-        ``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1``. Host only, not graph-related."""
-        if self.expected_token_rows is not None:
-            attach_req_all_ids_info(forward_batch, reqs, rows=self.expected_token_rows)
+    def on_forward_batch_init(self, forward_batch: "ForwardBatch", reqs) -> None:
+        """The ``ForwardBatch.init_new`` hook (host only): the batch's token-id snapshot (token
+        checks on) and the token oracle's rows (oracle on), in the batch's canary state. No-op
+        when neither is on."""
+        if self.token_history is None and self.token_oracle is None:
+            return
+        state = batch_state_for(forward_batch)
+        if self.token_history is not None:
+            self.token_history.snapshot(state, reqs)
+        if self.token_oracle is not None:
+            self.token_oracle.attach_batch(forward_batch, state, reqs)
 
     def attach_radix_cache(self, radix_cache) -> None:
         """Hand over the scheduler's tree cache (for the sweep)."""
@@ -199,13 +231,13 @@ class CanaryManager:
 
     # ---- after each forward ----------------------------------------------------------------
 
-    def after_forward(self, sfm: SingleForwardManager, forward_batch=None) -> None:
+    def after_forward(self, sfm: SingleForwardManager,
+                      forward_batch: Optional["ForwardBatch"] = None) -> None:
         """Step counter, fault injection (self-tests only; before the sweep so that a fault
         in an idle cached slot is swept this step), the radix sweep (when due), then the
-        delayed violation / overflow /
-        health / stats pump: on CUDA
-        the copies staged after the previous forward are consumed and this forward's are
-        staged (never syncing the forward stream); on CPU both happen now."""
+        delayed violation / overflow / health / stats pump: on CUDA the copies staged after
+        the previous forward are consumed and this forward's are staged (never syncing the
+        forward stream); on CPU both happen now."""
         self.step += 1
         if self.perturber is not None and forward_batch is not None:
             self.perturber.after_forward(forward_batch, step=self.step)
@@ -219,16 +251,20 @@ class CanaryManager:
 
     def _stage(self, sfm: SingleForwardManager) -> None:
         self.device_host.stage()
-        self._staged_meta = (self.step, sfm.index)
+        self._staged = (self.step, sfm.index)
 
-    def _on_host_copies(self, host: Dict[str, torch.Tensor]) -> None:
-        step, sfm_index = self._staged_meta
-        self.overflow.check(step=step, plan_enabled=host[f"plan_enabled_{sfm_index}"].tolist())
-        kernel_counters = host["kernel_run_counters"].tolist()
+    def _on_host_copies(self, host: CanaryReadback) -> None:
+        step, sfm_index = self._staged
+        plan_enabled = host.sfm_status[sfm_index].plan_enabled.tolist()
+        self.overflow.check(step=step, plan_enabled=plan_enabled)
+        kernel_counters = host.kernel_run_counters.tolist()
+        violations = int(host.violation_write_index[0])
         self.stats.maybe_log(step=step, kernel_counters=kernel_counters,
-                             slot_counters=host["slot_run_counters"].tolist(),
-                             violations=int(host["violation_write_index"][0]),
-                             sweep_passes=self.sweep_passes)
-        self.violations.process(host, step=step)
+                             slot_counters=host.slot_run_counters.tolist(),
+                             violations=violations, sweep_passes=self.sweep_passes)
+        self.violations.process(write_index=violations, ring=host.violation_ring, step=step)
         self.health.check(step=step, kernel_counters=kernel_counters)
-        self.swa_divergence.consume(host=host, step=step, sfm_index=sfm_index)
+        if self.swa_divergence.enabled:
+            self.swa_divergence.consume(num_valid=host.swa_verify_num_valid[sfm_index],
+                                        plan_enabled=plan_enabled, step=step,
+                                        sfm_index=sfm_index)

@@ -1,11 +1,12 @@
-"""``PeriodicCanaryStatsLogger``: one stats line every N forward steps (SPEC §10)."""
+"""``PeriodicCanaryStatsLogger``: one stats line every N forward steps (docs/architecture.md,
+"Runtime")."""
 
 from __future__ import annotations
 
 import logging
 from typing import Sequence
 
-from sglang.jit_kernel.kv_canary.verify import CanaryLaunchTag, CanaryPhase
+from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, CanaryPhase
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""``SwaDivergenceReporter``: running count of FULL vs SWA verify entries (SPEC §10).
+"""``SwaDivergenceReporter``: running count of FULL vs SWA verify entries (docs/architecture.md,
+"Runtime").
 
 On a hybrid sliding-window pool the FULL group verifies each request's whole prefix while the
 SWA group verifies only its window, so the two counts diverge as contexts grow past the window;
@@ -9,42 +10,39 @@ Every ``interval`` steps (``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``, 0 
 The counts are the plans' ``verify_num_valid`` (entries planned for a forward, evicted SWA
 slots included: the verify kernel skips those), counted only for plans that were enabled (an
 overflowed plan verifies nothing). They are never read on the forward path: the manager adds
-:meth:`watched_tensors` to its delayed device→host copies and hands each host copy (one per
-forward, staged after it) to :meth:`consume`. Host-only; not graph-related.
+:meth:`SwaDivergenceReporter.device_tensors` to its delayed device→host read-back and hands
+each host copy (one per forward, staged after it) to :meth:`SwaDivergenceReporter.consume`.
+Host-only; not graph-related.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Dict, Sequence
+from typing import Sequence, Tuple
 
 import torch
 
-from sglang.jit_kernel.kv_canary.verify import PoolKind
+from sglang.jit_kernel.kv_canary.types import PoolKind, VerifyPlan
 
 logger = logging.getLogger(__name__)
 
 SWA_DIVERGENCE_LINE_PREFIX = "kv_canary_swa_divergence="
 
 
-def _key(sfm_index: int, group_index: int) -> str:
-    return f"swa_divergence_num_valid_{sfm_index}_{group_index}"
-
-
 class SwaDivergenceReporter:
-    """``sfm_plans``: per single-forward manager (by index), its groups' verify plans in the
-    order of its ``status_plan_enabled`` entries, as ``(kind, verify_plan)`` pairs."""
+    """``sfm_plans``: per single-forward manager (in index order), its groups' verify plans
+    in the order of its status entries (``sfm.groups``), as ``(kind, verify_plan)`` pairs."""
 
     def __init__(self, *, interval: int,
-                 sfm_plans: Dict[int, Sequence]):
+                 sfm_plans: Sequence[Sequence[Tuple[PoolKind, VerifyPlan]]]):
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
             raise ValueError(f"SwaDivergenceReporter interval must be an int >= 0, got "
                              f"{interval!r}")
         self.interval = interval
-        self._kinds = {i: [kind for kind, _ in plans] for i, plans in sfm_plans.items()}
-        self._sources = {_key(i, g): plan.verify_num_valid
-                         for i, plans in sfm_plans.items() for g, (_, plan) in enumerate(plans)}
+        self._kinds = tuple(tuple(kind for kind, _ in plans) for plans in sfm_plans)
+        self._sources = tuple(tuple(plan.verify_num_valid for _, plan in plans)
+                              for plans in sfm_plans)
         self.full_verify_entries = 0
         self.swa_verify_entries = 0
         self.forwards = 0
@@ -53,24 +51,25 @@ class SwaDivergenceReporter:
     def enabled(self) -> bool:
         return self.interval > 0
 
-    def watched_tensors(self) -> Dict[str, torch.Tensor]:
-        """Device tensors to stage with the manager's delayed copies (empty when off)."""
-        return dict(self._sources) if self.enabled else {}
+    def device_tensors(self) -> Tuple[Tuple[torch.Tensor, ...], ...]:
+        """Per single-forward manager, its plans' ``verify_num_valid`` (int32 ``[1]`` each),
+        to stage with the manager's delayed copies; empty when off."""
+        return self._sources if self.enabled else ()
 
-    def consume(self, *, host: Dict[str, torch.Tensor], step: int, sfm_index: int) -> None:
-        """Add the forward staged at ``step`` (by single-forward manager ``sfm_index``) and log
-        the running totals when ``step`` is a multiple of the interval."""
+    def consume(self, *, num_valid: Sequence[torch.Tensor], plan_enabled: Sequence[int],
+                step: int, sfm_index: int) -> None:
+        """Add the forward staged at ``step`` by single-forward manager ``sfm_index``:
+        ``num_valid`` the host copies of its :meth:`device_tensors` entry, ``plan_enabled`` its
+        status' flags; log the running totals when ``step`` is a multiple of the interval."""
         if not self.enabled:
             return
-        enabled = host[f"plan_enabled_{sfm_index}"].tolist()
-        for g, kind in enumerate(self._kinds[sfm_index]):
-            if not enabled[g]:
+        for kind, n, enabled in zip(self._kinds[sfm_index], num_valid, plan_enabled):
+            if not enabled:
                 continue
-            n = int(host[_key(sfm_index, g)][0])
             if kind == PoolKind.SWA:
-                self.swa_verify_entries += n
+                self.swa_verify_entries += int(n[0])
             else:
-                self.full_verify_entries += n
+                self.full_verify_entries += int(n[0])
         self.forwards += 1
         if step % self.interval == 0:
             logger.info("%s%s", SWA_DIVERGENCE_LINE_PREFIX, json.dumps(self.snapshot(step)))

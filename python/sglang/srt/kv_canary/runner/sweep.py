@@ -1,4 +1,5 @@
-"""``SweepOrchestrator``: every N forwards, verify every slot the radix cache holds (SPEC §12).
+"""``SweepOrchestrator``: every N forwards, verify every slot the radix cache holds
+(docs/architecture.md, "Radix sweep").
 
 Per-forward checks only see slots that running requests read; KV idle in the radix cache
 could rot unseen until a later request hits it. Runs after a forward, outside any graph, over
@@ -11,12 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from sglang.jit_kernel.kv_canary.verify import (
-    CanaryPhase,
-    PoolKind,
-    VerifyPlan,
-    launch_canary_verify_kernel,
-)
+from sglang.jit_kernel.kv_canary.types import CanaryPhase, PoolKind, VerifyPlan
+from sglang.jit_kernel.kv_canary.verify import launch_canary_verify_kernel
 from sglang.srt.kv_canary.endpoint import CanaryEndpoint
 from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
 from sglang.srt.kv_canary.sweep_plan_builder import build_verify_plan_radix_sweep

@@ -1,9 +1,24 @@
-"""Violation reporting: formatting ring rows, log/raise policy, and the per-step pump (SPEC §3)."""
+"""Violation reporting: the structured line (format and parse), the log/raise policy, and the
+per-step pump (docs/user_guide.md, "Reading a violation report"; docs/architecture.md, "Record
+format").
+
+The structured line is the contract for operators' greps and for every test and tool of
+this project: they read it with :func:`parse_violation_line` / :func:`parse_violation_lines`,
+never with a regex of their own. Fields, in order::
+
+    kv_canary violation: launch_tag=<TAG> fail_reason=<r1>[+<r2>...] slot_idx=<n> position=<n>
+        stored_token=<n> expected_token=<n> stored_chain_hash=0x<16 hex> expected_aux=0x<16 hex>
+        forward_step=<n>
+
+(one line; ``forward_step`` is the forward step at which the host reported it).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Dict, List, Sequence
+import re
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,7 +34,7 @@ from sglang.jit_kernel.kv_canary.consts import (
     FailReason,
     to_uint64,
 )
-from sglang.jit_kernel.kv_canary.verify import CanaryLaunchTag
+from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary.config import CanaryMode
 
 logger = logging.getLogger(__name__)
@@ -34,8 +49,8 @@ def _tag_name(kind: int) -> str:
         return f"UNKNOWN_{kind}"
 
 
-def format_violation_line(row: Sequence[int]) -> str:
-    """The stable, grep-able one-line form of a ring row."""
+def format_violation_line(row: Sequence[int], *, step: int) -> str:
+    """The stable, grep-able one-line form of a ring row reported at forward ``step``."""
     return (
         f"{VIOLATION_LINE_PREFIX} launch_tag={_tag_name(int(row[VIOLATION_FIELD_KERNEL_KIND]))} "
         f"fail_reason={FailReason.describe(int(row[VIOLATION_FIELD_FAIL_REASON_BITS]))} "
@@ -44,8 +59,62 @@ def format_violation_line(row: Sequence[int]) -> str:
         f"stored_token={int(row[VIOLATION_FIELD_STORED_TOKEN])} "
         f"expected_token={int(row[VIOLATION_FIELD_EXPECTED_TOKEN])} "
         f"stored_chain_hash=0x{to_uint64(row[VIOLATION_FIELD_STORED_CHAIN_HASH]):016x} "
-        f"expected_aux=0x{to_uint64(row[VIOLATION_FIELD_EXPECTED_AUX]):016x}"
+        f"expected_aux=0x{to_uint64(row[VIOLATION_FIELD_EXPECTED_AUX]):016x} "
+        f"forward_step={int(step)}"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ViolationLine:
+    """The fields of one structured violation line (hashes as unsigned ints)."""
+
+    launch_tag: str
+    fail_reasons: Tuple[str, ...]
+    slot_idx: int
+    position: int
+    stored_token: int
+    expected_token: int
+    stored_chain_hash: int
+    expected_aux: int
+    forward_step: int
+
+
+_INT = r"(-?\d+)"
+_HEX = r"0x([0-9a-f]{16})"
+_LINE_RE = re.compile(
+    re.escape(VIOLATION_LINE_PREFIX)
+    + rf" launch_tag=(\w+) fail_reason=([\w+]+) slot_idx={_INT} position={_INT}"
+    + rf" stored_token={_INT} expected_token={_INT} stored_chain_hash={_HEX}"
+    + rf" expected_aux={_HEX} forward_step={_INT}")
+
+
+def _line_from_match(m: "re.Match") -> ViolationLine:
+    return ViolationLine(
+        launch_tag=m.group(1), fail_reasons=tuple(m.group(2).split("+")),
+        slot_idx=int(m.group(3)), position=int(m.group(4)), stored_token=int(m.group(5)),
+        expected_token=int(m.group(6)), stored_chain_hash=int(m.group(7), 16),
+        expected_aux=int(m.group(8), 16), forward_step=int(m.group(9)))
+
+
+def parse_violation_line(line: str) -> Optional[ViolationLine]:
+    """The violation in ``line`` (a log line may carry a prefix before it), or None."""
+    m = _LINE_RE.search(line)
+    return _line_from_match(m) if m is not None else None
+
+
+def parse_violation_lines(text: str, *, unique: bool = True) -> List[ViolationLine]:
+    """Every structured violation line in ``text`` (a server's output, a raised error's
+    message), in order; with ``unique`` a line printed twice (raise mode logs the error
+    and re-raises it) counts once."""
+    out: List[ViolationLine] = []
+    seen = set()
+    for m in _LINE_RE.finditer(text):
+        v = _line_from_match(m)
+        if unique and v in seen:
+            continue
+        seen.add(v)
+        out.append(v)
+    return out
 
 
 def format_violation_block(row: Sequence[int], step: int) -> str:
@@ -85,7 +154,8 @@ class ViolationReporter:
     def report(self, rows: List[Sequence[int]], *, step: int, dropped: int = 0) -> None:
         if not rows and not dropped:
             return
-        texts = [format_violation_line(r) + "\n" + format_violation_block(r, step) for r in rows]
+        texts = [format_violation_line(r, step=step) + "\n" + format_violation_block(r, step)
+                 for r in rows]
         if dropped:
             texts.append(f"{VIOLATION_LINE_PREFIX} {dropped} more violation(s) not recorded: "
                          "the ring is full (raise SGLANG_KV_CANARY_RING_CAPACITY)")
@@ -103,14 +173,15 @@ class ViolationManager:
         self.ring_capacity = ring_capacity
         self.reported = 0  # violations counted so far (kept or dropped)
 
-    def process(self, host: Dict[str, torch.Tensor], *, step: int) -> None:
-        """``host`` holds ``violation_write_index`` and ``violation_ring`` copies."""
-        count = int(host["violation_write_index"][0])
+    def process(self, *, write_index: int, ring: torch.Tensor, step: int) -> None:
+        """``write_index``: the ring's write index (violations counted so far), ``ring``: a host
+        copy of the ring, both read back after forward ``step``."""
+        count = int(write_index)
         if count <= self.reported:
             return
         lo = min(self.reported, self.ring_capacity)
         hi = min(count, self.ring_capacity)
-        rows = host["violation_ring"][lo:hi].tolist()
+        rows = ring[lo:hi].tolist()
         dropped = (count - self.reported) - (hi - lo)
         self.reported = count
         self.reporter.report(rows, step=step, dropped=dropped)

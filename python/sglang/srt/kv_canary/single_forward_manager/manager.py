@@ -1,14 +1,17 @@
-"""``SingleForwardManager``: the canary work around one model forward (SPEC §10).
+"""``SingleForwardManager``: the canary work around one model forward (docs/architecture.md,
+"One forward").
 
 Four ops, checked in order:
 
 1. ``pre_ops_outside_graph(forward_batch)`` — host checks (capacities, with the server flag to
-   change), the token-id scatter and, with ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1``,
+   change), the token-history upload (:class:`TokenHistoryUploader`) and, with
+   ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1``,
    the token oracle's expected written tokens / positions; never captured.
 2. ``pre_ops_maybe_inside_graph(forward_batch)`` — fill the plan input, plan every group, HEAD
    launches (verify, then write), the chain part of the TAIL writes, and a copy of the plans'
    ``enable`` flags into a static status buffer; on CUDA on a side stream, concurrently with
    the model forward. Captured into decode CUDA graphs (as a parallel branch).
+   The status (:class:`SfmStatus`) is this manager's typed per-forward output.
 3. ``post_ops_maybe_inside_graph(forward_batch)`` — join the side stream; TAIL verify, then the
    TAIL writes' real-KV fingerprints of the new slots. Captured too.
 4. ``post_ops_outside_graph()`` — back to IDLE; the manager then reads results (delayed).
@@ -21,22 +24,20 @@ per-forward tensor is allocated in ``__init__``.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Sequence
+import dataclasses
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.jit_kernel.kv_canary.verify import CanaryPhase
-from sglang.jit_kernel.kv_canary.write import WriteParts
+from sglang.jit_kernel.kv_canary.types import CanaryPhase, WriteParts
+from sglang.srt.kv_canary.batch_state import batch_state
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.endpoint import CanaryEndpoint
 from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
 from sglang.srt.kv_canary.plan_input import PlanInput
-from sglang.srt.kv_canary.req_to_expected_token_ids_manager import (
-    populate_req_to_expected_token_ids,
-)
-from sglang.srt.kv_canary.runner.kernel_launcher import (
+from sglang.srt.kv_canary.single_forward_manager.launches import (
     GroupPlans,
     launch_group_plan,
     launch_verifies,
@@ -46,25 +47,58 @@ from sglang.srt.kv_canary.single_forward_manager.phases import (
     CAPTURE_TRANSITIONS,
     TRANSITIONS,
     CanaryPhaseError,
+    SfmOp,
     SfmPhase,
 )
 from sglang.srt.kv_canary.state import CanaryDeviceState
+from sglang.srt.kv_canary.token_history import TokenHistoryUploader
+
+if TYPE_CHECKING:
+    from sglang.srt.kv_canary.sglang_seam import ForwardBatch
+    from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SfmStatus:
+    """A single-forward manager's per-forward output, written inside the (graph-captured)
+    pre-ops and read one step later on the host.
+
+    - ``plan_enabled``: int32 ``[num_groups]``; entry i is group i's (``sfm.groups[i]``) verify
+      plan ``enable`` flag (0 = the plan overflowed its capacity: that forward went unverified
+      in that group).
+    """
+
+    plan_enabled: torch.Tensor
+
 
 class SingleForwardManager:
+    """``groups`` fixes the order of the status entries; ``token_history`` (token checks on)
+    and ``token_oracle`` (write-input check on) are the owners this manager hands batches to.
+    All per-forward tensors are allocated here."""
+
     def __init__(self, *, groups: Sequence[CanaryBufferGroup],
                  endpoints: Sequence[CanaryEndpoint], state: CanaryDeviceState,
                  capacities: CanaryLaunchCapacities, config: CanaryConfig,
                  req_to_token: torch.Tensor, device, index: int = 0,
-                 token_oracle=None):
+                 token_history: Optional[TokenHistoryUploader] = None,
+                 token_oracle: Optional["TokenOracleManager"] = None):
+        if config.enable_verify_token_assert and token_history is None:
+            raise ValueError("SingleForwardManager: token checks are on "
+                             "(enable_verify_token_assert) but no token_history was given")
+        if config.enable_write_input_assert and token_oracle is None:
+            raise ValueError("SingleForwardManager: the write-input check is on "
+                             "(enable_write_input_assert) but no token_oracle was given")
         self.index = index
         self.token_oracle = token_oracle
+        self.token_history = token_history
         self.config = config
         self.capacities = capacities
         self.state = state
-        self.endpoints = list(endpoints)
+        self.endpoints = tuple(endpoints)
         self.req_to_token = req_to_token
-        self.plans: Dict[int, GroupPlans] = {
-            id(g): GroupPlans.allocate(g, capacities, device) for g in groups}
+        self.groups: Tuple[CanaryBufferGroup, ...] = tuple(groups)
+        self.plans: Dict[CanaryBufferGroup, GroupPlans] = {
+            g: GroupPlans.allocate(g, capacities, device) for g in self.groups}
         self.plan_input = PlanInput(write_req_capacity=capacities.write_req_capacity,
                                     device=device)
         # per-request valid lengths of the expected-token pool (filled outside the graph)
@@ -73,8 +107,8 @@ class SingleForwardManager:
         self.expected_inputs = (ExpectedInputs(write_entry_capacity=capacities.write_entry_capacity,
                                                device=device)
                                 if config.enable_write_input_assert else None)
-        # static status written inside the graph: each group's plan `enable` flag
-        self.status_plan_enabled = torch.zeros(len(self.plans), dtype=torch.int32, device=device)
+        self.status = SfmStatus(plan_enabled=torch.zeros(len(self.groups), dtype=torch.int32,
+                                                          device=device))
         # CUDA: the pre-forward work runs on this side stream, beside the model forward
         device = torch.device(device)
         self.side_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
@@ -83,14 +117,15 @@ class SingleForwardManager:
 
     # ---- phase bookkeeping ----------------------------------------------------------------
 
-    def _advance(self, op: str) -> None:
+    def _advance(self, op: SfmOp) -> None:
         table = CAPTURE_TRANSITIONS if self._capturing else TRANSITIONS
         if op not in table:
-            raise CanaryPhaseError(f"kv_canary: {op} must not run during CUDA-graph capture")
+            raise CanaryPhaseError(f"kv_canary: {op.value} must not run during CUDA-graph "
+                                   "capture")
         allowed, after = table[op]
         if self.phase not in allowed:
             raise CanaryPhaseError(
-                f"kv_canary: {op} called in phase {self.phase.value} (single-forward manager "
+                f"kv_canary: {op.value} called in phase {self.phase.value} (single-forward manager "
                 f"{self.index}); expected after {', '.join(p.value for p in allowed)}"
             )
         self.phase = after
@@ -109,8 +144,8 @@ class SingleForwardManager:
 
     # ---- the four ops --------------------------------------------------------------------
 
-    def pre_ops_outside_graph(self, forward_batch) -> None:
-        self._advance("pre_ops_outside_graph")
+    def pre_ops_outside_graph(self, forward_batch: "ForwardBatch") -> None:
+        self._advance(SfmOp.PRE_OUTSIDE_GRAPH)
         bs = forward_batch.req_pool_indices.shape[0]
         caps = self.capacities
         if bs > caps.write_req_capacity:
@@ -128,10 +163,9 @@ class SingleForwardManager:
             )
         if self.expected_inputs is not None:
             self.token_oracle.fill_expected_inputs(forward_batch, self.expected_inputs)
-        if self.config.enable_verify_token_assert:
-            lens = populate_req_to_expected_token_ids(
-                forward_batch=forward_batch,
-                req_to_verify_expected_tokens=self.state.req_to_verify_expected_tokens)
+        if self.token_history is not None:
+            lens = self.token_history.upload(batch_state(forward_batch),
+                                             forward_batch.req_pool_indices)
             if lens is None:  # no snapshot for this batch: no token checks this forward
                 self.expected_valid_lens.zero_()
             else:
@@ -153,16 +187,15 @@ class SingleForwardManager:
         if self.side_stream is not None:
             torch.cuda.current_stream(self.side_stream.device).wait_stream(self.side_stream)
 
-    def pre_ops_maybe_inside_graph(self, forward_batch) -> None:
+    def pre_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
         """Plan, HEAD verify + write, and the TAIL writes' chain part (which needs no KV
         bytes). On CUDA all of it runs on the side stream, concurrently with the model forward
         (none of it feeds the forward; :meth:`post_ops_maybe_inside_graph` joins), so the
         serial chain of a long prefill costs the forward stream nothing."""
-        self._advance("pre_ops_maybe_inside_graph")
+        self._advance(SfmOp.PRE_MAYBE_INSIDE_GRAPH)
         with self._beside_the_forward():
             rpi, prefix, extend = self.plan_input.fill_from_forward_batch(forward_batch)
-            expected = self.state.req_to_verify_expected_tokens \
-                if self.config.enable_verify_token_assert else None
+            expected = self.token_history.pool if self.token_history is not None else None
             for plans in self.plans.values():
                 launch_group_plan(plans, req_pool_indices=rpi, prefix_lens=prefix,
                                   extend_seq_lens=extend, req_to_token=self.req_to_token,
@@ -171,22 +204,22 @@ class SingleForwardManager:
             self._verify(CanaryPhase.HEAD)
             self._write(CanaryPhase.HEAD, WriteParts.ALL, forward_batch)
             self._write(CanaryPhase.TAIL, WriteParts.CHAIN, forward_batch)
-            for i, plans in enumerate(self.plans.values()):
-                self.status_plan_enabled[i:i + 1].copy_(plans.verify_plan.enable)
+            for i, group in enumerate(self.groups):
+                self.status.plan_enabled[i:i + 1].copy_(self.plans[group].verify_plan.enable)
 
-    def post_ops_maybe_inside_graph(self, forward_batch) -> None:
+    def post_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
         """Join the side stream, then TAIL verify (records and real-KV fingerprints of the
         prefix, after the forward) and the TAIL writes' fingerprints of the new slots."""
-        self._advance("post_ops_maybe_inside_graph")
+        self._advance(SfmOp.POST_MAYBE_INSIDE_GRAPH)
         self._join()
         self._verify(CanaryPhase.TAIL)
         self._write(CanaryPhase.TAIL, WriteParts.FINGERPRINT, forward_batch)
 
     def mark_replayed_inside_graph(self) -> None:
-        self._advance("mark_replayed_inside_graph")
+        self._advance(SfmOp.MARK_REPLAYED_INSIDE_GRAPH)
 
     def post_ops_outside_graph(self) -> None:
-        self._advance("post_ops_outside_graph")
+        self._advance(SfmOp.POST_OUTSIDE_GRAPH)
 
     def abort(self) -> None:
         """Back to IDLE after a forward that raised (its canary work is void)."""

@@ -1,4 +1,5 @@
-"""The four checked phases of one forward and their allowed transitions (SPEC §10)."""
+"""The four checked phases of one forward and their allowed transitions (docs/architecture.md,
+"One forward")."""
 
 from __future__ import annotations
 
@@ -12,21 +13,33 @@ class SfmPhase(enum.Enum):
     POST_MAYBE_INSIDE_GRAPH = "post_ops_maybe_inside_graph"
 
 
-# op name -> (phases it may follow, phase after it)
-TRANSITIONS = {
-    "pre_ops_outside_graph": ((SfmPhase.IDLE,), SfmPhase.PRE_OUTSIDE_GRAPH),
-    "pre_ops_maybe_inside_graph": ((SfmPhase.PRE_OUTSIDE_GRAPH,), SfmPhase.PRE_MAYBE_INSIDE_GRAPH),
-    "post_ops_maybe_inside_graph": ((SfmPhase.PRE_MAYBE_INSIDE_GRAPH,),
-                                    SfmPhase.POST_MAYBE_INSIDE_GRAPH),
+class SfmOp(enum.Enum):
+    """The single-forward manager's ops (the value is the method name, for messages)."""
+
+    PRE_OUTSIDE_GRAPH = "pre_ops_outside_graph"
+    PRE_MAYBE_INSIDE_GRAPH = "pre_ops_maybe_inside_graph"
+    POST_MAYBE_INSIDE_GRAPH = "post_ops_maybe_inside_graph"
     # a CUDA-graph replay ran both inside ops without Python seeing them
-    "mark_replayed_inside_graph": ((SfmPhase.PRE_OUTSIDE_GRAPH,), SfmPhase.POST_MAYBE_INSIDE_GRAPH),
-    "post_ops_outside_graph": ((SfmPhase.POST_MAYBE_INSIDE_GRAPH,), SfmPhase.IDLE),
+    MARK_REPLAYED_INSIDE_GRAPH = "mark_replayed_inside_graph"
+    POST_OUTSIDE_GRAPH = "post_ops_outside_graph"
+
+
+# op -> (phases it may follow, phase after it)
+TRANSITIONS = {
+    SfmOp.PRE_OUTSIDE_GRAPH: ((SfmPhase.IDLE,), SfmPhase.PRE_OUTSIDE_GRAPH),
+    SfmOp.PRE_MAYBE_INSIDE_GRAPH: ((SfmPhase.PRE_OUTSIDE_GRAPH,),
+                                   SfmPhase.PRE_MAYBE_INSIDE_GRAPH),
+    SfmOp.POST_MAYBE_INSIDE_GRAPH: ((SfmPhase.PRE_MAYBE_INSIDE_GRAPH,),
+                                    SfmPhase.POST_MAYBE_INSIDE_GRAPH),
+    SfmOp.MARK_REPLAYED_INSIDE_GRAPH: ((SfmPhase.PRE_OUTSIDE_GRAPH,),
+                                       SfmPhase.POST_MAYBE_INSIDE_GRAPH),
+    SfmOp.POST_OUTSIDE_GRAPH: ((SfmPhase.POST_MAYBE_INSIDE_GRAPH,), SfmPhase.IDLE),
 }
 
 # During CUDA-graph capture (and its warm-up runs) only the inside ops run, from IDLE.
 CAPTURE_TRANSITIONS = {
-    "pre_ops_maybe_inside_graph": ((SfmPhase.IDLE,), SfmPhase.PRE_MAYBE_INSIDE_GRAPH),
-    "post_ops_maybe_inside_graph": ((SfmPhase.PRE_MAYBE_INSIDE_GRAPH,), SfmPhase.IDLE),
+    SfmOp.PRE_MAYBE_INSIDE_GRAPH: ((SfmPhase.IDLE,), SfmPhase.PRE_MAYBE_INSIDE_GRAPH),
+    SfmOp.POST_MAYBE_INSIDE_GRAPH: ((SfmPhase.PRE_MAYBE_INSIDE_GRAPH,), SfmPhase.IDLE),
 }
 
 

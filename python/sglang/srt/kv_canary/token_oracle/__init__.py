@@ -1,4 +1,5 @@
-"""The token oracle (SPEC §13): a sampler whose next token is a pure function of the request
+"""The token oracle (docs/architecture.md, "Self-tests"): a sampler whose next token is a pure
+function of the request
 and the position, so every token a forward writes can be checked against what it must be."""
 
 from sglang.srt.kv_canary.token_oracle.oracle import (

@@ -1,9 +1,11 @@
-"""``TokenOracleManager``: the oracle's per-batch bookkeeping on one model runner (SPEC §13).
+"""``TokenOracleManager``: the oracle's per-batch bookkeeping on one model runner
+(docs/architecture.md, "Self-tests").
 
 - :meth:`attach_batch` (``ForwardBatch.init_new`` hook, scheduler thread, host work): computes
   each request's oracle key, attaches an :class:`OracleBatch` to the batch's
-  ``sampling_info`` (read by the ``token_oracle`` sampler) and the host rows to the batch
-  (read by :meth:`fill_expected_inputs`).
+  ``sampling_info`` (read by the ``token_oracle`` sampler) and the host rows to the batch's
+  :class:`~sglang.srt.kv_canary.batch_state.CanaryBatchState` (read by
+  :meth:`fill_expected_inputs`).
 - :meth:`fill_expected_inputs` (the single-forward manager's outside-graph pre-op, only with
   ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1``): for every KV entry the forward writes, in
   ``out_cache_loc`` order, the token it must carry (the prompt's token inside the prompt, the
@@ -23,17 +25,15 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from sglang.srt.kv_canary import sglang_seam
+from sglang.srt.kv_canary.batch_state import CanaryBatchState, batch_state
 from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
 from sglang.srt.kv_canary.plan_input import host_prefix_extend
 from sglang.srt.kv_canary.token_oracle.oracle import (
-    ORACLE_BATCH_ATTR,
     OracleBatch,
     oracle_tokens,
     request_oracle_key,
 )
-
-ORACLE_ROWS_ATTR = "kv_canary_oracle_rows"
-_REQ_KEY_ATTR = "_kv_canary_oracle_key"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -45,12 +45,12 @@ class OracleRows:
     prompts: Tuple[Sequence[int], ...]
 
 
+def _compute_req_key(req) -> int:
+    return request_oracle_key(req.rid)
+
+
 def _req_key(req) -> int:
-    key = getattr(req, _REQ_KEY_ATTR, None)
-    if key is None:
-        key = request_oracle_key(req.rid)
-        setattr(req, _REQ_KEY_ATTR, key)
-    return key
+    return sglang_seam.req_cached_value(req, _compute_req_key)
 
 
 class TokenOracleManager:
@@ -69,24 +69,24 @@ class TokenOracleManager:
         self.device = torch.device(device)
         self.after_sample = after_sample
 
-    def attach_batch(self, forward_batch, reqs: Optional[Sequence]) -> None:
-        """Attach the oracle data of ``reqs`` (row-aligned with ``forward_batch``); no-op for a
-        batch without requests (idle)."""
+    def attach_batch(self, forward_batch, state: CanaryBatchState,
+                     reqs: Optional[Sequence]) -> None:
+        """Attach the oracle data of ``reqs`` (row-aligned with ``forward_batch``): the host
+        rows to ``state`` (the batch's canary state), the keys to its ``sampling_info``; no-op
+        for a batch without requests (idle)."""
         if reqs is None:
             return
         keys = np.fromiter((_req_key(r) for r in reqs), dtype=np.int64, count=len(reqs))
-        setattr(forward_batch, ORACLE_ROWS_ATTR,
-                OracleRows(keys=keys, prompts=tuple(r.origin_input_ids for r in reqs)))
-        sampling_info = getattr(forward_batch, "sampling_info", None)
-        if sampling_info is not None:
-            setattr(sampling_info, ORACLE_BATCH_ATTR, OracleBatch(
-                keys=torch.from_numpy(keys).to(self.device),
-                vocab_size=self.vocab_size, after_sample=self.after_sample))
+        state.oracle_rows = OracleRows(keys=keys, prompts=tuple(r.origin_input_ids for r in reqs))
+        sglang_seam.set_sampling_oracle(forward_batch, OracleBatch(
+            keys=torch.from_numpy(keys).to(self.device),
+            vocab_size=self.vocab_size, after_sample=self.after_sample))
 
     def expected_inputs(self, forward_batch) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(tokens, positions)``: int64 CPU ``[num_written]`` in ``out_cache_loc`` order, or
         None when the batch carries no oracle rows."""
-        rows: Optional[OracleRows] = getattr(forward_batch, ORACLE_ROWS_ATTR, None)
+        state = batch_state(forward_batch)
+        rows = state.oracle_rows if state is not None else None
         if rows is None:
             return None
         _, prefix, extend = host_prefix_extend(forward_batch)

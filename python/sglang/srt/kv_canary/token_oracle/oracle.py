@@ -20,9 +20,6 @@ from sglang.jit_kernel.kv_canary._hash_torch import splitmix64_t
 
 TOKEN_ORACLE_BACKEND = "token_oracle"
 
-# attribute of ``SamplingBatchInfo`` carrying the batch's :class:`OracleBatch`
-ORACLE_BATCH_ATTR = "kv_canary_oracle_batch"
-
 
 def request_oracle_key(rid) -> int:
     """A stable signed 64-bit key of a request id (any ``str()``-able value)."""

@@ -1,4 +1,5 @@
-"""``TokenOracleSampler``: the ``token_oracle`` sampling backend (SPEC §13).
+"""``TokenOracleSampler``: the ``token_oracle`` sampling backend (docs/architecture.md,
+"Self-tests").
 
 Registered with sglang's ``register_sampler_backend`` by the plugin, so
 ``--sampling-backend token_oracle`` selects it; on devices where sglang forces its own sampler
@@ -16,28 +17,21 @@ from __future__ import annotations
 from typing import List
 
 import torch
-from torch import nn
 
-from sglang.srt.kv_canary.token_oracle.oracle import (
-    ORACLE_BATCH_ATTR,
-    TOKEN_ORACLE_BACKEND,
-    oracle_tokens,
-)
-from sglang.srt.layers.sampler import Sampler
+from sglang.srt.kv_canary import sglang_seam
+from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND, oracle_tokens
 
 
-class TokenOracleSampler(Sampler):
+class TokenOracleSampler(sglang_seam.sglang_sampler_class()):
     """A ``Sampler`` whose tokens come from the oracle, not from the logits. Log-probs are not
     computed (``return_logprob`` requests raise: the oracle has no distribution)."""
 
     def __init__(self):
-        # sglang's Sampler.__init__ reads the tensor-parallel group and sampling options that
-        # the oracle does not use; only the nn.Module part is needed.
-        nn.Module.__init__(self)
+        sglang_seam.init_sampler_module_only(self)
 
     def forward(self, logits_output, sampling_info, return_logprob: bool,
                 top_logprobs_nums: List[int], token_ids_logprobs, positions: torch.Tensor):
-        batch = getattr(sampling_info, ORACLE_BATCH_ATTR, None)
+        batch = sglang_seam.sampling_oracle(sampling_info)
         if batch is None:
             raise RuntimeError(
                 f"kv_canary: the {TOKEN_ORACLE_BACKEND!r} sampler got a batch without oracle "
@@ -59,8 +53,4 @@ class TokenOracleSampler(Sampler):
 
 def register_token_oracle_backend() -> None:
     """Register the ``token_oracle`` backend with sglang (once per process)."""
-    from sglang.srt.layers import sampler as sampler_mod
-
-    if sampler_mod._CUSTOM_SAMPLER_FACTORIES.get(TOKEN_ORACLE_BACKEND) is TokenOracleSampler:
-        return
-    sampler_mod.register_sampler_backend(TOKEN_ORACLE_BACKEND, TokenOracleSampler)
+    sglang_seam.register_sampler_backend(TOKEN_ORACLE_BACKEND, TokenOracleSampler)

@@ -46,7 +46,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from sglang.jit_kernel.kv_canary.verify import PoolKind, RealKvSource
+from sglang.jit_kernel.kv_canary.types import PoolKind, RealKvSource
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.pool_patcher.adapters.swa import (
     require_sub_pool,
@@ -55,6 +55,7 @@ from sglang.srt.kv_canary.pool_patcher.adapters.swa import (
 )
 from sglang.srt.kv_canary.pool_patcher.buf_info_splice import splice_into_method
 from sglang.srt.kv_canary.pool_patcher.buffer_alloc import allocate_canary_buffer
+from sglang.srt.kv_canary.sglang_seam import import_sglang_class
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +141,9 @@ def register() -> None:
     from sglang.srt.kv_canary.pool_patcher.registry import register_pool_attacher
 
     try:
-        from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-    except Exception as e:  # optional: its import pulls DSV4 kernels that may be missing
+        pool_cls = import_sglang_class("sglang.srt.mem_cache.deepseek_v4_memory_pool",
+                                       "DeepSeekV4TokenToKVPool")
+    except ImportError as e:  # a build without DeepSeek-V4 support
         logger.info("kv_canary: DeepSeekV4TokenToKVPool unavailable (%s); DSV4 adapter off", e)
         return
-    register_pool_attacher(DeepSeekV4TokenToKVPool, attach_dsv4)
+    register_pool_attacher(pool_cls, attach_dsv4)

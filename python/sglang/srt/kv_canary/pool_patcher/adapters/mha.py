@@ -13,10 +13,11 @@ from typing import List, Optional
 
 import torch
 
-from sglang.jit_kernel.kv_canary.verify import PoolKind, RealKvSource
+from sglang.jit_kernel.kv_canary.types import PoolKind, RealKvSource
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.pool_patcher.buf_info_splice import splice_into_method
 from sglang.srt.kv_canary.pool_patcher.buffer_alloc import allocate_canary_buffer
+from sglang.srt.kv_canary.sglang_seam import import_sglang_class
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +79,10 @@ def attach_mha(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
 def register() -> None:
     from sglang.srt.kv_canary.pool_patcher.registry import register_pool_attacher
 
-    try:
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    except ImportError:  # pragma: no cover - present in sglang 0.5.12
-        logger.warning("kv_canary: MHATokenToKVPool not found in this sglang; MHA adapter off")
-        return
-    register_pool_attacher(MHATokenToKVPool, attach_mha)
-    try:
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolFP4
-    except ImportError:
-        return
-    register_pool_attacher(MHATokenToKVPoolFP4, attach_mha)
+    for name in ("MHATokenToKVPool", "MHATokenToKVPoolFP4"):
+        try:
+            cls = import_sglang_class("sglang.srt.mem_cache.memory_pool", name)
+        except ImportError:
+            logger.warning("kv_canary: %s not found in this sglang; not covered", name)
+            continue
+        register_pool_attacher(cls, attach_mha)

@@ -28,9 +28,10 @@ from typing import List, Optional
 
 import torch
 
-from sglang.jit_kernel.kv_canary.verify import PoolKind
+from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.pool_patcher.adapters.mha import build_mha_group, splice_mha_group
+from sglang.srt.kv_canary.sglang_seam import import_sglang_class
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,8 @@ def register() -> None:
     from sglang.srt.kv_canary.pool_patcher.registry import register_pool_attacher
 
     try:
-        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+        swa_kv_pool = import_sglang_class("sglang.srt.mem_cache.swa_memory_pool", "SWAKVPool")
     except ImportError:
         logger.warning("kv_canary: SWAKVPool not found in this sglang; SWA adapter off")
         return
-    register_pool_attacher(SWAKVPool, attach_swa)
+    register_pool_attacher(swa_kv_pool, attach_swa)

@@ -1,4 +1,5 @@
-"""The one place that turns (groups, endpoints, a forward batch) into kernel launches.
+"""The plan / verify / write launches of one forward (called only by the single-forward
+manager; the radix sweep and the token-history upload launch their own kernels).
 
 Everything here is graph-safe: launches on static buffers, no allocation, no host sync.
 """
@@ -6,22 +7,20 @@ Everything here is graph-safe: launches on static buffers, no allocation, no hos
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, Mapping, Optional, Tuple
 
 import torch
 
 from sglang.jit_kernel.kv_canary.plan import launch_canary_plan_kernels
-from sglang.jit_kernel.kv_canary.verify import (
+from sglang.jit_kernel.kv_canary.types import (
     CanaryPhase,
     PoolKind,
     VerifyPlan,
-    launch_canary_verify_kernel,
-)
-from sglang.jit_kernel.kv_canary.write import (
     WriteParts,
     WritePlan,
-    launch_canary_write_kernel,
 )
+from sglang.jit_kernel.kv_canary.verify import launch_canary_verify_kernel
+from sglang.jit_kernel.kv_canary.write import launch_canary_write_kernel
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.endpoint import CanaryEndpoint
@@ -94,18 +93,22 @@ def translated_slots(plans: GroupPlans, out_cache_loc: torch.Tensor) -> torch.Te
     return plans.write_slots[: out_cache_loc.shape[0]]
 
 
+PlansByGroup = Mapping[CanaryBufferGroup, GroupPlans]
+
+
 def launch_verifies(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
-                    plans_by_group, check_verify_expected_token: bool) -> None:
+                    plans_by_group: PlansByGroup, check_verify_expected_token: bool) -> None:
     """Verify launch of every endpoint of ``phase`` (HEAD or TAIL), on its group's plan."""
     for ep in endpoints:
         if ep.phase == phase:
             launch_canary_verify_kernel(context=ep.context,
-                                        plan=plans_by_group[id(ep.group)].verify_plan,
+                                        plan=plans_by_group[ep.group].verify_plan,
                                         check_verify_expected_token=check_verify_expected_token)
 
 
 def launch_writes(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
-                  parts: WriteParts, plans_by_group, input_ids, positions, out_cache_loc,
+                  parts: WriteParts, plans_by_group: PlansByGroup, input_ids, positions,
+                  out_cache_loc,
                   expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Write launch (``parts`` of it) of every endpoint of ``phase``; SWA groups get their
     translated slots (translated once per group, by the chain part or an ``ALL`` write)."""
@@ -113,14 +116,14 @@ def launch_writes(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
     for ep in endpoints:
         if ep.phase != phase:
             continue
-        plans = plans_by_group[id(ep.group)]
-        if id(plans) not in translated:
-            translated[id(plans)] = (write_slots_for(plans, out_cache_loc)
-                                     if parts != WriteParts.FINGERPRINT
-                                     else translated_slots(plans, out_cache_loc))
+        plans = plans_by_group[ep.group]
+        if ep.group not in translated:
+            translated[ep.group] = (write_slots_for(plans, out_cache_loc)
+                                    if parts != WriteParts.FINGERPRINT
+                                    else translated_slots(plans, out_cache_loc))
         launch_canary_write_kernel(
             context=ep.context, plan=plans.write_plan, input_ids=input_ids,
-            positions=positions, out_cache_loc=translated[id(plans)], parts=parts,
+            positions=positions, out_cache_loc=translated[ep.group], parts=parts,
             enable_write_input_assert=expected_inputs is not None,
             expected_input_tokens=expected_inputs[0] if expected_inputs is not None else None,
             expected_input_positions=expected_inputs[1] if expected_inputs is not None else None,

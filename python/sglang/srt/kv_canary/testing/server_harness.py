@@ -1,4 +1,5 @@
-"""Run a real sglang 0.5.12 server with a tiny dummy-weight model, on the CPU (SPEC §15) or on
+"""Run a real sglang 0.5.12 server with a tiny dummy-weight model, on the CPU
+(docs/architecture.md, "CPU server") or on
 a GPU, for the end-to-end tests and the demo.
 
 On a machine without a GPU: A tiny dummy-weight Llama (hidden 64, 2 layers,

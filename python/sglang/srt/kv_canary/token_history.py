@@ -1,13 +1,17 @@
-"""Token-id verification inputs (SPEC §11): each request's own token history, scattered into
-the expected-token pool that the plan gathers from.
+"""Token-id verification inputs (docs/architecture.md, "Token checks"): each request's own
+token history, scattered into the expected-token pool that the plan gathers from.
 
-``compute_req_all_ids_info`` runs where the batch is built (``ForwardBatch.init_new``, only
-when ``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1``) and snapshots
-``origin_input_ids + output_ids`` of every request on the host. ``populate_req_to_expected_
-token_ids`` runs in the forward's outside-graph phase: it copies the snapshot to the device and
-scatters it into ``req_to_verify_expected_tokens[req_pool_index, position]``. Positions past a
-request's snapshot length (the token being sampled now, an output id not yet known under
-overlap scheduling, a recycled row's stale tail) are outside its valid length and unchecked.
+One owner, :class:`TokenHistoryUploader` (built by the canary builder, handed to every
+single-forward manager), and one direction: :meth:`TokenHistoryUploader.snapshot` runs where
+the batch is built (the ``ForwardBatch.init_new`` hook, only when
+``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1``) and snapshots ``origin_input_ids +
+output_ids`` of every request on the host into a :class:`TokenIdSnapshot`, which the batch
+carries as an opaque handle (its :class:`~sglang.srt.kv_canary.batch_state.CanaryBatchState`).
+:meth:`TokenHistoryUploader.upload` runs in the forward's outside-graph phase: it copies the
+snapshot to the device and scatters it into ``req_to_verify_expected_tokens[req_pool_index,
+position]``. Positions past a request's snapshot length (the token being sampled now, an
+output id not yet known under overlap scheduling, a recycled row's stale tail) are outside
+its valid length and unchecked.
 
 Incremental snapshots (what the runtime uses). A request's history only grows, and its pool
 row keeps what earlier forwards scattered, so re-sending the whole history every step is pure
@@ -32,19 +36,15 @@ import dataclasses
 import functools
 import itertools
 import logging
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from sglang.jit_kernel.kv_canary.scatter_req_token_ids import launch_scatter_req_token_ids_kernel
+from sglang.srt.kv_canary.batch_state import CanaryBatchState
 
 logger = logging.getLogger(__name__)
-
-SNAPSHOT_FLAT_ATTR = "req_all_ids_flat"
-SNAPSHOT_LENS_ATTR = "req_all_ids_lens"
-SNAPSHOT_STARTS_ATTR = "req_all_ids_starts"
-_SNAPSHOT_ATTR = "_kv_canary_token_snapshot"
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,11 +54,12 @@ def _pin() -> bool:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenIdSnapshot:
-    """One batch's token-id snapshot: ``packed`` is a single int64 host buffer
-    ``[lens (bs) | starts (bs) | offsets (bs + 1) | flat (total)]`` (pinned when CUDA exists),
-    ``flat`` / ``lens`` / ``starts`` its views (what the ForwardBatch attributes hold). For
-    an incremental snapshot, ``rows`` is the record it was taken against and ``epoch`` /
-    ``seq`` / ``reqs`` let the upload check the order (and re-snapshot when needed)."""
+    """One batch's token-id snapshot (the opaque handle its ``CanaryBatchState`` carries):
+    ``packed`` is a single int64 host buffer ``[lens (bs) | starts (bs) | offsets (bs + 1) |
+    flat (total)]`` (pinned when CUDA exists), ``flat`` (the tokens sent), ``lens`` (each
+    request's whole history length) and ``starts`` (first position of each request's segment)
+    its views. ``rows`` is the record it was taken against and ``epoch`` / ``seq`` / ``reqs``
+    let the upload check the order (and re-snapshot when needed)."""
 
     packed: torch.Tensor
     flat: torch.Tensor
@@ -85,32 +86,6 @@ class TokenIdSnapshot:
         return cls(packed=packed, flat=packed[3 * bs + 1:], lens=packed[:bs],
                    starts=packed[bs:2 * bs], **origin)
 
-    def attach(self, forward_batch) -> None:
-        setattr(forward_batch, SNAPSHOT_FLAT_ATTR, self.flat)
-        setattr(forward_batch, SNAPSHOT_LENS_ATTR, self.lens)
-        setattr(forward_batch, SNAPSHOT_STARTS_ATTR, self.starts)
-        setattr(forward_batch, _SNAPSHOT_ATTR, self)
-
-    def is_attached_to(self, forward_batch) -> bool:
-        """True when the batch's attributes are still this snapshot's views."""
-        return (getattr(forward_batch, SNAPSHOT_FLAT_ATTR, None) is self.flat
-                and getattr(forward_batch, SNAPSHOT_LENS_ATTR, None) is self.lens
-                and getattr(forward_batch, SNAPSHOT_STARTS_ATTR, None) is self.starts)
-
-
-def _snapshot_whole(reqs: Sequence) -> TokenIdSnapshot:
-    lens = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
-    pieces = [p for r in reqs for p in (r.origin_input_ids, r.output_ids)]
-    return TokenIdSnapshot.pack(lens, [0] * len(lens), pieces, sum(lens))
-
-
-def compute_req_all_ids_info(reqs: Sequence) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(flat, lens)``: int64 CPU tensors, ``flat`` = the concatenated ``origin_input_ids +
-    output_ids`` of ``reqs`` in order, ``lens[i]`` = request i's length. Pinned when CUDA
-    exists (so the later device copy is asynchronous)."""
-    snap = _snapshot_whole(reqs)
-    return snap.flat, snap.lens
-
 
 class ExpectedTokenRows:
     """Host record of the expected-token pool (one per pool; the runtime's ``CanaryManager``
@@ -121,8 +96,8 @@ class ExpectedTokenRows:
     shortening the input) it assigns new lists, so the row is sent whole again. A history
     shorter than what the row holds is sent whole as well.
 
-    Used on sglang's scheduler thread only: :meth:`snapshot` from the ``ForwardBatch.init_new``
-    hook, :meth:`check_upload` from :func:`populate_req_to_expected_token_ids`. Not
+    Used on sglang's scheduler thread only, by :class:`TokenHistoryUploader` (:meth:`snapshot`
+    from the ``ForwardBatch.init_new`` hook, :meth:`check_upload` before an upload). Not
     thread-safe (sglang builds and runs forwards on one thread)."""
 
     def __init__(self, num_rows: int):
@@ -196,78 +171,51 @@ class ExpectedTokenRows:
         return False
 
 
-def attach_req_all_ids_info(forward_batch, reqs: Optional[Sequence],
-                            rows: Optional[ExpectedTokenRows] = None) -> None:
-    """Set ``forward_batch.req_all_ids_flat`` / ``req_all_ids_lens`` (and
-    ``req_all_ids_starts``) from ``reqs``: whole histories without ``rows``, the missing
-    tokens only with it (the ``ForwardBatch.init_new`` hook passes the runtime's record).
-    No-op when the batch carries no requests."""
-    if reqs is None:
-        return
-    (_snapshot_whole(reqs) if rows is None else rows.snapshot(reqs)).attach(forward_batch)
+class TokenHistoryUploader:
+    """The one owner of the expected-token pool's contents (built by the canary builder when
+    ``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1``, handed to every single-forward
+    manager). ``pool``: int32 ``[req_to_token rows, max_context_len]`` on the canary's device
+    (``CanaryDeviceState.req_to_verify_expected_tokens``)."""
 
+    def __init__(self, pool: torch.Tensor):
+        if not isinstance(pool, torch.Tensor) or pool.dtype != torch.int32 or pool.dim() != 2:
+            raise TypeError("TokenHistoryUploader needs an int32 [rows, max_context_len] pool")
+        self.pool = pool
+        self.rows = ExpectedTokenRows(pool.shape[0])
 
-def _pack_attributes(forward_batch) -> TokenIdSnapshot:
-    """Pack ``req_all_ids_flat`` / ``req_all_ids_lens`` (/ ``req_all_ids_starts``, default 0)
-    set by other code than :meth:`TokenIdSnapshot.attach`, after checking they agree."""
-    flat = getattr(forward_batch, SNAPSHOT_FLAT_ATTR)
-    lens = getattr(forward_batch, SNAPSHOT_LENS_ATTR)
-    starts = getattr(forward_batch, SNAPSHOT_STARTS_ATTR, None)
-    if starts is None:
-        starts = torch.zeros_like(lens)
-    if starts.shape != lens.shape:
-        raise RuntimeError(
-            f"kv_canary: the token-id snapshot has {starts.shape[0]} starts for "
-            f"{lens.shape[0]} lengths")
-    total = int((lens - starts).sum())
-    if total != flat.shape[0]:
-        raise RuntimeError(
-            f"kv_canary: the token-id snapshot holds {flat.shape[0]} ids but its lengths sum "
-            f"to {total}")
-    return TokenIdSnapshot.pack(lens.tolist(), starts.tolist(), (flat.tolist(),), total)
+    def snapshot(self, state: CanaryBatchState, reqs: Optional[Sequence]) -> None:
+        """The ``ForwardBatch.init_new`` hook: snapshot the tokens of ``reqs`` that their pool
+        rows lack into ``state`` (no-op for a batch without requests). Host only."""
+        if reqs is not None:
+            state.token_snapshot = self.rows.snapshot(reqs)
 
-
-def _snapshot_to_upload(forward_batch, bs: int) -> TokenIdSnapshot:
-    """The snapshot to upload for this batch of ``bs`` requests: the attached one (taken again,
-    whole, if its record says the rows lack what it assumed), or the batch's attributes
-    packed when other code set them."""
-    snap = getattr(forward_batch, _SNAPSHOT_ATTR, None)
-    if snap is None or not snap.is_attached_to(forward_batch):
-        snap = _pack_attributes(forward_batch)
-    if snap.lens.shape[0] != bs:
-        raise RuntimeError(
-            f"kv_canary: the token-id snapshot covers {snap.lens.shape[0]} requests but the "
-            f"forward batch has {bs}: the batch's requests and req_pool_indices disagree")
-    if snap.rows is not None and not snap.rows.check_upload(snap):
-        # the record was reset: a new snapshot of the batch's requests sends them whole and
-        # is the next in order
-        snap = snap.rows.snapshot(snap.reqs)
-        snap.attach(forward_batch)
-        snap.rows.check_upload(snap)
-    return snap
-
-
-def populate_req_to_expected_token_ids(*, forward_batch,
-                                       req_to_verify_expected_tokens: Optional[torch.Tensor]
-                                       ) -> Optional[torch.Tensor]:
-    """Scatter the batch's snapshot into ``req_to_verify_expected_tokens`` (int32
-    ``[rows, max_context_len]``); returns the per-request lengths on its device (int64
-    ``[bs]``) for the plan's valid lengths, or None when there is nothing to do (no pool, no
-    snapshot, empty batch). Raises ``RuntimeError`` when the snapshot does not match the batch.
-    Runs outside CUDA graphs; one host→device copy and one scatter launch, no host sync."""
-    pool = req_to_verify_expected_tokens
-    if (pool is None or getattr(forward_batch, SNAPSHOT_FLAT_ATTR, None) is None
-            or getattr(forward_batch, SNAPSHOT_LENS_ATTR, None) is None):
-        return None
-    bs = forward_batch.req_pool_indices.shape[0]
-    if bs == 0:
-        return None
-    snap = _snapshot_to_upload(forward_batch, bs)
-    on_device = snap.packed.to(pool.device, non_blocking=True)
-    lens_d, starts_d = on_device[:bs], on_device[bs:2 * bs]
-    offsets_d, flat_d = on_device[2 * bs:3 * bs + 1], on_device[3 * bs + 1:]
-    launch_scatter_req_token_ids_kernel(
-        flat_in=flat_d, offsets=offsets_d,
-        req_pool_indices=forward_batch.req_pool_indices.to(torch.int64), pool_out=pool,
-        dst_starts=starts_d)
-    return lens_d
+    def upload(self, state: Optional[CanaryBatchState], req_pool_indices: torch.Tensor
+               ) -> Optional[torch.Tensor]:
+        """Scatter the batch's snapshot into the pool; returns the per-request whole lengths
+        on the pool's device (int64 ``[bs]``, the plan's valid lengths), or None when there
+        is nothing to upload (no snapshot, empty batch). A snapshot that reaches the device
+        out of order is replaced (in ``state``) by a whole one first. Raises ``RuntimeError``
+        when the snapshot does not match the batch. Outside CUDA graphs; one host→device copy
+        and one scatter launch, no host sync."""
+        snap = state.token_snapshot if state is not None else None
+        bs = req_pool_indices.shape[0]
+        if snap is None or bs == 0:
+            return None
+        if snap.lens.shape[0] != bs:
+            raise RuntimeError(
+                f"kv_canary: the token-id snapshot covers {snap.lens.shape[0]} requests but "
+                f"the forward batch has {bs}: the batch's requests and req_pool_indices "
+                "disagree")
+        if not self.rows.check_upload(snap):
+            # the record was reset: a new snapshot of the batch's requests sends them whole
+            # and is the next in order
+            snap = self.rows.snapshot(snap.reqs)
+            state.token_snapshot = snap
+            self.rows.check_upload(snap)
+        on_device = snap.packed.to(self.pool.device, non_blocking=True)
+        lens_d, starts_d = on_device[:bs], on_device[bs:2 * bs]
+        offsets_d, flat_d = on_device[2 * bs:3 * bs + 1], on_device[3 * bs + 1:]
+        launch_scatter_req_token_ids_kernel(
+            flat_in=flat_d, offsets=offsets_d, req_pool_indices=req_pool_indices.to(torch.int64),
+            pool_out=self.pool, dst_starts=starts_d)
+        return lens_d

@@ -1,0 +1,49 @@
+"""``CanaryBatchState``: the canary's host-side data for one ``ForwardBatch``.
+
+One object per batch, attached through the sglang seam (the batch's only canary attribute),
+created by the ``ForwardBatch.init_new`` hook and read by the single-forward manager that
+runs the batch. Its fields are handles the canary's owners hand themselves: the token-history
+snapshot (owned by :class:`~sglang.srt.kv_canary.token_history.TokenHistoryUploader`) and the
+token oracle's rows (owned by
+:class:`~sglang.srt.kv_canary.token_oracle.manager.TokenOracleManager`). Host only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from sglang.srt.kv_canary import sglang_seam
+
+if TYPE_CHECKING:
+    from sglang.srt.kv_canary.sglang_seam import ForwardBatch  # noqa: F401
+    from sglang.srt.kv_canary.token_history import TokenIdSnapshot
+    from sglang.srt.kv_canary.token_oracle.manager import OracleRows
+
+
+class CanaryBatchState:
+    """``token_snapshot``: the batch's token-id snapshot (token checks on), ``oracle_rows``:
+    the oracle's keys and prompts (token oracle on); None when that feature is off."""
+
+    __slots__ = ("token_snapshot", "oracle_rows")
+
+    def __init__(self):
+        self.token_snapshot: Optional["TokenIdSnapshot"] = None
+        self.oracle_rows: Optional["OracleRows"] = None
+
+
+def batch_state(forward_batch) -> Optional[CanaryBatchState]:
+    """The batch's state, or None when no canary hook has attached one."""
+    state = sglang_seam.batch_state(forward_batch)
+    if state is not None and not isinstance(state, CanaryBatchState):
+        raise RuntimeError(f"kv_canary: the batch's canary state is a {type(state).__name__}, "
+                           "not a CanaryBatchState")
+    return state
+
+
+def batch_state_for(forward_batch) -> CanaryBatchState:
+    """The batch's state, created (and attached) on first use."""
+    state = batch_state(forward_batch)
+    if state is None:
+        state = CanaryBatchState()
+        sglang_seam.set_batch_state(forward_batch, state)
+    return state

@@ -1,0 +1,53 @@
+"""``build_canary``: the one assembly of the canary, for production, tests and benchmarks.
+
+:func:`~sglang.srt.kv_canary.api.install_canary` calls it with what it reads off a
+``ModelRunner``; the test driver and the benchmarks call it with their own pools. Nothing here
+knows about ``ModelRunner``: inputs are the KV pool, the ``req_to_token`` table, the config and
+the server limits (:class:`~sglang.srt.kv_canary.capacities.CanaryCapacityInputs`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from sglang.srt.kv_canary.capacities import CanaryCapacityInputs, CanaryLaunchCapacities
+from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
+from sglang.srt.kv_canary.runner import CanaryManager
+from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
+
+
+def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
+                 capacity_inputs: CanaryCapacityInputs, device,
+                 swa_window_size: Optional[int] = None,
+                 kv_token_id_vs_position_offset: int = 0,
+                 vocab_size: Optional[int] = None,
+                 token_oracle: Optional[TokenOracleManager] = None,
+                 num_single_forward_managers: int = 1) -> CanaryManager:
+    """Attach canary buffers to ``pool`` (splicing them into its buf-info methods), size the
+    per-forward buffers from ``capacity_inputs`` and return the :class:`CanaryManager`.
+
+    ``req_to_token``: int32 ``[rows, max_context_len]`` (sglang's ``ReqToTokenPool`` table);
+    ``swa_window_size``: the model's sliding window (SWA pools; None without one);
+    ``kv_token_id_vs_position_offset``: 1 for EAGLE draft pools, else 0. With the token oracle
+    on (``config.enable_token_oracle``) a :class:`TokenOracleManager` over ``vocab_size`` is
+    created unless ``token_oracle`` is given. Not graph-related; runs once, at start-up."""
+    if not config.enabled:
+        raise ValueError("build_canary needs --kv-canary log or raise (got none)")
+    device = torch.device(device)
+    groups = attach_canary_buffers(pool=pool, config=config, device=device,
+                                   kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+                                   swa_window_size=swa_window_size)
+    capacities = CanaryLaunchCapacities.for_server(
+        num_slots=groups[0].num_slots, req_to_token_rows=int(req_to_token.shape[0]),
+        inputs=capacity_inputs)
+    if config.enable_token_oracle and token_oracle is None:
+        if vocab_size is None:
+            raise ValueError("build_canary: the token oracle is on but no vocab_size was given")
+        token_oracle = TokenOracleManager(vocab_size=vocab_size, device=device)
+    return CanaryManager(config=config, groups=groups, capacities=capacities,
+                         req_to_token=req_to_token, device=device,
+                         num_single_forward_managers=num_single_forward_managers,
+                         token_oracle=token_oracle)

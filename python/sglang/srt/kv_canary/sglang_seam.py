@@ -1,0 +1,331 @@
+"""The sglang seam: the one module that touches sglang 0.5.12's internals.
+
+Every sglang object the canary reads beyond a public dataclass field, every attribute it sets
+on an sglang object, every hook target and every sglang import of the runtime goes through
+here (the layering test checks the imports: only this module imports sglang outside the two
+kv_canary packages). When a future sglang moves one of these, this module is the one to
+change; the table says who relies on each.
+
+| sglang internal (0.5.12) | what the canary does with it | used by |
+| --- | --- | --- |
+| hook targets (``HOOK_*`` below) through ``HookRegistry`` | BEFORE / AFTER / AROUND hooks | ``plugin`` |
+| ``ServerArgs`` instance | sets ``kv_canary``, ``kv_canary_sweep_interval``, ``kv_canary_real_data``, ``kv_canary_token_oracle_requested``; reads ``device``, ``disable_piecewise_cuda_graph``, ``enable_torch_compile``, ``chunked_prefill_size``, ``max_prefill_tokens``, ``cuda_graph_max_bs``, ``sampling_backend`` | ``server_args_ext``, ``config``, ``api`` |
+| ``ModelRunner`` | reads ``token_to_kv_pool``, ``req_to_token_pool.req_to_token``, ``device``, ``model_config.context_len`` / ``vocab_size``, ``sliding_window_size``, ``is_draft_worker``; sets ``kv_canary_manager``; replaces ``sampler`` (token oracle); wraps ``model.forward`` on the instance | ``api`` |
+| ``CudaGraphRunner.model_runner``, ``.buffers`` (``DecodeInputBuffers``) | zeroes ``req_pool_indices`` (and ``input_ids`` / ``positions`` for the token oracle) before each replay | ``plugin`` |
+| ``Scheduler.tp_worker.model_runner``, ``Scheduler.tree_cache`` | finds the runner's canary, hands the radix cache to the sweep | ``plugin`` |
+| ``ScheduleBatch.reqs`` | the requests of a ``ForwardBatch.init_new`` | ``plugin`` |
+| ``ForwardBatch`` | sets one attribute, ``kv_canary_batch_state`` (:func:`set_batch_state`); reads ``spec_info.draft_token_num``; ``ForwardMode`` | ``batch_state``, ``plan_input`` |
+| ``SamplingBatchInfo`` | sets / reads ``kv_canary_oracle_batch`` | ``token_oracle`` |
+| ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``; histories are kept by identity (sglang replaces, never edits, a rewritten list) | ``token_oracle``, ``token_history`` |
+| radix tree nodes (``TreeNode``) | reads ``root_node``, ``children``, ``value``, ``lock_ref``, ``swa_tombstone``; ``RadixCache`` / ``SWARadixCache`` types | ``radix_cache_walker`` |
+| ``sglang.srt.layers.sampler`` | ``Sampler`` base class (its ``__init__`` is skipped: :func:`init_sampler_module_only`), ``register_sampler_backend``, the private ``_CUSTOM_SAMPLER_FACTORIES`` (idempotent registration) | ``token_oracle.sampler`` |
+| KV pool instances | wraps buf-info methods on the instance (:func:`wrap_method_once`); pool classes (:func:`import_sglang_class`); each adapter reads its pool's buffers (listed in the adapter's docstring) | ``pool_patcher`` |
+
+Nothing here runs on the CUDA-graph path except :func:`zero_graph_padding_inputs` (one memset
+per buffer on the forward stream, no sync).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Tuple
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+if TYPE_CHECKING:  # annotations only
+    import torch
+
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+    from sglang.srt.mem_cache.memory_pool import KVCache
+    from sglang.srt.mem_cache.radix_cache import TreeNode
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang.srt.server_args import ServerArgs
+
+__all__ = ["ForwardMode"]  # the rest is used by attribute: ``sglang_seam.<name>``
+
+# ---- hook targets ------------------------------------------------------------------------------
+
+_SA = "sglang.srt.server_args.ServerArgs"
+_MR = "sglang.srt.model_executor.model_runner.ModelRunner"
+_CG = "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner"
+HOOK_SERVER_ARGS_INIT = f"{_SA}.__init__"
+HOOK_SERVER_ARGS_ADD_CLI_ARGS = f"{_SA}.add_cli_args"
+HOOK_SERVER_ARGS_FROM_CLI_ARGS = f"{_SA}.from_cli_args"
+HOOK_MODEL_RUNNER_INIT_MEMORY_POOL = f"{_MR}.init_memory_pool"
+HOOK_MODEL_RUNNER_INIT = f"{_MR}.__init__"
+HOOK_MODEL_RUNNER_FORWARD = f"{_MR}.forward"
+HOOK_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_CG}.capture_one_batch_size"
+HOOK_GRAPH_REPLAY_PREPARE = f"{_CG}.replay_prepare"
+HOOK_GRAPH_REPLAY = f"{_CG}.replay"
+HOOK_SCHEDULER_INIT_CACHE = "sglang.srt.managers.scheduler.Scheduler.init_cache_with_memory_pool"
+HOOK_FORWARD_BATCH_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+
+
+def register_hook(target: str, hook: Callable, kind: str) -> None:
+    """``HookRegistry.register(target, hook, HookType[kind])`` (kind: BEFORE / AFTER / AROUND
+    / REPLACE)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(target, hook, HookType[kind])
+
+
+# ---- ServerArgs --------------------------------------------------------------------------------
+
+
+def server_args_value(server_args: "ServerArgs", name: str, default: Any = None) -> Any:
+    """``server_args.<name>``, or ``default`` when the object lacks it (a ServerArgs built
+    before the plugin was loaded, or a test's namespace)."""
+    return getattr(server_args, name, default)
+
+
+def set_server_args_values(server_args: "ServerArgs", values: dict) -> None:
+    """Set the canary's own attributes on a ``ServerArgs`` instance (the dataclass is sglang's;
+    the canary's fields live on the instance, so they are pickled to the scheduler)."""
+    for name, value in values.items():
+        setattr(server_args, name, value)
+
+
+# ---- ModelRunner -------------------------------------------------------------------------------
+
+_MANAGER_ATTR = "kv_canary_manager"
+_WRAPPED_FORWARD_MARK = "_kv_canary_wrapped_forward"
+
+
+class RunnerFacts:
+    """What the canary builder needs from a ``ModelRunner`` (read once, at install)."""
+
+    __slots__ = ("kv_pool", "req_to_token", "device", "context_len", "vocab_size",
+                 "sliding_window_size", "is_draft_worker")
+
+    def __init__(self, model_runner: "ModelRunner"):
+        self.kv_pool: "KVCache" = model_runner.token_to_kv_pool
+        self.req_to_token: "torch.Tensor" = model_runner.req_to_token_pool.req_to_token
+        self.device = model_runner.device
+        self.context_len = int(model_runner.model_config.context_len)
+        self.vocab_size = int(model_runner.model_config.vocab_size)
+        window = getattr(model_runner, "sliding_window_size", None)
+        self.sliding_window_size: Optional[int] = int(window) if window else None
+        self.is_draft_worker = bool(getattr(model_runner, "is_draft_worker", False))
+
+
+def is_draft_worker(model_runner: "ModelRunner") -> bool:
+    return bool(getattr(model_runner, "is_draft_worker", False))
+
+
+def runner_canary(model_runner: Optional["ModelRunner"]):
+    """The canary manager installed on ``model_runner`` (None when off or not installed)."""
+    return getattr(model_runner, _MANAGER_ATTR, None) if model_runner is not None else None
+
+
+def set_runner_canary(model_runner: "ModelRunner", manager) -> None:
+    setattr(model_runner, _MANAGER_ATTR, manager)
+
+
+def runner_sampler(model_runner: "ModelRunner"):
+    return getattr(model_runner, "sampler", None)
+
+
+def set_runner_sampler(model_runner: "ModelRunner", sampler) -> None:
+    model_runner.sampler = sampler
+
+
+def wrap_model_forward(model_runner: "ModelRunner", *, before: Callable, after: Callable
+                       ) -> bool:
+    """Wrap ``model_runner.model.forward`` on the instance (once) so that ``before(fb)`` and
+    ``after(fb)`` run around every call, eager or captured. False when already wrapped."""
+    model = model_runner.model
+    if getattr(model, _WRAPPED_FORWARD_MARK, False):
+        return False
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(input_ids, positions, forward_batch, *args, **kwargs):
+        before(forward_batch)
+        out = original(input_ids, positions, forward_batch, *args, **kwargs)
+        after(forward_batch)
+        return out
+
+    model.forward = forward
+    setattr(model, _WRAPPED_FORWARD_MARK, True)
+    return True
+
+
+# ---- CudaGraphRunner / Scheduler / ScheduleBatch ------------------------------------------------
+
+
+def graph_runner_model_runner(graph_runner: "CudaGraphRunner") -> "ModelRunner":
+    return graph_runner.model_runner
+
+
+def zero_graph_padding_inputs(graph_runner: "CudaGraphRunner", *, token_inputs: bool) -> None:
+    """Zero the decode graph's static ``req_pool_indices`` (and, with ``token_inputs``,
+    ``input_ids`` / ``positions``) before sglang copies the real rows in, so padding rows are
+    row 0 (the row ``ReqToTokenPool`` reserves for them) writing token 0 at position 0.
+    Device memsets on the forward stream, no sync."""
+    buffers = graph_runner.buffers
+    buffers.req_pool_indices.zero_()
+    if token_inputs:
+        buffers.input_ids.zero_()
+        buffers.positions.zero_()
+
+
+def scheduler_model_runner(scheduler: "Scheduler") -> Optional["ModelRunner"]:
+    worker = getattr(scheduler, "tp_worker", None)
+    return getattr(worker, "model_runner", None) if worker is not None else None
+
+
+def scheduler_tree_cache(scheduler: "Scheduler") -> "BasePrefixCache":
+    return scheduler.tree_cache
+
+
+def schedule_batch_reqs(batch: "ScheduleBatch") -> Optional[list]:
+    """The requests of the batch ``ForwardBatch.init_new`` builds from (None for a batch
+    without requests)."""
+    return getattr(batch, "reqs", None)
+
+
+# ---- ForwardBatch / SamplingBatchInfo / Req ------------------------------------------------------
+
+_BATCH_STATE_ATTR = "kv_canary_batch_state"
+_SAMPLING_ORACLE_ATTR = "kv_canary_oracle_batch"
+_REQ_ORACLE_KEY_ATTR = "kv_canary_oracle_key"
+
+
+def batch_state(forward_batch: "ForwardBatch"):
+    """The canary's per-batch state object set by :func:`set_batch_state`, or None."""
+    return getattr(forward_batch, _BATCH_STATE_ATTR, None)
+
+
+def set_batch_state(forward_batch: "ForwardBatch", state) -> None:
+    setattr(forward_batch, _BATCH_STATE_ATTR, state)
+
+
+def draft_token_num(forward_batch: "ForwardBatch") -> int:
+    """Draft tokens per request of a TARGET_VERIFY batch (EAGLE)."""
+    return int(forward_batch.spec_info.draft_token_num)
+
+
+def sampling_oracle(sampling_info: "SamplingBatchInfo"):
+    return getattr(sampling_info, _SAMPLING_ORACLE_ATTR, None)
+
+
+def set_sampling_oracle(forward_batch: "ForwardBatch", oracle_batch) -> None:
+    """Attach ``oracle_batch`` to the batch's ``sampling_info`` (no-op without one)."""
+    sampling_info = getattr(forward_batch, "sampling_info", None)
+    if sampling_info is not None:
+        setattr(sampling_info, _SAMPLING_ORACLE_ATTR, oracle_batch)
+
+
+def req_cached_value(req: "Req", compute: Callable[["Req"], int]) -> int:
+    """``compute(req)``, cached on the request (the oracle key of its ``rid``)."""
+    value = getattr(req, _REQ_ORACLE_KEY_ATTR, None)
+    if value is None:
+        value = compute(req)
+        setattr(req, _REQ_ORACLE_KEY_ATTR, value)
+    return value
+
+
+# ---- radix caches --------------------------------------------------------------------------------
+
+
+def radix_cache_types() -> Tuple[type, ...]:
+    """The tree caches the sweep can walk: ``RadixCache``, ``SWARadixCache``."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
+
+    return (RadixCache, SWARadixCache)
+
+
+def radix_root_children(radix_cache) -> Iterable["TreeNode"]:
+    return radix_cache.root_node.children.values()
+
+
+def radix_node_children(node: "TreeNode") -> Iterable["TreeNode"]:
+    return node.children.values()
+
+
+def radix_node_has_children(node: "TreeNode") -> bool:
+    return bool(node.children)
+
+
+def radix_node_value(node: "TreeNode") -> Optional["torch.Tensor"]:
+    return node.value
+
+
+def radix_node_locked(node: "TreeNode") -> bool:
+    """Held by a running request."""
+    return node.lock_ref > 0
+
+
+def radix_node_swa_tombstone(node: "TreeNode") -> bool:
+    """An ``SWARadixCache`` node whose SWA slots were freed (False for other caches)."""
+    return bool(getattr(node, "swa_tombstone", False))
+
+
+def radix_cache_device(radix_cache):
+    return getattr(radix_cache, "device", "cpu")
+
+
+# ---- sampler ------------------------------------------------------------------------------------
+
+
+def sglang_sampler_class() -> type:
+    from sglang.srt.layers.sampler import Sampler
+
+    return Sampler
+
+
+def init_sampler_module_only(sampler) -> None:
+    """Initialise a ``Sampler`` subclass as a bare ``nn.Module``: sglang's
+    ``Sampler.__init__`` reads the tensor-parallel group and sampling options that a sampler
+    ignoring the logits does not use."""
+    import torch.nn
+
+    torch.nn.Module.__init__(sampler)
+
+
+def register_sampler_backend(name: str, factory: Callable) -> None:
+    """sglang's ``register_sampler_backend`` (adds ``name`` to ``--sampling-backend``), once
+    per process: a second call with the same factory is a no-op (sglang would warn)."""
+    from sglang.srt.layers import sampler as sampler_mod
+
+    if sampler_mod._CUSTOM_SAMPLER_FACTORIES.get(name) is factory:
+        return
+    sampler_mod.register_sampler_backend(name, factory)
+
+
+# ---- pools ----------------------------------------------------------------------------------------
+
+_WRAPPED_METHODS_ATTR = "_kv_canary_wrapped_methods"
+
+
+def import_sglang_class(module: str, name: str) -> type:
+    """``module.name`` from sglang; ``ImportError`` when this build lacks it."""
+    cls = getattr(importlib.import_module(module), name, None)
+    if cls is None:
+        raise ImportError(f"{module} has no {name}")
+    return cls
+
+
+def wrap_method_once(obj, method_name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+    """Replace ``obj.method_name`` (on the instance) with ``make_wrapper(original)``.
+
+    Raises ``RuntimeError`` if the canary already wrapped this method on this object (a second
+    attach would splice the canary buffers twice and break PD transfers)."""
+    wrapped = obj.__dict__.setdefault(_WRAPPED_METHODS_ATTR, set())
+    if method_name in wrapped:
+        raise RuntimeError(
+            f"kv_canary already wrapped {type(obj).__name__}.{method_name} on this pool; "
+            "canary buffers can be attached to a pool only once"
+        )
+    original = getattr(obj, method_name)
+    wrapper = make_wrapper(original)
+    functools.update_wrapper(wrapper, original)
+    setattr(obj, method_name, wrapper)
+    wrapped.add(method_name)
