@@ -1,4 +1,4 @@
-"""DeepSeek-V4 pool (SPEC §9): ``attach_dsv4`` on a real ``DeepSeekV4TokenToKVPool`` built on
+"""DeepSeek-V4 pool (docs/architecture.md, "Buffer groups and adapters"): ``attach_dsv4`` on a real ``DeepSeekV4TokenToKVPool`` built on
 CPU with a real ``SWATokenToKVPoolAllocator``: the groups, the real-KV sources over the
 584-byte token records (576 data bytes + 8 scale bytes per token, as sglang's ``SetKAndS``
 lays them out), the buf-info splices, and the serving loop (written through sglang's own
@@ -6,21 +6,18 @@ lays them out), the buf-info splices, and the serving loop (written through sgla
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
 from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary.consts import RealKvHashMode
-from sglang.jit_kernel.kv_canary.verify import CANARY_SLOT_BYTES, PoolKind
+from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES, PoolKind
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers, supported_pool_names
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
-LINE = re.compile(r"kv_canary violation: launch_tag=(?P<tag>\w+) fail_reason=(?P<reason>[\w+]+) "
-                  r"slot_idx=(?P<slot>\d+) position=(?P<pos>-?\d+)")
 WINDOW = 10
 
 
@@ -119,10 +116,10 @@ def test_dsv4_swa_pool_byte_flip_detected(part):
     info = d.fault_flip_swa_kv_byte(inside_window=True, part=part)
     with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
         d.step()
-    lines = [m.groupdict() for m in LINE.finditer(str(exc.value))]
-    assert {(m["tag"], m["reason"]) for m in lines} == {("TAIL_K_SWA", "verify_real_kv_hash")}
-    assert {(int(m["slot"]), int(m["pos"])) for m in lines} == {(info["swa_slot"],
-                                                                 info["position"])}
+    lines = parse_violation_lines(str(exc.value))
+    assert {(v.launch_tag, v.fail_reasons) for v in lines} == {
+        ("TAIL_K_SWA", ("verify_real_kv_hash",))}
+    assert {(v.slot_idx, v.position) for v in lines} == {(info["swa_slot"], info["position"])}
 
 
 def test_dsv4_full_group_catches_req_to_token_corruption():
@@ -132,8 +129,7 @@ def test_dsv4_full_group_catches_req_to_token_corruption():
     info = d.fault_swap_req_to_token()
     with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
         d.step()
-    lines = [m.groupdict() for m in LINE.finditer(str(exc.value))]
-    full = [m for m in lines if m["tag"] == "HEAD_K_FULL"]
-    assert full and info["new_slot"] in {int(m["slot"]) for m in full}
-    assert {r for m in full for r in m["reason"].split("+")} & {"verify_chain_hash",
-                                                                "verify_position"}
+    lines = parse_violation_lines(str(exc.value))
+    full = [v for v in lines if v.launch_tag == "HEAD_K_FULL"]
+    assert full and info["new_slot"] in {v.slot_idx for v in full}
+    assert {r for v in full for r in v.fail_reasons} & {"verify_chain_hash", "verify_position"}

@@ -1,4 +1,4 @@
-"""The detection matrix on a real sglang 0.5.12 CPU server (SPEC §13, §15): the demo runs the
+"""The detection matrix on a real sglang 0.5.12 CPU server (docs/architecture.md, "Self-tests"): the demo runs the
 clean workload and then each fault class, one server each, with ``--kv-canary raise``, real-data
 ``partial``, the sweep, the token oracle and both token checks on. Each fault must be reported
 with the reason it must cause; the clean run must report nothing; the demo's exit status must
@@ -16,7 +16,12 @@ import sys
 import pytest
 import torch
 
-from sglang.srt.kv_canary.server_harness import build_libcuda_stub, cpu_server_env, write_tiny_llama
+from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX
+from sglang.srt.kv_canary.testing.server_harness import (
+    build_libcuda_stub,
+    cpu_server_env,
+    write_tiny_llama,
+)
 from sglang.srt.kv_canary.token_oracle import oracle_tokens, request_oracle_key
 
 pytestmark = pytest.mark.slow
@@ -91,7 +96,7 @@ def test_token_oracle_backend_flag_on_the_cpu_engine(tmp_path):
                           capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert "kv_canary violation" not in out
+    assert VIOLATION_LINE_PREFIX not in out
     assert "replacing sglang's Sampler with the token_oracle sampler" in out
     res = json.loads(next(line for line in proc.stdout.splitlines()
                           if line.startswith("RESULT "))[len("RESULT "):])
@@ -118,7 +123,7 @@ def test_real_data_all_end_to_end(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "kv_canary installed: mode=raise real_data=all" in out
-    assert "kv_canary violation" not in out
+    assert VIOLATION_LINE_PREFIX not in out
     stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
     assert stats and "violations=0" in stats[-1] and "TAIL_K_FULL" in stats[-1]
     assert "SWEEP_K_FULL" in stats[-1]

@@ -20,6 +20,9 @@ import sys
 
 import pytest
 
+from sglang.srt.kv_canary.runner.swa_divergence import SWA_DIVERGENCE_LINE_PREFIX
+from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX, parse_violation_lines
+
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
 SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
@@ -83,13 +86,13 @@ def test_swa_engine_clean_run_has_no_violations(model):
                                      "SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL": "10"})
     assert rc == 0, out[-4000:]
     assert res is not None and len(res) == 48
-    assert "kv_canary violation" not in out and "health check failed" not in out
+    assert VIOLATION_LINE_PREFIX not in out and "health check failed" not in out
     assert "SWAKVPool covered by a FULL group" in out
     stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
     assert stats and "violations=0" in stats[-1]
     assert "TAIL_K_FULL" in stats[-1] and "TAIL_K_SWA" in stats[-1]
-    div = [json.loads(line.split("kv_canary_swa_divergence=", 1)[1])
-           for line in out.splitlines() if "kv_canary_swa_divergence=" in line]
+    div = [json.loads(line.split(SWA_DIVERGENCE_LINE_PREFIX, 1)[1])
+           for line in out.splitlines() if SWA_DIVERGENCE_LINE_PREFIX in line]
     # prompts of 60-160 tokens against a 31-token window: the SWA group verifies far less
     assert div and 0 < div[-1]["swa_verify_entries"] < div[-1]["full_verify_entries"]
 
@@ -102,9 +105,9 @@ def test_swa_window_byte_flip_detected(model):
     assert m, out[-4000:]
     assert rc != 0 and res is None, out[-4000:]
     pos, swa_slot = m.groups()
-    assert re.search(rf"kv_canary violation: launch_tag=TAIL_K_SWA "
-                     rf"fail_reason=verify_real_kv_hash slot_idx={swa_slot} position={pos} ",
-                     out), out[-3000:]
+    assert ("TAIL_K_SWA", ("verify_real_kv_hash",), int(swa_slot), int(pos)) in {
+        (v.launch_tag, v.fail_reasons, v.slot_idx, v.position)
+        for v in parse_violation_lines(out)}, out[-3000:]
 
 
 def test_swa_targeted_fault_injection_detected(model):
@@ -118,7 +121,7 @@ def test_swa_targeted_fault_injection_detected(model):
                        out)
     assert flips, out[-4000:]
     assert rc != 0 and res is None, out[-4000:]
-    reported = re.findall(r"kv_canary violation: launch_tag=(\w+) fail_reason=([\w+]+) "
-                          r"slot_idx=(\d+)", out)
-    assert reported and {t for t, _, _ in reported} == {"TAIL_K_SWA"}, reported
-    assert any(r == "verify_real_kv_hash" and s in flips for _, r, s in reported), reported
+    reported = parse_violation_lines(out)
+    assert reported and {v.launch_tag for v in reported} == {"TAIL_K_SWA"}, reported
+    assert any(v.fail_reasons == ("verify_real_kv_hash",) and str(v.slot_idx) in flips
+               for v in reported), reported

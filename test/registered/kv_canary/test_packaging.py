@@ -1,4 +1,4 @@
-"""The install contract of SPEC §1: in-tree packages merged into the installed sglang."""
+"""The install contract of docs/architecture.md, "Module map": in-tree packages merged into the installed sglang."""
 
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
 """Fault injection (``perturb/``) and the token oracle (``token_oracle/``) on real sglang 0.5.12
 objects: configuration and its errors, the oracle function and sampler, the expected written
 tokens, byte flips, and each runtime-injectable fault detected by the canary in the serving
-loop with the reason the fault must cause (SPEC §13). The CPU-server detection matrix is in
+loop with the reason the fault must cause (docs/architecture.md, "Self-tests"). The CPU-server detection matrix is in
 ``test_e2e_detection_matrix.py``."""
 
 from __future__ import annotations
 
 import random
-import re
 import types
 
 import pytest
@@ -16,7 +15,9 @@ import torch
 from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary._hash_torch import real_kv_fingerprint_t
 from sglang.jit_kernel.kv_canary.consts import splitmix64, to_uint64
-from sglang.jit_kernel.kv_canary.verify import PoolKind
+from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
+from sglang.srt.kv_canary import sglang_seam
+from sglang.srt.kv_canary.batch_state import CanaryBatchState, batch_state, batch_state_for
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.demo import CASES_BY_NAME, evaluate, exit_status
 from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
@@ -28,15 +29,13 @@ from sglang.srt.kv_canary.perturb import (
 )
 from sglang.srt.kv_canary.perturb.real_kv import flip_first_byte
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
+from sglang.srt.kv_canary.runner.violation import format_violation_line, parse_violation_lines
 from sglang.srt.kv_canary.token_oracle import OracleBatch, oracle_tokens, request_oracle_key
 from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
-from sglang.srt.kv_canary.token_oracle.oracle import ORACLE_BATCH_ATTR
 from sglang.srt.kv_canary.token_oracle.sampler import TokenOracleSampler
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-LINE = re.compile(r"kv_canary violation: launch_tag=(?P<tag>\w+) fail_reason=(?P<reason>[\w+]+) "
-                  r"slot_idx=(?P<slot>-?\d+)")
 
 
 def _server_args(mode="raise", real_data="partial", sweep=0, sampling_backend="pytorch"):
@@ -148,7 +147,9 @@ def test_oracle_sampler_ignores_logits_and_follows_the_oracle():
     sampler = TokenOracleSampler()
     keys = torch.tensor([request_oracle_key(r) for r in ("a", "b", "c")])
     info = types.SimpleNamespace()
-    setattr(info, ORACLE_BATCH_ATTR, OracleBatch(keys=keys, vocab_size=512))
+    holder = types.SimpleNamespace(sampling_info=info)  # what the init_new hook attaches to
+    sglang_seam.set_sampling_oracle(holder, OracleBatch(keys=keys, vocab_size=512))
+    assert sglang_seam.sampling_oracle(info).vocab_size == 512
     logits = types.SimpleNamespace(next_token_logits=torch.randn(3, 512))
     positions = torch.tensor([4, 17, 0])
     out = sampler(logits, info, False, [], [], positions)
@@ -161,7 +162,8 @@ def test_oracle_sampler_ignores_logits_and_follows_the_oracle():
         swapped.append(tokens.tolist())
         tokens[0], tokens[1] = int(tokens[1]), int(tokens[0])
 
-    setattr(info, ORACLE_BATCH_ATTR, OracleBatch(keys=keys, vocab_size=512, after_sample=swap))
+    sglang_seam.set_sampling_oracle(holder, OracleBatch(keys=keys, vocab_size=512,
+                                                        after_sample=swap))
     out2 = sampler(logits, info, False, [], [], positions)
     assert out2.tolist() == [out[1], out[0], out[2]] and swapped == [out.tolist()]
 
@@ -205,18 +207,21 @@ def test_expected_written_tokens_are_prompt_then_oracle():
     # r0: chunk at prefix 3 of 4 tokens (2 prompt + 2 generated: a retracted request's
     # re-prefill); r1: chunk at 0 of 2 (its whole prompt)
     fb = _batch(ForwardMode.EXTEND, [5, 2], [3, 0], [4, 2], reqs)
-    mgr.attach_batch(fb, reqs)
+    mgr.attach_batch(fb, batch_state_for(fb), reqs)
     tokens, positions = mgr.expected_inputs(fb)
     k0, k1 = request_oracle_key("r0"), request_oracle_key("r1")
     oracle = lambda k, p: int(oracle_tokens(torch.tensor([k]), torch.tensor([p]), 97))  # noqa: E731
     assert positions.tolist() == [3, 4, 5, 6, 0, 1]
     assert tokens.tolist() == [14, 15, oracle(k0, 5), oracle(k0, 6), 21, 22]
-    batch = getattr(fb.sampling_info, ORACLE_BATCH_ATTR)
+    batch = sglang_seam.sampling_oracle(fb.sampling_info)
     assert batch.keys.tolist() == [k0, k1] and batch.vocab_size == 97
+    rows = batch_state(fb).oracle_rows  # the host rows live in the batch's canary state
+    assert rows.keys.tolist() == [k0, k1] and rows.prompts == (reqs[0].origin_input_ids,
+                                                               reqs[1].origin_input_ids)
 
     # decode: each row writes its last position, a generated token
     fb = _batch(ForwardMode.DECODE, [5, 2], [9, 4], [1, 1], reqs)
-    mgr.attach_batch(fb, reqs)
+    mgr.attach_batch(fb, batch_state_for(fb), reqs)
     exp = ExpectedInputs(write_entry_capacity=8, device="cpu")
     mgr.fill_expected_inputs(fb, exp)
     assert exp.positions[:2].tolist() == [9, 4]
@@ -226,7 +231,10 @@ def test_expected_written_tokens_are_prompt_then_oracle():
     bare = _batch(ForwardMode.DECODE, [5], [9], [1], reqs[:1])
     with pytest.raises(RuntimeError, match="carries no oracle rows"):
         mgr.fill_expected_inputs(bare, exp)
-    mgr.attach_batch(bare, reqs)
+    mgr.attach_batch(bare, CanaryBatchState(), reqs)  # a state the batch does not carry
+    with pytest.raises(RuntimeError, match="carries no oracle rows"):
+        mgr.fill_expected_inputs(bare, exp)
+    mgr.attach_batch(bare, batch_state_for(bare), reqs)
     with pytest.raises(RuntimeError, match="oracle rows cover 2 requests"):
         mgr.fill_expected_inputs(bare, exp)
 
@@ -293,12 +301,12 @@ def test_runtime_fault_detected_with_its_reason(fault):
     assert injected and all(i["fault"] == fault for i in injected)
     assert int(injected[0]["step"]) == 26  # first step after the warm-up
     assert d.manager.step - int(injected[0]["step"]) <= 3
-    lines = [m.groupdict() for m in LINE.finditer(str(exc.value))]
-    assert lines and lines[0]["tag"] in tags, lines
-    assert reasons & {r for m in lines for r in m["reason"].split("+")}
+    lines = parse_violation_lines(str(exc.value))
+    assert lines and lines[0].launch_tag in tags, lines
+    assert reasons & {r for v in lines for r in v.fail_reasons}
     if match_slot:
         slots = {int(i.get("slot", i.get("new_slot"))) for i in injected}
-        assert int(lines[0]["slot"]) in slots, (lines, injected)
+        assert lines[0].slot_idx in slots, (lines, injected)
 
 
 @pytest.mark.usefixtures("reference_kernels_on_cpu")
@@ -311,9 +319,9 @@ def test_real_kv_fault_on_the_swa_group_is_reported_with_swa_tags():
         d.run(80)
     injected = _injected(d)
     assert injected and injected[0]["group"] == "swa"
-    lines = [m.groupdict() for m in LINE.finditer(str(exc.value))]
-    assert {m["tag"] for m in lines} == {"TAIL_K_SWA"}
-    assert int(lines[0]["slot"]) in {int(i["slot"]) for i in injected}
+    lines = parse_violation_lines(str(exc.value))
+    assert {v.launch_tag for v in lines} == {"TAIL_K_SWA"}
+    assert lines[0].slot_idx in {int(i["slot"]) for i in injected}
 
 
 @pytest.mark.usefixtures("reference_kernels_on_cpu")
@@ -332,9 +340,9 @@ def test_real_data_mode_decides_which_bytes_are_covered(real_data, detected):
         return
     with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
         d.run(5)
-    lines = [m.groupdict() for m in LINE.finditer(str(exc.value))]
-    assert (lines[0]["tag"], lines[0]["reason"], int(lines[0]["slot"])) == (
-        "TAIL_K_FULL", "verify_real_kv_hash", info["slot"])
+    lines = parse_violation_lines(str(exc.value))
+    assert (lines[0].launch_tag, lines[0].fail_reasons, lines[0].slot_idx) == (
+        "TAIL_K_FULL", ("verify_real_kv_hash",), info["slot"])
 
 
 @pytest.mark.usefixtures("reference_kernels_on_cpu")
@@ -349,14 +357,15 @@ def test_no_perturbation_before_the_warm_up_ends():
 
 # ---- the demo's verdicts --------------------------------------------------------------------
 
-_REPORT = ("kv_canary violation: launch_tag={tag} fail_reason={reason} slot_idx={slot} position=3 "
-           "stored_token=1 expected_token=1 stored_chain_hash=0x{z} expected_aux=0x{z}\n"
-           "  KV slot {slot} failed its canary check in launch {tag} (reported at forward step "
-           "{step}):\n")
-
-
 def _report(tag, reason, slot, step):
-    return _REPORT.format(tag=tag, reason=reason, slot=slot, step=step, z="0" * 16)
+    """What the runtime prints for a violation of ``slot`` reported at forward ``step`` (the
+    structured line, then the explanation block)."""
+    from sglang.jit_kernel.kv_canary.consts import FailReason
+    from sglang.srt.kv_canary.runner.violation import format_violation_block
+
+    bits = FailReason[reason.upper() + "_MISMATCH"]
+    row = [int(CanaryLaunchTag[tag]), slot, 3, 1, 1, 0, 0, int(bits)]
+    return format_violation_line(row, step=step) + "\n" + format_violation_block(row, step) + "\n"
 
 
 def test_demo_verdicts():

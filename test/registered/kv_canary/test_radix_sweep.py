@@ -1,18 +1,18 @@
-"""Radix-cache sweep (SPEC §12): the walker on real sglang trees, the orchestrator's cadence,
+"""Radix-cache sweep (docs/architecture.md, "Radix sweep"): the walker on real sglang trees, the orchestrator's cadence,
 and a sweep catching a byte flipped in a slot only the cache holds."""
 
 from __future__ import annotations
 
-import re
 import sys
 
 import pytest
 import torch
 
 from serving_driver import ServingDriver
-from sglang.jit_kernel.kv_canary.verify import VerifyPlan
+from sglang.jit_kernel.kv_canary.types import VerifyPlan
 from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
 from sglang.srt.kv_canary.runner.sweep import SweepOrchestrator
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.sweep_plan_builder import build_verify_plan_radix_sweep
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
@@ -157,9 +157,10 @@ def test_sweep_catches_a_flipped_byte_in_a_cached_slot():
     with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
         for _ in range(2):
             d.step()
-    found = re.findall(r"launch_tag=(\w+) fail_reason=([\w+]+) slot_idx=(\d+)", str(exc.value))
-    assert ("SWEEP_K_FULL", "verify_real_kv_hash", str(slot)) in found, found
-    assert all(tag.startswith("SWEEP") for tag, _, _ in found)
+    found = [(v.launch_tag, v.fail_reasons, v.slot_idx)
+             for v in parse_violation_lines(str(exc.value))]
+    assert ("SWEEP_K_FULL", ("verify_real_kv_hash",), slot) in found, found
+    assert found and all(tag.startswith("SWEEP") for tag, _, _ in found)
 
 
 def test_walk_real_swa_radix_cache_skips_tombstones():

@@ -4,27 +4,31 @@ ordering, health checker, capacity errors, device→host handler."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import re
 
 import pytest
 import torch
 
 from serving_driver import ServingDriver
-from sglang.jit_kernel.kv_canary.verify import CANARY_SLOT_BYTES, CanaryLaunchTag, PoolKind
+from sglang.jit_kernel.kv_canary import consts as c
+from sglang.jit_kernel.kv_canary.consts import FailReason, to_int64
+from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES, CanaryLaunchTag, PoolKind
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
 from sglang.srt.kv_canary.runner import DelayedDeviceHostHandler, KernelRunCounterHealthChecker
-from sglang.srt.kv_canary.runner.violation import format_violation_line
+from sglang.srt.kv_canary.runner.violation import (
+    VIOLATION_LINE_PREFIX,
+    ViolationLine,
+    ViolationReporter,
+    format_violation_line,
+    parse_violation_line,
+    parse_violation_lines,
+)
 from sglang.srt.kv_canary.single_forward_manager import CanaryPhaseError
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
-
-LINE = re.compile(
-    r"kv_canary violation: launch_tag=(?P<tag>\w+) fail_reason=(?P<reason>[\w+]+) "
-    r"slot_idx=(?P<slot>-?\d+) position=(?P<pos>-?\d+) stored_token=-?\d+ "
-    r"expected_token=-?\d+ stored_chain_hash=0x[0-9a-f]{16} expected_aux=0x[0-9a-f]{16}")
 
 
 def _mha_pool(size=64, page_size=1, layers=3):
@@ -129,14 +133,16 @@ def test_fault_detected_in_raise_mode(fault):
     with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
         for _ in range(max_steps):
             d.step()
-    lines = [m.groupdict() for m in LINE.finditer(str(exc.value))]
+    lines = parse_violation_lines(str(exc.value))
     assert lines, str(exc.value)
-    assert {m["tag"] for m in lines} <= tags | {t.replace("HEAD", "TAIL") for t in tags}
-    assert lines[0]["tag"] in tags
-    seen = {r for m in lines for r in m["reason"].split("+")}
+    assert {v.launch_tag for v in lines} <= tags | {t.replace("HEAD", "TAIL") for t in tags}
+    assert lines[0].launch_tag in tags
+    seen = {r for v in lines for r in v.fail_reasons}
     assert seen & reasons, f"{fault}: reasons {seen}, expected one of {reasons}"
     victim_slot = info.get("slot", info.get("new_slot"))
-    assert victim_slot in {int(m["slot"]) for m in lines}
+    assert victim_slot in {v.slot_idx for v in lines}
+    # reported at the forward step that raised (results are read back right after it on CPU)
+    assert {v.forward_step for v in lines} == {d.manager.step}
 
 
 def test_log_mode_logs_each_violation_once_and_keeps_serving(caplog):
@@ -145,12 +151,14 @@ def test_log_mode_logs_each_violation_once_and_keeps_serving(caplog):
     with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
         for _ in range(6):
             d.step()
-    lines = [m.groupdict() for r in caplog.records for m in LINE.finditer(r.getMessage())]
+    lines = [v for r in caplog.records
+             for v in parse_violation_lines(r.getMessage(), unique=False)]
     total = int(d.manager.state.violation_log.violation_write_index)
     assert total >= 1
     assert len(lines) == total  # every ring row logged exactly once, none twice
-    assert all(int(m["slot"]) == info["slot"] for m in lines)
-    assert all(m["tag"] == "TAIL_K_FULL" and m["reason"] == "verify_real_kv_hash" for m in lines)
+    assert all(v.slot_idx == info["slot"] for v in lines)
+    assert all(v.launch_tag == "TAIL_K_FULL" and v.fail_reasons == ("verify_real_kv_hash",)
+               for v in lines)
     assert d.step_count >= 66  # kept serving
 
 
@@ -162,7 +170,8 @@ def test_ring_overflow_is_counted_and_reported():
     d.kv_pool.k_buffer[0].view(torch.uint8)[1:, 0] ^= 0x5A
     with pytest.raises(RuntimeError, match="more violation\\(s\\) not recorded") as exc:
         d.step()
-    assert len(LINE.findall(str(exc.value))) == 4  # the kept rows, each reported
+    # the kept rows, each reported; the "more violation(s) not recorded" line is no violation
+    assert len(parse_violation_lines(str(exc.value), unique=False)) == 4
     count = int(d.manager.state.violation_log.violation_write_index)
     assert count > 4 and f"{count - 4} more violation(s)" in str(exc.value)
 
@@ -245,15 +254,84 @@ def test_health_checker_unit():
 
 def test_violation_line_format():
     row = [int(CanaryLaunchTag.TAIL_K_FULL), 812, 37, 5, -1, -2, 0x1234, 4 | 1]
-    assert format_violation_line(row) == (
-        "kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_chain_hash+"
+    assert format_violation_line(row, step=41) == (
+        f"{VIOLATION_LINE_PREFIX} launch_tag=TAIL_K_FULL fail_reason=verify_chain_hash+"
         "verify_real_kv_hash slot_idx=812 position=37 stored_token=5 expected_token=-1 "
-        "stored_chain_hash=0xfffffffffffffffe expected_aux=0x0000000000001234")
+        "stored_chain_hash=0xfffffffffffffffe expected_aux=0x0000000000001234 forward_step=41")
+
+
+def _row(tag, slot, pos, stored, expected, chain, aux, bits):
+    row = [0] * c.VIOLATION_NUM_FIELDS
+    row[c.VIOLATION_FIELD_KERNEL_KIND] = int(tag)
+    row[c.VIOLATION_FIELD_SLOT_IDX] = slot
+    row[c.VIOLATION_FIELD_POSITION] = pos
+    row[c.VIOLATION_FIELD_STORED_TOKEN] = stored
+    row[c.VIOLATION_FIELD_EXPECTED_TOKEN] = expected
+    row[c.VIOLATION_FIELD_STORED_CHAIN_HASH] = to_int64(chain)
+    row[c.VIOLATION_FIELD_EXPECTED_AUX] = to_int64(aux)
+    row[c.VIOLATION_FIELD_FAIL_REASON_BITS] = int(bits)
+    return row
+
+
+@pytest.mark.parametrize("tag,slot,pos,stored,expected,chain,aux,bits,step", [
+    (CanaryLaunchTag.TAIL_K_FULL, 812, 37, 5, -1, (1 << 64) - 2, 0x1234,
+     FailReason.VERIFY_CHAIN_HASH_MISMATCH | FailReason.VERIFY_REAL_KV_HASH_MISMATCH, 41),
+    # hashes with the top bit set (negative int64 in the ring), negative tokens / position
+    (CanaryLaunchTag.HEAD_K_SWA, 0, -1, -7, -123456, 0x8000000000000000, 0xFEDCBA9876543210,
+     FailReason.VERIFY_TOKEN_MISMATCH, 0),
+    (CanaryLaunchTag.SWEEP_K_FULL, 2 ** 40, 131071, 151935, 0, 0, (1 << 64) - 1,
+     FailReason.VERIFY_POSITION_MISMATCH, 10 ** 9),
+    (CanaryLaunchTag.HEAD_K_FULL, 3, 3, 1, 2, 0xDEADBEEF, 9,
+     FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH, 7),
+])
+def test_violation_line_round_trip(tag, slot, pos, stored, expected, chain, aux, bits, step):
+    row = _row(tag, slot, pos, stored, expected, chain, aux, bits)
+    line = format_violation_line(row, step=step)
+    want = ViolationLine(launch_tag=tag.name, fail_reasons=tuple(FailReason.describe(int(bits))
+                                                                 .split("+")),
+                         slot_idx=slot, position=pos, stored_token=stored,
+                         expected_token=expected, stored_chain_hash=chain, expected_aux=aux,
+                         forward_step=step)
+    assert parse_violation_line(line) == want
+    assert all(0 <= h < 1 << 64 for h in (want.stored_chain_hash, want.expected_aux))
+    # a ring row as the host reads it back (an int64 tensor row) formats the same way
+    assert format_violation_line(torch.tensor(row, dtype=torch.int64).tolist(), step=step) == line
+    # inside a log line (timestamp / logger prefix, trailing text) and inside a larger text
+    logged = f"[2026-01-01 00:00:00 TP0] WARNING kv_canary: {line}\n  KV slot {slot} failed ..."
+    assert parse_violation_line(logged) == want
+    assert parse_violation_lines("noise\n" + logged + "\nmore noise\n") == [want]
+
+
+def test_parse_violation_line_ignores_other_lines():
+    assert parse_violation_line("kv_canary stats: step=3 protected_tokens=10") is None
+    assert parse_violation_line("") is None
+    assert parse_violation_lines("nothing to see\n") == []
+    # the ring-full line starts with the same prefix but is not a violation
+    reporter = ViolationReporter("raise")
+    row = _row(CanaryLaunchTag.TAIL_K_FULL, 5, 2, 1, 1, 0, 0,
+               FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
+    with pytest.raises(RuntimeError) as exc:
+        reporter.report([row], step=9, dropped=3)
+    text = str(exc.value)
+    dropped_line = next(x for x in text.splitlines() if "not recorded" in x)
+    assert dropped_line.startswith(VIOLATION_LINE_PREFIX)
+    assert parse_violation_line(dropped_line) is None
+    (only,) = parse_violation_lines(text, unique=False)
+    assert (only.slot_idx, only.forward_step) == (5, 9)
+    with pytest.raises(RuntimeError) as exc:
+        reporter.report([], step=9, dropped=4)
+    assert VIOLATION_LINE_PREFIX in str(exc.value)
+    assert parse_violation_lines(str(exc.value), unique=False) == []
+
+
+@dataclasses.dataclass(frozen=True)
+class _Watched:
+    x: torch.Tensor
 
 
 def test_device_host_handler_is_exception_safe():
     src = torch.arange(4)
-    h = DelayedDeviceHostHandler({"x": src})
+    h = DelayedDeviceHostHandler(_Watched(x=src))
     assert h.synchronous and not h.has_pending
     h.stage()
     src.add_(10)  # staged copies are snapshots
@@ -263,5 +341,6 @@ def test_device_host_handler_is_exception_safe():
     assert h.consume(lambda host: None) is False
     h.stage()
     got = {}
-    assert h.consume(lambda host: got.update(x=host["x"].tolist()))
+    assert h.consume(lambda host: got.update(x=host.x.tolist(), type=type(host)))
     assert got["x"] == [10, 11, 12, 13]
+    assert got["type"] is _Watched  # the consumer gets the watched type back

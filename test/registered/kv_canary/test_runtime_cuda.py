@@ -5,17 +5,16 @@ forward stream (every canary op runs under torch's sync debug mode "error")."""
 
 from __future__ import annotations
 
-import re
+import dataclasses
 
 import pytest
 import torch
 
 from serving_driver import ServingDriver
-from sglang.jit_kernel.kv_canary.verify import CanaryLaunchTag
+from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 
 pytestmark = pytest.mark.cuda
-
-LINE = re.compile(r"launch_tag=(?P<tag>\w+) fail_reason=(?P<reason>[\w+]+) slot_idx=(?P<slot>\d+)")
 
 
 def _driver(**kw) -> ServingDriver:
@@ -55,9 +54,9 @@ def test_graph_replay_detects_fault(fault):
     with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
         for _ in range(max_steps):
             d.step()
-    found = [m.groupdict() for m in LINE.finditer(str(exc.value))]
-    assert {r for m in found for r in m["reason"].split("+")} & reasons
-    assert info.get("slot", info.get("new_slot")) in {int(m["slot"]) for m in found}
+    found = parse_violation_lines(str(exc.value))
+    assert {r for v in found for r in v.fail_reasons} & reasons
+    assert info.get("slot", info.get("new_slot")) in {v.slot_idx for v in found}
 
 
 def test_graph_replay_with_token_checks():
@@ -72,9 +71,13 @@ def test_graph_replay_with_token_checks():
     with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
         for _ in range(2):  # found in the graph at step T, reported at T+1
             d.step()
-    mine = [m.groupdict() for m in LINE.finditer(str(exc.value))
-            if int(m.group("slot")) == info["new_slot"]]
-    assert mine and all(m["reason"] == "verify_token" for m in mine)
+    mine = [v for v in parse_violation_lines(str(exc.value)) if v.slot_idx == info["new_slot"]]
+    assert mine and all(v.fail_reasons == ("verify_token",) for v in mine)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Watched:
+    x: torch.Tensor
 
 
 @pytest.mark.parametrize("fenced", [True, False])
@@ -84,7 +87,7 @@ def test_fence_orders_the_next_forward_after_the_read_back(fenced):
     from sglang.srt.kv_canary.runner import DelayedDeviceHostHandler
 
     src = torch.zeros(1 << 20, dtype=torch.int64, device="cuda")
-    h = DelayedDeviceHostHandler({"x": src})
+    h = DelayedDeviceHostHandler(_Watched(x=src))
     with torch.cuda.stream(h._stream):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the copy can start
     h.stage()
@@ -93,5 +96,5 @@ def test_fence_orders_the_next_forward_after_the_read_back(fenced):
     src.add_(7)  # the "next forward" on the current stream
     torch.cuda.synchronize()
     got = {}
-    h.consume(lambda host: got.update(x=int(host["x"][-1])))
+    h.consume(lambda host: got.update(x=int(host.x[-1])))
     assert got["x"] == (0 if fenced else 7)

@@ -1,4 +1,4 @@
-"""SWA pools (SPEC §9, §10): ``attach_swa`` on a real ``SWAKVPool`` with a real
+"""SWA pools (docs/architecture.md, "Buffer groups and adapters"): ``attach_swa`` on a real ``SWAKVPool`` with a real
 ``SWATokenToKVPoolAllocator`` (the full → SWA table filled by real allocations and SWA
 evictions), the buf-info splice, the serving loop with window eviction (zero false positives,
 SWA-window corruption caught with ``*_SWA`` tags, slots behind the window never reported) and
@@ -8,24 +8,27 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 
 import pytest
 import torch
 
 from serving_driver import ServingDriver
-from sglang.jit_kernel.kv_canary.verify import CANARY_SLOT_BYTES, CanaryLaunchTag, PoolKind
+from sglang.jit_kernel.kv_canary.types import (
+    CANARY_SLOT_BYTES,
+    CanaryLaunchTag,
+    PoolKind,
+    VerifyPlan,
+)
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers, supported_pool_names
 from sglang.srt.kv_canary.runner.swa_divergence import (
     SWA_DIVERGENCE_LINE_PREFIX,
     SwaDivergenceReporter,
 )
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
-LINE = re.compile(r"kv_canary violation: launch_tag=(?P<tag>\w+) fail_reason=(?P<reason>[\w+]+) "
-                  r"slot_idx=(?P<slot>\d+) position=(?P<pos>-?\d+)")
 WINDOW = 12
 
 
@@ -118,6 +121,14 @@ def test_swa_buf_info_splice_lengths_and_order(enable_v):
 # ---- serving loop ---------------------------------------------------------------------------
 
 
+def _plans_by_kind(d, sfm_index=0):
+    """The (FULL, SWA) groups' plans of a single-forward manager, looked up by group."""
+    sfm = d.manager.sfms[sfm_index]
+    by_kind = {g.kind: sfm.plans[g] for g in sfm.groups}
+    assert len(by_kind) == len(sfm.groups) == 2
+    return by_kind[PoolKind.FULL], by_kind[PoolKind.SWA]
+
+
 def _swa_tags(d):
     return {int(CanaryLaunchTag.HEAD_K_SWA), int(CanaryLaunchTag.TAIL_K_SWA)}
 
@@ -154,7 +165,7 @@ def test_swa_plan_covers_only_the_window_through_the_table():
     windows = [[int(d.swa_table[slots[p]]) for p in range(max(0, kv - WINDOW), kv)]
                for kv, slots in reqs]
     d.step()  # a decode of every running request
-    full_plans, swa_plans = list(d.manager.sfms[0].plans.values())
+    full_plans, swa_plans = _plans_by_kind(d)
     n = int(swa_plans.verify_plan.verify_num_valid)
     assert n == sum(min(kv, WINDOW) for kv, _ in reqs) < sum(kv for kv, _ in reqs)
     assert int(full_plans.verify_plan.verify_num_valid) == sum(kv for kv, _ in reqs)
@@ -171,13 +182,12 @@ def test_swa_window_corruption_detected_with_swa_tags(real_data):
     info = d.fault_flip_swa_kv_byte(inside_window=True)
     with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
         d.step()
-    lines = [m.groupdict() for m in LINE.finditer(str(exc.value))]
+    lines = parse_violation_lines(str(exc.value))
     assert lines, str(exc.value)
-    assert {m["tag"] for m in lines} == {"TAIL_K_SWA"}
-    assert {m["reason"] for m in lines} == {"verify_real_kv_hash"}
+    assert {v.launch_tag for v in lines} == {"TAIL_K_SWA"}
+    assert {v.fail_reasons for v in lines} == {("verify_real_kv_hash",)}
     # reported in the SWA slot space, at the corrupted position
-    assert {(int(m["slot"]), int(m["pos"])) for m in lines} == {(info["swa_slot"],
-                                                                 info["position"])}
+    assert {(v.slot_idx, v.position) for v in lines} == {(info["swa_slot"], info["position"])}
 
 
 def test_swa_slots_behind_the_window_are_never_reported():
@@ -207,9 +217,9 @@ def test_full_pool_corruption_still_reported_with_full_tags():
     d.kv_pool.full_kv_pool.k_buffer[0][slot].view(torch.uint8).view(-1)[0] ^= 0xFF
     with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
         d.step()
-    lines = [m.groupdict() for m in LINE.finditer(str(exc.value))]
-    assert {m["tag"] for m in lines} == {"TAIL_K_FULL"}
-    assert {int(m["slot"]) for m in lines} == {slot}
+    lines = parse_violation_lines(str(exc.value))
+    assert {v.launch_tag for v in lines} == {"TAIL_K_FULL"}
+    assert {v.slot_idx for v in lines} == {slot}
 
 
 # ---- SwaDivergenceReporter -----------------------------------------------------------------
@@ -239,7 +249,7 @@ def test_swa_divergence_counts_match_the_plans():
     expect_full = expect_swa = 0
     for _ in range(40):
         d.run(1, arrivals=0.4)
-        full_plans, swa_plans = list(d.manager.sfms[0].plans.values())
+        full_plans, swa_plans = _plans_by_kind(d)
         expect_full += int(full_plans.verify_plan.verify_num_valid)
         expect_swa += int(swa_plans.verify_plan.verify_num_valid)
     rep = d.manager.swa_divergence
@@ -249,12 +259,39 @@ def test_swa_divergence_counts_match_the_plans():
 
 
 def test_swa_divergence_reporter_off_watches_nothing():
-    from sglang.jit_kernel.kv_canary.verify import VerifyPlan
-
     plan = VerifyPlan.allocate(verify_capacity=4, device="cpu")
-    rep = SwaDivergenceReporter(interval=0, sfm_plans={0: [(PoolKind.FULL, plan)]})
-    assert rep.watched_tensors() == {}
-    rep.consume(host={}, step=1, sfm_index=0)  # off: reads nothing
-    assert rep.forwards == 0
+    rep = SwaDivergenceReporter(interval=0, sfm_plans=[[(PoolKind.FULL, plan)]])
+    assert not rep.enabled and rep.device_tensors() == ()
+    # off: reads nothing (not even the num_valid it is handed)
+    rep.consume(num_valid=(), plan_enabled=[1], step=1, sfm_index=0)
+    assert rep.forwards == 0 and rep.full_verify_entries == rep.swa_verify_entries == 0
     with pytest.raises(ValueError, match="interval must be an int >= 0"):
-        SwaDivergenceReporter(interval=-1, sfm_plans={})
+        SwaDivergenceReporter(interval=-1, sfm_plans=[])
+
+
+def test_swa_divergence_reporter_counts_by_kind_and_skips_disabled_plans(caplog):
+    """Per single-forward manager, in its groups' order: a plan whose status entry says
+    disabled (overflowed) is not counted; the kinds follow the order the plans were given."""
+    full, swa = (VerifyPlan.allocate(verify_capacity=4, device="cpu") for _ in range(2))
+    # sfm 0 lists FULL then SWA, sfm 1 lists SWA then FULL
+    rep = SwaDivergenceReporter(interval=2, sfm_plans=[[(PoolKind.FULL, full),
+                                                        (PoolKind.SWA, swa)],
+                                                       [(PoolKind.SWA, swa),
+                                                        (PoolKind.FULL, full)]])
+    sources = rep.device_tensors()
+    assert len(sources) == 2
+    assert sources[0][0] is full.verify_num_valid and sources[0][1] is swa.verify_num_valid
+    assert sources[1][0] is swa.verify_num_valid and sources[1][1] is full.verify_num_valid
+    n = lambda v: torch.tensor([v], dtype=torch.int32)  # noqa: E731
+    rep.consume(num_valid=(n(10), n(3)), plan_enabled=[1, 1], step=1, sfm_index=0)
+    assert (rep.full_verify_entries, rep.swa_verify_entries) == (10, 3)
+    rep.consume(num_valid=(n(4), n(20)), plan_enabled=[1, 1], step=3, sfm_index=1)
+    assert (rep.full_verify_entries, rep.swa_verify_entries) == (30, 7)
+    rep.consume(num_valid=(n(100), n(5)), plan_enabled=[0, 1], step=5, sfm_index=0)
+    assert (rep.full_verify_entries, rep.swa_verify_entries) == (30, 12)
+    with caplog.at_level(logging.INFO, logger="sglang.srt.kv_canary"):
+        rep.consume(num_valid=(n(1), n(1000)), plan_enabled=[1, 0], step=6, sfm_index=1)
+    assert (rep.full_verify_entries, rep.swa_verify_entries, rep.forwards) == (30, 13, 4)
+    (line,) = [r.getMessage() for r in caplog.records
+               if r.getMessage().startswith(SWA_DIVERGENCE_LINE_PREFIX)]
+    assert json.loads(line[len(SWA_DIVERGENCE_LINE_PREFIX):]) == rep.snapshot(6)

@@ -6,7 +6,7 @@ length and output ids."""
 import json
 import sys
 
-from sglang.srt.kv_canary.server_harness import cpu_engine_kwargs
+from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs
 
 if __name__ == "__main__":
     import sglang

@@ -7,6 +7,15 @@ the position field of every HEAD K record: the next forward's HEAD verify must r
 
 import os
 
+
+def _canary(model_runner):
+    """The runner's canary manager, through the sglang seam (imported late: this module loads
+    before sglang)."""
+    from sglang.srt.kv_canary import sglang_seam
+
+    return sglang_seam.runner_canary(model_runner)
+
+
 _n = os.environ.get("KV_CANARY_TEST_CORRUPT_AFTER")
 if _n:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -14,7 +23,7 @@ if _n:
     _calls = {"n": 0}
 
     def _corrupt(result, self, *args, **kwargs):
-        manager = getattr(self, "kv_canary_manager", None)
+        manager = _canary(self)
         if manager is None:
             return result
         _calls["n"] += 1
@@ -40,7 +49,7 @@ if _swap:
         """From forward N on, on each decode forward: point position p of one request at the
         slot holding position p of another request whose token there differs (until the
         canary stops the server)."""
-        manager = getattr(self, "kv_canary_manager", None)
+        manager = _canary(self)
         if manager is None or not forward_batch.forward_mode.is_decode():
             return result
         _swap_calls["n"] += 1
@@ -75,7 +84,7 @@ if _flip_cached:
     def _flip_cached_byte(result, self, forward_batch, *args, **kwargs):
         """From forward N on, once: flip the first K byte (layer 0) of a slot held only by the
         radix cache (an unlocked node: no running request references it)."""
-        manager = getattr(self, "kv_canary_manager", None)
+        manager = _canary(self)
         if manager is None or _flip_state["done"] or manager.radix_cache is None:
             return result
         _flip_state["n"] += 1
@@ -106,7 +115,7 @@ if _flip_swa:
         """From decode forward N on, once: flip the first K byte (layer 0 of the SWA sub-pool
         of an ``SWAKVPool``) of the slot holding position ``seq_len - 2`` of the batch's first
         request: inside the window its next decode reads (and the canary verifies)."""
-        manager = getattr(self, "kv_canary_manager", None)
+        manager = _canary(self)
         pool = getattr(self, "token_to_kv_pool", None)
         if (manager is None or _swa_state["done"] or not hasattr(pool, "swa_kv_pool")
                 or not forward_batch.forward_mode.is_decode()):

@@ -9,7 +9,7 @@ import json
 import random
 import sys
 
-from sglang.srt.kv_canary.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
 
 def requests():

@@ -173,12 +173,15 @@ class CanaryManager:
 
     @contextlib.contextmanager
     def with_ops_outside_graph(self, forward_batch: "ForwardBatch"):
+        """The outside-graph bracket of one forward. A forward that raises (in the canary's
+        own pre-ops, e.g. a capacity check, or in the model) leaves the single-forward manager
+        IDLE, so the next forward starts clean and reports its own error."""
         sfm = self.active_sfm
         self.device_host.fence()  # this forward's kernels queue after last step's read-back
         if self.perturber is not None:
             self.perturber.before_forward(forward_batch, step=self.step + 1)
-        sfm.pre_ops_outside_graph(forward_batch)
         try:
+            sfm.pre_ops_outside_graph(forward_batch)
             yield sfm
         except BaseException:
             sfm.abort()
