@@ -41,10 +41,12 @@ def test_environment_is_parsed_once_into_the_config(monkeypatch):
 
 
 @pytest.mark.parametrize("name,value,allowed", [
-    ("SGLANG_KV_CANARY_RING_CAPACITY", "0", ">= 1"),
-    ("SGLANG_KV_CANARY_RING_CAPACITY", "many", ">= 1"),
+    ("SGLANG_KV_CANARY_RING_CAPACITY", "0", "an integer from 1 to 1048576"),
+    ("SGLANG_KV_CANARY_RING_CAPACITY", "many", "an integer from 1 to 1048576"),
+    ("SGLANG_KV_CANARY_RING_CAPACITY", "99999999999999999999", "an integer from 1 to 1048576"),
+    ("SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS", "10000000000", "an integer from 0 to 1000000000"),
     ("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "maybe", "0/1"),
-    ("SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS", "-1", ">= 0"),
+    ("SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS", "-1", "an integer from 0 to"),
     ("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "1.5", "[0, 1]"),
     ("SGLANG_KV_CANARY_PERTURB_TARGET_GROUP", "both", "'full'"),
 ])

@@ -136,7 +136,8 @@ def test_launch_server_help_lists_the_flags(server):
 @pytest.mark.parametrize("argv,message", [
     (["--kv-canary", "maybe"], "argument --kv-canary: invalid choice: 'maybe'"),
     (["--kv-canary-real-data", "most"], "argument --kv-canary-real-data: invalid choice"),
-    (["--kv-canary-sweep-interval", "-2"], "expected an integer >= 0, got -2"),
+    (["--kv-canary-sweep-interval", "-2"],
+     "invalid --kv-canary-sweep-interval value '-2'; allowed: an integer from 0 (off)"),
     (["--kv-canary-sweep-interval", "5"], "--kv-canary-sweep-interval=5 needs the canary on"),
 ])
 def test_launch_server_rejects_bad_values(server, argv, message):

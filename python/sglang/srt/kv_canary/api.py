@@ -107,9 +107,8 @@ def install_canary(*, server_args: "ServerArgs", model_runner: "ModelRunner",
     sglang_seam.set_runner_canary(model_runner, manager)
     sglang_seam.wrap_model_forward(model_runner, before=manager.pre_ops_maybe_inside_graph,
                                    after=manager.post_ops_maybe_inside_graph)
-    logger.info("kv_canary installed: mode=%s real_data=%s groups=%d token_oracle=%s "
-                "capacities=%s", config.mode.value, config.real_kv_hash_mode.name.lower(),
-                len(manager.groups), manager.token_oracle is not None, manager.capacities)
+    logger.info("kv_canary installed: %s groups=%d capacities=%s", config.describe(),
+                len(manager.groups), manager.capacities)
     if config.perturb.enabled:
         logger.warning("kv_canary: FAULT INJECTION ON (%s) after %d warm-up steps: this server "
                        "corrupts its own KV cache on purpose (self-test)",

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 
 from sglang.jit_kernel.kv_canary.consts import RealKvHashMode
 from sglang.srt.kv_canary import sglang_seam
-from sglang.srt.kv_canary.envs import canary_envs
+from sglang.srt.kv_canary.envs import (
+    MAX_RING_CAPACITY,
+    MAX_STEP_INTERVAL,
+    canary_envs,
+    set_canary_variables,
+    unknown_canary_variables,
+)
 from sglang.srt.kv_canary.perturb.config import PerturbConfig, parse_target_group
 from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
+
+logger = logging.getLogger(__name__)
 
 # ServerArgs attribute recording a ``--sampling-backend token_oracle`` request (sglang's CPU
 # engine rewrites ``sampling_backend`` to ``pytorch``; see plugin ``ServerArgs.__init__`` hook)
@@ -26,14 +35,16 @@ class CanaryMode(str, enum.Enum):
 
     @classmethod
     def parse(cls, value, *, flag: str = "--kv-canary") -> "CanaryMode":
+        """A ``CanaryMode`` or its name (any case, surrounding blanks ignored), as the command
+        line, ``--config`` YAML and ``Engine(kv_canary=...)`` all accept it; anything else
+        (``None``, ``''``, a misspelling) raises ``ValueError`` naming ``flag``."""
         if isinstance(value, cls):
             return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
+        choice = value.strip().lower() if isinstance(value, str) else None
+        if choice not in {m.value for m in cls}:
             raise ValueError(
-                f"invalid {flag} value {value!r}; allowed: {', '.join(m.value for m in cls)}"
-            ) from None
+                f"invalid {flag} value {value!r}; allowed: {', '.join(m.value for m in cls)}")
+        return cls(choice)
 
 
 REAL_DATA_CHOICES = {"none": RealKvHashMode.NONE, "partial": RealKvHashMode.PARTIAL,
@@ -41,14 +52,51 @@ REAL_DATA_CHOICES = {"none": RealKvHashMode.NONE, "partial": RealKvHashMode.PART
 
 
 def parse_real_data(value, *, flag: str = "--kv-canary-real-data") -> RealKvHashMode:
+    """``RealKvHashMode`` of a choice name (any case, blanks ignored); else ``ValueError``
+    naming ``flag``."""
     if isinstance(value, RealKvHashMode):
         return value
-    try:
-        return REAL_DATA_CHOICES[str(value).lower()]
-    except KeyError:
+    choice = value.strip().lower() if isinstance(value, str) else None
+    if choice not in REAL_DATA_CHOICES:
         raise ValueError(
-            f"invalid {flag} value {value!r}; allowed: {', '.join(REAL_DATA_CHOICES)}"
-        ) from None
+            f"invalid {flag} value {value!r}; allowed: {', '.join(REAL_DATA_CHOICES)}")
+    return REAL_DATA_CHOICES[choice]
+
+
+def parse_sweep_interval(value, *, flag: str = "--kv-canary-sweep-interval") -> int:
+    """An int, or a string of decimal digits, from 0 (off) to ``MAX_STEP_INTERVAL``; anything
+    else (a bool, a float, ``None``, ``'abc'``) raises ``ValueError`` naming ``flag``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        n = int(value.strip())
+    else:
+        n = None
+    if n is None or not 0 <= n <= MAX_STEP_INTERVAL:
+        raise ValueError(f"invalid {flag} value {value!r}; allowed: an integer from 0 (off) "
+                         f"to {MAX_STEP_INTERVAL}")
+    return n
+
+
+def normalize_canary_values(values: dict) -> dict:
+    """The three canary server arguments (``kv_canary``, ``kv_canary_sweep_interval``,
+    ``kv_canary_real_data``) checked and in their canonical form (lower-case names, an int).
+    The one parse of every start-up route: Engine / ServerArgs keyword arguments, the command
+    line and ``--config`` YAML. Raises ``ValueError`` naming the flag."""
+    return {
+        "kv_canary": CanaryMode.parse(values["kv_canary"]).value,
+        "kv_canary_sweep_interval": parse_sweep_interval(values["kv_canary_sweep_interval"]),
+        "kv_canary_real_data": parse_real_data(values["kv_canary_real_data"]).name.lower(),
+    }
+
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,17 +120,24 @@ class CanaryConfig:
         object.__setattr__(self, "real_kv_hash_mode", parse_real_data(self.real_kv_hash_mode)
                            if not isinstance(self.real_kv_hash_mode, int)
                            else RealKvHashMode(self.real_kv_hash_mode))
-        for name, minimum in (("ring_capacity", 1), ("sweep_interval", 0),
-                              ("stats_print_every_n_steps", 0),
-                              ("swa_divergence_stats_interval", 0)):
+        for name, minimum, maximum in (
+                ("ring_capacity", 1, MAX_RING_CAPACITY), ("sweep_interval", 0, MAX_STEP_INTERVAL),
+                ("stats_print_every_n_steps", 0, MAX_STEP_INTERVAL),
+                ("swa_divergence_stats_interval", 0, MAX_STEP_INTERVAL)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"CanaryConfig.{name} must be an int >= {minimum}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) \
+                    or not minimum <= value <= maximum:
+                raise ValueError(f"CanaryConfig.{name} must be an int from {minimum} to "
+                                 f"{maximum}, got {value!r}")
         if self.sweep_interval > 0 and self.mode == CanaryMode.NONE:
             raise ValueError(
                 f"--kv-canary-sweep-interval={self.sweep_interval} needs the canary on: "
                 "pass --kv-canary log or --kv-canary raise (or set the interval to 0)"
             )
+        if self.real_kv_hash_mode != RealKvHashMode.NONE and self.mode == CanaryMode.NONE:
+            raise ValueError(
+                f"--kv-canary-real-data={self.real_kv_hash_mode.name.lower()} needs the canary "
+                "on: pass --kv-canary log or --kv-canary raise (or drop it)")
         if self.enable_token_oracle and not self.enabled:
             raise ValueError(
                 f"the token oracle (--sampling-backend {TOKEN_ORACLE_BACKEND} or "
@@ -104,16 +159,46 @@ class CanaryConfig:
     def enabled(self) -> bool:
         return self.mode != CanaryMode.NONE
 
+    def describe(self) -> str:
+        """Every effective setting, as ``key=value`` words (the start-up log line)."""
+        on = {True: "on", False: "off"}
+        faults = ",".join(k.value for k in self.perturb.active_faults) or "off"
+        return (f"mode={self.mode.value} real_data={self.real_kv_hash_mode.name.lower()} "
+                f"sweep_interval={self.sweep_interval} ring_capacity={self.ring_capacity} "
+                f"token_checks={on[self.enable_verify_token_assert]} "
+                f"token_oracle={on[self.enable_token_oracle]} "
+                f"write_input_check={on[self.enable_write_input_assert]} "
+                f"v_half={on[self.enable_mha_v]} "
+                f"stats_every={self.stats_print_every_n_steps} "
+                f"swa_divergence_every={self.swa_divergence_stats_interval} "
+                f"fault_injection={faults}")
+
     @classmethod
     def from_server_args(cls, server_args) -> "CanaryConfig":
         """Server args (``kv_canary``, ``kv_canary_sweep_interval``, ``kv_canary_real_data``)
-        plus the ``SGLANG_KV_CANARY_*`` environment, parsed once."""
+        plus, with the canary on, the ``SGLANG_KV_CANARY_*`` environment, parsed once. With the
+        canary off no variable is read: set ones are named in one warning. Unknown
+        ``SGLANG_KV_CANARY_*`` names get a warning with the closest known name."""
         value = sglang_seam.server_args_value
+        mode = CanaryMode.parse(value(server_args, "kv_canary", "none"))
+        sweep_interval = parse_sweep_interval(value(server_args, "kv_canary_sweep_interval", 0))
+        real_data = parse_real_data(value(server_args, "kv_canary_real_data", "none"))
+        oracle_flag = (value(server_args, "sampling_backend", None) == TOKEN_ORACLE_BACKEND
+                       or bool(value(server_args, TOKEN_ORACLE_REQUESTED_ATTR, False)))
+        for name, suggestion in unknown_canary_variables():
+            _warn_once(f"kv_canary: unknown environment variable {name} is ignored"
+                       + (f"; did you mean {suggestion}?" if suggestion else ""))
+        if mode == CanaryMode.NONE:
+            ignored = set_canary_variables()
+            if ignored:
+                _warn_once("kv_canary: the canary is off (--kv-canary none); these variables "
+                           f"are ignored: {', '.join(ignored)}")
+            return cls(mode=mode, sweep_interval=sweep_interval, real_kv_hash_mode=real_data,
+                       enable_token_oracle=oracle_flag)
         return cls(
-            mode=CanaryMode.parse(value(server_args, "kv_canary", "none") or "none"),
-            sweep_interval=int(value(server_args, "kv_canary_sweep_interval", 0) or 0),
-            real_kv_hash_mode=parse_real_data(value(server_args, "kv_canary_real_data", "none")
-                                              or "none"),
+            mode=mode,
+            sweep_interval=sweep_interval,
+            real_kv_hash_mode=real_data,
             ring_capacity=canary_envs.SGLANG_KV_CANARY_RING_CAPACITY.get(),
             enable_write_input_assert=canary_envs.SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT.get(),
             enable_verify_token_assert=canary_envs.SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT.get(),
@@ -122,9 +207,7 @@ class CanaryConfig:
             swa_divergence_stats_interval=(
                 canary_envs.SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL.get()),
             enable_token_oracle=(
-                canary_envs.SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE.get()
-                or value(server_args, "sampling_backend", None) == TOKEN_ORACLE_BACKEND
-                or bool(value(server_args, TOKEN_ORACLE_REQUESTED_ATTR, False))),
+                canary_envs.SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE.get() or oracle_flag),
             perturb=perturb_config_from_env(),
         )
 

@@ -12,8 +12,15 @@ name fields declared after sglang's ``Envs`` is built.)
 from __future__ import annotations
 
 import abc
+import difflib
 import os
-from typing import Any
+from typing import Any, List, Optional, Tuple
+
+PREFIX = "SGLANG_KV_CANARY_"
+# upper bounds of the numeric settings (checked at start-up; a larger value is a typo, and an
+# absurd ring capacity would fail at allocation without naming the variable)
+MAX_STEP_INTERVAL = 10**9  # forward steps
+MAX_RING_CAPACITY = 1 << 20  # violation rows of 64 bytes: 64 MiB of device memory
 
 
 class _Strict(abc.ABC):
@@ -66,25 +73,29 @@ class _Bool(_Strict):
         raise ValueError("not a boolean")
 
 
-class _NonNegInt(_Strict):
-    allowed = "an integer >= 0"
+class _BoundedInt(_Strict):
+    """An integer in ``[minimum, maximum]``."""
+
+    def __init__(self, default: int, *, minimum: int, maximum: int = MAX_STEP_INTERVAL):
+        super().__init__(default)
+        self.minimum, self.maximum = minimum, maximum
+        self.allowed = f"an integer from {minimum} to {maximum}"
 
     def parse(self, value: str) -> int:
         return int(value.strip())
 
     def check(self, value, raw) -> None:
-        if value < 0:
+        if not self.minimum <= value <= self.maximum:
             raise ValueError(f"invalid value {raw!r} for environment variable {self.name}: "
-                             f"must be >= 0")
+                             f"must be {self.allowed}")
 
 
-class _PosInt(_NonNegInt):
-    allowed = "an integer >= 1"
+def _non_neg_int(default: int, **kw) -> _BoundedInt:
+    return _BoundedInt(default, minimum=0, **kw)
 
-    def check(self, value, raw) -> None:
-        if value < 1:
-            raise ValueError(f"invalid value {raw!r} for environment variable {self.name}: "
-                             f"must be >= 1")
+
+def _pos_int(default: int, **kw) -> _BoundedInt:
+    return _BoundedInt(default, minimum=1, **kw)
 
 
 class _Prob(_Strict):
@@ -116,14 +127,14 @@ class CanaryEnvs:
     """Every ``SGLANG_KV_CANARY_*`` variable with its default (docs/user_guide.md,
     "Environment variables")."""
 
-    SGLANG_KV_CANARY_RING_CAPACITY = _PosInt(1024)
-    SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS = _NonNegInt(100)
+    SGLANG_KV_CANARY_RING_CAPACITY = _pos_int(1024, maximum=MAX_RING_CAPACITY)
+    SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS = _non_neg_int(100)
     SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT = _Bool(False)
     SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT = _Bool(False)
     SGLANG_KV_CANARY_ENABLE_MHA_V = _Bool(False)
-    SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL = _NonNegInt(0)
+    SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL = _non_neg_int(0)
     SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE = _Bool(False)
-    SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS = _NonNegInt(50)
+    SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS = _non_neg_int(50)
     SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB = _Prob(0.0)
     SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB = _Prob(0.0)
     SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB = _Prob(0.0)
@@ -133,3 +144,21 @@ class CanaryEnvs:
 
 
 canary_envs = CanaryEnvs()
+
+KNOWN_VARIABLES = tuple(sorted(n for n in vars(CanaryEnvs) if n.startswith(PREFIX)))
+
+
+def set_canary_variables() -> List[str]:
+    """The known ``SGLANG_KV_CANARY_*`` variables set in the environment (sorted)."""
+    return [n for n in KNOWN_VARIABLES if n in os.environ]
+
+
+def unknown_canary_variables() -> List[Tuple[str, Optional[str]]]:
+    """``(name, closest known name or None)`` of every ``SGLANG_KV_CANARY_*`` variable set in
+    the environment that the canary does not know (a typo would otherwise be ignored)."""
+    out = []
+    for name in sorted(os.environ):
+        if name.startswith(PREFIX) and name not in KNOWN_VARIABLES:
+            close = difflib.get_close_matches(name, KNOWN_VARIABLES, n=1, cutoff=0.6)
+            out.append((name, close[0] if close else None))
+    return out

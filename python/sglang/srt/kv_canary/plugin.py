@@ -6,9 +6,11 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 
 | hook | target | what |
 | --- | --- | --- |
-| AROUND | ``ServerArgs.__init__`` | accept ``kv_canary*`` kwargs (``Engine(kv_canary=...)``) |
+| AROUND | ``ServerArgs.__init__`` | accept ``kv_canary*`` kwargs (``Engine(kv_canary=...)``), |
+|  |  | validate (not inside ``from_cli_args``: the parsed options are not copied yet) |
 | AFTER | ``ServerArgs.add_cli_args`` | add the three ``--kv-canary*`` options |
-| AFTER | ``ServerArgs.from_cli_args`` | carry the parsed options over, validate at start-up |
+| AROUND | ``ServerArgs.from_cli_args`` | carry the parsed options over, then validate |
+| AROUND | ``ServerArgs.__repr__`` | append the canary's three fields |
 | AFTER | ``ModelRunner.init_memory_pool`` | ``install_canary`` (pool exists, graphs not yet) |
 | AFTER | ``ModelRunner.__init__`` | ``mark_init_finished`` (warm-up and capture done) |
 | AROUND | ``ModelRunner.forward`` | outside-graph bracket with single-forward manager 0 |
@@ -28,11 +30,17 @@ The targets and every sglang internal the hooks touch are in
 
 from __future__ import annotations
 
+import contextvars
 import logging
 
 from sglang.srt.kv_canary import sglang_seam as seam
 
 logger = logging.getLogger(__name__)
+
+# True while sglang's ``ServerArgs.from_cli_args`` builds the instance: its ``__init__`` then
+# runs before the parsed ``--kv-canary*`` options are copied over, so validating there would
+# judge the defaults (and refuse, e.g., fault injection "without the canary")
+_IN_FROM_CLI_ARGS = contextvars.ContextVar("kv_canary_in_from_cli_args", default=False)
 
 
 def _server_args_init(original, self, *args, **kwargs):
@@ -46,7 +54,8 @@ def _server_args_init(original, self, *args, **kwargs):
     set_canary_attrs(self, pop_canary_kwargs(kwargs))
     note_requested_sampling_backend(self, kwargs.get("sampling_backend"))
     result = original(self, *args, **kwargs)
-    check_server_args_for_canary(self)
+    if not _IN_FROM_CLI_ARGS.get():
+        check_server_args_for_canary(self)
     return result
 
 
@@ -56,13 +65,26 @@ def _add_cli_args(result, parser):
     add_canary_cli_args(parser)
 
 
-def _from_cli_args(result, cls, args):
+def _from_cli_args(original, cls, args):
     from sglang.srt.kv_canary.api import check_server_args_for_canary
     from sglang.srt.kv_canary.server_args_ext import canary_values_from_namespace, set_canary_attrs
 
+    token = _IN_FROM_CLI_ARGS.set(True)
+    try:
+        result = original(cls, args)
+    finally:
+        _IN_FROM_CLI_ARGS.reset(token)
     set_canary_attrs(result, canary_values_from_namespace(args))
     check_server_args_for_canary(result)
     return result
+
+
+def _server_args_repr(original, self):
+    from sglang.srt.kv_canary.server_args_ext import canary_repr_suffix
+
+    text = original(self)
+    suffix = canary_repr_suffix(self)
+    return text[:-1] + suffix + ")" if suffix and text.endswith(")") else text
 
 
 def _after_init_memory_pool(result, self, *args, **kwargs):
@@ -133,7 +155,8 @@ def _after_forward_batch_init(result, cls, batch, model_runner, *args, **kwargs)
 HOOKS = (
     (seam.HOOK_SERVER_ARGS_INIT, _server_args_init, "AROUND"),
     (seam.HOOK_SERVER_ARGS_ADD_CLI_ARGS, _add_cli_args, "AFTER"),
-    (seam.HOOK_SERVER_ARGS_FROM_CLI_ARGS, _from_cli_args, "AFTER"),
+    (seam.HOOK_SERVER_ARGS_FROM_CLI_ARGS, _from_cli_args, "AROUND"),
+    (seam.HOOK_SERVER_ARGS_REPR, _server_args_repr, "AROUND"),
     (seam.HOOK_MODEL_RUNNER_INIT_MEMORY_POOL, _after_init_memory_pool, "AFTER"),
     (seam.HOOK_MODEL_RUNNER_INIT, _after_model_runner_init, "AFTER"),
     (seam.HOOK_MODEL_RUNNER_FORWARD, _model_runner_forward, "AROUND"),

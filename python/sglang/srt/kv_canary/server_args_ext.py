@@ -17,6 +17,8 @@ from sglang.srt.kv_canary.config import (
     REAL_DATA_CHOICES,
     TOKEN_ORACLE_REQUESTED_ATTR,
     CanaryMode,
+    normalize_canary_values,
+    parse_sweep_interval,
 )
 from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
 
@@ -27,31 +29,40 @@ DEFAULTS = {
 }
 
 
-def _non_negative_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
-    return n
+def _argparse_type(parse):
+    """An argparse ``type`` from one of the config's parsers (the same parse as the Engine
+    keyword arguments get; argparse names the flag itself)."""
+
+    def convert(value: str):
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def _choice(value: str) -> str:
+    """Choices match in any case, as in ``Engine(kv_canary=...)``."""
+    return value.strip().lower()
 
 
 def add_canary_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KV-cache canary (sglang-kv-canary)")
     group.add_argument(
-        "--kv-canary", type=str, default=DEFAULTS["kv_canary"],
+        "--kv-canary", type=_choice, default=DEFAULTS["kv_canary"],
         choices=[m.value for m in CanaryMode],
         help="Verify every KV slot attention reads against a fingerprint record: 'log' logs "
              "each violation, 'raise' stops the server on the first one, 'none' (default) "
              "installs nothing.")
     group.add_argument(
-        "--kv-canary-sweep-interval", type=_non_negative_int,
+        "--kv-canary-sweep-interval", type=_argparse_type(parse_sweep_interval),
         default=DEFAULTS["kv_canary_sweep_interval"],
         help="Every N forward steps also verify the KV slots idle in the radix cache "
              "(0 = off, the default). Needs --kv-canary log or raise.")
     group.add_argument(
-        "--kv-canary-real-data", type=str, default=DEFAULTS["kv_canary_real_data"],
+        "--kv-canary-real-data", type=_choice, default=DEFAULTS["kv_canary_real_data"],
         choices=list(REAL_DATA_CHOICES),
         help="Also fingerprint the real KV bytes: 'partial' (first 16 bytes of layer 0's "
              "row), 'all' (the whole row) or 'none' (default).")
@@ -59,17 +70,33 @@ def add_canary_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def pop_canary_kwargs(kwargs: dict) -> dict:
     """The canary's ``Engine`` / ``ServerArgs`` keyword arguments (defaults for the missing
-    ones), removed from ``kwargs``."""
-    return {k: kwargs.pop(k, v) for k, v in DEFAULTS.items()}
+    ones), removed from ``kwargs``, checked and normalised (``ValueError`` naming the flag)."""
+    return normalize_canary_values({k: kwargs.pop(k, v) for k, v in DEFAULTS.items()})
 
 
 def canary_values_from_namespace(args: argparse.Namespace) -> dict:
-    """The parsed ``--kv-canary*`` options (defaults for the missing ones)."""
-    return {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
+    """The parsed ``--kv-canary*`` options (defaults for the missing ones), checked and
+    normalised like the keyword arguments."""
+    return normalize_canary_values({k: getattr(args, k, v) for k, v in DEFAULTS.items()})
 
 
 def set_canary_attrs(server_args, values: dict) -> None:
     sglang_seam.set_server_args_values(server_args, values)
+
+
+def canary_repr_suffix(server_args) -> str:
+    """``, kv_canary='raise', kv_canary_sweep_interval=0, kv_canary_real_data='none'`` for
+    ``repr(server_args)`` (the canary's fields live on the instance, outside the dataclass's
+    own repr); empty when the instance has none of them."""
+    parts = []
+    for name in DEFAULTS:
+        value = sglang_seam.server_args_value(server_args, name, _MISSING)
+        if value is not _MISSING:
+            parts.append(f"{name}={value!r}")
+    return "".join(", " + p for p in parts)
+
+
+_MISSING = object()
 
 
 def note_requested_sampling_backend(server_args, requested) -> None:

@@ -1,0 +1,206 @@
+"""Start-up through sglang's own parsers, in-process (after ``load_plugins()``, as
+``launch_server`` / ``sglang serve`` / ``Engine`` do): the command line (``prepare_server_args``,
+``--config`` YAML included) and ``ServerArgs(**kwargs)`` (what ``Engine(...)`` builds) accept
+and refuse the same values with the same messages, validation sees the parsed values, canary
+variables are read only with the canary on, and ``repr(server_args)`` shows the canary's
+fields. (Issue 17, findings 1, 2, 3 and 6.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from sglang.srt.kv_canary import config as config_mod
+from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    """No canary variable from the outside, every warning fresh, sglang's CPU engine."""
+    for name in [n for n in os.environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    monkeypatch.setattr(config_mod, "_warned", set(), raising=False)
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+
+@pytest.fixture
+def canary_log(caplog):
+    """The canary's WARNING records (sglang's logging set-up may stop them propagating to
+    the root logger, where caplog listens, so listen on the canary's logger itself)."""
+    logger = logging.getLogger("sglang.srt.kv_canary")
+    logger.addHandler(caplog.handler)
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+        yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def cli(model_dir, *argv):
+    """``sglang serve`` / ``launch_server``'s parse of ``argv``."""
+    from sglang.srt.server_args import prepare_server_args
+
+    return prepare_server_args(["--model-path", model_dir, "--device", "cpu",
+                                "--skip-tokenizer-init", "--load-format", "dummy", *argv])
+
+
+def kwargs(model_dir, **kw):
+    """What ``sglang.Engine(**kw)`` builds."""
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path=model_dir, device="cpu", skip_tokenizer_init=True,
+                      load_format="dummy", **kw)
+
+
+def cli_error(capsys, model_dir, *argv) -> str:
+    """The message of a refused command line (argparse exits; a ValueError propagates)."""
+    try:
+        cli(model_dir, *argv)
+    except SystemExit:
+        return capsys.readouterr().err
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"{argv} was accepted")
+
+
+# ---- finding 1: the command line accepts every self-test configuration ----------------------
+
+
+@pytest.mark.parametrize("env,argv", [
+    ({"SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.5",
+      "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full"},
+     ["--kv-canary", "log", "--kv-canary-real-data", "partial"]),
+    ({"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1"}, ["--kv-canary", "log"]),
+    ({}, ["--kv-canary", "raise", "--sampling-backend", "token_oracle"]),
+    ({"SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "1",
+      "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "1"}, ["--kv-canary", "log"]),
+])
+def test_self_test_configurations_start_from_the_command_line(monkeypatch, model_dir, env,
+                                                               argv):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    sa = cli(model_dir, *argv)
+    assert sa.kv_canary == argv[1]
+    assert CanaryConfig.from_server_args(sa).enabled
+    sa = kwargs(model_dir, **{k.lstrip("-").replace("-", "_"): v
+                              for k, v in zip(argv[::2], argv[1::2])})
+    assert sa.kv_canary == argv[1]
+
+
+def test_the_command_line_still_refuses_a_self_test_without_the_canary(monkeypatch, model_dir,
+                                                                       capsys):
+    assert "needs --kv-canary log or raise" in cli_error(
+        capsys, model_dir, "--sampling-backend", "token_oracle")
+
+
+# ---- finding 2: one parse for every route ------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag,value,canonical", [
+    ("--kv-canary", "RAISE", "raise"),
+    ("--kv-canary", " log ", "log"),
+    ("--kv-canary-real-data", "ALL", "all"),
+    ("--kv-canary-sweep-interval", "3", 3),
+])
+def test_the_same_spellings_are_accepted_everywhere(model_dir, flag, value, canonical):
+    name = flag.lstrip("-").replace("-", "_")
+    extra = [] if name == "kv_canary" else ["--kv-canary", "log"]
+    extra_kw = {} if name == "kv_canary" else {"kv_canary": "log"}
+    assert getattr(cli(model_dir, *extra, flag, value), name) == canonical
+    assert getattr(kwargs(model_dir, **extra_kw, **{name: value}), name) == canonical
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--kv-canary", "sometimes"),
+    ("--kv-canary", ""),
+    ("--kv-canary", None),
+    ("--kv-canary-real-data", "most"),
+    ("--kv-canary-real-data", None),
+    ("--kv-canary-sweep-interval", "abc"),
+    ("--kv-canary-sweep-interval", "-1"),
+    ("--kv-canary-sweep-interval", "1.5"),
+    ("--kv-canary-sweep-interval", 1.5),
+    ("--kv-canary-sweep-interval", True),
+    ("--kv-canary-sweep-interval", str(10**10)),
+])
+def test_the_same_values_are_refused_everywhere_naming_the_flag(capsys, model_dir, flag,
+                                                                value):
+    name = flag.lstrip("-").replace("-", "_")
+    with pytest.raises(ValueError) as exc:
+        kwargs(model_dir, **{"kv_canary": "log", name: value})
+    assert flag in str(exc.value) and repr(value) in str(exc.value)
+    if isinstance(value, str):  # a command line carries strings only
+        argv = ([] if name == "kv_canary" else ["--kv-canary", "log"]) + [flag, value]
+        message = cli_error(capsys, model_dir, *argv)
+        assert flag in message, message
+
+
+# ---- finding 3: a canary-off server ignores (and names) canary variables --------------------
+
+
+def test_canary_off_reads_no_variable_and_names_the_set_ones(monkeypatch, model_dir,
+                                                             canary_log):
+    monkeypatch.setenv("SGLANG_KV_CANARY_RING_CAPACITY", "lots")  # malformed
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.5")
+    for sa in (cli(model_dir), kwargs(model_dir)):
+        assert not CanaryConfig.from_server_args(sa).enabled
+    warnings = [r.getMessage() for r in canary_log.records if "are ignored" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once per process
+    assert ("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB, SGLANG_KV_CANARY_RING_CAPACITY"
+            in warnings[0])
+    # the same variable stops a canary-on start, naming it
+    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_RING_CAPACITY"):
+        kwargs(model_dir, kv_canary="log")
+
+
+def test_a_misspelled_variable_gets_the_closest_name(monkeypatch, model_dir, canary_log):
+    monkeypatch.setenv("SGLANG_KV_CANARY_RING_CAPACTY", "64")
+    kwargs(model_dir, kv_canary="log")
+    assert any("unknown environment variable SGLANG_KV_CANARY_RING_CAPACTY" in r.getMessage()
+               and "did you mean SGLANG_KV_CANARY_RING_CAPACITY?" in r.getMessage()
+               for r in canary_log.records)
+
+
+def test_an_absurd_ring_capacity_is_refused_naming_the_variable(monkeypatch, model_dir):
+    monkeypatch.setenv("SGLANG_KV_CANARY_RING_CAPACITY", "99999999999999999999")
+    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_RING_CAPACITY.*from 1 to"):
+        kwargs(model_dir, kv_canary="raise")
+
+
+@pytest.mark.parametrize("route", ["cli", "kwargs"])
+def test_real_data_without_the_canary_is_refused(capsys, model_dir, route):
+    if route == "cli":
+        message = cli_error(capsys, model_dir, "--kv-canary-real-data", "partial")
+    else:
+        with pytest.raises(ValueError) as exc:
+            kwargs(model_dir, kv_canary_real_data="partial")
+        message = str(exc.value)
+    assert "--kv-canary-real-data=partial needs the canary on" in message
+
+
+# ---- finding 6: start-up tells the whole configuration --------------------------------------
+
+
+def test_repr_and_the_installed_line_show_every_setting(monkeypatch, model_dir):
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_RING_CAPACITY", "64")
+    for sa in (cli(model_dir, "--kv-canary", "raise", "--kv-canary-sweep-interval", "5"),
+               kwargs(model_dir, kv_canary="raise", kv_canary_sweep_interval=5)):
+        text = repr(sa)
+        assert text.endswith("kv_canary='raise', kv_canary_sweep_interval=5, "
+                             "kv_canary_real_data='none')"), text[-200:]
+        described = CanaryConfig.from_server_args(sa).describe()
+        for word in ("mode=raise", "real_data=none", "sweep_interval=5", "ring_capacity=64",
+                     "token_checks=on", "token_oracle=off", "write_input_check=off",
+                     "v_half=off", "stats_every=100", "swa_divergence_every=0",
+                     "fault_injection=off"):
+            assert word in described.split(), (word, described)
