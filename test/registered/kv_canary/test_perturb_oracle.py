@@ -84,11 +84,9 @@ def test_perturbations_off_by_default(monkeypatch):
      "--kv-canary-sweep-interval N"),
     ({"SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB": "1"}, {},
      "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1"),
-    ({"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1"}, {"mode": "none"},
-     "needs the canary on"),
     ({"SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "1"}, {},
      "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1 checks written tokens against the token oracle"),
-    ({"SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "1"}, {"mode": "none"},
+    ({}, {"mode": "none", "real_data": "none", "sampling_backend": "token_oracle"},
      "the token oracle (--sampling-backend token_oracle or"),
 ])
 def test_bad_perturb_or_oracle_settings_are_refused(monkeypatch, env, args, message):
@@ -97,6 +95,18 @@ def test_bad_perturb_or_oracle_settings_are_refused(monkeypatch, env, args, mess
     with pytest.raises(ValueError) as exc:
         CanaryConfig.from_server_args(_server_args(**args))
     assert message in str(exc.value)
+
+
+@pytest.mark.parametrize("env", [{"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1"},
+                                 {"SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "1"}])
+def test_canary_off_ignores_self_test_variables(monkeypatch, env):
+    """With the canary off no SGLANG_KV_CANARY_* variable is read (they are named in a
+    warning, see test_startup.py): a self-test variable then changes nothing."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    config = CanaryConfig.from_server_args(_server_args(mode="none", real_data="none"))
+    assert not config.enabled and not config.perturb.enabled
+    assert not config.enable_token_oracle
 
 
 def test_token_oracle_on_from_the_sampling_backend_flag_or_its_recorded_request(monkeypatch):
