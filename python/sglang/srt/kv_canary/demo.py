@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from sglang.srt.kv_canary.perturb.config import FaultKind
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.stats import STATS_LINE_PREFIX
-from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.runner.violation import ViolationLine, parse_violation_lines
 
 RESULT_PREFIX = "DEMO_RESULT "
 
@@ -133,21 +133,15 @@ _STATS_RE = re.compile(re.escape(STATS_LINE_PREFIX) +
                        r" step=(\d+) protected_tokens=(\d+) sweep_passes=(\d+)")
 
 
-@dataclasses.dataclass(frozen=True)
-class Violation:
-    tag: str
-    reasons: Tuple[str, ...]
-    slot: int
-    step: int
-
-
-def parse_violations(text: str) -> List[Violation]:
-    """Every distinct violation report in ``text`` (raise mode may print one twice)."""
+def parse_violations(text: str) -> List[ViolationLine]:
+    """Every distinct violation report in ``text``: a slot reported by the same launch for the
+    same reasons at the same step counts once (raise mode prints a report twice, and one
+    corrupted record can be reported for several entries of one plan)."""
     seen, out = set(), []
-    for line in parse_violation_lines(text):
-        v = Violation(line.launch_tag, line.fail_reasons, line.slot_idx, line.forward_step)
-        if v not in seen:
-            seen.add(v)
+    for v in parse_violation_lines(text):
+        key = (v.launch_tag, v.fail_reasons, v.slot_idx, v.forward_step)
+        if key not in seen:
+            seen.add(key)
             out.append(v)
     return out
 
@@ -200,19 +194,19 @@ def evaluate(case: DemoCase, text: str, returncode: int) -> CaseResult:
     slots = _injected_slots(injections)
     matching = [
         v for v in violations
-        if first is not None and v.step >= first
-        and any(r in v.reasons for r in case.reasons)
-        and any(v.tag.startswith(t) for t in case.tags)
-        and (not case.match_slot or v.slot in slots)
+        if first is not None and v.forward_step >= first
+        and any(r in v.fail_reasons for r in case.reasons)
+        and any(v.launch_tag.startswith(t) for t in case.tags)
+        and (not case.match_slot or v.slot_idx in slots)
     ]
     stats = _STATS_RE.findall(text)
     last = stats[-1] if stats else None
     return CaseResult(
         name=case.name, fault=case.fault.value if case.fault else None, returncode=returncode,
         injections=len(injections), first_injection_step=first, detected=bool(matching),
-        steps_to_report=(min(v.step for v in matching) - first) if matching else None,
-        tags=tuple(sorted({v.tag for v in violations})),
-        reasons=tuple(sorted({r for v in violations for r in v.reasons})),
+        steps_to_report=(min(v.forward_step for v in matching) - first) if matching else None,
+        tags=tuple(sorted({v.launch_tag for v in violations})),
+        reasons=tuple(sorted({r for v in violations for r in v.fail_reasons})),
         violations=len(violations),
         protected_tokens=int(last[1]) if last else None,
         sweep_passes=int(last[2]) if last else None,

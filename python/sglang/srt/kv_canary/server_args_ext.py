@@ -84,6 +84,9 @@ def set_canary_attrs(server_args, values: dict) -> None:
     sglang_seam.set_server_args_values(server_args, values)
 
 
+_MISSING = object()
+
+
 def canary_repr_suffix(server_args) -> str:
     """``, kv_canary='raise', kv_canary_sweep_interval=0, kv_canary_real_data='none'`` for
     ``repr(server_args)`` (the canary's fields live on the instance, outside the dataclass's
@@ -95,8 +98,6 @@ def canary_repr_suffix(server_args) -> str:
             parts.append(f"{name}={value!r}")
     return "".join(", " + p for p in parts)
 
-
-_MISSING = object()
 
 
 def note_requested_sampling_backend(server_args, requested) -> None:

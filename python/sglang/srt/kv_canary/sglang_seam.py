@@ -102,7 +102,7 @@ class RunnerFacts:
     """What the canary builder needs from a ``ModelRunner`` (read once, at install)."""
 
     __slots__ = ("kv_pool", "req_to_token", "device", "context_len", "vocab_size",
-                 "sliding_window_size", "is_draft_worker")
+                 "sliding_window_size")
 
     def __init__(self, model_runner: "ModelRunner"):
         self.kv_pool: "KVCache" = model_runner.token_to_kv_pool
@@ -112,7 +112,6 @@ class RunnerFacts:
         self.vocab_size = int(model_runner.model_config.vocab_size)
         window = getattr(model_runner, "sliding_window_size", None)
         self.sliding_window_size: Optional[int] = int(window) if window else None
-        self.is_draft_worker = bool(getattr(model_runner, "is_draft_worker", False))
 
 
 def is_draft_worker(model_runner: "ModelRunner") -> bool:
