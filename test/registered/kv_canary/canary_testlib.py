@@ -17,7 +17,7 @@ from sglang.jit_kernel.kv_canary import (
     RealKvSource,
     VerifyOrWriteContext,
 )
-from sglang.jit_kernel.kv_canary.consts import to_int64
+from sglang.jit_kernel.kv_canary.consts import VIOLATION_NUM_FIELDS, to_int64
 
 
 def make_context(
@@ -36,7 +36,8 @@ def make_context(
     return VerifyOrWriteContext(
         canary_buf=buf,
         kernel_kind=kind,
-        violation_ring=torch.zeros(ring_capacity, 8, dtype=torch.int64, device=device),
+        violation_ring=torch.zeros(ring_capacity, VIOLATION_NUM_FIELDS, dtype=torch.int64,
+                                    device=device),
         violation_write_index=torch.zeros(1, dtype=torch.int32, device=device),
         slot_run_counter=torch.zeros(1, dtype=torch.int64, device=device),
         kernel_run_counter=torch.zeros(1, dtype=torch.int64, device=device),

@@ -493,7 +493,7 @@ class ServingDriver:
         new = self.rng.choice(others)
         old = int(self.req_to_token_pool.req_to_token[victim.row, p])
         self.req_to_token_pool.req_to_token[victim.row, p] = new  # the scheduler's view is unchanged
-        return dict(rid=victim.rid, position=p, old_slot=old, new_slot=new)
+        return dict(rid=victim.rid, row=victim.row, position=p, old_slot=old, new_slot=new)
 
     def fault_swap_same_position(self) -> dict:
         """Point position p of a running request at the slot holding position p of another
@@ -526,7 +526,8 @@ class ServingDriver:
         row = self.kv_pool.k_buffer[0][slot].view(torch.uint8).view(-1)
         old = int(row[byte])
         row[byte] ^= 0xFF
-        return dict(rid=victim.rid, position=p, slot=slot, old=old, new=int(row[byte]))
+        return dict(rid=victim.rid, row=victim.row, position=p, slot=slot, old=old,
+                    new=int(row[byte]))
 
     def window_positions(self, req: DriverReq) -> range:
         """Positions the next decode forward's SWA verify covers for ``req``."""

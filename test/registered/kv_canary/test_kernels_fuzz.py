@@ -217,6 +217,7 @@ def test_plan_write_verify_match_reference(seed, device):
     if sc["garbage_plans"]:  # stale contents from an earlier forward must not matter
         g = torch.Generator().manual_seed(seed)
         for t in (ref_vp.verify_slot_indices, ref_vp.verify_prev_slot_indices,
+                  ref_vp.verify_req_to_token_rows, ref_wp.write_req_to_token_rows,
                   ref_wp.write_offsets, ref_wp.write_seed_slot_indices,
                   ref_wp.verify_req_offsets):
             t.copy_(torch.randint(-5, 50, t.shape, generator=g))

@@ -172,6 +172,9 @@ class ExpectedPlan:
     write_offsets: List[int]
     seeds: List[int]
     nreq: int
+    # req_to_token row per verify entry / per write request (-1: none), full-capacity lists
+    req_rows: List[int] = dataclasses.field(default_factory=list)
+    write_rows: List[int] = dataclasses.field(default_factory=list)
 
     @property
     def entries(self):
@@ -192,6 +195,7 @@ def oracle_plan(*, rpi, prefix, ext, r2t, window, lut, verify_capacity, write_re
     entries = []
     woff = [0]
     seeds = []
+    write_rows = []
     for r, rp in enumerate(rpi):
         live = 0 < rp < rows
         pl = min(max(prefix[r], 0), cols)
@@ -205,23 +209,25 @@ def oracle_plan(*, rpi, prefix, ext, r2t, window, lut, verify_capacity, write_re
                     idx = p + offset
                     if 0 <= idx < valid_lens[r] and idx < len(exp_pool[0]) and rp < len(exp_pool):
                         tok = exp_pool[rp][idx]
-                entries.append((slot, tok, p, prev))
+                entries.append((slot, tok, p, prev, rp))
         woff.append(woff[-1] + (ext[r] if live and ext[r] > 0 else 0))
         seeds.append(T(r2t[rp][pl - 1]) if live and pl > 0 else -1)
+        write_rows.append(rp if live else -1)
     bs = len(rpi)
     woff += [0] * (write_req_capacity - bs)
     seeds += [-1] * (write_req_capacity - bs)
+    write_rows += [-1] * (write_req_capacity - bs)
     total = len(entries)
-    cols4 = [[SENTINEL] * verify_capacity for _ in range(4)]
+    cols5 = [[SENTINEL] * verify_capacity for _ in range(5)]
     if total <= verify_capacity:
         enable, num_valid = 1, total
         for e, entry in enumerate(entries):
-            for k in range(4):
-                cols4[k][e] = entry[k]
+            for k in range(5):
+                cols5[k][e] = entry[k]
     else:
         enable, num_valid = 0, verify_capacity
-    return ExpectedPlan(*cols4, num_valid=num_valid, enable=enable, write_offsets=woff,
-                        seeds=seeds, nreq=bs)
+    return ExpectedPlan(*cols5[:4], num_valid=num_valid, enable=enable, write_offsets=woff,
+                        seeds=seeds, nreq=bs, req_rows=cols5[4], write_rows=write_rows)
 
 
 class Oracle:
@@ -285,7 +291,8 @@ class Oracle:
                     self.recs[slot] = [tok, pos, to_int64(running), 0]
                     stored.append(slot)
                     if bits:
-                        rows.append(self._row(slot, pos, tok, etok, running, epos, bits))
+                        rows.append(self._row(slot, pos, tok, etok, running, epos, bits, pos,
+                                              plan.write_rows[r]))
                 running = splitmix64_mix3(running, tok, pos)
                 prev_pos = pos
         for slot in stored:
@@ -304,6 +311,7 @@ class Oracle:
         self.slot_counter += n
         for e in range(n):
             slot, etok, epos, prev = plan.slots[e], plan.toks[e], plan.poss[e], plan.prevs[e]
+            req_row = plan.req_rows[e]
             if not 0 < slot < self.num_slots:
                 continue
             tok, pos, prev_hash, kv = self.recs[slot]
@@ -326,7 +334,7 @@ class Oracle:
             if bits:
                 aux = exp_chain if check else prev_hash
                 rows.append(self._row(slot, pos, tok, etok if check_token else -1, prev_hash,
-                                      aux, bits))
+                                      aux, bits, epos, req_row))
         self.launch_rows.append(rows)
         return rows
 
@@ -346,10 +354,12 @@ def _assert_plan_tensors(vp: VerifyPlan, wp: WritePlan, exp: ExpectedPlan, where
         "verify_expected_tokens": vp.verify_expected_tokens.cpu().tolist(),
         "verify_expected_positions": vp.verify_expected_positions.cpu().tolist(),
         "verify_prev_slot_indices": vp.verify_prev_slot_indices.cpu().tolist(),
+        "verify_req_to_token_rows": vp.verify_req_to_token_rows.cpu().tolist(),
         "verify_num_valid": int(vp.verify_num_valid[0]),
         "enable": int(vp.enable[0]),
         "write_offsets": wp.write_offsets.cpu().tolist(),
         "write_seed_slot_indices": wp.write_seed_slot_indices.cpu().tolist(),
+        "write_req_to_token_rows": wp.write_req_to_token_rows.cpu().tolist(),
         "write_num_valid_reqs": int(wp.write_num_valid_reqs[0]),
     }
     want = {
@@ -357,10 +367,12 @@ def _assert_plan_tensors(vp: VerifyPlan, wp: WritePlan, exp: ExpectedPlan, where
         "verify_expected_tokens": exp.toks,
         "verify_expected_positions": exp.poss,
         "verify_prev_slot_indices": exp.prevs,
+        "verify_req_to_token_rows": exp.req_rows,
         "verify_num_valid": exp.num_valid,
         "enable": exp.enable,
         "write_offsets": exp.write_offsets,
         "write_seed_slot_indices": exp.seeds,
+        "write_req_to_token_rows": exp.write_rows,
         "write_num_valid_reqs": exp.nreq,
     }
     for k in want:
@@ -382,12 +394,13 @@ def run_plan(impl: Impl, *, rpi, prefix, ext, r2t, window=0, lut=None, verify_ca
     vp = VerifyPlan.allocate(verify_capacity=verify_capacity, device=dev)
     wp = WritePlan.allocate(write_req_capacity=write_req_capacity, device=dev)
     for t in (vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions,
-              vp.verify_prev_slot_indices):
+              vp.verify_prev_slot_indices, vp.verify_req_to_token_rows):
         t.fill_(SENTINEL)
     vp.verify_num_valid.fill_(-5)
     vp.enable.fill_(-5)
     wp.write_offsets.fill_(SENTINEL)
     wp.write_seed_slot_indices.fill_(SENTINEL)
+    wp.write_req_to_token_rows.fill_(SENTINEL)
     wp.write_num_valid_reqs.fill_(-5)
     impl.plan(
         verify_plan_out=vp, write_plan_out=wp,
@@ -412,40 +425,45 @@ def run_plan(impl: Impl, *, rpi, prefix, ext, r2t, window=0, lut=None, verify_ca
 
 
 def hand_verify_plan(impl: Impl, entries, *, capacity=None, num_valid=None, enable=1) -> Plans:
-    """A VerifyPlan built by hand from ``(slot, expected_token, expected_position, prev)``."""
+    """A VerifyPlan built by hand from ``(slot, expected_token, expected_position, prev[,
+    req_to_token_row])`` (the row defaults to -1)."""
     dev = impl.device
     capacity = len(entries) if capacity is None else capacity
     num_valid = len(entries) if num_valid is None else num_valid
-    cols = [[SENTINEL] * capacity for _ in range(4)]
+    cols = [[SENTINEL] * capacity for _ in range(5)]
     for e, entry in enumerate(entries):
-        for k in range(4):
+        entry = tuple(entry) + (-1,) * (5 - len(entry))
+        for k in range(5):
             cols[k][e] = entry[k]
     vp = VerifyPlan(
         verify_slot_indices=_tensor(cols[0], torch.int64, dev),
         verify_expected_tokens=_tensor(cols[1], torch.int64, dev),
         verify_expected_positions=_tensor(cols[2], torch.int64, dev),
         verify_prev_slot_indices=_tensor(cols[3], torch.int64, dev),
+        verify_req_to_token_rows=_tensor(cols[4], torch.int64, dev),
         verify_num_valid=_tensor([num_valid], torch.int32, dev),
         enable=_tensor([enable], torch.int32, dev),
     )
-    exp = ExpectedPlan(*cols, num_valid=num_valid, enable=enable, write_offsets=[0], seeds=[],
-                       nreq=0)
+    exp = ExpectedPlan(*cols[:4], num_valid=num_valid, enable=enable, write_offsets=[0], seeds=[],
+                       nreq=0, req_rows=cols[4])
     return Plans(vp, None, exp)
 
 
-def hand_write_plan(impl: Impl, lengths, seeds) -> Plans:
+def hand_write_plan(impl: Impl, lengths, seeds, rows=None) -> Plans:
     dev = impl.device
     offs = [0]
     for n in lengths:
         offs.append(offs[-1] + n)
+    rows = [-1] * len(seeds) if rows is None else list(rows)
     wp = WritePlan(
         write_offsets=_tensor(offs, torch.int64, dev),
         write_seed_slot_indices=_tensor(seeds, torch.int64, dev),
+        write_req_to_token_rows=_tensor(rows, torch.int64, dev),
         write_num_valid_reqs=_tensor([len(seeds)], torch.int32, dev),
         verify_req_offsets=torch.zeros(len(seeds) + 1, dtype=torch.int64, device=dev),
     )
     exp = ExpectedPlan([], [], [], [], 0, 1, write_offsets=offs, seeds=list(seeds),
-                       nreq=len(seeds))
+                       nreq=len(seeds), write_rows=rows)
     return Plans(None, wp, exp)
 
 
@@ -785,8 +803,9 @@ def test_swa_window_with_evicted_slots(impl):
     assert c.verify(p) == []
     c.set_field(7, 1, 99)  # p=4's position: reported, expected_aux = stored prev_hash
     rows = c.verify(p)
+    # located: attention read req_to_token[1, 4] for position 4
     assert c.ring_rows() == [(int(CanaryLaunchTag.HEAD_K_SWA), 7, 99, 15, -1, 0x0BADC0DE,
-                              0x0BADC0DE, BIT_POS)]
+                              0x0BADC0DE, BIT_POS, 4, 1)]
     assert rows == c.ring_rows()
     c.set_field(7, 1, 4)
 
@@ -984,7 +1003,7 @@ def test_real_kv_two_sources_page_size_2(impl, mode):
     if mode != RealKvHashMode.NONE:
         row = c.ring_rows()[0]
         assert row == (int(CanaryLaunchTag.TAIL_K_FULL), 5, 1, 8, -1, c.oracle.recs[5][2],
-                       c.oracle.recs[5][2], BIT_REAL_KV)
+                       c.oracle.recs[5][2], BIT_REAL_KV, 1, 1)
     # The decode write on top fingerprints its slot too; a stale record is reported.
     c.write(p, [toks[6]], [6], [8])
     p = run_plan(impl, rpi=[1], prefix=[7], ext=[1], r2t=r2t)
@@ -1040,8 +1059,9 @@ def test_chain_position_assert(impl, chain_assert):
         running7 = c.oracle.recs[7][2]
         running15 = c.oracle.recs[15][2]
         assert c.ring_rows() == sorted([
-            (int(CanaryLaunchTag.HEAD_V_FULL), 7, 5, 31, 31, running7, 3, BIT_WRITE_POS),
-            (int(CanaryLaunchTag.HEAD_V_FULL), 15, 8, 52, 52, running15, 7, BIT_WRITE_POS),
+            (int(CanaryLaunchTag.HEAD_V_FULL), 7, 5, 31, 31, running7, 3, BIT_WRITE_POS, 5, 1),
+            (int(CanaryLaunchTag.HEAD_V_FULL), 15, 8, 52, 52, running15, 7, BIT_WRITE_POS, 8,
+             3),
         ])
     else:
         assert rows == [] and c.ring_rows() == []

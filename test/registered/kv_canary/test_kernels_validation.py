@@ -34,6 +34,7 @@ from sglang.jit_kernel.kv_canary import (
     launch_scatter_req_token_ids_kernel,
     scatter_req_token_ids_torch_reference,
 )
+from sglang.jit_kernel.kv_canary.consts import VIOLATION_NUM_FIELDS
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -85,7 +86,7 @@ def context_kwargs(num_slots=16, device=CPU, **over):
     kw = dict(
         canary_buf=torch.zeros(num_slots, CANARY_SLOT_BYTES, dtype=torch.uint8, device=device),
         kernel_kind=CanaryLaunchTag.TAIL_K_FULL,
-        violation_ring=torch.zeros(8, 8, dtype=I64, device=device),
+        violation_ring=torch.zeros(8, VIOLATION_NUM_FIELDS, dtype=I64, device=device),
         violation_write_index=torch.zeros(1, dtype=I32, device=device),
         slot_run_counter=torch.zeros(1, dtype=I64, device=device),
         kernel_run_counter=torch.zeros(1, dtype=I64, device=device),
@@ -765,6 +766,7 @@ def _verify_plan_fields(cap=4, **over):
               verify_expected_tokens=torch.zeros(cap, dtype=I64),
               verify_expected_positions=torch.zeros(cap, dtype=I64),
               verify_prev_slot_indices=torch.zeros(cap, dtype=I64),
+              verify_req_to_token_rows=torch.zeros(cap, dtype=I64),
               verify_num_valid=torch.zeros(1, dtype=I32), enable=torch.zeros(1, dtype=I32))
     kw.update(over)
     return kw
@@ -773,6 +775,7 @@ def _verify_plan_fields(cap=4, **over):
 def _write_plan_fields(cap=4, **over):
     kw = dict(write_offsets=torch.zeros(cap + 1, dtype=I64),
               write_seed_slot_indices=torch.zeros(cap, dtype=I64),
+              write_req_to_token_rows=torch.zeros(cap, dtype=I64),
               write_num_valid_reqs=torch.zeros(1, dtype=I32),
               verify_req_offsets=torch.zeros(cap + 1, dtype=I64))
     kw.update(over)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 
 import pytest
 import torch
@@ -21,7 +22,9 @@ from sglang.srt.kv_canary.runner.violation import (
     VIOLATION_LINE_PREFIX,
     ViolationLine,
     ViolationReporter,
+    format_violation_block,
     format_violation_line,
+    merge_incidents,
     parse_violation_line,
     parse_violation_lines,
 )
@@ -89,7 +92,7 @@ def test_serving_loop_has_no_false_positives(real_data, enable_v):
     d = ServingDriver(seed=3, real_data=real_data, enable_mha_v=enable_v)
     d.run(300)
     state = d.manager.state
-    assert int(state.violation_log.violation_write_index) == 0
+    assert d.manager.count_violations() == 0
     # the workload covered what it claims to
     assert d.shared_admitted >= 5, "no request shared a prefix"
     assert d.reused_slots >= 50, "no KV slot was freed and reused"
@@ -153,13 +156,78 @@ def test_log_mode_logs_each_violation_once_and_keeps_serving(caplog):
             d.step()
     lines = [v for r in caplog.records
              for v in parse_violation_lines(r.getMessage(), unique=False)]
-    total = int(d.manager.state.violation_log.violation_write_index)
-    assert total >= 1
-    assert len(lines) == total  # every ring row logged exactly once, none twice
+    assert d.manager.count_violations() >= 1
+    # every incident logged exactly once, none twice: one line per forward step for the slot
+    assert len(lines) == d.manager.violations.total_incidents >= 1
+    assert len({v.forward_step for v in lines}) == len(lines)
     assert all(v.slot_idx == info["slot"] for v in lines)
     assert all(v.launch_tag == "TAIL_K_FULL" and v.fail_reasons == ("verify_real_kv_hash",)
                for v in lines)
+    # located: the request's req_to_token row and the position attention read the slot for
+    assert {(v.req_to_token_row, v.read_position) for v in lines} == {
+        (info["row"], info["position"])}
     assert d.step_count >= 66  # kept serving
+
+
+def test_req_to_token_fault_is_located_in_one_report():
+    """Finding 4 of issue 17: a wrong req_to_token entry is reported once per forward with
+    every launch tag that saw it, naming the row and the position attention read it for."""
+    d = ServingDriver(seed=11, mode="raise", real_data="partial")
+    info = _inject(d, "req_to_token_swap")
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d.step()
+    lines = parse_violation_lines(str(exc.value))
+    at_fault = [v for v in lines if v.slot_idx == info["new_slot"]]
+    assert len(at_fault) == 1, lines  # one report for the corrupted slot in this forward
+    v = at_fault[0]
+    assert (v.req_to_token_row, v.read_position) == (info["row"], info["position"])
+    assert {"HEAD_K_FULL", "TAIL_K_FULL"} <= set(v.seen_by) and v.launch_tag == v.seen_by[0]
+    assert v.position != v.read_position  # the record says where the slot really belongs
+    # the chain break it causes one position later is reported at that position, same row
+    after = [w for w in lines if w.read_position == info["position"] + 1]
+    assert all(w.req_to_token_row == info["row"] for w in after)
+    assert len(lines) == len({(w.slot_idx, w.read_position, w.req_to_token_row) for w in lines})
+    assert f"req_to_token[{info['row']}, {info['position']}] = slot {info['new_slot']}" in str(
+        exc.value)
+
+
+def test_ring_is_detailed_again_after_a_full_window(caplog):
+    """Finding 5 of issue 17: a forward that overflows the ring does not blind later ones;
+    every forward step gets its own ring_capacity rows of detail and its own dropped count."""
+    d = ServingDriver(seed=2, mode="log", real_data="partial", ring_capacity=2)
+    d.run(40)
+    d.settle()
+    held = sorted({s for r in d.running for s in r.slots[: r.kv_len - 1]})
+    burst, later = held[:5], held[5]
+
+    def flip(slot):
+        d.kv_pool.k_buffer[0][slot].view(torch.uint8).view(-1)[0] ^= 0x5A
+
+    def reported(step):
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        return [v for v in parse_violation_lines(text) if v.forward_step == step], text
+
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+        for s in burst:  # an incident larger than the ring
+            flip(s)
+        d.step()
+        burst_step = d.manager.step
+        lines, text = reported(burst_step)
+        assert len(lines) == 2 and {v.slot_idx for v in lines} <= set(burst)
+        m = re.search(rf"(\d+) more violation\(s\) not recorded at forward step {burst_step}\b",
+                      text)
+        assert m is not None and int(m.group(1)) >= 3, text
+        for s in burst:  # repaired: the next forward is clean again
+            flip(s)
+        d.step()
+        assert reported(d.manager.step)[0] == []
+        flip(later)  # a later, unrelated incident is reported in full
+        d.step()
+        lines, text = reported(d.manager.step)
+        assert {v.slot_idx for v in lines} == {later}, text
+        assert f"not recorded at forward step {d.manager.step}" not in text
+    assert d.manager.count_violations() == 2 + int(m.group(1)) + len(lines)
+    assert d.manager.violations.total_dropped == int(m.group(1))
 
 
 def test_ring_overflow_is_counted_and_reported():
@@ -172,7 +240,7 @@ def test_ring_overflow_is_counted_and_reported():
         d.step()
     # the kept rows, each reported; the "more violation(s) not recorded" line is no violation
     assert len(parse_violation_lines(str(exc.value), unique=False)) == 4
-    count = int(d.manager.state.violation_log.violation_write_index)
+    count = d.manager.violations.total
     assert count > 4 and f"{count - 4} more violation(s)" in str(exc.value)
 
 
@@ -253,15 +321,51 @@ def test_health_checker_unit():
 
 
 def test_violation_line_format():
-    row = [int(CanaryLaunchTag.TAIL_K_FULL), 812, 37, 5, -1, -2, 0x1234, 4 | 1]
+    row = [int(CanaryLaunchTag.TAIL_K_FULL), 812, 37, 5, -1, -2, 0x1234, 4 | 1, 36, 7]
     assert format_violation_line(row, step=41) == (
         f"{VIOLATION_LINE_PREFIX} launch_tag=TAIL_K_FULL fail_reason=verify_chain_hash+"
         "verify_real_kv_hash slot_idx=812 position=37 stored_token=5 expected_token=-1 "
-        "stored_chain_hash=0xfffffffffffffffe expected_aux=0x0000000000001234 forward_step=41")
+        "stored_chain_hash=0xfffffffffffffffe expected_aux=0x0000000000001234 forward_step=41 "
+        "read_position=36 req_to_token_row=7 seen_by=TAIL_K_FULL")
 
 
-def _row(tag, slot, pos, stored, expected, chain, aux, bits):
+def test_one_line_per_incident_lists_every_tag():
+    """HEAD and TAIL (and the V half) seeing one slot read for one position of one request in
+    one forward window: one line, reasons united, every tag listed; another slot, position,
+    row or pool kind is another incident."""
+    head = _row(CanaryLaunchTag.HEAD_K_FULL, 812, 37, 5, -1, 0, 0,
+                FailReason.VERIFY_POSITION_MISMATCH, read_position=36, req_row=7)
+    tail = _row(CanaryLaunchTag.TAIL_K_FULL, 812, 37, 5, -1, 0, 0,
+                FailReason.VERIFY_POSITION_MISMATCH | FailReason.VERIFY_REAL_KV_HASH_MISMATCH,
+                read_position=36, req_row=7)
+    tail_v = list(tail)
+    tail_v[c.VIOLATION_FIELD_KERNEL_KIND] = int(CanaryLaunchTag.TAIL_V_FULL)
+    nxt = _row(CanaryLaunchTag.HEAD_K_FULL, 813, 37, 6, -1, 0, 0,
+               FailReason.VERIFY_CHAIN_HASH_MISMATCH, read_position=37, req_row=7)
+    other_row = _row(CanaryLaunchTag.HEAD_K_FULL, 812, 37, 5, -1, 0, 0,
+                     FailReason.VERIFY_POSITION_MISMATCH, read_position=36, req_row=8)
+    swa = _row(CanaryLaunchTag.HEAD_K_SWA, 812, 37, 5, -1, 0, 0,
+               FailReason.VERIFY_POSITION_MISMATCH, read_position=36, req_row=7)
+    incidents = merge_incidents([head, nxt, tail, tail_v, other_row, swa])
+    assert [(i.row[c.VIOLATION_FIELD_SLOT_IDX], i.row[c.VIOLATION_FIELD_REQ_TO_TOKEN_ROW])
+            for i in incidents] == [(812, 7), (813, 7), (812, 8), (812, 7)]
+    first = parse_violation_line(format_violation_line(incidents[0], step=9))
+    assert first.launch_tag == "HEAD_K_FULL"
+    assert first.seen_by == ("HEAD_K_FULL", "TAIL_K_FULL", "TAIL_V_FULL")
+    assert first.fail_reasons == ("verify_position", "verify_real_kv_hash")
+    assert (first.read_position, first.req_to_token_row) == (36, 7)
+    assert [parse_violation_line(format_violation_line(i, step=9)).seen_by
+            for i in incidents[1:]] == [("HEAD_K_FULL",), ("HEAD_K_FULL",), ("HEAD_K_SWA",)]
+    # the explanation names the req_to_token entry attention read
+    block = format_violation_block(incidents[0], 9)
+    assert "req_to_token[7, 36] = slot 812" in block and "holds position 37" in block
+    assert "predecessor req_to_token[7, 36]" in format_violation_block(incidents[1], 9)
+
+
+def _row(tag, slot, pos, stored, expected, chain, aux, bits, *, read_position=0, req_row=-1):
     row = [0] * c.VIOLATION_NUM_FIELDS
+    row[c.VIOLATION_FIELD_READ_POSITION] = read_position
+    row[c.VIOLATION_FIELD_REQ_TO_TOKEN_ROW] = req_row
     row[c.VIOLATION_FIELD_KERNEL_KIND] = int(tag)
     row[c.VIOLATION_FIELD_SLOT_IDX] = slot
     row[c.VIOLATION_FIELD_POSITION] = pos
@@ -285,13 +389,15 @@ def _row(tag, slot, pos, stored, expected, chain, aux, bits):
      FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH, 7),
 ])
 def test_violation_line_round_trip(tag, slot, pos, stored, expected, chain, aux, bits, step):
-    row = _row(tag, slot, pos, stored, expected, chain, aux, bits)
+    row = _row(tag, slot, pos, stored, expected, chain, aux, bits, read_position=pos + 1,
+               req_row=slot % 5 - 1)
     line = format_violation_line(row, step=step)
     want = ViolationLine(launch_tag=tag.name, fail_reasons=tuple(FailReason.describe(int(bits))
                                                                  .split("+")),
                          slot_idx=slot, position=pos, stored_token=stored,
                          expected_token=expected, stored_chain_hash=chain, expected_aux=aux,
-                         forward_step=step)
+                         forward_step=step, read_position=pos + 1, req_to_token_row=slot % 5 - 1,
+                         seen_by=(tag.name,))
     assert parse_violation_line(line) == want
     assert all(0 <= h < 1 << 64 for h in (want.stored_chain_hash, want.expected_aux))
     # a ring row as the host reads it back (an int64 tensor row) formats the same way

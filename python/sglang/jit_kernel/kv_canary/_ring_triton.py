@@ -14,6 +14,8 @@ from sglang.jit_kernel.kv_canary._kernel_consts import (
     VIOL_FAIL_REASON_BITS,
     VIOL_KERNEL_KIND,
     VIOL_POSITION,
+    VIOL_READ_POSITION,
+    VIOL_REQ_TO_TOKEN_ROW,
     VIOL_SLOT_IDX,
     VIOL_STORED_CHAIN_HASH,
     VIOL_STORED_TOKEN,
@@ -25,8 +27,10 @@ from sglang.jit_kernel.kv_canary._kernel_consts import (
 def append_violations(
     ring_ptr, ring_index_ptr, ring_capacity, viol,
     kernel_kind, slot, position, stored_token, expected_token, chain_hash, aux, bits,
+    read_position, req_to_token_row,
 ):
-    """Append one ring row per lane where ``viol``; rows past the capacity are counted, not kept."""
+    """Append one ring row per lane where ``viol``; rows past the capacity are counted, not kept.
+    ``read_position`` / ``req_to_token_row``: where the slot was read (int64 lanes)."""
     zero = tl.zeros(viol.shape, dtype=tl.int32)
     idx = tl.atomic_add(ring_index_ptr + zero, 1, mask=viol).to(tl.int64)
     keep = viol & (idx < ring_capacity)
@@ -39,3 +43,5 @@ def append_violations(
     tl.store(row + VIOL_STORED_CHAIN_HASH, chain_hash, mask=keep)
     tl.store(row + VIOL_EXPECTED_AUX, aux, mask=keep)
     tl.store(row + VIOL_FAIL_REASON_BITS, bits, mask=keep)
+    tl.store(row + VIOL_READ_POSITION, read_position, mask=keep)
+    tl.store(row + VIOL_REQ_TO_TOKEN_ROW, req_to_token_row, mask=keep)

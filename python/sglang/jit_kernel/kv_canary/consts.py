@@ -8,10 +8,11 @@ Record layout (one ``uint8[32]`` row per KV slot, four little-endian int64 field
 
     field 0 token | field 1 position | field 2 prev_hash | field 3 real_kv_hash
 
-Violation ring rows are ``int64[8]``::
+Violation ring rows are ``int64[10]``: the eight columns of the record format, then where
+the slot was read (wave 2; appended, so the first eight keep their indices)::
 
     kernel_kind | slot_idx | position | stored_token | expected_token |
-    stored_chain_hash | expected_aux | fail_reason_bits
+    stored_chain_hash | expected_aux | fail_reason_bits | read_position | req_to_token_row
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ VIOLATION_FIELD_EXPECTED_TOKEN = 4
 VIOLATION_FIELD_STORED_CHAIN_HASH = 5
 VIOLATION_FIELD_EXPECTED_AUX = 6
 VIOLATION_FIELD_FAIL_REASON_BITS = 7
-VIOLATION_NUM_FIELDS = 8
+# where the slot was read: the position attention read it for (verify) or the forward wrote it
+# at (write), and the req_to_token row of the request (NO_REQ_TO_TOKEN_ROW for a sweep entry)
+VIOLATION_FIELD_READ_POSITION = 8
+VIOLATION_FIELD_REQ_TO_TOKEN_ROW = 9
+VIOLATION_NUM_FIELDS = 10
 
 # Real-KV fingerprint limits (docs/architecture.md, "Record format").
 REAL_KV_MAX_SOURCES = 4
@@ -52,6 +57,7 @@ REAL_KV_WORD_BYTES = 8
 NO_PREV_SLOT = -1  # predecessor of position 0 (chain head)
 NO_EXPECTED_TOKEN = -1  # expected token unknown: token check skipped
 NO_SEED_SLOT = -1  # write seed of a chain head / padding row
+NO_REQ_TO_TOKEN_ROW = -1  # plan entry not read through a request's req_to_token row (sweep)
 
 
 class FailReason(enum.IntFlag):

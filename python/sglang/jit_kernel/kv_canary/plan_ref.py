@@ -17,7 +17,12 @@ from typing import Optional
 import torch
 
 from sglang.jit_kernel.kv_canary import validation
-from sglang.jit_kernel.kv_canary.consts import NO_EXPECTED_TOKEN, NO_PREV_SLOT, NO_SEED_SLOT
+from sglang.jit_kernel.kv_canary.consts import (
+    NO_EXPECTED_TOKEN,
+    NO_PREV_SLOT,
+    NO_REQ_TO_TOKEN_ROW,
+    NO_SEED_SLOT,
+)
 
 
 def translate_slots_torch(lut: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +88,8 @@ def run_canary_plan_reference(
     seed = translate_slots_torch(lut, seed)
     wp.write_seed_slot_indices.fill_(NO_SEED_SLOT)
     wp.write_seed_slot_indices[:bs] = torch.where(has_seed, seed, NO_SEED_SLOT)
+    wp.write_req_to_token_rows.fill_(NO_REQ_TO_TOKEN_ROW)
+    wp.write_req_to_token_rows[:bs] = torch.where(live, rp, NO_REQ_TO_TOKEN_ROW)
     wp.write_num_valid_reqs.fill_(bs)
 
     total = int(vcount.sum().item())
@@ -114,3 +121,4 @@ def run_canary_plan_reference(
     vp.verify_expected_tokens[:total] = tok
     vp.verify_expected_positions[:total] = p
     vp.verify_prev_slot_indices[:total] = prev
+    vp.verify_req_to_token_rows[:total] = row

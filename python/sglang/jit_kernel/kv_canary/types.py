@@ -209,7 +209,7 @@ class VerifyOrWriteContext:
 
     - ``canary_buf``: uint8 ``[num_slots, 32]`` contiguous, the records.
     - ``kernel_kind``: the :class:`CanaryLaunchTag` written into violation rows.
-    - ``violation_ring``: int64 ``[ring_capacity, 8]``; ``violation_write_index``: int32 ``[1]``.
+    - ``violation_ring``: int64 ``[ring_capacity, VIOLATION_NUM_FIELDS]``; ``violation_write_index``: int32 ``[1]``.
     - ``slot_run_counter`` / ``kernel_run_counter``: int64 ``[1]`` (views into per-tag arrays).
     - ``real_kv_sources``: up to 4 :class:`RealKvSource` covering every slot of ``canary_buf``.
     - ``real_kv_hash_mode``: :class:`RealKvHashMode` (NONE for HEAD launches).
@@ -327,14 +327,19 @@ class VerifyPlan:
     """The per-forward verify work list (device, fixed capacity; filled by the plan kernels).
 
     int64 ``[capacity]``: ``verify_slot_indices``, ``verify_expected_tokens`` (-1 = unknown),
-    ``verify_expected_positions``, ``verify_prev_slot_indices`` (-1 = chain head, 0 = predecessor
-    unreachable); int32 ``[1]``: ``verify_num_valid``, ``enable`` (0 after an overflow).
+    ``verify_expected_positions`` (the position attention reads the slot for),
+    ``verify_prev_slot_indices`` (-1 = chain head, 0 = predecessor unreachable),
+    ``verify_req_to_token_rows`` (the ``req_to_token`` row the slot was read from, -1 =
+    ``NO_REQ_TO_TOKEN_ROW`` for an entry not read through a request, e.g. the sweep; it only
+    locates a violation in the report); int32 ``[1]``: ``verify_num_valid``, ``enable`` (0 after
+    an overflow).
     """
 
     verify_slot_indices: torch.Tensor
     verify_expected_tokens: torch.Tensor
     verify_expected_positions: torch.Tensor
     verify_prev_slot_indices: torch.Tensor
+    verify_req_to_token_rows: torch.Tensor
     verify_num_valid: torch.Tensor
     enable: torch.Tensor
 
@@ -342,7 +347,8 @@ class VerifyPlan:
         cap = self.verify_slot_indices.shape[0] if isinstance(
             self.verify_slot_indices, torch.Tensor) and self.verify_slot_indices.dim() == 1 else None
         for name in ("verify_slot_indices", "verify_expected_tokens",
-                     "verify_expected_positions", "verify_prev_slot_indices"):
+                     "verify_expected_positions", "verify_prev_slot_indices",
+                     "verify_req_to_token_rows"):
             check_tensor(f"VerifyPlan.{name}", getattr(self, name), dtypes=(torch.int64,),
                          shape=(cap,))
         for name in ("verify_num_valid", "enable"):
@@ -371,6 +377,7 @@ class VerifyPlan:
             verify_expected_tokens=i64(),
             verify_expected_positions=i64(),
             verify_prev_slot_indices=i64(),
+            verify_req_to_token_rows=i64(),
             verify_num_valid=torch.zeros(1, dtype=torch.int32, device=device),
             enable=torch.zeros(1, dtype=torch.int32, device=device),
         )
@@ -407,6 +414,8 @@ class WritePlan:
       ``out_cache_loc``; zero beyond the batch.
     - ``write_seed_slot_indices`` int64 ``[req_capacity]``: slot holding position
       ``prefix_len - 1`` (the chain seed), -1 for a chain head or a padding row.
+    - ``write_req_to_token_rows`` int64 ``[req_capacity]``: request r's ``req_to_token`` row
+      (-1 for a padding row and beyond the batch; it only locates a violation in the report).
     - ``write_num_valid_reqs`` int32 ``[1]``: the batch size.
     - ``verify_req_offsets`` int64 ``[req_capacity + 1]``: plan-internal scratch (per-request
       exclusive prefix sum of verify entries), read by the plan's entries stage only.
@@ -414,6 +423,7 @@ class WritePlan:
 
     write_offsets: torch.Tensor
     write_seed_slot_indices: torch.Tensor
+    write_req_to_token_rows: torch.Tensor
     write_num_valid_reqs: torch.Tensor
     verify_req_offsets: torch.Tensor
 
@@ -423,6 +433,8 @@ class WritePlan:
         cap = seeds.shape[0]
         check_tensor("WritePlan.write_offsets", self.write_offsets, dtypes=(torch.int64,),
                      shape=(cap + 1,))
+        check_tensor("WritePlan.write_req_to_token_rows", self.write_req_to_token_rows,
+                     dtypes=(torch.int64,), shape=(cap,))
         check_tensor("WritePlan.verify_req_offsets", self.verify_req_offsets,
                      dtypes=(torch.int64,), shape=(cap + 1,))
         check_tensor("WritePlan.write_num_valid_reqs", self.write_num_valid_reqs,
@@ -444,6 +456,8 @@ class WritePlan:
         return cls(
             write_offsets=torch.zeros(write_req_capacity + 1, dtype=torch.int64, device=device),
             write_seed_slot_indices=torch.full((write_req_capacity,), -1, dtype=torch.int64,
+                                               device=device),
+            write_req_to_token_rows=torch.full((write_req_capacity,), -1, dtype=torch.int64,
                                                device=device),
             write_num_valid_reqs=torch.zeros(1, dtype=torch.int32, device=device),
             verify_req_offsets=torch.zeros(write_req_capacity + 1, dtype=torch.int64,

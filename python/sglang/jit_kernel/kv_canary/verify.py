@@ -26,6 +26,7 @@ from sglang.jit_kernel.kv_canary._kernel_consts import (
     FIELD_TOKEN,
     NO_EXPECTED_TOKEN,
     NO_PREV_SLOT,
+    NO_REQ_TO_TOKEN_ROW,
     RECORD_WORDS,
 )
 from sglang.jit_kernel.kv_canary._launch import grid_size, use_triton
@@ -55,7 +56,8 @@ __all__ = [
 @triton.jit
 def _canary_verify_kernel(
     canary_ptr, num_slots,
-    slot_idx_ptr, exp_tok_ptr, exp_pos_ptr, prev_idx_ptr, num_valid_ptr, enable_ptr, capacity,
+    slot_idx_ptr, exp_tok_ptr, exp_pos_ptr, prev_idx_ptr, row_ptr, num_valid_ptr, enable_ptr,
+    capacity,
     ring_ptr, ring_index_ptr, ring_capacity, slot_counter_ptr, kernel_counter_ptr, kernel_kind,
     s0_ptr, s0_stride, s0_page, s0_wpt, s0_nwords,
     s1_ptr, s1_stride, s1_page, s1_wpt, s1_nwords,
@@ -109,9 +111,12 @@ def _canary_verify_kernel(
             )
             bits |= tl.where(live & (st_kv != H.as_i64(fp)), FAIL_VERIFY_REAL_KV, 0)
         aux = tl.where(check_chain, expected_chain, st_prev)
+        viol = live & (bits != 0)
+        req_row = tl.load(row_ptr + offs, mask=viol, other=NO_REQ_TO_TOKEN_ROW)
         append_violations(
-            ring_ptr, ring_index_ptr, ring_capacity, live & (bits != 0),
+            ring_ptr, ring_index_ptr, ring_capacity, viol,
             kernel_kind, slot, st_pos, st_tok, exp_tok, st_prev, aux, bits.to(tl.int64),
+            exp_pos, req_row,
         )
 
 
@@ -126,7 +131,8 @@ def launch_canary_verify_kernel(
     Checks per entry (slot 0 skipped): chain hash vs ``H(record[prev])`` (``prev == -1`` → chain
     head, ``prev == 0`` → predecessor unreachable, not checked), stored position, stored token
     (when ``check_verify_expected_token`` and the expected token is not -1), real-KV
-    fingerprint (when the context's mode is not NONE). Appends violation rows, bumps the kernel
+    fingerprint (when the context's mode is not NONE). Appends violation rows (located by the
+    entry's expected position and ``req_to_token`` row), bumps the kernel
     counter by 1 and the slot counter by ``min(num_valid, capacity)`` when enabled.
     Graph-safe on CUDA.
     """
@@ -139,7 +145,8 @@ def launch_canary_verify_kernel(
     _canary_verify_kernel[grid](
         context.canary_words, context.num_slots,
         plan.verify_slot_indices, plan.verify_expected_tokens, plan.verify_expected_positions,
-        plan.verify_prev_slot_indices, plan.verify_num_valid, plan.enable, plan.capacity,
+        plan.verify_prev_slot_indices, plan.verify_req_to_token_rows, plan.verify_num_valid,
+        plan.enable, plan.capacity,
         context.violation_ring, context.violation_write_index, context.ring_capacity,
         context.slot_run_counter, context.kernel_run_counter, int(context.kernel_kind),
         *context.source_launch_args,

@@ -85,6 +85,8 @@ def run_canary_verify_reference(
         bits |= (stored[:, CANARY_FIELD_REAL_KV_HASH] != fp).long() * FailReason.VERIFY_REAL_KV_HASH_MISMATCH
     aux = torch.where(check_chain, expected_chain, st_prev)
     bad = bits != 0
+    req_row = plan.verify_req_to_token_rows[:n][live]
     rows = violation_rows(int(context.kernel_kind), slot[bad], st_pos[bad], st_tok[bad],
-                          exp_tok[bad], st_prev[bad], aux[bad], bits[bad])
+                          exp_tok[bad], st_prev[bad], aux[bad], bits[bad], exp_pos[bad],
+                          req_row[bad])
     append_violation_rows(context.violation_ring, context.violation_write_index, rows)

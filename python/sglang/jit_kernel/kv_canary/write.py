@@ -26,6 +26,7 @@ from sglang.jit_kernel.kv_canary._kernel_consts import (
     FIELD_PREV_HASH,
     FIELD_REAL_KV_HASH,
     FIELD_TOKEN,
+    NO_REQ_TO_TOKEN_ROW,
     NO_SEED_SLOT,
     RECORD_WORDS,
 )
@@ -43,7 +44,7 @@ __all__ = ["WriteParts", "WritePlan", "launch_canary_write_kernel"]
 @triton.jit
 def _canary_write_kernel(
     canary_ptr, num_slots,
-    offsets_ptr, seeds_ptr, num_reqs_ptr, req_capacity,
+    offsets_ptr, seeds_ptr, rows_ptr, num_reqs_ptr, req_capacity,
     input_ids_ptr, positions_ptr, loc_ptr, num_tokens, exp_tok_ptr, exp_pos_ptr,
     chain_assert_ptr,
     ring_ptr, ring_index_ptr, ring_capacity, slot_counter_ptr, kernel_counter_ptr, kernel_kind,
@@ -73,6 +74,7 @@ def _canary_write_kernel(
             end = tl.load(offsets_ptr + r + 1, mask=rmask, other=0)
             length = tl.where(rmask, tl.maximum(end - start, 0), 0)
             seed = tl.load(seeds_ptr + r, mask=rmask, other=NO_SEED_SLOT)
+            req_row = tl.load(rows_ptr + r, mask=rmask, other=NO_REQ_TO_TOKEN_ROW)
             seed_ok = rmask & (seed >= 0) & (seed < num_slots)
             running = tl.where(seed_ok, H.record_hash(canary_ptr, seed, seed_ok), head)
             prev_pos = tl.load(canary_ptr + seed * RECORD_WORDS + FIELD_POSITION, mask=seed_ok,
@@ -114,6 +116,7 @@ def _canary_write_kernel(
                 append_violations(
                     ring_ptr, ring_index_ptr, ring_capacity, store_ok & (bits != 0),
                     kernel_kind, slot, pos, tok, exp_tok, H.as_i64(running), exp_pos, bits,
+                    pos, req_row,
                 )
                 written += store_ok.to(tl.int64)
                 running = tl.where(act, H.mix3(running, H.as_u64(tok), H.as_u64(pos)), running)
@@ -170,7 +173,9 @@ def launch_canary_write_kernel(
     SWA predecessor translates to) and ``context.enable_chain_position_assert == 1``,
     position == previous position + 1 (starting from the seed record's position). Violation rows: tag, slot, position, token, expected
     token (``expected_input_tokens[i]`` if the input assert is on, else the token), running
-    chain hash, expected position, bits. Counters: kernel +1, slot + entries stored.
+    chain hash, expected position, bits, then the position written and the request's
+    ``req_to_token`` row (``plan.write_req_to_token_rows``). Counters: kernel +1, slot + entries
+    stored.
     """
     kwargs = dict(context=context, plan=plan, input_ids=input_ids, positions=positions,
                   out_cache_loc=out_cache_loc, enable_write_input_assert=enable_write_input_assert,
@@ -195,7 +200,8 @@ def launch_canary_write_kernel(
         exp_tok, exp_pos = input_ids, positions
     _canary_write_kernel[(n_chain + n_fp,)](
         context.canary_words, context.num_slots,
-        plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs,
+        plan.write_offsets, plan.write_seed_slot_indices, plan.write_req_to_token_rows,
+        plan.write_num_valid_reqs,
         plan.req_capacity,
         input_ids, positions, out_cache_loc, num_tokens, exp_tok, exp_pos,
         context.enable_chain_position_assert,

@@ -77,6 +77,7 @@ def _chain(context, plan, input_ids, positions, out_cache_loc, enable_write_inpu
     start = offsets[:-1]
     length = (offsets[1:] - start).clamp_min(0)
     seeds = plan.write_seed_slot_indices[:nreq]
+    req_rows = plan.write_req_to_token_rows[:nreq]
     seed_ok = (seeds >= 0) & (seeds < num_slots)
     running = torch.full_like(seeds, CHAIN_HEAD_HASH_I64)
     running[seed_ok] = record_hash_t(records[seeds[seed_ok]])
@@ -117,7 +118,8 @@ def _chain(context, plan, input_ids, positions, out_cache_loc, enable_write_inpu
             append_violation_rows(
                 context.violation_ring, context.violation_write_index,
                 violation_rows(int(context.kernel_kind), slot[bad], pos[bad], tok[bad],
-                               exp_tok[bad], running[bad], exp_pos[bad], bits[bad]),
+                               exp_tok[bad], running[bad], exp_pos[bad], bits[bad],
+                               pos[bad], req_rows[bad]),
             )
         written += int(ok.sum().item())
         running = torch.where(act, mix3_t(running, tok, pos), running)

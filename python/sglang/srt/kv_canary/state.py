@@ -14,10 +14,13 @@ from sglang.jit_kernel.kv_canary.types import NUM_CANARY_LAUNCH_TAGS, CanaryLaun
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ViolationLog:
-    """Fill-once ring of violation rows: int64 ``[ring_capacity, 8]`` + int32 ``[1]`` write index.
+    """Ring of violation rows: int64 ``[ring_capacity, VIOLATION_NUM_FIELDS]`` + int32 ``[1]``
+    write index.
 
     Kernels append with an atomic increment of the index; rows past the capacity are dropped
-    but still counted, so row 0 is always the first violation since the ring was created.
+    but still counted. The runner empties it (index back to 0, in stream order) after staging
+    each forward's read-back, so it fills once per forward window: row 0 is the window's first
+    violation, and a window that overflows never blinds a later one.
     """
 
     violation_ring: torch.Tensor

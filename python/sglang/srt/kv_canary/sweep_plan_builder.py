@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from sglang.jit_kernel.kv_canary.consts import NO_EXPECTED_TOKEN
+from sglang.jit_kernel.kv_canary.consts import NO_EXPECTED_TOKEN, NO_REQ_TO_TOKEN_ROW
 from sglang.jit_kernel.kv_canary.types import VerifyPlan
 from sglang.srt.kv_canary.radix_cache_walker import RadixCacheWalkResult
 
@@ -24,7 +24,8 @@ def build_verify_plan_radix_sweep(*, walk: RadixCacheWalkResult, plan_out: Verif
                                   swa_index_lut: Optional[torch.Tensor] = None) -> int:
     """Fill ``plan_out`` (reused across passes) with walk entries ``[start, start + k)``,
     ``k = min(capacity, remaining)``; returns ``k``. Expected tokens are -1 (the sweep checks
-    chain, position and real-KV fingerprint). The caller loops over chunks."""
+    chain, position and real-KV fingerprint); ``req_to_token`` rows are -1 (a cached slot is
+    read through the radix tree, not a request). The caller loops over chunks."""
     if start < 0 or start > walk.num_slots:
         raise ValueError(f"start={start} out of range for a walk of {walk.num_slots} slots")
     k = min(plan_out.capacity, walk.num_slots - start)
@@ -35,6 +36,7 @@ def build_verify_plan_radix_sweep(*, walk: RadixCacheWalkResult, plan_out: Verif
         translate_for_swa(swa_index_lut, walk.prev_slot_indices[start:end]))
     plan_out.verify_expected_positions[:k].copy_(walk.positions[start:end])
     plan_out.verify_expected_tokens[:k].fill_(NO_EXPECTED_TOKEN)
+    plan_out.verify_req_to_token_rows[:k].fill_(NO_REQ_TO_TOKEN_ROW)  # no request reads it
     plan_out.verify_num_valid.fill_(k)
     plan_out.enable.fill_(1)
     return k

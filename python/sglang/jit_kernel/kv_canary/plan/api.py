@@ -40,7 +40,8 @@ def launch_canary_plan_kernels(
     optional ``full_to_swa_index_mapping`` (required iff ``swa_window_size > 0``), optional
     int32 ``req_to_verify_expected_tokens`` ``[rows, cols]`` with per-request valid lengths.
     Verify entries cover positions ``[max(0, prefix - window), prefix)`` (whole prefix without
-    a window); on overflow of ``verify_capacity`` the plan is disabled (``enable = 0``).
+    a window); each entry and each request also records its ``req_to_token`` row (for the
+    report). On overflow of ``verify_capacity`` the plan is disabled (``enable = 0``).
     Two launches (offsets, then entries); graph-safe on CUDA. Out-of-range indices in the data
     are clamped or treated as padding, never dereferenced.
     """
@@ -68,7 +69,8 @@ def launch_canary_plan_kernels(
         req_to_token, rows, cols,
         lut if has_lut else req_to_token, lut.shape[0] if has_lut else 0,
         swa_window_size, verify_capacity,
-        wp.verify_req_offsets, wp.write_offsets, wp.write_seed_slot_indices, wp.req_capacity,
+        wp.verify_req_offsets, wp.write_offsets, wp.write_seed_slot_indices,
+        wp.write_req_to_token_rows, wp.req_capacity,
         wp.write_num_valid_reqs, vp.verify_num_valid, vp.enable,
         HAS_LUT=has_lut,
         BLOCK=PLAN_OFFSETS_BLOCK,
@@ -86,7 +88,7 @@ def launch_canary_plan_kernels(
         kv_token_id_vs_position_offset,
         vp.verify_num_valid, vp.enable,
         vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions,
-        vp.verify_prev_slot_indices,
+        vp.verify_prev_slot_indices, vp.verify_req_to_token_rows,
         HAS_LUT=has_lut,
         HAS_EXPECTED=has_expected,
         BLOCK=PLAN_ENTRIES_BLOCK,

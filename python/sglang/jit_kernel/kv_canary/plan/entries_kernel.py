@@ -21,7 +21,7 @@ def plan_entries_kernel(
     lut_ptr, lut_len,
     exp_pool_ptr, exp_rows, exp_cols, valid_lens_ptr, token_offset,
     num_valid_ptr, enable_ptr,
-    out_slot_ptr, out_tok_ptr, out_pos_ptr, out_prev_ptr,
+    out_slot_ptr, out_tok_ptr, out_pos_ptr, out_prev_ptr, out_row_ptr,
     HAS_LUT: tl.constexpr,
     HAS_EXPECTED: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -66,3 +66,4 @@ def plan_entries_kernel(
         tl.store(out_tok_ptr + e, tok, mask=m)
         tl.store(out_pos_ptr + e, p, mask=m)
         tl.store(out_prev_ptr + e, prev, mask=m)
+        tl.store(out_row_ptr + e, rp, mask=m)

@@ -1,4 +1,5 @@
-"""Plan stage 1 (one program): per-request verify / write offsets, chain seeds, overflow flag.
+"""Plan stage 1 (one program): per-request verify / write offsets, chain seeds, req_to_token
+rows, overflow flag.
 
 Walks the batch in blocks of ``BLOCK`` requests carrying running sums, so any batch size works
 in one launch (no single-block ceiling).
@@ -9,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sglang.jit_kernel.kv_canary._kernel_consts import NO_SEED_SLOT
+from sglang.jit_kernel.kv_canary._kernel_consts import NO_REQ_TO_TOKEN_ROW, NO_SEED_SLOT
 from sglang.jit_kernel.kv_canary.plan.utils import translate_slots
 
 
@@ -18,7 +19,7 @@ def plan_offsets_kernel(
     rpi_ptr, prefix_ptr, extend_ptr, bs,
     r2t_ptr, r2t_rows, r2t_cols,
     lut_ptr, lut_len, window, verify_capacity,
-    verify_offsets_ptr, write_offsets_ptr, seeds_ptr, req_capacity,
+    verify_offsets_ptr, write_offsets_ptr, seeds_ptr, rows_out_ptr, req_capacity,
     write_num_valid_ptr, num_valid_ptr, enable_ptr,
     HAS_LUT: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -48,15 +49,17 @@ def plan_offsets_kernel(
                        other=NO_SEED_SLOT).to(tl.int64)
         seed = translate_slots(lut_ptr, lut_len, seed, has_seed, HAS_LUT)
         tl.store(seeds_ptr + r, tl.where(has_seed, seed, NO_SEED_SLOT), mask=m)
+        tl.store(rows_out_ptr + r, tl.where(live, rp, NO_REQ_TO_TOKEN_ROW), mask=m)
         carry_v += tl.sum(vcount, axis=0)
         carry_w += tl.sum(wcount, axis=0)
-    # Beyond the batch: offsets 0, seeds NO_SEED_SLOT.
+    # Beyond the batch: offsets 0, seeds NO_SEED_SLOT, rows NO_REQ_TO_TOKEN_ROW.
     for start in range(bs, req_capacity, BLOCK):
         r = start + tl.arange(0, BLOCK)
         m = r < req_capacity
         tl.store(write_offsets_ptr + r + 1, tl.zeros([BLOCK], tl.int64), mask=m)
         tl.store(verify_offsets_ptr + r + 1, tl.zeros([BLOCK], tl.int64), mask=m)
         tl.store(seeds_ptr + r, tl.full([BLOCK], NO_SEED_SLOT, tl.int64), mask=m)
+        tl.store(rows_out_ptr + r, tl.full([BLOCK], NO_REQ_TO_TOKEN_ROW, tl.int64), mask=m)
     enable = carry_v <= verify_capacity
     tl.store(enable_ptr, enable.to(tl.int32))
     tl.store(num_valid_ptr, tl.where(enable, carry_v, verify_capacity).to(tl.int32))

@@ -56,7 +56,8 @@ class CanaryReadback:
     """What the manager reads back after every forward (device tensors here; the delayed
     host copy has the same type, holding host tensors).
 
-    - ``violation_write_index`` int32 ``[1]``, ``violation_ring`` int64 ``[capacity, 8]``;
+    - ``violation_write_index`` int32 ``[1]``, ``violation_ring`` int64 ``[capacity,
+      VIOLATION_NUM_FIELDS]``: one forward window (the ring is emptied after each stage);
     - ``kernel_run_counters`` / ``slot_run_counters`` int64 ``[num tags]``;
     - ``sfm_status``: each single-forward manager's :class:`SfmStatus`, by index;
     - ``swa_verify_num_valid``: per single-forward manager, its plans' ``verify_num_valid``
@@ -252,20 +253,34 @@ class CanaryManager:
             self.device_host.consume(self._on_host_copies)
             self._stage(sfm)
 
+    def count_violations(self) -> int:
+        """Violations counted so far over every forward window (kept in the ring or dropped),
+        after consuming the read-back still pending (the host waits for it: for tests, tools
+        and shutdown, never on the forward path). The ring itself holds only the current
+        window, so its write index is no running total."""
+        if self.device_host.has_pending:
+            self.device_host.consume(self._on_host_copies)
+        return self.violations.total
+
     def _stage(self, sfm: SingleForwardManager) -> None:
         self.device_host.stage()
         self._staged = (self.step, sfm.index)
+        # One ring window per forward step: once this step's ring is staged for the host, empty
+        # it (after the copy, in stream order; no host sync), so a later step's violations are
+        # detailed again however many came before (docs/architecture.md, "Reading results").
+        self.device_host.fence()
+        self.state.violation_log.violation_write_index.zero_()
 
     def _on_host_copies(self, host: CanaryReadback) -> None:
         step, sfm_index = self._staged
         plan_enabled = host.sfm_status[sfm_index].plan_enabled.tolist()
         self.overflow.check(step=step, plan_enabled=plan_enabled)
         kernel_counters = host.kernel_run_counters.tolist()
-        violations = int(host.violation_write_index[0])
+        self.violations.process(write_index=int(host.violation_write_index[0]),
+                                ring=host.violation_ring, step=step)
         self.stats.maybe_log(step=step, kernel_counters=kernel_counters,
                              slot_counters=host.slot_run_counters.tolist(),
-                             violations=violations, sweep_passes=self.sweep_passes)
-        self.violations.process(write_index=violations, ring=host.violation_ring, step=step)
+                             violations=self.violations.total, sweep_passes=self.sweep_passes)
         self.health.check(step=step, kernel_counters=kernel_counters)
         if self.swa_divergence.enabled:
             self.swa_divergence.consume(num_valid=host.swa_verify_num_valid[sfm_index],

@@ -8,9 +8,22 @@ never with a regex of their own. Fields, in order::
 
     kv_canary violation: launch_tag=<TAG> fail_reason=<r1>[+<r2>...] slot_idx=<n> position=<n>
         stored_token=<n> expected_token=<n> stored_chain_hash=0x<16 hex> expected_aux=0x<16 hex>
-        forward_step=<n>
+        forward_step=<n> read_position=<n> req_to_token_row=<n> seen_by=<TAG>[,<TAG>...]
 
-(one line; ``forward_step`` is the forward step at which the host reported it).
+(one line). ``forward_step`` is the forward step at which the host reported it;
+``read_position`` / ``req_to_token_row`` say where the slot was read: attention read
+``req_to_token[req_to_token_row, read_position]`` (a write: the forward wrote the slot for that
+position of that row; a sweep: ``req_to_token_row=-1`` and ``read_position`` is the slot's
+depth in the radix tree). One line per incident: every ring row of one forward window with
+the same pool kind, slot, read position and row is merged into one line, whose
+``fail_reason`` is the union of their reasons, whose other fields are the first row's, and
+whose ``seen_by`` lists every launch tag that saw it, first-seen first (``launch_tag`` is the
+first of them).
+
+The ring is read back after every forward and then emptied (docs/architecture.md, "Reading
+results"), so each forward step has its own ``ring_capacity`` rows of detail: violations past
+that in one step are counted in a "more violation(s) not recorded" line, and the next step's
+violations are detailed again.
 """
 
 from __future__ import annotations
@@ -18,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,6 +41,8 @@ from sglang.jit_kernel.kv_canary.consts import (
     VIOLATION_FIELD_FAIL_REASON_BITS,
     VIOLATION_FIELD_KERNEL_KIND,
     VIOLATION_FIELD_POSITION,
+    VIOLATION_FIELD_READ_POSITION,
+    VIOLATION_FIELD_REQ_TO_TOKEN_ROW,
     VIOLATION_FIELD_SLOT_IDX,
     VIOLATION_FIELD_STORED_CHAIN_HASH,
     VIOLATION_FIELD_STORED_TOKEN,
@@ -49,18 +64,69 @@ def _tag_name(kind: int) -> str:
         return f"UNKNOWN_{kind}"
 
 
-def format_violation_line(row: Sequence[int], *, step: int) -> str:
-    """The stable, grep-able one-line form of a ring row reported at forward ``step``."""
+@dataclasses.dataclass(frozen=True)
+class ViolationIncident:
+    """One corrupted slot as one forward window saw it: the first ring row (int64 columns in
+    the order of ``consts``), the union of every merged row's fail bits, and the launch tags
+    that saw it (first-seen first)."""
+
+    row: Tuple[int, ...]
+    fail_bits: int
+    seen_by: Tuple[int, ...]
+
+    @property
+    def key(self) -> Tuple:
+        return incident_key(self.row)
+
+
+def incident_key(row: Sequence[int]) -> Tuple:
+    """What makes two ring rows one incident: the pool kind of the tag (FULL and SWA slots
+    are different slot spaces), the slot, the read position and the ``req_to_token`` row."""
+    kind = int(row[VIOLATION_FIELD_KERNEL_KIND])
+    try:
+        pool = CanaryLaunchTag(kind).pool_kind.name
+    except ValueError:
+        pool = f"UNKNOWN_{kind}"
+    return (pool, int(row[VIOLATION_FIELD_SLOT_IDX]), int(row[VIOLATION_FIELD_READ_POSITION]),
+            int(row[VIOLATION_FIELD_REQ_TO_TOKEN_ROW]))
+
+
+def merge_incidents(rows: Sequence[Sequence[int]]) -> List[ViolationIncident]:
+    """Group the ring rows of one forward window into incidents, in order of first row."""
+    first: Dict[Tuple, List] = {}
+    for row in rows:
+        row = tuple(int(v) for v in row)
+        key = incident_key(row)
+        entry = first.get(key)
+        tag = row[VIOLATION_FIELD_KERNEL_KIND]
+        bits = row[VIOLATION_FIELD_FAIL_REASON_BITS]
+        if entry is None:
+            first[key] = [row, bits, [tag]]
+            continue
+        entry[1] |= bits
+        if tag not in entry[2]:
+            entry[2].append(tag)
+    return [ViolationIncident(row=r, fail_bits=b, seen_by=tuple(t)) for r, b, t in first.values()]
+
+
+def format_violation_line(row, *, step: int) -> str:
+    """The stable, grep-able one-line form of an incident (or of a single ring row, as an
+    incident of one) reported at forward ``step``."""
+    inc = row if isinstance(row, ViolationIncident) else merge_incidents([row])[0]
+    row = inc.row
     return (
         f"{VIOLATION_LINE_PREFIX} launch_tag={_tag_name(int(row[VIOLATION_FIELD_KERNEL_KIND]))} "
-        f"fail_reason={FailReason.describe(int(row[VIOLATION_FIELD_FAIL_REASON_BITS]))} "
+        f"fail_reason={FailReason.describe(inc.fail_bits)} "
         f"slot_idx={int(row[VIOLATION_FIELD_SLOT_IDX])} "
         f"position={int(row[VIOLATION_FIELD_POSITION])} "
         f"stored_token={int(row[VIOLATION_FIELD_STORED_TOKEN])} "
         f"expected_token={int(row[VIOLATION_FIELD_EXPECTED_TOKEN])} "
         f"stored_chain_hash=0x{to_uint64(row[VIOLATION_FIELD_STORED_CHAIN_HASH]):016x} "
         f"expected_aux=0x{to_uint64(row[VIOLATION_FIELD_EXPECTED_AUX]):016x} "
-        f"forward_step={int(step)}"
+        f"forward_step={int(step)} "
+        f"read_position={int(row[VIOLATION_FIELD_READ_POSITION])} "
+        f"req_to_token_row={int(row[VIOLATION_FIELD_REQ_TO_TOKEN_ROW])} "
+        f"seen_by={','.join(_tag_name(t) for t in inc.seen_by)}"
     )
 
 
@@ -77,6 +143,9 @@ class ViolationLine:
     stored_chain_hash: int
     expected_aux: int
     forward_step: int
+    read_position: int
+    req_to_token_row: int
+    seen_by: Tuple[str, ...]
 
 
 _INT = r"(-?\d+)"
@@ -85,7 +154,8 @@ _LINE_RE = re.compile(
     re.escape(VIOLATION_LINE_PREFIX)
     + rf" launch_tag=(\w+) fail_reason=([\w+]+) slot_idx={_INT} position={_INT}"
     + rf" stored_token={_INT} expected_token={_INT} stored_chain_hash={_HEX}"
-    + rf" expected_aux={_HEX} forward_step={_INT}")
+    + rf" expected_aux={_HEX} forward_step={_INT} read_position={_INT}"
+    + rf" req_to_token_row={_INT} seen_by=([\w,]+)")
 
 
 def _line_from_match(m: "re.Match") -> ViolationLine:
@@ -93,7 +163,9 @@ def _line_from_match(m: "re.Match") -> ViolationLine:
         launch_tag=m.group(1), fail_reasons=tuple(m.group(2).split("+")),
         slot_idx=int(m.group(3)), position=int(m.group(4)), stored_token=int(m.group(5)),
         expected_token=int(m.group(6)), stored_chain_hash=int(m.group(7), 16),
-        expected_aux=int(m.group(8), 16), forward_step=int(m.group(9)))
+        expected_aux=int(m.group(8), 16), forward_step=int(m.group(9)),
+        read_position=int(m.group(10)), req_to_token_row=int(m.group(11)),
+        seen_by=tuple(m.group(12).split(",")))
 
 
 def parse_violation_line(line: str) -> Optional[ViolationLine]:
@@ -117,12 +189,41 @@ def parse_violation_lines(text: str, *, unique: bool = True) -> List[ViolationLi
     return out
 
 
-def format_violation_block(row: Sequence[int], step: int) -> str:
-    """A human explanation of a ring row, printed after its structured line."""
-    tag = _tag_name(int(row[VIOLATION_FIELD_KERNEL_KIND]))
+def _where_read(row: Sequence[int], tag: int) -> str:
+    slot = int(row[VIOLATION_FIELD_SLOT_IDX])
+    pos = int(row[VIOLATION_FIELD_READ_POSITION])
+    req_row = int(row[VIOLATION_FIELD_REQ_TO_TOKEN_ROW])
+    try:
+        phase = CanaryLaunchTag(tag).phase
+    except ValueError:
+        phase = None
+    if req_row < 0:
+        return (f"  The radix-cache sweep read slot {slot} as the cached token at depth {pos} "
+                "(no request holds it).")
+    stored = int(row[VIOLATION_FIELD_POSITION])
     bits = int(row[VIOLATION_FIELD_FAIL_REASON_BITS])
+    if bits & (FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH):
+        return (f"  The forward wrote slot {slot} for position {pos} of the request in "
+                f"req_to_token row {req_row}.")
+    where = (f"  Attention read req_to_token[{req_row}, {pos}] = slot {slot} for position {pos}")
+    if stored != pos:
+        where += f"; the slot's record holds position {stored}: that entry points at the wrong slot"
+    elif bits == FailReason.VERIFY_CHAIN_HASH_MISMATCH and pos > 0:
+        where += (f"; its predecessor req_to_token[{req_row}, {pos - 1}] holds a record that does "
+                  "not chain to it (look for a report at that position)")
+    return where + (f" ({phase.name.lower()} check)." if phase is not None else ".")
+
+
+def format_violation_block(row, step: int) -> str:
+    """A human explanation of an incident (or a ring row), printed after its structured line."""
+    inc = row if isinstance(row, ViolationIncident) else merge_incidents([row])[0]
+    row = inc.row
+    tag = _tag_name(int(row[VIOLATION_FIELD_KERNEL_KIND]))
+    bits = inc.fail_bits
+    seen = ", ".join(_tag_name(t) for t in inc.seen_by)
     lines = [f"  KV slot {int(row[VIOLATION_FIELD_SLOT_IDX])} failed its canary check in launch "
-             f"{tag} (reported at forward step {step}):"]
+             f"{tag} (seen by {seen}; reported at forward step {step}):",
+             _where_read(row, int(row[VIOLATION_FIELD_KERNEL_KIND]))]
     explain = {
         FailReason.VERIFY_CHAIN_HASH_MISMATCH:
             "the record's prev_hash does not match its predecessor slot's record: the slot "
@@ -151,14 +252,20 @@ class ViolationReporter:
     def __init__(self, mode: CanaryMode):
         self.mode = CanaryMode.parse(mode)
 
-    def report(self, rows: List[Sequence[int]], *, step: int, dropped: int = 0) -> None:
-        if not rows and not dropped:
+    def report(self, incidents: Sequence, *, step: int, dropped: int = 0,
+               ring_capacity: Optional[int] = None) -> None:
+        """``incidents``: :class:`ViolationIncident` s, or raw ring rows (merged here)."""
+        if not incidents and not dropped:
             return
-        texts = [format_violation_line(r, step=step) + "\n" + format_violation_block(r, step)
-                 for r in rows]
+        if not all(isinstance(i, ViolationIncident) for i in incidents):
+            incidents = merge_incidents(incidents)
+        texts = [format_violation_line(i, step=step) + "\n" + format_violation_block(i, step)
+                 for i in incidents]
         if dropped:
-            texts.append(f"{VIOLATION_LINE_PREFIX} {dropped} more violation(s) not recorded: "
-                         "the ring is full (raise SGLANG_KV_CANARY_RING_CAPACITY)")
+            held = f" (it holds {ring_capacity} per forward step)" if ring_capacity else ""
+            texts.append(f"{VIOLATION_LINE_PREFIX} {dropped} more violation(s) not recorded "
+                         f"at forward step {step}: the ring is full{held}; later steps are "
+                         "recorded again (raise SGLANG_KV_CANARY_RING_CAPACITY for more detail)")
         if self.mode == CanaryMode.RAISE:
             raise RuntimeError("kv_canary detected KV-cache corruption:\n" + "\n".join(texts))
         for text in texts:
@@ -166,22 +273,30 @@ class ViolationReporter:
 
 
 class ViolationManager:
-    """Turns host copies of the ring into reports of the violations not yet reported."""
+    """Turns the host copy of one forward window of the ring into incident reports.
+
+    The runner empties the ring after staging each read-back, so every window starts at row
+    0: ``write_index`` is the number of violations the window counted, the first
+    ``min(write_index, ring_capacity)`` rows are kept, the rest were dropped (counted only)."""
 
     def __init__(self, *, reporter: ViolationReporter, ring_capacity: int):
         self.reporter = reporter
         self.ring_capacity = ring_capacity
-        self.reported = 0  # violations counted so far (kept or dropped)
+        self.total = 0  # ring rows counted so far, kept or dropped, over all windows
+        self.total_dropped = 0  # of those, rows past a window's capacity
+        self.total_incidents = 0  # reported lines (merged rows) so far
 
     def process(self, *, write_index: int, ring: torch.Tensor, step: int) -> None:
-        """``write_index``: the ring's write index (violations counted so far), ``ring``: a host
-        copy of the ring, both read back after forward ``step``."""
+        """``write_index``: the window's violation count, ``ring``: a host copy of the ring,
+        both read back after forward ``step``."""
         count = int(write_index)
-        if count <= self.reported:
+        if count <= 0:
             return
-        lo = min(self.reported, self.ring_capacity)
-        hi = min(count, self.ring_capacity)
-        rows = ring[lo:hi].tolist()
-        dropped = (count - self.reported) - (hi - lo)
-        self.reported = count
-        self.reporter.report(rows, step=step, dropped=dropped)
+        kept = min(count, self.ring_capacity)
+        incidents = merge_incidents(ring[:kept].tolist())
+        dropped = count - kept
+        self.total += count
+        self.total_dropped += dropped
+        self.total_incidents += len(incidents)
+        self.reporter.report(incidents, step=step, dropped=dropped,
+                             ring_capacity=self.ring_capacity)
