@@ -6,6 +6,7 @@ loop with the reason the fault must cause (docs/architecture.md, "Self-tests"). 
 
 from __future__ import annotations
 
+import logging
 import random
 import types
 
@@ -396,3 +397,55 @@ def test_demo_verdicts():
     assert exit_status([quiet, hit]) == 0
     assert exit_status([noisy, hit]) == 1 and exit_status([quiet, crashed]) == 1
     assert exit_status([]) == 1
+    # log mode: a detected fault only counts if the server also served to the end
+    died = inj + _report("TAIL_K_FULL", "verify_real_kv_hash", 11, 32) + "Traceback\n"
+    assert not evaluate(case, died, 1, mode="log").ok
+    assert evaluate(case, died, 1, mode="raise").ok  # raise: stopping is the point
+    served = inj + _report("TAIL_K_FULL", "verify_real_kv_hash", 11, 32) + "DEMO_RESULT {}\n"
+    assert evaluate(case, served, 0, mode="log").ok
+
+
+def test_demo_refuses_paged_runs_without_a_gpu(capsys):
+    from sglang.srt.kv_canary.demo import DEMO_ENGINE_ARGS, demo_engine_args, main
+
+    assert demo_engine_args() == dict(DEMO_ENGINE_ARGS, page_size=1)
+    paged = demo_engine_args("log", 64)
+    assert paged["kv_canary"] == "log" and paged["chunked_prefill_size"] % 64 == 0
+    assert paged["max_total_tokens"] >= 12 * 64
+
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--page-size", "16"])
+    assert "--page-size 16 needs --device cuda" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--page-size", "0"])
+    assert "--page-size must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("reference_kernels_on_cpu")
+def test_before_forward_faults_are_undone_after_the_forward_read_them(caplog):
+    """Finding 7 of issue 17: a ``req_to_token`` / ``real_kv_used`` fault is reported in the
+    forward it was injected for (located at the changed entry) and undone right after, so
+    sglang's bookkeeping (each request's ``req_to_token`` row) stays the scheduler's own and
+    a forward without a new fault reports nothing."""
+    d = ServingDriver(seed=9, mode="log", real_data="partial",
+                      perturb=PerturbConfig(warmup_steps=20, req_to_token_prob=0.3,
+                                            real_kv_used_prob=0.3, target_group="full"))
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+        for _ in range(120):
+            d.run(1)
+            r2t = d.req_to_token_pool.req_to_token
+            for r in d.running:  # the scheduler's view and the table agree after every step
+                assert r2t[r.row, :r.kv_len].tolist() == r.slots[:r.kv_len], (d.manager.step, r)
+    injected = _injected(d)
+    kinds = {i["fault"] for i in injected}
+    assert kinds == {"req_to_token", "real_kv_used"}, injected
+    assert d.manager.perturber.restored == len(injected)
+    lines = parse_violation_lines("\n".join(r.getMessage() for r in caplog.records))
+    injection_steps = {int(i["step"]) for i in injected}
+    assert lines and {v.forward_step for v in lines} <= injection_steps
+    for i in injected:
+        if i["fault"] != "req_to_token":
+            continue
+        step, row, pos = int(i["step"]), int(i["req_pool_idx"]), int(i["position"])
+        assert any(v.forward_step == step and v.slot_idx == int(i["new_slot"])
+                   and (v.req_to_token_row, v.read_position) == (row, pos) for v in lines), i

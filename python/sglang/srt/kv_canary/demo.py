@@ -16,8 +16,11 @@ protected-token / sweep counts of the last stats line. A report "matches" a faul
 reason is one the fault must cause (and, for real-KV faults, its slot is a slot the fault
 changed). Exit status 0 only if the clean run reports nothing and every fault is detected.
 
-``--worker`` is the per-run child process (one server each: in raise mode the first violation
-stops the server, as it would in production).
+``--mode log`` runs every server with ``--kv-canary log`` instead: a fault row then also needs
+the server to have served its whole workload (fault injection undoes what it changed in
+sglang's bookkeeping once the forward has read it). ``--page-size N`` sets sglang's page size
+(N > 1 needs a GPU). ``--worker`` is the per-run child process (one server each: in raise mode
+the first violation stops the server, as it would in production).
 """
 
 from __future__ import annotations
@@ -107,12 +110,22 @@ def demo_requests(seed: int = 0) -> List[Tuple[List[int], int]]:
     return reqs
 
 
-def _worker(model_dir: str, device: str) -> None:
+def demo_engine_args(mode: str = "raise", page_size: int = 1) -> Dict[str, object]:
+    """The Engine arguments of every run: :data:`DEMO_ENGINE_ARGS` with ``--kv-canary mode``
+    and ``--page-size``; sglang wants the chunked-prefill size a multiple of the page size, and
+    the pool keeps room for at least 12 pages."""
+    base = DEMO_ENGINE_ARGS["chunked_prefill_size"]
+    return dict(DEMO_ENGINE_ARGS, kv_canary=mode, page_size=page_size,
+                chunked_prefill_size=-(-base // page_size) * page_size,
+                max_total_tokens=max(DEMO_ENGINE_ARGS["max_total_tokens"], 12 * page_size))
+
+
+def _worker(model_dir: str, device: str, mode: str = "raise", page_size: int = 1) -> None:
     import sglang
     from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
     make = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
-    engine = sglang.Engine(**make(model_dir, **DEMO_ENGINE_ARGS))
+    engine = sglang.Engine(**make(model_dir, **demo_engine_args(mode, page_size)))
     reqs = demo_requests()
     generated = 0
     for b in range(0, len(reqs), 12):
@@ -177,16 +190,24 @@ class CaseResult:
     protected_tokens: Optional[int]
     sweep_passes: Optional[int]
     finished: bool
+    mode: str = "raise"
+
+    @property
+    def alive(self) -> bool:
+        """The server served the whole workload and shut down cleanly."""
+        return self.returncode == 0 and self.finished
 
     @property
     def ok(self) -> bool:
+        """Clean run: alive and quiet. A fault: detected; in ``log`` mode the server must also
+        have kept serving to the end (fault injection must not break sglang's own state)."""
         if self.fault is None:
-            return self.returncode == 0 and self.finished and self.violations == 0
-        return self.detected
+            return self.alive and self.violations == 0
+        return self.detected and (self.mode == "raise" or self.alive)
 
 
-def evaluate(case: DemoCase, text: str, returncode: int) -> CaseResult:
-    """Judge one run from its combined output."""
+def evaluate(case: DemoCase, text: str, returncode: int, *, mode: str = "raise") -> CaseResult:
+    """Judge one run (``--kv-canary mode``) from its combined output."""
     violations = parse_violations(text)
     injections = [i for i in parse_injections(text)
                   if case.fault is not None and i.get("fault") == case.fault.value]
@@ -211,6 +232,7 @@ def evaluate(case: DemoCase, text: str, returncode: int) -> CaseResult:
         protected_tokens=int(last[1]) if last else None,
         sweep_passes=int(last[2]) if last else None,
         finished=RESULT_PREFIX in text,
+        mode=mode,
     )
 
 
@@ -219,9 +241,10 @@ def exit_status(results: Sequence[CaseResult]) -> int:
     return 0 if results and all(r.ok for r in results) else 1
 
 
-def format_table(results: Sequence[CaseResult], device: str) -> str:
+def format_table(results: Sequence[CaseResult], device: str, *, mode: str = "raise",
+                 page_size: int = 1) -> str:
     head = ("fault", "injected", "detected", "steps to report", "tags", "reasons",
-            "protected tokens", "sweeps")
+            "protected tokens", "sweeps", "served to the end")
     rows = []
     for r in results:
         injected = "-" if r.fault is None else (
@@ -233,11 +256,13 @@ def format_table(results: Sequence[CaseResult], device: str) -> str:
             "-" if r.steps_to_report is None else str(r.steps_to_report),
             ",".join(r.tags) or "-", ",".join(r.reasons) or "-",
             "-" if r.protected_tokens is None else str(r.protected_tokens),
-            "-" if r.sweep_passes is None else str(r.sweep_passes)))
+            "-" if r.sweep_passes is None else str(r.sweep_passes),
+            "yes" if r.alive else "no"))
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    out = [f"kv_canary demo on {device}: --kv-canary raise, real data partial, sweep every 2 "
-           "steps, token oracle + write-input + token-id checks", line(head),
+    out = [f"kv_canary demo on {device}: --kv-canary {mode}, page size {page_size}, real data "
+           "partial, sweep every 2 steps, token oracle + write-input + token-id checks",
+           line(head),
            "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out += [line(r) for r in rows]
     return "\n".join(out)
@@ -257,17 +282,17 @@ def _detect_device(requested: str) -> str:
 
 
 def run_case(case: DemoCase, *, model_dir: str, device: str, base_env: Dict[str, str],
-             timeout: float) -> Tuple[CaseResult, str]:
+             timeout: float, mode: str = "raise", page_size: int = 1) -> Tuple[CaseResult, str]:
     env = dict(base_env, **DEMO_ENV, **case.env)
     cmd = [sys.executable, "-m", "sglang.srt.kv_canary.demo", "--worker", "--model", model_dir,
-           "--device", device]
+           "--device", device, "--mode", mode, "--page-size", str(page_size)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         text, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
         text = (e.stdout or "") + (e.stderr or "") if isinstance(e.stdout, str) else ""
         rc = -9
-    return evaluate(case, text, rc), text
+    return evaluate(case, text, rc, mode=mode), text
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -279,12 +304,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     parser.add_argument("--logs", help="directory to keep each run's full output in")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    parser.add_argument("--mode", choices=("raise", "log"), default="raise",
+                        help="--kv-canary of every run; with log, a fault run must also serve "
+                             "its whole workload (the server survives the injection)")
+    parser.add_argument("--page-size", type=int, default=1,
+                        help="sglang --page-size of every run (> 1 needs a GPU: sglang's paged "
+                             "allocator runs Triton kernels)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    if args.page_size < 1:
+        parser.error(f"--page-size must be >= 1, got {args.page_size}")
     if args.worker:
-        _worker(args.model, args.device)
+        _worker(args.model, args.device, args.mode, args.page_size)
         return 0
 
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
@@ -293,6 +326,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--cases: unknown {', '.join(unknown) or '(empty)'}; allowed: "
                      f"{', '.join(CASES_BY_NAME)}")
     device = _detect_device(args.device)
+    if device == "cpu" and args.page_size > 1:
+        parser.error(f"--page-size {args.page_size} needs --device cuda: sglang 0.5.12's paged "
+                     "allocator runs Triton kernels, which its CPU engine cannot")
     from sglang.srt.kv_canary.testing.server_harness import (
         build_libcuda_stub,
         cpu_server_env,
@@ -314,7 +350,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for name in names:
             print(f"kv_canary demo: running {name} ...", flush=True)
             result, text = run_case(CASES_BY_NAME[name], model_dir=model, device=device,
-                                    base_env=env, timeout=args.timeout)
+                                    base_env=env, timeout=args.timeout, mode=args.mode,
+                                    page_size=args.page_size)
             results.append(result)
             if args.logs:
                 os.makedirs(args.logs, exist_ok=True)
@@ -322,7 +359,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     f.write(text)
             if not result.ok and result.fault is None:
                 print(text[-3000:], file=sys.stderr)
-    print(format_table(results, device))
+    print(format_table(results, device, mode=args.mode, page_size=args.page_size))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) for r in results], f, indent=1)

@@ -7,7 +7,12 @@ Called by :class:`~sglang.srt.kv_canary.runner.CanaryManager` around each forwar
 - :meth:`before_forward` — ``req_to_token`` (point one active request's prefix position at
   another active slot, never one written this step) and ``real_kv_used`` (flip a byte of a slot
   an active request reads this forward). Caught by this forward's HEAD (chain / position /
-  token) and TAIL (``real_kv_hash``) verifies.
+  token) and TAIL (``real_kv_hash``) verifies. Both are undone in :meth:`after_forward`, once
+  the forward has read them (stream order): a ``req_to_token`` entry left pointing at another
+  request's slot would make sglang free that slot twice and leak the original when the request
+  ends (its paged allocator then stops the server: "pool memory leak detected"), so a
+  ``log``-mode server under injection keeps serving. The position written this forward is
+  never the one changed, so the new KV chains from the right record.
 - :meth:`after_forward` — ``real_kv_post_forward`` (flip a byte of a slot this forward just
   wrote; caught by the next verify of that slot) and ``real_kv_unused_cache`` (flip a byte of a
   slot only the radix cache holds; caught by the sweep, which runs right after).
@@ -49,6 +54,9 @@ class CanaryPerturber:
         self.rng = random.Random(config.seed)
         self.step = 0
         self.injected: List[str] = []  # every line logged, in order
+        self.restored = 0  # faults undone after the forward that read them
+        # undo actions of this forward's before-forward faults, run by after_forward
+        self._undo: List[Callable[[], None]] = []
         self.target: Optional[CanaryBufferGroup] = None
         if config.target_group is not None:
             matches = [g for g in groups if g.kind == config.target_group]
@@ -81,8 +89,14 @@ class CanaryPerturber:
             self._perturb_real_kv_used(forward_batch)
 
     def after_forward(self, forward_batch, *, step: int) -> None:
-        """``step``: the number of the forward that just ran."""
+        """``step``: the number of the forward that just ran. First undoes this forward's
+        before-forward faults (the forward has read them), then injects the after-forward
+        ones."""
         self.step = step
+        undo, self._undo = self._undo, []
+        for action in undo:
+            action()
+            self.restored += 1
         if self._fires(FaultKind.REAL_KV_POST_FORWARD):
             self._perturb_real_kv_post_forward(forward_batch)
         if self._fires(FaultKind.REAL_KV_UNUSED_CACHE):
@@ -117,7 +131,9 @@ class CanaryPerturber:
         fallback = None
         for _ in range(_MAX_TRIES):
             row, n = self.rng.choice(live)
-            pos = self.rng.randrange(n)
+            # never the seed position n - 1 when there is another: this forward's new KV
+            # chains from that entry's record, which must stay the request's own
+            pos = self.rng.randrange(n - 1) if n > 1 else 0
             donor_row, donor_n = self.rng.choice(live)
             donor_pos = self.rng.randrange(donor_n)
             old, new = int(r2t[row, pos]), int(r2t[donor_row, donor_pos])
@@ -132,6 +148,7 @@ class CanaryPerturber:
                 return
             row, pos, donor_row, donor_pos, old, new = fallback
         r2t[row, pos] = new
+        self._undo.append(lambda: r2t.__setitem__((row, pos), old))
         self._log(FaultKind.REQ_TO_TOKEN, req_pool_idx=row, position=pos, old_slot=old,
                   new_slot=new, donor_req_pool_idx=donor_row, donor_position=donor_pos)
 
@@ -141,12 +158,15 @@ class CanaryPerturber:
             return int(self.target.swa_index_lut[full_slot])
         return full_slot
 
-    def _flip(self, kind: FaultKind, full_slot: int, **fields) -> bool:
+    def _flip(self, kind: FaultKind, full_slot: int, *, undo_after_forward: bool = False,
+              **fields) -> bool:
         slot = self._target_slot(full_slot)
         if slot <= 0:
             return False
         source = self.target.real_kv_sources_k[0]
         flip = flip_first_byte(source, slot)
+        if undo_after_forward:  # flipping the same byte again restores it
+            self._undo.append(lambda: flip_first_byte(source, slot))
         self._log(kind, group=self.target.kind.name.lower(), slot=slot, full_slot=full_slot,
                   row=flip.row, byte=flip.byte, old=f"0x{flip.old:02x}", new=f"0x{flip.new:02x}",
                   **fields)
@@ -160,7 +180,7 @@ class CanaryPerturber:
             lo = max(0, n - window) if window else 0
             pos = self.rng.randrange(lo, n)
             if self._flip(FaultKind.REAL_KV_USED, int(self.req_to_token[row, pos]),
-                          req_pool_idx=row, position=pos):
+                          undo_after_forward=True, req_pool_idx=row, position=pos):
                 return
 
     def _perturb_real_kv_post_forward(self, forward_batch) -> None:
