@@ -86,6 +86,14 @@ def test_fault_detected_with_its_reason(demo, fault):
     text = (logs / f"{fault}.log").read_text()
     assert f"FAULT INJECTION ON ({fault})" in text
     assert f"kv_canary perturb: fault={fault} step=31" in text
+    if fault == "req_to_token":  # the report names the changed entry (Engine path)
+        from sglang.srt.kv_canary.perturb.report import parse_perturb_line
+        from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+
+        inj = next(f for f in map(parse_perturb_line, text.splitlines()) if f is not None)
+        assert any((v.req_to_token_row, v.read_position, v.slot_idx)
+                   == (int(inj["req_pool_idx"]), int(inj["position"]), int(inj["new_slot"]))
+                   and "HEAD_K_FULL" in v.seen_by for v in parse_violation_lines(text)), text[-3000:]
 
 
 def test_token_oracle_backend_flag_on_the_cpu_engine(tmp_path):

@@ -115,6 +115,11 @@ def test_token_checks_catch_a_req_to_token_swap(server):
     assert rc != 0 and res is None, out[-3000:]
     reasons = [v.fail_reasons for v in parse_violation_lines(out)]
     assert any("verify_token" in r for r in reasons), reasons
+    # located: the report names the swapped entry and the slot it read there
+    row, pos, slot = map(int, re.search(r"KV_CANARY_TEST: req_to_token\[(\d+), (\d+)\] -> slot "
+                                        r"(\d+)", out).groups())
+    assert any((v.req_to_token_row, v.read_position, v.slot_idx) == (row, pos, slot)
+               for v in parse_violation_lines(out)), out[-3000:]
 
 
 def test_corrupted_record_stops_the_server_in_raise_mode(server):
@@ -191,3 +196,52 @@ def test_sweep_catches_a_flipped_byte_in_a_cached_only_slot(server):
     passes = [int(x) for x in re.findall(r"kv_canary stats: .*sweep_passes=(\d+) violations=0",
                                          out)]
     assert passes and max(passes) >= 10
+
+
+def test_cli_log_server_under_injection_locates_every_fault_and_keeps_serving(server):
+    """Issue 17, findings 4, 5 and 7 on the command-line path: a ``launch_server`` in log mode
+    with req_to_token faults injected and a ring of 2 rows per forward step. Every injected
+    entry is reported at its forward step with its req_to_token row, read position and slot
+    (every step in detail, though each one overflows the ring: findings 4 and 5), nothing is
+    reported at a step without a fault (the fault was undone after its forward: finding 7),
+    and the server serves every request to the end and stays healthy."""
+    from cli_server import CliServer, http_call
+    from sglang.srt.kv_canary.perturb.report import parse_perturb_line
+
+    env = dict(server["env"], SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.25",
+               SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20", SGLANG_KV_CANARY_RING_CAPACITY="2",
+               SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT="1")
+    srv = CliServer("cli_log_faults", server["root"], server["model"], env,
+                    ["--kv-canary", "log", "--kv-canary-real-data", "partial"],
+                    **WORKLOAD_ARGS)
+    try:
+        srv.wait_ready()
+        prefix = list(range(10, 90))
+        for wave in range(3):
+            prompts = [prefix[: 40 + 10 * i] + [200 + wave, 300 + i] for i in range(6)]
+            status, body = http_call(srv.port, "POST", "/generate", {
+                "input_ids": prompts,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 24,
+                                    "ignore_eos": True}}, timeout=300)
+            assert status == 200, body[:500]
+            outs = json.loads(body)
+            assert [len(o["output_ids"]) for o in outs] == [24] * 6  # served to the end
+        assert http_call(srv.port, "GET", "/health_generate", timeout=120)[0] == 200
+        assert srv.alive()
+    finally:
+        srv.stop()
+    log = srv.log()
+    assert "memory leak" not in log and "Traceback" not in log, log[-3000:]
+    injected = [f for f in map(parse_perturb_line, log.splitlines())
+                if f is not None and f.get("fault") == "req_to_token"]
+    assert len(injected) >= 3, log[-3000:]
+    lines = parse_violation_lines(log)
+    steps = {int(i["step"]) for i in injected}
+    assert {v.forward_step for v in lines} <= steps  # undone: later forwards are clean
+    for i in injected:
+        step = int(i["step"])
+        assert any(v.forward_step == step and v.slot_idx == int(i["new_slot"])
+                   and (v.req_to_token_row, v.read_position)
+                   == (int(i["req_pool_idx"]), int(i["position"])) for v in lines), (i, lines)
+    # each step overflowed the 2-row ring and the next one was detailed again
+    assert any(f"not recorded at forward step {s}" in log for s in steps)

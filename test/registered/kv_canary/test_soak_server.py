@@ -65,19 +65,14 @@ from __future__ import annotations
 import collections
 import http.client
 import json
-import os
-import pathlib
 import random
 import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
 
 import pytest
+from cli_server import CliServer, http_call
 from sglang.srt.kv_canary.runner.violation import (
     VIOLATION_LINE_PREFIX,
     parse_violation_lines,
@@ -85,7 +80,6 @@ from sglang.srt.kv_canary.runner.violation import (
 from sglang.srt.kv_canary.testing.server_harness import (
     TINY_LLAMA_CONFIG,
     build_libcuda_stub,
-    cpu_engine_kwargs,
     cpu_server_env,
     write_tiny_llama,
 )
@@ -97,13 +91,14 @@ SEED = 20261123
 CLIENT_THREADS = 6
 POOL_TOKENS = 2048  # --max-total-tokens: small enough that decodes fill it (retractions)
 CHUNK_TOKENS = 64  # --chunked-prefill-size
+SERVER_KWARGS = dict(max_total_tokens=POOL_TOKENS, chunked_prefill_size=CHUNK_TOKENS,
+                     enable_mixed_chunk=True, log_level="info")
 CONTEXT_LEN = TINY_LLAMA_CONFIG["max_position_embeddings"]  # 4096, sglang's context_len
 VOCAB = TINY_LLAMA_CONFIG["vocab_size"]
 FLUSH_EVERY_S = 10.0
 ABORT_ALL_EVERY_S = 45.0
 STATS_EVERY_N_STEPS = 100
 HTTP_TIMEOUT_S = 150.0  # generous: abort_all every 45 s bounds every request's life
-START_TIMEOUT_S = 240.0
 PROBE_MAX_NEW = 16
 
 RETRACT_LOG = "KV cache pool is full. Retract requests."  # sglang scheduler's warning
@@ -138,115 +133,11 @@ def _probe_prompts() -> list[list[int]]:
     return prompts
 
 
-# ---- one CLI server --------------------------------------------------------------------------
-
-def _free_port() -> int:
-    """A free port below 55536: sglang 0.5.12 refuses a port whose ``port + 10000`` (its
-    gRPC port) is not a valid port, so the kernel's ephemeral range will not do."""
-    pick = random.Random()  # not the soak's RNG: two test runs must not collide
-    for _ in range(200):
-        port = pick.randrange(20000, 55000)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in [20000, 55000)")
-
-
-def _server_argv(model_dir: str, port: int) -> list[str]:
-    """``cpu_engine_kwargs`` (the harness's CPU server settings) as launch_server flags."""
-    kwargs = cpu_engine_kwargs(model_dir, max_total_tokens=POOL_TOKENS,
-                               chunked_prefill_size=CHUNK_TOKENS, enable_mixed_chunk=True,
-                               log_level="info")
-    argv = ["--host", "127.0.0.1", "--port", str(port)]
-    for key, value in kwargs.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is not False and value is not None:
-            argv += [flag, str(value)]
-    return argv
-
-
-def _http(port: int, method: str, path: str, body=None,
-          timeout: float = 30.0) -> tuple[int, bytes]:
-    """One HTTP exchange; raises on transport errors and timeouts (socket.timeout)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        payload = None if body is None else json.dumps(body)
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
-        conn.request(method, path, body=payload, headers=headers)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
-class CliServer:
-    def __init__(self, name: str, root: pathlib.Path, model_dir: str, env: dict[str, str],
-                 extra_argv: list[str]):
-        self.name = name
-        self.port = _free_port()
-        self.log_path = root / f"{name}.log"
-        argv = [sys.executable, "-m", "sglang.launch_server",
-                *_server_argv(model_dir, self.port), *extra_argv]
-        # open for the server's whole life (its stdout and stderr); closed by stop()
-        self._log = open(self.log_path, "w")  # noqa: SIM115
-        # own session: stop() signals this server's process group and nothing else
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log().splitlines()[-n:])
-
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                pytest.fail(f"{self.name} server exited ({self.proc.returncode}) during "
-                            f"start-up:\n{self.tail()}")
-            try:
-                if _http(self.port, "GET", "/health_generate", timeout=30)[0] == 200:
-                    return
-            except (OSError, http.client.HTTPException):
-                pass
-            time.sleep(1.0)
-        pytest.fail(f"{self.name} server not ready after {timeout:.0f} s:\n{self.tail()}")
-
-    def stop(self) -> None:
-        if self.alive():
-            for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(timeout=grace)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        try:  # its children (scheduler, detokenizer) share the group
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self._log.close()
-
-
 def _flush_until_idle(port: int, timeout: float = 60.0) -> None:
     """``/flush_cache`` until it succeeds (it refuses while requests run or wait)."""
     deadline = time.monotonic() + timeout
     while True:
-        status, body = _http(port, "POST", "/flush_cache", timeout=30)
+        status, body = http_call(port, "POST", "/flush_cache", timeout=30)
         if status == 200:
             return
         assert status == 400 and b"Flush cache failed" in body, (status, body[:300])
@@ -260,7 +151,7 @@ def _greedy_probes(port: int) -> list[list[int]]:
     _flush_until_idle(port)
     outputs = []
     for prompt in _probe_prompts():
-        status, body = _http(port, "POST", "/generate", {
+        status, body = http_call(port, "POST", "/generate", {
             "input_ids": prompt,
             "sampling_params": {"temperature": 0, "max_new_tokens": PROBE_MAX_NEW,
                                 "ignore_eos": True}}, timeout=HTTP_TIMEOUT_S)
@@ -309,7 +200,7 @@ class Soak:
         """POST; a transport error is a problem unless the server has died (then it is the
         death that gets reported)."""
         try:
-            return _http(self.port, "POST", path, body, timeout=timeout)
+            return http_call(self.port, "POST", path, body, timeout=timeout)
         except TimeoutError:
             raise
         except (OSError, http.client.HTTPException) as e:
@@ -638,7 +529,7 @@ def _assert_canary_silent(server: CliServer) -> str:
 
 def _health(port: int):
     try:
-        return _http(port, "GET", "/health_generate", timeout=60)[0]
+        return http_call(port, "GET", "/health_generate", timeout=60)[0]
     except (OSError, http.client.HTTPException) as e:
         return repr(e)
 
@@ -651,10 +542,10 @@ def test_adversarial_soak_on_a_cli_server(tmp_path):
     try:
         # both start at once (start-up is mostly imports); the baseline is stopped before
         # the soak so it takes no CPU from it
-        baseline = CliServer("canary_off", tmp_path, model_dir, env, [])
+        baseline = CliServer("canary_off", tmp_path, model_dir, env, [], **SERVER_KWARGS)
         servers.append(baseline)
         canary = CliServer("canary_raise", tmp_path, model_dir, dict(env, **CANARY_ENV),
-                           CANARY_FLAGS)
+                           CANARY_FLAGS, **SERVER_KWARGS)
         servers.append(canary)
         try:
             baseline.wait_ready()

@@ -1,0 +1,129 @@
+"""A real sglang 0.5.12 HTTP server on the CPU, started from the command line
+(``python -m sglang.launch_server``), for the end-to-end tests that must take the CLI path.
+
+The server's flags are :func:`~sglang.srt.kv_canary.testing.server_harness.cpu_engine_kwargs`
+written as command-line flags; its output goes to a log file the test reads.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import pathlib
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs
+
+START_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    """A free port below 55536: sglang 0.5.12 refuses a port whose ``port + 10000`` (its
+    gRPC port) is not a valid port, so the kernel's ephemeral range will not do."""
+    pick = random.Random()  # not the soak's RNG: two test runs must not collide
+    for _ in range(200):
+        port = pick.randrange(20000, 55000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in [20000, 55000)")
+
+
+def server_argv(model_dir: str, port: int, **engine_kwargs) -> list[str]:
+    """``cpu_engine_kwargs(model_dir, **engine_kwargs)`` (the harness's CPU server settings)
+    as launch_server flags."""
+    kwargs = cpu_engine_kwargs(model_dir, **engine_kwargs)
+    argv = ["--host", "127.0.0.1", "--port", str(port)]
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def http_call(port: int, method: str, path: str, body=None,
+          timeout: float = 30.0) -> tuple[int, bytes]:
+    """One HTTP exchange; raises on transport errors and timeouts (socket.timeout)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        payload = None if body is None else json.dumps(body)
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        conn.request(method, path, body=payload, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+class CliServer:
+    """One ``launch_server`` process (own session), its log in ``root / f"{name}.log"``;
+    ``engine_kwargs`` go through :func:`server_argv`, ``extra_argv`` is appended verbatim."""
+
+    def __init__(self, name: str, root: pathlib.Path, model_dir: str, env: dict[str, str],
+                 extra_argv: list[str], **engine_kwargs):
+        self.name = name
+        self.port = free_port()
+        self.log_path = root / f"{name}.log"
+        argv = [sys.executable, "-m", "sglang.launch_server",
+                *server_argv(model_dir, self.port, **engine_kwargs), *extra_argv]
+        # open for the server's whole life (its stdout and stderr); closed by stop()
+        self._log = open(self.log_path, "w")  # noqa: SIM115
+        # own session: stop() signals this server's process group and nothing else
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-n:])
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                pytest.fail(f"{self.name} server exited ({self.proc.returncode}) during "
+                            f"start-up:\n{self.tail()}")
+            try:
+                if http_call(self.port, "GET", "/health_generate", timeout=30)[0] == 200:
+                    return
+            except (OSError, http.client.HTTPException):
+                pass
+            time.sleep(1.0)
+        pytest.fail(f"{self.name} server not ready after {timeout:.0f} s:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.alive():
+            for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout=grace)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        try:  # its children (scheduler, detokenizer) share the group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log.close()
