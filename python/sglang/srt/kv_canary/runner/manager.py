@@ -145,6 +145,7 @@ class CanaryManager:
         self.step = 0
         self._active: Optional[SingleForwardManager] = None
         self._staged: Optional[Tuple[int, int]] = None  # (step, sfm index) of the stage
+        self._ring_staged = False  # a stage holds the ring: empty it before the next forward
 
     # ---- which single-forward manager is active ----------------------------------------
 
@@ -179,6 +180,7 @@ class CanaryManager:
         IDLE, so the next forward starts clean and reports its own error."""
         sfm = self.active_sfm
         self.device_host.fence()  # this forward's kernels queue after last step's read-back
+        self._empty_ring_after_stage()
         if self.perturber is not None:
             self.perturber.before_forward(forward_batch, step=self.step + 1)
         try:
@@ -265,11 +267,18 @@ class CanaryManager:
     def _stage(self, sfm: SingleForwardManager) -> None:
         self.device_host.stage()
         self._staged = (self.step, sfm.index)
-        # One ring window per forward step: once this step's ring is staged for the host, empty
-        # it (after the copy, in stream order; no host sync), so a later step's violations are
-        # detailed again however many came before (docs/architecture.md, "Reading results").
-        self.device_host.fence()
-        self.state.violation_log.violation_write_index.zero_()
+        self._ring_staged = True
+
+    def _empty_ring_after_stage(self) -> None:
+        """One ring window per forward step: once a step's ring has been staged for the host,
+        the next forward empties it before its kernels run (after the fence, so after the
+        copy, in stream order; no host sync): a later step's violations are detailed again
+        however many came before (docs/architecture.md, "Reading results"). Done here rather
+        than right after staging so that nothing queued between two forwards (sampling) waits
+        for the copy."""
+        if self._ring_staged:
+            self.state.violation_log.violation_write_index.zero_()
+            self._ring_staged = False
 
     def _on_host_copies(self, host: CanaryReadback) -> None:
         step, sfm_index = self._staged
