@@ -15,7 +15,7 @@ import torch
 
 from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary._hash_torch import real_kv_fingerprint_t
-from sglang.jit_kernel.kv_canary.consts import splitmix64, to_uint64
+from sglang.jit_kernel.kv_canary.consts import FailReason, splitmix64, to_uint64
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.batch_state import CanaryBatchState, batch_state, batch_state_for
@@ -397,6 +397,15 @@ def test_demo_verdicts():
     assert exit_status([quiet, hit]) == 0
     assert exit_status([noisy, hit]) == 1 and exit_status([quiet, crashed]) == 1
     assert exit_status([]) == 1
+    # a report counts through any tag that saw it (seen_by), and the row lists them all
+    from sglang.srt.kv_canary.runner.violation import merge_incidents
+
+    bits = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
+    both = merge_incidents([[int(CanaryLaunchTag[t]), 11, 3, 1, 1, 0, 0, bits, 3, 1]
+                            for t in ("HEAD_K_FULL", "TAIL_K_FULL")])
+    assert len(both) == 1
+    seen = evaluate(case, inj + format_violation_line(both[0], step=32) + "\n", 1)
+    assert seen.ok and seen.tags == ("HEAD_K_FULL", "TAIL_K_FULL")
     # log mode: a detected fault only counts if the server also served to the end
     died = inj + _report("TAIL_K_FULL", "verify_real_kv_hash", 11, 32) + "Traceback\n"
     assert not evaluate(case, died, 1, mode="log").ok

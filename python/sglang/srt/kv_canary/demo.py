@@ -217,7 +217,7 @@ def evaluate(case: DemoCase, text: str, returncode: int, *, mode: str = "raise")
         v for v in violations
         if first is not None and v.forward_step >= first
         and any(r in v.fail_reasons for r in case.reasons)
-        and any(v.launch_tag.startswith(t) for t in case.tags)
+        and any(seen.startswith(t) for t in case.tags for seen in v.seen_by)
         and (not case.match_slot or v.slot_idx in slots)
     ]
     stats = _STATS_RE.findall(text)
@@ -226,7 +226,7 @@ def evaluate(case: DemoCase, text: str, returncode: int, *, mode: str = "raise")
         name=case.name, fault=case.fault.value if case.fault else None, returncode=returncode,
         injections=len(injections), first_injection_step=first, detected=bool(matching),
         steps_to_report=(min(v.forward_step for v in matching) - first) if matching else None,
-        tags=tuple(sorted({v.launch_tag for v in violations})),
+        tags=tuple(sorted({tag for v in violations for tag in v.seen_by})),
         reasons=tuple(sorted({r for v in violations for r in v.fail_reasons})),
         violations=len(violations),
         protected_tokens=int(last[1]) if last else None,
