@@ -86,7 +86,8 @@ class ServingDriver:
                  enable_mha_v=False, seed=0, stats_every=0, forbid_host_sync=False,
                  verify_tokens=False, sweep_interval=0, ring_capacity=1024, pool="mha",
                  swa_window=0, num_swa_slots=0, swa_evict_interval=4,
-                 swa_divergence_interval=0, perturb=None):
+                 swa_divergence_interval=0, perturb=None, init_finished=True,
+                 batch_init_hook=None):
         if pool not in ("mha", "swa", "dsv4"):
             raise ValueError(f"driver pool must be mha, swa or dsv4, got {pool!r}")
         self.pool_kind = pool
@@ -147,9 +148,13 @@ class ServingDriver:
         self._next_rid = 1
         self.graph_bs = graph_bs
         self.graph = None
+        # None: each batch is handed to the manager directly; else ``batch_init_hook(fb,
+        # reqs)`` does it (a test routing batches through the plugin's init_new hook)
+        self.batch_init_hook = batch_init_hook
         if graph_bs:
             self._capture_decode_graph(graph_bs)
-        self.manager.mark_init_finished()
+        if init_finished:  # what the plugin's ModelRunner.__init__ hook does after start-up
+            self.manager.mark_init_finished()
 
     def _build_swa_pool(self, num_slots: int, num_swa_slots: int):
         from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
@@ -347,7 +352,45 @@ class ServingDriver:
             fb.extend_seq_lens = i64(ext)
             fb.extend_num_tokens = len(ids)
             fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(pre), list(ext)
-        self.manager.on_forward_batch_init(fb, reqs)  # what the ForwardBatch.init_new hook does
+        if self.batch_init_hook is not None:
+            self.batch_init_hook(fb, reqs)
+        else:
+            self.manager.on_forward_batch_init(fb, reqs)  # what the ForwardBatch.init_new hook does
+        return fb
+
+    def target_verify_batch(self, reqs: List[DriverReq], num_draft: int) -> ForwardBatch:
+        """An EAGLE target-verify forward (a chain draft, topk 1) of ``reqs``: each request's
+        next ``num_draft`` tokens written at positions ``seq_len .. seq_len + num_draft - 1``
+        (``seq_lens`` = the committed prefix, as sglang's ``prepare_for_verify`` lays it out),
+        with a real ``EagleVerifyInput`` as ``spec_info``. Every draft is accepted: the tokens
+        join the requests' outputs."""
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.eagle_info import EagleVerifyInput
+
+        ids, pos, loc, rows, seq = [], [], [], [], []
+        for r in reqs:
+            seq.append(r.kv_len)
+            new = self._alloc(num_draft)
+            for j, slot in enumerate(new):
+                p = r.kv_len + j
+                r.output.append(next_token(r.rid, p))
+                self.req_to_token_pool.req_to_token[r.row, p] = slot
+                ids.append(r.tokens[p])
+                pos.append(p)
+            loc += new
+            rows.append(r.row)
+            r.slots += new
+            r.kv_len += num_draft
+        fb = self._make_batch(ForwardMode.TARGET_VERIFY, ids, pos, loc, rows, seq=seq,
+                              reqs=reqs)
+        i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
+        fb.spec_info = EagleVerifyInput(
+            draft_token=i64(ids), custom_mask=torch.ones(len(ids), dtype=torch.bool),
+            positions=i64(pos), retrieve_index=i64(list(range(len(ids)))),
+            retrieve_next_token=i64([-1] * len(ids)), retrieve_next_sibling=i64([-1] * len(ids)),
+            retrieve_cum_len=i64([0]), spec_steps=num_draft - 1, topk=1,
+            draft_token_num=num_draft, capture_hidden_mode=CaptureHiddenMode.NULL,
+            seq_lens_sum=sum(seq), seq_lens_cpu=torch.tensor(seq, dtype=torch.int64))
         return fb
 
     def _finish(self) -> None:
@@ -528,6 +571,21 @@ class ServingDriver:
         row[byte] ^= 0xFF
         return dict(rid=victim.rid, row=victim.row, position=p, slot=slot, old=old,
                     new=int(row[byte]))
+
+    def shifted_chunk_batch(self, shift: int = 1):
+        """A new request's second prefill chunk with its positions off by ``shift`` (a
+        scheduler that got them wrong): returns ``(batch, info)``; the batch writes slot
+        ``info["slot"]`` at position ``info["position"]`` where the chain expects
+        ``info["expected_position"]``. Its first chunk runs here, correctly."""
+        req = self.add_request(prompt_len=2 * self.chunk, max_new=2)
+        self.waiting.remove(req)
+        self.waiting.insert(0, req)
+        self._admit()
+        self._forward(self._extend_batch([req]))
+        fb = self._extend_batch([req])
+        fb.positions += shift
+        return fb, dict(rid=req.rid, row=req.row, slot=req.slots[self.chunk],
+                        position=self.chunk + shift, expected_position=self.chunk)
 
     def window_positions(self, req: DriverReq) -> range:
         """Positions the next decode forward's SWA verify covers for ``req``."""

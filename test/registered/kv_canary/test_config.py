@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
 
 from sglang.jit_kernel.kv_canary.consts import RealKvHashMode
+from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary.api import check_server_args_for_canary
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
-from sglang.srt.kv_canary.envs import CanaryEnvs
+from sglang.srt.kv_canary.envs import MAX_RING_CAPACITY, MAX_STEP_INTERVAL, CanaryEnvs
+from sglang.srt.kv_canary.perturb.config import FaultKind, PerturbConfig
 
 
 def _args(**kw):
@@ -73,3 +76,43 @@ def test_startup_refusals_name_the_flag(kw, message):
 def test_canary_off_refuses_nothing():
     assert not check_server_args_for_canary(
         _args(kv_canary="none", device="cuda", disable_piecewise_cuda_graph=False)).enabled
+
+
+@pytest.mark.parametrize("kind", list(FaultKind))
+def test_the_variable_parser_alone_refuses_a_probability_above_one(monkeypatch, kind):
+    """Each fault probability variable is refused by its parser (not only later, by
+    ``PerturbConfig``): the message names the variable and the allowed range."""
+    monkeypatch.setenv(kind.env_var, "1.5")
+    with pytest.raises(ValueError, match=re.escape(
+            f"invalid value '1.5' for environment variable {kind.env_var}: must be a "
+            "probability in [0, 1]")):
+        getattr(CanaryEnvs, kind.env_var).get()
+    monkeypatch.setenv(kind.env_var, "1")
+    assert getattr(CanaryEnvs, kind.env_var).get() == 1.0  # the bound itself is allowed
+
+
+@pytest.mark.parametrize("kind", list(FaultKind))
+def test_perturb_config_alone_refuses_a_probability_above_one(kind):
+    """``PerturbConfig`` refuses it too when built directly (no environment involved)."""
+    field = f"{kind.value}_prob"
+    with pytest.raises(ValueError, match=re.escape(
+            f"{kind.env_var} must be a probability in [0, 1], got 1.5")):
+        PerturbConfig(target_group=PoolKind.FULL, **{field: 1.5})
+    assert PerturbConfig(target_group=PoolKind.FULL, **{field: 1.0}).prob(kind) == 1.0
+
+
+@pytest.mark.parametrize("field,minimum,maximum", [
+    ("ring_capacity", 1, MAX_RING_CAPACITY), ("sweep_interval", 0, MAX_STEP_INTERVAL),
+    ("stats_print_every_n_steps", 0, MAX_STEP_INTERVAL),
+    ("swa_divergence_stats_interval", 0, MAX_STEP_INTERVAL)])
+def test_config_integer_fields_are_range_checked(field, minimum, maximum):
+    """``CanaryConfig`` itself (built by the driver, the builder's tests and the benchmarks,
+    not only from the environment) refuses each integer setting outside its range, naming
+    it; the bounds are accepted."""
+    mode = dict(mode="raise")
+    for bad in (minimum - 1, maximum + 1):
+        with pytest.raises(ValueError, match=re.escape(
+                f"CanaryConfig.{field} must be an int from {minimum} to {maximum}, got {bad}")):
+            CanaryConfig(**mode, **{field: bad})
+    for good in (minimum, maximum):
+        assert getattr(CanaryConfig(**mode, **{field: good}), field) == good

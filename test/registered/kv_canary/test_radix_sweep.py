@@ -204,3 +204,44 @@ def test_walk_real_swa_radix_cache_skips_tombstones():
     assert int(resident.prev_slot_indices[first]) == int(a[19])
     assert int(plan.verify_prev_slot_indices[first]) == 0
     assert all(int(s) > 0 for s in plan.verify_slot_indices[:10])  # resident SWA slots
+
+
+def test_sweep_of_a_swa_pool_reads_the_swa_records_through_the_table():
+    """The radix cache holds FULL slot indices; the SWA group's sweep must translate them
+    through the pool's full -> SWA table before reading SWA records: clean sweeps stay clean,
+    and a corrupted SWA byte of a slot only the cache holds is reported in the SWA slot
+    space."""
+    d = ServingDriver(seed=31, pool="swa", num_slots=640, num_swa_slots=400, swa_window=12,
+                      real_data="partial", mode="raise", sweep_interval=1)
+    d.run(60)
+    d.settle()
+    cache, _ = _cache()
+    cache.token_to_kv_pool_allocator = d.allocator
+    for r in d.running:
+        cache.insert(InsertParams(key=RadixKey(r.tokens[: r.kv_len]),
+                                  value=torch.tensor(r.slots[: r.kv_len])))
+    cached = walk_radix_cache_for_canary(radix_cache=cache).slot_indices.tolist()
+    resident = {s for s in cached if d.swa_slot(s) > 0}
+    # the two slot spaces really differ here (else an untranslated read would pass)
+    assert sum(d.swa_slot(s) != s for s in resident) >= len(resident) // 2 > 0
+    d.manager.attach_radix_cache(cache)
+    before = d.manager.sweep_passes
+    for _ in range(3):
+        d.step()
+    assert d.manager.sweep_passes >= before + 3  # clean sweeps report nothing
+    # a request leaves the batch (only the cache holds its slots); flip one SWA byte of a
+    # cached position still resident in the SWA pool
+    victim = d.running.pop(0)
+    pos = next(p for p in range(victim.kv_len - 1, 0, -1)
+               if victim.slots[p] in resident and d.swa_slot(victim.slots[p]) > 0
+               and d.slot_refs[victim.slots[p]] == 1)
+    slot = victim.slots[pos]
+    swa_slot = d.swa_slot(slot)
+    d.kv_pool.swa_kv_pool.k_buffer[0][swa_slot].view(torch.uint8).view(-1)[0] ^= 0x3C
+    d.add_request(prompt_len=5, max_new=8)  # forwards keep running (the sweep follows them)
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        for _ in range(2):
+            d.step()
+    found = {(v.launch_tag, v.fail_reasons, v.slot_idx, v.position)
+             for v in parse_violation_lines(str(exc.value))}
+    assert found == {("SWEEP_K_SWA", ("verify_real_kv_hash",), swa_slot, pos)}, found

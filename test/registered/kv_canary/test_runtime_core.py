@@ -283,6 +283,83 @@ def test_capacity_errors_name_the_flag():
                 pass
 
 
+def test_a_forward_of_exactly_the_request_capacity_runs():
+    """The request capacity counts the rows of one forward including CUDA-graph padding
+    (rows pointing at row 0): a padded decode of exactly ``write_req_capacity`` rows is
+    served and checked; one row more is refused."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    d = ServingDriver(seed=6, max_reqs=6, max_running=6)
+    cap = d.capacities.write_req_capacity
+    for _ in range(6):
+        d.add_request(prompt_len=8, max_new=30)
+    d.settle()
+    assert len(d.running) == 6 and cap == 7  # 6 request rows + the padding row
+
+    def padded(rows_total):
+        fb = d._decode_batch(d.running)
+        pad = rows_total - fb.batch_size
+        return d._make_batch(ForwardMode.DECODE, fb.input_ids.tolist() + [0] * pad,
+                             fb.positions.tolist() + [0] * pad,
+                             fb.out_cache_loc.tolist() + [0] * pad,
+                             fb.req_pool_indices.tolist() + [0] * pad,
+                             seq=fb.seq_lens.tolist() + [1] * pad)
+
+    before = d.manager.step
+    for _ in range(3):
+        d._forward(padded(cap))
+    assert d.manager.step == before + 3 and d.manager.count_violations() == 0
+    d.run(3, arrivals=0)  # the requests' KV written by those forwards reads back clean
+    assert d.manager.count_violations() == 0
+    with pytest.raises(RuntimeError, match=f"exceeds the canary's request capacity {cap}"):
+        d._forward(padded(cap + 1))
+
+
+def test_a_write_at_a_wrong_position_is_reported_only_after_init_finished():
+    """The write kernel's chain-position check (``enable_chain_position_assert``) is off
+    during warm-up and graph capture, whose dummy batches carry arbitrary positions, and on
+    from ``mark_init_finished``: a chunk written one position off is then reported as
+    ``write_position`` at the slot it wrote, with the position the chain expected."""
+    d = ServingDriver(seed=3, mode="raise", init_finished=False)
+    state = d.manager.state
+    assert int(state.enable_chain_position_assert[0]) == 0
+    fb, _ = d.shifted_chunk_batch()
+    d._forward(fb)  # not reported (raise mode would raise here)
+    assert d.manager.count_violations() == 0
+    d.manager.mark_init_finished()
+    assert int(state.enable_chain_position_assert[0]) == 1
+    fb, info = d.shifted_chunk_batch()
+    with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
+        d._forward(fb)
+    lines = parse_violation_lines(str(exc.value))
+    assert [(v.fail_reasons, v.slot_idx, v.position, v.read_position, v.req_to_token_row)
+            for v in lines] == [(("write_position",), info["slot"], info["position"],
+                                 info["position"], info["row"])], str(exc.value)
+    assert lines[0].expected_aux == info["expected_position"]
+    assert set(lines[0].seen_by) == {"HEAD_K_FULL", "TAIL_K_FULL"}
+
+
+def test_target_verify_forward_plans_from_the_committed_prefix():
+    """EAGLE's target verify (``TARGET_VERIFY``) writes the drafts at positions ``seq_len ..``:
+    the plan's prefix is ``seq_lens`` (verify ``[0, seq_len)``, chain the first draft to the
+    record at ``seq_len - 1``); accepted drafts read back clean in the next forwards."""
+    d = ServingDriver(seed=9, mode="raise", verify_tokens=True)
+    d.run(20)
+    d.settle()
+    reqs = list(d.running)
+    seq = [r.kv_len for r in reqs]
+    fb = d.target_verify_batch(reqs, num_draft=3)
+    d._forward(fb)
+    d._finish()
+    sfm = d.manager.sfms[0]
+    assert sfm.plan_input.prefix_lens[: len(reqs)].tolist() == seq
+    assert sfm.plan_input.extend_seq_lens[: len(reqs)].tolist() == [3] * len(reqs)
+    assert d.manager.count_violations() == 0
+    for _ in range(4):
+        d.step()
+    assert d.manager.count_violations() == 0
+
+
 def test_health_checker_raises_when_the_canary_stops_running():
     d = ServingDriver(seed=4)
     d.run(90)
@@ -360,6 +437,25 @@ def test_one_line_per_incident_lists_every_tag():
     block = format_violation_block(incidents[0], 9)
     assert "req_to_token[7, 36] = slot 812" in block and "holds position 37" in block
     assert "predecessor req_to_token[7, 36]" in format_violation_block(incidents[1], 9)
+
+
+def test_an_incident_unites_the_reasons_of_all_its_rows():
+    """Every reason any row of the incident carries is on its line, whichever row carries it
+    (not only the first's or the last's), and the line's other fields are the first row's."""
+    reasons = (FailReason.VERIFY_POSITION_MISMATCH, FailReason.VERIFY_REAL_KV_HASH_MISMATCH,
+               FailReason.VERIFY_CHAIN_HASH_MISMATCH)
+    tags = (CanaryLaunchTag.HEAD_K_FULL, CanaryLaunchTag.TAIL_K_FULL,
+            CanaryLaunchTag.TAIL_V_FULL)
+    rows = [_row(tag, 40, 9, 100 + i, -1, 0, 0, bits, read_position=9, req_row=3)
+            for i, (tag, bits) in enumerate(zip(tags, reasons))]
+    for order in ([0, 1, 2], [2, 1, 0], [1, 0, 2]):
+        (inc,) = merge_incidents([rows[i] for i in order])
+        assert inc.fail_bits == int(reasons[0] | reasons[1] | reasons[2])
+        assert inc.seen_by == tuple(int(tags[i]) for i in order)
+        line = parse_violation_line(format_violation_line(inc, step=4))
+        assert line.fail_reasons == ("verify_chain_hash", "verify_position",
+                                     "verify_real_kv_hash")
+        assert line.stored_token == 100 + order[0] and line.launch_tag == tags[order[0]].name
 
 
 def _row(tag, slot, pos, stored, expected, chain, aux, bits, *, read_position=0, req_row=-1):

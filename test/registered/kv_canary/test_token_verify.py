@@ -190,6 +190,32 @@ def test_a_row_given_to_another_request_is_sent_whole():
     assert up.rows.full_resnapshots == 0
 
 
+def test_a_replaced_input_list_is_sent_whole():
+    """sglang assigns a new ``origin_input_ids`` list where it rewrites a request's input
+    (same request, same row): the row is sent whole, even when the new history is as long as
+    or longer than what the row holds (a length check alone would send only the tail)."""
+    up = _uploader(4, 8)
+    req = _req([1, 2, 3], [4], row=1)
+    _upload(up, _snap(up, [req]), [1])
+    req.origin_input_ids = [5, 6, 7]  # same length, other tokens
+    state = _snap(up, [req])
+    assert state.token_snapshot.starts.tolist() == [0]
+    assert state.token_snapshot.flat.tolist() == [5, 6, 7, 4]
+    _upload(up, state, [1])
+    assert up.pool[1, :4].tolist() == [5, 6, 7, 4]
+    req.origin_input_ids = [8, 9, 10, 11]  # longer
+    state = _snap(up, [req])
+    assert state.token_snapshot.starts.tolist() == [0]
+    assert _upload(up, state, [1]).tolist() == [5]
+    assert up.pool[1, :5].tolist() == [8, 9, 10, 11, 4]
+    req.output_ids.append(12)  # and incremental again on the new list
+    state = _snap(up, [req])
+    assert state.token_snapshot.flat.tolist() == [12]
+    _upload(up, state, [1])
+    assert up.pool[1, :6].tolist() == [8, 9, 10, 11, 4, 12]
+    assert up.rows.full_resnapshots == 0
+
+
 def test_a_snapshot_never_uploaded_forces_a_whole_resnapshot(caplog):
     up = _uploader(4, 8)
     req = _req([1, 2], [], row=3)

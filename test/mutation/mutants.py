@@ -1,0 +1,155 @@
+"""The planted defects of the mutation check (docs/architecture.md, "Mutation check"), read by
+``run_mutants.py`` and kept well-formed by ``test/registered/kv_canary/test_mutants_list.py``.
+
+Each :class:`Mutant` is one realistic single defect: replace ``old`` (which must occur exactly
+once in ``path``) with ``new``, and ``selection`` (pytest node ids, space separated, relative to
+the repository root) must then fail. ``speed`` says whether the selection is in the quick
+subset (``-m "not slow"``) or needs the slow end-to-end suites.
+
+The list grows with each capability: a new check, hook or validation comes with the defect
+that would switch it off silently, and the test that notices it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+_T = "test/registered/kv_canary"
+_RT = "python/sglang/srt/kv_canary"
+_KN = "python/sglang/jit_kernel/kv_canary"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    id: str
+    path: str  # relative to the repository root
+    old: str  # exact text, found exactly once in ``path``
+    new: str
+    selection: str  # pytest node ids that must fail with the mutant planted
+    speed: str  # "quick" (in -m "not slow") or "slow"
+    what: str  # the defect, in a few words
+
+
+MUTANTS = (
+    # ---- issue 25: the audit's rows ---------------------------------------------------------
+    Mutant(
+        id="row1-sweep-swa-untranslated", path=f"{_RT}/runner/sweep.py",
+        old="swa_index_lut=ep.group.swa_index_lut)", new="swa_index_lut=None)",
+        selection=f"{_T}/test_radix_sweep.py::"
+                  "test_sweep_of_a_swa_pool_reads_the_swa_records_through_the_table",
+        speed="quick", what="sweep reads SWA records at FULL slot indices"),
+    Mutant(
+        id="row2-chain-position-never-on", path=f"{_RT}/state.py",
+        old="self.enable_chain_position_assert.fill_(1)",
+        new="self.enable_chain_position_assert.fill_(0)",
+        selection=f"{_T}/test_runtime_core.py::"
+                  "test_a_write_at_a_wrong_position_is_reported_only_after_init_finished",
+        speed="quick", what="mark_init_finished leaves the chain-position check off"),
+    Mutant(
+        id="row3-target-verify-prefix", path=f"{_RT}/plan_input.py",
+        old="prefix.copy_(forward_batch.seq_lens[:bs])",
+        new="prefix.copy_(forward_batch.seq_lens[:bs] - 1)",
+        selection=f"{_T}/test_runtime_core.py::"
+                  "test_target_verify_forward_plans_from_the_committed_prefix",
+        speed="quick", what="TARGET_VERIFY prefix is seq_lens - 1"),
+    Mutant(
+        id="row4-replaced-input-list", path=f"{_RT}/token_history.py",
+        old="o[0] is req and o[1] is origin_ids and o[2] is output_ids",
+        new="o[0] is req and o[2] is output_ids",
+        selection=f"{_T}/test_token_verify.py::test_a_replaced_input_list_is_sent_whole",
+        speed="quick", what="a replaced origin_input_ids list is not re-snapshotted"),
+    Mutant(
+        id="row5-overflow-not-warned", path=f"{_RT}/runner/overflow.py",
+        old="if int(e) != 1)", new="if int(e) not in (0, 1))",
+        selection=f"{_T}/test_runtime_seams.py::"
+                  "test_overflow_and_divergence_are_read_against_the_right_group"
+                  "[full_by_overflow-False]",
+        speed="quick", what="a disabled (overflowed) plan is never warned about"),
+    Mutant(
+        id="row6a-env-probability-1.5", path=f"{_RT}/envs.py",
+        old="if not 0.0 <= value <= 1.0:", new="if not 0.0 <= value <= 2.0:",
+        selection=f"{_T}/test_config.py::"
+                  "test_the_variable_parser_alone_refuses_a_probability_above_one",
+        speed="quick", what="the variable parser accepts a probability of 1.5"),
+    Mutant(
+        id="row6b-perturb-config-probability-1.5", path=f"{_RT}/perturb/config.py",
+        old="not 0.0 <= p <= 1.0:", new="not 0.0 <= p <= 2.0:",
+        selection=f"{_T}/test_config.py::"
+                  "test_perturb_config_alone_refuses_a_probability_above_one",
+        speed="quick", what="PerturbConfig accepts a probability of 1.5"),
+    Mutant(
+        id="row7-request-capacity-off-by-one", path=f"{_RT}/single_forward_manager/manager.py",
+        old="if bs > caps.write_req_capacity:", new="if bs >= caps.write_req_capacity:",
+        selection=f"{_T}/test_runtime_core.py::"
+                  "test_a_forward_of_exactly_the_request_capacity_runs",
+        speed="quick", what="a forward of exactly the request capacity is refused"),
+    Mutant(
+        id="row8-init-hook-never-marks", path=f"{_RT}/plugin.py",
+        old="        manager.mark_init_finished()\n", new="        pass\n",
+        selection=f"{_T}/test_plugin_hooks.py::"
+                  "test_model_runner_init_hook_turns_the_chain_position_check_on",
+        speed="quick", what="ModelRunner.__init__ hook never calls mark_init_finished"),
+    Mutant(
+        id="row9-scheduler-hook-no-radix", path=f"{_RT}/plugin.py",
+        old="manager.attach_radix_cache(seam.scheduler_tree_cache(self))", new="pass",
+        selection=f"{_T}/test_plugin_hooks.py::"
+                  "test_scheduler_hook_hands_the_radix_cache_to_the_sweep",
+        speed="quick", what="Scheduler hook never attaches the radix cache (no sweep)"),
+    Mutant(
+        id="row10-init-new-hook-no-snapshot", path=f"{_RT}/plugin.py",
+        old="manager.on_forward_batch_init(result, seam.schedule_batch_reqs(batch))",
+        new="pass",
+        selection=f"{_T}/test_plugin_hooks.py::test_forward_batch_hook_snapshots_real_requests "
+                  f"{_T}/test_plugin_hooks.py::"
+                  "test_forward_batch_hook_feeds_the_token_checks_of_a_serving_loop",
+        speed="quick", what="ForwardBatch.init_new hook never attaches the token snapshot"),
+    # ---- kernel references (the CPU serving path and the kernels' oracle) -------------------
+    Mutant(
+        id="ref-verify-chain-head-unchecked", path=f"{_KN}/verify_ref.py",
+        old="check_chain = has_prev_rec | (prev == NO_PREV_SLOT)",
+        new="check_chain = has_prev_rec",
+        selection=f"{_T}/test_kernels_hand.py::test_verify_overflow_disables_plan[torch_ref]",
+        speed="quick", what="verify reference skips the chain check of position 0"),
+    Mutant(
+        id="ref-write-seed-zero-checked", path=f"{_KN}/write_ref.py",
+        old="check_pos = seed_ok & (seeds > 0)", new="check_pos = seed_ok & (seeds >= 0)",
+        selection=f"{_T}/test_kernels_hand.py::"
+                  "test_write_seed_zero_is_not_position_checked[torch_ref]",
+        speed="quick", what="write reference position-checks from the padding slot 0"),
+    Mutant(
+        id="ref-plan-swa-window-short", path=f"{_KN}/plan_ref.py",
+        old="ws = (pl - swa_window_size).clamp_min(0)",
+        new="ws = (pl - swa_window_size + 1).clamp_min(0)",
+        selection=f"{_T}/test_kernels_hand.py::test_swa_window_with_evicted_slots[torch_ref]",
+        speed="quick", what="plan reference verifies one SWA position fewer than the window"),
+    # ---- runtime ------------------------------------------------------------------------------
+    Mutant(
+        id="rt-merge-incidents-last-reason", path=f"{_RT}/runner/violation.py",
+        old="entry[1] |= bits", new="entry[1] = bits",
+        selection=f"{_T}/test_runtime_core.py::"
+                  "test_an_incident_unites_the_reasons_of_all_its_rows",
+        speed="quick", what="merged incident keeps the last row's reasons only"),
+    Mutant(
+        id="rt-ring-not-emptied", path=f"{_RT}/runner/manager.py",
+        old="self.state.violation_log.violation_write_index.zero_()", new="pass",
+        selection=f"{_T}/test_runtime_core.py::test_ring_is_detailed_again_after_a_full_window",
+        speed="quick", what="the violation ring is never emptied between forwards"),
+    Mutant(
+        id="rt-perturb-req-to-token-not-undone", path=f"{_RT}/perturb/perturber.py",
+        old="self._undo.append(lambda: r2t.__setitem__((row, pos), old))", new="pass",
+        selection=f"{_T}/test_perturb_oracle.py::"
+                  "test_before_forward_faults_are_undone_after_the_forward_read_them",
+        speed="quick", what="the req_to_token fault is left in place after the forward"),
+    # ---- configuration validation -------------------------------------------------------------
+    Mutant(
+        id="cfg-ring-capacity-zero", path=f"{_RT}/config.py",
+        old='("ring_capacity", 1, MAX_RING_CAPACITY)', new='("ring_capacity", 0, MAX_RING_CAPACITY)',
+        selection=f"{_T}/test_config.py::test_config_integer_fields_are_range_checked",
+        speed="quick", what="CanaryConfig accepts a ring capacity of 0"),
+    Mutant(
+        id="cfg-unused-cache-fault-without-sweep", path=f"{_RT}/perturb/config.py",
+        old="REAL_KV_UNUSED_CACHE in active and sweep_interval <= 0:",
+        new="REAL_KV_UNUSED_CACHE in active and sweep_interval < 0:",
+        selection=f"{_T}/test_perturb_oracle.py::test_bad_perturb_or_oracle_settings_are_refused",
+        speed="quick", what="the unused-cache fault is accepted with the sweep off"),
+)

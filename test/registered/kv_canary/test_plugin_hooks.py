@@ -1,0 +1,191 @@
+"""The runtime hooks of ``plugin.py`` on real sglang objects, without a server: each test takes
+the hook that :func:`plugin.register` hands to sglang for a target, wraps a stand-in original
+with sglang's own ``HookRegistry`` wrapper (``_wrap_fn``, the call convention sglang applies),
+and checks what the hook must do to the canary of a real ``ModelRunner`` instance: the chain-
+position check turned on after start-up, the radix cache handed to the sweep, the token-id
+snapshot attached to every ``ForwardBatch``.
+
+``ModelRunner``, ``ForwardBatch``, ``ModelWorkerBatch``, ``Req`` and ``RadixCache`` are sglang's
+classes (``ModelRunner`` / ``ModelWorkerBatch`` instances made without running their
+``__init__``). ``Scheduler`` and ``TpModelWorker`` are stand-ins with the two attributes the
+seam reads (``tp_worker.model_runner``, ``tree_cache``): importing them loads ``sgl_kernel``'s
+``common_ops``, which needs ``libcuda.so.1`` (the end-to-end server tests cover them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving_driver import ServingDriver
+from sglang.srt.kv_canary import plugin
+from sglang.srt.kv_canary import sglang_seam as seam
+from sglang.srt.kv_canary.batch_state import batch_state
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.managers.schedule_batch import ModelWorkerBatch, Req
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
+
+
+def registered_hook(monkeypatch, target: str):
+    """The ``(hook, kind)`` that :func:`plugin.register` registers for ``target`` (exactly
+    one)."""
+    got = []
+    monkeypatch.setattr(seam, "register_hook",
+                        lambda t, hook, kind: got.append((t, hook, kind)))
+    plugin.register()
+    mine = [(hook, kind) for t, hook, kind in got if t == target]
+    assert len(mine) == 1, f"{target}: {len(mine)} hooks registered"
+    return mine[0]
+
+
+def as_sglang_applies(monkeypatch, target: str, original):
+    """``original`` wrapped the way sglang's ``HookRegistry`` applies the plugin's hook."""
+    hook, kind = registered_hook(monkeypatch, target)
+    return _wrap_fn(original, hook, HookType[kind])
+
+
+def model_runner_with(manager) -> ModelRunner:
+    runner = ModelRunner.__new__(ModelRunner)  # sglang's class; its __init__ loads a model
+    if manager is not None:
+        seam.set_runner_canary(runner, manager)
+    return runner
+
+
+class _TpWorker:  # stand-in: sglang's TpModelWorker exposes the runner as ``model_runner``
+    def __init__(self, model_runner):
+        self.model_runner = model_runner
+
+
+class _Scheduler:  # stand-in: the two Scheduler attributes the seam reads
+    def __init__(self, model_runner, tree_cache):
+        self.tp_worker = _TpWorker(model_runner)
+        self.tree_cache = tree_cache
+
+
+# ---- ModelRunner.__init__ (AFTER): the chain-position check on once start-up is done --------
+
+
+def test_model_runner_init_hook_turns_the_chain_position_check_on(monkeypatch):
+    d = ServingDriver(seed=3, mode="raise", init_finished=False)
+    flag = d.manager.state.enable_chain_position_assert
+    init = as_sglang_applies(monkeypatch, seam.HOOK_MODEL_RUNNER_INIT,
+                             lambda self, *args, **kwargs: None)
+    init(model_runner_with(None))  # canary off: passes straight through
+    assert int(flag[0]) == 0  # warm-up and graph capture: off
+    init(model_runner_with(d.manager))
+    assert int(flag[0]) == 1, "ModelRunner.__init__ hook did not turn the check on"
+    # and a write at the wrong position is now reported as such
+    fb, info = d.shifted_chunk_batch()
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d._forward(fb)
+    lines = parse_violation_lines(str(exc.value))
+    assert [(v.fail_reasons, v.slot_idx, v.position) for v in lines] == [
+        (("write_position",), info["slot"], info["position"])], lines
+
+
+# ---- Scheduler.init_cache_with_memory_pool (AFTER): the sweep gets the radix cache ----------
+
+
+def _radix_cache_of(d: ServingDriver) -> RadixCache:
+    """A real RadixCache over the driver's pools holding its running requests' prefixes."""
+    r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t,
+                                       token_to_kv_pool_allocator=d.allocator, page_size=1))
+    for r in d.running:
+        cache.insert(InsertParams(key=RadixKey(r.tokens[: r.kv_len]),
+                                  value=torch.tensor(r.slots[: r.kv_len])))
+    return cache
+
+
+def test_scheduler_hook_hands_the_radix_cache_to_the_sweep(monkeypatch):
+    d = ServingDriver(seed=21, real_data="partial", mode="raise", sweep_interval=2)
+    d.run(40)
+    d.settle()
+    cache = _radix_cache_of(d)
+    cached = {int(s) for r in d.running for s in r.slots[: r.kv_len]}
+    init_cache = as_sglang_applies(monkeypatch, seam.HOOK_SCHEDULER_INIT_CACHE,
+                                   lambda self, *args, **kwargs: None)
+    init_cache(_Scheduler(model_runner_with(None), cache))  # canary off: nothing to do
+    assert d.manager.radix_cache is None and d.manager.sweep_passes == 0
+    init_cache(_Scheduler(model_runner_with(d.manager), cache))
+    assert d.manager.radix_cache is cache, "the Scheduler hook did not attach the radix cache"
+    for _ in range(3):
+        d.step()
+    assert d.manager.sweep_passes >= 1  # clean sweeps report nothing
+    # the sweep reads that cache: a slot only the cache holds, corrupted, is caught
+    victim = d.running.pop(0)
+    slot = next(s for s in victim.slots[1:] if s in cached and d.slot_refs[s] == 1)
+    d.kv_pool.k_buffer[0][slot].view(torch.uint8).view(-1)[0] ^= 0x3C
+    d.add_request(prompt_len=5, max_new=8)  # forwards keep running (the sweep follows them)
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        for _ in range(3):
+            d.step()
+    found = [(v.launch_tag, v.fail_reasons, v.slot_idx)
+             for v in parse_violation_lines(str(exc.value))]
+    assert ("SWEEP_K_FULL", ("verify_real_kv_hash",), slot) in found, found
+
+
+# ---- ForwardBatch.init_new (AFTER): the batch's token-id snapshot ----------------------------
+
+
+def _init_new_hook(monkeypatch, model_runner):
+    """What sglang's wrapped ``ForwardBatch.init_new(model_worker_batch, model_runner)`` does
+    after building a batch ``fb`` from ``reqs``: the plugin's hook on it."""
+    hook, kind = registered_hook(monkeypatch, seam.HOOK_FORWARD_BATCH_INIT_NEW)
+
+    def run(fb, reqs):
+        worker_batch = ModelWorkerBatch.__new__(ModelWorkerBatch)
+        worker_batch.reqs = reqs
+        init_new = _wrap_fn(lambda cls, batch, runner: fb, hook, HookType[kind])
+        assert init_new(ForwardBatch, worker_batch, model_runner) is fb
+
+    return run
+
+
+def test_forward_batch_hook_snapshots_real_requests(monkeypatch):
+    d = ServingDriver(seed=8, verify_tokens=True)
+    hook = _init_new_hook(monkeypatch, model_runner_with(d.manager))
+    reqs = []
+    for row, (prompt, out) in zip((2, 5), (([11, 12, 13], [14]), ([21, 22], []))):
+        req = Req(rid=f"r{row}", origin_input_text="", origin_input_ids=list(prompt),
+                  sampling_params=SamplingParams(max_new_tokens=4))
+        req.req_pool_idx = row
+        req.output_ids.extend(out)
+        reqs.append(req)
+    fb = ForwardBatch.__new__(ForwardBatch)
+    hook(fb, reqs)
+    state = batch_state(fb)
+    assert state is not None and state.token_snapshot is not None, \
+        "the ForwardBatch.init_new hook attached no token snapshot"
+    assert state.token_snapshot.lens.tolist() == [4, 2]
+    assert state.token_snapshot.flat.tolist() == [11, 12, 13, 14, 21, 22]
+    # no manager (canary off): nothing attached
+    bare = ForwardBatch.__new__(ForwardBatch)
+    _init_new_hook(monkeypatch, model_runner_with(None))(bare, reqs)
+    assert batch_state(bare) is None
+
+
+def test_forward_batch_hook_feeds_the_token_checks_of_a_serving_loop(monkeypatch):
+    """Every batch of the loop gets its snapshot through the plugin's hook only: a
+    same-position slot swap is then caught by the token check (verify_token)."""
+    runner = model_runner_with(None)
+    d = ServingDriver(seed=12, verify_tokens=True, mode="raise",
+                      batch_init_hook=_init_new_hook(monkeypatch, runner))
+    seam.set_runner_canary(runner, d.manager)
+    d.run(60)
+    d.settle()
+    info = d.fault_swap_same_position()
+    assert info["shared_prefix"]
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d.step()
+    mine = [v for v in parse_violation_lines(str(exc.value)) if v.slot_idx == info["new_slot"]]
+    assert mine and all(v.fail_reasons == ("verify_token",) for v in mine), str(exc.value)
+    assert mine[0].expected_token == info["victim_token"]
