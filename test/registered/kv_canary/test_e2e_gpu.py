@@ -5,36 +5,23 @@ a corrupted record is caught through a graph replay."""
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+from e2e_workload import run_workload
 
 from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
-SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 ARGS = dict(chunked_prefill_size=64, max_total_tokens=1024, max_running_requests=8,
             log_level="info")
 
 
 def _workload(model, mode, env_extra=None, extra=None):
-    env = dict(os.environ, **(env_extra or {}))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", ""))
-                                        if p)
-    proc = subprocess.run([sys.executable, str(SUPPORT / "workload.py"), model, mode,
-                           json.dumps(dict(ARGS, **(extra or {}))), "cuda"],
-                          env=env, capture_output=True, text=True, timeout=420)
-    out = proc.stdout + proc.stderr
-    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
-           if x.startswith("RESULT ")]
-    return proc.returncode, out, res[0] if res else None
+    return run_workload(model, mode, dict(ARGS, **(extra or {})), device="cuda",
+                        env_extra=env_extra)
 
 
 @pytest.fixture(scope="module")

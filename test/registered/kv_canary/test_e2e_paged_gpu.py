@@ -11,35 +11,24 @@ and its pool checker then stops the server)."""
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
+from e2e_workload import run_workload
 
 from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
-SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 PAGE_SIZES = (16, 64)
 
 
 def _workload(model, mode, page_size, env_extra=None, extra=None):
-    env = dict(os.environ, **(env_extra or {}))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", ""))
-                                        if p)
     args = dict(page_size=page_size, chunked_prefill_size=max(64, page_size),
                 max_total_tokens=4096, max_running_requests=8, log_level="info", **(extra or {}))
-    proc = subprocess.run([sys.executable, str(SUPPORT / "workload.py"), model, mode,
-                           json.dumps(args), "cuda"],
-                          env=env, capture_output=True, text=True, timeout=420)
-    out = proc.stdout + proc.stderr
-    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
-           if x.startswith("RESULT ")]
-    return proc.returncode, out, res[0] if res else None
+    return run_workload(model, mode, args, device="cuda", env_extra=env_extra)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from e2e_workload import run_workload
 
 from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
@@ -41,13 +42,8 @@ def _run(args, env, timeout=600):
 
 
 def _workload(server, mode, extra=None, env_extra=None, timeout=600):
-    env = dict(server["env"], **(env_extra or {}))
-    proc = _run([str(SUPPORT / "workload.py"), server["model"], mode, json.dumps(extra or {})],
-                env, timeout)
-    out = proc.stdout + proc.stderr
-    result = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
-              if line.startswith("RESULT ")]
-    return proc.returncode, out, (result[0] if result else None)
+    return run_workload(server["model"], mode, extra, base_env=server["env"],
+                        env_extra=env_extra, timeout=timeout)
 
 
 # small chunks (chunked prefill) and a small pool (radix evictions)

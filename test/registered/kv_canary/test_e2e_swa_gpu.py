@@ -12,20 +12,16 @@ support, so no hybrid-SWA model runs on the CPU server.
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+from e2e_workload import run_workload
 
 from sglang.srt.kv_canary.runner.swa_divergence import SWA_DIVERGENCE_LINE_PREFIX
 from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX, parse_violation_lines
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
-SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 WINDOW = 32
 ARGS = dict(chunked_prefill_size=64, max_total_tokens=2048, max_running_requests=8,
             log_level="info", kv_canary_real_data="partial")
@@ -69,16 +65,7 @@ def model(tmp_path_factory):
 
 
 def _workload(model, env_extra=None):
-    env = dict(os.environ, **(env_extra or {}))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", ""))
-                                        if p)
-    proc = subprocess.run([sys.executable, str(SUPPORT / "workload.py"), model, "raise",
-                           json.dumps(ARGS), "cuda"],
-                          env=env, capture_output=True, text=True, timeout=480)
-    out = proc.stdout + proc.stderr
-    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
-           if x.startswith("RESULT ")]
-    return proc.returncode, out, res[0] if res else None
+    return run_workload(model, "raise", ARGS, device="cuda", env_extra=env_extra, timeout=480)
 
 
 def test_swa_engine_clean_run_has_no_violations(model):

@@ -437,6 +437,14 @@ def test_one_line_per_incident_lists_every_tag():
     block = format_violation_block(incidents[0], 9)
     assert "req_to_token[7, 36] = slot 812" in block and "holds position 37" in block
     assert "predecessor req_to_token[7, 36]" in format_violation_block(incidents[1], 9)
+    # the explanation reads the incident's reasons, not its first row's: a chain break the
+    # TAIL also saw as changed bytes is not blamed on the predecessor
+    tail_kv = list(nxt)
+    tail_kv[c.VIOLATION_FIELD_KERNEL_KIND] = int(CanaryLaunchTag.TAIL_K_FULL)
+    tail_kv[c.VIOLATION_FIELD_FAIL_REASON_BITS] = int(
+        FailReason.VERIFY_CHAIN_HASH_MISMATCH | FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
+    (both,) = merge_incidents([nxt, tail_kv])
+    assert "predecessor req_to_token" not in format_violation_block(both, 9)
 
 
 def test_an_incident_unites_the_reasons_of_all_its_rows():
@@ -513,7 +521,7 @@ def test_parse_violation_line_ignores_other_lines():
     row = _row(CanaryLaunchTag.TAIL_K_FULL, 5, 2, 1, 1, 0, 0,
                FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
     with pytest.raises(RuntimeError) as exc:
-        reporter.report([row], step=9, dropped=3)
+        reporter.report(merge_incidents([row]), step=9, dropped=3)
     text = str(exc.value)
     dropped_line = next(x for x in text.splitlines() if "not recorded" in x)
     assert dropped_line.startswith(VIOLATION_LINE_PREFIX)

@@ -27,6 +27,7 @@ from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
 from sglang.srt.kv_canary.runner.violation import (
     ViolationReporter,
     format_violation_line,
+    merge_incidents,
     parse_violation_lines,
 )
 from sglang.srt.kv_canary.single_forward_manager import (
@@ -340,7 +341,7 @@ def _row(slot, bits=FailReason.VERIFY_REAL_KV_HASH_MISMATCH):
 
 def test_parse_violation_lines_counts_a_line_printed_twice_once():
     with pytest.raises(RuntimeError) as exc:
-        ViolationReporter("raise").report([_row(5), _row(6)], step=12)
+        ViolationReporter("raise").report(merge_incidents([_row(5), _row(6)]), step=12)
     text = str(exc.value)
     # raise mode: sglang's scheduler logs the error, then it propagates and is printed again
     output = f"[TP0] Scheduler hit an exception: {text}\nTraceback ...\nRuntimeError: {text}\n"

@@ -74,9 +74,10 @@ class ViolationIncident:
     fail_bits: int
     seen_by: Tuple[int, ...]
 
-    @property
-    def key(self) -> Tuple:
-        return incident_key(self.row)
+
+def _as_incident(item) -> ViolationIncident:
+    """An incident as is; a single ring row as the incident of that row alone."""
+    return item if isinstance(item, ViolationIncident) else merge_incidents([item])[0]
 
 
 def incident_key(row: Sequence[int]) -> Tuple:
@@ -112,7 +113,7 @@ def merge_incidents(rows: Sequence[Sequence[int]]) -> List[ViolationIncident]:
 def format_violation_line(row, *, step: int) -> str:
     """The stable, grep-able one-line form of an incident (or of a single ring row, as an
     incident of one) reported at forward ``step``."""
-    inc = row if isinstance(row, ViolationIncident) else merge_incidents([row])[0]
+    inc = _as_incident(row)
     row = inc.row
     return (
         f"{VIOLATION_LINE_PREFIX} launch_tag={_tag_name(int(row[VIOLATION_FIELD_KERNEL_KIND]))} "
@@ -189,19 +190,20 @@ def parse_violation_lines(text: str, *, unique: bool = True) -> List[ViolationLi
     return out
 
 
-def _where_read(row: Sequence[int], tag: int) -> str:
-    slot = int(row[VIOLATION_FIELD_SLOT_IDX])
-    pos = int(row[VIOLATION_FIELD_READ_POSITION])
-    req_row = int(row[VIOLATION_FIELD_REQ_TO_TOKEN_ROW])
+def _where_read(inc: ViolationIncident) -> str:
+    """Where the incident's slot was read, in words (its first row; every reason of it)."""
+    row, bits = inc.row, inc.fail_bits
+    slot = row[VIOLATION_FIELD_SLOT_IDX]
+    pos = row[VIOLATION_FIELD_READ_POSITION]
+    req_row = row[VIOLATION_FIELD_REQ_TO_TOKEN_ROW]
     try:
-        phase = CanaryLaunchTag(tag).phase
+        phase = CanaryLaunchTag(row[VIOLATION_FIELD_KERNEL_KIND]).phase
     except ValueError:
         phase = None
     if req_row < 0:
         return (f"  The radix-cache sweep read slot {slot} as the cached token at depth {pos} "
                 "(no request holds it).")
-    stored = int(row[VIOLATION_FIELD_POSITION])
-    bits = int(row[VIOLATION_FIELD_FAIL_REASON_BITS])
+    stored = row[VIOLATION_FIELD_POSITION]
     if bits & (FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH):
         return (f"  The forward wrote slot {slot} for position {pos} of the request in "
                 f"req_to_token row {req_row}.")
@@ -216,14 +218,14 @@ def _where_read(row: Sequence[int], tag: int) -> str:
 
 def format_violation_block(row, step: int) -> str:
     """A human explanation of an incident (or a ring row), printed after its structured line."""
-    inc = row if isinstance(row, ViolationIncident) else merge_incidents([row])[0]
+    inc = _as_incident(row)
     row = inc.row
-    tag = _tag_name(int(row[VIOLATION_FIELD_KERNEL_KIND]))
+    tag = _tag_name(row[VIOLATION_FIELD_KERNEL_KIND])
     bits = inc.fail_bits
     seen = ", ".join(_tag_name(t) for t in inc.seen_by)
-    lines = [f"  KV slot {int(row[VIOLATION_FIELD_SLOT_IDX])} failed its canary check in launch "
+    lines = [f"  KV slot {row[VIOLATION_FIELD_SLOT_IDX]} failed its canary check in launch "
              f"{tag} (seen by {seen}; reported at forward step {step}):",
-             _where_read(row, int(row[VIOLATION_FIELD_KERNEL_KIND]))]
+             _where_read(inc)]
     explain = {
         FailReason.VERIFY_CHAIN_HASH_MISMATCH:
             "the record's prev_hash does not match its predecessor slot's record: the slot "
@@ -252,13 +254,12 @@ class ViolationReporter:
     def __init__(self, mode: CanaryMode):
         self.mode = CanaryMode.parse(mode)
 
-    def report(self, incidents: Sequence, *, step: int, dropped: int = 0,
+    def report(self, incidents: Sequence[ViolationIncident], *, step: int, dropped: int = 0,
                ring_capacity: Optional[int] = None) -> None:
-        """``incidents``: :class:`ViolationIncident` s, or raw ring rows (merged here)."""
+        """``incidents``: one forward window's (:func:`merge_incidents`); ``dropped``: its
+        rows past ``ring_capacity``."""
         if not incidents and not dropped:
             return
-        if not all(isinstance(i, ViolationIncident) for i in incidents):
-            incidents = merge_incidents(incidents)
         texts = [format_violation_line(i, step=step) + "\n" + format_violation_block(i, step)
                  for i in incidents]
         if dropped:
