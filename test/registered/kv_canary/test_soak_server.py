@@ -392,10 +392,15 @@ class Soak:
             return "timed_out"
 
     def _expect_400(self, kind: str, n_input: int, message: str) -> str:
+        t0 = time.monotonic()
         status, raw = self.post(kind, "/generate", {
             "input_ids": [5] * n_input, "sampling_params": {"max_new_tokens": 4}})
         if status is None:
             return "transport_error"
+        if (status == 200 and b'"type":"abort"' in raw
+                and self._explained_by_abort_all(t0, time.monotonic())):
+            # an abort_all reached it in the waiting queue before the scheduler refused it
+            return "aborted_by_abort_all"
         if status != 400 or message.encode() not in raw:
             self.problem(kind, f"{n_input} input tokens: expected 400 {message!r}, got "
                          f"{status} {raw[:300]!r}")
