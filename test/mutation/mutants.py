@@ -91,7 +91,7 @@ MUTANTS = (
         speed="quick", what="ModelRunner.__init__ hook never calls mark_init_finished"),
     Mutant(
         id="row9-scheduler-hook-no-radix", path=f"{_RT}/plugin.py",
-        old="manager.attach_radix_cache(seam.scheduler_tree_cache(self))", new="pass",
+        old="radix_cache=seam.scheduler_tree_cache(self),", new="radix_cache=None,",
         selection=f"{_T}/test_plugin_hooks.py::"
                   "test_scheduler_hook_hands_the_radix_cache_to_the_sweep",
         speed="quick", what="Scheduler hook never attaches the radix cache (no sweep)"),
@@ -152,4 +152,65 @@ MUTANTS = (
         new="REAL_KV_UNUSED_CACHE in active and sweep_interval < 0:",
         selection=f"{_T}/test_perturb_oracle.py::test_bad_perturb_or_oracle_settings_are_refused",
         speed="quick", what="the unused-cache fault is accepted with the sweep off"),
+    # ---- issue 21: request ids, abort mode, metrics ---------------------------------------------
+    Mutant(
+        id="i21-rids-not-printed", path=f"{_RT}/runner/violation.py",
+        old='f"rids={format_rids(inc.rids)}"', new='"rids=-"',
+        selection=f"{_T}/test_runtime_core.py::"
+                  "test_violation_line_names_requests_and_round_trips_odd_ids",
+        speed="quick", what="the structured line never names the requests"),
+    Mutant(
+        id="i21-rids-not-resolved", path=f"{_RT}/runner/manager.py",
+        old="incidents = [dataclasses.replace(inc, rids=t.rids) for inc, t in zip(incidents, touched)]",
+        new="incidents = list(incidents)",
+        selection=f"{_T}/test_containment.py::test_reports_name_the_requests_in_log_mode",
+        speed="quick", what="the runner reports incidents without their requests"),
+    Mutant(
+        id="i21-reader-from-live-rows-only", path=f"{_RT}/runner/requests.py",
+        old="reqs += [r for r, snap in zip(forward.reqs, forward.rows) if snap == row]",
+        new="pass",
+        selection=f"{_T}/test_containment.py::"
+                  "test_resolver_names_a_reader_that_finished_and_ignores_stale_row_entries",
+        speed="quick", what="a reader that finished before its report is not named"),
+    Mutant(
+        id="i21-stale-row-entries-match", path=f"{_RT}/runner/requests.py",
+        old="hits.append(((slots == slot) & live).any(dim=1))",
+        new="hits.append((slots == slot).any(dim=1))",
+        selection=f"{_T}/test_containment.py::"
+                  "test_resolver_names_a_reader_that_finished_and_ignores_stale_row_entries",
+        speed="quick", what="a row's leftover entries past its allocated length match"),
+    Mutant(
+        id="i21-abort-not-applied", path=f"{_RT}/runner/containment.py",
+        old="if seam.abort_running_req(req, message):", new="if False:",
+        selection=f"{_T}/test_containment.py::"
+                  "test_abort_mode_aborts_the_touched_requests_evicts_the_prefix_and_keeps_serving",
+        speed="quick", what="abort mode logs but aborts nothing"),
+    Mutant(
+        id="i21-no-eviction", path=f"{_RT}/runner/containment.py",
+        old="freed = seam.radix_evict_subtree(self.radix_cache, node)", new="freed = 0",
+        selection=f"{_T}/test_containment.py::"
+                  "test_abort_mode_aborts_the_touched_requests_evicts_the_prefix_and_keeps_serving",
+        speed="quick", what="the corrupt prefix stays in the radix cache"),
+    Mutant(
+        id="i21-lockers-not-aborted", path=f"{_RT}/runner/containment.py",
+        old="for req in self.resolver.running_mapping_full_slots(slots):", new="for req in []:",
+        selection=f"{_T}/test_containment.py::"
+                  "test_abort_mode_waits_for_locked_nodes_and_aborts_who_locks_them",
+        speed="quick", what="a request locking a corrupt prefix keeps reading it"),
+    Mutant(
+        id="i21-dropped-not-counted", path=f"{_RT}/runner/metrics.py",
+        old="self._dropped.inc(dropped)", new="pass",
+        selection=f"{_T}/test_containment.py::test_metrics_count_dropped_rows",
+        speed="quick", what="ring overflow never reaches Prometheus"),
+    Mutant(
+        id="i21-abort-on-tp", path=f"{_RT}/api.py",
+        old="    if multi:\n", new="    if False:\n",
+        selection=f"{_T}/test_config.py::test_abort_mode_refuses_what_it_cannot_abort_soundly",
+        speed="quick", what="abort mode starts on several ranks"),
+    Mutant(
+        id="i21-max-faults-ignored", path=f"{_RT}/perturb/perturber.py",
+        old="if self.config.max_faults and len(self.injected) >= self.config.max_faults:",
+        new="if False:",
+        selection=f"{_T}/test_containment.py::test_max_faults_stops_injection",
+        speed="quick", what="SGLANG_KV_CANARY_PERTURB_MAX_FAULTS is ignored"),
 )

@@ -68,16 +68,30 @@ def http_call(port: int, method: str, path: str, body=None,
         conn.close()
 
 
+def launcher_argv(launcher: str) -> list[str]:
+    """``python -m sglang.launch_server`` or the ``sglang serve`` console script (the
+    installed one next to this interpreter)."""
+    if launcher == "launch_server":
+        return [sys.executable, "-m", "sglang.launch_server"]
+    if launcher == "serve":
+        script = pathlib.Path(sys.executable).parent / "sglang"
+        if not script.exists():
+            raise FileNotFoundError(f"no sglang console script next to {sys.executable}")
+        return [str(script), "serve"]
+    raise ValueError(f"launcher must be launch_server or serve, got {launcher!r}")
+
+
 class CliServer:
-    """One ``launch_server`` process (own session), its log in ``root / f"{name}.log"``;
-    ``engine_kwargs`` go through :func:`server_argv`, ``extra_argv`` is appended verbatim."""
+    """One ``launch_server`` (or ``sglang serve``: ``launcher="serve"``) process (own
+    session), its log in ``root / f"{name}.log"``; ``engine_kwargs`` go through
+    :func:`server_argv`, ``extra_argv`` is appended verbatim."""
 
     def __init__(self, name: str, root: pathlib.Path, model_dir: str, env: dict[str, str],
-                 extra_argv: list[str], **engine_kwargs):
+                 extra_argv: list[str], launcher: str = "launch_server", **engine_kwargs):
         self.name = name
         self.port = free_port()
         self.log_path = root / f"{name}.log"
-        argv = [sys.executable, "-m", "sglang.launch_server",
+        argv = [*launcher_argv(launcher),
                 *server_argv(model_dir, self.port, **engine_kwargs), *extra_argv]
         # open for the server's whole life (its stdout and stderr); closed by stop()
         self._log = open(self.log_path, "w")  # noqa: SIM115

@@ -54,6 +54,8 @@ class DriverReq:
     kv_len: int = 0  # tokens whose KV is in the cache
     slots: List[int] = dataclasses.field(default_factory=list)
     output: List[int] = dataclasses.field(default_factory=list)
+    to_finish: Optional[object] = None  # set by an abort (sglang's FINISH_ABORT)
+    skip_radix_cache_insert: bool = False
 
     @property
     def origin_input_ids(self) -> List[int]:  # the names sglang's Req uses
@@ -66,6 +68,13 @@ class DriverReq:
     @property
     def req_pool_idx(self) -> Optional[int]:
         return self.row
+
+    @property
+    def kv_allocated_len(self) -> int:
+        return len(self.slots)
+
+    def finished(self) -> bool:
+        return self.done
 
     @property
     def tokens(self) -> List[int]:
@@ -395,7 +404,8 @@ class ServingDriver:
 
     def _finish(self) -> None:
         for r in list(self.running):
-            if r.prefilled and r.done:
+            # done, or aborted (sglang finishes a request whose ``to_finish`` is set)
+            if (r.prefilled and r.done) or r.to_finish is not None:
                 self.running.remove(r)
                 self.slot_refs.subtract(r.slots)
                 dead = sorted({s for s in r.slots if self.slot_refs[s] <= 0})
@@ -403,6 +413,7 @@ class ServingDriver:
                     del self.slot_refs[s]
                 self.allocator.free(torch.tensor(dead, dtype=torch.int64, device=self.device))
                 self.req_to_token_pool.free_slots.append(r.row)
+                r.row = None  # as sglang's ReqToTokenPool.free does
                 self.finished.append(r)
 
     # ---- the forward, with the canary around it ----------------------------------------------

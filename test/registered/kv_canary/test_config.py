@@ -52,6 +52,7 @@ def test_environment_is_parsed_once_into_the_config(monkeypatch):
     ("SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS", "-1", "an integer from 0 to"),
     ("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "1.5", "[0, 1]"),
     ("SGLANG_KV_CANARY_PERTURB_TARGET_GROUP", "both", "'full'"),
+    ("SGLANG_KV_CANARY_PERTURB_MAX_FAULTS", "-2", "an integer from 0 to"),
 ])
 def test_bad_environment_values_name_the_variable(monkeypatch, name, value, allowed):
     monkeypatch.setenv(name, value)
@@ -71,6 +72,32 @@ def test_bad_environment_values_name_the_variable(monkeypatch, name, value, allo
 def test_startup_refusals_name_the_flag(kw, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         check_server_args_for_canary(_args(**kw))
+
+
+@pytest.mark.parametrize("kw,names", [
+    (dict(tp_size=2), ["--tp-size 2"]),
+    (dict(pp_size=2), ["--pp-size 2"]),
+    (dict(dp_size=2, enable_dp_attention=True), ["--dp-size 2", "--enable-dp-attention"]),
+    (dict(disaggregation_mode="decode"), ["--disaggregation-mode decode"]),
+    (dict(disaggregation_mode="prefill"), ["--disaggregation-mode prefill"]),
+])
+def test_abort_mode_refuses_what_it_cannot_abort_soundly(kw, names):
+    """Issue 21: ``--kv-canary abort`` on several scheduler ranks or across PD servers is
+    refused at start-up, naming the flags and the modes to use instead."""
+    with pytest.raises(ValueError, match="--kv-canary abort") as exc:
+        check_server_args_for_canary(_args(kv_canary="abort", **kw))
+    assert all(n in str(exc.value) for n in names) and "raise or log" in str(exc.value)
+    for mode in ("raise", "log"):  # the same deployment with the other modes starts
+        assert check_server_args_for_canary(_args(kv_canary=mode, **kw)).enabled
+
+
+def test_abort_mode_parses_on_one_rank(monkeypatch):
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_MAX_FAULTS", "1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.5")
+    cfg = check_server_args_for_canary(_args(kv_canary="ABORT", tp_size=1,
+                                             disaggregation_mode="null"))
+    assert cfg.mode == CanaryMode.ABORT and cfg.perturb.max_faults == 1
+    assert "mode=abort" in cfg.describe()
 
 
 def test_canary_off_refuses_nothing():

@@ -403,7 +403,24 @@ def test_violation_line_format():
         f"{VIOLATION_LINE_PREFIX} launch_tag=TAIL_K_FULL fail_reason=verify_chain_hash+"
         "verify_real_kv_hash slot_idx=812 position=37 stored_token=5 expected_token=-1 "
         "stored_chain_hash=0xfffffffffffffffe expected_aux=0x0000000000001234 forward_step=41 "
-        "read_position=36 req_to_token_row=7 seen_by=TAIL_K_FULL")
+        "read_position=36 req_to_token_row=7 seen_by=TAIL_K_FULL rids=-")
+
+
+def test_violation_line_names_requests_and_round_trips_odd_ids():
+    """Issue 21: ``rids=`` ends the line, after every earlier field in its order; ids with a
+    comma, a blank or an equals sign survive the round trip (percent-encoded); none is ``-``."""
+    row = [int(CanaryLaunchTag.HEAD_K_FULL), 812, 37, 5, -1, -2, 0x1234, 2, 36, 7]
+    inc = dataclasses.replace(merge_incidents([row])[0],
+                              rids=("a1b2", "user,req 7", "x=y%", "plain-id.3:4"))
+    line = format_violation_line(inc, step=41)
+    assert line.endswith(" seen_by=HEAD_K_FULL rids=a1b2,user%2Creq%207,x%3Dy%25,plain-id.3:4")
+    assert line.startswith(format_violation_line(row, step=41).removesuffix(" rids=-"))
+    parsed = parse_violation_line("INFO something: " + line + " trailing")
+    assert parsed.rids == ("a1b2", "user,req 7", "x=y%", "plain-id.3:4")
+    assert (parsed.slot_idx, parsed.req_to_token_row, parsed.seen_by) == (812, 7, ("HEAD_K_FULL",))
+    assert parse_violation_line(format_violation_line(row, step=41)).rids == ()
+    block = format_violation_block(inc, 41)
+    assert "Requests touched: a1b2, user,req 7" in block
 
 
 def test_one_line_per_incident_lists_every_tag():
@@ -501,7 +518,7 @@ def test_violation_line_round_trip(tag, slot, pos, stored, expected, chain, aux,
                          slot_idx=slot, position=pos, stored_token=stored,
                          expected_token=expected, stored_chain_hash=chain, expected_aux=aux,
                          forward_step=step, read_position=pos + 1, req_to_token_row=slot % 5 - 1,
-                         seen_by=(tag.name,))
+                         seen_by=(tag.name,), rids=())
     assert parse_violation_line(line) == want
     assert all(0 <= h < 1 << 64 for h in (want.stored_chain_hash, want.expected_aux))
     # a ring row as the host reads it back (an int64 tensor row) formats the same way

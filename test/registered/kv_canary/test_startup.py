@@ -98,7 +98,7 @@ def test_self_test_configurations_start_from_the_command_line(monkeypatch, model
 
 def test_the_command_line_still_refuses_a_self_test_without_the_canary(monkeypatch, model_dir,
                                                                        capsys):
-    assert "needs --kv-canary log or raise" in cli_error(
+    assert "needs --kv-canary log, raise or abort" in cli_error(
         capsys, model_dir, "--sampling-backend", "token_oracle")
 
 
@@ -196,11 +196,41 @@ def test_repr_and_the_installed_line_show_every_setting(monkeypatch, model_dir):
     for sa in (cli(model_dir, "--kv-canary", "raise", "--kv-canary-sweep-interval", "5"),
                kwargs(model_dir, kv_canary="raise", kv_canary_sweep_interval=5)):
         text = repr(sa)
-        assert text.endswith("kv_canary='raise', kv_canary_sweep_interval=5, "
-                             "kv_canary_real_data='none')"), text[-200:]
         described = CanaryConfig.from_server_args(sa).describe()
+        # the three flags, then the effective config (environment included)
+        assert text.endswith("kv_canary='raise', kv_canary_sweep_interval=5, "
+                             f"kv_canary_real_data='none', kv_canary_config={described!r})"
+                             ), text[-400:]
+        assert "ring_capacity=64 token_checks=on" in text
         for word in ("mode=raise", "real_data=none", "sweep_interval=5", "ring_capacity=64",
                      "token_checks=on", "token_oracle=off", "write_input_check=off",
                      "v_half=off", "stats_every=100", "swa_divergence_every=0",
                      "fault_injection=off"):
             assert word in described.split(), (word, described)
+
+
+# ---- issue 21: --kv-canary abort on every route --------------------------------------------
+
+
+def test_abort_mode_starts_from_every_route(tmp_path, model_dir):
+    """``abort`` parses from the command line, a ``--config`` YAML and ``Engine`` kwargs, and
+    the refusal of an unsound deployment names the flags on each route."""
+    yaml_file = tmp_path / "canary.yaml"
+    yaml_file.write_text("kv-canary: abort\nkv-canary-sweep-interval: 4\n")
+    for sa in (cli(model_dir, "--kv-canary", "Abort"), cli(model_dir, "--config", str(yaml_file)),
+               kwargs(model_dir, kv_canary="abort")):
+        assert sa.kv_canary == "abort"
+        assert CanaryConfig.from_server_args(sa).describe().startswith("mode=abort ")
+        assert "kv_canary_config='mode=abort " in repr(sa)
+    with pytest.raises(ValueError, match="--kv-canary abort needs a single scheduler rank.*"
+                                         "--tp-size 2"):
+        cli(model_dir, "--kv-canary", "abort", "--tp-size", "2")
+    with pytest.raises(ValueError, match="--tp-size 2"):
+        kwargs(model_dir, kv_canary="abort", tp_size=2)
+
+
+def test_help_lists_abort(capsys, model_dir):
+    with pytest.raises(SystemExit):
+        cli(model_dir, "--help")
+    out = capsys.readouterr().out
+    assert "{none,log,raise,abort}" in out and "'abort' logs it" in out.replace("\n", " ")

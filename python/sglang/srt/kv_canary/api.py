@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
-from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.runner import CanaryManager
 from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
 from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
@@ -49,7 +49,36 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
     if value(server_args, "enable_torch_compile", False):
         raise ValueError("--kv-canary does not support --enable-torch-compile (the canary's "
                          "launches must stay outside the compiled model); drop that flag")
+    if config.mode == CanaryMode.ABORT:
+        _check_abort_mode(server_args)
     return config
+
+
+def _check_abort_mode(server_args: "ServerArgs") -> None:
+    """``--kv-canary abort`` changes the scheduler's batch (it aborts requests) on what one
+    rank's canary saw. sglang's schedulers of several ranks must make identical decisions,
+    and a corruption (one GPU's memory, one rank's ``req_to_token``) is seen by one rank
+    only: each rank would abort different requests and the ranks would fall out of step.
+    PD disaggregation moves a request between servers (prefill's running batch hands it to a
+    transfer queue the abort path does not drain). Both are refused rather than run unsound
+    (docs/user_guide.md, "Containment: --kv-canary abort")."""
+    value = sglang_seam.server_args_value
+    multi = [f"{flag} {v}" for flag, name in (("--tp-size", "tp_size"), ("--pp-size", "pp_size"),
+                                               ("--dp-size", "dp_size"))
+             if (v := int(value(server_args, name, 1) or 1)) > 1]
+    if value(server_args, "enable_dp_attention", False):
+        multi.append("--enable-dp-attention")
+    if multi:
+        raise ValueError(
+            "--kv-canary abort needs a single scheduler rank: with " + ", ".join(multi)
+            + " each rank's canary sees its own corruption and the ranks would abort different "
+            "requests (their schedulers must agree); use --kv-canary raise or log there")
+    mode = value(server_args, "disaggregation_mode", "null")
+    if mode not in (None, "null"):
+        raise ValueError(
+            f"--kv-canary abort does not support --disaggregation-mode {mode} (a request moves "
+            "between the prefill and decode servers, outside the abort path the canary uses); "
+            "use --kv-canary raise or log there")
 
 
 def capacity_inputs_from_server_args(server_args: "ServerArgs", *, context_len: int

@@ -5,7 +5,9 @@ created by the ``ForwardBatch.init_new`` hook and read by the single-forward man
 runs the batch. Its fields are handles the canary's owners hand themselves: the token-history
 snapshot (owned by :class:`~sglang.srt.kv_canary.token_history.TokenHistoryUploader`) and the
 token oracle's rows (owned by
-:class:`~sglang.srt.kv_canary.token_oracle.manager.TokenOracleManager`). Host only.
+:class:`~sglang.srt.kv_canary.token_oracle.manager.TokenOracleManager`) and the batch's
+requests with their ``req_to_token`` rows (owned by the runner, which names them in
+violation reports). Host only.
 """
 
 from __future__ import annotations
@@ -17,18 +19,21 @@ from sglang.srt.kv_canary import sglang_seam
 if TYPE_CHECKING:
     from sglang.srt.kv_canary.sglang_seam import ForwardBatch  # noqa: F401
     from sglang.srt.kv_canary.token_history import TokenIdSnapshot
+    from sglang.srt.kv_canary.runner.requests import ForwardRequests
     from sglang.srt.kv_canary.token_oracle.manager import OracleRows
 
 
 class CanaryBatchState:
     """``token_snapshot``: the batch's token-id snapshot (token checks on), ``oracle_rows``:
-    the oracle's keys and prompts (token oracle on); None when that feature is off."""
+    the oracle's keys and prompts (token oracle on); None when that feature is off.
+    ``requests``: the batch's requests and rows (always, with the canary on)."""
 
-    __slots__ = ("token_snapshot", "oracle_rows")
+    __slots__ = ("token_snapshot", "oracle_rows", "requests")
 
     def __init__(self):
         self.token_snapshot: Optional["TokenIdSnapshot"] = None
         self.oracle_rows: Optional["OracleRows"] = None
+        self.requests: Optional["ForwardRequests"] = None
 
 
 def batch_state(forward_batch) -> Optional[CanaryBatchState]:

@@ -35,7 +35,7 @@ def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
     on (``config.enable_token_oracle``) a :class:`TokenOracleManager` over ``vocab_size`` is
     created unless ``token_oracle`` is given. Not graph-related; runs once, at start-up."""
     if not config.enabled:
-        raise ValueError("build_canary needs --kv-canary log or raise (got none)")
+        raise ValueError("build_canary needs --kv-canary log, raise or abort (got none)")
     device = torch.device(device)
     groups = attach_canary_buffers(pool=pool, config=config, device=device,
                                    kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,

@@ -32,6 +32,9 @@ class CanaryMode(str, enum.Enum):
     NONE = "none"  # canary not installed
     LOG = "log"  # each violation logged once as a WARNING; serving goes on
     RAISE = "raise"  # the scheduler raises RuntimeError (the server stops)
+    # the requests mapping the violating slot are aborted and its radix nodes evicted; each
+    # violation is logged as in LOG; serving goes on
+    ABORT = "abort"
 
     @classmethod
     def parse(cls, value, *, flag: str = "--kv-canary") -> "CanaryMode":
@@ -132,16 +135,16 @@ class CanaryConfig:
         if self.sweep_interval > 0 and self.mode == CanaryMode.NONE:
             raise ValueError(
                 f"--kv-canary-sweep-interval={self.sweep_interval} needs the canary on: "
-                "pass --kv-canary log or --kv-canary raise (or set the interval to 0)"
+                "pass --kv-canary log, raise or abort (or set the interval to 0)"
             )
         if self.real_kv_hash_mode != RealKvHashMode.NONE and self.mode == CanaryMode.NONE:
             raise ValueError(
                 f"--kv-canary-real-data={self.real_kv_hash_mode.name.lower()} needs the canary "
-                "on: pass --kv-canary log or --kv-canary raise (or drop it)")
+                "on: pass --kv-canary log, raise or abort (or drop it)")
         if self.enable_token_oracle and not self.enabled:
             raise ValueError(
                 f"the token oracle (--sampling-backend {TOKEN_ORACLE_BACKEND} or "
-                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1) needs --kv-canary log or raise")
+                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1) needs --kv-canary log, raise or abort")
         if self.enable_write_input_assert and not self.enable_token_oracle:
             raise ValueError(
                 "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1 checks written tokens against the "
@@ -217,6 +220,7 @@ def perturb_config_from_env() -> PerturbConfig:
     e = canary_envs
     return PerturbConfig(
         warmup_steps=e.SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS.get(),
+        max_faults=e.SGLANG_KV_CANARY_PERTURB_MAX_FAULTS.get(),
         req_to_token_prob=e.SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB.get(),
         real_kv_used_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB.get(),
         real_kv_unused_cache_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB.get(),

@@ -17,7 +17,11 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 | AROUND | ``CudaGraphRunner.capture_one_batch_size`` | capture bracket |
 | AROUND | ``CudaGraphRunner.replay_prepare`` | padding rows really point at row 0 (below) |
 | AROUND | ``CudaGraphRunner.replay`` | record that the graph ran the inside ops |
-| AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_radix_cache(tree_cache)`` |
+| AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_scheduler``: tree cache, running |
+|  |  | requests, metric labels, KV slots in use |
+| AFTER | ``Scheduler.process_batch_result`` | ``after_batch_result`` (abort mode's eviction) |
+| AFTER | ``Scheduler.get_init_info`` | add ``kv_canary`` (flags and effective config) |
+|  |  | to the info ``/server_info`` and ``Engine.get_server_info()`` return |
 | AFTER | ``ForwardBatch.init_new`` | the batch's canary state: token-id snapshot of |
 |  |  | ``batch.reqs`` (token checks on), token-oracle rows (token oracle on) |
 
@@ -142,7 +146,25 @@ def _graph_replay(original, self, *args, **kwargs):
 def _after_init_cache(result, self, *args, **kwargs):
     manager = seam.runner_canary(seam.scheduler_model_runner(self))
     if manager is not None:
-        manager.attach_radix_cache(seam.scheduler_tree_cache(self))
+        manager.attach_scheduler(
+            radix_cache=seam.scheduler_tree_cache(self),
+            running_reqs=lambda: seam.scheduler_running_reqs(self),
+            metrics_labels=seam.scheduler_metrics_labels(self),
+            kv_slots_in_use=lambda: seam.scheduler_kv_slots_in_use(self))
+
+
+def _after_process_batch_result(result, self, *args, **kwargs):
+    manager = seam.runner_canary(seam.scheduler_model_runner(self))
+    if manager is not None:
+        manager.after_batch_result()
+
+
+def _after_get_init_info(result, self, *args, **kwargs):
+    from sglang.srt.kv_canary.server_args_ext import canary_settings
+
+    if isinstance(result, dict):
+        result["kv_canary"] = canary_settings(seam.scheduler_server_args(self))
+    return result
 
 
 def _after_forward_batch_init(result, cls, batch, model_runner, *args, **kwargs):
@@ -164,6 +186,8 @@ HOOKS = (
     (seam.HOOK_GRAPH_REPLAY_PREPARE, _graph_replay_prepare, "AROUND"),
     (seam.HOOK_GRAPH_REPLAY, _graph_replay, "AROUND"),
     (seam.HOOK_SCHEDULER_INIT_CACHE, _after_init_cache, "AFTER"),
+    (seam.HOOK_SCHEDULER_PROCESS_BATCH_RESULT, _after_process_batch_result, "AFTER"),
+    (seam.HOOK_SCHEDULER_GET_INIT_INFO, _after_get_init_info, "AFTER"),
     (seam.HOOK_FORWARD_BATCH_INIT_NEW, _after_forward_batch_init, "AFTER"),
 )
 

@@ -101,3 +101,46 @@ def walk_radix_cache_for_canary(*, radix_cache, unlocked_only: bool = False,
         return RadixCacheWalkResult(flat, positions, prev)
     mask = torch.tensor(keep, dtype=torch.bool).to(device)[node_of]
     return RadixCacheWalkResult(flat[mask], positions[mask], prev[mask])
+
+
+def radix_nodes_holding_slots(*, radix_cache, slots: torch.Tensor) -> List:
+    """The topmost nodes of a radix cache whose value holds any of ``slots`` (int64 ``[k]``
+    full-pool slots): a node below a returned node is not returned (evicting the returned
+    node's subtree covers it). Host walk plus one device ``isin`` and one read-back: for the
+    containment path (a violation), never per forward. ``[]`` for a cache that is not a
+    radix tree (``ChunkCache``)."""
+    if not isinstance(radix_cache, seam.radix_cache_types()) or slots.numel() == 0:
+        return []
+    nodes: List = []
+    values: List[torch.Tensor] = []
+    parents: List[int] = []
+    stack = [(child, -1) for child in seam.radix_root_children(radix_cache)]
+    while stack:
+        node, parent = stack.pop()
+        value = seam.radix_node_value(node)
+        if value is None or value.shape[0] == 0:
+            continue
+        index = len(nodes)
+        nodes.append(node)
+        values.append(value)
+        parents.append(parent)
+        stack.extend((child, index) for child in seam.radix_node_children(node))
+    if not nodes:
+        return []
+    flat = torch.cat(values).to(torch.int64)
+    lens = torch.tensor([v.shape[0] for v in values], dtype=torch.int64).to(flat.device)
+    node_of = torch.repeat_interleave(torch.arange(len(nodes), device=flat.device), lens,
+                                      output_size=flat.shape[0])
+    hit = torch.zeros(len(nodes), dtype=torch.bool, device=flat.device)
+    hit[node_of[torch.isin(flat, slots.to(flat.device, torch.int64))]] = True
+    hits = hit.tolist()
+    out = []
+    for i, node in enumerate(nodes):  # parents come before their children in ``nodes``
+        if not hits[i]:
+            continue
+        p = parents[i]
+        while p >= 0 and not hits[p]:
+            p = parents[p]
+        if p < 0:
+            out.append(node)
+    return out

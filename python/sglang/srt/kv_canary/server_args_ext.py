@@ -54,13 +54,14 @@ def add_canary_cli_args(parser: argparse.ArgumentParser) -> None:
         "--kv-canary", type=_choice, default=DEFAULTS["kv_canary"],
         choices=[m.value for m in CanaryMode],
         help="Verify every KV slot attention reads against a fingerprint record: 'log' logs "
-             "each violation, 'raise' stops the server on the first one, 'none' (default) "
-             "installs nothing.")
+             "each violation, 'raise' stops the server on the first one, 'abort' logs it, "
+             "aborts the requests reading the corrupt slot and evicts it from the radix cache "
+             "(serving goes on), 'none' (default) installs nothing.")
     group.add_argument(
         "--kv-canary-sweep-interval", type=_argparse_type(parse_sweep_interval),
         default=DEFAULTS["kv_canary_sweep_interval"],
         help="Every N forward steps also verify the KV slots idle in the radix cache "
-             "(0 = off, the default). Needs --kv-canary log or raise.")
+             "(0 = off, the default). Needs --kv-canary log, raise or abort.")
     group.add_argument(
         "--kv-canary-real-data", type=_choice, default=DEFAULTS["kv_canary_real_data"],
         choices=list(REAL_DATA_CHOICES),
@@ -87,16 +88,40 @@ def set_canary_attrs(server_args, values: dict) -> None:
 _MISSING = object()
 
 
+def _effective_config(server_args) -> str:
+    """The effective settings (flags plus ``SGLANG_KV_CANARY_*``) as ``key=value`` words, as
+    the start-up log line has them; ``invalid: ...`` when they do not parse (a repr must not
+    raise)."""
+    from sglang.srt.kv_canary.config import CanaryConfig
+
+    try:
+        return CanaryConfig.from_server_args(server_args).describe()
+    except ValueError as e:
+        return f"invalid: {e}"
+
+
 def canary_repr_suffix(server_args) -> str:
-    """``, kv_canary='raise', kv_canary_sweep_interval=0, kv_canary_real_data='none'`` for
-    ``repr(server_args)`` (the canary's fields live on the instance, outside the dataclass's
-    own repr); empty when the instance has none of them."""
+    """``, kv_canary='raise', kv_canary_sweep_interval=0, kv_canary_real_data='none',
+    kv_canary_config='mode=raise ...'`` for ``repr(server_args)`` (the canary's fields live on
+    the instance, outside the dataclass's own repr; the effective config only with the canary
+    on); empty when the instance has none of them."""
     parts = []
     for name in DEFAULTS:
         value = sglang_seam.server_args_value(server_args, name, _MISSING)
         if value is not _MISSING:
             parts.append(f"{name}={value!r}")
+    if parts and sglang_seam.server_args_value(server_args, "kv_canary", "none") != "none":
+        parts.append(f"kv_canary_config={_effective_config(server_args)!r}")
     return "".join(", " + p for p in parts)
+
+
+def canary_settings(server_args) -> dict:
+    """The canary's flags and (with the canary on) its effective config, for
+    ``/server_info`` and ``Engine.get_server_info()``."""
+    out = {name: sglang_seam.server_args_value(server_args, name, default)
+           for name, default in DEFAULTS.items()}
+    out["config"] = (_effective_config(server_args) if out["kv_canary"] != "none" else None)
+    return out
 
 
 

@@ -12,12 +12,16 @@ change; the table says who relies on each.
 | ``ServerArgs`` instance | sets ``kv_canary``, ``kv_canary_sweep_interval``, ``kv_canary_real_data``, ``kv_canary_token_oracle_requested``; reads ``device``, ``disable_piecewise_cuda_graph``, ``enable_torch_compile``, ``chunked_prefill_size``, ``max_prefill_tokens``, ``cuda_graph_max_bs``, ``sampling_backend`` | ``server_args_ext``, ``config``, ``api`` |
 | ``ModelRunner`` | reads ``token_to_kv_pool``, ``req_to_token_pool.req_to_token``, ``device``, ``model_config.context_len`` / ``vocab_size``, ``sliding_window_size``, ``is_draft_worker``; sets ``kv_canary_manager``; replaces ``sampler`` (token oracle); wraps ``model.forward`` on the instance | ``api`` |
 | ``CudaGraphRunner.model_runner``, ``.buffers`` (``DecodeInputBuffers``) | zeroes ``req_pool_indices`` (and ``input_ids`` / ``positions`` for the token oracle) before each replay | ``plugin`` |
-| ``Scheduler.tp_worker.model_runner``, ``Scheduler.tree_cache`` | finds the runner's canary, hands the radix cache to the sweep | ``plugin`` |
+| ``Scheduler.tp_worker.model_runner``, ``Scheduler.tree_cache``, ``.server_args`` | finds the runner's canary, hands the radix cache to the sweep and containment, the settings to ``get_init_info`` | ``plugin`` |
+| ``Scheduler.running_batch`` / ``.cur_batch`` (``.reqs``), ``.chunked_req`` | the running requests a violation touches | ``runner.requests`` |
+| ``Scheduler.enable_metrics``, ``.metrics_collector.labels`` | the canary's Prometheus series get the scheduler's labels | ``runner.metrics`` |
+| ``Scheduler.token_to_kv_pool_allocator.available_size()``, ``.max_total_num_tokens`` | the protected-tokens gauge | ``runner.metrics`` |
 | ``ScheduleBatch.reqs`` | the requests of a ``ForwardBatch.init_new`` | ``plugin`` |
 | ``ForwardBatch`` | sets one attribute, ``kv_canary_batch_state`` (:func:`set_batch_state`); reads ``spec_info.draft_token_num``; ``ForwardMode`` | ``batch_state``, ``plan_input`` |
 | ``SamplingBatchInfo`` | sets / reads ``kv_canary_oracle_batch`` | ``token_oracle`` |
-| ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``; histories are kept by identity (sglang replaces, never edits, a rewritten list) | ``token_oracle``, ``token_history`` |
+| ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``, ``kv_allocated_len``, ``finished()``, ``to_finish``; histories are kept by identity (sglang replaces, never edits, a rewritten list); abort mode sets ``to_finish = FINISH_ABORT(...)`` (sglang's abort of a running request) and ``skip_radix_cache_insert`` | ``token_oracle``, ``token_history``, ``runner.requests``, ``runner.containment`` |
 | radix tree nodes (``TreeNode``) | reads ``root_node``, ``children``, ``value``, ``lock_ref``, ``swa_tombstone``; ``RadixCache`` / ``SWARadixCache`` types | ``radix_cache_walker`` |
+| ``RadixCache`` eviction step | ``token_to_kv_pool_allocator.free(value)``, ``_delete_leaf``, ``_record_remove_event`` per node of an evicted subtree (abort mode) | ``runner.containment`` |
 | ``sglang.srt.layers.sampler`` | ``Sampler`` base class (its ``__init__`` is skipped: :func:`init_sampler_module_only`), ``register_sampler_backend``, the private ``_CUSTOM_SAMPLER_FACTORIES`` (idempotent registration) | ``token_oracle.sampler`` |
 | KV pool instances | wraps buf-info methods on the instance (:func:`wrap_method_once`); pool classes (:func:`import_sglang_class`); each adapter reads its pool's buffers (listed in the adapter's docstring) | ``pool_patcher`` |
 
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -66,6 +70,9 @@ HOOK_GRAPH_REPLAY_PREPARE = f"{_CG}.replay_prepare"
 HOOK_GRAPH_REPLAY = f"{_CG}.replay"
 HOOK_SCHEDULER_INIT_CACHE = "sglang.srt.managers.scheduler.Scheduler.init_cache_with_memory_pool"
 HOOK_FORWARD_BATCH_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+HOOK_SCHEDULER_PROCESS_BATCH_RESULT = (
+    "sglang.srt.managers.scheduler.Scheduler.process_batch_result")
+HOOK_SCHEDULER_GET_INIT_INFO = "sglang.srt.managers.scheduler.Scheduler.get_init_info"
 
 
 def register_hook(target: str, hook: Callable, kind: str) -> None:
@@ -180,8 +187,44 @@ def scheduler_model_runner(scheduler: "Scheduler") -> Optional["ModelRunner"]:
     return getattr(worker, "model_runner", None) if worker is not None else None
 
 
+def scheduler_server_args(scheduler: "Scheduler") -> "ServerArgs":
+    return scheduler.server_args
+
+
 def scheduler_tree_cache(scheduler: "Scheduler") -> "BasePrefixCache":
     return scheduler.tree_cache
+
+
+def scheduler_running_reqs(scheduler: "Scheduler") -> List["Req"]:
+    """The requests the scheduler is running now: its running (decode) batch, the batch it
+    is forwarding (a prefill batch, with the chunked request) and the chunked request,
+    each once. Read from the scheduler's own thread (the canary's hooks run there)."""
+    out: List["Req"] = []
+    seen = set()
+    batches = (getattr(scheduler, "running_batch", None), getattr(scheduler, "cur_batch", None))
+    chunked = getattr(scheduler, "chunked_req", None)
+    for req in [r for b in batches if b is not None for r in (b.reqs or ())] + (
+            [chunked] if chunked is not None else []):
+        if id(req) not in seen:  # identity of live objects within this call only
+            seen.add(id(req))
+            out.append(req)
+    return out
+
+
+def scheduler_metrics_labels(scheduler: "Scheduler") -> Optional[Dict[str, Any]]:
+    """The labels of sglang's scheduler metrics (``--enable-metrics``), or None when metrics
+    are off."""
+    if not getattr(scheduler, "enable_metrics", False):
+        return None
+    collector = getattr(scheduler, "metrics_collector", None)
+    return dict(collector.labels) if collector is not None else None
+
+
+def scheduler_kv_slots_in_use(scheduler: "Scheduler") -> int:
+    """Full-attention KV slots the allocator has handed out (running requests and the radix
+    cache hold them): ``max_total_num_tokens - available_size()``."""
+    allocator = scheduler.token_to_kv_pool_allocator
+    return max(0, int(scheduler.max_total_num_tokens) - int(allocator.available_size()))
 
 
 def schedule_batch_reqs(batch: "ScheduleBatch") -> Optional[list]:
@@ -231,6 +274,50 @@ def req_cached_value(req: "Req", compute: Callable[["Req"], int]) -> int:
     return value
 
 
+def req_rid(req: "Req") -> str:
+    return str(req.rid)
+
+
+def req_pool_row(req: "Req") -> Optional[int]:
+    """The request's ``req_to_token`` row (None once freed)."""
+    idx = req.req_pool_idx
+    return int(idx) if idx is not None else None
+
+
+def req_kv_len(req: "Req") -> int:
+    """Entries of the request's ``req_to_token`` row that hold its KV slots now
+    (``kv_allocated_len``: later entries are a previous occupant's leftovers)."""
+    return int(req.kv_allocated_len)
+
+
+def req_done(req: "Req") -> bool:
+    """Finished, or already told to finish (``to_finish``) at its next result."""
+    return bool(req.finished() or req.to_finish is not None)
+
+
+def mark_no_radix_insert(req: "Req") -> None:
+    """Tell sglang not to insert the request's KV into the radix cache when it finishes
+    (``Req.skip_radix_cache_insert``, which ``release_kv_cache`` honours)."""
+    req.skip_radix_cache_insert = True
+
+
+def abort_running_req(req: "Req", message: str) -> bool:
+    """Abort a running request the way sglang's ``Scheduler.abort_request`` does for running
+    requests ("abort method 3": ``req.to_finish = FINISH_ABORT(...)``; the scheduler finishes
+    it at its next batch result and frees its KV through the normal path), with ``message``
+    and HTTP status 500, so a non-streaming client gets an error, not the text. False when
+    it is already finishing."""
+    from http import HTTPStatus
+
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    if req_done(req):
+        return False
+    req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR,
+                                 "KVCacheCorruptionError")
+    return True
+
+
 # ---- radix caches --------------------------------------------------------------------------------
 
 
@@ -270,6 +357,49 @@ def radix_node_swa_tombstone(node: "TreeNode") -> bool:
 
 def radix_cache_device(radix_cache):
     return getattr(radix_cache, "device", "cpu")
+
+
+def radix_subtree_eviction_supported(radix_cache) -> bool:
+    """Whether :func:`radix_evict_subtree` can evict from this cache: ``RadixCache`` itself
+    (its subclasses and the SWA, HiCache, Mamba and unified caches keep more state per node
+    than its ``evict`` step updates)."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    return type(radix_cache) is RadixCache
+
+
+def radix_subtree_evictable(radix_cache, node: "TreeNode") -> bool:
+    """Whether :func:`radix_evict_subtree` can remove ``node`` and its descendants now: a
+    supported cache and no node of the subtree locked by a running request."""
+    if not radix_subtree_eviction_supported(radix_cache):
+        return False
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.lock_ref > 0:
+            return False
+        stack.extend(n.children.values())
+    return True
+
+
+def radix_evict_subtree(radix_cache, node: "TreeNode") -> int:
+    """Remove ``node`` and its descendants from a ``RadixCache`` and free their KV slots,
+    leaves first, each step as sglang's own ``RadixCache.evict`` does it for one leaf
+    (``token_to_kv_pool_allocator.free(value)``, ``_delete_leaf``, ``_record_remove_event``);
+    returns the number of tokens freed. Call only when :func:`radix_subtree_evictable` says
+    True (the scheduler's thread, between batches)."""
+    order, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        order.append(n)
+        stack.extend(n.children.values())
+    freed = 0
+    for n in reversed(order):  # every child comes after its parent in ``order``
+        radix_cache.token_to_kv_pool_allocator.free(n.value)
+        freed += len(n.value)
+        radix_cache._delete_leaf(n)
+        radix_cache._record_remove_event(n)
+    return freed
 
 
 # ---- sampler ------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class PerturbConfig:
     """
 
     warmup_steps: int = 50
+    max_faults: int = 0  # faults injected at most, over the server's life (0: no limit)
     req_to_token_prob: float = 0.0
     real_kv_used_prob: float = 0.0
     real_kv_unused_cache_prob: float = 0.0
@@ -63,6 +64,10 @@ class PerturbConfig:
                 or self.warmup_steps < 0:
             raise ValueError(f"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS must be an int >= 0, got "
                              f"{self.warmup_steps!r}")
+        if isinstance(self.max_faults, bool) or not isinstance(self.max_faults, int) \
+                or self.max_faults < 0:
+            raise ValueError(f"SGLANG_KV_CANARY_PERTURB_MAX_FAULTS must be an int >= 0 (0: no "
+                             f"limit), got {self.max_faults!r}")
         for kind in FaultKind:
             p = self.prob(kind)
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
@@ -95,7 +100,7 @@ class PerturbConfig:
             return
         names = ", ".join(k.env_var for k in active)
         if not canary_enabled:
-            raise ValueError(f"{names} > 0 needs the canary on: pass --kv-canary log or raise")
+            raise ValueError(f"{names} > 0 needs the canary on: pass --kv-canary log, raise or abort")
         if any(k.is_real_kv for k in active) and not real_kv_hash_on:
             raise ValueError(f"{names} > 0 corrupts real KV bytes, which only real-data "
                              "fingerprints see: pass --kv-canary-real-data partial or all")

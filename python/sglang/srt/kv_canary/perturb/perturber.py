@@ -19,8 +19,9 @@ Called by :class:`~sglang.srt.kv_canary.runner.CanaryManager` around each forwar
 - :meth:`swap_next_tokens` — the token oracle sampler's ``after_sample`` hook: swap two
   requests' sampled tokens (caught as ``write_token_mismatch`` when they are written).
 
-Each fault fires with its probability per step once ``step > warmup_steps`` and logs one
-``kv_canary perturb:`` line saying what it changed. Host-synchronising and destructive: for
+Each fault fires with its probability per step once ``step > warmup_steps``, until
+``max_faults`` faults have been injected (when set), and logs one ``kv_canary perturb:`` line
+saying what it changed. Host-synchronising and destructive: for
 self-tests and the demo, never for production traffic.
 """
 
@@ -72,6 +73,8 @@ class CanaryPerturber:
     def _fires(self, kind: FaultKind) -> bool:
         p = self.config.prob(kind)
         if p <= 0.0 or self.step <= self.config.warmup_steps:
+            return False
+        if self.config.max_faults and len(self.injected) >= self.config.max_faults:
             return False
         return self.rng.random() < p
 

@@ -22,20 +22,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.jit_kernel.kv_canary.types import CanaryPhase
-from sglang.srt.kv_canary.batch_state import batch_state_for
+from sglang.jit_kernel.kv_canary.types import CanaryPhase, PoolKind
+from sglang.srt.kv_canary.batch_state import batch_state, batch_state_for
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
-from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.endpoint import build_endpoints_from_group
 from sglang.srt.kv_canary.perturb import CanaryPerturber
+from sglang.srt.kv_canary.runner.containment import ContainmentManager
 from sglang.srt.kv_canary.runner.device_host import DelayedDeviceHostHandler
 from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
+from sglang.srt.kv_canary.runner.metrics import CanaryMetrics
 from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
+from sglang.srt.kv_canary.runner.requests import (
+    NO_FORWARD_REQUESTS,
+    ForwardRequests,
+    RequestResolver,
+)
 from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
 from sglang.srt.kv_canary.runner.swa_divergence import SwaDivergenceReporter
 from sglang.srt.kv_canary.runner.sweep import SweepOrchestrator
@@ -72,6 +79,15 @@ class CanaryReadback:
     swa_verify_num_valid: Tuple[Tuple[torch.Tensor, ...], ...]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class StagedForward:
+    """The forward whose read-back is staged: its step, single-forward manager and requests."""
+
+    step: int
+    sfm_index: int
+    requests: ForwardRequests
+
+
 class CanaryManager:
     """One per guarded model runner. ``groups``: the pool's buffer groups; ``capacities``:
     the per-forward buffer sizes; ``req_to_token``: the runner's int32 ``[rows,
@@ -82,7 +98,7 @@ class CanaryManager:
                  num_single_forward_managers: int = 1,
                  token_oracle: Optional[TokenOracleManager] = None):
         if not config.enabled:
-            raise ValueError("CanaryManager needs --kv-canary log or raise (got none)")
+            raise ValueError("CanaryManager needs --kv-canary log, raise or abort (got none)")
         if not groups:
             raise ValueError("CanaryManager needs at least one buffer group")
         if num_single_forward_managers < 1:
@@ -142,9 +158,17 @@ class CanaryManager:
         self.overflow = VerifyOverflowWarner(verify_capacity=capacities.verify_capacity)
         self.sweep = SweepOrchestrator(interval=config.sweep_interval, endpoints=self.endpoints,
                                        device=device)
+        # who a violation touches (rids=), abort mode's containment, Prometheus (attached
+        # with the scheduler: attach_scheduler)
+        swa_lut = next((g.swa_index_lut for g in self.groups if g.kind == PoolKind.SWA), None)
+        self.requests = RequestResolver(req_to_token=req_to_token, swa_index_lut=swa_lut)
+        self.containment = (ContainmentManager(resolver=self.requests, swa_index_lut=swa_lut)
+                            if config.mode == CanaryMode.ABORT else None)
+        self.metrics: Optional[CanaryMetrics] = None
+        self._kv_slots_in_use: Callable[[], int] = lambda: 0
         self.step = 0
         self._active: Optional[SingleForwardManager] = None
-        self._staged: Optional[Tuple[int, int]] = None  # (step, sfm index) of the stage
+        self._staged: Optional[StagedForward] = None
         self._ring_staged = False  # a stage holds the ring: empty it before the next forward
 
     # ---- which single-forward manager is active ----------------------------------------
@@ -212,20 +236,45 @@ class CanaryManager:
         self.state.mark_init_finished()
 
     def on_forward_batch_init(self, forward_batch: "ForwardBatch", reqs) -> None:
-        """The ``ForwardBatch.init_new`` hook (host only): the batch's token-id snapshot (token
-        checks on) and the token oracle's rows (oracle on), in the batch's canary state. No-op
-        when neither is on."""
+        """The ``ForwardBatch.init_new`` hook (host only): the batch's requests and their rows
+        (for the reports' ``rids=``), token-id snapshot (token checks on) and the token
+        oracle's rows (oracle on), in the batch's canary state."""
+        state = batch_state_for(forward_batch)
+        state.requests = ForwardRequests.of(reqs)
         if self.token_history is None and self.token_oracle is None:
             return
-        state = batch_state_for(forward_batch)
         if self.token_history is not None:
             self.token_history.snapshot(state, reqs)
         if self.token_oracle is not None:
             self.token_oracle.attach_batch(forward_batch, state, reqs)
 
     def attach_radix_cache(self, radix_cache) -> None:
-        """Hand over the scheduler's tree cache (for the sweep)."""
+        """Hand over the scheduler's tree cache (for the sweep, and abort mode's eviction,
+        which refuses a cache it cannot evict from)."""
+        if self.containment is not None:
+            self.containment.attach_radix_cache(radix_cache)
         self.sweep.attach_radix_cache(radix_cache)
+
+    def attach_scheduler(self, *, radix_cache, running_reqs: Callable[[], Sequence],
+                         metrics_labels: Optional[Dict[str, object]],
+                         kv_slots_in_use: Callable[[], int], metrics_registry=None) -> None:
+        """The scheduler's side, at its start-up: its tree cache, its running requests (to
+        name and abort), its metric labels (None: metrics off; ``metrics_registry``: a
+        ``prometheus_client`` registry other than the process's, for tests) and its count of
+        KV slots in use (the protected-tokens gauge)."""
+        self.attach_radix_cache(radix_cache)
+        self.requests.running_reqs = running_reqs
+        self._kv_slots_in_use = kv_slots_in_use
+        if metrics_labels is not None and self.metrics is None:
+            self.metrics = CanaryMetrics(metrics_labels, registry=metrics_registry)
+
+    def after_batch_result(self) -> None:
+        """After the scheduler processed a batch result (finished requests released their
+        KV): abort mode evicts the corrupt prefixes it can now. No-op otherwise."""
+        if self.containment is not None:
+            aborted = self.containment.after_batch_result()
+            if self.metrics is not None:
+                self.metrics.on_aborted(aborted)
 
     @property
     def radix_cache(self):
@@ -248,12 +297,15 @@ class CanaryManager:
         if self.perturber is not None and forward_batch is not None:
             self.perturber.after_forward(forward_batch, step=self.step)
         self.sweep.maybe_run_sweep(self.step)
+        state = batch_state(forward_batch) if forward_batch is not None else None
+        requests = (state.requests if state is not None and state.requests is not None
+                    else NO_FORWARD_REQUESTS)
         if self.device_host.synchronous:
-            self._stage(sfm)
+            self._stage(sfm, requests)
             self.device_host.consume(self._on_host_copies)
         else:
             self.device_host.consume(self._on_host_copies)
-            self._stage(sfm)
+            self._stage(sfm, requests)
 
     def count_violations(self) -> int:
         """Violations counted so far over every forward window (kept in the ring or dropped),
@@ -264,9 +316,22 @@ class CanaryManager:
             self.device_host.consume(self._on_host_copies)
         return self.violations.total
 
-    def _stage(self, sfm: SingleForwardManager) -> None:
+    def _report(self, incidents, *, dropped: int, step: int, requests: ForwardRequests) -> None:
+        """Name the requests each incident touches, count it, contain it (abort mode), then
+        report it (raise mode raises here, after the counters moved)."""
+        touched = self.requests.resolve(incidents, requests)
+        incidents = [dataclasses.replace(inc, rids=t.rids) for inc, t in zip(incidents, touched)]
+        if self.metrics is not None:
+            self.metrics.on_incidents(incidents, dropped=dropped)
+        if self.containment is not None:
+            aborted = self.containment.contain(incidents, touched)
+            if self.metrics is not None:
+                self.metrics.on_aborted(aborted)
+        self.violations.report(incidents, dropped=dropped, step=step)
+
+    def _stage(self, sfm: SingleForwardManager, requests: ForwardRequests) -> None:
         self.device_host.stage()
-        self._staged = (self.step, sfm.index)
+        self._staged = StagedForward(self.step, sfm.index, requests)
         self._ring_staged = True
 
     def _empty_ring_after_stage(self) -> None:
@@ -281,14 +346,22 @@ class CanaryManager:
             self._ring_staged = False
 
     def _on_host_copies(self, host: CanaryReadback) -> None:
-        step, sfm_index = self._staged
+        staged = self._staged
+        step, sfm_index = staged.step, staged.sfm_index
         plan_enabled = host.sfm_status[sfm_index].plan_enabled.tolist()
         self.overflow.check(step=step, plan_enabled=plan_enabled)
         kernel_counters = host.kernel_run_counters.tolist()
-        self.violations.process(write_index=int(host.violation_write_index[0]),
-                                ring=host.violation_ring, step=step)
+        slot_counters = host.slot_run_counters.tolist()
+        incidents, dropped = self.violations.collect(
+            write_index=int(host.violation_write_index[0]), ring=host.violation_ring)
+        if incidents or dropped:
+            self._report(incidents, dropped=dropped, step=step, requests=staged.requests)
+        if self.metrics is not None:
+            self.metrics.on_step(verified_slots=sum(slot_counters),
+                                 sweep_passes=self.sweep_passes,
+                                 protected_tokens=self._kv_slots_in_use())
         self.stats.maybe_log(step=step, kernel_counters=kernel_counters,
-                             slot_counters=host.slot_run_counters.tolist(),
+                             slot_counters=slot_counters,
                              violations=self.violations.total, sweep_passes=self.sweep_passes)
         self.health.check(step=step, kernel_counters=kernel_counters)
         if self.swa_divergence.enabled:

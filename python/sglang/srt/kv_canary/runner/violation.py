@@ -9,6 +9,7 @@ never with a regex of their own. Fields, in order::
     kv_canary violation: launch_tag=<TAG> fail_reason=<r1>[+<r2>...] slot_idx=<n> position=<n>
         stored_token=<n> expected_token=<n> stored_chain_hash=0x<16 hex> expected_aux=0x<16 hex>
         forward_step=<n> read_position=<n> req_to_token_row=<n> seen_by=<TAG>[,<TAG>...]
+        rids=<rid>[,<rid>...]
 
 (one line). ``forward_step`` is the forward step at which the host reported it;
 ``read_position`` / ``req_to_token_row`` say where the slot was read: attention read
@@ -18,7 +19,10 @@ depth in the radix tree). One line per incident: every ring row of one forward w
 the same pool kind, slot, read position and row is merged into one line, whose
 ``fail_reason`` is the union of their reasons, whose other fields are the first row's, and
 whose ``seen_by`` lists every launch tag that saw it, first-seen first (``launch_tag`` is the
-first of them).
+first of them). ``rids`` names the requests the incident touches (the one that read the slot,
+then every running request mapping it: :mod:`~sglang.srt.kv_canary.runner.requests`), ``-``
+when none (a sweep of a slot no request maps); a character of a request id outside
+``[A-Za-z0-9_.:~-]`` is percent-encoded (``%2C`` for a comma), and the parser decodes it.
 
 The ring is read back after every forward and then emptied (docs/architecture.md, "Reading
 results"), so each forward step has its own ``ring_capacity`` rows of detail: violations past
@@ -31,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import urllib.parse
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -57,7 +62,8 @@ logger = logging.getLogger(__name__)
 VIOLATION_LINE_PREFIX = "kv_canary violation:"
 
 
-def _tag_name(kind: int) -> str:
+def tag_name(kind: int) -> str:
+    """A launch tag's name (``UNKNOWN_<n>`` for a value that is none)."""
     try:
         return CanaryLaunchTag(kind).name
     except ValueError:
@@ -73,6 +79,7 @@ class ViolationIncident:
     row: Tuple[int, ...]
     fail_bits: int
     seen_by: Tuple[int, ...]
+    rids: Tuple[str, ...] = ()  # the requests it touches, once resolved
 
 
 def _as_incident(item) -> ViolationIncident:
@@ -116,7 +123,7 @@ def format_violation_line(row, *, step: int) -> str:
     inc = _as_incident(row)
     row = inc.row
     return (
-        f"{VIOLATION_LINE_PREFIX} launch_tag={_tag_name(int(row[VIOLATION_FIELD_KERNEL_KIND]))} "
+        f"{VIOLATION_LINE_PREFIX} launch_tag={tag_name(int(row[VIOLATION_FIELD_KERNEL_KIND]))} "
         f"fail_reason={FailReason.describe(inc.fail_bits)} "
         f"slot_idx={int(row[VIOLATION_FIELD_SLOT_IDX])} "
         f"position={int(row[VIOLATION_FIELD_POSITION])} "
@@ -127,8 +134,21 @@ def format_violation_line(row, *, step: int) -> str:
         f"forward_step={int(step)} "
         f"read_position={int(row[VIOLATION_FIELD_READ_POSITION])} "
         f"req_to_token_row={int(row[VIOLATION_FIELD_REQ_TO_TOKEN_ROW])} "
-        f"seen_by={','.join(_tag_name(t) for t in inc.seen_by)}"
+        f"seen_by={','.join(tag_name(t) for t in inc.seen_by)} "
+        f"rids={format_rids(inc.rids)}"
     )
+
+
+_RID_SAFE = "_.:~-"  # with letters and digits, left as they are in ``rids=``
+
+
+def format_rids(rids: Sequence[str]) -> str:
+    """``rids=``'s value: the ids comma-separated and percent-encoded, ``-`` for none."""
+    return ",".join(urllib.parse.quote(str(r), safe=_RID_SAFE) for r in rids) or "-"
+
+
+def parse_rids(text: str) -> Tuple[str, ...]:
+    return () if text == "-" else tuple(urllib.parse.unquote(r) for r in text.split(","))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +167,7 @@ class ViolationLine:
     read_position: int
     req_to_token_row: int
     seen_by: Tuple[str, ...]
+    rids: Tuple[str, ...]  # empty for ``rids=-``
 
 
 _INT = r"(-?\d+)"
@@ -156,7 +177,7 @@ _LINE_RE = re.compile(
     + rf" launch_tag=(\w+) fail_reason=([\w+]+) slot_idx={_INT} position={_INT}"
     + rf" stored_token={_INT} expected_token={_INT} stored_chain_hash={_HEX}"
     + rf" expected_aux={_HEX} forward_step={_INT} read_position={_INT}"
-    + rf" req_to_token_row={_INT} seen_by=([\w,]+)")
+    + rf" req_to_token_row={_INT} seen_by=([\w,]+) rids=([^\s,]+(?:,[^\s,]+)*)")
 
 
 def _line_from_match(m: "re.Match") -> ViolationLine:
@@ -166,7 +187,7 @@ def _line_from_match(m: "re.Match") -> ViolationLine:
         expected_token=int(m.group(6)), stored_chain_hash=int(m.group(7), 16),
         expected_aux=int(m.group(8), 16), forward_step=int(m.group(9)),
         read_position=int(m.group(10)), req_to_token_row=int(m.group(11)),
-        seen_by=tuple(m.group(12).split(",")))
+        seen_by=tuple(m.group(12).split(",")), rids=parse_rids(m.group(13)))
 
 
 def parse_violation_line(line: str) -> Optional[ViolationLine]:
@@ -220,9 +241,9 @@ def format_violation_block(row, step: int) -> str:
     """A human explanation of an incident (or a ring row), printed after its structured line."""
     inc = _as_incident(row)
     row = inc.row
-    tag = _tag_name(row[VIOLATION_FIELD_KERNEL_KIND])
+    tag = tag_name(row[VIOLATION_FIELD_KERNEL_KIND])
     bits = inc.fail_bits
-    seen = ", ".join(_tag_name(t) for t in inc.seen_by)
+    seen = ", ".join(tag_name(t) for t in inc.seen_by)
     lines = [f"  KV slot {row[VIOLATION_FIELD_SLOT_IDX]} failed its canary check in launch "
              f"{tag} (seen by {seen}; reported at forward step {step}):",
              _where_read(inc)]
@@ -244,12 +265,15 @@ def format_violation_block(row, step: int) -> str:
     for reason, text in explain.items():
         if bits & reason:
             lines.append(f"    - {reason.name.lower()}: {text}")
+    lines.append("  Requests touched: " + (", ".join(inc.rids) if inc.rids else
+                                            "none running (no request maps the slot)"))
     return "\n".join(lines)
 
 
 class ViolationReporter:
-    """Log mode: every new violation once as a WARNING. Raise mode: ``RuntimeError`` carrying
-    the structured lines (sglang's scheduler then exits, as on any scheduler error)."""
+    """Log and abort modes: every new violation once as a WARNING (abort mode's containment
+    is the manager's). Raise mode: ``RuntimeError`` carrying the structured lines (sglang's
+    scheduler then exits, as on any scheduler error)."""
 
     def __init__(self, mode: CanaryMode):
         self.mode = CanaryMode.parse(mode)
@@ -287,17 +311,29 @@ class ViolationManager:
         self.total_dropped = 0  # of those, rows past a window's capacity
         self.total_incidents = 0  # reported lines (merged rows) so far
 
-    def process(self, *, write_index: int, ring: torch.Tensor, step: int) -> None:
-        """``write_index``: the window's violation count, ``ring``: a host copy of the ring,
-        both read back after forward ``step``."""
+    def collect(self, *, write_index: int, ring: torch.Tensor
+                ) -> Tuple[List[ViolationIncident], int]:
+        """The window's incidents and its dropped row count (counted in the totals);
+        ``write_index``: the window's violation count, ``ring``: a host copy of the ring,
+        both read back after one forward."""
         count = int(write_index)
         if count <= 0:
-            return
+            return [], 0
         kept = min(count, self.ring_capacity)
         incidents = merge_incidents(ring[:kept].tolist())
         dropped = count - kept
         self.total += count
         self.total_dropped += dropped
         self.total_incidents += len(incidents)
+        return incidents, dropped
+
+    def report(self, incidents: Sequence[ViolationIncident], *, dropped: int, step: int
+               ) -> None:
         self.reporter.report(incidents, step=step, dropped=dropped,
                              ring_capacity=self.ring_capacity)
+
+    def process(self, *, write_index: int, ring: torch.Tensor, step: int) -> None:
+        """:meth:`collect` then :meth:`report` (incidents without request ids)."""
+        incidents, dropped = self.collect(write_index=write_index, ring=ring)
+        if incidents or dropped:
+            self.report(incidents, dropped=dropped, step=step)

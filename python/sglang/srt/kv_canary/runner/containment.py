@@ -1,0 +1,139 @@
+"""``--kv-canary abort``: contain a violation and keep serving (docs/user_guide.md,
+"Containment: --kv-canary abort"; docs/architecture.md, "Containment and metrics").
+
+On each reported incident, :meth:`ContainmentManager.contain` aborts every running request
+the incident touches (:class:`~sglang.srt.kv_canary.runner.requests.RequestResolver`)
+through sglang's own abort of running requests, with the message
+``kv_canary: KV cache corruption detected (launch_tag=..., fail_reason=...)``, marks them so
+sglang does not insert their KV into the radix cache when they finish, and remembers the
+corrupt slot. After each batch result (the scheduler's thread, between batches),
+:meth:`ContainmentManager.after_batch_result` evicts the radix-cache nodes holding a
+remembered slot, with their descendants, once no running request locks them (a request that
+locks one maps the slot: it is aborted too). A slot is forgotten once no node holds it and
+every request aborted for it has released its KV: its next owner writes a fresh record.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Sequence
+
+import torch
+
+from sglang.jit_kernel.kv_canary.consts import (
+    VIOLATION_FIELD_KERNEL_KIND,
+    VIOLATION_FIELD_SLOT_IDX,
+    FailReason,
+)
+from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
+from sglang.srt.kv_canary import sglang_seam as seam
+from sglang.srt.kv_canary.radix_cache_walker import radix_nodes_holding_slots
+from sglang.srt.kv_canary.runner.requests import IncidentRequests, RequestResolver
+from sglang.srt.kv_canary.runner.violation import ViolationIncident, tag_name
+
+logger = logging.getLogger(__name__)
+
+ABORT_MESSAGE_PREFIX = "kv_canary: KV cache corruption detected"
+
+
+def abort_message(incident: ViolationIncident) -> str:
+    """What an aborted request's client receives (its finish reason's message)."""
+    tag = tag_name(int(incident.row[VIOLATION_FIELD_KERNEL_KIND]))
+    return (f"{ABORT_MESSAGE_PREFIX} (launch_tag={tag}, "
+            f"fail_reason={FailReason.describe(incident.fail_bits)})")
+
+
+class ContainmentManager:
+    """Abort mode's containment. ``resolver``: the manager's request resolver (its
+    ``req_to_token`` and running requests); ``swa_index_lut``: the SWA group's full -> SWA
+    table (an SWA incident's slot is found back as the full slots mapping to it)."""
+
+    def __init__(self, *, resolver: RequestResolver, swa_index_lut: Optional[torch.Tensor]):
+        self.resolver = resolver
+        self.swa_index_lut = swa_index_lut
+        self.radix_cache = None
+        self.aborted_requests = 0  # requests this manager aborted, over the server's life
+        self.evicted_nodes = 0
+        self.evicted_tokens = 0
+        self._slots: List[int] = []  # full-pool slots whose radix nodes must go
+        self._aborted: List[object] = []  # requests aborted for them, until they release
+
+    def attach_radix_cache(self, radix_cache) -> None:
+        """The scheduler's tree cache (start-up). Refuses a radix cache whose nodes the canary
+        cannot evict, naming it (a cache that is no tree, ``ChunkCache``, has nothing to
+        evict)."""
+        if (isinstance(radix_cache, seam.radix_cache_types())
+                and not seam.radix_subtree_eviction_supported(radix_cache)):
+            raise RuntimeError(
+                f"--kv-canary abort cannot evict corrupt prefixes from {type(radix_cache).__name__}"
+                " (it evicts from sglang's RadixCache only); use --kv-canary raise or log, or "
+                "--disable-radix-cache")
+        self.radix_cache = radix_cache
+
+    @property
+    def pending_slots(self) -> Sequence[int]:
+        return tuple(self._slots)
+
+    def contain(self, incidents: Sequence[ViolationIncident],
+                touched: Sequence[IncidentRequests]) -> int:
+        """Abort the running requests each incident touches and remember its slots; returns
+        how many requests were aborted now."""
+        aborted = 0
+        for inc, reqs in zip(incidents, touched):
+            message = abort_message(inc)
+            for req in reqs.running:
+                seam.mark_no_radix_insert(req)
+                if seam.abort_running_req(req, message):
+                    aborted += 1
+                    self._aborted.append(req)
+            self._remember(inc)
+        self.aborted_requests += aborted
+        return aborted
+
+    def _remember(self, inc: ViolationIncident) -> None:
+        slot = int(inc.row[VIOLATION_FIELD_SLOT_IDX])
+        try:
+            kind = CanaryLaunchTag(int(inc.row[VIOLATION_FIELD_KERNEL_KIND])).pool_kind
+        except ValueError:
+            return
+        if kind == PoolKind.FULL:
+            full = [slot]
+        elif self.swa_index_lut is not None:
+            full = (self.swa_index_lut == slot).nonzero().flatten().tolist()
+        else:
+            full = []
+        for s in full:
+            if s > 0 and s not in self._slots:  # slot 0 is the pool's padding slot
+                self._slots.append(s)
+
+    def after_batch_result(self) -> int:
+        """Evict what can be evicted now; returns the number of requests aborted because they
+        lock a node holding a corrupt slot. Host work only while slots are pending."""
+        if not self._slots:
+            return 0
+        self._aborted = [r for r in self._aborted if seam.req_pool_row(r) is not None]
+        slots = torch.tensor(self._slots, dtype=torch.int64)
+        nodes = (radix_nodes_holding_slots(radix_cache=self.radix_cache, slots=slots)
+                 if self.radix_cache is not None else [])
+        locked = False
+        for node in nodes:
+            if seam.radix_subtree_evictable(self.radix_cache, node):
+                freed = seam.radix_evict_subtree(self.radix_cache, node)
+                self.evicted_tokens += freed
+                self.evicted_nodes += 1
+                logger.warning("kv_canary abort: evicted a radix-cache prefix holding a corrupt "
+                               "slot (%d token(s) with its descendants)", freed)
+            else:
+                locked = True
+        aborted = 0
+        if locked:  # a running request holds the corrupt prefix: it reads corrupt KV
+            for req in self.resolver.running_mapping_full_slots(slots):
+                seam.mark_no_radix_insert(req)
+                if seam.abort_running_req(req, f"{ABORT_MESSAGE_PREFIX} (a cached prefix it "
+                                               "shares held a corrupt slot)"):
+                    aborted += 1
+                    self._aborted.append(req)
+            self.aborted_requests += aborted
+        elif not self._aborted:
+            self._slots = []
+        return aborted

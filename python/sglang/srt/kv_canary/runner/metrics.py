@@ -1,0 +1,90 @@
+"""``CanaryMetrics``: the canary's Prometheus series, through sglang's own metrics machinery
+(docs/monitoring/README.md; docs/architecture.md, "Containment and metrics").
+
+With ``--enable-metrics`` sglang points ``PROMETHEUS_MULTIPROC_DIR`` at a directory shared by
+its processes and serves every process's series at the HTTP server's ``/metrics``; a
+scheduler creates its ``prometheus_client`` metrics with its own labels (model name, engine
+type, ranks). The canary's metrics live in the scheduler process next to them, with the same
+labels, so they appear at the same ``/metrics``. Built once per scheduler when the scheduler
+is attached (``prometheus_client`` is imported then, after sglang set the directory); None
+when metrics are off. Host only, a few counter updates per forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, Sequence
+
+from sglang.jit_kernel.kv_canary.consts import VIOLATION_FIELD_KERNEL_KIND, FailReason
+from sglang.srt.kv_canary.runner.violation import ViolationIncident, tag_name
+
+VIOLATIONS = "sglang:kv_canary_violations_total"
+VERIFIED_SLOTS = "sglang:kv_canary_verified_slots_total"
+PROTECTED_TOKENS = "sglang:kv_canary_protected_tokens"
+SWEEP_PASSES = "sglang:kv_canary_sweep_passes_total"
+DROPPED_VIOLATIONS = "sglang:kv_canary_dropped_violations_total"
+ABORTED_REQUESTS = "sglang:kv_canary_aborted_requests_total"
+METRIC_NAMES = (VIOLATIONS, VERIFIED_SLOTS, PROTECTED_TOKENS, SWEEP_PASSES, DROPPED_VIOLATIONS,
+                ABORTED_REQUESTS)
+
+
+class CanaryMetrics:
+    """``labels``: the scheduler's metric labels (name -> value), applied to every series;
+    ``registry``: a ``prometheus_client`` registry (default: the process's, which sglang's
+    multiprocess collector reads; tests pass their own)."""
+
+    def __init__(self, labels: Dict[str, object], registry=None):
+        import prometheus_client
+
+        reg = {"registry": registry if registry is not None else prometheus_client.REGISTRY}
+        Counter = functools.partial(prometheus_client.Counter, **reg)  # noqa: N806
+        Gauge = functools.partial(prometheus_client.Gauge, **reg)  # noqa: N806
+        self.labels = {k: str(v) for k, v in labels.items()}
+        names = list(self.labels)
+        self._violations = Counter(
+            name=VIOLATIONS, labelnames=names + ["launch_tag", "fail_reason"],
+            documentation="KV-canary violation reports (one per structured log line), by the "
+                          "launch tag that saw it first and its fail reasons.")
+        self._verified = Counter(
+            name=VERIFIED_SLOTS, labelnames=names,
+            documentation="KV slot checks made by the canary's verify launches (forward reads "
+                          "and the radix sweep).").labels(**self.labels)
+        self._protected = Gauge(
+            name=PROTECTED_TOKENS, labelnames=names, multiprocess_mode="mostrecent",
+            documentation="Full-attention KV slots in use (running requests and the radix "
+                          "cache), each guarded by a canary record.").labels(**self.labels)
+        self._sweeps = Counter(
+            name=SWEEP_PASSES, labelnames=names,
+            documentation="Radix-cache sweep passes of the KV canary.").labels(**self.labels)
+        self._dropped = Counter(
+            name=DROPPED_VIOLATIONS, labelnames=names,
+            documentation="KV-canary violation rows past the ring's per-step capacity "
+                          "(counted, not detailed).").labels(**self.labels)
+        self._aborted = Counter(
+            name=ABORTED_REQUESTS, labelnames=names,
+            documentation="Requests aborted by --kv-canary abort.").labels(**self.labels)
+        self._last_verified = 0
+        self._last_sweeps = 0
+
+    def on_incidents(self, incidents: Sequence[ViolationIncident], *, dropped: int) -> None:
+        """One increment per reported line, labelled as the line is."""
+        for inc in incidents:
+            self._violations.labels(
+                **self.labels, launch_tag=tag_name(int(inc.row[VIOLATION_FIELD_KERNEL_KIND])),
+                fail_reason=FailReason.describe(inc.fail_bits)).inc()
+        if dropped:
+            self._dropped.inc(dropped)
+
+    def on_aborted(self, count: int) -> None:
+        if count:
+            self._aborted.inc(count)
+
+    def on_step(self, *, verified_slots: int, sweep_passes: int, protected_tokens: int) -> None:
+        """Running totals as the canary counts them (the counters advance by the growth)."""
+        if verified_slots > self._last_verified:
+            self._verified.inc(verified_slots - self._last_verified)
+            self._last_verified = verified_slots
+        if sweep_passes > self._last_sweeps:
+            self._sweeps.inc(sweep_passes - self._last_sweeps)
+            self._last_sweeps = sweep_passes
+        self._protected.set(protected_tokens)

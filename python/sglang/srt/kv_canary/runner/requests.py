@@ -1,0 +1,149 @@
+"""Which requests a violation touches (docs/user_guide.md, "Reading a violation report";
+docs/architecture.md, "Containment and metrics").
+
+An incident names a slot (of its pool kind's slot space) and, for a forward read or write,
+the ``req_to_token`` row that read or wrote it. The requests it touches are
+
+- the *reader*: the request of the forward that held that row when the forward ran (taken
+  from the forward's own request snapshot, so it is named even if it finished before the
+  report: on the GPU reports arrive one forward later);
+- every request still running whose ``req_to_token`` row maps one of its live positions
+  (``< kv_allocated_len``) to the slot: requests sharing the cached prefix, and requests
+  admitted between the forward and the report.
+
+Host only; reads ``req_to_token`` rows back from the device (one copy) only on a step that
+reported an incident.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.jit_kernel.kv_canary.consts import (
+    VIOLATION_FIELD_KERNEL_KIND,
+    VIOLATION_FIELD_REQ_TO_TOKEN_ROW,
+    VIOLATION_FIELD_SLOT_IDX,
+)
+from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
+from sglang.srt.kv_canary import sglang_seam as seam
+from sglang.srt.kv_canary.runner.violation import ViolationIncident
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ForwardRequests:
+    """The requests of one forward batch and their ``req_to_token`` rows, as the
+    ``ForwardBatch.init_new`` hook saw them (``rows[i]`` is ``reqs[i]``'s row then)."""
+
+    reqs: Tuple[object, ...]
+    rows: Tuple[Optional[int], ...]
+
+    @classmethod
+    def of(cls, reqs: Optional[Sequence]) -> "ForwardRequests":
+        reqs = tuple(reqs or ())
+        return cls(reqs, tuple(seam.req_pool_row(r) for r in reqs))
+
+
+NO_FORWARD_REQUESTS = ForwardRequests((), ())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class IncidentRequests:
+    """The requests one incident touches: ``rids`` (reader first, then by first sight) and,
+    of them, ``running``: the ``Req`` objects not finished yet (what abort mode aborts)."""
+
+    rids: Tuple[str, ...]
+    running: Tuple[object, ...]
+
+
+def _pool_kind(row: Sequence[int]) -> Optional[PoolKind]:
+    try:
+        return CanaryLaunchTag(int(row[VIOLATION_FIELD_KERNEL_KIND])).pool_kind
+    except ValueError:
+        return None
+
+
+class RequestResolver:
+    """``req_to_token``: the runner's int32 ``[rows, max_context_len]`` table;
+    ``swa_index_lut``: the SWA group's full-slot -> SWA-slot table (None without SWA), to
+    compare an SWA incident's slot with the rows' full slots. ``running_reqs`` (set when the
+    scheduler is attached) returns the scheduler's running requests."""
+
+    def __init__(self, *, req_to_token: torch.Tensor,
+                 swa_index_lut: Optional[torch.Tensor] = None):
+        self.req_to_token = req_to_token
+        self.swa_index_lut = swa_index_lut
+        self.running_reqs: Callable[[], Sequence] = tuple
+
+    def resolve(self, incidents: Sequence[ViolationIncident],
+                forward: ForwardRequests) -> List[IncidentRequests]:
+        """One :class:`IncidentRequests` per incident, in order."""
+        if not incidents:
+            return []
+        candidates, seen = [], set()
+        for req in list(forward.reqs) + list(self.running_reqs()):
+            if id(req) in seen or seam.req_done(req):
+                continue
+            seen.add(id(req))
+            row = seam.req_pool_row(req)
+            if row is not None and seam.req_kv_len(req) > 0:
+                candidates.append((req, row, seam.req_kv_len(req)))
+        mapped = self._mapped(incidents, candidates)
+        out = []
+        for i, inc in enumerate(incidents):
+            reqs: List[object] = []
+            row = int(inc.row[VIOLATION_FIELD_REQ_TO_TOKEN_ROW])
+            if row >= 0:
+                reqs += [r for r, snap in zip(forward.reqs, forward.rows) if snap == row]
+            reqs += [candidates[j][0] for j in mapped[i]]
+            unique: Dict[int, object] = {}
+            for r in reqs:
+                unique.setdefault(id(r), r)
+            ordered = list(unique.values())
+            out.append(IncidentRequests(
+                rids=tuple(dict.fromkeys(seam.req_rid(r) for r in ordered)),
+                running=tuple(r for r in ordered if not seam.req_done(r))))
+        return out
+
+    def running_mapping_full_slots(self, slots: torch.Tensor) -> List[object]:
+        """Running requests (not finishing) whose live row entries map any of ``slots``
+        (int64 full-pool slots). One read-back; containment path only."""
+        reqs = [r for r in self.running_reqs() if not seam.req_done(r)
+                and seam.req_pool_row(r) is not None and seam.req_kv_len(r) > 0]
+        if not reqs or slots.numel() == 0:
+            return []
+        device = self.req_to_token.device
+        width = max(seam.req_kv_len(r) for r in reqs)
+        rows = torch.tensor([seam.req_pool_row(r) for r in reqs], dtype=torch.int64).to(device)
+        lens = torch.tensor([seam.req_kv_len(r) for r in reqs], dtype=torch.int64).to(device)
+        table = self.req_to_token[rows, :width].to(torch.int64)
+        live = torch.arange(width, device=device)[None, :] < lens[:, None]
+        hit = (torch.isin(table, slots.to(device, torch.int64)) & live).any(dim=1).tolist()
+        return [r for r, h in zip(reqs, hit) if h]
+
+    def _mapped(self, incidents, candidates) -> List[List[int]]:
+        """For each incident, the candidates whose live row entries map its slot."""
+        if not candidates:
+            return [[] for _ in incidents]
+        device = self.req_to_token.device
+        width = max(n for _, _, n in candidates)
+        rows = torch.tensor([r for _, r, _ in candidates], dtype=torch.int64).to(device)
+        lens = torch.tensor([n for _, _, n in candidates], dtype=torch.int64).to(device)
+        table = self.req_to_token[rows, :width].to(torch.int64)
+        live = torch.arange(width, device=device)[None, :] < lens[:, None]
+        by_kind = {PoolKind.FULL: table}
+        if self.swa_index_lut is not None:
+            by_kind[PoolKind.SWA] = self.swa_index_lut.to(torch.int64)[table]
+        hits = []
+        for inc in incidents:
+            kind = _pool_kind(inc.row)
+            slots = by_kind.get(kind)
+            if slots is None:
+                hits.append(torch.zeros(len(candidates), dtype=torch.bool, device=device))
+                continue
+            slot = int(inc.row[VIOLATION_FIELD_SLOT_IDX])
+            hits.append(((slots == slot) & live).any(dim=1))
+        matrix = torch.stack(hits).tolist()  # the one read-back
+        return [[j for j, hit in enumerate(row) if hit] for row in matrix]

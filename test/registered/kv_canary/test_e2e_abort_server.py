@@ -1,0 +1,170 @@
+"""Issue 21 end to end: a real sglang 0.5.12 HTTP server on the CPU (127.0.0.1) with
+``--kv-canary abort`` and ``--enable-metrics`` (docs/user_guide.md, "Containment: --kv-canary
+abort"; docs/monitoring/README.md): a clean run aborts nothing and exports growing counters;
+under ``req_to_token`` fault injection the touched requests end with the abort reason and
+message, every other request and every later one completes, ``/health`` stays OK, and the
+Prometheus counters match the log lines. One server is started with ``python -m
+sglang.launch_server``, the other with ``sglang serve``."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import re
+
+import pytest
+
+from cli_server import CliServer, http_call
+from sglang.srt.kv_canary.perturb.report import parse_perturb_line
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.testing.server_harness import (
+    build_libcuda_stub,
+    cpu_server_env,
+    write_tiny_llama,
+)
+
+pytestmark = pytest.mark.slow
+
+SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
+# small chunks (chunked prefill) and a small pool (radix evictions)
+SERVER_ARGS = dict(chunked_prefill_size=32, max_total_tokens=384, max_running_requests=8,
+                   log_level="info")
+ABORT_MESSAGE = "kv_canary: KV cache corruption detected (launch_tag="
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("abort_server")
+    model = write_tiny_llama(root / "model")
+    env = cpu_server_env(build_libcuda_stub(root / "stub"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
+    env["SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT"] = "1"
+    return dict(model=model, env=env, root=root)
+
+
+def metrics(port: int) -> dict:
+    """``/metrics`` as {(name, frozenset(labels)): value} for the canary's series."""
+    status, body = http_call(port, "GET", "/metrics", timeout=60)
+    assert status == 200, body[:300]
+    out = {}
+    for line in body.decode().splitlines():
+        m = re.match(r"(sglang:kv_canary_\w+)(?:\{(.*)\})? (\S+)$", line)
+        if m:
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def total(series: dict, name: str) -> float:
+    return sum(v for (n, _), v in series.items() if n == name)
+
+
+def generate(port: int, rid: str, input_ids) -> tuple:
+    status, body = http_call(port, "POST", "/generate", {
+        "rid": rid, "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}},
+        timeout=300)
+    return status, body.decode(errors="replace")
+
+
+def wave(port: int, tag: str, prefix_len: int = 40, n: int = 6) -> dict:
+    """``n`` concurrent requests sharing a prefix: rid -> (status, body)."""
+    prefix = list(range(10, 10 + prefix_len))
+    jobs = {f"{tag}-{i}": prefix + [200 + i, 300 + len(tag) + i] for i in range(n)}
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = {rid: pool.submit(generate, port, rid, ids) for rid, ids in jobs.items()}
+        return {rid: f.result() for rid, f in futures.items()}
+
+
+def completed(status: int, body: str) -> bool:
+    return status == 200 and len(json.loads(body)["output_ids"]) == MAX_NEW
+
+
+def test_abort_server_clean_run_exports_metrics_and_settings(server):
+    srv = CliServer("abort_clean", server["root"], server["model"], server["env"],
+                    ["--kv-canary", "abort", "--kv-canary-sweep-interval", "4",
+                     "--kv-canary-real-data", "partial", "--enable-metrics"], **SERVER_ARGS)
+    try:
+        srv.wait_ready()
+        first = metrics(srv.port)
+        for w in range(3):
+            results = wave(srv.port, f"clean{w}", prefix_len=40 + 8 * w)
+            assert all(completed(*r) for r in results.values()), results
+        second = metrics(srv.port)
+        status, body = http_call(srv.port, "GET", "/server_info", timeout=60)
+        assert status == 200
+        info = json.loads(body)["kv_canary"]
+        assert http_call(srv.port, "GET", "/health", timeout=60)[0] == 200
+    finally:
+        srv.stop()
+    log = srv.log()
+    assert parse_violation_lines(log) == [] and "Traceback" not in log, log[-3000:]
+    verified = "sglang:kv_canary_verified_slots_total"
+    assert total(second, verified) > total(first, verified) > 0  # it checks, and keeps on
+    assert total(second, "sglang:kv_canary_sweep_passes_total") > 0
+    assert total(second, "sglang:kv_canary_violations_total") == 0
+    assert total(second, "sglang:kv_canary_aborted_requests_total") == 0
+    assert total(second, "sglang:kv_canary_dropped_violations_total") == 0
+    assert any(n == "sglang:kv_canary_protected_tokens" for n, _ in second)
+    # the series carry sglang's scheduler labels
+    assert all(dict(labels).get("tp_rank") == "0" for (_, labels) in second)
+    assert info["kv_canary"] == "abort" and info["kv_canary_sweep_interval"] == 4
+    assert info["config"].startswith("mode=abort real_data=partial sweep_interval=4 ")
+    assert "token_checks=on" in info["config"]
+    assert "kv_canary_config='mode=abort real_data=partial" in log  # repr(server_args)
+
+
+def test_abort_server_contains_faults_and_keeps_serving(server):
+    env = dict(server["env"], SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.5",
+               SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20",
+               SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2")
+    srv = CliServer("abort_faults", server["root"], server["model"], env,
+                    ["--kv-canary", "abort", "--kv-canary-real-data", "partial",
+                     "--enable-metrics"], launcher="serve", **SERVER_ARGS)
+    results = {}
+    try:
+        srv.wait_ready()
+        for w in range(12):  # until both faults are injected and contained
+            results.update(wave(srv.port, f"f{w}", prefix_len=32 + 4 * w))
+            if len([f for f in map(parse_perturb_line, srv.log().splitlines()) if f]) >= 2:
+                break
+        later = wave(srv.port, "later", prefix_len=36)  # after the faults: all complete
+        assert http_call(srv.port, "GET", "/health", timeout=60)[0] == 200
+        series = metrics(srv.port)
+        assert srv.alive()
+    finally:
+        srv.stop()
+    log = srv.log()
+    assert "Traceback" not in log and "memory leak" not in log, log[-3000:]
+    injected = [f for f in map(parse_perturb_line, log.splitlines()) if f]
+    assert len(injected) == 2, log[-3000:]
+    assert all(completed(*r) for r in later.values()), later
+    aborted = {rid for rid, (status, body) in results.items() if status != 200}
+    assert aborted, "no request was aborted"
+    for rid in aborted:
+        status, body = results[rid]
+        assert status == 500 and ABORT_MESSAGE in body, (rid, status, body[:300])
+    assert all(completed(*results[rid]) for rid in set(results) - aborted)
+    lines = parse_violation_lines(log)
+    named = {rid for v in lines for rid in v.rids}
+    assert aborted <= named <= set(results)  # every aborted request was named; names are ours
+    # each fault is reported at its step, naming the row the perturbation changed
+    for f in injected:
+        assert any(v.forward_step == int(f["step"]) and v.slot_idx == int(f["new_slot"])
+                   and v.req_to_token_row == int(f["req_pool_idx"]) for v in lines), (f, lines)
+    # the counters match the log: one violation per line (by tag and reason), one abort per
+    # aborted request
+    by_label = {}
+    for v in lines:
+        key = (v.launch_tag, "+".join(v.fail_reasons))
+        by_label[key] = by_label.get(key, 0) + 1
+    got = {}
+    for (name, labels), value in series.items():
+        if name == "sglang:kv_canary_violations_total":
+            d = dict(labels)
+            got[(d["launch_tag"], d["fail_reason"])] = value
+    assert got == by_label
+    assert total(series, "sglang:kv_canary_aborted_requests_total") == len(aborted)
