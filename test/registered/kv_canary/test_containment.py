@@ -165,7 +165,8 @@ def test_abort_mode_aborts_the_touched_requests_evicts_the_prefix_and_keeps_serv
     assert {(v.slot_idx, frozenset(v.rids)) for v in lines} == {
         (shared, frozenset({str(a.rid), str(b.rid)}))}  # a's read and b's read
     for r in (a, b):
-        reason = r.to_finish.to_json() if r.to_finish else r.finished_reason
+        assert r.to_finish is not None, f"request {r.rid} was not aborted"
+        reason = r.to_finish.to_json()
         assert reason["type"] == "abort" and reason["status_code"] == HTTPStatus.INTERNAL_SERVER_ERROR
         assert reason["message"] == (f"{MESSAGE} (launch_tag=TAIL_K_FULL, "
                                      "fail_reason=verify_real_kv_hash)")

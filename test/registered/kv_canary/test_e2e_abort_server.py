@@ -13,6 +13,8 @@ import json
 import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -168,3 +170,41 @@ def test_abort_server_contains_faults_and_keeps_serving(server):
             got[(d["launch_tag"], d["fail_reason"])] = value
     assert got == by_label
     assert total(series, "sglang:kv_canary_aborted_requests_total") == len(aborted)
+
+
+def run_abort_engine(model: str, env: dict, device: str, **engine_kwargs):
+    """``e2e_support/abort_workload.py`` on an ``sglang.Engine`` (keyword arguments path):
+    ``(returncode, output, result)``."""
+    proc = subprocess.run([sys.executable, str(SUPPORT / "abort_workload.py"), model,
+                           json.dumps(engine_kwargs), device],
+                          env=env, capture_output=True, text=True, timeout=600)
+    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
+           if x.startswith("RESULT ")]
+    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+
+
+def check_engine_abort_run(rc: int, out: str, res) -> None:
+    """The checks of an abort-mode Engine run under two injected ``req_to_token`` faults."""
+    assert rc == 0 and res is not None, out[-4000:]
+    injected = [f for f in map(parse_perturb_line, out.splitlines()) if f]
+    assert len(injected) == 2, out[-4000:]
+    results = res["results"]
+    aborted = {rid for rid, r in results.items() if "error" in r}
+    assert aborted, "no request was aborted"
+    assert all(ABORT_MESSAGE in results[rid]["error"] for rid in aborted), results
+    assert all(r.get("ok") == MAX_NEW for rid, r in results.items() if rid not in aborted)
+    assert all(r.get("ok") == MAX_NEW for r in res["later"].values()), res["later"]
+    named = {rid for v in parse_violation_lines(out) for rid in v.rids}
+    assert aborted <= named <= set(results)
+    assert res["server_info"]["kv_canary"] == "abort"
+    assert res["server_info"]["config"].startswith("mode=abort real_data=partial")
+
+
+def test_abort_engine_contains_faults(server):
+    """The same on ``sglang.Engine(kv_canary="abort", ...)``, its requests sent with
+    ``async_generate``: the aborted ones end with the canary's message."""
+    env = dict(server["env"], SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.5",
+               SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20",
+               SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2")
+    check_engine_abort_run(*run_abort_engine(server["model"], env, "cpu",
+                                             kv_canary_real_data="partial", **SERVER_ARGS))

@@ -1,0 +1,56 @@
+"""Abort-mode workload on an Engine:
+``python abort_workload.py MODEL_DIR [engine kwargs as JSON] [cpu|cuda]``.
+
+``WAVES`` waves of 6 concurrent requests sharing a prefix (``Engine.async_generate``, each
+with its own ``rid``), then one more wave; prints ``RESULT <json>``: per rid, ``"ok"`` with the
+number of output tokens, or the error the request ended with; ``later``: the last wave's;
+``server_info``: the ``kv_canary`` entry of ``Engine.get_server_info()``.
+"""
+
+import asyncio
+import json
+import sys
+
+from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+
+MAX_NEW = 16
+WAVES = 6
+
+
+async def one(engine, rid, ids):
+    try:
+        out = await engine.async_generate(
+            input_ids=ids, rid=rid,
+            sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True})
+    except Exception as e:  # the abort reaches the caller as an error
+        return {"error": f"{type(e).__name__}: {e}"}
+    reason = out["meta_info"]["finish_reason"]
+    if reason.get("type") == "abort":
+        return {"error": f"finish_reason abort: {reason.get('message')}"}
+    return {"ok": len(out["output_ids"])}
+
+
+async def wave(engine, tag, prefix_len):
+    prefix = list(range(10, 10 + prefix_len))
+    jobs = {f"{tag}-{i}": prefix + [200 + i, 300 + i] for i in range(6)}
+    got = await asyncio.gather(*(one(engine, rid, ids) for rid, ids in jobs.items()))
+    return dict(zip(jobs, got))
+
+
+if __name__ == "__main__":
+    import sglang
+
+    model_dir = sys.argv[1]
+    extra = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
+    make_kwargs = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
+    engine = sglang.Engine(**make_kwargs(model_dir, kv_canary="abort", **extra))
+    loop = asyncio.get_event_loop()
+    results = {}
+    for w in range(WAVES):  # ~20 forward steps each: past any warm-up of a few dozen steps
+        results.update(loop.run_until_complete(wave(engine, f"w{w}", 32 + 4 * w)))
+    later = loop.run_until_complete(wave(engine, "later", 36))
+    info = engine.get_server_info().get("kv_canary")
+    print("RESULT " + json.dumps({"results": results, "later": later, "server_info": info}),
+          flush=True)
+    engine.shutdown()

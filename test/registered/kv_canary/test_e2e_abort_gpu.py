@@ -1,0 +1,49 @@
+"""Issue 21 on the GPU: ``sglang.Engine(kv_canary="abort")`` with CUDA graphs (and sglang's
+overlap scheduler), reports one forward late as the GPU read-back does: a clean run aborts
+nothing; under two injected ``req_to_token`` faults the touched requests end with the canary's
+message and every other and later request completes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from test_e2e_abort_server import MAX_NEW, check_engine_abort_run, run_abort_engine
+
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+
+pytestmark = [pytest.mark.cuda, pytest.mark.slow]
+
+ARGS = dict(chunked_prefill_size=64, max_total_tokens=1024, max_running_requests=8,
+            log_level="info", kv_canary_real_data="partial", kv_canary_sweep_interval=8)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("gpu_model"), hidden_size=256,
+                            intermediate_size=512, num_attention_heads=4,
+                            num_key_value_heads=2)
+
+
+def _env(**extra):
+    env = dict(os.environ, SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT="1", **extra)
+    return env
+
+
+def test_abort_engine_on_gpu_clean(model):
+    rc, out, res = run_abort_engine(model, _env(), "cuda", **ARGS)
+    assert rc == 0 and res is not None, out[-4000:]
+    assert parse_violation_lines(out) == [], out[-4000:]
+    assert all(r.get("ok") == MAX_NEW for r in [*res["results"].values(),
+                                                 *res["later"].values()]), res
+    assert "cuda graph: True" in out
+
+
+def test_abort_engine_on_gpu_contains_faults(model):
+    env = _env(SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.5",
+               SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20",
+               SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2")
+    rc, out, res = run_abort_engine(model, env, "cuda", **ARGS)
+    check_engine_abort_run(rc, out, res)
+    print("GPU abort run:", {k: v for k, v in res["results"].items() if "error" in v})
