@@ -192,6 +192,7 @@ class BenchConfig:
 CONFIGS = {c.name: c for c in (
     BenchConfig("off"),
     BenchConfig("raise", kv_canary="raise"),
+    BenchConfig("abort", kv_canary="abort"),
     BenchConfig("raise+partial", kv_canary="raise", real_data="partial"),
     BenchConfig("raise+token", kv_canary="raise", verify_tokens=True),
 )}
