@@ -42,6 +42,7 @@ from sglang.srt.kv_canary.runner.requests import (
     NO_FORWARD_REQUESTS,
     ForwardRequests,
     RequestResolver,
+    violation_path_sync,
 )
 from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
 from sglang.srt.kv_canary.runner.swa_divergence import SwaDivergenceReporter
@@ -107,6 +108,7 @@ class CanaryManager:
             raise ValueError("enable_write_input_assert needs a TokenOracleManager "
                              "(token_oracle=...)")
         device = torch.device(device)
+        self._device = device
         self.config = config
         self.capacities = capacities
         self.groups = tuple(groups)
@@ -318,7 +320,14 @@ class CanaryManager:
 
     def _report(self, incidents, *, dropped: int, step: int, requests: ForwardRequests) -> None:
         """Name the requests each incident touches, count it, contain it (abort mode), then
-        report it (raise mode raises here, after the counters moved)."""
+        report it (raise mode raises here, after the counters moved). Only on a step with an
+        incident; it may wait for the device (docs/architecture.md, "Containment and
+        metrics")."""
+        with violation_path_sync(self._device):
+            self._report_synced(incidents, dropped=dropped, step=step, requests=requests)
+
+    def _report_synced(self, incidents, *, dropped: int, step: int,
+                       requests: ForwardRequests) -> None:
         touched = self.requests.resolve(incidents, requests)
         incidents = [dataclasses.replace(inc, rids=t.rids) for inc, t in zip(incidents, touched)]
         if self.metrics is not None:

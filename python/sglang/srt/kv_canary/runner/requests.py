@@ -11,12 +11,16 @@ the ``req_to_token`` row that read or wrote it. The requests it touches are
   (``< kv_allocated_len``) to the slot: requests sharing the cached prefix, and requests
   admitted between the forward and the report.
 
-Host only; reads ``req_to_token`` rows back from the device (one copy) only on a step that
-reported an incident.
+Host only. On a step that reports an incident (and only then) it reads the candidate rows of
+``req_to_token`` back from the device: the canary's one intended host sync, declared with
+:func:`violation_path_sync` (so that ``torch.cuda.set_sync_debug_mode("error")``, which the
+tests put around every forward to prove the canary never syncs, lets this one through);
+``RequestResolver.device_reads`` counts them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -49,6 +53,21 @@ class ForwardRequests:
 NO_FORWARD_REQUESTS = ForwardRequests((), ())
 
 
+@contextlib.contextmanager
+def violation_path_sync(device: torch.device):
+    """Around the read-back of a step that reports an incident: lifts torch's CUDA sync debug
+    mode for that read and restores it after (nothing to do off CUDA)."""
+    if device.type != "cuda":
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class IncidentRequests:
     """The requests one incident touches: ``rids`` (reader first, then by first sight) and,
@@ -76,6 +95,7 @@ class RequestResolver:
         self.req_to_token = req_to_token
         self.swa_index_lut = swa_index_lut
         self.running_reqs: Callable[[], Sequence] = tuple
+        self.device_reads = 0  # row read-backs (steps that reported an incident)
 
     def resolve(self, incidents: Sequence[ViolationIncident],
                 forward: ForwardRequests) -> List[IncidentRequests]:
@@ -120,7 +140,10 @@ class RequestResolver:
         lens = torch.tensor([seam.req_kv_len(r) for r in reqs], dtype=torch.int64).to(device)
         table = self.req_to_token[rows, :width].to(torch.int64)
         live = torch.arange(width, device=device)[None, :] < lens[:, None]
-        hit = (torch.isin(table, slots.to(device, torch.int64)) & live).any(dim=1).tolist()
+        hit_d = (torch.isin(table, slots.to(device, torch.int64)) & live).any(dim=1)
+        self.device_reads += 1
+        with violation_path_sync(device):
+            hit = hit_d.tolist()
         return [r for r, h in zip(reqs, hit) if h]
 
     def _mapped(self, incidents, candidates) -> List[List[int]]:
@@ -145,5 +168,7 @@ class RequestResolver:
                 continue
             slot = int(inc.row[VIOLATION_FIELD_SLOT_IDX])
             hits.append(((slots == slot) & live).any(dim=1))
-        matrix = torch.stack(hits).tolist()  # the one read-back
+        self.device_reads += 1
+        with violation_path_sync(device):
+            matrix = torch.stack(hits).tolist()  # the one read-back
         return [[j for j, hit in enumerate(row) if hit] for row in matrix]
