@@ -213,4 +213,23 @@ MUTANTS = (
         new="if False:",
         selection=f"{_T}/test_containment.py::test_max_faults_stops_injection",
         speed="quick", what="SGLANG_KV_CANARY_PERTURB_MAX_FAULTS is ignored"),
+    # ---- issue 19: MLA, NSA and hybrid linear-attention pools ----------------------------------
+    Mutant(
+        id="i19-nsa-index-keys-unguarded", path=f"{_RT}/pool_patcher/adapters/mla.py",
+        old="sources.append(nsa_index_key_source(kv_pool))", new="pass",
+        selection=f"{_T}/test_mla_pool.py::test_nsa_indexer_key_byte_flip_is_caught",
+        speed="quick", what="NSA indexer keys are not fingerprinted"),
+    Mutant(
+        id="i19-mla-splice-misses-tail", path=f"{_RT}/pool_patcher/adapters/mla.py",
+        old="num_k_entries=lambda infos: len(infos[0]), page_size=pool.page_size,",
+        new="num_k_entries=lambda infos: 0, page_size=pool.page_size,",
+        selection=f"{_T}/test_mla_pool.py::"
+                  "test_attach_mla_one_full_k_group_over_the_latent_rows",
+        speed="quick", what="PD buf infos put the MLA canary rows on the wrong side"),
+    Mutant(
+        id="i19-mamba-lock-ignored", path=f"{_RT}/sglang_seam.py",
+        old="return (ref if ref is not None else node.full_lock_ref) > 0",
+        new="return (ref or 0) > 0",
+        selection=f"{_T}/test_radix_sweep.py::test_walk_real_mamba_radix_cache",
+        speed="quick", what="the sweep treats locked MambaRadixCache nodes as idle"),
 )

@@ -97,8 +97,9 @@ class ServingDriver:
                  swa_window=0, num_swa_slots=0, swa_evict_interval=4,
                  swa_divergence_interval=0, perturb=None, init_finished=True,
                  batch_init_hook=None):
-        if pool not in ("mha", "swa", "dsv4"):
-            raise ValueError(f"driver pool must be mha, swa or dsv4, got {pool!r}")
+        if pool not in ("mha", "swa", "dsv4", "mla", "nsa", "hybrid"):
+            raise ValueError(f"driver pool must be mha, swa, dsv4, mla, nsa or hybrid, got "
+                             f"{pool!r}")
         self.pool_kind = pool
         self.swa_window = swa_window
         self.swa_evict_interval = swa_evict_interval
@@ -112,7 +113,24 @@ class ServingDriver:
         self.req_to_token_pool = ReqToTokenPool(size=max_reqs, max_context_len=max_ctx,
                                                 device=str(self.device),
                                                 enable_memory_saver=False)
-        if pool == "mha":
+        if pool in ("mla", "nsa"):
+            self.kv_pool = self._build_mla_pool(num_slots, nsa=pool == "nsa")
+            self.allocator = TokenToKVPoolAllocator(num_slots, torch.bfloat16,
+                                                    str(self.device), self.kv_pool,
+                                                    need_sort=False)
+        elif pool == "hybrid":
+            from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+            # full attention on layers 1 and 3 (linear attention elsewhere); the Mamba state
+            # pool is not the canary's business (per request, not per token)
+            self.kv_pool = HybridLinearKVPool(
+                size=num_slots, dtype=torch.bfloat16, page_size=1, head_num=2, head_dim=8,
+                full_attention_layer_ids=[1, 3], enable_kvcache_transpose=False,
+                device=str(self.device), mamba_pool=None)
+            self.allocator = TokenToKVPoolAllocator(num_slots, torch.bfloat16,
+                                                    str(self.device), self.kv_pool,
+                                                    need_sort=False)
+        elif pool == "mha":
             self.kv_pool = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16,
                                             head_num=2, head_dim=8, layer_num=2,
                                             device=str(self.device), enable_memory_saver=False,
@@ -164,6 +182,34 @@ class ServingDriver:
             self._capture_decode_graph(graph_bs)
         if init_finished:  # what the plugin's ModelRunner.__init__ hook does after start-up
             self.manager.mark_init_finished()
+
+    # MLA latent rows of the driver: kv_lora_rank 32 + qk_rope_head_dim 16 bf16 (96 bytes)
+    MLA_RANK, MLA_ROPE = 32, 16
+
+    def _build_mla_pool(self, num_slots: int, *, nsa: bool):
+        """sglang's ``MLATokenToKVPool`` (page size 1) or ``NSATokenToKVPool`` (page size 64,
+        the only one it takes off HIP, with its indexer keys of 128 fp8 bytes per slot)."""
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, NSATokenToKVPool
+
+        if not nsa:
+            return MLATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16,
+                                    kv_lora_rank=self.MLA_RANK, qk_rope_head_dim=self.MLA_ROPE,
+                                    layer_num=2, device=str(self.device),
+                                    enable_memory_saver=False)
+        return NSATokenToKVPool(size=num_slots, page_size=64, kv_lora_rank=self.MLA_RANK,
+                                dtype=torch.bfloat16, qk_rope_head_dim=self.MLA_ROPE,
+                                layer_num=2, device=str(self.device), index_head_dim=128,
+                                enable_memory_saver=False,
+                                kv_cache_dim=self.MLA_RANK + self.MLA_ROPE)
+
+    def nsa_index_key_bytes(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Flat byte offsets ``[len(slots), 128]`` of ``slots``' indexer keys in
+        ``index_k_with_scale_buffer[layer]`` (page rows: the page's fp8 keys, then its
+        scales)."""
+        buf = self.kv_pool.index_k_with_scale_buffer[layer]
+        page, off = slots // 64, slots % 64
+        return (page * buf.shape[1] + off * 128).unsqueeze(1) + torch.arange(
+            128, device=self.device)
 
     def _build_swa_pool(self, num_slots: int, num_swa_slots: int):
         from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
@@ -316,7 +362,7 @@ class ServingDriver:
         """sglang's decode-time SWA eviction: free the SWA slots of positions below
         ``prefix - window - page_size`` (page_size 1), except slots other running requests
         share (sglang protects shared, cached prefixes the same way)."""
-        if self.pool_kind == "mha" or self.step_count % self.swa_evict_interval:
+        if self.pool_kind not in ("swa", "dsv4") or self.step_count % self.swa_evict_interval:
             return
         for r in reqs:
             hi = r.kv_len - self.swa_window - 1
@@ -424,18 +470,38 @@ class ServingDriver:
             return self._model_forward_swa(fb)
         if self.pool_kind == "dsv4":
             return self._model_forward_dsv4(fb)
+        if self.pool_kind in ("mla", "nsa"):
+            return self._model_forward_mla(fb)
         n = fb.out_cache_loc.shape[0]
         base = (fb.input_ids[:n] * 31 + fb.positions[:n] * 7).unsqueeze(1)
-        for layer in range(self.kv_pool.layer_num):
+        pool = self.mha_pool
+        for layer in range(pool.layer_num):
             vals = ((base + layer * 13 + torch.arange(16, device=self.device)) % 251).to(
                 torch.bfloat16) / 251
-            self.kv_pool.k_buffer[layer][fb.out_cache_loc] = vals.view(n, 2, 8)
-            self.kv_pool.v_buffer[layer][fb.out_cache_loc] = (vals * 0.5).view(n, 2, 8)
+            pool.k_buffer[layer][fb.out_cache_loc] = vals.view(n, 2, 8)
+            pool.v_buffer[layer][fb.out_cache_loc] = (vals * 0.5).view(n, 2, 8)
+
+    @property
+    def mha_pool(self):
+        """The MHA pool the model writes (the hybrid pool's full-attention inner pool)."""
+        return self.kv_pool.full_kv_pool if self.pool_kind == "hybrid" else self.kv_pool
 
     def _kv_values(self, fb: ForwardBatch, layer: int, width: int) -> torch.Tensor:
         n = fb.out_cache_loc.shape[0]
         base = (fb.input_ids[:n] * 31 + fb.positions[:n] * 7).unsqueeze(1)
         return (base + layer * 13 + torch.arange(width, device=self.device)) % 251
+
+    def _model_forward_mla(self, fb: ForwardBatch) -> None:
+        """Every layer's latent row (and, NSA, indexer key bytes) of the new slots."""
+        n = fb.out_cache_loc.shape[0]
+        width = self.MLA_RANK + self.MLA_ROPE
+        for layer in range(self.kv_pool.layer_num):
+            vals = self._kv_values(fb, layer, width).to(torch.bfloat16) / 251
+            self.kv_pool.kv_buffer[layer][fb.out_cache_loc] = vals.view(n, 1, width)
+            if self.pool_kind == "nsa":
+                flat = self.kv_pool.index_k_with_scale_buffer[layer].view(-1)
+                where = self.nsa_index_key_bytes(layer, fb.out_cache_loc)
+                flat[where] = self._kv_values(fb, layer + 5, 128).to(torch.uint8)
 
     def _model_forward_swa(self, fb: ForwardBatch) -> None:
         """Layer 0 (sliding window) into the SWA sub-pool at the translated slots, layer 1
@@ -577,7 +643,9 @@ class ServingDriver:
         victim = self.victim_request()
         p = self.rng.randrange(0, victim.kv_len - 1)
         slot = victim.slots[p]
-        row = self.kv_pool.k_buffer[0][slot].view(torch.uint8).view(-1)
+        rows = (self.kv_pool.kv_buffer if self.pool_kind in ("mla", "nsa")
+                else self.mha_pool.k_buffer)
+        row = rows[0][slot].view(torch.uint8).view(-1)
         old = int(row[byte])
         row[byte] ^= 0xFF
         return dict(rid=victim.rid, row=victim.row, position=p, slot=slot, old=old,

@@ -136,7 +136,7 @@ def test_launch_server_help_lists_the_flags(server):
     assert proc.returncode == 0, proc.stderr[-2000:]
     for flag in ("--kv-canary ", "--kv-canary-sweep-interval", "--kv-canary-real-data"):
         assert flag in proc.stdout
-    assert "{none,log,raise}" in proc.stdout and "{none,partial,all}" in proc.stdout
+    assert "{none,log,raise,abort}" in proc.stdout and "{none,partial,all}" in proc.stdout
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -245,3 +245,27 @@ def test_sweep_of_a_swa_pool_reads_the_swa_records_through_the_table():
     found = {(v.launch_tag, v.fail_reasons, v.slot_idx, v.position)
              for v in parse_violation_lines(str(exc.value))}
     assert found == {("SWEEP_K_SWA", ("verify_real_kv_hash",), swa_slot, pos)}, found
+
+
+def test_walk_real_mamba_radix_cache():
+    """Issue 19: hybrid linear-attention models cache prefixes in a ``MambaRadixCache``,
+    whose nodes hold the full-attention slots in ``value`` (and lock with ``full_lock_ref``):
+    the sweep walks it like a RadixCache, and leaves out locked nodes when asked."""
+    from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+
+    _, alloc = _cache()
+    r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    cache = MambaRadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t,
+                                            token_to_kv_pool_allocator=alloc, page_size=1))
+    a = alloc.alloc(12)
+    cache.insert(InsertParams(key=RadixKey(list(range(12))), value=a,
+                              mamba_value=torch.tensor([1])))
+    b = torch.cat([a[:5], alloc.alloc(6)])
+    cache.insert(InsertParams(key=RadixKey(list(range(5)) + list(range(50, 56))), value=b,
+                              mamba_value=torch.tensor([2])))
+    walk = walk_radix_cache_for_canary(radix_cache=cache)
+    _check_walk(walk, [a, b])
+    node = next(iter(cache.root_node.children.values()))  # the shared 5-token prefix
+    node.full_lock_ref += 1
+    locked_out = walk_radix_cache_for_canary(radix_cache=cache, unlocked_only=True)
+    assert set(locked_out.slot_indices.tolist()) == set(a[5:].tolist()) | set(b[5:].tolist())

@@ -20,7 +20,7 @@ change; the table says who relies on each.
 | ``ForwardBatch`` | sets one attribute, ``kv_canary_batch_state`` (:func:`set_batch_state`); reads ``spec_info.draft_token_num``; ``ForwardMode`` | ``batch_state``, ``plan_input`` |
 | ``SamplingBatchInfo`` | sets / reads ``kv_canary_oracle_batch`` | ``token_oracle`` |
 | ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``, ``kv_allocated_len``, ``finished()``, ``to_finish``; histories are kept by identity (sglang replaces, never edits, a rewritten list); abort mode sets ``to_finish = FINISH_ABORT(...)`` (sglang's abort of a running request) and ``skip_radix_cache_insert`` | ``token_oracle``, ``token_history``, ``runner.requests``, ``runner.containment`` |
-| radix tree nodes (``TreeNode``) | reads ``root_node``, ``children``, ``value``, ``lock_ref``, ``swa_tombstone``; ``RadixCache`` / ``SWARadixCache`` types | ``radix_cache_walker`` |
+| radix tree nodes (``TreeNode``) | reads ``root_node``, ``children``, ``value``, ``lock_ref`` (``full_lock_ref`` in ``MambaRadixCache``), ``swa_tombstone``; ``RadixCache`` / ``SWARadixCache`` / ``MambaRadixCache`` types | ``radix_cache_walker`` |
 | ``RadixCache`` eviction step | ``token_to_kv_pool_allocator.free(value)``, ``_delete_leaf``, ``_record_remove_event`` per node of an evicted subtree (abort mode) | ``runner.containment`` |
 | ``sglang.srt.layers.sampler`` | ``Sampler`` base class (its ``__init__`` is skipped: :func:`init_sampler_module_only`), ``register_sampler_backend``, the private ``_CUSTOM_SAMPLER_FACTORIES`` (idempotent registration) | ``token_oracle.sampler`` |
 | KV pool instances | wraps buf-info methods on the instance (:func:`wrap_method_once`); pool classes (:func:`import_sglang_class`); each adapter reads its pool's buffers (listed in the adapter's docstring) | ``pool_patcher`` |
@@ -322,11 +322,14 @@ def abort_running_req(req: "Req", message: str) -> bool:
 
 
 def radix_cache_types() -> Tuple[type, ...]:
-    """The tree caches the sweep can walk: ``RadixCache``, ``SWARadixCache``."""
+    """The tree caches the sweep can walk: ``RadixCache``, ``SWARadixCache`` and
+    ``MambaRadixCache`` (hybrid linear-attention models: its nodes' ``value`` holds the
+    full-attention slots, ``mamba_value`` the per-request state the canary does not cover)."""
+    from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixCache
     from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 
-    return (RadixCache, SWARadixCache)
+    return (RadixCache, SWARadixCache, MambaRadixCache)
 
 
 def radix_root_children(radix_cache) -> Iterable["TreeNode"]:
@@ -346,8 +349,9 @@ def radix_node_value(node: "TreeNode") -> Optional["torch.Tensor"]:
 
 
 def radix_node_locked(node: "TreeNode") -> bool:
-    """Held by a running request."""
-    return node.lock_ref > 0
+    """Held by a running request (``lock_ref``; ``MambaRadixCache`` nodes: ``full_lock_ref``)."""
+    ref = getattr(node, "lock_ref", None)
+    return (ref if ref is not None else node.full_lock_ref) > 0
 
 
 def radix_node_swa_tombstone(node: "TreeNode") -> bool:

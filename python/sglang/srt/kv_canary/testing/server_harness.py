@@ -46,6 +46,49 @@ TINY_LLAMA_CONFIG = {
     "eos_token_id": 2,
 }
 
+# A tiny DeepSeek-V2-shaped MLA model (dense MLP on every layer: first_k_dense_replace = the
+# layer count). sglang 0.5.12's CPU engine builds its MLATokenToKVPool; it serves it with the
+# triton attention backend under TRITON_INTERPRET=1 when kv_lora_rank + qk_rope_head_dim is
+# 288 or 576, and needs yarn rope scaling.
+TINY_DEEPSEEK_V2_CONFIG = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 256,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_layer_freq": 1,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 _CUDA_ERROR_NO_DEVICE = 100
 
 
@@ -54,6 +97,15 @@ def write_tiny_llama(model_dir, **overrides) -> str:
     path = pathlib.Path(model_dir)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**TINY_LLAMA_CONFIG, **overrides}, indent=1))
+    return str(path)
+
+
+def write_tiny_deepseek_v2(model_dir, **overrides) -> str:
+    """Write the tiny DeepSeek-V2 (MLA) ``config.json`` into ``model_dir``; returns it."""
+    path = pathlib.Path(model_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**TINY_DEEPSEEK_V2_CONFIG, **overrides},
+                                                 indent=1))
     return str(path)
 
 

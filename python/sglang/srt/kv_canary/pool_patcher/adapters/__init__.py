@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-_ADAPTER_MODULES = ("mha", "swa", "dsv4")
+_ADAPTER_MODULES = ("mha", "swa", "dsv4", "mla", "hybrid_linear")
 
 
 def load_all() -> None:

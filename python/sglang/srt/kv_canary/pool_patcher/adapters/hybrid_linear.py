@@ -1,0 +1,46 @@
+"""Adapter for ``HybridLinearKVPool`` (Qwen3-Next and other models mixing full attention with
+linear / Mamba layers): the full-attention layers' inner pool is guarded (docs/user_guide.md,
+"Supported pools").
+
+``HybridLinearKVPool`` keeps the full-attention layers' KV in ``full_kv_pool`` (an
+``MHATokenToKVPool``, or an ``MLATokenToKVPool`` with ``use_mla``) addressed by the same slots
+as ``req_to_token``, and each request's linear-attention (Mamba) state in ``mamba_pool``, one
+state per request, not per token. The canary attaches to ``full_kv_pool`` with that pool's own
+adapter (its groups, real-KV sources and buf-info splice; the hybrid pool's
+``get_contiguous_buf_infos`` returns the inner pool's, so PD transfers carry the canary rows).
+The Mamba state is not covered: it is overwritten in place on every step, so there is no
+per-token record to keep, and a corrupted state shows up only in the outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
+from sglang.srt.kv_canary.pool_patcher.adapters.swa import require_sub_pool
+from sglang.srt.kv_canary.sglang_seam import import_sglang_class
+
+logger = logging.getLogger(__name__)
+
+
+def attach_hybrid_linear(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
+                         swa_window_size: Optional[int] = None) -> List[CanaryBufferGroup]:
+    """The inner ``full_kv_pool``'s attacher (MHA or MLA), on the inner pool."""
+    from sglang.srt.kv_canary.pool_patcher.registry import attach_canary_buffers
+
+    inner = require_sub_pool(pool, "full_kv_pool")
+    return attach_canary_buffers(pool=inner, config=config, device=device,
+                                 kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+                                 swa_window_size=swa_window_size)
+
+
+def register() -> None:
+    from sglang.srt.kv_canary.pool_patcher.registry import register_pool_attacher
+
+    try:
+        cls = import_sglang_class("sglang.srt.mem_cache.memory_pool", "HybridLinearKVPool")
+    except ImportError:
+        logger.warning("kv_canary: HybridLinearKVPool not found in this sglang; not covered")
+        return
+    register_pool_attacher(cls, attach_hybrid_linear)

@@ -1,0 +1,114 @@
+"""Adapter for the MLA pools (DeepSeek-V2/V3/R1, Kimi-K2, ...): ``MLATokenToKVPool``,
+``MLATokenToKVPoolFP4`` and ``NSATokenToKVPool`` (DeepSeek-V3.2 sparse attention): one FULL
+group (docs/architecture.md, "Buffer groups and adapters"; docs/user_guide.md, "Supported
+pools").
+
+An MLA pool keeps one latent row per slot and layer, ``kv_buffer[layer]`` of shape
+``[size + page_size, 1, kv_cache_dim]`` (``kv_lora_rank + qk_rope_head_dim`` elements; the FP4
+pool stores them packed, two per byte, as uint8 with a separate ``kv_scale_buffer``), and no
+V half: attention reads V as the first ``kv_lora_rank`` elements of the same row. So the group
+has K head / tail buffers only (``SGLANG_KV_CANARY_ENABLE_MHA_V`` does not apply).
+
+Real-KV sources (K half):
+
+- layer 0's latent row (partial: its first 16 bytes; all: the whole row);
+- ``NSATokenToKVPool``: also layer 0's indexer key (``index_k_with_scale_buffer[0]``: one row
+  per page of ``page_size`` fp8 keys of ``index_head_dim`` bytes, then the page's fp32 scales);
+  the fingerprint covers the slot's fp8 key bytes. The per-page scales are not per token and
+  are not fingerprinted.
+- ``MLATokenToKVPoolFP4``: the packed latent row; its per-16-element scales
+  (``kv_scale_buffer``) are not fingerprinted.
+
+Buf-info splice: ``get_contiguous_buf_infos`` lists one entry per layer (the latent rows), all
+K: the canary K-head goes before them and the K-tail after, so PD transfers carry the records.
+The indexer's ``get_state_buf_infos`` is left as is (it moves whole pages of state).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Tuple
+
+from sglang.jit_kernel.kv_canary.types import PoolKind, RealKvSource
+from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
+from sglang.srt.kv_canary.pool_patcher.buf_info_splice import splice_into_method
+from sglang.srt.kv_canary.pool_patcher.buffer_alloc import allocate_canary_buffer
+from sglang.srt.kv_canary.sglang_seam import import_sglang_class
+
+logger = logging.getLogger(__name__)
+
+MLA_POOL_CLASSES = ("MLATokenToKVPool", "MLATokenToKVPoolFP4", "NSATokenToKVPool")
+
+
+def _source(what: str, **kwargs) -> RealKvSource:
+    try:
+        return RealKvSource(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"kv_canary cannot fingerprint this MLA pool's {what}: {e}") from e
+
+
+def mla_latent_source(kv_pool) -> RealKvSource:
+    """Layer 0's latent rows, one slot per row."""
+    buf = kv_pool.kv_buffer[0]
+    row_bytes = buf[0].nbytes
+    return _source("layer-0 latent rows", tensor=buf, page_size=1,
+                   num_bytes_per_token=row_bytes, read_bytes=row_bytes)
+
+
+def nsa_index_key_source(kv_pool) -> RealKvSource:
+    """Layer 0's indexer keys: row ``p`` of ``index_k_with_scale_buffer[0]`` is page ``p``,
+    whose first ``page_size * index_head_dim`` bytes are its slots' fp8 keys in slot order."""
+    buf = kv_pool.index_k_with_scale_buffer[0]
+    key_bytes = int(kv_pool.index_head_dim) * buf.element_size()
+    return _source("layer-0 indexer keys", tensor=buf, page_size=int(kv_pool.page_size),
+                   num_bytes_per_token=key_bytes, read_bytes=key_bytes)
+
+
+def mla_sources(kv_pool) -> Tuple[RealKvSource, ...]:
+    sources = [mla_latent_source(kv_pool)]
+    if getattr(kv_pool, "index_k_with_scale_buffer", None) is not None:
+        sources.append(nsa_index_key_source(kv_pool))
+    return tuple(sources)
+
+
+def build_mla_group(kv_pool, *, device, kv_token_id_vs_position_offset: int
+                    ) -> CanaryBufferGroup:
+    """K head / tail buffers of ``size + page_size`` rows (one per latent row); no V half."""
+    num_slots = kv_pool.kv_buffer[0].shape[0]
+    return CanaryBufferGroup(
+        kind=PoolKind.FULL,
+        k_head=allocate_canary_buffer(num_slots, device),
+        k_tail=allocate_canary_buffer(num_slots, device),
+        v_head=None, v_tail=None,
+        real_kv_sources_k=mla_sources(kv_pool), real_kv_sources_v=(),
+        swa_index_lut=None,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+    )
+
+
+def attach_mla(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
+               swa_window_size: Optional[int] = None) -> List[CanaryBufferGroup]:
+    """One FULL group over the latent rows, spliced into ``get_contiguous_buf_infos`` (every
+    entry is a K entry). ``config.enable_mha_v`` is ignored: MLA has no V rows of its own.
+    ``swa_window_size`` is accepted (every attacher gets it) and ignored."""
+    if config.enable_mha_v:
+        logger.info("kv_canary: %s has no V rows (V is part of the latent row); "
+                    "SGLANG_KV_CANARY_ENABLE_MHA_V does not apply", type(pool).__name__)
+    group = build_mla_group(pool, device=device,
+                            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+    splice_into_method(pool, "get_contiguous_buf_infos",
+                       num_k_entries=lambda infos: len(infos[0]), page_size=pool.page_size,
+                       k_head=group.k_head, k_tail=group.k_tail)
+    return [group]
+
+
+def register() -> None:
+    from sglang.srt.kv_canary.pool_patcher.registry import register_pool_attacher
+
+    for name in MLA_POOL_CLASSES:
+        try:
+            cls = import_sglang_class("sglang.srt.mem_cache.memory_pool", name)
+        except ImportError:
+            logger.warning("kv_canary: %s not found in this sglang; not covered", name)
+            continue
+        register_pool_attacher(cls, attach_mla)
