@@ -25,11 +25,11 @@ from sglang.jit_kernel.kv_canary.consts import (
     VIOLATION_FIELD_SLOT_IDX,
     FailReason,
 )
-from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
+from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.radix_cache_walker import radix_nodes_holding_slots
 from sglang.srt.kv_canary.runner.requests import IncidentRequests, RequestResolver
-from sglang.srt.kv_canary.runner.violation import ViolationIncident, tag_name
+from sglang.srt.kv_canary.runner.violation import ViolationIncident, row_pool_kind, tag_name
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +92,7 @@ class ContainmentManager:
 
     def _remember(self, inc: ViolationIncident) -> None:
         slot = int(inc.row[VIOLATION_FIELD_SLOT_IDX])
-        try:
-            kind = CanaryLaunchTag(int(inc.row[VIOLATION_FIELD_KERNEL_KIND])).pool_kind
-        except ValueError:
-            return
+        kind = row_pool_kind(inc.row)
         if kind == PoolKind.FULL:
             full = [slot]
         elif self.swa_index_lut is not None:

@@ -27,13 +27,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sglang.jit_kernel.kv_canary.consts import (
-    VIOLATION_FIELD_KERNEL_KIND,
     VIOLATION_FIELD_REQ_TO_TOKEN_ROW,
     VIOLATION_FIELD_SLOT_IDX,
 )
-from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
+from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary import sglang_seam as seam
-from sglang.srt.kv_canary.runner.violation import ViolationIncident
+from sglang.srt.kv_canary.runner.violation import ViolationIncident, row_pool_kind
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -75,13 +74,6 @@ class IncidentRequests:
 
     rids: Tuple[str, ...]
     running: Tuple[object, ...]
-
-
-def _pool_kind(row: Sequence[int]) -> Optional[PoolKind]:
-    try:
-        return CanaryLaunchTag(int(row[VIOLATION_FIELD_KERNEL_KIND])).pool_kind
-    except ValueError:
-        return None
 
 
 class RequestResolver:
@@ -127,6 +119,16 @@ class RequestResolver:
                 running=tuple(r for r in ordered if not seam.req_done(r))))
         return out
 
+    def _live_rows(self, rows: Sequence[int], lens: Sequence[int]):
+        """``req_to_token[rows, :max(lens)]`` as int64 and the mask of each row's live
+        entries (``< lens[i]``), on the table's device."""
+        device = self.req_to_token.device
+        width = max(lens)
+        table = self.req_to_token[torch.tensor(rows, dtype=torch.int64).to(device), :width]
+        lens_d = torch.tensor(lens, dtype=torch.int64).to(device)
+        live = torch.arange(width, device=device)[None, :] < lens_d[:, None]
+        return table.to(torch.int64), live
+
     def running_mapping_full_slots(self, slots: torch.Tensor) -> List[object]:
         """Running requests (not finishing) whose live row entries map any of ``slots``
         (int64 full-pool slots). One read-back; containment path only."""
@@ -135,11 +137,8 @@ class RequestResolver:
         if not reqs or slots.numel() == 0:
             return []
         device = self.req_to_token.device
-        width = max(seam.req_kv_len(r) for r in reqs)
-        rows = torch.tensor([seam.req_pool_row(r) for r in reqs], dtype=torch.int64).to(device)
-        lens = torch.tensor([seam.req_kv_len(r) for r in reqs], dtype=torch.int64).to(device)
-        table = self.req_to_token[rows, :width].to(torch.int64)
-        live = torch.arange(width, device=device)[None, :] < lens[:, None]
+        table, live = self._live_rows([seam.req_pool_row(r) for r in reqs],
+                                      [seam.req_kv_len(r) for r in reqs])
         hit_d = (torch.isin(table, slots.to(device, torch.int64)) & live).any(dim=1)
         self.device_reads += 1
         with violation_path_sync(device):
@@ -151,17 +150,14 @@ class RequestResolver:
         if not candidates:
             return [[] for _ in incidents]
         device = self.req_to_token.device
-        width = max(n for _, _, n in candidates)
-        rows = torch.tensor([r for _, r, _ in candidates], dtype=torch.int64).to(device)
-        lens = torch.tensor([n for _, _, n in candidates], dtype=torch.int64).to(device)
-        table = self.req_to_token[rows, :width].to(torch.int64)
-        live = torch.arange(width, device=device)[None, :] < lens[:, None]
+        table, live = self._live_rows([r for _, r, _ in candidates],
+                                      [n for _, _, n in candidates])
         by_kind = {PoolKind.FULL: table}
         if self.swa_index_lut is not None:
             by_kind[PoolKind.SWA] = self.swa_index_lut.to(torch.int64)[table]
         hits = []
         for inc in incidents:
-            kind = _pool_kind(inc.row)
+            kind = row_pool_kind(inc.row)
             slots = by_kind.get(kind)
             if slots is None:
                 hits.append(torch.zeros(len(candidates), dtype=torch.bool, device=device))

@@ -54,7 +54,7 @@ from sglang.jit_kernel.kv_canary.consts import (
     FailReason,
     to_uint64,
 )
-from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
+from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
 from sglang.srt.kv_canary.config import CanaryMode
 
 logger = logging.getLogger(__name__)
@@ -87,14 +87,19 @@ def _as_incident(item) -> ViolationIncident:
     return item if isinstance(item, ViolationIncident) else merge_incidents([item])[0]
 
 
+def row_pool_kind(row: Sequence[int]) -> Optional[PoolKind]:
+    """The slot space of a ring row's slot (its tag's pool kind); None for an unknown tag."""
+    try:
+        return CanaryLaunchTag(int(row[VIOLATION_FIELD_KERNEL_KIND])).pool_kind
+    except ValueError:
+        return None
+
+
 def incident_key(row: Sequence[int]) -> Tuple:
     """What makes two ring rows one incident: the pool kind of the tag (FULL and SWA slots
     are different slot spaces), the slot, the read position and the ``req_to_token`` row."""
-    kind = int(row[VIOLATION_FIELD_KERNEL_KIND])
-    try:
-        pool = CanaryLaunchTag(kind).pool_kind.name
-    except ValueError:
-        pool = f"UNKNOWN_{kind}"
+    kind = row_pool_kind(row)
+    pool = kind.name if kind is not None else f"UNKNOWN_{int(row[VIOLATION_FIELD_KERNEL_KIND])}"
     return (pool, int(row[VIOLATION_FIELD_SLOT_IDX]), int(row[VIOLATION_FIELD_READ_POSITION]),
             int(row[VIOLATION_FIELD_REQ_TO_TOKEN_ROW]))
 
