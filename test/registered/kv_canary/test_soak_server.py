@@ -172,7 +172,7 @@ class Soak:
         self.counts: collections.Counter = collections.Counter()  # kind -> done
         self.outcomes: collections.Counter = collections.Counter()  # "kind:outcome" -> n
         self.problems: list[str] = []
-        self.abort_all_windows: list[tuple[float, float]] = []  # (sent, answered)
+        self.abort_all_windows: list[tuple[float, float]] = []  # (sent, answered), time.monotonic()
         self.response_retractions = 0
         self.stop = threading.Event()
         self.gate = threading.Event()  # cleared while the controller quiesces for a flush
@@ -226,7 +226,7 @@ class Soak:
         if kind_of == "abort":
             if reason.get("message") not in ABORT_MESSAGES or reason.get("status_code"):
                 self.problem(kind, f"unexpected abort {reason}")
-            elif not aborts_expected and not self._explained_by_abort_all(t0, time.time()):
+            elif not aborts_expected and not self._explained_by_abort_all(t0, time.monotonic()):
                 self.problem(kind, f"abort without an abort of ours: {reason}")
             return "aborted"
         max_new = sp["max_new_tokens"]
@@ -243,7 +243,7 @@ class Soak:
 
     def generate(self, kind: str, body: dict, *, aborts_expected: bool = False,
                  timeout: float = HTTP_TIMEOUT_S) -> str:
-        t0 = time.time()
+        t0 = time.monotonic()
         status, raw = self.post(kind, "/generate", body, timeout=timeout)
         if status is None:
             return "transport_error"
@@ -432,7 +432,7 @@ class Soak:
             self.note(kind, outcome)
 
     def abort_all(self, tag: str) -> None:
-        sent = time.time()
+        sent = time.monotonic()
         try:
             status, raw = self.post("abort_all", "/abort_request", {"abort_all": True},
                                     timeout=30)
@@ -441,7 +441,7 @@ class Soak:
             self.problem("abort_all", "no answer in 30 s")
         finally:
             with self.lock:
-                self.abort_all_windows.append((sent, time.time()))
+                self.abort_all_windows.append((sent, time.monotonic()))
         if status not in (200, None):
             self.problem("abort_all", f"HTTP {status}: {raw[:200]!r}")
         self.note("abort_all", tag)
