@@ -136,8 +136,8 @@ def install_canary(*, server_args: "ServerArgs", model_runner: "ModelRunner",
     sglang_seam.set_runner_canary(model_runner, manager)
     sglang_seam.wrap_model_forward(model_runner, before=manager.pre_ops_maybe_inside_graph,
                                    after=manager.post_ops_maybe_inside_graph)
-    logger.info("kv_canary installed: %s groups=%d capacities=%s", config.describe(),
-                len(manager.groups), manager.capacities)
+    logger.info("kv_canary installed: %s pool=%s groups=%d capacities=%s", config.describe(),
+                type(runner.kv_pool).__name__, len(manager.groups), manager.capacities)
     if config.perturb.enabled:
         logger.warning("kv_canary: FAULT INJECTION ON (%s) after %d warm-up steps: this server "
                        "corrupts its own KV cache on purpose (self-test)",

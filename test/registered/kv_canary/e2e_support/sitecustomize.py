@@ -3,6 +3,12 @@
 With ``KV_CANARY_TEST_CORRUPT_AFTER=N`` it registers, before sglang loads its plugins, an
 AFTER hook on ``ModelRunner.forward`` that, after the N-th forward with the canary on, bumps
 the position field of every HEAD K record: the next forward's HEAD verify must report it.
+
+With ``KV_CANARY_TEST_SHIM_KVFP4_UTIL=1`` it works around a bug of sglang 0.5.12 itself:
+``MLATokenToKVPoolFP4`` imports ``KVFP4QuantizeUtil`` from
+``sglang.srt.layers.quantization.kvfp4_tensor``, which defines the same quantizer under the name
+``BlockFP4KVQuantizeUtil`` only, so an FP4 MLA server fails on its first KV write. The shim adds
+the missing name (test processes only; the canary itself never touches it).
 """
 
 import os
@@ -138,3 +144,10 @@ if _flip_swa:
 
     HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
                           _flip_swa_byte, HookType.AFTER)
+
+
+if os.environ.get("KV_CANARY_TEST_SHIM_KVFP4_UTIL") == "1":
+    from sglang.srt.layers.quantization import kvfp4_tensor as _kvfp4
+
+    if not hasattr(_kvfp4, "KVFP4QuantizeUtil"):
+        _kvfp4.KVFP4QuantizeUtil = _kvfp4.BlockFP4KVQuantizeUtil

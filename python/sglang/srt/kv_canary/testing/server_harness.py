@@ -89,6 +89,65 @@ TINY_DEEPSEEK_V2_CONFIG = {
     "eos_token_id": 2,
 }
 
+# A tiny DeepSeek-V3.2-shaped model (DSA: NSATokenToKVPool, page 64). Its shapes are the ones
+# sglang's NSA kernels take on a Hopper GPU (FlashMLA sparse: a 512 + 64 latent row, 64 query
+# heads; the indexer: 64 heads of 128, top-2048); everything else is tiny and dense.
+TINY_DEEPSEEK_V32_CONFIG = {
+    **TINY_DEEPSEEK_V2_CONFIG,
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 64,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+}
+
+# A tiny Qwen3-Next-shaped hybrid model (HybridLinearKVPool): four layers, every second one
+# full attention (an inner MHATokenToKVPool), the others gated delta-net linear attention with
+# per-request Mamba state; a small MoE on every layer.
+TINY_QWEN3_NEXT_CONFIG = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "partial_rotary_factor": 0.25,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "mlp_only_layers": [],
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 _CUDA_ERROR_NO_DEVICE = 100
 
 
@@ -106,6 +165,25 @@ def write_tiny_deepseek_v2(model_dir, **overrides) -> str:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**TINY_DEEPSEEK_V2_CONFIG, **overrides},
                                                  indent=1))
+    return str(path)
+
+
+def write_tiny_deepseek_v32(model_dir, **overrides) -> str:
+    """Write the tiny DeepSeek-V3.2 (MLA + DSA indexer, ``NSATokenToKVPool``) ``config.json``
+    into ``model_dir``; returns it."""
+    return _write_config(model_dir, {**TINY_DEEPSEEK_V32_CONFIG, **overrides})
+
+
+def write_tiny_qwen3_next(model_dir, **overrides) -> str:
+    """Write the tiny Qwen3-Next (hybrid linear attention, ``HybridLinearKVPool``)
+    ``config.json`` into ``model_dir``; returns it."""
+    return _write_config(model_dir, {**TINY_QWEN3_NEXT_CONFIG, **overrides})
+
+
+def _write_config(model_dir, config: dict) -> str:
+    path = pathlib.Path(model_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
     return str(path)
 
 

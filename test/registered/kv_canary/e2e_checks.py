@@ -1,0 +1,54 @@
+"""Shared checks of the end-to-end model-shape tests (MLA / NSA / hybrid, CPU and GPU): the
+perturbation settings that inject every fault class into the FULL group, and the check that
+each injected fault was reported with its reason at its slot."""
+
+from __future__ import annotations
+
+from sglang.srt.kv_canary.perturb.report import parse_perturb_line
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+
+# every fault class of the perturbation framework, in the FULL group, from step 8 on
+EVERY_FAULT_ENV = {
+    "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+    "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "8",
+    "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "12",
+    "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full",
+    "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "0.3",
+    "SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.15",
+    "SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB": "0.15",
+    "SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB": "0.15",
+}
+
+# faults the forward itself reads: caught every time
+ALWAYS_CAUGHT = ("req_to_token", "real_kv_used")
+
+
+def fault_caught(fault: dict, lines) -> bool:
+    """Was the injected ``fault`` (a parsed perturbation line) reported?"""
+    step = int(fault["step"])
+    if fault["fault"] == "req_to_token":  # the changed entry, reported at its forward
+        return any(v.forward_step == step
+                   and (v.req_to_token_row, v.read_position, v.slot_idx)
+                   == (int(fault["req_pool_idx"]), int(fault["position"]),
+                       int(fault["new_slot"]))
+                   for v in lines)
+    # a byte of the slot's KV row flipped: its fingerprint no longer matches
+    return any(v.forward_step >= step and v.slot_idx == int(fault["full_slot"])
+               and "verify_real_kv_hash" in v.fail_reasons for v in lines)
+
+
+def assert_every_fault_caught(out: str) -> None:
+    """Each fault the forward reads is caught; a byte flipped after a forward is caught when
+    the slot is next read or swept (a slot freed and rewritten first erases it): each of those
+    kinds at least once. Every kind of :data:`ALWAYS_CAUGHT` and ``real_kv_post_forward`` must
+    have been injected."""
+    injected = [f for f in map(parse_perturb_line, out.splitlines()) if f]
+    lines = parse_violation_lines(out)
+    kinds = {f["fault"] for f in injected}
+    assert {*ALWAYS_CAUGHT, "real_kv_post_forward"} <= kinds, injected
+    for f in injected:
+        if f["fault"] in ALWAYS_CAUGHT:
+            assert fault_caught(f, lines), (f, lines[-5:])
+    for kind in kinds - set(ALWAYS_CAUGHT):
+        assert any(fault_caught(f, lines) for f in injected if f["fault"] == kind), (
+            kind, injected)

@@ -1,0 +1,109 @@
+"""Issue 19 on the GPU: every MLA / NSA / hybrid pool class guards a real sglang 0.5.12 server
+with CUDA graphs on (docs/user_guide.md, "Supported pools").
+
+- ``mla``: a tiny DeepSeek-V2 (``MLATokenToKVPool``), triton attention.
+- ``mla_fp4``: the same shape with a 512 + 64 latent row and ``--kv-cache-dtype fp4_e2m1``
+  (``MLATokenToKVPoolFP4``): triton prefill, FlashMLA decode over the pool's dequantized rows
+  (page 64). sglang 0.5.12's FP4 pool imports a quantizer name its own module lacks; the test
+  processes add it (``KV_CANARY_TEST_SHIM_KVFP4_UTIL``, e2e_support/sitecustomize.py).
+- ``nsa``: a tiny DeepSeek-V3.2 (``NSATokenToKVPool``, page 64, the DSA indexer): FlashMLA
+  sparse prefill, FlashMLA decode. Dense short-prompt prefill is off
+  (``SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0``): it runs FA3, which the device's slim
+  sgl_kernel lacks. sglang 0.5.12's CPU engine cannot build an NSA server at all (its server
+  arguments ask the CUDA driver for the device capability), hence GPU only.
+- ``hybrid``: a tiny Qwen3-Next (``HybridLinearKVPool`` over an MHA pool, ``MambaRadixCache``),
+  triton attention and the triton Mamba backend; sglang's CPU engine cannot run its gated
+  delta-net kernels.
+
+Each shape: raise + sweep + real data + token checks is clean and gives the greedy outputs of
+the canary off; under every fault class (log mode) each injected fault is reported with its
+reason at its slot. Needs the device bundles a, b, c and, for ``nsa`` / ``mla_fp4``, FlashMLA
+and DeepGEMM (docs/architecture.md, "Testing on a GPU")."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught
+
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.testing.server_harness import (
+    write_tiny_deepseek_v2,
+    write_tiny_deepseek_v32,
+    write_tiny_qwen3_next,
+)
+
+pytestmark = [pytest.mark.cuda, pytest.mark.slow]
+
+SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
+COMMON = dict(chunked_prefill_size=64, max_total_tokens=2048, max_running_requests=8,
+              log_level="info", decode_log_interval=1, mem_fraction_static=0.45)
+
+# shape -> (config writer, writer overrides, engine kwargs, extra env, pool class)
+SHAPES = {
+    "mla": (write_tiny_deepseek_v2, {}, {}, {}, "MLATokenToKVPool"),
+    "mla_fp4": (write_tiny_deepseek_v2, dict(kv_lora_rank=512, qk_rope_head_dim=64),
+                dict(kv_cache_dtype="fp4_e2m1", attention_backend=None,
+                     prefill_attention_backend="triton", decode_attention_backend="flashmla",
+                     page_size=64),
+                {"KV_CANARY_TEST_SHIM_KVFP4_UTIL": "1"}, "MLATokenToKVPoolFP4"),
+    "nsa": (write_tiny_deepseek_v32, {},
+            dict(kv_cache_dtype="bfloat16", attention_backend=None,
+                 nsa_prefill_backend="flashmla_sparse", nsa_decode_backend="flashmla_kv"),
+            {"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}, "NSATokenToKVPool"),
+    "hybrid": (write_tiny_qwen3_next, {}, dict(max_mamba_cache_size=32), {},
+               "HybridLinearKVPool"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def shape(request, tmp_path_factory):
+    name = request.param
+    write, overrides, kwargs, env, pool_cls = SHAPES[name]
+    env = dict(os.environ, **env)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
+    return dict(name=name, model=write(tmp_path_factory.mktemp(name), **overrides),
+                kwargs=dict(COMMON, **kwargs), env=env, pool_cls=pool_cls)
+
+
+def run(shape, env_extra=None, **engine_kwargs):
+    env = dict(shape["env"], **(env_extra or {}))
+    proc = subprocess.run(
+        [sys.executable, str(SUPPORT / "small_workload.py"), shape["model"],
+         json.dumps(dict(shape["kwargs"], **engine_kwargs)), "cuda"],
+        env=env, capture_output=True, text=True, timeout=600)
+    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
+           if x.startswith("RESULT ")]
+    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+
+
+def test_clean_matches_canary_off(shape):
+    rc, out, off = run(shape)
+    assert rc == 0 and off is not None, out[-4000:]
+    rc, out, on = run(shape, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+                              "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5"},
+                      kv_canary="raise", kv_canary_real_data="partial",
+                      kv_canary_sweep_interval=3)
+    assert rc == 0, out[-4000:]
+    assert "kv_canary installed: mode=raise real_data=partial" in out
+    assert f"pool={shape['pool_cls']}" in out, out[-4000:]
+    assert "cuda graph: True" in out
+    assert parse_violation_lines(out) == []
+    assert on == off and len(on) == 12
+    stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
+    assert stats and "violations=0" in stats[-1]
+    assert "TAIL_K_FULL" in stats[-1] and "SWEEP_K_FULL" in stats[-1]
+
+
+def test_every_fault_class_is_caught(shape):
+    rc, out, res = run(shape, EVERY_FAULT_ENV, kv_canary="log", kv_canary_real_data="partial",
+                       kv_canary_sweep_interval=2)
+    assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
+    assert f"pool={shape['pool_cls']}" in out, out[-4000:]
+    assert_every_fault_caught(out)
