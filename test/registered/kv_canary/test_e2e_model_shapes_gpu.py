@@ -18,7 +18,7 @@ with CUDA graphs on (docs/user_guide.md, "Supported pools").
 Each shape: raise + sweep + real data + token checks is clean and gives the greedy outputs of
 the canary off; under every fault class (log mode) each injected fault is reported with its
 reason at its slot. Needs the device bundles a, b, c and, for ``nsa`` / ``mla_fp4``, FlashMLA
-and DeepGEMM (docs/architecture.md, "Testing on a GPU")."""
+and DeepGEMM (docs/architecture.md, "Tests")."""
 
 from __future__ import annotations
 
