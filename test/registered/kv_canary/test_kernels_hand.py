@@ -56,6 +56,7 @@ from sglang.jit_kernel.kv_canary import scatter_req_token_ids as _scatter_mod
 from sglang.jit_kernel.kv_canary import verify_ref as _verify_ref_mod
 from sglang.jit_kernel.kv_canary import write_ref as _write_ref_mod
 from sglang.jit_kernel.kv_canary.consts import (
+    NO_KV_LAYER,
     canary_chain_head_hash,
     splitmix64,
     splitmix64_mix3,
@@ -253,7 +254,8 @@ class Oracle:
         return sum(len(r) for r in self.launch_rows)
 
     def _row(self, *cols):
-        return tuple(to_int64(c) for c in (self.kind,) + cols)
+        # the record's own checks: no per-layer fingerprint column (kv_layer = NO_KV_LAYER)
+        return tuple(to_int64(c) for c in (self.kind,) + cols + (NO_KV_LAYER,))
 
     def write(self, plan: ExpectedPlan, input_ids, positions, loc, *, input_assert,
               exp_tok, exp_pos):
@@ -805,7 +807,7 @@ def test_swa_window_with_evicted_slots(impl):
     rows = c.verify(p)
     # located: attention read req_to_token[1, 4] for position 4
     assert c.ring_rows() == [(int(CanaryLaunchTag.HEAD_K_SWA), 7, 99, 15, -1, 0x0BADC0DE,
-                              0x0BADC0DE, BIT_POS, 4, 1)]
+                              0x0BADC0DE, BIT_POS, 4, 1, NO_KV_LAYER)]
     assert rows == c.ring_rows()
     c.set_field(7, 1, 4)
 
@@ -1003,7 +1005,7 @@ def test_real_kv_two_sources_page_size_2(impl, mode):
     if mode != RealKvHashMode.NONE:
         row = c.ring_rows()[0]
         assert row == (int(CanaryLaunchTag.TAIL_K_FULL), 5, 1, 8, -1, c.oracle.recs[5][2],
-                       c.oracle.recs[5][2], BIT_REAL_KV, 1, 1)
+                       c.oracle.recs[5][2], BIT_REAL_KV, 1, 1, NO_KV_LAYER)
     # The decode write on top fingerprints its slot too; a stale record is reported.
     c.write(p, [toks[6]], [6], [8])
     p = run_plan(impl, rpi=[1], prefix=[7], ext=[1], r2t=r2t)
@@ -1059,9 +1061,10 @@ def test_chain_position_assert(impl, chain_assert):
         running7 = c.oracle.recs[7][2]
         running15 = c.oracle.recs[15][2]
         assert c.ring_rows() == sorted([
-            (int(CanaryLaunchTag.HEAD_V_FULL), 7, 5, 31, 31, running7, 3, BIT_WRITE_POS, 5, 1),
+            (int(CanaryLaunchTag.HEAD_V_FULL), 7, 5, 31, 31, running7, 3, BIT_WRITE_POS, 5, 1,
+             NO_KV_LAYER),
             (int(CanaryLaunchTag.HEAD_V_FULL), 15, 8, 52, 52, running15, 7, BIT_WRITE_POS, 8,
-             3),
+             3, NO_KV_LAYER),
         ])
     else:
         assert rows == [] and c.ring_rows() == []

@@ -403,22 +403,31 @@ def test_health_checker_unit():
 
 
 def test_violation_line_format():
-    row = [int(CanaryLaunchTag.TAIL_K_FULL), 812, 37, 5, -1, -2, 0x1234, 4 | 1, 36, 7]
+    row = [int(CanaryLaunchTag.TAIL_K_FULL), 812, 37, 5, -1, -2, 0x1234, 4 | 1, 36, 7, -1]
     assert format_violation_line(row, step=41) == (
         f"{VIOLATION_LINE_PREFIX} launch_tag=TAIL_K_FULL fail_reason=verify_chain_hash+"
         "verify_real_kv_hash slot_idx=812 position=37 stored_token=5 expected_token=-1 "
         "stored_chain_hash=0xfffffffffffffffe expected_aux=0x0000000000001234 forward_step=41 "
-        "read_position=36 req_to_token_row=7 seen_by=TAIL_K_FULL rids=-")
+        "read_position=36 req_to_token_row=7 seen_by=TAIL_K_FULL kv_layer=-1 rids=-")
+    # issue 24: a per-layer fingerprint names its layer (and the block says which half)
+    deep = row[:-1] + [27]
+    deep[0] = int(CanaryLaunchTag.SWEEP_V_FULL)
+    line = format_violation_line(deep, step=41)
+    assert " seen_by=SWEEP_V_FULL kv_layer=27 rids=-" in line
+    assert parse_violation_line(line).kv_layer == 27
+    assert "Layer 27's V row" in format_violation_block(deep, 41)
+    assert "Layer" not in format_violation_block(row, 41)
 
 
 def test_violation_line_names_requests_and_round_trips_odd_ids():
     """Issue 21: ``rids=`` ends the line, after every earlier field in its order; ids with a
     comma, a blank or an equals sign survive the round trip (percent-encoded); none is ``-``."""
-    row = [int(CanaryLaunchTag.HEAD_K_FULL), 812, 37, 5, -1, -2, 0x1234, 2, 36, 7]
+    row = [int(CanaryLaunchTag.HEAD_K_FULL), 812, 37, 5, -1, -2, 0x1234, 2, 36, 7, -1]
     inc = dataclasses.replace(merge_incidents([row])[0],
                               rids=("a1b2", "user,req 7", "x=y%", "plain-id.3:4"))
     line = format_violation_line(inc, step=41)
-    assert line.endswith(" seen_by=HEAD_K_FULL rids=a1b2,user%2Creq%207,x%3Dy%25,plain-id.3:4")
+    assert line.endswith(" seen_by=HEAD_K_FULL kv_layer=-1 "
+                         "rids=a1b2,user%2Creq%207,x%3Dy%25,plain-id.3:4")
     assert line.startswith(format_violation_line(row, step=41).removesuffix(" rids=-"))
     parsed = parse_violation_line("INFO something: " + line + " trailing")
     assert parsed.rids == ("a1b2", "user,req 7", "x=y%", "plain-id.3:4")
@@ -488,8 +497,10 @@ def test_an_incident_unites_the_reasons_of_all_its_rows():
         assert line.stored_token == 100 + order[0] and line.launch_tag == tags[order[0]].name
 
 
-def _row(tag, slot, pos, stored, expected, chain, aux, bits, *, read_position=0, req_row=-1):
+def _row(tag, slot, pos, stored, expected, chain, aux, bits, *, read_position=0, req_row=-1,
+         kv_layer=-1):
     row = [0] * c.VIOLATION_NUM_FIELDS
+    row[c.VIOLATION_FIELD_KV_LAYER] = kv_layer
     row[c.VIOLATION_FIELD_READ_POSITION] = read_position
     row[c.VIOLATION_FIELD_REQ_TO_TOKEN_ROW] = req_row
     row[c.VIOLATION_FIELD_KERNEL_KIND] = int(tag)
@@ -523,7 +534,7 @@ def test_violation_line_round_trip(tag, slot, pos, stored, expected, chain, aux,
                          slot_idx=slot, position=pos, stored_token=stored,
                          expected_token=expected, stored_chain_hash=chain, expected_aux=aux,
                          forward_step=step, read_position=pos + 1, req_to_token_row=slot % 5 - 1,
-                         seen_by=(tag.name,), rids=())
+                         seen_by=(tag.name,), kv_layer=-1, rids=())
     assert parse_violation_line(line) == want
     assert all(0 <= h < 1 << 64 for h in (want.stored_chain_hash, want.expected_aux))
     # a ring row as the host reads it back (an int64 tensor row) formats the same way

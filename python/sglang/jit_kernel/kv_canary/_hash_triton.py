@@ -96,3 +96,12 @@ def real_kv_fingerprint(
     if NUM_SOURCES > 3:
         acc = splitmix64(acc ^ _source_hash(s3_ptr, s3_stride, s3_page, s3_wpt, s3_nwords, slot, mask))
     return acc
+
+
+@triton.jit
+def single_source_fingerprint(src_ptr, row_stride_words, page_size, words_per_token, num_words,
+                              slot, mask):
+    """The record format's fingerprint over one source (``splitmix64(0 ^ source hash)``), for
+    a block of slots: a per-layer (deep) fingerprint column."""
+    return splitmix64(_source_hash(src_ptr, row_stride_words, page_size, words_per_token,
+                                   num_words, slot, mask))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
+from sglang.jit_kernel.kv_canary import types as _types
 from sglang.jit_kernel.kv_canary.consts import (
     CANARY_CHAIN_ANCHOR,
     CANARY_FIELD_POSITION,
@@ -19,6 +20,7 @@ from sglang.jit_kernel.kv_canary.consts import (
     CANARY_FIELD_TOKEN,
     CANARY_NUM_FIELDS,
     NO_EXPECTED_TOKEN as _NO_EXPECTED_TOKEN,
+    NO_KV_LAYER as _NO_KV_LAYER,
     NO_PREV_SLOT as _NO_PREV_SLOT,
     NO_REQ_TO_TOKEN_ROW as _NO_REQ_TO_TOKEN_ROW,
     NO_SEED_SLOT as _NO_SEED_SLOT,
@@ -28,6 +30,7 @@ from sglang.jit_kernel.kv_canary.consts import (
     VIOLATION_FIELD_EXPECTED_TOKEN,
     VIOLATION_FIELD_FAIL_REASON_BITS,
     VIOLATION_FIELD_KERNEL_KIND,
+    VIOLATION_FIELD_KV_LAYER,
     VIOLATION_FIELD_POSITION,
     VIOLATION_FIELD_READ_POSITION,
     VIOLATION_FIELD_REQ_TO_TOKEN_ROW,
@@ -64,6 +67,7 @@ VIOL_EXPECTED_AUX = tl.constexpr(VIOLATION_FIELD_EXPECTED_AUX)
 VIOL_FAIL_REASON_BITS = tl.constexpr(VIOLATION_FIELD_FAIL_REASON_BITS)
 VIOL_READ_POSITION = tl.constexpr(VIOLATION_FIELD_READ_POSITION)
 VIOL_REQ_TO_TOKEN_ROW = tl.constexpr(VIOLATION_FIELD_REQ_TO_TOKEN_ROW)
+VIOL_KV_LAYER = tl.constexpr(VIOLATION_FIELD_KV_LAYER)
 VIOLATION_WORDS = tl.constexpr(VIOLATION_NUM_FIELDS)
 
 # Plan sentinels.
@@ -71,8 +75,20 @@ NO_PREV_SLOT = tl.constexpr(_NO_PREV_SLOT)
 NO_EXPECTED_TOKEN = tl.constexpr(_NO_EXPECTED_TOKEN)
 NO_SEED_SLOT = tl.constexpr(_NO_SEED_SLOT)
 NO_REQ_TO_TOKEN_ROW = tl.constexpr(_NO_REQ_TO_TOKEN_ROW)
+NO_KV_LAYER = tl.constexpr(_NO_KV_LAYER)
 
 # Hash constants (u64 values >= 2**63: Triton types them uint64, as it does the same literals).
 CHAIN_ANCHOR = tl.constexpr(CANARY_CHAIN_ANCHOR)
 SPLITMIX_MUL1 = tl.constexpr(SPLITMIX64_MUL1)
 SPLITMIX_MUL2 = tl.constexpr(SPLITMIX64_MUL2)
+
+# Per-layer fingerprint column descriptors (``types.DeepFingerprintTable.descriptors``).
+DESC_PTR = tl.constexpr(_types.DEEP_DESC_PTR)
+DESC_ROW_STRIDE = tl.constexpr(_types.DEEP_DESC_ROW_STRIDE)
+DESC_PAGE_SIZE = tl.constexpr(_types.DEEP_DESC_PAGE_SIZE)
+DESC_WORDS_PER_TOKEN = tl.constexpr(_types.DEEP_DESC_WORDS_PER_TOKEN)
+DESC_NUM_WORDS = tl.constexpr(_types.DEEP_DESC_NUM_WORDS)
+DESC_LAYER = tl.constexpr(_types.DEEP_DESC_LAYER)
+DESC_HALF = tl.constexpr(_types.DEEP_DESC_HALF)
+DESC_WORDS = tl.constexpr(_types.DEEP_DESC_WORDS)
+HALF_V = tl.constexpr(_types.DEEP_HALF_V)

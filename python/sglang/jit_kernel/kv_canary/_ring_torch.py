@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang.jit_kernel.kv_canary.consts import NO_KV_LAYER
+
 
 def append_violation_rows(violation_ring: torch.Tensor, violation_write_index: torch.Tensor,
                           rows: torch.Tensor) -> None:
@@ -18,12 +20,18 @@ def append_violation_rows(violation_ring: torch.Tensor, violation_write_index: t
     violation_write_index.add_(n)
 
 
-def violation_rows(kernel_kind: int, slot, position, stored_token, expected_token, chain_hash,
-                   aux, bits, read_position, req_to_token_row) -> torch.Tensor:
+def violation_rows(kernel_kind, slot, position, stored_token, expected_token, chain_hash,
+                   aux, bits, read_position, req_to_token_row, kv_layer=None) -> torch.Tensor:
     """Stack the ring columns (int64 ``[n]`` tensors each) into ``[n, VIOLATION_NUM_FIELDS]``,
-    in the column order of ``consts``."""
+    in the column order of ``consts``. ``kernel_kind``: an int, or int64 ``[n]`` per row;
+    ``kv_layer``: int64 ``[n]`` (None: ``NO_KV_LAYER`` on every row)."""
+    if kv_layer is None:
+        kv_layer = torch.full_like(slot, NO_KV_LAYER, dtype=torch.int64)
     cols = [slot, position, stored_token, expected_token, chain_hash, aux, bits, read_position,
-            req_to_token_row]
+            req_to_token_row, kv_layer]
     n = slot.shape[0]
-    kind = torch.full((n,), int(kernel_kind), dtype=torch.int64, device=slot.device)
+    if isinstance(kernel_kind, torch.Tensor):
+        kind = kernel_kind.to(torch.int64)
+    else:
+        kind = torch.full((n,), int(kernel_kind), dtype=torch.int64, device=slot.device)
     return torch.stack([kind] + [c.to(torch.int64) for c in cols], dim=1)

@@ -13,6 +13,7 @@ from sglang.jit_kernel.kv_canary._kernel_consts import (
     VIOL_EXPECTED_TOKEN,
     VIOL_FAIL_REASON_BITS,
     VIOL_KERNEL_KIND,
+    VIOL_KV_LAYER,
     VIOL_POSITION,
     VIOL_READ_POSITION,
     VIOL_REQ_TO_TOKEN_ROW,
@@ -27,10 +28,12 @@ from sglang.jit_kernel.kv_canary._kernel_consts import (
 def append_violations(
     ring_ptr, ring_index_ptr, ring_capacity, viol,
     kernel_kind, slot, position, stored_token, expected_token, chain_hash, aux, bits,
-    read_position, req_to_token_row,
+    read_position, req_to_token_row, kv_layer,
 ):
     """Append one ring row per lane where ``viol``; rows past the capacity are counted, not kept.
-    ``read_position`` / ``req_to_token_row``: where the slot was read (int64 lanes)."""
+    ``read_position`` / ``req_to_token_row``: where the slot was read (int64 lanes);
+    ``kv_layer``: the failed per-layer fingerprint's layer (``NO_KV_LAYER`` for other checks;
+    a scalar or int64 lanes)."""
     zero = tl.zeros(viol.shape, dtype=tl.int32)
     idx = tl.atomic_add(ring_index_ptr + zero, 1, mask=viol).to(tl.int64)
     keep = viol & (idx < ring_capacity)
@@ -45,3 +48,4 @@ def append_violations(
     tl.store(row + VIOL_FAIL_REASON_BITS, bits, mask=keep)
     tl.store(row + VIOL_READ_POSITION, read_position, mask=keep)
     tl.store(row + VIOL_REQ_TO_TOKEN_ROW, req_to_token_row, mask=keep)
+    tl.store(row + VIOL_KV_LAYER, zero.to(tl.int64) + kv_layer, mask=keep)

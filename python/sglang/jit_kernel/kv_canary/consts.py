@@ -8,11 +8,13 @@ Record layout (one ``uint8[32]`` row per KV slot, four little-endian int64 field
 
     field 0 token | field 1 position | field 2 prev_hash | field 3 real_kv_hash
 
-Violation ring rows are ``int64[10]``: the eight columns of the record format, then where
-the slot was read (wave 2; appended, so the first eight keep their indices)::
+Violation ring rows are ``int64[11]``: the eight columns of the record format, then where
+the slot was read and which KV layer's fingerprint failed (wave 2; appended, so the first
+eight keep their indices)::
 
     kernel_kind | slot_idx | position | stored_token | expected_token |
-    stored_chain_hash | expected_aux | fail_reason_bits | read_position | req_to_token_row
+    stored_chain_hash | expected_aux | fail_reason_bits | read_position | req_to_token_row |
+    kv_layer
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ VIOLATION_FIELD_FAIL_REASON_BITS = 7
 # at (write), and the req_to_token row of the request (NO_REQ_TO_TOKEN_ROW for a sweep entry)
 VIOLATION_FIELD_READ_POSITION = 8
 VIOLATION_FIELD_REQ_TO_TOKEN_ROW = 9
-VIOLATION_NUM_FIELDS = 10
+# the sglang layer id of a per-layer (deep) fingerprint that failed (NO_KV_LAYER otherwise:
+# every check of the record itself, layer 0's fingerprint in field 3 included)
+VIOLATION_FIELD_KV_LAYER = 10
+VIOLATION_NUM_FIELDS = 11
 
 # Real-KV fingerprint limits (docs/architecture.md, "Record format").
 REAL_KV_MAX_SOURCES = 4
@@ -58,6 +63,7 @@ NO_PREV_SLOT = -1  # predecessor of position 0 (chain head)
 NO_EXPECTED_TOKEN = -1  # expected token unknown: token check skipped
 NO_SEED_SLOT = -1  # write seed of a chain head / padding row
 NO_REQ_TO_TOKEN_ROW = -1  # plan entry not read through a request's req_to_token row (sweep)
+NO_KV_LAYER = -1  # a ring row that is not a per-layer fingerprint check
 
 
 class FailReason(enum.IntFlag):

@@ -19,7 +19,11 @@ from sglang.jit_kernel.kv_canary._checks import (
     check_tensor,
     same_device,
 )
+from sglang.jit_kernel.kv_canary.consts import VIOLATION_NUM_FIELDS
 from sglang.jit_kernel.kv_canary.types import (
+    CANARY_SLOT_BYTES,
+    CanaryLaunchTag,
+    DeepFingerprintTable,
     VerifyOrWriteContext,
     VerifyPlan,
     WriteParts,
@@ -38,6 +42,38 @@ def validate_verify_args(context, plan, check_verify_expected_token) -> None:
                         f"{type(check_verify_expected_token).__name__}")
     if plan.device != context.device:
         raise ValueError(f"plan is on {plan.device} but context.canary_buf is on {context.device}")
+
+
+def validate_deep_write_args(table, plan, out_cache_loc) -> None:
+    """Host-side checks of a per-layer fingerprint write (metadata only)."""
+    if not isinstance(table, DeepFingerprintTable):
+        raise TypeError(f"table must be a DeepFingerprintTable, got {type(table).__name__}")
+    if not isinstance(plan, WritePlan):
+        raise TypeError(f"plan must be a WritePlan, got {type(plan).__name__}")
+    check_tensor("out_cache_loc", out_cache_loc, dtypes=INDEX_DTYPES, ndim=1)
+    same_device({"table.table": table.table, "plan.write_offsets": plan.write_offsets,
+                 "out_cache_loc": out_cache_loc})
+
+
+def validate_deep_verify_args(table, plan, canary_buf, violation_ring, violation_write_index,
+                              tag_k, tag_v) -> None:
+    """Host-side checks of a per-layer fingerprint verify (metadata only)."""
+    if not isinstance(table, DeepFingerprintTable):
+        raise TypeError(f"table must be a DeepFingerprintTable, got {type(table).__name__}")
+    if not isinstance(plan, VerifyPlan):
+        raise TypeError(f"plan must be a VerifyPlan, got {type(plan).__name__}")
+    for name, tag in (("tag_k", tag_k), ("tag_v", tag_v)):
+        if not isinstance(tag, CanaryLaunchTag):
+            raise TypeError(f"{name} must be a CanaryLaunchTag, got {tag!r}")
+    check_tensor("canary_buf", canary_buf, dtypes=(torch.uint8,),
+                 shape=(table.num_slots, CANARY_SLOT_BYTES))
+    check_tensor("violation_ring", violation_ring, dtypes=(torch.int64,),
+                 shape=(None, VIOLATION_NUM_FIELDS))
+    check_tensor("violation_write_index", violation_write_index, dtypes=(torch.int32,),
+                 shape=(1,))
+    same_device({"table.table": table.table, "plan.verify_slot_indices": plan.verify_slot_indices,
+                 "canary_buf": canary_buf, "violation_ring": violation_ring,
+                 "violation_write_index": violation_write_index})
 
 
 def validate_write_args(*, context, plan, input_ids, positions, out_cache_loc,

@@ -26,6 +26,7 @@ from sglang.jit_kernel.kv_canary._kernel_consts import (
     FIELD_TOKEN,
     NO_EXPECTED_TOKEN,
     NO_PREV_SLOT,
+    NO_KV_LAYER,
     NO_REQ_TO_TOKEN_ROW,
     RECORD_WORDS,
 )
@@ -116,7 +117,7 @@ def _canary_verify_kernel(
         append_violations(
             ring_ptr, ring_index_ptr, ring_capacity, viol,
             kernel_kind, slot, st_pos, st_tok, exp_tok, st_prev, aux, bits.to(tl.int64),
-            exp_pos, req_row,
+            exp_pos, req_row, NO_KV_LAYER,
         )
 
 

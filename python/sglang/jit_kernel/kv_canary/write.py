@@ -26,6 +26,7 @@ from sglang.jit_kernel.kv_canary._kernel_consts import (
     FIELD_PREV_HASH,
     FIELD_REAL_KV_HASH,
     FIELD_TOKEN,
+    NO_KV_LAYER,
     NO_REQ_TO_TOKEN_ROW,
     NO_SEED_SLOT,
     RECORD_WORDS,
@@ -116,7 +117,7 @@ def _canary_write_kernel(
                 append_violations(
                     ring_ptr, ring_index_ptr, ring_capacity, store_ok & (bits != 0),
                     kernel_kind, slot, pos, tok, exp_tok, H.as_i64(running), exp_pos, bits,
-                    pos, req_row,
+                    pos, req_row, NO_KV_LAYER,
                 )
                 written += store_ok.to(tl.int64)
                 running = tl.where(act, H.mix3(running, H.as_u64(tok), H.as_u64(pos)), running)

@@ -9,13 +9,15 @@ never with a regex of their own. Fields, in order::
     kv_canary violation: launch_tag=<TAG> fail_reason=<r1>[+<r2>...] slot_idx=<n> position=<n>
         stored_token=<n> expected_token=<n> stored_chain_hash=0x<16 hex> expected_aux=0x<16 hex>
         forward_step=<n> read_position=<n> req_to_token_row=<n> seen_by=<TAG>[,<TAG>...]
-        rids=<rid>[,<rid>...]
+        kv_layer=<n> rids=<rid>[,<rid>...]
 
 (one line). ``forward_step`` is the forward step at which the host reported it;
 ``read_position`` / ``req_to_token_row`` say where the slot was read: attention read
 ``req_to_token[req_to_token_row, read_position]`` (a write: the forward wrote the slot for that
 position of that row; a sweep: ``req_to_token_row=-1`` and ``read_position`` is the slot's
-depth in the radix tree). One line per incident: every ring row of one forward window with
+depth in the radix tree). ``kv_layer`` is the sglang layer id whose per-layer fingerprint
+(``--kv-canary-real-data-layers all``) failed, ``-1`` for every other check. One line per
+incident: every ring row of one forward window with
 the same pool kind, slot, read position and row is merged into one line, whose
 ``fail_reason`` is the union of their reasons, whose other fields are the first row's, and
 whose ``seen_by`` lists every launch tag that saw it, first-seen first (``launch_tag`` is the
@@ -45,6 +47,7 @@ from sglang.jit_kernel.kv_canary.consts import (
     VIOLATION_FIELD_EXPECTED_TOKEN,
     VIOLATION_FIELD_FAIL_REASON_BITS,
     VIOLATION_FIELD_KERNEL_KIND,
+    VIOLATION_FIELD_KV_LAYER,
     VIOLATION_FIELD_POSITION,
     VIOLATION_FIELD_READ_POSITION,
     VIOLATION_FIELD_REQ_TO_TOKEN_ROW,
@@ -140,6 +143,7 @@ def format_violation_line(row, *, step: int) -> str:
         f"read_position={int(row[VIOLATION_FIELD_READ_POSITION])} "
         f"req_to_token_row={int(row[VIOLATION_FIELD_REQ_TO_TOKEN_ROW])} "
         f"seen_by={','.join(tag_name(t) for t in inc.seen_by)} "
+        f"kv_layer={int(row[VIOLATION_FIELD_KV_LAYER])} "
         f"rids={format_rids(inc.rids)}"
     )
 
@@ -172,6 +176,7 @@ class ViolationLine:
     read_position: int
     req_to_token_row: int
     seen_by: Tuple[str, ...]
+    kv_layer: int  # -1 unless a per-layer fingerprint failed
     rids: Tuple[str, ...]  # empty for ``rids=-``
 
 
@@ -182,7 +187,8 @@ _LINE_RE = re.compile(
     + rf" launch_tag=(\w+) fail_reason=([\w+]+) slot_idx={_INT} position={_INT}"
     + rf" stored_token={_INT} expected_token={_INT} stored_chain_hash={_HEX}"
     + rf" expected_aux={_HEX} forward_step={_INT} read_position={_INT}"
-    + rf" req_to_token_row={_INT} seen_by=([\w,]+) rids=([^\s,]+(?:,[^\s,]+)*)")
+    + rf" req_to_token_row={_INT} seen_by=([\w,]+) kv_layer={_INT}"
+    + r" rids=([^\s,]+(?:,[^\s,]+)*)")
 
 
 def _line_from_match(m: "re.Match") -> ViolationLine:
@@ -192,7 +198,8 @@ def _line_from_match(m: "re.Match") -> ViolationLine:
         expected_token=int(m.group(6)), stored_chain_hash=int(m.group(7), 16),
         expected_aux=int(m.group(8), 16), forward_step=int(m.group(9)),
         read_position=int(m.group(10)), req_to_token_row=int(m.group(11)),
-        seen_by=tuple(m.group(12).split(",")), rids=parse_rids(m.group(13)))
+        seen_by=tuple(m.group(12).split(",")), kv_layer=int(m.group(13)),
+        rids=parse_rids(m.group(14)))
 
 
 def parse_violation_line(line: str) -> Optional[ViolationLine]:
@@ -252,6 +259,15 @@ def format_violation_block(row, step: int) -> str:
     lines = [f"  KV slot {row[VIOLATION_FIELD_SLOT_IDX]} failed its canary check in launch "
              f"{tag} (seen by {seen}; reported at forward step {step}):",
              _where_read(inc)]
+    layer = int(row[VIOLATION_FIELD_KV_LAYER])
+    if layer >= 0:
+        try:
+            half = CanaryLaunchTag(row[VIOLATION_FIELD_KERNEL_KIND]).half.name
+        except ValueError:
+            half = "?"
+        lines.append(f"  Layer {layer}'s {half} row of the slot no longer matches the fingerprint "
+                     "taken when it was written (per-layer check, "
+                     "--kv-canary-real-data-layers all); first row's layer, if several failed.")
     explain = {
         FailReason.VERIFY_CHAIN_HASH_MISMATCH:
             "the record's prev_hash does not match its predecessor slot's record: the slot "

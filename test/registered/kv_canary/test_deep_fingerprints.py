@@ -1,0 +1,212 @@
+"""Per-layer (deep) fingerprint kernels (issue 24; docs/architecture.md, "Per-layer
+fingerprints"): the Triton kernels (compiled on CUDA, interpreted on CPU) against the torch
+references byte for byte; a byte flipped in any layer's K or V row is reported by the window
+that holds its column and by a full (sweep) check, with the column's tag, slot and layer; the
+rotating window covers every column within ``forwards_per_rotation`` forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.jit_kernel.kv_canary import deep, deep_ref
+from sglang.jit_kernel.kv_canary.consts import (
+    VIOLATION_FIELD_EXPECTED_AUX,
+    VIOLATION_FIELD_FAIL_REASON_BITS,
+    VIOLATION_FIELD_KERNEL_KIND,
+    VIOLATION_FIELD_KV_LAYER,
+    VIOLATION_FIELD_POSITION,
+    VIOLATION_FIELD_READ_POSITION,
+    VIOLATION_FIELD_SLOT_IDX,
+    VIOLATION_FIELD_STORED_CHAIN_HASH,
+    VIOLATION_NUM_FIELDS,
+    FailReason,
+    RealKvHashMode,
+)
+from sglang.jit_kernel.kv_canary.types import (
+    CANARY_SLOT_BYTES,
+    CanaryLaunchTag,
+    DeepColumn,
+    DeepFingerprintTable,
+    KvHalf,
+    RealKvSource,
+    VerifyPlan,
+    WritePlan,
+)
+
+NUM_SLOTS, LAYERS, HEADS, DIM = 40, 3, 2, 8  # bf16 rows of 32 bytes
+
+
+def _pool(device, page_size=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = NUM_SLOTS // page_size
+    def buf():
+        return torch.randn(rows, page_size * HEADS * DIM, generator=g).to(torch.bfloat16).to(device)
+    return [buf() for _ in range(LAYERS)], [buf() for _ in range(LAYERS)]
+
+
+def _table(k, v, mode, *, page_size=1, layers_per_forward=1, with_v=True):
+    cols = []
+    for layer in range(LAYERS):
+        for half, bufs in ((KvHalf.K, k), (KvHalf.V, v)) if with_v else ((KvHalf.K, k),):
+            row = HEADS * DIM * 2
+            cols.append(DeepColumn(layer, half, RealKvSource(
+                tensor=bufs[layer], page_size=page_size, num_bytes_per_token=row, read_bytes=row)))
+    return DeepFingerprintTable.allocate(num_slots=NUM_SLOTS, columns=cols, mode=mode,
+                                         layers_per_forward=layers_per_forward,
+                                         device=k[0].device)
+
+
+def _write_plan(slots, device):
+    plan = WritePlan.allocate(write_req_capacity=2, device=device)
+    plan.write_offsets[:3] = torch.tensor([0, len(slots) // 2, len(slots)])
+    plan.write_num_valid_reqs[0] = 2
+    return plan, torch.tensor(slots, dtype=torch.int64, device=device)
+
+
+def _verify_plan(slots, device):
+    plan = VerifyPlan.allocate(verify_capacity=len(slots) + 3, device=device)
+    n = len(slots)
+    plan.verify_slot_indices[:n] = torch.tensor(slots)
+    plan.verify_expected_positions[:n] = torch.arange(n)
+    plan.verify_req_to_token_rows[:n] = 1
+    plan.verify_num_valid[0] = n
+    plan.enable[0] = 1
+    return plan
+
+
+def _ring(device):
+    return (torch.zeros(64, VIOLATION_NUM_FIELDS, dtype=torch.int64, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device))
+
+
+def _records(device):
+    rec = torch.zeros(NUM_SLOTS, CANARY_SLOT_BYTES, dtype=torch.uint8, device=device)
+    rec.view(torch.int64)[:, 1] = torch.arange(NUM_SLOTS) + 1000  # stored positions
+    return rec
+
+
+def _verify(table, plan, rec, *, rotate, reference):
+    ring, idx = _ring(table.device)
+    launch = (deep_ref.launch_deep_fingerprint_verify_torch_reference if reference
+              else deep.launch_deep_fingerprint_verify)
+    launch(table=table, plan=plan, canary_buf=rec, violation_ring=ring,
+           violation_write_index=idx, tag_k=CanaryLaunchTag.TAIL_K_FULL,
+           tag_v=CanaryLaunchTag.TAIL_V_FULL, rotate=rotate)
+    n = int(idx[0])
+    return sorted(tuple(r) for r in ring[:n].tolist())
+
+
+@pytest.mark.parametrize("mode", [RealKvHashMode.PARTIAL, RealKvHashMode.ALL])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_write_matches_reference(device, mode, page_size):
+    k, v = _pool(device, page_size)
+    slots = [3, 7, 8, 9, 31, -1, 39, 0]
+    a, b = _table(k, v, mode, page_size=page_size), _table(k, v, mode, page_size=page_size)
+    plan, loc = _write_plan(slots, device)
+    deep.launch_deep_fingerprint_write(table=a, plan=plan, out_cache_loc=loc)
+    deep_ref.launch_deep_fingerprint_write_torch_reference(table=b, plan=plan, out_cache_loc=loc)
+    assert torch.equal(a.table.cpu(), b.table.cpu())
+    written = [s for s in slots if s >= 0]
+    assert bool((a.table[written] != 0).all())  # every column of every written slot
+    others = [s for s in range(NUM_SLOTS) if s not in written]
+    assert bool((a.table[others] == 0).all())
+    if mode == RealKvHashMode.PARTIAL:  # only the first 16 bytes count
+        row = k[2].view(torch.uint8).view(NUM_SLOTS // page_size, -1)
+        row[7 // page_size, (7 % page_size) * HEADS * DIM * 2 + 20] ^= 1
+        c = _table(k, v, mode, page_size=page_size)
+        deep.launch_deep_fingerprint_write(table=c, plan=plan, out_cache_loc=loc)
+        assert torch.equal(c.table.cpu(), a.table.cpu())
+
+
+def _flip(bufs, layer, slot, page_size=1, byte=3):
+    row = bufs[layer].view(torch.uint8).view(NUM_SLOTS // page_size, -1)
+    row[slot // page_size, (slot % page_size) * HEADS * DIM * 2 + byte] ^= 0x10
+
+
+@pytest.mark.parametrize("half", ["k", "v"])
+@pytest.mark.parametrize("layer", [0, LAYERS - 1])
+def test_flip_is_reported_by_its_column(device, half, layer):
+    k, v = _pool(device)
+    table = _table(k, v, RealKvHashMode.PARTIAL)
+    slots = [5, 6, 7, 12]
+    plan, loc = _write_plan(slots, device)
+    deep.launch_deep_fingerprint_write(table=table, plan=plan, out_cache_loc=loc)
+    rec = _records(device)
+    vplan = _verify_plan([0, 5, 6, 7, 12], device)
+    assert _verify(table, vplan, rec, rotate=False, reference=False) == []
+    _flip(k if half == "k" else v, layer, 7)
+    full = _verify(table, vplan, rec, rotate=False, reference=False)
+    assert full == _verify(table, vplan, rec, rotate=False, reference=True)
+    assert len(full) == 1, full
+    row = full[0]
+    tag = CanaryLaunchTag.TAIL_K_FULL if half == "k" else CanaryLaunchTag.TAIL_V_FULL
+    assert row[VIOLATION_FIELD_KERNEL_KIND] == tag
+    assert row[VIOLATION_FIELD_SLOT_IDX] == 7 and row[VIOLATION_FIELD_KV_LAYER] == layer
+    assert row[VIOLATION_FIELD_POSITION] == 1007 and row[VIOLATION_FIELD_READ_POSITION] == 3
+    assert row[VIOLATION_FIELD_FAIL_REASON_BITS] == FailReason.VERIFY_REAL_KV_HASH_MISMATCH
+    col = layer * 2 + (0 if half == "k" else 1)
+    assert row[VIOLATION_FIELD_STORED_CHAIN_HASH] == int(table.table[7, col])
+    assert row[VIOLATION_FIELD_EXPECTED_AUX] != row[VIOLATION_FIELD_STORED_CHAIN_HASH]
+
+
+@pytest.mark.parametrize("layers_per_forward", [1, 2])
+def test_rotation_covers_every_column_within_the_bound(device, layers_per_forward):
+    k, v = _pool(device)
+    table = _table(k, v, RealKvHashMode.ALL, layers_per_forward=layers_per_forward)
+    ref = _table(k, v, RealKvHashMode.ALL, layers_per_forward=layers_per_forward)
+    plan, loc = _write_plan([4, 9], device)
+    for t in (table, ref):
+        deep.launch_deep_fingerprint_write(table=t, plan=plan, out_cache_loc=loc)
+    rec = _records(device)
+    vplan = _verify_plan([4, 9], device)
+    _flip(v, LAYERS - 1, 9)  # the last column
+    bound = table.forwards_per_rotation
+    assert bound == -(-LAYERS // layers_per_forward)
+    seen_at = []
+    steps = 3 * bound
+    for step in range(steps):
+        got = _verify(table, vplan, rec, rotate=True, reference=False)
+        assert got == _verify(ref, vplan, rec, rotate=True, reference=True)
+        if got:
+            assert [(r[VIOLATION_FIELD_SLOT_IDX], r[VIOLATION_FIELD_KV_LAYER]) for r in got] == [
+                (9, LAYERS - 1)]
+            seen_at.append(step)
+    # any `bound` consecutive forwards check every column: the flip is seen in each such span
+    for start in range(steps - bound + 1):
+        assert any(start <= s < start + bound for s in seen_at), (start, seen_at)
+    assert len(seen_at) < steps  # and only when its column is in the window
+    assert int(table.cursor[0]) == steps * table.columns_per_forward
+
+
+def test_disabled_plan_checks_nothing_but_advances(device):
+    k, v = _pool(device)
+    table = _table(k, v, RealKvHashMode.PARTIAL)
+    vplan = _verify_plan([4], device)
+    vplan.enable[0] = 0
+    _flip(k, 0, 4)  # never written: column 0 of slot 4 is 0 and would mismatch
+    assert _verify(table, vplan, _records(device), rotate=True, reference=False) == []
+    assert int(table.cursor[0]) == table.columns_per_forward
+
+
+def test_table_validation_names_the_problem(device):
+    k, v = _pool(device)
+    row = HEADS * DIM * 2
+    src = RealKvSource(tensor=k[0], page_size=1, num_bytes_per_token=row, read_bytes=row)
+    with pytest.raises(ValueError, match="PARTIAL or ALL"):
+        DeepFingerprintTable.allocate(num_slots=NUM_SLOTS, columns=[DeepColumn(0, KvHalf.K, src)],
+                                      mode=RealKvHashMode.NONE, layers_per_forward=1,
+                                      device=device)
+    with pytest.raises(ValueError, match="layer-major"):
+        DeepFingerprintTable.allocate(
+            num_slots=NUM_SLOTS, columns=[DeepColumn(0, KvHalf.K, src),
+                                          DeepColumn(1, KvHalf.K, src),
+                                          DeepColumn(0, KvHalf.V, src)],
+            mode=RealKvHashMode.ALL, layers_per_forward=1, device=device)
+    with pytest.raises(ValueError, match="covers"):
+        DeepFingerprintTable.allocate(num_slots=NUM_SLOTS + 1,
+                                      columns=[DeepColumn(0, KvHalf.K, src)],
+                                      mode=RealKvHashMode.ALL, layers_per_forward=1,
+                                      device=device)
+    table = _table(k, v, RealKvHashMode.ALL, layers_per_forward=99)
+    assert table.columns_per_forward == 2 * LAYERS and table.forwards_per_rotation == 1
