@@ -96,7 +96,7 @@ class ServingDriver:
                  verify_tokens=False, sweep_interval=0, ring_capacity=1024, pool="mha",
                  swa_window=0, num_swa_slots=0, swa_evict_interval=4,
                  swa_divergence_interval=0, perturb=None, init_finished=True,
-                 batch_init_hook=None):
+                 batch_init_hook=None, real_data_layers="first", layers_per_forward=1):
         if pool not in ("mha", "swa", "dsv4", "mla", "nsa", "hybrid"):
             raise ValueError(f"driver pool must be mha, swa, dsv4, mla, nsa or hybrid, got "
                              f"{pool!r}")
@@ -149,6 +149,8 @@ class ServingDriver:
                 size=num_slots, size_swa=num_swa_slots, page_size=1, dtype=torch.bfloat16,
                 device=str(self.device), kvcache=self.kv_pool, need_sort=False)
         self.config = CanaryConfig(mode=mode, real_kv_hash_mode=real_data,
+                                   real_data_layers=real_data_layers,
+                                   real_data_layers_per_forward=layers_per_forward,
                                    enable_mha_v=enable_mha_v, stats_print_every_n_steps=stats_every,
                                    enable_verify_token_assert=verify_tokens,
                                    sweep_interval=sweep_interval, ring_capacity=ring_capacity,
@@ -650,6 +652,29 @@ class ServingDriver:
         row[byte] ^= 0xFF
         return dict(rid=victim.rid, row=victim.row, position=p, slot=slot, old=old,
                     new=int(row[byte]))
+
+    def layer_rows(self, layer: int, half: str):
+        """The pool's per-layer buffer of (local) ``layer`` and ``half`` ('k' or 'v'); MLA
+        pools have K (latent) rows only."""
+        if self.pool_kind in ("mla", "nsa"):
+            if half != "k":
+                raise RuntimeError("driver: MLA pools have no V rows")
+            return self.kv_pool.kv_buffer[layer]
+        pool = self.kv_pool.swa_kv_pool if self.pool_kind == "swa" else self.mha_pool
+        return (pool.k_buffer if half == "k" else pool.v_buffer)[layer]
+
+    def fault_flip_layer_byte(self, layer: int, half: str, *, slot=None) -> dict:
+        """Flip the first byte of ``layer``'s ``half`` row of a slot a running request reads
+        (or of ``slot``)."""
+        info = {}
+        if slot is None:
+            victim = self.victim_request()
+            p = self.rng.randrange(0, victim.kv_len - 1)
+            slot = victim.slots[p]
+            info = dict(rid=victim.rid, row=victim.row, position=p)
+        row = self.layer_rows(layer, half)[slot].view(torch.uint8).view(-1)
+        row[0] ^= 0x01
+        return dict(info, slot=slot, layer=layer, half=half)
 
     def shifted_chunk_batch(self, shift: int = 1):
         """A new request's second prefill chunk with its positions off by ``shift`` (a

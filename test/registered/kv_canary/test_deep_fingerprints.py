@@ -210,3 +210,64 @@ def test_table_validation_names_the_problem(device):
                                       device=device)
     table = _table(k, v, RealKvHashMode.ALL, layers_per_forward=99)
     assert table.columns_per_forward == 2 * LAYERS and table.forwards_per_rotation == 1
+
+
+# ---- the runtime: a serving loop on real sglang pools (torch references on CPU) ----------------
+
+from serving_driver import ServingDriver  # noqa: E402
+
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines  # noqa: E402
+
+
+def _driver(pool, layers, **kw):
+    extra = dict(swa_window=12, num_swa_slots=200) if pool == "swa" else {}
+    return ServingDriver(pool=pool, mode="raise", real_data="partial", seed=5,
+                         real_data_layers=layers, **extra, **kw)
+
+
+@pytest.mark.parametrize("pool", ["mha", "swa", "mla", "hybrid"])
+def test_serving_loop_with_every_layer_is_clean(pool, reference_kernels_on_cpu):
+    d = _driver(pool, "all", sweep_interval=3)
+    d.run(60)
+    for group in d.groups:
+        assert group.deep is not None
+        assert bool((group.deep.table[1:] != 0).any())  # written
+        assert int(group.deep.cursor[0]) > 0  # rotated
+    # the model's layer ids: SWA sub-pools and the hybrid full-attention pool map theirs
+    layers = {"mha": [[0, 1]], "swa": [[1], [0]], "mla": [[0, 1]], "hybrid": [[1, 3]]}[pool]
+    assert [list(g.deep.layers) for g in d.groups] == layers
+
+
+# (pool, local layer index, half, the model's layer id it is)
+LAST_LAYER_CASES = [("mha", 1, "v", 1), ("mha", 1, "k", 1), ("mla", 1, "k", 1),
+                    ("hybrid", 1, "v", 3)]
+
+
+@pytest.mark.parametrize("pool,layer,half,model_layer", LAST_LAYER_CASES)
+def test_flip_in_the_last_layer_is_caught_within_the_bound(pool, layer, half, model_layer,
+                                                           reference_kernels_on_cpu):
+    d = _driver(pool, "all")
+    d.run(40)
+    d.settle()
+    info = d.fault_flip_layer_byte(layer, half)
+    bound = d.groups[0].deep.forwards_per_rotation
+    with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
+        for _ in range(bound):
+            d.step()
+    found = parse_violation_lines(str(exc.value))
+    hit = [v for v in found if v.slot_idx == info["slot"]]
+    assert hit and hit[0].kv_layer == model_layer, found
+    assert hit[0].launch_tag == f"TAIL_{half.upper()}_FULL"
+    assert hit[0].fail_reasons == ("verify_real_kv_hash",)
+
+
+@pytest.mark.parametrize("pool,layer,half,model_layer", LAST_LAYER_CASES[:2])
+def test_first_layer_only_misses_the_same_flip(pool, layer, half, model_layer,
+                                               reference_kernels_on_cpu):
+    """The documented gap of ``--kv-canary-real-data-layers first``: the same flip runs clean."""
+    d = _driver(pool, "first")
+    d.run(40)
+    d.settle()
+    d.fault_flip_layer_byte(layer, half)
+    for _ in range(4):
+        d.step()

@@ -375,7 +375,7 @@ def _report(tag, reason, slot, step):
     from sglang.srt.kv_canary.runner.violation import format_violation_block
 
     bits = FailReason[reason.upper() + "_MISMATCH"]
-    row = [int(CanaryLaunchTag[tag]), slot, 3, 1, 1, 0, 0, int(bits), 3, 1]  # + read pos, row
+    row = [int(CanaryLaunchTag[tag]), slot, 3, 1, 1, 0, 0, int(bits), 3, 1, -1]  # + read pos, row, layer
     return format_violation_line(row, step=step) + "\n" + format_violation_block(row, step) + "\n"
 
 
@@ -401,7 +401,7 @@ def test_demo_verdicts():
     from sglang.srt.kv_canary.runner.violation import merge_incidents
 
     bits = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
-    both = merge_incidents([[int(CanaryLaunchTag[t]), 11, 3, 1, 1, 0, 0, bits, 3, 1]
+    both = merge_incidents([[int(CanaryLaunchTag[t]), 11, 3, 1, 1, 0, 0, bits, 3, 1, -1]
                             for t in ("HEAD_K_FULL", "TAIL_K_FULL")])
     assert len(both) == 1
     seen = evaluate(case, inj + format_violation_line(both[0], step=32) + "\n", 1)

@@ -197,12 +197,13 @@ def test_repr_and_the_installed_line_show_every_setting(monkeypatch, model_dir):
                kwargs(model_dir, kv_canary="raise", kv_canary_sweep_interval=5)):
         text = repr(sa)
         described = CanaryConfig.from_server_args(sa).describe()
-        # the three flags, then the effective config (environment included)
+        # the four flags, then the effective config (environment included)
         assert text.endswith("kv_canary='raise', kv_canary_sweep_interval=5, "
-                             f"kv_canary_real_data='none', kv_canary_config={described!r})"
-                             ), text[-400:]
+                             "kv_canary_real_data='none', kv_canary_real_data_layers='first', "
+                             f"kv_canary_config={described!r})"), text[-400:]
         assert "ring_capacity=64 token_checks=on" in text
-        for word in ("mode=raise", "real_data=none", "sweep_interval=5", "ring_capacity=64",
+        for word in ("mode=raise", "real_data=none", "real_data_layers=first",
+                     "layers_per_forward=1", "sweep_interval=5", "ring_capacity=64",
                      "token_checks=on", "token_oracle=off", "write_input_check=off",
                      "v_half=off", "stats_every=100", "swa_divergence_every=0",
                      "fault_injection=off"):

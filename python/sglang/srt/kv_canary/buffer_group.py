@@ -8,7 +8,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES, PoolKind, RealKvSource
+from sglang.jit_kernel.kv_canary.types import (
+    CANARY_SLOT_BYTES,
+    DeepColumn,
+    DeepFingerprintTable,
+    PoolKind,
+    RealKvSource,
+)
 
 __all__ = ["CanaryBufferGroup", "PoolKind"]
 
@@ -23,6 +29,9 @@ class CanaryBufferGroup:
     when V-half launches are off. ``swa_index_lut`` maps FULL slots to this group's slots (SWA
     groups only; 0 = evicted) and ``swa_window_size`` is the sliding window (0 for FULL).
     ``kv_token_id_vs_position_offset`` is 1 for EAGLE draft pools, else 0.
+    ``layer_columns``: every layer's K (and V) rows of this group's pool, layer-major (what the
+    per-layer fingerprints and the perturbation's layer targets address); ``deep``: the
+    per-layer fingerprint table over them (``--kv-canary-real-data-layers all``), else None.
     """
 
     kind: PoolKind
@@ -35,6 +44,8 @@ class CanaryBufferGroup:
     swa_index_lut: Optional[torch.Tensor]
     kv_token_id_vs_position_offset: int
     swa_window_size: int = 0
+    layer_columns: Tuple[DeepColumn, ...] = ()
+    deep: Optional[DeepFingerprintTable] = None
 
     def __post_init__(self):
         if not isinstance(self.kind, PoolKind):
@@ -54,6 +65,9 @@ class CanaryBufferGroup:
                 raise ValueError("a SWA group needs swa_index_lut and swa_window_size > 0")
         elif self.swa_index_lut is not None or self.swa_window_size:
             raise ValueError("a FULL group has no swa_index_lut and no window")
+        object.__setattr__(self, "layer_columns", tuple(self.layer_columns))
+        if self.deep is not None and self.deep.num_slots != rows:
+            raise ValueError(f"deep table has {self.deep.num_slots} rows, the group {rows}")
 
     @property
     def num_slots(self) -> int:

@@ -10,6 +10,7 @@ import logging
 from sglang.jit_kernel.kv_canary.consts import RealKvHashMode
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.envs import (
+    MAX_LAYERS_PER_FORWARD,
     MAX_RING_CAPACITY,
     MAX_STEP_INTERVAL,
     canary_envs,
@@ -66,6 +67,23 @@ def parse_real_data(value, *, flag: str = "--kv-canary-real-data") -> RealKvHash
     return REAL_DATA_CHOICES[choice]
 
 
+class RealDataLayers(str, enum.Enum):
+    """``--kv-canary-real-data-layers``: whose KV rows the real-data fingerprints cover."""
+
+    FIRST = "first"  # layer 0's K row (and V with SGLANG_KV_CANARY_ENABLE_MHA_V), in the record
+    ALL = "all"  # also every layer's K and V rows, in a per-layer table
+
+    @classmethod
+    def parse(cls, value, *, flag: str = "--kv-canary-real-data-layers") -> "RealDataLayers":
+        if isinstance(value, cls):
+            return value
+        choice = value.strip().lower() if isinstance(value, str) else None
+        if choice not in {m.value for m in cls}:
+            raise ValueError(
+                f"invalid {flag} value {value!r}; allowed: {', '.join(m.value for m in cls)}")
+        return cls(choice)
+
+
 def parse_sweep_interval(value, *, flag: str = "--kv-canary-sweep-interval") -> int:
     """An int, or a string of decimal digits, from 0 (off) to ``MAX_STEP_INTERVAL``; anything
     else (a bool, a float, ``None``, ``'abc'``) raises ``ValueError`` naming ``flag``."""
@@ -82,14 +100,17 @@ def parse_sweep_interval(value, *, flag: str = "--kv-canary-sweep-interval") -> 
 
 
 def normalize_canary_values(values: dict) -> dict:
-    """The three canary server arguments (``kv_canary``, ``kv_canary_sweep_interval``,
-    ``kv_canary_real_data``) checked and in their canonical form (lower-case names, an int).
+    """The four canary server arguments (``kv_canary``, ``kv_canary_sweep_interval``,
+    ``kv_canary_real_data``, ``kv_canary_real_data_layers``) checked and in their canonical
+    form (lower-case names, an int).
     The one parse of every start-up route: Engine / ServerArgs keyword arguments, the command
     line and ``--config`` YAML. Raises ``ValueError`` naming the flag."""
     return {
         "kv_canary": CanaryMode.parse(values["kv_canary"]).value,
         "kv_canary_sweep_interval": parse_sweep_interval(values["kv_canary_sweep_interval"]),
         "kv_canary_real_data": parse_real_data(values["kv_canary_real_data"]).name.lower(),
+        "kv_canary_real_data_layers": RealDataLayers.parse(
+            values["kv_canary_real_data_layers"]).value,
     }
 
 
@@ -110,6 +131,8 @@ class CanaryConfig:
     ring_capacity: int = 1024
     sweep_interval: int = 0
     real_kv_hash_mode: RealKvHashMode = RealKvHashMode.NONE
+    real_data_layers: RealDataLayers = RealDataLayers.FIRST
+    real_data_layers_per_forward: int = 1
     enable_write_input_assert: bool = False
     enable_verify_token_assert: bool = False
     stats_print_every_n_steps: int = 100
@@ -123,8 +146,10 @@ class CanaryConfig:
         object.__setattr__(self, "real_kv_hash_mode", parse_real_data(self.real_kv_hash_mode)
                            if not isinstance(self.real_kv_hash_mode, int)
                            else RealKvHashMode(self.real_kv_hash_mode))
+        object.__setattr__(self, "real_data_layers", RealDataLayers.parse(self.real_data_layers))
         for name, minimum, maximum in (
                 ("ring_capacity", 1, MAX_RING_CAPACITY), ("sweep_interval", 0, MAX_STEP_INTERVAL),
+                ("real_data_layers_per_forward", 1, MAX_LAYERS_PER_FORWARD),
                 ("stats_print_every_n_steps", 0, MAX_STEP_INTERVAL),
                 ("swa_divergence_stats_interval", 0, MAX_STEP_INTERVAL)):
             value = getattr(self, name)
@@ -141,6 +166,11 @@ class CanaryConfig:
             raise ValueError(
                 f"--kv-canary-real-data={self.real_kv_hash_mode.name.lower()} needs the canary "
                 "on: pass --kv-canary log, raise or abort (or drop it)")
+        if (self.real_data_layers == RealDataLayers.ALL
+                and self.real_kv_hash_mode == RealKvHashMode.NONE):
+            raise ValueError(
+                "--kv-canary-real-data-layers=all fingerprints every layer's KV rows: it needs "
+                "--kv-canary-real-data partial or all (or drop it)")
         if self.enable_token_oracle and not self.enabled:
             raise ValueError(
                 f"the token oracle (--sampling-backend {TOKEN_ORACLE_BACKEND} or "
@@ -167,6 +197,8 @@ class CanaryConfig:
         on = {True: "on", False: "off"}
         faults = ",".join(k.value for k in self.perturb.active_faults) or "off"
         return (f"mode={self.mode.value} real_data={self.real_kv_hash_mode.name.lower()} "
+                f"real_data_layers={self.real_data_layers.value} "
+                f"layers_per_forward={self.real_data_layers_per_forward} "
                 f"sweep_interval={self.sweep_interval} ring_capacity={self.ring_capacity} "
                 f"token_checks={on[self.enable_verify_token_assert]} "
                 f"token_oracle={on[self.enable_token_oracle]} "
@@ -186,6 +218,7 @@ class CanaryConfig:
         mode = CanaryMode.parse(value(server_args, "kv_canary", "none"))
         sweep_interval = parse_sweep_interval(value(server_args, "kv_canary_sweep_interval", 0))
         real_data = parse_real_data(value(server_args, "kv_canary_real_data", "none"))
+        layers = RealDataLayers.parse(value(server_args, "kv_canary_real_data_layers", "first"))
         oracle_flag = (value(server_args, "sampling_backend", None) == TOKEN_ORACLE_BACKEND
                        or bool(value(server_args, TOKEN_ORACLE_REQUESTED_ATTR, False)))
         for name, suggestion in unknown_canary_variables():
@@ -197,11 +230,14 @@ class CanaryConfig:
                 _warn_once("kv_canary: the canary is off (--kv-canary none); these variables "
                            f"are ignored: {', '.join(ignored)}")
             return cls(mode=mode, sweep_interval=sweep_interval, real_kv_hash_mode=real_data,
-                       enable_token_oracle=oracle_flag)
+                       real_data_layers=layers, enable_token_oracle=oracle_flag)
         return cls(
             mode=mode,
             sweep_interval=sweep_interval,
             real_kv_hash_mode=real_data,
+            real_data_layers=layers,
+            real_data_layers_per_forward=(
+                canary_envs.SGLANG_KV_CANARY_REAL_DATA_LAYERS_PER_FORWARD.get()),
             ring_capacity=canary_envs.SGLANG_KV_CANARY_RING_CAPACITY.get(),
             enable_write_input_assert=canary_envs.SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT.get(),
             enable_verify_token_assert=canary_envs.SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT.get(),
@@ -227,4 +263,6 @@ def perturb_config_from_env() -> PerturbConfig:
         real_kv_post_forward_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB.get(),
         next_token_swap_prob=e.SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB.get(),
         target_group=parse_target_group(e.SGLANG_KV_CANARY_PERTURB_TARGET_GROUP.get()),
+        target_layer=e.SGLANG_KV_CANARY_PERTURB_TARGET_LAYER.get(),
+        target_half=e.SGLANG_KV_CANARY_PERTURB_TARGET_HALF.get(),
     )

@@ -20,7 +20,8 @@ PREFIX = "SGLANG_KV_CANARY_"
 # upper bounds of the numeric settings (checked at start-up; a larger value is a typo, and an
 # absurd ring capacity would fail at allocation without naming the variable)
 MAX_STEP_INTERVAL = 10**9  # forward steps
-MAX_RING_CAPACITY = 1 << 20  # violation rows of 64 bytes: 64 MiB of device memory
+MAX_RING_CAPACITY = 1 << 20  # violation rows of 88 bytes: 88 MiB of device memory
+MAX_LAYERS_PER_FORWARD = 4096  # more than any model's layer count
 
 
 class _Strict(abc.ABC):
@@ -123,6 +124,19 @@ class _Choice(_Strict):
         return v
 
 
+class _Layer(_Strict):
+    """A KV layer: a non-negative sglang layer id, or ``last``. Whether the pool has that layer
+    is checked against the pool at start-up (the perturber)."""
+
+    allowed = "a layer id (0, 1, ...) or 'last'"
+
+    def parse(self, value: str) -> str:
+        v = value.strip().lower()
+        if v != "last" and not v.isdigit():
+            raise ValueError("not a layer")
+        return v if v == "last" else str(int(v))
+
+
 class CanaryEnvs:
     """Every ``SGLANG_KV_CANARY_*`` variable with its default (docs/user_guide.md,
     "Environment variables")."""
@@ -132,6 +146,7 @@ class CanaryEnvs:
     SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT = _Bool(False)
     SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT = _Bool(False)
     SGLANG_KV_CANARY_ENABLE_MHA_V = _Bool(False)
+    SGLANG_KV_CANARY_REAL_DATA_LAYERS_PER_FORWARD = _pos_int(1, maximum=MAX_LAYERS_PER_FORWARD)
     SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL = _non_neg_int(0)
     SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE = _Bool(False)
     SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS = _non_neg_int(50)
@@ -141,6 +156,8 @@ class CanaryEnvs:
     SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB = _Prob(0.0)
     SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB = _Prob(0.0)
     SGLANG_KV_CANARY_PERTURB_TARGET_GROUP = _Choice("", ("", "full", "swa"))
+    SGLANG_KV_CANARY_PERTURB_TARGET_LAYER = _Layer("0")
+    SGLANG_KV_CANARY_PERTURB_TARGET_HALF = _Choice("k", ("k", "v"))
     SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB = _Prob(0.0)
 
 

@@ -15,6 +15,7 @@ import argparse
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.config import (
     REAL_DATA_CHOICES,
+    RealDataLayers,
     TOKEN_ORACLE_REQUESTED_ATTR,
     CanaryMode,
     normalize_canary_values,
@@ -26,6 +27,7 @@ DEFAULTS = {
     "kv_canary": "none",
     "kv_canary_sweep_interval": 0,
     "kv_canary_real_data": "none",
+    "kv_canary_real_data_layers": "first",
 }
 
 
@@ -67,6 +69,14 @@ def add_canary_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=list(REAL_DATA_CHOICES),
         help="Also fingerprint the real KV bytes: 'partial' (first 16 bytes of layer 0's "
              "row), 'all' (the whole row) or 'none' (default).")
+    group.add_argument(
+        "--kv-canary-real-data-layers", type=_choice,
+        default=DEFAULTS["kv_canary_real_data_layers"],
+        choices=[m.value for m in RealDataLayers],
+        help="Which layers the real-data fingerprints cover: 'first' (default: layer 0's K "
+             "row) or 'all' (every layer's K and V rows: all checked at write time and by the "
+             "sweep, a rotating window of layers on every read). Needs --kv-canary-real-data "
+             "partial or all.")
 
 
 def pop_canary_kwargs(kwargs: dict) -> dict:

@@ -12,7 +12,7 @@ import dataclasses
 import enum
 from typing import Optional
 
-from sglang.jit_kernel.kv_canary.types import PoolKind
+from sglang.jit_kernel.kv_canary.types import KvHalf, PoolKind
 
 
 class FaultKind(str, enum.Enum):
@@ -37,6 +37,9 @@ REAL_KV_FAULTS = frozenset({FaultKind.REAL_KV_USED, FaultKind.REAL_KV_UNUSED_CAC
                             FaultKind.REAL_KV_POST_FORWARD})
 
 TARGET_GROUP_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"
+TARGET_LAYER_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_LAYER"
+TARGET_HALF_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_HALF"
+LAST_LAYER = "last"
 _TARGET_GROUPS = {"full": PoolKind.FULL, "swa": PoolKind.SWA}
 
 
@@ -44,9 +47,12 @@ _TARGET_GROUPS = {"full": PoolKind.FULL, "swa": PoolKind.SWA}
 class PerturbConfig:
     """Per-step probabilities of each fault (``[0, 1]``), the warm-up and the real-KV target.
 
-    ``target_group`` (``PoolKind`` or None) is required when a real-KV fault is on. Checks that
-    need the rest of the canary config (real-data mode, sweep, token oracle) are done by
-    :meth:`check_against`.
+    ``target_group`` (``PoolKind`` or None) is required when a real-KV fault is on.
+    ``target_layer`` (a layer id, or ``"last"``: the group's last layer) and ``target_half``
+    (``KvHalf``) say whose row a real-KV fault flips a byte of (default: layer 0's K, the row
+    ``--kv-canary-real-data-layers first`` fingerprints); whether the pool has that layer and
+    half is checked against it at start-up (the perturber). Checks that need the rest of the
+    canary config (real-data mode, sweep, token oracle) are done by :meth:`check_against`.
     """
 
     warmup_steps: int = 50
@@ -57,6 +63,8 @@ class PerturbConfig:
     real_kv_post_forward_prob: float = 0.0
     next_token_swap_prob: float = 0.0
     target_group: Optional[PoolKind] = None
+    target_layer: object = 0  # int >= 0 or LAST_LAYER
+    target_half: KvHalf = KvHalf.K
     seed: int = 0
 
     def __post_init__(self):
@@ -76,6 +84,23 @@ class PerturbConfig:
             object.__setattr__(self, "target_group", parse_target_group(self.target_group))
         if self.target_group is not None and not isinstance(self.target_group, PoolKind):
             raise ValueError(f"{TARGET_GROUP_VAR} must be full or swa, got {self.target_group!r}")
+        layer = self.target_layer
+        if isinstance(layer, str) and layer.strip().isdigit():
+            layer = int(layer.strip())
+        elif isinstance(layer, str) and layer.strip().lower() == LAST_LAYER:
+            layer = LAST_LAYER
+        if layer != LAST_LAYER and (isinstance(layer, bool) or not isinstance(layer, int)
+                                    or layer < 0):
+            raise ValueError(f"{TARGET_LAYER_VAR} must be a layer id (0, 1, ...) or "
+                             f"'{LAST_LAYER}', got {self.target_layer!r}")
+        object.__setattr__(self, "target_layer", layer)
+        half = self.target_half
+        if not isinstance(half, KvHalf):
+            try:
+                half = KvHalf(str(half).strip().lower())
+            except ValueError:
+                raise ValueError(f"{TARGET_HALF_VAR} must be k or v, got {half!r}") from None
+        object.__setattr__(self, "target_half", half)
         real_on = [k.env_var for k in REAL_KV_FAULTS if self.prob(k) > 0]
         if real_on and self.target_group is None:
             raise ValueError(f"{', '.join(sorted(real_on))} > 0 needs {TARGET_GROUP_VAR}=full "
@@ -91,6 +116,11 @@ class PerturbConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.active_faults)
+
+    @property
+    def targets_layer_0_k(self) -> bool:
+        """Real-KV faults hit layer 0's K row (the default target)."""
+        return self.target_layer == 0 and self.target_half == KvHalf.K
 
     def check_against(self, *, canary_enabled: bool, real_kv_hash_on: bool, sweep_interval: int,
                       token_oracle: bool) -> None:

@@ -34,7 +34,13 @@ import torch
 
 from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
-from sglang.srt.kv_canary.perturb.config import FaultKind, PerturbConfig
+from sglang.srt.kv_canary.perturb.config import (
+    LAST_LAYER,
+    TARGET_HALF_VAR,
+    TARGET_LAYER_VAR,
+    FaultKind,
+    PerturbConfig,
+)
 from sglang.srt.kv_canary.perturb.real_kv import flip_first_byte
 from sglang.srt.kv_canary.perturb.report import log_perturbation
 from sglang.srt.kv_canary.plan_input import host_prefix_extend
@@ -67,6 +73,35 @@ class CanaryPerturber:
                     f"but this pool has only {', '.join(g.kind.name.lower() for g in groups)} "
                     "canary groups")
             self.target = matches[0]
+        self.flip_source, self.flip_layer = (self._resolve_flip_target()
+                                             if self.target is not None else (None, None))
+
+    def _resolve_flip_target(self):
+        """The real-KV source (and its sglang layer id) a real-KV fault flips a byte of:
+        ``SGLANG_KV_CANARY_PERTURB_TARGET_LAYER`` / ``_TARGET_HALF`` of the target group
+        (default: layer 0's K row, the one ``--kv-canary-real-data-layers first`` guards).
+        Refuses a layer or half the group's pool does not have."""
+        cfg, group = self.config, self.target
+        cols = group.layer_columns
+        if cfg.targets_layer_0_k:  # the row the record's fingerprint covers (a pipeline
+            # stage's first layer when it does not hold layer 0)
+            return group.real_kv_sources_k[0], (cols[0].layer_id if cols else 0)
+        layers = sorted({c.layer_id for c in cols})
+        if not layers:
+            raise ValueError(
+                f"{TARGET_LAYER_VAR}={cfg.target_layer} / {TARGET_HALF_VAR}="
+                f"{cfg.target_half.value}: the {group.kind.name.lower()} group of this pool has "
+                "no per-layer rows to target; leave both unset (layer 0's K row)")
+        layer = layers[-1] if cfg.target_layer == LAST_LAYER else cfg.target_layer
+        for col in cols:
+            if col.layer_id == layer and col.half == cfg.target_half:
+                return col.source, layer
+        halves = sorted({c.half.value for c in cols})
+        raise ValueError(
+            f"{TARGET_LAYER_VAR}={cfg.target_layer}, {TARGET_HALF_VAR}={cfg.target_half.value}: "
+            f"the {group.kind.name.lower()} group has layers {layers[0]}..{layers[-1]} "
+            f"({', '.join(map(str, layers))}) and halves {', '.join(halves)}; allowed: one of "
+            f"those layer ids or '{LAST_LAYER}', and one of those halves")
 
     # ---- scheduling ------------------------------------------------------------------------
 
@@ -166,11 +201,12 @@ class CanaryPerturber:
         slot = self._target_slot(full_slot)
         if slot <= 0:
             return False
-        source = self.target.real_kv_sources_k[0]
+        source = self.flip_source
         flip = flip_first_byte(source, slot)
         if undo_after_forward:  # flipping the same byte again restores it
             self._undo.append(lambda: flip_first_byte(source, slot))
-        self._log(kind, group=self.target.kind.name.lower(), slot=slot, full_slot=full_slot,
+        self._log(kind, group=self.target.kind.name.lower(), layer=self.flip_layer,
+                  half=self.config.target_half.value, slot=slot, full_slot=full_slot,
                   row=flip.row, byte=flip.byte, old=f"0x{flip.old:02x}", new=f"0x{flip.new:02x}",
                   **fields)
         return True

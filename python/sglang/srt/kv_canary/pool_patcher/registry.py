@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 
@@ -41,7 +41,8 @@ def supported_pool_names() -> List[str]:
 
 
 def attach_canary_buffers(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
-                          swa_window_size: Optional[int] = None) -> List[CanaryBufferGroup]:
+                          swa_window_size: Optional[int] = None,
+                          layer_ids: Optional[Sequence[int]] = None) -> List[CanaryBufferGroup]:
     """Allocate canary buffers for ``pool``, splice them into its buf-info methods (so PD
     transfers carry them), and return the buffer groups. Dispatches on the pool's class (exact
     match first, then its base classes); an unsupported pool raises ``NotImplementedError``
@@ -50,14 +51,18 @@ def attach_canary_buffers(*, pool, config, device, kv_token_id_vs_position_offse
     ``swa_window_size``: the sliding window (tokens) of the model's SWA layers, i.e.
     ``ModelRunner.sliding_window_size`` (what the scheduler's SWA eviction uses). Needed by
     the SWA / DeepSeek-V4 attachers (the DSV4 one falls back to the pool's own
-    ``swa_window_size``); ignored by pools without a window. ``None`` = not known."""
+    ``swa_window_size``); ignored by pools without a window. ``None`` = not known.
+    ``layer_ids``: the model's layer id of each of the pool's layers, for a pool held inside
+    another whose layers are a subset of the model's (the hybrid pool's full-attention pool);
+    None = the pool's own numbering from its ``start_layer``. Attachers of pools with their
+    own layer map (SWA, DeepSeek-V4) ignore it."""
     _load_adapters()
     for cls in type(pool).__mro__:
         attacher = _ATTACHERS.get(cls)
         if attacher is not None:
             return attacher(pool=pool, config=config, device=device,
                             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-                            swa_window_size=swa_window_size)
+                            swa_window_size=swa_window_size, layer_ids=layer_ids)
     raise NotImplementedError(
         f"kv_canary does not support KV pool {type(pool).__name__}; supported pools: "
         f"{', '.join(supported_pool_names())}. Run without --kv-canary for this model."

@@ -4,7 +4,8 @@
 Per-forward checks only see slots that running requests read; KV idle in the radix cache
 could rot unseen until a later request hits it. Runs after a forward, outside any graph, over
 every buffer group with its SWEEP endpoints (which verify the TAIL records, with the real-KV
-fingerprint when ``--kv-canary-real-data`` is on). One plan buffer is reused across passes and
+fingerprint when ``--kv-canary-real-data`` is on, and every layer's with
+``--kv-canary-real-data-layers all``). One plan buffer is reused across passes and
 large caches are verified in chunks of its capacity.
 """
 
@@ -16,6 +17,7 @@ from sglang.jit_kernel.kv_canary.types import CanaryPhase, PoolKind, VerifyPlan
 from sglang.jit_kernel.kv_canary.verify import launch_canary_verify_kernel
 from sglang.srt.kv_canary.endpoint import CanaryEndpoint
 from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
+from sglang.srt.kv_canary.single_forward_manager.launches import launch_deep_verify
 from sglang.srt.kv_canary.sweep_plan_builder import build_verify_plan_radix_sweep
 
 SWEEP_CHUNK_CAPACITY = 1 << 20
@@ -61,4 +63,5 @@ class SweepOrchestrator:
                     swa_index_lut=ep.group.swa_index_lut)
                 launch_canary_verify_kernel(context=ep.context, plan=self.plan,
                                             check_verify_expected_token=False)
+                launch_deep_verify(ep, self.plan, rotate=False)  # every layer, if on
         self.sweep_passes += 1

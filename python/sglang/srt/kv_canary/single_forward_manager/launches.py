@@ -11,9 +11,15 @@ from typing import Iterable, Mapping, Optional, Tuple
 
 import torch
 
+from sglang.jit_kernel.kv_canary.deep import (
+    launch_deep_fingerprint_verify,
+    launch_deep_fingerprint_write,
+)
 from sglang.jit_kernel.kv_canary.plan import launch_canary_plan_kernels
 from sglang.jit_kernel.kv_canary.types import (
+    CanaryLaunchTag,
     CanaryPhase,
+    KvHalf,
     PoolKind,
     VerifyPlan,
     WriteParts,
@@ -128,3 +134,34 @@ def launch_writes(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
             expected_input_tokens=expected_inputs[0] if expected_inputs is not None else None,
             expected_input_positions=expected_inputs[1] if expected_inputs is not None else None,
         )
+
+
+def launch_deep_verify(ep: CanaryEndpoint, plan: VerifyPlan, *, rotate: bool) -> None:
+    """Per-layer fingerprint check of ``plan``'s slots for ``ep``'s group (a no-op without a
+    table; called for the group's K endpoint of the phase: one launch covers both halves):
+    the forward's rotating window (``rotate``) or every layer (the sweep)."""
+    group = ep.group
+    if group.deep is None or ep.half != KvHalf.K:
+        return
+    launch_deep_fingerprint_verify(
+        table=group.deep, plan=plan, canary_buf=ep.context.canary_buf,
+        violation_ring=ep.context.violation_ring,
+        violation_write_index=ep.context.violation_write_index,
+        tag_k=ep.tag, tag_v=CanaryLaunchTag.of(ep.phase, KvHalf.V, group.kind), rotate=rotate)
+
+
+def launch_deep_verifies(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
+                         plans_by_group: PlansByGroup) -> None:
+    """The forward's rotating per-layer check of every group with a table, on its plan."""
+    for ep in endpoints:
+        if ep.phase == phase:
+            launch_deep_verify(ep, plans_by_group[ep.group].verify_plan, rotate=True)
+
+
+def launch_deep_writes(plans_by_group: PlansByGroup, out_cache_loc: torch.Tensor) -> None:
+    """Every layer's fingerprint of the slots this forward wrote, for every group with a
+    table (SWA groups: the slots the write translated, :func:`translated_slots`)."""
+    for group, plans in plans_by_group.items():
+        if group.deep is not None:
+            launch_deep_fingerprint_write(table=group.deep, plan=plans.write_plan,
+                                          out_cache_loc=translated_slots(plans, out_cache_loc))

@@ -39,6 +39,8 @@ from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
 from sglang.srt.kv_canary.plan_input import PlanInput
 from sglang.srt.kv_canary.single_forward_manager.launches import (
     GroupPlans,
+    launch_deep_verifies,
+    launch_deep_writes,
     launch_group_plan,
     launch_verifies,
     launch_writes,
@@ -209,11 +211,15 @@ class SingleForwardManager:
 
     def post_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
         """Join the side stream, then TAIL verify (records and real-KV fingerprints of the
-        prefix, after the forward) and the TAIL writes' fingerprints of the new slots."""
+        prefix, after the forward; with per-layer fingerprints also this forward's window of
+        layers) and the TAIL writes' fingerprints of the new slots (every layer's, with
+        per-layer fingerprints)."""
         self._advance(SfmOp.POST_MAYBE_INSIDE_GRAPH)
         self._join()
         self._verify(CanaryPhase.TAIL)
+        launch_deep_verifies(self.endpoints, CanaryPhase.TAIL, plans_by_group=self.plans)
         self._write(CanaryPhase.TAIL, WriteParts.FINGERPRINT, forward_batch)
+        launch_deep_writes(self.plans, forward_batch.out_cache_loc)
 
     def mark_replayed_inside_graph(self) -> None:
         self._advance(SfmOp.MARK_REPLAYED_INSIDE_GRAPH)

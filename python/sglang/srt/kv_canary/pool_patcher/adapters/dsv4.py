@@ -42,7 +42,7 @@ swa_page_size``), the compress-state entries after them untouched.
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -91,7 +91,8 @@ def dsv4_layer_sources(kv_pool, layer: int = 0) -> Tuple[RealKvSource, RealKvSou
 
 
 def attach_dsv4(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
-                swa_window_size: Optional[int] = None) -> List[CanaryBufferGroup]:
+                swa_window_size: Optional[int] = None,
+                layer_ids: Optional[Sequence[int]] = None) -> List[CanaryBufferGroup]:
     """``[FULL group, SWA group]`` for a ``DeepSeekV4TokenToKVPool`` (see module doc).
     ``swa_window_size`` defaults to the pool's own ``swa_window_size``."""
     swa_pool = require_sub_pool(pool, "swa_kv_pool")

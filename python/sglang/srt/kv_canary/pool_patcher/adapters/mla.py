@@ -27,12 +27,17 @@ The indexer's ``get_state_buf_infos`` is left as is (it moves whole pages of sta
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from sglang.jit_kernel.kv_canary.types import PoolKind, RealKvSource
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.pool_patcher.buf_info_splice import splice_into_method
 from sglang.srt.kv_canary.pool_patcher.buffer_alloc import allocate_canary_buffer
+from sglang.srt.kv_canary.pool_patcher.layer_columns import (
+    deep_table_for,
+    layer_columns,
+    pool_layer_ids,
+)
 from sglang.srt.kv_canary.sglang_seam import import_sglang_class
 
 logger = logging.getLogger(__name__)
@@ -71,10 +76,15 @@ def mla_sources(kv_pool) -> Tuple[RealKvSource, ...]:
     return tuple(sources)
 
 
-def build_mla_group(kv_pool, *, device, kv_token_id_vs_position_offset: int
-                    ) -> CanaryBufferGroup:
-    """K head / tail buffers of ``size + page_size`` rows (one per latent row); no V half."""
+def build_mla_group(kv_pool, *, config, device, kv_token_id_vs_position_offset: int,
+                    layer_ids: Optional[Sequence[int]] = None) -> CanaryBufferGroup:
+    """K head / tail buffers of ``size + page_size`` rows (one per latent row); no V half.
+    Per-layer columns: every layer's latent rows (K only)."""
     num_slots = kv_pool.kv_buffer[0].shape[0]
+    if layer_ids is None:
+        layer_ids = pool_layer_ids(kv_pool, len(kv_pool.kv_buffer))
+    columns = layer_columns(layer_ids, kv_pool.kv_buffer,
+                            what=f"this {type(kv_pool).__name__}'s latent")
     return CanaryBufferGroup(
         kind=PoolKind.FULL,
         k_head=allocate_canary_buffer(num_slots, device),
@@ -83,22 +93,26 @@ def build_mla_group(kv_pool, *, device, kv_token_id_vs_position_offset: int
         real_kv_sources_k=mla_sources(kv_pool), real_kv_sources_v=(),
         swa_index_lut=None,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        layer_columns=columns,
+        deep=deep_table_for(columns, num_slots=num_slots, config=config, device=device),
     )
 
 
 def attach_mla(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
-               swa_window_size: Optional[int] = None) -> List[CanaryBufferGroup]:
+               swa_window_size: Optional[int] = None,
+               layer_ids: Optional[Sequence[int]] = None) -> List[CanaryBufferGroup]:
     """One FULL group over the latent rows, spliced into ``get_contiguous_buf_infos`` (every
     entry is a K entry). ``config.enable_mha_v`` is ignored: MLA has no V rows of its own.
     ``swa_window_size`` is accepted (every attacher gets it) and ignored."""
     if config.enable_mha_v:
         logger.info("kv_canary: %s has no V rows (V is part of the latent row); "
                     "SGLANG_KV_CANARY_ENABLE_MHA_V does not apply", type(pool).__name__)
-    group = build_mla_group(pool, device=device,
+    group = build_mla_group(pool, config=config, device=device, layer_ids=layer_ids,
                             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
     splice_into_method(pool, "get_contiguous_buf_infos",
                        num_k_entries=lambda infos: len(infos[0]), page_size=pool.page_size,
-                       k_head=group.k_head, k_tail=group.k_tail)
+                       k_head=group.k_head, k_tail=group.k_tail,
+                       k_extra=group.deep.table if group.deep is not None else None)
     return [group]
 
 

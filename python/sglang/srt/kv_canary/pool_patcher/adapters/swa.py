@@ -24,7 +24,7 @@ allocator updates it in place on every allocation and eviction.
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -71,18 +71,32 @@ def require_window(swa_window_size: Optional[int], pool) -> int:
     return swa_window_size
 
 
+def _global_layer_ids(pool, *, swa: bool):
+    """The model's layer ids of the full (or SWA) sub-pool's layers, in sub-pool order (from
+    ``SWAKVPool.layers_mapping``: global id -> (sub-pool index, is SWA))."""
+    mapping = getattr(pool, "layers_mapping", None)
+    if not isinstance(mapping, dict):
+        raise ValueError(f"kv_canary: {type(pool).__name__} has no layers_mapping; this sglang's "
+                         "SWA pool is not the one the canary was written for")
+    ids = sorted((idx, gid) for gid, (idx, is_swa) in mapping.items() if bool(is_swa) == swa)
+    return [gid for _, gid in ids]
+
+
 def attach_swa(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
-               swa_window_size: Optional[int] = None) -> List[CanaryBufferGroup]:
+               swa_window_size: Optional[int] = None,
+               layer_ids: Optional[Sequence[int]] = None) -> List[CanaryBufferGroup]:
     """``[FULL group, SWA group]`` for an ``SWAKVPool``; splices both (see module doc)."""
     full_pool = require_sub_pool(pool, "full_kv_pool")
     swa_pool = require_sub_pool(pool, "swa_kv_pool")
     lut = require_swa_table(pool)
     window = require_window(swa_window_size, pool)
     full = build_mha_group(full_pool, kind=PoolKind.FULL, config=config, device=device,
-                           kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+                           kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+                           layer_ids=_global_layer_ids(pool, swa=False))
     swa = build_mha_group(swa_pool, kind=PoolKind.SWA, config=config, device=device,
                           kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-                          swa_index_lut=lut, swa_window_size=window)
+                          swa_index_lut=lut, swa_window_size=window,
+                          layer_ids=_global_layer_ids(pool, swa=True))
     splice_mha_group(pool, "get_contiguous_buf_infos", full, pool.page_size)
     splice_mha_group(pool, "get_state_buf_infos", swa, pool.page_size)
     logger.info("kv_canary: SWAKVPool covered by a FULL group (%d slots) and an SWA group "
