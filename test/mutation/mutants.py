@@ -232,4 +232,66 @@ MUTANTS = (
         new="return (ref or 0) > 0",
         selection=f"{_T}/test_radix_sweep.py::test_walk_real_mamba_radix_cache",
         speed="quick", what="the sweep treats locked MambaRadixCache nodes as idle"),
+    # ---- issue 24: per-layer (deep) fingerprints -------------------------------------------------
+    Mutant(
+        id="i24-deep-verify-never-reports", path=f"{_KN}/deep.py",
+        old="bad = live & (stored != fp)", new="bad = live & (stored != stored)",
+        selection=f"{_T}/test_deep_fingerprints.py::test_flip_is_reported_by_its_column",
+        speed="quick", what="the per-layer check never reports a mismatch (Triton kernel)"),
+    Mutant(
+        id="i24-cursor-stuck", path=f"{_KN}/deep.py",
+        old="        table.cursor.add_(table.columns_per_forward)",
+        new="        pass",
+        selection=f"{_T}/test_deep_fingerprints.py::"
+                  "test_rotation_covers_every_column_within_the_bound",
+        speed="quick", what="the rotating window never moves past layer 0"),
+    Mutant(
+        id="i24-ref-wrong-half-tag", path=f"{_KN}/deep_ref.py",
+        old="tag = tag_v if column.half == KvHalf.V else tag_k", new="tag = tag_k",
+        selection=f"{_T}/test_deep_fingerprints.py::test_flip_is_reported_by_its_column",
+        speed="quick", what="the reference reports a V flip with the K tag"),
+    Mutant(
+        id="i24-no-deep-writes", path=f"{_RT}/single_forward_manager/manager.py",
+        old="        launch_deep_writes(self.plans, forward_batch.out_cache_loc)\n",
+        new="",
+        selection=f"{_T}/test_deep_fingerprints.py::test_serving_loop_with_every_layer_is_clean",
+        speed="quick", what="forwards never fill the per-layer table"),
+    Mutant(
+        id="i24-no-deep-verify", path=f"{_RT}/single_forward_manager/manager.py",
+        old="        launch_deep_verifies(self.endpoints, CanaryPhase.TAIL, plans_by_group=self.plans)\n",
+        new="",
+        selection=f"{_T}/test_deep_fingerprints.py::"
+                  "test_flip_in_the_last_layer_is_caught_within_the_bound",
+        speed="quick", what="forwards never check the per-layer table"),
+    Mutant(
+        id="i24-sweep-skips-layers", path=f"{_RT}/runner/sweep.py",
+        old="                launch_deep_verify(ep, self.plan, rotate=False)  # every layer, if on\n",
+        new="",
+        selection=f"{_T}/test_e2e_deep_server.py::"
+                  "test_last_layer_v_flips_are_caught_with_every_layer",
+        speed="slow", what="the sweep leaves the per-layer table unchecked"),
+    Mutant(
+        id="i24-hybrid-local-layer-ids", path=f"{_RT}/pool_patcher/adapters/hybrid_linear.py",
+        old="                                 layer_ids=[gid for gid, _ in sorted(mapping.items(),",
+        new="                                 layer_ids=None and [gid for gid, _ in sorted(mapping.items(),",
+        selection=f"{_T}/test_deep_fingerprints.py::"
+                  "test_flip_in_the_last_layer_is_caught_within_the_bound",
+        speed="quick", what="reports name the inner pool's index, not the model's layer"),
+    Mutant(
+        id="i24-target-ignored", path=f"{_RT}/perturb/perturber.py",
+        old="        if cfg.targets_layer_0_k:", new="        if True:",
+        selection=f"{_T}/test_deep_fingerprints.py::test_perturbation_flips_the_targeted_row",
+        speed="quick", what="SGLANG_KV_CANARY_PERTURB_TARGET_LAYER / _HALF are ignored"),
+    Mutant(
+        id="i24-table-not-spliced", path=f"{_RT}/pool_patcher/adapters/mha.py",
+        old="k_extra=group.deep.table if group.deep is not None else None)",
+        new="k_extra=None)",
+        selection=f"{_T}/test_deep_fingerprints.py::test_the_table_is_spliced_after_the_k_tail",
+        speed="quick", what="PD transfers leave the per-layer table behind"),
+    Mutant(
+        id="i24-all-without-real-data", path=f"{_RT}/config.py",
+        old="                and self.real_kv_hash_mode == RealKvHashMode.NONE):",
+        new="                and False):",
+        selection=f"{_T}/test_config.py::test_startup_refusals_name_the_flag",
+        speed="quick", what="--kv-canary-real-data-layers all starts with real data off"),
 )

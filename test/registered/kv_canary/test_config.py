@@ -53,6 +53,10 @@ def test_environment_is_parsed_once_into_the_config(monkeypatch):
     ("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "1.5", "[0, 1]"),
     ("SGLANG_KV_CANARY_PERTURB_TARGET_GROUP", "both", "'full'"),
     ("SGLANG_KV_CANARY_PERTURB_MAX_FAULTS", "-2", "an integer from 0 to"),
+    ("SGLANG_KV_CANARY_REAL_DATA_LAYERS_PER_FORWARD", "0", "an integer from 1 to 4096"),
+    ("SGLANG_KV_CANARY_PERTURB_TARGET_LAYER", "top", "a layer id (0, 1, ...) or 'last'"),
+    ("SGLANG_KV_CANARY_PERTURB_TARGET_LAYER", "-1", "a layer id (0, 1, ...) or 'last'"),
+    ("SGLANG_KV_CANARY_PERTURB_TARGET_HALF", "both", "'k', 'v'"),
 ])
 def test_bad_environment_values_name_the_variable(monkeypatch, name, value, allowed):
     monkeypatch.setenv(name, value)
@@ -65,6 +69,10 @@ def test_bad_environment_values_name_the_variable(monkeypatch, name, value, allo
 @pytest.mark.parametrize("kw,message", [
     (dict(kv_canary="sometimes"), "invalid --kv-canary value 'sometimes'"),
     (dict(kv_canary_real_data="most"), "invalid --kv-canary-real-data value 'most'"),
+    (dict(kv_canary_real_data_layers="some"),
+     "invalid --kv-canary-real-data-layers value 'some'; allowed: first, all"),
+    (dict(kv_canary_real_data_layers="all"),
+     "--kv-canary-real-data-layers=all .* needs --kv-canary-real-data partial or all"),
     (dict(kv_canary="none", kv_canary_sweep_interval=4), "--kv-canary-sweep-interval=4 needs"),
     (dict(device="cuda", disable_piecewise_cuda_graph=False), "--disable-piecewise-cuda-graph"),
     (dict(enable_torch_compile=True), "--enable-torch-compile"),
@@ -143,3 +151,19 @@ def test_config_integer_fields_are_range_checked(field, minimum, maximum):
             CanaryConfig(**mode, **{field: bad})
     for good in (minimum, maximum):
         assert getattr(CanaryConfig(**mode, **{field: good}), field) == good
+
+
+def test_real_data_layers_parse(monkeypatch):
+    """Issue 24: the flag (any case) and the layers-per-forward variable reach the config and
+    the start-up line; the perturbation targets parse a layer id or ``last`` and a half."""
+    monkeypatch.setenv("SGLANG_KV_CANARY_REAL_DATA_LAYERS_PER_FORWARD", "3")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_LAYER", " Last ")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_HALF", "V")
+    cfg = check_server_args_for_canary(_args(kv_canary_real_data="all",
+                                             kv_canary_real_data_layers=" ALL "))
+    assert cfg.real_data_layers.value == "all" and cfg.real_data_layers_per_forward == 3
+    assert "real_data=all real_data_layers=all layers_per_forward=3" in cfg.describe()
+    assert cfg.perturb.target_layer == "last" and cfg.perturb.target_half.value == "v"
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_LAYER", "07")
+    assert check_server_args_for_canary(_args()).perturb.target_layer == 7
+    assert check_server_args_for_canary(_args()).real_data_layers.value == "first"  # default

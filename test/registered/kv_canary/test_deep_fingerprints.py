@@ -271,3 +271,94 @@ def test_first_layer_only_misses_the_same_flip(pool, layer, half, model_layer,
     d.fault_flip_layer_byte(layer, half)
     for _ in range(4):
         d.step()
+
+
+# ---- perturbation targets: a layer and a half ---------------------------------------------------
+
+from sglang.srt.kv_canary.perturb.config import PerturbConfig  # noqa: E402
+from sglang.srt.kv_canary.perturb.report import parse_perturb_line  # noqa: E402
+
+NUM_DRIVER_SLOTS = 641  # the driver's 640 slots + sglang's padding slot
+
+
+@pytest.mark.parametrize("layer,half,message", [
+    (5, "k", "has layers 0..1 .*allowed: one of those layer ids or 'last'"),
+    ("last", "v", "halves k; allowed"),
+])
+def test_perturbation_target_the_pool_lacks_is_refused(layer, half, message):
+    pool = "mha" if layer == 5 else "mla"
+    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_TARGET_LAYER=.*" + message):
+        _driver(pool, "all", perturb=PerturbConfig(real_kv_post_forward_prob=1.0,
+                                                   target_group="full", target_layer=layer,
+                                                   target_half=half))
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(target_layer=-1), "TARGET_LAYER must be a layer id"),
+    (dict(target_layer="top"), "TARGET_LAYER must be a layer id"),
+    (dict(target_half="kv"), "TARGET_HALF must be k or v"),
+])
+def test_perturbation_target_values_are_checked(kw, message):
+    with pytest.raises(ValueError, match=message):
+        PerturbConfig(**kw)
+
+
+@pytest.mark.parametrize("layer,half", [("last", "v"), (0, "v"), (1, "k")])
+def test_perturbation_flips_the_targeted_row(layer, half, reference_kernels_on_cpu):
+    """Two identical loops, one with a single post-forward fault: right after it, the only
+    byte that differs is byte 0 of the targeted layer's half row of the logged slot."""
+    def make(prob):
+        return _driver("mha", "all", perturb=PerturbConfig(
+            warmup_steps=5, max_faults=1, real_kv_post_forward_prob=prob, target_group="full",
+            target_layer=layer, target_half=half, seed=3))
+    hit, quiet = make(1.0), make(0.0)
+    for _ in range(40):
+        for d in (hit, quiet):
+            if d.rng.random() < 0.3 or not (d.running or d.waiting):
+                d.add_random_requests(1)
+            d.step()
+        if hit.manager.perturber.injected:
+            break
+    fault = parse_perturb_line(hit.manager.perturber.injected[0])
+    want_layer = 1 if layer == "last" else layer
+    assert (fault["layer"], fault["half"]) == (str(want_layer), half)
+    diffs = []
+    for i in range(2):
+        for h in "kv":
+            a = hit.layer_rows(i, h).view(torch.uint8).reshape(NUM_DRIVER_SLOTS, -1)
+            b = quiet.layer_rows(i, h).view(torch.uint8).reshape(NUM_DRIVER_SLOTS, -1)
+            diffs += [(i, h, int(sl), int(by)) for sl, by in (a != b).nonzero().tolist()]
+    assert diffs == [(want_layer, half, int(fault["slot"]), 0)]
+
+
+# ---- PD: the table travels with the KV pages ----------------------------------------------------
+
+from sglang.srt.kv_canary.config import CanaryConfig  # noqa: E402
+from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_table_is_spliced_after_the_k_tail(kind, page_size):
+    if kind == "mha":
+        pool = MHATokenToKVPool(size=64, page_size=page_size, dtype=torch.bfloat16, head_num=2,
+                                head_dim=8, layer_num=3, device="cpu",
+                                enable_memory_saver=False, enable_alt_stream=False)
+    else:
+        pool = MLATokenToKVPool(size=64, page_size=page_size, dtype=torch.bfloat16,
+                                kv_lora_rank=32, qk_rope_head_dim=16, layer_num=3, device="cpu",
+                                enable_memory_saver=False)
+    plain = pool.get_contiguous_buf_infos()
+    cfg = CanaryConfig(mode="raise", real_kv_hash_mode="partial", real_data_layers="all")
+    (group,) = attach_canary_buffers(pool=pool, config=cfg, device="cpu")
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    k_entries = 3  # layers of K (MHA: then 3 of V; MLA: the latent rows only)
+    table = group.deep.table
+    assert table.shape == (group.num_slots, 3 * (2 if kind == "mha" else 1))
+    at = 1 + k_entries + 1  # K-head, K layers, K-tail, then the table
+    assert ptrs[at - 1] == group.k_tail.data_ptr()
+    assert (ptrs[at], lens[at], items[at]) == (table.data_ptr(), table.nbytes,
+                                               table.shape[1] * 8 * page_size)
+    assert len(ptrs) == len(plain[0]) + 3
+    assert ptrs[at + 1:] == list(plain[0][k_entries:])  # the V layers (MHA) follow unchanged

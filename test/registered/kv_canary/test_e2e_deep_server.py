@@ -1,0 +1,107 @@
+"""Issue 24 end to end on the CPU: ``--kv-canary-real-data-layers all`` on a real sglang 0.5.12
+server (a tiny four-layer Llama; docs/architecture.md, "Per-layer fingerprints"). Clean with
+raise + sweep + real data + token checks: no violation and the greedy outputs of the canary
+off. A byte flipped in the last layer's V row of a slot only the radix cache holds is caught
+by the sweep (``SWEEP_V_FULL``, ``verify_real_kv_hash``, ``kv_layer=3``); one flipped in a slot
+the forwards go on reading is caught by a TAIL check within the stated bound (layers / layers
+per forward forwards). With ``first`` (layer 0's K only) the same faults go unseen: the gap the
+user guide's "What it does not catch" states."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from sglang.srt.kv_canary.perturb.report import parse_perturb_line
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.testing.server_harness import (
+    build_libcuda_stub,
+    cpu_server_env,
+    write_tiny_llama,
+)
+
+pytestmark = pytest.mark.slow
+
+SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
+LAYERS = 4
+LAYERS_PER_FORWARD = 2
+BOUND = LAYERS // LAYERS_PER_FORWARD  # forwards reading a slot that check all its layers
+ARGS = dict(chunked_prefill_size=32, max_total_tokens=512, max_running_requests=4,
+            log_level="info")
+FAULTS = {
+    "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "6",
+    "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "10",
+    "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full",
+    "SGLANG_KV_CANARY_PERTURB_TARGET_LAYER": "last",
+    "SGLANG_KV_CANARY_PERTURB_TARGET_HALF": "v",
+    "SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB": "0.35",
+    "SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB": "0.35",
+    "SGLANG_KV_CANARY_REAL_DATA_LAYERS_PER_FORWARD": str(LAYERS_PER_FORWARD),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deep_server")
+    env = cpu_server_env(build_libcuda_stub(root / "stub"))
+    env = {k: v for k, v in env.items() if not k.startswith("SGLANG_KV_CANARY_")}
+    return dict(model=write_tiny_llama(root / "model", num_hidden_layers=LAYERS), env=env)
+
+
+def run(server, env_extra=None, **engine_kwargs):
+    env = dict(server["env"], **(env_extra or {}))
+    proc = subprocess.run([sys.executable, str(SUPPORT / "small_workload.py"), server["model"],
+                           json.dumps(dict(ARGS, **engine_kwargs))],
+                          env=env, capture_output=True, text=True, timeout=900)
+    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
+           if x.startswith("RESULT ")]
+    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+
+
+def test_every_layer_clean_matches_canary_off(server):
+    rc, out, off = run(server)
+    assert rc == 0 and off is not None, out[-3000:]
+    rc, out, on = run(server, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
+                      kv_canary="raise", kv_canary_real_data="partial",
+                      kv_canary_real_data_layers="all", kv_canary_sweep_interval=2)
+    assert rc == 0, out[-3000:]
+    assert "real_data=partial real_data_layers=all layers_per_forward=1" in out
+    assert parse_violation_lines(out) == []
+    assert on == off and len(on) == 12
+
+
+def _faults_and_lines(server, layers):
+    rc, out, res = run(server, FAULTS, kv_canary="log", kv_canary_real_data="partial",
+                       kv_canary_real_data_layers=layers, kv_canary_sweep_interval=2)
+    assert rc == 0 and res is not None and len(res) == 12, out[-3000:]
+    injected = [f for f in map(parse_perturb_line, out.splitlines()) if f]
+    kinds = {f["fault"] for f in injected}
+    assert kinds == {"real_kv_unused_cache", "real_kv_post_forward"}, injected
+    assert all(f["layer"] == str(LAYERS - 1) and f["half"] == "v" for f in injected)
+    return injected, parse_violation_lines(out)
+
+
+def test_last_layer_v_flips_are_caught_with_every_layer(server):
+    injected, lines = _faults_and_lines(server, "all")
+    assert lines and all(v.fail_reasons == ("verify_real_kv_hash",) for v in lines), lines
+    assert all(v.kv_layer == LAYERS - 1 for v in lines), lines
+    # a slot only the radix cache holds: the sweep, every layer
+    unused = [f for f in injected if f["fault"] == "real_kv_unused_cache"]
+    assert any(v.launch_tag == "SWEEP_V_FULL" and v.slot_idx == int(f["full_slot"])
+               and v.forward_step >= int(f["step"]) for f in unused for v in lines), (
+        unused, lines)
+    # a slot the next forwards read: a TAIL check within the bound
+    post = [f for f in injected if f["fault"] == "real_kv_post_forward"]
+    assert any(v.launch_tag == "TAIL_V_FULL" and v.slot_idx == int(f["full_slot"])
+               and 0 < v.forward_step - int(f["step"]) <= BOUND for f in post for v in lines), (
+        post, lines)
+
+
+def test_first_layer_only_misses_them(server):
+    injected, lines = _faults_and_lines(server, "first")
+    assert injected and lines == []
