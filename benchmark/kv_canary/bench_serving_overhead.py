@@ -160,11 +160,13 @@ SCENARIOS = {s.name: s for s in (
     Scenario("decode_bs128", bs=128, isl=512, osl=1024),
     Scenario("decode_bs1", bs=1, isl=512, osl=1024),
     Scenario("prefill_bs32", bs=32, isl=16384, osl=1),
+    Scenario("prefill_bs1_4k", bs=1, isl=4096, osl=1),
 )}
 SMOKE_SCENARIOS = {s.name: s for s in (
     Scenario("decode_bs128", bs=2, isl=16, osl=8),
     Scenario("decode_bs1", bs=1, isl=16, osl=8),
     Scenario("prefill_bs32", bs=2, isl=64, osl=1),
+    Scenario("prefill_bs1_4k", bs=1, isl=64, osl=1),
 )}
 
 
@@ -174,6 +176,7 @@ class BenchConfig:
     kv_canary: str = "none"
     real_data: str = "none"
     verify_tokens: bool = False
+    real_data_layers: str = "first"  # issue 24: "all" = per-layer fingerprints
 
     @property
     def canary_on(self) -> bool:
@@ -183,6 +186,7 @@ class BenchConfig:
         kw = {"kv_canary": self.kv_canary}
         if self.canary_on:
             kw["kv_canary_real_data"] = self.real_data
+            kw["kv_canary_real_data_layers"] = self.real_data_layers
         return kw
 
     def env(self) -> dict[str, str]:
@@ -195,6 +199,9 @@ CONFIGS = {c.name: c for c in (
     BenchConfig("abort", kv_canary="abort"),
     BenchConfig("raise+partial", kv_canary="raise", real_data="partial"),
     BenchConfig("raise+token", kv_canary="raise", verify_tokens=True),
+    BenchConfig("raise+partial+layers", kv_canary="raise", real_data="partial",
+                real_data_layers="all"),
+    BenchConfig("raise+all+layers", kv_canary="raise", real_data="all", real_data_layers="all"),
 )}
 
 
@@ -861,11 +868,13 @@ def breakdown_one(cfg: BenchConfig, bs: int, shape: BreakdownShape, device, flus
                           head_num=shape.head_num, head_dim=shape.head_dim,
                           layer_num=shape.layer_num, device=str(device),
                           enable_memory_saver=False, enable_alt_stream=False)
-    kv.k_buffer[0].normal_()  # never hash zeros; layer 0 is what the canary reads
-    kv.v_buffer[0].normal_()
+    for layer in range(shape.layer_num if cfg.real_data_layers == "all" else 1):
+        kv.k_buffer[layer].normal_()  # never hash zeros: the layers the canary reads
+        kv.v_buffer[layer].normal_()
     alloc = TokenToKVPoolAllocator(shape.num_slots, torch.bfloat16, str(device), kv,
                                    need_sort=False)
     config = CanaryConfig(mode=cfg.kv_canary, real_kv_hash_mode=cfg.real_data,
+                          real_data_layers=cfg.real_data_layers,
                           enable_verify_token_assert=cfg.verify_tokens,
                           stats_print_every_n_steps=0)
     # the production assembly, with the Engine's limits (max_prefill_tokens: its default)

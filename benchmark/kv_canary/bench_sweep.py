@@ -25,6 +25,12 @@ from sglang.jit_kernel.kv_canary import (
     WritePlan,
     launch_canary_write_kernel,
 )
+from sglang.jit_kernel.kv_canary.deep import (
+    launch_deep_fingerprint_verify,
+    launch_deep_fingerprint_write,
+)
+from sglang.jit_kernel.kv_canary.types import DeepFingerprintTable
+from sglang.srt.kv_canary.pool_patcher.layer_columns import layer_columns
 from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
 from sglang.srt.kv_canary.runner.sweep import SWEEP_CHUNK_CAPACITY
 from sglang.srt.kv_canary.state import CanaryDeviceState
@@ -48,12 +54,15 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def build(tokens: int, device, head_num=8, head_dim=128):
+def build(tokens: int, device, head_num=8, head_dim=128, layers=1):
     num_slots = tokens + 16
     pool = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16,
-                            head_num=head_num, head_dim=head_dim, layer_num=1, device=str(device),
-                            enable_memory_saver=False, enable_alt_stream=False)
-    pool.k_buffer[0].normal_()
+                            head_num=head_num, head_dim=head_dim, layer_num=layers,
+                            device=str(device), enable_memory_saver=False,
+                            enable_alt_stream=False)
+    for layer in range(layers):
+        pool.k_buffer[layer].normal_()
+        pool.v_buffer[layer].normal_()
     alloc = TokenToKVPoolAllocator(num_slots, torch.bfloat16, str(device), pool, need_sort=False)
     r2t = ReqToTokenPool(size=4, max_context_len=8, device=str(device), enable_memory_saver=False)
     cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t,
@@ -111,6 +120,37 @@ def write_records(ctx, seqs, device):
             expected_input_positions=None)
 
 
+def deep_table(pool, mode, seqs, device):
+    """Issue 24: the per-layer table over every layer's K and V rows, filled as forwards fill
+    it (one write of every cached slot)."""
+    cols = layer_columns(list(range(len(pool.k_buffer))), pool.k_buffer, pool.v_buffer,
+                         what="bench")
+    table = DeepFingerprintTable.allocate(num_slots=pool.k_buffer[0].shape[0], columns=cols,
+                                          mode=mode, layers_per_forward=1, device=device)
+    loc = torch.cat([s[1].to(torch.int64) for s in seqs]).to(device)
+    plan = WritePlan.allocate(write_req_capacity=1, device=device)
+    plan.write_offsets[1] = loc.numel()
+    plan.write_num_valid_reqs.fill_(1)
+    launch_deep_fingerprint_write(table=table, plan=plan, out_cache_loc=loc)
+    return table
+
+
+def deep_sweep_once(cache, ctx, table, plan, device):
+    """Plan + every layer's check of every cached slot (the walk is the pass's own)."""
+    walk = walk_radix_cache_for_canary(radix_cache=cache)
+    sync(device)
+    t0 = time.perf_counter()
+    start = 0
+    while start < walk.num_slots:
+        start += build_verify_plan_radix_sweep(walk=walk, plan_out=plan, start=start)
+        launch_deep_fingerprint_verify(
+            table=table, plan=plan, canary_buf=ctx.canary_buf,
+            violation_ring=ctx.violation_ring, violation_write_index=ctx.violation_write_index,
+            tag_k=CanaryLaunchTag.SWEEP_K_FULL, tag_v=CanaryLaunchTag.SWEEP_V_FULL, rotate=False)
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
 def sweep_once(cache, ctx, plan, device):
     t0 = time.perf_counter()
     walk = walk_radix_cache_for_canary(radix_cache=cache)
@@ -130,7 +170,12 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run (torch references)")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="KV layers of the pool; > 1 also times the per-layer check of every "
+                         "layer's K and V rows (--kv-canary-real-data-layers all)")
     args = ap.parse_args()
+    if args.layers < 1:
+        raise SystemExit(f"--layers must be >= 1, got {args.layers}")
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     tokens = [3000] if args.smoke else args.tokens
     head = (1, 16) if args.smoke else (8, 128)
@@ -138,11 +183,13 @@ def main():
     lines = [f"Radix sweep pass — {name} — {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC — "
              f"torch {torch.__version__}",
              "",
+             f"KV layers: {args.layers}",
+             "",
              "| cached tokens | mode | walk ms (host + flatten) | plan + verify ms | total ms | "
-             "violations |",
-             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+             "every layer (plan + per-layer check) ms | violations |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for n in tokens:
-        pool, cache, seqs = build(n, device, *head)
+        pool, cache, seqs = build(n, device, *head, layers=args.layers)
         for mode in (RealKvHashMode.NONE, RealKvHashMode.PARTIAL, RealKvHashMode.ALL):
             state = CanaryDeviceState.allocate(ring_capacity=64, device=device)
             ctx = make_context(pool, state, mode)
@@ -154,11 +201,18 @@ def main():
             cached = runs[0][0]
             walk_ms = sorted(r[1] for r in runs)[len(runs) // 2]
             ver_ms = sorted(r[2] for r in runs)[len(runs) // 2]
+            deep_ms = "-"
+            if mode and args.layers > 1:
+                table = deep_table(pool, mode, seqs, device)
+                deep_sweep_once(cache, ctx, table, plan, device)  # warm-up / compile
+                deep = sorted(deep_sweep_once(cache, ctx, table, plan, device)
+                              for _ in range(1 if args.smoke else 5))
+                deep_ms = f"{deep[len(deep) // 2]:.2f}"
             viol = int(state.violation_log.violation_write_index)
             if viol:
                 raise SystemExit(f"clean cache reported {viol} violations")
             lines.append(f"| {cached} | {mode.name.lower()} | {walk_ms:.2f} | {ver_ms:.2f} | "
-                         f"{walk_ms + ver_ms:.2f} | {viol} |")
+                         f"{walk_ms + ver_ms:.2f} | {deep_ms} | {viol} |")
             print(lines[-1], flush=True)
         del pool, cache, seqs
     text = "\n".join(lines)
