@@ -110,6 +110,7 @@ def test_the_command_line_still_refuses_a_self_test_without_the_canary(monkeypat
     ("--kv-canary", " log ", "log"),
     ("--kv-canary-real-data", "ALL", "all"),
     ("--kv-canary-sweep-interval", "3", 3),
+    ("--kv-canary-real-data-layers", " First ", "first"),
 ])
 def test_the_same_spellings_are_accepted_everywhere(model_dir, flag, value, canonical):
     name = flag.lstrip("-").replace("-", "_")
@@ -125,6 +126,8 @@ def test_the_same_spellings_are_accepted_everywhere(model_dir, flag, value, cano
     ("--kv-canary", None),
     ("--kv-canary-real-data", "most"),
     ("--kv-canary-real-data", None),
+    ("--kv-canary-real-data-layers", "most"),
+    ("--kv-canary-real-data-layers", None),
     ("--kv-canary-sweep-interval", "abc"),
     ("--kv-canary-sweep-interval", "-1"),
     ("--kv-canary-sweep-interval", "1.5"),
@@ -235,3 +238,25 @@ def test_help_lists_abort(capsys, model_dir):
         cli(model_dir, "--help")
     out = capsys.readouterr().out
     assert "{none,log,raise,abort}" in out and "'abort' logs it" in out.replace("\n", " ")
+
+
+def test_every_layer_starts_from_the_command_line_and_yaml(tmp_path, model_dir, capsys):
+    """Issue 24: ``--kv-canary-real-data-layers all`` through the command line, a ``--config``
+    YAML file and the keyword arguments gives one config; without real data it is refused,
+    naming both flags, on every route."""
+    yaml = tmp_path / "canary.yaml"
+    yaml.write_text("kv-canary: raise\nkv-canary-real-data: partial\n"
+                    "kv-canary-real-data-layers: all\n")
+    for sa in (cli(model_dir, "--kv-canary", "raise", "--kv-canary-real-data", "partial",
+                   "--kv-canary-real-data-layers", "ALL"),
+               cli(model_dir, "--config", str(yaml)),
+               kwargs(model_dir, kv_canary="raise", kv_canary_real_data="partial",
+                      kv_canary_real_data_layers="all")):
+        assert sa.kv_canary_real_data_layers == "all"
+        assert "real_data_layers=all" in CanaryConfig.from_server_args(sa).describe()
+    message = cli_error(capsys, model_dir, "--kv-canary", "raise",
+                        "--kv-canary-real-data-layers", "all")
+    assert "--kv-canary-real-data-layers=all" in message
+    assert "--kv-canary-real-data partial or all" in message
+    with pytest.raises(ValueError, match="--kv-canary-real-data partial or all"):
+        kwargs(model_dir, kv_canary="raise", kv_canary_real_data_layers="all")
