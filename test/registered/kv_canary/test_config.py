@@ -167,3 +167,28 @@ def test_real_data_layers_parse(monkeypatch):
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_LAYER", "07")
     assert check_server_args_for_canary(_args()).perturb.target_layer == 7
     assert check_server_args_for_canary(_args()).real_data_layers.value == "first"  # default
+
+
+def test_rank_targets_parse_match_and_are_checked_against_the_server(monkeypatch):
+    """Issue 20: SGLANG_KV_CANARY_PERTURB_TP_RANK / _PP_RANK / _DP_RANK make faults happen on
+    one rank only (default: every rank); a rank the server does not have is refused at
+    start-up, naming the variable, the size flag and the allowed ranks."""
+    from sglang.srt.kv_canary.perturb.config import RankFacts
+
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.5")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TP_RANK", " 1 ")
+    cfg = check_server_args_for_canary(_args(kv_canary="log", tp_size=2))
+    assert cfg.perturb.target_tp_rank == 1 and cfg.perturb.target_pp_rank is None
+    assert cfg.perturb.injects_on(RankFacts(tp_rank=1, tp_size=2))
+    assert not cfg.perturb.injects_on(RankFacts(tp_rank=0, tp_size=2))
+    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_TP_RANK=1 but the server "
+                                         "has --tp-size 1: allowed 0 to 0, or unset"):
+        check_server_args_for_canary(_args(kv_canary="log", tp_size=1))
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TP_RANK", "")  # empty: every rank
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_PP_RANK", "1")
+    cfg = check_server_args_for_canary(_args(kv_canary="log", pp_size=2))
+    assert cfg.perturb.injects_on(RankFacts(tp_rank=3, tp_size=4, pp_rank=1, pp_size=2))
+    assert not cfg.perturb.injects_on(RankFacts(pp_rank=0, pp_size=2))
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_DP_RANK", "x")
+    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_DP_RANK.*a rank"):
+        check_server_args_for_canary(_args(kv_canary="log", pp_size=2))

@@ -17,6 +17,7 @@ from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
+from sglang.srt.kv_canary.perturb.config import RankFacts
 from sglang.srt.kv_canary.runner import CanaryManager
 from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
 from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
@@ -51,6 +52,10 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
                          "launches must stay outside the compiled model); drop that flag")
     if config.mode == CanaryMode.ABORT:
         _check_abort_mode(server_args)
+    config.perturb.check_ranks(RankFacts(
+        tp_size=int(value(server_args, "tp_size", 1) or 1),
+        pp_size=int(value(server_args, "pp_size", 1) or 1),
+        dp_size=int(value(server_args, "dp_size", 1) or 1)))
     return config
 
 
@@ -130,7 +135,11 @@ def install_canary(*, server_args: "ServerArgs", model_runner: "ModelRunner",
         device=runner.device,
         # the SWA layers' window, as the scheduler's SWA eviction uses it (None without SWA)
         swa_window_size=runner.sliding_window_size,
-        vocab_size=runner.vocab_size, token_oracle=token_oracle_manager)
+        vocab_size=runner.vocab_size, token_oracle=token_oracle_manager,
+        ranks=RankFacts(tp_rank=runner.tp_rank, tp_size=runner.tp_size, pp_rank=runner.pp_rank,
+                        pp_size=runner.pp_size, dp_rank=runner.dp_rank,
+                        dp_size=int(sglang_seam.server_args_value(server_args, "dp_size", 1)
+                                    or 1)))
     if manager.token_oracle is not None:
         _use_token_oracle_sampler(model_runner)
     sglang_seam.set_runner_canary(model_runner, manager)
@@ -138,7 +147,10 @@ def install_canary(*, server_args: "ServerArgs", model_runner: "ModelRunner",
                                    after=manager.post_ops_maybe_inside_graph)
     logger.info("kv_canary installed: %s pool=%s groups=%d capacities=%s", config.describe(),
                 type(runner.kv_pool).__name__, len(manager.groups), manager.capacities)
-    if config.perturb.enabled:
+    if config.perturb.enabled and manager.perturber is None:
+        logger.info("kv_canary: fault injection is set for another rank; none on this one "
+                    "(%s)", manager.ranks.describe())
+    elif config.perturb.enabled:
         logger.warning("kv_canary: FAULT INJECTION ON (%s) after %d warm-up steps: this server "
                        "corrupts its own KV cache on purpose (self-test)",
                        ", ".join(k.value for k in config.perturb.active_faults),

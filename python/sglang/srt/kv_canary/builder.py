@@ -14,6 +14,7 @@ import torch
 
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs, CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.perturb.config import RankFacts
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
 from sglang.srt.kv_canary.runner import CanaryManager
 from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
@@ -25,7 +26,8 @@ def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
                  kv_token_id_vs_position_offset: int = 0,
                  vocab_size: Optional[int] = None,
                  token_oracle: Optional[TokenOracleManager] = None,
-                 num_single_forward_managers: int = 1) -> CanaryManager:
+                 num_single_forward_managers: int = 1,
+                 ranks: Optional[RankFacts] = None) -> CanaryManager:
     """Attach canary buffers to ``pool`` (splicing them into its buf-info methods), size the
     per-forward buffers from ``capacity_inputs`` and return the :class:`CanaryManager`.
 
@@ -33,7 +35,9 @@ def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
     ``swa_window_size``: the model's sliding window (SWA pools; None without one);
     ``kv_token_id_vs_position_offset``: 1 for EAGLE draft pools, else 0. With the token oracle
     on (``config.enable_token_oracle``) a :class:`TokenOracleManager` over ``vocab_size`` is
-    created unless ``token_oracle`` is given. Not graph-related; runs once, at start-up."""
+    created unless ``token_oracle`` is given. ``ranks``: the model runner's parallel ranks
+    (default: a single rank); fault injection runs only where the rank targets match. Not
+    graph-related; runs once, at start-up."""
     if not config.enabled:
         raise ValueError("build_canary needs --kv-canary log, raise or abort (got none)")
     device = torch.device(device)
@@ -50,4 +54,4 @@ def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
     return CanaryManager(config=config, groups=groups, capacities=capacities,
                          req_to_token=req_to_token, device=device,
                          num_single_forward_managers=num_single_forward_managers,
-                         token_oracle=token_oracle)
+                         token_oracle=token_oracle, ranks=ranks or RankFacts())

@@ -137,6 +137,21 @@ class _Layer(_Strict):
         return v if v == "last" else str(int(v))
 
 
+class _Rank(_Strict):
+    """A rank number (0, 1, ...) or unset / empty (every rank). Checked against the server's
+    parallel sizes at start-up."""
+
+    allowed = "a rank (0, 1, ...), or empty for every rank"
+
+    def parse(self, value: str):
+        v = value.strip()
+        if not v:
+            return None
+        if not v.isdigit():
+            raise ValueError("not a rank")
+        return int(v)
+
+
 class CanaryEnvs:
     """Every ``SGLANG_KV_CANARY_*`` variable with its default (docs/user_guide.md,
     "Environment variables")."""
@@ -158,6 +173,9 @@ class CanaryEnvs:
     SGLANG_KV_CANARY_PERTURB_TARGET_GROUP = _Choice("", ("", "full", "swa"))
     SGLANG_KV_CANARY_PERTURB_TARGET_LAYER = _Layer("0")
     SGLANG_KV_CANARY_PERTURB_TARGET_HALF = _Choice("k", ("k", "v"))
+    SGLANG_KV_CANARY_PERTURB_TP_RANK = _Rank(None)
+    SGLANG_KV_CANARY_PERTURB_PP_RANK = _Rank(None)
+    SGLANG_KV_CANARY_PERTURB_DP_RANK = _Rank(None)
     SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB = _Prob(0.0)
 
 

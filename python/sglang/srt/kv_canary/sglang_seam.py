@@ -109,7 +109,7 @@ class RunnerFacts:
     """What the canary builder needs from a ``ModelRunner`` (read once, at install)."""
 
     __slots__ = ("kv_pool", "req_to_token", "device", "context_len", "vocab_size",
-                 "sliding_window_size")
+                 "sliding_window_size", "tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank")
 
     def __init__(self, model_runner: "ModelRunner"):
         self.kv_pool: "KVCache" = model_runner.token_to_kv_pool
@@ -119,6 +119,12 @@ class RunnerFacts:
         self.vocab_size = int(model_runner.model_config.vocab_size)
         window = getattr(model_runner, "sliding_window_size", None)
         self.sliding_window_size: Optional[int] = int(window) if window else None
+        # this runner's ranks (the perturbation's rank targets); dp_rank is None without DP
+        self.tp_rank = int(getattr(model_runner, "tp_rank", 0) or 0)
+        self.tp_size = int(getattr(model_runner, "tp_size", 1) or 1)
+        self.pp_rank = int(getattr(model_runner, "pp_rank", 0) or 0)
+        self.pp_size = int(getattr(model_runner, "pp_size", 1) or 1)
+        self.dp_rank = int(getattr(model_runner, "dp_rank", 0) or 0)
 
 
 def is_draft_worker(model_runner: "ModelRunner") -> bool:

@@ -40,6 +40,34 @@ TARGET_GROUP_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"
 TARGET_LAYER_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_LAYER"
 TARGET_HALF_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_HALF"
 LAST_LAYER = "last"
+# rank targets: (PerturbConfig field, variable, server flag of the size, RankFacts field)
+RANK_TARGETS = (
+    ("target_tp_rank", "SGLANG_KV_CANARY_PERTURB_TP_RANK", "--tp-size", "tp"),
+    ("target_pp_rank", "SGLANG_KV_CANARY_PERTURB_PP_RANK", "--pp-size", "pp"),
+    ("target_dp_rank", "SGLANG_KV_CANARY_PERTURB_DP_RANK", "--dp-size", "dp"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFacts:
+    """Which rank of each parallel dimension a model runner is (0 when the dimension is not
+    used), and the sizes; what the rank targets are matched and checked against."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    def rank(self, dim: str) -> int:
+        return getattr(self, f"{dim}_rank")
+
+    def size(self, dim: str) -> int:
+        return getattr(self, f"{dim}_size")
+
+    def describe(self) -> str:
+        return f"tp_rank {self.tp_rank}, pp_rank {self.pp_rank}, dp_rank {self.dp_rank}"
 _TARGET_GROUPS = {"full": PoolKind.FULL, "swa": PoolKind.SWA}
 
 
@@ -65,6 +93,10 @@ class PerturbConfig:
     target_group: Optional[PoolKind] = None
     target_layer: object = 0  # int >= 0 or LAST_LAYER
     target_half: KvHalf = KvHalf.K
+    # None: every rank; an int: only the model runners of that rank inject faults
+    target_tp_rank: Optional[int] = None
+    target_pp_rank: Optional[int] = None
+    target_dp_rank: Optional[int] = None
     seed: int = 0
 
     def __post_init__(self):
@@ -101,6 +133,11 @@ class PerturbConfig:
             except ValueError:
                 raise ValueError(f"{TARGET_HALF_VAR} must be k or v, got {half!r}") from None
         object.__setattr__(self, "target_half", half)
+        for field, var, _, _ in RANK_TARGETS:
+            rank = getattr(self, field)
+            if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
+                                     or rank < 0):
+                raise ValueError(f"{var} must be a rank (0, 1, ...) or unset, got {rank!r}")
         real_on = [k.env_var for k in REAL_KV_FAULTS if self.prob(k) > 0]
         if real_on and self.target_group is None:
             raise ValueError(f"{', '.join(sorted(real_on))} > 0 needs {TARGET_GROUP_VAR}=full "
@@ -116,6 +153,19 @@ class PerturbConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.active_faults)
+
+    def check_ranks(self, sizes: RankFacts) -> None:
+        """Refuse a rank target the server does not have (at start-up, with its sizes)."""
+        for field, var, flag, dim in RANK_TARGETS:
+            rank = getattr(self, field)
+            if rank is not None and rank >= sizes.size(dim):
+                raise ValueError(f"{var}={rank} but the server has {flag} {sizes.size(dim)}: "
+                                 f"allowed 0 to {sizes.size(dim) - 1}, or unset for every rank")
+
+    def injects_on(self, ranks: RankFacts) -> bool:
+        """Whether the model runner of ``ranks`` injects faults (every rank target matches)."""
+        return self.enabled and all(getattr(self, field) in (None, ranks.rank(dim))
+                                    for field, _, _, dim in RANK_TARGETS)
 
     @property
     def targets_layer_0_k(self) -> bool:

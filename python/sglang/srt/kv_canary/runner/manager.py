@@ -33,6 +33,7 @@ from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.endpoint import build_endpoints_from_group
 from sglang.srt.kv_canary.perturb import CanaryPerturber
+from sglang.srt.kv_canary.perturb.config import RankFacts
 from sglang.srt.kv_canary.runner.containment import ContainmentManager
 from sglang.srt.kv_canary.runner.device_host import DelayedDeviceHostHandler
 from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
@@ -97,7 +98,8 @@ class CanaryManager:
     def __init__(self, *, config: CanaryConfig, groups: Sequence[CanaryBufferGroup],
                  capacities: CanaryLaunchCapacities, req_to_token: torch.Tensor, device,
                  num_single_forward_managers: int = 1,
-                 token_oracle: Optional[TokenOracleManager] = None):
+                 token_oracle: Optional[TokenOracleManager] = None,
+                 ranks: RankFacts = RankFacts()):
         if not config.enabled:
             raise ValueError("CanaryManager needs --kv-canary log, raise or abort (got none)")
         if not groups:
@@ -132,7 +134,8 @@ class CanaryManager:
         )
         # fault injection (self-tests only): off unless a SGLANG_KV_CANARY_PERTURB_* is set
         self.perturber: Optional[CanaryPerturber] = None
-        if config.perturb.enabled:
+        self.ranks = ranks
+        if config.perturb.injects_on(ranks):  # SGLANG_KV_CANARY_PERTURB_*_RANK match
             self.perturber = CanaryPerturber(config=config.perturb, groups=self.groups,
                                              req_to_token=req_to_token,
                                              radix_cache=lambda: self.radix_cache)

@@ -1,0 +1,96 @@
+"""Issue 20 on the CPU: tensor parallelism (``tp_size=2``) on sglang 0.5.12's CPU engine (each
+rank with its own ``MHATokenToKVPool``; one OpenMP thread set per rank, pynccl off). Clean with
+raise + sweep + real data + token checks: no violation and the greedy outputs of the canary
+off. ``SGLANG_KV_CANARY_PERTURB_TP_RANK=1``: only rank 1 injects faults and reports them, rank
+0 stays clean; in raise mode the whole server stops with the structured line (docs/user_guide.md,
+"Deployments")."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from sglang.srt.kv_canary.perturb.report import PERTURB_LINE_PREFIX
+from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX, parse_violation_lines
+from sglang.srt.kv_canary.testing.server_harness import (
+    build_libcuda_stub,
+    cpu_server_env,
+    write_tiny_llama,
+)
+
+pytestmark = pytest.mark.slow
+
+SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
+ARGS = dict(tp_size=2, chunked_prefill_size=32, max_total_tokens=512, max_running_requests=4,
+            log_level="info")
+FAULT = {"SGLANG_KV_CANARY_PERTURB_TP_RANK": "1",
+         "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "6",
+         "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "2",
+         "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "0.5"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_server")
+    env = cpu_server_env(build_libcuda_stub(root / "stub"))
+    env = {k: v for k, v in env.items() if not k.startswith("SGLANG_KV_CANARY_")}
+    env["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank
+    env["SGLANG_NCCL_SO_PATH"] = str(root / "no-nccl.so")  # pynccl off: gloo on the CPU
+    # 4 KV heads: 2 per rank
+    model = write_tiny_llama(root / "model", num_attention_heads=4, num_key_value_heads=4)
+    return dict(model=model, env=env)
+
+
+def run(server, env_extra=None, **engine_kwargs):
+    env = dict(server["env"], **(env_extra or {}))
+    proc = subprocess.run([sys.executable, str(SUPPORT / "small_workload.py"), server["model"],
+                           json.dumps(dict(ARGS, **engine_kwargs))],
+                          env=env, capture_output=True, text=True, timeout=900)
+    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
+           if x.startswith("RESULT ")]
+    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+
+
+def _by_rank(out: str, prefix: str) -> dict:
+    """Log lines holding ``prefix``, by the TP rank in their sglang log prefix."""
+    found = {}
+    for line in out.splitlines():
+        if prefix in line:
+            m = re.search(r" TP(\d+)\]", line)
+            found.setdefault(int(m.group(1)) if m else None, []).append(line)
+    return found
+
+
+def test_tp2_clean_matches_canary_off(server):
+    rc, out, off = run(server)
+    assert rc == 0 and off is not None, out[-3000:]
+    rc, out, on = run(server, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
+                      kv_canary="raise", kv_canary_real_data="partial",
+                      kv_canary_sweep_interval=2)
+    assert rc == 0, out[-3000:]
+    installed = _by_rank(out, "kv_canary installed:")
+    assert sorted(installed) == [0, 1], installed  # a canary on each rank's pool
+    assert parse_violation_lines(out) == []
+    assert on == off and len(on) == 12
+
+
+def test_a_fault_on_one_rank_is_reported_by_that_rank_only(server):
+    rc, out, res = run(server, FAULT, kv_canary="log")
+    assert rc == 0 and res is not None, out[-3000:]
+    injected = _by_rank(out, PERTURB_LINE_PREFIX)
+    reported = _by_rank(out, VIOLATION_LINE_PREFIX)
+    assert sorted(injected) == [1] and injected[1], injected  # only rank 1 injects
+    assert sorted(reported) == [1], reported  # and only rank 1 reports
+    assert "fault injection is set for another rank; none on this one (tp_rank 0" in out
+
+
+def test_raise_on_one_rank_stops_the_server(server):
+    rc, out, res = run(server, FAULT, kv_canary="raise")
+    assert res is None or rc != 0, out[-3000:]  # the server stopped before the workload ended
+    assert parse_violation_lines(out), out[-3000:]
+    assert "kv_canary detected KV-cache corruption" in out
