@@ -294,4 +294,26 @@ MUTANTS = (
         new="                and False):",
         selection=f"{_T}/test_config.py::test_startup_refusals_name_the_flag",
         speed="quick", what="--kv-canary-real-data-layers all starts with real data off"),
+    # ---- issue 20: multi-GPU deployments ---------------------------------------------------------
+    Mutant(
+        id="i20-rank-target-ignored", path=f"{_RT}/perturb/config.py",
+        old="        return self.enabled and all(getattr(self, field) in (None, ranks.rank(dim))",
+        new="        return self.enabled or all(getattr(self, field) in (None, ranks.rank(dim))",
+        selection=f"{_T}/test_config.py::"
+                  "test_rank_targets_parse_match_and_are_checked_against_the_server",
+        speed="quick", what="SGLANG_KV_CANARY_PERTURB_TP_RANK injects on every rank"),
+    Mutant(
+        id="i20-rank-not-checked", path=f"{_RT}/api.py",
+        old="    config.perturb.check_ranks(RankFacts(",
+        new="    (lambda _: None)(RankFacts(",
+        selection=f"{_T}/test_config.py::"
+                  "test_rank_targets_parse_match_and_are_checked_against_the_server",
+        speed="quick", what="a rank target beyond --tp-size starts"),
+    Mutant(
+        id="i20-runner-ranks-dropped", path=f"{_RT}/runner/manager.py",
+        old="        if config.perturb.injects_on(ranks):",
+        new="        if config.perturb.injects_on(RankFacts()):",
+        selection=f"{_T}/test_e2e_tp_server.py::"
+                  "test_a_fault_on_one_rank_is_reported_by_that_rank_only",
+        speed="slow", what="every rank believes it is rank 0 (faults land on the wrong rank)"),
 )
