@@ -114,7 +114,9 @@ def test_abort_server_clean_run_exports_metrics_and_settings(server):
     # the series carry sglang's scheduler labels
     assert all(dict(labels).get("tp_rank") == "0" for (_, labels) in second)
     assert info["kv_canary"] == "abort" and info["kv_canary_sweep_interval"] == 4
-    assert info["config"].startswith("mode=abort real_data=partial sweep_interval=4 ")
+    assert info["config"].startswith("mode=abort real_data=partial real_data_layers=first "
+                                     "layers_per_forward=1 sweep_interval=4 ")
+    assert info["kv_canary_real_data_layers"] == "first"
     assert "token_checks=on" in info["config"]
     assert "kv_canary_config='mode=abort real_data=partial" in log  # repr(server_args)
 
