@@ -10,7 +10,6 @@ user guide's "What it does not catch" states."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys

@@ -53,7 +53,7 @@ LAYERS = (
     _l("sglang seam", f"{R}.sglang_seam"),
     _l("kernel package", K),
     _l("kernel launchers", f"{K}.verify", f"{K}.write", f"{K}.plan", f"{K}.plan.api",
-       f"{K}.scatter_req_token_ids", f"{K}.deep"),
+       f"{K}.scatter_req_token_ids", f"{K}.deep", f"{K}.rows"),
     _l("kernel bodies and references", f"{K}.verify_ref", f"{K}.write_ref", f"{K}.plan_ref",
        f"{K}.deep_ref",
        f"{K}._hash_triton", f"{K}._ring_triton", f"{K}._kernel_consts",

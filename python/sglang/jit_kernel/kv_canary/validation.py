@@ -44,6 +44,28 @@ def validate_verify_args(context, plan, check_verify_expected_token) -> None:
         raise ValueError(f"plan is on {plan.device} but context.canary_buf is on {context.device}")
 
 
+def validate_copy_rows_args(src, dst, src_indices, dst_indices) -> None:
+    """Host-side checks of a row copy (metadata only)."""
+    for name, t in (("src", src), ("dst", dst)):
+        check_tensor(name, t, dtypes=(torch.int64,), ndim=2)
+    width = src.shape[1]
+    if dst.shape[1] != width or width < 1:
+        raise ValueError(f"src and dst must have the same row width in words, got "
+                         f"{src.shape[1]} and {dst.shape[1]}")
+    n = check_tensor("src_indices", src_indices, dtypes=INDEX_DTYPES, ndim=1).shape[0]
+    check_tensor("dst_indices", dst_indices, dtypes=INDEX_DTYPES, shape=(n,))
+    devices = {src.device.type, dst.device.type}
+    if devices == {"cuda"} and src.device != dst.device:
+        raise ValueError(f"src is on {src.device} but dst on {dst.device}")
+    if devices == {"cuda", "cpu"}:
+        host = src if src.device.type == "cpu" else dst
+        if not host.is_pinned():
+            raise ValueError("a row copy between the GPU and host memory needs the host "
+                             "tensor pinned (page-locked)")
+    elif devices - {"cuda", "cpu"}:
+        raise ValueError(f"row copies support cuda and cpu tensors, got {sorted(devices)}")
+
+
 def validate_deep_write_args(table, plan, out_cache_loc) -> None:
     """Host-side checks of a per-layer fingerprint write (metadata only)."""
     if not isinstance(table, DeepFingerprintTable):

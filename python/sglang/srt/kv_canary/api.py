@@ -17,7 +17,7 @@ from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
-from sglang.srt.kv_canary.perturb.config import RankFacts
+from sglang.srt.kv_canary.perturb.config import FaultKind, RankFacts
 from sglang.srt.kv_canary.runner import CanaryManager
 from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
 from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
@@ -52,6 +52,10 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
                          "launches must stay outside the compiled model); drop that flag")
     if config.mode == CanaryMode.ABORT:
         _check_abort_mode(server_args)
+    if (FaultKind.HOST_KV in config.perturb.active_faults
+            and not value(server_args, "enable_hierarchical_cache", False)):
+        raise ValueError(f"{FaultKind.HOST_KV.env_var} > 0 corrupts HiCache's host memory: "
+                         "pass --enable-hierarchical-cache (or drop the variable)")
     config.perturb.check_ranks(RankFacts(
         tp_size=int(value(server_args, "tp_size", 1) or 1),
         pp_size=int(value(server_args, "pp_size", 1) or 1),

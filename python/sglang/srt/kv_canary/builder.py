@@ -54,4 +54,4 @@ def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
     return CanaryManager(config=config, groups=groups, capacities=capacities,
                          req_to_token=req_to_token, device=device,
                          num_single_forward_managers=num_single_forward_managers,
-                         token_oracle=token_oracle, ranks=ranks or RankFacts())
+                         token_oracle=token_oracle, ranks=ranks or RankFacts(), kv_pool=pool)

@@ -177,6 +177,7 @@ class CanaryEnvs:
     SGLANG_KV_CANARY_PERTURB_PP_RANK = _Rank(None)
     SGLANG_KV_CANARY_PERTURB_DP_RANK = _Rank(None)
     SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB = _Prob(0.0)
+    SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB = _Prob(0.0)
 
 
 canary_envs = CanaryEnvs()

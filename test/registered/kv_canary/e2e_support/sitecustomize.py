@@ -9,6 +9,12 @@ With ``KV_CANARY_TEST_SHIM_KVFP4_UTIL=1`` it works around a bug of sglang 0.5.12
 ``sglang.srt.layers.quantization.kvfp4_tensor``, which defines the same quantizer under the name
 ``BlockFP4KVQuantizeUtil`` only, so an FP4 MLA server fails on its first KV write. The shim adds
 the missing name (test processes only; the canary itself never touches it).
+
+With ``KV_CANARY_TEST_SHIM_HICACHE_CPU=1`` HiCache runs on sglang's CPU engine: the host pool
+allocates plain (unpinned) memory instead of calling ``cudaHostRegister``, and
+``transfer_kv_direct`` (``sgl_kernel``: CUDA only) is stood in for by a torch index copy per
+layer (use ``hicache_io_backend="direct"`` with the ``layer_first`` layout, the only copy that
+then runs). Test processes only, like the libcuda stub.
 """
 
 import os
@@ -151,3 +157,21 @@ if os.environ.get("KV_CANARY_TEST_SHIM_KVFP4_UTIL") == "1":
 
     if not hasattr(_kvfp4, "KVFP4QuantizeUtil"):
         _kvfp4.KVFP4QuantizeUtil = _kvfp4.BlockFP4KVQuantizeUtil
+
+
+if os.environ.get("KV_CANARY_TEST_SHIM_HICACHE_CPU") == "1":
+    import torch
+    from sglang.srt.mem_cache import memory_pool_host as _mph
+
+    def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
+        src_idx = src_indices.to("cpu", torch.int64)
+        dst_idx = dst_indices.to("cpu", torch.int64)
+        for src, dst in zip(src_layers, dst_layers):
+            dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
+
+    def _alloc_unpinned(dims, dtype, device, pin_memory, allocator):
+        return allocator.allocate(dims, dtype=dtype, device=device)
+
+    _mph.transfer_kv_direct = _transfer_kv_direct
+    _mph.ALLOC_MEMORY_FUNCS.default_factory = lambda: _alloc_unpinned
+    _mph.ALLOC_MEMORY_FUNCS.clear()

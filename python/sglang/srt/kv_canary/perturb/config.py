@@ -16,13 +16,14 @@ from sglang.jit_kernel.kv_canary.types import KvHalf, PoolKind
 
 
 class FaultKind(str, enum.Enum):
-    """The five fault classes, with the variable that turns each on."""
+    """The fault classes, with the variable that turns each on."""
 
     REQ_TO_TOKEN = "req_to_token"
     REAL_KV_USED = "real_kv_used"
     REAL_KV_UNUSED_CACHE = "real_kv_unused_cache"
     REAL_KV_POST_FORWARD = "real_kv_post_forward"
     NEXT_TOKEN_SWAP = "next_token_swap"
+    HOST_KV = "host_kv"  # a byte of a page in HiCache's host memory
 
     @property
     def env_var(self) -> str:
@@ -34,7 +35,7 @@ class FaultKind(str, enum.Enum):
 
 
 REAL_KV_FAULTS = frozenset({FaultKind.REAL_KV_USED, FaultKind.REAL_KV_UNUSED_CACHE,
-                            FaultKind.REAL_KV_POST_FORWARD})
+                            FaultKind.REAL_KV_POST_FORWARD, FaultKind.HOST_KV})
 
 TARGET_GROUP_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"
 TARGET_LAYER_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_LAYER"
@@ -90,6 +91,7 @@ class PerturbConfig:
     real_kv_unused_cache_prob: float = 0.0
     real_kv_post_forward_prob: float = 0.0
     next_token_swap_prob: float = 0.0
+    host_kv_prob: float = 0.0
     target_group: Optional[PoolKind] = None
     target_layer: object = 0  # int >= 0 or LAST_LAYER
     target_half: KvHalf = KvHalf.K

@@ -15,7 +15,9 @@ Called by :class:`~sglang.srt.kv_canary.runner.CanaryManager` around each forwar
   never the one changed, so the new KV chains from the right record.
 - :meth:`after_forward` — ``real_kv_post_forward`` (flip a byte of a slot this forward just
   wrote; caught by the next verify of that slot) and ``real_kv_unused_cache`` (flip a byte of a
-  slot only the radix cache holds; caught by the sweep, which runs right after).
+  slot only the radix cache holds; caught by the sweep, which runs right after) and
+  ``host_kv`` (flip a byte of a token HiCache holds in host memory; caught when it is loaded
+  back and read).
 - :meth:`swap_next_tokens` — the token oracle sampler's ``after_sample`` hook: swap two
   requests' sampled tokens (caught as ``write_token_mismatch`` when they are written).
 
@@ -32,7 +34,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from sglang.jit_kernel.kv_canary.types import PoolKind
+from sglang.jit_kernel.kv_canary.types import PoolKind, RealKvSource
+from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.perturb.config import (
     LAST_LAYER,
@@ -139,6 +142,8 @@ class CanaryPerturber:
             self._perturb_real_kv_post_forward(forward_batch)
         if self._fires(FaultKind.REAL_KV_UNUSED_CACHE):
             self._perturb_real_kv_unused_cache()
+        if self._fires(FaultKind.HOST_KV):
+            self._perturb_host_kv()
 
     def swap_next_tokens(self, next_token_ids: torch.Tensor) -> None:
         """Swap two rows of the sampled tokens (rows whose tokens differ), in place."""
@@ -242,3 +247,44 @@ class CanaryPerturber:
         for _ in range(_MAX_TRIES if slots else 0):
             if self._flip(FaultKind.REAL_KV_UNUSED_CACHE, self.rng.choice(slots)):
                 return
+
+    def _perturb_host_kv(self) -> None:
+        """Flip the first byte of the target row of a token HiCache holds in host memory only
+        (evicted from the device: the next prefix hit loads it back), in the host pool's own
+        buffer: in the first half of such a node nearest the root (the prefixes requests
+        reuse; the tail of a node, e.g. a finished request's outputs, may never be loaded
+        again). No such token yet: nothing this step (the fault fires on a later one)."""
+        cache = self._radix_cache()
+        host_pool = sglang_seam.hicache_host_pool(cache) if cache is not None else None
+        if host_pool is None:
+            return
+        pending = sglang_seam.hicache_pending_write_node_ids(cache)
+        host_only = []
+        stack = [(child, 0) for child in sglang_seam.radix_root_children(cache)]
+        while stack:
+            node, depth = stack.pop()
+            host = sglang_seam.radix_node_host_value(node)
+            if (host is not None and host.numel() and sglang_seam.radix_node_value(node) is None
+                    and sglang_seam.radix_node_id(node) not in pending):
+                host_only.append((host, depth))
+            n = host.numel() if host is not None else 0
+            value = sglang_seam.radix_node_value(node)
+            n = max(n, value.numel() if value is not None else 0)
+            stack.extend((child, depth + n) for child in sglang_seam.radix_node_children(node))
+        if not host_only:
+            return
+        top = min(depth for _, depth in host_only)
+        host, depth = self.rng.choice([e for e in host_only if e[1] == top])
+        offset = self.rng.randrange(max(1, host.numel() // 2))
+        index = int(host[offset])
+        layers = sorted({c.layer_id for c in self.target.layer_columns}) or [self.flip_layer]
+        rows, page_size = sglang_seam.host_pool_layer_rows(
+            host_pool, layers.index(self.flip_layer), self.config.target_half.value)
+        row_bytes = rows[0].nbytes // page_size
+        flip = flip_first_byte(RealKvSource(tensor=rows, page_size=page_size,
+                                            num_bytes_per_token=row_bytes, read_bytes=row_bytes),
+                               index)
+        self._log(FaultKind.HOST_KV, group=self.target.kind.name.lower(), layer=self.flip_layer,
+                  half=self.config.target_half.value, host_index=index, position=depth + offset,
+                  old=f"0x{flip.old:02x}",
+                  new=f"0x{flip.new:02x}")

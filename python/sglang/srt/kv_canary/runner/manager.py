@@ -32,11 +32,13 @@ from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.endpoint import build_endpoints_from_group
+from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.perturb import CanaryPerturber
 from sglang.srt.kv_canary.perturb.config import RankFacts
 from sglang.srt.kv_canary.runner.containment import ContainmentManager
 from sglang.srt.kv_canary.runner.device_host import DelayedDeviceHostHandler
 from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
+from sglang.srt.kv_canary.runner.hicache import HostTierMirror
 from sglang.srt.kv_canary.runner.metrics import CanaryMetrics
 from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
 from sglang.srt.kv_canary.runner.requests import (
@@ -99,7 +101,7 @@ class CanaryManager:
                  capacities: CanaryLaunchCapacities, req_to_token: torch.Tensor, device,
                  num_single_forward_managers: int = 1,
                  token_oracle: Optional[TokenOracleManager] = None,
-                 ranks: RankFacts = RankFacts()):
+                 ranks: RankFacts = RankFacts(), kv_pool=None):
         if not config.enabled:
             raise ValueError("CanaryManager needs --kv-canary log, raise or abort (got none)")
         if not groups:
@@ -129,11 +131,13 @@ class CanaryManager:
             SingleForwardManager(groups=self.groups, endpoints=self.endpoints, state=self.state,
                                  capacities=capacities, config=config,
                                  req_to_token=req_to_token, device=device, index=i,
-                                 token_history=self.token_history, token_oracle=token_oracle)
+                                 token_history=self.token_history, token_oracle=token_oracle,
+                                 kv_pool=kv_pool)
             for i in range(num_single_forward_managers)
         )
         # fault injection (self-tests only): off unless a SGLANG_KV_CANARY_PERTURB_* is set
         self.perturber: Optional[CanaryPerturber] = None
+        self.host_tier: Optional[HostTierMirror] = None  # with HiCache, once the tree exists
         self.ranks = ranks
         if config.perturb.injects_on(ranks):  # SGLANG_KV_CANARY_PERTURB_*_RANK match
             self.perturber = CanaryPerturber(config=config.perturb, groups=self.groups,
@@ -259,6 +263,9 @@ class CanaryManager:
         if self.containment is not None:
             self.containment.attach_radix_cache(radix_cache)
         self.sweep.attach_radix_cache(radix_cache)
+        host_pool = sglang_seam.hicache_host_pool(radix_cache)
+        if host_pool is not None and self.host_tier is None:
+            self.host_tier = HostTierMirror(groups=self.groups, host_pool=host_pool)
 
     def attach_scheduler(self, *, radix_cache, running_reqs: Callable[[], Sequence],
                          metrics_labels: Optional[Dict[str, object]],
@@ -374,7 +381,10 @@ class CanaryManager:
                                  protected_tokens=self._kv_slots_in_use())
         self.stats.maybe_log(step=step, kernel_counters=kernel_counters,
                              slot_counters=slot_counters,
-                             violations=self.violations.total, sweep_passes=self.sweep_passes)
+                             violations=self.violations.total, sweep_passes=self.sweep_passes,
+                             host_tier=((self.host_tier.backed_up_slots,
+                                         self.host_tier.loaded_slots)
+                                        if self.host_tier is not None else None))
         self.health.check(step=step, kernel_counters=kernel_counters)
         if self.swa_divergence.enabled:
             self.swa_divergence.consume(num_valid=host.swa_verify_num_valid[sfm_index],

@@ -15,6 +15,7 @@ from typing import Sequence
 
 from sglang.jit_kernel.kv_canary.types import CanaryPhase, PoolKind, VerifyPlan
 from sglang.jit_kernel.kv_canary.verify import launch_canary_verify_kernel
+from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.endpoint import CanaryEndpoint
 from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
 from sglang.srt.kv_canary.single_forward_manager.launches import launch_deep_verify
@@ -49,6 +50,8 @@ class SweepOrchestrator:
         return True
 
     def run_sweep(self) -> None:
+        # HiCache: slots a queued host -> device load fills are in the tree already
+        seam.hicache_wait_for_loads(self.radix_cache)
         walks = {}
         for ep in self.endpoints:
             swa = ep.group.kind == PoolKind.SWA

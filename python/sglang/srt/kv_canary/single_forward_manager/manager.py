@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 import torch
 
 from sglang.jit_kernel.kv_canary.types import CanaryPhase, WriteParts
+from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.batch_state import batch_state
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
@@ -83,7 +84,7 @@ class SingleForwardManager:
                  capacities: CanaryLaunchCapacities, config: CanaryConfig,
                  req_to_token: torch.Tensor, device, index: int = 0,
                  token_history: Optional[TokenHistoryUploader] = None,
-                 token_oracle: Optional["TokenOracleManager"] = None):
+                 token_oracle: Optional["TokenOracleManager"] = None, kv_pool=None):
         if config.enable_verify_token_assert and token_history is None:
             raise ValueError("SingleForwardManager: token checks are on "
                              "(enable_verify_token_assert) but no token_history was given")
@@ -91,6 +92,7 @@ class SingleForwardManager:
             raise ValueError("SingleForwardManager: the write-input check is on "
                              "(enable_write_input_assert) but no token_oracle was given")
         self.index = index
+        self.kv_pool = kv_pool  # the guarded pool (HiCache: its layer-load counter)
         self.token_oracle = token_oracle
         self.token_history = token_history
         self.config = config
@@ -195,6 +197,8 @@ class SingleForwardManager:
         (none of it feeds the forward; :meth:`post_ops_maybe_inside_graph` joins), so the
         serial chain of a long prefill costs the forward stream nothing."""
         self._advance(SfmOp.PRE_MAYBE_INSIDE_GRAPH)
+        if self.kv_pool is not None:  # HiCache: records of loaded slots arrive with layer 0
+            sglang_seam.hicache_wait_for_first_layer(self.kv_pool)
         with self._beside_the_forward():
             rpi, prefix, extend = self.plan_input.fill_from_forward_batch(forward_batch)
             expected = self.token_history.pool if self.token_history is not None else None

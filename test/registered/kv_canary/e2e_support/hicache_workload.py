@@ -1,0 +1,29 @@
+"""A workload whose reused prefixes do not fit the device pool, for HiCache:
+``python hicache_workload.py MODEL_DIR [engine kwargs as JSON]`` (the CPU engine).
+
+Eight prompts of 91 tokens (90 distinct each, then one more), one at a time, 4 greedy tokens
+each; then the eight again: with a 256-token device pool, the first round's prefixes are
+backed up to the host pool and evicted from the device, and the second round loads them back.
+Prints ``RESULT <json>`` with the outputs and the cached tokens of each request.
+"""
+
+import json
+import sys
+
+from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs
+
+PROMPTS = [[(7 * p + i) % 500 + 3 for i in range(90)] + [400 + p] for p in range(8)]
+
+if __name__ == "__main__":
+    import sglang
+
+    engine = sglang.Engine(**cpu_engine_kwargs(sys.argv[1], **json.loads(sys.argv[2])))
+    outputs, cached = [], []
+    for _ in range(2):
+        for prompt in PROMPTS:
+            out = engine.generate(input_ids=prompt, sampling_params={
+                "max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+            outputs.append(out["output_ids"])
+            cached.append(out["meta_info"].get("cached_tokens", 0))
+    print("RESULT " + json.dumps({"outputs": outputs, "cached": cached}), flush=True)
+    engine.shutdown()

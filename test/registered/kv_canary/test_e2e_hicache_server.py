@@ -1,0 +1,92 @@
+"""Issue 23 on the CPU: HiCache (``--enable-hierarchical-cache``) on sglang 0.5.12's CPU engine,
+with the test-only shims of e2e_support/sitecustomize.py (``KV_CANARY_TEST_SHIM_HICACHE_CPU``:
+unpinned host memory, a torch stand-in for ``transfer_kv_direct``; ``hicache_io_backend=direct``,
+``layer_first``). A workload whose prefixes overflow the 256-token device pool backs them up to
+the host pool and loads them back (docs/architecture.md, "HiCache"). Clean with raise + real
+data + token checks + the sweep (and per-layer fingerprints): no violation, the greedy outputs
+of the canary off, and the canary's rows really went to the host and back. ``host_kv``: a byte
+of a page in host memory flipped; caught as ``verify_real_kv_hash`` at the position it was
+flipped when the page is loaded back and read."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from sglang.srt.kv_canary.perturb.report import parse_perturb_line
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.testing.server_harness import (
+    build_libcuda_stub,
+    cpu_server_env,
+    write_tiny_llama,
+)
+
+pytestmark = pytest.mark.slow
+
+SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
+ARGS = dict(enable_hierarchical_cache=True, hicache_io_backend="direct",
+            hicache_mem_layout="layer_first", hicache_ratio=4, max_total_tokens=256,
+            chunked_prefill_size=64, max_running_requests=2, log_level="info")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hicache_server")
+    env = cpu_server_env(build_libcuda_stub(root / "stub"))
+    env = {k: v for k, v in env.items() if not k.startswith("SGLANG_KV_CANARY_")}
+    env["PYTHONPATH"] = str(SUPPORT) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["KV_CANARY_TEST_SHIM_HICACHE_CPU"] = "1"
+    return dict(model=write_tiny_llama(root / "model"), env=env)
+
+
+def run(server, env_extra=None, **engine_kwargs):
+    env = dict(server["env"], **(env_extra or {}))
+    proc = subprocess.run([sys.executable, str(SUPPORT / "hicache_workload.py"),
+                           server["model"], json.dumps(dict(ARGS, **engine_kwargs))],
+                          env=env, capture_output=True, text=True, timeout=900)
+    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
+           if x.startswith("RESULT ")]
+    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+
+
+def _host_stats(out: str):
+    lines = [line for line in out.splitlines() if "kv_canary stats:" in line]
+    assert lines, out[-3000:]
+    fields = dict(w.split("=", 1) for w in lines[-1].split() if "=" in w)
+    return int(fields["host_backed_up"]), int(fields["host_loaded"])
+
+
+@pytest.mark.parametrize("layers", ["first", "all"])
+def test_hicache_clean_matches_canary_off(server, layers):
+    rc, out, off = run(server)
+    assert rc == 0 and off is not None, out[-3000:]
+    assert sum(off["cached"][8:]) >= 8 * 80  # the second round hits its prefixes
+    rc, out, on = run(server, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+                               "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "1"},
+                      kv_canary="raise", kv_canary_real_data="partial",
+                      kv_canary_real_data_layers=layers, kv_canary_sweep_interval=2)
+    assert rc == 0, out[-3000:]
+    assert "HiCache host tier mirrored" in out
+    assert parse_violation_lines(out) == []
+    assert on == off
+    backed_up, loaded = _host_stats(out)
+    assert backed_up >= 8 * 80 and loaded >= 80, (backed_up, loaded)  # to the host and back
+
+
+def test_a_flipped_host_byte_is_caught_when_loaded_back(server):
+    env = {"SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB": "1",
+           "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "1",
+           "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "12",
+           "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full"}
+    rc, out, res = run(server, env, kv_canary="log", kv_canary_real_data="partial")
+    assert rc == 0 and res is not None, out[-3000:]
+    (fault,) = [f for f in map(parse_perturb_line, out.splitlines()) if f]
+    assert fault["fault"] == "host_kv", fault
+    lines = parse_violation_lines(out)
+    assert lines and all(v.fail_reasons == ("verify_real_kv_hash",) for v in lines), lines
+    assert {v.position for v in lines} == {int(fault["position"])}, (fault, lines)
+    assert all(v.forward_step > int(fault["step"]) for v in lines)
