@@ -316,4 +316,30 @@ MUTANTS = (
         selection=f"{_T}/test_e2e_tp_server.py::"
                   "test_a_fault_on_one_rank_is_reported_by_that_rank_only",
         speed="slow", what="every rank believes it is rank 0 (faults land on the wrong rank)"),
+    # ---- issue 23: HiCache ------------------------------------------------------------------------
+    Mutant(
+        id="i23-load-not-mirrored", path=f"{_RT}/runner/hicache.py",
+        old="            launch_copy_rows(src=host, dst=rows, src_indices=host_indices,",
+        new="            launch_copy_rows(src=host, dst=host, src_indices=host_indices,",
+        selection=f"{_T}/test_deep_fingerprints.py::test_host_tier_mirror_on_real_pools",
+        speed="quick", what="loaded-back slots keep stale canary rows"),
+    Mutant(
+        id="i23-backup-not-mirrored", path=f"{_RT}/runner/hicache.py",
+        old="            launch_copy_rows(src=rows, dst=host, src_indices=device_indices,",
+        new="            launch_copy_rows(src=rows, dst=rows, src_indices=device_indices,",
+        selection=f"{_T}/test_deep_fingerprints.py::test_host_tier_mirror_on_real_pools",
+        speed="quick", what="backups leave the canary rows on the device"),
+    Mutant(
+        id="i23-host-kv-anywhere", path=f"{_RT}/perturb/perturber.py",
+        old="        if not host_only:\n            return\n",
+        new="        if True:\n            return\n",
+        selection=f"{_T}/test_e2e_hicache_server.py::"
+                  "test_a_flipped_host_byte_is_caught_when_loaded_back",
+        speed="slow", what="the host_kv fault never flips a host byte"),
+    Mutant(
+        id="i23-host-kv-without-hicache", path=f"{_RT}/api.py",
+        old="            and not value(server_args, \"enable_hierarchical_cache\", False)):",
+        new="            and False):",
+        selection=f"{_T}/test_config.py::test_host_kv_needs_hicache",
+        speed="quick", what="host_kv starts without a host tier"),
 )

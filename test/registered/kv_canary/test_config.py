@@ -76,6 +76,8 @@ def test_bad_environment_values_name_the_variable(monkeypatch, name, value, allo
     (dict(kv_canary="none", kv_canary_sweep_interval=4), "--kv-canary-sweep-interval=4 needs"),
     (dict(device="cuda", disable_piecewise_cuda_graph=False), "--disable-piecewise-cuda-graph"),
     (dict(enable_torch_compile=True), "--enable-torch-compile"),
+    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"),
+     "--hicache-storage-backend file yet: pages prefetched back"),
 ])
 def test_startup_refusals_name_the_flag(kw, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
@@ -192,3 +194,18 @@ def test_rank_targets_parse_match_and_are_checked_against_the_server(monkeypatch
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_DP_RANK", "x")
     with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_DP_RANK.*a rank"):
         check_server_args_for_canary(_args(kv_canary="log", pp_size=2))
+
+
+def test_host_kv_needs_hicache(monkeypatch):
+    """Issue 23: the ``host_kv`` fault corrupts HiCache's host memory; without
+    ``--enable-hierarchical-cache`` it is refused, naming the flag."""
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB", "0.5")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_GROUP", "full")
+    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB > 0 corrupts "
+                                         "HiCache's host memory: pass --enable-hierarchical"):
+        check_server_args_for_canary(_args(kv_canary="log", kv_canary_real_data="partial"))
+    cfg = check_server_args_for_canary(_args(kv_canary="log", kv_canary_real_data="partial",
+                                             enable_hierarchical_cache=True))
+    assert cfg.perturb.host_kv_prob == 0.5
+    with pytest.raises(ValueError, match="only real-data fingerprints see"):
+        check_server_args_for_canary(_args(kv_canary="log", enable_hierarchical_cache=True))

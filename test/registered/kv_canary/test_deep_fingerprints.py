@@ -362,3 +362,64 @@ def test_the_table_is_spliced_after_the_k_tail(kind, page_size):
                                                table.shape[1] * 8 * page_size)
     assert len(ptrs) == len(plain[0]) + 3
     assert ptrs[at + 1:] == list(plain[0][k_entries:])  # the V layers (MHA) follow unchanged
+
+
+# ---- HiCache: the row copy between a device buffer and its host mirror --------------------------
+
+from sglang.jit_kernel.kv_canary.rows import launch_copy_rows  # noqa: E402
+
+
+@pytest.mark.parametrize("width", [4, 6])
+def test_copy_rows_matches_the_reference(device, width):
+    g = torch.Generator().manual_seed(width)
+    src = torch.randint(-2**62, 2**62, (50, width), generator=g, dtype=torch.int64).to(device)
+    dst = torch.zeros(70, width, dtype=torch.int64, device=device)
+    s_idx = torch.tensor([3, 9, 49, 50, -1, 0, 7], device=device)  # 50 and -1 are out of range
+    d_idx = torch.tensor([60, 1, 2, 3, 4, 69, 70], dtype=torch.int32)  # 70 is out of range
+    launch_copy_rows(src=src, dst=dst, src_indices=s_idx, dst_indices=d_idx)
+    want = torch.zeros(70, width, dtype=torch.int64)
+    for s, d in zip(s_idx.tolist(), d_idx.tolist()):
+        if 0 <= s < 50 and 0 <= d < 70:
+            want[d] = src[s].cpu()
+    assert torch.equal(dst.cpu(), want)
+
+
+def test_copy_rows_refuses_unpinned_host_memory_and_odd_widths(device):
+    src = torch.zeros(4, 4, dtype=torch.int64, device=device)
+    idx = torch.arange(2)
+    with pytest.raises(ValueError, match="same row width"):
+        launch_copy_rows(src=src, dst=torch.zeros(4, 3, dtype=torch.int64, device=device),
+                         src_indices=idx, dst_indices=idx)
+    with pytest.raises(ValueError, match="dst_indices must have shape"):
+        launch_copy_rows(src=src, dst=src.clone(), src_indices=idx, dst_indices=torch.arange(3))
+    if device.type == "cuda":
+        with pytest.raises(ValueError, match="pinned"):
+            launch_copy_rows(src=src, dst=torch.zeros(4, 4, dtype=torch.int64), src_indices=idx,
+                             dst_indices=idx)
+
+
+def test_host_tier_mirror_on_real_pools(tmp_path):
+    """Issue 23: a real ``MHATokenToKVPoolHost`` (a process with the libcuda stub and the HiCache
+    CPU shims): every canary buffer's rows (K / V head and tail records, the per-layer table) go
+    to the host with a backup and come back, into other slots, with the load's first layer."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    from sglang.srt.kv_canary.testing.server_harness import build_libcuda_stub, cpu_server_env
+
+    support = pathlib.Path(__file__).parent / "e2e_support"
+    env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
+    env["PYTHONPATH"] = str(support) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["KV_CANARY_TEST_SHIM_HICACHE_CPU"] = "1"
+    proc = subprocess.run([sys.executable, str(support / "host_tier_check.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
+           if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and res, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = res[0]
+    assert res["on_host"] and res["back"] and res["kv_back"], res
+    # 4 record buffers (K and V, head and tail) of 32 bytes + 2 layers x 2 halves x 8 bytes
+    assert res["pairs"] == 5 and res["bytes_per_host_slot"] == 4 * 32 + 4 * 8
+    assert (res["backed_up"], res["loaded"]) == (4, 4) and res["host_slots"] > 64

@@ -52,6 +52,13 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
                          "launches must stay outside the compiled model); drop that flag")
     if config.mode == CanaryMode.ABORT:
         _check_abort_mode(server_args)
+    storage = value(server_args, "hicache_storage_backend", None)
+    if value(server_args, "enable_hierarchical_cache", False) and storage:
+        raise ValueError(
+            f"--kv-canary does not support --hicache-storage-backend {storage} yet: pages "
+            "prefetched back from that storage tier would come without their canary rows and "
+            "fail their checks. HiCache's host tier alone is covered: drop "
+            "--hicache-storage-backend, or run without --kv-canary")
     if (FaultKind.HOST_KV in config.perturb.active_faults
             and not value(server_args, "enable_hierarchical_cache", False)):
         raise ValueError(f"{FaultKind.HOST_KV.env_var} > 0 corrupts HiCache's host memory: "

@@ -1,0 +1,53 @@
+"""The host-tier mirror on real sglang pools, in a process with the libcuda stub and the HiCache
+CPU shims (sitecustomize): ``python host_tier_check.py``. Builds an ``MHATokenToKVPool`` with the
+canary (real data partial, per-layer fingerprints) and an ``MHATokenToKVPoolHost``, backs slots
+up and loads them back into other slots through the host pool's own (wrapped) methods, and
+prints ``RESULT <json>`` with what it found."""
+
+import json
+
+import torch
+
+from sglang.srt.kv_canary.builder import build_canary
+from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
+from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.runner.hicache import HostTierMirror
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost
+
+if __name__ == "__main__":
+    pool = MHATokenToKVPool(size=64, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=8,
+                            layer_num=2, device="cpu", enable_memory_saver=False,
+                            enable_alt_stream=False)
+    r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    config = CanaryConfig(mode="raise", real_kv_hash_mode="partial", real_data_layers="all",
+                          enable_mha_v=True)
+    manager = build_canary(pool=pool, req_to_token=r2t.req_to_token, config=config,
+                           device="cpu", capacity_inputs=CanaryCapacityInputs(
+                               context_len=64, chunked_prefill_size=16, max_prefill_tokens=64))
+    host = MHATokenToKVPoolHost(pool, host_to_device_ratio=3.0, host_size=0, page_size=1,
+                                layout="layer_first", pin_memory=False)
+    mirror = HostTierMirror(groups=manager.groups, host_pool=host)
+    g = torch.Generator().manual_seed(0)
+    buffers = [p[0] for p in mirror.pairs]  # device rows: K head/tail, V head/tail, table
+    for rows in buffers:
+        rows.copy_(torch.randint(-2**62, 2**62, rows.shape, generator=g))
+    for layer in range(2):
+        pool.k_buffer[layer].normal_(generator=g)
+        pool.v_buffer[layer].normal_(generator=g)
+    dev = torch.tensor([5, 6, 7, 30], dtype=torch.int64)
+    hst = torch.tensor([100, 101, 150, 2], dtype=torch.int64)
+    before = [rows[dev].clone() for rows in buffers]
+    kv_before = pool.k_buffer[1][dev].clone()
+    host.backup_from_device_all_layer(pool, hst, dev, "direct")
+    on_host = all(torch.equal(mirror.host_rows(i)[hst], b) for i, b in enumerate(before))
+    new = torch.tensor([40, 41, 42, 43], dtype=torch.int64)
+    for layer in range(2):
+        host.load_to_device_per_layer(pool, hst, new, layer, "direct")
+    back = all(torch.equal(rows[new], b) for rows, b in zip(buffers, before))
+    print("RESULT " + json.dumps({
+        "on_host": on_host, "back": back, "kv_back": bool(torch.equal(pool.k_buffer[1][new],
+                                                                      kv_before)),
+        "pairs": len(mirror.pairs), "bytes_per_host_slot": mirror.bytes_per_host_slot,
+        "backed_up": mirror.backed_up_slots, "loaded": mirror.loaded_slots,
+        "host_slots": mirror.host_slots}), flush=True)
