@@ -63,6 +63,7 @@ NO_PREV_SLOT = -1  # predecessor of position 0 (chain head)
 NO_EXPECTED_TOKEN = -1  # expected token unknown: token check skipped
 NO_SEED_SLOT = -1  # write seed of a chain head / padding row
 NO_REQ_TO_TOKEN_ROW = -1  # plan entry not read through a request's req_to_token row (sweep)
+HOST_TIER_ROW = -2  # a HiCache host-tier sweep entry: its slot is a host-pool index
 NO_KV_LAYER = -1  # a ring row that is not a per-layer fingerprint check
 
 

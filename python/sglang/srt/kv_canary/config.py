@@ -133,6 +133,7 @@ class CanaryConfig:
     real_kv_hash_mode: RealKvHashMode = RealKvHashMode.NONE
     real_data_layers: RealDataLayers = RealDataLayers.FIRST
     real_data_layers_per_forward: int = 1
+    host_sweep_pages: int = 64
     enable_write_input_assert: bool = False
     enable_verify_token_assert: bool = False
     stats_print_every_n_steps: int = 100
@@ -150,6 +151,7 @@ class CanaryConfig:
         for name, minimum, maximum in (
                 ("ring_capacity", 1, MAX_RING_CAPACITY), ("sweep_interval", 0, MAX_STEP_INTERVAL),
                 ("real_data_layers_per_forward", 1, MAX_LAYERS_PER_FORWARD),
+                ("host_sweep_pages", 0, MAX_STEP_INTERVAL),
                 ("stats_print_every_n_steps", 0, MAX_STEP_INTERVAL),
                 ("swa_divergence_stats_interval", 0, MAX_STEP_INTERVAL)):
             value = getattr(self, name)
@@ -199,7 +201,8 @@ class CanaryConfig:
         return (f"mode={self.mode.value} real_data={self.real_kv_hash_mode.name.lower()} "
                 f"real_data_layers={self.real_data_layers.value} "
                 f"layers_per_forward={self.real_data_layers_per_forward} "
-                f"sweep_interval={self.sweep_interval} ring_capacity={self.ring_capacity} "
+                f"sweep_interval={self.sweep_interval} host_sweep_pages={self.host_sweep_pages} "
+                f"ring_capacity={self.ring_capacity} "
                 f"token_checks={on[self.enable_verify_token_assert]} "
                 f"token_oracle={on[self.enable_token_oracle]} "
                 f"write_input_check={on[self.enable_write_input_assert]} "
@@ -238,6 +241,7 @@ class CanaryConfig:
             real_data_layers=layers,
             real_data_layers_per_forward=(
                 canary_envs.SGLANG_KV_CANARY_REAL_DATA_LAYERS_PER_FORWARD.get()),
+            host_sweep_pages=canary_envs.SGLANG_KV_CANARY_HOST_SWEEP_PAGES.get(),
             ring_capacity=canary_envs.SGLANG_KV_CANARY_RING_CAPACITY.get(),
             enable_write_input_assert=canary_envs.SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT.get(),
             enable_verify_token_assert=canary_envs.SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT.get(),

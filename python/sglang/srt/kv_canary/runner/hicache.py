@@ -23,10 +23,29 @@ from typing import List, Sequence, Tuple
 
 import torch
 
+from sglang.jit_kernel.kv_canary._hash_torch import real_kv_fingerprint_t
+from sglang.jit_kernel.kv_canary.consts import (
+    CANARY_FIELD_POSITION,
+    CANARY_FIELD_PREV_HASH,
+    CANARY_FIELD_REAL_KV_HASH,
+    CANARY_FIELD_TOKEN,
+    HOST_TIER_ROW,
+    NO_EXPECTED_TOKEN,
+    NO_KV_LAYER,
+    FailReason,
+    RealKvHashMode,
+)
 from sglang.jit_kernel.kv_canary.rows import launch_copy_rows
-from sglang.jit_kernel.kv_canary.types import PoolKind
+from sglang.jit_kernel.kv_canary.types import (
+    CanaryLaunchTag,
+    CanaryPhase,
+    KvHalf,
+    PoolKind,
+    RealKvSource,
+)
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
+from sglang.srt.kv_canary.runner.violation import ViolationIncident, merge_incidents
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +56,9 @@ class HostTierMirror:
     CUDA (the copy kernel reaches them through unified addressing) and plain on the CPU.
     Wraps the host pool's copy methods on construction."""
 
-    def __init__(self, *, groups: Sequence[CanaryBufferGroup], host_pool):
+    def __init__(self, *, groups: Sequence[CanaryBufferGroup], host_pool,
+                 real_kv_hash_mode: RealKvHashMode = RealKvHashMode.NONE,
+                 sweep_pages: int = 0):
         kind = seam.host_pool_kind(host_pool)  # raises for a host pool it cannot mirror
         odd = [g.kind.name for g in groups if g.kind != PoolKind.FULL]
         if odd:
@@ -48,7 +69,11 @@ class HostTierMirror:
         self.kind = kind
         self.host_slots = seam.host_pool_size(host_pool)
         self.pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (device rows, host rows)
+        self.tails: List[Tuple[KvHalf, torch.Tensor]] = []  # host rows of the TAIL records
         for group in groups:
+            self.tails.append((KvHalf.K, len(self.pairs) + 1))
+            if group.v_tail is not None:
+                self.tails.append((KvHalf.V, len(self.pairs) + 3))
             bufs = [b.view(torch.int64) for b in (group.k_head, group.k_tail, group.v_head,
                                                    group.v_tail) if b is not None]
             if group.deep is not None:
@@ -58,7 +83,16 @@ class HostTierMirror:
                 host = torch.zeros((self.host_slots, rows.shape[1]), dtype=torch.int64,
                                    pin_memory=pin)
                 self.pairs.append((rows, host))
+        self.tails = [(half, self.pairs[i][1]) for half, i in self.tails]
         self.bytes_per_host_slot = sum(h.shape[1] * 8 for _, h in self.pairs)
+        self.mode = RealKvHashMode(real_kv_hash_mode)
+        self.sweep_pages = int(sweep_pages)
+        self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
+        self.host_sources = (self._host_sources(groups[0])
+                             if self.sweep_pages > 0 and self.mode != RealKvHashMode.NONE
+                             else None)
+        self.sweep_cursor = 0  # round robin over the host-resident tokens
+        self.swept_slots = 0
         self.backed_up_slots = 0  # host slots written by backups so far
         self.loaded_slots = 0  # device slots filled by loads so far
         seam.wrap_host_pool_copies(host_pool, after_backup=self.backup, before_load=self.load)
@@ -83,3 +117,74 @@ class HostTierMirror:
     def host_rows(self, index: int) -> torch.Tensor:
         """The host copy of canary buffer ``index`` (in the order above; tests, self-tests)."""
         return self.pairs[index][1]
+
+    # ---- the host-tier sweep -----------------------------------------------------------------
+
+    def _host_sources(self, group: CanaryBufferGroup):
+        """Per half, the host rows that mirror the group's real-KV sources (layer 0's row:
+        the first per-layer column's; refuses pools whose record fingerprints more)."""
+        out = {}
+        for half, device_sources in ((KvHalf.K, group.real_kv_sources_k),
+                                     (KvHalf.V, group.real_kv_sources_v)):
+            if half == KvHalf.V and group.v_tail is None:
+                continue
+            if len(device_sources) != 1:
+                raise NotImplementedError(
+                    f"kv_canary's host-tier sweep covers pools whose record fingerprints one "
+                    f"row per half; this {self.kind} pool's {half.value} record folds "
+                    f"{len(device_sources)}: set SGLANG_KV_CANARY_HOST_SWEEP_PAGES=0")
+            rows, page_size = seam.host_pool_layer_rows(self.host_pool, 0, half.value)
+            row_bytes = rows[0].nbytes // page_size
+            out[half] = RealKvSource(tensor=rows, page_size=page_size,
+                                     num_bytes_per_token=row_bytes, read_bytes=row_bytes)
+        return out
+
+    def sweep(self, radix_cache) -> List[ViolationIncident]:
+        """Check the real-KV fingerprint of up to ``sweep_pages`` pages of host-resident
+        tokens (round robin over the tree's host copies, skipping backups still in flight)
+        against their mirrored TAIL records, on the CPU. Returns the incidents (tag SWEEP_*,
+        slot = the host-pool index, ``req_to_token_row`` = ``HOST_TIER_ROW``, read position =
+        the token's depth). Host-synchronising (CUDA: waits for queued transfers first);
+        after a forward, outside any graph."""
+        if self.host_sources is None:
+            return []
+        seam.hicache_wait_for_loads(radix_cache)
+        pending = seam.hicache_pending_write_node_ids(radix_cache)
+        chunks, depths = [], []
+        stack = [(child, 0) for child in seam.radix_root_children(radix_cache)]
+        while stack:
+            node, depth = stack.pop()
+            host = seam.radix_node_host_value(node)
+            value = seam.radix_node_value(node)
+            n = max(host.numel() if host is not None else 0,
+                    value.numel() if value is not None else 0)
+            if host is not None and host.numel() and seam.radix_node_id(node) not in pending:
+                chunks.append(host.to("cpu", torch.int64))
+                depths.append(torch.arange(depth, depth + host.numel(), dtype=torch.int64))
+            stack.extend((child, depth + n) for child in seam.radix_node_children(node))
+        if not chunks:
+            return []
+        if any(rows.is_cuda for rows, _ in self.pairs):
+            torch.cuda.synchronize()  # backups queued before this sweep have landed
+        slots, positions = torch.cat(chunks), torch.cat(depths)
+        total = slots.numel()
+        take = min(total, self.sweep_pages * self.page_size)
+        pick = (torch.arange(take) + self.sweep_cursor) % total
+        self.sweep_cursor = int((self.sweep_cursor + take) % total)
+        slots, positions = slots[pick], positions[pick]
+        self.swept_slots += take
+        rows = []
+        for half, tail in self.tails:
+            source = self.host_sources[half]
+            fp = real_kv_fingerprint_t((source,), (source.words_to_fold(self.mode),), slots)
+            rec = tail[slots]
+            bad = (rec[:, CANARY_FIELD_REAL_KV_HASH] != fp).nonzero().flatten().tolist()
+            tag = CanaryLaunchTag.of(CanaryPhase.SWEEP, half, PoolKind.FULL)
+            for i in bad:
+                rows.append([int(tag), int(slots[i]), int(rec[i, CANARY_FIELD_POSITION]),
+                             int(rec[i, CANARY_FIELD_TOKEN]), NO_EXPECTED_TOKEN,
+                             int(rec[i, CANARY_FIELD_PREV_HASH]),
+                             int(rec[i, CANARY_FIELD_PREV_HASH]),
+                             int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH), int(positions[i]),
+                             HOST_TIER_ROW, NO_KV_LAYER])
+        return merge_incidents(rows)

@@ -265,7 +265,10 @@ class CanaryManager:
         self.sweep.attach_radix_cache(radix_cache)
         host_pool = sglang_seam.hicache_host_pool(radix_cache)
         if host_pool is not None and self.host_tier is None:
-            self.host_tier = HostTierMirror(groups=self.groups, host_pool=host_pool)
+            self.host_tier = HostTierMirror(
+                groups=self.groups, host_pool=host_pool,
+                real_kv_hash_mode=self.config.real_kv_hash_mode,
+                sweep_pages=self.config.host_sweep_pages if self.config.sweep_interval else 0)
 
     def attach_scheduler(self, *, radix_cache, running_reqs: Callable[[], Sequence],
                          metrics_labels: Optional[Dict[str, object]],
@@ -308,7 +311,8 @@ class CanaryManager:
         self.step += 1
         if self.perturber is not None and forward_batch is not None:
             self.perturber.after_forward(forward_batch, step=self.step)
-        self.sweep.maybe_run_sweep(self.step)
+        if self.sweep.maybe_run_sweep(self.step) and self.host_tier is not None:
+            self._host_tier_sweep()
         state = batch_state(forward_batch) if forward_batch is not None else None
         requests = (state.requests if state is not None and state.requests is not None
                     else NO_FORWARD_REQUESTS)
@@ -318,6 +322,14 @@ class CanaryManager:
         else:
             self.device_host.consume(self._on_host_copies)
             self._stage(sfm, requests)
+
+    def _host_tier_sweep(self) -> None:
+        """HiCache: after a radix sweep, the host-tier sweep's pages (on the CPU); its
+        incidents are counted and reported at once (no ring: found on the host)."""
+        incidents = self.host_tier.sweep(self.radix_cache)
+        if incidents:
+            self.violations.count(incidents)
+            self._report(incidents, dropped=0, step=self.step, requests=NO_FORWARD_REQUESTS)
 
     def count_violations(self) -> int:
         """Violations counted so far over every forward window (kept in the ring or dropped),

@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sglang.jit_kernel.kv_canary.consts import (
+    HOST_TIER_ROW,
     VIOLATION_FIELD_REQ_TO_TOKEN_ROW,
     VIOLATION_FIELD_SLOT_IDX,
 )
@@ -159,6 +160,8 @@ class RequestResolver:
         for inc in incidents:
             kind = row_pool_kind(inc.row)
             slots = by_kind.get(kind)
+            if int(inc.row[VIOLATION_FIELD_REQ_TO_TOKEN_ROW]) == HOST_TIER_ROW:
+                slots = None  # a host-pool index, not a device slot: no request maps it
             if slots is None:
                 hits.append(torch.zeros(len(candidates), dtype=torch.bool, device=device))
                 continue

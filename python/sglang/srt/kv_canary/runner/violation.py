@@ -43,6 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sglang.jit_kernel.kv_canary.consts import (
+    HOST_TIER_ROW,
     VIOLATION_FIELD_EXPECTED_AUX,
     VIOLATION_FIELD_EXPECTED_TOKEN,
     VIOLATION_FIELD_FAIL_REASON_BITS,
@@ -233,6 +234,9 @@ def _where_read(inc: ViolationIncident) -> str:
         phase = CanaryLaunchTag(row[VIOLATION_FIELD_KERNEL_KIND]).phase
     except ValueError:
         phase = None
+    if req_row == HOST_TIER_ROW:
+        return (f"  The host-tier sweep (HiCache) read host-pool slot {slot}, the cached token at "
+                f"depth {pos}, in host memory (its KV bytes no longer match its fingerprint).")
     if req_row < 0:
         return (f"  The radix-cache sweep read slot {slot} as the cached token at depth {pos} "
                 "(no request holds it).")
@@ -347,6 +351,11 @@ class ViolationManager:
         self.total_dropped += dropped
         self.total_incidents += len(incidents)
         return incidents, dropped
+
+    def count(self, incidents: Sequence[ViolationIncident]) -> None:
+        """Count incidents found on the host (the HiCache host-tier sweep), not in the ring."""
+        self.total += len(incidents)
+        self.total_incidents += len(incidents)
 
     def report(self, incidents: Sequence[ViolationIncident], *, dropped: int, step: int
                ) -> None:
