@@ -66,10 +66,11 @@ def baseline(server):
     """Greedy outputs of the workload with the canary off (installs nothing)."""
     rc, out, res = _workload(server, "none", WORKLOAD_ARGS)
     assert rc == 0, out[-3000:]
-    # canary off: nothing of the canary's own, only the three fields in sglang's
+    # canary off: nothing of the canary's own, only the four fields in sglang's
     # `server_args=ServerArgs(...)` line (its repr shows every setting)
-    assert "kv_canary='none', kv_canary_sweep_interval=0, kv_canary_real_data='none')" in out
-    quiet = re.sub(r"kv_canary(_sweep_interval|_real_data)?=\S+", "",
+    assert ("kv_canary='none', kv_canary_sweep_interval=0, kv_canary_real_data='none', "
+            "kv_canary_real_data_layers='first')") in out
+    quiet = re.sub(r"kv_canary(_sweep_interval|_real_data|_real_data_layers)?=\S+", "",
                    out.replace("sglang.srt.kv_canary", ""))
     assert "kv_canary" not in quiet
     assert res is not None and len(res) == 48
