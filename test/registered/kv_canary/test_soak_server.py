@@ -172,7 +172,8 @@ class Soak:
         self.counts: collections.Counter = collections.Counter()  # kind -> done
         self.outcomes: collections.Counter = collections.Counter()  # "kind:outcome" -> n
         self.problems: list[str] = []
-        self.abort_all_windows: list[tuple[float, float]] = []  # (sent, answered), time.monotonic()
+        # [sent, answered] of each abort_all (time.monotonic(); answered = inf until it is)
+        self.abort_all_windows: list[list[float]] = []
         self.response_retractions = 0
         self.stop = threading.Event()
         self.gate = threading.Event()  # cleared while the controller quiesces for a flush
@@ -432,7 +433,11 @@ class Soak:
             self.note(kind, outcome)
 
     def abort_all(self, tag: str) -> None:
-        sent = time.monotonic()
+        # the window opens before the request is sent: an aborted request's answer can reach
+        # its client before this abort_all's own answer does (a busy server)
+        window = [time.monotonic(), float("inf")]
+        with self.lock:
+            self.abort_all_windows.append(window)
         try:
             status, raw = self.post("abort_all", "/abort_request", {"abort_all": True},
                                     timeout=30)
@@ -441,7 +446,7 @@ class Soak:
             self.problem("abort_all", "no answer in 30 s")
         finally:
             with self.lock:
-                self.abort_all_windows.append((sent, time.monotonic()))
+                window[1] = time.monotonic()
         if status not in (200, None):
             self.problem("abort_all", f"HTTP {status}: {raw[:200]!r}")
         self.note("abort_all", tag)
