@@ -334,7 +334,7 @@ MUTANTS = (
         old="        if not host_only:\n            return\n",
         new="        if True:\n            return\n",
         selection=f"{_T}/test_e2e_hicache_server.py::"
-                  "test_a_flipped_host_byte_is_caught_when_loaded_back",
+                  "test_a_flipped_host_byte_is_found_in_host_memory_and_when_loaded_back",
         speed="slow", what="the host_kv fault never flips a host byte"),
     Mutant(
         id="i23-host-kv-without-hicache", path=f"{_RT}/api.py",

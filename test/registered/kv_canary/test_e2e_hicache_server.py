@@ -60,48 +60,29 @@ def _host_stats(out: str):
     return int(fields["host_backed_up"]), int(fields["host_loaded"])
 
 
-@pytest.fixture(scope="module")
-def canary_off(server):
+def test_hicache_clean_matches_canary_off(server):
+    """Raise + partial real data + per-layer fingerprints (records and table both travel) +
+    token checks + the sweep (device and host tier): the outputs of the canary off."""
     rc, out, off = run(server)
     assert rc == 0 and off is not None, out[-3000:]
     assert sum(off["cached"][8:]) >= 8 * 80  # the second round hits its prefixes
-    return off
-
-
-@pytest.mark.parametrize("layers", ["first", "all"])
-def test_hicache_clean_matches_canary_off(server, canary_off, layers):
-    off = canary_off
     rc, out, on = run(server, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
                                "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "1"},
                       kv_canary="raise", kv_canary_real_data="partial",
-                      kv_canary_real_data_layers=layers, kv_canary_sweep_interval=2)
+                      kv_canary_real_data_layers="all", kv_canary_sweep_interval=2)
     assert rc == 0, out[-3000:]
-    assert "HiCache host tier mirrored" in out
+    assert "HiCache host tier mirrored" in out and "host_sweep_pages=64" in out
     assert parse_violation_lines(out) == []
     assert on == off
     backed_up, loaded = _host_stats(out)
     assert backed_up >= 8 * 80 and loaded >= 80, (backed_up, loaded)  # to the host and back
 
 
-def test_a_flipped_host_byte_is_caught_when_loaded_back(server):
-    env = {"SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB": "1",
-           "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "1",
-           "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "12",
-           "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full"}
-    rc, out, res = run(server, env, kv_canary="log", kv_canary_real_data="partial")
-    assert rc == 0 and res is not None, out[-3000:]
-    (fault,) = [f for f in map(parse_perturb_line, out.splitlines()) if f]
-    assert fault["fault"] == "host_kv", fault
-    lines = parse_violation_lines(out)
-    assert lines and all(v.fail_reasons == ("verify_real_kv_hash",) for v in lines), lines
-    assert {v.position for v in lines} == {int(fault["position"])}, (fault, lines)
-    assert all(v.forward_step > int(fault["step"]) for v in lines)
-
-
-def test_the_host_tier_sweep_finds_host_rot(server):
-    """A byte flipped in host memory is found in host memory by the sweep's host-tier part
-    (``SGLANG_KV_CANARY_HOST_SWEEP_PAGES`` pages per pass, checked on the CPU): tag
-    ``SWEEP_K_FULL``, ``req_to_token_row=-2``, the host-pool index as the slot."""
+def test_a_flipped_host_byte_is_found_in_host_memory_and_when_loaded_back(server):
+    """``host_kv`` flips a byte of a host-only page: the host-tier sweep right after the fault
+    finds it in host memory (``SWEEP_K_FULL``, ``req_to_token_row=-2``, the host-pool index
+    as the slot), and the forward that reads the page once it is loaded back reports it too
+    (``verify_real_kv_hash`` at the flipped position)."""
     env = {"SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB": "1",
            "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "1",
            "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "12",
@@ -111,11 +92,15 @@ def test_the_host_tier_sweep_finds_host_rot(server):
                        kv_canary_sweep_interval=1)
     assert rc == 0 and res is not None, out[-3000:]
     (fault,) = [f for f in map(parse_perturb_line, out.splitlines()) if f]
-    host = [v for v in parse_violation_lines(out) if v.req_to_token_row == -2]
+    assert fault["fault"] == "host_kv", fault
+    lines = parse_violation_lines(out)
+    assert lines and all(v.fail_reasons == ("verify_real_kv_hash",) for v in lines), lines
+    host = [v for v in lines if v.req_to_token_row == -2]
     assert host, out[-3000:]
-    first = host[0]
-    assert (first.launch_tag, first.slot_idx, first.read_position, first.fail_reasons) == (
-        "SWEEP_K_FULL", int(fault["host_index"]), int(fault["position"]),
-        ("verify_real_kv_hash",))
-    assert first.forward_step == int(fault["step"])  # the sweep right after the fault
+    assert (host[0].launch_tag, host[0].slot_idx, host[0].read_position,
+            host[0].forward_step) == ("SWEEP_K_FULL", int(fault["host_index"]),
+                                      int(fault["position"]), int(fault["step"]))
     assert "The host-tier sweep (HiCache) read host-pool slot" in out
+    loaded = [v for v in lines if v.req_to_token_row >= 0]
+    assert loaded and {v.position for v in loaded} == {int(fault["position"])}, (fault, lines)
+    assert all(v.forward_step > int(fault["step"]) for v in loaded)
