@@ -4,8 +4,28 @@ each injected fault was reported with its reason at its slot."""
 
 from __future__ import annotations
 
+import json
+import pathlib
+import subprocess
+import sys
+
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+
+SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
+
+
+def run_workload(script: str, model: str, engine_kwargs: dict, env: dict, *extra: str,
+                 timeout: float = 900):
+    """Run ``e2e_support/<script> MODEL KWARGS_JSON [extra...]`` in a fresh process; returns
+    ``(returncode, stdout + stderr, the RESULT json or None)``."""
+    proc = subprocess.run([sys.executable, str(SUPPORT / script), model,
+                           json.dumps(engine_kwargs), *extra],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
+           if x.startswith("RESULT ")]
+    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+
 
 # every fault class of the perturbation framework, in the FULL group, from step 8 on
 EVERY_FAULT_ENV = {

@@ -9,12 +9,9 @@ user guide's "What it does not catch" states."""
 
 from __future__ import annotations
 
-import json
-import pathlib
-import subprocess
-import sys
 
 import pytest
+from e2e_checks import run_workload
 
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
@@ -26,7 +23,6 @@ from sglang.srt.kv_canary.testing.server_harness import (
 
 pytestmark = pytest.mark.slow
 
-SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 LAYERS = 4
 LAYERS_PER_FORWARD = 2
 BOUND = LAYERS // LAYERS_PER_FORWARD  # forwards reading a slot that check all its layers
@@ -53,13 +49,8 @@ def server(tmp_path_factory):
 
 
 def run(server, env_extra=None, **engine_kwargs):
-    env = dict(server["env"], **(env_extra or {}))
-    proc = subprocess.run([sys.executable, str(SUPPORT / "small_workload.py"), server["model"],
-                           json.dumps(dict(ARGS, **engine_kwargs))],
-                          env=env, capture_output=True, text=True, timeout=900)
-    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
-           if x.startswith("RESULT ")]
-    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+    return run_workload("small_workload.py", server["model"], dict(ARGS, **engine_kwargs),
+                        dict(server["env"], **(env_extra or {})), timeout=900)
 
 
 def test_every_layer_clean_matches_canary_off(server):

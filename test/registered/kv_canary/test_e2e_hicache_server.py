@@ -10,12 +10,10 @@ flipped when the page is loaded back and read."""
 
 from __future__ import annotations
 
-import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
+from e2e_checks import run_workload
 
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
@@ -44,13 +42,8 @@ def server(tmp_path_factory):
 
 
 def run(server, env_extra=None, **engine_kwargs):
-    env = dict(server["env"], **(env_extra or {}))
-    proc = subprocess.run([sys.executable, str(SUPPORT / "hicache_workload.py"),
-                           server["model"], json.dumps(dict(ARGS, **engine_kwargs))],
-                          env=env, capture_output=True, text=True, timeout=900)
-    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
-           if x.startswith("RESULT ")]
-    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+    return run_workload("hicache_workload.py", server["model"], dict(ARGS, **engine_kwargs),
+                        dict(server["env"], **(env_extra or {})), timeout=900)
 
 
 def _host_stats(out: str):

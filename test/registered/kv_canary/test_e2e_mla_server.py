@@ -8,14 +8,11 @@ pools".)"""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
-from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught
+from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
 
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
@@ -41,13 +38,8 @@ def mla(tmp_path_factory):
 
 
 def run(mla, env_extra=None, **engine_kwargs):
-    env = dict(mla["env"], **(env_extra or {}))
-    proc = subprocess.run([sys.executable, str(SUPPORT / "small_workload.py"), mla["model"],
-                           json.dumps(dict(ARGS, **engine_kwargs))],
-                          env=env, capture_output=True, text=True, timeout=900)
-    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
-           if x.startswith("RESULT ")]
-    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+    return run_workload("small_workload.py", mla["model"], dict(ARGS, **engine_kwargs),
+                        dict(mla["env"], **(env_extra or {})), timeout=900)
 
 
 def test_mla_clean_matches_canary_off(mla):

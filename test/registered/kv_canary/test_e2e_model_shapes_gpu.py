@@ -22,14 +22,11 @@ and DeepGEMM (docs/architecture.md, "Tests")."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
-from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught
+from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
 
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
@@ -73,14 +70,8 @@ def shape(request, tmp_path_factory):
 
 
 def run(shape, env_extra=None, **engine_kwargs):
-    env = dict(shape["env"], **(env_extra or {}))
-    proc = subprocess.run(
-        [sys.executable, str(SUPPORT / "small_workload.py"), shape["model"],
-         json.dumps(dict(shape["kwargs"], **engine_kwargs)), "cuda"],
-        env=env, capture_output=True, text=True, timeout=600)
-    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
-           if x.startswith("RESULT ")]
-    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+    return run_workload("small_workload.py", shape["model"], dict(shape["kwargs"], **engine_kwargs),
+                        dict(shape["env"], **(env_extra or {})), "cuda", timeout=600)
 
 
 def test_clean_matches_canary_off(shape):

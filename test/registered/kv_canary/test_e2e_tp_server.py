@@ -7,13 +7,10 @@ off. ``SGLANG_KV_CANARY_PERTURB_TP_RANK=1``: only rank 1 injects faults and repo
 
 from __future__ import annotations
 
-import json
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+from e2e_checks import run_workload
 
 from sglang.srt.kv_canary.perturb.report import PERTURB_LINE_PREFIX
 from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX, parse_violation_lines
@@ -25,7 +22,6 @@ from sglang.srt.kv_canary.testing.server_harness import (
 
 pytestmark = pytest.mark.slow
 
-SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 ARGS = dict(tp_size=2, chunked_prefill_size=32, max_total_tokens=512, max_running_requests=4,
             log_level="info")
 FAULT = {"SGLANG_KV_CANARY_PERTURB_TP_RANK": "1",
@@ -47,13 +43,8 @@ def server(tmp_path_factory):
 
 
 def run(server, env_extra=None, **engine_kwargs):
-    env = dict(server["env"], **(env_extra or {}))
-    proc = subprocess.run([sys.executable, str(SUPPORT / "small_workload.py"), server["model"],
-                           json.dumps(dict(ARGS, **engine_kwargs))],
-                          env=env, capture_output=True, text=True, timeout=900)
-    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
-           if x.startswith("RESULT ")]
-    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+    return run_workload("small_workload.py", server["model"], dict(ARGS, **engine_kwargs),
+                        dict(server["env"], **(env_extra or {})), timeout=900)
 
 
 def _by_rank(out: str, prefix: str) -> dict:

@@ -27,6 +27,18 @@ logger = logging.getLogger(__name__)
 TOKEN_ORACLE_REQUESTED_ATTR = "kv_canary_token_oracle_requested"
 
 
+def _parse_choice(cls, value, flag: str):
+    """A member of the str enum ``cls`` or its value (any case, surrounding blanks ignored);
+    anything else (``None``, ``''``, a misspelling) raises ``ValueError`` naming ``flag``."""
+    if isinstance(value, cls):
+        return value
+    choice = value.strip().lower() if isinstance(value, str) else None
+    if choice not in {m.value for m in cls}:
+        raise ValueError(
+            f"invalid {flag} value {value!r}; allowed: {', '.join(m.value for m in cls)}")
+    return cls(choice)
+
+
 class CanaryMode(str, enum.Enum):
     """``--kv-canary``: what happens on a violation."""
 
@@ -42,13 +54,7 @@ class CanaryMode(str, enum.Enum):
         """A ``CanaryMode`` or its name (any case, surrounding blanks ignored), as the command
         line, ``--config`` YAML and ``Engine(kv_canary=...)`` all accept it; anything else
         (``None``, ``''``, a misspelling) raises ``ValueError`` naming ``flag``."""
-        if isinstance(value, cls):
-            return value
-        choice = value.strip().lower() if isinstance(value, str) else None
-        if choice not in {m.value for m in cls}:
-            raise ValueError(
-                f"invalid {flag} value {value!r}; allowed: {', '.join(m.value for m in cls)}")
-        return cls(choice)
+        return _parse_choice(cls, value, flag)
 
 
 REAL_DATA_CHOICES = {"none": RealKvHashMode.NONE, "partial": RealKvHashMode.PARTIAL,
@@ -75,13 +81,7 @@ class RealDataLayers(str, enum.Enum):
 
     @classmethod
     def parse(cls, value, *, flag: str = "--kv-canary-real-data-layers") -> "RealDataLayers":
-        if isinstance(value, cls):
-            return value
-        choice = value.strip().lower() if isinstance(value, str) else None
-        if choice not in {m.value for m in cls}:
-            raise ValueError(
-                f"invalid {flag} value {value!r}; allowed: {', '.join(m.value for m in cls)}")
-        return cls(choice)
+        return _parse_choice(cls, value, flag)
 
 
 def parse_sweep_interval(value, *, flag: str = "--kv-canary-sweep-interval") -> int:

@@ -145,3 +145,23 @@ def radix_nodes_holding_slots(*, radix_cache, slots: torch.Tensor) -> List:
         if p < 0:
             out.append(node)
     return out
+
+
+def host_resident_nodes(radix_cache, *, host_only: bool = False) -> List[tuple]:
+    """HiCache: ``(host_indices, depth)`` of every node whose host copy is complete (its
+    backup is not in flight), depth-first; ``host_only``: only nodes evicted from the device
+    (the ones a prefix hit loads back). ``depth`` is the position of the node's first token."""
+    pending = seam.hicache_pending_write_node_ids(radix_cache)
+    out = []
+    stack = [(child, 0) for child in seam.radix_root_children(radix_cache)]
+    while stack:
+        node, depth = stack.pop()
+        host = seam.radix_node_host_value(node)
+        value = seam.radix_node_value(node)
+        if (host is not None and host.numel() and seam.radix_node_id(node) not in pending
+                and not (host_only and value is not None)):
+            out.append((host, depth))
+        n = max(host.numel() if host is not None else 0,
+                value.numel() if value is not None else 0)
+        stack.extend((child, depth + n) for child in seam.radix_node_children(node))
+    return out

@@ -258,19 +258,9 @@ class CanaryPerturber:
         host_pool = sglang_seam.hicache_host_pool(cache) if cache is not None else None
         if host_pool is None:
             return
-        pending = sglang_seam.hicache_pending_write_node_ids(cache)
-        host_only = []
-        stack = [(child, 0) for child in sglang_seam.radix_root_children(cache)]
-        while stack:
-            node, depth = stack.pop()
-            host = sglang_seam.radix_node_host_value(node)
-            if (host is not None and host.numel() and sglang_seam.radix_node_value(node) is None
-                    and sglang_seam.radix_node_id(node) not in pending):
-                host_only.append((host, depth))
-            n = host.numel() if host is not None else 0
-            value = sglang_seam.radix_node_value(node)
-            n = max(n, value.numel() if value is not None else 0)
-            stack.extend((child, depth + n) for child in sglang_seam.radix_node_children(node))
+        from sglang.srt.kv_canary.radix_cache_walker import host_resident_nodes
+
+        host_only = host_resident_nodes(cache, host_only=True)
         if not host_only:
             return
         top = min(depth for _, depth in host_only)

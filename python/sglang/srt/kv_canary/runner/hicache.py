@@ -45,6 +45,7 @@ from sglang.jit_kernel.kv_canary.types import (
 )
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
+from sglang.srt.kv_canary.radix_cache_walker import host_resident_nodes
 from sglang.srt.kv_canary.runner.violation import ViolationIncident, merge_incidents
 
 logger = logging.getLogger(__name__)
@@ -149,19 +150,9 @@ class HostTierMirror:
         if self.host_sources is None:
             return []
         seam.hicache_wait_for_loads(radix_cache)
-        pending = seam.hicache_pending_write_node_ids(radix_cache)
-        chunks, depths = [], []
-        stack = [(child, 0) for child in seam.radix_root_children(radix_cache)]
-        while stack:
-            node, depth = stack.pop()
-            host = seam.radix_node_host_value(node)
-            value = seam.radix_node_value(node)
-            n = max(host.numel() if host is not None else 0,
-                    value.numel() if value is not None else 0)
-            if host is not None and host.numel() and seam.radix_node_id(node) not in pending:
-                chunks.append(host.to("cpu", torch.int64))
-                depths.append(torch.arange(depth, depth + host.numel(), dtype=torch.int64))
-            stack.extend((child, depth + n) for child in seam.radix_node_children(node))
+        nodes = host_resident_nodes(radix_cache)
+        chunks = [host.to("cpu", torch.int64) for host, _ in nodes]
+        depths = [torch.arange(d, d + host.numel(), dtype=torch.int64) for host, d in nodes]
         if not chunks:
             return []
         if any(rows.is_cuda for rows, _ in self.pairs):

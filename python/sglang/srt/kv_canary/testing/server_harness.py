@@ -153,19 +153,12 @@ _CUDA_ERROR_NO_DEVICE = 100
 
 def write_tiny_llama(model_dir, **overrides) -> str:
     """Write the tiny Llama ``config.json`` into ``model_dir``; returns the directory."""
-    path = pathlib.Path(model_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**TINY_LLAMA_CONFIG, **overrides}, indent=1))
-    return str(path)
+    return _write_config(model_dir, {**TINY_LLAMA_CONFIG, **overrides})
 
 
 def write_tiny_deepseek_v2(model_dir, **overrides) -> str:
     """Write the tiny DeepSeek-V2 (MLA) ``config.json`` into ``model_dir``; returns it."""
-    path = pathlib.Path(model_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**TINY_DEEPSEEK_V2_CONFIG, **overrides},
-                                                 indent=1))
-    return str(path)
+    return _write_config(model_dir, {**TINY_DEEPSEEK_V2_CONFIG, **overrides})
 
 
 def write_tiny_deepseek_v32(model_dir, **overrides) -> str:
