@@ -382,6 +382,18 @@ def test_copy_rows_matches_the_reference(device, width):
         if 0 <= s < 50 and 0 <= d < 70:
             want[d] = src[s].cpu()
     assert torch.equal(dst.cpu(), want)
+    if device.type == "cuda":  # HiCache: device -> pinned host rows and back, on a side stream
+        host = torch.zeros(70, width, dtype=torch.int64, pin_memory=True)
+        back = torch.zeros(50, width, dtype=torch.int64, device=device)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            launch_copy_rows(src=src, dst=host, src_indices=s_idx, dst_indices=d_idx)
+            launch_copy_rows(src=host, dst=back, src_indices=d_idx, dst_indices=s_idx)
+        stream.synchronize()
+        assert torch.equal(host, want)
+        kept = [s for s, d in zip(s_idx.tolist(), d_idx.tolist()) if 0 <= s < 50 and 0 <= d < 70]
+        assert torch.equal(back[kept], src[kept]) and int(back.count_nonzero()) == \
+            int(src[kept].count_nonzero())
 
 
 def test_copy_rows_refuses_unpinned_host_memory_and_odd_widths(device):

@@ -2,10 +2,6 @@
 with CUDA graphs on (docs/user_guide.md, "Supported pools").
 
 - ``mla``: a tiny DeepSeek-V2 (``MLATokenToKVPool``), triton attention.
-- ``mla_fp4``: the same shape with a 512 + 64 latent row and ``--kv-cache-dtype fp4_e2m1``
-  (``MLATokenToKVPoolFP4``): triton prefill, FlashMLA decode over the pool's dequantized rows
-  (page 64). sglang 0.5.12's FP4 pool imports a quantizer name its own module lacks; the test
-  processes add it (``KV_CANARY_TEST_SHIM_KVFP4_UTIL``, e2e_support/sitecustomize.py).
 - ``nsa``: a tiny DeepSeek-V3.2 (``NSATokenToKVPool``, page 64, the DSA indexer): FlashMLA
   sparse prefill, FlashMLA decode. Dense short-prompt prefill is off
   (``SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0``): it runs FA3, which the device's slim
@@ -17,8 +13,14 @@ with CUDA graphs on (docs/user_guide.md, "Supported pools").
 
 Each shape: raise + sweep + real data + token checks is clean and gives the greedy outputs of
 the canary off; under every fault class (log mode) each injected fault is reported with its
-reason at its slot. Needs the device bundles a, b, c and, for ``nsa`` / ``mla_fp4``, FlashMLA
-and DeepGEMM (docs/architecture.md, "Tests")."""
+reason at its slot. Needs the device bundles a, b, c and, for ``nsa``, FlashMLA and DeepGEMM
+(docs/architecture.md, "Tests").
+
+``MLATokenToKVPoolFP4`` (``--kv-cache-dtype fp4_e2m1``) has no shape here: no sglang 0.5.12
+server can serve FP4 MLA on a Hopper GPU or the CPU, canary on or off (its pool imports a
+quantizer name its module lacks, and with that name added, the Triton attention kernels refuse
+the pool's FP4 value rows: ``KeyError: 'float4_e2m1fn_x2'``; H100, 2026-11-23). Its adapter is
+tested on the real pool class (test_mla_pool.py); docs/user_guide.md, "Supported pools"."""
 
 from __future__ import annotations
 
@@ -38,17 +40,14 @@ from sglang.srt.kv_canary.testing.server_harness import (
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
 SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
+# the shapes may share one GPU (the device lanes): the pools are capped by max_total_tokens,
+# so a high static fraction only relaxes sglang's free-memory check
 COMMON = dict(chunked_prefill_size=64, max_total_tokens=2048, max_running_requests=8,
-              log_level="info", decode_log_interval=1, mem_fraction_static=0.45)
+              log_level="info", decode_log_interval=1, mem_fraction_static=0.85)
 
 # shape -> (config writer, writer overrides, engine kwargs, extra env, pool class)
 SHAPES = {
     "mla": (write_tiny_deepseek_v2, {}, {}, {}, "MLATokenToKVPool"),
-    "mla_fp4": (write_tiny_deepseek_v2, dict(kv_lora_rank=512, qk_rope_head_dim=64),
-                dict(kv_cache_dtype="fp4_e2m1", attention_backend=None,
-                     prefill_attention_backend="triton", decode_attention_backend="flashmla",
-                     page_size=64),
-                {"KV_CANARY_TEST_SHIM_KVFP4_UTIL": "1"}, "MLATokenToKVPoolFP4"),
     "nsa": (write_tiny_deepseek_v32, {},
             dict(kv_cache_dtype="bfloat16", attention_backend=None,
                  nsa_prefill_backend="flashmla_sparse", nsa_decode_backend="flashmla_kv"),

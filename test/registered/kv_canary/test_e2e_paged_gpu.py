@@ -67,7 +67,7 @@ def test_paged_log_mode_catches_every_fault_and_keeps_serving(page_size, tmp_pat
     assert proc.returncode == 0, out[-4000:]
     assert {r["name"] for r in rows} == {"clean", "req_to_token", "real_kv_used",
                                          "real_kv_unused_cache", "real_kv_post_forward",
-                                         "next_token_swap"}
+                                         "next_token_swap", "host_kv"}
     for r in rows:
         assert r["returncode"] == 0 and r["finished"], r  # served to the end
         assert r["mode"] == "log"

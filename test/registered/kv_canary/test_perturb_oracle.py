@@ -428,6 +428,11 @@ def test_demo_refuses_paged_runs_without_a_gpu(capsys):
     with pytest.raises(SystemExit):
         main(["--page-size", "0"])
     assert "--page-size must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # HiCache's host pool needs CUDA in sglang 0.5.12
+        main(["--device", "cpu", "--cases", "clean,host_kv"])
+    assert "--cases host_kv needs --device cuda" in capsys.readouterr().err
+    hicache = demo_engine_args(hicache=True)
+    assert hicache == dict(DEMO_ENGINE_ARGS, page_size=1, enable_hierarchical_cache=True)
 
 
 @pytest.mark.usefixtures("reference_kernels_on_cpu")

@@ -8,7 +8,9 @@ chunked prefill, a small pool → evictions), then the same workload once per fa
 (docs/user_guide.md, "Self-tests: fault injection, the token oracle, the demo"). Every run has
 real-data fingerprints (``partial``), the radix sweep, the token oracle with the write-input
 check and the token-id check on, so the clean run shows that none of them reports anything on
-a healthy server.
+a healthy server. The ``host_kv`` case runs its server with HiCache (a host pool behind the
+small device pool) and flips a byte in host memory; sglang 0.5.12's host pool needs CUDA, so
+the demo runs it on a GPU only.
 
 It prints one row per run: fault, injected (count, first step), detected, forward steps from
 injection to the first matching report, the launch tags and fail reasons reported, and the
@@ -68,12 +70,14 @@ class DemoCase:
     reasons: Tuple[str, ...] = ()
     tags: Tuple[str, ...] = ()
     match_slot: bool = False
+    hicache: bool = False  # the server runs HiCache (--enable-hierarchical-cache): GPU only
+    extra_env: Tuple[Tuple[str, str], ...] = ()
 
     @property
     def env(self) -> Dict[str, str]:
         if self.fault is None:
             return {}
-        env = {self.fault.env_var: "1"}
+        env = {self.fault.env_var: "1", **dict(self.extra_env)}
         if self.fault.is_real_kv:
             env["SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"] = "full"
         return env
@@ -91,6 +95,11 @@ CASES = (
              reasons=("verify_real_kv_hash",), tags=("TAIL_", "SWEEP_"), match_slot=True),
     DemoCase("next_token_swap", FaultKind.NEXT_TOKEN_SWAP, reasons=("write_token",),
              tags=("HEAD_", "TAIL_")),
+    # HiCache: a byte flipped in host memory, found by the host-tier sweep (every host page
+    # each pass here) or when the page is loaded back; the report's slot is the host index
+    DemoCase("host_kv", FaultKind.HOST_KV, reasons=("verify_real_kv_hash",),
+             tags=("SWEEP_", "TAIL_"), hicache=True,
+             extra_env=(("SGLANG_KV_CANARY_HOST_SWEEP_PAGES", "4096"),)),
 )
 CASES_BY_NAME = {c.name: c for c in CASES}
 
@@ -110,22 +119,29 @@ def demo_requests(seed: int = 0) -> List[Tuple[List[int], int]]:
     return reqs
 
 
-def demo_engine_args(mode: str = "raise", page_size: int = 1) -> Dict[str, object]:
+def demo_engine_args(mode: str = "raise", page_size: int = 1,
+                     hicache: bool = False) -> Dict[str, object]:
     """The Engine arguments of every run: :data:`DEMO_ENGINE_ARGS` with ``--kv-canary mode``
     and ``--page-size``; sglang wants the chunked-prefill size a multiple of the page size, and
-    the pool keeps room for at least 12 pages."""
+    the pool keeps room for at least 12 pages. ``hicache``: HiCache on with sglang's defaults
+    (a host pool twice the device pool, write-through), so pages the small device pool evicts
+    stay in host memory and come back on a prefix hit."""
     base = DEMO_ENGINE_ARGS["chunked_prefill_size"]
-    return dict(DEMO_ENGINE_ARGS, kv_canary=mode, page_size=page_size,
+    args = dict(DEMO_ENGINE_ARGS, kv_canary=mode, page_size=page_size,
                 chunked_prefill_size=-(-base // page_size) * page_size,
                 max_total_tokens=max(DEMO_ENGINE_ARGS["max_total_tokens"], 12 * page_size))
+    if hicache:
+        args["enable_hierarchical_cache"] = True
+    return args
 
 
-def _worker(model_dir: str, device: str, mode: str = "raise", page_size: int = 1) -> None:
+def _worker(model_dir: str, device: str, mode: str = "raise", page_size: int = 1,
+            hicache: bool = False) -> None:
     import sglang
     from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
     make = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
-    engine = sglang.Engine(**make(model_dir, **demo_engine_args(mode, page_size)))
+    engine = sglang.Engine(**make(model_dir, **demo_engine_args(mode, page_size, hicache)))
     reqs = demo_requests()
     generated = 0
     for b in range(0, len(reqs), 12):
@@ -286,6 +302,8 @@ def run_case(case: DemoCase, *, model_dir: str, device: str, base_env: Dict[str,
     env = dict(base_env, **DEMO_ENV, **case.env)
     cmd = [sys.executable, "-m", "sglang.srt.kv_canary.demo", "--worker", "--model", model_dir,
            "--device", device, "--mode", mode, "--page-size", str(page_size)]
+    if case.hicache:
+        cmd.append("--hicache")
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         text, rc = proc.stdout + proc.stderr, proc.returncode
@@ -299,8 +317,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang.srt.kv_canary.demo",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--cases", default=",".join(CASES_BY_NAME),
-                        help=f"comma-separated subset of: {', '.join(CASES_BY_NAME)}")
+    parser.add_argument("--cases", default=None,
+                        help=f"comma-separated subset of: {', '.join(CASES_BY_NAME)} (default: "
+                             "all; on the CPU all but the HiCache ones: "
+                             f"{', '.join(c.name for c in CASES if c.hicache)})")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     parser.add_argument("--logs", help="directory to keep each run's full output in")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
@@ -311,24 +331,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="sglang --page-size of every run (> 1 needs a GPU: sglang's paged "
                              "allocator runs Triton kernels)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hicache", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.page_size < 1:
         parser.error(f"--page-size must be >= 1, got {args.page_size}")
     if args.worker:
-        _worker(args.model, args.device, args.mode, args.page_size)
+        _worker(args.model, args.device, args.mode, args.page_size, args.hicache)
         return 0
 
-    names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    device = _detect_device(args.device)
+    if args.cases is None:
+        names = [c.name for c in CASES if device == "cuda" or not c.hicache]
+        if device == "cpu":
+            print("kv_canary demo: on the CPU without the HiCache case(s) "
+                  f"{', '.join(c.name for c in CASES if c.hicache)}: sglang 0.5.12's HiCache host "
+                  "pool needs CUDA (run the demo on a GPU for them)", flush=True)
+    else:
+        names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES_BY_NAME]
     if unknown or not names:
         parser.error(f"--cases: unknown {', '.join(unknown) or '(empty)'}; allowed: "
                      f"{', '.join(CASES_BY_NAME)}")
-    device = _detect_device(args.device)
     if device == "cpu" and args.page_size > 1:
         parser.error(f"--page-size {args.page_size} needs --device cuda: sglang 0.5.12's paged "
                      "allocator runs Triton kernels, which its CPU engine cannot")
+    on_host = [n for n in names if CASES_BY_NAME[n].hicache]
+    if device == "cpu" and on_host:
+        parser.error(f"--cases {','.join(on_host)} needs --device cuda: it runs HiCache "
+                     "(--enable-hierarchical-cache), whose host pool sglang 0.5.12 pins with "
+                     "CUDA")
     from sglang.srt.kv_canary.testing.server_harness import (
         build_libcuda_stub,
         cpu_server_env,

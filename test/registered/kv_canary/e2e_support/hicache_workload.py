@@ -1,5 +1,5 @@
 """A workload whose reused prefixes do not fit the device pool, for HiCache:
-``python hicache_workload.py MODEL_DIR [engine kwargs as JSON]`` (the CPU engine).
+``python hicache_workload.py MODEL_DIR [engine kwargs as JSON] [cpu|cuda]``.
 
 Eight prompts of 91 tokens (90 distinct each, then one more), one at a time, 4 greedy tokens
 each; then the eight again: with a 256-token device pool, the first round's prefixes are
@@ -10,14 +10,15 @@ Prints ``RESULT <json>`` with the outputs and the cached tokens of each request.
 import json
 import sys
 
-from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs
+from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
 PROMPTS = [[(7 * p + i) % 500 + 3 for i in range(90)] + [400 + p] for p in range(8)]
 
 if __name__ == "__main__":
     import sglang
 
-    engine = sglang.Engine(**cpu_engine_kwargs(sys.argv[1], **json.loads(sys.argv[2])))
+    make_kwargs = gpu_engine_kwargs if sys.argv[3:] == ["cuda"] else cpu_engine_kwargs
+    engine = sglang.Engine(**make_kwargs(sys.argv[1], **json.loads(sys.argv[2])))
     outputs, cached = [], []
     for _ in range(2):
         for prompt in PROMPTS:

@@ -4,12 +4,6 @@ With ``KV_CANARY_TEST_CORRUPT_AFTER=N`` it registers, before sglang loads its pl
 AFTER hook on ``ModelRunner.forward`` that, after the N-th forward with the canary on, bumps
 the position field of every HEAD K record: the next forward's HEAD verify must report it.
 
-With ``KV_CANARY_TEST_SHIM_KVFP4_UTIL=1`` it works around a bug of sglang 0.5.12 itself:
-``MLATokenToKVPoolFP4`` imports ``KVFP4QuantizeUtil`` from
-``sglang.srt.layers.quantization.kvfp4_tensor``, which defines the same quantizer under the name
-``BlockFP4KVQuantizeUtil`` only, so an FP4 MLA server fails on its first KV write. The shim adds
-the missing name (test processes only; the canary itself never touches it).
-
 With ``KV_CANARY_TEST_SHIM_HICACHE_CPU=1`` HiCache runs on sglang's CPU engine: the host pool
 allocates plain (unpinned) memory instead of calling ``cudaHostRegister``, and
 ``transfer_kv_direct`` (``sgl_kernel``: CUDA only) is stood in for by a torch index copy per
@@ -150,13 +144,6 @@ if _flip_swa:
 
     HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
                           _flip_swa_byte, HookType.AFTER)
-
-
-if os.environ.get("KV_CANARY_TEST_SHIM_KVFP4_UTIL") == "1":
-    from sglang.srt.layers.quantization import kvfp4_tensor as _kvfp4
-
-    if not hasattr(_kvfp4, "KVFP4QuantizeUtil"):
-        _kvfp4.KVFP4QuantizeUtil = _kvfp4.BlockFP4KVQuantizeUtil
 
 
 if os.environ.get("KV_CANARY_TEST_SHIM_HICACHE_CPU") == "1":

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The slow GPU suites as parallel lanes on one GPU (one pytest per model shape / HiCache setup;
+# ~7 min on an H100 instead of ~45 in a row). On the device machine, from the repository root,
+# after the bundles are installed (docs/architecture.md, "Tests"):
+#   bash test/gpu_lanes.sh            # logs to $OUT (or ./gpu_lanes_out), the tail of each last
+# Exit status: 0 only if every lane passed.
+set -u
+T=test/registered/kv_canary
+out="${OUT:-gpu_lanes_out}"
+mkdir -p "$out"
+pids=()
+lane() {
+  local name=$1; shift
+  timeout "${LANE_T:-540}" python3 -m pytest -q -x -p no:cacheprovider --tb=short "$@" \
+    > "$out/$name.log" 2>&1 &
+  pids+=("$!")
+}
+lane shape_mla $T/test_e2e_model_shapes_gpu.py -k mla
+lane shape_nsa $T/test_e2e_model_shapes_gpu.py -k nsa
+lane shape_hybrid $T/test_e2e_model_shapes_gpu.py -k hybrid
+lane hicache_kernel $T/test_e2e_hicache_gpu.py -k mha_kernel
+lane hicache_page_first $T/test_e2e_hicache_gpu.py -k page_first
+lane hicache_direct $T/test_e2e_hicache_gpu.py -k mha_direct
+lane hicache_mla $T/test_e2e_hicache_gpu.py -k mla
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+tail -n 2 "$out"/*.log
+exit "$rc"

@@ -1,0 +1,110 @@
+"""Issue 23 on the GPU: HiCache as sglang 0.5.12 runs it in production (pinned host pools, its
+own transfer kernels, CUDA graphs on), no test shims. The workload of e2e_support/
+hicache_workload.py (prefixes that overflow a 256-token device pool: backed up to the host pool,
+evicted, loaded back on the second round) for each variant:
+
+- ``mha_kernel``: a tiny Llama (``MHATokenToKVPoolHost``), page 1, sglang's defaults
+  (``kernel`` io backend, ``layer_first``, write-through);
+- ``mha_page_first_write_back``: page 16, ``page_first`` layout, ``write_back``;
+- ``mha_direct``: page 16, the ``direct`` io backend (``page_first_direct``);
+- ``mla``: a tiny DeepSeek-V2 (``MLATokenToKVPoolHost``), page 1, sglang's defaults.
+
+Each: raise + partial real data + per-layer fingerprints + token checks + the device and
+host-tier sweep are quiet and give the greedy outputs of the canary off, with the canary's
+rows really backed up and loaded back; ``host_kv`` (a byte flipped in host memory) is found
+by the host-tier sweep at the flipped host slot and position."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+from e2e_checks import run_workload
+
+from sglang.srt.kv_canary.perturb.report import parse_perturb_line
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.testing.server_harness import write_tiny_deepseek_v2, write_tiny_llama
+
+pytestmark = [pytest.mark.cuda, pytest.mark.slow]
+
+SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
+# several of these servers may share one GPU (the device lanes): the pools are capped by
+# max_total_tokens, so a high static fraction only relaxes sglang's free-memory check
+COMMON = dict(enable_hierarchical_cache=True, hicache_ratio=4, max_total_tokens=256,
+              chunked_prefill_size=64, max_running_requests=2, log_level="info",
+              mem_fraction_static=0.85)
+
+# variant -> (config writer, engine kwargs, host pool class)
+VARIANTS = {
+    "mha_kernel": (write_tiny_llama, {}, "MHATokenToKVPoolHost"),
+    "mha_page_first_write_back": (write_tiny_llama, dict(
+        page_size=16, hicache_mem_layout="page_first", hicache_write_policy="write_back"),
+        "MHATokenToKVPoolHost"),
+    "mha_direct": (write_tiny_llama, dict(page_size=16, hicache_io_backend="direct",
+                                          hicache_mem_layout="page_first_direct"),
+                   "MHATokenToKVPoolHost"),
+    "mla": (write_tiny_deepseek_v2, {}, "MLATokenToKVPoolHost"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request, tmp_path_factory):
+    write, kwargs, host_cls = VARIANTS[request.param]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
+    return dict(model=write(tmp_path_factory.mktemp(request.param)),
+                kwargs=dict(COMMON, **kwargs), env=env, host_cls=host_cls)
+
+
+def run(variant, env_extra=None, **engine_kwargs):
+    return run_workload("hicache_workload.py", variant["model"],
+                        dict(variant["kwargs"], **engine_kwargs),
+                        dict(variant["env"], **(env_extra or {})), "cuda", timeout=600)
+
+
+def _host_stats(out: str):
+    lines = [line for line in out.splitlines() if "kv_canary stats:" in line]
+    assert lines, out[-3000:]
+    fields = dict(w.split("=", 1) for w in lines[-1].split() if "=" in w)
+    return int(fields["host_backed_up"]), int(fields["host_loaded"])
+
+
+def test_hicache_clean_matches_canary_off(variant):
+    rc, out, off = run(variant)
+    assert rc == 0 and off is not None, out[-4000:]
+    assert sum(off["cached"][8:]) >= 8 * 80, off  # the second round hits its prefixes
+    rc, out, on = run(variant, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+                                "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "1"},
+                      kv_canary="raise", kv_canary_real_data="partial",
+                      kv_canary_real_data_layers="all", kv_canary_sweep_interval=2)
+    assert rc == 0, out[-4000:]
+    assert "cuda graph: True" in out
+    assert f"HiCache host tier mirrored ({variant['host_cls'][:3].lower()} host pool" in out, \
+        out[-4000:]
+    assert parse_violation_lines(out) == []
+    assert on == off
+    backed_up, loaded = _host_stats(out)
+    assert backed_up >= 8 * 80 and loaded >= 80, (backed_up, loaded)
+
+
+def test_host_kv_is_found_in_host_memory(variant):
+    env = {"SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB": "1",
+           "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "1",
+           "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "12",
+           "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full",
+           "SGLANG_KV_CANARY_HOST_SWEEP_PAGES": "4096"}
+    rc, out, res = run(variant, env, kv_canary="log", kv_canary_real_data="partial",
+                       kv_canary_sweep_interval=1)
+    assert rc == 0 and res is not None, out[-4000:]
+    (fault,) = [f for f in map(parse_perturb_line, out.splitlines()) if f]
+    assert fault["fault"] == "host_kv", fault
+    lines = parse_violation_lines(out)
+    assert lines and all(v.fail_reasons == ("verify_real_kv_hash",) for v in lines), lines
+    host = [v for v in lines if v.req_to_token_row == -2]
+    assert host, out[-4000:]
+    assert (host[0].launch_tag, host[0].slot_idx, host[0].read_position) == (
+        "SWEEP_K_FULL", int(fault["host_index"]), int(fault["position"]))
+    loaded = [v for v in lines if v.req_to_token_row >= 0]
+    assert all(v.position == int(fault["position"]) for v in loaded), (fault, lines)
