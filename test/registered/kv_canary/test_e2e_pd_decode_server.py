@@ -1,0 +1,67 @@
+"""Issue 20 on the CPU: the decode side of PD disaggregation (``--disaggregation-mode decode``)
+on sglang 0.5.12's CPU engine, with sglang's ``fake`` transfer backend (its prefill side
+refuses ``fake``, and no real transfer engine runs on the CPU). The fake transfer moves no
+bytes, so it stands for a transfer that lost the KV pages and the canary rows spliced into
+them: the decode server's first forward of each request reads a prefix no prefill ever wrote
+there. The canary must say so at that step, for every position of the prefix, naming the
+request; in raise mode the server stops with the structured line. What needs GPUs (a real
+transfer engine between two servers, clean runs, the ``pd_transfer`` fault) is in
+docs/user_guide.md, "Deployments"."""
+
+from __future__ import annotations
+
+import pytest
+from e2e_checks import run_workload
+
+from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX, parse_violation_lines
+from sglang.srt.kv_canary.testing.server_harness import (
+    build_libcuda_stub,
+    cpu_server_env,
+    write_tiny_llama,
+)
+
+pytestmark = pytest.mark.slow
+
+PROMPT_LEN = 30  # e2e_support/pd_decode_workload.py
+ARGS = dict(log_level="info")  # a decode server reserves 512 tokens per request: keep the pool
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd_decode")
+    env = cpu_server_env(build_libcuda_stub(root / "stub"))
+    env = {k: v for k, v in env.items() if not k.startswith("SGLANG_KV_CANARY_")}
+    return dict(model=write_tiny_llama(root / "model"), env=env)
+
+
+def run(server, **engine_kwargs):
+    return run_workload("pd_decode_workload.py", server["model"], dict(ARGS, **engine_kwargs),
+                        server["env"], timeout=600)
+
+
+def test_a_prefix_that_never_arrived_is_reported_at_the_first_decode_step(server):
+    rc, out, res = run(server, kv_canary="log")
+    assert rc == 0 and res is not None, out[-3000:]  # log mode: served to the end
+    assert "kv_canary installed: mode=log" in out
+    lines = parse_violation_lines(out)
+    assert lines, out[-3000:]
+    for rid in res["rids"]:
+        mine = [v for v in lines if rid in v.rids]
+        first = min(v.forward_step for v in mine)
+        at_first = [v for v in mine if v.forward_step == first]
+        # the whole prefix, at the request's first forward on this server, by the HEAD verify
+        # (and, at times, the slot this forward writes: its predecessor's record is not one)
+        read = {v.read_position for v in at_first}
+        assert set(range(PROMPT_LEN)) <= read <= set(range(PROMPT_LEN + 1)), (rid, at_first)
+        assert all("HEAD_K_FULL" in v.seen_by for v in at_first)
+        assert len({v.req_to_token_row for v in at_first}) == 1
+        for v in at_first:
+            want = ({"verify_chain_hash", "verify_position"} if v.read_position < PROMPT_LEN
+                    else {"write_position"})
+            assert set(v.fail_reasons) & want, v
+
+
+def test_raise_mode_stops_the_decode_server(server):
+    rc, out, res = run(server, kv_canary="raise")
+    assert rc != 0 and res is None
+    assert VIOLATION_LINE_PREFIX in out and "read_position=0 " in out
