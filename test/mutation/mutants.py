@@ -342,4 +342,28 @@ MUTANTS = (
         new="            and False):",
         selection=f"{_T}/test_config.py::test_host_kv_needs_hicache",
         speed="quick", what="host_kv starts without a host tier"),
+    Mutant(
+        id="i23-demo-host-kv-without-hicache", path=f"{_RT}/demo.py",
+        old='        args["enable_hierarchical_cache"] = True\n',
+        new="        pass\n",
+        selection=f"{_T}/test_perturb_oracle.py::test_demo_refuses_paged_runs_without_a_gpu",
+        speed="quick", what="the demo's host_kv server runs without HiCache"),
+    # ---- trees the sweep walks ----------------------------------------------------------------
+    Mutant(
+        id="sweep-unified-tree-unsupported", path=f"{_RT}/sglang_seam.py",
+        old="    return (RadixCache, SWARadixCache, MambaRadixCache, UnifiedRadixCache)",
+        new="    return (RadixCache, SWARadixCache, MambaRadixCache)",
+        selection=f"{_T}/test_radix_sweep.py::test_walk_real_unified_radix_cache",
+        speed="quick", what="the sweep cannot walk the unified radix tree"),
+    Mutant(
+        id="sweep-unified-locks-ignored", path=f"{_RT}/sglang_seam.py",
+        old="        return full.lock_ref > 0\n", new="        return False\n",
+        selection=f"{_T}/test_radix_sweep.py::test_walk_real_unified_radix_cache",
+        speed="quick", what="unified-tree nodes held by running requests count as idle"),
+    Mutant(
+        id="sweep-chunk-cache-walked", path=f"{_RT}/runner/sweep.py",
+        old="        if seam.is_chunk_cache(radix_cache):", new="        if False:",
+        selection=f"{_T}/test_radix_sweep.py::"
+                  "test_orchestrator_without_a_radix_cache_and_with_a_tree_it_cannot_walk",
+        speed="quick", what="--disable-radix-cache with the sweep on stops the server"),
 )

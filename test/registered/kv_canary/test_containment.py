@@ -229,6 +229,14 @@ def test_abort_mode_refuses_a_tree_it_cannot_evict_from():
         d.manager.attach_radix_cache(swa)
     assert ContainmentManager(resolver=d.manager.requests, swa_index_lut=None
                               ).attach_radix_cache(None) is None  # no tree: nothing to evict
+    from sglang.srt.mem_cache.unified_cache_components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    params = CacheInitParams(disable=False, req_to_token_pool=r2t,
+                             token_to_kv_pool_allocator=d.allocator, page_size=1)
+    params.tree_components = (ComponentType.FULL,)  # as sglang's scheduler sets it
+    with pytest.raises(RuntimeError, match="--kv-canary abort cannot evict.*UnifiedRadixCache"):
+        d.manager.attach_radix_cache(UnifiedRadixCache(params))
 
 
 # ---- metrics -----------------------------------------------------------------------------------

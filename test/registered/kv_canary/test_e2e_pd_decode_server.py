@@ -40,9 +40,11 @@ def run(server, **engine_kwargs):
 
 
 def test_a_prefix_that_never_arrived_is_reported_at_the_first_decode_step(server):
-    rc, out, res = run(server, kv_canary="log")
+    rc, out, res = run(server, kv_canary="log", kv_canary_sweep_interval=2)
     assert rc == 0 and res is not None, out[-3000:]  # log mode: served to the end
     assert "kv_canary installed: mode=log" in out
+    # a decode server has no radix cache by default: the sweep has nothing to walk, says so
+    assert "--kv-canary-sweep-interval 2 has nothing to sweep" in out
     lines = parse_violation_lines(out)
     assert lines, out[-3000:]
     for rid in res["rids"]:

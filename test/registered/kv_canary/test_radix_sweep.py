@@ -94,6 +94,44 @@ def test_walk_skips_locked_nodes_and_handles_empty_and_deep_trees():
     assert walk.positions.tolist() == list(range(2000))
 
 
+def _unified_cache(num_slots=256):
+    from sglang.srt.mem_cache.unified_cache_components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    pool = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16, head_num=1,
+                            head_dim=8, layer_num=1, device="cpu", enable_memory_saver=False,
+                            enable_alt_stream=False)
+    alloc = TokenToKVPoolAllocator(num_slots, torch.bfloat16, "cpu", pool, need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=r2t,
+                             token_to_kv_pool_allocator=alloc, page_size=1)
+    params.tree_components = (ComponentType.FULL,)  # as sglang's scheduler sets it
+    return UnifiedRadixCache(params), alloc
+
+
+def test_walk_real_unified_radix_cache():
+    """``SGLANG_ENABLE_UNIFIED_RADIX_TREE=1``: the same walk over ``UnifiedTreeNode``s (their
+    full component's slots), locked paths left out with ``unlocked_only``."""
+    cache, alloc = _unified_cache()
+    a = _insert(cache, alloc, range(100, 140))
+    b = _insert(cache, alloc, list(range(100, 120)) + list(range(500, 530)))
+    c = _insert(cache, alloc, range(900, 905))
+    walk = walk_radix_cache_for_canary(radix_cache=cache)
+    _check_walk(walk, [a, b, c])
+    assert walk.num_slots == 40 + 30 + 5
+    by_slot = dict(zip(walk.slot_indices.tolist(), walk.prev_slot_indices.tolist()))
+    assert by_slot[int(b[20])] == int(a[19]) and by_slot[int(c[0])] == -1
+    node = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(range(100, 120))
+                                                             + list(range(500, 530))))
+                              ).last_device_node
+    cache.inc_lock_ref(node)  # a running request holds b's path
+    walk = walk_radix_cache_for_canary(radix_cache=cache, unlocked_only=True)
+    assert set(walk.slot_indices.tolist()) == (set(a.tolist()) | set(c.tolist())) - set(
+        b.tolist())
+    assert walk_radix_cache_for_canary(radix_cache=cache, swa_resident_only=True
+                                       ).num_slots == 75  # no SWA component: no tombstones
+
+
 def test_unsupported_cache_type():
     with pytest.raises(NotImplementedError, match="does not support dict.*RadixCache"):
         walk_radix_cache_for_canary(radix_cache={})
@@ -127,12 +165,33 @@ def test_orchestrator_cadence():
     orch = SweepOrchestrator(interval=3, endpoints=[], device="cpu", chunk_capacity=4)
     orch.run_sweep = lambda: calls.append(1)  # cadence only
     assert not orch.maybe_run_sweep(1)  # no cache attached yet
-    orch.attach_radix_cache(object())
+    orch.attach_radix_cache(_cache()[0])
     swept = [s for s in range(2, 12) if orch.maybe_run_sweep(s)]
     assert swept == [2, 5, 8, 11] and len(calls) == 4
     off = SweepOrchestrator(interval=0, endpoints=[], device="cpu")
-    off.attach_radix_cache(object())
+    off.attach_radix_cache(_cache()[0])
     assert not any(off.maybe_run_sweep(s) for s in range(1, 10)) and off.plan is None
+
+
+def test_orchestrator_without_a_radix_cache_and_with_a_tree_it_cannot_walk(caplog):
+    """``--disable-radix-cache`` (sglang's ``ChunkCache``; a PD decode server's default): no
+    slot stays cached, the sweep stays off and says so (it used to stop the server at its
+    first pass). A tree the walker cannot read stops start-up, naming it."""
+    from sglang.srt.mem_cache.chunk_cache import ChunkCache
+
+    cache, alloc = _cache()
+    chunk = ChunkCache(CacheInitParams(disable=True, req_to_token_pool=cache.req_to_token_pool,
+                                       token_to_kv_pool_allocator=alloc, page_size=1))
+    orch = SweepOrchestrator(interval=2, endpoints=[], device="cpu", chunk_capacity=4)
+    orch.run_sweep = lambda: pytest.fail("nothing to sweep")
+    with caplog.at_level("WARNING"):
+        orch.attach_radix_cache(chunk)
+    assert "--kv-canary-sweep-interval 2 has nothing to sweep" in caplog.text
+    assert "ChunkCache" in caplog.text and orch.radix_cache is None
+    assert not any(orch.maybe_run_sweep(s) for s in range(1, 10))
+    with pytest.raises(NotImplementedError,
+                       match="--kv-canary-sweep-interval cannot walk dict .*RadixCache"):
+        orch.attach_radix_cache({})
 
 
 def test_sweep_catches_a_flipped_byte_in_a_cached_slot():

@@ -39,8 +39,8 @@ def _empty(device) -> RadixCacheWalkResult:
 
 def walk_radix_cache_for_canary(*, radix_cache, unlocked_only: bool = False,
                                 swa_resident_only: bool = False) -> RadixCacheWalkResult:
-    """Every non-root node of a ``RadixCache`` / ``SWARadixCache`` / ``MambaRadixCache``, depth
-    first.
+    """Every non-root node of a ``RadixCache`` / ``SWARadixCache`` / ``MambaRadixCache`` /
+    ``UnifiedRadixCache`` (its full-attention slots), depth first.
 
     ``unlocked_only`` leaves out nodes locked by running requests (``lock_ref > 0``);
     ``swa_resident_only`` leaves out SWA tombstones (their SWA slots are freed). Nodes whose

@@ -20,7 +20,7 @@ change; the table says who relies on each.
 | ``ForwardBatch`` | sets one attribute, ``kv_canary_batch_state`` (:func:`set_batch_state`); reads ``spec_info.draft_token_num``; ``ForwardMode`` | ``batch_state``, ``plan_input`` |
 | ``SamplingBatchInfo`` | sets / reads ``kv_canary_oracle_batch`` | ``token_oracle`` |
 | ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``, ``kv_allocated_len``, ``finished()``, ``to_finish``; histories are kept by identity (sglang replaces, never edits, a rewritten list); abort mode sets ``to_finish = FINISH_ABORT(...)`` (sglang's abort of a running request) and ``skip_radix_cache_insert`` | ``token_oracle``, ``token_history``, ``runner.requests``, ``runner.containment`` |
-| radix tree nodes (``TreeNode``) | reads ``root_node``, ``children``, ``value``, ``lock_ref`` (``full_lock_ref`` in ``MambaRadixCache``), ``swa_tombstone``; ``RadixCache`` / ``SWARadixCache`` / ``MambaRadixCache`` types | ``radix_cache_walker`` |
+| radix tree nodes (``TreeNode``) | reads ``root_node``, ``children``, ``value``, ``lock_ref`` (``full_lock_ref`` in ``MambaRadixCache``), ``swa_tombstone``; ``RadixCache`` / ``SWARadixCache`` / ``MambaRadixCache`` / ``UnifiedRadixCache`` types; ``UnifiedTreeNode``: ``component_data[ComponentType.FULL]`` (``value``, ``lock_ref``, ``host_value``), ``component_data[ComponentType.SWA].value``, ``tree_components`` | ``radix_cache_walker`` |
 | ``RadixCache`` eviction step | ``token_to_kv_pool_allocator.free(value)``, ``_delete_leaf``, ``_record_remove_event`` per node of an evicted subtree (abort mode) | ``runner.containment`` |
 | ``sglang.srt.layers.sampler`` | ``Sampler`` base class (its ``__init__`` is skipped: :func:`init_sampler_module_only`), ``register_sampler_backend``, the private ``_CUSTOM_SAMPLER_FACTORIES`` (idempotent registration) | ``token_oracle.sampler`` |
 | HiCache (``HiRadixCache.cache_controller``: ``mem_pool_host``, ``load_stream``; host pool ``size``, ``page_size``, ``layout``, ``k_buffer`` / ``v_buffer`` / ``kv_buffer``, ``backup_from_device_all_layer``, ``load_to_device_per_layer``; nodes' ``host_value``, ``id``; ``ongoing_write_through``; the device pool's ``layer_transfer_counter``) | wraps the host pool's two copy methods on the instance to copy the canary rows with the KV; waits for loads before reading records; lists host-resident pages; flips a host byte (``host_kv`` self-test) | ``runner.hicache``, ``perturb`` |
@@ -329,14 +329,41 @@ def abort_running_req(req: "Req", message: str) -> bool:
 
 
 def radix_cache_types() -> Tuple[type, ...]:
-    """The tree caches the sweep can walk: ``RadixCache``, ``SWARadixCache`` and
+    """The tree caches the sweep can walk: ``RadixCache``, ``SWARadixCache``,
     ``MambaRadixCache`` (hybrid linear-attention models: its nodes' ``value`` holds the
-    full-attention slots, ``mamba_value`` the per-request state the canary does not cover)."""
+    full-attention slots, ``mamba_value`` the per-request state the canary does not cover) and
+    ``UnifiedRadixCache`` (``SGLANG_ENABLE_UNIFIED_RADIX_TREE=1``: one node type whose
+    per-component data holds the full-attention slots, the SWA slots or the Mamba state)."""
     from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixCache
     from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    return (RadixCache, SWARadixCache, MambaRadixCache)
+    return (RadixCache, SWARadixCache, MambaRadixCache, UnifiedRadixCache)
+
+
+def is_chunk_cache(tree_cache) -> bool:
+    """``ChunkCache`` / ``SWAChunkCache``: the tree cache of a server without a radix cache
+    (``--disable-radix-cache``; a PD decode server's default). No tree: a finished request's
+    slots are freed, not cached."""
+    from sglang.srt.mem_cache.chunk_cache import ChunkCache
+
+    return isinstance(tree_cache, ChunkCache)
+
+
+@functools.lru_cache(maxsize=None)
+def _unified_component_indices() -> Tuple[int, int]:
+    """``(FULL, SWA)``: where a ``UnifiedTreeNode``'s ``component_data`` keeps the
+    full-attention and the SWA component."""
+    from sglang.srt.mem_cache.unified_cache_components import ComponentType
+
+    return int(ComponentType.FULL), int(ComponentType.SWA)
+
+
+def _unified_full(node):
+    """A ``UnifiedTreeNode``'s full-attention component data, None for the other node types."""
+    data = getattr(node, "component_data", None)
+    return None if data is None else data[_unified_component_indices()[0]]
 
 
 def radix_root_children(radix_cache) -> Iterable["TreeNode"]:
@@ -352,18 +379,30 @@ def radix_node_has_children(node: "TreeNode") -> bool:
 
 
 def radix_node_value(node: "TreeNode") -> Optional["torch.Tensor"]:
-    return node.value
+    """The node's full-attention KV slots (None once evicted from the device)."""
+    full = _unified_full(node)
+    return node.value if full is None else full.value
 
 
 def radix_node_locked(node: "TreeNode") -> bool:
-    """Held by a running request (``lock_ref``; ``MambaRadixCache`` nodes: ``full_lock_ref``)."""
+    """Held by a running request (``lock_ref``; ``MambaRadixCache`` nodes: ``full_lock_ref``;
+    ``UnifiedTreeNode``: the full component's ``lock_ref``)."""
+    full = _unified_full(node)
+    if full is not None:
+        return full.lock_ref > 0
     ref = getattr(node, "lock_ref", None)
     return (ref if ref is not None else node.full_lock_ref) > 0
 
 
 def radix_node_swa_tombstone(node: "TreeNode") -> bool:
-    """An ``SWARadixCache`` node whose SWA slots were freed (False for other caches)."""
-    return bool(getattr(node, "swa_tombstone", False))
+    """An SWA node whose SWA slots were freed: ``SWARadixCache``'s ``swa_tombstone``; a
+    ``UnifiedTreeNode`` of a tree with an SWA component whose SWA value is gone. False for
+    other caches."""
+    data = getattr(node, "component_data", None)
+    if data is None:
+        return bool(getattr(node, "swa_tombstone", False))
+    swa = _unified_component_indices()[1]
+    return swa in node.tree_components and data[swa].value is None
 
 
 def radix_cache_device(radix_cache):
@@ -570,7 +609,8 @@ def wrap_host_pool_copies(host_pool, *, after_backup: Callable, before_load: Cal
 
 def radix_node_host_value(node: "TreeNode"):
     """A HiCache node's host indices (None when it has no host copy)."""
-    return getattr(node, "host_value", None)
+    full = _unified_full(node)
+    return getattr(node, "host_value", None) if full is None else full.host_value
 
 
 def radix_node_id(node: "TreeNode") -> int:

@@ -167,6 +167,7 @@ class CanaryManager:
         self.overflow = VerifyOverflowWarner(verify_capacity=capacities.verify_capacity)
         self.sweep = SweepOrchestrator(interval=config.sweep_interval, endpoints=self.endpoints,
                                        device=device)
+        self._tree_cache = None  # the scheduler's radix tree (attach_radix_cache)
         # who a violation touches (rids=), abort mode's containment, Prometheus (attached
         # with the scheduler: attach_scheduler)
         swa_lut = next((g.swa_index_lut for g in self.groups if g.kind == PoolKind.SWA), None)
@@ -263,6 +264,9 @@ class CanaryManager:
         if self.containment is not None:
             self.containment.attach_radix_cache(radix_cache)
         self.sweep.attach_radix_cache(radix_cache)
+        # no tree (ChunkCache): nothing cached for the self-tests' cache faults either
+        self._tree_cache = (None if radix_cache is None or sglang_seam.is_chunk_cache(radix_cache)
+                            else radix_cache)
         host_pool = sglang_seam.hicache_host_pool(radix_cache)
         if host_pool is not None and self.host_tier is None:
             self.host_tier = HostTierMirror(
@@ -293,7 +297,9 @@ class CanaryManager:
 
     @property
     def radix_cache(self):
-        return self.sweep.radix_cache
+        """The scheduler's radix tree once attached (None before, and for a server without
+        one)."""
+        return self._tree_cache
 
     @property
     def sweep_passes(self) -> int:

@@ -11,6 +11,7 @@ large caches are verified in chunks of its capacity.
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 from sglang.jit_kernel.kv_canary.types import CanaryPhase, PoolKind, VerifyPlan
@@ -20,6 +21,8 @@ from sglang.srt.kv_canary.endpoint import CanaryEndpoint
 from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
 from sglang.srt.kv_canary.single_forward_manager.launches import launch_deep_verify
 from sglang.srt.kv_canary.sweep_plan_builder import build_verify_plan_radix_sweep
+
+logger = logging.getLogger(__name__)
 
 SWEEP_CHUNK_CAPACITY = 1 << 20
 
@@ -36,6 +39,25 @@ class SweepOrchestrator:
                      if interval > 0 else None)
 
     def attach_radix_cache(self, radix_cache) -> None:
+        """The scheduler's tree cache (start-up). Without a radix cache (``ChunkCache``: no
+        slot stays cached after its request) there is nothing to sweep: the sweep stays off
+        and a warning says so. A tree the walker cannot read stops start-up, naming it."""
+        self.radix_cache = None
+        if self.interval <= 0 or radix_cache is None:
+            return
+        if seam.is_chunk_cache(radix_cache):
+            logger.warning(
+                "kv_canary: --kv-canary-sweep-interval %d has nothing to sweep: this server "
+                "runs without a radix cache (%s: --disable-radix-cache, or a PD decode "
+                "server's default), so no slot stays cached after its request; the "
+                "per-forward checks still run", self.interval, type(radix_cache).__name__)
+            return
+        supported = seam.radix_cache_types()
+        if not isinstance(radix_cache, supported):
+            raise NotImplementedError(
+                f"--kv-canary-sweep-interval cannot walk {type(radix_cache).__name__} "
+                f"(supported: {', '.join(t.__name__ for t in supported)}); set "
+                "--kv-canary-sweep-interval 0 or use one of those trees")
         self.radix_cache = radix_cache
 
     def maybe_run_sweep(self, step: int) -> bool:
