@@ -1,7 +1,7 @@
 """sglang 0.5.12's unified radix tree (``SGLANG_ENABLE_UNIFIED_RADIX_TREE=1``: one node type with
 per-component data instead of ``RadixCache``'s nodes) on its CPU engine: the sweep walks it as
 it walks the other trees (docs/user_guide.md, "Supported pools"). Clean with raise + sweep +
-real data + token checks: no violation and the greedy outputs of the canary off; under every
+real data + token checks: no violation; under every
 fault class (log mode, one server) each injected fault is reported, a byte flipped in a slot
 only the tree holds by the sweep."""
 
@@ -37,17 +37,16 @@ def run(server, env_extra=None, **engine_kwargs):
                         dict(server["env"], **(env_extra or {})), timeout=600)
 
 
-def test_unified_tree_clean_matches_canary_off(server):
-    rc, out, off = run(server)
-    assert rc == 0 and off is not None, out[-3000:]
-    assert "Init Unified RadixTree" in out  # sglang really built the unified tree
+def test_unified_tree_clean(server):
+    """(The canary never changes what sglang computes: the outputs against the canary off are
+    compared on the default tree in test_e2e_server.py; CI time.)"""
     rc, out, on = run(server, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
                                "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5"},
                       kv_canary="raise", kv_canary_real_data="partial",
                       kv_canary_sweep_interval=2)
-    assert rc == 0, out[-3000:]
+    assert rc == 0 and on is not None and len(on) == 12, out[-3000:]
+    assert "Init Unified RadixTree" in out  # sglang really built the unified tree
     assert parse_violation_lines(out) == []
-    assert on == off and len(on) == 12
     stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
     assert stats and "violations=0" in stats[-1] and "SWEEP_K_FULL" in stats[-1], stats[-1:]
 
