@@ -1,8 +1,8 @@
 """Issue 19 end to end on the CPU: a tiny DeepSeek-V2-shaped MLA model (``MLATokenToKVPool``)
 served by sglang 0.5.12's CPU engine with the triton attention backend under the Triton
 interpreter (``TRITON_INTERPRET=1``; the canary's kernels then run interpreted too). Clean
-with raise + sweep + real data + token checks: no violation and the greedy outputs of the
-canary off; under every fault class of the perturbation framework (log mode, one server):
+with raise + sweep + real data + token checks: no violation (the outputs against the canary
+off: on the GPU); under every fault class of the perturbation framework (log mode, one server):
 each injected fault is reported with its reason at its slot. (docs/user_guide.md, "Supported
 pools".)"""
 
@@ -42,9 +42,10 @@ def run(mla, env_extra=None, **engine_kwargs):
                         dict(mla["env"], **(env_extra or {})), timeout=900)
 
 
-def test_mla_clean_matches_canary_off(mla):
-    rc, out, off = run(mla)
-    assert rc == 0 and off is not None, out[-3000:]
+def test_mla_clean(mla):
+    """(The greedy outputs against the canary off are compared for MLA on the GPU,
+    test_e2e_model_shapes_gpu.py, where the server is fast: under the interpreter the extra
+    canary-off server cost CI 90 s.)"""
     rc, out, on = run(mla, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
                             "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5"},
                       kv_canary="raise", kv_canary_real_data="partial",
@@ -53,7 +54,7 @@ def test_mla_clean_matches_canary_off(mla):
     assert "kv_canary installed: mode=raise real_data=partial" in out
     assert "pool=MLATokenToKVPool groups=1 " in out
     assert parse_violation_lines(out) == []
-    assert on == off and len(on) == 12
+    assert on is not None and len(on) == 12
     stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
     assert stats and "violations=0" in stats[-1]
     assert "TAIL_K_FULL" in stats[-1] and "SWEEP_K_FULL" in stats[-1]
