@@ -1,6 +1,6 @@
-"""Shared checks of the end-to-end model-shape tests (MLA / NSA / hybrid, CPU and GPU): the
-perturbation settings that inject every fault class into the FULL group, and the check that
-each injected fault was reported with its reason at its slot."""
+"""Shared checks of the end-to-end tests (model shapes, HiCache; CPU and GPU): the perturbation
+settings that inject every fault class into the FULL group, the check that each injected fault
+was reported with its reason at its slot, and the HiCache host-tier checks."""
 
 from __future__ import annotations
 
@@ -72,3 +72,41 @@ def assert_every_fault_caught(out: str) -> None:
     for kind in kinds - set(ALWAYS_CAUGHT):
         assert any(fault_caught(f, lines) for f in injected if f["fault"] == kind), (
             kind, injected)
+
+
+# one host_kv fault (a byte flipped in HiCache's host memory) once host-only pages exist; every
+# host page checked by each host-tier sweep pass
+HOST_KV_FAULT_ENV = {
+    "SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB": "1",
+    "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "1",
+    "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "12",
+    "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full",
+    "SGLANG_KV_CANARY_HOST_SWEEP_PAGES": "4096",
+}
+
+
+def host_tier_stats(out: str):
+    """``(host_backed_up, host_loaded)`` of the last stats line: slots the canary's rows went
+    to the host with and came back with."""
+    lines = [line for line in out.splitlines() if "kv_canary stats:" in line]
+    assert lines, out[-3000:]
+    fields = dict(w.split("=", 1) for w in lines[-1].split() if "=" in w)
+    return int(fields["host_backed_up"]), int(fields["host_loaded"])
+
+
+def assert_host_kv_found(out: str):
+    """The one ``host_kv`` fault is reported only as ``verify_real_kv_hash``; the host-tier
+    sweep reports it at the flipped host slot and position (``req_to_token_row=-2``); a report
+    of the loaded-back page names that position only. Returns ``(fault, host reports,
+    loaded-back reports)``."""
+    (fault,) = [f for f in map(parse_perturb_line, out.splitlines()) if f]
+    assert fault["fault"] == "host_kv", fault
+    lines = parse_violation_lines(out)
+    assert lines and all(v.fail_reasons == ("verify_real_kv_hash",) for v in lines), lines
+    host = [v for v in lines if v.req_to_token_row == -2]
+    assert host, out[-3000:]
+    assert (host[0].launch_tag, host[0].slot_idx, host[0].read_position) == (
+        "SWEEP_K_FULL", int(fault["host_index"]), int(fault["position"]))
+    loaded = [v for v in lines if v.req_to_token_row >= 0]
+    assert all(v.position == int(fault["position"]) for v in loaded), (fault, lines)
+    return fault, host, loaded

@@ -20,9 +20,8 @@ import os
 import pathlib
 
 import pytest
-from e2e_checks import run_workload
+from e2e_checks import HOST_KV_FAULT_ENV, assert_host_kv_found, host_tier_stats, run_workload
 
-from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_deepseek_v2, write_tiny_llama
 
@@ -64,13 +63,6 @@ def run(variant, env_extra=None, **engine_kwargs):
                         dict(variant["env"], **(env_extra or {})), "cuda", timeout=600)
 
 
-def _host_stats(out: str):
-    lines = [line for line in out.splitlines() if "kv_canary stats:" in line]
-    assert lines, out[-3000:]
-    fields = dict(w.split("=", 1) for w in lines[-1].split() if "=" in w)
-    return int(fields["host_backed_up"]), int(fields["host_loaded"])
-
-
 def test_hicache_clean_matches_canary_off(variant):
     rc, out, off = run(variant)
     assert rc == 0 and off is not None, out[-4000:]
@@ -85,26 +77,12 @@ def test_hicache_clean_matches_canary_off(variant):
         out[-4000:]
     assert parse_violation_lines(out) == []
     assert on == off
-    backed_up, loaded = _host_stats(out)
+    backed_up, loaded = host_tier_stats(out)
     assert backed_up >= 8 * 80 and loaded >= 80, (backed_up, loaded)
 
 
 def test_host_kv_is_found_in_host_memory(variant):
-    env = {"SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB": "1",
-           "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "1",
-           "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "12",
-           "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full",
-           "SGLANG_KV_CANARY_HOST_SWEEP_PAGES": "4096"}
-    rc, out, res = run(variant, env, kv_canary="log", kv_canary_real_data="partial",
-                       kv_canary_sweep_interval=1)
+    rc, out, res = run(variant, HOST_KV_FAULT_ENV, kv_canary="log",
+                       kv_canary_real_data="partial", kv_canary_sweep_interval=1)
     assert rc == 0 and res is not None, out[-4000:]
-    (fault,) = [f for f in map(parse_perturb_line, out.splitlines()) if f]
-    assert fault["fault"] == "host_kv", fault
-    lines = parse_violation_lines(out)
-    assert lines and all(v.fail_reasons == ("verify_real_kv_hash",) for v in lines), lines
-    host = [v for v in lines if v.req_to_token_row == -2]
-    assert host, out[-4000:]
-    assert (host[0].launch_tag, host[0].slot_idx, host[0].read_position) == (
-        "SWEEP_K_FULL", int(fault["host_index"]), int(fault["position"]))
-    loaded = [v for v in lines if v.req_to_token_row >= 0]
-    assert all(v.position == int(fault["position"]) for v in loaded), (fault, lines)
+    assert_host_kv_found(out)

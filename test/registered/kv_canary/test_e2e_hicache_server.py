@@ -13,9 +13,8 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from e2e_checks import run_workload
+from e2e_checks import HOST_KV_FAULT_ENV, assert_host_kv_found, host_tier_stats, run_workload
 
-from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
     build_libcuda_stub,
@@ -46,13 +45,6 @@ def run(server, env_extra=None, **engine_kwargs):
                         dict(server["env"], **(env_extra or {})), timeout=900)
 
 
-def _host_stats(out: str):
-    lines = [line for line in out.splitlines() if "kv_canary stats:" in line]
-    assert lines, out[-3000:]
-    fields = dict(w.split("=", 1) for w in lines[-1].split() if "=" in w)
-    return int(fields["host_backed_up"]), int(fields["host_loaded"])
-
-
 def test_hicache_clean_matches_canary_off(server):
     """Raise + partial real data + per-layer fingerprints (records and table both travel) +
     token checks + the sweep (device and host tier): the outputs of the canary off."""
@@ -67,7 +59,7 @@ def test_hicache_clean_matches_canary_off(server):
     assert "HiCache host tier mirrored" in out and "host_sweep_pages=64" in out
     assert parse_violation_lines(out) == []
     assert on == off
-    backed_up, loaded = _host_stats(out)
+    backed_up, loaded = host_tier_stats(out)
     assert backed_up >= 8 * 80 and loaded >= 80, (backed_up, loaded)  # to the host and back
 
 
@@ -76,24 +68,10 @@ def test_a_flipped_host_byte_is_found_in_host_memory_and_when_loaded_back(server
     finds it in host memory (``SWEEP_K_FULL``, ``req_to_token_row=-2``, the host-pool index
     as the slot), and the forward that reads the page once it is loaded back reports it too
     (``verify_real_kv_hash`` at the flipped position)."""
-    env = {"SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB": "1",
-           "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "1",
-           "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "12",
-           "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full",
-           "SGLANG_KV_CANARY_HOST_SWEEP_PAGES": "4096"}
-    rc, out, res = run(server, env, kv_canary="log", kv_canary_real_data="partial",
+    rc, out, res = run(server, HOST_KV_FAULT_ENV, kv_canary="log", kv_canary_real_data="partial",
                        kv_canary_sweep_interval=1)
     assert rc == 0 and res is not None, out[-3000:]
-    (fault,) = [f for f in map(parse_perturb_line, out.splitlines()) if f]
-    assert fault["fault"] == "host_kv", fault
-    lines = parse_violation_lines(out)
-    assert lines and all(v.fail_reasons == ("verify_real_kv_hash",) for v in lines), lines
-    host = [v for v in lines if v.req_to_token_row == -2]
-    assert host, out[-3000:]
-    assert (host[0].launch_tag, host[0].slot_idx, host[0].read_position,
-            host[0].forward_step) == ("SWEEP_K_FULL", int(fault["host_index"]),
-                                      int(fault["position"]), int(fault["step"]))
+    fault, host, loaded = assert_host_kv_found(out)
+    assert host[0].forward_step == int(fault["step"])
     assert "The host-tier sweep (HiCache) read host-pool slot" in out
-    loaded = [v for v in lines if v.req_to_token_row >= 0]
-    assert loaded and {v.position for v in loaded} == {int(fault["position"])}, (fault, lines)
-    assert all(v.forward_step > int(fault["step"]) for v in loaded)
+    assert loaded and all(v.forward_step > int(fault["step"]) for v in loaded), (fault, loaded)

@@ -23,15 +23,19 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
 
-def _cache(num_slots=256):
+def _cache_params(num_slots: int) -> CacheInitParams:
     r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
     pool = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16, head_num=1,
                             head_dim=8, layer_num=1, device="cpu", enable_memory_saver=False,
                             enable_alt_stream=False)
     alloc = TokenToKVPoolAllocator(num_slots, torch.bfloat16, "cpu", pool, need_sort=False)
-    cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t,
-                                       token_to_kv_pool_allocator=alloc, page_size=1))
-    return cache, alloc
+    return CacheInitParams(disable=False, req_to_token_pool=r2t,
+                           token_to_kv_pool_allocator=alloc, page_size=1)
+
+
+def _cache(num_slots=256):
+    params = _cache_params(num_slots)
+    return RadixCache(params), params.token_to_kv_pool_allocator
 
 
 def _insert(cache, alloc, tokens, slots=None):
@@ -98,15 +102,9 @@ def _unified_cache(num_slots=256):
     from sglang.srt.mem_cache.unified_cache_components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
-    pool = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16, head_num=1,
-                            head_dim=8, layer_num=1, device="cpu", enable_memory_saver=False,
-                            enable_alt_stream=False)
-    alloc = TokenToKVPoolAllocator(num_slots, torch.bfloat16, "cpu", pool, need_sort=False)
-    params = CacheInitParams(disable=False, req_to_token_pool=r2t,
-                             token_to_kv_pool_allocator=alloc, page_size=1)
+    params = _cache_params(num_slots)
     params.tree_components = (ComponentType.FULL,)  # as sglang's scheduler sets it
-    return UnifiedRadixCache(params), alloc
+    return UnifiedRadixCache(params), params.token_to_kv_pool_allocator
 
 
 def test_walk_real_unified_radix_cache():
