@@ -85,7 +85,9 @@ MUTANTS = (
         speed="quick", what="a forward of exactly the request capacity is refused"),
     Mutant(
         id="row8-init-hook-never-marks", path=f"{_RT}/plugin.py",
-        old="        manager.mark_init_finished()\n", new="        pass\n",
+        old="    if manager is not None and not seam.is_draft_worker(self):\n"
+            "        manager.mark_init_finished()\n",
+        new="    if manager is not None and not seam.is_draft_worker(self):\n        pass\n",
         selection=f"{_T}/test_plugin_hooks.py::"
                   "test_model_runner_init_hook_turns_the_chain_position_check_on",
         speed="quick", what="ModelRunner.__init__ hook never calls mark_init_finished"),
@@ -252,7 +254,7 @@ MUTANTS = (
         speed="quick", what="the reference reports a V flip with the K tag"),
     Mutant(
         id="i24-no-deep-writes", path=f"{_RT}/single_forward_manager/manager.py",
-        old="        launch_deep_writes(self.plans, forward_batch.out_cache_loc)\n",
+        old="        launch_deep_writes(self.plans, self._slots)\n",
         new="",
         selection=f"{_T}/test_deep_fingerprints.py::test_serving_loop_with_every_layer_is_clean",
         speed="quick", what="forwards never fill the per-layer table"),
@@ -297,8 +299,8 @@ MUTANTS = (
     # ---- issue 20: multi-GPU deployments ---------------------------------------------------------
     Mutant(
         id="i20-rank-target-ignored", path=f"{_RT}/perturb/config.py",
-        old="        return self.enabled and all(getattr(self, field) in (None, ranks.rank(dim))",
-        new="        return self.enabled or all(getattr(self, field) in (None, ranks.rank(dim))",
+        old="                and all(getattr(self, field) in (None, ranks.rank(dim))",
+        new="                or all(getattr(self, field) in (None, ranks.rank(dim))",
         selection=f"{_T}/test_config.py::"
                   "test_rank_targets_parse_match_and_are_checked_against_the_server",
         speed="quick", what="SGLANG_KV_CANARY_PERTURB_TP_RANK injects on every rank"),
@@ -366,4 +368,51 @@ MUTANTS = (
         selection=f"{_T}/test_radix_sweep.py::"
                   "test_orchestrator_without_a_radix_cache_and_with_a_tree_it_cannot_walk",
         speed="quick", what="--disable-radix-cache with the sweep on stops the server"),
+    # ---- issue 18: speculative decoding --------------------------------------------------
+    Mutant(
+        id="spec-draft-token-offset-0", path=f"{_RT}/api.py",
+        old="kv_token_id_vs_position_offset=1 if draft else 0,",
+        new="kv_token_id_vs_position_offset=0,",
+        selection=f"{_T}/test_speculative.py::test_install_canary_guards_the_draft_runner",
+        speed="quick", what="the draft pool compares position p with token p, not p + 1"),
+    Mutant(
+        id="spec-draft-forwards-share-sfm-0", path=f"{_RT}/runner/manager.py",
+        old="        draft_round.next_forward += 1\n"
+            "        with self.with_active_single_forward_manager(index):\n",
+        new="        draft_round.next_forward += 1\n"
+            "        with self.with_active_single_forward_manager(0):\n",
+        selection=f"{_T}/test_speculative.py::test_draft_rounds_through_the_plugin_hooks",
+        speed="quick", what="every forward of a draft round uses single-forward manager 0"),
+    Mutant(
+        id="spec-plugin-no-draft-round-branch", path=f"{_RT}/plugin.py",
+        old="    if manager.in_draft_round:  # one forward of an EAGLE draft round\n",
+        new="    if False:  # one forward of an EAGLE draft round\n",
+        selection=f"{_T}/test_speculative.py::test_draft_rounds_through_the_plugin_hooks",
+        speed="quick", what="ModelRunner.forward hook ignores the draft round"),
+    Mutant(
+        id="spec-strided-slots-passed-through", path=f"{_RT}/single_forward_manager/manager.py",
+        old="        if out_cache_loc.is_contiguous():\n", new="        if True:\n",
+        selection=f"{_T}/test_speculative.py::"
+                  "test_eagle_rounds_run_clean_with_token_checks",
+        speed="quick", what="a draft forward's strided slots reach the write launches"),
+    Mutant(
+        id="spec-one-step-round-snapshot", path=f"{_RT}/runner/manager.py",
+        old="            return  # a draft round of one speculative step runs no draft forward\n",
+        new="            pass\n",
+        selection=f"{_T}/test_speculative.py::"
+                  "test_eagle_rounds_run_clean_with_token_checks",
+        speed="quick", what="a one-step draft round's never-run batch is snapshotted"),
+    Mutant(
+        id="spec-fault-worker-target-ignored", path=f"{_RT}/perturb/config.py",
+        old="        return (self.enabled and self.target_worker in (None, worker)\n",
+        new="        return (self.enabled\n",
+        selection=f"{_T}/test_speculative.py::"
+                  "test_perturbation_can_target_the_draft_worker_only",
+        speed="quick", what="SGLANG_KV_CANARY_PERTURB_TARGET_WORKER is ignored"),
+    Mutant(
+        id="spec-draft-reports-unnamed", path=f"{_RT}/runner/manager.py",
+        old="config.mode, pool=DRAFT_POOL_LABEL if ranks.draft else \"\"),",
+        new="config.mode, pool=\"\"),",
+        selection=f"{_T}/test_speculative.py::test_a_flipped_byte_is_caught_by_its_pool_canary",
+        speed="quick", what="a draft-pool report does not say it is the draft pool"),
 )

@@ -425,3 +425,33 @@ def test_a_forward_failing_in_the_pre_ops_leaves_the_manager_idle():
     d.run(4)  # the next forwards run normally
     assert d.step_count == 4
     assert d.manager.count_violations() == 0
+
+
+def test_a_model_calling_another_models_forward_is_bracketed_once():
+    """A vision-language model's ``forward`` calls its language model's ``forward`` (the same
+    signature): only the runner's outermost ``model.forward`` carries the canary bracket, so
+    one forward runs the pre / post launches once, whichever inner forwards it calls."""
+    calls = []
+
+    class Inner(torch.nn.Module):
+        def forward(self, input_ids, positions, forward_batch):
+            calls.append("inner")
+            return input_ids
+
+    class Outer(torch.nn.Module):  # what a VLM does: its own work, then the LM's forward
+        def __init__(self):
+            super().__init__()
+            self.language_model = Inner()
+
+        def forward(self, input_ids, positions, forward_batch):
+            calls.append("outer")
+            return self.language_model.forward(input_ids, positions, forward_batch)
+
+    runner = types.SimpleNamespace(model=Outer())
+    assert sglang_seam.wrap_model_forward(runner, before=lambda fb: calls.append("before"),
+                                          after=lambda fb: calls.append("after"))
+    # a second install on the same model does not wrap it again
+    assert not sglang_seam.wrap_model_forward(runner, before=lambda fb: calls.append("x"),
+                                              after=lambda fb: calls.append("x"))
+    runner.model.forward(torch.zeros(2), torch.zeros(2), object())
+    assert calls == ["before", "outer", "inner", "after"]

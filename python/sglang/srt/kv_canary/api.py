@@ -17,7 +17,12 @@ from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
-from sglang.srt.kv_canary.perturb.config import FaultKind, RankFacts
+from sglang.srt.kv_canary.perturb.config import (
+    TARGET_WORKER_VAR,
+    WORKER_DRAFT,
+    FaultKind,
+    RankFacts,
+)
 from sglang.srt.kv_canary.runner import CanaryManager
 from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
 from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
@@ -63,11 +68,51 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
             and not value(server_args, "enable_hierarchical_cache", False)):
         raise ValueError(f"{FaultKind.HOST_KV.env_var} > 0 corrupts HiCache's host memory: "
                          "pass --enable-hierarchical-cache (or drop the variable)")
+    _check_speculative(server_args, config)
     config.perturb.check_ranks(RankFacts(
         tp_size=int(value(server_args, "tp_size", 1) or 1),
         pp_size=int(value(server_args, "pp_size", 1) or 1),
         dp_size=int(value(server_args, "dp_size", 1) or 1)))
     return config
+
+
+# speculative algorithms whose draft and verify forwards the canary plans (NEXTN is resolved
+# to EAGLE by sglang)
+COVERED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
+
+
+def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
+    """Speculative decoding: EAGLE / EAGLE3 / NEXTN with a draft chain (``topk`` 1) are
+    guarded, target and draft pools (docs/user_guide.md, "Speculative decoding"); the rest
+    is refused with the flag to change."""
+    spec = sglang_seam.speculative_facts(server_args)
+    if spec.algorithm is None:
+        if config.perturb.target_worker == WORKER_DRAFT:
+            raise ValueError(f"{TARGET_WORKER_VAR}=draft corrupts an EAGLE draft model's KV: "
+                             "pass --speculative-algorithm EAGLE, EAGLE3 or NEXTN (or unset "
+                             "the variable)")
+        return
+    if spec.algorithm not in COVERED_SPECULATIVE_ALGORITHMS:
+        raise ValueError(
+            f"--kv-canary does not cover --speculative-algorithm {spec.algorithm} yet (covered: "
+            "EAGLE, EAGLE3, NEXTN); run it without --kv-canary")
+    if spec.topk > 1:
+        raise ValueError(
+            f"--kv-canary covers EAGLE with --speculative-eagle-topk 1 only (got {spec.topk}): "
+            "a draft tree's tokens share positions and are accepted along one branch, which "
+            "the canary's per-request chain cannot follow yet; use --speculative-eagle-topk 1")
+    if spec.multi_layer_eagle:
+        raise ValueError("--kv-canary does not cover --enable-multi-layer-eagle yet (its draft "
+                         "layers run outside the draft worker's forwards); drop that flag")
+    if spec.adaptive:
+        raise ValueError("--kv-canary does not cover --speculative-adaptive (it rebuilds the "
+                         "draft graphs with other step counts while serving); drop that flag")
+    if config.enable_token_oracle or config.enable_write_input_assert:
+        raise ValueError(
+            "the token oracle (--sampling-backend token_oracle, SGLANG_KV_CANARY_ENABLE_TOKEN_"
+            "ORACLE, SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT) does not work with speculative "
+            "decoding: EAGLE accepts the target's verified tokens, not the sampler's; drop it "
+            "or --speculative-algorithm")
 
 
 def _check_abort_mode(server_args: "ServerArgs") -> None:
@@ -132,13 +177,11 @@ def install_canary(*, server_args: "ServerArgs", model_runner: "ModelRunner",
     config = check_server_args_for_canary(server_args)
     if not config.enabled:
         return None
-    if sglang_seam.is_draft_worker(model_runner):
-        logger.warning("kv_canary: EAGLE draft workers are not covered yet; the draft pool "
-                       "runs without the canary")
-        return None
     if get_canary_manager(model_runner) is not None:
         raise RuntimeError("kv_canary is already installed on this model runner")
     runner = sglang_seam.RunnerFacts(model_runner)
+    draft = sglang_seam.is_draft_worker(model_runner)
+    spec = sglang_seam.speculative_facts(server_args)
     manager = build_canary(
         pool=runner.kv_pool, req_to_token=runner.req_to_token, config=config,
         capacity_inputs=capacity_inputs_from_server_args(server_args,
@@ -147,16 +190,22 @@ def install_canary(*, server_args: "ServerArgs", model_runner: "ModelRunner",
         # the SWA layers' window, as the scheduler's SWA eviction uses it (None without SWA)
         swa_window_size=runner.sliding_window_size,
         vocab_size=runner.vocab_size, token_oracle=token_oracle_manager,
+        # EAGLE's draft model reads (hidden state of p, token p + 1) at position p
+        kv_token_id_vs_position_offset=1 if draft else 0,
+        # one single-forward manager per forward of a draft round (steps - 1 of them)
+        num_single_forward_managers=max(1, spec.num_steps - 1) if draft else 1,
+        draft_forwards_per_round=max(0, spec.num_steps - 1) if draft else 0,
         ranks=RankFacts(tp_rank=runner.tp_rank, tp_size=runner.tp_size, pp_rank=runner.pp_rank,
                         pp_size=runner.pp_size, dp_rank=runner.dp_rank,
                         dp_size=int(sglang_seam.server_args_value(server_args, "dp_size", 1)
-                                    or 1)))
+                                    or 1), draft=draft))
     if manager.token_oracle is not None:
         _use_token_oracle_sampler(model_runner)
     sglang_seam.set_runner_canary(model_runner, manager)
     sglang_seam.wrap_model_forward(model_runner, before=manager.pre_ops_maybe_inside_graph,
                                    after=manager.post_ops_maybe_inside_graph)
-    logger.info("kv_canary installed: %s pool=%s groups=%d capacities=%s", config.describe(),
+    logger.info("kv_canary installed%s: %s pool=%s groups=%d capacities=%s",
+                " on the EAGLE draft worker" if draft else "", config.describe(),
                 type(runner.kv_pool).__name__, len(manager.groups), manager.capacities)
     if config.perturb.enabled and manager.perturber is None:
         logger.info("kv_canary: fault injection is set for another rank; none on this one "

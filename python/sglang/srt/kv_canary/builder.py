@@ -27,6 +27,7 @@ def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
                  vocab_size: Optional[int] = None,
                  token_oracle: Optional[TokenOracleManager] = None,
                  num_single_forward_managers: int = 1,
+                 draft_forwards_per_round: int = 0,
                  ranks: Optional[RankFacts] = None) -> CanaryManager:
     """Attach canary buffers to ``pool`` (splicing them into its buf-info methods), size the
     per-forward buffers from ``capacity_inputs`` and return the :class:`CanaryManager`.
@@ -35,7 +36,9 @@ def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
     ``swa_window_size``: the model's sliding window (SWA pools; None without one);
     ``kv_token_id_vs_position_offset``: 1 for EAGLE draft pools, else 0. With the token oracle
     on (``config.enable_token_oracle``) a :class:`TokenOracleManager` over ``vocab_size`` is
-    created unless ``token_oracle`` is given. ``ranks``: the model runner's parallel ranks
+    created unless ``token_oracle`` is given. ``num_single_forward_managers`` /
+    ``draft_forwards_per_round``: an EAGLE draft worker's (one manager per forward of a draft
+    round, which may run inside one CUDA graph); 1 / 0 elsewhere. ``ranks``: the model runner's parallel ranks
     (default: a single rank); fault injection runs only where the rank targets match. Not
     graph-related; runs once, at start-up."""
     if not config.enabled:
@@ -54,4 +57,5 @@ def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
     return CanaryManager(config=config, groups=groups, capacities=capacities,
                          req_to_token=req_to_token, device=device,
                          num_single_forward_managers=num_single_forward_managers,
+                         draft_forwards_per_round=draft_forwards_per_round,
                          token_oracle=token_oracle, ranks=ranks or RankFacts(), kv_pool=pool)

@@ -273,4 +273,5 @@ def perturb_config_from_env() -> PerturbConfig:
         target_tp_rank=e.SGLANG_KV_CANARY_PERTURB_TP_RANK.get(),
         target_pp_rank=e.SGLANG_KV_CANARY_PERTURB_PP_RANK.get(),
         target_dp_rank=e.SGLANG_KV_CANARY_PERTURB_DP_RANK.get(),
+        target_worker=e.SGLANG_KV_CANARY_PERTURB_TARGET_WORKER.get() or None,
     )

@@ -61,23 +61,33 @@ class PlanInput:
 
 def host_prefix_extend(forward_batch) -> Tuple[list, list, list]:
     """Host copy of the batch's ``(req_pool_indices, prefix_lens, extend_seq_lens)`` as lists,
-    normalised like :meth:`PlanInput.fill_from_forward_batch` (DECODE / IDLE / EXTEND / MIXED;
-    other modes raise ``NotImplementedError``). Prefers the batch's ``*_cpu`` fields; falls back
-    to reading the device tensors (a host sync). For host-side consumers only (the token oracle,
-    fault injection), never on the CUDA-graph path."""
+    normalised like :meth:`PlanInput.fill_from_forward_batch` (an EAGLE draft round's decode
+    forwards: the committed prefix, ``seq_lens - 1``, without the round's earlier draft
+    tokens). Prefers the batch's ``*_cpu`` fields; falls back to reading the device tensors (a
+    host sync). For host-side consumers only (the token oracle, fault injection), never on the
+    CUDA-graph path."""
     mode = forward_batch.forward_mode
     rows = forward_batch.req_pool_indices.tolist()
+    seq = forward_batch.seq_lens_cpu
+    seq = seq.tolist() if seq is not None else forward_batch.seq_lens.tolist()
+    seq = [int(s) for s in seq[: len(rows)]]
     if mode in (ForwardMode.DECODE, ForwardMode.IDLE):
-        seq = forward_batch.seq_lens_cpu
-        seq = seq.tolist() if seq is not None else forward_batch.seq_lens.tolist()
-        return rows, [s - 1 for s in seq[: len(rows)]], [1] * len(rows)
-    if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
-        prefix = forward_batch.extend_prefix_lens_cpu
+        return rows, [s - 1 for s in seq], [1] * len(rows)
+    if mode == ForwardMode.TARGET_VERIFY:
+        n = sglang_seam.draft_token_num(forward_batch)
+        return rows, seq, [n] * len(rows)
+    if mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND,
+                ForwardMode.DRAFT_EXTEND_V2):
         extend = forward_batch.extend_seq_lens_cpu
-        if prefix is None or extend is None:
-            prefix = forward_batch.extend_prefix_lens.tolist()
+        if extend is None:
             extend = forward_batch.extend_seq_lens.tolist()
-        return rows, [int(x) for x in prefix], [int(x) for x in extend]
+        extend = [int(x) for x in extend[: len(rows)]]
+        if mode in (ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2):
+            return rows, [s - e for s, e in zip(seq, extend)], extend
+        prefix = forward_batch.extend_prefix_lens_cpu
+        if prefix is None:
+            prefix = forward_batch.extend_prefix_lens.tolist()
+        return rows, [int(x) for x in prefix[: len(rows)]], extend
     raise NotImplementedError(
         f"kv_canary host-side batch view does not support forward mode {mode.name}; supported: "
-        "DECODE, IDLE, EXTEND, MIXED")
+        "DECODE, IDLE, EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2")

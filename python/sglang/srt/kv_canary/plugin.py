@@ -24,6 +24,15 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 |  |  | to the info ``/server_info`` and ``Engine.get_server_info()`` return |
 | AFTER | ``ForwardBatch.init_new`` | the batch's canary state: token-id snapshot of |
 |  |  | ``batch.reqs`` (token checks on), token-oracle rows (token oracle on) |
+| AROUND | ``EAGLEWorker.draft_forward``, ``EagleDraftWorker.draft_forward`` | one EAGLE |
+|  |  | draft round (spec v1 / v2): its forwards use one single-forward manager each |
+| AFTER | ``EAGLEWorker.init_cuda_graphs``, ``EagleDraftWorker.init_cuda_graphs`` | the draft |
+|  |  | runner's ``mark_init_finished`` (its graphs are captured by the worker, later) |
+| AROUND | ``EAGLEDraftCudaGraphRunner.capture_one_batch_size`` | draft rounds captured |
+| AROUND | ``EAGLEDraftCudaGraphRunner.replay`` | outside ops of a replayed draft round |
+| AROUND | ``EAGLEDraftExtendCudaGraphRunner.capture_one_batch_size`` | capture bracket |
+| AROUND | ``EAGLEDraftExtendCudaGraphRunner.replay`` | padding rows at row 0, outside-graph |
+|  |  | bracket, replayed mark |
 
 The targets and every sglang internal the hooks touch are in
 :mod:`~sglang.srt.kv_canary.sglang_seam`.
@@ -99,7 +108,8 @@ def _after_init_memory_pool(result, self, *args, **kwargs):
 
 def _after_model_runner_init(result, self, *args, **kwargs):
     manager = seam.runner_canary(self)
-    if manager is not None:
+    # a draft runner's graphs are captured later, by its EAGLE worker (_after_init_cuda_graphs)
+    if manager is not None and not seam.is_draft_worker(self):
         manager.mark_init_finished()
 
 
@@ -107,6 +117,9 @@ def _model_runner_forward(original, self, forward_batch, *args, **kwargs):
     manager = seam.runner_canary(self)
     if manager is None:
         return original(self, forward_batch, *args, **kwargs)
+    if manager.in_draft_round:  # one forward of an EAGLE draft round
+        with manager.with_draft_forward(forward_batch):
+            return original(self, forward_batch, *args, **kwargs)
     with manager.with_active_single_forward_manager(0):
         with manager.with_ops_outside_graph(forward_batch):
             return original(self, forward_batch, *args, **kwargs)
@@ -144,19 +157,26 @@ def _graph_replay(original, self, *args, **kwargs):
 
 
 def _after_init_cache(result, self, *args, **kwargs):
-    manager = seam.runner_canary(seam.scheduler_model_runner(self))
-    if manager is not None:
+    # the target runner's canary, then the EAGLE draft runner's (same tree, same requests,
+    # the same Prometheus series)
+    target = seam.runner_canary(seam.scheduler_model_runner(self))
+    draft = seam.runner_canary(seam.scheduler_draft_model_runner(self))
+    for manager in (target, draft):
+        if manager is None:
+            continue
         manager.attach_scheduler(
             radix_cache=seam.scheduler_tree_cache(self),
             running_reqs=lambda: seam.scheduler_running_reqs(self),
             metrics_labels=seam.scheduler_metrics_labels(self),
-            kv_slots_in_use=lambda: seam.scheduler_kv_slots_in_use(self))
+            kv_slots_in_use=lambda: seam.scheduler_kv_slots_in_use(self),
+            metrics_of=target if manager is draft and target is not None else None)
 
 
 def _after_process_batch_result(result, self, *args, **kwargs):
-    manager = seam.runner_canary(seam.scheduler_model_runner(self))
-    if manager is not None:
-        manager.after_batch_result()
+    for runner in (seam.scheduler_model_runner(self), seam.scheduler_draft_model_runner(self)):
+        manager = seam.runner_canary(runner)
+        if manager is not None:
+            manager.after_batch_result()
 
 
 def _after_get_init_info(result, self, *args, **kwargs):
@@ -174,6 +194,58 @@ def _after_forward_batch_init(result, cls, batch, model_runner, *args, **kwargs)
     return result
 
 
+def _draft_forward(original, self, *args, **kwargs):
+    manager = seam.runner_canary(seam.draft_worker_runner(self))
+    if manager is None:
+        return original(self, *args, **kwargs)
+    with manager.with_draft_round():
+        return original(self, *args, **kwargs)
+
+
+def _after_init_cuda_graphs(result, self, *args, **kwargs):
+    manager = seam.runner_canary(seam.draft_worker_runner(self))
+    if manager is not None:
+        manager.mark_init_finished()
+
+
+def _draft_graph_capture_one_batch_size(original, self, *args, **kwargs):
+    manager = seam.runner_canary(seam.graph_runner_model_runner(self))
+    if manager is None:
+        return original(self, *args, **kwargs)
+    with manager.capturing_draft_graph():
+        return original(self, *args, **kwargs)
+
+
+def _draft_graph_replay(original, self, forward_batch, *args, **kwargs):
+    manager = seam.runner_canary(seam.graph_runner_model_runner(self))
+    if manager is None:
+        return original(self, forward_batch, *args, **kwargs)
+    with manager.with_replayed_draft_round(forward_batch):
+        return original(self, forward_batch, *args, **kwargs)
+
+
+def _draft_extend_graph_capture_one_batch_size(original, self, *args, **kwargs):
+    manager = seam.runner_canary(seam.graph_runner_model_runner(self))
+    if manager is None:
+        return original(self, *args, **kwargs)
+    with manager.with_active_single_forward_manager(0), manager.capturing():
+        return original(self, *args, **kwargs)
+
+
+def _draft_extend_graph_replay(original, self, forward_batch, *args, **kwargs):
+    """A draft extend replayed from its graph: padding rows at row 0 (sglang leaves stale
+    indices there), then the outside-graph bracket of single-forward manager 0."""
+    manager = seam.runner_canary(seam.graph_runner_model_runner(self))
+    if manager is None:
+        return original(self, forward_batch, *args, **kwargs)
+    seam.zero_draft_extend_graph_padding(self)
+    with manager.with_active_single_forward_manager(0):
+        with manager.with_ops_outside_graph(forward_batch):
+            out = original(self, forward_batch, *args, **kwargs)
+            manager.mark_replayed_inside_graph()
+            return out
+
+
 HOOKS = (
     (seam.HOOK_SERVER_ARGS_INIT, _server_args_init, "AROUND"),
     (seam.HOOK_SERVER_ARGS_ADD_CLI_ARGS, _add_cli_args, "AFTER"),
@@ -189,6 +261,16 @@ HOOKS = (
     (seam.HOOK_SCHEDULER_PROCESS_BATCH_RESULT, _after_process_batch_result, "AFTER"),
     (seam.HOOK_SCHEDULER_GET_INIT_INFO, _after_get_init_info, "AFTER"),
     (seam.HOOK_FORWARD_BATCH_INIT_NEW, _after_forward_batch_init, "AFTER"),
+    (seam.HOOK_EAGLE_V1_DRAFT_FORWARD, _draft_forward, "AROUND"),
+    (seam.HOOK_EAGLE_V2_DRAFT_FORWARD, _draft_forward, "AROUND"),
+    (seam.HOOK_EAGLE_V1_INIT_CUDA_GRAPHS, _after_init_cuda_graphs, "AFTER"),
+    (seam.HOOK_EAGLE_V2_INIT_CUDA_GRAPHS, _after_init_cuda_graphs, "AFTER"),
+    (seam.HOOK_DRAFT_GRAPH_CAPTURE_ONE_BATCH_SIZE, _draft_graph_capture_one_batch_size,
+     "AROUND"),
+    (seam.HOOK_DRAFT_GRAPH_REPLAY, _draft_graph_replay, "AROUND"),
+    (seam.HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE,
+     _draft_extend_graph_capture_one_batch_size, "AROUND"),
+    (seam.HOOK_DRAFT_EXTEND_GRAPH_REPLAY, _draft_extend_graph_replay, "AROUND"),
 )
 
 

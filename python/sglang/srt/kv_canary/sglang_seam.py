@@ -17,6 +17,7 @@ change; the table says who relies on each.
 | ``Scheduler.enable_metrics``, ``.metrics_collector.labels`` | the canary's Prometheus series get the scheduler's labels | ``runner.metrics`` |
 | ``Scheduler.token_to_kv_pool_allocator.available_size()``, ``.max_total_num_tokens`` | the protected-tokens gauge | ``runner.metrics`` |
 | ``ScheduleBatch.reqs`` | the requests of a ``ForwardBatch.init_new`` | ``plugin`` |
+| EAGLE (``EAGLEWorker`` spec v1, ``EagleDraftWorker`` / ``EAGLEWorkerV2`` spec v2, ``EAGLEDraftCudaGraphRunner``, ``EAGLEDraftExtendCudaGraphRunner``) | hooks ``draft_forward``, ``init_cuda_graphs``, the graph runners' ``capture_one_batch_size`` / ``replay``; reads the workers' ``draft_runner`` / ``model_runner``, ``Scheduler.draft_worker`` (``.draft_worker`` in v2), the graph runners' ``model_runner``; zeroes the draft-extend graph's ``buffers.req_pool_indices``; reads ``ServerArgs.speculative_*`` and ``enable_multi_layer_eagle`` | ``plugin``, ``api`` |
 | ``ForwardBatch`` | sets one attribute, ``kv_canary_batch_state`` (:func:`set_batch_state`); reads ``spec_info.draft_token_num``; ``ForwardMode`` | ``batch_state``, ``plan_input`` |
 | ``SamplingBatchInfo`` | sets / reads ``kv_canary_oracle_batch`` | ``token_oracle`` |
 | ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``, ``kv_allocated_len``, ``finished()``, ``to_finish``; histories are kept by identity (sglang replaces, never edits, a rewritten list); abort mode sets ``to_finish = FINISH_ABORT(...)`` (sglang's abort of a running request) and ``skip_radix_cache_insert`` | ``token_oracle``, ``token_history``, ``runner.requests``, ``runner.containment`` |
@@ -32,6 +33,7 @@ per buffer on the forward stream, no sync).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -74,6 +76,21 @@ HOOK_FORWARD_BATCH_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.Forw
 HOOK_SCHEDULER_PROCESS_BATCH_RESULT = (
     "sglang.srt.managers.scheduler.Scheduler.process_batch_result")
 HOOK_SCHEDULER_GET_INIT_INFO = "sglang.srt.managers.scheduler.Scheduler.get_init_info"
+# EAGLE / EAGLE3 / NEXTN speculative decoding: spec v1 (``EAGLEWorker``, overlap scheduler off)
+# and spec v2 (``EagleDraftWorker``, overlap on); the draft graph runners serve both
+_SPEC = "sglang.srt.speculative"
+_EAGLE_V1 = f"{_SPEC}.eagle_worker.EAGLEWorker"
+_EAGLE_V2 = f"{_SPEC}.eagle_worker_v2.EagleDraftWorker"
+_DRAFT_CG = f"{_SPEC}.eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner"
+_DRAFT_EXTEND_CG = f"{_SPEC}.eagle_draft_extend_cuda_graph_runner.EAGLEDraftExtendCudaGraphRunner"
+HOOK_EAGLE_V1_DRAFT_FORWARD = f"{_EAGLE_V1}.draft_forward"
+HOOK_EAGLE_V2_DRAFT_FORWARD = f"{_EAGLE_V2}.draft_forward"
+HOOK_EAGLE_V1_INIT_CUDA_GRAPHS = f"{_EAGLE_V1}.init_cuda_graphs"
+HOOK_EAGLE_V2_INIT_CUDA_GRAPHS = f"{_EAGLE_V2}.init_cuda_graphs"
+HOOK_DRAFT_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_DRAFT_CG}.capture_one_batch_size"
+HOOK_DRAFT_GRAPH_REPLAY = f"{_DRAFT_CG}.replay"
+HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_DRAFT_EXTEND_CG}.capture_one_batch_size"
+HOOK_DRAFT_EXTEND_GRAPH_REPLAY = f"{_DRAFT_EXTEND_CG}.replay"
 
 
 def register_hook(target: str, hook: Callable, kind: str) -> None:
@@ -174,7 +191,52 @@ def wrap_model_forward(model_runner: "ModelRunner", *, before: Callable, after: 
 
 
 def graph_runner_model_runner(graph_runner: "CudaGraphRunner") -> "ModelRunner":
+    """The runner of a ``CudaGraphRunner`` or of an EAGLE draft / draft-extend graph runner
+    (all three keep it as ``model_runner``)."""
     return graph_runner.model_runner
+
+
+# ---- speculative decoding (EAGLE workers) --------------------------------------------------
+
+
+def draft_worker_runner(worker) -> "ModelRunner":
+    """The draft ``ModelRunner`` of an EAGLE worker: spec v2's ``EagleDraftWorker.draft_runner``,
+    spec v1's ``EAGLEWorker.model_runner`` (the v1 worker is the draft ``TpModelWorker``)."""
+    runner = getattr(worker, "draft_runner", None)
+    return runner if runner is not None else worker.model_runner
+
+
+def zero_draft_extend_graph_padding(graph_runner) -> None:
+    """Zero the draft-extend graph's static ``req_pool_indices`` before sglang copies the real
+    rows in: sglang 0.5.12's ``EAGLEDraftExtendCudaGraphRunner.replay`` leaves the padding rows'
+    indices of an earlier, larger replay (the decode-side runners zero them). One memset on
+    the forward stream, no sync."""
+    graph_runner.buffers.req_pool_indices.zero_()
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeFacts:
+    """sglang's resolved speculative-decoding settings (``ServerArgs`` after its own
+    defaults): ``algorithm`` upper-case or None; ``num_steps`` / ``topk`` /
+    ``num_draft_tokens`` 0 when unset."""
+
+    algorithm: Optional[str]
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    multi_layer_eagle: bool
+    adaptive: bool
+
+
+def speculative_facts(server_args: "ServerArgs") -> SpeculativeFacts:
+    algo = getattr(server_args, "speculative_algorithm", None)
+    return SpeculativeFacts(
+        algorithm=str(algo).upper() if algo else None,
+        num_steps=int(getattr(server_args, "speculative_num_steps", None) or 0),
+        topk=int(getattr(server_args, "speculative_eagle_topk", None) or 0),
+        num_draft_tokens=int(getattr(server_args, "speculative_num_draft_tokens", None) or 0),
+        multi_layer_eagle=bool(getattr(server_args, "enable_multi_layer_eagle", False)),
+        adaptive=bool(getattr(server_args, "speculative_adaptive", False)))
 
 
 def zero_graph_padding_inputs(graph_runner: "CudaGraphRunner", *, token_inputs: bool) -> None:
@@ -192,6 +254,20 @@ def zero_graph_padding_inputs(graph_runner: "CudaGraphRunner", *, token_inputs: 
 def scheduler_model_runner(scheduler: "Scheduler") -> Optional["ModelRunner"]:
     worker = getattr(scheduler, "tp_worker", None)
     return getattr(worker, "model_runner", None) if worker is not None else None
+
+
+def scheduler_draft_model_runner(scheduler: "Scheduler") -> Optional["ModelRunner"]:
+    """The EAGLE draft runner of a speculative scheduler (``Scheduler.draft_worker``: spec v1's
+    ``EAGLEWorker``, or spec v2's ``EAGLEWorkerV2`` whose ``draft_worker`` is the
+    ``EagleDraftWorker``); None without speculative decoding."""
+    worker = getattr(scheduler, "draft_worker", None)
+    if worker is None:
+        return None
+    inner = getattr(worker, "draft_worker", None)  # spec v2
+    if inner is not None:
+        worker = inner
+    runner = getattr(worker, "draft_runner", None)
+    return runner if runner is not None else getattr(worker, "model_runner", None)
 
 
 def scheduler_server_args(scheduler: "Scheduler") -> "ServerArgs":

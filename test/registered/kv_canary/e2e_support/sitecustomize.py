@@ -9,6 +9,9 @@ allocates plain (unpinned) memory instead of calling ``cudaHostRegister``, and
 ``transfer_kv_direct`` (``sgl_kernel``: CUDA only) is stood in for by a torch index copy per
 layer (use ``hicache_io_backend="direct"`` with the ``layer_first`` layout, the only copy that
 then runs). Test processes only, like the libcuda stub.
+
+With ``KV_CANARY_TEST_PR25015=1`` an EAGLE draft round's forwards run one position ahead of
+their own (upstream sglang PR 25015's bug, re-introduced for the regression test).
 """
 
 import os
@@ -162,3 +165,22 @@ if os.environ.get("KV_CANARY_TEST_SHIM_HICACHE_CPU") == "1":
     _mph.transfer_kv_direct = _transfer_kv_direct
     _mph.ALLOC_MEMORY_FUNCS.default_factory = lambda: _alloc_unpinned
     _mph.ALLOC_MEMORY_FUNCS.clear()
+
+if os.environ.get("KV_CANARY_TEST_PR25015"):
+    # upstream PR 25015 re-introduced (test processes only): a draft round's forward runs at
+    # the position after its own, as when the round advanced positions before each draft
+    # forward instead of after; in eager forwards and in the captured draft graph alike
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def _positions_before_forward(original, self, forward_batch, *args, **kwargs):
+        if not (getattr(self, "is_draft_worker", False)
+                and forward_batch.forward_mode.is_decode()):
+            return original(self, forward_batch, *args, **kwargs)
+        forward_batch.positions.add_(1)
+        try:
+            return original(self, forward_batch, *args, **kwargs)
+        finally:
+            forward_batch.positions.sub_(1)
+
+    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
+                          _positions_before_forward, HookType.AROUND)

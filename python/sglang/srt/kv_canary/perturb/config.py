@@ -40,6 +40,9 @@ REAL_KV_FAULTS = frozenset({FaultKind.REAL_KV_USED, FaultKind.REAL_KV_UNUSED_CAC
 TARGET_GROUP_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"
 TARGET_LAYER_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_LAYER"
 TARGET_HALF_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_HALF"
+TARGET_WORKER_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_WORKER"
+# the model runners of a speculative server: the target model's, and EAGLE's draft model's
+WORKER_TARGET, WORKER_DRAFT = "target", "draft"
 LAST_LAYER = "last"
 # rank targets: (PerturbConfig field, variable, server flag of the size, RankFacts field)
 RANK_TARGETS = (
@@ -60,6 +63,7 @@ class RankFacts:
     pp_size: int = 1
     dp_rank: int = 0
     dp_size: int = 1
+    draft: bool = False  # an EAGLE draft model's runner (shares the target's ranks)
 
     def rank(self, dim: str) -> int:
         return getattr(self, f"{dim}_rank")
@@ -68,7 +72,8 @@ class RankFacts:
         return getattr(self, f"{dim}_size")
 
     def describe(self) -> str:
-        return f"tp_rank {self.tp_rank}, pp_rank {self.pp_rank}, dp_rank {self.dp_rank}"
+        return (f"tp_rank {self.tp_rank}, pp_rank {self.pp_rank}, dp_rank {self.dp_rank}"
+                + (", EAGLE draft worker" if self.draft else ""))
 _TARGET_GROUPS = {"full": PoolKind.FULL, "swa": PoolKind.SWA}
 
 
@@ -99,6 +104,8 @@ class PerturbConfig:
     target_tp_rank: Optional[int] = None
     target_pp_rank: Optional[int] = None
     target_dp_rank: Optional[int] = None
+    # None: target and draft runners alike; "target" / "draft": only that one (speculative)
+    target_worker: Optional[str] = None
     seed: int = 0
 
     def __post_init__(self):
@@ -140,6 +147,9 @@ class PerturbConfig:
             if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
                                      or rank < 0):
                 raise ValueError(f"{var} must be a rank (0, 1, ...) or unset, got {rank!r}")
+        if self.target_worker not in (None, WORKER_TARGET, WORKER_DRAFT):
+            raise ValueError(f"{TARGET_WORKER_VAR} must be {WORKER_TARGET} or {WORKER_DRAFT} "
+                             f"(or unset for both), got {self.target_worker!r}")
         real_on = [k.env_var for k in REAL_KV_FAULTS if self.prob(k) > 0]
         if real_on and self.target_group is None:
             raise ValueError(f"{', '.join(sorted(real_on))} > 0 needs {TARGET_GROUP_VAR}=full "
@@ -165,9 +175,12 @@ class PerturbConfig:
                                  f"allowed 0 to {sizes.size(dim) - 1}, or unset for every rank")
 
     def injects_on(self, ranks: RankFacts) -> bool:
-        """Whether the model runner of ``ranks`` injects faults (every rank target matches)."""
-        return self.enabled and all(getattr(self, field) in (None, ranks.rank(dim))
-                                    for field, _, _, dim in RANK_TARGETS)
+        """Whether the model runner of ``ranks`` injects faults (every rank target matches,
+        and the worker target: the target or EAGLE's draft model)."""
+        worker = WORKER_DRAFT if ranks.draft else WORKER_TARGET
+        return (self.enabled and self.target_worker in (None, worker)
+                and all(getattr(self, field) in (None, ranks.rank(dim))
+                        for field, _, _, dim in RANK_TARGETS))
 
     @property
     def targets_layer_0_k(self) -> bool:

@@ -14,7 +14,9 @@ Called by :class:`~sglang.srt.kv_canary.runner.CanaryManager` around each forwar
   ``log``-mode server under injection keeps serving. The position written this forward is
   never the one changed, so the new KV chains from the right record.
 - :meth:`after_forward` — ``real_kv_post_forward`` (flip a byte of a slot this forward just
-  wrote; caught by the next verify of that slot) and ``real_kv_unused_cache`` (flip a byte of a
+  wrote and will keep: with EAGLE only the first slot of each request's verify or v2 draft
+  extend, whose token is always accepted, and none of a draft round's, which the draft extend
+  rewrites before anything reads them; caught by the next verify of that slot) and ``real_kv_unused_cache`` (flip a byte of a
   slot only the radix cache holds; caught by the sweep, which runs right after) and
   ``host_kv`` (flip a byte of a token HiCache holds in host memory; caught when it is loaded
   back and read).
@@ -47,6 +49,7 @@ from sglang.srt.kv_canary.perturb.config import (
 from sglang.srt.kv_canary.perturb.real_kv import flip_first_byte
 from sglang.srt.kv_canary.perturb.report import log_perturbation
 from sglang.srt.kv_canary.plan_input import host_prefix_extend
+from sglang.srt.kv_canary.sglang_seam import ForwardMode
 
 _MAX_TRIES = 64
 
@@ -57,8 +60,10 @@ class CanaryPerturber:
     attached)."""
 
     def __init__(self, *, config: PerturbConfig, groups: Sequence[CanaryBufferGroup],
-                 req_to_token: torch.Tensor, radix_cache: Callable[[], object]):
+                 req_to_token: torch.Tensor, radix_cache: Callable[[], object],
+                 draft: bool = False):
         self.config = config
+        self.draft = draft  # an EAGLE draft runner's (its DECODE forwards are draft rounds)
         self.req_to_token = req_to_token
         self._radix_cache = radix_cache
         self.rng = random.Random(config.seed)
@@ -229,6 +234,13 @@ class CanaryPerturber:
 
     def _perturb_real_kv_post_forward(self, forward_batch) -> None:
         written = forward_batch.out_cache_loc.tolist()
+        mode = forward_batch.forward_mode
+        if self.draft and mode == ForwardMode.DECODE:
+            return  # a draft round's slots: rewritten by the draft extend, never read as they are
+        if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+            # a fixed number of tokens per request, of which only the first is always kept
+            per_req = len(written) // max(1, forward_batch.req_pool_indices.shape[0])
+            written = written[::max(1, per_req)]
         candidates = [s for s in written if s > 0]
         for _ in range(_MAX_TRIES if candidates else 0):
             if self._flip(FaultKind.REAL_KV_POST_FORWARD, self.rng.choice(candidates)):

@@ -61,6 +61,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# the reports of an EAGLE draft runner's canary name its pool
+DRAFT_POOL_LABEL = ("the EAGLE draft model's KV pool (its position p holds the KV computed from "
+                    "token p + 1)")
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CanaryReadback:
@@ -85,11 +89,22 @@ class CanaryReadback:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StagedForward:
-    """The forward whose read-back is staged: its step, single-forward manager and requests."""
+    """The forward whose read-back is staged: its step, single-forward managers (one, or a
+    replayed EAGLE draft round's) and requests."""
 
     step: int
-    sfm_index: int
+    sfm_indices: Tuple[int, ...]
     requests: ForwardRequests
+
+
+@dataclasses.dataclass(eq=False)
+class DraftRound:
+    """An EAGLE draft round in progress (:meth:`CanaryManager.with_draft_round`): whether it is
+    being captured into the draft CUDA graph, and the index of its next forward (= the
+    single-forward manager that forward uses)."""
+
+    capturing: bool
+    next_forward: int = 0
 
 
 class CanaryManager:
@@ -99,7 +114,7 @@ class CanaryManager:
 
     def __init__(self, *, config: CanaryConfig, groups: Sequence[CanaryBufferGroup],
                  capacities: CanaryLaunchCapacities, req_to_token: torch.Tensor, device,
-                 num_single_forward_managers: int = 1,
+                 num_single_forward_managers: int = 1, draft_forwards_per_round: int = 0,
                  token_oracle: Optional[TokenOracleManager] = None,
                  ranks: RankFacts = RankFacts(), kv_pool=None):
         if not config.enabled:
@@ -108,6 +123,10 @@ class CanaryManager:
             raise ValueError("CanaryManager needs at least one buffer group")
         if num_single_forward_managers < 1:
             raise ValueError("num_single_forward_managers must be >= 1")
+        if not 0 <= draft_forwards_per_round <= num_single_forward_managers:
+            raise ValueError(f"draft_forwards_per_round must be in [0, "
+                             f"{num_single_forward_managers}] (one single-forward manager per "
+                             f"draft forward), got {draft_forwards_per_round}")
         if config.enable_write_input_assert and token_oracle is None:
             raise ValueError("enable_write_input_assert needs a TokenOracleManager "
                              "(token_oracle=...)")
@@ -142,7 +161,8 @@ class CanaryManager:
         if config.perturb.injects_on(ranks):  # SGLANG_KV_CANARY_PERTURB_*_RANK match
             self.perturber = CanaryPerturber(config=config.perturb, groups=self.groups,
                                              req_to_token=req_to_token,
-                                             radix_cache=lambda: self.radix_cache)
+                                             radix_cache=lambda: self.radix_cache,
+                                             draft=ranks.draft)
             if token_oracle is not None:
                 token_oracle.after_sample = self.perturber.swap_next_tokens
         self.swa_divergence = SwaDivergenceReporter(
@@ -158,7 +178,8 @@ class CanaryManager:
             sfm_status=tuple(sfm.status for sfm in self.sfms),
             swa_verify_num_valid=self.swa_divergence.device_tensors(),
         ))
-        self.violations = ViolationManager(reporter=ViolationReporter(config.mode),
+        self.violations = ViolationManager(reporter=ViolationReporter(
+            config.mode, pool=DRAFT_POOL_LABEL if ranks.draft else ""),
                                            ring_capacity=config.ring_capacity)
         self.health = KernelRunCounterHealthChecker(
             expected_tags=[ep.tag for ep in self.endpoints
@@ -178,6 +199,11 @@ class CanaryManager:
         self._kv_slots_in_use: Callable[[], int] = lambda: 0
         self.step = 0
         self._active: Optional[SingleForwardManager] = None
+        # EAGLE draft worker: forwards per draft round (0 elsewhere), the round in progress,
+        # and whether the draft graph runner is capturing
+        self.draft_forwards_per_round = draft_forwards_per_round
+        self._draft_round: Optional[DraftRound] = None
+        self._capturing_draft_graph = False
         self._staged: Optional[StagedForward] = None
         self._ring_staged = False  # a stage holds the ring: empty it before the next forward
 
@@ -224,7 +250,7 @@ class CanaryManager:
             sfm.abort()
             raise
         sfm.post_ops_outside_graph()
-        self.after_forward(sfm, forward_batch)
+        self.after_forward((sfm,), forward_batch)
 
     def pre_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
         self.active_sfm.pre_ops_maybe_inside_graph(forward_batch)
@@ -238,6 +264,88 @@ class CanaryManager:
     def capturing(self):
         """Context for a CUDA-graph capture of the active single-forward manager."""
         return self.active_sfm.capturing()
+
+    # ---- EAGLE draft rounds ------------------------------------------------------------------
+    #
+    # A draft round is sglang's ``draft_forward``: ``draft_forwards_per_round`` (= speculative
+    # steps - 1) draft-model forwards in one loop, each writing one draft token per request
+    # after the previous one's. Eager, each forward is bracketed like any other (its own
+    # single-forward manager, outside ops and read-back); in the draft CUDA graph the loop is
+    # captured whole, so forward i's inside ops are captured with single-forward manager i, and
+    # a replay brackets all of them at once (:meth:`with_replayed_draft_round`).
+
+    @contextlib.contextmanager
+    def with_draft_round(self):
+        """Around one ``draft_forward`` call (eager, or inside the draft graph's capture)."""
+        if self._draft_round is not None:
+            raise RuntimeError("kv_canary: an EAGLE draft round started inside another one")
+        self._draft_round = DraftRound(capturing=self._capturing_draft_graph)
+        try:
+            yield self._draft_round
+        finally:
+            self._draft_round = None
+
+    @property
+    def in_draft_round(self) -> bool:
+        return self._draft_round is not None
+
+    @contextlib.contextmanager
+    def with_draft_forward(self, forward_batch: "ForwardBatch"):
+        """Around one draft-model forward of the round in progress: the next single-forward
+        manager, captured (inside the draft graph's capture) or bracketed as an eager
+        forward."""
+        draft_round = self._draft_round
+        if draft_round is None:
+            raise RuntimeError("kv_canary: a draft forward outside an EAGLE draft round")
+        index = draft_round.next_forward
+        if index >= self.draft_forwards_per_round:
+            raise RuntimeError(
+                f"kv_canary: EAGLE draft round ran more than {self.draft_forwards_per_round} "
+                "draft forwards (--speculative-num-steps - 1, which sized the canary)")
+        draft_round.next_forward += 1
+        with self.with_active_single_forward_manager(index):
+            if draft_round.capturing:
+                with self.capturing():
+                    yield
+            else:
+                with self.with_ops_outside_graph(forward_batch):
+                    yield
+
+    @contextlib.contextmanager
+    def capturing_draft_graph(self):
+        """Around the draft CUDA-graph runner's capture of one batch size: the draft rounds
+        run in it (sglang's warm-up runs and the capture) only record the inside ops."""
+        self._capturing_draft_graph = True
+        try:
+            yield
+        finally:
+            self._capturing_draft_graph = False
+
+    @contextlib.contextmanager
+    def with_replayed_draft_round(self, forward_batch: "ForwardBatch"):
+        """Around a replay of the draft CUDA graph (one whole draft round): the outside ops
+        of every draft forward it holds, then one read-back for the round. No-op with a
+        single speculative step (the round runs no draft forward)."""
+        sfms = self.sfms[:self.draft_forwards_per_round]
+        if not sfms:
+            yield
+            return
+        self.device_host.fence()
+        self._empty_ring_after_stage()
+        if self.perturber is not None:
+            self.perturber.before_forward(forward_batch, step=self.step + 1)
+        try:
+            for sfm in sfms:
+                sfm.pre_ops_outside_graph(forward_batch)
+            yield
+        except BaseException:
+            for sfm in sfms:
+                sfm.abort()
+            raise
+        for sfm in sfms:
+            sfm.mark_replayed_inside_graph()
+            sfm.post_ops_outside_graph()
+        self.after_forward(sfms, forward_batch)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -253,6 +361,9 @@ class CanaryManager:
         state.requests = ForwardRequests.of(reqs)
         if self.token_history is None and self.token_oracle is None:
             return
+        if (self.ranks.draft and self.draft_forwards_per_round == 0
+                and forward_batch.forward_mode == sglang_seam.ForwardMode.DECODE):
+            return  # a draft round of one speculative step runs no draft forward
         if self.token_history is not None:
             self.token_history.snapshot(state, reqs)
         if self.token_oracle is not None:
@@ -276,15 +387,21 @@ class CanaryManager:
 
     def attach_scheduler(self, *, radix_cache, running_reqs: Callable[[], Sequence],
                          metrics_labels: Optional[Dict[str, object]],
-                         kv_slots_in_use: Callable[[], int], metrics_registry=None) -> None:
+                         kv_slots_in_use: Callable[[], int], metrics_registry=None,
+                         metrics_of: Optional["CanaryManager"] = None) -> None:
         """The scheduler's side, at its start-up: its tree cache, its running requests (to
         name and abort), its metric labels (None: metrics off; ``metrics_registry``: a
         ``prometheus_client`` registry other than the process's, for tests) and its count of
-        KV slots in use (the protected-tokens gauge)."""
+        KV slots in use (the protected-tokens gauge). ``metrics_of``: the scheduler's first
+        canary (an EAGLE draft pool's canary counts into the target's series)."""
         self.attach_radix_cache(radix_cache)
         self.requests.running_reqs = running_reqs
         self._kv_slots_in_use = kv_slots_in_use
-        if metrics_labels is not None and self.metrics is None:
+        if self.metrics is not None:
+            return
+        if metrics_of is not None:
+            self.metrics = metrics_of.metrics.sibling() if metrics_of.metrics else None
+        elif metrics_labels is not None:
             self.metrics = CanaryMetrics(metrics_labels, registry=metrics_registry)
 
     def after_batch_result(self) -> None:
@@ -307,7 +424,7 @@ class CanaryManager:
 
     # ---- after each forward ----------------------------------------------------------------
 
-    def after_forward(self, sfm: SingleForwardManager,
+    def after_forward(self, sfms: Sequence[SingleForwardManager],
                       forward_batch: Optional["ForwardBatch"] = None) -> None:
         """Step counter, fault injection (self-tests only; before the sweep so that a fault
         in an idle cached slot is swept this step), the radix sweep (when due), then the
@@ -323,11 +440,11 @@ class CanaryManager:
         requests = (state.requests if state is not None and state.requests is not None
                     else NO_FORWARD_REQUESTS)
         if self.device_host.synchronous:
-            self._stage(sfm, requests)
+            self._stage(sfms, requests)
             self.device_host.consume(self._on_host_copies)
         else:
             self.device_host.consume(self._on_host_copies)
-            self._stage(sfm, requests)
+            self._stage(sfms, requests)
 
     def _host_tier_sweep(self) -> None:
         """HiCache: after a radix sweep, the host-tier sweep's pages (on the CPU); its
@@ -366,9 +483,9 @@ class CanaryManager:
                 self.metrics.on_aborted(aborted)
         self.violations.report(incidents, dropped=dropped, step=step)
 
-    def _stage(self, sfm: SingleForwardManager, requests: ForwardRequests) -> None:
+    def _stage(self, sfms: Sequence[SingleForwardManager], requests: ForwardRequests) -> None:
         self.device_host.stage()
-        self._staged = StagedForward(self.step, sfm.index, requests)
+        self._staged = StagedForward(self.step, tuple(s.index for s in sfms), requests)
         self._ring_staged = True
 
     def _empty_ring_after_stage(self) -> None:
@@ -384,9 +501,11 @@ class CanaryManager:
 
     def _on_host_copies(self, host: CanaryReadback) -> None:
         staged = self._staged
-        step, sfm_index = staged.step, staged.sfm_index
-        plan_enabled = host.sfm_status[sfm_index].plan_enabled.tolist()
-        self.overflow.check(step=step, plan_enabled=plan_enabled)
+        step = staged.step
+        plans_enabled = {i: host.sfm_status[i].plan_enabled.tolist()
+                         for i in staged.sfm_indices}
+        for plan_enabled in plans_enabled.values():
+            self.overflow.check(step=step, plan_enabled=plan_enabled)
         kernel_counters = host.kernel_run_counters.tolist()
         slot_counters = host.slot_run_counters.tolist()
         incidents, dropped = self.violations.collect(
@@ -405,6 +524,7 @@ class CanaryManager:
                                         if self.host_tier is not None else None))
         self.health.check(step=step, kernel_counters=kernel_counters)
         if self.swa_divergence.enabled:
-            self.swa_divergence.consume(num_valid=host.swa_verify_num_valid[sfm_index],
-                                        plan_enabled=plan_enabled, step=step,
-                                        sfm_index=sfm_index)
+            for sfm_index, plan_enabled in plans_enabled.items():
+                self.swa_divergence.consume(num_valid=host.swa_verify_num_valid[sfm_index],
+                                            plan_enabled=plan_enabled, step=step,
+                                            sfm_index=sfm_index)

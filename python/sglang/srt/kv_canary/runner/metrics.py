@@ -65,6 +65,18 @@ class CanaryMetrics:
             documentation="Requests aborted by --kv-canary abort.").labels(**self.labels)
         self._last_verified = 0
         self._last_sweeps = 0
+        self._sets_protected = True
+
+    def sibling(self) -> "CanaryMetrics":
+        """The same series for a second canary of the scheduler (an EAGLE draft pool's): its
+        violations, checks and sweeps add to these counters (they are one server's); the
+        protected-tokens gauge stays the first canary's (the pools share their slots)."""
+        twin = object.__new__(CanaryMetrics)
+        twin.__dict__.update(self.__dict__)
+        twin._last_verified = 0
+        twin._last_sweeps = 0
+        twin._sets_protected = False
+        return twin
 
     def on_incidents(self, incidents: Sequence[ViolationIncident], *, dropped: int) -> None:
         """One increment per reported line, labelled as the line is."""
@@ -87,4 +99,5 @@ class CanaryMetrics:
         if sweep_passes > self._last_sweeps:
             self._sweeps.inc(sweep_passes - self._last_sweeps)
             self._last_sweeps = sweep_passes
-        self._protected.set(protected_tokens)
+        if self._sets_protected:
+            self._protected.set(protected_tokens)

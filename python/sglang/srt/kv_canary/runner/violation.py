@@ -300,8 +300,11 @@ class ViolationReporter:
     is the manager's). Raise mode: ``RuntimeError`` carrying the structured lines (sglang's
     scheduler then exits, as on any scheduler error)."""
 
-    def __init__(self, mode: CanaryMode):
+    def __init__(self, mode: CanaryMode, *, pool: str = ""):
         self.mode = CanaryMode.parse(mode)
+        # which pool the reports are about, when a server has two canaries (EAGLE's draft
+        # pool); "" for the one (target) pool
+        self.pool = pool
 
     def report(self, incidents: Sequence[ViolationIncident], *, step: int, dropped: int = 0,
                ring_capacity: Optional[int] = None) -> None:
@@ -309,15 +312,18 @@ class ViolationReporter:
         rows past ``ring_capacity``."""
         if not incidents and not dropped:
             return
+        where = f"\n  Pool: {self.pool}." if self.pool else ""
         texts = [format_violation_line(i, step=step) + "\n" + format_violation_block(i, step)
-                 for i in incidents]
+                 + where for i in incidents]
         if dropped:
             held = f" (it holds {ring_capacity} per forward step)" if ring_capacity else ""
             texts.append(f"{VIOLATION_LINE_PREFIX} {dropped} more violation(s) not recorded "
                          f"at forward step {step}: the ring is full{held}; later steps are "
                          "recorded again (raise SGLANG_KV_CANARY_RING_CAPACITY for more detail)")
         if self.mode == CanaryMode.RAISE:
-            raise RuntimeError("kv_canary detected KV-cache corruption:\n" + "\n".join(texts))
+            pool = f" in {self.pool}" if self.pool else ""
+            raise RuntimeError(f"kv_canary detected KV-cache corruption{pool}:\n"
+                               + "\n".join(texts))
         for text in texts:
             logger.warning("%s", text)
 

@@ -113,6 +113,11 @@ class SingleForwardManager:
                                 if config.enable_write_input_assert else None)
         self.status = SfmStatus(plan_enabled=torch.zeros(len(self.groups), dtype=torch.int32,
                                                           device=device))
+        # the forward's slots when sglang hands a strided view (an EAGLE draft forward's row
+        # of the round's slots): copied here, inside the pre-ops, for the launches
+        self.forward_slots = torch.zeros(capacities.write_entry_capacity, dtype=torch.int64,
+                                         device=device)
+        self._slots: Optional[torch.Tensor] = None
         # CUDA: the pre-forward work runs on this side stream, beside the model forward
         device = torch.device(device)
         self.side_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
@@ -200,6 +205,7 @@ class SingleForwardManager:
         if self.kv_pool is not None:  # HiCache: records of loaded slots arrive with layer 0
             sglang_seam.hicache_wait_for_first_layer(self.kv_pool)
         with self._beside_the_forward():
+            self._slots = self._contiguous_slots(forward_batch.out_cache_loc)
             rpi, prefix, extend = self.plan_input.fill_from_forward_batch(forward_batch)
             expected = self.token_history.pool if self.token_history is not None else None
             for plans in self.plans.values():
@@ -223,7 +229,7 @@ class SingleForwardManager:
         self._verify(CanaryPhase.TAIL)
         launch_deep_verifies(self.endpoints, CanaryPhase.TAIL, plans_by_group=self.plans)
         self._write(CanaryPhase.TAIL, WriteParts.FINGERPRINT, forward_batch)
-        launch_deep_writes(self.plans, forward_batch.out_cache_loc)
+        launch_deep_writes(self.plans, self._slots)
 
     def mark_replayed_inside_graph(self) -> None:
         self._advance(SfmOp.MARK_REPLAYED_INSIDE_GRAPH)
@@ -239,12 +245,22 @@ class SingleForwardManager:
         launch_verifies(self.endpoints, phase, plans_by_group=self.plans,
                         check_verify_expected_token=self.config.enable_verify_token_assert)
 
+    def _contiguous_slots(self, out_cache_loc: torch.Tensor) -> torch.Tensor:
+        """``out_cache_loc`` as the write launches take it: itself when contiguous, else a
+        copy in :attr:`forward_slots` (no allocation; captured like the launches)."""
+        if out_cache_loc.is_contiguous():
+            return out_cache_loc
+        slots = self.forward_slots[: out_cache_loc.shape[0]]
+        slots.copy_(out_cache_loc)
+        return slots
+
     def _write(self, phase: CanaryPhase, parts: WriteParts, forward_batch) -> None:
-        n = forward_batch.out_cache_loc.shape[0]
+        slots = self._slots
+        n = slots.shape[0]
         launch_writes(
             self.endpoints, phase, parts=parts, plans_by_group=self.plans,
             input_ids=forward_batch.input_ids[:n], positions=forward_batch.positions[:n],
-            out_cache_loc=forward_batch.out_cache_loc,
+            out_cache_loc=slots,
             expected_inputs=(self.expected_inputs.views(n)
                              if self.expected_inputs is not None else None),
         )

@@ -1,0 +1,389 @@
+"""EAGLE speculative decoding (spec v1 and v2, ``topk`` 1) on real sglang 0.5.12 pools and
+ForwardBatch objects (:mod:`eagle_driver`): the target and the draft pools both guarded,
+clean rounds clean, faults in either pool caught by that pool's canary, two historical
+sglang bugs re-introduced at the unit level, and the plugin's speculative hooks wired as
+sglang applies them. sglang 0.5.12's CPU engine cannot run EAGLE (docs/user_guide.md,
+"Speculative decoding"); the served end-to-end tests are ``test_e2e_speculative_gpu.py``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from eagle_driver import EagleDriver
+from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
+from sglang.srt.kv_canary import plugin
+from sglang.srt.kv_canary import sglang_seam as seam
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
+
+
+def _lines(exc) -> list:
+    lines = parse_violation_lines(str(exc.value))
+    assert lines, str(exc.value)
+    return lines
+
+
+# ---- clean --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["spec_v1", "spec_v2"])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_eagle_rounds_run_clean_with_token_checks(v2, steps, caplog):
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+        d = EagleDriver(steps=steps, v2=v2, seed=2, verify_tokens=True)
+        d.run(45)
+    # nothing to warn about either (a draft round of one step builds a batch it never runs:
+    # its token snapshot must not be taken, or the uploads fall out of order)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert d.target.count_violations() == 0
+    assert d.draft.count_violations() == 0
+    # the workload covered what it claims to
+    assert d.rounds >= 10 and d.accepted >= 10 and d.rejected >= 10
+    assert d.chunked >= 3, "no chunked prefill"
+    assert len(d.finished) >= 5
+    for manager in (d.target, d.draft):
+        counters = manager.state.slot_run_counters
+        assert int(counters[CanaryLaunchTag.HEAD_K_FULL]) > 500
+    # every draft forward of a round used its own single-forward manager
+    assert len(d.draft.sfms) == max(1, steps - 1)
+    assert d.draft.draft_forwards_per_round == steps - 1
+
+
+def test_the_draft_pool_needs_the_token_offset():
+    """The draft model's KV at position p was computed from token p + 1: with the target's
+    offset (0) the draft pool's token checks fail on a clean run, so offset 1 is what makes
+    them agree."""
+    d = EagleDriver(steps=3, seed=4, mode="raise", verify_tokens=True)
+    from sglang.srt.kv_canary.builder import build_canary
+    from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
+    from sglang.srt.kv_canary.perturb.config import RankFacts
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = MHATokenToKVPool(size=1024, page_size=1, dtype=torch.bfloat16, head_num=2,
+                            head_dim=8, layer_num=1, device="cpu", enable_memory_saver=False,
+                            enable_alt_stream=False)
+    d.draft_pool = pool
+    d.draft = build_canary(pool=pool, req_to_token=d.req_to_token_pool.req_to_token,
+                           config=d.config, device="cpu",
+                           capacity_inputs=CanaryCapacityInputs(context_len=256,
+                                                                chunked_prefill_size=24),
+                           kv_token_id_vs_position_offset=0, num_single_forward_managers=2,
+                           draft_forwards_per_round=2, ranks=RankFacts(draft=True))
+    d.draft.mark_init_finished()
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d.run(30)
+    assert {r for v in _lines(exc) for r in v.fail_reasons} == {"verify_token"}
+
+
+# ---- faults in either pool -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["draft", "target"])
+def test_a_flipped_byte_is_caught_by_its_pool_canary(which):
+    d = EagleDriver(steps=3, seed=6, mode="raise", verify_tokens=True)
+    d.run(30)
+    while not any(r.prefilled and r.kv_len >= 4 for r in d.running):
+        d.step()
+    pool = d.draft_pool if which == "draft" else d.target_pool
+    info = d.flip_byte(pool)
+    manager = d.draft if which == "draft" else d.target
+    other = d.target if which == "draft" else d.draft
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        for _ in range(10):  # prefills of new arrivals first, then the victim's next round
+            d.step()
+    lines = _lines(exc)
+    assert {(v.slot_idx, v.fail_reasons) for v in lines} == {(info["slot"],
+                                                              ("verify_real_kv_hash",))}
+    assert manager.violations.total >= 1 and other.violations.total == 0
+    # the report says which pool (a server with EAGLE has two canaries)
+    named = "in the EAGLE draft model's KV pool" in str(exc.value)
+    assert named == (which == "draft"), str(exc.value)[:300]
+
+
+def test_a_req_to_token_fault_is_caught_in_the_draft_round():
+    """The pools share ``req_to_token``: the first forward reading the corrupt entry is the
+    next draft round's, so the draft canary names it (chain / position)."""
+    d = EagleDriver(steps=3, seed=8, mode="raise", verify_tokens=True)
+    d.run(30)
+    while not any(r.prefilled and r.kv_len >= 4 for r in d.running) or any(
+            not r.prefilled for r in d.running):
+        d.step()
+    info = d.swap_req_to_token()
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d.step()
+    lines = _lines(exc)
+    assert info["new_slot"] in {v.slot_idx for v in lines}
+    assert {r for v in lines for r in v.fail_reasons} & {"verify_chain_hash", "verify_position"}
+    assert d.draft.violations.total >= 1
+
+
+# ---- historical sglang bugs, re-introduced at the unit level -------------------------------
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["spec_v1", "spec_v2"])
+def test_pr25015_draft_positions_advanced_before_the_forward(v2):
+    """Upstream PR 25015: the draft round advanced positions before each draft forward, so
+    draft token i was written at position L + i + 1. The draft canary reports the stored
+    position; the same workload without the bug is clean (the test above)."""
+    d = EagleDriver(steps=3, v2=v2, seed=10, mode="raise", bug_positions_before_forward=True)
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d.run(40)
+    reasons = {r for v in _lines(exc) for r in v.fail_reasons}
+    assert reasons & {"verify_position", "write_position"}, reasons
+    assert d.target.violations.total == 0 and d.draft.violations.total >= 1
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["spec_v1", "spec_v2"])
+def test_pr26329_chunk_end_draft_input_uses_the_sampled_token(v2):
+    """Upstream PRs 26329 / 26800: at a non-final prefill chunk's end the draft input took
+    the target's sampled token instead of the next prompt token, so the draft KV of the
+    chunk's last position was computed from the wrong token. The draft canary's token check
+    reports it when the next chunk reads that position."""
+    d = EagleDriver(steps=3, v2=v2, seed=12, mode="raise", verify_tokens=True,
+                    bug_chunk_end_uses_sampled_token=True)
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d.run(40)
+    lines = _lines(exc)
+    assert {r for v in lines for r in v.fail_reasons} == {"verify_token"}
+    assert all(v.position % d.chunk == d.chunk - 1 for v in lines), \
+        [v.position for v in lines]
+    assert d.target.violations.total == 0
+
+
+# ---- the draft-round API -------------------------------------------------------------------
+
+
+def test_a_draft_round_refuses_more_forwards_than_it_was_sized_for():
+    d = EagleDriver(steps=2, seed=1)
+    d.run(8)
+    while any(not r.prefilled for r in d.running) or not d.running:
+        d.step()
+    real = d.around_forward
+    calls = []
+
+    def twice(fb, body):  # a round that runs one forward more than steps - 1
+        calls.append(1)
+        real(fb, body)
+        if len(calls) == 1:
+            real(fb, body)
+
+    d.around_forward = twice
+    with pytest.raises(RuntimeError, match=r"more than 1 draft forwards \(--speculative-num"):
+        d.step()
+
+
+def test_draft_forwards_outside_a_round_and_nested_rounds_are_refused():
+    d = EagleDriver(steps=3, seed=1)
+    fb = object()
+    with pytest.raises(RuntimeError, match="outside an EAGLE draft round"):
+        with d.draft.with_draft_forward(fb):
+            pass
+    with d.draft.with_draft_round():
+        with pytest.raises(RuntimeError, match="inside another one"):
+            with d.draft.with_draft_round():
+                pass
+    assert not d.draft.in_draft_round
+
+
+# ---- the plugin's hooks, as sglang applies them ----------------------------------------------
+
+
+def _hook(monkeypatch, target):
+    got = []
+    monkeypatch.setattr(seam, "register_hook", lambda t, hook, kind: got.append((t, hook, kind)))
+    plugin.register()
+    mine = [(hook, kind) for t, hook, kind in got if t == target]
+    assert len(mine) == 1, f"{target}: {len(mine)} hooks"
+    return mine[0]
+
+
+class _DraftWorkerV2:  # stand-in: spec v2's EagleDraftWorker keeps its runner as draft_runner
+    def __init__(self, runner):
+        self.draft_runner = runner
+
+
+class _DraftWorkerV1:  # stand-in: spec v1's EAGLEWorker is the draft TpModelWorker
+    def __init__(self, runner):
+        self.model_runner = runner
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["spec_v1", "spec_v2"])
+def test_draft_rounds_through_the_plugin_hooks(monkeypatch, v2):
+    """``draft_forward`` (AROUND) opens the round on the draft runner's canary and each
+    ``ModelRunner.forward`` (AROUND) inside it takes the round's next single-forward manager;
+    a served-like loop through them is clean and still catches a draft-pool fault."""
+    d = EagleDriver(steps=3, v2=v2, seed=14, mode="raise", verify_tokens=True)
+    runner = ModelRunner.__new__(ModelRunner)  # sglang's class; __init__ loads a model
+    runner.is_draft_worker = True
+    seam.set_runner_canary(runner, d.draft)
+    worker = _DraftWorkerV2(runner) if v2 else _DraftWorkerV1(runner)
+    target = seam.HOOK_EAGLE_V2_DRAFT_FORWARD if v2 else seam.HOOK_EAGLE_V1_DRAFT_FORWARD
+    hook, kind = _hook(monkeypatch, target)
+    draft_forward = _wrap_fn(lambda self, fb, body: body(), hook, HookType[kind])
+    hook, kind = _hook(monkeypatch, seam.HOOK_MODEL_RUNNER_FORWARD)
+    runner_forward = _wrap_fn(lambda self, fb, body: body(), hook, HookType[kind])
+    used = []
+    real_with_active = d.draft.with_active_single_forward_manager
+
+    def spy(index):
+        used.append(index)
+        return real_with_active(index)
+
+    monkeypatch.setattr(d.draft, "with_active_single_forward_manager", spy)
+    d.around_round = lambda fb, body: draft_forward(worker, fb, body)
+    d.around_forward = lambda fb, body: runner_forward(runner, fb, body)
+    d.run(40)
+    assert d.draft.count_violations() == 0 and d.target.count_violations() == 0
+    assert d.rounds >= 5
+    assert {0, 1} <= set(used), used  # forward i of a round: single-forward manager i
+    while not any(r.prefilled and r.kv_len >= 4 for r in d.running):
+        d.step()
+    info = d.flip_byte(d.draft_pool)
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        for _ in range(10):  # prefills of new arrivals first, then the victim's next round
+            d.step()
+    assert info["slot"] in {v.slot_idx for v in _lines(exc)}
+
+
+def test_draft_runner_init_leaves_the_chain_check_to_the_worker(monkeypatch):
+    """A draft runner's graphs are captured by its EAGLE worker after ``ModelRunner.__init__``:
+    its chain-position check turns on after the worker's ``init_cuda_graphs``, not before."""
+    d = EagleDriver(steps=3, seed=1)
+    flag = d.draft.state.enable_chain_position_assert
+    flag.zero_()
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.is_draft_worker = True
+    seam.set_runner_canary(runner, d.draft)
+    hook, kind = _hook(monkeypatch, seam.HOOK_MODEL_RUNNER_INIT)
+    _wrap_fn(lambda self: None, hook, HookType[kind])(runner)
+    assert int(flag[0]) == 0
+    for target in (seam.HOOK_EAGLE_V1_INIT_CUDA_GRAPHS, seam.HOOK_EAGLE_V2_INIT_CUDA_GRAPHS):
+        hook, kind = _hook(monkeypatch, target)
+        flag.zero_()
+        worker = (_DraftWorkerV2(runner) if target == seam.HOOK_EAGLE_V2_INIT_CUDA_GRAPHS
+                  else _DraftWorkerV1(runner))
+        _wrap_fn(lambda self: None, hook, HookType[kind])(worker)
+        assert int(flag[0]) == 1, target
+
+
+def test_scheduler_draft_runner_is_found_for_both_spec_versions():
+    runner = object()
+
+    class Sched:
+        pass
+
+    s = Sched()
+    assert seam.scheduler_draft_model_runner(s) is None
+    s.draft_worker = _DraftWorkerV1(runner)  # spec v1: the EAGLEWorker itself
+    assert seam.scheduler_draft_model_runner(s) is runner
+
+    class V2:  # spec v2: EAGLEWorkerV2.draft_worker is the EagleDraftWorker
+        draft_worker = _DraftWorkerV2(runner)
+
+    s.draft_worker = V2()
+    assert seam.scheduler_draft_model_runner(s) is runner
+
+
+def test_perturbation_can_target_the_draft_worker_only():
+    from sglang.srt.kv_canary.perturb.config import PerturbConfig, RankFacts
+
+    cfg = PerturbConfig(req_to_token_prob=1.0, target_worker="draft")
+    assert cfg.injects_on(RankFacts(draft=True)) and not cfg.injects_on(RankFacts())
+    cfg = PerturbConfig(req_to_token_prob=1.0, target_worker="target")
+    assert cfg.injects_on(RankFacts()) and not cfg.injects_on(RankFacts(draft=True))
+    both = PerturbConfig(req_to_token_prob=1.0)
+    assert both.injects_on(RankFacts()) and both.injects_on(RankFacts(draft=True))
+    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_TARGET_WORKER must be "
+                                         "target or draft"):
+        PerturbConfig(req_to_token_prob=1.0, target_worker="both")
+
+
+def _runner(pool, *, draft: bool):
+    """A stand-in ``ModelRunner`` with the attributes the seam reads at install."""
+    import types
+
+    model = types.SimpleNamespace(forward=lambda input_ids, positions, forward_batch: None)
+    return types.SimpleNamespace(
+        token_to_kv_pool=pool,
+        req_to_token_pool=types.SimpleNamespace(req_to_token=torch.zeros((16, 64),
+                                                                         dtype=torch.int32)),
+        device="cpu", model_config=types.SimpleNamespace(context_len=64, vocab_size=512),
+        sliding_window_size=None, is_draft_worker=draft, model=model, sampler=None)
+
+
+def _spec_server_args(**kw):
+    import types
+
+    base = dict(kv_canary="raise", kv_canary_sweep_interval=0, kv_canary_real_data="partial",
+                device="cpu", disable_piecewise_cuda_graph=True, enable_torch_compile=False,
+                chunked_prefill_size=64, max_prefill_tokens=128, cuda_graph_max_bs=8,
+                sampling_backend="pytorch", speculative_algorithm="EAGLE",
+                speculative_num_steps=4, speculative_eagle_topk=1,
+                speculative_num_draft_tokens=5)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
+    """``install_canary`` on an EAGLE draft runner: a canary with the draft token offset, one
+    single-forward manager per draft forward of a round, the draft flag for the perturbation
+    target, and no warning about an unguarded draft pool."""
+    from sglang.srt.kv_canary import api
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    pools = [MHATokenToKVPool(size=63, page_size=1, dtype=torch.bfloat16, head_num=2,
+                              head_dim=8, layer_num=1, device="cpu",
+                              enable_memory_saver=False, enable_alt_stream=False)
+             for _ in range(2)]
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+        target = api.install_canary(server_args=_spec_server_args(),
+                                    model_runner=_runner(pools[0], draft=False))
+        draft = api.install_canary(server_args=_spec_server_args(),
+                                   model_runner=_runner(pools[1], draft=True))
+    assert draft is not None, "the draft runner got no canary"
+    assert [g.kv_token_id_vs_position_offset for g in draft.groups] == [1]
+    assert [g.kv_token_id_vs_position_offset for g in target.groups] == [0]
+    assert (len(draft.sfms), draft.draft_forwards_per_round) == (3, 3)
+    assert (len(target.sfms), target.draft_forwards_per_round) == (1, 0)
+    assert draft.ranks.draft and not target.ranks.draft
+    assert not [r for r in caplog.records if "draft" in r.getMessage()], caplog.records
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(speculative_eagle_topk=2), "--speculative-eagle-topk 1 only"),
+    (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm NGRAM yet"),
+    (dict(speculative_algorithm="STANDALONE"), "--speculative-algorithm STANDALONE yet"),
+    (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
+    (dict(speculative_adaptive=True), "--speculative-adaptive"),
+])
+def test_what_speculative_coverage_refuses_names_the_flag(monkeypatch, kw, match):
+    from sglang.srt.kv_canary import api
+
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    with pytest.raises(ValueError, match=match):
+        api.check_server_args_for_canary(_spec_server_args(**kw))
+    api.check_server_args_for_canary(_spec_server_args())  # the covered setting starts
+
+
+def test_draft_fault_target_needs_speculative_decoding(monkeypatch):
+    from sglang.srt.kv_canary import api
+
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft")
+    api.check_server_args_for_canary(_spec_server_args())
+    with pytest.raises(ValueError, match="TARGET_WORKER=draft corrupts an EAGLE draft"):
+        api.check_server_args_for_canary(_spec_server_args(speculative_algorithm=None))
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "drafts")
+    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_TARGET_WORKER"):
+        api.check_server_args_for_canary(_spec_server_args())
