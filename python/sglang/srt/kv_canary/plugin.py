@@ -224,14 +224,6 @@ def _draft_graph_replay(original, self, forward_batch, *args, **kwargs):
         return original(self, forward_batch, *args, **kwargs)
 
 
-def _draft_extend_graph_capture_one_batch_size(original, self, *args, **kwargs):
-    manager = seam.runner_canary(seam.graph_runner_model_runner(self))
-    if manager is None:
-        return original(self, *args, **kwargs)
-    with manager.with_active_single_forward_manager(0), manager.capturing():
-        return original(self, *args, **kwargs)
-
-
 def _draft_extend_graph_replay(original, self, forward_batch, *args, **kwargs):
     """A draft extend replayed from its graph: padding rows at row 0 (sglang leaves stale
     indices there), then the outside-graph bracket of single-forward manager 0."""
@@ -268,8 +260,8 @@ HOOKS = (
     (seam.HOOK_DRAFT_GRAPH_CAPTURE_ONE_BATCH_SIZE, _draft_graph_capture_one_batch_size,
      "AROUND"),
     (seam.HOOK_DRAFT_GRAPH_REPLAY, _draft_graph_replay, "AROUND"),
-    (seam.HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE,
-     _draft_extend_graph_capture_one_batch_size, "AROUND"),
+    # the draft-extend graph is captured like a decode graph: single-forward manager 0
+    (seam.HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE, _capture_one_batch_size, "AROUND"),
     (seam.HOOK_DRAFT_EXTEND_GRAPH_REPLAY, _draft_extend_graph_replay, "AROUND"),
 )
 

@@ -239,18 +239,31 @@ class CanaryManager:
         own pre-ops, e.g. a capacity check, or in the model) leaves the single-forward manager
         IDLE, so the next forward starts clean and reports its own error."""
         sfm = self.active_sfm
+        with self._outside_graph((sfm,), forward_batch, replayed=False):
+            yield sfm
+
+    @contextlib.contextmanager
+    def _outside_graph(self, sfms: Sequence[SingleForwardManager],
+                       forward_batch: "ForwardBatch", *, replayed: bool):
+        """The outside ops of the forwards one model call runs (one, or a replayed draft
+        round's), then one read-back; ``replayed``: their inside ops ran in a CUDA graph."""
         self.device_host.fence()  # this forward's kernels queue after last step's read-back
         self._empty_ring_after_stage()
         if self.perturber is not None:
             self.perturber.before_forward(forward_batch, step=self.step + 1)
         try:
-            sfm.pre_ops_outside_graph(forward_batch)
-            yield sfm
+            for sfm in sfms:
+                sfm.pre_ops_outside_graph(forward_batch)
+            yield
         except BaseException:
-            sfm.abort()
+            for sfm in sfms:
+                sfm.abort()
             raise
-        sfm.post_ops_outside_graph()
-        self.after_forward((sfm,), forward_batch)
+        for sfm in sfms:
+            if replayed:
+                sfm.mark_replayed_inside_graph()
+            sfm.post_ops_outside_graph()
+        self.after_forward(sfms, forward_batch)
 
     def pre_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
         self.active_sfm.pre_ops_maybe_inside_graph(forward_batch)
@@ -330,22 +343,8 @@ class CanaryManager:
         if not sfms:
             yield
             return
-        self.device_host.fence()
-        self._empty_ring_after_stage()
-        if self.perturber is not None:
-            self.perturber.before_forward(forward_batch, step=self.step + 1)
-        try:
-            for sfm in sfms:
-                sfm.pre_ops_outside_graph(forward_batch)
+        with self._outside_graph(sfms, forward_batch, replayed=True):
             yield
-        except BaseException:
-            for sfm in sfms:
-                sfm.abort()
-            raise
-        for sfm in sfms:
-            sfm.mark_replayed_inside_graph()
-            sfm.post_ops_outside_graph()
-        self.after_forward(sfms, forward_batch)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
