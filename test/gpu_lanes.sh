@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The slow GPU suites as parallel lanes on one GPU (one pytest per model shape / HiCache setup;
-# ~7 min on an H100 instead of ~45 in a row). On the device machine, from the repository root,
+# about 10 min on an H100). On the device machine, from the repository root,
 # after the bundles are installed (docs/architecture.md, "Tests"):
 #   bash test/gpu_lanes.sh            # logs to $OUT (or ./gpu_lanes_out), the tail of each last
 # Exit status: 0 only if every lane passed.
@@ -22,6 +22,12 @@ lane hicache_kernel $T/test_e2e_hicache_gpu.py -k mha_kernel
 lane hicache_page_first $T/test_e2e_hicache_gpu.py -k page_first
 lane hicache_direct $T/test_e2e_hicache_gpu.py -k mha_direct
 lane hicache_mla $T/test_e2e_hicache_gpu.py -k mla
+lane spec_clean_v2 $T/test_e2e_speculative_gpu.py -k "clean and spec_v2"
+lane spec_clean_v1 $T/test_e2e_speculative_gpu.py -k "clean and spec_v1"
+lane spec_pr_v2 $T/test_e2e_speculative_gpu.py -k "pr and spec_v2"
+lane spec_pr_v1 $T/test_e2e_speculative_gpu.py -k "pr and spec_v1"
+lane spec_faults_v2 $T/test_e2e_speculative_gpu.py -k "fault and spec_v2"
+lane spec_faults_v1 $T/test_e2e_speculative_gpu.py -k "fault and spec_v1"
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
 tail -n 2 "$out"/*.log
