@@ -260,3 +260,42 @@ def test_every_layer_starts_from_the_command_line_and_yaml(tmp_path, model_dir, 
     assert "--kv-canary-real-data partial or all" in message
     with pytest.raises(ValueError, match="--kv-canary-real-data partial or all"):
         kwargs(model_dir, kv_canary="raise", kv_canary_real_data_layers="all")
+
+
+# ---- speculative decoding: the same refusals and fault targets from every route ---------------
+
+def _eagle(model_dir, topk):
+    return ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", model_dir,
+            "--speculative-num-steps", "3", "--speculative-eagle-topk", str(topk),
+            "--speculative-num-draft-tokens", "4"]
+
+
+def _eagle_kwargs(model_dir, topk):
+    return dict(speculative_algorithm="EAGLE", speculative_draft_model_path=model_dir,
+                speculative_num_steps=3, speculative_eagle_topk=topk,
+                speculative_num_draft_tokens=4)
+
+
+def test_eagle_starts_and_a_draft_tree_is_refused_from_every_route(capsys, model_dir):
+    args = cli(model_dir, "--kv-canary", "raise", *_eagle(model_dir, 1))
+    assert args.kv_canary == "raise" and args.speculative_eagle_topk == 1
+    kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 1))
+    assert "--speculative-eagle-topk 1 only (got 2)" in cli_error(
+        capsys, model_dir, "--kv-canary", "raise", *_eagle(model_dir, 2))
+    with pytest.raises(ValueError, match="--speculative-eagle-topk 1 only"):
+        kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 2))
+    cli(model_dir, "--kv-canary", "none", *_eagle(model_dir, 2))  # canary off: sglang's own
+
+
+def test_draft_fault_target_from_every_route(monkeypatch, capsys, model_dir):
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft")
+    cli(model_dir, "--kv-canary", "log", *_eagle(model_dir, 1))
+    kwargs(model_dir, kv_canary="log", **_eagle_kwargs(model_dir, 1))
+    assert "TARGET_WORKER=draft corrupts an EAGLE draft" in cli_error(
+        capsys, model_dir, "--kv-canary", "log")
+    with pytest.raises(ValueError, match="TARGET_WORKER=draft corrupts an EAGLE draft"):
+        kwargs(model_dir, kv_canary="log")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "both")
+    assert "SGLANG_KV_CANARY_PERTURB_TARGET_WORKER" in cli_error(
+        capsys, model_dir, "--kv-canary", "log", *_eagle(model_dir, 1))
