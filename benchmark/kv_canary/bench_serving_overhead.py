@@ -29,6 +29,14 @@ radix cache is flushed before every run, so no run hits a cached prefix):
                    chunked in 8192-token chunks, so the second chunk of every request verifies
                    its 8192-token prefix)
 
+``--speculative eagle``: every Engine serves with EAGLE (a one-layer ``LlamaForCausalLMEagle``
+draft of the same shapes, 3 steps, topk 1, 4 draft tokens, decode graphs for bs 1 and 32; the
+canary guards both pools when on) and the scenarios default to ``decode_bs1`` and
+``decode_bs32`` (32 requests x isl 512, osl 1024)::
+
+    . .device/c/setup.sh && python benchmark/kv_canary/bench_serving_overhead.py \
+        --speculative eagle --configs off,raise --runs 3 --out $OUT/eagle.jsonl
+
 Per Engine: start, one warm-up run per scenario, then ``--runs`` (5) timed runs per scenario
 (wall time of the ``Engine.generate`` call); median and min. Overhead % = (on - off) / off of
 the medians (and of the mins). Off and on run in different Engines, one after the other, so
@@ -140,6 +148,21 @@ QWEN3_0_6B_CONFIG = {
     "eos_token_id": 151645,
 }
 
+# ``--speculative eagle``: a one-layer EAGLE draft of the same shapes (hidden 1024, 16 heads,
+# 8 KV heads x 128, the target's vocabulary; sglang hands it the target's embedding and head)
+QWEN3_EAGLE_DRAFT_CONFIG = {
+    **{k: v for k, v in QWEN3_0_6B_CONFIG.items() if k not in ("attention_bias",)},
+    "architectures": ["LlamaForCausalLMEagle"],
+    "model_type": "llama",
+    "num_hidden_layers": 1,
+    "tie_word_embeddings": False,
+}
+SPECULATIVE = {
+    "none": {},
+    "eagle": dict(speculative_algorithm="EAGLE", speculative_num_steps=3,
+                  speculative_eagle_topk=1, speculative_num_draft_tokens=4),
+}
+
 TOKEN_ENV = "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT"
 RESULT_PREFIX = "BENCH "  # lines the Engine child prints for the parent to echo
 
@@ -161,12 +184,17 @@ SCENARIOS = {s.name: s for s in (
     Scenario("decode_bs1", bs=1, isl=512, osl=1024),
     Scenario("prefill_bs32", bs=32, isl=16384, osl=1),
     Scenario("prefill_bs1_4k", bs=1, isl=4096, osl=1),
+    Scenario("decode_bs32", bs=32, isl=512, osl=1024),
 )}
+# scenarios run when --scenarios is not given
+DEFAULT_SCENARIOS = {"none": ("decode_bs128", "decode_bs1", "prefill_bs32", "prefill_bs1_4k"),
+                     "eagle": ("decode_bs1", "decode_bs32")}
 SMOKE_SCENARIOS = {s.name: s for s in (
     Scenario("decode_bs128", bs=2, isl=16, osl=8),
     Scenario("decode_bs1", bs=1, isl=16, osl=8),
     Scenario("prefill_bs32", bs=2, isl=64, osl=1),
     Scenario("prefill_bs1_4k", bs=1, isl=64, osl=1),
+    Scenario("decode_bs32", bs=2, isl=16, osl=8),
 )}
 
 
@@ -214,8 +242,10 @@ class EngineSettings:
     max_running_requests: int = 128
     mem_fraction_static: float = 0.7
     cuda_graph_bs: tuple = (1, 128)
+    speculative: str = "none"  # a key of SPECULATIVE
 
-    def engine_kwargs(self, model_dir: str, *, smoke: bool) -> dict:
+    def engine_kwargs(self, model_dir: str, *, smoke: bool,
+                      draft_dir: str | None = None) -> dict:
         from sglang.srt.kv_canary.testing.server_harness import (
             cpu_engine_kwargs,
             gpu_engine_kwargs,
@@ -226,13 +256,16 @@ class EngineSettings:
                                      max_total_tokens=self.max_total_tokens,
                                      max_running_requests=self.max_running_requests,
                                      log_level="info")
+        spec = dict(SPECULATIVE[self.speculative])
+        if spec:
+            spec["speculative_draft_model_path"] = draft_dir
         return gpu_engine_kwargs(model_dir, chunked_prefill_size=self.chunked_prefill_size,
                                  max_total_tokens=self.max_total_tokens,
                                  max_running_requests=self.max_running_requests,
                                  mem_fraction_static=self.mem_fraction_static,
                                  cuda_graph_bs=list(self.cuda_graph_bs),
                                  cuda_graph_max_bs=max(self.cuda_graph_bs),
-                                 log_level="info")
+                                 log_level="info", **spec)
 
 
 SMOKE_SETTINGS = EngineSettings(chunked_prefill_size=32, max_total_tokens=4096,
@@ -311,7 +344,14 @@ def engine_child(args) -> None:
         else:
             pathlib.Path(tmp, "config.json").write_text(json.dumps(QWEN3_0_6B_CONFIG, indent=1))
             model_dir, vocab = tmp, QWEN3_0_6B_CONFIG["vocab_size"]
-        kwargs = {**settings.engine_kwargs(model_dir, smoke=smoke), **cfg.engine_kwargs()}
+        draft_dir = None
+        if settings.speculative != "none":
+            draft_dir = os.path.join(tmp, "draft")
+            os.makedirs(draft_dir)
+            pathlib.Path(draft_dir, "config.json").write_text(
+                json.dumps(QWEN3_EAGLE_DRAFT_CONFIG, indent=1))
+        kwargs = {**settings.engine_kwargs(model_dir, smoke=smoke, draft_dir=draft_dir),
+                  **cfg.engine_kwargs()}
         t0 = time.perf_counter()
         engine = sglang.Engine(**kwargs)
         startup_s = time.perf_counter() - t0
@@ -340,6 +380,7 @@ def engine_child(args) -> None:
                         warmup_ms = ms
                 rec = dict(kind="engine", invocation=args.invocation, time=now_utc(),
                            gpu=args.gpu, smoke=smoke, config=cfg.name, scenario=sc.name,
+                           speculative=settings.speculative,
                            bs=sc.bs, isl=sc.isl, osl=sc.osl, runs_ms=times,
                            median_ms=statistics.median(times), min_ms=min(times),
                            warmup_ms=warmup_ms, startup_s=startup_s,
@@ -430,7 +471,8 @@ def run_child(args, cfg: BenchConfig, log_path: str, stub_dir: str | None) -> in
            "--scenarios", args.scenarios, "--runs", str(args.runs), "--out", args.out,
            "--chunked-prefill-size", str(args.chunked_prefill_size),
            "--max-total-tokens", str(args.max_total_tokens),
-           "--mem-fraction-static", str(args.mem_fraction_static)]
+           "--mem-fraction-static", str(args.mem_fraction_static),
+           "--speculative", args.speculative]
     if args.smoke_cpu:
         cmd.append("--smoke-cpu")
     if args.host_profile:
@@ -449,6 +491,7 @@ def run_child(args, cfg: BenchConfig, log_path: str, stub_dir: str | None) -> in
     timer.start()
     tail: list[str] = []
     installed = []
+    draft_installed = False
     try:
         with open(log_path, "w") as log:
             for line in proc.stdout:
@@ -458,6 +501,8 @@ def run_child(args, cfg: BenchConfig, log_path: str, stub_dir: str | None) -> in
                     print(line[len(RESULT_PREFIX):], end="", flush=True)
                 if "kv_canary installed:" in line:
                     installed.append(line.split("kv_canary installed:", 1)[1].strip())
+                if "kv_canary installed on the EAGLE draft worker:" in line:
+                    draft_installed = True
         rc = proc.wait()
     finally:
         timer.cancel()
@@ -470,6 +515,10 @@ def run_child(args, cfg: BenchConfig, log_path: str, stub_dir: str | None) -> in
     if rc == 0 and cfg.canary_on and not installed:
         print(f"[{cfg.name}] ERROR: the Engine log has no 'kv_canary installed' line: the "
               "canary did not run; results of this config are invalid", flush=True)
+        rc = 3
+    if rc == 0 and cfg.canary_on and args.speculative != "none" and not draft_installed:
+        print(f"[{cfg.name}] ERROR: no 'kv_canary installed on the EAGLE draft worker' line: "
+              "the draft pool ran unguarded; results of this config are invalid", flush=True)
         rc = 3
     if rc == 0 and not cfg.canary_on and installed:
         print(f"[{cfg.name}] ERROR: the canary was installed in the 'off' config", flush=True)
@@ -529,19 +578,21 @@ def engine_table(records: list[dict], title: str) -> str:
     if not records:
         return f"{title}: no Engine results"
     latest: dict[tuple, dict] = {}
-    for r in records:  # the latest record per (scenario, config, invocation)
-        latest[(r["scenario"], r["config"], r["invocation"])] = r
+    for r in records:  # the latest record per (scenario, speculative, config, invocation)
+        latest[(r["scenario"], r.get("speculative", "none"), r["config"], r["invocation"])] = r
     lines = [f"{title}", "",
              ("| scenario | config | runs | median ms | min ms | ms / output token (median) | "
               "overhead (median) | overhead (min) |"),
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     order = {n: i for i, n in enumerate(CONFIGS)}
     sc_order = {n: i for i, n in enumerate(SCENARIOS)}
-    rows = sorted(latest.values(), key=lambda r: (sc_order.get(r["scenario"], 99),
+    rows = sorted(latest.values(), key=lambda r: (r.get("speculative", "none"),
+                                                 sc_order.get(r["scenario"], 99),
                                                  order.get(r["config"], 99), r["time"]))
     cross = False
     for r in rows:
-        offs = [o for o in rows if o["scenario"] == r["scenario"] and o["config"] == "off"]
+        offs = [o for o in rows if o["scenario"] == r["scenario"] and o["config"] == "off"
+                and o.get("speculative", "none") == r.get("speculative", "none")]
         same = [o for o in offs if o["invocation"] == r["invocation"]]
         base = same[-1] if same else (offs[-1] if offs else None)
         mark = "" if same else "*"
@@ -552,7 +603,8 @@ def engine_table(records: list[dict], title: str) -> str:
             ov_med = pct(r["median_ms"], base["median_ms"]) + mark
             ov_min = pct(r["min_ms"], base["min_ms"]) + mark
         per_tok = f"{r['median_ms'] / r['osl']:.3f}" if r["osl"] > 1 else "—"
-        lines.append(f"| {r['scenario']} (bs{r['bs']} isl{r['isl']} osl{r['osl']}) | "
+        spec = "" if r.get("speculative", "none") == "none" else f", {r['speculative']}"
+        lines.append(f"| {r['scenario']} (bs{r['bs']} isl{r['isl']} osl{r['osl']}{spec}) | "
                      f"{r['config']} | {len(r['runs_ms'])} | {r['median_ms']:.1f} | "
                      f"{r['min_ms']:.1f} | {per_tok} | {ov_med} | "
                      f"{ov_min} |")
@@ -1041,8 +1093,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"comma-separated, from: {', '.join(CONFIGS)} (default: all)")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS),
-                    help=f"comma-separated, from: {', '.join(SCENARIOS)} (default: all)")
+    ap.add_argument("--scenarios",
+                    help=f"comma-separated, from: {', '.join(SCENARIOS)} (default: "
+                    f"{', '.join(DEFAULT_SCENARIOS['none'])}; with --speculative eagle: "
+                    f"{', '.join(DEFAULT_SCENARIOS['eagle'])})")
+    ap.add_argument("--speculative", default="none", choices=sorted(SPECULATIVE),
+                    help="eagle: every Engine serves with EAGLE speculative decoding (a "
+                    "one-layer draft of the same shapes, 3 steps, topk 1, 4 draft tokens; "
+                    "decode graphs for bs 1 and 32), canary on both pools when on")
     ap.add_argument("--runs", type=int, help="timed runs per scenario (default 5; 2 with "
                     "--smoke-cpu)")
     ap.add_argument("--out", help="append results as JSON lines to this file (Engine logs go "
@@ -1081,6 +1139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  ("--max-total-tokens", args.max_total_tokens, 1)):
         if value < minimum:
             ap.error(f"{flag} must be >= {minimum}, got {value}")
+    if args.scenarios is None:
+        args.scenarios = ",".join(DEFAULT_SCENARIOS[args.speculative])
+    if args.speculative != "none" and args.smoke_cpu:
+        ap.error("--speculative eagle cannot run with --smoke-cpu: sglang 0.5.12's CPU engine "
+                 "cannot serve EAGLE (docs/user_guide.md, \"Speculative decoding\")")
     if not 0 < args.mem_fraction_static < 1:
         ap.error(f"--mem-fraction-static must be in (0, 1), got {args.mem_fraction_static}")
     if args.engine_child is not None and args.engine_child not in CONFIGS:
@@ -1088,7 +1151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"{', '.join(CONFIGS)}")
     args.settings = EngineSettings(chunked_prefill_size=args.chunked_prefill_size,
                                    max_total_tokens=args.max_total_tokens,
-                                   mem_fraction_static=args.mem_fraction_static)
+                                   mem_fraction_static=args.mem_fraction_static,
+                                   speculative=args.speculative,
+                                   cuda_graph_bs=(1, 32) if args.speculative != "none"
+                                   else EngineSettings.cuda_graph_bs)
     if args.report:
         missing = [p for p in args.report if not os.path.exists(p)]
         if missing:

@@ -396,6 +396,13 @@ MUTANTS = (
                   "test_eagle_rounds_run_clean_with_token_checks",
         speed="quick", what="a draft forward's strided slots reach the write launches"),
     Mutant(
+        id="spec-v1-draft-extend-keeps-finished-reqs", path=f"{_RT}/sglang_seam.py",
+        old="        reqs = [r for r in reqs if not r.finished()]\n",
+        new="        pass\n",
+        selection=f"{_T}/test_plugin_hooks.py::"
+                  "test_spec_v1_draft_extend_snapshots_only_the_unfinished_requests",
+        speed="quick", what="spec v1's draft extend snapshots the round's finished requests"),
+    Mutant(
         id="spec-one-step-round-snapshot", path=f"{_RT}/runner/manager.py",
         old="            return  # a draft round of one speculative step runs no draft forward\n",
         new="            pass\n",

@@ -3,15 +3,23 @@ the target and the draft pools, CUDA graphs on (the target's verify graphs, the 
 graph, the draft-extend graph), spec v2 (overlap scheduler on, sglang's default) and spec v1
 (``--disable-overlap-schedule``).
 
-Models: the tiny Llama target and a one-layer ``LlamaForCausalLMEagle`` draft, dummy weights
-(the draft's guesses are mostly rejected: every round still drafts, verifies and extends).
-``speculative_num_steps`` 3, ``topk`` 1, 4 draft tokens.
+Models (dummy weights: the draft's guesses are mostly rejected, every round still drafts,
+verifies and extends), ``speculative_num_steps`` 3, ``topk`` 1, 4 draft tokens:
+
+- ``EAGLE``: the tiny Llama target and a one-layer ``LlamaForCausalLMEagle`` draft;
+- ``EAGLE3``: a four-layer tiny Llama target (three of its layers' hidden states feed the
+  draft) and a one-layer ``LlamaForCausalLMEagle3`` draft (``draft_vocab_size``, the aux
+  layers in ``eagle_config``);
+- ``NEXTN`` (MTP): a tiny DeepSeek-V3 (MLA, ``MLATokenToKVPool``) with one NextN layer, which
+  sglang loads as the draft (``DeepseekV3ForCausalLMNextN``, MLA too).
 
 - clean: raise + sweep + real data + token checks give zero violations and the greedy outputs
   of the canary off, with the draft worker's canary installed;
 - faults: every fault class of the perturbation framework, injected into the draft pool only
   (``SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=draft``) and into the target pool only, each
-  caught.
+  caught;
+- the regression suite of real sglang bugs (one test per upstream PR, the bug re-introduced by
+  a test-only hook in ``e2e_support/sitecustomize.py``).
 
 sglang 0.5.12's CPU engine cannot run EAGLE (docs/user_guide.md, "Speculative decoding"): the
 planning of every speculative forward is tested in CPU CI on real pools (test_speculative.py).
@@ -26,14 +34,14 @@ import pytest
 from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
 
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
-from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from sglang.srt.kv_canary.testing.server_harness import write_tiny_deepseek_v2, write_tiny_llama
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
 SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 COMMON = dict(chunked_prefill_size=64, max_total_tokens=4096, max_running_requests=8,
               log_level="info", decode_log_interval=1, mem_fraction_static=0.85,
-              speculative_algorithm="EAGLE", speculative_num_steps=3,
+              speculative_num_steps=3,
               speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 SPEC = {"spec_v2": {}, "spec_v1": dict(disable_overlap_schedule=True)}
 
@@ -46,13 +54,33 @@ def models(tmp_path_factory):
     return target, draft
 
 
-def run(models, spec, env_extra=None, **engine_kwargs):
+def write_models(tmp_path_factory, algorithm):
+    """(target dir, draft dir or None) of ``algorithm``."""
+    if algorithm == "EAGLE3":
+        target = write_tiny_llama(tmp_path_factory.mktemp("target3"), num_hidden_layers=4)
+        draft = write_tiny_llama(
+            tmp_path_factory.mktemp("draft3"), architectures=["LlamaForCausalLMEagle3"],
+            num_hidden_layers=1, draft_vocab_size=512,
+            eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+                          "use_aux_hidden_state": True})
+        return target, draft
+    if algorithm == "NEXTN":  # sglang takes the NextN layer of the target's dir as the draft
+        return write_tiny_deepseek_v2(tmp_path_factory.mktemp("mtp"),
+                                      architectures=["DeepseekV3ForCausalLM"],
+                                      model_type="deepseek_v3", num_nextn_predict_layers=1), None
+    raise ValueError(algorithm)
+
+
+def run(models, spec, env_extra=None, script="small_workload.py", algorithm="EAGLE",
+        **engine_kwargs):
     target, draft = models
     env = dict(os.environ, **(env_extra or {}))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", ""))
                                         if p)
-    kwargs = dict(COMMON, speculative_draft_model_path=draft, **SPEC[spec], **engine_kwargs)
-    return run_workload("small_workload.py", target, kwargs, env, "cuda", timeout=600)
+    kwargs = dict(COMMON, speculative_algorithm=algorithm, **SPEC[spec], **engine_kwargs)
+    if draft is not None:
+        kwargs["speculative_draft_model_path"] = draft
+    return run_workload(script, target, kwargs, env, "cuda", timeout=600)
 
 
 # no prompt is split into prefill chunks (see the PR 26329 test)
@@ -136,3 +164,93 @@ def test_pr26329_chunk_end_draft_token_is_reported(models, spec):
     for v in token_lines:
         assert any(v.position + 1 < len(p) and p[v.position + 1] == v.expected_token
                    for p in prompts), v
+
+
+# ---- EAGLE3 and NEXTN (MTP) ---------------------------------------------------------------------
+
+OTHER_ALGORITHMS = {"EAGLE3": "MHATokenToKVPool", "NEXTN": "MLATokenToKVPool"}
+
+
+@pytest.fixture(scope="module", params=sorted(OTHER_ALGORITHMS))
+def algorithm_models(request, tmp_path_factory):
+    return request.param, write_models(tmp_path_factory, request.param)
+
+
+def test_other_algorithms_clean_matches_canary_off(algorithm_models):
+    """EAGLE3 and NEXTN, spec v2: the clean test of EAGLE above, with both canaries' pools
+    named in the log (NEXTN: the MLA pools of the target and of its NextN draft)."""
+    algorithm, models = algorithm_models
+    rc, out, off = run(models, "spec_v2", algorithm=algorithm, **UNCHUNKED)
+    assert rc == 0 and off is not None, out[-4000:]
+    rc, out, on = run(models, "spec_v2", {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+                                          "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5"},
+                      algorithm=algorithm, kv_canary="raise", kv_canary_real_data="partial",
+                      kv_canary_sweep_interval=3, **UNCHUNKED)
+    assert rc == 0, out[-4000:]
+    pool = OTHER_ALGORITHMS[algorithm]
+    installed = [line for line in out.splitlines() if "kv_canary installed" in line]
+    assert any("on the EAGLE draft worker" in line and f"pool={pool}" in line
+               for line in installed), installed
+    assert any("on the EAGLE draft worker" not in line and f"pool={pool}" in line
+               for line in installed), installed
+    assert parse_violation_lines(out) == []
+    assert on == off and len(on) == 12
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+def test_other_algorithms_every_fault_class_is_caught(algorithm_models, worker):
+    algorithm, models = algorithm_models
+    env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
+    rc, out, res = run(models, "spec_v2", env, algorithm=algorithm, kv_canary="log",
+                       kv_canary_real_data="partial", kv_canary_sweep_interval=2)
+    assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
+    assert "kv_canary installed on the EAGLE draft worker" in out
+    assert_every_fault_caught(out)
+
+
+# ---- PR 28254: a resumed request's chunk end inside its output ----------------------------------
+
+RETRACT_ENV = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "12",
+               "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"}
+
+
+def _output_chunk_ends(out: str) -> set:
+    """Positions at which a re-prefill chunk ended inside a request's output (the hook's
+    lines)."""
+    return {int(line.split("chunk end at position ")[1].split()[0])
+            for line in out.splitlines()
+            if line.startswith("KV_CANARY_TEST_PR28254:") and " inside the output " in line}
+
+
+@pytest.mark.parametrize("spec", sorted(SPEC))
+def test_pr28254_resumed_request_chunk_end_inside_its_output(models, spec):
+    """Upstream PR 28254. sglang 0.5.12 lacks the chunk-end fix of PRs 26329 / 26800 (the
+    test above); the hook ``KV_CANARY_TEST_PR28254`` applies it. ``fixed``: the draft input
+    of a non-final chunk ends with the next token of the prompt followed by the output, as
+    upstream does since PR 28254. ``buggy``: with the next prompt token only, so where a
+    retracted and resumed request's re-prefill chunk ends inside its output, the draft keeps
+    the token the target sampled (PR 28254's bug). Workload: sglang's test retraction every
+    12 forwards, 64-token chunks, 6 requests x (40 prompt + 160 output tokens) at temperature
+    1, the radix cache off (with it on, sglang 0.5.12 finds most of a resumed request's
+    prompt and output in the tree and re-prefills a few tokens: no chunk ends inside the
+    output). Both runs reach chunk ends inside outputs (the hook prints each); the fixed run
+    is clean; the buggy one reports ``verify_token`` in the draft pool at those positions."""
+    ends, lines = {}, {}
+    for variant in ("fixed", "buggy"):
+        rc, out, res = run(models, spec, dict(RETRACT_ENV, KV_CANARY_TEST_PR28254=variant),
+                           script="retract_workload.py", kv_canary="log",
+                           chunked_prefill_size=64, disable_radix_cache=True)
+        assert rc == 0 and res == [160] * 6, out[-4000:]
+        assert "Testing retraction" in out, out[-4000:]
+        ends[variant] = _output_chunk_ends(out)
+        assert ends[variant], (variant, out[-4000:])  # the workload reached the bug's case
+        lines[variant] = parse_violation_lines(out)
+    assert lines["fixed"] == [], sorted({(v.fail_reasons, v.position) for v in lines["fixed"]})
+    buggy = lines["buggy"]
+    summary = sorted({(v.launch_tag, v.fail_reasons, v.position, v.stored_token,
+                       v.expected_token) for v in buggy})
+    token_positions = {v.position for v in buggy if "verify_token" in v.fail_reasons}
+    assert token_positions, summary
+    assert token_positions <= ends["buggy"], (summary, sorted(ends["buggy"]))
+    assert {r for v in buggy for r in v.fail_reasons} <= {"verify_token", "verify_chain_hash"}, \
+        summary

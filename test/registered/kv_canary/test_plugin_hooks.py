@@ -21,12 +21,12 @@ from sglang.srt.kv_canary import plugin
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.batch_state import batch_state
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
-from sglang.srt.managers.schedule_batch import ModelWorkerBatch, Req
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, ModelWorkerBatch, Req
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -141,9 +141,11 @@ def _init_new_hook(monkeypatch, model_runner):
     after building a batch ``fb`` from ``reqs``: the plugin's hook on it."""
     hook, kind = registered_hook(monkeypatch, seam.HOOK_FORWARD_BATCH_INIT_NEW)
 
-    def run(fb, reqs):
+    def run(fb, reqs, **fields):
         worker_batch = ModelWorkerBatch.__new__(ModelWorkerBatch)
         worker_batch.reqs = reqs
+        for name, value in fields.items():  # e.g. forward_mode, req_pool_indices
+            setattr(worker_batch, name, value)
         init_new = _wrap_fn(lambda cls, batch, runner: fb, hook, HookType[kind])
         assert init_new(ForwardBatch, worker_batch, model_runner) is fb
 
@@ -171,6 +173,36 @@ def test_forward_batch_hook_snapshots_real_requests(monkeypatch):
     bare = ForwardBatch.__new__(ForwardBatch)
     _init_new_hook(monkeypatch, model_runner_with(None))(bare, reqs)
     assert batch_state(bare) is None
+
+
+def test_spec_v1_draft_extend_snapshots_only_the_unfinished_requests(monkeypatch):
+    """Spec v1's draft extend after a verify runs the requests the verify left unfinished
+    (``req_pool_indices`` narrowed) while ``ModelWorkerBatch.reqs`` still lists the whole
+    round (found on the GPU: a request finishing before the others of its round stopped the
+    server with a snapshot of one request too many). The snapshot covers the rows run."""
+    d = ServingDriver(seed=8, verify_tokens=True)
+    hook = _init_new_hook(monkeypatch, model_runner_with(d.manager))
+    reqs = []
+    for row, prompt in ((2, [11, 12, 13]), (4, [31, 32]), (5, [21, 22])):
+        req = Req(rid=f"r{row}", origin_input_text="", origin_input_ids=list(prompt),
+                  sampling_params=SamplingParams(max_new_tokens=4))
+        req.req_pool_idx = row
+        req.output_ids.append(prompt[-1] + 1)
+        reqs.append(req)
+    reqs[1].finished_reason = FINISH_LENGTH(length=4)
+    fb = ForwardBatch.__new__(ForwardBatch)
+    hook(fb, reqs, forward_mode=ForwardMode.DRAFT_EXTEND,
+         req_pool_indices=torch.tensor([2, 5], dtype=torch.int64))
+    snap = batch_state(fb).token_snapshot
+    assert snap.lens.tolist() == [4, 3]
+    assert snap.flat.tolist() == [11, 12, 13, 14, 21, 22, 23]
+    assert [r.rid for r in batch_state(fb).requests.reqs] == ["r2", "r5"]
+    # any other batch keeps its requests as they are (a mismatch there is sglang's, reported
+    # by the upload)
+    other = ForwardBatch.__new__(ForwardBatch)
+    hook(other, reqs, forward_mode=ForwardMode.DECODE,
+         req_pool_indices=torch.tensor([2, 5], dtype=torch.int64))
+    assert batch_state(other).token_snapshot.lens.tolist() == [4, 3, 3]
 
 
 def test_forward_batch_hook_feeds_the_token_checks_of_a_serving_loop(monkeypatch):

@@ -16,7 +16,7 @@ change; the table says who relies on each.
 | ``Scheduler.running_batch`` / ``.cur_batch`` (``.reqs``), ``.chunked_req`` | the running requests a violation touches | ``runner.requests`` |
 | ``Scheduler.enable_metrics``, ``.metrics_collector.labels`` | the canary's Prometheus series get the scheduler's labels | ``runner.metrics`` |
 | ``Scheduler.token_to_kv_pool_allocator.available_size()``, ``.max_total_num_tokens`` | the protected-tokens gauge | ``runner.metrics`` |
-| ``ScheduleBatch.reqs`` | the requests of a ``ForwardBatch.init_new`` | ``plugin`` |
+| ``ScheduleBatch.reqs`` (``ModelWorkerBatch.reqs``, ``.forward_mode``, ``.req_pool_indices``) | the requests of a ``ForwardBatch.init_new`` (spec v1's draft extend: the unfinished ones) | ``plugin`` |
 | EAGLE (``EAGLEWorker`` spec v1, ``EagleDraftWorker`` / ``EAGLEWorkerV2`` spec v2, ``EAGLEDraftCudaGraphRunner``, ``EAGLEDraftExtendCudaGraphRunner``) | hooks ``draft_forward``, ``init_cuda_graphs``, the graph runners' ``capture_one_batch_size`` / ``replay``; reads the workers' ``draft_runner`` / ``model_runner``, ``Scheduler.draft_worker`` (``.draft_worker`` in v2), the graph runners' ``model_runner``; zeroes the draft-extend graph's ``buffers.req_pool_indices``; reads ``ServerArgs.speculative_*`` and ``enable_multi_layer_eagle`` | ``plugin``, ``api`` |
 | ``ForwardBatch`` | sets one attribute, ``kv_canary_batch_state`` (:func:`set_batch_state`); reads ``spec_info.draft_token_num``; ``ForwardMode`` | ``batch_state``, ``plan_input`` |
 | ``SamplingBatchInfo`` | sets / reads ``kv_canary_oracle_batch`` | ``token_oracle`` |
@@ -311,9 +311,18 @@ def scheduler_kv_slots_in_use(scheduler: "Scheduler") -> int:
 
 
 def schedule_batch_reqs(batch: "ScheduleBatch") -> Optional[list]:
-    """The requests of the batch ``ForwardBatch.init_new`` builds from (None for a batch
-    without requests)."""
-    return getattr(batch, "reqs", None)
+    """The requests of the batch ``ForwardBatch.init_new`` builds from, one per row of its
+    ``req_pool_indices`` (None for a batch without requests). Host only.
+
+    Spec v1's draft extend after a verify (``DRAFT_EXTEND``) runs only the requests the verify
+    left unfinished (``EagleVerifyInput.verify``'s ``unfinished_index``: it narrows
+    ``req_pool_indices`` and ``seq_lens``), while the batch's ``reqs`` still lists every
+    request of the round: the finished ones are dropped here, in order."""
+    reqs = getattr(batch, "reqs", None)
+    if (reqs is not None and getattr(batch, "forward_mode", None) == ForwardMode.DRAFT_EXTEND
+            and len(reqs) != batch.req_pool_indices.shape[0]):
+        reqs = [r for r in reqs if not r.finished()]
+    return reqs
 
 
 # ---- ForwardBatch / SamplingBatchInfo / Req ------------------------------------------------------

@@ -12,6 +12,14 @@ then runs). Test processes only, like the libcuda stub.
 
 With ``KV_CANARY_TEST_PR25015=1`` an EAGLE draft round's forwards run one position ahead of
 their own (upstream sglang PR 25015's bug, re-introduced for the regression test).
+
+With ``KV_CANARY_TEST_PR28254=fixed|buggy`` the EAGLE draft extend after a non-final prefill
+chunk ends with the next token of the request's fill sequence instead of the token the target
+sampled (upstream PRs 26329 / 26800, which sglang 0.5.12 lacks). ``fixed`` takes that token
+from the prompt followed by the output so far (as upstream PR 28254 does); ``buggy`` takes it
+from the prompt only and keeps the sampled token where the chunk ends inside the output of a
+retracted and resumed request (the bug PR 28254 fixed). Each non-final chunk's end prints a
+``KV_CANARY_TEST_PR28254:`` line saying whether it lies inside the prompt or the output.
 """
 
 import os
@@ -184,3 +192,61 @@ if os.environ.get("KV_CANARY_TEST_PR25015"):
 
     HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
                           _positions_before_forward, HookType.AROUND)
+
+
+_pr28254 = os.environ.get("KV_CANARY_TEST_PR28254")
+if _pr28254:
+    # upstream PRs 26329 / 26800 applied to sglang 0.5.12 (test processes only), with PR
+    # 28254's fix ("fixed") or with the bug it fixed ("buggy"); spec v1 and v2
+    if _pr28254 not in ("fixed", "buggy"):
+        raise ValueError(f"KV_CANARY_TEST_PR28254={_pr28254!r}: allowed fixed, buggy")
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def _chunk_tails(reqs):
+        """Per request of a prefill batch: the token the draft input must end with at a
+        non-final chunk's end (None: keep the sampled token)."""
+        tails = []
+        for req in reqs:
+            fill = list(req.origin_input_ids) + list(req.output_ids)
+            n = len(req.fill_ids)
+            if n >= len(fill):  # the final chunk: the sampled token is right
+                tails.append(None)
+                continue
+            in_output = n >= len(req.origin_input_ids)
+            print(f"KV_CANARY_TEST_PR28254: chunk end at position {n - 1} inside the "
+                  f"{'output' if in_output else 'prompt'} of request {req.rid} (prompt "
+                  f"{len(req.origin_input_ids)} tokens, output {len(req.output_ids)}, "
+                  f"retracted {req.retraction_count} time(s))", flush=True)
+            if _pr28254 == "buggy" and in_output:
+                tails.append(None)  # PR 28254's bug: bounded by the prompt, falls back
+            else:
+                tails.append(fill[n])
+        return tails
+
+    def _v1_prepare_for_extend(original, self, batch, *args, **kwargs):
+        result = original(self, batch, *args, **kwargs)
+        if batch.forward_mode.is_idle():
+            return result
+        end = 0
+        for tail, extend_len in zip(_chunk_tails(batch.reqs), batch.extend_lens):
+            end += extend_len
+            if tail is not None:
+                batch.input_ids[end - 1] = tail
+        return result
+
+    def _v2_draft_extend_for_prefill(original, self, batch, target_hidden_states,
+                                     next_token_ids, *args, **kwargs):
+        if not batch.forward_mode.is_idle() and batch.reqs:
+            tails = _chunk_tails(batch.reqs)
+            if any(t is not None for t in tails):
+                next_token_ids = next_token_ids.clone()
+                for i, tail in enumerate(tails):
+                    if tail is not None:
+                        next_token_ids[i] = tail
+        return original(self, batch, target_hidden_states, next_token_ids, *args, **kwargs)
+
+    HookRegistry.register("sglang.srt.speculative.eagle_info.EagleDraftInput.prepare_for_extend",
+                          _v1_prepare_for_extend, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill",
+        _v2_draft_extend_for_prefill, HookType.AROUND)

@@ -1,0 +1,35 @@
+"""A workload whose requests are retracted and resumed (upstream PR 28254's shape):
+``python retract_workload.py MODEL_DIR [engine kwargs as JSON] [cpu|cuda]``.
+
+Run it with ``SGLANG_TEST_RETRACT=1`` (sglang retracts a running request every
+``SGLANG_TEST_RETRACT_INTERVAL`` forwards), small prefill chunks and the radix cache off: 6
+requests of 40 distinct prompt tokens, 160 output tokens each at temperature 1, sent together.
+A request retracted after some output re-prefills its prompt and its output from scratch, and
+a non-final chunk of that re-prefill can end inside its output. Prints ``RESULT <json>`` with the output lengths.
+"""
+
+import json
+import sys
+
+from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+
+PROMPT_LEN = 40
+MAX_NEW_TOKENS = 160
+
+
+def prompts():
+    return [[(11 * r + 3 * i) % 480 + 20 for i in range(PROMPT_LEN)] for r in range(6)]
+
+
+if __name__ == "__main__":
+    import sglang
+
+    model_dir = sys.argv[1]
+    extra = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
+    make_kwargs = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
+    engine = sglang.Engine(**make_kwargs(model_dir, **extra))
+    outs = engine.generate(input_ids=prompts(), sampling_params={
+        "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "ignore_eos": True})
+    print("RESULT " + json.dumps([len(o["output_ids"]) for o in outs]), flush=True)
+    engine.shutdown()
