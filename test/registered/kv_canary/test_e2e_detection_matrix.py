@@ -44,6 +44,7 @@ def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
     proc = subprocess.run([sys.executable, "-m", "sglang.srt.kv_canary.demo", "--device", "cpu",
+                           "--jobs", "2",
                            "--json", str(out / "rows.json"), "--logs", str(out / "logs")],
                           env=env, capture_output=True, text=True, timeout=1500)
     rows = json.loads((out / "rows.json").read_text()) if (out / "rows.json").exists() else []

@@ -70,18 +70,15 @@ def test_tp2_clean_matches_canary_off(server):
     assert on == off and len(on) == 12
 
 
-def test_a_fault_on_one_rank_is_reported_by_that_rank_only(server):
-    rc, out, res = run(server, FAULT, kv_canary="log")
-    assert rc == 0 and res is not None, out[-3000:]
+def test_a_fault_on_one_rank_is_reported_by_that_rank_only_and_raise_stops_the_server(server):
+    """One server run (raise mode): rank 1 injects, rank 1 alone reports, rank 0 says it has
+    no fault injection, and the whole server stops with the structured line."""
+    rc, out, res = run(server, FAULT, kv_canary="raise")
+    assert res is None or rc != 0, out[-3000:]  # the server stopped before the workload ended
     injected = _by_rank(out, PERTURB_LINE_PREFIX)
     reported = _by_rank(out, VIOLATION_LINE_PREFIX)
     assert sorted(injected) == [1] and injected[1], injected  # only rank 1 injects
     assert sorted(reported) == [1], reported  # and only rank 1 reports
-    assert "fault injection is set for another rank; none on this one (tp_rank 0" in out
-
-
-def test_raise_on_one_rank_stops_the_server(server):
-    rc, out, res = run(server, FAULT, kv_canary="raise")
-    assert res is None or rc != 0, out[-3000:]  # the server stopped before the workload ended
     assert parse_violation_lines(out), out[-3000:]
+    assert "fault injection is set for another rank; none on this one (tp_rank 0" in out
     assert "kv_canary detected KV-cache corruption" in out

@@ -28,6 +28,7 @@ the first violation stops the server, as it would in production).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -324,6 +325,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     parser.add_argument("--logs", help="directory to keep each run's full output in")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at a time (default 1); each run is its own server, so on a "
+                             "GPU they share it")
     parser.add_argument("--mode", choices=("raise", "log"), default="raise",
                         help="--kv-canary of every run; with log, a fault run must also serve "
                              "its whole workload (the server survives the injection)")
@@ -337,6 +341,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if args.page_size < 1:
         parser.error(f"--page-size must be >= 1, got {args.page_size}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.worker:
         _worker(args.model, args.device, args.mode, args.page_size, args.hicache)
         return 0
@@ -379,12 +385,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for k in list(env):  # the demo sets its own canary variables
             if k.startswith("SGLANG_KV_CANARY_"):
                 del env[k]
-        results = []
-        for name in names:
+        def one(name: str) -> Tuple[CaseResult, str]:
             print(f"kv_canary demo: running {name} ...", flush=True)
-            result, text = run_case(CASES_BY_NAME[name], model_dir=model, device=device,
-                                    base_env=env, timeout=args.timeout, mode=args.mode,
-                                    page_size=args.page_size)
+            return run_case(CASES_BY_NAME[name], model_dir=model, device=device, base_env=env,
+                            timeout=args.timeout, mode=args.mode, page_size=args.page_size)
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            runs = list(pool.map(one, names))  # in the order of names
+        results = []
+        for name, (result, text) in zip(names, runs):
             results.append(result)
             if args.logs:
                 os.makedirs(args.logs, exist_ok=True)
