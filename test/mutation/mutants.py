@@ -403,6 +403,13 @@ MUTANTS = (
                   "test_spec_v1_draft_extend_snapshots_only_the_unfinished_requests",
         speed="quick", what="spec v1's draft extend snapshots the round's finished requests"),
     Mutant(
+        id="raise-message-without-rank", path=f"{_RT}/runner/manager.py",
+        old="            rank=ranks.describe_rank() if ranks.several else \"\"),\n",
+        new="            rank=\"\"),\n",
+        selection=f"{_T}/test_runtime_core.py::"
+                  "test_raise_names_the_rank_on_a_server_of_several",
+        speed="quick", what="raise mode's error does not say which rank found the corruption"),
+    Mutant(
         id="spec-one-step-round-snapshot", path=f"{_RT}/runner/manager.py",
         old="            return  # a draft round of one speculative step runs no draft forward\n",
         new="            pass\n",
@@ -418,8 +425,8 @@ MUTANTS = (
         speed="quick", what="SGLANG_KV_CANARY_PERTURB_TARGET_WORKER is ignored"),
     Mutant(
         id="spec-draft-reports-unnamed", path=f"{_RT}/runner/manager.py",
-        old="config.mode, pool=DRAFT_POOL_LABEL if ranks.draft else \"\"),",
-        new="config.mode, pool=\"\"),",
+        old="config.mode, pool=DRAFT_POOL_LABEL if ranks.draft else \"\",",
+        new="config.mode, pool=\"\",",
         selection=f"{_T}/test_speculative.py::test_a_flipped_byte_is_caught_by_its_pool_canary",
         speed="quick", what="a draft-pool report does not say it is the draft pool"),
 )

@@ -96,7 +96,8 @@ class ServingDriver:
                  verify_tokens=False, sweep_interval=0, ring_capacity=1024, pool="mha",
                  swa_window=0, num_swa_slots=0, swa_evict_interval=4,
                  swa_divergence_interval=0, perturb=None, init_finished=True,
-                 batch_init_hook=None, real_data_layers="first", layers_per_forward=1):
+                 batch_init_hook=None, real_data_layers="first", layers_per_forward=1,
+                 ranks=None):
         if pool not in ("mha", "swa", "dsv4", "mla", "nsa", "hybrid"):
             raise ValueError(f"driver pool must be mha, swa, dsv4, mla, nsa or hybrid, got "
                              f"{pool!r}")
@@ -163,7 +164,8 @@ class ServingDriver:
             config=self.config, device=self.device, swa_window_size=swa_window or None,
             capacity_inputs=CanaryCapacityInputs(context_len=max_ctx, chunked_prefill_size=chunk,
                                                  max_prefill_tokens=chunk * max_reqs,
-                                                 cuda_graph_max_bs=graph_bs or None))
+                                                 cuda_graph_max_bs=graph_bs or None),
+            ranks=ranks)
         self.groups = self.manager.groups
         self.capacities = self.manager.capacities
         self.waiting: List[DriverReq] = []

@@ -28,6 +28,7 @@ from sglang.srt.kv_canary.runner.violation import (
     parse_violation_line,
     parse_violation_lines,
 )
+from sglang.srt.kv_canary.perturb.config import RankFacts
 from sglang.srt.kv_canary.single_forward_manager import CanaryPhaseError
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
@@ -131,6 +132,22 @@ def _inject(d: ServingDriver, fault: str) -> dict:
     d.run(60)
     d.settle()
     return getattr(d, FAULTS[fault][0])()
+
+
+def test_raise_names_the_rank_on_a_server_of_several():
+    """In raise mode the report travels in the exception, which has no log prefix naming the
+    rank: on a server of several ranks the message names it; on a one-rank server it does
+    not."""
+    for ranks, said in ((RankFacts(tp_rank=1, tp_size=2),
+                         "KV-cache corruption on tp_rank 1, pp_rank 0, dp_rank 0:\n"),
+                        (RankFacts(pp_rank=1, pp_size=2),
+                         "KV-cache corruption on tp_rank 0, pp_rank 1, dp_rank 0:\n"),
+                        (None, "KV-cache corruption:\n")):
+        d = ServingDriver(seed=11, mode="raise", real_data="partial", ranks=ranks)
+        _inject(d, "req_to_token_swap")
+        with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
+            d.step()
+        assert said in str(exc.value), str(exc.value)[:300]
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))

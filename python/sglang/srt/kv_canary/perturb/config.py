@@ -72,8 +72,18 @@ class RankFacts:
         return getattr(self, f"{dim}_size")
 
     def describe(self) -> str:
-        return (f"tp_rank {self.tp_rank}, pp_rank {self.pp_rank}, dp_rank {self.dp_rank}"
-                + (", EAGLE draft worker" if self.draft else ""))
+        return self.describe_rank() + (", EAGLE draft worker" if self.draft else "")
+
+    @property
+    def several(self) -> bool:
+        """More than one scheduler rank (TP, PP or DP): reports must say which one."""
+        return self.tp_size * self.pp_size * self.dp_size > 1
+
+    def describe_rank(self) -> str:
+        """``tp_rank T, pp_rank P, dp_rank D`` (the rank alone, draft or not)."""
+        return f"tp_rank {self.tp_rank}, pp_rank {self.pp_rank}, dp_rank {self.dp_rank}"
+
+
 _TARGET_GROUPS = {"full": PoolKind.FULL, "swa": PoolKind.SWA}
 
 

@@ -179,7 +179,8 @@ class CanaryManager:
             swa_verify_num_valid=self.swa_divergence.device_tensors(),
         ))
         self.violations = ViolationManager(reporter=ViolationReporter(
-            config.mode, pool=DRAFT_POOL_LABEL if ranks.draft else ""),
+            config.mode, pool=DRAFT_POOL_LABEL if ranks.draft else "",
+            rank=ranks.describe_rank() if ranks.several else ""),
                                            ring_capacity=config.ring_capacity)
         self.health = KernelRunCounterHealthChecker(
             expected_tags=[ep.tag for ep in self.endpoints

@@ -300,11 +300,14 @@ class ViolationReporter:
     is the manager's). Raise mode: ``RuntimeError`` carrying the structured lines (sglang's
     scheduler then exits, as on any scheduler error)."""
 
-    def __init__(self, mode: CanaryMode, *, pool: str = ""):
+    def __init__(self, mode: CanaryMode, *, pool: str = "", rank: str = ""):
         self.mode = CanaryMode.parse(mode)
         # which pool the reports are about, when a server has two canaries (EAGLE's draft
         # pool); "" for the one (target) pool
         self.pool = pool
+        # which rank raises, on a server of several (e.g. "tp_rank 1, pp_rank 0, dp_rank 0"):
+        # the raise message has no log prefix naming it; "" on a one-rank server
+        self.rank = rank
 
     def report(self, incidents: Sequence[ViolationIncident], *, step: int, dropped: int = 0,
                ring_capacity: Optional[int] = None) -> None:
@@ -322,7 +325,8 @@ class ViolationReporter:
                          "recorded again (raise SGLANG_KV_CANARY_RING_CAPACITY for more detail)")
         if self.mode == CanaryMode.RAISE:
             pool = f" in {self.pool}" if self.pool else ""
-            raise RuntimeError(f"kv_canary detected KV-cache corruption{pool}:\n"
+            rank = f" on {self.rank}" if self.rank else ""
+            raise RuntimeError(f"kv_canary detected KV-cache corruption{pool}{rank}:\n"
                                + "\n".join(texts))
         for text in texts:
             logger.warning("%s", text)
