@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The slow GPU suites as parallel lanes on one GPU (one pytest per model shape / HiCache setup;
+# The GPU suites as parallel lanes on one GPU (one pytest per model shape / HiCache setup;
 # about 10 min on an H100). On the device machine, from the repository root,
 # after the bundles are installed (docs/architecture.md, "Tests"):
 #   bash test/gpu_lanes.sh            # logs to $OUT (or ./gpu_lanes_out), the tail of each last
@@ -18,6 +18,9 @@ lane() {
     > "$out/$name.log" 2>&1 &
   pids+=("$!")
 }
+lane core $T/test_e2e_gpu.py -k "not piecewise"
+lane piecewise $T/test_e2e_gpu.py -k piecewise
+lane runtime_cuda $T/test_runtime_cuda.py $T/test_kernels_cuda_graph.py
 lane shape_mla $T/test_e2e_model_shapes_gpu.py -k mla
 lane shape_nsa $T/test_e2e_model_shapes_gpu.py -k nsa
 lane shape_hybrid $T/test_e2e_model_shapes_gpu.py -k hybrid

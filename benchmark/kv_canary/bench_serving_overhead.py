@@ -9,8 +9,8 @@ heads, 8 KV heads x head_dim 128, vocab 151936; dummy weights, only a ``config.j
 a temp dir, nothing downloaded) served by ``sglang.Engine`` with CUDA graphs on (decode graphs
 captured for batch sizes 1 and 128 only, to keep the start cheap), ``attention_backend=triton``,
 ``sampling_backend=pytorch``, ``grammar_backend=none``, ``skip_tokenizer_init``,
-``disable_piecewise_cuda_graph`` (needed by the canary; used for the baseline too so that only
-the canary differs), chunked prefill 8192 (sglang's own default on an 80 GB GPU),
+piecewise CUDA graphs for prefill on (sglang's default; ``--piecewise off`` turns them off for
+every config, as results before 2026-11-24 had them), chunked prefill 8192 (sglang's own default on an 80 GB GPU),
 ``max_running_requests`` 128, a KV pool of 262144 tokens. Configs (one Engine each, each in its
 own process):
 
@@ -18,6 +18,7 @@ own process):
     raise          --kv-canary raise
     raise+partial  --kv-canary raise --kv-canary-real-data partial
     raise+token    --kv-canary raise + SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1
+    raise+token+partial   both of the last two
 
 Scenarios (requests as ``input_ids``: random token ids from a seed fixed per scenario and run, so
 every config sees the same inputs; ``max_new_tokens`` = osl, ``ignore_eos``, temperature 0; the
@@ -28,6 +29,9 @@ radix cache is flushed before every run, so no run hits a cached prefix):
     prefill_bs32   32 requests x isl 16384, osl 1 (latency of the whole batch = the prefill,
                    chunked in 8192-token chunks, so the second chunk of every request verifies
                    its 8192-token prefix)
+    prefill_bs1_512, prefill_bs1_4k, prefill_bs1_16k
+                   1 request x isl 512 / 4096 / 16384, osl 1: time to first token at low load
+                   (run them with ``--runs 30``; the table gives p10 / p90 too)
 
 ``--speculative eagle``: every Engine serves with EAGLE (a one-layer ``LlamaForCausalLMEagle``
 draft of the same shapes, 3 steps, topk 1, 4 draft tokens, decode graphs for bs 1 and 32; the
@@ -185,6 +189,8 @@ SCENARIOS = {s.name: s for s in (
     Scenario("prefill_bs32", bs=32, isl=16384, osl=1),
     Scenario("prefill_bs1_4k", bs=1, isl=4096, osl=1),
     Scenario("decode_bs32", bs=32, isl=512, osl=1024),
+    Scenario("prefill_bs1_512", bs=1, isl=512, osl=1),
+    Scenario("prefill_bs1_16k", bs=1, isl=16384, osl=1),
 )}
 # scenarios run when --scenarios is not given
 DEFAULT_SCENARIOS = {"none": ("decode_bs128", "decode_bs1", "prefill_bs32", "prefill_bs1_4k"),
@@ -195,6 +201,8 @@ SMOKE_SCENARIOS = {s.name: s for s in (
     Scenario("prefill_bs32", bs=2, isl=64, osl=1),
     Scenario("prefill_bs1_4k", bs=1, isl=64, osl=1),
     Scenario("decode_bs32", bs=2, isl=16, osl=8),
+    Scenario("prefill_bs1_512", bs=1, isl=16, osl=1),
+    Scenario("prefill_bs1_16k", bs=1, isl=96, osl=1),
 )}
 
 
@@ -227,6 +235,8 @@ CONFIGS = {c.name: c for c in (
     BenchConfig("abort", kv_canary="abort"),
     BenchConfig("raise+partial", kv_canary="raise", real_data="partial"),
     BenchConfig("raise+token", kv_canary="raise", verify_tokens=True),
+    BenchConfig("raise+token+partial", kv_canary="raise", real_data="partial",
+                verify_tokens=True),
     BenchConfig("raise+partial+layers", kv_canary="raise", real_data="partial",
                 real_data_layers="all"),
     BenchConfig("raise+all+layers", kv_canary="raise", real_data="all", real_data_layers="all"),
@@ -243,6 +253,7 @@ class EngineSettings:
     mem_fraction_static: float = 0.7
     cuda_graph_bs: tuple = (1, 128)
     speculative: str = "none"  # a key of SPECULATIVE
+    piecewise: bool = True  # sglang's piecewise CUDA graphs for prefill (its default: on)
 
     def engine_kwargs(self, model_dir: str, *, smoke: bool,
                       draft_dir: str | None = None) -> dict:
@@ -265,6 +276,7 @@ class EngineSettings:
                                  mem_fraction_static=self.mem_fraction_static,
                                  cuda_graph_bs=list(self.cuda_graph_bs),
                                  cuda_graph_max_bs=max(self.cuda_graph_bs),
+                                 disable_piecewise_cuda_graph=not self.piecewise,
                                  log_level="info", **spec)
 
 
@@ -325,6 +337,15 @@ def make_inputs(scenario: Scenario, run: int, vocab: int) -> list[list[int]]:
     return rng.integers(lo, hi, size=(scenario.bs, scenario.isl)).tolist()
 
 
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (linear between the order statistics)."""
+    v = sorted(values)
+    pos = (len(v) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
 def engine_child(args) -> None:
     import sglang
 
@@ -383,6 +404,7 @@ def engine_child(args) -> None:
                            speculative=settings.speculative,
                            bs=sc.bs, isl=sc.isl, osl=sc.osl, runs_ms=times,
                            median_ms=statistics.median(times), min_ms=min(times),
+                           p10_ms=quantile(times, 0.1), p90_ms=quantile(times, 0.9),
                            warmup_ms=warmup_ms, startup_s=startup_s,
                            settings=dataclasses.asdict(settings),
                            engine_kwargs={k: v for k, v in kwargs.items() if k != "model_path"},
@@ -472,7 +494,7 @@ def run_child(args, cfg: BenchConfig, log_path: str, stub_dir: str | None) -> in
            "--chunked-prefill-size", str(args.chunked_prefill_size),
            "--max-total-tokens", str(args.max_total_tokens),
            "--mem-fraction-static", str(args.mem_fraction_static),
-           "--speculative", args.speculative]
+           "--speculative", args.speculative, "--piecewise", args.piecewise]
     if args.smoke_cpu:
         cmd.append("--smoke-cpu")
     if args.host_profile:
@@ -581,9 +603,9 @@ def engine_table(records: list[dict], title: str) -> str:
     for r in records:  # the latest record per (scenario, speculative, config, invocation)
         latest[(r["scenario"], r.get("speculative", "none"), r["config"], r["invocation"])] = r
     lines = [f"{title}", "",
-             ("| scenario | config | runs | median ms | min ms | ms / output token (median) | "
-              "overhead (median) | overhead (min) |"),
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             ("| scenario | config | runs | median ms | min ms | p10 / p90 ms | "
+              "ms / output token (median) | overhead (median) | overhead (min) |"),
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     order = {n: i for i, n in enumerate(CONFIGS)}
     sc_order = {n: i for i, n in enumerate(SCENARIOS)}
     rows = sorted(latest.values(), key=lambda r: (r.get("speculative", "none"),
@@ -604,9 +626,12 @@ def engine_table(records: list[dict], title: str) -> str:
             ov_min = pct(r["min_ms"], base["min_ms"]) + mark
         per_tok = f"{r['median_ms'] / r['osl']:.3f}" if r["osl"] > 1 else "—"
         spec = "" if r.get("speculative", "none") == "none" else f", {r['speculative']}"
-        lines.append(f"| {r['scenario']} (bs{r['bs']} isl{r['isl']} osl{r['osl']}{spec}) | "
+        spread = (f"{r['p10_ms']:.1f} / {r['p90_ms']:.1f}" if "p10_ms" in r
+                  else f"{quantile(r['runs_ms'], 0.1):.1f} / {quantile(r['runs_ms'], 0.9):.1f}")
+        pw = "" if r.get("settings", {}).get("piecewise", False) else ", pw off"
+        lines.append(f"| {r['scenario']} (bs{r['bs']} isl{r['isl']} osl{r['osl']}{spec}{pw}) | "
                      f"{r['config']} | {len(r['runs_ms'])} | {r['median_ms']:.1f} | "
-                     f"{r['min_ms']:.1f} | {per_tok} | {ov_med} | "
+                     f"{r['min_ms']:.1f} | {spread} | {per_tok} | {ov_med} | "
                      f"{ov_min} |")
     if cross:
         lines += ["", ("\\* overhead against an `off` measured in another invocation (another "
@@ -666,7 +691,8 @@ def report(paths: Sequence[str]) -> None:
         out += ["", ("Settings: Qwen3-0.6B-shaped dummy model, "
                 f"attention {kw.get('attention_backend')}, CUDA graphs "
                 f"{'off' if kw.get('disable_cuda_graph') else 'bs ' + str(kw.get('cuda_graph_bs'))}, "
-                f"piecewise graphs off, chunked prefill {kw.get('chunked_prefill_size')}, "
+                f"piecewise graphs {'off' if kw.get('disable_piecewise_cuda_graph') else 'on'}, "
+                f"chunked prefill {kw.get('chunked_prefill_size')}, "
                 f"max running requests {kw.get('max_running_requests')}, KV pool "
                 f"{kw.get('max_total_tokens')} tokens, mem fraction {kw.get('mem_fraction_static')}; "
                 "radix cache flushed before every run; latency = wall time of one "
@@ -1101,6 +1127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="eagle: every Engine serves with EAGLE speculative decoding (a "
                     "one-layer draft of the same shapes, 3 steps, topk 1, 4 draft tokens; "
                     "decode graphs for bs 1 and 32), canary on both pools when on")
+    ap.add_argument("--piecewise", default="on", choices=("on", "off"),
+                    help="sglang's piecewise CUDA graphs for prefill, for every config (default "
+                    "on, sglang's default; results before 2026-11-24 ran with them off)")
     ap.add_argument("--runs", type=int, help="timed runs per scenario (default 5; 2 with "
                     "--smoke-cpu)")
     ap.add_argument("--out", help="append results as JSON lines to this file (Engine logs go "
@@ -1153,6 +1182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    max_total_tokens=args.max_total_tokens,
                                    mem_fraction_static=args.mem_fraction_static,
                                    speculative=args.speculative,
+                                   piecewise=args.piecewise == "on",
                                    cuda_graph_bs=(1, 32) if args.speculative != "none"
                                    else EngineSettings.cuda_graph_bs)
     if args.report:

@@ -97,11 +97,15 @@ class ServingDriver:
                  swa_window=0, num_swa_slots=0, swa_evict_interval=4,
                  swa_divergence_interval=0, perturb=None, init_finished=True,
                  batch_init_hook=None, real_data_layers="first", layers_per_forward=1,
-                 ranks=None):
+                 ranks=None, piecewise_pad_to=0):
         if pool not in ("mha", "swa", "dsv4", "mla", "nsa", "hybrid"):
             raise ValueError(f"driver pool must be mha, swa, dsv4, mla, nsa or hybrid, got "
                              f"{pool!r}")
         self.pool_kind = pool
+        # > 0: every eager extend forward calls the model as sglang's piecewise CUDA-graph
+        # replay does, with a copy padded to this many tokens (padding: slot 0, token 0,
+        # position 0), inside the ModelRunner.forward bracket of the unpadded batch
+        self.piecewise_pad_to = piecewise_pad_to
         self.swa_window = swa_window
         self.swa_evict_interval = swa_evict_interval
         self.device = torch.device(device)
@@ -558,9 +562,38 @@ class ServingDriver:
                     self.graph.replay()
                     mgr.mark_replayed_inside_graph()
                 else:
-                    mgr.pre_ops_maybe_inside_graph(fb)
-                    self.model_forward(fb)
-                    mgr.post_ops_maybe_inside_graph(fb)
+                    inner = (self.piecewise_padded(fb)
+                             if self.piecewise_pad_to and fb.forward_mode == ForwardMode.EXTEND
+                             else fb)
+                    mgr.pre_ops_maybe_inside_graph(inner)
+                    self.model_forward(inner)
+                    mgr.post_ops_maybe_inside_graph(inner)
+
+    def piecewise_padded(self, fb: ForwardBatch) -> ForwardBatch:
+        """The batch sglang's ``PiecewiseCudaGraphRunner.replay`` hands ``model.forward``:
+        ``input_ids`` / ``positions`` / ``out_cache_loc`` padded with zeros to the captured
+        token count, the rest of the real batch's fields (a new ``ForwardBatch``, without the
+        canary's batch state)."""
+        n, padded = fb.out_cache_loc.shape[0], self.piecewise_pad_to
+        if n > padded:
+            raise ValueError(f"piecewise_pad_to={padded} is below a forward of {n} tokens")
+
+        def pad(t):
+            out = torch.zeros(padded, dtype=t.dtype, device=t.device)
+            out[:n] = t
+            return out
+
+        copy = ForwardBatch(
+            forward_mode=fb.forward_mode, batch_size=fb.batch_size, input_ids=pad(fb.input_ids),
+            req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens,
+            out_cache_loc=pad(fb.out_cache_loc), seq_lens_sum=fb.seq_lens_sum,
+            positions=pad(fb.positions), req_to_token_pool=fb.req_to_token_pool,
+            token_to_kv_pool=fb.token_to_kv_pool)
+        copy.extend_prefix_lens, copy.extend_seq_lens = fb.extend_prefix_lens, fb.extend_seq_lens
+        copy.extend_num_tokens = fb.extend_num_tokens
+        copy.extend_prefix_lens_cpu = fb.extend_prefix_lens_cpu
+        copy.extend_seq_lens_cpu = fb.extend_seq_lens_cpu
+        return copy
 
     # ---- decode CUDA graph -------------------------------------------------------------------
 

@@ -74,7 +74,6 @@ def test_bad_environment_values_name_the_variable(monkeypatch, name, value, allo
     (dict(kv_canary_real_data_layers="all"),
      "--kv-canary-real-data-layers=all .* needs --kv-canary-real-data partial or all"),
     (dict(kv_canary="none", kv_canary_sweep_interval=4), "--kv-canary-sweep-interval=4 needs"),
-    (dict(device="cuda", disable_piecewise_cuda_graph=False), "--disable-piecewise-cuda-graph"),
     (dict(enable_torch_compile=True), "--enable-torch-compile"),
     (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"),
      "--hicache-storage-backend file yet: pages prefetched back"),

@@ -75,3 +75,40 @@ def test_corrupted_record_caught_through_graph_replay(model):
     assert any(v.launch_tag == "HEAD_K_FULL" and v.fail_reasons in {
         ("verify_position",), ("verify_chain_hash", "verify_position")}
         for v in parse_violation_lines(out)), out[-3000:]
+
+
+# sglang's default: piecewise CUDA graphs for prefill (capture sizes up to the 64-token chunk,
+# so every prefill chunk of the workload replays them)
+PIECEWISE = dict(disable_piecewise_cuda_graph=False)
+
+
+def test_piecewise_cuda_graphs_on_run_clean(model):
+    """Piecewise CUDA graphs on, on both servers: every check on (raise, real data partial,
+    sweep every 3 forwards, token checks), zero violations, outputs identical to the canary
+    off, and the prefills really replayed the piecewise graphs."""
+    rc_off, out_off, res_off_pw = _workload(model, "none", extra=PIECEWISE)
+    assert rc_off == 0, out_off[-4000:]
+    rc, out, res = _workload(
+        model, "raise", {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+                         "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10"},
+        dict(PIECEWISE, kv_canary_real_data="partial", kv_canary_sweep_interval=3))
+    assert rc == 0, out[-4000:]
+    assert res == res_off_pw
+    assert VIOLATION_LINE_PREFIX not in out and "health check failed" not in out
+    assert re.search(r"Prefill batch.*cuda graph: True", out), "no prefill replayed a graph"
+    assert re.search(r"Decode batch.*cuda graph: True", out), "decode never used a CUDA graph"
+    stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
+    assert stats and "violations=0" in stats[-1] and "TAIL_K_FULL" in stats[-1]
+
+
+def test_piecewise_cuda_graphs_on_catch_every_fault(model):
+    """The same server with the perturbation framework's faults (from step 8, full group):
+    each fault the forward reads is caught, prefills through the piecewise graphs included."""
+    from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught
+
+    rc, out, _ = _workload(model, "log", dict(EVERY_FAULT_ENV),
+                           dict(PIECEWISE, kv_canary_real_data="partial",
+                                kv_canary_sweep_interval=3))
+    assert rc == 0, out[-4000:]
+    assert re.search(r"Prefill batch.*cuda graph: True", out), "no prefill replayed a graph"
+    assert_every_fault_caught(out)

@@ -46,12 +46,6 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
     if not config.enabled:
         return config
     value = sglang_seam.server_args_value
-    if (value(server_args, "device", "cuda") in ("cuda", None)
-            and not value(server_args, "disable_piecewise_cuda_graph", True)):
-        raise ValueError(
-            "--kv-canary does not support piecewise CUDA graphs for prefill: add "
-            "--disable-piecewise-cuda-graph"
-        )
     if value(server_args, "enable_torch_compile", False):
         raise ValueError("--kv-canary does not support --enable-torch-compile (the canary's "
                          "launches must stay outside the compiled model); drop that flag")

@@ -14,6 +14,8 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 | AFTER | ``ModelRunner.init_memory_pool`` | ``install_canary`` (pool exists, graphs not yet) |
 | AFTER | ``ModelRunner.__init__`` | ``mark_init_finished`` (warm-up and capture done) |
 | AROUND | ``ModelRunner.forward`` | outside-graph bracket with single-forward manager 0 |
+| AROUND | ``ModelRunner.init_piecewise_cuda_graphs`` | piecewise graphs' warm-up and capture |
+|  |  | run no canary work (their dummy batches are not requests) |
 | AROUND | ``CudaGraphRunner.capture_one_batch_size`` | capture bracket |
 | AROUND | ``CudaGraphRunner.replay_prepare`` | padding rows really point at row 0 (below) |
 | AROUND | ``CudaGraphRunner.replay`` | record that the graph ran the inside ops |
@@ -123,6 +125,18 @@ def _model_runner_forward(original, self, forward_batch, *args, **kwargs):
     with manager.with_active_single_forward_manager(0):
         with manager.with_ops_outside_graph(forward_batch):
             return original(self, forward_batch, *args, **kwargs)
+
+
+def _init_piecewise_cuda_graphs(original, self, *args, **kwargs):
+    """sglang's piecewise CUDA graphs capture the layers (``model.model``) in pieces; the
+    warm-up and capture forwards call the wrapped ``model.forward`` with dummy batches outside
+    any ``ModelRunner.forward``: no canary work for them. A replay later runs the canary's
+    launches eagerly around the replayed pieces, from the ``ModelRunner.forward`` bracket."""
+    manager = seam.runner_canary(self)
+    if manager is None:
+        return original(self, *args, **kwargs)
+    with manager.piecewise_graph_setup():
+        return original(self, *args, **kwargs)
 
 
 def _capture_one_batch_size(original, self, *args, **kwargs):
@@ -246,6 +260,7 @@ HOOKS = (
     (seam.HOOK_MODEL_RUNNER_INIT_MEMORY_POOL, _after_init_memory_pool, "AFTER"),
     (seam.HOOK_MODEL_RUNNER_INIT, _after_model_runner_init, "AFTER"),
     (seam.HOOK_MODEL_RUNNER_FORWARD, _model_runner_forward, "AROUND"),
+    (seam.HOOK_MODEL_RUNNER_INIT_PIECEWISE_CUDA_GRAPHS, _init_piecewise_cuda_graphs, "AROUND"),
     (seam.HOOK_GRAPH_CAPTURE_ONE_BATCH_SIZE, _capture_one_batch_size, "AROUND"),
     (seam.HOOK_GRAPH_REPLAY_PREPARE, _graph_replay_prepare, "AROUND"),
     (seam.HOOK_GRAPH_REPLAY, _graph_replay, "AROUND"),

@@ -9,8 +9,8 @@ change; the table says who relies on each.
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
 | hook targets (``HOOK_*`` below) through ``HookRegistry`` | BEFORE / AFTER / AROUND hooks | ``plugin`` |
-| ``ServerArgs`` instance | sets ``kv_canary``, ``kv_canary_sweep_interval``, ``kv_canary_real_data``, ``kv_canary_token_oracle_requested``; reads ``device``, ``disable_piecewise_cuda_graph``, ``enable_torch_compile``, ``chunked_prefill_size``, ``max_prefill_tokens``, ``cuda_graph_max_bs``, ``sampling_backend`` | ``server_args_ext``, ``config``, ``api`` |
-| ``ModelRunner`` | reads ``token_to_kv_pool``, ``req_to_token_pool.req_to_token``, ``device``, ``model_config.context_len`` / ``vocab_size``, ``sliding_window_size``, ``is_draft_worker``; sets ``kv_canary_manager``; replaces ``sampler`` (token oracle); wraps ``model.forward`` on the instance | ``api`` |
+| ``ServerArgs`` instance | sets ``kv_canary``, ``kv_canary_sweep_interval``, ``kv_canary_real_data``, ``kv_canary_token_oracle_requested``; reads ``device``, ``enable_torch_compile``, ``chunked_prefill_size``, ``max_prefill_tokens``, ``cuda_graph_max_bs``, ``sampling_backend`` | ``server_args_ext``, ``config``, ``api`` |
+| ``ModelRunner`` | reads ``token_to_kv_pool``, ``req_to_token_pool.req_to_token``, ``device``, ``model_config.context_len`` / ``vocab_size``, ``sliding_window_size``, ``is_draft_worker``; sets ``kv_canary_manager``; replaces ``sampler`` (token oracle); wraps ``model.forward`` on the instance (a piecewise CUDA-graph replay calls it with a padded copy of the batch; its warm-up and capture, inside ``init_piecewise_cuda_graphs``, with dummy batches) | ``api``, ``plugin`` |
 | ``CudaGraphRunner.model_runner``, ``.buffers`` (``DecodeInputBuffers``) | zeroes ``req_pool_indices`` (and ``input_ids`` / ``positions`` for the token oracle) before each replay | ``plugin`` |
 | ``Scheduler.tp_worker.model_runner``, ``Scheduler.tree_cache``, ``.server_args`` | finds the runner's canary, hands the radix cache to the sweep and containment, the settings to ``get_init_info`` | ``plugin`` |
 | ``Scheduler.running_batch`` / ``.cur_batch`` (``.reqs``), ``.chunked_req`` | the running requests a violation touches | ``runner.requests`` |
@@ -68,6 +68,7 @@ HOOK_SERVER_ARGS_REPR = f"{_SA}.__repr__"
 HOOK_MODEL_RUNNER_INIT_MEMORY_POOL = f"{_MR}.init_memory_pool"
 HOOK_MODEL_RUNNER_INIT = f"{_MR}.__init__"
 HOOK_MODEL_RUNNER_FORWARD = f"{_MR}.forward"
+HOOK_MODEL_RUNNER_INIT_PIECEWISE_CUDA_GRAPHS = f"{_MR}.init_piecewise_cuda_graphs"
 HOOK_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_CG}.capture_one_batch_size"
 HOOK_GRAPH_REPLAY_PREPARE = f"{_CG}.replay_prepare"
 HOOK_GRAPH_REPLAY = f"{_CG}.replay"

@@ -205,6 +205,8 @@ class CanaryManager:
         self.draft_forwards_per_round = draft_forwards_per_round
         self._draft_round: Optional[DraftRound] = None
         self._capturing_draft_graph = False
+        # sglang's piecewise CUDA-graph set-up in progress (its dummy forwards run no canary)
+        self._piecewise_graph_setup = False
         self._staged: Optional[StagedForward] = None
         self._ring_staged = False  # a stage holds the ring: empty it before the next forward
 
@@ -267,10 +269,27 @@ class CanaryManager:
         self.after_forward(sfms, forward_batch)
 
     def pre_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
-        self.active_sfm.pre_ops_maybe_inside_graph(forward_batch)
+        if not self._piecewise_graph_setup:
+            self.active_sfm.pre_ops_maybe_inside_graph(forward_batch)
 
     def post_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
-        self.active_sfm.post_ops_maybe_inside_graph(forward_batch)
+        if not self._piecewise_graph_setup:
+            self.active_sfm.post_ops_maybe_inside_graph(forward_batch)
+
+    @contextlib.contextmanager
+    def piecewise_graph_setup(self):
+        """Around sglang's piecewise CUDA-graph set-up (warm-up and capture of the layers):
+        the ``model.forward`` calls it makes carry dummy batches outside any forward bracket,
+        so the inside ops skip them. Nothing of the canary is captured in the pieces: a
+        piecewise replay runs the canary's launches eagerly, around the replayed pieces."""
+        if self._active is not None:
+            raise RuntimeError("kv_canary: piecewise CUDA-graph set-up inside a forward "
+                               f"(single-forward manager {self._active.index} is active)")
+        self._piecewise_graph_setup = True
+        try:
+            yield
+        finally:
+            self._piecewise_graph_setup = False
 
     def mark_replayed_inside_graph(self) -> None:
         self.active_sfm.mark_replayed_inside_graph()

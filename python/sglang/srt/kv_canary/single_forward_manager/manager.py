@@ -6,19 +6,31 @@ Four ops, checked in order:
 1. ``pre_ops_outside_graph(forward_batch)`` — host checks (capacities, with the server flag to
    change), the token-history upload (:class:`TokenHistoryUploader`) and, with
    ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1``,
-   the token oracle's expected written tokens / positions; never captured.
-2. ``pre_ops_maybe_inside_graph(forward_batch)`` — fill the plan input, plan every group, HEAD
-   launches (verify, then write), the chain part of the TAIL writes, and a copy of the plans'
-   ``enable`` flags into a static status buffer; on CUDA on a side stream, concurrently with
-   the model forward. Captured into decode CUDA graphs (as a parallel branch).
-   The status (:class:`SfmStatus`) is this manager's typed per-forward output.
-3. ``post_ops_maybe_inside_graph(forward_batch)`` — join the side stream; TAIL verify, then the
-   TAIL writes' real-KV fingerprints of the new slots. Captured too.
+   the token oracle's expected written tokens / positions; never captured. It also takes the
+   forward's batch, which the inside ops of an eager forward read (below).
+2. ``pre_ops_maybe_inside_graph(forward_batch)`` — the fork point: on CUDA an event on the
+   forward stream, recorded before the model forward's kernels (HiCache: after the first
+   layer's load). Nothing is launched here, so an eager forward's kernels are queued without
+   waiting for the canary's host work.
+3. ``post_ops_maybe_inside_graph(forward_batch)`` — after the model forward's kernels are
+   queued: on the side stream, from the fork point (so on the GPU beside the forward), fill
+   the plan input, plan every group, HEAD launches (verify, then write), the chain part of the
+   TAIL writes and a copy of the plans' ``enable`` flags into a static status buffer; then
+   join the side stream, TAIL verify and the TAIL writes' real-KV fingerprints of the new
+   slots. Captured into decode CUDA graphs, where the side-stream part becomes a parallel
+   branch from the fork point. The status (:class:`SfmStatus`) is this manager's typed
+   per-forward output.
 4. ``post_ops_outside_graph()`` — back to IDLE; the manager then reads results (delayed).
+
+Which batch the inside ops read: while capturing, the one ``model.forward`` was called with
+(sglang's capture batch); otherwise the one ``pre_ops_outside_graph`` took (the batch
+``ModelRunner.forward`` got). They differ under a piecewise CUDA-graph replay, which calls
+``model.forward`` with a copy padded to its captured token count (padding slots 0); the
+canary checks what the scheduler asked for, the unpadded batch.
 
 When a CUDA graph replays, 2 and 3 run inside the graph; :meth:`mark_replayed_inside_graph`
 records that. While capturing (:meth:`capturing`), only 2 and 3 run, from IDLE. Every
-per-forward tensor is allocated in ``__init__``.
+per-forward tensor (and the fork event) is allocated in ``__init__``.
 """
 
 from __future__ import annotations
@@ -121,6 +133,10 @@ class SingleForwardManager:
         # CUDA: the pre-forward work runs on this side stream, beside the model forward
         device = torch.device(device)
         self.side_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        # the fork point on the forward stream (2.), where the side-stream work starts
+        self._fork = torch.cuda.Event() if self.side_stream is not None else None
+        # the batch of the outside bracket (1.): what an eager forward's inside ops read
+        self._batch: Optional["ForwardBatch"] = None
         self.phase = SfmPhase.IDLE
         self._capturing = False
 
@@ -179,16 +195,27 @@ class SingleForwardManager:
                 self.expected_valid_lens.zero_()
             else:
                 self.expected_valid_lens[:bs].copy_(lens, non_blocking=True)
+        self._batch = forward_batch
+
+    def _inside_batch(self, forward_batch: "ForwardBatch") -> "ForwardBatch":
+        """The batch the inside ops read (module docstring): the argument while capturing,
+        else the outside bracket's batch."""
+        if self._capturing:
+            return forward_batch
+        if self._batch is None:  # the phase table makes this unreachable; keep it loud
+            raise CanaryPhaseError("kv_canary: inside ops of an eager forward without the "
+                                   "outside bracket's batch")
+        return self._batch
 
     @contextlib.contextmanager
     def _beside_the_forward(self):
-        """Run the enclosed launches on the side stream, after what the forward stream has
-        queued so far (a fork; inside a capture it becomes a parallel graph branch). The
-        matching join is :meth:`_join`. CPU: runs in place."""
+        """Run the enclosed launches on the side stream, from the fork point recorded by
+        :meth:`pre_ops_maybe_inside_graph` (inside a capture: a parallel graph branch from
+        there). The matching join is :meth:`_join`. CPU: runs in place."""
         if self.side_stream is None:
             yield
             return
-        self.side_stream.wait_stream(torch.cuda.current_stream(self.side_stream.device))
+        self.side_stream.wait_event(self._fork)
         with torch.cuda.stream(self.side_stream):
             yield
 
@@ -197,13 +224,26 @@ class SingleForwardManager:
             torch.cuda.current_stream(self.side_stream.device).wait_stream(self.side_stream)
 
     def pre_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
-        """Plan, HEAD verify + write, and the TAIL writes' chain part (which needs no KV
-        bytes). On CUDA all of it runs on the side stream, concurrently with the model forward
-        (none of it feeds the forward; :meth:`post_ops_maybe_inside_graph` joins), so the
-        serial chain of a long prefill costs the forward stream nothing."""
+        """The fork point, before the model forward's kernels (HiCache: after the forward
+        stream waits for the first layer's load, which carries the canary rows of loaded
+        slots). No launch: the canary's host work waits until the forward is queued."""
         self._advance(SfmOp.PRE_MAYBE_INSIDE_GRAPH)
         if self.kv_pool is not None:  # HiCache: records of loaded slots arrive with layer 0
             sglang_seam.hicache_wait_for_first_layer(self.kv_pool)
+        if self._fork is not None:
+            self._fork.record(torch.cuda.current_stream(self.side_stream.device))
+
+    def post_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
+        """After the model forward's kernels are queued. On the side stream, from the fork
+        point (so concurrently with the forward on the GPU; none of it reads what the forward
+        writes): plan, HEAD verify + write and the TAIL writes' chain part (no KV bytes), so
+        the serial chain of a long prefill costs the forward stream nothing and its host
+        launches overlap the forward's GPU time. Then join, TAIL verify (records and real-KV
+        fingerprints of the prefix, after the forward; with per-layer fingerprints also this
+        forward's window of layers) and the TAIL writes' fingerprints of the new slots (every
+        layer's, with per-layer fingerprints)."""
+        self._advance(SfmOp.POST_MAYBE_INSIDE_GRAPH)
+        forward_batch = self._inside_batch(forward_batch)
         with self._beside_the_forward():
             self._slots = self._contiguous_slots(forward_batch.out_cache_loc)
             rpi, prefix, extend = self.plan_input.fill_from_forward_batch(forward_batch)
@@ -218,13 +258,6 @@ class SingleForwardManager:
             self._write(CanaryPhase.TAIL, WriteParts.CHAIN, forward_batch)
             for i, group in enumerate(self.groups):
                 self.status.plan_enabled[i:i + 1].copy_(self.plans[group].verify_plan.enable)
-
-    def post_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
-        """Join the side stream, then TAIL verify (records and real-KV fingerprints of the
-        prefix, after the forward; with per-layer fingerprints also this forward's window of
-        layers) and the TAIL writes' fingerprints of the new slots (every layer's, with
-        per-layer fingerprints)."""
-        self._advance(SfmOp.POST_MAYBE_INSIDE_GRAPH)
         self._join()
         self._verify(CanaryPhase.TAIL)
         launch_deep_verifies(self.endpoints, CanaryPhase.TAIL, plans_by_group=self.plans)
@@ -236,10 +269,12 @@ class SingleForwardManager:
 
     def post_ops_outside_graph(self) -> None:
         self._advance(SfmOp.POST_OUTSIDE_GRAPH)
+        self._batch = None
 
     def abort(self) -> None:
         """Back to IDLE after a forward that raised (its canary work is void)."""
         self.phase = SfmPhase.IDLE
+        self._batch = None
 
     def _verify(self, phase: CanaryPhase) -> None:
         launch_verifies(self.endpoints, phase, plans_by_group=self.plans,
