@@ -680,6 +680,7 @@ def report(paths: Sequence[str]) -> None:
     records = read_jsonl(paths)
     eng = [r for r in records if r.get("kind") == "engine"]
     brk = [r for r in records if r.get("kind") == "breakdown"]
+    hbd = [r for r in records if r.get("kind") == "host_breakdown"]
     gpus = sorted({r["gpu"] for r in records})
     dates = sorted({r["time"] for r in records})
     out = [f"# KV-canary serving overhead — {', '.join(gpus) or '?'}"]
@@ -699,6 +700,8 @@ def report(paths: Sequence[str]) -> None:
                 "`Engine.generate` over the batch; median / min over the runs after one warm-up."),
                 ""]
         out.append(engine_table(eng, title="## End-to-end latency"))
+    if hbd:
+        out += ["", "## Canary host time per bs1 prefill", "", host_breakdown_table(hbd)]
     if brk:
         out += ["", "## Canary GPU time per decode step", "", breakdown_table(brk)]
         step_ms = {r["bs"]: r["median_ms"] / r["osl"] for r in eng
@@ -923,6 +926,140 @@ def run_breakdown(args) -> None:
     print(breakdown_table(records))
 
 
+HOST_PHASES = ("batch init (token snapshot)", "outside pre-ops", "inside pre-ops",
+               "inside post-ops", "outside post-ops + read-back")
+
+
+def run_host_breakdown(args) -> None:
+    """Host (CPU) time of each canary phase around one request's eager prefill, what a bs1
+    time to first token pays: real pools with the Qwen3 shapes, the canary from the
+    runtime's builder, a new request per prefill (chunked like the Engine), the model stood
+    in for by a GPU sleep long enough that the host is never waiting for the device (so the
+    phases' host time is all that is measured). ``batch init``, ``outside pre-ops`` and
+    ``inside pre-ops`` run before the model's kernels are queued: their sum is what the
+    forward waits for. Medians over ``--host-breakdown-runs`` prefills after two warm-ups."""
+    import torch
+    from sglang.srt.kv_canary.builder import build_canary
+    from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
+    from sglang.srt.kv_canary.config import CanaryConfig
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    smoke = args.smoke_cpu
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit("--host-breakdown needs a CUDA GPU (or --smoke-cpu for a dry run)")
+    device = torch.device("cpu" if smoke else "cuda")
+    isls = parse_ints(args.host_breakdown, "--host-breakdown")
+    configs = [c for c in parse_names(args.configs, CONFIGS, "--configs") if c != "off"]
+    if not configs:
+        raise SystemExit("--host-breakdown: --configs names no canary-on config")
+    chunk = 32 if smoke else args.chunked_prefill_size
+    layers, heads, dim, vocab = (2, 2, 8, 512) if smoke else (28, 8, 128, 151936)
+    max_ctx = max(isls) + 8
+    num_slots = max(4 * max(isls), 4096)
+    runs = 2 if smoke else args.host_breakdown_runs
+    name = torch.cuda.get_device_name() if not smoke else "cpu (smoke)"
+    print(f"KV-canary host time per phase of a bs1 eager prefill — {name} — {now_utc()} — "
+          f"chunk {chunk}, {runs} runs", flush=True)
+    rows = []
+    for cname in configs:
+        cfg = CONFIGS[cname]
+        r2t = ReqToTokenPool(size=8, max_context_len=max_ctx, device=str(device),
+                             enable_memory_saver=False)
+        kv = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16, head_num=heads,
+                              head_dim=dim, layer_num=layers, device=str(device),
+                              enable_memory_saver=False, enable_alt_stream=False)
+        kv.k_buffer[0].normal_()
+        kv.v_buffer[0].normal_()
+        mgr = build_canary(
+            pool=kv, req_to_token=r2t.req_to_token, device=device,
+            config=CanaryConfig(mode=cfg.kv_canary, real_kv_hash_mode=cfg.real_data,
+                                real_data_layers=cfg.real_data_layers,
+                                enable_verify_token_assert=cfg.verify_tokens,
+                                stats_print_every_n_steps=0),
+            capacity_inputs=CanaryCapacityInputs(context_len=max_ctx, chunked_prefill_size=chunk,
+                                                 max_prefill_tokens=16384, cuda_graph_max_bs=8))
+        mgr.mark_init_finished()
+        gen = torch.Generator().manual_seed(0)
+
+        def i64(v):
+            return torch.tensor(v, dtype=torch.int64, device=device)
+
+        for isl in isls:
+            times = {p: [] for p in HOST_PHASES}
+            for run in range(-2, runs):  # two warm-ups (Triton JIT, allocator)
+                row = 1 + (run % 4)
+                req = _Req(row, torch.randint(100, vocab - 100, (isl,), generator=gen).tolist())
+                slots = torch.randperm(num_slots - 1, generator=gen)[:isl] + 1
+                r2t.req_to_token[row, :isl] = slots.to(torch.int32).to(device)
+                per_run = {p: 0.0 for p in HOST_PHASES}
+                for start in range(0, isl, chunk):
+                    n = min(chunk, isl - start)
+                    sl = slots[start:start + n].tolist()
+                    tick = time.perf_counter
+                    t0 = tick()
+                    fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1,
+                                      input_ids=i64(req.origin_input_ids[start:start + n]),
+                                      req_pool_indices=i64([row]), seq_lens=i64([start + n]),
+                                      out_cache_loc=i64(sl), seq_lens_sum=start + n,
+                                      positions=i64(list(range(start, start + n))),
+                                      req_to_token_pool=r2t, token_to_kv_pool=kv)
+                    fb.extend_prefix_lens, fb.extend_seq_lens = i64([start]), i64([n])
+                    fb.extend_num_tokens = n
+                    fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = [start], [n]
+                    t1 = tick()
+                    mgr.on_forward_batch_init(fb, [req])
+                    t2 = tick()
+                    with mgr.with_active_single_forward_manager(0), \
+                            mgr.with_ops_outside_graph(fb):
+                        t3 = tick()
+                        mgr.pre_ops_maybe_inside_graph(fb)
+                        t4 = tick()
+                        if not smoke:
+                            torch.cuda._sleep(20_000_000)  # ~10 ms: the device stays busy
+                        t5 = tick()
+                        mgr.post_ops_maybe_inside_graph(fb)
+                        t6 = tick()
+                    t7 = tick()
+                    del t0
+                    for phase, dt in zip(HOST_PHASES, (t2 - t1, t3 - t2, t4 - t3, t6 - t5,
+                                                       t7 - t6)):
+                        per_run[phase] += dt * 1e6
+                if not smoke:
+                    torch.cuda.synchronize()
+                if run >= 0:
+                    for p in HOST_PHASES:
+                        times[p].append(per_run[p])
+            if mgr.count_violations():
+                raise SystemExit(f"host breakdown {cname} isl {isl}: violations on a clean run")
+            med = {p: statistics.median(v) for p, v in times.items()}
+            before = sum(med[p] for p in HOST_PHASES[:3])
+            rec = dict(kind="host_breakdown", time=now_utc(), gpu=name, config=cname, isl=isl,
+                       chunk=chunk, runs=runs, median_us=med, before_forward_us=before)
+            append_jsonl(args.out, rec)
+            rows.append(rec)
+            print(f"[{cname} isl {isl}] before the forward {before:.0f} µs; "
+                  + "; ".join(f"{p} {med[p]:.0f}" for p in HOST_PHASES), flush=True)
+        del mgr, kv, r2t
+        gc.collect()
+    print()
+    print(host_breakdown_table(rows))
+
+
+def host_breakdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "Host breakdown: no results"
+    head = " | ".join(HOST_PHASES)
+    lines = [f"Host µs per bs1 prefill (median of {rows[0]['runs']}; {rows[0]['gpu']}, "
+             f"{rows[0]['time']}; chunk {rows[0]['chunk']})", "",
+             f"| config | prompt | {head} | before the forward |",
+             "| --- | ---: |" + " ---: |" * (len(HOST_PHASES) + 1)]
+    for r in rows:
+        cells = " | ".join(f"{r['median_us'][p]:.0f}" for p in HOST_PHASES)
+        lines.append(f"| {r['config']} | {r['isl']} | {cells} | **{r['before_forward_us']:.0f}** |")
+    return "\n".join(lines)
+
+
 def parse_ints(value: str, flag: str) -> list[int]:
     try:
         out = [int(v) for v in value.split(",") if v.strip()]
@@ -1106,6 +1243,7 @@ def graph_replay_us(mgr, fb, bs, device, *, torch, ForwardBatch, ForwardMode,
             body()
     torch.cuda.synchronize()
     with mgr.with_active_single_forward_manager(0), mgr.with_ops_outside_graph(static):
+        mgr.before_graph_replay()
         graph.replay()
         mgr.mark_replayed_inside_graph()
     ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
@@ -1143,6 +1281,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="context per request before the profiled decode steps (default 1024)")
     ap.add_argument("--breakdown-steps", type=int, default=20,
                     help="profiled decode steps (default 20)")
+    ap.add_argument("--host-breakdown", metavar="ISL[,ISL...]",
+                    help="host time of each canary phase of a one-request eager prefill of "
+                    "each prompt length (in-process, no Engine; --configs picks the configs)")
+    ap.add_argument("--host-breakdown-runs", type=int, default=30,
+                    help="prefills per prompt length and config (default 30)")
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="tiny CPU dry run (sglang CPU server / CPU pools); numbers meaningless")
     ap.add_argument("--chunked-prefill-size", type=int, default=EngineSettings.chunked_prefill_size)
@@ -1196,6 +1339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.breakdown:
         run_breakdown(args)
+        return 0
+    if args.host_breakdown:
+        run_host_breakdown(args)
         return 0
     return run_engines(args)
 

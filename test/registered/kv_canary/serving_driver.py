@@ -559,6 +559,7 @@ class ServingDriver:
             with mgr.with_ops_outside_graph(fb):
                 if use_graph:
                     self._load_graph_inputs(fb)
+                    mgr.before_graph_replay()
                     self.graph.replay()
                     mgr.mark_replayed_inside_graph()
                 else:

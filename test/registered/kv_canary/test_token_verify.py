@@ -13,6 +13,7 @@ import torch
 from serving_driver import ServingDriver
 from sglang.srt.kv_canary.batch_state import CanaryBatchState, batch_state
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.single_forward_manager import CanaryPhaseError
 from sglang.srt.kv_canary.token_history import (
     ExpectedTokenRows,
     TokenHistoryUploader,
@@ -337,3 +338,49 @@ def test_same_position_swap_is_caught_as_verify_token(verify_tokens):
         assert not mine, rows
         assert rows and all("verify_token" not in v.fail_reasons and v.expected_token == -1
                             for v in rows)
+
+
+def _one_prefill(verify_tokens=True):
+    d = ServingDriver(seed=8, verify_tokens=verify_tokens)
+    d.add_request(prompt_len=7, max_new=2)
+    d._admit()
+    req = d.running[0]
+    return d, req, d._extend_batch([req])
+
+
+def test_an_eager_forward_uploads_the_tokens_after_the_models_launches():
+    """The upload is not on the forward's critical path: nothing reaches the expected-token
+    pool in the outside pre-ops or at the fork point, it does in the inside post-ops (on
+    CUDA on the side stream, after the model's kernels are queued), before the plan that
+    reads it."""
+    d, req, fb = _one_prefill()
+    pool = d.manager.state.req_to_verify_expected_tokens
+    mgr = d.manager
+    with mgr.with_active_single_forward_manager(0), mgr.with_ops_outside_graph(fb):
+        mgr.pre_ops_maybe_inside_graph(fb)
+        assert pool[req.row, :7].tolist() == [-1] * 7  # not yet: the model's turn first
+        d.model_forward(fb)
+        mgr.post_ops_maybe_inside_graph(fb)
+        assert pool[req.row, :7].tolist() == req.prompt
+    assert mgr.count_violations() == 0
+
+
+def test_a_graph_replay_needs_the_token_upload_first():
+    """A CUDA-graph replay reads the pool inside the graph, so the replay hooks upload before
+    replaying (``before_graph_replay``); a replay marked without it is refused, naming the
+    call that is missing. Without token checks there is nothing to upload."""
+    d, req, fb = _one_prefill()
+    mgr = d.manager
+    pool = mgr.state.req_to_verify_expected_tokens
+    with mgr.with_active_single_forward_manager(0):
+        with pytest.raises(CanaryPhaseError, match="upload_tokens_before_replay"):
+            with mgr.with_ops_outside_graph(fb):
+                mgr.mark_replayed_inside_graph()
+        with mgr.with_ops_outside_graph(fb):
+            mgr.before_graph_replay()
+            assert pool[req.row, :7].tolist() == req.prompt
+            mgr.mark_replayed_inside_graph()
+    d, req, fb = _one_prefill(verify_tokens=False)
+    with d.manager.with_active_single_forward_manager(0), d.manager.with_ops_outside_graph(fb):
+        d.manager.before_graph_replay()
+        d.manager.mark_replayed_inside_graph()

@@ -18,7 +18,8 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 |  |  | run no canary work (their dummy batches are not requests) |
 | AROUND | ``CudaGraphRunner.capture_one_batch_size`` | capture bracket |
 | AROUND | ``CudaGraphRunner.replay_prepare`` | padding rows really point at row 0 (below) |
-| AROUND | ``CudaGraphRunner.replay`` | record that the graph ran the inside ops |
+| AROUND | ``CudaGraphRunner.replay`` | before: the token-history upload the graph reads; |
+|  |  | after: record that the graph ran the inside ops |
 | AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_scheduler``: tree cache, running |
 |  |  | requests, metric labels, KV slots in use |
 | AFTER | ``Scheduler.process_batch_result`` | ``after_batch_result`` (abort mode's eviction) |
@@ -163,8 +164,10 @@ def _graph_replay_prepare(original, self, *args, **kwargs):
 
 
 def _graph_replay(original, self, *args, **kwargs):
-    out = original(self, *args, **kwargs)
     manager = seam.runner_canary(seam.graph_runner_model_runner(self))
+    if manager is not None:
+        manager.before_graph_replay()  # the token-history upload the graph reads
+    out = original(self, *args, **kwargs)
     if manager is not None:
         manager.mark_replayed_inside_graph()
     return out
@@ -247,6 +250,7 @@ def _draft_extend_graph_replay(original, self, forward_batch, *args, **kwargs):
     seam.zero_draft_extend_graph_padding(self)
     with manager.with_active_single_forward_manager(0):
         with manager.with_ops_outside_graph(forward_batch):
+            manager.before_graph_replay()
             out = original(self, forward_batch, *args, **kwargs)
             manager.mark_replayed_inside_graph()
             return out

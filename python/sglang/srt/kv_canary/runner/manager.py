@@ -9,8 +9,8 @@ do this)::
         with manager.with_ops_outside_graph(forward_batch):
             # eager forward: model.forward is wrapped to call
             #   manager.pre_ops_maybe_inside_graph(fb) ... manager.post_ops_maybe_inside_graph(fb)
-            # CUDA-graph replay: the graph holds those launches; then call
-            #   manager.mark_replayed_inside_graph()
+            # CUDA-graph replay: manager.before_graph_replay(); the graph holds those
+            #   launches; then manager.mark_replayed_inside_graph()
             ...
 
 and around each CUDA-graph capture: ``with manager.with_active_single_forward_manager(i),
@@ -257,6 +257,8 @@ class CanaryManager:
         try:
             for sfm in sfms:
                 sfm.pre_ops_outside_graph(forward_batch)
+                if replayed:  # a draft round's graph: its replay reads the tokens
+                    sfm.upload_tokens_before_replay()
             yield
         except BaseException:
             for sfm in sfms:
@@ -290,6 +292,12 @@ class CanaryManager:
             yield
         finally:
             self._piecewise_graph_setup = False
+
+    def before_graph_replay(self) -> None:
+        """Right before a CUDA graph replays the active single-forward manager's inside ops
+        (the replay hooks call it): the work those ops read that an eager forward leaves
+        until after the model's launches (the token-history upload)."""
+        self.active_sfm.upload_tokens_before_replay()
 
     def mark_replayed_inside_graph(self) -> None:
         self.active_sfm.mark_replayed_inside_graph()

@@ -4,10 +4,13 @@
 Four ops, checked in order:
 
 1. ``pre_ops_outside_graph(forward_batch)`` — host checks (capacities, with the server flag to
-   change), the token-history upload (:class:`TokenHistoryUploader`) and, with
-   ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1``,
-   the token oracle's expected written tokens / positions; never captured. It also takes the
-   forward's batch, which the inside ops of an eager forward read (below).
+   change) and, with ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1``, the token oracle's
+   expected written tokens / positions; never captured. It also takes the forward's batch,
+   which the inside ops of an eager forward read (below). The token-history upload
+   (:class:`TokenHistoryUploader`, token checks on) is left pending: a CUDA-graph replay hook
+   does it before the replay (:meth:`upload_tokens_before_replay`, on the forward stream); an
+   eager forward does it in 3., on the side stream, after the model's kernels are queued. A
+   replay marked without it raises.
 2. ``pre_ops_maybe_inside_graph(forward_batch)`` — the fork point: on CUDA an event on the
    forward stream, recorded before the model forward's kernels (HiCache: after the first
    layer's load). Nothing is launched here, so an eager forward's kernels are queued without
@@ -137,6 +140,8 @@ class SingleForwardManager:
         self._fork = torch.cuda.Event() if self.side_stream is not None else None
         # the batch of the outside bracket (1.): what an eager forward's inside ops read
         self._batch: Optional["ForwardBatch"] = None
+        # token checks: this forward's token-history upload is still to be done
+        self._tokens_pending = False
         self.phase = SfmPhase.IDLE
         self._capturing = False
 
@@ -188,14 +193,28 @@ class SingleForwardManager:
             )
         if self.expected_inputs is not None:
             self.token_oracle.fill_expected_inputs(forward_batch, self.expected_inputs)
-        if self.token_history is not None:
-            lens = self.token_history.upload(batch_state(forward_batch),
-                                             forward_batch.req_pool_indices)
-            if lens is None:  # no snapshot for this batch: no token checks this forward
-                self.expected_valid_lens.zero_()
-            else:
-                self.expected_valid_lens[:bs].copy_(lens, non_blocking=True)
         self._batch = forward_batch
+        # token checks: the upload waits for the forward's kernels (eager) or the replay
+        self._tokens_pending = self.token_history is not None
+
+    def upload_tokens_before_replay(self) -> None:
+        """Before a CUDA graph replays this forward's inside ops (the replay hooks call it, on
+        the forward stream): the token-history upload those ops read. A no-op without token
+        checks or once done."""
+        if self._tokens_pending:
+            self._upload_tokens(self._batch)
+
+    def _upload_tokens(self, forward_batch: "ForwardBatch") -> None:
+        """Scatter the batch's token-id snapshot into the expected-token pool and set the
+        plan's valid lengths (one host->device copy, one scatter launch, no host sync), on
+        the current stream."""
+        self._tokens_pending = False
+        lens = self.token_history.upload(batch_state(forward_batch),
+                                         forward_batch.req_pool_indices)
+        if lens is None:  # no snapshot for this batch: no token checks this forward
+            self.expected_valid_lens.zero_()
+        else:
+            self.expected_valid_lens[:lens.shape[0]].copy_(lens, non_blocking=True)
 
     def _inside_batch(self, forward_batch: "ForwardBatch") -> "ForwardBatch":
         """The batch the inside ops read (module docstring): the argument while capturing,
@@ -245,6 +264,8 @@ class SingleForwardManager:
         self._advance(SfmOp.POST_MAYBE_INSIDE_GRAPH)
         forward_batch = self._inside_batch(forward_batch)
         with self._beside_the_forward():
+            if self._tokens_pending:  # eager: the upload was left for now (step 1.)
+                self._upload_tokens(forward_batch)
             self._slots = self._contiguous_slots(forward_batch.out_cache_loc)
             rpi, prefix, extend = self.plan_input.fill_from_forward_batch(forward_batch)
             expected = self.token_history.pool if self.token_history is not None else None
@@ -265,6 +286,11 @@ class SingleForwardManager:
         launch_deep_writes(self.plans, self._slots)
 
     def mark_replayed_inside_graph(self) -> None:
+        if self._tokens_pending:
+            raise CanaryPhaseError(
+                f"kv_canary: a CUDA graph replayed single-forward manager {self.index}'s inside "
+                "ops before the token-history upload (the replay hook must call "
+                "upload_tokens_before_replay)")
         self._advance(SfmOp.MARK_REPLAYED_INSIDE_GRAPH)
 
     def post_ops_outside_graph(self) -> None:
@@ -275,6 +301,7 @@ class SingleForwardManager:
         """Back to IDLE after a forward that raised (its canary work is void)."""
         self.phase = SfmPhase.IDLE
         self._batch = None
+        self._tokens_pending = False
 
     def _verify(self, phase: CanaryPhase) -> None:
         launch_verifies(self.endpoints, phase, plans_by_group=self.plans,
