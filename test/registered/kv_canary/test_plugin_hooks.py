@@ -152,6 +152,13 @@ def _init_new_hook(monkeypatch, model_runner):
     return run
 
 
+def _snapshot(manager, fb):
+    """The token-id snapshot the forward's upload takes of the requests the hook recorded."""
+    state = batch_state(fb)
+    manager.token_history.snapshot(state, state.token_reqs)
+    return state.token_snapshot
+
+
 def test_forward_batch_hook_snapshots_real_requests(monkeypatch):
     d = ServingDriver(seed=8, verify_tokens=True)
     hook = _init_new_hook(monkeypatch, model_runner_with(d.manager))
@@ -165,10 +172,11 @@ def test_forward_batch_hook_snapshots_real_requests(monkeypatch):
     fb = ForwardBatch.__new__(ForwardBatch)
     hook(fb, reqs)
     state = batch_state(fb)
-    assert state is not None and state.token_snapshot is not None, \
-        "the ForwardBatch.init_new hook attached no token snapshot"
-    assert state.token_snapshot.lens.tolist() == [4, 2]
-    assert state.token_snapshot.flat.tolist() == [11, 12, 13, 14, 21, 22]
+    assert state is not None and state.token_reqs == tuple(reqs), \
+        "the ForwardBatch.init_new hook attached no requests to snapshot"
+    snap = _snapshot(d.manager, fb)
+    assert snap.lens.tolist() == [4, 2]
+    assert snap.flat.tolist() == [11, 12, 13, 14, 21, 22]
     # no manager (canary off): nothing attached
     bare = ForwardBatch.__new__(ForwardBatch)
     _init_new_hook(monkeypatch, model_runner_with(None))(bare, reqs)
@@ -193,7 +201,7 @@ def test_spec_v1_draft_extend_snapshots_only_the_unfinished_requests(monkeypatch
     fb = ForwardBatch.__new__(ForwardBatch)
     hook(fb, reqs, forward_mode=ForwardMode.DRAFT_EXTEND,
          req_pool_indices=torch.tensor([2, 5], dtype=torch.int64))
-    snap = batch_state(fb).token_snapshot
+    snap = _snapshot(d.manager, fb)
     assert snap.lens.tolist() == [4, 3]
     assert snap.flat.tolist() == [11, 12, 13, 14, 21, 22, 23]
     assert [r.rid for r in batch_state(fb).requests.reqs] == ["r2", "r5"]
@@ -202,7 +210,7 @@ def test_spec_v1_draft_extend_snapshots_only_the_unfinished_requests(monkeypatch
     other = ForwardBatch.__new__(ForwardBatch)
     hook(other, reqs, forward_mode=ForwardMode.DECODE,
          req_pool_indices=torch.tensor([2, 5], dtype=torch.int64))
-    assert batch_state(other).token_snapshot.lens.tolist() == [4, 3, 3]
+    assert _snapshot(d.manager, other).lens.tolist() == [4, 3, 3]
 
 
 def test_forward_batch_hook_feeds_the_token_checks_of_a_serving_loop(monkeypatch):

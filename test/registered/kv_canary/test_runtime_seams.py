@@ -404,8 +404,8 @@ def test_a_forward_whose_batch_state_is_foreign_fails_loudly():
     d.add_request(prompt_len=6, max_new=2)
     d._admit()
     fb = d._extend_batch(list(d.running))
-    assert batch_state(fb).token_snapshot is not None
-    sglang_seam.set_batch_state(fb, types.SimpleNamespace(token_snapshot=None))
+    assert batch_state(fb).token_reqs is not None
+    sglang_seam.set_batch_state(fb, types.SimpleNamespace(token_snapshot=None, token_reqs=None))
     with pytest.raises(RuntimeError, match="not a CanaryBatchState"):
         d._forward(fb)
 

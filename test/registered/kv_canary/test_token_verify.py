@@ -281,24 +281,28 @@ def test_expected_token_rows_checks():
 
 
 def test_manager_hook_fills_the_batch_state():
-    """``CanaryManager.on_forward_batch_init``: the token snapshot lands in the batch's canary
-    state with token checks on; with neither token checks nor the oracle the state holds
-    only the batch's requests."""
+    """``CanaryManager.on_forward_batch_init``: with token checks on the batch's canary state
+    records the requests to snapshot, and the forward's upload takes the snapshot (off the
+    batch build, which the forward's launch waits for); with neither token checks nor the
+    oracle the state holds only the batch's requests."""
     on = ServingDriver(seed=8, verify_tokens=True)
     on.add_request(prompt_len=5, max_new=2)
     on._admit()
     fb = on._extend_batch(list(on.running))
     state = batch_state(fb)
     assert state is not None and state.oracle_rows is None
+    # the hook only remembers the requests: the snapshot waits for the upload
+    assert state.token_reqs == tuple(on.running) and state.token_snapshot is None
+    assert state.requests.reqs == tuple(on.running) and state.requests.rows == (on.running[0].row,)
+    on._forward(fb)
     assert state.token_snapshot.lens.tolist() == [5]
     assert state.token_snapshot.flat.tolist() == on.running[0].prompt
-    assert state.requests.reqs == tuple(on.running) and state.requests.rows == (on.running[0].row,)
     off = ServingDriver(seed=8)
     off.add_request(prompt_len=5, max_new=2)
     off._admit()
     state = batch_state(off._extend_batch(list(off.running)))
     # neither feature on: only the requests (for rids=), no snapshot, no oracle rows
-    assert state.token_snapshot is None and state.oracle_rows is None
+    assert state.token_snapshot is None and state.token_reqs is None and state.oracle_rows is None
     assert state.requests.rows == (off.running[0].row,)
 
 

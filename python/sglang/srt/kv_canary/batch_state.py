@@ -24,13 +24,16 @@ if TYPE_CHECKING:
 
 
 class CanaryBatchState:
-    """``token_snapshot``: the batch's token-id snapshot (token checks on), ``oracle_rows``:
+    """``token_reqs``: the requests whose histories the token check uploads (token checks on;
+    the snapshot is taken at upload time), ``token_snapshot``: that snapshot, ``oracle_rows``:
     the oracle's keys and prompts (token oracle on); None when that feature is off.
     ``requests``: the batch's requests and rows (always, with the canary on)."""
 
-    __slots__ = ("token_snapshot", "oracle_rows", "requests")
+    __slots__ = ("token_reqs", "token_snapshot", "oracle_rows", "requests")
 
     def __init__(self):
+        # token checks: the requests the upload snapshots, then the snapshot it took
+        self.token_reqs: Optional[tuple] = None
         self.token_snapshot: Optional["TokenIdSnapshot"] = None
         self.oracle_rows: Optional["OracleRows"] = None
         self.requests: Optional["ForwardRequests"] = None

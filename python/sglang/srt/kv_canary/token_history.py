@@ -2,13 +2,14 @@
 token history, scattered into the expected-token pool that the plan gathers from.
 
 One owner, :class:`TokenHistoryUploader` (built by the canary builder, handed to every
-single-forward manager), and one direction: :meth:`TokenHistoryUploader.snapshot` runs where
-the batch is built (the ``ForwardBatch.init_new`` hook, only when
-``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1``) and snapshots ``origin_input_ids +
-output_ids`` of every request on the host into a :class:`TokenIdSnapshot`, which the batch
-carries as an opaque handle (its :class:`~sglang.srt.kv_canary.batch_state.CanaryBatchState`).
-:meth:`TokenHistoryUploader.upload` runs in the forward's outside-graph phase: it copies the
-snapshot to the device and scatters it into ``req_to_verify_expected_tokens[req_pool_index,
+single-forward manager), and one direction: where the batch is built (the
+``ForwardBatch.init_new`` hook, only when ``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1``)
+:meth:`TokenHistoryUploader.defer_snapshot` records the batch's requests in its
+:class:`~sglang.srt.kv_canary.batch_state.CanaryBatchState`; :meth:`TokenHistoryUploader.upload`
+(right before a CUDA-graph replay, or in an eager forward after the model's kernels are
+queued) snapshots ``origin_input_ids + output_ids`` of every request on the host into a
+:class:`TokenIdSnapshot` (kept on the batch state, so a batch run again uploads the same one),
+copies it to the device and scatters it into ``req_to_verify_expected_tokens[req_pool_index,
 position]``. Positions past a request's snapshot length (the token being sampled now, an
 output id not yet known under overlap scheduling, a recycled row's stale tail) are outside
 its valid length and unchecked.
@@ -183,9 +184,18 @@ class TokenHistoryUploader:
         self.pool = pool
         self.rows = ExpectedTokenRows(pool.shape[0])
 
+    def defer_snapshot(self, state: CanaryBatchState, reqs: Optional[Sequence]) -> None:
+        """The ``ForwardBatch.init_new`` hook: remember the batch's requests; :meth:`upload`
+        snapshots them (the forward's queue does not wait for a long prompt's snapshot). The
+        histories it then reads are those of the batch's build: sglang appends a forward's
+        tokens only after the forward (the upload runs inside it, or right before its graph
+        replays). No-op for a batch without requests. Host only."""
+        if reqs is not None:
+            state.token_reqs = tuple(reqs)
+
     def snapshot(self, state: CanaryBatchState, reqs: Optional[Sequence]) -> None:
-        """The ``ForwardBatch.init_new`` hook: snapshot the tokens of ``reqs`` that their pool
-        rows lack into ``state`` (no-op for a batch without requests). Host only."""
+        """Snapshot now the tokens of ``reqs`` that their pool rows lack into ``state`` (no-op
+        for a batch without requests). Host only."""
         if reqs is not None:
             state.token_snapshot = self.rows.snapshot(reqs)
 
@@ -197,6 +207,8 @@ class TokenHistoryUploader:
         out of order is replaced (in ``state``) by a whole one first. Raises ``RuntimeError``
         when the snapshot does not match the batch. Outside CUDA graphs; one host→device copy
         and one scatter launch, no host sync."""
+        if state is not None and state.token_snapshot is None and state.token_reqs is not None:
+            self.snapshot(state, state.token_reqs)  # deferred by the init_new hook
         snap = state.token_snapshot if state is not None else None
         bs = req_pool_indices.shape[0]
         if snap is None or bs == 0:

@@ -392,7 +392,7 @@ class CanaryManager:
                 and forward_batch.forward_mode == sglang_seam.ForwardMode.DECODE):
             return  # a draft round of one speculative step runs no draft forward
         if self.token_history is not None:
-            self.token_history.snapshot(state, reqs)
+            self.token_history.defer_snapshot(state, reqs)
         if self.token_oracle is not None:
             self.token_oracle.attach_batch(forward_batch, state, reqs)
 
