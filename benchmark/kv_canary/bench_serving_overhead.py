@@ -97,6 +97,15 @@ by the tracing, so compare configs, not absolute values::
     . .device/c/setup.sh && python benchmark/kv_canary/bench_serving_overhead.py \
         --configs raise,raise+token --scenarios decode_bs1 --runs 2 --host-profile 150
 
+Host breakdown (``--host-breakdown ISL[,ISL...]``, in-process, no Engine): the host time of
+each canary phase around one request's eager prefill of each prompt length (batch init, outside
+pre-ops, inside pre-ops, inside post-ops, outside post-ops + read-back), with the model stood in
+for by a GPU sleep so the host never waits; the first three run before the model's kernels are
+queued (what a bs1 time to first token waits for)::
+
+    . .device/c/setup.sh && python benchmark/kv_canary/bench_serving_overhead.py \
+        --host-breakdown 512,4096,16384 --configs raise,raise+token --out $OUT/host.jsonl
+
 Without a GPU (``--smoke-cpu``): the same code paths on the CPU, sglang's CPU server
 (docs/architecture.md, "CPU server": tiny dummy Llama, libcuda stub, CUDA graphs off) with tiny
 scenarios (bs 2 / 1 / 2, isl 16 / 16 / 64, osl 8 / 8 / 1, chunked prefill 32) and
