@@ -429,4 +429,42 @@ MUTANTS = (
         new="config.mode, pool=\"\",",
         selection=f"{_T}/test_speculative.py::test_a_flipped_byte_is_caught_by_its_pool_canary",
         speed="quick", what="a draft-pool report does not say it is the draft pool"),
+    Mutant(
+        id="piecewise-replay-reads-padded-batch",
+        path=f"{_RT}/single_forward_manager/manager.py",
+        old="        if self._capturing:\n            return forward_batch\n",
+        new="        if True:\n            return forward_batch\n",
+        selection=f"{_T}/test_piecewise.py::"
+                  "test_a_padded_piecewise_replay_is_checked_as_the_scheduler_sent_it",
+        speed="quick", what="a piecewise replay's inside ops read sglang's padded copy"),
+    Mutant(
+        id="piecewise-set-up-runs-the-canary", path=f"{_RT}/runner/manager.py",
+        old="        if not self._piecewise_graph_setup:\n"
+            "            self.active_sfm.pre_ops_maybe_inside_graph(forward_batch)\n",
+        new="        if True:\n"
+            "            self.active_sfm.pre_ops_maybe_inside_graph(forward_batch)\n",
+        selection=f"{_T}/test_piecewise.py::test_piecewise_set_up_forwards_run_no_canary_work",
+        speed="quick", what="piecewise warm-up / capture forwards reach the canary"),
+    Mutant(
+        id="token-upload-before-the-forward",
+        path=f"{_RT}/single_forward_manager/manager.py",
+        old="        self._tokens_pending = self.token_history is not None\n",
+        new="        self._tokens_pending = self.token_history is not None\n"
+            "        self.upload_tokens_before_replay()\n",
+        selection=f"{_T}/test_token_verify.py::"
+                  "test_an_eager_forward_uploads_the_tokens_after_the_models_launches",
+        speed="quick", what="the token upload is back on the forward's critical path"),
+    Mutant(
+        id="token-snapshot-at-batch-build", path=f"{_RT}/runner/manager.py",
+        old="            self.token_history.defer_snapshot(state, reqs)\n",
+        new="            self.token_history.snapshot(state, reqs)\n",
+        selection=f"{_T}/test_token_verify.py::test_manager_hook_fills_the_batch_state",
+        speed="quick", what="the token snapshot is taken where the batch is built"),
+    Mutant(
+        id="graph-replay-without-token-upload", path=f"{_RT}/plugin.py",
+        old="        manager.before_graph_replay()  # the token-history upload the graph reads\n",
+        new="        pass\n",
+        selection=f"{_T}/test_plugin_hooks.py::"
+                  "test_graph_replay_hook_uploads_the_tokens_before_the_replay",
+        speed="quick", what="a decode graph replays before the token upload"),
 )

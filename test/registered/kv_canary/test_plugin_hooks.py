@@ -229,3 +229,31 @@ def test_forward_batch_hook_feeds_the_token_checks_of_a_serving_loop(monkeypatch
     mine = [v for v in parse_violation_lines(str(exc.value)) if v.slot_idx == info["new_slot"]]
     assert mine and all(v.fail_reasons == ("verify_token",) for v in mine), str(exc.value)
     assert mine[0].expected_token == info["victim_token"]
+
+
+def test_graph_replay_hook_uploads_the_tokens_before_the_replay():
+    """``CudaGraphRunner.replay`` (AROUND): the graph's plan reads the expected-token pool,
+    so the hook uploads the batch's token history before calling sglang's replay, then marks
+    the inside ops as replayed (sglang's ``CudaGraphRunner`` instance, its ``model_runner``
+    carrying the canary)."""
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    d = ServingDriver(seed=8, verify_tokens=True)
+    d.add_request(prompt_len=7, max_new=2)
+    d._admit()
+    req = d.running[0]
+    fb = d._extend_batch([req])
+    graph_runner = CudaGraphRunner.__new__(CudaGraphRunner)
+    graph_runner.model_runner = model_runner_with(d.manager)
+    pool = d.manager.state.req_to_verify_expected_tokens
+    seen = []
+
+    def replay(self, *args, **kwargs):  # what the graph reads when it runs
+        seen.append(pool[req.row, :7].tolist())
+        return "logits"
+
+    mgr = d.manager
+    with mgr.with_active_single_forward_manager(0), mgr.with_ops_outside_graph(fb):
+        assert plugin._graph_replay(replay, graph_runner) == "logits"
+        assert mgr.active_sfm.phase.value == "post_ops_maybe_inside_graph"
+    assert seen == [req.prompt]
