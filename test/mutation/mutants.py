@@ -410,13 +410,6 @@ MUTANTS = (
                   "test_raise_names_the_rank_on_a_server_of_several",
         speed="quick", what="raise mode's error does not say which rank found the corruption"),
     Mutant(
-        id="spec-one-step-round-snapshot", path=f"{_RT}/runner/manager.py",
-        old="            return  # a draft round of one speculative step runs no draft forward\n",
-        new="            pass\n",
-        selection=f"{_T}/test_speculative.py::"
-                  "test_eagle_rounds_run_clean_with_token_checks",
-        speed="quick", what="a one-step draft round's never-run batch is snapshotted"),
-    Mutant(
         id="spec-fault-worker-target-ignored", path=f"{_RT}/perturb/config.py",
         old="        return (self.enabled and self.target_worker in (None, worker)\n",
         new="        return (self.enabled\n",

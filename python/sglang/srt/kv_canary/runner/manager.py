@@ -390,7 +390,7 @@ class CanaryManager:
             return
         if (self.ranks.draft and self.draft_forwards_per_round == 0
                 and forward_batch.forward_mode == sglang_seam.ForwardMode.DECODE):
-            return  # a draft round of one speculative step runs no draft forward
+            return  # a one-step draft round runs no draft forward: nothing to attach
         if self.token_history is not None:
             self.token_history.defer_snapshot(state, reqs)
         if self.token_oracle is not None:
