@@ -1005,8 +1005,6 @@ def run_host_breakdown(args) -> None:
                 for start in range(0, isl, chunk):
                     n = min(chunk, isl - start)
                     sl = slots[start:start + n].tolist()
-                    tick = time.perf_counter
-                    t0 = tick()
                     fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1,
                                       input_ids=i64(req.origin_input_ids[start:start + n]),
                                       req_pool_indices=i64([row]), seq_lens=i64([start + n]),
@@ -1016,6 +1014,7 @@ def run_host_breakdown(args) -> None:
                     fb.extend_prefix_lens, fb.extend_seq_lens = i64([start]), i64([n])
                     fb.extend_num_tokens = n
                     fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = [start], [n]
+                    tick = time.perf_counter
                     t1 = tick()
                     mgr.on_forward_batch_init(fb, [req])
                     t2 = tick()
@@ -1030,7 +1029,6 @@ def run_host_breakdown(args) -> None:
                         mgr.post_ops_maybe_inside_graph(fb)
                         t6 = tick()
                     t7 = tick()
-                    del t0
                     for phase, dt in zip(HOST_PHASES, (t2 - t1, t3 - t2, t4 - t3, t6 - t5,
                                                        t7 - t6)):
                         per_run[phase] += dt * 1e6

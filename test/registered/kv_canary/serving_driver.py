@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import random
+import types
 from typing import Dict, List, Optional
 
 import torch
@@ -37,6 +38,18 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 VOCAB = 1000
+
+
+def stand_in_model_runner(pool, *, req_to_token: torch.Tensor, context_len: int,
+                          vocab_size: int = 512, draft: bool = False):
+    """A stand-in sglang ``ModelRunner`` for ``install_canary``: the attributes the seam reads
+    at install (``RunnerFacts``) and a model whose ``forward`` the canary wraps."""
+    model = types.SimpleNamespace(forward=lambda input_ids, positions, forward_batch: None)
+    return types.SimpleNamespace(
+        token_to_kv_pool=pool, req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
+        device="cpu", model_config=types.SimpleNamespace(context_len=context_len,
+                                                         vocab_size=vocab_size),
+        sliding_window_size=None, is_draft_worker=draft, model=model, sampler=None)
 
 
 def next_token(rid: int, position: int) -> int:

@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from serving_driver import ServingDriver
+from serving_driver import ServingDriver, stand_in_model_runner
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary import api, plugin, sglang_seam
 from sglang.srt.kv_canary.config import CanaryConfig
@@ -32,8 +32,7 @@ WINDOW = 12
 def _driver(pool: str, **kw) -> ServingDriver:
     extra = (dict(num_slots=640, num_swa_slots=400, swa_window=WINDOW) if pool == "swa"
              else {})
-    d = ServingDriver(seed=7, pool=pool, real_data="partial", **extra, **kw)
-    return d
+    return ServingDriver(seed=7, pool=pool, real_data="partial", **extra, **kw)
 
 
 @pytest.mark.parametrize("pool", ["mha", "swa"])
@@ -64,12 +63,8 @@ def _runner_with_canary():
     pool = MHATokenToKVPool(size=63, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=8,
                             layer_num=1, device="cpu", enable_memory_saver=False,
                             enable_alt_stream=False)
-    req_to_token = torch.zeros((8, 32), dtype=torch.int32)
-    model = types.SimpleNamespace(forward=lambda input_ids, positions, forward_batch: None)
-    runner = types.SimpleNamespace(
-        token_to_kv_pool=pool, req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
-        device="cpu", model_config=types.SimpleNamespace(context_len=32, vocab_size=512),
-        sliding_window_size=None, is_draft_worker=False, model=model, sampler=None)
+    runner = stand_in_model_runner(pool, req_to_token=torch.zeros((8, 32), dtype=torch.int32),
+                                   context_len=32)
     server_args = types.SimpleNamespace(
         kv_canary="raise", kv_canary_sweep_interval=0, kv_canary_real_data="partial",
         device="cpu", disable_piecewise_cuda_graph=False, enable_torch_compile=False,

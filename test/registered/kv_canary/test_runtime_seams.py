@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import serving_driver
-from serving_driver import ServingDriver
+from serving_driver import ServingDriver, stand_in_model_runner
 from sglang.jit_kernel.kv_canary import consts as c
 from sglang.jit_kernel.kv_canary.consts import FailReason, to_int64
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
@@ -244,11 +244,7 @@ def test_install_canary_assembles_through_build_canary_with_the_server_limits(mo
     monkeypatch.setattr(api, "build_canary", spy)
     pool = _mha_pool(size=999)  # 1000 rows with the padding slot
     req_to_token = torch.zeros((128, 8), dtype=torch.int32)
-    model = types.SimpleNamespace(forward=lambda input_ids, positions, forward_batch: None)
-    runner = types.SimpleNamespace(
-        token_to_kv_pool=pool, req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
-        device="cpu", model_config=types.SimpleNamespace(context_len=40960, vocab_size=512),
-        sliding_window_size=None, is_draft_worker=False, model=model, sampler=None)
+    runner = stand_in_model_runner(pool, req_to_token=req_to_token, context_len=40960)
     server_args = types.SimpleNamespace(
         kv_canary="log", kv_canary_sweep_interval=0, kv_canary_real_data="none", device="cpu",
         disable_piecewise_cuda_graph=True, enable_torch_compile=False,

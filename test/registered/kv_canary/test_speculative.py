@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from eagle_driver import EagleDriver
+from serving_driver import stand_in_model_runner
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary import plugin
 from sglang.srt.kv_canary import sglang_seam as seam
@@ -305,16 +306,8 @@ def test_perturbation_can_target_the_draft_worker_only():
 
 
 def _runner(pool, *, draft: bool):
-    """A stand-in ``ModelRunner`` with the attributes the seam reads at install."""
-    import types
-
-    model = types.SimpleNamespace(forward=lambda input_ids, positions, forward_batch: None)
-    return types.SimpleNamespace(
-        token_to_kv_pool=pool,
-        req_to_token_pool=types.SimpleNamespace(req_to_token=torch.zeros((16, 64),
-                                                                         dtype=torch.int32)),
-        device="cpu", model_config=types.SimpleNamespace(context_len=64, vocab_size=512),
-        sliding_window_size=None, is_draft_worker=draft, model=model, sampler=None)
+    return stand_in_model_runner(pool, req_to_token=torch.zeros((16, 64), dtype=torch.int32),
+                                 context_len=64, draft=draft)
 
 
 def _spec_server_args(**kw):
