@@ -121,12 +121,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
 import datetime
 import gc
 import json
 import os
 import pathlib
+import pstats
 import signal
 import statistics
 import subprocess
@@ -996,7 +998,12 @@ def run_host_breakdown(args) -> None:
 
         for isl in isls:
             times = {p: [] for p in HOST_PHASES}
-            for run in range(-2, runs):  # two warm-ups (Triton JIT, allocator)
+            profiler = None
+            for run in range(-2, runs + (args.host_breakdown_cprofile and 20)):
+                # two warm-ups (Triton JIT, allocator), the timed runs, then (with
+                # --host-breakdown-cprofile) 20 more under cProfile, not timed
+                if run == runs:
+                    profiler = cProfile.Profile()
                 row = 1 + (run % 4)
                 req = _Req(row, torch.randint(100, vocab - 100, (isl,), generator=gen).tolist())
                 slots = torch.randperm(num_slots - 1, generator=gen)[:isl] + 1
@@ -1026,15 +1033,19 @@ def run_host_breakdown(args) -> None:
                         if not smoke:
                             torch.cuda._sleep(20_000_000)  # ~10 ms: the device stays busy
                         t5 = tick()
+                        if profiler is not None:
+                            profiler.enable()
                         mgr.post_ops_maybe_inside_graph(fb)
                         t6 = tick()
                     t7 = tick()
+                    if profiler is not None:
+                        profiler.disable()
                     for phase, dt in zip(HOST_PHASES, (t2 - t1, t3 - t2, t4 - t3, t6 - t5,
                                                        t7 - t6)):
                         per_run[phase] += dt * 1e6
                 if not smoke:
                     torch.cuda.synchronize()
-                if run >= 0:
+                if 0 <= run < runs:
                     for p in HOST_PHASES:
                         times[p].append(per_run[p])
             if mgr.count_violations():
@@ -1047,6 +1058,10 @@ def run_host_breakdown(args) -> None:
             rows.append(rec)
             print(f"[{cname} isl {isl}] before the forward {before:.0f} µs; "
                   + "; ".join(f"{p} {med[p]:.0f}" for p in HOST_PHASES), flush=True)
+            if profiler is not None:
+                print(f"[{cname} isl {isl}] cProfile of 20 prefills' inside post-ops + outside "
+                      "post-ops + read-back (tottime, top 30):", flush=True)
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         del mgr, kv, r2t
         gc.collect()
     print()
@@ -1293,6 +1308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "each prompt length (in-process, no Engine; --configs picks the configs)")
     ap.add_argument("--host-breakdown-runs", type=int, default=30,
                     help="prefills per prompt length and config (default 30)")
+    ap.add_argument("--host-breakdown-cprofile", action="store_true",
+                    help="with --host-breakdown: 20 more prefills per row under cProfile "
+                    "(post-ops and read-back only, not timed) and the top 30 functions by own "
+                    "time")
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="tiny CPU dry run (sglang CPU server / CPU pools); numbers meaningless")
     ap.add_argument("--chunked-prefill-size", type=int, default=EngineSettings.chunked_prefill_size)

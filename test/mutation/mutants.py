@@ -460,4 +460,29 @@ MUTANTS = (
         selection=f"{_T}/test_plugin_hooks.py::"
                   "test_graph_replay_hook_uploads_the_tokens_before_the_replay",
         speed="quick", what="a decode graph replays before the token upload"),
+    Mutant(
+        id="eager-graphs-stale-rows-kept", path=f"{_RT}/plan_input.py",
+        old="            self.req_pool_indices[bs:self._rows_filled].zero_()\n",
+        new="            pass\n",
+        selection=f"{_T}/test_eager_graphs.py::"
+                  "test_fill_padded_zeroes_only_the_rows_a_larger_batch_left "
+                  f"{_T}/test_eager_graphs.py::"
+                  "test_static_padded_inputs_leave_the_same_records_as_the_batch_tensors",
+        speed="quick", what="static eager launches re-plan the rows of a larger earlier batch"),
+    Mutant(
+        id="eager-graphs-stale-slots-kept",
+        path=f"{_RT}/single_forward_manager/eager_graphs.py",
+        old="            self.out_cache_loc[n:self._tokens_filled].zero_()\n",
+        new="            pass\n",
+        selection=f"{_T}/test_eager_graphs.py::"
+                  "test_a_smaller_batch_pads_the_rows_and_slots_a_larger_one_left",
+        speed="quick", what="static eager slots past the forward keep an earlier forward's"),
+    Mutant(
+        id="eager-graphs-positions-unstaged",
+        path=f"{_RT}/single_forward_manager/eager_graphs.py",
+        old="        self.positions[:n].copy_(forward_batch.positions[:n])\n",
+        new="",
+        selection=f"{_T}/test_eager_graphs.py::"
+                  "test_static_padded_inputs_leave_the_same_records_as_the_batch_tensors",
+        speed="quick", what="static eager launches read stale positions"),
 )

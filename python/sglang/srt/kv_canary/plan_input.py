@@ -16,7 +16,8 @@ from sglang.srt.kv_canary.sglang_seam import ForwardMode
 
 
 class PlanInput:
-    """Static ``prefix_lens`` / ``extend_seq_lens`` int64 ``[write_req_capacity]`` buffers.
+    """Static ``prefix_lens`` / ``extend_seq_lens`` / ``req_pool_indices`` int64
+    ``[write_req_capacity]`` buffers (``req_pool_indices``: only for :meth:`fill_padded`).
 
     Normalisation (docs/architecture.md, "Runtime"): decode / idle → prefix = positions, extend
     = 1; extend / mixed →
@@ -29,6 +30,10 @@ class PlanInput:
         self.write_req_capacity = write_req_capacity
         self.prefix_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
         self.extend_seq_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
+        self.req_pool_indices = torch.zeros(write_req_capacity, dtype=torch.int64,
+                                            device=device)
+        # rows [0, _rows_filled) of req_pool_indices hold a batch's rows; the rest are 0
+        self._rows_filled = 0
 
     def fill_from_forward_batch(self, forward_batch) -> Tuple[torch.Tensor, torch.Tensor,
                                                               torch.Tensor]:
@@ -57,6 +62,24 @@ class PlanInput:
                 "EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2"
             )
         return rpi, prefix, extend
+
+
+    def fill_padded(self, forward_batch) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fill like :meth:`fill_from_forward_batch`, and copy the batch's
+        ``req_pool_indices`` into the static buffer; returns the three whole buffers
+        (``[write_req_capacity]``): rows past the batch are padding rows
+        (``req_pool_indices`` 0: no verify entries, no writes, whatever their prefix and
+        extend). What a launch sequence captured once for every batch reads
+        (:class:`~sglang.srt.kv_canary.single_forward_manager.eager_graphs.EagerForwardGraphs`).
+        Device copies only (a zero fill of the rows a larger earlier batch left); host-known
+        sizes, no sync. Not for use inside a capture."""
+        rpi, _, _ = self.fill_from_forward_batch(forward_batch)
+        bs = rpi.shape[0]
+        self.req_pool_indices[:bs].copy_(rpi)
+        if self._rows_filled > bs:
+            self.req_pool_indices[bs:self._rows_filled].zero_()
+        self._rows_filled = bs
+        return self.req_pool_indices, self.prefix_lens, self.extend_seq_lens
 
 
 def host_prefix_extend(forward_batch) -> Tuple[list, list, list]:

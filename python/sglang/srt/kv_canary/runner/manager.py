@@ -377,8 +377,14 @@ class CanaryManager:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def mark_init_finished(self) -> None:
-        """End of warm-up and graph capture: turn the chain-position check on."""
+        """End of warm-up and graph capture: turn the chain-position check on; on CUDA,
+        capture each single-forward manager's eager-forward graphs (its launches for the
+        forwards no sglang graph holds: prefills, large decode batches)."""
         self.state.mark_init_finished()
+        if self._device.type == "cuda":
+            for sfm in self.sfms:
+                if sfm.eager_graphs is None:
+                    sfm.enable_static_eager_launches(capture_graphs=True)
 
     def on_forward_batch_init(self, forward_batch: "ForwardBatch", reqs) -> None:
         """The ``ForwardBatch.init_new`` hook (host only): the batch's requests and their rows

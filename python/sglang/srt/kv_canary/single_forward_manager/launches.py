@@ -33,6 +33,30 @@ from sglang.srt.kv_canary.endpoint import CanaryEndpoint
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class ForwardLaunchInputs:
+    """What one forward's launches read of the batch (the single-forward manager's
+    ``_side_launches`` / ``_tail_launches``):
+
+    - ``req_pool_indices`` / ``prefix_lens`` / ``extend_seq_lens``: int32/int64 ``[bs]`` (the
+      plan input; ``req_pool_indices`` 0 marks a padding row);
+    - ``input_ids`` / ``positions`` / ``out_cache_loc``: int32/int64 ``[num_tokens]``, laid out
+      as the plan's write offsets say (``out_cache_loc`` contiguous);
+    - ``expected_inputs``: the write-input check's expected tokens and positions
+      ``[num_tokens]`` each (None with the check off).
+
+    Either the batch's own tensors (eager without graphs, and inside sglang's captures) or
+    static buffers of the canary's capacities (:class:`EagerForwardGraphs`)."""
+
+    req_pool_indices: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class GroupPlans:
     """Per-group, per-forward plan buffers (allocated once per single-forward manager).
 

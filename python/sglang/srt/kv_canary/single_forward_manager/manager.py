@@ -53,7 +53,9 @@ from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.endpoint import CanaryEndpoint
 from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
 from sglang.srt.kv_canary.plan_input import PlanInput
+from sglang.srt.kv_canary.single_forward_manager.eager_graphs import EagerForwardGraphs
 from sglang.srt.kv_canary.single_forward_manager.launches import (
+    ForwardLaunchInputs,
     GroupPlans,
     launch_deep_verifies,
     launch_deep_writes,
@@ -132,7 +134,6 @@ class SingleForwardManager:
         # of the round's slots): copied here, inside the pre-ops, for the launches
         self.forward_slots = torch.zeros(capacities.write_entry_capacity, dtype=torch.int64,
                                          device=device)
-        self._slots: Optional[torch.Tensor] = None
         # CUDA: the pre-forward work runs on this side stream, beside the model forward
         device = torch.device(device)
         self.side_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
@@ -144,6 +145,28 @@ class SingleForwardManager:
         self._tokens_pending = False
         self.phase = SfmPhase.IDLE
         self._capturing = False
+        # eager forwards' launches on static inputs (a graph replay on CUDA), once enabled
+        self.eager_graphs: Optional[EagerForwardGraphs] = None
+
+    def enable_static_eager_launches(self, *, capture_graphs: bool) -> None:
+        """From now on, an eager forward's launches read static, padded copies of its inputs
+        (:class:`EagerForwardGraphs`); ``capture_graphs`` (CUDA, at the end of start-up):
+        and are replayed from two CUDA graphs captured now. The manager calls it from
+        ``mark_init_finished``; without CUDA only the tests do (``capture_graphs=False``)."""
+        if self.eager_graphs is not None:
+            raise RuntimeError(f"kv_canary: single-forward manager {self.index}'s static eager "
+                               "launches are already enabled")
+        if self.phase != SfmPhase.IDLE:
+            raise CanaryPhaseError("kv_canary: static eager launches enabled in phase "
+                                   f"{self.phase.value}")
+        graphs = EagerForwardGraphs(plan_input=self.plan_input, capacities=self.capacities,
+                                    expected_inputs=self.expected_inputs,
+                                    side_launches=self._side_launches,
+                                    tail_launches=self._tail_launches,
+                                    side_stream=self.side_stream, device=self.req_to_token.device)
+        if capture_graphs:
+            graphs.capture()
+        self.eager_graphs = graphs
 
     # ---- phase bookkeeping ----------------------------------------------------------------
 
@@ -263,27 +286,61 @@ class SingleForwardManager:
         layer's, with per-layer fingerprints)."""
         self._advance(SfmOp.POST_MAYBE_INSIDE_GRAPH)
         forward_batch = self._inside_batch(forward_batch)
+        # an eager forward with static launches: staged copies and graph replays
+        graphs = None if self._capturing else self.eager_graphs
         with self._beside_the_forward():
             if self._tokens_pending:  # eager: the upload was left for now (step 1.)
                 self._upload_tokens(forward_batch)
-            self._slots = self._contiguous_slots(forward_batch.out_cache_loc)
-            rpi, prefix, extend = self.plan_input.fill_from_forward_batch(forward_batch)
-            expected = self.token_history.pool if self.token_history is not None else None
-            for plans in self.plans.values():
-                launch_group_plan(plans, req_pool_indices=rpi, prefix_lens=prefix,
-                                  extend_seq_lens=extend, req_to_token=self.req_to_token,
-                                  expected_tokens=expected,
-                                  expected_valid_lens=self.expected_valid_lens[: rpi.shape[0]])
-            self._verify(CanaryPhase.HEAD)
-            self._write(CanaryPhase.HEAD, WriteParts.ALL, forward_batch)
-            self._write(CanaryPhase.TAIL, WriteParts.CHAIN, forward_batch)
-            for i, group in enumerate(self.groups):
-                self.status.plan_enabled[i:i + 1].copy_(self.plans[group].verify_plan.enable)
+            if graphs is not None:
+                graphs.stage(forward_batch, num_tokens=forward_batch.out_cache_loc.shape[0])
+                graphs.run_side()
+            else:
+                inputs = self._batch_inputs(forward_batch)
+                self._side_launches(inputs)
         self._join()
+        if graphs is not None:
+            graphs.run_tail()
+        else:
+            self._tail_launches(inputs)
+
+    def _batch_inputs(self, forward_batch: "ForwardBatch") -> ForwardLaunchInputs:
+        """The launch inputs read straight from the batch (inside sglang's captures, and
+        eager forwards before static launches are enabled): the plan input filled (static
+        buffers, ``[bs]``), the slots made contiguous."""
+        rpi, prefix, extend = self.plan_input.fill_from_forward_batch(forward_batch)
+        slots = self._contiguous_slots(forward_batch.out_cache_loc)
+        n = slots.shape[0]
+        return ForwardLaunchInputs(
+            req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend,
+            input_ids=forward_batch.input_ids[:n], positions=forward_batch.positions[:n],
+            out_cache_loc=slots,
+            expected_inputs=(self.expected_inputs.views(n)
+                             if self.expected_inputs is not None else None))
+
+    def _side_launches(self, inputs: ForwardLaunchInputs) -> None:
+        """The side-stream half of the post-ops (on the current stream): plan every group,
+        HEAD verify + write, the TAIL writes' chain part, the status copy."""
+        expected = self.token_history.pool if self.token_history is not None else None
+        rpi = inputs.req_pool_indices
+        for plans in self.plans.values():
+            launch_group_plan(plans, req_pool_indices=rpi, prefix_lens=inputs.prefix_lens,
+                              extend_seq_lens=inputs.extend_seq_lens,
+                              req_to_token=self.req_to_token, expected_tokens=expected,
+                              expected_valid_lens=self.expected_valid_lens[: rpi.shape[0]])
+        self._verify(CanaryPhase.HEAD)
+        self._write(CanaryPhase.HEAD, WriteParts.ALL, inputs)
+        self._write(CanaryPhase.TAIL, WriteParts.CHAIN, inputs)
+        for i, group in enumerate(self.groups):
+            self.status.plan_enabled[i:i + 1].copy_(self.plans[group].verify_plan.enable)
+
+    def _tail_launches(self, inputs: ForwardLaunchInputs) -> None:
+        """The forward-stream half, after the join: TAIL verify, the per-layer checks, the
+        TAIL writes' fingerprints of the new slots (every layer's, with per-layer
+        fingerprints)."""
         self._verify(CanaryPhase.TAIL)
         launch_deep_verifies(self.endpoints, CanaryPhase.TAIL, plans_by_group=self.plans)
-        self._write(CanaryPhase.TAIL, WriteParts.FINGERPRINT, forward_batch)
-        launch_deep_writes(self.plans, self._slots)
+        self._write(CanaryPhase.TAIL, WriteParts.FINGERPRINT, inputs)
+        launch_deep_writes(self.plans, inputs.out_cache_loc)
 
     def mark_replayed_inside_graph(self) -> None:
         if self._tokens_pending:
@@ -316,13 +373,10 @@ class SingleForwardManager:
         slots.copy_(out_cache_loc)
         return slots
 
-    def _write(self, phase: CanaryPhase, parts: WriteParts, forward_batch) -> None:
-        slots = self._slots
-        n = slots.shape[0]
+    def _write(self, phase: CanaryPhase, parts: WriteParts,
+               inputs: ForwardLaunchInputs) -> None:
         launch_writes(
             self.endpoints, phase, parts=parts, plans_by_group=self.plans,
-            input_ids=forward_batch.input_ids[:n], positions=forward_batch.positions[:n],
-            out_cache_loc=slots,
-            expected_inputs=(self.expected_inputs.views(n)
-                             if self.expected_inputs is not None else None),
+            input_ids=inputs.input_ids, positions=inputs.positions,
+            out_cache_loc=inputs.out_cache_loc, expected_inputs=inputs.expected_inputs,
         )

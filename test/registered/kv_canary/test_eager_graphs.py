@@ -1,0 +1,142 @@
+"""Eager forwards' launches on static, padded inputs (``EagerForwardGraphs``), the inputs
+the CUDA graphs captured at start-up replay on.
+
+On the CPU there is no graph; ``enable_static_eager_launches(capture_graphs=False)`` runs the
+same launches on the same static inputs, which is what these tests compare with the launches
+on the batch's own tensors: the same serving loop (real pools, real ``ForwardBatch`` objects,
+requests of every length coming and going, so batches shrink and grow) must leave every
+canary record, per-layer fingerprint and counter byte-identical, and a fault must be caught
+at the same slot. The graph replay itself needs CUDA: ``test_runtime_cuda.py`` runs the
+driver with the graphs captured (and compares them with the direct launches there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving_driver import ServingDriver
+from sglang.srt.kv_canary.plan_input import PlanInput
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
+
+VARIANTS = {
+    "mha_partial": dict(pool="mha", real_data="partial"),
+    "mha_tokens_all_layers": dict(pool="mha", real_data="all", verify_tokens=True,
+                                  real_data_layers="all"),
+    "swa": dict(pool="swa", real_data="partial", num_slots=640, num_swa_slots=400,
+                swa_window=12),
+    "mla": dict(pool="mla", real_data="partial"),
+}
+
+
+def _driver(variant: str, *, static: bool, **kw) -> ServingDriver:
+    d = ServingDriver(seed=11, **VARIANTS[variant], **kw)
+    if static:
+        for sfm in d.manager.sfms:
+            sfm.enable_static_eager_launches(capture_graphs=False)
+    return d
+
+
+def _canary_bytes(d: ServingDriver) -> dict:
+    out = {}
+    for i, g in enumerate(d.groups):
+        for name in ("k_head", "k_tail", "v_head", "v_tail"):
+            t = getattr(g, name)
+            if t is not None:
+                out[f"group{i}.{name}"] = t.clone()
+        if g.deep is not None:
+            out[f"group{i}.deep"] = g.deep.table.clone()
+    state = d.manager.state
+    out["kernel_run_counters"] = state.kernel_run_counters.clone()
+    out["slot_run_counters"] = state.slot_run_counters.clone()
+    if d.manager.token_history is not None:
+        out["expected_tokens"] = d.manager.token_history.pool.clone()
+    return out
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_static_padded_inputs_leave_the_same_records_as_the_batch_tensors(variant):
+    direct, static = _driver(variant, static=False), _driver(variant, static=True)
+    for d in (direct, static):
+        d.run(70)
+        d.settle()
+    assert direct.step_count == static.step_count > 40
+    assert direct.manager.count_violations() == static.manager.count_violations() == 0
+    a, b = _canary_bytes(direct), _canary_bytes(static)
+    assert a.keys() == b.keys()
+    differing = [k for k in a if not torch.equal(a[k], b[k])]
+    assert differing == [], f"static eager launches changed {differing}"
+    # the loop did write and verify records, and static launches were the ones used
+    assert int(b["slot_run_counters"].sum()) > 0
+    assert static.manager.sfms[0].eager_graphs is not None
+    assert direct.manager.sfms[0].eager_graphs is None
+
+
+@pytest.mark.parametrize("variant", ["mha_partial", "swa"])
+def test_static_padded_inputs_catch_a_fault_at_its_slot(variant):
+    d = _driver(variant, static=True)
+    d.run(40)
+    d.settle()
+    assert d.manager.count_violations() == 0
+    info = d.fault_swap_req_to_token()
+    with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
+        for _ in range(3):
+            d.step()
+    assert f"slot_idx={info['new_slot']} " in str(exc.value), str(exc.value)[:400]
+
+
+def test_a_smaller_batch_pads_the_rows_and_slots_a_larger_one_left():
+    """After a forward of 3 requests / 7 tokens, one of 1 request / 2 tokens: rows 1-2 are
+    padding again (``req_pool_indices`` 0) and slots 2-6 are sglang's padding slot 0, so
+    nothing of the larger forward is planned or written a second time."""
+    d = _driver("mha_partial", static=True)
+    graphs = d.manager.sfms[0].eager_graphs
+    plan_input = d.manager.sfms[0].plan_input
+
+    def batch(rows, ext, loc):
+        i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        n = sum(ext)
+        fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=len(rows),
+                          input_ids=i64(list(range(100, 100 + n))), req_pool_indices=i64(rows),
+                          seq_lens=i64(ext), out_cache_loc=i64(loc), seq_lens_sum=n,
+                          positions=i64(list(range(n))),
+                          req_to_token_pool=d.req_to_token_pool, token_to_kv_pool=d.kv_pool)
+        fb.extend_prefix_lens, fb.extend_seq_lens = i64([0] * len(rows)), i64(ext)
+        return fb
+
+    graphs.stage(batch([3, 4, 5], [2, 3, 2], [11, 12, 13, 14, 15, 16, 17]), num_tokens=7)
+    assert plan_input.req_pool_indices[:4].tolist() == [3, 4, 5, 0]
+    assert graphs.out_cache_loc[:8].tolist() == [11, 12, 13, 14, 15, 16, 17, 0]
+    graphs.stage(batch([6], [2], [21, 22]), num_tokens=2)
+    assert plan_input.req_pool_indices[:4].tolist() == [6, 0, 0, 0]
+    assert graphs.out_cache_loc[:8].tolist() == [21, 22, 0, 0, 0, 0, 0, 0]
+    assert graphs.input_ids[:2].tolist() == [100, 101]
+    assert plan_input.extend_seq_lens[:1].tolist() == [2]
+
+
+def test_fill_padded_zeroes_only_the_rows_a_larger_batch_left():
+    pi = PlanInput(write_req_capacity=6, device="cpu")
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+
+    def fb(rows):
+        b = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(rows),
+                         input_ids=i64([1] * len(rows)), req_pool_indices=i64(rows),
+                         seq_lens=i64([5] * len(rows)), out_cache_loc=i64([9] * len(rows)),
+                         seq_lens_sum=5 * len(rows), positions=i64([4] * len(rows)))
+        return b
+
+    rpi, prefix, extend = pi.fill_padded(fb([2, 3, 4, 5]))
+    assert rpi.shape == prefix.shape == extend.shape == (6,)
+    assert rpi.tolist() == [2, 3, 4, 5, 0, 0]
+    assert pi.fill_padded(fb([7]))[0].tolist() == [7, 0, 0, 0, 0, 0]
+    assert pi.fill_padded(fb([8, 9]))[0].tolist() == [8, 9, 0, 0, 0, 0]
+
+
+def test_static_launches_are_enabled_once_and_only_when_idle():
+    d = _driver("mha_partial", static=True)
+    sfm = d.manager.sfms[0]
+    with pytest.raises(RuntimeError, match="already enabled"):
+        sfm.enable_static_eager_launches(capture_graphs=False)
+    with pytest.raises(RuntimeError, match="need CUDA"):
+        sfm.eager_graphs.capture()
