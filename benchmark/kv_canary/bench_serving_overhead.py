@@ -163,6 +163,37 @@ QWEN3_0_6B_CONFIG = {
     "eos_token_id": 151645,
 }
 
+# ``--model qwen3-30b-a3b``: the upstream-shaped MoE rows (issue 22): Qwen3-30B-A3B's shapes
+# (48 layers, hidden 2048, 32 heads, 4 KV heads x 128, 128 experts of 768, 8 per token),
+# dummy weights (about 61 GB in bf16: one H200)
+QWEN3_30B_A3B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+MODELS = {"qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG}
+
 # ``--speculative eagle``: a one-layer EAGLE draft of the same shapes (hidden 1024, 16 heads,
 # 8 KV heads x 128, the target's vocabulary; sglang hands it the target's embedding and head)
 QWEN3_EAGLE_DRAFT_CONFIG = {
@@ -202,6 +233,7 @@ SCENARIOS = {s.name: s for s in (
     Scenario("decode_bs32", bs=32, isl=512, osl=1024),
     Scenario("prefill_bs1_512", bs=1, isl=512, osl=1),
     Scenario("prefill_bs1_16k", bs=1, isl=16384, osl=1),
+    Scenario("decode_bs64", bs=64, isl=256, osl=512),
 )}
 # scenarios run when --scenarios is not given
 DEFAULT_SCENARIOS = {"none": ("decode_bs128", "decode_bs1", "prefill_bs32", "prefill_bs1_4k"),
@@ -214,6 +246,7 @@ SMOKE_SCENARIOS = {s.name: s for s in (
     Scenario("decode_bs32", bs=2, isl=16, osl=8),
     Scenario("prefill_bs1_512", bs=1, isl=16, osl=1),
     Scenario("prefill_bs1_16k", bs=1, isl=96, osl=1),
+    Scenario("decode_bs64", bs=2, isl=16, osl=8),
 )}
 
 
@@ -265,6 +298,10 @@ class EngineSettings:
     cuda_graph_bs: tuple = (1, 128)
     speculative: str = "none"  # a key of SPECULATIVE
     piecewise: bool = True  # sglang's piecewise CUDA graphs for prefill (its default: on)
+    model: str = "qwen3-0.6b"  # a key of MODELS
+    # sglang's request metrics on (every config): each output's meta_info then carries the
+    # scheduler's forward-entry and prefill-finished times (the server-side prefill time)
+    server_timing: bool = True
 
     def engine_kwargs(self, model_dir: str, *, smoke: bool,
                       draft_dir: str | None = None) -> dict:
@@ -277,7 +314,7 @@ class EngineSettings:
             return cpu_engine_kwargs(model_dir, chunked_prefill_size=self.chunked_prefill_size,
                                      max_total_tokens=self.max_total_tokens,
                                      max_running_requests=self.max_running_requests,
-                                     log_level="info")
+                                     enable_metrics=self.server_timing, log_level="info")
         spec = dict(SPECULATIVE[self.speculative])
         if spec:
             spec["speculative_draft_model_path"] = draft_dir
@@ -288,6 +325,7 @@ class EngineSettings:
                                  cuda_graph_bs=list(self.cuda_graph_bs),
                                  cuda_graph_max_bs=max(self.cuda_graph_bs),
                                  disable_piecewise_cuda_graph=not self.piecewise,
+                                 enable_metrics=self.server_timing,
                                  log_level="info", **spec)
 
 
@@ -357,6 +395,29 @@ def quantile(values: Sequence[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+def server_prefill_ms(outs: list[dict]) -> float | None:
+    """The scheduler's own prefill time of one ``generate`` call (``--server-timing``): from
+    the first request's entry into a forward batch to the last request's prefill result
+    processed (sglang's ``forward_entry_time`` / ``prefill_finished_time``, meta_info with
+    request metrics on), in ms; None without them. What a time to first token pays in the
+    scheduler, without the tokenizer / detokenizer processes and their queues."""
+    metas = [o.get("meta_info", {}) for o in outs]
+    starts = [m.get("forward_entry_time") for m in metas]
+    ends = [m.get("prefill_finished_time") for m in metas]
+    if not metas or None in starts or None in ends:
+        return None
+    return (max(ends) - min(starts)) * 1e3
+
+
+def server_stats(server: list) -> dict:
+    """The JSON fields of the server-side prefill times of one scenario (none if missing)."""
+    if not server or None in server:
+        return {}
+    return dict(server_runs_ms=server, server_median_ms=statistics.median(server),
+                server_min_ms=min(server), server_p10_ms=quantile(server, 0.1),
+                server_p90_ms=quantile(server, 0.9))
+
+
 def engine_child(args) -> None:
     import sglang
 
@@ -374,8 +435,9 @@ def engine_child(args) -> None:
 
             model_dir, vocab = write_tiny_llama(tmp), TINY_LLAMA_CONFIG["vocab_size"]
         else:
-            pathlib.Path(tmp, "config.json").write_text(json.dumps(QWEN3_0_6B_CONFIG, indent=1))
-            model_dir, vocab = tmp, QWEN3_0_6B_CONFIG["vocab_size"]
+            model_cfg = MODELS[settings.model]
+            pathlib.Path(tmp, "config.json").write_text(json.dumps(model_cfg, indent=1))
+            model_dir, vocab = tmp, model_cfg["vocab_size"]
         draft_dir = None
         if settings.speculative != "none":
             draft_dir = os.path.join(tmp, "draft")
@@ -395,7 +457,7 @@ def engine_child(args) -> None:
             for sc in scenarios:
                 params = [{"max_new_tokens": sc.osl, "ignore_eos": True, "temperature": 0}
                           for _ in range(sc.bs)]
-                times = []
+                times, server = [], []
                 for run in range(-1, args.runs):  # run -1: warm-up
                     ids = make_inputs(sc, run, vocab)
                     engine.flush_cache()
@@ -408,6 +470,7 @@ def engine_child(args) -> None:
                                            f"tokens, got {len(outs)} with lengths {lens}")
                     if run >= 0:
                         times.append(ms)
+                        server.append(server_prefill_ms(outs))
                     else:
                         warmup_ms = ms
                 rec = dict(kind="engine", invocation=args.invocation, time=now_utc(),
@@ -417,6 +480,8 @@ def engine_child(args) -> None:
                            median_ms=statistics.median(times), min_ms=min(times),
                            p10_ms=quantile(times, 0.1), p90_ms=quantile(times, 0.9),
                            warmup_ms=warmup_ms, startup_s=startup_s,
+                           model=settings.model,
+                           **server_stats(server),
                            settings=dataclasses.asdict(settings),
                            engine_kwargs={k: v for k, v in kwargs.items() if k != "model_path"},
                            env={TOKEN_ENV: os.environ.get(TOKEN_ENV, "0")})
@@ -593,6 +658,9 @@ def run_engines(args) -> int:
         if os.path.exists(args.out) else []
     print()
     print(engine_table(records, title=f"This invocation ({args.gpu})"))
+    print()
+    print(server_table(records, title="Server-side prefill time (scheduler: forward entry to "
+                                      "prefill result processed)"))
     if failed:
         print(f"\nFAILED configs: {', '.join(failed)}")
         return 1
@@ -612,20 +680,23 @@ def engine_table(records: list[dict], title: str) -> str:
         return f"{title}: no Engine results"
     latest: dict[tuple, dict] = {}
     for r in records:  # the latest record per (scenario, speculative, config, invocation)
-        latest[(r["scenario"], r.get("speculative", "none"), r["config"], r["invocation"])] = r
+        latest[(r.get("model", "qwen3-0.6b"), r["scenario"], r.get("speculative", "none"),
+                r["config"], r["invocation"])] = r
     lines = [f"{title}", "",
              ("| scenario | config | runs | median ms | min ms | p10 / p90 ms | "
               "ms / output token (median) | overhead (median) | overhead (min) |"),
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     order = {n: i for i, n in enumerate(CONFIGS)}
     sc_order = {n: i for i, n in enumerate(SCENARIOS)}
-    rows = sorted(latest.values(), key=lambda r: (r.get("speculative", "none"),
+    rows = sorted(latest.values(), key=lambda r: (r.get("model", "qwen3-0.6b"),
+                                                 r.get("speculative", "none"),
                                                  sc_order.get(r["scenario"], 99),
                                                  order.get(r["config"], 99), r["time"]))
     cross = False
     for r in rows:
         offs = [o for o in rows if o["scenario"] == r["scenario"] and o["config"] == "off"
-                and o.get("speculative", "none") == r.get("speculative", "none")]
+                and o.get("speculative", "none") == r.get("speculative", "none")
+                and o.get("model", "qwen3-0.6b") == r.get("model", "qwen3-0.6b")]
         same = [o for o in offs if o["invocation"] == r["invocation"]]
         base = same[-1] if same else (offs[-1] if offs else None)
         mark = "" if same else "*"
@@ -640,6 +711,8 @@ def engine_table(records: list[dict], title: str) -> str:
         spread = (f"{r['p10_ms']:.1f} / {r['p90_ms']:.1f}" if "p10_ms" in r
                   else f"{quantile(r['runs_ms'], 0.1):.1f} / {quantile(r['runs_ms'], 0.9):.1f}")
         pw = "" if r.get("settings", {}).get("piecewise", False) else ", pw off"
+        if r.get("model", "qwen3-0.6b") != "qwen3-0.6b":
+            pw += f", {r['model']}"
         lines.append(f"| {r['scenario']} (bs{r['bs']} isl{r['isl']} osl{r['osl']}{spec}{pw}) | "
                      f"{r['config']} | {len(r['runs_ms'])} | {r['median_ms']:.1f} | "
                      f"{r['min_ms']:.1f} | {spread} | {per_tok} | {ov_med} | "
@@ -647,6 +720,43 @@ def engine_table(records: list[dict], title: str) -> str:
     if cross:
         lines += ["", ("\\* overhead against an `off` measured in another invocation (another "
                        "Engine start, possibly another machine).")]
+    return "\n".join(lines)
+
+
+def server_table(records: list[dict], title: str) -> str:
+    """Per scenario x config with server-side prefill times: their median / min and the
+    overhead against ``off`` of the same invocation (else the latest ``off``, marked *)."""
+    latest: dict[tuple, dict] = {}
+    for r in records:
+        if "server_median_ms" in r:
+            latest[(r.get("model", "qwen3-0.6b"), r["scenario"], r.get("speculative", "none"),
+                    r["config"], r["invocation"])] = r
+    if not latest:
+        return f"{title}: no server-side times (run with --server-timing on)"
+    lines = [title, "", ("| scenario | config | runs | server median ms | server min ms | "
+                         "p10 / p90 ms | overhead (median) | overhead (min) |"),
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    order = {n: i for i, n in enumerate(CONFIGS)}
+    sc_order = {n: i for i, n in enumerate(SCENARIOS)}
+    rows = sorted(latest.values(), key=lambda r: (r.get("model", ""), sc_order.get(r["scenario"], 99),
+                                                 order.get(r["config"], 99), r["time"]))
+    for r in rows:
+        offs = [o for o in rows if o["scenario"] == r["scenario"] and o["config"] == "off"
+                and o.get("model") == r.get("model")]
+        same = [o for o in offs if o["invocation"] == r["invocation"]]
+        base = same[-1] if same else (offs[-1] if offs else None)
+        mark = "" if same else "*"
+        if r["config"] == "off" or base is None:
+            ov_med = ov_min = "—" if r["config"] == "off" else "no off"
+        else:
+            ov_med = pct(r["server_median_ms"], base["server_median_ms"]) + mark
+            ov_min = pct(r["server_min_ms"], base["server_min_ms"]) + mark
+        model = "" if r.get("model", "qwen3-0.6b") == "qwen3-0.6b" else f", {r['model']}"
+        lines.append(f"| {r['scenario']} (bs{r['bs']} isl{r['isl']} osl{r['osl']}{model}) | "
+                     f"{r['config']} | {len(r['server_runs_ms'])} | "
+                     f"{r['server_median_ms']:.2f} | {r['server_min_ms']:.2f} | "
+                     f"{r['server_p10_ms']:.2f} / {r['server_p90_ms']:.2f} | {ov_med} | "
+                     f"{ov_min} |")
     return "\n".join(lines)
 
 
@@ -711,6 +821,7 @@ def report(paths: Sequence[str]) -> None:
                 "`Engine.generate` over the batch; median / min over the runs after one warm-up."),
                 ""]
         out.append(engine_table(eng, title="## End-to-end latency"))
+        out += ["", server_table(eng, title="## Server-side prefill time")]
     if hbd:
         out += ["", "## Canary host time per bs1 prefill", "", host_breakdown_table(hbd)]
     if brk:
@@ -1290,6 +1401,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--piecewise", default="on", choices=("on", "off"),
                     help="sglang's piecewise CUDA graphs for prefill, for every config (default "
                     "on, sglang's default; results before 2026-11-24 ran with them off)")
+    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS),
+                    help="the dummy-weight model's shapes (default qwen3-0.6b; qwen3-30b-a3b: "
+                    "the upstream-shaped MoE rows, one H200)")
+    ap.add_argument("--server-timing", default="on", choices=("on", "off"),
+                    help="sglang's request metrics on for every config, and the scheduler's "
+                    "own prefill time per run from meta_info (default on)")
+    ap.add_argument("--cuda-graph-bs", help="decode CUDA-graph batch sizes, comma-separated "
+                    "(default 1,128; 1,32 with --speculative eagle)")
     ap.add_argument("--runs", type=int, help="timed runs per scenario (default 5; 2 with "
                     "--smoke-cpu)")
     ap.add_argument("--out", help="append results as JSON lines to this file (Engine logs go "
@@ -1352,8 +1471,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    mem_fraction_static=args.mem_fraction_static,
                                    speculative=args.speculative,
                                    piecewise=args.piecewise == "on",
-                                   cuda_graph_bs=(1, 32) if args.speculative != "none"
-                                   else EngineSettings.cuda_graph_bs)
+                                   model=args.model, server_timing=args.server_timing == "on",
+                                   cuda_graph_bs=(tuple(parse_ints(args.cuda_graph_bs,
+                                                                   "--cuda-graph-bs"))
+                                                  if args.cuda_graph_bs else
+                                                  (1, 32) if args.speculative != "none"
+                                                  else EngineSettings.cuda_graph_bs))
     if args.report:
         missing = [p for p in args.report if not os.path.exists(p)]
         if missing:

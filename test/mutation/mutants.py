@@ -254,7 +254,7 @@ MUTANTS = (
         speed="quick", what="the reference reports a V flip with the K tag"),
     Mutant(
         id="i24-no-deep-writes", path=f"{_RT}/single_forward_manager/manager.py",
-        old="        launch_deep_writes(self.plans, self._slots)\n",
+        old="        launch_deep_writes(self.plans, inputs.out_cache_loc)\n",
         new="",
         selection=f"{_T}/test_deep_fingerprints.py::test_serving_loop_with_every_layer_is_clean",
         speed="quick", what="forwards never fill the per-layer table"),

@@ -30,10 +30,45 @@ def test_graph_replay_clean_run_and_no_host_sync():
     state = d.manager.state
     assert d.manager.count_violations() == 0
     assert d.shared_admitted >= 5 and d.reused_slots >= 50
-    # every forward (graph replays included) ran verify + write per tag, plus the one eager
-    # warm-up forward before capture
-    assert int(state.kernel_run_counters[CanaryLaunchTag.TAIL_K_FULL]) == 2 * 300 + 2
-    assert int(state.kernel_run_counters[CanaryLaunchTag.HEAD_V_FULL]) == 2 * 300 + 2
+    # every forward (graph replays included) ran verify + write per tag, plus the eager
+    # warm-up forward before the decode graph's capture and the eager-forward graphs'
+    # warm-up at mark_init_finished (all padding: counted, nothing written)
+    assert int(state.kernel_run_counters[CanaryLaunchTag.TAIL_K_FULL]) == 2 * 300 + 2 + 2
+    assert int(state.kernel_run_counters[CanaryLaunchTag.HEAD_V_FULL]) == 2 * 300 + 2 + 2
+    assert d.manager.sfms[0].eager_graphs.captured
+
+
+def _records(d: ServingDriver) -> dict:
+    out = {}
+    for i, g in enumerate(d.groups):
+        for name in ("k_head", "k_tail", "v_head", "v_tail"):
+            if getattr(g, name) is not None:
+                out[f"group{i}.{name}"] = getattr(g, name).clone()
+    out["slot_run_counters"] = d.manager.state.slot_run_counters.clone()
+    out["expected_tokens"] = d.manager.token_history.pool.clone()
+    return out
+
+
+def test_eager_forward_graphs_leave_the_records_of_the_direct_launches():
+    """Prefills (and the decode batches no decode graph holds) replayed from the graphs
+    captured at mark_init_finished, against the same loop with the launches issued one by
+    one: identical records, token pool and verified-slot counts; no host sync on the graph
+    path either."""
+    kw = dict(seed=5, real_data="partial", enable_mha_v=True, verify_tokens=True)
+    graphs = _driver(**kw)
+    direct = ServingDriver(device="cuda", graph_bs=8, max_running=6, init_finished=False, **kw)
+    direct.manager.state.mark_init_finished()  # the chain check on, no eager graphs
+    assert graphs.manager.sfms[0].eager_graphs.captured
+    assert direct.manager.sfms[0].eager_graphs is None
+    for d in (graphs, direct):
+        d.run(200)
+        d.settle()
+    torch.cuda.synchronize()
+    assert graphs.step_count == direct.step_count
+    assert graphs.manager.count_violations() == direct.manager.count_violations() == 0
+    a, b = _records(graphs), _records(direct)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert int(a["slot_run_counters"].sum()) > 0
 
 
 FAULTS = {

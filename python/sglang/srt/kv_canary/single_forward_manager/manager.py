@@ -21,8 +21,10 @@ Four ops, checked in order:
    TAIL writes and a copy of the plans' ``enable`` flags into a static status buffer; then
    join the side stream, TAIL verify and the TAIL writes' real-KV fingerprints of the new
    slots. Captured into decode CUDA graphs, where the side-stream part becomes a parallel
-   branch from the fork point. The status (:class:`SfmStatus`) is this manager's typed
-   per-forward output.
+   branch from the fork point. In an eager forward, once :meth:`enable_static_eager_launches`
+   ran (on CUDA at the end of start-up), the two halves are replays of graphs captured once
+   on static copies of the inputs (:class:`EagerForwardGraphs`). The status
+   (:class:`SfmStatus`) is this manager's typed per-forward output.
 4. ``post_ops_outside_graph()`` — back to IDLE; the manager then reads results (delayed).
 
 Which batch the inside ops read: while capturing, the one ``model.forward`` was called with
@@ -33,7 +35,8 @@ canary checks what the scheduler asked for, the unpadded batch.
 
 When a CUDA graph replays, 2 and 3 run inside the graph; :meth:`mark_replayed_inside_graph`
 records that. While capturing (:meth:`capturing`), only 2 and 3 run, from IDLE. Every
-per-forward tensor (and the fork event) is allocated in ``__init__``.
+per-forward tensor (and the fork event) is allocated in ``__init__`` (the static eager inputs
+in :meth:`enable_static_eager_launches`, at start-up).
 """
 
 from __future__ import annotations
