@@ -33,6 +33,24 @@ radix cache is flushed before every run, so no run hits a cached prefix):
                    1 request x isl 512 / 4096 / 16384, osl 1: time to first token at low load
                    (run them with ``--runs 30``; the table gives p10 / p90 too)
 
+``--model qwen3-30b-a3b``: the same Engine runs on a Qwen3-30B-A3B-shaped MoE model (48 layers,
+hidden 2048, 32 heads, 4 KV heads x 128, 128 experts of 768, 8 per token; dummy weights, about
+61 GB: one H200), with the scenario ``decode_bs64`` (64 requests x isl 256, osl 512) beside
+``decode_bs1`` and ``prefill_bs32``: upstream's published canary scenarios::
+
+    . .device/c/setup.sh && python benchmark/kv_canary/bench_serving_overhead.py \
+        --model qwen3-30b-a3b --configs off,raise --scenarios decode_bs1,decode_bs64,prefill_bs32 \
+        --runs 3 --mem-fraction-static 0.85 --max-total-tokens 540000 --cuda-graph-bs 1,64 \
+        --out $OUT/moe.jsonl
+
+Server-side prefill time (``--server-timing on``, the default): every Engine runs with sglang's
+request metrics on, so each output's ``meta_info`` carries the scheduler's
+``forward_entry_time`` and ``prefill_finished_time``; per ``generate`` the benchmark records the
+first entry to the last prefill result processed (the prefill as the scheduler saw it, without
+the tokenizer / detokenizer processes) and prints a second table of those times. For decode
+scenarios it also holds the launch of the first decode step (the overlap scheduler processes
+the prefill result after queuing the next batch).
+
 ``--speculative eagle``: every Engine serves with EAGLE (a one-layer ``LlamaForCausalLMEagle``
 draft of the same shapes, 3 steps, topk 1, 4 draft tokens, decode graphs for bs 1 and 32; the
 canary guards both pools when on) and the scenarios default to ``decode_bs1`` and
@@ -1109,12 +1127,12 @@ def run_host_breakdown(args) -> None:
 
         for isl in isls:
             times = {p: [] for p in HOST_PHASES}
-            profiler = None
+            profiler = pre_profiler = None
             for run in range(-2, runs + (args.host_breakdown_cprofile and 20)):
                 # two warm-ups (Triton JIT, allocator), the timed runs, then (with
                 # --host-breakdown-cprofile) 20 more under cProfile, not timed
                 if run == runs:
-                    profiler = cProfile.Profile()
+                    profiler, pre_profiler = cProfile.Profile(), cProfile.Profile()
                 row = 1 + (run % 4)
                 req = _Req(row, torch.randint(100, vocab - 100, (isl,), generator=gen).tolist())
                 slots = torch.randperm(num_slots - 1, generator=gen)[:isl] + 1
@@ -1133,6 +1151,8 @@ def run_host_breakdown(args) -> None:
                     fb.extend_num_tokens = n
                     fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = [start], [n]
                     tick = time.perf_counter
+                    if pre_profiler is not None:
+                        pre_profiler.enable()
                     t1 = tick()
                     mgr.on_forward_batch_init(fb, [req])
                     t2 = tick()
@@ -1141,6 +1161,8 @@ def run_host_breakdown(args) -> None:
                         t3 = tick()
                         mgr.pre_ops_maybe_inside_graph(fb)
                         t4 = tick()
+                        if pre_profiler is not None:
+                            pre_profiler.disable()
                         if not smoke:
                             torch.cuda._sleep(20_000_000)  # ~10 ms: the device stays busy
                         t5 = tick()
@@ -1170,6 +1192,9 @@ def run_host_breakdown(args) -> None:
             print(f"[{cname} isl {isl}] before the forward {before:.0f} µs; "
                   + "; ".join(f"{p} {med[p]:.0f}" for p in HOST_PHASES), flush=True)
             if profiler is not None:
+                print(f"[{cname} isl {isl}] cProfile of 20 prefills' batch init + outside "
+                      "pre-ops + inside pre-ops (tottime, top 30):", flush=True)
+                pstats.Stats(pre_profiler).sort_stats("tottime").print_stats(30)
                 print(f"[{cname} isl {isl}] cProfile of 20 prefills' inside post-ops + outside "
                       "post-ops + read-back (tottime, top 30):", flush=True)
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
@@ -1428,9 +1453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--host-breakdown-runs", type=int, default=30,
                     help="prefills per prompt length and config (default 30)")
     ap.add_argument("--host-breakdown-cprofile", action="store_true",
-                    help="with --host-breakdown: 20 more prefills per row under cProfile "
-                    "(post-ops and read-back only, not timed) and the top 30 functions by own "
-                    "time")
+                    help="with --host-breakdown: 20 more prefills per row under cProfile (not "
+                    "timed) and the top 30 functions by own time, before the forward and after")
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="tiny CPU dry run (sglang CPU server / CPU pools); numbers meaningless")
     ap.add_argument("--chunked-prefill-size", type=int, default=EngineSettings.chunked_prefill_size)
