@@ -13,13 +13,14 @@ kernel of step T+1 can never change a watched tensor while step T's copy is stil
 
 What is watched is typed: a (frozen) dataclass whose fields are tensors, dataclasses of the
 same kind or tuples of either; the consumer gets an object of the same type holding the host
-copies.
+copies. A watched window (the violation ring's write index) is emptied on the copy stream
+right after its copy (``stage(zero_after_copy=...)``), behind the same event.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Generic, Iterator, List, Optional, TypeVar
+from typing import Any, Callable, Generic, Iterator, List, Optional, Sequence, TypeVar
 
 import torch
 
@@ -93,14 +94,19 @@ class DelayedDeviceHostHandler(Generic[W]):
     def has_pending(self) -> bool:
         return self._pending is not None
 
-    def stage(self) -> None:
-        """Enqueue the copies for the current state (replacing an unconsumed earlier stage)."""
+    def stage(self, *, zero_after_copy: Sequence[torch.Tensor] = ()) -> None:
+        """Enqueue the copies for the current state (replacing an unconsumed earlier stage),
+        then zero ``zero_after_copy`` (watched device tensors: a window the copy closed) on
+        the copy stream, after the copies; :meth:`fence` orders the next forward after
+        both, and nothing on the forward stream waits for either before it."""
         flip = self._flip
         self._flip ^= 1
         pairs = zip(self._host_leaves[flip], self._device_leaves)
         if self.synchronous:
             for dst, src in pairs:
                 dst.copy_(src)
+            for t in zero_after_copy:
+                t.zero_()
             self._pending = FutureTensors(self._host[flip], None)
             return
         producer = torch.cuda.current_stream(self.device)
@@ -108,6 +114,8 @@ class DelayedDeviceHostHandler(Generic[W]):
             self._stream.wait_stream(producer)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+            for t in zero_after_copy:
+                t.zero_()
             event = torch.cuda.Event()
             event.record(self._stream)
         self._pending = FutureTensors(self._host[flip], event)

@@ -208,7 +208,6 @@ class CanaryManager:
         # sglang's piecewise CUDA-graph set-up in progress (its dummy forwards run no canary)
         self._piecewise_graph_setup = False
         self._staged: Optional[StagedForward] = None
-        self._ring_staged = False  # a stage holds the ring: empty it before the next forward
 
     # ---- which single-forward manager is active ----------------------------------------
 
@@ -250,8 +249,8 @@ class CanaryManager:
                        forward_batch: "ForwardBatch", *, replayed: bool):
         """The outside ops of the forwards one model call runs (one, or a replayed draft
         round's), then one read-back; ``replayed``: their inside ops ran in a CUDA graph."""
-        self.device_host.fence()  # this forward's kernels queue after last step's read-back
-        self._empty_ring_after_stage()
+        # this forward's kernels queue after last step's read-back (and the ring's reset)
+        self.device_host.fence()
         if self.perturber is not None:
             self.perturber.before_forward(forward_batch, step=self.step + 1)
         try:
@@ -517,20 +516,15 @@ class CanaryManager:
         self.violations.report(incidents, dropped=dropped, step=step)
 
     def _stage(self, sfms: Sequence[SingleForwardManager], requests: ForwardRequests) -> None:
-        self.device_host.stage()
+        """Stage this step's read-back. One ring window per forward step: the ring's write
+        index is zeroed right after its copy, on the copy stream (no host sync; the next
+        forward's fence orders it after that), so a later step's violations are detailed
+        again however many came before (docs/architecture.md, "Reading results"). Nothing on
+        the forward stream waits for the copy or the reset, and the next forward's bracket
+        launches no reset of its own before the model's kernels."""
+        self.device_host.stage(
+            zero_after_copy=(self.state.violation_log.violation_write_index,))
         self._staged = StagedForward(self.step, tuple(s.index for s in sfms), requests)
-        self._ring_staged = True
-
-    def _empty_ring_after_stage(self) -> None:
-        """One ring window per forward step: once a step's ring has been staged for the host,
-        the next forward empties it before its kernels run (after the fence, so after the
-        copy, in stream order; no host sync): a later step's violations are detailed again
-        however many came before (docs/architecture.md, "Reading results"). Done here rather
-        than right after staging so that nothing queued between two forwards (sampling) waits
-        for the copy."""
-        if self._ring_staged:
-            self.state.violation_log.violation_write_index.zero_()
-            self._ring_staged = False
 
     def _on_host_copies(self, host: CanaryReadback) -> None:
         staged = self._staged
