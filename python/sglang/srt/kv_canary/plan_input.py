@@ -63,7 +63,6 @@ class PlanInput:
             )
         return rpi, prefix, extend
 
-
     def fill_padded(self, forward_batch) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fill like :meth:`fill_from_forward_batch`, and copy the batch's
         ``req_pool_indices`` into the static buffer; returns the three whole buffers
