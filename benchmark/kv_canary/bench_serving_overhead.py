@@ -211,6 +211,7 @@ QWEN3_30B_A3B_CONFIG = {
     "eos_token_id": 151645,
 }
 MODELS = {"qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG}
+DEFAULT_MODEL = "qwen3-0.6b"
 
 # ``--speculative eagle``: a one-layer EAGLE draft of the same shapes (hidden 1024, 16 heads,
 # 8 KV heads x 128, the target's vocabulary; sglang hands it the target's embedding and head)
@@ -316,7 +317,7 @@ class EngineSettings:
     cuda_graph_bs: tuple = (1, 128)
     speculative: str = "none"  # a key of SPECULATIVE
     piecewise: bool = True  # sglang's piecewise CUDA graphs for prefill (its default: on)
-    model: str = "qwen3-0.6b"  # a key of MODELS
+    model: str = DEFAULT_MODEL  # a key of MODELS
     # sglang's request metrics on (every config): each output's meta_info then carries the
     # scheduler's forward-entry and prefill-finished times (the server-side prefill time)
     server_timing: bool = True
@@ -691,51 +692,71 @@ def pct(on: float, off: float) -> str:
     return f"{(on - off) / off * 100:+.2f} %"
 
 
+def _latest_rows(records: list[dict]) -> list[dict]:
+    """The latest record per (model, scenario, speculative, config, invocation), in table
+    order (model, speculative, scenario, config)."""
+    latest: dict[tuple, dict] = {}
+    for r in records:
+        latest[(r.get("model", DEFAULT_MODEL), r["scenario"], r.get("speculative", "none"),
+                r["config"], r["invocation"])] = r
+    order = {n: i for i, n in enumerate(CONFIGS)}
+    sc_order = {n: i for i, n in enumerate(SCENARIOS)}
+    return sorted(latest.values(), key=lambda r: (r.get("model", DEFAULT_MODEL),
+                                                  r.get("speculative", "none"),
+                                                  sc_order.get(r["scenario"], 99),
+                                                  order.get(r["config"], 99), r["time"]))
+
+
+def _baseline(rows: list[dict], r: dict) -> tuple[dict | None, bool]:
+    """The ``off`` row ``r`` is compared with: the same invocation's (same model, scenario
+    and speculative setting) when there is one, else the latest; and whether it is from
+    another invocation."""
+    offs = [o for o in rows if o["config"] == "off" and o["scenario"] == r["scenario"]
+            and o.get("speculative", "none") == r.get("speculative", "none")
+            and o.get("model", DEFAULT_MODEL) == r.get("model", DEFAULT_MODEL)]
+    same = [o for o in offs if o["invocation"] == r["invocation"]]
+    if same:
+        return same[-1], False
+    return (offs[-1], True) if offs else (None, False)
+
+
+def _overheads(r: dict, base: dict | None, cross: bool, median: str, minimum: str
+               ) -> tuple[str, str]:
+    """Overhead cells (median, min) of ``r`` against ``base`` for the given fields."""
+    if r["config"] == "off" or base is None:
+        cell = "—" if r["config"] == "off" else "no off"
+        return cell, cell
+    mark = "*" if cross else ""
+    return pct(r[median], base[median]) + mark, pct(r[minimum], base[minimum]) + mark
+
+
 def engine_table(records: list[dict], title: str) -> str:
     """Per scenario x config: median / min ms and overhead vs ``off`` (the ``off`` of the same
     invocation when there is one, else the latest ``off``; marked *)."""
     if not records:
         return f"{title}: no Engine results"
-    latest: dict[tuple, dict] = {}
-    for r in records:  # the latest record per (scenario, speculative, config, invocation)
-        latest[(r.get("model", "qwen3-0.6b"), r["scenario"], r.get("speculative", "none"),
-                r["config"], r["invocation"])] = r
     lines = [f"{title}", "",
              ("| scenario | config | runs | median ms | min ms | p10 / p90 ms | "
               "ms / output token (median) | overhead (median) | overhead (min) |"),
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    order = {n: i for i, n in enumerate(CONFIGS)}
-    sc_order = {n: i for i, n in enumerate(SCENARIOS)}
-    rows = sorted(latest.values(), key=lambda r: (r.get("model", "qwen3-0.6b"),
-                                                 r.get("speculative", "none"),
-                                                 sc_order.get(r["scenario"], 99),
-                                                 order.get(r["config"], 99), r["time"]))
-    cross = False
+    rows = _latest_rows(records)
+    any_cross = False
     for r in rows:
-        offs = [o for o in rows if o["scenario"] == r["scenario"] and o["config"] == "off"
-                and o.get("speculative", "none") == r.get("speculative", "none")
-                and o.get("model", "qwen3-0.6b") == r.get("model", "qwen3-0.6b")]
-        same = [o for o in offs if o["invocation"] == r["invocation"]]
-        base = same[-1] if same else (offs[-1] if offs else None)
-        mark = "" if same else "*"
-        cross |= bool(base is not None and not same)
-        if r["config"] == "off" or base is None:
-            ov_med = ov_min = "—" if r["config"] == "off" else "no off"
-        else:
-            ov_med = pct(r["median_ms"], base["median_ms"]) + mark
-            ov_min = pct(r["min_ms"], base["min_ms"]) + mark
+        base, cross = _baseline(rows, r)
+        any_cross |= cross
+        ov_med, ov_min = _overheads(r, base, cross, "median_ms", "min_ms")
         per_tok = f"{r['median_ms'] / r['osl']:.3f}" if r["osl"] > 1 else "—"
         spec = "" if r.get("speculative", "none") == "none" else f", {r['speculative']}"
         spread = (f"{r['p10_ms']:.1f} / {r['p90_ms']:.1f}" if "p10_ms" in r
                   else f"{quantile(r['runs_ms'], 0.1):.1f} / {quantile(r['runs_ms'], 0.9):.1f}")
         pw = "" if r.get("settings", {}).get("piecewise", False) else ", pw off"
-        if r.get("model", "qwen3-0.6b") != "qwen3-0.6b":
+        if r.get("model", DEFAULT_MODEL) != DEFAULT_MODEL:
             pw += f", {r['model']}"
         lines.append(f"| {r['scenario']} (bs{r['bs']} isl{r['isl']} osl{r['osl']}{spec}{pw}) | "
                      f"{r['config']} | {len(r['runs_ms'])} | {r['median_ms']:.1f} | "
                      f"{r['min_ms']:.1f} | {spread} | {per_tok} | {ov_med} | "
                      f"{ov_min} |")
-    if cross:
+    if any_cross:
         lines += ["", ("\\* overhead against an `off` measured in another invocation (another "
                        "Engine start, possibly another machine).")]
     return "\n".join(lines)
@@ -744,32 +765,16 @@ def engine_table(records: list[dict], title: str) -> str:
 def server_table(records: list[dict], title: str) -> str:
     """Per scenario x config with server-side prefill times: their median / min and the
     overhead against ``off`` of the same invocation (else the latest ``off``, marked *)."""
-    latest: dict[tuple, dict] = {}
-    for r in records:
-        if "server_median_ms" in r:
-            latest[(r.get("model", "qwen3-0.6b"), r["scenario"], r.get("speculative", "none"),
-                    r["config"], r["invocation"])] = r
-    if not latest:
+    rows = _latest_rows([r for r in records if "server_median_ms" in r])
+    if not rows:
         return f"{title}: no server-side times (run with --server-timing on)"
     lines = [title, "", ("| scenario | config | runs | server median ms | server min ms | "
                          "p10 / p90 ms | overhead (median) | overhead (min) |"),
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    order = {n: i for i, n in enumerate(CONFIGS)}
-    sc_order = {n: i for i, n in enumerate(SCENARIOS)}
-    rows = sorted(latest.values(), key=lambda r: (r.get("model", ""), sc_order.get(r["scenario"], 99),
-                                                 order.get(r["config"], 99), r["time"]))
     for r in rows:
-        offs = [o for o in rows if o["scenario"] == r["scenario"] and o["config"] == "off"
-                and o.get("model") == r.get("model")]
-        same = [o for o in offs if o["invocation"] == r["invocation"]]
-        base = same[-1] if same else (offs[-1] if offs else None)
-        mark = "" if same else "*"
-        if r["config"] == "off" or base is None:
-            ov_med = ov_min = "—" if r["config"] == "off" else "no off"
-        else:
-            ov_med = pct(r["server_median_ms"], base["server_median_ms"]) + mark
-            ov_min = pct(r["server_min_ms"], base["server_min_ms"]) + mark
-        model = "" if r.get("model", "qwen3-0.6b") == "qwen3-0.6b" else f", {r['model']}"
+        base, cross = _baseline(rows, r)
+        ov_med, ov_min = _overheads(r, base, cross, "server_median_ms", "server_min_ms")
+        model = "" if r.get("model", DEFAULT_MODEL) == DEFAULT_MODEL else f", {r['model']}"
         lines.append(f"| {r['scenario']} (bs{r['bs']} isl{r['isl']} osl{r['osl']}{model}) | "
                      f"{r['config']} | {len(r['server_runs_ms'])} | "
                      f"{r['server_median_ms']:.2f} | {r['server_min_ms']:.2f} | "
@@ -1426,7 +1431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--piecewise", default="on", choices=("on", "off"),
                     help="sglang's piecewise CUDA graphs for prefill, for every config (default "
                     "on, sglang's default; results before 2026-11-24 ran with them off)")
-    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS),
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
                     help="the dummy-weight model's shapes (default qwen3-0.6b; qwen3-30b-a3b: "
                     "the upstream-shaped MoE rows, one H200)")
     ap.add_argument("--server-timing", default="on", choices=("on", "off"),

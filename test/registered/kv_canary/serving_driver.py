@@ -307,6 +307,19 @@ class ServingDriver:
         self.step_count += 1
         return fb.forward_mode.name.lower()
 
+    def report_within(self, steps: int) -> str:
+        """Step until the canary raises its report (raise mode; within two forwards on CUDA,
+        the same forward on CPU) and return it; fails if ``steps`` forwards pass without
+        one. Any other error propagates."""
+        for _ in range(steps):
+            try:
+                self.step()
+            except RuntimeError as exc:
+                if "kv_canary detected" not in str(exc):
+                    raise
+                return str(exc)
+        raise AssertionError(f"driver: no kv_canary report within {steps} forwards")
+
     def settle(self, max_steps: int = 200) -> None:
         """Step without arrivals until every admitted request is prefilled and none waits,
         so the next forward is a decode of all running requests."""

@@ -80,10 +80,9 @@ def test_static_padded_inputs_catch_a_fault_at_its_slot(variant):
     d.settle()
     assert d.manager.count_violations() == 0
     info = d.fault_swap_req_to_token()
-    with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
-        for _ in range(3):
-            d.step()
-    assert f"slot_idx={info['new_slot']} " in str(exc.value), str(exc.value)[:400]
+    report = d.report_within(3)
+    assert "kv_canary detected KV-cache corruption" in report
+    assert f"slot_idx={info['new_slot']} " in report, report[:400]
 
 
 def test_a_smaller_batch_pads_the_rows_and_slots_a_larger_one_left():

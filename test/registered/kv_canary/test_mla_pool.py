@@ -145,10 +145,9 @@ def test_serving_loop_catches_each_fault(pool, fault):
     d.run(60)
     d.settle()
     info = getattr(d, injector)()
-    with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
-        for _ in range(3):
-            d.step()
-    found = parse_violation_lines(str(exc.value))
+    report = d.report_within(3)
+    assert "kv_canary detected KV-cache corruption" in report
+    found = parse_violation_lines(report)
     assert {r for v in found for r in v.fail_reasons} & reasons, found
     assert info.get("slot", info.get("new_slot")) in {v.slot_idx for v in found}
 

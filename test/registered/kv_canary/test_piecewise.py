@@ -53,10 +53,9 @@ def test_a_padded_piecewise_replay_is_checked_as_the_scheduler_sent_it(pool):
     k_tail = d.groups[0].k_tail
     assert not bool(k_tail[0].any()), "the padded copy's slot 0 was written as a request's"
     info = d.fault_swap_req_to_token()
-    with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
-        for _ in range(3):
-            d.step()
-    assert f"slot_idx={info['new_slot']} " in str(exc.value), str(exc.value)[:400]
+    report = d.report_within(3)
+    assert "kv_canary detected KV-cache corruption" in report
+    assert f"slot_idx={info['new_slot']} " in report, report[:400]
 
 
 def _runner_with_canary():
