@@ -26,7 +26,10 @@ seeded RNG; counted per kind and printed; each must happen at least once):
   ``ignore_eos`` and long outputs. Fills the pool during decode, so the
   scheduler retracts requests (their slots are freed and reused, their prompt re-prefilled
   later from whatever the radix cache still holds). Retractions are counted from sglang's
-  own log line and asserted.
+  own log line and asserted. Whether the random traffic gets there depends on the machine's
+  speed, so before the clients start a fill phase (``Soak.fill_pool``: 24 short greedy
+  prompts decoding 120 tokens each in one call) overruns the pool on purpose and must cause
+  a retraction.
 - ``stream_early_close``: streaming requests whose client reads a few events and hangs up
   (half of them also abort their rid). The server keeps or drops the request on its own
   schedule: slots freed mid-decode.
@@ -100,6 +103,8 @@ ABORT_ALL_EVERY_S = 45.0
 STATS_EVERY_N_STEPS = 100
 HTTP_TIMEOUT_S = 150.0  # generous: abort_all every 45 s bounds every request's life
 PROBE_MAX_NEW = 16
+FILL_PROMPTS = 24  # the fill phase: 24 x (8-16 + 120) tokens, well over the pool
+FILL_MAX_NEW = 120
 
 RETRACT_LOG = "KV cache pool is full. Retract requests."  # sglang scheduler's warning
 STATS_RE = re.compile(r"kv_canary stats: step=(\d+) protected_tokens=(\d+) sweep_passes=(\d+) "
@@ -308,6 +313,23 @@ class Soak:
             "input_ids": prompts,
             "sampling_params": self.sampling(rng, rng.randint(150, 400), ignore_eos=True)})
 
+    def fill_pool(self) -> str:
+        """One call, before the clients start, that must overrun the pool: FILL_PROMPTS short
+        prompts decoding FILL_MAX_NEW tokens each (``ignore_eos``). The scheduler admits about
+        ``pool / (prompt + new_token_ratio * max_new)`` of them, and their decodes need more
+        slots than that, so it retracts some a few seconds in (on any machine: it does not
+        hang on the random traffic's luck). Greedy, so every result is checked in full."""
+        rng = random.Random(SEED + 2)
+        prompts = [_tokens(rng, rng.randint(8, 16)) for _ in range(FILL_PROMPTS)]
+        if FILL_PROMPTS * (16 + FILL_MAX_NEW) <= POOL_TOKENS:
+            raise ValueError("the fill phase's requests fit in the pool: no retraction")
+        outcome = self.generate("fill_pool", {
+            "input_ids": prompts,
+            "sampling_params": {"max_new_tokens": FILL_MAX_NEW, "ignore_eos": True,
+                                "temperature": 0.0}})
+        self.note("fill_pool", outcome)
+        return outcome
+
     def do_stream_early_close(self, rng):
         kind = "stream_early_close"
         rid = uuid.uuid4().hex
@@ -511,7 +533,7 @@ class Soak:
 
     def report(self, elapsed: float, retractions_logged: int) -> str:
         lines = [f"soak: {elapsed:.0f} s, {CLIENT_THREADS} clients, seed {SEED}"]
-        for kind in (*KINDS, "flush_cache", "abort_all"):
+        for kind in ("fill_pool", *KINDS, "flush_cache", "abort_all"):
             detail = ", ".join(f"{k.split(':', 1)[1]}={v}"
                                for k, v in sorted(self.outcomes.items())
                                if k.split(":", 1)[0] == kind)
@@ -571,6 +593,9 @@ def test_adversarial_soak_on_a_cli_server(tmp_path):
             assert before == expected, "greedy outputs differ from canary-off before the soak"
 
             soak = Soak(canary)
+            fill = soak.fill_pool()
+            assert fill == "finished" and not soak.problems, (fill, soak.problems)
+            assert RETRACT_LOG in canary.log(), "the fill phase never filled the pool: no retraction in the scheduler log"
             elapsed = soak.run(SOAK_SECONDS)
             alive = canary.alive()
             health = _health(canary.port) if alive else None
