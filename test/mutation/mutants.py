@@ -486,4 +486,18 @@ MUTANTS = (
         selection=f"{_T}/test_eager_graphs.py::"
                   "test_static_padded_inputs_leave_the_same_records_as_the_batch_tensors",
         speed="quick", what="static eager launches read stale positions"),
+    # ---- session 8: packed read-back, packed token upload -------------------------------------
+    Mutant(
+        id="readback-one-buffer", path=f"{_RT}/runner/device_host.py",
+        old="        self._flip ^= 1\n", new="",
+        selection=f"{_T}/test_runtime_core.py::"
+                  "test_device_host_handler_packs_mixed_dtypes_into_one_buffer",
+        speed="quick", what="a stage overwrites the read-back the consumer has not read yet"),
+    Mutant(
+        id="readback-unaligned-layout", path=f"{_RT}/runner/device_host.py",
+        old="    order = sorted(range(len(leaves)), key=lambda i: -leaves[i].element_size())\n",
+        new="    order = list(range(len(leaves)))\n",
+        selection=f"{_T}/test_runtime_core.py::"
+                  "test_device_host_handler_packs_mixed_dtypes_into_one_buffer",
+        speed="quick", what="packed read-back places an int64 tensor after an int32 one"),
 )

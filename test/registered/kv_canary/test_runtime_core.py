@@ -604,3 +604,50 @@ def test_device_host_handler_is_exception_safe():
     assert h.consume(lambda host: got.update(x=host.x.tolist(), type=type(host)))
     assert got["x"] == [10, 11, 12, 13]
     assert got["type"] is _Watched  # the consumer gets the watched type back
+
+
+@dataclasses.dataclass(frozen=True)
+class _Nested:
+    index: torch.Tensor
+    ring: torch.Tensor
+    statuses: tuple
+    flags: torch.Tensor
+
+
+def test_device_host_handler_packs_mixed_dtypes_into_one_buffer():
+    """Every watched tensor travels in one packed buffer; each host copy is its own tensor
+    back (dtype, shape, values), aligned, and a later stage does not disturb the copy the
+    consumer has not read yet (two buffers alternate)."""
+    src = _Nested(index=torch.tensor([3], dtype=torch.int32),
+                  ring=torch.arange(12, dtype=torch.int64).reshape(4, 3) - 5,
+                  statuses=(_Watched(x=torch.tensor([1, 0, 1], dtype=torch.int32)),
+                            _Watched(x=torch.tensor([-2**40], dtype=torch.int64))),
+                  flags=torch.tensor([True, False, True, True]))
+    h = DelayedDeviceHostHandler(src)
+    assert h.num_bytes == 4 + 12 * 8 + 3 * 4 + 8 + 4
+    h.stage()
+    first = h._pending  # step T's copies, not consumed yet
+    src.ring.mul_(-1)
+    src.statuses[0].x.fill_(7)
+    src.index.fill_(9)
+    got = {}
+    assert h.consume(lambda host: got.update(host=host))
+    host = got["host"]
+    assert type(host) is _Nested and type(host.statuses[1]) is _Watched
+    assert host.index.tolist() == [3] and host.index.dtype == torch.int32
+    assert host.ring.shape == (4, 3) and torch.equal(host.ring, -src.ring)
+    assert host.statuses[0].x.tolist() == [1, 0, 1]
+    assert host.statuses[1].x.tolist() == [-2**40] and host.flags.tolist() == [True, False,
+                                                                               True, True]
+    for leaf in (host.index, host.ring, host.statuses[0].x, host.statuses[1].x, host.flags):
+        assert leaf.data_ptr() % leaf.element_size() == 0
+    h.stage()  # step T+1 into the other buffer: T's host copies stay as they were
+    assert first.get().statuses[0].x.tolist() == [1, 0, 1]
+    h.consume(lambda host: got.update(again=host))
+    assert got["again"].statuses[0].x.tolist() == [7, 7, 7]
+    assert got["again"].index.tolist() == [9] and torch.equal(got["again"].ring, src.ring)
+
+
+def test_device_host_handler_refuses_strided_tensors():
+    with pytest.raises(ValueError, match="contiguous"):
+        DelayedDeviceHostHandler(_Watched(x=torch.arange(8).reshape(2, 4).t()))

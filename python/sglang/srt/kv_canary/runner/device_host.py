@@ -1,11 +1,13 @@
 """Delayed device→host reads that never stall the forward stream (docs/architecture.md,
 "Reading results").
 
-At step T, :meth:`DelayedDeviceHostHandler.stage` enqueues copies of the watched device
-tensors into pinned host buffers on a side stream (after the forward stream's work so far)
-and records an event; at step T+1, :meth:`consume` waits on that event (long since done) and
+At step T, :meth:`DelayedDeviceHostHandler.stage` enqueues a copy of the watched device
+tensors into a pinned host buffer on a side stream (after the forward stream's work so far)
+and records an event: one gather of every watched tensor's bytes into a device staging buffer
+(one ``torch.cat`` launch) and one device→host copy of it, whatever the number of tensors
+watched (an EAGLE draft canary watches one status per draft forward); at step T+1, :meth:`consume` waits on that event (long since done) and
 hands the host copies to a callback. On CPU tensors both happen at once (synchronous copies).
-Two host buffer sets alternate, so staging step T+1 never overwrites what step T's consumer
+Two host buffers alternate, so staging step T+1 never overwrites what step T's consumer
 still reads. :meth:`DelayedDeviceHostHandler.fence`, called before the next forward is queued,
 orders that forward after the staged copies (a stream wait on their event, no host sync), so a
 kernel of step T+1 can never change a watched tensor while step T's copy is still reading it
@@ -67,8 +69,23 @@ class FutureTensors(Generic[W]):
         return self._value
 
 
+def _byte_layout(leaves: Sequence[torch.Tensor]) -> List[int]:
+    """Byte offset of each leaf in the packed buffer: leaves placed by decreasing element
+    size (ties in order), so every leaf starts at a multiple of its own element size."""
+    order = sorted(range(len(leaves)), key=lambda i: -leaves[i].element_size())
+    offsets = [0] * len(leaves)
+    at = 0
+    for i in order:
+        offsets[i] = at
+        at += leaves[i].numel() * leaves[i].element_size()
+    return offsets
+
+
 class DelayedDeviceHostHandler(Generic[W]):
-    """Stages copies of ``sources`` (a dataclass of device tensors, fixed for its lifetime)."""
+    """Stages copies of ``sources`` (a dataclass of device tensors, fixed for its lifetime;
+    every tensor contiguous). Their bytes travel packed: ``_gather`` is one launch into a
+    device staging buffer, then one copy into a host buffer whose views, one per watched
+    tensor, are what the consumer gets."""
 
     def __init__(self, sources: W):
         self._sources = sources
@@ -78,17 +95,34 @@ class DelayedDeviceHostHandler(Generic[W]):
         devices = {t.device for t in self._device_leaves}
         if len(devices) != 1:
             raise ValueError(f"watched tensors span several devices: {sorted(map(str, devices))}")
+        strided = [i for i, t in enumerate(self._device_leaves) if not t.is_contiguous()]
+        if strided:
+            raise ValueError(f"DelayedDeviceHostHandler watches contiguous tensors; leaves "
+                             f"{strided} of {type(sources).__name__} are not")
         self.device = devices.pop()
         self.synchronous = self.device.type != "cuda"
         pin = not self.synchronous
-        self._host_leaves = [
-            [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in self._device_leaves]
-            for _ in range(2)
-        ]
-        self._host = [_rebuild(sources, iter(leaves)) for leaves in self._host_leaves]
+        offsets = _byte_layout(self._device_leaves)
+        self.num_bytes = sum(t.numel() * t.element_size() for t in self._device_leaves)
+        # the gather's inputs (byte views of the watched tensors, in packed order) and output
+        order = sorted(range(len(offsets)), key=offsets.__getitem__)
+        self._byte_views = [self._device_leaves[i].reshape(-1).view(torch.uint8) for i in order]
+        self._staging = (None if self.synchronous else
+                         torch.empty(self.num_bytes, dtype=torch.uint8, device=self.device))
+        self._host_bytes = [torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=pin)
+                            for _ in range(2)]
+        self._host = [
+            _rebuild(sources, iter([
+                host[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                for off, t in zip(offsets, self._device_leaves)]))
+            for host in self._host_bytes]
         self._flip = 0
         self._pending: Optional[FutureTensors[W]] = None
         self._stream = None if self.synchronous else torch.cuda.Stream(device=self.device)
+
+    def _gather(self, out: torch.Tensor) -> None:
+        """Every watched tensor's bytes into ``out`` (uint8 ``[num_bytes]``), one launch."""
+        torch.cat(self._byte_views, out=out)
 
     @property
     def has_pending(self) -> bool:
@@ -101,10 +135,8 @@ class DelayedDeviceHostHandler(Generic[W]):
         both, and nothing on the forward stream waits for either before it."""
         flip = self._flip
         self._flip ^= 1
-        pairs = zip(self._host_leaves[flip], self._device_leaves)
         if self.synchronous:
-            for dst, src in pairs:
-                dst.copy_(src)
+            self._gather(self._host_bytes[flip])
             for t in zero_after_copy:
                 t.zero_()
             self._pending = FutureTensors(self._host[flip], None)
@@ -112,8 +144,8 @@ class DelayedDeviceHostHandler(Generic[W]):
         producer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             self._stream.wait_stream(producer)
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+            self._gather(self._staging)
+            self._host_bytes[flip].copy_(self._staging, non_blocking=True)
             for t in zero_after_copy:
                 t.zero_()
             event = torch.cuda.Event()
