@@ -500,4 +500,28 @@ MUTANTS = (
         selection=f"{_T}/test_runtime_core.py::"
                   "test_device_host_handler_packs_mixed_dtypes_into_one_buffer",
         speed="quick", what="packed read-back places an int64 tensor after an int32 one"),
+    Mutant(
+        id="replay-scatter-not-captured",
+        path=f"{_RT}/single_forward_manager/manager.py",
+        old="                if self._capturing and self.token_history is not None:\n",
+        new="                if False:\n",
+        selection=f"{_T}/test_graph_replay_cpu.py::"
+                  "test_replayed_decodes_leave_the_records_of_eager_decodes",
+        speed="quick", what="a replayed decode's tokens never reach the expected-token pool"),
+    Mutant(
+        id="packed-scatter-padding-lens-kept",
+        path=f"{_KN}/scatter_req_token_ids.py",
+        old="    elif split == 0:\n        tl.store(lens_ptr + r, 0)\n",
+        new="",
+        selection=f"{_T}/test_kernels_fuzz.py::test_packed_scatter_matches_reference_and_definition",
+        speed="quick", what="a graph's padding rows keep a stale valid length"),
+    Mutant(
+        id="replay-staging-stale-snapshot",
+        path=f"{_RT}/token_history.py",
+        old="        elif snap is self._replay_holds:\n",
+        new="        elif self._replay_holds is not None:\n",
+        selection=f"{_T}/test_token_verify.py::test_replay_staging_copies_once_per_snapshot "
+                  f"{_T}/test_graph_replay_cpu.py::"
+                  "test_replayed_decodes_leave_the_records_of_eager_decodes",
+        speed="quick", what="a replay reads the snapshot staged for an earlier one"),
 )

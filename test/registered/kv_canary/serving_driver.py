@@ -4,7 +4,8 @@ the canary's four phases around every forward (test support for the runtime suit
 What it exercises: chunked prefill (EXTEND with prefixes), decode, several requests sharing a
 prefix through ``req_to_token`` (as the radix cache does), requests finishing and their
 ``req_to_token`` rows and KV slots being reused, optional decode CUDA graphs (the two
-"maybe inside graph" phases captured, replayed with the real batch copied in). The "model"
+"maybe inside graph" phases captured, replayed with the real batch copied in; on the CPU a
+:class:`CpuGraph` stands in for the CUDA graph). The "model"
 writes KV bytes that are a deterministic function of (token, position, layer) into every
 layer of the real ``MHATokenToKVPool``.
 
@@ -33,6 +34,7 @@ import torch
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.single_forward_manager.phases import SfmPhase
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -100,6 +102,31 @@ class DriverReq:
     @property
     def done(self) -> bool:
         return len(self.output) >= self.max_new
+
+
+class CpuGraph:
+    """The CPU's stand-in for the decode ``torch.cuda.CUDAGraph`` (no graphs without CUDA):
+    :meth:`replay` issues the launches the capture recorded, on the same static tensors, as a
+    graph replays its kernels. It runs the captured body again with the active single-forward
+    manager in capture mode (what it was in when sglang captured the graph, so it takes the
+    captured paths: static inputs, the token scatter from the replay buffer), then gives the
+    manager its phase back: a real replay runs no canary Python, so the outside bracket's
+    phases must not move. Capture itself is the first replay's business: nothing runs at
+    construction (a CUDA capture's launches do not run either)."""
+
+    def __init__(self, manager, body):
+        self.manager = manager
+        self.body = body
+
+    def replay(self) -> None:
+        sfm = self.manager.active_sfm
+        phase = sfm.phase
+        sfm.phase = SfmPhase.IDLE
+        try:
+            with sfm.capturing():
+                self.body()
+        finally:
+            sfm.phase = phase
 
 
 class ServingDriver:
@@ -625,19 +652,30 @@ class ServingDriver:
     # ---- decode CUDA graph -------------------------------------------------------------------
 
     def _capture_decode_graph(self, bs: int) -> None:
-        dev = self.device
-        z = lambda: torch.zeros(bs, dtype=torch.int64, device=dev)  # noqa: E731
-        self.static = ForwardBatch(
+        if self.device.type == "cpu":
+            self.static = self._static_decode_batch(bs)
+            self.graph = CpuGraph(self.manager, self._graph_body)
+            return
+        self._capture_cuda_decode_graph(bs)
+
+    def _static_decode_batch(self, bs: int) -> ForwardBatch:
+        z = lambda: torch.zeros(bs, dtype=torch.int64, device=self.device)  # noqa: E731
+        return ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=z(),
             req_pool_indices=z(), seq_lens=z(), out_cache_loc=z(), seq_lens_sum=0,
             positions=z(), req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.kv_pool)
-        mgr = self.manager
 
-        def body():
-            mgr.pre_ops_maybe_inside_graph(self.static)
-            self.model_forward(self.static)
-            mgr.post_ops_maybe_inside_graph(self.static)
+    def _graph_body(self) -> None:
+        """What the decode graph holds: the inside ops around the model, on the static batch."""
+        self.manager.pre_ops_maybe_inside_graph(self.static)
+        self.model_forward(self.static)
+        self.manager.post_ops_maybe_inside_graph(self.static)
+
+    def _capture_cuda_decode_graph(self, bs: int) -> None:
+        self.static = self._static_decode_batch(bs)
+        mgr = self.manager
+        body = self._graph_body
 
         with mgr.with_active_single_forward_manager(0), mgr.capturing():
             stream = torch.cuda.Stream()

@@ -285,7 +285,17 @@ def _calls(device):
                     req_pool_indices=torch.tensor([1, 2], dtype=I64, device=device),
                     pool_out=torch.zeros(3, 4, dtype=I32, device=device))
 
+    def packed_scatter_kwargs():
+        return dict(packed=torch.tensor([2, 3, 0, 0, 1, 1, 2, 7, 8, 9], dtype=I64, device=device),
+                    req_pool_indices=torch.tensor([1, 2, 0], dtype=I64, device=device),
+                    pool_out=torch.zeros(3, 4, dtype=I32, device=device),
+                    valid_lens_out=torch.zeros(3, dtype=I64, device=device))
+
     return {
+        "packed_scatter": (pkg.launch_scatter_packed_token_ids_kernel,
+                           pkg.scatter_packed_token_ids_torch_reference, scatter_req_token_ids,
+                           "run_scatter_packed_token_ids_reference",
+                           "validate_packed_scatter_args", packed_scatter_kwargs),
         "plan": (pkg.launch_canary_plan_kernels, pkg.launch_canary_plan_kernels_torch_reference,
                  plan_ref, "run_canary_plan_reference", "validate_plan_args", plan_kwargs),
         "write": (pkg.launch_canary_write_kernel, pkg.launch_canary_write_kernel_torch_reference,
@@ -300,7 +310,7 @@ def _calls(device):
     }
 
 
-KINDS = ("plan", "write", "verify", "scatter")
+KINDS = ("plan", "write", "verify", "scatter", "packed_scatter")
 
 
 class _ValidatorCallCounter:
@@ -392,6 +402,8 @@ BAD_ARGS = {
     "verify": (dict(plan=object()), TypeError, "plan must be a VerifyPlan, got object"),
     "scatter": (dict(pool_out=torch.zeros(3, 4, dtype=I64)), TypeError,
                 "pool_out must have dtype int32, got torch.int64"),
+    "packed_scatter": (dict(packed=torch.tensor([0, 0, 0], dtype=I64)), ValueError,
+                       "packed has 3 words, fewer than the header of 3 requests (10 words)"),
 }
 
 

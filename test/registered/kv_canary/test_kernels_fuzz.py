@@ -35,7 +35,9 @@ from sglang.jit_kernel.kv_canary import (
     launch_canary_verify_kernel_torch_reference,
     launch_canary_write_kernel,
     launch_canary_write_kernel_torch_reference,
+    launch_scatter_packed_token_ids_kernel,
     launch_scatter_req_token_ids_kernel,
+    scatter_packed_token_ids_torch_reference,
     scatter_req_token_ids_torch_reference,
 )
 
@@ -302,6 +304,66 @@ def test_fuzz_exercises_every_path():
                  "expected_tokens", "write_assert", "skip_slot", "overflow", "fits",
                  "violations", "clean"):
         assert want in seen, f"fuzz seeds never produce {want}"
+
+
+def _packed(rows_fields, flat, n=None):
+    n = len(rows_fields) if n is None else n
+    return torch.tensor([n] + [v for row in rows_fields for v in row] + list(flat),
+                        dtype=torch.int64)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_packed_scatter_matches_reference_and_definition(seed, device):
+    """Random packed uploads (incremental starts, negative / past-the-width starts, rows
+    outside the pool, a launch over more rows than requests (a graph's padding), a buffer
+    longer than its content (a static buffer) or cut short): Triton (compiled or
+    interpreted) byte-equal to the reference, and both to the definition written out."""
+    rng = random.Random(4000 + seed)
+    g = torch.Generator().manual_seed(seed)
+    n = rng.randint(0, 6)
+    launch_rows = n + rng.choice([0, 0, 1, 3])
+    pool_rows, cols = launch_rows + rng.randint(1, 4), rng.randint(1, 20)
+    rows_fields, flat = [], []
+    for _ in range(n):
+        length = rng.randint(0, cols + 5)
+        start = rng.choice([0, 0, rng.randint(0, length), rng.randint(-2, -1), length + 2])
+        rows_fields.append((length, start, len(flat)))
+        flat += torch.randint(-5, 2**40, (max(0, length - start),), generator=g).tolist()
+    packed = _packed(rows_fields, flat)
+    tail = rng.choice(["exact", "longer", "cut"])
+    if tail == "longer":
+        packed = torch.cat([packed, torch.full((rng.randint(1, 9),), 77, dtype=torch.int64)])
+    elif tail == "cut" and flat:
+        packed = packed[:-rng.randint(1, len(flat))]
+    short = 1 + 3 * launch_rows - packed.shape[0]  # the launch's rows need their header words
+    if short > 0:
+        packed = torch.cat([packed, torch.full((short,), 66, dtype=torch.int64)])
+    rpi = torch.tensor(rng.sample(range(-1, pool_rows + 1), launch_rows), dtype=torch.int64)
+    pool = torch.randint(-9, 9, (pool_rows, cols), dtype=torch.int32, generator=g)
+    lens0 = torch.full((launch_rows,), 55, dtype=torch.int64)
+    ref, ref_lens = pool.clone(), lens0.clone()
+    scatter_packed_token_ids_torch_reference(packed=packed, req_pool_indices=rpi, pool_out=ref,
+                                             valid_lens_out=ref_lens)
+    out, out_lens = pool.to(device), lens0.to(device)
+    launch_scatter_packed_token_ids_kernel(packed=packed.to(device),
+                                           req_pool_indices=rpi.to(device), pool_out=out,
+                                           valid_lens_out=out_lens)
+    assert torch.equal(out.cpu(), ref) and torch.equal(out_lens.cpu(), ref_lens)
+    want, want_lens = pool.clone(), lens0.clone()
+    for r in range(launch_rows):
+        if r >= n:
+            want_lens[r] = 0
+            continue
+        length, start, offset = rows_fields[r]
+        want_lens[r] = length
+        row = int(rpi[r])
+        if not 0 <= row < pool_rows or start < 0:
+            continue
+        for p in range(start, min(length, cols)):
+            at = 1 + 3 * n + offset + (p - start)
+            if at < packed.shape[0]:
+                want[row, p] = packed[at].to(torch.int32)
+    assert torch.equal(ref, want) and torch.equal(ref_lens, want_lens)
 
 
 @pytest.mark.parametrize("with_starts", [False, True], ids=["whole", "dst_starts"])

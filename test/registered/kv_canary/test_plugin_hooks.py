@@ -230,10 +230,10 @@ def test_forward_batch_hook_feeds_the_token_checks_of_a_serving_loop(monkeypatch
 
 
 def test_graph_replay_hook_uploads_the_tokens_before_the_replay():
-    """``CudaGraphRunner.replay`` (AROUND): the graph's plan reads the expected-token pool,
-    so the hook uploads the batch's token history before calling sglang's replay, then marks
-    the inside ops as replayed (sglang's ``CudaGraphRunner`` instance, its ``model_runner``
-    carrying the canary)."""
+    """``CudaGraphRunner.replay`` (AROUND): the graph's scatter reads the uploader's replay
+    buffer, so the hook stages the batch's token history there before calling sglang's
+    replay, then marks the inside ops as replayed (sglang's ``CudaGraphRunner`` instance, its
+    ``model_runner`` carrying the canary)."""
     from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 
     d = ServingDriver(seed=8, verify_tokens=True)
@@ -246,7 +246,10 @@ def test_graph_replay_hook_uploads_the_tokens_before_the_replay():
     pool = d.manager.state.req_to_verify_expected_tokens
     seen = []
 
-    def replay(self, *args, **kwargs):  # what the graph reads when it runs
+    def replay(self, *args, **kwargs):  # the graph's captured scatter, then its plan reads
+        lens = torch.zeros(1, dtype=torch.int64)
+        d.manager.token_history.launch_replay_scatter(
+            torch.tensor([req.row], dtype=torch.int64), lens)
         seen.append(pool[req.row, :7].tolist())
         return "logits"
 

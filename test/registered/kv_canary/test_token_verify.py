@@ -28,8 +28,9 @@ def _req(inp, out, row=None):
                                  req_pool_idx=row)
 
 
-def _uploader(rows, cols):
-    return TokenHistoryUploader(torch.full((rows, cols), -1, dtype=torch.int32))
+def _uploader(rows, cols, replay_rows=4, replay_tokens=8):
+    return TokenHistoryUploader(torch.full((rows, cols), -1, dtype=torch.int32),
+                                replay_rows=replay_rows, replay_tokens=replay_tokens)
 
 
 def _snap(up, reqs) -> CanaryBatchState:
@@ -40,7 +41,14 @@ def _snap(up, reqs) -> CanaryBatchState:
 
 
 def _upload(up, state, rows):
-    return up.upload(state, torch.tensor(rows, dtype=torch.int64))
+    """An eager upload; the valid lengths it wrote (None when it had nothing to upload, and
+    then it wrote none)."""
+    lens = torch.full((len(rows) + 2,), -7, dtype=torch.int64)
+    if not up.upload(state, torch.tensor(rows, dtype=torch.int64), lens):
+        assert lens.eq(-7).all()
+        return None
+    assert lens[len(rows):].eq(-7).all()  # only the batch's rows
+    return lens[:len(rows)]
 
 
 def _history(req):
@@ -91,9 +99,14 @@ def test_upload_no_ops():
 def test_uploader_needs_an_int32_2d_pool():
     for bad in (None, torch.zeros((2, 3), dtype=torch.int64), torch.zeros(6, dtype=torch.int32)):
         with pytest.raises(TypeError, match="int32 \\[rows, max_context_len\\] pool"):
-            TokenHistoryUploader(bad)
-    up = TokenHistoryUploader(torch.zeros((7, 3), dtype=torch.int32))
+            TokenHistoryUploader(bad, replay_rows=1, replay_tokens=0)
+    up = TokenHistoryUploader(torch.zeros((7, 3), dtype=torch.int32), replay_rows=5,
+                              replay_tokens=9)
     assert isinstance(up.rows, ExpectedTokenRows) and up.rows.num_rows == 7
+    assert up.replay_buffer.shape == (1 + 3 * 5 + 9,) and up.replay_buffer.dtype == torch.int64
+    with pytest.raises(ValueError, match="replay_rows >= 1 and replay_tokens >= 0, got 0"):
+        TokenHistoryUploader(torch.zeros((7, 3), dtype=torch.int32), replay_rows=0,
+                             replay_tokens=0)
 
 
 def test_upload_mismatch_errors():
@@ -370,9 +383,10 @@ def test_an_eager_forward_uploads_the_tokens_after_the_models_launches():
 
 
 def test_a_graph_replay_needs_the_token_upload_first():
-    """A CUDA-graph replay reads the pool inside the graph, so the replay hooks upload before
-    replaying (``before_graph_replay``); a replay marked without it is refused, naming the
-    call that is missing. Without token checks there is nothing to upload."""
+    """A CUDA-graph replay scatters the tokens inside the graph, from the uploader's replay
+    buffer, so the replay hooks stage the snapshot there before replaying
+    (``before_graph_replay``); a replay marked without it is refused, naming the call that is
+    missing. Without token checks there is nothing to upload."""
     d, req, fb = _one_prefill()
     mgr = d.manager
     pool = mgr.state.req_to_verify_expected_tokens
@@ -382,9 +396,104 @@ def test_a_graph_replay_needs_the_token_upload_first():
                 mgr.mark_replayed_inside_graph()
         with mgr.with_ops_outside_graph(fb):
             mgr.before_graph_replay()
-            assert pool[req.row, :7].tolist() == req.prompt
+            assert pool[req.row, :7].tolist() != req.prompt  # staged, not scattered yet
+            # what the graph's captured scatter then does (a padded batch of 3 rows)
+            lens = torch.full((3,), -1, dtype=torch.int64)
+            mgr.token_history.launch_replay_scatter(
+                torch.tensor([req.row, 0, 0], dtype=torch.int64), lens)
+            assert pool[req.row, :7].tolist() == req.prompt and lens.tolist() == [7, 0, 0]
             mgr.mark_replayed_inside_graph()
     d, req, fb = _one_prefill(verify_tokens=False)
     with d.manager.with_active_single_forward_manager(0), d.manager.with_ops_outside_graph(fb):
         d.manager.before_graph_replay()
         d.manager.mark_replayed_inside_graph()
+
+
+# ---- replayed forwards: staged before the replay, scattered inside the graph ---------------
+
+
+def _replay(up, state, rows, graph_rows):
+    """Stage as the replay hook does, then run the graph's captured scatter over a padded
+    batch of ``graph_rows`` (padding rows 0, as sglang pads); returns the valid lengths."""
+    lens = torch.full((graph_rows,), -7, dtype=torch.int64)
+    up.stage_for_replay(state, torch.tensor(rows, dtype=torch.int64), lens)
+    padded = torch.tensor(list(rows) + [0] * (graph_rows - len(rows)), dtype=torch.int64)
+    up.launch_replay_scatter(padded, lens)
+    return lens
+
+
+def test_a_replayed_decode_gets_its_tokens_from_the_replay_buffer():
+    """Decode steps replayed from a graph of 4 rows: each step's new tokens reach the pool
+    through the staged buffer and the graph's scatter; padding rows get valid length 0 and
+    their row (0, a live request's row here) is not written."""
+    up = _uploader(6, 16, replay_rows=4, replay_tokens=8)
+    a, b, c = _req([1, 2, 3], [], row=4), _req([7, 8], [9], row=1), _req([5], [6], row=0)
+    _upload(up, _snap(up, [a, b, c]), [4, 1, 0])  # the prefill (eager)
+    row0 = up.pool[0].clone()
+    for step in range(3):
+        a.output_ids.append(100 + step)
+        b.output_ids.append(200 + step)
+        lens = _replay(up, _snap(up, [a, b]), [4, 1], graph_rows=4)
+        assert lens.tolist() == [len(_history(a)), len(_history(b)), 0, 0]
+    assert up.pool[4, :6].tolist() == _history(a) and up.pool[1, :6].tolist() == _history(b)
+    assert torch.equal(up.pool[0], row0)
+    assert up.rows.full_resnapshots == 0
+
+
+def test_replay_staging_copies_once_per_snapshot():
+    """The forwards of one EAGLE draft round share a snapshot: only the first one copies it
+    into the replay buffer; a new snapshot is copied again."""
+    up = _uploader(4, 8)
+    req = _req([1, 2], [3], row=2)
+    state = _snap(up, [req])
+    lens = torch.zeros(4, dtype=torch.int64)
+    up.stage_for_replay(state, torch.tensor([2]), lens)
+    up.replay_buffer[-1] = 4242  # a word past the snapshot: a second copy would not touch it
+    up.replay_buffer[1 + 3] = 99  # its first token: a second copy would restore it
+    up.stage_for_replay(state, torch.tensor([2]), lens)
+    assert up.replay_buffer[1 + 3].item() == 99
+    req.output_ids.append(4)
+    up.stage_for_replay(_snap(up, [req]), torch.tensor([2]), lens)
+    assert up.replay_buffer[:5].tolist() == [1, 4, 3, 0, 4]
+
+
+def test_a_replay_without_a_snapshot_checks_no_token():
+    """No snapshot (an idle batch, token checks attached to no request): the buffer's request
+    count is 0, so the graph's scatter sets every valid length to 0 and writes nothing."""
+    up = _uploader(4, 8)
+    _replay(up, _snap(up, [_req([1, 2], [], row=1)]), [1], graph_rows=2)
+    before = up.pool.clone()
+    lens = _replay(up, CanaryBatchState(), [1], graph_rows=2)
+    assert lens.tolist() == [0, 0] and torch.equal(up.pool, before)
+
+
+def test_a_snapshot_larger_than_the_replay_buffer_is_scattered_before_the_replay():
+    """A replayed forward whose snapshot does not fit the replay buffer (a request sent
+    whole): its tokens go by their own launch before the replay; the graph's scatter then
+    gets the lengths only, and the next (small) snapshot uses the buffer again."""
+    up = _uploader(4, 32, replay_rows=2, replay_tokens=3)
+    big = _req(list(range(10, 30)), [5], row=3)
+    small = _req([1], [], row=1)
+    lens = _replay(up, _snap(up, [big, small]), [3, 1], graph_rows=2)
+    assert lens.tolist() == [21, 1]
+    assert up.pool[3, :21].tolist() == _history(big) and up.pool[1, 0].item() == 1
+    head = up.replay_buffer[:7].view(-1)[1:].view(2, 3)
+    assert head[:, 1].tolist() == head[:, 0].tolist() == [21, 1]  # empty segments
+    big.output_ids.append(6)
+    lens = _replay(up, _snap(up, [big, small]), [3, 1], graph_rows=2)
+    assert lens.tolist() == [22, 1] and up.pool[3, :22].tolist() == _history(big)
+
+
+def test_a_replayed_snapshot_out_of_order_is_resent_whole():
+    """A snapshot built but never run leaves rows behind what the next one assumes: staged for
+    a replay, the next one is re-snapshotted whole (as for an eager upload) and the pool
+    ends up right."""
+    up = _uploader(4, 16, replay_tokens=16)
+    req = _req([1, 2, 3], [], row=2)
+    _upload(up, _snap(up, [req]), [2])
+    req.output_ids.append(4)
+    _snap(up, [req])  # built, never run: the record claims row 2 holds 4 tokens
+    req.output_ids.append(5)
+    lens = _replay(up, _snap(up, [req]), [2], graph_rows=1)
+    assert up.rows.full_resnapshots == 1
+    assert lens.tolist() == [5] and up.pool[2, :5].tolist() == [1, 2, 3, 4, 5]

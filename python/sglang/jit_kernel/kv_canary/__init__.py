@@ -15,7 +15,9 @@ from sglang.jit_kernel.kv_canary.consts import (
 from sglang.jit_kernel.kv_canary.plan import launch_canary_plan_kernels
 from sglang.jit_kernel.kv_canary.plan_ref import launch_canary_plan_kernels_torch_reference
 from sglang.jit_kernel.kv_canary.scatter_req_token_ids import (
+    launch_scatter_packed_token_ids_kernel,
     launch_scatter_req_token_ids_kernel,
+    scatter_packed_token_ids_torch_reference,
     scatter_req_token_ids_torch_reference,
 )
 from sglang.jit_kernel.kv_canary.types import (
@@ -41,6 +43,7 @@ __all__ = [
     "WriteParts", "WritePlan", "launch_canary_plan_kernels", "launch_canary_plan_kernels_torch_reference",
     "launch_canary_verify_kernel", "launch_canary_verify_kernel_torch_reference",
     "launch_canary_write_kernel", "launch_canary_write_kernel_torch_reference",
-    "launch_scatter_req_token_ids_kernel", "scatter_req_token_ids_torch_reference",
+    "launch_scatter_packed_token_ids_kernel", "launch_scatter_req_token_ids_kernel",
+    "scatter_packed_token_ids_torch_reference", "scatter_req_token_ids_torch_reference",
     "splitmix64", "splitmix64_mix3",
 ]

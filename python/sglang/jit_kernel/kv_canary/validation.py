@@ -28,6 +28,7 @@ from sglang.jit_kernel.kv_canary.types import (
     VerifyPlan,
     WriteParts,
     WritePlan,
+    packed_tokens_numel,
 )
 
 
@@ -180,6 +181,21 @@ def validate_plan_args(*, verify_plan_out, write_plan_out, req_pool_indices, pre
             req_to_verify_expected_tokens_valid_lens if req_to_verify_expected_tokens is not None
             else None,
     })
+
+
+def validate_packed_scatter_args(packed, req_pool_indices, pool_out, valid_lens_out) -> None:
+    """Host-side checks of the packed token-id scatter and its torch reference (metadata only:
+    the request count inside ``packed`` is device data, bounded by the kernel)."""
+    packed = check_tensor("packed", packed, dtypes=(torch.int64,), ndim=1)
+    rows = check_tensor("req_pool_indices", req_pool_indices, dtypes=(torch.int64,),
+                        ndim=1).shape[0]
+    check_tensor("pool_out", pool_out, dtypes=(torch.int32,), ndim=2)
+    check_tensor("valid_lens_out", valid_lens_out, dtypes=(torch.int64,), shape=(rows,))
+    if packed.shape[0] < packed_tokens_numel(rows, 0):
+        raise ValueError(f"packed has {packed.shape[0]} words, fewer than the header of "
+                         f"{rows} requests ({packed_tokens_numel(rows, 0)} words)")
+    same_device({"packed": packed, "req_pool_indices": req_pool_indices, "pool_out": pool_out,
+                 "valid_lens_out": valid_lens_out})
 
 
 def validate_scatter_args(flat_in, offsets, req_pool_indices, pool_out, dst_starts) -> None:

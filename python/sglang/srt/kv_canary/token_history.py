@@ -14,6 +14,15 @@ position]``. Positions past a request's snapshot length (the token being sampled
 output id not yet known under overlap scheduling, a recycled row's stale tail) are outside
 its valid length and unchecked.
 
+The upload is one packed buffer (layout: ``sglang.jit_kernel.kv_canary.types``,
+``PACKED_TOKENS_*``) and one launch of the packed scatter, which also writes the plan's valid
+lengths. Where a CUDA graph replays the forward (sglang's decode, target-verify, draft and
+draft-extend graphs), the scatter is captured in the graph, reading a static device buffer
+(:attr:`TokenHistoryUploader.replay_buffer`); before the replay the host only copies the
+snapshot there (:meth:`TokenHistoryUploader.stage_for_replay`: one copy, no launch). A
+snapshot larger than that buffer is scattered by its own launch before the replay, and the
+graph's scatter then gets its lengths only.
+
 Incremental snapshots (what the runtime uses). A request's history only grows, and its pool
 row keeps what earlier forwards scattered, so re-sending the whole history every step is pure
 host work (a decode step at bs 1 with a 1.5k-token history spent most of its canary cost
@@ -42,7 +51,18 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from sglang.jit_kernel.kv_canary.scatter_req_token_ids import launch_scatter_req_token_ids_kernel
+from sglang.jit_kernel.kv_canary.scatter_req_token_ids import (
+    launch_scatter_packed_token_ids_kernel,
+)
+from sglang.jit_kernel.kv_canary.types import (
+    PACKED_TOKENS_HEADER,
+    PACKED_TOKENS_NUM_REQS,
+    PACKED_TOKENS_ROW_FIELDS,
+    PACKED_TOKENS_ROW_LEN,
+    PACKED_TOKENS_ROW_OFFSET,
+    PACKED_TOKENS_ROW_START,
+    packed_tokens_numel,
+)
 from sglang.srt.kv_canary.batch_state import CanaryBatchState
 
 logger = logging.getLogger(__name__)
@@ -56,11 +76,11 @@ def _pin() -> bool:
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenIdSnapshot:
     """One batch's token-id snapshot (the opaque handle its ``CanaryBatchState`` carries):
-    ``packed`` is a single int64 host buffer ``[lens (bs) | starts (bs) | offsets (bs + 1) |
-    flat (total)]`` (pinned when CUDA exists), ``flat`` (the tokens sent), ``lens`` (each
-    request's whole history length) and ``starts`` (first position of each request's segment)
-    its views. ``rows`` is the record it was taken against and ``epoch`` / ``seq`` / ``reqs``
-    let the upload check the order (and re-snapshot when needed)."""
+    ``packed`` is the packed upload, a single int64 host buffer (pinned when CUDA exists; the
+    layout of ``types.PACKED_TOKENS_*``), ``flat`` (the tokens sent), ``lens`` (each request's
+    whole history length) and ``starts`` (first position of each request's segment) its views.
+    ``rows`` is the record it was taken against and ``epoch`` / ``seq`` / ``reqs`` let the
+    upload check the order (and re-snapshot when needed)."""
 
     packed: torch.Tensor
     flat: torch.Tensor
@@ -76,16 +96,33 @@ class TokenIdSnapshot:
              **origin) -> "TokenIdSnapshot":
         """``pieces``: iterables of token ids whose concatenation holds ``total`` ids."""
         bs = len(lens)
-        packed = torch.empty(3 * bs + 1 + total, dtype=torch.int64, pin_memory=_pin())
+        packed = torch.empty(packed_tokens_numel(bs, total), dtype=torch.int64,
+                             pin_memory=_pin())
         host = packed.numpy()
-        host[:bs] = lens
-        host[bs:2 * bs] = starts
-        host[2 * bs] = 0
-        np.cumsum(host[:bs] - host[bs:2 * bs], out=host[2 * bs + 1:3 * bs + 1])
-        host[3 * bs + 1:] = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64,
-                                        count=total)
-        return cls(packed=packed, flat=packed[3 * bs + 1:], lens=packed[:bs],
-                   starts=packed[bs:2 * bs], **origin)
+        host[PACKED_TOKENS_NUM_REQS] = bs
+        flat_at = PACKED_TOKENS_HEADER + PACKED_TOKENS_ROW_FIELDS * bs
+        rows = host[PACKED_TOKENS_HEADER:flat_at].reshape(bs, PACKED_TOKENS_ROW_FIELDS)
+        rows[:, PACKED_TOKENS_ROW_LEN] = lens
+        rows[:, PACKED_TOKENS_ROW_START] = starts
+        sent = rows[:, PACKED_TOKENS_ROW_LEN] - rows[:, PACKED_TOKENS_ROW_START]
+        rows[:, PACKED_TOKENS_ROW_OFFSET] = np.cumsum(sent) - sent
+        host[flat_at:] = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64,
+                                     count=total)
+        row_view = packed[PACKED_TOKENS_HEADER:flat_at].view(bs, PACKED_TOKENS_ROW_FIELDS)
+        return cls(packed=packed, flat=packed[flat_at:], lens=row_view[:, PACKED_TOKENS_ROW_LEN],
+                   starts=row_view[:, PACKED_TOKENS_ROW_START], **origin)
+
+    def lengths_only(self) -> torch.Tensor:
+        """A packed header of the same requests with nothing to scatter (each segment starts
+        at the request's length): what a graph's scatter gets when the tokens went ahead by
+        their own launch. New host buffer (pinned when CUDA exists)."""
+        bs = self.lens.shape[0]
+        head = torch.empty(packed_tokens_numel(bs, 0), dtype=torch.int64, pin_memory=_pin())
+        head.copy_(self.packed[:head.shape[0]])
+        rows = head[PACKED_TOKENS_HEADER:].view(bs, PACKED_TOKENS_ROW_FIELDS)
+        rows[:, PACKED_TOKENS_ROW_START] = rows[:, PACKED_TOKENS_ROW_LEN]
+        rows[:, PACKED_TOKENS_ROW_OFFSET] = 0
+        return head
 
 
 class ExpectedTokenRows:
@@ -176,16 +213,26 @@ class TokenHistoryUploader:
     """The one owner of the expected-token pool's contents (built by the canary builder when
     ``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1``, handed to every single-forward
     manager). ``pool``: int32 ``[req_to_token rows, max_context_len]`` on the canary's device
-    (``CanaryDeviceState.req_to_verify_expected_tokens``)."""
+    (``CanaryDeviceState.req_to_verify_expected_tokens``). ``replay_rows`` / ``replay_tokens``
+    size :attr:`replay_buffer`, the static packed buffer the graph-captured scatters read:
+    requests of one forward (the canary's request capacity) and tokens one replayed forward's
+    snapshot may carry there (more go by their own launch)."""
 
-    def __init__(self, pool: torch.Tensor):
+    def __init__(self, pool: torch.Tensor, *, replay_rows: int, replay_tokens: int):
         if not isinstance(pool, torch.Tensor) or pool.dtype != torch.int32 or pool.dim() != 2:
             raise TypeError("TokenHistoryUploader needs an int32 [rows, max_context_len] pool")
+        if replay_rows < 1 or replay_tokens < 0:
+            raise ValueError(f"TokenHistoryUploader needs replay_rows >= 1 and replay_tokens "
+                             f">= 0, got {replay_rows} and {replay_tokens}")
         self.pool = pool
         self.rows = ExpectedTokenRows(pool.shape[0])
+        self.replay_buffer = torch.zeros(packed_tokens_numel(replay_rows, replay_tokens),
+                                         dtype=torch.int64, device=pool.device)
+        self._no_requests = torch.zeros(1, dtype=torch.int64, pin_memory=_pin())
+        self._replay_holds: Optional[TokenIdSnapshot] = None  # what replay_buffer holds
 
     def defer_snapshot(self, state: CanaryBatchState, reqs: Optional[Sequence]) -> None:
-        """The ``ForwardBatch.init_new`` hook: remember the batch's requests; :meth:`upload`
+        """The ``ForwardBatch.init_new`` hook: remember the batch's requests; the upload
         snapshots them (the forward's queue does not wait for a long prompt's snapshot). The
         histories it then reads are those of the batch's build: sglang appends a forward's
         tokens only after the forward (the upload runs inside it, or right before its graph
@@ -199,18 +246,14 @@ class TokenHistoryUploader:
         if reqs is not None:
             state.token_snapshot = self.rows.snapshot(reqs)
 
-    def upload(self, state: Optional[CanaryBatchState], req_pool_indices: torch.Tensor
-               ) -> Optional[torch.Tensor]:
-        """Scatter the batch's snapshot into the pool; returns the per-request whole lengths
-        on the pool's device (int64 ``[bs]``, the plan's valid lengths), or None when there
-        is nothing to upload (no snapshot, empty batch). A snapshot that reaches the device
-        out of order is replaced (in ``state``) by a whole one first. Raises ``RuntimeError``
-        when the snapshot does not match the batch. Outside CUDA graphs; one host→device copy
-        and one scatter launch, no host sync."""
+    def _ready_snapshot(self, state: Optional[CanaryBatchState],
+                        bs: int) -> Optional[TokenIdSnapshot]:
+        """The batch's snapshot, taken now if deferred, checked against the batch size and
+        replaced (in ``state``) by a whole one if it reaches the device out of order; None
+        when there is nothing to upload (no snapshot, empty batch)."""
         if state is not None and state.token_snapshot is None and state.token_reqs is not None:
             self.snapshot(state, state.token_reqs)  # deferred by the init_new hook
         snap = state.token_snapshot if state is not None else None
-        bs = req_pool_indices.shape[0]
         if snap is None or bs == 0:
             return None
         if snap.lens.shape[0] != bs:
@@ -224,10 +267,60 @@ class TokenHistoryUploader:
             snap = self.rows.snapshot(snap.reqs)
             state.token_snapshot = snap
             self.rows.check_upload(snap)
-        on_device = snap.packed.to(self.pool.device, non_blocking=True)
-        lens_d, starts_d = on_device[:bs], on_device[bs:2 * bs]
-        offsets_d, flat_d = on_device[2 * bs:3 * bs + 1], on_device[3 * bs + 1:]
-        launch_scatter_req_token_ids_kernel(
-            flat_in=flat_d, offsets=offsets_d, req_pool_indices=req_pool_indices.to(torch.int64),
-            pool_out=self.pool, dst_starts=starts_d)
-        return lens_d
+        return snap
+
+    def upload(self, state: Optional[CanaryBatchState], req_pool_indices: torch.Tensor,
+               valid_lens_out: torch.Tensor) -> bool:
+        """An eager forward's upload: scatter the batch's snapshot into the pool and write the
+        plan's valid lengths into ``valid_lens_out[:bs]`` (int64 ``[>= bs]``). False, with
+        nothing done, when there is nothing to upload (no snapshot, empty batch). Raises
+        ``RuntimeError`` when the snapshot does not match the batch. Outside CUDA graphs, on
+        the current stream; one host→device copy and one launch, no host sync."""
+        bs = req_pool_indices.shape[0]
+        snap = self._ready_snapshot(state, bs)
+        if snap is None:
+            return False
+        self._scatter_now(snap, req_pool_indices, valid_lens_out[:bs])
+        return True
+
+    def _scatter_now(self, snap: TokenIdSnapshot, req_pool_indices: torch.Tensor,
+                     valid_lens_out: torch.Tensor) -> None:
+        launch_scatter_packed_token_ids_kernel(
+            packed=snap.packed.to(self.pool.device, non_blocking=True),
+            req_pool_indices=req_pool_indices.to(torch.int64), pool_out=self.pool,
+            valid_lens_out=valid_lens_out)
+
+    def stage_for_replay(self, state: Optional[CanaryBatchState],
+                         req_pool_indices: torch.Tensor, valid_lens_out: torch.Tensor) -> None:
+        """Before a CUDA graph whose scatter (:meth:`launch_replay_scatter`) was captured
+        replays this batch: put its snapshot in :attr:`replay_buffer` (one host→device copy
+        on the current stream; none when the buffer already holds it, as for the second
+        forward of an EAGLE draft round). Nothing to upload: a request count of 0 (the
+        graph's scatter zeroes the valid lengths). A snapshot larger than the buffer is
+        scattered now by its own launch (``valid_lens_out`` int64 ``[>= bs]``) and the buffer
+        gets its lengths only. No host sync."""
+        snap = self._ready_snapshot(state, req_pool_indices.shape[0])
+        if snap is None:
+            self.replay_buffer[:1].copy_(self._no_requests, non_blocking=True)
+            self._replay_holds = None
+        elif snap is self._replay_holds:
+            return
+        elif snap.packed.shape[0] <= self.replay_buffer.shape[0]:
+            self.replay_buffer[:snap.packed.shape[0]].copy_(snap.packed, non_blocking=True)
+            self._replay_holds = snap
+        else:
+            self._scatter_now(snap, req_pool_indices,
+                              valid_lens_out[:req_pool_indices.shape[0]])
+            head = snap.lengths_only()
+            self.replay_buffer[:head.shape[0]].copy_(head, non_blocking=True)
+            self._replay_holds = None
+
+    def launch_replay_scatter(self, req_pool_indices: torch.Tensor,
+                              valid_lens_out: torch.Tensor) -> None:
+        """The scatter a CUDA graph captures (inside ops, during sglang's capture): from
+        :attr:`replay_buffer` into the pool, lengths into ``valid_lens_out`` (int64 ``[bs]``,
+        0 for the graph's padding rows). ``req_pool_indices``: int64 ``[bs]``, the graph's
+        static (padded) rows. Allocation- and sync-free."""
+        launch_scatter_packed_token_ids_kernel(
+            packed=self.replay_buffer, req_pool_indices=req_pool_indices, pool_out=self.pool,
+            valid_lens_out=valid_lens_out)

@@ -65,6 +65,11 @@ logger = logging.getLogger(__name__)
 DRAFT_POOL_LABEL = ("the EAGLE draft model's KV pool (its position p holds the KV computed from "
                     "token p + 1)")
 
+# tokens per request that a replayed forward's token-history upload carries in the static
+# buffer its graph reads (a decode step sends 1, a verified speculative step a few; a larger
+# upload goes by its own launch before the replay)
+REPLAY_TOKENS_PER_REQUEST = 8
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CanaryReadback:
@@ -140,8 +145,12 @@ class CanaryManager:
             expected_token_pool_shape=(tuple(req_to_token.shape)
                                        if config.enable_verify_token_assert else None))
         # the one owner of the expected-token pool's contents (token checks on)
-        self.token_history = (TokenHistoryUploader(self.state.req_to_verify_expected_tokens)
-                              if config.enable_verify_token_assert else None)
+        self.token_history = (
+            TokenHistoryUploader(self.state.req_to_verify_expected_tokens,
+                                 replay_rows=capacities.write_req_capacity,
+                                 replay_tokens=(REPLAY_TOKENS_PER_REQUEST
+                                                * capacities.write_req_capacity))
+            if config.enable_verify_token_assert else None)
         self.endpoints = tuple(ep for g in self.groups
                                for ep in build_endpoints_from_group(group=g, state=self.state,
                                                                     config=config))

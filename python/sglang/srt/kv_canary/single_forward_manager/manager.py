@@ -7,10 +7,11 @@ Four ops, checked in order:
    change) and, with ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1``, the token oracle's
    expected written tokens / positions; never captured. It also takes the forward's batch,
    which the inside ops of an eager forward read (below). The token-history upload
-   (:class:`TokenHistoryUploader`, token checks on) is left pending: a CUDA-graph replay hook
-   does it before the replay (:meth:`upload_tokens_before_replay`, on the forward stream); an
-   eager forward does it in 3., on the side stream, after the model's kernels are queued. A
-   replay marked without it raises.
+   (:class:`TokenHistoryUploader`, token checks on) is left pending: before a CUDA-graph
+   replay the replay hook stages the snapshot for the scatter captured in the graph
+   (:meth:`upload_tokens_before_replay`, on the forward stream); an eager forward uploads it
+   in 3., on the side stream, after the model's kernels are queued. A replay marked without
+   it raises.
 2. ``pre_ops_maybe_inside_graph(forward_batch)`` — the fork point: on CUDA an event on the
    forward stream, recorded before the model forward's kernels (HiCache: after the first
    layer's load). Nothing is launched here, so an eager forward's kernels are queued without
@@ -225,22 +226,25 @@ class SingleForwardManager:
 
     def upload_tokens_before_replay(self) -> None:
         """Before a CUDA graph replays this forward's inside ops (the replay hooks call it, on
-        the forward stream): the token-history upload those ops read. A no-op without token
-        checks or once done."""
+        the forward stream): stage the token-history snapshot the graph's captured scatter
+        reads (:meth:`TokenHistoryUploader.stage_for_replay`: one copy). A no-op without
+        token checks or once done."""
         if self._tokens_pending:
-            self._upload_tokens(self._batch)
+            self._tokens_pending = False
+            forward_batch = self._batch
+            self.token_history.stage_for_replay(batch_state(forward_batch),
+                                                forward_batch.req_pool_indices,
+                                                self.expected_valid_lens)
 
     def _upload_tokens(self, forward_batch: "ForwardBatch") -> None:
-        """Scatter the batch's token-id snapshot into the expected-token pool and set the
-        plan's valid lengths (one host->device copy, one scatter launch, no host sync), on
-        the current stream."""
+        """An eager forward's upload: scatter the batch's token-id snapshot into the
+        expected-token pool and set the plan's valid lengths (one host->device copy, one
+        launch, no host sync), on the current stream."""
         self._tokens_pending = False
-        lens = self.token_history.upload(batch_state(forward_batch),
-                                         forward_batch.req_pool_indices)
-        if lens is None:  # no snapshot for this batch: no token checks this forward
-            self.expected_valid_lens.zero_()
-        else:
-            self.expected_valid_lens[:lens.shape[0]].copy_(lens, non_blocking=True)
+        if not self.token_history.upload(batch_state(forward_batch),
+                                         forward_batch.req_pool_indices,
+                                         self.expected_valid_lens):
+            self.expected_valid_lens.zero_()  # no snapshot: no token checks this forward
 
     def _inside_batch(self, forward_batch: "ForwardBatch") -> "ForwardBatch":
         """The batch the inside ops read (module docstring): the argument while capturing,
@@ -299,6 +303,11 @@ class SingleForwardManager:
                 graphs.run_side()
             else:
                 inputs = self._batch_inputs(forward_batch)
+                if self._capturing and self.token_history is not None:
+                    # the replay's upload: staged before the replay, scattered in the graph
+                    rpi = inputs.req_pool_indices
+                    self.token_history.launch_replay_scatter(
+                        rpi, self.expected_valid_lens[:rpi.shape[0]])
                 self._side_launches(inputs)
         self._join()
         if graphs is not None:
