@@ -198,3 +198,45 @@ def test_launches_do_not_allocate():
         state.forward_ops()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
+
+
+def test_packed_token_scatter_replays_with_the_buffer_refilled():
+    """The packed token-id scatter captured once for a padded batch of 4 rows, replayed with
+    the static buffer refilled in place (1 to 4 requests, whole and incremental segments):
+    pool and valid lengths byte-equal to the reference each replay; padding rows 0."""
+    from sglang.jit_kernel.kv_canary import (
+        launch_scatter_packed_token_ids_kernel,
+        scatter_packed_token_ids_torch_reference,
+    )
+
+    dev = torch.device("cuda")
+    buf = torch.zeros(1 + 3 * BS + 64, dtype=torch.int64, device=dev)
+    rpi = torch.zeros(BS, dtype=torch.int64, device=dev)
+    pool = torch.full((ROWS, CTX), -1, dtype=torch.int32, device=dev)
+    lens = torch.zeros(BS, dtype=torch.int64, device=dev)
+    kwargs = dict(packed=buf, req_pool_indices=rpi, pool_out=pool, valid_lens_out=lens)
+    launch_scatter_packed_token_ids_kernel(**kwargs)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch_scatter_packed_token_ids_kernel(**kwargs)
+    gen = torch.Generator().manual_seed(3)
+    ref_pool, ref_lens = pool.cpu(), lens.cpu()
+    steps = [[(1, 5, 0), (2, 3, 0), (3, 9, 0)], [(3, 10, 9), (1, 6, 5)],
+             [(4, 7, 0), (2, 4, 3), (1, 7, 6), (3, 11, 10)], [(2, 5, 4)]]
+    for step in steps:
+        header, flat = [len(step)], []
+        for _, length, start in step:
+            header += [length, start, len(flat)]
+            flat += torch.randint(0, 2**31 - 1, (length - start,), generator=gen).tolist()
+        host = torch.tensor(header + flat, dtype=torch.int64)
+        rows = [r for r, _, _ in step] + [0] * (BS - len(step))
+        buf[:host.shape[0]].copy_(host)
+        rpi.copy_(torch.tensor(rows))
+        graph.replay()
+        torch.cuda.synchronize()
+        scatter_packed_token_ids_torch_reference(
+            packed=buf.cpu(), req_pool_indices=rpi.cpu(), pool_out=ref_pool,
+            valid_lens_out=ref_lens)
+        assert torch.equal(pool.cpu(), ref_pool) and torch.equal(lens.cpu(), ref_lens)
+        assert lens.cpu().tolist() == [length for _, length, _ in step] + [0] * (BS - len(step))
