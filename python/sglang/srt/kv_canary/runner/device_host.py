@@ -3,8 +3,9 @@
 
 At step T, :meth:`DelayedDeviceHostHandler.stage` enqueues a copy of the watched device
 tensors into a pinned host buffer on a side stream (after the forward stream's work so far)
-and records an event: one gather of every watched tensor's bytes into a device staging buffer
-(one ``torch.cat`` launch) and one device→host copy of it, whatever the number of tensors
+and records an event: one gather of every watched tensor into a device staging buffer (one
+multi-tensor copy, ``torch._foreach_copy_`` over views of one word type, so its fast path
+takes them all in one launch) and one device→host copy of it, whatever the number of tensors
 watched (an EAGLE draft canary watches one status per draft forward); at step T+1, :meth:`consume` waits on that event (long since done) and
 hands the host copies to a callback. On CPU tensors both happen at once (synchronous copies).
 Two host buffers alternate, so staging step T+1 never overwrites what step T's consumer
@@ -22,7 +23,7 @@ right after its copy (``stage(zero_after_copy=...)``), behind the same event.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Generic, Iterator, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -69,23 +70,38 @@ class FutureTensors(Generic[W]):
         return self._value
 
 
-def _byte_layout(leaves: Sequence[torch.Tensor]) -> List[int]:
-    """Byte offset of each leaf in the packed buffer: leaves placed by decreasing element
-    size (ties in order), so every leaf starts at a multiple of its own element size."""
+_WORD_TYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _word_layout(leaves: Sequence[torch.Tensor]) -> Tuple[torch.dtype, List[int]]:
+    """The packed buffer's word type (the smallest element size of the leaves: every leaf is
+    a whole number of words) and each leaf's offset in words: leaves placed by decreasing
+    element size (ties in order), so every leaf starts at a multiple of its own element
+    size."""
+    word_bytes = min(t.element_size() for t in leaves)
     order = sorted(range(len(leaves)), key=lambda i: -leaves[i].element_size())
     offsets = [0] * len(leaves)
     at = 0
     for i in order:
         offsets[i] = at
-        at += leaves[i].numel() * leaves[i].element_size()
-    return offsets
+        at += leaves[i].numel() * leaves[i].element_size() // word_bytes
+    return _WORD_TYPES[word_bytes], offsets
+
+
+def _word_views(buffer: torch.Tensor, leaves: Sequence[torch.Tensor],
+                offsets: Sequence[int]) -> List[torch.Tensor]:
+    """Each leaf's place in ``buffer`` (1-D, word type), as words."""
+    w = buffer.element_size()
+    return [buffer[off:off + t.numel() * t.element_size() // w]
+            for off, t in zip(offsets, leaves)]
 
 
 class DelayedDeviceHostHandler(Generic[W]):
     """Stages copies of ``sources`` (a dataclass of device tensors, fixed for its lifetime;
-    every tensor contiguous). Their bytes travel packed: ``_gather`` is one launch into a
-    device staging buffer, then one copy into a host buffer whose views, one per watched
-    tensor, are what the consumer gets."""
+    every tensor contiguous). They travel packed: :meth:`_gather` is one multi-tensor copy of
+    word views into a device staging buffer, then one copy into a host buffer whose views, one
+    per watched tensor, are what the consumer gets (on CPU the gather writes the host buffer
+    directly)."""
 
     def __init__(self, sources: W):
         self._sources = sources
@@ -102,27 +118,31 @@ class DelayedDeviceHostHandler(Generic[W]):
         self.device = devices.pop()
         self.synchronous = self.device.type != "cuda"
         pin = not self.synchronous
-        offsets = _byte_layout(self._device_leaves)
+        word, offsets = _word_layout(self._device_leaves)
         self.num_bytes = sum(t.numel() * t.element_size() for t in self._device_leaves)
-        # the gather's inputs (byte views of the watched tensors, in packed order) and output
-        order = sorted(range(len(offsets)), key=offsets.__getitem__)
-        self._byte_views = [self._device_leaves[i].reshape(-1).view(torch.uint8) for i in order]
+        num_words = self.num_bytes // torch.empty(0, dtype=word).element_size()
+        # the gather's inputs: the watched tensors as words
+        self._device_words = [t.reshape(-1).view(word) for t in self._device_leaves]
         self._staging = (None if self.synchronous else
-                         torch.empty(self.num_bytes, dtype=torch.uint8, device=self.device))
-        self._host_bytes = [torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=pin)
-                            for _ in range(2)]
+                         torch.empty(num_words, dtype=word, device=self.device))
+        self._staging_words = (None if self.synchronous else
+                               _word_views(self._staging, self._device_leaves, offsets))
+        self._host_buffers = [torch.empty(num_words, dtype=word, pin_memory=pin)
+                              for _ in range(2)]
+        self._host_words = [_word_views(host, self._device_leaves, offsets)
+                            for host in self._host_buffers]
         self._host = [
-            _rebuild(sources, iter([
-                host[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                for off, t in zip(offsets, self._device_leaves)]))
-            for host in self._host_bytes]
+            _rebuild(sources, iter([w.view(t.dtype).view(t.shape)
+                                    for w, t in zip(words, self._device_leaves)]))
+            for words in self._host_words]
         self._flip = 0
         self._pending: Optional[FutureTensors[W]] = None
         self._stream = None if self.synchronous else torch.cuda.Stream(device=self.device)
 
-    def _gather(self, out: torch.Tensor) -> None:
-        """Every watched tensor's bytes into ``out`` (uint8 ``[num_bytes]``), one launch."""
-        torch.cat(self._byte_views, out=out)
+    def _gather(self, out_words: List[torch.Tensor]) -> None:
+        """Every watched tensor into its place in a packed buffer (``out_words``: the
+        buffer's word views, in leaf order); one multi-tensor copy."""
+        torch._foreach_copy_(out_words, self._device_words)
 
     @property
     def has_pending(self) -> bool:
@@ -136,7 +156,7 @@ class DelayedDeviceHostHandler(Generic[W]):
         flip = self._flip
         self._flip ^= 1
         if self.synchronous:
-            self._gather(self._host_bytes[flip])
+            self._gather(self._host_words[flip])
             for t in zero_after_copy:
                 t.zero_()
             self._pending = FutureTensors(self._host[flip], None)
@@ -144,8 +164,8 @@ class DelayedDeviceHostHandler(Generic[W]):
         producer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             self._stream.wait_stream(producer)
-            self._gather(self._staging)
-            self._host_bytes[flip].copy_(self._staging, non_blocking=True)
+            self._gather(self._staging_words)
+            self._host_buffers[flip].copy_(self._staging, non_blocking=True)
             for t in zero_after_copy:
                 t.zero_()
             event = torch.cuda.Event()
