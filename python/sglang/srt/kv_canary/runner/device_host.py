@@ -6,8 +6,9 @@ tensors into a pinned host buffer on a side stream (after the forward stream's w
 and records an event: one gather of every watched tensor into a device staging buffer (one
 multi-tensor copy, ``torch._foreach_copy_`` over views of one word type, so its fast path
 takes them all in one launch) and one device→host copy of it, whatever the number of tensors
-watched (an EAGLE draft canary watches one status per draft forward); at step T+1, :meth:`consume` waits on that event (long since done) and
-hands the host copies to a callback. On CPU tensors both happen at once (synchronous copies).
+watched (an EAGLE draft canary watches one status per draft forward). At step T+1,
+:meth:`consume` waits on that event (long since done) and hands the host copies to a
+callback. On CPU tensors both happen at once (synchronous copies).
 Two host buffers alternate, so staging step T+1 never overwrites what step T's consumer
 still reads. :meth:`DelayedDeviceHostHandler.fence`, called before the next forward is queued,
 orders that forward after the staged copies (a stream wait on their event, no host sync), so a
@@ -120,7 +121,7 @@ class DelayedDeviceHostHandler(Generic[W]):
         pin = not self.synchronous
         word, offsets = _word_layout(self._device_leaves)
         self.num_bytes = sum(t.numel() * t.element_size() for t in self._device_leaves)
-        num_words = self.num_bytes // torch.empty(0, dtype=word).element_size()
+        num_words = self.num_bytes // min(t.element_size() for t in self._device_leaves)
         # the gather's inputs: the watched tensors as words
         self._device_words = [t.reshape(-1).view(word) for t in self._device_leaves]
         self._staging = (None if self.synchronous else
