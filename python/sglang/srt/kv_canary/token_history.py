@@ -5,9 +5,10 @@ One owner, :class:`TokenHistoryUploader` (built by the canary builder, handed to
 single-forward manager), and one direction: where the batch is built (the
 ``ForwardBatch.init_new`` hook, only when ``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1``)
 :meth:`TokenHistoryUploader.defer_snapshot` records the batch's requests in its
-:class:`~sglang.srt.kv_canary.batch_state.CanaryBatchState`; :meth:`TokenHistoryUploader.upload`
-(right before a CUDA-graph replay, or in an eager forward after the model's kernels are
-queued) snapshots ``origin_input_ids + output_ids`` of every request on the host into a
+:class:`~sglang.srt.kv_canary.batch_state.CanaryBatchState`; the upload
+(:meth:`TokenHistoryUploader.stage_for_replay` right before a CUDA-graph replay,
+:meth:`TokenHistoryUploader.upload` in an eager forward after the model's kernels are queued)
+snapshots ``origin_input_ids + output_ids`` of every request on the host into a
 :class:`TokenIdSnapshot` (kept on the batch state, so a batch run again uploads the same one),
 copies it to the device and scatters it into ``req_to_verify_expected_tokens[req_pool_index,
 position]``. Positions past a request's snapshot length (the token being sampled now, an
@@ -28,10 +29,10 @@ row keeps what earlier forwards scattered, so re-sending the whole history every
 host work (a decode step at bs 1 with a 1.5k-token history spent most of its canary cost
 there). :class:`ExpectedTokenRows` remembers, per pool row, which request's history the row
 holds and how many of its tokens; :meth:`ExpectedTokenRows.snapshot` then snapshots only the
-tokens a row lacks, with ``req_all_ids_starts`` (int64 ``[bs]``) giving the first position of
-each request's segment. ``req_all_ids_lens`` is always the request's whole length (it bounds
-the positions the plan checks). Everything lives in one pinned host buffer, so the upload is
-one copy.
+tokens a row lacks, with each request's start (``TokenIdSnapshot.starts``) giving the first
+position of its segment. Its length (``TokenIdSnapshot.lens``) is always the request's whole
+length (it bounds the positions the plan checks). Everything lives in one pinned host buffer,
+so the upload is one copy.
 
 Uploads must happen in snapshot order for the "row already holds it" claims to be true. A
 snapshot that is uploaded out of order (one built but never run, so rows lack what later
