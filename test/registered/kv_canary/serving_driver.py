@@ -347,6 +347,28 @@ class ServingDriver:
                 return str(exc)
         raise AssertionError(f"driver: no kv_canary report within {steps} forwards")
 
+    def canary_bytes(self, *, kernel_counters: bool = True) -> Dict[str, torch.Tensor]:
+        """Everything the canary wrote, by name, cloned: each group's records and per-layer
+        table, the per-tag counters, the expected-token pool. Two runs of one seeded loop
+        that differ only in how the launches are issued must match byte for byte.
+        ``kernel_counters``: include the per-tag launch counts (False where one run launches
+        more, e.g. a CUDA graph's warm-up)."""
+        out = {}
+        for i, g in enumerate(self.groups):
+            for name in ("k_head", "k_tail", "v_head", "v_tail"):
+                t = getattr(g, name)
+                if t is not None:
+                    out[f"group{i}.{name}"] = t.clone()
+            if g.deep is not None:
+                out[f"group{i}.deep"] = g.deep.table.clone()
+        state = self.manager.state
+        if kernel_counters:
+            out["kernel_run_counters"] = state.kernel_run_counters.clone()
+        out["slot_run_counters"] = state.slot_run_counters.clone()
+        if self.manager.token_history is not None:
+            out["expected_tokens"] = self.manager.token_history.pool.clone()
+        return out
+
     def settle(self, max_steps: int = 200) -> None:
         """Step without arrivals until every admitted request is prefilled and none waits,
         so the next forward is a decode of all running requests."""

@@ -38,23 +38,6 @@ def _driver(variant: str, *, static: bool, **kw) -> ServingDriver:
     return d
 
 
-def _canary_bytes(d: ServingDriver) -> dict:
-    out = {}
-    for i, g in enumerate(d.groups):
-        for name in ("k_head", "k_tail", "v_head", "v_tail"):
-            t = getattr(g, name)
-            if t is not None:
-                out[f"group{i}.{name}"] = t.clone()
-        if g.deep is not None:
-            out[f"group{i}.deep"] = g.deep.table.clone()
-    state = d.manager.state
-    out["kernel_run_counters"] = state.kernel_run_counters.clone()
-    out["slot_run_counters"] = state.slot_run_counters.clone()
-    if d.manager.token_history is not None:
-        out["expected_tokens"] = d.manager.token_history.pool.clone()
-    return out
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_static_padded_inputs_leave_the_same_records_as_the_batch_tensors(variant):
     direct, static = _driver(variant, static=False), _driver(variant, static=True)
@@ -63,7 +46,7 @@ def test_static_padded_inputs_leave_the_same_records_as_the_batch_tensors(varian
         d.settle()
     assert direct.step_count == static.step_count > 40
     assert direct.manager.count_violations() == static.manager.count_violations() == 0
-    a, b = _canary_bytes(direct), _canary_bytes(static)
+    a, b = direct.canary_bytes(), static.canary_bytes()
     assert a.keys() == b.keys()
     differing = [k for k in a if not torch.equal(a[k], b[k])]
     assert differing == [], f"static eager launches changed {differing}"

@@ -466,7 +466,7 @@ class WritePlan:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-layer (deep) fingerprints
+# Packed token-id uploads
 # ---------------------------------------------------------------------------------------------
 
 # A packed token-id upload (docs/architecture.md, "Token-id scatter"): one int64 buffer
@@ -487,6 +487,8 @@ def packed_tokens_numel(num_reqs: int, num_tokens: int) -> int:
     return PACKED_TOKENS_HEADER + PACKED_TOKENS_ROW_FIELDS * num_reqs + num_tokens
 
 
+# ---------------------------------------------------------------------------------------------
+# Per-layer (deep) fingerprints
 # ---------------------------------------------------------------------------------------------
 
 # One column descriptor in ``DeepFingerprintTable.descriptors`` (int64 words): the address of

@@ -74,11 +74,11 @@ class FutureTensors(Generic[W]):
 _WORD_TYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _word_layout(leaves: Sequence[torch.Tensor]) -> Tuple[torch.dtype, List[int]]:
+def _word_layout(leaves: Sequence[torch.Tensor]) -> Tuple[torch.dtype, List[int], int]:
     """The packed buffer's word type (the smallest element size of the leaves: every leaf is
-    a whole number of words) and each leaf's offset in words: leaves placed by decreasing
-    element size (ties in order), so every leaf starts at a multiple of its own element
-    size."""
+    a whole number of words), each leaf's offset in words and the buffer's length in words.
+    Leaves are placed by decreasing element size (ties in order), so every leaf starts at a
+    multiple of its own element size."""
     word_bytes = min(t.element_size() for t in leaves)
     order = sorted(range(len(leaves)), key=lambda i: -leaves[i].element_size())
     offsets = [0] * len(leaves)
@@ -86,7 +86,7 @@ def _word_layout(leaves: Sequence[torch.Tensor]) -> Tuple[torch.dtype, List[int]
     for i in order:
         offsets[i] = at
         at += leaves[i].numel() * leaves[i].element_size() // word_bytes
-    return _WORD_TYPES[word_bytes], offsets
+    return _WORD_TYPES[word_bytes], offsets, at
 
 
 def _word_views(buffer: torch.Tensor, leaves: Sequence[torch.Tensor],
@@ -119,9 +119,7 @@ class DelayedDeviceHostHandler(Generic[W]):
         self.device = devices.pop()
         self.synchronous = self.device.type != "cuda"
         pin = not self.synchronous
-        word, offsets = _word_layout(self._device_leaves)
-        self.num_bytes = sum(t.numel() * t.element_size() for t in self._device_leaves)
-        num_words = self.num_bytes // min(t.element_size() for t in self._device_leaves)
+        word, offsets, num_words = _word_layout(self._device_leaves)
         # the gather's inputs: the watched tensors as words
         self._device_words = [t.reshape(-1).view(word) for t in self._device_leaves]
         self._staging = (None if self.synchronous else
@@ -130,6 +128,7 @@ class DelayedDeviceHostHandler(Generic[W]):
                                _word_views(self._staging, self._device_leaves, offsets))
         self._host_buffers = [torch.empty(num_words, dtype=word, pin_memory=pin)
                               for _ in range(2)]
+        self.num_bytes = self._host_buffers[0].numel() * self._host_buffers[0].element_size()
         self._host_words = [_word_views(host, self._device_leaves, offsets)
                             for host in self._host_buffers]
         self._host = [
