@@ -201,6 +201,12 @@ MUTANTS = (
                   "test_abort_mode_waits_for_locked_nodes_and_aborts_who_locks_them",
         speed="quick", what="a request locking a corrupt prefix keeps reading it"),
     Mutant(
+        id="i21-prefix-aborts-unlogged", path=f"{_RT}/runner/containment.py",
+        old="            if rids:\n", new="            if False:\n",
+        selection=f"{_T}/test_containment.py::"
+                  "test_abort_mode_waits_for_locked_nodes_and_aborts_who_locks_them",
+        speed="quick", what="requests aborted for a corrupt prefix are named nowhere"),
+    Mutant(
         id="i21-dropped-not-counted", path=f"{_RT}/runner/metrics.py",
         old="self._dropped.inc(dropped)", new="pass",
         selection=f"{_T}/test_containment.py::test_metrics_count_dropped_rows",

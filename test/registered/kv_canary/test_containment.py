@@ -16,7 +16,11 @@ from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary.perturb.config import PerturbConfig
 from sglang.srt.kv_canary.perturb.perturber import CanaryPerturber
 from sglang.srt.kv_canary.radix_cache_walker import radix_nodes_holding_slots
-from sglang.srt.kv_canary.runner.containment import ContainmentManager
+from sglang.srt.kv_canary.runner.containment import (
+    PREFIX_ABORT_MESSAGE,
+    ContainmentManager,
+    parse_prefix_abort_rids,
+)
 from sglang.srt.kv_canary.runner.metrics import CanaryMetrics
 from sglang.srt.kv_canary.runner.requests import ForwardRequests, RequestResolver
 from sglang.srt.kv_canary.runner.violation import merge_incidents, parse_violation_lines
@@ -188,7 +192,7 @@ def test_abort_mode_aborts_the_touched_requests_evicts_the_prefix_and_keeps_serv
     assert d.manager.count_violations() == before
 
 
-def test_abort_mode_waits_for_locked_nodes_and_aborts_who_locks_them():
+def test_abort_mode_waits_for_locked_nodes_and_aborts_who_locks_them(caplog):
     d = ServingDriver(seed=10, mode="abort", real_data="partial")
     a, b, c = _shared_pair(d)
     cache, _ = _tree_over(d, [a])
@@ -210,9 +214,12 @@ def test_abort_mode_waits_for_locked_nodes_and_aborts_who_locks_them():
     # c was not touched; a and b map the slot and were aborted by contain
     assert c.to_finish is None and a not in d.running and b not in d.running
     assert late.to_finish is None
-    d.manager.after_batch_result()
+    with caplog.at_level("WARNING", logger="sglang.srt.kv_canary"):
+        d.manager.after_batch_result()
     assert slot in _cached_slots(cache)  # locked: kept for now
-    assert late.to_finish is not None and MESSAGE in late.to_finish.message  # it locks it
+    assert late.to_finish is not None and late.to_finish.message == PREFIX_ABORT_MESSAGE
+    assert parse_prefix_abort_rids(caplog.text) == (str(late.rid),)  # logged, by id
+    assert d.manager.containment.aborted_requests == 3  # a, b by contain; late here
     cache.dec_lock_ref(node)
     d._finish()
     d.manager.after_batch_result()

@@ -16,7 +16,8 @@ every request aborted for it has released its KV: its next owner writes a fresh 
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence
+import re
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,11 +30,22 @@ from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.radix_cache_walker import radix_nodes_holding_slots
 from sglang.srt.kv_canary.runner.requests import IncidentRequests, RequestResolver
-from sglang.srt.kv_canary.runner.violation import ViolationIncident, row_pool_kind, tag_name
+from sglang.srt.kv_canary.runner.violation import (
+    ViolationIncident,
+    format_rids,
+    parse_rids,
+    row_pool_kind,
+    tag_name,
+)
 
 logger = logging.getLogger(__name__)
 
 ABORT_MESSAGE_PREFIX = "kv_canary: KV cache corruption detected"
+# the message of a request aborted because it locks a cached prefix holding a corrupt slot
+# (it is in no violation line's ``rids=``: it was admitted, or locked the prefix, later)
+PREFIX_ABORT_MESSAGE = f"{ABORT_MESSAGE_PREFIX} (a cached prefix it shares held a corrupt slot)"
+PREFIX_ABORT_LINE_PREFIX = "kv_canary abort: aborted the running requests locking a corrupt prefix:"
+_PREFIX_ABORT_RE = re.compile(re.escape(PREFIX_ABORT_LINE_PREFIX) + r" rids=(\S+)")
 
 
 def abort_message(incident: ViolationIncident) -> str:
@@ -124,13 +136,23 @@ class ContainmentManager:
                 locked = True
         aborted = 0
         if locked:  # a running request holds the corrupt prefix: it reads corrupt KV
+            rids = []
             for req in self.resolver.running_mapping_full_slots(slots):
                 seam.mark_no_radix_insert(req)
-                if seam.abort_running_req(req, f"{ABORT_MESSAGE_PREFIX} (a cached prefix it "
-                                               "shares held a corrupt slot)"):
+                if seam.abort_running_req(req, PREFIX_ABORT_MESSAGE):
                     aborted += 1
+                    rids.append(seam.req_rid(req))
                     self._aborted.append(req)
+            if rids:
+                logger.warning("%s rids=%s", PREFIX_ABORT_LINE_PREFIX, format_rids(rids))
             self.aborted_requests += aborted
         elif not self._aborted:
             self._slots = []
         return aborted
+
+
+def parse_prefix_abort_rids(log: str) -> Tuple[str, ...]:
+    """The request ids of every prefix-abort line in ``log`` (the WARNING
+    :meth:`ContainmentManager.after_batch_result` writes when it aborts the requests locking
+    a corrupt prefix), in log order."""
+    return tuple(rid for m in _PREFIX_ABORT_RE.finditer(log) for rid in parse_rids(m.group(1)))
