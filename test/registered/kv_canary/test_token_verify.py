@@ -147,6 +147,14 @@ def test_incremental_snapshots_send_only_what_a_row_lacks():
     assert up.rows.full_resnapshots == 0
 
 
+def test_pack_refuses_segments_that_disagree_with_the_total():
+    """The header's segments (length - start per request) must add up to the ids given."""
+    snap = TokenIdSnapshot.pack([4, 3], [1, 0], [[6, 7, 8], [1, 2, 3]], 6)
+    assert snap.num_reqs == 2 and snap.flat.tolist() == [6, 7, 8, 1, 2, 3]
+    with pytest.raises(ValueError, match="the segments hold 6 ids, total says 5"):
+        TokenIdSnapshot.pack([4, 3], [1, 0], [[6, 7, 8], [1, 2]], 5)
+
+
 def test_upload_is_one_host_to_device_copy(monkeypatch):
     """The whole snapshot reaches the device as one copy of ``packed`` (no per-field copies)."""
     up = _uploader(4, 8)

@@ -78,15 +78,14 @@ def _pin() -> bool:
 class TokenIdSnapshot:
     """One batch's token-id snapshot (the opaque handle its ``CanaryBatchState`` carries):
     ``packed`` is the packed upload, a single int64 host buffer (pinned when CUDA exists; the
-    layout of ``types.PACKED_TOKENS_*``), ``flat`` (the tokens sent), ``lens`` (each request's
-    whole history length) and ``starts`` (first position of each request's segment) its views.
+    layout of ``types.PACKED_TOKENS_*``) of ``num_reqs`` requests. Its views :attr:`flat` (the
+    tokens sent), :attr:`lens` (each request's whole history length) and :attr:`starts`
+    (first position of each request's segment) are made on access (the upload needs none).
     ``rows`` is the record it was taken against and ``epoch`` / ``seq`` / ``reqs`` let the
     upload check the order (and re-snapshot when needed)."""
 
     packed: torch.Tensor
-    flat: torch.Tensor
-    lens: torch.Tensor
-    starts: torch.Tensor
+    num_reqs: int
     rows: Optional["ExpectedTokenRows"] = None
     epoch: int = 0
     seq: int = 0
@@ -95,29 +94,54 @@ class TokenIdSnapshot:
     @classmethod
     def pack(cls, lens: Sequence[int], starts: Sequence[int], pieces, total: int,
              **origin) -> "TokenIdSnapshot":
-        """``pieces``: iterables of token ids whose concatenation holds ``total`` ids."""
+        """``pieces``: iterables of token ids whose concatenation holds ``total`` ids; the
+        segments (``lens[i] - starts[i]`` ids each) must add up to ``total`` (``ValueError``
+        otherwise). Host only. The header is built as one list: a decode step's snapshot
+        carries a few ids, so the fixed cost per call is what counts."""
         bs = len(lens)
+        header = [0] * (PACKED_TOKENS_HEADER + PACKED_TOKENS_ROW_FIELDS * bs)
+        header[PACKED_TOKENS_NUM_REQS] = bs
+        at, offset = PACKED_TOKENS_HEADER, 0
+        for n, start in zip(lens, starts):
+            header[at + PACKED_TOKENS_ROW_LEN] = n
+            header[at + PACKED_TOKENS_ROW_START] = start
+            header[at + PACKED_TOKENS_ROW_OFFSET] = offset
+            offset += n - start
+            at += PACKED_TOKENS_ROW_FIELDS
+        if offset != total:
+            raise ValueError(f"TokenIdSnapshot.pack: the segments hold {offset} ids, total "
+                             f"says {total}")
         packed = torch.empty(packed_tokens_numel(bs, total), dtype=torch.int64,
                              pin_memory=_pin())
         host = packed.numpy()
-        host[PACKED_TOKENS_NUM_REQS] = bs
-        flat_at = PACKED_TOKENS_HEADER + PACKED_TOKENS_ROW_FIELDS * bs
-        rows = host[PACKED_TOKENS_HEADER:flat_at].reshape(bs, PACKED_TOKENS_ROW_FIELDS)
-        rows[:, PACKED_TOKENS_ROW_LEN] = lens
-        rows[:, PACKED_TOKENS_ROW_START] = starts
-        sent = rows[:, PACKED_TOKENS_ROW_LEN] - rows[:, PACKED_TOKENS_ROW_START]
-        rows[:, PACKED_TOKENS_ROW_OFFSET] = np.cumsum(sent) - sent
-        host[flat_at:] = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64,
-                                     count=total)
-        row_view = packed[PACKED_TOKENS_HEADER:flat_at].view(bs, PACKED_TOKENS_ROW_FIELDS)
-        return cls(packed=packed, flat=packed[flat_at:], lens=row_view[:, PACKED_TOKENS_ROW_LEN],
-                   starts=row_view[:, PACKED_TOKENS_ROW_START], **origin)
+        host[:at] = header
+        if total:
+            host[at:] = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64,
+                                    count=total)
+        return cls(packed=packed, num_reqs=bs, **origin)
+
+    def _row_field(self, field: int) -> torch.Tensor:
+        at = PACKED_TOKENS_HEADER
+        rows = self.packed[at:at + PACKED_TOKENS_ROW_FIELDS * self.num_reqs]
+        return rows.view(self.num_reqs, PACKED_TOKENS_ROW_FIELDS)[:, field]
+
+    @property
+    def lens(self) -> torch.Tensor:
+        return self._row_field(PACKED_TOKENS_ROW_LEN)
+
+    @property
+    def starts(self) -> torch.Tensor:
+        return self._row_field(PACKED_TOKENS_ROW_START)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.packed[PACKED_TOKENS_HEADER + PACKED_TOKENS_ROW_FIELDS * self.num_reqs:]
 
     def lengths_only(self) -> torch.Tensor:
         """A packed header of the same requests with nothing to scatter (each segment starts
         at the request's length): what a graph's scatter gets when the tokens went ahead by
         their own launch. New host buffer (pinned when CUDA exists)."""
-        bs = self.lens.shape[0]
+        bs = self.num_reqs
         head = torch.empty(packed_tokens_numel(bs, 0), dtype=torch.int64, pin_memory=_pin())
         head.copy_(self.packed[:head.shape[0]])
         rows = head[PACKED_TOKENS_HEADER:].view(bs, PACKED_TOKENS_ROW_FIELDS)
@@ -257,9 +281,9 @@ class TokenHistoryUploader:
         snap = state.token_snapshot if state is not None else None
         if snap is None or bs == 0:
             return None
-        if snap.lens.shape[0] != bs:
+        if snap.num_reqs != bs:
             raise RuntimeError(
-                f"kv_canary: the token-id snapshot covers {snap.lens.shape[0]} requests but "
+                f"kv_canary: the token-id snapshot covers {snap.num_reqs} requests but "
                 f"the forward batch has {bs}: the batch's requests and req_pool_indices "
                 "disagree")
         if not self.rows.check_upload(snap):
