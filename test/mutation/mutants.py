@@ -530,4 +530,27 @@ MUTANTS = (
                   f"{_T}/test_graph_replay_cpu.py::"
                   "test_replayed_decodes_leave_the_records_of_eager_decodes",
         speed="quick", what="a replay reads the snapshot staged for an earlier one"),
+    # ---- issue 22: the interleaved benchmark's statistics --------------------------------------
+    Mutant(
+        id="interleaved-no-abba", path="benchmark/kv_canary/bench_interleaved.py",
+        old="return list(names) if k % 2 == 0 else list(reversed(names))",
+        new="return list(names)",
+        selection=f"{_T}/test_bench_interleaved.py::"
+                  "test_rounds_alternate_abba_and_memory_shares_accumulate "
+                  f"{_T}/test_bench_interleaved.py::"
+                  "test_measure_sends_each_round_to_every_server_in_abba_order",
+        speed="quick", what="every round visits the configs in one order"),
+    Mutant(
+        id="interleaved-mean-ratio", path="benchmark/kv_canary/bench_interleaved.py",
+        old="    return statistics.median(ratios), quantile(meds, 0.025)",
+        new="    return statistics.mean(ratios), quantile(meds, 0.025)",
+        selection=f"{_T}/test_bench_interleaved.py::"
+                  "test_paired_overhead_is_the_median_ratio_with_a_bootstrap_interval",
+        speed="quick", what="one outlier round moves the reported overhead"),
+    Mutant(
+        id="interleaved-mismatch-uncounted", path="benchmark/kv_canary/bench_interleaved.py",
+        old="            mismatched += 1\n", new="            pass\n",
+        selection=f"{_T}/test_bench_interleaved.py::"
+                  "test_measure_sends_each_round_to_every_server_in_abba_order",
+        speed="quick", what="a config that changes greedy outputs goes unnoticed"),
 )

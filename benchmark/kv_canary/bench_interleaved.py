@@ -1,0 +1,465 @@
+#!/usr/bin/env python3
+"""Paired, interleaved serving overhead of the KV-canary (issue 22): every config's server up
+at once on the same GPU, requests alternated between them round by round, overhead read from
+the per-round ratios.
+
+Why
+---
+``bench_serving_overhead.py`` runs one Engine after another. Between two Engines the GPU's
+clocks, the host's frequency and the process layout differ, and a short scenario (one prompt
+of 512 tokens, about 10 ms) is bimodal inside one Engine: its results moved by 10-50 % from one
+Engine to the next with identical code (``benchmark/results/ttft_h100.md``), far more than the
+0.5 % issue 22 asks to show. Here the servers of all configs run side by side; round k sends
+the same request to each of them, one after the other, in the config order (even rounds) or
+its reverse (odd rounds: ABBA), so every pair of measurements shares the machine's state of
+that moment. The overhead of a config is the median over the rounds of its time divided by
+the baseline's time of the same round, minus one, with a bootstrap 95 % interval (rounds
+resampled, seeded) that says whether the difference is resolved.
+
+What it measures
+----------------
+Servers: ``python -m sglang.launch_server`` (the CLI path), one per config of
+``bench_serving_overhead.py``'s ``CONFIGS`` (``off``, ``raise``, ``raise+token``, ...: the
+same model, settings and canary flags, token checks through
+``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT`` in that server's environment), started one
+after the other. Their memory: sglang sizes a server's memory as if it were alone on the GPU
+(``--mem-fraction-static`` of the total, minus what is in use when it starts), so server i
+(from 0) gets ``(i + 1) * --gpu-share`` (default ``0.8 / number of configs``): each ends up
+with about one share. ``--max-total-tokens`` defaults to what the scenarios need.
+
+Per scenario (``bench_serving_overhead.py``'s: the same inputs per round, ``max_new_tokens``
+= osl, ``ignore_eos``, temperature 0): ``--warmup`` rounds (not recorded), then ``--rounds``
+rounds; before each request the server's radix cache is flushed (``/flush_cache``), so no
+request hits a cached prefix. Recorded per request: the wall time of the ``/generate`` call
+(client side) and the scheduler's prefill time from the output's ``meta_info`` (sglang's
+request metrics, ``--enable-metrics``: first forward entry to last prefill result
+processed; see ``server_prefill_ms``). Greedy outputs must agree between the configs of a
+round (the canary changes no output); disagreements are counted and printed.
+
+Run it on the device (bundles as in ``bench_serving_overhead.py``; about a minute per server
+to start, then seconds per scenario)::
+
+    . .device/c/setup.sh && python benchmark/kv_canary/bench_interleaved.py \
+        --configs off,raise,raise+token,raise+partial,raise+token+partial \
+        --scenarios prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k --rounds 30 \
+        --out $OUT/interleaved.jsonl
+
+Results go to ``--out`` as JSON lines (one per scenario x config); ``--report FILE...``
+prints the tables of earlier runs. Each server's log: ``<out>.<config>.log``.
+
+Without a GPU (``--smoke-cpu``): sglang's CPU server (tiny dummy Llama, libcuda stub) with the
+smoke scenarios of ``bench_serving_overhead.py``; the numbers mean nothing, the run checks
+that the script works (CPU CI runs it: ``test/registered/kv_canary/test_bench_interleaved.py``)::
+
+    python benchmark/kv_canary/bench_interleaved.py --smoke-cpu --configs off,raise \
+        --scenarios prefill_bs1_512 --rounds 2 --warmup 1 --out /tmp/i.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import pathlib
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from bench_serving_overhead import (  # noqa: E402  (the sibling script)
+    CONFIGS,
+    MODELS,
+    SCENARIOS,
+    SMOKE_SCENARIOS,
+    SMOKE_SETTINGS,
+    BenchConfig,
+    EngineSettings,
+    Scenario,
+    append_jsonl,
+    gpu_name,
+    make_inputs,
+    now_utc,
+    parse_names,
+    quantile,
+    read_jsonl,
+    server_prefill_ms,
+)
+
+START_TIMEOUT_S = 900.0
+REQUEST_TIMEOUT_S = 600.0
+BOOTSTRAP_SAMPLES = 2000
+FLUSH_ATTEMPTS = 100
+DEFAULT_SCENARIOS = "prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k"
+
+
+# ---- one server ---------------------------------------------------------------------------
+
+def free_port() -> int:
+    """A free port below 55536 (sglang 0.5.12 also opens ``port + 10000``)."""
+    pick = random.Random()
+    for _ in range(200):
+        port = pick.randrange(20000, 55000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in [20000, 55000)")
+
+
+def kwargs_to_argv(kwargs: dict) -> list[str]:
+    """``sglang.Engine`` keyword arguments as ``launch_server`` flags (True: the bare flag;
+    False / None: left out; lists: one value each)."""
+    argv = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def http_json(port: int, method: str, path: str, body=None,
+              timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, object]:
+    """One HTTP exchange with the server; ``(status, decoded JSON or raw text)``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        payload = None if body is None else json.dumps(body)
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        conn.request(method, path, body=payload, headers=headers)
+        resp = conn.getresponse()
+        raw = resp.read().decode(errors="replace")
+    finally:
+        conn.close()
+    try:
+        return resp.status, json.loads(raw)
+    except ValueError:
+        return resp.status, raw
+
+
+class Server:
+    """One ``python -m sglang.launch_server`` process (own session, log in ``log_path``)."""
+
+    def __init__(self, cfg: BenchConfig, kwargs: dict, env: dict[str, str], log_path: str):
+        self.cfg = cfg
+        self.port = free_port()
+        self.log_path = log_path
+        argv = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1",
+                "--port", str(self.port), *kwargs_to_argv(kwargs)]
+        self._log = open(log_path, "w")  # noqa: SIM115  (the server's whole life)
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def tail(self, n: int = 40) -> str:
+        self._log.flush()
+        return "\n".join(pathlib.Path(self.log_path).read_text(errors="replace")
+                         .splitlines()[-n:])
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"[{self.cfg.name}] server exited ({self.proc.returncode}) "
+                                   f"during start-up:\n{self.tail()}")
+            try:
+                if http_json(self.port, "GET", "/health_generate", timeout=60)[0] == 200:
+                    return
+            except (OSError, http.client.HTTPException):
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"[{self.cfg.name}] server not ready after {timeout:.0f} s:\n"
+                           f"{self.tail()}")
+
+    def generate(self, input_ids: list[list[int]], osl: int) -> tuple[float, list[dict]]:
+        """Flush the radix cache, then one ``/generate`` of the batch: ``(wall ms,
+        outputs)``."""
+        for _ in range(FLUSH_ATTEMPTS):  # refused while the scheduler still holds a request
+            status, body = http_json(self.port, "POST", "/flush_cache")
+            if status == 200:
+                break
+            time.sleep(0.02)
+        else:
+            raise RuntimeError(f"[{self.cfg.name}] /flush_cache answered {status} "
+                               f"{FLUSH_ATTEMPTS} times: {body}")
+        params = [{"max_new_tokens": osl, "ignore_eos": True, "temperature": 0}
+                  for _ in input_ids]
+        t0 = time.perf_counter()
+        status, outs = http_json(self.port, "POST", "/generate",
+                                 {"input_ids": input_ids, "sampling_params": params})
+        ms = (time.perf_counter() - t0) * 1e3
+        if status != 200 or not isinstance(outs, list) or len(outs) != len(input_ids):
+            raise RuntimeError(f"[{self.cfg.name}] /generate answered {status}: "
+                               f"{str(outs)[:500]}")
+        lens = sorted({len(o["output_ids"]) for o in outs})
+        if lens != [osl]:
+            raise RuntimeError(f"[{self.cfg.name}] expected outputs of {osl} tokens, got "
+                               f"lengths {lens}")
+        return ms, outs
+
+    def stop(self) -> None:
+        for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            if self.proc.poll() is not None:
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=grace)
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # the scheduler and detokenizer share the group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log.close()
+
+
+# ---- statistics -------------------------------------------------------------------------------
+
+def paired_overhead(on: Sequence[float], off: Sequence[float], *, seed: int = 0
+                    ) -> tuple[float, float, float]:
+    """Median over the rounds of ``on[k] / off[k] - 1`` and its bootstrap 95 % interval
+    (rounds resampled ``BOOTSTRAP_SAMPLES`` times, seeded), as fractions."""
+    if len(on) != len(off) or not on:
+        raise ValueError(f"paired_overhead needs two equal non-empty series, got {len(on)} and "
+                         f"{len(off)} values")
+    ratios = [a / b - 1.0 for a, b in zip(on, off)]
+    rng = random.Random(seed)
+    n = len(ratios)
+    meds = sorted(statistics.median(rng.choices(ratios, k=n))
+                  for _ in range(BOOTSTRAP_SAMPLES))
+    return statistics.median(ratios), quantile(meds, 0.025), quantile(meds, 0.975)
+
+
+def summarise(values: Sequence[float]) -> dict:
+    return dict(median=statistics.median(values), min=min(values),
+                p10=quantile(values, 0.1), p90=quantile(values, 0.9))
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+def round_order(names: Sequence[str], k: int) -> list[str]:
+    """Round ``k``'s order: the configs as given (even rounds) or reversed (odd): ABBA."""
+    return list(names) if k % 2 == 0 else list(reversed(names))
+
+
+def measure(servers: dict[str, Server], sc: Scenario, *, rounds: int, warmup: int,
+            vocab: int) -> tuple[dict[str, list[float]], dict[str, list], int]:
+    """Warm-up rounds, then ``rounds`` rounds of ``sc`` over ``servers``: per config the wall
+    ms and server-side ms per round, and the number of rounds whose outputs disagreed."""
+    wall = {n: [] for n in servers}
+    server = {n: [] for n in servers}
+    mismatched = 0
+    for k in range(-warmup, rounds):
+        ids = make_inputs(sc, k, vocab)
+        outputs = {}
+        for name in round_order(list(servers), k):
+            ms, outs = servers[name].generate(ids, sc.osl)
+            outputs[name] = [o["output_ids"] for o in outs]
+            if k >= 0:
+                wall[name].append(ms)
+                server[name].append(server_prefill_ms(outs))
+        if k >= 0 and len({json.dumps(v) for v in outputs.values()}) > 1:
+            mismatched += 1
+    return wall, server, mismatched
+
+
+def scenario_records(sc: Scenario, wall: dict, server: dict, mismatched: int, *,
+                     baseline: str, ports: dict, common: dict) -> list[dict]:
+    recs = []
+    for name in wall:
+        rec = dict(kind="interleaved", config=name, scenario=sc.name, bs=sc.bs, isl=sc.isl,
+                   osl=sc.osl, baseline=baseline, rounds=len(wall[name]), port=ports[name],
+                   mismatched_rounds=mismatched, wall_runs_ms=wall[name],
+                   wall=summarise(wall[name]), **common)
+        have_server = None not in server[name] and None not in server[baseline]
+        if have_server:
+            rec["server_runs_ms"] = server[name]
+            rec["server"] = summarise(server[name])
+        if name != baseline:
+            rec["wall_overhead"] = paired_overhead(wall[name], wall[baseline])
+            if have_server:
+                rec["server_overhead"] = paired_overhead(server[name], server[baseline])
+        recs.append(rec)
+    return recs
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:+.2f} %"
+
+
+def _interval(t) -> str:
+    return f"{_pct(t[0])} [{_pct(t[1])}, {_pct(t[2])}]"
+
+
+def table(records: list[dict]) -> str:
+    """Markdown table of interleaved records (in their order)."""
+    out = ["| scenario | config | rounds | wall median / min ms | server median / min ms | "
+           "server p10 / p90 ms | paired overhead, server (median [95 % CI]) | "
+           "paired overhead, wall |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in records:
+        w, s = r["wall"], r.get("server")
+        out.append(
+            f"| {r['scenario']} (bs{r['bs']} isl{r['isl']} osl{r['osl']}) | {r['config']} | "
+            f"{r['rounds']} | {w['median']:.2f} / {w['min']:.2f} | "
+            + (f"{s['median']:.2f} / {s['min']:.2f} | {s['p10']:.2f} / {s['p90']:.2f} | "
+               if s else "— | — | ")
+            + (_interval(r["server_overhead"]) if "server_overhead" in r else "—") + " | "
+            + (_interval(r["wall_overhead"]) if "wall_overhead" in r else "(baseline)") + " |")
+    mism = {(r["scenario"], r["mismatched_rounds"]) for r in records if r["mismatched_rounds"]}
+    for scn, m in sorted(mism):
+        out.append(f"\n{scn}: greedy outputs disagreed between configs in {m} round(s)")
+    return "\n".join(out)
+
+
+def memory_fractions(n: int, share: float) -> list[float]:
+    """``--mem-fraction-static`` of each of ``n`` servers started one after the other (see
+    the module docstring)."""
+    fracs = [round((i + 1) * share, 4) for i in range(n)]
+    if fracs[-1] > 0.95:
+        raise ValueError(f"--gpu-share {share} x {n} servers = {fracs[-1]} of the GPU; "
+                         "allowed: at most 0.95 in all (lower --gpu-share)")
+    return fracs
+
+
+def tokens_needed(scenarios: Sequence[Scenario], chunk: int) -> int:
+    """A KV pool that holds the largest scenario's batch, with margin."""
+    need = max(sc.bs * (sc.isl + sc.osl) for sc in scenarios)
+    return int(need * 1.25) + chunk
+
+
+def run(args) -> int:
+    names = parse_names(args.configs, CONFIGS, "--configs")
+    if args.baseline not in names:
+        raise SystemExit(f"--baseline {args.baseline!r} must be one of --configs "
+                         f"({', '.join(names)})")
+    if len(names) < 2:
+        raise SystemExit("--configs: name the baseline and at least one more config")
+    if args.rounds < 1 or args.warmup < 0:
+        raise SystemExit(f"--rounds must be >= 1 and --warmup >= 0 (got {args.rounds}, "
+                         f"{args.warmup})")
+    table_of = SMOKE_SCENARIOS if args.smoke_cpu else SCENARIOS
+    scenarios = [table_of[n] for n in parse_names(args.scenarios, SCENARIOS, "--scenarios")]
+    smoke = args.smoke_cpu
+    gpu = gpu_name(smoke)
+    invocation = uuid.uuid4().hex[:12]
+    tmp = tempfile.mkdtemp(prefix="kv_canary_interleaved_")
+    out = os.path.abspath(args.out or os.path.join(tmp, "interleaved.jsonl"))
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    settings = SMOKE_SETTINGS if smoke else EngineSettings(
+        model=args.model, max_total_tokens=args.max_total_tokens or tokens_needed(
+            scenarios, EngineSettings.chunked_prefill_size))
+    if smoke:
+        from sglang.srt.kv_canary.testing.server_harness import (
+            TINY_LLAMA_CONFIG,
+            build_libcuda_stub,
+            cpu_server_env,
+            write_tiny_llama,
+        )
+
+        model_dir, vocab = write_tiny_llama(os.path.join(tmp, "model")), \
+            TINY_LLAMA_CONFIG["vocab_size"]
+        base_env = cpu_server_env(build_libcuda_stub(os.path.join(tmp, "stub")))
+        fracs = [None] * len(names)
+    else:
+        model_dir = os.path.join(tmp, "model")
+        os.makedirs(model_dir)
+        pathlib.Path(model_dir, "config.json").write_text(
+            json.dumps(MODELS[args.model], indent=1))
+        vocab = MODELS[args.model]["vocab_size"]
+        base_env = dict(os.environ)
+        fracs = memory_fractions(len(names), args.gpu_share or 0.8 / len(names))
+    base_env.pop("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", None)  # per config below
+    print(f"KV-canary interleaved overhead — {gpu} — {now_utc()} — configs {', '.join(names)} "
+          f"(baseline {args.baseline}) — {args.rounds} rounds after {args.warmup} warm-up — "
+          f"results to {out}", flush=True)
+    servers: dict[str, Server] = {}
+    try:
+        for name, frac in zip(names, fracs):
+            cfg = CONFIGS[name]
+            kwargs = {**settings.engine_kwargs(model_dir, smoke=smoke), **cfg.engine_kwargs()}
+            if frac is not None:
+                kwargs["mem_fraction_static"] = frac
+            log_path = f"{out}.{name.replace('+', '_')}.log"
+            t0 = time.perf_counter()
+            srv = Server(cfg, kwargs, {**base_env, **cfg.env()}, log_path)
+            servers[name] = srv
+            srv.wait_ready(args.start_timeout)
+            print(f"[{name}] up in {time.perf_counter() - t0:.0f} s on port {srv.port} "
+                  f"(mem fraction {frac}; log {log_path})", flush=True)
+        common = dict(invocation=invocation, time=now_utc(), gpu=gpu, smoke=smoke,
+                      model="tiny-llama (smoke)" if smoke else args.model,
+                      warmup_rounds=args.warmup, order=names)
+        records = []
+        for sc in scenarios:
+            t0 = time.perf_counter()
+            wall, server, mismatched = measure(servers, sc, rounds=args.rounds,
+                                               warmup=args.warmup, vocab=vocab)
+            recs = scenario_records(sc, wall, server, mismatched, baseline=args.baseline,
+                                    ports={n: srv.port for n, srv in servers.items()},
+                                    common=common)
+            for rec in recs:
+                append_jsonl(out, rec)
+            records += recs
+            print(f"{sc.name}: {args.rounds} rounds in {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+        for sub in ("model", "stub"):  # the results and logs stay
+            shutil.rmtree(os.path.join(tmp, sub), ignore_errors=True)
+    print()
+    print(table(records))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="off,raise,raise+token",
+                    help=f"comma-separated, from: {', '.join(CONFIGS)}")
+    ap.add_argument("--baseline", default="off", help="the config the others are compared with")
+    ap.add_argument("--scenarios", default=DEFAULT_SCENARIOS,
+                    help=f"comma-separated, from: {', '.join(SCENARIOS)}")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5, help="unrecorded rounds first")
+    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS))
+    ap.add_argument("--gpu-share", type=float, default=None,
+                    help="each server's share of the GPU's memory (default 0.8 / #configs)")
+    ap.add_argument("--max-total-tokens", type=int, default=None,
+                    help="each server's KV pool (default: what the scenarios need)")
+    ap.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S)
+    ap.add_argument("--out", default=None, help="JSON lines file (appended)")
+    ap.add_argument("--smoke-cpu", action="store_true",
+                    help="sglang's CPU server with tiny scenarios: checks the script only")
+    ap.add_argument("--report", nargs="+", metavar="FILE",
+                    help="print the table of earlier runs' records and exit")
+    args = ap.parse_args(argv)
+    if args.report:
+        missing = [p for p in args.report if not os.path.exists(p)]
+        if missing:
+            ap.error(f"--report: no such file(s): {', '.join(missing)}")
+        print(table([r for r in read_jsonl(args.report) if r.get("kind") == "interleaved"]))
+        return 0
+    if args.gpu_share is not None and not 0 < args.gpu_share < 1:
+        ap.error(f"--gpu-share must be in (0, 1), got {args.gpu_share}")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
