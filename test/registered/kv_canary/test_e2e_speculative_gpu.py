@@ -54,6 +54,10 @@ def models(tmp_path_factory):
     return target, draft
 
 
+DEEPSEEK_V3_MLA_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                           v_head_dim=128)
+
+
 def write_models(tmp_path_factory, algorithm):
     """(target dir, draft dir or None) of ``algorithm``."""
     if algorithm == "EAGLE3":
@@ -65,9 +69,13 @@ def write_models(tmp_path_factory, algorithm):
                           "use_aux_hidden_state": True})
         return target, draft
     if algorithm == "NEXTN":  # sglang takes the NextN layer of the target's dir as the draft
+        # DeepSeek-V3's own MLA head dimensions (everything else tiny): with head dims of 32
+        # the canary-off server stopped in sglang's Triton extend attention (docs/user_guide.md,
+        # "Speculative decoding"); these are the shapes its kernels are tuned for
         return write_tiny_deepseek_v2(tmp_path_factory.mktemp("mtp"),
                                       architectures=["DeepseekV3ForCausalLM"],
-                                      model_type="deepseek_v3", num_nextn_predict_layers=1), None
+                                      model_type="deepseek_v3", num_nextn_predict_layers=1,
+                                      **DEEPSEEK_V3_MLA_DIMS), None
     raise ValueError(algorithm)
 
 
