@@ -25,7 +25,10 @@ same model, settings and canary flags, token checks through
 after the other. Their memory: sglang sizes a server's memory as if it were alone on the GPU
 (``--mem-fraction-static`` of the total, minus what is in use when it starts), so server i
 (from 0) gets ``(i + 1) * --gpu-share`` (default ``0.8 / number of configs``): each ends up
-with about one share. ``--max-total-tokens`` defaults to what the scenarios need.
+with about one share. ``--max-total-tokens`` defaults to what the scenarios need. The model's
+weights are loaded once per server: the Qwen3-0.6B shape fits five times on one H100; the
+Qwen3-30B-A3B shape (about 61 GB) does not fit twice on one GPU, so its rows stay with
+``bench_serving_overhead.py``.
 
 Per scenario (``bench_serving_overhead.py``'s: the same inputs per round, ``max_new_tokens``
 = osl, ``ignore_eos``, temperature 0): ``--warmup`` rounds (not recorded), then ``--rounds``
