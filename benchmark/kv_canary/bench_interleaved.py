@@ -98,6 +98,8 @@ from bench_serving_overhead import (  # noqa: E402  (the sibling script)
     server_prefill_ms,
 )
 
+from sglang.srt.kv_canary.testing.server_harness import engine_kwargs_to_argv  # noqa: E402
+
 START_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 600.0
 BOOTSTRAP_SAMPLES = 2000
@@ -119,21 +121,6 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port in [20000, 55000)")
-
-
-def kwargs_to_argv(kwargs: dict) -> list[str]:
-    """``sglang.Engine`` keyword arguments as ``launch_server`` flags (True: the bare flag;
-    False / None: left out; lists: one value each)."""
-    argv = []
-    for key, value in kwargs.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, (list, tuple)):
-            argv += [flag, *map(str, value)]
-        elif value is not False and value is not None:
-            argv += [flag, str(value)]
-    return argv
 
 
 def http_json(port: int, method: str, path: str, body=None,
@@ -162,7 +149,7 @@ class Server:
         self.port = free_port()
         self.log_path = log_path
         argv = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1",
-                "--port", str(self.port), *kwargs_to_argv(kwargs)]
+                "--port", str(self.port), *engine_kwargs_to_argv(kwargs)]
         self._log = open(log_path, "w")  # noqa: SIM115  (the server's whole life)
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)

@@ -20,7 +20,10 @@ import time
 
 import pytest
 
-from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs
+from sglang.srt.kv_canary.testing.server_harness import (
+    cpu_engine_kwargs,
+    engine_kwargs_to_argv,
+)
 
 START_TIMEOUT_S = 240.0
 
@@ -43,15 +46,8 @@ def free_port() -> int:
 def server_argv(model_dir: str, port: int, **engine_kwargs) -> list[str]:
     """``cpu_engine_kwargs(model_dir, **engine_kwargs)`` (the harness's CPU server settings)
     as launch_server flags."""
-    kwargs = cpu_engine_kwargs(model_dir, **engine_kwargs)
-    argv = ["--host", "127.0.0.1", "--port", str(port)]
-    for key, value in kwargs.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is not False and value is not None:
-            argv += [flag, str(value)]
-    return argv
+    return ["--host", "127.0.0.1", "--port", str(port),
+            *engine_kwargs_to_argv(cpu_engine_kwargs(model_dir, **engine_kwargs))]
 
 
 def http_call(port: int, method: str, path: str, body=None,

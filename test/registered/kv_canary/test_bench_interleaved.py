@@ -19,6 +19,7 @@ BENCH_DIR = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_cana
 sys.path.insert(0, str(BENCH_DIR))
 
 import bench_interleaved as bi  # noqa: E402
+from sglang.srt.kv_canary.testing.server_harness import engine_kwargs_to_argv  # noqa: E402
 
 
 def test_paired_overhead_is_the_median_ratio_with_a_bootstrap_interval():
@@ -45,7 +46,7 @@ def test_rounds_alternate_abba_and_memory_shares_accumulate():
 
 
 def test_engine_kwargs_become_launch_server_flags():
-    argv = bi.kwargs_to_argv(dict(model_path="/m", cuda_graph_bs=[1, 128], enable_metrics=True,
+    argv = engine_kwargs_to_argv(dict(model_path="/m", cuda_graph_bs=[1, 128], enable_metrics=True,
                                   disable_piecewise_cuda_graph=False, kv_canary="raise",
                                   chunked_prefill_size=8192, speculative_draft_model_path=None))
     assert argv == ["--model-path", "/m", "--cuda-graph-bs", "1", "128", "--enable-metrics",

@@ -268,6 +268,22 @@ def gpu_engine_kwargs(model_dir: str, **overrides) -> dict:
             "mem_fraction_static": 0.3, **overrides}
 
 
+def engine_kwargs_to_argv(kwargs: dict) -> List[str]:
+    """``sglang.Engine`` keyword arguments as ``launch_server`` / ``sglang serve`` flags:
+    ``True`` the bare flag, ``False`` / ``None`` left out, a list or tuple one value each
+    (``--cuda-graph-bs 1 128``), anything else its ``str``."""
+    argv: List[str] = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
 def run_python(code: str, *, env: Dict[str, str], timeout: float = 600,
                cwd: Optional[str] = None) -> subprocess.CompletedProcess:
     """Run ``code`` (which must guard its Engine use with ``__main__``) in a fresh process."""
