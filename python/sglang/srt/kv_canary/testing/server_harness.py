@@ -252,11 +252,20 @@ _COMMON_ENGINE_KWARGS = dict(
 )
 
 
+# sglang sizes a CPU server's pool from two readings of the host's available memory, before
+# and after loading the model: rest = after - before * (1 - mem_fraction_static), and "Not
+# enough memory" when rest <= 0. Another process allocating more than ``mem_fraction_static`` of
+# the available memory in between (a test server starting beside it) failed 0.05 (CI, and
+# reproduced with 6 GB available and a 1.2 GB allocation churning beside the start-up); the
+# pool itself stays capped by ``max_total_tokens``, so the larger fraction only adds slack.
+CPU_MEM_FRACTION_STATIC = 0.3
+
+
 def cpu_engine_kwargs(model_dir: str, **overrides) -> dict:
     """``sglang.Engine`` keyword arguments for the tiny CPU server."""
     return {**_COMMON_ENGINE_KWARGS, "model_path": model_dir, "device": "cpu",
             "attention_backend": "torch_native", "disable_cuda_graph": True,
-            "mem_fraction_static": 0.05, **overrides}
+            "mem_fraction_static": CPU_MEM_FRACTION_STATIC, **overrides}
 
 
 def gpu_engine_kwargs(model_dir: str, **overrides) -> dict:
