@@ -67,8 +67,6 @@ import os
 import pathlib
 import random
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -98,7 +96,12 @@ from bench_serving_overhead import (  # noqa: E402  (the sibling script)
     server_prefill_ms,
 )
 
-from sglang.srt.kv_canary.testing.server_harness import engine_kwargs_to_argv  # noqa: E402
+from sglang.srt.kv_canary.testing.server_harness import (  # noqa: E402
+    engine_kwargs_to_argv,
+    free_port,
+    http_call,
+    stop_process_group,
+)
 
 START_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 600.0
@@ -109,36 +112,15 @@ DEFAULT_SCENARIOS = "prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k"
 
 # ---- one server ---------------------------------------------------------------------------
 
-def free_port() -> int:
-    """A free port below 55536 (sglang 0.5.12 also opens ``port + 10000``)."""
-    pick = random.Random()
-    for _ in range(200):
-        port = pick.randrange(20000, 55000)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in [20000, 55000)")
-
-
 def http_json(port: int, method: str, path: str, body=None,
               timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, object]:
     """One HTTP exchange with the server; ``(status, decoded JSON or raw text)``."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    status, raw = http_call(port, method, path, body, timeout=timeout)
+    text = raw.decode(errors="replace")
     try:
-        payload = None if body is None else json.dumps(body)
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
-        conn.request(method, path, body=payload, headers=headers)
-        resp = conn.getresponse()
-        raw = resp.read().decode(errors="replace")
-    finally:
-        conn.close()
-    try:
-        return resp.status, json.loads(raw)
+        return status, json.loads(text)
     except ValueError:
-        return resp.status, raw
+        return status, text
 
 
 class Server:
@@ -201,20 +183,7 @@ class Server:
         return ms, outs
 
     def stop(self) -> None:
-        for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            if self.proc.poll() is not None:
-                break
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=grace)
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # the scheduler and detokenizer share the group
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        stop_process_group(self.proc)
         self._log.close()
 
 

@@ -8,39 +8,22 @@ written as command-line flags; its output goes to a log file the test reads.
 from __future__ import annotations
 
 import http.client
-import json
-import os
 import pathlib
-import random
-import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from sglang.srt.kv_canary.testing.server_harness import (
+from sglang.srt.kv_canary.testing.server_harness import (  # noqa: F401  (http_call: tests)
     cpu_engine_kwargs,
     engine_kwargs_to_argv,
+    free_port,
+    http_call,
+    stop_process_group,
 )
 
 START_TIMEOUT_S = 240.0
-
-
-def free_port() -> int:
-    """A free port below 55536: sglang 0.5.12 refuses a port whose ``port + 10000`` (its
-    gRPC port) is not a valid port, so the kernel's ephemeral range will not do."""
-    pick = random.Random()  # not the soak's RNG: two test runs must not collide
-    for _ in range(200):
-        port = pick.randrange(20000, 55000)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in [20000, 55000)")
 
 
 def server_argv(model_dir: str, port: int, **engine_kwargs) -> list[str]:
@@ -48,20 +31,6 @@ def server_argv(model_dir: str, port: int, **engine_kwargs) -> list[str]:
     as launch_server flags."""
     return ["--host", "127.0.0.1", "--port", str(port),
             *engine_kwargs_to_argv(cpu_engine_kwargs(model_dir, **engine_kwargs))]
-
-
-def http_call(port: int, method: str, path: str, body=None,
-          timeout: float = 30.0) -> tuple[int, bytes]:
-    """One HTTP exchange; raises on transport errors and timeouts (socket.timeout)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        payload = None if body is None else json.dumps(body)
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
-        conn.request(method, path, body=payload, headers=headers)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
 
 
 def launcher_argv(launcher: str) -> list[str]:
@@ -121,19 +90,5 @@ class CliServer:
         pytest.fail(f"{self.name} server not ready after {timeout:.0f} s:\n{self.tail()}")
 
     def stop(self) -> None:
-        if self.alive():
-            for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(timeout=grace)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        try:  # its children (scheduler, detokenizer) share the group
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        stop_process_group(self.proc)
         self._log.close()

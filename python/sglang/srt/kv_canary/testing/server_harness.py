@@ -18,14 +18,18 @@ spawns processes, so scripts using the Engine must be guarded by
 from __future__ import annotations
 
 import glob
+import http.client
 import json
 import os
 import pathlib
+import random
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 TINY_LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -291,6 +295,57 @@ def engine_kwargs_to_argv(kwargs: dict) -> List[str]:
         elif value is not False and value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+def free_port() -> int:
+    """A free port below 55536: sglang 0.5.12 refuses a port whose ``port + 10000`` (its
+    gRPC port) is not a valid port, so the kernel's ephemeral range will not do."""
+    pick = random.Random()  # not a caller's seeded RNG: two runs must not collide
+    for _ in range(200):
+        port = pick.randrange(20000, 55000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in [20000, 55000)")
+
+
+def http_call(port: int, method: str, path: str, body=None,
+              timeout: float = 30.0) -> Tuple[int, bytes]:
+    """One HTTP exchange with a server on 127.0.0.1 (``body`` sent as JSON); raises on
+    transport errors and timeouts (socket.timeout)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        payload = None if body is None else json.dumps(body)
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        conn.request(method, path, body=payload, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """Stop a server started with ``start_new_session=True``: SIGTERM to its process group,
+    SIGKILL after 15 s, then SIGKILL to the group whatever happened (its scheduler and
+    detokenizer share it)."""
+    if proc.poll() is None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=15)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def run_python(code: str, *, env: Dict[str, str], timeout: float = 600,
