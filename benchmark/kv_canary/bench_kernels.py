@@ -106,6 +106,7 @@ from sglang.jit_kernel.kv_canary import (
     launch_scatter_req_token_ids_kernel,
     scatter_req_token_ids_torch_reference,
 )
+from sglang.jit_kernel.kv_canary.consts import VIOLATION_NUM_FIELDS
 
 # ---------------------------------------------------------------------------------------------
 # Model / pool shape (Qwen3-0.6B-ish layer 0)
@@ -276,7 +277,7 @@ class State:
             canary_buf=torch.zeros(shape.num_slots, CANARY_SLOT_BYTES, dtype=torch.uint8,
                                    device=device),
             # one ring / index / per-tag counters, shared by the contexts of all modes
-            violation_ring=torch.zeros(RING_CAPACITY, 8, **i64),
+            violation_ring=torch.zeros(RING_CAPACITY, VIOLATION_NUM_FIELDS, **i64),
             violation_write_index=torch.zeros(1, dtype=torch.int32, device=device),
             slot_counters=torch.zeros(len(CanaryLaunchTag), **i64),
             kernel_counters=torch.zeros(len(CanaryLaunchTag), **i64),
@@ -452,13 +453,17 @@ def time_cpu_once(fn: Callable[[], None]) -> Timing:
     return Timing((time.perf_counter() - t) * 1e6, None)
 
 
-def measure_copy_bandwidth(device: torch.device) -> float:
-    """GB/s of ``dst.copy_(src)`` on 1 GiB bf16, counting read + write bytes."""
+def _copy_ms(device: torch.device) -> float:
+    """Median ms of ``dst.copy_(src)`` on 1 GiB bf16 (both freed when this returns)."""
     src = torch.randn(COPY_BYTES // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200,
-                                 return_mode="median")
-    del src, dst
+    return triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200,
+                                   return_mode="median")
+
+
+def measure_copy_bandwidth(device: torch.device) -> float:
+    """GB/s of ``dst.copy_(src)`` on 1 GiB bf16, counting read + write bytes."""
+    ms = _copy_ms(device)
     torch.cuda.empty_cache()
     return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
 
@@ -596,7 +601,7 @@ class Bench:
             self.rows.append(Row("write", shape.name, mode_name, str(shape.write_tokens),
                                  timing, write_bytes(shape, mode),
                                  ref_label + "+clean" if check_write else "clean"))
-        del st, ref_k
+        # st and ref_k are freed at return; run() then empties the CUDA cache
 
     # ---- output ----
 

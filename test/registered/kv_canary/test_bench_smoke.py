@@ -1,0 +1,96 @@
+"""The benchmarks' CPU smoke modes run in CPU CI, so a benchmark cannot rot between GPU
+sessions: ``bench_kernels.py --smoke`` (every public launcher on the script's own state,
+byte-compared with its torch reference), ``bench_sweep.py --smoke --layers 2`` (the radix sweep
+and the per-layer check on a clean cache) and ``bench_serving_overhead.py --smoke-cpu
+--breakdown`` (the canary's launches of a decode step, per config, on real CPU pools). The
+numbers of a CPU run mean nothing; what is checked is that each script still builds valid
+inputs for today's kernels and runtime and that its table says what it measured.
+(``bench_kernels.py`` once built an 8-column violation ring after the ring grew to
+``VIOLATION_NUM_FIELDS`` columns, and failed at its first verify; nothing ran it.)
+``bench_interleaved.py`` has its own test; ``bench_serving_overhead.py --smoke-cpu`` (Engine
+runs, ~3 min) and ``bench_hicache.py`` (GPU only) are not run here."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Dict, List
+
+import pytest
+
+pytestmark = pytest.mark.slow  # three subprocess runs, ~2 min together
+
+BENCH_DIR = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_canary"
+
+
+def _run(script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(BENCH_DIR / script), *args],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _table(text: str, first_header_cell: str) -> List[Dict[str, str]]:
+    """The markdown table of ``text`` whose header starts with ``first_header_cell``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines)
+                 if line.startswith(f"| {first_header_cell} |"))
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("| "):
+            break
+        rows.append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")))))
+    return rows
+
+
+def test_bench_kernels_smoke_checks_every_kernel_in_every_mode(tmp_path):
+    out = tmp_path / "kernels.md"
+    _run("bench_kernels.py", "--smoke", "--out", str(out))
+    rows = _table(out.read_text(), "kernel")
+    measured = [r for r in rows if r["kernel"] != "all"]
+    scenarios = {r["scenario"] for r in measured}
+    assert any(s.startswith("decode") for s in scenarios)
+    assert any(s.startswith("prefill") for s in scenarios)
+    for scenario in scenarios:
+        got = {(r["kernel"], r["mode"]): r["checked"] for r in measured
+               if r["scenario"] == scenario}
+        assert got[("plan", "n/a")] == "ref(cpu)" and got[("scatter", "n/a")] == "ref(cpu)"
+        for mode in ("none", "partial", "all"):
+            assert got[("verify", mode)] == "ref(cpu)+clean", (scenario, mode, got)
+            assert got[("write", mode)] in ("ref(cpu)+clean", "clean"), (scenario, mode, got)
+    # the shapes too large for the smoke run say so instead of vanishing
+    skipped = [r for r in rows if r["kernel"] == "all"]
+    assert skipped and all(r["µs eager (median)"].startswith("skipped: pool") for r in skipped)
+
+
+def test_bench_sweep_smoke_sweeps_a_clean_cache_in_every_mode(tmp_path):
+    out = tmp_path / "sweep.md"
+    _run("bench_sweep.py", "--smoke", "--layers", "2", "--out", str(out))
+    rows = _table(out.read_text(), "cached tokens")
+    assert [r["mode"] for r in rows] == ["none", "partial", "all"]
+    for r in rows:
+        assert int(r["cached tokens"]) > 0 and r["violations"] == "0"
+        assert float(r["total ms"]) > 0
+        per_layer = r["every layer (plan + per-layer check) ms"]
+        assert (per_layer == "-") == (r["mode"] == "none"), r
+
+
+def test_bench_serving_overhead_breakdown_smoke_times_every_launch():
+    text = _run("bench_serving_overhead.py", "--smoke-cpu", "--breakdown")
+    rows = {r["launch"]: r for r in _table(text, "launch")}
+    configs = [c for c in rows["plan kernels"] if c != "launch"]
+    assert {"raise bs1", "raise+token bs1", "raise+token+partial bs4"} <= set(configs)
+    for launch in ("plan kernels", "HEAD verify", "HEAD write", "TAIL verify", "TAIL write",
+                   "**forward-stream total (sum)**"):
+        assert all(float(rows[launch][c]) > 0 for c in configs), (launch, rows[launch])
+    # the token-id upload (snapshot + scatter) ran in every config with token checks
+    scatter = rows["token-id scatter (outside graph)"]
+    for c in configs:
+        if "token" in c:
+            assert float(scatter[c]) > 0, (c, scatter[c])
+        else:
+            assert scatter[c] == "—", (c, scatter[c])
