@@ -61,14 +61,12 @@ that the script works (CPU CI runs it: ``test/registered/kv_canary/test_bench_in
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import pathlib
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -97,10 +95,10 @@ from bench_serving_overhead import (  # noqa: E402  (the sibling script)
 )
 
 from sglang.srt.kv_canary.testing.server_harness import (  # noqa: E402
+    ServerProcess,
     engine_kwargs_to_argv,
     free_port,
     http_call,
-    stop_process_group,
 )
 
 START_TIMEOUT_S = 900.0
@@ -123,38 +121,17 @@ def http_json(port: int, method: str, path: str, body=None,
         return status, text
 
 
-class Server:
-    """One ``python -m sglang.launch_server`` process (own session, log in ``log_path``)."""
+class Server(ServerProcess):
+    """One ``python -m sglang.launch_server`` process of config ``cfg`` (own session, log in
+    ``log_path``)."""
 
     def __init__(self, cfg: BenchConfig, kwargs: dict, env: dict[str, str], log_path: str):
         self.cfg = cfg
-        self.port = free_port()
-        self.log_path = log_path
-        argv = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1",
-                "--port", str(self.port), *engine_kwargs_to_argv(kwargs)]
-        self._log = open(log_path, "w")  # noqa: SIM115  (the server's whole life)
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def tail(self, n: int = 40) -> str:
-        self._log.flush()
-        return "\n".join(pathlib.Path(self.log_path).read_text(errors="replace")
-                         .splitlines()[-n:])
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"[{self.cfg.name}] server exited ({self.proc.returncode}) "
-                                   f"during start-up:\n{self.tail()}")
-            try:
-                if http_json(self.port, "GET", "/health_generate", timeout=60)[0] == 200:
-                    return
-            except (OSError, http.client.HTTPException):
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(f"[{self.cfg.name}] server not ready after {timeout:.0f} s:\n"
-                           f"{self.tail()}")
+        port = free_port()
+        super().__init__(cfg.name, [sys.executable, "-m", "sglang.launch_server", "--host",
+                                    "127.0.0.1", "--port", str(port),
+                                    *engine_kwargs_to_argv(kwargs)],
+                         port=port, env=env, log_path=log_path)
 
     def generate(self, input_ids: list[list[int]], osl: int) -> tuple[float, list[dict]]:
         """Flush the radix cache, then one ``/generate`` of the batch: ``(wall ms,
@@ -181,10 +158,6 @@ class Server:
             raise RuntimeError(f"[{self.cfg.name}] expected outputs of {osl} tokens, got "
                                f"lengths {lens}")
         return ms, outs
-
-    def stop(self) -> None:
-        stop_process_group(self.proc)
-        self._log.close()
 
 
 # ---- statistics -------------------------------------------------------------------------------

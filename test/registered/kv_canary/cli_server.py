@@ -7,20 +7,18 @@ written as command-line flags; its output goes to a log file the test reads.
 
 from __future__ import annotations
 
-import http.client
 import pathlib
-import subprocess
 import sys
-import time
 
 import pytest
 
 from sglang.srt.kv_canary.testing.server_harness import (  # noqa: F401  (http_call: tests)
+    ServerProcess,
+    ServerStartError,
     cpu_engine_kwargs,
     engine_kwargs_to_argv,
     free_port,
     http_call,
-    stop_process_group,
 )
 
 START_TIMEOUT_S = 240.0
@@ -46,49 +44,20 @@ def launcher_argv(launcher: str) -> list[str]:
     raise ValueError(f"launcher must be launch_server or serve, got {launcher!r}")
 
 
-class CliServer:
+class CliServer(ServerProcess):
     """One ``launch_server`` (or ``sglang serve``: ``launcher="serve"``) process (own
     session), its log in ``root / f"{name}.log"``; ``engine_kwargs`` go through
     :func:`server_argv`, ``extra_argv`` is appended verbatim."""
 
     def __init__(self, name: str, root: pathlib.Path, model_dir: str, env: dict[str, str],
                  extra_argv: list[str], launcher: str = "launch_server", **engine_kwargs):
-        self.name = name
-        self.port = free_port()
-        self.log_path = root / f"{name}.log"
-        argv = [*launcher_argv(launcher),
-                *server_argv(model_dir, self.port, **engine_kwargs), *extra_argv]
-        # open for the server's whole life (its stdout and stderr); closed by stop()
-        self._log = open(self.log_path, "w")  # noqa: SIM115
-        # own session: stop() signals this server's process group and nothing else
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log().splitlines()[-n:])
+        port = free_port()
+        super().__init__(name, [*launcher_argv(launcher),
+                                *server_argv(model_dir, port, **engine_kwargs), *extra_argv],
+                         port=port, env=env, log_path=root / f"{name}.log")
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                pytest.fail(f"{self.name} server exited ({self.proc.returncode}) during "
-                            f"start-up:\n{self.tail()}")
-            try:
-                if http_call(self.port, "GET", "/health_generate", timeout=30)[0] == 200:
-                    return
-            except (OSError, http.client.HTTPException):
-                pass
-            time.sleep(1.0)
-        pytest.fail(f"{self.name} server not ready after {timeout:.0f} s:\n{self.tail()}")
-
-    def stop(self) -> None:
-        stop_process_group(self.proc)
-        self._log.close()
+        try:
+            super().wait_ready(timeout)
+        except ServerStartError as e:
+            pytest.fail(str(e))

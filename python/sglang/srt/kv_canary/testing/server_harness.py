@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from typing import Dict, List, Optional, Tuple
 
 TINY_LLAMA_CONFIG = {
@@ -346,6 +347,59 @@ def stop_process_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+class ServerStartError(RuntimeError):
+    """A :class:`ServerProcess` exited during start-up or did not become ready in time."""
+
+
+class ServerProcess:
+    """One HTTP server process (``launch_server``, ``sglang serve``) on 127.0.0.1:``port``,
+    started in its own session so :meth:`stop` signals its process group (the server, its
+    scheduler and detokenizer) and nothing else; stdout and stderr go to ``log_path``, open
+    for the server's whole life. ``argv`` is the whole command line, ``--port`` included."""
+
+    def __init__(self, name: str, argv: List[str], *, port: int, env: Dict[str, str],
+                 log_path: "str | os.PathLike[str]"):
+        self.name = name
+        self.port = port
+        self.log_path = pathlib.Path(log_path)
+        self._log = open(self.log_path, "w")  # noqa: SIM115  (closed by stop())
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-n:])
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll ``/health_generate`` (a real forward) once a second until it answers 200;
+        :class:`ServerStartError`, with the log's tail, if the process exits first or
+        ``timeout`` seconds pass."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServerStartError(f"{self.name} server exited ({self.proc.returncode}) "
+                                       f"during start-up:\n{self.tail()}")
+            try:
+                if http_call(self.port, "GET", "/health_generate", timeout=60)[0] == 200:
+                    return
+            except (OSError, http.client.HTTPException):
+                pass
+            time.sleep(1.0)
+        raise ServerStartError(f"{self.name} server not ready after {timeout:.0f} s:\n"
+                               f"{self.tail()}")
+
+    def stop(self) -> None:
+        stop_process_group(self.proc)
+        self._log.close()
 
 
 def run_python(code: str, *, env: Dict[str, str], timeout: float = 600,

@@ -1,0 +1,101 @@
+"""``server_harness.ServerProcess``, the one start / wait / stop of an HTTP server process that
+the CLI test servers (``cli_server.CliServer``) and the interleaved benchmark share, on
+stand-in servers (a few lines of ``http.server``) instead of sglang: ready when
+``/health_generate`` answers 200, a clear error with the log's tail when the process dies or
+never gets ready, and ``stop()`` leaves nothing of its process group behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import textwrap
+
+import pytest
+
+from sglang.srt.kv_canary.testing.server_harness import (
+    ServerProcess,
+    ServerStartError,
+    free_port,
+)
+
+# A stand-in server: answers ``status`` to every GET, after forking a child that would outlive
+# it if only the parent were signalled.
+_STAND_IN = textwrap.dedent("""
+    import http.server, os, sys, time
+    status = int(sys.argv[2])
+    child = os.fork()
+    if child == 0:
+        time.sleep(600)
+        os._exit(0)
+    print(f"child {child}", flush=True)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    print("stand-in up", flush=True)
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def _stand_in(tmp_path, status: int) -> ServerProcess:
+    port = free_port()
+    return ServerProcess("stand-in", [sys.executable, "-c", _STAND_IN, str(port), str(status)],
+                         port=port, env=dict(os.environ), log_path=tmp_path / "s.log")
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a killed orphan waits for its reaper)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _forked_child(srv: ServerProcess) -> int:
+    pids = [int(line.split()[1]) for line in srv.log().splitlines() if line.startswith("child ")]
+    assert len(pids) == 1, srv.log()
+    return pids[0]
+
+
+def test_ready_server_is_waited_for_and_stop_ends_its_whole_group(tmp_path):
+    srv = _stand_in(tmp_path, 200)
+    try:
+        srv.wait_ready(60)
+        assert srv.alive() and "stand-in up" in srv.log()
+        child = _forked_child(srv)
+        assert _running(child)
+    finally:
+        srv.stop()
+    assert not srv.alive()
+    assert not _running(child)  # the forked child went with it
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", srv.port), timeout=5).close()
+
+
+def test_a_server_that_exits_during_start_up_is_reported_with_its_log(tmp_path):
+    srv = ServerProcess("doomed", [sys.executable, "-c",
+                                   "print('bad flag --kv-canary', flush=True); raise SystemExit(3)"],
+                        port=free_port(), env=dict(os.environ), log_path=tmp_path / "d.log")
+    try:
+        with pytest.raises(ServerStartError, match=r"doomed server exited \(3\) during "
+                                                   r"start-up:\n.*bad flag --kv-canary"):
+            srv.wait_ready(60)
+    finally:
+        srv.stop()
+
+
+def test_a_server_that_never_gets_healthy_times_out_with_its_log(tmp_path):
+    srv = _stand_in(tmp_path, 503)
+    try:
+        with pytest.raises(ServerStartError, match=r"(?s)stand-in server not ready after 3 s:\n"
+                                                   r".*stand-in up"):
+            srv.wait_ready(3)
+        assert srv.alive()
+        child = _forked_child(srv)
+    finally:
+        srv.stop()
+    assert not srv.alive() and not _running(child)
