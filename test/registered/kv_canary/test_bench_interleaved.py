@@ -12,8 +12,10 @@ import pathlib
 import socket
 import subprocess
 import sys
-
 import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_canary"
 sys.path.insert(0, str(BENCH_DIR))
@@ -99,3 +101,7 @@ def test_smoke_run_on_two_cpu_servers(tmp_path):
     for port in {r["port"] for r in recs}:
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

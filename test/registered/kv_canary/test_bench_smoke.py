@@ -19,6 +19,9 @@ import sys
 from typing import Dict, List
 
 import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow  # three subprocess runs, ~2 min together
 
@@ -94,3 +97,7 @@ def test_bench_serving_overhead_breakdown_smoke_times_every_launch():
             assert float(scatter[c]) > 0, (c, scatter[c])
         else:
             assert scatter[c] == "—", (c, scatter[c])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import types
 
 import pytest
@@ -13,6 +14,9 @@ from sglang.srt.kv_canary.api import check_server_args_for_canary
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.envs import MAX_RING_CAPACITY, MAX_STEP_INTERVAL, CanaryEnvs
 from sglang.srt.kv_canary.perturb.config import FaultKind, PerturbConfig
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 
 def _args(**kw):
@@ -208,3 +212,7 @@ def test_host_kv_needs_hicache(monkeypatch):
     assert cfg.perturb.host_kv_prob == 0.5
     with pytest.raises(ValueError, match="only real-data fingerprints see"):
         check_server_args_for_canary(_args(kv_canary="log", enable_hierarchical_cache=True))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

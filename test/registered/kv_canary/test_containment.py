@@ -6,6 +6,7 @@ end-to-end HTTP server tests are in ``test_e2e_server.py``."""
 from __future__ import annotations
 
 from http import HTTPStatus
+import sys
 
 import pytest
 import torch
@@ -31,6 +32,9 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -309,3 +313,7 @@ def test_max_faults_stops_injection():
         p.before_forward(fb, step=step)
         p.after_forward(fb, step=step)
     assert len(p.injected) == 2 and p.restored == 2
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

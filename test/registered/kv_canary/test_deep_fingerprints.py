@@ -6,6 +6,8 @@ rotating window covers every column within ``forwards_per_rotation`` forwards.""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -33,6 +35,9 @@ from sglang.jit_kernel.kv_canary.types import (
     VerifyPlan,
     WritePlan,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 NUM_SLOTS, LAYERS, HEADS, DIM = 40, 3, 2, 8  # bf16 rows of 32 bytes
 
@@ -435,3 +440,7 @@ def test_host_tier_mirror_on_real_pools(tmp_path):
     # 4 record buffers (K and V, head and tail) of 32 bytes + 2 layers x 2 halves x 8 bytes
     assert res["pairs"] == 5 and res["bytes_per_host_slot"] == 4 * 32 + 4 * 8
     assert (res["backed_up"], res["loaded"]) == (4, 4) and res["host_slots"] > 64
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -6,6 +6,13 @@ from __future__ import annotations
 
 import pathlib
 import re
+import sys
+
+import pytest
+
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 CITATION = re.compile(r'docs/(\w+\.md),\s+"([^"]+)"')
@@ -47,3 +54,7 @@ def test_a_wrong_citation_is_reported(tmp_path):
     src = REPO / "python"  # relative paths in messages need a path under REPO
     bad = check(src, docs)  # the real tree against a docs folder lacking its sections
     assert any('has no section' in b for b in bad)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

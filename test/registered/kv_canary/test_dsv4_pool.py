@@ -6,6 +6,8 @@ lays them out), the buf-info splices, and the serving loop (written through sgla
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -15,6 +17,9 @@ from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES, PoolKind
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers, supported_pool_names
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -133,3 +138,7 @@ def test_dsv4_full_group_catches_req_to_token_corruption():
     full = [v for v in lines if v.launch_tag == "HEAD_K_FULL"]
     assert full and info["new_slot"] in {v.slot_idx for v in full}
     assert {r for v in full for r in v.fail_reasons} & {"verify_chain_hash", "verify_position"}
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

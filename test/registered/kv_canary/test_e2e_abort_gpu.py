@@ -6,12 +6,16 @@ message and every other and later request completes."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from test_e2e_abort_server import MAX_NEW, check_engine_abort_run, run_abort_engine
 
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from sglang.test.ci.ci_register import register_cuda_ci
+
+register_cuda_ci(est_time=200, stage="base-b", runner_config="1-gpu-small")
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -47,3 +51,7 @@ def test_abort_engine_on_gpu_contains_faults(model):
     rc, out, res = run_abort_engine(model, env, "cuda", **ARGS)
     check_engine_abort_run(rc, out, res)
     print("GPU abort run:", {k: v for k, v in res["results"].items() if "error" in v})
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -15,7 +15,6 @@ import pathlib
 import re
 import subprocess
 import sys
-
 import pytest
 
 from cli_server import CliServer, http_call
@@ -27,6 +26,9 @@ from sglang.srt.kv_canary.testing.server_harness import (
     cpu_server_env,
     write_tiny_llama,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
@@ -220,3 +222,7 @@ def test_abort_engine_contains_faults(server):
                SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2")
     check_engine_abort_run(*run_abort_engine(server["model"], env, "cpu",
                                              kv_canary_real_data="partial", **SERVER_ARGS))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -9,6 +9,7 @@ user guide's "What it does not catch" states."""
 
 from __future__ import annotations
 
+import sys
 
 import pytest
 from e2e_checks import run_workload
@@ -20,6 +21,9 @@ from sglang.srt.kv_canary.testing.server_harness import (
     cpu_server_env,
     write_tiny_llama,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
@@ -95,3 +99,7 @@ def test_last_layer_v_flips_are_caught_with_every_layer(server):
 def test_first_layer_only_misses_them(server):
     injected, lines = _faults_and_lines(server, "first")
     assert injected and lines == []
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

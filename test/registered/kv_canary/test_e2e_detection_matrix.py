@@ -12,7 +12,6 @@ import os
 import pathlib
 import subprocess
 import sys
-
 import pytest
 import torch
 
@@ -23,6 +22,9 @@ from sglang.srt.kv_canary.testing.server_harness import (
     write_tiny_llama,
 )
 from sglang.srt.kv_canary.token_oracle import oracle_tokens, request_oracle_key
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
@@ -137,3 +139,7 @@ def test_real_data_all_end_to_end(tmp_path):
     stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
     assert stats and "violations=0" in stats[-1] and "TAIL_K_FULL" in stats[-1]
     assert "SWEEP_K_FULL" in stats[-1]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

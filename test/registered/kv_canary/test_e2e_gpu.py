@@ -6,12 +6,18 @@ a corrupted record is caught through a graph replay."""
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 from e2e_workload import run_workload
 
 from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from sglang.test.ci.ci_register import register_cuda_ci
+
+register_cuda_ci(est_time=480, stage="base-b", runner_config="1-gpu-small")
+# its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
+GPU_LANES = {"core": ("not piecewise", 240), "piecewise": ("piecewise", 240)}
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -112,3 +118,7 @@ def test_piecewise_cuda_graphs_on_catch_every_fault(model):
     assert rc == 0, out[-4000:]
     assert re.search(r"Prefill batch.*cuda graph: True", out), "no prefill replayed a graph"
     assert_every_fault_caught(out)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -18,12 +18,19 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
 import pytest
 from e2e_checks import HOST_KV_FAULT_ENV, assert_host_kv_found, host_tier_stats, run_workload
 
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_deepseek_v2, write_tiny_llama
+from sglang.test.ci.ci_register import register_cuda_ci
+
+register_cuda_ci(est_time=1200, stage="base-b", runner_config="1-gpu-small")
+# its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
+GPU_LANES = {"hicache_kernel": ("mha_kernel", 300), "hicache_page_first": ("page_first", 300),
+             "hicache_direct": ("mha_direct", 300), "hicache_mla": ("mla", 300)}
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -86,3 +93,7 @@ def test_host_kv_is_found_in_host_memory(variant):
                        kv_canary_real_data="partial", kv_canary_sweep_interval=1)
     assert rc == 0 and res is not None, out[-4000:]
     assert_host_kv_found(out)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

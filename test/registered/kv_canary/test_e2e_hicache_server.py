@@ -11,6 +11,7 @@ flipped when the page is loaded back and read."""
 from __future__ import annotations
 
 import pathlib
+import sys
 
 import pytest
 from e2e_checks import HOST_KV_FAULT_ENV, assert_host_kv_found, host_tier_stats, run_workload
@@ -21,6 +22,9 @@ from sglang.srt.kv_canary.testing.server_harness import (
     cpu_server_env,
     write_tiny_llama,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
@@ -75,3 +79,7 @@ def test_a_flipped_host_byte_is_found_in_host_memory_and_when_loaded_back(server
     assert host[0].forward_step == int(fault["step"])
     assert "The host-tier sweep (HiCache) read host-pool slot" in out
     assert loaded and all(v.forward_step > int(fault["step"]) for v in loaded), (fault, loaded)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

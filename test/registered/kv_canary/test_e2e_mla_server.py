@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
 import pytest
 from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
@@ -20,6 +21,9 @@ from sglang.srt.kv_canary.testing.server_harness import (
     cpu_server_env,
     write_tiny_deepseek_v2,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
@@ -66,3 +70,7 @@ def test_mla_every_fault_class_is_caught(mla):
                        kv_canary_sweep_interval=2)
     assert rc == 0 and res is not None and len(res) == 12, out[-3000:]
     assert_every_fault_caught(out)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
 import pytest
 from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
@@ -36,6 +37,12 @@ from sglang.srt.kv_canary.testing.server_harness import (
     write_tiny_deepseek_v32,
     write_tiny_qwen3_next,
 )
+from sglang.test.ci.ci_register import register_cuda_ci
+
+register_cuda_ci(est_time=780, stage="base-b", runner_config="1-gpu-small")
+# its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
+GPU_LANES = {"shape_mla": ("mla", 240), "shape_nsa": ("nsa", 300),
+             "shape_hybrid": ("hybrid", 240)}
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -97,3 +104,7 @@ def test_every_fault_class_is_caught(shape):
     assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
     assert f"pool={shape['pool_cls']}" in out, out[-4000:]
     assert_every_fault_caught(out)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -13,12 +13,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-
 import pytest
 from e2e_workload import run_workload
 
 from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from sglang.test.ci.ci_register import register_cuda_ci
+
+register_cuda_ci(est_time=900, stage="base-b", runner_config="1-gpu-small")
+# its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
+GPU_LANES = {"paged_clean": ("clean", 300), "paged_faults_16": ("log_mode and 16", 300),
+             "paged_faults_64": ("log_mode and 64", 300)}
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -59,7 +64,8 @@ def test_paged_log_mode_catches_every_fault_and_keeps_serving(page_size, tmp_pat
     out_json = tmp_path / "demo.json"
     proc = subprocess.run([sys.executable, "-m", "sglang.srt.kv_canary.demo", "--device", "cuda",
                            "--mode", "log", "--page-size", str(page_size), "--json",
-                           str(out_json), "--logs", str(tmp_path / "logs"), "--timeout", "240"],
+                           str(out_json), "--logs", str(tmp_path / "logs"), "--timeout", "240",
+                           "--jobs", "3"],
                           capture_output=True, text=True, timeout=1500)
     out = proc.stdout + proc.stderr
     print(proc.stdout)
@@ -77,3 +83,7 @@ def test_paged_log_mode_catches_every_fault_and_keeps_serving(page_size, tmp_pat
             assert r["injections"] > 0 and r["detected"], r
     logs = "".join(f.read_text() for f in sorted((tmp_path / "logs").glob("*.log")))
     assert "memory leak detected" not in logs and "Traceback" not in logs
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -10,6 +10,8 @@ docs/user_guide.md, "Deployments"."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from e2e_checks import run_workload
 
@@ -19,6 +21,9 @@ from sglang.srt.kv_canary.testing.server_harness import (
     cpu_server_env,
     write_tiny_llama,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
@@ -67,3 +72,7 @@ def test_raise_mode_stops_the_decode_server(server):
     rc, out, res = run(server, kv_canary="raise")
     assert rc != 0 and res is None
     assert VIOLATION_LINE_PREFIX in out and "read_position=0 " in out
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

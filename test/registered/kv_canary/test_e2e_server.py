@@ -10,7 +10,6 @@ import pathlib
 import re
 import subprocess
 import sys
-
 import pytest
 from e2e_workload import run_workload
 
@@ -20,6 +19,9 @@ from sglang.srt.kv_canary.testing.server_harness import (
     cpu_server_env,
     write_tiny_llama,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
@@ -239,3 +241,7 @@ def test_cli_log_server_under_injection_locates_every_fault_and_keeps_serving(se
                    == (int(i["req_pool_idx"]), int(i["position"])) for v in lines), (i, lines)
     # each step overflowed the 2-row ring and the next one was detailed again
     assert any(f"not recorded at forward step {s}" in log for s in steps)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -29,12 +29,24 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
 import pytest
 from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
 
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_deepseek_v2, write_tiny_llama
+from sglang.test.ci.ci_register import register_cuda_ci
+
+register_cuda_ci(est_time=2260, stage="base-b", runner_config="1-gpu-small")
+# its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
+GPU_LANES = {
+    "spec_clean_v2": ("clean and spec_v2", 200), "spec_clean_v1": ("clean and spec_v1", 200),
+    "spec_pr_v2": ("pr and spec_v2", 360), "spec_pr_v1": ("pr and spec_v1", 360),
+    "spec_faults_v2": ("fault and spec_v2", 300), "spec_faults_v1": ("fault and spec_v1", 300),
+    "spec_eagle3": ("other_algorithms and EAGLE3", 240),
+    "spec_nextn": ("other_algorithms and NEXTN", 300),
+}
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -262,3 +274,7 @@ def test_pr28254_resumed_request_chunk_end_inside_its_output(models, spec):
     assert token_positions <= ends["buggy"], (summary, sorted(ends["buggy"]))
     assert {r for v in buggy for r in v.fail_reasons} <= {"verify_token", "verify_chain_hash"}, \
         summary
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

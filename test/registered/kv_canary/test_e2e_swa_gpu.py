@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 from e2e_workload import run_workload
 
+from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.swa_divergence import SWA_DIVERGENCE_LINE_PREFIX
 from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX, parse_violation_lines
+from sglang.test.ci.ci_register import register_cuda_ci
+
+register_cuda_ci(est_time=300, stage="base-b", runner_config="1-gpu-small")
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -104,11 +109,15 @@ def test_swa_targeted_fault_injection_detected(model):
                                      "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "swa",
                                      "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "30",
                                      "SGLANG_KV_CANARY_RING_CAPACITY": "8"})
-    flips = re.findall(r"kv_canary perturb: fault=real_kv_used step=\d+ group=swa slot=(\d+) ",
-                       out)
+    lines = [parse_perturb_line(line) for line in out.splitlines()]
+    flips = {f["slot"] for f in lines if f and f["fault"] == "real_kv_used" and f["group"] == "swa"}
     assert flips, out[-4000:]
     assert rc != 0 and res is None, out[-4000:]
     reported = parse_violation_lines(out)
     assert reported and {v.launch_tag for v in reported} == {"TAIL_K_SWA"}, reported
     assert any(v.fail_reasons == ("verify_real_kv_hash",) and str(v.slot_idx) in flips
                for v in reported), reported
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

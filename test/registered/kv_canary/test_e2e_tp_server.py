@@ -8,6 +8,7 @@ off. ``SGLANG_KV_CANARY_PERTURB_TP_RANK=1``: only rank 1 injects faults and repo
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 from e2e_checks import run_workload
@@ -19,6 +20,9 @@ from sglang.srt.kv_canary.testing.server_harness import (
     cpu_server_env,
     write_tiny_llama,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
@@ -84,3 +88,7 @@ def test_a_fault_on_one_rank_is_reported_by_that_rank_only_and_raise_stops_the_s
     assert "corruption on tp_rank 0" not in out  # rank 0 reported nothing
     # no rank logged a report line of its own (raise mode reports in the error only)
     assert set(_by_rank(out, VIOLATION_LINE_PREFIX)) <= {None}
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -7,6 +7,8 @@ only the tree holds by the sweep."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
 
@@ -16,6 +18,9 @@ from sglang.srt.kv_canary.testing.server_harness import (
     cpu_server_env,
     write_tiny_llama,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
@@ -56,3 +61,7 @@ def test_unified_tree_every_fault_class_is_caught(server):
                        kv_canary_sweep_interval=2)
     assert rc == 0 and res is not None and len(res) == 12, out[-3000:]
     assert_every_fault_caught(out)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -11,12 +11,17 @@ driver with the graphs captured (and compares them with the direct launches ther
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from serving_driver import ServingDriver
 from sglang.srt.kv_canary.plan_input import PlanInput
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -122,3 +127,7 @@ def test_static_launches_are_enabled_once_and_only_when_idle():
         sfm.enable_static_eager_launches(capture_graphs=False)
     with pytest.raises(RuntimeError, match="need CUDA"):
         sfm.eager_graphs.capture()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -7,11 +7,16 @@ CI."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from serving_driver import CpuGraph, ServingDriver
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -57,3 +62,7 @@ def test_replayed_decodes_catch_the_right_position_with_the_wrong_token():
             d.step()
     mine = [v for v in parse_violation_lines(str(exc.value)) if v.slot_idx == info["new_slot"]]
     assert mine and all(v.fail_reasons == ("verify_token",) for v in mine)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

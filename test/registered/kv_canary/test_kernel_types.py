@@ -38,6 +38,9 @@ from sglang.jit_kernel.kv_canary import (
     write,
     write_ref,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 PKG_DIR = os.path.dirname(os.path.abspath(pkg.__file__))
 PKG_NAME = "sglang.jit_kernel.kv_canary"
@@ -427,3 +430,7 @@ def test_bad_argument_raises_the_same_error_through_launcher_and_reference(
         if ctx is not None:
             assert int(ctx.kernel_run_counter[0]) == 0  # rejected before any work
     assert errors == [message, message]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -7,6 +7,8 @@ byte-equal with the torch references step after step.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -30,6 +32,9 @@ from sglang.jit_kernel.kv_canary import (
     launch_canary_write_kernel,
     launch_canary_write_kernel_torch_reference,
 )
+from sglang.test.ci.ci_register import register_cuda_ci
+
+register_cuda_ci(est_time=90, stage="base-b", runner_config="1-gpu-small")
 
 pytestmark = pytest.mark.cuda
 
@@ -240,3 +245,7 @@ def test_packed_token_scatter_replays_with_the_buffer_refilled():
             valid_lens_out=ref_lens)
         assert torch.equal(pool.cpu(), ref_pool) and torch.equal(lens.cpu(), ref_lens)
         assert lens.cpu().tolist() == [length for _, length, _ in step] + [0] * (BS - len(step))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -11,6 +11,7 @@ ring write index and the counters. Triton runs compiled on CUDA, in the interpre
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -40,6 +41,9 @@ from sglang.jit_kernel.kv_canary import (
     scatter_packed_token_ids_torch_reference,
     scatter_req_token_ids_torch_reference,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 NUM_SEEDS = 24
 
@@ -397,3 +401,7 @@ def test_scatter_matches_reference(seed, device, with_starts):
         for p in range(min(lens[r], cols - first)):
             want[rpi[r], first + p] = torch.tensor(int(flat[offsets[r] + p])).to(torch.int32)
     assert torch.equal(ref, want)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import random
+import sys
 from typing import Callable, List, Sequence
 
 import pytest
@@ -62,6 +63,9 @@ from sglang.jit_kernel.kv_canary.consts import (
     splitmix64_mix3,
     to_int64,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 MASK64 = (1 << 64) - 1
 HEAD = canary_chain_head_hash()  # H(none), u64
@@ -1438,3 +1442,7 @@ def test_scatter_bs4096_one_launch(impl):
     assert got[0] == [-1, -1] and got[bs + 1] == [-1, -1]
     r = lengths.index(3)
     assert got[rpi[r]] == flat[sum(lengths[:r]):sum(lengths[:r]) + 2]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -12,6 +12,7 @@ Validation reads metadata only, so every case runs on CPU tensors (plus ``meta``
 from __future__ import annotations
 
 import re
+import sys
 from typing import Callable, Dict
 
 import pytest
@@ -35,6 +36,9 @@ from sglang.jit_kernel.kv_canary import (
     scatter_req_token_ids_torch_reference,
 )
 from sglang.jit_kernel.kv_canary.consts import VIOLATION_NUM_FIELDS
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -814,3 +818,7 @@ def test_write_plan_fields_rejected(over, exc, name):
     WritePlan(**_write_plan_fields())  # baseline
     with pytest.raises(exc, match=_named(name)):
         WritePlan(**_write_plan_fields(**over))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -13,11 +13,15 @@ each check is also run on a small planted tree to show it fails when it should.
 from __future__ import annotations
 
 import pathlib
+import sys
 import textwrap
 
 import pytest
 
 from import_graph import ImportGraph, Layer, assign_layers, layer_violations
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 SOURCE_ROOT = REPO / "python"
@@ -169,3 +173,7 @@ def test_planted_sglang_import_and_kernel_type_import(tmp_path):
         "sglang.srt.kv_canary.leaf:1 imports sglang.srt.model_executor.forward_batch_info"]
     assert kernel_file_violations(g) == [
         "sglang.srt.kv_canary.leaf:2 imports VerifyPlan from sglang.jit_kernel.kv_canary.verify"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -5,6 +5,8 @@ splice, and the serving driver's loop on each (clean, then every fault class cau
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -20,6 +22,9 @@ from sglang.srt.mem_cache.memory_pool import (
     MLATokenToKVPoolFP4,
     NSATokenToKVPool,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -167,3 +172,7 @@ def test_nsa_indexer_key_byte_flip_is_caught():
     found = parse_violation_lines(str(exc.value))
     assert [(v.slot_idx, v.fail_reasons) for v in found if v.launch_tag.startswith("TAIL")] \
         == [(slot, ("verify_real_kv_hash",))]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

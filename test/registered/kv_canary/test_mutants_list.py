@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 REPO = Path(__file__).resolve().parents[3]
 MUTATION_DIR = REPO / "test" / "mutation"
@@ -88,3 +91,7 @@ def test_the_runner_lists_without_planting(mutants, capsys):
     with pytest.raises(SystemExit, match="unknown mutant id"):
         runner.main(["--list", "--only", "no-such-mutant"])
     assert {m.path: (REPO / m.path).read_bytes() for m in mutants} == before
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import importlib.metadata
 import pathlib
+import sys
 import tomllib
+
+import pytest
 
 import sglang
 import sglang.jit_kernel.kv_canary as kernels
 import sglang.srt.kv_canary as runtime
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -35,3 +41,7 @@ def test_plugin_entry_point_is_registered():
     (ep,) = [e for e in eps if e.name == "kv_canary"]
     assert ep.value == "sglang.srt.kv_canary.plugin:register"
     assert callable(ep.load())
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

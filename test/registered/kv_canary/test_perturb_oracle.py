@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import types
 
 import pytest
@@ -36,6 +37,9 @@ from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
 from sglang.srt.kv_canary.token_oracle.sampler import TokenOracleSampler
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 
 
@@ -463,3 +467,7 @@ def test_before_forward_faults_are_undone_after_the_forward_read_them(caplog):
         step, row, pos = int(i["step"]), int(i["req_pool_idx"]), int(i["position"])
         assert any(v.forward_step == step and v.slot_idx == int(i["new_slot"])
                    and (v.req_to_token_row, v.read_position) == (row, pos) for v in lines), i
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

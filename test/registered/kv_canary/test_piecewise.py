@@ -12,6 +12,7 @@ real pools and real ``ForwardBatch`` objects on the CPU."""
 
 from __future__ import annotations
 
+import sys
 import types
 
 import pytest
@@ -23,6 +24,9 @@ from sglang.srt.kv_canary import api, plugin, sglang_seam
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -131,3 +135,7 @@ def test_piecewise_on_is_accepted_at_start_up():
                                  disable_piecewise_cuda_graph=False, enable_torch_compile=False)
     config = api.check_server_args_for_canary(args)
     assert isinstance(config, CanaryConfig) and config.enabled
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

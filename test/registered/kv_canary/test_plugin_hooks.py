@@ -13,6 +13,8 @@ seam reads (``tp_worker.model_runner``, ``tree_cache``): importing them loads ``
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -30,6 +32,9 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -258,3 +263,7 @@ def test_graph_replay_hook_uploads_the_tokens_before_the_replay():
         assert plugin._graph_replay(replay, graph_runner) == "logits"
         assert mgr.active_sfm.phase.value == "post_ops_maybe_inside_graph"
     assert seen == [req.prompt]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -19,6 +19,9 @@ from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixPara
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -322,3 +325,7 @@ def test_walk_real_mamba_radix_cache():
     node.full_lock_ref += 1
     locked_out = walk_radix_cache_for_canary(radix_cache=cache, unlocked_only=True)
     assert set(locked_out.slot_indices.tolist()) == set(a[5:].tolist()) | set(b[5:].tolist())
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import sys
 
 import pytest
 import torch
@@ -31,6 +32,9 @@ from sglang.srt.kv_canary.runner.violation import (
 from sglang.srt.kv_canary.perturb.config import RankFacts
 from sglang.srt.kv_canary.single_forward_manager import CanaryPhaseError
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -651,3 +655,7 @@ def test_device_host_handler_packs_mixed_dtypes_into_one_buffer():
 def test_device_host_handler_refuses_strided_tensors():
     with pytest.raises(ValueError, match="contiguous"):
         DelayedDeviceHostHandler(_Watched(x=torch.arange(8).reshape(2, 4).t()))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

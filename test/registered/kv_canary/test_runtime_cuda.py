@@ -6,6 +6,7 @@ forward stream (every canary op runs under torch's sync debug mode "error")."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ import torch
 from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.test.ci.ci_register import register_cuda_ci
+
+register_cuda_ci(est_time=150, stage="base-b", runner_config="1-gpu-small")
 
 pytestmark = pytest.mark.cuda
 
@@ -122,3 +126,7 @@ def test_fence_orders_the_next_forward_after_the_read_back(fenced):
     got = {}
     h.consume(lambda host: got.update(x=int(host.x[-1])))
     assert got["x"] == (0 if fenced else 7)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

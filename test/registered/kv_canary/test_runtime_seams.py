@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import types
 
 import pytest
@@ -39,6 +40,9 @@ from sglang.srt.kv_canary.single_forward_manager import (
 from sglang.srt.kv_canary.single_forward_manager.phases import CAPTURE_TRANSITIONS, TRANSITIONS
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -451,3 +455,7 @@ def test_a_model_calling_another_models_forward_is_bracketed_once():
                                               after=lambda fb: calls.append("x"))
     runner.model.forward(torch.zeros(2), torch.zeros(2), object())
     assert calls == ["before", "outer", "inner", "after"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -19,6 +19,9 @@ from sglang.srt.kv_canary.testing.server_harness import (
     ServerStartError,
     free_port,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 # A stand-in server: answers ``status`` to every GET, after forking a child that would outlive
 # it if only the parent were signalled.
@@ -111,3 +114,7 @@ def test_a_server_that_never_gets_healthy_times_out_with_its_log(tmp_path):
     finally:
         srv.stop()
     assert not srv.alive() and _gone_soon(child)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -70,6 +70,7 @@ import http.client
 import json
 import random
 import re
+import sys
 import threading
 import time
 import uuid
@@ -86,6 +87,9 @@ from sglang.srt.kv_canary.testing.server_harness import (
     cpu_server_env,
     write_tiny_llama,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=300, suite="stage-a-test-cpu")
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
@@ -639,3 +643,7 @@ def test_adversarial_soak_on_a_cli_server(tmp_path):
     finally:
         for server in servers:
             server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -8,6 +8,7 @@ sglang applies them. sglang 0.5.12's CPU engine cannot run EAGLE (docs/user_guid
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -380,3 +384,7 @@ def test_draft_fault_target_needs_speculative_decoding(monkeypatch):
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "drafts")
     with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_TARGET_WORKER"):
         api.check_server_args_for_canary(_spec_server_args())
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

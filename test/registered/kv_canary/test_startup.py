@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import pytest
 
 from sglang.srt.kv_canary import config as config_mod
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +303,7 @@ def test_draft_fault_target_from_every_route(monkeypatch, capsys, model_dir):
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "both")
     assert "SGLANG_KV_CANARY_PERTURB_TARGET_WORKER" in cli_error(
         capsys, model_dir, "--kv-canary", "log", *_eagle(model_dir, 1))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

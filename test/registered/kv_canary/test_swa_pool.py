@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import pytest
 import torch
@@ -26,6 +27,9 @@ from sglang.srt.kv_canary.runner.swa_divergence import (
     SwaDivergenceReporter,
 )
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -295,3 +299,7 @@ def test_swa_divergence_reporter_counts_by_kind_and_skips_disabled_plans(caplog)
     (line,) = [r.getMessage() for r in caplog.records
                if r.getMessage().startswith(SWA_DIVERGENCE_LINE_PREFIX)]
     assert json.loads(line[len(SWA_DIVERGENCE_LINE_PREFIX):]) == rep.snapshot(6)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -5,6 +5,7 @@ checks on: clean, and a same-position slot swap caught as verify_token."""
 
 from __future__ import annotations
 
+import sys
 import types
 
 import pytest
@@ -19,6 +20,9 @@ from sglang.srt.kv_canary.token_history import (
     TokenHistoryUploader,
     TokenIdSnapshot,
 )
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -505,3 +509,7 @@ def test_a_replayed_snapshot_out_of_order_is_resent_whole():
     lens = _replay(up, _snap(up, [req]), [2], graph_rows=1)
     assert up.rows.full_resnapshots == 1
     assert lens.tolist() == [5] and up.pool[2, :5].tolist() == [1, 2, 3, 4, 5]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -1,0 +1,309 @@
+"""The GPU suite as lanes on one GPU, derived from the test files' own CI declarations
+(docs/architecture.md, "Tests").
+
+Every test file under ``test/registered/kv_canary`` declares its CI suites the way sglang's
+``test/registered/`` files do (``sglang.test.ci.ci_register``): ``register_cpu_ci(...)`` and,
+when it holds ``cuda``-marked tests, one ``register_cuda_ci(est_time=..., ...)``. A CUDA file
+is one lane (named after the file: ``test_e2e_swa_gpu.py`` -> ``e2e_swa_gpu``), or, when it
+also assigns a module-level ``GPU_LANES = {name: (pytest -k expression, est. seconds)}``, one
+lane per entry. Each lane is one ``pytest -m cuda`` process; lanes run side by side, longest
+first, at most ``--jobs`` at once.
+
+    python3 test/gpu_lanes.py                 # every lane; exit 0 only if every lane passed
+    python3 test/gpu_lanes.py e2e_swa_gpu hicache_mla   # only these lanes
+    python3 test/gpu_lanes.py --list          # lanes, files, selections, estimates
+    python3 test/gpu_lanes.py --check         # collect only: every cuda test in one lane
+
+Each lane prints one line when it ends (``lane NAME: N passed, M failed, S s``) and the lines
+are printed together at the end. Logs: ``--out`` (default ``$OUT`` or ``gpu_lanes_out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TEST_DIR = REPO / "test" / "registered" / "kv_canary"
+LANES_VAR = "GPU_LANES"
+
+
+class LaneDeclarationError(ValueError):
+    """A test file's CI declarations do not make a lane set (named file and what is wrong)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Lane:
+    name: str
+    file: pathlib.Path
+    select: Optional[str]  # pytest -k expression; None: the whole file
+    est_seconds: float
+
+    def pytest_args(self) -> List[str]:
+        path = (self.file.relative_to(REPO) if self.file.is_relative_to(REPO)
+                else self.file)
+        args = [str(path), "-m", "cuda"]
+        return args + (["-k", self.select] if self.select else [])
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneResult:
+    name: str
+    passed: int
+    failed: int
+    seconds: float
+    returncode: Optional[int]  # None: stopped at the lane's time limit
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.failed == 0 and self.passed > 0
+
+    def line(self) -> str:
+        tail = "" if self.returncode is not None else " (timed out)"
+        if self.returncode not in (0, None) and self.failed == 0:
+            tail = f" (pytest exit {self.returncode})"
+        return (f"lane {self.name}: {self.passed} passed, {self.failed} failed, "
+                f"{self.seconds:.0f} s{tail}")
+
+
+def test_files(test_dir: pathlib.Path = TEST_DIR) -> List[pathlib.Path]:
+    return sorted(test_dir.glob("test_*.py"))
+
+
+def _module_lanes(path: pathlib.Path, tree: ast.Module) -> Optional[Dict[str, tuple]]:
+    for stmt in tree.body:
+        if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id == LANES_VAR):
+            try:
+                value = ast.literal_eval(stmt.value)
+            except ValueError as e:
+                raise LaneDeclarationError(f"{path.name}: {LANES_VAR} must be a literal dict "
+                                           f"of name -> (-k expression, seconds): {e}") from e
+            if not isinstance(value, dict) or not value or not all(
+                    isinstance(k, str) and isinstance(v, tuple) and len(v) == 2
+                    and isinstance(v[0], str) and isinstance(v[1], (int, float))
+                    for k, v in value.items()):
+                raise LaneDeclarationError(
+                    f"{path.name}: {LANES_VAR} must map each lane name to a "
+                    f"(-k expression, estimated seconds) pair; got {value!r}")
+            return value
+    return None
+
+
+def lanes_of_file(path: pathlib.Path) -> List[Lane]:
+    """The lanes one test file declares (none when it registers no CUDA suite)."""
+    from sglang.test.ci.ci_register import HWBackend, ut_parse_one_file
+
+    registries, _ = ut_parse_one_file(str(path))
+    cuda = [r for r in registries if r.backend == HWBackend.CUDA and r.disabled is None]
+    declared = _module_lanes(path, ast.parse(path.read_text(), str(path)))
+    if not cuda:
+        if declared is not None:
+            raise LaneDeclarationError(
+                f"{path.name}: assigns {LANES_VAR} but registers no CUDA suite "
+                "(register_cuda_ci)")
+        return []
+    if len(cuda) != 1:
+        raise LaneDeclarationError(f"{path.name}: {len(cuda)} register_cuda_ci calls; one "
+                                   "per file (its lanes split it)")
+    if declared is None:
+        stem = path.stem[len("test_"):]
+        return [Lane(stem, path, None, cuda[0].est_time)]
+    total = sum(est for _, est in declared.values())
+    if abs(total - cuda[0].est_time) > 1e-6:
+        raise LaneDeclarationError(
+            f"{path.name}: register_cuda_ci(est_time={cuda[0].est_time:g}) but its lanes "
+            f"add up to {total:g} s; est_time is the whole file's time")
+    return [Lane(name, path, expr, est) for name, (expr, est) in declared.items()]
+
+
+def all_lanes(files: Optional[Sequence[pathlib.Path]] = None) -> List[Lane]:
+    lanes = [lane for f in (files or test_files()) for lane in lanes_of_file(f)]
+    seen: Dict[str, pathlib.Path] = {}
+    for lane in lanes:
+        if lane.name in seen:
+            raise LaneDeclarationError(f"lane {lane.name!r} declared by {seen[lane.name].name} "
+                                       f"and {lane.file.name}")
+        seen[lane.name] = lane.file
+    return lanes
+
+
+_COUNT_RE = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected)")
+
+
+def parse_pytest_counts(output: str) -> Dict[str, int]:
+    """Counts from pytest's closing summary line (``== 3 passed, 1 failed in 12.3s ==``);
+    errors count as failures. Empty dict when no summary line is found."""
+    for line in reversed(output.splitlines()):
+        if re.search(r"\b(passed|failed|errors?|no tests ran)\b", line) and " in " in line:
+            counts: Dict[str, int] = {}
+            for n, word in _COUNT_RE.findall(line):
+                key = "failed" if word.startswith("error") else word
+                counts[key] = counts.get(key, 0) + int(n)
+            return counts
+    return {}
+
+
+def run_lane(lane: Lane, out_dir: pathlib.Path, timeout: float) -> LaneResult:
+    log = out_dir / f"{lane.name}.log"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
+           "--tb=short", "-o", "addopts=", "--durations=0", *lane.pytest_args()]
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc: Optional[int] = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = None
+    seconds = time.monotonic() - t0
+    counts = parse_pytest_counts(log.read_text(errors="replace"))
+    return LaneResult(lane.name, counts.get("passed", 0), counts.get("failed", 0), seconds, rc)
+
+
+def run_lanes(lanes: Sequence[Lane], *, jobs: int, timeout: float,
+              out_dir: pathlib.Path) -> List[LaneResult]:
+    """Run ``lanes`` longest first, ``jobs`` at a time; print each lane's line as it ends."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    queue = sorted(lanes, key=lambda lane: (-lane.est_seconds, lane.name))
+    results: List[LaneResult] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                lane = queue.pop(0)
+            result = run_lane(lane, out_dir, timeout)
+            with lock:
+                results.append(result)
+                print(result.line(), flush=True)
+
+    threads = [threading.Thread(target=worker) for _ in range(max(1, jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    order = {lane.name: i for i, lane in enumerate(lanes)}
+    return sorted(results, key=lambda r: order[r.name])
+
+
+class _Collector:
+    """pytest plugin: each collected item's node id, whether it is ``cuda``-marked, and which
+    of its file's lane expressions select it."""
+
+    def __init__(self, lanes: Sequence[Lane]):
+        self.lanes = lanes
+        self.items: List[dict] = []
+
+    def pytest_collection_modifyitems(self, items):
+        from _pytest.mark import KeywordMatcher
+        from _pytest.mark.expression import Expression
+
+        for item in items:
+            path = pathlib.Path(str(item.path)).resolve()
+            matcher = KeywordMatcher.from_item(item)
+            selected = [lane.name for lane in self.lanes if lane.file.resolve() == path and (
+                lane.select is None or Expression.compile(lane.select).evaluate(matcher))]
+            self.items.append(dict(nodeid=item.nodeid, file=path.name,
+                                   cuda=item.get_closest_marker("cuda") is not None,
+                                   lanes=selected))
+
+
+def check(files: Optional[Sequence[pathlib.Path]] = None) -> List[str]:
+    """Problems with the lane set, collecting (not running) every test file: each
+    ``cuda``-marked test in exactly one lane, no lane empty, no non-cuda test in a lane's file
+    selected as GPU work. Empty list: all good."""
+    import pytest
+    from sglang.test.ci.ci_register import collect_tests
+
+    files = list(files or test_files())
+    try:  # sglang's own check: each file registered, each with a __main__ entry
+        collect_tests([str(f) for f in files], sanity_check=True)
+    except ValueError as e:
+        return [str(e)]
+    lanes = all_lanes(files)
+    collector = _Collector(lanes)
+    rc = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                      *map(str, files)], plugins=[collector])
+    if rc != 0:
+        return [f"pytest could not collect the test files (exit {int(rc)})"]
+    problems = []
+    per_lane = {lane.name: 0 for lane in lanes}
+    for item in collector.items:
+        if item["cuda"]:
+            if len(item["lanes"]) != 1:
+                problems.append(f"{item['nodeid']}: cuda test in {len(item['lanes'])} lanes "
+                                f"({', '.join(item['lanes']) or 'none'}); needs exactly one")
+            for name in item["lanes"]:
+                per_lane[name] += 1
+    problems += [f"lane {name}: selects no cuda test" for name, n in per_lane.items() if n == 0]
+    return problems
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("lanes", nargs="*", help="lane names (default: all)")
+    parser.add_argument("--jobs", type=int, default=int(os.environ.get("GPU_LANES_JOBS", 10)),
+                        help="lanes at once (default 10, or $GPU_LANES_JOBS)")
+    parser.add_argument("--timeout", type=float,
+                        default=float(os.environ.get("GPU_LANES_TIMEOUT", 540)),
+                        help="seconds per lane before it is stopped (default 540)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_lanes_out"))
+    parser.add_argument("--test-dir", type=pathlib.Path, default=TEST_DIR,
+                        help="where the test files are (default: test/registered/kv_canary)")
+    parser.add_argument("--list", action="store_true", help="print the lanes and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="collect only: every cuda test in exactly one lane")
+    args = parser.parse_args(argv)
+    if args.jobs < 1 or args.timeout <= 0:
+        parser.error("--jobs must be >= 1 and --timeout > 0")
+    files = test_files(args.test_dir)
+    try:
+        lanes = all_lanes(files)
+    except LaneDeclarationError as e:
+        print(f"gpu_lanes: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        problems = check(files)
+        for p in problems:
+            print(f"gpu_lanes: {p}", file=sys.stderr)
+        print(json.dumps({"lanes": len(lanes), "problems": len(problems)}))
+        return 1 if problems else 0
+    if args.lanes:
+        unknown = sorted(set(args.lanes) - {lane.name for lane in lanes})
+        if unknown:
+            parser.error(f"unknown lane(s) {', '.join(unknown)}; lanes: "
+                         f"{', '.join(lane.name for lane in lanes)}")
+        lanes = [lane for lane in lanes if lane.name in set(args.lanes)]
+    if args.list:
+        for lane in lanes:
+            print(f"{lane.name}\t{lane.est_seconds:g}s\t{' '.join(lane.pytest_args())}")
+        return 0
+    t0 = time.monotonic()
+    results = run_lanes(lanes, jobs=args.jobs, timeout=args.timeout, out_dir=pathlib.Path(
+        args.out))
+    print("\n".join(["", "== GPU lanes =="] + [r.line() for r in results]))
+    bad = [r.name for r in results if not r.ok]
+    print(f"gpu_lanes: {len(results) - len(bad)} of {len(results)} lanes passed in "
+          f"{time.monotonic() - t0:.0f} s" + (f"; failed: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

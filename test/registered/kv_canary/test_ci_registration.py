@@ -1,0 +1,132 @@
+"""Every test file is registered the way sglang's ``test/registered/`` files are
+(``sglang.test.ci.ci_register``), and the GPU suite's lanes (``test/gpu_lanes.py``), derived
+from the ``register_cuda_ci`` declarations, hold every ``cuda``-marked test exactly once
+(docs/architecture.md, "Tests"). The checks run on this tree and on small planted trees that
+break each rule once."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "test"))
+import gpu_lanes  # noqa: E402
+
+HEADER = "from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci\nimport pytest\n"
+MAIN = '\nif __name__ == "__main__":\n    pytest.main([__file__])\n'
+GPU_FILE = HEADER + textwrap.dedent("""
+    register_cuda_ci(est_time=20, suite="gpu")
+    pytestmark = [pytest.mark.cuda]
+
+    @pytest.mark.parametrize("x", ["a", "b"])
+    def test_gpu(x):
+        pass
+    """) + MAIN
+CPU_FILE = HEADER + 'register_cpu_ci(est_time=5, suite="cpu")\n\ndef test_cpu():\n    pass\n' + MAIN
+
+
+def _tree(tmp_path, **files) -> pathlib.Path:
+    for name, text in files.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    return tmp_path
+
+
+def _check(test_dir: pathlib.Path):
+    proc = subprocess.run([sys.executable, str(REPO / "test" / "gpu_lanes.py"), "--check",
+                           "--test-dir", str(test_dir)], capture_output=True, text=True,
+                          cwd=REPO, timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_this_tree_every_file_registered_every_cuda_test_in_one_lane():
+    rc, out = _check(gpu_lanes.TEST_DIR)
+    assert rc == 0, out[-4000:]
+    assert '"problems": 0' in out
+
+
+def test_the_lanes_are_the_ones_the_files_declare():
+    lanes = {lane.name: lane for lane in gpu_lanes.all_lanes()}
+    assert lanes["hicache_mla"].select == "mla"
+    assert lanes["e2e_swa_gpu"].select is None  # a file without GPU_LANES: one lane
+    files = {lane.file.name for lane in lanes.values()}
+    assert {"test_e2e_swa_gpu.py", "test_e2e_paged_gpu.py", "test_e2e_abort_gpu.py"} <= files
+
+
+def test_planted_good_tree_passes(tmp_path):
+    rc, out = _check(_tree(tmp_path, test_g=GPU_FILE, test_c=CPU_FILE))
+    assert rc == 0, out[-3000:]
+
+
+def test_planted_unregistered_file_is_refused(tmp_path):
+    rc, out = _check(_tree(tmp_path, test_g=GPU_FILE, test_c="def test_cpu():\n    pass\n"))
+    assert rc == 1 and "No CI registry found" in out and "test_c.py" in out, out[-3000:]
+
+
+def test_planted_cuda_test_without_a_cuda_registration_is_refused(tmp_path):
+    text = GPU_FILE.replace('register_cuda_ci(est_time=20, suite="gpu")',
+                            'register_cpu_ci(est_time=20, suite="cpu")')
+    rc, out = _check(_tree(tmp_path, test_g=text))
+    assert rc == 1 and "cuda test in 0 lanes" in out, out[-3000:]
+
+
+def test_planted_overlapping_and_empty_lanes_are_refused(tmp_path):
+    text = GPU_FILE.replace(
+        'register_cuda_ci(est_time=20, suite="gpu")',
+        'register_cuda_ci(est_time=30, suite="gpu")\n'
+        'GPU_LANES = {"one": ("gpu", 10), "two": ("b", 10), "three": ("nothing", 10)}')
+    rc, out = _check(_tree(tmp_path, test_g=text))
+    assert rc == 1, out[-3000:]
+    assert "test_gpu[b]: cuda test in 2 lanes (one, two)" in out, out[-3000:]
+    assert "lane three: selects no cuda test" in out, out[-3000:]
+
+
+def test_planted_declaration_errors_name_the_file(tmp_path):
+    text = GPU_FILE.replace('register_cuda_ci(est_time=20, suite="gpu")',
+                            'register_cuda_ci(est_time=99, suite="gpu")\n'
+                            'GPU_LANES = {"one": ("a", 10), "two": ("b", 10)}')
+    rc, out = _check(_tree(tmp_path, test_g=text))
+    assert rc == 2 and "test_g.py" in out and "add up to 20" in out, out[-3000:]
+    with pytest.raises(gpu_lanes.LaneDeclarationError, match="2 register_cuda_ci calls"):
+        gpu_lanes.lanes_of_file(_tree(tmp_path, test_h=GPU_FILE.replace(
+            'register_cuda_ci(est_time=20, suite="gpu")',
+            'register_cuda_ci(est_time=20, suite="gpu")\n'
+            'register_cuda_ci(est_time=20, suite="gpu2")')) / "test_h.py")
+
+
+@pytest.mark.parametrize("line,counts", [
+    ("==== 3 passed, 1 failed, 2 warnings in 12.30s ====", {"passed": 3, "failed": 1}),
+    ("1 failed, 2 errors in 4.0s", {"failed": 3}),
+    ("13 passed, 31 warnings in 150.59s (0:02:30)", {"passed": 13}),
+    ("===== no tests ran in 0.01s =====", {}),
+])
+def test_pytest_counts(line, counts):
+    assert gpu_lanes.parse_pytest_counts(f"noise\n{line}\n\n") == counts
+
+
+def test_lanes_run_report_one_line_each_and_stop_at_the_time_limit(tmp_path, capsys):
+    tests = _tree(tmp_path, test_ok=GPU_FILE, test_bad=GPU_FILE.replace("pass", "assert x == 'a'"),
+                  test_slow=GPU_FILE.replace("pass", "import time; time.sleep(60)"))
+    lanes = [gpu_lanes.Lane(p.stem, p, None, 1) for p in sorted(tests.glob("test_*.py"))]
+    results = {r.name: r for r in gpu_lanes.run_lanes(lanes, jobs=3, timeout=20,
+                                                       out_dir=tmp_path / "logs")}
+    assert results["test_ok"].line().startswith("lane test_ok: 2 passed, 0 failed, ")
+    assert results["test_ok"].ok
+    assert results["test_bad"].line().startswith("lane test_bad: 1 passed, 1 failed, ")
+    assert not results["test_bad"].ok
+    assert results["test_slow"].returncode is None and not results["test_slow"].ok
+    assert results["test_slow"].line().endswith("(timed out)")
+    printed = capsys.readouterr().out
+    assert all(f"lane {name}:" in printed for name in results)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
