@@ -259,11 +259,13 @@ def check(files: Optional[Sequence[pathlib.Path]] = None) -> List[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("lanes", nargs="*", help="lane names (default: all)")
-    parser.add_argument("--jobs", type=int, default=int(os.environ.get("GPU_LANES_JOBS", 10)),
-                        help="lanes at once (default 10, or $GPU_LANES_JOBS)")
+    parser.add_argument("--jobs", type=int, default=int(os.environ.get(
+        "GPU_LANES_JOBS", max(1, (os.cpu_count() or 4) - 2))),
+                        help="lanes at once (default: CPU cores - 2, or $GPU_LANES_JOBS); "
+                             "the lanes' servers are CPU-bound while they start")
     parser.add_argument("--timeout", type=float,
-                        default=float(os.environ.get("GPU_LANES_TIMEOUT", 540)),
-                        help="seconds per lane before it is stopped (default 540)")
+                        default=float(os.environ.get("GPU_LANES_TIMEOUT", 600)),
+                        help="seconds per lane before it is stopped (default 600)")
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_lanes_out"))
     parser.add_argument("--test-dir", type=pathlib.Path, default=TEST_DIR,
                         help="where the test files are (default: test/registered/kv_canary)")

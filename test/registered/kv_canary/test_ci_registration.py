@@ -114,10 +114,12 @@ def test_pytest_counts(line, counts):
 
 def test_lanes_run_report_one_line_each_and_stop_at_the_time_limit(tmp_path, capsys):
     tests = _tree(tmp_path, test_ok=GPU_FILE, test_bad=GPU_FILE.replace("pass", "assert x == 'a'"),
-                  test_slow=GPU_FILE.replace("pass", "import time; time.sleep(60)"))
-    lanes = [gpu_lanes.Lane(p.stem, p, None, 1) for p in sorted(tests.glob("test_*.py"))]
-    results = {r.name: r for r in gpu_lanes.run_lanes(lanes, jobs=3, timeout=20,
-                                                       out_dir=tmp_path / "logs")}
+                  test_slow=GPU_FILE.replace("pass", "import time; time.sleep(600)"))
+    lanes = {p.stem: gpu_lanes.Lane(p.stem, p, None, 1) for p in tests.glob("test_*.py")}
+    results = {r.name: r for r in gpu_lanes.run_lanes(
+        [lanes["test_ok"], lanes["test_bad"]], jobs=2, timeout=300, out_dir=tmp_path / "logs")}
+    results.update({r.name: r for r in gpu_lanes.run_lanes(
+        [lanes["test_slow"]], jobs=1, timeout=5, out_dir=tmp_path / "logs")})
     assert results["test_ok"].line().startswith("lane test_ok: 2 passed, 0 failed, ")
     assert results["test_ok"].ok
     assert results["test_bad"].line().startswith("lane test_bad: 1 passed, 1 failed, ")

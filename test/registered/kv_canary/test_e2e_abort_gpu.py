@@ -15,7 +15,7 @@ from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=200, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=180, stage="base-b", runner_config="1-gpu-small")
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 

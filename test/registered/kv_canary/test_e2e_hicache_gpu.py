@@ -27,10 +27,10 @@ from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_deepseek_v2, write_tiny_llama
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=1200, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=1760, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
-GPU_LANES = {"hicache_kernel": ("mha_kernel", 300), "hicache_page_first": ("page_first", 300),
-             "hicache_direct": ("mha_direct", 300), "hicache_mla": ("mla", 300)}
+GPU_LANES = {"hicache_kernel": ("mha_kernel", 440), "hicache_page_first": ("page_first", 440),
+             "hicache_direct": ("mha_direct", 440), "hicache_mla": ("mla", 440)}
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 

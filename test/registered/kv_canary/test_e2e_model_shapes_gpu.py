@@ -39,10 +39,10 @@ from sglang.srt.kv_canary.testing.server_harness import (
 )
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=780, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=1020, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
-GPU_LANES = {"shape_mla": ("mla", 240), "shape_nsa": ("nsa", 300),
-             "shape_hybrid": ("hybrid", 240)}
+GPU_LANES = {"shape_mla": ("mla", 250), "shape_nsa": ("nsa", 490),
+             "shape_hybrid": ("hybrid", 280)}
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 

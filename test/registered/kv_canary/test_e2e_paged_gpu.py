@@ -20,10 +20,11 @@ from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=900, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=1420, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
-GPU_LANES = {"paged_clean": ("clean", 300), "paged_faults_16": ("log_mode and 16", 300),
-             "paged_faults_64": ("log_mode and 64", 300)}
+GPU_LANES = {"paged_clean_16": ("clean and 16", 260), "paged_clean_64": ("clean and 64", 260),
+             "paged_faults_16": ("log_mode and 16", 450),
+             "paged_faults_64": ("log_mode and 64", 450)}
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 

@@ -23,7 +23,7 @@ from sglang.srt.kv_canary.runner.swa_divergence import SWA_DIVERGENCE_LINE_PREFI
 from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=300, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=450, stage="base-b", runner_config="1-gpu-small")
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 

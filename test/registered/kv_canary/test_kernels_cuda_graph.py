@@ -34,7 +34,7 @@ from sglang.jit_kernel.kv_canary import (
 )
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=90, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=40, stage="base-b", runner_config="1-gpu-small")
 
 pytestmark = pytest.mark.cuda
 
