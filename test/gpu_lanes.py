@@ -154,6 +154,16 @@ def parse_pytest_counts(output: str) -> Dict[str, int]:
     return {}
 
 
+_PROGRESS_RE = re.compile(r"^([.FEsxX]+)\s*(\[\s*\d+%\])?$")
+
+
+def parse_pytest_progress(output: str) -> Dict[str, int]:
+    """Counts from ``pytest -q``'s progress characters, for a run stopped before its closing
+    line (``.`` passed, ``F`` / ``E`` failed)."""
+    chars = "".join(m.group(1) for m in map(_PROGRESS_RE.match, output.splitlines()) if m)
+    return {"passed": chars.count("."), "failed": chars.count("F") + chars.count("E")}
+
+
 def run_lane(lane: Lane, out_dir: pathlib.Path, timeout: float) -> LaneResult:
     log = out_dir / f"{lane.name}.log"
     cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
@@ -171,7 +181,8 @@ def run_lane(lane: Lane, out_dir: pathlib.Path, timeout: float) -> LaneResult:
             proc.wait()
             rc = None
     seconds = time.monotonic() - t0
-    counts = parse_pytest_counts(log.read_text(errors="replace"))
+    text = log.read_text(errors="replace")
+    counts = parse_pytest_counts(text) or parse_pytest_progress(text)
     return LaneResult(lane.name, counts.get("passed", 0), counts.get("failed", 0), seconds, rc)
 
 

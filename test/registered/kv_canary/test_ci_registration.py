@@ -112,6 +112,12 @@ def test_pytest_counts(line, counts):
     assert gpu_lanes.parse_pytest_counts(f"noise\n{line}\n\n") == counts
 
 
+def test_pytest_progress_of_a_stopped_run():
+    out = "cmd\n..F.E                [ 60%]\n..\n=== warnings summary ===\n"
+    assert gpu_lanes.parse_pytest_counts(out) == {}
+    assert gpu_lanes.parse_pytest_progress(out) == {"passed": 5, "failed": 2}
+
+
 def test_lanes_run_report_one_line_each_and_stop_at_the_time_limit(tmp_path, capsys):
     tests = _tree(tmp_path, test_ok=GPU_FILE, test_bad=GPU_FILE.replace("pass", "assert x == 'a'"),
                   test_slow=GPU_FILE.replace("pass", "import time; time.sleep(600)"))
