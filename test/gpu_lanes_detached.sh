@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The whole GPU suite through the device tool, whose calls last at most 600 s while the suite
+# takes longer: `start` installs the bundles and starts the lanes in their own session (they
+# outlive the call); `wait N` waits up to N seconds for them, then puts the summary and a
+# tarball of every lane log and server log under $OUT. From the repository root:
+#   call 1 (carry .device/a .device/b):  . .device/a/setup.sh
+#   call 2 (carry .device/c .device/d):  bash test/gpu_lanes_detached.sh start && bash test/gpu_lanes_detached.sh wait 520
+#   call 3, at once:                     bash test/gpu_lanes_detached.sh wait 560
+# LANES="a b" runs only those lanes; JOBS=N sets the lanes at once (default: cores - 2).
+set -u
+R=/tmp/gpu_lanes_run
+case "${1:-}" in
+  start)
+    . .device/a/setup.sh || exit 1
+    [ -f .device/d/install.sh ] && { bash .device/d/install.sh || exit 1; }
+    rm -rf "$R"; mkdir -p "$R"
+    { git log -1 --format=%H; git status --short; } > "$R/tree.txt" 2>&1
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt" 2>&1
+    export PYTHONUNBUFFERED=1 KV_CANARY_E2E_LOG_DIR="$R/e2e_logs" OUT="$R/lanes"
+    [ -n "${JOBS:-}" ] && export GPU_LANES_JOBS="$JOBS"
+    setsid nohup bash -c 'date -u +%FT%TZ > '"$R"'/start.txt
+      bash test/gpu_lanes.sh '"${LANES:-}"' > '"$R"'/summary.txt 2>&1; echo "rc=$?" >> '"$R"'/summary.txt
+      date -u +%FT%TZ > '"$R"'/end.txt' > /dev/null 2>&1 < /dev/null &
+    echo "gpu_lanes_detached: started; logs in $R" ;;
+  wait)
+    for _ in $(seq 1 $(( ${2:-500} / 5 ))); do [ -f "$R/end.txt" ] && break; sleep 5; done
+    cp "$R/summary.txt" "${OUT:?}/" 2>/dev/null
+    tar czf "$OUT/gpu_lanes_run.tgz" -C "$(dirname "$R")" "$(basename "$R")"
+    cat "$R/summary.txt"
+    [ -f "$R/end.txt" ] || echo "gpu_lanes_detached: still running; wait again" ;;
+  *) echo "usage: $0 start | wait SECONDS" >&2; exit 2 ;;
+esac
