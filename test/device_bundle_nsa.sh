@@ -8,15 +8,10 @@
 #   bash .device/d/install.sh
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-mkdir -p .device/d .device/.cache
-PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform any \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
-for p in sgl-deep-gemm==0.1.0 einops; do
-  python3 -m pip download -q --no-deps $PLAT -d .device/d "$p" \
-    || { echo "device_bundle_nsa: could not download $p" >&2; exit 1; }
-done
+. test/device_wheels.sh
+device_download .device/d sgl-deep-gemm==0.1.0 einops==0.8.2
 ls .device/.cache/sglang_kernel-0.4.2.post2-*.whl >/dev/null 2>&1 \
-  || python3 -m pip download -q --no-deps $PLAT -d .device/.cache sglang-kernel==0.4.2.post2
+  || device_download .device/.cache sglang-kernel==0.4.2.post2
 unzip -o -q -j .device/.cache/sglang_kernel-0.4.2.post2-*.whl 'sgl_kernel/flashmla_ops.abi3.so' \
   -d .device/d
 cat > .device/d/install.sh <<'EOS'

@@ -36,6 +36,11 @@ from typing import Dict, List, Optional, Sequence
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TEST_DIR = REPO / "test" / "registered" / "kv_canary"
 LANES_VAR = "GPU_LANES"
+# test/gpu_lanes.sh lists the lanes between these lines, rendered from the declarations
+# (``--sync-sh`` rewrites it; ``--check`` fails while it is stale)
+LANES_SH = REPO / "test" / "gpu_lanes.sh"
+SH_BEGIN = "# Lanes (python3 test/gpu_lanes.py --sync-sh writes this list; --check compares it):"
+SH_END = "# (end of lanes)"
 
 
 class LaneDeclarationError(ValueError):
@@ -136,6 +141,31 @@ def all_lanes(files: Optional[Sequence[pathlib.Path]] = None) -> List[Lane]:
                                        f"and {lane.file.name}")
         seen[lane.name] = lane.file
     return lanes
+
+
+def sh_listing(lanes: Sequence[Lane]) -> str:
+    """The lane list of ``test/gpu_lanes.sh``: one comment line per lane, the pytest
+    arguments it runs."""
+    rows = [f"#   {lane.name:<20} {lane.pytest_args()[0]}"
+            + (f" -k {lane.select}" if lane.select else "") for lane in lanes]
+    return "\n".join([SH_BEGIN, *rows, SH_END])
+
+
+def _sh_with_listing(text: str, listing: str) -> str:
+    begin, end = text.find(SH_BEGIN), text.find(SH_END)
+    if begin < 0 or end < begin:
+        raise LaneDeclarationError(f"{LANES_SH.name}: no lane list between {SH_BEGIN!r} and "
+                                   f"{SH_END!r}")
+    return text[:begin] + listing + text[end + len(SH_END):]
+
+
+def sh_listing_stale(lanes: Sequence[Lane]) -> bool:
+    text = LANES_SH.read_text()
+    return _sh_with_listing(text, sh_listing(lanes)) != text
+
+
+def sync_sh(lanes: Sequence[Lane]) -> None:
+    LANES_SH.write_text(_sh_with_listing(LANES_SH.read_text(), sh_listing(lanes)))
 
 
 _COUNT_RE = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected)")
@@ -264,6 +294,10 @@ def check(files: Optional[Sequence[pathlib.Path]] = None) -> List[str]:
             for name in item["lanes"]:
                 per_lane[name] += 1
     problems += [f"lane {name}: selects no cuda test" for name, n in per_lane.items() if n == 0]
+    if {f.resolve() for f in files} == {f.resolve() for f in test_files()} and \
+            sh_listing_stale(lanes):
+        problems.append(f"{LANES_SH.name}: its lane list is stale; run "
+                        "python3 test/gpu_lanes.py --sync-sh")
     return problems
 
 
@@ -283,6 +317,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the lanes and exit")
     parser.add_argument("--check", action="store_true",
                         help="collect only: every cuda test in exactly one lane")
+    parser.add_argument("--sync-sh", action="store_true",
+                        help="rewrite the lane list in test/gpu_lanes.sh and exit")
     args = parser.parse_args(argv)
     if args.jobs < 1 or args.timeout <= 0:
         parser.error("--jobs must be >= 1 and --timeout > 0")
@@ -292,6 +328,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except LaneDeclarationError as e:
         print(f"gpu_lanes: {e}", file=sys.stderr)
         return 2
+    if args.sync_sh:
+        sync_sh(lanes)
+        return 0
     if args.check:
         problems = check(files)
         for p in problems:

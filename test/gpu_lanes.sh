@@ -4,5 +4,35 @@
 # the repository root, after the bundles are installed:
 #   bash test/gpu_lanes.sh                  # every lane; one line per lane, then all together
 #   bash test/gpu_lanes.sh e2e_swa_gpu hicache_mla   # only the lanes named (--list: the names)
-# Exit status: 0 only if every lane passed.
+# Exit status: 0 only if every lane passed. Every cuda-marked test is in exactly one lane.
+#
+# Lanes (python3 test/gpu_lanes.py --sync-sh writes this list; --check compares it):
+#   e2e_abort_gpu        test/registered/kv_canary/test_e2e_abort_gpu.py
+#   core                 test/registered/kv_canary/test_e2e_gpu.py -k not piecewise
+#   piecewise            test/registered/kv_canary/test_e2e_gpu.py -k piecewise
+#   hicache_kernel       test/registered/kv_canary/test_e2e_hicache_gpu.py -k mha_kernel
+#   hicache_page_first   test/registered/kv_canary/test_e2e_hicache_gpu.py -k page_first
+#   hicache_direct       test/registered/kv_canary/test_e2e_hicache_gpu.py -k mha_direct
+#   hicache_mla          test/registered/kv_canary/test_e2e_hicache_gpu.py -k mla
+#   shape_mla            test/registered/kv_canary/test_e2e_model_shapes_gpu.py -k mla
+#   shape_nsa            test/registered/kv_canary/test_e2e_model_shapes_gpu.py -k nsa
+#   shape_hybrid         test/registered/kv_canary/test_e2e_model_shapes_gpu.py -k hybrid
+#   paged_clean_16       test/registered/kv_canary/test_e2e_paged_gpu.py -k clean and 16
+#   paged_clean_64       test/registered/kv_canary/test_e2e_paged_gpu.py -k clean and 64
+#   paged_faults_16      test/registered/kv_canary/test_e2e_paged_gpu.py -k log_mode and 16
+#   paged_faults_64      test/registered/kv_canary/test_e2e_paged_gpu.py -k log_mode and 64
+#   spec_clean_v2        test/registered/kv_canary/test_e2e_speculative_gpu.py -k clean and spec_v2
+#   spec_clean_v1        test/registered/kv_canary/test_e2e_speculative_gpu.py -k clean and spec_v1
+#   spec_pr25015         test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr25015
+#   spec_pr26329         test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr26329
+#   spec_pr28254_v2      test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr28254 and spec_v2
+#   spec_pr28254_v1      test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr28254 and spec_v1
+#   spec_faults_v2       test/registered/kv_canary/test_e2e_speculative_gpu.py -k fault and spec_v2
+#   spec_faults_v1       test/registered/kv_canary/test_e2e_speculative_gpu.py -k fault and spec_v1
+#   spec_eagle3          test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and EAGLE3
+#   spec_nextn           test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and NEXTN
+#   e2e_swa_gpu          test/registered/kv_canary/test_e2e_swa_gpu.py
+#   kernels_cuda_graph   test/registered/kv_canary/test_kernels_cuda_graph.py
+#   runtime_cuda         test/registered/kv_canary/test_runtime_cuda.py
+# (end of lanes)
 exec python3 "$(dirname "$0")/gpu_lanes.py" "$@"

@@ -23,10 +23,12 @@ import random
 
 import torch
 
-SHAPES = {
-    "tiny": dict(latent=256, rope=32, nope=32, v=32),
-    "v3": dict(latent=512, rope=64, nope=128, v=128),
-}
+from sglang.srt.kv_canary.testing.server_harness import (
+    DEEPSEEK_V3_MLA_DIMS,
+    TINY_DEEPSEEK_V2_CONFIG,
+)
+
+SHAPES = {"tiny": TINY_DEEPSEEK_V2_CONFIG, "v3": DEEPSEEK_V3_MLA_DIMS}
 HEADS = 4
 
 
@@ -42,10 +44,11 @@ def run_shape(name: str, path: str, calls: int, seed: int) -> str:
     dims = SHAPES[name]
     dev = torch.device("cuda")
     rng = random.Random(seed)
+    latent, rope = dims["kv_lora_rank"], dims["qk_rope_head_dim"]
     if path == "mha":
-        lq, lv, kv_heads = dims["nope"] + dims["rope"], dims["v"], HEADS
+        lq, lv, kv_heads = dims["qk_nope_head_dim"] + rope, dims["v_head_dim"], HEADS
     else:
-        lq, lv, kv_heads = dims["latent"] + dims["rope"], dims["latent"], 1
+        lq, lv, kv_heads = latent + rope, latent, 1
     slots = 4096
     k_buf = torch.randn(slots, kv_heads, lq, dtype=torch.bfloat16, device=dev)
     # the MLA pool's value buffer is a view of the latent part of its key rows
@@ -64,8 +67,8 @@ def run_shape(name: str, path: str, calls: int, seed: int) -> str:
                           device=dev)
         kvp = torch.tensor([0] + list(torch.tensor(prefix).cumsum(0)), dtype=torch.int32,
                            device=dev)
-        kv_idx = torch.tensor(rng.sample(range(1, slots), sum(prefix)) or [0],
-                              dtype=torch.int64, device=dev)[:sum(prefix)]
+        kv_idx = torch.tensor(rng.sample(range(1, slots), sum(prefix)), dtype=torch.int64,
+                              device=dev)
         extend_attention_fwd(q, k.contiguous(), v.contiguous(), o, k_buf, v_buf,
                              qo, kvp, kv_idx, None, True, None, max(extend), 1.0, 1.0,
                              sm_scale=lq ** -0.5)

@@ -1,7 +1,7 @@
-"""Run one end-to-end workload (``test/registered/kv_canary/e2e_support/<script>``) many times
-at once on one GPU, with the kv_canary plugin not loaded and loaded but off, and tabulate how
-each run ended: how the HiCache + MLA lane's stop was told apart from the canary (docs/
-architecture.md, "Tests"; ``benchmark/results/gpu_suite_h100.md``).
+"""Run the HiCache GPU lane's workload (``e2e_support/hicache_workload.py`` with the lane's
+engine arguments) many times at once on one GPU, with the kv_canary plugin not loaded and
+loaded but off, and tabulate how each run ended: how the HiCache + MLA lane's stop was told
+apart from the canary (docs/architecture.md, "Tests"; ``benchmark/results/gpu_suite_h100.md``).
 
     python benchmark/kv_canary/repeat_workload.py --copies 2 --seconds 420
 
@@ -26,22 +26,29 @@ import threading
 import time
 from collections import defaultdict
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-SUPPORT = ROOT / "test" / "registered" / "kv_canary" / "e2e_support"
-DIMS = {
-    "tiny": {},
-    "v3": dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
-}
+from sglang.srt.kv_canary.testing.server_harness import (
+    DEEPSEEK_V3_MLA_DIMS,
+    write_tiny_deepseek_v2,
+)
+
+TEST_DIR = pathlib.Path(__file__).resolve().parents[2] / "test" / "registered" / "kv_canary"
+SUPPORT = TEST_DIR / "e2e_support"
+DIMS = {"tiny": {}, "v3": DEEPSEEK_V3_MLA_DIMS}
 MODES = {
     "not_loaded": ({"SGLANG_PLUGINS": "no_plugin_of_this_name"}, {}),
     "off": ({}, {}),
     "raise": ({}, dict(kv_canary="raise")),
 }
-HICACHE = dict(enable_hierarchical_cache=True, hicache_ratio=4, max_total_tokens=256,
-               chunked_prefill_size=64, max_running_requests=2, log_level="info",
-               mem_fraction_static=0.85)
 ERROR_RE = re.compile(r"(illegal memory access|CUBLAS_STATUS_\w+|CUDA error: [^\n]*|"
                       r"device-side assert|Traceback)")
+
+
+def _hicache_lane_kwargs() -> dict:
+    """The engine arguments of the HiCache GPU lane (its test module's ``COMMON``)."""
+    sys.path.insert(0, str(TEST_DIR))
+    from test_e2e_hicache_gpu import COMMON
+
+    return dict(COMMON)
 
 
 def _one(script: str, model: str, kwargs: dict, env: dict, timeout: float):
@@ -51,25 +58,22 @@ def _one(script: str, model: str, kwargs: dict, env: dict, timeout: float):
                                json.dumps(kwargs), "cuda"], env=env, capture_output=True,
                               text=True, timeout=timeout)
         rc, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, out = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(
-            e.stdout, bytes) else (e.stdout or "")
+    except subprocess.TimeoutExpired:
+        rc, out = "timeout", ""
     ok = rc == 0 and any(line.startswith("RESULT ") for line in out.splitlines())
     m = ERROR_RE.search(out)
     return ok, rc, time.time() - t0, (m.group(1) if m else ""), out
 
 
 def main() -> None:
-    from sglang.srt.kv_canary.testing.server_harness import write_tiny_deepseek_v2
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--script", default="hicache_workload.py")
     p.add_argument("--modes", default="not_loaded,off")
     p.add_argument("--dims", default="tiny,v3")
     p.add_argument("--copies", type=int, default=2)
     p.add_argument("--seconds", type=float, default=420)
     p.add_argument("--log-dir", default=None, help="keep each failed run's whole output here")
     args = p.parse_args()
+    lane_kwargs = _hicache_lane_kwargs()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="repeat_workload_"))
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
     base_env["PYTHONPATH"] = os.pathsep.join(
@@ -84,7 +88,7 @@ def main() -> None:
         n = 0
         while time.time() < deadline - 60:
             n += 1
-            ok, rc, secs, sig, out = _one(args.script, model, dict(HICACHE, **kw_extra),
+            ok, rc, secs, sig, out = _one("hicache_workload.py", model, dict(lane_kwargs, **kw_extra),
                                           dict(base_env, **env_extra),
                                           max(60.0, deadline - time.time()))
             with lock:

@@ -17,23 +17,12 @@
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
-PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform any \
-  --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
-  --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64"
-mkdir -p .device/up_a .device/up_b .device/.cache
-dl() { # dl DIR PKG...
-  local dir=$1; shift
-  for p in "$@"; do
-    python3 -m pip download -q --no-deps $PLAT -d "$dir" "$p" \
-      || { echo "upstream_bundle: could not download $p" >&2; exit 1; }
-  done
-}
-dl .device/up_a sglang==0.5.17 transformers==5.12.1 apache-tvm-ffi==0.1.11 xxhash==4.1.0 \
+. test/device_wheels.sh
+device_download .device/up_a sglang==0.5.17 transformers==5.12.1 apache-tvm-ffi==0.1.11 xxhash==4.1.0 \
   zstandard==0.25.0 distro==1.9.0
-dl .device/up_b flashinfer-python==0.6.15.post1
+device_download .device/up_b flashinfer-python==0.6.15.post1
 if [ ! -f .device/up_b/sgl_kernel_slim.tgz ]; then
-  ls .device/.cache/sglang_kernel-0.4.5-*.whl >/dev/null 2>&1 || dl .device/.cache sglang-kernel==0.4.5
+  ls .device/.cache/sglang_kernel-0.4.5-*.whl >/dev/null 2>&1 || device_download .device/.cache sglang-kernel==0.4.5
   tmp=$(mktemp -d)
   (cd "$tmp" && unzip -q "$root"/.device/.cache/sglang_kernel-0.4.5-*.whl \
      && rm -f sgl_kernel/flash_ops.abi3.so sgl_kernel/flashmla_ops.abi3.so \

@@ -21,11 +21,13 @@ REPO = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "test"))
 import gpu_lanes  # noqa: E402
 
+# spelled apart: this file's own tests are CPU tests (a grep for the marker must not find one)
+CUDA_MARK = "pytest.mark." + "cuda"
 HEADER = "from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci\nimport pytest\n"
 MAIN = '\nif __name__ == "__main__":\n    pytest.main([__file__])\n'
-GPU_FILE = HEADER + textwrap.dedent("""
+GPU_FILE = HEADER + textwrap.dedent(f"""
     register_cuda_ci(est_time=20, suite="gpu")
-    pytestmark = [pytest.mark.cuda]
+    pytestmark = [{CUDA_MARK}]
 
     @pytest.mark.parametrize("x", ["a", "b"])
     def test_gpu(x):
@@ -59,6 +61,16 @@ def test_the_lanes_are_the_ones_the_files_declare():
     assert lanes["e2e_swa_gpu"].select is None  # a file without GPU_LANES: one lane
     files = {lane.file.name for lane in lanes.values()}
     assert {"test_e2e_swa_gpu.py", "test_e2e_paged_gpu.py", "test_e2e_abort_gpu.py"} <= files
+
+
+def test_gpu_lanes_sh_lists_every_lane_and_a_stale_list_is_seen():
+    lanes = gpu_lanes.all_lanes()
+    text = gpu_lanes.LANES_SH.read_text()
+    for lane in lanes:
+        assert f"#   {lane.name:<20} {lane.pytest_args()[0]}" in text, lane.name
+    assert not gpu_lanes.sh_listing_stale(lanes)
+    dropped = text.replace(f"#   {lanes[0].name:<20}", "#   renamed_lane", 1)
+    assert gpu_lanes._sh_with_listing(dropped, gpu_lanes.sh_listing(lanes)) == text
 
 
 def test_planted_good_tree_passes(tmp_path):

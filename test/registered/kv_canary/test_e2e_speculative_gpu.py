@@ -35,7 +35,11 @@ import pytest
 from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
 
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
-from sglang.srt.kv_canary.testing.server_harness import write_tiny_deepseek_v2, write_tiny_llama
+from sglang.srt.kv_canary.testing.server_harness import (
+    DEEPSEEK_V3_MLA_DIMS,
+    write_tiny_deepseek_v2,
+    write_tiny_llama,
+)
 from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=2740, stage="base-b", runner_config="1-gpu-small")
@@ -65,10 +69,6 @@ def models(tmp_path_factory):
     draft = write_tiny_llama(tmp_path_factory.mktemp("draft"),
                              architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
     return target, draft
-
-
-DEEPSEEK_V3_MLA_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-                           v_head_dim=128)
 
 
 def write_models(tmp_path_factory, algorithm):

@@ -94,6 +94,11 @@ TINY_DEEPSEEK_V2_CONFIG = {
     "eos_token_id": 2,
 }
 
+# DeepSeek-V3's own MLA head dimensions, for a tiny model whose attention should take the
+# shapes sglang's MLA kernels are tuned for (the tiny DeepSeek-V2 above has dims of 32)
+DEEPSEEK_V3_MLA_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                            v_head_dim=128)
+
 # A tiny DeepSeek-V3.2-shaped model (DSA: NSATokenToKVPool, page 64). Its shapes are the ones
 # sglang's NSA kernels take on a Hopper GPU (FlashMLA sparse: a 512 + 64 latent row, 64 query
 # heads; the indexer: 64 heads of 128, top-2048); everything else is tiny and dense.
