@@ -28,7 +28,7 @@ from sglang.srt.kv_canary.testing.server_harness import (
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=240, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
@@ -188,12 +188,18 @@ def test_abort_server_contains_faults_and_keeps_serving(server):
     assert total(series, "sglang:kv_canary_aborted_requests_total") == len(aborted)
 
 
-def run_abort_engine(model: str, env: dict, device: str, **engine_kwargs):
-    """``e2e_support/abort_workload.py`` on an ``sglang.Engine`` (keyword arguments path):
-    ``(returncode, output, result)``."""
-    proc = subprocess.run([sys.executable, str(SUPPORT / "abort_workload.py"), model,
-                           json.dumps(engine_kwargs), device],
-                          env=env, capture_output=True, text=True, timeout=600)
+def run_abort_engine(model: str, env: dict, device: str, mode: str = "waves",
+                     timeout: float = 600, **engine_kwargs):
+    """``e2e_support/abort_workload.py`` (``mode``: ``waves`` or ``long``) on an
+    ``sglang.Engine`` (keyword arguments path): ``(returncode, output, result)``; returncode
+    None when it ran past ``timeout`` seconds."""
+    try:
+        proc = subprocess.run([sys.executable, str(SUPPORT / "abort_workload.py"), model,
+                               json.dumps(engine_kwargs), device, mode],
+                              env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"") + (e.stderr or b"")
+        return None, out.decode(errors="replace") if isinstance(out, bytes) else out, None
     res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
            if x.startswith("RESULT ")]
     return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
@@ -222,6 +228,28 @@ def test_abort_engine_contains_faults(server):
                SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2")
     check_engine_abort_run(*run_abort_engine(server["model"], env, "cpu",
                                              kv_canary_real_data="partial", **SERVER_ARGS))
+
+
+def test_abort_mid_chunked_prefill_finishes_the_request_and_keeps_serving(server):
+    """A request aborted between the chunks of its chunked prefill: sglang stashes each chunk
+    through the same radix-insert flag abort mode sets to keep corrupt KV out of the tree, so
+    the canary lifts its mark around the stash. The request (160 tokens, chunks of 16) takes
+    a ``req_to_token`` fault in its second chunk (the first forward with a prefix to point
+    elsewhere), is aborted there, prefills to its last chunk and ends with the canary's
+    message, and a later wave completes. Without the lift the stash is skipped, the same chunk is prefilled
+    again and again with new slots, and the 384-token pool runs out."""
+    env = dict(server["env"], SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="1.0",
+               SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="0",
+               SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="1")
+    rc, out, res = run_abort_engine(server["model"], env, "cpu", mode="long", timeout=300,
+                                    **dict(SERVER_ARGS, chunked_prefill_size=16))
+    assert rc == 0 and res is not None, out[-4000:]
+    assert "Out of memory" not in out and "memory leak" not in out, out[-4000:]
+    injected = [f for f in map(parse_perturb_line, out.splitlines()) if f]
+    assert len(injected) == 1 and int(injected[0]["step"]) == 2, injected
+    long = res["results"]["long"]
+    assert ABORT_MESSAGE in long.get("error", ""), long
+    assert all(r.get("ok") == MAX_NEW for r in res["later"].values()), res["later"]
 
 
 if __name__ == "__main__":

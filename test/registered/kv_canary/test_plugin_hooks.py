@@ -136,6 +136,61 @@ def test_scheduler_hook_hands_the_radix_cache_to_the_sweep(monkeypatch):
     assert ("SWEEP_K_FULL", ("verify_real_kv_hash",), slot) in found, found
 
 
+# ---- Scheduler.stash_chunked_request (AROUND): abort mode's mark lifted for the stash ---------
+
+
+def test_stash_hook_lets_a_request_aborted_mid_chunked_prefill_advance(monkeypatch):
+    """sglang's chunk stash (``maybe_cache_unfinished_req(req, tree_cache, chunked=True)``, on
+    a real ``RadixCache`` and ``Req``) skips a request whose ``skip_radix_cache_insert`` is set,
+    so its prefix never reaches the chunk it prefilled. Around the stash the hook lifts the
+    mark abort mode set (the chunk is cached, ``prefix_indices`` advances) and puts it back; a
+    flag sglang set itself, and an unmarked request, are left to sglang."""
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
+
+    d = ServingDriver(seed=3)
+    r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    alloc = TokenToKVPoolAllocator(d.kv_pool.size, torch.bfloat16, "cpu", d.kv_pool,
+                                   need_sort=False)
+    cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t,
+                                       token_to_kv_pool_allocator=alloc, page_size=1))
+
+    def stash(self, req):  # sglang 0.5.12's Scheduler.stash_chunked_request
+        maybe_cache_unfinished_req(req, self.tree_cache, chunked=True)
+
+    hooked = as_sglang_applies(monkeypatch, seam.HOOK_SCHEDULER_STASH_CHUNKED_REQUEST, stash)
+    scheduler = _Scheduler(model_runner_with(None), cache)
+
+    def chunked_req(row: int, first: int) -> Req:
+        """A request of 48 tokens whose first chunk (16) was prefilled into row ``row``."""
+        ids = list(range(first, first + 48))
+        req = Req(rid=f"r{row}", origin_input_text="", origin_input_ids=ids,
+                  sampling_params=SamplingParams(max_new_tokens=4))
+        req.req_pool_idx, req.fill_ids = row, ids[:16]
+        req.prefix_indices, req.last_node = torch.empty(0, dtype=torch.int64), cache.root_node
+        r2t.write((row, slice(0, 16)), alloc.alloc(16))
+        return req
+
+    plain = chunked_req(0, 100)  # sglang alone: the marked request's stash is skipped
+    seam.mark_no_radix_insert(plain)
+    stash(scheduler, plain)
+    assert len(plain.prefix_indices) == 0 and cache.total_size() == 0
+    aborted = chunked_req(1, 200)  # the hook: cached, prefix advanced, mark back
+    seam.mark_no_radix_insert(aborted)
+    hooked(scheduler, aborted)
+    assert len(aborted.prefix_indices) == 16 and cache.total_size() == 16, \
+        "the stash hook did not let the aborted request's chunk be cached"
+    assert aborted.skip_radix_cache_insert  # it is still not inserted when it finishes
+    own = chunked_req(2, 300)  # a flag sglang set itself stays sglang's
+    own.skip_radix_cache_insert = True
+    seam.mark_no_radix_insert(own)
+    hooked(scheduler, own)
+    assert len(own.prefix_indices) == 0 and cache.total_size() == 16
+    unmarked = chunked_req(3, 400)  # canary off or request untouched: sglang's stash
+    hooked(scheduler, unmarked)
+    assert len(unmarked.prefix_indices) == 16 and not unmarked.skip_radix_cache_insert
+
+
 # ---- ForwardBatch.init_new (AFTER): the batch's token-id snapshot ----------------------------
 
 

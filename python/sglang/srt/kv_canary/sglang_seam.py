@@ -20,7 +20,7 @@ change; the table says who relies on each.
 | EAGLE (``EAGLEWorker`` spec v1, ``EagleDraftWorker`` / ``EAGLEWorkerV2`` spec v2, ``EAGLEDraftCudaGraphRunner``, ``EAGLEDraftExtendCudaGraphRunner``) | hooks ``draft_forward``, ``init_cuda_graphs``, the graph runners' ``capture_one_batch_size`` / ``replay``; reads the workers' ``draft_runner`` / ``model_runner``, ``Scheduler.draft_worker`` (``.draft_worker`` in v2), the graph runners' ``model_runner``; zeroes the draft-extend graph's ``buffers.req_pool_indices``; reads ``ServerArgs.speculative_*`` and ``enable_multi_layer_eagle`` | ``plugin``, ``api`` |
 | ``ForwardBatch`` | sets one attribute, ``kv_canary_batch_state`` (:func:`set_batch_state`); reads ``spec_info.draft_token_num``; ``ForwardMode`` | ``batch_state``, ``plan_input`` |
 | ``SamplingBatchInfo`` | sets / reads ``kv_canary_oracle_batch`` | ``token_oracle`` |
-| ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``, ``kv_allocated_len``, ``finished()``, ``to_finish``; histories are kept by identity (sglang replaces, never edits, a rewritten list); abort mode sets ``to_finish = FINISH_ABORT(...)`` (sglang's abort of a running request) and ``skip_radix_cache_insert`` | ``token_oracle``, ``token_history``, ``runner.requests``, ``runner.containment`` |
+| ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``, ``kv_allocated_len``, ``finished()``, ``to_finish``; histories are kept by identity (sglang replaces, never edits, a rewritten list); abort mode sets ``to_finish = FINISH_ABORT(...)`` (sglang's abort of a running request), ``skip_radix_cache_insert`` and ``kv_canary_no_radix_insert`` (lifts the former around ``Scheduler.stash_chunked_request`` / PD prefill's ``process_prefill_chunk``, whose ``maybe_cache_unfinished_req`` also honours it); reads ``is_chunked`` | ``token_oracle``, ``token_history``, ``runner.requests``, ``runner.containment`` |
 | radix tree nodes (``TreeNode``) | reads ``root_node``, ``children``, ``value``, ``lock_ref`` (``full_lock_ref`` in ``MambaRadixCache``), ``swa_tombstone``; ``RadixCache`` / ``SWARadixCache`` / ``MambaRadixCache`` / ``UnifiedRadixCache`` types; ``UnifiedTreeNode``: ``component_data[ComponentType.FULL]`` (``value``, ``lock_ref``, ``host_value``), ``component_data[ComponentType.SWA].value``, ``tree_components`` | ``radix_cache_walker`` |
 | ``RadixCache`` eviction step | ``token_to_kv_pool_allocator.free(value)``, ``_delete_leaf``, ``_record_remove_event`` per node of an evicted subtree (abort mode) | ``runner.containment`` |
 | ``sglang.srt.layers.sampler`` | ``Sampler`` base class (its ``__init__`` is skipped: :func:`init_sampler_module_only`), ``register_sampler_backend``, the private ``_CUSTOM_SAMPLER_FACTORIES`` (idempotent registration) | ``token_oracle.sampler`` |
@@ -33,6 +33,7 @@ per buffer on the forward stream, no sync).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -77,6 +78,12 @@ HOOK_FORWARD_BATCH_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.Forw
 HOOK_SCHEDULER_PROCESS_BATCH_RESULT = (
     "sglang.srt.managers.scheduler.Scheduler.process_batch_result")
 HOOK_SCHEDULER_GET_INIT_INFO = "sglang.srt.managers.scheduler.Scheduler.get_init_info"
+# the chunked-prefill stash (``maybe_cache_unfinished_req(..., chunked=True)``): aggregated
+# serving, and PD prefill's own copy of it
+HOOK_SCHEDULER_STASH_CHUNKED_REQUEST = (
+    "sglang.srt.managers.scheduler.Scheduler.stash_chunked_request")
+HOOK_PD_PREFILL_PROCESS_PREFILL_CHUNK = (
+    "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_prefill_chunk")
 # EAGLE / EAGLE3 / NEXTN speculative decoding: spec v1 (``EAGLEWorker``, overlap scheduler off)
 # and spec v2 (``EagleDraftWorker``, overlap on); the draft graph runners serve both
 _SPEC = "sglang.srt.speculative"
@@ -388,10 +395,43 @@ def req_done(req: "Req") -> bool:
     return bool(req.finished() or req.to_finish is not None)
 
 
+_CANARY_NO_INSERT = "kv_canary_no_radix_insert"
+
+
 def mark_no_radix_insert(req: "Req") -> None:
     """Tell sglang not to insert the request's KV into the radix cache when it finishes
-    (``Req.skip_radix_cache_insert``, which ``release_kv_cache`` honours)."""
+    (``Req.skip_radix_cache_insert``, which ``release_kv_cache`` honours). sglang's chunked
+    prefill honours the same flag when it stashes a chunk, and a request whose chunks are not
+    stashed re-prefills the same chunk for ever (allocating each time): the canary's own mark
+    is lifted around the stash (:func:`chunk_stash_inserting`). A flag sglang set itself is
+    left as it is."""
+    if not getattr(req, "skip_radix_cache_insert", False):
+        setattr(req, _CANARY_NO_INSERT, True)
     req.skip_radix_cache_insert = True
+
+
+@contextlib.contextmanager
+def chunk_stash_inserting(req: Optional["Req"]):
+    """Around sglang's stash of a chunked request's prefilled chunk: the canary's no-insert
+    mark (:func:`mark_no_radix_insert`) is lifted so the chunk is cached and the request's
+    prefix advances to its next chunk, as for a client's abort (sglang finishes the request
+    after its last chunk). What the chunk put in the tree is evicted with the corrupt slot's
+    subtree (docs/user_guide.md, "Containment: --kv-canary abort"). No-op for a request the
+    canary has not marked (``req`` may be None)."""
+    lifted = req is not None and getattr(req, _CANARY_NO_INSERT, False)
+    if lifted:
+        req.skip_radix_cache_insert = False
+    try:
+        yield
+    finally:
+        if lifted:
+            req.skip_radix_cache_insert = True
+
+
+def scheduler_chunked_req(scheduler: "Scheduler") -> Optional["Req"]:
+    """The request the scheduler is prefilling in chunks (``Scheduler.chunked_req``), or
+    None."""
+    return getattr(scheduler, "chunked_req", None)
 
 
 def abort_running_req(req: "Req", message: str) -> bool:

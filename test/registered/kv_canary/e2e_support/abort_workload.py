@@ -1,10 +1,12 @@
 """Abort-mode workload on an Engine:
-``python abort_workload.py MODEL_DIR [engine kwargs as JSON] [cpu|cuda]``.
+``python abort_workload.py MODEL_DIR [engine kwargs as JSON] [cpu|cuda] [waves|long]``.
 
-``WAVES`` waves of 6 concurrent requests sharing a prefix (``Engine.async_generate``, each
-with its own ``rid``), then one more wave; prints ``RESULT <json>``: per rid, ``"ok"`` with the
-number of output tokens, or the error the request ended with; ``later``: the last wave's;
-``server_info``: the ``kv_canary`` entry of ``Engine.get_server_info()``.
+``waves`` (the default): ``WAVES`` waves of 6 concurrent requests sharing a prefix
+(``Engine.async_generate``, each with its own ``rid``), then one more wave. ``long``: one
+request of ``LONG_PROMPT`` tokens alone (many chunks of a small ``chunked_prefill_size``),
+then the same last wave. Prints ``RESULT <json>``: per rid, ``"ok"`` with the number of output
+tokens, or the error the request ended with; ``later``: the last wave's; ``server_info``: the
+``kv_canary`` entry of ``Engine.get_server_info()``.
 """
 
 import asyncio
@@ -15,6 +17,7 @@ from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_e
 
 MAX_NEW = 16
 WAVES = 6
+LONG_PROMPT = 160
 
 
 async def one(engine, rid, ids):
@@ -43,12 +46,19 @@ if __name__ == "__main__":
     model_dir = sys.argv[1]
     extra = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
+    mode = sys.argv[4] if len(sys.argv) > 4 else "waves"
+    if mode not in ("waves", "long"):
+        sys.exit(f"abort_workload.py: mode {mode!r}; allowed: waves, long")
     make_kwargs = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
     engine = sglang.Engine(**make_kwargs(model_dir, kv_canary="abort", **extra))
     loop = asyncio.get_event_loop()
     results = {}
-    for w in range(WAVES):  # ~20 forward steps each: past any warm-up of a few dozen steps
-        results.update(loop.run_until_complete(wave(engine, f"w{w}", 32 + 4 * w)))
+    if mode == "long":
+        ids = [(7 * k) % 500 + 3 for k in range(LONG_PROMPT)]
+        results["long"] = loop.run_until_complete(one(engine, "long", ids))
+    else:
+        for w in range(WAVES):  # ~20 forward steps each: past any warm-up of a few dozen
+            results.update(loop.run_until_complete(wave(engine, f"w{w}", 32 + 4 * w)))
     later = loop.run_until_complete(wave(engine, "later", 36))
     info = engine.get_server_info().get("kv_canary")
     print("RESULT " + json.dumps({"results": results, "later": later, "server_info": info}),
