@@ -16,6 +16,13 @@ first, at most ``--jobs`` at once.
 
 Each lane prints one line when it ends (``lane NAME: N passed, M failed, S s``) and the lines
 are printed together at the end. Logs: ``--out`` (default ``$OUT`` or ``gpu_lanes_out``).
+
+Before the lanes, the import path (``$PYTHONPATH``'s directories and this project's ``python/``)
+is byte-compiled once. The device's bundles install sglang and its dependencies without
+bytecode and its Python runs with ``-B`` (no ``.pyc`` written), so otherwise each of the
+suite's few hundred processes (pytest, each server's engine, scheduler and detokenizer)
+compiles sglang's sources again: tens of CPU seconds each, on a machine the lanes keep
+CPU-bound (``--no-precompile`` skips it).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TEST_DIR = REPO / "test" / "registered" / "kv_canary"
@@ -301,6 +308,32 @@ def check(files: Optional[Sequence[pathlib.Path]] = None) -> List[str]:
     return problems
 
 
+def import_path_dirs() -> List[pathlib.Path]:
+    """The directories whose modules the lanes import from source: ``$PYTHONPATH``'s
+    directories and this project's ``python/`` (the interpreter's own site-packages are
+    installed with bytecode)."""
+    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    dirs: List[pathlib.Path] = []
+    for d in [*map(pathlib.Path, entries), REPO / "python"]:
+        d = d.resolve()
+        if d.is_dir() and d not in dirs:
+            dirs.append(d)
+    return dirs
+
+
+def precompile(dirs: Sequence[pathlib.Path]) -> Tuple[bool, float]:
+    """Byte-compile every module under ``dirs`` (``compileall``, one worker per core; an
+    up-to-date ``.pyc`` is kept). Returns (every file compiled, seconds). A file that does not
+    compile is left to fail where it is imported."""
+    import compileall
+
+    t0 = time.monotonic()
+    ok = True
+    for d in dirs:
+        ok = bool(compileall.compile_dir(str(d), quiet=2, workers=0)) and ok
+    return ok, time.monotonic() - t0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("lanes", nargs="*", help="lane names (default: all)")
@@ -317,11 +350,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the lanes and exit")
     parser.add_argument("--check", action="store_true",
                         help="collect only: every cuda test in exactly one lane")
+    parser.add_argument("--no-precompile", action="store_true",
+                        help="do not byte-compile the import path before the lanes")
     parser.add_argument("--sync-sh", action="store_true",
                         help="rewrite the lane list in test/gpu_lanes.sh and exit")
     args = parser.parse_args(argv)
     if args.jobs < 1 or args.timeout <= 0:
         parser.error("--jobs must be >= 1 and --timeout > 0")
+    t0 = time.monotonic()
+    if not (args.list or args.check or args.sync_sh or args.no_precompile):
+        dirs = import_path_dirs()
+        ok, seconds = precompile(dirs)
+        print(f"gpu_lanes: byte-compiled {', '.join(map(str, dirs))} in {seconds:.0f} s"
+              + ("" if ok else " (some files did not compile)"), flush=True)
     files = test_files(args.test_dir)
     try:
         lanes = all_lanes(files)
@@ -347,7 +388,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for lane in lanes:
             print(f"{lane.name}\t{lane.est_seconds:g}s\t{' '.join(lane.pytest_args())}")
         return 0
-    t0 = time.monotonic()
     results = run_lanes(lanes, jobs=args.jobs, timeout=args.timeout, out_dir=pathlib.Path(
         args.out))
     print("\n".join(["", "== GPU lanes =="] + [r.line() for r in results]))

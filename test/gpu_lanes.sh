@@ -8,7 +8,8 @@
 #
 # Lanes (python3 test/gpu_lanes.py --sync-sh writes this list; --check compares it):
 #   e2e_abort_gpu        test/registered/kv_canary/test_e2e_abort_gpu.py
-#   core                 test/registered/kv_canary/test_e2e_gpu.py -k not piecewise
+#   core                 test/registered/kv_canary/test_e2e_gpu.py -k not piecewise and not corrupted
+#   core_fault           test/registered/kv_canary/test_e2e_gpu.py -k corrupted_record
 #   piecewise            test/registered/kv_canary/test_e2e_gpu.py -k piecewise
 #   hicache_kernel       test/registered/kv_canary/test_e2e_hicache_gpu.py -k mha_kernel
 #   hicache_page_first   test/registered/kv_canary/test_e2e_hicache_gpu.py -k page_first
@@ -29,8 +30,10 @@
 #   spec_pr28254_v1      test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr28254 and spec_v1
 #   spec_faults_v2       test/registered/kv_canary/test_e2e_speculative_gpu.py -k fault and spec_v2
 #   spec_faults_v1       test/registered/kv_canary/test_e2e_speculative_gpu.py -k fault and spec_v1
-#   spec_eagle3          test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and EAGLE3
-#   spec_nextn           test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and NEXTN
+#   spec_eagle3_clean    test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and clean and EAGLE3
+#   spec_eagle3_faults   test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and every_fault and EAGLE3
+#   spec_nextn_clean     test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and clean and NEXTN
+#   spec_nextn_faults    test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and every_fault and NEXTN
 #   e2e_swa_gpu          test/registered/kv_canary/test_e2e_swa_gpu.py
 #   kernels_cuda_graph   test/registered/kv_canary/test_kernels_cuda_graph.py
 #   runtime_cuda         test/registered/kv_canary/test_runtime_cuda.py

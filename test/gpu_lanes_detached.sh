@@ -7,6 +7,7 @@
 #   call 2 (carry .device/c .device/d):  bash test/gpu_lanes_detached.sh start && bash test/gpu_lanes_detached.sh wait 520
 #   call 3, at once:                     bash test/gpu_lanes_detached.sh wait 560
 # LANES="a b" runs only those lanes; JOBS=N sets the lanes at once (default: cores - 2).
+# monitor.txt samples the load, the GPU and the busiest processes every 15 s while it runs.
 set -u
 R=/tmp/gpu_lanes_run
 case "${1:-}" in
@@ -18,6 +19,9 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt" 2>&1
     export PYTHONUNBUFFERED=1 KV_CANARY_E2E_LOG_DIR="$R/e2e_logs" OUT="$R/lanes"
     [ -n "${JOBS:-}" ] && export GPU_LANES_JOBS="$JOBS"
+    setsid nohup bash -c 'while [ ! -f '"$R"'/end.txt ]; do date -u +%T; cat /proc/loadavg
+      nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+      top -bn1 -o %CPU -c -w 200 | sed -n 7,22p; sleep 15; done' > "$R/monitor.txt" 2>&1 < /dev/null &
     setsid nohup bash -c 'date -u +%FT%TZ > '"$R"'/start.txt
       bash test/gpu_lanes.sh '"${LANES:-}"' > '"$R"'/summary.txt 2>&1; echo "rc=$?" >> '"$R"'/summary.txt
       date -u +%FT%TZ > '"$R"'/end.txt' > /dev/null 2>&1 < /dev/null &

@@ -6,6 +6,7 @@ break each rule once."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -147,6 +148,21 @@ def test_lanes_run_report_one_line_each_and_stop_at_the_time_limit(tmp_path, cap
     printed = capsys.readouterr().out
     assert all(f"lane {name}:" in printed for name in results)
 
+
+def test_the_lanes_byte_compile_their_import_path_first(tmp_path, monkeypatch):
+    """The device's Python writes no bytecode (``-B``) and its bundles come without it: the
+    runner compiles ``$PYTHONPATH``'s directories and ``python/`` once, so that a process
+    importing from them, still under ``-B``, reads ``.pyc`` files instead of compiling."""
+    site = tmp_path / "site"
+    (site / "pkg").mkdir(parents=True)
+    (site / "pkg" / "__init__.py").write_text("VALUE = 1\n")
+    monkeypatch.setenv("PYTHONPATH", f"{site}{os.pathsep}{tmp_path / 'gone'}")
+    dirs = gpu_lanes.import_path_dirs()
+    assert dirs == [site.resolve(), (REPO / "python").resolve()]
+    ok, _ = gpu_lanes.precompile([site])
+    assert ok
+    cached = list((site / "pkg" / "__pycache__").glob("__init__.*.pyc"))
+    assert len(cached) == 1, "no bytecode written for the import path"
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

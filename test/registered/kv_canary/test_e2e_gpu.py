@@ -15,9 +15,10 @@ from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX, parse_v
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=570, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=780, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
-GPU_LANES = {"core": ("not piecewise", 310), "piecewise": ("piecewise", 260)}
+GPU_LANES = {"core": ("not piecewise and not corrupted", 400),
+             "core_fault": ("corrupted_record", 120), "piecewise": ("piecewise", 260)}
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 

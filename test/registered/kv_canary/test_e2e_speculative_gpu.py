@@ -42,15 +42,17 @@ from sglang.srt.kv_canary.testing.server_harness import (
 )
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=2740, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=3040, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2", 190), "spec_clean_v1": ("clean and spec_v1", 190),
     "spec_pr25015": ("pr25015", 240), "spec_pr26329": ("pr26329", 260),
-    "spec_pr28254_v2": ("pr28254 and spec_v2", 300), "spec_pr28254_v1": ("pr28254 and spec_v1", 300),
+    "spec_pr28254_v2": ("pr28254 and spec_v2", 450), "spec_pr28254_v1": ("pr28254 and spec_v1", 450),
     "spec_faults_v2": ("fault and spec_v2", 210), "spec_faults_v1": ("fault and spec_v1", 360),
-    "spec_eagle3": ("other_algorithms and EAGLE3", 330),
-    "spec_nextn": ("other_algorithms and NEXTN", 360),
+    "spec_eagle3_clean": ("other_algorithms and clean and EAGLE3", 200),
+    "spec_eagle3_faults": ("other_algorithms and every_fault and EAGLE3", 130),
+    "spec_nextn_clean": ("other_algorithms and clean and NEXTN", 220),
+    "spec_nextn_faults": ("other_algorithms and every_fault and NEXTN", 140),
 }
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
