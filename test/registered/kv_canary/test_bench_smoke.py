@@ -99,5 +99,39 @@ def test_bench_serving_overhead_breakdown_smoke_times_every_launch():
             assert scatter[c] == "—", (c, scatter[c])
 
 
+def _abort_storm():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("abort_storm", BENCH_DIR / "abort_storm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_abort_storm_classifies_what_a_client_gets():
+    """``abort_storm.py`` (a 10-minute server storm, too long for CI): how it reads a
+    response. Completed, aborted by the canary (HTTP 500 with either of its messages, or a
+    200 whose finish reason is an abort), and anything else an error."""
+    from sglang.srt.kv_canary.runner.containment import PREFIX_ABORT_MESSAGE
+
+    storm = _abort_storm()
+    ok = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}}}
+    assert storm.outcome(200, ok) == ("ok", [5, 6])
+    direct = {"error": {"message": storm.ABORT_MESSAGE + "HEAD_K_FULL, fail_reason=x)"}}
+    assert storm.outcome(500, direct)[0] == "aborted"
+    assert storm.outcome(500, {"error": {"message": PREFIX_ABORT_MESSAGE}})[0] == "aborted"
+    streamed = {"output_ids": [5], "meta_info": {"finish_reason": {
+        "type": "abort", "message": PREFIX_ABORT_MESSAGE}}}
+    assert storm.outcome(200, streamed) == ("aborted", PREFIX_ABORT_MESSAGE)
+    assert storm.outcome(500, {"error": {"message": "Out of memory"}})[0] == "error"
+    assert storm.outcome(400, {"raw": "bad"})[0] == "error"
+    # the request list: deterministic, shared prefixes, longer than a 32-token chunk mostly
+    reqs = storm.request_list(48, seed=7)
+    assert reqs == storm.request_list(48, seed=7) and len(reqs) == 48
+    assert len({tuple(ids[:16]) for ids, _ in reqs}) <= 6
+    assert sum(len(ids) > 32 for ids, _ in reqs) > 24
+    assert all(4 <= n <= 24 for _, n in reqs)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
