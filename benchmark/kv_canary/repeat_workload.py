@@ -88,7 +88,8 @@ def main() -> None:
         n = 0
         while time.time() < deadline - 60:
             n += 1
-            ok, rc, secs, sig, out = _one("hicache_workload.py", model, dict(lane_kwargs, **kw_extra),
+            ok, rc, secs, sig, out = _one("hicache_workload.py", model,
+                                          dict(lane_kwargs, **kw_extra),
                                           dict(base_env, **env_extra),
                                           max(60.0, deadline - time.time()))
             with lock:

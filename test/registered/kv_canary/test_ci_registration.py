@@ -164,5 +164,6 @@ def test_the_lanes_byte_compile_their_import_path_first(tmp_path, monkeypatch):
     cached = list((site / "pkg" / "__pycache__").glob("__init__.*.pyc"))
     assert len(cached) == 1, "no bytecode written for the import path"
 
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -236,8 +236,8 @@ def test_abort_mid_chunked_prefill_finishes_the_request_and_keeps_serving(server
     the canary lifts its mark around the stash. The request (160 tokens, chunks of 16) takes
     a ``req_to_token`` fault in its second chunk (the first forward with a prefix to point
     elsewhere), is aborted there, prefills to its last chunk and ends with the canary's
-    message, and a later wave completes. Without the lift the stash is skipped, the same chunk is prefilled
-    again and again with new slots, and the 384-token pool runs out."""
+    message, and a later wave completes. Without the lift the stash is skipped, the same
+    chunk is prefilled again and again with new slots, and the 384-token pool runs out."""
     env = dict(server["env"], SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="1.0",
                SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="0",
                SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="1")
