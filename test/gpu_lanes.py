@@ -201,7 +201,135 @@ def parse_pytest_progress(output: str) -> Dict[str, int]:
     return {"passed": chars.count("."), "failed": chars.count("F") + chars.count("E")}
 
 
-def run_lane(lane: Lane, out_dir: pathlib.Path, timeout: float) -> LaneResult:
+# process kinds of the CPU account, first match wins: (kind, where, pattern); ``comm`` is the
+# kernel's name of the executable, ``cmd`` the command line (sglang retitles its subprocesses)
+CPU_KINDS = (
+    ("scheduler", "cmd", re.compile(r"sglang::scheduler")),
+    ("detokenizer", "cmd", re.compile(r"sglang::detokenizer")),
+    ("native compiler", "comm", re.compile(
+        r"^(cicc|ptxas|nvcc|nvlink|fatbinary|nvdisasm|cc1|cc1plus|gcc|g\+\+|c\+\+|as|ld|"
+        r"collect2|ninja)$")),
+    ("pytest", "cmd", re.compile(r"-m pytest")),
+    ("engine (workload, demo)", "cmd", re.compile(r"e2e_support/|kv_canary\.demo")),
+)
+
+
+def cpu_kind(comm: str, cmd: str) -> str:
+    for kind, where, pattern in CPU_KINDS:
+        if pattern.search(comm if where == "comm" else cmd):
+            return kind
+    return "other"
+
+
+@dataclasses.dataclass
+class _Seen:
+    ppid: int
+    cpu_s: float  # user + system, at the last sample
+    first_s: float  # monotonic time of the first and the last sample that saw it
+    last_s: float
+    kind: str
+    lane: Optional[str]
+
+
+class CpuAccount:
+    """Where the suite's CPU time goes: samples ``/proc`` every ``interval`` seconds while the
+    lanes run and adds up each process's user + system time by kind (:data:`CPU_KINDS`) and by
+    lane (the lane whose pytest it descends from). A process's time after its last sample is
+    lost (at most ``interval`` s each). Linux only; elsewhere it records nothing."""
+
+    def __init__(self, interval: float = 2.0):
+        self.interval = interval
+        self.lane_roots: Dict[int, str] = {}
+        self.seen: Dict[int, _Seen] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.t0 = time.monotonic()
+
+    def add_lane(self, pid: int, name: str) -> None:
+        self.lane_roots[pid] = name
+
+    def start(self) -> "CpuAccount":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def _lane_of(self, pid: int, ppids: Dict[int, int]) -> Optional[str]:
+        for _ in range(32):
+            if pid in self.lane_roots:
+                return self.lane_roots[pid]
+            pid = ppids.get(pid, self.seen[pid].ppid if pid in self.seen else 0)
+            if pid <= 1:
+                return None
+        return None
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        stats: Dict[int, Tuple[int, float, str, str]] = {}
+        for entry in pathlib.Path("/proc").iterdir() if pathlib.Path("/proc").is_dir() else ():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                    errors="replace")
+            except OSError:  # gone between the listing and the read
+                continue
+            comm = stat[stat.find("(") + 1:stat.rfind(")")]
+            fields = stat[stat.rfind(")") + 2:].split()
+            # fields[0] is the state (stat's 3rd field): ppid 4th, utime 14th, stime 15th
+            cpu = (int(fields[11]) + int(fields[12])) / self._tick
+            stats[int(entry.name)] = (int(fields[1]), cpu, comm, cmd)
+        ppids = {pid: v[0] for pid, v in stats.items()}
+        for pid, (ppid, cpu, comm, cmd) in stats.items():
+            old = self.seen.get(pid)
+            kind = cpu_kind(comm, cmd)
+            if old is None:
+                self.seen[pid] = _Seen(ppid, cpu, now, now, kind, self._lane_of(pid, ppids))
+            else:
+                old.cpu_s, old.last_s, old.kind = cpu, now, kind
+                old.lane = old.lane or self._lane_of(pid, ppids)
+
+    def report(self) -> dict:
+        """``{"seconds", "cores", "cpu_s", "kinds": {kind: {processes, cpu_s, alive_s}},
+        "lanes": {lane: cpu_s}}`` of the processes seen while the lanes ran (the lanes' own)."""
+        mine = [s for s in self.seen.values() if s.lane is not None]
+        kinds: Dict[str, dict] = {}
+        lanes: Dict[str, float] = {}
+        for s in mine:
+            k = kinds.setdefault(s.kind, dict(processes=0, cpu_s=0.0, alive_s=0.0))
+            k["processes"] += 1
+            k["cpu_s"] += s.cpu_s
+            k["alive_s"] += s.last_s - s.first_s
+            lanes[s.lane] = lanes.get(s.lane, 0.0) + s.cpu_s
+        return dict(seconds=time.monotonic() - self.t0, cores=os.cpu_count(),
+                    cpu_s=sum(s.cpu_s for s in mine),
+                    kinds=dict(sorted(kinds.items(), key=lambda kv: -kv[1]["cpu_s"])),
+                    lanes=dict(sorted(lanes.items(), key=lambda kv: -kv[1])))
+
+
+def format_cpu_report(rep: dict) -> str:
+    lines = [f"gpu_lanes CPU: {rep['cpu_s']:.0f} CPU-s in {rep['seconds']:.0f} s on "
+             f"{rep['cores']} cores ({rep['cpu_s'] / max(1e-9, rep['seconds'] * (rep['cores'] or 1)):.0%} "
+             "of the machine)"]
+    for kind, k in rep["kinds"].items():
+        busy = k["cpu_s"] / k["alive_s"] if k["alive_s"] else 0.0
+        lines.append(f"  {kind}: {k['processes']} processes, {k['cpu_s']:.0f} CPU-s "
+                     f"({busy:.0%} of their {k['alive_s']:.0f} s alive)")
+    lines.append("  by lane: " + ", ".join(f"{n} {s:.0f}" for n, s in rep["lanes"].items()))
+    return "\n".join(lines)
+
+
+def run_lane(lane: Lane, out_dir: pathlib.Path, timeout: float,
+             account: Optional[CpuAccount] = None) -> LaneResult:
     log = out_dir / f"{lane.name}.log"
     cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
            "--tb=short", "-o", "addopts=", "--durations=0", *lane.pytest_args()]
@@ -211,6 +339,8 @@ def run_lane(lane: Lane, out_dir: pathlib.Path, timeout: float) -> LaneResult:
         f.flush()
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+        if account is not None:
+            account.add_lane(proc.pid, lane.name)
         try:
             rc: Optional[int] = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -223,8 +353,8 @@ def run_lane(lane: Lane, out_dir: pathlib.Path, timeout: float) -> LaneResult:
     return LaneResult(lane.name, counts.get("passed", 0), counts.get("failed", 0), seconds, rc)
 
 
-def run_lanes(lanes: Sequence[Lane], *, jobs: int, timeout: float,
-              out_dir: pathlib.Path) -> List[LaneResult]:
+def run_lanes(lanes: Sequence[Lane], *, jobs: int, timeout: float, out_dir: pathlib.Path,
+              account: Optional[CpuAccount] = None) -> List[LaneResult]:
     """Run ``lanes`` longest first, ``jobs`` at a time; print each lane's line as it ends."""
     out_dir.mkdir(parents=True, exist_ok=True)
     queue = sorted(lanes, key=lambda lane: (-lane.est_seconds, lane.name))
@@ -237,7 +367,7 @@ def run_lanes(lanes: Sequence[Lane], *, jobs: int, timeout: float,
                 if not queue:
                     return
                 lane = queue.pop(0)
-            result = run_lane(lane, out_dir, timeout)
+            result = run_lane(lane, out_dir, timeout, account)
             with lock:
                 results.append(result)
                 print(result.line(), flush=True)
@@ -352,6 +482,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="collect only: every cuda test in exactly one lane")
     parser.add_argument("--no-precompile", action="store_true",
                         help="do not byte-compile the import path before the lanes")
+    parser.add_argument("--no-cpu-account", action="store_true",
+                        help="do not sample where the lanes' CPU time goes (printed at the end "
+                             "and written to OUT/cpu_account.json)")
     parser.add_argument("--sync-sh", action="store_true",
                         help="rewrite the lane list in test/gpu_lanes.sh and exit")
     args = parser.parse_args(argv)
@@ -388,8 +521,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for lane in lanes:
             print(f"{lane.name}\t{lane.est_seconds:g}s\t{' '.join(lane.pytest_args())}")
         return 0
-    results = run_lanes(lanes, jobs=args.jobs, timeout=args.timeout, out_dir=pathlib.Path(
-        args.out))
+    out_dir = pathlib.Path(args.out)
+    account = None if args.no_cpu_account else CpuAccount().start()
+    results = run_lanes(lanes, jobs=args.jobs, timeout=args.timeout, out_dir=out_dir,
+                        account=account)
+    if account is not None:
+        account.stop()
+        rep = account.report()
+        (out_dir / "cpu_account.json").write_text(json.dumps(rep, indent=1))
+        print(format_cpu_report(rep))
     print("\n".join(["", "== GPU lanes =="] + [r.line() for r in results]))
     bad = [r.name for r in results if not r.ok]
     print(f"gpu_lanes: {len(results) - len(bad)} of {len(results)} lanes passed in "

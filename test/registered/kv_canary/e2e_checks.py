@@ -50,6 +50,13 @@ EVERY_FAULT_ENV = {
     "SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB": "0.15",
 }
 
+# EVERY_FAULT_ENV plus two sampled tokens swapped between rows, which the token oracle's
+# write-input check reports at the next forward (the oracle on: the swap needs it)
+EVERY_FAULT_WITH_ORACLE_ENV = dict(
+    EVERY_FAULT_ENV, SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE="1",
+    SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT="1",
+    SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB="0.3", SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="20")
+
 # faults the forward itself reads: caught every time
 ALWAYS_CAUGHT = ("req_to_token", "real_kv_used")
 
@@ -63,20 +70,23 @@ def fault_caught(fault: dict, lines) -> bool:
                    == (int(fault["req_pool_idx"]), int(fault["position"]),
                        int(fault["new_slot"]))
                    for v in lines)
+    if fault["fault"] == "next_token_swap":  # the token oracle's write-input check
+        return any(v.forward_step >= step and "write_token" in v.fail_reasons for v in lines)
     # a byte of the slot's KV row flipped: its fingerprint no longer matches
     return any(v.forward_step >= step and v.slot_idx == int(fault["full_slot"])
                and "verify_real_kv_hash" in v.fail_reasons for v in lines)
 
 
-def assert_every_fault_caught(out: str) -> None:
+def assert_every_fault_caught(out: str, also_injected=()) -> None:
     """Each fault the forward reads is caught; a byte flipped after a forward is caught when
-    the slot is next read or swept (a slot freed and rewritten first erases it): each of those
-    kinds at least once. Every kind of :data:`ALWAYS_CAUGHT` and ``real_kv_post_forward`` must
-    have been injected."""
+    the slot is next read or swept (a slot freed and rewritten first erases it), as is a token
+    swap at a later forward: each of those kinds at least once. Every kind of
+    :data:`ALWAYS_CAUGHT`, ``real_kv_post_forward`` and ``also_injected`` must have been
+    injected."""
     injected = [f for f in map(parse_perturb_line, out.splitlines()) if f]
     lines = parse_violation_lines(out)
     kinds = {f["fault"] for f in injected}
-    assert {*ALWAYS_CAUGHT, "real_kv_post_forward"} <= kinds, injected
+    assert {*ALWAYS_CAUGHT, "real_kv_post_forward", *also_injected} <= kinds, injected
     for f in injected:
         if f["fault"] in ALWAYS_CAUGHT:
             assert fault_caught(f, lines), (f, lines[-5:])

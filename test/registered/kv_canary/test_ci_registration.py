@@ -165,5 +165,59 @@ def test_the_lanes_byte_compile_their_import_path_first(tmp_path, monkeypatch):
     assert len(cached) == 1, "no bytecode written for the import path"
 
 
+BURN = ("import subprocess, sys, time\n"
+        "def burn(s):\n"
+        "    t = time.process_time()\n"
+        "    while time.process_time() - t < s:\n"
+        "        pass\n")
+
+
+def test_the_cpu_account_adds_up_each_lane_and_kind(tmp_path):
+    """The suite's account of where its CPU time went: a lane's process and its child (its
+    command line naming it as sglang's retitled scheduler does) each burn about a second; both count for the
+    lane, the child as a scheduler; the lane's sleeping neighbour costs next to nothing."""
+    burner = tmp_path / "burner.py"
+    burner.write_text(BURN + textwrap.dedent("""
+        if sys.argv[1] == "child":
+            burn(1.0)
+        elif sys.argv[1] == "lane":
+            child = subprocess.Popen([sys.executable, "-c",
+                                      "import runpy, sys; sys.argv = [sys.argv[1], 'child'];"
+                                      "runpy.run_path(sys.argv[0])", sys.argv[0],
+                                      "sglang::scheduler_TP0"])
+            burn(1.0)
+            child.wait()
+        else:
+            time.sleep(2.0)
+        """))
+    account = gpu_lanes.CpuAccount(interval=0.1).start()
+    busy = subprocess.Popen([sys.executable, str(burner), "lane"])
+    idle = subprocess.Popen([sys.executable, str(burner), "idle"])
+    account.add_lane(busy.pid, "busy")
+    account.add_lane(idle.pid, "idle")
+    busy.wait(), idle.wait()
+    account.stop()
+    rep = account.report()
+    assert set(rep["lanes"]) == {"busy", "idle"}, rep
+    assert 1.6 <= rep["lanes"]["busy"] <= 3.0, rep
+    assert rep["lanes"]["idle"] < 0.5, rep
+    assert 0.8 <= rep["kinds"]["scheduler"]["cpu_s"] <= 1.5, rep
+    assert rep["kinds"]["scheduler"]["processes"] == 1, rep
+    text = gpu_lanes.format_cpu_report(rep)
+    assert "scheduler: 1 processes" in text and "by lane: busy " in text, text
+
+
+@pytest.mark.parametrize("comm, cmd, kind", [
+    ("python3", "sglang::scheduler_TP0", "scheduler"),
+    ("python3", "sglang::detokenizer", "detokenizer"),
+    ("ptxas", "ptxas -arch=sm_90a x.ptx", "native compiler"),
+    ("python", "python -m pytest -q test_x.py", "pytest"),
+    ("python", "python test/registered/kv_canary/e2e_support/workload.py m none {}", "engine (workload, demo)"),
+    ("bash", "bash -c sleep 1", "other"),
+])
+def test_cpu_kinds(comm, cmd, kind):
+    assert gpu_lanes.cpu_kind(comm, cmd) == kind
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -259,6 +259,10 @@ _COMMON_ENGINE_KWARGS = dict(
     max_total_tokens=4096,
     log_level="warning",
     random_seed=0,
+    # many of these servers share one machine (the test suites, the demo's --jobs): sglang's
+    # scheduler otherwise polls its sockets in a busy loop, a whole core each, while it has
+    # nothing to run; asleep it still wakes on the next request and runs its idle checks first
+    sleep_on_idle=True,
 )
 
 
