@@ -112,12 +112,31 @@ def _module_lanes(path: pathlib.Path, tree: ast.Module) -> Optional[Dict[str, tu
     return None
 
 
+def ci_register():
+    """sglang's ``sglang.test.ci.ci_register`` (standard library only), loaded from its file:
+    importing it as ``sglang.test.ci...`` would first run ``sglang/__init__.py``, which imports
+    torch and transformers, some 15 CPU seconds before the first lane could start."""
+    import importlib.util
+
+    name = "_gpu_lanes_ci_register"
+    if name not in sys.modules:
+        spec = importlib.util.find_spec("sglang")  # finds the package without importing it
+        if spec is None or not spec.submodule_search_locations:
+            raise LaneDeclarationError("sglang is not installed: its ci_register declares the "
+                                       "lanes")
+        path = pathlib.Path(spec.submodule_search_locations[0]) / "test" / "ci" / "ci_register.py"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module  # dataclasses look their module up while it executes
+        module_spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def lanes_of_file(path: pathlib.Path) -> List[Lane]:
     """The lanes one test file declares (none when it registers no CUDA suite)."""
-    from sglang.test.ci.ci_register import HWBackend, ut_parse_one_file
-
-    registries, _ = ut_parse_one_file(str(path))
-    cuda = [r for r in registries if r.backend == HWBackend.CUDA and r.disabled is None]
+    reg = ci_register()
+    registries, _ = reg.ut_parse_one_file(str(path))
+    cuda = [r for r in registries if r.backend == reg.HWBackend.CUDA and r.disabled is None]
     declared = _module_lanes(path, ast.parse(path.read_text(), str(path)))
     if not cuda:
         if declared is not None:
@@ -229,6 +248,7 @@ class _Seen:
     last_s: float
     kind: str
     lane: Optional[str]
+    command: str  # the command line, digits blanked, at most 90 characters
 
 
 class CpuAccount:
@@ -292,24 +312,36 @@ class CpuAccount:
         for pid, (ppid, cpu, comm, cmd) in stats.items():
             old = self.seen.get(pid)
             kind = cpu_kind(comm, cmd)
+            command = re.sub(r"\d+", "N", (cmd or f"[{comm}]").strip())[:90]
             if old is None:
-                self.seen[pid] = _Seen(ppid, cpu, now, now, kind, self._lane_of(pid, ppids))
+                self.seen[pid] = _Seen(ppid, cpu, now, now, kind, self._lane_of(pid, ppids),
+                                       command)
             else:
-                old.cpu_s, old.last_s, old.kind = cpu, now, kind
+                old.cpu_s, old.last_s, old.kind, old.command = cpu, now, kind, command
                 old.lane = old.lane or self._lane_of(pid, ppids)
 
     def report(self) -> dict:
-        """``{"seconds", "cores", "cpu_s", "kinds": {kind: {processes, cpu_s, alive_s}},
-        "lanes": {lane: cpu_s}}`` of the processes seen while the lanes ran (the lanes' own)."""
+        """``{"seconds", "cores", "cpu_s", "kinds": {kind: {processes, cpu_s, alive_s,
+        top}}, "lanes": {lane: cpu_s}}`` of the processes seen while the lanes ran (the lanes'
+        own); ``top``: the kind's three costliest command lines, ``[command, processes,
+        cpu_s]``."""
         mine = [s for s in self.seen.values() if s.lane is not None]
         kinds: Dict[str, dict] = {}
         lanes: Dict[str, float] = {}
+        commands: Dict[Tuple[str, str], List[float]] = {}
         for s in mine:
             k = kinds.setdefault(s.kind, dict(processes=0, cpu_s=0.0, alive_s=0.0))
             k["processes"] += 1
             k["cpu_s"] += s.cpu_s
             k["alive_s"] += s.last_s - s.first_s
             lanes[s.lane] = lanes.get(s.lane, 0.0) + s.cpu_s
+            c = commands.setdefault((s.kind, s.command), [0, 0.0])
+            c[0] += 1
+            c[1] += s.cpu_s
+        for kind, k in kinds.items():
+            top = sorted(((cmd, n, cpu) for (kd, cmd), (n, cpu) in commands.items()
+                          if kd == kind), key=lambda t: -t[2])[:3]
+            k["top"] = [[cmd, n, round(cpu, 1)] for cmd, n, cpu in top]
         return dict(seconds=time.monotonic() - self.t0, cores=os.cpu_count(),
                     cpu_s=sum(s.cpu_s for s in mine),
                     kinds=dict(sorted(kinds.items(), key=lambda kv: -kv[1]["cpu_s"])),
@@ -324,6 +356,7 @@ def format_cpu_report(rep: dict) -> str:
         busy = k["cpu_s"] / k["alive_s"] if k["alive_s"] else 0.0
         lines.append(f"  {kind}: {k['processes']} processes, {k['cpu_s']:.0f} CPU-s "
                      f"({busy:.0%} of their {k['alive_s']:.0f} s alive)")
+        lines += [f"    {cpu:.0f} CPU-s, {n} x {cmd}" for cmd, n, cpu in k.get("top", ())]
     lines.append("  by lane: " + ", ".join(f"{n} {s:.0f}" for n, s in rep["lanes"].items()))
     return "\n".join(lines)
 
@@ -408,7 +441,7 @@ def check(files: Optional[Sequence[pathlib.Path]] = None) -> List[str]:
     ``cuda``-marked test in exactly one lane, no lane empty, no non-cuda test in a lane's file
     selected as GPU work. Empty list: all good."""
     import pytest
-    from sglang.test.ci.ci_register import collect_tests
+    collect_tests = ci_register().collect_tests
 
     files = list(files or test_files())
     try:  # sglang's own check: each file registered, each with a __main__ entry
@@ -522,6 +555,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{lane.name}\t{lane.est_seconds:g}s\t{' '.join(lane.pytest_args())}")
         return 0
     out_dir = pathlib.Path(args.out)
+    # a server compiling with torch's inductor would otherwise start a pool of compile workers,
+    # a process per core, each importing torch: on a machine the lanes keep CPU-bound, compiling
+    # the few kernels in the server's own process costs less
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     account = None if args.no_cpu_account else CpuAccount().start()
     results = run_lanes(lanes, jobs=args.jobs, timeout=args.timeout, out_dir=out_dir,
                         account=account)

@@ -51,11 +51,14 @@ EVERY_FAULT_ENV = {
 }
 
 # EVERY_FAULT_ENV plus two sampled tokens swapped between rows, which the token oracle's
-# write-input check reports at the next forward (the oracle on: the swap needs it)
+# write-input check reports at the next forward (the oracle on: the swap needs it); with five
+# kinds drawing on one budget of faults, a larger budget and a likelier real_kv_used (each kind
+# must be injected at least once)
 EVERY_FAULT_WITH_ORACLE_ENV = dict(
     EVERY_FAULT_ENV, SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE="1",
     SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT="1",
-    SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB="0.3", SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="20")
+    SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB="0.3",
+    SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB="0.3", SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="40")
 
 # faults the forward itself reads: caught every time
 ALWAYS_CAUGHT = ("req_to_token", "real_kv_used")

@@ -180,6 +180,7 @@ def test_the_cpu_account_adds_up_each_lane_and_kind(tmp_path):
     burner.write_text(BURN + textwrap.dedent("""
         if sys.argv[1] == "child":
             burn(1.0)
+            time.sleep(1.0)  # sampled again after the burn, however loaded the machine
         elif sys.argv[1] == "lane":
             child = subprocess.Popen([sys.executable, "-c",
                                       "import runpy, sys; sys.argv = [sys.argv[1], 'child'];"
@@ -187,10 +188,11 @@ def test_the_cpu_account_adds_up_each_lane_and_kind(tmp_path):
                                       "sglang::scheduler_TP0"])
             burn(1.0)
             child.wait()
+            time.sleep(1.0)
         else:
             time.sleep(2.0)
         """))
-    account = gpu_lanes.CpuAccount(interval=0.1).start()
+    account = gpu_lanes.CpuAccount(interval=0.2).start()
     busy = subprocess.Popen([sys.executable, str(burner), "lane"])
     idle = subprocess.Popen([sys.executable, str(burner), "idle"])
     account.add_lane(busy.pid, "busy")
