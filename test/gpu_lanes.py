@@ -23,6 +23,10 @@ bytecode and its Python runs with ``-B`` (no ``.pyc`` written), so otherwise eac
 suite's few hundred processes (pytest, each server's engine, scheduler and detokenizer)
 compiles sglang's sources again: tens of CPU seconds each, on a machine the lanes keep
 CPU-bound (``--no-precompile`` skips it).
+
+While the lanes run, :class:`CpuAccount` adds up where the CPU time goes (by kind of process and
+by lane; printed before the lane lines, written to ``OUT/cpu_account.json``; the suite is bound
+by CPU, docs/architecture.md, "Registration and the GPU lanes"); ``--no-cpu-account`` skips it.
 """
 
 from __future__ import annotations
