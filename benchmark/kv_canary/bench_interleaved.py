@@ -30,13 +30,29 @@ weights are loaded once per server: the Qwen3-0.6B shape fits five times on one 
 Qwen3-30B-A3B shape (about 61 GB) does not fit twice on one GPU, so its rows stay with
 ``bench_serving_overhead.py``.
 
+The A/A control (on unless ``--no-control``): a second server of the baseline's config
+(``<baseline>~aa``) runs beside the others and is measured like them. Its paired difference
+from the baseline is the run's resolution: two identical servers differ by that much on this
+machine at this moment (their memory, their cores, their place in the round). It is printed
+beside each scenario's table; an overhead is claimed only where the A/A difference and its
+interval lie within +-0.3 % (``A/A_LIMIT``), and then only if the config's interval clears it.
+
+Order: the servers start in the config order rotated by ``--start-rotation`` (default: a
+different rotation for each invocation, recorded in the results), so no config always starts
+first (and gets the first memory share, the first cores). Within a run, round k sends to the
+servers in the order rotated by k (each server takes each place equally often), reversed in
+every other cycle (a server that follows another also precedes it).
+
 Per scenario (``bench_serving_overhead.py``'s: the same inputs per round, ``max_new_tokens``
 = osl, ``ignore_eos``, temperature 0): ``--warmup`` rounds (not recorded), then ``--rounds``
 rounds; before each request the server's radix cache is flushed (``/flush_cache``), so no
 request hits a cached prefix. Recorded per request: the wall time of the ``/generate`` call
 (client side) and the scheduler's prefill time from the output's ``meta_info`` (sglang's
 request metrics, ``--enable-metrics``: first forward entry to last prefill result
-processed; see ``server_prefill_ms``). Greedy outputs must agree between the configs of a
+processed; see ``server_prefill_ms``) and, for scenarios with more than one output token, the
+decode time sglang's tokenizer manager measured (first token to finish: ``decode_throughput``
+in ``meta_info``; see ``server_decode_ms``), not the client's wall time of a long request.
+Greedy outputs must agree between the configs of a
 round (the canary changes no output); disagreements are counted and printed.
 
 Run it on the device (bundles as in ``bench_serving_overhead.py``; about a minute per server
@@ -106,6 +122,8 @@ REQUEST_TIMEOUT_S = 600.0
 BOOTSTRAP_SAMPLES = 2000
 FLUSH_ATTEMPTS = 100
 DEFAULT_SCENARIOS = "prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k"
+CONTROL_SUFFIX = "~aa"  # the A/A control: a second server of the baseline's config
+AA_LIMIT = 0.003  # a run resolves 0.5 % only where its A/A control stays within +-0.3 %
 
 
 # ---- one server ---------------------------------------------------------------------------
@@ -121,14 +139,30 @@ def http_json(port: int, method: str, path: str, body=None,
         return status, text
 
 
+def server_decode_ms(outs: list[dict]) -> float | None:
+    """The decode time of one ``generate`` call as sglang's tokenizer manager measured it
+    (first output token to finish, per request: ``(completion_tokens - 1) /
+    decode_throughput``), the batch's median, in ms; None when the outputs have a single
+    token or no such figures."""
+    times = []
+    for o in outs:
+        meta = o.get("meta_info", {})
+        n, tput = meta.get("completion_tokens"), meta.get("decode_throughput")
+        if not n or n < 2 or not tput:
+            return None
+        times.append((n - 1) / tput * 1e3)
+    return statistics.median(times) if times else None
+
+
 class Server(ServerProcess):
     """One ``python -m sglang.launch_server`` process of config ``cfg`` (own session, log in
     ``log_path``)."""
 
-    def __init__(self, cfg: BenchConfig, kwargs: dict, env: dict[str, str], log_path: str):
+    def __init__(self, name: str, cfg: BenchConfig, kwargs: dict, env: dict[str, str],
+                 log_path: str):
         self.cfg = cfg
         port = free_port()
-        super().__init__(cfg.name, [sys.executable, "-m", "sglang.launch_server", "--host",
+        super().__init__(name, [sys.executable, "-m", "sglang.launch_server", "--host",
                                     "127.0.0.1", "--port", str(port),
                                     *engine_kwargs_to_argv(kwargs)],
                          port=port, env=env, log_path=log_path)
@@ -142,7 +176,7 @@ class Server(ServerProcess):
                 break
             time.sleep(0.02)
         else:
-            raise RuntimeError(f"[{self.cfg.name}] /flush_cache answered {status} "
+            raise RuntimeError(f"[{self.name}] /flush_cache answered {status} "
                                f"{FLUSH_ATTEMPTS} times: {body}")
         params = [{"max_new_tokens": osl, "ignore_eos": True, "temperature": 0}
                   for _ in input_ids]
@@ -151,11 +185,11 @@ class Server(ServerProcess):
                                  {"input_ids": input_ids, "sampling_params": params})
         ms = (time.perf_counter() - t0) * 1e3
         if status != 200 or not isinstance(outs, list) or len(outs) != len(input_ids):
-            raise RuntimeError(f"[{self.cfg.name}] /generate answered {status}: "
+            raise RuntimeError(f"[{self.name}] /generate answered {status}: "
                                f"{str(outs)[:500]}")
         lens = sorted({len(o["output_ids"]) for o in outs})
         if lens != [osl]:
-            raise RuntimeError(f"[{self.cfg.name}] expected outputs of {osl} tokens, got "
+            raise RuntimeError(f"[{self.name}] expected outputs of {osl} tokens, got "
                                f"lengths {lens}")
         return ms, outs
 
@@ -184,17 +218,29 @@ def summarise(values: Sequence[float]) -> dict:
 
 # ---- the run ----------------------------------------------------------------------------------
 
+def rotated(names: Sequence[str], r: int) -> list[str]:
+    """``names`` rotated left by ``r`` (any integer)."""
+    names = list(names)
+    r %= len(names)
+    return names[r:] + names[:r]
+
+
 def round_order(names: Sequence[str], k: int) -> list[str]:
-    """Round ``k``'s order: the configs as given (even rounds) or reversed (odd): ABBA."""
-    return list(names) if k % 2 == 0 else list(reversed(names))
+    """Round ``k``'s order (warm-up rounds have k < 0): ``names`` rotated by k, so each takes
+    each place equally often, reversed in every other cycle of ``len(names)`` rounds, so a
+    server that follows another also precedes it. For two servers: AB, BA, BA, AB (ABBA)."""
+    order = rotated(names, k)
+    return order if (k // len(names)) % 2 == 0 else order[::-1]
 
 
 def measure(servers: dict[str, Server], sc: Scenario, *, rounds: int, warmup: int,
-            vocab: int) -> tuple[dict[str, list[float]], dict[str, list], int]:
-    """Warm-up rounds, then ``rounds`` rounds of ``sc`` over ``servers``: per config the wall
-    ms and server-side ms per round, and the number of rounds whose outputs disagreed."""
+            vocab: int) -> tuple[dict[str, list[float]], dict[str, list], dict[str, list], int]:
+    """Warm-up rounds, then ``rounds`` rounds of ``sc`` over ``servers``: per server the wall
+    ms, the server's prefill ms and its decode ms per round (None where sglang gave none), and
+    the number of rounds whose outputs disagreed."""
     wall = {n: [] for n in servers}
     server = {n: [] for n in servers}
+    decode = {n: [] for n in servers}
     mismatched = 0
     for k in range(-warmup, rounds):
         ids = make_inputs(sc, k, vocab)
@@ -205,29 +251,50 @@ def measure(servers: dict[str, Server], sc: Scenario, *, rounds: int, warmup: in
             if k >= 0:
                 wall[name].append(ms)
                 server[name].append(server_prefill_ms(outs))
+                decode[name].append(server_decode_ms(outs))
         if k >= 0 and len({json.dumps(v) for v in outputs.values()}) > 1:
             mismatched += 1
-    return wall, server, mismatched
+    return wall, server, decode, mismatched
 
 
-def scenario_records(sc: Scenario, wall: dict, server: dict, mismatched: int, *,
-                     baseline: str, ports: dict, common: dict) -> list[dict]:
+def scenario_records(sc: Scenario, wall: dict, server: dict, decode: dict, mismatched: int,
+                     *, baseline: str, ports: dict, common: dict) -> list[dict]:
+    """One record per server of one scenario; every server but the baseline carries its paired
+    overheads against the baseline (``wall_overhead``, ``server_overhead`` for the prefill,
+    ``decode_overhead``). The A/A control's record (``control``: true) is the run's
+    resolution."""
     recs = []
     for name in wall:
-        rec = dict(kind="interleaved", config=name, scenario=sc.name, bs=sc.bs, isl=sc.isl,
-                   osl=sc.osl, baseline=baseline, rounds=len(wall[name]), port=ports[name],
-                   mismatched_rounds=mismatched, wall_runs_ms=wall[name],
-                   wall=summarise(wall[name]), **common)
-        have_server = None not in server[name] and None not in server[baseline]
-        if have_server:
-            rec["server_runs_ms"] = server[name]
-            rec["server"] = summarise(server[name])
+        rec = dict(kind="interleaved", config=name.removesuffix(CONTROL_SUFFIX),
+                   server_name=name, control=name.endswith(CONTROL_SUFFIX), scenario=sc.name,
+                   bs=sc.bs, isl=sc.isl, osl=sc.osl, baseline=baseline,
+                   rounds=len(wall[name]), port=ports[name], mismatched_rounds=mismatched,
+                   wall_runs_ms=wall[name], wall=summarise(wall[name]), **common)
+        for key, series in (("server", server), ("decode", decode)):
+            if None in series[name] or None in series[baseline]:
+                continue
+            rec[f"{key}_runs_ms"] = series[name]
+            rec[key] = summarise(series[name])
+            if name != baseline:
+                rec[f"{key}_overhead"] = paired_overhead(series[name], series[baseline])
         if name != baseline:
             rec["wall_overhead"] = paired_overhead(wall[name], wall[baseline])
-            if have_server:
-                rec["server_overhead"] = paired_overhead(server[name], server[baseline])
         recs.append(rec)
     return recs
+
+
+def resolved(rec: dict, control: dict | None, key: str) -> str:
+    """Whether ``rec``'s ``key`` overhead (``wall``, ``server``, ``decode``) is a claim: the
+    A/A control's median and interval lie within +-``AA_LIMIT`` and the config's interval
+    does not include 0. ``no control`` / ``control too wide`` / ``within noise`` /
+    ``resolved``."""
+    if control is None or f"{key}_overhead" not in control:
+        return "no control"
+    med, lo, hi = control[f"{key}_overhead"]
+    if max(abs(med), abs(lo), abs(hi)) > AA_LIMIT:
+        return "control too wide"
+    _, clo, chi = rec[f"{key}_overhead"]
+    return "within noise" if clo <= 0.0 <= chi else "resolved"
 
 
 def _pct(x: float) -> str:
@@ -240,19 +307,32 @@ def _interval(t) -> str:
 
 def table(records: list[dict]) -> str:
     """Markdown table of interleaved records (in their order)."""
-    out = ["| scenario | config | rounds | wall median / min ms | server median / min ms | "
-           "server p10 / p90 ms | paired overhead, server (median [95 % CI]) | "
-           "paired overhead, wall |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out = ["| scenario | config | rounds | wall median / min ms | server prefill median / min "
+           "ms | server decode median ms | paired overhead, server prefill (median [95 % CI]) "
+           "| paired overhead, server decode | paired overhead, wall |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    controls = {(r["invocation"], r["scenario"]): r for r in records if r.get("control")}
     for r in records:
-        w, s = r["wall"], r.get("server")
+        w, s, d = r["wall"], r.get("server"), r.get("decode")
+        control = controls.get((r.get("invocation"), r["scenario"]))
+        name = f"{r['config']} (A/A control)" if r.get("control") else r["config"]
+
+        def cell(key: str) -> str:
+            if f"{key}_overhead" not in r:
+                return "(baseline)" if r["config"] == r["baseline"] and not r.get("control") \
+                    else "—"
+            text = _interval(r[f"{key}_overhead"])
+            return text if r.get("control") else f"{text} ({resolved(r, control, key)})"
+
         out.append(
-            f"| {r['scenario']} (bs{r['bs']} isl{r['isl']} osl{r['osl']}) | {r['config']} | "
+            f"| {r['scenario']} (bs{r['bs']} isl{r['isl']} osl{r['osl']}) | {name} | "
             f"{r['rounds']} | {w['median']:.2f} / {w['min']:.2f} | "
-            + (f"{s['median']:.2f} / {s['min']:.2f} | {s['p10']:.2f} / {s['p90']:.2f} | "
-               if s else "— | — | ")
-            + (_interval(r["server_overhead"]) if "server_overhead" in r else "—") + " | "
-            + (_interval(r["wall_overhead"]) if "wall_overhead" in r else "(baseline)") + " |")
+            + (f"{s['median']:.2f} / {s['min']:.2f} | " if s else "— | ")
+            + (f"{d['median']:.2f} | " if d else "— | ")
+            + f"{cell('server')} | {cell('decode')} | {cell('wall')} |")
+    out.append(f"\nAn overhead is a claim (\"resolved\") only where the A/A control's median "
+               f"and 95 % interval lie within +-{AA_LIMIT * 100:.1f} % and the config's "
+               "interval excludes 0.")
     mism = {(r["scenario"], r["mismatched_rounds"]) for r in records if r["mismatched_rounds"]}
     for scn, m in sorted(mism):
         out.append(f"\n{scn}: greedy outputs disagreed between configs in {m} round(s)")
@@ -307,7 +387,6 @@ def run(args) -> int:
         model_dir, vocab = write_tiny_llama(os.path.join(tmp, "model")), \
             TINY_LLAMA_CONFIG["vocab_size"]
         base_env = cpu_server_env(build_libcuda_stub(os.path.join(tmp, "stub")))
-        fracs = [None] * len(names)
     else:
         model_dir = os.path.join(tmp, "model")
         os.makedirs(model_dir)
@@ -315,34 +394,46 @@ def run(args) -> int:
             json.dumps(MODELS[args.model], indent=1))
         vocab = MODELS[args.model]["vocab_size"]
         base_env = dict(os.environ)
-        fracs = memory_fractions(len(names), args.gpu_share or 0.8 / len(names))
+    # the servers: each config's, plus the A/A control (a second server of the baseline's)
+    server_names = names + ([args.baseline + CONTROL_SUFFIX] if args.control else [])
+    rotation = (args.start_rotation if args.start_rotation is not None
+                else int(invocation, 16) % len(server_names))
+    start_order = rotated(server_names, rotation)
+    if not smoke:
+        fracs = memory_fractions(len(server_names), args.gpu_share or 0.8 / len(server_names))
+    else:
+        fracs = [None] * len(server_names)
     base_env.pop("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", None)  # per config below
     print(f"KV-canary interleaved overhead — {gpu} — {now_utc()} — configs {', '.join(names)} "
-          f"(baseline {args.baseline}) — {args.rounds} rounds after {args.warmup} warm-up — "
-          f"results to {out}", flush=True)
-    servers: dict[str, Server] = {}
+          f"(baseline {args.baseline}"
+          + (f", A/A control {args.baseline + CONTROL_SUFFIX}" if args.control else "")
+          + f") — started in the order {', '.join(start_order)} — {args.rounds} rounds after "
+          f"{args.warmup} warm-up — results to {out}", flush=True)
+    started: dict[str, Server] = {}
     try:
-        for name, frac in zip(names, fracs):
-            cfg = CONFIGS[name]
+        for name, frac in zip(start_order, fracs):
+            cfg = CONFIGS[name.removesuffix(CONTROL_SUFFIX)]
             kwargs = {**settings.engine_kwargs(model_dir, smoke=smoke), **cfg.engine_kwargs()}
             if frac is not None:
                 kwargs["mem_fraction_static"] = frac
-            log_path = f"{out}.{name.replace('+', '_')}.log"
+            log_path = f"{out}.{name.replace('+', '_').replace('~', '_')}.log"
             t0 = time.perf_counter()
-            srv = Server(cfg, kwargs, {**base_env, **cfg.env()}, log_path)
-            servers[name] = srv
+            srv = Server(name, cfg, kwargs, {**base_env, **cfg.env()}, log_path)
+            started[name] = srv
             srv.wait_ready(args.start_timeout)
             print(f"[{name}] up in {time.perf_counter() - t0:.0f} s on port {srv.port} "
                   f"(mem fraction {frac}; log {log_path})", flush=True)
+        servers = {name: started[name] for name in server_names}  # rounds rotate from here
         common = dict(invocation=invocation, time=now_utc(), gpu=gpu, smoke=smoke,
                       model="tiny-llama (smoke)" if smoke else args.model,
-                      warmup_rounds=args.warmup, order=names)
+                      warmup_rounds=args.warmup, order=server_names, start_order=start_order)
         records = []
         for sc in scenarios:
             t0 = time.perf_counter()
-            wall, server, mismatched = measure(servers, sc, rounds=args.rounds,
-                                               warmup=args.warmup, vocab=vocab)
-            recs = scenario_records(sc, wall, server, mismatched, baseline=args.baseline,
+            wall, server, decode, mismatched = measure(servers, sc, rounds=args.rounds,
+                                                       warmup=args.warmup, vocab=vocab)
+            recs = scenario_records(sc, wall, server, decode, mismatched,
+                                    baseline=args.baseline,
                                     ports={n: srv.port for n, srv in servers.items()},
                                     common=common)
             for rec in recs:
@@ -351,7 +442,7 @@ def run(args) -> int:
             print(f"{sc.name}: {args.rounds} rounds in {time.perf_counter() - t0:.0f} s",
                   flush=True)
     finally:
-        for srv in servers.values():
+        for srv in started.values():
             srv.stop()
         for sub in ("model", "stub"):  # the results and logs stay
             shutil.rmtree(os.path.join(tmp, sub), ignore_errors=True)
@@ -375,6 +466,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="each server's share of the GPU's memory (default 0.8 / #configs)")
     ap.add_argument("--max-total-tokens", type=int, default=None,
                     help="each server's KV pool (default: what the scenarios need)")
+    ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the A/A control: a second server of the baseline's config "
+                         "(default on; its difference from the baseline is the resolution)")
+    ap.add_argument("--start-rotation", type=int, default=None,
+                    help="start the servers in the config order rotated by this much "
+                         "(default: a rotation drawn from the run's id)")
     ap.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S)
     ap.add_argument("--out", default=None, help="JSON lines file (appended)")
     ap.add_argument("--smoke-cpu", action="store_true",

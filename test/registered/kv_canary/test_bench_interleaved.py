@@ -15,7 +15,7 @@ import sys
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_canary"
 sys.path.insert(0, str(BENCH_DIR))
@@ -37,14 +37,40 @@ def test_paired_overhead_is_the_median_ratio_with_a_bootstrap_interval():
         bi.paired_overhead([1.0, 2.0], [1.0, 2.0, 3.0])
 
 
-def test_rounds_alternate_abba_and_memory_shares_accumulate():
-    names = ["off", "raise", "raise+token"]
-    assert bi.round_order(names, 0) == names
-    assert bi.round_order(names, 1) == names[::-1]
-    assert bi.round_order(names, -1) == names[::-1]  # warm-up rounds alternate too
+def test_rounds_rotate_each_server_through_each_place_and_memory_shares_accumulate():
+    two = ["off", "raise"]
+    assert [bi.round_order(two, k) for k in range(4)] == [two, two[::-1], two[::-1], two]  # ABBA
+    names = ["off", "raise", "raise+token", "off~aa"]
+    orders = [bi.round_order(names, k) for k in range(2 * len(names))]
+    for name in names:  # every server in every place, twice over two cycles
+        assert sorted(o.index(name) for o in orders) == [0, 0, 1, 1, 2, 2, 3, 3]
+    follows = {(o[i], o[i + 1]) for o in orders for i in range(len(o) - 1)}
+    assert all((b, a) in follows for a, b in follows)  # a server that follows another precedes it too
+    assert bi.round_order(names, -1) in orders  # warm-up rounds use the same orders
+    assert bi.rotated(names, 5) == bi.rotated(names, 1) == names[1:] + names[:1]
     assert bi.memory_fractions(3, 0.2) == [0.2, 0.4, 0.6]
     with pytest.raises(ValueError, match="--gpu-share 0.3 x 4 servers = 1.2 of the GPU"):
         bi.memory_fractions(4, 0.3)
+
+
+def test_decode_time_is_sglangs_own_and_the_control_decides_what_is_resolved():
+    def out(n, tput):
+        return {"output_ids": [1] * n, "meta_info": {"completion_tokens": n,
+                                                      "decode_throughput": tput}}
+
+    # (n - 1) / throughput per request, the batch's median, in ms
+    assert bi.server_decode_ms([out(101, 1000.0), out(101, 500.0), out(101, 1000.0)]) == \
+        pytest.approx(100.0)
+    assert bi.server_decode_ms([out(1, 0.0)]) is None  # one token: no decode
+    assert bi.server_decode_ms([{"output_ids": [1, 2], "meta_info": {}}]) is None
+
+    rec = {"server_overhead": (0.012, 0.008, 0.015), "decode_overhead": (0.001, -0.002, 0.004)}
+    quiet = {"server_overhead": (0.001, -0.002, 0.0025), "decode_overhead": (0.0, -0.001, 0.001)}
+    noisy = dict(quiet, server_overhead=(0.001, -0.006, 0.004))
+    assert bi.resolved(rec, quiet, "server") == "resolved"
+    assert bi.resolved(rec, quiet, "decode") == "within noise"
+    assert bi.resolved(rec, noisy, "server") == "control too wide"
+    assert bi.resolved(rec, None, "server") == "no control"
 
 
 def test_engine_kwargs_become_launch_server_flags():
@@ -55,7 +81,7 @@ def test_engine_kwargs_become_launch_server_flags():
                     "--kv-canary", "raise", "--chunked-prefill-size", "8192"]
 
 
-def test_measure_sends_each_round_to_every_server_in_abba_order():
+def test_measure_sends_each_round_to_every_server_in_rotating_order():
     calls = []
 
     class FakeServer:
@@ -64,44 +90,51 @@ def test_measure_sends_each_round_to_every_server_in_abba_order():
 
         def generate(self, ids, osl):
             calls.append(self.name)
-            meta = {"forward_entry_time": 1.0, "prefill_finished_time": 1.002}
+            meta = {"forward_entry_time": 1.0, "prefill_finished_time": 1.002,
+                    "completion_tokens": osl, "decode_throughput": 100.0}
             return 5.0, [{"output_ids": [self.token] * osl, "meta_info": meta} for _ in ids]
 
     sc = bi.SMOKE_SCENARIOS["prefill_bs1_512"]
     servers = {"off": FakeServer("off", 7), "raise": FakeServer("raise", 7)}
-    wall, server, mismatched = bi.measure(servers, sc, rounds=3, warmup=1, vocab=512)
-    assert calls == ["raise", "off", "off", "raise", "raise", "off", "off", "raise"]
+    wall, server, decode, mismatched = bi.measure(servers, sc, rounds=3, warmup=1, vocab=512)
+    # warm-up round -1, then rounds 0, 1, 2
+    assert calls == ["off", "raise", "off", "raise", "raise", "off", "raise", "off"]
     assert wall == {"off": [5.0] * 3, "raise": [5.0] * 3} and mismatched == 0
     assert server["off"] == pytest.approx([2.0] * 3)
+    assert decode["off"] == [None] * 3  # one output token: no decode time
     servers["raise"].token = 8  # the canary changed an output: counted
-    assert bi.measure(servers, sc, rounds=2, warmup=0, vocab=512)[2] == 2
+    assert bi.measure(servers, sc, rounds=2, warmup=0, vocab=512)[3] == 2
 
 
 @pytest.mark.slow
-def test_smoke_run_on_two_cpu_servers(tmp_path):
+def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
     out = tmp_path / "i.jsonl"
     proc = subprocess.run(
         [sys.executable, str(BENCH_DIR / "bench_interleaved.py"), "--smoke-cpu", "--configs",
          "off,raise", "--scenarios", "prefill_bs1_512", "--rounds", "2", "--warmup", "1",
-         "--out", str(out)],
+         "--start-rotation", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["config"] for r in recs] == ["off", "raise"]
+    assert [(r["server_name"], r["config"], r["control"]) for r in recs] == [
+        ("off", "off", False), ("raise", "raise", False), ("off~aa", "off", True)]
     assert {r["kind"] for r in recs} == {"interleaved"} and len({r["invocation"] for r in recs}) == 1
+    # started in the order rotated by one: the canary-on server first
+    assert all(r["start_order"] == ["raise", "off~aa", "off"] for r in recs)
     for r in recs:
         assert r["rounds"] == 2 and len(r["wall_runs_ms"]) == 2 and r["mismatched_rounds"] == 0
         assert len(r["server_runs_ms"]) == 2 and all(t > 0 for t in r["server_runs_ms"])
-    assert "wall_overhead" not in recs[0] and len(recs[1]["wall_overhead"]) == 3
-    assert len(recs[1]["server_overhead"]) == 3
+    assert "wall_overhead" not in recs[0]
+    assert all(len(r["wall_overhead"]) == 3 and len(r["server_overhead"]) == 3 for r in recs[1:])
     assert "| prefill_bs1_512 (bs1 isl16 osl1) | raise | 2 |" in proc.stdout
+    assert "| prefill_bs1_512 (bs1 isl16 osl1) | off (A/A control) | 2 |" in proc.stdout
     # each server was a canary-on / canary-off launch_server, and is gone (its port closed)
     assert "kv_canary installed" in (tmp_path / "i.jsonl.raise.log").read_text()
-    assert "kv_canary installed" not in (tmp_path / "i.jsonl.off.log").read_text()
+    for name in ("off", "off_aa"):
+        assert "kv_canary installed" not in (tmp_path / f"i.jsonl.{name}.log").read_text()
     for port in {r["port"] for r in recs}:
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
-
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -12,6 +12,7 @@ runs, ~3 min) and ``bench_hicache.py`` (GPU only) are not run here."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -99,22 +100,12 @@ def test_bench_serving_overhead_breakdown_smoke_times_every_launch():
             assert scatter[c] == "—", (c, scatter[c])
 
 
-def _abort_storm():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("abort_storm", BENCH_DIR / "abort_storm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_abort_storm_classifies_what_a_client_gets():
-    """``abort_storm.py`` (a 10-minute server storm, too long for CI): how it reads a
-    response. Completed, aborted by the canary (HTTP 500 with either of its messages, or a
-    200 whose finish reason is an abort), and anything else an error."""
+    """The storm of ``abort_storm.py`` (``testing/storm.py``; its server runs are in the soak
+    test): how it reads a response. Completed, aborted by the canary (HTTP 500 with either of
+    its messages, or a 200 whose finish reason is an abort), and anything else an error."""
     from sglang.srt.kv_canary.runner.containment import PREFIX_ABORT_MESSAGE
-
-    storm = _abort_storm()
+    from sglang.srt.kv_canary.testing import storm
     ok = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}}}
     assert storm.outcome(200, ok) == ("ok", [5, 6])
     direct = {"error": {"message": storm.ABORT_MESSAGE + "HEAD_K_FULL, fail_reason=x)"}}
@@ -131,6 +122,24 @@ def test_abort_storm_classifies_what_a_client_gets():
     assert len({tuple(ids[:16]) for ids, _ in reqs}) <= 6
     assert sum(len(ids) > 32 for ids, _ in reqs) > 24
     assert all(4 <= n <= 24 for _, n in reqs)
+
+
+@pytest.mark.parametrize("field, value", [("mode", "raise"), ("device", "tpu"), ("seconds", 0),
+                                          ("clients", 0), ("page_size", 0),
+                                          ("warmup_steps", -1)])
+def test_storm_settings_name_the_bad_value(field, value):
+    from sglang.srt.kv_canary.testing.storm import StormSettings
+
+    with pytest.raises(ValueError, match=field.replace("_", ".") if "_" in field else field):
+        StormSettings(**{"mode": "abort", field: value})
+    argv = ["--mode", "abort", f"--{field.replace('_', '-')}", str(value)]
+    if field in ("mode", "device"):  # argparse's own choices refuse these first
+        return
+    spec = importlib.util.spec_from_file_location("abort_storm", BENCH_DIR / "abort_storm.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with pytest.raises(SystemExit):
+        cli.parse_args(argv)
 
 
 if __name__ == "__main__":

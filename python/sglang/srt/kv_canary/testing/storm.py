@@ -1,0 +1,279 @@
+"""A storm of self-test faults on a real HTTP server with many clients, for containment
+(docs/user_guide.md, "Containment: --kv-canary abort"). Used by
+``benchmark/kv_canary/abort_storm.py`` (the 10-minute runs) and by the CPU soak test
+(``test_soak_server.py``, a shorter one in CI): :func:`run_storm` with a
+:class:`StormSettings`.
+
+The tiny dummy-weight Llama of ``server_harness`` on the CPU (``device="cuda"``: on the GPU,
+page size 1 or 16). First a canary-off server (plugin loaded, ``--kv-canary`` unset)
+answers every request of a fixed list once: its greedy outputs are the reference. Then a
+server with ``--kv-canary MODE --enable-metrics``, a small KV pool, small prefill chunks and
+faults injected with the given probabilities per forward (after a warm-up) serves the same
+list in rounds, ``clients`` requests at a time, for ``seconds``; then it idles and is asked
+``/health``. sglang's own pool checks are strict: after every batch
+(``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1``) and when idle (its default), a slot
+missing from the accounting stops the server.
+
+The requests share a few prefixes (radix-cache hits: one corrupt prefix touches several
+requests) and most are longer than one prefill chunk. The checks (the figures' ``checks``):
+
+- the server is alive at the end, after idling, and ``/health`` answers 200; no
+  ``Traceback``, no sglang leak report, no out-of-memory stop in its log;
+- every fault class of ``FAULTS`` was injected;
+- abort: every request that did not complete ended with one of the canary's two abort
+  messages; every completed one equals the reference; the Prometheus counter of aborted
+  requests, read when the clients are done (before ``/health``, whose own generate request the
+  canary may abort too), equals the aborts the clients saw;
+- log: every request completes (outputs may differ from the reference: log mode serves what
+  it reads, and says so).
+
+Not injected: ``next_token_swap`` (it swaps the token oracle's samples, so it needs the
+oracle in place of the model's sampling, and a swap of a request's last token is caught by the
+next forward's token check only if the request has one) and ``host_kv`` (HiCache, which abort
+mode refuses).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import pathlib
+import random
+import re
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+from sglang.srt.kv_canary.perturb.config import FaultKind
+from sglang.srt.kv_canary.perturb.report import parse_perturb_line
+from sglang.srt.kv_canary.runner.containment import PREFIX_ABORT_MESSAGE
+from sglang.srt.kv_canary.runner.metrics import ABORTED_REQUESTS
+from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.testing.server_harness import (
+    ServerProcess,
+    build_libcuda_stub,
+    cpu_engine_kwargs,
+    cpu_server_env,
+    engine_kwargs_to_argv,
+    free_port,
+    gpu_engine_kwargs,
+    http_call,
+    write_tiny_llama,
+)
+
+ABORT_MESSAGE = "kv_canary: KV cache corruption detected (launch_tag="
+ABORTED_METRIC = ABORTED_REQUESTS
+LEAK_MARKERS = ("memory leak", "Out of memory", "Traceback")
+FAULTS = {  # probability per forward step, after the warm-up
+    FaultKind.REQ_TO_TOKEN: 0.02,
+    FaultKind.REAL_KV_USED: 0.02,
+    FaultKind.REAL_KV_UNUSED_CACHE: 0.01,
+    FaultKind.REAL_KV_POST_FORWARD: 0.01,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StormSettings:
+    """One storm. ``mode``: ``abort`` or ``log``; ``seconds`` of traffic from ``clients``
+    concurrent clients over a list of ``requests`` distinct requests; the server's KV pool
+    (``pool`` tokens, ``--max-total-tokens``), prefill chunk and page size; faults from forward
+    step ``warmup_steps`` on; ``idle_seconds`` idle at the end (sglang's idle leak check);
+    ``out``: where the logs and ``results.json`` go (None: a new temporary directory)."""
+
+    mode: str
+    seconds: float = 600
+    clients: int = 8
+    requests: int = 48
+    pool: int = 1024
+    chunk: int = 32
+    page_size: int = 1
+    warmup_steps: int = 50
+    idle_seconds: float = 15
+    device: str = "cpu"
+    seed: int = 7
+    out: Optional[pathlib.Path] = None
+
+    def __post_init__(self):
+        if self.mode not in ("abort", "log"):
+            raise ValueError(f"storm mode must be 'abort' or 'log', got {self.mode!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"storm device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.seconds <= 0 or self.idle_seconds < 0:
+            raise ValueError(f"storm seconds must be > 0 and idle seconds >= 0, got "
+                             f"{self.seconds!r} and {self.idle_seconds!r}")
+        for name in ("clients", "requests", "pool", "chunk", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"storm {name} must be >= 1, got {getattr(self, name)!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"storm warmup_steps must be >= 0, got {self.warmup_steps!r}")
+
+
+def request_list(n: int, seed: int) -> List[Tuple[List[int], int]]:
+    """``n`` requests (prompt ids, max new tokens): six shared prefixes of 16-96 tokens, a
+    tail of 4-60, 4-24 new tokens."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 500) for _ in range(rng.randrange(16, 97))] for _ in range(6)]
+    return [(rng.choice(prefixes) + [rng.randrange(3, 500) for _ in range(rng.randrange(4, 61))],
+             rng.randrange(4, 25)) for _ in range(n)]
+
+
+def generate(port: int, rid: str, ids: List[int], max_new: int) -> Tuple[int, dict]:
+    status, body = http_call(port, "POST", "/generate", {
+        "rid": rid, "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}},
+        timeout=600)
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, {"raw": body.decode(errors="replace")[:300]}
+
+
+def outcome(status: int, out: dict) -> Tuple[str, object]:
+    """("ok", output ids) or ("aborted", message) or ("error", text)."""
+    if status == 200 and "output_ids" in out:
+        reason = (out.get("meta_info") or {}).get("finish_reason") or {}
+        if reason.get("type") == "abort":
+            return "aborted", str(reason.get("message"))
+        return "ok", out["output_ids"]
+    text = json.dumps(out)[:300]
+    if ABORT_MESSAGE in text or PREFIX_ABORT_MESSAGE in text:
+        return "aborted", text
+    return "error", f"HTTP {status}: {text}"
+
+
+def run_clients(port: int, requests, *, clients: int, until: Optional[float], rounds: int):
+    """Send ``requests`` in order, ``clients`` at a time, ``rounds`` times over (or until the
+    monotonic deadline ``until``): a list of (request index, rid, outcome)."""
+    lock = threading.Lock()
+    state = {"next": 0}
+    results: List[Tuple[int, str, Tuple[str, object]]] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                k = state["next"]
+                state["next"] += 1
+            if (until is None and k >= rounds * len(requests)) or \
+                    (until is not None and time.monotonic() > until):
+                return
+            i = k % len(requests)
+            ids, max_new = requests[i]
+            rid = f"r{i}-{k}"
+            try:
+                res = outcome(*generate(port, rid, ids, max_new))
+            except OSError as e:
+                res = ("error", f"transport: {e}")
+            with lock:
+                results.append((i, rid, res))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def metric_total(port: int, name: str) -> float:
+    status, body = http_call(port, "GET", "/metrics", timeout=60)
+    if status != 200:
+        raise RuntimeError(f"/metrics answered {status}")
+    return sum(float(m.group(1)) for m in re.finditer(
+        rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", body.decode(), re.M))
+
+
+def start(name: str, root: pathlib.Path, model: str, env: Dict[str, str], device: str,
+          extra: List[str], **kwargs) -> ServerProcess:
+    port = free_port()
+    make = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
+    argv = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1",
+            "--port", str(port), *engine_kwargs_to_argv(make(model, **kwargs)), *extra]
+    server = ServerProcess(name, argv, port=port, env=env, log_path=root / f"{name}.log")
+    server.wait_ready(600)
+    return server
+
+
+def run_storm(settings: StormSettings) -> dict:
+    """Run one storm; returns its figures (JSON-ready), with ``checks`` (check name ->
+    passed) and ``root`` (where the logs and ``results.json`` (rid -> outcome) are)."""
+    root = settings.out or pathlib.Path(tempfile.mkdtemp(prefix="kv_canary_storm_"))
+    root.mkdir(parents=True, exist_ok=True)
+    model = write_tiny_llama(root / "model")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if settings.device == "cpu":
+        env = cpu_server_env(build_libcuda_stub(root / "stub"), base=env)
+    server_kwargs = dict(max_total_tokens=settings.pool, chunked_prefill_size=settings.chunk,
+                         page_size=settings.page_size, max_running_requests=settings.clients,
+                         log_level="info")
+    requests = request_list(settings.requests, settings.seed)
+
+    off = start("off", root, model, env, settings.device, [], **server_kwargs)
+    try:
+        ref = {i: res for i, _, res in run_clients(off.port, requests, clients=settings.clients,
+                                                   until=None, rounds=1)}
+    finally:
+        off.stop()
+    bad_ref = {i: r for i, r in ref.items() if r[0] != "ok"}
+    if bad_ref:
+        return dict(root=str(root), checks={"the canary-off server served every request": False},
+                    reference_failures={str(i): r for i, r in bad_ref.items()})
+
+    faults = FAULTS
+    storm_env = dict(env, SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS=str(settings.warmup_steps),
+                     SGLANG_KV_CANARY_PERTURB_TARGET_GROUP="full",
+                     SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT="1",
+                     SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
+                     **{k.env_var: str(p) for k, p in faults.items()})
+    storm = start("storm", root, model, storm_env, settings.device,
+                  ["--kv-canary", settings.mode, "--kv-canary-real-data", "partial",
+                   "--kv-canary-sweep-interval", "4", "--enable-metrics"], **server_kwargs)
+    checks: Dict[str, bool] = {}
+    t0 = time.monotonic()
+    try:
+        results = run_clients(storm.port, requests, clients=settings.clients,
+                              until=time.monotonic() + settings.seconds, rounds=0)
+        served_s = time.monotonic() - t0
+        # read before /health: sglang's health check is a generate request of its own, which
+        # the canary aborts like any other if it reads a corrupt prefix (no client sees it)
+        aborted_metric = (metric_total(storm.port, ABORTED_METRIC) if storm.alive() else -1)
+        time.sleep(settings.idle_seconds)  # idle: sglang's leak check runs
+        checks["alive after idle"] = storm.alive()
+        health = http_call(storm.port, "GET", "/health", timeout=60)[0] if storm.alive() else 0
+        checks["/health 200 after idle"] = health == 200
+        aborted_metric_after_health = (metric_total(storm.port, ABORTED_METRIC)
+                                       if storm.alive() else -1)
+    finally:
+        storm.stop()
+    log = storm.log()
+    (root / "results.json").write_text(json.dumps({rid: res for _, rid, res in results}))
+    kinds = collections.Counter(r[0] for _, _, r in results)
+    injected = collections.Counter(f["fault"] for f in map(parse_perturb_line,
+                                                            log.splitlines()) if f)
+    violations = parse_violation_lines(log)
+    mismatched = sum(1 for i, _, (kind, out) in results if kind == "ok" and out != ref[i][1])
+    aborted = [out for _, _, (kind, out) in results if kind == "aborted"]
+    checks["no Traceback, leak or out-of-memory in the log"] = not any(
+        m in log for m in LEAK_MARKERS)
+    checks["no request failed otherwise"] = kinds["error"] == 0
+    checks["every fault class was injected"] = set(injected) == {k.value for k in faults}
+    if settings.mode == "abort":
+        checks["every abort carries the canary's message"] = all(
+            ABORT_MESSAGE in m or PREFIX_ABORT_MESSAGE in m for m in aborted)
+        checks["every completed output equals canary off"] = mismatched == 0
+        checks["aborted_requests_total equals the aborts seen"] = aborted_metric == len(aborted)
+    else:
+        checks["every request completed"] = kinds["ok"] == len(results)
+    figures = dict(
+        mode=settings.mode, device=settings.device, page_size=settings.page_size, seconds=round(served_s),
+        clients=settings.clients, pool_tokens=settings.pool, chunk=settings.chunk,
+        requests=len(results), completed=kinds["ok"], aborted=len(aborted),
+        errors=kinds["error"], completed_differing_from_off=mismatched,
+        faults_injected=dict(injected), violation_lines=len(violations),
+        aborted_metric=aborted_metric, aborted_metric_after_health=aborted_metric_after_health,
+        prefix_evictions=log.count("kv_canary abort: evicted a radix-cache prefix"),
+        checks=checks, root=str(root))
+    return figures
