@@ -533,13 +533,13 @@ MUTANTS = (
     # ---- issue 22: the interleaved benchmark's statistics --------------------------------------
     Mutant(
         id="interleaved-no-abba", path="benchmark/kv_canary/bench_interleaved.py",
-        old="return list(names) if k % 2 == 0 else list(reversed(names))",
-        new="return list(names)",
+        old="    return order if (k // len(names)) % 2 == 0 else order[::-1]",
+        new="    return list(names)",
         selection=f"{_T}/test_bench_interleaved.py::"
-                  "test_rounds_alternate_abba_and_memory_shares_accumulate "
+                  "test_rounds_rotate_each_server_through_each_place_and_memory_shares_accumulate "
                   f"{_T}/test_bench_interleaved.py::"
-                  "test_measure_sends_each_round_to_every_server_in_abba_order",
-        speed="quick", what="every round visits the configs in one order"),
+                  "test_measure_sends_each_round_to_every_server_in_rotating_order",
+        speed="quick", what="every round visits the servers in one order"),
     Mutant(
         id="interleaved-mean-ratio", path="benchmark/kv_canary/bench_interleaved.py",
         old="    return statistics.median(ratios), quantile(meds, 0.025)",
@@ -551,6 +551,6 @@ MUTANTS = (
         id="interleaved-mismatch-uncounted", path="benchmark/kv_canary/bench_interleaved.py",
         old="            mismatched += 1\n", new="            pass\n",
         selection=f"{_T}/test_bench_interleaved.py::"
-                  "test_measure_sends_each_round_to_every_server_in_abba_order",
+                  "test_measure_sends_each_round_to_every_server_in_rotating_order",
         speed="quick", what="a config that changes greedy outputs goes unnoticed"),
 )
