@@ -353,9 +353,9 @@ class CpuAccount:
 
 
 def format_cpu_report(rep: dict) -> str:
+    share = rep["cpu_s"] / max(1e-9, rep["seconds"] * (rep["cores"] or 1))
     lines = [f"gpu_lanes CPU: {rep['cpu_s']:.0f} CPU-s in {rep['seconds']:.0f} s on "
-             f"{rep['cores']} cores ({rep['cpu_s'] / max(1e-9, rep['seconds'] * (rep['cores'] or 1)):.0%} "
-             "of the machine)"]
+             f"{rep['cores']} cores ({share:.0%} of the machine)"]
     for kind, k in rep["kinds"].items():
         busy = k["cpu_s"] / k["alive_s"] if k["alive_s"] else 0.0
         lines.append(f"  {kind}: {k['processes']} processes, {k['cpu_s']:.0f} CPU-s "

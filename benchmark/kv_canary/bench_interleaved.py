@@ -112,9 +112,9 @@ from bench_serving_overhead import (  # noqa: E402  (the sibling script)
 
 from sglang.srt.kv_canary.testing.server_harness import (  # noqa: E402
     ServerProcess,
-    engine_kwargs_to_argv,
     free_port,
     http_call,
+    launch_server_flags,
 )
 
 START_TIMEOUT_S = 900.0
@@ -162,9 +162,8 @@ class Server(ServerProcess):
                  log_path: str):
         self.cfg = cfg
         port = free_port()
-        super().__init__(name, [sys.executable, "-m", "sglang.launch_server", "--host",
-                                    "127.0.0.1", "--port", str(port),
-                                    *engine_kwargs_to_argv(kwargs)],
+        super().__init__(name, [sys.executable, "-m", "sglang.launch_server",
+                                *launch_server_flags(port, kwargs)],
                          port=port, env=env, log_path=log_path)
 
     def generate(self, input_ids: list[list[int]], osl: int) -> tuple[float, list[dict]]:

@@ -16,9 +16,9 @@ from sglang.srt.kv_canary.testing.server_harness import (  # noqa: F401  (http_c
     ServerProcess,
     ServerStartError,
     cpu_engine_kwargs,
-    engine_kwargs_to_argv,
     free_port,
     http_call,
+    launch_server_flags,
 )
 
 START_TIMEOUT_S = 240.0
@@ -27,8 +27,7 @@ START_TIMEOUT_S = 240.0
 def server_argv(model_dir: str, port: int, **engine_kwargs) -> list[str]:
     """``cpu_engine_kwargs(model_dir, **engine_kwargs)`` (the harness's CPU server settings)
     as launch_server flags."""
-    return ["--host", "127.0.0.1", "--port", str(port),
-            *engine_kwargs_to_argv(cpu_engine_kwargs(model_dir, **engine_kwargs))]
+    return launch_server_flags(port, cpu_engine_kwargs(model_dir, **engine_kwargs))
 
 
 def launcher_argv(launcher: str) -> list[str]:

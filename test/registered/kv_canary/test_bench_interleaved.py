@@ -45,7 +45,8 @@ def test_rounds_rotate_each_server_through_each_place_and_memory_shares_accumula
     for name in names:  # every server in every place, twice over two cycles
         assert sorted(o.index(name) for o in orders) == [0, 0, 1, 1, 2, 2, 3, 3]
     follows = {(o[i], o[i + 1]) for o in orders for i in range(len(o) - 1)}
-    assert all((b, a) in follows for a, b in follows)  # a server that follows another precedes it too
+    # a server that follows another also precedes it
+    assert all((b, a) in follows for a, b in follows)
     assert bi.round_order(names, -1) in orders  # warm-up rounds use the same orders
     assert bi.rotated(names, 5) == bi.rotated(names, 1) == names[1:] + names[:1]
     assert bi.memory_fractions(3, 0.2) == [0.2, 0.4, 0.6]

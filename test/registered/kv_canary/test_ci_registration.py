@@ -174,8 +174,9 @@ BURN = ("import subprocess, sys, time\n"
 
 def test_the_cpu_account_adds_up_each_lane_and_kind(tmp_path):
     """The suite's account of where its CPU time went: a lane's process and its child (its
-    command line naming it as sglang's retitled scheduler does) each burn about a second; both count for the
-    lane, the child as a scheduler; the lane's sleeping neighbour costs next to nothing."""
+    command line naming it as sglang's retitled scheduler does) each burn about a second; both
+    count for the lane, the child as a scheduler; the lane's sleeping neighbour costs next to
+    nothing."""
     burner = tmp_path / "burner.py"
     burner.write_text(BURN + textwrap.dedent("""
         if sys.argv[1] == "child":
@@ -214,7 +215,8 @@ def test_the_cpu_account_adds_up_each_lane_and_kind(tmp_path):
     ("python3", "sglang::detokenizer", "detokenizer"),
     ("ptxas", "ptxas -arch=sm_90a x.ptx", "native compiler"),
     ("python", "python -m pytest -q test_x.py", "pytest"),
-    ("python", "python test/registered/kv_canary/e2e_support/workload.py m none {}", "engine (workload, demo)"),
+    ("python", "python test/registered/kv_canary/e2e_support/workload.py m none {}",
+     "engine (workload, demo)"),
     ("bash", "bash -c sleep 1", "other"),
 ])
 def test_cpu_kinds(comm, cmd, kind):

@@ -307,6 +307,12 @@ def engine_kwargs_to_argv(kwargs: dict) -> List[str]:
     return argv
 
 
+def launch_server_flags(port: int, engine_kwargs: dict) -> List[str]:
+    """The flags of a ``launch_server`` / ``sglang serve`` on ``127.0.0.1:port`` with
+    ``engine_kwargs`` (:func:`engine_kwargs_to_argv`); the caller puts its launcher first."""
+    return ["--host", "127.0.0.1", "--port", str(port), *engine_kwargs_to_argv(engine_kwargs)]
+
+
 def free_port() -> int:
     """A free port below 55536: sglang 0.5.12 refuses a port whose ``port + 10000`` (its
     gRPC port) is not a valid port, so the kernel's ephemeral range will not do."""

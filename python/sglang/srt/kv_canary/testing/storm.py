@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Tuple
 
 from sglang.srt.kv_canary.perturb.config import FaultKind
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-from sglang.srt.kv_canary.runner.containment import PREFIX_ABORT_MESSAGE
+from sglang.srt.kv_canary.runner.containment import ABORT_MESSAGE_PREFIX, PREFIX_ABORT_MESSAGE
 from sglang.srt.kv_canary.runner.metrics import ABORTED_REQUESTS
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
@@ -58,15 +58,15 @@ from sglang.srt.kv_canary.testing.server_harness import (
     build_libcuda_stub,
     cpu_engine_kwargs,
     cpu_server_env,
-    engine_kwargs_to_argv,
     free_port,
     gpu_engine_kwargs,
     http_call,
+    launch_server_flags,
     write_tiny_llama,
 )
 
-ABORT_MESSAGE = "kv_canary: KV cache corruption detected (launch_tag="
-ABORTED_METRIC = ABORTED_REQUESTS
+# the message of a request the canary aborted for a violation it touches (runner/containment)
+ABORT_MESSAGE = f"{ABORT_MESSAGE_PREFIX} (launch_tag="
 LEAK_MARKERS = ("memory leak", "Out of memory", "Traceback")
 FAULTS = {  # probability per forward step, after the warm-up
     FaultKind.REQ_TO_TOKEN: 0.02,
@@ -190,8 +190,8 @@ def start(name: str, root: pathlib.Path, model: str, env: Dict[str, str], device
           extra: List[str], **kwargs) -> ServerProcess:
     port = free_port()
     make = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
-    argv = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1",
-            "--port", str(port), *engine_kwargs_to_argv(make(model, **kwargs)), *extra]
+    argv = [sys.executable, "-m", "sglang.launch_server",
+            *launch_server_flags(port, make(model, **kwargs)), *extra]
     server = ServerProcess(name, argv, port=port, env=env, log_path=root / f"{name}.log")
     server.wait_ready(600)
     return server
@@ -222,12 +222,11 @@ def run_storm(settings: StormSettings) -> dict:
         return dict(root=str(root), checks={"the canary-off server served every request": False},
                     reference_failures={str(i): r for i, r in bad_ref.items()})
 
-    faults = FAULTS
     storm_env = dict(env, SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS=str(settings.warmup_steps),
                      SGLANG_KV_CANARY_PERTURB_TARGET_GROUP="full",
                      SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT="1",
                      SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
-                     **{k.env_var: str(p) for k, p in faults.items()})
+                     **{k.env_var: str(p) for k, p in FAULTS.items()})
     storm = start("storm", root, model, storm_env, settings.device,
                   ["--kv-canary", settings.mode, "--kv-canary-real-data", "partial",
                    "--kv-canary-sweep-interval", "4", "--enable-metrics"], **server_kwargs)
@@ -239,12 +238,12 @@ def run_storm(settings: StormSettings) -> dict:
         served_s = time.monotonic() - t0
         # read before /health: sglang's health check is a generate request of its own, which
         # the canary aborts like any other if it reads a corrupt prefix (no client sees it)
-        aborted_metric = (metric_total(storm.port, ABORTED_METRIC) if storm.alive() else -1)
+        aborted_metric = (metric_total(storm.port, ABORTED_REQUESTS) if storm.alive() else -1)
         time.sleep(settings.idle_seconds)  # idle: sglang's leak check runs
         checks["alive after idle"] = storm.alive()
         health = http_call(storm.port, "GET", "/health", timeout=60)[0] if storm.alive() else 0
         checks["/health 200 after idle"] = health == 200
-        aborted_metric_after_health = (metric_total(storm.port, ABORTED_METRIC)
+        aborted_metric_after_health = (metric_total(storm.port, ABORTED_REQUESTS)
                                        if storm.alive() else -1)
     finally:
         storm.stop()
@@ -259,7 +258,7 @@ def run_storm(settings: StormSettings) -> dict:
     checks["no Traceback, leak or out-of-memory in the log"] = not any(
         m in log for m in LEAK_MARKERS)
     checks["no request failed otherwise"] = kinds["error"] == 0
-    checks["every fault class was injected"] = set(injected) == {k.value for k in faults}
+    checks["every fault class was injected"] = set(injected) == {k.value for k in FAULTS}
     if settings.mode == "abort":
         checks["every abort carries the canary's message"] = all(
             ABORT_MESSAGE in m or PREFIX_ABORT_MESSAGE in m for m in aborted)
@@ -268,8 +267,9 @@ def run_storm(settings: StormSettings) -> dict:
     else:
         checks["every request completed"] = kinds["ok"] == len(results)
     figures = dict(
-        mode=settings.mode, device=settings.device, page_size=settings.page_size, seconds=round(served_s),
-        clients=settings.clients, pool_tokens=settings.pool, chunk=settings.chunk,
+        mode=settings.mode, device=settings.device, page_size=settings.page_size,
+        seconds=round(served_s), clients=settings.clients, pool_tokens=settings.pool,
+        chunk=settings.chunk,
         requests=len(results), completed=kinds["ok"], aborted=len(aborted),
         errors=kinds["error"], completed_differing_from_off=mismatched,
         faults_injected=dict(injected), violation_lines=len(violations),
