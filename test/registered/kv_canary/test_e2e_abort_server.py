@@ -12,7 +12,6 @@ import concurrent.futures
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 import pytest
@@ -21,9 +20,12 @@ from cli_server import CliServer, http_call
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.containment import PREFIX_ABORT_MESSAGE, parse_prefix_abort_rids
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.testing.storm import ABORT_MESSAGE
 from sglang.srt.kv_canary.testing.server_harness import (
     build_libcuda_stub,
     cpu_server_env,
+    metric_series,
+    metric_total,
     write_tiny_llama,
 )
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -36,7 +38,6 @@ SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 # small chunks (chunked prefill) and a small pool (radix evictions)
 SERVER_ARGS = dict(chunked_prefill_size=32, max_total_tokens=384, max_running_requests=8,
                    log_level="info")
-ABORT_MESSAGE = "kv_canary: KV cache corruption detected (launch_tag="
 MAX_NEW = 16
 
 
@@ -48,23 +49,6 @@ def server(tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
     env["SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT"] = "1"
     return dict(model=model, env=env, root=root)
-
-
-def metrics(port: int) -> dict:
-    """``/metrics`` as {(name, frozenset(labels)): value} for the canary's series."""
-    status, body = http_call(port, "GET", "/metrics", timeout=60)
-    assert status == 200, body[:300]
-    out = {}
-    for line in body.decode().splitlines():
-        m = re.match(r"(sglang:kv_canary_\w+)(?:\{(.*)\})? (\S+)$", line)
-        if m:
-            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-            out[(m.group(1), labels)] = float(m.group(3))
-    return out
-
-
-def total(series: dict, name: str) -> float:
-    return sum(v for (n, _), v in series.items() if n == name)
 
 
 def generate(port: int, rid: str, input_ids) -> tuple:
@@ -108,11 +92,11 @@ def test_abort_server_clean_run_exports_metrics_and_settings(server):
                      "--kv-canary-real-data", "partial", "--enable-metrics"], **SERVER_ARGS)
     try:
         srv.wait_ready()
-        first = metrics(srv.port)
+        first = metric_series(srv.port)
         for w in range(3):
             results = wave(srv.port, f"clean{w}", prefix_len=40 + 8 * w)
             assert all(completed(*r) for r in results.values()), results
-        second = metrics(srv.port)
+        second = metric_series(srv.port)
         status, body = http_call(srv.port, "GET", "/server_info", timeout=60)
         assert status == 200
         info = json.loads(body)["kv_canary"]
@@ -122,11 +106,12 @@ def test_abort_server_clean_run_exports_metrics_and_settings(server):
     log = srv.log()
     assert parse_violation_lines(log) == [] and "Traceback" not in log, log[-3000:]
     verified = "sglang:kv_canary_verified_slots_total"
-    assert total(second, verified) > total(first, verified) > 0  # it checks, and keeps on
-    assert total(second, "sglang:kv_canary_sweep_passes_total") > 0
-    assert total(second, "sglang:kv_canary_violations_total") == 0
-    assert total(second, "sglang:kv_canary_aborted_requests_total") == 0
-    assert total(second, "sglang:kv_canary_dropped_violations_total") == 0
+    # it checks, and keeps on
+    assert metric_total(second, verified) > metric_total(first, verified) > 0
+    assert metric_total(second, "sglang:kv_canary_sweep_passes_total") > 0
+    assert metric_total(second, "sglang:kv_canary_violations_total") == 0
+    assert metric_total(second, "sglang:kv_canary_aborted_requests_total") == 0
+    assert metric_total(second, "sglang:kv_canary_dropped_violations_total") == 0
     assert any(n == "sglang:kv_canary_protected_tokens" for n, _ in second)
     # the series carry sglang's scheduler labels
     assert all(dict(labels).get("tp_rank") == "0" for (_, labels) in second)
@@ -154,7 +139,7 @@ def test_abort_server_contains_faults_and_keeps_serving(server):
                 break
         later = wave(srv.port, "later", prefix_len=36)  # after the faults: all complete
         assert http_call(srv.port, "GET", "/health", timeout=60)[0] == 200
-        series = metrics(srv.port)
+        series = metric_series(srv.port)
         assert srv.alive()
     finally:
         srv.stop()
@@ -185,7 +170,7 @@ def test_abort_server_contains_faults_and_keeps_serving(server):
             d = dict(labels)
             got[(d["launch_tag"], d["fail_reason"])] = value
     assert got == by_label
-    assert total(series, "sglang:kv_canary_aborted_requests_total") == len(aborted)
+    assert metric_total(series, "sglang:kv_canary_aborted_requests_total") == len(aborted)
 
 
 def run_abort_engine(model: str, env: dict, device: str, mode: str = "waves",

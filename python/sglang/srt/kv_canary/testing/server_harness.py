@@ -343,6 +343,29 @@ def http_call(port: int, method: str, path: str, body=None,
         conn.close()
 
 
+MetricSeries = Dict[Tuple[str, frozenset], float]
+
+
+def metric_series(port: int, prefix: str = "sglang:kv_canary_") -> MetricSeries:
+    """The server's ``/metrics`` (Prometheus text) as ``{(name, frozenset of (label,
+    value)): value}`` for the series whose name starts with ``prefix``; raises when
+    ``/metrics`` does not answer 200 (``--enable-metrics`` off)."""
+    status, body = http_call(port, "GET", "/metrics", timeout=60)
+    if status != 200:
+        raise RuntimeError(f"/metrics answered {status}: {body[:300]!r}")
+    out = {}
+    for m in re.finditer(rf"^({re.escape(prefix)}[\w:]*)(?:\{{(.*)\}})? (\S+)$", body.decode(),
+                         re.M):
+        labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def metric_total(series: MetricSeries, name: str) -> float:
+    """The sum of ``name`` over its label sets in ``series`` (0 when absent)."""
+    return sum(v for (n, _), v in series.items() if n == name)
+
+
 def stop_process_group(proc: subprocess.Popen) -> None:
     """Stop a server started with ``start_new_session=True``: SIGTERM to its process group,
     SIGKILL after 15 s, then SIGKILL to the group whatever happened (its scheduler and

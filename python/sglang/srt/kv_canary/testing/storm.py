@@ -41,7 +41,6 @@ import json
 import os
 import pathlib
 import random
-import re
 import sys
 import tempfile
 import threading
@@ -62,6 +61,8 @@ from sglang.srt.kv_canary.testing.server_harness import (
     gpu_engine_kwargs,
     http_call,
     launch_server_flags,
+    metric_series,
+    metric_total,
     write_tiny_llama,
 )
 
@@ -178,14 +179,6 @@ def run_clients(port: int, requests, *, clients: int, until: Optional[float], ro
     return results
 
 
-def metric_total(port: int, name: str) -> float:
-    status, body = http_call(port, "GET", "/metrics", timeout=60)
-    if status != 200:
-        raise RuntimeError(f"/metrics answered {status}")
-    return sum(float(m.group(1)) for m in re.finditer(
-        rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", body.decode(), re.M))
-
-
 def start(name: str, root: pathlib.Path, model: str, env: Dict[str, str], device: str,
           extra: List[str], **kwargs) -> ServerProcess:
     port = free_port()
@@ -238,13 +231,14 @@ def run_storm(settings: StormSettings) -> dict:
         served_s = time.monotonic() - t0
         # read before /health: sglang's health check is a generate request of its own, which
         # the canary aborts like any other if it reads a corrupt prefix (no client sees it)
-        aborted_metric = (metric_total(storm.port, ABORTED_REQUESTS) if storm.alive() else -1)
+        aborted_metric = (metric_total(metric_series(storm.port), ABORTED_REQUESTS)
+                          if storm.alive() else -1)
         time.sleep(settings.idle_seconds)  # idle: sglang's leak check runs
         checks["alive after idle"] = storm.alive()
         health = http_call(storm.port, "GET", "/health", timeout=60)[0] if storm.alive() else 0
         checks["/health 200 after idle"] = health == 200
-        aborted_metric_after_health = (metric_total(storm.port, ABORTED_REQUESTS)
-                                       if storm.alive() else -1)
+        aborted_metric_after_health = (
+            metric_total(metric_series(storm.port), ABORTED_REQUESTS) if storm.alive() else -1)
     finally:
         storm.stop()
     log = storm.log()
