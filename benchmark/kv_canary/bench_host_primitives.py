@@ -99,6 +99,14 @@ def main() -> None:
         torch.cuda.set_stream(side)
         torch.cuda.set_stream(prev)
 
+    def pinned_in_flight():
+        # what a token snapshot does: a new pinned buffer, copied to the device behind the
+        # queued work; the caching host allocator cannot hand back a block whose copy is
+        # still pending, so each call may allocate afresh
+        buf = torch.empty(4096, dtype=torch.int64, pin_memory=True)
+        a_big.copy_(buf, non_blocking=True)
+
+    a_big = torch.zeros(4096, dtype=torch.int64, device=dev)
     cases = {
         "torch.cuda.current_stream(dev)": lambda: torch.cuda.current_stream(dev),
         "torch._C._cuda_getCurrentStream(idx)": lambda: torch._C._cuda_getCurrentStream(idx),
@@ -120,6 +128,8 @@ def main() -> None:
             lambda: host_small.copy_(a[:16], non_blocking=True),
         "torch.empty(512, int64, pin_memory=True)":
             lambda: torch.empty(512, dtype=torch.int64, pin_memory=True),
+        "torch.empty(4096, int64, pinned) + H2D copy, earlier copies in flight":
+            pinned_in_flight,
         "CUDAGraph.replay() (1 kernel)": g1.replay,
         "CUDAGraph.replay() (20 kernels)": g20.replay,
         "Triton JIT launch (7 args)": lambda: _touch[(4,)](x, 4096, 1, 2, 3, 4, 5, BLOCK=1024),
