@@ -100,6 +100,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_serving_overhead import (  # noqa: E402  (the sibling script)
     CONFIGS,
     DEFAULT_MODEL,
+    DEFAULT_SCENARIOS as SERVING_DEFAULT_SCENARIOS,
     MODELS,
     QWEN3_EAGLE_DRAFT_CONFIG,
     SCENARIOS,
@@ -130,8 +131,9 @@ START_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 600.0
 BOOTSTRAP_SAMPLES = 2000
 FLUSH_ATTEMPTS = 100
+# the prefill set of the latency target; with EAGLE, bench_serving_overhead.py's decode set
 DEFAULT_SCENARIOS = {"none": "prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k",
-                     "eagle": "decode_bs1,decode_bs32"}
+                     "eagle": ",".join(SERVING_DEFAULT_SCENARIOS["eagle"])}
 # the log lines of a server whose canary was installed (api.install's), on the target and,
 # with EAGLE, on the draft worker
 INSTALLED_LINE = "kv_canary installed: "

@@ -131,9 +131,9 @@ class PlanInput:
     def padded_copies(self, forward_batch, dst: List[torch.Tensor],
                       src: List[torch.Tensor]) -> None:
         """What :meth:`fill_padded` copies, appended to ``dst`` / ``src`` for the caller to
-        issue with its own copies (:func:`copy_pairs`) (the modes that are no copy
-        are filled at once); the rows a larger earlier batch left are reset from a zero
-        buffer. Host-known sizes, no sync. Not for use inside a capture."""
+        issue together with its own copies through :func:`copy_pairs`. The modes whose values
+        are no copy are filled at once; the rows a larger earlier batch left are reset from a
+        zero buffer. Host-known sizes, no sync. Not for use inside a capture."""
         rpi = forward_batch.req_pool_indices
         bs = rpi.shape[0]
         self._plan_copies(forward_batch, bs, dst, src)
