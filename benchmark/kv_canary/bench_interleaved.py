@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Paired, interleaved serving overhead of the KV-canary (issue 22): every config's server up
+"""Paired, interleaved serving overhead of the KV-canary: every config's server up
 at once on the same GPU, requests alternated between them round by round, overhead read from
 the per-round ratios.
 
@@ -9,7 +9,7 @@ Why
 clocks, the host's frequency and the process layout differ, and a short scenario (one prompt
 of 512 tokens, about 10 ms) is bimodal inside one Engine: its results moved by 10-50 % from one
 Engine to the next with identical code (``benchmark/results/ttft_h100.md``), far more than the
-0.5 % issue 22 asks to show. Here the servers of all configs run side by side; round k sends
+0.5 % the latency target asks to show. Here the servers of all configs run side by side; round k sends
 the same request to each of them, one after the other, in the config order (even rounds) or
 its reverse (odd rounds: ABBA), so every pair of measurements shares the machine's state of
 that moment. The overhead of a config is the median over the rounds of its time divided by
@@ -63,6 +63,12 @@ to start, then seconds per scenario)::
         --scenarios prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k --rounds 30 \
         --out $OUT/interleaved.jsonl
 
+``--speculative eagle``: every server decodes with EAGLE (the one-layer draft of
+``bench_serving_overhead.py --speculative eagle``, Qwen3-0.6B shapes only; default scenarios
+decode bs 1 and bs 32, decode graphs for bs 1 and 32). A canary-on server whose log does not
+say the canary was installed on its draft worker too stops the run, as does any canary-on
+server without the canary or a canary-off server with it.
+
 Results go to ``--out`` as JSON lines (one per scenario x config); ``--report FILE...``
 prints the tables of earlier runs. Each server's log: ``<out>.<config>.log``.
 
@@ -93,10 +99,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bench_serving_overhead import (  # noqa: E402  (the sibling script)
     CONFIGS,
+    DEFAULT_MODEL,
+    DEFAULT_SCENARIOS as SERVING_DEFAULT_SCENARIOS,
     MODELS,
+    QWEN3_EAGLE_DRAFT_CONFIG,
     SCENARIOS,
     SMOKE_SCENARIOS,
     SMOKE_SETTINGS,
+    SPECULATIVE,
     BenchConfig,
     EngineSettings,
     Scenario,
@@ -121,7 +131,13 @@ START_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 600.0
 BOOTSTRAP_SAMPLES = 2000
 FLUSH_ATTEMPTS = 100
-DEFAULT_SCENARIOS = "prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k"
+# the prefill set of the latency target; with EAGLE, bench_serving_overhead.py's decode set
+DEFAULT_SCENARIOS = {"none": "prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k",
+                     "eagle": ",".join(SERVING_DEFAULT_SCENARIOS["eagle"])}
+# the log lines of a server whose canary was installed (api.install's), on the target and,
+# with EAGLE, on the draft worker
+INSTALLED_LINE = "kv_canary installed: "
+DRAFT_INSTALLED_LINE = "kv_canary installed on the EAGLE draft worker: "
 CONTROL_SUFFIX = "~aa"  # the A/A control: a second server of the baseline's config
 AA_LIMIT = 0.003  # a run resolves 0.5 % only where its A/A control stays within +-0.3 %
 
@@ -152,6 +168,21 @@ def server_decode_ms(outs: list[dict]) -> float | None:
             return None
         times.append((n - 1) / tput * 1e3)
     return statistics.median(times) if times else None
+
+
+def canary_install_problem(log: str, *, canary_on: bool, speculative: str) -> str | None:
+    """What is wrong with a server's canary, from its log, or None: a canary-on server must
+    have installed the canary (and, with EAGLE, on the draft worker too: otherwise the draft
+    pool ran unguarded and its figures mean nothing); a canary-off server must not have."""
+    target = INSTALLED_LINE in log
+    draft = DRAFT_INSTALLED_LINE in log
+    if canary_on and not target:
+        return f"no '{INSTALLED_LINE.strip()}' line: the canary did not run"
+    if canary_on and speculative != "none" and not draft:
+        return (f"no '{DRAFT_INSTALLED_LINE.strip()}' line: the draft pool ran unguarded")
+    if not canary_on and (target or draft):
+        return "the canary was installed on a server of a canary-off config"
+    return None
 
 
 class Server(ServerProcess):
@@ -315,6 +346,7 @@ def table(records: list[dict]) -> str:
         w, s, d = r["wall"], r.get("server"), r.get("decode")
         control = controls.get((r.get("invocation"), r["scenario"]))
         name = f"{r['config']} (A/A control)" if r.get("control") else r["config"]
+        spec = "" if r.get("speculative", "none") == "none" else f", {r['speculative']}"
 
         def cell(key: str) -> str:
             if f"{key}_overhead" not in r:
@@ -324,7 +356,7 @@ def table(records: list[dict]) -> str:
             return text if r.get("control") else f"{text} ({resolved(r, control, key)})"
 
         out.append(
-            f"| {r['scenario']} (bs{r['bs']} isl{r['isl']} osl{r['osl']}) | {name} | "
+            f"| {r['scenario']}{spec} (bs{r['bs']} isl{r['isl']} osl{r['osl']}) | {name} | "
             f"{r['rounds']} | {w['median']:.2f} / {w['min']:.2f} | "
             + (f"{s['median']:.2f} / {s['min']:.2f} | " if s else "— | ")
             + (f"{d['median']:.2f} | " if d else "— | ")
@@ -364,9 +396,16 @@ def run(args) -> int:
     if args.rounds < 1 or args.warmup < 0:
         raise SystemExit(f"--rounds must be >= 1 and --warmup >= 0 (got {args.rounds}, "
                          f"{args.warmup})")
-    table_of = SMOKE_SCENARIOS if args.smoke_cpu else SCENARIOS
-    scenarios = [table_of[n] for n in parse_names(args.scenarios, SCENARIOS, "--scenarios")]
     smoke = args.smoke_cpu
+    if args.speculative != "none" and smoke:
+        raise SystemExit(f"--speculative {args.speculative} cannot run with --smoke-cpu: "
+                         "sglang 0.5.12's CPU server has no speculative decoding")
+    if args.speculative != "none" and args.model != DEFAULT_MODEL:
+        raise SystemExit(f"--speculative {args.speculative} needs --model {DEFAULT_MODEL} "
+                         f"(the draft's shape is that model's), got --model {args.model}")
+    table_of = SMOKE_SCENARIOS if smoke else SCENARIOS
+    scenario_names = args.scenarios or DEFAULT_SCENARIOS[args.speculative]
+    scenarios = [table_of[n] for n in parse_names(scenario_names, SCENARIOS, "--scenarios")]
     gpu = gpu_name(smoke)
     invocation = uuid.uuid4().hex[:12]
     tmp = tempfile.mkdtemp(prefix="kv_canary_interleaved_")
@@ -374,7 +413,10 @@ def run(args) -> int:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     settings = SMOKE_SETTINGS if smoke else EngineSettings(
         model=args.model, max_total_tokens=args.max_total_tokens or tokens_needed(
-            scenarios, EngineSettings.chunked_prefill_size))
+            scenarios, EngineSettings.chunked_prefill_size),
+        speculative=args.speculative,
+        cuda_graph_bs=(1, 32) if args.speculative != "none" else EngineSettings.cuda_graph_bs)
+    draft_dir = None
     if smoke:
         from sglang.srt.kv_canary.testing.server_harness import (
             TINY_LLAMA_CONFIG,
@@ -393,6 +435,11 @@ def run(args) -> int:
             json.dumps(MODELS[args.model], indent=1))
         vocab = MODELS[args.model]["vocab_size"]
         base_env = dict(os.environ)
+        if args.speculative != "none":
+            draft_dir = os.path.join(tmp, "draft")
+            os.makedirs(draft_dir)
+            pathlib.Path(draft_dir, "config.json").write_text(
+                json.dumps(QWEN3_EAGLE_DRAFT_CONFIG, indent=1))
     # the servers: each config's, plus the A/A control (a second server of the baseline's)
     server_names = names + ([args.baseline + CONTROL_SUFFIX] if args.control else [])
     rotation = (args.start_rotation if args.start_rotation is not None
@@ -412,7 +459,8 @@ def run(args) -> int:
     try:
         for name, frac in zip(start_order, fracs):
             cfg = CONFIGS[name.removesuffix(CONTROL_SUFFIX)]
-            kwargs = {**settings.engine_kwargs(model_dir, smoke=smoke), **cfg.engine_kwargs()}
+            kwargs = {**settings.engine_kwargs(model_dir, smoke=smoke, draft_dir=draft_dir),
+                      **cfg.engine_kwargs()}
             if frac is not None:
                 kwargs["mem_fraction_static"] = frac
             log_path = f"{out}.{name.replace('+', '_').replace('~', '_')}.log"
@@ -420,11 +468,17 @@ def run(args) -> int:
             srv = Server(name, cfg, kwargs, {**base_env, **cfg.env()}, log_path)
             started[name] = srv
             srv.wait_ready(args.start_timeout)
+            problem = canary_install_problem(srv.log(), canary_on=cfg.canary_on,
+                                             speculative=args.speculative)
+            if problem:
+                raise SystemExit(f"[{name}] {problem} (log {log_path}); its results would be "
+                                 "invalid")
             print(f"[{name}] up in {time.perf_counter() - t0:.0f} s on port {srv.port} "
                   f"(mem fraction {frac}; log {log_path})", flush=True)
         servers = {name: started[name] for name in server_names}  # rounds rotate from here
         common = dict(invocation=invocation, time=now_utc(), gpu=gpu, smoke=smoke,
                       model="tiny-llama (smoke)" if smoke else args.model,
+                      speculative=args.speculative,
                       warmup_rounds=args.warmup, order=server_names, start_order=start_order)
         records = []
         for sc in scenarios:
@@ -443,7 +497,7 @@ def run(args) -> int:
     finally:
         for srv in started.values():
             srv.stop()
-        for sub in ("model", "stub"):  # the results and logs stay
+        for sub in ("model", "draft", "stub"):  # the results and logs stay
             shutil.rmtree(os.path.join(tmp, sub), ignore_errors=True)
     print()
     print(table(records))
@@ -456,8 +510,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--configs", default="off,raise,raise+token",
                     help=f"comma-separated, from: {', '.join(CONFIGS)}")
     ap.add_argument("--baseline", default="off", help="the config the others are compared with")
-    ap.add_argument("--scenarios", default=DEFAULT_SCENARIOS,
-                    help=f"comma-separated, from: {', '.join(SCENARIOS)}")
+    ap.add_argument("--scenarios", default=None,
+                    help=f"comma-separated, from: {', '.join(SCENARIOS)} (default "
+                    f"{DEFAULT_SCENARIOS['none']}; with --speculative eagle "
+                    f"{DEFAULT_SCENARIOS['eagle']})")
+    ap.add_argument("--speculative", default="none", choices=sorted(SPECULATIVE),
+                    help="eagle: every server decodes with EAGLE (a one-layer "
+                    "LlamaForCausalLMEagle draft of the model's shapes, topk 1, 3 steps, 4 "
+                    "draft tokens); each canary-on server must report the canary installed on "
+                    "its draft worker too")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5, help="unrecorded rounds first")
     ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS))

@@ -1133,11 +1133,20 @@ def run_host_breakdown(args) -> None:
         for isl in isls:
             times = {p: [] for p in HOST_PHASES}
             profiler = pre_profiler = None
-            for run in range(-2, runs + (args.host_breakdown_cprofile and 20)):
+            detail = None
+            extra = (20 if args.host_breakdown_cprofile else 0) + (
+                runs if args.host_breakdown_detail else 0)
+            for run in range(-2, runs + extra):
                 # two warm-ups (Triton JIT, allocator), the timed runs, then (with
-                # --host-breakdown-cprofile) 20 more under cProfile, not timed
-                if run == runs:
+                # --host-breakdown-cprofile) 20 more under cProfile, not timed, and (with
+                # --host-breakdown-detail) as many again with the canary's methods timed
+                if run == runs and args.host_breakdown_cprofile:
                     profiler, pre_profiler = cProfile.Profile(), cProfile.Profile()
+                if (args.host_breakdown_detail
+                        and run == runs + (20 if args.host_breakdown_cprofile else 0)):
+                    if profiler is not None:
+                        profiler = pre_profiler = None
+                    detail = MethodTimers(mgr)
                 row = 1 + (run % 4)
                 req = _Req(row, torch.randint(100, vocab - 100, (isl,), generator=gen).tolist())
                 slots = torch.randperm(num_slots - 1, generator=gen)[:isl] + 1
@@ -1196,6 +1205,13 @@ def run_host_breakdown(args) -> None:
             rows.append(rec)
             print(f"[{cname} isl {isl}] before the forward {before:.0f} µs; "
                   + "; ".join(f"{p} {med[p]:.0f}" for p in HOST_PHASES), flush=True)
+            if detail is not None:
+                detail.remove()
+                print(f"[{cname} isl {isl}] host µs per call of the canary's methods "
+                      f"(inclusive: a method's time holds its callees'), {runs} prefills:")
+                print(detail.table(prefills=runs), flush=True)
+                rec["methods_median_us"] = detail.medians()
+                append_jsonl(args.out, dict(rec, kind="host_breakdown_detail"))
             if profiler is not None:
                 print(f"[{cname} isl {isl}] cProfile of 20 prefills' batch init + outside "
                       "pre-ops + inside pre-ops (tottime, top 30):", flush=True)
@@ -1207,6 +1223,64 @@ def run_host_breakdown(args) -> None:
         gc.collect()
     print()
     print(host_breakdown_table(rows))
+
+
+class MethodTimers:
+    """Wraps the per-forward methods of a built canary (``mgr``: its ``CanaryManager``) with
+    timers, on the instances (the classes are untouched; :meth:`remove` restores them): what
+    each costs the host per call, for ``--host-breakdown-detail``. A wrapper adds about 0.3
+    µs to each call it wraps and to every caller's figure."""
+
+    def __init__(self, mgr):
+        sfm = mgr.sfms[0]
+        targets = [(mgr, "CanaryManager", ("on_forward_batch_init", "after_forward",
+                                           "_on_host_copies", "_stage")),
+                   (mgr.device_host, "device_host", ("fence", "stage", "_gather", "consume")),
+                   (mgr.sweep, "sweep", ("maybe_run_sweep",)),
+                   (sfm, "sfm", ("pre_ops_outside_graph", "pre_ops_maybe_inside_graph",
+                                 "post_ops_maybe_inside_graph", "post_ops_outside_graph",
+                                 "upload_tokens_before_replay", "_join"))]
+        if sfm.eager_graphs is not None:
+            targets.append((sfm.eager_graphs, "eager_graphs", ("stage", "run_side",
+                                                                "run_tail")))
+        if mgr.token_history is not None:
+            targets.append((mgr.token_history, "token_history", ("stage_for_replay", "upload",
+                                                                  "snapshot")))
+        self.samples = {}
+        self._installed = []
+        for obj, label, names in targets:
+            for name in names:
+                self._wrap(obj, f"{label}.{name}", name)
+
+    def _wrap(self, obj, key, name) -> None:
+        inner = getattr(obj, name)
+        samples = self.samples.setdefault(key, [])
+        tick = time.perf_counter
+
+        def timed(*a, **kw):
+            t0 = tick()
+            try:
+                return inner(*a, **kw)
+            finally:
+                samples.append((tick() - t0) * 1e6)
+
+        setattr(obj, name, timed)
+        self._installed.append((obj, name))
+
+    def remove(self) -> None:
+        for obj, name in self._installed:
+            delattr(obj, name)
+        self._installed = []
+
+    def medians(self) -> dict:
+        return {k: statistics.median(v) for k, v in self.samples.items() if v}
+
+    def table(self, *, prefills: int) -> str:
+        lines = ["| method | calls per prefill | µs per call (median) |", "| --- | ---: | ---: |"]
+        for k, v in self.samples.items():
+            if v:
+                lines.append(f"| {k} | {len(v) / prefills:.1f} | {statistics.median(v):.1f} |")
+        return "\n".join(lines)
 
 
 def host_breakdown_table(rows: list[dict]) -> str:
@@ -1460,6 +1534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--host-breakdown-cprofile", action="store_true",
                     help="with --host-breakdown: 20 more prefills per row under cProfile (not "
                     "timed) and the top 30 functions by own time, before the forward and after")
+    ap.add_argument("--host-breakdown-detail", action="store_true",
+                    help="with --host-breakdown: as many prefills again with the canary's "
+                    "per-forward methods timed one by one (µs per call, inclusive)")
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="tiny CPU dry run (sglang CPU server / CPU pools); numbers meaningless")
     ap.add_argument("--chunked-prefill-size", type=int, default=EngineSettings.chunked_prefill_size)

@@ -47,8 +47,8 @@ MUTANTS = (
         speed="quick", what="mark_init_finished leaves the chain-position check off"),
     Mutant(
         id="row3-target-verify-prefix", path=f"{_RT}/plan_input.py",
-        old="prefix.copy_(forward_batch.seq_lens[:bs])",
-        new="prefix.copy_(forward_batch.seq_lens[:bs] - 1)",
+        old="src.append(leading(forward_batch.seq_lens, bs))",
+        new="src.append(leading(forward_batch.seq_lens, bs) - 1)",
         selection=f"{_T}/test_runtime_core.py::"
                   "test_target_verify_forward_plans_from_the_committed_prefix",
         speed="quick", what="TARGET_VERIFY prefix is seq_lens - 1"),
@@ -469,7 +469,8 @@ MUTANTS = (
         speed="quick", what="a decode graph replays before the token upload"),
     Mutant(
         id="eager-graphs-stale-rows-kept", path=f"{_RT}/plan_input.py",
-        old="            self.req_pool_indices[bs:self._rows_filled].zero_()\n",
+        old=("            dst.append(self.req_pool_indices[bs:self._rows_filled])\n"
+             "            src.append(self._zeros[:self._rows_filled - bs])\n"),
         new="            pass\n",
         selection=f"{_T}/test_eager_graphs.py::"
                   "test_fill_padded_zeroes_only_the_rows_a_larger_batch_left "
@@ -479,7 +480,8 @@ MUTANTS = (
     Mutant(
         id="eager-graphs-stale-slots-kept",
         path=f"{_RT}/single_forward_manager/eager_graphs.py",
-        old="            self.out_cache_loc[n:self._tokens_filled].zero_()\n",
+        old=("            dst.append(self.out_cache_loc[n:self._tokens_filled])\n"
+             "            src.append(self._zeros[:self._tokens_filled - n])\n"),
         new="            pass\n",
         selection=f"{_T}/test_eager_graphs.py::"
                   "test_a_smaller_batch_pads_the_rows_and_slots_a_larger_one_left",
@@ -487,11 +489,26 @@ MUTANTS = (
     Mutant(
         id="eager-graphs-positions-unstaged",
         path=f"{_RT}/single_forward_manager/eager_graphs.py",
-        old="        self.positions[:n].copy_(forward_batch.positions[:n])\n",
-        new="",
+        old="leading(forward_batch.positions, n),\n",
+        new="self.positions[:n],\n",
         selection=f"{_T}/test_eager_graphs.py::"
                   "test_static_padded_inputs_leave_the_same_records_as_the_batch_tensors",
         speed="quick", what="static eager launches read stale positions"),
+    Mutant(
+        id="eager-graphs-token-scatter-left-out",
+        path=f"{_RT}/single_forward_manager/manager.py",
+        old=("            self.token_history.launch_replay_scatter(rpi,\n"
+             "                                                     self.expected_valid_lens[:rpi.shape[0]])\n"),
+        new="            pass\n",
+        selection=f"{_T}/test_eager_graphs.py::"
+                  "test_static_padded_inputs_leave_the_same_records_as_the_batch_tensors",
+        speed="quick", what="an eager forward's graph does not scatter the staged token history"),
+    Mutant(
+        id="copy-pairs-drops-conversions", path=f"{_RT}/plan_input.py",
+        old="    if conv_d:\n        torch._foreach_copy_(conv_d, conv_s)\n", new="",
+        selection=f"{_T}/test_eager_graphs.py::"
+                  "test_plan_input_normalises_each_mode_from_sglang_dtypes",
+        speed="quick", what="the staging copies skip sglang's int32 lengths"),
     # ---- session 8: packed read-back, packed token upload -------------------------------------
     Mutant(
         id="readback-one-buffer", path=f"{_RT}/runner/device_host.py",

@@ -1,4 +1,4 @@
-"""``benchmark/kv_canary/bench_interleaved.py`` (issue 22's paired measurement): its statistics
+"""``benchmark/kv_canary/bench_interleaved.py`` (the paired latency measurement): its statistics
 and server plumbing at the unit level, and one smoke run on sglang's CPU server (two real
 ``launch_server`` processes, requests alternated between them). The numbers of a CPU run mean
 nothing; what is checked is that every round reaches every server, the records say what
@@ -105,6 +105,36 @@ def test_measure_sends_each_round_to_every_server_in_rotating_order():
     assert decode["off"] == [None] * 3  # one output token: no decode time
     servers["raise"].token = 8  # the canary changed an output: counted
     assert bi.measure(servers, sc, rounds=2, warmup=0, vocab=512)[3] == 2
+
+
+TARGET_LINE = "[INFO] kv_canary installed: MHATokenToKVPool pool=... groups=1"
+DRAFT_LINE = "[INFO] kv_canary installed on the EAGLE draft worker: MHATokenToKVPool ..."
+
+
+@pytest.mark.parametrize("log, canary_on, speculative, problem", [
+    (TARGET_LINE, True, "none", None),
+    (TARGET_LINE + "\n" + DRAFT_LINE, True, "eagle", None),
+    ("", False, "eagle", None),
+    ("", True, "none", "the canary did not run"),
+    (TARGET_LINE, True, "eagle", "the draft pool ran unguarded"),
+    (DRAFT_LINE, True, "eagle", "the canary did not run"),
+    (TARGET_LINE, False, "none", "canary-off config"),
+    (DRAFT_LINE, False, "eagle", "canary-off config"),
+])
+def test_a_server_whose_canary_is_not_what_its_config_says_is_refused(log, canary_on,
+                                                                       speculative, problem):
+    got = bi.canary_install_problem(log, canary_on=canary_on, speculative=speculative)
+    assert (got is None) if problem is None else (problem in got), got
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative", "eagle", "--smoke-cpu"], "--speculative eagle cannot run with --smoke-cpu"),
+    (["--speculative", "eagle", "--model", "qwen3-30b-a3b"],
+     "--speculative eagle needs --model qwen3-0.6b"),
+])
+def test_eagle_runs_refuse_what_they_cannot_measure(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        bi.main(["--configs", "off,raise", *argv])
 
 
 @pytest.mark.slow

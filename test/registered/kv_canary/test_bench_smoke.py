@@ -100,6 +100,32 @@ def test_bench_serving_overhead_breakdown_smoke_times_every_launch():
             assert scatter[c] == "—", (c, scatter[c])
 
 
+def test_bench_serving_overhead_host_breakdown_detail_times_each_method():
+    """``--host-breakdown --host-breakdown-detail``: the phase table, and per config and
+    prompt a table of the canary's per-forward methods, each called once per prefill of one
+    chunk (the token snapshot only with token checks)."""
+    text = _run("bench_serving_overhead.py", "--smoke-cpu", "--host-breakdown", "32",
+                "--configs", "raise,raise+token", "--host-breakdown-detail")
+    phases = _table(text, "config")
+    assert [r["config"] for r in phases] == ["raise", "raise+token"]
+    tables = text.split("host µs per call of the canary's methods")[1:]
+    assert len(tables) == 2
+    for config, part in zip(("raise", "raise+token"), tables):
+        rows = {r["method"]: r for r in _table(part, "method")}
+        for method in ("CanaryManager.after_forward", "device_host.stage",
+                       "device_host._gather", "sfm.post_ops_maybe_inside_graph"):
+            assert rows[method]["calls per prefill"] == "1.0", (config, rows.get(method))
+            assert float(rows[method]["µs per call (median)"]) > 0
+        assert ("token_history.snapshot" in rows) == (config == "raise+token"), rows.keys()
+
+
+def test_bench_host_primitives_needs_cuda():
+    proc = subprocess.run([sys.executable, str(BENCH_DIR / "bench_host_primitives.py")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "bench_host_primitives.py needs a CUDA GPU" in proc.stderr
+
+
 def test_abort_storm_classifies_what_a_client_gets():
     """The storm of ``abort_storm.py`` (``testing/storm.py``; its server runs are in the soak
     test): how it reads a response. Completed, aborted by the canary (HTTP 500 with either of

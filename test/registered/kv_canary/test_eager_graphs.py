@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from serving_driver import ServingDriver
-from sglang.srt.kv_canary.plan_input import PlanInput
+from sglang.srt.kv_canary.plan_input import PlanInput, StaticPrefixViews
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -118,6 +118,72 @@ def test_fill_padded_zeroes_only_the_rows_a_larger_batch_left():
     assert rpi.tolist() == [2, 3, 4, 5, 0, 0]
     assert pi.fill_padded(fb([7]))[0].tolist() == [7, 0, 0, 0, 0, 0]
     assert pi.fill_padded(fb([8, 9]))[0].tolist() == [8, 9, 0, 0, 0, 0]
+
+
+def _mode_batch(mode, rows, *, seq, prefix=None, ext=None, positions=None, draft=None):
+    """A ``ForwardBatch`` of ``mode`` with the dtypes sglang's ``init_new`` gives it: int64
+    rows, sequence lengths and positions, int32 ``extend_prefix_lens`` / ``extend_seq_lens``."""
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    n = len(rows) if positions is None else len(positions)
+    fb = ForwardBatch(forward_mode=mode, batch_size=len(rows), input_ids=i64([1] * n),
+                      req_pool_indices=i64(rows), seq_lens=i64(seq), out_cache_loc=i64([9] * n),
+                      seq_lens_sum=sum(seq),
+                      positions=i64(positions if positions is not None else [0] * n))
+    if prefix is not None:
+        fb.extend_prefix_lens = i32(prefix)
+    if ext is not None:
+        fb.extend_seq_lens = i32(ext)
+    if draft is not None:
+        fb.spec_info = type("Spec", (), {"draft_token_num": draft})()
+    return fb
+
+
+# mode -> (batch, expected prefix, expected extend): the normalisation of PlanInput's docstring
+MODE_CASES = {
+    "decode": (lambda: _mode_batch(ForwardMode.DECODE, [2, 3], seq=[8, 5], positions=[7, 4]),
+               [7, 4], [1, 1]),
+    "extend": (lambda: _mode_batch(ForwardMode.EXTEND, [2, 3], seq=[8, 5], prefix=[6, 0],
+                                   ext=[2, 5], positions=[6, 7, 0, 1, 2, 3, 4]),
+               [6, 0], [2, 5]),
+    "target_verify": (lambda: _mode_batch(ForwardMode.TARGET_VERIFY, [2, 3], seq=[8, 5],
+                                          positions=list(range(8)), draft=4),
+                      [8, 5], [4, 4]),
+    "draft_extend": (lambda: _mode_batch(ForwardMode.DRAFT_EXTEND, [2, 3], seq=[8, 5],
+                                         ext=[3, 2], positions=list(range(5))),
+                     [5, 3], [3, 2]),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODE_CASES))
+@pytest.mark.parametrize("fill", ["fill_padded", "fill_from_forward_batch"])
+def test_plan_input_normalises_each_mode_from_sglang_dtypes(mode, fill):
+    """Both fills (the padded one issues its copies as one multi-tensor copy, with int32
+    sources beside int64 ones) give each mode's prefix and extend, in int64; a second, smaller
+    batch leaves no row of the first behind in the padded rows."""
+    make, prefix, extend = MODE_CASES[mode]
+    pi = PlanInput(write_req_capacity=4, device="cpu")
+    pi.fill_padded(_mode_batch(ForwardMode.DECODE, [5, 6, 7], seq=[1, 1, 1],
+                               positions=[0, 0, 0]))
+    rpi, p, e = getattr(pi, fill)(make())
+    assert (p.dtype, e.dtype) == (torch.int64, torch.int64)
+    assert p[:2].tolist() == prefix and e[:2].tolist() == extend
+    if fill == "fill_padded":
+        assert rpi.tolist() == [2, 3, 0, 0]
+
+
+def test_static_prefix_views_are_the_buffers_own_and_bounded():
+    a, b = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int32)
+    views = StaticPrefixViews(a, b, max_entries=2)
+    va, vb = views(3)
+    assert va.shape == (3,) and vb.shape == (3,) and views(3)[0] is va
+    va.fill_(7)
+    assert a.tolist() == [7, 7, 7, 0, 0, 0, 0, 0]
+    views(4), views(5)  # the oldest length (3) is dropped: a new view, the same storage
+    assert views(3)[0] is not va and views(3)[0].data_ptr() == a.data_ptr()
+    assert len(views._views) == 2
+    with pytest.raises(ValueError, match="max_entries"):
+        StaticPrefixViews(a, max_entries=0)
 
 
 def test_static_launches_are_enabled_once_and_only_when_idle():

@@ -52,7 +52,7 @@ LAYERS = (
     _l("config", f"{R}.config", f"{R}.server_args_ext", f"{R}.envs", f"{R}.perturb.config",
        f"{R}.token_oracle.oracle"),
     _l("leaves", R, f"{R}.state", f"{R}.buffer_group", f"{R}.capacities", f"{R}.plan_input",
-       f"{R}.expected_inputs", f"{R}.batch_state", f"{R}.radix_cache_walker",
+       f"{R}.expected_inputs", f"{R}.batch_state", f"{R}.radix_cache_walker", f"{R}.cuda_streams",
        f"{R}.sweep_plan_builder"),
     _l("sglang seam", f"{R}.sglang_seam"),
     _l("kernel package", K),

@@ -130,3 +130,36 @@ def test_fence_orders_the_next_forward_after_the_read_back(fenced):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_cuda_streams_match_torch_and_restore_the_stream():
+    """The per-forward path's stream helpers agree with torch's own: the current stream (the
+    same object each time for the same stream), a switch that makes the side stream current
+    for its body and restores the caller's stream afterwards, also when the body raises, and
+    work queued inside the switch runs on the side stream."""
+    from sglang.srt.kv_canary import cuda_streams
+
+    idx = torch.cuda.current_device()
+    outer = torch.cuda.Stream()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(outer):
+        s = cuda_streams.current_stream(idx)
+        assert s == torch.cuda.current_stream() == outer
+        assert cuda_streams.current_stream(idx) is s
+        with cuda_streams.on_stream(side):
+            assert torch.cuda.current_stream() == side
+            assert cuda_streams.current_stream(idx) == side
+            x = torch.zeros(1 << 20, device="cuda")
+            torch.cuda._sleep(20_000_000)
+            x.fill_(1)
+            done = torch.cuda.Event()
+            done.record()
+        assert torch.cuda.current_stream() == outer
+        with pytest.raises(KeyError):
+            with cuda_streams.on_stream(side):
+                raise KeyError("body")
+        assert torch.cuda.current_stream() == outer
+    assert not side.query()  # the sleep was queued on the side stream, not the outer one
+    assert outer.query()
+    done.synchronize()
+    assert int(x.sum()) == 1 << 20

@@ -7,12 +7,58 @@ device copies between static tensors, no allocation, no host sync.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.sglang_seam import ForwardMode
+
+
+class StaticPrefixViews:
+    """``buf[:n]`` of each of some static buffers, cached by ``n`` (at most ``max_entries``
+    lengths, the oldest dropped first): a slice costs the host about 2 µs, and a forward's
+    launches slice the same buffers to the same few lengths (decode batch sizes, prefill
+    chunks) again and again. Views of buffers that are never resized stay valid."""
+
+    def __init__(self, *buffers: torch.Tensor, max_entries: int = 256):
+        if max_entries < 1:
+            raise ValueError(f"StaticPrefixViews needs max_entries >= 1, got {max_entries}")
+        self._buffers = buffers
+        self._max_entries = max_entries
+        self._views: Dict[int, Tuple[torch.Tensor, ...]] = {}
+
+    def __call__(self, n: int) -> Tuple[torch.Tensor, ...]:
+        views = self._views.get(n)
+        if views is None:
+            if len(self._views) >= self._max_entries:
+                del self._views[next(iter(self._views))]
+            views = self._views[n] = tuple(b[:n] for b in self._buffers)
+        return views
+
+
+def leading(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t[:n]``, without a new view when ``t`` has exactly ``n`` rows."""
+    return t if t.shape[0] == n else t[:n]
+
+
+def copy_pairs(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i, as few launches as torch allows: the pairs of one
+    dtype as one ``torch._foreach_copy_`` (its multi-tensor fast path takes only lists of one
+    dtype; a mixed list falls back to a copy per pair), the converting ones (sglang's int32
+    lengths into int64 buffers) as a second."""
+    same_d, same_s, conv_d, conv_s = [], [], [], []
+    for d, s_ in zip(dst, src):
+        if d.dtype == s_.dtype:
+            same_d.append(d)
+            same_s.append(s_)
+        else:
+            conv_d.append(d)
+            conv_s.append(s_)
+    if same_d:
+        torch._foreach_copy_(same_d, same_s)
+    if conv_d:
+        torch._foreach_copy_(conv_d, conv_s)
 
 
 class PlanInput:
@@ -32,36 +78,71 @@ class PlanInput:
         self.extend_seq_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
         self.req_pool_indices = torch.zeros(write_req_capacity, dtype=torch.int64,
                                             device=device)
+        # sources of the constant fills (decode's extend of 1, the padding rows' index 0)
+        self._ones = torch.ones(write_req_capacity, dtype=torch.int64, device=device)
+        self._zeros = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
+        self._views = StaticPrefixViews(self.prefix_lens, self.extend_seq_lens,
+                                        self.req_pool_indices, self._ones)
         # rows [0, _rows_filled) of req_pool_indices hold a batch's rows; the rest are 0
         self._rows_filled = 0
 
-    def fill_from_forward_batch(self, forward_batch) -> Tuple[torch.Tensor, torch.Tensor,
-                                                              torch.Tensor]:
-        """Fill from ``forward_batch``; returns ``(req_pool_indices, prefix_lens[:bs],
-        extend_seq_lens[:bs])`` with ``bs = req_pool_indices.shape[0]`` (padded in graphs)."""
+    def _plan_copies(self, forward_batch, bs: int, dst: List[torch.Tensor],
+                     src: List[torch.Tensor]) -> None:
+        """Append the (destination, source) copies that fill ``prefix_lens[:bs]`` /
+        ``extend_seq_lens[:bs]`` for ``forward_batch``'s mode; the modes whose values are no
+        tensor's copy (target-verify's extend, draft-extend's prefix) are filled here."""
         mode = forward_batch.forward_mode
-        rpi = forward_batch.req_pool_indices
-        bs = rpi.shape[0]  # within capacity: checked outside the graph by the manager
-        prefix = self.prefix_lens[:bs]
-        extend = self.extend_seq_lens[:bs]
+        prefix, extend, _, ones = self._views(bs)
         if mode in (ForwardMode.DECODE, ForwardMode.IDLE):
-            prefix.copy_(forward_batch.positions[:bs])
-            extend.fill_(1)
+            dst += (prefix, extend)
+            src += (leading(forward_batch.positions, bs), ones)
         elif mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
-            prefix.copy_(forward_batch.extend_prefix_lens)
-            extend.copy_(forward_batch.extend_seq_lens)
+            dst += (prefix, extend)
+            src += (forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens)
         elif mode == ForwardMode.TARGET_VERIFY:
-            prefix.copy_(forward_batch.seq_lens[:bs])
+            dst.append(prefix)
+            src.append(leading(forward_batch.seq_lens, bs))
             extend.fill_(sglang_seam.draft_token_num(forward_batch))
         elif mode in (ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2):
-            torch.sub(forward_batch.seq_lens[:bs], forward_batch.extend_seq_lens, out=prefix)
-            extend.copy_(forward_batch.extend_seq_lens)
+            torch.sub(leading(forward_batch.seq_lens, bs), forward_batch.extend_seq_lens,
+                      out=prefix)
+            dst.append(extend)
+            src.append(forward_batch.extend_seq_lens)
         else:
             raise NotImplementedError(
                 f"kv_canary does not support forward mode {mode.name}; supported: DECODE, IDLE, "
                 "EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2"
             )
+
+    def fill_from_forward_batch(self, forward_batch) -> Tuple[torch.Tensor, torch.Tensor,
+                                                              torch.Tensor]:
+        """Fill from ``forward_batch``; returns ``(req_pool_indices, prefix_lens[:bs],
+        extend_seq_lens[:bs])`` with ``bs = req_pool_indices.shape[0]`` (padded in graphs)."""
+        rpi = forward_batch.req_pool_indices
+        bs = rpi.shape[0]  # within capacity: checked outside the graph by the manager
+        dst: List[torch.Tensor] = []
+        src: List[torch.Tensor] = []
+        self._plan_copies(forward_batch, bs, dst, src)
+        for d, s_ in zip(dst, src):
+            d.copy_(s_)
+        prefix, extend, _, _ = self._views(bs)
         return rpi, prefix, extend
+
+    def padded_copies(self, forward_batch, dst: List[torch.Tensor],
+                      src: List[torch.Tensor]) -> None:
+        """What :meth:`fill_padded` copies, appended to ``dst`` / ``src`` for the caller to
+        issue together with its own copies through :func:`copy_pairs`. The modes whose values
+        are no copy are filled at once; the rows a larger earlier batch left are reset from a
+        zero buffer. Host-known sizes, no sync. Not for use inside a capture."""
+        rpi = forward_batch.req_pool_indices
+        bs = rpi.shape[0]
+        self._plan_copies(forward_batch, bs, dst, src)
+        dst.append(self._views(bs)[2])
+        src.append(rpi)
+        if self._rows_filled > bs:
+            dst.append(self.req_pool_indices[bs:self._rows_filled])
+            src.append(self._zeros[:self._rows_filled - bs])
+        self._rows_filled = bs
 
     def fill_padded(self, forward_batch) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fill like :meth:`fill_from_forward_batch`, and copy the batch's
@@ -69,15 +150,13 @@ class PlanInput:
         (``[write_req_capacity]``): rows past the batch are padding rows
         (``req_pool_indices`` 0: no verify entries, no writes, whatever their prefix and
         extend). What a launch sequence captured once for every batch reads
-        (:class:`~sglang.srt.kv_canary.single_forward_manager.eager_graphs.EagerForwardGraphs`).
-        Device copies only (a zero fill of the rows a larger earlier batch left); host-known
+        (:class:`~sglang.srt.kv_canary.single_forward_manager.eager_graphs.EagerForwardGraphs`,
+        which issues :meth:`padded_copies` with its own). Device copies only; host-known
         sizes, no sync. Not for use inside a capture."""
-        rpi, _, _ = self.fill_from_forward_batch(forward_batch)
-        bs = rpi.shape[0]
-        self.req_pool_indices[:bs].copy_(rpi)
-        if self._rows_filled > bs:
-            self.req_pool_indices[bs:self._rows_filled].zero_()
-        self._rows_filled = bs
+        dst: List[torch.Tensor] = []
+        src: List[torch.Tensor] = []
+        self.padded_copies(forward_batch, dst, src)
+        copy_pairs(dst, src)
         return self.req_pool_indices, self.prefix_lens, self.extend_seq_lens
 
 

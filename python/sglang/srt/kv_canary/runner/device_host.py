@@ -28,6 +28,8 @@ from typing import Any, Callable, Generic, Iterator, List, Optional, Sequence, T
 
 import torch
 
+from sglang.srt.kv_canary import cuda_streams
+
 W = TypeVar("W")
 
 
@@ -138,6 +140,14 @@ class DelayedDeviceHostHandler(Generic[W]):
         self._flip = 0
         self._pending: Optional[FutureTensors[W]] = None
         self._stream = None if self.synchronous else torch.cuda.Stream(device=self.device)
+        # CUDA: where the copies start (recorded on the producer's stream) and, per host
+        # buffer, when they are done (a buffer is staged again only after its copies were
+        # consumed or replaced, so its event is free to be recorded again)
+        self._device_index = (None if self.synchronous else
+                              self.device.index if self.device.index is not None
+                              else torch.cuda.current_device())
+        self._produced = None if self.synchronous else torch.cuda.Event()
+        self._copied = None if self.synchronous else [torch.cuda.Event() for _ in range(2)]
 
     def _gather(self, out_words: List[torch.Tensor]) -> None:
         """Every watched tensor into its place in a packed buffer (``out_words``: the
@@ -161,14 +171,15 @@ class DelayedDeviceHostHandler(Generic[W]):
                 t.zero_()
             self._pending = FutureTensors(self._host[flip], None)
             return
-        producer = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_stream(producer)
+        produced = self._produced
+        produced.record(cuda_streams.current_stream(self._device_index))
+        event = self._copied[flip]
+        with cuda_streams.on_stream(self._stream):
+            self._stream.wait_event(produced)
             self._gather(self._staging_words)
             self._host_buffers[flip].copy_(self._staging, non_blocking=True)
             for t in zero_after_copy:
                 t.zero_()
-            event = torch.cuda.Event()
             event.record(self._stream)
         self._pending = FutureTensors(self._host[flip], event)
 
@@ -177,7 +188,7 @@ class DelayedDeviceHostHandler(Generic[W]):
         this cannot race them. A device-side wait on a recorded event; no host sync."""
         pending = self._pending
         if pending is not None and pending.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(pending.event)
+            cuda_streams.current_stream(self._device_index).wait_event(pending.event)
 
     def consume(self, callback: Callable[[W], None]) -> bool:
         """Hand the staged copies to ``callback``; False if nothing was staged. The pending

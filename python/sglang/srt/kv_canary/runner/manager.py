@@ -66,8 +66,10 @@ DRAFT_POOL_LABEL = ("the EAGLE draft model's KV pool (its position p holds the K
                     "token p + 1)")
 
 # tokens per request that a replayed forward's token-history upload carries in the static
-# buffer its graph reads (a decode step sends 1, a verified speculative step a few; a larger
-# upload goes by its own launch before the replay)
+# buffer its graph reads (a decode step sends 1, a verified speculative step a few); the
+# buffer also holds a forward's worth of tokens (the canary's token capacity), what an eager
+# forward's graph scatters (a prefill chunk's new tokens). A larger upload goes by its own
+# launch before the replay.
 REPLAY_TOKENS_PER_REQUEST = 8
 
 
@@ -148,8 +150,9 @@ class CanaryManager:
         self.token_history = (
             TokenHistoryUploader(self.state.req_to_verify_expected_tokens,
                                  replay_rows=capacities.write_req_capacity,
-                                 replay_tokens=(REPLAY_TOKENS_PER_REQUEST
-                                                * capacities.write_req_capacity))
+                                 replay_tokens=max(REPLAY_TOKENS_PER_REQUEST
+                                                   * capacities.write_req_capacity,
+                                                   capacities.write_entry_capacity))
             if config.enable_verify_token_assert else None)
         self.endpoints = tuple(ep for g in self.groups
                                for ep in build_endpoints_from_group(group=g, state=self.state,

@@ -34,13 +34,18 @@ directly: the padded-input path, checked against the batch's own tensors.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
-from sglang.srt.kv_canary.plan_input import PlanInput
+from sglang.srt.kv_canary.plan_input import (
+    PlanInput,
+    StaticPrefixViews,
+    copy_pairs,
+    leading,
+)
 from sglang.srt.kv_canary.single_forward_manager.launches import ForwardLaunchInputs
 
 if TYPE_CHECKING:
@@ -66,6 +71,8 @@ class EagerForwardGraphs:
         self.input_ids = torch.zeros(cap, dtype=torch.int64, device=device)
         self.positions = torch.zeros(cap, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(cap, dtype=torch.int64, device=device)
+        self._zeros = torch.zeros(cap, dtype=torch.int64, device=device)
+        self._token_views = StaticPrefixViews(self.input_ids, self.positions, self.out_cache_loc)
         self._tokens_filled = 0  # entries [0, _tokens_filled) hold an earlier forward's slots
         self.inputs = ForwardLaunchInputs(
             req_pool_indices=plan_input.req_pool_indices, prefix_lens=plan_input.prefix_lens,
@@ -105,15 +112,20 @@ class EagerForwardGraphs:
 
     def stage(self, forward_batch: "ForwardBatch", num_tokens: int) -> None:
         """Copy the forward's inputs into the static buffers (on the current stream: the side
-        stream, after the fork point). ``num_tokens``: the forward's token count (its
-        ``out_cache_loc`` length)."""
-        self._plan_input.fill_padded(forward_batch)
+        stream, after the fork point): :func:`copy_pairs` of the plan input, the
+        tokens, positions and slots, and the reset of the slots an earlier, larger forward
+        left. ``num_tokens``: the forward's token count (its ``out_cache_loc`` length)."""
+        dst: List[torch.Tensor] = []
+        src: List[torch.Tensor] = []
+        self._plan_input.padded_copies(forward_batch, dst, src)
         n = num_tokens
-        self.input_ids[:n].copy_(forward_batch.input_ids[:n])
-        self.positions[:n].copy_(forward_batch.positions[:n])
-        self.out_cache_loc[:n].copy_(forward_batch.out_cache_loc)
+        dst += self._token_views(n)
+        src += (leading(forward_batch.input_ids, n), leading(forward_batch.positions, n),
+                forward_batch.out_cache_loc)
         if self._tokens_filled > n:
-            self.out_cache_loc[n:self._tokens_filled].zero_()
+            dst.append(self.out_cache_loc[n:self._tokens_filled])
+            src.append(self._zeros[:self._tokens_filled - n])
+        copy_pairs(dst, src)
         self._tokens_filled = n
 
     def run_side(self) -> None:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 import torch
 
 from sglang.jit_kernel.kv_canary.types import CanaryPhase, WriteParts
-from sglang.srt.kv_canary import sglang_seam
+from sglang.srt.kv_canary import cuda_streams, sglang_seam
 from sglang.srt.kv_canary.batch_state import batch_state
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
@@ -141,8 +141,12 @@ class SingleForwardManager:
         # CUDA: the pre-forward work runs on this side stream, beside the model forward
         device = torch.device(device)
         self.side_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        # the fork point on the forward stream (2.), where the side-stream work starts
+        # the fork point on the forward stream (2.), where the side-stream work starts, and
+        # the join (3.), where the forward stream waits for the side stream's work
         self._fork = torch.cuda.Event() if self.side_stream is not None else None
+        self._joined = torch.cuda.Event() if self.side_stream is not None else None
+        self._device_index = (self.side_stream.device_index if self.side_stream is not None
+                              else None)
         # the batch of the outside bracket (1.): what an eager forward's inside ops read
         self._batch: Optional["ForwardBatch"] = None
         # token checks: this forward's token-history upload is still to be done
@@ -165,7 +169,7 @@ class SingleForwardManager:
                                    f"{self.phase.value}")
         graphs = EagerForwardGraphs(plan_input=self.plan_input, capacities=self.capacities,
                                     expected_inputs=self.expected_inputs,
-                                    side_launches=self._side_launches,
+                                    side_launches=self._eager_side_launches,
                                     tail_launches=self._tail_launches,
                                     side_stream=self.side_stream, device=self.req_to_token.device)
         if capture_graphs:
@@ -265,12 +269,13 @@ class SingleForwardManager:
             yield
             return
         self.side_stream.wait_event(self._fork)
-        with torch.cuda.stream(self.side_stream):
+        with cuda_streams.on_stream(self.side_stream):
             yield
 
     def _join(self) -> None:
         if self.side_stream is not None:
-            torch.cuda.current_stream(self.side_stream.device).wait_stream(self.side_stream)
+            self._joined.record(self.side_stream)
+            cuda_streams.current_stream(self._device_index).wait_event(self._joined)
 
     def pre_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
         """The fork point, before the model forward's kernels (HiCache: after the forward
@@ -280,7 +285,7 @@ class SingleForwardManager:
         if self.kv_pool is not None:  # HiCache: records of loaded slots arrive with layer 0
             sglang_seam.hicache_wait_for_first_layer(self.kv_pool)
         if self._fork is not None:
-            self._fork.record(torch.cuda.current_stream(self.side_stream.device))
+            self._fork.record(cuda_streams.current_stream(self._device_index))
 
     def post_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
         """After the model forward's kernels are queued. On the side stream, from the fork
@@ -296,12 +301,14 @@ class SingleForwardManager:
         # an eager forward with static launches: staged copies and graph replays
         graphs = None if self._capturing else self.eager_graphs
         with self._beside_the_forward():
-            if self._tokens_pending:  # eager: the upload was left for now (step 1.)
-                self._upload_tokens(forward_batch)
             if graphs is not None:
+                # eager: the upload was left for now (step 1.); the graph scatters it
+                self.upload_tokens_before_replay()
                 graphs.stage(forward_batch, num_tokens=forward_batch.out_cache_loc.shape[0])
                 graphs.run_side()
             else:
+                if self._tokens_pending:  # eager: the upload was left for now (step 1.)
+                    self._upload_tokens(forward_batch)
                 inputs = self._batch_inputs(forward_batch)
                 if self._capturing and self.token_history is not None:
                     # the replay's upload: staged before the replay, scattered in the graph
@@ -328,6 +335,17 @@ class SingleForwardManager:
             out_cache_loc=slots,
             expected_inputs=(self.expected_inputs.views(n)
                              if self.expected_inputs is not None else None))
+
+    def _eager_side_launches(self, inputs: ForwardLaunchInputs) -> None:
+        """The side half of an eager forward's graph (:class:`EagerForwardGraphs`): with token
+        checks, first the scatter of the token history staged by
+        :meth:`upload_tokens_before_replay` (as in sglang's decode graphs), then
+        :meth:`_side_launches`."""
+        if self.token_history is not None:
+            rpi = inputs.req_pool_indices
+            self.token_history.launch_replay_scatter(rpi,
+                                                     self.expected_valid_lens[:rpi.shape[0]])
+        self._side_launches(inputs)
 
     def _side_launches(self, inputs: ForwardLaunchInputs) -> None:
         """The side-stream half of the post-ops (on the current stream): plan every group,
