@@ -133,8 +133,8 @@ MUTANTS = (
         speed="quick", what="merged incident keeps the last row's reasons only"),
     Mutant(
         id="rt-ring-not-emptied", path=f"{_RT}/runner/manager.py",
-        old="zero_after_copy=(self.state.violation_log.violation_write_index,))",
-        new="zero_after_copy=())",
+        old="), zero_after_copy=(log.violation_write_index,))",
+        new="), zero_after_copy=())",
         selection=f"{_T}/test_runtime_core.py::test_ring_is_detailed_again_after_a_full_window",
         speed="quick", what="the violation ring is never emptied between forwards"),
     Mutant(

@@ -657,5 +657,31 @@ def test_device_host_handler_refuses_strided_tensors():
         DelayedDeviceHostHandler(_Watched(x=torch.arange(8).reshape(2, 4).t()))
 
 
+def test_device_host_handler_empties_the_named_window_after_its_copy():
+    """``zero_after_copy`` names watched tensors reset right after each copy (the violation
+    ring's write index: one window per stage); the consumer still sees the value copied."""
+    index = torch.tensor([3], dtype=torch.int32)
+    src = _Nested(index=index, ring=torch.zeros(2, 3, dtype=torch.int64), statuses=(),
+                  flags=torch.tensor([True]))
+    h = DelayedDeviceHostHandler(src, zero_after_copy=(index,))
+    h.stage()
+    assert index.tolist() == [0]
+    got = {}
+    h.consume(lambda host: got.update(index=host.index.tolist()))
+    assert got["index"] == [3]
+
+
+def test_device_host_handler_refuses_to_zero_what_it_does_not_watch():
+    watched = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"zero_after_copy entries \[1\] are not leaves"):
+        DelayedDeviceHostHandler(_Watched(x=watched),
+                                 zero_after_copy=(watched, torch.zeros(2)))
+
+
+def test_device_host_handler_captures_only_on_cuda():
+    h = DelayedDeviceHostHandler(_Watched(x=torch.zeros(2)))
+    with pytest.raises(RuntimeError, match="captured only on CUDA"):
+        h.capture()
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -128,6 +128,45 @@ def test_fence_orders_the_next_forward_after_the_read_back(fenced):
     assert got["x"] == (0 if fenced else 7)
 
 
+@pytest.mark.parametrize("pending_before_capture", [False, True])
+def test_captured_read_back_copies_match_the_eager_ones(pending_before_capture):
+    """After ``capture()`` a stage replays one graph per host buffer: the consumer gets every
+    watched tensor's value at the stage (the two host buffers alternate), the window named by
+    ``zero_after_copy`` is emptied after its copy, and capturing runs nothing (a stage pending
+    before it is consumed unchanged; the watched tensors keep their values)."""
+    from sglang.srt.kv_canary.runner import DelayedDeviceHostHandler
+
+    index = torch.tensor([5], dtype=torch.int32, device="cuda")
+    ring = torch.arange(12, dtype=torch.int64, device="cuda").reshape(4, 3)
+    h = DelayedDeviceHostHandler(_Pair(index=index, ring=ring), zero_after_copy=(index,))
+    got = []
+    if pending_before_capture:
+        h.stage()
+        index.fill_(2)  # the next window: 2 entries
+    h.capture()
+    assert h.captured and int(index[0]) == (2 if pending_before_capture else 5)
+    if pending_before_capture:
+        torch.cuda.synchronize()
+        h.consume(lambda host: got.append((host.index.tolist(), host.ring.tolist())))
+        assert got.pop() == ([5], torch.arange(12).reshape(4, 3).tolist())
+        index.fill_(5)
+    for step in range(4):
+        h.fence()
+        ring.add_(100)
+        index.add_(step)
+        want = ([5 * (step == 0) + step], ring.tolist())
+        h.stage()
+        torch.cuda.synchronize()
+        assert int(index[0]) == 0  # emptied after its copy
+        h.consume(lambda host: got.append((host.index.tolist(), host.ring.tolist())))
+        assert got.pop() == want
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pair:
+    index: torch.Tensor
+    ring: torch.Tensor
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
 

@@ -189,7 +189,7 @@ class CanaryManager:
             slot_run_counters=self.state.slot_run_counters,
             sfm_status=tuple(sfm.status for sfm in self.sfms),
             swa_verify_num_valid=self.swa_divergence.device_tensors(),
-        ))
+        ), zero_after_copy=(log.violation_write_index,))
         self.violations = ViolationManager(reporter=ViolationReporter(
             config.mode, pool=DRAFT_POOL_LABEL if ranks.draft else "",
             rank=ranks.describe_rank() if ranks.several else ""),
@@ -389,10 +389,13 @@ class CanaryManager:
 
     def mark_init_finished(self) -> None:
         """End of warm-up and graph capture: turn the chain-position check on; on CUDA,
-        capture each single-forward manager's eager-forward graphs (its launches for the
-        forwards no sglang graph holds: prefills, large decode batches)."""
+        capture the read-back's copies and each single-forward manager's eager-forward graphs
+        (its launches for the forwards no sglang graph holds: prefills, large decode
+        batches)."""
         self.state.mark_init_finished()
         if self._device.type == "cuda":
+            if not self.device_host.captured:
+                self.device_host.capture()
             for sfm in self.sfms:
                 if sfm.eager_graphs is None:
                     sfm.enable_static_eager_launches(capture_graphs=True)
@@ -534,8 +537,7 @@ class CanaryManager:
         again however many came before (docs/architecture.md, "Reading results"). Nothing on
         the forward stream waits for the copy or the reset, and the next forward's bracket
         launches no reset of its own before the model's kernels."""
-        self.device_host.stage(
-            zero_after_copy=(self.state.violation_log.violation_write_index,))
+        self.device_host.stage()
         self._staged = StagedForward(self.step, tuple(s.index for s in sfms), requests)
 
     def _on_host_copies(self, host: CanaryReadback) -> None:
