@@ -13,6 +13,7 @@ runs, ~3 min) and ``bench_hicache.py`` (GPU only) are not run here."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
@@ -118,6 +119,23 @@ def test_bench_serving_overhead_host_breakdown_detail_times_each_method():
             assert float(rows[method]["µs per call (median)"]) > 0
         assert ("token_history.snapshot" in rows) == (config == "raise+token"), rows.keys()
 
+
+def test_bench_prefill_device_time_smoke_runs_every_stand_in(tmp_path):
+    """``bench_prefill_device_time.py --smoke-cpu``: per prompt a row for canary off, the A/A
+    control and each config (the canary's no-model time only for canary-on rows), with the
+    same figures in the JSON lines."""
+    out = tmp_path / "d.jsonl"
+    text = _run("bench_prefill_device_time.py", "--smoke-cpu", "--isls", "32,48",
+                "--configs", "raise,raise+token", "--out", str(out))
+    rows = _table(text, "prompt")
+    assert [(r["prompt"], r["config"]) for r in rows] == [
+        (isl, c) for isl in ("32", "48") for c in ("off", "off (A/A)", "raise", "raise+token")]
+    for r in rows:
+        assert float(r["prefill median ms"]) > 0
+        assert (r["canary alone, no model (ms)"] == "—") == r["config"].startswith("off")
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["isl"], r["config"]) for r in recs] == [(int(a), b) for a, b in
+                                                       ((r["prompt"], r["config"]) for r in rows)]
 
 def test_bench_host_primitives_needs_cuda():
     proc = subprocess.run([sys.executable, str(BENCH_DIR / "bench_host_primitives.py")],

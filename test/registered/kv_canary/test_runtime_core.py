@@ -683,5 +683,17 @@ def test_device_host_handler_captures_only_on_cuda():
     with pytest.raises(RuntimeError, match="captured only on CUDA"):
         h.capture()
 
+def test_parallel_lanes_run_in_order_off_cuda_and_refuse_more_sequences_than_lanes():
+    from sglang.srt.kv_canary.cuda_streams import ParallelLanes
+
+    lanes = ParallelLanes(3, "cpu")
+    order = []
+    lanes.run([lambda i=i: order.append(i) for i in range(3)])
+    assert order == [0, 1, 2]
+    with pytest.raises(ValueError, match="4 sequences for 3 lanes"):
+        lanes.run([lambda: None] * 4)
+    with pytest.raises(ValueError, match="lanes >= 1, got 0"):
+        ParallelLanes(0, "cpu")
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -167,6 +167,47 @@ class _Pair:
     index: torch.Tensor
     ring: torch.Tensor
 
+@pytest.mark.parametrize("captured", [False, True])
+def test_parallel_lanes_fork_from_and_join_the_current_stream(captured):
+    """Each sequence after the first runs on a stream of its own, after the work queued on
+    the current stream before the run (the fork), and work queued after the run waits for all
+    of them (the join); the same replayed from a CUDA graph that captured the run."""
+    from sglang.srt.kv_canary.cuda_streams import ParallelLanes
+
+    lanes = ParallelLanes(3, "cuda")
+    src = torch.zeros(3, dtype=torch.int64, device="cuda")
+    out = torch.zeros(3, dtype=torch.int64, device="cuda")
+    res = torch.zeros(3, dtype=torch.int64, device="cuda")
+    streams = []
+
+    def lane(i):
+        def run():
+            streams.append(torch.cuda.current_stream())
+            torch.cuda._sleep(50_000_000)  # held up: a missing join would read 0
+            out[i:i + 1].copy_(src[i:i + 1])
+        return run
+
+    def work():
+        torch.cuda._sleep(50_000_000)  # held up: a missing fork would copy 0
+        src.fill_(7)
+        lanes.run([lane(0), lane(1), lane(2)])
+        res.copy_(out)
+
+    here = torch.cuda.current_stream()
+    if captured:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            here = torch.cuda.current_stream()
+            work()
+        graph.replay()
+    else:
+        work()
+    torch.cuda.synchronize()
+    assert res.tolist() == [7, 7, 7]
+    assert streams[0] == here and len({s.stream_id for s in streams}) == 3
+    with pytest.raises(ValueError, match="4 sequences for 3 lanes"):
+        lanes.run([lane(0)] * 4)
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
 

@@ -46,3 +46,48 @@ def on_stream(stream: "torch.cuda.Stream") -> Iterator[None]:
         yield
     finally:
         torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+
+
+class ParallelLanes:
+    """Runs independent launch sequences side by side: the first on the current stream, each
+    other on a stream of its own, forked from the current stream and joined back to it by
+    events (inside a CUDA-graph capture: parallel branches of the graph). For launches whose
+    time is the latency of one SM, such as the serial hash chain a write walks per canary
+    buffer: N of them then take about the time of one (docs/architecture.md, "One forward").
+
+    ``lanes``: the most sequences one :meth:`run` takes; ``device``: where they run (not CUDA:
+    in order, on the caller's stream). Streams and events are made here; :meth:`run`
+    allocates nothing and never syncs the host."""
+
+    def __init__(self, lanes: int, device):
+        if lanes < 1:
+            raise ValueError(f"ParallelLanes needs lanes >= 1, got {lanes}")
+        device = torch.device(device)
+        self.lanes = lanes
+        extra = lanes - 1 if device.type == "cuda" else 0
+        self._streams = [torch.cuda.Stream(device=device) for _ in range(extra)]
+        self._fork = torch.cuda.Event() if extra else None
+        self._done = [torch.cuda.Event() for _ in range(extra)]
+        self._device_index = self._streams[0].device_index if extra else None
+
+    def run(self, sequences) -> None:
+        """Run each of ``sequences`` (callables taking no argument, at most ``lanes``) on its
+        lane; work queued on the current stream afterwards waits for all of them."""
+        if len(sequences) > self.lanes:
+            raise ValueError(f"ParallelLanes.run: {len(sequences)} sequences for "
+                             f"{self.lanes} lanes")
+        if not self._streams or len(sequences) < 2:
+            for seq in sequences:
+                seq()
+            return
+        here = current_stream(self._device_index)
+        self._fork.record(here)
+        sequences[0]()
+        others = list(zip(self._streams, self._done, sequences[1:]))
+        for stream, done, seq in others:
+            stream.wait_event(self._fork)
+            with on_stream(stream):
+                seq()
+            done.record(stream)
+        for _, done, _ in others:
+            here.wait_event(done)

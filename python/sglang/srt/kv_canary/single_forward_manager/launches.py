@@ -7,7 +7,8 @@ Everything here is graph-safe: launches on static buffers, no allocation, no hos
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping, Optional, Tuple
+import functools
+from typing import Callable, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -136,13 +137,16 @@ def launch_verifies(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
                                         check_verify_expected_token=check_verify_expected_token)
 
 
-def launch_writes(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
-                  parts: WriteParts, plans_by_group: PlansByGroup, input_ids, positions,
-                  out_cache_loc,
-                  expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Write launch (``parts`` of it) of every endpoint of ``phase``; SWA groups get their
-    translated slots (translated once per group, by the chain part or an ``ALL`` write)."""
+def write_launches(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
+                   parts: WriteParts, plans_by_group: PlansByGroup, input_ids, positions,
+                   out_cache_loc, expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]]
+                   ) -> List[Callable[[], None]]:
+    """The write launch (``parts`` of it) of every endpoint of ``phase``, one callable each,
+    independent of one another (each writes its own canary buffer), to run in any order or
+    side by side. SWA groups' slots are translated now, on the current stream (once per
+    group, by the chain part or an ``ALL`` write)."""
     translated = {}
+    launches = []
     for ep in endpoints:
         if ep.phase != phase:
             continue
@@ -151,13 +155,26 @@ def launch_writes(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
             translated[ep.group] = (write_slots_for(plans, out_cache_loc)
                                     if parts != WriteParts.FINGERPRINT
                                     else translated_slots(plans, out_cache_loc))
-        launch_canary_write_kernel(
+        launches.append(functools.partial(
+            launch_canary_write_kernel,
             context=ep.context, plan=plans.write_plan, input_ids=input_ids,
             positions=positions, out_cache_loc=translated[ep.group], parts=parts,
             enable_write_input_assert=expected_inputs is not None,
             expected_input_tokens=expected_inputs[0] if expected_inputs is not None else None,
             expected_input_positions=expected_inputs[1] if expected_inputs is not None else None,
-        )
+        ))
+    return launches
+
+
+def launch_writes(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
+                  parts: WriteParts, plans_by_group: PlansByGroup, input_ids, positions,
+                  out_cache_loc,
+                  expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write launch (``parts`` of it) of every endpoint of ``phase``, one after another."""
+    for launch in write_launches(endpoints, phase, parts=parts, plans_by_group=plans_by_group,
+                                 input_ids=input_ids, positions=positions,
+                                 out_cache_loc=out_cache_loc, expected_inputs=expected_inputs):
+        launch()
 
 
 def launch_deep_verify(ep: CanaryEndpoint, plan: VerifyPlan, *, rotate: bool) -> None:

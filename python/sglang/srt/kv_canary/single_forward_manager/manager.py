@@ -65,7 +65,7 @@ from sglang.srt.kv_canary.single_forward_manager.launches import (
     launch_deep_writes,
     launch_group_plan,
     launch_verifies,
-    launch_writes,
+    write_launches,
 )
 from sglang.srt.kv_canary.single_forward_manager.phases import (
     CAPTURE_TRANSITIONS,
@@ -145,6 +145,11 @@ class SingleForwardManager:
         # the join (3.), where the forward stream waits for the side stream's work
         self._fork = torch.cuda.Event() if self.side_stream is not None else None
         self._joined = torch.cuda.Event() if self.side_stream is not None else None
+        # the side half's HEAD and TAIL-chain writes, one canary buffer each, side by side:
+        # each walks its requests' chains serially on one SM
+        self._write_lanes = cuda_streams.ParallelLanes(
+            max(1, sum(ep.phase in (CanaryPhase.HEAD, CanaryPhase.TAIL)
+                       for ep in self.endpoints)), device)
         self._device_index = (self.side_stream.device_index if self.side_stream is not None
                               else None)
         # the batch of the outside bracket (1.): what an eager forward's inside ops read
@@ -358,8 +363,9 @@ class SingleForwardManager:
                               req_to_token=self.req_to_token, expected_tokens=expected,
                               expected_valid_lens=self.expected_valid_lens[: rpi.shape[0]])
         self._verify(CanaryPhase.HEAD)
-        self._write(CanaryPhase.HEAD, WriteParts.ALL, inputs)
-        self._write(CanaryPhase.TAIL, WriteParts.CHAIN, inputs)
+        self._write_lanes.run(self._write_launches(CanaryPhase.HEAD, WriteParts.ALL, inputs)
+                              + self._write_launches(CanaryPhase.TAIL, WriteParts.CHAIN,
+                                                     inputs))
         for i, group in enumerate(self.groups):
             self.status.plan_enabled[i:i + 1].copy_(self.plans[group].verify_plan.enable)
 
@@ -405,7 +411,12 @@ class SingleForwardManager:
 
     def _write(self, phase: CanaryPhase, parts: WriteParts,
                inputs: ForwardLaunchInputs) -> None:
-        launch_writes(
+        for launch in self._write_launches(phase, parts, inputs):
+            launch()
+
+    def _write_launches(self, phase: CanaryPhase, parts: WriteParts,
+                        inputs: ForwardLaunchInputs):
+        return write_launches(
             self.endpoints, phase, parts=parts, plans_by_group=self.plans,
             input_ids=inputs.input_ids, positions=inputs.positions,
             out_cache_loc=inputs.out_cache_loc, expected_inputs=inputs.expected_inputs,
