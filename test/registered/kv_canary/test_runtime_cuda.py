@@ -183,12 +183,13 @@ def test_parallel_lanes_fork_from_and_join_the_current_stream(captured):
     def lane(i):
         def run():
             streams.append(torch.cuda.current_stream())
-            torch.cuda._sleep(50_000_000)  # held up: a missing join would read 0
+            if i:  # held up (the first lane is the current stream): a missing join reads 0
+                torch.cuda._sleep(50_000_000)
             out[i:i + 1].copy_(src[i:i + 1])
         return run
 
     def work():
-        torch.cuda._sleep(50_000_000)  # held up: a missing fork would copy 0
+        torch.cuda._sleep(100_000_000)  # held up longer: a missing fork would copy 0
         src.fill_(7)
         lanes.run([lane(0), lane(1), lane(2)])
         res.copy_(out)
