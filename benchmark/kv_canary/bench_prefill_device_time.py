@@ -9,7 +9,8 @@ sleep, so the canary's kernels compete with the model's for the GPU as they do i
 
 Each round runs one prefill (a new request; chunked by 8192 like the Engine) per server
 stand-in, in turn: canary off, canary off again (the A/A control), each config; the host
-waits for the device after each prefill, so a prefill's time is its wall time. Printed: the
+waits for the device after each prefill, so a prefill's time is its wall time (from the first
+launch: the batches are built before, as sglang builds them before the forward). Printed: the
 median ms per prefill and the median of the paired ratios against the first "off"; then each
 config's prefill with no model at all (the canary's own device time plus its host time).
 ``--smoke-cpu``: tiny shapes on the CPU, checks the script only.
@@ -102,20 +103,15 @@ def main() -> None:
 
     def prefill(canary, isl: int, run: int, with_model: bool = True) -> float:
         """One prefill of a new ``isl``-token request; ms from its first launch to the
-        device's end."""
+        device's end. Its batches (what sglang builds before a forward) are built first, for
+        every stand-in alike, outside the time."""
         row = 1 + (run % 4)
         req = _Req(row, torch.randint(100, vocab - 100, (isl,), generator=gen).tolist())
         slots = torch.randperm(num_slots - 1, generator=gen)[:isl] + 1
-        if canary is not None:
-            canary[1].req_to_token[row, :isl] = slots.to(torch.int32).to(dev)
-        sync()
-        t0 = time.perf_counter()
+        batches = []
         for start in range(0, isl, chunk):
             n = min(chunk, isl - start)
-            if canary is None:
-                model(n)
-                continue
-            mgr, r2t, kv = canary
+            r2t, kv = (canary[1], canary[2]) if canary is not None else (None, None)
             fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1,
                               input_ids=i64(req.origin_input_ids[start:start + n]),
                               req_pool_indices=i64([row]), seq_lens=i64([start + n]),
@@ -126,6 +122,16 @@ def main() -> None:
             fb.extend_prefix_lens, fb.extend_seq_lens = i64([start]), i64([n])
             fb.extend_num_tokens = n
             fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = [start], [n]
+            batches.append((n, fb))
+        if canary is not None:
+            canary[1].req_to_token[row, :isl] = slots.to(torch.int32).to(dev)
+        sync()
+        t0 = time.perf_counter()
+        for n, fb in batches:
+            if canary is None:
+                model(n)
+                continue
+            mgr = canary[0]
             mgr.on_forward_batch_init(fb, [req])
             with mgr.with_active_single_forward_manager(0), mgr.with_ops_outside_graph(fb):
                 mgr.pre_ops_maybe_inside_graph(fb)

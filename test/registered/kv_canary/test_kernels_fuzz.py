@@ -27,9 +27,11 @@ from sglang.jit_kernel.kv_canary import (
     CanaryLaunchTag,
     RealKvHashMode,
     RealKvSource,
+    VerifyOrWriteContext,
     VerifyPlan,
     WriteParts,
     WritePlan,
+    launch_canary_chain_writes,
     launch_canary_plan_kernels,
     launch_canary_plan_kernels_torch_reference,
     launch_canary_verify_kernel,
@@ -278,6 +280,94 @@ def test_split_write_equals_one_write(seed, device):
         slots = slots[(slots > 0) & (slots < ref_ctx.num_slots)]
         assert (only_chain.canary_words[slots, 3] == 0).all()
 
+
+def _sharing(ctx, buf, tag):
+    """A context of another canary buffer (``buf``) and tag that shares ``ctx``'s ring, write
+    index and chain-position flag (as a pool group's K/V x HEAD/TAIL endpoints do)."""
+    return VerifyOrWriteContext(
+        canary_buf=buf, kernel_kind=tag, violation_ring=ctx.violation_ring,
+        violation_write_index=ctx.violation_write_index,
+        slot_run_counter=torch.zeros(1, dtype=torch.int64, device=buf.device),
+        kernel_run_counter=torch.zeros(1, dtype=torch.int64, device=buf.device),
+        enable_chain_position_assert=ctx.enable_chain_position_assert)
+
+
+@pytest.mark.parametrize("num_bufs", [1, 2, 3, 4])
+@pytest.mark.parametrize("seed", range(0, NUM_SEEDS, 4))
+def test_chain_writes_of_several_buffers_equal_one_launch_each(seed, num_bufs, device):
+    """``launch_canary_chain_writes`` over up to four buffers (one launch, their chains side
+    by side) leaves each buffer, counter and the shared ring as one CHAIN launch per buffer
+    does, also when the buffers' seed records differ (each chain starts from its own)."""
+    sc = _scenario(seed)
+    g = torch.Generator().manual_seed(1000 + seed)
+    base = sc["ctx"]
+    tags = list(CanaryLaunchTag)[:num_bufs]
+    bufs = [base.canary_buf.clone() for _ in range(num_bufs)]
+    for b in bufs[1:]:  # other seed records: a few rows of the other buffers differ
+        rows = torch.randint(0, base.num_slots, (3,), generator=g)
+        b[rows] = torch.randint(0, 256, (3, b.shape[1]), generator=g, dtype=torch.uint8)
+    wp = WritePlan.allocate(write_req_capacity=sc["req_capacity"], device="cpu")
+    vp = VerifyPlan.allocate(verify_capacity=sc["verify_capacity"], device="cpu")
+    launch_canary_plan_kernels_torch_reference(verify_plan_out=vp, write_plan_out=wp,
+                                               **sc["plan_kwargs"])
+    ref_first = clone_context(base, "cpu")
+    refs = [_sharing(ref_first, b.clone(), t) for b, t in zip(bufs, tags)]
+    for c in refs:
+        launch_canary_write_kernel_torch_reference(context=c, plan=wp, parts=WriteParts.CHAIN,
+                                                   **sc["write_kwargs"])
+    tri_first = clone_context(base, device)
+    tris = [_sharing(tri_first, b.to(device), t) for b, t in zip(bufs, tags)]
+    launch_canary_chain_writes(contexts=tris, plan=clone_dataclass_tensors(wp, device),
+                               **_to(sc["write_kwargs"], device))
+    for tri, ref in zip(tris, refs):
+        assert_contexts_equal(tri, ref)
+    assert int(tris[0].violation_write_index[0]) == int(refs[0].violation_write_index[0])
+
+
+@pytest.mark.parametrize("num_bufs", [3, 4])
+def test_chain_writes_of_more_requests_than_one_program_holds(num_bufs, device):
+    """A batch of more requests than one program's lanes hold (32 lanes: 10 requests of three
+    buffers, 8 of four), each of two tokens: every request's records written once per
+    buffer, each slot counted once."""
+    reqs = 24
+    wp = WritePlan.allocate(write_req_capacity=reqs, device=device)
+    wp.write_offsets.copy_(torch.arange(reqs + 1) * 2)
+    wp.write_seed_slot_indices.fill_(-1)
+    wp.write_req_to_token_rows.copy_(torch.arange(reqs))
+    wp.write_num_valid_reqs.fill_(reqs)
+    tokens = torch.arange(2 * reqs, device=device) + 100
+    positions = torch.arange(2, device=device).repeat(reqs)
+    slots = torch.arange(2 * reqs, device=device) + 1
+    first = make_context(2 * reqs + 1, device=device)
+    ctxs = [first] + [_sharing(first, torch.zeros_like(first.canary_buf), t)
+                      for t in list(CanaryLaunchTag)[1:num_bufs]]
+    launch_canary_chain_writes(contexts=ctxs, plan=wp, input_ids=tokens, positions=positions,
+                               out_cache_loc=slots, enable_write_input_assert=False,
+                               expected_input_tokens=None, expected_input_positions=None)
+    for c in ctxs:
+        words = c.canary_words.cpu()
+        assert words[1:, 0].tolist() == (tokens.cpu()).tolist()
+        assert words[1:, 1].tolist() == positions.cpu().tolist()
+        assert int(c.slot_run_counter[0]) == 2 * reqs and int(c.kernel_run_counter[0]) == 1
+    assert int(first.violation_write_index[0]) == 0
+
+def test_chain_writes_refuse_contexts_they_cannot_run_together():
+    sc = _scenario(0)
+    ctx = sc["ctx"]
+    wp = WritePlan.allocate(write_req_capacity=sc["req_capacity"], device="cpu")
+    kw = dict(plan=wp, **sc["write_kwargs"])
+    other = [_sharing(ctx, ctx.canary_buf.clone(), t) for t in list(CanaryLaunchTag)[:5]]
+    with pytest.raises(ValueError, match="takes 1 to 4 contexts, got 0"):
+        launch_canary_chain_writes(contexts=[], **kw)
+    with pytest.raises(ValueError, match="takes 1 to 4 contexts, got 5"):
+        launch_canary_chain_writes(contexts=other, **kw)
+    with pytest.raises(ValueError, match="distinct canary buffers"):
+        launch_canary_chain_writes(contexts=[other[0], other[0]], **kw)
+    with pytest.raises(ValueError, match="share one violation_ring"):
+        launch_canary_chain_writes(contexts=[other[0], clone_context(other[1])], **kw)
+    small = _sharing(ctx, ctx.canary_buf[:-1].clone(), CanaryLaunchTag(0))
+    with pytest.raises(ValueError, match="same slot count"):
+        launch_canary_chain_writes(contexts=[other[0], small], **kw)
 
 def test_fuzz_exercises_every_path():
     """The seeds above must cover what they claim to (guards against a degenerate generator)."""

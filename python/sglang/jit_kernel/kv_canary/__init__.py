@@ -34,7 +34,7 @@ from sglang.jit_kernel.kv_canary.types import (
 )
 from sglang.jit_kernel.kv_canary.verify import launch_canary_verify_kernel
 from sglang.jit_kernel.kv_canary.verify_ref import launch_canary_verify_kernel_torch_reference
-from sglang.jit_kernel.kv_canary.write import launch_canary_write_kernel
+from sglang.jit_kernel.kv_canary.write import launch_canary_chain_writes, launch_canary_write_kernel
 from sglang.jit_kernel.kv_canary.write_ref import launch_canary_write_kernel_torch_reference
 
 __all__ = [
@@ -42,7 +42,7 @@ __all__ = [
     "KvHalf", "PoolKind", "RealKvHashMode", "RealKvSource", "VerifyOrWriteContext", "VerifyPlan",
     "WriteParts", "WritePlan", "launch_canary_plan_kernels", "launch_canary_plan_kernels_torch_reference",
     "launch_canary_verify_kernel", "launch_canary_verify_kernel_torch_reference",
-    "launch_canary_write_kernel", "launch_canary_write_kernel_torch_reference",
+    "launch_canary_chain_writes", "launch_canary_write_kernel", "launch_canary_write_kernel_torch_reference",
     "launch_scatter_packed_token_ids_kernel", "launch_scatter_req_token_ids_kernel",
     "scatter_packed_token_ids_torch_reference", "scatter_req_token_ids_torch_reference",
     "splitmix64", "splitmix64_mix3",

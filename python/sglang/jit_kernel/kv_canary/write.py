@@ -3,7 +3,11 @@
 ``launch_canary_write_kernel`` stores a fresh record for every slot a forward writes: token,
 position, the running chain hash of the request, and (TAIL launches) the real-KV fingerprint.
 One part of the grid walks each request's chain serially (lanes = requests, loop = chain steps);
-the other part fingerprints all written slots in parallel. Graph-safe on CUDA.
+the other part fingerprints all written slots in parallel. ``launch_canary_chain_writes`` walks
+the chains of up to four buffers of one pool group in one launch (lanes = request x buffer): a
+step's hash is three dependent 64-bit splitmix64 rounds, about 0.24 µs on an H100, so a long
+prefill's walk holds an SM for milliseconds, and one walk for all of a group's buffers holds it
+a quarter as long as one per buffer. Graph-safe on CUDA.
 
 :class:`WriteParts` and :class:`WritePlan` live in :mod:`~sglang.jit_kernel.kv_canary.types`
 (no Triton); they are re-exported here.
@@ -11,7 +15,7 @@ the other part fingerprints all written slots in parallel. Graph-safe on CUDA.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -39,16 +43,19 @@ from sglang.jit_kernel.kv_canary.types import VerifyOrWriteContext
 # (``from sglang.jit_kernel.kv_canary.write import WritePlan`` etc.).
 from sglang.jit_kernel.kv_canary.types import WriteParts, WritePlan  # noqa: F401
 
-__all__ = ["WriteParts", "WritePlan", "launch_canary_write_kernel"]
+__all__ = ["MAX_CHAIN_WRITE_BUFFERS", "WriteParts", "WritePlan", "launch_canary_chain_writes",
+           "launch_canary_write_kernel"]
 
 
 @triton.jit
 def _canary_write_kernel(
-    canary_ptr, num_slots,
+    c0_ptr, c1_ptr, c2_ptr, c3_ptr, num_slots,
     offsets_ptr, seeds_ptr, rows_ptr, num_reqs_ptr, req_capacity,
     input_ids_ptr, positions_ptr, loc_ptr, num_tokens, exp_tok_ptr, exp_pos_ptr,
     chain_assert_ptr,
-    ring_ptr, ring_index_ptr, ring_capacity, slot_counter_ptr, kernel_counter_ptr, kernel_kind,
+    ring_ptr, ring_index_ptr, ring_capacity,
+    sc0_ptr, sc1_ptr, sc2_ptr, sc3_ptr, kc0_ptr, kc1_ptr, kc2_ptr, kc3_ptr,
+    kind0, kind1, kind2, kind3,
     s0_ptr, s0_stride, s0_page, s0_wpt, s0_nwords,
     s1_ptr, s1_stride, s1_page, s1_wpt, s1_nwords,
     s2_ptr, s2_stride, s2_page, s2_wpt, s2_nwords,
@@ -56,21 +63,37 @@ def _canary_write_kernel(
     num_chain_programs,
     INPUT_ASSERT: tl.constexpr,
     NUM_SOURCES: tl.constexpr,
+    NUM_BUFS: tl.constexpr,
     RBLOCK: tl.constexpr,
     FBLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_reqs = tl.minimum(tl.maximum(tl.load(num_reqs_ptr), 0), req_capacity)
     if pid < num_chain_programs:
-        # ---- serial chains: lanes are requests, the loop walks chain steps ----
+        # ---- serial chains: lanes are (request, buffer) pairs, the loop walks chain steps;
+        # the NUM_BUFS buffers of one request walk side by side, each from its own seed ----
         if pid == 0:
-            tl.atomic_add(kernel_counter_ptr, 1)
+            tl.atomic_add(kc0_ptr, 1)
+            if NUM_BUFS > 1:
+                tl.atomic_add(kc1_ptr, 1)
+            if NUM_BUFS > 2:
+                tl.atomic_add(kc2_ptr, 1)
+            if NUM_BUFS > 3:
+                tl.atomic_add(kc3_ptr, 1)
         chain_assert_on = tl.load(chain_assert_ptr) == 1
         head = H.chain_head_hash()
+        lane = tl.arange(0, RBLOCK)
+        buf = lane % NUM_BUFS
+        canary_ptr = tl.where(buf == 0, c0_ptr,
+                              tl.where(buf == 1, c1_ptr, tl.where(buf == 2, c2_ptr, c3_ptr)))
+        kernel_kind = tl.where(buf == 0, kind0,
+                               tl.where(buf == 1, kind1, tl.where(buf == 2, kind2, kind3)))
+        reqs_per_block = RBLOCK // NUM_BUFS
+        lane_ok = lane < reqs_per_block * NUM_BUFS
         written = tl.zeros([RBLOCK], dtype=tl.int64)
-        for rstart in range(pid * RBLOCK, num_reqs, num_chain_programs * RBLOCK):
-            r = rstart + tl.arange(0, RBLOCK)
-            rmask = r < num_reqs
+        for rstart in range(pid * reqs_per_block, num_reqs, num_chain_programs * reqs_per_block):
+            r = rstart + lane // NUM_BUFS
+            rmask = lane_ok & (r < num_reqs)
             start = tl.load(offsets_ptr + r, mask=rmask, other=0)
             end = tl.load(offsets_ptr + r + 1, mask=rmask, other=0)
             length = tl.where(rmask, tl.maximum(end - start, 0), 0)
@@ -122,7 +145,13 @@ def _canary_write_kernel(
                 written += store_ok.to(tl.int64)
                 running = tl.where(act, H.mix3(running, H.as_u64(tok), H.as_u64(pos)), running)
                 prev_pos = tl.where(act, pos, prev_pos)
-        tl.atomic_add(slot_counter_ptr, tl.sum(written, axis=0))
+        tl.atomic_add(sc0_ptr, tl.sum(tl.where(buf == 0, written, 0), axis=0))
+        if NUM_BUFS > 1:
+            tl.atomic_add(sc1_ptr, tl.sum(tl.where(buf == 1, written, 0), axis=0))
+        if NUM_BUFS > 2:
+            tl.atomic_add(sc2_ptr, tl.sum(tl.where(buf == 2, written, 0), axis=0))
+        if NUM_BUFS > 3:
+            tl.atomic_add(sc3_ptr, tl.sum(tl.where(buf == 3, written, 0), axis=0))
     else:
         # ---- real-KV fingerprints of every written slot, in parallel ----
         if NUM_SOURCES > 0:
@@ -141,11 +170,12 @@ def _canary_write_kernel(
                     s2_ptr, s2_stride, s2_page, s2_wpt, s2_nwords,
                     s3_ptr, s3_stride, s3_page, s3_wpt, s3_nwords,
                 )
-                tl.store(canary_ptr + slot * RECORD_WORDS + FIELD_REAL_KV_HASH, H.as_i64(fp),
+                tl.store(c0_ptr + slot * RECORD_WORDS + FIELD_REAL_KV_HASH, H.as_i64(fp),
                          mask=ok)
 
 
 WRITE_REQ_BLOCK = 32
+MAX_CHAIN_WRITE_BUFFERS = 4  # the kernel's buffer arguments (a group's K/V x HEAD/TAIL)
 WRITE_FINGERPRINT_BLOCK = 128
 
 
@@ -195,23 +225,88 @@ def launch_canary_write_kernel(
         if not n_fp:
             return
         n_chain = 0
+    _launch([context], plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
+            expected_input_tokens, expected_input_positions, num_sources=num_sources,
+            n_chain=n_chain, n_fp=n_fp)
+
+
+def launch_canary_chain_writes(
+    *,
+    contexts: Sequence[VerifyOrWriteContext],
+    plan: WritePlan,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    enable_write_input_assert: bool,
+    expected_input_tokens: Optional[torch.Tensor],
+    expected_input_positions: Optional[torch.Tensor],
+) -> None:
+    """The chain part (:attr:`WriteParts.CHAIN`) of :func:`launch_canary_write_kernel` for up
+    to ``MAX_CHAIN_WRITE_BUFFERS`` canary buffers of one pool group at once, byte for byte what
+    one launch per context writes (violation rows may come in another order). One launch:
+    each request's buffers walk their chains side by side (lanes of one program), each from
+    its own seed record, so the serial walk of a long prefill costs one SM the time of one
+    walk, not one walk per buffer. The contexts must be distinct buffers of one pool (same
+    slot count) sharing one violation ring and chain-position flag. Graph-safe on CUDA."""
+    contexts = list(contexts)
+    if not 1 <= len(contexts) <= MAX_CHAIN_WRITE_BUFFERS:
+        raise ValueError(f"launch_canary_chain_writes takes 1 to {MAX_CHAIN_WRITE_BUFFERS} "
+                         f"contexts, got {len(contexts)}")
+    for c in contexts:
+        validation.validate_write_args(
+            context=c, plan=plan, input_ids=input_ids, positions=positions,
+            out_cache_loc=out_cache_loc, enable_write_input_assert=enable_write_input_assert,
+            expected_input_tokens=expected_input_tokens,
+            expected_input_positions=expected_input_positions, parts=WriteParts.CHAIN)
+    first = contexts[0]
+    for name in ("violation_ring", "violation_write_index", "enable_chain_position_assert"):
+        if any(getattr(c, name) is not getattr(first, name) for c in contexts[1:]):
+            raise ValueError(f"launch_canary_chain_writes: the contexts must share one {name}")
+    if any(c.num_slots != first.num_slots for c in contexts):
+        raise ValueError("launch_canary_chain_writes: the contexts' buffers must have the same "
+                         f"slot count, got {[c.num_slots for c in contexts]}")
+    if len({c.canary_buf.data_ptr() for c in contexts}) != len(contexts):
+        raise ValueError("launch_canary_chain_writes: the contexts must write distinct "
+                         "canary buffers")
+    if not use_triton(first.device):
+        for c in contexts:
+            write_ref.run_canary_write_reference(
+                context=c, plan=plan, input_ids=input_ids, positions=positions,
+                out_cache_loc=out_cache_loc, enable_write_input_assert=enable_write_input_assert,
+                expected_input_tokens=expected_input_tokens,
+                expected_input_positions=expected_input_positions, parts=WriteParts.CHAIN)
+        return
+    n_chain = grid_size(first.device, plan.req_capacity * len(contexts), WRITE_REQ_BLOCK)
+    _launch(contexts, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
+            expected_input_tokens, expected_input_positions, num_sources=0, n_chain=n_chain,
+            n_fp=0)
+
+
+def _launch(contexts, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
+            expected_input_tokens, expected_input_positions, *, num_sources, n_chain, n_fp):
+    """One write launch on validated arguments: the chain part for every context (lanes of
+    (request, context)), the fingerprint part (``n_fp`` programs) for the first."""
+    context = contexts[0]
+    padded = contexts + [context] * (MAX_CHAIN_WRITE_BUFFERS - len(contexts))
     if enable_write_input_assert:
         exp_tok, exp_pos = expected_input_tokens, expected_input_positions
     else:  # never dereferenced: INPUT_ASSERT is a constexpr
         exp_tok, exp_pos = input_ids, positions
     _canary_write_kernel[(n_chain + n_fp,)](
-        context.canary_words, context.num_slots,
+        *(c.canary_words for c in padded), context.num_slots,
         plan.write_offsets, plan.write_seed_slot_indices, plan.write_req_to_token_rows,
         plan.write_num_valid_reqs,
         plan.req_capacity,
-        input_ids, positions, out_cache_loc, num_tokens, exp_tok, exp_pos,
+        input_ids, positions, out_cache_loc, input_ids.shape[0], exp_tok, exp_pos,
         context.enable_chain_position_assert,
         context.violation_ring, context.violation_write_index, context.ring_capacity,
-        context.slot_run_counter, context.kernel_run_counter, int(context.kernel_kind),
+        *(c.slot_run_counter for c in padded), *(c.kernel_run_counter for c in padded),
+        *(int(c.kernel_kind) for c in padded),
         *context.source_launch_args,
         n_chain,
         INPUT_ASSERT=enable_write_input_assert,
         NUM_SOURCES=num_sources,
+        NUM_BUFS=len(contexts),
         RBLOCK=WRITE_REQ_BLOCK,
         FBLOCK=WRITE_FINGERPRINT_BLOCK,
     )

@@ -52,8 +52,8 @@ class ParallelLanes:
     """Runs independent launch sequences side by side: the first on the current stream, each
     other on a stream of its own, forked from the current stream and joined back to it by
     events (inside a CUDA-graph capture: parallel branches of the graph). For launches whose
-    time is the latency of one SM, such as the serial hash chain a write walks per canary
-    buffer: N of them then take about the time of one (docs/architecture.md, "One forward").
+    time is the latency of one SM, such as the serial hash chains a group's write walks: N of
+    them then take about the time of one (docs/architecture.md, "One forward").
 
     ``lanes``: the most sequences one :meth:`run` takes; ``device``: where they run (not CUDA:
     in order, on the caller's stream). Streams and events are made here; :meth:`run`

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Iterable, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -27,7 +27,10 @@ from sglang.jit_kernel.kv_canary.types import (
     WritePlan,
 )
 from sglang.jit_kernel.kv_canary.verify import launch_canary_verify_kernel
-from sglang.jit_kernel.kv_canary.write import launch_canary_write_kernel
+from sglang.jit_kernel.kv_canary.write import (
+    launch_canary_chain_writes,
+    launch_canary_write_kernel,
+)
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.endpoint import CanaryEndpoint
@@ -137,28 +140,28 @@ def launch_verifies(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
                                         check_verify_expected_token=check_verify_expected_token)
 
 
-def write_launches(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
-                   parts: WriteParts, plans_by_group: PlansByGroup, input_ids, positions,
-                   out_cache_loc, expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]]
-                   ) -> List[Callable[[], None]]:
-    """The write launch (``parts`` of it) of every endpoint of ``phase``, one callable each,
-    independent of one another (each writes its own canary buffer), to run in any order or
-    side by side. SWA groups' slots are translated now, on the current stream (once per
-    group, by the chain part or an ``ALL`` write)."""
-    translated = {}
-    launches = []
+def chain_write_launches(endpoints: Iterable[CanaryEndpoint], *, plans_by_group: PlansByGroup,
+                         input_ids, positions, out_cache_loc,
+                         expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]]
+                         ) -> List[Callable[[], None]]:
+    """The HEAD writes and the TAIL writes' chain part of every group, one callable per group
+    (its buffers' chains walked side by side in one launch), independent of one another, to
+    run in any order or side by side. A HEAD write is its chain part (HEAD never
+    fingerprints). SWA groups' slots are translated now, on the current stream."""
+    by_group: Dict[CanaryBufferGroup, List[CanaryEndpoint]] = {}
     for ep in endpoints:
-        if ep.phase != phase:
-            continue
-        plans = plans_by_group[ep.group]
-        if ep.group not in translated:
-            translated[ep.group] = (write_slots_for(plans, out_cache_loc)
-                                    if parts != WriteParts.FINGERPRINT
-                                    else translated_slots(plans, out_cache_loc))
+        if ep.phase in (CanaryPhase.HEAD, CanaryPhase.TAIL):
+            if ep.phase == CanaryPhase.HEAD and ep.context.fingerprint_mode:
+                raise RuntimeError(f"kv_canary: HEAD endpoint {ep.tag.name} fingerprints; "
+                                   "HEAD writes are chain-only")
+            by_group.setdefault(ep.group, []).append(ep)
+    launches = []
+    for group, eps in by_group.items():
+        plans = plans_by_group[group]
         launches.append(functools.partial(
-            launch_canary_write_kernel,
-            context=ep.context, plan=plans.write_plan, input_ids=input_ids,
-            positions=positions, out_cache_loc=translated[ep.group], parts=parts,
+            launch_canary_chain_writes,
+            contexts=[ep.context for ep in eps], plan=plans.write_plan, input_ids=input_ids,
+            positions=positions, out_cache_loc=write_slots_for(plans, out_cache_loc),
             enable_write_input_assert=expected_inputs is not None,
             expected_input_tokens=expected_inputs[0] if expected_inputs is not None else None,
             expected_input_positions=expected_inputs[1] if expected_inputs is not None else None,
@@ -170,11 +173,24 @@ def launch_writes(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
                   parts: WriteParts, plans_by_group: PlansByGroup, input_ids, positions,
                   out_cache_loc,
                   expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Write launch (``parts`` of it) of every endpoint of ``phase``, one after another."""
-    for launch in write_launches(endpoints, phase, parts=parts, plans_by_group=plans_by_group,
-                                 input_ids=input_ids, positions=positions,
-                                 out_cache_loc=out_cache_loc, expected_inputs=expected_inputs):
-        launch()
+    """Write launch (``parts`` of it) of every endpoint of ``phase``; SWA groups get their
+    translated slots (translated once per group, by the chain part or an ``ALL`` write)."""
+    translated = {}
+    for ep in endpoints:
+        if ep.phase != phase:
+            continue
+        plans = plans_by_group[ep.group]
+        if ep.group not in translated:
+            translated[ep.group] = (write_slots_for(plans, out_cache_loc)
+                                    if parts != WriteParts.FINGERPRINT
+                                    else translated_slots(plans, out_cache_loc))
+        launch_canary_write_kernel(
+            context=ep.context, plan=plans.write_plan, input_ids=input_ids,
+            positions=positions, out_cache_loc=translated[ep.group], parts=parts,
+            enable_write_input_assert=expected_inputs is not None,
+            expected_input_tokens=expected_inputs[0] if expected_inputs is not None else None,
+            expected_input_positions=expected_inputs[1] if expected_inputs is not None else None,
+        )
 
 
 def launch_deep_verify(ep: CanaryEndpoint, plan: VerifyPlan, *, rotate: bool) -> None:

@@ -61,11 +61,12 @@ from sglang.srt.kv_canary.single_forward_manager.eager_graphs import EagerForwar
 from sglang.srt.kv_canary.single_forward_manager.launches import (
     ForwardLaunchInputs,
     GroupPlans,
+    chain_write_launches,
     launch_deep_verifies,
     launch_deep_writes,
     launch_group_plan,
     launch_verifies,
-    write_launches,
+    launch_writes,
 )
 from sglang.srt.kv_canary.single_forward_manager.phases import (
     CAPTURE_TRANSITIONS,
@@ -145,11 +146,9 @@ class SingleForwardManager:
         # the join (3.), where the forward stream waits for the side stream's work
         self._fork = torch.cuda.Event() if self.side_stream is not None else None
         self._joined = torch.cuda.Event() if self.side_stream is not None else None
-        # the side half's HEAD and TAIL-chain writes, one canary buffer each, side by side:
-        # each walks its requests' chains serially on one SM
-        self._write_lanes = cuda_streams.ParallelLanes(
-            max(1, sum(ep.phase in (CanaryPhase.HEAD, CanaryPhase.TAIL)
-                       for ep in self.endpoints)), device)
+        # the side half's HEAD and TAIL-chain writes: one launch per group (its buffers'
+        # serial chains side by side on one SM), the groups' launches side by side
+        self._write_lanes = cuda_streams.ParallelLanes(max(1, len(self.groups)), device)
         self._device_index = (self.side_stream.device_index if self.side_stream is not None
                               else None)
         # the batch of the outside bracket (1.): what an eager forward's inside ops read
@@ -363,9 +362,10 @@ class SingleForwardManager:
                               req_to_token=self.req_to_token, expected_tokens=expected,
                               expected_valid_lens=self.expected_valid_lens[: rpi.shape[0]])
         self._verify(CanaryPhase.HEAD)
-        self._write_lanes.run(self._write_launches(CanaryPhase.HEAD, WriteParts.ALL, inputs)
-                              + self._write_launches(CanaryPhase.TAIL, WriteParts.CHAIN,
-                                                     inputs))
+        self._write_lanes.run(chain_write_launches(
+            self.endpoints, plans_by_group=self.plans, input_ids=inputs.input_ids,
+            positions=inputs.positions, out_cache_loc=inputs.out_cache_loc,
+            expected_inputs=inputs.expected_inputs))
         for i, group in enumerate(self.groups):
             self.status.plan_enabled[i:i + 1].copy_(self.plans[group].verify_plan.enable)
 
@@ -411,12 +411,7 @@ class SingleForwardManager:
 
     def _write(self, phase: CanaryPhase, parts: WriteParts,
                inputs: ForwardLaunchInputs) -> None:
-        for launch in self._write_launches(phase, parts, inputs):
-            launch()
-
-    def _write_launches(self, phase: CanaryPhase, parts: WriteParts,
-                        inputs: ForwardLaunchInputs):
-        return write_launches(
+        launch_writes(
             self.endpoints, phase, parts=parts, plans_by_group=self.plans,
             input_ids=inputs.input_ids, positions=inputs.positions,
             out_cache_loc=inputs.out_cache_loc, expected_inputs=inputs.expected_inputs,
