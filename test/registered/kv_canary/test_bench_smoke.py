@@ -89,7 +89,8 @@ def test_bench_serving_overhead_breakdown_smoke_times_every_launch():
     rows = {r["launch"]: r for r in _table(text, "launch")}
     configs = [c for c in rows["plan kernels"] if c != "launch"]
     assert {"raise bs1", "raise+token bs1", "raise+token+partial bs4"} <= set(configs)
-    for launch in ("plan kernels", "HEAD verify", "HEAD write", "TAIL verify", "TAIL write",
+    for launch in ("plan kernels", "HEAD verify", "HEAD + TAIL chain write", "TAIL verify",
+                   "TAIL fingerprint write",
                    "**forward-stream total (sum)**"):
         assert all(float(rows[launch][c]) > 0 for c in configs), (launch, rows[launch])
     # the token-id upload (snapshot + scatter) ran in every config with token checks

@@ -195,5 +195,54 @@ def test_static_launches_are_enabled_once_and_only_when_idle():
         sfm.eager_graphs.capture()
 
 
+@pytest.mark.parametrize("variant", ["mha_partial", "swa", "mla"])
+def test_side_half_writes_each_group_with_one_chain_launch(variant, monkeypatch):
+    """The side half writes every group's HEAD records and TAIL chain part with one
+    ``launch_canary_chain_writes`` per group per forward: its contexts are exactly that
+    group's HEAD and TAIL endpoints (K and V where the group has V)."""
+    from sglang.srt.kv_canary.single_forward_manager import launches
+
+    calls = []
+    real = launches.launch_canary_chain_writes
+
+    def recording(**kw):
+        calls.append(tuple(id(c) for c in kw["contexts"]))
+        real(**kw)
+
+    monkeypatch.setattr(launches, "launch_canary_chain_writes", recording)
+    d = _driver(variant, static=True)
+    sfm = d.manager.sfms[0]
+    want = {g: tuple(id(ep.context) for ep in sfm.endpoints
+                     if ep.group is g and ep.phase.name in ("HEAD", "TAIL"))
+            for g in sfm.groups}
+    assert all(len(c) == (4 if g.v_head is not None else 2) for g, c in want.items())
+    d.run(12)
+    d.settle()
+    assert d.manager.count_violations() == 0
+    assert calls and len(calls) % len(want) == 0
+    per_forward = [calls[i:i + len(want)] for i in range(0, len(calls), len(want))]
+    assert all(sorted(f) == sorted(want.values()) for f in per_forward)
+
+
+def test_side_half_refuses_a_head_endpoint_that_fingerprints():
+    """HEAD writes go out as chain parts: a HEAD endpoint with a fingerprinting context (which
+    a chain part would leave at 0) is refused, naming it."""
+    import dataclasses
+
+    from sglang.srt.kv_canary.single_forward_manager.launches import chain_write_launches
+
+    d = _driver("mha_partial", static=True)
+    sfm = d.manager.sfms[0]
+    tail = next(ep for ep in sfm.endpoints if ep.phase.name == "TAIL")
+    assert tail.context.fingerprint_mode
+    endpoints = [dataclasses.replace(ep, context=tail.context) if ep.phase.name == "HEAD"
+                 else ep for ep in sfm.endpoints]
+    n = 4
+    t = torch.zeros(n, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"HEAD endpoint HEAD_K_\w+ fingerprints"):
+        chain_write_launches(endpoints, plans_by_group=sfm.plans, input_ids=t, positions=t,
+                             out_cache_loc=t, expected_inputs=None)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

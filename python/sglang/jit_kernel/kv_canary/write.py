@@ -7,7 +7,7 @@ the other part fingerprints all written slots in parallel. ``launch_canary_chain
 the chains of up to four buffers of one pool group in one launch (lanes = request x buffer): a
 step's hash is three dependent 64-bit splitmix64 rounds, about 0.24 µs on an H100, so a long
 prefill's walk holds an SM for milliseconds, and one walk for all of a group's buffers holds it
-a quarter as long as one per buffer. Graph-safe on CUDA.
+once instead of once per buffer. Graph-safe on CUDA.
 
 :class:`WriteParts` and :class:`WritePlan` live in :mod:`~sglang.jit_kernel.kv_canary.types`
 (no Triton); they are re-exported here.
