@@ -27,7 +27,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving_overhead import CONFIGS, _Req, append_jsonl, now_utc, parse_ints, parse_names  # noqa: E402
+from bench_serving_overhead import (  # noqa: E402
+    CONFIGS,
+    PREFILL_SHAPES,
+    _Req,
+    append_jsonl,
+    build_prefill_canary,
+    now_utc,
+    parse_ints,
+    parse_names,
+    prefill_chunk_batch,
+)
 
 
 def main() -> None:
@@ -39,21 +49,17 @@ def main() -> None:
     ap.add_argument("--smoke-cpu", action="store_true")
     args = ap.parse_args()
 
-    from sglang.srt.kv_canary.builder import build_canary
-    from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
-    from sglang.srt.kv_canary.config import CanaryConfig
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
     smoke = args.smoke_cpu
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("bench_prefill_device_time.py needs a CUDA GPU (or --smoke-cpu)")
     dev = torch.device("cpu" if smoke else "cuda")
     isls = parse_ints(args.isls, "--isls")
     configs = [c for c in parse_names(args.configs, CONFIGS, "--configs") if c != "off"]
+    if not configs:
+        raise SystemExit("bench_prefill_device_time.py: --configs names no canary-on config")
     rounds = 2 if smoke else args.rounds
-    layers, heads, dim, vocab, hidden = (2, 2, 8, 512, 64) if smoke else (28, 8, 128, 151936,
-                                                                          1024)
+    layers, _, _, vocab = PREFILL_SHAPES[smoke]
+    hidden = 64 if smoke else 1024
     chunk = 32 if smoke else 8192
     max_ctx = max(isls) + 8
     num_slots = max(4 * max(isls), 4096)
@@ -74,28 +80,10 @@ def main() -> None:
             x = u[:, :shapes[3][0]] @ weights[3]
 
     def build(cname: str):
-        cfg = CONFIGS[cname]
-        r2t = ReqToTokenPool(size=8, max_context_len=max_ctx, device=str(dev),
-                             enable_memory_saver=False)
-        kv = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16,
-                              head_num=heads, head_dim=dim, layer_num=layers, device=str(dev),
-                              enable_memory_saver=False, enable_alt_stream=False)
-        mgr = build_canary(
-            pool=kv, req_to_token=r2t.req_to_token, device=dev,
-            config=CanaryConfig(mode=cfg.kv_canary, real_kv_hash_mode=cfg.real_data,
-                                real_data_layers=cfg.real_data_layers,
-                                enable_verify_token_assert=cfg.verify_tokens,
-                                stats_print_every_n_steps=0),
-            capacity_inputs=CanaryCapacityInputs(context_len=max_ctx,
-                                                 chunked_prefill_size=chunk,
-                                                 max_prefill_tokens=16384, cuda_graph_max_bs=8))
-        mgr.mark_init_finished()
-        return mgr, r2t, kv
+        return build_prefill_canary(cname, device=dev, smoke=smoke, max_ctx=max_ctx,
+                                    num_slots=num_slots, chunk=chunk)
 
     gen = torch.Generator().manual_seed(0)
-
-    def i64(v):
-        return torch.tensor(v, dtype=torch.int64, device=dev)
 
     def sync() -> None:
         if not smoke:
@@ -112,17 +100,8 @@ def main() -> None:
         for start in range(0, isl, chunk):
             n = min(chunk, isl - start)
             r2t, kv = (canary[1], canary[2]) if canary is not None else (None, None)
-            fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1,
-                              input_ids=i64(req.origin_input_ids[start:start + n]),
-                              req_pool_indices=i64([row]), seq_lens=i64([start + n]),
-                              out_cache_loc=i64(slots[start:start + n].tolist()),
-                              seq_lens_sum=start + n,
-                              positions=i64(list(range(start, start + n))),
-                              req_to_token_pool=r2t, token_to_kv_pool=kv)
-            fb.extend_prefix_lens, fb.extend_seq_lens = i64([start]), i64([n])
-            fb.extend_num_tokens = n
-            fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = [start], [n]
-            batches.append((n, fb))
+            batches.append((n, prefill_chunk_batch(req, slots, start, n, device=dev, r2t=r2t,
+                                                   kv=kv)))
         if canary is not None:
             canary[1].req_to_token[row, :isl] = slots.to(torch.int32).to(dev)
         sync()

@@ -901,6 +901,66 @@ class _Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
 
+# the in-process prefill stand-ins' pool shapes (Qwen3-0.6B; tiny for --smoke-cpu):
+# layers, KV heads, head dim, vocabulary
+PREFILL_SHAPES = {False: (28, 8, 128, 151936), True: (2, 2, 8, 512)}
+
+
+def build_prefill_canary(cname: str, *, device, smoke: bool, max_ctx: int, num_slots: int,
+                         chunk: int):
+    """``(manager, req_to_token_pool, kv_pool)``: config ``cname``'s canary from the runtime's
+    builder on real sglang pools of :data:`PREFILL_SHAPES` (eight request rows, page size 1,
+    layer 0's K and V random), start-up finished (on CUDA: its graphs captured). For the
+    in-process bs 1 prefills of ``--host-breakdown`` and ``bench_prefill_device_time.py``."""
+    import torch
+    from sglang.srt.kv_canary.builder import build_canary
+    from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
+    from sglang.srt.kv_canary.config import CanaryConfig
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    cfg = CONFIGS[cname]
+    layers, heads, dim, _ = PREFILL_SHAPES[smoke]
+    r2t = ReqToTokenPool(size=8, max_context_len=max_ctx, device=str(device),
+                         enable_memory_saver=False)
+    kv = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16, head_num=heads,
+                          head_dim=dim, layer_num=layers, device=str(device),
+                          enable_memory_saver=False, enable_alt_stream=False)
+    kv.k_buffer[0].normal_()
+    kv.v_buffer[0].normal_()
+    mgr = build_canary(
+        pool=kv, req_to_token=r2t.req_to_token, device=device,
+        config=CanaryConfig(mode=cfg.kv_canary, real_kv_hash_mode=cfg.real_data,
+                            real_data_layers=cfg.real_data_layers,
+                            enable_verify_token_assert=cfg.verify_tokens,
+                            stats_print_every_n_steps=0),
+        capacity_inputs=CanaryCapacityInputs(context_len=max_ctx, chunked_prefill_size=chunk,
+                                             max_prefill_tokens=16384, cuda_graph_max_bs=8))
+    mgr.mark_init_finished()
+    return mgr, r2t, kv
+
+
+def prefill_chunk_batch(req: "_Req", slots, start: int, n: int, *, device, r2t=None,
+                        kv=None):
+    """The ``ForwardBatch`` sglang would build for tokens ``[start, start + n)`` of ``req``'s
+    prompt (bs 1 EXTEND, prefix ``start``), written to ``slots[start:start + n]``."""
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    def i64(v):
+        return torch.tensor(v, dtype=torch.int64, device=device)
+
+    fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1,
+                      input_ids=i64(req.origin_input_ids[start:start + n]),
+                      req_pool_indices=i64([req.row]), seq_lens=i64([start + n]),
+                      out_cache_loc=i64(slots[start:start + n].tolist()),
+                      seq_lens_sum=start + n, positions=i64(list(range(start, start + n))),
+                      req_to_token_pool=r2t, token_to_kv_pool=kv)
+    fb.extend_prefix_lens, fb.extend_seq_lens = i64([start]), i64([n])
+    fb.extend_num_tokens = n
+    fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = [start], [n]
+    return fb
+
+
 @contextlib.contextmanager
 def labelled_launches(manager):
     """Wrap the runtime's launch functions (module globals the single-forward manager and the
@@ -1086,11 +1146,6 @@ def run_host_breakdown(args) -> None:
     ``inside pre-ops`` run before the model's kernels are queued: their sum is what the
     forward waits for. Medians over ``--host-breakdown-runs`` prefills after two warm-ups."""
     import torch
-    from sglang.srt.kv_canary.builder import build_canary
-    from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
-    from sglang.srt.kv_canary.config import CanaryConfig
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     smoke = args.smoke_cpu
     if not smoke and not torch.cuda.is_available():
@@ -1101,7 +1156,7 @@ def run_host_breakdown(args) -> None:
     if not configs:
         raise SystemExit("--host-breakdown: --configs names no canary-on config")
     chunk = 32 if smoke else args.chunked_prefill_size
-    layers, heads, dim, vocab = (2, 2, 8, 512) if smoke else (28, 8, 128, 151936)
+    vocab = PREFILL_SHAPES[smoke][3]
     max_ctx = max(isls) + 8
     num_slots = max(4 * max(isls), 4096)
     runs = 2 if smoke else args.host_breakdown_runs
@@ -1110,27 +1165,9 @@ def run_host_breakdown(args) -> None:
           f"chunk {chunk}, {runs} runs", flush=True)
     rows = []
     for cname in configs:
-        cfg = CONFIGS[cname]
-        r2t = ReqToTokenPool(size=8, max_context_len=max_ctx, device=str(device),
-                             enable_memory_saver=False)
-        kv = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16, head_num=heads,
-                              head_dim=dim, layer_num=layers, device=str(device),
-                              enable_memory_saver=False, enable_alt_stream=False)
-        kv.k_buffer[0].normal_()
-        kv.v_buffer[0].normal_()
-        mgr = build_canary(
-            pool=kv, req_to_token=r2t.req_to_token, device=device,
-            config=CanaryConfig(mode=cfg.kv_canary, real_kv_hash_mode=cfg.real_data,
-                                real_data_layers=cfg.real_data_layers,
-                                enable_verify_token_assert=cfg.verify_tokens,
-                                stats_print_every_n_steps=0),
-            capacity_inputs=CanaryCapacityInputs(context_len=max_ctx, chunked_prefill_size=chunk,
-                                                 max_prefill_tokens=16384, cuda_graph_max_bs=8))
-        mgr.mark_init_finished()
+        mgr, r2t, kv = build_prefill_canary(cname, device=device, smoke=smoke,
+                                            max_ctx=max_ctx, num_slots=num_slots, chunk=chunk)
         gen = torch.Generator().manual_seed(0)
-
-        def i64(v):
-            return torch.tensor(v, dtype=torch.int64, device=device)
 
         for isl in isls:
             times = {p: [] for p in HOST_PHASES}
@@ -1156,16 +1193,8 @@ def run_host_breakdown(args) -> None:
                 per_run = {p: 0.0 for p in HOST_PHASES}
                 for start in range(0, isl, chunk):
                     n = min(chunk, isl - start)
-                    sl = slots[start:start + n].tolist()
-                    fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1,
-                                      input_ids=i64(req.origin_input_ids[start:start + n]),
-                                      req_pool_indices=i64([row]), seq_lens=i64([start + n]),
-                                      out_cache_loc=i64(sl), seq_lens_sum=start + n,
-                                      positions=i64(list(range(start, start + n))),
-                                      req_to_token_pool=r2t, token_to_kv_pool=kv)
-                    fb.extend_prefix_lens, fb.extend_seq_lens = i64([start]), i64([n])
-                    fb.extend_num_tokens = n
-                    fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = [start], [n]
+                    fb = prefill_chunk_batch(req, slots, start, n, device=device, r2t=r2t,
+                                             kv=kv)
                     tick = time.perf_counter
                     if pre_profiler is not None:
                         pre_profiler.enable()
