@@ -37,6 +37,19 @@ machine at this moment (their memory, their cores, their place in the round). It
 beside each scenario's table; an overhead is claimed only where the A/A difference and its
 interval lie within +-0.3 % (``A/A_LIMIT``), and then only if the config's interval clears it.
 
+Neighbours: two identical canary-off servers' 512-token prefills came out bimodal (about 10
+vs 17-20 ms, in runs of rounds) and their medians 2-20 % apart, far more than the canary's
+effect; a short prefill is paced by the host, so where each scheduler runs and how warm its
+core is matter. ``--cpu-pinning cores`` gives each server its own physical cores
+(``taskset``; its scheduler and detokenizer inherit them) and the client one core of its own;
+``auto`` (the default) pins when the machine has a physical core for the client and at least
+one per server, and otherwise runs unpinned and says so. ``--idle sleep`` (the default, as the
+test servers run) starts every server with sglang's ``--sleep-on-idle`` (an idle scheduler
+blocks in ``zmq.Poller.poll``; the measured times start at the forward's entry, after the
+wake-up); ``--idle spin`` leaves sglang's default, a scheduler polling its sockets in a busy
+loop (its core stays busy, so a pinned server does not slow a neighbour). Both choices are in
+every record (``cpu_pinning``, ``server_cpus``, ``idle``).
+
 Order: the servers start in the config order rotated by ``--start-rotation`` (default: a
 different rotation for each invocation, recorded in the results), so no config always starts
 first (and gets the first memory share, the first cores). Within a run, round k sends to the
@@ -185,15 +198,88 @@ def canary_install_problem(log: str, *, canary_on: bool, speculative: str) -> st
     return None
 
 
+def physical_cores(cpus: Sequence[int], siblings: dict[int, Sequence[int]]) -> list[list[int]]:
+    """``cpus`` grouped by physical core (``siblings[cpu]``: the hyperthreads of ``cpu``'s
+    core, itself included; a CPU missing there is a core of its own), cores in the order of
+    their lowest CPU, only the CPUs of ``cpus``."""
+    allowed, seen, cores = set(cpus), set(), []
+    for cpu in sorted(allowed):
+        if cpu in seen:
+            continue
+        core = sorted(allowed & set(siblings.get(cpu, (cpu,))) | {cpu})
+        seen.update(core)
+        cores.append(core)
+    return cores
+
+
+def cpu_blocks(n: int, cores: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
+    """The client's CPUs (the first core) and ``n`` disjoint blocks of whole cores, one per
+    server, each of ``(len(cores) - 1) // n`` cores; ValueError when there is not a core for
+    the client and one per server."""
+    if n < 1:
+        raise ValueError(f"cpu_blocks needs at least one server, got {n}")
+    per = (len(cores) - 1) // n
+    if per < 1:
+        raise ValueError(f"--cpu-pinning cores needs a physical core for the client and one per "
+                         f"server: {len(cores)} core(s) for {n} server(s) (use "
+                         f"--cpu-pinning none or fewer --configs)")
+    blocks = [sorted(c for core in cores[1 + i * per:1 + (i + 1) * per] for c in core)
+              for i in range(n)]
+    return list(cores[0]), blocks
+
+
+def machine_cores() -> list[list[int]]:
+    """This process's allowed CPUs grouped by physical core (Linux sysfs topology)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    siblings = {}
+    for cpu in cpus:
+        path = pathlib.Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        if path.exists():
+            siblings[cpu] = parse_cpu_list(path.read_text())
+    return physical_cores(cpus, siblings)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """A kernel CPU list (``0-3,8,10-11``) as CPU numbers."""
+    out = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def pinning_plan(mode: str, n: int) -> tuple[list[int] | None, list[list[int] | None]]:
+    """``--cpu-pinning``'s CPUs: ``(client CPUs, per-server CPUs)``, None where unpinned.
+    ``cores`` raises (SystemExit) where the machine cannot give every server its own cores;
+    ``auto`` then pins nothing."""
+    if mode == "none":
+        return None, [None] * n
+    if mode == "cores" and shutil.which("taskset") is None:
+        raise SystemExit("--cpu-pinning cores needs taskset (util-linux) on PATH")
+    try:
+        client, blocks = cpu_blocks(n, machine_cores())
+    except ValueError as exc:
+        if mode == "cores":
+            raise SystemExit(str(exc)) from None
+        return None, [None] * n
+    if shutil.which("taskset") is None:  # auto without taskset: unpinned, and said so
+        return None, [None] * n
+    return client, blocks
+
+
 class Server(ServerProcess):
     """One ``python -m sglang.launch_server`` process of config ``cfg`` (own session, log in
-    ``log_path``)."""
+    ``log_path``), on ``cpus`` only (``taskset``; None: wherever the OS puts it)."""
 
     def __init__(self, name: str, cfg: BenchConfig, kwargs: dict, env: dict[str, str],
-                 log_path: str):
+                 log_path: str, cpus: Sequence[int] | None = None):
         self.cfg = cfg
+        self.cpus = list(cpus) if cpus is not None else None
         port = free_port()
-        super().__init__(name, [sys.executable, "-m", "sglang.launch_server",
+        pin = ["taskset", "-c", ",".join(map(str, self.cpus))] if self.cpus else []
+        super().__init__(name, [*pin, sys.executable, "-m", "sglang.launch_server",
                                 *launch_server_flags(port, kwargs)],
                          port=port, env=env, log_path=log_path)
 
@@ -386,6 +472,23 @@ def tokens_needed(scenarios: Sequence[Scenario], chunk: int) -> int:
     return int(need * 1.25) + chunk
 
 
+IDLE_MODES = ("sleep", "spin")
+
+
+def server_kwargs(settings_kwargs: dict, cfg: BenchConfig, *, mem_fraction: float | None,
+                  idle: str) -> dict:
+    """One server's engine kwargs: the run's settings, the config's canary flags, its memory
+    fraction (None: sglang's default) and its idle scheduler (``idle``, one of
+    ``IDLE_MODES``: ``sleep`` sets sglang's ``sleep_on_idle``, ``spin`` clears it)."""
+    if idle not in IDLE_MODES:
+        raise ValueError(f"--idle {idle!r}: allowed {', '.join(IDLE_MODES)}")
+    kwargs = {**settings_kwargs, **cfg.engine_kwargs()}
+    if mem_fraction is not None:
+        kwargs["mem_fraction_static"] = mem_fraction
+    kwargs["sleep_on_idle"] = idle == "sleep"
+    return kwargs
+
+
 def run(args) -> int:
     names = parse_names(args.configs, CONFIGS, "--configs")
     if args.baseline not in names:
@@ -450,22 +553,32 @@ def run(args) -> int:
     else:
         fracs = [None] * len(server_names)
     base_env.pop("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", None)  # per config below
+    client_cpus, server_cpus = pinning_plan(args.cpu_pinning, len(server_names))
+    cpus_of = dict(zip(start_order, server_cpus))
+    if client_cpus is not None:
+        os.sched_setaffinity(0, client_cpus)
+    pinning = "cores" if client_cpus is not None else "none"
     print(f"KV-canary interleaved overhead — {gpu} — {now_utc()} — configs {', '.join(names)} "
           f"(baseline {args.baseline}"
           + (f", A/A control {args.baseline + CONTROL_SUFFIX}" if args.control else "")
           + f") — started in the order {', '.join(start_order)} — {args.rounds} rounds after "
-          f"{args.warmup} warm-up — results to {out}", flush=True)
+          f"{args.warmup} warm-up — CPU pinning: {pinning}"
+          + (f" (client {client_cpus}, servers "
+             + "; ".join(f"{n} {cpus_of[n]}" for n in start_order) + ")"
+             if client_cpus is not None else "")
+          + f" — idle schedulers: {args.idle} — results to {out}",
+          flush=True)
     started: dict[str, Server] = {}
     try:
         for name, frac in zip(start_order, fracs):
             cfg = CONFIGS[name.removesuffix(CONTROL_SUFFIX)]
-            kwargs = {**settings.engine_kwargs(model_dir, smoke=smoke, draft_dir=draft_dir),
-                      **cfg.engine_kwargs()}
-            if frac is not None:
-                kwargs["mem_fraction_static"] = frac
+            kwargs = server_kwargs(
+                settings.engine_kwargs(model_dir, smoke=smoke, draft_dir=draft_dir), cfg,
+                mem_fraction=frac, idle=args.idle)
             log_path = f"{out}.{name.replace('+', '_').replace('~', '_')}.log"
             t0 = time.perf_counter()
-            srv = Server(name, cfg, kwargs, {**base_env, **cfg.env()}, log_path)
+            srv = Server(name, cfg, kwargs, {**base_env, **cfg.env()}, log_path,
+                         cpus=cpus_of[name])
             started[name] = srv
             srv.wait_ready(args.start_timeout)
             problem = canary_install_problem(srv.log(), canary_on=cfg.canary_on,
@@ -479,7 +592,10 @@ def run(args) -> int:
         common = dict(invocation=invocation, time=now_utc(), gpu=gpu, smoke=smoke,
                       model="tiny-llama (smoke)" if smoke else args.model,
                       speculative=args.speculative,
-                      warmup_rounds=args.warmup, order=server_names, start_order=start_order)
+                      warmup_rounds=args.warmup, order=server_names, start_order=start_order,
+                      cpu_pinning=pinning, client_cpus=client_cpus,
+                      server_cpus={n: cpus_of[n] for n in server_names},
+                      idle=args.idle)
         records = []
         for sc in scenarios:
             t0 = time.perf_counter()
@@ -532,6 +648,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--start-rotation", type=int, default=None,
                     help="start the servers in the config order rotated by this much "
                          "(default: a rotation drawn from the run's id)")
+    ap.add_argument("--cpu-pinning", default="auto", choices=("auto", "cores", "none"),
+                    help="cores: each server on its own physical cores and the client on one "
+                    "more (taskset); auto (default): cores where the machine has enough, else "
+                    "none; none: the OS places every process")
+    ap.add_argument("--idle", default="sleep", choices=IDLE_MODES,
+                    help="sleep (default): every server with sglang's --sleep-on-idle; spin: "
+                    "sglang's default, an idle scheduler polling in a busy loop")
     ap.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S)
     ap.add_argument("--out", default=None, help="JSON lines file (appended)")
     ap.add_argument("--smoke-cpu", action="store_true",
