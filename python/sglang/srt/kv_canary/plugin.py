@@ -25,7 +25,7 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 | AFTER | ``Scheduler.process_batch_result`` | ``after_batch_result`` (abort mode's eviction) |
 | AFTER | ``Scheduler.get_init_info`` | add ``kv_canary`` (flags and effective config) |
 |  |  | to the info ``/server_info`` and ``Engine.get_server_info()`` return |
-| AROUND | ``Scheduler.stash_chunked_request``, PD prefill's ``process_prefill_chunk`` | |
+| AROUND | ``Scheduler.stash_chunked_request`` | |
 |  |  | abort mode: a request aborted mid chunked prefill is still stashed chunk by |
 |  |  | chunk (its no-insert mark lifted), so it reaches its last chunk and finishes |
 | AFTER | ``ForwardBatch.init_new`` | the batch's canary state: token-id snapshot of |
@@ -208,12 +208,6 @@ def _stash_chunked_request(original, self, req, *args, **kwargs):
         return original(self, req, *args, **kwargs)
 
 
-def _pd_process_prefill_chunk(original, self, *args, **kwargs):
-    """PD prefill's copy of the chunked-prefill stash: as :func:`_stash_chunked_request`."""
-    with seam.chunk_stash_inserting(seam.scheduler_chunked_req(self)):
-        return original(self, *args, **kwargs)
-
-
 def _after_get_init_info(result, self, *args, **kwargs):
     from sglang.srt.kv_canary.server_args_ext import canary_settings
 
@@ -290,7 +284,6 @@ HOOKS = (
     (seam.HOOK_SCHEDULER_PROCESS_BATCH_RESULT, _after_process_batch_result, "AFTER"),
     (seam.HOOK_SCHEDULER_GET_INIT_INFO, _after_get_init_info, "AFTER"),
     (seam.HOOK_SCHEDULER_STASH_CHUNKED_REQUEST, _stash_chunked_request, "AROUND"),
-    (seam.HOOK_PD_PREFILL_PROCESS_PREFILL_CHUNK, _pd_process_prefill_chunk, "AROUND"),
     (seam.HOOK_FORWARD_BATCH_INIT_NEW, _after_forward_batch_init, "AFTER"),
     (seam.HOOK_EAGLE_V1_DRAFT_FORWARD, _draft_forward, "AROUND"),
     (seam.HOOK_EAGLE_V2_DRAFT_FORWARD, _draft_forward, "AROUND"),

@@ -20,7 +20,7 @@ change; the table says who relies on each.
 | EAGLE (``EAGLEWorker`` spec v1, ``EagleDraftWorker`` / ``EAGLEWorkerV2`` spec v2, ``EAGLEDraftCudaGraphRunner``, ``EAGLEDraftExtendCudaGraphRunner``) | hooks ``draft_forward``, ``init_cuda_graphs``, the graph runners' ``capture_one_batch_size`` / ``replay``; reads the workers' ``draft_runner`` / ``model_runner``, ``Scheduler.draft_worker`` (``.draft_worker`` in v2), the graph runners' ``model_runner``; zeroes the draft-extend graph's ``buffers.req_pool_indices``; reads ``ServerArgs.speculative_*`` and ``enable_multi_layer_eagle`` | ``plugin``, ``api`` |
 | ``ForwardBatch`` | sets one attribute, ``kv_canary_batch_state`` (:func:`set_batch_state`); reads ``spec_info.draft_token_num``; ``ForwardMode`` | ``batch_state``, ``plan_input`` |
 | ``SamplingBatchInfo`` | sets / reads ``kv_canary_oracle_batch`` | ``token_oracle`` |
-| ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``, ``kv_allocated_len``, ``finished()``, ``to_finish``; histories are kept by identity (sglang replaces, never edits, a rewritten list); abort mode sets ``to_finish = FINISH_ABORT(...)`` (sglang's abort of a running request), ``skip_radix_cache_insert`` and ``kv_canary_no_radix_insert`` (lifts the former around ``Scheduler.stash_chunked_request`` / PD prefill's ``process_prefill_chunk``, whose ``maybe_cache_unfinished_req`` also honours it) | ``token_oracle``, ``token_history``, ``runner.requests``, ``runner.containment`` |
+| ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``, ``kv_allocated_len``, ``finished()``, ``to_finish``; histories are kept by identity (sglang replaces, never edits, a rewritten list); abort mode sets ``to_finish = FINISH_ABORT(...)`` (sglang's abort of a running request), ``skip_radix_cache_insert`` and ``kv_canary_no_radix_insert`` (lifts the former around ``Scheduler.stash_chunked_request``, whose ``maybe_cache_unfinished_req`` also honours it; abort mode refuses PD, so PD prefill's copy of the stash never sees the mark) | ``token_oracle``, ``token_history``, ``runner.requests``, ``runner.containment`` |
 | radix tree nodes (``TreeNode``) | reads ``root_node``, ``children``, ``value``, ``lock_ref`` (``full_lock_ref`` in ``MambaRadixCache``), ``swa_tombstone``; ``RadixCache`` / ``SWARadixCache`` / ``MambaRadixCache`` / ``UnifiedRadixCache`` types; ``UnifiedTreeNode``: ``component_data[ComponentType.FULL]`` (``value``, ``lock_ref``, ``host_value``), ``component_data[ComponentType.SWA].value``, ``tree_components`` | ``radix_cache_walker`` |
 | ``RadixCache`` eviction step | ``token_to_kv_pool_allocator.free(value)``, ``_delete_leaf``, ``_record_remove_event`` per node of an evicted subtree (abort mode) | ``runner.containment`` |
 | ``sglang.srt.layers.sampler`` | ``Sampler`` base class (its ``__init__`` is skipped: :func:`init_sampler_module_only`), ``register_sampler_backend``, the private ``_CUSTOM_SAMPLER_FACTORIES`` (idempotent registration) | ``token_oracle.sampler`` |
@@ -78,12 +78,10 @@ HOOK_FORWARD_BATCH_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.Forw
 HOOK_SCHEDULER_PROCESS_BATCH_RESULT = (
     "sglang.srt.managers.scheduler.Scheduler.process_batch_result")
 HOOK_SCHEDULER_GET_INIT_INFO = "sglang.srt.managers.scheduler.Scheduler.get_init_info"
-# the chunked-prefill stash (``maybe_cache_unfinished_req(..., chunked=True)``): aggregated
-# serving, and PD prefill's own copy of it
+# the chunked-prefill stash (``maybe_cache_unfinished_req(..., chunked=True)``) of aggregated
+# serving (abort mode, the only one that marks requests, refuses PD)
 HOOK_SCHEDULER_STASH_CHUNKED_REQUEST = (
     "sglang.srt.managers.scheduler.Scheduler.stash_chunked_request")
-HOOK_PD_PREFILL_PROCESS_PREFILL_CHUNK = (
-    "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_prefill_chunk")
 # EAGLE / EAGLE3 / NEXTN speculative decoding: spec v1 (``EAGLEWorker``, overlap scheduler off)
 # and spec v2 (``EagleDraftWorker``, overlap on); the draft graph runners serve both
 _SPEC = "sglang.srt.speculative"

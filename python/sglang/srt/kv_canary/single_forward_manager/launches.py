@@ -169,28 +169,22 @@ def chain_write_launches(endpoints: Iterable[CanaryEndpoint], *, plans_by_group:
     return launches
 
 
-def launch_writes(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
-                  parts: WriteParts, plans_by_group: PlansByGroup, input_ids, positions,
-                  out_cache_loc,
-                  expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Write launch (``parts`` of it) of every endpoint of ``phase``; SWA groups get their
-    translated slots (translated once per group, by the chain part or an ``ALL`` write)."""
-    translated = {}
+def launch_fingerprint_writes(endpoints: Iterable[CanaryEndpoint], *,
+                              plans_by_group: PlansByGroup, input_ids, positions,
+                              out_cache_loc) -> None:
+    """The TAIL writes' fingerprint part (:attr:`WriteParts.FINGERPRINT`) of every TAIL
+    endpoint with real-data fingerprints, after the model wrote the KV bytes and after
+    :func:`chain_write_launches` (which translated SWA groups' slots: read here as
+    :func:`translated_slots`). Endpoints without fingerprints launch nothing."""
     for ep in endpoints:
-        if ep.phase != phase:
+        if ep.phase != CanaryPhase.TAIL or not ep.context.fingerprint_mode:
             continue
         plans = plans_by_group[ep.group]
-        if ep.group not in translated:
-            translated[ep.group] = (write_slots_for(plans, out_cache_loc)
-                                    if parts != WriteParts.FINGERPRINT
-                                    else translated_slots(plans, out_cache_loc))
         launch_canary_write_kernel(
             context=ep.context, plan=plans.write_plan, input_ids=input_ids,
-            positions=positions, out_cache_loc=translated[ep.group], parts=parts,
-            enable_write_input_assert=expected_inputs is not None,
-            expected_input_tokens=expected_inputs[0] if expected_inputs is not None else None,
-            expected_input_positions=expected_inputs[1] if expected_inputs is not None else None,
-        )
+            positions=positions, out_cache_loc=translated_slots(plans, out_cache_loc),
+            parts=WriteParts.FINGERPRINT, enable_write_input_assert=False,
+            expected_input_tokens=None, expected_input_positions=None)
 
 
 def launch_deep_verify(ep: CanaryEndpoint, plan: VerifyPlan, *, rotate: bool) -> None:

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.jit_kernel.kv_canary.types import CanaryPhase, WriteParts
+from sglang.jit_kernel.kv_canary.types import CanaryPhase
 from sglang.srt.kv_canary import cuda_streams, sglang_seam
 from sglang.srt.kv_canary.batch_state import batch_state
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
@@ -64,9 +64,9 @@ from sglang.srt.kv_canary.single_forward_manager.launches import (
     chain_write_launches,
     launch_deep_verifies,
     launch_deep_writes,
+    launch_fingerprint_writes,
     launch_group_plan,
     launch_verifies,
-    launch_writes,
 )
 from sglang.srt.kv_canary.single_forward_manager.phases import (
     CAPTURE_TRANSITIONS,
@@ -375,7 +375,9 @@ class SingleForwardManager:
         fingerprints)."""
         self._verify(CanaryPhase.TAIL)
         launch_deep_verifies(self.endpoints, CanaryPhase.TAIL, plans_by_group=self.plans)
-        self._write(CanaryPhase.TAIL, WriteParts.FINGERPRINT, inputs)
+        launch_fingerprint_writes(self.endpoints, plans_by_group=self.plans,
+                                  input_ids=inputs.input_ids, positions=inputs.positions,
+                                  out_cache_loc=inputs.out_cache_loc)
         launch_deep_writes(self.plans, inputs.out_cache_loc)
 
     def mark_replayed_inside_graph(self) -> None:
@@ -408,11 +410,3 @@ class SingleForwardManager:
         slots = self.forward_slots[: out_cache_loc.shape[0]]
         slots.copy_(out_cache_loc)
         return slots
-
-    def _write(self, phase: CanaryPhase, parts: WriteParts,
-               inputs: ForwardLaunchInputs) -> None:
-        launch_writes(
-            self.endpoints, phase, parts=parts, plans_by_group=self.plans,
-            input_ids=inputs.input_ids, positions=inputs.positions,
-            out_cache_loc=inputs.out_cache_loc, expected_inputs=inputs.expected_inputs,
-        )
