@@ -5,9 +5,12 @@ position, the running chain hash of the request, and (TAIL launches) the real-KV
 One part of the grid walks each request's chain serially (lanes = requests, loop = chain steps);
 the other part fingerprints all written slots in parallel. ``launch_canary_chain_writes`` walks
 the chains of up to four buffers of one pool group in one launch (lanes = request x buffer): a
-step's hash is three dependent 64-bit splitmix64 rounds, about 0.24 µs on an H100, so a long
-prefill's walk holds an SM for milliseconds, and one walk for all of a group's buffers holds it
-once instead of once per buffer. Graph-safe on CUDA.
+step's hash is three dependent 64-bit splitmix64 rounds, so a long prefill's walk holds an SM
+for milliseconds, and one walk for all of a group's buffers holds it once instead of once per
+buffer. The walk goes in blocks of four steps whose inputs are loaded while the block before
+is hashed (a load consumed in the step after it was issued stalled every step for a memory
+round trip), in one warp per program (the lanes; more warps would hold copies of them).
+Graph-safe on CUDA.
 
 :class:`WriteParts` and :class:`WritePlan` live in :mod:`~sglang.jit_kernel.kv_canary.types`
 (no Triton); they are re-exported here.
@@ -45,6 +48,63 @@ from sglang.jit_kernel.kv_canary.types import WriteParts, WritePlan  # noqa: F40
 
 __all__ = ["MAX_CHAIN_WRITE_BUFFERS", "WriteParts", "WritePlan", "launch_canary_chain_writes",
            "launch_canary_write_kernel"]
+
+
+CHAIN_UNROLL = tl.constexpr(4)  # chain steps per block of the walk (the loop is written for 4)
+# warps of a chain-only launch: a program's lanes are one warp (WRITE_REQ_BLOCK = 32), so more
+# warps would only hold copies of them (and sync on every violation-ring append)
+CHAIN_NUM_WARPS = 1
+
+
+@triton.jit
+def _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, j, length, num_tokens):
+    """Chain step ``j``'s token, position and slot per lane (int64; slot -1 where the lane
+    has no step ``j``)."""
+    i = start + j
+    act = (j < length) & (i >= 0) & (i < num_tokens)
+    tok = tl.load(input_ids_ptr + i, mask=act, other=0).to(tl.int64)
+    pos = tl.load(positions_ptr + i, mask=act, other=0).to(tl.int64)
+    slot = tl.load(loc_ptr + i, mask=act, other=-1).to(tl.int64)
+    return tok, pos, slot
+
+
+@triton.jit
+def _chain_step(canary_ptr, num_slots, start, j, length, num_tokens, tok, pos, slot, running,
+                prev_pos, written, check_pos, exp_tok_ptr, exp_pos_ptr, ring_ptr,
+                ring_index_ptr, ring_capacity, kernel_kind, req_row,
+                INPUT_ASSERT: tl.constexpr, NUM_SOURCES: tl.constexpr):
+    """Chain step ``j`` of every lane (a no-op where the lane has no step ``j``): store the
+    record, check, advance ``running`` / ``prev_pos``; returns them and ``written``."""
+    i = start + j
+    act = (j < length) & (i >= 0) & (i < num_tokens)
+    store_ok = act & (slot >= 0) & (slot < num_slots)
+    rec = canary_ptr + slot * RECORD_WORDS
+    tl.store(rec + FIELD_TOKEN, tok, mask=store_ok)
+    tl.store(rec + FIELD_POSITION, pos, mask=store_ok)
+    tl.store(rec + FIELD_PREV_HASH, H.as_i64(running), mask=store_ok)
+    if NUM_SOURCES == 0:
+        tl.store(rec + FIELD_REAL_KV_HASH, tl.zeros_like(tok), mask=store_ok)
+    bits = tl.zeros_like(tok)
+    if INPUT_ASSERT:
+        exp_tok = tl.load(exp_tok_ptr + i, mask=act, other=0).to(tl.int64)
+        exp_pos = tl.load(exp_pos_ptr + i, mask=act, other=0).to(tl.int64)
+        bits |= tl.where(tok != exp_tok, FAIL_WRITE_TOKEN, 0)
+        bits |= tl.where(pos != exp_pos, FAIL_WRITE_POSITION, 0)
+    else:
+        exp_tok = tok
+        exp_pos = pos
+    chain_bad = check_pos & (pos != prev_pos + 1)
+    bits |= tl.where(chain_bad, FAIL_WRITE_POSITION, 0)
+    exp_pos = tl.where(chain_bad, prev_pos + 1, exp_pos)
+    append_violations(
+        ring_ptr, ring_index_ptr, ring_capacity, store_ok & (bits != 0),
+        kernel_kind, slot, pos, tok, exp_tok, H.as_i64(running), exp_pos, bits,
+        pos, req_row, NO_KV_LAYER,
+    )
+    written += store_ok.to(tl.int64)
+    running = tl.where(act, H.mix3(running, H.as_u64(tok), H.as_u64(pos)), running)
+    prev_pos = tl.where(act, pos, prev_pos)
+    return running, prev_pos, written
 
 
 @triton.jit
@@ -105,46 +165,47 @@ def _canary_write_kernel(
                                other=0)
             # slot 0 (an evicted SWA predecessor) holds no real record: no position to follow
             check_pos = seed_ok & (seed > 0) & chain_assert_on
-            # Step j's inputs are loaded during step j-1 (software pipelining): the chain is
-            # serial, the loads are not.
-            act_n = (0 < length) & (start >= 0) & (start < num_tokens)
-            tok_n = tl.load(input_ids_ptr + start, mask=act_n, other=0).to(tl.int64)
-            pos_n = tl.load(positions_ptr + start, mask=act_n, other=0).to(tl.int64)
-            slot_n = tl.load(loc_ptr + start, mask=act_n, other=-1).to(tl.int64)
-            for j in range(0, tl.max(length, axis=0)):
-                i = start + j
-                act, tok, pos, slot = act_n, tok_n, pos_n, slot_n
-                act_n = (j + 1 < length) & (i + 1 >= 0) & (i + 1 < num_tokens)
-                tok_n = tl.load(input_ids_ptr + i + 1, mask=act_n, other=0).to(tl.int64)
-                pos_n = tl.load(positions_ptr + i + 1, mask=act_n, other=0).to(tl.int64)
-                slot_n = tl.load(loc_ptr + i + 1, mask=act_n, other=-1).to(tl.int64)
-                store_ok = act & (slot >= 0) & (slot < num_slots)
-                rec = canary_ptr + slot * RECORD_WORDS
-                tl.store(rec + FIELD_TOKEN, tok, mask=store_ok)
-                tl.store(rec + FIELD_POSITION, pos, mask=store_ok)
-                tl.store(rec + FIELD_PREV_HASH, H.as_i64(running), mask=store_ok)
-                if NUM_SOURCES == 0:
-                    tl.store(rec + FIELD_REAL_KV_HASH, tl.zeros_like(tok), mask=store_ok)
-                bits = tl.zeros([RBLOCK], dtype=tl.int64)
-                if INPUT_ASSERT:
-                    exp_tok = tl.load(exp_tok_ptr + i, mask=act, other=0).to(tl.int64)
-                    exp_pos = tl.load(exp_pos_ptr + i, mask=act, other=0).to(tl.int64)
-                    bits |= tl.where(tok != exp_tok, FAIL_WRITE_TOKEN, 0)
-                    bits |= tl.where(pos != exp_pos, FAIL_WRITE_POSITION, 0)
-                else:
-                    exp_tok = tok
-                    exp_pos = pos
-                chain_bad = check_pos & (pos != prev_pos + 1)
-                bits |= tl.where(chain_bad, FAIL_WRITE_POSITION, 0)
-                exp_pos = tl.where(chain_bad, prev_pos + 1, exp_pos)
-                append_violations(
-                    ring_ptr, ring_index_ptr, ring_capacity, store_ok & (bits != 0),
-                    kernel_kind, slot, pos, tok, exp_tok, H.as_i64(running), exp_pos, bits,
-                    pos, req_row, NO_KV_LAYER,
-                )
-                written += store_ok.to(tl.int64)
-                running = tl.where(act, H.mix3(running, H.as_u64(tok), H.as_u64(pos)), running)
-                prev_pos = tl.where(act, pos, prev_pos)
+            # Steps are walked in blocks of CHAIN_UNROLL; a block's inputs are loaded while
+            # the block before it is hashed, so the serial hash never waits on a load.
+            t0, p0, s0 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, 0, length,
+                                    num_tokens)
+            t1, p1, s1 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, 1, length,
+                                    num_tokens)
+            t2, p2, s2 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, 2, length,
+                                    num_tokens)
+            t3, p3, s3 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, 3, length,
+                                    num_tokens)
+            for jb in range(0, tl.max(length, axis=0), CHAIN_UNROLL):
+                n0, q0, m0 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, jb + 4,
+                                        length, num_tokens)
+                n1, q1, m1 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, jb + 5,
+                                        length, num_tokens)
+                n2, q2, m2 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, jb + 6,
+                                        length, num_tokens)
+                n3, q3, m3 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, jb + 7,
+                                        length, num_tokens)
+                running, prev_pos, written = _chain_step(
+                    canary_ptr, num_slots, start, jb, length, num_tokens, t0, p0, s0, running,
+                    prev_pos, written, check_pos, exp_tok_ptr, exp_pos_ptr, ring_ptr,
+                    ring_index_ptr, ring_capacity, kernel_kind, req_row, INPUT_ASSERT,
+                    NUM_SOURCES)
+                running, prev_pos, written = _chain_step(
+                    canary_ptr, num_slots, start, jb + 1, length, num_tokens, t1, p1, s1,
+                    running, prev_pos, written, check_pos, exp_tok_ptr, exp_pos_ptr, ring_ptr,
+                    ring_index_ptr, ring_capacity, kernel_kind, req_row, INPUT_ASSERT,
+                    NUM_SOURCES)
+                running, prev_pos, written = _chain_step(
+                    canary_ptr, num_slots, start, jb + 2, length, num_tokens, t2, p2, s2,
+                    running, prev_pos, written, check_pos, exp_tok_ptr, exp_pos_ptr, ring_ptr,
+                    ring_index_ptr, ring_capacity, kernel_kind, req_row, INPUT_ASSERT,
+                    NUM_SOURCES)
+                running, prev_pos, written = _chain_step(
+                    canary_ptr, num_slots, start, jb + 3, length, num_tokens, t3, p3, s3,
+                    running, prev_pos, written, check_pos, exp_tok_ptr, exp_pos_ptr, ring_ptr,
+                    ring_index_ptr, ring_capacity, kernel_kind, req_row, INPUT_ASSERT,
+                    NUM_SOURCES)
+                t0, p0, s0, t1, p1, s1 = n0, q0, m0, n1, q1, m1
+                t2, p2, s2, t3, p3, s3 = n2, q2, m2, n3, q3, m3
         tl.atomic_add(sc0_ptr, tl.sum(tl.where(buf == 0, written, 0), axis=0))
         if NUM_BUFS > 1:
             tl.atomic_add(sc1_ptr, tl.sum(tl.where(buf == 1, written, 0), axis=0))
@@ -309,4 +370,5 @@ def _launch(contexts, plan, input_ids, positions, out_cache_loc, enable_write_in
         NUM_BUFS=len(contexts),
         RBLOCK=WRITE_REQ_BLOCK,
         FBLOCK=WRITE_FINGERPRINT_BLOCK,
+        num_warps=CHAIN_NUM_WARPS if n_fp == 0 else 4,
     )
