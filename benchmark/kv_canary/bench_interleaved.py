@@ -42,8 +42,10 @@ vs 17-20 ms, in runs of rounds) and their medians 2-20 % apart, far more than th
 effect; a short prefill is paced by the host, so where each scheduler runs and how warm its
 core is matter. ``--cpu-pinning cores`` gives each server its own physical cores
 (``taskset``; its scheduler and detokenizer inherit them) and the client one core of its own;
-``auto`` (the default) pins when the machine has a physical core for the client and at least
-one per server, and otherwise runs unpinned and says so. ``--idle sleep`` (the default, as the
+``auto`` pins when the machine has a physical core for the client and at least one per
+server, and otherwise runs unpinned and says so; ``none`` (the default) leaves placement to
+the OS: pinned to three cores each, four servers on an H200 host ran their 512-token
+prefills slower and no closer to one another (``benchmark/results/latency_h100.md``). ``--idle sleep`` (the default, as the
 test servers run) starts every server with sglang's ``--sleep-on-idle`` (an idle scheduler
 blocks in ``zmq.Poller.poll``; the measured times start at the forward's entry, after the
 wake-up); ``--idle spin`` leaves sglang's default, a scheduler polling its sockets in a busy
@@ -517,7 +519,7 @@ def run(args) -> int:
     settings = SMOKE_SETTINGS if smoke else EngineSettings(
         model=args.model, max_total_tokens=args.max_total_tokens or tokens_needed(
             scenarios, EngineSettings.chunked_prefill_size),
-        speculative=args.speculative,
+        speculative=args.speculative, piecewise=args.piecewise == "on",
         cuda_graph_bs=(1, 32) if args.speculative != "none" else EngineSettings.cuda_graph_bs)
     draft_dir = None
     if smoke:
@@ -595,7 +597,7 @@ def run(args) -> int:
                       warmup_rounds=args.warmup, order=server_names, start_order=start_order,
                       cpu_pinning=pinning, client_cpus=client_cpus,
                       server_cpus={n: cpus_of[n] for n in server_names},
-                      idle=args.idle)
+                      idle=args.idle, piecewise=args.piecewise)
         records = []
         for sc in scenarios:
             t0 = time.perf_counter()
@@ -648,10 +650,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--start-rotation", type=int, default=None,
                     help="start the servers in the config order rotated by this much "
                          "(default: a rotation drawn from the run's id)")
-    ap.add_argument("--cpu-pinning", default="auto", choices=("auto", "cores", "none"),
+    ap.add_argument("--cpu-pinning", default="none", choices=("auto", "cores", "none"),
                     help="cores: each server on its own physical cores and the client on one "
-                    "more (taskset); auto (default): cores where the machine has enough, else "
-                    "none; none: the OS places every process")
+                    "more (taskset); auto: cores where the machine has enough, else none; none "
+                    "(default): the OS places every process")
+    ap.add_argument("--piecewise", default="on", choices=("on", "off"),
+                    help="sglang's piecewise CUDA graphs for prefill, every server alike "
+                    "(default on, sglang's default)")
     ap.add_argument("--idle", default="sleep", choices=IDLE_MODES,
                     help="sleep (default): every server with sglang's --sleep-on-idle; spin: "
                     "sglang's default, an idle scheduler polling in a busy loop")
