@@ -37,20 +37,20 @@ machine at this moment (their memory, their cores, their place in the round). It
 beside each scenario's table; an overhead is claimed only where the A/A difference and its
 interval lie within +-0.3 % (``A/A_LIMIT``), and then only if the config's interval clears it.
 
-Neighbours: two identical canary-off servers' 512-token prefills came out bimodal (about 10
-vs 17-20 ms, in runs of rounds) and their medians 2-20 % apart, far more than the canary's
-effect; a short prefill is paced by the host, so where each scheduler runs and how warm its
-core is matter. ``--cpu-pinning cores`` gives each server its own physical cores
-(``taskset``; its scheduler and detokenizer inherit them) and the client one core of its own;
-``auto`` pins when the machine has a physical core for the client and at least one per
-server, and otherwise runs unpinned and says so; ``none`` (the default) leaves placement to
-the OS: pinned to three cores each, four servers on an H200 host ran their 512-token
-prefills slower and no closer to one another (``benchmark/results/latency_h100.md``). ``--idle sleep`` (the default, as the
-test servers run) starts every server with sglang's ``--sleep-on-idle`` (an idle scheduler
-blocks in ``zmq.Poller.poll``; the measured times start at the forward's entry, after the
-wake-up); ``--idle spin`` leaves sglang's default, a scheduler polling its sockets in a busy
-loop (its core stays busy, so a pinned server does not slow a neighbour). Both choices are in
-every record (``cpu_pinning``, ``server_cpus``, ``idle``).
+Idle schedulers: every server here runs ``--idle spin`` (the default): sglang's own default,
+a scheduler polling its sockets in a busy loop while it has nothing to run. With
+``--idle sleep`` (sglang's ``--sleep-on-idle``, which the test servers use: an idle scheduler
+blocks in ``zmq.Poller.poll``) two identical canary-off servers' 512-token prefills came out in
+regimes of many rounds, about 10 or 17-20 ms, and their medians 2-48 % apart; spinning, the
+same servers gave 8-10 ms every round and an A/A difference of +1.6 % at 512 tokens and
+-0.5 % at 4096 (``benchmark/results/latency_h100.md``, H200, 2026-11-26). A short prefill is
+paced by the host, and a scheduler woken from a blocking poll runs it on a core that has
+been idle. ``--cpu-pinning cores`` gives each server its own physical cores (``taskset``;
+its scheduler and detokenizer inherit them) and the client one core of its own; ``auto``
+pins when the machine has a physical core for the client and at least one per server, and
+otherwise runs unpinned and says so; ``none`` (the default) leaves placement to the OS
+(pinned to three cores each, sleeping servers were slower and no closer to one another).
+Both choices are in every record (``idle``, ``cpu_pinning``, ``server_cpus``).
 
 Order: the servers start in the config order rotated by ``--start-rotation`` (default: a
 different rotation for each invocation, recorded in the results), so no config always starts
@@ -622,7 +622,8 @@ def run(args) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``main``'s)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="off,raise,raise+token",
@@ -657,15 +658,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--piecewise", default="on", choices=("on", "off"),
                     help="sglang's piecewise CUDA graphs for prefill, every server alike "
                     "(default on, sglang's default)")
-    ap.add_argument("--idle", default="sleep", choices=IDLE_MODES,
-                    help="sleep (default): every server with sglang's --sleep-on-idle; spin: "
-                    "sglang's default, an idle scheduler polling in a busy loop")
+    ap.add_argument("--idle", default="spin", choices=IDLE_MODES,
+                    help="spin (default, sglang's default): an idle scheduler polls in a busy "
+                    "loop; sleep: every server with sglang's --sleep-on-idle")
     ap.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S)
     ap.add_argument("--out", default=None, help="JSON lines file (appended)")
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="sglang's CPU server with tiny scenarios: checks the script only")
     ap.add_argument("--report", nargs="+", metavar="FILE",
                     help="print the table of earlier runs' records and exit")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.report:
         missing = [p for p in args.report if not os.path.exists(p)]
