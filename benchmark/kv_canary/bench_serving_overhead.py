@@ -181,7 +181,7 @@ QWEN3_0_6B_CONFIG = {
     "eos_token_id": 151645,
 }
 
-# ``--model qwen3-30b-a3b``: the upstream-shaped MoE rows (issue 22): Qwen3-30B-A3B's shapes
+# ``--model qwen3-30b-a3b``: the upstream-shaped MoE rows: Qwen3-30B-A3B's shapes
 # (48 layers, hidden 2048, 32 heads, 4 KV heads x 128, 128 experts of 768, 8 per token),
 # dummy weights (about 61 GB in bf16: one H200)
 QWEN3_30B_A3B_CONFIG = {
@@ -275,7 +275,7 @@ class BenchConfig:
     kv_canary: str = "none"
     real_data: str = "none"
     verify_tokens: bool = False
-    real_data_layers: str = "first"  # issue 24: "all" = per-layer fingerprints
+    real_data_layers: str = "first"  # "all" = per-layer fingerprints
 
     @property
     def canary_on(self) -> bool:

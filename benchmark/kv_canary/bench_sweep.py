@@ -121,7 +121,7 @@ def write_records(ctx, seqs, device):
 
 
 def deep_table(pool, mode, seqs, device):
-    """Issue 24: the per-layer table over every layer's K and V rows, filled as forwards fill
+    """The per-layer table over every layer's K and V rows, filled as forwards fill
     it (one write of every cached slot)."""
     cols = layer_columns(list(range(len(pool.k_buffer))), pool.k_buffer, pool.v_buffer,
                          what="bench")

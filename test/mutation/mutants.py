@@ -31,7 +31,7 @@ class Mutant:
 
 
 MUTANTS = (
-    # ---- issue 25: the audit's rows ---------------------------------------------------------
+    # ---- the audit's rows --------------------------------------------------------------------
     Mutant(
         id="row1-sweep-swa-untranslated", path=f"{_RT}/runner/sweep.py",
         old="swa_index_lut=ep.group.swa_index_lut)", new="swa_index_lut=None)",
@@ -155,7 +155,7 @@ MUTANTS = (
         new="REAL_KV_UNUSED_CACHE in active and sweep_interval < 0:",
         selection=f"{_T}/test_perturb_oracle.py::test_bad_perturb_or_oracle_settings_are_refused",
         speed="quick", what="the unused-cache fault is accepted with the sweep off"),
-    # ---- issue 21: request ids, abort mode, metrics ---------------------------------------------
+    # ---- request ids, abort mode, metrics ----------------------------------------------------
     Mutant(
         id="i21-rids-not-printed", path=f"{_RT}/runner/violation.py",
         old='f"rids={format_rids(inc.rids)}"', new='"rids=-"',
@@ -222,7 +222,7 @@ MUTANTS = (
         new="if False:",
         selection=f"{_T}/test_containment.py::test_max_faults_stops_injection",
         speed="quick", what="SGLANG_KV_CANARY_PERTURB_MAX_FAULTS is ignored"),
-    # ---- issue 19: MLA, NSA and hybrid linear-attention pools ----------------------------------
+    # ---- MLA, NSA and hybrid linear-attention pools ------------------------------------------
     Mutant(
         id="i19-nsa-index-keys-unguarded", path=f"{_RT}/pool_patcher/adapters/mla.py",
         old="sources.append(nsa_index_key_source(kv_pool))", new="pass",
@@ -241,7 +241,7 @@ MUTANTS = (
         new="return (ref or 0) > 0",
         selection=f"{_T}/test_radix_sweep.py::test_walk_real_mamba_radix_cache",
         speed="quick", what="the sweep treats locked MambaRadixCache nodes as idle"),
-    # ---- issue 24: per-layer (deep) fingerprints -------------------------------------------------
+    # ---- per-layer (deep) fingerprints -------------------------------------------------------
     Mutant(
         id="i24-deep-verify-never-reports", path=f"{_KN}/deep.py",
         old="bad = live & (stored != fp)", new="bad = live & (stored != stored)",
@@ -303,7 +303,7 @@ MUTANTS = (
         new="                and False):",
         selection=f"{_T}/test_config.py::test_startup_refusals_name_the_flag",
         speed="quick", what="--kv-canary-real-data-layers all starts with real data off"),
-    # ---- issue 20: multi-GPU deployments ---------------------------------------------------------
+    # ---- multi-GPU deployments ---------------------------------------------------------------
     Mutant(
         id="i20-rank-target-ignored", path=f"{_RT}/perturb/config.py",
         old="                and all(getattr(self, field) in (None, ranks.rank(dim))",
@@ -325,7 +325,7 @@ MUTANTS = (
         selection=f"{_T}/test_e2e_tp_server.py::"
                   "test_a_fault_on_one_rank_is_reported_by_that_rank_only_and_raise_stops_the_server",
         speed="slow", what="every rank believes it is rank 0 (faults land on the wrong rank)"),
-    # ---- issue 23: HiCache ------------------------------------------------------------------------
+    # ---- HiCache -----------------------------------------------------------------------------
     Mutant(
         id="i23-load-not-mirrored", path=f"{_RT}/runner/hicache.py",
         old="            launch_copy_rows(src=host, dst=rows, src_indices=host_indices,",
@@ -375,7 +375,7 @@ MUTANTS = (
         selection=f"{_T}/test_radix_sweep.py::"
                   "test_orchestrator_without_a_radix_cache_and_with_a_tree_it_cannot_walk",
         speed="quick", what="--disable-radix-cache with the sweep on stops the server"),
-    # ---- issue 18: speculative decoding --------------------------------------------------
+    # ---- speculative decoding ----------------------------------------------------------------
     Mutant(
         id="spec-draft-token-offset-0", path=f"{_RT}/api.py",
         old="kv_token_id_vs_position_offset=1 if draft else 0,",
@@ -547,7 +547,7 @@ MUTANTS = (
                   f"{_T}/test_graph_replay_cpu.py::"
                   "test_replayed_decodes_leave_the_records_of_eager_decodes",
         speed="quick", what="a replay reads the snapshot staged for an earlier one"),
-    # ---- issue 22: the interleaved benchmark's statistics --------------------------------------
+    # ---- the interleaved benchmark's statistics ----------------------------------------------
     Mutant(
         id="interleaved-no-abba", path="benchmark/kv_canary/bench_interleaved.py",
         old="    return order if (k // len(names)) % 2 == 0 else order[::-1]",

@@ -95,7 +95,7 @@ def test_startup_refusals_name_the_flag(kw, message):
     (dict(disaggregation_mode="prefill"), ["--disaggregation-mode prefill"]),
 ])
 def test_abort_mode_refuses_what_it_cannot_abort_soundly(kw, names):
-    """Issue 21: ``--kv-canary abort`` on several scheduler ranks or across PD servers is
+    """``--kv-canary abort`` on several scheduler ranks or across PD servers is
     refused at start-up, naming the flags and the modes to use instead."""
     with pytest.raises(ValueError, match="--kv-canary abort") as exc:
         check_server_args_for_canary(_args(kv_canary="abort", **kw))
@@ -159,7 +159,7 @@ def test_config_integer_fields_are_range_checked(field, minimum, maximum):
 
 
 def test_real_data_layers_parse(monkeypatch):
-    """Issue 24: the flag (any case) and the layers-per-forward variable reach the config and
+    """Per-layer fingerprints: the flag (any case) and the layers-per-forward variable reach the config and
     the start-up line; the perturbation targets parse a layer id or ``last`` and a half."""
     monkeypatch.setenv("SGLANG_KV_CANARY_REAL_DATA_LAYERS_PER_FORWARD", "3")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_LAYER", " Last ")
@@ -175,7 +175,7 @@ def test_real_data_layers_parse(monkeypatch):
 
 
 def test_rank_targets_parse_match_and_are_checked_against_the_server(monkeypatch):
-    """Issue 20: SGLANG_KV_CANARY_PERTURB_TP_RANK / _PP_RANK / _DP_RANK make faults happen on
+    """SGLANG_KV_CANARY_PERTURB_TP_RANK / _PP_RANK / _DP_RANK make faults happen on
     one rank only (default: every rank); a rank the server does not have is refused at
     start-up, naming the variable, the size flag and the allowed ranks."""
     from sglang.srt.kv_canary.perturb.config import RankFacts
@@ -200,7 +200,7 @@ def test_rank_targets_parse_match_and_are_checked_against_the_server(monkeypatch
 
 
 def test_host_kv_needs_hicache(monkeypatch):
-    """Issue 23: the ``host_kv`` fault corrupts HiCache's host memory; without
+    """HiCache: the ``host_kv`` fault corrupts HiCache's host memory; without
     ``--enable-hierarchical-cache`` it is refused, naming the flag."""
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB", "0.5")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_GROUP", "full")

@@ -1,4 +1,4 @@
-"""Per-layer (deep) fingerprint kernels (issue 24; docs/architecture.md, "Per-layer
+"""Per-layer (deep) fingerprint kernels (docs/architecture.md, "Per-layer
 fingerprints"): the Triton kernels (compiled on CUDA, interpreted on CPU) against the torch
 references byte for byte; a byte flipped in any layer's K or V row is reported by the window
 that holds its column and by a full (sweep) check, with the column's tag, slot and layer; the
@@ -416,7 +416,7 @@ def test_copy_rows_refuses_unpinned_host_memory_and_odd_widths(device):
 
 
 def test_host_tier_mirror_on_real_pools(tmp_path):
-    """Issue 23: a real ``MHATokenToKVPoolHost`` (a process with the libcuda stub and the HiCache
+    """HiCache: a real ``MHATokenToKVPoolHost`` (a process with the libcuda stub and the HiCache
     CPU shims): every canary buffer's rows (K / V head and tail records, the per-layer table) go
     to the host with a backup and come back, into other slots, with the load's first layer."""
     import json

@@ -1,6 +1,7 @@
 """Docstrings cite the docs by section (``docs/architecture.md, "Plans"``): every cited
-section must exist, and no source file may cite the SPEC (a file this repository does not
-have)."""
+section must exist, no source file may cite the SPEC (a file this repository does not have),
+and none names a tracker item ("issue" or "finding" and a number): the reason belongs in the
+text, the history in git."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 REPO = pathlib.Path(__file__).resolve().parents[3]
 CITATION = re.compile(r'docs/(\w+\.md),\s+"([^"]+)"')
 SPEC_MARK = "SPEC" + " §"  # spelled apart so this file does not cite it
+# the word, an optional "#" and a number, any case, singular or plural (spelled apart here)
+TRACKER_REF = re.compile(r"\b(?:" + "iss" + "ue|fin" + "ding)s?\s+#?\d+", re.I)
 
 
 def headings(doc: pathlib.Path) -> set:
@@ -36,6 +39,8 @@ def check(root: pathlib.Path, docs: pathlib.Path) -> list:
            if section not in known.get(doc, set())]
     bad += [f"{p.relative_to(REPO)} cites the SPEC" for p in sorted(root.rglob("*.py"))
             if SPEC_MARK in p.read_text()]
+    bad += [f"{p.relative_to(REPO)} names a tracker item: {m.group(0)!r}"
+            for p in sorted(root.rglob("*.py")) for m in TRACKER_REF.finditer(p.read_text())]
     return bad
 
 
@@ -54,6 +59,18 @@ def test_a_wrong_citation_is_reported(tmp_path):
     src = REPO / "python"  # relative paths in messages need a path under REPO
     bad = check(src, docs)  # the real tree against a docs folder lacking its sections
     assert any('has no section' in b for b in bad)
+
+
+def test_a_tracker_reference_is_reported(tmp_path):
+    root = REPO / "test" / "registered" / "kv_canary"
+    probe = root / "_tracker_probe_tmp.py"  # under REPO: messages carry relative paths
+    probe.write_text('"""Fixes ' + 'Iss' + 'ue #21 (fin' + 'dings 4 and 5)."""\n')
+    try:
+        bad = [b for b in check(root, REPO / "docs") if "_tracker_probe_tmp" in b]
+    finally:
+        probe.unlink()
+    assert [b.split(" names a tracker item: ")[1] for b in bad] == ["'Iss" + "ue #21'",
+                                                                     "'fin" + "dings 4'"]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Issue 21 on the GPU: ``sglang.Engine(kv_canary="abort")`` with CUDA graphs (and sglang's
+"""Abort mode on the GPU: ``sglang.Engine(kv_canary="abort")`` with CUDA graphs (and sglang's
 overlap scheduler), reports one forward late as the GPU read-back does: a clean run aborts
 nothing; under two injected ``req_to_token`` faults the touched requests end with the canary's
 message and every other and later request completes."""

@@ -1,4 +1,4 @@
-"""Issue 21 end to end: a real sglang 0.5.12 HTTP server on the CPU (127.0.0.1) with
+"""Abort mode end to end: a real sglang 0.5.12 HTTP server on the CPU (127.0.0.1) with
 ``--kv-canary abort`` and ``--enable-metrics`` (docs/user_guide.md, "Containment: --kv-canary
 abort"; docs/monitoring/README.md): a clean run aborts nothing and exports growing counters;
 under ``req_to_token`` fault injection the touched requests end with the abort reason and

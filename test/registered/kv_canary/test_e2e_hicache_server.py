@@ -1,4 +1,4 @@
-"""Issue 23 on the CPU: HiCache (``--enable-hierarchical-cache``) on sglang 0.5.12's CPU engine,
+"""On the CPU: HiCache (``--enable-hierarchical-cache``) on sglang 0.5.12's CPU engine,
 with the test-only shims of e2e_support/sitecustomize.py (``KV_CANARY_TEST_SHIM_HICACHE_CPU``:
 unpinned host memory, a torch stand-in for ``transfer_kv_direct``; ``hicache_io_backend=direct``,
 ``layer_first``). A workload whose prefixes overflow the 256-token device pool backs them up to

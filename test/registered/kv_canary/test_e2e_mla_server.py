@@ -1,4 +1,4 @@
-"""Issue 19 end to end on the CPU: a tiny DeepSeek-V2-shaped MLA model (``MLATokenToKVPool``)
+"""MLA end to end on the CPU: a tiny DeepSeek-V2-shaped MLA model (``MLATokenToKVPool``)
 served by sglang 0.5.12's CPU engine with the triton attention backend under the Triton
 interpreter (``TRITON_INTERPRET=1``; the canary's kernels then run interpreted too). Clean
 with raise + sweep + real data + token checks: no violation (the outputs against the canary

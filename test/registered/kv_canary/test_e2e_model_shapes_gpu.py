@@ -1,4 +1,4 @@
-"""Issue 19 on the GPU: every MLA / NSA / hybrid pool class guards a real sglang 0.5.12 server
+"""On the GPU: every MLA / NSA / hybrid pool class guards a real sglang 0.5.12 server
 with CUDA graphs on (docs/user_guide.md, "Supported pools").
 
 - ``mla``: a tiny DeepSeek-V2 (``MLATokenToKVPool``), triton attention.

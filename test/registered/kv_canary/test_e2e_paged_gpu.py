@@ -1,4 +1,4 @@
-"""Paged KV pools end to end on a GPU (issue 17, finding 7): sglang 0.5.12's paged allocator
+"""Paged KV pools end to end on a GPU: sglang 0.5.12's paged allocator
 runs Triton kernels, so its CPU engine serves only page size 1 and these runs need CUDA.
 
 At ``--page-size`` 16 and 64:

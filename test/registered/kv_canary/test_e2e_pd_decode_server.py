@@ -1,4 +1,4 @@
-"""Issue 20 on the CPU: the decode side of PD disaggregation (``--disaggregation-mode decode``)
+"""On the CPU: the decode side of PD disaggregation (``--disaggregation-mode decode``)
 on sglang 0.5.12's CPU engine, with sglang's ``fake`` transfer backend (its prefill side
 refuses ``fake``, and no real transfer engine runs on the CPU). The fake transfer moves no
 bytes, so it stands for a transfer that lost the KV pages and the canary rows spliced into

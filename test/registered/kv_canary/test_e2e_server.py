@@ -195,11 +195,11 @@ def test_sweep_catches_a_flipped_byte_in_a_cached_only_slot(server):
 
 
 def test_cli_log_server_under_injection_locates_every_fault_and_keeps_serving(server):
-    """Issue 17, findings 4, 5 and 7 on the command-line path: a ``launch_server`` in log mode
-    with req_to_token faults injected and a ring of 2 rows per forward step. Every injected
-    entry is reported at its forward step with its req_to_token row, read position and slot
-    (every step in detail, though each one overflows the ring: findings 4 and 5), nothing is
-    reported at a step without a fault (the fault was undone after its forward: finding 7),
+    """On the command-line path: a ``launch_server`` in log mode with req_to_token faults
+    injected and a ring of 2 rows per forward step. Every injected entry is reported at its
+    forward step with its req_to_token row, read position and slot (every step in detail,
+    though each one overflows the ring), nothing is
+    reported at a step without a fault (the fault was undone after its forward),
     and the server serves every request to the end and stays healthy."""
     from cli_server import CliServer, http_call
     from sglang.srt.kv_canary.perturb.report import parse_perturb_line

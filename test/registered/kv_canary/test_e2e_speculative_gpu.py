@@ -1,4 +1,4 @@
-"""Issue 18 on the GPU: EAGLE speculative decoding served by sglang 0.5.12 with the canary on
+"""On the GPU: EAGLE speculative decoding served by sglang 0.5.12 with the canary on
 the target and the draft pools, CUDA graphs on (the target's verify graphs, the draft round's
 graph, the draft-extend graph), spec v2 (overlap scheduler on, sglang's default) and spec v1
 (``--disable-overlap-schedule``).

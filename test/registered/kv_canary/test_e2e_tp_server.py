@@ -1,4 +1,4 @@
-"""Issue 20 on the CPU: tensor parallelism (``tp_size=2``) on sglang 0.5.12's CPU engine (each
+"""On the CPU: tensor parallelism (``tp_size=2``) on sglang 0.5.12's CPU engine (each
 rank with its own ``MHATokenToKVPool``; one OpenMP thread set per rank, pynccl off). Clean with
 raise + sweep + real data + token checks: no violation and the greedy outputs of the canary
 off. ``SGLANG_KV_CANARY_PERTURB_TP_RANK=1``: only rank 1 injects faults and reports them, rank

@@ -1,4 +1,4 @@
-"""MLA, NSA and hybrid linear-attention pools (issue 19; docs/architecture.md, "Buffer groups
+"""MLA, NSA and hybrid linear-attention pools (docs/architecture.md, "Buffer groups
 and adapters"): the attachers on real sglang pools (``MLATokenToKVPool``,
 ``MLATokenToKVPoolFP4``, ``NSATokenToKVPool``, ``HybridLinearKVPool``), their buf-info
 splice, and the serving driver's loop on each (clean, then every fault class caught)."""

@@ -441,7 +441,7 @@ def test_demo_refuses_paged_runs_without_a_gpu(capsys):
 
 @pytest.mark.usefixtures("reference_kernels_on_cpu")
 def test_before_forward_faults_are_undone_after_the_forward_read_them(caplog):
-    """Finding 7 of issue 17: a ``req_to_token`` / ``real_kv_used`` fault is reported in the
+    """A ``req_to_token`` / ``real_kv_used`` fault is reported in the
     forward it was injected for (located at the changed entry) and undone right after, so
     sglang's bookkeeping (each request's ``req_to_token`` row) stays the scheduler's own and
     a forward without a new fault reports nothing."""

@@ -304,7 +304,7 @@ def test_sweep_of_a_swa_pool_reads_the_swa_records_through_the_table():
 
 
 def test_walk_real_mamba_radix_cache():
-    """Issue 19: hybrid linear-attention models cache prefixes in a ``MambaRadixCache``,
+    """Hybrid linear-attention models cache prefixes in a ``MambaRadixCache``,
     whose nodes hold the full-attention slots in ``value`` (and lock with ``full_lock_ref``):
     the sweep walks it like a RadixCache, and leaves out locked nodes when asked."""
     from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache

@@ -196,7 +196,7 @@ def test_log_mode_logs_each_violation_once_and_keeps_serving(caplog):
 
 
 def test_req_to_token_fault_is_located_in_one_report():
-    """Finding 4 of issue 17: a wrong req_to_token entry is reported once per forward with
+    """A wrong req_to_token entry is reported once per forward with
     every launch tag that saw it, naming the row and the position attention read it for."""
     d = ServingDriver(seed=11, mode="raise", real_data="partial")
     info = _inject(d, "req_to_token_swap")
@@ -218,7 +218,7 @@ def test_req_to_token_fault_is_located_in_one_report():
 
 
 def test_ring_is_detailed_again_after_a_full_window(caplog):
-    """Finding 5 of issue 17: a forward that overflows the ring does not blind later ones;
+    """A forward that overflows the ring does not blind later ones;
     every forward step gets its own ring_capacity rows of detail and its own dropped count."""
     d = ServingDriver(seed=2, mode="log", real_data="partial", ring_capacity=2)
     d.run(40)
@@ -430,7 +430,7 @@ def test_violation_line_format():
         "verify_real_kv_hash slot_idx=812 position=37 stored_token=5 expected_token=-1 "
         "stored_chain_hash=0xfffffffffffffffe expected_aux=0x0000000000001234 forward_step=41 "
         "read_position=36 req_to_token_row=7 seen_by=TAIL_K_FULL kv_layer=-1 rids=-")
-    # issue 24: a per-layer fingerprint names its layer (and the block says which half)
+    # a per-layer fingerprint names its layer (and the block says which half)
     deep = row[:-1] + [27]
     deep[0] = int(CanaryLaunchTag.SWEEP_V_FULL)
     line = format_violation_line(deep, step=41)
@@ -441,7 +441,7 @@ def test_violation_line_format():
 
 
 def test_violation_line_names_requests_and_round_trips_odd_ids():
-    """Issue 21: ``rids=`` ends the line, after every earlier field in its order; ids with a
+    """``rids=`` ends the line, after every earlier field in its order; ids with a
     comma, a blank or an equals sign survive the round trip (percent-encoded); none is ``-``."""
     row = [int(CanaryLaunchTag.HEAD_K_FULL), 812, 37, 5, -1, -2, 0x1234, 2, 36, 7, -1]
     inc = dataclasses.replace(merge_incidents([row])[0],

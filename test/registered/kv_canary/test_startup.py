@@ -3,7 +3,7 @@
 ``--config`` YAML included) and ``ServerArgs(**kwargs)`` (what ``Engine(...)`` builds) accept
 and refuse the same values with the same messages, validation sees the parsed values, canary
 variables are read only with the canary on, and ``repr(server_args)`` shows the canary's
-fields. (Issue 17, findings 1, 2, 3 and 6.)"""
+fields."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def cli_error(capsys, model_dir, *argv) -> str:
     raise AssertionError(f"{argv} was accepted")
 
 
-# ---- finding 1: the command line accepts every self-test configuration ----------------------
+# ---- the command line accepts every self-test configuration ----------------------------------
 
 
 @pytest.mark.parametrize("env,argv", [
@@ -106,7 +106,7 @@ def test_the_command_line_still_refuses_a_self_test_without_the_canary(monkeypat
         capsys, model_dir, "--sampling-backend", "token_oracle")
 
 
-# ---- finding 2: one parse for every route ------------------------------------------------------
+# ---- one parse for every route ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("flag,value,canonical", [
@@ -151,7 +151,7 @@ def test_the_same_values_are_refused_everywhere_naming_the_flag(capsys, model_di
         assert flag in message, message
 
 
-# ---- finding 3: a canary-off server ignores (and names) canary variables --------------------
+# ---- a canary-off server ignores (and names) canary variables --------------------------------
 
 
 def test_canary_off_reads_no_variable_and_names_the_set_ones(monkeypatch, model_dir,
@@ -194,7 +194,7 @@ def test_real_data_without_the_canary_is_refused(capsys, model_dir, route):
     assert "--kv-canary-real-data=partial needs the canary on" in message
 
 
-# ---- finding 6: start-up tells the whole configuration --------------------------------------
+# ---- start-up tells the whole configuration --------------------------------------------------
 
 
 def test_repr_and_the_installed_line_show_every_setting(monkeypatch, model_dir):
@@ -217,7 +217,7 @@ def test_repr_and_the_installed_line_show_every_setting(monkeypatch, model_dir):
             assert word in described.split(), (word, described)
 
 
-# ---- issue 21: --kv-canary abort on every route --------------------------------------------
+# ---- --kv-canary abort on every route --------------------------------------------------------
 
 
 def test_abort_mode_starts_from_every_route(tmp_path, model_dir):
@@ -245,7 +245,7 @@ def test_help_lists_abort(capsys, model_dir):
 
 
 def test_every_layer_starts_from_the_command_line_and_yaml(tmp_path, model_dir, capsys):
-    """Issue 24: ``--kv-canary-real-data-layers all`` through the command line, a ``--config``
+    """``--kv-canary-real-data-layers all`` through the command line, a ``--config``
     YAML file and the keyword arguments gives one config; without real data it is refused,
     naming both flags, on every route."""
     yaml = tmp_path / "canary.yaml"
