@@ -1,10 +1,12 @@
 """Docstrings cite the docs by section (``docs/architecture.md, "Plans"``): every cited
 section must exist, no source file may cite the SPEC (a file this repository does not have),
-and none names a tracker item ("issue" or "finding" and a number): the reason belongs in the
-text, the history in git."""
+none names a tracker item ("issue" or "finding" and a number): the reason belongs in the
+text, the history in git; and the architecture's module map names every module of the two
+packages and no module that does not exist."""
 
 from __future__ import annotations
 
+import fnmatch
 import pathlib
 import re
 import sys
@@ -71,6 +73,43 @@ def test_a_tracker_reference_is_reported(tmp_path):
         probe.unlink()
     assert [b.split(" names a tracker item: ")[1] for b in bad] == ["'Iss" + "ue #21'",
                                                                      "'fin" + "dings 4'"]
+
+
+PACKAGES = ("python/sglang/jit_kernel/kv_canary", "python/sglang/srt/kv_canary")
+
+
+def module_map_problems(doc_text: str, repo: pathlib.Path) -> list:
+    """What the "Module map" section of ``doc_text`` gets wrong about the two packages under
+    ``repo``: a module (``__init__`` aside) it names neither by file name, path nor pattern
+    (``*_ref.py``), and a ``*.py`` name it gives that no module has."""
+    section = doc_text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    names = set(re.findall(r"`([^`\s]+)`", section))
+    modules = [(pkg, p.relative_to(repo / pkg).as_posix()) for pkg in PACKAGES
+               for p in sorted((repo / pkg).rglob("*.py"))
+               if p.name != "__init__.py" and "__pycache__" not in p.parts]
+    problems = []
+    for pkg, rel in modules:
+        base = rel.rsplit("/", 1)[-1]
+        if not (base in names or rel in names
+                or any(fnmatch.fnmatch(rel, n) or fnmatch.fnmatch(base, n)
+                       for n in names if "*" in n)):
+            problems.append(f"{pkg}/{rel} is not in the module map")
+    known = {rel for _, rel in modules} | {rel.rsplit("/", 1)[-1] for _, rel in modules}
+    problems += [f"the module map names {n}, which no module is" for n in sorted(names)
+                 if n.endswith(".py") and "*" not in n and n not in known]
+    return problems
+
+
+def test_the_module_map_matches_the_tree():
+    assert module_map_problems((REPO / "docs" / "architecture.md").read_text(), REPO) == []
+
+
+def test_a_module_map_out_of_date_is_reported():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    stale = text.replace("`rows.py`", "`rowz.py`")
+    assert module_map_problems(stale, REPO) == [
+        "python/sglang/jit_kernel/kv_canary/rows.py is not in the module map",
+        "the module map names rowz.py, which no module is"]
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 | --- | --- | --- |
 | AROUND | ``ServerArgs.__init__`` | accept ``kv_canary*`` kwargs (``Engine(kv_canary=...)``), |
 |  |  | validate (not inside ``from_cli_args``: the parsed options are not copied yet) |
-| AFTER | ``ServerArgs.add_cli_args`` | add the three ``--kv-canary*`` options |
+| AFTER | ``ServerArgs.add_cli_args`` | add the four ``--kv-canary*`` options |
 | AROUND | ``ServerArgs.from_cli_args`` | carry the parsed options over, then validate |
-| AROUND | ``ServerArgs.__repr__`` | append the canary's three fields |
+| AROUND | ``ServerArgs.__repr__`` | append the canary's four fields (and its config) |
 | AFTER | ``ModelRunner.init_memory_pool`` | ``install_canary`` (pool exists, graphs not yet) |
 | AFTER | ``ModelRunner.__init__`` | ``mark_init_finished`` (warm-up and capture done) |
 | AROUND | ``ModelRunner.forward`` | outside-graph bracket with single-forward manager 0 |
