@@ -128,6 +128,125 @@ def test_a_req_to_token_fault_is_caught_in_the_draft_round():
     assert d.draft.violations.total >= 1
 
 
+# ---- every speculative forward mode verifies and writes its own slots ----------------------
+#
+# A fault is caught by whichever later forward reads the slot, so a workload's detections alone
+# do not show that a given mode checks anything: a draft extend that verified nothing would
+# leave the next draft round to catch its faults. These tests pin each mode down: a fault
+# planted just before a forward of that mode, in a committed slot of a request of its batch,
+# must be reported by that very forward; and after every forward of that mode, each slot it
+# wrote must hold a record of the token and position it wrote.
+
+_SPEC_MODES = {  # label: (spec v2, the pool the forward reads and writes)
+    "target_verify": (False, "target"),
+    "draft_decode": (False, "draft"),
+    "draft_extend": (False, "draft"),
+    "draft_extend_v2": (True, "draft"),
+}
+
+
+def _forward_label(manager_is_draft: bool, mode) -> str:
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return {(False, ForwardMode.TARGET_VERIFY): "target_verify",
+            (True, ForwardMode.DRAFT_EXTEND): "draft_extend",
+            (True, ForwardMode.DRAFT_EXTEND_V2): "draft_extend_v2",
+            (True, ForwardMode.DECODE): "draft_decode"}.get((manager_is_draft, mode), "prefill")
+
+
+class _ForwardWatch:
+    """Wraps an :class:`EagleDriver`'s forwards (eager ones and the draft round's) to call
+    ``before(label, fb)`` / ``after(label, fb)`` around each and to remember the label of a
+    forward an exception left."""
+
+    def __init__(self, d: EagleDriver, before=None, after=None):
+        self.raised_in = None
+        eager, around = d._eager, d.around_forward
+
+        def run(label, fb, body):
+            if before is not None:
+                before(label, fb)
+            try:
+                body()
+            except BaseException:
+                self.raised_in = label
+                raise
+            if after is not None:
+                after(label, fb)
+
+        d._eager = lambda manager, pool, fb: run(
+            _forward_label(manager is d.draft, fb.forward_mode), fb,
+            lambda: eager(manager, pool, fb))
+        d.around_forward = lambda fb, body: run("draft_decode", fb,
+                                                lambda: around(fb, body))
+
+
+@pytest.mark.parametrize("label", sorted(_SPEC_MODES))
+def test_each_speculative_forward_mode_verifies_what_it_reads(label):
+    v2, which = _SPEC_MODES[label]
+    d = EagleDriver(steps=3, v2=v2, seed=11, mode="raise", verify_tokens=True)
+    d.run(20)
+    planted = {}
+
+    def before(lab, fb):
+        if lab != label or planted:
+            return
+        pool = d.target_pool if which == "target" else d.draft_pool
+        rows = fb.req_pool_indices.tolist()
+        per_req = fb.out_cache_loc.shape[0] // len(rows)
+        for i, row in enumerate(rows):
+            # this forward reads the request's committed prefix [0, L)
+            prefix = (int(fb.extend_prefix_lens[i]) if lab.startswith("draft_extend")
+                      else int(fb.positions[per_req * i]))
+            if prefix >= 3:
+                p = d.rng.randrange(0, prefix - 1)
+                slot = int(d.req_to_token_pool.req_to_token[row, p])
+                pool.k_buffer[0][slot].view(torch.uint8).view(-1)[0] ^= 0xFF
+                planted.update(row=row, position=p, slot=slot)
+                return
+
+    watch = _ForwardWatch(d, before=before)
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        for _ in range(40):
+            d.step()
+    assert "slot" in planted, "no forward of this mode had a request with a committed prefix"
+    # reported by the forward the fault was planted for, not by a later reader
+    assert watch.raised_in == label
+    assert planted["slot"] in {v.slot_idx for v in _lines(exc)}
+    manager = d.target if which == "target" else d.draft
+    assert manager.violations.total >= 1
+
+
+@pytest.mark.parametrize("label", sorted(_SPEC_MODES))
+def test_each_speculative_forward_mode_writes_the_records_of_its_slots(label):
+    from sglang.jit_kernel.kv_canary.consts import CANARY_FIELD_POSITION, CANARY_FIELD_TOKEN
+
+    v2, which = _SPEC_MODES[label]
+    d = EagleDriver(steps=3, v2=v2, seed=12, mode="raise", verify_tokens=True)
+    manager = d.target if which == "target" else d.draft
+    group = manager.groups[0]
+    checked, wrong = [], []
+
+    def after(lab, fb):
+        if lab != label:
+            return
+        n = fb.out_cache_loc.shape[0]
+        slots = fb.out_cache_loc.reshape(-1)[:n].long()
+        want = torch.stack([fb.input_ids[:n].long(), fb.positions[:n].long()], dim=1)
+        for name in ("k_head", "k_tail"):
+            words = getattr(group, name).view(torch.int64)[slots]
+            got = words[:, [CANARY_FIELD_TOKEN, CANARY_FIELD_POSITION]]
+            wrong.extend((name, int(s)) for s, ok in zip(slots, (got == want).all(dim=1))
+                         if not ok)
+        checked.append(n)
+
+    _ForwardWatch(d, after=after)
+    d.run(60)
+    assert len(checked) >= 10 and sum(checked) >= 30, checked
+    assert wrong == []
+    assert d.target.count_violations() == 0 and d.draft.count_violations() == 0
+
+
 # ---- historical sglang bugs, re-introduced at the unit level -------------------------------
 
 
