@@ -112,7 +112,7 @@ from collections.abc import Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from bench_serving_overhead import (  # noqa: E402  (the sibling script)
+from common import (  # noqa: E402  (a sibling module)
     CONFIGS,
     DEFAULT_MODEL,
     DEFAULT_SCENARIOS as SERVING_DEFAULT_SCENARIOS,

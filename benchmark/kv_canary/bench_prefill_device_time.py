@@ -27,15 +27,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving_overhead import (  # noqa: E402
-    CONFIGS,
+from common import CONFIGS, append_jsonl, now_utc, parse_ints, parse_names  # noqa: E402
+from serving_breakdown import (  # noqa: E402
     PREFILL_SHAPES,
     _Req,
-    append_jsonl,
     build_prefill_canary,
-    now_utc,
-    parse_ints,
-    parse_names,
     prefill_chunk_batch,
 )
 

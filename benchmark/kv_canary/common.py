@@ -1,0 +1,306 @@
+"""What the KV-canary benchmarks share (docs/user_guide.md, "Overhead"): the model shapes
+(dummy weights, a ``config.json`` each), the scenarios, the canary configs and the Engine
+settings every config is served with, the inputs of a scenario's run, sglang's own prefill
+time of a request, and the JSON-lines helpers. Imported by ``bench_serving_overhead.py``,
+``bench_interleaved.py`` and ``bench_prefill_device_time.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import statistics
+import subprocess
+import zlib
+from collections.abc import Sequence
+
+# ---- model, scenarios, configs ----------------------------------------------------------------
+
+QWEN3_0_6B_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+# ``--model qwen3-30b-a3b``: the upstream-shaped MoE rows: Qwen3-30B-A3B's shapes
+# (48 layers, hidden 2048, 32 heads, 4 KV heads x 128, 128 experts of 768, 8 per token),
+# dummy weights (about 61 GB in bf16: one H200)
+QWEN3_30B_A3B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+MODELS = {"qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG}
+DEFAULT_MODEL = "qwen3-0.6b"
+
+# ``--speculative eagle``: a one-layer EAGLE draft of the same shapes (hidden 1024, 16 heads,
+# 8 KV heads x 128, the target's vocabulary; sglang hands it the target's embedding and head)
+QWEN3_EAGLE_DRAFT_CONFIG = {
+    **{k: v for k, v in QWEN3_0_6B_CONFIG.items() if k not in ("attention_bias",)},
+    "architectures": ["LlamaForCausalLMEagle"],
+    "model_type": "llama",
+    "num_hidden_layers": 1,
+    "tie_word_embeddings": False,
+}
+SPECULATIVE = {
+    "none": {},
+    "eagle": dict(speculative_algorithm="EAGLE", speculative_num_steps=3,
+                  speculative_eagle_topk=1, speculative_num_draft_tokens=4),
+}
+
+TOKEN_ENV = "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT"
+RESULT_PREFIX = "BENCH "  # lines the Engine child prints for the parent to echo
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    bs: int
+    isl: int
+    osl: int
+
+    @property
+    def kind(self) -> str:
+        return "prefill" if self.osl == 1 else "decode"
+
+
+SCENARIOS = {s.name: s for s in (
+    Scenario("decode_bs128", bs=128, isl=512, osl=1024),
+    Scenario("decode_bs1", bs=1, isl=512, osl=1024),
+    Scenario("prefill_bs32", bs=32, isl=16384, osl=1),
+    Scenario("prefill_bs1_4k", bs=1, isl=4096, osl=1),
+    Scenario("decode_bs32", bs=32, isl=512, osl=1024),
+    Scenario("prefill_bs1_512", bs=1, isl=512, osl=1),
+    Scenario("prefill_bs1_16k", bs=1, isl=16384, osl=1),
+    Scenario("decode_bs64", bs=64, isl=256, osl=512),
+)}
+# scenarios run when --scenarios is not given
+DEFAULT_SCENARIOS = {"none": ("decode_bs128", "decode_bs1", "prefill_bs32", "prefill_bs1_4k"),
+                     "eagle": ("decode_bs1", "decode_bs32")}
+SMOKE_SCENARIOS = {s.name: s for s in (
+    Scenario("decode_bs128", bs=2, isl=16, osl=8),
+    Scenario("decode_bs1", bs=1, isl=16, osl=8),
+    Scenario("prefill_bs32", bs=2, isl=64, osl=1),
+    Scenario("prefill_bs1_4k", bs=1, isl=64, osl=1),
+    Scenario("decode_bs32", bs=2, isl=16, osl=8),
+    Scenario("prefill_bs1_512", bs=1, isl=16, osl=1),
+    Scenario("prefill_bs1_16k", bs=1, isl=96, osl=1),
+    Scenario("decode_bs64", bs=2, isl=16, osl=8),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    kv_canary: str = "none"
+    real_data: str = "none"
+    verify_tokens: bool = False
+    real_data_layers: str = "first"  # "all" = per-layer fingerprints
+
+    @property
+    def canary_on(self) -> bool:
+        return self.kv_canary != "none"
+
+    def engine_kwargs(self) -> dict:
+        kw = {"kv_canary": self.kv_canary}
+        if self.canary_on:
+            kw["kv_canary_real_data"] = self.real_data
+            kw["kv_canary_real_data_layers"] = self.real_data_layers
+        return kw
+
+    def env(self) -> dict[str, str]:
+        return {TOKEN_ENV: "1"} if self.verify_tokens else {}
+
+
+CONFIGS = {c.name: c for c in (
+    BenchConfig("off"),
+    BenchConfig("raise", kv_canary="raise"),
+    BenchConfig("abort", kv_canary="abort"),
+    BenchConfig("raise+partial", kv_canary="raise", real_data="partial"),
+    BenchConfig("raise+token", kv_canary="raise", verify_tokens=True),
+    BenchConfig("raise+token+partial", kv_canary="raise", real_data="partial",
+                verify_tokens=True),
+    BenchConfig("raise+partial+layers", kv_canary="raise", real_data="partial",
+                real_data_layers="all"),
+    BenchConfig("raise+all+layers", kv_canary="raise", real_data="all", real_data_layers="all"),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """Server settings shared by every config (only the canary differs)."""
+
+    chunked_prefill_size: int = 8192
+    max_total_tokens: int = 262144
+    max_running_requests: int = 128
+    mem_fraction_static: float = 0.7
+    cuda_graph_bs: tuple = (1, 128)
+    speculative: str = "none"  # a key of SPECULATIVE
+    piecewise: bool = True  # sglang's piecewise CUDA graphs for prefill (its default: on)
+    model: str = DEFAULT_MODEL  # a key of MODELS
+    # sglang's request metrics on (every config): each output's meta_info then carries the
+    # scheduler's forward-entry and prefill-finished times (the server-side prefill time)
+    server_timing: bool = True
+
+    def engine_kwargs(self, model_dir: str, *, smoke: bool,
+                      draft_dir: str | None = None) -> dict:
+        from sglang.srt.kv_canary.testing.server_harness import (
+            cpu_engine_kwargs,
+            gpu_engine_kwargs,
+        )
+
+        if smoke:
+            return cpu_engine_kwargs(model_dir, chunked_prefill_size=self.chunked_prefill_size,
+                                     max_total_tokens=self.max_total_tokens,
+                                     max_running_requests=self.max_running_requests,
+                                     enable_metrics=self.server_timing, log_level="info")
+        spec = dict(SPECULATIVE[self.speculative])
+        if spec:
+            spec["speculative_draft_model_path"] = draft_dir
+        return gpu_engine_kwargs(model_dir, chunked_prefill_size=self.chunked_prefill_size,
+                                 max_total_tokens=self.max_total_tokens,
+                                 max_running_requests=self.max_running_requests,
+                                 mem_fraction_static=self.mem_fraction_static,
+                                 cuda_graph_bs=list(self.cuda_graph_bs),
+                                 cuda_graph_max_bs=max(self.cuda_graph_bs),
+                                 disable_piecewise_cuda_graph=not self.piecewise,
+                                 enable_metrics=self.server_timing,
+                                 log_level="info", **spec)
+
+
+SMOKE_SETTINGS = EngineSettings(chunked_prefill_size=32, max_total_tokens=4096,
+                                max_running_requests=8, mem_fraction_static=0.05,
+                                cuda_graph_bs=(1, 2))
+
+
+def parse_names(value: str, allowed: dict[str, object], flag: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise SystemExit(f"{flag}: unknown value(s) {', '.join(map(repr, bad)) or '(empty)'}; "
+                         f"allowed (comma-separated): {', '.join(allowed)}")
+    return names
+
+
+def gpu_name(smoke: bool) -> str:
+    """GPU name without initialising CUDA in this process (sglang spawns its own)."""
+    if smoke:
+        return "cpu (smoke)"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=False).stdout.strip()
+        return out.splitlines()[0] if out else "unknown GPU"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown GPU"
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def append_jsonl(path: str | None, record: dict) -> None:
+    if not path:
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(paths: Sequence[str]) -> list[dict]:
+    records = []
+    for p in paths:
+        with open(p) as f:
+            records += [json.loads(line) for line in f if line.strip()]
+    return records
+
+
+
+
+# ---- a scenario's inputs and sglang's timings ------------------------------------------------
+
+
+def make_inputs(scenario: Scenario, run: int, vocab: int) -> list[list[int]]:
+    """Random token ids, fixed per (scenario, run): every config sees the same inputs, every
+    request and run differs (no radix hits)."""
+    import numpy as np
+
+    rng = np.random.default_rng(zlib.crc32(f"{scenario.name}/{run}".encode()))
+    lo, hi = min(100, vocab // 8), vocab - min(100, vocab // 8)
+    return rng.integers(lo, hi, size=(scenario.bs, scenario.isl)).tolist()
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (linear between the order statistics)."""
+    v = sorted(values)
+    pos = (len(v) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def server_prefill_ms(outs: list[dict]) -> float | None:
+    """The scheduler's own prefill time of one ``generate`` call (``--server-timing``): from
+    the first request's entry into a forward batch to the last request's prefill result
+    processed (sglang's ``forward_entry_time`` / ``prefill_finished_time``, meta_info with
+    request metrics on), in ms; None without them. What a time to first token pays in the
+    scheduler, without the tokenizer / detokenizer processes and their queues."""
+    metas = [o.get("meta_info", {}) for o in outs]
+    starts = [m.get("forward_entry_time") for m in metas]
+    ends = [m.get("prefill_finished_time") for m in metas]
+    if not metas or None in starts or None in ends:
+        return None
+    return (max(ends) - min(starts)) * 1e3
+
+
+def server_stats(server: list) -> dict:
+    """The JSON fields of the server-side prefill times of one scenario (none if missing)."""
+    if not server or None in server:
+        return {}
+    return dict(server_runs_ms=server, server_median_ms=statistics.median(server),
+                server_min_ms=min(server), server_p10_ms=quantile(server, 0.1),
+                server_p90_ms=quantile(server, 0.9))
+
+
+def parse_ints(value: str, flag: str) -> list[int]:
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        out = []
+    if not out or any(v < 1 for v in out):
+        raise SystemExit(f"{flag}: expected comma-separated positive integers, got {value!r}")
+    return out
