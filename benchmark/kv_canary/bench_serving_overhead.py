@@ -11,7 +11,9 @@ captured for batch sizes 1 and 128 only, to keep the start cheap), ``attention_b
 ``sampling_backend=pytorch``, ``grammar_backend=none``, ``skip_tokenizer_init``,
 piecewise CUDA graphs for prefill on (sglang's default; ``--piecewise off`` turns them off for
 every config, as results before 2026-11-24 had them), chunked prefill 8192 (sglang's own default on an 80 GB GPU),
-``max_running_requests`` 128, a KV pool of 262144 tokens. Configs (one Engine each, each in its
+``max_running_requests`` 128, a KV pool of 262144 tokens, the scheduler spinning when idle
+(sglang's default; the test servers' ``--sleep-on-idle`` made short prefills slow in
+regimes, ``benchmark/results/latency_h100.md``). Configs (one Engine each, each in its
 own process):
 
     off            --kv-canary none

@@ -201,6 +201,10 @@ class EngineSettings:
                                  cuda_graph_max_bs=max(self.cuda_graph_bs),
                                  disable_piecewise_cuda_graph=not self.piecewise,
                                  enable_metrics=self.server_timing,
+                                 # sglang's default: an idle scheduler spins (the test
+                                 # servers sleep; a sleeping one ran short prefills in slow
+                                 # regimes: benchmark/results/latency_h100.md)
+                                 sleep_on_idle=False,
                                  log_level="info", **spec)
 
 

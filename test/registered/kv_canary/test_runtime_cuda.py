@@ -209,8 +209,6 @@ def test_parallel_lanes_fork_from_and_join_the_current_stream(captured):
     with pytest.raises(ValueError, match="4 sequences for 3 lanes"):
         lanes.run([lane(0)] * 4)
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-v"]))
 
 
 def test_cuda_streams_match_torch_and_restore_the_stream():
@@ -244,3 +242,7 @@ def test_cuda_streams_match_torch_and_restore_the_stream():
     assert outer.query()
     done.synchronize()
     assert int(x.sum()) == 1 << 20
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
