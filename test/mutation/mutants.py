@@ -30,6 +30,37 @@ class Mutant:
     what: str  # the defect, in a few words
 
 
+def _spec_mode_skips(label: str, mode: str, what: str) -> tuple:
+    """A speculative forward mode's verify, and its write, skipped for the forwards of
+    ``mode`` (a ``ForwardMode`` name), each killed by that mode's test of
+    ``test_speculative.py``."""
+    guard = (f"        if self._batch is not None and self._batch.forward_mode.name == "
+             f"\"{mode}\":\n            return\n")
+    sfm = f"{_RT}/single_forward_manager/manager.py"
+    verify = "    def _verify(self, phase: CanaryPhase) -> None:\n"
+    write = "        self._write_lanes.run(chain_write_launches(\n"
+    name = label.replace("_", "-")
+    return (
+        Mutant(id=f"spec-{name}-verify-skipped", path=sfm, old=verify, new=verify + guard,
+               selection=f"{_T}/test_speculative.py::"
+                         f"test_each_speculative_forward_mode_verifies_what_it_reads[{label}]",
+               speed="quick", what=f"{what} verifies nothing (a later forward catches its faults)"),
+        Mutant(id=f"spec-{name}-write-skipped", path=sfm, old=write, new=guard + write,
+               selection=f"{_T}/test_speculative.py::"
+                         f"test_each_speculative_forward_mode_writes_the_records_of_its_slots"
+                         f"[{label}]",
+               speed="quick", what=f"{what} writes no records"),
+    )
+
+
+_SPEC_MODE_SKIPS = (
+    *_spec_mode_skips("target_verify", "TARGET_VERIFY", "the target verify"),
+    *_spec_mode_skips("draft_decode", "DECODE", "a draft round's decode"),
+    *_spec_mode_skips("draft_extend", "DRAFT_EXTEND", "spec v1's draft extend"),
+    *_spec_mode_skips("draft_extend_v2", "DRAFT_EXTEND_V2", "spec v2's draft extend"),
+)
+
+
 MUTANTS = (
     # ---- the audit's rows --------------------------------------------------------------------
     Mutant(
@@ -376,82 +407,7 @@ MUTANTS = (
                   "test_orchestrator_without_a_radix_cache_and_with_a_tree_it_cannot_walk",
         speed="quick", what="--disable-radix-cache with the sweep on stops the server"),
     # ---- speculative decoding ----------------------------------------------------------------
-    Mutant(
-        id="spec-target-verify-verify-skipped",
-        path=f"{_RT}/single_forward_manager/manager.py",
-        old="    def _verify(self, phase: CanaryPhase) -> None:\n",
-        new="    def _verify(self, phase: CanaryPhase) -> None:\n"
-            "        if self._batch is not None and self._batch.forward_mode.name == "
-            "\"TARGET_VERIFY\":\n            return\n",
-        selection=f"{_T}/test_speculative.py::"
-                  "test_each_speculative_forward_mode_verifies_what_it_reads[target_verify]",
-        speed="quick", what="the target verify verifies nothing (a later forward catches its faults)"),
-    Mutant(
-        id="spec-target-verify-write-skipped",
-        path=f"{_RT}/single_forward_manager/manager.py",
-        old="        self._write_lanes.run(chain_write_launches(\n",
-        new="        if self._batch is not None and self._batch.forward_mode.name == "
-            "\"TARGET_VERIFY\":\n            return\n        self._write_lanes.run(chain_write_launches(\n",
-        selection=f"{_T}/test_speculative.py::"
-                  "test_each_speculative_forward_mode_writes_the_records_of_its_slots[target_verify]",
-        speed="quick", what="the target verify writes no records"),
-    Mutant(
-        id="spec-draft-decode-verify-skipped",
-        path=f"{_RT}/single_forward_manager/manager.py",
-        old="    def _verify(self, phase: CanaryPhase) -> None:\n",
-        new="    def _verify(self, phase: CanaryPhase) -> None:\n"
-            "        if self._batch is not None and self._batch.forward_mode.name == "
-            "\"DECODE\":\n            return\n",
-        selection=f"{_T}/test_speculative.py::"
-                  "test_each_speculative_forward_mode_verifies_what_it_reads[draft_decode]",
-        speed="quick", what="a draft round's decode verifies nothing (a later forward catches its faults)"),
-    Mutant(
-        id="spec-draft-decode-write-skipped",
-        path=f"{_RT}/single_forward_manager/manager.py",
-        old="        self._write_lanes.run(chain_write_launches(\n",
-        new="        if self._batch is not None and self._batch.forward_mode.name == "
-            "\"DECODE\":\n            return\n        self._write_lanes.run(chain_write_launches(\n",
-        selection=f"{_T}/test_speculative.py::"
-                  "test_each_speculative_forward_mode_writes_the_records_of_its_slots[draft_decode]",
-        speed="quick", what="a draft round's decode writes no records"),
-    Mutant(
-        id="spec-draft-extend-verify-skipped",
-        path=f"{_RT}/single_forward_manager/manager.py",
-        old="    def _verify(self, phase: CanaryPhase) -> None:\n",
-        new="    def _verify(self, phase: CanaryPhase) -> None:\n"
-            "        if self._batch is not None and self._batch.forward_mode.name == "
-            "\"DRAFT_EXTEND\":\n            return\n",
-        selection=f"{_T}/test_speculative.py::"
-                  "test_each_speculative_forward_mode_verifies_what_it_reads[draft_extend]",
-        speed="quick", what="spec v1's draft extend verifies nothing (a later forward catches its faults)"),
-    Mutant(
-        id="spec-draft-extend-write-skipped",
-        path=f"{_RT}/single_forward_manager/manager.py",
-        old="        self._write_lanes.run(chain_write_launches(\n",
-        new="        if self._batch is not None and self._batch.forward_mode.name == "
-            "\"DRAFT_EXTEND\":\n            return\n        self._write_lanes.run(chain_write_launches(\n",
-        selection=f"{_T}/test_speculative.py::"
-                  "test_each_speculative_forward_mode_writes_the_records_of_its_slots[draft_extend]",
-        speed="quick", what="spec v1's draft extend writes no records"),
-    Mutant(
-        id="spec-draft-extend-v2-verify-skipped",
-        path=f"{_RT}/single_forward_manager/manager.py",
-        old="    def _verify(self, phase: CanaryPhase) -> None:\n",
-        new="    def _verify(self, phase: CanaryPhase) -> None:\n"
-            "        if self._batch is not None and self._batch.forward_mode.name == "
-            "\"DRAFT_EXTEND_V2\":\n            return\n",
-        selection=f"{_T}/test_speculative.py::"
-                  "test_each_speculative_forward_mode_verifies_what_it_reads[draft_extend_v2]",
-        speed="quick", what="spec v2's draft extend verifies nothing (a later forward catches its faults)"),
-    Mutant(
-        id="spec-draft-extend-v2-write-skipped",
-        path=f"{_RT}/single_forward_manager/manager.py",
-        old="        self._write_lanes.run(chain_write_launches(\n",
-        new="        if self._batch is not None and self._batch.forward_mode.name == "
-            "\"DRAFT_EXTEND_V2\":\n            return\n        self._write_lanes.run(chain_write_launches(\n",
-        selection=f"{_T}/test_speculative.py::"
-                  "test_each_speculative_forward_mode_writes_the_records_of_its_slots[draft_extend_v2]",
-        speed="quick", what="spec v2's draft extend writes no records"),
+    *_SPEC_MODE_SKIPS,
     Mutant(
         id="spec-draft-token-offset-0", path=f"{_RT}/api.py",
         old="kv_token_id_vs_position_offset=1 if draft else 0,",
