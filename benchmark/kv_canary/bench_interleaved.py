@@ -45,12 +45,8 @@ regimes of many rounds, about 10 or 17-20 ms, and their medians 2-48 % apart; sp
 same servers gave 8-10 ms every round and an A/A difference of +1.6 % at 512 tokens and
 -0.5 % at 4096 (``benchmark/results/latency_h100.md``, H200, 2026-11-26). A short prefill is
 paced by the host, and a scheduler woken from a blocking poll runs it on a core that has
-been idle. ``--cpu-pinning cores`` gives each server its own physical cores (``taskset``;
-its scheduler and detokenizer inherit them) and the client one core of its own; ``auto``
-pins when the machine has a physical core for the client and at least one per server, and
-otherwise runs unpinned and says so; ``none`` (the default) leaves placement to the OS
-(pinned to three cores each, sleeping servers were slower and no closer to one another).
-Both choices are in every record (``idle``, ``cpu_pinning``, ``server_cpus``).
+been idle. (Pinning each server to three cores of its own, tried with sleeping schedulers,
+did not bring the servers closer.) The choice is in every record (``idle``).
 
 Order: the servers start in the config order rotated by ``--start-rotation`` (default: a
 different rotation for each invocation, recorded in the results), so no config always starts
@@ -200,88 +196,15 @@ def canary_install_problem(log: str, *, canary_on: bool, speculative: str) -> st
     return None
 
 
-def physical_cores(cpus: Sequence[int], siblings: dict[int, Sequence[int]]) -> list[list[int]]:
-    """``cpus`` grouped by physical core (``siblings[cpu]``: the hyperthreads of ``cpu``'s
-    core, itself included; a CPU missing there is a core of its own), cores in the order of
-    their lowest CPU, only the CPUs of ``cpus``."""
-    allowed, seen, cores = set(cpus), set(), []
-    for cpu in sorted(allowed):
-        if cpu in seen:
-            continue
-        core = sorted(allowed & set(siblings.get(cpu, (cpu,))) | {cpu})
-        seen.update(core)
-        cores.append(core)
-    return cores
-
-
-def cpu_blocks(n: int, cores: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
-    """The client's CPUs (the first core) and ``n`` disjoint blocks of whole cores, one per
-    server, each of ``(len(cores) - 1) // n`` cores; ValueError when there is not a core for
-    the client and one per server."""
-    if n < 1:
-        raise ValueError(f"cpu_blocks needs at least one server, got {n}")
-    per = (len(cores) - 1) // n
-    if per < 1:
-        raise ValueError(f"--cpu-pinning cores needs a physical core for the client and one per "
-                         f"server: {len(cores)} core(s) for {n} server(s) (use "
-                         f"--cpu-pinning none or fewer --configs)")
-    blocks = [sorted(c for core in cores[1 + i * per:1 + (i + 1) * per] for c in core)
-              for i in range(n)]
-    return list(cores[0]), blocks
-
-
-def machine_cores() -> list[list[int]]:
-    """This process's allowed CPUs grouped by physical core (Linux sysfs topology)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    siblings = {}
-    for cpu in cpus:
-        path = pathlib.Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-        if path.exists():
-            siblings[cpu] = parse_cpu_list(path.read_text())
-    return physical_cores(cpus, siblings)
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """A kernel CPU list (``0-3,8,10-11``) as CPU numbers."""
-    out = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        out += range(int(lo), int(hi or lo) + 1)
-    return out
-
-
-def pinning_plan(mode: str, n: int) -> tuple[list[int] | None, list[list[int] | None]]:
-    """``--cpu-pinning``'s CPUs: ``(client CPUs, per-server CPUs)``, None where unpinned.
-    ``cores`` raises (SystemExit) where the machine cannot give every server its own cores;
-    ``auto`` then pins nothing."""
-    if mode == "none":
-        return None, [None] * n
-    if mode == "cores" and shutil.which("taskset") is None:
-        raise SystemExit("--cpu-pinning cores needs taskset (util-linux) on PATH")
-    try:
-        client, blocks = cpu_blocks(n, machine_cores())
-    except ValueError as exc:
-        if mode == "cores":
-            raise SystemExit(str(exc)) from None
-        return None, [None] * n
-    if shutil.which("taskset") is None:  # auto without taskset: unpinned, and said so
-        return None, [None] * n
-    return client, blocks
-
-
 class Server(ServerProcess):
     """One ``python -m sglang.launch_server`` process of config ``cfg`` (own session, log in
-    ``log_path``), on ``cpus`` only (``taskset``; None: wherever the OS puts it)."""
+    ``log_path``)."""
 
     def __init__(self, name: str, cfg: BenchConfig, kwargs: dict, env: dict[str, str],
-                 log_path: str, cpus: Sequence[int] | None = None):
+                 log_path: str):
         self.cfg = cfg
-        self.cpus = list(cpus) if cpus is not None else None
         port = free_port()
-        pin = ["taskset", "-c", ",".join(map(str, self.cpus))] if self.cpus else []
-        super().__init__(name, [*pin, sys.executable, "-m", "sglang.launch_server",
+        super().__init__(name, [sys.executable, "-m", "sglang.launch_server",
                                 *launch_server_flags(port, kwargs)],
                          port=port, env=env, log_path=log_path)
 
@@ -555,20 +478,11 @@ def run(args) -> int:
     else:
         fracs = [None] * len(server_names)
     base_env.pop("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", None)  # per config below
-    client_cpus, server_cpus = pinning_plan(args.cpu_pinning, len(server_names))
-    cpus_of = dict(zip(start_order, server_cpus))
-    if client_cpus is not None:
-        os.sched_setaffinity(0, client_cpus)
-    pinning = "cores" if client_cpus is not None else "none"
     print(f"KV-canary interleaved overhead — {gpu} — {now_utc()} — configs {', '.join(names)} "
           f"(baseline {args.baseline}"
           + (f", A/A control {args.baseline + CONTROL_SUFFIX}" if args.control else "")
           + f") — started in the order {', '.join(start_order)} — {args.rounds} rounds after "
-          f"{args.warmup} warm-up — CPU pinning: {pinning}"
-          + (f" (client {client_cpus}, servers "
-             + "; ".join(f"{n} {cpus_of[n]}" for n in start_order) + ")"
-             if client_cpus is not None else "")
-          + f" — idle schedulers: {args.idle} — results to {out}",
+          f"{args.warmup} warm-up — idle schedulers: {args.idle} — results to {out}",
           flush=True)
     started: dict[str, Server] = {}
     try:
@@ -579,8 +493,7 @@ def run(args) -> int:
                 mem_fraction=frac, idle=args.idle)
             log_path = f"{out}.{name.replace('+', '_').replace('~', '_')}.log"
             t0 = time.perf_counter()
-            srv = Server(name, cfg, kwargs, {**base_env, **cfg.env()}, log_path,
-                         cpus=cpus_of[name])
+            srv = Server(name, cfg, kwargs, {**base_env, **cfg.env()}, log_path)
             started[name] = srv
             srv.wait_ready(args.start_timeout)
             problem = canary_install_problem(srv.log(), canary_on=cfg.canary_on,
@@ -595,8 +508,6 @@ def run(args) -> int:
                       model="tiny-llama (smoke)" if smoke else args.model,
                       speculative=args.speculative,
                       warmup_rounds=args.warmup, order=server_names, start_order=start_order,
-                      cpu_pinning=pinning, client_cpus=client_cpus,
-                      server_cpus={n: cpus_of[n] for n in server_names},
                       idle=args.idle, piecewise=args.piecewise)
         records = []
         for sc in scenarios:
@@ -651,10 +562,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--start-rotation", type=int, default=None,
                     help="start the servers in the config order rotated by this much "
                          "(default: a rotation drawn from the run's id)")
-    ap.add_argument("--cpu-pinning", default="none", choices=("auto", "cores", "none"),
-                    help="cores: each server on its own physical cores and the client on one "
-                    "more (taskset); auto: cores where the machine has enough, else none; none "
-                    "(default): the OS places every process")
     ap.add_argument("--piecewise", default="on", choices=("on", "off"),
                     help="sglang's piecewise CUDA graphs for prefill, every server alike "
                     "(default on, sglang's default)")

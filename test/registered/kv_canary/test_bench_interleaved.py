@@ -107,53 +107,6 @@ def test_measure_sends_each_round_to_every_server_in_rotating_order():
     assert bi.measure(servers, sc, rounds=2, warmup=0, vocab=512)[3] == 2
 
 
-def test_cpu_pinning_gives_each_server_whole_cores_of_its_own():
-    # 16 CPUs, hyperthread siblings i and i + 8 (a common x86 numbering)
-    siblings = {c: [c % 8, c % 8 + 8] for c in range(16)}
-    cores = bi.physical_cores(range(16), siblings)
-    assert cores == [[i, i + 8] for i in range(8)]
-    client, blocks = bi.cpu_blocks(3, cores)
-    assert client == [0, 8]  # the client's core
-    assert blocks == [[1, 2, 9, 10], [3, 4, 11, 12], [5, 6, 13, 14]]  # core 7 left over
-    used = [c for b in [client, *blocks] for c in b]
-    assert len(used) == len(set(used))  # nothing shared, no sibling split between two owners
-    # a restricted affinity mask keeps only the allowed CPUs of a core
-    assert bi.physical_cores([0, 1, 8], siblings) == [[0, 8], [1]]
-    assert bi.parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
-    with pytest.raises(ValueError, match="a physical core for the client and one per server: "
-                                         "4 core\\(s\\) for 4 server\\(s\\)"):
-        bi.cpu_blocks(4, cores[:4])
-
-
-def test_idle_schedulers_sleep_or_spin_as_told(tmp_path):
-    base = bi.EngineSettings(model="qwen3-0.6b", max_total_tokens=4096).engine_kwargs(
-        str(tmp_path), smoke=False)
-    assert base["sleep_on_idle"] is False  # the GPU benchmarks' Engines spin too
-    for name in ("off", "raise"):
-        kw = bi.server_kwargs(base, bi.CONFIGS[name], mem_fraction=0.2, idle="sleep")
-        assert kw["sleep_on_idle"] is True and kw["mem_fraction_static"] == 0.2
-        assert "--sleep-on-idle" in engine_kwargs_to_argv(kw)
-        kw = bi.server_kwargs(base, bi.CONFIGS[name], mem_fraction=None, idle="spin")
-        assert kw["sleep_on_idle"] is False
-        assert kw["mem_fraction_static"] == base["mem_fraction_static"]  # None: the settings'
-        assert "--sleep-on-idle" not in engine_kwargs_to_argv(kw)  # sglang's default: spin
-    assert kw["kv_canary"] == "raise"
-    # the command line's defaults: spinning schedulers (sglang's own), the OS's placement
-    defaults = bi.build_parser().parse_args([])
-    assert (defaults.idle, defaults.cpu_pinning, defaults.piecewise) == ("spin", "none", "on")
-    with pytest.raises(ValueError, match="--idle 'nap': allowed sleep, spin"):
-        bi.server_kwargs(base, bi.CONFIGS["off"], mem_fraction=None, idle="nap")
-
-
-def test_cpu_pinning_cores_refuses_a_machine_too_small_and_auto_runs_unpinned(monkeypatch):
-    monkeypatch.setattr(bi, "machine_cores", lambda: [[0], [1]])
-    with pytest.raises(SystemExit, match="2 core\\(s\\) for 3 server\\(s\\)"):
-        bi.pinning_plan("cores", 3)
-    assert bi.pinning_plan("auto", 3) == (None, [None, None, None])
-    assert bi.pinning_plan("none", 1) == (None, [None])
-    assert bi.pinning_plan("auto", 1) == ([0], [[1]])
-
-
 TARGET_LINE = "[INFO] kv_canary installed: MHATokenToKVPool pool=... groups=1"
 DRAFT_LINE = "[INFO] kv_canary installed on the EAGLE draft worker: MHATokenToKVPool ..."
 
@@ -199,10 +152,8 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
     assert {r["kind"] for r in recs} == {"interleaved"} and len({r["invocation"] for r in recs}) == 1
     # started in the order rotated by one: the canary-on server first
     assert all(r["start_order"] == ["raise", "off~aa", "off"] for r in recs)
-    # every server slept on idle as told (three spinning servers would hold CI's two cores),
-    # placed by the OS (the default)
-    assert all(r["idle"] == "sleep" for r in recs)
-    assert {r["cpu_pinning"] for r in recs} == {"none"} and "CPU pinning: none" in proc.stdout
+    # every server slept on idle as told (three spinning servers would hold CI's two cores)
+    assert all(r["idle"] == "sleep" for r in recs) and "idle schedulers: sleep" in proc.stdout
     for r in recs:
         assert r["rounds"] == 2 and len(r["wall_runs_ms"]) == 2 and r["mismatched_rounds"] == 0
         assert len(r["server_runs_ms"]) == 2 and all(t > 0 for t in r["server_runs_ms"])

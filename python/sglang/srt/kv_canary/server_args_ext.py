@@ -1,4 +1,5 @@
-"""The four canary server arguments (``DEFAULTS``), added to sglang's ``ServerArgs`` through hooks.
+"""The four canary server arguments (``DEFAULTS``), added to sglang's ``ServerArgs`` through
+hooks.
 
 ``ServerArgs`` is a dataclass we must not edit: the fields live as instance attributes set
 around ``__init__`` (so ``Engine(kv_canary=...)`` works and the values are pickled to the
@@ -112,9 +113,10 @@ def _effective_config(server_args) -> str:
 
 def canary_repr_suffix(server_args) -> str:
     """``, kv_canary='raise', kv_canary_sweep_interval=0, kv_canary_real_data='none',
-    kv_canary_real_data_layers='first', kv_canary_config='mode=raise ...'`` for ``repr(server_args)`` (the canary's fields live on
-    the instance, outside the dataclass's own repr; the effective config only with the canary
-    on); empty when the instance has none of them."""
+    kv_canary_real_data_layers='first', kv_canary_config='mode=raise ...'`` for
+    ``repr(server_args)`` (the canary's fields live on the instance, outside the dataclass's
+    own repr; the effective config only with the canary on); empty when the instance has none
+    of them."""
     parts = []
     for name in DEFAULTS:
         value = sglang_seam.server_args_value(server_args, name, _MISSING)
