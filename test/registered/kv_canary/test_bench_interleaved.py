@@ -107,6 +107,26 @@ def test_measure_sends_each_round_to_every_server_in_rotating_order():
     assert bi.measure(servers, sc, rounds=2, warmup=0, vocab=512)[3] == 2
 
 
+def test_idle_schedulers_sleep_or_spin_as_told(tmp_path):
+    base = bi.EngineSettings(model="qwen3-0.6b", max_total_tokens=4096).engine_kwargs(
+        str(tmp_path), smoke=False)
+    assert base["sleep_on_idle"] is False  # the GPU benchmarks' Engines spin too
+    for name in ("off", "raise"):
+        kw = bi.server_kwargs(base, bi.CONFIGS[name], mem_fraction=0.2, idle="sleep")
+        assert kw["sleep_on_idle"] is True and kw["mem_fraction_static"] == 0.2
+        assert "--sleep-on-idle" in engine_kwargs_to_argv(kw)
+        kw = bi.server_kwargs(base, bi.CONFIGS[name], mem_fraction=None, idle="spin")
+        assert kw["sleep_on_idle"] is False
+        assert kw["mem_fraction_static"] == base["mem_fraction_static"]  # None: the settings'
+        assert "--sleep-on-idle" not in engine_kwargs_to_argv(kw)  # sglang's default: spin
+    assert kw["kv_canary"] == "raise"
+    # the command line's defaults: spinning schedulers (sglang's own), piecewise graphs on
+    defaults = bi.build_parser().parse_args([])
+    assert (defaults.idle, defaults.piecewise) == ("spin", "on")
+    with pytest.raises(ValueError, match="--idle 'nap': allowed sleep, spin"):
+        bi.server_kwargs(base, bi.CONFIGS["off"], mem_fraction=None, idle="nap")
+
+
 TARGET_LINE = "[INFO] kv_canary installed: MHATokenToKVPool pool=... groups=1"
 DRAFT_LINE = "[INFO] kv_canary installed on the EAGLE draft worker: MHATokenToKVPool ..."
 
