@@ -7,7 +7,9 @@
 # Exit status: 0 only if every lane passed. Every cuda-marked test is in exactly one lane.
 #
 # Lanes (python3 test/gpu_lanes.py --sync-sh writes this list; --check compares it):
-#   e2e_abort_gpu        test/registered/kv_canary/test_e2e_abort_gpu.py
+#   e2e_abort_gpu        test/registered/kv_canary/test_e2e_abort_gpu.py -k not storm
+#   abort_storm_gpu_page_1 test/registered/kv_canary/test_e2e_abort_gpu.py -k storm and one_slot_pages
+#   abort_storm_gpu_page_16 test/registered/kv_canary/test_e2e_abort_gpu.py -k storm and sixteen_slot_pages
 #   core                 test/registered/kv_canary/test_e2e_gpu.py -k not piecewise and not corrupted
 #   core_fault           test/registered/kv_canary/test_e2e_gpu.py -k corrupted_record
 #   piecewise            test/registered/kv_canary/test_e2e_gpu.py -k piecewise

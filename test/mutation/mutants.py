@@ -602,4 +602,43 @@ MUTANTS = (
         selection=f"{_T}/test_bench_interleaved.py::"
                   "test_measure_sends_each_round_to_every_server_in_rotating_order",
         speed="quick", what="a config that changes greedy outputs goes unnoticed"),
+    Mutant(
+        id="guard-ignores-holders", path=f"{_RT}/runner/ownership.py",
+        old="            conflict = named[pages] | free[pages]\n",
+        new="            conflict = free[pages]\n",
+        selection=f"{_T}/test_release_guard.py::"
+                  "test_a_page_the_radix_cache_holds_is_held_back",
+        speed="quick", what="an aborted request frees a page another holder names"),
+    Mutant(
+        id="guard-no-reclaim", path=f"{_RT}/runner/ownership.py",
+        old="        if reclaim.numel():\n", new="        if False:\n",
+        selection=f"{_T}/test_release_guard.py::"
+                  "test_a_row_naming_its_own_slot_twice_frees_it_once",
+        speed="quick", what="the slot a corrupt row lost stays allocated"),
+    Mutant(
+        id="guard-no-dedupe", path=f"{_RT}/runner/ownership.py",
+        old="            if page_size == 1:\n                idx = torch.unique(idx)\n",
+        new="",
+        selection=f"{_T}/test_release_guard.py::"
+                  "test_a_row_naming_its_own_slot_twice_frees_it_once",
+        speed="quick", what="a slot a row names twice is freed twice"),
+    Mutant(
+        id="guard-settle-frees-nothing", path=f"{_RT}/runner/ownership.py",
+        old="            orphans = orphan.tolist()\n", new="            orphans = []\n",
+        selection=f"{_T}/test_release_guard.py::"
+                  "test_a_held_back_page_no_holder_names_any_more_is_freed_by_settle",
+        speed="quick", what="a held-back page nobody holds any more is lost"),
+    Mutant(
+        id="guard-hook-off", path=f"{_RT}/plugin.py",
+        old="    guard = seam.release_guard_of(self) if seam.req_contained(req) else None\n",
+        new="    guard = None\n",
+        selection=f"{_T}/test_release_guard.py::"
+                  "test_a_chunk_cache_release_is_guarded_too",
+        speed="quick", what="no release is guarded"),
+    Mutant(
+        id="kept-fault-undone", path=f"{_RT}/perturb/perturber.py",
+        old="        if kind == FaultKind.REQ_TO_TOKEN:\n", new="        if True:\n",
+        selection=f"{_T}/test_perturb_oracle.py::"
+                  "test_the_kept_req_to_token_fault_stays_and_picks_requests_with_tokens_left",
+        speed="quick", what="the kept req_to_token fault is undone like the other"),
 )

@@ -85,6 +85,10 @@ class DriverReq:
         return self.row
 
     @property
+    def sampling_params(self):
+        return types.SimpleNamespace(max_new_tokens=self.max_new)
+
+    @property
     def kv_allocated_len(self) -> int:
         return len(self.slots)
 

@@ -238,7 +238,8 @@ def test_abort_mode_refuses_a_tree_it_cannot_evict_from():
                                         sliding_window_size=8))
     with pytest.raises(RuntimeError, match="--kv-canary abort cannot evict.*SWARadixCache"):
         d.manager.attach_radix_cache(swa)
-    assert ContainmentManager(resolver=d.manager.requests, swa_index_lut=None
+    assert ContainmentManager(resolver=d.manager.requests, swa_index_lut=None,
+                              records=d.manager.groups[0].k_tail
                               ).attach_radix_cache(None) is None  # no tree: nothing to evict
     from sglang.srt.mem_cache.unified_cache_components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache

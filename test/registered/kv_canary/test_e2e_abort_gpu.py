@@ -1,7 +1,10 @@
 """Abort mode on the GPU: ``sglang.Engine(kv_canary="abort")`` with CUDA graphs (and sglang's
 overlap scheduler), reports one forward late as the GPU read-back does: a clean run aborts
 nothing; under two injected ``req_to_token`` faults the touched requests end with the canary's
-message and every other and later request completes."""
+message and every other and later request completes. Then abort mode's storm
+(``testing/storm.py``, as the CPU soak test runs it) on a GPU ``launch_server`` at page sizes 1
+and 16: every fault class, the kept ``req_to_token`` entry among them, eight clients, sglang's
+strict pool checks; every check of the storm must pass."""
 
 from __future__ import annotations
 
@@ -15,7 +18,13 @@ from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=180, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=660, stage="base-b", runner_config="1-gpu-small")
+GPU_LANES = {
+    "e2e_abort_gpu": ("not storm", 180),
+    "abort_storm_gpu_page_1": ("storm and one_slot_pages", 240),
+    "abort_storm_gpu_page_16": ("storm and sixteen_slot_pages", 240),
+}
+STORM_SECONDS = 120
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -51,6 +60,18 @@ def test_abort_engine_on_gpu_contains_faults(model):
     rc, out, res = run_abort_engine(model, env, "cuda", **ARGS)
     check_engine_abort_run(rc, out, res)
     print("GPU abort run:", {k: v for k, v in res["results"].items() if "error" in v})
+
+
+@pytest.mark.parametrize("page_size", [1, 16], ids=["one_slot_pages", "sixteen_slot_pages"])
+def test_abort_mode_storm_on_the_gpu(tmp_path, page_size):
+    from sglang.srt.kv_canary.testing.storm import StormSettings, run_storm
+
+    figures = run_storm(StormSettings(mode="abort", seconds=STORM_SECONDS, idle_seconds=10,
+                                      device="cuda", page_size=page_size, out=tmp_path))
+    print("GPU storm:", {k: v for k, v in figures.items() if k != "checks"})
+    failed = [name for name, ok in figures["checks"].items() if not ok]
+    assert not failed, (failed, figures)
+    assert figures["aborted"] > 0 and figures["completed"] > figures["aborted"], figures
 
 
 if __name__ == "__main__":

@@ -89,6 +89,9 @@ def test_perturbations_off_by_default(monkeypatch):
      "--kv-canary-sweep-interval N"),
     ({"SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB": "1"}, {},
      "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1"),
+    ({"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB": "1"}, {"mode": "log"},
+     "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB > 0 leaves a corrupt req_to_token entry "
+     "in place, as a server bug would, and only --kv-canary abort contains"),
     ({"SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "1"}, {},
      "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1 checks written tokens against the token oracle"),
     ({}, {"mode": "none", "real_data": "none", "sampling_backend": "token_oracle"},
@@ -467,6 +470,34 @@ def test_before_forward_faults_are_undone_after_the_forward_read_them(caplog):
         step, row, pos = int(i["step"]), int(i["req_pool_idx"]), int(i["position"])
         assert any(v.forward_step == step and v.slot_idx == int(i["new_slot"])
                    and (v.req_to_token_row, v.read_position) == (row, pos) for v in lines), i
+
+
+def test_the_kept_req_to_token_fault_stays_and_picks_requests_with_tokens_left():
+    """``req_to_token_kept``: the entry stays rewritten after the forward (nothing undoes it)
+    and its request had more than two tokens left, so the report finds it running; abort mode
+    accepts it (the other modes refuse it, above)."""
+    d = ServingDriver(seed=9, mode="abort", real_data="partial",
+                      perturb=PerturbConfig(warmup_steps=10, req_to_token_kept_prob=1.0))
+    left_at = {}  # step -> {row: tokens left} when the fault is injected
+    perturber = d.manager.perturber
+    before = perturber.before_forward
+
+    def snapshot(forward_batch, *, step, **kwargs):
+        left_at[step] = {r.row: r.max_new - len(r.output) for r in d.running}
+        before(forward_batch, step=step, **kwargs)
+
+    perturber.before_forward = snapshot
+    for _ in range(80):
+        seen = len(d.manager.perturber.injected)
+        d.run(1)
+        if len(d.manager.perturber.injected) > seen:
+            inj = _injected(d)[-1]
+            row, pos = int(inj["req_pool_idx"]), int(inj["position"])
+            assert int(d.req_to_token_pool.req_to_token[row, pos]) == int(inj["new_slot"])
+    injected = _injected(d)
+    assert len(injected) >= 10 and {i["fault"] for i in injected} == {"req_to_token_kept"}
+    assert all(left_at[int(i["step"])][int(i["req_pool_idx"])] > 2 for i in injected)
+    assert d.manager.perturber.restored == 0
 
 
 if __name__ == "__main__":

@@ -660,12 +660,14 @@ def test_abort_mode_storm_on_a_cli_server(tmp_path):
     --kv-canary abort"): a canary-off CLI server answers a list of 48 requests (shared
     prefixes, most longer than a prefill chunk) for the reference; then an abort-mode CLI
     server with a small pool, sglang's strict pool checks after every batch and when idle, and
-    the ``req_to_token`` and three real-KV faults injected at random serves the list to eight
-    concurrent clients for ``STORM_SECONDS``. It passes only if the server is alive after
-    idling and ``/health`` answers, its log has no Traceback, leak or out-of-memory report,
-    every fault class was injected, every request that did not complete ended with the
-    canary's abort message, every completed one equals the canary-off output and
-    ``sglang:kv_canary_aborted_requests_total`` equals the aborts the clients saw. The
+    the ``req_to_token`` fault (undone, and kept: a corrupt entry left in place) and three
+    real-KV faults injected at random serves the list to eight concurrent clients for
+    ``STORM_SECONDS``. It passes only if the server is alive after idling and ``/health``
+    answers, its log has no Traceback, leak or out-of-memory report, every fault class was
+    injected, every request that did not complete ended with the canary's abort message, every
+    completed one equals the canary-off output,
+    ``sglang:kv_canary_aborted_requests_total`` equals the aborts the clients saw and the
+    release guard reclaimed the slots the kept entries' rows lost (none unattributed). The
     10-minute runs and their figures: ``benchmark/results/containment.md``."""
     from sglang.srt.kv_canary.testing.storm import StormSettings, run_storm
 

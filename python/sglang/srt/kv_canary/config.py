@@ -188,7 +188,8 @@ class CanaryConfig:
         self.perturb.check_against(
             canary_enabled=self.enabled,
             real_kv_hash_on=self.real_kv_hash_mode != RealKvHashMode.NONE,
-            sweep_interval=self.sweep_interval, token_oracle=self.enable_token_oracle)
+            sweep_interval=self.sweep_interval, token_oracle=self.enable_token_oracle,
+            aborts=self.mode == CanaryMode.ABORT)
 
     @property
     def enabled(self) -> bool:
@@ -262,6 +263,7 @@ def perturb_config_from_env() -> PerturbConfig:
         warmup_steps=e.SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS.get(),
         max_faults=e.SGLANG_KV_CANARY_PERTURB_MAX_FAULTS.get(),
         req_to_token_prob=e.SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB.get(),
+        req_to_token_kept_prob=e.SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB.get(),
         real_kv_used_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB.get(),
         real_kv_unused_cache_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB.get(),
         real_kv_post_forward_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB.get(),

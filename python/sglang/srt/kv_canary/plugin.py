@@ -208,6 +208,17 @@ def _stash_chunked_request(original, self, req, *args, **kwargs):
         return original(self, req, *args, **kwargs)
 
 
+def _cache_finished_req(original, self, req, *args, **kwargs):
+    """abort mode: the release of a request an incident touched frees only the KV it owns
+    (the release guard, attached to the tree cache). Nothing changes for any other request or
+    with the canary off."""
+    guard = seam.release_guard_of(self) if seam.req_contained(req) else None
+    if guard is None:
+        return original(self, req, *args, **kwargs)
+    with guard.releasing(req, self):
+        return original(self, req, *args, **kwargs)
+
+
 def _after_get_init_info(result, self, *args, **kwargs):
     from sglang.srt.kv_canary.server_args_ext import canary_settings
 
@@ -284,6 +295,8 @@ HOOKS = (
     (seam.HOOK_SCHEDULER_PROCESS_BATCH_RESULT, _after_process_batch_result, "AFTER"),
     (seam.HOOK_SCHEDULER_GET_INIT_INFO, _after_get_init_info, "AFTER"),
     (seam.HOOK_SCHEDULER_STASH_CHUNKED_REQUEST, _stash_chunked_request, "AROUND"),
+    (seam.HOOK_RADIX_CACHE_FINISHED_REQ, _cache_finished_req, "AROUND"),
+    (seam.HOOK_CHUNK_CACHE_FINISHED_REQ, _cache_finished_req, "AROUND"),
     (seam.HOOK_FORWARD_BATCH_INIT_NEW, _after_forward_batch_init, "AFTER"),
     (seam.HOOK_EAGLE_V1_DRAFT_FORWARD, _draft_forward, "AROUND"),
     (seam.HOOK_EAGLE_V2_DRAFT_FORWARD, _draft_forward, "AROUND"),

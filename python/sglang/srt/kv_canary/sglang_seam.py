@@ -22,6 +22,7 @@ change; the table says who relies on each.
 | ``SamplingBatchInfo`` | sets / reads ``kv_canary_oracle_batch`` | ``token_oracle`` |
 | ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``, ``kv_allocated_len``, ``finished()``, ``to_finish``; histories are kept by identity (sglang replaces, never edits, a rewritten list); abort mode sets ``to_finish = FINISH_ABORT(...)`` (sglang's abort of a running request), ``skip_radix_cache_insert`` and ``kv_canary_no_radix_insert`` (lifts the former around ``Scheduler.stash_chunked_request``, whose ``maybe_cache_unfinished_req`` also honours it; abort mode refuses PD, so PD prefill's copy of the stash never sees the mark) | ``token_oracle``, ``token_history``, ``runner.requests``, ``runner.containment`` |
 | radix tree nodes (``TreeNode``) | reads ``root_node``, ``children``, ``value``, ``lock_ref`` (``full_lock_ref`` in ``MambaRadixCache``), ``swa_tombstone``; ``RadixCache`` / ``SWARadixCache`` / ``MambaRadixCache`` / ``UnifiedRadixCache`` types; ``UnifiedTreeNode``: ``component_data[ComponentType.FULL]`` (``value``, ``lock_ref``, ``host_value``), ``component_data[ComponentType.SWA].value``, ``tree_components`` | ``radix_cache_walker`` |
+| tree-cache release (``RadixCache`` / ``ChunkCache.cache_finished_req``; the ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` behind it) | hooks ``cache_finished_req``; sets ``kv_canary_release_guard`` on the tree cache; reads the allocator's ``page_size``, ``free_pages``, ``release_pages``, ``free_group``, ``is_not_in_free_group``; wraps its ``free`` on the instance for one release; frees through it; reads ``Req.kv_committed_len``, ``cache_protected_len``, ``sampling_params.max_new_tokens``; sets ``kv_canary_contained`` on a ``Req`` | ``runner.ownership``, ``runner.containment``, ``runner.manager``, ``plugin`` |
 | ``RadixCache`` eviction step | ``token_to_kv_pool_allocator.free(value)``, ``_delete_leaf``, ``_record_remove_event`` per node of an evicted subtree (abort mode) | ``runner.containment`` |
 | ``sglang.srt.layers.sampler`` | ``Sampler`` base class (its ``__init__`` is skipped: :func:`init_sampler_module_only`), ``register_sampler_backend``, the private ``_CUSTOM_SAMPLER_FACTORIES`` (idempotent registration) | ``token_oracle.sampler`` |
 | HiCache (``HiRadixCache.cache_controller``: ``mem_pool_host``, ``load_stream``; host pool ``size``, ``page_size``, ``layout``, ``k_buffer`` / ``v_buffer`` / ``kv_buffer``, ``backup_from_device_all_layer``, ``load_to_device_per_layer``; nodes' ``host_value``, ``id``; ``ongoing_write_through``; the device pool's ``layer_transfer_counter``) | wraps the host pool's two copy methods on the instance to copy the canary rows with the KV; waits for loads before reading records; lists host-resident pages; flips a host byte (``host_kv`` self-test) | ``runner.hicache``, ``perturb`` |
@@ -82,6 +83,10 @@ HOOK_SCHEDULER_GET_INIT_INFO = "sglang.srt.managers.scheduler.Scheduler.get_init
 # serving (abort mode, the only one that marks requests, refuses PD)
 HOOK_SCHEDULER_STASH_CHUNKED_REQUEST = (
     "sglang.srt.managers.scheduler.Scheduler.stash_chunked_request")
+# the release of a finished request's KV (``release_kv_cache``'s first step), for the two tree
+# caches abort mode runs with
+HOOK_RADIX_CACHE_FINISHED_REQ = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req"
+HOOK_CHUNK_CACHE_FINISHED_REQ = "sglang.srt.mem_cache.chunk_cache.ChunkCache.cache_finished_req"
 # EAGLE / EAGLE3 / NEXTN speculative decoding: spec v1 (``EAGLEWorker``, overlap scheduler off)
 # and spec v2 (``EagleDraftWorker``, overlap on); the draft graph runners serve both
 _SPEC = "sglang.srt.speculative"
@@ -388,6 +393,12 @@ def req_kv_len(req: "Req") -> int:
     return int(req.kv_allocated_len)
 
 
+def req_tokens_left(req: "Req") -> int:
+    """New tokens the request may still generate (``sampling_params.max_new_tokens`` less its
+    outputs so far; it may stop earlier, at a stop token)."""
+    return int(req.sampling_params.max_new_tokens or 0) - len(req.output_ids)
+
+
 def req_done(req: "Req") -> bool:
     """Finished, or already told to finish (``to_finish``) at its next result."""
     return bool(req.finished() or req.to_finish is not None)
@@ -424,6 +435,95 @@ def chunk_stash_inserting(req: Optional["Req"]):
     finally:
         if lifted:
             req.skip_radix_cache_insert = True
+
+
+_CANARY_CONTAINED = "kv_canary_contained"
+_CANARY_RELEASE_GUARD = "kv_canary_release_guard"
+
+
+def mark_contained(req: "Req") -> None:
+    """Mark a request abort mode aborted: its release is guarded (:func:`release_guard_of`)."""
+    setattr(req, _CANARY_CONTAINED, True)
+
+
+def req_contained(req: "Req") -> bool:
+    return bool(getattr(req, _CANARY_CONTAINED, False))
+
+
+def set_release_guard(tree_cache, guard) -> None:
+    """Attach abort mode's release guard to the scheduler's tree cache (start-up); the
+    ``cache_finished_req`` hook finds it there."""
+    setattr(tree_cache, _CANARY_RELEASE_GUARD, guard)
+
+
+def release_guard_of(tree_cache):
+    return getattr(tree_cache, _CANARY_RELEASE_GUARD, None)
+
+
+def req_release_span(req: "Req", tree_cache) -> Tuple[int, int]:
+    """The positions of the request's ``req_to_token`` row whose slots its
+    ``cache_finished_req`` frees: from ``cache_protected_len`` (below it the radix cache's
+    own; 0 for ``ChunkCache``) to ``kv_committed_len``. The speculative over-allocated tail
+    (``kv_committed_len`` to ``kv_allocated_len``) is freed afterwards by
+    ``release_kv_cache``."""
+    lo = 0 if is_chunk_cache(tree_cache) else int(getattr(req, "cache_protected_len", 0) or 0)
+    return lo, int(req.kv_committed_len)
+
+
+def req_token_ids(req: "Req") -> List[int]:
+    """The request's tokens by position (``origin_input_ids + output_ids``)."""
+    return list(req.origin_input_ids) + list(req.output_ids)
+
+
+def tree_cache_allocator(tree_cache):
+    """The tree cache's ``token_to_kv_pool_allocator`` (what its releases free into)."""
+    return tree_cache.token_to_kv_pool_allocator
+
+
+def allocator_page_size(allocator) -> int:
+    return int(allocator.page_size)
+
+
+def allocator_free_pages(allocator) -> "torch.Tensor":
+    """The pages free now, int64 on the allocator's device: ``free_pages``, ``release_pages``
+    (freed, not merged yet) and the slots of an open free group (``free_group``, freed at
+    ``free_group_end``) as pages. Page ids are slot ids at page size 1."""
+    import torch
+
+    parts = [allocator.free_pages.to(torch.int64), allocator.release_pages.to(torch.int64)]
+    if not allocator.is_not_in_free_group and allocator.free_group:
+        parts.append(torch.cat(allocator.free_group).to(torch.int64)
+                      // allocator_page_size(allocator))
+    return torch.cat(parts)
+
+
+@contextlib.contextmanager
+def allocator_frees_filtered(allocator, keep: Callable[["torch.Tensor"], "torch.Tensor"]):
+    """Within the block, every ``allocator.free(indices)`` frees ``keep(indices)`` instead
+    (a slot tensor of the same dtype; nothing when it is empty): the instance's ``free`` is
+    wrapped for the block and restored after it."""
+    own = vars(allocator).get("free")  # an instance-level ``free`` set before ours, if any
+    original = allocator.free
+
+    def free(free_index):
+        kept = keep(free_index)
+        if kept.numel():
+            original(kept)
+
+    allocator.free = free
+    try:
+        yield
+    finally:
+        if own is None:
+            del allocator.free  # the class's method again
+        else:
+            allocator.free = own
+
+
+def live_row_reqs(reqs: Iterable["Req"]) -> List["Req"]:
+    """Of ``reqs``, those holding a ``req_to_token`` row now (finished ones included until
+    sglang releases them)."""
+    return [r for r in reqs if r.req_pool_idx is not None]
 
 
 def scheduler_chunked_req(scheduler: "Scheduler") -> Optional["Req"]:

@@ -19,6 +19,8 @@ class FaultKind(str, enum.Enum):
     """The fault classes, with the variable that turns each on."""
 
     REQ_TO_TOKEN = "req_to_token"
+    # the same entry rewrite, left in place as a server bug would leave it (abort mode only)
+    REQ_TO_TOKEN_KEPT = "req_to_token_kept"
     REAL_KV_USED = "real_kv_used"
     REAL_KV_UNUSED_CACHE = "real_kv_unused_cache"
     REAL_KV_POST_FORWARD = "real_kv_post_forward"
@@ -102,6 +104,7 @@ class PerturbConfig:
     warmup_steps: int = 50
     max_faults: int = 0  # faults injected at most, over the server's life (0: no limit)
     req_to_token_prob: float = 0.0
+    req_to_token_kept_prob: float = 0.0
     real_kv_used_prob: float = 0.0
     real_kv_unused_cache_prob: float = 0.0
     real_kv_post_forward_prob: float = 0.0
@@ -198,14 +201,21 @@ class PerturbConfig:
         return self.target_layer == 0 and self.target_half == KvHalf.K
 
     def check_against(self, *, canary_enabled: bool, real_kv_hash_on: bool, sweep_interval: int,
-                      token_oracle: bool) -> None:
-        """Refuse fault settings the rest of the configuration cannot act on or detect."""
+                      token_oracle: bool, aborts: bool = False) -> None:
+        """Refuse fault settings the rest of the configuration cannot act on or detect
+        (``aborts``: ``--kv-canary abort``)."""
         active = self.active_faults
         if not active:
             return
         names = ", ".join(k.env_var for k in active)
         if not canary_enabled:
             raise ValueError(f"{names} > 0 needs the canary on: pass --kv-canary log, raise or abort")
+        if FaultKind.REQ_TO_TOKEN_KEPT in active and not aborts:
+            raise ValueError(f"{FaultKind.REQ_TO_TOKEN_KEPT.env_var} > 0 leaves a corrupt "
+                             "req_to_token entry in place, as a server bug would, and only "
+                             "--kv-canary abort contains what sglang then frees: pass "
+                             "--kv-canary abort (or use "
+                             f"{FaultKind.REQ_TO_TOKEN.env_var}, which undoes its entry)")
         if any(k.is_real_kv for k in active) and not real_kv_hash_on:
             raise ValueError(f"{names} > 0 corrupts real KV bytes, which only real-data "
                              "fingerprints see: pass --kv-canary-real-data partial or all")

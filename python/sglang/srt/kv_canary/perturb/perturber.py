@@ -12,7 +12,9 @@ Called by :class:`~sglang.srt.kv_canary.runner.CanaryManager` around each forwar
   request's slot would make sglang free that slot twice and leak the original when the request
   ends (its paged allocator then stops the server: "pool memory leak detected"), so a
   ``log``-mode server under injection keeps serving. The position written this forward is
-  never the one changed, so the new KV chains from the right record.
+  never the one changed, so the new KV chains from the right record. ``req_to_token_kept``
+  makes the same rewrite and leaves it, as a server bug would (abort mode only: its release
+  guard frees what the request owns, not what its row names).
 - :meth:`after_forward` — ``real_kv_post_forward`` (flip a byte of a slot this forward just
   wrote and will keep: with EAGLE only the first slot of each request's verify or v2 draft
   extend, whose token is always accepted, and none of a draft round's, which the draft extend
@@ -32,7 +34,7 @@ self-tests and the demo, never for production traffic.
 from __future__ import annotations
 
 import random
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Collection, List, Optional, Sequence
 
 import torch
 
@@ -126,11 +128,18 @@ class CanaryPerturber:
 
     # ---- hooks -------------------------------------------------------------------------------
 
-    def before_forward(self, forward_batch, *, step: int) -> None:
-        """``step``: the number of the forward about to run (1-based)."""
+    def before_forward(self, forward_batch, *, step: int,
+                       lasting_rows: Callable[[], Collection[int]] = frozenset) -> None:
+        """``step``: the number of the forward about to run (1-based); ``lasting_rows``: the
+        rows of the batch's requests that stay running past the next forward (the kept
+        ``req_to_token`` fault picks only those: its report, a forward later, must find the
+        request before sglang releases it)."""
         self.step = step
         if self._fires(FaultKind.REQ_TO_TOKEN):
-            self._perturb_req_to_token(forward_batch)
+            self._perturb_req_to_token(forward_batch, FaultKind.REQ_TO_TOKEN)
+        if self._fires(FaultKind.REQ_TO_TOKEN_KEPT):
+            self._perturb_req_to_token(forward_batch, FaultKind.REQ_TO_TOKEN_KEPT,
+                                       rows=lasting_rows())
         if self._fires(FaultKind.REAL_KV_USED):
             self._perturb_real_kv_used(forward_batch)
 
@@ -170,15 +179,18 @@ class CanaryPerturber:
         live = [(r, n) for r, n in zip(rows, prefix) if n > 0]
         return live
 
-    def _perturb_req_to_token(self, forward_batch) -> None:
+    def _perturb_req_to_token(self, forward_batch, kind: FaultKind,
+                              rows: Optional[Collection[int]] = None) -> None:
+        """``rows``: the rows the rewritten entry may be in (None: any active one)."""
         live = self._active_prefix(forward_batch)
-        if not live:
+        targets = live if rows is None else [(r, n) for r, n in live if r in rows]
+        if not targets:
             return
         written = set(forward_batch.out_cache_loc.tolist())
         r2t = self.req_to_token
         fallback = None
         for _ in range(_MAX_TRIES):
-            row, n = self.rng.choice(live)
+            row, n = self.rng.choice(targets)
             # never the seed position n - 1 when there is another: this forward's new KV
             # chains from that entry's record, which must stay the request's own
             pos = self.rng.randrange(n - 1) if n > 1 else 0
@@ -196,8 +208,9 @@ class CanaryPerturber:
                 return
             row, pos, donor_row, donor_pos, old, new = fallback
         r2t[row, pos] = new
-        self._undo.append(lambda: r2t.__setitem__((row, pos), old))
-        self._log(FaultKind.REQ_TO_TOKEN, req_pool_idx=row, position=pos, old_slot=old,
+        if kind == FaultKind.REQ_TO_TOKEN:
+            self._undo.append(lambda: r2t.__setitem__((row, pos), old))
+        self._log(kind, req_pool_idx=row, position=pos, old_slot=old,
                   new_slot=new, donor_req_pool_idx=donor_row, donor_position=donor_pos)
 
     def _target_slot(self, full_slot: int) -> int:

@@ -11,6 +11,8 @@ corrupt slot. After each batch result (the scheduler's thread, between batches),
 remembered slot, with their descendants, once no running request locks them (a request that
 locks one maps the slot: it is aborted too). A slot is forgotten once no node holds it and
 every request aborted for it has released its KV: its next owner writes a fresh record.
+The release of every request an incident touches is guarded
+(:class:`~sglang.srt.kv_canary.runner.ownership.ReleaseGuard`): it frees only the KV it owns.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from sglang.jit_kernel.kv_canary.consts import (
 from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.radix_cache_walker import radix_nodes_holding_slots
+from sglang.srt.kv_canary.runner.ownership import ReleaseGuard
 from sglang.srt.kv_canary.runner.requests import IncidentRequests, RequestResolver
 from sglang.srt.kv_canary.runner.violation import (
     ViolationIncident,
@@ -58,12 +61,16 @@ def abort_message(incident: ViolationIncident) -> str:
 class ContainmentManager:
     """Abort mode's containment. ``resolver``: the manager's request resolver (its
     ``req_to_token`` and running requests); ``swa_index_lut``: the SWA group's full -> SWA
-    table (an SWA incident's slot is found back as the full slots mapping to it)."""
+    table (an SWA incident's slot is found back as the full slots mapping to it);
+    ``records``: the full pool's TAIL canary buffer (the release guard's records)."""
 
-    def __init__(self, *, resolver: RequestResolver, swa_index_lut: Optional[torch.Tensor]):
+    def __init__(self, *, resolver: RequestResolver, swa_index_lut: Optional[torch.Tensor],
+                 records: torch.Tensor):
         self.resolver = resolver
         self.swa_index_lut = swa_index_lut
+        self.records = records
         self.radix_cache = None
+        self.guard: Optional[ReleaseGuard] = None  # the tree cache's (attach_radix_cache)
         self.aborted_requests = 0  # requests this manager aborted, over the server's life
         self.evicted_nodes = 0
         self.evicted_tokens = 0
@@ -81,6 +88,13 @@ class ContainmentManager:
                 " (it evicts from sglang's RadixCache only); use --kv-canary raise or log, or "
                 "--disable-radix-cache")
         self.radix_cache = radix_cache
+        # one guard per tree cache: an EAGLE draft pool's canary shares the target's requests
+        # and slots, and the target's records name their tokens
+        if radix_cache is not None and seam.release_guard_of(radix_cache) is None:
+            self.guard = ReleaseGuard(records=self.records, req_to_token=self.resolver.req_to_token,
+                                      live_reqs=lambda: self.resolver.running_reqs(),
+                                      radix_cache=radix_cache)
+            seam.set_release_guard(radix_cache, self.guard)
 
     @property
     def pending_slots(self) -> Sequence[int]:
@@ -93,6 +107,8 @@ class ContainmentManager:
         aborted = 0
         for inc, reqs in zip(incidents, touched):
             message = abort_message(inc)
+            for req in reqs.holding:
+                seam.mark_contained(req)
             for req in reqs.running:
                 seam.mark_no_radix_insert(req)
                 if seam.abort_running_req(req, message):
@@ -116,8 +132,11 @@ class ContainmentManager:
                 self._slots.append(s)
 
     def after_batch_result(self) -> int:
-        """Evict what can be evicted now; returns the number of requests aborted because they
-        lock a node holding a corrupt slot. Host work only while slots are pending."""
+        """Settle held-back pages (the release guard), evict what can be evicted now; returns
+        the number of requests aborted because they lock a node holding a corrupt slot. Host
+        work only while pages are held back or slots are pending."""
+        if self.guard is not None:
+            self.guard.settle(self.radix_cache)
         if not self._slots:
             return 0
         self._aborted = [r for r in self._aborted if seam.req_pool_row(r) is not None]

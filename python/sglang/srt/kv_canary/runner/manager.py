@@ -94,6 +94,16 @@ class CanaryReadback:
     swa_verify_num_valid: Tuple[Tuple[torch.Tensor, ...], ...]
 
 
+def _lasting_rows(forward_batch: "ForwardBatch") -> frozenset:
+    """The rows of the batch's requests with more than two tokens left to generate (they
+    outlive the forward after this one, which reads this one's reports)."""
+    requests = batch_state_for(forward_batch).requests
+    if requests is None:
+        return frozenset()
+    return frozenset(row for req, row in zip(requests.reqs, requests.rows)
+                     if row is not None and sglang_seam.req_tokens_left(req) > 2)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StagedForward:
     """The forward whose read-back is staged: its step, single-forward managers (one, or a
@@ -206,8 +216,14 @@ class CanaryManager:
         # with the scheduler: attach_scheduler)
         swa_lut = next((g.swa_index_lut for g in self.groups if g.kind == PoolKind.SWA), None)
         self.requests = RequestResolver(req_to_token=req_to_token, swa_index_lut=swa_lut)
-        self.containment = (ContainmentManager(resolver=self.requests, swa_index_lut=swa_lut)
-                            if config.mode == CanaryMode.ABORT else None)
+        self.containment = None
+        if config.mode == CanaryMode.ABORT:
+            full = next((g for g in self.groups if g.kind == PoolKind.FULL), None)
+            if full is None:  # every adapter builds one; a new one must too
+                raise ValueError("--kv-canary abort needs the pool's full-attention buffer "
+                                 "group (its records say which request owns a slot)")
+            self.containment = ContainmentManager(resolver=self.requests, swa_index_lut=swa_lut,
+                                                  records=full.k_tail)
         self.metrics: Optional[CanaryMetrics] = None
         self._kv_slots_in_use: Callable[[], int] = lambda: 0
         self.step = 0
@@ -264,7 +280,8 @@ class CanaryManager:
         # this forward's kernels queue after last step's read-back (and the ring's reset)
         self.device_host.fence()
         if self.perturber is not None:
-            self.perturber.before_forward(forward_batch, step=self.step + 1)
+            self.perturber.before_forward(forward_batch, step=self.step + 1,
+                                          lasting_rows=lambda: _lasting_rows(forward_batch))
         try:
             for sfm in sfms:
                 sfm.pre_ops_outside_graph(forward_batch)
@@ -456,8 +473,12 @@ class CanaryManager:
         KV): abort mode evicts the corrupt prefixes it can now. No-op otherwise."""
         if self.containment is not None:
             aborted = self.containment.after_batch_result()
+            guard = self.containment.guard
             if self.metrics is not None:
                 self.metrics.on_aborted(aborted)
+                if guard is not None:
+                    self.metrics.on_release_guard(held_back_slots=guard.held_back_slots,
+                                                  reclaimed_slots=guard.reclaimed_slots)
 
     @property
     def radix_cache(self):

@@ -24,8 +24,10 @@ PROTECTED_TOKENS = "sglang:kv_canary_protected_tokens"
 SWEEP_PASSES = "sglang:kv_canary_sweep_passes_total"
 DROPPED_VIOLATIONS = "sglang:kv_canary_dropped_violations_total"
 ABORTED_REQUESTS = "sglang:kv_canary_aborted_requests_total"
+HELD_BACK_SLOTS = "sglang:kv_canary_held_back_slots_total"
+RECLAIMED_SLOTS = "sglang:kv_canary_reclaimed_slots_total"
 METRIC_NAMES = (VIOLATIONS, VERIFIED_SLOTS, PROTECTED_TOKENS, SWEEP_PASSES, DROPPED_VIOLATIONS,
-                ABORTED_REQUESTS)
+                ABORTED_REQUESTS, HELD_BACK_SLOTS, RECLAIMED_SLOTS)
 
 
 class CanaryMetrics:
@@ -63,8 +65,19 @@ class CanaryMetrics:
         self._aborted = Counter(
             name=ABORTED_REQUESTS, labelnames=names,
             documentation="Requests aborted by --kv-canary abort.").labels(**self.labels)
+        self._held_back = Counter(
+            name=HELD_BACK_SLOTS, labelnames=names,
+            documentation="KV slots --kv-canary abort kept an aborted request's release from "
+                          "freeing (its corrupt req_to_token row named another holder's "
+                          "slots).").labels(**self.labels)
+        self._reclaimed = Counter(
+            name=RECLAIMED_SLOTS, labelnames=names,
+            documentation="KV slots --kv-canary abort freed for an aborted request whose "
+                          "corrupt req_to_token row no longer named them.").labels(**self.labels)
         self._last_verified = 0
         self._last_sweeps = 0
+        self._last_held_back = 0
+        self._last_reclaimed = 0
         self._sets_protected = True
 
     def sibling(self) -> "CanaryMetrics":
@@ -75,6 +88,8 @@ class CanaryMetrics:
         twin.__dict__.update(self.__dict__)
         twin._last_verified = 0
         twin._last_sweeps = 0
+        twin._last_held_back = 0
+        twin._last_reclaimed = 0
         twin._sets_protected = False
         return twin
 
@@ -90,6 +105,15 @@ class CanaryMetrics:
     def on_aborted(self, count: int) -> None:
         if count:
             self._aborted.inc(count)
+
+    def on_release_guard(self, *, held_back_slots: int, reclaimed_slots: int) -> None:
+        """The release guard's running totals (the counters advance by the growth)."""
+        if held_back_slots > self._last_held_back:
+            self._held_back.inc(held_back_slots - self._last_held_back)
+            self._last_held_back = held_back_slots
+        if reclaimed_slots > self._last_reclaimed:
+            self._reclaimed.inc(reclaimed_slots - self._last_reclaimed)
+            self._last_reclaimed = reclaimed_slots
 
     def on_step(self, *, verified_slots: int, sweep_passes: int, protected_tokens: int) -> None:
         """Running totals as the canary counts them (the counters advance by the growth)."""

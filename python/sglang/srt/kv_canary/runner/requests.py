@@ -71,10 +71,13 @@ def violation_path_sync(device: torch.device):
 @dataclasses.dataclass(frozen=True, eq=False)
 class IncidentRequests:
     """The requests one incident touches: ``rids`` (reader first, then by first sight) and,
-    of them, ``running``: the ``Req`` objects not finished yet (what abort mode aborts)."""
+    of them, ``running``: the ``Req`` objects not finished yet (what abort mode aborts), and
+    ``holding``: those still holding a ``req_to_token`` row, finished or not (whose release
+    abort mode guards)."""
 
     rids: Tuple[str, ...]
     running: Tuple[object, ...]
+    holding: Tuple[object, ...] = ()
 
 
 class RequestResolver:
@@ -117,7 +120,8 @@ class RequestResolver:
             ordered = list(unique.values())
             out.append(IncidentRequests(
                 rids=tuple(dict.fromkeys(seam.req_rid(r) for r in ordered)),
-                running=tuple(r for r in ordered if not seam.req_done(r))))
+                running=tuple(r for r in ordered if not seam.req_done(r)),
+                holding=tuple(r for r in ordered if seam.req_pool_row(r) is not None)))
         return out
 
     def _live_rows(self, rows: Sequence[int], lens: Sequence[int]):

@@ -12,14 +12,19 @@ faults injected with the given probabilities per forward (after a warm-up) serve
 list in rounds, ``clients`` requests at a time, for ``seconds``; then it idles and is asked
 ``/health``. sglang's own pool checks are strict: after every batch
 (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1``) and when idle (its default), a slot
-missing from the accounting stops the server.
+missing from the accounting stops the server; at page size > 1 its paged allocator also
+asserts that no page is free twice (``SGLANG_DEBUG_MEMORY_POOL=1``). At page size 1 sglang
+has no such check, and a slot freed twice while another leaks keeps its count right: there
+the release guard's own figures (held back, reclaimed, unattributed) and the violation lines
+per fault show it.
 
 The requests share a few prefixes (radix-cache hits: one corrupt prefix touches several
 requests) and most are longer than one prefill chunk. The checks (the figures' ``checks``):
 
 - the server is alive at the end, after idling, and ``/health`` answers 200; no
   ``Traceback``, no sglang leak report, no out-of-memory stop in its log;
-- every fault class of ``FAULTS`` was injected;
+- every fault class of :func:`storm_faults` was injected (abort mode adds
+  ``req_to_token_kept``, a corrupt entry left in place, which its release guard contains);
 - abort: every request that did not complete ended with one of the canary's two abort
   messages; every completed one equals the reference; the Prometheus counter of aborted
   requests, read when the clients are done (before ``/health``, whose own generate request the
@@ -50,7 +55,12 @@ from typing import Dict, List, Optional, Tuple
 from sglang.srt.kv_canary.perturb.config import FaultKind
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.containment import ABORT_MESSAGE_PREFIX, PREFIX_ABORT_MESSAGE
-from sglang.srt.kv_canary.runner.metrics import ABORTED_REQUESTS
+from sglang.srt.kv_canary.runner.metrics import (
+    ABORTED_REQUESTS,
+    HELD_BACK_SLOTS,
+    RECLAIMED_SLOTS,
+)
+from sglang.srt.kv_canary.runner.ownership import RELEASE_LINE_PREFIX, parse_unattributed
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
     ServerProcess,
@@ -75,6 +85,13 @@ FAULTS = {  # probability per forward step, after the warm-up
     FaultKind.REAL_KV_UNUSED_CACHE: 0.01,
     FaultKind.REAL_KV_POST_FORWARD: 0.01,
 }
+# abort mode also gets the corrupt entry left in place (what its release guard contains)
+ABORT_FAULTS = {**FAULTS, FaultKind.REQ_TO_TOKEN_KEPT: 0.01}
+
+
+def storm_faults(mode: str) -> Dict[FaultKind, float]:
+    """The fault classes and probabilities of a storm in ``mode``."""
+    return ABORT_FAULTS if mode == "abort" else FAULTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +236,8 @@ def run_storm(settings: StormSettings) -> dict:
                      SGLANG_KV_CANARY_PERTURB_TARGET_GROUP="full",
                      SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT="1",
                      SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
-                     **{k.env_var: str(p) for k, p in FAULTS.items()})
+                     SGLANG_DEBUG_MEMORY_POOL="1",
+                     **{k.env_var: str(p) for k, p in storm_faults(settings.mode).items()})
     storm = start("storm", root, model, storm_env, settings.device,
                   ["--kv-canary", settings.mode, "--kv-canary-real-data", "partial",
                    "--kv-canary-sweep-interval", "4", "--enable-metrics"], **server_kwargs)
@@ -231,8 +249,10 @@ def run_storm(settings: StormSettings) -> dict:
         served_s = time.monotonic() - t0
         # read before /health: sglang's health check is a generate request of its own, which
         # the canary aborts like any other if it reads a corrupt prefix (no client sees it)
-        aborted_metric = (metric_total(metric_series(storm.port), ABORTED_REQUESTS)
-                          if storm.alive() else -1)
+        series = metric_series(storm.port) if storm.alive() else None
+        aborted_metric = metric_total(series, ABORTED_REQUESTS) if series is not None else -1
+        held_back = metric_total(series, HELD_BACK_SLOTS) if series is not None else -1
+        reclaimed = metric_total(series, RECLAIMED_SLOTS) if series is not None else -1
         time.sleep(settings.idle_seconds)  # idle: sglang's leak check runs
         checks["alive after idle"] = storm.alive()
         health = http_call(storm.port, "GET", "/health", timeout=60)[0] if storm.alive() else 0
@@ -252,12 +272,18 @@ def run_storm(settings: StormSettings) -> dict:
     checks["no Traceback, leak or out-of-memory in the log"] = not any(
         m in log for m in LEAK_MARKERS)
     checks["no request failed otherwise"] = kinds["error"] == 0
-    checks["every fault class was injected"] = set(injected) == {k.value for k in FAULTS}
+    checks["every fault class was injected"] = set(injected) == {
+        k.value for k in storm_faults(settings.mode)}
     if settings.mode == "abort":
         checks["every abort carries the canary's message"] = all(
             ABORT_MESSAGE in m or PREFIX_ABORT_MESSAGE in m for m in aborted)
         checks["every completed output equals canary off"] = mismatched == 0
         checks["aborted_requests_total equals the aborts seen"] = aborted_metric == len(aborted)
+        # a kept entry's own slot has its record: the guard finds every one
+        checks["every guarded release found the slots its row lost"] = not any(
+            parse_unattributed(line) for line in log.splitlines())
+        checks["the release guard reclaimed slots"] = (
+            injected[FaultKind.REQ_TO_TOKEN_KEPT.value] == 0 or reclaimed > 0)
     else:
         checks["every request completed"] = kinds["ok"] == len(results)
     figures = dict(
@@ -269,5 +295,8 @@ def run_storm(settings: StormSettings) -> dict:
         faults_injected=dict(injected), violation_lines=len(violations),
         aborted_metric=aborted_metric, aborted_metric_after_health=aborted_metric_after_health,
         prefix_evictions=log.count("kv_canary abort: evicted a radix-cache prefix"),
+        held_back_slots=held_back, reclaimed_slots=reclaimed,
+        guarded_release_lines=log.count(RELEASE_LINE_PREFIX),
+        unattributed_entries=sum(map(parse_unattributed, log.splitlines())),
         checks=checks, root=str(root))
     return figures

@@ -1,0 +1,241 @@
+"""Abort mode's release guard: a request the canary aborted releases only the KV it owns
+(docs/user_guide.md, "Containment: --kv-canary abort"; docs/architecture.md, "Containment and
+metrics").
+
+sglang frees a finished request's KV by its ``req_to_token`` row. A corrupt entry names
+another holder's slot in place of the request's own: freeing by that row frees the other
+holder's slot (which then has two owners) and leaks the request's own. Around the release of a
+request an incident touched (the tree cache's ``cache_finished_req``,
+:meth:`ReleaseGuard.releasing`):
+
+- a page its row names that another holder names too (another request's row, a radix-cache
+  node) or that is free already is **held back**: the release skips it (and a page its row
+  names twice is freed once). A held-back page is freed exactly once: by its holder, or, when
+  no holder is left and it is still not free, by :meth:`ReleaseGuard.settle`;
+- a page it owns that its row no longer names is **reclaimed**: a slot whose record holds the
+  request's token at a position where its row names a slot of another token or position, and
+  that no holder names and that is not free, is freed with the request.
+
+A corrupt entry whose own slot no record identifies (its record overwritten as well) is
+counted as unattributed: that slot stays allocated (docs: what abort mode cannot cover).
+Host work and read-backs on the containment path only: a request abort mode aborted, or
+pages held back. Page ids are slot ids at page size 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+from typing import Callable, List, Sequence
+
+import torch
+
+from sglang.jit_kernel.kv_canary.consts import CANARY_FIELD_POSITION, CANARY_FIELD_TOKEN
+from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES
+from sglang.srt.kv_canary import sglang_seam as seam
+from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
+from sglang.srt.kv_canary.runner.requests import violation_path_sync
+
+logger = logging.getLogger(__name__)
+
+# (position, token) packed into one int64 key: positions and token ids are below 2**31
+_KEY_SHIFT = 31
+
+RELEASE_LINE_PREFIX = "kv_canary abort: released request"
+_UNATTRIBUTED_RE = re.compile(re.escape(RELEASE_LINE_PREFIX) + r" .*, unattributed entries "
+                              r"(\d+)$")
+
+
+def parse_unattributed(line: str) -> int:
+    """The unattributed entries a guarded-release line (:meth:`ReleaseOutcome.describe`)
+    counts; 0 for any other line."""
+    m = _UNATTRIBUTED_RE.search(line)
+    return int(m.group(1)) if m else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseOutcome:
+    """What one guarded release did: pages held back (another holder's, or free already) and
+    reclaimed (the request's own, no longer named by its row), entries whose own slot no record
+    identified; each in pages of ``page_size`` slots."""
+
+    rid: str
+    page_size: int
+    held_back: int
+    reclaimed: int
+    unattributed: int
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.held_back or self.reclaimed or self.unattributed)
+
+    def describe(self) -> str:
+        unit = "slot(s)" if self.page_size == 1 else f"page(s) of {self.page_size} slots"
+        return (f"{RELEASE_LINE_PREFIX} {self.rid}: held back {self.held_back} {unit} another "
+                f"holder owns, reclaimed {self.reclaimed} {unit} its row no longer named, "
+                f"unattributed entries {self.unattributed}")
+
+
+class ReleaseGuard:
+    """``records``: the full pool's canary records (uint8 ``[num_slots, 32]``, the TAIL
+    buffer: every written slot's token and position); ``req_to_token``: the runner's int32
+    table; ``live_reqs``: the scheduler's requests that may hold rows (its running and
+    forwarding batches, the chunked request); ``radix_cache``: the tree cache (None, or a
+    ``ChunkCache``: no tree)."""
+
+    def __init__(self, *, records: torch.Tensor, req_to_token: torch.Tensor,
+                 live_reqs: Callable[[], Sequence], radix_cache=None):
+        if records.dtype != torch.uint8 or records.dim() != 2 \
+                or records.shape[1] != CANARY_SLOT_BYTES:
+            raise ValueError(f"records must be uint8 [num_slots, {CANARY_SLOT_BYTES}], got "
+                             f"{records.dtype} {tuple(records.shape)}")
+        self.records = records.view(torch.int64)
+        self.req_to_token = req_to_token
+        self.live_reqs = live_reqs
+        self.radix_cache = (None if radix_cache is None or seam.is_chunk_cache(radix_cache)
+                            else radix_cache)
+        self.pending: List[int] = []  # held-back pages not free yet
+        self.held_back_slots = 0  # over the server's life, in slots
+        self.reclaimed_slots = 0
+        self.settled_slots = 0  # held-back slots the guard freed itself (no holder left)
+        self.unattributed = 0
+        self.guarded_releases = 0
+
+    # ---- who holds what ----------------------------------------------------------------------
+
+    def _holders(self, allocator, page_size: int, *, exclude=None):
+        """Bool ``[num_pages]`` masks on the records' device: pages named by a live request's
+        row (``exclude`` left out) or a radix node, and pages free in ``allocator``."""
+        device = self.records.device
+        num_pages = (self.records.shape[0] + page_size - 1) // page_size
+        named = torch.zeros(num_pages, dtype=torch.bool, device=device)
+        reqs = [r for r in seam.live_row_reqs(self.live_reqs()) if r is not exclude
+                and seam.req_kv_len(r) > 0]
+        if reqs:
+            rows = torch.tensor([seam.req_pool_row(r) for r in reqs], dtype=torch.int64)
+            lens = torch.tensor([seam.req_kv_len(r) for r in reqs], dtype=torch.int64)
+            table = self.req_to_token[rows.to(self.req_to_token.device), :int(lens.max())]
+            live = (torch.arange(table.shape[1], device=table.device)[None, :]
+                    < lens.to(table.device)[:, None])
+            named[table[live].to(device, torch.int64) // page_size] = True
+        if self.radix_cache is not None:
+            walk = walk_radix_cache_for_canary(radix_cache=self.radix_cache)
+            named[walk.slot_indices.to(device) // page_size] = True
+        free = torch.zeros(num_pages, dtype=torch.bool, device=device)
+        free[seam.allocator_free_pages(allocator).to(device)] = True
+        return named, free
+
+    # ---- the release -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def releasing(self, req, tree_cache):
+        """Around ``tree_cache.cache_finished_req(req)`` of a request abort mode aborted: its
+        frees skip held-back pages and repeats; after it, its reclaimed pages are freed."""
+        allocator = seam.tree_cache_allocator(tree_cache)
+        page_size = seam.allocator_page_size(allocator)
+        row = seam.req_pool_row(req)
+        lo, hi = seam.req_release_span(req, tree_cache)
+        if row is None or hi <= lo:
+            yield
+            return
+        device = self.records.device
+        with violation_path_sync(device):
+            named, free = self._holders(allocator, page_size, exclude=req)
+            entries = self.req_to_token[row, lo:hi].to(device, torch.int64)
+            pages = entries // page_size
+            conflict = named[pages] | free[pages]
+            dropped = torch.unique(pages[conflict])
+            own = torch.unique(pages[~conflict])
+            reclaim, unattributed = self._reclaimable(req, lo, entries, conflict, named, free,
+                                                      own, page_size)
+            dropped_list = dropped.tolist()
+            still_held = dropped[~free[dropped]].tolist()
+        freed: List[torch.Tensor] = []
+
+        def keep(free_index: torch.Tensor) -> torch.Tensor:
+            idx = free_index.to(torch.int64)
+            pg = idx // page_size
+            mask = ~torch.isin(pg, dropped.to(pg.device))
+            if freed:
+                mask &= ~torch.isin(pg, torch.cat(freed).to(pg.device))
+            idx = idx[mask]
+            if page_size == 1:
+                idx = torch.unique(idx)
+            freed.append(torch.unique(idx // page_size))
+            return idx.to(free_index.dtype)
+
+        with seam.allocator_frees_filtered(allocator, keep):
+            yield
+        if reclaim.numel():
+            allocator.free(reclaim * page_size)
+        self.pending.extend(p for p in still_held if p not in self.pending)
+        outcome = ReleaseOutcome(rid=seam.req_rid(req), page_size=page_size,
+                                 held_back=len(dropped_list), reclaimed=int(reclaim.numel()),
+                                 unattributed=unattributed)
+        self.guarded_releases += 1
+        self.held_back_slots += outcome.held_back * page_size
+        self.reclaimed_slots += outcome.reclaimed * page_size
+        self.unattributed += unattributed
+        if outcome.changed:
+            logger.warning(outcome.describe())
+
+    def _reclaimable(self, req, lo: int, entries: torch.Tensor, conflict: torch.Tensor,
+                     named: torch.Tensor, free: torch.Tensor, own: torch.Tensor,
+                     page_size: int):
+        """The request's own pages its row no longer names (int64 page ids) and the number of
+        conflicting entries none was found for. A position is searched when its entry
+        conflicts or names a record of another (position, token)."""
+        tokens = seam.req_token_ids(req)
+        n = min(entries.shape[0], max(len(tokens) - lo, 0))
+        if n == 0:
+            return torch.zeros(0, dtype=torch.int64, device=entries.device), 0
+        device = entries.device
+        positions = torch.arange(lo, lo + n, dtype=torch.int64, device=device)
+        want = torch.tensor(tokens[lo:lo + n], dtype=torch.int64).to(device)
+        stored = self.records[entries[:n]]
+        wrong = ((stored[:, CANARY_FIELD_POSITION] != positions)
+                 | (stored[:, CANARY_FIELD_TOKEN] != want))
+        misfit = conflict[:n] | wrong
+        if not bool(misfit.any()):
+            return torch.zeros(0, dtype=torch.int64, device=device), 0
+        keys = (positions[misfit] << _KEY_SHIFT) | want[misfit]
+        rec_keys = ((self.records[:, CANARY_FIELD_POSITION] << _KEY_SHIFT)
+                    | self.records[:, CANARY_FIELD_TOKEN])
+        slots = torch.isin(rec_keys, keys).nonzero().flatten()
+        slots = slots[slots >= page_size]  # the padding slot (page 0) is nobody's
+        pages = torch.unique(slots // page_size)
+        orphan = ~named[pages] & ~free[pages] & ~torch.isin(pages, own)
+        reclaim = pages[orphan]
+        # a conflicting entry is attributed when a reclaimed slot holds its (position, token)
+        found = torch.isin(keys, rec_keys[slots[torch.isin(slots // page_size, reclaim)]])
+        # an entry naming another holder's record whose own slot was not found (an entry
+        # naming its own record but held by another holder too is its own, held back)
+        unattributed = int(((conflict[:n] & wrong)[misfit] & ~found).sum())
+        return reclaim, unattributed
+
+    # ---- held-back pages ---------------------------------------------------------------------
+
+    def settle(self, tree_cache) -> int:
+        """Between batches: forget held-back pages that are free now (their holder freed
+        them) and free those no holder names any more (returns how many). Host work only
+        while pages are held back."""
+        if not self.pending:
+            return 0
+        allocator = seam.tree_cache_allocator(tree_cache)
+        page_size = seam.allocator_page_size(allocator)
+        device = self.records.device
+        with violation_path_sync(device):
+            named, free = self._holders(allocator, page_size)
+            pending = torch.tensor(self.pending, dtype=torch.int64, device=device)
+            orphan = pending[~named[pending] & ~free[pending]]
+            keep = pending[named[pending] & ~free[pending]].tolist()
+            orphans = orphan.tolist()
+        if orphans:
+            allocator.free(orphan * page_size)
+            self.settled_slots += len(orphans) * page_size
+            logger.warning("kv_canary abort: freed %d held-back page(s) no holder names any "
+                           "more", len(orphans))
+        self.pending = keep
+        return len(orphans)

@@ -1,0 +1,300 @@
+"""Abort mode's release guard on real sglang objects (docs/architecture.md, "Containment and
+metrics"): sglang 0.5.12's ``Req``, ``ReqToTokenPool``, ``TokenToKVPoolAllocator`` /
+``PagedTokenToKVPoolAllocator`` and ``RadixCache``, released through sglang's own
+``release_kv_cache`` with the plugin's ``cache_finished_req`` hook around the tree cache's
+method. A request's ``req_to_token`` entry is rewritten to another holder's slot and left
+there (what a server bug would do); after every release the pool's accounting must hold:
+each page free exactly once, or held by exactly one live row or radix node, none lost."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+
+from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES
+from sglang.srt.kv_canary import plugin
+from sglang.srt.kv_canary import sglang_seam as seam
+from sglang.srt.kv_canary.runner.ownership import RELEASE_LINE_PREFIX, ReleaseGuard
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.allocator import (
+    PagedTokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.chunk_cache import ChunkCache
+from sglang.srt.mem_cache.common import release_kv_cache
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
+
+NUM_SLOTS = 256
+
+
+@pytest.fixture
+def global_server_args(request):
+    """sglang's ``release_kv_cache`` reads the global server args (page size, speculative
+    algorithm): set for the test, restored after it."""
+    import sglang.srt.server_args as sa
+
+    saved = sa._global_server_args
+
+    def set_page_size(page_size: int):
+        sa.set_global_server_args_for_scheduler(sa.ServerArgs(model_path="dummy",
+                                                              page_size=page_size))
+
+    yield set_page_size
+    sa._global_server_args = saved
+
+
+class Pool:
+    """One scheduler's KV bookkeeping: the allocator, ``req_to_token``, the tree cache (a
+    ``RadixCache``, or a ``ChunkCache`` with ``chunk=True``), the canary records and the guard
+    attached to the cache as abort mode attaches it."""
+
+    def __init__(self, page_size: int, *, chunk: bool = False):
+        self.page_size = page_size
+        if page_size == 1:
+            self.alloc = TokenToKVPoolAllocator(NUM_SLOTS, torch.bfloat16, "cpu", None,
+                                                need_sort=False)
+        else:
+            self.alloc = PagedTokenToKVPoolAllocator(NUM_SLOTS, page_size, torch.bfloat16, "cpu",
+                                                     None, need_sort=False)
+        self.r2t = ReqToTokenPool(size=8, max_context_len=128, device="cpu",
+                                  enable_memory_saver=False)
+        params = CacheInitParams(disable=False, req_to_token_pool=self.r2t,
+                                 token_to_kv_pool_allocator=self.alloc, page_size=page_size)
+        self.cache = ChunkCache(params) if chunk else RadixCache(params)
+        self.records = torch.zeros(NUM_SLOTS + page_size, CANARY_SLOT_BYTES, dtype=torch.uint8)
+        self.live = []
+        self.guard = ReleaseGuard(records=self.records, req_to_token=self.r2t.req_to_token,
+                                  live_reqs=lambda: list(self.live), radix_cache=self.cache)
+        seam.set_release_guard(self.cache, self.guard)
+        self._rid = 0
+
+    def request(self, n: int, *, first_token: int = 100) -> Req:
+        """A request whose ``n`` prompt tokens were prefilled: its own pages allocated, its row
+        and each slot's record (token, position) written as the canary writes them."""
+        self._rid += 1
+        tokens = [first_token + self._rid * 1000 + i for i in range(n)]
+        req = Req(f"r{self._rid}", "", tokens, SamplingParams(max_new_tokens=4))
+        self.r2t.alloc([req])
+        pages = -(-n // self.page_size)
+        slots = self.alloc.alloc(pages * self.page_size)[:n]
+        self.r2t.req_to_token[req.req_pool_idx, :n] = slots.to(torch.int32)
+        req.kv_committed_len = req.kv_allocated_len = n
+        req.last_node = getattr(self.cache, "root_node", None)
+        words = self.records.view(torch.int64)
+        for pos, (slot, tok) in enumerate(zip(slots.tolist(), tokens)):
+            words[slot, 0], words[slot, 1] = tok, pos
+        self.live.append(req)
+        return req
+
+    def row(self, req: Req):
+        return self.r2t.req_to_token[req.req_pool_idx, :req.kv_allocated_len].tolist()
+
+    def release(self, req: Req, *, insert: bool = False) -> None:
+        """sglang's release of a finished request, through the plugin's hook."""
+        release_kv_cache(req, self.cache, is_insert=insert)
+        self.live.remove(req)
+
+    def tree_slots(self):
+        if isinstance(self.cache, ChunkCache):
+            return []
+        out, stack = [], list(self.cache.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            out += node.value.tolist()
+            stack.extend(node.children.values())
+        return out
+
+    def check_accounting(self) -> None:
+        """Every page of the pool exactly once: free, or named by a live row or a radix node
+        (page 0 is the padding page, never handed out)."""
+        p = self.page_size
+        free = (torch.cat([self.alloc.free_pages, self.alloc.release_pages]).tolist())
+        assert len(free) == len(set(free)), "a page is free twice"
+        held = {}
+        for req in self.live:
+            for s in self.row(req):
+                held.setdefault(s // p, set()).add(req.rid)
+        for s in self.tree_slots():
+            held.setdefault(s // p, set()).add("tree")
+        assert not set(free) & set(held), "a page is free and held"
+        assert all(len(h) == 1 for h in held.values()), f"a page held twice: {held}"
+        assert set(free) | set(held) == set(range(1, NUM_SLOTS // p + 1)), "a page is lost"
+
+
+@pytest.fixture
+def hooked(monkeypatch):
+    """The tree caches' ``cache_finished_req`` wrapped by the plugin's hook, as
+    ``HookRegistry`` wraps it in a server (restored after the test)."""
+    for cls in (RadixCache, ChunkCache):
+        original = cls.cache_finished_req
+        monkeypatch.setattr(cls, "cache_finished_req",
+                            lambda self, req, *a, _o=original, **k:
+                            plugin._cache_finished_req(_o, self, req, *a, **k))
+
+
+def _corrupt(pool: Pool, req: Req, pos: int, slot: int) -> int:
+    """Rewrite ``req``'s entry at ``pos`` to ``slot`` and leave it; returns the old slot."""
+    old = int(pool.r2t.req_to_token[req.req_pool_idx, pos])
+    pool.r2t.req_to_token[req.req_pool_idx, pos] = slot
+    return old
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("first", ["victim", "donor"])
+def test_an_aborted_request_frees_its_own_slots_not_the_ones_its_corrupt_row_names(
+        global_server_args, hooked, caplog, page_size, first):
+    """A's last entry names B's slot (B still running): whichever of the two is released
+    first, B's page is freed once, A's own page is found by its record and freed, and the
+    pool loses nothing."""
+    global_server_args(page_size)
+    pool = Pool(page_size)
+    a = pool.request(page_size + 1)  # its last position alone on its last page
+    b = pool.request(2 * page_size + 4)
+    c = pool.request(5)  # untouched
+    victim_pos = page_size  # A's last position
+    old = _corrupt(pool, a, victim_pos, pool.row(b)[3])
+    for r in (a, b):
+        seam.mark_contained(r)
+    order = (a, b) if first == "victim" else (b, a)
+    with caplog.at_level(logging.WARNING):
+        pool.release(order[0])
+        pool.release(order[1])
+    pool.guard.settle(pool.cache)
+    pool.check_accounting()
+    free = torch.cat([pool.alloc.free_pages, pool.alloc.release_pages]).tolist()
+    assert old // page_size in free  # A's own page (its row no longer named it) is free
+    assert pool.guard.pending == []
+    assert pool.guard.held_back_slots == page_size
+    assert pool.guard.reclaimed_slots == page_size
+    assert pool.guard.unattributed == 0
+    assert RELEASE_LINE_PREFIX in caplog.text
+    pool.release(c)
+    pool.check_accounting()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_without_the_guard_the_same_release_frees_a_live_page_and_leaks_one(
+        global_server_args, page_size):
+    """The defect the guard exists for, on the same objects: sglang alone frees B's page
+    while B holds it, and A's own page is lost."""
+    global_server_args(page_size)
+    pool = Pool(page_size)
+    a = pool.request(page_size + 1)
+    b = pool.request(2 * page_size + 4)
+    _corrupt(pool, a, page_size, pool.row(b)[3])
+    pool.release(a)  # not marked contained: the hook leaves it to sglang
+    with pytest.raises(AssertionError, match="a page is free and held"):
+        pool.check_accounting()
+
+
+def test_a_row_naming_its_own_slot_twice_frees_it_once(global_server_args, hooked):
+    global_server_args(1)
+    pool = Pool(1)
+    a = pool.request(12)
+    own = _corrupt(pool, a, 9, pool.row(a)[2])
+    seam.mark_contained(a)
+    pool.release(a)
+    pool.check_accounting()
+    assert own in pool.alloc.free_pages.tolist()
+    assert pool.guard.held_back_slots == 0 and pool.guard.reclaimed_slots == 1
+
+
+def test_a_page_the_radix_cache_holds_is_held_back(global_server_args, hooked):
+    """A's entry names a slot of a prefix another finished request left in the tree: the
+    tree keeps it; A's own slot is reclaimed."""
+    global_server_args(1)
+    pool = Pool(1)
+    done = pool.request(10)
+    pool.release(done, insert=True)  # its KV cached in the tree
+    a = pool.request(8)
+    cached = pool.tree_slots()[4]
+    _corrupt(pool, a, 5, cached)
+    seam.mark_contained(a)
+    pool.release(a)
+    pool.check_accounting()
+    assert cached in pool.tree_slots() and cached not in pool.alloc.free_pages.tolist()
+    assert pool.guard.pending == [cached]  # named by the tree: it stays held back
+    assert pool.guard.held_back_slots == 1 and pool.guard.reclaimed_slots == 1
+
+
+def test_a_held_back_page_no_holder_names_any_more_is_freed_by_settle(global_server_args,
+                                                                        hooked):
+    """A held-back page whose other holder left without freeing it (its row returned to
+    sglang as a release that does not free would) is freed by the guard, once."""
+    global_server_args(1)
+    pool = Pool(1)
+    a = pool.request(6)
+    b = pool.request(6)
+    shared = pool.row(b)[1]
+    _corrupt(pool, a, 4, shared)
+    seam.mark_contained(a)
+    pool.release(a)
+    assert pool.guard.pending == [shared]
+    assert pool.guard.settle(pool.cache) == 0  # B names it
+    # B's other slots freed by hand, its row returned: nobody names the held-back slot now
+    pool.alloc.free(torch.tensor([s for s in pool.row(b) if s != shared]))
+    pool.r2t.free(b)
+    pool.live.remove(b)
+    assert pool.guard.settle(pool.cache) == 1
+    assert pool.guard.settle(pool.cache) == 0  # once
+    pool.check_accounting()
+    assert pool.guard.pending == [] and pool.guard.settled_slots == 1
+
+
+def test_an_entry_whose_own_slot_no_record_names_is_counted_unattributed(global_server_args,
+                                                                          hooked):
+    """A's own slot lost its record as well: the guard cannot tell it is A's, so it holds
+    B's slot back, counts the entry, and leaves A's slot allocated."""
+    global_server_args(1)
+    pool = Pool(1)
+    a = pool.request(6)
+    b = pool.request(6)
+    old = _corrupt(pool, a, 3, pool.row(b)[2])
+    pool.records[old] = 0
+    seam.mark_contained(a)
+    pool.release(a)
+    assert pool.guard.unattributed == 1 and pool.guard.reclaimed_slots == 0
+    free = pool.alloc.free_pages.tolist()
+    assert old not in free and pool.row(b)[2] not in free
+
+
+def test_a_chunk_cache_release_is_guarded_too(global_server_args, hooked):
+    """``--disable-radix-cache`` (``ChunkCache``): the same guard on its release."""
+    global_server_args(1)
+    pool = Pool(1, chunk=True)
+    a = pool.request(6)
+    b = pool.request(6)
+    _corrupt(pool, a, 2, pool.row(b)[4])
+    for r in (a, b):
+        seam.mark_contained(r)
+    pool.release(a)
+    pool.release(b)
+    pool.guard.settle(pool.cache)
+    pool.check_accounting()
+    assert pool.guard.held_back_slots == 1 and pool.guard.reclaimed_slots == 1
+
+
+def test_an_unmarked_request_is_released_by_sglang_alone(global_server_args, hooked,
+                                                          monkeypatch):
+    """The hook does nothing for a request no incident touched: no guard work at all."""
+    global_server_args(1)
+    pool = Pool(1)
+    a = pool.request(6)
+    monkeypatch.setattr(pool.guard, "releasing",
+                        lambda *a, **k: pytest.fail("guarded an unmarked request"))
+    pool.release(a)
+    pool.check_accounting()
+    assert pool.guard.guarded_releases == 0
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
