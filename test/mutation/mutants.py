@@ -604,11 +604,33 @@ MUTANTS = (
         speed="quick", what="a config that changes greedy outputs goes unnoticed"),
     Mutant(
         id="guard-ignores-holders", path=f"{_RT}/runner/ownership.py",
-        old="            conflict = named[pages] | free[pages]\n",
-        new="            conflict = free[pages]\n",
+        old="        ok = ~was_free & (~other | (fits & ~has_orphan))\n",
+        new="        ok = ~was_free\n",
         selection=f"{_T}/test_release_guard.py::"
                   "test_a_page_the_radix_cache_holds_is_held_back",
         speed="quick", what="an aborted request frees a page another holder names"),
+    Mutant(
+        id="guard-holds-back-its-own", path=f"{_RT}/runner/ownership.py",
+        old="        ok = ~was_free & (~other | (fits & ~has_orphan))\n",
+        new="        ok = ~was_free & ~other\n",
+        selection=f"{_T}/test_release_guard.py::"
+                  "test_an_aborted_request_frees_its_own_slots_not_the_ones_its_corrupt_row_names",
+        speed="quick", what="a request holds back its own slot another's corrupt row names "
+                            "(sglang's busy check sees a leak)"),
+    Mutant(
+        id="guard-trusts-identical-records", path=f"{_RT}/runner/ownership.py",
+        old="        ok = ~was_free & (~other | (fits & ~has_orphan))\n",
+        new="        ok = ~was_free & (~other | fits)\n",
+        selection=f"{_T}/test_release_guard.py::"
+                  "test_identical_prefixes_make_the_other_holders_slot_look_like_the_requests_own",
+        speed="quick", what="an identical record makes another holder's slot the request's"),
+    Mutant(
+        id="guard-page-mates-unattributed", path=f"{_RT}/runner/ownership.py",
+        old="            unattributed = int((lost & ~torch.isin(keys, rec_keys[mine])).sum())\n",
+        new="            unattributed = int(lost.sum())\n",
+        selection=f"{_T}/test_release_guard.py::"
+                  "test_a_corrupt_entry_whose_page_mates_free_its_own_page_is_attributed",
+        speed="quick", what="a slot freed with its page mates is reported unattributed"),
     Mutant(
         id="guard-no-reclaim", path=f"{_RT}/runner/ownership.py",
         old="        if reclaim.numel():\n", new="        if False:\n",

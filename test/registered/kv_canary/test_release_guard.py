@@ -113,6 +113,17 @@ class Pool:
             stack.extend(node.children.values())
         return out
 
+    def check_busy_count(self) -> None:
+        """sglang's own check after every batch (``self_check_during_busy``): free, radix
+        evictable and protected, and each live request's uncached tokens add up to the
+        pool."""
+        p = self.page_size
+        tree = (0 if isinstance(self.cache, ChunkCache)
+                else self.cache.evictable_size() + self.cache.protected_size())
+        uncached = sum(-(-r.kv_allocated_len // p) * p - r.cache_protected_len
+                       for r in self.live)
+        assert self.alloc.available_size() + tree + uncached == NUM_SLOTS, "sglang sees a leak"
+
     def check_accounting(self) -> None:
         """Every page of the pool exactly once: free, or named by a live row or a radix node
         (page 0 is the padding page, never handed out)."""
@@ -165,14 +176,19 @@ def test_an_aborted_request_frees_its_own_slots_not_the_ones_its_corrupt_row_nam
     for r in (a, b):
         seam.mark_contained(r)
     order = (a, b) if first == "victim" else (b, a)
+    pool.check_busy_count()
     with caplog.at_level(logging.WARNING):
         pool.release(order[0])
+        pool.check_busy_count()  # between the two releases too
         pool.release(order[1])
+    pool.check_busy_count()
     pool.guard.settle(pool.cache)
     pool.check_accounting()
     free = torch.cat([pool.alloc.free_pages, pool.alloc.release_pages]).tolist()
     assert old // page_size in free  # A's own page (its row no longer named it) is free
     assert pool.guard.pending == []
+    # the victim's release holds B's page back: B still runs (B frees it later), or B
+    # freed it already (freeing it again would hand it out twice)
     assert pool.guard.held_back_slots == page_size
     assert pool.guard.reclaimed_slots == page_size
     assert pool.guard.unattributed == 0
@@ -194,6 +210,49 @@ def test_without_the_guard_the_same_release_frees_a_live_page_and_leaks_one(
     pool.release(a)  # not marked contained: the hook leaves it to sglang
     with pytest.raises(AssertionError, match="a page is free and held"):
         pool.check_accounting()
+
+
+def test_a_corrupt_entry_whose_page_mates_free_its_own_page_is_attributed(
+        global_server_args, hooked, caplog):
+    """Page size 16: the entry's own slot is on a page its other entries still name, so the
+    release frees it with them; nothing is reclaimed and nothing is unattributed."""
+    global_server_args(16)
+    pool = Pool(16)
+    a = pool.request(40)
+    b = pool.request(40)
+    _corrupt(pool, a, 20, pool.row(b)[5])
+    seam.mark_contained(a)
+    with caplog.at_level(logging.WARNING):
+        pool.release(a)
+    pool.check_busy_count()
+    pool.check_accounting()
+    assert (pool.guard.held_back_slots, pool.guard.reclaimed_slots) == (16, 0)
+    assert pool.guard.unattributed == 0 and "unattributed entries 0" in caplog.text
+
+
+def test_identical_prefixes_make_the_other_holders_slot_look_like_the_requests_own(
+        global_server_args, hooked):
+    """Two requests prefilled the same tokens (identical records). A's entry names B's slot:
+    its record fits A too, but A's own slot, named by nobody, holds the same key: that one is
+    A's, B's stays with B (in either order of release)."""
+    global_server_args(1)
+    for first in ("a", "b"):
+        pool = Pool(1)
+        a = pool.request(10, first_token=5)
+        b = pool.request(10, first_token=5)
+        words = pool.records.view(torch.int64)
+        for pos, (sa, sb) in enumerate(zip(pool.row(a), pool.row(b))):  # same tokens
+            words[sb, 0] = words[sa, 0]
+            b.origin_input_ids[pos] = a.origin_input_ids[pos]
+        _corrupt(pool, a, 6, pool.row(b)[6])
+        for r in (a, b):
+            seam.mark_contained(r)
+        for r in ((a, b) if first == "a" else (b, a)):
+            pool.release(r)
+            pool.check_busy_count()
+        pool.guard.settle(pool.cache)
+        pool.check_accounting()
+        assert pool.guard.reclaimed_slots == 1 and pool.guard.unattributed == 0, first
 
 
 def test_a_row_naming_its_own_slot_twice_frees_it_once(global_server_args, hooked):

@@ -78,6 +78,17 @@ class ReleaseOutcome:
                 f"unattributed entries {self.unattributed}")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ReleasePlan:
+    """One guarded release: pages held back (int64, the allocator's device), pages reclaimed,
+    held-back pages not free yet (host list), unattributed entries."""
+
+    held_back: torch.Tensor
+    reclaim: torch.Tensor
+    still_held: List[int]
+    unattributed: int
+
+
 class ReleaseGuard:
     """``records``: the full pool's canary records (uint8 ``[num_slots, 32]``, the TAIL
     buffer: every written slot's token and position); ``req_to_token``: the runner's int32
@@ -131,7 +142,7 @@ class ReleaseGuard:
 
     @contextlib.contextmanager
     def releasing(self, req, tree_cache):
-        """Around ``tree_cache.cache_finished_req(req)`` of a request abort mode aborted: its
+        """Around ``tree_cache.cache_finished_req(req)`` of a request an incident touched: its
         frees skip held-back pages and repeats; after it, its reclaimed pages are freed."""
         allocator = seam.tree_cache_allocator(tree_cache)
         page_size = seam.allocator_page_size(allocator)
@@ -140,18 +151,9 @@ class ReleaseGuard:
         if row is None or hi <= lo:
             yield
             return
-        device = self.records.device
-        with violation_path_sync(device):
-            named, free = self._holders(allocator, page_size, exclude=req)
-            entries = self.req_to_token[row, lo:hi].to(device, torch.int64)
-            pages = entries // page_size
-            conflict = named[pages] | free[pages]
-            dropped = torch.unique(pages[conflict])
-            own = torch.unique(pages[~conflict])
-            reclaim, unattributed = self._reclaimable(req, lo, entries, conflict, named, free,
-                                                      own, page_size)
-            dropped_list = dropped.tolist()
-            still_held = dropped[~free[dropped]].tolist()
+        with violation_path_sync(self.records.device):
+            plan = self._plan(req, row, lo, hi, allocator, page_size)
+        dropped = plan.held_back.to(self.req_to_token.device)
         freed: List[torch.Tensor] = []
 
         def keep(free_index: torch.Tensor) -> torch.Tensor:
@@ -168,52 +170,70 @@ class ReleaseGuard:
 
         with seam.allocator_frees_filtered(allocator, keep):
             yield
-        if reclaim.numel():
-            allocator.free(reclaim * page_size)
-        self.pending.extend(p for p in still_held if p not in self.pending)
+        if plan.reclaim.numel():
+            allocator.free(plan.reclaim * page_size)
+        self.pending.extend(p for p in plan.still_held if p not in self.pending)
         outcome = ReleaseOutcome(rid=seam.req_rid(req), page_size=page_size,
-                                 held_back=len(dropped_list), reclaimed=int(reclaim.numel()),
-                                 unattributed=unattributed)
+                                 held_back=int(plan.held_back.numel()),
+                                 reclaimed=int(plan.reclaim.numel()),
+                                 unattributed=plan.unattributed)
         self.guarded_releases += 1
         self.held_back_slots += outcome.held_back * page_size
         self.reclaimed_slots += outcome.reclaimed * page_size
-        self.unattributed += unattributed
+        self.unattributed += outcome.unattributed
         if outcome.changed:
             logger.warning(outcome.describe())
 
-    def _reclaimable(self, req, lo: int, entries: torch.Tensor, conflict: torch.Tensor,
-                     named: torch.Tensor, free: torch.Tensor, own: torch.Tensor,
-                     page_size: int):
-        """The request's own pages its row no longer names (int64 page ids) and the number of
-        conflicting entries none was found for. A position is searched when its entry
-        conflicts or names a record of another (position, token)."""
+    def _plan(self, req, row: int, lo: int, hi: int, allocator, page_size: int) -> "_ReleasePlan":
+        """Which pages the release of ``req`` (row ``row``, span ``lo:hi``) must not free and
+        which it must free although its row no longer names them.
+
+        An entry is the request's to free when its page is not free and either no other
+        holder names it, or its record holds this request's (position, token) and no slot
+        nobody names holds that key as well (then that one is the request's, and this one the
+        other holder's: two requests' identical prefixes have identical records). A page is
+        held back when an entry naming it is not the request's to free. A slot nobody names,
+        not free, whose record holds the (position, token) of an entry that is in doubt (its
+        record is another's, another holder names it, or it is free), is reclaimed."""
+        device = self.records.device
+        named, free = self._holders(allocator, page_size, exclude=req)
+        entries = self.req_to_token[row, lo:hi].to(device, torch.int64)
+        pages = entries // page_size
+        other, was_free = named[pages], free[pages]
         tokens = seam.req_token_ids(req)
         n = min(entries.shape[0], max(len(tokens) - lo, 0))
-        if n == 0:
-            return torch.zeros(0, dtype=torch.int64, device=entries.device), 0
-        device = entries.device
         positions = torch.arange(lo, lo + n, dtype=torch.int64, device=device)
         want = torch.tensor(tokens[lo:lo + n], dtype=torch.int64).to(device)
         stored = self.records[entries[:n]]
-        wrong = ((stored[:, CANARY_FIELD_POSITION] != positions)
-                 | (stored[:, CANARY_FIELD_TOKEN] != want))
-        misfit = conflict[:n] | wrong
-        if not bool(misfit.any()):
-            return torch.zeros(0, dtype=torch.int64, device=device), 0
-        keys = (positions[misfit] << _KEY_SHIFT) | want[misfit]
-        rec_keys = ((self.records[:, CANARY_FIELD_POSITION] << _KEY_SHIFT)
-                    | self.records[:, CANARY_FIELD_TOKEN])
-        slots = torch.isin(rec_keys, keys).nonzero().flatten()
-        slots = slots[slots >= page_size]  # the padding slot (page 0) is nobody's
-        pages = torch.unique(slots // page_size)
-        orphan = ~named[pages] & ~free[pages] & ~torch.isin(pages, own)
-        reclaim = pages[orphan]
-        # a conflicting entry is attributed when a reclaimed slot holds its (position, token)
-        found = torch.isin(keys, rec_keys[slots[torch.isin(slots // page_size, reclaim)]])
-        # an entry naming another holder's record whose own slot was not found (an entry
-        # naming its own record but held by another holder too is its own, held back)
-        unattributed = int(((conflict[:n] & wrong)[misfit] & ~found).sum())
-        return reclaim, unattributed
+        fits = torch.zeros_like(other)
+        fits[:n] = ((stored[:, CANARY_FIELD_POSITION] == positions)
+                    & (stored[:, CANARY_FIELD_TOKEN] == want))
+        doubt = (~fits | other | was_free)[:n]
+        keys = (positions << _KEY_SHIFT) | want
+        has_orphan = torch.zeros_like(other)
+        reclaim = torch.zeros(0, dtype=torch.int64, device=device)
+        slots = torch.zeros(0, dtype=torch.int64, device=device)
+        if bool(doubt.any()):
+            rec_keys = ((self.records[:, CANARY_FIELD_POSITION] << _KEY_SHIFT)
+                        | self.records[:, CANARY_FIELD_TOKEN])
+            slots = torch.isin(rec_keys, keys[doubt]).nonzero().flatten()
+            slots = slots[slots >= page_size]  # the padding slot (page 0) is nobody's
+            cand = slots // page_size
+            orphan = ~named[cand] & ~free[cand] & ~torch.isin(cand, pages)
+            reclaim = torch.unique(cand[orphan])
+            has_orphan[:n] = torch.isin(keys, rec_keys[slots[orphan]]) & doubt
+        ok = ~was_free & (~other | (fits & ~has_orphan))
+        held_back = torch.unique(pages[~ok])
+        unattributed = 0
+        lost = (~fits & ~ok)[:n]  # an entry naming another's record on a page held back
+        if bool(lost.any()):
+            # its own slot is reclaimed, or on a page this release frees (a page mate's)
+            freed_pages = torch.cat([reclaim, torch.unique(pages[ok])])
+            mine = slots[torch.isin(slots // page_size, freed_pages)]
+            unattributed = int((lost & ~torch.isin(keys, rec_keys[mine])).sum())
+        return _ReleasePlan(held_back=held_back, reclaim=reclaim,
+                            still_held=held_back[~free[held_back]].tolist(),
+                            unattributed=unattributed)
 
     # ---- held-back pages ---------------------------------------------------------------------
 
