@@ -633,7 +633,7 @@ MUTANTS = (
         speed="quick", what="a slot freed with its page mates is reported unattributed"),
     Mutant(
         id="guard-no-reclaim", path=f"{_RT}/runner/ownership.py",
-        old="        if reclaim.numel():\n", new="        if False:\n",
+        old="        if plan.reclaim.numel():\n", new="        if False:\n",
         selection=f"{_T}/test_release_guard.py::"
                   "test_a_row_naming_its_own_slot_twice_frees_it_once",
         speed="quick", what="the slot a corrupt row lost stays allocated"),
