@@ -658,6 +658,15 @@ MUTANTS = (
                   "test_a_chunk_cache_release_is_guarded_too",
         speed="quick", what="no release is guarded"),
     Mutant(
+        id="guard-eviction-unguarded", path=f"{_RT}/runner/containment.py",
+        old="                with guard:\n                    freed = seam.radix_evict_subtree(",
+        new="                with contextlib.nullcontext():\n"
+            "                    freed = seam.radix_evict_subtree(",
+        selection=f"{_T}/test_release_guard.py::"
+                  "test_a_corrupt_row_sglang_cached_before_its_report_is_evicted_under_the_guard",
+        speed="quick", what="abort mode's eviction frees a live request's slot a cached "
+                            "corrupt row put in the tree"),
+    Mutant(
         id="kept-fault-undone", path=f"{_RT}/perturb/perturber.py",
         old="        if kind == FaultKind.REQ_TO_TOKEN:\n", new="        if True:\n",
         selection=f"{_T}/test_perturb_oracle.py::"

@@ -68,9 +68,14 @@ def _tree_over(d: ServingDriver, reqs):
                                    need_sort=False)
     cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t,
                                        token_to_kv_pool_allocator=alloc, page_size=1))
+    held = set()
     for r in reqs:
         cache.insert(InsertParams(key=RadixKey(r.tokens[: r.kv_len]),
                                   value=torch.tensor(r.slots[: r.kv_len])))
+        held |= set(r.slots[: r.kv_len])
+    # the tree's slots are allocated, as in sglang (the release guard reads the free list)
+    alloc.free_pages = alloc.free_pages[~torch.isin(alloc.free_pages,
+                                                    torch.tensor(sorted(held)))]
     return cache, alloc
 
 

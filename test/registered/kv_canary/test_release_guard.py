@@ -17,7 +17,12 @@ import torch
 from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES
 from sglang.srt.kv_canary import plugin
 from sglang.srt.kv_canary import sglang_seam as seam
-from sglang.srt.kv_canary.runner.ownership import RELEASE_LINE_PREFIX, ReleaseGuard
+from sglang.jit_kernel.kv_canary.consts import FailReason
+from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
+from sglang.srt.kv_canary.runner.containment import ContainmentManager
+from sglang.srt.kv_canary.runner.ownership import RELEASE_LINE_PREFIX
+from sglang.srt.kv_canary.runner.requests import IncidentRequests, RequestResolver
+from sglang.srt.kv_canary.runner.violation import merge_incidents
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.allocator import (
     PagedTokenToKVPoolAllocator,
@@ -72,9 +77,14 @@ class Pool:
         self.cache = ChunkCache(params) if chunk else RadixCache(params)
         self.records = torch.zeros(NUM_SLOTS + page_size, CANARY_SLOT_BYTES, dtype=torch.uint8)
         self.live = []
-        self.guard = ReleaseGuard(records=self.records, req_to_token=self.r2t.req_to_token,
-                                  live_reqs=lambda: list(self.live), radix_cache=self.cache)
-        seam.set_release_guard(self.cache, self.guard)
+        # abort mode's containment over this pool, attached as the scheduler attaches it
+        resolver = RequestResolver(req_to_token=self.r2t.req_to_token)
+        resolver.running_reqs = lambda: list(self.live)
+        self.containment = ContainmentManager(resolver=resolver, swa_index_lut=None,
+                                              records=self.records)
+        self.containment.attach_radix_cache(self.cache)
+        self.guard = self.containment.guard
+        assert seam.release_guard_of(self.cache) is self.guard
         self._rid = 0
 
     def request(self, n: int, *, first_token: int = 100) -> Req:
@@ -253,6 +263,37 @@ def test_identical_prefixes_make_the_other_holders_slot_look_like_the_requests_o
         pool.guard.settle(pool.cache)
         pool.check_accounting()
         assert pool.guard.reclaimed_slots == 1 and pool.guard.unattributed == 0, first
+
+
+def test_a_corrupt_row_sglang_cached_before_its_report_is_evicted_under_the_guard(
+        global_server_args, hooked):
+    """On the GPU a report comes a forward late, and sglang may cache a request's row in the
+    radix cache before (``cache_unfinished_req`` after a prefill): a corrupt entry then puts
+    B's slot in the tree and leaves A's own slot with nobody. Abort mode's eviction of that
+    prefix must not free B's slot (B runs) and must reclaim A's."""
+    global_server_args(1)
+    pool = Pool(1)
+    a = pool.request(12)
+    b = pool.request(12)
+    a.fill_ids = list(a.origin_input_ids)
+    own = _corrupt(pool, a, 7, pool.row(b)[3])
+    pool.cache.cache_unfinished_req(a)  # the corrupt mapping enters the tree
+    assert pool.row(b)[3] in pool.tree_slots() and own not in pool.tree_slots()
+    seam.mark_contained(a)
+    pool.release(a)  # its span is the tree's now: nothing of it to free
+    # the incident (B's slot read at A's position 7) is contained: the prefix holding the
+    # slot is evicted after the batch result
+    (incident,) = merge_incidents([[int(CanaryLaunchTag.HEAD_K_FULL), pool.row(b)[3], 7, 7,
+                                    -1, 0, 0, int(FailReason.VERIFY_POSITION_MISMATCH), 7,
+                                    a.req_pool_idx or 0]])
+    pool.containment.contain([incident], [IncidentRequests(rids=(), running=())])
+    pool.containment.after_batch_result()
+    assert pool.containment.evicted_nodes == 1
+    pool.check_busy_count()
+    pool.check_accounting()
+    assert pool.guard.held_back_slots == 1 and pool.guard.reclaimed_slots == 1
+    assert own in pool.alloc.free_pages.tolist()
+    assert pool.row(b)[3] not in pool.alloc.free_pages.tolist()
 
 
 def test_a_row_naming_its_own_slot_twice_frees_it_once(global_server_args, hooked):

@@ -598,6 +598,21 @@ def radix_node_children(node: "TreeNode") -> Iterable["TreeNode"]:
     return node.children.values()
 
 
+def radix_node_key_tokens(node: "TreeNode") -> List[int]:
+    """The tokens of the node's key, one per slot of its value (a bigram key, EAGLE's, holds
+    one more: each slot's token is the first of its pair)."""
+    return list(node.key.token_ids)
+
+
+def radix_node_depth(node: "TreeNode") -> int:
+    """The sequence position of the node's first slot: its ancestors' key lengths."""
+    depth, parent = 0, node.parent
+    while parent is not None:  # the root's key is empty
+        depth += len(parent.key) if parent.key is not None else 0
+        parent = parent.parent
+    return depth
+
+
 def radix_node_has_children(node: "TreeNode") -> bool:
     return bool(node.children)
 

@@ -11,12 +11,14 @@ corrupt slot. After each batch result (the scheduler's thread, between batches),
 remembered slot, with their descendants, once no running request locks them (a request that
 locks one maps the slot: it is aborted too). A slot is forgotten once no node holds it and
 every request aborted for it has released its KV: its next owner writes a fresh record.
-The release of every request an incident touches is guarded
-(:class:`~sglang.srt.kv_canary.runner.ownership.ReleaseGuard`): it frees only the KV it owns.
+The release of every request an incident touches, and every eviction, is guarded
+(:class:`~sglang.srt.kv_canary.runner.ownership.ReleaseGuard`): it frees only the KV its
+holder owns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from typing import List, Optional, Sequence, Tuple
@@ -146,7 +148,10 @@ class ContainmentManager:
         locked = False
         for node in nodes:
             if seam.radix_subtree_evictable(self.radix_cache, node):
-                freed = seam.radix_evict_subtree(self.radix_cache, node)
+                guard = (self.guard.evicting(self.radix_cache, node) if self.guard is not None
+                         else contextlib.nullcontext())
+                with guard:
+                    freed = seam.radix_evict_subtree(self.radix_cache, node)
                 self.evicted_tokens += freed
                 self.evicted_nodes += 1
                 logger.warning("kv_canary abort: evicted a radix-cache prefix holding a corrupt "

@@ -35,7 +35,6 @@ import torch
 from sglang.jit_kernel.kv_canary.consts import CANARY_FIELD_POSITION, CANARY_FIELD_TOKEN
 from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES
 from sglang.srt.kv_canary import sglang_seam as seam
-from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
 from sglang.srt.kv_canary.runner.requests import violation_path_sync
 
 logger = logging.getLogger(__name__)
@@ -43,8 +42,10 @@ logger = logging.getLogger(__name__)
 # (position, token) packed into one int64 key: positions and token ids are below 2**31
 _KEY_SHIFT = 31
 
-RELEASE_LINE_PREFIX = "kv_canary abort: released request"
-_UNATTRIBUTED_RE = re.compile(re.escape(RELEASE_LINE_PREFIX) + r" .*, unattributed entries "
+GUARD_LINE_PREFIX = "kv_canary abort:"
+RELEASE_LINE_PREFIX = f"{GUARD_LINE_PREFIX} released request"
+EVICTION_LINE_PREFIX = f"{GUARD_LINE_PREFIX} evicting a corrupt prefix"
+_UNATTRIBUTED_RE = re.compile(re.escape(GUARD_LINE_PREFIX) + r" .*, unattributed entries "
                               r"(\d+)$")
 
 
@@ -61,7 +62,7 @@ class ReleaseOutcome:
     reclaimed (the request's own, no longer named by its row), entries whose own slot no record
     identified; each in pages of ``page_size`` slots."""
 
-    rid: str
+    what: str  # "released request <rid>" or "evicting a corrupt prefix"
     page_size: int
     held_back: int
     reclaimed: int
@@ -73,9 +74,28 @@ class ReleaseOutcome:
 
     def describe(self) -> str:
         unit = "slot(s)" if self.page_size == 1 else f"page(s) of {self.page_size} slots"
-        return (f"{RELEASE_LINE_PREFIX} {self.rid}: held back {self.held_back} {unit} another "
+        return (f"{GUARD_LINE_PREFIX} {self.what}: held back {self.held_back} {unit} another "
                 f"holder owns, reclaimed {self.reclaimed} {unit} its row no longer named, "
                 f"unattributed entries {self.unattributed}")
+
+
+def _tree_nodes(radix_cache) -> List:
+    """Every non-root node of the radix cache (host walk)."""
+    out, stack = [], list(seam.radix_root_children(radix_cache))
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(seam.radix_node_children(node))
+    return out
+
+
+def _subtree(node) -> List:
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(seam.radix_node_children(n))
+    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -116,13 +136,15 @@ class ReleaseGuard:
 
     # ---- who holds what ----------------------------------------------------------------------
 
-    def _holders(self, allocator, page_size: int, *, exclude=None):
+    def _holders(self, allocator, page_size: int, *, exclude_req=None,
+                 exclude_nodes: Sequence = ()):
         """Bool ``[num_pages]`` masks on the records' device: pages named by a live request's
-        row (``exclude`` left out) or a radix node, and pages free in ``allocator``."""
+        row (``exclude_req`` left out) or a radix node (``exclude_nodes`` left out), and pages
+        free in ``allocator``."""
         device = self.records.device
         num_pages = (self.records.shape[0] + page_size - 1) // page_size
         named = torch.zeros(num_pages, dtype=torch.bool, device=device)
-        reqs = [r for r in seam.live_row_reqs(self.live_reqs()) if r is not exclude
+        reqs = [r for r in seam.live_row_reqs(self.live_reqs()) if r is not exclude_req
                 and seam.req_kv_len(r) > 0]
         if reqs:
             rows = torch.tensor([seam.req_pool_row(r) for r in reqs], dtype=torch.int64)
@@ -132,13 +154,16 @@ class ReleaseGuard:
                     < lens.to(table.device)[:, None])
             named[table[live].to(device, torch.int64) // page_size] = True
         if self.radix_cache is not None:
-            walk = walk_radix_cache_for_canary(radix_cache=self.radix_cache)
-            named[walk.slot_indices.to(device) // page_size] = True
+            skip = {id(n) for n in exclude_nodes}
+            values = [v for n in _tree_nodes(self.radix_cache) if id(n) not in skip
+                      for v in [seam.radix_node_value(n)] if v is not None and v.numel()]
+            if values:
+                named[torch.cat(values).to(device, torch.int64) // page_size] = True
         free = torch.zeros(num_pages, dtype=torch.bool, device=device)
         free[seam.allocator_free_pages(allocator).to(device)] = True
         return named, free
 
-    # ---- the release -------------------------------------------------------------------------
+    # ---- the guarded frees -------------------------------------------------------------------
 
     @contextlib.contextmanager
     def releasing(self, req, tree_cache):
@@ -151,9 +176,51 @@ class ReleaseGuard:
         if row is None or hi <= lo:
             yield
             return
-        with violation_path_sync(self.records.device):
-            plan = self._plan(req, row, lo, hi, allocator, page_size)
-        dropped = plan.held_back.to(self.req_to_token.device)
+        device = self.records.device
+        with violation_path_sync(device):
+            named, free = self._holders(allocator, page_size, exclude_req=req)
+            entries = self.req_to_token[row, lo:hi].to(device, torch.int64)
+            tokens = seam.req_token_ids(req)[lo:hi]
+            plan = self._decide(entries, torch.arange(lo, lo + len(tokens), device=device),
+                                torch.tensor(tokens, dtype=torch.int64).to(device),
+                                named, free, page_size)
+        with self._guarded(allocator, page_size, plan, f"released request {seam.req_rid(req)}"):
+            yield
+
+    @contextlib.contextmanager
+    def evicting(self, radix_cache, node):
+        """Around abort mode's eviction of ``node``'s subtree from the radix cache: the same
+        guard for the slots its nodes hold (a corrupt ``req_to_token`` row that sglang cached
+        before its report put another holder's slot there, and left the request's own slot
+        with nobody)."""
+        allocator = seam.tree_cache_allocator(radix_cache)
+        page_size = seam.allocator_page_size(allocator)
+        subtree = _subtree(node)
+        device = self.records.device
+        slots, positions, tokens = [], [], []
+        for n in subtree:
+            value = seam.radix_node_value(n)
+            if value is None or not value.numel():
+                continue
+            key = seam.radix_node_key_tokens(n)[:value.numel()]
+            depth = seam.radix_node_depth(n)
+            slots.append(value.to(device, torch.int64))
+            positions += range(depth, depth + value.numel())
+            tokens += key + [-1] * (value.numel() - len(key))
+        if not slots:
+            yield
+            return
+        with violation_path_sync(device):
+            named, free = self._holders(allocator, page_size, exclude_nodes=subtree)
+            plan = self._decide(torch.cat(slots), torch.tensor(positions, device=device),
+                                torch.tensor(tokens, dtype=torch.int64).to(device),
+                                named, free, page_size)
+        with self._guarded(allocator, page_size, plan, "evicting a corrupt prefix"):
+            yield
+
+    @contextlib.contextmanager
+    def _guarded(self, allocator, page_size: int, plan: "_ReleasePlan", what: str):
+        dropped = plan.held_back
         freed: List[torch.Tensor] = []
 
         def keep(free_index: torch.Tensor) -> torch.Tensor:
@@ -173,7 +240,7 @@ class ReleaseGuard:
         if plan.reclaim.numel():
             allocator.free(plan.reclaim * page_size)
         self.pending.extend(p for p in plan.still_held if p not in self.pending)
-        outcome = ReleaseOutcome(rid=seam.req_rid(req), page_size=page_size,
+        outcome = ReleaseOutcome(what=what, page_size=page_size,
                                  held_back=int(plan.held_back.numel()),
                                  reclaimed=int(plan.reclaim.numel()),
                                  unattributed=plan.unattributed)
@@ -184,35 +251,33 @@ class ReleaseGuard:
         if outcome.changed:
             logger.warning(outcome.describe())
 
-    def _plan(self, req, row: int, lo: int, hi: int, allocator, page_size: int) -> "_ReleasePlan":
-        """Which pages the release of ``req`` (row ``row``, span ``lo:hi``) must not free and
-        which it must free although its row no longer names them.
+    def _decide(self, entries: torch.Tensor, positions: torch.Tensor, want: torch.Tensor,
+                named: torch.Tensor, free: torch.Tensor, page_size: int) -> "_ReleasePlan":
+        """Which pages a holder's frees of ``entries`` (int64 slots; the first
+        ``len(positions)`` hold the sequence ``positions`` with tokens ``want``, -1: unknown)
+        must skip, and which it must free although it no longer names them.
 
-        An entry is the request's to free when its page is not free and either no other
-        holder names it, or its record holds this request's (position, token) and no slot
-        nobody names holds that key as well (then that one is the request's, and this one the
-        other holder's: two requests' identical prefixes have identical records). A page is
-        held back when an entry naming it is not the request's to free. A slot nobody names,
-        not free, whose record holds the (position, token) of an entry that is in doubt (its
-        record is another's, another holder names it, or it is free), is reclaimed."""
+        An entry is the holder's to free when its page is not free and either no other holder
+        names it, or its record holds the entry's (position, token) and no slot nobody names
+        holds that key as well (then that one is the holder's, and this one the other's: two
+        requests' identical prefixes have identical records). A page is held back when an
+        entry naming it is not the holder's to free. A slot nobody names, not free, whose
+        record holds the (position, token) of an entry in doubt (its record is another's,
+        another holder names it, or it is free) is reclaimed."""
         device = self.records.device
-        named, free = self._holders(allocator, page_size, exclude=req)
-        entries = self.req_to_token[row, lo:hi].to(device, torch.int64)
         pages = entries // page_size
         other, was_free = named[pages], free[pages]
-        tokens = seam.req_token_ids(req)
-        n = min(entries.shape[0], max(len(tokens) - lo, 0))
-        positions = torch.arange(lo, lo + n, dtype=torch.int64, device=device)
-        want = torch.tensor(tokens[lo:lo + n], dtype=torch.int64).to(device)
+        n = positions.shape[0]
         stored = self.records[entries[:n]]
         fits = torch.zeros_like(other)
         fits[:n] = ((stored[:, CANARY_FIELD_POSITION] == positions)
-                    & (stored[:, CANARY_FIELD_TOKEN] == want))
-        doubt = (~fits | other | was_free)[:n]
-        keys = (positions << _KEY_SHIFT) | want
+                    & (stored[:, CANARY_FIELD_TOKEN] == want) & (want >= 0))
+        doubt = (~fits | other | was_free)[:n] & (want >= 0)
+        keys = (positions << _KEY_SHIFT) | want.clamp(min=0)
         has_orphan = torch.zeros_like(other)
         reclaim = torch.zeros(0, dtype=torch.int64, device=device)
         slots = torch.zeros(0, dtype=torch.int64, device=device)
+        rec_keys = None
         if bool(doubt.any()):
             rec_keys = ((self.records[:, CANARY_FIELD_POSITION] << _KEY_SHIFT)
                         | self.records[:, CANARY_FIELD_TOKEN])
@@ -225,9 +290,9 @@ class ReleaseGuard:
         ok = ~was_free & (~other | (fits & ~has_orphan))
         held_back = torch.unique(pages[~ok])
         unattributed = 0
-        lost = (~fits & ~ok)[:n]  # an entry naming another's record on a page held back
+        lost = (~fits & ~ok)[:n] & (want >= 0)  # another's record on a page held back
         if bool(lost.any()):
-            # its own slot is reclaimed, or on a page this release frees (a page mate's)
+            # its own slot is reclaimed, or on a page this holder frees (a page mate's)
             freed_pages = torch.cat([reclaim, torch.unique(pages[ok])])
             mine = slots[torch.isin(slots // page_size, freed_pages)]
             unattributed = int((lost & ~torch.isin(keys, rec_keys[mine])).sum())

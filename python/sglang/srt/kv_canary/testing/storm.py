@@ -60,7 +60,11 @@ from sglang.srt.kv_canary.runner.metrics import (
     HELD_BACK_SLOTS,
     RECLAIMED_SLOTS,
 )
-from sglang.srt.kv_canary.runner.ownership import RELEASE_LINE_PREFIX, parse_unattributed
+from sglang.srt.kv_canary.runner.ownership import (
+    EVICTION_LINE_PREFIX,
+    RELEASE_LINE_PREFIX,
+    parse_unattributed,
+)
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
     ServerProcess,
@@ -297,6 +301,7 @@ def run_storm(settings: StormSettings) -> dict:
         prefix_evictions=log.count("kv_canary abort: evicted a radix-cache prefix"),
         held_back_slots=held_back, reclaimed_slots=reclaimed,
         guarded_release_lines=log.count(RELEASE_LINE_PREFIX),
+        guarded_eviction_lines=log.count(EVICTION_LINE_PREFIX),
         unattributed_entries=sum(map(parse_unattributed, log.splitlines())),
         checks=checks, root=str(root))
     return figures
