@@ -265,16 +265,18 @@ def test_identical_prefixes_make_the_other_holders_slot_look_like_the_requests_o
         assert pool.guard.reclaimed_slots == 1 and pool.guard.unattributed == 0, first
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
 def test_a_corrupt_row_sglang_cached_before_its_report_is_evicted_under_the_guard(
-        global_server_args, hooked):
+        global_server_args, hooked, page_size):
     """On the GPU a report comes a forward late, and sglang may cache a request's row in the
     radix cache before (``cache_unfinished_req`` after a prefill): a corrupt entry then puts
-    B's slot in the tree and leaves A's own slot with nobody. Abort mode's eviction of that
-    prefix must not free B's slot (B runs) and must reclaim A's."""
-    global_server_args(1)
-    pool = Pool(1)
-    a = pool.request(12)
-    b = pool.request(12)
+    B's slot in the tree and leaves A's own slot with nobody (at page size 16: on a page the
+    node's other slots still hold). Abort mode's eviction of that prefix must not free B's
+    page (B runs) and must free A's."""
+    global_server_args(page_size)
+    pool = Pool(page_size)
+    a = pool.request(12 if page_size == 1 else 32)
+    b = pool.request(12 if page_size == 1 else 32)
     a.fill_ids = list(a.origin_input_ids)
     own = _corrupt(pool, a, 7, pool.row(b)[3])
     pool.cache.cache_unfinished_req(a)  # the corrupt mapping enters the tree
@@ -291,9 +293,11 @@ def test_a_corrupt_row_sglang_cached_before_its_report_is_evicted_under_the_guar
     assert pool.containment.evicted_nodes == 1
     pool.check_busy_count()
     pool.check_accounting()
-    assert pool.guard.held_back_slots == 1 and pool.guard.reclaimed_slots == 1
-    assert own in pool.alloc.free_pages.tolist()
-    assert pool.row(b)[3] not in pool.alloc.free_pages.tolist()
+    free = pool.alloc.free_pages.tolist()
+    assert own // page_size in free and pool.row(b)[3] // page_size not in free
+    assert pool.guard.held_back_slots == page_size and pool.guard.unattributed == 0
+    # page 1: A's slot reclaimed by its record; page 16: freed with its page mates
+    assert pool.guard.reclaimed_slots == (1 if page_size == 1 else 0)
 
 
 def test_a_row_naming_its_own_slot_twice_frees_it_once(global_server_args, hooked):
