@@ -64,12 +64,14 @@ def test_abort_engine_on_gpu_contains_faults(model):
 
 @pytest.mark.parametrize("page_size", [1, 16], ids=["one_slot_pages", "sixteen_slot_pages"])
 def test_abort_mode_storm_on_the_gpu(tmp_path, page_size):
-    from sglang.srt.kv_canary.testing.storm import StormSettings, run_storm
+    from sglang.srt.kv_canary.testing.storm import StormSettings, failure_excerpt, run_storm
 
     figures = run_storm(StormSettings(mode="abort", seconds=STORM_SECONDS, idle_seconds=10,
                                       device="cuda", page_size=page_size, out=tmp_path))
     print("GPU storm:", {k: v for k, v in figures.items() if k != "checks"})
     failed = [name for name, ok in figures["checks"].items() if not ok]
+    if failed:  # pytest shows a failing test's output: the server log's telling lines
+        print("storm server, what it said:\n" + failure_excerpt(figures))
     assert not failed, (failed, figures)
     assert figures["aborted"] > 0 and figures["completed"] > figures["aborted"], figures
 

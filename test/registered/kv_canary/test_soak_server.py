@@ -669,7 +669,7 @@ def test_abort_mode_storm_on_a_cli_server(tmp_path):
     ``sglang:kv_canary_aborted_requests_total`` equals the aborts the clients saw and the
     release guard reclaimed the slots the kept entries' rows lost (none unattributed). The
     10-minute runs and their figures: ``benchmark/results/containment.md``."""
-    from sglang.srt.kv_canary.testing.storm import StormSettings, run_storm
+    from sglang.srt.kv_canary.testing.storm import StormSettings, failure_excerpt, run_storm
 
     t0 = time.monotonic()
     figures = run_storm(StormSettings(mode="abort", seconds=STORM_SECONDS, idle_seconds=10,
@@ -677,6 +677,8 @@ def test_abort_mode_storm_on_a_cli_server(tmp_path):
     print(f"\nstorm: {json.dumps({k: v for k, v in figures.items() if k != 'checks'})} "
           f"in {time.monotonic() - t0:.0f} s")
     failed = [name for name, ok in figures["checks"].items() if not ok]
+    if failed:  # pytest shows a failing test's output: the server log's telling lines
+        print("storm server, what it said:\n" + failure_excerpt(figures))
     assert not failed, (failed, figures)
     # the storm really stormed: requests aborted and requests served alongside
     assert figures["aborted"] > 0 and figures["completed"] > figures["aborted"], figures

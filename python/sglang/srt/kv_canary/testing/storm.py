@@ -211,6 +211,19 @@ def start(name: str, root: pathlib.Path, model: str, env: Dict[str, str], device
     return server
 
 
+def failure_excerpt(figures: dict, lines: int = 40) -> str:
+    """The last ``lines`` lines of the storm server's log that say what went wrong: the
+    canary's abort-mode lines, sglang's leak reports and tracebacks (for a failed check's
+    message, where the log itself stays behind)."""
+    log = pathlib.Path(figures["root"]) / "storm.log"
+    if not log.exists():
+        return "(no storm.log)"
+    keep = [line for line in log.read_text(errors="replace").splitlines()
+            if '"POST /' not in line and any(
+                m in line for m in ("kv_canary abort:", "Leak", "Traceback", "Error"))]
+    return "\n".join(keep[-lines:])
+
+
 def run_storm(settings: StormSettings) -> dict:
     """Run one storm; returns its figures (JSON-ready), with ``checks`` (check name ->
     passed) and ``root`` (where the logs and ``results.json`` (rid -> outcome) are)."""
