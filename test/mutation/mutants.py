@@ -667,6 +667,13 @@ MUTANTS = (
         speed="quick", what="abort mode's eviction frees a live request's slot a cached "
                             "corrupt row put in the tree"),
     Mutant(
+        id="guard-nests", path=f"{_RT}/runner/ownership.py",
+        old="        if self._busy or row is None or hi <= lo:\n",
+        new="        if row is None or hi <= lo:\n",
+        selection=f"{_T}/test_release_guard.py::"
+                  "test_a_guard_nested_in_a_guarded_release_leaves_it_to_the_outer_one",
+        speed="quick", what="a release hooked twice reclaims the lost slot twice"),
+    Mutant(
         id="kept-fault-undone", path=f"{_RT}/perturb/perturber.py",
         old="        if kind == FaultKind.REQ_TO_TOKEN:\n", new="        if True:\n",
         selection=f"{_T}/test_perturb_oracle.py::"

@@ -387,6 +387,27 @@ def test_a_chunk_cache_release_is_guarded_too(global_server_args, hooked):
     assert pool.guard.held_back_slots == 1 and pool.guard.reclaimed_slots == 1
 
 
+def test_a_guard_nested_in_a_guarded_release_leaves_it_to_the_outer_one(
+        global_server_args, hooked, monkeypatch):
+    """The hook applied twice to the same method (a process that loaded the plugin twice, a
+    subclass calling its parent's hooked method): one release, one guarded decision; the
+    slot the row lost is freed once."""
+    original = RadixCache.cache_finished_req  # already the plugin's wrap (``hooked``)
+    monkeypatch.setattr(RadixCache, "cache_finished_req",
+                        lambda self, req, *a, **k:
+                        plugin._cache_finished_req(original, self, req, *a, **k))
+    global_server_args(1)
+    pool = Pool(1)
+    a = pool.request(6)
+    b = pool.request(6)
+    _corrupt(pool, a, 4, pool.row(b)[2])
+    seam.mark_contained(a)
+    pool.release(a)
+    pool.check_busy_count()
+    pool.check_accounting()
+    assert pool.guard.guarded_releases == 1 and pool.guard.reclaimed_slots == 1
+
+
 def test_an_unmarked_request_is_released_by_sglang_alone(global_server_args, hooked,
                                                           monkeypatch):
     """The hook does nothing for a request no incident touched: no guard work at all."""

@@ -135,6 +135,9 @@ class ReleaseGuard:
         self.settled_slots = 0  # held-back slots the guard freed itself (no holder left)
         self.unattributed = 0
         self.guarded_releases = 0
+        # a release or eviction under way: a guard nested in it (sglang calling a hooked
+        # method from another, a second wrap of the same method) leaves it to the outer one
+        self._busy = False
 
     # ---- who holds what ----------------------------------------------------------------------
 
@@ -175,7 +178,7 @@ class ReleaseGuard:
         page_size = seam.allocator_page_size(allocator)
         row = seam.req_pool_row(req)
         lo, hi = seam.req_release_span(req, tree_cache)
-        if row is None or hi <= lo:
+        if self._busy or row is None or hi <= lo:
             yield
             return
         device = self.records.device
@@ -209,7 +212,7 @@ class ReleaseGuard:
             slots.append(value.to(device, torch.int64))
             positions += range(depth, depth + value.numel())
             tokens += key + [-1] * (value.numel() - len(key))
-        if not slots:
+        if self._busy or not slots:
             yield
             return
         with violation_path_sync(device):
@@ -237,8 +240,12 @@ class ReleaseGuard:
             freed.append(torch.unique(idx // page_size))
             return idx.to(free_index.dtype)
 
-        with seam.allocator_frees_filtered(allocator, keep):
-            yield
+        self._busy = True
+        try:
+            with seam.allocator_frees_filtered(allocator, keep):
+                yield
+        finally:
+            self._busy = False
         if plan.reclaim.numel():
             allocator.free(plan.reclaim * page_size)
         self.pending.extend(p for p in plan.still_held if p not in self.pending)
