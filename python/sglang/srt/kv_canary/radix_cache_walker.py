@@ -104,6 +104,24 @@ def walk_radix_cache_for_canary(*, radix_cache, unlocked_only: bool = False,
     return RadixCacheWalkResult(flat[mask], positions[mask], prev[mask])
 
 
+def radix_tree_nodes(radix_cache) -> List:
+    """Every non-root node of a radix cache, in no particular order (host walk)."""
+    nodes: List = []
+    for child in seam.radix_root_children(radix_cache):
+        nodes += radix_subtree_nodes(child)
+    return nodes
+
+
+def radix_subtree_nodes(node) -> List:
+    """``node`` and its descendants, each after its parent (host walk)."""
+    nodes, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        nodes.append(n)
+        stack.extend(seam.radix_node_children(n))
+    return nodes
+
+
 def radix_nodes_holding_slots(*, radix_cache, slots: torch.Tensor) -> List:
     """The topmost nodes of a radix cache whose value holds any of ``slots`` (int64 ``[k]``
     full-pool slots): a node below a returned node is not returned (evicting the returned

@@ -30,6 +30,20 @@ METRIC_NAMES = (VIOLATIONS, VERIFIED_SLOTS, PROTECTED_TOKENS, SWEEP_PASSES, DROP
                 ABORTED_REQUESTS, HELD_BACK_SLOTS, RECLAIMED_SLOTS)
 
 
+class _RunningTotal:
+    """A Prometheus counter fed with a running total the canary keeps: each update advances
+    it by the growth since the last one."""
+
+    def __init__(self, counter):
+        self.counter = counter
+        self.last = 0
+
+    def to(self, total: int) -> None:
+        if total > self.last:
+            self.counter.inc(total - self.last)
+            self.last = total
+
+
 class CanaryMetrics:
     """``labels``: the scheduler's metric labels (name -> value), applied to every series;
     ``registry``: a ``prometheus_client`` registry (default: the process's, which sglang's
@@ -47,17 +61,17 @@ class CanaryMetrics:
             name=VIOLATIONS, labelnames=names + ["launch_tag", "fail_reason"],
             documentation="KV-canary violation reports (one per structured log line), by the "
                           "launch tag that saw it first and its fail reasons.")
-        self._verified = Counter(
+        self._verified = _RunningTotal(Counter(
             name=VERIFIED_SLOTS, labelnames=names,
             documentation="KV slot checks made by the canary's verify launches (forward reads "
-                          "and the radix sweep).").labels(**self.labels)
+                          "and the radix sweep).").labels(**self.labels))
         self._protected = Gauge(
             name=PROTECTED_TOKENS, labelnames=names, multiprocess_mode="mostrecent",
             documentation="Full-attention KV slots in use (running requests and the radix "
                           "cache), each guarded by a canary record.").labels(**self.labels)
-        self._sweeps = Counter(
+        self._sweeps = _RunningTotal(Counter(
             name=SWEEP_PASSES, labelnames=names,
-            documentation="Radix-cache sweep passes of the KV canary.").labels(**self.labels)
+            documentation="Radix-cache sweep passes of the KV canary.").labels(**self.labels))
         self._dropped = Counter(
             name=DROPPED_VIOLATIONS, labelnames=names,
             documentation="KV-canary violation rows past the ring's per-step capacity "
@@ -65,19 +79,15 @@ class CanaryMetrics:
         self._aborted = Counter(
             name=ABORTED_REQUESTS, labelnames=names,
             documentation="Requests aborted by --kv-canary abort.").labels(**self.labels)
-        self._held_back = Counter(
+        self._held_back = _RunningTotal(Counter(
             name=HELD_BACK_SLOTS, labelnames=names,
             documentation="KV slots --kv-canary abort kept an aborted request's release from "
                           "freeing (its corrupt req_to_token row named another holder's "
-                          "slots).").labels(**self.labels)
-        self._reclaimed = Counter(
+                          "slots).").labels(**self.labels))
+        self._reclaimed = _RunningTotal(Counter(
             name=RECLAIMED_SLOTS, labelnames=names,
             documentation="KV slots --kv-canary abort freed for an aborted request whose "
-                          "corrupt req_to_token row no longer named them.").labels(**self.labels)
-        self._last_verified = 0
-        self._last_sweeps = 0
-        self._last_held_back = 0
-        self._last_reclaimed = 0
+                          "corrupt req_to_token row no longer named them.").labels(**self.labels))
         self._sets_protected = True
 
     def sibling(self) -> "CanaryMetrics":
@@ -86,10 +96,8 @@ class CanaryMetrics:
         protected-tokens gauge stays the first canary's (the pools share their slots)."""
         twin = object.__new__(CanaryMetrics)
         twin.__dict__.update(self.__dict__)
-        twin._last_verified = 0
-        twin._last_sweeps = 0
-        twin._last_held_back = 0
-        twin._last_reclaimed = 0
+        for name in ("_verified", "_sweeps", "_held_back", "_reclaimed"):  # own totals
+            setattr(twin, name, _RunningTotal(getattr(self, name).counter))
         twin._sets_protected = False
         return twin
 
@@ -107,21 +115,13 @@ class CanaryMetrics:
             self._aborted.inc(count)
 
     def on_release_guard(self, *, held_back_slots: int, reclaimed_slots: int) -> None:
-        """The release guard's running totals (the counters advance by the growth)."""
-        if held_back_slots > self._last_held_back:
-            self._held_back.inc(held_back_slots - self._last_held_back)
-            self._last_held_back = held_back_slots
-        if reclaimed_slots > self._last_reclaimed:
-            self._reclaimed.inc(reclaimed_slots - self._last_reclaimed)
-            self._last_reclaimed = reclaimed_slots
+        """The release guard's running totals."""
+        self._held_back.to(held_back_slots)
+        self._reclaimed.to(reclaimed_slots)
 
     def on_step(self, *, verified_slots: int, sweep_passes: int, protected_tokens: int) -> None:
-        """Running totals as the canary counts them (the counters advance by the growth)."""
-        if verified_slots > self._last_verified:
-            self._verified.inc(verified_slots - self._last_verified)
-            self._last_verified = verified_slots
-        if sweep_passes > self._last_sweeps:
-            self._sweeps.inc(sweep_passes - self._last_sweeps)
-            self._last_sweeps = sweep_passes
+        """Running totals as the canary counts them."""
+        self._verified.to(verified_slots)
+        self._sweeps.to(sweep_passes)
         if self._sets_protected:
             self._protected.set(protected_tokens)

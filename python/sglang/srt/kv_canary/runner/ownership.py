@@ -37,6 +37,7 @@ import torch
 from sglang.jit_kernel.kv_canary.consts import CANARY_FIELD_POSITION, CANARY_FIELD_TOKEN
 from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES
 from sglang.srt.kv_canary import sglang_seam as seam
+from sglang.srt.kv_canary.radix_cache_walker import radix_subtree_nodes, radix_tree_nodes
 from sglang.srt.kv_canary.runner.requests import violation_path_sync
 
 logger = logging.getLogger(__name__)
@@ -79,25 +80,6 @@ class ReleaseOutcome:
         return (f"{GUARD_LINE_PREFIX} {self.what}: held back {self.held_back} {unit} another "
                 f"holder owns, reclaimed {self.reclaimed} {unit} its row no longer named, "
                 f"unattributed entries {self.unattributed}")
-
-
-def _tree_nodes(radix_cache) -> List:
-    """Every non-root node of the radix cache (host walk)."""
-    out, stack = [], list(seam.radix_root_children(radix_cache))
-    while stack:
-        node = stack.pop()
-        out.append(node)
-        stack.extend(seam.radix_node_children(node))
-    return out
-
-
-def _subtree(node) -> List:
-    out, stack = [], [node]
-    while stack:
-        n = stack.pop()
-        out.append(n)
-        stack.extend(seam.radix_node_children(n))
-    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -160,7 +142,7 @@ class ReleaseGuard:
             named[table[live].to(device, torch.int64) // page_size] = True
         if self.radix_cache is not None:
             skip = {id(n) for n in exclude_nodes}
-            values = [v for n in _tree_nodes(self.radix_cache) if id(n) not in skip
+            values = [v for n in radix_tree_nodes(self.radix_cache) if id(n) not in skip
                       for v in [seam.radix_node_value(n)] if v is not None and v.numel()]
             if values:
                 named[torch.cat(values).to(device, torch.int64) // page_size] = True
@@ -200,7 +182,7 @@ class ReleaseGuard:
         with nobody)."""
         allocator = seam.tree_cache_allocator(radix_cache)
         page_size = seam.allocator_page_size(allocator)
-        subtree = _subtree(node)
+        subtree = radix_subtree_nodes(node)
         device = self.records.device
         slots, positions, tokens = [], [], []
         for n in subtree:
