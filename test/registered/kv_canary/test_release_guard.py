@@ -42,18 +42,19 @@ NUM_SLOTS = 256
 
 
 @pytest.fixture
-def global_server_args(request):
-    """sglang's ``release_kv_cache`` reads the global server args (page size, speculative
-    algorithm): set for the test, restored after it."""
+def make_pool():
+    """``make_pool(page_size, chunk=False)``: a :class:`Pool`, with sglang's global server
+    args set to that page size (``release_kv_cache`` reads them); restored after the test."""
     import sglang.srt.server_args as sa
 
     saved = sa._global_server_args
 
-    def set_page_size(page_size: int):
+    def make(page_size: int, *, chunk: bool = False) -> "Pool":
         sa.set_global_server_args_for_scheduler(sa.ServerArgs(model_path="dummy",
                                                               page_size=page_size))
+        return Pool(page_size, chunk=chunk)
 
-    yield set_page_size
+    yield make
     sa._global_server_args = saved
 
 
@@ -172,12 +173,11 @@ def _corrupt(pool: Pool, req: Req, pos: int, slot: int) -> int:
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("first", ["victim", "donor"])
 def test_an_aborted_request_frees_its_own_slots_not_the_ones_its_corrupt_row_names(
-        global_server_args, hooked, caplog, page_size, first):
+        make_pool, hooked, caplog, page_size, first):
     """A's last entry names B's slot (B still running): whichever of the two is released
     first, B's page is freed once, A's own page is found by its record and freed, and the
     pool loses nothing."""
-    global_server_args(page_size)
-    pool = Pool(page_size)
+    pool = make_pool(page_size)
     a = pool.request(page_size + 1)  # its last position alone on its last page
     b = pool.request(2 * page_size + 4)
     c = pool.request(5)  # untouched
@@ -209,11 +209,10 @@ def test_an_aborted_request_frees_its_own_slots_not_the_ones_its_corrupt_row_nam
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_without_the_guard_the_same_release_frees_a_live_page_and_leaks_one(
-        global_server_args, page_size):
+        make_pool, page_size):
     """The defect the guard exists for, on the same objects: sglang alone frees B's page
     while B holds it, and A's own page is lost."""
-    global_server_args(page_size)
-    pool = Pool(page_size)
+    pool = make_pool(page_size)
     a = pool.request(page_size + 1)
     b = pool.request(2 * page_size + 4)
     _corrupt(pool, a, page_size, pool.row(b)[3])
@@ -223,11 +222,10 @@ def test_without_the_guard_the_same_release_frees_a_live_page_and_leaks_one(
 
 
 def test_a_corrupt_entry_whose_page_mates_free_its_own_page_is_attributed(
-        global_server_args, hooked, caplog):
+        make_pool, hooked, caplog):
     """Page size 16: the entry's own slot is on a page its other entries still name, so the
     release frees it with them; nothing is reclaimed and nothing is unattributed."""
-    global_server_args(16)
-    pool = Pool(16)
+    pool = make_pool(16)
     a = pool.request(40)
     b = pool.request(40)
     _corrupt(pool, a, 20, pool.row(b)[5])
@@ -241,13 +239,12 @@ def test_a_corrupt_entry_whose_page_mates_free_its_own_page_is_attributed(
 
 
 def test_identical_prefixes_make_the_other_holders_slot_look_like_the_requests_own(
-        global_server_args, hooked):
+        make_pool, hooked):
     """Two requests prefilled the same tokens (identical records). A's entry names B's slot:
     its record fits A too, but A's own slot, named by nobody, holds the same key: that one is
     A's, B's stays with B (in either order of release)."""
-    global_server_args(1)
     for first in ("a", "b"):
-        pool = Pool(1)
+        pool = make_pool(1)
         a = pool.request(10, first_token=5)
         b = pool.request(10, first_token=5)
         words = pool.records.view(torch.int64)
@@ -267,14 +264,13 @@ def test_identical_prefixes_make_the_other_holders_slot_look_like_the_requests_o
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_a_corrupt_row_sglang_cached_before_its_report_is_evicted_under_the_guard(
-        global_server_args, hooked, page_size):
+        make_pool, hooked, page_size):
     """On the GPU a report comes a forward late, and sglang may cache a request's row in the
     radix cache before (``cache_unfinished_req`` after a prefill): a corrupt entry then puts
     B's slot in the tree and leaves A's own slot with nobody (at page size 16: on a page the
     node's other slots still hold). Abort mode's eviction of that prefix must not free B's
     page (B runs) and must free A's."""
-    global_server_args(page_size)
-    pool = Pool(page_size)
+    pool = make_pool(page_size)
     a = pool.request(12 if page_size == 1 else 32)
     b = pool.request(12 if page_size == 1 else 32)
     a.fill_ids = list(a.origin_input_ids)
@@ -300,9 +296,8 @@ def test_a_corrupt_row_sglang_cached_before_its_report_is_evicted_under_the_guar
     assert pool.guard.reclaimed_slots == (1 if page_size == 1 else 0)
 
 
-def test_a_row_naming_its_own_slot_twice_frees_it_once(global_server_args, hooked):
-    global_server_args(1)
-    pool = Pool(1)
+def test_a_row_naming_its_own_slot_twice_frees_it_once(make_pool, hooked):
+    pool = make_pool(1)
     a = pool.request(12)
     own = _corrupt(pool, a, 9, pool.row(a)[2])
     seam.mark_contained(a)
@@ -312,11 +307,10 @@ def test_a_row_naming_its_own_slot_twice_frees_it_once(global_server_args, hooke
     assert pool.guard.held_back_slots == 0 and pool.guard.reclaimed_slots == 1
 
 
-def test_a_page_the_radix_cache_holds_is_held_back(global_server_args, hooked):
+def test_a_page_the_radix_cache_holds_is_held_back(make_pool, hooked):
     """A's entry names a slot of a prefix another finished request left in the tree: the
     tree keeps it; A's own slot is reclaimed."""
-    global_server_args(1)
-    pool = Pool(1)
+    pool = make_pool(1)
     done = pool.request(10)
     pool.release(done, insert=True)  # its KV cached in the tree
     a = pool.request(8)
@@ -330,12 +324,11 @@ def test_a_page_the_radix_cache_holds_is_held_back(global_server_args, hooked):
     assert pool.guard.held_back_slots == 1 and pool.guard.reclaimed_slots == 1
 
 
-def test_a_held_back_page_no_holder_names_any_more_is_freed_by_settle(global_server_args,
+def test_a_held_back_page_no_holder_names_any_more_is_freed_by_settle(make_pool,
                                                                         hooked):
     """A held-back page whose other holder left without freeing it (its row returned to
     sglang as a release that does not free would) is freed by the guard, once."""
-    global_server_args(1)
-    pool = Pool(1)
+    pool = make_pool(1)
     a = pool.request(6)
     b = pool.request(6)
     shared = pool.row(b)[1]
@@ -354,12 +347,11 @@ def test_a_held_back_page_no_holder_names_any_more_is_freed_by_settle(global_ser
     assert pool.guard.pending == [] and pool.guard.settled_slots == 1
 
 
-def test_an_entry_whose_own_slot_no_record_names_is_counted_unattributed(global_server_args,
+def test_an_entry_whose_own_slot_no_record_names_is_counted_unattributed(make_pool,
                                                                           hooked):
     """A's own slot lost its record as well: the guard cannot tell it is A's, so it holds
     B's slot back, counts the entry, and leaves A's slot allocated."""
-    global_server_args(1)
-    pool = Pool(1)
+    pool = make_pool(1)
     a = pool.request(6)
     b = pool.request(6)
     old = _corrupt(pool, a, 3, pool.row(b)[2])
@@ -371,10 +363,9 @@ def test_an_entry_whose_own_slot_no_record_names_is_counted_unattributed(global_
     assert old not in free and pool.row(b)[2] not in free
 
 
-def test_a_chunk_cache_release_is_guarded_too(global_server_args, hooked):
+def test_a_chunk_cache_release_is_guarded_too(make_pool, hooked):
     """``--disable-radix-cache`` (``ChunkCache``): the same guard on its release."""
-    global_server_args(1)
-    pool = Pool(1, chunk=True)
+    pool = make_pool(1, chunk=True)
     a = pool.request(6)
     b = pool.request(6)
     _corrupt(pool, a, 2, pool.row(b)[4])
@@ -388,7 +379,7 @@ def test_a_chunk_cache_release_is_guarded_too(global_server_args, hooked):
 
 
 def test_a_guard_nested_in_a_guarded_release_leaves_it_to_the_outer_one(
-        global_server_args, hooked, monkeypatch):
+        make_pool, hooked, monkeypatch):
     """The hook applied twice to the same method (a process that loaded the plugin twice, a
     subclass calling its parent's hooked method): one release, one guarded decision; the
     slot the row lost is freed once."""
@@ -396,8 +387,7 @@ def test_a_guard_nested_in_a_guarded_release_leaves_it_to_the_outer_one(
     monkeypatch.setattr(RadixCache, "cache_finished_req",
                         lambda self, req, *a, **k:
                         plugin._cache_finished_req(original, self, req, *a, **k))
-    global_server_args(1)
-    pool = Pool(1)
+    pool = make_pool(1)
     a = pool.request(6)
     b = pool.request(6)
     _corrupt(pool, a, 4, pool.row(b)[2])
@@ -408,11 +398,10 @@ def test_a_guard_nested_in_a_guarded_release_leaves_it_to_the_outer_one(
     assert pool.guard.guarded_releases == 1 and pool.guard.reclaimed_slots == 1
 
 
-def test_an_unmarked_request_is_released_by_sglang_alone(global_server_args, hooked,
+def test_an_unmarked_request_is_released_by_sglang_alone(make_pool, hooked,
                                                           monkeypatch):
     """The hook does nothing for a request no incident touched: no guard work at all."""
-    global_server_args(1)
-    pool = Pool(1)
+    pool = make_pool(1)
     a = pool.request(6)
     monkeypatch.setattr(pool.guard, "releasing",
                         lambda *a, **k: pytest.fail("guarded an unmarked request"))

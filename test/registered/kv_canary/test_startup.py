@@ -305,5 +305,24 @@ def test_draft_fault_target_from_every_route(monkeypatch, capsys, model_dir):
         capsys, model_dir, "--kv-canary", "log", *_eagle(model_dir, 1))
 
 
+def test_the_kept_req_to_token_fault_starts_in_abort_mode_only_from_every_route(
+        monkeypatch, capsys, tmp_path, model_dir):
+    """``SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB`` (a corrupt entry left in place):
+    accepted with ``--kv-canary abort`` from the command line, a ``--config`` YAML and
+    ``Engine`` kwargs, refused with ``log`` on each route naming the variable and the mode;
+    unset, ``log`` starts as before."""
+    yaml_file = tmp_path / "canary.yaml"
+    yaml_file.write_text("kv-canary: abort\n")
+    refusal = "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB > 0 leaves a corrupt"
+    assert CanaryConfig.from_server_args(cli(model_dir, "--kv-canary", "log")).enabled
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB", "0.01")
+    for sa in (cli(model_dir, "--kv-canary", "abort"), cli(model_dir, "--config", str(yaml_file)),
+               kwargs(model_dir, kv_canary="abort")):
+        assert "fault_injection=req_to_token_kept" in CanaryConfig.from_server_args(sa).describe()
+    assert refusal in cli_error(capsys, model_dir, "--kv-canary", "log")
+    with pytest.raises(ValueError, match="only --kv-canary abort contains"):
+        kwargs(model_dir, kv_canary="log")
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
