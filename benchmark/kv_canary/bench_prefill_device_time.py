@@ -27,7 +27,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CONFIGS, append_jsonl, now_utc, parse_ints, parse_names  # noqa: E402
+from common import (  # noqa: E402
+    append_jsonl,
+    bench_device,
+    canary_on_configs,
+    now_utc,
+    parse_ints,
+)
 from serving_breakdown import (  # noqa: E402
     PREFILL_SHAPES,
     _Req,
@@ -46,13 +52,9 @@ def main() -> None:
     args = ap.parse_args()
 
     smoke = args.smoke_cpu
-    if not smoke and not torch.cuda.is_available():
-        raise SystemExit("bench_prefill_device_time.py needs a CUDA GPU (or --smoke-cpu)")
-    dev = torch.device("cpu" if smoke else "cuda")
+    dev = bench_device(smoke, "bench_prefill_device_time.py")
     isls = parse_ints(args.isls, "--isls")
-    configs = [c for c in parse_names(args.configs, CONFIGS, "--configs") if c != "off"]
-    if not configs:
-        raise SystemExit("bench_prefill_device_time.py: --configs names no canary-on config")
+    configs = canary_on_configs(args.configs, "bench_prefill_device_time.py")
     rounds = 2 if smoke else args.rounds
     layers, _, _, vocab = PREFILL_SHAPES[smoke]
     hidden = 64 if smoke else 1024

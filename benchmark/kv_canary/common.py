@@ -222,6 +222,25 @@ def parse_names(value: str, allowed: dict[str, object], flag: str) -> list[str]:
     return names
 
 
+def bench_device(smoke: bool, what: str):
+    """The device of an in-process benchmark: the CPU for a ``--smoke-cpu`` dry run, else the
+    GPU (``what`` names the benchmark when there is none)."""
+    import torch
+
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit(f"{what} needs a CUDA GPU (or pass --smoke-cpu for a CPU dry run)")
+    return torch.device("cpu" if smoke else "cuda")
+
+
+def canary_on_configs(value: str, what: str) -> list[str]:
+    """``--configs`` without ``off`` (a breakdown of the canary's own time needs it on)."""
+    configs = [c for c in parse_names(value, CONFIGS, "--configs") if c != "off"]
+    if not configs:
+        raise SystemExit(f"{what}: --configs names no canary-on config (allowed: "
+                         f"{', '.join(c for c in CONFIGS if c != 'off')})")
+    return configs
+
+
 def gpu_name(smoke: bool) -> str:
     """GPU name without initialising CUDA in this process (sglang spawns its own)."""
     if smoke:

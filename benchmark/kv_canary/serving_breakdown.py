@@ -18,9 +18,10 @@ from common import (
     QWEN3_0_6B_CONFIG,
     BenchConfig,
     append_jsonl,
+    bench_device,
+    canary_on_configs,
     now_utc,
     parse_ints,
-    parse_names,
 )
 from serving_report import (
     HOST_PHASES,
@@ -238,14 +239,9 @@ def run_breakdown(args) -> None:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     smoke = args.smoke_cpu
-    if not smoke and not torch.cuda.is_available():
-        raise SystemExit("--breakdown needs a CUDA GPU (or pass --smoke-cpu for a CPU dry run)")
-    device = torch.device("cpu" if smoke else "cuda")
+    device = bench_device(smoke, "--breakdown")
     use_cuda = device.type == "cuda"
-    configs = [c for c in parse_names(args.configs, CONFIGS, "--configs") if c != "off"]
-    if not configs:
-        raise SystemExit("--breakdown: --configs names no canary-on config "
-                         f"(allowed: {', '.join(c for c in CONFIGS if c != 'off')})")
+    configs = canary_on_configs(args.configs, "--breakdown")
     bss = tuple(int(b) for b in parse_ints(args.breakdown_bs, "--breakdown-bs"))
     if smoke:
         shape = BreakdownShape(head_num=2, head_dim=8, layer_num=2, num_slots=4096, max_reqs=8,
@@ -308,13 +304,9 @@ def run_host_breakdown(args) -> None:
     import torch
 
     smoke = args.smoke_cpu
-    if not smoke and not torch.cuda.is_available():
-        raise SystemExit("--host-breakdown needs a CUDA GPU (or --smoke-cpu for a dry run)")
-    device = torch.device("cpu" if smoke else "cuda")
+    device = bench_device(smoke, "--host-breakdown")
     isls = parse_ints(args.host_breakdown, "--host-breakdown")
-    configs = [c for c in parse_names(args.configs, CONFIGS, "--configs") if c != "off"]
-    if not configs:
-        raise SystemExit("--host-breakdown: --configs names no canary-on config")
+    configs = canary_on_configs(args.configs, "--host-breakdown")
     chunk = 32 if smoke else args.chunked_prefill_size
     vocab = PREFILL_SHAPES[smoke][3]
     max_ctx = max(isls) + 8
