@@ -500,5 +500,14 @@ def test_the_kept_req_to_token_fault_stays_and_picks_requests_with_tokens_left()
     assert d.manager.perturber.restored == 0
 
 
+
+@pytest.mark.parametrize("pool,page_size", [("mha", 1), ("nsa", 64)])
+def test_the_kept_fault_rewrites_in_the_pools_pages(pool, page_size):
+    """The runtime hands the pool's page size to the perturber: the kept fault's unit (a
+    whole page at page size > 1; docs/user_guide.md, the self-test variables)."""
+    d = ServingDriver(mode="abort", pool=pool, perturb=PerturbConfig(req_to_token_kept_prob=1.0))
+    assert d.kv_pool.page_size == page_size
+    assert d.manager.perturber.page_size == page_size
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

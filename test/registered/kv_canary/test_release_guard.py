@@ -22,6 +22,9 @@ from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary.runner.containment import ContainmentManager
 from sglang.srt.kv_canary.runner.ownership import RELEASE_LINE_PREFIX
 from sglang.srt.kv_canary.runner.requests import IncidentRequests, RequestResolver
+from sglang.srt.kv_canary.perturb import CanaryPerturber
+from sglang.srt.kv_canary.perturb.config import PerturbConfig
+from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.violation import merge_incidents
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.allocator import (
@@ -33,6 +36,7 @@ from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -294,6 +298,64 @@ def test_a_corrupt_row_sglang_cached_before_its_report_is_evicted_under_the_guar
     assert pool.guard.held_back_slots == page_size and pool.guard.unattributed == 0
     # page 1: A's slot reclaimed by its record; page 16: freed with its page mates
     assert pool.guard.reclaimed_slots == (1 if page_size == 1 else 0)
+
+
+def _decode_batch(pool: Pool, reqs) -> ForwardBatch:
+    """A decode ``ForwardBatch`` of ``reqs`` (each request's last prefilled position is the
+    one written), as the kept fault sees it before the forward."""
+    rows = [r.req_pool_idx for r in reqs]
+    lens = [r.kv_allocated_len for r in reqs]
+    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(reqs),
+                      input_ids=torch.tensor([r.origin_input_ids[-1] for r in reqs]),
+                      req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(lens),
+                      out_cache_loc=torch.tensor([pool.row(r)[-1] for r in reqs]),
+                      seq_lens_sum=sum(lens), positions=torch.tensor([n - 1 for n in lens]))
+    fb.seq_lens_cpu = torch.tensor(lens)
+    return fb
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_kept_fault_loses_the_requests_own_page_and_the_guard_reclaims_it(
+        make_pool, hooked, page_size, seed):
+    """The self-test's kept ``req_to_token`` fault on real pools: at page size 16 it rewrites
+    every entry of one of the victim's full pages (a single entry would leave the page named
+    by its page mates, and nothing to reclaim), so the release must hold back the page the
+    row names and reclaim the one it lost; the pool loses nothing."""
+    pool = make_pool(page_size)
+    a = pool.request(40)
+    b = pool.request(40)
+    before = pool.row(a)
+    perturber = CanaryPerturber(config=PerturbConfig(seed=seed, warmup_steps=0,
+                                                                req_to_token_kept_prob=1.0),
+                                groups=(), req_to_token=pool.r2t.req_to_token,
+                                radix_cache=lambda: pool.cache, page_size=page_size)
+    perturber.before_forward(_decode_batch(pool, [a, b]), step=1,
+                             lasting_rows=lambda: {a.req_pool_idx})
+    (line,) = perturber.injected
+    fault = parse_perturb_line(line)
+    start, size = int(fault["position"]), int(fault.get("entries", 1))
+    assert fault["fault"] == "req_to_token_kept" and size == page_size
+    after = pool.row(a)
+    changed = [i for i, (x, y) in enumerate(zip(before, after)) if x != y]
+    assert changed == list(range(start, start + page_size))
+    assert start % page_size == 0 and start + page_size <= 39  # never the seed's page
+    donor = pool.row(b) if int(fault["donor_req_pool_idx"]) == b.req_pool_idx else before
+    d0 = int(fault["donor_position"])
+    assert after[start:start + page_size] == donor[d0:d0 + page_size]
+    assert {s // page_size for s in after[start:start + page_size]} == \
+        {int(fault["new_slot"]) // page_size}
+    lost = {s // page_size for s in before} - {s // page_size for s in after}
+    assert lost == {int(fault["old_slot"]) // page_size}  # the row no longer names its page
+    for r in (a, b):
+        seam.mark_contained(r)
+    pool.release(a)
+    pool.check_busy_count()
+    pool.check_accounting()
+    assert pool.guard.reclaimed_slots == page_size and pool.guard.unattributed == 0
+    pool.release(b)
+    pool.guard.settle(pool.cache)
+    pool.check_accounting()
 
 
 def test_a_row_naming_its_own_slot_twice_frees_it_once(make_pool, hooked):

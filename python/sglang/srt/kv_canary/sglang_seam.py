@@ -26,7 +26,7 @@ change; the table says who relies on each.
 | ``RadixCache`` eviction step | ``token_to_kv_pool_allocator.free(value)``, ``_delete_leaf``, ``_record_remove_event`` per node of an evicted subtree (abort mode) | ``runner.containment`` |
 | ``sglang.srt.layers.sampler`` | ``Sampler`` base class (its ``__init__`` is skipped: :func:`init_sampler_module_only`), ``register_sampler_backend``, the private ``_CUSTOM_SAMPLER_FACTORIES`` (idempotent registration) | ``token_oracle.sampler`` |
 | HiCache (``HiRadixCache.cache_controller``: ``mem_pool_host``, ``load_stream``; host pool ``size``, ``page_size``, ``layout``, ``k_buffer`` / ``v_buffer`` / ``kv_buffer``, ``backup_from_device_all_layer``, ``load_to_device_per_layer``; nodes' ``host_value``, ``id``; ``ongoing_write_through``; the device pool's ``layer_transfer_counter``) | wraps the host pool's two copy methods on the instance to copy the canary rows with the KV; waits for loads before reading records; lists host-resident pages; flips a host byte (``host_kv`` self-test) | ``runner.hicache``, ``perturb`` |
-| KV pool instances | wraps buf-info methods on the instance (:func:`wrap_method_once`); pool classes (:func:`import_sglang_class`); each adapter reads its pool's buffers (listed in the adapter's docstring) | ``pool_patcher`` |
+| KV pool instances | wraps buf-info methods on the instance (:func:`wrap_method_once`); pool classes (:func:`import_sglang_class`); each adapter reads its pool's buffers (listed in the adapter's docstring); reads ``page_size`` (the kept ``req_to_token`` self-test's unit) | ``pool_patcher``, ``runner.manager`` |
 
 Nothing here runs on the CUDA-graph path except :func:`zero_graph_padding_inputs` (one memset
 per buffer on the forward stream, no sync).
@@ -722,6 +722,11 @@ def register_sampler_backend(name: str, factory: Callable) -> None:
 # ---- pools ----------------------------------------------------------------------------------------
 
 _WRAPPED_METHODS_ATTR = "_kv_canary_wrapped_methods"
+
+
+def kv_pool_page_size(kv_pool: "KVCache") -> int:
+    """The pool's page size (``KVCache.page_size``; the hybrid pools' too)."""
+    return int(kv_pool.page_size)
 
 
 def import_sglang_class(module: str, name: str) -> type:

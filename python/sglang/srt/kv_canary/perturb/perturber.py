@@ -14,7 +14,9 @@ Called by :class:`~sglang.srt.kv_canary.runner.CanaryManager` around each forwar
   ``log``-mode server under injection keeps serving. The position written this forward is
   never the one changed, so the new KV chains from the right record. ``req_to_token_kept``
   makes the same rewrite and leaves it, as a server bug would (abort mode only: its release
-  guard frees what the request owns, not what its row names).
+  guard frees what the request owns, not what its row names); at page size > 1 it rewrites a
+  whole page of the row (every entry of one of its full pages, to another request's full
+  page), as a corrupt page table would, so the request's own page loses every name.
 - :meth:`after_forward` — ``real_kv_post_forward`` (flip a byte of a slot this forward just
   wrote and will keep: with EAGLE only the first slot of each request's verify or v2 draft
   extend, whose token is always accepted, and none of a draft round's, which the draft extend
@@ -59,12 +61,15 @@ _MAX_TRIES = 64
 class CanaryPerturber:
     """``req_to_token``: the runner's int32 ``[rows, max_context_len]`` table;
     ``radix_cache``: a callable returning the scheduler's tree cache (or None before it is
-    attached)."""
+    attached); ``page_size``: the pool's (the kept ``req_to_token`` fault's unit)."""
 
     def __init__(self, *, config: PerturbConfig, groups: Sequence[CanaryBufferGroup],
                  req_to_token: torch.Tensor, radix_cache: Callable[[], object],
-                 draft: bool = False):
+                 draft: bool = False, page_size: int = 1):
+        if page_size < 1:
+            raise ValueError(f"CanaryPerturber needs page_size >= 1, got {page_size}")
         self.config = config
+        self.page_size = page_size
         self.draft = draft  # an EAGLE draft runner's (its DECODE forwards are draft rounds)
         self.req_to_token = req_to_token
         self._radix_cache = radix_cache
@@ -138,8 +143,11 @@ class CanaryPerturber:
         if self._fires(FaultKind.REQ_TO_TOKEN):
             self._perturb_req_to_token(forward_batch, FaultKind.REQ_TO_TOKEN)
         if self._fires(FaultKind.REQ_TO_TOKEN_KEPT):
-            self._perturb_req_to_token(forward_batch, FaultKind.REQ_TO_TOKEN_KEPT,
-                                       rows=lasting_rows())
+            if self.page_size > 1:
+                self._perturb_req_to_token_page(forward_batch, rows=lasting_rows())
+            else:
+                self._perturb_req_to_token(forward_batch, FaultKind.REQ_TO_TOKEN_KEPT,
+                                           rows=lasting_rows())
         if self._fires(FaultKind.REAL_KV_USED):
             self._perturb_real_kv_used(forward_batch)
 
@@ -212,6 +220,42 @@ class CanaryPerturber:
             self._undo.append(lambda: r2t.__setitem__((row, pos), old))
         self._log(kind, req_pool_idx=row, position=pos, old_slot=old,
                   new_slot=new, donor_req_pool_idx=donor_row, donor_position=donor_pos)
+
+    def _perturb_req_to_token_page(self, forward_batch, rows: Collection[int]) -> None:
+        """The kept fault at page size > 1: every entry of one full page of a lasting row
+        (never the page of its seed position ``n - 1``) is pointed at the same offsets of
+        another active request's full page (never one written this forward), and left."""
+        ps = self.page_size
+        live = self._active_prefix(forward_batch)
+        # pages wholly before the page holding the seed position n - 1
+        targets = [(r, (n - 1) // ps) for r, n in live if r in rows and (n - 1) // ps > 0]
+        donors = [(r, n // ps) for r, n in live if n // ps > 0]
+        if not targets or not donors:
+            return
+        written = {s // ps for s in forward_batch.out_cache_loc.tolist()}
+        r2t = self.req_to_token
+        fallback = None
+        for _ in range(_MAX_TRIES):
+            row, pages = self.rng.choice(targets)
+            donor_row, donor_pages = self.rng.choice(donors)
+            page, donor_page = self.rng.randrange(pages), self.rng.randrange(donor_pages)
+            old = int(r2t[row, page * ps]) // ps
+            new = int(r2t[donor_row, donor_page * ps]) // ps
+            if new == old or new in written or new <= 0:
+                continue
+            if donor_page == page:  # same positions: only the token check may see it
+                fallback = fallback or (row, page, donor_row, donor_page, old, new)
+                continue
+            break
+        else:
+            if fallback is None:
+                return
+            row, page, donor_row, donor_page, old, new = fallback
+        span = slice(page * ps, (page + 1) * ps)
+        r2t[row, span] = r2t[donor_row, donor_page * ps:(donor_page + 1) * ps].clone()
+        self._log(FaultKind.REQ_TO_TOKEN_KEPT, req_pool_idx=row, position=page * ps,
+                  old_slot=old * ps, new_slot=new * ps, donor_req_pool_idx=donor_row,
+                  donor_position=donor_page * ps, entries=ps)
 
     def _target_slot(self, full_slot: int) -> int:
         """The target group's slot for a FULL slot (0 = evicted from the SWA pool)."""

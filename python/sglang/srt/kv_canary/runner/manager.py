@@ -184,7 +184,9 @@ class CanaryManager:
             self.perturber = CanaryPerturber(config=config.perturb, groups=self.groups,
                                              req_to_token=req_to_token,
                                              radix_cache=lambda: self.radix_cache,
-                                             draft=ranks.draft)
+                                             draft=ranks.draft,
+                                             page_size=(sglang_seam.kv_pool_page_size(kv_pool)
+                                                        if kv_pool is not None else 1))
             if token_oracle is not None:
                 token_oracle.after_sample = self.perturber.swap_next_tokens
         self.swa_divergence = SwaDivergenceReporter(
