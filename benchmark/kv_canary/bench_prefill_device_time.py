@@ -6,6 +6,7 @@ sleep, so the canary's kernels compete with the model's for the GPU as they do i
 
     python benchmark/kv_canary/bench_prefill_device_time.py [--isls 512,4096,16384]
         [--configs raise,raise+token+partial] [--rounds 20] [--out F.jsonl]
+        [--trace DIR]
 
 Each round runs one prefill (a new request; chunked by 8192 like the Engine) per server
 stand-in, in turn: canary off, canary off again (the A/A control), each config; the host
@@ -13,12 +14,20 @@ waits for the device after each prefill, so a prefill's time is its wall time (f
 launch: the batches are built before, as sglang builds them before the forward). Printed: the
 median ms per prefill and the median of the paired ratios against the first "off"; then each
 config's prefill with no model at all (the canary's own device time plus its host time).
-``--smoke-cpu``: tiny shapes on the CPU, checks the script only.
+``--trace DIR``: after the rounds of each prompt, one more prefill per stand-in under
+``torch.profiler``; each one's Chrome trace goes to DIR and its timeline is printed (every
+GPU kernel's stream, start and end from the first launch, and the host's phases: the model's
+launches, the canary's pre- and post-ops and its read-back), to show which of the canary's
+work lies on the prefill's critical path. ``--smoke-cpu``: tiny shapes on the CPU, checks
+the script only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import re
 import statistics
 import sys
 import time
@@ -48,6 +57,8 @@ def main() -> None:
     ap.add_argument("--configs", default="raise,raise+token+partial")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", default=None, help="JSON lines file (appended)")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="profile one more prefill per stand-in; Chrome traces to DIR")
     ap.add_argument("--smoke-cpu", action="store_true")
     args = ap.parse_args()
 
@@ -87,10 +98,12 @@ def main() -> None:
         if not smoke:
             torch.cuda.synchronize()
 
-    def prefill(canary, isl: int, run: int, with_model: bool = True) -> float:
+    def prefill(canary, isl: int, run: int, with_model: bool = True,
+                phase=lambda name: contextlib.nullcontext()) -> float:
         """One prefill of a new ``isl``-token request; ms from its first launch to the
         device's end. Its batches (what sglang builds before a forward) are built first, for
-        every stand-in alike, outside the time."""
+        every stand-in alike, outside the time. ``phase(name)`` brackets the host's phases
+        (``--trace``)."""
         row = 1 + (run % 4)
         req = _Req(row, torch.randint(100, vocab - 100, (isl,), generator=gen).tolist())
         slots = torch.randperm(num_slots - 1, generator=gen)[:isl] + 1
@@ -106,17 +119,29 @@ def main() -> None:
         t0 = time.perf_counter()
         for n, fb in batches:
             if canary is None:
-                model(n)
+                with phase("model"):
+                    model(n)
                 continue
             mgr = canary[0]
-            mgr.on_forward_batch_init(fb, [req])
-            with mgr.with_active_single_forward_manager(0), mgr.with_ops_outside_graph(fb):
+            with phase("canary.pre"):
+                mgr.on_forward_batch_init(fb, [req])
+                bracket = contextlib.ExitStack()
+                bracket.enter_context(mgr.with_active_single_forward_manager(0))
+                bracket.enter_context(mgr.with_ops_outside_graph(fb))
                 mgr.pre_ops_maybe_inside_graph(fb)
+            with bracket:
                 if with_model:
-                    model(n)
-                mgr.post_ops_maybe_inside_graph(fb)
-            mgr.after_forward([mgr.sfms[0]], fb)
-        sync()
+                    with phase("model"):
+                        model(n)
+                with phase("canary.post"):
+                    mgr.post_ops_maybe_inside_graph(fb)
+                bracket.pop_all()
+            with phase("canary.post_outside"):
+                bracket.close()
+            with phase("canary.after_forward"):
+                mgr.after_forward([mgr.sfms[0]], fb)
+        with phase("sync"):
+            sync()
         return (time.perf_counter() - t0) * 1e3
 
     name = torch.cuda.get_device_name() if not smoke else "cpu (smoke)"
@@ -144,6 +169,10 @@ def main() -> None:
                        canary_alone_ms=alone.get(k))
             append_jsonl(args.out, rec)
             rows.append(rec)
+        if args.trace:
+            for k, canary in stand_ins.items():
+                print(trace_prefill(lambda ph: prefill(canary, isl, rounds, phase=ph),
+                                    Path(args.trace), f"{isl}_{k}", smoke), flush=True)
         for k, canary in stand_ins.items():
             if canary is not None and canary[0].count_violations():
                 raise SystemExit(f"{k} isl {isl}: violations on a clean run")
@@ -156,6 +185,60 @@ def main() -> None:
             f"{r['paired_overhead_pct']:+.2f} %"
         alone = "—" if r["canary_alone_ms"] is None else f"{r['canary_alone_ms']:.3f}"
         print(f"| {r['isl']} | {r['config']} | {r['median_ms']:.3f} | {ov} | {alone} |")
+
+
+def trace_prefill(run, out_dir: Path, label: str, smoke: bool) -> str:
+    """Profile ``run(phase)`` (one prefill) and return its timeline: the host phases and every
+    kernel (stream, start and end in µs from the first event, name), in start order; the
+    Chrome trace is written to ``out_dir/trace_<label>.json``."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([] if smoke else [ProfilerActivity.CUDA])
+    with profile(activities=acts) as prof:
+        run(record_function)
+    path = out_dir / ("trace_" + re.sub(r"[^A-Za-z0-9._-]+", "_", label) + ".json")
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text()).get("traceEvents", [])
+    rows = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat", "")
+        if cat == "user_annotation" and not str(e.get("name", "")).startswith("ProfilerStep"):
+            rows.append((float(e["ts"]), float(e["dur"]), "host", e["name"]))
+        elif cat == "kernel" or cat == "gpu_memcpy" or cat == "gpu_memset":
+            rows.append((float(e["ts"]), float(e["dur"]),
+                         f"stream {e.get('args', {}).get('stream', '?')}", e["name"]))
+    if not rows:
+        return f"-- {label}: no events"
+    t0 = min(r[0] for r in rows)
+    rows.sort()
+    lines = [f"-- timeline {label} ({path.name}): start..end µs, where, what"]
+    model_run = None  # consecutive model kernels collapse into one line
+    for ts, dur, where, name in rows:
+        is_gemm = where != "host" and ("gemm" in name.lower() or "cutlass" in name.lower()
+                                       or "nvjet" in name.lower() or "randn" in name.lower()
+                                       or "normal" in name.lower())
+        if is_gemm:
+            if model_run is not None and model_run[2] == where:
+                model_run[1] = max(model_run[1], ts + dur - t0)
+                model_run[3] += 1
+                continue
+            if model_run is not None:
+                lines.append(f"{model_run[0]:9.1f}..{model_run[1]:9.1f} {model_run[2]:>10} "
+                             f"model kernels x{model_run[3]}")
+            model_run = [ts - t0, ts + dur - t0, where, 1]
+            continue
+        if model_run is not None:
+            lines.append(f"{model_run[0]:9.1f}..{model_run[1]:9.1f} {model_run[2]:>10} "
+                         f"model kernels x{model_run[3]}")
+            model_run = None
+        lines.append(f"{ts - t0:9.1f}..{ts + dur - t0:9.1f} {where:>10} {name[:90]}")
+    if model_run is not None:
+        lines.append(f"{model_run[0]:9.1f}..{model_run[1]:9.1f} {model_run[2]:>10} "
+                     f"model kernels x{model_run[3]}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

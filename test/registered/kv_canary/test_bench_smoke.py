@@ -147,6 +147,20 @@ def test_bench_prefill_device_time_smoke_runs_every_stand_in(tmp_path):
     assert [(r["isl"], r["config"]) for r in recs] == [(int(a), b) for a, b in
                                                        ((r["prompt"], r["config"]) for r in rows)]
 
+
+def test_bench_prefill_device_time_traces_one_prefill_per_stand_in(tmp_path):
+    """``--trace DIR``: a Chrome trace per prompt and stand-in, and its timeline printed with
+    the host phases in order (on the CPU no kernels: the phases only)."""
+    text = _run("bench_prefill_device_time.py", "--smoke-cpu", "--isls", "32",
+                "--configs", "raise", "--trace", str(tmp_path))
+    names = sorted(f.name for f in tmp_path.iterdir())
+    assert names == ["trace_32_off.json", "trace_32_off_A_A_.json", "trace_32_raise.json"]
+    timeline = text.split("-- timeline 32_raise")[1].split("--")[0]
+    phases = [line.split()[-1] for line in timeline.splitlines()[1:] if "host" in line]
+    assert phases == ["canary.pre", "model", "canary.post", "canary.post_outside",
+                      "canary.after_forward", "sync"], phases
+    assert "-- timeline 32_off " in text and "-- timeline 32_off (A/A) " in text
+
 def test_bench_host_primitives_needs_cuda():
     proc = subprocess.run([sys.executable, str(BENCH_DIR / "bench_host_primitives.py")],
                           capture_output=True, text=True, timeout=300)
