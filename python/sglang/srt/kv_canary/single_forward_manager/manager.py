@@ -10,25 +10,22 @@ Four ops, checked in order:
    (:class:`TokenHistoryUploader`, token checks on) is left pending: before a CUDA-graph
    replay the replay hook stages the snapshot for the scatter captured in the graph
    (:meth:`upload_tokens_before_replay`, on the forward stream); an eager forward uploads it
-   with its side half, on the side stream (in 2. with static launches, else in 3.). A replay
-   marked without it raises.
+   in 3., on the side stream, after the model's kernels are queued. A replay marked without
+   it raises.
 2. ``pre_ops_maybe_inside_graph(forward_batch)`` — the fork point: on CUDA an event on the
    forward stream, recorded before the model forward's kernels (HiCache: after the first
-   layer's load). An eager forward with static launches (below) starts its side half here,
-   on the side stream: the GPU then runs it beside the whole model forward, and a short
-   prefill, whose host launches the model as fast as the GPU runs it, does not wait for the
-   chain walk after the model. Otherwise nothing is launched here.
+   layer's load). Nothing is launched here, so an eager forward's kernels are queued without
+   waiting for the canary's host work.
 3. ``post_ops_maybe_inside_graph(forward_batch)`` — after the model forward's kernels are
    queued: on the side stream, from the fork point (so on the GPU beside the forward), fill
    the plan input, plan every group, HEAD launches (verify, then write), the chain part of the
-   TAIL writes and a copy of the plans' ``enable`` flags into a static status buffer (the side
-   half; already queued in 2. for an eager forward with static launches); then join the side
-   stream, TAIL verify and the TAIL writes' real-KV fingerprints of the new slots. Captured
-   into decode CUDA graphs, where the side-stream part becomes a parallel branch from the
-   fork point. In an eager forward, once :meth:`enable_static_eager_launches` ran (on CUDA at
-   the end of start-up), the two halves are replays of graphs captured once on static copies
-   of the inputs (:class:`EagerForwardGraphs`). The status (:class:`SfmStatus`) is this
-   manager's typed per-forward output.
+   TAIL writes and a copy of the plans' ``enable`` flags into a static status buffer; then
+   join the side stream, TAIL verify and the TAIL writes' real-KV fingerprints of the new
+   slots. Captured into decode CUDA graphs, where the side-stream part becomes a parallel
+   branch from the fork point. In an eager forward, once :meth:`enable_static_eager_launches`
+   ran (on CUDA at the end of start-up), the two halves are replays of graphs captured once
+   on static copies of the inputs (:class:`EagerForwardGraphs`). The status
+   (:class:`SfmStatus`) is this manager's typed per-forward output.
 4. ``post_ops_outside_graph()`` — back to IDLE; the manager then reads results (delayed).
 
 Which batch the inside ops read: while capturing, the one ``model.forward`` was called with
@@ -287,37 +284,33 @@ class SingleForwardManager:
     def pre_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
         """The fork point, before the model forward's kernels (HiCache: after the forward
         stream waits for the first layer's load, which carries the canary rows of loaded
-        slots). An eager forward with static launches queues its side half from here (its
-        staged inputs and the side graph's replay, on the side stream); none of it reads what
-        the forward writes. Otherwise no launch."""
+        slots). No launch: the canary's host work waits until the forward is queued."""
         self._advance(SfmOp.PRE_MAYBE_INSIDE_GRAPH)
         if self.kv_pool is not None:  # HiCache: records of loaded slots arrive with layer 0
             sglang_seam.hicache_wait_for_first_layer(self.kv_pool)
         if self._fork is not None:
             self._fork.record(cuda_streams.current_stream(self._device_index))
-        graphs = None if self._capturing else self.eager_graphs
-        if graphs is not None:
-            batch = self._inside_batch(forward_batch)
-            with self._beside_the_forward():
-                self.upload_tokens_before_replay()  # the side graph scatters it
-                graphs.stage(batch, num_tokens=batch.out_cache_loc.shape[0])
-                graphs.run_side()
 
     def post_ops_maybe_inside_graph(self, forward_batch: "ForwardBatch") -> None:
-        """After the model forward's kernels are queued. The side half, unless the pre-ops
-        queued it (an eager forward with static launches): on the side stream, from the fork
+        """After the model forward's kernels are queued. On the side stream, from the fork
         point (so concurrently with the forward on the GPU; none of it reads what the forward
         writes): plan, HEAD verify + write and the TAIL writes' chain part (no KV bytes), so
-        the serial chain of a long prefill costs the forward stream nothing. Then join, TAIL
-        verify (records and real-KV fingerprints of the prefix, after the forward; with
-        per-layer fingerprints also this forward's window of layers) and the TAIL writes'
-        fingerprints of the new slots (every layer's, with per-layer fingerprints)."""
+        the serial chain of a long prefill costs the forward stream nothing and its host
+        launches overlap the forward's GPU time. Then join, TAIL verify (records and real-KV
+        fingerprints of the prefix, after the forward; with per-layer fingerprints also this
+        forward's window of layers) and the TAIL writes' fingerprints of the new slots (every
+        layer's, with per-layer fingerprints)."""
         self._advance(SfmOp.POST_MAYBE_INSIDE_GRAPH)
         forward_batch = self._inside_batch(forward_batch)
-        # an eager forward with static launches: its side half is queued (pre-ops)
+        # an eager forward with static launches: staged copies and graph replays
         graphs = None if self._capturing else self.eager_graphs
-        if graphs is None:
-            with self._beside_the_forward():
+        with self._beside_the_forward():
+            if graphs is not None:
+                # eager: the upload was left for now (step 1.); the graph scatters it
+                self.upload_tokens_before_replay()
+                graphs.stage(forward_batch, num_tokens=forward_batch.out_cache_loc.shape[0])
+                graphs.run_side()
+            else:
                 if self._tokens_pending:  # eager: the upload was left for now (step 1.)
                     self._upload_tokens(forward_batch)
                 inputs = self._batch_inputs(forward_batch)
