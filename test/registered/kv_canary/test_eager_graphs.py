@@ -186,6 +186,39 @@ def test_static_prefix_views_are_the_buffers_own_and_bounded():
         StaticPrefixViews(a, max_entries=0)
 
 
+@pytest.mark.parametrize("static", [True, False])
+def test_an_eager_forward_queues_its_side_half_after_the_model(static, monkeypatch):
+    """Each eager forward: the model's kernels, then the side half (with static launches:
+    staging and the side graph), the join, then the tail half. Queuing the side half before
+    the model was measured slower on an H100 (docs/architecture.md, "One forward"): its host
+    staging delays the model's first kernel and its chain walk slows the model's GEMMs."""
+    from sglang.srt.kv_canary.single_forward_manager import manager as sfm_module
+    from sglang.srt.kv_canary.single_forward_manager.eager_graphs import EagerForwardGraphs
+
+    d = _driver("mha_partial", static=static)
+    order = []
+    model = d.model_forward
+    monkeypatch.setattr(d, "model_forward", lambda fb: (order.append("model"), model(fb)))
+    for name in ("run_side", "run_tail"):
+        real = getattr(EagerForwardGraphs, name)
+        monkeypatch.setattr(EagerForwardGraphs, name,
+                            lambda self, _r=real, _n=name: (order.append(_n), _r(self)))
+    verify = sfm_module.launch_verifies
+
+    def spy(endpoints, phase, **kw):
+        order.append(f"verify {phase.name}")
+        return verify(endpoints, phase, **kw)
+
+    monkeypatch.setattr(sfm_module, "launch_verifies", spy)
+    d.run(20)
+    assert order.count("model") >= 20
+    side = ["run_side", "verify HEAD"] if static else ["verify HEAD"]
+    tail = ["run_tail", "verify TAIL"] if static else ["verify TAIL"]
+    per_forward = ["model"] + side + tail
+    forwards = [order[i:i + len(per_forward)] for i in range(0, len(order), len(per_forward))]
+    assert all(f == per_forward for f in forwards), order[:12]
+
+
 def test_static_launches_are_enabled_once_and_only_when_idle():
     d = _driver("mha_partial", static=True)
     sfm = d.manager.sfms[0]
