@@ -210,5 +210,44 @@ def test_storm_settings_name_the_bad_value(field, value):
         cli.parse_args(argv)
 
 
+
+def test_profile_server_prefill_prints_the_last_requests_timeline(tmp_path, monkeypatch):
+    """``profile_server_prefill.py``'s reading of a trace (its servers need a GPU): only the
+    last request's events (after the last gap of ``REQUEST_GAP_US`` between kernels), the
+    canary's kernels by name, other kernels folded per stream, the ordering host calls."""
+    import gzip
+
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    spec = importlib.util.spec_from_file_location("profile_server_prefill",
+                                                  BENCH_DIR / "profile_server_prefill.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def kernel(ts, dur, stream, name):
+        return dict(ph="X", cat="kernel", ts=ts, dur=dur, name=name, args=dict(stream=stream))
+
+    events = [kernel(0, 10, 7, "gemm_first_request"),  # an earlier request
+              kernel(10_000, 50, 7, "nvjet_gemm"), kernel(10_060, 40, 7, "flash_attn"),
+              dict(ph="X", cat="cuda_runtime", ts=10_105, dur=20, name="cudaGraphLaunch"),
+              dict(ph="X", cat="cuda_runtime", ts=10_106, dur=2, name="cudaLaunchKernel"),
+              kernel(10_110, 5, 13, "plan_offsets_kernel"),
+              kernel(10_120, 100, 13, "_canary_write_kernel"),
+              kernel(10_230, 3, 7, "_canary_verify_kernel")]
+    trace = tmp_path / "x.trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    text = mod.last_request_timeline(mod._events(trace))
+    import re
+
+    lines = [re.match(r"\s*[\d.]+\.\.\s*[\d.]+\s+(stream \S+|host) (.*)$", line).groups()
+             for line in text.splitlines()[:-1]]
+    assert [w for w, _ in lines] == ["stream 7", "host", "stream 13", "stream 13",
+                                     "stream 7"], text
+    assert [n for _, n in lines] == ["(other kernels) x2", "cudaGraphLaunch",
+                                     "plan_offsets_kernel", "_canary_write_kernel",
+                                     "_canary_verify_kernel"], text
+    assert text.splitlines()[0].startswith("      0.0..    100.0")
+    assert text.endswith("(last kernel ends at 233.0 µs)")
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
