@@ -3,7 +3,8 @@
 # last at most 600 s; a storm with its canary-off reference takes about 12 minutes): `start`
 # starts them side by side in their own sessions (they outlive the call), `wait N` waits up
 # to N seconds, copying each storm's output to $OUT as it goes (a call cut short still brings
-# back what is done), then the canary's lines and the tail of each server log. Run after the bundles are installed and
+# back what is done), then the canary's lines and the tail of each server log, all as
+# $OUT/storms.tgz (a call cut short leaves them in $OUT/storms). Run after the bundles are installed and
 # after `test/gpu_lanes_detached.sh start` when both run (its start reinstalls the bundles):
 #   call 2:  bash test/gpu_lanes_detached.sh start && sleep 20 \
 #            && bash benchmark/kv_canary/abort_storm_detached.sh start && ... wait 500
@@ -41,6 +42,8 @@ case "${1:-}" in
       tail -300 "$d"/storm.log > "$OUT/storms/$b.storm_tail.txt" 2>/dev/null
       cp "$d"/results.json "$OUT/storms/$b.results.json" 2>/dev/null
     done
+    # the device tool brings back at most 8 files: the storms' files as one archive
+    tar czf "$OUT/storms.tgz" -C "$OUT" storms && rm -rf "$OUT/storms"
     echo "abort_storm_detached: $(ls "$R"/*.done 2>/dev/null | wc -l) of $n done" ;;
   *) echo "usage: $0 start | wait SECONDS" >&2; exit 2 ;;
 esac

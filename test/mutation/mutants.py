@@ -679,4 +679,17 @@ MUTANTS = (
         selection=f"{_T}/test_perturb_oracle.py::"
                   "test_the_kept_req_to_token_fault_stays_and_picks_requests_with_tokens_left",
         speed="quick", what="the kept req_to_token fault is undone like the other"),
+    Mutant(
+        id="kept-fault-one-entry-per-page", path=f"{_RT}/perturb/perturber.py",
+        old="            if self.page_size > 1:\n", new="            if False:\n",
+        selection=f"{_T}/test_release_guard.py::"
+                  "test_the_kept_fault_loses_the_requests_own_page_and_the_guard_reclaims_it",
+        speed="quick", what="the kept fault rewrites one entry at page size 16 (its page "
+                            "stays named by its page mates: nothing for the guard to reclaim)"),
+    Mutant(
+        id="kept-fault-page-size-ignored", path=f"{_RT}/runner/manager.py",
+        old="                                             page_size=(sglang_seam.kv_pool_page_size(kv_pool)\n",
+        new="                                             page_size=(1 and 1\n",
+        selection=f"{_T}/test_perturb_oracle.py::test_the_kept_fault_rewrites_in_the_pools_pages",
+        speed="quick", what="the perturber is not told the pool's page size"),
 )
