@@ -6,7 +6,8 @@
 #   bash benchmark/kv_canary/upstream_bundle.sh      # writes .device/up_a, .device/up_b (< 64 MB each)
 # On the GPU machine (bundles a, c of 0.5.12 installed in /tmp/site first: the shared deps):
 #   bash .device/up_a/install.sh; bash .device/up_b/install.sh   # one call each, carrying each
-#   PYTHONPATH=/tmp/site_up:/tmp/site python3 -m sglang.launch_server ...   # 0.5.17 first
+#   PYTHONPATH=benchmark/kv_canary/upstream_site:/tmp/site_up:/tmp/site \
+#     python3 -m sglang.launch_server ...   # 0.5.17 first; upstream_site keeps this project out
 # Never install it beside this project: 0.5.17 ships its own sglang.srt.kv_canary.
 # What 0.5.17 changes against 0.5.12's bundles: sglang itself, transformers 5.12.1,
 # apache-tvm-ffi 0.1.11 (its canary kernels compile at first use through tvm-ffi and nvcc),

@@ -249,5 +249,54 @@ def test_profile_server_prefill_prints_the_last_requests_timeline(tmp_path, monk
     assert text.splitlines()[0].startswith("      0.0..    100.0")
     assert text.endswith("(last kernel ends at 233.0 µs)")
 
+
+def _fake_upstream(root: pathlib.Path) -> pathlib.Path:
+    """A site directory whose sglang has its own ``sglang.srt.kv_canary`` (as 0.5.17 does),
+    without this project's modules."""
+    site = root / "up"
+    (site / "sglang" / "srt" / "kv_canary").mkdir(parents=True)
+    (site / "sglang" / "__init__.py").write_text("__version__ = 'upstream'\n")
+    (site / "sglang" / "srt" / "__init__.py").write_text("")
+    (site / "sglang" / "srt" / "kv_canary" / "__init__.py").write_text("UPSTREAM = True\n")
+    return site
+
+
+_PROBE = ("import importlib.util, os, sglang.srt.kv_canary as m; "
+          "s = importlib.util.find_spec('sglang.srt.kv_canary.plugin'); "
+          "print(m.__file__); print(s.origin if s else None); "
+          "print(os.environ.get('SGLANG_PLUGINS'))")
+
+
+def _probe(pythonpath: list, env_extra: dict | None = None) -> list:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SGLANG_PLUGINS")}
+    env.update(env_extra or {}, PYTHONPATH=os.pathsep.join(map(str, pythonpath)))
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=str(pythonpath[-1]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.splitlines()
+
+
+def test_upstream_site_keeps_this_projects_modules_out_of_upstreams_packages(tmp_path):
+    """``benchmark/kv_canary/upstream_site`` (first on an upstream server's PYTHONPATH): this
+    project's editable install would load its ``plugin`` module into upstream's own
+    ``sglang.srt.kv_canary`` (upstream has none of that name); with the folder first it is not
+    found, and sglang's plugin allow-list leaves this project's entry point out."""
+    up = _fake_upstream(tmp_path)
+    isolation = BENCH_DIR / "upstream_site"
+    from sglang.srt.kv_canary import plugin as ours  # this project's, as installed
+
+    pkg, plugin, plugins = _probe([up])  # the hazard, on this (editable) install
+    assert pkg.startswith(str(up)) and plugin == ours.__file__, (pkg, plugin)
+    assert plugins == "None"
+    pkg, plugin, plugins = _probe([isolation, up])
+    assert pkg.startswith(str(up)) and plugin == "None" and plugins == "none"
+    *_, plugins = _probe([isolation, up], {"SGLANG_PLUGINS": "kv_canary, other"})
+    assert plugins == "other"
+    # a sitecustomize it shadows still runs
+    chained = tmp_path / "chained"
+    chained.mkdir()
+    (chained / "sitecustomize.py").write_text("print('chained')\n")
+    assert _probe([isolation, chained, up])[0] == "chained"
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
