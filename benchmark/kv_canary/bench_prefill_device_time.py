@@ -14,19 +14,19 @@ waits for the device after each prefill, so a prefill's time is its wall time (f
 launch: the batches are built before, as sglang builds them before the forward). Printed: the
 median ms per prefill and the median of the paired ratios against the first "off"; then each
 config's prefill with no model at all (the canary's own device time plus its host time).
-``--trace DIR``: after the rounds of each prompt, one more prefill per stand-in under
-``torch.profiler``; each one's Chrome trace goes to DIR and its timeline is printed (every
-GPU kernel's stream, start and end from the first launch, and the host's phases: the model's
-launches, the canary's pre- and post-ops and its read-back), to show which of the canary's
-work lies on the prefill's critical path. ``--smoke-cpu``: tiny shapes on the CPU, checks
-the script only.
+Each forward runs in the bracket ``ModelRunner.forward`` gets from the plugin, whose exit does
+the read-back (one per forward: checked). ``--trace DIR``: after the rounds of each prompt,
+one more prefill per stand-in under ``torch.profiler``; each one's Chrome trace goes to DIR
+and its timeline is printed (every GPU kernel's stream, start and end from the first launch,
+and the host's phases: the model's launches, the canary's pre- and post-ops, the bracket's
+exit with the read-back), to show which of the canary's work lies on the prefill's critical
+path. ``--smoke-cpu``: tiny shapes on the CPU, checks the script only.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import re
 import statistics
 import sys
@@ -42,6 +42,8 @@ from common import (  # noqa: E402
     canary_on_configs,
     now_utc,
     parse_ints,
+    timeline,
+    trace_rows,
 )
 from serving_breakdown import (  # noqa: E402
     PREFILL_SHAPES,
@@ -116,6 +118,7 @@ def main() -> None:
         if canary is not None:
             canary[1].req_to_token[row, :isl] = slots.to(torch.int32).to(dev)
         sync()
+        step0 = canary[0].step if canary is not None else 0
         t0 = time.perf_counter()
         for n, fb in batches:
             if canary is None:
@@ -123,25 +126,25 @@ def main() -> None:
                     model(n)
                 continue
             mgr = canary[0]
-            with phase("canary.pre"):
-                mgr.on_forward_batch_init(fb, [req])
-                bracket = contextlib.ExitStack()
-                bracket.enter_context(mgr.with_active_single_forward_manager(0))
-                bracket.enter_context(mgr.with_ops_outside_graph(fb))
-                mgr.pre_ops_maybe_inside_graph(fb)
-            with bracket:
+            with contextlib.ExitStack() as bracket:  # ModelRunner.forward's, as the plugin's
+                with phase("canary.pre"):
+                    mgr.on_forward_batch_init(fb, [req])
+                    bracket.enter_context(mgr.with_active_single_forward_manager(0))
+                    bracket.enter_context(mgr.with_ops_outside_graph(fb))
+                    mgr.pre_ops_maybe_inside_graph(fb)
                 if with_model:
                     with phase("model"):
                         model(n)
                 with phase("canary.post"):
                     mgr.post_ops_maybe_inside_graph(fb)
-                bracket.pop_all()
-            with phase("canary.post_outside"):
-                bracket.close()
-            with phase("canary.after_forward"):
-                mgr.after_forward([mgr.sfms[0]], fb)
+                outside = bracket.pop_all()  # the bracket's exit, timed on its own
+            with phase("canary.post_outside+read-back"):
+                outside.close()  # post_ops_outside_graph, then after_forward (the read-back)
         with phase("sync"):
             sync()
+        if canary is not None and canary[0].step != step0 + len(batches):
+            raise SystemExit(f"one read-back per forward expected: {len(batches)} forwards "
+                             f"moved the canary's step from {step0} to {canary[0].step}")
         return (time.perf_counter() - t0) * 1e3
 
     name = torch.cuda.get_device_name() if not smoke else "cpu (smoke)"
@@ -188,9 +191,9 @@ def main() -> None:
 
 
 def trace_prefill(run, out_dir: Path, label: str, smoke: bool) -> str:
-    """Profile ``run(phase)`` (one prefill) and return its timeline: the host phases and every
-    kernel (stream, start and end in µs from the first event, name), in start order; the
-    Chrome trace is written to ``out_dir/trace_<label>.json``."""
+    """Profile ``run(phase)`` (one prefill) and return its timeline (:func:`common.timeline`:
+    the host phases and every kernel, µs from the first event); the Chrome trace is written to
+    ``out_dir/trace_<label>.json``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -199,46 +202,11 @@ def trace_prefill(run, out_dir: Path, label: str, smoke: bool) -> str:
         run(record_function)
     path = out_dir / ("trace_" + re.sub(r"[^A-Za-z0-9._-]+", "_", label) + ".json")
     prof.export_chrome_trace(str(path))
-    events = json.loads(path.read_text()).get("traceEvents", [])
-    rows = []
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        cat = e.get("cat", "")
-        if cat == "user_annotation" and not str(e.get("name", "")).startswith("ProfilerStep"):
-            rows.append((float(e["ts"]), float(e["dur"]), "host", e["name"]))
-        elif cat == "kernel" or cat == "gpu_memcpy" or cat == "gpu_memset":
-            rows.append((float(e["ts"]), float(e["dur"]),
-                         f"stream {e.get('args', {}).get('stream', '?')}", e["name"]))
+    rows = trace_rows(path, annotations=True)
     if not rows:
         return f"-- {label}: no events"
-    t0 = min(r[0] for r in rows)
-    rows.sort()
-    lines = [f"-- timeline {label} ({path.name}): start..end µs, where, what"]
-    model_run = None  # consecutive model kernels collapse into one line
-    for ts, dur, where, name in rows:
-        is_gemm = where != "host" and ("gemm" in name.lower() or "cutlass" in name.lower()
-                                       or "nvjet" in name.lower() or "randn" in name.lower()
-                                       or "normal" in name.lower())
-        if is_gemm:
-            if model_run is not None and model_run[2] == where:
-                model_run[1] = max(model_run[1], ts + dur - t0)
-                model_run[3] += 1
-                continue
-            if model_run is not None:
-                lines.append(f"{model_run[0]:9.1f}..{model_run[1]:9.1f} {model_run[2]:>10} "
-                             f"model kernels x{model_run[3]}")
-            model_run = [ts - t0, ts + dur - t0, where, 1]
-            continue
-        if model_run is not None:
-            lines.append(f"{model_run[0]:9.1f}..{model_run[1]:9.1f} {model_run[2]:>10} "
-                         f"model kernels x{model_run[3]}")
-            model_run = None
-        lines.append(f"{ts - t0:9.1f}..{ts + dur - t0:9.1f} {where:>10} {name[:90]}")
-    if model_run is not None:
-        lines.append(f"{model_run[0]:9.1f}..{model_run[1]:9.1f} {model_run[2]:>10} "
-                     f"model kernels x{model_run[3]}")
-    return "\n".join(lines)
+    head = f"-- timeline {label} ({path.name}): start..end µs, where, what"
+    return "\n".join([head] + timeline(rows, rows[0][0]))
 
 
 if __name__ == "__main__":

@@ -274,6 +274,67 @@ def read_jsonl(paths: Sequence[str]) -> list[dict]:
 
 
 
+# ---- torch profiler traces ----------------------------------------------------------------------
+
+# the canary's kernels by name (its Triton kernels, the staging / read-back copies' kernels): a
+# timeline names them, and folds runs of other kernels on one stream into one line
+CANARY_KERNELS = ("_canary", "plan_", "_scatter_packed", "memcpy32_post", "_deep_",
+                  "multi_tensor_apply", "FillFunctor")
+_DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+TraceRow = tuple  # (start µs, duration µs, where: "stream N" or "host", name)
+
+
+def trace_rows(trace_path, *, annotations: bool, host_calls: Sequence[str] = ()) -> list:
+    """A Chrome trace's (``torch.profiler``; ``.json`` or ``.json.gz``) device events (kernels,
+    copies: where = "stream N") and host events (where = "host"): the ``record_function``
+    ranges when ``annotations``, and the CUDA runtime calls whose names start with one of
+    ``host_calls``; sorted by start."""
+    import gzip
+
+    opener = gzip.open if str(trace_path).endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    calls = tuple(host_calls)
+    rows = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat, name = e.get("cat", ""), str(e.get("name", ""))
+        if cat in _DEVICE_CATEGORIES:
+            where = f"stream {e.get('args', {}).get('stream', '?')}"
+        elif ((annotations and cat == "user_annotation" and not name.startswith("ProfilerStep"))
+              or (calls and cat == "cuda_runtime" and name.startswith(calls))):
+            where = "host"
+        else:
+            continue
+        rows.append((float(e["ts"]), float(e["dur"]), where, name))
+    rows.sort()
+    return rows
+
+
+def timeline(rows: Sequence[TraceRow], t0: float) -> list[str]:
+    """One line per event, µs from ``t0``: ``start..end where name``; consecutive kernels on
+    one stream that are not the canary's (:data:`CANARY_KERNELS`) fold into one
+    ``(other kernels) xN`` line."""
+    def label(where: str, name: str) -> str:
+        if where == "host" or any(k in name for k in CANARY_KERNELS):
+            return name[:100]
+        return "(other kernels)"
+
+    folded = []  # [start, end, where, count, label]
+    for ts, dur, where, name in rows:
+        text = label(where, name)
+        last = folded[-1] if folded else None
+        if last is not None and where != "host" and last[2] == where and last[4] == text:
+            last[1] = max(last[1], ts + dur - t0)
+            last[3] += 1
+            continue
+        folded.append([ts - t0, ts + dur - t0, where, 1, text])
+    return [f"{a:9.1f}..{b:9.1f} {w:>10} {n}" + (f" x{c}" if c > 1 else "")
+            for a, b, w, c, n in folded]
+
+
 # ---- a scenario's inputs and sglang's timings ------------------------------------------------
 
 

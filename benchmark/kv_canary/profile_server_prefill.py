@@ -16,7 +16,6 @@ timeline; DIR keeps each server's trace (``<config>/*.trace.json.gz``) and log. 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import pathlib
@@ -37,6 +36,8 @@ from common import (  # noqa: E402
     now_utc,
     parse_names,
     server_prefill_ms,
+    timeline,
+    trace_rows,
 )
 
 # a gap this long between kernels separates two requests' work in the trace
@@ -46,42 +47,10 @@ SHOWN_CALLS = ("cudaGraphLaunch", "cudaStreamWaitEvent", "cudaEventSynchronize",
                "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
 
 
-def _events(trace_path: pathlib.Path) -> list[tuple[float, float, str, str]]:
-    """``(start µs, duration µs, where, name)`` of the trace's kernels / copies ("stream N")
-    and the host calls of :data:`SHOWN_CALLS` ("host")."""
-    opener = gzip.open if trace_path.suffix == ".gz" else open
-    with opener(trace_path, "rt") as f:
-        events = json.load(f).get("traceEvents", [])
-    rows = []
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        cat = e.get("cat", "")
-        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
-            rows.append((float(e["ts"]), float(e["dur"]),
-                         f"stream {e.get('args', {}).get('stream', '?')}", e["name"]))
-        elif cat == "cuda_runtime" and e.get("name", "").startswith(SHOWN_CALLS):
-            rows.append((float(e["ts"]), float(e["dur"]), "host", e["name"]))
-    rows.sort()
-    return rows
-
-
-# the canary's kernels by name (Triton kernels, the staging / read-back copies' kernels); runs
-# of other kernels on one stream are folded into one line
-CANARY_KERNELS = ("_canary", "plan_", "_scatter_packed", "memcpy32_post", "_deep_",
-                  "multi_tensor_apply", "FillFunctor")
-
-
-def _label(where: str, name: str) -> str:
-    if where == "host" or any(k in name for k in CANARY_KERNELS):
-        return name[:100]
-    return "(other kernels)"
-
-
-def last_request_timeline(rows: list[tuple[float, float, str, str]]) -> str:
+def last_request_timeline(rows: list) -> str:
     """The events of the last request's work (after the last kernel gap of
-    :data:`REQUEST_GAP_US`), µs from its first kernel; consecutive events on one stream with
-    the same label (:func:`_label`) are folded into one line."""
+    :data:`REQUEST_GAP_US`; rows of :func:`common.trace_rows`), µs from its first kernel, as
+    :func:`common.timeline` lines, and where its last kernel ends."""
     kernels = [r for r in rows if r[2] != "host"]
     if not kernels:
         return "(no kernels in the trace)"
@@ -91,25 +60,9 @@ def last_request_timeline(rows: list[tuple[float, float, str, str]]) -> str:
         if ts - end_prev > REQUEST_GAP_US:
             start = ts
         end_prev = max(end_prev, ts + dur)
-    t0 = start
-    last = [r for r in rows if r[0] >= t0 - 50.0]
-    lines, fold = [], None
-    for ts, dur, where, name in last:
-        short = _label(where, name)
-        if fold is not None and fold[2] == where and where != "host" and fold[4] == short:
-            fold[1] = ts + dur - t0
-            fold[3] += 1
-            continue
-        if fold is not None:
-            lines.append(fold)
-        fold = [ts - t0, ts + dur - t0, where, 1, short]
-    if fold is not None:
-        lines.append(fold)
-    k_end = max(ts + dur for ts, dur, w, _ in last if w != "host") - t0
-    out = [f"{a:9.1f}..{b:9.1f} {w:>10} {n}" + (f" x{c}" if c > 1 else "")
-           for a, b, w, c, n in lines]
-    out.append(f"(last kernel ends at {k_end:.1f} µs)")
-    return "\n".join(out)
+    last = [r for r in rows if r[0] >= start - 50.0]
+    k_end = max(ts + dur for ts, dur, w, _ in last if w != "host") - start
+    return "\n".join(timeline(last, start) + [f"(last kernel ends at {k_end:.1f} µs)"])
 
 
 def main() -> None:
@@ -173,7 +126,8 @@ def main() -> None:
         print(f"\n== {name}: server prefill ms {[round(p, 2) for p in prefill if p]} "
               f"(median {statistics.median([p for p in prefill if p]):.2f}); trace "
               f"{traces[-1].name}", flush=True)
-        print(last_request_timeline(_events(traces[-1])), flush=True)
+        rows = trace_rows(traces[-1], annotations=False, host_calls=SHOWN_CALLS)
+        print(last_request_timeline(rows), flush=True)
 
 
 if __name__ == "__main__":

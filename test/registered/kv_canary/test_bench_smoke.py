@@ -157,8 +157,8 @@ def test_bench_prefill_device_time_traces_one_prefill_per_stand_in(tmp_path):
     assert names == ["trace_32_off.json", "trace_32_off_A_A_.json", "trace_32_raise.json"]
     timeline = text.split("-- timeline 32_raise")[1].split("--")[0]
     phases = [line.split()[-1] for line in timeline.splitlines()[1:] if "host" in line]
-    assert phases == ["canary.pre", "model", "canary.post", "canary.post_outside",
-                      "canary.after_forward", "sync"], phases
+    assert phases == ["canary.pre", "model", "canary.post", "canary.post_outside+read-back",
+                      "sync"], phases
     assert "-- timeline 32_off " in text and "-- timeline 32_off (A/A) " in text
 
 def test_bench_host_primitives_needs_cuda():
@@ -236,7 +236,8 @@ def test_profile_server_prefill_prints_the_last_requests_timeline(tmp_path, monk
     trace = tmp_path / "x.trace.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    text = mod.last_request_timeline(mod._events(trace))
+    text = mod.last_request_timeline(mod.trace_rows(trace, annotations=False,
+                                                    host_calls=mod.SHOWN_CALLS))
     import re
 
     lines = [re.match(r"\s*[\d.]+\.\.\s*[\d.]+\s+(stream \S+|host) (.*)$", line).groups()
