@@ -32,7 +32,7 @@ from sglang.jit_kernel.kv_canary.deep import (
 from sglang.jit_kernel.kv_canary.types import DeepFingerprintTable
 from sglang.srt.kv_canary.pool_patcher.layer_columns import layer_columns
 from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
-from sglang.srt.kv_canary.runner.sweep import SWEEP_CHUNK_CAPACITY
+from sglang.srt.kv_canary.capacities import SWEEP_CHUNK_CAPACITY
 from sglang.srt.kv_canary.state import CanaryDeviceState
 from sglang.srt.kv_canary.sweep_plan_builder import build_verify_plan_radix_sweep
 from sglang.jit_kernel.kv_canary.verify import (

@@ -692,4 +692,38 @@ MUTANTS = (
         new="                                             page_size=(1 and 1\n",
         selection=f"{_T}/test_perturb_oracle.py::test_the_kept_fault_rewrites_in_the_pools_pages",
         speed="quick", what="the perturber is not told the pool's page size"),
+    Mutant(
+        id="memory-v-records-uncounted", path=f"{_RT}/memory.py",
+        old="            add(device, MemoryPart.RECORDS, 2 * g.record_halves * g.slots * CANARY_SLOT_BYTES)\n",
+        new="            add(device, MemoryPart.RECORDS, 2 * g.slots * CANARY_SLOT_BYTES)\n",
+        selection=f"{_T}/test_memory.py::test_the_formula_counts_every_tensor_a_built_canary_holds"
+                  "[mha_v_layers_tokens_sweep]",
+        speed="quick", what="the V half's records are left out of the canary's memory"),
+    Mutant(
+        id="memory-plans-once", path=f"{_RT}/memory.py",
+        old="        for _ in range(inputs.single_forward_managers):\n",
+        new="        for _ in range(1):\n",
+        selection=f"{_T}/test_memory.py::"
+                  "test_the_formula_counts_each_single_forward_manager_and_the_write_input_check[3]",
+        speed="quick", what="an EAGLE draft canary's managers counted as one"),
+    Mutant(
+        id="memory-budget-not-cut", path=f"{_RT}/memory_budget.py",
+        old="        if tokens is not None and mid + total(memories) <= available_bytes:\n",
+        new="        if tokens is not None and mid <= available_bytes:\n",
+        selection=f"{_T}/test_memory.py::"
+                  "test_the_kv_budget_shrinks_by_exactly_the_canarys_bytes[1-config0]",
+        speed="quick", what="the KV pool keeps its whole budget (the canary comes on top)"),
+    Mutant(
+        id="memory-prediction-no-padding-page", path=f"{_RT}/memory_budget.py",
+        old="    full_slots = tokens.max_total + page_size\n",
+        new="    full_slots = tokens.max_total\n",
+        selection=f"{_T}/test_memory.py::"
+                  "test_the_predicted_groups_are_the_groups_the_adapters_build[mha]",
+        speed="quick", what="the predicted pool lacks sglang's padding page"),
+    Mutant(
+        id="memory-gauge-unset", path=f"{_RT}/runner/manager.py",
+        old="            self.metrics.set_memory(self.memory, draft=self.ranks.draft)\n",
+        new="            pass\n",
+        selection=f"{_T}/test_memory.py::test_the_gauge_exports_the_bytes_by_part",
+        speed="quick", what="sglang:kv_canary_memory_bytes is never set"),
 )

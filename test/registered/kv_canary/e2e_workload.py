@@ -30,3 +30,21 @@ def run_workload(model: str, mode: str, engine_args: Optional[Mapping] = None, *
     res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
            if x.startswith("RESULT ")]
     return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+
+
+def workload_info(out: str) -> Optional[dict]:
+    """The ``INFO <json>`` line ``workload.py`` prints: ``Engine.get_server_info()``'s
+    ``kv_canary`` and ``max_total_num_tokens``."""
+    info = [json.loads(x[len("INFO "):]) for x in out.splitlines() if x.startswith("INFO ")]
+    return info[0] if info else None
+
+
+def assert_memory_reserved_as_allocated(info: dict) -> None:
+    """The canary's memory in ``/server_info``: the target's bytes, as built, are the bytes
+    reserved out of the KV pool's budget before the pool was sized (docs/user_guide.md,
+    "Memory")."""
+    memory = info["kv_canary"]["memory"]
+    target = memory["target"]
+    assert target["allocated"]["device_bytes"] > 0, memory
+    assert target["allocated"] == target["reserved"], memory
+    assert memory["reservation"]["max_total_num_tokens"] == info["max_total_num_tokens"], memory

@@ -418,7 +418,8 @@ def test_copy_rows_refuses_unpinned_host_memory_and_odd_widths(device):
 def test_host_tier_mirror_on_real_pools(tmp_path):
     """HiCache: a real ``MHATokenToKVPoolHost`` (a process with the libcuda stub and the HiCache
     CPU shims): every canary buffer's rows (K / V head and tail records, the per-layer table) go
-    to the host with a backup and come back, into other slots, with the load's first layer."""
+    to the host with a backup and come back, into other slots, with the load's first layer; the
+    host pool makes room for them in its budget (docs/user_guide.md, "Memory")."""
     import json
     import pathlib
     import subprocess
@@ -440,6 +441,16 @@ def test_host_tier_mirror_on_real_pools(tmp_path):
     # 4 record buffers (K and V, head and tail) of 32 bytes + 2 layers x 2 halves x 8 bytes
     assert res["pairs"] == 5 and res["bytes_per_host_slot"] == 4 * 32 + 4 * 8
     assert (res["backed_up"], res["loaded"]) == (4, 4) and res["host_slots"] > 64
+    # the host pool's KV plus the mirror take what --hicache-ratio / --hicache-size give the
+    # KV alone (to a slot: sglang rounds the size up to a whole page)
+    sizes = res["sizes"]
+    kv, mirror = sizes["kv_per_token"], sizes["mirror_per_slot"]
+    assert mirror == res["bytes_per_host_slot"]
+    for mode in ("ratio", "size"):
+        off, on = sizes[mode]["off"], sizes[mode]["on"]
+        assert off * kv - (kv + mirror) < on * (kv + mirror) <= off * kv + (kv + mirror), mode
+    assert "--hicache-ratio 1.2 leaves no room" in sizes["tight_ratio"]
+    assert res["memory_host_mirror"] == res["mirror_bytes"] == res["host_slots"] * mirror
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from e2e_checks import run_workload
+from e2e_workload import assert_memory_reserved_as_allocated, workload_info
 
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
@@ -67,6 +68,11 @@ def test_every_layer_clean_matches_canary_off(server):
     assert "real_data=partial real_data_layers=all layers_per_forward=1" in out
     assert parse_violation_lines(out) == []
     assert on == off and len(on) == 12
+    # every layer's fingerprint columns (and the token table) reserved as then built
+    info = workload_info(out)
+    assert_memory_reserved_as_allocated(info)
+    assert {"layer_fingerprints", "token_table", "sweep"} <= set(
+        info["kv_canary"]["memory"]["target"]["allocated"]["device"])
 
 
 def _faults_and_lines(server, layers):

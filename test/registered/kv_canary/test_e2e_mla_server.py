@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
+from e2e_workload import assert_memory_reserved_as_allocated, workload_info
 
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
@@ -58,6 +59,8 @@ def test_mla_clean(mla):
     assert "kv_canary installed: mode=raise real_data=partial" in out
     assert "pool=MLATokenToKVPool groups=1 " in out
     assert parse_violation_lines(out) == []
+    # the MLA pool's canary (token checks on) was reserved as it was then built
+    assert_memory_reserved_as_allocated(workload_info(out))
     assert on is not None and len(on) == 12
     stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
     assert stats and "violations=0" in stats[-1]

@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 import pytest
-from e2e_workload import run_workload
+from e2e_workload import assert_memory_reserved_as_allocated, run_workload, workload_info
 
 from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
@@ -72,8 +72,10 @@ def baseline(server):
     # `server_args=ServerArgs(...)` line (its repr shows every setting)
     assert ("kv_canary='none', kv_canary_sweep_interval=0, kv_canary_real_data='none', "
             "kv_canary_real_data_layers='first')") in out
+    server_log = "\n".join(line for line in out.splitlines()
+                           if not line.startswith("INFO "))  # the workload's own print
     quiet = re.sub(r"kv_canary(_sweep_interval|_real_data|_real_data_layers)?=\S+", "",
-                   out.replace("sglang.srt.kv_canary", ""))
+                   server_log.replace("sglang.srt.kv_canary", ""))
     assert "kv_canary" not in quiet
     assert res is not None and len(res) == 48
     return res
@@ -87,6 +89,10 @@ def test_clean_workload_matches_canary_off_and_log_mode_works(server, baseline):
     assert "kv_canary installed: mode=raise" in out
     assert VIOLATION_LINE_PREFIX not in out
     assert "health check failed" not in out
+    # the canary's memory: reserved before sglang sized the pool, as then allocated; the pool
+    # is --max-total-tokens either way (the budget is far larger)
+    assert_memory_reserved_as_allocated(workload_info(out))
+    assert workload_info(out)["max_total_num_tokens"] == WORKLOAD_ARGS["max_total_tokens"]
     stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
     assert stats, "no stats line"
     assert "violations=0" in stats[-1] and "HEAD_K_FULL" in stats[-1]
@@ -99,6 +105,9 @@ def test_clean_workload_matches_canary_off_and_log_mode_works(server, baseline):
     assert "kv_canary installed: mode=log" in out_log
     installed = next(line for line in out_log.splitlines() if "kv_canary installed:" in line)
     assert "token_checks=on" in installed, installed
+    assert_memory_reserved_as_allocated(workload_info(out_log))
+    assert "token_table" in workload_info(out_log)["kv_canary"]["memory"]["target"]["allocated"][
+        "device"]
     assert VIOLATION_LINE_PREFIX not in out_log
     _assert_workload_coverage(out_log)  # chunked prefill, radix reuse and decode all covered
 

@@ -40,7 +40,7 @@ R, K = RUNTIME, KERNELS
 LAYERS = (
     _l("tools", f"{R}.demo", f"{R}.testing", f"{R}.testing.*"),
     _l("plugin", f"{R}.plugin"),
-    _l("api", f"{R}.api"),
+    _l("api", f"{R}.api", f"{R}.memory_budget"),
     _l("builder", f"{R}.builder"),
     _l("runner", f"{R}.runner", f"{R}.runner.*"),
     _l("single-forward manager", f"{R}.single_forward_manager", f"{R}.single_forward_manager.*"),
@@ -51,7 +51,8 @@ LAYERS = (
        f"{R}.endpoint"),
     _l("config", f"{R}.config", f"{R}.server_args_ext", f"{R}.envs", f"{R}.perturb.config",
        f"{R}.token_oracle.oracle"),
-    _l("leaves", R, f"{R}.state", f"{R}.buffer_group", f"{R}.capacities", f"{R}.plan_input",
+    _l("leaves", R, f"{R}.state", f"{R}.buffer_group", f"{R}.capacities", f"{R}.memory",
+       f"{R}.plan_input",
        f"{R}.expected_inputs", f"{R}.batch_state", f"{R}.radix_cache_walker", f"{R}.cuda_streams",
        f"{R}.sweep_plan_builder"),
     _l("sglang seam", f"{R}.sglang_seam"),

@@ -11,12 +11,14 @@ into the graphs.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Tuple
 
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
+from sglang.srt.kv_canary.memory import format_bytes
+from sglang.srt.kv_canary.memory_budget import CanaryMemoryReservation, reserve_canary_memory
 from sglang.srt.kv_canary.perturb.config import (
     TARGET_WORKER_VAR,
     WORKER_DRAFT,
@@ -147,6 +149,95 @@ def capacity_inputs_from_server_args(server_args: "ServerArgs", *, context_len: 
     )
 
 
+def reserve_kv_budget(*, server_args: "ServerArgs", model_runner: "ModelRunner",
+                      available_bytes: int) -> int:
+    """The plugin's ``ModelRunner._profile_available_bytes`` hook: with the canary on, the
+    KV pool's budget less the canary's share (docs/user_guide.md, "Memory"), the reservation
+    kept for ``install_canary``'s check and ``/server_info``; ``available_bytes`` untouched
+    with the canary off."""
+    config = check_server_args_for_canary(server_args)
+    if not config.enabled:
+        return available_bytes
+    kv_bytes, reservation = reserve_canary_memory(
+        model_runner, server_args=server_args, config=config,
+        capacity_inputs=capacity_inputs_from_server_args(
+            server_args, context_len=sglang_seam.runner_context_len(model_runner)),
+        available_bytes=available_bytes)
+    sglang_seam.set_runner_memory_reservation(model_runner, reservation)
+    if reservation is not None:
+        logger.info(
+            "kv_canary: %s of the KV pool's %s budget reserved for the canary (target: %s%s); "
+            "the pool holds %d tokens", format_bytes(reservation.reserved_bytes),
+            format_bytes(available_bytes), reservation.target.describe(),
+            f"; draft: {reservation.draft.describe()}" if reservation.draft else "",
+            reservation.tokens.max_total)
+    return kv_bytes
+
+
+def host_pool_budget(*, device_pool, host_pool_cls: type, host_to_device_ratio: float,
+                     host_size: float) -> Tuple[float, float]:
+    """The plugin's ``HostKVCache.__init__`` hook: ``(host_to_device_ratio, host_size)`` for
+    a HiCache host pool of ``device_pool`` such that its KV plus the canary's mirror of its
+    slots take the host memory the operator's ``--hicache-size`` (GB) or ``--hicache-ratio``
+    (of the device pool's KV bytes) gives the KV alone (docs/user_guide.md, "Memory").
+    Unchanged for a pool without a canary or a host pool the canary does not mirror. Raises
+    ``ValueError`` naming ``--hicache-ratio`` when the mirror leaves it no larger than the
+    device pool (sglang's own minimum)."""
+    manager = sglang_seam.pool_canary(device_pool)
+    if manager is None or sglang_seam.host_pool_class_kind(host_pool_cls) is None:
+        return host_to_device_ratio, host_size
+    kv = sglang_seam.kv_pool_bytes_per_token(device_pool)
+    mirror = manager.host_mirror_bytes_per_slot
+    share = kv / (kv + mirror)
+    if host_size > 0:
+        return host_to_device_ratio, host_size * share
+    ratio = host_to_device_ratio * share
+    if ratio * sglang_seam.kv_pool_size(device_pool) <= sglang_seam.kv_pool_size(device_pool):
+        raise ValueError(
+            f"--hicache-ratio {host_to_device_ratio} leaves no room for the canary's host "
+            f"mirror ({mirror} bytes per host slot beside {kv} bytes of KV): the host pool "
+            "would be no larger than the device pool, which sglang refuses; raise "
+            f"--hicache-ratio above {(kv + mirror) / kv:.3f} or pass --hicache-size")
+    return ratio, host_size
+
+
+def _check_reserved(manager: CanaryManager, reservation: Optional[CanaryMemoryReservation], *,
+                    draft: bool) -> str:
+    """The start-up line's memory part; warns when the canary holds more GPU memory than the
+    KV pool's budget gave it."""
+    allocated = manager.memory
+    text = f"memory {allocated.describe()}"
+    reserved = reservation.for_runner(draft=draft) if reservation is not None else None
+    if reserved is None:
+        logger.warning("kv_canary: no KV-pool budget was reserved for this canary (%s): the "
+                       "server holds that much more GPU memory than --mem-fraction-static "
+                       "sets", allocated.describe())
+        return text
+    extra = allocated.device_bytes - reserved.device_bytes
+    if extra > 0:
+        logger.warning("kv_canary: the canary holds %s more GPU memory than was reserved out "
+                       "of the KV pool's budget (reserved %s; allocated %s): the server holds "
+                       "that much more than --mem-fraction-static sets", format_bytes(extra),
+                       reserved.describe(), allocated.describe())
+    return text + f"; reserved {format_bytes(reserved.device_bytes)}"
+
+
+def canary_memory_info(reservation: Optional[CanaryMemoryReservation], *,
+                       target: Optional[CanaryManager], draft: Optional[CanaryManager]) -> dict:
+    """``/server_info``'s ``kv_canary.memory``: per guarded runner (``target``, ``draft``) the
+    bytes it holds by part and the bytes reserved for it out of the KV pool's budget, and the
+    reservation (sglang's budget, what the pool got, its tokens)."""
+    out = {"reservation": reservation.as_dict() if reservation is not None else None}
+    for role, manager in (("target", target), ("draft", draft)):
+        if manager is None:
+            continue
+        reserved = (reservation.for_runner(draft=role == "draft")
+                    if reservation is not None else None)
+        out[role] = {"allocated": manager.memory.as_dict(),
+                     "reserved": reserved.as_dict() if reserved is not None else None}
+    return out
+
+
 def _use_token_oracle_sampler(model_runner: "ModelRunner") -> None:
     """Make the runner sample with the token oracle. sglang builds its sampler from
     ``--sampling-backend`` but forces ``pytorch`` on some devices (the CPU engine): then the
@@ -198,9 +289,13 @@ def install_canary(*, server_args: "ServerArgs", model_runner: "ModelRunner",
     sglang_seam.set_runner_canary(model_runner, manager)
     sglang_seam.wrap_model_forward(model_runner, before=manager.pre_ops_maybe_inside_graph,
                                    after=manager.post_ops_maybe_inside_graph)
-    logger.info("kv_canary installed%s: %s pool=%s groups=%d capacities=%s",
+    if not draft:
+        sglang_seam.share_memory_reservation(model_runner)
+    memory = _check_reserved(manager, sglang_seam.runner_memory_reservation(model_runner),
+                             draft=draft)
+    logger.info("kv_canary installed%s: %s pool=%s groups=%d capacities=%s %s",
                 " on the EAGLE draft worker" if draft else "", config.describe(),
-                type(runner.kv_pool).__name__, len(manager.groups), manager.capacities)
+                type(runner.kv_pool).__name__, len(manager.groups), manager.capacities, memory)
     if config.perturb.enabled and manager.perturber is None:
         logger.info("kv_canary: fault injection is set for another rank; none on this one "
                     "(%s)", manager.ranks.describe())

@@ -8,12 +8,14 @@ the server limits (:class:`~sglang.srt.kv_canary.capacities.CanaryCapacityInputs
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 
+from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs, CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.memory import CanaryMemoryInputs, GroupGeometry
 from sglang.srt.kv_canary.perturb.config import RankFacts
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
 from sglang.srt.kv_canary.runner import CanaryManager
@@ -54,8 +56,34 @@ def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
         if vocab_size is None:
             raise ValueError("build_canary: the token oracle is on but no vocab_size was given")
         token_oracle = TokenOracleManager(vocab_size=vocab_size, device=device)
-    return CanaryManager(config=config, groups=groups, capacities=capacities,
-                         req_to_token=req_to_token, device=device,
-                         num_single_forward_managers=num_single_forward_managers,
-                         draft_forwards_per_round=draft_forwards_per_round,
-                         token_oracle=token_oracle, ranks=ranks or RankFacts(), kv_pool=pool)
+    memory = memory_inputs(config=config, groups=[GroupGeometry.of(g) for g in groups],
+                           capacities=capacities, req_to_token_shape=tuple(req_to_token.shape),
+                           num_single_forward_managers=num_single_forward_managers,
+                           device=device)
+    manager = CanaryManager(config=config, groups=groups, capacities=capacities,
+                            req_to_token=req_to_token, device=device,
+                            num_single_forward_managers=num_single_forward_managers,
+                            draft_forwards_per_round=draft_forwards_per_round,
+                            token_oracle=token_oracle, ranks=ranks or RankFacts(), kv_pool=pool,
+                            memory_inputs=memory)
+    # HiCache sizes its host pool from the device pool: the canary's mirror goes beside it
+    sglang_seam.set_pool_canary(pool, manager)
+    return manager
+
+
+def memory_inputs(*, config: CanaryConfig, groups: Sequence[GroupGeometry],
+                  capacities: CanaryLaunchCapacities, req_to_token_shape: Tuple[int, int],
+                  num_single_forward_managers: int, device) -> CanaryMemoryInputs:
+    """What :func:`build_canary` allocates for ``groups`` (built, or predicted by the KV-pool
+    sizing hook) under ``config``, for :class:`~sglang.srt.kv_canary.memory.CanaryMemory`.
+    The HiCache host mirror is added once the scheduler attaches its tree."""
+    return CanaryMemoryInputs(
+        groups=tuple(groups), capacities=capacities,
+        req_to_token_shape=(int(req_to_token_shape[0]), int(req_to_token_shape[1])),
+        single_forward_managers=num_single_forward_managers,
+        ring_capacity=config.ring_capacity,
+        token_checks=config.enable_verify_token_assert,
+        write_input_check=config.enable_write_input_assert,
+        sweep=config.sweep_interval > 0,
+        swa_divergence_stats=config.swa_divergence_stats_interval > 0,
+        cuda=torch.device(device).type == "cuda")

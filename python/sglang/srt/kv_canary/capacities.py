@@ -13,6 +13,16 @@ from typing import Optional
 # Shared radix prefixes make the sum of the batch's prefix lengths exceed the pool size.
 VERIFY_CAPACITY_SLOTS_FACTOR = 3
 
+# verify entries of one radix-sweep chunk (the sweep's own plan)
+SWEEP_CHUNK_CAPACITY = 1 << 20
+
+# tokens per request that a replayed forward's token-history upload carries in the static
+# buffer its graph reads (a decode step sends 1, a verified speculative step a few); the
+# buffer also holds a forward's worth of tokens (the canary's token capacity), what an eager
+# forward's graph scatters (a prefill chunk's new tokens). A larger upload goes by its own
+# launch before the replay.
+REPLAY_TOKENS_PER_REQUEST = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class CanaryCapacityInputs:

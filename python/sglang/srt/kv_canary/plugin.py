@@ -11,7 +11,11 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 | AFTER | ``ServerArgs.add_cli_args`` | add the four ``--kv-canary*`` options |
 | AROUND | ``ServerArgs.from_cli_args`` | carry the parsed options over, then validate |
 | AROUND | ``ServerArgs.__repr__`` | append the canary's four fields (and its config) |
+| AROUND | ``ModelRunner._profile_available_bytes`` | the KV pool's budget less the canary's |
+|  |  | share (``reserve_kv_budget``), before sglang sizes the pool |
 | AFTER | ``ModelRunner.init_memory_pool`` | ``install_canary`` (pool exists, graphs not yet) |
+| AROUND | ``HostKVCache.__init__`` | HiCache's host pool: its KV and the canary's mirror |
+|  |  | within ``--hicache-size`` / ``--hicache-ratio`` (``host_pool_budget``) |
 | AFTER | ``ModelRunner.__init__`` | ``mark_init_finished`` (warm-up and capture done) |
 | AROUND | ``ModelRunner.forward`` | outside-graph bracket with single-forward manager 0 |
 | AROUND | ``ModelRunner.init_piecewise_cuda_graphs`` | piecewise graphs' warm-up and capture |
@@ -23,8 +27,8 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 | AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_scheduler``: tree cache, running |
 |  |  | requests, metric labels, KV slots in use |
 | AFTER | ``Scheduler.process_batch_result`` | ``after_batch_result`` (abort mode's eviction) |
-| AFTER | ``Scheduler.get_init_info`` | add ``kv_canary`` (flags and effective config) |
-|  |  | to the info ``/server_info`` and ``Engine.get_server_info()`` return |
+| AFTER | ``Scheduler.get_init_info`` | add ``kv_canary`` (flags, effective config and |
+|  |  | memory) to what ``/server_info`` and ``Engine.get_server_info()`` return |
 | AROUND | ``Scheduler.stash_chunked_request`` | |
 |  |  | abort mode: a request aborted mid chunked prefill is still stashed chunk by |
 |  |  | chunk (its no-insert mark lifted), so it reaches its last chunk and finishes |
@@ -104,6 +108,24 @@ def _server_args_repr(original, self):
     text = original(self)
     suffix = canary_repr_suffix(self)
     return text[:-1] + suffix + ")" if suffix and text.endswith(")") else text
+
+
+def _profile_available_bytes(original, self, *args, **kwargs):
+    from sglang.srt.kv_canary.api import reserve_kv_budget
+
+    available = original(self, *args, **kwargs)
+    return reserve_kv_budget(server_args=self.server_args, model_runner=self,
+                             available_bytes=available)
+
+
+def _host_kv_cache_init(original, self, device_pool, host_to_device_ratio, host_size, *args,
+                        **kwargs):
+    from sglang.srt.kv_canary.api import host_pool_budget
+
+    ratio, size = host_pool_budget(device_pool=device_pool, host_pool_cls=type(self),
+                                   host_to_device_ratio=host_to_device_ratio,
+                                   host_size=host_size)
+    return original(self, device_pool, ratio, size, *args, **kwargs)
 
 
 def _after_init_memory_pool(result, self, *args, **kwargs):
@@ -220,10 +242,18 @@ def _cache_finished_req(original, self, req, *args, **kwargs):
 
 
 def _after_get_init_info(result, self, *args, **kwargs):
+    from sglang.srt.kv_canary.api import canary_memory_info
     from sglang.srt.kv_canary.server_args_ext import canary_settings
 
     if isinstance(result, dict):
-        result["kv_canary"] = canary_settings(seam.scheduler_server_args(self))
+        settings = canary_settings(seam.scheduler_server_args(self))
+        runner = seam.scheduler_model_runner(self)
+        target = seam.runner_canary(runner)
+        draft = seam.runner_canary(seam.scheduler_draft_model_runner(self))
+        if target is not None or draft is not None:
+            settings["memory"] = canary_memory_info(
+                seam.runner_memory_reservation(runner), target=target, draft=draft)
+        result["kv_canary"] = settings
     return result
 
 
@@ -284,7 +314,9 @@ HOOKS = (
     (seam.HOOK_SERVER_ARGS_ADD_CLI_ARGS, _add_cli_args, "AFTER"),
     (seam.HOOK_SERVER_ARGS_FROM_CLI_ARGS, _from_cli_args, "AROUND"),
     (seam.HOOK_SERVER_ARGS_REPR, _server_args_repr, "AROUND"),
+    (seam.HOOK_MODEL_RUNNER_PROFILE_AVAILABLE_BYTES, _profile_available_bytes, "AROUND"),
     (seam.HOOK_MODEL_RUNNER_INIT_MEMORY_POOL, _after_init_memory_pool, "AFTER"),
+    (seam.HOOK_HOST_KV_CACHE_INIT, _host_kv_cache_init, "AROUND"),
     (seam.HOOK_MODEL_RUNNER_INIT, _after_model_runner_init, "AFTER"),
     (seam.HOOK_MODEL_RUNNER_FORWARD, _model_runner_forward, "AROUND"),
     (seam.HOOK_MODEL_RUNNER_INIT_PIECEWISE_CUDA_GRAPHS, _init_piecewise_cuda_graphs, "AROUND"),

@@ -10,6 +10,8 @@ change; the table says who relies on each.
 | --- | --- | --- |
 | hook targets (``HOOK_*`` below) through ``HookRegistry`` | BEFORE / AFTER / AROUND hooks | ``plugin`` |
 | ``ServerArgs`` instance | sets ``kv_canary``, ``kv_canary_sweep_interval``, ``kv_canary_real_data``, ``kv_canary_token_oracle_requested``; reads ``device``, ``enable_torch_compile``, ``chunked_prefill_size``, ``max_prefill_tokens``, ``cuda_graph_max_bs``, ``sampling_backend`` | ``server_args_ext``, ``config``, ``api`` |
+| KV pool sizing (``ModelRunner._profile_available_bytes``, before the pool exists) | hook target; :class:`KvPoolSizing` calls ``create_memory_pool_configurator`` (``calculate_pool_sizes`` / ``_from_max_tokens``, ``MemoryPoolConfig``'s token counts) and ``ModelRunner._resolve_max_num_reqs``; reads ``server_args.page_size`` / ``max_total_tokens`` / ``speculative_num_draft_tokens`` / ``disaggregation_mode``, ``model_config`` (context length, layer ids, ``hf_config``), ``use_mla_backend``, ``is_hybrid_swa``, ``mambaish_config``, ``num_effective_layers``, ``start_layer`` / ``end_layer``, ``device``; sets ``kv_canary_memory_reservation`` on the target ``ModelRunner`` and its ``memory_pool_config`` (the draft runner's, shared) | ``memory_budget``, ``api``, ``plugin`` |
+| HiCache host pool sizing (``HostKVCache.__init__``) | hook target: its ``host_to_device_ratio`` / ``host_size`` arguments; reads the device pool's ``size`` and per-token row bytes (``k_buffer`` / ``v_buffer`` / ``kv_buffer``); the builder sets ``kv_canary_manager`` on the guarded pool | ``api``, ``builder`` |
 | ``ModelRunner`` | reads ``token_to_kv_pool``, ``req_to_token_pool.req_to_token``, ``device``, ``model_config.context_len`` / ``vocab_size``, ``sliding_window_size``, ``is_draft_worker``; sets ``kv_canary_manager``; replaces ``sampler`` (token oracle); wraps ``model.forward`` on the instance (a piecewise CUDA-graph replay calls it with a padded copy of the batch; its warm-up and capture, inside ``init_piecewise_cuda_graphs``, with dummy batches) | ``api``, ``plugin`` |
 | ``CudaGraphRunner.model_runner``, ``.buffers`` (``DecodeInputBuffers``) | zeroes ``req_pool_indices`` (and ``input_ids`` / ``positions`` for the token oracle) before each replay | ``plugin`` |
 | ``Scheduler.tp_worker.model_runner``, ``Scheduler.tree_cache``, ``.server_args`` | finds the runner's canary, hands the radix cache to the sweep and containment, the settings to ``get_init_info`` | ``plugin`` |
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -156,6 +159,35 @@ class RunnerFacts:
         self.dp_rank = int(getattr(model_runner, "dp_rank", 0) or 0)
 
 
+def runner_context_len(model_runner: "ModelRunner") -> int:
+    return int(model_runner.model_config.context_len)
+
+
+_RESERVATION_ATTR = "kv_canary_memory_reservation"
+
+
+def set_runner_memory_reservation(model_runner: "ModelRunner", reservation) -> None:
+    """Keep the KV-pool reservation on the target runner that sized its pool."""
+    setattr(model_runner, _RESERVATION_ATTR, reservation)
+
+
+def share_memory_reservation(model_runner: "ModelRunner") -> None:
+    """Stamp the target runner's reservation on its ``memory_pool_config``, which sglang hands
+    to the EAGLE draft runner (whose pool the target's profile sized too)."""
+    config = getattr(model_runner, "memory_pool_config", None)
+    if config is not None:
+        setattr(config, _RESERVATION_ATTR, getattr(model_runner, _RESERVATION_ATTR, None))
+
+
+def runner_memory_reservation(model_runner: "ModelRunner"):
+    """The reservation that sized this runner's pool: the target's own, a draft runner's
+    through the ``memory_pool_config`` it shares with its target (None: none made)."""
+    own = getattr(model_runner, _RESERVATION_ATTR, None)
+    if own is not None:
+        return own
+    return getattr(getattr(model_runner, "memory_pool_config", None), _RESERVATION_ATTR, None)
+
+
 def is_draft_worker(model_runner: "ModelRunner") -> bool:
     return bool(getattr(model_runner, "is_draft_worker", False))
 
@@ -196,6 +228,108 @@ def wrap_model_forward(model_runner: "ModelRunner", *, before: Callable, after: 
     model.forward = forward
     setattr(model, _WRAPPED_FORWARD_MARK, True)
     return True
+
+
+# ---- KV pool sizing (before the pool exists) ----------------------------------------------------
+
+HOOK_MODEL_RUNNER_PROFILE_AVAILABLE_BYTES = f"{_MR}._profile_available_bytes"
+
+
+class PoolFamily(str, enum.Enum):
+    """How the pool sglang is about to build lays out its slots (what the canary's groups
+    follow): one slot space (MHA-like: K and V rows; MLA-like: one latent row), or a full and
+    a sliding-window space (hybrid SWA; DeepSeek-V4)."""
+
+    MHA = "mha"
+    MLA = "mla"
+    SWA = "swa"
+    DSV4 = "dsv4"
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolTokens:
+    """Token counts of one candidate pool: ``max_total`` (sglang's ``max_total_num_tokens``;
+    for SWA pools the full space's) and ``swa_total`` (the SWA space's; None without one)."""
+
+    max_total: int
+    swa_total: Optional[int] = None
+
+
+class KvPoolSizing:
+    """sglang's sizing of one ``ModelRunner``'s KV pool, for the canary to size itself into
+    it, inside ``_profile_available_bytes`` (the model is loaded, the pool not yet built).
+    Reads ``server_args.page_size`` / ``max_total_tokens`` / ``speculative_num_draft_tokens``
+    / ``disaggregation_mode``, ``model_config`` (context length, layer ids), ``use_mla_backend``,
+    ``is_hybrid_swa``, ``mambaish_config``, ``num_effective_layers``, ``start_layer`` /
+    ``end_layer``; calls ``create_memory_pool_configurator`` (``calculate_pool_sizes`` /
+    ``_from_max_tokens``) and ``ModelRunner._resolve_max_num_reqs``, as sglang's own
+    ``_resolve_memory_pool_config`` does next."""
+
+    def __init__(self, model_runner: "ModelRunner"):
+        from sglang.srt.configs.model_config import is_deepseek_v4
+        from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+
+        mr = model_runner
+        self._runner = mr
+        self._args = mr.server_args
+        self.device = mr.device
+        self._configurator = create_memory_pool_configurator(mr)
+        self.page_size = int(self._args.page_size or 1)
+        self.context_len = int(mr.model_config.context_len)
+        hf = mr.model_config.hf_config
+        if is_deepseek_v4(hf) and mr.is_hybrid_swa:
+            self.family = PoolFamily.DSV4
+        elif mr.is_hybrid_swa:
+            self.family = PoolFamily.SWA
+        elif mr.use_mla_backend:
+            self.family = PoolFamily.MLA
+        else:
+            self.family = PoolFamily.MHA
+        mamba = mr.mambaish_config
+        if self.family == PoolFamily.SWA:
+            self.layers = len(mr.model_config.full_attention_layer_ids)
+            self.swa_layers = len(mr.model_config.swa_attention_layer_ids)
+        elif mamba is not None:
+            self.layers = sum(1 for i in mamba.full_attention_layer_ids
+                              if mr.start_layer <= i < mr.end_layer)
+            self.swa_layers = 0
+        else:
+            self.layers = int(mr.num_effective_layers)
+            self.swa_layers = 0
+        self._user_cap = self._args.max_total_tokens
+        self._draft_tokens = int(self._args.speculative_num_draft_tokens or 0)
+        self._decode = self._args.disaggregation_mode == "decode"
+
+    def tokens_for(self, kv_bytes: int) -> Optional[PoolTokens]:
+        """What sglang's configurator makes of ``kv_bytes`` (then ``--max-total-tokens``);
+        None when that is no pool at all (sglang then stops with "Not enough memory")."""
+        if kv_bytes <= 0:
+            return None
+        try:
+            config = self._configurator.calculate_pool_sizes(int(kv_bytes), self.page_size)
+            if self._user_cap is not None and self._user_cap < config.max_total_num_tokens:
+                config = self._configurator.calculate_pool_sizes_from_max_tokens(
+                    int(self._user_cap), self.page_size)
+        except RuntimeError:  # MemoryPoolConfig: max_total_num_tokens <= 0
+            return None
+        swa = config.swa_max_total_num_tokens
+        full = config.full_max_total_num_tokens
+        if swa is not None and full is not None:
+            return PoolTokens(max_total=int(full), swa_total=int(swa))
+        return PoolTokens(max_total=int(config.max_total_num_tokens))
+
+    def req_to_token_shape(self, tokens: PoolTokens) -> Tuple[int, int]:
+        """``ReqToTokenPool.req_to_token``'s shape for a pool of ``tokens``: a row per request
+        sglang admits (plus the padding row, plus PD decode's pre-allocated rows) and the
+        context length plus sglang's extra columns (4, plus the draft tokens)."""
+        reqs = int(self._runner._resolve_max_num_reqs(tokens.max_total))
+        rows = reqs + 1
+        if self._decode:
+            from sglang.srt.environ import envs
+
+            rows += reqs * 2 if reqs <= 32 else int(
+                envs.SGLANG_DISAGGREGATION_NUM_PRE_ALLOCATE_REQS.get())
+        return rows, self.context_len + 4 + self._draft_tokens
 
 
 # ---- CudaGraphRunner / Scheduler / ScheduleBatch ------------------------------------------------
@@ -798,6 +932,44 @@ def host_pool_kind(host_pool) -> str:
         f"kv_canary does not mirror HiCache host pool {type(host_pool).__name__} (supported: "
         "MHATokenToKVPoolHost, MLATokenToKVPoolHost); run without --enable-hierarchical-cache "
         "or without --kv-canary")
+
+
+HOOK_HOST_KV_CACHE_INIT = "sglang.srt.mem_cache.memory_pool_host.HostKVCache.__init__"
+# set by the builder on a guarded device pool: its canary manager (HiCache sizes the host pool
+# from it, and the host tier's mirror of its records goes beside the host KV)
+_POOL_CANARY_ATTR = "kv_canary_manager"
+
+
+def set_pool_canary(kv_pool: "KVCache", manager) -> None:
+    setattr(kv_pool, _POOL_CANARY_ATTR, manager)
+
+
+def pool_canary(kv_pool: "KVCache"):
+    return getattr(kv_pool, _POOL_CANARY_ATTR, None)
+
+
+def host_pool_class_kind(host_pool_cls: type) -> Optional[str]:
+    """``mha`` / ``mla`` for the host pool classes the canary mirrors, else None."""
+    from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+
+    if issubclass(host_pool_cls, MHATokenToKVPoolHost):
+        return "mha"
+    if issubclass(host_pool_cls, MLATokenToKVPoolHost):
+        return "mla"
+    return None
+
+
+def kv_pool_bytes_per_token(kv_pool: "KVCache") -> int:
+    """KV bytes one token takes over all of an MHA or MLA pool's layers (one row of each
+    layer's ``k_buffer`` and ``v_buffer``, or of its ``kv_buffer``): what HiCache's host pool
+    of that device pool stores per token (``HostKVCache.get_size_per_token``)."""
+    if hasattr(kv_pool, "k_buffer"):
+        return sum(int(b[0].nbytes) for b in (*kv_pool.k_buffer, *kv_pool.v_buffer))
+    return sum(int(b[0].nbytes) for b in kv_pool.kv_buffer)
+
+
+def kv_pool_size(kv_pool: "KVCache") -> int:
+    return int(kv_pool.size)
 
 
 def host_pool_size(host_pool) -> int:

@@ -3,7 +3,8 @@
 
 Three waves of 4 requests: each wave shares a prefix of 40-64 tokens with its own tails, and
 the third wave repeats the first wave's prefix (a radix hit); 8 greedy tokens each. Prints
-``RESULT <json>`` with the outputs.
+``INFO <json>`` (the server info's ``kv_canary`` and ``max_total_num_tokens``) and ``RESULT
+<json>`` with the outputs.
 """
 
 import json
@@ -30,5 +31,8 @@ if __name__ == "__main__":
         outs = engine.generate(input_ids=wave, sampling_params={
             "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
         outputs += [o["output_ids"] for o in outs]
+    info = engine.get_server_info()
+    print("INFO " + json.dumps({k: info.get(k) for k in ("kv_canary", "max_total_num_tokens")}),
+          flush=True)
     print("RESULT " + json.dumps(outputs), flush=True)
     engine.shutdown()

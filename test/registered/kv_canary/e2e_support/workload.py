@@ -2,7 +2,8 @@
 ``python workload.py MODEL_DIR MODE [engine kwargs as JSON] [cpu|cuda]``.
 
 Runs a clean workload on an Engine (CPU by default): 48 requests over three shared long prefixes (radix
-hits), mixed lengths, in four batches; prints ``RESULT <json>`` with the greedy outputs.
+hits), mixed lengths, in four batches; prints ``INFO <json>`` (the server info's ``kv_canary``
+and ``max_total_num_tokens``) and ``RESULT <json>`` with the greedy outputs.
 """
 
 import json
@@ -40,5 +41,8 @@ if __name__ == "__main__":
             sampling_params=[{"max_new_tokens": r[1], "temperature": 0, "ignore_eos": True}
                              for r in batch])
         outputs += [o["output_ids"] for o in outs]
+    info = engine.get_server_info()
+    print("INFO " + json.dumps({k: info.get(k) for k in ("kv_canary", "max_total_num_tokens")}),
+          flush=True)
     print("RESULT " + json.dumps(outputs), flush=True)
     engine.shutdown()

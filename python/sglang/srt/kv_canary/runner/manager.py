@@ -29,10 +29,15 @@ import torch
 from sglang.jit_kernel.kv_canary.types import CanaryPhase, PoolKind
 from sglang.srt.kv_canary.batch_state import batch_state, batch_state_for
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
-from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
+from sglang.srt.kv_canary.capacities import REPLAY_TOKENS_PER_REQUEST, CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.endpoint import build_endpoints_from_group
 from sglang.srt.kv_canary import sglang_seam
+from sglang.srt.kv_canary.memory import (
+    CanaryMemory,
+    CanaryMemoryInputs,
+    host_mirror_bytes_per_slot,
+)
 from sglang.srt.kv_canary.perturb import CanaryPerturber
 from sglang.srt.kv_canary.perturb.config import RankFacts
 from sglang.srt.kv_canary.runner.containment import ContainmentManager
@@ -65,12 +70,6 @@ logger = logging.getLogger(__name__)
 DRAFT_POOL_LABEL = ("the EAGLE draft model's KV pool (its position p holds the KV computed from "
                     "token p + 1)")
 
-# tokens per request that a replayed forward's token-history upload carries in the static
-# buffer its graph reads (a decode step sends 1, a verified speculative step a few); the
-# buffer also holds a forward's worth of tokens (the canary's token capacity), what an eager
-# forward's graph scatters (a prefill chunk's new tokens). A larger upload goes by its own
-# launch before the replay.
-REPLAY_TOKENS_PER_REQUEST = 8
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -133,6 +132,7 @@ class CanaryManager:
                  capacities: CanaryLaunchCapacities, req_to_token: torch.Tensor, device,
                  num_single_forward_managers: int = 1, draft_forwards_per_round: int = 0,
                  token_oracle: Optional[TokenOracleManager] = None,
+                 memory_inputs: CanaryMemoryInputs,
                  ranks: RankFacts = RankFacts(), kv_pool=None):
         if not config.enabled:
             raise ValueError("CanaryManager needs --kv-canary log, raise or abort (got none)")
@@ -150,6 +150,9 @@ class CanaryManager:
         device = torch.device(device)
         self._device = device
         self.config = config
+        # what this canary allocates (the builder's description; HiCache's host mirror added
+        # when the scheduler attaches its tree): :attr:`memory`
+        self._memory_inputs = memory_inputs
         self.capacities = capacities
         self.groups = tuple(groups)
         self.state = CanaryDeviceState.allocate(
@@ -451,6 +454,20 @@ class CanaryManager:
                 real_kv_hash_mode=self.config.real_kv_hash_mode,
                 sweep_pages=self.config.host_sweep_pages if self.config.sweep_interval else 0)
 
+    @property
+    def host_mirror_bytes_per_slot(self) -> int:
+        """Bytes HiCache's host tier keeps per host slot for this canary."""
+        return host_mirror_bytes_per_slot(self._memory_inputs.groups)
+
+    @property
+    def memory(self) -> CanaryMemory:
+        """What this canary holds, by part (docs/user_guide.md, "Memory"); with HiCache, the
+        host mirror once the scheduler has attached its tree."""
+        inputs = self._memory_inputs
+        if self.host_tier is not None:
+            inputs = dataclasses.replace(inputs, host_mirror_slots=self.host_tier.host_slots)
+        return CanaryMemory.for_inputs(inputs)
+
     def attach_scheduler(self, *, radix_cache, running_reqs: Callable[[], Sequence],
                          metrics_labels: Optional[Dict[str, object]],
                          kv_slots_in_use: Callable[[], int], metrics_registry=None,
@@ -469,6 +486,8 @@ class CanaryManager:
             self.metrics = metrics_of.metrics.sibling() if metrics_of.metrics else None
         elif metrics_labels is not None:
             self.metrics = CanaryMetrics(metrics_labels, registry=metrics_registry)
+        if self.metrics is not None:
+            self.metrics.set_memory(self.memory, draft=self.ranks.draft)
 
     def after_batch_result(self) -> None:
         """After the scheduler processed a batch result (finished requests released their

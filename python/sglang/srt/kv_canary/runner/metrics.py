@@ -16,6 +16,7 @@ import functools
 from typing import Dict, Sequence
 
 from sglang.jit_kernel.kv_canary.consts import VIOLATION_FIELD_KERNEL_KIND, FailReason
+from sglang.srt.kv_canary.memory import CanaryMemory
 from sglang.srt.kv_canary.runner.violation import ViolationIncident, tag_name
 
 VIOLATIONS = "sglang:kv_canary_violations_total"
@@ -26,8 +27,9 @@ DROPPED_VIOLATIONS = "sglang:kv_canary_dropped_violations_total"
 ABORTED_REQUESTS = "sglang:kv_canary_aborted_requests_total"
 HELD_BACK_SLOTS = "sglang:kv_canary_held_back_slots_total"
 RECLAIMED_SLOTS = "sglang:kv_canary_reclaimed_slots_total"
+MEMORY_BYTES = "sglang:kv_canary_memory_bytes"
 METRIC_NAMES = (VIOLATIONS, VERIFIED_SLOTS, PROTECTED_TOKENS, SWEEP_PASSES, DROPPED_VIOLATIONS,
-                ABORTED_REQUESTS, HELD_BACK_SLOTS, RECLAIMED_SLOTS)
+                ABORTED_REQUESTS, HELD_BACK_SLOTS, RECLAIMED_SLOTS, MEMORY_BYTES)
 
 
 class _RunningTotal:
@@ -88,6 +90,12 @@ class CanaryMetrics:
             name=RECLAIMED_SLOTS, labelnames=names,
             documentation="KV slots --kv-canary abort freed for an aborted request whose "
                           "corrupt req_to_token row no longer named them.").labels(**self.labels))
+        self._memory = Gauge(
+            name=MEMORY_BYTES, labelnames=names + ["pool", "memory", "part"],
+            multiprocess_mode="mostrecent",
+            documentation="Bytes the KV canary holds for the server's life, by guarded pool "
+                          "(target, draft), memory (device: the GPU's; host: pinned) and part "
+                          "(docs/user_guide.md, \"Memory\").")
         self._sets_protected = True
 
     def sibling(self) -> "CanaryMetrics":
@@ -100,6 +108,15 @@ class CanaryMetrics:
             setattr(twin, name, _RunningTotal(getattr(self, name).counter))
         twin._sets_protected = False
         return twin
+
+    def set_memory(self, memory: CanaryMemory, *, draft: bool) -> None:
+        """The canary's bytes by part (start-up; again when HiCache's host mirror is
+        attached)."""
+        pool = "draft" if draft else "target"
+        for where, parts in (("device", memory.device), ("host", memory.host)):
+            for part, n in parts:
+                self._memory.labels(**self.labels, pool=pool, memory=where,
+                                    part=part.value).set(n)
 
     def on_incidents(self, incidents: Sequence[ViolationIncident], *, dropped: int) -> None:
         """One increment per reported line, labelled as the line is."""

@@ -17,15 +17,13 @@ from typing import Sequence
 from sglang.jit_kernel.kv_canary.types import CanaryPhase, PoolKind, VerifyPlan
 from sglang.jit_kernel.kv_canary.verify import launch_canary_verify_kernel
 from sglang.srt.kv_canary import sglang_seam as seam
+from sglang.srt.kv_canary.capacities import SWEEP_CHUNK_CAPACITY
 from sglang.srt.kv_canary.endpoint import CanaryEndpoint
 from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
 from sglang.srt.kv_canary.single_forward_manager.launches import launch_deep_verify
 from sglang.srt.kv_canary.sweep_plan_builder import build_verify_plan_radix_sweep
 
 logger = logging.getLogger(__name__)
-
-SWEEP_CHUNK_CAPACITY = 1 << 20
-
 
 class SweepOrchestrator:
     def __init__(self, *, interval: int, endpoints: Sequence[CanaryEndpoint], device,

@@ -1,0 +1,110 @@
+"""The canary's memory on a GPU (docs/user_guide.md, "Memory"): what the CUDA caching
+allocator hands out for a canary built and captured on real sglang pools is exactly the
+tensors the formula counts (each rounded up to the allocator's 512-byte blocks), and a real
+server reserves, before sglang sizes its pool, exactly what its canary then allocates.
+
+Peak GPU memory canary off against on at the same ``--mem-fraction-static``, and a server
+started with under 1 GB free, need the GPU to themselves (the lanes share it):
+``benchmark/kv_canary/bench_memory.py``, results in ``benchmark/results/memory_h100.md``."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from e2e_workload import assert_memory_reserved_as_allocated, run_workload, workload_info
+from memory_walk import canary_bytes_by_part, formula_bytes_by_part, walk_tensors
+from sglang.srt.kv_canary.builder import build_canary
+from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
+from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.memory import MemoryPart
+from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+from sglang.test.ci.ci_register import register_cuda_ci
+
+register_cuda_ci(est_time=150, stage="base-b", runner_config="1-gpu-small")
+
+pytestmark = [pytest.mark.cuda]
+
+_BLOCK = 512  # the CUDA caching allocator's smallest block
+
+
+def _pool(kind: str):
+    if kind == "mla":
+        return MLATokenToKVPool(size=20000, page_size=1, dtype=torch.bfloat16, kv_lora_rank=32,
+                                qk_rope_head_dim=16, layer_num=3, device="cuda",
+                                enable_memory_saver=False)
+    return MHATokenToKVPool(size=20000, page_size=16, dtype=torch.bfloat16, head_num=2,
+                            head_dim=64, layer_num=3, device="cuda", enable_memory_saver=False,
+                            enable_alt_stream=False)
+
+
+CONFIGS = {
+    "mha_raise": ("mha", dict()),
+    "mha_everything": ("mha", dict(enable_mha_v=True, real_kv_hash_mode="partial",
+                                   real_data_layers="all", enable_verify_token_assert=True,
+                                   sweep_interval=4)),
+    "mla_layers_tokens": ("mla", dict(real_kv_hash_mode="partial", real_data_layers="all",
+                                      enable_verify_token_assert=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_cuda_allocates_exactly_what_the_formula_counts(name):
+    kind, config = CONFIGS[name]
+    pool = _pool(kind)
+    r2t = ReqToTokenPool(size=64, max_context_len=4096, device="cuda", enable_memory_saver=False)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    manager = build_canary(pool=pool, req_to_token=r2t.req_to_token,
+                           config=CanaryConfig(mode="raise", **config), device="cuda",
+                           capacity_inputs=CanaryCapacityInputs(
+                               context_len=4096, chunked_prefill_size=512, cuda_graph_max_bs=64))
+    manager.mark_init_finished()  # captures the eager-forward graphs and the read-back copies
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated() - before
+    # the formula is every tensor the canary holds, on the GPU and in pinned host memory ...
+    held = canary_bytes_by_part(manager, foreign=[pool, r2t])
+    assert formula_bytes_by_part(manager.memory) == held
+    # ... and the GPU's share is what the allocator handed out (nothing else: no tensor the
+    # walk misses, no memory the graph captures took)
+    theirs = {t.untyped_storage().data_ptr() for obj in (pool, r2t)
+              for _, t in walk_tensors(obj, ours_only=False)}
+    device_storages = {}
+    for _, t in walk_tensors(manager, ours_only=True):
+        ptr = t.untyped_storage().data_ptr()
+        if t.is_cuda and ptr not in theirs:
+            device_storages[ptr] = t.untyped_storage().nbytes()
+    assert sum(device_storages.values()) == manager.memory.device_bytes
+    assert allocated == sum(-(-n // _BLOCK) * _BLOCK for n in device_storages.values())
+    assert dict(manager.memory.device)[MemoryPart.FORWARD_INPUTS] > 0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("memory_model"), hidden_size=256,
+                            intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_a_gpu_server_reserves_what_its_canary_allocates(model):
+    """No --max-total-tokens: the pool is what the budget holds, less the canary's share."""
+    rc, out, res = run_workload(
+        model, "raise", dict(max_total_tokens=None, mem_fraction_static=0.1,
+                             max_running_requests=16, kv_canary_real_data="partial",
+                             kv_canary_real_data_layers="all", log_level="info"),
+        device="cuda", env_extra={"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"})
+    assert rc == 0 and res is not None, out[-4000:]
+    info = workload_info(out)
+    assert_memory_reserved_as_allocated(info)
+    # what the pool's budget gave up is the canary's bytes, to sglang's rounding of the pool
+    # (the canary of one page more)
+    reserved = info["kv_canary"]["memory"]["reservation"]["reserved_bytes"]
+    held = info["kv_canary"]["memory"]["target"]["allocated"]["device_bytes"]
+    assert 0 <= reserved - held < 64 << 10, (reserved, held)
+    assert "more GPU memory than was reserved" not in out
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
