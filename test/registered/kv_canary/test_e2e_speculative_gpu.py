@@ -33,6 +33,7 @@ import sys
 
 import pytest
 from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
+from e2e_workload import assert_memory_reserved_as_allocated, workload_info
 
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
@@ -125,6 +126,13 @@ def test_clean_matches_canary_off(models, spec):
     assert on == off and len(on) == 12
     stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
     assert stats and all("violations=0" in s for s in stats)
+    # both canaries' memory was reserved out of the KV budget (the target's profile sizes the
+    # draft pool too) as they were then built
+    info = workload_info(out)
+    assert_memory_reserved_as_allocated(info)
+    draft = info["kv_canary"]["memory"]["draft"]
+    assert draft["allocated"]["device_bytes"] > 0 and draft["allocated"] == draft["reserved"], \
+        info["kv_canary"]["memory"]
 
 
 @pytest.mark.parametrize("worker", ["draft", "target"])
