@@ -726,4 +726,9 @@ MUTANTS = (
         new="            pass\n",
         selection=f"{_T}/test_memory.py::test_the_gauge_exports_the_bytes_by_part",
         speed="quick", what="sglang:kv_canary_memory_bytes is never set"),
+    Mutant(
+        id="memory-host-pool-unshrunk", path=f"{_RT}/api.py",
+        old="    share = kv / (kv + mirror)\n", new="    share = 1.0\n",
+        selection=f"{_T}/test_deep_fingerprints.py::test_host_tier_mirror_on_real_pools",
+        speed="quick", what="HiCache's host pool keeps its KV budget (the mirror comes on top)"),
 )

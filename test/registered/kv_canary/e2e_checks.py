@@ -109,6 +109,20 @@ HOST_KV_FAULT_ENV = {
 }
 
 
+def assert_host_pool_made_room(out: str, *, ratio: float, device_tokens: int,
+                               page_size: int = 1) -> None:
+    """The HiCache host pool's KV and the canary's rows of its slots take what
+    ``--hicache-ratio`` gives the KV alone (docs/user_guide.md, "Memory"), to sglang's rounding
+    of the pool to whole pages."""
+    kv, mirror = map(int, re.search(r"HiCache host pool: (\d+) bytes of KV and (\d+) canary "
+                                    r"bytes per host slot", out).groups())
+    slots = int(re.search(r"HiCache host tier mirrored \(\w+ host pool, (\d+) host slots",
+                          out).group(1))
+    budget, slot = ratio * device_tokens * kv, kv + mirror
+    assert budget - page_size * slot < slots * slot <= budget + page_size * slot, \
+        (slots, kv, mirror, budget)
+
+
 def host_tier_stats(out: str):
     """``(host_backed_up, host_loaded)`` of the last stats line: slots the canary's rows went
     to the host with and came back with."""

@@ -24,7 +24,13 @@ import pathlib
 import sys
 
 import pytest
-from e2e_checks import HOST_KV_FAULT_ENV, assert_host_kv_found, host_tier_stats, run_workload
+from e2e_checks import (
+    HOST_KV_FAULT_ENV,
+    assert_host_kv_found,
+    assert_host_pool_made_room,
+    host_tier_stats,
+    run_workload,
+)
 
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
@@ -44,7 +50,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 # several of these servers may share one GPU (the device lanes): the pools are capped by
 # max_total_tokens, so a high static fraction only relaxes sglang's free-memory check
-COMMON = dict(enable_hierarchical_cache=True, hicache_ratio=4, max_total_tokens=256,
+COMMON = dict(enable_hierarchical_cache=True, hicache_ratio=6, max_total_tokens=256,
               chunked_prefill_size=64, max_running_requests=2, log_level="info",
               mem_fraction_static=0.85)
 
@@ -91,7 +97,14 @@ def test_hicache_clean_matches_canary_off(variant):
     assert f"HiCache host tier mirrored ({variant['host_cls'][:3].lower()} host pool" in out, \
         out[-4000:]
     assert parse_violation_lines(out) == []
-    assert on == off
+    assert on["outputs"] == off["outputs"]
+    # the host pool made room for the mirror (fewer prefixes stay on the host: the ratio
+    # leaves room for the second round's hits)
+    kwargs = variant["kwargs"]
+    assert_host_pool_made_room(out, ratio=kwargs["hicache_ratio"],
+                               device_tokens=kwargs["max_total_tokens"],
+                               page_size=kwargs.get("page_size", 1))
+    assert sum(on["cached"][8:]) >= 8 * 80, on
     backed_up, loaded = host_tier_stats(out)
     assert backed_up >= 8 * 80 and loaded >= 80, (backed_up, loaded)
 

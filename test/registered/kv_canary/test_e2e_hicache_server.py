@@ -4,7 +4,8 @@ unpinned host memory, a torch stand-in for ``transfer_kv_direct``; ``hicache_io_
 ``layer_first``). A workload whose prefixes overflow the 256-token device pool backs them up to
 the host pool and loads them back (docs/architecture.md, "HiCache"). Clean with raise + real
 data + token checks + the sweep (and per-layer fingerprints): no violation, the greedy outputs
-of the canary off, and the canary's rows really went to the host and back. ``host_kv``: a byte
+of the canary off, the canary's rows really went to the host and back, and the host pool made
+room for them within --hicache-ratio. ``host_kv``: a byte
 of a page in host memory flipped; caught as ``verify_real_kv_hash`` at the position it was
 flipped when the page is loaded back and read."""
 
@@ -14,7 +15,13 @@ import pathlib
 import sys
 
 import pytest
-from e2e_checks import HOST_KV_FAULT_ENV, assert_host_kv_found, host_tier_stats, run_workload
+from e2e_checks import (
+    HOST_KV_FAULT_ENV,
+    assert_host_kv_found,
+    assert_host_pool_made_room,
+    host_tier_stats,
+    run_workload,
+)
 
 from sglang.srt.kv_canary.runner.violation import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
@@ -30,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 ARGS = dict(enable_hierarchical_cache=True, hicache_io_backend="direct",
-            hicache_mem_layout="layer_first", hicache_ratio=4, max_total_tokens=256,
+            hicache_mem_layout="layer_first", hicache_ratio=6, max_total_tokens=256,
             chunked_prefill_size=64, max_running_requests=2, log_level="info")
 
 
@@ -62,7 +69,12 @@ def test_hicache_clean_matches_canary_off(server):
     assert rc == 0, out[-3000:]
     assert "HiCache host tier mirrored" in out and "host_sweep_pages=64" in out
     assert parse_violation_lines(out) == []
-    assert on == off
+    assert on["outputs"] == off["outputs"]
+    # the host pool made room for the mirror (fewer prefixes stay on the host: the ratio
+    # leaves room for the second round's hits)
+    assert_host_pool_made_room(out, ratio=ARGS["hicache_ratio"],
+                               device_tokens=ARGS["max_total_tokens"])
+    assert sum(on["cached"][8:]) >= 8 * 80
     backed_up, loaded = host_tier_stats(out)
     assert backed_up >= 8 * 80 and loaded >= 80, (backed_up, loaded)  # to the host and back
 

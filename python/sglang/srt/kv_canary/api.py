@@ -190,15 +190,20 @@ def host_pool_budget(*, device_pool, host_pool_cls: type, host_to_device_ratio: 
     mirror = manager.host_mirror_bytes_per_slot
     share = kv / (kv + mirror)
     if host_size > 0:
-        return host_to_device_ratio, host_size * share
-    ratio = host_to_device_ratio * share
-    if ratio * sglang_seam.kv_pool_size(device_pool) <= sglang_seam.kv_pool_size(device_pool):
-        raise ValueError(
-            f"--hicache-ratio {host_to_device_ratio} leaves no room for the canary's host "
-            f"mirror ({mirror} bytes per host slot beside {kv} bytes of KV): the host pool "
-            "would be no larger than the device pool, which sglang refuses; raise "
-            f"--hicache-ratio above {(kv + mirror) / kv:.3f} or pass --hicache-size")
-    return ratio, host_size
+        budget = (host_to_device_ratio, host_size * share)
+        what = f"--hicache-size {host_size} GB -> {budget[1]:.4f} GB of host slots"
+    else:
+        budget = (host_to_device_ratio * share, host_size)
+        what = f"--hicache-ratio {host_to_device_ratio} -> {budget[0]:.4f}"
+        if budget[0] <= 1:
+            raise ValueError(
+                f"--hicache-ratio {host_to_device_ratio} leaves no room for the canary's host "
+                f"mirror ({mirror} bytes per host slot beside {kv} bytes of KV): the host pool "
+                "would be no larger than the device pool, which sglang refuses; raise "
+                f"--hicache-ratio above {(kv + mirror) / kv:.3f} or pass --hicache-size")
+    logger.info("kv_canary: HiCache host pool: %d bytes of KV and %d canary bytes per host "
+                "slot, within the KV's budget (%s)", kv, mirror, what)
+    return budget
 
 
 def _check_reserved(manager: CanaryManager, reservation: Optional[CanaryMemoryReservation], *,
