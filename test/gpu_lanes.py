@@ -7,7 +7,8 @@ when it holds ``cuda``-marked tests, one ``register_cuda_ci(est_time=..., ...)``
 is one lane (named after the file: ``test_e2e_swa_gpu.py`` -> ``e2e_swa_gpu``), or, when it
 also assigns a module-level ``GPU_LANES = {name: (pytest -k expression, est. seconds)}``, one
 lane per entry. Each lane is one ``pytest -m cuda`` process; lanes run side by side, longest
-first, at most ``--jobs`` at once.
+first, at most ``--jobs`` at once; a lane declared ``(expression, seconds, "alone")`` runs by
+itself after all the others (it needs the GPU's memory to itself).
 
     python3 test/gpu_lanes.py                 # every lane; exit 0 only if every lane passed
     python3 test/gpu_lanes.py e2e_swa_gpu hicache_mla   # only these lanes
@@ -47,6 +48,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TEST_DIR = REPO / "test" / "registered" / "kv_canary"
 LANES_VAR = "GPU_LANES"
+# a GPU_LANES entry's third element: the lane runs alone, after every other lane (it measures
+# the GPU's memory, or sizes a server from the GPU's free memory)
+ALONE = "alone"
 # test/gpu_lanes.sh lists the lanes between these lines, rendered from the declarations
 # (``--sync-sh`` rewrites it; ``--check`` fails while it is stale)
 LANES_SH = REPO / "test" / "gpu_lanes.sh"
@@ -64,6 +68,7 @@ class Lane:
     file: pathlib.Path
     select: Optional[str]  # pytest -k expression; None: the whole file
     est_seconds: float
+    alone: bool = False  # runs by itself, after the other lanes
 
     def pytest_args(self) -> List[str]:
         path = (self.file.relative_to(REPO) if self.file.is_relative_to(REPO)
@@ -106,12 +111,14 @@ def _module_lanes(path: pathlib.Path, tree: ast.Module) -> Optional[Dict[str, tu
                 raise LaneDeclarationError(f"{path.name}: {LANES_VAR} must be a literal dict "
                                            f"of name -> (-k expression, seconds): {e}") from e
             if not isinstance(value, dict) or not value or not all(
-                    isinstance(k, str) and isinstance(v, tuple) and len(v) == 2
+                    isinstance(k, str) and isinstance(v, tuple) and len(v) in (2, 3)
                     and isinstance(v[0], str) and isinstance(v[1], (int, float))
+                    and (len(v) == 2 or v[2] == ALONE)
                     for k, v in value.items()):
                 raise LaneDeclarationError(
                     f"{path.name}: {LANES_VAR} must map each lane name to a "
-                    f"(-k expression, estimated seconds) pair; got {value!r}")
+                    f"(-k expression, estimated seconds) pair, or a triple ending in "
+                    f"{ALONE!r} for a lane that needs the GPU to itself; got {value!r}")
             return value
     return None
 
@@ -154,12 +161,12 @@ def lanes_of_file(path: pathlib.Path) -> List[Lane]:
     if declared is None:
         stem = path.stem[len("test_"):]
         return [Lane(stem, path, None, cuda[0].est_time)]
-    total = sum(est for _, est in declared.values())
+    total = sum(v[1] for v in declared.values())
     if abs(total - cuda[0].est_time) > 1e-6:
         raise LaneDeclarationError(
             f"{path.name}: register_cuda_ci(est_time={cuda[0].est_time:g}) but its lanes "
             f"add up to {total:g} s; est_time is the whole file's time")
-    return [Lane(name, path, expr, est) for name, (expr, est) in declared.items()]
+    return [Lane(name, path, v[0], v[1], alone=len(v) == 3) for name, v in declared.items()]
 
 
 def all_lanes(files: Optional[Sequence[pathlib.Path]] = None) -> List[Lane]:
@@ -177,7 +184,8 @@ def sh_listing(lanes: Sequence[Lane]) -> str:
     """The lane list of ``test/gpu_lanes.sh``: one comment line per lane, the pytest
     arguments it runs."""
     rows = [f"#   {lane.name:<20} {lane.pytest_args()[0]}"
-            + (f" -k {lane.select}" if lane.select else "") for lane in lanes]
+            + (f" -k {lane.select}" if lane.select else "")
+            + (" (alone, after the others)" if lane.alone else "") for lane in lanes]
     return "\n".join([SH_BEGIN, *rows, SH_END])
 
 
@@ -392,8 +400,19 @@ def run_lane(lane: Lane, out_dir: pathlib.Path, timeout: float,
 
 def run_lanes(lanes: Sequence[Lane], *, jobs: int, timeout: float, out_dir: pathlib.Path,
               account: Optional[CpuAccount] = None) -> List[LaneResult]:
-    """Run ``lanes`` longest first, ``jobs`` at a time; print each lane's line as it ends."""
+    """Run ``lanes`` longest first, ``jobs`` at a time, then the ``alone`` lanes one by one;
+    print each lane's line as it ends."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    shared = [lane for lane in lanes if not lane.alone]
+    results = _run_queue(shared, jobs=jobs, timeout=timeout, out_dir=out_dir, account=account)
+    results += _run_queue([lane for lane in lanes if lane.alone], jobs=1, timeout=timeout,
+                          out_dir=out_dir, account=account)
+    order = {lane.name: i for i, lane in enumerate(lanes)}
+    return sorted(results, key=lambda r: order[r.name])
+
+
+def _run_queue(lanes: Sequence[Lane], *, jobs: int, timeout: float, out_dir: pathlib.Path,
+               account: Optional[CpuAccount]) -> List[LaneResult]:
     queue = sorted(lanes, key=lambda lane: (-lane.est_seconds, lane.name))
     results: List[LaneResult] = []
     lock = threading.Lock()
@@ -414,8 +433,7 @@ def run_lanes(lanes: Sequence[Lane], *, jobs: int, timeout: float, out_dir: path
         t.start()
     for t in threads:
         t.join()
-    order = {lane.name: i for i, lane in enumerate(lanes)}
-    return sorted(results, key=lambda r: order[r.name])
+    return results
 
 
 class _Collector:

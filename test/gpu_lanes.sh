@@ -38,7 +38,8 @@
 #   spec_nextn_faults    test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and every_fault and NEXTN
 #   e2e_swa_gpu          test/registered/kv_canary/test_e2e_swa_gpu.py
 #   kernels_cuda_graph   test/registered/kv_canary/test_kernels_cuda_graph.py
-#   memory_gpu           test/registered/kv_canary/test_memory_gpu.py
+#   memory_gpu           test/registered/kv_canary/test_memory_gpu.py -k not alone_on_the_gpu
+#   memory_gpu_alone     test/registered/kv_canary/test_memory_gpu.py -k alone_on_the_gpu (alone, after the others)
 #   runtime_cuda         test/registered/kv_canary/test_runtime_cuda.py
 # (end of lanes)
 exec python3 "$(dirname "$0")/gpu_lanes.py" "$@"

@@ -115,6 +115,41 @@ def test_planted_declaration_errors_name_the_file(tmp_path):
             'register_cuda_ci(est_time=20, suite="gpu2")')) / "test_h.py")
 
 
+def test_an_alone_lane_is_declared_and_runs_by_itself_after_the_others(tmp_path):
+    """A ``GPU_LANES`` entry ending in ``"alone"``: its lane starts once every shared lane has
+    ended, and no other runs beside it; any other third element is refused."""
+    text = GPU_FILE.replace('register_cuda_ci(est_time=20, suite="gpu")',
+                            'register_cuda_ci(est_time=20, suite="gpu")\n'
+                            'GPU_LANES = {"one": ("a", 10), "two": ("b", 10, "alone")}')
+    one, two = gpu_lanes.lanes_of_file(_tree(tmp_path, test_g=text) / "test_g.py")
+    assert (one.alone, two.alone) == (False, True)
+    assert "(alone, after the others)" in gpu_lanes.sh_listing([one, two])
+    bad = text.replace('"alone")', '"solo")')
+    with pytest.raises(gpu_lanes.LaneDeclarationError, match="alone"):
+        gpu_lanes.lanes_of_file(_tree(tmp_path, test_h=bad) / "test_h.py")
+    # stamps: each test writes when it started and ended
+    stamp = ("import pathlib, time\n"
+             "def _stamp(name, what):\n"
+             f"    with open({str(tmp_path / 'stamps')!r}, 'a') as f:\n"
+             "        f.write(f'{name} {what} {time.time()}\\n')\n")
+    files = {}
+    for name, sleep in (("test_long", 2.0), ("test_short", 0.5), ("test_solo", 0.5)):
+        files[name] = GPU_FILE.replace("def test_gpu(x):\n    pass", (
+            f"def test_gpu(x):\n    _stamp('{name}', 'start')\n    time.sleep({sleep})\n"
+            f"    _stamp('{name}', 'end')")).replace(HEADER, HEADER + stamp)
+    (tmp_path / "run").mkdir()
+    tests = _tree(tmp_path / "run", **files)
+    lanes = [gpu_lanes.Lane(p.stem, p, None, 1, alone=p.stem == "test_solo")
+             for p in sorted(tests.glob("test_*.py"))]
+    results = gpu_lanes.run_lanes(lanes, jobs=3, timeout=300, out_dir=tmp_path / "logs")
+    assert all(r.ok for r in results), [r.line() for r in results]
+    rows = [line.split() for line in (tmp_path / "stamps").read_text().splitlines()]
+    starts = {n: min(float(t) for m, w, t in rows if m == n and w == "start") for n, _, _ in rows}
+    ends = {n: max(float(t) for m, w, t in rows if m == n and w == "end") for n, _, _ in rows}
+    assert starts["test_long"] < ends["test_short"]  # the shared lanes ran side by side
+    assert starts["test_solo"] >= max(ends["test_long"], ends["test_short"])
+
+
 @pytest.mark.parametrize("line,counts", [
     ("==== 3 passed, 1 failed, 2 warnings in 12.30s ====", {"passed": 3, "failed": 1}),
     ("1 failed, 2 errors in 4.0s", {"failed": 3}),
