@@ -232,6 +232,13 @@ def test_cli_log_server_under_injection_locates_every_fault_and_keeps_serving(se
             outs = json.loads(body)
             assert [len(o["output_ids"]) for o in outs] == [24] * 6  # served to the end
         assert http_call(srv.port, "GET", "/health_generate", timeout=120)[0] == 200
+        # the canary's memory through the HTTP /server_info: reserved out of the KV budget (the
+        # launch_server path's profile hook) as then allocated, token table included
+        status, body = http_call(srv.port, "GET", "/server_info", timeout=60)
+        assert status == 200, body[:500]
+        info = json.loads(body)
+        assert_memory_reserved_as_allocated(info)
+        assert "token_table" in info["kv_canary"]["memory"]["target"]["allocated"]["device"]
         assert srv.alive()
     finally:
         srv.stop()
