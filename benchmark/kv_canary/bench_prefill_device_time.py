@@ -11,9 +11,14 @@ sleep, so the canary's kernels compete with the model's for the GPU as they do i
 Each round runs one prefill (a new request; chunked by 8192 like the Engine) per server
 stand-in, in turn: canary off, canary off again (the A/A control), each config; the host
 waits for the device after each prefill, so a prefill's time is its wall time (from the first
-launch: the batches are built before, as sglang builds them before the forward). Printed: the
-median ms per prefill and the median of the paired ratios against the first "off"; then each
-config's prefill with no model at all (the canary's own device time plus its host time).
+launch: the batches are built before, as sglang builds them before the forward). Two times per
+prefill: "results", until the host sees the sampled token (after the last chunk's forward a
+sampling stand-in, an argmax over one row of logits, is queued on the forward stream as
+sglang queues its sampling and the token's copy, and the host waits for an event after it:
+what a time to first token pays), and "done", until the whole device is idle (the canary's
+side-stream work included). Printed: the median ms of each and the medians of the paired
+ratios against the first "off"; then each config's prefill with no model at all (the
+canary's own device time plus its host time).
 Each forward runs in the bracket ``ModelRunner.forward`` gets from the plugin, whose exit does
 the read-back (one per forward: checked). ``--trace DIR``: after the rounds of each prompt,
 one more prefill per stand-in under ``torch.profiler``; each one's Chrome trace goes to DIR
@@ -95,15 +100,16 @@ def main() -> None:
                                     num_slots=num_slots, chunk=chunk)
 
     gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, vocab, device=dev, dtype=dtype)
 
     def sync() -> None:
         if not smoke:
             torch.cuda.synchronize()
 
     def prefill(canary, isl: int, run: int, with_model: bool = True,
-                phase=lambda name: contextlib.nullcontext()) -> float:
-        """One prefill of a new ``isl``-token request; ms from its first launch to the
-        device's end. Its batches (what sglang builds before a forward) are built first, for
+                phase=lambda name: contextlib.nullcontext()) -> tuple:
+        """One prefill of a new ``isl``-token request; ms from its first launch to the host
+        seeing its sampled token (results) and to the device's end (done). Its batches (what sglang builds before a forward) are built first, for
         every stand-in alike, outside the time. ``phase(name)`` brackets the host's phases
         (``--trace``)."""
         row = 1 + (run % 4)
@@ -140,12 +146,20 @@ def main() -> None:
                 outside = bracket.pop_all()  # the bracket's exit, timed on its own
             with phase("canary.post_outside+read-back"):
                 outside.close()  # post_ops_outside_graph, then after_forward (the read-back)
+        with phase("results"):  # sglang's sampling and the token's copy, waited for
+            token = torch.argmax(logits, dim=-1)
+            if not smoke:
+                results = torch.cuda.Event()
+                results.record()
+                results.synchronize()
+            del token
+        t_results = time.perf_counter()
         with phase("sync"):
             sync()
         if canary is not None and canary[0].step != step0 + len(batches):
             raise SystemExit(f"one read-back per forward expected: {len(batches)} forwards "
                              f"moved the canary's step from {step0} to {canary[0].step}")
-        return (time.perf_counter() - t0) * 1e3
+        return (t_results - t0) * 1e3, (time.perf_counter() - t0) * 1e3
 
     name = torch.cuda.get_device_name() if not smoke else "cpu (smoke)"
     print(f"KV-canary device time of a bs1 prefill (GEMM stand-in model) — {name} — "
@@ -158,17 +172,25 @@ def main() -> None:
             for canary in stand_ins.values():
                 prefill(canary, isl, w)
         ms = {k: [] for k in stand_ins}
+        res = {k: [] for k in stand_ins}
         for r in range(rounds):
             for k, canary in stand_ins.items():
-                ms[k].append(prefill(canary, isl, r))
-        alone = {c: statistics.median(prefill(stand_ins[c], isl, r, with_model=False)
+                t_res, t_done = prefill(canary, isl, r)
+                res[k].append(t_res)
+                ms[k].append(t_done)
+        alone = {c: statistics.median(prefill(stand_ins[c], isl, r, with_model=False)[1]
                                       for r in range(rounds)) for c in configs}
+
+        def paired(series, k):
+            return None if k == "off" else 100 * statistics.median(
+                a / b - 1 for a, b in zip(series[k], series["off"]))
+
         for k in stand_ins:
-            ratio = None if k == "off" else 100 * statistics.median(
-                a / b - 1 for a, b in zip(ms[k], ms["off"]))
             rec = dict(kind="prefill_device_time", time=now_utc(), gpu=name, isl=isl,
                        chunk=chunk, rounds=rounds, config=k,
-                       median_ms=statistics.median(ms[k]), paired_overhead_pct=ratio,
+                       median_ms=statistics.median(ms[k]), paired_overhead_pct=paired(ms, k),
+                       results_median_ms=statistics.median(res[k]),
+                       results_paired_overhead_pct=paired(res, k),
                        canary_alone_ms=alone.get(k))
             append_jsonl(args.out, rec)
             rows.append(rec)
@@ -180,14 +202,18 @@ def main() -> None:
             if canary is not None and canary[0].count_violations():
                 raise SystemExit(f"{k} isl {isl}: violations on a clean run")
     print()
-    print("| prompt | config | prefill median ms | paired overhead (median) | "
-          "canary alone, no model (ms) |")
-    print("| ---: | --- | ---: | ---: | ---: |")
+    print("| prompt | config | results median ms | paired overhead, results (median) | "
+          "prefill median ms | paired overhead (median) | canary alone, no model (ms) |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+
+    def pct(value):
+        return "(baseline)" if value is None else f"{value:+.2f} %"
+
     for r in rows:
-        ov = "(baseline)" if r["paired_overhead_pct"] is None else \
-            f"{r['paired_overhead_pct']:+.2f} %"
         alone = "—" if r["canary_alone_ms"] is None else f"{r['canary_alone_ms']:.3f}"
-        print(f"| {r['isl']} | {r['config']} | {r['median_ms']:.3f} | {ov} | {alone} |")
+        print(f"| {r['isl']} | {r['config']} | {r['results_median_ms']:.3f} | "
+              f"{pct(r['results_paired_overhead_pct'])} | {r['median_ms']:.3f} | "
+              f"{pct(r['paired_overhead_pct'])} | {alone} |")
 
 
 def trace_prefill(run, out_dir: Path, label: str, smoke: bool) -> str:

@@ -141,7 +141,9 @@ def test_bench_prefill_device_time_smoke_runs_every_stand_in(tmp_path):
     assert [(r["prompt"], r["config"]) for r in rows] == [
         (isl, c) for isl in ("32", "48") for c in ("off", "off (A/A)", "raise", "raise+token")]
     for r in rows:
-        assert float(r["prefill median ms"]) > 0
+        assert float(r["prefill median ms"]) >= float(r["results median ms"]) > 0
+        assert ((r["paired overhead, results (median)"] == "(baseline)")
+                == (r["config"] == "off"))
         assert (r["canary alone, no model (ms)"] == "—") == r["config"].startswith("off")
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["isl"], r["config"]) for r in recs] == [(int(a), b) for a, b in
@@ -158,7 +160,7 @@ def test_bench_prefill_device_time_traces_one_prefill_per_stand_in(tmp_path):
     timeline = text.split("-- timeline 32_raise")[1].split("--")[0]
     phases = [line.split()[-1] for line in timeline.splitlines()[1:] if "host" in line]
     assert phases == ["canary.pre", "model", "canary.post", "canary.post_outside+read-back",
-                      "sync"], phases
+                      "results", "sync"], phases
     assert "-- timeline 32_off " in text and "-- timeline 32_off (A/A) " in text
 
 def test_bench_host_primitives_needs_cuda():

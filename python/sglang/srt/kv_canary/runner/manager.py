@@ -233,7 +233,8 @@ class CanaryManager:
                 raise ValueError("--kv-canary abort needs the pool's full-attention buffer "
                                  "group (its records say which request owns a slot)")
             self.containment = ContainmentManager(resolver=self.requests, swa_index_lut=swa_lut,
-                                                  records=full.k_tail)
+                                                  records=full.k_tail,
+                                                  wait_for_records=self.wait_for_canary_work)
         self.metrics: Optional[CanaryMetrics] = None
         self._kv_slots_in_use: Callable[[], int] = lambda: 0
         self.step = 0
