@@ -6,7 +6,7 @@ sleep, so the canary's kernels compete with the model's for the GPU as they do i
 
     python benchmark/kv_canary/bench_prefill_device_time.py [--isls 512,4096,16384]
         [--configs raise,raise+token+partial] [--rounds 20] [--out F.jsonl]
-        [--trace DIR]
+        [--trace DIR] [--overlap]
 
 Each round runs one prefill (a new request; chunked by 8192 like the Engine) per server
 stand-in, in turn: canary off, canary off again (the A/A control), each config; the host
@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON lines file (appended)")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="profile one more prefill per stand-in; Chrome traces to DIR")
+    ap.add_argument("--overlap", action="store_true",
+                    help="queue the request's next forward before waiting for its token")
     ap.add_argument("--smoke-cpu", action="store_true")
     args = ap.parse_args()
 
@@ -109,28 +111,33 @@ def main() -> None:
     def prefill(canary, isl: int, run: int, with_model: bool = True,
                 phase=lambda name: contextlib.nullcontext()) -> tuple:
         """One prefill of a new ``isl``-token request; ms from its first launch to the host
-        seeing its sampled token (results) and to the device's end (done). Its batches (what sglang builds before a forward) are built first, for
-        every stand-in alike, outside the time. ``phase(name)`` brackets the host's phases
-        (``--trace``)."""
+        seeing its sampled token (results) and to the device's end (done). Its batches (what
+        sglang builds before a forward) are built first, for every stand-in alike, outside
+        the time. With ``--overlap`` the request's next forward (one token) is queued after
+        the sampling and before the host waits for its token, as sglang's overlap scheduler
+        does. ``phase(name)`` brackets the host's phases (``--trace``)."""
         row = 1 + (run % 4)
-        req = _Req(row, torch.randint(100, vocab - 100, (isl,), generator=gen).tolist())
-        slots = torch.randperm(num_slots - 1, generator=gen)[:isl] + 1
+        total = isl + 1 if args.overlap else isl
+        req = _Req(row, torch.randint(100, vocab - 100, (total,), generator=gen).tolist())
+        slots = torch.randperm(num_slots - 1, generator=gen)[:total] + 1
+        r2t, kv = (canary[1], canary[2]) if canary is not None else (None, None)
         batches = []
         for start in range(0, isl, chunk):
             n = min(chunk, isl - start)
-            r2t, kv = (canary[1], canary[2]) if canary is not None else (None, None)
             batches.append((n, prefill_chunk_batch(req, slots, start, n, device=dev, r2t=r2t,
                                                    kv=kv)))
+        following = (prefill_chunk_batch(req, slots, isl, 1, device=dev, r2t=r2t, kv=kv)
+                     if args.overlap else None)
         if canary is not None:
-            canary[1].req_to_token[row, :isl] = slots.to(torch.int32).to(dev)
+            canary[1].req_to_token[row, :total] = slots.to(torch.int32).to(dev)
         sync()
         step0 = canary[0].step if canary is not None else 0
-        t0 = time.perf_counter()
-        for n, fb in batches:
+
+        def forward(n, fb) -> None:
             if canary is None:
                 with phase("model"):
                     model(n)
-                continue
+                return
             mgr = canary[0]
             with contextlib.ExitStack() as bracket:  # ModelRunner.forward's, as the plugin's
                 with phase("canary.pre"):
@@ -146,18 +153,27 @@ def main() -> None:
                 outside = bracket.pop_all()  # the bracket's exit, timed on its own
             with phase("canary.post_outside+read-back"):
                 outside.close()  # post_ops_outside_graph, then after_forward (the read-back)
-        with phase("results"):  # sglang's sampling and the token's copy, waited for
+
+        t0 = time.perf_counter()
+        for n, fb in batches:
+            forward(n, fb)
+        with phase("results"):  # sglang's sampling and the token's copy
             token = torch.argmax(logits, dim=-1)
-            if not smoke:
-                results = torch.cuda.Event()
+            results = None if smoke else torch.cuda.Event()
+            if results is not None:
                 results.record()
+        if following is not None:
+            forward(1, following)
+        with phase("token_wait"):
+            if results is not None:
                 results.synchronize()
             del token
         t_results = time.perf_counter()
         with phase("sync"):
             sync()
-        if canary is not None and canary[0].step != step0 + len(batches):
-            raise SystemExit(f"one read-back per forward expected: {len(batches)} forwards "
+        forwards = len(batches) + (following is not None)
+        if canary is not None and canary[0].step != step0 + forwards:
+            raise SystemExit(f"one read-back per forward expected: {forwards} forwards "
                              f"moved the canary's step from {step0} to {canary[0].step}")
         return (t_results - t0) * 1e3, (time.perf_counter() - t0) * 1e3
 
@@ -187,7 +203,7 @@ def main() -> None:
 
         for k in stand_ins:
             rec = dict(kind="prefill_device_time", time=now_utc(), gpu=name, isl=isl,
-                       chunk=chunk, rounds=rounds, config=k,
+                       chunk=chunk, rounds=rounds, config=k, overlap=args.overlap,
                        median_ms=statistics.median(ms[k]), paired_overhead_pct=paired(ms, k),
                        results_median_ms=statistics.median(res[k]),
                        results_paired_overhead_pct=paired(res, k),

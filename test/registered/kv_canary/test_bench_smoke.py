@@ -160,7 +160,7 @@ def test_bench_prefill_device_time_traces_one_prefill_per_stand_in(tmp_path):
     timeline = text.split("-- timeline 32_raise")[1].split("--")[0]
     phases = [line.split()[-1] for line in timeline.splitlines()[1:] if "host" in line]
     assert phases == ["canary.pre", "model", "canary.post", "canary.post_outside+read-back",
-                      "results", "sync"], phases
+                      "results", "token_wait", "sync"], phases
     assert "-- timeline 32_off " in text and "-- timeline 32_off (A/A) " in text
 
 def test_bench_host_primitives_needs_cuda():
