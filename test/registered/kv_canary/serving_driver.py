@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import random
 import types
 from typing import Dict, List, Optional
@@ -884,21 +883,3 @@ class ServingDriver:
         self.waiting.remove(thief)
         self.waiting.insert(0, thief)
         return dict(rid=victim.rid, position=p, slot=slot, thief=thief.rid)
-
-
-def _after_canary_work(method):
-    """A fault helper's corruption lands after the canary work the last forward left on its
-    side streams (as the runtime's own fault injection does): on CUDA that work may still be
-    running when the helper is called, and a byte it flips in a slot the TAIL part
-    fingerprints would be folded into the record instead of being caught."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        self.manager.wait_for_canary_work()
-        return method(self, *args, **kwargs)
-
-    return wrapper
-
-
-for _name in [n for n in vars(ServingDriver) if n.startswith("fault_")]:
-    setattr(ServingDriver, _name, _after_canary_work(getattr(ServingDriver, _name)))

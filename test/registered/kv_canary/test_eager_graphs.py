@@ -189,7 +189,7 @@ def test_static_prefix_views_are_the_buffers_own_and_bounded():
 @pytest.mark.parametrize("static", [True, False])
 def test_an_eager_forward_queues_its_side_half_after_the_model(static, monkeypatch):
     """Each eager forward: the model's kernels, then the side half (with static launches:
-    staging, the inputs and side graphs), then the tail half. Queuing the side half before
+    staging and the side graph), the join, then the tail half. Queuing the side half before
     the model was measured slower on an H100 (docs/architecture.md, "One forward"): its host
     staging delays the model's first kernel and its chain walk slows the model's GEMMs."""
     from sglang.srt.kv_canary.single_forward_manager import manager as sfm_module
@@ -199,7 +199,7 @@ def test_an_eager_forward_queues_its_side_half_after_the_model(static, monkeypat
     order = []
     model = d.model_forward
     monkeypatch.setattr(d, "model_forward", lambda fb: (order.append("model"), model(fb)))
-    for name in ("run_inputs", "run_side", "run_tail"):
+    for name in ("run_side", "run_tail"):
         real = getattr(EagerForwardGraphs, name)
         monkeypatch.setattr(EagerForwardGraphs, name,
                             lambda self, _r=real, _n=name: (order.append(_n), _r(self)))
@@ -212,7 +212,7 @@ def test_an_eager_forward_queues_its_side_half_after_the_model(static, monkeypat
     monkeypatch.setattr(sfm_module, "launch_verifies", spy)
     d.run(20)
     assert order.count("model") >= 20
-    side = ["run_inputs", "run_side", "verify HEAD"] if static else ["verify HEAD"]
+    side = ["run_side", "verify HEAD"] if static else ["verify HEAD"]
     tail = ["run_tail", "verify TAIL"] if static else ["verify TAIL"]
     per_forward = ["model"] + side + tail
     forwards = [order[i:i + len(per_forward)] for i in range(0, len(order), len(per_forward))]

@@ -600,12 +600,12 @@ def test_device_host_handler_is_exception_safe():
     h.stage()
     src.add_(10)  # staged copies are snapshots
     with pytest.raises(ValueError):
-        h.consume(lambda host, tag: (_ for _ in ()).throw(ValueError("consumer failed")))
+        h.consume(lambda host: (_ for _ in ()).throw(ValueError("consumer failed")))
     assert not h.has_pending  # no dangling future
-    assert h.consume(lambda host, tag: None) is False
+    assert h.consume(lambda host: None) is False
     h.stage()
     got = {}
-    assert h.consume(lambda host, tag: got.update(x=host.x.tolist(), type=type(host)))
+    assert h.consume(lambda host: got.update(x=host.x.tolist(), type=type(host)))
     assert got["x"] == [10, 11, 12, 13]
     assert got["type"] is _Watched  # the consumer gets the watched type back
 
@@ -630,12 +630,12 @@ def test_device_host_handler_packs_mixed_dtypes_into_one_buffer():
     h = DelayedDeviceHostHandler(src)
     assert h.num_bytes == 4 + 12 * 8 + 3 * 4 + 8 + 4
     h.stage()
-    first = h._pending[0]  # step T's copies, not consumed yet
+    first = h._pending  # step T's copies, not consumed yet
     src.ring.mul_(-1)
     src.statuses[0].x.fill_(7)
     src.index.fill_(9)
     got = {}
-    assert h.consume(lambda host, tag: got.update(host=host))
+    assert h.consume(lambda host: got.update(host=host))
     host = got["host"]
     assert type(host) is _Nested and type(host.statuses[1]) is _Watched
     assert host.index.tolist() == [3] and host.index.dtype == torch.int32
@@ -647,32 +647,9 @@ def test_device_host_handler_packs_mixed_dtypes_into_one_buffer():
         assert leaf.data_ptr() % leaf.element_size() == 0
     h.stage()  # step T+1 into the other buffer: T's host copies stay as they were
     assert first.get().statuses[0].x.tolist() == [1, 0, 1]
-    h.consume(lambda host, tag: got.update(again=host))
+    h.consume(lambda host: got.update(again=host))
     assert got["again"].statuses[0].x.tolist() == [7, 7, 7]
     assert got["again"].index.tolist() == [9] and torch.equal(got["again"].ring, src.ring)
-
-
-def test_device_host_handler_hands_each_stage_back_with_its_tag_oldest_first():
-    """Each stage's copies come back with the tag it was given, oldest first; the host
-    buffers alternate, so a third stage before the first is consumed is refused until
-    ``make_room`` hands the oldest over (what the forward path does before every stage)."""
-    src = torch.zeros(2, dtype=torch.int64)
-    h = DelayedDeviceHostHandler(_Watched(x=src))
-    got = []
-    record = lambda host, tag: got.append((tag, host.x.tolist()))  # noqa: E731
-    h.stage(tag="t1")
-    src.fill_(1)
-    h.stage(tag="t2")
-    src.fill_(2)
-    with pytest.raises(RuntimeError, match="both host buffers hold unconsumed copies"):
-        h.stage(tag="t3")
-    assert got == []  # the refused stage consumed nothing and staged nothing
-    assert h.make_room(record) == 1 and got == [("t1", [0, 0])]
-    assert h.make_room(record) == 0  # one buffer is free already
-    h.stage(tag="t3")
-    assert h.consume_ready(record) == 2  # CPU copies are complete when staged
-    assert got == [("t1", [0, 0]), ("t2", [1, 1]), ("t3", [2, 2])]
-    assert not h.has_pending and h.consume_ready(record) == 0
 
 
 def test_device_host_handler_refuses_strided_tensors():
@@ -690,7 +667,7 @@ def test_device_host_handler_empties_the_named_window_after_its_copy():
     h.stage()
     assert index.tolist() == [0]
     got = {}
-    h.consume(lambda host, tag: got.update(index=host.index.tolist()))
+    h.consume(lambda host: got.update(index=host.index.tolist()))
     assert got["index"] == [3]
 
 

@@ -266,29 +266,6 @@ def test_install_canary_assembles_through_build_canary_with_the_server_limits(mo
     assert sglang_seam.runner_canary(runner) is manager
 
 
-@pytest.mark.parametrize("mode, joined", [(None, False), ("null", False), ("prefill", True),
-                                         ("decode", True)])
-def test_pd_disaggregation_makes_an_eager_forwards_results_wait_for_its_canary(
-        monkeypatch, mode, joined):
-    """With ``--disaggregation-mode prefill|decode`` sglang's transfer engine reads the
-    records once the host has a forward's results, outside any stream order: there an eager
-    forward's forward stream joins its canary work (docs/architecture.md, "One forward");
-    elsewhere the work stays on the side stream."""
-    _clear_canary_env(monkeypatch)
-    runner = stand_in_model_runner(_mha_pool(size=99),
-                                   req_to_token=torch.zeros((16, 8), dtype=torch.int32),
-                                   context_len=4096)
-    server_args = types.SimpleNamespace(
-        kv_canary="raise", kv_canary_sweep_interval=0, kv_canary_real_data="partial",
-        device="cpu", disable_piecewise_cuda_graph=True, enable_torch_compile=False,
-        chunked_prefill_size=8192, max_prefill_tokens=16384, cuda_graph_max_bs=8,
-        sampling_backend="pytorch")
-    if mode is not None:
-        server_args.disaggregation_mode = mode
-    manager = api.install_canary(server_args=server_args, model_runner=runner)
-    assert [s.results_wait_for_canary for s in manager.sfms] == [joined] * len(manager.sfms)
-
-
 def _assembly(manager):
     return (manager.capacities, manager.config,
             [(g.kind, g.num_slots, g.has_v) for g in manager.groups],

@@ -288,10 +288,7 @@ def install_canary(*, server_args: "ServerArgs", model_runner: "ModelRunner",
         ranks=RankFacts(tp_rank=runner.tp_rank, tp_size=runner.tp_size, pp_rank=runner.pp_rank,
                         pp_size=runner.pp_size, dp_rank=runner.dp_rank,
                         dp_size=int(sglang_seam.server_args_value(server_args, "dp_size", 1)
-                                    or 1), draft=draft),
-        # PD: sglang's transfer engine reads the records once the host has the results
-        results_wait_for_canary=sglang_seam.server_args_value(
-            server_args, "disaggregation_mode", "null") not in (None, "null"))
+                                    or 1), draft=draft))
     if manager.token_oracle is not None:
         _use_token_oracle_sampler(model_runner)
     sglang_seam.set_runner_canary(model_runner, manager)

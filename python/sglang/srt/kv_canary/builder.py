@@ -30,8 +30,7 @@ def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
                  token_oracle: Optional[TokenOracleManager] = None,
                  num_single_forward_managers: int = 1,
                  draft_forwards_per_round: int = 0,
-                 ranks: Optional[RankFacts] = None,
-                 results_wait_for_canary: bool = False) -> CanaryManager:
+                 ranks: Optional[RankFacts] = None) -> CanaryManager:
     """Attach canary buffers to ``pool`` (splicing them into its buf-info methods), size the
     per-forward buffers from ``capacity_inputs`` and return the :class:`CanaryManager`.
 
@@ -41,11 +40,9 @@ def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
     on (``config.enable_token_oracle``) a :class:`TokenOracleManager` over ``vocab_size`` is
     created unless ``token_oracle`` is given. ``num_single_forward_managers`` /
     ``draft_forwards_per_round``: an EAGLE draft worker's (one manager per forward of a draft
-    round, which may run inside one CUDA graph); 1 / 0 elsewhere. ``ranks``: the model
-    runner's parallel ranks (default: a single rank); fault injection runs only where the rank
-    targets match. ``results_wait_for_canary``: an eager forward's results wait for its canary
-    work (PD disaggregation; docs/architecture.md, "One forward"). Not graph-related; runs
-    once, at start-up."""
+    round, which may run inside one CUDA graph); 1 / 0 elsewhere. ``ranks``: the model runner's parallel ranks
+    (default: a single rank); fault injection runs only where the rank targets match. Not
+    graph-related; runs once, at start-up."""
     if not config.enabled:
         raise ValueError("build_canary needs --kv-canary log, raise or abort (got none)")
     device = torch.device(device)
@@ -68,8 +65,7 @@ def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
                             num_single_forward_managers=num_single_forward_managers,
                             draft_forwards_per_round=draft_forwards_per_round,
                             token_oracle=token_oracle, ranks=ranks or RankFacts(), kv_pool=pool,
-                            memory_inputs=memory,
-                            results_wait_for_canary=results_wait_for_canary)
+                            memory_inputs=memory)
     # HiCache sizes its host pool from the device pool: the canary's mirror goes beside it
     sglang_seam.set_pool_canary(pool, manager)
     return manager

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,14 +64,11 @@ class ContainmentManager:
     """Abort mode's containment. ``resolver``: the manager's request resolver (its
     ``req_to_token`` and running requests); ``swa_index_lut``: the SWA group's full -> SWA
     table (an SWA incident's slot is found back as the full slots mapping to it);
-    ``records``: the full pool's TAIL canary buffer (the release guard's records);
-    ``wait_for_records``: what the guard calls before reading them (the canary's side-stream
-    work may still write them)."""
+    ``records``: the full pool's TAIL canary buffer (the release guard's records)."""
 
     def __init__(self, *, resolver: RequestResolver, swa_index_lut: Optional[torch.Tensor],
-                 records: torch.Tensor, wait_for_records: Callable[[], None] = lambda: None):
+                 records: torch.Tensor):
         self.resolver = resolver
-        self._wait_for_records = wait_for_records
         self.swa_index_lut = swa_index_lut
         self.records = records
         self.radix_cache = None
@@ -98,8 +95,7 @@ class ContainmentManager:
         if radix_cache is not None and seam.release_guard_of(radix_cache) is None:
             self.guard = ReleaseGuard(records=self.records, req_to_token=self.resolver.req_to_token,
                                       live_reqs=lambda: self.resolver.running_reqs(),
-                                      radix_cache=radix_cache,
-                                      wait_for_records=self._wait_for_records)
+                                      radix_cache=radix_cache)
             seam.set_release_guard(radix_cache, self.guard)
 
     @property

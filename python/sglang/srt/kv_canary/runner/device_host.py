@@ -1,31 +1,24 @@
-"""Delayed device→host reads that never stall the forward stream nor wait on the host
-(docs/architecture.md, "Reading results").
+"""Delayed device→host reads that never stall the forward stream (docs/architecture.md,
+"Reading results").
 
 At step T, :meth:`DelayedDeviceHostHandler.stage` enqueues a copy of the watched device
-tensors into a pinned host buffer on a side stream (after the forward stream's work so far and
-after the events it is given: the canary's own side-stream work) and records an event: one
-gather of every watched tensor into a device staging buffer (one multi-tensor copy,
-``torch._foreach_copy_`` over views of one word type, so its fast path takes them all in one
-launch) and one device→host copy of it, whatever the number of tensors watched (an EAGLE draft
-canary watches one status per draft forward). Later, :meth:`consume_ready` hands the copies
-whose event has completed to a callback, oldest first, without waiting; :meth:`make_room`
-waits only when every host buffer holds copies not yet consumed (the GPU two stages behind),
-and :meth:`consume` waits for all (tests, tools, shutdown). So a stage is consumed one or two
-steps later, and the host never waits for the device on the forward path while the device
-keeps up. On CPU tensors stage and consume happen at once (synchronous copies).
-
+tensors into a pinned host buffer on a side stream (after the forward stream's work so far)
+and records an event: one gather of every watched tensor into a device staging buffer (one
+multi-tensor copy, ``torch._foreach_copy_`` over views of one word type, so its fast path
+takes them all in one launch) and one device→host copy of it, whatever the number of tensors
+watched (an EAGLE draft canary watches one status per draft forward). At step T+1,
+:meth:`consume` waits on that event (long since done) and hands the host copies to a
+callback. On CPU tensors both happen at once (synchronous copies).
 Two host buffers alternate, so staging step T+1 never overwrites what step T's consumer
 still reads. :meth:`DelayedDeviceHostHandler.fence`, called before the next forward is queued,
-orders that forward after the last staged copies (a stream wait on their event, no host
-sync), so a kernel of step T+1 can never change a watched tensor while step T's copy is still
-reading it (e.g. bump the violation index before writing the row), nor anything the events
-given to that stage cover.
+orders that forward after the staged copies (a stream wait on their event, no host sync), so a
+kernel of step T+1 can never change a watched tensor while step T's copy is still reading it
+(e.g. bump the violation index before writing the row).
 
 What is watched is typed: a (frozen) dataclass whose fields are tensors, dataclasses of the
 same kind or tuples of either; the consumer gets an object of the same type holding the host
-copies, and the tag given to the stage. A watched window (the violation ring's write index,
-named at construction) is emptied on the copy stream right after its copy, behind the same
-event.
+copies. A watched window (the violation ring's write index, named at construction) is emptied
+on the copy stream right after its copy, behind the same event.
 
 On CUDA, :meth:`DelayedDeviceHostHandler.capture` (start-up) records the gather, the copy to
 each host buffer and the resets as one CUDA graph per host buffer; from then on a stage costs
@@ -35,9 +28,7 @@ the host one replay instead of three to four launches.
 from __future__ import annotations
 
 import dataclasses
-import collections
-from typing import (Any, Callable, Deque, Generic, Iterator, List, Optional, Sequence,
-                    Tuple, TypeVar)
+from typing import Any, Callable, Generic, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -70,23 +61,15 @@ def _rebuild(obj: Any, host: Iterator[torch.Tensor]) -> Any:
 
 
 class FutureTensors(Generic[W]):
-    """Host copies of a watched structure, ready once ``event`` has completed, with the tag
-    the stage was given and the host buffer they occupy."""
+    """Host copies of a watched structure, ready once ``event`` has completed."""
 
-    def __init__(self, value: W, event: Optional["torch.cuda.Event"], tag: Any = None,
-                 buffer: int = 0):
+    def __init__(self, value: W, event: Optional["torch.cuda.Event"]):
         self._value = value
         self._event = event
-        self.tag = tag
-        self.buffer = buffer
 
     @property
     def event(self) -> Optional["torch.cuda.Event"]:
         return self._event
-
-    def ready(self) -> bool:
-        """Whether :meth:`get` would return without waiting (no host sync)."""
-        return self._event is None or self._event.query()
 
     def get(self) -> W:
         if self._event is not None:
@@ -166,10 +149,7 @@ class DelayedDeviceHostHandler(Generic[W]):
                                     for w, t in zip(words, self._device_leaves)]))
             for words in self._host_words]
         self._flip = 0
-        # staged copies not consumed yet, oldest first (at most one per host buffer)
-        self._pending: Deque[FutureTensors[W]] = collections.deque()
-        # the last stage's event (what the next forward's fence waits for)
-        self._last_event: Optional["torch.cuda.Event"] = None
+        self._pending: Optional[FutureTensors[W]] = None
         self._stream = None if self.synchronous else torch.cuda.Stream(device=self.device)
         # CUDA: where the copies start (recorded on the producer's stream) and, per host
         # buffer, when they are done (a buffer is staged again only after its copies were
@@ -189,7 +169,7 @@ class DelayedDeviceHostHandler(Generic[W]):
 
     @property
     def has_pending(self) -> bool:
-        return bool(self._pending)
+        return self._pending is not None
 
     def _copies(self, flip: int) -> None:
         """Host buffer ``flip``'s copies, on the current stream: the gather, the device→host
@@ -219,76 +199,44 @@ class DelayedDeviceHostHandler(Generic[W]):
                 self._copies(flip)
         self._graphs = graphs
 
-    def stage(self, tag: Any = None, after: Sequence["torch.cuda.Event"] = ()) -> None:
-        """Enqueue the copies for the current state, after the current stream's work so far
-        and after ``after`` (events of other streams whose work the copies must follow), then
-        zero the ``zero_after_copy`` tensors (a window the copy closed) on the copy stream,
-        after the copies; :meth:`fence` orders the next forward after both, and nothing on the
-        forward stream waits for either before it. ``tag`` comes back with the copies. A host
-        buffer must be free (:meth:`make_room`). Allocation-free and host-sync-free on CUDA."""
+    def stage(self) -> None:
+        """Enqueue the copies for the current state (replacing an unconsumed earlier stage),
+        then zero the ``zero_after_copy`` tensors (a window the copy closed) on the copy
+        stream, after the copies; :meth:`fence` orders the next forward after both, and
+        nothing on the forward stream waits for either before it. Allocation-free and
+        host-sync-free on CUDA."""
         flip = self._flip
-        if any(p.buffer == flip for p in self._pending):
-            raise RuntimeError("kv_canary: read-back staged while both host buffers hold "
-                               "unconsumed copies (make_room first)")
         self._flip ^= 1
         if self.synchronous:
             self._gather(self._host_words[flip])
             for t in self._zero_after_copy:
                 t.zero_()
-            self._pending.append(FutureTensors(self._host[flip], None, tag, flip))
+            self._pending = FutureTensors(self._host[flip], None)
             return
         produced = self._produced
         produced.record(cuda_streams.current_stream(self._device_index))
         event = self._copied[flip]
         with cuda_streams.on_stream(self._stream):
             self._stream.wait_event(produced)
-            for other in after:
-                self._stream.wait_event(other)
             if self._graphs is not None:
                 self._graphs[flip].replay()
             else:
                 self._copies(flip)
             event.record(self._stream)
-        self._last_event = event
-        self._pending.append(FutureTensors(self._host[flip], event, tag, flip))
+        self._pending = FutureTensors(self._host[flip], event)
 
     def fence(self) -> None:
-        """Make the current stream wait for the last staged copies (and so for what they
-        waited for): work queued after this cannot race them. A device-side wait on a
-        recorded event; no host sync."""
-        if self._last_event is not None:
-            cuda_streams.current_stream(self._device_index).wait_event(self._last_event)
+        """Make the current stream wait for the pending copies (if any): work queued after
+        this cannot race them. A device-side wait on a recorded event; no host sync."""
+        pending = self._pending
+        if pending is not None and pending.event is not None:
+            cuda_streams.current_stream(self._device_index).wait_event(pending.event)
 
-    def _consume_oldest(self, callback: Callable[[W, Any], None]) -> None:
-        # popped before the callback runs, so a raising callback leaves no dangling future
-        pending = self._pending.popleft()
-        callback(pending.get(), pending.tag)
-
-    def consume_ready(self, callback: Callable[[W, Any], None]) -> int:
-        """Hand the staged copies that are complete to ``callback(host, tag)``, oldest first,
-        stopping at the first still in flight; never waits. Returns how many it handed."""
-        done = 0
-        while self._pending and self._pending[0].ready():
-            self._consume_oldest(callback)
-            done += 1
-        return done
-
-    def make_room(self, callback: Callable[[W, Any], None]) -> int:
-        """Before :meth:`stage`: while every host buffer holds unconsumed copies, wait for the
-        oldest and hand it to ``callback`` (the only wait on the forward path, when the device
-        is two stages behind the host). Returns how many it handed."""
-        done = 0
-        while len(self._pending) >= len(self._host_buffers):
-            self._consume_oldest(callback)
-            done += 1
-        return done
-
-    def consume(self, callback: Callable[[W, Any], None]) -> bool:
-        """Hand every staged copy to ``callback(host, tag)``, oldest first, waiting for each;
-        False if nothing was staged. Each is popped before its callback runs, so a raising
-        callback leaves none of it behind (later ones stay pending)."""
-        if not self._pending:
+    def consume(self, callback: Callable[[W], None]) -> bool:
+        """Hand the staged copies to ``callback``; False if nothing was staged. The pending
+        stage is cleared before the callback runs, so a raising callback leaves none behind."""
+        pending, self._pending = self._pending, None
+        if pending is None:
             return False
-        while self._pending:
-            self._consume_oldest(callback)
+        callback(pending.get())
         return True

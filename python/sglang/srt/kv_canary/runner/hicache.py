@@ -19,7 +19,7 @@ Not graph code: the copies run on HiCache's write / load streams, outside CUDA g
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -59,8 +59,7 @@ class HostTierMirror:
 
     def __init__(self, *, groups: Sequence[CanaryBufferGroup], host_pool,
                  real_kv_hash_mode: RealKvHashMode = RealKvHashMode.NONE,
-                 sweep_pages: int = 0,
-                 wait_for_canary_work: Callable[[], None] = lambda: None):
+                 sweep_pages: int = 0):
         kind = seam.host_pool_kind(host_pool)  # raises for a host pool it cannot mirror
         odd = [g.kind.name for g in groups if g.kind != PoolKind.FULL]
         if odd:
@@ -68,9 +67,6 @@ class HostTierMirror:
                 f"kv_canary mirrors HiCache host rows of FULL groups only, got {odd}: run "
                 "without --enable-hierarchical-cache or without --kv-canary")
         self.host_pool = host_pool
-        # the copies of rows wait for the canary work forwards left on side streams (their
-        # TAIL records), on HiCache's stream (a device-side wait)
-        self._wait_for_canary_work = wait_for_canary_work
         self.kind = kind
         self.host_slots = seam.host_pool_size(host_pool)
         self.pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (device rows, host rows)
@@ -107,17 +103,13 @@ class HostTierMirror:
 
     def backup(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """After sglang copied the KV of ``device_indices`` to ``host_indices``: the rows."""
-        self._wait_for_canary_work()
         for rows, host in self.pairs:
             launch_copy_rows(src=rows, dst=host, src_indices=device_indices,
                              dst_indices=host_indices)
         self.backed_up_slots += int(host_indices.shape[0])
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
-        """Before sglang loads the KV of ``host_indices`` into ``device_indices``: the rows
-        (and, on the same stream, the KV after them: neither lands in a slot the canary work
-        of an earlier forward still reads)."""
-        self._wait_for_canary_work()
+        """Before sglang loads the KV of ``host_indices`` into ``device_indices``: the rows."""
         for rows, host in self.pairs:
             launch_copy_rows(src=host, dst=rows, src_indices=host_indices,
                              dst_indices=device_indices)

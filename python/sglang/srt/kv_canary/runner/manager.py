@@ -32,7 +32,7 @@ from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import REPLAY_TOKENS_PER_REQUEST, CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.endpoint import build_endpoints_from_group
-from sglang.srt.kv_canary import cuda_streams, sglang_seam
+from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.memory import (
     CanaryMemory,
     CanaryMemoryInputs,
@@ -133,8 +133,7 @@ class CanaryManager:
                  num_single_forward_managers: int = 1, draft_forwards_per_round: int = 0,
                  token_oracle: Optional[TokenOracleManager] = None,
                  memory_inputs: CanaryMemoryInputs,
-                 ranks: RankFacts = RankFacts(), kv_pool=None,
-                 results_wait_for_canary: bool = False):
+                 ranks: RankFacts = RankFacts(), kv_pool=None):
         if not config.enabled:
             raise ValueError("CanaryManager needs --kv-canary log, raise or abort (got none)")
         if not groups:
@@ -150,9 +149,6 @@ class CanaryManager:
                              "(token_oracle=...)")
         device = torch.device(device)
         self._device = device
-        self._device_index = ((device.index if device.index is not None
-                               else torch.cuda.current_device())
-                              if device.type == "cuda" else None)
         self.config = config
         # what this canary allocates (the builder's description; HiCache's host mirror added
         # when the scheduler attaches its tree): :attr:`memory`
@@ -180,8 +176,7 @@ class CanaryManager:
                                  capacities=capacities, config=config,
                                  req_to_token=req_to_token, device=device, index=i,
                                  token_history=self.token_history, token_oracle=token_oracle,
-                                 kv_pool=kv_pool,
-                                 results_wait_for_canary=results_wait_for_canary)
+                                 kv_pool=kv_pool)
             for i in range(num_single_forward_managers)
         )
         # fault injection (self-tests only): off unless a SGLANG_KV_CANARY_PERTURB_* is set
@@ -233,8 +228,7 @@ class CanaryManager:
                 raise ValueError("--kv-canary abort needs the pool's full-attention buffer "
                                  "group (its records say which request owns a slot)")
             self.containment = ContainmentManager(resolver=self.requests, swa_index_lut=swa_lut,
-                                                  records=full.k_tail,
-                                                  wait_for_records=self.wait_for_canary_work)
+                                                  records=full.k_tail)
         self.metrics: Optional[CanaryMetrics] = None
         self._kv_slots_in_use: Callable[[], int] = lambda: 0
         self.step = 0
@@ -246,6 +240,7 @@ class CanaryManager:
         self._capturing_draft_graph = False
         # sglang's piecewise CUDA-graph set-up in progress (its dummy forwards run no canary)
         self._piecewise_graph_setup = False
+        self._staged: Optional[StagedForward] = None
 
     # ---- which single-forward manager is active ----------------------------------------
 
@@ -457,8 +452,7 @@ class CanaryManager:
             self.host_tier = HostTierMirror(
                 groups=self.groups, host_pool=host_pool,
                 real_kv_hash_mode=self.config.real_kv_hash_mode,
-                sweep_pages=self.config.host_sweep_pages if self.config.sweep_interval else 0,
-                wait_for_canary_work=self.wait_for_canary_work)
+                sweep_pages=self.config.host_sweep_pages if self.config.sweep_interval else 0)
 
     @property
     def host_mirror_bytes_per_slot(self) -> int:
@@ -528,8 +522,6 @@ class CanaryManager:
         forward stream); on CPU both happen now."""
         self.step += 1
         if self.perturber is not None and forward_batch is not None:
-            # a fault planted after the forward lands after its canary work (TAIL included)
-            self.wait_for_canary_work(sfms)
             self.perturber.after_forward(forward_batch, step=self.step)
         if self.sweep.maybe_run_sweep(self.step) and self.host_tier is not None:
             self._host_tier_sweep()
@@ -539,29 +531,9 @@ class CanaryManager:
         if self.device_host.synchronous:
             self._stage(sfms, requests)
             self.device_host.consume(self._on_host_copies)
-        else:  # the host waits only when the device is two read-backs behind
-            self.device_host.consume_ready(self._on_host_copies)
-            self.device_host.make_room(self._on_host_copies)
+        else:
+            self.device_host.consume(self._on_host_copies)
             self._stage(sfms, requests)
-
-    def side_work_events(self, sfms: Optional[Sequence[SingleForwardManager]] = None) -> list:
-        """The events ending the canary work the last forward of each of ``sfms`` (default:
-        all) left on its side stream (:attr:`SingleForwardManager.side_work_done`)."""
-        return [e for e in (s.side_work_done for s in (sfms or self.sfms)) if e is not None]
-
-    def wait_for_canary_work(self, sfms: Optional[Sequence[SingleForwardManager]] = None
-                             ) -> None:
-        """Make the current stream wait for the canary work the last forwards left on side
-        streams (a device-side wait, no host sync): before anything that reads or rewrites the
-        records or KV bytes that work reads or writes outside the forward stream's order
-        (HiCache's copies, fault injection)."""
-        if self._device.type != "cuda":
-            return
-        events = self.side_work_events(sfms)
-        if events:
-            stream = cuda_streams.current_stream(self._device_index)
-            for event in events:
-                stream.wait_event(event)
 
     def _host_tier_sweep(self) -> None:
         """HiCache: after a radix sweep, the host-tier sweep's pages (on the CPU); its
@@ -576,7 +548,8 @@ class CanaryManager:
         after consuming the read-back still pending (the host waits for it: for tests, tools
         and shutdown, never on the forward path). The ring itself holds only the current
         window, so its write index is no running total."""
-        self.device_host.consume(self._on_host_copies)
+        if self.device_host.has_pending:
+            self.device_host.consume(self._on_host_copies)
         return self.violations.total
 
     def _report(self, incidents, *, dropped: int, step: int, requests: ForwardRequests) -> None:
@@ -606,11 +579,11 @@ class CanaryManager:
         again however many came before (docs/architecture.md, "Reading results"). Nothing on
         the forward stream waits for the copy or the reset, and the next forward's bracket
         launches no reset of its own before the model's kernels."""
-        self.device_host.stage(tag=StagedForward(self.step, tuple(s.index for s in sfms),
-                                                 requests),
-                               after=self.side_work_events(sfms))
+        self.device_host.stage()
+        self._staged = StagedForward(self.step, tuple(s.index for s in sfms), requests)
 
-    def _on_host_copies(self, host: CanaryReadback, staged: StagedForward) -> None:
+    def _on_host_copies(self, host: CanaryReadback) -> None:
+        staged = self._staged
         step = staged.step
         plans_enabled = {i: host.sfm_status[i].plan_enabled.tolist()
                          for i in staged.sfm_indices}

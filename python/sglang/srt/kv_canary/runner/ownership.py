@@ -98,19 +98,15 @@ class ReleaseGuard:
     buffer: every written slot's token and position); ``req_to_token``: the runner's int32
     table; ``live_reqs``: the scheduler's requests that may hold rows (its running and
     forwarding batches, the chunked request); ``radix_cache``: the tree cache (None, or a
-    ``ChunkCache``: no tree); ``wait_for_records``: makes the current stream wait for the
-    canary work that may still write records on a side stream (called before they are
-    read)."""
+    ``ChunkCache``: no tree)."""
 
     def __init__(self, *, records: torch.Tensor, req_to_token: torch.Tensor,
-                 live_reqs: Callable[[], Sequence], radix_cache=None,
-                 wait_for_records: Callable[[], None] = lambda: None):
+                 live_reqs: Callable[[], Sequence], radix_cache=None):
         if records.dtype != torch.uint8 or records.dim() != 2 \
                 or records.shape[1] != CANARY_SLOT_BYTES:
             raise ValueError(f"records must be uint8 [num_slots, {CANARY_SLOT_BYTES}], got "
                              f"{records.dtype} {tuple(records.shape)}")
         self.records = records.view(torch.int64)
-        self._wait_for_records = wait_for_records
         self.req_to_token = req_to_token
         self.live_reqs = live_reqs
         self.radix_cache = (None if radix_cache is None or seam.is_chunk_cache(radix_cache)
@@ -260,7 +256,6 @@ class ReleaseGuard:
         record holds the (position, token) of an entry in doubt (its record is another's,
         another holder names it, or it is free) is reclaimed."""
         device = self.records.device
-        self._wait_for_records()
         pages = entries // page_size
         other, was_free = named[pages], free[pages]
         n = positions.shape[0]

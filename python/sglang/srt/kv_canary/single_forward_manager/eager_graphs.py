@@ -1,4 +1,4 @@
-"""``EagerForwardGraphs``: an eager forward's canary launches, replayed from three CUDA graphs
+"""``EagerForwardGraphs``: an eager forward's canary launches, replayed from two CUDA graphs
 captured once per single-forward manager (docs/architecture.md, "One forward").
 
 Eager forwards are the prefills (with or without sglang's piecewise CUDA graphs, whose pieces
@@ -22,13 +22,11 @@ What makes one capture fit every batch: the launches read only static buffers.
 - The grids are sized by the capacities, which is what the launches inside sglang's
   decode graphs do already.
 
-The three graphs are the parts of the inside post-ops: the inputs part (with token checks
-the token-history scatter, the plans, SWA slot translation: what reads sglang's tensors) and
-the side part (HEAD verify + write, TAIL chain, status copy), replayed on the side stream from
-the fork point, and the tail part (TAIL verify, per-layer checks, TAIL fingerprints), replayed
-after the model's kernels (on the side stream, or on the forward stream after a join).
-:meth:`capture` runs the parts eagerly once on all-padding inputs first (compiles the kernels
-for these arguments; writes no record), at the end of start-up.
+The two graphs are the two halves of the inside post-ops: the side part (plan, HEAD verify
++ write, TAIL chain, status copy), replayed on the side stream from the fork point, and the
+tail part (TAIL verify, per-layer checks, TAIL fingerprints), replayed on the forward stream
+after the join. :meth:`capture` runs both halves eagerly once on all-padding inputs first
+(compiles the kernels for these arguments; writes no record), at the end of start-up.
 
 Without CUDA (``capture_graphs=False``, the CPU tests) the same static inputs are launched
 directly: the padded-input path, checked against the batch's own tensors.
@@ -58,18 +56,15 @@ Launches = Callable[[ForwardLaunchInputs], None]
 
 class EagerForwardGraphs:
     """Static launch inputs of one single-forward manager, and (on CUDA, after
-    :meth:`capture`) the three graphs holding ``input_launches`` / ``side_launches`` /
-    ``tail_launches`` on them.
+    :meth:`capture`) the two graphs holding ``side_launches`` / ``tail_launches`` on them.
     Allocates its buffers here; :meth:`stage` and the replays allocate nothing and never
     sync the host."""
 
     def __init__(self, *, plan_input: PlanInput, capacities: CanaryLaunchCapacities,
-                 expected_inputs: Optional[ExpectedInputs], input_launches: Launches,
-                 side_launches: Launches, tail_launches: Launches,
-                 side_stream: Optional["torch.cuda.Stream"], device):
+                 expected_inputs: Optional[ExpectedInputs], side_launches: Launches,
+                 tail_launches: Launches, side_stream: Optional["torch.cuda.Stream"], device):
         cap = capacities.write_entry_capacity
         self._plan_input = plan_input
-        self._input_launches = input_launches
         self._side_launches = side_launches
         self._tail_launches = tail_launches
         self._side_stream = side_stream
@@ -84,7 +79,6 @@ class EagerForwardGraphs:
             extend_seq_lens=plan_input.extend_seq_lens, input_ids=self.input_ids,
             positions=self.positions, out_cache_loc=self.out_cache_loc,
             expected_inputs=expected_inputs.views(cap) if expected_inputs is not None else None)
-        self._input_graph: Optional["torch.cuda.CUDAGraph"] = None
         self._side_graph: Optional["torch.cuda.CUDAGraph"] = None
         self._tail_graph: Optional["torch.cuda.CUDAGraph"] = None
 
@@ -93,8 +87,8 @@ class EagerForwardGraphs:
         return self._side_graph is not None
 
     def capture(self) -> None:
-        """Run the three parts once on all-padding inputs, then capture them (on the side
-        stream). At start-up only (it synchronizes the device); CUDA only."""
+        """Run both halves once on all-padding inputs, then capture them (side half on the
+        side stream). At start-up only (it synchronizes the device); CUDA only."""
         if self._side_stream is None:
             raise RuntimeError("kv_canary: eager-forward graphs need CUDA (no side stream)")
         if self.captured:
@@ -104,17 +98,17 @@ class EagerForwardGraphs:
                                "first staged forward (on all-padding inputs)")
         stream = self._side_stream
         stream.wait_stream(torch.cuda.current_stream(stream.device))
-        parts = (self._input_launches, self._side_launches, self._tail_launches)
         with torch.cuda.stream(stream):  # warm-up: compile, no record written
-            for launches in parts:
-                launches(self.inputs)
+            self._side_launches(self.inputs)
+            self._tail_launches(self.inputs)
         torch.cuda.synchronize(stream.device)
-        graphs = [torch.cuda.CUDAGraph() for _ in parts]
-        for graph, launches in zip(graphs, parts):
-            # thread_local: another thread's CUDA call cannot break the capture
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                launches(self.inputs)
-        self._input_graph, self._side_graph, self._tail_graph = graphs
+        side, tail = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA call cannot break the capture
+        with torch.cuda.graph(side, stream=stream, capture_error_mode="thread_local"):
+            self._side_launches(self.inputs)
+        with torch.cuda.graph(tail, capture_error_mode="thread_local"):
+            self._tail_launches(self.inputs)
+        self._side_graph, self._tail_graph = side, tail
 
     def stage(self, forward_batch: "ForwardBatch", num_tokens: int) -> None:
         """Copy the forward's inputs into the static buffers (on the current stream: the side
@@ -134,22 +128,15 @@ class EagerForwardGraphs:
         copy_pairs(dst, src)
         self._tokens_filled = n
 
-    def run_inputs(self) -> None:
-        """The inputs part on the staged inputs (a replay once captured)."""
-        if self._input_graph is not None:
-            self._input_graph.replay()
-        else:
-            self._input_launches(self.inputs)
-
     def run_side(self) -> None:
-        """The side part on the staged inputs (a replay once captured)."""
+        """The side half on the staged inputs (a replay once captured)."""
         if self._side_graph is not None:
             self._side_graph.replay()
         else:
             self._side_launches(self.inputs)
 
     def run_tail(self) -> None:
-        """The tail part on the staged inputs (a replay once captured)."""
+        """The tail half on the staged inputs (a replay once captured)."""
         if self._tail_graph is not None:
             self._tail_graph.replay()
         else:

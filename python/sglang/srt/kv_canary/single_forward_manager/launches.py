@@ -39,7 +39,7 @@ from sglang.srt.kv_canary.endpoint import CanaryEndpoint
 @dataclasses.dataclass(frozen=True, eq=False)
 class ForwardLaunchInputs:
     """What one forward's launches read of the batch (the single-forward manager's
-    plan, HEAD and TAIL launches):
+    ``_side_launches`` / ``_tail_launches``):
 
     - ``req_pool_indices`` / ``prefix_lens`` / ``extend_seq_lens``: int32/int64 ``[bs]`` (the
       plan input; ``req_pool_indices`` 0 marks a padding row);
@@ -111,18 +111,17 @@ def launch_group_plan(plans: GroupPlans, *, req_pool_indices, prefix_lens, exten
     )
 
 
-def translate_write_slots(plans: GroupPlans, out_cache_loc: torch.Tensor) -> None:
-    """SWA groups: ``out_cache_loc`` translated through the group's SWA table into the static
-    buffer the writes read (:func:`translated_slots`), with the plan (it reads sglang's
-    table). FULL groups: nothing (their writes read ``out_cache_loc`` itself)."""
+def write_slots_for(plans: GroupPlans, out_cache_loc: torch.Tensor) -> torch.Tensor:
+    """The slots the write kernel stores to: ``out_cache_loc`` itself for FULL groups, its
+    translation through the SWA table (into the static buffer) for SWA groups."""
+    out = translated_slots(plans, out_cache_loc)
     if plans.write_slots is not None:
-        torch.index_select(plans.group.swa_index_lut, 0, out_cache_loc,
-                           out=translated_slots(plans, out_cache_loc))
+        torch.index_select(plans.group.swa_index_lut, 0, out_cache_loc, out=out)
+    return out
 
 
 def translated_slots(plans: GroupPlans, out_cache_loc: torch.Tensor) -> torch.Tensor:
-    """The slots the write kernels store to: ``out_cache_loc`` itself for FULL groups, for SWA
-    groups the view of the static buffer :func:`translate_write_slots` fills."""
+    """The view :func:`write_slots_for` fills (without filling it again)."""
     if plans.write_slots is None:
         return out_cache_loc
     return plans.write_slots[: out_cache_loc.shape[0]]
@@ -148,7 +147,7 @@ def chain_write_launches(endpoints: Iterable[CanaryEndpoint], *, plans_by_group:
     """The HEAD writes and the TAIL writes' chain part of every group, one callable per group
     (its buffers' chains walked side by side in one launch), independent of one another, to
     run in any order or side by side. A HEAD write is its chain part (HEAD never
-    fingerprints). SWA groups' slots are those :func:`translate_write_slots` translated."""
+    fingerprints). SWA groups' slots are translated now, on the current stream."""
     by_group: Dict[CanaryBufferGroup, List[CanaryEndpoint]] = {}
     for ep in endpoints:
         if ep.phase in (CanaryPhase.HEAD, CanaryPhase.TAIL):
@@ -162,7 +161,7 @@ def chain_write_launches(endpoints: Iterable[CanaryEndpoint], *, plans_by_group:
         launches.append(functools.partial(
             launch_canary_chain_writes,
             contexts=[ep.context for ep in eps], plan=plans.write_plan, input_ids=input_ids,
-            positions=positions, out_cache_loc=translated_slots(plans, out_cache_loc),
+            positions=positions, out_cache_loc=write_slots_for(plans, out_cache_loc),
             enable_write_input_assert=expected_inputs is not None,
             expected_input_tokens=expected_inputs[0] if expected_inputs is not None else None,
             expected_input_positions=expected_inputs[1] if expected_inputs is not None else None,
@@ -175,8 +174,8 @@ def launch_fingerprint_writes(endpoints: Iterable[CanaryEndpoint], *,
                               out_cache_loc) -> None:
     """The TAIL writes' fingerprint part (:attr:`WriteParts.FINGERPRINT`) of every TAIL
     endpoint with real-data fingerprints, after the model wrote the KV bytes and after
-    :func:`chain_write_launches` (on the slots :func:`translate_write_slots` translated).
-    Endpoints without fingerprints launch nothing."""
+    :func:`chain_write_launches` (which translated SWA groups' slots: read here as
+    :func:`translated_slots`). Endpoints without fingerprints launch nothing."""
     for ep in endpoints:
         if ep.phase != CanaryPhase.TAIL or not ep.context.fingerprint_mode:
             continue

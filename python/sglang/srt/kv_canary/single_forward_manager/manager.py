@@ -18,22 +18,14 @@ Four ops, checked in order:
    waiting for the canary's host work.
 3. ``post_ops_maybe_inside_graph(forward_batch)`` — after the model forward's kernels are
    queued: on the side stream, from the fork point (so on the GPU beside the forward), fill
-   the plan input, plan every group (the only launches that read sglang's batch and tables),
-   HEAD launches (verify, then write), the chain part of the TAIL writes and a copy of the
-   plans' ``enable`` flags into a static status buffer; then TAIL verify and the TAIL writes'
-   real-KV fingerprints of the new slots, after the model. Captured into decode CUDA graphs,
-   where the side-stream part becomes a parallel branch from the fork point, joined before
-   the TAIL launches. In an eager forward, once :meth:`enable_static_eager_launches` ran (on
-   CUDA at the end of start-up), the three parts (inputs, side, tail) are replays of graphs
-   captured once on static copies of the inputs (:class:`EagerForwardGraphs`), all on the
-   side stream: the TAIL part waits for the model's kernels there, and the forward stream
-   waits only for the inputs part (what reads sglang's tensors), so what the host waits for
-   after the forward (its sampled tokens) does not wait for the canary; the read-back and the
-   next forward's fence wait for :attr:`side_work_done`. With ``results_wait_for_canary``
-   (PD disaggregation: the transfer engine reads the records once sglang's host has the
-   forward's results) the forward stream joins the side stream and runs the TAIL part, as
-   before the static launches. The status (:class:`SfmStatus`) is this manager's typed
-   per-forward output.
+   the plan input, plan every group, HEAD launches (verify, then write), the chain part of the
+   TAIL writes and a copy of the plans' ``enable`` flags into a static status buffer; then
+   join the side stream, TAIL verify and the TAIL writes' real-KV fingerprints of the new
+   slots. Captured into decode CUDA graphs, where the side-stream part becomes a parallel
+   branch from the fork point. In an eager forward, once :meth:`enable_static_eager_launches`
+   ran (on CUDA at the end of start-up), the two halves are replays of graphs captured once
+   on static copies of the inputs (:class:`EagerForwardGraphs`). The status
+   (:class:`SfmStatus`) is this manager's typed per-forward output.
 4. ``post_ops_outside_graph()`` — back to IDLE; the manager then reads results (delayed).
 
 Which batch the inside ops read: while capturing, the one ``model.forward`` was called with
@@ -75,7 +67,6 @@ from sglang.srt.kv_canary.single_forward_manager.launches import (
     launch_fingerprint_writes,
     launch_group_plan,
     launch_verifies,
-    translate_write_slots,
 )
 from sglang.srt.kv_canary.single_forward_manager.phases import (
     CAPTURE_TRANSITIONS,
@@ -115,8 +106,7 @@ class SingleForwardManager:
                  capacities: CanaryLaunchCapacities, config: CanaryConfig,
                  req_to_token: torch.Tensor, device, index: int = 0,
                  token_history: Optional[TokenHistoryUploader] = None,
-                 token_oracle: Optional["TokenOracleManager"] = None, kv_pool=None,
-                 results_wait_for_canary: bool = False):
+                 token_oracle: Optional["TokenOracleManager"] = None, kv_pool=None):
         if config.enable_verify_token_assert and token_history is None:
             raise ValueError("SingleForwardManager: token checks are on "
                              "(enable_verify_token_assert) but no token_history was given")
@@ -156,15 +146,6 @@ class SingleForwardManager:
         # the join (3.), where the forward stream waits for the side stream's work
         self._fork = torch.cuda.Event() if self.side_stream is not None else None
         self._joined = torch.cuda.Event() if self.side_stream is not None else None
-        # an eager forward whose canary work stays on the side stream: where the model's
-        # kernels end (the TAIL part waits for it), where the launches that read sglang's
-        # tensors end (the forward stream waits for it) and where the side stream's work ends
-        self.results_wait_for_canary = bool(results_wait_for_canary)
-        self._model_done = torch.cuda.Event() if self.side_stream is not None else None
-        self._inputs_read = torch.cuda.Event() if self.side_stream is not None else None
-        self._side_done = torch.cuda.Event() if self.side_stream is not None else None
-        # whether the last forward's work ended on the side stream (not joined)
-        self._side_work_pending = False
         # the side half's HEAD and TAIL-chain writes: one launch per group (its buffers'
         # serial chains side by side on one SM), the groups' launches side by side
         self._write_lanes = cuda_streams.ParallelLanes(max(1, len(self.groups)), device)
@@ -192,8 +173,7 @@ class SingleForwardManager:
                                    f"{self.phase.value}")
         graphs = EagerForwardGraphs(plan_input=self.plan_input, capacities=self.capacities,
                                     expected_inputs=self.expected_inputs,
-                                    input_launches=self._eager_input_launches,
-                                    side_launches=self._head_launches,
+                                    side_launches=self._eager_side_launches,
                                     tail_launches=self._tail_launches,
                                     side_stream=self.side_stream, device=self.req_to_token.device)
         if capture_graphs:
@@ -324,17 +304,11 @@ class SingleForwardManager:
         forward_batch = self._inside_batch(forward_batch)
         # an eager forward with static launches: staged copies and graph replays
         graphs = None if self._capturing else self.eager_graphs
-        self._side_work_pending = False
-        if (graphs is not None and self.side_stream is not None
-                and not self.results_wait_for_canary):
-            self._run_beside_the_results(forward_batch, graphs)
-            return
         with self._beside_the_forward():
             if graphs is not None:
                 # eager: the upload was left for now (step 1.); the graph scatters it
                 self.upload_tokens_before_replay()
                 graphs.stage(forward_batch, num_tokens=forward_batch.out_cache_loc.shape[0])
-                graphs.run_inputs()
                 graphs.run_side()
             else:
                 if self._tokens_pending:  # eager: the upload was left for now (step 1.)
@@ -352,37 +326,6 @@ class SingleForwardManager:
         else:
             self._tail_launches(inputs)
 
-    def _run_beside_the_results(self, forward_batch: "ForwardBatch",
-                                graphs: EagerForwardGraphs) -> None:
-        """An eager forward's canary work, all on the side stream (CUDA, static launches):
-        from the fork point the staging copies and the inputs part, then the side part; the
-        tail part after the model's kernels (:attr:`_model_done`). The forward stream waits
-        only for the inputs part: every read of sglang's batch and tables is then done before
-        anything sglang queues after the forward (its sampling, the results' copy), whose
-        completion the scheduler waits for before it frees or reuses them."""
-        forward = cuda_streams.current_stream(self._device_index)
-        self._model_done.record(forward)
-        side = self.side_stream
-        with self._beside_the_forward():
-            self.upload_tokens_before_replay()
-            graphs.stage(forward_batch, num_tokens=forward_batch.out_cache_loc.shape[0])
-            graphs.run_inputs()
-            self._inputs_read.record(side)
-            graphs.run_side()
-            side.wait_event(self._model_done)
-            graphs.run_tail()
-            self._side_done.record(side)
-        forward.wait_event(self._inputs_read)
-        self._side_work_pending = True
-
-    @property
-    def side_work_done(self) -> Optional["torch.cuda.Event"]:
-        """The event ending the last forward's canary work where it stayed on the side
-        stream (:meth:`_run_beside_the_results`), else None (its work was joined into the
-        forward stream, or it ran on the CPU). What must see that work complete (the
-        read-back, HiCache's copies of the records, fault injection) waits for it."""
-        return self._side_done if self._side_work_pending else None
-
     def _batch_inputs(self, forward_batch: "ForwardBatch") -> ForwardLaunchInputs:
         """The launch inputs read straight from the batch (inside sglang's captures, and
         eager forwards before static launches are enabled): the plan input filled (static
@@ -397,27 +340,20 @@ class SingleForwardManager:
             expected_inputs=(self.expected_inputs.views(n)
                              if self.expected_inputs is not None else None))
 
-    def _eager_input_launches(self, inputs: ForwardLaunchInputs) -> None:
-        """The inputs part of an eager forward's graphs (:class:`EagerForwardGraphs`): with
-        token checks, first the scatter of the token history staged by
+    def _eager_side_launches(self, inputs: ForwardLaunchInputs) -> None:
+        """The side half of an eager forward's graph (:class:`EagerForwardGraphs`): with token
+        checks, first the scatter of the token history staged by
         :meth:`upload_tokens_before_replay` (as in sglang's decode graphs), then
-        :meth:`_plan_launches`."""
+        :meth:`_side_launches`."""
         if self.token_history is not None:
             rpi = inputs.req_pool_indices
             self.token_history.launch_replay_scatter(rpi,
                                                      self.expected_valid_lens[:rpi.shape[0]])
-        self._plan_launches(inputs)
+        self._side_launches(inputs)
 
     def _side_launches(self, inputs: ForwardLaunchInputs) -> None:
-        """The side-stream half of the post-ops (on the current stream): :meth:`_plan_launches`
-        then :meth:`_head_launches`."""
-        self._plan_launches(inputs)
-        self._head_launches(inputs)
-
-    def _plan_launches(self, inputs: ForwardLaunchInputs) -> None:
-        """Plan every group and translate SWA groups' slots: the launches that read sglang's
-        tensors (``req_to_token``, the SWA table; the batch's, through ``inputs`` when they
-        are not static copies)."""
+        """The side-stream half of the post-ops (on the current stream): plan every group,
+        HEAD verify + write, the TAIL writes' chain part, the status copy."""
         expected = self.token_history.pool if self.token_history is not None else None
         rpi = inputs.req_pool_indices
         for plans in self.plans.values():
@@ -425,11 +361,6 @@ class SingleForwardManager:
                               extend_seq_lens=inputs.extend_seq_lens,
                               req_to_token=self.req_to_token, expected_tokens=expected,
                               expected_valid_lens=self.expected_valid_lens[: rpi.shape[0]])
-            translate_write_slots(plans, inputs.out_cache_loc)
-
-    def _head_launches(self, inputs: ForwardLaunchInputs) -> None:
-        """HEAD verify + write, the TAIL writes' chain part, the status copy (on the plans
-        and canary buffers only)."""
         self._verify(CanaryPhase.HEAD)
         self._write_lanes.run(chain_write_launches(
             self.endpoints, plans_by_group=self.plans, input_ids=inputs.input_ids,
