@@ -80,6 +80,24 @@ decode bs 1 and bs 32, decode graphs for bs 1 and 32). A canary-on server whose 
 say the canary was installed on its draft worker too stops the run, as does any canary-on
 server without the canary or a canary-off server with it.
 
+Side by side with upstream's own canary (``--upstream-site DIR``): configs named ``up:<config>``
+(``up:off``, ``up:raise``, ``up:raise+token``, ``up:raise+partial``, ``up:raise+token+partial``,
+``up:raise+all``; ``raise+all`` is this project's same setting) run upstream sglang 0.5.17 and its
+canary, installed in its own site directory DIR by ``upstream_bundle.sh``, as a black box: the
+same ``launch_server`` flags (``--kv-canary``, ``--kv-canary-real-data``; token checks through the
+same variable), ``PYTHONPATH`` = ``benchmark/kv_canary/upstream_site`` (which keeps this
+project's editable install and plugin out of that process), DIR, then the machine's. Each
+stack's overhead is against its own baseline (``up:`` + ``--baseline``, which must be named
+too); greedy outputs are compared within a stack only. Upstream's canary refuses sglang's
+piecewise prefill graphs, so a canary-on ``up:`` config needs ``--piecewise off`` (for every
+server alike). Each server's sglang version (``/server_info``) is recorded; an ``up:`` server
+that reports this project's sglang version stops the run (outside ``--smoke-cpu``, whose CPU
+check may stand any site directory in for upstream's)::
+
+    python benchmark/kv_canary/bench_interleaved.py --upstream-site /tmp/site_up \
+        --configs off,raise,raise+token+partial,up:off,up:raise,up:raise+token+partial \
+        --piecewise off --scenarios prefill_bs1_512,prefill_bs1_4k --rounds 30
+
 Results go to ``--out`` as JSON lines (one per scenario x config); ``--report FILE...``
 prints the tables of earlier runs. Each server's log: ``<out>.<config>.log``.
 
@@ -109,6 +127,7 @@ from collections.abc import Sequence
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402  (a sibling module)
+    ALL_DATA_CONFIG,
     CONFIGS,
     DEFAULT_MODEL,
     DEFAULT_SCENARIOS as SERVING_DEFAULT_SCENARIOS,
@@ -118,6 +137,9 @@ from common import (  # noqa: E402  (a sibling module)
     SMOKE_SCENARIOS,
     SMOKE_SETTINGS,
     SPECULATIVE,
+    UPSTREAM_CONFIGS,
+    UPSTREAM_PREFIX,
+    UPSTREAM_STACK,
     BenchConfig,
     EngineSettings,
     Scenario,
@@ -150,6 +172,10 @@ DEFAULT_SCENARIOS = {"none": "prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k",
 INSTALLED_LINE = "kv_canary installed: "
 DRAFT_INSTALLED_LINE = "kv_canary installed on the EAGLE draft worker: "
 CONTROL_SUFFIX = "~aa"  # the A/A control: a second server of the baseline's config
+# every config a server can run: this project's, and upstream's canary under the same flags
+CONFIG_TABLE = {**CONFIGS, ALL_DATA_CONFIG.name: ALL_DATA_CONFIG, **UPSTREAM_CONFIGS}
+# first on an upstream server's PYTHONPATH: keeps this project out of that process
+UPSTREAM_SITE_DIR = pathlib.Path(__file__).resolve().parent / "upstream_site"
 AA_LIMIT = 0.003  # a run resolves 0.5 % only where its A/A control stays within +-0.3 %
 
 
@@ -181,12 +207,19 @@ def server_decode_ms(outs: list[dict]) -> float | None:
     return statistics.median(times) if times else None
 
 
-def canary_install_problem(log: str, *, canary_on: bool, speculative: str) -> str | None:
+def canary_install_problem(log: str, *, canary_on: bool, speculative: str,
+                           stack: str = "project") -> str | None:
     """What is wrong with a server's canary, from its log, or None: a canary-on server must
     have installed the canary (and, with EAGLE, on the draft worker too: otherwise the draft
-    pool ran unguarded and its figures mean nothing); a canary-off server must not have."""
+    pool ran unguarded and its figures mean nothing); a canary-off server must not have. An
+    upstream server (``stack``) must not have installed this project's canary at all (its
+    own canary is upstream's business: the server took its flags)."""
     target = INSTALLED_LINE in log
     draft = DRAFT_INSTALLED_LINE in log
+    if stack == UPSTREAM_STACK:
+        return ("this project's canary was installed on an upstream server (its plugin ran "
+                f"there: {UPSTREAM_SITE_DIR} must come first on its PYTHONPATH)"
+                if target or draft else None)
     if canary_on and not target:
         return f"no '{INSTALLED_LINE.strip()}' line: the canary did not run"
     if canary_on and speculative != "none" and not draft:
@@ -275,10 +308,13 @@ def round_order(names: Sequence[str], k: int) -> list[str]:
 
 
 def measure(servers: dict[str, Server], sc: Scenario, *, rounds: int, warmup: int,
-            vocab: int) -> tuple[dict[str, list[float]], dict[str, list], dict[str, list], int]:
+            vocab: int, stack_of: dict[str, str] | None = None
+            ) -> tuple[dict[str, list[float]], dict[str, list], dict[str, list], int]:
     """Warm-up rounds, then ``rounds`` rounds of ``sc`` over ``servers``: per server the wall
     ms, the server's prefill ms and its decode ms per round (None where sglang gave none), and
-    the number of rounds whose outputs disagreed."""
+    the number of rounds whose outputs disagreed between servers of one stack (``stack_of``:
+    server name -> stack; default: one stack)."""
+    stack_of = stack_of or {}
     wall = {n: [] for n in servers}
     server = {n: [] for n in servers}
     decode = {n: [] for n in servers}
@@ -293,22 +329,50 @@ def measure(servers: dict[str, Server], sc: Scenario, *, rounds: int, warmup: in
                 wall[name].append(ms)
                 server[name].append(server_prefill_ms(outs))
                 decode[name].append(server_decode_ms(outs))
-        if k >= 0 and len({json.dumps(v) for v in outputs.values()}) > 1:
+        by_stack: dict[str, set] = {}
+        for name, v in outputs.items():
+            by_stack.setdefault(stack_of.get(name, ""), set()).add(json.dumps(v))
+        if k >= 0 and any(len(seen) > 1 for seen in by_stack.values()):
             mismatched += 1
     return wall, server, decode, mismatched
 
 
+def stack_baselines(server_names: Sequence[str], baseline: str) -> dict[str, str]:
+    """Each server's baseline: ``baseline`` for this project's configs (and the A/A
+    control), ``up:`` + ``baseline`` for upstream's; refuses a stack whose baseline is not
+    among the servers."""
+    base = baseline.removeprefix(UPSTREAM_PREFIX)
+    out = {}
+    for name in server_names:
+        cfg = CONFIG_TABLE[name.removesuffix(CONTROL_SUFFIX)]
+        want = UPSTREAM_PREFIX + base if cfg.stack == UPSTREAM_STACK else base
+        if name.endswith(CONTROL_SUFFIX):
+            want = name.removesuffix(CONTROL_SUFFIX)
+        if want not in server_names:
+            raise SystemExit(f"--configs: {name} is compared with its stack's baseline {want}, "
+                             "which is not among them: name it too")
+        out[name] = want
+    return out
+
+
 def scenario_records(sc: Scenario, wall: dict, server: dict, decode: dict, mismatched: int,
-                     *, baseline: str, ports: dict, common: dict) -> list[dict]:
-    """One record per server of one scenario; every server but the baseline carries its paired
-    overheads against the baseline (``wall_overhead``, ``server_overhead`` for the prefill,
-    ``decode_overhead``). The A/A control's record (``control``: true) is the run's
-    resolution."""
+                     *, baseline: str | dict, ports: dict, common: dict,
+                     facts: dict | None = None) -> list[dict]:
+    """One record per server of one scenario; every server but a baseline carries its paired
+    overheads against its baseline (``baseline``: one name, or per server name: each stack's,
+    :func:`stack_baselines`): ``wall_overhead``, ``server_overhead`` for the prefill,
+    ``decode_overhead``. The A/A control's record (``control``: true) is the run's
+    resolution. ``facts``: each server's :func:`server_facts`, recorded."""
+    baselines = baseline if isinstance(baseline, dict) else {n: baseline for n in wall}
     recs = []
     for name in wall:
-        rec = dict(kind="interleaved", config=name.removesuffix(CONTROL_SUFFIX),
+        baseline = baselines[name]
+        config = name.removesuffix(CONTROL_SUFFIX)
+        rec = dict(kind="interleaved", config=config,
                    server_name=name, control=name.endswith(CONTROL_SUFFIX), scenario=sc.name,
                    bs=sc.bs, isl=sc.isl, osl=sc.osl, baseline=baseline,
+                   stack=CONFIG_TABLE[config].stack if config in CONFIG_TABLE else None,
+                   **(facts or {}).get(name, {}),
                    rounds=len(wall[name]), port=ports[name], mismatched_rounds=mismatched,
                    wall_runs_ms=wall[name], wall=summarise(wall[name]), **common)
         for key, series in (("server", server), ("decode", decode)):
@@ -414,8 +478,53 @@ def server_kwargs(settings_kwargs: dict, cfg: BenchConfig, *, mem_fraction: floa
     return kwargs
 
 
+def check_upstream(names: Sequence[str], *, upstream_site: str | None, piecewise: str,
+                   speculative: str) -> None:
+    """Refuse what a run with upstream's configs cannot measure (module docstring)."""
+    upstream = [n for n in names if CONFIG_TABLE[n].stack == UPSTREAM_STACK]
+    if not upstream:
+        if upstream_site:
+            raise SystemExit(f"--upstream-site {upstream_site}: no {UPSTREAM_PREFIX}config in "
+                             "--configs runs there")
+        return
+    if not upstream_site or not os.path.isdir(upstream_site):
+        raise SystemExit(f"--configs {', '.join(upstream)}: upstream's servers need "
+                         "--upstream-site DIR, the site directory of sglang 0.5.17 "
+                         f"(upstream_bundle.sh), got {upstream_site!r}")
+    if piecewise == "on" and any(CONFIG_TABLE[n].canary_on for n in upstream):
+        raise SystemExit("--piecewise on: upstream's canary refuses sglang's piecewise prefill "
+                         "graphs; pass --piecewise off (every server alike)")
+    if speculative != "none":
+        raise SystemExit(f"--speculative {speculative}: the side by side with upstream "
+                         "measures prefill and decode without speculative decoding")
+
+
+def server_env(base_env: dict[str, str], cfg: BenchConfig, upstream_site: str | None
+               ) -> dict[str, str]:
+    """A server's environment: the run's, the config's variables and, for upstream's
+    configs, ``PYTHONPATH`` = ``upstream_site``'s isolation folder, ``upstream_site``, then
+    the run's."""
+    env = {**base_env, **cfg.env()}
+    if cfg.stack == UPSTREAM_STACK:
+        paths = [str(UPSTREAM_SITE_DIR), os.path.abspath(upstream_site)]
+        if base_env.get("PYTHONPATH"):
+            paths.append(base_env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def server_facts(port: int) -> dict:
+    """What a server's ``/server_info`` says of its stack: ``version`` (sglang's, None if it
+    gave none) and ``kv_canary_info`` (whether it carries a ``kv_canary`` entry, which this
+    project's plugin adds on every server it runs in)."""
+    status, info = http_json(port, "GET", "/server_info")
+    if status != 200 or not isinstance(info, dict):
+        return dict(version=None, kv_canary_info=None)
+    return dict(version=info.get("version"), kv_canary_info="kv_canary" in info)
+
+
 def run(args) -> int:
-    names = parse_names(args.configs, CONFIGS, "--configs")
+    names = parse_names(args.configs, CONFIG_TABLE, "--configs")
     if args.baseline not in names:
         raise SystemExit(f"--baseline {args.baseline!r} must be one of --configs "
                          f"({', '.join(names)})")
@@ -431,6 +540,8 @@ def run(args) -> int:
     if args.speculative != "none" and args.model != DEFAULT_MODEL:
         raise SystemExit(f"--speculative {args.speculative} needs --model {DEFAULT_MODEL} "
                          f"(the draft's shape is that model's), got --model {args.model}")
+    check_upstream(names, upstream_site=args.upstream_site, piecewise=args.piecewise,
+                   speculative=args.speculative)
     table_of = SMOKE_SCENARIOS if smoke else SCENARIOS
     scenario_names = args.scenarios or DEFAULT_SCENARIOS[args.speculative]
     scenarios = [table_of[n] for n in parse_names(scenario_names, SCENARIOS, "--scenarios")]
@@ -470,6 +581,8 @@ def run(args) -> int:
                 json.dumps(QWEN3_EAGLE_DRAFT_CONFIG, indent=1))
     # the servers: each config's, plus the A/A control (a second server of the baseline's)
     server_names = names + ([args.baseline + CONTROL_SUFFIX] if args.control else [])
+    baselines = stack_baselines(server_names, args.baseline)
+    stack_of = {n: CONFIG_TABLE[n.removesuffix(CONTROL_SUFFIX)].stack for n in server_names}
     rotation = (args.start_rotation if args.start_rotation is not None
                 else int(invocation, 16) % len(server_names))
     start_order = rotated(server_names, rotation)
@@ -487,23 +600,32 @@ def run(args) -> int:
     started: dict[str, Server] = {}
     try:
         for name, frac in zip(start_order, fracs):
-            cfg = CONFIGS[name.removesuffix(CONTROL_SUFFIX)]
+            cfg = CONFIG_TABLE[name.removesuffix(CONTROL_SUFFIX)]
             kwargs = server_kwargs(
                 settings.engine_kwargs(model_dir, smoke=smoke, draft_dir=draft_dir), cfg,
                 mem_fraction=frac, idle=args.idle)
-            log_path = f"{out}.{name.replace('+', '_').replace('~', '_')}.log"
+            log_path = f"{out}.{name.replace('+', '_').replace('~', '_').replace(':', '_')}.log"
             t0 = time.perf_counter()
-            srv = Server(name, cfg, kwargs, {**base_env, **cfg.env()}, log_path)
+            srv = Server(name, cfg, kwargs, server_env(base_env, cfg, args.upstream_site),
+                         log_path)
             started[name] = srv
             srv.wait_ready(args.start_timeout)
             problem = canary_install_problem(srv.log(), canary_on=cfg.canary_on,
-                                             speculative=args.speculative)
+                                             speculative=args.speculative, stack=cfg.stack)
             if problem:
                 raise SystemExit(f"[{name}] {problem} (log {log_path}); its results would be "
                                  "invalid")
             print(f"[{name}] up in {time.perf_counter() - t0:.0f} s on port {srv.port} "
                   f"(mem fraction {frac}; log {log_path})", flush=True)
         servers = {name: started[name] for name in server_names}  # rounds rotate from here
+        facts = {name: server_facts(srv.port) for name, srv in servers.items()}
+        versions = {name: f["version"] for name, f in facts.items()}
+        ours = {versions[n] for n in server_names if stack_of[n] != UPSTREAM_STACK}
+        same = [n for n in server_names if stack_of[n] == UPSTREAM_STACK and versions[n] in ours]
+        if same and not smoke:
+            raise SystemExit(f"{', '.join(same)}: upstream's servers report sglang "
+                             f"{versions[same[0]]}, this project's version: --upstream-site "
+                             f"{args.upstream_site} did not put upstream's sglang first")
         common = dict(invocation=invocation, time=now_utc(), gpu=gpu, smoke=smoke,
                       model="tiny-llama (smoke)" if smoke else args.model,
                       speculative=args.speculative,
@@ -513,11 +635,12 @@ def run(args) -> int:
         for sc in scenarios:
             t0 = time.perf_counter()
             wall, server, decode, mismatched = measure(servers, sc, rounds=args.rounds,
-                                                       warmup=args.warmup, vocab=vocab)
+                                                       warmup=args.warmup, vocab=vocab,
+                                                       stack_of=stack_of)
             recs = scenario_records(sc, wall, server, decode, mismatched,
-                                    baseline=args.baseline,
+                                    baseline=baselines,
                                     ports={n: srv.port for n, srv in servers.items()},
-                                    common=common)
+                                    common=common, facts=facts)
             for rec in recs:
                 append_jsonl(out, rec)
             records += recs
@@ -538,7 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="off,raise,raise+token",
-                    help=f"comma-separated, from: {', '.join(CONFIGS)}")
+                    help=f"comma-separated, from: {', '.join(CONFIG_TABLE)}")
     ap.add_argument("--baseline", default="off", help="the config the others are compared with")
     ap.add_argument("--scenarios", default=None,
                     help=f"comma-separated, from: {', '.join(SCENARIOS)} (default "
@@ -569,6 +692,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="spin (default, sglang's default): an idle scheduler polls in a busy "
                     "loop; sleep: every server with sglang's --sleep-on-idle")
     ap.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S)
+    ap.add_argument("--upstream-site", default=None, metavar="DIR",
+                    help=f"sglang 0.5.17's site directory, for the {UPSTREAM_PREFIX}configs")
     ap.add_argument("--out", default=None, help="JSON lines file (appended)")
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="sglang's CPU server with tiny scenarios: checks the script only")

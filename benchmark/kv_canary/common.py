@@ -132,21 +132,33 @@ class BenchConfig:
     real_data: str = "none"
     verify_tokens: bool = False
     real_data_layers: str = "first"  # "all" = per-layer fingerprints
+    # whose canary: this project's on sglang 0.5.12 (PROJECT_STACK) or upstream sglang's own
+    # (UPSTREAM_STACK, 0.5.17, run as a black box by bench_interleaved.py --upstream-site)
+    stack: str = "project"
 
     @property
     def canary_on(self) -> bool:
         return self.kv_canary != "none"
 
     def engine_kwargs(self) -> dict:
+        """The canary's server arguments (upstream's canary has the same ``--kv-canary`` and
+        ``--kv-canary-real-data`` and no per-layer fingerprints; its canary-off servers get
+        none, the default there)."""
+        if self.stack == UPSTREAM_STACK and not self.canary_on:
+            return {}
         kw = {"kv_canary": self.kv_canary}
         if self.canary_on:
             kw["kv_canary_real_data"] = self.real_data
-            kw["kv_canary_real_data_layers"] = self.real_data_layers
+            if self.stack == PROJECT_STACK:
+                kw["kv_canary_real_data_layers"] = self.real_data_layers
         return kw
 
     def env(self) -> dict[str, str]:
         return {TOKEN_ENV: "1"} if self.verify_tokens else {}
 
+
+PROJECT_STACK, UPSTREAM_STACK = "project", "upstream"
+UPSTREAM_PREFIX = "up:"  # upstream's configs: its own canary, the same flags
 
 CONFIGS = {c.name: c for c in (
     BenchConfig("off"),
@@ -160,6 +172,16 @@ CONFIGS = {c.name: c for c in (
                 real_data_layers="all"),
     BenchConfig("raise+all+layers", kv_canary="raise", real_data="all", real_data_layers="all"),
 )}
+# every slot's real-data fingerprint without per-layer fingerprints: the setting both canaries
+# have (bench_interleaved.py's side by side with upstream)
+ALL_DATA_CONFIG = BenchConfig("raise+all", kv_canary="raise", real_data="all")
+# upstream's canary under the same flags (token checks through the same variable), for the
+# servers of bench_interleaved.py --upstream-site: every config of a mode upstream has (none,
+# log, raise: no abort) without per-layer fingerprints
+UPSTREAM_CONFIGS = {UPSTREAM_PREFIX + c.name: dataclasses.replace(
+    c, name=UPSTREAM_PREFIX + c.name, stack=UPSTREAM_STACK)
+    for c in (*CONFIGS.values(), ALL_DATA_CONFIG)
+    if c.real_data_layers == "first" and c.kv_canary in ("none", "log", "raise")}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,6 +105,66 @@ def test_measure_sends_each_round_to_every_server_in_rotating_order():
     assert decode["off"] == [None] * 3  # one output token: no decode time
     servers["raise"].token = 8  # the canary changed an output: counted
     assert bi.measure(servers, sc, rounds=2, warmup=0, vocab=512)[3] == 2
+    # another sglang's outputs differ by design: compared within a stack only
+    servers["up:off"] = FakeServer("up:off", 9)
+    servers["raise"].token = 7
+    stacks = {"off": "project", "raise": "project", "up:off": "upstream"}
+    assert bi.measure(servers, sc, rounds=2, warmup=0, vocab=512, stack_of=stacks)[3] == 0
+    assert bi.measure(servers, sc, rounds=2, warmup=0, vocab=512)[3] == 2
+
+
+def test_upstream_configs_take_the_same_flags_and_their_own_baseline():
+    """``up:`` configs: upstream's canary under this project's flags (none for a canary-off
+    server, no per-layer fingerprints, no abort mode), each compared with its own stack's
+    baseline; a stack without its baseline is refused, naming it."""
+    up = bi.CONFIG_TABLE["up:raise+token+partial"]
+    assert up.stack == "upstream"
+    assert up.env() == {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"}
+    assert up.engine_kwargs() == {"kv_canary": "raise", "kv_canary_real_data": "partial"}
+    assert bi.CONFIG_TABLE["up:off"].engine_kwargs() == {}
+    assert bi.CONFIG_TABLE["up:raise+all"].engine_kwargs()["kv_canary_real_data"] == "all"
+    assert bi.CONFIG_TABLE["raise+all"].stack == "project"
+    assert not [n for n in bi.CONFIG_TABLE if n.startswith("up:") and ("abort" in n
+                                                                       or "layers" in n)]
+    names = ["off", "raise", "up:off", "up:raise", "off~aa"]
+    assert bi.stack_baselines(names, "off") == {
+        "off": "off", "raise": "off", "up:off": "up:off", "up:raise": "up:off",
+        "off~aa": "off"}
+    with pytest.raises(SystemExit, match="up:raise is compared with its stack's baseline "
+                                         "up:off, which is not among them"):
+        bi.stack_baselines(["off", "raise", "up:raise"], "off")
+
+
+def test_upstream_servers_run_from_their_site_with_this_project_kept_out(tmp_path):
+    """An upstream server's PYTHONPATH: the isolation folder, the upstream site, then the
+    run's; this project's servers keep the run's environment."""
+    base = {"PYTHONPATH": "/tmp/site", "HOME": "/root"}
+    env = bi.server_env(base, bi.CONFIG_TABLE["up:raise"], str(tmp_path))
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(bi.UPSTREAM_SITE_DIR), str(tmp_path),
+                                                  "/tmp/site"]
+    assert (bi.UPSTREAM_SITE_DIR / "sitecustomize.py").is_file()
+    assert bi.server_env(base, bi.CONFIG_TABLE["raise"], str(tmp_path)) == base
+    assert "PYTHONPATH" not in bi.server_env({}, bi.CONFIG_TABLE["off"], None)
+    log = bi.INSTALLED_LINE + "raise ..."
+    assert "this project's canary was installed on an upstream server" in \
+        bi.canary_install_problem(log, canary_on=True, speculative="none", stack="upstream")
+    assert bi.canary_install_problem("", canary_on=True, speculative="none",
+                                     stack="upstream") is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "off,up:raise", "--piecewise", "off"], "upstream's servers need "
+                                                         "--upstream-site DIR"),
+    (["--configs", "off,up:raise", "--upstream-site", "{tmp}"], "--piecewise on: upstream's "
+                                                                "canary refuses"),
+    (["--configs", "off,up:off,up:raise", "--upstream-site", "{tmp}", "--piecewise", "off",
+      "--speculative", "eagle"], "measures prefill and decode without speculative"),
+    (["--configs", "off,raise", "--upstream-site", "{tmp}"], "no up:config in --configs"),
+    (["--configs", "off,up:abort"], "unknown|not one of|allowed"),
+])
+def test_side_by_side_refuses_what_it_cannot_run(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        bi.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
 
 
 def test_idle_schedulers_sleep_or_spin_as_told(tmp_path):
@@ -159,31 +219,45 @@ def test_eagle_runs_refuse_what_they_cannot_measure(argv, message):
 
 @pytest.mark.slow
 def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
+    """Two configs, the A/A control and an ``up:`` server whose upstream site is a stand-in
+    (an empty directory: the machine's sglang 0.5.12 runs there, with this project kept out
+    by the isolation folder)."""
     out = tmp_path / "i.jsonl"
+    stand_in = tmp_path / "upstream_site"
+    stand_in.mkdir()
     proc = subprocess.run(
         [sys.executable, str(BENCH_DIR / "bench_interleaved.py"), "--smoke-cpu", "--configs",
-         "off,raise", "--scenarios", "prefill_bs1_512", "--rounds", "2", "--warmup", "1",
+         "off,raise,up:off", "--upstream-site", str(stand_in), "--scenarios",
+         "prefill_bs1_512", "--rounds", "2", "--warmup", "1",
          "--start-rotation", "1", "--idle", "sleep", "--out", str(out)],
         capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["server_name"], r["config"], r["control"]) for r in recs] == [
-        ("off", "off", False), ("raise", "raise", False), ("off~aa", "off", True)]
+    assert [(r["server_name"], r["config"], r["control"], r["baseline"], r["stack"])
+            for r in recs] == [
+        ("off", "off", False, "off", "project"), ("raise", "raise", False, "off", "project"),
+        ("up:off", "up:off", False, "up:off", "upstream"),
+        ("off~aa", "off", True, "off", "project")]
+    # each server's sglang; this project's plugin answered on its servers only
+    assert all(r["version"] for r in recs)
+    assert [r["kv_canary_info"] for r in recs] == [True, True, False, True]
     assert {r["kind"] for r in recs} == {"interleaved"} and len({r["invocation"] for r in recs}) == 1
     # started in the order rotated by one: the canary-on server first
-    assert all(r["start_order"] == ["raise", "off~aa", "off"] for r in recs)
+    assert all(r["start_order"] == ["raise", "up:off", "off~aa", "off"] for r in recs)
     # every server slept on idle as told (three spinning servers would hold CI's two cores)
     assert all(r["idle"] == "sleep" for r in recs) and "idle schedulers: sleep" in proc.stdout
     for r in recs:
         assert r["rounds"] == 2 and len(r["wall_runs_ms"]) == 2 and r["mismatched_rounds"] == 0
         assert len(r["server_runs_ms"]) == 2 and all(t > 0 for t in r["server_runs_ms"])
-    assert "wall_overhead" not in recs[0]
-    assert all(len(r["wall_overhead"]) == 3 and len(r["server_overhead"]) == 3 for r in recs[1:])
+    assert "wall_overhead" not in recs[0] and "wall_overhead" not in recs[2]  # the baselines
+    assert all(len(r["wall_overhead"]) == 3 and len(r["server_overhead"]) == 3
+               for r in (recs[1], recs[3]))
+    assert "| prefill_bs1_512 (bs1 isl16 osl1) | up:off | 2 |" in proc.stdout
     assert "| prefill_bs1_512 (bs1 isl16 osl1) | raise | 2 |" in proc.stdout
     assert "| prefill_bs1_512 (bs1 isl16 osl1) | off (A/A control) | 2 |" in proc.stdout
     # each server was a canary-on / canary-off launch_server, and is gone (its port closed)
     assert "kv_canary installed" in (tmp_path / "i.jsonl.raise.log").read_text()
-    for name in ("off", "off_aa"):
+    for name in ("off", "off_aa", "up_off"):
         assert "kv_canary installed" not in (tmp_path / f"i.jsonl.{name}.log").read_text()
     for port in {r["port"] for r in recs}:
         with pytest.raises(OSError):
