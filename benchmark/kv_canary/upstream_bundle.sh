@@ -3,16 +3,19 @@
 # kv_canary) for a GPU machine without a package index, in its own site directory, to run it
 # beside this project as a black box (benchmark/results/, "side by side with upstream").
 # Run on the development machine, from the repository root, after ../shared/device/bundle.sh:
-#   bash benchmark/kv_canary/upstream_bundle.sh      # writes .device/up_a, .device/up_b (< 64 MB each)
+#   bash benchmark/kv_canary/upstream_bundle.sh      # writes .device/up_a, up_b, up_c (< 64 MB each)
 # On the GPU machine (bundles a, c of 0.5.12 installed in /tmp/site first: the shared deps):
-#   bash .device/up_a/install.sh; bash .device/up_b/install.sh   # one call each, carrying each
+#   bash .device/up_a/install.sh; bash .device/up_b/install.sh; bash .device/up_c/install.sh
+#   (one call each, carrying each)
 #   PYTHONPATH=benchmark/kv_canary/upstream_site:/tmp/site_up:/tmp/site \
 #     python3 -m sglang.launch_server ...   # 0.5.17 first; upstream_site keeps this project out
 # Never install it beside this project: 0.5.17 ships its own sglang.srt.kv_canary.
 # What 0.5.17 changes against 0.5.12's bundles: sglang itself, transformers 5.12.1,
 # apache-tvm-ffi 0.1.11 (its canary kernels compile at first use through tvm-ffi and nvcc),
 # flashinfer-python 0.6.15.post1, sglang-kernel 0.4.5 (slimmed as bundle b slims 0.4.2.post2:
-# no FA3 / FlashMLA / sm100 / InfLLM payloads), and the new pure deps xxhash, zstandard, distro.
+# no FA3 / FlashMLA / sm100 / InfLLM payloads), the new pure deps xxhash, zstandard, distro, and
+# xgrammar 0.2.1 (its server_args imports it at start-up; 0.5.12's bundles have none: a
+# 0.5.17 server stopped on it, H100, 2026-11-26).
 # Its other new pins (helion, humming-kernels, numba, tilelang, nvidia-mathdx, a newer
 # sgl-deep-gemm) are left out until a dense dummy-weight server is seen importing them.
 set -euo pipefail
@@ -22,6 +25,7 @@ cd "$root"
 device_download .device/up_a sglang==0.5.17 transformers==5.12.1 apache-tvm-ffi==0.1.11 xxhash==4.1.0 \
   zstandard==0.25.0 distro==1.9.0
 device_download .device/up_b flashinfer-python==0.6.15.post1
+device_download .device/up_c xgrammar==0.2.1
 if [ ! -f .device/up_b/sgl_kernel_slim.tgz ]; then
   ls .device/.cache/sglang_kernel-0.4.5-*.whl >/dev/null 2>&1 || device_download .device/.cache sglang-kernel==0.4.5
   tmp=$(mktemp -d)
@@ -31,7 +35,7 @@ if [ ! -f .device/up_b/sgl_kernel_slim.tgz ]; then
      && tar czf "$root/.device/up_b/sgl_kernel_slim.tgz" sgl_kernel triton_kernels sglang_kernel-*.dist-info)
   rm -rf "$tmp"
 fi
-for d in up_a up_b; do
+for d in up_a up_b up_c; do
   cat > .device/$d/install.sh <<EOS
 # on the GPU machine, from the repository root: installs this folder into /tmp/site_up
 set -e
@@ -43,4 +47,4 @@ fi
 if [ -f .device/$d/sgl_kernel_slim.tgz ]; then tar xzf .device/$d/sgl_kernel_slim.tgz -C /tmp/site_up; fi
 EOS
 done
-du -sh .device/up_a .device/up_b
+du -sh .device/up_a .device/up_b .device/up_c
