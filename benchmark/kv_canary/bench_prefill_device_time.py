@@ -16,9 +16,12 @@ prefill: "results", until the host sees the sampled token (after the last chunk'
 sampling stand-in, an argmax over one row of logits, is queued on the forward stream as
 sglang queues its sampling and the token's copy, and the host waits for an event after it:
 what a time to first token pays), and "done", until the whole device is idle (the canary's
-side-stream work included). Printed: the median ms of each and the medians of the paired
-ratios against the first "off"; then each config's prefill with no model at all (the
-canary's own device time plus its host time).
+side-stream work included). ``--overlap`` queues the request's next forward (one token)
+before the host waits for the token, as sglang's overlap scheduler does; the stand-in launches
+that forward's GEMMs eagerly (sglang replays a decode graph there), so its host launch, not
+the device, sets the token's time in that mode. Printed: the median ms of each and the
+medians of the paired ratios against the first "off"; then each config's prefill with no
+model at all (the canary's own device time plus its host time).
 Each forward runs in the bracket ``ModelRunner.forward`` gets from the plugin, whose exit does
 the read-back (one per forward: checked). ``--trace DIR``: after the rounds of each prompt,
 one more prefill per stand-in under ``torch.profiler``; each one's Chrome trace goes to DIR
