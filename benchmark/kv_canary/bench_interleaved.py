@@ -137,6 +137,7 @@ from common import (  # noqa: E402  (a sibling module)
     SMOKE_SCENARIOS,
     SMOKE_SETTINGS,
     SPECULATIVE,
+    PROJECT_STACK,
     UPSTREAM_CONFIGS,
     UPSTREAM_PREFIX,
     UPSTREAM_STACK,
@@ -176,6 +177,11 @@ CONTROL_SUFFIX = "~aa"  # the A/A control: a second server of the baseline's con
 CONFIG_TABLE = {**CONFIGS, ALL_DATA_CONFIG.name: ALL_DATA_CONFIG, **UPSTREAM_CONFIGS}
 # first on an upstream server's PYTHONPATH: keeps this project out of that process
 UPSTREAM_SITE_DIR = pathlib.Path(__file__).resolve().parent / "upstream_site"
+
+
+def server_config(name: str) -> BenchConfig:
+    """The config a server runs (``name``: a config's, or its A/A control's)."""
+    return CONFIG_TABLE[name.removesuffix(CONTROL_SUFFIX)]
 AA_LIMIT = 0.003  # a run resolves 0.5 % only where its A/A control stays within +-0.3 %
 
 
@@ -208,7 +214,7 @@ def server_decode_ms(outs: list[dict]) -> float | None:
 
 
 def canary_install_problem(log: str, *, canary_on: bool, speculative: str,
-                           stack: str = "project") -> str | None:
+                           stack: str = PROJECT_STACK) -> str | None:
     """What is wrong with a server's canary, from its log, or None: a canary-on server must
     have installed the canary (and, with EAGLE, on the draft worker too: otherwise the draft
     pool ran unguarded and its figures mean nothing); a canary-off server must not have. An
@@ -308,13 +314,11 @@ def round_order(names: Sequence[str], k: int) -> list[str]:
 
 
 def measure(servers: dict[str, Server], sc: Scenario, *, rounds: int, warmup: int,
-            vocab: int, stack_of: dict[str, str] | None = None
-            ) -> tuple[dict[str, list[float]], dict[str, list], dict[str, list], int]:
+            vocab: int) -> tuple[dict[str, list[float]], dict[str, list], dict[str, list], int]:
     """Warm-up rounds, then ``rounds`` rounds of ``sc`` over ``servers``: per server the wall
     ms, the server's prefill ms and its decode ms per round (None where sglang gave none), and
-    the number of rounds whose outputs disagreed between servers of one stack (``stack_of``:
-    server name -> stack; default: one stack)."""
-    stack_of = stack_of or {}
+    the number of rounds whose outputs disagreed between servers of one stack (another sglang's
+    outputs differ by design)."""
     wall = {n: [] for n in servers}
     server = {n: [] for n in servers}
     decode = {n: [] for n in servers}
@@ -331,7 +335,7 @@ def measure(servers: dict[str, Server], sc: Scenario, *, rounds: int, warmup: in
                 decode[name].append(server_decode_ms(outs))
         by_stack: dict[str, set] = {}
         for name, v in outputs.items():
-            by_stack.setdefault(stack_of.get(name, ""), set()).add(json.dumps(v))
+            by_stack.setdefault(server_config(name).stack, set()).add(json.dumps(v))
         if k >= 0 and any(len(seen) > 1 for seen in by_stack.values()):
             mismatched += 1
     return wall, server, decode, mismatched
@@ -344,8 +348,7 @@ def stack_baselines(server_names: Sequence[str], baseline: str) -> dict[str, str
     base = baseline.removeprefix(UPSTREAM_PREFIX)
     out = {}
     for name in server_names:
-        cfg = CONFIG_TABLE[name.removesuffix(CONTROL_SUFFIX)]
-        want = UPSTREAM_PREFIX + base if cfg.stack == UPSTREAM_STACK else base
+        want = UPSTREAM_PREFIX + base if server_config(name).stack == UPSTREAM_STACK else base
         if name.endswith(CONTROL_SUFFIX):
             want = name.removesuffix(CONTROL_SUFFIX)
         if want not in server_names:
@@ -356,14 +359,13 @@ def stack_baselines(server_names: Sequence[str], baseline: str) -> dict[str, str
 
 
 def scenario_records(sc: Scenario, wall: dict, server: dict, decode: dict, mismatched: int,
-                     *, baseline: str | dict, ports: dict, common: dict,
-                     facts: dict | None = None) -> list[dict]:
+                     *, baselines: dict[str, str], ports: dict, common: dict,
+                     facts: dict) -> list[dict]:
     """One record per server of one scenario; every server but a baseline carries its paired
-    overheads against its baseline (``baseline``: one name, or per server name: each stack's,
+    overheads against its baseline (``baselines``: per server, its stack's,
     :func:`stack_baselines`): ``wall_overhead``, ``server_overhead`` for the prefill,
     ``decode_overhead``. The A/A control's record (``control``: true) is the run's
     resolution. ``facts``: each server's :func:`server_facts`, recorded."""
-    baselines = baseline if isinstance(baseline, dict) else {n: baseline for n in wall}
     recs = []
     for name in wall:
         baseline = baselines[name]
@@ -371,8 +373,7 @@ def scenario_records(sc: Scenario, wall: dict, server: dict, decode: dict, misma
         rec = dict(kind="interleaved", config=config,
                    server_name=name, control=name.endswith(CONTROL_SUFFIX), scenario=sc.name,
                    bs=sc.bs, isl=sc.isl, osl=sc.osl, baseline=baseline,
-                   stack=CONFIG_TABLE[config].stack if config in CONFIG_TABLE else None,
-                   **(facts or {}).get(name, {}),
+                   stack=server_config(name).stack, **facts[name],
                    rounds=len(wall[name]), port=ports[name], mismatched_rounds=mismatched,
                    wall_runs_ms=wall[name], wall=summarise(wall[name]), **common)
         for key, series in (("server", server), ("decode", decode)):
@@ -582,7 +583,6 @@ def run(args) -> int:
     # the servers: each config's, plus the A/A control (a second server of the baseline's)
     server_names = names + ([args.baseline + CONTROL_SUFFIX] if args.control else [])
     baselines = stack_baselines(server_names, args.baseline)
-    stack_of = {n: CONFIG_TABLE[n.removesuffix(CONTROL_SUFFIX)].stack for n in server_names}
     rotation = (args.start_rotation if args.start_rotation is not None
                 else int(invocation, 16) % len(server_names))
     start_order = rotated(server_names, rotation)
@@ -600,7 +600,7 @@ def run(args) -> int:
     started: dict[str, Server] = {}
     try:
         for name, frac in zip(start_order, fracs):
-            cfg = CONFIG_TABLE[name.removesuffix(CONTROL_SUFFIX)]
+            cfg = server_config(name)
             kwargs = server_kwargs(
                 settings.engine_kwargs(model_dir, smoke=smoke, draft_dir=draft_dir), cfg,
                 mem_fraction=frac, idle=args.idle)
@@ -620,8 +620,9 @@ def run(args) -> int:
         servers = {name: started[name] for name in server_names}  # rounds rotate from here
         facts = {name: server_facts(srv.port) for name, srv in servers.items()}
         versions = {name: f["version"] for name, f in facts.items()}
-        ours = {versions[n] for n in server_names if stack_of[n] != UPSTREAM_STACK}
-        same = [n for n in server_names if stack_of[n] == UPSTREAM_STACK and versions[n] in ours]
+        upstream = {n for n in server_names if server_config(n).stack == UPSTREAM_STACK}
+        ours = {versions[n] for n in server_names if n not in upstream}
+        same = [n for n in server_names if n in upstream and versions[n] in ours]
         if same and not smoke:
             raise SystemExit(f"{', '.join(same)}: upstream's servers report sglang "
                              f"{versions[same[0]]}, this project's version: --upstream-site "
@@ -635,10 +636,9 @@ def run(args) -> int:
         for sc in scenarios:
             t0 = time.perf_counter()
             wall, server, decode, mismatched = measure(servers, sc, rounds=args.rounds,
-                                                       warmup=args.warmup, vocab=vocab,
-                                                       stack_of=stack_of)
+                                                       warmup=args.warmup, vocab=vocab)
             recs = scenario_records(sc, wall, server, decode, mismatched,
-                                    baseline=baselines,
+                                    baselines=baselines,
                                     ports={n: srv.port for n, srv in servers.items()},
                                     common=common, facts=facts)
             for rec in recs:

@@ -125,6 +125,10 @@ SMOKE_SCENARIOS = {s.name: s for s in (
 )}
 
 
+PROJECT_STACK, UPSTREAM_STACK = "project", "upstream"
+UPSTREAM_PREFIX = "up:"  # upstream's configs: its own canary, the same flags
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
     name: str
@@ -134,7 +138,7 @@ class BenchConfig:
     real_data_layers: str = "first"  # "all" = per-layer fingerprints
     # whose canary: this project's on sglang 0.5.12 (PROJECT_STACK) or upstream sglang's own
     # (UPSTREAM_STACK, 0.5.17, run as a black box by bench_interleaved.py --upstream-site)
-    stack: str = "project"
+    stack: str = PROJECT_STACK
 
     @property
     def canary_on(self) -> bool:
@@ -156,9 +160,6 @@ class BenchConfig:
     def env(self) -> dict[str, str]:
         return {TOKEN_ENV: "1"} if self.verify_tokens else {}
 
-
-PROJECT_STACK, UPSTREAM_STACK = "project", "upstream"
-UPSTREAM_PREFIX = "up:"  # upstream's configs: its own canary, the same flags
 
 CONFIGS = {c.name: c for c in (
     BenchConfig("off"),
