@@ -21,7 +21,7 @@ REPO = pathlib.Path(__file__).resolve().parents[3]
 CITATION = re.compile(r'docs/(\w+\.md),\s+"([^"]+)"')
 SPEC_MARK = "SPEC" + " §"  # spelled apart so this file does not cite it
 # the word, an optional "#" and a number, any case, singular or plural (spelled apart here)
-TRACKER_REF = re.compile(r"\b(?:" + "iss" + "ue|fin" + "ding)s?\s+#?\d+", re.I)
+TRACKER_REF = re.compile(r"\b(?:" + "iss" + "ue|fin" + r"ding)s?\s+#?\d+", re.I)
 
 
 def headings(doc: pathlib.Path) -> set:

@@ -118,3 +118,19 @@ def test_a_server_that_never_gets_healthy_times_out_with_its_log(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_every_test_server_gets_its_own_ports_outside_the_ephemeral_range(tmp_path):
+    """A test server's ports (HTTP, ``nccl_port``) come from below the kernel's ephemeral range,
+    where no outgoing connection is given one between the pick and sglang's bind; each set of
+    engine kwargs names its own ``nccl_port`` (sglang's default is an ephemeral one)."""
+    from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert all(20000 <= p < min(low, 55000) for p in ports), ports
+    picked = [make(str(tmp_path))["nccl_port"] for make in (cpu_engine_kwargs, gpu_engine_kwargs)
+              for _ in range(10)]
+    assert all(20000 <= p < min(low, 55000) for p in picked), picked
+    assert len(set(picked)) > 1, picked
+    assert cpu_engine_kwargs(str(tmp_path), nccl_port=12345)["nccl_port"] == 12345

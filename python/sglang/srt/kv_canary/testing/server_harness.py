@@ -276,19 +276,21 @@ CPU_MEM_FRACTION_STATIC = 0.3
 
 
 def cpu_engine_kwargs(model_dir: str, **overrides) -> dict:
-    """``sglang.Engine`` keyword arguments for the tiny CPU server."""
+    """``sglang.Engine`` keyword arguments for the tiny CPU server; one set per server (its
+    ``nccl_port`` is picked here, see :func:`free_port`)."""
     return {**_COMMON_ENGINE_KWARGS, "model_path": model_dir, "device": "cpu",
             "attention_backend": "torch_native", "disable_cuda_graph": True,
-            "mem_fraction_static": CPU_MEM_FRACTION_STATIC, **overrides}
+            "mem_fraction_static": CPU_MEM_FRACTION_STATIC, "nccl_port": free_port(),
+            **overrides}
 
 
 def gpu_engine_kwargs(model_dir: str, **overrides) -> dict:
     """``sglang.Engine`` keyword arguments for the tiny model on one GPU, CUDA graphs on
     (settings seen working with sglang 0.5.12 on an H100; the first capture JIT-compiles
-    Triton kernels, so keep ``cuda_graph_max_bs`` small)."""
+    Triton kernels, so keep ``cuda_graph_max_bs`` small); one set per server, as above."""
     return {**_COMMON_ENGINE_KWARGS, "model_path": model_dir, "attention_backend": "triton",
             "disable_piecewise_cuda_graph": True, "cuda_graph_max_bs": 8,
-            "mem_fraction_static": 0.3, **overrides}
+            "mem_fraction_static": 0.3, "nccl_port": free_port(), **overrides}
 
 
 def engine_kwargs_to_argv(kwargs: dict) -> List[str]:
@@ -313,19 +315,35 @@ def launch_server_flags(port: int, engine_kwargs: dict) -> List[str]:
     return ["--host", "127.0.0.1", "--port", str(port), *engine_kwargs_to_argv(engine_kwargs)]
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections take theirs
+    from it); Linux's default where ``/proc`` does not say."""
+    try:
+        return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A free port below 55536: sglang 0.5.12 refuses a port whose ``port + 10000`` (its
-    gRPC port) is not a valid port, so the kernel's ephemeral range will not do."""
+    """A free port for a test server to listen on (its HTTP port, its ``nccl_port``), below
+    both 55536 (sglang 0.5.12 refuses a port whose ``port + 10000``, its gRPC port, is not a
+    valid port) and the kernel's ephemeral range. Left to sglang, ``nccl_port`` is an
+    ephemeral port that is free when picked and bound only later by torch's rendezvous store;
+    in between any process's outgoing connection may be given it (``EADDRINUSE`` at start-up,
+    seen in CI with the suites' servers side by side)."""
+    high = min(55000, _ephemeral_low())
+    if high <= 20000:
+        high = 55000
     pick = random.Random()  # not a caller's seeded RNG: two runs must not collide
     for _ in range(200):
-        port = pick.randrange(20000, 55000)
+        port = pick.randrange(20000, high)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port in [20000, 55000)")
+    raise RuntimeError(f"no free port in [20000, {high})")
 
 
 def http_call(port: int, method: str, path: str, body=None,
