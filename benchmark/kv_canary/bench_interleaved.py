@@ -140,6 +140,7 @@ from common import (  # noqa: E402  (a sibling module)
     PROJECT_STACK,
     UPSTREAM_CONFIGS,
     UPSTREAM_PREFIX,
+    UPSTREAM_SITE_DIR,
     UPSTREAM_STACK,
     BenchConfig,
     EngineSettings,
@@ -149,6 +150,7 @@ from common import (  # noqa: E402  (a sibling module)
     make_inputs,
     now_utc,
     parse_names,
+    upstream_env,
     quantile,
     read_jsonl,
     server_prefill_ms,
@@ -176,7 +178,6 @@ CONTROL_SUFFIX = "~aa"  # the A/A control: a second server of the baseline's con
 # every config a server can run: this project's, and upstream's canary under the same flags
 CONFIG_TABLE = {**CONFIGS, ALL_DATA_CONFIG.name: ALL_DATA_CONFIG, **UPSTREAM_CONFIGS}
 # first on an upstream server's PYTHONPATH: keeps this project out of that process
-UPSTREAM_SITE_DIR = pathlib.Path(__file__).resolve().parent / "upstream_site"
 
 
 def server_config(name: str) -> BenchConfig:
@@ -507,10 +508,7 @@ def server_env(base_env: dict[str, str], cfg: BenchConfig, upstream_site: str | 
     the run's."""
     env = {**base_env, **cfg.env()}
     if cfg.stack == UPSTREAM_STACK:
-        paths = [str(UPSTREAM_SITE_DIR), os.path.abspath(upstream_site)]
-        if base_env.get("PYTHONPATH"):
-            paths.append(base_env["PYTHONPATH"])
-        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env = upstream_env(env, upstream_site)
     return env
 
 

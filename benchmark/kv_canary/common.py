@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
+import pathlib
 import statistics
 import subprocess
 import zlib
@@ -127,6 +129,18 @@ SMOKE_SCENARIOS = {s.name: s for s in (
 
 PROJECT_STACK, UPSTREAM_STACK = "project", "upstream"
 UPSTREAM_PREFIX = "up:"  # upstream's configs: its own canary, the same flags
+# the isolation folder (its sitecustomize) that goes first on an upstream process's PYTHONPATH
+UPSTREAM_SITE_DIR = pathlib.Path(__file__).resolve().parent / "upstream_site"
+
+
+def upstream_env(env: dict[str, str], upstream_site: str) -> dict[str, str]:
+    """``env`` for a process of upstream's stack: ``PYTHONPATH`` = :data:`UPSTREAM_SITE_DIR`,
+    ``upstream_site`` (the directory ``upstream_bundle.sh``'s bundles install into), then
+    ``env``'s own."""
+    paths = [str(UPSTREAM_SITE_DIR), os.path.abspath(upstream_site)]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -127,15 +127,26 @@ def test_an_alone_lane_is_declared_and_runs_by_itself_after_the_others(tmp_path)
     bad = text.replace('"alone")', '"solo")')
     with pytest.raises(gpu_lanes.LaneDeclarationError, match="alone"):
         gpu_lanes.lanes_of_file(_tree(tmp_path, test_h=bad) / "test_h.py")
-    # stamps: each test writes when it started and ended
+    # stamps: each test writes when it started and ended; the two shared ones each wait (up to
+    # two minutes) for the other to have started, so they pass only if they ran side by side,
+    # whatever the machine's load
+    stamps = str(tmp_path / "stamps")
     stamp = ("import pathlib, time\n"
              "def _stamp(name, what):\n"
-             f"    with open({str(tmp_path / 'stamps')!r}, 'a') as f:\n"
-             "        f.write(f'{name} {what} {time.time()}\\n')\n")
+             f"    with open({stamps!r}, 'a') as f:\n"
+             "        f.write(f'{name} {what} {time.time()}\\n')\n"
+             "def _wait_for(name):\n"
+             "    for _ in range(1200):\n"
+             f"        if f'{{name}} start' in pathlib.Path({stamps!r}).read_text():\n"
+             "            return\n"
+             "        time.sleep(0.1)\n"
+             "    raise AssertionError(f'{name} never started beside this test')\n")
     files = {}
-    for name, sleep in (("test_long", 2.0), ("test_short", 0.5), ("test_solo", 0.5)):
+    for name, body in (("test_long", "_wait_for('test_short')"),
+                       ("test_short", "_wait_for('test_long')"),
+                       ("test_solo", "time.sleep(0.5)")):
         files[name] = GPU_FILE.replace("def test_gpu(x):\n    pass", (
-            f"def test_gpu(x):\n    _stamp('{name}', 'start')\n    time.sleep({sleep})\n"
+            f"def test_gpu(x):\n    _stamp('{name}', 'start')\n    {body}\n"
             f"    _stamp('{name}', 'end')")).replace(HEADER, HEADER + stamp)
     (tmp_path / "run").mkdir()
     tests = _tree(tmp_path / "run", **files)

@@ -1,0 +1,427 @@
+"""Detection and deployments side by side: this project's canary (sglang 0.5.12) and upstream
+sglang's own (0.5.17, run as a black box from its wheel), each tried on the same workload with
+the same faults injected, each through its own ``SGLANG_KV_CANARY_*`` variables (both stacks
+read the same names: ``..._PERTURB_<FAULT>_PROB``, ``..._PERTURB_TARGET_GROUP``,
+``..._PERTURB_WARMUP_STEPS``, ``..._ENABLE_TOKEN_ORACLE`` and the two token checks).
+
+Two tables (docs/user_guide.md, "Self-tests: fault injection, the token oracle, the demo"):
+
+- **detection**: for each fault class (and a clean run), one ``sglang.Engine`` per stack with
+  ``--kv-canary raise``, real data ``partial``, the sweep every 2 steps, the token oracle and
+  both token checks, on the demo's workload (shared prefixes, chunked prefill, a small pool).
+  A row says whether the fault was injected (the stack's ``kv_canary perturb`` lines, skips
+  not counted), whether a report with a reason that fault must cause came after it (both
+  stacks print the ``kv_canary violation: launch_tag=... fail_reason=... slot_idx=...`` line of
+  the record format), the first such report, and how the run ended.
+- **deployments**: MLA (a tiny DeepSeek-V2), HiCache, EAGLE and ``--kv-canary abort``, each
+  started clean and with a ``req_to_token`` fault: whether the stack refuses the deployment at
+  start-up (and its message), installs the canary (its start-up line) and catches the fault,
+  runs without guarding, or crashes.
+
+Each run is a child process (``side_by_side_workload.py``) with the stack's ``PYTHONPATH``
+(upstream's: ``benchmark/kv_canary/upstream_site`` first, as ``bench_interleaved.py`` does);
+the child imports nothing of this project. Upstream's runs need ``--upstream-site`` (the
+directory ``upstream_bundle.sh``'s bundles install into); without it only this project's stack
+runs, which is what CPU CI checks (``--device cpu``: no HiCache, no EAGLE on the CPU)::
+
+    python benchmark/kv_canary/detect_side_by_side.py --upstream-site /tmp/site_up \\
+        --jobs 4 --logs /tmp/sbs_logs --json /tmp/sbs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional, Sequence, Tuple
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import PROJECT_STACK, UPSTREAM_STACK, upstream_env  # noqa: E402
+from side_by_side_workload import INFO_PREFIX, RESULT_PREFIX  # noqa: E402
+
+from sglang.srt.kv_canary.demo import demo_requests  # noqa: E402
+
+WORKLOAD = HERE / "side_by_side_workload.py"
+
+# the settings of every run, both stacks: the demo's (see the module docstring)
+RUN_ENV = {
+    "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "1",
+    "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "1",
+    "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+    "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10",
+    "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "30",
+}
+RUN_ENGINE_ARGS = dict(kv_canary="raise", kv_canary_real_data="partial",
+                       kv_canary_sweep_interval=2, chunked_prefill_size=32,
+                       max_total_tokens=384, max_running_requests=8, log_level="info")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """A fault class both stacks inject: its variable (``..._PROB`` set to 1) and the fail
+    reasons a report of it must carry (one of them)."""
+
+    name: str
+    reasons: Tuple[str, ...]
+    real_kv: bool = False
+
+    @property
+    def env(self) -> Dict[str, str]:
+        env = {f"SGLANG_KV_CANARY_PERTURB_{self.name.upper()}_PROB": "1"}
+        if self.real_kv:
+            env["SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"] = "full"
+        return env
+
+
+FAULTS = {f.name: f for f in (
+    Fault("req_to_token", ("verify_chain_hash", "verify_position", "verify_token")),
+    Fault("real_kv_used", ("verify_real_kv_hash",), real_kv=True),
+    Fault("real_kv_unused_cache", ("verify_real_kv_hash",), real_kv=True),
+    Fault("real_kv_post_forward", ("verify_real_kv_hash",), real_kv=True),
+    Fault("next_token_swap", ("write_token",)),
+)}
+CLEAN = "clean"
+
+
+@dataclasses.dataclass(frozen=True)
+class Deployment:
+    """A deployment tried on both stacks: its model, engine arguments over the run's, and
+    whether sglang 0.5.12 can serve it on the CPU."""
+
+    name: str
+    model: str  # "llama" or "deepseek_v2"
+    engine_args: Tuple[Tuple[str, object], ...] = ()
+    cpu: bool = True
+    draft: bool = False  # an EAGLE draft model beside the target
+
+
+DEPLOYMENTS = {d.name: d for d in (
+    Deployment("mla", "deepseek_v2"),
+    Deployment("hicache", "llama", (("enable_hierarchical_cache", True), ("hicache_ratio", 4)),
+               cpu=False),
+    Deployment("eagle", "llama", (("speculative_algorithm", "EAGLE"),
+                                  ("speculative_num_steps", 3), ("speculative_eagle_topk", 1),
+                                  ("speculative_num_draft_tokens", 4)),
+               cpu=False, draft=True),
+    Deployment("abort", "llama", (("kv_canary", "abort"),)),
+)}
+PROBE_FAULT = "req_to_token"  # the fault each deployment is also started with
+
+# how each stack's canary says it is on (its start-up line): one per worker it guards
+INSTALLED_MARK = {PROJECT_STACK: "kv_canary installed", UPSTREAM_STACK: "install_canary:"}
+
+_VIOLATION_RE = re.compile(r"kv_canary violation: launch_tag=(\w+) fail_reason=([\w+]+) "
+                           r"slot_idx=(-?\d+)")
+_PERTURB_RE = re.compile(r"kv_canary perturb\b[^:]*:(.*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """One ``kv_canary violation:`` line: the fields both stacks print first."""
+
+    launch_tag: str
+    fail_reasons: Tuple[str, ...]
+    slot_idx: int
+
+    def __str__(self) -> str:
+        return f"{self.launch_tag} {'+'.join(self.fail_reasons)} slot {self.slot_idx}"
+
+
+def parse_reports(text: str) -> List[Report]:
+    """Every distinct violation report in a run's output, in order (raise mode logs a report
+    and raises it again: one entry)."""
+    out: List[Report] = []
+    for m in _VIOLATION_RE.finditer(text):
+        r = Report(m.group(1), tuple(m.group(2).split("+")), int(m.group(3)))
+        if r not in out:
+            out.append(r)
+    return out
+
+
+def parse_injections(text: str) -> List[str]:
+    """The lines that say a fault was injected: ``kv_canary perturb ...:`` lines, less the
+    ones that say it was skipped or that the warm-up window opened or closed."""
+    out = []
+    for line in text.splitlines():
+        m = _PERTURB_RE.search(line)
+        if m is None:
+            continue
+        body = m.group(1)
+        if "skipped" in body or "warmup" in body or "warm-up" in body:
+            continue
+        out.append(line[m.start():].strip())
+    return out
+
+
+def last_error(text: str) -> Optional[str]:
+    """The last ``SomethingError: message`` line of a traceback in ``text``, or None."""
+    errors = [line.strip() for line in text.splitlines()
+              if re.match(r"\s*[\w.]*(Error|Exception|Exit)\b.*:", line)]
+    return errors[-1][:300] if errors else None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """One run's facts, read from its output and exit status."""
+
+    stack: str
+    case: str  # a fault's name, "clean", or "<deployment>" / "<deployment>+<fault>"
+    returncode: int
+    version: Optional[str]
+    installed: int  # start-up lines of the stack's canary (one per guarded worker)
+    injections: int
+    reports: Tuple[Report, ...]
+    served: bool  # every wave served (the RESULT line)
+    error: Optional[str]
+
+    def caught(self, fault: Optional[Fault]) -> bool:
+        """A report carrying a reason ``fault`` must cause (any report when ``fault`` has no
+        fixed reasons, i.e. is None: the clean run's false positives)."""
+        if fault is None:
+            return bool(self.reports)
+        return any(set(r.fail_reasons) & set(fault.reasons) for r in self.reports)
+
+    @property
+    def ended(self) -> str:
+        if self.served and self.returncode == 0:
+            return "served every request"
+        return f"stopped (exit {self.returncode}): {self.error or 'no error line'}"
+
+
+def evaluate(stack: str, case: str, text: str, returncode: int) -> RunResult:
+    info = [json.loads(line[len(INFO_PREFIX):]) for line in text.splitlines()
+            if line.startswith(INFO_PREFIX)]
+    return RunResult(
+        stack=stack, case=case, returncode=returncode,
+        version=info[0].get("version") if info else None,
+        installed=text.count(INSTALLED_MARK[stack]),
+        injections=len(parse_injections(text)),
+        reports=tuple(parse_reports(text)),
+        served=any(line.startswith(RESULT_PREFIX) for line in text.splitlines()),
+        error=last_error(text))
+
+
+# ---- one run ---------------------------------------------------------------------------------
+
+def stack_env(base_env: Dict[str, str], stack: str, upstream_site: Optional[str]
+              ) -> Dict[str, str]:
+    """A run's environment: ``base_env`` less every ``SGLANG_KV_CANARY_*`` (each run sets its
+    own) and, for upstream's runs, upstream's ``PYTHONPATH`` (``common.upstream_env``)."""
+    env = {k: v for k, v in base_env.items() if not k.startswith("SGLANG_KV_CANARY_")}
+    if stack == UPSTREAM_STACK:
+        if not upstream_site:
+            raise ValueError("upstream's stack needs --upstream-site (the directory "
+                             "benchmark/kv_canary/upstream_bundle.sh's bundles install into)")
+        env = upstream_env(env, upstream_site)
+    return env
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    stack: str
+    case: str
+    engine_kwargs: Dict[str, object]
+    env: Dict[str, str]
+
+
+def run_one(run: Run, requests_file: str, timeout: float) -> Tuple[RunResult, str]:
+    cmd = [sys.executable, str(WORKLOAD), json.dumps(run.engine_kwargs), requests_file]
+    try:
+        proc = subprocess.run(cmd, env=run.env, capture_output=True, text=True,
+                              timeout=timeout)
+        text, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        text, rc = out + err + f"\nTimeoutExpired: no end after {timeout:.0f} s", -9
+    return evaluate(run.stack, run.case, text, rc), text
+
+
+# ---- the plan --------------------------------------------------------------------------------
+
+def plan(*, stacks: Sequence[str], faults: Sequence[str], deployments: Sequence[str],
+         models: Dict[str, str], draft_dir: Optional[str], make_kwargs, base_env: Dict[str, str],
+         upstream_site: Optional[str]) -> List[Run]:
+    """Every run, stack by stack: the clean run and each fault (the detection table), then each
+    deployment clean and with :data:`PROBE_FAULT`."""
+    runs = []
+    for stack in stacks:
+        env0 = {**stack_env(base_env, stack, upstream_site), **RUN_ENV}
+        for case in faults:
+            fault_env = FAULTS[case].env if case in FAULTS else {}
+            runs.append(Run(stack, case, make_kwargs(models["llama"], **RUN_ENGINE_ARGS),
+                            {**env0, **fault_env}))
+        for name in deployments:
+            d = DEPLOYMENTS[name]
+            args = dict(RUN_ENGINE_ARGS, **dict(d.engine_args))
+            if d.draft:
+                args["speculative_draft_model_path"] = draft_dir
+            for fault in (None, FAULTS[PROBE_FAULT]):
+                runs.append(Run(stack, name if fault is None else f"{name}+{fault.name}",
+                                make_kwargs(models[d.model], **args),
+                                {**env0, **(fault.env if fault else {})}))
+    return runs
+
+
+# ---- tables ----------------------------------------------------------------------------------
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    out += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def detection_table(results: Sequence[RunResult]) -> str:
+    rows = []
+    for r in results:
+        if r.case != CLEAN and r.case not in FAULTS:
+            continue
+        fault = FAULTS.get(r.case)
+        if fault is None:
+            verdict = "FALSE POSITIVE" if r.reports else "quiet"
+        else:
+            verdict = "caught" if r.caught(fault) else (
+                "not injected" if r.injections == 0 else "NOT caught")
+        first = next((str(x) for x in r.reports
+                      if fault is None or set(x.fail_reasons) & set(fault.reasons)), "-")
+        rows.append((r.case, r.stack, r.version or "?", str(r.injections), verdict, first,
+                     r.ended))
+    return _table(("fault", "stack", "sglang", "injections", "verdict", "first report",
+                   "the run"), rows)
+
+
+def deployment_verdict(clean: RunResult, probed: Optional[RunResult]) -> str:
+    """What a stack does with a deployment, from its clean run and its ``req_to_token`` run."""
+    if not clean.served:
+        text = clean.error or "no error line"
+        return (f"refuses at start-up: {text}" if clean.installed == 0
+                else f"crashes (canary installed): {text}")
+    if clean.reports:
+        return f"false positive: {clean.reports[0]}"
+    if clean.installed == 0:
+        return "serves, canary not installed"
+    if probed is None:
+        return f"serves, canary installed ({clean.installed} worker(s))"
+    if probed.caught(FAULTS[PROBE_FAULT]):
+        return (f"guards: canary on {clean.installed} worker(s), {PROBE_FAULT} caught "
+                f"({probed.reports[0]})")
+    return (f"canary on {clean.installed} worker(s) but {PROBE_FAULT} NOT caught "
+            f"({probed.injections} injections; {probed.ended})")
+
+
+def deployment_table(results: Sequence[RunResult]) -> str:
+    by_key = {(r.stack, r.case): r for r in results}
+    rows = []
+    for (stack, case), r in by_key.items():
+        if case not in DEPLOYMENTS:
+            continue
+        probed = by_key.get((stack, f"{case}+{PROBE_FAULT}"))
+        rows.append((case, stack, r.version or "?", deployment_verdict(r, probed)))
+    return _table(("deployment", "stack", "sglang", "what it does"), rows)
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+def _names(value: str, allowed: Sequence[str], flag: str) -> List[str]:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad:
+        raise SystemExit(f"{flag}: unknown {', '.join(bad)}; allowed: {', '.join(allowed)}")
+    return names
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stacks", default=None,
+                   help=f"comma-separated from {PROJECT_STACK}, {UPSTREAM_STACK} (default: both "
+                        "with --upstream-site, else the project's)")
+    p.add_argument("--upstream-site", metavar="DIR", help="upstream sglang's site directory")
+    p.add_argument("--faults", default=",".join((CLEAN, *FAULTS)),
+                   help=f"comma-separated from {', '.join((CLEAN, *FAULTS))} (default: all)")
+    p.add_argument("--deployments", default=None,
+                   help=f"comma-separated from {', '.join(DEPLOYMENTS)} (default: all on a GPU, "
+                        "the CPU ones on the CPU; '' for none)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (each its own Engine)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--logs", help="directory for each run's whole output")
+    p.add_argument("--json", help="write every run's facts here")
+    args = p.parse_args(argv)
+
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    default_stacks = f"{PROJECT_STACK},{UPSTREAM_STACK}" if args.upstream_site else PROJECT_STACK
+    stacks = _names(args.stacks or default_stacks, (PROJECT_STACK, UPSTREAM_STACK), "--stacks")
+    if UPSTREAM_STACK in stacks and not args.upstream_site:
+        p.error(f"--stacks {UPSTREAM_STACK} needs --upstream-site DIR")
+    if UPSTREAM_STACK in stacks and args.device == "cpu":
+        p.error(f"--stacks {UPSTREAM_STACK} needs --device cuda: its bundle is built for the "
+                "GPU machines")
+    faults = _names(args.faults, (CLEAN, *FAULTS), "--faults")
+    if args.deployments is None:
+        deployments = [d.name for d in DEPLOYMENTS.values() if args.device == "cuda" or d.cpu]
+    else:
+        deployments = _names(args.deployments, tuple(DEPLOYMENTS), "--deployments")
+    gpu_only = [d for d in deployments if args.device == "cpu" and not DEPLOYMENTS[d].cpu]
+    if gpu_only:
+        p.error(f"--deployments {','.join(gpu_only)} needs --device cuda: sglang 0.5.12 runs "
+                "HiCache's host pool and EAGLE's CUDA graphs only there")
+
+    from sglang.srt.kv_canary.testing.server_harness import (
+        build_libcuda_stub,
+        cpu_engine_kwargs,
+        cpu_server_env,
+        gpu_engine_kwargs,
+        write_tiny_deepseek_v2,
+        write_tiny_llama,
+    )
+
+    with tempfile.TemporaryDirectory(prefix="kv_canary_sbs_") as root:
+        models = {"llama": write_tiny_llama(os.path.join(root, "llama")),
+                  "deepseek_v2": write_tiny_deepseek_v2(os.path.join(root, "deepseek_v2"))}
+        draft = write_tiny_llama(os.path.join(root, "draft"),
+                                 architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+        if args.device == "cuda":
+            make, base_env = gpu_engine_kwargs, dict(os.environ)
+        else:
+            make = cpu_engine_kwargs
+            base_env = cpu_server_env(build_libcuda_stub(os.path.join(root, "stub")))
+        requests_file = os.path.join(root, "requests.json")
+        with open(requests_file, "w") as f:
+            json.dump(demo_requests(), f)
+        runs = plan(stacks=stacks, faults=faults, deployments=deployments, models=models,
+                    draft_dir=draft, make_kwargs=make, base_env=base_env,
+                    upstream_site=args.upstream_site)
+
+        def one(run: Run) -> Tuple[RunResult, str]:
+            print(f"side by side: {run.stack} {run.case} ...", flush=True)
+            return run_one(run, requests_file, args.timeout)
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            done = list(pool.map(one, runs))
+    results = [r for r, _ in done]
+    if args.logs:
+        os.makedirs(args.logs, exist_ok=True)
+        for r, text in done:
+            with open(os.path.join(args.logs, f"{r.stack}_{r.case}.log"), "w") as f:
+                f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
+    print("\n## Detection\n\n" + detection_table(results))
+    if deployments:
+        print("\n## Deployments\n\n" + deployment_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

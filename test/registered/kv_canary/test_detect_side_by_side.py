@@ -1,0 +1,208 @@
+"""``benchmark/kv_canary/detect_side_by_side.py`` (detection and deployments beside upstream's
+canary): what it reads from a run's output, the runs it plans for each stack, its verdicts, its
+refusals, and one run of this project's stack on sglang's CPU server (a clean run, a
+``req_to_token`` fault, abort mode clean and with that fault). Upstream's stack needs its GPU
+bundle: CPU CI cannot run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from sglang.srt.kv_canary.perturb.config import FaultKind
+from sglang.srt.kv_canary.perturb.report import format_perturb_line
+from sglang.srt.kv_canary.runner.violation import format_violation_line
+from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=200, suite="stage-a-test-cpu")
+
+BENCH_DIR = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_canary"
+sys.path.insert(0, str(BENCH_DIR))
+
+import detect_side_by_side as sbs  # noqa: E402
+from common import UPSTREAM_SITE_DIR  # noqa: E402
+
+
+def _row(kind: int, slot: int, bits: int) -> list:
+    """A ring row in the record format's field order."""
+    from sglang.jit_kernel.kv_canary import consts as c
+
+    row = [0] * c.VIOLATION_NUM_FIELDS
+    row[c.VIOLATION_FIELD_KERNEL_KIND] = kind
+    row[c.VIOLATION_FIELD_SLOT_IDX] = slot
+    row[c.VIOLATION_FIELD_FAIL_REASON_BITS] = bits
+    return row
+
+
+def test_reports_are_read_from_either_stacks_violation_line():
+    from sglang.jit_kernel.kv_canary.consts import FailReason
+    from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
+
+    bits = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH) | int(FailReason.VERIFY_TOKEN_MISMATCH)
+    ours = format_violation_line(_row(int(CanaryLaunchTag.HEAD_K_FULL), 17, bits), step=40)
+    # the leading fields every line of the record format starts with, as a shorter line
+    theirs = ("[2026-11-26 TP0] kv_canary violation: launch_tag=SWEEP_K_FULL "
+              "fail_reason=verify_real_kv_hash slot_idx=5 position=3")
+    text = "\n".join([ours, ours, "noise", theirs])  # raise mode logs a report twice
+    reports = sbs.parse_reports(text)
+    assert [str(r) for r in reports] == [
+        "HEAD_K_FULL verify_chain_hash+verify_token slot 17",
+        "SWEEP_K_FULL verify_real_kv_hash slot 5"]
+    run = sbs.evaluate("project", "req_to_token", text, 1)
+    assert run.caught(sbs.FAULTS["req_to_token"])
+    assert not run.caught(sbs.FAULTS["next_token_swap"])  # write_token not among the reasons
+
+
+def test_injections_count_what_was_injected_not_skips_or_the_warm_up():
+    text = "\n".join([
+        "INFO " + format_perturb_line(FaultKind.REQ_TO_TOKEN, step=31, slot=3, new_slot=9),
+        "INFO kv_canary perturb: enabled after warmup window at step=30",
+        "INFO kv_canary perturb req_to_token: skipped because no active nonzero slots",
+        "INFO kv_canary perturb req_to_token: req_pool_idx=1 position=2 original_slot=4 "
+        "new_slot=7",
+    ])
+    found = sbs.parse_injections(text)
+    assert len(found) == 2, found
+    assert found[0].startswith("kv_canary perturb: fault=req_to_token step=31")
+
+
+def test_upstream_runs_get_the_isolated_pythonpath_and_no_inherited_canary_variables(tmp_path):
+    base = {"PYTHONPATH": "/tmp/site", "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1",
+            "HOME": "/root"}
+    up = sbs.stack_env(base, "upstream", str(tmp_path))
+    assert up["PYTHONPATH"].split(os.pathsep) == [str(UPSTREAM_SITE_DIR), str(tmp_path),
+                                                  "/tmp/site"]
+    assert "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB" not in up and up["HOME"] == "/root"
+    ours = sbs.stack_env(base, "project", None)
+    assert ours["PYTHONPATH"] == "/tmp/site"
+    assert not [k for k in ours if k.startswith("SGLANG_KV_CANARY_")]
+    with pytest.raises(ValueError, match="--upstream-site"):
+        sbs.stack_env(base, "upstream", None)
+
+
+def test_the_plan_runs_each_fault_and_each_deployment_clean_and_probed(tmp_path):
+    models = {"llama": "/m/llama", "deepseek_v2": "/m/dsv2"}
+    runs = sbs.plan(stacks=["project", "upstream"], faults=["clean", "real_kv_used"],
+                    deployments=["mla", "eagle", "abort"], models=models, draft_dir="/m/draft",
+                    make_kwargs=cpu_engine_kwargs, base_env={}, upstream_site=str(tmp_path))
+    cases = [(r.stack, r.case) for r in runs]
+    assert cases == [(s, c) for s in ("project", "upstream") for c in (
+        "clean", "real_kv_used", "mla", "mla+req_to_token", "eagle", "eagle+req_to_token",
+        "abort", "abort+req_to_token")]
+    by = {(r.stack, r.case): r for r in runs}
+    for stack in ("project", "upstream"):
+        clean, used = by[(stack, "clean")], by[(stack, "real_kv_used")]
+        assert clean.env["SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE"] == "1"
+        assert not [k for k in clean.env if "_PERTURB_" in k and k.endswith("_PROB")]
+        assert used.env["SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB"] == "1"
+        assert used.env["SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"] == "full"
+        assert clean.engine_kwargs["kv_canary"] == "raise"
+        assert clean.engine_kwargs["kv_canary_real_data"] == "partial"
+        assert by[(stack, "mla")].engine_kwargs["model_path"] == "/m/dsv2"
+        eagle = by[(stack, "eagle+req_to_token")]
+        assert eagle.engine_kwargs["speculative_draft_model_path"] == "/m/draft"
+        assert eagle.env["SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB"] == "1"
+        assert by[(stack, "abort")].engine_kwargs["kv_canary"] == "abort"
+    assert by[("upstream", "clean")].env["PYTHONPATH"].startswith(str(UPSTREAM_SITE_DIR))
+    # each server its own port for torch's store
+    assert len({r.engine_kwargs["nccl_port"] for r in runs}) == len(runs)
+
+
+def _result(**kw) -> "sbs.RunResult":
+    base = dict(stack="upstream", case="mla", returncode=0, version="0.5.17", installed=1,
+                injections=0, reports=(), served=True, error=None)
+    return sbs.RunResult(**{**base, **kw})
+
+
+def test_deployment_verdicts():
+    report = sbs.Report("HEAD_K_FULL", ("verify_chain_hash",), 3)
+    refused = _result(returncode=1, installed=0, served=False,
+                      error="ValueError: kv_canary does not support MLA")
+    assert sbs.deployment_verdict(refused, None) == (
+        "refuses at start-up: ValueError: kv_canary does not support MLA")
+    crashed = _result(returncode=1, served=False, error="RuntimeError: illegal memory access")
+    assert sbs.deployment_verdict(crashed, None).startswith("crashes (canary installed)")
+    assert sbs.deployment_verdict(_result(installed=0), None) == "serves, canary not installed"
+    assert sbs.deployment_verdict(_result(reports=(report,)), None).startswith("false positive")
+    caught = _result(case="mla+req_to_token", injections=1, reports=(report,), served=False,
+                     returncode=-9)
+    assert sbs.deployment_verdict(_result(installed=2), caught).startswith(
+        "guards: canary on 2 worker(s), req_to_token caught")
+    missed = _result(case="mla+req_to_token", injections=3)
+    assert "NOT caught (3 injections; served every request)" in sbs.deployment_verdict(
+        _result(), missed)
+    table = sbs.deployment_table([_result(), missed])
+    assert "| mla | upstream | 0.5.17 | canary on 1 worker(s) but req_to_token NOT" in table
+
+
+def _cli(*argv, timeout=60):
+    return subprocess.run([sys.executable, str(BENCH_DIR / "detect_side_by_side.py"), *argv],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--stacks", "upstream"], "--stacks upstream needs --upstream-site DIR"),
+    (["--stacks", "upstream", "--upstream-site", "/x", "--device", "cpu"],
+     "--stacks upstream needs --device cuda"),
+    (["--device", "cpu", "--deployments", "hicache"], "--deployments hicache needs --device cuda"),
+    (["--faults", "clean,bitrot"], "--faults: unknown bitrot; allowed: clean, req_to_token"),
+    (["--jobs", "0"], "--jobs must be >= 1, got 0"),
+])
+def test_refusals_name_the_flag(argv, message):
+    proc = _cli(*argv)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_project_stack_on_the_cpu_server(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "detect_side_by_side.py"), "--device", "cpu",
+         "--faults", "clean,req_to_token", "--deployments", "abort", "--jobs", "2",
+         "--json", str(tmp_path / "runs.json"), "--logs", str(tmp_path / "logs")],
+        env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {r["case"]: r for r in json.loads((tmp_path / "runs.json").read_text())}
+    assert set(runs) == {"clean", "req_to_token", "abort", "abort+req_to_token"}
+    assert all(r["stack"] == "project" and r["version"] == "0.5.12" for r in runs.values())
+    assert runs["clean"]["served"] and runs["clean"]["reports"] == []
+    assert runs["clean"]["installed"] == 1
+    assert runs["req_to_token"]["injections"] >= 1 and not runs["req_to_token"]["served"]
+    assert "| clean | project | 0.5.12 | 0 | quiet |" in proc.stdout
+    assert "| req_to_token | project | 0.5.12 |" in proc.stdout
+    assert "| caught | HEAD_" in proc.stdout
+    # abort mode: the fault reported, the server kept serving
+    assert runs["abort+req_to_token"]["served"] and runs["abort+req_to_token"]["reports"]
+    assert "| abort | project | 0.5.12 | guards: canary on 1 worker(s), req_to_token caught" \
+        in proc.stdout
+    assert (tmp_path / "logs" / "project_req_to_token.log").is_file()
+
+
+def test_detection_rows_show_the_first_report_that_matches_the_fault():
+    token = sbs.Report("TAIL_K_FULL", ("write_token",), 8)
+    kv = sbs.Report("SWEEP_K_FULL", ("verify_real_kv_hash",), 4)
+    rows = [
+        _result(stack="project", case="clean", reports=(token,)),
+        _result(stack="project", case="real_kv_used", injections=2, reports=(token, kv),
+                served=False, returncode=-9, error="RuntimeError: kv_canary detected"),
+        _result(stack="upstream", case="real_kv_unused_cache", injections=0),
+        _result(stack="upstream", case="next_token_swap", injections=4, reports=(kv,)),
+    ]
+    table = sbs.detection_table(rows).splitlines()
+    assert table[2].startswith("| clean | project | 0.5.17 | 0 | FALSE POSITIVE | TAIL_K_FULL")
+    assert table[3] == ("| real_kv_used | project | 0.5.17 | 2 | caught | SWEEP_K_FULL "
+                        "verify_real_kv_hash slot 4 | stopped (exit -9): RuntimeError: "
+                        "kv_canary detected |")
+    assert "| 0 | not injected | - | served every request |" in table[4]
+    assert "| 4 | NOT caught | - |" in table[5]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
