@@ -204,5 +204,68 @@ def test_detection_rows_show_the_first_report_that_matches_the_fault():
     assert "| 4 | NOT caught | - |" in table[5]
 
 
+
+# ---- upstream_side_by_side_detached.sh: the lease's plumbing, on stand-ins -------------------
+
+def _lease_tree(tmp_path) -> pathlib.Path:
+    """A repository-root stand-in: bundle a's setup (records that it ran), one extra bundle's
+    install script, upstream's sglang as a one-line package, and a detection script that
+    writes what it was given."""
+    root = tmp_path / "repo"
+    (root / ".device" / "a").mkdir(parents=True)
+    (root / ".device" / "a" / "setup.sh").write_text("echo setup >> \"$MARKS\"\n")
+    (root / ".device" / "up_z").mkdir()
+    (root / ".device" / "up_z" / "install.sh").write_text("echo up_z >> \"$MARKS\"\n")
+    (root / ".device" / "up_bad").mkdir()
+    (root / ".device" / "up_bad" / "install.sh").write_text("exit 3\n")
+    site = tmp_path / "site_up" / "sglang"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text('__version__ = "0.5.17"\n')
+    bench = root / "benchmark" / "kv_canary"
+    bench.mkdir(parents=True)
+    (bench / "detect_side_by_side.py").write_text(
+        "import sys, json\n"
+        "print('DETECT', json.dumps(sys.argv[1:]))\n")
+    return root
+
+
+def _lease(root, tmp_path, *argv, **env):
+    script = BENCH_DIR / "upstream_side_by_side_detached.sh"
+    full = {**os.environ, "MARKS": str(tmp_path / "marks"), "OUT": str(tmp_path / "out"),
+            "SIDE_BY_SIDE_DIR": str(tmp_path / "run"), "SITE_UP": str(tmp_path / "site_up"),
+            **env}
+    return subprocess.run(["bash", str(script), *argv], cwd=root, env=full,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_lease_script_installs_starts_and_collects(tmp_path):
+    root = _lease_tree(tmp_path)
+    proc = _lease(root, tmp_path, "install", "c", "up_z")
+    assert proc.returncode == 0 and "installed c up_z" in proc.stdout, proc.stderr
+    assert (tmp_path / "marks").read_text().split() == ["setup", "up_z"]
+    bad = _lease(root, tmp_path, "install", "up_bad")
+    assert bad.returncode == 1 and "install of .device/up_bad failed" in bad.stderr
+    assert _lease(root, tmp_path, "start", PART="most").returncode == 2
+
+    started = _lease(root, tmp_path, "start", PART="detect", JOBS="3")
+    assert started.returncode == 0 and "upstream 0.5.17" in started.stdout, started.stderr
+    done = _lease(root, tmp_path, "wait", "60")
+    assert "side_by_side: finished" in done.stdout, done.stdout + done.stderr
+    assert "detect rc=0" in done.stdout and "overhead rc" not in done.stdout
+    out = tmp_path / "out"
+    detect = (out / "detect.log").read_text()
+    assert '"--upstream-site", "%s"' % (tmp_path / "site_up") in detect
+    assert '"--jobs", "3"' in detect
+    assert (out / "side_by_side_run.tgz").stat().st_size > 0
+
+
+def test_the_lease_script_refuses_without_upstreams_sglang(tmp_path):
+    root = _lease_tree(tmp_path)
+    proc = _lease(root, tmp_path, "start", SITE_UP=str(tmp_path / "nowhere"))
+    assert proc.returncode == 1
+    assert "upstream's sglang is not in" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
