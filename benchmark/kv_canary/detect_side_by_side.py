@@ -180,8 +180,9 @@ class RunResult:
     installed: int  # start-up lines of the stack's canary (one per guarded worker)
     injections: int
     reports: Tuple[Report, ...]
-    served: bool  # every wave served (the RESULT line)
+    served: bool  # every wave sent and the server still up at the end (the RESULT line)
     error: Optional[str]
+    failed_waves: Tuple[str, ...] = ()  # the error of each wave whose call failed
 
     def caught(self, fault: Optional[Fault]) -> bool:
         """A report carrying a reason ``fault`` must cause (any report when ``fault`` has no
@@ -193,21 +194,27 @@ class RunResult:
     @property
     def ended(self) -> str:
         if self.served and self.returncode == 0:
-            return "served every request"
+            if not self.failed_waves:
+                return "served every request"
+            return (f"kept serving; {len(self.failed_waves)} wave(s) failed: "
+                    f"{self.failed_waves[0]}")
         return f"stopped (exit {self.returncode}): {self.error or 'no error line'}"
 
 
 def evaluate(stack: str, case: str, text: str, returncode: int) -> RunResult:
     info = [json.loads(line[len(INFO_PREFIX):]) for line in text.splitlines()
             if line.startswith(INFO_PREFIX)]
+    result = [json.loads(line[len(RESULT_PREFIX):]) for line in text.splitlines()
+              if line.startswith(RESULT_PREFIX)]
     return RunResult(
         stack=stack, case=case, returncode=returncode,
         version=info[0].get("version") if info else None,
         installed=text.count(INSTALLED_MARK[stack]),
         injections=len(parse_injections(text)),
         reports=tuple(parse_reports(text)),
-        served=any(line.startswith(RESULT_PREFIX) for line in text.splitlines()),
-        error=last_error(text))
+        served=bool(result), error=last_error(text),
+        failed_waves=tuple(w["error"] for w in result[0].get("failed_waves", ())) if result
+        else ())
 
 
 # ---- one run ---------------------------------------------------------------------------------
@@ -305,6 +312,9 @@ def deployment_verdict(clean: RunResult, probed: Optional[RunResult]) -> str:
         text = clean.error or "no error line"
         return (f"refuses at start-up: {text}" if clean.installed == 0
                 else f"crashes (canary installed): {text}")
+    if clean.failed_waves:
+        return (f"fails requests of a clean run ({len(clean.failed_waves)} wave(s)): "
+                f"{clean.failed_waves[0]}")
     if clean.reports:
         return f"false positive: {clean.reports[0]}"
     if clean.installed == 0:
@@ -313,7 +323,7 @@ def deployment_verdict(clean: RunResult, probed: Optional[RunResult]) -> str:
         return f"serves, canary installed ({clean.installed} worker(s))"
     if probed.caught(FAULTS[PROBE_FAULT]):
         return (f"guards: canary on {clean.installed} worker(s), {PROBE_FAULT} caught "
-                f"({probed.reports[0]})")
+                f"({probed.reports[0]}); with the fault the server {probed.ended}")
     return (f"canary on {clean.installed} worker(s) but {PROBE_FAULT} NOT caught "
             f"({probed.injections} injections; {probed.ended})")
 

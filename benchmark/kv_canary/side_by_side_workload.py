@@ -6,9 +6,12 @@ either stack (sglang 0.5.12 with this project's canary, or upstream sglang with 
 It imports nothing of this project (under upstream's ``PYTHONPATH`` this project's modules are
 out of reach): it prints ``SIDE_BY_SIDE_INFO {"version": ...}`` once sglang is imported, runs
 the requests (``[[input_ids, max_new_tokens], ...]``) in waves of 12 with greedy sampling, and
-prints ``SIDE_BY_SIDE_RESULT {"requests": n, "generated_tokens": m}`` when every wave is
-served. An error (a canary in ``raise`` mode stopping the server, a refused flag) propagates:
-the exit status is non-zero and the traceback is on stderr.
+prints ``SIDE_BY_SIDE_RESULT {"requests": n, "generated_tokens": m, "failed_waves": [...]}``
+once every wave was sent. A wave whose call raises (abort mode fails an aborted request's
+non-streaming call with its message: sglang's HTTP 500) is listed with its error and the next
+wave is sent: whether the server keeps serving is what is measured. An error outside the
+waves (a refused flag at start-up) propagates: the exit status is non-zero and the traceback
+is on stderr; a canary in ``raise`` mode stopping the server ends the process.
 """
 
 import json
@@ -28,19 +31,23 @@ def main() -> None:
     with open(sys.argv[2]) as f:
         requests = json.load(f)
     engine = sglang.Engine(**kwargs)
-    generated = 0
+    generated, failed = 0, []
     try:
         for b in range(0, len(requests), WAVE):
             wave = requests[b:b + WAVE]
-            outs = engine.generate(
-                input_ids=[r[0] for r in wave],
-                sampling_params=[{"max_new_tokens": r[1], "temperature": 0,
-                                  "ignore_eos": True} for r in wave])
+            try:
+                outs = engine.generate(
+                    input_ids=[r[0] for r in wave],
+                    sampling_params=[{"max_new_tokens": r[1], "temperature": 0,
+                                      "ignore_eos": True} for r in wave])
+            except Exception as e:  # noqa: BLE001 - recorded: the next wave still goes
+                failed.append({"wave": b // WAVE, "error": f"{type(e).__name__}: {e}"[:300]})
+                continue
             generated += sum(len(o["output_ids"]) for o in outs)
     finally:
         engine.shutdown()
-    print(RESULT_PREFIX + json.dumps({"requests": len(requests), "generated_tokens": generated}),
-          flush=True)
+    print(RESULT_PREFIX + json.dumps({"requests": len(requests), "generated_tokens": generated,
+                                      "failed_waves": failed}), flush=True)
 
 
 if __name__ == "__main__":

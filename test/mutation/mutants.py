@@ -157,8 +157,8 @@ MUTANTS = (
         speed="quick", what="plan reference verifies one SWA position fewer than the window"),
     # ---- runtime ------------------------------------------------------------------------------
     Mutant(
-        id="rt-merge-incidents-last-reason", path=f"{_RT}/runner/violation.py",
-        old="entry[1] |= bits", new="entry[1] = bits",
+        id="rt-merge-incidents-last-reason", path=f"{_RT}/runner/violation_record.py",
+        old="entry[1] |= rec.fail_bits", new="entry[1] = rec.fail_bits",
         selection=f"{_T}/test_runtime_core.py::"
                   "test_an_incident_unites_the_reasons_of_all_its_rows",
         speed="quick", what="merged incident keeps the last row's reasons only"),
@@ -188,7 +188,7 @@ MUTANTS = (
         speed="quick", what="the unused-cache fault is accepted with the sweep off"),
     # ---- request ids, abort mode, metrics ----------------------------------------------------
     Mutant(
-        id="i21-rids-not-printed", path=f"{_RT}/runner/violation.py",
+        id="i21-rids-not-printed", path=f"{_RT}/runner/violation_line.py",
         old='f"rids={format_rids(inc.rids)}"', new='"rids=-"',
         selection=f"{_T}/test_runtime_core.py::"
                   "test_violation_line_names_requests_and_round_trips_odd_ids",

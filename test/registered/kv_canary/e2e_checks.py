@@ -13,7 +13,7 @@ import sys
 import time
 
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 
 SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 

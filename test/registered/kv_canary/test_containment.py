@@ -24,7 +24,8 @@ from sglang.srt.kv_canary.runner.containment import (
 )
 from sglang.srt.kv_canary.runner.metrics import CanaryMetrics
 from sglang.srt.kv_canary.runner.requests import ForwardRequests, RequestResolver
-from sglang.srt.kv_canary.runner.violation import merge_incidents, parse_violation_lines
+from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.runner.violation_record import ViolationRecord, merge_incidents
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
@@ -42,7 +43,10 @@ MESSAGE = "kv_canary: KV cache corruption detected"
 
 
 def _row(tag, slot, *, req_row, bits=FailReason.VERIFY_REAL_KV_HASH_MISMATCH, read_position=3):
-    return [int(tag), slot, read_position, 7, -1, 0, 0, int(bits), read_position, req_row]
+    return ViolationRecord(launch_tag=int(tag), slot_idx=slot, position=read_position,
+                           stored_token=7, expected_token=-1, stored_chain_hash=0,
+                           expected_aux=0, fail_bits=int(bits), read_position=read_position,
+                           req_to_token_row=req_row)
 
 
 def _flip(d: ServingDriver, slot: int) -> None:

@@ -16,7 +16,8 @@ import pytest
 
 from sglang.srt.kv_canary.perturb.config import FaultKind
 from sglang.srt.kv_canary.perturb.report import format_perturb_line
-from sglang.srt.kv_canary.runner.violation import format_violation_line
+from sglang.srt.kv_canary.runner.violation_line import format_violation_line
+from sglang.srt.kv_canary.runner.violation_record import ViolationRecord
 from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -29,15 +30,15 @@ import detect_side_by_side as sbs  # noqa: E402
 from common import UPSTREAM_SITE_DIR  # noqa: E402
 
 
-def _row(kind: int, slot: int, bits: int) -> list:
-    """A ring row in the record format's field order."""
+def _row(kind: int, slot: int, bits: int) -> "ViolationRecord":
+    """A ring row in the record format's field order, decoded."""
     from sglang.jit_kernel.kv_canary import consts as c
 
     row = [0] * c.VIOLATION_NUM_FIELDS
     row[c.VIOLATION_FIELD_KERNEL_KIND] = kind
     row[c.VIOLATION_FIELD_SLOT_IDX] = slot
     row[c.VIOLATION_FIELD_FAIL_REASON_BITS] = bits
-    return row
+    return ViolationRecord.from_row(row)
 
 
 def test_reports_are_read_from_either_stacks_violation_line():
@@ -57,6 +58,20 @@ def test_reports_are_read_from_either_stacks_violation_line():
     run = sbs.evaluate("project", "req_to_token", text, 1)
     assert run.caught(sbs.FAULTS["req_to_token"])
     assert not run.caught(sbs.FAULTS["next_token_swap"])  # write_token not among the reasons
+
+
+def test_a_run_that_kept_serving_lists_its_failed_waves():
+    done = "SIDE_BY_SIDE_RESULT " + json.dumps({"requests": 48, "generated_tokens": 700,
+                                                "failed_waves": [{"wave": 2, "error": "E: x"}]})
+    run = sbs.evaluate("project", "abort+req_to_token", "SIDE_BY_SIDE_INFO {}\n" + done, 0)
+    assert run.served and run.failed_waves == ("E: x",)
+    assert run.ended == "kept serving; 1 wave(s) failed: E: x"
+    whole = sbs.evaluate("project", "clean", done.replace(', {"wave": 2, "error": "E: x"}', "")
+                         .replace('[{"wave": 2, "error": "E: x"}]', "[]"), 0)
+    assert whole.failed_waves == () and whole.ended == "served every request"
+    # a clean run with a failed wave is not a deployment that serves
+    assert sbs.deployment_verdict(run, None) == (
+        "fails requests of a clean run (1 wave(s)): E: x")
 
 
 def test_injections_count_what_was_injected_not_skips_or_the_warm_up():
@@ -178,8 +193,15 @@ def test_project_stack_on_the_cpu_server(tmp_path):
     assert "| clean | project | 0.5.12 | 0 | quiet |" in proc.stdout
     assert "| req_to_token | project | 0.5.12 |" in proc.stdout
     assert "| caught | HEAD_" in proc.stdout
-    # abort mode: the fault reported, the server kept serving
-    assert runs["abort+req_to_token"]["served"] and runs["abort+req_to_token"]["reports"]
+    # abort mode: the fault reported, the aborted requests' calls failed with the canary's
+    # message (sglang's HTTP 500 for a non-streaming call), the server kept serving
+    probed = runs["abort+req_to_token"]
+    assert probed["served"] and probed["returncode"] == 0 and probed["reports"], probed
+    assert probed["failed_waves"] and all(
+        "kv_canary: KV cache corruption detected" in w for w in probed["failed_waves"]), probed
+    # (with the fault injected at every step, every wave has an aborted request: the server
+    # answered each of the four calls, and shut down cleanly)
+    assert runs["abort"]["failed_waves"] == [] and runs["clean"]["failed_waves"] == []
     assert "| abort | project | 0.5.12 | guards: canary on 1 worker(s), req_to_token caught" \
         in proc.stdout
     assert (tmp_path / "logs" / "project_req_to_token.log").is_file()

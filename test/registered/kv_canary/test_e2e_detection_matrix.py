@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX
+from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX
 from sglang.srt.kv_canary.testing.server_harness import (
     build_libcuda_stub,
     cpu_server_env,
@@ -92,7 +92,7 @@ def test_fault_detected_with_its_reason(demo, fault):
     assert f"kv_canary perturb: fault={fault} step=31" in text
     if fault == "req_to_token":  # the report names the changed entry (Engine path)
         from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-        from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+        from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 
         inj = next(f for f in map(parse_perturb_line, text.splitlines()) if f is not None)
         assert any((v.req_to_token_row, v.read_position, v.slot_idx)

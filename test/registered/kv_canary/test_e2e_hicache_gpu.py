@@ -32,7 +32,7 @@ from e2e_checks import (
     run_workload,
 )
 
-from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
     DEEPSEEK_V3_MLA_DIMS,
     write_tiny_deepseek_v2,

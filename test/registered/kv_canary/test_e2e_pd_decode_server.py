@@ -15,7 +15,7 @@ import sys
 import pytest
 from e2e_checks import run_workload
 
-from sglang.srt.kv_canary.runner.violation import VIOLATION_LINE_PREFIX, parse_violation_lines
+from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
     build_libcuda_stub,
     cpu_server_env,

@@ -31,7 +31,7 @@ from sglang.srt.kv_canary.perturb import (
 )
 from sglang.srt.kv_canary.perturb.real_kv import flip_first_byte
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
-from sglang.srt.kv_canary.runner.violation import format_violation_line, parse_violation_lines
+from sglang.srt.kv_canary.runner.violation_line import format_violation_line, parse_violation_lines
 from sglang.srt.kv_canary.token_oracle import OracleBatch, oracle_tokens, request_oracle_key
 from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
 from sglang.srt.kv_canary.token_oracle.sampler import TokenOracleSampler
@@ -379,11 +379,15 @@ def _report(tag, reason, slot, step):
     """What the runtime prints for a violation of ``slot`` reported at forward ``step`` (the
     structured line, then the explanation block)."""
     from sglang.jit_kernel.kv_canary.consts import FailReason
-    from sglang.srt.kv_canary.runner.violation import format_violation_block
+    from sglang.srt.kv_canary.runner.violation_line import format_violation_block
 
     bits = FailReason[reason.upper() + "_MISMATCH"]
-    row = [int(CanaryLaunchTag[tag]), slot, 3, 1, 1, 0, 0, int(bits), 3, 1, -1]  # + read pos, row, layer
-    return format_violation_line(row, step=step) + "\n" + format_violation_block(row, step) + "\n"
+    from sglang.srt.kv_canary.runner.violation_record import ViolationRecord
+
+    rec = ViolationRecord(launch_tag=int(CanaryLaunchTag[tag]), slot_idx=slot, position=3,
+                          stored_token=1, expected_token=1, stored_chain_hash=0, expected_aux=0,
+                          fail_bits=int(bits), read_position=3, req_to_token_row=1)
+    return format_violation_line(rec, step=step) + "\n" + format_violation_block(rec, step) + "\n"
 
 
 def test_demo_verdicts():
@@ -405,11 +409,11 @@ def test_demo_verdicts():
     assert exit_status([noisy, hit]) == 1 and exit_status([quiet, crashed]) == 1
     assert exit_status([]) == 1
     # a report counts through any tag that saw it (seen_by), and the row lists them all
-    from sglang.srt.kv_canary.runner.violation import merge_incidents
+    from sglang.srt.kv_canary.runner.violation_record import decode_ring_rows, merge_incidents
 
     bits = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
-    both = merge_incidents([[int(CanaryLaunchTag[t]), 11, 3, 1, 1, 0, 0, bits, 3, 1, -1]
-                            for t in ("HEAD_K_FULL", "TAIL_K_FULL")])
+    both = merge_incidents(decode_ring_rows([[int(CanaryLaunchTag[t]), 11, 3, 1, 1, 0, 0, bits,
+                                              3, 1, -1] for t in ("HEAD_K_FULL", "TAIL_K_FULL")]))
     assert len(both) == 1
     seen = evaluate(case, inj + format_violation_line(both[0], step=32) + "\n", 1)
     assert seen.ok and seen.tags == ("HEAD_K_FULL", "TAIL_K_FULL")

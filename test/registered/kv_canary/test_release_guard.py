@@ -25,7 +25,7 @@ from sglang.srt.kv_canary.runner.requests import IncidentRequests, RequestResolv
 from sglang.srt.kv_canary.perturb import CanaryPerturber
 from sglang.srt.kv_canary.perturb.config import PerturbConfig
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-from sglang.srt.kv_canary.runner.violation import merge_incidents
+from sglang.srt.kv_canary.runner.violation_record import ViolationRecord, merge_incidents
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.allocator import (
     PagedTokenToKVPoolAllocator,
@@ -285,9 +285,11 @@ def test_a_corrupt_row_sglang_cached_before_its_report_is_evicted_under_the_guar
     pool.release(a)  # its span is the tree's now: nothing of it to free
     # the incident (B's slot read at A's position 7) is contained: the prefix holding the
     # slot is evicted after the batch result
-    (incident,) = merge_incidents([[int(CanaryLaunchTag.HEAD_K_FULL), pool.row(b)[3], 7, 7,
-                                    -1, 0, 0, int(FailReason.VERIFY_POSITION_MISMATCH), 7,
-                                    a.req_pool_idx or 0]])
+    (incident,) = merge_incidents([ViolationRecord(
+        launch_tag=int(CanaryLaunchTag.HEAD_K_FULL), slot_idx=pool.row(b)[3], position=7,
+        stored_token=7, expected_token=-1, stored_chain_hash=0, expected_aux=0,
+        fail_bits=int(FailReason.VERIFY_POSITION_MISMATCH), read_position=7,
+        req_to_token_row=a.req_pool_idx or 0)])
     pool.containment.contain([incident], [IncidentRequests(rids=(), running=())])
     pool.containment.after_batch_result()
     assert pool.containment.evicted_nodes == 1

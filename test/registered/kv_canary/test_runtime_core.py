@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pathlib
 import re
 import sys
 
@@ -19,15 +20,19 @@ from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES, CanaryLaunchTag
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
 from sglang.srt.kv_canary.runner import DelayedDeviceHostHandler, KernelRunCounterHealthChecker
-from sglang.srt.kv_canary.runner.violation import (
+from sglang.srt.kv_canary.runner.violation import ViolationReporter
+from sglang.srt.kv_canary.runner.violation_line import (
     VIOLATION_LINE_PREFIX,
     ViolationLine,
-    ViolationReporter,
     format_violation_block,
     format_violation_line,
-    merge_incidents,
     parse_violation_line,
     parse_violation_lines,
+)
+from sglang.srt.kv_canary.runner.violation_record import (
+    ViolationRecord,
+    decode_ring_rows,
+    merge_incidents,
 )
 from sglang.srt.kv_canary.perturb.config import RankFacts
 from sglang.srt.kv_canary.single_forward_manager import CanaryPhaseError
@@ -425,7 +430,7 @@ def test_health_checker_unit():
 
 def test_violation_line_format():
     row = [int(CanaryLaunchTag.TAIL_K_FULL), 812, 37, 5, -1, -2, 0x1234, 4 | 1, 36, 7, -1]
-    assert format_violation_line(row, step=41) == (
+    assert format_violation_line(ViolationRecord.from_row(row), step=41) == (
         f"{VIOLATION_LINE_PREFIX} launch_tag=TAIL_K_FULL fail_reason=verify_chain_hash+"
         "verify_real_kv_hash slot_idx=812 position=37 stored_token=5 expected_token=-1 "
         "stored_chain_hash=0xfffffffffffffffe expected_aux=0x0000000000001234 forward_step=41 "
@@ -433,27 +438,52 @@ def test_violation_line_format():
     # a per-layer fingerprint names its layer (and the block says which half)
     deep = row[:-1] + [27]
     deep[0] = int(CanaryLaunchTag.SWEEP_V_FULL)
-    line = format_violation_line(deep, step=41)
+    line = format_violation_line(ViolationRecord.from_row(deep), step=41)
     assert " seen_by=SWEEP_V_FULL kv_layer=27 rids=-" in line
     assert parse_violation_line(line).kv_layer == 27
-    assert "Layer 27's V row" in format_violation_block(deep, 41)
-    assert "Layer" not in format_violation_block(row, 41)
+    assert "Layer 27's V row" in format_violation_block(ViolationRecord.from_row(deep), 41)
+    assert "Layer" not in format_violation_block(ViolationRecord.from_row(row), 41)
+
+
+def test_a_ring_row_is_decoded_once_into_a_record():
+    """``ViolationRecord.from_row`` reads each column by its ``consts`` index (a row of another
+    width is refused, naming both widths); it is the runtime's one reader of the columns."""
+    row = _row(CanaryLaunchTag.SWEEP_V_SWA, 812, 37, 5, 9, -2, 0x1234,
+               FailReason.VERIFY_REAL_KV_HASH_MISMATCH, read_position=36, req_row=-2, kv_layer=3)
+    rec = ViolationRecord.from_row(row)
+    assert rec == ViolationRecord(
+        launch_tag=int(CanaryLaunchTag.SWEEP_V_SWA), slot_idx=812, position=37, stored_token=5,
+        expected_token=9, stored_chain_hash=-2, expected_aux=0x1234,
+        fail_bits=int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH), read_position=36,
+        req_to_token_row=-2, kv_layer=3)
+    assert rec.tag == CanaryLaunchTag.SWEEP_V_SWA and rec.tag_name == "SWEEP_V_SWA"
+    assert rec.pool_kind == PoolKind.SWA and rec.on_host_tier  # -2: HOST_TIER_ROW
+    unknown = ViolationRecord.from_row([99] + row[1:])
+    assert unknown.tag is None and unknown.pool_kind is None and unknown.tag_name == "UNKNOWN_99"
+    with pytest.raises(ValueError, match=f"has {c.VIOLATION_NUM_FIELDS} fields, got 10"):
+        ViolationRecord.from_row(row[:-1])
+    # nothing else in the runtime package indexes the ring's columns
+    runtime = pathlib.Path(c.__file__).resolve().parents[2] / "srt" / "kv_canary"
+    readers = sorted(p.relative_to(runtime).as_posix() for p in runtime.rglob("*.py")
+                     if "VIOLATION_FIELD_" in p.read_text())
+    assert readers == ["runner/violation_record.py"]
 
 
 def test_violation_line_names_requests_and_round_trips_odd_ids():
     """``rids=`` ends the line, after every earlier field in its order; ids with a
     comma, a blank or an equals sign survive the round trip (percent-encoded); none is ``-``."""
     row = [int(CanaryLaunchTag.HEAD_K_FULL), 812, 37, 5, -1, -2, 0x1234, 2, 36, 7, -1]
-    inc = dataclasses.replace(merge_incidents([row])[0],
+    inc = dataclasses.replace(merge_incidents(decode_ring_rows([row]))[0],
                               rids=("a1b2", "user,req 7", "x=y%", "plain-id.3:4"))
     line = format_violation_line(inc, step=41)
     assert line.endswith(" seen_by=HEAD_K_FULL kv_layer=-1 "
                          "rids=a1b2,user%2Creq%207,x%3Dy%25,plain-id.3:4")
-    assert line.startswith(format_violation_line(row, step=41).removesuffix(" rids=-"))
+    plain = format_violation_line(ViolationRecord.from_row(row), step=41)
+    assert line.startswith(plain.removesuffix(" rids=-"))
     parsed = parse_violation_line("INFO something: " + line + " trailing")
     assert parsed.rids == ("a1b2", "user,req 7", "x=y%", "plain-id.3:4")
     assert (parsed.slot_idx, parsed.req_to_token_row, parsed.seen_by) == (812, 7, ("HEAD_K_FULL",))
-    assert parse_violation_line(format_violation_line(row, step=41)).rids == ()
+    assert parse_violation_line(plain).rids == ()
     block = format_violation_block(inc, 41)
     assert "Requests touched: a1b2, user,req 7" in block
 
@@ -475,8 +505,8 @@ def test_one_line_per_incident_lists_every_tag():
                      FailReason.VERIFY_POSITION_MISMATCH, read_position=36, req_row=8)
     swa = _row(CanaryLaunchTag.HEAD_K_SWA, 812, 37, 5, -1, 0, 0,
                FailReason.VERIFY_POSITION_MISMATCH, read_position=36, req_row=7)
-    incidents = merge_incidents([head, nxt, tail, tail_v, other_row, swa])
-    assert [(i.row[c.VIOLATION_FIELD_SLOT_IDX], i.row[c.VIOLATION_FIELD_REQ_TO_TOKEN_ROW])
+    incidents = merge_incidents(decode_ring_rows([head, nxt, tail, tail_v, other_row, swa]))
+    assert [(i.record.slot_idx, i.record.req_to_token_row)
             for i in incidents] == [(812, 7), (813, 7), (812, 8), (812, 7)]
     first = parse_violation_line(format_violation_line(incidents[0], step=9))
     assert first.launch_tag == "HEAD_K_FULL"
@@ -495,7 +525,7 @@ def test_one_line_per_incident_lists_every_tag():
     tail_kv[c.VIOLATION_FIELD_KERNEL_KIND] = int(CanaryLaunchTag.TAIL_K_FULL)
     tail_kv[c.VIOLATION_FIELD_FAIL_REASON_BITS] = int(
         FailReason.VERIFY_CHAIN_HASH_MISMATCH | FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
-    (both,) = merge_incidents([nxt, tail_kv])
+    (both,) = merge_incidents(decode_ring_rows([nxt, tail_kv]))
     assert "predecessor req_to_token" not in format_violation_block(both, 9)
 
 
@@ -509,7 +539,7 @@ def test_an_incident_unites_the_reasons_of_all_its_rows():
     rows = [_row(tag, 40, 9, 100 + i, -1, 0, 0, bits, read_position=9, req_row=3)
             for i, (tag, bits) in enumerate(zip(tags, reasons))]
     for order in ([0, 1, 2], [2, 1, 0], [1, 0, 2]):
-        (inc,) = merge_incidents([rows[i] for i in order])
+        (inc,) = merge_incidents(decode_ring_rows([rows[i] for i in order]))
         assert inc.fail_bits == int(reasons[0] | reasons[1] | reasons[2])
         assert inc.seen_by == tuple(int(tags[i]) for i in order)
         line = parse_violation_line(format_violation_line(inc, step=4))
@@ -549,7 +579,7 @@ def _row(tag, slot, pos, stored, expected, chain, aux, bits, *, read_position=0,
 def test_violation_line_round_trip(tag, slot, pos, stored, expected, chain, aux, bits, step):
     row = _row(tag, slot, pos, stored, expected, chain, aux, bits, read_position=pos + 1,
                req_row=slot % 5 - 1)
-    line = format_violation_line(row, step=step)
+    line = format_violation_line(ViolationRecord.from_row(row), step=step)
     want = ViolationLine(launch_tag=tag.name, fail_reasons=tuple(FailReason.describe(int(bits))
                                                                  .split("+")),
                          slot_idx=slot, position=pos, stored_token=stored,
@@ -559,7 +589,8 @@ def test_violation_line_round_trip(tag, slot, pos, stored, expected, chain, aux,
     assert parse_violation_line(line) == want
     assert all(0 <= h < 1 << 64 for h in (want.stored_chain_hash, want.expected_aux))
     # a ring row as the host reads it back (an int64 tensor row) formats the same way
-    assert format_violation_line(torch.tensor(row, dtype=torch.int64).tolist(), step=step) == line
+    read_back = torch.tensor(row, dtype=torch.int64).tolist()
+    assert format_violation_line(ViolationRecord.from_row(read_back), step=step) == line
     # inside a log line (timestamp / logger prefix, trailing text) and inside a larger text
     logged = f"[2026-01-01 00:00:00 TP0] WARNING kv_canary: {line}\n  KV slot {slot} failed ..."
     assert parse_violation_line(logged) == want
@@ -575,7 +606,7 @@ def test_parse_violation_line_ignores_other_lines():
     row = _row(CanaryLaunchTag.TAIL_K_FULL, 5, 2, 1, 1, 0, 0,
                FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
     with pytest.raises(RuntimeError) as exc:
-        reporter.report(merge_incidents([row]), step=9, dropped=3)
+        reporter.report(merge_incidents(decode_ring_rows([row])), step=9, dropped=3)
     text = str(exc.value)
     dropped_line = next(x for x in text.splitlines() if "not recorded" in x)
     assert dropped_line.startswith(VIOLATION_LINE_PREFIX)

@@ -13,7 +13,7 @@ import torch
 
 from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
-from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=55, stage="base-b", runner_config="1-gpu-small")

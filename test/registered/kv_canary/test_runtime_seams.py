@@ -25,12 +25,9 @@ from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs, CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
-from sglang.srt.kv_canary.runner.violation import (
-    ViolationReporter,
-    format_violation_line,
-    merge_incidents,
-    parse_violation_lines,
-)
+from sglang.srt.kv_canary.runner.violation import ViolationReporter
+from sglang.srt.kv_canary.runner.violation_line import format_violation_line, parse_violation_lines
+from sglang.srt.kv_canary.runner.violation_record import ViolationRecord, merge_incidents
 from sglang.srt.kv_canary.single_forward_manager import (
     CanaryPhaseError,
     SfmOp,
@@ -336,7 +333,7 @@ def _row(slot, bits=FailReason.VERIFY_REAL_KV_HASH_MISMATCH):
     row[c.VIOLATION_FIELD_POSITION] = 3
     row[c.VIOLATION_FIELD_STORED_CHAIN_HASH] = to_int64(0xF00D << 48)
     row[c.VIOLATION_FIELD_FAIL_REASON_BITS] = int(bits)
-    return row
+    return ViolationRecord.from_row(row)
 
 
 def test_parse_violation_lines_counts_a_line_printed_twice_once():

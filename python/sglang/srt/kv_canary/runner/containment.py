@@ -25,23 +25,14 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.jit_kernel.kv_canary.consts import (
-    VIOLATION_FIELD_KERNEL_KIND,
-    VIOLATION_FIELD_SLOT_IDX,
-    FailReason,
-)
+from sglang.jit_kernel.kv_canary.consts import FailReason
 from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.radix_cache_walker import radix_nodes_holding_slots
 from sglang.srt.kv_canary.runner.ownership import ReleaseGuard
 from sglang.srt.kv_canary.runner.requests import IncidentRequests, RequestResolver
-from sglang.srt.kv_canary.runner.violation import (
-    ViolationIncident,
-    format_rids,
-    parse_rids,
-    row_pool_kind,
-    tag_name,
-)
+from sglang.srt.kv_canary.runner.violation_line import format_rids, parse_rids
+from sglang.srt.kv_canary.runner.violation_record import ViolationIncident
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +46,7 @@ _PREFIX_ABORT_RE = re.compile(re.escape(PREFIX_ABORT_LINE_PREFIX) + r" rids=(\S+
 
 def abort_message(incident: ViolationIncident) -> str:
     """What an aborted request's client receives (its finish reason's message)."""
-    tag = tag_name(int(incident.row[VIOLATION_FIELD_KERNEL_KIND]))
-    return (f"{ABORT_MESSAGE_PREFIX} (launch_tag={tag}, "
+    return (f"{ABORT_MESSAGE_PREFIX} (launch_tag={incident.record.tag_name}, "
             f"fail_reason={FailReason.describe(incident.fail_bits)})")
 
 
@@ -121,8 +111,8 @@ class ContainmentManager:
         return aborted
 
     def _remember(self, inc: ViolationIncident) -> None:
-        slot = int(inc.row[VIOLATION_FIELD_SLOT_IDX])
-        kind = row_pool_kind(inc.row)
+        slot = inc.record.slot_idx
+        kind = inc.record.pool_kind
         if kind == PoolKind.FULL:
             full = [slot]
         elif self.swa_index_lut is not None:

@@ -46,7 +46,11 @@ from sglang.jit_kernel.kv_canary.types import (
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.radix_cache_walker import host_resident_nodes
-from sglang.srt.kv_canary.runner.violation import ViolationIncident, merge_incidents
+from sglang.srt.kv_canary.runner.violation_record import (
+    ViolationIncident,
+    ViolationRecord,
+    merge_incidents,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +168,7 @@ class HostTierMirror:
         self.sweep_cursor = int((self.sweep_cursor + take) % total)
         slots, positions = slots[pick], positions[pick]
         self.swept_slots += take
-        rows = []
+        records = []
         for half, tail in self.tails:
             source = self.host_sources[half]
             fp = real_kv_fingerprint_t((source,), (source.words_to_fold(self.mode),), slots)
@@ -172,10 +176,13 @@ class HostTierMirror:
             bad = (rec[:, CANARY_FIELD_REAL_KV_HASH] != fp).nonzero().flatten().tolist()
             tag = CanaryLaunchTag.of(CanaryPhase.SWEEP, half, PoolKind.FULL)
             for i in bad:
-                rows.append([int(tag), int(slots[i]), int(rec[i, CANARY_FIELD_POSITION]),
-                             int(rec[i, CANARY_FIELD_TOKEN]), NO_EXPECTED_TOKEN,
-                             int(rec[i, CANARY_FIELD_PREV_HASH]),
-                             int(rec[i, CANARY_FIELD_PREV_HASH]),
-                             int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH), int(positions[i]),
-                             HOST_TIER_ROW, NO_KV_LAYER])
-        return merge_incidents(rows)
+                prev = int(rec[i, CANARY_FIELD_PREV_HASH])
+                records.append(ViolationRecord(
+                    launch_tag=int(tag), slot_idx=int(slots[i]),
+                    position=int(rec[i, CANARY_FIELD_POSITION]),
+                    stored_token=int(rec[i, CANARY_FIELD_TOKEN]),
+                    expected_token=NO_EXPECTED_TOKEN, stored_chain_hash=prev, expected_aux=prev,
+                    fail_bits=int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH),
+                    read_position=int(positions[i]), req_to_token_row=HOST_TIER_ROW,
+                    kv_layer=NO_KV_LAYER))
+        return merge_incidents(records)

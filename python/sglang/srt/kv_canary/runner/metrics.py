@@ -15,9 +15,9 @@ from __future__ import annotations
 import functools
 from typing import Dict, Sequence
 
-from sglang.jit_kernel.kv_canary.consts import VIOLATION_FIELD_KERNEL_KIND, FailReason
+from sglang.jit_kernel.kv_canary.consts import FailReason
 from sglang.srt.kv_canary.memory import CanaryMemory
-from sglang.srt.kv_canary.runner.violation import ViolationIncident, tag_name
+from sglang.srt.kv_canary.runner.violation_record import ViolationIncident
 
 VIOLATIONS = "sglang:kv_canary_violations_total"
 VERIFIED_SLOTS = "sglang:kv_canary_verified_slots_total"
@@ -122,7 +122,7 @@ class CanaryMetrics:
         """One increment per reported line, labelled as the line is."""
         for inc in incidents:
             self._violations.labels(
-                **self.labels, launch_tag=tag_name(int(inc.row[VIOLATION_FIELD_KERNEL_KIND])),
+                **self.labels, launch_tag=inc.record.tag_name,
                 fail_reason=FailReason.describe(inc.fail_bits)).inc()
         if dropped:
             self._dropped.inc(dropped)

@@ -26,14 +26,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.jit_kernel.kv_canary.consts import (
-    HOST_TIER_ROW,
-    VIOLATION_FIELD_REQ_TO_TOKEN_ROW,
-    VIOLATION_FIELD_SLOT_IDX,
-)
 from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary import sglang_seam as seam
-from sglang.srt.kv_canary.runner.violation import ViolationIncident, row_pool_kind
+from sglang.srt.kv_canary.runner.violation_record import ViolationIncident
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -110,7 +105,7 @@ class RequestResolver:
         out = []
         for i, inc in enumerate(incidents):
             reqs: List[object] = []
-            row = int(inc.row[VIOLATION_FIELD_REQ_TO_TOKEN_ROW])
+            row = inc.record.req_to_token_row
             if row >= 0:
                 reqs += [r for r, snap in zip(forward.reqs, forward.rows) if snap == row]
             reqs += [candidates[j][0] for j in mapped[i]]
@@ -162,14 +157,13 @@ class RequestResolver:
             by_kind[PoolKind.SWA] = self.swa_index_lut.to(torch.int64)[table]
         hits = []
         for inc in incidents:
-            kind = row_pool_kind(inc.row)
-            slots = by_kind.get(kind)
-            if int(inc.row[VIOLATION_FIELD_REQ_TO_TOKEN_ROW]) == HOST_TIER_ROW:
+            slots = by_kind.get(inc.record.pool_kind)
+            if inc.record.on_host_tier:
                 slots = None  # a host-pool index, not a device slot: no request maps it
             if slots is None:
                 hits.append(torch.zeros(len(candidates), dtype=torch.bool, device=device))
                 continue
-            slot = int(inc.row[VIOLATION_FIELD_SLOT_IDX])
+            slot = inc.record.slot_idx
             hits.append(((slots == slot) & live).any(dim=1))
         self.device_reads += 1
         with violation_path_sync(device):

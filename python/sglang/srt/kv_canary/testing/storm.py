@@ -65,7 +65,7 @@ from sglang.srt.kv_canary.runner.ownership import (
     RELEASE_LINE_PREFIX,
     parse_unattributed,
 )
-from sglang.srt.kv_canary.runner.violation import parse_violation_lines
+from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
     ServerProcess,
     build_libcuda_stub,
