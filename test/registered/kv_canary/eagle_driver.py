@@ -40,7 +40,7 @@ from serving_driver import VOCAB, DriverReq, next_token
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig
-from sglang.srt.kv_canary.perturb.config import RankFacts
+from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode

@@ -2,9 +2,11 @@
 
 ``import-linter`` / ``grimp`` refuse ``sglang.srt.kv_canary`` as a root (it is a sub-package
 of the installed ``sglang``), so this reads the imports itself with ``ast``: every ``import`` /
-``from ... import`` of every ``.py`` under a source root, with its line, whether it sits under
-``if TYPE_CHECKING:`` (never executed: left out of the checks) and whether it is inside a
-function (a lazy import still counts: it runs the first time the function does).
+``from ... import`` of every ``.py`` under a source root, with its line. Every import counts,
+wherever it sits: inside a function (a lazy import runs the first time the function does) and
+under ``if TYPE_CHECKING:`` (never executed, but an annotation naming a higher layer's type is
+the same dependency, and a circle through one is still a circle); ``typing_edges`` lists the
+latter apart.
 
 Modules are named from their path under the root (``python/``): ``a/b/c.py`` is ``a.b.c``,
 ``a/b/__init__.py`` is ``a.b``. An import resolves to the longest module of the tree it names
@@ -58,8 +60,8 @@ def _imports(tree: ast.Module) -> Iterable[Tuple[ast.stmt, bool]]:
 
 class ImportGraph:
     """``modules``: name → path of every module under ``root`` whose name starts with one of
-    ``packages``; ``edges``: their executed imports (TYPE_CHECKING ones are in
-    ``typing_edges``)."""
+    ``packages``; ``edges``: their executed imports; ``typing_edges``: those under
+    ``if TYPE_CHECKING:``. The checks read both (:meth:`all_edges`)."""
 
     def __init__(self, root: pathlib.Path, packages: Sequence[str]):
         self.root = pathlib.Path(root)
@@ -105,8 +107,12 @@ class ImportGraph:
                             target is not None))
         return out
 
+    def all_edges(self) -> List[Edge]:
+        """Every import: executed and ``TYPE_CHECKING`` ones."""
+        return self.edges + self.typing_edges
+
     def internal_edges(self) -> List[Edge]:
-        return [e for e in self.edges if e.internal and e.target != e.source]
+        return [e for e in self.all_edges() if e.internal and e.target != e.source]
 
     def cycles(self) -> List[List[str]]:
         """The strongly connected components with more than one module (Tarjan), each sorted;

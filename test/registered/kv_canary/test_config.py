@@ -178,7 +178,7 @@ def test_rank_targets_parse_match_and_are_checked_against_the_server(monkeypatch
     """SGLANG_KV_CANARY_PERTURB_TP_RANK / _PP_RANK / _DP_RANK make faults happen on
     one rank only (default: every rank); a rank the server does not have is refused at
     start-up, naming the variable, the size flag and the allowed ranks."""
-    from sglang.srt.kv_canary.perturb.config import RankFacts
+    from sglang.srt.kv_canary.ranks import RankFacts
 
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.5")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TP_RANK", " 1 ")

@@ -23,7 +23,8 @@ from sglang.srt.kv_canary.runner.containment import (
     parse_prefix_abort_rids,
 )
 from sglang.srt.kv_canary.runner.metrics import CanaryMetrics
-from sglang.srt.kv_canary.runner.requests import ForwardRequests, RequestResolver
+from sglang.srt.kv_canary.batch_state import ForwardRequests
+from sglang.srt.kv_canary.runner.requests import RequestResolver
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 from sglang.srt.kv_canary.runner.violation_record import ViolationRecord, merge_incidents
 from sglang.srt.managers.schedule_batch import FINISH_ABORT

@@ -34,7 +34,7 @@ from sglang.srt.kv_canary.runner.violation_record import (
     decode_ring_rows,
     merge_incidents,
 )
-from sglang.srt.kv_canary.perturb.config import RankFacts
+from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.single_forward_manager import CanaryPhaseError
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.test.ci.ci_register import register_cpu_ci

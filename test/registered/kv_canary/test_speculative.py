@@ -67,7 +67,7 @@ def test_the_draft_pool_needs_the_token_offset():
     d = EagleDriver(steps=3, seed=4, mode="raise", verify_tokens=True)
     from sglang.srt.kv_canary.builder import build_canary
     from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
-    from sglang.srt.kv_canary.perturb.config import RankFacts
+    from sglang.srt.kv_canary.ranks import RankFacts
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     pool = MHATokenToKVPool(size=1024, page_size=1, dtype=torch.bfloat16, head_num=2,
@@ -415,7 +415,8 @@ def test_scheduler_draft_runner_is_found_for_both_spec_versions():
 
 
 def test_perturbation_can_target_the_draft_worker_only():
-    from sglang.srt.kv_canary.perturb.config import PerturbConfig, RankFacts
+    from sglang.srt.kv_canary.perturb.config import PerturbConfig
+    from sglang.srt.kv_canary.ranks import RankFacts
 
     cfg = PerturbConfig(req_to_token_prob=1.0, target_worker="draft")
     assert cfg.injects_on(RankFacts(draft=True)) and not cfg.injects_on(RankFacts())

@@ -19,12 +19,8 @@ from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.memory import format_bytes
 from sglang.srt.kv_canary.memory_budget import CanaryMemoryReservation, reserve_canary_memory
-from sglang.srt.kv_canary.perturb.config import (
-    TARGET_WORKER_VAR,
-    WORKER_DRAFT,
-    FaultKind,
-    RankFacts,
-)
+from sglang.srt.kv_canary.perturb.config import TARGET_WORKER_VAR, WORKER_DRAFT, FaultKind
+from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.runner import CanaryManager
 from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
 from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND

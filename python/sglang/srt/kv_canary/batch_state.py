@@ -1,26 +1,50 @@
-"""``CanaryBatchState``: the canary's host-side data for one ``ForwardBatch``.
+"""``CanaryBatchState``: the canary's host-side data for one ``ForwardBatch``, and the plain
+data types it carries.
 
 One object per batch, attached through the sglang seam (the batch's only canary attribute),
 created by the ``ForwardBatch.init_new`` hook and read by the single-forward manager that
-runs the batch. Its fields are handles the canary's owners hand themselves: the token-history
-snapshot (owned by :class:`~sglang.srt.kv_canary.token_history.TokenHistoryUploader`) and the
-token oracle's rows (owned by
-:class:`~sglang.srt.kv_canary.token_oracle.manager.TokenOracleManager`) and the batch's
-requests with their ``req_to_token`` rows (owned by the runner, which names them in
-violation reports). Host only.
+runs the batch. Each field has one owner, which fills it: the batch's requests with their
+``req_to_token`` rows (:class:`ForwardRequests`, the runner's: it names them in violation
+reports), the token oracle's rows (:class:`OracleRows`, the token oracle manager's) and the
+token-history snapshot (an opaque handle of
+:class:`~sglang.srt.kv_canary.token_history.TokenHistoryUploader`, which alone reads it).
+Host only; this leaf imports nothing of the layers above it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import dataclasses
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
 
 from sglang.srt.kv_canary import sglang_seam
 
-if TYPE_CHECKING:
-    from sglang.srt.kv_canary.sglang_seam import ForwardBatch  # noqa: F401
-    from sglang.srt.kv_canary.token_history import TokenIdSnapshot
-    from sglang.srt.kv_canary.runner.requests import ForwardRequests
-    from sglang.srt.kv_canary.token_oracle.manager import OracleRows
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ForwardRequests:
+    """The requests of one forward batch and their ``req_to_token`` rows, as the
+    ``ForwardBatch.init_new`` hook saw them (``rows[i]`` is ``reqs[i]``'s row then)."""
+
+    reqs: Tuple[object, ...]
+    rows: Tuple[Optional[int], ...]
+
+    @classmethod
+    def of(cls, reqs: Optional[Sequence]) -> "ForwardRequests":
+        reqs = tuple(reqs or ())
+        return cls(reqs, tuple(sglang_seam.req_pool_row(r) for r in reqs))
+
+
+NO_FORWARD_REQUESTS = ForwardRequests((), ())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OracleRows:
+    """Host view of a batch for the token oracle: ``keys`` int64 ``[bs]`` and each request's
+    prompt (``origin_input_ids``), row-aligned with the batch."""
+
+    keys: np.ndarray
+    prompts: Tuple[Sequence[int], ...]
 
 
 class CanaryBatchState:
@@ -34,9 +58,10 @@ class CanaryBatchState:
     def __init__(self):
         # token checks: the requests the upload snapshots, then the snapshot it took
         self.token_reqs: Optional[tuple] = None
-        self.token_snapshot: Optional["TokenIdSnapshot"] = None
-        self.oracle_rows: Optional["OracleRows"] = None
-        self.requests: Optional["ForwardRequests"] = None
+        # the token-history uploader's own snapshot type, opaque here
+        self.token_snapshot: Optional[object] = None
+        self.oracle_rows: Optional[OracleRows] = None
+        self.requests: Optional[ForwardRequests] = None
 
 
 def batch_state(forward_batch) -> Optional[CanaryBatchState]:

@@ -16,7 +16,7 @@ from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs, CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.memory import CanaryMemoryInputs, GroupGeometry
-from sglang.srt.kv_canary.perturb.config import RankFacts
+from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
 from sglang.srt.kv_canary.runner import CanaryManager
 from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager

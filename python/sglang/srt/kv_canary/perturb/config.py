@@ -13,6 +13,7 @@ import enum
 from typing import Optional
 
 from sglang.jit_kernel.kv_canary.types import KvHalf, PoolKind
+from sglang.srt.kv_canary.ranks import RankFacts
 
 
 class FaultKind(str, enum.Enum):
@@ -52,38 +53,6 @@ RANK_TARGETS = (
     ("target_pp_rank", "SGLANG_KV_CANARY_PERTURB_PP_RANK", "--pp-size", "pp"),
     ("target_dp_rank", "SGLANG_KV_CANARY_PERTURB_DP_RANK", "--dp-size", "dp"),
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class RankFacts:
-    """Which rank of each parallel dimension a model runner is (0 when the dimension is not
-    used), and the sizes; what the rank targets are matched and checked against."""
-
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    dp_rank: int = 0
-    dp_size: int = 1
-    draft: bool = False  # an EAGLE draft model's runner (shares the target's ranks)
-
-    def rank(self, dim: str) -> int:
-        return getattr(self, f"{dim}_rank")
-
-    def size(self, dim: str) -> int:
-        return getattr(self, f"{dim}_size")
-
-    def describe(self) -> str:
-        return self.describe_rank() + (", EAGLE draft worker" if self.draft else "")
-
-    @property
-    def several(self) -> bool:
-        """More than one scheduler rank (TP, PP or DP): reports must say which one."""
-        return self.tp_size * self.pp_size * self.dp_size > 1
-
-    def describe_rank(self) -> str:
-        """``tp_rank T, pp_rank P, dp_rank D`` (the rank alone, draft or not)."""
-        return f"tp_rank {self.tp_rank}, pp_rank {self.pp_rank}, dp_rank {self.dp_rank}"
 
 
 _TARGET_GROUPS = {"full": PoolKind.FULL, "swa": PoolKind.SWA}

@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 from sglang.jit_kernel.kv_canary.types import CanaryPhase, PoolKind
-from sglang.srt.kv_canary.batch_state import batch_state, batch_state_for
+from sglang.srt.kv_canary.batch_state import (
+    NO_FORWARD_REQUESTS,
+    ForwardRequests,
+    batch_state,
+    batch_state_for,
+)
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import REPLAY_TOKENS_PER_REQUEST, CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
@@ -39,19 +44,14 @@ from sglang.srt.kv_canary.memory import (
     host_mirror_bytes_per_slot,
 )
 from sglang.srt.kv_canary.perturb import CanaryPerturber
-from sglang.srt.kv_canary.perturb.config import RankFacts
+from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.runner.containment import ContainmentManager
 from sglang.srt.kv_canary.runner.device_host import DelayedDeviceHostHandler
 from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
 from sglang.srt.kv_canary.runner.hicache import HostTierMirror
 from sglang.srt.kv_canary.runner.metrics import CanaryMetrics
 from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
-from sglang.srt.kv_canary.runner.requests import (
-    NO_FORWARD_REQUESTS,
-    ForwardRequests,
-    RequestResolver,
-    violation_path_sync,
-)
+from sglang.srt.kv_canary.runner.requests import RequestResolver, violation_path_sync
 from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
 from sglang.srt.kv_canary.runner.swa_divergence import SwaDivergenceReporter
 from sglang.srt.kv_canary.runner.sweep import SweepOrchestrator

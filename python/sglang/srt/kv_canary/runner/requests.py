@@ -28,24 +28,8 @@ import torch
 
 from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary import sglang_seam as seam
+from sglang.srt.kv_canary.batch_state import ForwardRequests
 from sglang.srt.kv_canary.runner.violation_record import ViolationIncident
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ForwardRequests:
-    """The requests of one forward batch and their ``req_to_token`` rows, as the
-    ``ForwardBatch.init_new`` hook saw them (``rows[i]`` is ``reqs[i]``'s row then)."""
-
-    reqs: Tuple[object, ...]
-    rows: Tuple[Optional[int], ...]
-
-    @classmethod
-    def of(cls, reqs: Optional[Sequence]) -> "ForwardRequests":
-        reqs = tuple(reqs or ())
-        return cls(reqs, tuple(seam.req_pool_row(r) for r in reqs))
-
-
-NO_FORWARD_REQUESTS = ForwardRequests((), ())
 
 
 @contextlib.contextmanager

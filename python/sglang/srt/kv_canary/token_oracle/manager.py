@@ -19,14 +19,13 @@ write launches read.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from sglang.srt.kv_canary import sglang_seam
-from sglang.srt.kv_canary.batch_state import CanaryBatchState, batch_state
+from sglang.srt.kv_canary.batch_state import CanaryBatchState, OracleRows, batch_state
 from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
 from sglang.srt.kv_canary.plan_input import host_prefix_extend
 from sglang.srt.kv_canary.token_oracle.oracle import (
@@ -34,15 +33,6 @@ from sglang.srt.kv_canary.token_oracle.oracle import (
     oracle_tokens,
     request_oracle_key,
 )
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class OracleRows:
-    """Host view of a batch for the oracle: ``keys`` int64 ``[bs]`` and each request's prompt
-    (``origin_input_ids``), row-aligned with the batch."""
-
-    keys: np.ndarray
-    prompts: Tuple[Sequence[int], ...]
 
 
 def _compute_req_key(req) -> int:

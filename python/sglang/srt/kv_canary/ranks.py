@@ -1,0 +1,41 @@
+"""Which worker a model runner is: its rank in each parallel dimension and whether it is an
+EAGLE draft model's runner. Built once per runner by the api from sglang's ``ModelRunner``;
+read by the builder, the runner (reports name the rank on a server of several) and the
+self-test's rank targets (docs/user_guide.md, "Self-tests: fault injection, the token oracle,
+the demo"). Plain values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFacts:
+    """Which rank of each parallel dimension a model runner is (0 when the dimension is not
+    used), and the sizes; what the rank targets are matched and checked against."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    draft: bool = False  # an EAGLE draft model's runner (shares the target's ranks)
+
+    def rank(self, dim: str) -> int:
+        return getattr(self, f"{dim}_rank")
+
+    def size(self, dim: str) -> int:
+        return getattr(self, f"{dim}_size")
+
+    def describe(self) -> str:
+        return self.describe_rank() + (", EAGLE draft worker" if self.draft else "")
+
+    @property
+    def several(self) -> bool:
+        """More than one scheduler rank (TP, PP or DP): reports must say which one."""
+        return self.tp_size * self.pp_size * self.dp_size > 1
+
+    def describe_rank(self) -> str:
+        """``tp_rank T, pp_rank P, dp_rank D`` (the rank alone, draft or not)."""
+        return f"tp_rank {self.tp_rank}, pp_rank {self.pp_rank}, dp_rank {self.dp_rank}"
