@@ -41,8 +41,10 @@ def check(root: pathlib.Path, docs: pathlib.Path) -> list:
            if section not in known.get(doc, set())]
     bad += [f"{p.relative_to(REPO)} cites the SPEC" for p in sorted(root.rglob("*.py"))
             if SPEC_MARK in p.read_text()]
+    # code, scripts and the prose beside them (benchmark/results/*.md) alike
     bad += [f"{p.relative_to(REPO)} names a tracker item: {m.group(0)!r}"
-            for p in sorted(root.rglob("*.py")) for m in TRACKER_REF.finditer(p.read_text())]
+            for p in sorted(root.rglob("*")) if p.suffix in (".py", ".md", ".sh")
+            for m in TRACKER_REF.finditer(p.read_text())]
     return bad
 
 

@@ -37,7 +37,7 @@ def mutants():
         sys.path.remove(str(MUTATION_DIR))
 
 
-def test_ids_are_unique_and_the_issue_25_rows_are_kept(mutants):
+def test_ids_are_unique_and_the_audit_rows_are_kept(mutants):
     ids = [m.id for m in mutants]
     assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
     for row in range(1, 11):
