@@ -48,21 +48,17 @@ sys.path.insert(0, str(HERE))
 from common import PROJECT_STACK, UPSTREAM_STACK, upstream_env  # noqa: E402
 from side_by_side_workload import INFO_PREFIX, RESULT_PREFIX  # noqa: E402
 
-from sglang.srt.kv_canary.demo import demo_requests  # noqa: E402
+from sglang.srt.kv_canary.demo import (  # noqa: E402
+    DEMO_ENGINE_ARGS,
+    DEMO_ENV,
+    demo_requests,
+)
 
 WORKLOAD = HERE / "side_by_side_workload.py"
 
 # the settings of every run, both stacks: the demo's (see the module docstring)
-RUN_ENV = {
-    "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "1",
-    "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "1",
-    "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-    "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10",
-    "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "30",
-}
-RUN_ENGINE_ARGS = dict(kv_canary="raise", kv_canary_real_data="partial",
-                       kv_canary_sweep_interval=2, chunked_prefill_size=32,
-                       max_total_tokens=384, max_running_requests=8, log_level="info")
+RUN_ENV = DEMO_ENV
+RUN_ENGINE_ARGS = DEMO_ENGINE_ARGS
 
 
 @dataclasses.dataclass(frozen=True)
