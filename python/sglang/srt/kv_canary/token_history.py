@@ -1,44 +1,16 @@
-"""Token-id verification inputs (docs/architecture.md, "Token checks"): each request's own
-token history, scattered into the expected-token pool that the plan gathers from.
+"""Token-id verification inputs: each request's own token history, scattered into the
+expected-token pool that the plan gathers from (docs/architecture.md, "Token checks"; the
+packed layout: docs/architecture.md, "Token-id scatter").
 
 One owner, :class:`TokenHistoryUploader` (built by the canary builder, handed to every
-single-forward manager), and one direction: where the batch is built (the
-``ForwardBatch.init_new`` hook, only when ``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1``)
-:meth:`TokenHistoryUploader.defer_snapshot` records the batch's requests in its
-:class:`~sglang.srt.kv_canary.batch_state.CanaryBatchState`; the upload
-(:meth:`TokenHistoryUploader.stage_for_replay` right before a CUDA-graph replay,
-:meth:`TokenHistoryUploader.upload` in an eager forward after the model's kernels are queued)
-snapshots ``origin_input_ids + output_ids`` of every request on the host into a
-:class:`TokenIdSnapshot` (kept on the batch state, so a batch run again uploads the same one),
-copies it to the device and scatters it into ``req_to_verify_expected_tokens[req_pool_index,
-position]``. Positions past a request's snapshot length (the token being sampled now, an
-output id not yet known under overlap scheduling, a recycled row's stale tail) are outside
-its valid length and unchecked.
-
-The upload is one packed buffer (layout: ``sglang.jit_kernel.kv_canary.types``,
-``PACKED_TOKENS_*``) and one launch of the packed scatter, which also writes the plan's valid
-lengths. Where a CUDA graph replays the forward (sglang's decode, target-verify, draft and
-draft-extend graphs), the scatter is captured in the graph, reading a static device buffer
-(:attr:`TokenHistoryUploader.replay_buffer`); before the replay the host only copies the
-snapshot there (:meth:`TokenHistoryUploader.stage_for_replay`: one copy, no launch). A
-snapshot larger than that buffer is scattered by its own launch before the replay, and the
-graph's scatter then gets its lengths only.
-
-Incremental snapshots (what the runtime uses). A request's history only grows, and its pool
-row keeps what earlier forwards scattered, so re-sending the whole history every step is pure
-host work (a decode step at bs 1 with a 1.5k-token history spent most of its canary cost
-there). :class:`ExpectedTokenRows` remembers, per pool row, which request's history the row
-holds and how many of its tokens; :meth:`ExpectedTokenRows.snapshot` then snapshots only the
-tokens a row lacks, with each request's start (``TokenIdSnapshot.starts``) giving the first
-position of its segment. Its length (``TokenIdSnapshot.lens``) is always the request's whole
-length (it bounds the positions the plan checks). Everything lives in one pinned host buffer,
-so the upload is one copy.
-
-Uploads must happen in snapshot order for the "row already holds it" claims to be true. A
-snapshot that is uploaded out of order (one built but never run, so rows lack what later
-snapshots assume) is detected by its sequence number: the record is reset and that batch is
-re-snapshotted in full from its requests before the upload, so no check ever reads a
-position that was not written.
+single-forward manager): :meth:`~TokenHistoryUploader.defer_snapshot` records a batch's
+requests where the batch is built; :meth:`~TokenHistoryUploader.upload` (eager forwards) and
+:meth:`~TokenHistoryUploader.stage_for_replay` (graph replays: one host copy into the static
+:attr:`~TokenHistoryUploader.replay_buffer`, no launch) send a :class:`TokenIdSnapshot` of only
+the tokens each pool row lacks (:class:`ExpectedTokenRows`). Positions past a request's
+snapshot length are unchecked. Uploads must come in snapshot order; one that does not is
+detected by its sequence number and that batch is re-sent whole. Host side plus one copy and
+at most one launch per upload; graph-safe where it says so.
 """
 
 from __future__ import annotations
