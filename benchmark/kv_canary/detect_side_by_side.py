@@ -14,15 +14,16 @@ Two tables (docs/user_guide.md, "Self-tests: fault injection, the token oracle, 
   stacks print the ``kv_canary violation: launch_tag=... fail_reason=... slot_idx=...`` line of
   the record format), the first such report, and how the run ended.
 - **deployments**: MLA (a tiny DeepSeek-V2), HiCache, EAGLE and ``--kv-canary abort``, each
-  started clean and with a ``req_to_token`` fault: whether the stack refuses the deployment at
-  start-up (and its message), installs the canary (its start-up line) and catches the fault,
-  runs without guarding, or crashes.
+  started with the canary off (the control), clean and with a ``req_to_token`` fault: whether
+  the stack's sglang serves it at all, whether the stack refuses the deployment at start-up
+  (and its message), installs the canary (its start-up line) and catches the fault, runs
+  without guarding, or crashes.
 
 Each run is a child process (``side_by_side_workload.py``) with the stack's ``PYTHONPATH``
 (upstream's: ``benchmark/kv_canary/upstream_site`` first, as ``bench_interleaved.py`` does);
 the child imports nothing of this project. Upstream's runs need ``--upstream-site`` (the
 directory ``upstream_bundle.sh``'s bundles install into); without it only this project's stack
-runs, which is what CPU CI checks (``--device cpu``: no HiCache, no EAGLE on the CPU)::
+runs, which is what CPU CI checks (``--device cpu``: no MLA, HiCache or EAGLE on the CPU)::
 
     python benchmark/kv_canary/detect_side_by_side.py --upstream-site /tmp/site_up \\
         --jobs 4 --logs /tmp/sbs_logs --json /tmp/sbs.json
@@ -101,7 +102,9 @@ class Deployment:
 
 
 DEPLOYMENTS = {d.name: d for d in (
-    Deployment("mla", "deepseek_v2"),
+    # sglang's CPU attention (torch_native) has no MLA and its Triton backend runs there only
+    # under the interpreter, too slow for this workload (test_e2e_mla_server covers MLA on CPU)
+    Deployment("mla", "deepseek_v2", (("attention_backend", "triton"),), cpu=False),
     Deployment("hicache", "llama", (("enable_hierarchical_cache", True), ("hicache_ratio", 4)),
                cpu=False),
     Deployment("eagle", "llama", (("speculative_algorithm", "EAGLE"),
@@ -111,6 +114,7 @@ DEPLOYMENTS = {d.name: d for d in (
     Deployment("abort", "llama", (("kv_canary", "abort"),)),
 )}
 PROBE_FAULT = "req_to_token"  # the fault each deployment is also started with
+OFF_SUFFIX = ":off"  # a deployment's control run: the same server with the canary off
 
 # how each stack's canary says it is on (its start-up line): one per worker it guards
 INSTALLED_MARK = {PROJECT_STACK: "kv_canary installed", UPSTREAM_STACK: "install_canary:"}
@@ -255,10 +259,12 @@ def plan(*, stacks: Sequence[str], faults: Sequence[str], deployments: Sequence[
          models: Dict[str, str], draft_dir: Optional[str], make_kwargs, base_env: Dict[str, str],
          upstream_site: Optional[str]) -> List[Run]:
     """Every run, stack by stack: the clean run and each fault (the detection table), then each
-    deployment clean and with :data:`PROBE_FAULT`."""
+    deployment with the canary off (no canary flag or variable), clean, and with
+    :data:`PROBE_FAULT`."""
     runs = []
     for stack in stacks:
-        env0 = {**stack_env(base_env, stack, upstream_site), **RUN_ENV}
+        bare = stack_env(base_env, stack, upstream_site)  # no canary variable at all
+        env0 = {**bare, **RUN_ENV}
         for case in faults:
             fault_env = FAULTS[case].env if case in FAULTS else {}
             runs.append(Run(stack, case, make_kwargs(models["llama"], **RUN_ENGINE_ARGS),
@@ -268,6 +274,9 @@ def plan(*, stacks: Sequence[str], faults: Sequence[str], deployments: Sequence[
             args = dict(RUN_ENGINE_ARGS, **dict(d.engine_args))
             if d.draft:
                 args["speculative_draft_model_path"] = draft_dir
+            off = {k: v for k, v in args.items() if not k.startswith("kv_canary")}
+            runs.append(Run(stack, name + OFF_SUFFIX,
+                            make_kwargs(models[d.model], kv_canary="none", **off), bare))
             for fault in (None, FAULTS[PROBE_FAULT]):
                 runs.append(Run(stack, name if fault is None else f"{name}+{fault.name}",
                                 make_kwargs(models[d.model], **args),
@@ -302,8 +311,13 @@ def detection_table(results: Sequence[RunResult]) -> str:
                    "the run"), rows)
 
 
-def deployment_verdict(clean: RunResult, probed: Optional[RunResult]) -> str:
-    """What a stack does with a deployment, from its clean run and its ``req_to_token`` run."""
+def deployment_verdict(clean: RunResult, probed: Optional[RunResult],
+                       off: Optional[RunResult] = None) -> str:
+    """What a stack does with a deployment, from its clean run, its ``req_to_token`` run and
+    its canary-off control (a deployment the stack's sglang cannot serve with the canary off
+    says nothing of the canary)."""
+    if off is not None and (not off.served or off.failed_waves):
+        return f"sglang itself fails it (canary off): {off.error or off.ended}"
     if not clean.served:
         text = clean.error or "no error line"
         return (f"refuses at start-up: {text}" if clean.installed == 0
@@ -331,7 +345,8 @@ def deployment_table(results: Sequence[RunResult]) -> str:
         if case not in DEPLOYMENTS:
             continue
         probed = by_key.get((stack, f"{case}+{PROBE_FAULT}"))
-        rows.append((case, stack, r.version or "?", deployment_verdict(r, probed)))
+        off = by_key.get((stack, case + OFF_SUFFIX))
+        rows.append((case, stack, r.version or "?", deployment_verdict(r, probed, off)))
     return _table(("deployment", "stack", "sglang", "what it does"), rows)
 
 
@@ -380,7 +395,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     gpu_only = [d for d in deployments if args.device == "cpu" and not DEPLOYMENTS[d].cpu]
     if gpu_only:
         p.error(f"--deployments {','.join(gpu_only)} needs --device cuda: sglang 0.5.12 runs "
-                "HiCache's host pool and EAGLE's CUDA graphs only there")
+                "HiCache's host pool and EAGLE's CUDA graphs only there, and its CPU attention "
+                "has no MLA")
 
     from sglang.srt.kv_canary.testing.server_harness import (
         build_libcuda_stub,

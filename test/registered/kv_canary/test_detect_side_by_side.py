@@ -108,8 +108,8 @@ def test_the_plan_runs_each_fault_and_each_deployment_clean_and_probed(tmp_path)
                     make_kwargs=cpu_engine_kwargs, base_env={}, upstream_site=str(tmp_path))
     cases = [(r.stack, r.case) for r in runs]
     assert cases == [(s, c) for s in ("project", "upstream") for c in (
-        "clean", "real_kv_used", "mla", "mla+req_to_token", "eagle", "eagle+req_to_token",
-        "abort", "abort+req_to_token")]
+        "clean", "real_kv_used", "mla:off", "mla", "mla+req_to_token", "eagle:off", "eagle",
+        "eagle+req_to_token", "abort:off", "abort", "abort+req_to_token")]
     by = {(r.stack, r.case): r for r in runs}
     for stack in ("project", "upstream"):
         clean, used = by[(stack, "clean")], by[(stack, "real_kv_used")]
@@ -124,6 +124,16 @@ def test_the_plan_runs_each_fault_and_each_deployment_clean_and_probed(tmp_path)
         assert eagle.engine_kwargs["speculative_draft_model_path"] == "/m/draft"
         assert eagle.env["SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB"] == "1"
         assert by[(stack, "abort")].engine_kwargs["kv_canary"] == "abort"
+        # the control: the same deployment, no canary flag or variable
+        for name in ("mla", "eagle", "abort"):
+            off = by[(stack, name + ":off")]
+            assert off.engine_kwargs["kv_canary"] == "none"
+            assert not [k for k in off.engine_kwargs if k.startswith("kv_canary_")]
+            assert not [k for k in off.env if k.startswith("SGLANG_KV_CANARY_")]
+            same = {k: v for k, v in by[(stack, name)].engine_kwargs.items()
+                    if not k.startswith("kv_canary") and k != "nccl_port"}
+            assert {k: v for k, v in off.engine_kwargs.items()
+                    if not k.startswith("kv_canary") and k != "nccl_port"} == same
     assert by[("upstream", "clean")].env["PYTHONPATH"].startswith(str(UPSTREAM_SITE_DIR))
     # each server its own port for torch's store
     assert len({r.engine_kwargs["nccl_port"] for r in runs}) == len(runs)
@@ -154,6 +164,17 @@ def test_deployment_verdicts():
         _result(), missed)
     table = sbs.deployment_table([_result(), missed])
     assert "| mla | upstream | 0.5.17 | canary on 1 worker(s) but req_to_token NOT" in table
+    # a deployment the stack's sglang fails with the canary off says nothing of the canary
+    off = _result(case="mla:off", returncode=1, served=False, installed=0,
+                  error="RuntimeError: Expected size [4, 64]")
+    assert sbs.deployment_verdict(crashed, None, off) == (
+        "sglang itself fails it (canary off): RuntimeError: Expected size [4, 64]")
+    assert sbs.deployment_table([crashed, off]).endswith(
+        "| mla | upstream | 0.5.17 | sglang itself fails it (canary off): RuntimeError: "
+        "Expected size [4, 64] |")
+    assert sbs.deployment_verdict(_result(installed=2), caught, _result(case="mla:off",
+                                                                        installed=0)).startswith(
+        "guards")
 
 
 def _cli(*argv, timeout=60):
@@ -166,6 +187,7 @@ def _cli(*argv, timeout=60):
     (["--stacks", "upstream", "--upstream-site", "/x", "--device", "cpu"],
      "--stacks upstream needs --device cuda"),
     (["--device", "cpu", "--deployments", "hicache"], "--deployments hicache needs --device cuda"),
+    (["--device", "cpu", "--deployments", "mla"], "--deployments mla needs --device cuda"),
     (["--faults", "clean,bitrot"], "--faults: unknown bitrot; allowed: clean, req_to_token"),
     (["--jobs", "0"], "--jobs must be >= 1, got 0"),
 ])
@@ -185,7 +207,7 @@ def test_project_stack_on_the_cpu_server(tmp_path):
         env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = {r["case"]: r for r in json.loads((tmp_path / "runs.json").read_text())}
-    assert set(runs) == {"clean", "req_to_token", "abort", "abort+req_to_token"}
+    assert set(runs) == {"clean", "req_to_token", "abort:off", "abort", "abort+req_to_token"}
     assert all(r["stack"] == "project" and r["version"] == "0.5.12" for r in runs.values())
     assert runs["clean"]["served"] and runs["clean"]["reports"] == []
     assert runs["clean"]["installed"] == 1
@@ -202,6 +224,7 @@ def test_project_stack_on_the_cpu_server(tmp_path):
     # (with the fault injected at every step, every wave has an aborted request: the server
     # answered each of the four calls, and shut down cleanly)
     assert runs["abort"]["failed_waves"] == [] and runs["clean"]["failed_waves"] == []
+    assert runs["abort:off"]["served"] and runs["abort:off"]["installed"] == 0
     assert "| abort | project | 0.5.12 | guards: canary on 1 worker(s), req_to_token caught" \
         in proc.stdout
     assert (tmp_path / "logs" / "project_req_to_token.log").is_file()
