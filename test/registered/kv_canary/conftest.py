@@ -14,6 +14,8 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kernel_oracle import IMPLS, make_impl  # noqa: E402  (imports the kernels: after the above)
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
@@ -37,3 +39,10 @@ def reference_kernels_on_cpu(monkeypatch):
     from sglang.jit_kernel.kv_canary import _launch
 
     monkeypatch.setattr(_launch, "TRITON_INTERPRET", False)
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request, device, monkeypatch):
+    """The hand-checked kernel suites' implementation under test: the Triton kernels, then the
+    torch references (``kernel_oracle.make_impl``)."""
+    return make_impl(request.param, device, monkeypatch)

@@ -90,8 +90,8 @@ IMPLS = ("triton", "torch_ref")
 
 
 def make_impl(name: str, device, monkeypatch) -> Impl:
-    """The implementation ``name`` (one of :data:`IMPLS`) of a test's ``impl`` fixture (each
-    test file's: ``@pytest.fixture(params=IMPLS)``, returning this)."""
+    """The implementation ``name`` (one of :data:`IMPLS`) of the ``impl`` fixture
+    (``conftest.py``: ``@pytest.fixture(params=IMPLS)``, returning this)."""
     if name == "triton":
         if device.type == "cpu":
             assert _launch.TRITON_INTERPRET, (

@@ -60,8 +60,6 @@ from kernel_oracle import (
     hand_verify_plan,
     hand_write_plan,
     HEAD,
-    IMPLS,
-    make_impl,
     MASK64,
     rec_hash,
     run_plan,
@@ -70,11 +68,6 @@ from kernel_oracle import (
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=18, suite="stage-a-test-cpu")
-
-
-@pytest.fixture(params=IMPLS)
-def impl(request, device, monkeypatch):
-    return make_impl(request.param, device, monkeypatch)
 
 
 def test_hash_primitives_match_spec():
