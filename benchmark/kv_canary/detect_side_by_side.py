@@ -50,42 +50,18 @@ from common import PROJECT_STACK, UPSTREAM_STACK, upstream_env  # noqa: E402
 from side_by_side_workload import INFO_PREFIX, RESULT_PREFIX  # noqa: E402
 
 from sglang.srt.kv_canary.demo import (  # noqa: E402
+    CASES,
     DEMO_ENGINE_ARGS,
     DEMO_ENV,
+    DemoCase,
     demo_requests,
 )
 
 WORKLOAD = HERE / "side_by_side_workload.py"
 
-# the settings of every run, both stacks: the demo's (see the module docstring)
-RUN_ENV = DEMO_ENV
-RUN_ENGINE_ARGS = DEMO_ENGINE_ARGS
-
-
-@dataclasses.dataclass(frozen=True)
-class Fault:
-    """A fault class both stacks inject: its variable (``..._PROB`` set to 1) and the fail
-    reasons a report of it must carry (one of them)."""
-
-    name: str
-    reasons: Tuple[str, ...]
-    real_kv: bool = False
-
-    @property
-    def env(self) -> Dict[str, str]:
-        env = {f"SGLANG_KV_CANARY_PERTURB_{self.name.upper()}_PROB": "1"}
-        if self.real_kv:
-            env["SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"] = "full"
-        return env
-
-
-FAULTS = {f.name: f for f in (
-    Fault("req_to_token", ("verify_chain_hash", "verify_position", "verify_token")),
-    Fault("real_kv_used", ("verify_real_kv_hash",), real_kv=True),
-    Fault("real_kv_unused_cache", ("verify_real_kv_hash",), real_kv=True),
-    Fault("real_kv_post_forward", ("verify_real_kv_hash",), real_kv=True),
-    Fault("next_token_swap", ("write_token",)),
-)}
+# the fault classes both stacks inject: the demo's cases (its variables, the reasons a report
+# of each must carry) but the HiCache host tier's, which is this project's alone
+FAULTS = {c.name: c for c in CASES if c.fault is not None and not c.hicache}
 CLEAN = "clean"
 
 
@@ -184,7 +160,7 @@ class RunResult:
     error: Optional[str]
     failed_waves: Tuple[str, ...] = ()  # the error of each wave whose call failed
 
-    def caught(self, fault: Optional[Fault]) -> bool:
+    def caught(self, fault: Optional[DemoCase]) -> bool:
         """A report carrying a reason ``fault`` must cause (any report when ``fault`` has no
         fixed reasons, i.e. is None: the clean run's false positives)."""
         if fault is None:
@@ -264,14 +240,14 @@ def plan(*, stacks: Sequence[str], faults: Sequence[str], deployments: Sequence[
     runs = []
     for stack in stacks:
         bare = stack_env(base_env, stack, upstream_site)  # no canary variable at all
-        env0 = {**bare, **RUN_ENV}
+        env0 = {**bare, **DEMO_ENV}
         for case in faults:
             fault_env = FAULTS[case].env if case in FAULTS else {}
-            runs.append(Run(stack, case, make_kwargs(models["llama"], **RUN_ENGINE_ARGS),
+            runs.append(Run(stack, case, make_kwargs(models["llama"], **DEMO_ENGINE_ARGS),
                             {**env0, **fault_env}))
         for name in deployments:
             d = DEPLOYMENTS[name]
-            args = dict(RUN_ENGINE_ARGS, **dict(d.engine_args))
+            args = dict(DEMO_ENGINE_ARGS, **dict(d.engine_args))
             if d.draft:
                 args["speculative_draft_model_path"] = draft_dir
             off = {k: v for k, v in args.items() if not k.startswith("kv_canary")}
