@@ -126,11 +126,33 @@ def test_every_test_server_gets_its_own_ports_outside_the_ephemeral_range(tmp_pa
     engine kwargs names its own ``nccl_port`` (sglang's default is an ephemeral one)."""
     from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
-    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[:2])
+
+    def allowed(p: int) -> bool:
+        return 20000 <= p < 55000 and not low <= p <= high
+
     ports = [free_port() for _ in range(50)]
-    assert all(20000 <= p < min(low, 55000) for p in ports), ports
+    assert all(allowed(p) for p in ports), ports
     picked = [make(str(tmp_path))["nccl_port"] for make in (cpu_engine_kwargs, gpu_engine_kwargs)
               for _ in range(10)]
-    assert all(20000 <= p < min(low, 55000) for p in picked), picked
+    assert all(allowed(p) for p in picked), picked
     assert len(set(picked)) > 1, picked
     assert cpu_engine_kwargs(str(tmp_path), nccl_port=12345)["nccl_port"] == 12345
+
+
+def test_free_port_keeps_out_of_any_ephemeral_range(tmp_path, monkeypatch):
+    """Whatever range the kernel hands outgoing connections, the pick stays outside it (above
+    it when it starts below 20000), and a range covering all of [20000, 55000) is an error
+    naming it, not a silent pick inside it."""
+    from sglang.srt.kv_canary.testing import server_harness
+
+    ranges = tmp_path / "ip_local_port_range"
+    monkeypatch.setattr(server_harness, "_PORT_RANGE_FILE", ranges)
+    ranges.write_text("10000\t40000\n")
+    assert all(40001 <= free_port() < 55000 for _ in range(30))
+    ranges.write_text("30000 50000\n")
+    ports = [free_port() for _ in range(60)]
+    assert all(20000 <= p < 30000 or 50001 <= p < 55000 for p in ports), ports
+    ranges.write_text("1024 65535\n")
+    with pytest.raises(RuntimeError, match="outside the ephemeral range 1024-65535"):
+        free_port()

@@ -315,35 +315,43 @@ def launch_server_flags(port: int, engine_kwargs: dict) -> List[str]:
     return ["--host", "127.0.0.1", "--port", str(port), *engine_kwargs_to_argv(engine_kwargs)]
 
 
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (outgoing connections take theirs
+_PORT_RANGE_FILE = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_range() -> Tuple[int, int]:
+    """The kernel's ephemeral port range, inclusive (outgoing connections take their ports
     from it); Linux's default where ``/proc`` does not say."""
     try:
-        return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+        low, high = (int(x) for x in _PORT_RANGE_FILE.read_text().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def free_port() -> int:
-    """A free port for a test server to listen on (its HTTP port, its ``nccl_port``), below
-    both 55536 (sglang 0.5.12 refuses a port whose ``port + 10000``, its gRPC port, is not a
-    valid port) and the kernel's ephemeral range. Left to sglang, ``nccl_port`` is an
-    ephemeral port that is free when picked and bound only later by torch's rendezvous store;
-    in between any process's outgoing connection may be given it (``EADDRINUSE`` at start-up,
-    seen in CI with the suites' servers side by side)."""
-    high = min(55000, _ephemeral_low())
-    if high <= 20000:
-        high = 55000
+    """A free port for a test server to listen on (its HTTP port, its ``nccl_port``) in
+    [20000, 55000) and outside the kernel's ephemeral range (sglang 0.5.12 refuses a port
+    whose ``port + 10000``, its gRPC port, is not a valid port). Left to sglang, ``nccl_port``
+    is an ephemeral port that is free when picked and bound only later by torch's rendezvous
+    store; in between any process's outgoing connection may be given it (``EADDRINUSE`` at
+    start-up, seen in CI with the suites' servers side by side)."""
+    low, high = _ephemeral_range()
+    ranges = [(a, b) for a, b in ((20000, min(low, 55000)), (max(high + 1, 20000), 55000))
+              if a < b]
+    if not ranges:
+        raise RuntimeError(f"no port in [20000, 55000) outside the ephemeral range {low}-{high} "
+                           f"({_PORT_RANGE_FILE})")
     pick = random.Random()  # not a caller's seeded RNG: two runs must not collide
     for _ in range(200):
-        port = pick.randrange(20000, high)
+        a, b = pick.choice(ranges)
+        port = pick.randrange(a, b)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port in [20000, {high})")
+    raise RuntimeError(f"no free port in {ranges}")
 
 
 def http_call(port: int, method: str, path: str, body=None,
