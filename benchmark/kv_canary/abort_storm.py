@@ -1,6 +1,6 @@
 """A storm of self-test faults on a real HTTP server with many clients, for containment
 (docs/user_guide.md, "Containment: --kv-canary abort"); what it runs and checks:
-:mod:`sglang.srt.kv_canary.testing.storm`.
+:mod:`canary_support.storm` (the test suites' support package).
 
     python benchmark/kv_canary/abort_storm.py --mode abort --seconds 600 --out /tmp/storm
     python benchmark/kv_canary/abort_storm.py --mode log --seconds 600 --out /tmp/storm_log
@@ -17,7 +17,11 @@ import json
 import pathlib
 import sys
 
-from sglang.srt.kv_canary.testing.storm import StormSettings, run_storm
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import use_test_support  # noqa: E402  (a sibling module)
+
+use_test_support()
+from canary_support.storm import StormSettings, run_storm  # noqa: E402
 
 
 def parse_args(argv=None) -> StormSettings:

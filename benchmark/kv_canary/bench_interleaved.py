@@ -127,6 +127,7 @@ from collections.abc import Sequence
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402  (a sibling module)
+    use_test_support,
     ALL_DATA_CONFIG,
     CONFIGS,
     DEFAULT_MODEL,
@@ -156,9 +157,11 @@ from common import (  # noqa: E402  (a sibling module)
     server_prefill_ms,
 )
 
-from sglang.srt.kv_canary.testing.server_harness import (  # noqa: E402
+from sglang.srt.kv_canary.testing.server_harness import free_port  # noqa: E402
+
+use_test_support()
+from canary_support.server_process import (  # noqa: E402
     ServerProcess,
-    free_port,
     http_call,
     launch_server_flags,
 )

@@ -13,6 +13,7 @@ import os
 import pathlib
 import statistics
 import subprocess
+import sys
 import zlib
 from collections.abc import Sequence
 
@@ -131,6 +132,16 @@ PROJECT_STACK, UPSTREAM_STACK = "project", "upstream"
 UPSTREAM_PREFIX = "up:"  # upstream's configs: its own canary, the same flags
 # the isolation folder (its sitecustomize) that goes first on an upstream process's PYTHONPATH
 UPSTREAM_SITE_DIR = pathlib.Path(__file__).resolve().parent / "upstream_site"
+# the test suites' directory: its support package ``canary_support`` (server processes, the
+# tiny model shapes, the containment storm) serves the benchmarks too
+TEST_DIR = pathlib.Path(__file__).resolve().parents[2] / "test" / "registered" / "kv_canary"
+
+
+def use_test_support() -> None:
+    """Make the test suites' ``canary_support`` package importable (appended to ``sys.path``:
+    no test module shadows a benchmark's); call it before importing from it."""
+    if str(TEST_DIR) not in sys.path:
+        sys.path.append(str(TEST_DIR))
 
 
 def upstream_env(env: dict[str, str], upstream_site: str) -> dict[str, str]:
@@ -217,10 +228,7 @@ class EngineSettings:
 
     def engine_kwargs(self, model_dir: str, *, smoke: bool,
                       draft_dir: str | None = None) -> dict:
-        from sglang.srt.kv_canary.testing.server_harness import (
-            cpu_engine_kwargs,
-            gpu_engine_kwargs,
-        )
+        from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
         if smoke:
             return cpu_engine_kwargs(model_dir, chunked_prefill_size=self.chunked_prefill_size,

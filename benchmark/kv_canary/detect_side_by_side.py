@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import PROJECT_STACK, UPSTREAM_STACK, upstream_env  # noqa: E402
+from common import PROJECT_STACK, UPSTREAM_STACK, upstream_env, use_test_support  # noqa: E402
 from side_by_side_workload import INFO_PREFIX, RESULT_PREFIX  # noqa: E402
 
 from sglang.srt.kv_canary.demo import (  # noqa: E402
@@ -379,9 +379,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cpu_engine_kwargs,
         cpu_server_env,
         gpu_engine_kwargs,
-        write_tiny_deepseek_v2,
         write_tiny_llama,
     )
+    use_test_support()
+    from canary_support.tiny_models import write_tiny_deepseek_v2
 
     with tempfile.TemporaryDirectory(prefix="kv_canary_sbs_") as root:
         models = {"llama": write_tiny_llama(os.path.join(root, "llama")),

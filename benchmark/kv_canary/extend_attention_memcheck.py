@@ -19,14 +19,17 @@ Prints one ``SHAPE <name> path=<mha|mla> Lq=.. Lv=.. calls=N ok`` line per shape
 from __future__ import annotations
 
 import argparse
+import pathlib
 import random
+import sys
 
 import torch
 
-from sglang.srt.kv_canary.testing.server_harness import (
-    DEEPSEEK_V3_MLA_DIMS,
-    TINY_DEEPSEEK_V2_CONFIG,
-)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import use_test_support  # noqa: E402  (a sibling module)
+
+use_test_support()
+from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, TINY_DEEPSEEK_V2_CONFIG  # noqa: E402
 
 SHAPES = {"tiny": TINY_DEEPSEEK_V2_CONFIG, "v3": DEEPSEEK_V3_MLA_DIMS}
 HEADS = 4

@@ -26,12 +26,13 @@ import threading
 import time
 from collections import defaultdict
 
-from sglang.srt.kv_canary.testing.server_harness import (
-    DEEPSEEK_V3_MLA_DIMS,
-    write_tiny_deepseek_v2,
-)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import TEST_DIR, use_test_support  # noqa: E402  (a sibling module)
 
-TEST_DIR = pathlib.Path(__file__).resolve().parents[2] / "test" / "registered" / "kv_canary"
+use_test_support()
+from canary_support.script_run import run_support_script  # noqa: E402
+from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2  # noqa: E402
+
 SUPPORT = TEST_DIR / "e2e_support"
 DIMS = {"tiny": {}, "v3": DEEPSEEK_V3_MLA_DIMS}
 MODES = {
@@ -54,13 +55,11 @@ def _hicache_lane_kwargs() -> dict:
 def _one(script: str, model: str, kwargs: dict, env: dict, timeout: float):
     t0 = time.time()
     try:
-        proc = subprocess.run([sys.executable, str(SUPPORT / script), model,
-                               json.dumps(kwargs), "cuda"], env=env, capture_output=True,
-                              text=True, timeout=timeout)
-        rc, out = proc.returncode, proc.stdout + proc.stderr
+        rc, out, result = run_support_script(script, model, json.dumps(kwargs), "cuda", env=env,
+                                             timeout=timeout)
     except subprocess.TimeoutExpired:
-        rc, out = "timeout", ""
-    ok = rc == 0 and any(line.startswith("RESULT ") for line in out.splitlines())
+        rc, out, result = "timeout", "", None
+    ok = rc == 0 and result is not None
     m = ERROR_RE.search(out)
     return ok, rc, time.time() - t0, (m.group(1) if m else ""), out
 

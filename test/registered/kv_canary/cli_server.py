@@ -12,14 +12,13 @@ import sys
 
 import pytest
 
-from sglang.srt.kv_canary.testing.server_harness import (  # noqa: F401  (http_call: tests)
+from canary_support.server_process import (  # noqa: F401  (http_call: tests)
     ServerProcess,
     ServerStartError,
-    cpu_engine_kwargs,
-    free_port,
     http_call,
     launch_server_flags,
 )
+from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, free_port
 
 START_TIMEOUT_S = 240.0
 

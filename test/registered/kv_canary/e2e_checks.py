@@ -5,37 +5,21 @@ was reported with its reason at its slot, and the HiCache host-tier checks."""
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
-import time
 
+from canary_support.script_run import run_support_script
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 
-SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 
 
 def run_workload(script: str, model: str, engine_kwargs: dict, env: dict, *extra: str,
                  timeout: float = 900):
-    """Run ``e2e_support/<script> MODEL KWARGS_JSON [extra...]`` in a fresh process; returns
-    ``(returncode, stdout + stderr, the RESULT json or None)``. With ``KV_CANARY_E2E_LOG_DIR``
-    set, the whole output of each run is also written there (one file per run, named after
-    the test)."""
-    proc = subprocess.run([sys.executable, str(SUPPORT / script), model,
-                           json.dumps(engine_kwargs), *extra],
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    log_dir = os.environ.get("KV_CANARY_E2E_LOG_DIR")  # keep every server's whole log there
-    if log_dir:
-        os.makedirs(log_dir, exist_ok=True)
-        name = f"{os.environ.get('PYTEST_CURRENT_TEST', script).split(' ')[0]}.{time.time_ns()}"
-        with open(os.path.join(log_dir, re.sub(r"[^\w.-]+", "_", name) + ".log"), "w") as f:
-            f.write(json.dumps(engine_kwargs) + "\n" + proc.stdout + proc.stderr)
-    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
-           if x.startswith("RESULT ")]
-    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+    """``e2e_support/<script> MODEL KWARGS_JSON [extra...]`` in a fresh process
+    (:func:`canary_support.script_run.run_support_script`): ``(returncode, stdout + stderr,
+    the RESULT json or None)``."""
+    return run_support_script(script, model, json.dumps(engine_kwargs), *extra, env=env,
+                              timeout=timeout)
 
 
 # every fault class of the perturbation framework, in the FULL group, from step 8 on

@@ -1,42 +1,35 @@
-"""Run ``e2e_support/workload.py`` (the end-to-end workload on an Engine) in a child process,
-for the end-to-end suites on the CPU and on the GPU."""
+"""Run ``e2e_support/workload.py`` (the mixed end-to-end workload on an Engine) in a child
+process, for the end-to-end suites on the CPU and on the GPU."""
 
 from __future__ import annotations
 
 import json
 import os
-import pathlib
-import subprocess
-import sys
 from typing import Dict, Mapping, Optional, Tuple
 
-SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
+from canary_support.script_run import INFO_TAG, run_support_script, tagged_json
 
 
-def run_workload(model: str, mode: str, engine_args: Optional[Mapping] = None, *,
-                 device: str = "cpu", base_env: Optional[Mapping[str, str]] = None,
-                 env_extra: Optional[Dict[str, str]] = None,
-                 timeout: float = 420) -> Tuple[int, str, Optional[list]]:
+def run_mixed_workload(model: str, mode: str, engine_args: Optional[Mapping] = None, *,
+                       device: str = "cpu", base_env: Optional[Mapping[str, str]] = None,
+                       env_extra: Optional[Dict[str, str]] = None,
+                       timeout: float = 420) -> Tuple[int, str, Optional[list]]:
     """``(returncode, stdout + stderr, greedy outputs or None)`` of one workload run with
     ``--kv-canary mode`` and ``engine_args``; the child's environment is ``base_env`` (default:
-    this process's) plus ``env_extra``, with ``e2e_support`` first on ``PYTHONPATH`` (its
-    ``sitecustomize`` test hooks)."""
+    this process's) plus ``env_extra``, with ``e2e_support``'s ``sitecustomize`` test hooks."""
+    if engine_args and "kv_canary" in engine_args:
+        raise ValueError("run_mixed_workload: pass the canary's mode as `mode`, not in "
+                         "engine_args")
     env = dict(os.environ if base_env is None else base_env, **(env_extra or {}))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", ""))
-                                        if p)
-    proc = subprocess.run([sys.executable, str(SUPPORT / "workload.py"), model, mode,
-                           json.dumps(dict(engine_args or {})), device],
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
-           if x.startswith("RESULT ")]
-    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
+    kwargs = dict(engine_args or {}, kv_canary=mode)
+    return run_support_script("workload.py", model, json.dumps(kwargs), device, env=env,
+                              timeout=timeout, sitecustomize=True)
 
 
 def workload_info(out: str) -> Optional[dict]:
     """The ``INFO <json>`` line ``workload.py`` prints: ``Engine.get_server_info()``'s
     ``kv_canary`` and ``max_total_num_tokens``."""
-    info = [json.loads(x[len("INFO "):]) for x in out.splitlines() if x.startswith("INFO ")]
-    return info[0] if info else None
+    return tagged_json(out, INFO_TAG)
 
 
 def assert_memory_reserved_as_allocated(info: dict) -> None:

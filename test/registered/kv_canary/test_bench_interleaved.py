@@ -21,7 +21,7 @@ BENCH_DIR = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_cana
 sys.path.insert(0, str(BENCH_DIR))
 
 import bench_interleaved as bi  # noqa: E402
-from sglang.srt.kv_canary.testing.server_harness import engine_kwargs_to_argv  # noqa: E402
+from canary_support.server_process import engine_kwargs_to_argv  # noqa: E402
 
 
 def test_paired_overhead_is_the_median_ratio_with_a_bootstrap_interval():

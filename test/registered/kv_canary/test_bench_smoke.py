@@ -171,11 +171,11 @@ def test_bench_host_primitives_needs_cuda():
 
 
 def test_abort_storm_classifies_what_a_client_gets():
-    """The storm of ``abort_storm.py`` (``testing/storm.py``; its server runs are in the soak
+    """The storm of ``abort_storm.py`` (``canary_support/storm.py``; its server runs are in the soak
     test): how it reads a response. Completed, aborted by the canary (HTTP 500 with either of
     its messages, or a 200 whose finish reason is an abort), and anything else an error."""
     from sglang.srt.kv_canary.runner.containment import PREFIX_ABORT_MESSAGE
-    from sglang.srt.kv_canary.testing import storm
+    from canary_support import storm
     ok = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}}}
     assert storm.outcome(200, ok) == ("ok", [5, 6])
     direct = {"error": {"message": storm.ABORT_MESSAGE + "HEAD_K_FULL, fail_reason=x)"}}
@@ -198,7 +198,7 @@ def test_abort_storm_classifies_what_a_client_gets():
                                           ("clients", 0), ("page_size", 0),
                                           ("warmup_steps", -1)])
 def test_storm_settings_name_the_bad_value(field, value):
-    from sglang.srt.kv_canary.testing.storm import StormSettings
+    from canary_support.storm import StormSettings
 
     with pytest.raises(ValueError, match=f"storm {field} must be"):
         StormSettings(**{"mode": "abort", field: value})

@@ -420,23 +420,14 @@ def test_host_tier_mirror_on_real_pools(tmp_path):
     CPU shims): every canary buffer's rows (K / V head and tail records, the per-layer table) go
     to the host with a backup and come back, into other slots, with the load's first layer; the
     host pool makes room for them in its budget (docs/user_guide.md, "Memory")."""
-    import json
-    import pathlib
-    import subprocess
-    import sys
-
+    from canary_support.script_run import run_support_script
     from sglang.srt.kv_canary.testing.server_harness import build_libcuda_stub, cpu_server_env
 
-    support = pathlib.Path(__file__).parent / "e2e_support"
     env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
-    env["PYTHONPATH"] = str(support) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["KV_CANARY_TEST_SHIM_HICACHE_CPU"] = "1"
-    proc = subprocess.run([sys.executable, str(support / "host_tier_check.py")], env=env,
-                          capture_output=True, text=True, timeout=300)
-    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
-           if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and res, proc.stdout[-2000:] + proc.stderr[-3000:]
-    res = res[0]
+    rc, out, res = run_support_script("host_tier_check.py", env=env, timeout=300,
+                                      sitecustomize=True)
+    assert rc == 0 and res, out[-5000:]
     assert res["on_host"] and res["back"] and res["kv_back"], res
     # 4 record buffers (K and V, head and tail) of 32 bytes + 2 layers x 2 halves x 8 bytes
     assert res["pairs"] == 5 and res["bytes_per_host_slot"] == 4 * 32 + 4 * 8

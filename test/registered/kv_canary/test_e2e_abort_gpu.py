@@ -2,7 +2,7 @@
 overlap scheduler), reports one forward late as the GPU read-back does: a clean run aborts
 nothing; under two injected ``req_to_token`` faults the touched requests end with the canary's
 message and every other and later request completes. Then abort mode's storm
-(``testing/storm.py``, as the CPU soak test runs it) on a GPU ``launch_server`` at page sizes 1
+(``canary_support/storm.py``, as the CPU soak test runs it) on a GPU ``launch_server`` at page sizes 1
 and 16: every fault class, the kept ``req_to_token`` entry among them, eight clients, sglang's
 strict pool checks; every check of the storm must pass."""
 
@@ -64,7 +64,7 @@ def test_abort_engine_on_gpu_contains_faults(model):
 
 @pytest.mark.parametrize("page_size", [1, 16], ids=["one_slot_pages", "sixteen_slot_pages"])
 def test_abort_mode_storm_on_the_gpu(tmp_path, page_size):
-    from sglang.srt.kv_canary.testing.storm import StormSettings, failure_excerpt, run_storm
+    from canary_support.storm import StormSettings, failure_excerpt, run_storm
 
     figures = run_storm(StormSettings(mode="abort", seconds=STORM_SECONDS, idle_seconds=10,
                                       device="cuda", page_size=page_size, out=tmp_path))

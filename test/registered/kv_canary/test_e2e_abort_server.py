@@ -16,18 +16,18 @@ import subprocess
 import sys
 import pytest
 
+from canary_support.script_run import run_support_script
 from cli_server import CliServer, http_call
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.containment import PREFIX_ABORT_MESSAGE, parse_prefix_abort_rids
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
-from sglang.srt.kv_canary.testing.storm import ABORT_MESSAGE
+from canary_support.storm import ABORT_MESSAGE
 from sglang.srt.kv_canary.testing.server_harness import (
     build_libcuda_stub,
     cpu_server_env,
-    metric_series,
-    metric_total,
     write_tiny_llama,
 )
+from canary_support.server_process import metric_series, metric_total
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=240, suite="stage-a-test-cpu")
@@ -179,15 +179,11 @@ def run_abort_engine(model: str, env: dict, device: str, mode: str = "waves",
     ``sglang.Engine`` (keyword arguments path): ``(returncode, output, result)``; returncode
     None when it ran past ``timeout`` seconds."""
     try:
-        proc = subprocess.run([sys.executable, str(SUPPORT / "abort_workload.py"), model,
-                               json.dumps(engine_kwargs), device, mode],
-                              env=env, capture_output=True, text=True, timeout=timeout)
+        return run_support_script("abort_workload.py", model, json.dumps(engine_kwargs), device,
+                                  mode, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"") + (e.stderr or b"")
         return None, out.decode(errors="replace") if isinstance(out, bytes) else out, None
-    res = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines()
-           if x.startswith("RESULT ")]
-    return proc.returncode, proc.stdout + proc.stderr, res[0] if res else None
 
 
 def check_engine_abort_run(rc: int, out: str, res) -> None:

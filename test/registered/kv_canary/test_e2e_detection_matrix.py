@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import pytest
 import torch
 
+from canary_support.script_run import run_support_script
 from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX
 from sglang.srt.kv_canary.testing.server_harness import (
     build_libcuda_stub,
@@ -28,7 +28,6 @@ register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
-SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 
 # fault -> (tags a matching report may carry, reasons of which one must appear)
 EXPECTED = {
@@ -104,14 +103,10 @@ def test_token_oracle_backend_flag_on_the_cpu_engine(tmp_path):
     model = write_tiny_llama(tmp_path / "model")
     env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
     env["SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT"] = "1"
-    proc = subprocess.run([sys.executable, str(SUPPORT / "oracle_workload.py"), model], env=env,
-                          capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    rc, out, res = run_support_script("oracle_workload.py", model, env=env, timeout=600)
+    assert rc == 0 and res is not None, out[-3000:]
     assert VIOLATION_LINE_PREFIX not in out
     assert "replacing sglang's Sampler with the token_oracle sampler" in out
-    res = json.loads(next(line for line in proc.stdout.splitlines()
-                          if line.startswith("RESULT "))[len("RESULT "):])
     for r in res:
         n = len(r["output_ids"])
         assert n == 12
@@ -127,13 +122,11 @@ def test_real_data_all_end_to_end(tmp_path):
     model = write_tiny_llama(tmp_path / "model")
     env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
     env["SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS"] = "20"
-    args = json.dumps(dict(chunked_prefill_size=32, max_total_tokens=384,
+    args = json.dumps(dict(kv_canary="raise", chunked_prefill_size=32, max_total_tokens=384,
                            max_running_requests=8, log_level="info",
                            kv_canary_real_data="all", kv_canary_sweep_interval=3))
-    proc = subprocess.run([sys.executable, str(SUPPORT / "workload.py"), model, "raise", args],
-                          env=env, capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    rc, out, _ = run_support_script("workload.py", model, args, env=env, timeout=600)
+    assert rc == 0, out[-3000:]
     assert "kv_canary installed: mode=raise real_data=all" in out
     assert VIOLATION_LINE_PREFIX not in out
     stats = [line for line in out.splitlines() if "kv_canary stats:" in line]

@@ -9,7 +9,7 @@ import re
 import sys
 
 import pytest
-from e2e_workload import run_workload
+from e2e_workload import run_mixed_workload
 
 from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
@@ -27,7 +27,7 @@ ARGS = dict(chunked_prefill_size=64, max_total_tokens=1024, max_running_requests
 
 
 def _workload(model, mode, env_extra=None, extra=None):
-    return run_workload(model, mode, dict(ARGS, **(extra or {})), device="cuda",
+    return run_mixed_workload(model, mode, dict(ARGS, **(extra or {})), device="cuda",
                         env_extra=env_extra)
 
 

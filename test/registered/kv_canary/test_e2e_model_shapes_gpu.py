@@ -32,7 +32,7 @@ import pytest
 from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
 
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
-from sglang.srt.kv_canary.testing.server_harness import (
+from canary_support.tiny_models import (
     write_tiny_deepseek_v2,
     write_tiny_deepseek_v32,
     write_tiny_qwen3_next,

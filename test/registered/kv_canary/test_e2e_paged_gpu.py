@@ -20,7 +20,7 @@ import subprocess
 import sys
 import pytest
 from e2e_checks import EVERY_FAULT_WITH_ORACLE_ENV, assert_every_fault_caught
-from e2e_workload import run_workload
+from e2e_workload import run_mixed_workload
 
 from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
@@ -40,7 +40,7 @@ PAGE_SIZES = (16, 64)
 def _workload(model, mode, page_size, env_extra=None, extra=None):
     args = dict(page_size=page_size, chunked_prefill_size=max(64, page_size),
                 max_total_tokens=4096, max_running_requests=8, log_level="info", **(extra or {}))
-    return run_workload(model, mode, args, device="cuda", env_extra=env_extra)
+    return run_mixed_workload(model, mode, args, device="cuda", env_extra=env_extra)
 
 
 @pytest.fixture(scope="module")

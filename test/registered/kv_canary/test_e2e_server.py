@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 import pytest
-from e2e_workload import assert_memory_reserved_as_allocated, run_workload, workload_info
+from e2e_workload import assert_memory_reserved_as_allocated, run_mixed_workload, workload_info
 
 from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
@@ -44,7 +44,7 @@ def _run(args, env, timeout=600):
 
 
 def _workload(server, mode, extra=None, env_extra=None, timeout=600):
-    return run_workload(server["model"], mode, extra, base_env=server["env"],
+    return run_mixed_workload(server["model"], mode, extra, base_env=server["env"],
                         env_extra=env_extra, timeout=timeout)
 
 

@@ -16,7 +16,7 @@ import re
 import sys
 
 import pytest
-from e2e_workload import run_workload
+from e2e_workload import run_mixed_workload
 
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.swa_divergence import SWA_DIVERGENCE_LINE_PREFIX
@@ -70,7 +70,7 @@ def model(tmp_path_factory):
 
 
 def _workload(model, env_extra=None):
-    return run_workload(model, "raise", ARGS, device="cuda", env_extra=env_extra, timeout=480)
+    return run_mixed_workload(model, "raise", ARGS, device="cuda", env_extra=env_extra, timeout=480)
 
 
 def test_swa_engine_clean_run_has_no_violations(model):

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from e2e_workload import assert_memory_reserved_as_allocated, run_workload, workload_info
+from e2e_workload import assert_memory_reserved_as_allocated, run_mixed_workload, workload_info
 from memory_walk import canary_bytes_by_part, formula_bytes_by_part, walk_tensors
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
@@ -109,7 +109,7 @@ def model(tmp_path_factory):
 
 def test_a_gpu_server_reserves_what_its_canary_allocates(model):
     """No --max-total-tokens: the pool is what the budget holds, less the canary's share."""
-    rc, out, res = run_workload(
+    rc, out, res = run_mixed_workload(
         model, "raise", dict(max_total_tokens=None, mem_fraction_static=0.1,
                              max_running_requests=16, kv_canary_real_data="partial",
                              kv_canary_real_data_layers="all", log_level="info"),

@@ -1,4 +1,4 @@
-"""``server_harness.ServerProcess``, the one start / wait / stop of an HTTP server process that
+"""``canary_support.server_process.ServerProcess``, the one start / wait / stop of an HTTP server process that
 the CLI test servers (``cli_server.CliServer``) and the interleaved benchmark share, on
 stand-in servers (a few lines of ``http.server``) instead of sglang: ready when
 ``/health_generate`` answers 200, a clear error with the log's tail when the process dies or
@@ -14,11 +14,8 @@ import time
 
 import pytest
 
-from sglang.srt.kv_canary.testing.server_harness import (
-    ServerProcess,
-    ServerStartError,
-    free_port,
-)
+from sglang.srt.kv_canary.testing.server_harness import free_port
+from canary_support.server_process import ServerProcess, ServerStartError
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
@@ -156,3 +153,41 @@ def test_free_port_keeps_out_of_any_ephemeral_range(tmp_path, monkeypatch):
     ranges.write_text("1024 65535\n")
     with pytest.raises(RuntimeError, match="outside the ephemeral range 1024-65535"):
         free_port()
+
+
+def test_a_workload_scripts_command_line_is_checked_before_any_engine_starts(tmp_path):
+    """The support scripts' one main: a device, engine kwargs that are not a JSON object, or a
+    keyword the script sets itself is refused with the value and what is allowed, before an
+    Engine starts; a good command line parses into its parts (run for real by the e2e
+    suites)."""
+    import json
+
+    from canary_support.script_run import SUPPORT_DIR, run_support_script, tagged_json
+
+    def refusal(script, *args):
+        rc, out, res = run_support_script(script, *args, env=dict(os.environ), timeout=120)
+        assert rc != 0 and res is None, out
+        return out
+
+    model = str(tmp_path)
+    assert "device 'gpu'; allowed: cpu, cuda" in refusal("small_workload.py", model, "{}", "gpu")
+    assert "must be a JSON object" in refusal("small_workload.py", model, "[1]")
+    assert "['kv_canary'] are set by the script itself" in refusal(
+        "abort_workload.py", model, json.dumps({"kv_canary": "raise"}))
+    sys.path.insert(0, str(SUPPORT_DIR))
+    try:
+        from engine_main import parse_argv
+    finally:
+        sys.path.remove(str(SUPPORT_DIR))
+    args = parse_argv(["w.py", model, '{"page_size": 16}', "cuda", "long"])
+    assert (args.model_dir, dict(args.engine_kwargs), args.device, args.rest) == (
+        model, {"page_size": 16}, "cuda", ("long",))
+    assert parse_argv(["w.py", model]).device == "cpu"
+    assert tagged_json("x\nINFO {\"a\": 1}\nRESULT [2]\nRESULT [3]\n", "RESULT ") == [2]
+
+
+def test_the_mixed_workload_takes_the_canary_mode_in_one_place():
+    from e2e_workload import run_mixed_workload
+
+    with pytest.raises(ValueError, match="pass the canary's mode as `mode`"):
+        run_mixed_workload("/nonexistent", "raise", {"kv_canary": "log"})

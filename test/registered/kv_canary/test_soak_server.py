@@ -62,7 +62,7 @@ To see the test fail, plant a fault through the environment the servers inherit,
 the greedy probes before it): the canary reports a violation, the server stops and the
 violation assertion fails.
 
-The second test is abort mode's storm (``testing/storm.py``): faults injected on purpose into a
+The second test is abort mode's storm (``canary_support/storm.py``): faults injected on purpose into a
 small-pool CLI server with eight clients, which must stay up, abort exactly the requests it
 reports (each with the canary's message), serve every other one as the canary-off server does
 and pass sglang's own leak checks.
@@ -647,7 +647,7 @@ def test_adversarial_soak_on_a_cli_server(tmp_path):
             server.stop()
 
 
-# the abort-mode storm (sglang.srt.kv_canary.testing.storm): every fault class the storm
+# the abort-mode storm (canary_support.storm): every fault class the storm
 # injects, eight clients, a 1,024-token pool, 32-token prefill chunks
 STORM_SECONDS = 150
 
@@ -666,7 +666,7 @@ def test_abort_mode_storm_on_a_cli_server(tmp_path):
     ``sglang:kv_canary_aborted_requests_total`` equals the aborts the clients saw and the
     release guard reclaimed the slots the kept entries' rows lost (none unattributed). The
     10-minute runs and their figures: ``benchmark/results/containment.md``."""
-    from sglang.srt.kv_canary.testing.storm import StormSettings, failure_excerpt, run_storm
+    from canary_support.storm import StormSettings, failure_excerpt, run_storm
 
     t0 = time.monotonic()
     figures = run_storm(StormSettings(mode="abort", seconds=STORM_SECONDS, idle_seconds=10,

@@ -10,10 +10,9 @@ tokens, or the error the request ended with; ``later``: the last wave's; ``serve
 """
 
 import asyncio
-import json
 import sys
 
-from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+from engine_main import main
 
 MAX_NEW = 16
 WAVES = 6
@@ -40,17 +39,13 @@ async def wave(engine, tag, prefix_len):
     return dict(zip(jobs, got))
 
 
-if __name__ == "__main__":
-    import sglang
+MODES = ("waves", "long")
 
-    model_dir = sys.argv[1]
-    extra = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
-    mode = sys.argv[4] if len(sys.argv) > 4 else "waves"
-    if mode not in ("waves", "long"):
-        sys.exit(f"abort_workload.py: mode {mode!r}; allowed: waves, long")
-    make_kwargs = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
-    engine = sglang.Engine(**make_kwargs(model_dir, kv_canary="abort", **extra))
+
+def run(engine, args):
+    mode = args.rest[0] if args.rest else "waves"
+    if mode not in MODES:
+        sys.exit(f"abort_workload.py: mode {mode!r}; allowed: {', '.join(MODES)}")
     loop = asyncio.get_event_loop()
     results = {}
     if mode == "long":
@@ -61,6 +56,8 @@ if __name__ == "__main__":
             results.update(loop.run_until_complete(wave(engine, f"w{w}", 32 + 4 * w)))
     later = loop.run_until_complete(wave(engine, "later", 36))
     info = engine.get_server_info().get("kv_canary")
-    print("RESULT " + json.dumps({"results": results, "later": later, "server_info": info}),
-          flush=True)
-    engine.shutdown()
+    return {"results": results, "later": later, "server_info": info}
+
+
+if __name__ == "__main__":
+    main(run, fixed_kwargs=dict(kv_canary="abort"))

@@ -7,18 +7,13 @@ backed up to the host pool and evicted from the device, and the second round loa
 Prints ``RESULT <json>`` with the outputs and the cached tokens of each request.
 """
 
-import json
-import sys
-
-from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+from engine_main import main
 
 PROMPTS = [[(7 * p + i) % 500 + 3 for i in range(90)] + [400 + p] for p in range(8)]
 
-if __name__ == "__main__":
-    import sglang
 
-    make_kwargs = gpu_engine_kwargs if sys.argv[3:] == ["cuda"] else cpu_engine_kwargs
-    engine = sglang.Engine(**make_kwargs(sys.argv[1], **json.loads(sys.argv[2])))
+
+def run(engine, args):
     outputs, cached = [], []
     for _ in range(2):
         for prompt in PROMPTS:
@@ -26,5 +21,8 @@ if __name__ == "__main__":
                 "max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
             outputs.append(out["output_ids"])
             cached.append(out["meta_info"].get("cached_tokens", 0))
-    print("RESULT " + json.dumps({"outputs": outputs, "cached": cached}), flush=True)
-    engine.shutdown()
+    return {"outputs": outputs, "cached": cached}
+
+
+if __name__ == "__main__":
+    main(run)

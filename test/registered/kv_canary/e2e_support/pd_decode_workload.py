@@ -8,19 +8,11 @@ whatever was there. Three requests of 30 prompt tokens, one at a time, 6 greedy 
 with the outputs and each request's id.
 """
 
-import json
-import sys
-
-from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs
+from engine_main import main
 
 PROMPT_LEN = 30
 
-if __name__ == "__main__":
-    import sglang
-
-    engine = sglang.Engine(**cpu_engine_kwargs(
-        sys.argv[1], disaggregation_mode="decode", disaggregation_transfer_backend="fake",
-        **json.loads(sys.argv[2])))
+def run(engine, args):
     outputs, rids = [], []
     for i in range(3):
         (out,) = engine.generate(
@@ -29,5 +21,9 @@ if __name__ == "__main__":
             bootstrap_host=["2.2.2.2"], bootstrap_port=[8998], bootstrap_room=[100 + i])
         outputs.append(out["output_ids"])
         rids.append(out["meta_info"]["id"])
-    print("RESULT " + json.dumps({"outputs": outputs, "rids": rids}), flush=True)
-    engine.shutdown()
+    return {"outputs": outputs, "rids": rids}
+
+
+if __name__ == "__main__":
+    main(run, fixed_kwargs=dict(disaggregation_mode="decode",
+                                disaggregation_transfer_backend="fake"))

@@ -8,10 +8,7 @@ A request retracted after some output re-prefills its prompt and its output from
 a non-final chunk of that re-prefill can end inside its output. Prints ``RESULT <json>`` with the output lengths.
 """
 
-import json
-import sys
-
-from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+from engine_main import main
 
 PROMPT_LEN = 40
 MAX_NEW_TOKENS = 160
@@ -21,15 +18,11 @@ def prompts():
     return [[(11 * r + 3 * i) % 480 + 20 for i in range(PROMPT_LEN)] for r in range(6)]
 
 
-if __name__ == "__main__":
-    import sglang
-
-    model_dir = sys.argv[1]
-    extra = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
-    make_kwargs = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
-    engine = sglang.Engine(**make_kwargs(model_dir, **extra))
+def run(engine, args):
     outs = engine.generate(input_ids=prompts(), sampling_params={
         "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "ignore_eos": True})
-    print("RESULT " + json.dumps([len(o["output_ids"]) for o in outs]), flush=True)
-    engine.shutdown()
+    return [len(o["output_ids"]) for o in outs]
+
+
+if __name__ == "__main__":
+    main(run)

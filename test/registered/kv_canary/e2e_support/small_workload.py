@@ -7,10 +7,7 @@ the third wave repeats the first wave's prefix (a radix hit); 8 greedy tokens ea
 <json>`` with the outputs.
 """
 
-import json
-import sys
-
-from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+from engine_main import emit_server_info, main
 
 
 def waves():
@@ -18,21 +15,15 @@ def waves():
     return [[p + [300 + 7 * w + i, 400 + i] for i in range(4)] for w, p in enumerate(prefixes)]
 
 
-if __name__ == "__main__":
-    import sglang
-
-    model_dir = sys.argv[1]
-    extra = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
-    make_kwargs = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
-    engine = sglang.Engine(**make_kwargs(model_dir, **extra))
+def run(engine, args):
     outputs = []
     for wave in waves():
         outs = engine.generate(input_ids=wave, sampling_params={
             "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
         outputs += [o["output_ids"] for o in outs]
-    info = engine.get_server_info()
-    print("INFO " + json.dumps({k: info.get(k) for k in ("kv_canary", "max_total_num_tokens")}),
-          flush=True)
-    print("RESULT " + json.dumps(outputs), flush=True)
-    engine.shutdown()
+    emit_server_info(engine)
+    return outputs
+
+
+if __name__ == "__main__":
+    main(run)

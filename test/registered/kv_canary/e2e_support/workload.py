@@ -1,16 +1,14 @@
 """End-to-end workload script:
-``python workload.py MODEL_DIR MODE [engine kwargs as JSON] [cpu|cuda]``.
+``python workload.py MODEL_DIR [engine kwargs as JSON, ``kv_canary`` among them] [cpu|cuda]``.
 
-Runs a clean workload on an Engine (CPU by default): 48 requests over three shared long prefixes (radix
-hits), mixed lengths, in four batches; prints ``INFO <json>`` (the server info's ``kv_canary``
+Runs a clean workload on an Engine (CPU by default): 48 requests over three shared long
+prefixes (radix hits), mixed lengths, in four batches; prints ``INFO <json>`` (the server info's ``kv_canary``
 and ``max_total_num_tokens``) and ``RESULT <json>`` with the greedy outputs.
 """
 
-import json
 import random
-import sys
 
-from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+from engine_main import emit_server_info, main
 
 
 def requests():
@@ -24,14 +22,7 @@ def requests():
     return reqs
 
 
-if __name__ == "__main__":
-    import sglang
-
-    model_dir, mode = sys.argv[1], sys.argv[2]
-    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
-    make_kwargs = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
-    engine = sglang.Engine(**make_kwargs(model_dir, kv_canary=mode, **extra))
+def run(engine, args):
     outputs = []
     reqs = requests()
     for b in range(0, len(reqs), 12):
@@ -41,8 +32,9 @@ if __name__ == "__main__":
             sampling_params=[{"max_new_tokens": r[1], "temperature": 0, "ignore_eos": True}
                              for r in batch])
         outputs += [o["output_ids"] for o in outs]
-    info = engine.get_server_info()
-    print("INFO " + json.dumps({k: info.get(k) for k in ("kv_canary", "max_total_num_tokens")}),
-          flush=True)
-    print("RESULT " + json.dumps(outputs), flush=True)
-    engine.shutdown()
+    emit_server_info(engine)
+    return outputs
+
+
+if __name__ == "__main__":
+    main(run)

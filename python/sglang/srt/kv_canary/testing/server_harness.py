@@ -1,35 +1,22 @@
-"""Run a real sglang 0.5.12 server with a tiny dummy-weight model, on the CPU
-(docs/architecture.md, "CPU server") or on
-a GPU, for the end-to-end tests and the demo.
-
-On a machine without a GPU: A tiny dummy-weight Llama (hidden 64, 2 layers,
-4 heads, 2 KV heads, vocab 512) is written to a directory as a bare ``config.json``; requests
-pass ``input_ids`` (no tokenizer). ``sgl_kernel``'s ``common_ops`` links ``libcuda.so.1``,
-which a GPU-less host lacks: :func:`build_libcuda_stub` reads the driver symbols it imports
-(``nm -D --undefined-only``), generates a C file whose functions return
-``CUDA_ERROR_NO_DEVICE`` and builds ``libcuda.so.1`` with ``gcc``; :func:`cpu_server_env`
-puts it on ``LD_LIBRARY_PATH`` with ``SGLANG_USE_CPU_ENGINE=1`` for the server's processes.
-
-Engine keyword arguments for the CPU server come from :func:`cpu_engine_kwargs`. sglang
-spawns processes, so scripts using the Engine must be guarded by
-``if __name__ == "__main__":``.
-"""
+"""What the demo needs to run a real sglang 0.5.12 server with a tiny dummy-weight Llama on
+the CPU or a GPU (the end-to-end tests use it too): the model's ``config.json``, a
+``libcuda.so.1`` stub and the environment of a GPU-less server, ``sglang.Engine`` keyword
+arguments, free ports. Design: docs/architecture.md, "CPU server". Scripts that start an
+Engine must guard it with ``if __name__ == "__main__":`` (sglang spawns processes). Server
+processes and the other model shapes are test support (``test/registered/kv_canary/
+canary_support``)."""
 
 from __future__ import annotations
 
 import glob
-import http.client
 import json
 import os
 import pathlib
 import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
-import sys
-import time
 from typing import Dict, List, Optional, Tuple
 
 TINY_LLAMA_CONFIG = {
@@ -51,139 +38,17 @@ TINY_LLAMA_CONFIG = {
     "eos_token_id": 2,
 }
 
-# A tiny DeepSeek-V2-shaped MLA model (dense MLP on every layer: first_k_dense_replace = the
-# layer count). sglang 0.5.12's CPU engine builds its MLATokenToKVPool; it serves it with the
-# triton attention backend under TRITON_INTERPRET=1 when kv_lora_rank + qk_rope_head_dim is
-# 288 or 576, and needs yarn rope scaling.
-TINY_DEEPSEEK_V2_CONFIG = {
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "model_type": "deepseek_v2",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "moe_intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "first_k_dense_replace": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "kv_lora_rank": 256,
-    "q_lora_rank": None,
-    "qk_rope_head_dim": 32,
-    "qk_nope_head_dim": 32,
-    "v_head_dim": 32,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "moe_layer_freq": 1,
-    "topk_method": "greedy",
-    "n_group": 1,
-    "topk_group": 1,
-    "routed_scaling_factor": 1.0,
-    "norm_topk_prob": False,
-    "scoring_func": "softmax",
-    "vocab_size": 512,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
-                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
-# DeepSeek-V3's own MLA head dimensions, for a tiny model whose attention should take the
-# shapes sglang's MLA kernels are tuned for (the tiny DeepSeek-V2 above has dims of 32)
-DEEPSEEK_V3_MLA_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-                            v_head_dim=128)
-
-# A tiny DeepSeek-V3.2-shaped model (DSA: NSATokenToKVPool, page 64). Its shapes are the ones
-# sglang's NSA kernels take on a Hopper GPU (FlashMLA sparse: a 512 + 64 latent row, 64 query
-# heads; the indexer: 64 heads of 128, top-2048); everything else is tiny and dense.
-TINY_DEEPSEEK_V32_CONFIG = {
-    **TINY_DEEPSEEK_V2_CONFIG,
-    "architectures": ["DeepseekV32ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 64,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 64,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 32,
-    "v_head_dim": 32,
-    "index_n_heads": 64,
-    "index_head_dim": 128,
-    "index_topk": 2048,
-}
-
-# A tiny Qwen3-Next-shaped hybrid model (HybridLinearKVPool): four layers, every second one
-# full attention (an inner MHATokenToKVPool), the others gated delta-net linear attention with
-# per-request Mamba state; a small MoE on every layer.
-TINY_QWEN3_NEXT_CONFIG = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "model_type": "qwen3_next",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 4,
-    "full_attention_interval": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "partial_rotary_factor": 0.25,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 64,
-    "linear_value_head_dim": 64,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "decoder_sparse_step": 1,
-    "moe_intermediate_size": 64,
-    "shared_expert_intermediate_size": 64,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "norm_topk_prob": True,
-    "mlp_only_layers": [],
-    "vocab_size": 512,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
 _CUDA_ERROR_NO_DEVICE = 100
 
 
 def write_tiny_llama(model_dir, **overrides) -> str:
     """Write the tiny Llama ``config.json`` into ``model_dir``; returns the directory."""
-    return _write_config(model_dir, {**TINY_LLAMA_CONFIG, **overrides})
+    return write_model_config(model_dir, {**TINY_LLAMA_CONFIG, **overrides})
 
 
-def write_tiny_deepseek_v2(model_dir, **overrides) -> str:
-    """Write the tiny DeepSeek-V2 (MLA) ``config.json`` into ``model_dir``; returns it."""
-    return _write_config(model_dir, {**TINY_DEEPSEEK_V2_CONFIG, **overrides})
-
-
-def write_tiny_deepseek_v32(model_dir, **overrides) -> str:
-    """Write the tiny DeepSeek-V3.2 (MLA + DSA indexer, ``NSATokenToKVPool``) ``config.json``
-    into ``model_dir``; returns it."""
-    return _write_config(model_dir, {**TINY_DEEPSEEK_V32_CONFIG, **overrides})
-
-
-def write_tiny_qwen3_next(model_dir, **overrides) -> str:
-    """Write the tiny Qwen3-Next (hybrid linear attention, ``HybridLinearKVPool``)
-    ``config.json`` into ``model_dir``; returns it."""
-    return _write_config(model_dir, {**TINY_QWEN3_NEXT_CONFIG, **overrides})
-
-
-def _write_config(model_dir, config: dict) -> str:
+def write_model_config(model_dir, config: dict) -> str:
+    """Write ``config`` as ``model_dir/config.json`` (a dummy-weight model's whole
+    definition); returns the directory."""
     path = pathlib.Path(model_dir)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1))
@@ -293,28 +158,6 @@ def gpu_engine_kwargs(model_dir: str, **overrides) -> dict:
             "mem_fraction_static": 0.3, "nccl_port": free_port(), **overrides}
 
 
-def engine_kwargs_to_argv(kwargs: dict) -> List[str]:
-    """``sglang.Engine`` keyword arguments as ``launch_server`` / ``sglang serve`` flags:
-    ``True`` the bare flag, ``False`` / ``None`` left out, a list or tuple one value each
-    (``--cuda-graph-bs 1 128``), anything else its ``str``."""
-    argv: List[str] = []
-    for key, value in kwargs.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, (list, tuple)):
-            argv += [flag, *map(str, value)]
-        elif value is not False and value is not None:
-            argv += [flag, str(value)]
-    return argv
-
-
-def launch_server_flags(port: int, engine_kwargs: dict) -> List[str]:
-    """The flags of a ``launch_server`` / ``sglang serve`` on ``127.0.0.1:port`` with
-    ``engine_kwargs`` (:func:`engine_kwargs_to_argv`); the caller puts its launcher first."""
-    return ["--host", "127.0.0.1", "--port", str(port), *engine_kwargs_to_argv(engine_kwargs)]
-
-
 _PORT_RANGE_FILE = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
@@ -354,120 +197,3 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {ranges}")
 
 
-def http_call(port: int, method: str, path: str, body=None,
-              timeout: float = 30.0) -> Tuple[int, bytes]:
-    """One HTTP exchange with a server on 127.0.0.1 (``body`` sent as JSON); raises on
-    transport errors and timeouts (socket.timeout)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        payload = None if body is None else json.dumps(body)
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
-        conn.request(method, path, body=payload, headers=headers)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
-MetricSeries = Dict[Tuple[str, frozenset], float]
-
-
-def metric_series(port: int, prefix: str = "sglang:kv_canary_") -> MetricSeries:
-    """The server's ``/metrics`` (Prometheus text) as ``{(name, frozenset of (label,
-    value)): value}`` for the series whose name starts with ``prefix``; raises when
-    ``/metrics`` does not answer 200 (``--enable-metrics`` off)."""
-    status, body = http_call(port, "GET", "/metrics", timeout=60)
-    if status != 200:
-        raise RuntimeError(f"/metrics answered {status}: {body[:300]!r}")
-    out = {}
-    for m in re.finditer(rf"^({re.escape(prefix)}[\w:]*)(?:\{{(.*)\}})? (\S+)$", body.decode(),
-                         re.M):
-        labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        out[(m.group(1), labels)] = float(m.group(3))
-    return out
-
-
-def metric_total(series: MetricSeries, name: str) -> float:
-    """The sum of ``name`` over its label sets in ``series`` (0 when absent)."""
-    return sum(v for (n, _), v in series.items() if n == name)
-
-
-def stop_process_group(proc: subprocess.Popen) -> None:
-    """Stop a server started with ``start_new_session=True``: SIGTERM to its process group,
-    SIGKILL after 15 s, then SIGKILL to the group whatever happened (its scheduler and
-    detokenizer share it)."""
-    if proc.poll() is None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=15)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-class ServerStartError(RuntimeError):
-    """A :class:`ServerProcess` exited during start-up or did not become ready in time."""
-
-
-class ServerProcess:
-    """One HTTP server process (``launch_server``, ``sglang serve``) on 127.0.0.1:``port``,
-    started in its own session so :meth:`stop` signals its process group (the server, its
-    scheduler and detokenizer) and nothing else; stdout and stderr go to ``log_path``, open
-    for the server's whole life. ``argv`` is the whole command line, ``--port`` included."""
-
-    def __init__(self, name: str, argv: List[str], *, port: int, env: Dict[str, str],
-                 log_path: "str | os.PathLike[str]"):
-        self.name = name
-        self.port = port
-        self.log_path = pathlib.Path(log_path)
-        self._log = open(self.log_path, "w")  # noqa: SIM115  (closed by stop())
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log().splitlines()[-n:])
-
-    def wait_ready(self, timeout: float) -> None:
-        """Poll ``/health_generate`` (a real forward) once a second until it answers 200;
-        :class:`ServerStartError`, with the log's tail, if the process exits first or
-        ``timeout`` seconds pass."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise ServerStartError(f"{self.name} server exited ({self.proc.returncode}) "
-                                       f"during start-up:\n{self.tail()}")
-            try:
-                if http_call(self.port, "GET", "/health_generate", timeout=60)[0] == 200:
-                    return
-            except (OSError, http.client.HTTPException):
-                pass
-            time.sleep(1.0)
-        raise ServerStartError(f"{self.name} server not ready after {timeout:.0f} s:\n"
-                               f"{self.tail()}")
-
-    def stop(self) -> None:
-        stop_process_group(self.proc)
-        self._log.close()
-
-
-def run_python(code: str, *, env: Dict[str, str], timeout: float = 600,
-               cwd: Optional[str] = None) -> subprocess.CompletedProcess:
-    """Run ``code`` (which must guard its Engine use with ``__main__``) in a fresh process."""
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd)

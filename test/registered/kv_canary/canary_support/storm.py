@@ -67,17 +67,19 @@ from sglang.srt.kv_canary.runner.ownership import (
 )
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
-    ServerProcess,
     build_libcuda_stub,
     cpu_engine_kwargs,
     cpu_server_env,
     free_port,
     gpu_engine_kwargs,
+    write_tiny_llama,
+)
+from canary_support.server_process import (
+    ServerProcess,
     http_call,
     launch_server_flags,
     metric_series,
     metric_total,
-    write_tiny_llama,
 )
 
 # the message of a request the canary aborted for a violation it touches (runner/containment)

@@ -1,0 +1,55 @@
+"""Run a support script of ``e2e_support/`` in a fresh Python process and read what it printed:
+``(returncode, stdout + stderr, the RESULT json or None)``. The scripts print one
+``RESULT <json>`` line (``e2e_support/engine_main.py``) and may print ``INFO <json>``. With
+``KV_CANARY_E2E_LOG_DIR`` set, each run's whole output is also written there (one file per
+run, named after the test), which the GPU lanes keep."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+from typing import Any, Mapping, Optional, Tuple
+
+SUPPORT_DIR = pathlib.Path(__file__).resolve().parents[1] / "e2e_support"
+RESULT_TAG = "RESULT "
+INFO_TAG = "INFO "
+
+ScriptRun = Tuple[int, str, Any]  # returncode, stdout + stderr, the RESULT json or None
+
+
+def tagged_json(text: str, tag: str) -> Optional[Any]:
+    """The JSON of the first line of ``text`` that starts with ``tag``; None when there is none."""
+    for line in text.splitlines():
+        if line.startswith(tag):
+            return json.loads(line[len(tag):])
+    return None
+
+
+def run_support_script(script: str, *args: str, env: Mapping[str, str], timeout: float = 900,
+                       sitecustomize: bool = False) -> ScriptRun:
+    """``python e2e_support/<script> args...`` with ``env``; ``sitecustomize``: ``e2e_support``
+    first on ``PYTHONPATH`` (its ``sitecustomize`` test hooks load in every process of the
+    server). Raises ``subprocess.TimeoutExpired`` past ``timeout`` seconds."""
+    env = dict(env)
+    if sitecustomize:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(SUPPORT_DIR), env.get("PYTHONPATH", "")) if p)
+    argv = [sys.executable, str(SUPPORT_DIR / script), *args]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    _keep_log(script, argv, proc.stdout + proc.stderr)
+    return proc.returncode, proc.stdout + proc.stderr, tagged_json(proc.stdout, RESULT_TAG)
+
+
+def _keep_log(script: str, argv, output: str) -> None:
+    log_dir = os.environ.get("KV_CANARY_E2E_LOG_DIR")
+    if not log_dir:
+        return
+    os.makedirs(log_dir, exist_ok=True)
+    name = f"{os.environ.get('PYTEST_CURRENT_TEST', script).split(' ')[0]}.{time.time_ns()}"
+    with open(os.path.join(log_dir, re.sub(r"[^\w.-]+", "_", name) + ".log"), "w") as f:
+        f.write(" ".join(argv[1:]) + "\n" + output)

@@ -1,0 +1,135 @@
+"""Tiny dummy-weight model shapes for the end-to-end tests and benchmarks beyond the demo's
+Llama: DeepSeek-V2 (MLA), DeepSeek-V3's MLA dimensions, DeepSeek-V3.2 (MLA + DSA indexer) and
+Qwen3-Next (hybrid linear attention). Each ``write_tiny_*`` writes a bare ``config.json``
+(``load_format="dummy"``, requests pass ``input_ids``)."""
+
+from __future__ import annotations
+
+from sglang.srt.kv_canary.testing.server_harness import write_model_config
+
+# A tiny DeepSeek-V2-shaped MLA model (dense MLP on every layer: first_k_dense_replace = the
+# layer count). sglang 0.5.12's CPU engine builds its MLATokenToKVPool; it serves it with the
+# triton attention backend under TRITON_INTERPRET=1 when kv_lora_rank + qk_rope_head_dim is
+# 288 or 576, and needs yarn rope scaling.
+TINY_DEEPSEEK_V2_CONFIG = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 256,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_layer_freq": 1,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+# DeepSeek-V3's own MLA head dimensions, for a tiny model whose attention should take the
+# shapes sglang's MLA kernels are tuned for (the tiny DeepSeek-V2 above has dims of 32)
+DEEPSEEK_V3_MLA_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                            v_head_dim=128)
+
+# A tiny DeepSeek-V3.2-shaped model (DSA: NSATokenToKVPool, page 64). Its shapes are the ones
+# sglang's NSA kernels take on a Hopper GPU (FlashMLA sparse: a 512 + 64 latent row, 64 query
+# heads; the indexer: 64 heads of 128, top-2048); everything else is tiny and dense.
+TINY_DEEPSEEK_V32_CONFIG = {
+    **TINY_DEEPSEEK_V2_CONFIG,
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 64,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+}
+
+# A tiny Qwen3-Next-shaped hybrid model (HybridLinearKVPool): four layers, every second one
+# full attention (an inner MHATokenToKVPool), the others gated delta-net linear attention with
+# per-request Mamba state; a small MoE on every layer.
+TINY_QWEN3_NEXT_CONFIG = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "partial_rotary_factor": 0.25,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "mlp_only_layers": [],
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+
+def write_tiny_deepseek_v2(model_dir, **overrides) -> str:
+    """Write the tiny DeepSeek-V2 (MLA) ``config.json`` into ``model_dir``; returns it."""
+    return write_model_config(model_dir, {**TINY_DEEPSEEK_V2_CONFIG, **overrides})
+
+
+def write_tiny_deepseek_v32(model_dir, **overrides) -> str:
+    """Write the tiny DeepSeek-V3.2 (MLA + DSA indexer, ``NSATokenToKVPool``) ``config.json``
+    into ``model_dir``; returns it."""
+    return write_model_config(model_dir, {**TINY_DEEPSEEK_V32_CONFIG, **overrides})
+
+
+def write_tiny_qwen3_next(model_dir, **overrides) -> str:
+    """Write the tiny Qwen3-Next (hybrid linear attention, ``HybridLinearKVPool``)
+    ``config.json`` into ``model_dir``; returns it."""
+    return write_model_config(model_dir, {**TINY_QWEN3_NEXT_CONFIG, **overrides})
+
+
