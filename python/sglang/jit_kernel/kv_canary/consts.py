@@ -1,20 +1,15 @@
-"""Constants of the KV-canary record format and its hashing (docs/architecture.md, "Record format").
+"""Constants of the KV-canary record format and its hashing (docs/architecture.md, "Record
+format"): plain Python (no torch, no Triton), so host code, kernels and tests share one
+definition; ``_hash_triton`` and ``_hash_torch`` are checked against :func:`splitmix64` here.
 
-Everything here is plain Python (no torch, no Triton) so that host code, device kernels and
-tests agree on one definition. The device-side and torch versions of the hash live in
-``_hash_triton`` and ``_hash_torch``; both are checked against :func:`splitmix64` below.
-
-Record layout (one ``uint8[32]`` row per KV slot, four little-endian int64 fields)::
+Record (``uint8[32]`` per KV slot, four little-endian int64 fields)::
 
     field 0 token | field 1 position | field 2 prev_hash | field 3 real_kv_hash
 
-Violation ring rows are ``int64[11]``: the eight columns of the record format, then where
-the slot was read and which KV layer's fingerprint failed (wave 2; appended, so the first
-eight keep their indices)::
+Violation ring row (``int64[11]``; new columns are only appended)::
 
-    kernel_kind | slot_idx | position | stored_token | expected_token |
-    stored_chain_hash | expected_aux | fail_reason_bits | read_position | req_to_token_row |
-    kv_layer
+    kernel_kind | slot_idx | position | stored_token | expected_token | stored_chain_hash |
+    expected_aux | fail_reason_bits | read_position | req_to_token_row | kv_layer
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
-"""Scatter requests' token histories into the expected-token pool (docs/architecture.md,
-"Token-id scatter").
+"""Scatter requests' token histories into the expected-token pool, int32 ``[rows,
+max_context_len]`` (docs/architecture.md, "Token-id scatter"; shapes: the launchers).
 
-For every t in ``[0, offsets[bs])`` owned by request r at ``pos = t - offsets[r]``:
-``pool_out[req_pool_indices[r], pos] = int32(flat_in[t])`` when ``pos < pool_out.shape[1]``.
-Rows not named are untouched. With the optional ``dst_starts`` (an extension of the documented
-scatter, for incremental uploads) request r's segment lands at ``dst_starts[r] + pos`` instead:
-only the tokens a row does not hold yet need to travel. Grid ``(bs, splits)``: the programs of
-a request stride over its tokens, so any batch size works in one launch and long histories are
-split. Runs outside CUDA graphs (its inputs are fresh per forward), but is itself allocation-
-and sync-free.
-
-``scatter_req_token_ids_torch_reference`` validates its arguments once, then runs
-:func:`run_scatter_req_token_ids_reference`, which the launcher's CPU path calls directly (it
-has validated already).
-
-The packed variant, :func:`launch_scatter_packed_token_ids_kernel` (what the runtime uses),
-reads everything from one int64 buffer laid out as ``types.PACKED_TOKENS_*`` say: the request
-count, per request (whole length, first position sent, segment offset), the flat tokens. It
-also writes each request's whole length into ``valid_lens_out`` (the plan's valid lengths) and
-0 for the rows past the packed request count. The count is read on the device, so one launch
-captured in a CUDA graph for a padded batch serves every batch the graph replays: the host
-only copies the next buffer into the same place.
+``launch_scatter_req_token_ids_kernel``: request r's tokens ``flat_in[offsets[r]:offsets[r +
+1]]`` go to row ``req_pool_indices[r]`` from column ``dst_starts[r]`` (default 0); tokens past
+the pool's width are dropped, rows not named untouched. Runs outside CUDA graphs (its inputs
+are fresh per forward). ``launch_scatter_packed_token_ids_kernel`` (the runtime's): the same
+from one int64 buffer laid out as ``types.PACKED_TOKENS_*`` say, plus the plan's valid lengths;
+its request count is read on the device, so one launch captured for a graph's padded batch
+serves every batch the graph replays. Both allocation- and sync-free; grid ``(bs, splits)`` (a
+request's programs stride over its tokens). ``*_torch_reference`` validates, then calls
+``run_*``, the launchers' CPU path.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""Canary write kernel (docs/architecture.md, "Write").
+"""Canary write kernels (docs/architecture.md, "Write"; the chain walk: docs/architecture.md,
+"One forward").
 
 ``launch_canary_write_kernel`` stores a fresh record for every slot a forward writes: token,
-position, the running chain hash of the request, and (TAIL launches) the real-KV fingerprint.
-One part of the grid walks each request's chain serially (lanes = requests, loop = chain steps);
-the other part fingerprints all written slots in parallel. ``launch_canary_chain_writes`` walks
-the chains of up to four buffers of one pool group in one launch (lanes = request x buffer): a
-step's hash is three dependent 64-bit splitmix64 rounds, so a long prefill's walk holds an SM
-for milliseconds, and one walk for all of a group's buffers holds it once instead of once per
-buffer. The walk goes in blocks of four steps whose inputs are loaded while the block before
-is hashed (a load consumed in the step after it was issued stalled every step for a memory
-round trip), in one warp per program (the lanes; more warps would hold copies of them).
-Graph-safe on CUDA.
-
-:class:`WriteParts` and :class:`WritePlan` live in :mod:`~sglang.jit_kernel.kv_canary.types`
-(no Triton); they are re-exported here.
+position, the request's running chain hash and (TAIL) the real-KV fingerprint; one part of the
+grid walks each request's chain serially (lanes = requests), the other fingerprints all written
+slots in parallel. ``launch_canary_chain_writes`` walks the chains of up to four buffers of one
+pool group in one launch (lanes = request x buffer). Graph-safe on CUDA. :class:`WriteParts` and
+:class:`WritePlan` live in :mod:`~sglang.jit_kernel.kv_canary.types` (no Triton); they are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -256,17 +250,15 @@ def launch_canary_write_kernel(
     the chain / only the fingerprints, see :class:`WriteParts`).
 
     ``input_ids`` / ``positions`` / ``out_cache_loc``: int32 or int64 ``[num_tokens]``, laid out
-    as ``plan.write_offsets`` says (SWA callers pass translated slots). Per live request, serially:
-    slot < 0 → entry skipped (no store, no check), but the chain still advances;
-    store ``(token, position, running, fingerprint)`` and advance
-    ``running = mix3(running, token, position)``, starting from ``H(record[seed])`` or
-    ``H(none)``. Checks: token/position vs ``expected_input_*`` (``enable_write_input_assert``)
-    and, when the request has a real seed (``seed > 0``; slot 0 is the padding slot an evicted
-    SWA predecessor translates to) and ``context.enable_chain_position_assert == 1``,
-    position == previous position + 1 (starting from the seed record's position). Violation rows: tag, slot, position, token, expected
-    token (``expected_input_tokens[i]`` if the input assert is on, else the token), running
-    chain hash, expected position, bits, then the position written and the request's
-    ``req_to_token`` row (``plan.write_req_to_token_rows``). Counters: kernel +1, slot + entries
+    as ``plan.write_offsets`` says (SWA callers pass translated slots). Per live request,
+    serially, from ``running = H(record[seed])`` or ``H(none)``: a slot < 0 is skipped (no store,
+    no check; the chain still advances); else store ``(token, position, running, fingerprint)``
+    and advance ``running = mix3(running, token, position)``. Checks: token / position against
+    ``expected_input_*`` (``enable_write_input_assert``) and, with a real seed (``seed > 0``) and
+    ``context.enable_chain_position_assert == 1``, position == previous + 1 (from the seed's).
+    Violation rows (docs/architecture.md, "Record format"): ``expected_token`` is
+    ``expected_input_tokens[i]`` with the input assert, else the token; ``stored_chain_hash`` the
+    running hash, ``expected_aux`` the expected position. Counters: kernel +1, slot + entries
     stored.
     """
     kwargs = dict(context=context, plan=plan, input_ids=input_ids, positions=positions,

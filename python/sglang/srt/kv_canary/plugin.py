@@ -1,8 +1,10 @@
-"""sglang plugin entry point (group ``sglang.srt.plugins``, name ``kv_canary``).
+"""sglang plugin entry point (group ``sglang.srt.plugins``, name ``kv_canary``; design:
+docs/architecture.md, "Start-up" and "Hooks and the sglang seam").
 
 sglang calls :func:`register` through ``load_plugins()`` in the launching process, the Engine
-and every scheduler process; the hooks below are applied right after. With ``--kv-canary
-none`` (the default) the runtime hooks find no manager and pass straight through.
+and every scheduler process, and applies the hooks below right after; :func:`register` also
+registers the ``token_oracle`` sampling backend (``--sampling-backend token_oracle``). With
+``--kv-canary none`` (the default) the runtime hooks find no manager and pass straight through.
 
 | hook | target | what |
 | --- | --- | --- |
@@ -44,11 +46,7 @@ none`` (the default) the runtime hooks find no manager and pass straight through
 | AROUND | ``EAGLEDraftExtendCudaGraphRunner.replay`` | padding rows at row 0, outside-graph |
 |  |  | bracket, replayed mark |
 
-The targets and every sglang internal the hooks touch are in
-:mod:`~sglang.srt.kv_canary.sglang_seam`.
-
-:func:`register` also registers the ``token_oracle`` sampling backend with sglang's
-``register_sampler_backend`` (so ``--sampling-backend token_oracle`` parses).
+The targets and every sglang internal the hooks touch: :mod:`~sglang.srt.kv_canary.sglang_seam`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The sglang seam: the one module that touches sglang 0.5.12's internals.
-
-Every sglang object the canary reads beyond a public dataclass field, every attribute it sets
-on an sglang object, every hook target and every sglang import of the runtime goes through
-here (the layering test checks the imports: only this module imports sglang outside the two
-kv_canary packages). When a future sglang moves one of these, this module is the one to
-change; the table says who relies on each.
+"""The sglang seam: every sglang 0.5.12 internal the canary reads beyond a public field or sets,
+every hook target and every sglang import of the runtime (only this module imports sglang
+outside the two packages: ``test_layering.py``); a new sglang is ported here
+(docs/architecture.md, "Hooks and the sglang seam"). The contract, who relies on each internal:
 
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
@@ -30,8 +27,8 @@ change; the table says who relies on each.
 | HiCache (``HiRadixCache.cache_controller``: ``mem_pool_host``, ``load_stream``; host pool ``size``, ``page_size``, ``layout``, ``k_buffer`` / ``v_buffer`` / ``kv_buffer``, ``backup_from_device_all_layer``, ``load_to_device_per_layer``; nodes' ``host_value``, ``id``; ``ongoing_write_through``; the device pool's ``layer_transfer_counter``) | wraps the host pool's two copy methods on the instance to copy the canary rows with the KV; waits for loads before reading records; lists host-resident pages; flips a host byte (``host_kv`` self-test) | ``runner.hicache``, ``perturb`` |
 | KV pool instances | wraps buf-info methods on the instance (:func:`wrap_method_once`); pool classes (:func:`import_sglang_class`); each adapter reads its pool's buffers (listed in the adapter's docstring); reads ``page_size`` (the kept ``req_to_token`` self-test's unit) | ``pool_patcher``, ``runner.manager`` |
 
-Nothing here runs on the CUDA-graph path except :func:`zero_graph_padding_inputs` (one memset
-per buffer on the forward stream, no sync).
+On the CUDA-graph path only :func:`zero_graph_padding_inputs` runs (one memset per buffer on
+the forward stream, no sync).
 """
 
 from __future__ import annotations

@@ -1,36 +1,14 @@
-"""``CanaryPerturber``: injects the faults of docs/architecture.md, "Self-tests" into a live
-runner, on purpose.
+"""``CanaryPerturber``: injects the self-test faults into a live runner, on purpose
+(docs/architecture.md, "Self-tests"; the fault classes: docs/user_guide.md, "Self-tests: fault
+injection, the token oracle, the demo").
 
-Called by :class:`~sglang.srt.kv_canary.runner.CanaryManager` around each forward step
-(outside CUDA graphs):
-
-- :meth:`before_forward` — ``req_to_token`` (point one active request's prefix position at
-  another active slot, never one written this step) and ``real_kv_used`` (flip a byte of a slot
-  an active request reads this forward). Caught by this forward's HEAD (chain / position /
-  token) and TAIL (``real_kv_hash``) verifies. Both are undone in :meth:`after_forward`, once
-  the forward has read them (stream order): a ``req_to_token`` entry left pointing at another
-  request's slot would make sglang free that slot twice and leak the original when the request
-  ends (its paged allocator then stops the server: "pool memory leak detected"), so a
-  ``log``-mode server under injection keeps serving. The position written this forward is
-  never the one changed, so the new KV chains from the right record. ``req_to_token_kept``
-  makes the same rewrite and leaves it, as a server bug would (abort mode only: its release
-  guard frees what the request owns, not what its row names); at page size > 1 it rewrites a
-  whole page of the row (every entry of one of its full pages, to another request's full
-  page), as a corrupt page table would, so the request's own page loses every name.
-- :meth:`after_forward` — ``real_kv_post_forward`` (flip a byte of a slot this forward just
-  wrote and will keep: with EAGLE only the first slot of each request's verify or v2 draft
-  extend, whose token is always accepted, and none of a draft round's, which the draft extend
-  rewrites before anything reads them; caught by the next verify of that slot) and ``real_kv_unused_cache`` (flip a byte of a
-  slot only the radix cache holds; caught by the sweep, which runs right after) and
-  ``host_kv`` (flip a byte of a token HiCache holds in host memory; caught when it is loaded
-  back and read).
-- :meth:`swap_next_tokens` — the token oracle sampler's ``after_sample`` hook: swap two
-  requests' sampled tokens (caught as ``write_token_mismatch`` when they are written).
-
-Each fault fires with its probability per step once ``step > warmup_steps``, until
-``max_faults`` faults have been injected (when set), and logs one ``kv_canary perturb:`` line
-saying what it changed. Host-synchronising and destructive: for
-self-tests and the demo, never for production traffic.
+Caller: :class:`~sglang.srt.kv_canary.runner.CanaryManager`, outside CUDA graphs.
+:meth:`before_forward`: ``req_to_token``, ``req_to_token_kept``, ``real_kv_used`` (all but the
+kept one undone at the next :meth:`after_forward`, once the forward has read them);
+:meth:`after_forward`: ``real_kv_post_forward``, ``real_kv_unused_cache``, ``host_kv``;
+:meth:`swap_next_tokens`: the token oracle sampler's ``after_sample`` hook. A fault fires with
+its probability per step past ``warmup_steps``, up to ``max_faults``, and logs one ``kv_canary
+perturb:`` line. Host-synchronising and destructive: self-tests and the demo only.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""``--kv-canary abort``: contain a violation and keep serving (docs/user_guide.md,
-"Containment: --kv-canary abort"; docs/architecture.md, "Containment and metrics").
+"""``--kv-canary abort``: contain a violation and keep serving (docs/architecture.md,
+"Containment and metrics"; docs/user_guide.md, "Containment: --kv-canary abort").
 
-On each reported incident, :meth:`ContainmentManager.contain` aborts every running request
-the incident touches (:class:`~sglang.srt.kv_canary.runner.requests.RequestResolver`)
-through sglang's own abort of running requests, with the message
-``kv_canary: KV cache corruption detected (launch_tag=..., fail_reason=...)``, marks them so
-sglang does not insert their KV into the radix cache when they finish, and remembers the
-corrupt slot. After each batch result (the scheduler's thread, between batches),
-:meth:`ContainmentManager.after_batch_result` evicts the radix-cache nodes holding a
-remembered slot, with their descendants, once no running request locks them (a request that
-locks one maps the slot: it is aborted too). A slot is forgotten once no node holds it and
-every request aborted for it has released its KV: its next owner writes a fresh record.
-The release of every request an incident touches, and every eviction, is guarded
-(:class:`~sglang.srt.kv_canary.runner.ownership.ReleaseGuard`): it frees only the KV its
-holder owns.
+:meth:`ContainmentManager.contain` (per reported incident) aborts every running request the
+incident touches (:class:`~sglang.srt.kv_canary.runner.requests.RequestResolver`) through
+sglang's abort of running requests, marks them not to be inserted into the radix cache, and
+remembers the slot. :meth:`ContainmentManager.after_batch_result` (scheduler thread, between
+batches) evicts the radix nodes holding a remembered slot, with their subtrees, once no
+running request locks them (one that does maps the slot: it is aborted too). Releases and
+evictions go through :class:`~sglang.srt.kv_canary.runner.ownership.ReleaseGuard`.
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """Delayed device→host reads that never stall the forward stream (docs/architecture.md,
 "Reading results").
 
-At step T, :meth:`DelayedDeviceHostHandler.stage` enqueues a copy of the watched device
-tensors into a pinned host buffer on a side stream (after the forward stream's work so far)
-and records an event: one gather of every watched tensor into a device staging buffer (one
-multi-tensor copy, ``torch._foreach_copy_`` over views of one word type, so its fast path
-takes them all in one launch) and one device→host copy of it, whatever the number of tensors
-watched (an EAGLE draft canary watches one status per draft forward). At step T+1,
-:meth:`consume` waits on that event (long since done) and hands the host copies to a
-callback. On CPU tensors both happen at once (synchronous copies).
-Two host buffers alternate, so staging step T+1 never overwrites what step T's consumer
-still reads. :meth:`DelayedDeviceHostHandler.fence`, called before the next forward is queued,
-orders that forward after the staged copies (a stream wait on their event, no host sync), so a
-kernel of step T+1 can never change a watched tensor while step T's copy is still reading it
-(e.g. bump the violation index before writing the row).
-
-What is watched is typed: a (frozen) dataclass whose fields are tensors, dataclasses of the
-same kind or tuples of either; the consumer gets an object of the same type holding the host
-copies. A watched window (the violation ring's write index, named at construction) is emptied
-on the copy stream right after its copy, behind the same event.
-
-On CUDA, :meth:`DelayedDeviceHostHandler.capture` (start-up) records the gather, the copy to
-each host buffer and the resets as one CUDA graph per host buffer; from then on a stage costs
-the host one replay instead of three to four launches.
+:class:`DelayedDeviceHostHandler` watches one typed structure: a frozen dataclass whose fields
+are tensors, dataclasses of the same kind or tuples of either; the consumer gets the same type
+holding host copies. :meth:`~DelayedDeviceHostHandler.stage` (after forward T) copies it on a
+side stream into one of two alternating pinned host buffers and records an event;
+:meth:`~DelayedDeviceHostHandler.consume` (after T+1) hands it to a callback;
+:meth:`~DelayedDeviceHostHandler.fence` (before each forward) orders the forward after the
+staged copies (a stream wait, no host sync). A named window (the ring's write index) is emptied
+right after its copy. On CUDA, :meth:`~DelayedDeviceHostHandler.capture` (start-up) makes a
+stage one graph replay; on CPU the copies are synchronous.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """HiCache: the canary rows follow their KV pages to host memory and back (docs/architecture.md,
 "HiCache").
 
-With ``--enable-hierarchical-cache`` sglang backs KV pages up from the device pool to a
-host-memory pool and loads them back, on a prefix hit, into (usually different) device slots.
-A record is slot-independent (token, position, the predecessor's chain hash, the fingerprint
-of the KV bytes), so a record copied along with its page verifies in its new slot exactly as
-it did in the old one. :class:`HostTierMirror` keeps one host row per host-pool slot for each
-canary buffer of each group (K/V head and tail records, the per-layer fingerprint table) and
-copies them with sglang's own copies: after each device -> host backup and before the first
-layer of each host -> device load, with the same host and device indices, on the same stream
-(:func:`~sglang.jit_kernel.kv_canary.rows.launch_copy_rows`). The forward's canary work waits
-for the first loaded layer (``hicache_wait_for_first_layer``) and the sweep for every queued
-load (``hicache_wait_for_loads``) before reading records.
-
-Not graph code: the copies run on HiCache's write / load streams, outside CUDA graphs.
+:class:`HostTierMirror` keeps one host row per host-pool slot for each canary buffer of each
+group and copies them with sglang's own copies (it wraps the host pool's two copy methods):
+after each device → host backup and before the first layer of each host → device load, same
+indices, same stream (:func:`~sglang.jit_kernel.kv_canary.rows.launch_copy_rows`). Readers
+wait: the forward's canary work for the first loaded layer (``hicache_wait_for_first_layer``),
+the sweep for every queued load (``hicache_wait_for_loads``). Not graph code: the copies run on
+HiCache's write / load streams, outside CUDA graphs.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
-"""``CanaryManager``: owns the device state, endpoints and single-forward managers of one
-model runner, and does the after-forward work (violation pump, health, stats)
-(docs/architecture.md, "Runtime"). Built by :func:`~sglang.srt.kv_canary.builder.build_canary`.
-
-Call pattern per forward (the sglang hooks of docs/architecture.md, "Hooks and the sglang seam"
-do this)::
+"""``CanaryManager``: owns the device state, endpoints and single-forward managers of one model
+runner and does the after-forward work (docs/architecture.md, "Runtime"). Built by
+:func:`~sglang.srt.kv_canary.builder.build_canary`; the plugin's hooks drive it per forward::
 
     with manager.with_active_single_forward_manager(0):
         with manager.with_ops_outside_graph(forward_batch):
-            # eager forward: model.forward is wrapped to call
-            #   manager.pre_ops_maybe_inside_graph(fb) ... manager.post_ops_maybe_inside_graph(fb)
+            # eager: the wrapped model.forward calls manager.pre_ops_maybe_inside_graph(fb),
+            #   the model, manager.post_ops_maybe_inside_graph(fb)
             # CUDA-graph replay: manager.before_graph_replay(); the graph holds those
             #   launches; then manager.mark_replayed_inside_graph()
-            ...
 
 and around each CUDA-graph capture: ``with manager.with_active_single_forward_manager(i),
 manager.capturing(): ...``.

@@ -1,27 +1,15 @@
-"""Abort mode's release guard: a holder of KV slots the canary suspects frees only the ones
-it owns (docs/user_guide.md, "Containment: --kv-canary abort"; docs/architecture.md,
-"Containment and metrics").
+"""Abort mode's release guard: a holder of KV slots the canary suspects frees only the ones it
+owns (docs/architecture.md, "Containment and metrics"; docs/user_guide.md, "Containment:
+--kv-canary abort").
 
-sglang frees a finished request's KV by its ``req_to_token`` row. A corrupt entry names
-another holder's slot in place of the request's own: freeing by that row frees the other
-holder's slot (which then has two owners) and leaks the request's own. The same happens when
-sglang cached the corrupt row in the radix cache before the report and the containment evicts
-that prefix. Around the release of a request an incident touched (the tree cache's
-``cache_finished_req``, :meth:`ReleaseGuard.releasing`) and around each containment eviction
-(:meth:`ReleaseGuard.evicting`):
-
-- a page the holder names that another holder names too (a request's row, a radix-cache node)
-  or that is free already is **held back** (unless its record is the holder's own and no slot
-  nobody holds has the same key): the frees skip it, and a page named twice is freed once. A
-  held-back page is freed exactly once: by its other holder, or, when no holder is left and
-  it is still not free, by :meth:`ReleaseGuard.settle`;
-- a slot nobody names and that is not free, whose record holds the (position, token) of an
-  entry in doubt, is the holder's own, lost by its corrupt row: it is **reclaimed** (freed).
-
-An entry naming another's record whose own slot no record identifies (its record overwritten
-as well) is counted as unattributed: that slot stays allocated (docs: what abort mode cannot
-cover). Host work and read-backs on the containment path only. Page ids are slot ids at page
-size 1.
+:class:`ReleaseGuard` guards the release of each request an incident touched
+(:meth:`~ReleaseGuard.releasing`, around the tree cache's ``cache_finished_req``) and each
+containment eviction (:meth:`~ReleaseGuard.evicting`): a page another holder names, or already
+free, is held back (the rule: ``_decide``) and freed once, by its holder or by
+:meth:`~ReleaseGuard.settle`; a slot nobody names whose record holds an entry in doubt's
+(position, token) is reclaimed; an entry whose own slot no record identifies is counted as
+unattributed. Scheduler thread; host work and read-backs on the containment path only. Page
+ids are slot ids at page size 1.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""Which requests a violation touches (docs/user_guide.md, "Reading a violation report";
-docs/architecture.md, "Containment and metrics").
+"""Which requests a violation touches (docs/architecture.md, "Containment and metrics";
+docs/user_guide.md, "Reading a violation report").
 
-An incident names a slot (of its pool kind's slot space) and, for a forward read or write,
-the ``req_to_token`` row that read or wrote it. The requests it touches are
-
-- the *reader*: the request of the forward that held that row when the forward ran (taken
-  from the forward's own request snapshot, so it is named even if it finished before the
-  report: on the GPU reports arrive one forward later);
-- every request still running whose ``req_to_token`` row maps one of its live positions
-  (``< kv_allocated_len``) to the slot: requests sharing the cached prefix, and requests
-  admitted between the forward and the report.
-
-Host only. On a step that reports an incident (and only then) it reads the candidate rows of
-``req_to_token`` back from the device: the canary's one intended host sync, declared with
-:func:`violation_path_sync` (so that ``torch.cuda.set_sync_debug_mode("error")``, which the
-tests put around every forward to prove the canary never syncs, lets this one through);
-``RequestResolver.device_reads`` counts them.
+:class:`RequestResolver` names, for an incident, the reader (the request of the forward that
+held the incident's ``req_to_token`` row, from that forward's own snapshot, so a request
+finished since is still named) and every running request whose row maps a live position
+(``< kv_allocated_len``) to the slot. Host only; on a step with an incident (and only then) it
+reads the candidate rows back from the device: the canary's one intended host sync, declared
+with :func:`violation_path_sync` and counted in ``RequestResolver.device_reads``.
 """
 
 from __future__ import annotations

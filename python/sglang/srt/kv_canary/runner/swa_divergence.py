@@ -1,18 +1,12 @@
-"""``SwaDivergenceReporter``: running count of FULL vs SWA verify entries (docs/architecture.md,
-"Runtime").
+"""``SwaDivergenceReporter``: running count of FULL vs SWA verify entries on a hybrid
+sliding-window pool (docs/architecture.md, "The adapters and what they cover";
+docs/user_guide.md, "Sliding-window models (SWA) and DeepSeek-V4").
 
-On a hybrid sliding-window pool the FULL group verifies each request's whole prefix while the
-SWA group verifies only its window, so the two counts diverge as contexts grow past the window;
-the ratio shows how much of the KV the SWA layers read (and the canary re-checks) per forward.
-Every ``interval`` steps (``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``, 0 = off) one line
-``kv_canary_swa_divergence=<json>`` is logged.
-
-The counts are the plans' ``verify_num_valid`` (entries planned for a forward, evicted SWA
-slots included: the verify kernel skips those), counted only for plans that were enabled (an
-overflowed plan verifies nothing). They are never read on the forward path: the manager adds
-:meth:`SwaDivergenceReporter.device_tensors` to its delayed device→host read-back and hands
-each host copy (one per forward, staged after it) to :meth:`SwaDivergenceReporter.consume`.
-Host-only; not graph-related.
+Every ``interval`` steps (``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``, 0 = off) it logs
+``kv_canary_swa_divergence=<json>``: the enabled plans' ``verify_num_valid`` summed per pool
+kind (evicted SWA entries included; the verify kernel skips them). Never read on the forward
+path: the manager adds :meth:`SwaDivergenceReporter.device_tensors` to its delayed read-back
+and hands each host copy (one per forward) to :meth:`SwaDivergenceReporter.consume`. Host only.
 """
 
 from __future__ import annotations

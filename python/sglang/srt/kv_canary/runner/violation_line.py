@@ -1,30 +1,15 @@
-"""The structured violation line (format and parse) and the human explanation printed after it
+"""The structured violation line (format and parse) and the explanation printed after it
 (docs/user_guide.md, "Reading a violation report"; docs/architecture.md, "Record format").
 
-The structured line is the contract for operators' greps and for every test and tool of
-this project: they read it with :func:`parse_violation_line` / :func:`parse_violation_lines`,
-never with a regex of their own. Fields, in order::
+The line is the contract for operators' greps and for every test and tool here, which read it
+with :func:`parse_violation_line` / :func:`parse_violation_lines`, never a regex of their own.
+One line per incident (merged as docs/architecture.md, "Reading results" says), fields in this
+order, ``rids`` last (``-`` when none; characters outside ``[A-Za-z0-9_.:~-]`` percent-encoded)::
 
     kv_canary violation: launch_tag=<TAG> fail_reason=<r1>[+<r2>...] slot_idx=<n> position=<n>
         stored_token=<n> expected_token=<n> stored_chain_hash=0x<16 hex> expected_aux=0x<16 hex>
         forward_step=<n> read_position=<n> req_to_token_row=<n> seen_by=<TAG>[,<TAG>...]
         kv_layer=<n> rids=<rid>[,<rid>...]
-
-(one line). ``forward_step`` is the forward step at which the host reported it;
-``read_position`` / ``req_to_token_row`` say where the slot was read: attention read
-``req_to_token[req_to_token_row, read_position]`` (a write: the forward wrote the slot for that
-position of that row; a sweep: ``req_to_token_row=-1`` and ``read_position`` is the slot's
-depth in the radix tree). ``kv_layer`` is the sglang layer id whose per-layer fingerprint
-(``--kv-canary-real-data-layers all``) failed, ``-1`` for every other check. One line per
-incident: every ring row of one forward window with
-the same pool kind, slot, read position and row is merged into one line, whose
-``fail_reason`` is the union of their reasons, whose other fields are the first row's, and
-whose ``seen_by`` lists every launch tag that saw it, first-seen first (``launch_tag`` is the
-first of them). ``rids`` names the requests the incident touches (the one that read the slot,
-then every running request mapping it: :mod:`~sglang.srt.kv_canary.runner.requests`), ``-``
-when none (a sweep of a slot no request maps); a character of a request id outside
-``[A-Za-z0-9_.:~-]`` is percent-encoded (``%2C`` for a comma), and the parser decodes it.
-
 """
 
 from __future__ import annotations

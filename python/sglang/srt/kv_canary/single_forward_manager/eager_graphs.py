@@ -1,35 +1,15 @@
-"""``EagerForwardGraphs``: an eager forward's canary launches, replayed from two CUDA graphs
-captured once per single-forward manager (docs/architecture.md, "One forward").
+"""``EagerForwardGraphs``: an eager forward's canary launches (a prefill, or a decode batch past
+sglang's decode graphs) on static, padded inputs, replayed from two CUDA graphs captured once
+per single-forward manager (docs/architecture.md, "One forward").
 
-Eager forwards are the prefills (with or without sglang's piecewise CUDA graphs, whose pieces
-hold none of the canary) and the decode batches larger than sglang's decode graphs. Launched
-one by one from Python, their canary work is 8-20 Triton launches at about 50-100 µs of host
-time each (the H100 profile of ``bench_serving_overhead.py --host-breakdown-cprofile``): up to
-1.5 ms per forward, which a short prefill's time to first token pays. A graph replay costs the
-host about 10 µs whatever it holds.
-
-What makes one capture fit every batch: the launches read only static buffers.
-
-- The forward's tokens, positions and slots are copied into buffers of the canary's token
-  capacity (``write_entry_capacity``), its requests into the plan input's buffers of the
-  request capacity (:meth:`PlanInput.fill_padded`), the rows past the batch padded with
-  ``req_pool_indices`` 0 (padding rows: no verify entries, no writes).
-- Every kernel bounds its work by the plan's device-side counts (verify entries, write
-  offsets), so the token entries past the forward's own are never read as the forward's.
-  The slots past them that an earlier, larger forward left are reset to 0, sglang's
-  padding slot (what a padded decode-graph row writes), so even an inconsistent batch
-  cannot write a stale slot's record.
-- The grids are sized by the capacities, which is what the launches inside sglang's
-  decode graphs do already.
-
-The two graphs are the two halves of the inside post-ops: the side part (plan, HEAD verify
-+ write, TAIL chain, status copy), replayed on the side stream from the fork point, and the
-tail part (TAIL verify, per-layer checks, TAIL fingerprints), replayed on the forward stream
-after the join. :meth:`capture` runs both halves eagerly once on all-padding inputs first
-(compiles the kernels for these arguments; writes no record), at the end of start-up.
-
-Without CUDA (``capture_graphs=False``, the CPU tests) the same static inputs are launched
-directly: the padded-input path, checked against the batch's own tensors.
+Caller: :class:`SingleForwardManager`, after ``enable_static_eager_launches`` (on CUDA at
+``mark_init_finished``). :meth:`~EagerForwardGraphs.stage` copies the forward's inputs into
+buffers of the canary's capacities; :meth:`~EagerForwardGraphs.run_side` (side stream, from the
+fork) and :meth:`~EagerForwardGraphs.run_tail` (forward stream, after the join) replay the two
+halves. :meth:`~EagerForwardGraphs.capture` (start-up only; syncs) runs both once on
+all-padding inputs (compiles, writes no record), then captures them. Without CUDA
+(``capture_graphs=False``: the CPU tests) the halves launch directly on the same static inputs.
+Staging and replays neither allocate nor sync.
 """
 
 from __future__ import annotations

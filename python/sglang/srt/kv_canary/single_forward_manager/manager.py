@@ -1,43 +1,17 @@
-"""``SingleForwardManager``: the canary work around one model forward (docs/architecture.md,
-"One forward").
+"""``SingleForwardManager``: the canary work around one model forward, four ops checked in order
+(the lifecycle as data: ``phases.py``; design: docs/architecture.md, "One forward"):
 
-Four ops, checked in order:
+1. ``pre_ops_outside_graph(fb)``: host capacity checks, the oracle's expected inputs; takes the
+   batch the inside ops read (capturing: their own argument); token upload left pending.
+2. ``pre_ops_maybe_inside_graph(fb)``: the fork point, an event on the forward stream.
+3. ``post_ops_maybe_inside_graph(fb)``: side stream from the fork: token upload (eager), plans,
+   HEAD, TAIL chain, status (:class:`SfmStatus`); join; TAIL verify and fingerprints.
+4. ``post_ops_outside_graph()``: back to IDLE.
 
-1. ``pre_ops_outside_graph(forward_batch)`` — host checks (capacities, with the server flag to
-   change) and, with ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1``, the token oracle's
-   expected written tokens / positions; never captured. It also takes the forward's batch,
-   which the inside ops of an eager forward read (below). The token-history upload
-   (:class:`TokenHistoryUploader`, token checks on) is left pending: before a CUDA-graph
-   replay the replay hook stages the snapshot for the scatter captured in the graph
-   (:meth:`upload_tokens_before_replay`, on the forward stream); an eager forward uploads it
-   in 3., on the side stream, after the model's kernels are queued. A replay marked without
-   it raises.
-2. ``pre_ops_maybe_inside_graph(forward_batch)`` — the fork point: on CUDA an event on the
-   forward stream, recorded before the model forward's kernels (HiCache: after the first
-   layer's load). Nothing is launched here, so an eager forward's kernels are queued without
-   waiting for the canary's host work.
-3. ``post_ops_maybe_inside_graph(forward_batch)`` — after the model forward's kernels are
-   queued: on the side stream, from the fork point (so on the GPU beside the forward), fill
-   the plan input, plan every group, HEAD launches (verify, then write), the chain part of the
-   TAIL writes and a copy of the plans' ``enable`` flags into a static status buffer; then
-   join the side stream, TAIL verify and the TAIL writes' real-KV fingerprints of the new
-   slots. Captured into decode CUDA graphs, where the side-stream part becomes a parallel
-   branch from the fork point. In an eager forward, once :meth:`enable_static_eager_launches`
-   ran (on CUDA at the end of start-up), the two halves are replays of graphs captured once
-   on static copies of the inputs (:class:`EagerForwardGraphs`). The status
-   (:class:`SfmStatus`) is this manager's typed per-forward output.
-4. ``post_ops_outside_graph()`` — back to IDLE; the manager then reads results (delayed).
-
-Which batch the inside ops read: while capturing, the one ``model.forward`` was called with
-(sglang's capture batch); otherwise the one ``pre_ops_outside_graph`` took (the batch
-``ModelRunner.forward`` got). They differ under a piecewise CUDA-graph replay, which calls
-``model.forward`` with a copy padded to its captured token count (padding slots 0); the
-canary checks what the scheduler asked for, the unpadded batch.
-
-When a CUDA graph replays, 2 and 3 run inside the graph; :meth:`mark_replayed_inside_graph`
-records that. While capturing (:meth:`capturing`), only 2 and 3 run, from IDLE. Every
-per-forward tensor (and the fork event) is allocated in ``__init__`` (the static eager inputs
-in :meth:`enable_static_eager_launches`, at start-up).
+2 and 3 are graph-safe: captured in decode graphs (:meth:`capturing`: only they run), replayed
+(:meth:`upload_tokens_before_replay` before, :meth:`mark_replayed_inside_graph` after), or in an
+eager forward replays of :class:`EagerForwardGraphs`; 1 and 4 never are. Tensors are allocated
+in ``__init__`` and :meth:`enable_static_eager_launches` (start-up).
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
-"""``TokenOracleManager``: the oracle's per-batch bookkeeping on one model runner
-(docs/architecture.md, "Self-tests").
+"""``TokenOracleManager``: the token oracle's per-batch bookkeeping on one model runner
+(docs/architecture.md, "Self-tests"; docs/user_guide.md, "Self-tests: fault injection, the
+token oracle, the demo").
 
-- :meth:`attach_batch` (``ForwardBatch.init_new`` hook, scheduler thread, host work): computes
-  each request's oracle key, attaches an :class:`OracleBatch` to the batch's
-  ``sampling_info`` (read by the ``token_oracle`` sampler) and the host rows to the batch's
-  :class:`~sglang.srt.kv_canary.batch_state.CanaryBatchState` (read by
-  :meth:`fill_expected_inputs`).
-- :meth:`fill_expected_inputs` (the single-forward manager's outside-graph pre-op, only with
-  ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1``): for every KV entry the forward writes, in
-  ``out_cache_loc`` order, the token it must carry (the prompt's token inside the prompt, the
-  oracle's token past it) and its position. The write kernel compares them with
-  ``input_ids`` / ``positions`` and reports ``write_token_mismatch`` /
-  ``write_position_mismatch``.
+- :meth:`attach_batch` (``ForwardBatch.init_new`` hook, host): each request's oracle key; an
+  :class:`OracleBatch` on ``sampling_info`` (for the ``token_oracle`` sampler) and the host
+  rows on the batch's :class:`~sglang.srt.kv_canary.batch_state.CanaryBatchState`.
+- :meth:`fill_expected_inputs` (the single-forward manager's outside-graph pre-op, write-input
+  check on): per KV entry written, in ``out_cache_loc`` order, its token (the prompt's inside
+  the prompt, the oracle's past it) and position, which the write kernel checks.
 
 Neither runs inside a CUDA graph; the expected inputs land in static buffers that the captured
 write launches read.

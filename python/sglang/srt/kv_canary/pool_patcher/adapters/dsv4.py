@@ -1,42 +1,14 @@
-"""Adapter for ``DeepSeekV4TokenToKVPool``: a FULL group on the logical full slots and an
-SWA group on the SWA sub-pool with real-KV fingerprints of its 584-byte token rows.
+"""Adapter for ``DeepSeekV4TokenToKVPool`` (docs/architecture.md, "The adapters and what they
+cover"; docs/user_guide.md, "Sliding-window models (SWA) and DeepSeek-V4").
 
-DeepSeek-V4 keeps no per-token KV in the full slot space: its attention reads (a) the SWA
-sub-pool (``swa_kv_pool``, every layer, one 584-byte record per token, addressed through
-``full_to_swa_index_mapping``) over the sliding window, and (b) compressed pools ``c4_kv_pool``
-/ ``c128_kv_pool`` (+ the ``c4_indexer_kv_pool``) holding one entry per 4 / 128 tokens, located
-through ``req_to_token`` (``full_loc // ratio`` of the group's last token).
-
-Covered:
-
-- FULL group (tags ``*_FULL``), one record per logical full slot (``len(table) - 1`` rows):
-  chain / position / (with token checks) token of the whole prefix, every forward. This guards
-  the ``req_to_token`` addressing that every DSV4 read (SWA window and compressed entries)
-  goes through. No real-KV fingerprint: the full slot space has no bytes of its own.
-- SWA group (tags ``*_SWA``) on ``swa_kv_pool`` through ``full_to_swa_index_mapping``: the
-  window ``[max(0, prefix - window), prefix)``, evicted slots skipped, plus a real-KV
-  fingerprint of layer 0's 584 bytes per token, as sglang lays them out in a page of
-  ``P = swa_page_size`` tokens: the 576 nope(fp8)+rope(bf16) bytes at ``(s % P) * 576`` and
-  the 8 scale bytes (7 ue8m0 scales + 1 pad) at ``P * 576 + (s % P) * 8`` — two
-  :class:`RealKvSource` (8-byte granularity; PARTIAL folds the first 16 data bytes and the 8
-  scale bytes, ALL folds all 584).
-
-Not covered (documented in docs/architecture.md):
-
-- The bytes of the compressed pools (``c4_kv_pool``, ``c128_kv_pool``,
-  ``c4_indexer_kv_pool``) and of the compress-state rings (``compress_state_pools``): an
-  entry is written once per 4 / 128 tokens (only at positions ``≡ ratio - 1``), so a
-  per-full-slot fingerprint would read entries not yet written; a translated group for them
-  would need launch tags of its own to be reported apart from the SWA sub-pool's. Their
-  *addressing* is guarded by the FULL group's checks of ``req_to_token``.
-- Layers other than layer 0 of the SWA sub-pool (as for MHA, one layer is fingerprinted).
-- ``HiSparseC4DevicePool`` translation (irrelevant here: the c4 pool is not covered).
-- There is no V half (DSV4 stores K only); ``SGLANG_KV_CANARY_ENABLE_MHA_V`` is ignored.
-
-Buf infos (PD transfer): the FULL group's K buffers around ``get_contiguous_buf_infos`` (all
-of its entries, one item per full page, ``item_len = 32 * page_size``); the SWA group's K
-buffers around the SWA layers in ``get_state_buf_infos`` (``item_len = 32 *
-swa_page_size``), the compress-state entries after them untouched.
+:func:`attach_dsv4` returns ``[FULL, SWA]``, K halves only: FULL on the logical full slots (no
+real-KV bytes; it guards the ``req_to_token`` addressing every DSV4 read goes through), SWA on
+``swa_kv_pool`` over the window, through ``full_to_swa_index_mapping``, fingerprinting layer 0's
+584 bytes per token as two :class:`RealKvSource` (data, scales). Reads the pool's
+``swa_kv_pool``, ``full_to_swa_index_mapping``, ``swa_window_size`` (when the caller gives no
+window) and ``page_size``; the sub-pool's ``kv_buffer[0]``, ``page_size``, ``qk_nope_head_dim``,
+``qk_rope_head_dim`` and ``get_bytes_per_token()``. Splices FULL into
+``get_contiguous_buf_infos`` and SWA around the SWA layers of ``get_state_buf_infos``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
-"""Adapter for the MLA pools (DeepSeek-V2/V3/R1, Kimi-K2, ...): ``MLATokenToKVPool``,
-``MLATokenToKVPoolFP4`` and ``NSATokenToKVPool`` (DeepSeek-V3.2 sparse attention): one FULL
-group (docs/architecture.md, "Buffer groups and adapters"; docs/user_guide.md, "Supported
-pools").
+"""Adapter for the MLA pools ``MLATokenToKVPool``, ``MLATokenToKVPoolFP4`` and
+``NSATokenToKVPool`` (docs/architecture.md, "The adapters and what they cover";
+docs/user_guide.md, "Supported pools").
 
-An MLA pool keeps one latent row per slot and layer, ``kv_buffer[layer]`` of shape
-``[size + page_size, 1, kv_cache_dim]`` (``kv_lora_rank + qk_rope_head_dim`` elements; the FP4
-pool stores them packed, two per byte, as uint8 with a separate ``kv_scale_buffer``), and no
-V half: attention reads V as the first ``kv_lora_rank`` elements of the same row. So the group
-has K head / tail buffers only (``SGLANG_KV_CANARY_ENABLE_MHA_V`` does not apply).
-
-Real-KV sources (K half):
-
-- layer 0's latent row (partial: its first 16 bytes; all: the whole row);
-- ``NSATokenToKVPool``: also layer 0's indexer key (``index_k_with_scale_buffer[0]``: one row
-  per page of ``page_size`` fp8 keys of ``index_head_dim`` bytes, then the page's fp32 scales);
-  the fingerprint covers the slot's fp8 key bytes. The per-page scales are not per token and
-  are not fingerprinted.
-- ``MLATokenToKVPoolFP4``: the packed latent row; its per-16-element scales
-  (``kv_scale_buffer``) are not fingerprinted.
-
-Buf-info splice: ``get_contiguous_buf_infos`` lists one entry per layer (the latent rows), all
-K: the canary K-head goes before them and the K-tail after, so PD transfers carry the records.
-The indexer's ``get_state_buf_infos`` is left as is (it moves whole pages of state).
+:func:`attach_mla` returns one FULL group, K only (attention reads V from the latent row), one
+record row per latent row. Reads ``kv_buffer`` (per layer ``[size + page_size, 1,
+kv_cache_dim]``; FP4: packed uint8, its ``kv_scale_buffer`` not fingerprinted) and
+``page_size``; NSA also ``index_k_with_scale_buffer[0]`` and ``index_head_dim`` (layer 0's
+indexer keys, a second real-KV source; not the per-page scales). Splices the K-head before and
+the K-tail (and the per-layer table) after the latent layers of ``get_contiguous_buf_infos``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
-"""Adapter for ``SWAKVPool`` (hybrid sliding-window models): a FULL group and an SWA group.
+"""Adapter for ``SWAKVPool``, hybrid sliding-window models (docs/architecture.md, "The adapters
+and what they cover").
 
-- FULL group on ``pool.full_kv_pool`` (the full-attention layers' MHA pool, addressed by the
-  slots in ``req_to_token``): every forward verifies the whole prefix of each request.
-- SWA group on ``pool.swa_kv_pool`` (the sliding-window layers' MHA pool, its own, smaller
-  slot space), carrying ``pool.full_to_swa_index_mapping`` (full slot → SWA slot; 0 = evicted
-  from the SWA pool, the table's last entry is -1 so -1 maps to -1). Every forward verifies only
-  the window ``[max(0, prefix - window), prefix)``, translating slots through the table
-  (evicted → 0 → skipped), and the write kernel stores to the translated ``out_cache_loc``.
-
-Real-KV sources: layer 0 of each sub-pool (K rows, and V rows for the V half), as for MHA.
-Buf infos (PD transfer): the FULL group's buffers are spliced into
-``get_contiguous_buf_infos`` (the full pool's K/V layers), the SWA group's into
-``get_state_buf_infos`` (the SWA pool's K/V layers). Tags of the SWA group's launches end in
-``_SWA``.
-
-The window comes from the caller (``ModelRunner.sliding_window_size``, which is what the
-scheduler's SWA eviction frees beyond); the table is the one the
-``SWATokenToKVPoolAllocator`` registers on the pool, so attach after the allocator exists
-(sglang builds both in ``ModelRunner.init_memory_pool``). The table is held by reference: the
-allocator updates it in place on every allocation and eviction.
+:func:`attach_swa` returns ``[FULL, SWA]``, each an MHA group (layer 0's K rows, and V rows
+with the V half): FULL on ``full_kv_pool`` (the whole prefix, by ``req_to_token`` slots), SWA
+on ``swa_kv_pool`` over the window, through ``full_to_swa_index_mapping`` (full slot → SWA
+slot, 0 = evicted). Reads those three, ``layers_mapping`` and ``page_size``; the window is the
+caller's (``ModelRunner.sliding_window_size``). The table is the allocator's, held by
+reference: attach after ``SWATokenToKVPoolAllocator`` exists. Splices FULL into
+``get_contiguous_buf_infos`` and SWA into ``get_state_buf_infos``.
 """
 
 from __future__ import annotations
