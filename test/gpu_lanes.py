@@ -71,8 +71,7 @@ class Lane:
     alone: bool = False  # runs by itself, after the other lanes
 
     def pytest_args(self) -> List[str]:
-        path = (self.file.relative_to(REPO) if self.file.is_relative_to(REPO)
-                else self.file)
+        path = self.file.relative_to(REPO) if self.file.is_relative_to(REPO) else self.file
         args = [str(path), "-m", "cuda"]
         return args + (["-k", self.select] if self.select else [])
 
@@ -93,8 +92,10 @@ class LaneResult:
         tail = "" if self.returncode is not None else " (timed out)"
         if self.returncode not in (0, None) and self.failed == 0:
             tail = f" (pytest exit {self.returncode})"
-        return (f"lane {self.name}: {self.passed} passed, {self.failed} failed, "
-                f"{self.seconds:.0f} s{tail}")
+        return (
+            f"lane {self.name}: {self.passed} passed, {self.failed} failed, "
+            f"{self.seconds:.0f} s{tail}"
+        )
 
 
 def test_files(test_dir: pathlib.Path = TEST_DIR) -> List[pathlib.Path]:
@@ -103,22 +104,37 @@ def test_files(test_dir: pathlib.Path = TEST_DIR) -> List[pathlib.Path]:
 
 def _module_lanes(path: pathlib.Path, tree: ast.Module) -> Optional[Dict[str, tuple]]:
     for stmt in tree.body:
-        if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
-                and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id == LANES_VAR):
+        if (
+            isinstance(stmt, ast.Assign)
+            and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Name)
+            and stmt.targets[0].id == LANES_VAR
+        ):
             try:
                 value = ast.literal_eval(stmt.value)
             except ValueError as e:
-                raise LaneDeclarationError(f"{path.name}: {LANES_VAR} must be a literal dict "
-                                           f"of name -> (-k expression, seconds): {e}") from e
-            if not isinstance(value, dict) or not value or not all(
-                    isinstance(k, str) and isinstance(v, tuple) and len(v) in (2, 3)
-                    and isinstance(v[0], str) and isinstance(v[1], (int, float))
+                raise LaneDeclarationError(
+                    f"{path.name}: {LANES_VAR} must be a literal dict "
+                    f"of name -> (-k expression, seconds): {e}"
+                ) from e
+            if (
+                not isinstance(value, dict)
+                or not value
+                or not all(
+                    isinstance(k, str)
+                    and isinstance(v, tuple)
+                    and len(v) in (2, 3)
+                    and isinstance(v[0], str)
+                    and isinstance(v[1], (int, float))
                     and (len(v) == 2 or v[2] == ALONE)
-                    for k, v in value.items()):
+                    for k, v in value.items()
+                )
+            ):
                 raise LaneDeclarationError(
                     f"{path.name}: {LANES_VAR} must map each lane name to a "
                     f"(-k expression, estimated seconds) pair, or a triple ending in "
-                    f"{ALONE!r} for a lane that needs the GPU to itself; got {value!r}")
+                    f"{ALONE!r} for a lane that needs the GPU to itself; got {value!r}"
+                )
             return value
     return None
 
@@ -133,8 +149,9 @@ def ci_register():
     if name not in sys.modules:
         spec = importlib.util.find_spec("sglang")  # finds the package without importing it
         if spec is None or not spec.submodule_search_locations:
-            raise LaneDeclarationError("sglang is not installed: its ci_register declares the "
-                                       "lanes")
+            raise LaneDeclarationError(
+                "sglang is not installed: its ci_register declares the lanes"
+            )
         path = pathlib.Path(spec.submodule_search_locations[0]) / "test" / "ci" / "ci_register.py"
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
@@ -152,20 +169,22 @@ def lanes_of_file(path: pathlib.Path) -> List[Lane]:
     if not cuda:
         if declared is not None:
             raise LaneDeclarationError(
-                f"{path.name}: assigns {LANES_VAR} but registers no CUDA suite "
-                "(register_cuda_ci)")
+                f"{path.name}: assigns {LANES_VAR} but registers no CUDA suite (register_cuda_ci)"
+            )
         return []
     if len(cuda) != 1:
-        raise LaneDeclarationError(f"{path.name}: {len(cuda)} register_cuda_ci calls; one "
-                                   "per file (its lanes split it)")
+        raise LaneDeclarationError(
+            f"{path.name}: {len(cuda)} register_cuda_ci calls; one per file (its lanes split it)"
+        )
     if declared is None:
-        stem = path.stem[len("test_"):]
+        stem = path.stem[len("test_") :]
         return [Lane(stem, path, None, cuda[0].est_time)]
     total = sum(v[1] for v in declared.values())
     if abs(total - cuda[0].est_time) > 1e-6:
         raise LaneDeclarationError(
             f"{path.name}: register_cuda_ci(est_time={cuda[0].est_time:g}) but its lanes "
-            f"add up to {total:g} s; est_time is the whole file's time")
+            f"add up to {total:g} s; est_time is the whole file's time"
+        )
     return [Lane(name, path, v[0], v[1], alone=len(v) == 3) for name, v in declared.items()]
 
 
@@ -174,8 +193,9 @@ def all_lanes(files: Optional[Sequence[pathlib.Path]] = None) -> List[Lane]:
     seen: Dict[str, pathlib.Path] = {}
     for lane in lanes:
         if lane.name in seen:
-            raise LaneDeclarationError(f"lane {lane.name!r} declared by {seen[lane.name].name} "
-                                       f"and {lane.file.name}")
+            raise LaneDeclarationError(
+                f"lane {lane.name!r} declared by {seen[lane.name].name} and {lane.file.name}"
+            )
         seen[lane.name] = lane.file
     return lanes
 
@@ -183,18 +203,22 @@ def all_lanes(files: Optional[Sequence[pathlib.Path]] = None) -> List[Lane]:
 def sh_listing(lanes: Sequence[Lane]) -> str:
     """The lane list of ``test/gpu_lanes.sh``: one comment line per lane, the pytest
     arguments it runs."""
-    rows = [f"#   {lane.name:<20} {lane.pytest_args()[0]}"
-            + (f" -k {lane.select}" if lane.select else "")
-            + (" (alone, after the others)" if lane.alone else "") for lane in lanes]
+    rows = [
+        f"#   {lane.name:<20} {lane.pytest_args()[0]}"
+        + (f" -k {lane.select}" if lane.select else "")
+        + (" (alone, after the others)" if lane.alone else "")
+        for lane in lanes
+    ]
     return "\n".join([SH_BEGIN, *rows, SH_END])
 
 
 def _sh_with_listing(text: str, listing: str) -> str:
     begin, end = text.find(SH_BEGIN), text.find(SH_END)
     if begin < 0 or end < begin:
-        raise LaneDeclarationError(f"{LANES_SH.name}: no lane list between {SH_BEGIN!r} and "
-                                   f"{SH_END!r}")
-    return text[:begin] + listing + text[end + len(SH_END):]
+        raise LaneDeclarationError(
+            f"{LANES_SH.name}: no lane list between {SH_BEGIN!r} and {SH_END!r}"
+        )
+    return text[:begin] + listing + text[end + len(SH_END) :]
 
 
 def sh_listing_stale(lanes: Sequence[Lane]) -> bool:
@@ -237,9 +261,14 @@ def parse_pytest_progress(output: str) -> Dict[str, int]:
 CPU_KINDS = (
     ("scheduler", "cmd", re.compile(r"sglang::scheduler")),
     ("detokenizer", "cmd", re.compile(r"sglang::detokenizer")),
-    ("native compiler", "comm", re.compile(
-        r"^(cicc|ptxas|nvcc|nvlink|fatbinary|nvdisasm|cc1|cc1plus|gcc|g\+\+|c\+\+|as|ld|"
-        r"collect2|ninja)$")),
+    (
+        "native compiler",
+        "comm",
+        re.compile(
+            r"^(cicc|ptxas|nvcc|nvlink|fatbinary|nvdisasm|cc1|cc1plus|gcc|g\+\+|c\+\+|as|ld|"
+            r"collect2|ninja)$"
+        ),
+    ),
     ("pytest", "cmd", re.compile(r"-m pytest")),
     ("engine (workload, demo)", "cmd", re.compile(r"e2e_support/|kv_canary\.demo")),
 )
@@ -311,12 +340,11 @@ class CpuAccount:
                 continue
             try:
                 stat = (entry / "stat").read_text()
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(
-                    errors="replace")
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:  # gone between the listing and the read
                 continue
-            comm = stat[stat.find("(") + 1:stat.rfind(")")]
-            fields = stat[stat.rfind(")") + 2:].split()
+            comm = stat[stat.find("(") + 1 : stat.rfind(")")]
+            fields = stat[stat.rfind(")") + 2 :].split()
             # fields[0] is the state (stat's 3rd field): ppid 4th, utime 14th, stime 15th
             cpu = (int(fields[11]) + int(fields[12])) / self._tick
             stats[int(entry.name)] = (int(fields[1]), cpu, comm, cmd)
@@ -326,8 +354,9 @@ class CpuAccount:
             kind = cpu_kind(comm, cmd)
             command = re.sub(r"\d+", "N", (cmd or f"[{comm}]").strip())[:90]
             if old is None:
-                self.seen[pid] = _Seen(ppid, cpu, now, now, kind, self._lane_of(pid, ppids),
-                                       command)
+                self.seen[pid] = _Seen(
+                    ppid, cpu, now, now, kind, self._lane_of(pid, ppids), command
+                )
             else:
                 old.cpu_s, old.last_s, old.kind, old.command = cpu, now, kind, command
                 old.lane = old.lane or self._lane_of(pid, ppids)
@@ -351,39 +380,62 @@ class CpuAccount:
             c[0] += 1
             c[1] += s.cpu_s
         for kind, k in kinds.items():
-            top = sorted(((cmd, n, cpu) for (kd, cmd), (n, cpu) in commands.items()
-                          if kd == kind), key=lambda t: -t[2])[:3]
+            top = sorted(
+                ((cmd, n, cpu) for (kd, cmd), (n, cpu) in commands.items() if kd == kind),
+                key=lambda t: -t[2],
+            )[:3]
             k["top"] = [[cmd, n, round(cpu, 1)] for cmd, n, cpu in top]
-        return dict(seconds=time.monotonic() - self.t0, cores=os.cpu_count(),
-                    cpu_s=sum(s.cpu_s for s in mine),
-                    kinds=dict(sorted(kinds.items(), key=lambda kv: -kv[1]["cpu_s"])),
-                    lanes=dict(sorted(lanes.items(), key=lambda kv: -kv[1])))
+        return dict(
+            seconds=time.monotonic() - self.t0,
+            cores=os.cpu_count(),
+            cpu_s=sum(s.cpu_s for s in mine),
+            kinds=dict(sorted(kinds.items(), key=lambda kv: -kv[1]["cpu_s"])),
+            lanes=dict(sorted(lanes.items(), key=lambda kv: -kv[1])),
+        )
 
 
 def format_cpu_report(rep: dict) -> str:
     share = rep["cpu_s"] / max(1e-9, rep["seconds"] * (rep["cores"] or 1))
-    lines = [f"gpu_lanes CPU: {rep['cpu_s']:.0f} CPU-s in {rep['seconds']:.0f} s on "
-             f"{rep['cores']} cores ({share:.0%} of the machine)"]
+    lines = [
+        f"gpu_lanes CPU: {rep['cpu_s']:.0f} CPU-s in {rep['seconds']:.0f} s on "
+        f"{rep['cores']} cores ({share:.0%} of the machine)"
+    ]
     for kind, k in rep["kinds"].items():
         busy = k["cpu_s"] / k["alive_s"] if k["alive_s"] else 0.0
-        lines.append(f"  {kind}: {k['processes']} processes, {k['cpu_s']:.0f} CPU-s "
-                     f"({busy:.0%} of their {k['alive_s']:.0f} s alive)")
+        lines.append(
+            f"  {kind}: {k['processes']} processes, {k['cpu_s']:.0f} CPU-s "
+            f"({busy:.0%} of their {k['alive_s']:.0f} s alive)"
+        )
         lines += [f"    {cpu:.0f} CPU-s, {n} x {cmd}" for cmd, n, cpu in k.get("top", ())]
     lines.append("  by lane: " + ", ".join(f"{n} {s:.0f}" for n, s in rep["lanes"].items()))
     return "\n".join(lines)
 
 
-def run_lane(lane: Lane, out_dir: pathlib.Path, timeout: float,
-             account: Optional[CpuAccount] = None) -> LaneResult:
+def run_lane(
+    lane: Lane, out_dir: pathlib.Path, timeout: float, account: Optional[CpuAccount] = None
+) -> LaneResult:
     log = out_dir / f"{lane.name}.log"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
-           "--tb=short", "-o", "addopts=", "--durations=0", *lane.pytest_args()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-ra",
+        "-p",
+        "no:cacheprovider",
+        "--tb=short",
+        "-o",
+        "addopts=",
+        "--durations=0",
+        *lane.pytest_args(),
+    ]
     t0 = time.monotonic()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         if account is not None:
             account.add_lane(proc.pid, lane.name)
         try:
@@ -398,21 +450,38 @@ def run_lane(lane: Lane, out_dir: pathlib.Path, timeout: float,
     return LaneResult(lane.name, counts.get("passed", 0), counts.get("failed", 0), seconds, rc)
 
 
-def run_lanes(lanes: Sequence[Lane], *, jobs: int, timeout: float, out_dir: pathlib.Path,
-              account: Optional[CpuAccount] = None) -> List[LaneResult]:
+def run_lanes(
+    lanes: Sequence[Lane],
+    *,
+    jobs: int,
+    timeout: float,
+    out_dir: pathlib.Path,
+    account: Optional[CpuAccount] = None,
+) -> List[LaneResult]:
     """Run ``lanes`` longest first, ``jobs`` at a time, then the ``alone`` lanes one by one;
     print each lane's line as it ends."""
     out_dir.mkdir(parents=True, exist_ok=True)
     shared = [lane for lane in lanes if not lane.alone]
     results = _run_queue(shared, jobs=jobs, timeout=timeout, out_dir=out_dir, account=account)
-    results += _run_queue([lane for lane in lanes if lane.alone], jobs=1, timeout=timeout,
-                          out_dir=out_dir, account=account)
+    results += _run_queue(
+        [lane for lane in lanes if lane.alone],
+        jobs=1,
+        timeout=timeout,
+        out_dir=out_dir,
+        account=account,
+    )
     order = {lane.name: i for i, lane in enumerate(lanes)}
     return sorted(results, key=lambda r: order[r.name])
 
 
-def _run_queue(lanes: Sequence[Lane], *, jobs: int, timeout: float, out_dir: pathlib.Path,
-               account: Optional[CpuAccount]) -> List[LaneResult]:
+def _run_queue(
+    lanes: Sequence[Lane],
+    *,
+    jobs: int,
+    timeout: float,
+    out_dir: pathlib.Path,
+    account: Optional[CpuAccount],
+) -> List[LaneResult]:
     queue = sorted(lanes, key=lambda lane: (-lane.est_seconds, lane.name))
     results: List[LaneResult] = []
     lock = threading.Lock()
@@ -451,11 +520,20 @@ class _Collector:
         for item in items:
             path = pathlib.Path(str(item.path)).resolve()
             matcher = KeywordMatcher.from_item(item)
-            selected = [lane.name for lane in self.lanes if lane.file.resolve() == path and (
-                lane.select is None or Expression.compile(lane.select).evaluate(matcher))]
-            self.items.append(dict(nodeid=item.nodeid, file=path.name,
-                                   cuda=item.get_closest_marker("cuda") is not None,
-                                   lanes=selected))
+            selected = [
+                lane.name
+                for lane in self.lanes
+                if lane.file.resolve() == path
+                and (lane.select is None or Expression.compile(lane.select).evaluate(matcher))
+            ]
+            self.items.append(
+                dict(
+                    nodeid=item.nodeid,
+                    file=path.name,
+                    cuda=item.get_closest_marker("cuda") is not None,
+                    lanes=selected,
+                )
+            )
 
 
 def check(files: Optional[Sequence[pathlib.Path]] = None) -> List[str]:
@@ -463,6 +541,7 @@ def check(files: Optional[Sequence[pathlib.Path]] = None) -> List[str]:
     ``cuda``-marked test in exactly one lane, no lane empty, no non-cuda test in a lane's file
     selected as GPU work. Empty list: all good."""
     import pytest
+
     collect_tests = ci_register().collect_tests
 
     files = list(files or test_files())
@@ -472,8 +551,10 @@ def check(files: Optional[Sequence[pathlib.Path]] = None) -> List[str]:
         return [str(e)]
     lanes = all_lanes(files)
     collector = _Collector(lanes)
-    rc = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                      *map(str, files)], plugins=[collector])
+    rc = pytest.main(
+        ["--collect-only", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *map(str, files)],
+        plugins=[collector],
+    )
     if rc != 0:
         return [f"pytest could not collect the test files (exit {int(rc)})"]
     problems = []
@@ -481,15 +562,19 @@ def check(files: Optional[Sequence[pathlib.Path]] = None) -> List[str]:
     for item in collector.items:
         if item["cuda"]:
             if len(item["lanes"]) != 1:
-                problems.append(f"{item['nodeid']}: cuda test in {len(item['lanes'])} lanes "
-                                f"({', '.join(item['lanes']) or 'none'}); needs exactly one")
+                problems.append(
+                    f"{item['nodeid']}: cuda test in {len(item['lanes'])} lanes "
+                    f"({', '.join(item['lanes']) or 'none'}); needs exactly one"
+                )
             for name in item["lanes"]:
                 per_lane[name] += 1
     problems += [f"lane {name}: selects no cuda test" for name, n in per_lane.items() if n == 0]
-    if {f.resolve() for f in files} == {f.resolve() for f in test_files()} and \
-            sh_listing_stale(lanes):
-        problems.append(f"{LANES_SH.name}: its lane list is stale; run "
-                        "python3 test/gpu_lanes.py --sync-sh")
+    if {f.resolve() for f in files} == {f.resolve() for f in test_files()} and sh_listing_stale(
+        lanes
+    ):
+        problems.append(
+            f"{LANES_SH.name}: its lane list is stale; run python3 test/gpu_lanes.py --sync-sh"
+        )
     return problems
 
 
@@ -522,26 +607,44 @@ def precompile(dirs: Sequence[pathlib.Path]) -> Tuple[bool, float]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("lanes", nargs="*", help="lane names (default: all)")
-    parser.add_argument("--jobs", type=int, default=int(os.environ.get(
-        "GPU_LANES_JOBS", max(1, (os.cpu_count() or 4) - 2))),
-                        help="lanes at once (default: CPU cores - 2, or $GPU_LANES_JOBS); "
-                             "the lanes' servers are CPU-bound while they start")
-    parser.add_argument("--timeout", type=float,
-                        default=float(os.environ.get("GPU_LANES_TIMEOUT", 600)),
-                        help="seconds per lane before it is stopped (default 600)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=int(os.environ.get("GPU_LANES_JOBS", max(1, (os.cpu_count() or 4) - 2))),
+        help="lanes at once (default: CPU cores - 2, or $GPU_LANES_JOBS); "
+        "the lanes' servers are CPU-bound while they start",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=float(os.environ.get("GPU_LANES_TIMEOUT", 600)),
+        help="seconds per lane before it is stopped (default 600)",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_lanes_out"))
-    parser.add_argument("--test-dir", type=pathlib.Path, default=TEST_DIR,
-                        help="where the test files are (default: test/registered/kv_canary)")
+    parser.add_argument(
+        "--test-dir",
+        type=pathlib.Path,
+        default=TEST_DIR,
+        help="where the test files are (default: test/registered/kv_canary)",
+    )
     parser.add_argument("--list", action="store_true", help="print the lanes and exit")
-    parser.add_argument("--check", action="store_true",
-                        help="collect only: every cuda test in exactly one lane")
-    parser.add_argument("--no-precompile", action="store_true",
-                        help="do not byte-compile the import path before the lanes")
-    parser.add_argument("--no-cpu-account", action="store_true",
-                        help="do not sample where the lanes' CPU time goes (printed at the end "
-                             "and written to OUT/cpu_account.json)")
-    parser.add_argument("--sync-sh", action="store_true",
-                        help="rewrite the lane list in test/gpu_lanes.sh and exit")
+    parser.add_argument(
+        "--check", action="store_true", help="collect only: every cuda test in exactly one lane"
+    )
+    parser.add_argument(
+        "--no-precompile",
+        action="store_true",
+        help="do not byte-compile the import path before the lanes",
+    )
+    parser.add_argument(
+        "--no-cpu-account",
+        action="store_true",
+        help="do not sample where the lanes' CPU time goes (printed at the end "
+        "and written to OUT/cpu_account.json)",
+    )
+    parser.add_argument(
+        "--sync-sh", action="store_true", help="rewrite the lane list in test/gpu_lanes.sh and exit"
+    )
     args = parser.parse_args(argv)
     if args.jobs < 1 or args.timeout <= 0:
         parser.error("--jobs must be >= 1 and --timeout > 0")
@@ -549,8 +652,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not (args.list or args.check or args.sync_sh or args.no_precompile):
         dirs = import_path_dirs()
         ok, seconds = precompile(dirs)
-        print(f"gpu_lanes: byte-compiled {', '.join(map(str, dirs))} in {seconds:.0f} s"
-              + ("" if ok else " (some files did not compile)"), flush=True)
+        print(
+            f"gpu_lanes: byte-compiled {', '.join(map(str, dirs))} in {seconds:.0f} s"
+            + ("" if ok else " (some files did not compile)"),
+            flush=True,
+        )
     files = test_files(args.test_dir)
     try:
         lanes = all_lanes(files)
@@ -569,8 +675,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.lanes:
         unknown = sorted(set(args.lanes) - {lane.name for lane in lanes})
         if unknown:
-            parser.error(f"unknown lane(s) {', '.join(unknown)}; lanes: "
-                         f"{', '.join(lane.name for lane in lanes)}")
+            parser.error(
+                f"unknown lane(s) {', '.join(unknown)}; lanes: "
+                f"{', '.join(lane.name for lane in lanes)}"
+            )
         lanes = [lane for lane in lanes if lane.name in set(args.lanes)]
     if args.list:
         for lane in lanes:
@@ -582,8 +690,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # the few kernels in the server's own process costs less
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     account = None if args.no_cpu_account else CpuAccount().start()
-    results = run_lanes(lanes, jobs=args.jobs, timeout=args.timeout, out_dir=out_dir,
-                        account=account)
+    results = run_lanes(
+        lanes, jobs=args.jobs, timeout=args.timeout, out_dir=out_dir, account=account
+    )
     if account is not None:
         account.stop()
         rep = account.report()
@@ -591,8 +700,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(format_cpu_report(rep))
     print("\n".join(["", "== GPU lanes =="] + [r.line() for r in results]))
     bad = [r.name for r in results if not r.ok]
-    print(f"gpu_lanes: {len(results) - len(bad)} of {len(results)} lanes passed in "
-          f"{time.monotonic() - t0:.0f} s" + (f"; failed: {', '.join(bad)}" if bad else ""))
+    print(
+        f"gpu_lanes: {len(results) - len(bad)} of {len(results)} lanes passed in "
+        f"{time.monotonic() - t0:.0f} s" + (f"; failed: {', '.join(bad)}" if bad else "")
+    )
     return 1 if bad else 0
 
 

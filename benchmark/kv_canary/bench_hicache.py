@@ -30,8 +30,10 @@ import statistics
 import torch
 
 SHAPE = dict(layer_num=28, head_num=8, head_dim=128, num_slots=32768)
-CONFIGS = {"partial": dict(real_kv_hash_mode="partial"),
-           "partial+layers": dict(real_kv_hash_mode="partial", real_data_layers="all")}
+CONFIGS = {
+    "partial": dict(real_kv_hash_mode="partial"),
+    "partial+layers": dict(real_kv_hash_mode="partial", real_data_layers="all"),
+}
 
 
 def build(config_name: str):
@@ -42,27 +44,46 @@ def build(config_name: str):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost
 
-    pool = MHATokenToKVPool(size=SHAPE["num_slots"], page_size=1, dtype=torch.bfloat16,
-                            head_num=SHAPE["head_num"], head_dim=SHAPE["head_dim"],
-                            layer_num=SHAPE["layer_num"], device="cuda",
-                            enable_memory_saver=False, enable_alt_stream=False)
+    pool = MHATokenToKVPool(
+        size=SHAPE["num_slots"],
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=SHAPE["head_num"],
+        head_dim=SHAPE["head_dim"],
+        layer_num=SHAPE["layer_num"],
+        device="cuda",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     for layer in range(SHAPE["layer_num"]):
         pool.k_buffer[layer].normal_()
         pool.v_buffer[layer].normal_()
     r2t = ReqToTokenPool(size=8, max_context_len=8192, device="cuda", enable_memory_saver=False)
     config = CanaryConfig(mode="raise", stats_print_every_n_steps=0, **CONFIGS[config_name])
-    manager = build_canary(pool=pool, req_to_token=r2t.req_to_token, config=config,
-                           device="cuda", capacity_inputs=CanaryCapacityInputs(
-                               context_len=8192, chunked_prefill_size=8192,
-                               max_prefill_tokens=16384))
-    host = MHATokenToKVPoolHost(pool, host_to_device_ratio=2.0, host_size=0, page_size=1,
-                                layout="layer_first", pin_memory=True)
+    manager = build_canary(
+        pool=pool,
+        req_to_token=r2t.req_to_token,
+        config=config,
+        device="cuda",
+        capacity_inputs=CanaryCapacityInputs(
+            context_len=8192, chunked_prefill_size=8192, max_prefill_tokens=16384
+        ),
+    )
+    host = MHATokenToKVPoolHost(
+        pool,
+        host_to_device_ratio=2.0,
+        host_size=0,
+        page_size=1,
+        layout="layer_first",
+        pin_memory=True,
+    )
     plain = (host.backup_from_device_all_layer, host.load_to_device_per_layer)
-    mirror = HostTierMirror(groups=manager.groups, host_pool=host,
-                            real_kv_hash_mode=config.real_kv_hash_mode)
+    mirror = HostTierMirror(
+        groups=manager.groups, host_pool=host, real_kv_hash_mode=config.real_kv_hash_mode
+    )
     wrapped = (host.backup_from_device_all_layer, host.load_to_device_per_layer)
     for rows, _ in mirror.pairs:
-        rows.copy_(torch.randint(-2**62, 2**62, rows.shape, device="cuda"))
+        rows.copy_(torch.randint(-(2**62), 2**62, rows.shape, device="cuda"))
     return pool, host, mirror, plain, wrapped
 
 
@@ -91,21 +112,30 @@ def measure(config_name: str, tokens, reps: int):
         for name, (backup, load) in (("sglang", plain), ("sglang+canary", wrapped)):
             calls[name] = (
                 lambda b=backup: b(pool, hst, dev, "kernel"),
-                lambda ld=load: [ld(pool, hst, dev, layer, "kernel")
-                                 for layer in range(SHAPE["layer_num"])])
+                lambda ld=load: [
+                    ld(pool, hst, dev, layer, "kernel") for layer in range(SHAPE["layer_num"])
+                ],
+            )
         times = {(name, op): [] for name in calls for op in ("backup", "load")}
         for name in ("sglang", "sglang+canary", "sglang+canary", "sglang"):  # A B B A
             for op, fn in zip(("backup", "load"), calls[name]):
                 times[(name, op)] += gpu_ms(fn, reps)
         for op in ("backup", "load"):
             base, on = times[("sglang", op)], times[("sglang+canary", op)]
-            rows.append(dict(
-                config=config_name, op=op, tokens=n, sglang_med_ms=statistics.median(base),
-                sglang_min_ms=min(base), canary_med_ms=statistics.median(on),
-                canary_min_ms=min(on),
-                kv_bytes=n * kv_bytes_per_token(),
-                canary_bytes=n * mirror.bytes_per_host_slot,
-                canary_bytes_per_slot=mirror.bytes_per_host_slot))
+            rows.append(
+                dict(
+                    config=config_name,
+                    op=op,
+                    tokens=n,
+                    sglang_med_ms=statistics.median(base),
+                    sglang_min_ms=min(base),
+                    canary_med_ms=statistics.median(on),
+                    canary_min_ms=min(on),
+                    kv_bytes=n * kv_bytes_per_token(),
+                    canary_bytes=n * mirror.bytes_per_host_slot,
+                    canary_bytes_per_slot=mirror.bytes_per_host_slot,
+                )
+            )
     return rows
 
 
@@ -114,14 +144,18 @@ def kv_bytes_per_token() -> int:
 
 
 def table(rows) -> str:
-    out = ["| config | op | tokens | sglang median / min (ms) | + canary rows median / min (ms) "
-           "| added (median) | canary bytes per host slot |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    out = [
+        "| config | op | tokens | sglang median / min (ms) | + canary rows median / min (ms) "
+        "| added (median) | canary bytes per host slot |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         added = (r["canary_med_ms"] - r["sglang_med_ms"]) / r["sglang_med_ms"] * 100
-        out.append(f"| {r['config']} | {r['op']} | {r['tokens']} | {r['sglang_med_ms']:.3f} / "
-                   f"{r['sglang_min_ms']:.3f} | {r['canary_med_ms']:.3f} / "
-                   f"{r['canary_min_ms']:.3f} | {added:+.1f} % | {r['canary_bytes_per_slot']} |")
+        out.append(
+            f"| {r['config']} | {r['op']} | {r['tokens']} | {r['sglang_med_ms']:.3f} / "
+            f"{r['sglang_min_ms']:.3f} | {r['canary_med_ms']:.3f} / "
+            f"{r['canary_min_ms']:.3f} | {added:+.1f} % | {r['canary_bytes_per_slot']} |"
+        )
     return "\n".join(out)
 
 
@@ -129,15 +163,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 1024, 8192])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help=f"comma-separated, from: {', '.join(CONFIGS)}")
+    ap.add_argument(
+        "--configs", default=",".join(CONFIGS), help=f"comma-separated, from: {', '.join(CONFIGS)}"
+    )
     ap.add_argument("--out", help="append the rows as JSON lines to this file")
     args = ap.parse_args(argv)
     names = [c for c in args.configs.split(",") if c]
     bad = [c for c in names if c not in CONFIGS]
     if bad or not names:
-        ap.error(f"--configs: unknown {', '.join(bad) or '(empty)'}; allowed: "
-                 f"{', '.join(CONFIGS)}")
+        ap.error(f"--configs: unknown {', '.join(bad) or '(empty)'}; allowed: {', '.join(CONFIGS)}")
     if args.reps < 1 or any(n < 1 or n > SHAPE["num_slots"] - 1 for n in args.tokens):
         ap.error(f"--reps must be >= 1 and --tokens in [1, {SHAPE['num_slots'] - 1}]")
     if not torch.cuda.is_available():
@@ -153,8 +187,10 @@ def main(argv=None) -> int:
             for r in rows:
                 f.write(json.dumps(dict(r, gpu=gpu, date=when)) + "\n")
     kv_per_token = kv_bytes_per_token()
-    print(f"HiCache host-tier cost of the KV-canary — {gpu} — {when} — Qwen3-0.6B shapes "
-          f"({kv_per_token} KV bytes per token), page size 1, io backend kernel, layer_first")
+    print(
+        f"HiCache host-tier cost of the KV-canary — {gpu} — {when} — Qwen3-0.6B shapes "
+        f"({kv_per_token} KV bytes per token), page size 1, io backend kernel, layer_first"
+    )
     print(table(rows))
     return 0
 

@@ -85,10 +85,10 @@ def main() -> None:
 
     def switch_private():
         prev = torch._C._cuda_getCurrentStream(idx)
-        torch._C._cuda_setStream(stream_id=side.stream_id, device_index=side.device_index,
-                                 device_type=side.device_type)
-        torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1],
-                                 device_type=prev[2])
+        torch._C._cuda_setStream(
+            stream_id=side.stream_id, device_index=side.device_index, device_type=side.device_type
+        )
+        torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
 
     def stream_ctx():
         with torch.cuda.stream(side):
@@ -122,23 +122,27 @@ def main() -> None:
         "zero_ (512 x int64)": a.zero_,
         "6 x D2D copy_": lambda: [d.copy_(t) for d, t in zip(six_dst, six_src)],
         "_foreach_copy_ of 6 (int64)": lambda: torch._foreach_copy_(six_dst, six_src),
-        "H2D copy_ from pinned, non_blocking (512 x int64)":
-            lambda: a.copy_(pinned, non_blocking=True),
-        "D2H copy_ to pinned, non_blocking (16 x int64)":
-            lambda: host_small.copy_(a[:16], non_blocking=True),
-        "torch.empty(512, int64, pin_memory=True)":
-            lambda: torch.empty(512, dtype=torch.int64, pin_memory=True),
-        "torch.empty(4096, int64, pinned) + H2D copy, earlier copies in flight":
-            pinned_in_flight,
+        "H2D copy_ from pinned, non_blocking (512 x int64)": lambda: a.copy_(
+            pinned, non_blocking=True
+        ),
+        "D2H copy_ to pinned, non_blocking (16 x int64)": lambda: host_small.copy_(
+            a[:16], non_blocking=True
+        ),
+        "torch.empty(512, int64, pin_memory=True)": lambda: torch.empty(
+            512, dtype=torch.int64, pin_memory=True
+        ),
+        "torch.empty(4096, int64, pinned) + H2D copy, earlier copies in flight": pinned_in_flight,
         "CUDAGraph.replay() (1 kernel)": g1.replay,
         "CUDAGraph.replay() (20 kernels)": g20.replay,
         "Triton JIT launch (7 args)": lambda: _touch[(4,)](x, 4096, 1, 2, 3, 4, 5, BLOCK=1024),
         "host tensor .tolist() (16)": host_small.tolist,
         "contextlib.contextmanager enter + exit": lambda: cm().__enter__(),
     }
-    print(f"Host µs per call — {torch.cuda.get_device_name(dev)} — "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — torch {torch.__version__}, "
-          f"triton {triton.__version__}")
+    print(
+        f"Host µs per call — {torch.cuda.get_device_name(dev)} — "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — torch {torch.__version__}, "
+        f"triton {triton.__version__}"
+    )
     print("| primitive | µs per call (median) |")
     print("| --- | ---: |")
     results = {}
@@ -149,9 +153,17 @@ def main() -> None:
         print(f"| {name} | {us:.2f} |", flush=True)
     if args.out:
         with open(args.out, "a") as f:
-            f.write(json.dumps(dict(kind="host_primitives", gpu=torch.cuda.get_device_name(dev),
-                                    time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                    us_per_call=results)) + "\n")
+            f.write(
+                json.dumps(
+                    dict(
+                        kind="host_primitives",
+                        gpu=torch.cuda.get_device_name(dev),
+                        time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                        us_per_call=results,
+                    )
+                )
+                + "\n"
+            )
 
 
 if __name__ == "__main__":

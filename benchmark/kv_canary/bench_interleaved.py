@@ -171,8 +171,10 @@ REQUEST_TIMEOUT_S = 600.0
 BOOTSTRAP_SAMPLES = 2000
 FLUSH_ATTEMPTS = 100
 # the prefill set of the latency target; with EAGLE, bench_serving_overhead.py's decode set
-DEFAULT_SCENARIOS = {"none": "prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k",
-                     "eagle": ",".join(SERVING_DEFAULT_SCENARIOS["eagle"])}
+DEFAULT_SCENARIOS = {
+    "none": "prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k",
+    "eagle": ",".join(SERVING_DEFAULT_SCENARIOS["eagle"]),
+}
 # the log lines of a server whose canary was installed (api.install's), on the target and,
 # with EAGLE, on the draft worker
 INSTALLED_LINE = "kv_canary installed: "
@@ -186,13 +188,17 @@ CONFIG_TABLE = {**CONFIGS, ALL_DATA_CONFIG.name: ALL_DATA_CONFIG, **UPSTREAM_CON
 def server_config(name: str) -> BenchConfig:
     """The config a server runs (``name``: a config's, or its A/A control's)."""
     return CONFIG_TABLE[name.removesuffix(CONTROL_SUFFIX)]
+
+
 AA_LIMIT = 0.003  # a run resolves 0.5 % only where its A/A control stays within +-0.3 %
 
 
 # ---- one server ---------------------------------------------------------------------------
 
-def http_json(port: int, method: str, path: str, body=None,
-              timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, object]:
+
+def http_json(
+    port: int, method: str, path: str, body=None, timeout: float = REQUEST_TIMEOUT_S
+) -> tuple[int, object]:
     """One HTTP exchange with the server; ``(status, decoded JSON or raw text)``."""
     status, raw = http_call(port, method, path, body, timeout=timeout)
     text = raw.decode(errors="replace")
@@ -217,8 +223,9 @@ def server_decode_ms(outs: list[dict]) -> float | None:
     return statistics.median(times) if times else None
 
 
-def canary_install_problem(log: str, *, canary_on: bool, speculative: str,
-                           stack: str = PROJECT_STACK) -> str | None:
+def canary_install_problem(
+    log: str, *, canary_on: bool, speculative: str, stack: str = PROJECT_STACK
+) -> str | None:
     """What is wrong with a server's canary, from its log, or None: a canary-on server must
     have installed the canary (and, with EAGLE, on the draft worker too: otherwise the draft
     pool ran unguarded and its figures mean nothing); a canary-off server must not have. An
@@ -227,13 +234,16 @@ def canary_install_problem(log: str, *, canary_on: bool, speculative: str,
     target = INSTALLED_LINE in log
     draft = DRAFT_INSTALLED_LINE in log
     if stack == UPSTREAM_STACK:
-        return ("this project's canary was installed on an upstream server (its plugin ran "
-                f"there: {UPSTREAM_SITE_DIR} must come first on its PYTHONPATH)"
-                if target or draft else None)
+        return (
+            "this project's canary was installed on an upstream server (its plugin ran "
+            f"there: {UPSTREAM_SITE_DIR} must come first on its PYTHONPATH)"
+            if target or draft
+            else None
+        )
     if canary_on and not target:
         return f"no '{INSTALLED_LINE.strip()}' line: the canary did not run"
     if canary_on and speculative != "none" and not draft:
-        return (f"no '{DRAFT_INSTALLED_LINE.strip()}' line: the draft pool ran unguarded")
+        return f"no '{DRAFT_INSTALLED_LINE.strip()}' line: the draft pool ran unguarded"
     if not canary_on and (target or draft):
         return "the canary was installed on a server of a canary-off config"
     return None
@@ -243,13 +253,18 @@ class Server(ServerProcess):
     """One ``python -m sglang.launch_server`` process of config ``cfg`` (own session, log in
     ``log_path``)."""
 
-    def __init__(self, name: str, cfg: BenchConfig, kwargs: dict, env: dict[str, str],
-                 log_path: str):
+    def __init__(
+        self, name: str, cfg: BenchConfig, kwargs: dict, env: dict[str, str], log_path: str
+    ):
         self.cfg = cfg
         port = free_port()
-        super().__init__(name, [sys.executable, "-m", "sglang.launch_server",
-                                *launch_server_flags(port, kwargs)],
-                         port=port, env=env, log_path=log_path)
+        super().__init__(
+            name,
+            [sys.executable, "-m", "sglang.launch_server", *launch_server_flags(port, kwargs)],
+            port=port,
+            env=env,
+            log_path=log_path,
+        )
 
     def generate(self, input_ids: list[list[int]], osl: int) -> tuple[float, list[dict]]:
         """Flush the radix cache, then one ``/generate`` of the batch: ``(wall ms,
@@ -260,47 +275,55 @@ class Server(ServerProcess):
                 break
             time.sleep(0.02)
         else:
-            raise RuntimeError(f"[{self.name}] /flush_cache answered {status} "
-                               f"{FLUSH_ATTEMPTS} times: {body}")
-        params = [{"max_new_tokens": osl, "ignore_eos": True, "temperature": 0}
-                  for _ in input_ids]
+            raise RuntimeError(
+                f"[{self.name}] /flush_cache answered {status} {FLUSH_ATTEMPTS} times: {body}"
+            )
+        params = [{"max_new_tokens": osl, "ignore_eos": True, "temperature": 0} for _ in input_ids]
         t0 = time.perf_counter()
-        status, outs = http_json(self.port, "POST", "/generate",
-                                 {"input_ids": input_ids, "sampling_params": params})
+        status, outs = http_json(
+            self.port, "POST", "/generate", {"input_ids": input_ids, "sampling_params": params}
+        )
         ms = (time.perf_counter() - t0) * 1e3
         if status != 200 or not isinstance(outs, list) or len(outs) != len(input_ids):
-            raise RuntimeError(f"[{self.name}] /generate answered {status}: "
-                               f"{str(outs)[:500]}")
+            raise RuntimeError(f"[{self.name}] /generate answered {status}: {str(outs)[:500]}")
         lens = sorted({len(o["output_ids"]) for o in outs})
         if lens != [osl]:
-            raise RuntimeError(f"[{self.name}] expected outputs of {osl} tokens, got "
-                               f"lengths {lens}")
+            raise RuntimeError(
+                f"[{self.name}] expected outputs of {osl} tokens, got lengths {lens}"
+            )
         return ms, outs
 
 
 # ---- statistics -------------------------------------------------------------------------------
 
-def paired_overhead(on: Sequence[float], off: Sequence[float], *, seed: int = 0
-                    ) -> tuple[float, float, float]:
+
+def paired_overhead(
+    on: Sequence[float], off: Sequence[float], *, seed: int = 0
+) -> tuple[float, float, float]:
     """Median over the rounds of ``on[k] / off[k] - 1`` and its bootstrap 95 % interval
     (rounds resampled ``BOOTSTRAP_SAMPLES`` times, seeded), as fractions."""
     if len(on) != len(off) or not on:
-        raise ValueError(f"paired_overhead needs two equal non-empty series, got {len(on)} and "
-                         f"{len(off)} values")
+        raise ValueError(
+            f"paired_overhead needs two equal non-empty series, got {len(on)} and {len(off)} values"
+        )
     ratios = [a / b - 1.0 for a, b in zip(on, off)]
     rng = random.Random(seed)
     n = len(ratios)
-    meds = sorted(statistics.median(rng.choices(ratios, k=n))
-                  for _ in range(BOOTSTRAP_SAMPLES))
+    meds = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(BOOTSTRAP_SAMPLES))
     return statistics.median(ratios), quantile(meds, 0.025), quantile(meds, 0.975)
 
 
 def summarise(values: Sequence[float]) -> dict:
-    return dict(median=statistics.median(values), min=min(values),
-                p10=quantile(values, 0.1), p90=quantile(values, 0.9))
+    return dict(
+        median=statistics.median(values),
+        min=min(values),
+        p10=quantile(values, 0.1),
+        p90=quantile(values, 0.9),
+    )
 
 
 # ---- the run ----------------------------------------------------------------------------------
+
 
 def rotated(names: Sequence[str], r: int) -> list[str]:
     """``names`` rotated left by ``r`` (any integer)."""
@@ -317,8 +340,9 @@ def round_order(names: Sequence[str], k: int) -> list[str]:
     return order if (k // len(names)) % 2 == 0 else order[::-1]
 
 
-def measure(servers: dict[str, Server], sc: Scenario, *, rounds: int, warmup: int,
-            vocab: int) -> tuple[dict[str, list[float]], dict[str, list], dict[str, list], int]:
+def measure(
+    servers: dict[str, Server], sc: Scenario, *, rounds: int, warmup: int, vocab: int
+) -> tuple[dict[str, list[float]], dict[str, list], dict[str, list], int]:
     """Warm-up rounds, then ``rounds`` rounds of ``sc`` over ``servers``: per server the wall
     ms, the server's prefill ms and its decode ms per round (None where sglang gave none), and
     the number of rounds whose outputs disagreed between servers of one stack (another sglang's
@@ -356,15 +380,26 @@ def stack_baselines(server_names: Sequence[str], baseline: str) -> dict[str, str
         if name.endswith(CONTROL_SUFFIX):
             want = name.removesuffix(CONTROL_SUFFIX)
         if want not in server_names:
-            raise SystemExit(f"--configs: {name} is compared with its stack's baseline {want}, "
-                             "which is not among them: name it too")
+            raise SystemExit(
+                f"--configs: {name} is compared with its stack's baseline {want}, "
+                "which is not among them: name it too"
+            )
         out[name] = want
     return out
 
 
-def scenario_records(sc: Scenario, wall: dict, server: dict, decode: dict, mismatched: int,
-                     *, baselines: dict[str, str], ports: dict, common: dict,
-                     facts: dict) -> list[dict]:
+def scenario_records(
+    sc: Scenario,
+    wall: dict,
+    server: dict,
+    decode: dict,
+    mismatched: int,
+    *,
+    baselines: dict[str, str],
+    ports: dict,
+    common: dict,
+    facts: dict,
+) -> list[dict]:
     """One record per server of one scenario; every server but a baseline carries its paired
     overheads against its baseline (``baselines``: per server, its stack's,
     :func:`stack_baselines`): ``wall_overhead``, ``server_overhead`` for the prefill,
@@ -374,12 +409,25 @@ def scenario_records(sc: Scenario, wall: dict, server: dict, decode: dict, misma
     for name in wall:
         baseline = baselines[name]
         config = name.removesuffix(CONTROL_SUFFIX)
-        rec = dict(kind="interleaved", config=config,
-                   server_name=name, control=name.endswith(CONTROL_SUFFIX), scenario=sc.name,
-                   bs=sc.bs, isl=sc.isl, osl=sc.osl, baseline=baseline,
-                   stack=server_config(name).stack, **facts[name],
-                   rounds=len(wall[name]), port=ports[name], mismatched_rounds=mismatched,
-                   wall_runs_ms=wall[name], wall=summarise(wall[name]), **common)
+        rec = dict(
+            kind="interleaved",
+            config=config,
+            server_name=name,
+            control=name.endswith(CONTROL_SUFFIX),
+            scenario=sc.name,
+            bs=sc.bs,
+            isl=sc.isl,
+            osl=sc.osl,
+            baseline=baseline,
+            stack=server_config(name).stack,
+            **facts[name],
+            rounds=len(wall[name]),
+            port=ports[name],
+            mismatched_rounds=mismatched,
+            wall_runs_ms=wall[name],
+            wall=summarise(wall[name]),
+            **common,
+        )
         for key, series in (("server", server), ("decode", decode)):
             if None in series[name] or None in series[baseline]:
                 continue
@@ -417,10 +465,12 @@ def _interval(t) -> str:
 
 def table(records: list[dict]) -> str:
     """Markdown table of interleaved records (in their order)."""
-    out = ["| scenario | config | rounds | wall median / min ms | server prefill median / min "
-           "ms | server decode median ms | paired overhead, server prefill (median [95 % CI]) "
-           "| paired overhead, server decode | paired overhead, wall |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out = [
+        "| scenario | config | rounds | wall median / min ms | server prefill median / min "
+        "ms | server decode median ms | paired overhead, server prefill (median [95 % CI]) "
+        "| paired overhead, server decode | paired overhead, wall |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     controls = {(r["invocation"], r["scenario"]): r for r in records if r.get("control")}
     for r in records:
         w, s, d = r["wall"], r.get("server"), r.get("decode")
@@ -430,8 +480,9 @@ def table(records: list[dict]) -> str:
 
         def cell(key: str) -> str:
             if f"{key}_overhead" not in r:
-                return "(baseline)" if r["config"] == r["baseline"] and not r.get("control") \
-                    else "—"
+                return (
+                    "(baseline)" if r["config"] == r["baseline"] and not r.get("control") else "—"
+                )
             text = _interval(r[f"{key}_overhead"])
             return text if r.get("control") else f"{text} ({resolved(r, control, key)})"
 
@@ -440,10 +491,13 @@ def table(records: list[dict]) -> str:
             f"{r['rounds']} | {w['median']:.2f} / {w['min']:.2f} | "
             + (f"{s['median']:.2f} / {s['min']:.2f} | " if s else "— | ")
             + (f"{d['median']:.2f} | " if d else "— | ")
-            + f"{cell('server')} | {cell('decode')} | {cell('wall')} |")
-    out.append(f"\nAn overhead is a claim (\"resolved\") only where the A/A control's median "
-               f"and 95 % interval lie within +-{AA_LIMIT * 100:.1f} % and the config's "
-               "interval excludes 0.")
+            + f"{cell('server')} | {cell('decode')} | {cell('wall')} |"
+        )
+    out.append(
+        f"\nAn overhead is a claim (\"resolved\") only where the A/A control's median "
+        f"and 95 % interval lie within +-{AA_LIMIT * 100:.1f} % and the config's "
+        "interval excludes 0."
+    )
     mism = {(r["scenario"], r["mismatched_rounds"]) for r in records if r["mismatched_rounds"]}
     for scn, m in sorted(mism):
         out.append(f"\n{scn}: greedy outputs disagreed between configs in {m} round(s)")
@@ -455,8 +509,10 @@ def memory_fractions(n: int, share: float) -> list[float]:
     the module docstring)."""
     fracs = [round((i + 1) * share, 4) for i in range(n)]
     if fracs[-1] > 0.95:
-        raise ValueError(f"--gpu-share {share} x {n} servers = {fracs[-1]} of the GPU; "
-                         "allowed: at most 0.95 in all (lower --gpu-share)")
+        raise ValueError(
+            f"--gpu-share {share} x {n} servers = {fracs[-1]} of the GPU; "
+            "allowed: at most 0.95 in all (lower --gpu-share)"
+        )
     return fracs
 
 
@@ -469,8 +525,9 @@ def tokens_needed(scenarios: Sequence[Scenario], chunk: int) -> int:
 IDLE_MODES = ("sleep", "spin")
 
 
-def server_kwargs(settings_kwargs: dict, cfg: BenchConfig, *, mem_fraction: float | None,
-                  idle: str) -> dict:
+def server_kwargs(
+    settings_kwargs: dict, cfg: BenchConfig, *, mem_fraction: float | None, idle: str
+) -> dict:
     """One server's engine kwargs: the run's settings, the config's canary flags, its memory
     fraction (None: sglang's default) and its idle scheduler (``idle``, one of
     ``IDLE_MODES``: ``sleep`` sets sglang's ``sleep_on_idle``, ``spin`` clears it)."""
@@ -483,29 +540,39 @@ def server_kwargs(settings_kwargs: dict, cfg: BenchConfig, *, mem_fraction: floa
     return kwargs
 
 
-def check_upstream(names: Sequence[str], *, upstream_site: str | None, piecewise: str,
-                   speculative: str) -> None:
+def check_upstream(
+    names: Sequence[str], *, upstream_site: str | None, piecewise: str, speculative: str
+) -> None:
     """Refuse what a run with upstream's configs cannot measure (module docstring)."""
     upstream = [n for n in names if CONFIG_TABLE[n].stack == UPSTREAM_STACK]
     if not upstream:
         if upstream_site:
-            raise SystemExit(f"--upstream-site {upstream_site}: no {UPSTREAM_PREFIX}config in "
-                             "--configs runs there")
+            raise SystemExit(
+                f"--upstream-site {upstream_site}: no {UPSTREAM_PREFIX}config in "
+                "--configs runs there"
+            )
         return
     if not upstream_site or not os.path.isdir(upstream_site):
-        raise SystemExit(f"--configs {', '.join(upstream)}: upstream's servers need "
-                         "--upstream-site DIR, the site directory of sglang 0.5.17 "
-                         f"(upstream_bundle.sh), got {upstream_site!r}")
+        raise SystemExit(
+            f"--configs {', '.join(upstream)}: upstream's servers need "
+            "--upstream-site DIR, the site directory of sglang 0.5.17 "
+            f"(upstream_bundle.sh), got {upstream_site!r}"
+        )
     if piecewise == "on" and any(CONFIG_TABLE[n].canary_on for n in upstream):
-        raise SystemExit("--piecewise on: upstream's canary refuses sglang's piecewise prefill "
-                         "graphs; pass --piecewise off (every server alike)")
+        raise SystemExit(
+            "--piecewise on: upstream's canary refuses sglang's piecewise prefill "
+            "graphs; pass --piecewise off (every server alike)"
+        )
     if speculative != "none":
-        raise SystemExit(f"--speculative {speculative}: the side by side with upstream "
-                         "measures prefill and decode without speculative decoding")
+        raise SystemExit(
+            f"--speculative {speculative}: the side by side with upstream "
+            "measures prefill and decode without speculative decoding"
+        )
 
 
-def server_env(base_env: dict[str, str], cfg: BenchConfig, upstream_site: str | None
-               ) -> dict[str, str]:
+def server_env(
+    base_env: dict[str, str], cfg: BenchConfig, upstream_site: str | None
+) -> dict[str, str]:
     """A server's environment: the run's, the config's variables and, for upstream's
     configs, ``PYTHONPATH`` = ``upstream_site``'s isolation folder, ``upstream_site``, then
     the run's."""
@@ -528,22 +595,32 @@ def server_facts(port: int) -> dict:
 def run(args) -> int:
     names = parse_names(args.configs, CONFIG_TABLE, "--configs")
     if args.baseline not in names:
-        raise SystemExit(f"--baseline {args.baseline!r} must be one of --configs "
-                         f"({', '.join(names)})")
+        raise SystemExit(
+            f"--baseline {args.baseline!r} must be one of --configs ({', '.join(names)})"
+        )
     if len(names) < 2:
         raise SystemExit("--configs: name the baseline and at least one more config")
     if args.rounds < 1 or args.warmup < 0:
-        raise SystemExit(f"--rounds must be >= 1 and --warmup >= 0 (got {args.rounds}, "
-                         f"{args.warmup})")
+        raise SystemExit(
+            f"--rounds must be >= 1 and --warmup >= 0 (got {args.rounds}, {args.warmup})"
+        )
     smoke = args.smoke_cpu
     if args.speculative != "none" and smoke:
-        raise SystemExit(f"--speculative {args.speculative} cannot run with --smoke-cpu: "
-                         "sglang 0.5.12's CPU server has no speculative decoding")
+        raise SystemExit(
+            f"--speculative {args.speculative} cannot run with --smoke-cpu: "
+            "sglang 0.5.12's CPU server has no speculative decoding"
+        )
     if args.speculative != "none" and args.model != DEFAULT_MODEL:
-        raise SystemExit(f"--speculative {args.speculative} needs --model {DEFAULT_MODEL} "
-                         f"(the draft's shape is that model's), got --model {args.model}")
-    check_upstream(names, upstream_site=args.upstream_site, piecewise=args.piecewise,
-                   speculative=args.speculative)
+        raise SystemExit(
+            f"--speculative {args.speculative} needs --model {DEFAULT_MODEL} "
+            f"(the draft's shape is that model's), got --model {args.model}"
+        )
+    check_upstream(
+        names,
+        upstream_site=args.upstream_site,
+        piecewise=args.piecewise,
+        speculative=args.speculative,
+    )
     table_of = SMOKE_SCENARIOS if smoke else SCENARIOS
     scenario_names = args.scenarios or DEFAULT_SCENARIOS[args.speculative]
     scenarios = [table_of[n] for n in parse_names(scenario_names, SCENARIOS, "--scenarios")]
@@ -552,11 +629,18 @@ def run(args) -> int:
     tmp = tempfile.mkdtemp(prefix="kv_canary_interleaved_")
     out = os.path.abspath(args.out or os.path.join(tmp, "interleaved.jsonl"))
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    settings = SMOKE_SETTINGS if smoke else EngineSettings(
-        model=args.model, max_total_tokens=args.max_total_tokens or tokens_needed(
-            scenarios, EngineSettings.chunked_prefill_size),
-        speculative=args.speculative, piecewise=args.piecewise == "on",
-        cuda_graph_bs=(1, 32) if args.speculative != "none" else EngineSettings.cuda_graph_bs)
+    settings = (
+        SMOKE_SETTINGS
+        if smoke
+        else EngineSettings(
+            model=args.model,
+            max_total_tokens=args.max_total_tokens
+            or tokens_needed(scenarios, EngineSettings.chunked_prefill_size),
+            speculative=args.speculative,
+            piecewise=args.piecewise == "on",
+            cuda_graph_bs=(1, 32) if args.speculative != "none" else EngineSettings.cuda_graph_bs,
+        )
+    )
     draft_dir = None
     if smoke:
         from sglang.srt.kv_canary.testing.server_harness import (
@@ -566,58 +650,72 @@ def run(args) -> int:
             write_tiny_llama,
         )
 
-        model_dir, vocab = write_tiny_llama(os.path.join(tmp, "model")), \
-            TINY_LLAMA_CONFIG["vocab_size"]
+        model_dir, vocab = (
+            write_tiny_llama(os.path.join(tmp, "model")),
+            TINY_LLAMA_CONFIG["vocab_size"],
+        )
         base_env = cpu_server_env(build_libcuda_stub(os.path.join(tmp, "stub")))
     else:
         model_dir = os.path.join(tmp, "model")
         os.makedirs(model_dir)
-        pathlib.Path(model_dir, "config.json").write_text(
-            json.dumps(MODELS[args.model], indent=1))
+        pathlib.Path(model_dir, "config.json").write_text(json.dumps(MODELS[args.model], indent=1))
         vocab = MODELS[args.model]["vocab_size"]
         base_env = dict(os.environ)
         if args.speculative != "none":
             draft_dir = os.path.join(tmp, "draft")
             os.makedirs(draft_dir)
             pathlib.Path(draft_dir, "config.json").write_text(
-                json.dumps(QWEN3_EAGLE_DRAFT_CONFIG, indent=1))
+                json.dumps(QWEN3_EAGLE_DRAFT_CONFIG, indent=1)
+            )
     # the servers: each config's, plus the A/A control (a second server of the baseline's)
     server_names = names + ([args.baseline + CONTROL_SUFFIX] if args.control else [])
     baselines = stack_baselines(server_names, args.baseline)
-    rotation = (args.start_rotation if args.start_rotation is not None
-                else int(invocation, 16) % len(server_names))
+    rotation = (
+        args.start_rotation
+        if args.start_rotation is not None
+        else int(invocation, 16) % len(server_names)
+    )
     start_order = rotated(server_names, rotation)
     if not smoke:
         fracs = memory_fractions(len(server_names), args.gpu_share or 0.8 / len(server_names))
     else:
         fracs = [None] * len(server_names)
     base_env.pop("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", None)  # per config below
-    print(f"KV-canary interleaved overhead — {gpu} — {now_utc()} — configs {', '.join(names)} "
-          f"(baseline {args.baseline}"
-          + (f", A/A control {args.baseline + CONTROL_SUFFIX}" if args.control else "")
-          + f") — started in the order {', '.join(start_order)} — {args.rounds} rounds after "
-          f"{args.warmup} warm-up — idle schedulers: {args.idle} — results to {out}",
-          flush=True)
+    print(
+        f"KV-canary interleaved overhead — {gpu} — {now_utc()} — configs {', '.join(names)} "
+        f"(baseline {args.baseline}"
+        + (f", A/A control {args.baseline + CONTROL_SUFFIX}" if args.control else "")
+        + f") — started in the order {', '.join(start_order)} — {args.rounds} rounds after "
+        f"{args.warmup} warm-up — idle schedulers: {args.idle} — results to {out}",
+        flush=True,
+    )
     started: dict[str, Server] = {}
     try:
         for name, frac in zip(start_order, fracs):
             cfg = server_config(name)
             kwargs = server_kwargs(
-                settings.engine_kwargs(model_dir, smoke=smoke, draft_dir=draft_dir), cfg,
-                mem_fraction=frac, idle=args.idle)
+                settings.engine_kwargs(model_dir, smoke=smoke, draft_dir=draft_dir),
+                cfg,
+                mem_fraction=frac,
+                idle=args.idle,
+            )
             log_path = f"{out}.{name.replace('+', '_').replace('~', '_').replace(':', '_')}.log"
             t0 = time.perf_counter()
-            srv = Server(name, cfg, kwargs, server_env(base_env, cfg, args.upstream_site),
-                         log_path)
+            srv = Server(name, cfg, kwargs, server_env(base_env, cfg, args.upstream_site), log_path)
             started[name] = srv
             srv.wait_ready(args.start_timeout)
-            problem = canary_install_problem(srv.log(), canary_on=cfg.canary_on,
-                                             speculative=args.speculative, stack=cfg.stack)
+            problem = canary_install_problem(
+                srv.log(), canary_on=cfg.canary_on, speculative=args.speculative, stack=cfg.stack
+            )
             if problem:
-                raise SystemExit(f"[{name}] {problem} (log {log_path}); its results would be "
-                                 "invalid")
-            print(f"[{name}] up in {time.perf_counter() - t0:.0f} s on port {srv.port} "
-                  f"(mem fraction {frac}; log {log_path})", flush=True)
+                raise SystemExit(
+                    f"[{name}] {problem} (log {log_path}); its results would be invalid"
+                )
+            print(
+                f"[{name}] up in {time.perf_counter() - t0:.0f} s on port {srv.port} "
+                f"(mem fraction {frac}; log {log_path})",
+                flush=True,
+            )
         servers = {name: started[name] for name in server_names}  # rounds rotate from here
         facts = {name: server_facts(srv.port) for name, srv in servers.items()}
         versions = {name: f["version"] for name, f in facts.items()}
@@ -625,28 +723,47 @@ def run(args) -> int:
         ours = {versions[n] for n in server_names if n not in upstream}
         same = [n for n in server_names if n in upstream and versions[n] in ours]
         if same and not smoke:
-            raise SystemExit(f"{', '.join(same)}: upstream's servers report sglang "
-                             f"{versions[same[0]]}, this project's version: --upstream-site "
-                             f"{args.upstream_site} did not put upstream's sglang first")
-        common = dict(invocation=invocation, time=now_utc(), gpu=gpu, smoke=smoke,
-                      model="tiny-llama (smoke)" if smoke else args.model,
-                      speculative=args.speculative,
-                      warmup_rounds=args.warmup, order=server_names, start_order=start_order,
-                      idle=args.idle, piecewise=args.piecewise)
+            raise SystemExit(
+                f"{', '.join(same)}: upstream's servers report sglang "
+                f"{versions[same[0]]}, this project's version: --upstream-site "
+                f"{args.upstream_site} did not put upstream's sglang first"
+            )
+        common = dict(
+            invocation=invocation,
+            time=now_utc(),
+            gpu=gpu,
+            smoke=smoke,
+            model="tiny-llama (smoke)" if smoke else args.model,
+            speculative=args.speculative,
+            warmup_rounds=args.warmup,
+            order=server_names,
+            start_order=start_order,
+            idle=args.idle,
+            piecewise=args.piecewise,
+        )
         records = []
         for sc in scenarios:
             t0 = time.perf_counter()
-            wall, server, decode, mismatched = measure(servers, sc, rounds=args.rounds,
-                                                       warmup=args.warmup, vocab=vocab)
-            recs = scenario_records(sc, wall, server, decode, mismatched,
-                                    baselines=baselines,
-                                    ports={n: srv.port for n, srv in servers.items()},
-                                    common=common, facts=facts)
+            wall, server, decode, mismatched = measure(
+                servers, sc, rounds=args.rounds, warmup=args.warmup, vocab=vocab
+            )
+            recs = scenario_records(
+                sc,
+                wall,
+                server,
+                decode,
+                mismatched,
+                baselines=baselines,
+                ports={n: srv.port for n, srv in servers.items()},
+                common=common,
+                facts=facts,
+            )
             for rec in recs:
                 append_jsonl(out, rec)
             records += recs
-            print(f"{sc.name}: {args.rounds} rounds in {time.perf_counter() - t0:.0f} s",
-                  flush=True)
+            print(
+                f"{sc.name}: {args.rounds} rounds in {time.perf_counter() - t0:.0f} s", flush=True
+            )
     finally:
         for srv in started.values():
             srv.stop()
@@ -659,47 +776,93 @@ def run(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (``main``'s)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="off,raise,raise+token",
-                    help=f"comma-separated, from: {', '.join(CONFIG_TABLE)}")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--configs",
+        default="off,raise,raise+token",
+        help=f"comma-separated, from: {', '.join(CONFIG_TABLE)}",
+    )
     ap.add_argument("--baseline", default="off", help="the config the others are compared with")
-    ap.add_argument("--scenarios", default=None,
-                    help=f"comma-separated, from: {', '.join(SCENARIOS)} (default "
-                    f"{DEFAULT_SCENARIOS['none']}; with --speculative eagle "
-                    f"{DEFAULT_SCENARIOS['eagle']})")
-    ap.add_argument("--speculative", default="none", choices=sorted(SPECULATIVE),
-                    help="eagle: every server decodes with EAGLE (a one-layer "
-                    "LlamaForCausalLMEagle draft of the model's shapes, topk 1, 3 steps, 4 "
-                    "draft tokens); each canary-on server must report the canary installed on "
-                    "its draft worker too")
+    ap.add_argument(
+        "--scenarios",
+        default=None,
+        help=f"comma-separated, from: {', '.join(SCENARIOS)} (default "
+        f"{DEFAULT_SCENARIOS['none']}; with --speculative eagle "
+        f"{DEFAULT_SCENARIOS['eagle']})",
+    )
+    ap.add_argument(
+        "--speculative",
+        default="none",
+        choices=sorted(SPECULATIVE),
+        help="eagle: every server decodes with EAGLE (a one-layer "
+        "LlamaForCausalLMEagle draft of the model's shapes, topk 1, 3 steps, 4 "
+        "draft tokens); each canary-on server must report the canary installed on "
+        "its draft worker too",
+    )
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5, help="unrecorded rounds first")
     ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS))
-    ap.add_argument("--gpu-share", type=float, default=None,
-                    help="each server's share of the GPU's memory (default 0.8 / #configs)")
-    ap.add_argument("--max-total-tokens", type=int, default=None,
-                    help="each server's KV pool (default: what the scenarios need)")
-    ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
-                    help="run the A/A control: a second server of the baseline's config "
-                         "(default on; its difference from the baseline is the resolution)")
-    ap.add_argument("--start-rotation", type=int, default=None,
-                    help="start the servers in the config order rotated by this much "
-                         "(default: a rotation drawn from the run's id)")
-    ap.add_argument("--piecewise", default="on", choices=("on", "off"),
-                    help="sglang's piecewise CUDA graphs for prefill, every server alike "
-                    "(default on, sglang's default)")
-    ap.add_argument("--idle", default="spin", choices=IDLE_MODES,
-                    help="spin (default, sglang's default): an idle scheduler polls in a busy "
-                    "loop; sleep: every server with sglang's --sleep-on-idle")
+    ap.add_argument(
+        "--gpu-share",
+        type=float,
+        default=None,
+        help="each server's share of the GPU's memory (default 0.8 / #configs)",
+    )
+    ap.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="each server's KV pool (default: what the scenarios need)",
+    )
+    ap.add_argument(
+        "--control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the A/A control: a second server of the baseline's config "
+        "(default on; its difference from the baseline is the resolution)",
+    )
+    ap.add_argument(
+        "--start-rotation",
+        type=int,
+        default=None,
+        help="start the servers in the config order rotated by this much "
+        "(default: a rotation drawn from the run's id)",
+    )
+    ap.add_argument(
+        "--piecewise",
+        default="on",
+        choices=("on", "off"),
+        help="sglang's piecewise CUDA graphs for prefill, every server alike "
+        "(default on, sglang's default)",
+    )
+    ap.add_argument(
+        "--idle",
+        default="spin",
+        choices=IDLE_MODES,
+        help="spin (default, sglang's default): an idle scheduler polls in a busy "
+        "loop; sleep: every server with sglang's --sleep-on-idle",
+    )
     ap.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S)
-    ap.add_argument("--upstream-site", default=None, metavar="DIR",
-                    help=f"sglang 0.5.17's site directory, for the {UPSTREAM_PREFIX}configs")
+    ap.add_argument(
+        "--upstream-site",
+        default=None,
+        metavar="DIR",
+        help=f"sglang 0.5.17's site directory, for the {UPSTREAM_PREFIX}configs",
+    )
     ap.add_argument("--out", default=None, help="JSON lines file (appended)")
-    ap.add_argument("--smoke-cpu", action="store_true",
-                    help="sglang's CPU server with tiny scenarios: checks the script only")
-    ap.add_argument("--report", nargs="+", metavar="FILE",
-                    help="print the table of earlier runs' records and exit")
+    ap.add_argument(
+        "--smoke-cpu",
+        action="store_true",
+        help="sglang's CPU server with tiny scenarios: checks the script only",
+    )
+    ap.add_argument(
+        "--report",
+        nargs="+",
+        metavar="FILE",
+        help="print the table of earlier runs' records and exit",
+    )
     return ap
 
 

@@ -202,11 +202,12 @@ class Shape:
 
     def skip_reason(self, max_pool_bytes: int = MAX_POOL_BYTES) -> Optional[str]:
         if self.verify_entries > MAX_VERIFY_ENTRIES:
-            return (f"skipped: {self.verify_entries / 2**20:.0f}M verify entries > "
-                    f"{MAX_VERIFY_ENTRIES / 2**20:.0f}M")
+            return (
+                f"skipped: {self.verify_entries / 2**20:.0f}M verify entries > "
+                f"{MAX_VERIFY_ENTRIES / 2**20:.0f}M"
+            )
         if self.pool_bytes > max_pool_bytes:
-            return (f"skipped: pool {self.pool_bytes / 1e9:.2f} GB > "
-                    f"{max_pool_bytes / 1e9:g} GB")
+            return f"skipped: pool {self.pool_bytes / 1e9:.2f} GB > {max_pool_bytes / 1e9:g} GB"
         return None
 
     @property
@@ -240,8 +241,13 @@ def _clone(obj, device):
     if isinstance(obj, torch.Tensor):
         return obj.to(device, copy=True)
     if isinstance(obj, (VerifyPlan, WritePlan)):
-        return type(obj)(**{f.name: getattr(obj, f.name).to(device, copy=True)
-                            for f in dataclasses.fields(obj) if f.init})
+        return type(obj)(
+            **{
+                f.name: getattr(obj, f.name).to(device, copy=True)
+                for f in dataclasses.fields(obj)
+                if f.init
+            }
+        )
     return obj
 
 
@@ -258,8 +264,9 @@ class State:
         bs, L = shape.bs, shape.hist_len
         rows = bs + 1  # row 0 of req_to_token is SGLang's padding row
         # Layer-0 K buffer of an MHA pool: [num_slots, kv_heads, head_dim] bf16, random values.
-        k_buffer = torch.empty(shape.num_slots, NUM_KV_HEADS, HEAD_DIM, dtype=KV_DTYPE,
-                               device=device)
+        k_buffer = torch.empty(
+            shape.num_slots, NUM_KV_HEADS, HEAD_DIM, dtype=KV_DTYPE, device=device
+        )
         k_buffer.normal_(generator=g)
         # Requests sit on shuffled rows; their slots are a random permutation of the pool.
         rpi = torch.randperm(bs, generator=g, device=device) + 1
@@ -267,15 +274,17 @@ class State:
         req_to_token = torch.zeros(rows, L, dtype=torch.int32, device=device)
         req_to_token[rpi] = slots.view(bs, L).to(torch.int32)
         del slots
-        tokens = torch.randint(0, VOCAB_SIZE, (rows, L), generator=g, device=device,
-                               dtype=torch.int64)
+        tokens = torch.randint(
+            0, VOCAB_SIZE, (rows, L), generator=g, device=device, dtype=torch.int64
+        )
         i64 = dict(dtype=torch.int64, device=device)
         p = shape.prefix
         st = cls(
             shape=shape,
             k_buffer=k_buffer,
-            canary_buf=torch.zeros(shape.num_slots, CANARY_SLOT_BYTES, dtype=torch.uint8,
-                                   device=device),
+            canary_buf=torch.zeros(
+                shape.num_slots, CANARY_SLOT_BYTES, dtype=torch.uint8, device=device
+            ),
             # one ring / index / per-tag counters, shared by the contexts of all modes
             violation_ring=torch.zeros(RING_CAPACITY, VIOLATION_NUM_FIELDS, **i64),
             violation_write_index=torch.zeros(1, dtype=torch.int32, device=device),
@@ -286,8 +295,9 @@ class State:
             req_pool_indices=rpi,
             prefix_lens=torch.full((bs,), p, **i64),
             extend_seq_lens=torch.full((bs,), shape.extend, **i64),
-            verify_plan=VerifyPlan.allocate(verify_capacity=max(1, shape.verify_entries),
-                                            device=device),
+            verify_plan=VerifyPlan.allocate(
+                verify_capacity=max(1, shape.verify_entries), device=device
+            ),
             write_plan=WritePlan.allocate(write_req_capacity=bs, device=device),
             # this forward's new tokens, in batch order
             input_ids=tokens[rpi, p:].reshape(-1).contiguous(),
@@ -316,16 +326,20 @@ class State:
         return State(**out)
 
     def context(self, mode: RealKvHashMode) -> VerifyOrWriteContext:
-        source = RealKvSource(tensor=self.k_buffer, page_size=1,
-                              num_bytes_per_token=BYTES_PER_TOKEN, read_bytes=BYTES_PER_TOKEN)
+        source = RealKvSource(
+            tensor=self.k_buffer,
+            page_size=1,
+            num_bytes_per_token=BYTES_PER_TOKEN,
+            read_bytes=BYTES_PER_TOKEN,
+        )
         t = int(TAG)
         return VerifyOrWriteContext(
             canary_buf=self.canary_buf,
             kernel_kind=TAG,
             violation_ring=self.violation_ring,
             violation_write_index=self.violation_write_index,
-            slot_run_counter=self.slot_counters[t:t + 1],
-            kernel_run_counter=self.kernel_counters[t:t + 1],
+            slot_run_counter=self.slot_counters[t : t + 1],
+            kernel_run_counter=self.kernel_counters[t : t + 1],
             real_kv_sources=(source,),
             real_kv_hash_mode=mode,
             enable_chain_position_assert=self.chain_assert,
@@ -356,8 +370,9 @@ def run_plan(st: State, *, ref: bool = False, fill: bool = False) -> None:
     )
 
 
-def run_write(st: State, ctx: VerifyOrWriteContext, *, ref: bool = False,
-              fill: bool = False) -> None:
+def run_write(
+    st: State, ctx: VerifyOrWriteContext, *, ref: bool = False, fill: bool = False
+) -> None:
     fn = launch_canary_write_kernel_torch_reference if ref else launch_canary_write_kernel
     fn(
         context=ctx,
@@ -378,8 +393,12 @@ def run_verify(st: State, ctx: VerifyOrWriteContext, *, ref: bool = False) -> No
 
 def run_scatter(st: State, *, ref: bool = False) -> None:
     fn = scatter_req_token_ids_torch_reference if ref else launch_scatter_req_token_ids_kernel
-    fn(flat_in=st.scatter_flat, offsets=st.scatter_offsets,
-       req_pool_indices=st.req_pool_indices, pool_out=st.scatter_pool)
+    fn(
+        flat_in=st.scatter_flat,
+        offsets=st.scatter_offsets,
+        req_pool_indices=st.req_pool_indices,
+        pool_out=st.scatter_pool,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,11 +408,16 @@ def run_scatter(st: State, *, ref: bool = False) -> None:
 
 def _equal(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
     a, b = a.cpu(), b.cpu()
-    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(
-            a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
+    if (
+        a.dtype != b.dtype
+        or a.shape != b.shape
+        or not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    ):
         diff = (a != b).nonzero()[:5].tolist() if a.shape == b.shape else "shape"
-        raise AssertionError(f"{name}: device result differs from the torch reference "
-                             f"(first differing indices: {diff})")
+        raise AssertionError(
+            f"{name}: device result differs from the torch reference "
+            f"(first differing indices: {diff})"
+        )
 
 
 def assert_plans_equal(dev: State, ref: State) -> None:
@@ -457,8 +481,7 @@ def _copy_ms(device: torch.device) -> float:
     """Median ms of ``dst.copy_(src)`` on 1 GiB bf16 (both freed when this returns)."""
     src = torch.randn(COPY_BYTES // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    return triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200,
-                                   return_mode="median")
+    return triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
 
 
 def measure_copy_bandwidth(device: torch.device) -> float:
@@ -515,16 +538,19 @@ class Bench:
             reason = shape.skip_reason(SMOKE_MAX_POOL_BYTES if self.smoke else MAX_POOL_BYTES)
             if reason:
                 log(f"{shape.name}: {reason}")
-                self.rows.append(Row("all", shape.name, "-", f"{shape.verify_entries}",
-                                     note=reason))
+                self.rows.append(
+                    Row("all", shape.name, "-", f"{shape.verify_entries}", note=reason)
+                )
                 continue
             self.run_shape(shape)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
     def run_shape(self, shape: Shape) -> None:
-        log(f"{shape.name}: building state ({shape.num_slots} slots, pool "
-            f"{shape.pool_bytes / 1e9:.2f} GB, {shape.verify_entries} verify entries)")
+        log(
+            f"{shape.name}: building state ({shape.num_slots} slots, pool "
+            f"{shape.pool_bytes / 1e9:.2f} GB, {shape.verify_entries} verify entries)"
+        )
         st = State.build(shape, self.device)
         # The torch references run on CPU copies for small shapes, on GPU copies otherwise
         # (they are plain torch code); the K buffer is shared (no launch writes it).
@@ -544,8 +570,17 @@ class Bench:
         assert_plans_equal(st, ref)
         assert int(st.verify_plan.enable[0]) == 1
         assert int(st.verify_plan.verify_num_valid[0]) == shape.verify_entries
-        self.rows.append(Row("plan", shape.name, "n/a", str(shape.verify_entries),
-                             self.time(lambda: run_plan(st)), plan_bytes(shape), ref_label))
+        self.rows.append(
+            Row(
+                "plan",
+                shape.name,
+                "n/a",
+                str(shape.verify_entries),
+                self.time(lambda: run_plan(st)),
+                plan_bytes(shape),
+                ref_label,
+            )
+        )
 
         # ---- scatter (no real-KV mode) ----
         log(f"{shape.name}: scatter")
@@ -553,9 +588,17 @@ class Bench:
         run_scatter(st)
         run_scatter(ref, ref=True)
         _equal("scatter pool_out", st.scatter_pool, ref.scatter_pool)
-        self.rows.append(Row("scatter", shape.name, "n/a", str(shape.scatter_tokens),
-                             self.time(lambda: run_scatter(st)), scatter_bytes(shape),
-                             ref_label))
+        self.rows.append(
+            Row(
+                "scatter",
+                shape.name,
+                "n/a",
+                str(shape.scatter_tokens),
+                self.time(lambda: run_scatter(st)),
+                scatter_bytes(shape),
+                ref_label,
+            )
+        )
 
         for mode_name, mode in MODES:
             ctx = st.context(mode)
@@ -584,8 +627,17 @@ class Bench:
             del ref
             timing = self.time(lambda: run_verify(st, ctx))
             assert_no_violations(st, f"{shape.name} verify ({mode_name}, timed)")
-            self.rows.append(Row("verify", shape.name, mode_name, str(shape.verify_entries),
-                                 timing, verify_bytes(shape, mode), ref_label + "+clean"))
+            self.rows.append(
+                Row(
+                    "verify",
+                    shape.name,
+                    mode_name,
+                    str(shape.verify_entries),
+                    timing,
+                    verify_bytes(shape, mode),
+                    ref_label + "+clean",
+                )
+            )
 
             # ---- write ----
             log(f"{shape.name}: write ({mode_name})")
@@ -598,9 +650,17 @@ class Bench:
             del ref
             timing = self.time(lambda: run_write(st, ctx))
             assert_no_violations(st, f"{shape.name} write ({mode_name}, timed)")
-            self.rows.append(Row("write", shape.name, mode_name, str(shape.write_tokens),
-                                 timing, write_bytes(shape, mode),
-                                 ref_label + "+clean" if check_write else "clean"))
+            self.rows.append(
+                Row(
+                    "write",
+                    shape.name,
+                    mode_name,
+                    str(shape.write_tokens),
+                    timing,
+                    write_bytes(shape, mode),
+                    ref_label + "+clean" if check_write else "clean",
+                )
+            )
         # st and ref_k are freed at return; run() then empties the CUDA cache
 
     # ---- output ----
@@ -613,8 +673,10 @@ class Bench:
         else:
             dev = torch.cuda.get_device_name(self.device)
             bw = f"{self.copy_gbps:.0f} GB/s (1 GiB bf16 copy, read+write)"
-        return (f"KV-canary kernels — {dev} — {now} — torch {torch.__version__}, "
-                f"triton {triton.__version__} — copy bandwidth {bw}")
+        return (
+            f"KV-canary kernels — {dev} — {now} — torch {torch.__version__}, "
+            f"triton {triton.__version__} — copy bandwidth {bw}"
+        )
 
     def table(self) -> str:
         lines = [
@@ -624,8 +686,9 @@ class Bench:
         ]
         for r in self.rows:
             if r.timing is None:
-                lines.append(f"| {r.kernel} | {r.scenario} | {r.mode} | {r.entries} | "
-                             f"{r.note} | | | | | |")
+                lines.append(
+                    f"| {r.kernel} | {r.scenario} | {r.mode} | {r.entries} | {r.note} | | | | | |"
+                )
                 continue
             graph = f"{r.timing.graph_us:.1f}" if r.timing.graph_us is not None else "-"
             if self.smoke or r.nbytes == 0:
@@ -634,9 +697,11 @@ class Bench:
                 g = r.nbytes / (r.timing.device_us * 1e-6) / 1e9
                 gbps = f"{g:.1f}"
                 frac = f"{100 * g / self.copy_gbps:.1f} %"
-            lines.append(f"| {r.kernel} | {r.scenario} | {r.mode} | {r.entries} | "
-                         f"{r.timing.eager_us:.1f} | {graph} | {_fmt_bytes(r.nbytes)} | "
-                         f"{gbps} | {frac} | {r.checked} |")
+            lines.append(
+                f"| {r.kernel} | {r.scenario} | {r.mode} | {r.entries} | "
+                f"{r.timing.eager_us:.1f} | {graph} | {_fmt_bytes(r.nbytes)} | "
+                f"{gbps} | {frac} | {r.checked} |"
+            )
         return "\n".join(lines)
 
     def legend(self) -> str:
@@ -659,11 +724,14 @@ def _fmt_bytes(n: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes on CPU tensors (torch references), 1 call per kernel, "
-                         "no timing claims")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes on CPU tensors (torch references), 1 call per kernel, no timing claims",
+    )
     ap.add_argument("--out", default=None, help="also write the markdown table to this path")
     args = ap.parse_args(argv)
 

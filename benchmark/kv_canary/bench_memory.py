@@ -45,12 +45,20 @@ RESULT = "MEMORY "
 CONFIGS: Dict[str, tuple] = {
     "off": (dict(kv_canary="none"), {}),
     "raise": (dict(kv_canary="raise"), {}),
-    "raise+partial+layers": (dict(kv_canary="raise", kv_canary_real_data="partial",
-                                  kv_canary_real_data_layers="all"), {}),
+    "raise+partial+layers": (
+        dict(kv_canary="raise", kv_canary_real_data="partial", kv_canary_real_data_layers="all"),
+        {},
+    ),
     "raise+token": (dict(kv_canary="raise"), {TOKEN_ENV: "1"}),
-    "everything": (dict(kv_canary="raise", kv_canary_real_data="partial",
-                        kv_canary_real_data_layers="all", kv_canary_sweep_interval=8),
-                   {TOKEN_ENV: "1", V_ENV: "1"}),
+    "everything": (
+        dict(
+            kv_canary="raise",
+            kv_canary_real_data="partial",
+            kv_canary_real_data_layers="all",
+            kv_canary_sweep_interval=8,
+        ),
+        {TOKEN_ENV: "1", V_ENV: "1"},
+    ),
 }
 TIGHT_CONFIG = "raise+token"
 TIGHT_FREE = 0.6 * GIB  # what the tight server aims to leave free
@@ -106,18 +114,26 @@ def child(args) -> None:
             )
 
             model_dir, vocab = write_tiny_llama(tmp), TINY_LLAMA_CONFIG["vocab_size"]
-            engine_kwargs = cpu_engine_kwargs(model_dir, max_total_tokens=2048,
-                                              log_level="info", **kwargs)
+            engine_kwargs = cpu_engine_kwargs(
+                model_dir, max_total_tokens=2048, log_level="info", **kwargs
+            )
             sampler = None
         else:
             model = MODELS["qwen3-0.6b"]
             pathlib.Path(tmp, "config.json").write_text(json.dumps(model))
             model_dir, vocab = tmp, model["vocab_size"]
-            engine_kwargs = dict(model_path=model_dir, load_format="dummy",
-                                 skip_tokenizer_init=True, mem_fraction_static=args.fraction,
-                                 attention_backend="triton", disable_piecewise_cuda_graph=True,
-                                 cuda_graph_max_bs=8,
-                                 log_level="info", random_seed=0, **kwargs)
+            engine_kwargs = dict(
+                model_path=model_dir,
+                load_format="dummy",
+                skip_tokenizer_init=True,
+                mem_fraction_static=args.fraction,
+                attention_backend="triton",
+                disable_piecewise_cuda_graph=True,
+                cuda_graph_max_bs=8,
+                log_level="info",
+                random_seed=0,
+                **kwargs,
+            )
             sampler = GpuSampler()
         t0 = time.perf_counter()
         engine = sglang.Engine(**engine_kwargs)
@@ -128,22 +144,40 @@ def child(args) -> None:
         isl, osl = (4000, 32) if sampler is not None else (200, 8)
         prompts = fill_requests(tokens, isl=isl, osl=osl, vocab=vocab, seed=1)
         t0 = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params={
-            "max_new_tokens": osl, "temperature": 0, "ignore_eos": True})
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"max_new_tokens": osl, "temperature": 0, "ignore_eos": True},
+        )
         fill_s = time.perf_counter() - t0
         served = sum(1 for o in outs if len(o["output_ids"]) == osl)
         peak = sampler.stop() if sampler is not None else None
         engine.shutdown()
-    print(RESULT + json.dumps(dict(
-        config=args.child, fraction=args.fraction, max_total_num_tokens=tokens,
-        kv_canary_memory=info.get("kv_canary", {}).get("memory"),
-        gpu_total=sampler.total if sampler is not None else None,
-        gpu_used_idle=idle, gpu_used_peak=peak, requests=len(prompts), served=served,
-        prompt_tokens=isl, output_tokens=osl, startup_s=startup_s, fill_s=fill_s)), flush=True)
+    print(
+        RESULT
+        + json.dumps(
+            dict(
+                config=args.child,
+                fraction=args.fraction,
+                max_total_num_tokens=tokens,
+                kv_canary_memory=info.get("kv_canary", {}).get("memory"),
+                gpu_total=sampler.total if sampler is not None else None,
+                gpu_used_idle=idle,
+                gpu_used_peak=peak,
+                requests=len(prompts),
+                served=served,
+                prompt_tokens=isl,
+                output_tokens=osl,
+                startup_s=startup_s,
+                fill_s=fill_s,
+            )
+        ),
+        flush=True,
+    )
 
 
-def run_child(args, name: str, fraction: float, log_path: str,
-              stub_dir: Optional[str]) -> Optional[dict]:
+def run_child(
+    args, name: str, fraction: float, log_path: str, stub_dir: Optional[str]
+) -> Optional[dict]:
     env = dict(os.environ)
     env.pop(TOKEN_ENV, None)
     env.pop(V_ENV, None)
@@ -152,17 +186,31 @@ def run_child(args, name: str, fraction: float, log_path: str,
 
         env = cpu_server_env(stub_dir, env)
     env.update(CONFIGS[name][1])
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", name,
-           "--_fraction", str(fraction)] + (["--smoke-cpu"] if args.smoke_cpu else [])
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--_child",
+        name,
+        "--_fraction",
+        str(fraction),
+    ] + (["--smoke-cpu"] if args.smoke_cpu else [])
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=args.child_timeout)
+        proc = subprocess.run(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=args.child_timeout,
+        )
         log.write(proc.stdout)
-    found = [json.loads(x[len(RESULT):]) for x in proc.stdout.splitlines()
-             if x.startswith(RESULT)]
+    found = [json.loads(x[len(RESULT) :]) for x in proc.stdout.splitlines() if x.startswith(RESULT)]
     if proc.returncode != 0 or not found:
-        print(f"[{name} @ {fraction:.4f}] exited {proc.returncode}; last lines of {log_path}:\n"
-              + "\n".join(proc.stdout.splitlines()[-40:]), flush=True)
+        print(
+            f"[{name} @ {fraction:.4f}] exited {proc.returncode}; last lines of {log_path}:\n"
+            + "\n".join(proc.stdout.splitlines()[-40:]),
+            flush=True,
+        )
         return None
     return found[0]
 
@@ -173,13 +221,16 @@ def _mib(n: Optional[int]) -> str:
 
 def table(records: Sequence[dict]) -> str:
     off = next((r for r in records if r["config"] == "off" and not r.get("tight")), None)
-    rows = ["| config | fraction | canary device MiB (by part) | host MiB | pool tokens | vs off "
-            "| GPU used idle MiB | GPU peak MiB | peak vs off | served |",
-            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = [
+        "| config | fraction | canary device MiB (by part) | host MiB | pool tokens | vs off "
+        "| GPU used idle MiB | GPU peak MiB | peak vs off | served |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in records:
         mem = (r.get("kv_canary_memory") or {}).get("target", {}).get("allocated")
-        parts = (", ".join(f"{k} {v / (1 << 20):.1f}" for k, v in mem["device"].items())
-                 if mem else "")
+        parts = (
+            ", ".join(f"{k} {v / (1 << 20):.1f}" for k, v in mem["device"].items()) if mem else ""
+        )
         dev = _mib(mem["device_bytes"]) if mem else "0"
         host = _mib(mem["host_bytes"]) if mem else "0"
         vs = peak_vs = ""
@@ -187,19 +238,28 @@ def table(records: Sequence[dict]) -> str:
             vs = f"{r['max_total_num_tokens'] / off['max_total_num_tokens'] - 1:+.3%}"
             if r["gpu_used_peak"] is not None:
                 peak_vs = f"{r['gpu_used_peak'] / off['gpu_used_peak'] - 1:+.3%}"
-        rows.append(f"| {r['config']}{' (tight)' if r.get('tight') else ''} | {r['fraction']:.4f} "
-                    f"| {dev} ({parts}) | {host} | {r['max_total_num_tokens']:,} | {vs} "
-                    f"| {_mib(r['gpu_used_idle'])} | {_mib(r['gpu_used_peak'])} | {peak_vs} "
-                    f"| {r['served']}/{r['requests']} |")
+        rows.append(
+            f"| {r['config']}{' (tight)' if r.get('tight') else ''} | {r['fraction']:.4f} "
+            f"| {dev} ({parts}) | {host} | {r['max_total_num_tokens']:,} | {vs} "
+            f"| {_mib(r['gpu_used_idle'])} | {_mib(r['gpu_used_peak'])} | {peak_vs} "
+            f"| {r['served']}/{r['requests']} |"
+        )
     return "\n".join(rows)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help=f"comma-separated, from: {', '.join(CONFIGS)} (off first)")
-    ap.add_argument("--fraction", type=float, default=0.5,
-                    help="--mem-fraction-static of every server but the tight one")
+    ap.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated, from: {', '.join(CONFIGS)} (off first)",
+    )
+    ap.add_argument(
+        "--fraction",
+        type=float,
+        default=0.5,
+        help="--mem-fraction-static of every server but the tight one",
+    )
     ap.add_argument("--no-tight", action="store_true", help="skip the tight server")
     ap.add_argument("--out", help="JSON lines file (one record per server)")
     ap.add_argument("--child-timeout", type=float, default=900)
@@ -214,8 +274,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     bad = [n for n in names if n not in CONFIGS]
     if bad or not names or names[0] != "off":
-        ap.error(f"--configs: {', '.join(bad) or args.configs!r}: give 'off' first, then any of "
-                 f"{', '.join(CONFIGS)}")
+        ap.error(
+            f"--configs: {', '.join(bad) or args.configs!r}: give 'off' first, then any of "
+            f"{', '.join(CONFIGS)}"
+        )
     if args.smoke_cpu:
         args.fraction = 0.3
     invocation, gpu = uuid.uuid4().hex[:12], gpu_name(args.smoke_cpu)
@@ -227,28 +289,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from sglang.srt.kv_canary.testing.server_harness import build_libcuda_stub
 
         stub_dir = build_libcuda_stub(os.path.join(tmp, "stub"))
-    print(f"KV-canary memory — {gpu} — {now_utc()} — configs {', '.join(names)} — "
-          f"--mem-fraction-static {args.fraction} — results to {out}", flush=True)
+    print(
+        f"KV-canary memory — {gpu} — {now_utc()} — configs {', '.join(names)} — "
+        f"--mem-fraction-static {args.fraction} — results to {out}",
+        flush=True,
+    )
     records, failed = [], []
     plan = [(n, args.fraction, False) for n in names]
     tries = 2  # tight servers started again when the last left TIGHT_LIMIT or more free
     while plan:
         name, fraction, tight = plan.pop(0)
-        rec = run_child(args, name, fraction, f"{out}.{name.replace('+', '_')}"
-                        f"{'_tight' if tight else ''}.log", stub_dir)
+        rec = run_child(
+            args,
+            name,
+            fraction,
+            f"{out}.{name.replace('+', '_')}{'_tight' if tight else ''}.log",
+            stub_dir,
+        )
         if rec is None:
             failed.append(name)
             continue
-        rec.update(kind="memory", invocation=invocation, gpu=gpu, time=now_utc(), tight=tight,
-                   smoke=args.smoke_cpu)
+        rec.update(
+            kind="memory",
+            invocation=invocation,
+            gpu=gpu,
+            time=now_utc(),
+            tight=tight,
+            smoke=args.smoke_cpu,
+        )
         records.append(rec)
         append_jsonl(out, rec)
-        print(f"[{name}{' tight' if tight else ''}] {rec['max_total_num_tokens']:,} tokens, "
-              f"idle {_mib(rec['gpu_used_idle'])} MiB, peak {_mib(rec['gpu_used_peak'])} MiB, "
-              f"served {rec['served']}/{rec['requests']}", flush=True)
+        print(
+            f"[{name}{' tight' if tight else ''}] {rec['max_total_num_tokens']:,} tokens, "
+            f"idle {_mib(rec['gpu_used_idle'])} MiB, peak {_mib(rec['gpu_used_peak'])} MiB, "
+            f"served {rec['served']}/{rec['requests']}",
+            flush=True,
+        )
         free = (rec["gpu_total"] - rec["gpu_used_idle"]) if rec["gpu_total"] else None
-        if ((name == "off" and not tight) or (tight and free >= TIGHT_LIMIT and tries)) \
-                and not args.no_tight and not args.smoke_cpu:
+        if (
+            ((name == "off" and not tight) or (tight and free >= TIGHT_LIMIT and tries))
+            and not args.no_tight
+            and not args.smoke_cpu
+        ):
             # the fraction that leaves TIGHT_FREE of the GPU free when idle (the pool grows
             # with the fraction; sglang's other buffers a little: try again from the result)
             tries -= tight
@@ -260,14 +342,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if tight:
         r = tight[-1]
         free = r["gpu_total"] - r["gpu_used_idle"]
-        print(f"\ntight: {TIGHT_CONFIG} at --mem-fraction-static {r['fraction']}: "
-              f"{free / GIB:.2f} GiB free after start-up, served {r['served']}/{r['requests']} "
-              f"requests of {r['prompt_tokens']}+{r['output_tokens']} tokens "
-              f"({r['max_total_num_tokens']:,}-token pool)")
+        print(
+            f"\ntight: {TIGHT_CONFIG} at --mem-fraction-static {r['fraction']}: "
+            f"{free / GIB:.2f} GiB free after start-up, served {r['served']}/{r['requests']} "
+            f"requests of {r['prompt_tokens']}+{r['output_tokens']} tokens "
+            f"({r['max_total_num_tokens']:,}-token pool)"
+        )
         if free >= TIGHT_LIMIT:
             failed.append(f"tight (left {free / GIB:.2f} GiB free)")
-    failed += [f"{r['config']} (served {r['served']} of {r['requests']})" for r in records
-               if r["served"] != r["requests"]]
+    failed += [
+        f"{r['config']} (served {r['served']} of {r['requests']})"
+        for r in records
+        if r["served"] != r["requests"]
+    ]
     if failed:
         print(f"\nFAILED: {', '.join(failed)}")
         return 1

@@ -67,10 +67,17 @@ def main() -> None:
     ap.add_argument("--configs", default="raise,raise+token+partial")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", default=None, help="JSON lines file (appended)")
-    ap.add_argument("--trace", default=None, metavar="DIR",
-                    help="profile one more prefill per stand-in; Chrome traces to DIR")
-    ap.add_argument("--overlap", action="store_true",
-                    help="queue the request's next forward before waiting for its token")
+    ap.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="profile one more prefill per stand-in; Chrome traces to DIR",
+    )
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="queue the request's next forward before waiting for its token",
+    )
     ap.add_argument("--smoke-cpu", action="store_true")
     args = ap.parse_args()
 
@@ -88,21 +95,26 @@ def main() -> None:
     # the 0.6B's projections: qkv 1024 -> 4096, o 2048 -> 1024, gate/up 1024 -> 6144,
     # down 3072 -> 1024 (scaled down for the smoke run)
     f = hidden // 1024 if hidden >= 1024 else 1 / 16
-    shapes = [(hidden, int(4096 * f)), (int(2048 * f), hidden), (hidden, int(6144 * f)),
-              (int(3072 * f), hidden)]
+    shapes = [
+        (hidden, int(4096 * f)),
+        (int(2048 * f), hidden),
+        (hidden, int(6144 * f)),
+        (int(3072 * f), hidden),
+    ]
     weights = [torch.randn(a, b, device=dev, dtype=dtype) * 0.01 for a, b in shapes]
 
     def model(n: int) -> None:
         x = torch.randn(n, hidden, device=dev, dtype=dtype)
         for _ in range(layers):
             q = x @ weights[0]
-            o = q[:, :shapes[1][0]] @ weights[1]
+            o = q[:, : shapes[1][0]] @ weights[1]
             u = o @ weights[2]
-            x = u[:, :shapes[3][0]] @ weights[3]
+            x = u[:, : shapes[3][0]] @ weights[3]
 
     def build(cname: str):
-        return build_prefill_canary(cname, device=dev, smoke=smoke, max_ctx=max_ctx,
-                                    num_slots=num_slots, chunk=chunk)
+        return build_prefill_canary(
+            cname, device=dev, smoke=smoke, max_ctx=max_ctx, num_slots=num_slots, chunk=chunk
+        )
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(1, vocab, device=dev, dtype=dtype)
@@ -111,8 +123,13 @@ def main() -> None:
         if not smoke:
             torch.cuda.synchronize()
 
-    def prefill(canary, isl: int, run: int, with_model: bool = True,
-                phase=lambda name: contextlib.nullcontext()) -> tuple:
+    def prefill(
+        canary,
+        isl: int,
+        run: int,
+        with_model: bool = True,
+        phase=lambda name: contextlib.nullcontext(),
+    ) -> tuple:
         """One prefill of a new ``isl``-token request; ms from its first launch to the host
         seeing its sampled token (results) and to the device's end (done). Its batches (what
         sglang builds before a forward) are built first, for every stand-in alike, outside
@@ -127,10 +144,14 @@ def main() -> None:
         batches = []
         for start in range(0, isl, chunk):
             n = min(chunk, isl - start)
-            batches.append((n, prefill_chunk_batch(req, slots, start, n, device=dev, r2t=r2t,
-                                                   kv=kv)))
-        following = (prefill_chunk_batch(req, slots, isl, 1, device=dev, r2t=r2t, kv=kv)
-                     if args.overlap else None)
+            batches.append(
+                (n, prefill_chunk_batch(req, slots, start, n, device=dev, r2t=r2t, kv=kv))
+            )
+        following = (
+            prefill_chunk_batch(req, slots, isl, 1, device=dev, r2t=r2t, kv=kv)
+            if args.overlap
+            else None
+        )
         if canary is not None:
             canary[1].req_to_token[row, :total] = slots.to(torch.int32).to(dev)
         sync()
@@ -176,13 +197,18 @@ def main() -> None:
             sync()
         forwards = len(batches) + (following is not None)
         if canary is not None and canary[0].step != step0 + forwards:
-            raise SystemExit(f"one read-back per forward expected: {forwards} forwards "
-                             f"moved the canary's step from {step0} to {canary[0].step}")
+            raise SystemExit(
+                f"one read-back per forward expected: {forwards} forwards "
+                f"moved the canary's step from {step0} to {canary[0].step}"
+            )
         return (t_results - t0) * 1e3, (time.perf_counter() - t0) * 1e3
 
     name = torch.cuda.get_device_name() if not smoke else "cpu (smoke)"
-    print(f"KV-canary device time of a bs1 prefill (GEMM stand-in model) — {name} — "
-          f"{now_utc()} — chunk {chunk}, {rounds} rounds", flush=True)
+    print(
+        f"KV-canary device time of a bs1 prefill (GEMM stand-in model) — {name} — "
+        f"{now_utc()} — chunk {chunk}, {rounds} rounds",
+        flush=True,
+    )
     stand_ins = {"off": None, "off (A/A)": None}
     stand_ins.update({c: build(c) for c in configs})
     rows = []
@@ -197,32 +223,57 @@ def main() -> None:
                 t_res, t_done = prefill(canary, isl, r)
                 res[k].append(t_res)
                 ms[k].append(t_done)
-        alone = {c: statistics.median(prefill(stand_ins[c], isl, r, with_model=False)[1]
-                                      for r in range(rounds)) for c in configs}
+        alone = {
+            c: statistics.median(
+                prefill(stand_ins[c], isl, r, with_model=False)[1] for r in range(rounds)
+            )
+            for c in configs
+        }
 
         def paired(series, k):
-            return None if k == "off" else 100 * statistics.median(
-                a / b - 1 for a, b in zip(series[k], series["off"]))
+            return (
+                None
+                if k == "off"
+                else 100 * statistics.median(a / b - 1 for a, b in zip(series[k], series["off"]))
+            )
 
         for k in stand_ins:
-            rec = dict(kind="prefill_device_time", time=now_utc(), gpu=name, isl=isl,
-                       chunk=chunk, rounds=rounds, config=k, overlap=args.overlap,
-                       median_ms=statistics.median(ms[k]), paired_overhead_pct=paired(ms, k),
-                       results_median_ms=statistics.median(res[k]),
-                       results_paired_overhead_pct=paired(res, k),
-                       canary_alone_ms=alone.get(k))
+            rec = dict(
+                kind="prefill_device_time",
+                time=now_utc(),
+                gpu=name,
+                isl=isl,
+                chunk=chunk,
+                rounds=rounds,
+                config=k,
+                overlap=args.overlap,
+                median_ms=statistics.median(ms[k]),
+                paired_overhead_pct=paired(ms, k),
+                results_median_ms=statistics.median(res[k]),
+                results_paired_overhead_pct=paired(res, k),
+                canary_alone_ms=alone.get(k),
+            )
             append_jsonl(args.out, rec)
             rows.append(rec)
         if args.trace:
             for k, canary in stand_ins.items():
-                print(trace_prefill(lambda ph: prefill(canary, isl, rounds, phase=ph),
-                                    Path(args.trace), f"{isl}_{k}", smoke), flush=True)
+                print(
+                    trace_prefill(
+                        lambda ph: prefill(canary, isl, rounds, phase=ph),
+                        Path(args.trace),
+                        f"{isl}_{k}",
+                        smoke,
+                    ),
+                    flush=True,
+                )
         for k, canary in stand_ins.items():
             if canary is not None and canary[0].count_violations():
                 raise SystemExit(f"{k} isl {isl}: violations on a clean run")
     print()
-    print("| prompt | config | results median ms | paired overhead, results (median) | "
-          "prefill median ms | paired overhead (median) | canary alone, no model (ms) |")
+    print(
+        "| prompt | config | results median ms | paired overhead, results (median) | "
+        "prefill median ms | paired overhead (median) | canary alone, no model (ms) |"
+    )
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
 
     def pct(value):
@@ -230,9 +281,11 @@ def main() -> None:
 
     for r in rows:
         alone = "—" if r["canary_alone_ms"] is None else f"{r['canary_alone_ms']:.3f}"
-        print(f"| {r['isl']} | {r['config']} | {r['results_median_ms']:.3f} | "
-              f"{pct(r['results_paired_overhead_pct'])} | {r['median_ms']:.3f} | "
-              f"{pct(r['paired_overhead_pct'])} | {alone} |")
+        print(
+            f"| {r['isl']} | {r['config']} | {r['results_median_ms']:.3f} | "
+            f"{pct(r['results_paired_overhead_pct'])} | {r['median_ms']:.3f} | "
+            f"{pct(r['paired_overhead_pct'])} | {alone} |"
+        )
 
 
 def trace_prefill(run, out_dir: Path, label: str, smoke: bool) -> str:

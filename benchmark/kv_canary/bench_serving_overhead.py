@@ -191,13 +191,16 @@ from serving_report import (
     server_table,
 )
 
+
 def engine_child(args) -> None:
     import sglang
 
     smoke = args.smoke_cpu
     cfg = CONFIGS[args.engine_child]
-    scenarios = [(SMOKE_SCENARIOS if smoke else SCENARIOS)[n]
-                 for n in parse_names(args.scenarios, SCENARIOS, "--scenarios")]
+    scenarios = [
+        (SMOKE_SCENARIOS if smoke else SCENARIOS)[n]
+        for n in parse_names(args.scenarios, SCENARIOS, "--scenarios")
+    ]
     settings = SMOKE_SETTINGS if smoke else args.settings
     with tempfile.TemporaryDirectory(prefix="kv_canary_bench_model_") as tmp:
         if smoke:
@@ -216,20 +219,28 @@ def engine_child(args) -> None:
             draft_dir = os.path.join(tmp, "draft")
             os.makedirs(draft_dir)
             pathlib.Path(draft_dir, "config.json").write_text(
-                json.dumps(QWEN3_EAGLE_DRAFT_CONFIG, indent=1))
-        kwargs = {**settings.engine_kwargs(model_dir, smoke=smoke, draft_dir=draft_dir),
-                  **cfg.engine_kwargs()}
+                json.dumps(QWEN3_EAGLE_DRAFT_CONFIG, indent=1)
+            )
+        kwargs = {
+            **settings.engine_kwargs(model_dir, smoke=smoke, draft_dir=draft_dir),
+            **cfg.engine_kwargs(),
+        }
         t0 = time.perf_counter()
         engine = sglang.Engine(**kwargs)
         startup_s = time.perf_counter() - t0
-        print(f"{RESULT_PREFIX}[{cfg.name}] engine up in {startup_s:.1f} s "
-              f"(kv_canary={getattr(engine.server_args, 'kv_canary', '?')}, "
-              f"real_data={getattr(engine.server_args, 'kv_canary_real_data', '?')}, "
-              f"{TOKEN_ENV}={os.environ.get(TOKEN_ENV, '0')})", flush=True)
+        print(
+            f"{RESULT_PREFIX}[{cfg.name}] engine up in {startup_s:.1f} s "
+            f"(kv_canary={getattr(engine.server_args, 'kv_canary', '?')}, "
+            f"real_data={getattr(engine.server_args, 'kv_canary_real_data', '?')}, "
+            f"{TOKEN_ENV}={os.environ.get(TOKEN_ENV, '0')})",
+            flush=True,
+        )
         try:
             for sc in scenarios:
-                params = [{"max_new_tokens": sc.osl, "ignore_eos": True, "temperature": 0}
-                          for _ in range(sc.bs)]
+                params = [
+                    {"max_new_tokens": sc.osl, "ignore_eos": True, "temperature": 0}
+                    for _ in range(sc.bs)
+                ]
                 times, server = [], []
                 for run in range(-1, args.runs):  # run -1: warm-up
                     ids = make_inputs(sc, run, vocab)
@@ -239,38 +250,54 @@ def engine_child(args) -> None:
                     ms = (time.perf_counter() - t0) * 1e3
                     lens = sorted({len(o["output_ids"]) for o in outs})
                     if len(outs) != sc.bs or lens != [sc.osl]:
-                        raise RuntimeError(f"{sc.name}: expected {sc.bs} outputs of {sc.osl} "
-                                           f"tokens, got {len(outs)} with lengths {lens}")
+                        raise RuntimeError(
+                            f"{sc.name}: expected {sc.bs} outputs of {sc.osl} "
+                            f"tokens, got {len(outs)} with lengths {lens}"
+                        )
                     if run >= 0:
                         times.append(ms)
                         server.append(server_prefill_ms(outs))
                     else:
                         warmup_ms = ms
-                rec = dict(kind="engine", invocation=args.invocation, time=now_utc(),
-                           gpu=args.gpu, smoke=smoke, config=cfg.name, scenario=sc.name,
-                           speculative=settings.speculative,
-                           bs=sc.bs, isl=sc.isl, osl=sc.osl, runs_ms=times,
-                           median_ms=statistics.median(times), min_ms=min(times),
-                           p10_ms=quantile(times, 0.1), p90_ms=quantile(times, 0.9),
-                           warmup_ms=warmup_ms, startup_s=startup_s,
-                           model=settings.model,
-                           **server_stats(server),
-                           settings=dataclasses.asdict(settings),
-                           engine_kwargs={k: v for k, v in kwargs.items() if k != "model_path"},
-                           env={TOKEN_ENV: os.environ.get(TOKEN_ENV, "0")})
+                rec = dict(
+                    kind="engine",
+                    invocation=args.invocation,
+                    time=now_utc(),
+                    gpu=args.gpu,
+                    smoke=smoke,
+                    config=cfg.name,
+                    scenario=sc.name,
+                    speculative=settings.speculative,
+                    bs=sc.bs,
+                    isl=sc.isl,
+                    osl=sc.osl,
+                    runs_ms=times,
+                    median_ms=statistics.median(times),
+                    min_ms=min(times),
+                    p10_ms=quantile(times, 0.1),
+                    p90_ms=quantile(times, 0.9),
+                    warmup_ms=warmup_ms,
+                    startup_s=startup_s,
+                    model=settings.model,
+                    **server_stats(server),
+                    settings=dataclasses.asdict(settings),
+                    engine_kwargs={k: v for k, v in kwargs.items() if k != "model_path"},
+                    env={TOKEN_ENV: os.environ.get(TOKEN_ENV, "0")},
+                )
                 append_jsonl(args.out, rec)
-                print(f"{RESULT_PREFIX}[{cfg.name}] {sc.name}: median {rec['median_ms']:.1f} ms, "
-                      f"min {rec['min_ms']:.1f} ms, runs "
-                      f"{', '.join(f'{t:.1f}' for t in times)} (warm-up {warmup_ms:.1f})",
-                      flush=True)
+                print(
+                    f"{RESULT_PREFIX}[{cfg.name}] {sc.name}: median {rec['median_ms']:.1f} ms, "
+                    f"min {rec['min_ms']:.1f} ms, runs "
+                    f"{', '.join(f'{t:.1f}' for t in times)} (warm-up {warmup_ms:.1f})",
+                    flush=True,
+                )
             if args.host_profile:
                 host_profile(engine, cfg, scenarios[-1], vocab, args.host_profile, tmp)
         finally:
             engine.shutdown()
 
 
-def host_profile(engine, cfg: BenchConfig, sc: Scenario, vocab: int, steps: int, tmp: str
-                 ) -> None:
+def host_profile(engine, cfg: BenchConfig, sc: Scenario, vocab: int, steps: int, tmp: str) -> None:
     """Profile ``steps`` forward steps of one more run of ``sc`` with sglang's own profiler
     (torch.profiler, CPU + GPU activities, Python stacks) and print where the scheduler
     process's host time goes: CUDA runtime calls (a host sync shows up here as
@@ -282,10 +309,16 @@ def host_profile(engine, cfg: BenchConfig, sc: Scenario, vocab: int, steps: int,
 
     out_dir = os.path.join(tmp, "host_profile")
     engine.flush_cache()
-    engine.start_profile(output_dir=out_dir, num_steps=steps, activities=["CPU", "GPU"],
-                         with_stack=True, record_shapes=False)
-    params = [{"max_new_tokens": sc.osl, "ignore_eos": True, "temperature": 0}
-              for _ in range(sc.bs)]
+    engine.start_profile(
+        output_dir=out_dir,
+        num_steps=steps,
+        activities=["CPU", "GPU"],
+        with_stack=True,
+        record_shapes=False,
+    )
+    params = [
+        {"max_new_tokens": sc.osl, "ignore_eos": True, "temperature": 0} for _ in range(sc.bs)
+    ]
     engine.generate(input_ids=make_inputs(sc, 0, vocab), sampling_params=params)
     deadline = time.monotonic() + 120
     files: list[str] = []
@@ -293,8 +326,9 @@ def host_profile(engine, cfg: BenchConfig, sc: Scenario, vocab: int, steps: int,
         time.sleep(1)
         files = glob.glob(os.path.join(out_dir, "**", "*.trace.json*"), recursive=True)
     if not files:
-        print(f"{RESULT_PREFIX}[{cfg.name}] host profile: no trace written in {out_dir}",
-              flush=True)
+        print(
+            f"{RESULT_PREFIX}[{cfg.name}] host profile: no trace written in {out_dir}", flush=True
+        )
         return
     time.sleep(2)  # let the writer finish
     opener = gzip.open if files[0].endswith(".gz") else open
@@ -308,21 +342,28 @@ def host_profile(engine, cfg: BenchConfig, sc: Scenario, vocab: int, steps: int,
         cat, name = ev.get("cat", ""), ev.get("name", "")
         if cat == "python_function" and "model_runner.py(" in name and name.endswith(": forward"):
             forwards += 1
-        keep = (cat == "cuda_runtime" or (cat == "python_function" and "kv_canary" in name))
+        keep = cat == "cuda_runtime" or (cat == "python_function" and "kv_canary" in name)
         if keep:
             t = totals.setdefault((cat, name), [0.0, 0])
             t[0] += ev["dur"]
             t[1] += 1
-    print(f"{RESULT_PREFIX}[{cfg.name}] host profile of {sc.name}: {forwards} forwards traced "
-          "(µs per forward, inclusive; count per forward)", flush=True)
+    print(
+        f"{RESULT_PREFIX}[{cfg.name}] host profile of {sc.name}: {forwards} forwards traced "
+        "(µs per forward, inclusive; count per forward)",
+        flush=True,
+    )
     per = max(forwards, 1)
     for (cat, name), (dur, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:45]:
         short = name.split("kv_canary/")[-1] if cat == "python_function" else name
-        print(f"{RESULT_PREFIX}[{cfg.name}]   {cat[:6]:6s} {dur / per:9.1f} µs  "
-              f"x{n / per:5.2f}  {short}", flush=True)
+        print(
+            f"{RESULT_PREFIX}[{cfg.name}]   {cat[:6]:6s} {dur / per:9.1f} µs  "
+            f"x{n / per:5.2f}  {short}",
+            flush=True,
+        )
 
 
 # ---- parent: one child process per config ----------------------------------------------------
+
 
 def child_env(cfg: BenchConfig, smoke: bool, stub_dir: str | None) -> dict[str, str]:
     env = dict(os.environ)
@@ -337,20 +378,44 @@ def child_env(cfg: BenchConfig, smoke: bool, stub_dir: str | None) -> dict[str, 
 
 
 def run_child(args, cfg: BenchConfig, log_path: str, stub_dir: str | None) -> int:
-    cmd = [sys.executable, os.path.abspath(__file__), "--_engine-child", cfg.name,
-           "--_invocation", args.invocation, "--_gpu", args.gpu,
-           "--scenarios", args.scenarios, "--runs", str(args.runs), "--out", args.out,
-           "--chunked-prefill-size", str(args.chunked_prefill_size),
-           "--max-total-tokens", str(args.max_total_tokens),
-           "--mem-fraction-static", str(args.mem_fraction_static),
-           "--speculative", args.speculative, "--piecewise", args.piecewise]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--_engine-child",
+        cfg.name,
+        "--_invocation",
+        args.invocation,
+        "--_gpu",
+        args.gpu,
+        "--scenarios",
+        args.scenarios,
+        "--runs",
+        str(args.runs),
+        "--out",
+        args.out,
+        "--chunked-prefill-size",
+        str(args.chunked_prefill_size),
+        "--max-total-tokens",
+        str(args.max_total_tokens),
+        "--mem-fraction-static",
+        str(args.mem_fraction_static),
+        "--speculative",
+        args.speculative,
+        "--piecewise",
+        args.piecewise,
+    ]
     if args.smoke_cpu:
         cmd.append("--smoke-cpu")
     if args.host_profile:
         cmd += ["--host-profile", str(args.host_profile)]
-    proc = subprocess.Popen(cmd, env=child_env(cfg, args.smoke_cpu, stub_dir),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own group: a timeout kills it whole
+    proc = subprocess.Popen(
+        cmd,
+        env=child_env(cfg, args.smoke_cpu, stub_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )  # its own group: a timeout kills it whole
     timed_out = threading.Event()
 
     def kill():
@@ -369,7 +434,7 @@ def run_child(args, cfg: BenchConfig, log_path: str, stub_dir: str | None) -> in
                 log.write(line)
                 tail = (tail + [line])[-60:]
                 if line.startswith(RESULT_PREFIX):
-                    print(line[len(RESULT_PREFIX):], end="", flush=True)
+                    print(line[len(RESULT_PREFIX) :], end="", flush=True)
                 if "kv_canary installed:" in line:
                     installed.append(line.split("kv_canary installed:", 1)[1].strip())
                 if "kv_canary installed on the EAGLE draft worker:" in line:
@@ -384,12 +449,18 @@ def run_child(args, cfg: BenchConfig, log_path: str, stub_dir: str | None) -> in
         print(f"[{cfg.name}] killed after --child-timeout {args.child_timeout} s", flush=True)
         rc = rc or 124
     if rc == 0 and cfg.canary_on and not installed:
-        print(f"[{cfg.name}] ERROR: the Engine log has no 'kv_canary installed' line: the "
-              "canary did not run; results of this config are invalid", flush=True)
+        print(
+            f"[{cfg.name}] ERROR: the Engine log has no 'kv_canary installed' line: the "
+            "canary did not run; results of this config are invalid",
+            flush=True,
+        )
         rc = 3
     if rc == 0 and cfg.canary_on and args.speculative != "none" and not draft_installed:
-        print(f"[{cfg.name}] ERROR: no 'kv_canary installed on the EAGLE draft worker' line: "
-              "the draft pool ran unguarded; results of this config are invalid", flush=True)
+        print(
+            f"[{cfg.name}] ERROR: no 'kv_canary installed on the EAGLE draft worker' line: "
+            "the draft pool ran unguarded; results of this config are invalid",
+            flush=True,
+        )
         rc = 3
     if rc == 0 and not cfg.canary_on and installed:
         print(f"[{cfg.name}] ERROR: the canary was installed in the 'off' config", flush=True)
@@ -397,8 +468,10 @@ def run_child(args, cfg: BenchConfig, log_path: str, stub_dir: str | None) -> in
     if installed:
         print(f"[{cfg.name}] kv_canary installed: {installed[0]}", flush=True)
     if rc != 0:
-        print(f"[{cfg.name}] child exited {rc}; last lines of {log_path}:\n" + "".join(tail),
-              flush=True)
+        print(
+            f"[{cfg.name}] child exited {rc}; last lines of {log_path}:\n" + "".join(tail),
+            flush=True,
+        )
     return rc
 
 
@@ -417,8 +490,11 @@ def run_engines(args) -> int:
         from sglang.srt.kv_canary.testing.server_harness import build_libcuda_stub
 
         stub_dir = build_libcuda_stub(os.path.join(tmpdir, "stub"))
-    print(f"KV-canary serving overhead — {args.gpu} — {now_utc()} — configs {', '.join(configs)}"
-          f" — runs {args.runs} — results to {args.out}", flush=True)
+    print(
+        f"KV-canary serving overhead — {args.gpu} — {now_utc()} — configs {', '.join(configs)}"
+        f" — runs {args.runs} — results to {args.out}",
+        flush=True,
+    )
     failed = []
     for name in configs:
         t0 = time.perf_counter()
@@ -427,13 +503,20 @@ def run_engines(args) -> int:
         print(f"[{name}] done in {time.perf_counter() - t0:.0f} s (log: {log_path})", flush=True)
         if rc != 0:
             failed.append(name)
-    records = [r for r in read_jsonl([args.out]) if r.get("invocation") == args.invocation] \
-        if os.path.exists(args.out) else []
+    records = (
+        [r for r in read_jsonl([args.out]) if r.get("invocation") == args.invocation]
+        if os.path.exists(args.out)
+        else []
+    )
     print()
     print(engine_table(records, title=f"This invocation ({args.gpu})"))
     print()
-    print(server_table(records, title="Server-side prefill time (scheduler: forward entry to "
-                                      "prefill result processed)"))
+    print(
+        server_table(
+            records,
+            title="Server-side prefill time (scheduler: forward entry to prefill result processed)",
+        )
+    )
     if failed:
         print(f"\nFAILED configs: {', '.join(failed)}")
         return 1
@@ -442,100 +525,175 @@ def run_engines(args) -> int:
 
 # ---- CLI -------------------------------------------------------------------------------------
 
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help=f"comma-separated, from: {', '.join(CONFIGS)} (default: all)")
-    ap.add_argument("--scenarios",
-                    help=f"comma-separated, from: {', '.join(SCENARIOS)} (default: "
-                    f"{', '.join(DEFAULT_SCENARIOS['none'])}; with --speculative eagle: "
-                    f"{', '.join(DEFAULT_SCENARIOS['eagle'])})")
-    ap.add_argument("--speculative", default="none", choices=sorted(SPECULATIVE),
-                    help="eagle: every Engine serves with EAGLE speculative decoding (a "
-                    "one-layer draft of the same shapes, 3 steps, topk 1, 4 draft tokens; "
-                    "decode graphs for bs 1 and 32), canary on both pools when on")
-    ap.add_argument("--piecewise", default="on", choices=("on", "off"),
-                    help="sglang's piecewise CUDA graphs for prefill, for every config (default "
-                    "on, sglang's default; results before 2026-11-24 ran with them off)")
-    ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
-                    help="the dummy-weight model's shapes (default qwen3-0.6b; qwen3-30b-a3b: "
-                    "the upstream-shaped MoE rows, one H200)")
-    ap.add_argument("--server-timing", default="on", choices=("on", "off"),
-                    help="sglang's request metrics on for every config, and the scheduler's "
-                    "own prefill time per run from meta_info (default on)")
-    ap.add_argument("--cuda-graph-bs", help="decode CUDA-graph batch sizes, comma-separated "
-                    "(default 1,128; 1,32 with --speculative eagle)")
-    ap.add_argument("--runs", type=int, help="timed runs per scenario (default 5; 2 with "
-                    "--smoke-cpu)")
-    ap.add_argument("--out", help="append results as JSON lines to this file (Engine logs go "
-                    "to <out>.<config>.log)")
-    ap.add_argument("--report", nargs="+", metavar="JSONL",
-                    help="print the markdown report of these JSON lines files and exit")
-    ap.add_argument("--breakdown", action="store_true",
-                    help="per-launch canary GPU time per decode step (in-process, no Engine)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated, from: {', '.join(CONFIGS)} (default: all)",
+    )
+    ap.add_argument(
+        "--scenarios",
+        help=f"comma-separated, from: {', '.join(SCENARIOS)} (default: "
+        f"{', '.join(DEFAULT_SCENARIOS['none'])}; with --speculative eagle: "
+        f"{', '.join(DEFAULT_SCENARIOS['eagle'])})",
+    )
+    ap.add_argument(
+        "--speculative",
+        default="none",
+        choices=sorted(SPECULATIVE),
+        help="eagle: every Engine serves with EAGLE speculative decoding (a "
+        "one-layer draft of the same shapes, 3 steps, topk 1, 4 draft tokens; "
+        "decode graphs for bs 1 and 32), canary on both pools when on",
+    )
+    ap.add_argument(
+        "--piecewise",
+        default="on",
+        choices=("on", "off"),
+        help="sglang's piecewise CUDA graphs for prefill, for every config (default "
+        "on, sglang's default; results before 2026-11-24 ran with them off)",
+    )
+    ap.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        choices=sorted(MODELS),
+        help="the dummy-weight model's shapes (default qwen3-0.6b; qwen3-30b-a3b: "
+        "the upstream-shaped MoE rows, one H200)",
+    )
+    ap.add_argument(
+        "--server-timing",
+        default="on",
+        choices=("on", "off"),
+        help="sglang's request metrics on for every config, and the scheduler's "
+        "own prefill time per run from meta_info (default on)",
+    )
+    ap.add_argument(
+        "--cuda-graph-bs",
+        help="decode CUDA-graph batch sizes, comma-separated "
+        "(default 1,128; 1,32 with --speculative eagle)",
+    )
+    ap.add_argument(
+        "--runs", type=int, help="timed runs per scenario (default 5; 2 with --smoke-cpu)"
+    )
+    ap.add_argument(
+        "--out",
+        help="append results as JSON lines to this file (Engine logs go to <out>.<config>.log)",
+    )
+    ap.add_argument(
+        "--report",
+        nargs="+",
+        metavar="JSONL",
+        help="print the markdown report of these JSON lines files and exit",
+    )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="per-launch canary GPU time per decode step (in-process, no Engine)",
+    )
     ap.add_argument("--breakdown-bs", default="1,128", help="decode batch sizes (default 1,128)")
-    ap.add_argument("--breakdown-ctx", type=int, default=1024,
-                    help="context per request before the profiled decode steps (default 1024)")
-    ap.add_argument("--breakdown-steps", type=int, default=20,
-                    help="profiled decode steps (default 20)")
-    ap.add_argument("--host-breakdown", metavar="ISL[,ISL...]",
-                    help="host time of each canary phase of a one-request eager prefill of "
-                    "each prompt length (in-process, no Engine; --configs picks the configs)")
-    ap.add_argument("--host-breakdown-runs", type=int, default=30,
-                    help="prefills per prompt length and config (default 30)")
-    ap.add_argument("--host-breakdown-cprofile", action="store_true",
-                    help="with --host-breakdown: 20 more prefills per row under cProfile (not "
-                    "timed) and the top 30 functions by own time, before the forward and after")
-    ap.add_argument("--host-breakdown-detail", action="store_true",
-                    help="with --host-breakdown: as many prefills again with the canary's "
-                    "per-forward methods timed one by one (µs per call, inclusive)")
-    ap.add_argument("--smoke-cpu", action="store_true",
-                    help="tiny CPU dry run (sglang CPU server / CPU pools); numbers meaningless")
+    ap.add_argument(
+        "--breakdown-ctx",
+        type=int,
+        default=1024,
+        help="context per request before the profiled decode steps (default 1024)",
+    )
+    ap.add_argument(
+        "--breakdown-steps", type=int, default=20, help="profiled decode steps (default 20)"
+    )
+    ap.add_argument(
+        "--host-breakdown",
+        metavar="ISL[,ISL...]",
+        help="host time of each canary phase of a one-request eager prefill of "
+        "each prompt length (in-process, no Engine; --configs picks the configs)",
+    )
+    ap.add_argument(
+        "--host-breakdown-runs",
+        type=int,
+        default=30,
+        help="prefills per prompt length and config (default 30)",
+    )
+    ap.add_argument(
+        "--host-breakdown-cprofile",
+        action="store_true",
+        help="with --host-breakdown: 20 more prefills per row under cProfile (not "
+        "timed) and the top 30 functions by own time, before the forward and after",
+    )
+    ap.add_argument(
+        "--host-breakdown-detail",
+        action="store_true",
+        help="with --host-breakdown: as many prefills again with the canary's "
+        "per-forward methods timed one by one (µs per call, inclusive)",
+    )
+    ap.add_argument(
+        "--smoke-cpu",
+        action="store_true",
+        help="tiny CPU dry run (sglang CPU server / CPU pools); numbers meaningless",
+    )
     ap.add_argument("--chunked-prefill-size", type=int, default=EngineSettings.chunked_prefill_size)
     ap.add_argument("--max-total-tokens", type=int, default=EngineSettings.max_total_tokens)
-    ap.add_argument("--mem-fraction-static", type=float,
-                    default=EngineSettings.mem_fraction_static)
-    ap.add_argument("--child-timeout", type=float, default=540,
-                    help="seconds one config's Engine process may take (default 540)")
-    ap.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
-                    help="after the timed runs, profile STEPS forwards of one more run of the "
-                    "last scenario (sglang's torch profiler, Python stacks) and print the "
-                    "scheduler's host time per canary function and CUDA runtime call")
+    ap.add_argument("--mem-fraction-static", type=float, default=EngineSettings.mem_fraction_static)
+    ap.add_argument(
+        "--child-timeout",
+        type=float,
+        default=540,
+        help="seconds one config's Engine process may take (default 540)",
+    )
+    ap.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="after the timed runs, profile STEPS forwards of one more run of the "
+        "last scenario (sglang's torch profiler, Python stacks) and print the "
+        "scheduler's host time per canary function and CUDA runtime call",
+    )
     ap.add_argument("--_engine-child", dest="engine_child", help=argparse.SUPPRESS)
     ap.add_argument("--_invocation", dest="invocation", help=argparse.SUPPRESS)
     ap.add_argument("--_gpu", dest="gpu", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.runs is None:
         args.runs = 2 if args.smoke_cpu else 5
-    for flag, value, minimum in (("--runs", args.runs, 1),
-                                 ("--breakdown-ctx", args.breakdown_ctx, 2),
-                                 ("--breakdown-steps", args.breakdown_steps, 1),
-                                 ("--chunked-prefill-size", args.chunked_prefill_size, 1),
-                                 ("--max-total-tokens", args.max_total_tokens, 1)):
+    for flag, value, minimum in (
+        ("--runs", args.runs, 1),
+        ("--breakdown-ctx", args.breakdown_ctx, 2),
+        ("--breakdown-steps", args.breakdown_steps, 1),
+        ("--chunked-prefill-size", args.chunked_prefill_size, 1),
+        ("--max-total-tokens", args.max_total_tokens, 1),
+    ):
         if value < minimum:
             ap.error(f"{flag} must be >= {minimum}, got {value}")
     if args.scenarios is None:
         args.scenarios = ",".join(DEFAULT_SCENARIOS[args.speculative])
     if args.speculative != "none" and args.smoke_cpu:
-        ap.error("--speculative eagle cannot run with --smoke-cpu: sglang 0.5.12's CPU engine "
-                 "cannot serve EAGLE (docs/user_guide.md, \"Speculative decoding\")")
+        ap.error(
+            "--speculative eagle cannot run with --smoke-cpu: sglang 0.5.12's CPU engine "
+            "cannot serve EAGLE (docs/user_guide.md, \"Speculative decoding\")"
+        )
     if not 0 < args.mem_fraction_static < 1:
         ap.error(f"--mem-fraction-static must be in (0, 1), got {args.mem_fraction_static}")
     if args.engine_child is not None and args.engine_child not in CONFIGS:
-        ap.error(f"--_engine-child: unknown config {args.engine_child!r}; allowed: "
-                 f"{', '.join(CONFIGS)}")
-    args.settings = EngineSettings(chunked_prefill_size=args.chunked_prefill_size,
-                                   max_total_tokens=args.max_total_tokens,
-                                   mem_fraction_static=args.mem_fraction_static,
-                                   speculative=args.speculative,
-                                   piecewise=args.piecewise == "on",
-                                   model=args.model, server_timing=args.server_timing == "on",
-                                   cuda_graph_bs=(tuple(parse_ints(args.cuda_graph_bs,
-                                                                   "--cuda-graph-bs"))
-                                                  if args.cuda_graph_bs else
-                                                  (1, 32) if args.speculative != "none"
-                                                  else EngineSettings.cuda_graph_bs))
+        ap.error(
+            f"--_engine-child: unknown config {args.engine_child!r}; allowed: {', '.join(CONFIGS)}"
+        )
+    args.settings = EngineSettings(
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        speculative=args.speculative,
+        piecewise=args.piecewise == "on",
+        model=args.model,
+        server_timing=args.server_timing == "on",
+        cuda_graph_bs=(
+            tuple(parse_ints(args.cuda_graph_bs, "--cuda-graph-bs"))
+            if args.cuda_graph_bs
+            else (1, 32)
+            if args.speculative != "none"
+            else EngineSettings.cuda_graph_bs
+        ),
+    )
     if args.report:
         missing = [p for p in args.report if not os.path.exists(p)]
         if missing:

@@ -56,17 +56,27 @@ def sync(device):
 
 def build(tokens: int, device, head_num=8, head_dim=128, layers=1):
     num_slots = tokens + 16
-    pool = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16,
-                            head_num=head_num, head_dim=head_dim, layer_num=layers,
-                            device=str(device), enable_memory_saver=False,
-                            enable_alt_stream=False)
+    pool = MHATokenToKVPool(
+        size=num_slots,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=head_num,
+        head_dim=head_dim,
+        layer_num=layers,
+        device=str(device),
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     for layer in range(layers):
         pool.k_buffer[layer].normal_()
         pool.v_buffer[layer].normal_()
     alloc = TokenToKVPoolAllocator(num_slots, torch.bfloat16, str(device), pool, need_sort=False)
     r2t = ReqToTokenPool(size=4, max_context_len=8, device=str(device), enable_memory_saver=False)
-    cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t,
-                                       token_to_kv_pool_allocator=alloc, page_size=1))
+    cache = RadixCache(
+        CacheInitParams(
+            disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1
+        )
+    )
     per_group = PREFIX + BRANCHES * BRANCH
     groups = max(1, tokens // per_group)
     g = torch.Generator().manual_seed(0)
@@ -79,26 +89,33 @@ def build(tokens: int, device, head_num=8, head_dim=128, layers=1):
         for _ in range(BRANCHES):
             btok = torch.randint(0, 150000, (BRANCH,), generator=g).tolist()
             bslots = alloc.alloc(BRANCH)
-            cache.insert(InsertParams(key=RadixKey(ptok + btok),
-                                      value=torch.cat([pslots, bslots])))
+            cache.insert(InsertParams(key=RadixKey(ptok + btok), value=torch.cat([pslots, bslots])))
             seqs.append((btok, bslots, int(pslots[-1]), PREFIX))
     return pool, cache, seqs
 
 
 def make_context(pool, state, mode):
-    src = RealKvSource(tensor=pool.k_buffer[0], page_size=1,
-                       num_bytes_per_token=pool.k_buffer[0][0].nbytes,
-                       read_bytes=pool.k_buffer[0][0].nbytes)
+    src = RealKvSource(
+        tensor=pool.k_buffer[0],
+        page_size=1,
+        num_bytes_per_token=pool.k_buffer[0][0].nbytes,
+        read_bytes=pool.k_buffer[0][0].nbytes,
+    )
     slot_c, kern_c = state.counters_for(CanaryLaunchTag.SWEEP_K_FULL)
-    buf = torch.zeros(pool.k_buffer[0].shape[0], 32, dtype=torch.uint8,
-                      device=pool.k_buffer[0].device)
+    buf = torch.zeros(
+        pool.k_buffer[0].shape[0], 32, dtype=torch.uint8, device=pool.k_buffer[0].device
+    )
     return VerifyOrWriteContext(
-        canary_buf=buf, kernel_kind=CanaryLaunchTag.SWEEP_K_FULL,
+        canary_buf=buf,
+        kernel_kind=CanaryLaunchTag.SWEEP_K_FULL,
         violation_ring=state.violation_log.violation_ring,
         violation_write_index=state.violation_log.violation_write_index,
-        slot_run_counter=slot_c, kernel_run_counter=kern_c,
-        real_kv_sources=(src,) if mode else (), real_kv_hash_mode=mode,
-        enable_chain_position_assert=state.enable_chain_position_assert)
+        slot_run_counter=slot_c,
+        kernel_run_counter=kern_c,
+        real_kv_sources=(src,) if mode else (),
+        real_kv_hash_mode=mode,
+        enable_chain_position_assert=state.enable_chain_position_assert,
+    )
 
 
 def write_records(ctx, seqs, device):
@@ -112,21 +129,30 @@ def write_records(ctx, seqs, device):
         plan.write_seed_slot_indices.copy_(torch.tensor([s[2] for s in part]))
         plan.write_num_valid_reqs.fill_(n)
         launch_canary_write_kernel(
-            context=ctx, plan=plan,
+            context=ctx,
+            plan=plan,
             input_ids=torch.tensor([t for s in part for t in s[0]], device=device),
             positions=torch.cat([torch.arange(s[3], s[3] + len(s[0])) for s in part]).to(device),
             out_cache_loc=torch.cat([s[1].to(torch.int64) for s in part]).to(device),
-            enable_write_input_assert=False, expected_input_tokens=None,
-            expected_input_positions=None)
+            enable_write_input_assert=False,
+            expected_input_tokens=None,
+            expected_input_positions=None,
+        )
 
 
 def deep_table(pool, mode, seqs, device):
     """The per-layer table over every layer's K and V rows, filled as forwards fill
     it (one write of every cached slot)."""
-    cols = layer_columns(list(range(len(pool.k_buffer))), pool.k_buffer, pool.v_buffer,
-                         what="bench")
-    table = DeepFingerprintTable.allocate(num_slots=pool.k_buffer[0].shape[0], columns=cols,
-                                          mode=mode, layers_per_forward=1, device=device)
+    cols = layer_columns(
+        list(range(len(pool.k_buffer))), pool.k_buffer, pool.v_buffer, what="bench"
+    )
+    table = DeepFingerprintTable.allocate(
+        num_slots=pool.k_buffer[0].shape[0],
+        columns=cols,
+        mode=mode,
+        layers_per_forward=1,
+        device=device,
+    )
     loc = torch.cat([s[1].to(torch.int64) for s in seqs]).to(device)
     plan = WritePlan.allocate(write_req_capacity=1, device=device)
     plan.write_offsets[1] = loc.numel()
@@ -144,9 +170,15 @@ def deep_sweep_once(cache, ctx, table, plan, device):
     while start < walk.num_slots:
         start += build_verify_plan_radix_sweep(walk=walk, plan_out=plan, start=start)
         launch_deep_fingerprint_verify(
-            table=table, plan=plan, canary_buf=ctx.canary_buf,
-            violation_ring=ctx.violation_ring, violation_write_index=ctx.violation_write_index,
-            tag_k=CanaryLaunchTag.SWEEP_K_FULL, tag_v=CanaryLaunchTag.SWEEP_V_FULL, rotate=False)
+            table=table,
+            plan=plan,
+            canary_buf=ctx.canary_buf,
+            violation_ring=ctx.violation_ring,
+            violation_write_index=ctx.violation_write_index,
+            tag_k=CanaryLaunchTag.SWEEP_K_FULL,
+            tag_v=CanaryLaunchTag.SWEEP_V_FULL,
+            rotate=False,
+        )
     sync(device)
     return (time.perf_counter() - t0) * 1e3
 
@@ -170,9 +202,13 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run (torch references)")
-    ap.add_argument("--layers", type=int, default=1,
-                    help="KV layers of the pool; > 1 also times the per-layer check of every "
-                         "layer's K and V rows (--kv-canary-real-data-layers all)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="KV layers of the pool; > 1 also times the per-layer check of every "
+        "layer's K and V rows (--kv-canary-real-data-layers all)",
+    )
     args = ap.parse_args()
     if args.layers < 1:
         raise SystemExit(f"--layers must be >= 1, got {args.layers}")
@@ -180,22 +216,25 @@ def main():
     tokens = [3000] if args.smoke else args.tokens
     head = (1, 16) if args.smoke else (8, 128)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)"
-    lines = [f"Radix sweep pass — {name} — {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC — "
-             f"torch {torch.__version__}",
-             "",
-             f"KV layers: {args.layers}",
-             "",
-             "| cached tokens | mode | walk ms (host + flatten) | plan + verify ms | total ms | "
-             "every layer (plan + per-layer check) ms | violations |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"Radix sweep pass — {name} — {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC — "
+        f"torch {torch.__version__}",
+        "",
+        f"KV layers: {args.layers}",
+        "",
+        "| cached tokens | mode | walk ms (host + flatten) | plan + verify ms | total ms | "
+        "every layer (plan + per-layer check) ms | violations |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for n in tokens:
         pool, cache, seqs = build(n, device, *head, layers=args.layers)
         for mode in (RealKvHashMode.NONE, RealKvHashMode.PARTIAL, RealKvHashMode.ALL):
             state = CanaryDeviceState.allocate(ring_capacity=64, device=device)
             ctx = make_context(pool, state, mode)
             write_records(ctx, seqs, device)
-            plan = VerifyPlan.allocate(verify_capacity=min(SWEEP_CHUNK_CAPACITY, n + 16),
-                                       device=device)
+            plan = VerifyPlan.allocate(
+                verify_capacity=min(SWEEP_CHUNK_CAPACITY, n + 16), device=device
+            )
             sweep_once(cache, ctx, plan, device)  # warm-up / compile
             runs = [sweep_once(cache, ctx, plan, device) for _ in range(1 if args.smoke else 5)]
             cached = runs[0][0]
@@ -205,14 +244,18 @@ def main():
             if mode and args.layers > 1:
                 table = deep_table(pool, mode, seqs, device)
                 deep_sweep_once(cache, ctx, table, plan, device)  # warm-up / compile
-                deep = sorted(deep_sweep_once(cache, ctx, table, plan, device)
-                              for _ in range(1 if args.smoke else 5))
+                deep = sorted(
+                    deep_sweep_once(cache, ctx, table, plan, device)
+                    for _ in range(1 if args.smoke else 5)
+                )
                 deep_ms = f"{deep[len(deep) // 2]:.2f}"
             viol = int(state.violation_log.violation_write_index)
             if viol:
                 raise SystemExit(f"clean cache reported {viol} violations")
-            lines.append(f"| {cached} | {mode.name.lower()} | {walk_ms:.2f} | {ver_ms:.2f} | "
-                         f"{walk_ms + ver_ms:.2f} | {deep_ms} | {viol} |")
+            lines.append(
+                f"| {cached} | {mode.name.lower()} | {walk_ms:.2f} | {ver_ms:.2f} | "
+                f"{walk_ms + ver_ms:.2f} | {deep_ms} | {viol} |"
+            )
             print(lines[-1], flush=True)
         del pool, cache, seqs
     text = "\n".join(lines)

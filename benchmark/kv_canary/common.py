@@ -83,8 +83,12 @@ QWEN3_EAGLE_DRAFT_CONFIG = {
 }
 SPECULATIVE = {
     "none": {},
-    "eagle": dict(speculative_algorithm="EAGLE", speculative_num_steps=3,
-                  speculative_eagle_topk=1, speculative_num_draft_tokens=4),
+    "eagle": dict(
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+    ),
 }
 
 TOKEN_ENV = "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT"
@@ -103,29 +107,37 @@ class Scenario:
         return "prefill" if self.osl == 1 else "decode"
 
 
-SCENARIOS = {s.name: s for s in (
-    Scenario("decode_bs128", bs=128, isl=512, osl=1024),
-    Scenario("decode_bs1", bs=1, isl=512, osl=1024),
-    Scenario("prefill_bs32", bs=32, isl=16384, osl=1),
-    Scenario("prefill_bs1_4k", bs=1, isl=4096, osl=1),
-    Scenario("decode_bs32", bs=32, isl=512, osl=1024),
-    Scenario("prefill_bs1_512", bs=1, isl=512, osl=1),
-    Scenario("prefill_bs1_16k", bs=1, isl=16384, osl=1),
-    Scenario("decode_bs64", bs=64, isl=256, osl=512),
-)}
+SCENARIOS = {
+    s.name: s
+    for s in (
+        Scenario("decode_bs128", bs=128, isl=512, osl=1024),
+        Scenario("decode_bs1", bs=1, isl=512, osl=1024),
+        Scenario("prefill_bs32", bs=32, isl=16384, osl=1),
+        Scenario("prefill_bs1_4k", bs=1, isl=4096, osl=1),
+        Scenario("decode_bs32", bs=32, isl=512, osl=1024),
+        Scenario("prefill_bs1_512", bs=1, isl=512, osl=1),
+        Scenario("prefill_bs1_16k", bs=1, isl=16384, osl=1),
+        Scenario("decode_bs64", bs=64, isl=256, osl=512),
+    )
+}
 # scenarios run when --scenarios is not given
-DEFAULT_SCENARIOS = {"none": ("decode_bs128", "decode_bs1", "prefill_bs32", "prefill_bs1_4k"),
-                     "eagle": ("decode_bs1", "decode_bs32")}
-SMOKE_SCENARIOS = {s.name: s for s in (
-    Scenario("decode_bs128", bs=2, isl=16, osl=8),
-    Scenario("decode_bs1", bs=1, isl=16, osl=8),
-    Scenario("prefill_bs32", bs=2, isl=64, osl=1),
-    Scenario("prefill_bs1_4k", bs=1, isl=64, osl=1),
-    Scenario("decode_bs32", bs=2, isl=16, osl=8),
-    Scenario("prefill_bs1_512", bs=1, isl=16, osl=1),
-    Scenario("prefill_bs1_16k", bs=1, isl=96, osl=1),
-    Scenario("decode_bs64", bs=2, isl=16, osl=8),
-)}
+DEFAULT_SCENARIOS = {
+    "none": ("decode_bs128", "decode_bs1", "prefill_bs32", "prefill_bs1_4k"),
+    "eagle": ("decode_bs1", "decode_bs32"),
+}
+SMOKE_SCENARIOS = {
+    s.name: s
+    for s in (
+        Scenario("decode_bs128", bs=2, isl=16, osl=8),
+        Scenario("decode_bs1", bs=1, isl=16, osl=8),
+        Scenario("prefill_bs32", bs=2, isl=64, osl=1),
+        Scenario("prefill_bs1_4k", bs=1, isl=64, osl=1),
+        Scenario("decode_bs32", bs=2, isl=16, osl=8),
+        Scenario("prefill_bs1_512", bs=1, isl=16, osl=1),
+        Scenario("prefill_bs1_16k", bs=1, isl=96, osl=1),
+        Scenario("decode_bs64", bs=2, isl=16, osl=8),
+    )
+}
 
 
 PROJECT_STACK, UPSTREAM_STACK = "project", "upstream"
@@ -186,28 +198,36 @@ class BenchConfig:
         return {TOKEN_ENV: "1"} if self.verify_tokens else {}
 
 
-CONFIGS = {c.name: c for c in (
-    BenchConfig("off"),
-    BenchConfig("raise", kv_canary="raise"),
-    BenchConfig("abort", kv_canary="abort"),
-    BenchConfig("raise+partial", kv_canary="raise", real_data="partial"),
-    BenchConfig("raise+token", kv_canary="raise", verify_tokens=True),
-    BenchConfig("raise+token+partial", kv_canary="raise", real_data="partial",
-                verify_tokens=True),
-    BenchConfig("raise+partial+layers", kv_canary="raise", real_data="partial",
-                real_data_layers="all"),
-    BenchConfig("raise+all+layers", kv_canary="raise", real_data="all", real_data_layers="all"),
-)}
+CONFIGS = {
+    c.name: c
+    for c in (
+        BenchConfig("off"),
+        BenchConfig("raise", kv_canary="raise"),
+        BenchConfig("abort", kv_canary="abort"),
+        BenchConfig("raise+partial", kv_canary="raise", real_data="partial"),
+        BenchConfig("raise+token", kv_canary="raise", verify_tokens=True),
+        BenchConfig(
+            "raise+token+partial", kv_canary="raise", real_data="partial", verify_tokens=True
+        ),
+        BenchConfig(
+            "raise+partial+layers", kv_canary="raise", real_data="partial", real_data_layers="all"
+        ),
+        BenchConfig("raise+all+layers", kv_canary="raise", real_data="all", real_data_layers="all"),
+    )
+}
 # every slot's real-data fingerprint without per-layer fingerprints: the setting both canaries
 # have (bench_interleaved.py's side by side with upstream)
 ALL_DATA_CONFIG = BenchConfig("raise+all", kv_canary="raise", real_data="all")
 # upstream's canary under the same flags (token checks through the same variable), for the
 # servers of bench_interleaved.py --upstream-site: every config of a mode upstream has (none,
 # log, raise: no abort) without per-layer fingerprints
-UPSTREAM_CONFIGS = {UPSTREAM_PREFIX + c.name: dataclasses.replace(
-    c, name=UPSTREAM_PREFIX + c.name, stack=UPSTREAM_STACK)
+UPSTREAM_CONFIGS = {
+    UPSTREAM_PREFIX + c.name: dataclasses.replace(
+        c, name=UPSTREAM_PREFIX + c.name, stack=UPSTREAM_STACK
+    )
     for c in (*CONFIGS.values(), ALL_DATA_CONFIG)
-    if c.real_data_layers == "first" and c.kv_canary in ("none", "log", "raise")}
+    if c.real_data_layers == "first" and c.kv_canary in ("none", "log", "raise")
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,44 +246,57 @@ class EngineSettings:
     # scheduler's forward-entry and prefill-finished times (the server-side prefill time)
     server_timing: bool = True
 
-    def engine_kwargs(self, model_dir: str, *, smoke: bool,
-                      draft_dir: str | None = None) -> dict:
+    def engine_kwargs(self, model_dir: str, *, smoke: bool, draft_dir: str | None = None) -> dict:
         from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
         if smoke:
-            return cpu_engine_kwargs(model_dir, chunked_prefill_size=self.chunked_prefill_size,
-                                     max_total_tokens=self.max_total_tokens,
-                                     max_running_requests=self.max_running_requests,
-                                     enable_metrics=self.server_timing, log_level="info")
+            return cpu_engine_kwargs(
+                model_dir,
+                chunked_prefill_size=self.chunked_prefill_size,
+                max_total_tokens=self.max_total_tokens,
+                max_running_requests=self.max_running_requests,
+                enable_metrics=self.server_timing,
+                log_level="info",
+            )
         spec = dict(SPECULATIVE[self.speculative])
         if spec:
             spec["speculative_draft_model_path"] = draft_dir
-        return gpu_engine_kwargs(model_dir, chunked_prefill_size=self.chunked_prefill_size,
-                                 max_total_tokens=self.max_total_tokens,
-                                 max_running_requests=self.max_running_requests,
-                                 mem_fraction_static=self.mem_fraction_static,
-                                 cuda_graph_bs=list(self.cuda_graph_bs),
-                                 cuda_graph_max_bs=max(self.cuda_graph_bs),
-                                 disable_piecewise_cuda_graph=not self.piecewise,
-                                 enable_metrics=self.server_timing,
-                                 # sglang's default: an idle scheduler spins (the test
-                                 # servers sleep; a sleeping one ran short prefills in slow
-                                 # regimes: benchmark/results/latency_h100.md)
-                                 sleep_on_idle=False,
-                                 log_level="info", **spec)
+        return gpu_engine_kwargs(
+            model_dir,
+            chunked_prefill_size=self.chunked_prefill_size,
+            max_total_tokens=self.max_total_tokens,
+            max_running_requests=self.max_running_requests,
+            mem_fraction_static=self.mem_fraction_static,
+            cuda_graph_bs=list(self.cuda_graph_bs),
+            cuda_graph_max_bs=max(self.cuda_graph_bs),
+            disable_piecewise_cuda_graph=not self.piecewise,
+            enable_metrics=self.server_timing,
+            # sglang's default: an idle scheduler spins (the test
+            # servers sleep; a sleeping one ran short prefills in slow
+            # regimes: benchmark/results/latency_h100.md)
+            sleep_on_idle=False,
+            log_level="info",
+            **spec,
+        )
 
 
-SMOKE_SETTINGS = EngineSettings(chunked_prefill_size=32, max_total_tokens=4096,
-                                max_running_requests=8, mem_fraction_static=0.05,
-                                cuda_graph_bs=(1, 2))
+SMOKE_SETTINGS = EngineSettings(
+    chunked_prefill_size=32,
+    max_total_tokens=4096,
+    max_running_requests=8,
+    mem_fraction_static=0.05,
+    cuda_graph_bs=(1, 2),
+)
 
 
 def parse_names(value: str, allowed: dict[str, object], flag: str) -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
     bad = [n for n in names if n not in allowed]
     if bad or not names:
-        raise SystemExit(f"{flag}: unknown value(s) {', '.join(map(repr, bad)) or '(empty)'}; "
-                         f"allowed (comma-separated): {', '.join(allowed)}")
+        raise SystemExit(
+            f"{flag}: unknown value(s) {', '.join(map(repr, bad)) or '(empty)'}; "
+            f"allowed (comma-separated): {', '.join(allowed)}"
+        )
     return names
 
 
@@ -281,8 +314,10 @@ def canary_on_configs(value: str, what: str) -> list[str]:
     """``--configs`` without ``off`` (a breakdown of the canary's own time needs it on)."""
     configs = [c for c in parse_names(value, CONFIGS, "--configs") if c != "off"]
     if not configs:
-        raise SystemExit(f"{what}: --configs names no canary-on config (allowed: "
-                         f"{', '.join(c for c in CONFIGS if c != 'off')})")
+        raise SystemExit(
+            f"{what}: --configs names no canary-on config (allowed: "
+            f"{', '.join(c for c in CONFIGS if c != 'off')})"
+        )
     return configs
 
 
@@ -291,8 +326,13 @@ def gpu_name(smoke: bool) -> str:
     if smoke:
         return "cpu (smoke)"
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=False).stdout.strip()
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        ).stdout.strip()
         return out.splitlines()[0] if out else "unknown GPU"
     except (OSError, subprocess.SubprocessError):
         return "unknown GPU"
@@ -317,14 +357,19 @@ def read_jsonl(paths: Sequence[str]) -> list[dict]:
     return records
 
 
-
-
 # ---- torch profiler traces ----------------------------------------------------------------------
 
 # the canary's kernels by name (its Triton kernels, the staging / read-back copies' kernels): a
 # timeline names them, and folds runs of other kernels on one stream into one line
-CANARY_KERNELS = ("_canary", "plan_", "_scatter_packed", "memcpy32_post", "_deep_",
-                  "multi_tensor_apply", "FillFunctor")
+CANARY_KERNELS = (
+    "_canary",
+    "plan_",
+    "_scatter_packed",
+    "memcpy32_post",
+    "_deep_",
+    "multi_tensor_apply",
+    "FillFunctor",
+)
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 TraceRow = tuple  # (start µs, duration µs, where: "stream N" or "host", name)
@@ -348,8 +393,9 @@ def trace_rows(trace_path, *, annotations: bool, host_calls: Sequence[str] = ())
         cat, name = e.get("cat", ""), str(e.get("name", ""))
         if cat in _DEVICE_CATEGORIES:
             where = f"stream {e.get('args', {}).get('stream', '?')}"
-        elif ((annotations and cat == "user_annotation" and not name.startswith("ProfilerStep"))
-              or (calls and cat == "cuda_runtime" and name.startswith(calls))):
+        elif (annotations and cat == "user_annotation" and not name.startswith("ProfilerStep")) or (
+            calls and cat == "cuda_runtime" and name.startswith(calls)
+        ):
             where = "host"
         else:
             continue
@@ -362,6 +408,7 @@ def timeline(rows: Sequence[TraceRow], t0: float) -> list[str]:
     """One line per event, µs from ``t0``: ``start..end where name``; consecutive kernels on
     one stream that are not the canary's (:data:`CANARY_KERNELS`) fold into one
     ``(other kernels) xN`` line."""
+
     def label(where: str, name: str) -> str:
         if where == "host" or any(k in name for k in CANARY_KERNELS):
             return name[:100]
@@ -376,8 +423,9 @@ def timeline(rows: Sequence[TraceRow], t0: float) -> list[str]:
             last[3] += 1
             continue
         folded.append([ts - t0, ts + dur - t0, where, 1, text])
-    return [f"{a:9.1f}..{b:9.1f} {w:>10} {n}" + (f" x{c}" if c > 1 else "")
-            for a, b, w, c, n in folded]
+    return [
+        f"{a:9.1f}..{b:9.1f} {w:>10} {n}" + (f" x{c}" if c > 1 else "") for a, b, w, c, n in folded
+    ]
 
 
 # ---- a scenario's inputs and sglang's timings ------------------------------------------------
@@ -420,9 +468,13 @@ def server_stats(server: list) -> dict:
     """The JSON fields of the server-side prefill times of one scenario (none if missing)."""
     if not server or None in server:
         return {}
-    return dict(server_runs_ms=server, server_median_ms=statistics.median(server),
-                server_min_ms=min(server), server_p10_ms=quantile(server, 0.1),
-                server_p90_ms=quantile(server, 0.9))
+    return dict(
+        server_runs_ms=server,
+        server_median_ms=statistics.median(server),
+        server_min_ms=min(server),
+        server_p10_ms=quantile(server, 0.1),
+        server_p90_ms=quantile(server, 0.9),
+    )
 
 
 def parse_ints(value: str, flag: str) -> list[int]:

@@ -77,26 +77,43 @@ class Deployment:
     draft: bool = False  # an EAGLE draft model beside the target
 
 
-DEPLOYMENTS = {d.name: d for d in (
-    # sglang's CPU attention (torch_native) has no MLA and its Triton backend runs there only
-    # under the interpreter, too slow for this workload (test_e2e_mla_server covers MLA on CPU)
-    Deployment("mla", "deepseek_v2", (("attention_backend", "triton"),), cpu=False),
-    Deployment("hicache", "llama", (("enable_hierarchical_cache", True), ("hicache_ratio", 4)),
-               cpu=False),
-    Deployment("eagle", "llama", (("speculative_algorithm", "EAGLE"),
-                                  ("speculative_num_steps", 3), ("speculative_eagle_topk", 1),
-                                  ("speculative_num_draft_tokens", 4)),
-               cpu=False, draft=True),
-    Deployment("abort", "llama", (("kv_canary", "abort"),)),
-)}
+DEPLOYMENTS = {
+    d.name: d
+    for d in (
+        # sglang's CPU attention (torch_native) has no MLA and its Triton backend runs there only
+        # under the interpreter, too slow for this workload (test_e2e_mla_server covers MLA on CPU)
+        Deployment("mla", "deepseek_v2", (("attention_backend", "triton"),), cpu=False),
+        Deployment(
+            "hicache",
+            "llama",
+            (("enable_hierarchical_cache", True), ("hicache_ratio", 4)),
+            cpu=False,
+        ),
+        Deployment(
+            "eagle",
+            "llama",
+            (
+                ("speculative_algorithm", "EAGLE"),
+                ("speculative_num_steps", 3),
+                ("speculative_eagle_topk", 1),
+                ("speculative_num_draft_tokens", 4),
+            ),
+            cpu=False,
+            draft=True,
+        ),
+        Deployment("abort", "llama", (("kv_canary", "abort"),)),
+    )
+}
 PROBE_FAULT = "req_to_token"  # the fault each deployment is also started with
 OFF_SUFFIX = ":off"  # a deployment's control run: the same server with the canary off
 
 # how each stack's canary says it is on (its start-up line): one per worker it guards
 INSTALLED_MARK = {PROJECT_STACK: "kv_canary installed", UPSTREAM_STACK: "install_canary:"}
 
-_VIOLATION_RE = re.compile(r"kv_canary violation: launch_tag=(\w+) fail_reason=([\w+]+) "
-                           r"slot_idx=(-?\d+)")
+_VIOLATION_RE = re.compile(
+    r"kv_canary violation: launch_tag=(\w+) fail_reason=([\w+]+) "
+    r"slot_idx=(-?\d+)"
+)
 _PERTURB_RE = re.compile(r"kv_canary perturb\b[^:]*:(.*)$")
 
 
@@ -134,14 +151,17 @@ def parse_injections(text: str) -> List[str]:
         body = m.group(1)
         if "skipped" in body or "warmup" in body or "warm-up" in body:
             continue
-        out.append(line[m.start():].strip())
+        out.append(line[m.start() :].strip())
     return out
 
 
 def last_error(text: str) -> Optional[str]:
     """The last ``SomethingError: message`` line of a traceback in ``text``, or None."""
-    errors = [line.strip() for line in text.splitlines()
-              if re.match(r"\s*[\w.]*(Error|Exception|Exit)\b.*:", line)]
+    errors = [
+        line.strip()
+        for line in text.splitlines()
+        if re.match(r"\s*[\w.]*(Error|Exception|Exit)\b.*:", line)
+    ]
     return errors[-1][:300] if errors else None
 
 
@@ -172,38 +192,48 @@ class RunResult:
         if self.served and self.returncode == 0:
             if not self.failed_waves:
                 return "served every request"
-            return (f"kept serving; {len(self.failed_waves)} wave(s) failed: "
-                    f"{self.failed_waves[0]}")
+            return f"kept serving; {len(self.failed_waves)} wave(s) failed: {self.failed_waves[0]}"
         return f"stopped (exit {self.returncode}): {self.error or 'no error line'}"
 
 
 def evaluate(stack: str, case: str, text: str, returncode: int) -> RunResult:
-    info = [json.loads(line[len(INFO_PREFIX):]) for line in text.splitlines()
-            if line.startswith(INFO_PREFIX)]
-    result = [json.loads(line[len(RESULT_PREFIX):]) for line in text.splitlines()
-              if line.startswith(RESULT_PREFIX)]
+    info = [
+        json.loads(line[len(INFO_PREFIX) :])
+        for line in text.splitlines()
+        if line.startswith(INFO_PREFIX)
+    ]
+    result = [
+        json.loads(line[len(RESULT_PREFIX) :])
+        for line in text.splitlines()
+        if line.startswith(RESULT_PREFIX)
+    ]
     return RunResult(
-        stack=stack, case=case, returncode=returncode,
+        stack=stack,
+        case=case,
+        returncode=returncode,
         version=info[0].get("version") if info else None,
         installed=text.count(INSTALLED_MARK[stack]),
         injections=len(parse_injections(text)),
         reports=tuple(parse_reports(text)),
-        served=bool(result), error=last_error(text),
-        failed_waves=tuple(w["error"] for w in result[0].get("failed_waves", ())) if result
-        else ())
+        served=bool(result),
+        error=last_error(text),
+        failed_waves=tuple(w["error"] for w in result[0].get("failed_waves", ())) if result else (),
+    )
 
 
 # ---- one run ---------------------------------------------------------------------------------
 
-def stack_env(base_env: Dict[str, str], stack: str, upstream_site: Optional[str]
-              ) -> Dict[str, str]:
+
+def stack_env(base_env: Dict[str, str], stack: str, upstream_site: Optional[str]) -> Dict[str, str]:
     """A run's environment: ``base_env`` less every ``SGLANG_KV_CANARY_*`` (each run sets its
     own) and, for upstream's runs, upstream's ``PYTHONPATH`` (``common.upstream_env``)."""
     env = {k: v for k, v in base_env.items() if not k.startswith("SGLANG_KV_CANARY_")}
     if stack == UPSTREAM_STACK:
         if not upstream_site:
-            raise ValueError("upstream's stack needs --upstream-site (the directory "
-                             "benchmark/kv_canary/upstream_bundle.sh's bundles install into)")
+            raise ValueError(
+                "upstream's stack needs --upstream-site (the directory "
+                "benchmark/kv_canary/upstream_bundle.sh's bundles install into)"
+            )
         env = upstream_env(env, upstream_site)
     return env
 
@@ -219,8 +249,7 @@ class Run:
 def run_one(run: Run, requests_file: str, timeout: float) -> Tuple[RunResult, str]:
     cmd = [sys.executable, str(WORKLOAD), json.dumps(run.engine_kwargs), requests_file]
     try:
-        proc = subprocess.run(cmd, env=run.env, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(cmd, env=run.env, capture_output=True, text=True, timeout=timeout)
         text, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -231,9 +260,18 @@ def run_one(run: Run, requests_file: str, timeout: float) -> Tuple[RunResult, st
 
 # ---- the plan --------------------------------------------------------------------------------
 
-def plan(*, stacks: Sequence[str], faults: Sequence[str], deployments: Sequence[str],
-         models: Dict[str, str], draft_dir: Optional[str], make_kwargs, base_env: Dict[str, str],
-         upstream_site: Optional[str]) -> List[Run]:
+
+def plan(
+    *,
+    stacks: Sequence[str],
+    faults: Sequence[str],
+    deployments: Sequence[str],
+    models: Dict[str, str],
+    draft_dir: Optional[str],
+    make_kwargs,
+    base_env: Dict[str, str],
+    upstream_site: Optional[str],
+) -> List[Run]:
     """Every run, stack by stack: the clean run and each fault (the detection table), then each
     deployment with the canary off (no canary flag or variable), clean, and with
     :data:`PROBE_FAULT`."""
@@ -243,24 +281,42 @@ def plan(*, stacks: Sequence[str], faults: Sequence[str], deployments: Sequence[
         env0 = {**bare, **DEMO_ENV}
         for case in faults:
             fault_env = FAULTS[case].env if case in FAULTS else {}
-            runs.append(Run(stack, case, make_kwargs(models["llama"], **DEMO_ENGINE_ARGS),
-                            {**env0, **fault_env}))
+            runs.append(
+                Run(
+                    stack,
+                    case,
+                    make_kwargs(models["llama"], **DEMO_ENGINE_ARGS),
+                    {**env0, **fault_env},
+                )
+            )
         for name in deployments:
             d = DEPLOYMENTS[name]
             args = dict(DEMO_ENGINE_ARGS, **dict(d.engine_args))
             if d.draft:
                 args["speculative_draft_model_path"] = draft_dir
             off = {k: v for k, v in args.items() if not k.startswith("kv_canary")}
-            runs.append(Run(stack, name + OFF_SUFFIX,
-                            make_kwargs(models[d.model], kv_canary="none", **off), bare))
+            runs.append(
+                Run(
+                    stack,
+                    name + OFF_SUFFIX,
+                    make_kwargs(models[d.model], kv_canary="none", **off),
+                    bare,
+                )
+            )
             for fault in (None, FAULTS[PROBE_FAULT]):
-                runs.append(Run(stack, name if fault is None else f"{name}+{fault.name}",
-                                make_kwargs(models[d.model], **args),
-                                {**env0, **(fault.env if fault else {})}))
+                runs.append(
+                    Run(
+                        stack,
+                        name if fault is None else f"{name}+{fault.name}",
+                        make_kwargs(models[d.model], **args),
+                        {**env0, **(fault.env if fault else {})},
+                    )
+                )
     return runs
 
 
 # ---- tables ----------------------------------------------------------------------------------
+
 
 def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
@@ -277,18 +333,28 @@ def detection_table(results: Sequence[RunResult]) -> str:
         if fault is None:
             verdict = "FALSE POSITIVE" if r.reports else "quiet"
         else:
-            verdict = "caught" if r.caught(fault) else (
-                "not injected" if r.injections == 0 else "NOT caught")
-        first = next((str(x) for x in r.reports
-                      if fault is None or set(x.fail_reasons) & set(fault.reasons)), "-")
-        rows.append((r.case, r.stack, r.version or "?", str(r.injections), verdict, first,
-                     r.ended))
-    return _table(("fault", "stack", "sglang", "injections", "verdict", "first report",
-                   "the run"), rows)
+            verdict = (
+                "caught"
+                if r.caught(fault)
+                else ("not injected" if r.injections == 0 else "NOT caught")
+            )
+        first = next(
+            (
+                str(x)
+                for x in r.reports
+                if fault is None or set(x.fail_reasons) & set(fault.reasons)
+            ),
+            "-",
+        )
+        rows.append((r.case, r.stack, r.version or "?", str(r.injections), verdict, first, r.ended))
+    return _table(
+        ("fault", "stack", "sglang", "injections", "verdict", "first report", "the run"), rows
+    )
 
 
-def deployment_verdict(clean: RunResult, probed: Optional[RunResult],
-                       off: Optional[RunResult] = None) -> str:
+def deployment_verdict(
+    clean: RunResult, probed: Optional[RunResult], off: Optional[RunResult] = None
+) -> str:
     """What a stack does with a deployment, from its clean run, its ``req_to_token`` run and
     its canary-off control (a deployment the stack's sglang cannot serve with the canary off
     says nothing of the canary)."""
@@ -296,11 +362,16 @@ def deployment_verdict(clean: RunResult, probed: Optional[RunResult],
         return f"sglang itself fails it (canary off): {off.error or off.ended}"
     if not clean.served:
         text = clean.error or "no error line"
-        return (f"refuses at start-up: {text}" if clean.installed == 0
-                else f"crashes (canary installed): {text}")
+        return (
+            f"refuses at start-up: {text}"
+            if clean.installed == 0
+            else f"crashes (canary installed): {text}"
+        )
     if clean.failed_waves:
-        return (f"fails requests of a clean run ({len(clean.failed_waves)} wave(s)): "
-                f"{clean.failed_waves[0]}")
+        return (
+            f"fails requests of a clean run ({len(clean.failed_waves)} wave(s)): "
+            f"{clean.failed_waves[0]}"
+        )
     if clean.reports:
         return f"false positive: {clean.reports[0]}"
     if clean.installed == 0:
@@ -308,10 +379,14 @@ def deployment_verdict(clean: RunResult, probed: Optional[RunResult],
     if probed is None:
         return f"serves, canary installed ({clean.installed} worker(s))"
     if probed.caught(FAULTS[PROBE_FAULT]):
-        return (f"guards: canary on {clean.installed} worker(s), {PROBE_FAULT} caught "
-                f"({probed.reports[0]}); with the fault the server {probed.ended}")
-    return (f"canary on {clean.installed} worker(s) but {PROBE_FAULT} NOT caught "
-            f"({probed.injections} injections; {probed.ended})")
+        return (
+            f"guards: canary on {clean.installed} worker(s), {PROBE_FAULT} caught "
+            f"({probed.reports[0]}); with the fault the server {probed.ended}"
+        )
+    return (
+        f"canary on {clean.installed} worker(s) but {PROBE_FAULT} NOT caught "
+        f"({probed.injections} injections; {probed.ended})"
+    )
 
 
 def deployment_table(results: Sequence[RunResult]) -> str:
@@ -328,6 +403,7 @@ def deployment_table(results: Sequence[RunResult]) -> str:
 
 # ---- main ------------------------------------------------------------------------------------
 
+
 def _names(value: str, allowed: Sequence[str], flag: str) -> List[str]:
     names = [n.strip() for n in value.split(",") if n.strip()]
     bad = [n for n in names if n not in allowed]
@@ -338,15 +414,24 @@ def _names(value: str, allowed: Sequence[str], flag: str) -> List[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stacks", default=None,
-                   help=f"comma-separated from {PROJECT_STACK}, {UPSTREAM_STACK} (default: both "
-                        "with --upstream-site, else the project's)")
+    p.add_argument(
+        "--stacks",
+        default=None,
+        help=f"comma-separated from {PROJECT_STACK}, {UPSTREAM_STACK} (default: both "
+        "with --upstream-site, else the project's)",
+    )
     p.add_argument("--upstream-site", metavar="DIR", help="upstream sglang's site directory")
-    p.add_argument("--faults", default=",".join((CLEAN, *FAULTS)),
-                   help=f"comma-separated from {', '.join((CLEAN, *FAULTS))} (default: all)")
-    p.add_argument("--deployments", default=None,
-                   help=f"comma-separated from {', '.join(DEPLOYMENTS)} (default: all on a GPU, "
-                        "the CPU ones on the CPU; '' for none)")
+    p.add_argument(
+        "--faults",
+        default=",".join((CLEAN, *FAULTS)),
+        help=f"comma-separated from {', '.join((CLEAN, *FAULTS))} (default: all)",
+    )
+    p.add_argument(
+        "--deployments",
+        default=None,
+        help=f"comma-separated from {', '.join(DEPLOYMENTS)} (default: all on a GPU, "
+        "the CPU ones on the CPU; '' for none)",
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (each its own Engine)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
@@ -361,8 +446,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if UPSTREAM_STACK in stacks and not args.upstream_site:
         p.error(f"--stacks {UPSTREAM_STACK} needs --upstream-site DIR")
     if UPSTREAM_STACK in stacks and args.device == "cpu":
-        p.error(f"--stacks {UPSTREAM_STACK} needs --device cuda: its bundle is built for the "
-                "GPU machines")
+        p.error(
+            f"--stacks {UPSTREAM_STACK} needs --device cuda: its bundle is built for the "
+            "GPU machines"
+        )
     faults = _names(args.faults, (CLEAN, *FAULTS), "--faults")
     if args.deployments is None:
         deployments = [d.name for d in DEPLOYMENTS.values() if args.device == "cuda" or d.cpu]
@@ -370,9 +457,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         deployments = _names(args.deployments, tuple(DEPLOYMENTS), "--deployments")
     gpu_only = [d for d in deployments if args.device == "cpu" and not DEPLOYMENTS[d].cpu]
     if gpu_only:
-        p.error(f"--deployments {','.join(gpu_only)} needs --device cuda: sglang 0.5.12 runs "
-                "HiCache's host pool and EAGLE's CUDA graphs only there, and its CPU attention "
-                "has no MLA")
+        p.error(
+            f"--deployments {','.join(gpu_only)} needs --device cuda: sglang 0.5.12 runs "
+            "HiCache's host pool and EAGLE's CUDA graphs only there, and its CPU attention "
+            "has no MLA"
+        )
 
     from sglang.srt.kv_canary.testing.server_harness import (
         build_libcuda_stub,
@@ -381,14 +470,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         gpu_engine_kwargs,
         write_tiny_llama,
     )
+
     use_test_support()
     from canary_support.tiny_models import write_tiny_deepseek_v2
 
     with tempfile.TemporaryDirectory(prefix="kv_canary_sbs_") as root:
-        models = {"llama": write_tiny_llama(os.path.join(root, "llama")),
-                  "deepseek_v2": write_tiny_deepseek_v2(os.path.join(root, "deepseek_v2"))}
-        draft = write_tiny_llama(os.path.join(root, "draft"),
-                                 architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+        models = {
+            "llama": write_tiny_llama(os.path.join(root, "llama")),
+            "deepseek_v2": write_tiny_deepseek_v2(os.path.join(root, "deepseek_v2")),
+        }
+        draft = write_tiny_llama(
+            os.path.join(root, "draft"),
+            architectures=["LlamaForCausalLMEagle"],
+            num_hidden_layers=1,
+        )
         if args.device == "cuda":
             make, base_env = gpu_engine_kwargs, dict(os.environ)
         else:
@@ -397,9 +492,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         requests_file = os.path.join(root, "requests.json")
         with open(requests_file, "w") as f:
             json.dump(demo_requests(), f)
-        runs = plan(stacks=stacks, faults=faults, deployments=deployments, models=models,
-                    draft_dir=draft, make_kwargs=make, base_env=base_env,
-                    upstream_site=args.upstream_site)
+        runs = plan(
+            stacks=stacks,
+            faults=faults,
+            deployments=deployments,
+            models=models,
+            draft_dir=draft,
+            make_kwargs=make,
+            base_env=base_env,
+            upstream_site=args.upstream_site,
+        )
 
         def one(run: Run) -> Tuple[RunResult, str]:
             print(f"side by side: {run.stack} {run.case} ...", flush=True)

@@ -55,26 +55,48 @@ def run_shape(name: str, path: str, calls: int, seed: int) -> str:
     slots = 4096
     k_buf = torch.randn(slots, kv_heads, lq, dtype=torch.bfloat16, device=dev)
     # the MLA pool's value buffer is a view of the latent part of its key rows
-    v_buf = (k_buf[..., :lv] if path == "mla"
-             else torch.randn(slots, kv_heads, lv, dtype=torch.bfloat16, device=dev))
+    v_buf = (
+        k_buf[..., :lv]
+        if path == "mla"
+        else torch.randn(slots, kv_heads, lv, dtype=torch.bfloat16, device=dev)
+    )
     for _ in range(calls):
         bs = rng.randrange(1, 5)
         prefix, extend = _batch(rng, 0 if path == "mha" else 200, 96, bs)
         n = sum(extend)
         q = torch.randn(n, HEADS, lq, dtype=torch.bfloat16, device=dev)
         k = torch.randn(n, kv_heads, lq, dtype=torch.bfloat16, device=dev)
-        v = (k[..., :lv] if path == "mla"
-             else torch.randn(n, kv_heads, lv, dtype=torch.bfloat16, device=dev))
+        v = (
+            k[..., :lv]
+            if path == "mla"
+            else torch.randn(n, kv_heads, lv, dtype=torch.bfloat16, device=dev)
+        )
         o = torch.empty(n, HEADS, lv, dtype=torch.bfloat16, device=dev)
-        qo = torch.tensor([0] + list(torch.tensor(extend).cumsum(0)), dtype=torch.int32,
-                          device=dev)
-        kvp = torch.tensor([0] + list(torch.tensor(prefix).cumsum(0)), dtype=torch.int32,
-                           device=dev)
-        kv_idx = torch.tensor(rng.sample(range(1, slots), sum(prefix)), dtype=torch.int64,
-                              device=dev)
-        extend_attention_fwd(q, k.contiguous(), v.contiguous(), o, k_buf, v_buf,
-                             qo, kvp, kv_idx, None, True, None, max(extend), 1.0, 1.0,
-                             sm_scale=lq ** -0.5)
+        qo = torch.tensor([0] + list(torch.tensor(extend).cumsum(0)), dtype=torch.int32, device=dev)
+        kvp = torch.tensor(
+            [0] + list(torch.tensor(prefix).cumsum(0)), dtype=torch.int32, device=dev
+        )
+        kv_idx = torch.tensor(
+            rng.sample(range(1, slots), sum(prefix)), dtype=torch.int64, device=dev
+        )
+        extend_attention_fwd(
+            q,
+            k.contiguous(),
+            v.contiguous(),
+            o,
+            k_buf,
+            v_buf,
+            qo,
+            kvp,
+            kv_idx,
+            None,
+            True,
+            None,
+            max(extend),
+            1.0,
+            1.0,
+            sm_scale=lq**-0.5,
+        )
     torch.cuda.synchronize()
     return f"SHAPE {name} path={path} Lq={lq} Lv={lv} calls={calls} ok"
 

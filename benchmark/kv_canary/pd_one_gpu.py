@@ -96,25 +96,42 @@ class Stop(BaseException):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=["mooncake", "nixl"], default="mooncake",
-                   help="--disaggregation-transfer-backend of both PD servers")
-    p.add_argument("--weights", choices=["random", "dummy"], default="random",
-                   help="random: a model.safetensors of seeded N(0, 1/fan_in) weights and unit "
-                        "norms, so that outputs depend on the whole prompt (sglang's dummy "
-                        "weights, U(-1e-3, 1e-3) norms included, leave attention's share of the "
-                        "residual near 1e-5: the next token then depends on the last token "
-                        "only, and a lost KV transfer would go unseen); dummy: --load-format dummy")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--backend",
+        choices=["mooncake", "nixl"],
+        default="mooncake",
+        help="--disaggregation-transfer-backend of both PD servers",
+    )
+    p.add_argument(
+        "--weights",
+        choices=["random", "dummy"],
+        default="random",
+        help="random: a model.safetensors of seeded N(0, 1/fan_in) weights and unit "
+        "norms, so that outputs depend on the whole prompt (sglang's dummy "
+        "weights, U(-1e-3, 1e-3) norms included, leave attention's share of the "
+        "residual near 1e-5: the next token then depends on the last token "
+        "only, and a lost KV transfer would go unseen); dummy: --load-format dummy",
+    )
     p.add_argument("--requests", type=int, default=4, help="prompts per round")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
-    p.add_argument("--reference", choices=["parallel", "before", "none"], default="parallel",
-                   help="the non-PD server: started beside the PD pair (parallel), run and "
-                        "stopped before it (before), or not at all")
-    p.add_argument("--router", choices=["auto", "rust", "mini", "none"], default="auto",
-                   help="the router round: auto = the Rust router when sglang_router imports")
+    p.add_argument(
+        "--reference",
+        choices=["parallel", "before", "none"],
+        default="parallel",
+        help="the non-PD server: started beside the PD pair (parallel), run and "
+        "stopped before it (before), or not at all",
+    )
+    p.add_argument(
+        "--router",
+        choices=["auto", "rust", "mini", "none"],
+        default="auto",
+        help="the router round: auto = the Rust router when sglang_router imports",
+    )
     p.add_argument("--no-concurrent", action="store_true", help="skip the concurrent round")
     p.add_argument("--mem-fraction-static", type=float, default=0.3)
     p.add_argument("--max-total-tokens", type=int, default=4096)
@@ -122,33 +139,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra-args", default="", help="flags added to every server (shlex-split)")
     p.add_argument("--prefill-args", default="", help="flags added to the prefill server")
     p.add_argument("--decode-args", default="", help="flags added to the decode server")
-    p.add_argument("--no-fake-requests", action="store_true",
-                   help="send the PD servers no request with sglang's fake bootstrap host "
-                        "(2.2.2.2: a transfer that moves nothing): --skip-server-warmup on both, "
-                        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, readiness read from /health "
-                        "(no forward), router health checks then generate nothing. For the "
-                        "canary in raise mode: the decode server's warmup and /health_generate "
-                        "decode a prefix nobody wrote, which it reports")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="environment of the PD servers (repeatable), e.g. MC_FORCE_TCP=1")
-    p.add_argument("--log-dir", default=None,
-                   help="server logs and the model dir (default $OUT/pd_logs, else a temp dir)")
+    p.add_argument(
+        "--no-fake-requests",
+        action="store_true",
+        help="send the PD servers no request with sglang's fake bootstrap host "
+        "(2.2.2.2: a transfer that moves nothing): --skip-server-warmup on both, "
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, readiness read from /health "
+        "(no forward), router health checks then generate nothing. For the "
+        "canary in raise mode: the decode server's warmup and /health_generate "
+        "decode a prefix nobody wrote, which it reports",
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the PD servers (repeatable), e.g. MC_FORCE_TCP=1",
+    )
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        help="server logs and the model dir (default $OUT/pd_logs, else a temp dir)",
+    )
     p.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S)
     p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S)
-    p.add_argument("--timeout", type=float, default=480.0,
-                   help="hard limit of the whole run in seconds (everything is stopped then; "
-                        "keep it well under the device call's limit: a server left running "
-                        "there outlives the call)")
-    p.add_argument("--kill-stale", action="store_true",
-                   help="first SIGKILL the process groups a previous run recorded in "
-                        "LOG_DIR/pgids.json (one cut off before its clean-up)")
-    p.add_argument("--cpu", action="store_true",
-                   help="rehearsal on a machine without a GPU: sglang's CPU engine "
-                        "(server_harness.cpu_engine_kwargs) and a libcuda.so.1 stub that also "
-                        "covers the transfer engine's libraries; same requests and checks")
-    p.add_argument("--dry-run", action="store_true",
-                   help="write the model dir and the command lines (LOG_DIR/*.argv), start "
-                        "nothing")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=480.0,
+        help="hard limit of the whole run in seconds (everything is stopped then; "
+        "keep it well under the device call's limit: a server left running "
+        "there outlives the call)",
+    )
+    p.add_argument(
+        "--kill-stale",
+        action="store_true",
+        help="first SIGKILL the process groups a previous run recorded in "
+        "LOG_DIR/pgids.json (one cut off before its clean-up)",
+    )
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="rehearsal on a machine without a GPU: sglang's CPU engine "
+        "(server_harness.cpu_engine_kwargs) and a libcuda.so.1 stub that also "
+        "covers the transfer engine's libraries; same requests and checks",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="write the model dir and the command lines (LOG_DIR/*.argv), start nothing",
+    )
     args = p.parse_args(argv)
     for kv in args.env:
         if "=" not in kv:
@@ -159,6 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- prompts ------------------------------------------------------------------------------------
+
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """``n`` prompts of ``length`` token ids in [3, vocab), pairwise different first tokens."""
@@ -176,6 +217,7 @@ def perturbed(prompt: list[int], vocab: int, rng: random.Random, taken: set) -> 
 
 # ---- HTTP ---------------------------------------------------------------------------------------
 
+
 def generate(http_call, port: int, body: dict, timeout: float) -> dict:
     """POST /generate; the JSON answer, or ``{"error": ...}``."""
     try:
@@ -192,29 +234,42 @@ def generate(http_call, port: int, body: dict, timeout: float) -> dict:
 
 
 def body_for(prompt: list[int], max_new: int, boot: dict | None = None) -> dict:
-    body = {"input_ids": prompt,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new,
-                                "ignore_eos": True}}
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True},
+    }
     if boot:
         body.update(boot)
     return body
 
 
-def pd_request(http_call, prefill_port: int, decode_port: int, bootstrap_port: int,
-               prompt: list[int], max_new: int, timeout: float) -> dict:
+def pd_request(
+    http_call,
+    prefill_port: int,
+    decode_port: int,
+    bootstrap_port: int,
+    prompt: list[int],
+    max_new: int,
+    timeout: float,
+) -> dict:
     """One request the way a PD router sends it: the same body, bootstrap fields included, to
     the prefill and the decode server at once; the decode server's answer plus the prefill's
     status."""
-    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
-            "bootstrap_room": random.SystemRandom().randrange(1, 2**63 - 1)}
+    boot = {
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": bootstrap_port,
+        "bootstrap_room": random.SystemRandom().randrange(1, 2**63 - 1),
+    }
     body = body_for(prompt, max_new, boot)
     answers: dict[str, dict] = {}
 
     def send(name: str, port: int) -> None:
         answers[name] = generate(http_call, port, body, timeout)
 
-    threads = [threading.Thread(target=send, args=(n, p), daemon=True)
-               for n, p in (("prefill", prefill_port), ("decode", decode_port))]
+    threads = [
+        threading.Thread(target=send, args=(n, p), daemon=True)
+        for n, p in (("prefill", prefill_port), ("decode", decode_port))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -237,19 +292,23 @@ def wait_health(server, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not server.alive():
-            raise ServerStartError(f"{server.name} server exited ({server.proc.returncode}) "
-                                   f"during start-up:\n{server.tail()}")
+            raise ServerStartError(
+                f"{server.name} server exited ({server.proc.returncode}) "
+                f"during start-up:\n{server.tail()}"
+            )
         try:
             if http_call(server.port, "GET", "/health", timeout=30)[0] == 200:
                 return
         except Exception:  # noqa: BLE001, S110  (not up yet / best effort)
             pass
         time.sleep(1.0)
-    raise ServerStartError(f"{server.name} server not ready after {timeout:.0f} s:\n"
-                           f"{server.tail()}")
+    raise ServerStartError(
+        f"{server.name} server not ready after {timeout:.0f} s:\n{server.tail()}"
+    )
 
 
 # ---- model ------------------------------------------------------------------------------------
+
 
 def write_random_llama_weights(model_dir: str, config: dict, seed: int) -> None:
     """``model_dir/model.safetensors`` for the Llama ``config`` (HF names): seeded normal
@@ -263,26 +322,36 @@ def write_random_llama_weights(model_dir: str, config: dict, seed: int) -> None:
     hd = config.get("head_dim", h // nh)
 
     def lin(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
+        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
 
-    t = {"model.embed_tokens.weight": torch.randn(v, h, generator=g),
-         "model.norm.weight": torch.ones(h), "lm_head.weight": lin(v, h)}
+    t = {
+        "model.embed_tokens.weight": torch.randn(v, h, generator=g),
+        "model.norm.weight": torch.ones(h),
+        "lm_head.weight": lin(v, h),
+    }
     for i in range(config["num_hidden_layers"]):
         pre = f"model.layers.{i}."
-        t.update({pre + "self_attn.q_proj.weight": lin(nh * hd, h),
-                  pre + "self_attn.k_proj.weight": lin(nkv * hd, h),
-                  pre + "self_attn.v_proj.weight": lin(nkv * hd, h),
-                  pre + "self_attn.o_proj.weight": lin(h, nh * hd),
-                  pre + "mlp.gate_proj.weight": lin(inter, h),
-                  pre + "mlp.up_proj.weight": lin(inter, h),
-                  pre + "mlp.down_proj.weight": lin(h, inter),
-                  pre + "input_layernorm.weight": torch.ones(h),
-                  pre + "post_attention_layernorm.weight": torch.ones(h)})
-    save_file({k: x.to(torch.bfloat16).contiguous() for k, x in t.items()},
-              str(pathlib.Path(model_dir) / "model.safetensors"))
+        t.update(
+            {
+                pre + "self_attn.q_proj.weight": lin(nh * hd, h),
+                pre + "self_attn.k_proj.weight": lin(nkv * hd, h),
+                pre + "self_attn.v_proj.weight": lin(nkv * hd, h),
+                pre + "self_attn.o_proj.weight": lin(h, nh * hd),
+                pre + "mlp.gate_proj.weight": lin(inter, h),
+                pre + "mlp.up_proj.weight": lin(inter, h),
+                pre + "mlp.down_proj.weight": lin(h, inter),
+                pre + "input_layernorm.weight": torch.ones(h),
+                pre + "post_attention_layernorm.weight": torch.ones(h),
+            }
+        )
+    save_file(
+        {k: x.to(torch.bfloat16).contiguous() for k, x in t.items()},
+        str(pathlib.Path(model_dir) / "model.safetensors"),
+    )
 
 
 # ---- --cpu: the libcuda stub -------------------------------------------------------------------
+
 
 def transfer_engine_libraries(backend: str) -> list[str]:
     """The shared libraries of the installed transfer engine that import CUDA driver symbols."""
@@ -293,10 +362,14 @@ def transfer_engine_libraries(backend: str) -> list[str]:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(f"{pkg} is not installed (test/device_bundle_pd.sh)")
     root = pathlib.Path(spec.submodule_search_locations[0])
-    dirs = [root] if backend == "mooncake" else [root.parent / "nixl_cu13.libs",
-                                                 root.parent / ".nixl_cu13.mesonpy.libs"]
-    return sorted(str(p) for d in dirs for p in d.rglob("*.so*")
-                  if p.is_file() and not p.is_symlink())
+    dirs = (
+        [root]
+        if backend == "mooncake"
+        else [root.parent / "nixl_cu13.libs", root.parent / ".nixl_cu13.mesonpy.libs"]
+    )
+    return sorted(
+        str(p) for d in dirs for p in d.rglob("*.so*") if p.is_file() and not p.is_symlink()
+    )
 
 
 def cpu_stub(out_dir: pathlib.Path, backend: str) -> str:
@@ -306,17 +379,29 @@ def cpu_stub(out_dir: pathlib.Path, backend: str) -> str:
     from sglang.srt.kv_canary.testing.server_harness import libcuda_symbols
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    names = sorted(set(libcuda_symbols()) | set(libcuda_symbols(
-        transfer_engine_libraries(backend))) | {"cuInit", "cuDriverGetVersion",
-                                                "cuDeviceGetCount"})
-    (out_dir / "stub.c").write_text("".join(f"int {n}(void) {{ return 100; }}\n"
-                                            for n in names))
-    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o",
-                    str(out_dir / "libcuda.so.1"), str(out_dir / "stub.c")], check=True)
+    names = sorted(
+        set(libcuda_symbols())
+        | set(libcuda_symbols(transfer_engine_libraries(backend)))
+        | {"cuInit", "cuDriverGetVersion", "cuDeviceGetCount"}
+    )
+    (out_dir / "stub.c").write_text("".join(f"int {n}(void) {{ return 100; }}\n" for n in names))
+    subprocess.run(
+        [
+            "gcc",
+            "-shared",
+            "-fPIC",
+            "-Wl,-soname,libcuda.so.1",
+            "-o",
+            str(out_dir / "libcuda.so.1"),
+            str(out_dir / "stub.c"),
+        ],
+        check=True,
+    )
     return str(out_dir)
 
 
 # ---- the run ------------------------------------------------------------------------------------
+
 
 class Run:
     def __init__(self, args: argparse.Namespace):
@@ -328,8 +413,15 @@ class Run:
         self.result: dict = {"backend": args.backend}
 
     # -- processes --
-    def start_server(self, name: str, model_dir: str, port: int, extra: list[str],
-                     env: dict[str, str], log_level: str):
+    def start_server(
+        self,
+        name: str,
+        model_dir: str,
+        port: int,
+        extra: list[str],
+        env: dict[str, str],
+        log_level: str,
+    ):
         from canary_support.server_process import ServerProcess, launch_server_flags
         from sglang.srt.kv_canary.testing.server_harness import (
             cpu_engine_kwargs,
@@ -337,18 +429,28 @@ class Run:
         )
 
         make = cpu_engine_kwargs if self.args.cpu else gpu_engine_kwargs
-        kwargs = make(model_dir, mem_fraction_static=self.args.mem_fraction_static,
-                      max_total_tokens=self.args.max_total_tokens, log_level=log_level,
-                      **({} if self.args.cpu else {"base_gpu_id": 0}),
-                      **({"load_format": "auto"} if self.args.weights == "random" else {}))
-        argv = [sys.executable, "-m", "sglang.launch_server", *launch_server_flags(port, kwargs),
-                *extra]
+        kwargs = make(
+            model_dir,
+            mem_fraction_static=self.args.mem_fraction_static,
+            max_total_tokens=self.args.max_total_tokens,
+            log_level=log_level,
+            **({} if self.args.cpu else {"base_gpu_id": 0}),
+            **({"load_format": "auto"} if self.args.weights == "random" else {}),
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            *launch_server_flags(port, kwargs),
+            *extra,
+        ]
         (self.log_dir / f"{name}.argv").write_text(shlex.join(argv) + "\n")
         if self.args.dry_run:
             print(f"pd_one_gpu: {name}: {shlex.join(argv)}", flush=True)
             return None
-        server = ServerProcess(name, argv, port=port, env=env,
-                               log_path=self.log_dir / f"{name}.log")
+        server = ServerProcess(
+            name, argv, port=port, env=env, log_path=self.log_dir / f"{name}.log"
+        )
         self.servers.append(server)
         self.record_pgid(name, server.proc.pid)
         return server
@@ -363,25 +465,51 @@ class Run:
         path.write_text(json.dumps(known))
 
     @staticmethod
-    def router_argv(prefill_port: int, bootstrap_port: int, decode_port: int, port: int,
-                    mini: bool) -> list[str]:
+    def router_argv(
+        prefill_port: int, bootstrap_port: int, decode_port: int, port: int, mini: bool
+    ) -> list[str]:
         from sglang.srt.kv_canary.testing.server_harness import free_port
 
-        argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                "--prefill", f"http://127.0.0.1:{prefill_port}", str(bootstrap_port),
-                "--decode", f"http://127.0.0.1:{decode_port}",
-                "--host", "127.0.0.1", "--port", str(port),
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                "--worker-startup-timeout-secs", "120", "--log-level", "info"]
+        argv = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--prefill",
+            f"http://127.0.0.1:{prefill_port}",
+            str(bootstrap_port),
+            "--decode",
+            f"http://127.0.0.1:{decode_port}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--worker-startup-timeout-secs",
+            "120",
+            "--log-level",
+            "info",
+        ]
         return argv + (["--mini-lb"] if mini else [])
 
-    def start_router(self, prefill_port: int, bootstrap_port: int, decode_port: int,
-                     port: int, mini: bool, env: dict[str, str]) -> None:
+    def start_router(
+        self,
+        prefill_port: int,
+        bootstrap_port: int,
+        decode_port: int,
+        port: int,
+        mini: bool,
+        env: dict[str, str],
+    ) -> None:
         argv = self.router_argv(prefill_port, bootstrap_port, decode_port, port, mini)
         (self.log_dir / "router.argv").write_text(shlex.join(argv) + "\n")
         self.router_log = open(self.log_dir / "router.log", "w")  # noqa: SIM115
-        self.router_proc = subprocess.Popen(argv, env=env, stdout=self.router_log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+        self.router_proc = subprocess.Popen(
+            argv, env=env, stdout=self.router_log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.record_pgid("router", self.router_proc.pid)
 
     def stop_all(self) -> list[str]:
@@ -404,6 +532,7 @@ class Run:
                 pass
         if self.router_log is not None:
             self.router_log.close()
+
         def alive(pgid: int) -> bool:
             try:
                 os.killpg(pgid, 0)
@@ -425,8 +554,12 @@ class Run:
 
         outs = []
         for prompt in prompts:
-            ans = generate(http_call, server.port, body_for(prompt, self.args.max_new_tokens),
-                           self.args.request_timeout)
+            ans = generate(
+                http_call,
+                server.port,
+                body_for(prompt, self.args.max_new_tokens),
+                self.args.request_timeout,
+            )
             if "error" in ans:
                 self.errors.append(f"reference: {ans['error']}")
             outs.append(ans.get("output_ids"))
@@ -454,7 +587,7 @@ class Run:
             rounds.append("router")
         n = a.requests
         all_prompts = make_prompts(n * len(rounds), a.prompt_len, vocab, a.seed)
-        prompts = {r: all_prompts[i * n:(i + 1) * n] for i, r in enumerate(rounds)}
+        prompts = {r: all_prompts[i * n : (i + 1) * n] for i, r in enumerate(rounds)}
         rng, taken = random.Random(a.seed + 1), {p[0] for p in all_prompts}
         controls = [perturbed(p, vocab, rng, taken) for p in prompts["direct"]]
 
@@ -475,16 +608,28 @@ class Run:
         pd_env = dict(base_env)
         if extra_ld:
             pd_env["LD_LIBRARY_PATH"] = os.pathsep.join(
-                extra_ld + [p for p in [pd_env.get("LD_LIBRARY_PATH", "")] if p])
+                extra_ld + [p for p in [pd_env.get("LD_LIBRARY_PATH", "")] if p]
+            )
         if a.no_fake_requests:
             pd_env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
         for kv in a.env:
             k, v = kv.split("=", 1)
             pd_env[k] = v
-        self.result["env"] = {k: pd_env[k] for k in sorted(pd_env)
-                              if k.startswith(("MC_", "UCX_", "NIXL_", "SGLANG_DISAGG",
-                                               "SGLANG_MOONCAKE", "SGLANG_HOST_IP",
-                                               "SGLANG_ENABLE_HEALTH"))}
+        self.result["env"] = {
+            k: pd_env[k]
+            for k in sorted(pd_env)
+            if k.startswith(
+                (
+                    "MC_",
+                    "UCX_",
+                    "NIXL_",
+                    "SGLANG_DISAGG",
+                    "SGLANG_MOONCAKE",
+                    "SGLANG_HOST_IP",
+                    "SGLANG_ENABLE_HEALTH",
+                )
+            )
+        }
         extra = shlex.split(a.extra_args)
 
         # reference server
@@ -492,8 +637,7 @@ class Run:
         ctl_out: list[list[int] | None] = []
         ref = None
         if a.reference != "none":
-            ref = self.start_server("reference", model_dir, free_port(), extra, base_env,
-                                    "warning")
+            ref = self.start_server("reference", model_dir, free_port(), extra, base_env, "warning")
         if ref is not None and a.reference == "before":
             t0 = time.monotonic()
             ref.wait_ready(a.start_timeout)
@@ -505,27 +649,53 @@ class Run:
 
         # PD pair
         bootstrap_port = free_port()
-        pd_flags = ["--disaggregation-transfer-backend", a.backend,
-                    *(["--skip-server-warmup"] if a.no_fake_requests else [])]
+        pd_flags = [
+            "--disaggregation-transfer-backend",
+            a.backend,
+            *(["--skip-server-warmup"] if a.no_fake_requests else []),
+        ]
         prefill = self.start_server(
-            "prefill", model_dir, free_port(),
-            [*pd_flags, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
-             str(bootstrap_port), *extra, *shlex.split(a.prefill_args)], pd_env, a.log_level)
+            "prefill",
+            model_dir,
+            free_port(),
+            [
+                *pd_flags,
+                "--disaggregation-mode",
+                "prefill",
+                "--disaggregation-bootstrap-port",
+                str(bootstrap_port),
+                *extra,
+                *shlex.split(a.prefill_args),
+            ],
+            pd_env,
+            a.log_level,
+        )
         decode = self.start_server(
-            "decode", model_dir, free_port(),
-            [*pd_flags, "--disaggregation-mode", "decode", *extra,
-             *shlex.split(a.decode_args)], pd_env, a.log_level)
+            "decode",
+            model_dir,
+            free_port(),
+            [*pd_flags, "--disaggregation-mode", "decode", *extra, *shlex.split(a.decode_args)],
+            pd_env,
+            a.log_level,
+        )
         if a.dry_run:
             if want_router:
-                print("pd_one_gpu: router: " + shlex.join(self.router_argv(
-                    0, bootstrap_port, 0, 0, a.router == "mini")), flush=True)
+                print(
+                    "pd_one_gpu: router: "
+                    + shlex.join(self.router_argv(0, bootstrap_port, 0, 0, a.router == "mini")),
+                    flush=True,
+                )
             self.result["dry_run"] = True
             return 0
-        self.result["ports"] = {"prefill": prefill.port, "decode": decode.port,
-                                "bootstrap": bootstrap_port}
+        self.result["ports"] = {
+            "prefill": prefill.port,
+            "decode": decode.port,
+            "bootstrap": bootstrap_port,
+        }
         t0 = time.monotonic()
-        for s in [prefill, decode] + ([ref] if ref is not None and a.reference == "parallel"
-                                      else []):
+        for s in [prefill, decode] + (
+            [ref] if ref is not None and a.reference == "parallel" else []
+        ):
             left = max(1.0, a.start_timeout - (time.monotonic() - t0))
             if a.no_fake_requests and s is not ref:
                 wait_health(s, left)
@@ -542,14 +712,16 @@ class Run:
         # rounds
         got: dict[str, list[dict]] = {}
         args3 = (http_call, prefill.port, decode.port, bootstrap_port)
-        got["direct"] = [pd_request(*args3, p, a.max_new_tokens, a.request_timeout)
-                         for p in prompts["direct"]]
+        got["direct"] = [
+            pd_request(*args3, p, a.max_new_tokens, a.request_timeout) for p in prompts["direct"]
+        ]
         if "concurrent" in rounds:
             res: list[dict | None] = [None] * n
 
             def one(i: int) -> None:
-                res[i] = pd_request(*args3, prompts["concurrent"][i], a.max_new_tokens,
-                                    a.request_timeout)
+                res[i] = pd_request(
+                    *args3, prompts["concurrent"][i], a.max_new_tokens, a.request_timeout
+                )
 
             threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
             for t in threads:
@@ -558,8 +730,9 @@ class Run:
                 t.join(a.request_timeout + 10)
             got["concurrent"] = [r or {"error": "no answer"} for r in res]
         if "router" in rounds:
-            got["router"] = self.router_round(prefill.port, bootstrap_port, decode.port,
-                                              prompts["router"], pd_env)
+            got["router"] = self.router_round(
+                prefill.port, bootstrap_port, decode.port, prompts["router"], pd_env
+            )
 
         # verdict
         for r in rounds:
@@ -568,47 +741,68 @@ class Run:
             served = [x for x in answers if x.get("output_ids") is not None and "error" not in x]
             summary = {"sent": len(prompts[r]), "served": len(served)}
             if refs is not None:
-                same = [x.get("output_ids") is not None and x.get("output_ids") == y
-                        for x, y in zip(answers, refs)]
+                same = [
+                    x.get("output_ids") is not None and x.get("output_ids") == y
+                    for x, y in zip(answers, refs)
+                ]
                 summary["identical"] = bool(same) and all(same) and len(served) == n
                 summary["mismatches"] = [
-                    {"i": i, "pd": x.get("output_ids"), "reference": y,
-                     **({"error": x["error"]} if "error" in x else {})}
-                    for i, (x, y, ok) in enumerate(zip(answers, refs, same)) if not ok][:3]
-            errs = sorted({x["error"] for x in answers if "error" in x} |
-                          {"prefill: " + x["prefill_error"] for x in answers
-                           if "prefill_error" in x})
+                    {
+                        "i": i,
+                        "pd": x.get("output_ids"),
+                        "reference": y,
+                        **({"error": x["error"]} if "error" in x else {}),
+                    }
+                    for i, (x, y, ok) in enumerate(zip(answers, refs, same))
+                    if not ok
+                ][:3]
+            errs = sorted(
+                {x["error"] for x in answers if "error" in x}
+                | {"prefill: " + x["prefill_error"] for x in answers if "prefill_error" in x}
+            )
             if errs:
                 summary["errors"] = errs[:5]
             self.result[r] = summary
             for i, x in enumerate(answers):
                 ref_ids = refs[i] if refs is not None else None
-                print(f"pd_one_gpu: {r}[{i}] pd={x.get('output_ids')} ref={ref_ids}"
-                      + (f" error={x['error']}" if "error" in x else ""), flush=True)
+                print(
+                    f"pd_one_gpu: {r}[{i}] pd={x.get('output_ids')} ref={ref_ids}"
+                    + (f" error={x['error']}" if "error" in x else ""),
+                    flush=True,
+                )
         if ctl_out:
             base = ref_out.get("direct", [])
             self.result["context_sensitive"] = sum(
-                1 for x, y in zip(base, ctl_out) if x is not None and y is not None and x != y)
+                1 for x, y in zip(base, ctl_out) if x is not None and y is not None and x != y
+            )
         d = self.result["direct"]
         self.result["served"] = d["served"]
         self.result["identical"] = d.get("identical")
         ok = d["served"] == n and (d.get("identical") is not False)
         return 0 if ok else 1
 
-    def router_round(self, prefill_port: int, bootstrap_port: int, decode_port: int,
-                     prompts: list[list[int]], env: dict[str, str]) -> list[dict]:
+    def router_round(
+        self,
+        prefill_port: int,
+        bootstrap_port: int,
+        decode_port: int,
+        prompts: list[list[int]],
+        env: dict[str, str],
+    ) -> list[dict]:
         from canary_support.server_process import http_call
         from sglang.srt.kv_canary.testing.server_harness import free_port
 
         port = free_port()
-        self.start_router(prefill_port, bootstrap_port, decode_port, port,
-                          self.args.router == "mini", env)
+        self.start_router(
+            prefill_port, bootstrap_port, decode_port, port, self.args.router == "mini", env
+        )
         # the Rust router answers /readiness once a worker is healthy; the mini_lb has /health
         deadline, path = time.monotonic() + 150, "/readiness"
         while time.monotonic() < deadline:
             if self.router_proc.poll() is not None:
-                return [{"error": f"router exited ({self.router_proc.returncode}), "
-                                  f"see router.log"}] * len(prompts)
+                return [
+                    {"error": f"router exited ({self.router_proc.returncode}), see router.log"}
+                ] * len(prompts)
             try:
                 status = http_call(port, "GET", path, timeout=5)[0]
                 if status == 200:
@@ -623,13 +817,21 @@ class Run:
         out = []
         for i, prompt in enumerate(prompts):
             for attempt in range(6 if i == 0 else 1):  # workers may register a little later
-                ans = generate(http_call, port, body_for(prompt, self.args.max_new_tokens),
-                               self.args.request_timeout)
+                ans = generate(
+                    http_call,
+                    port,
+                    body_for(prompt, self.args.max_new_tokens),
+                    self.args.request_timeout,
+                )
                 if "error" not in ans:
                     break
                 time.sleep(3.0)
-            out.append({"output_ids": ans.get("output_ids"),
-                        **({"error": "router: " + ans["error"]} if "error" in ans else {})})
+            out.append(
+                {
+                    "output_ids": ans.get("output_ids"),
+                    **({"error": "router: " + ans["error"]} if "error" in ans else {}),
+                }
+            )
         return out
 
     def log_hints(self) -> dict[str, dict[str, int]]:

@@ -43,8 +43,14 @@ from common import (  # noqa: E402
 # a gap this long between kernels separates two requests' work in the trace
 REQUEST_GAP_US = 2000.0
 # host CUDA calls shown in the timeline (the others: launches, one per kernel shown)
-SHOWN_CALLS = ("cudaGraphLaunch", "cudaStreamWaitEvent", "cudaEventSynchronize",
-               "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
+SHOWN_CALLS = (
+    "cudaGraphLaunch",
+    "cudaStreamWaitEvent",
+    "cudaEventSynchronize",
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaMemcpyAsync",
+)
 
 
 def last_request_timeline(rows: list) -> str:
@@ -75,8 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     names = parse_names(args.configs, CONFIGS, "--configs")
     if args.requests < 1 or args.isl < 1:
-        raise SystemExit(f"--requests and --isl must be >= 1 (got {args.requests}, "
-                         f"{args.isl})")
+        raise SystemExit(f"--requests and --isl must be >= 1 (got {args.requests}, {args.isl})")
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="kv_canary_profile_"))
     out.mkdir(parents=True, exist_ok=True)
     model_dir = out / "model"
@@ -85,12 +90,16 @@ def main() -> None:
     vocab = MODELS[DEFAULT_MODEL]["vocab_size"]
     settings = EngineSettings()
     sc = Scenario(f"prefill_bs1_{args.isl}", bs=1, isl=args.isl, osl=1)
-    print(f"KV-canary server prefill profile — {now_utc()} — isl {args.isl}, "
-          f"{args.requests} profiled after {args.warmup}", flush=True)
+    print(
+        f"KV-canary server prefill profile — {now_utc()} — isl {args.isl}, "
+        f"{args.requests} profiled after {args.warmup}",
+        flush=True,
+    )
     for name in names:
         cfg = CONFIGS[name]
-        kwargs = server_kwargs(settings.engine_kwargs(str(model_dir), smoke=False), cfg,
-                               mem_fraction=0.6, idle="spin")
+        kwargs = server_kwargs(
+            settings.engine_kwargs(str(model_dir), smoke=False), cfg, mem_fraction=0.6, idle="spin"
+        )
         trace_dir = out / name.replace("+", "_")
         trace_dir.mkdir(exist_ok=True)
         env = {**os.environ, **cfg.env(), "SGLANG_TORCH_PROFILER_DIR": str(trace_dir)}
@@ -99,9 +108,12 @@ def main() -> None:
             srv.wait_ready(900.0)
             for k in range(args.warmup):
                 srv.generate(make_inputs(sc, -1 - k, vocab), sc.osl)
-            status, body = http_json(srv.port, "POST", "/start_profile",
-                                     {"output_dir": str(trace_dir),
-                                      "activities": ["CPU", "GPU"]})
+            status, body = http_json(
+                srv.port,
+                "POST",
+                "/start_profile",
+                {"output_dir": str(trace_dir), "activities": ["CPU", "GPU"]},
+            )
             if status != 200:
                 raise SystemExit(f"[{name}] /start_profile answered {status}: {body}")
             prefill = []
@@ -123,9 +135,12 @@ def main() -> None:
         if not traces:
             raise SystemExit(f"[{name}] no trace in {trace_dir}")
         time.sleep(2.0)
-        print(f"\n== {name}: server prefill ms {[round(p, 2) for p in prefill if p]} "
-              f"(median {statistics.median([p for p in prefill if p]):.2f}); trace "
-              f"{traces[-1].name}", flush=True)
+        print(
+            f"\n== {name}: server prefill ms {[round(p, 2) for p in prefill if p]} "
+            f"(median {statistics.median([p for p in prefill if p]):.2f}); trace "
+            f"{traces[-1].name}",
+            flush=True,
+        )
         rows = trace_rows(traces[-1], annotations=False, host_calls=SHOWN_CALLS)
         print(last_request_timeline(rows), flush=True)
 

@@ -40,8 +40,10 @@ MODES = {
     "off": ({}, {}),
     "raise": ({}, dict(kv_canary="raise")),
 }
-ERROR_RE = re.compile(r"(illegal memory access|CUBLAS_STATUS_\w+|CUDA error: [^\n]*|"
-                      r"device-side assert|Traceback)")
+ERROR_RE = re.compile(
+    r"(illegal memory access|CUBLAS_STATUS_\w+|CUDA error: [^\n]*|"
+    r"device-side assert|Traceback)"
+)
 
 
 def _hicache_lane_kwargs() -> dict:
@@ -55,8 +57,9 @@ def _hicache_lane_kwargs() -> dict:
 def _one(script: str, model: str, kwargs: dict, env: dict, timeout: float):
     t0 = time.time()
     try:
-        rc, out, result = run_support_script(script, model, json.dumps(kwargs), "cuda", env=env,
-                                             timeout=timeout)
+        rc, out, result = run_support_script(
+            script, model, json.dumps(kwargs), "cuda", env=env, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         rc, out, result = "timeout", "", None
     ok = rc == 0 and result is not None
@@ -76,7 +79,8 @@ def main() -> None:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="repeat_workload_"))
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
     base_env["PYTHONPATH"] = os.pathsep.join(
-        x for x in (str(SUPPORT), base_env.get("PYTHONPATH", "")) if x)
+        x for x in (str(SUPPORT), base_env.get("PYTHONPATH", "")) if x
+    )
     deadline = time.time() + args.seconds
     tally = defaultdict(lambda: [0, 0, defaultdict(int)])
     lock = threading.Lock()
@@ -87,26 +91,35 @@ def main() -> None:
         n = 0
         while time.time() < deadline - 60:
             n += 1
-            ok, rc, secs, sig, out = _one("hicache_workload.py", model,
-                                          dict(lane_kwargs, **kw_extra),
-                                          dict(base_env, **env_extra),
-                                          max(60.0, deadline - time.time()))
+            ok, rc, secs, sig, out = _one(
+                "hicache_workload.py",
+                model,
+                dict(lane_kwargs, **kw_extra),
+                dict(base_env, **env_extra),
+                max(60.0, deadline - time.time()),
+            )
             with lock:
                 t = tally[(mode, dims)]
                 t[0] += 1
                 if not ok:
                     t[1] += 1
                     t[2][sig or f"rc={rc}"] += 1
-                print(f"RUN mode={mode} dims={dims} copy={copy} n={n} ok={ok} rc={rc} "
-                      f"seconds={secs:.0f} error={sig!r}", flush=True)
+                print(
+                    f"RUN mode={mode} dims={dims} copy={copy} n={n} ok={ok} rc={rc} "
+                    f"seconds={secs:.0f} error={sig!r}",
+                    flush=True,
+                )
                 if not ok and args.log_dir:
                     os.makedirs(args.log_dir, exist_ok=True)
                     name = f"{mode}_{dims}_{copy}_{n}.log"
                     pathlib.Path(args.log_dir, name).write_text(out[-200000:])
 
-    threads = [threading.Thread(target=worker, args=(m, d, c), daemon=True)
-               for m in args.modes.split(",") for d in args.dims.split(",")
-               for c in range(args.copies)]
+    threads = [
+        threading.Thread(target=worker, args=(m, d, c), daemon=True)
+        for m in args.modes.split(",")
+        for d in args.dims.split(",")
+        for c in range(args.copies)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -114,8 +127,10 @@ def main() -> None:
     print("| mode | dims | runs | failed | errors |")
     print("| --- | --- | ---: | ---: | --- |")
     for (mode, dims), (runs, failed, errs) in sorted(tally.items()):
-        print(f"| {mode} | {dims} | {runs} | {failed} | "
-              f"{'; '.join(f'{k} x{v}' for k, v in errs.items()) or '-'} |")
+        print(
+            f"| {mode} | {dims} | {runs} | {failed} | "
+            f"{'; '.join(f'{k} x{v}' for k, v in errs.items()) or '-'} |"
+        )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from serving_report import (
 
 # ---- breakdown ---------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class BreakdownShape:
     head_num: int
@@ -69,8 +70,9 @@ class _Req:
 PREFILL_SHAPES = {False: (28, 8, 128, 151936), True: (2, 2, 8, 512)}
 
 
-def build_prefill_canary(cname: str, *, device, smoke: bool, max_ctx: int, num_slots: int,
-                         chunk: int):
+def build_prefill_canary(
+    cname: str, *, device, smoke: bool, max_ctx: int, num_slots: int, chunk: int
+):
     """``(manager, req_to_token_pool, kv_pool)``: config ``cname``'s canary from the runtime's
     builder on real sglang pools of :data:`PREFILL_SHAPES` (eight request rows, page size 1,
     layer 0's K and V random), start-up finished (on CUDA: its graphs captured). For the
@@ -83,27 +85,45 @@ def build_prefill_canary(cname: str, *, device, smoke: bool, max_ctx: int, num_s
 
     cfg = CONFIGS[cname]
     layers, heads, dim, _ = PREFILL_SHAPES[smoke]
-    r2t = ReqToTokenPool(size=8, max_context_len=max_ctx, device=str(device),
-                         enable_memory_saver=False)
-    kv = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16, head_num=heads,
-                          head_dim=dim, layer_num=layers, device=str(device),
-                          enable_memory_saver=False, enable_alt_stream=False)
+    r2t = ReqToTokenPool(
+        size=8, max_context_len=max_ctx, device=str(device), enable_memory_saver=False
+    )
+    kv = MHATokenToKVPool(
+        size=num_slots,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=heads,
+        head_dim=dim,
+        layer_num=layers,
+        device=str(device),
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     kv.k_buffer[0].normal_()
     kv.v_buffer[0].normal_()
     mgr = build_canary(
-        pool=kv, req_to_token=r2t.req_to_token, device=device,
-        config=CanaryConfig(mode=cfg.kv_canary, real_kv_hash_mode=cfg.real_data,
-                            real_data_layers=cfg.real_data_layers,
-                            enable_verify_token_assert=cfg.verify_tokens,
-                            stats_print_every_n_steps=0),
-        capacity_inputs=CanaryCapacityInputs(context_len=max_ctx, chunked_prefill_size=chunk,
-                                             max_prefill_tokens=16384, cuda_graph_max_bs=8))
+        pool=kv,
+        req_to_token=r2t.req_to_token,
+        device=device,
+        config=CanaryConfig(
+            mode=cfg.kv_canary,
+            real_kv_hash_mode=cfg.real_data,
+            real_data_layers=cfg.real_data_layers,
+            enable_verify_token_assert=cfg.verify_tokens,
+            stats_print_every_n_steps=0,
+        ),
+        capacity_inputs=CanaryCapacityInputs(
+            context_len=max_ctx,
+            chunked_prefill_size=chunk,
+            max_prefill_tokens=16384,
+            cuda_graph_max_bs=8,
+        ),
+    )
     mgr.mark_init_finished()
     return mgr, r2t, kv
 
 
-def prefill_chunk_batch(req: "_Req", slots, start: int, n: int, *, device, r2t=None,
-                        kv=None):
+def prefill_chunk_batch(req: "_Req", slots, start: int, n: int, *, device, r2t=None, kv=None):
     """The ``ForwardBatch`` sglang would build for tokens ``[start, start + n)`` of ``req``'s
     prompt (bs 1 EXTEND, prefix ``start``), written to ``slots[start:start + n]``."""
     import torch
@@ -112,12 +132,18 @@ def prefill_chunk_batch(req: "_Req", slots, start: int, n: int, *, device, r2t=N
     def i64(v):
         return torch.tensor(v, dtype=torch.int64, device=device)
 
-    fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1,
-                      input_ids=i64(req.origin_input_ids[start:start + n]),
-                      req_pool_indices=i64([req.row]), seq_lens=i64([start + n]),
-                      out_cache_loc=i64(slots[start:start + n].tolist()),
-                      seq_lens_sum=start + n, positions=i64(list(range(start, start + n))),
-                      req_to_token_pool=r2t, token_to_kv_pool=kv)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=i64(req.origin_input_ids[start : start + n]),
+        req_pool_indices=i64([req.row]),
+        seq_lens=i64([start + n]),
+        out_cache_loc=i64(slots[start : start + n].tolist()),
+        seq_lens_sum=start + n,
+        positions=i64(list(range(start, start + n))),
+        req_to_token_pool=r2t,
+        token_to_kv_pool=kv,
+    )
     fb.extend_prefix_lens, fb.extend_seq_lens = i64([start]), i64([n])
     fb.extend_num_tokens = n
     fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = [start], [n]
@@ -146,22 +172,21 @@ def labelled_launches(manager):
                 out = fn(*a, **kw)
                 sync()  # the range's device work ends inside it (see attribute())
                 return out
+
         return wrapper
 
     def tag_phase(**kw):
         return CanaryLaunchTag(int(kw["context"].kernel_kind)).phase.name
 
     patches = [
-        (th_mod.TokenHistoryUploader, "upload",
-         lambda *a, **k: "token-id scatter (outside graph)"),
+        (th_mod.TokenHistoryUploader, "upload", lambda *a, **k: "token-id scatter (outside graph)"),
         (sfm_mod, "launch_group_plan", lambda *a, **k: "plan kernels"),
         (kl_mod, "launch_canary_verify_kernel", lambda *a, **k: f"{tag_phase(**k)} verify"),
         (kl_mod, "launch_canary_write_kernel", lambda *a, **k: f"{tag_phase(**k)} write"),
         (kl_mod, "launch_canary_chain_writes", lambda *a, **k: "HEAD + TAIL chain write"),
         (pi_mod.PlanInput, "fill_from_forward_batch", lambda *a, **k: "plan input fill"),
         (sfm_mod.SingleForwardManager, "pre_ops_maybe_inside_graph", lambda *a, **k: "pre-ops"),
-        (sfm_mod.SingleForwardManager, "post_ops_maybe_inside_graph",
-         lambda *a, **k: "post-ops"),
+        (sfm_mod.SingleForwardManager, "post_ops_maybe_inside_graph", lambda *a, **k: "post-ops"),
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     dh = manager.device_host
@@ -192,15 +217,19 @@ def attribute(events, *, use_cuda: bool):
     incl: dict[str, float] = {}
     excl: dict[str, float] = {}
     by_kernel: dict[str, float] = {}
-    ranges = sorted(((ev.time_range.start, ev.time_range.end, ev.name[len(LABEL):])
-                     for ev in events
-                     if ev.device_type == DeviceType.CPU and ev.name.startswith(LABEL)),
-                    key=lambda r: (r[0], -r[1]))
+    ranges = sorted(
+        (
+            (ev.time_range.start, ev.time_range.end, ev.name[len(LABEL) :])
+            for ev in events
+            if ev.device_type == DeviceType.CPU and ev.name.startswith(LABEL)
+        ),
+        key=lambda r: (r[0], -r[1]),
+    )
     if not use_cuda:
         for ev in events:
             if ev.device_type != DeviceType.CPU or not ev.name.startswith(LABEL):
                 continue
-            name = ev.name[len(LABEL):]
+            name = ev.name[len(LABEL) :]
             below, todo = 0.0, list(ev.cpu_children)
             while todo:
                 ch = todo.pop()
@@ -244,53 +273,89 @@ def run_breakdown(args) -> None:
     configs = canary_on_configs(args.configs, "--breakdown")
     bss = tuple(int(b) for b in parse_ints(args.breakdown_bs, "--breakdown-bs"))
     if smoke:
-        shape = BreakdownShape(head_num=2, head_dim=8, layer_num=2, num_slots=4096, max_reqs=8,
-                               max_context_len=256, ctx=64, batch_sizes=tuple(min(b, 4) for b in
-                                                                              bss),
-                               prefill_chunk=128, steps=2, warmup_steps=1, vocab=512)
+        shape = BreakdownShape(
+            head_num=2,
+            head_dim=8,
+            layer_num=2,
+            num_slots=4096,
+            max_reqs=8,
+            max_context_len=256,
+            ctx=64,
+            batch_sizes=tuple(min(b, 4) for b in bss),
+            prefill_chunk=128,
+            steps=2,
+            warmup_steps=1,
+            vocab=512,
+        )
     else:
-        shape = BreakdownShape(head_num=8, head_dim=128, layer_num=28,
-                               num_slots=args.max_total_tokens, max_reqs=128,
-                               max_context_len=QWEN3_0_6B_CONFIG["max_position_embeddings"],
-                               ctx=args.breakdown_ctx, batch_sizes=bss,
-                               prefill_chunk=args.chunked_prefill_size,
-                               steps=args.breakdown_steps, warmup_steps=3,
-                               vocab=QWEN3_0_6B_CONFIG["vocab_size"])
+        shape = BreakdownShape(
+            head_num=8,
+            head_dim=128,
+            layer_num=28,
+            num_slots=args.max_total_tokens,
+            max_reqs=128,
+            max_context_len=QWEN3_0_6B_CONFIG["max_position_embeddings"],
+            ctx=args.breakdown_ctx,
+            batch_sizes=bss,
+            prefill_chunk=args.chunked_prefill_size,
+            steps=args.breakdown_steps,
+            warmup_steps=3,
+            vocab=QWEN3_0_6B_CONFIG["vocab_size"],
+        )
     if max(shape.batch_sizes) > shape.max_reqs:
-        raise SystemExit(f"--breakdown-bs: at most {shape.max_reqs} (the Engine's "
-                         "max_running_requests)")
+        raise SystemExit(
+            f"--breakdown-bs: at most {shape.max_reqs} (the Engine's max_running_requests)"
+        )
     need = max(shape.batch_sizes) * (shape.ctx + shape.warmup_steps + shape.steps + 2)
     if need > shape.num_slots:
-        raise SystemExit(f"--breakdown-ctx / --max-total-tokens: {need} slots needed, the pool "
-                         f"has {shape.num_slots}")
+        raise SystemExit(
+            f"--breakdown-ctx / --max-total-tokens: {need} slots needed, the pool "
+            f"has {shape.num_slots}"
+        )
     name = torch.cuda.get_device_name() if use_cuda else "cpu (smoke)"
     unit = "GPU µs" if use_cuda else "CPU µs (smoke, meaningless)"
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if use_cuda else None
-    print(f"KV-canary per-launch breakdown — {name} — {now_utc()} — context {shape.ctx}, "
-          f"{shape.steps} profiled decode steps", flush=True)
+    print(
+        f"KV-canary per-launch breakdown — {name} — {now_utc()} — context {shape.ctx}, "
+        f"{shape.steps} profiled decode steps",
+        flush=True,
+    )
     records = []
     for cname in configs:
         cfg = CONFIGS[cname]
         for bs in shape.batch_sizes:
-            rec = breakdown_one(cfg, bs, shape, device, flush, name, unit, torch=torch,
-                                CanaryCapacityInputs=CanaryCapacityInputs,
-                                CanaryConfig=CanaryConfig, build_canary=build_canary,
-                                TokenToKVPoolAllocator=TokenToKVPoolAllocator,
-                                MHATokenToKVPool=MHATokenToKVPool, ReqToTokenPool=ReqToTokenPool,
-                                ForwardBatch=ForwardBatch, ForwardMode=ForwardMode)
+            rec = breakdown_one(
+                cfg,
+                bs,
+                shape,
+                device,
+                flush,
+                name,
+                unit,
+                torch=torch,
+                CanaryCapacityInputs=CanaryCapacityInputs,
+                CanaryConfig=CanaryConfig,
+                build_canary=build_canary,
+                TokenToKVPoolAllocator=TokenToKVPoolAllocator,
+                MHATokenToKVPool=MHATokenToKVPool,
+                ReqToTokenPool=ReqToTokenPool,
+                ForwardBatch=ForwardBatch,
+                ForwardMode=ForwardMode,
+            )
             append_jsonl(args.out, rec)
             records.append(rec)
             tot = rec["launches"]["forward-stream total (sum)"]
             graph = rec["launches"].get("CUDA-graph replay of the in-graph ops")
-            print(f"[{cname} bs{bs}] forward-stream total {tot:.1f} {unit}/step"
-                  + (f", graph replay {graph:.1f} µs" if graph is not None else ""), flush=True)
+            print(
+                f"[{cname} bs{bs}] forward-stream total {tot:.1f} {unit}/step"
+                + (f", graph replay {graph:.1f} µs" if graph is not None else ""),
+                flush=True,
+            )
             gc.collect()  # the pools, the manager and the patched buf-info methods form cycles
             if use_cuda:
                 torch.cuda.empty_cache()
     print()
     print(breakdown_table(records))
-
-
 
 
 def run_host_breakdown(args) -> None:
@@ -313,12 +378,16 @@ def run_host_breakdown(args) -> None:
     num_slots = max(4 * max(isls), 4096)
     runs = 2 if smoke else args.host_breakdown_runs
     name = torch.cuda.get_device_name() if not smoke else "cpu (smoke)"
-    print(f"KV-canary host time per phase of a bs1 eager prefill — {name} — {now_utc()} — "
-          f"chunk {chunk}, {runs} runs", flush=True)
+    print(
+        f"KV-canary host time per phase of a bs1 eager prefill — {name} — {now_utc()} — "
+        f"chunk {chunk}, {runs} runs",
+        flush=True,
+    )
     rows = []
     for cname in configs:
-        mgr, r2t, kv = build_prefill_canary(cname, device=device, smoke=smoke,
-                                            max_ctx=max_ctx, num_slots=num_slots, chunk=chunk)
+        mgr, r2t, kv = build_prefill_canary(
+            cname, device=device, smoke=smoke, max_ctx=max_ctx, num_slots=num_slots, chunk=chunk
+        )
         gen = torch.Generator().manual_seed(0)
 
         for isl in isls:
@@ -326,15 +395,17 @@ def run_host_breakdown(args) -> None:
             profiler = pre_profiler = None
             detail = None
             extra = (20 if args.host_breakdown_cprofile else 0) + (
-                runs if args.host_breakdown_detail else 0)
+                runs if args.host_breakdown_detail else 0
+            )
             for run in range(-2, runs + extra):
                 # two warm-ups (Triton JIT, allocator), the timed runs, then (with
                 # --host-breakdown-cprofile) 20 more under cProfile, not timed, and (with
                 # --host-breakdown-detail) as many again with the canary's methods timed
                 if run == runs and args.host_breakdown_cprofile:
                     profiler, pre_profiler = cProfile.Profile(), cProfile.Profile()
-                if (args.host_breakdown_detail
-                        and run == runs + (20 if args.host_breakdown_cprofile else 0)):
+                if args.host_breakdown_detail and run == runs + (
+                    20 if args.host_breakdown_cprofile else 0
+                ):
                     if profiler is not None:
                         profiler = pre_profiler = None
                     detail = MethodTimers(mgr)
@@ -345,16 +416,14 @@ def run_host_breakdown(args) -> None:
                 per_run = {p: 0.0 for p in HOST_PHASES}
                 for start in range(0, isl, chunk):
                     n = min(chunk, isl - start)
-                    fb = prefill_chunk_batch(req, slots, start, n, device=device, r2t=r2t,
-                                             kv=kv)
+                    fb = prefill_chunk_batch(req, slots, start, n, device=device, r2t=r2t, kv=kv)
                     tick = time.perf_counter
                     if pre_profiler is not None:
                         pre_profiler.enable()
                     t1 = tick()
                     mgr.on_forward_batch_init(fb, [req])
                     t2 = tick()
-                    with mgr.with_active_single_forward_manager(0), \
-                            mgr.with_ops_outside_graph(fb):
+                    with mgr.with_active_single_forward_manager(0), mgr.with_ops_outside_graph(fb):
                         t3 = tick()
                         mgr.pre_ops_maybe_inside_graph(fb)
                         t4 = tick()
@@ -370,8 +439,9 @@ def run_host_breakdown(args) -> None:
                     t7 = tick()
                     if profiler is not None:
                         profiler.disable()
-                    for phase, dt in zip(HOST_PHASES, (t2 - t1, t3 - t2, t4 - t3, t6 - t5,
-                                                       t7 - t6)):
+                    for phase, dt in zip(
+                        HOST_PHASES, (t2 - t1, t3 - t2, t4 - t3, t6 - t5, t7 - t6)
+                    ):
                         per_run[phase] += dt * 1e6
                 if not smoke:
                     torch.cuda.synchronize()
@@ -382,25 +452,45 @@ def run_host_breakdown(args) -> None:
                 raise SystemExit(f"host breakdown {cname} isl {isl}: violations on a clean run")
             med = {p: statistics.median(v) for p, v in times.items()}
             before = sum(med[p] for p in HOST_PHASES[:3])
-            rec = dict(kind="host_breakdown", time=now_utc(), gpu=name, config=cname, isl=isl,
-                       chunk=chunk, runs=runs, median_us=med, before_forward_us=before)
+            rec = dict(
+                kind="host_breakdown",
+                time=now_utc(),
+                gpu=name,
+                config=cname,
+                isl=isl,
+                chunk=chunk,
+                runs=runs,
+                median_us=med,
+                before_forward_us=before,
+            )
             append_jsonl(args.out, rec)
             rows.append(rec)
-            print(f"[{cname} isl {isl}] before the forward {before:.0f} µs; "
-                  + "; ".join(f"{p} {med[p]:.0f}" for p in HOST_PHASES), flush=True)
+            print(
+                f"[{cname} isl {isl}] before the forward {before:.0f} µs; "
+                + "; ".join(f"{p} {med[p]:.0f}" for p in HOST_PHASES),
+                flush=True,
+            )
             if detail is not None:
                 detail.remove()
-                print(f"[{cname} isl {isl}] host µs per call of the canary's methods "
-                      f"(inclusive: a method's time holds its callees'), {runs} prefills:")
+                print(
+                    f"[{cname} isl {isl}] host µs per call of the canary's methods "
+                    f"(inclusive: a method's time holds its callees'), {runs} prefills:"
+                )
                 print(detail.table(prefills=runs), flush=True)
                 rec["methods_median_us"] = detail.medians()
                 append_jsonl(args.out, dict(rec, kind="host_breakdown_detail"))
             if profiler is not None:
-                print(f"[{cname} isl {isl}] cProfile of 20 prefills' batch init + outside "
-                      "pre-ops + inside pre-ops (tottime, top 30):", flush=True)
+                print(
+                    f"[{cname} isl {isl}] cProfile of 20 prefills' batch init + outside "
+                    "pre-ops + inside pre-ops (tottime, top 30):",
+                    flush=True,
+                )
                 pstats.Stats(pre_profiler).sort_stats("tottime").print_stats(30)
-                print(f"[{cname} isl {isl}] cProfile of 20 prefills' inside post-ops + outside "
-                      "post-ops + read-back (tottime, top 30):", flush=True)
+                print(
+                    f"[{cname} isl {isl}] cProfile of 20 prefills' inside post-ops + outside "
+                    "post-ops + read-back (tottime, top 30):",
+                    flush=True,
+                )
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         del mgr, kv, r2t
         gc.collect()
@@ -416,19 +506,33 @@ class MethodTimers:
 
     def __init__(self, mgr):
         sfm = mgr.sfms[0]
-        targets = [(mgr, "CanaryManager", ("on_forward_batch_init", "after_forward",
-                                           "_on_host_copies", "_stage")),
-                   (mgr.device_host, "device_host", ("fence", "stage", "_gather", "consume")),
-                   (mgr.sweep, "sweep", ("maybe_run_sweep",)),
-                   (sfm, "sfm", ("pre_ops_outside_graph", "pre_ops_maybe_inside_graph",
-                                 "post_ops_maybe_inside_graph", "post_ops_outside_graph",
-                                 "upload_tokens_before_replay", "_join"))]
+        targets = [
+            (
+                mgr,
+                "CanaryManager",
+                ("on_forward_batch_init", "after_forward", "_on_host_copies", "_stage"),
+            ),
+            (mgr.device_host, "device_host", ("fence", "stage", "_gather", "consume")),
+            (mgr.sweep, "sweep", ("maybe_run_sweep",)),
+            (
+                sfm,
+                "sfm",
+                (
+                    "pre_ops_outside_graph",
+                    "pre_ops_maybe_inside_graph",
+                    "post_ops_maybe_inside_graph",
+                    "post_ops_outside_graph",
+                    "upload_tokens_before_replay",
+                    "_join",
+                ),
+            ),
+        ]
         if sfm.eager_graphs is not None:
-            targets.append((sfm.eager_graphs, "eager_graphs", ("stage", "run_side",
-                                                                "run_tail")))
+            targets.append((sfm.eager_graphs, "eager_graphs", ("stage", "run_side", "run_tail")))
         if mgr.token_history is not None:
-            targets.append((mgr.token_history, "token_history", ("stage_for_replay", "upload",
-                                                                  "snapshot")))
+            targets.append(
+                (mgr.token_history, "token_history", ("stage_for_replay", "upload", "snapshot"))
+            )
         self.samples = {}
         self._installed = []
         for obj, label, names in targets:
@@ -466,52 +570,101 @@ class MethodTimers:
         return "\n".join(lines)
 
 
-def breakdown_one(cfg: BenchConfig, bs: int, shape: BreakdownShape, device, flush, gpu: str,
-                  unit: str, *, torch, CanaryCapacityInputs, CanaryConfig, build_canary,
-                  TokenToKVPoolAllocator, MHATokenToKVPool, ReqToTokenPool, ForwardBatch,
-                  ForwardMode) -> dict:
+def breakdown_one(
+    cfg: BenchConfig,
+    bs: int,
+    shape: BreakdownShape,
+    device,
+    flush,
+    gpu: str,
+    unit: str,
+    *,
+    torch,
+    CanaryCapacityInputs,
+    CanaryConfig,
+    build_canary,
+    TokenToKVPoolAllocator,
+    MHATokenToKVPool,
+    ReqToTokenPool,
+    ForwardBatch,
+    ForwardMode,
+) -> dict:
     use_cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if use_cuda else (lambda: None)
     gen = torch.Generator().manual_seed(bs)
-    r2t = ReqToTokenPool(size=shape.max_reqs, max_context_len=shape.max_context_len,
-                         device=str(device), enable_memory_saver=False)
-    kv = MHATokenToKVPool(size=shape.num_slots, page_size=1, dtype=torch.bfloat16,
-                          head_num=shape.head_num, head_dim=shape.head_dim,
-                          layer_num=shape.layer_num, device=str(device),
-                          enable_memory_saver=False, enable_alt_stream=False)
+    r2t = ReqToTokenPool(
+        size=shape.max_reqs,
+        max_context_len=shape.max_context_len,
+        device=str(device),
+        enable_memory_saver=False,
+    )
+    kv = MHATokenToKVPool(
+        size=shape.num_slots,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=shape.head_num,
+        head_dim=shape.head_dim,
+        layer_num=shape.layer_num,
+        device=str(device),
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     for layer in range(shape.layer_num if cfg.real_data_layers == "all" else 1):
         kv.k_buffer[layer].normal_()  # never hash zeros: the layers the canary reads
         kv.v_buffer[layer].normal_()
-    alloc = TokenToKVPoolAllocator(shape.num_slots, torch.bfloat16, str(device), kv,
-                                   need_sort=False)
-    config = CanaryConfig(mode=cfg.kv_canary, real_kv_hash_mode=cfg.real_data,
-                          real_data_layers=cfg.real_data_layers,
-                          enable_verify_token_assert=cfg.verify_tokens,
-                          stats_print_every_n_steps=0)
+    alloc = TokenToKVPoolAllocator(
+        shape.num_slots, torch.bfloat16, str(device), kv, need_sort=False
+    )
+    config = CanaryConfig(
+        mode=cfg.kv_canary,
+        real_kv_hash_mode=cfg.real_data,
+        real_data_layers=cfg.real_data_layers,
+        enable_verify_token_assert=cfg.verify_tokens,
+        stats_print_every_n_steps=0,
+    )
     # the production assembly, with the Engine's limits (max_prefill_tokens: its default)
-    mgr = build_canary(pool=kv, req_to_token=r2t.req_to_token, config=config, device=device,
-                       capacity_inputs=CanaryCapacityInputs(
-                           context_len=shape.max_context_len,
-                           chunked_prefill_size=shape.prefill_chunk, max_prefill_tokens=16384,
-                           cuda_graph_max_bs=shape.max_reqs))
+    mgr = build_canary(
+        pool=kv,
+        req_to_token=r2t.req_to_token,
+        config=config,
+        device=device,
+        capacity_inputs=CanaryCapacityInputs(
+            context_len=shape.max_context_len,
+            chunked_prefill_size=shape.prefill_chunk,
+            max_prefill_tokens=16384,
+            cuda_graph_max_bs=shape.max_reqs,
+        ),
+    )
     mgr.mark_init_finished()
 
     # slots as after churn: the allocator's free list, shuffled
     free = alloc.alloc(bs * (shape.ctx + shape.warmup_steps + shape.steps + 2))
     free = free[torch.randperm(free.shape[0], generator=gen).to(free.device)].tolist()
-    reqs = [_Req(r2t.free_slots.pop(0),
-                 torch.randint(100, shape.vocab - 100, (shape.ctx,), generator=gen).tolist())
-            for _ in range(bs)]
+    reqs = [
+        _Req(
+            r2t.free_slots.pop(0),
+            torch.randint(100, shape.vocab - 100, (shape.ctx,), generator=gen).tolist(),
+        )
+        for _ in range(bs)
+    ]
 
     def i64(v):
         return torch.tensor(v, dtype=torch.int64, device=device)
 
     def batch(mode, part, ids, pos, loc, pre=None, ext=None):
         seq = [p + e for p, e in zip(pre, ext)] if pre is not None else [p + 1 for p in pos]
-        fb = ForwardBatch(forward_mode=mode, batch_size=len(part), input_ids=i64(ids),
-                          req_pool_indices=i64([r.row for r in part]), seq_lens=i64(seq),
-                          out_cache_loc=i64(loc), seq_lens_sum=sum(seq), positions=i64(pos),
-                          req_to_token_pool=r2t, token_to_kv_pool=kv)
+        fb = ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(part),
+            input_ids=i64(ids),
+            req_pool_indices=i64([r.row for r in part]),
+            seq_lens=i64(seq),
+            out_cache_loc=i64(loc),
+            seq_lens_sum=sum(seq),
+            positions=i64(pos),
+            req_to_token_pool=r2t,
+            token_to_kv_pool=kv,
+        )
         if mode == ForwardMode.EXTEND:
             fb.extend_prefix_lens, fb.extend_seq_lens = i64(pre), i64(ext)
             fb.extend_num_tokens = len(ids)
@@ -535,16 +688,25 @@ def breakdown_one(cfg: BenchConfig, bs: int, shape: BreakdownShape, device, flus
     # prefill through the canary, in chunks of at most prefill_chunk tokens per forward
     per_fwd = max(1, shape.prefill_chunk // shape.ctx)
     for start in range(0, bs, per_fwd):
-        part = reqs[start:start + per_fwd]
+        part = reqs[start : start + per_fwd]
         ids, pos, loc = [], [], []
         for r in part:
             r.slots = [free.pop() for _ in range(shape.ctx)]
-            r2t.req_to_token[r.row, :shape.ctx] = torch.tensor(r.slots, dtype=torch.int32)
+            r2t.req_to_token[r.row, : shape.ctx] = torch.tensor(r.slots, dtype=torch.int32)
             ids += r.origin_input_ids
             pos += list(range(shape.ctx))
             loc += r.slots
-        forward(batch(ForwardMode.EXTEND, part, ids, pos, loc, pre=[0] * len(part),
-                      ext=[shape.ctx] * len(part)))
+        forward(
+            batch(
+                ForwardMode.EXTEND,
+                part,
+                ids,
+                pos,
+                loc,
+                pre=[0] * len(part),
+                ext=[shape.ctx] * len(part),
+            )
+        )
 
     def decode_batch():
         ids, pos, loc = [], [], []
@@ -586,29 +748,53 @@ def breakdown_one(cfg: BenchConfig, bs: int, shape: BreakdownShape, device, flus
     if cfg.real_data != "none":  # without real data the TAIL write has nothing left to launch
         launches["TAIL fingerprint write"] = incl.get("TAIL write", 0.0) / n
     if cfg.verify_tokens:
-        launches = {"token-id scatter (outside graph)":
-                    incl.get("token-id scatter (outside graph)", 0.0) / n, **launches}
+        launches = {
+            "token-id scatter (outside graph)": incl.get("token-id scatter (outside graph)", 0.0)
+            / n,
+            **launches,
+        }
     launches["forward-stream total (sum)"] = sum(launches.values())
     launches["D2H staging (side stream, copy engine)"] = incl.get("D2H staging", 0.0) / n
     if use_cuda:
         launches["unattributed device time"] = unattributed / n
         launches["CUDA-graph replay of the in-graph ops"] = graph_replay_us(
-            mgr, decode_batch(), bs, device, torch=torch, ForwardBatch=ForwardBatch,
-            ForwardMode=ForwardMode, reqs=reqs, r2t=r2t, kv=kv)
+            mgr,
+            decode_batch(),
+            bs,
+            device,
+            torch=torch,
+            ForwardBatch=ForwardBatch,
+            ForwardMode=ForwardMode,
+            reqs=reqs,
+            r2t=r2t,
+            kv=kv,
+        )
     sync()
     violations = int(mgr.state.violation_log.violation_write_index[0])
     if violations:
-        raise SystemExit(f"breakdown {cfg.name} bs{bs}: {violations} canary violations on a "
-                         "clean workload")
-    rec = dict(kind="breakdown", time=now_utc(), gpu=gpu, unit=unit, config=cfg.name, bs=bs,
-               ctx=shape.ctx, steps=n, shape=dataclasses.asdict(shape), launches=launches,
-               by_kernel={k: v / n for k, v in by_kernel.items()},
-               capacities=dataclasses.asdict(mgr.capacities))
+        raise SystemExit(
+            f"breakdown {cfg.name} bs{bs}: {violations} canary violations on a clean workload"
+        )
+    rec = dict(
+        kind="breakdown",
+        time=now_utc(),
+        gpu=gpu,
+        unit=unit,
+        config=cfg.name,
+        bs=bs,
+        ctx=shape.ctx,
+        steps=n,
+        shape=dataclasses.asdict(shape),
+        launches=launches,
+        by_kernel={k: v / n for k, v in by_kernel.items()},
+        capacities=dataclasses.asdict(mgr.capacities),
+    )
     return rec
 
 
-def graph_replay_us(mgr, fb, bs, device, *, torch, ForwardBatch, ForwardMode,
-                    reqs, r2t, kv) -> float:
+def graph_replay_us(
+    mgr, fb, bs, device, *, torch, ForwardBatch, ForwardMode, reqs, r2t, kv
+) -> float:
     """Capture one decode step's in-graph canary ops (plan, HEAD, TAIL, status copy) into a
     CUDA graph as sglang's decode graphs hold them, run it once as the runtime does (outside
     ops + replay), then time replays (idempotent: same records rewritten, same prefix
@@ -618,10 +804,18 @@ def graph_replay_us(mgr, fb, bs, device, *, torch, ForwardBatch, ForwardMode,
     def z():
         return torch.zeros(bs, dtype=torch.int64, device=device)
 
-    static = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=z(),
-                          req_pool_indices=z(), seq_lens=z(), out_cache_loc=z(),
-                          seq_lens_sum=fb.seq_lens_sum, positions=z(), req_to_token_pool=r2t,
-                          token_to_kv_pool=kv)
+    static = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=bs,
+        input_ids=z(),
+        req_pool_indices=z(),
+        seq_lens=z(),
+        out_cache_loc=z(),
+        seq_lens_sum=fb.seq_lens_sum,
+        positions=z(),
+        req_to_token_pool=r2t,
+        token_to_kv_pool=kv,
+    )
     for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
         getattr(static, name).copy_(getattr(fb, name))
     mgr.on_forward_batch_init(static, reqs)

@@ -25,8 +25,7 @@ WAVE = 12
 def main() -> None:
     import sglang
 
-    print(INFO_PREFIX + json.dumps({"version": getattr(sglang, "__version__", None)}),
-          flush=True)
+    print(INFO_PREFIX + json.dumps({"version": getattr(sglang, "__version__", None)}), flush=True)
     kwargs = json.loads(sys.argv[1])
     with open(sys.argv[2]) as f:
         requests = json.load(f)
@@ -34,20 +33,27 @@ def main() -> None:
     generated, failed = 0, []
     try:
         for b in range(0, len(requests), WAVE):
-            wave = requests[b:b + WAVE]
+            wave = requests[b : b + WAVE]
             try:
                 outs = engine.generate(
                     input_ids=[r[0] for r in wave],
-                    sampling_params=[{"max_new_tokens": r[1], "temperature": 0,
-                                      "ignore_eos": True} for r in wave])
+                    sampling_params=[
+                        {"max_new_tokens": r[1], "temperature": 0, "ignore_eos": True} for r in wave
+                    ],
+                )
             except Exception as e:  # noqa: BLE001 - recorded: the next wave still goes
                 failed.append({"wave": b // WAVE, "error": f"{type(e).__name__}: {e}"[:300]})
                 continue
             generated += sum(len(o["output_ids"]) for o in outs)
     finally:
         engine.shutdown()
-    print(RESULT_PREFIX + json.dumps({"requests": len(requests), "generated_tokens": generated,
-                                      "failed_waves": failed}), flush=True)
+    print(
+        RESULT_PREFIX
+        + json.dumps(
+            {"requests": len(requests), "generated_tokens": generated, "failed_waves": failed}
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,9 @@ def old_text_count(m: Mutant, repo: Path = REPO) -> int:
 def modified_targets(mutants: Sequence[Mutant], repo: Path = REPO) -> List[str]:
     """Target files with uncommitted changes (or untracked), per ``git status``."""
     paths = sorted({m.path for m in mutants})
-    out = subprocess.run(["git", "status", "--porcelain", "--", *paths], cwd=repo,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["git", "status", "--porcelain", "--", *paths], cwd=repo, capture_output=True, text=True
+    )
     if out.returncode != 0:
         raise SystemExit(f"run_mutants: git status failed in {repo}: {out.stderr.strip()}")
     return [line[3:] for line in out.stdout.splitlines() if line.strip()]
@@ -69,8 +70,10 @@ def modified_targets(mutants: Sequence[Mutant], repo: Path = REPO) -> List[str]:
 
 def imports_from_this_checkout(python: str, repo: Path = REPO) -> Optional[str]:
     """None when both canary packages import from ``repo/python``; else what they import."""
-    code = ("import sglang.srt.kv_canary as a, sglang.jit_kernel.kv_canary as b; "
-            "print(a.__file__); print(b.__file__)")
+    code = (
+        "import sglang.srt.kv_canary as a, sglang.jit_kernel.kv_canary as b; "
+        "print(a.__file__); print(b.__file__)"
+    )
     out = subprocess.run([python, "-c", code], cwd=repo, capture_output=True, text=True)
     if out.returncode != 0:
         return f"import failed: {out.stderr.strip().splitlines()[-1:]}"
@@ -81,8 +84,13 @@ def imports_from_this_checkout(python: str, repo: Path = REPO) -> Optional[str]:
 
 
 def run_pytest(python: str, selection: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([python, *PYTEST_ARGS, *shlex.split(selection)], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [python, *PYTEST_ARGS, *shlex.split(selection)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _last_line(text: str) -> str:
@@ -92,30 +100,42 @@ def _last_line(text: str) -> str:
 
 def _first_failure(output: str) -> Tuple[str, str]:
     """(the failing test's name, its first ``E`` line) from pytest's output."""
-    failed = [ln.split()[1] for ln in output.splitlines()
-              if ln.startswith(("FAILED ", "ERROR ")) and len(ln.split()) > 1]
+    failed = [
+        ln.split()[1]
+        for ln in output.splitlines()
+        if ln.startswith(("FAILED ", "ERROR ")) and len(ln.split()) > 1
+    ]
     test = failed[0].rpartition("/")[2] if failed else ""
     errors = [ln[1:].strip() for ln in output.splitlines() if ln.startswith("E ")]
     return test, (errors[0] if errors else _last_line(output))[:100]
 
 
-def run_mutant(m: Mutant, *, python: str, timeout: float,
-               log_dir: Optional[Path] = None) -> Dict[str, str]:
+def run_mutant(
+    m: Mutant, *, python: str, timeout: float, log_dir: Optional[Path] = None
+) -> Dict[str, str]:
     path = REPO / m.path
     original = path.read_bytes()
     text = original.decode("utf-8")
     count = text.count(m.old)
     if count != 1:
-        return dict(result="old-text", test="", line=f"old text found {count} times (must be 1)",
-                    seconds="0")
+        return dict(
+            result="old-text",
+            test="",
+            line=f"old text found {count} times (must be 1)",
+            seconds="0",
+        )
     start = time.monotonic()
     try:
         path.write_bytes(text.replace(m.old, m.new).encode("utf-8"))
         try:
             proc = run_pytest(python, m.selection, timeout)
         except subprocess.TimeoutExpired:
-            return dict(result="killed", test="", line=f"timed out after {timeout:.0f} s",
-                        seconds=f"{time.monotonic() - start:.0f}")
+            return dict(
+                result="killed",
+                test="",
+                line=f"timed out after {timeout:.0f} s",
+                seconds=f"{time.monotonic() - start:.0f}",
+            )
     finally:
         path.write_bytes(original)
     seconds = f"{time.monotonic() - start:.0f}"
@@ -124,8 +144,9 @@ def run_mutant(m: Mutant, *, python: str, timeout: float,
     if proc.returncode == 0:
         return dict(result="SURVIVED", test="", line=_last_line(proc.stdout), seconds=seconds)
     if proc.returncode in _PYTEST_UNDECIDED:
-        return dict(result="error", test="", line=_PYTEST_UNDECIDED[proc.returncode],
-                    seconds=seconds)
+        return dict(
+            result="error", test="", line=_PYTEST_UNDECIDED[proc.returncode], seconds=seconds
+        )
     test, line = _first_failure(proc.stdout)
     return dict(result="killed", test=test, line=line, seconds=seconds)
 
@@ -140,8 +161,10 @@ def print_table(rows: List[List[str]], header: List[str]) -> None:
 
 
 def list_mutants(mutants: Sequence[Mutant]) -> None:
-    print_table([[m.id, m.speed, m.path, m.what, m.selection] for m in mutants],
-                ["id", "speed", "file", "defect", "selection that must kill it"])
+    print_table(
+        [[m.id, m.speed, m.path, m.what, m.selection] for m in mutants],
+        ["id", "speed", "file", "defect", "selection that must kill it"],
+    )
 
 
 def select(args) -> List[Mutant]:
@@ -151,8 +174,10 @@ def select(args) -> List[Mutant]:
         known = {m.id for m in mutants}
         unknown = [w for w in wanted if w not in known]
         if unknown:
-            raise SystemExit(f"run_mutants: unknown mutant id(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
+            raise SystemExit(
+                f"run_mutants: unknown mutant id(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
         mutants = [m for m in mutants if m.id in wanted]
     if args.quick_only:
         mutants = [m for m in mutants if m.speed == "quick"]
@@ -167,14 +192,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
     parser.add_argument("--only", metavar="ID[,ID]", help="run only these mutants")
-    parser.add_argument("--quick-only", action="store_true",
-                        help="skip the mutants whose selection is marked slow")
-    parser.add_argument("--skip-baseline", action="store_true",
-                        help="do not first run the selections unmutated")
-    parser.add_argument("--timeout", type=float, default=1200,
-                        help="seconds per selection run (default 1200)")
-    parser.add_argument("--log-dir", type=Path,
-                        help="write each mutant's pytest output to DIR/<id>.log")
+    parser.add_argument(
+        "--quick-only", action="store_true", help="skip the mutants whose selection is marked slow"
+    )
+    parser.add_argument(
+        "--skip-baseline", action="store_true", help="do not first run the selections unmutated"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=1200, help="seconds per selection run (default 1200)"
+    )
+    parser.add_argument(
+        "--log-dir", type=Path, help="write each mutant's pytest output to DIR/<id>.log"
+    )
     args = parser.parse_args(argv)
     mutants = select(args)
     if args.list:
@@ -186,19 +215,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     python = sys.executable
     dirty = modified_targets(mutants)
     if dirty:
-        print("run_mutants: refusing to start, these target files have uncommitted changes "
-              "(commit or stash them first): " + ", ".join(dirty))
+        print(
+            "run_mutants: refusing to start, these target files have uncommitted changes "
+            "(commit or stash them first): " + ", ".join(dirty)
+        )
         return 2
     elsewhere = imports_from_this_checkout(python)
     if elsewhere:
-        print(f"run_mutants: refusing to start, the canary packages do not import from "
-              f"{REPO / 'python'} ({elsewhere}); install this checkout (pip install -e .)")
+        print(
+            f"run_mutants: refusing to start, the canary packages do not import from "
+            f"{REPO / 'python'} ({elsewhere}); install this checkout (pip install -e .)"
+        )
         return 2
     if not args.skip_baseline:
-        selection = " ".join(dict.fromkeys(
-            part for m in mutants for part in shlex.split(m.selection)))
-        print(f"run_mutants: baseline (nothing planted) of {len(mutants)} selection(s) ...",
-              flush=True)
+        selection = " ".join(
+            dict.fromkeys(part for m in mutants for part in shlex.split(m.selection))
+        )
+        print(
+            f"run_mutants: baseline (nothing planted) of {len(mutants)} selection(s) ...",
+            flush=True,
+        )
         base = run_pytest(python, selection, args.timeout)
         if base.returncode != 0:
             print(base.stdout[-3000:])
@@ -213,11 +249,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"run_mutants: {m.id} ({m.path}) ...", flush=True)
         r = run_mutant(m, python=python, timeout=args.timeout, log_dir=args.log_dir)
         bad += r["result"] != "killed"
-        rows.append([m.id, m.speed, m.path.rpartition("/")[2], r["result"], r["seconds"],
-                     r["test"], r["line"]])
+        rows.append(
+            [
+                m.id,
+                m.speed,
+                m.path.rpartition("/")[2],
+                r["result"],
+                r["seconds"],
+                r["test"],
+                r["line"],
+            ]
+        )
     print()
-    print_table(rows, ["id", "speed", "file", "result", "s", "failing test",
-                       "first failure line"])
+    print_table(rows, ["id", "speed", "file", "result", "s", "failing test", "first failure line"])
     killed = sum(1 for r in rows if r[3] == "killed")
     print(f"\n{killed}/{len(rows)} killed" + (f", {bad} not killed" if bad else ""))
     return 1 if bad else 0

@@ -33,8 +33,11 @@ def _ours(obj) -> bool:
 def _isolate() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not _ours(f)]
     sys.path_hooks[:] = [h for h in sys.path_hooks if not _ours(h)]
-    sys.path[:] = [p for p in sys.path if not (isinstance(p, str)
-                                               and p.startswith("__editable__.sglang_kv_canary"))]
+    sys.path[:] = [
+        p
+        for p in sys.path
+        if not (isinstance(p, str) and p.startswith("__editable__.sglang_kv_canary"))
+    ]
     sys.path_importer_cache.clear()
     allowed = [x.strip() for x in os.environ.get("SGLANG_PLUGINS", "").split(",") if x.strip()]
     kept = [x for x in allowed if x != _PLUGIN_NAME]

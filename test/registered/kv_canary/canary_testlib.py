@@ -31,20 +31,25 @@ def make_context(
     chain_assert: int = 1,
     canary_buf: Optional[torch.Tensor] = None,
 ) -> VerifyOrWriteContext:
-    buf = canary_buf if canary_buf is not None else torch.zeros(
-        num_slots, CANARY_SLOT_BYTES, dtype=torch.uint8, device=device)
+    buf = (
+        canary_buf
+        if canary_buf is not None
+        else torch.zeros(num_slots, CANARY_SLOT_BYTES, dtype=torch.uint8, device=device)
+    )
     return VerifyOrWriteContext(
         canary_buf=buf,
         kernel_kind=kind,
-        violation_ring=torch.zeros(ring_capacity, VIOLATION_NUM_FIELDS, dtype=torch.int64,
-                                    device=device),
+        violation_ring=torch.zeros(
+            ring_capacity, VIOLATION_NUM_FIELDS, dtype=torch.int64, device=device
+        ),
         violation_write_index=torch.zeros(1, dtype=torch.int32, device=device),
         slot_run_counter=torch.zeros(1, dtype=torch.int64, device=device),
         kernel_run_counter=torch.zeros(1, dtype=torch.int64, device=device),
         real_kv_sources=tuple(sources),
         real_kv_hash_mode=mode,
-        enable_chain_position_assert=torch.full((1,), chain_assert, dtype=torch.int32,
-                                                device=device),
+        enable_chain_position_assert=torch.full(
+            (1,), chain_assert, dtype=torch.int32, device=device
+        ),
     )
 
 
@@ -52,8 +57,12 @@ def clone_context(ctx: VerifyOrWriteContext, device=None) -> VerifyOrWriteContex
     """Deep copy (records, ring, counters, source tensors) onto ``device`` (default: same)."""
     device = torch.device(device) if device is not None else ctx.device
     sources = tuple(
-        RealKvSource(tensor=s.tensor.detach().to(device, copy=True), page_size=s.page_size,
-                     num_bytes_per_token=s.num_bytes_per_token, read_bytes=s.read_bytes)
+        RealKvSource(
+            tensor=s.tensor.detach().to(device, copy=True),
+            page_size=s.page_size,
+            num_bytes_per_token=s.num_bytes_per_token,
+            read_bytes=s.read_bytes,
+        )
         for s in ctx.real_kv_sources
     )
     return VerifyOrWriteContext(
@@ -99,10 +108,13 @@ def assert_contexts_equal(a: VerifyOrWriteContext, b: VerifyOrWriteContext) -> N
     assert torch.equal(a.canary_buf.cpu(), b.canary_buf.cpu()), "canary buffers differ"
     assert int(a.violation_write_index[0]) == int(b.violation_write_index[0]), (
         f"violation_write_index {int(a.violation_write_index[0])} != "
-        f"{int(b.violation_write_index[0])}")
+        f"{int(b.violation_write_index[0])}"
+    )
     assert ring_rows(a) == ring_rows(b), "violation rows differ"
     assert int(a.slot_run_counter[0]) == int(b.slot_run_counter[0]), "slot_run_counter differs"
-    assert int(a.kernel_run_counter[0]) == int(b.kernel_run_counter[0]), "kernel_run_counter differs"
+    assert int(a.kernel_run_counter[0]) == int(b.kernel_run_counter[0]), (
+        "kernel_run_counter differs"
+    )
 
 
 def assert_plans_equal(a, b) -> None:

@@ -47,12 +47,24 @@ class CliServer(ServerProcess):
     session), its log in ``root / f"{name}.log"``; ``engine_kwargs`` go through
     :func:`server_argv`, ``extra_argv`` is appended verbatim."""
 
-    def __init__(self, name: str, root: pathlib.Path, model_dir: str, env: dict[str, str],
-                 extra_argv: list[str], launcher: str = "launch_server", **engine_kwargs):
+    def __init__(
+        self,
+        name: str,
+        root: pathlib.Path,
+        model_dir: str,
+        env: dict[str, str],
+        extra_argv: list[str],
+        launcher: str = "launch_server",
+        **engine_kwargs,
+    ):
         port = free_port()
-        super().__init__(name, [*launcher_argv(launcher),
-                                *server_argv(model_dir, port, **engine_kwargs), *extra_argv],
-                         port=port, env=env, log_path=root / f"{name}.log")
+        super().__init__(
+            name,
+            [*launcher_argv(launcher), *server_argv(model_dir, port, **engine_kwargs), *extra_argv],
+            port=port,
+            env=env,
+            log_path=root / f"{name}.log",
+        )
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         try:

@@ -23,14 +23,17 @@ class DriverFaults:
     def fault_swap_req_to_token(self) -> dict:
         """Point one position of a running request at another live request's slot."""
         victim = self.victim_request()
-        others = [s for r in self.running if r is not victim for s in r.slots
-                  if s not in victim.slots]
+        others = [
+            s for r in self.running if r is not victim for s in r.slots if s not in victim.slots
+        ]
         if not others:
             raise RuntimeError("driver: no other live slot to swap in")
         p = self.rng.randrange(1, victim.kv_len - 1)
         new = self.rng.choice(others)
         old = int(self.req_to_token_pool.req_to_token[victim.row, p])
-        self.req_to_token_pool.req_to_token[victim.row, p] = new  # the scheduler's view is unchanged
+        self.req_to_token_pool.req_to_token[victim.row, p] = (
+            new  # the scheduler's view is unchanged
+        )
         return dict(rid=victim.rid, row=victim.row, position=p, old_slot=old, new_slot=new)
 
     def fault_swap_same_position(self) -> dict:
@@ -38,8 +41,12 @@ class DriverFaults:
         running request whose token there differs. Prefers a pair sharing the prefix
         [0, p) (through the same slots): then the swapped slot's chain hash is consistent and
         only its token is wrong (``shared_prefix`` in the result)."""
-        pairs = [(v, o) for v in self.running for o in self.running
-                 if v is not o and v.prefilled and o.prefilled]
+        pairs = [
+            (v, o)
+            for v in self.running
+            for o in self.running
+            if v is not o and v.prefilled and o.prefilled
+        ]
         for want_shared in (True, False):
             for victim, other in pairs:
                 for p in range(1, min(victim.kv_len, other.kv_len) - 1):
@@ -50,9 +57,15 @@ class DriverFaults:
                         new = other.slots[p]
                         old = int(self.req_to_token_pool.req_to_token[victim.row, p])
                         self.req_to_token_pool.req_to_token[victim.row, p] = new
-                        return dict(rid=victim.rid, position=p, old_slot=old, new_slot=new,
-                                    victim_token=victim.tokens[p],
-                                    other_token=other.tokens[p], shared_prefix=shared)
+                        return dict(
+                            rid=victim.rid,
+                            position=p,
+                            old_slot=old,
+                            new_slot=new,
+                            victim_token=victim.tokens[p],
+                            other_token=other.tokens[p],
+                            shared_prefix=shared,
+                        )
         raise RuntimeError("driver: no same-position slot with a different token")
 
     def fault_flip_kv_byte(self, byte: int = 0) -> dict:
@@ -61,13 +74,15 @@ class DriverFaults:
         victim = self.victim_request()
         p = self.rng.randrange(0, victim.kv_len - 1)
         slot = victim.slots[p]
-        rows = (self.kv_pool.kv_buffer if self.pool_kind in ("mla", "nsa")
-                else self.mha_pool.k_buffer)
+        rows = (
+            self.kv_pool.kv_buffer if self.pool_kind in ("mla", "nsa") else self.mha_pool.k_buffer
+        )
         row = rows[0][slot].view(torch.uint8).view(-1)
         old = int(row[byte])
         row[byte] ^= 0xFF
-        return dict(rid=victim.rid, row=victim.row, position=p, slot=slot, old=old,
-                    new=int(row[byte]))
+        return dict(
+            rid=victim.rid, row=victim.row, position=p, slot=slot, old=old, new=int(row[byte])
+        )
 
     def layer_rows(self, layer: int, half: str):
         """The pool's per-layer buffer of (local) ``layer`` and ``half`` ('k' or 'v'); MLA
@@ -104,8 +119,13 @@ class DriverFaults:
         self._forward(self._extend_batch([req]))
         fb = self._extend_batch([req])
         fb.positions += shift
-        return fb, dict(rid=req.rid, row=req.row, slot=req.slots[self.chunk],
-                        position=self.chunk + shift, expected_position=self.chunk)
+        return fb, dict(
+            rid=req.rid,
+            row=req.row,
+            slot=req.slots[self.chunk],
+            position=self.chunk + shift,
+            expected_position=self.chunk,
+        )
 
     def window_positions(self, req: DriverReq) -> range:
         """Positions the next decode forward's SWA verify covers for ``req``."""
@@ -133,10 +153,12 @@ class DriverFaults:
             if not victim.prefilled:
                 continue
             window = self.window_positions(victim)
-            cands = (list(window)[:-1] if inside_window
-                     else range(victim.swa_evicted, window.start))
-            cands = [p for p in cands if self.swa_slot(victim.slots[p]) > 0
-                     and self.slot_refs[victim.slots[p]] == 1]
+            cands = list(window)[:-1] if inside_window else range(victim.swa_evicted, window.start)
+            cands = [
+                p
+                for p in cands
+                if self.swa_slot(victim.slots[p]) > 0 and self.slot_refs[victim.slots[p]] == 1
+            ]
             if cands:
                 p = self.rng.choice(cands)
                 slot = victim.slots[p]
@@ -144,10 +166,19 @@ class DriverFaults:
                 row, i = self._flip_swa_byte(swa_slot, part)
                 old = int(row[i])
                 row[i] ^= 0xFF
-                return dict(rid=victim.rid, position=p, slot=slot, swa_slot=swa_slot,
-                            old=old, new=int(row[i]), window=(window.start, window.stop))
-        raise RuntimeError("driver: no SWA-resident position "
-                           f"{'inside' if inside_window else 'behind'} a window to corrupt")
+                return dict(
+                    rid=victim.rid,
+                    position=p,
+                    slot=slot,
+                    swa_slot=swa_slot,
+                    old=old,
+                    new=int(row[i]),
+                    window=(window.start, window.stop),
+                )
+        raise RuntimeError(
+            "driver: no SWA-resident position "
+            f"{'inside' if inside_window else 'behind'} a window to corrupt"
+        )
 
     def fault_flip_record_field(self, *, buffer: str = "k_head", field: int = 1) -> dict:
         """Flip a bit of one int64 field of a live slot's canary record."""
@@ -157,8 +188,9 @@ class DriverFaults:
         words = getattr(self.groups[0], buffer).view(torch.int64)
         old = int(words[slot, field])
         words[slot, field] ^= 1 << 3
-        return dict(rid=victim.rid, position=p, slot=slot, field=field, old=old,
-                    new=int(words[slot, field]))
+        return dict(
+            rid=victim.rid, position=p, slot=slot, field=field, old=old, new=int(words[slot, field])
+        )
 
     def fault_reuse_referenced_slot(self) -> dict:
         """Free a slot still referenced by a running request and hand it to a new request,
@@ -166,9 +198,12 @@ class DriverFaults:
         victim = self.victim_request()
         p = self.rng.randrange(1, victim.kv_len - 1)
         slot = victim.slots[p]
-        self.allocator.free_pages = torch.cat([
-            torch.tensor([slot], dtype=torch.int64, device=self.device),
-            self.allocator.free_pages[self.allocator.free_pages != slot]])
+        self.allocator.free_pages = torch.cat(
+            [
+                torch.tensor([slot], dtype=torch.int64, device=self.device),
+                self.allocator.free_pages[self.allocator.free_pages != slot],
+            ]
+        )
         thief = self.add_request(prompt_len=3, max_new=2)
         self.waiting.remove(thief)
         self.waiting.insert(0, thief)

@@ -12,14 +12,15 @@ from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 
 
-
-def run_workload(script: str, model: str, engine_kwargs: dict, env: dict, *extra: str,
-                 timeout: float = 900):
+def run_workload(
+    script: str, model: str, engine_kwargs: dict, env: dict, *extra: str, timeout: float = 900
+):
     """``e2e_support/<script> MODEL KWARGS_JSON [extra...]`` in a fresh process
     (:func:`canary_support.script_run.run_support_script`): ``(returncode, stdout + stderr,
     the RESULT json or None)``."""
-    return run_support_script(script, model, json.dumps(engine_kwargs), *extra, env=env,
-                              timeout=timeout)
+    return run_support_script(
+        script, model, json.dumps(engine_kwargs), *extra, env=env, timeout=timeout
+    )
 
 
 # every fault class of the perturbation framework, in the FULL group, from step 8 on
@@ -39,10 +40,13 @@ EVERY_FAULT_ENV = {
 # kinds drawing on one budget of faults, a larger budget and a likelier real_kv_used (each kind
 # must be injected at least once)
 EVERY_FAULT_WITH_ORACLE_ENV = dict(
-    EVERY_FAULT_ENV, SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE="1",
+    EVERY_FAULT_ENV,
+    SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE="1",
     SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT="1",
     SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB="0.3",
-    SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB="0.3", SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="40")
+    SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB="0.3",
+    SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="40",
+)
 
 # faults the forward itself reads: caught every time
 ALWAYS_CAUGHT = ("req_to_token", "real_kv_used")
@@ -52,16 +56,21 @@ def fault_caught(fault: dict, lines) -> bool:
     """Was the injected ``fault`` (a parsed perturbation line) reported?"""
     step = int(fault["step"])
     if fault["fault"] == "req_to_token":  # the changed entry, reported at its forward
-        return any(v.forward_step == step
-                   and (v.req_to_token_row, v.read_position, v.slot_idx)
-                   == (int(fault["req_pool_idx"]), int(fault["position"]),
-                       int(fault["new_slot"]))
-                   for v in lines)
+        return any(
+            v.forward_step == step
+            and (v.req_to_token_row, v.read_position, v.slot_idx)
+            == (int(fault["req_pool_idx"]), int(fault["position"]), int(fault["new_slot"]))
+            for v in lines
+        )
     if fault["fault"] == "next_token_swap":  # the token oracle's write-input check
         return any(v.forward_step >= step and "write_token" in v.fail_reasons for v in lines)
     # a byte of the slot's KV row flipped: its fingerprint no longer matches
-    return any(v.forward_step >= step and v.slot_idx == int(fault["full_slot"])
-               and "verify_real_kv_hash" in v.fail_reasons for v in lines)
+    return any(
+        v.forward_step >= step
+        and v.slot_idx == int(fault["full_slot"])
+        and "verify_real_kv_hash" in v.fail_reasons
+        for v in lines
+    )
 
 
 def assert_every_fault_caught(out: str, also_injected=()) -> None:
@@ -78,8 +87,7 @@ def assert_every_fault_caught(out: str, also_injected=()) -> None:
         if f["fault"] in ALWAYS_CAUGHT:
             assert fault_caught(f, lines), (f, lines[-5:])
     for kind in kinds - set(ALWAYS_CAUGHT):
-        assert any(fault_caught(f, lines) for f in injected if f["fault"] == kind), (
-            kind, injected)
+        assert any(fault_caught(f, lines) for f in injected if f["fault"] == kind), (kind, injected)
 
 
 # one host_kv fault (a byte flipped in HiCache's host memory) once host-only pages exist; every
@@ -93,18 +101,30 @@ HOST_KV_FAULT_ENV = {
 }
 
 
-def assert_host_pool_made_room(out: str, *, ratio: float, device_tokens: int,
-                               page_size: int = 1) -> None:
+def assert_host_pool_made_room(
+    out: str, *, ratio: float, device_tokens: int, page_size: int = 1
+) -> None:
     """The HiCache host pool's KV and the canary's rows of its slots take what
     ``--hicache-ratio`` gives the KV alone (docs/user_guide.md, "Memory"), to sglang's rounding
     of the pool to whole pages."""
-    kv, mirror = map(int, re.search(r"HiCache host pool: (\d+) bytes of KV and (\d+) canary "
-                                    r"bytes per host slot", out).groups())
-    slots = int(re.search(r"HiCache host tier mirrored \(\w+ host pool, (\d+) host slots",
-                          out).group(1))
+    kv, mirror = map(
+        int,
+        re.search(
+            r"HiCache host pool: (\d+) bytes of KV and (\d+) canary "
+            r"bytes per host slot",
+            out,
+        ).groups(),
+    )
+    slots = int(
+        re.search(r"HiCache host tier mirrored \(\w+ host pool, (\d+) host slots", out).group(1)
+    )
     budget, slot = ratio * device_tokens * kv, kv + mirror
-    assert budget - page_size * slot < slots * slot <= budget + page_size * slot, \
-        (slots, kv, mirror, budget)
+    assert budget - page_size * slot < slots * slot <= budget + page_size * slot, (
+        slots,
+        kv,
+        mirror,
+        budget,
+    )
 
 
 def host_tier_stats(out: str):
@@ -128,7 +148,10 @@ def assert_host_kv_found(out: str):
     host = [v for v in lines if v.req_to_token_row == -2]
     assert host, out[-3000:]
     assert (host[0].launch_tag, host[0].slot_idx, host[0].read_position) == (
-        "SWEEP_K_FULL", int(fault["host_index"]), int(fault["position"]))
+        "SWEEP_K_FULL",
+        int(fault["host_index"]),
+        int(fault["position"]),
+    )
     loaded = [v for v in lines if v.req_to_token_row >= 0]
     assert all(v.position == int(fault["position"]) for v in loaded), (fault, lines)
     return fault, host, loaded

@@ -10,20 +10,32 @@ from typing import Dict, Mapping, Optional, Tuple
 from canary_support.script_run import INFO_TAG, run_support_script, tagged_json
 
 
-def run_mixed_workload(model: str, mode: str, engine_args: Optional[Mapping] = None, *,
-                       device: str = "cpu", base_env: Optional[Mapping[str, str]] = None,
-                       env_extra: Optional[Dict[str, str]] = None,
-                       timeout: float = 420) -> Tuple[int, str, Optional[list]]:
+def run_mixed_workload(
+    model: str,
+    mode: str,
+    engine_args: Optional[Mapping] = None,
+    *,
+    device: str = "cpu",
+    base_env: Optional[Mapping[str, str]] = None,
+    env_extra: Optional[Dict[str, str]] = None,
+    timeout: float = 420,
+) -> Tuple[int, str, Optional[list]]:
     """``(returncode, stdout + stderr, greedy outputs or None)`` of one workload run with
     ``--kv-canary mode`` and ``engine_args``; the child's environment is ``base_env`` (default:
     this process's) plus ``env_extra``, with ``e2e_support``'s ``sitecustomize`` test hooks."""
     if engine_args and "kv_canary" in engine_args:
-        raise ValueError("run_mixed_workload: pass the canary's mode as `mode`, not in "
-                         "engine_args")
+        raise ValueError("run_mixed_workload: pass the canary's mode as `mode`, not in engine_args")
     env = dict(os.environ if base_env is None else base_env, **(env_extra or {}))
     kwargs = dict(engine_args or {}, kv_canary=mode)
-    return run_support_script("workload.py", model, json.dumps(kwargs), device, env=env,
-                              timeout=timeout, sitecustomize=True)
+    return run_support_script(
+        "workload.py",
+        model,
+        json.dumps(kwargs),
+        device,
+        env=env,
+        timeout=timeout,
+        sitecustomize=True,
+    )
 
 
 def workload_info(out: str) -> Optional[dict]:

@@ -47,12 +47,24 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 
 
 class EagleDriver:
-    def __init__(self, *, steps: int = 3, v2: bool = False, mode: str = "raise",
-                 real_data: str = "partial", verify_tokens: bool = True, seed: int = 0,
-                 accept_prob: float = 0.6, num_slots: int = 1024, max_reqs: int = 8,
-                 max_ctx: int = 256, chunk: int = 24, max_running: int = 4,
-                 bug_positions_before_forward: bool = False,
-                 bug_chunk_end_uses_sampled_token: bool = False):
+    def __init__(
+        self,
+        *,
+        steps: int = 3,
+        v2: bool = False,
+        mode: str = "raise",
+        real_data: str = "partial",
+        verify_tokens: bool = True,
+        seed: int = 0,
+        accept_prob: float = 0.6,
+        num_slots: int = 1024,
+        max_reqs: int = 8,
+        max_ctx: int = 256,
+        chunk: int = 24,
+        max_running: int = 4,
+        bug_positions_before_forward: bool = False,
+        bug_chunk_end_uses_sampled_token: bool = False,
+    ):
         if steps < 1:
             raise ValueError("steps must be >= 1")
         self.steps, self.v2, self.chunk = steps, v2, chunk
@@ -60,29 +72,53 @@ class EagleDriver:
         self.rng = random.Random(seed)
         self.bug_positions_before_forward = bug_positions_before_forward
         self.bug_chunk_end_uses_sampled_token = bug_chunk_end_uses_sampled_token
-        self.req_to_token_pool = ReqToTokenPool(size=max_reqs, max_context_len=max_ctx,
-                                                device="cpu", enable_memory_saver=False)
-        kw = dict(size=num_slots, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=8,
-                  device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+        self.req_to_token_pool = ReqToTokenPool(
+            size=max_reqs, max_context_len=max_ctx, device="cpu", enable_memory_saver=False
+        )
+        kw = dict(
+            size=num_slots,
+            page_size=1,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=8,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
         self.target_pool = MHATokenToKVPool(layer_num=2, **kw)
         self.draft_pool = MHATokenToKVPool(layer_num=1, **kw)
-        self.allocator = TokenToKVPoolAllocator(num_slots, torch.bfloat16, "cpu",
-                                                self.target_pool, need_sort=False)
-        self.config = CanaryConfig(mode=mode, real_kv_hash_mode=real_data,
-                                   enable_verify_token_assert=verify_tokens,
-                                   stats_print_every_n_steps=0)
-        caps = CanaryCapacityInputs(context_len=max_ctx, chunked_prefill_size=chunk,
-                                    max_prefill_tokens=chunk * max_reqs)
+        self.allocator = TokenToKVPoolAllocator(
+            num_slots, torch.bfloat16, "cpu", self.target_pool, need_sort=False
+        )
+        self.config = CanaryConfig(
+            mode=mode,
+            real_kv_hash_mode=real_data,
+            enable_verify_token_assert=verify_tokens,
+            stats_print_every_n_steps=0,
+        )
+        caps = CanaryCapacityInputs(
+            context_len=max_ctx, chunked_prefill_size=chunk, max_prefill_tokens=chunk * max_reqs
+        )
         r2t = self.req_to_token_pool.req_to_token
-        self.target = build_canary(pool=self.target_pool, req_to_token=r2t, config=self.config,
-                                   device="cpu", capacity_inputs=caps)
+        self.target = build_canary(
+            pool=self.target_pool,
+            req_to_token=r2t,
+            config=self.config,
+            device="cpu",
+            capacity_inputs=caps,
+        )
         # what install_canary builds on an EAGLE draft runner
-        self.draft = build_canary(pool=self.draft_pool, req_to_token=r2t, config=self.config,
-                                  device="cpu", capacity_inputs=caps,
-                                  kv_token_id_vs_position_offset=1,
-                                  num_single_forward_managers=max(1, steps - 1),
-                                  draft_forwards_per_round=steps - 1,
-                                  ranks=RankFacts(draft=True))
+        self.draft = build_canary(
+            pool=self.draft_pool,
+            req_to_token=r2t,
+            config=self.config,
+            device="cpu",
+            capacity_inputs=caps,
+            kv_token_id_vs_position_offset=1,
+            num_single_forward_managers=max(1, steps - 1),
+            draft_forwards_per_round=steps - 1,
+            ranks=RankFacts(draft=True),
+        )
         self.target.mark_init_finished()
         self.draft.mark_init_finished()
         self.waiting: List[DriverReq] = []
@@ -97,9 +133,11 @@ class EagleDriver:
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, prompt_len: int, max_new: int) -> DriverReq:
-        req = DriverReq(rid=self._next_rid, prompt=[self.rng.randrange(VOCAB)
-                                                     for _ in range(prompt_len)],
-                        max_new=max_new)
+        req = DriverReq(
+            rid=self._next_rid,
+            prompt=[self.rng.randrange(VOCAB) for _ in range(prompt_len)],
+            max_new=max_new,
+        )
         self._next_rid += 1
         self.waiting.append(req)
         return req
@@ -142,11 +180,12 @@ class EagleDriver:
         return got.tolist()
 
     def _set_slots(self, req: DriverReq, start: int, slots: List[int]) -> None:
-        self.req_to_token_pool.req_to_token[req.row, start:start + len(slots)] = torch.tensor(
-            slots, dtype=torch.int32)
+        self.req_to_token_pool.req_to_token[req.row, start : start + len(slots)] = torch.tensor(
+            slots, dtype=torch.int32
+        )
 
     def _slots(self, req: DriverReq, start: int, n: int) -> List[int]:
-        return self.req_to_token_pool.req_to_token[req.row, start:start + n].tolist()
+        return self.req_to_token_pool.req_to_token[req.row, start : start + n].tolist()
 
     # ---- prefill: target EXTEND, then the draft EXTEND shifted by one ----------------------
 
@@ -176,7 +215,7 @@ class EagleDriver:
                 shifted_tail = r.prompt[end]
                 self.chunked += 1
             t_ids += r.prompt[start:end]
-            d_ids += r.prompt[start + 1:end] + [shifted_tail]
+            d_ids += r.prompt[start + 1 : end] + [shifted_tail]
             pos += list(range(start, end))
             loc += new
             rows.append(r.row)
@@ -184,12 +223,20 @@ class EagleDriver:
             ext.append(n)
             r.kv_len = end
         seq = [p + e for p, e in zip(pre, ext)]
-        self._eager(self.target, self.target_pool,
-                    self._batch(self.target, ForwardMode.EXTEND, t_ids, pos, loc, rows, seq,
-                                reqs, pre=pre, ext=ext))
-        self._eager(self.draft, self.draft_pool,
-                    self._batch(self.draft, ForwardMode.EXTEND, d_ids, pos, loc, rows, seq,
-                                reqs, pre=pre, ext=ext))
+        self._eager(
+            self.target,
+            self.target_pool,
+            self._batch(
+                self.target, ForwardMode.EXTEND, t_ids, pos, loc, rows, seq, reqs, pre=pre, ext=ext
+            ),
+        )
+        self._eager(
+            self.draft,
+            self.draft_pool,
+            self._batch(
+                self.draft, ForwardMode.EXTEND, d_ids, pos, loc, rows, seq, reqs, pre=pre, ext=ext
+            ),
+        )
 
     def _ensure_allocated(self, req: DriverReq, upto: int) -> None:
         """Spec v2: the request's slots cover positions ``[0, upto)``."""
@@ -217,8 +264,9 @@ class EagleDriver:
                 draft_slots.append(got)
         self.draft_round(reqs, base, guesses, draft_slots)
         if not self.v2:
-            self.allocator.free(torch.tensor([x for ss in draft_slots for x in ss],
-                                             dtype=torch.int64))
+            self.allocator.free(
+                torch.tensor([x for ss in draft_slots for x in ss], dtype=torch.int64)
+            )
         # 2. the target verify of [bonus, g_0 .. g_{s-1}] at L .. L + s
         verify_slots = []
         for r, L in zip(reqs, base):
@@ -230,9 +278,16 @@ class EagleDriver:
                 verify_slots.append(got)
         ids = [t for r, L, g in zip(reqs, base, guesses) for t in [r.tokens[L]] + g]
         pos = [L + j for L in base for j in range(s + 1)]
-        fb = self._batch(self.target, ForwardMode.TARGET_VERIFY, ids, pos,
-                         [x for v in verify_slots for x in v], [r.row for r in reqs], base,
-                         reqs)
+        fb = self._batch(
+            self.target,
+            ForwardMode.TARGET_VERIFY,
+            ids,
+            pos,
+            [x for v in verify_slots for x in v],
+            [r.row for r in reqs],
+            base,
+            reqs,
+        )
         fb.spec_info = self._verify_input(ids, pos, base, s + 1)
         self._eager(self.target, self.target_pool, fb)
         # accept the guesses matching the continuation, plus one new bonus token
@@ -247,14 +302,16 @@ class EagleDriver:
             r.kv_len = L + acc + 1
             accepts.append(acc)
             if not self.v2:
-                r.slots += vs[:acc + 1]
-                self.allocator.free(torch.tensor(vs[acc + 1:], dtype=torch.int64))
+                r.slots += vs[: acc + 1]
+                self.allocator.free(torch.tensor(vs[acc + 1 :], dtype=torch.int64))
         # 3. the draft extend after the verify
         if self.v2:
             ids, pos, loc, seq = [], [], [], []
             for r, L, acc, vs in zip(reqs, base, accepts, verify_slots):
-                ids += [self.truth(r, L + 1 + k) if k <= acc else self.rng.randrange(VOCAB)
-                        for k in range(s + 1)]
+                ids += [
+                    self.truth(r, L + 1 + k) if k <= acc else self.rng.randrange(VOCAB)
+                    for k in range(s + 1)
+                ]
                 pos += [L + k for k in range(s + 1)]
                 loc += vs
                 seq.append(L + s + 1)
@@ -265,13 +322,17 @@ class EagleDriver:
             for r, L, acc, vs in zip(reqs, base, accepts, verify_slots):
                 ids += [self.truth(r, L + 1 + k) for k in range(acc + 1)]
                 pos += [L + k for k in range(acc + 1)]
-                loc += vs[:acc + 1]
+                loc += vs[: acc + 1]
                 seq.append(L + acc + 1)
                 ext.append(acc + 1)
             mode = ForwardMode.DRAFT_EXTEND
-        self._eager(self.draft, self.draft_pool,
-                    self._batch(self.draft, mode, ids, pos, loc, [r.row for r in reqs], seq,
-                                reqs, pre=base, ext=ext))
+        self._eager(
+            self.draft,
+            self.draft_pool,
+            self._batch(
+                self.draft, mode, ids, pos, loc, [r.row for r in reqs], seq, reqs, pre=base, ext=ext
+            ),
+        )
         self.rounds += 1
 
     def _guess(self, req: DriverReq, position: int) -> int:
@@ -287,9 +348,16 @@ class EagleDriver:
         ``ModelRunner.forward`` do around ``body()`` (default: the manager calls the plugin's
         hooks make; a test may route them through the hooks themselves)."""
         n = self.steps - 1
-        fb = self._batch(self.draft, ForwardMode.DECODE, [g[0] for g in guesses], list(base),
-                         [x for ss in draft_slots for x in ss], [r.row for r in reqs], base,
-                         reqs)
+        fb = self._batch(
+            self.draft,
+            ForwardMode.DECODE,
+            [g[0] for g in guesses],
+            list(base),
+            [x for ss in draft_slots for x in ss],
+            [r.row for r in reqs],
+            base,
+            reqs,
+        )
 
         def one_forward():  # the wrapped model.forward of the draft runner
             self.draft.pre_ops_maybe_inside_graph(fb)
@@ -298,8 +366,11 @@ class EagleDriver:
 
         # the round's slots [request][step] as sglang lays them out for its forwards: step
         # i's slots are row i of a transposed view (strided, not contiguous)
-        by_step = fb.out_cache_loc.reshape(len(reqs), 1, self.steps).permute(2, 0, 1).reshape(
-            self.steps, -1)
+        by_step = (
+            fb.out_cache_loc.reshape(len(reqs), 1, self.steps)
+            .permute(2, 0, 1)
+            .reshape(self.steps, -1)
+        )
 
         def loop():
             for i in range(n):
@@ -332,15 +403,22 @@ class EagleDriver:
 
     # ---- batches and forwards ------------------------------------------------------------
 
-    def _batch(self, manager, mode, ids, pos, loc, rows, seq, reqs, *, pre=None, ext=None
-               ) -> ForwardBatch:
+    def _batch(
+        self, manager, mode, ids, pos, loc, rows, seq, reqs, *, pre=None, ext=None
+    ) -> ForwardBatch:
         i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-        fb = ForwardBatch(forward_mode=mode, batch_size=len(rows), input_ids=i64(ids),
-                          req_pool_indices=i64(rows), seq_lens=i64(seq),
-                          out_cache_loc=i64(loc), seq_lens_sum=sum(seq), positions=i64(pos),
-                          req_to_token_pool=self.req_to_token_pool,
-                          token_to_kv_pool=(self.target_pool if manager is self.target
-                                            else self.draft_pool))
+        fb = ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(rows),
+            input_ids=i64(ids),
+            req_pool_indices=i64(rows),
+            seq_lens=i64(seq),
+            out_cache_loc=i64(loc),
+            seq_lens_sum=sum(seq),
+            positions=i64(pos),
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=(self.target_pool if manager is self.target else self.draft_pool),
+        )
         fb.seq_lens_cpu = i64(seq)
         if ext is not None:
             fb.extend_prefix_lens, fb.extend_seq_lens = i64(pre), i64(ext)
@@ -356,12 +434,20 @@ class EagleDriver:
 
         i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
         return EagleVerifyInput(
-            draft_token=i64(ids), custom_mask=torch.ones(len(ids), dtype=torch.bool),
-            positions=i64(pos), retrieve_index=i64(list(range(len(ids)))),
-            retrieve_next_token=i64([-1] * len(ids)), retrieve_next_sibling=i64([-1] * len(ids)),
-            retrieve_cum_len=i64([0]), spec_steps=num_draft - 1, topk=1,
-            draft_token_num=num_draft, capture_hidden_mode=CaptureHiddenMode.NULL,
-            seq_lens_sum=sum(seq), seq_lens_cpu=i64(seq))
+            draft_token=i64(ids),
+            custom_mask=torch.ones(len(ids), dtype=torch.bool),
+            positions=i64(pos),
+            retrieve_index=i64(list(range(len(ids)))),
+            retrieve_next_token=i64([-1] * len(ids)),
+            retrieve_next_sibling=i64([-1] * len(ids)),
+            retrieve_cum_len=i64([0]),
+            spec_steps=num_draft - 1,
+            topk=1,
+            draft_token_num=num_draft,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+            seq_lens_sum=sum(seq),
+            seq_lens_cpu=i64(seq),
+        )
 
     @staticmethod
     def write_kv(pool: MHATokenToKVPool, fb: ForwardBatch) -> None:
@@ -404,9 +490,12 @@ class EagleDriver:
     def swap_req_to_token(self) -> dict:
         """Point one committed position of a request at another request's committed slot."""
         victim = self.committed_victim()
-        others = [int(self.req_to_token_pool.req_to_token[r.row, p])
-                  for r in self.running if r is not victim and r.prefilled
-                  for p in range(r.kv_len)]
+        others = [
+            int(self.req_to_token_pool.req_to_token[r.row, p])
+            for r in self.running
+            if r is not victim and r.prefilled
+            for p in range(r.kv_len)
+        ]
         if not others:
             raise RuntimeError("eagle driver: no other committed slot")
         p = self.rng.randrange(1, victim.kv_len - 1)

@@ -41,7 +41,8 @@ def module_name(root: pathlib.Path, path: pathlib.Path) -> str:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.Module) -> Iterable[Tuple[ast.stmt, bool]]:
@@ -103,8 +104,7 @@ class ImportGraph:
         for alias in stmt.names:
             full = f"{base}.{alias.name}"
             target = self._in_tree(full) if full in self.modules else self._in_tree(base)
-            out.append(Edge(name, target or base, stmt.lineno, (alias.name,),
-                            target is not None))
+            out.append(Edge(name, target or base, stmt.lineno, (alias.name,), target is not None))
         return out
 
     def all_edges(self) -> List[Edge]:
@@ -182,8 +182,7 @@ class Layer:
         return any(fnmatch.fnmatchcase(module, p) for p in self.patterns)
 
 
-def assign_layers(graph: ImportGraph, layers: Sequence[Layer]) -> Tuple[Dict[str, int],
-                                                                         List[str]]:
+def assign_layers(graph: ImportGraph, layers: Sequence[Layer]) -> Tuple[Dict[str, int], List[str]]:
     """``(module → index of its layer, problems)``: every module must match exactly one layer
     (index 0 is the top)."""
     where: Dict[str, int] = {}
@@ -209,5 +208,6 @@ def layer_violations(graph: ImportGraph, layers: Sequence[Layer]) -> List[str]:
             problems.append(
                 f"{graph.modules[e.source].relative_to(graph.root)}:{e.line}: {e.source} "
                 f"(layer {layers[src].name!r}) imports {e.target} (layer {layers[dst].name!r}, "
-                "above it)")
+                "above it)"
+            )
     return problems

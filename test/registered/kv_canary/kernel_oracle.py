@@ -95,24 +95,39 @@ def make_impl(name: str, device, monkeypatch) -> Impl:
     if name == "triton":
         if device.type == "cpu":
             assert _launch.TRITON_INTERPRET, (
-                "TRITON_INTERPRET must be on so that CPU launches run the Triton kernels")
+                "TRITON_INTERPRET must be on so that CPU launches run the Triton kernels"
+            )
         # A launcher that dispatched to its torch reference would not be testing Triton. The
         # launchers validate, then call the unvalidated ``run_*`` reference (looked up on its
         # module at call time) on their CPU path: patch those.
-        monkeypatch.setattr(_plan_ref_mod, "run_canary_plan_reference",
-                            _no_fallback("plan reference"))
-        monkeypatch.setattr(_write_ref_mod, "run_canary_write_reference",
-                            _no_fallback("write reference"))
-        monkeypatch.setattr(_verify_ref_mod, "run_canary_verify_reference",
-                            _no_fallback("verify reference"))
-        monkeypatch.setattr(_scatter_mod, "run_scatter_req_token_ids_reference",
-                            _no_fallback("scatter reference"))
-        return Impl("triton", device, launch_canary_plan_kernels, launch_canary_write_kernel,
-                    launch_canary_verify_kernel, launch_scatter_req_token_ids_kernel)
-    return Impl("torch_ref", torch.device("cpu"), launch_canary_plan_kernels_torch_reference,
-                launch_canary_write_kernel_torch_reference,
-                launch_canary_verify_kernel_torch_reference,
-                scatter_req_token_ids_torch_reference)
+        monkeypatch.setattr(
+            _plan_ref_mod, "run_canary_plan_reference", _no_fallback("plan reference")
+        )
+        monkeypatch.setattr(
+            _write_ref_mod, "run_canary_write_reference", _no_fallback("write reference")
+        )
+        monkeypatch.setattr(
+            _verify_ref_mod, "run_canary_verify_reference", _no_fallback("verify reference")
+        )
+        monkeypatch.setattr(
+            _scatter_mod, "run_scatter_req_token_ids_reference", _no_fallback("scatter reference")
+        )
+        return Impl(
+            "triton",
+            device,
+            launch_canary_plan_kernels,
+            launch_canary_write_kernel,
+            launch_canary_verify_kernel,
+            launch_scatter_req_token_ids_kernel,
+        )
+    return Impl(
+        "torch_ref",
+        torch.device("cpu"),
+        launch_canary_plan_kernels_torch_reference,
+        launch_canary_write_kernel_torch_reference,
+        launch_canary_verify_kernel_torch_reference,
+        scatter_req_token_ids_torch_reference,
+    )
 
 
 # =============================================================================================
@@ -131,14 +146,14 @@ def slot_bytes(src: RealKvSource, slot: int, nbytes: int) -> bytes:
     page = slot // src.page_size
     row_u8 = src.tensor[page].detach().cpu().contiguous().view(torch.uint8).reshape(-1)
     off = (slot % src.page_size) * src.num_bytes_per_token
-    return bytes(row_u8[off:off + nbytes].tolist())
+    return bytes(row_u8[off : off + nbytes].tolist())
 
 
 def fold_le_words(data: bytes) -> int:
     assert len(data) % 8 == 0
     acc = 0
     for i in range(0, len(data), 8):
-        acc = splitmix64(acc ^ int.from_bytes(data[i:i + 8], "little"))
+        acc = splitmix64(acc ^ int.from_bytes(data[i : i + 8], "little"))
     return acc
 
 
@@ -175,8 +190,20 @@ class ExpectedPlan:
         return list(zip(self.slots[:n], self.toks[:n], self.poss[:n], self.prevs[:n]))
 
 
-def oracle_plan(*, rpi, prefix, ext, r2t, window, lut, verify_capacity, write_req_capacity,
-                exp_pool=None, valid_lens=None, offset=0) -> ExpectedPlan:
+def oracle_plan(
+    *,
+    rpi,
+    prefix,
+    ext,
+    r2t,
+    window,
+    lut,
+    verify_capacity,
+    write_req_capacity,
+    exp_pool=None,
+    valid_lens=None,
+    offset=0,
+) -> ExpectedPlan:
     rows = len(r2t)
     cols = len(r2t[0]) if rows else 0
 
@@ -219,8 +246,16 @@ def oracle_plan(*, rpi, prefix, ext, r2t, window, lut, verify_capacity, write_re
                 cols5[k][e] = entry[k]
     else:
         enable, num_valid = 0, verify_capacity
-    return ExpectedPlan(*cols5[:4], num_valid=num_valid, enable=enable, write_offsets=woff,
-                        seeds=seeds, nreq=bs, req_rows=cols5[4], write_rows=write_rows)
+    return ExpectedPlan(
+        *cols5[:4],
+        num_valid=num_valid,
+        enable=enable,
+        write_offsets=woff,
+        seeds=seeds,
+        nreq=bs,
+        req_rows=cols5[4],
+        write_rows=write_rows,
+    )
 
 
 class Oracle:
@@ -249,8 +284,9 @@ class Oracle:
         # the record's own checks: no per-layer fingerprint column (kv_layer = NO_KV_LAYER)
         return tuple(to_int64(c) for c in (self.kind,) + cols + (NO_KV_LAYER,))
 
-    def write(self, plan: ExpectedPlan, input_ids, positions, loc, *, input_assert,
-              exp_tok, exp_pos):
+    def write(
+        self, plan: ExpectedPlan, input_ids, positions, loc, *, input_assert, exp_tok, exp_pos
+    ):
         self.kernel_counter += 1
         nreq = min(max(plan.nreq, 0), len(plan.seeds))
         n = len(input_ids)
@@ -285,8 +321,11 @@ class Oracle:
                     self.recs[slot] = [tok, pos, to_int64(running), 0]
                     stored.append(slot)
                     if bits:
-                        rows.append(self._row(slot, pos, tok, etok, running, epos, bits, pos,
-                                              plan.write_rows[r]))
+                        rows.append(
+                            self._row(
+                                slot, pos, tok, etok, running, epos, bits, pos, plan.write_rows[r]
+                            )
+                        )
                 running = splitmix64_mix3(running, tok, pos)
                 prev_pos = pos
         for slot in stored:
@@ -327,8 +366,19 @@ class Oracle:
                     bits |= BIT_REAL_KV
             if bits:
                 aux = exp_chain if check else prev_hash
-                rows.append(self._row(slot, pos, tok, etok if check_token else -1, prev_hash,
-                                      aux, bits, epos, req_row))
+                rows.append(
+                    self._row(
+                        slot,
+                        pos,
+                        tok,
+                        etok if check_token else -1,
+                        prev_hash,
+                        aux,
+                        bits,
+                        epos,
+                        req_row,
+                    )
+                )
         self.launch_rows.append(rows)
         return rows
 
@@ -380,15 +430,34 @@ class Plans:
     exp: ExpectedPlan
 
 
-def run_plan(impl: Impl, *, rpi, prefix, ext, r2t, window=0, lut=None, verify_capacity=64,
-             write_req_capacity=8, exp_pool=None, valid_lens=None, offset=0,
-             dtype=torch.int64, r2t_dtype=torch.int32) -> Plans:
+def run_plan(
+    impl: Impl,
+    *,
+    rpi,
+    prefix,
+    ext,
+    r2t,
+    window=0,
+    lut=None,
+    verify_capacity=64,
+    write_req_capacity=8,
+    exp_pool=None,
+    valid_lens=None,
+    offset=0,
+    dtype=torch.int64,
+    r2t_dtype=torch.int32,
+) -> Plans:
     """Run the plan launcher on ``impl`` (sentinel-filled plans), check against the oracle."""
     dev = impl.device
     vp = VerifyPlan.allocate(verify_capacity=verify_capacity, device=dev)
     wp = WritePlan.allocate(write_req_capacity=write_req_capacity, device=dev)
-    for t in (vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions,
-              vp.verify_prev_slot_indices, vp.verify_req_to_token_rows):
+    for t in (
+        vp.verify_slot_indices,
+        vp.verify_expected_tokens,
+        vp.verify_expected_positions,
+        vp.verify_prev_slot_indices,
+        vp.verify_req_to_token_rows,
+    ):
         t.fill_(SENTINEL)
     vp.verify_num_valid.fill_(-5)
     vp.enable.fill_(-5)
@@ -397,7 +466,8 @@ def run_plan(impl: Impl, *, rpi, prefix, ext, r2t, window=0, lut=None, verify_ca
     wp.write_req_to_token_rows.fill_(SENTINEL)
     wp.write_num_valid_reqs.fill_(-5)
     impl.plan(
-        verify_plan_out=vp, write_plan_out=wp,
+        verify_plan_out=vp,
+        write_plan_out=wp,
         req_pool_indices=tensor_of(rpi, dtype, dev),
         prefix_lens=tensor_of(prefix, dtype, dev),
         extend_seq_lens=tensor_of(ext, dtype, dev),
@@ -405,15 +475,27 @@ def run_plan(impl: Impl, *, rpi, prefix, ext, r2t, window=0, lut=None, verify_ca
         swa_window_size=window,
         full_to_swa_index_mapping=None if lut is None else tensor_of(lut, torch.int64, dev),
         verify_capacity=verify_capacity,
-        req_to_verify_expected_tokens=None if exp_pool is None else torch.tensor(
-            exp_pool, dtype=torch.int32, device=dev),
-        req_to_verify_expected_tokens_valid_lens=None if valid_lens is None else tensor_of(
-            valid_lens, dtype, dev),
+        req_to_verify_expected_tokens=None
+        if exp_pool is None
+        else torch.tensor(exp_pool, dtype=torch.int32, device=dev),
+        req_to_verify_expected_tokens_valid_lens=None
+        if valid_lens is None
+        else tensor_of(valid_lens, dtype, dev),
         kv_token_id_vs_position_offset=offset,
     )
-    exp = oracle_plan(rpi=rpi, prefix=prefix, ext=ext, r2t=r2t, window=window, lut=lut,
-                      verify_capacity=verify_capacity, write_req_capacity=write_req_capacity,
-                      exp_pool=exp_pool, valid_lens=valid_lens, offset=offset)
+    exp = oracle_plan(
+        rpi=rpi,
+        prefix=prefix,
+        ext=ext,
+        r2t=r2t,
+        window=window,
+        lut=lut,
+        verify_capacity=verify_capacity,
+        write_req_capacity=write_req_capacity,
+        exp_pool=exp_pool,
+        valid_lens=valid_lens,
+        offset=offset,
+    )
     assert_plan_tensors(vp, wp, exp, where=f"[{impl.name} plan] ")
     return Plans(vp, wp, exp)
 
@@ -438,8 +520,15 @@ def hand_verify_plan(impl: Impl, entries, *, capacity=None, num_valid=None, enab
         verify_num_valid=tensor_of([num_valid], torch.int32, dev),
         enable=tensor_of([enable], torch.int32, dev),
     )
-    exp = ExpectedPlan(*cols[:4], num_valid=num_valid, enable=enable, write_offsets=[0], seeds=[],
-                       nreq=0, req_rows=cols[4])
+    exp = ExpectedPlan(
+        *cols[:4],
+        num_valid=num_valid,
+        enable=enable,
+        write_offsets=[0],
+        seeds=[],
+        nreq=0,
+        req_rows=cols[4],
+    )
     return Plans(vp, None, exp)
 
 
@@ -456,23 +545,55 @@ def hand_write_plan(impl: Impl, lengths, seeds, rows=None) -> Plans:
         write_num_valid_reqs=tensor_of([len(seeds)], torch.int32, dev),
         verify_req_offsets=torch.zeros(len(seeds) + 1, dtype=torch.int64, device=dev),
     )
-    exp = ExpectedPlan([], [], [], [], 0, 1, write_offsets=offs, seeds=list(seeds),
-                       nreq=len(seeds), write_rows=rows)
+    exp = ExpectedPlan(
+        [],
+        [],
+        [],
+        [],
+        0,
+        1,
+        write_offsets=offs,
+        seeds=list(seeds),
+        nreq=len(seeds),
+        write_rows=rows,
+    )
     return Plans(None, wp, exp)
 
 
 class Canary:
     """One canary buffer on ``impl`` plus its oracle twin; every launch is checked exactly."""
 
-    def __init__(self, impl: Impl, num_slots: int, *, kind=CanaryLaunchTag.TAIL_K_FULL,
-                 sources=(), mode=RealKvHashMode.NONE, ring_capacity=64, chain_assert=1,
-                 garbage_slot0=True):
+    def __init__(
+        self,
+        impl: Impl,
+        num_slots: int,
+        *,
+        kind=CanaryLaunchTag.TAIL_K_FULL,
+        sources=(),
+        mode=RealKvHashMode.NONE,
+        ring_capacity=64,
+        chain_assert=1,
+        garbage_slot0=True,
+    ):
         self.impl = impl
         dev = impl.device
-        self.ctx = make_context(num_slots, device=dev, kind=kind, sources=sources, mode=mode,
-                                ring_capacity=ring_capacity, chain_assert=chain_assert)
-        self.oracle = Oracle(num_slots, kind=kind, ring_capacity=ring_capacity,
-                             sources=sources, mode=mode, chain_assert=chain_assert)
+        self.ctx = make_context(
+            num_slots,
+            device=dev,
+            kind=kind,
+            sources=sources,
+            mode=mode,
+            ring_capacity=ring_capacity,
+            chain_assert=chain_assert,
+        )
+        self.oracle = Oracle(
+            num_slots,
+            kind=kind,
+            ring_capacity=ring_capacity,
+            sources=sources,
+            mode=mode,
+            chain_assert=chain_assert,
+        )
         if garbage_slot0:
             # Slot 0 is the padding slot: never verified, so garbage there must never show up.
             self.set_record(0, [-3, 99999, 0x1234, 0x5678])
@@ -492,11 +613,22 @@ class Canary:
         return self.ctx.canary_words[slot].cpu().tolist()
 
     # ---- launches ----
-    def write(self, plans: Plans, input_ids, positions, loc, *, input_assert=False,
-              exp_tok=None, exp_pos=None, dtype=torch.int64):
+    def write(
+        self,
+        plans: Plans,
+        input_ids,
+        positions,
+        loc,
+        *,
+        input_assert=False,
+        exp_tok=None,
+        exp_pos=None,
+        dtype=torch.int64,
+    ):
         dev = self.impl.device
         self.impl.write(
-            context=self.ctx, plan=plans.wp,
+            context=self.ctx,
+            plan=plans.wp,
             input_ids=tensor_of(input_ids, dtype, dev),
             positions=tensor_of(positions, dtype, dev),
             out_cache_loc=tensor_of(loc, torch.int64, dev),
@@ -504,8 +636,15 @@ class Canary:
             expected_input_tokens=None if exp_tok is None else tensor_of(exp_tok, dtype, dev),
             expected_input_positions=None if exp_pos is None else tensor_of(exp_pos, dtype, dev),
         )
-        rows = self.oracle.write(plans.exp, list(input_ids), list(positions), list(loc),
-                                 input_assert=input_assert, exp_tok=exp_tok, exp_pos=exp_pos)
+        rows = self.oracle.write(
+            plans.exp,
+            list(input_ids),
+            list(positions),
+            list(loc),
+            input_assert=input_assert,
+            exp_tok=exp_tok,
+            exp_pos=exp_pos,
+        )
         self.check(f"[{self.impl.name} write] ")
         return rows
 
@@ -527,17 +666,20 @@ class Canary:
         for s, (g, w) in enumerate(zip(got_recs, orc.recs)):
             assert g == w, f"{where}record of slot {s}: got {g}, expected {w}"
         assert int(ctx.violation_write_index[0]) == orc.count, (
-            f"{where}violation_write_index {int(ctx.violation_write_index[0])} != {orc.count}")
+            f"{where}violation_write_index {int(ctx.violation_write_index[0])} != {orc.count}"
+        )
         assert int(ctx.slot_run_counter[0]) == orc.slot_counter, (
-            f"{where}slot_run_counter {int(ctx.slot_run_counter[0])} != {orc.slot_counter}")
+            f"{where}slot_run_counter {int(ctx.slot_run_counter[0])} != {orc.slot_counter}"
+        )
         assert int(ctx.kernel_run_counter[0]) == orc.kernel_counter, (
-            f"{where}kernel_run_counter {int(ctx.kernel_run_counter[0])} != "
-            f"{orc.kernel_counter}")
+            f"{where}kernel_run_counter {int(ctx.kernel_run_counter[0])} != {orc.kernel_counter}"
+        )
         cap = ctx.ring_capacity
         ring = ctx.violation_ring.cpu().tolist()
         kept = min(orc.count, cap)
         assert all(v == 0 for row in ring[kept:] for v in row), (
-            f"{where}ring rows past the kept ones were written")
+            f"{where}ring rows past the kept ones were written"
+        )
         actual = collections.Counter(tuple(r) for r in ring[:kept])
         # Fill-once ring: whole launches are kept in launch order; the launch that crosses the
         # capacity keeps some of its rows (which ones depends on lane order).
@@ -556,7 +698,8 @@ class Canary:
         if partial is None:
             assert actual == expected_full, (
                 f"{where}ring rows differ:\n got  {sorted(actual.elements())}\n want "
-                f"{sorted(expected_full.elements())}")
+                f"{sorted(expected_full.elements())}"
+            )
         else:
             missing = expected_full - actual
             assert not missing, f"{where}ring lost rows of earlier launches: {missing}"
@@ -564,7 +707,8 @@ class Canary:
             pool, n_kept = partial
             assert sum(rest.values()) == n_kept, f"{where}crossing launch kept {rest}"
             assert not (rest - pool), (
-                f"{where}ring holds rows the oracle never produced: {rest - pool}")
+                f"{where}ring holds rows the oracle never produced: {rest - pool}"
+            )
 
 
 def perm_slots(n_needed, num_slots, seed):
@@ -593,5 +737,3 @@ def sm64_spec(x):
     x = (x * 0x94D049BB133111EB) & m
     x ^= x >> 31
     return x
-
-

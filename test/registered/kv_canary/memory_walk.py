@@ -61,8 +61,14 @@ def walk_tensors(root, *, ours_only: bool, depth: int = 14):
         module = type(obj).__module__ or ""
         if not container and ours_only and not module.startswith(_OURS):
             continue
-        if not container and not ours_only and (module.startswith(_OURS) or not (
-                module.startswith("sglang") or dataclasses.is_dataclass(obj))):
+        if (
+            not container
+            and not ours_only
+            and (
+                module.startswith(_OURS)
+                or not (module.startswith("sglang") or dataclasses.is_dataclass(obj))
+            )
+        ):
             continue  # sglang's objects, not the canary's (a guarded pool names its canary)
         stack.extend((path + k, v, d + 1) for k, v in _children(obj))
 
@@ -87,11 +93,12 @@ def canary_bytes_by_part(manager, *, foreign: Iterable[object]) -> Dict[MemoryPa
         sizes[ptr] = t.untyped_storage().nbytes()
     parts: Dict[MemoryPart, int] = collections.Counter()
     for ptr, named in paths.items():
-        part = next((p for prefix, p in _PARTS if any(n.startswith(prefix) for n in named)),
-                    None)
+        part = next((p for prefix, p in _PARTS if any(n.startswith(prefix) for n in named)), None)
         if part is None:
-            raise AssertionError(f"the canary holds a tensor at {named} that no memory part "
-                                 "names; add it to CanaryMemory and to this walk's table")
+            raise AssertionError(
+                f"the canary holds a tensor at {named} that no memory part "
+                "names; add it to CanaryMemory and to this walk's table"
+            )
         parts[part] += sizes[ptr]
     return dict(parts)
 

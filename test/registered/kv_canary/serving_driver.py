@@ -43,16 +43,27 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 VOCAB = 1000
 
 
-def stand_in_model_runner(pool, *, req_to_token: torch.Tensor, context_len: int,
-                          vocab_size: int = 512, draft: bool = False):
+def stand_in_model_runner(
+    pool,
+    *,
+    req_to_token: torch.Tensor,
+    context_len: int,
+    vocab_size: int = 512,
+    draft: bool = False,
+):
     """A stand-in sglang ``ModelRunner`` for ``install_canary``: the attributes the seam reads
     at install (``RunnerFacts``) and a model whose ``forward`` the canary wraps."""
     model = types.SimpleNamespace(forward=lambda input_ids, positions, forward_batch: None)
     return types.SimpleNamespace(
-        token_to_kv_pool=pool, req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
-        device="cpu", model_config=types.SimpleNamespace(context_len=context_len,
-                                                         vocab_size=vocab_size),
-        sliding_window_size=None, is_draft_worker=draft, model=model, sampler=None)
+        token_to_kv_pool=pool,
+        req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
+        device="cpu",
+        model_config=types.SimpleNamespace(context_len=context_len, vocab_size=vocab_size),
+        sliding_window_size=None,
+        is_draft_worker=draft,
+        model=model,
+        sampler=None,
+    )
 
 
 def next_token(rid: int, position: int) -> int:
@@ -135,17 +146,42 @@ class CpuGraph:
 
 
 class ServingDriver(DriverFaults):
-    def __init__(self, *, device="cpu", mode="raise", real_data="partial", num_slots=640,
-                 max_reqs=12, max_ctx=160, chunk=24, max_running=6, graph_bs=0,
-                 enable_mha_v=False, seed=0, stats_every=0, forbid_host_sync=False,
-                 verify_tokens=False, sweep_interval=0, ring_capacity=1024, pool="mha",
-                 swa_window=0, num_swa_slots=0, swa_evict_interval=4,
-                 swa_divergence_interval=0, perturb=None, init_finished=True,
-                 batch_init_hook=None, real_data_layers="first", layers_per_forward=1,
-                 ranks=None, piecewise_pad_to=0):
+    def __init__(
+        self,
+        *,
+        device="cpu",
+        mode="raise",
+        real_data="partial",
+        num_slots=640,
+        max_reqs=12,
+        max_ctx=160,
+        chunk=24,
+        max_running=6,
+        graph_bs=0,
+        enable_mha_v=False,
+        seed=0,
+        stats_every=0,
+        forbid_host_sync=False,
+        verify_tokens=False,
+        sweep_interval=0,
+        ring_capacity=1024,
+        pool="mha",
+        swa_window=0,
+        num_swa_slots=0,
+        swa_evict_interval=4,
+        swa_divergence_interval=0,
+        perturb=None,
+        init_finished=True,
+        batch_init_hook=None,
+        real_data_layers="first",
+        layers_per_forward=1,
+        ranks=None,
+        piecewise_pad_to=0,
+    ):
         if pool not in ("mha", "swa", "dsv4", "mla", "nsa", "hybrid"):
-            raise ValueError(f"driver pool must be mha, swa, dsv4, mla, nsa or hybrid, got "
-                             f"{pool!r}")
+            raise ValueError(
+                f"driver pool must be mha, swa, dsv4, mla, nsa or hybrid, got {pool!r}"
+            )
         self.pool_kind = pool
         # > 0: every eager extend forward calls the model as sglang's piecewise CUDA-graph
         # replay does, with a copy padded to this many tokens (padding: slot 0, token 0,
@@ -160,61 +196,99 @@ class ServingDriver(DriverFaults):
         # so any device->host synchronisation on the forward stream raises
         self.forbid_host_sync = forbid_host_sync
         self.max_running = max_running
-        self.req_to_token_pool = ReqToTokenPool(size=max_reqs, max_context_len=max_ctx,
-                                                device=str(self.device),
-                                                enable_memory_saver=False)
+        self.req_to_token_pool = ReqToTokenPool(
+            size=max_reqs,
+            max_context_len=max_ctx,
+            device=str(self.device),
+            enable_memory_saver=False,
+        )
         if pool in ("mla", "nsa"):
             self.kv_pool = self._build_mla_pool(num_slots, nsa=pool == "nsa")
-            self.allocator = TokenToKVPoolAllocator(num_slots, torch.bfloat16,
-                                                    str(self.device), self.kv_pool,
-                                                    need_sort=False)
+            self.allocator = TokenToKVPoolAllocator(
+                num_slots, torch.bfloat16, str(self.device), self.kv_pool, need_sort=False
+            )
         elif pool == "hybrid":
             from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
             # full attention on layers 1 and 3 (linear attention elsewhere); the Mamba state
             # pool is not the canary's business (per request, not per token)
             self.kv_pool = HybridLinearKVPool(
-                size=num_slots, dtype=torch.bfloat16, page_size=1, head_num=2, head_dim=8,
-                full_attention_layer_ids=[1, 3], enable_kvcache_transpose=False,
-                device=str(self.device), mamba_pool=None)
-            self.allocator = TokenToKVPoolAllocator(num_slots, torch.bfloat16,
-                                                    str(self.device), self.kv_pool,
-                                                    need_sort=False)
+                size=num_slots,
+                dtype=torch.bfloat16,
+                page_size=1,
+                head_num=2,
+                head_dim=8,
+                full_attention_layer_ids=[1, 3],
+                enable_kvcache_transpose=False,
+                device=str(self.device),
+                mamba_pool=None,
+            )
+            self.allocator = TokenToKVPoolAllocator(
+                num_slots, torch.bfloat16, str(self.device), self.kv_pool, need_sort=False
+            )
         elif pool == "mha":
-            self.kv_pool = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16,
-                                            head_num=2, head_dim=8, layer_num=2,
-                                            device=str(self.device), enable_memory_saver=False,
-                                            enable_alt_stream=False)
-            self.allocator = TokenToKVPoolAllocator(num_slots, torch.bfloat16,
-                                                    str(self.device), self.kv_pool,
-                                                    need_sort=False)
+            self.kv_pool = MHATokenToKVPool(
+                size=num_slots,
+                page_size=1,
+                dtype=torch.bfloat16,
+                head_num=2,
+                head_dim=8,
+                layer_num=2,
+                device=str(self.device),
+                enable_memory_saver=False,
+                enable_alt_stream=False,
+            )
+            self.allocator = TokenToKVPoolAllocator(
+                num_slots, torch.bfloat16, str(self.device), self.kv_pool, need_sort=False
+            )
         else:
             if swa_window <= 0 or num_swa_slots <= 0:
                 raise ValueError("pool='swa'/'dsv4' needs swa_window and num_swa_slots")
-            self.kv_pool = (self._build_swa_pool(num_slots, num_swa_slots) if pool == "swa"
-                            else self._build_dsv4_pool(num_slots, num_swa_slots))
+            self.kv_pool = (
+                self._build_swa_pool(num_slots, num_swa_slots)
+                if pool == "swa"
+                else self._build_dsv4_pool(num_slots, num_swa_slots)
+            )
             from sglang.srt.mem_cache.swa_memory_pool import SWATokenToKVPoolAllocator
 
             self.allocator = SWATokenToKVPoolAllocator(
-                size=num_slots, size_swa=num_swa_slots, page_size=1, dtype=torch.bfloat16,
-                device=str(self.device), kvcache=self.kv_pool, need_sort=False)
-        self.config = CanaryConfig(mode=mode, real_kv_hash_mode=real_data,
-                                   real_data_layers=real_data_layers,
-                                   real_data_layers_per_forward=layers_per_forward,
-                                   enable_mha_v=enable_mha_v, stats_print_every_n_steps=stats_every,
-                                   enable_verify_token_assert=verify_tokens,
-                                   sweep_interval=sweep_interval, ring_capacity=ring_capacity,
-                                   swa_divergence_stats_interval=swa_divergence_interval,
-                                   **({"perturb": perturb} if perturb is not None else {}))
+                size=num_slots,
+                size_swa=num_swa_slots,
+                page_size=1,
+                dtype=torch.bfloat16,
+                device=str(self.device),
+                kvcache=self.kv_pool,
+                need_sort=False,
+            )
+        self.config = CanaryConfig(
+            mode=mode,
+            real_kv_hash_mode=real_data,
+            real_data_layers=real_data_layers,
+            real_data_layers_per_forward=layers_per_forward,
+            enable_mha_v=enable_mha_v,
+            stats_print_every_n_steps=stats_every,
+            enable_verify_token_assert=verify_tokens,
+            sweep_interval=sweep_interval,
+            ring_capacity=ring_capacity,
+            swa_divergence_stats_interval=swa_divergence_interval,
+            **({"perturb": perturb} if perturb is not None else {}),
+        )
         # the production assembly (what install_canary does with a ModelRunner's pool): a
         # prefill forward of this loop carries at most max_reqs chunks
         self.manager = build_canary(
-            pool=self.kv_pool, req_to_token=self.req_to_token_pool.req_to_token,
-            config=self.config, device=self.device, swa_window_size=swa_window or None,
-            capacity_inputs=CanaryCapacityInputs(context_len=max_ctx, chunked_prefill_size=chunk,
-                                                 max_prefill_tokens=chunk * max_reqs,
-                                                 cuda_graph_max_bs=graph_bs or None),
-            ranks=ranks)
+            pool=self.kv_pool,
+            req_to_token=self.req_to_token_pool.req_to_token,
+            config=self.config,
+            device=self.device,
+            swa_window_size=swa_window or None,
+            capacity_inputs=CanaryCapacityInputs(
+                context_len=max_ctx,
+                chunked_prefill_size=chunk,
+                max_prefill_tokens=chunk * max_reqs,
+                cuda_graph_max_bs=graph_bs or None,
+            ),
+            ranks=ranks,
+        )
         self.groups = self.manager.groups
         self.capacities = self.manager.capacities
         self.waiting: List[DriverReq] = []
@@ -245,15 +319,28 @@ class ServingDriver(DriverFaults):
         from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, NSATokenToKVPool
 
         if not nsa:
-            return MLATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16,
-                                    kv_lora_rank=self.MLA_RANK, qk_rope_head_dim=self.MLA_ROPE,
-                                    layer_num=2, device=str(self.device),
-                                    enable_memory_saver=False)
-        return NSATokenToKVPool(size=num_slots, page_size=64, kv_lora_rank=self.MLA_RANK,
-                                dtype=torch.bfloat16, qk_rope_head_dim=self.MLA_ROPE,
-                                layer_num=2, device=str(self.device), index_head_dim=128,
-                                enable_memory_saver=False,
-                                kv_cache_dim=self.MLA_RANK + self.MLA_ROPE)
+            return MLATokenToKVPool(
+                size=num_slots,
+                page_size=1,
+                dtype=torch.bfloat16,
+                kv_lora_rank=self.MLA_RANK,
+                qk_rope_head_dim=self.MLA_ROPE,
+                layer_num=2,
+                device=str(self.device),
+                enable_memory_saver=False,
+            )
+        return NSATokenToKVPool(
+            size=num_slots,
+            page_size=64,
+            kv_lora_rank=self.MLA_RANK,
+            dtype=torch.bfloat16,
+            qk_rope_head_dim=self.MLA_ROPE,
+            layer_num=2,
+            device=str(self.device),
+            index_head_dim=128,
+            enable_memory_saver=False,
+            kv_cache_dim=self.MLA_RANK + self.MLA_ROPE,
+        )
 
     def nsa_index_key_bytes(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Flat byte offsets ``[len(slots), 128]`` of ``slots``' indexer keys in
@@ -262,31 +349,54 @@ class ServingDriver(DriverFaults):
         buf = self.kv_pool.index_k_with_scale_buffer[layer]
         page, off = slots // 64, slots % 64
         return (page * buf.shape[1] + off * 128).unsqueeze(1) + torch.arange(
-            128, device=self.device)
+            128, device=self.device
+        )
 
     def _build_swa_pool(self, num_slots: int, num_swa_slots: int):
         from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
-        return SWAKVPool(size=num_slots, size_swa=num_swa_slots, page_size=1,
-                         dtype=torch.bfloat16, head_num=2, head_dim=8,
-                         swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
-                         enable_kvcache_transpose=False, device=str(self.device),
-                         enable_memory_saver=False, enable_alt_stream=False)
+        return SWAKVPool(
+            size=num_slots,
+            size_swa=num_swa_slots,
+            page_size=1,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=8,
+            swa_attention_layer_ids=[0],
+            full_attention_layer_ids=[1],
+            enable_kvcache_transpose=False,
+            device=str(self.device),
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
 
     def _build_dsv4_pool(self, num_slots: int, num_swa_slots: int):
         from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
         from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
         # the pool reads the global server args (speculative or not) for its state rings
-        set_global_server_args_for_scheduler(ServerArgs(model_path="dummy",
-                                                        device=str(self.device.type)))
+        set_global_server_args_for_scheduler(
+            ServerArgs(model_path="dummy", device=str(self.device.type))
+        )
         return DeepSeekV4TokenToKVPool(
-            max_num_reqs=4, swa_size=num_swa_slots, c4_size=num_slots // 4,
-            c128_size=max(num_slots // 128, 1), c4_state_pool_size=4, c128_state_pool_size=4,
-            page_size=128, swa_page_size=16, dtype=torch.uint8, state_dtype=torch.float32,
-            qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=2,
-            device=str(self.device), enable_memory_saver=False,
-            compression_ratios=[0, 4])
+            max_num_reqs=4,
+            swa_size=num_swa_slots,
+            c4_size=num_slots // 4,
+            c128_size=max(num_slots // 128, 1),
+            c4_state_pool_size=4,
+            c128_state_pool_size=4,
+            page_size=128,
+            swa_page_size=16,
+            dtype=torch.uint8,
+            state_dtype=torch.float32,
+            qk_nope_head_dim=448,
+            qk_rope_head_dim=64,
+            indexer_head_dim=128,
+            layer_num=2,
+            device=str(self.device),
+            enable_memory_saver=False,
+            compression_ratios=[0, 4],
+        )
 
     @property
     def swa_table(self) -> Optional[torch.Tensor]:
@@ -297,8 +407,13 @@ class ServingDriver(DriverFaults):
 
     # ---- workload ------------------------------------------------------------------------
 
-    def add_request(self, prompt_len: int, max_new: int, share_with: Optional[DriverReq] = None,
-                    shared_len: int = 0) -> DriverReq:
+    def add_request(
+        self,
+        prompt_len: int,
+        max_new: int,
+        share_with: Optional[DriverReq] = None,
+        shared_len: int = 0,
+    ) -> DriverReq:
         rid = self._next_rid
         self._next_rid += 1
         prompt = [self.rng.randrange(VOCAB) for _ in range(prompt_len)]
@@ -313,12 +428,17 @@ class ServingDriver(DriverFaults):
 
     def add_random_requests(self, n: int) -> None:
         for _ in range(n):
-            donors = [r for r in self.running
-                      if r.prefilled and min(len(r.slots), len(r.prompt)) >= 8]
+            donors = [
+                r for r in self.running if r.prefilled and min(len(r.slots), len(r.prompt)) >= 8
+            ]
             if donors and self.rng.random() < 0.5:
                 donor = self.rng.choice(donors)
-                self.add_request(self.rng.randint(10, 60), self.rng.randint(2, 12), donor,
-                                 self.rng.randint(4, min(len(donor.slots), len(donor.prompt)) - 1))
+                self.add_request(
+                    self.rng.randint(10, 60),
+                    self.rng.randint(2, 12),
+                    donor,
+                    self.rng.randint(4, min(len(donor.slots), len(donor.prompt)) - 1),
+                )
             else:
                 self.add_request(self.rng.randint(4, 70), self.rng.randint(2, 12))
 
@@ -404,7 +524,8 @@ class ServingDriver(DriverFaults):
             req.row = self.req_to_token_pool.free_slots.pop(0)
             if req.slots:
                 self.req_to_token_pool.req_to_token[req.row, : len(req.slots)] = torch.tensor(
-                    req.slots, dtype=torch.int32)
+                    req.slots, dtype=torch.int32
+                )
                 self.shared_admitted += 1
             self.slot_refs.update(req.slots)
             self.running.append(req)
@@ -432,9 +553,10 @@ class ServingDriver(DriverFaults):
             n = min(self.chunk, len(r.prompt) - r.kv_len)
             new = self._alloc(n)
             start = r.kv_len
-            self.req_to_token_pool.req_to_token[r.row, start:start + n] = torch.tensor(
-                new, dtype=torch.int32)
-            ids += r.prompt[start:start + n]
+            self.req_to_token_pool.req_to_token[r.row, start : start + n] = torch.tensor(
+                new, dtype=torch.int32
+            )
+            ids += r.prompt[start : start + n]
             pos += list(range(start, start + n))
             loc += new
             rows.append(r.row)
@@ -442,9 +564,17 @@ class ServingDriver(DriverFaults):
             ext.append(n)
             r.slots += new
             r.kv_len += n
-        return self._make_batch(ForwardMode.EXTEND, ids, pos, loc, rows,
-                                seq=[p + e for p, e in zip(pre, ext)], pre=pre, ext=ext,
-                                reqs=reqs)
+        return self._make_batch(
+            ForwardMode.EXTEND,
+            ids,
+            pos,
+            loc,
+            rows,
+            seq=[p + e for p, e in zip(pre, ext)],
+            pre=pre,
+            ext=ext,
+            reqs=reqs,
+        )
 
     def _evict_swa(self, reqs: List[DriverReq]) -> None:
         """sglang's decode-time SWA eviction: free the SWA slots of positions below
@@ -456,10 +586,9 @@ class ServingDriver(DriverFaults):
             hi = r.kv_len - self.swa_window - 1
             if hi <= r.swa_evicted:
                 continue
-            own = [s for s in r.slots[r.swa_evicted:hi] if self.slot_refs[s] == 1]
+            own = [s for s in r.slots[r.swa_evicted : hi] if self.slot_refs[s] == 1]
             if own:
-                self.allocator.free_swa(torch.tensor(own, dtype=torch.int64,
-                                                     device=self.device))
+                self.allocator.free_swa(torch.tensor(own, dtype=torch.int64, device=self.device))
             r.swa_evicted = hi
 
     def _decode_batch(self, reqs: List[DriverReq]) -> ForwardBatch:
@@ -477,18 +606,26 @@ class ServingDriver(DriverFaults):
             rows.append(r.row)
             r.slots.append(slot)
             r.kv_len += 1
-        return self._make_batch(ForwardMode.DECODE, ids, pos, loc, rows,
-                                seq=[p + 1 for p in pos], reqs=reqs)
+        return self._make_batch(
+            ForwardMode.DECODE, ids, pos, loc, rows, seq=[p + 1 for p in pos], reqs=reqs
+        )
 
-    def _make_batch(self, mode, ids, pos, loc, rows, *, seq, pre=None, ext=None,
-                    reqs=None) -> ForwardBatch:
+    def _make_batch(
+        self, mode, ids, pos, loc, rows, *, seq, pre=None, ext=None, reqs=None
+    ) -> ForwardBatch:
         dev = self.device
         i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
         fb = ForwardBatch(
-            forward_mode=mode, batch_size=len(rows), input_ids=i64(ids),
-            req_pool_indices=i64(rows), seq_lens=i64(seq), out_cache_loc=i64(loc),
-            seq_lens_sum=sum(seq), positions=i64(pos),
-            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.kv_pool,
+            forward_mode=mode,
+            batch_size=len(rows),
+            input_ids=i64(ids),
+            req_pool_indices=i64(rows),
+            seq_lens=i64(seq),
+            out_cache_loc=i64(loc),
+            seq_lens_sum=sum(seq),
+            positions=i64(pos),
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.kv_pool,
         )
         if mode == ForwardMode.EXTEND:
             fb.extend_prefix_lens = i64(pre)
@@ -524,16 +661,23 @@ class ServingDriver(DriverFaults):
             rows.append(r.row)
             r.slots += new
             r.kv_len += num_draft
-        fb = self._make_batch(ForwardMode.TARGET_VERIFY, ids, pos, loc, rows, seq=seq,
-                              reqs=reqs)
+        fb = self._make_batch(ForwardMode.TARGET_VERIFY, ids, pos, loc, rows, seq=seq, reqs=reqs)
         i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
         fb.spec_info = EagleVerifyInput(
-            draft_token=i64(ids), custom_mask=torch.ones(len(ids), dtype=torch.bool),
-            positions=i64(pos), retrieve_index=i64(list(range(len(ids)))),
-            retrieve_next_token=i64([-1] * len(ids)), retrieve_next_sibling=i64([-1] * len(ids)),
-            retrieve_cum_len=i64([0]), spec_steps=num_draft - 1, topk=1,
-            draft_token_num=num_draft, capture_hidden_mode=CaptureHiddenMode.NULL,
-            seq_lens_sum=sum(seq), seq_lens_cpu=torch.tensor(seq, dtype=torch.int64))
+            draft_token=i64(ids),
+            custom_mask=torch.ones(len(ids), dtype=torch.bool),
+            positions=i64(pos),
+            retrieve_index=i64(list(range(len(ids)))),
+            retrieve_next_token=i64([-1] * len(ids)),
+            retrieve_next_sibling=i64([-1] * len(ids)),
+            retrieve_cum_len=i64([0]),
+            spec_steps=num_draft - 1,
+            topk=1,
+            draft_token_num=num_draft,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+            seq_lens_sum=sum(seq),
+            seq_lens_cpu=torch.tensor(seq, dtype=torch.int64),
+        )
         return fb
 
     def _finish(self) -> None:
@@ -565,7 +709,8 @@ class ServingDriver(DriverFaults):
         pool = self.mha_pool
         for layer in range(pool.layer_num):
             vals = ((base + layer * 13 + torch.arange(16, device=self.device)) % 251).to(
-                torch.bfloat16) / 251
+                torch.bfloat16
+            ) / 251
             pool.k_buffer[layer][fb.out_cache_loc] = vals.view(n, 2, 8)
             pool.v_buffer[layer][fb.out_cache_loc] = (vals * 0.5).view(n, 2, 8)
 
@@ -597,8 +742,9 @@ class ServingDriver(DriverFaults):
         n = fb.out_cache_loc.shape[0]
         loc = fb.out_cache_loc
         swa_loc = self.swa_table[loc]
-        for layer, (sub, where) in enumerate(((self.kv_pool.swa_kv_pool, swa_loc),
-                                              (self.kv_pool.full_kv_pool, loc))):
+        for layer, (sub, where) in enumerate(
+            ((self.kv_pool.swa_kv_pool, swa_loc), (self.kv_pool.full_kv_pool, loc))
+        ):
             vals = self._kv_values(fb, layer, 16).to(torch.bfloat16) / 251
             sub.k_buffer[0][where] = vals.view(n, 2, 8)
             sub.v_buffer[0][where] = (vals * 0.5).view(n, 2, 8)
@@ -617,9 +763,9 @@ class ServingDriver(DriverFaults):
         for layer in range(swa.layer_num):
             pack = NopeFp8RopeBf16Pack(
                 k_nope_fp8=(self._kv_values(fb, layer, 448).float() / 64).to(fp8_dtype),
-                k_rope_bf16=(self._kv_values(fb, layer + 1, 64).float() / 251).to(
-                    torch.bfloat16),
-                scale_k_nope_ue8m0=(self._kv_values(fb, layer + 2, 7) + 1).to(torch.uint8))
+                k_rope_bf16=(self._kv_values(fb, layer + 1, 64).float() / 251).to(torch.bfloat16),
+                scale_k_nope_ue8m0=(self._kv_values(fb, layer + 2, 7) + 1).to(torch.uint8),
+            )
             SetKAndS.torch(swa, swa.kv_buffer[layer], swa_loc, pack)
 
     def _forward(self, fb: ForwardBatch) -> None:
@@ -633,8 +779,11 @@ class ServingDriver(DriverFaults):
 
     def _forward_inner(self, fb: ForwardBatch) -> None:
         mgr = self.manager
-        use_graph = self.graph is not None and fb.forward_mode == ForwardMode.DECODE \
+        use_graph = (
+            self.graph is not None
+            and fb.forward_mode == ForwardMode.DECODE
             and fb.batch_size <= self.graph_bs
+        )
         with mgr.with_active_single_forward_manager(0):
             with mgr.with_ops_outside_graph(fb):
                 if use_graph:
@@ -643,9 +792,11 @@ class ServingDriver(DriverFaults):
                     self.graph.replay()
                     mgr.mark_replayed_inside_graph()
                 else:
-                    inner = (self.piecewise_padded(fb)
-                             if self.piecewise_pad_to and fb.forward_mode == ForwardMode.EXTEND
-                             else fb)
+                    inner = (
+                        self.piecewise_padded(fb)
+                        if self.piecewise_pad_to and fb.forward_mode == ForwardMode.EXTEND
+                        else fb
+                    )
                     mgr.pre_ops_maybe_inside_graph(inner)
                     self.model_forward(inner)
                     mgr.post_ops_maybe_inside_graph(inner)
@@ -665,11 +816,17 @@ class ServingDriver(DriverFaults):
             return out
 
         copy = ForwardBatch(
-            forward_mode=fb.forward_mode, batch_size=fb.batch_size, input_ids=pad(fb.input_ids),
-            req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens,
-            out_cache_loc=pad(fb.out_cache_loc), seq_lens_sum=fb.seq_lens_sum,
-            positions=pad(fb.positions), req_to_token_pool=fb.req_to_token_pool,
-            token_to_kv_pool=fb.token_to_kv_pool)
+            forward_mode=fb.forward_mode,
+            batch_size=fb.batch_size,
+            input_ids=pad(fb.input_ids),
+            req_pool_indices=fb.req_pool_indices,
+            seq_lens=fb.seq_lens,
+            out_cache_loc=pad(fb.out_cache_loc),
+            seq_lens_sum=fb.seq_lens_sum,
+            positions=pad(fb.positions),
+            req_to_token_pool=fb.req_to_token_pool,
+            token_to_kv_pool=fb.token_to_kv_pool,
+        )
         copy.extend_prefix_lens, copy.extend_seq_lens = fb.extend_prefix_lens, fb.extend_seq_lens
         copy.extend_num_tokens = fb.extend_num_tokens
         copy.extend_prefix_lens_cpu = fb.extend_prefix_lens_cpu
@@ -688,10 +845,17 @@ class ServingDriver(DriverFaults):
     def _static_decode_batch(self, bs: int) -> ForwardBatch:
         z = lambda: torch.zeros(bs, dtype=torch.int64, device=self.device)  # noqa: E731
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=z(),
-            req_pool_indices=z(), seq_lens=z(), out_cache_loc=z(), seq_lens_sum=0,
-            positions=z(), req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool=self.kv_pool)
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=z(),
+            req_pool_indices=z(),
+            seq_lens=z(),
+            out_cache_loc=z(),
+            seq_lens_sum=0,
+            positions=z(),
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.kv_pool,
+        )
 
     def _graph_body(self) -> None:
         """What the decode graph holds: the inside ops around the model, on the static batch."""

@@ -56,12 +56,15 @@ def test_rounds_rotate_each_server_through_each_place_and_memory_shares_accumula
 
 def test_decode_time_is_sglangs_own_and_the_control_decides_what_is_resolved():
     def out(n, tput):
-        return {"output_ids": [1] * n, "meta_info": {"completion_tokens": n,
-                                                      "decode_throughput": tput}}
+        return {
+            "output_ids": [1] * n,
+            "meta_info": {"completion_tokens": n, "decode_throughput": tput},
+        }
 
     # (n - 1) / throughput per request, the batch's median, in ms
-    assert bi.server_decode_ms([out(101, 1000.0), out(101, 500.0), out(101, 1000.0)]) == \
-        pytest.approx(100.0)
+    assert bi.server_decode_ms(
+        [out(101, 1000.0), out(101, 500.0), out(101, 1000.0)]
+    ) == pytest.approx(100.0)
     assert bi.server_decode_ms([out(1, 0.0)]) is None  # one token: no decode
     assert bi.server_decode_ms([{"output_ids": [1, 2], "meta_info": {}}]) is None
 
@@ -75,11 +78,29 @@ def test_decode_time_is_sglangs_own_and_the_control_decides_what_is_resolved():
 
 
 def test_engine_kwargs_become_launch_server_flags():
-    argv = engine_kwargs_to_argv(dict(model_path="/m", cuda_graph_bs=[1, 128], enable_metrics=True,
-                                  disable_piecewise_cuda_graph=False, kv_canary="raise",
-                                  chunked_prefill_size=8192, speculative_draft_model_path=None))
-    assert argv == ["--model-path", "/m", "--cuda-graph-bs", "1", "128", "--enable-metrics",
-                    "--kv-canary", "raise", "--chunked-prefill-size", "8192"]
+    argv = engine_kwargs_to_argv(
+        dict(
+            model_path="/m",
+            cuda_graph_bs=[1, 128],
+            enable_metrics=True,
+            disable_piecewise_cuda_graph=False,
+            kv_canary="raise",
+            chunked_prefill_size=8192,
+            speculative_draft_model_path=None,
+        )
+    )
+    assert argv == [
+        "--model-path",
+        "/m",
+        "--cuda-graph-bs",
+        "1",
+        "128",
+        "--enable-metrics",
+        "--kv-canary",
+        "raise",
+        "--chunked-prefill-size",
+        "8192",
+    ]
 
 
 def test_measure_sends_each_round_to_every_server_in_rotating_order():
@@ -91,8 +112,12 @@ def test_measure_sends_each_round_to_every_server_in_rotating_order():
 
         def generate(self, ids, osl):
             calls.append(self.name)
-            meta = {"forward_entry_time": 1.0, "prefill_finished_time": 1.002,
-                    "completion_tokens": osl, "decode_throughput": 100.0}
+            meta = {
+                "forward_entry_time": 1.0,
+                "prefill_finished_time": 1.002,
+                "completion_tokens": osl,
+                "decode_throughput": 100.0,
+            }
             return 5.0, [{"output_ids": [self.token] * osl, "meta_info": meta} for _ in ids]
 
     sc = bi.SMOKE_SCENARIOS["prefill_bs1_512"]
@@ -123,14 +148,21 @@ def test_upstream_configs_take_the_same_flags_and_their_own_baseline():
     assert bi.CONFIG_TABLE["up:off"].engine_kwargs() == {}
     assert bi.CONFIG_TABLE["up:raise+all"].engine_kwargs()["kv_canary_real_data"] == "all"
     assert bi.CONFIG_TABLE["raise+all"].stack == "project"
-    assert not [n for n in bi.CONFIG_TABLE if n.startswith("up:") and ("abort" in n
-                                                                       or "layers" in n)]
+    assert not [
+        n for n in bi.CONFIG_TABLE if n.startswith("up:") and ("abort" in n or "layers" in n)
+    ]
     names = ["off", "raise", "up:off", "up:raise", "off~aa"]
     assert bi.stack_baselines(names, "off") == {
-        "off": "off", "raise": "off", "up:off": "up:off", "up:raise": "up:off",
-        "off~aa": "off"}
-    with pytest.raises(SystemExit, match="up:raise is compared with its stack's baseline "
-                                         "up:off, which is not among them"):
+        "off": "off",
+        "raise": "off",
+        "up:off": "up:off",
+        "up:raise": "up:off",
+        "off~aa": "off",
+    }
+    with pytest.raises(
+        SystemExit,
+        match="up:raise is compared with its stack's baseline up:off, which is not among them",
+    ):
         bi.stack_baselines(["off", "raise", "up:raise"], "off")
 
 
@@ -139,28 +171,51 @@ def test_upstream_servers_run_from_their_site_with_this_project_kept_out(tmp_pat
     run's; this project's servers keep the run's environment."""
     base = {"PYTHONPATH": "/tmp/site", "HOME": "/root"}
     env = bi.server_env(base, bi.CONFIG_TABLE["up:raise"], str(tmp_path))
-    assert env["PYTHONPATH"].split(os.pathsep) == [str(bi.UPSTREAM_SITE_DIR), str(tmp_path),
-                                                  "/tmp/site"]
+    assert env["PYTHONPATH"].split(os.pathsep) == [
+        str(bi.UPSTREAM_SITE_DIR),
+        str(tmp_path),
+        "/tmp/site",
+    ]
     assert (bi.UPSTREAM_SITE_DIR / "sitecustomize.py").is_file()
     assert bi.server_env(base, bi.CONFIG_TABLE["raise"], str(tmp_path)) == base
     assert "PYTHONPATH" not in bi.server_env({}, bi.CONFIG_TABLE["off"], None)
     log = bi.INSTALLED_LINE + "raise ..."
-    assert "this project's canary was installed on an upstream server" in \
-        bi.canary_install_problem(log, canary_on=True, speculative="none", stack="upstream")
-    assert bi.canary_install_problem("", canary_on=True, speculative="none",
-                                     stack="upstream") is None
+    assert "this project's canary was installed on an upstream server" in bi.canary_install_problem(
+        log, canary_on=True, speculative="none", stack="upstream"
+    )
+    assert (
+        bi.canary_install_problem("", canary_on=True, speculative="none", stack="upstream") is None
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--configs", "off,up:raise", "--piecewise", "off"], "upstream's servers need "
-                                                         "--upstream-site DIR"),
-    (["--configs", "off,up:raise", "--upstream-site", "{tmp}"], "--piecewise on: upstream's "
-                                                                "canary refuses"),
-    (["--configs", "off,up:off,up:raise", "--upstream-site", "{tmp}", "--piecewise", "off",
-      "--speculative", "eagle"], "measures prefill and decode without speculative"),
-    (["--configs", "off,raise", "--upstream-site", "{tmp}"], "no up:config in --configs"),
-    (["--configs", "off,up:abort"], "unknown|not one of|allowed"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--configs", "off,up:raise", "--piecewise", "off"],
+            "upstream's servers need --upstream-site DIR",
+        ),
+        (
+            ["--configs", "off,up:raise", "--upstream-site", "{tmp}"],
+            "--piecewise on: upstream's canary refuses",
+        ),
+        (
+            [
+                "--configs",
+                "off,up:off,up:raise",
+                "--upstream-site",
+                "{tmp}",
+                "--piecewise",
+                "off",
+                "--speculative",
+                "eagle",
+            ],
+            "measures prefill and decode without speculative",
+        ),
+        (["--configs", "off,raise", "--upstream-site", "{tmp}"], "no up:config in --configs"),
+        (["--configs", "off,up:abort"], "unknown|not one of|allowed"),
+    ],
+)
 def test_side_by_side_refuses_what_it_cannot_run(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message):
         bi.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
@@ -168,7 +223,8 @@ def test_side_by_side_refuses_what_it_cannot_run(tmp_path, argv, message):
 
 def test_idle_schedulers_sleep_or_spin_as_told(tmp_path):
     base = bi.EngineSettings(model="qwen3-0.6b", max_total_tokens=4096).engine_kwargs(
-        str(tmp_path), smoke=False)
+        str(tmp_path), smoke=False
+    )
     assert base["sleep_on_idle"] is False  # the GPU benchmarks' Engines spin too
     for name in ("off", "raise"):
         kw = bi.server_kwargs(base, bi.CONFIGS[name], mem_fraction=0.2, idle="sleep")
@@ -190,27 +246,39 @@ TARGET_LINE = "[INFO] kv_canary installed: MHATokenToKVPool pool=... groups=1"
 DRAFT_LINE = "[INFO] kv_canary installed on the EAGLE draft worker: MHATokenToKVPool ..."
 
 
-@pytest.mark.parametrize("log, canary_on, speculative, problem", [
-    (TARGET_LINE, True, "none", None),
-    (TARGET_LINE + "\n" + DRAFT_LINE, True, "eagle", None),
-    ("", False, "eagle", None),
-    ("", True, "none", "the canary did not run"),
-    (TARGET_LINE, True, "eagle", "the draft pool ran unguarded"),
-    (DRAFT_LINE, True, "eagle", "the canary did not run"),
-    (TARGET_LINE, False, "none", "canary-off config"),
-    (DRAFT_LINE, False, "eagle", "canary-off config"),
-])
-def test_a_server_whose_canary_is_not_what_its_config_says_is_refused(log, canary_on,
-                                                                       speculative, problem):
+@pytest.mark.parametrize(
+    "log, canary_on, speculative, problem",
+    [
+        (TARGET_LINE, True, "none", None),
+        (TARGET_LINE + "\n" + DRAFT_LINE, True, "eagle", None),
+        ("", False, "eagle", None),
+        ("", True, "none", "the canary did not run"),
+        (TARGET_LINE, True, "eagle", "the draft pool ran unguarded"),
+        (DRAFT_LINE, True, "eagle", "the canary did not run"),
+        (TARGET_LINE, False, "none", "canary-off config"),
+        (DRAFT_LINE, False, "eagle", "canary-off config"),
+    ],
+)
+def test_a_server_whose_canary_is_not_what_its_config_says_is_refused(
+    log, canary_on, speculative, problem
+):
     got = bi.canary_install_problem(log, canary_on=canary_on, speculative=speculative)
     assert (got is None) if problem is None else (problem in got), got
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--speculative", "eagle", "--smoke-cpu"], "--speculative eagle cannot run with --smoke-cpu"),
-    (["--speculative", "eagle", "--model", "qwen3-30b-a3b"],
-     "--speculative eagle needs --model qwen3-0.6b"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--speculative", "eagle", "--smoke-cpu"],
+            "--speculative eagle cannot run with --smoke-cpu",
+        ),
+        (
+            ["--speculative", "eagle", "--model", "qwen3-30b-a3b"],
+            "--speculative eagle needs --model qwen3-0.6b",
+        ),
+    ],
+)
 def test_eagle_runs_refuse_what_they_cannot_measure(argv, message):
     with pytest.raises(SystemExit, match=message):
         bi.main(["--configs", "off,raise", *argv])
@@ -225,22 +293,48 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
     stand_in = tmp_path / "upstream_site"
     stand_in.mkdir()
     proc = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "bench_interleaved.py"), "--smoke-cpu", "--configs",
-         "off,raise,up:off", "--upstream-site", str(stand_in), "--scenarios",
-         "prefill_bs1_512", "--rounds", "2", "--warmup", "1",
-         "--start-rotation", "1", "--idle", "sleep", "--out", str(out)],
-        capture_output=True, text=True, timeout=900, env=dict(os.environ))
+        [
+            sys.executable,
+            str(BENCH_DIR / "bench_interleaved.py"),
+            "--smoke-cpu",
+            "--configs",
+            "off,raise,up:off",
+            "--upstream-site",
+            str(stand_in),
+            "--scenarios",
+            "prefill_bs1_512",
+            "--rounds",
+            "2",
+            "--warmup",
+            "1",
+            "--start-rotation",
+            "1",
+            "--idle",
+            "sleep",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["server_name"], r["config"], r["control"], r["baseline"], r["stack"])
-            for r in recs] == [
-        ("off", "off", False, "off", "project"), ("raise", "raise", False, "off", "project"),
+    assert [
+        (r["server_name"], r["config"], r["control"], r["baseline"], r["stack"]) for r in recs
+    ] == [
+        ("off", "off", False, "off", "project"),
+        ("raise", "raise", False, "off", "project"),
         ("up:off", "up:off", False, "up:off", "upstream"),
-        ("off~aa", "off", True, "off", "project")]
+        ("off~aa", "off", True, "off", "project"),
+    ]
     # each server's sglang; this project's plugin answered on its servers only
     assert all(r["version"] for r in recs)
     assert [r["kv_canary_info"] for r in recs] == [True, True, False, True]
-    assert {r["kind"] for r in recs} == {"interleaved"} and len({r["invocation"] for r in recs}) == 1
+    assert {r["kind"] for r in recs} == {"interleaved"} and len(
+        {r["invocation"] for r in recs}
+    ) == 1
     # started in the order rotated by one: the canary-on server first
     assert all(r["start_order"] == ["raise", "up:off", "off~aa", "off"] for r in recs)
     # every server slept on idle as told (three spinning servers would hold CI's two cores)
@@ -249,8 +343,9 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
         assert r["rounds"] == 2 and len(r["wall_runs_ms"]) == 2 and r["mismatched_rounds"] == 0
         assert len(r["server_runs_ms"]) == 2 and all(t > 0 for t in r["server_runs_ms"])
     assert "wall_overhead" not in recs[0] and "wall_overhead" not in recs[2]  # the baselines
-    assert all(len(r["wall_overhead"]) == 3 and len(r["server_overhead"]) == 3
-               for r in (recs[1], recs[3]))
+    assert all(
+        len(r["wall_overhead"]) == 3 and len(r["server_overhead"]) == 3 for r in (recs[1], recs[3])
+    )
     assert "| prefill_bs1_512 (bs1 isl16 osl1) | up:off | 2 |" in proc.stdout
     assert "| prefill_bs1_512 (bs1 isl16 osl1) | raise | 2 |" in proc.stdout
     assert "| prefill_bs1_512 (bs1 isl16 osl1) | off (A/A control) | 2 |" in proc.stdout
@@ -261,6 +356,7 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
     for port in {r["port"] for r in recs}:
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

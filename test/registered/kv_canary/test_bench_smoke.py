@@ -31,9 +31,13 @@ BENCH_DIR = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_cana
 
 
 def _run(script: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, str(BENCH_DIR / script), *args],
-                          capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, TRITON_INTERPRET="1"))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_DIR / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -41,11 +45,10 @@ def _run(script: str, *args: str) -> str:
 def _table(text: str, first_header_cell: str) -> List[Dict[str, str]]:
     """The markdown table of ``text`` whose header starts with ``first_header_cell``."""
     lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines)
-                 if line.startswith(f"| {first_header_cell} |"))
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header_cell} |"))
     header = [c.strip() for c in lines[start].strip("|").split("|")]
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("| "):
             break
         rows.append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")))))
@@ -61,8 +64,9 @@ def test_bench_kernels_smoke_checks_every_kernel_in_every_mode(tmp_path):
     assert any(s.startswith("decode") for s in scenarios)
     assert any(s.startswith("prefill") for s in scenarios)
     for scenario in scenarios:
-        got = {(r["kernel"], r["mode"]): r["checked"] for r in measured
-               if r["scenario"] == scenario}
+        got = {
+            (r["kernel"], r["mode"]): r["checked"] for r in measured if r["scenario"] == scenario
+        }
         assert got[("plan", "n/a")] == "ref(cpu)" and got[("scatter", "n/a")] == "ref(cpu)"
         for mode in ("none", "partial", "all"):
             assert got[("verify", mode)] == "ref(cpu)+clean", (scenario, mode, got)
@@ -89,8 +93,13 @@ def test_bench_serving_overhead_breakdown_smoke_times_every_launch():
     rows = {r["launch"]: r for r in _table(text, "launch")}
     configs = [c for c in rows["plan kernels"] if c != "launch"]
     assert {"raise bs1", "raise+token bs1", "raise+token+partial bs4"} <= set(configs)
-    for launch in ("plan kernels", "HEAD verify", "HEAD + TAIL chain write", "TAIL verify",
-                   "**forward-stream total (sum)**"):
+    for launch in (
+        "plan kernels",
+        "HEAD verify",
+        "HEAD + TAIL chain write",
+        "TAIL verify",
+        "**forward-stream total (sum)**",
+    ):
         assert all(float(rows[launch][c]) > 0 for c in configs), (launch, rows[launch])
     # the fingerprint part of the TAIL write launches only with real data
     sys.path.insert(0, str(BENCH_DIR))
@@ -115,16 +124,27 @@ def test_bench_serving_overhead_host_breakdown_detail_times_each_method():
     """``--host-breakdown --host-breakdown-detail``: the phase table, and per config and
     prompt a table of the canary's per-forward methods, each called once per prefill of one
     chunk (the token snapshot only with token checks)."""
-    text = _run("bench_serving_overhead.py", "--smoke-cpu", "--host-breakdown", "32",
-                "--configs", "raise,raise+token", "--host-breakdown-detail")
+    text = _run(
+        "bench_serving_overhead.py",
+        "--smoke-cpu",
+        "--host-breakdown",
+        "32",
+        "--configs",
+        "raise,raise+token",
+        "--host-breakdown-detail",
+    )
     phases = _table(text, "config")
     assert [r["config"] for r in phases] == ["raise", "raise+token"]
     tables = text.split("host µs per call of the canary's methods")[1:]
     assert len(tables) == 2
     for config, part in zip(("raise", "raise+token"), tables):
         rows = {r["method"]: r for r in _table(part, "method")}
-        for method in ("CanaryManager.after_forward", "device_host.stage",
-                       "device_host._gather", "sfm.post_ops_maybe_inside_graph"):
+        for method in (
+            "CanaryManager.after_forward",
+            "device_host.stage",
+            "device_host._gather",
+            "sfm.post_ops_maybe_inside_graph",
+        ):
             assert rows[method]["calls per prefill"] == "1.0", (config, rows.get(method))
             assert float(rows[method]["µs per call (median)"]) > 0
         assert ("token_history.snapshot" in rows) == (config == "raise+token"), rows.keys()
@@ -135,37 +155,66 @@ def test_bench_prefill_device_time_smoke_runs_every_stand_in(tmp_path):
     control and each config (the canary's no-model time only for canary-on rows), with the
     same figures in the JSON lines."""
     out = tmp_path / "d.jsonl"
-    text = _run("bench_prefill_device_time.py", "--smoke-cpu", "--isls", "32,48",
-                "--configs", "raise,raise+token", "--out", str(out))
+    text = _run(
+        "bench_prefill_device_time.py",
+        "--smoke-cpu",
+        "--isls",
+        "32,48",
+        "--configs",
+        "raise,raise+token",
+        "--out",
+        str(out),
+    )
     rows = _table(text, "prompt")
     assert [(r["prompt"], r["config"]) for r in rows] == [
-        (isl, c) for isl in ("32", "48") for c in ("off", "off (A/A)", "raise", "raise+token")]
+        (isl, c) for isl in ("32", "48") for c in ("off", "off (A/A)", "raise", "raise+token")
+    ]
     for r in rows:
         assert float(r["prefill median ms"]) >= float(r["results median ms"]) > 0
-        assert ((r["paired overhead, results (median)"] == "(baseline)")
-                == (r["config"] == "off"))
+        assert (r["paired overhead, results (median)"] == "(baseline)") == (r["config"] == "off")
         assert (r["canary alone, no model (ms)"] == "—") == r["config"].startswith("off")
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["isl"], r["config"]) for r in recs] == [(int(a), b) for a, b in
-                                                       ((r["prompt"], r["config"]) for r in rows)]
+    assert [(r["isl"], r["config"]) for r in recs] == [
+        (int(a), b) for a, b in ((r["prompt"], r["config"]) for r in rows)
+    ]
 
 
 def test_bench_prefill_device_time_traces_one_prefill_per_stand_in(tmp_path):
     """``--trace DIR``: a Chrome trace per prompt and stand-in, and its timeline printed with
     the host phases in order (on the CPU no kernels: the phases only)."""
-    text = _run("bench_prefill_device_time.py", "--smoke-cpu", "--isls", "32",
-                "--configs", "raise", "--trace", str(tmp_path))
+    text = _run(
+        "bench_prefill_device_time.py",
+        "--smoke-cpu",
+        "--isls",
+        "32",
+        "--configs",
+        "raise",
+        "--trace",
+        str(tmp_path),
+    )
     names = sorted(f.name for f in tmp_path.iterdir())
     assert names == ["trace_32_off.json", "trace_32_off_A_A_.json", "trace_32_raise.json"]
     timeline = text.split("-- timeline 32_raise")[1].split("--")[0]
     phases = [line.split()[-1] for line in timeline.splitlines()[1:] if "host" in line]
-    assert phases == ["canary.pre", "model", "canary.post", "canary.post_outside+read-back",
-                      "results", "token_wait", "sync"], phases
+    assert phases == [
+        "canary.pre",
+        "model",
+        "canary.post",
+        "canary.post_outside+read-back",
+        "results",
+        "token_wait",
+        "sync",
+    ], phases
     assert "-- timeline 32_off " in text and "-- timeline 32_off (A/A) " in text
 
+
 def test_bench_host_primitives_needs_cuda():
-    proc = subprocess.run([sys.executable, str(BENCH_DIR / "bench_host_primitives.py")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "bench_host_primitives.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "bench_host_primitives.py needs a CUDA GPU" in proc.stderr
 
@@ -176,13 +225,16 @@ def test_abort_storm_classifies_what_a_client_gets():
     its messages, or a 200 whose finish reason is an abort), and anything else an error."""
     from sglang.srt.kv_canary.runner.containment import PREFIX_ABORT_MESSAGE
     from canary_support import storm
+
     ok = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}}}
     assert storm.outcome(200, ok) == ("ok", [5, 6])
     direct = {"error": {"message": storm.ABORT_MESSAGE + "HEAD_K_FULL, fail_reason=x)"}}
     assert storm.outcome(500, direct)[0] == "aborted"
     assert storm.outcome(500, {"error": {"message": PREFIX_ABORT_MESSAGE}})[0] == "aborted"
-    streamed = {"output_ids": [5], "meta_info": {"finish_reason": {
-        "type": "abort", "message": PREFIX_ABORT_MESSAGE}}}
+    streamed = {
+        "output_ids": [5],
+        "meta_info": {"finish_reason": {"type": "abort", "message": PREFIX_ABORT_MESSAGE}},
+    }
     assert storm.outcome(200, streamed) == ("aborted", PREFIX_ABORT_MESSAGE)
     assert storm.outcome(500, {"error": {"message": "Out of memory"}})[0] == "error"
     assert storm.outcome(400, {"raw": "bad"})[0] == "error"
@@ -194,9 +246,17 @@ def test_abort_storm_classifies_what_a_client_gets():
     assert all(4 <= n <= 24 for _, n in reqs)
 
 
-@pytest.mark.parametrize("field, value", [("mode", "raise"), ("device", "tpu"), ("seconds", 0),
-                                          ("clients", 0), ("page_size", 0),
-                                          ("warmup_steps", -1)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("mode", "raise"),
+        ("device", "tpu"),
+        ("seconds", 0),
+        ("clients", 0),
+        ("page_size", 0),
+        ("warmup_steps", -1),
+    ],
+)
 def test_storm_settings_name_the_bad_value(field, value):
     from canary_support.storm import StormSettings
 
@@ -212,7 +272,6 @@ def test_storm_settings_name_the_bad_value(field, value):
         cli.parse_args(argv)
 
 
-
 def test_profile_server_prefill_prints_the_last_requests_timeline(tmp_path, monkeypatch):
     """``profile_server_prefill.py``'s reading of a trace (its servers need a GPU): only the
     last request's events (after the last gap of ``REQUEST_GAP_US`` between kernels), the
@@ -220,35 +279,45 @@ def test_profile_server_prefill_prints_the_last_requests_timeline(tmp_path, monk
     import gzip
 
     monkeypatch.syspath_prepend(str(BENCH_DIR))
-    spec = importlib.util.spec_from_file_location("profile_server_prefill",
-                                                  BENCH_DIR / "profile_server_prefill.py")
+    spec = importlib.util.spec_from_file_location(
+        "profile_server_prefill", BENCH_DIR / "profile_server_prefill.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
 
     def kernel(ts, dur, stream, name):
         return dict(ph="X", cat="kernel", ts=ts, dur=dur, name=name, args=dict(stream=stream))
 
-    events = [kernel(0, 10, 7, "gemm_first_request"),  # an earlier request
-              kernel(10_000, 50, 7, "nvjet_gemm"), kernel(10_060, 40, 7, "flash_attn"),
-              dict(ph="X", cat="cuda_runtime", ts=10_105, dur=20, name="cudaGraphLaunch"),
-              dict(ph="X", cat="cuda_runtime", ts=10_106, dur=2, name="cudaLaunchKernel"),
-              kernel(10_110, 5, 13, "plan_offsets_kernel"),
-              kernel(10_120, 100, 13, "_canary_write_kernel"),
-              kernel(10_230, 3, 7, "_canary_verify_kernel")]
+    events = [
+        kernel(0, 10, 7, "gemm_first_request"),  # an earlier request
+        kernel(10_000, 50, 7, "nvjet_gemm"),
+        kernel(10_060, 40, 7, "flash_attn"),
+        dict(ph="X", cat="cuda_runtime", ts=10_105, dur=20, name="cudaGraphLaunch"),
+        dict(ph="X", cat="cuda_runtime", ts=10_106, dur=2, name="cudaLaunchKernel"),
+        kernel(10_110, 5, 13, "plan_offsets_kernel"),
+        kernel(10_120, 100, 13, "_canary_write_kernel"),
+        kernel(10_230, 3, 7, "_canary_verify_kernel"),
+    ]
     trace = tmp_path / "x.trace.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    text = mod.last_request_timeline(mod.trace_rows(trace, annotations=False,
-                                                    host_calls=mod.SHOWN_CALLS))
+    text = mod.last_request_timeline(
+        mod.trace_rows(trace, annotations=False, host_calls=mod.SHOWN_CALLS)
+    )
     import re
 
-    lines = [re.match(r"\s*[\d.]+\.\.\s*[\d.]+\s+(stream \S+|host) (.*)$", line).groups()
-             for line in text.splitlines()[:-1]]
-    assert [w for w, _ in lines] == ["stream 7", "host", "stream 13", "stream 13",
-                                     "stream 7"], text
-    assert [n for _, n in lines] == ["(other kernels) x2", "cudaGraphLaunch",
-                                     "plan_offsets_kernel", "_canary_write_kernel",
-                                     "_canary_verify_kernel"], text
+    lines = [
+        re.match(r"\s*[\d.]+\.\.\s*[\d.]+\s+(stream \S+|host) (.*)$", line).groups()
+        for line in text.splitlines()[:-1]
+    ]
+    assert [w for w, _ in lines] == ["stream 7", "host", "stream 13", "stream 13", "stream 7"], text
+    assert [n for _, n in lines] == [
+        "(other kernels) x2",
+        "cudaGraphLaunch",
+        "plan_offsets_kernel",
+        "_canary_write_kernel",
+        "_canary_verify_kernel",
+    ], text
     assert text.splitlines()[0].startswith("      0.0..    100.0")
     assert text.endswith("(last kernel ends at 233.0 µs)")
 
@@ -264,17 +333,25 @@ def _fake_upstream(root: pathlib.Path) -> pathlib.Path:
     return site
 
 
-_PROBE = ("import importlib.util, os, sglang.srt.kv_canary as m; "
-          "s = importlib.util.find_spec('sglang.srt.kv_canary.plugin'); "
-          "print(m.__file__); print(s.origin if s else None); "
-          "print(os.environ.get('SGLANG_PLUGINS'))")
+_PROBE = (
+    "import importlib.util, os, sglang.srt.kv_canary as m; "
+    "s = importlib.util.find_spec('sglang.srt.kv_canary.plugin'); "
+    "print(m.__file__); print(s.origin if s else None); "
+    "print(os.environ.get('SGLANG_PLUGINS'))"
+)
 
 
 def _probe(pythonpath: list, env_extra: dict | None = None) -> list:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SGLANG_PLUGINS")}
     env.update(env_extra or {}, PYTHONPATH=os.pathsep.join(map(str, pythonpath)))
-    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=str(pythonpath[-1]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=str(pythonpath[-1]),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.splitlines()
 
@@ -300,6 +377,7 @@ def test_upstream_site_keeps_this_projects_modules_out_of_upstreams_packages(tmp
     chained.mkdir()
     (chained / "sitecustomize.py").write_text("print('chained')\n")
     assert _probe([isolation, chained, up])[0] == "chained"
+
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

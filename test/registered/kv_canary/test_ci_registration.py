@@ -26,14 +26,18 @@ import gpu_lanes  # noqa: E402
 CUDA_MARK = "pytest.mark." + "cuda"
 HEADER = "from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci\nimport pytest\n"
 MAIN = '\nif __name__ == "__main__":\n    pytest.main([__file__])\n'
-GPU_FILE = HEADER + textwrap.dedent(f"""
+GPU_FILE = (
+    HEADER
+    + textwrap.dedent(f"""
     register_cuda_ci(est_time=20, suite="gpu")
     pytestmark = [{CUDA_MARK}]
 
     @pytest.mark.parametrize("x", ["a", "b"])
     def test_gpu(x):
         pass
-    """) + MAIN
+    """)
+    + MAIN
+)
 CPU_FILE = HEADER + 'register_cpu_ci(est_time=5, suite="cpu")\n\ndef test_cpu():\n    pass\n' + MAIN
 
 
@@ -44,9 +48,19 @@ def _tree(tmp_path, **files) -> pathlib.Path:
 
 
 def _check(test_dir: pathlib.Path):
-    proc = subprocess.run([sys.executable, str(REPO / "test" / "gpu_lanes.py"), "--check",
-                           "--test-dir", str(test_dir)], capture_output=True, text=True,
-                          cwd=REPO, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "test" / "gpu_lanes.py"),
+            "--check",
+            "--test-dir",
+            str(test_dir),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -85,8 +99,9 @@ def test_planted_unregistered_file_is_refused(tmp_path):
 
 
 def test_planted_cuda_test_without_a_cuda_registration_is_refused(tmp_path):
-    text = GPU_FILE.replace('register_cuda_ci(est_time=20, suite="gpu")',
-                            'register_cpu_ci(est_time=20, suite="cpu")')
+    text = GPU_FILE.replace(
+        'register_cuda_ci(est_time=20, suite="gpu")', 'register_cpu_ci(est_time=20, suite="cpu")'
+    )
     rc, out = _check(_tree(tmp_path, test_g=text))
     assert rc == 1 and "cuda test in 0 lanes" in out, out[-3000:]
 
@@ -95,7 +110,8 @@ def test_planted_overlapping_and_empty_lanes_are_refused(tmp_path):
     text = GPU_FILE.replace(
         'register_cuda_ci(est_time=20, suite="gpu")',
         'register_cuda_ci(est_time=30, suite="gpu")\n'
-        'GPU_LANES = {"one": ("gpu", 10), "two": ("b", 10), "three": ("nothing", 10)}')
+        'GPU_LANES = {"one": ("gpu", 10), "two": ("b", 10), "three": ("nothing", 10)}',
+    )
     rc, out = _check(_tree(tmp_path, test_g=text))
     assert rc == 1, out[-3000:]
     assert "test_gpu[b]: cuda test in 2 lanes (one, two)" in out, out[-3000:]
@@ -103,24 +119,35 @@ def test_planted_overlapping_and_empty_lanes_are_refused(tmp_path):
 
 
 def test_planted_declaration_errors_name_the_file(tmp_path):
-    text = GPU_FILE.replace('register_cuda_ci(est_time=20, suite="gpu")',
-                            'register_cuda_ci(est_time=99, suite="gpu")\n'
-                            'GPU_LANES = {"one": ("a", 10), "two": ("b", 10)}')
+    text = GPU_FILE.replace(
+        'register_cuda_ci(est_time=20, suite="gpu")',
+        'register_cuda_ci(est_time=99, suite="gpu")\n'
+        'GPU_LANES = {"one": ("a", 10), "two": ("b", 10)}',
+    )
     rc, out = _check(_tree(tmp_path, test_g=text))
     assert rc == 2 and "test_g.py" in out and "add up to 20" in out, out[-3000:]
     with pytest.raises(gpu_lanes.LaneDeclarationError, match="2 register_cuda_ci calls"):
-        gpu_lanes.lanes_of_file(_tree(tmp_path, test_h=GPU_FILE.replace(
-            'register_cuda_ci(est_time=20, suite="gpu")',
-            'register_cuda_ci(est_time=20, suite="gpu")\n'
-            'register_cuda_ci(est_time=20, suite="gpu2")')) / "test_h.py")
+        gpu_lanes.lanes_of_file(
+            _tree(
+                tmp_path,
+                test_h=GPU_FILE.replace(
+                    'register_cuda_ci(est_time=20, suite="gpu")',
+                    'register_cuda_ci(est_time=20, suite="gpu")\n'
+                    'register_cuda_ci(est_time=20, suite="gpu2")',
+                ),
+            )
+            / "test_h.py"
+        )
 
 
 def test_an_alone_lane_is_declared_and_runs_by_itself_after_the_others(tmp_path):
     """A ``GPU_LANES`` entry ending in ``"alone"``: its lane starts once every shared lane has
     ended, and no other runs beside it; any other third element is refused."""
-    text = GPU_FILE.replace('register_cuda_ci(est_time=20, suite="gpu")',
-                            'register_cuda_ci(est_time=20, suite="gpu")\n'
-                            'GPU_LANES = {"one": ("a", 10), "two": ("b", 10, "alone")}')
+    text = GPU_FILE.replace(
+        'register_cuda_ci(est_time=20, suite="gpu")',
+        'register_cuda_ci(est_time=20, suite="gpu")\n'
+        'GPU_LANES = {"one": ("a", 10), "two": ("b", 10, "alone")}',
+    )
     one, two = gpu_lanes.lanes_of_file(_tree(tmp_path, test_g=text) / "test_g.py")
     assert (one.alone, two.alone) == (False, True)
     assert "(alone, after the others)" in gpu_lanes.sh_listing([one, two])
@@ -131,27 +158,37 @@ def test_an_alone_lane_is_declared_and_runs_by_itself_after_the_others(tmp_path)
     # two minutes) for the other to have started, so they pass only if they ran side by side,
     # whatever the machine's load
     stamps = str(tmp_path / "stamps")
-    stamp = ("import pathlib, time\n"
-             "def _stamp(name, what):\n"
-             f"    with open({stamps!r}, 'a') as f:\n"
-             "        f.write(f'{name} {what} {time.time()}\\n')\n"
-             "def _wait_for(name):\n"
-             "    for _ in range(1200):\n"
-             f"        if f'{{name}} start' in pathlib.Path({stamps!r}).read_text():\n"
-             "            return\n"
-             "        time.sleep(0.1)\n"
-             "    raise AssertionError(f'{name} never started beside this test')\n")
+    stamp = (
+        "import pathlib, time\n"
+        "def _stamp(name, what):\n"
+        f"    with open({stamps!r}, 'a') as f:\n"
+        "        f.write(f'{name} {what} {time.time()}\\n')\n"
+        "def _wait_for(name):\n"
+        "    for _ in range(1200):\n"
+        f"        if f'{{name}} start' in pathlib.Path({stamps!r}).read_text():\n"
+        "            return\n"
+        "        time.sleep(0.1)\n"
+        "    raise AssertionError(f'{name} never started beside this test')\n"
+    )
     files = {}
-    for name, body in (("test_long", "_wait_for('test_short')"),
-                       ("test_short", "_wait_for('test_long')"),
-                       ("test_solo", "time.sleep(0.5)")):
-        files[name] = GPU_FILE.replace("def test_gpu(x):\n    pass", (
-            f"def test_gpu(x):\n    _stamp('{name}', 'start')\n    {body}\n"
-            f"    _stamp('{name}', 'end')")).replace(HEADER, HEADER + stamp)
+    for name, body in (
+        ("test_long", "_wait_for('test_short')"),
+        ("test_short", "_wait_for('test_long')"),
+        ("test_solo", "time.sleep(0.5)"),
+    ):
+        files[name] = GPU_FILE.replace(
+            "def test_gpu(x):\n    pass",
+            (
+                f"def test_gpu(x):\n    _stamp('{name}', 'start')\n    {body}\n"
+                f"    _stamp('{name}', 'end')"
+            ),
+        ).replace(HEADER, HEADER + stamp)
     (tmp_path / "run").mkdir()
     tests = _tree(tmp_path / "run", **files)
-    lanes = [gpu_lanes.Lane(p.stem, p, None, 1, alone=p.stem == "test_solo")
-             for p in sorted(tests.glob("test_*.py"))]
+    lanes = [
+        gpu_lanes.Lane(p.stem, p, None, 1, alone=p.stem == "test_solo")
+        for p in sorted(tests.glob("test_*.py"))
+    ]
     results = gpu_lanes.run_lanes(lanes, jobs=3, timeout=300, out_dir=tmp_path / "logs")
     assert all(r.ok for r in results), [r.line() for r in results]
     rows = [line.split() for line in (tmp_path / "stamps").read_text().splitlines()]
@@ -161,12 +198,15 @@ def test_an_alone_lane_is_declared_and_runs_by_itself_after_the_others(tmp_path)
     assert starts["test_solo"] >= max(ends["test_long"], ends["test_short"])
 
 
-@pytest.mark.parametrize("line,counts", [
-    ("==== 3 passed, 1 failed, 2 warnings in 12.30s ====", {"passed": 3, "failed": 1}),
-    ("1 failed, 2 errors in 4.0s", {"failed": 3}),
-    ("13 passed, 31 warnings in 150.59s (0:02:30)", {"passed": 13}),
-    ("===== no tests ran in 0.01s =====", {}),
-])
+@pytest.mark.parametrize(
+    "line,counts",
+    [
+        ("==== 3 passed, 1 failed, 2 warnings in 12.30s ====", {"passed": 3, "failed": 1}),
+        ("1 failed, 2 errors in 4.0s", {"failed": 3}),
+        ("13 passed, 31 warnings in 150.59s (0:02:30)", {"passed": 13}),
+        ("===== no tests ran in 0.01s =====", {}),
+    ],
+)
 def test_pytest_counts(line, counts):
     assert gpu_lanes.parse_pytest_counts(f"noise\n{line}\n\n") == counts
 
@@ -178,13 +218,27 @@ def test_pytest_progress_of_a_stopped_run():
 
 
 def test_lanes_run_report_one_line_each_and_stop_at_the_time_limit(tmp_path, capsys):
-    tests = _tree(tmp_path, test_ok=GPU_FILE, test_bad=GPU_FILE.replace("pass", "assert x == 'a'"),
-                  test_slow=GPU_FILE.replace("pass", "import time; time.sleep(600)"))
+    tests = _tree(
+        tmp_path,
+        test_ok=GPU_FILE,
+        test_bad=GPU_FILE.replace("pass", "assert x == 'a'"),
+        test_slow=GPU_FILE.replace("pass", "import time; time.sleep(600)"),
+    )
     lanes = {p.stem: gpu_lanes.Lane(p.stem, p, None, 1) for p in tests.glob("test_*.py")}
-    results = {r.name: r for r in gpu_lanes.run_lanes(
-        [lanes["test_ok"], lanes["test_bad"]], jobs=2, timeout=300, out_dir=tmp_path / "logs")}
-    results.update({r.name: r for r in gpu_lanes.run_lanes(
-        [lanes["test_slow"]], jobs=1, timeout=5, out_dir=tmp_path / "logs")})
+    results = {
+        r.name: r
+        for r in gpu_lanes.run_lanes(
+            [lanes["test_ok"], lanes["test_bad"]], jobs=2, timeout=300, out_dir=tmp_path / "logs"
+        )
+    }
+    results.update(
+        {
+            r.name: r
+            for r in gpu_lanes.run_lanes(
+                [lanes["test_slow"]], jobs=1, timeout=5, out_dir=tmp_path / "logs"
+            )
+        }
+    )
     assert results["test_ok"].line().startswith("lane test_ok: 2 passed, 0 failed, ")
     assert results["test_ok"].ok
     assert results["test_bad"].line().startswith("lane test_bad: 1 passed, 1 failed, ")
@@ -211,11 +265,13 @@ def test_the_lanes_byte_compile_their_import_path_first(tmp_path, monkeypatch):
     assert len(cached) == 1, "no bytecode written for the import path"
 
 
-BURN = ("import subprocess, sys, time\n"
-        "def burn(s):\n"
-        "    t = time.process_time()\n"
-        "    while time.process_time() - t < s:\n"
-        "        pass\n")
+BURN = (
+    "import subprocess, sys, time\n"
+    "def burn(s):\n"
+    "    t = time.process_time()\n"
+    "    while time.process_time() - t < s:\n"
+    "        pass\n"
+)
 
 
 def test_the_cpu_account_adds_up_each_lane_and_kind(tmp_path):
@@ -224,7 +280,9 @@ def test_the_cpu_account_adds_up_each_lane_and_kind(tmp_path):
     count for the lane, the child as a scheduler; the lane's sleeping neighbour costs next to
     nothing."""
     burner = tmp_path / "burner.py"
-    burner.write_text(BURN + textwrap.dedent("""
+    burner.write_text(
+        BURN
+        + textwrap.dedent("""
         if sys.argv[1] == "child":
             burn(1.0)
             time.sleep(1.0)  # sampled again after the burn, however loaded the machine
@@ -238,7 +296,8 @@ def test_the_cpu_account_adds_up_each_lane_and_kind(tmp_path):
             time.sleep(1.0)
         else:
             time.sleep(2.0)
-        """))
+        """)
+    )
     account = gpu_lanes.CpuAccount(interval=0.2).start()
     busy = subprocess.Popen([sys.executable, str(burner), "lane"])
     idle = subprocess.Popen([sys.executable, str(burner), "idle"])
@@ -256,15 +315,21 @@ def test_the_cpu_account_adds_up_each_lane_and_kind(tmp_path):
     assert "scheduler: 1 processes" in text and "by lane: busy " in text, text
 
 
-@pytest.mark.parametrize("comm, cmd, kind", [
-    ("python3", "sglang::scheduler_TP0", "scheduler"),
-    ("python3", "sglang::detokenizer", "detokenizer"),
-    ("ptxas", "ptxas -arch=sm_90a x.ptx", "native compiler"),
-    ("python", "python -m pytest -q test_x.py", "pytest"),
-    ("python", "python test/registered/kv_canary/e2e_support/workload.py m none {}",
-     "engine (workload, demo)"),
-    ("bash", "bash -c sleep 1", "other"),
-])
+@pytest.mark.parametrize(
+    "comm, cmd, kind",
+    [
+        ("python3", "sglang::scheduler_TP0", "scheduler"),
+        ("python3", "sglang::detokenizer", "detokenizer"),
+        ("ptxas", "ptxas -arch=sm_90a x.ptx", "native compiler"),
+        ("python", "python -m pytest -q test_x.py", "pytest"),
+        (
+            "python",
+            "python test/registered/kv_canary/e2e_support/workload.py m none {}",
+            "engine (workload, demo)",
+        ),
+        ("bash", "bash -c sleep 1", "other"),
+    ],
+)
 def test_cpu_kinds(comm, cmd, kind):
     assert gpu_lanes.cpu_kind(comm, cmd) == kind
 

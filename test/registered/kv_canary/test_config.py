@@ -20,8 +20,14 @@ register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 
 def _args(**kw):
-    base = dict(kv_canary="raise", kv_canary_sweep_interval=0, kv_canary_real_data="none",
-                device="cpu", disable_piecewise_cuda_graph=True, enable_torch_compile=False)
+    base = dict(
+        kv_canary="raise",
+        kv_canary_sweep_interval=0,
+        kv_canary_real_data="none",
+        device="cpu",
+        disable_piecewise_cuda_graph=True,
+        enable_torch_compile=False,
+    )
     base.update(kw)
     return types.SimpleNamespace(**base)
 
@@ -47,21 +53,24 @@ def test_environment_is_parsed_once_into_the_config(monkeypatch):
     assert cfg.ring_capacity == 16  # frozen: nothing re-reads the environment
 
 
-@pytest.mark.parametrize("name,value,allowed", [
-    ("SGLANG_KV_CANARY_RING_CAPACITY", "0", "an integer from 1 to 1048576"),
-    ("SGLANG_KV_CANARY_RING_CAPACITY", "many", "an integer from 1 to 1048576"),
-    ("SGLANG_KV_CANARY_RING_CAPACITY", "99999999999999999999", "an integer from 1 to 1048576"),
-    ("SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS", "10000000000", "an integer from 0 to 1000000000"),
-    ("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "maybe", "0/1"),
-    ("SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS", "-1", "an integer from 0 to"),
-    ("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "1.5", "[0, 1]"),
-    ("SGLANG_KV_CANARY_PERTURB_TARGET_GROUP", "both", "'full'"),
-    ("SGLANG_KV_CANARY_PERTURB_MAX_FAULTS", "-2", "an integer from 0 to"),
-    ("SGLANG_KV_CANARY_REAL_DATA_LAYERS_PER_FORWARD", "0", "an integer from 1 to 4096"),
-    ("SGLANG_KV_CANARY_PERTURB_TARGET_LAYER", "top", "a layer id (0, 1, ...) or 'last'"),
-    ("SGLANG_KV_CANARY_PERTURB_TARGET_LAYER", "-1", "a layer id (0, 1, ...) or 'last'"),
-    ("SGLANG_KV_CANARY_PERTURB_TARGET_HALF", "both", "'k', 'v'"),
-])
+@pytest.mark.parametrize(
+    "name,value,allowed",
+    [
+        ("SGLANG_KV_CANARY_RING_CAPACITY", "0", "an integer from 1 to 1048576"),
+        ("SGLANG_KV_CANARY_RING_CAPACITY", "many", "an integer from 1 to 1048576"),
+        ("SGLANG_KV_CANARY_RING_CAPACITY", "99999999999999999999", "an integer from 1 to 1048576"),
+        ("SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS", "10000000000", "an integer from 0 to 1000000000"),
+        ("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "maybe", "0/1"),
+        ("SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS", "-1", "an integer from 0 to"),
+        ("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "1.5", "[0, 1]"),
+        ("SGLANG_KV_CANARY_PERTURB_TARGET_GROUP", "both", "'full'"),
+        ("SGLANG_KV_CANARY_PERTURB_MAX_FAULTS", "-2", "an integer from 0 to"),
+        ("SGLANG_KV_CANARY_REAL_DATA_LAYERS_PER_FORWARD", "0", "an integer from 1 to 4096"),
+        ("SGLANG_KV_CANARY_PERTURB_TARGET_LAYER", "top", "a layer id (0, 1, ...) or 'last'"),
+        ("SGLANG_KV_CANARY_PERTURB_TARGET_LAYER", "-1", "a layer id (0, 1, ...) or 'last'"),
+        ("SGLANG_KV_CANARY_PERTURB_TARGET_HALF", "both", "'k', 'v'"),
+    ],
+)
 def test_bad_environment_values_name_the_variable(monkeypatch, name, value, allowed):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name) as exc:
@@ -70,30 +79,42 @@ def test_bad_environment_values_name_the_variable(monkeypatch, name, value, allo
     assert allowed in str(exc.value)
 
 
-@pytest.mark.parametrize("kw,message", [
-    (dict(kv_canary="sometimes"), "invalid --kv-canary value 'sometimes'"),
-    (dict(kv_canary_real_data="most"), "invalid --kv-canary-real-data value 'most'"),
-    (dict(kv_canary_real_data_layers="some"),
-     "invalid --kv-canary-real-data-layers value 'some'; allowed: first, all"),
-    (dict(kv_canary_real_data_layers="all"),
-     "--kv-canary-real-data-layers=all .* needs --kv-canary-real-data partial or all"),
-    (dict(kv_canary="none", kv_canary_sweep_interval=4), "--kv-canary-sweep-interval=4 needs"),
-    (dict(enable_torch_compile=True), "--enable-torch-compile"),
-    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"),
-     "--hicache-storage-backend file yet: pages prefetched back"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(kv_canary="sometimes"), "invalid --kv-canary value 'sometimes'"),
+        (dict(kv_canary_real_data="most"), "invalid --kv-canary-real-data value 'most'"),
+        (
+            dict(kv_canary_real_data_layers="some"),
+            "invalid --kv-canary-real-data-layers value 'some'; allowed: first, all",
+        ),
+        (
+            dict(kv_canary_real_data_layers="all"),
+            "--kv-canary-real-data-layers=all .* needs --kv-canary-real-data partial or all",
+        ),
+        (dict(kv_canary="none", kv_canary_sweep_interval=4), "--kv-canary-sweep-interval=4 needs"),
+        (dict(enable_torch_compile=True), "--enable-torch-compile"),
+        (
+            dict(enable_hierarchical_cache=True, hicache_storage_backend="file"),
+            "--hicache-storage-backend file yet: pages prefetched back",
+        ),
+    ],
+)
 def test_startup_refusals_name_the_flag(kw, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         check_server_args_for_canary(_args(**kw))
 
 
-@pytest.mark.parametrize("kw,names", [
-    (dict(tp_size=2), ["--tp-size 2"]),
-    (dict(pp_size=2), ["--pp-size 2"]),
-    (dict(dp_size=2, enable_dp_attention=True), ["--dp-size 2", "--enable-dp-attention"]),
-    (dict(disaggregation_mode="decode"), ["--disaggregation-mode decode"]),
-    (dict(disaggregation_mode="prefill"), ["--disaggregation-mode prefill"]),
-])
+@pytest.mark.parametrize(
+    "kw,names",
+    [
+        (dict(tp_size=2), ["--tp-size 2"]),
+        (dict(pp_size=2), ["--pp-size 2"]),
+        (dict(dp_size=2, enable_dp_attention=True), ["--dp-size 2", "--enable-dp-attention"]),
+        (dict(disaggregation_mode="decode"), ["--disaggregation-mode decode"]),
+        (dict(disaggregation_mode="prefill"), ["--disaggregation-mode prefill"]),
+    ],
+)
 def test_abort_mode_refuses_what_it_cannot_abort_soundly(kw, names):
     """``--kv-canary abort`` on several scheduler ranks or across PD servers is
     refused at start-up, naming the flags and the modes to use instead."""
@@ -107,15 +128,17 @@ def test_abort_mode_refuses_what_it_cannot_abort_soundly(kw, names):
 def test_abort_mode_parses_on_one_rank(monkeypatch):
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_MAX_FAULTS", "1")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.5")
-    cfg = check_server_args_for_canary(_args(kv_canary="ABORT", tp_size=1,
-                                             disaggregation_mode="null"))
+    cfg = check_server_args_for_canary(
+        _args(kv_canary="ABORT", tp_size=1, disaggregation_mode="null")
+    )
     assert cfg.mode == CanaryMode.ABORT and cfg.perturb.max_faults == 1
     assert "mode=abort" in cfg.describe()
 
 
 def test_canary_off_refuses_nothing():
     assert not check_server_args_for_canary(
-        _args(kv_canary="none", device="cuda", disable_piecewise_cuda_graph=False)).enabled
+        _args(kv_canary="none", device="cuda", disable_piecewise_cuda_graph=False)
+    ).enabled
 
 
 @pytest.mark.parametrize("kind", list(FaultKind))
@@ -123,9 +146,13 @@ def test_the_variable_parser_alone_refuses_a_probability_above_one(monkeypatch, 
     """Each fault probability variable is refused by its parser (not only later, by
     ``PerturbConfig``): the message names the variable and the allowed range."""
     monkeypatch.setenv(kind.env_var, "1.5")
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             f"invalid value '1.5' for environment variable {kind.env_var}: must be a "
-            "probability in [0, 1]")):
+            "probability in [0, 1]"
+        ),
+    ):
         getattr(CanaryEnvs, kind.env_var).get()
     monkeypatch.setenv(kind.env_var, "1")
     assert getattr(CanaryEnvs, kind.env_var).get() == 1.0  # the bound itself is allowed
@@ -135,24 +162,34 @@ def test_the_variable_parser_alone_refuses_a_probability_above_one(monkeypatch, 
 def test_perturb_config_alone_refuses_a_probability_above_one(kind):
     """``PerturbConfig`` refuses it too when built directly (no environment involved)."""
     field = f"{kind.value}_prob"
-    with pytest.raises(ValueError, match=re.escape(
-            f"{kind.env_var} must be a probability in [0, 1], got 1.5")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"{kind.env_var} must be a probability in [0, 1], got 1.5")
+    ):
         PerturbConfig(target_group=PoolKind.FULL, **{field: 1.5})
     assert PerturbConfig(target_group=PoolKind.FULL, **{field: 1.0}).prob(kind) == 1.0
 
 
-@pytest.mark.parametrize("field,minimum,maximum", [
-    ("ring_capacity", 1, MAX_RING_CAPACITY), ("sweep_interval", 0, MAX_STEP_INTERVAL),
-    ("stats_print_every_n_steps", 0, MAX_STEP_INTERVAL),
-    ("swa_divergence_stats_interval", 0, MAX_STEP_INTERVAL)])
+@pytest.mark.parametrize(
+    "field,minimum,maximum",
+    [
+        ("ring_capacity", 1, MAX_RING_CAPACITY),
+        ("sweep_interval", 0, MAX_STEP_INTERVAL),
+        ("stats_print_every_n_steps", 0, MAX_STEP_INTERVAL),
+        ("swa_divergence_stats_interval", 0, MAX_STEP_INTERVAL),
+    ],
+)
 def test_config_integer_fields_are_range_checked(field, minimum, maximum):
     """``CanaryConfig`` itself (built by the driver, the builder's tests and the benchmarks,
     not only from the environment) refuses each integer setting outside its range, naming
     it; the bounds are accepted."""
     mode = dict(mode="raise")
     for bad in (minimum - 1, maximum + 1):
-        with pytest.raises(ValueError, match=re.escape(
-                f"CanaryConfig.{field} must be an int from {minimum} to {maximum}, got {bad}")):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                f"CanaryConfig.{field} must be an int from {minimum} to {maximum}, got {bad}"
+            ),
+        ):
             CanaryConfig(**mode, **{field: bad})
     for good in (minimum, maximum):
         assert getattr(CanaryConfig(**mode, **{field: good}), field) == good
@@ -164,8 +201,9 @@ def test_real_data_layers_parse(monkeypatch):
     monkeypatch.setenv("SGLANG_KV_CANARY_REAL_DATA_LAYERS_PER_FORWARD", "3")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_LAYER", " Last ")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_HALF", "V")
-    cfg = check_server_args_for_canary(_args(kv_canary_real_data="all",
-                                             kv_canary_real_data_layers=" ALL "))
+    cfg = check_server_args_for_canary(
+        _args(kv_canary_real_data="all", kv_canary_real_data_layers=" ALL ")
+    )
     assert cfg.real_data_layers.value == "all" and cfg.real_data_layers_per_forward == 3
     assert "real_data=all real_data_layers=all layers_per_forward=3" in cfg.describe()
     assert cfg.perturb.target_layer == "last" and cfg.perturb.target_half.value == "v"
@@ -186,8 +224,11 @@ def test_rank_targets_parse_match_and_are_checked_against_the_server(monkeypatch
     assert cfg.perturb.target_tp_rank == 1 and cfg.perturb.target_pp_rank is None
     assert cfg.perturb.injects_on(RankFacts(tp_rank=1, tp_size=2))
     assert not cfg.perturb.injects_on(RankFacts(tp_rank=0, tp_size=2))
-    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_TP_RANK=1 but the server "
-                                         "has --tp-size 1: allowed 0 to 0, or unset"):
+    with pytest.raises(
+        ValueError,
+        match="SGLANG_KV_CANARY_PERTURB_TP_RANK=1 but the server "
+        "has --tp-size 1: allowed 0 to 0, or unset",
+    ):
         check_server_args_for_canary(_args(kv_canary="log", tp_size=1))
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TP_RANK", "")  # empty: every rank
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_PP_RANK", "1")
@@ -204,11 +245,15 @@ def test_host_kv_needs_hicache(monkeypatch):
     ``--enable-hierarchical-cache`` it is refused, naming the flag."""
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB", "0.5")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_GROUP", "full")
-    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB > 0 corrupts "
-                                         "HiCache's host memory: pass --enable-hierarchical"):
+    with pytest.raises(
+        ValueError,
+        match="SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB > 0 corrupts "
+        "HiCache's host memory: pass --enable-hierarchical",
+    ):
         check_server_args_for_canary(_args(kv_canary="log", kv_canary_real_data="partial"))
-    cfg = check_server_args_for_canary(_args(kv_canary="log", kv_canary_real_data="partial",
-                                             enable_hierarchical_cache=True))
+    cfg = check_server_args_for_canary(
+        _args(kv_canary="log", kv_canary_real_data="partial", enable_hierarchical_cache=True)
+    )
     assert cfg.perturb.host_kv_prob == 0.5
     with pytest.raises(ValueError, match="only real-data fingerprints see"):
         check_server_args_for_canary(_args(kv_canary="log", enable_hierarchical_cache=True))

@@ -44,10 +44,18 @@ MESSAGE = "kv_canary: KV cache corruption detected"
 
 
 def _row(tag, slot, *, req_row, bits=FailReason.VERIFY_REAL_KV_HASH_MISMATCH, read_position=3):
-    return ViolationRecord(launch_tag=int(tag), slot_idx=slot, position=read_position,
-                           stored_token=7, expected_token=-1, stored_chain_hash=0,
-                           expected_aux=0, fail_bits=int(bits), read_position=read_position,
-                           req_to_token_row=req_row)
+    return ViolationRecord(
+        launch_tag=int(tag),
+        slot_idx=slot,
+        position=read_position,
+        stored_token=7,
+        expected_token=-1,
+        stored_chain_hash=0,
+        expected_aux=0,
+        fail_bits=int(bits),
+        read_position=read_position,
+        req_to_token_row=req_row,
+    )
 
 
 def _flip(d: ServingDriver, slot: int) -> None:
@@ -69,18 +77,24 @@ def _tree_over(d: ServingDriver, reqs):
     """A real RadixCache holding ``reqs``' prefixes, over an allocator of its own (evicting
     frees into it, never into the driver's: the driver keeps its own accounting)."""
     r2t = ReqToTokenPool(size=4, max_context_len=256, device="cpu", enable_memory_saver=False)
-    alloc = TokenToKVPoolAllocator(d.kv_pool.size, torch.bfloat16, "cpu", d.kv_pool,
-                                   need_sort=False)
-    cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t,
-                                       token_to_kv_pool_allocator=alloc, page_size=1))
+    alloc = TokenToKVPoolAllocator(
+        d.kv_pool.size, torch.bfloat16, "cpu", d.kv_pool, need_sort=False
+    )
+    cache = RadixCache(
+        CacheInitParams(
+            disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1
+        )
+    )
     held = set()
     for r in reqs:
-        cache.insert(InsertParams(key=RadixKey(r.tokens[: r.kv_len]),
-                                  value=torch.tensor(r.slots[: r.kv_len])))
+        cache.insert(
+            InsertParams(
+                key=RadixKey(r.tokens[: r.kv_len]), value=torch.tensor(r.slots[: r.kv_len])
+            )
+        )
         held |= set(r.slots[: r.kv_len])
     # the tree's slots are allocated, as in sglang (the release guard reads the free list)
-    alloc.free_pages = alloc.free_pages[~torch.isin(alloc.free_pages,
-                                                    torch.tensor(sorted(held)))]
+    alloc.free_pages = alloc.free_pages[~torch.isin(alloc.free_pages, torch.tensor(sorted(held)))]
     return cache, alloc
 
 
@@ -108,12 +122,14 @@ def test_resolver_names_the_reader_and_every_running_request_mapping_the_slot():
     assert got.rids == (str(a.rid), str(b.rid))  # the reader first, then b (shares it)
     assert [r.rid for r in got.running] == [a.rid, b.rid]
     # a sweep row (no reader) of c's own slot: c alone; of a slot nobody maps: none
-    (sweep,) = resolver.resolve(merge_incidents([_row(CanaryLaunchTag.SWEEP_K_FULL, c.slots[2],
-                                                      req_row=-1)]), forward)
+    (sweep,) = resolver.resolve(
+        merge_incidents([_row(CanaryLaunchTag.SWEEP_K_FULL, c.slots[2], req_row=-1)]), forward
+    )
     assert sweep.rids == (str(c.rid),)
     free = next(s for s in range(1, d.kv_pool.size) if s not in d.slot_refs)
-    (none,) = resolver.resolve(merge_incidents([_row(CanaryLaunchTag.SWEEP_K_FULL, free,
-                                                     req_row=-1)]), forward)
+    (none,) = resolver.resolve(
+        merge_incidents([_row(CanaryLaunchTag.SWEEP_K_FULL, free, req_row=-1)]), forward
+    )
     assert none.rids == () and none.running == ()
 
 
@@ -130,25 +146,29 @@ def test_resolver_names_a_reader_that_finished_and_ignores_stale_row_entries():
     resolver = RequestResolver(req_to_token=d.req_to_token_pool.req_to_token)
     resolver.running_reqs = lambda: list(d.running)
     (got,) = resolver.resolve(
-        merge_incidents([_row(CanaryLaunchTag.TAIL_K_FULL, slot, req_row=row_a)]), forward)
+        merge_incidents([_row(CanaryLaunchTag.TAIL_K_FULL, slot, req_row=row_a)]), forward
+    )
     assert got.rids == (str(a.rid),) and got.running == ()
 
 
 def test_resolver_translates_an_swa_slot_through_the_table():
     d = ServingDriver(seed=7, mode="log", pool="swa", swa_window=8, num_swa_slots=256)
     a, b, c = _shared_pair(d)
-    resolver = RequestResolver(req_to_token=d.req_to_token_pool.req_to_token,
-                               swa_index_lut=d.swa_table)
+    resolver = RequestResolver(
+        req_to_token=d.req_to_token_pool.req_to_token, swa_index_lut=d.swa_table
+    )
     resolver.running_reqs = lambda: list(d.running)
     full = c.slots[-1]
-    (got,) = resolver.resolve(merge_incidents(
-        [_row(CanaryLaunchTag.HEAD_K_SWA, d.swa_slot(full), req_row=-1)]),
-        ForwardRequests.of([]))
+    (got,) = resolver.resolve(
+        merge_incidents([_row(CanaryLaunchTag.HEAD_K_SWA, d.swa_slot(full), req_row=-1)]),
+        ForwardRequests.of([]),
+    )
     assert got.rids == (str(c.rid),)
     # the same number as a FULL slot is another slot space: not c's (unless c maps it)
-    (other,) = resolver.resolve(merge_incidents(
-        [_row(CanaryLaunchTag.HEAD_K_FULL, d.swa_slot(full), req_row=-1)]),
-        ForwardRequests.of([]))
+    (other,) = resolver.resolve(
+        merge_incidents([_row(CanaryLaunchTag.HEAD_K_FULL, d.swa_slot(full), req_row=-1)]),
+        ForwardRequests.of([]),
+    )
     assert (str(c.rid) in other.rids) == (d.swa_slot(full) in c.slots)
 
 
@@ -171,8 +191,12 @@ def test_abort_mode_aborts_the_touched_requests_evicts_the_prefix_and_keeps_serv
     d = ServingDriver(seed=9, mode="abort", real_data="partial")
     a, b, c = _shared_pair(d)
     cache, tree_alloc = _tree_over(d, [a, c])
-    d.manager.attach_scheduler(radix_cache=cache, running_reqs=lambda: list(d.running),
-                               metrics_labels=None, kv_slots_in_use=lambda: 0)
+    d.manager.attach_scheduler(
+        radix_cache=cache,
+        running_reqs=lambda: list(d.running),
+        metrics_labels=None,
+        kv_slots_in_use=lambda: 0,
+    )
     shared = a.slots[3]
     free_before = tree_alloc.available_size()
     a_cached, c_cached = set(a.slots[: a.kv_len]), set(c.slots[: c.kv_len])
@@ -181,13 +205,17 @@ def test_abort_mode_aborts_the_touched_requests_evicts_the_prefix_and_keeps_serv
         d.step()  # no raise: abort mode contains it
     lines = parse_violation_lines(caplog.text)
     assert {(v.slot_idx, frozenset(v.rids)) for v in lines} == {
-        (shared, frozenset({str(a.rid), str(b.rid)}))}  # a's read and b's read
+        (shared, frozenset({str(a.rid), str(b.rid)}))
+    }  # a's read and b's read
     for r in (a, b):
         assert r.to_finish is not None, f"request {r.rid} was not aborted"
         reason = r.to_finish.to_json()
-        assert reason["type"] == "abort" and reason["status_code"] == HTTPStatus.INTERNAL_SERVER_ERROR
-        assert reason["message"] == (f"{MESSAGE} (launch_tag=TAIL_K_FULL, "
-                                     "fail_reason=verify_real_kv_hash)")
+        assert (
+            reason["type"] == "abort" and reason["status_code"] == HTTPStatus.INTERNAL_SERVER_ERROR
+        )
+        assert reason["message"] == (
+            f"{MESSAGE} (launch_tag=TAIL_K_FULL, fail_reason=verify_real_kv_hash)"
+        )
         assert r.skip_radix_cache_insert and r not in d.running  # the driver finished them
     assert c.to_finish is None and c in d.running
     assert d.manager.containment.aborted_requests == 2
@@ -210,16 +238,22 @@ def test_abort_mode_waits_for_locked_nodes_and_aborts_who_locks_them(caplog):
     d = ServingDriver(seed=10, mode="abort", real_data="partial")
     a, b, c = _shared_pair(d)
     cache, _ = _tree_over(d, [a])
-    d.manager.attach_scheduler(radix_cache=cache, running_reqs=lambda: list(d.running),
-                               metrics_labels=None, kv_slots_in_use=lambda: 0)
+    d.manager.attach_scheduler(
+        radix_cache=cache,
+        running_reqs=lambda: list(d.running),
+        metrics_labels=None,
+        kv_slots_in_use=lambda: 0,
+    )
     (node,) = cache.root_node.children.values()
     cache.inc_lock_ref(node)  # a request holds the prefix: not evictable
     slot = a.slots[1]
     touched = d.manager.requests.resolve(
         merge_incidents([_row(CanaryLaunchTag.SWEEP_K_FULL, slot, req_row=-1)]),
-        ForwardRequests.of([]))
+        ForwardRequests.of([]),
+    )
     d.manager.containment.contain(
-        merge_incidents([_row(CanaryLaunchTag.SWEEP_K_FULL, slot, req_row=-1)]), touched)
+        merge_incidents([_row(CanaryLaunchTag.SWEEP_K_FULL, slot, req_row=-1)]), touched
+    )
     # a request admitted before the abort took effect maps the corrupt prefix too
     late = d.add_request(prompt_len=14, max_new=20, share_with=a, shared_len=6)
     d._admit()
@@ -243,19 +277,29 @@ def test_abort_mode_waits_for_locked_nodes_and_aborts_who_locks_them(caplog):
 def test_abort_mode_refuses_a_tree_it_cannot_evict_from():
     d = ServingDriver(seed=11, mode="abort", pool="swa", swa_window=8, num_swa_slots=256)
     r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
-    swa = SWARadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t,
-                                        token_to_kv_pool_allocator=d.allocator, page_size=1,
-                                        sliding_window_size=8))
+    swa = SWARadixCache(
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=r2t,
+            token_to_kv_pool_allocator=d.allocator,
+            page_size=1,
+            sliding_window_size=8,
+        )
+    )
     with pytest.raises(RuntimeError, match="--kv-canary abort cannot evict.*SWARadixCache"):
         d.manager.attach_radix_cache(swa)
-    assert ContainmentManager(resolver=d.manager.requests, swa_index_lut=None,
-                              records=d.manager.groups[0].k_tail
-                              ).attach_radix_cache(None) is None  # no tree: nothing to evict
+    assert (
+        ContainmentManager(
+            resolver=d.manager.requests, swa_index_lut=None, records=d.manager.groups[0].k_tail
+        ).attach_radix_cache(None)
+        is None
+    )  # no tree: nothing to evict
     from sglang.srt.mem_cache.unified_cache_components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    params = CacheInitParams(disable=False, req_to_token_pool=r2t,
-                             token_to_kv_pool_allocator=d.allocator, page_size=1)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=d.allocator, page_size=1
+    )
     params.tree_components = (ComponentType.FULL,)  # as sglang's scheduler sets it
     with pytest.raises(RuntimeError, match="--kv-canary abort cannot evict.*UnifiedRadixCache"):
         d.manager.attach_radix_cache(UnifiedRadixCache(params))
@@ -277,16 +321,22 @@ def test_metrics_count_each_line_each_abort_and_the_slots_checked(caplog):
     d = ServingDriver(seed=12, mode="abort", real_data="partial", sweep_interval=3)
     a, b, c = _shared_pair(d)
     cache, _ = _tree_over(d, [a, c])
-    d.manager.attach_scheduler(radix_cache=cache, running_reqs=lambda: list(d.running),
-                               metrics_labels=labels, kv_slots_in_use=lambda: 123,
-                               metrics_registry=registry)
+    d.manager.attach_scheduler(
+        radix_cache=cache,
+        running_reqs=lambda: list(d.running),
+        metrics_labels=labels,
+        kv_slots_in_use=lambda: 123,
+        metrics_registry=registry,
+    )
     d.step()
     verified = _sample(registry, "sglang:kv_canary_verified_slots_total", **labels)
     assert verified > 0
     assert _sample(registry, "sglang:kv_canary_protected_tokens", **labels) == 123
     d.step()
     assert _sample(registry, "sglang:kv_canary_verified_slots_total", **labels) > verified
-    assert _sample(registry, "sglang:kv_canary_sweep_passes_total", **labels) == d.manager.sweep_passes
+    assert (
+        _sample(registry, "sglang:kv_canary_sweep_passes_total", **labels) == d.manager.sweep_passes
+    )
     _flip(d, a.slots[3])
     with caplog.at_level("WARNING", logger="sglang.srt.kv_canary"):
         d.step()
@@ -297,8 +347,16 @@ def test_metrics_count_each_line_each_abort_and_the_slots_checked(caplog):
         key = (v.launch_tag, "+".join(v.fail_reasons))
         by_label[key] = by_label.get(key, 0) + 1
     for (tag, reason), n in by_label.items():
-        assert _sample(registry, "sglang:kv_canary_violations_total", **labels,
-                       launch_tag=tag, fail_reason=reason) == n
+        assert (
+            _sample(
+                registry,
+                "sglang:kv_canary_violations_total",
+                **labels,
+                launch_tag=tag,
+                fail_reason=reason,
+            )
+            == n
+        )
     assert _sample(registry, "sglang:kv_canary_aborted_requests_total", **labels) == 2
     assert _sample(registry, "sglang:kv_canary_dropped_violations_total", **labels) == 0
 
@@ -314,10 +372,12 @@ def test_metrics_count_dropped_rows():
 
 def test_max_faults_stops_injection():
     d = ServingDriver(seed=13, mode="log")
-    p = CanaryPerturber(config=PerturbConfig(warmup_steps=0, req_to_token_prob=1.0,
-                                             max_faults=2),
-                        groups=d.groups, req_to_token=d.req_to_token_pool.req_to_token,
-                        radix_cache=lambda: None)
+    p = CanaryPerturber(
+        config=PerturbConfig(warmup_steps=0, req_to_token_prob=1.0, max_faults=2),
+        groups=d.groups,
+        req_to_token=d.req_to_token_pool.req_to_token,
+        radix_cache=lambda: None,
+    )
     a, b, c = _shared_pair(d)
     for step in range(1, 8):
         fb = d._decode_batch(d.running)

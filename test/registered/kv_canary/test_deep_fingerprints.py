@@ -45,8 +45,10 @@ NUM_SLOTS, LAYERS, HEADS, DIM = 40, 3, 2, 8  # bf16 rows of 32 bytes
 def _pool(device, page_size=1, seed=0):
     g = torch.Generator().manual_seed(seed)
     rows = NUM_SLOTS // page_size
+
     def buf():
         return torch.randn(rows, page_size * HEADS * DIM, generator=g).to(torch.bfloat16).to(device)
+
     return [buf() for _ in range(LAYERS)], [buf() for _ in range(LAYERS)]
 
 
@@ -55,11 +57,25 @@ def _table(k, v, mode, *, page_size=1, layers_per_forward=1, with_v=True):
     for layer in range(LAYERS):
         for half, bufs in ((KvHalf.K, k), (KvHalf.V, v)) if with_v else ((KvHalf.K, k),):
             row = HEADS * DIM * 2
-            cols.append(DeepColumn(layer, half, RealKvSource(
-                tensor=bufs[layer], page_size=page_size, num_bytes_per_token=row, read_bytes=row)))
-    return DeepFingerprintTable.allocate(num_slots=NUM_SLOTS, columns=cols, mode=mode,
-                                         layers_per_forward=layers_per_forward,
-                                         device=k[0].device)
+            cols.append(
+                DeepColumn(
+                    layer,
+                    half,
+                    RealKvSource(
+                        tensor=bufs[layer],
+                        page_size=page_size,
+                        num_bytes_per_token=row,
+                        read_bytes=row,
+                    ),
+                )
+            )
+    return DeepFingerprintTable.allocate(
+        num_slots=NUM_SLOTS,
+        columns=cols,
+        mode=mode,
+        layers_per_forward=layers_per_forward,
+        device=k[0].device,
+    )
 
 
 def _write_plan(slots, device):
@@ -81,8 +97,10 @@ def _verify_plan(slots, device):
 
 
 def _ring(device):
-    return (torch.zeros(64, VIOLATION_NUM_FIELDS, dtype=torch.int64, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device))
+    return (
+        torch.zeros(64, VIOLATION_NUM_FIELDS, dtype=torch.int64, device=device),
+        torch.zeros(1, dtype=torch.int32, device=device),
+    )
 
 
 def _records(device):
@@ -93,11 +111,21 @@ def _records(device):
 
 def _verify(table, plan, rec, *, rotate, reference):
     ring, idx = _ring(table.device)
-    launch = (deep_ref.launch_deep_fingerprint_verify_torch_reference if reference
-              else deep.launch_deep_fingerprint_verify)
-    launch(table=table, plan=plan, canary_buf=rec, violation_ring=ring,
-           violation_write_index=idx, tag_k=CanaryLaunchTag.TAIL_K_FULL,
-           tag_v=CanaryLaunchTag.TAIL_V_FULL, rotate=rotate)
+    launch = (
+        deep_ref.launch_deep_fingerprint_verify_torch_reference
+        if reference
+        else deep.launch_deep_fingerprint_verify
+    )
+    launch(
+        table=table,
+        plan=plan,
+        canary_buf=rec,
+        violation_ring=ring,
+        violation_write_index=idx,
+        tag_k=CanaryLaunchTag.TAIL_K_FULL,
+        tag_v=CanaryLaunchTag.TAIL_V_FULL,
+        rotate=rotate,
+    )
     n = int(idx[0])
     return sorted(tuple(r) for r in ring[:n].tolist())
 
@@ -175,7 +203,8 @@ def test_rotation_covers_every_column_within_the_bound(device, layers_per_forwar
         assert got == _verify(ref, vplan, rec, rotate=True, reference=True)
         if got:
             assert [(r[VIOLATION_FIELD_SLOT_IDX], r[VIOLATION_FIELD_KV_LAYER]) for r in got] == [
-                (9, LAYERS - 1)]
+                (9, LAYERS - 1)
+            ]
             seen_at.append(step)
     # any `bound` consecutive forwards check every column: the flip is seen in each such span
     for start in range(steps - bound + 1):
@@ -199,20 +228,33 @@ def test_table_validation_names_the_problem(device):
     row = HEADS * DIM * 2
     src = RealKvSource(tensor=k[0], page_size=1, num_bytes_per_token=row, read_bytes=row)
     with pytest.raises(ValueError, match="PARTIAL or ALL"):
-        DeepFingerprintTable.allocate(num_slots=NUM_SLOTS, columns=[DeepColumn(0, KvHalf.K, src)],
-                                      mode=RealKvHashMode.NONE, layers_per_forward=1,
-                                      device=device)
+        DeepFingerprintTable.allocate(
+            num_slots=NUM_SLOTS,
+            columns=[DeepColumn(0, KvHalf.K, src)],
+            mode=RealKvHashMode.NONE,
+            layers_per_forward=1,
+            device=device,
+        )
     with pytest.raises(ValueError, match="layer-major"):
         DeepFingerprintTable.allocate(
-            num_slots=NUM_SLOTS, columns=[DeepColumn(0, KvHalf.K, src),
-                                          DeepColumn(1, KvHalf.K, src),
-                                          DeepColumn(0, KvHalf.V, src)],
-            mode=RealKvHashMode.ALL, layers_per_forward=1, device=device)
+            num_slots=NUM_SLOTS,
+            columns=[
+                DeepColumn(0, KvHalf.K, src),
+                DeepColumn(1, KvHalf.K, src),
+                DeepColumn(0, KvHalf.V, src),
+            ],
+            mode=RealKvHashMode.ALL,
+            layers_per_forward=1,
+            device=device,
+        )
     with pytest.raises(ValueError, match="covers"):
-        DeepFingerprintTable.allocate(num_slots=NUM_SLOTS + 1,
-                                      columns=[DeepColumn(0, KvHalf.K, src)],
-                                      mode=RealKvHashMode.ALL, layers_per_forward=1,
-                                      device=device)
+        DeepFingerprintTable.allocate(
+            num_slots=NUM_SLOTS + 1,
+            columns=[DeepColumn(0, KvHalf.K, src)],
+            mode=RealKvHashMode.ALL,
+            layers_per_forward=1,
+            device=device,
+        )
     table = _table(k, v, RealKvHashMode.ALL, layers_per_forward=99)
     assert table.columns_per_forward == 2 * LAYERS and table.forwards_per_rotation == 1
 
@@ -226,8 +268,9 @@ from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines  # 
 
 def _driver(pool, layers, **kw):
     extra = dict(swa_window=12, num_swa_slots=200) if pool == "swa" else {}
-    return ServingDriver(pool=pool, mode="raise", real_data="partial", seed=5,
-                         real_data_layers=layers, **extra, **kw)
+    return ServingDriver(
+        pool=pool, mode="raise", real_data="partial", seed=5, real_data_layers=layers, **extra, **kw
+    )
 
 
 @pytest.mark.parametrize("pool", ["mha", "swa", "mla", "hybrid"])
@@ -244,13 +287,18 @@ def test_serving_loop_with_every_layer_is_clean(pool, reference_kernels_on_cpu):
 
 
 # (pool, local layer index, half, the model's layer id it is)
-LAST_LAYER_CASES = [("mha", 1, "v", 1), ("mha", 1, "k", 1), ("mla", 1, "k", 1),
-                    ("hybrid", 1, "v", 3)]
+LAST_LAYER_CASES = [
+    ("mha", 1, "v", 1),
+    ("mha", 1, "k", 1),
+    ("mla", 1, "k", 1),
+    ("hybrid", 1, "v", 3),
+]
 
 
 @pytest.mark.parametrize("pool,layer,half,model_layer", LAST_LAYER_CASES)
-def test_flip_in_the_last_layer_is_caught_within_the_bound(pool, layer, half, model_layer,
-                                                           reference_kernels_on_cpu):
+def test_flip_in_the_last_layer_is_caught_within_the_bound(
+    pool, layer, half, model_layer, reference_kernels_on_cpu
+):
     d = _driver(pool, "all")
     d.run(40)
     d.settle()
@@ -267,8 +315,9 @@ def test_flip_in_the_last_layer_is_caught_within_the_bound(pool, layer, half, mo
 
 
 @pytest.mark.parametrize("pool,layer,half,model_layer", LAST_LAYER_CASES[:2])
-def test_first_layer_only_misses_the_same_flip(pool, layer, half, model_layer,
-                                               reference_kernels_on_cpu):
+def test_first_layer_only_misses_the_same_flip(
+    pool, layer, half, model_layer, reference_kernels_on_cpu
+):
     """The documented gap of ``--kv-canary-real-data-layers first``: the same flip runs clean."""
     d = _driver(pool, "first")
     d.run(40)
@@ -286,23 +335,36 @@ from sglang.srt.kv_canary.perturb.report import parse_perturb_line  # noqa: E402
 NUM_DRIVER_SLOTS = 641  # the driver's 640 slots + sglang's padding slot
 
 
-@pytest.mark.parametrize("layer,half,message", [
-    (5, "k", "has layers 0..1 .*allowed: one of those layer ids or 'last'"),
-    ("last", "v", "halves k; allowed"),
-])
+@pytest.mark.parametrize(
+    "layer,half,message",
+    [
+        (5, "k", "has layers 0..1 .*allowed: one of those layer ids or 'last'"),
+        ("last", "v", "halves k; allowed"),
+    ],
+)
 def test_perturbation_target_the_pool_lacks_is_refused(layer, half, message):
     pool = "mha" if layer == 5 else "mla"
     with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_TARGET_LAYER=.*" + message):
-        _driver(pool, "all", perturb=PerturbConfig(real_kv_post_forward_prob=1.0,
-                                                   target_group="full", target_layer=layer,
-                                                   target_half=half))
+        _driver(
+            pool,
+            "all",
+            perturb=PerturbConfig(
+                real_kv_post_forward_prob=1.0,
+                target_group="full",
+                target_layer=layer,
+                target_half=half,
+            ),
+        )
 
 
-@pytest.mark.parametrize("kw,message", [
-    (dict(target_layer=-1), "TARGET_LAYER must be a layer id"),
-    (dict(target_layer="top"), "TARGET_LAYER must be a layer id"),
-    (dict(target_half="kv"), "TARGET_HALF must be k or v"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(target_layer=-1), "TARGET_LAYER must be a layer id"),
+        (dict(target_layer="top"), "TARGET_LAYER must be a layer id"),
+        (dict(target_half="kv"), "TARGET_HALF must be k or v"),
+    ],
+)
 def test_perturbation_target_values_are_checked(kw, message):
     with pytest.raises(ValueError, match=message):
         PerturbConfig(**kw)
@@ -312,10 +374,22 @@ def test_perturbation_target_values_are_checked(kw, message):
 def test_perturbation_flips_the_targeted_row(layer, half, reference_kernels_on_cpu):
     """Two identical loops, one with a single post-forward fault: right after it, the only
     byte that differs is byte 0 of the targeted layer's half row of the logged slot."""
+
     def make(prob):
-        return _driver("mha", "all", perturb=PerturbConfig(
-            warmup_steps=5, max_faults=1, real_kv_post_forward_prob=prob, target_group="full",
-            target_layer=layer, target_half=half, seed=3))
+        return _driver(
+            "mha",
+            "all",
+            perturb=PerturbConfig(
+                warmup_steps=5,
+                max_faults=1,
+                real_kv_post_forward_prob=prob,
+                target_group="full",
+                target_layer=layer,
+                target_half=half,
+                seed=3,
+            ),
+        )
+
     hit, quiet = make(1.0), make(0.0)
     for _ in range(40):
         for d in (hit, quiet):
@@ -347,13 +421,28 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_the_table_is_spliced_after_the_k_tail(kind, page_size):
     if kind == "mha":
-        pool = MHATokenToKVPool(size=64, page_size=page_size, dtype=torch.bfloat16, head_num=2,
-                                head_dim=8, layer_num=3, device="cpu",
-                                enable_memory_saver=False, enable_alt_stream=False)
+        pool = MHATokenToKVPool(
+            size=64,
+            page_size=page_size,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=8,
+            layer_num=3,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
     else:
-        pool = MLATokenToKVPool(size=64, page_size=page_size, dtype=torch.bfloat16,
-                                kv_lora_rank=32, qk_rope_head_dim=16, layer_num=3, device="cpu",
-                                enable_memory_saver=False)
+        pool = MLATokenToKVPool(
+            size=64,
+            page_size=page_size,
+            dtype=torch.bfloat16,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            layer_num=3,
+            device="cpu",
+            enable_memory_saver=False,
+        )
     plain = pool.get_contiguous_buf_infos()
     cfg = CanaryConfig(mode="raise", real_kv_hash_mode="partial", real_data_layers="all")
     (group,) = attach_canary_buffers(pool=pool, config=cfg, device="cpu")
@@ -363,10 +452,13 @@ def test_the_table_is_spliced_after_the_k_tail(kind, page_size):
     assert table.shape == (group.num_slots, 3 * (2 if kind == "mha" else 1))
     at = 1 + k_entries + 1  # K-head, K layers, K-tail, then the table
     assert ptrs[at - 1] == group.k_tail.data_ptr()
-    assert (ptrs[at], lens[at], items[at]) == (table.data_ptr(), table.nbytes,
-                                               table.shape[1] * 8 * page_size)
+    assert (ptrs[at], lens[at], items[at]) == (
+        table.data_ptr(),
+        table.nbytes,
+        table.shape[1] * 8 * page_size,
+    )
     assert len(ptrs) == len(plain[0]) + 3
-    assert ptrs[at + 1:] == list(plain[0][k_entries:])  # the V layers (MHA) follow unchanged
+    assert ptrs[at + 1 :] == list(plain[0][k_entries:])  # the V layers (MHA) follow unchanged
 
 
 # ---- HiCache: the row copy between a device buffer and its host mirror --------------------------
@@ -377,7 +469,7 @@ from sglang.jit_kernel.kv_canary.rows import launch_copy_rows  # noqa: E402
 @pytest.mark.parametrize("width", [4, 6])
 def test_copy_rows_matches_the_reference(device, width):
     g = torch.Generator().manual_seed(width)
-    src = torch.randint(-2**62, 2**62, (50, width), generator=g, dtype=torch.int64).to(device)
+    src = torch.randint(-(2**62), 2**62, (50, width), generator=g, dtype=torch.int64).to(device)
     dst = torch.zeros(70, width, dtype=torch.int64, device=device)
     s_idx = torch.tensor([3, 9, 49, 50, -1, 0, 7], device=device)  # 50 and -1 are out of range
     d_idx = torch.tensor([60, 1, 2, 3, 4, 69, 70], dtype=torch.int32)  # 70 is out of range
@@ -397,22 +489,28 @@ def test_copy_rows_matches_the_reference(device, width):
         stream.synchronize()
         assert torch.equal(host, want)
         kept = [s for s, d in zip(s_idx.tolist(), d_idx.tolist()) if 0 <= s < 50 and 0 <= d < 70]
-        assert torch.equal(back[kept], src[kept]) and int(back.count_nonzero()) == \
-            int(src[kept].count_nonzero())
+        assert torch.equal(back[kept], src[kept]) and int(back.count_nonzero()) == int(
+            src[kept].count_nonzero()
+        )
 
 
 def test_copy_rows_refuses_unpinned_host_memory_and_odd_widths(device):
     src = torch.zeros(4, 4, dtype=torch.int64, device=device)
     idx = torch.arange(2)
     with pytest.raises(ValueError, match="same row width"):
-        launch_copy_rows(src=src, dst=torch.zeros(4, 3, dtype=torch.int64, device=device),
-                         src_indices=idx, dst_indices=idx)
+        launch_copy_rows(
+            src=src,
+            dst=torch.zeros(4, 3, dtype=torch.int64, device=device),
+            src_indices=idx,
+            dst_indices=idx,
+        )
     with pytest.raises(ValueError, match="dst_indices must have shape"):
         launch_copy_rows(src=src, dst=src.clone(), src_indices=idx, dst_indices=torch.arange(3))
     if device.type == "cuda":
         with pytest.raises(ValueError, match="pinned"):
-            launch_copy_rows(src=src, dst=torch.zeros(4, 4, dtype=torch.int64), src_indices=idx,
-                             dst_indices=idx)
+            launch_copy_rows(
+                src=src, dst=torch.zeros(4, 4, dtype=torch.int64), src_indices=idx, dst_indices=idx
+            )
 
 
 def test_host_tier_mirror_on_real_pools(tmp_path):
@@ -425,8 +523,9 @@ def test_host_tier_mirror_on_real_pools(tmp_path):
 
     env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
     env["KV_CANARY_TEST_SHIM_HICACHE_CPU"] = "1"
-    rc, out, res = run_support_script("host_tier_check.py", env=env, timeout=300,
-                                      sitecustomize=True)
+    rc, out, res = run_support_script(
+        "host_tier_check.py", env=env, timeout=300, sitecustomize=True
+    )
     assert rc == 0 and res, out[-5000:]
     assert res["on_host"] and res["back"] and res["kv_back"], res
     # 4 record buffers (K and V, head and tail) of 32 bytes + 2 layers x 2 halves x 8 bytes

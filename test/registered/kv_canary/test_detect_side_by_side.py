@@ -48,51 +48,68 @@ def test_reports_are_read_from_either_stacks_violation_line():
     bits = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH) | int(FailReason.VERIFY_TOKEN_MISMATCH)
     ours = format_violation_line(_row(int(CanaryLaunchTag.HEAD_K_FULL), 17, bits), step=40)
     # the leading fields every line of the record format starts with, as a shorter line
-    theirs = ("[2026-11-26 TP0] kv_canary violation: launch_tag=SWEEP_K_FULL "
-              "fail_reason=verify_real_kv_hash slot_idx=5 position=3")
+    theirs = (
+        "[2026-11-26 TP0] kv_canary violation: launch_tag=SWEEP_K_FULL "
+        "fail_reason=verify_real_kv_hash slot_idx=5 position=3"
+    )
     text = "\n".join([ours, ours, "noise", theirs])  # raise mode logs a report twice
     reports = sbs.parse_reports(text)
     assert [str(r) for r in reports] == [
         "HEAD_K_FULL verify_chain_hash+verify_token slot 17",
-        "SWEEP_K_FULL verify_real_kv_hash slot 5"]
+        "SWEEP_K_FULL verify_real_kv_hash slot 5",
+    ]
     run = sbs.evaluate("project", "req_to_token", text, 1)
     assert run.caught(sbs.FAULTS["req_to_token"])
     assert not run.caught(sbs.FAULTS["next_token_swap"])  # write_token not among the reasons
 
 
 def test_a_run_that_kept_serving_lists_its_failed_waves():
-    done = "SIDE_BY_SIDE_RESULT " + json.dumps({"requests": 48, "generated_tokens": 700,
-                                                "failed_waves": [{"wave": 2, "error": "E: x"}]})
+    done = "SIDE_BY_SIDE_RESULT " + json.dumps(
+        {"requests": 48, "generated_tokens": 700, "failed_waves": [{"wave": 2, "error": "E: x"}]}
+    )
     run = sbs.evaluate("project", "abort+req_to_token", "SIDE_BY_SIDE_INFO {}\n" + done, 0)
     assert run.served and run.failed_waves == ("E: x",)
     assert run.ended == "kept serving; 1 wave(s) failed: E: x"
-    whole = sbs.evaluate("project", "clean", done.replace(', {"wave": 2, "error": "E: x"}', "")
-                         .replace('[{"wave": 2, "error": "E: x"}]', "[]"), 0)
+    whole = sbs.evaluate(
+        "project",
+        "clean",
+        done.replace(', {"wave": 2, "error": "E: x"}', "").replace(
+            '[{"wave": 2, "error": "E: x"}]', "[]"
+        ),
+        0,
+    )
     assert whole.failed_waves == () and whole.ended == "served every request"
     # a clean run with a failed wave is not a deployment that serves
-    assert sbs.deployment_verdict(run, None) == (
-        "fails requests of a clean run (1 wave(s)): E: x")
+    assert sbs.deployment_verdict(run, None) == ("fails requests of a clean run (1 wave(s)): E: x")
 
 
 def test_injections_count_what_was_injected_not_skips_or_the_warm_up():
-    text = "\n".join([
-        "INFO " + format_perturb_line(FaultKind.REQ_TO_TOKEN, step=31, slot=3, new_slot=9),
-        "INFO kv_canary perturb: enabled after warmup window at step=30",
-        "INFO kv_canary perturb req_to_token: skipped because no active nonzero slots",
-        "INFO kv_canary perturb req_to_token: req_pool_idx=1 position=2 original_slot=4 "
-        "new_slot=7",
-    ])
+    text = "\n".join(
+        [
+            "INFO " + format_perturb_line(FaultKind.REQ_TO_TOKEN, step=31, slot=3, new_slot=9),
+            "INFO kv_canary perturb: enabled after warmup window at step=30",
+            "INFO kv_canary perturb req_to_token: skipped because no active nonzero slots",
+            "INFO kv_canary perturb req_to_token: req_pool_idx=1 position=2 original_slot=4 "
+            "new_slot=7",
+        ]
+    )
     found = sbs.parse_injections(text)
     assert len(found) == 2, found
     assert found[0].startswith("kv_canary perturb: fault=req_to_token step=31")
 
 
 def test_upstream_runs_get_the_isolated_pythonpath_and_no_inherited_canary_variables(tmp_path):
-    base = {"PYTHONPATH": "/tmp/site", "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1",
-            "HOME": "/root"}
+    base = {
+        "PYTHONPATH": "/tmp/site",
+        "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1",
+        "HOME": "/root",
+    }
     up = sbs.stack_env(base, "upstream", str(tmp_path))
-    assert up["PYTHONPATH"].split(os.pathsep) == [str(UPSTREAM_SITE_DIR), str(tmp_path),
-                                                  "/tmp/site"]
+    assert up["PYTHONPATH"].split(os.pathsep) == [
+        str(UPSTREAM_SITE_DIR),
+        str(tmp_path),
+        "/tmp/site",
+    ]
     assert "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB" not in up and up["HOME"] == "/root"
     ours = sbs.stack_env(base, "project", None)
     assert ours["PYTHONPATH"] == "/tmp/site"
@@ -103,13 +120,34 @@ def test_upstream_runs_get_the_isolated_pythonpath_and_no_inherited_canary_varia
 
 def test_the_plan_runs_each_fault_and_each_deployment_clean_and_probed(tmp_path):
     models = {"llama": "/m/llama", "deepseek_v2": "/m/dsv2"}
-    runs = sbs.plan(stacks=["project", "upstream"], faults=["clean", "real_kv_used"],
-                    deployments=["mla", "eagle", "abort"], models=models, draft_dir="/m/draft",
-                    make_kwargs=cpu_engine_kwargs, base_env={}, upstream_site=str(tmp_path))
+    runs = sbs.plan(
+        stacks=["project", "upstream"],
+        faults=["clean", "real_kv_used"],
+        deployments=["mla", "eagle", "abort"],
+        models=models,
+        draft_dir="/m/draft",
+        make_kwargs=cpu_engine_kwargs,
+        base_env={},
+        upstream_site=str(tmp_path),
+    )
     cases = [(r.stack, r.case) for r in runs]
-    assert cases == [(s, c) for s in ("project", "upstream") for c in (
-        "clean", "real_kv_used", "mla:off", "mla", "mla+req_to_token", "eagle:off", "eagle",
-        "eagle+req_to_token", "abort:off", "abort", "abort+req_to_token")]
+    assert cases == [
+        (s, c)
+        for s in ("project", "upstream")
+        for c in (
+            "clean",
+            "real_kv_used",
+            "mla:off",
+            "mla",
+            "mla+req_to_token",
+            "eagle:off",
+            "eagle",
+            "eagle+req_to_token",
+            "abort:off",
+            "abort",
+            "abort+req_to_token",
+        )
+    ]
     by = {(r.stack, r.case): r for r in runs}
     for stack in ("project", "upstream"):
         clean, used = by[(stack, "clean")], by[(stack, "real_kv_used")]
@@ -130,67 +168,106 @@ def test_the_plan_runs_each_fault_and_each_deployment_clean_and_probed(tmp_path)
             assert off.engine_kwargs["kv_canary"] == "none"
             assert not [k for k in off.engine_kwargs if k.startswith("kv_canary_")]
             assert not [k for k in off.env if k.startswith("SGLANG_KV_CANARY_")]
-            same = {k: v for k, v in by[(stack, name)].engine_kwargs.items()
-                    if not k.startswith("kv_canary") and k != "nccl_port"}
-            assert {k: v for k, v in off.engine_kwargs.items()
-                    if not k.startswith("kv_canary") and k != "nccl_port"} == same
+            same = {
+                k: v
+                for k, v in by[(stack, name)].engine_kwargs.items()
+                if not k.startswith("kv_canary") and k != "nccl_port"
+            }
+            assert {
+                k: v
+                for k, v in off.engine_kwargs.items()
+                if not k.startswith("kv_canary") and k != "nccl_port"
+            } == same
     assert by[("upstream", "clean")].env["PYTHONPATH"].startswith(str(UPSTREAM_SITE_DIR))
     # each server its own port for torch's store
     assert len({r.engine_kwargs["nccl_port"] for r in runs}) == len(runs)
 
 
 def _result(**kw) -> "sbs.RunResult":
-    base = dict(stack="upstream", case="mla", returncode=0, version="0.5.17", installed=1,
-                injections=0, reports=(), served=True, error=None)
+    base = dict(
+        stack="upstream",
+        case="mla",
+        returncode=0,
+        version="0.5.17",
+        installed=1,
+        injections=0,
+        reports=(),
+        served=True,
+        error=None,
+    )
     return sbs.RunResult(**{**base, **kw})
 
 
 def test_deployment_verdicts():
     report = sbs.Report("HEAD_K_FULL", ("verify_chain_hash",), 3)
-    refused = _result(returncode=1, installed=0, served=False,
-                      error="ValueError: kv_canary does not support MLA")
+    refused = _result(
+        returncode=1, installed=0, served=False, error="ValueError: kv_canary does not support MLA"
+    )
     assert sbs.deployment_verdict(refused, None) == (
-        "refuses at start-up: ValueError: kv_canary does not support MLA")
+        "refuses at start-up: ValueError: kv_canary does not support MLA"
+    )
     crashed = _result(returncode=1, served=False, error="RuntimeError: illegal memory access")
     assert sbs.deployment_verdict(crashed, None).startswith("crashes (canary installed)")
     assert sbs.deployment_verdict(_result(installed=0), None) == "serves, canary not installed"
     assert sbs.deployment_verdict(_result(reports=(report,)), None).startswith("false positive")
-    caught = _result(case="mla+req_to_token", injections=1, reports=(report,), served=False,
-                     returncode=-9)
+    caught = _result(
+        case="mla+req_to_token", injections=1, reports=(report,), served=False, returncode=-9
+    )
     assert sbs.deployment_verdict(_result(installed=2), caught).startswith(
-        "guards: canary on 2 worker(s), req_to_token caught")
+        "guards: canary on 2 worker(s), req_to_token caught"
+    )
     missed = _result(case="mla+req_to_token", injections=3)
     assert "NOT caught (3 injections; served every request)" in sbs.deployment_verdict(
-        _result(), missed)
+        _result(), missed
+    )
     table = sbs.deployment_table([_result(), missed])
     assert "| mla | upstream | 0.5.17 | canary on 1 worker(s) but req_to_token NOT" in table
     # a deployment the stack's sglang fails with the canary off says nothing of the canary
-    off = _result(case="mla:off", returncode=1, served=False, installed=0,
-                  error="RuntimeError: Expected size [4, 64]")
+    off = _result(
+        case="mla:off",
+        returncode=1,
+        served=False,
+        installed=0,
+        error="RuntimeError: Expected size [4, 64]",
+    )
     assert sbs.deployment_verdict(crashed, None, off) == (
-        "sglang itself fails it (canary off): RuntimeError: Expected size [4, 64]")
+        "sglang itself fails it (canary off): RuntimeError: Expected size [4, 64]"
+    )
     assert sbs.deployment_table([crashed, off]).endswith(
         "| mla | upstream | 0.5.17 | sglang itself fails it (canary off): RuntimeError: "
-        "Expected size [4, 64] |")
-    assert sbs.deployment_verdict(_result(installed=2), caught, _result(case="mla:off",
-                                                                        installed=0)).startswith(
-        "guards")
+        "Expected size [4, 64] |"
+    )
+    assert sbs.deployment_verdict(
+        _result(installed=2), caught, _result(case="mla:off", installed=0)
+    ).startswith("guards")
 
 
 def _cli(*argv, timeout=60):
-    return subprocess.run([sys.executable, str(BENCH_DIR / "detect_side_by_side.py"), *argv],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(BENCH_DIR / "detect_side_by_side.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--stacks", "upstream"], "--stacks upstream needs --upstream-site DIR"),
-    (["--stacks", "upstream", "--upstream-site", "/x", "--device", "cpu"],
-     "--stacks upstream needs --device cuda"),
-    (["--device", "cpu", "--deployments", "hicache"], "--deployments hicache needs --device cuda"),
-    (["--device", "cpu", "--deployments", "mla"], "--deployments mla needs --device cuda"),
-    (["--faults", "clean,bitrot"], "--faults: unknown bitrot; allowed: clean, req_to_token"),
-    (["--jobs", "0"], "--jobs must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--stacks", "upstream"], "--stacks upstream needs --upstream-site DIR"),
+        (
+            ["--stacks", "upstream", "--upstream-site", "/x", "--device", "cpu"],
+            "--stacks upstream needs --device cuda",
+        ),
+        (
+            ["--device", "cpu", "--deployments", "hicache"],
+            "--deployments hicache needs --device cuda",
+        ),
+        (["--device", "cpu", "--deployments", "mla"], "--deployments mla needs --device cuda"),
+        (["--faults", "clean,bitrot"], "--faults: unknown bitrot; allowed: clean, req_to_token"),
+        (["--jobs", "0"], "--jobs must be >= 1, got 0"),
+    ],
+)
 def test_refusals_name_the_flag(argv, message):
     proc = _cli(*argv)
     assert proc.returncode != 0
@@ -201,10 +278,27 @@ def test_refusals_name_the_flag(argv, message):
 def test_project_stack_on_the_cpu_server(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
     proc = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "detect_side_by_side.py"), "--device", "cpu",
-         "--faults", "clean,req_to_token", "--deployments", "abort", "--jobs", "2",
-         "--json", str(tmp_path / "runs.json"), "--logs", str(tmp_path / "logs")],
-        env=env, capture_output=True, text=True, timeout=1200)
+        [
+            sys.executable,
+            str(BENCH_DIR / "detect_side_by_side.py"),
+            "--device",
+            "cpu",
+            "--faults",
+            "clean,req_to_token",
+            "--deployments",
+            "abort",
+            "--jobs",
+            "2",
+            "--json",
+            str(tmp_path / "runs.json"),
+            "--logs",
+            str(tmp_path / "logs"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = {r["case"]: r for r in json.loads((tmp_path / "runs.json").read_text())}
     assert set(runs) == {"clean", "req_to_token", "abort:off", "abort", "abort+req_to_token"}
@@ -220,13 +314,16 @@ def test_project_stack_on_the_cpu_server(tmp_path):
     probed = runs["abort+req_to_token"]
     assert probed["served"] and probed["returncode"] == 0 and probed["reports"], probed
     assert probed["failed_waves"] and all(
-        "kv_canary: KV cache corruption detected" in w for w in probed["failed_waves"]), probed
+        "kv_canary: KV cache corruption detected" in w for w in probed["failed_waves"]
+    ), probed
     # (with the fault injected at every step, every wave has an aborted request: the server
     # answered each of the four calls, and shut down cleanly)
     assert runs["abort"]["failed_waves"] == [] and runs["clean"]["failed_waves"] == []
     assert runs["abort:off"]["served"] and runs["abort:off"]["installed"] == 0
-    assert "| abort | project | 0.5.12 | guards: canary on 1 worker(s), req_to_token caught" \
+    assert (
+        "| abort | project | 0.5.12 | guards: canary on 1 worker(s), req_to_token caught"
         in proc.stdout
+    )
     assert (tmp_path / "logs" / "project_req_to_token.log").is_file()
 
 
@@ -235,22 +332,31 @@ def test_detection_rows_show_the_first_report_that_matches_the_fault():
     kv = sbs.Report("SWEEP_K_FULL", ("verify_real_kv_hash",), 4)
     rows = [
         _result(stack="project", case="clean", reports=(token,)),
-        _result(stack="project", case="real_kv_used", injections=2, reports=(token, kv),
-                served=False, returncode=-9, error="RuntimeError: kv_canary detected"),
+        _result(
+            stack="project",
+            case="real_kv_used",
+            injections=2,
+            reports=(token, kv),
+            served=False,
+            returncode=-9,
+            error="RuntimeError: kv_canary detected",
+        ),
         _result(stack="upstream", case="real_kv_unused_cache", injections=0),
         _result(stack="upstream", case="next_token_swap", injections=4, reports=(kv,)),
     ]
     table = sbs.detection_table(rows).splitlines()
     assert table[2].startswith("| clean | project | 0.5.17 | 0 | FALSE POSITIVE | TAIL_K_FULL")
-    assert table[3] == ("| real_kv_used | project | 0.5.17 | 2 | caught | SWEEP_K_FULL "
-                        "verify_real_kv_hash slot 4 | stopped (exit -9): RuntimeError: "
-                        "kv_canary detected |")
+    assert table[3] == (
+        "| real_kv_used | project | 0.5.17 | 2 | caught | SWEEP_K_FULL "
+        "verify_real_kv_hash slot 4 | stopped (exit -9): RuntimeError: "
+        "kv_canary detected |"
+    )
     assert "| 0 | not injected | - | served every request |" in table[4]
     assert "| 4 | NOT caught | - |" in table[5]
 
 
-
 # ---- upstream_side_by_side_detached.sh: the lease's plumbing, on stand-ins -------------------
+
 
 def _lease_tree(tmp_path) -> pathlib.Path:
     """A repository-root stand-in: bundle a's setup (records that it ran), one extra bundle's
@@ -269,18 +375,29 @@ def _lease_tree(tmp_path) -> pathlib.Path:
     bench = root / "benchmark" / "kv_canary"
     bench.mkdir(parents=True)
     (bench / "detect_side_by_side.py").write_text(
-        "import sys, json\n"
-        "print('DETECT', json.dumps(sys.argv[1:]))\n")
+        "import sys, json\nprint('DETECT', json.dumps(sys.argv[1:]))\n"
+    )
     return root
 
 
 def _lease(root, tmp_path, *argv, **env):
     script = BENCH_DIR / "upstream_side_by_side_detached.sh"
-    full = {**os.environ, "MARKS": str(tmp_path / "marks"), "OUT": str(tmp_path / "out"),
-            "SIDE_BY_SIDE_DIR": str(tmp_path / "run"), "SITE_UP": str(tmp_path / "site_up"),
-            **env}
-    return subprocess.run(["bash", str(script), *argv], cwd=root, env=full,
-                          capture_output=True, text=True, timeout=120)
+    full = {
+        **os.environ,
+        "MARKS": str(tmp_path / "marks"),
+        "OUT": str(tmp_path / "out"),
+        "SIDE_BY_SIDE_DIR": str(tmp_path / "run"),
+        "SITE_UP": str(tmp_path / "site_up"),
+        **env,
+    }
+    return subprocess.run(
+        ["bash", str(script), *argv],
+        cwd=root,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_lease_script_installs_starts_and_collects(tmp_path):

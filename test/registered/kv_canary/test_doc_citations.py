@@ -37,14 +37,23 @@ def citations(root: pathlib.Path):
 
 def check(root: pathlib.Path, docs: pathlib.Path) -> list:
     known = {p.name: headings(p) for p in docs.glob("*.md")}
-    bad = [f"{path}: {doc} has no section {section!r}" for path, doc, section in citations(root)
-           if section not in known.get(doc, set())]
-    bad += [f"{p.relative_to(REPO)} cites the SPEC" for p in sorted(root.rglob("*.py"))
-            if SPEC_MARK in p.read_text()]
+    bad = [
+        f"{path}: {doc} has no section {section!r}"
+        for path, doc, section in citations(root)
+        if section not in known.get(doc, set())
+    ]
+    bad += [
+        f"{p.relative_to(REPO)} cites the SPEC"
+        for p in sorted(root.rglob("*.py"))
+        if SPEC_MARK in p.read_text()
+    ]
     # code, scripts and the prose beside them (benchmark/results/*.md) alike
-    bad += [f"{p.relative_to(REPO)} names a tracker item: {m.group(0)!r}"
-            for p in sorted(root.rglob("*")) if p.suffix in (".py", ".md", ".sh")
-            for m in TRACKER_REF.finditer(p.read_text())]
+    bad += [
+        f"{p.relative_to(REPO)} names a tracker item: {m.group(0)!r}"
+        for p in sorted(root.rglob("*"))
+        if p.suffix in (".py", ".md", ".sh")
+        for m in TRACKER_REF.finditer(p.read_text())
+    ]
     return bad
 
 
@@ -73,8 +82,10 @@ def test_a_tracker_reference_is_reported(tmp_path):
         bad = [b for b in check(root, REPO / "docs") if "_tracker_probe_tmp" in b]
     finally:
         probe.unlink()
-    assert [b.split(" names a tracker item: ")[1] for b in bad] == ["'Iss" + "ue #21'",
-                                                                     "'fin" + "dings 4'"]
+    assert [b.split(" names a tracker item: ")[1] for b in bad] == [
+        "'Iss" + "ue #21'",
+        "'fin" + "dings 4'",
+    ]
 
 
 PACKAGES = ("python/sglang/jit_kernel/kv_canary", "python/sglang/srt/kv_canary")
@@ -86,19 +97,27 @@ def module_map_problems(doc_text: str, repo: pathlib.Path) -> list:
     (``*_ref.py``), and a ``*.py`` name it gives that no module has."""
     section = doc_text.split("## Module map", 1)[1].split("\n## ", 1)[0]
     names = set(re.findall(r"`([^`\s]+)`", section))
-    modules = [(pkg, p.relative_to(repo / pkg).as_posix()) for pkg in PACKAGES
-               for p in sorted((repo / pkg).rglob("*.py"))
-               if p.name != "__init__.py" and "__pycache__" not in p.parts]
+    modules = [
+        (pkg, p.relative_to(repo / pkg).as_posix())
+        for pkg in PACKAGES
+        for p in sorted((repo / pkg).rglob("*.py"))
+        if p.name != "__init__.py" and "__pycache__" not in p.parts
+    ]
     problems = []
     for pkg, rel in modules:
         base = rel.rsplit("/", 1)[-1]
-        if not (base in names or rel in names
-                or any(fnmatch.fnmatch(rel, n) or fnmatch.fnmatch(base, n)
-                       for n in names if "*" in n)):
+        if not (
+            base in names
+            or rel in names
+            or any(fnmatch.fnmatch(rel, n) or fnmatch.fnmatch(base, n) for n in names if "*" in n)
+        ):
             problems.append(f"{pkg}/{rel} is not in the module map")
     known = {rel for _, rel in modules} | {rel.rsplit("/", 1)[-1] for _, rel in modules}
-    problems += [f"the module map names {n}, which no module is" for n in sorted(names)
-                 if n.endswith(".py") and "*" not in n and n not in known]
+    problems += [
+        f"the module map names {n}, which no module is"
+        for n in sorted(names)
+        if n.endswith(".py") and "*" not in n and n not in known
+    ]
     return problems
 
 
@@ -111,7 +130,8 @@ def test_a_module_map_out_of_date_is_reported():
     stale = text.replace("`rows.py`", "`rowz.py`")
     assert module_map_problems(stale, REPO) == [
         "python/sglang/jit_kernel/kv_canary/rows.py is not in the module map",
-        "the module map names rowz.py, which no module is"]
+        "the module map names rowz.py, which no module is",
+    ]
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ WINDOW = 10
 def _driver(seed=3, **kw):
     kw.setdefault("mode", "raise")
     kw.setdefault("real_data", "partial")
-    return ServingDriver(seed=seed, pool="dsv4", num_slots=640, num_swa_slots=400,
-                         swa_window=WINDOW, **kw)
+    return ServingDriver(
+        seed=seed, pool="dsv4", num_slots=640, num_swa_slots=400, swa_window=WINDOW, **kw
+    )
 
 
 def _fresh_pool():
@@ -39,8 +40,15 @@ def _fresh_pool():
     probe = ServingDriver.__new__(ServingDriver)
     probe.device = torch.device("cpu")
     pool = probe._build_dsv4_pool(640, 400)
-    alloc = SWATokenToKVPoolAllocator(size=640, size_swa=400, page_size=1, dtype=torch.bfloat16,
-                                      device="cpu", kvcache=pool, need_sort=False)
+    alloc = SWATokenToKVPoolAllocator(
+        size=640,
+        size_swa=400,
+        page_size=1,
+        dtype=torch.bfloat16,
+        device="cpu",
+        kvcache=pool,
+        need_sort=False,
+    )
     return pool, alloc
 
 
@@ -48,8 +56,9 @@ def test_attach_dsv4_groups_and_584_byte_sources():
     pool, alloc = _fresh_pool()
     assert "DeepSeekV4TokenToKVPool" in supported_pool_names()
     config = CanaryConfig(mode="raise", real_kv_hash_mode="all", enable_mha_v=True)
-    full, swa = attach_canary_buffers(pool=pool, config=config, device="cpu",
-                                      swa_window_size=WINDOW)
+    full, swa = attach_canary_buffers(
+        pool=pool, config=config, device="cpu", swa_window_size=WINDOW
+    )
     assert full.kind == PoolKind.FULL and swa.kind == PoolKind.SWA
     assert full.num_slots == alloc.full_to_swa_index_mapping.shape[0] - 1 == 641
     assert full.real_kv_sources_k == () and full.swa_index_lut is None
@@ -61,8 +70,9 @@ def test_attach_dsv4_groups_and_584_byte_sources():
     data, scale = swa.real_kv_sources_k
     assert (data.num_bytes_per_token, data.read_bytes) == (576, 576)
     assert (scale.num_bytes_per_token, scale.read_bytes) == (8, 8)
-    assert data.words_to_fold(RealKvHashMode.ALL) + scale.words_to_fold(RealKvHashMode.ALL) \
-        == 584 // 8
+    assert (
+        data.words_to_fold(RealKvHashMode.ALL) + scale.words_to_fold(RealKvHashMode.ALL) == 584 // 8
+    )
     # the bytes each source reads for slot s are exactly the token's bytes in sglang's layout
     s = page + 3
     buf = swa_pool.kv_buffer[0]
@@ -79,24 +89,30 @@ def test_attach_dsv4_window_falls_back_to_the_pool_and_checks_the_table():
     pool, _ = _fresh_pool()
     pool.full_to_swa_index_mapping = None
     with pytest.raises(RuntimeError, match="full_to_swa_index_mapping is not set"):
-        attach_canary_buffers(pool=pool, config=CanaryConfig(mode="log"), device="cpu",
-                              swa_window_size=8)
+        attach_canary_buffers(
+            pool=pool, config=CanaryConfig(mode="log"), device="cpu", swa_window_size=8
+        )
 
 
 def test_dsv4_buf_info_splice():
     pool, _ = _fresh_pool()
     before_c = pool.get_contiguous_buf_infos()
     before_s = pool.get_state_buf_infos()
-    full, swa = attach_canary_buffers(pool=pool, config=CanaryConfig(mode="log"), device="cpu",
-                                      swa_window_size=8)
+    full, swa = attach_canary_buffers(
+        pool=pool, config=CanaryConfig(mode="log"), device="cpu", swa_window_size=8
+    )
     ptrs, lens, items = pool.get_contiguous_buf_infos()
     assert ptrs == [full.k_head.data_ptr()] + before_c[0] + [full.k_tail.data_ptr()]
     assert items[0] == items[-1] == CANARY_SLOT_BYTES * pool.page_size
     assert lens[1:-1] == before_c[1] and items[1:-1] == before_c[2]
     ptrs, lens, items = pool.get_state_buf_infos()
     layers = len(pool.swa_kv_pool.kv_buffer)
-    assert ptrs == ([swa.k_head.data_ptr()] + before_s[0][:layers] + [swa.k_tail.data_ptr()]
-                    + before_s[0][layers:])  # compress-state entries after, untouched
+    assert ptrs == (
+        [swa.k_head.data_ptr()]
+        + before_s[0][:layers]
+        + [swa.k_tail.data_ptr()]
+        + before_s[0][layers:]
+    )  # compress-state entries after, untouched
     assert items[0] == CANARY_SLOT_BYTES * pool.swa_kv_pool.page_size
     assert len(ptrs) == len(lens) == len(items) == len(before_s[0]) + 2
 
@@ -123,7 +139,8 @@ def test_dsv4_swa_pool_byte_flip_detected(part):
         d.step()
     lines = parse_violation_lines(str(exc.value))
     assert {(v.launch_tag, v.fail_reasons) for v in lines} == {
-        ("TAIL_K_SWA", ("verify_real_kv_hash",))}
+        ("TAIL_K_SWA", ("verify_real_kv_hash",))
+    }
     assert {(v.slot_idx, v.position) for v in lines} == {(info["swa_slot"], info["position"])}
 
 

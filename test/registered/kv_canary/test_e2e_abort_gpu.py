@@ -28,15 +28,25 @@ STORM_SECONDS = 120
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
-ARGS = dict(chunked_prefill_size=64, max_total_tokens=1024, max_running_requests=8,
-            log_level="info", kv_canary_real_data="partial", kv_canary_sweep_interval=8)
+ARGS = dict(
+    chunked_prefill_size=64,
+    max_total_tokens=1024,
+    max_running_requests=8,
+    log_level="info",
+    kv_canary_real_data="partial",
+    kv_canary_sweep_interval=8,
+)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("gpu_model"), hidden_size=256,
-                            intermediate_size=512, num_attention_heads=4,
-                            num_key_value_heads=2)
+    return write_tiny_llama(
+        tmp_path_factory.mktemp("gpu_model"),
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 def _env(**extra):
@@ -48,15 +58,18 @@ def test_abort_engine_on_gpu_clean(model):
     rc, out, res = run_abort_engine(model, _env(), "cuda", **ARGS)
     assert rc == 0 and res is not None, out[-4000:]
     assert parse_violation_lines(out) == [], out[-4000:]
-    assert all(r.get("ok") == MAX_NEW for r in [*res["results"].values(),
-                                                 *res["later"].values()]), res
+    assert all(
+        r.get("ok") == MAX_NEW for r in [*res["results"].values(), *res["later"].values()]
+    ), res
     assert "cuda graph: True" in out
 
 
 def test_abort_engine_on_gpu_contains_faults(model):
-    env = _env(SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.5",
-               SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20",
-               SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2")
+    env = _env(
+        SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.5",
+        SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20",
+        SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2",
+    )
     rc, out, res = run_abort_engine(model, env, "cuda", **ARGS)
     check_engine_abort_run(rc, out, res)
     print("GPU abort run:", {k: v for k, v in res["results"].items() if "error" in v})
@@ -66,8 +79,16 @@ def test_abort_engine_on_gpu_contains_faults(model):
 def test_abort_mode_storm_on_the_gpu(tmp_path, page_size):
     from canary_support.storm import StormSettings, failure_excerpt, run_storm
 
-    figures = run_storm(StormSettings(mode="abort", seconds=STORM_SECONDS, idle_seconds=10,
-                                      device="cuda", page_size=page_size, out=tmp_path))
+    figures = run_storm(
+        StormSettings(
+            mode="abort",
+            seconds=STORM_SECONDS,
+            idle_seconds=10,
+            device="cuda",
+            page_size=page_size,
+            out=tmp_path,
+        )
+    )
     print("GPU storm:", {k: v for k, v in figures.items() if k != "checks"})
     failed = [name for name, ok in figures["checks"].items() if not ok]
     if failed:  # pytest shows a failing test's output: the server log's telling lines

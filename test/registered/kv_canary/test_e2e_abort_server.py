@@ -36,8 +36,9 @@ pytestmark = pytest.mark.slow
 
 SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 # small chunks (chunked prefill) and a small pool (radix evictions)
-SERVER_ARGS = dict(chunked_prefill_size=32, max_total_tokens=384, max_running_requests=8,
-                   log_level="info")
+SERVER_ARGS = dict(
+    chunked_prefill_size=32, max_total_tokens=384, max_running_requests=8, log_level="info"
+)
 MAX_NEW = 16
 
 
@@ -52,10 +53,17 @@ def server(tmp_path_factory):
 
 
 def generate(port: int, rid: str, input_ids) -> tuple:
-    status, body = http_call(port, "POST", "/generate", {
-        "rid": rid, "input_ids": input_ids,
-        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}},
-        timeout=300)
+    status, body = http_call(
+        port,
+        "POST",
+        "/generate",
+        {
+            "rid": rid,
+            "input_ids": input_ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
+        },
+        timeout=300,
+    )
     return status, body.decode(errors="replace")
 
 
@@ -87,9 +95,22 @@ def check_aborts(errors: dict, log: str) -> None:
 
 
 def test_abort_server_clean_run_exports_metrics_and_settings(server):
-    srv = CliServer("abort_clean", server["root"], server["model"], server["env"],
-                    ["--kv-canary", "abort", "--kv-canary-sweep-interval", "4",
-                     "--kv-canary-real-data", "partial", "--enable-metrics"], **SERVER_ARGS)
+    srv = CliServer(
+        "abort_clean",
+        server["root"],
+        server["model"],
+        server["env"],
+        [
+            "--kv-canary",
+            "abort",
+            "--kv-canary-sweep-interval",
+            "4",
+            "--kv-canary-real-data",
+            "partial",
+            "--enable-metrics",
+        ],
+        **SERVER_ARGS,
+    )
     try:
         srv.wait_ready()
         first = metric_series(srv.port)
@@ -116,20 +137,30 @@ def test_abort_server_clean_run_exports_metrics_and_settings(server):
     # the series carry sglang's scheduler labels
     assert all(dict(labels).get("tp_rank") == "0" for (_, labels) in second)
     assert info["kv_canary"] == "abort" and info["kv_canary_sweep_interval"] == 4
-    assert info["config"].startswith("mode=abort real_data=partial real_data_layers=first "
-                                     "layers_per_forward=1 sweep_interval=4 ")
+    assert info["config"].startswith(
+        "mode=abort real_data=partial real_data_layers=first layers_per_forward=1 sweep_interval=4 "
+    )
     assert info["kv_canary_real_data_layers"] == "first"
     assert "token_checks=on" in info["config"]
     assert "kv_canary_config='mode=abort real_data=partial" in log  # repr(server_args)
 
 
 def test_abort_server_contains_faults_and_keeps_serving(server):
-    env = dict(server["env"], SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.5",
-               SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20",
-               SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2")
-    srv = CliServer("abort_faults", server["root"], server["model"], env,
-                    ["--kv-canary", "abort", "--kv-canary-real-data", "partial",
-                     "--enable-metrics"], launcher="serve", **SERVER_ARGS)
+    env = dict(
+        server["env"],
+        SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.5",
+        SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20",
+        SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2",
+    )
+    srv = CliServer(
+        "abort_faults",
+        server["root"],
+        server["model"],
+        env,
+        ["--kv-canary", "abort", "--kv-canary-real-data", "partial", "--enable-metrics"],
+        launcher="serve",
+        **SERVER_ARGS,
+    )
     results = {}
     try:
         srv.wait_ready()
@@ -156,8 +187,12 @@ def test_abort_server_contains_faults_and_keeps_serving(server):
     assert {rid for v in lines for rid in v.rids} <= set(results)  # the names are ours
     # each fault is reported at its step, naming the row the perturbation changed
     for f in injected:
-        assert any(v.forward_step == int(f["step"]) and v.slot_idx == int(f["new_slot"])
-                   and v.req_to_token_row == int(f["req_pool_idx"]) for v in lines), (f, lines)
+        assert any(
+            v.forward_step == int(f["step"])
+            and v.slot_idx == int(f["new_slot"])
+            and v.req_to_token_row == int(f["req_pool_idx"])
+            for v in lines
+        ), (f, lines)
     # the counters match the log: one violation per line (by tag and reason), one abort per
     # aborted request
     by_label = {}
@@ -173,14 +208,22 @@ def test_abort_server_contains_faults_and_keeps_serving(server):
     assert metric_total(series, "sglang:kv_canary_aborted_requests_total") == len(aborted)
 
 
-def run_abort_engine(model: str, env: dict, device: str, mode: str = "waves",
-                     timeout: float = 600, **engine_kwargs):
+def run_abort_engine(
+    model: str, env: dict, device: str, mode: str = "waves", timeout: float = 600, **engine_kwargs
+):
     """``e2e_support/abort_workload.py`` (``mode``: ``waves`` or ``long``) on an
     ``sglang.Engine`` (keyword arguments path): ``(returncode, output, result)``; returncode
     None when it ran past ``timeout`` seconds."""
     try:
-        return run_support_script("abort_workload.py", model, json.dumps(engine_kwargs), device,
-                                  mode, env=env, timeout=timeout)
+        return run_support_script(
+            "abort_workload.py",
+            model,
+            json.dumps(engine_kwargs),
+            device,
+            mode,
+            env=env,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"") + (e.stderr or b"")
         return None, out.decode(errors="replace") if isinstance(out, bytes) else out, None
@@ -204,11 +247,15 @@ def check_engine_abort_run(rc: int, out: str, res) -> None:
 def test_abort_engine_contains_faults(server):
     """The same on ``sglang.Engine(kv_canary="abort", ...)``, its requests sent with
     ``async_generate``: the aborted ones end with the canary's message."""
-    env = dict(server["env"], SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.5",
-               SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20",
-               SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2")
-    check_engine_abort_run(*run_abort_engine(server["model"], env, "cpu",
-                                             kv_canary_real_data="partial", **SERVER_ARGS))
+    env = dict(
+        server["env"],
+        SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.5",
+        SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20",
+        SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2",
+    )
+    check_engine_abort_run(
+        *run_abort_engine(server["model"], env, "cpu", kv_canary_real_data="partial", **SERVER_ARGS)
+    )
 
 
 def test_abort_mid_chunked_prefill_finishes_the_request_and_keeps_serving(server):
@@ -219,11 +266,20 @@ def test_abort_mid_chunked_prefill_finishes_the_request_and_keeps_serving(server
     elsewhere), is aborted there, prefills to its last chunk and ends with the canary's
     message, and a later wave completes. Without the lift the stash is skipped, the same
     chunk is prefilled again and again with new slots, and the 384-token pool runs out."""
-    env = dict(server["env"], SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="1.0",
-               SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="0",
-               SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="1")
-    rc, out, res = run_abort_engine(server["model"], env, "cpu", mode="long", timeout=300,
-                                    **dict(SERVER_ARGS, chunked_prefill_size=16))
+    env = dict(
+        server["env"],
+        SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="1.0",
+        SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="0",
+        SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="1",
+    )
+    rc, out, res = run_abort_engine(
+        server["model"],
+        env,
+        "cpu",
+        mode="long",
+        timeout=300,
+        **dict(SERVER_ARGS, chunked_prefill_size=16),
+    )
     assert rc == 0 and res is not None, out[-4000:]
     assert "Out of memory" not in out and "memory leak" not in out, out[-4000:]
     injected = [f for f in map(parse_perturb_line, out.splitlines()) if f]

@@ -31,8 +31,7 @@ pytestmark = pytest.mark.slow
 LAYERS = 4
 LAYERS_PER_FORWARD = 2
 BOUND = LAYERS // LAYERS_PER_FORWARD  # forwards reading a slot that check all its layers
-ARGS = dict(chunked_prefill_size=32, max_total_tokens=512, max_running_requests=4,
-            log_level="info")
+ARGS = dict(chunked_prefill_size=32, max_total_tokens=512, max_running_requests=4, log_level="info")
 FAULTS = {
     "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "6",
     "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "10",
@@ -54,16 +53,26 @@ def server(tmp_path_factory):
 
 
 def run(server, env_extra=None, **engine_kwargs):
-    return run_workload("small_workload.py", server["model"], dict(ARGS, **engine_kwargs),
-                        dict(server["env"], **(env_extra or {})), timeout=900)
+    return run_workload(
+        "small_workload.py",
+        server["model"],
+        dict(ARGS, **engine_kwargs),
+        dict(server["env"], **(env_extra or {})),
+        timeout=900,
+    )
 
 
 def test_every_layer_clean_matches_canary_off(server):
     rc, out, off = run(server)
     assert rc == 0 and off is not None, out[-3000:]
-    rc, out, on = run(server, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
-                      kv_canary="raise", kv_canary_real_data="partial",
-                      kv_canary_real_data_layers="all", kv_canary_sweep_interval=2)
+    rc, out, on = run(
+        server,
+        {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        kv_canary_real_data_layers="all",
+        kv_canary_sweep_interval=2,
+    )
     assert rc == 0, out[-3000:]
     assert "real_data=partial real_data_layers=all layers_per_forward=1" in out
     assert parse_violation_lines(out) == []
@@ -72,12 +81,19 @@ def test_every_layer_clean_matches_canary_off(server):
     info = workload_info(out)
     assert_memory_reserved_as_allocated(info)
     assert {"layer_fingerprints", "token_table", "sweep"} <= set(
-        info["kv_canary"]["memory"]["target"]["allocated"]["device"])
+        info["kv_canary"]["memory"]["target"]["allocated"]["device"]
+    )
 
 
 def _faults_and_lines(server, layers):
-    rc, out, res = run(server, FAULTS, kv_canary="log", kv_canary_real_data="partial",
-                       kv_canary_real_data_layers=layers, kv_canary_sweep_interval=2)
+    rc, out, res = run(
+        server,
+        FAULTS,
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_real_data_layers=layers,
+        kv_canary_sweep_interval=2,
+    )
     assert rc == 0 and res is not None and len(res) == 12, out[-3000:]
     injected = [f for f in map(parse_perturb_line, out.splitlines()) if f]
     kinds = {f["fault"] for f in injected}
@@ -92,14 +108,22 @@ def test_last_layer_v_flips_are_caught_with_every_layer(server):
     assert all(v.kv_layer == LAYERS - 1 for v in lines), lines
     # a slot only the radix cache holds: the sweep, every layer
     unused = [f for f in injected if f["fault"] == "real_kv_unused_cache"]
-    assert any(v.launch_tag == "SWEEP_V_FULL" and v.slot_idx == int(f["full_slot"])
-               and v.forward_step >= int(f["step"]) for f in unused for v in lines), (
-        unused, lines)
+    assert any(
+        v.launch_tag == "SWEEP_V_FULL"
+        and v.slot_idx == int(f["full_slot"])
+        and v.forward_step >= int(f["step"])
+        for f in unused
+        for v in lines
+    ), (unused, lines)
     # a slot the next forwards read: a TAIL check within the bound
     post = [f for f in injected if f["fault"] == "real_kv_post_forward"]
-    assert any(v.launch_tag == "TAIL_V_FULL" and v.slot_idx == int(f["full_slot"])
-               and 0 < v.forward_step - int(f["step"]) <= BOUND for f in post for v in lines), (
-        post, lines)
+    assert any(
+        v.launch_tag == "TAIL_V_FULL"
+        and v.slot_idx == int(f["full_slot"])
+        and 0 < v.forward_step - int(f["step"]) <= BOUND
+        for f in post
+        for v in lines
+    ), (post, lines)
 
 
 def test_first_layer_only_misses_them(server):

@@ -31,8 +31,10 @@ pytestmark = pytest.mark.slow
 
 # fault -> (tags a matching report may carry, reasons of which one must appear)
 EXPECTED = {
-    "req_to_token": ({"HEAD_K_FULL", "TAIL_K_FULL"},
-                     {"verify_chain_hash", "verify_position", "verify_token"}),
+    "req_to_token": (
+        {"HEAD_K_FULL", "TAIL_K_FULL"},
+        {"verify_chain_hash", "verify_position", "verify_token"},
+    ),
     "real_kv_used": ({"TAIL_K_FULL", "SWEEP_K_FULL"}, {"verify_real_kv_hash"}),
     "real_kv_unused_cache": ({"SWEEP_K_FULL"}, {"verify_real_kv_hash"}),
     "real_kv_post_forward": ({"TAIL_K_FULL", "SWEEP_K_FULL"}, {"verify_real_kv_hash"}),
@@ -44,10 +46,25 @@ EXPECTED = {
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
-    proc = subprocess.run([sys.executable, "-m", "sglang.srt.kv_canary.demo", "--device", "cpu",
-                           "--jobs", "2",
-                           "--json", str(out / "rows.json"), "--logs", str(out / "logs")],
-                          env=env, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang.srt.kv_canary.demo",
+            "--device",
+            "cpu",
+            "--jobs",
+            "2",
+            "--json",
+            str(out / "rows.json"),
+            "--logs",
+            str(out / "logs"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     rows = json.loads((out / "rows.json").read_text()) if (out / "rows.json").exists() else []
     return proc, {r["name"]: r for r in rows}, out / "logs"
 
@@ -71,8 +88,7 @@ def test_clean_run_reports_nothing(demo):
     text = (logs / "clean.log").read_text()
     # every check was on, and the workload hit the radix cache and chunked its prefills
     assert "token_oracle=on" in text and "replacing sglang's Sampler" in text
-    assert "#cached-token: 0" in text and any(
-        f"#cached-token: {n}" in text for n in range(1, 200))
+    assert "#cached-token: 0" in text and any(f"#cached-token: {n}" in text for n in range(1, 200))
     assert "#new-token: 32, " in text
 
 
@@ -94,9 +110,12 @@ def test_fault_detected_with_its_reason(demo, fault):
         from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 
         inj = next(f for f in map(parse_perturb_line, text.splitlines()) if f is not None)
-        assert any((v.req_to_token_row, v.read_position, v.slot_idx)
-                   == (int(inj["req_pool_idx"]), int(inj["position"]), int(inj["new_slot"]))
-                   and "HEAD_K_FULL" in v.seen_by for v in parse_violation_lines(text)), text[-3000:]
+        assert any(
+            (v.req_to_token_row, v.read_position, v.slot_idx)
+            == (int(inj["req_pool_idx"]), int(inj["position"]), int(inj["new_slot"]))
+            and "HEAD_K_FULL" in v.seen_by
+            for v in parse_violation_lines(text)
+        ), text[-3000:]
 
 
 def test_token_oracle_backend_flag_on_the_cpu_engine(tmp_path):
@@ -110,8 +129,11 @@ def test_token_oracle_backend_flag_on_the_cpu_engine(tmp_path):
     for r in res:
         n = len(r["output_ids"])
         assert n == 12
-        want = oracle_tokens(torch.full((n,), request_oracle_key(r["rid"])),
-                             torch.arange(r["prompt_len"], r["prompt_len"] + n), 512)
+        want = oracle_tokens(
+            torch.full((n,), request_oracle_key(r["rid"])),
+            torch.arange(r["prompt_len"], r["prompt_len"] + n),
+            512,
+        )
         assert r["output_ids"] == want.tolist()
 
 
@@ -122,9 +144,17 @@ def test_real_data_all_end_to_end(tmp_path):
     model = write_tiny_llama(tmp_path / "model")
     env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
     env["SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS"] = "20"
-    args = json.dumps(dict(kv_canary="raise", chunked_prefill_size=32, max_total_tokens=384,
-                           max_running_requests=8, log_level="info",
-                           kv_canary_real_data="all", kv_canary_sweep_interval=3))
+    args = json.dumps(
+        dict(
+            kv_canary="raise",
+            chunked_prefill_size=32,
+            max_total_tokens=384,
+            max_running_requests=8,
+            log_level="info",
+            kv_canary_real_data="all",
+            kv_canary_sweep_interval=3,
+        )
+    )
     rc, out, _ = run_support_script("workload.py", model, args, env=env, timeout=600)
     assert rc == 0, out[-3000:]
     assert "kv_canary installed: mode=raise real_data=all" in out

@@ -17,25 +17,34 @@ from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=780, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
-GPU_LANES = {"core": ("not piecewise and not corrupted", 400),
-             "core_fault": ("corrupted_record", 120), "piecewise": ("piecewise", 260)}
+GPU_LANES = {
+    "core": ("not piecewise and not corrupted", 400),
+    "core_fault": ("corrupted_record", 120),
+    "piecewise": ("piecewise", 260),
+}
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
-ARGS = dict(chunked_prefill_size=64, max_total_tokens=1024, max_running_requests=8,
-            log_level="info")
+ARGS = dict(
+    chunked_prefill_size=64, max_total_tokens=1024, max_running_requests=8, log_level="info"
+)
 
 
 def _workload(model, mode, env_extra=None, extra=None):
-    return run_mixed_workload(model, mode, dict(ARGS, **(extra or {})), device="cuda",
-                        env_extra=env_extra)
+    return run_mixed_workload(
+        model, mode, dict(ARGS, **(extra or {})), device="cuda", env_extra=env_extra
+    )
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("gpu_model"), hidden_size=256,
-                            intermediate_size=512, num_attention_heads=4,
-                            num_key_value_heads=2)
+    return write_tiny_llama(
+        tmp_path_factory.mktemp("gpu_model"),
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +72,14 @@ def test_engine_with_token_checks_clean_and_identical(model, res_off):
     """The incremental token-id snapshots under sglang's overlap scheduler and decode graphs:
     every forward runs the batch it snapshotted (no whole re-snapshot was needed) and the
     token check reports nothing."""
-    rc, out, res = _workload(model, "raise", {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-                                              "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10"})
+    rc, out, res = _workload(
+        model,
+        "raise",
+        {
+            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10",
+        },
+    )
     assert rc == 0, out[-4000:]
     assert res == res_off
     assert VIOLATION_LINE_PREFIX not in out and "health check failed" not in out
@@ -73,15 +88,20 @@ def test_engine_with_token_checks_clean_and_identical(model, res_off):
 
 
 def test_corrupted_record_caught_through_graph_replay(model):
-    rc, out, res = _workload(model, "raise", {"KV_CANARY_TEST_CORRUPT_AFTER": "40",
-                                              "SGLANG_KV_CANARY_RING_CAPACITY": "8"},
-                             dict(log_level="warning"))
+    rc, out, res = _workload(
+        model,
+        "raise",
+        {"KV_CANARY_TEST_CORRUPT_AFTER": "40", "SGLANG_KV_CANARY_RING_CAPACITY": "8"},
+        dict(log_level="warning"),
+    )
     assert "KV_CANARY_TEST: corrupted HEAD K records" in out
     assert rc != 0 and res is None, out[-4000:]
     # every HEAD K record's position was bumped: position (and, past position 0, chain) fail
-    assert any(v.launch_tag == "HEAD_K_FULL" and v.fail_reasons in {
-        ("verify_position",), ("verify_chain_hash", "verify_position")}
-        for v in parse_violation_lines(out)), out[-3000:]
+    assert any(
+        v.launch_tag == "HEAD_K_FULL"
+        and v.fail_reasons in {("verify_position",), ("verify_chain_hash", "verify_position")}
+        for v in parse_violation_lines(out)
+    ), out[-3000:]
 
 
 # sglang's default: piecewise CUDA graphs for prefill (capture sizes up to the 64-token chunk,
@@ -96,9 +116,14 @@ def test_piecewise_cuda_graphs_on_run_clean(model):
     rc_off, out_off, res_off_pw = _workload(model, "none", extra=PIECEWISE)
     assert rc_off == 0, out_off[-4000:]
     rc, out, res = _workload(
-        model, "raise", {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-                         "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10"},
-        dict(PIECEWISE, kv_canary_real_data="partial", kv_canary_sweep_interval=3))
+        model,
+        "raise",
+        {
+            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10",
+        },
+        dict(PIECEWISE, kv_canary_real_data="partial", kv_canary_sweep_interval=3),
+    )
     assert rc == 0, out[-4000:]
     assert res == res_off_pw
     assert VIOLATION_LINE_PREFIX not in out and "health check failed" not in out
@@ -113,9 +138,12 @@ def test_piecewise_cuda_graphs_on_catch_every_fault(model):
     each fault the forward reads is caught, prefills through the piecewise graphs included."""
     from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught
 
-    rc, out, _ = _workload(model, "log", dict(EVERY_FAULT_ENV),
-                           dict(PIECEWISE, kv_canary_real_data="partial",
-                                kv_canary_sweep_interval=3))
+    rc, out, _ = _workload(
+        model,
+        "log",
+        dict(EVERY_FAULT_ENV),
+        dict(PIECEWISE, kv_canary_real_data="partial", kv_canary_sweep_interval=3),
+    )
     assert rc == 0, out[-4000:]
     assert re.search(r"Prefill batch.*cuda graph: True", out), "no prefill replayed a graph"
     assert_every_fault_caught(out)

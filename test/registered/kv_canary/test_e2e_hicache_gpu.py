@@ -39,29 +39,46 @@ from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=1760, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
-GPU_LANES = {"hicache_kernel": ("mha_kernel", 440), "hicache_page_first": ("page_first", 440),
-             "hicache_direct": ("mha_direct", 440), "hicache_mla": ("mla", 440)}
+GPU_LANES = {
+    "hicache_kernel": ("mha_kernel", 440),
+    "hicache_page_first": ("page_first", 440),
+    "hicache_direct": ("mha_direct", 440),
+    "hicache_mla": ("mla", 440),
+}
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
 SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 # several of these servers may share one GPU (the device lanes): the pools are capped by
 # max_total_tokens, so a high static fraction only relaxes sglang's free-memory check
-COMMON = dict(enable_hierarchical_cache=True, hicache_ratio=6, max_total_tokens=256,
-              chunked_prefill_size=64, max_running_requests=2, log_level="info",
-              mem_fraction_static=0.85)
+COMMON = dict(
+    enable_hierarchical_cache=True,
+    hicache_ratio=6,
+    max_total_tokens=256,
+    chunked_prefill_size=64,
+    max_running_requests=2,
+    log_level="info",
+    mem_fraction_static=0.85,
+)
 
 # variant -> (config writer, engine kwargs, host pool class)
 VARIANTS = {
     "mha_kernel": (write_tiny_llama, {}, "MHATokenToKVPoolHost"),
-    "mha_page_first_write_back": (write_tiny_llama, dict(
-        page_size=16, hicache_mem_layout="page_first", hicache_write_policy="write_back"),
-        "MHATokenToKVPoolHost"),
-    "mha_direct": (write_tiny_llama, dict(page_size=16, hicache_io_backend="direct",
-                                          hicache_mem_layout="page_first_direct"),
-                   "MHATokenToKVPoolHost"),
-    "mla": (functools.partial(write_tiny_deepseek_v2, **DEEPSEEK_V3_MLA_DIMS), {},
-            "MLATokenToKVPoolHost"),
+    "mha_page_first_write_back": (
+        write_tiny_llama,
+        dict(page_size=16, hicache_mem_layout="page_first", hicache_write_policy="write_back"),
+        "MHATokenToKVPoolHost",
+    ),
+    "mha_direct": (
+        write_tiny_llama,
+        dict(page_size=16, hicache_io_backend="direct", hicache_mem_layout="page_first_direct"),
+        "MHATokenToKVPoolHost",
+    ),
+    "mla": (
+        functools.partial(write_tiny_deepseek_v2, **DEEPSEEK_V3_MLA_DIMS),
+        {},
+        "MLATokenToKVPoolHost",
+    ),
 }
 
 
@@ -69,46 +86,70 @@ VARIANTS = {
 def variant(request, tmp_path_factory):
     write, kwargs, host_cls = VARIANTS[request.param]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
-    return dict(model=write(tmp_path_factory.mktemp(request.param)),
-                kwargs=dict(COMMON, **kwargs), env=env, host_cls=host_cls)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
+    return dict(
+        model=write(tmp_path_factory.mktemp(request.param)),
+        kwargs=dict(COMMON, **kwargs),
+        env=env,
+        host_cls=host_cls,
+    )
 
 
 def run(variant, env_extra=None, **engine_kwargs):
-    return run_workload("hicache_workload.py", variant["model"],
-                        dict(variant["kwargs"], **engine_kwargs),
-                        dict(variant["env"], **(env_extra or {})), "cuda", timeout=600)
+    return run_workload(
+        "hicache_workload.py",
+        variant["model"],
+        dict(variant["kwargs"], **engine_kwargs),
+        dict(variant["env"], **(env_extra or {})),
+        "cuda",
+        timeout=600,
+    )
 
 
 def test_hicache_clean_matches_canary_off(variant):
     rc, out, off = run(variant)
     assert rc == 0 and off is not None, out[-4000:]
     assert sum(off["cached"][8:]) >= 8 * 80, off  # the second round hits its prefixes
-    rc, out, on = run(variant, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-                                "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "1"},
-                      kv_canary="raise", kv_canary_real_data="partial",
-                      kv_canary_real_data_layers="all", kv_canary_sweep_interval=2)
+    rc, out, on = run(
+        variant,
+        {
+            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "1",
+        },
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        kv_canary_real_data_layers="all",
+        kv_canary_sweep_interval=2,
+    )
     assert rc == 0, out[-4000:]
     assert "cuda graph: True" in out
-    assert f"HiCache host tier mirrored ({variant['host_cls'][:3].lower()} host pool" in out, \
-        out[-4000:]
+    assert f"HiCache host tier mirrored ({variant['host_cls'][:3].lower()} host pool" in out, out[
+        -4000:
+    ]
     assert parse_violation_lines(out) == []
     assert on["outputs"] == off["outputs"]
     # the host pool made room for the mirror (fewer prefixes stay on the host: the ratio
     # leaves room for the second round's hits)
     kwargs = variant["kwargs"]
-    assert_host_pool_made_room(out, ratio=kwargs["hicache_ratio"],
-                               device_tokens=kwargs["max_total_tokens"],
-                               page_size=kwargs.get("page_size", 1))
+    assert_host_pool_made_room(
+        out,
+        ratio=kwargs["hicache_ratio"],
+        device_tokens=kwargs["max_total_tokens"],
+        page_size=kwargs.get("page_size", 1),
+    )
     assert sum(on["cached"][8:]) >= 8 * 80, on
     backed_up, loaded = host_tier_stats(out)
     assert backed_up >= 8 * 80 and loaded >= 80, (backed_up, loaded)
 
 
 def test_host_kv_is_found_in_host_memory(variant):
-    rc, out, res = run(variant, HOST_KV_FAULT_ENV, kv_canary="log",
-                       kv_canary_real_data="partial", kv_canary_sweep_interval=1)
+    rc, out, res = run(
+        variant,
+        HOST_KV_FAULT_ENV,
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=1,
+    )
     assert rc == 0 and res is not None, out[-4000:]
     assert_host_kv_found(out)
 

@@ -36,9 +36,16 @@ register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 pytestmark = pytest.mark.slow
 
 SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
-ARGS = dict(enable_hierarchical_cache=True, hicache_io_backend="direct",
-            hicache_mem_layout="layer_first", hicache_ratio=6, max_total_tokens=256,
-            chunked_prefill_size=64, max_running_requests=2, log_level="info")
+ARGS = dict(
+    enable_hierarchical_cache=True,
+    hicache_io_backend="direct",
+    hicache_mem_layout="layer_first",
+    hicache_ratio=6,
+    max_total_tokens=256,
+    chunked_prefill_size=64,
+    max_running_requests=2,
+    log_level="info",
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +59,13 @@ def server(tmp_path_factory):
 
 
 def run(server, env_extra=None, **engine_kwargs):
-    return run_workload("hicache_workload.py", server["model"], dict(ARGS, **engine_kwargs),
-                        dict(server["env"], **(env_extra or {})), timeout=900)
+    return run_workload(
+        "hicache_workload.py",
+        server["model"],
+        dict(ARGS, **engine_kwargs),
+        dict(server["env"], **(env_extra or {})),
+        timeout=900,
+    )
 
 
 def test_hicache_clean_matches_canary_off(server):
@@ -62,18 +74,26 @@ def test_hicache_clean_matches_canary_off(server):
     rc, out, off = run(server)
     assert rc == 0 and off is not None, out[-3000:]
     assert sum(off["cached"][8:]) >= 8 * 80  # the second round hits its prefixes
-    rc, out, on = run(server, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-                               "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "1"},
-                      kv_canary="raise", kv_canary_real_data="partial",
-                      kv_canary_real_data_layers="all", kv_canary_sweep_interval=2)
+    rc, out, on = run(
+        server,
+        {
+            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "1",
+        },
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        kv_canary_real_data_layers="all",
+        kv_canary_sweep_interval=2,
+    )
     assert rc == 0, out[-3000:]
     assert "HiCache host tier mirrored" in out and "host_sweep_pages=64" in out
     assert parse_violation_lines(out) == []
     assert on["outputs"] == off["outputs"]
     # the host pool made room for the mirror (fewer prefixes stay on the host: the ratio
     # leaves room for the second round's hits)
-    assert_host_pool_made_room(out, ratio=ARGS["hicache_ratio"],
-                               device_tokens=ARGS["max_total_tokens"])
+    assert_host_pool_made_room(
+        out, ratio=ARGS["hicache_ratio"], device_tokens=ARGS["max_total_tokens"]
+    )
     assert sum(on["cached"][8:]) >= 8 * 80
     backed_up, loaded = host_tier_stats(out)
     assert backed_up >= 8 * 80 and loaded >= 80, (backed_up, loaded)  # to the host and back
@@ -84,8 +104,13 @@ def test_a_flipped_host_byte_is_found_in_host_memory_and_when_loaded_back(server
     finds it in host memory (``SWEEP_K_FULL``, ``req_to_token_row=-2``, the host-pool index
     as the slot), and the forward that reads the page once it is loaded back reports it too
     (``verify_real_kv_hash`` at the flipped position)."""
-    rc, out, res = run(server, HOST_KV_FAULT_ENV, kv_canary="log", kv_canary_real_data="partial",
-                       kv_canary_sweep_interval=1)
+    rc, out, res = run(
+        server,
+        HOST_KV_FAULT_ENV,
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=1,
+    )
     assert rc == 0 and res is not None, out[-3000:]
     fault, host, loaded = assert_host_kv_found(out)
     assert host[0].forward_step == int(fault["step"])

@@ -26,8 +26,13 @@ register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 pytestmark = pytest.mark.slow
 
 SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
-ARGS = dict(attention_backend="triton", chunked_prefill_size=32, max_total_tokens=256,
-            max_running_requests=4, log_level="info")
+ARGS = dict(
+    attention_backend="triton",
+    chunked_prefill_size=32,
+    max_total_tokens=256,
+    max_running_requests=4,
+    log_level="info",
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +45,29 @@ def mla(tmp_path_factory):
 
 
 def run(mla, env_extra=None, **engine_kwargs):
-    return run_workload("small_workload.py", mla["model"], dict(ARGS, **engine_kwargs),
-                        dict(mla["env"], **(env_extra or {})), timeout=900)
+    return run_workload(
+        "small_workload.py",
+        mla["model"],
+        dict(ARGS, **engine_kwargs),
+        dict(mla["env"], **(env_extra or {})),
+        timeout=900,
+    )
 
 
 def test_mla_clean(mla):
     """(The greedy outputs against the canary off are compared for MLA on the GPU,
     test_e2e_model_shapes_gpu.py, where the server is fast: under the interpreter the extra
     canary-off server cost CI 90 s.)"""
-    rc, out, on = run(mla, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-                            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5"},
-                      kv_canary="raise", kv_canary_real_data="partial",
-                      kv_canary_sweep_interval=3)
+    rc, out, on = run(
+        mla,
+        {
+            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5",
+        },
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=3,
+    )
     assert rc == 0, out[-3000:]
     assert "kv_canary installed: mode=raise real_data=partial" in out
     assert "pool=MLATokenToKVPool groups=1 " in out
@@ -66,8 +82,13 @@ def test_mla_clean(mla):
 
 
 def test_mla_every_fault_class_is_caught(mla):
-    rc, out, res = run(mla, EVERY_FAULT_ENV, kv_canary="log", kv_canary_real_data="partial",
-                       kv_canary_sweep_interval=2)
+    rc, out, res = run(
+        mla,
+        EVERY_FAULT_ENV,
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+    )
     assert rc == 0 and res is not None and len(res) == 12, out[-3000:]
     assert_every_fault_caught(out)
 

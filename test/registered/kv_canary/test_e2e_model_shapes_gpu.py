@@ -41,26 +41,38 @@ from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=1020, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
-GPU_LANES = {"shape_mla": ("mla", 250), "shape_nsa": ("nsa", 490),
-             "shape_hybrid": ("hybrid", 280)}
+GPU_LANES = {"shape_mla": ("mla", 250), "shape_nsa": ("nsa", 490), "shape_hybrid": ("hybrid", 280)}
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
 SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
 # the shapes may share one GPU (the device lanes): the pools are capped by max_total_tokens,
 # so a high static fraction only relaxes sglang's free-memory check
-COMMON = dict(chunked_prefill_size=64, max_total_tokens=2048, max_running_requests=8,
-              log_level="info", decode_log_interval=1, mem_fraction_static=0.85)
+COMMON = dict(
+    chunked_prefill_size=64,
+    max_total_tokens=2048,
+    max_running_requests=8,
+    log_level="info",
+    decode_log_interval=1,
+    mem_fraction_static=0.85,
+)
 
 # shape -> (config writer, writer overrides, engine kwargs, extra env, pool class)
 SHAPES = {
     "mla": (write_tiny_deepseek_v2, {}, {}, {}, "MLATokenToKVPool"),
-    "nsa": (write_tiny_deepseek_v32, {},
-            dict(kv_cache_dtype="bfloat16", attention_backend=None,
-                 nsa_prefill_backend="flashmla_sparse", nsa_decode_backend="flashmla_kv"),
-            {"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}, "NSATokenToKVPool"),
-    "hybrid": (write_tiny_qwen3_next, {}, dict(max_mamba_cache_size=32), {},
-               "HybridLinearKVPool"),
+    "nsa": (
+        write_tiny_deepseek_v32,
+        {},
+        dict(
+            kv_cache_dtype="bfloat16",
+            attention_backend=None,
+            nsa_prefill_backend="flashmla_sparse",
+            nsa_decode_backend="flashmla_kv",
+        ),
+        {"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"},
+        "NSATokenToKVPool",
+    ),
+    "hybrid": (write_tiny_qwen3_next, {}, dict(max_mamba_cache_size=32), {}, "HybridLinearKVPool"),
 }
 
 
@@ -69,24 +81,40 @@ def shape(request, tmp_path_factory):
     name = request.param
     write, overrides, kwargs, env, pool_cls = SHAPES[name]
     env = dict(os.environ, **env)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
-    return dict(name=name, model=write(tmp_path_factory.mktemp(name), **overrides),
-                kwargs=dict(COMMON, **kwargs), env=env, pool_cls=pool_cls)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
+    return dict(
+        name=name,
+        model=write(tmp_path_factory.mktemp(name), **overrides),
+        kwargs=dict(COMMON, **kwargs),
+        env=env,
+        pool_cls=pool_cls,
+    )
 
 
 def run(shape, env_extra=None, **engine_kwargs):
-    return run_workload("small_workload.py", shape["model"], dict(shape["kwargs"], **engine_kwargs),
-                        dict(shape["env"], **(env_extra or {})), "cuda", timeout=600)
+    return run_workload(
+        "small_workload.py",
+        shape["model"],
+        dict(shape["kwargs"], **engine_kwargs),
+        dict(shape["env"], **(env_extra or {})),
+        "cuda",
+        timeout=600,
+    )
 
 
 def test_clean_matches_canary_off(shape):
     rc, out, off = run(shape)
     assert rc == 0 and off is not None, out[-4000:]
-    rc, out, on = run(shape, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-                              "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5"},
-                      kv_canary="raise", kv_canary_real_data="partial",
-                      kv_canary_sweep_interval=3)
+    rc, out, on = run(
+        shape,
+        {
+            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5",
+        },
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=3,
+    )
     assert rc == 0, out[-4000:]
     assert "kv_canary installed: mode=raise real_data=partial" in out
     assert f"pool={shape['pool_cls']}" in out, out[-4000:]
@@ -99,8 +127,13 @@ def test_clean_matches_canary_off(shape):
 
 
 def test_every_fault_class_is_caught(shape):
-    rc, out, res = run(shape, EVERY_FAULT_ENV, kv_canary="log", kv_canary_real_data="partial",
-                       kv_canary_sweep_interval=2)
+    rc, out, res = run(
+        shape,
+        EVERY_FAULT_ENV,
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+    )
     assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
     assert f"pool={shape['pool_cls']}" in out, out[-4000:]
     assert_every_fault_caught(out)

@@ -40,8 +40,13 @@ def server(tmp_path_factory):
 
 
 def run(server, **engine_kwargs):
-    return run_workload("pd_decode_workload.py", server["model"], dict(ARGS, **engine_kwargs),
-                        server["env"], timeout=600)
+    return run_workload(
+        "pd_decode_workload.py",
+        server["model"],
+        dict(ARGS, **engine_kwargs),
+        server["env"],
+        timeout=600,
+    )
 
 
 def test_a_prefix_that_never_arrived_is_reported_at_the_first_decode_step(server):
@@ -63,8 +68,11 @@ def test_a_prefix_that_never_arrived_is_reported_at_the_first_decode_step(server
         assert all("HEAD_K_FULL" in v.seen_by for v in at_first)
         assert len({v.req_to_token_row for v in at_first}) == 1
         for v in at_first:
-            want = ({"verify_chain_hash", "verify_position"} if v.read_position < PROMPT_LEN
-                    else {"write_position"})
+            want = (
+                {"verify_chain_hash", "verify_position"}
+                if v.read_position < PROMPT_LEN
+                else {"write_position"}
+            )
             assert set(v.fail_reasons) & want, v
 
 

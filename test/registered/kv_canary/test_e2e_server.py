@@ -39,18 +39,21 @@ def server(tmp_path_factory):
 
 
 def _run(args, env, timeout=600):
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _workload(server, mode, extra=None, env_extra=None, timeout=600):
-    return run_mixed_workload(server["model"], mode, extra, base_env=server["env"],
-                        env_extra=env_extra, timeout=timeout)
+    return run_mixed_workload(
+        server["model"], mode, extra, base_env=server["env"], env_extra=env_extra, timeout=timeout
+    )
 
 
 # small chunks (chunked prefill) and a small pool (radix evictions)
-WORKLOAD_ARGS = dict(chunked_prefill_size=32, max_total_tokens=384, max_running_requests=8,
-                     log_level="info")
+WORKLOAD_ARGS = dict(
+    chunked_prefill_size=32, max_total_tokens=384, max_running_requests=8, log_level="info"
+)
 
 
 def _assert_workload_coverage(out: str) -> None:
@@ -70,12 +73,18 @@ def baseline(server):
     assert rc == 0, out[-3000:]
     # canary off: nothing of the canary's own, only the four fields in sglang's
     # `server_args=ServerArgs(...)` line (its repr shows every setting)
-    assert ("kv_canary='none', kv_canary_sweep_interval=0, kv_canary_real_data='none', "
-            "kv_canary_real_data_layers='first')") in out
-    server_log = "\n".join(line for line in out.splitlines()
-                           if not line.startswith("INFO "))  # the workload's own print
-    quiet = re.sub(r"kv_canary(_sweep_interval|_real_data|_real_data_layers)?=\S+", "",
-                   server_log.replace("sglang.srt.kv_canary", ""))
+    assert (
+        "kv_canary='none', kv_canary_sweep_interval=0, kv_canary_real_data='none', "
+        "kv_canary_real_data_layers='first')"
+    ) in out
+    server_log = "\n".join(
+        line for line in out.splitlines() if not line.startswith("INFO ")
+    )  # the workload's own print
+    quiet = re.sub(
+        r"kv_canary(_sweep_interval|_real_data|_real_data_layers)?=\S+",
+        "",
+        server_log.replace("sglang.srt.kv_canary", ""),
+    )
     assert "kv_canary" not in quiet
     assert res is not None and len(res) == 48
     return res
@@ -98,46 +107,69 @@ def test_clean_workload_matches_canary_off_and_log_mode_works(server, baseline):
     assert "violations=0" in stats[-1] and "HEAD_K_FULL" in stats[-1]
     _assert_workload_coverage(out)
     # the same workload in log mode, with the token checks on: nothing to report either
-    rc_log, out_log, res_log = _workload(server, "log", WORKLOAD_ARGS,
-                                         {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"})
+    rc_log, out_log, res_log = _workload(
+        server, "log", WORKLOAD_ARGS, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"}
+    )
     assert rc_log == 0, out_log[-3000:]
     assert res_log == baseline
     assert "kv_canary installed: mode=log" in out_log
     installed = next(line for line in out_log.splitlines() if "kv_canary installed:" in line)
     assert "token_checks=on" in installed, installed
     assert_memory_reserved_as_allocated(workload_info(out_log))
-    assert "token_table" in workload_info(out_log)["kv_canary"]["memory"]["target"]["allocated"][
-        "device"]
+    assert (
+        "token_table"
+        in workload_info(out_log)["kv_canary"]["memory"]["target"]["allocated"]["device"]
+    )
     assert VIOLATION_LINE_PREFIX not in out_log
     _assert_workload_coverage(out_log)  # chunked prefill, radix reuse and decode all covered
 
 
 def test_token_checks_catch_a_req_to_token_swap(server):
-    rc, out, res = _workload(server, "raise", dict(WORKLOAD_ARGS, log_level="warning"),
-                             {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-                              "KV_CANARY_TEST_SWAP_SAME_POSITION_AFTER": "5"}, timeout=300)
+    rc, out, res = _workload(
+        server,
+        "raise",
+        dict(WORKLOAD_ARGS, log_level="warning"),
+        {
+            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+            "KV_CANARY_TEST_SWAP_SAME_POSITION_AFTER": "5",
+        },
+        timeout=300,
+    )
     assert "KV_CANARY_TEST: req_to_token[" in out, out[-3000:]
     assert rc != 0 and res is None, out[-3000:]
     reasons = [v.fail_reasons for v in parse_violation_lines(out)]
     assert any("verify_token" in r for r in reasons), reasons
     # located: the report names the swapped entry and the slot it read there
-    row, pos, slot = map(int, re.search(r"KV_CANARY_TEST: req_to_token\[(\d+), (\d+)\] -> slot "
-                                        r"(\d+)", out).groups())
-    assert any((v.req_to_token_row, v.read_position, v.slot_idx) == (row, pos, slot)
-               for v in parse_violation_lines(out)), out[-3000:]
+    row, pos, slot = map(
+        int,
+        re.search(
+            r"KV_CANARY_TEST: req_to_token\[(\d+), (\d+)\] -> slot "
+            r"(\d+)",
+            out,
+        ).groups(),
+    )
+    assert any(
+        (v.req_to_token_row, v.read_position, v.slot_idx) == (row, pos, slot)
+        for v in parse_violation_lines(out)
+    ), out[-3000:]
 
 
 def test_corrupted_record_stops_the_server_in_raise_mode(server):
     rc, out, res = _workload(
-        server, "raise", dict(WORKLOAD_ARGS, log_level="warning"),
+        server,
+        "raise",
+        dict(WORKLOAD_ARGS, log_level="warning"),
         {"KV_CANARY_TEST_CORRUPT_AFTER": "6", "SGLANG_KV_CANARY_RING_CAPACITY": "8"},
-        timeout=300)
+        timeout=300,
+    )
     assert "KV_CANARY_TEST: corrupted HEAD K records" in out
     assert rc != 0 and res is None, out[-3000:]
     # every HEAD K record's position was bumped: position (and, past position 0, chain) fail
-    assert any(v.launch_tag == "HEAD_K_FULL" and v.fail_reasons in {
-        ("verify_position",), ("verify_chain_hash", "verify_position")}
-        for v in parse_violation_lines(out)), out[-3000:]
+    assert any(
+        v.launch_tag == "HEAD_K_FULL"
+        and v.fail_reasons in {("verify_position",), ("verify_chain_hash", "verify_position")}
+        for v in parse_violation_lines(out)
+    ), out[-3000:]
 
 
 def test_launch_server_help_lists_the_flags(server):
@@ -148,24 +180,44 @@ def test_launch_server_help_lists_the_flags(server):
     assert "{none,log,raise,abort}" in proc.stdout and "{none,partial,all}" in proc.stdout
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--kv-canary", "maybe"], "argument --kv-canary: invalid choice: 'maybe'"),
-    (["--kv-canary-real-data", "most"], "argument --kv-canary-real-data: invalid choice"),
-    (["--kv-canary-sweep-interval", "-2"],
-     "invalid --kv-canary-sweep-interval value '-2'; allowed: an integer from 0 (off)"),
-    (["--kv-canary-sweep-interval", "5"], "--kv-canary-sweep-interval=5 needs the canary on"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--kv-canary", "maybe"], "argument --kv-canary: invalid choice: 'maybe'"),
+        (["--kv-canary-real-data", "most"], "argument --kv-canary-real-data: invalid choice"),
+        (
+            ["--kv-canary-sweep-interval", "-2"],
+            "invalid --kv-canary-sweep-interval value '-2'; allowed: an integer from 0 (off)",
+        ),
+        (["--kv-canary-sweep-interval", "5"], "--kv-canary-sweep-interval=5 needs the canary on"),
+    ],
+)
 def test_launch_server_rejects_bad_values(server, argv, message):
-    proc = _run(["-m", "sglang.launch_server", "--model-path", server["model"], "--device",
-                 "cpu", *argv], server["env"], 300)
+    proc = _run(
+        ["-m", "sglang.launch_server", "--model-path", server["model"], "--device", "cpu", *argv],
+        server["env"],
+        300,
+    )
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
 
 
 def test_bad_environment_variable_is_named(server):
     env = dict(server["env"], SGLANG_KV_CANARY_RING_CAPACITY="lots")
-    proc = _run(["-m", "sglang.launch_server", "--model-path", server["model"], "--device",
-                 "cpu", "--kv-canary", "log"], env, 300)
+    proc = _run(
+        [
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            server["model"],
+            "--device",
+            "cpu",
+            "--kv-canary",
+            "log",
+        ],
+        env,
+        300,
+    )
     assert proc.returncode != 0
     assert "SGLANG_KV_CANARY_RING_CAPACITY" in proc.stderr + proc.stdout
 
@@ -179,27 +231,41 @@ def test_config_yaml_carries_the_flags(server, tmp_path):
         "load_plugins()\n"
         "from sglang.srt.server_args import prepare_server_args\n"
         "sa = prepare_server_args(sys.argv[1:])\n"
-        "print('PARSED', sa.kv_canary, sa.kv_canary_sweep_interval, sa.kv_canary_real_data)\n")
-    proc = _run(["-c", code, "--model-path", server["model"], "--device", "cpu", "--config",
-                 str(cfg)], server["env"], 300)
+        "print('PARSED', sa.kv_canary, sa.kv_canary_sweep_interval, sa.kv_canary_real_data)\n"
+    )
+    proc = _run(
+        ["-c", code, "--model-path", server["model"], "--device", "cpu", "--config", str(cfg)],
+        server["env"],
+        300,
+    )
     assert "PARSED log 7 partial" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_sweep_catches_a_flipped_byte_in_a_cached_only_slot(server):
     rc, out, res = _workload(
-        server, "raise",
-        dict(WORKLOAD_ARGS, log_level="info", kv_canary_sweep_interval=1,
-             kv_canary_real_data="partial"),
-        {"KV_CANARY_TEST_FLIP_CACHED_AFTER": "30",
-         "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10"}, timeout=300)
+        server,
+        "raise",
+        dict(
+            WORKLOAD_ARGS,
+            log_level="info",
+            kv_canary_sweep_interval=1,
+            kv_canary_real_data="partial",
+        ),
+        {
+            "KV_CANARY_TEST_FLIP_CACHED_AFTER": "30",
+            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10",
+        },
+        timeout=300,
+    )
     flipped = re.search(r"KV_CANARY_TEST: flipped K byte 0 of cached-only slot (\d+)", out)
     assert flipped, out[-3000:]
     assert rc != 0 and res is None, out[-3000:]
     reports = [(v.launch_tag, v.fail_reasons, v.slot_idx) for v in parse_violation_lines(out)]
     assert ("SWEEP_K_FULL", ("verify_real_kv_hash",), int(flipped.group(1))) in reports, reports
     # sweeps ran (and found nothing) before the flip
-    passes = [int(x) for x in re.findall(r"kv_canary stats: .*sweep_passes=(\d+) violations=0",
-                                         out)]
+    passes = [
+        int(x) for x in re.findall(r"kv_canary stats: .*sweep_passes=(\d+) violations=0", out)
+    ]
     assert passes and max(passes) >= 10
 
 
@@ -213,21 +279,36 @@ def test_cli_log_server_under_injection_locates_every_fault_and_keeps_serving(se
     from cli_server import CliServer, http_call
     from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 
-    env = dict(server["env"], SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.25",
-               SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20", SGLANG_KV_CANARY_RING_CAPACITY="2",
-               SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT="1")
-    srv = CliServer("cli_log_faults", server["root"], server["model"], env,
-                    ["--kv-canary", "log", "--kv-canary-real-data", "partial"],
-                    **WORKLOAD_ARGS)
+    env = dict(
+        server["env"],
+        SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.25",
+        SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20",
+        SGLANG_KV_CANARY_RING_CAPACITY="2",
+        SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT="1",
+    )
+    srv = CliServer(
+        "cli_log_faults",
+        server["root"],
+        server["model"],
+        env,
+        ["--kv-canary", "log", "--kv-canary-real-data", "partial"],
+        **WORKLOAD_ARGS,
+    )
     try:
         srv.wait_ready()
         prefix = list(range(10, 90))
         for wave in range(3):
             prompts = [prefix[: 40 + 10 * i] + [200 + wave, 300 + i] for i in range(6)]
-            status, body = http_call(srv.port, "POST", "/generate", {
-                "input_ids": prompts,
-                "sampling_params": {"temperature": 0, "max_new_tokens": 24,
-                                    "ignore_eos": True}}, timeout=300)
+            status, body = http_call(
+                srv.port,
+                "POST",
+                "/generate",
+                {
+                    "input_ids": prompts,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
+                },
+                timeout=300,
+            )
             assert status == 200, body[:500]
             outs = json.loads(body)
             assert [len(o["output_ids"]) for o in outs] == [24] * 6  # served to the end
@@ -244,17 +325,24 @@ def test_cli_log_server_under_injection_locates_every_fault_and_keeps_serving(se
         srv.stop()
     log = srv.log()
     assert "memory leak" not in log and "Traceback" not in log, log[-3000:]
-    injected = [f for f in map(parse_perturb_line, log.splitlines())
-                if f is not None and f.get("fault") == "req_to_token"]
+    injected = [
+        f
+        for f in map(parse_perturb_line, log.splitlines())
+        if f is not None and f.get("fault") == "req_to_token"
+    ]
     assert len(injected) >= 3, log[-3000:]
     lines = parse_violation_lines(log)
     steps = {int(i["step"]) for i in injected}
     assert {v.forward_step for v in lines} <= steps  # undone: later forwards are clean
     for i in injected:
         step = int(i["step"])
-        assert any(v.forward_step == step and v.slot_idx == int(i["new_slot"])
-                   and (v.req_to_token_row, v.read_position)
-                   == (int(i["req_pool_idx"]), int(i["position"])) for v in lines), (i, lines)
+        assert any(
+            v.forward_step == step
+            and v.slot_idx == int(i["new_slot"])
+            and (v.req_to_token_row, v.read_position)
+            == (int(i["req_pool_idx"]), int(i["position"]))
+            for v in lines
+        ), (i, lines)
     # each step overflowed the 2-row ring and the next one was detailed again
     assert any(f"not recorded at forward step {s}" in log for s in steps)
 

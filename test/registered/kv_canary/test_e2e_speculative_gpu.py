@@ -43,10 +43,14 @@ from sglang.test.ci.ci_register import register_cuda_ci
 register_cuda_ci(est_time=3040, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
-    "spec_clean_v2": ("clean and spec_v2", 190), "spec_clean_v1": ("clean and spec_v1", 190),
-    "spec_pr25015": ("pr25015", 240), "spec_pr26329": ("pr26329", 260),
-    "spec_pr28254_v2": ("pr28254 and spec_v2", 450), "spec_pr28254_v1": ("pr28254 and spec_v1", 450),
-    "spec_faults_v2": ("fault and spec_v2", 210), "spec_faults_v1": ("fault and spec_v1", 360),
+    "spec_clean_v2": ("clean and spec_v2", 190),
+    "spec_clean_v1": ("clean and spec_v1", 190),
+    "spec_pr25015": ("pr25015", 240),
+    "spec_pr26329": ("pr26329", 260),
+    "spec_pr28254_v2": ("pr28254 and spec_v2", 450),
+    "spec_pr28254_v1": ("pr28254 and spec_v1", 450),
+    "spec_faults_v2": ("fault and spec_v2", 210),
+    "spec_faults_v1": ("fault and spec_v1", 360),
     "spec_eagle3_clean": ("other_algorithms and clean and EAGLE3", 200),
     "spec_eagle3_faults": ("other_algorithms and every_fault and EAGLE3", 130),
     "spec_nextn_clean": ("other_algorithms and clean and NEXTN", 220),
@@ -56,18 +60,28 @@ GPU_LANES = {
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
 SUPPORT = pathlib.Path(__file__).parent / "e2e_support"
-COMMON = dict(chunked_prefill_size=64, max_total_tokens=4096, max_running_requests=8,
-              log_level="info", decode_log_interval=1, mem_fraction_static=0.85,
-              speculative_num_steps=3,
-              speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+COMMON = dict(
+    chunked_prefill_size=64,
+    max_total_tokens=4096,
+    max_running_requests=8,
+    log_level="info",
+    decode_log_interval=1,
+    mem_fraction_static=0.85,
+    speculative_num_steps=3,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=4,
+)
 SPEC = {"spec_v2": {}, "spec_v1": dict(disable_overlap_schedule=True)}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     target = write_tiny_llama(tmp_path_factory.mktemp("target"))
-    draft = write_tiny_llama(tmp_path_factory.mktemp("draft"),
-                             architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+    draft = write_tiny_llama(
+        tmp_path_factory.mktemp("draft"),
+        architectures=["LlamaForCausalLMEagle"],
+        num_hidden_layers=1,
+    )
     return target, draft
 
 
@@ -76,28 +90,36 @@ def write_models(tmp_path_factory, algorithm):
     if algorithm == "EAGLE3":
         target = write_tiny_llama(tmp_path_factory.mktemp("target3"), num_hidden_layers=4)
         draft = write_tiny_llama(
-            tmp_path_factory.mktemp("draft3"), architectures=["LlamaForCausalLMEagle3"],
-            num_hidden_layers=1, draft_vocab_size=512,
-            eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2],
-                          "use_aux_hidden_state": True})
+            tmp_path_factory.mktemp("draft3"),
+            architectures=["LlamaForCausalLMEagle3"],
+            num_hidden_layers=1,
+            draft_vocab_size=512,
+            eagle_config={
+                "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+                "use_aux_hidden_state": True,
+            },
+        )
         return target, draft
     if algorithm == "NEXTN":  # sglang takes the NextN layer of the target's dir as the draft
         # DeepSeek-V3's own MLA head dimensions (everything else tiny): with head dims of 32
         # the canary-off server stopped in sglang's Triton extend attention (docs/user_guide.md,
         # "Speculative decoding"); these are the shapes its kernels are tuned for
-        return write_tiny_deepseek_v2(tmp_path_factory.mktemp("mtp"),
-                                      architectures=["DeepseekV3ForCausalLM"],
-                                      model_type="deepseek_v3", num_nextn_predict_layers=1,
-                                      **DEEPSEEK_V3_MLA_DIMS), None
+        return write_tiny_deepseek_v2(
+            tmp_path_factory.mktemp("mtp"),
+            architectures=["DeepseekV3ForCausalLM"],
+            model_type="deepseek_v3",
+            num_nextn_predict_layers=1,
+            **DEEPSEEK_V3_MLA_DIMS,
+        ), None
     raise ValueError(algorithm)
 
 
-def run(models, spec, env_extra=None, script="small_workload.py", algorithm="EAGLE",
-        **engine_kwargs):
+def run(
+    models, spec, env_extra=None, script="small_workload.py", algorithm="EAGLE", **engine_kwargs
+):
     target, draft = models
     env = dict(os.environ, **(env_extra or {}))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", ""))
-                                        if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
     kwargs = dict(COMMON, speculative_algorithm=algorithm, **SPEC[spec], **engine_kwargs)
     if draft is not None:
         kwargs["speculative_draft_model_path"] = draft
@@ -112,10 +134,18 @@ UNCHUNKED = dict(chunked_prefill_size=512)
 def test_clean_matches_canary_off(models, spec):
     rc, out, off = run(models, spec, **UNCHUNKED)
     assert rc == 0 and off is not None, out[-4000:]
-    rc, out, on = run(models, spec, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-                                     "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5"},
-                      kv_canary="raise", kv_canary_real_data="partial",
-                      kv_canary_sweep_interval=3, **UNCHUNKED)
+    rc, out, on = run(
+        models,
+        spec,
+        {
+            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5",
+        },
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=3,
+        **UNCHUNKED,
+    )
     assert rc == 0, out[-4000:]
     assert "kv_canary installed on the EAGLE draft worker: mode=raise" in out, out[-4000:]
     assert "not covered yet" not in out
@@ -128,16 +158,23 @@ def test_clean_matches_canary_off(models, spec):
     info = workload_info(out)
     assert_memory_reserved_as_allocated(info)
     draft = info["kv_canary"]["memory"]["draft"]
-    assert draft["allocated"]["device_bytes"] > 0 and draft["allocated"] == draft["reserved"], \
-        info["kv_canary"]["memory"]
+    assert draft["allocated"]["device_bytes"] > 0 and draft["allocated"] == draft["reserved"], info[
+        "kv_canary"
+    ]["memory"]
 
 
 @pytest.mark.parametrize("worker", ["draft", "target"])
 @pytest.mark.parametrize("spec", sorted(SPEC))
 def test_every_fault_class_is_caught_in_each_pool(models, spec, worker):
     env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
-    rc, out, res = run(models, spec, env, kv_canary="log", kv_canary_real_data="partial",
-                       kv_canary_sweep_interval=2)
+    rc, out, res = run(
+        models,
+        spec,
+        env,
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+    )
     assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
     assert "kv_canary installed on the EAGLE draft worker" in out
     assert_every_fault_caught(out)
@@ -148,8 +185,7 @@ def test_pr25015_draft_positions_advanced_before_the_forward(models, spec):
     """Upstream PR 25015, re-introduced by a test-only hook (``KV_CANARY_TEST_PR25015``): each
     draft forward runs at the next position. The draft canary stops the server with the
     stored position; the same workload without the hook is clean (the test above)."""
-    rc, out, _ = run(models, spec, {"KV_CANARY_TEST_PR25015": "1"}, kv_canary="raise",
-                     **UNCHUNKED)
+    rc, out, _ = run(models, spec, {"KV_CANARY_TEST_PR25015": "1"}, kv_canary="raise", **UNCHUNKED)
     assert rc != 0, out[-3000:]
     lines = parse_violation_lines(out)
     reasons = {r for v in lines for r in v.fail_reasons}
@@ -169,12 +205,21 @@ def test_pr26329_chunk_end_draft_token_is_reported(models, spec):
     the identical prompt positions, the first of its own slots past them no longer chains
     (``verify_chain_hash``). Unsplit, the same prompts are clean
     (test_clean_matches_canary_off)."""
-    rc, out, res = run(models, spec, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
-                       kv_canary="log", chunked_prefill_size=64)
+    rc, out, res = run(
+        models,
+        spec,
+        {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
+        kv_canary="log",
+        chunked_prefill_size=64,
+    )
     assert rc == 0 and res is not None, out[-3000:]
     lines = parse_violation_lines(out)
-    summary = sorted({(v.launch_tag, v.fail_reasons, v.slot_idx, v.position, v.stored_token,
-                       v.expected_token) for v in lines})
+    summary = sorted(
+        {
+            (v.launch_tag, v.fail_reasons, v.slot_idx, v.position, v.stored_token, v.expected_token)
+            for v in lines
+        }
+    )
     reasons = {r for v in lines for r in v.fail_reasons}
     assert "verify_token" in reasons, summary
     assert reasons <= {"verify_token", "verify_chain_hash"}, summary
@@ -184,14 +229,14 @@ def test_pr26329_chunk_end_draft_token_is_reported(models, spec):
     # offset): chunk ends inside prompts, nowhere else
     import importlib.util
 
-    spec_ = importlib.util.spec_from_file_location("small_workload",
-                                                   SUPPORT / "small_workload.py")
+    spec_ = importlib.util.spec_from_file_location("small_workload", SUPPORT / "small_workload.py")
     workload = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(workload)
     prompts = [p for wave in workload.waves() for p in wave]
     for v in token_lines:
-        assert any(v.position + 1 < len(p) and p[v.position + 1] == v.expected_token
-                   for p in prompts), v
+        assert any(
+            v.position + 1 < len(p) and p[v.position + 1] == v.expected_token for p in prompts
+        ), v
 
 
 # ---- EAGLE3 and NEXTN (MTP) ---------------------------------------------------------------------
@@ -210,17 +255,28 @@ def test_other_algorithms_clean_matches_canary_off(algorithm_models):
     algorithm, models = algorithm_models
     rc, out, off = run(models, "spec_v2", algorithm=algorithm, **UNCHUNKED)
     assert rc == 0 and off is not None, out[-4000:]
-    rc, out, on = run(models, "spec_v2", {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-                                          "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5"},
-                      algorithm=algorithm, kv_canary="raise", kv_canary_real_data="partial",
-                      kv_canary_sweep_interval=3, **UNCHUNKED)
+    rc, out, on = run(
+        models,
+        "spec_v2",
+        {
+            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5",
+        },
+        algorithm=algorithm,
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=3,
+        **UNCHUNKED,
+    )
     assert rc == 0, out[-4000:]
     pool = OTHER_ALGORITHMS[algorithm]
     installed = [line for line in out.splitlines() if "kv_canary installed" in line]
-    assert any("on the EAGLE draft worker" in line and f"pool={pool}" in line
-               for line in installed), installed
-    assert any("on the EAGLE draft worker" not in line and f"pool={pool}" in line
-               for line in installed), installed
+    assert any(
+        "on the EAGLE draft worker" in line and f"pool={pool}" in line for line in installed
+    ), installed
+    assert any(
+        "on the EAGLE draft worker" not in line and f"pool={pool}" in line for line in installed
+    ), installed
     assert parse_violation_lines(out) == []
     assert on == off and len(on) == 12
 
@@ -229,8 +285,15 @@ def test_other_algorithms_clean_matches_canary_off(algorithm_models):
 def test_other_algorithms_every_fault_class_is_caught(algorithm_models, worker):
     algorithm, models = algorithm_models
     env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
-    rc, out, res = run(models, "spec_v2", env, algorithm=algorithm, kv_canary="log",
-                       kv_canary_real_data="partial", kv_canary_sweep_interval=2)
+    rc, out, res = run(
+        models,
+        "spec_v2",
+        env,
+        algorithm=algorithm,
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+    )
     assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
     assert "kv_canary installed on the EAGLE draft worker" in out
     assert_every_fault_caught(out)
@@ -238,16 +301,21 @@ def test_other_algorithms_every_fault_class_is_caught(algorithm_models, worker):
 
 # ---- PR 28254: a resumed request's chunk end inside its output ----------------------------------
 
-RETRACT_ENV = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "12",
-               "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"}
+RETRACT_ENV = {
+    "SGLANG_TEST_RETRACT": "1",
+    "SGLANG_TEST_RETRACT_INTERVAL": "12",
+    "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+}
 
 
 def _output_chunk_ends(out: str) -> set:
     """Positions at which a re-prefill chunk ended inside a request's output (the hook's
     lines)."""
-    return {int(line.split("chunk end at position ")[1].split()[0])
-            for line in out.splitlines()
-            if line.startswith("KV_CANARY_TEST_PR28254:") and " inside the output " in line}
+    return {
+        int(line.split("chunk end at position ")[1].split()[0])
+        for line in out.splitlines()
+        if line.startswith("KV_CANARY_TEST_PR28254:") and " inside the output " in line
+    }
 
 
 @pytest.mark.parametrize("spec", sorted(SPEC))
@@ -265,9 +333,15 @@ def test_pr28254_resumed_request_chunk_end_inside_its_output(models, spec):
     is clean; the buggy one reports ``verify_token`` in the draft pool at those positions."""
     ends, lines = {}, {}
     for variant in ("fixed", "buggy"):
-        rc, out, res = run(models, spec, dict(RETRACT_ENV, KV_CANARY_TEST_PR28254=variant),
-                           script="retract_workload.py", kv_canary="log",
-                           chunked_prefill_size=64, disable_radix_cache=True)
+        rc, out, res = run(
+            models,
+            spec,
+            dict(RETRACT_ENV, KV_CANARY_TEST_PR28254=variant),
+            script="retract_workload.py",
+            kv_canary="log",
+            chunked_prefill_size=64,
+            disable_radix_cache=True,
+        )
         assert rc == 0 and res == [160] * 6, out[-4000:]
         assert "Testing retraction" in out, out[-4000:]
         ends[variant] = _output_chunk_ends(out)
@@ -275,13 +349,18 @@ def test_pr28254_resumed_request_chunk_end_inside_its_output(models, spec):
         lines[variant] = parse_violation_lines(out)
     assert lines["fixed"] == [], sorted({(v.fail_reasons, v.position) for v in lines["fixed"]})
     buggy = lines["buggy"]
-    summary = sorted({(v.launch_tag, v.fail_reasons, v.position, v.stored_token,
-                       v.expected_token) for v in buggy})
+    summary = sorted(
+        {
+            (v.launch_tag, v.fail_reasons, v.position, v.stored_token, v.expected_token)
+            for v in buggy
+        }
+    )
     token_positions = {v.position for v in buggy if "verify_token" in v.fail_reasons}
     assert token_positions, summary
     assert token_positions <= ends["buggy"], (summary, sorted(ends["buggy"]))
-    assert {r for v in buggy for r in v.fail_reasons} <= {"verify_token", "verify_chain_hash"}, \
+    assert {r for v in buggy for r in v.fail_reasons} <= {"verify_token", "verify_chain_hash"}, (
         summary
+    )
 
 
 if __name__ == "__main__":

@@ -26,12 +26,19 @@ register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
-ARGS = dict(tp_size=2, chunked_prefill_size=32, max_total_tokens=512, max_running_requests=4,
-            log_level="info")
-FAULT = {"SGLANG_KV_CANARY_PERTURB_TP_RANK": "1",
-         "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "6",
-         "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "2",
-         "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "0.5"}
+ARGS = dict(
+    tp_size=2,
+    chunked_prefill_size=32,
+    max_total_tokens=512,
+    max_running_requests=4,
+    log_level="info",
+)
+FAULT = {
+    "SGLANG_KV_CANARY_PERTURB_TP_RANK": "1",
+    "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "6",
+    "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "2",
+    "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "0.5",
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +54,13 @@ def server(tmp_path_factory):
 
 
 def run(server, env_extra=None, **engine_kwargs):
-    return run_workload("small_workload.py", server["model"], dict(ARGS, **engine_kwargs),
-                        dict(server["env"], **(env_extra or {})), timeout=900)
+    return run_workload(
+        "small_workload.py",
+        server["model"],
+        dict(ARGS, **engine_kwargs),
+        dict(server["env"], **(env_extra or {})),
+        timeout=900,
+    )
 
 
 def _by_rank(out: str, prefix: str) -> dict:
@@ -64,9 +76,13 @@ def _by_rank(out: str, prefix: str) -> dict:
 def test_tp2_clean_matches_canary_off(server):
     rc, out, off = run(server)
     assert rc == 0 and off is not None, out[-3000:]
-    rc, out, on = run(server, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
-                      kv_canary="raise", kv_canary_real_data="partial",
-                      kv_canary_sweep_interval=2)
+    rc, out, on = run(
+        server,
+        {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+    )
     assert rc == 0, out[-3000:]
     installed = _by_rank(out, "kv_canary installed:")
     assert sorted(installed) == [0, 1], installed  # a canary on each rank's pool

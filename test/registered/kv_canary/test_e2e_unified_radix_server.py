@@ -24,8 +24,7 @@ register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
-ARGS = dict(chunked_prefill_size=32, max_total_tokens=256, max_running_requests=4,
-            log_level="info")
+ARGS = dict(chunked_prefill_size=32, max_total_tokens=256, max_running_requests=4, log_level="info")
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +37,28 @@ def server(tmp_path_factory):
 
 
 def run(server, env_extra=None, **engine_kwargs):
-    return run_workload("small_workload.py", server["model"], dict(ARGS, **engine_kwargs),
-                        dict(server["env"], **(env_extra or {})), timeout=600)
+    return run_workload(
+        "small_workload.py",
+        server["model"],
+        dict(ARGS, **engine_kwargs),
+        dict(server["env"], **(env_extra or {})),
+        timeout=600,
+    )
 
 
 def test_unified_tree_clean(server):
     """(The canary never changes what sglang computes: the outputs against the canary off are
     compared on the default tree in test_e2e_server.py; CI time.)"""
-    rc, out, on = run(server, {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-                               "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5"},
-                      kv_canary="raise", kv_canary_real_data="partial",
-                      kv_canary_sweep_interval=2)
+    rc, out, on = run(
+        server,
+        {
+            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5",
+        },
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+    )
     assert rc == 0 and on is not None and len(on) == 12, out[-3000:]
     assert "Init Unified RadixTree" in out  # sglang really built the unified tree
     assert parse_violation_lines(out) == []
@@ -57,8 +67,13 @@ def test_unified_tree_clean(server):
 
 
 def test_unified_tree_every_fault_class_is_caught(server):
-    rc, out, res = run(server, EVERY_FAULT_ENV, kv_canary="log", kv_canary_real_data="partial",
-                       kv_canary_sweep_interval=2)
+    rc, out, res = run(
+        server,
+        EVERY_FAULT_ENV,
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+    )
     assert rc == 0 and res is not None and len(res) == 12, out[-3000:]
     assert_every_fault_caught(out)
 

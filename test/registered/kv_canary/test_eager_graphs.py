@@ -27,10 +27,10 @@ pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
 VARIANTS = {
     "mha_partial": dict(pool="mha", real_data="partial"),
-    "mha_tokens_all_layers": dict(pool="mha", real_data="all", verify_tokens=True,
-                                  real_data_layers="all"),
-    "swa": dict(pool="swa", real_data="partial", num_slots=640, num_swa_slots=400,
-                swa_window=12),
+    "mha_tokens_all_layers": dict(
+        pool="mha", real_data="all", verify_tokens=True, real_data_layers="all"
+    ),
+    "swa": dict(pool="swa", real_data="partial", num_slots=640, num_swa_slots=400, swa_window=12),
     "mla": dict(pool="mla", real_data="partial"),
 }
 
@@ -84,11 +84,18 @@ def test_a_smaller_batch_pads_the_rows_and_slots_a_larger_one_left():
     def batch(rows, ext, loc):
         i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
         n = sum(ext)
-        fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=len(rows),
-                          input_ids=i64(list(range(100, 100 + n))), req_pool_indices=i64(rows),
-                          seq_lens=i64(ext), out_cache_loc=i64(loc), seq_lens_sum=n,
-                          positions=i64(list(range(n))),
-                          req_to_token_pool=d.req_to_token_pool, token_to_kv_pool=d.kv_pool)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=len(rows),
+            input_ids=i64(list(range(100, 100 + n))),
+            req_pool_indices=i64(rows),
+            seq_lens=i64(ext),
+            out_cache_loc=i64(loc),
+            seq_lens_sum=n,
+            positions=i64(list(range(n))),
+            req_to_token_pool=d.req_to_token_pool,
+            token_to_kv_pool=d.kv_pool,
+        )
         fb.extend_prefix_lens, fb.extend_seq_lens = i64([0] * len(rows)), i64(ext)
         return fb
 
@@ -107,10 +114,16 @@ def test_fill_padded_zeroes_only_the_rows_a_larger_batch_left():
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
 
     def fb(rows):
-        b = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(rows),
-                         input_ids=i64([1] * len(rows)), req_pool_indices=i64(rows),
-                         seq_lens=i64([5] * len(rows)), out_cache_loc=i64([9] * len(rows)),
-                         seq_lens_sum=5 * len(rows), positions=i64([4] * len(rows)))
+        b = ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=len(rows),
+            input_ids=i64([1] * len(rows)),
+            req_pool_indices=i64(rows),
+            seq_lens=i64([5] * len(rows)),
+            out_cache_loc=i64([9] * len(rows)),
+            seq_lens_sum=5 * len(rows),
+            positions=i64([4] * len(rows)),
+        )
         return b
 
     rpi, prefix, extend = pi.fill_padded(fb([2, 3, 4, 5]))
@@ -126,10 +139,16 @@ def _mode_batch(mode, rows, *, seq, prefix=None, ext=None, positions=None, draft
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     n = len(rows) if positions is None else len(positions)
-    fb = ForwardBatch(forward_mode=mode, batch_size=len(rows), input_ids=i64([1] * n),
-                      req_pool_indices=i64(rows), seq_lens=i64(seq), out_cache_loc=i64([9] * n),
-                      seq_lens_sum=sum(seq),
-                      positions=i64(positions if positions is not None else [0] * n))
+    fb = ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(rows),
+        input_ids=i64([1] * n),
+        req_pool_indices=i64(rows),
+        seq_lens=i64(seq),
+        out_cache_loc=i64([9] * n),
+        seq_lens_sum=sum(seq),
+        positions=i64(positions if positions is not None else [0] * n),
+    )
     if prefix is not None:
         fb.extend_prefix_lens = i32(prefix)
     if ext is not None:
@@ -141,17 +160,37 @@ def _mode_batch(mode, rows, *, seq, prefix=None, ext=None, positions=None, draft
 
 # mode -> (batch, expected prefix, expected extend): the normalisation of PlanInput's docstring
 MODE_CASES = {
-    "decode": (lambda: _mode_batch(ForwardMode.DECODE, [2, 3], seq=[8, 5], positions=[7, 4]),
-               [7, 4], [1, 1]),
-    "extend": (lambda: _mode_batch(ForwardMode.EXTEND, [2, 3], seq=[8, 5], prefix=[6, 0],
-                                   ext=[2, 5], positions=[6, 7, 0, 1, 2, 3, 4]),
-               [6, 0], [2, 5]),
-    "target_verify": (lambda: _mode_batch(ForwardMode.TARGET_VERIFY, [2, 3], seq=[8, 5],
-                                          positions=list(range(8)), draft=4),
-                      [8, 5], [4, 4]),
-    "draft_extend": (lambda: _mode_batch(ForwardMode.DRAFT_EXTEND, [2, 3], seq=[8, 5],
-                                         ext=[3, 2], positions=list(range(5))),
-                     [5, 3], [3, 2]),
+    "decode": (
+        lambda: _mode_batch(ForwardMode.DECODE, [2, 3], seq=[8, 5], positions=[7, 4]),
+        [7, 4],
+        [1, 1],
+    ),
+    "extend": (
+        lambda: _mode_batch(
+            ForwardMode.EXTEND,
+            [2, 3],
+            seq=[8, 5],
+            prefix=[6, 0],
+            ext=[2, 5],
+            positions=[6, 7, 0, 1, 2, 3, 4],
+        ),
+        [6, 0],
+        [2, 5],
+    ),
+    "target_verify": (
+        lambda: _mode_batch(
+            ForwardMode.TARGET_VERIFY, [2, 3], seq=[8, 5], positions=list(range(8)), draft=4
+        ),
+        [8, 5],
+        [4, 4],
+    ),
+    "draft_extend": (
+        lambda: _mode_batch(
+            ForwardMode.DRAFT_EXTEND, [2, 3], seq=[8, 5], ext=[3, 2], positions=list(range(5))
+        ),
+        [5, 3],
+        [3, 2],
+    ),
 }
 
 
@@ -163,8 +202,7 @@ def test_plan_input_normalises_each_mode_from_sglang_dtypes(mode, fill):
     batch leaves no row of the first behind in the padded rows."""
     make, prefix, extend = MODE_CASES[mode]
     pi = PlanInput(write_req_capacity=4, device="cpu")
-    pi.fill_padded(_mode_batch(ForwardMode.DECODE, [5, 6, 7], seq=[1, 1, 1],
-                               positions=[0, 0, 0]))
+    pi.fill_padded(_mode_batch(ForwardMode.DECODE, [5, 6, 7], seq=[1, 1, 1], positions=[0, 0, 0]))
     rpi, p, e = getattr(pi, fill)(make())
     assert (p.dtype, e.dtype) == (torch.int64, torch.int64)
     assert p[:2].tolist() == prefix and e[:2].tolist() == extend
@@ -201,8 +239,9 @@ def test_an_eager_forward_queues_its_side_half_after_the_model(static, monkeypat
     monkeypatch.setattr(d, "model_forward", lambda fb: (order.append("model"), model(fb)))
     for name in ("run_side", "run_tail"):
         real = getattr(EagerForwardGraphs, name)
-        monkeypatch.setattr(EagerForwardGraphs, name,
-                            lambda self, _r=real, _n=name: (order.append(_n), _r(self)))
+        monkeypatch.setattr(
+            EagerForwardGraphs, name, lambda self, _r=real, _n=name: (order.append(_n), _r(self))
+        )
     verify = sfm_module.launch_verifies
 
     def spy(endpoints, phase, **kw):
@@ -215,7 +254,7 @@ def test_an_eager_forward_queues_its_side_half_after_the_model(static, monkeypat
     side = ["run_side", "verify HEAD"] if static else ["verify HEAD"]
     tail = ["run_tail", "verify TAIL"] if static else ["verify TAIL"]
     per_forward = ["model"] + side + tail
-    forwards = [order[i:i + len(per_forward)] for i in range(0, len(order), len(per_forward))]
+    forwards = [order[i : i + len(per_forward)] for i in range(0, len(order), len(per_forward))]
     assert all(f == per_forward for f in forwards), order[:12]
 
 
@@ -245,15 +284,20 @@ def test_side_half_writes_each_group_with_one_chain_launch(variant, monkeypatch)
     monkeypatch.setattr(launches, "launch_canary_chain_writes", recording)
     d = _driver(variant, static=True)
     sfm = d.manager.sfms[0]
-    want = {g: tuple(id(ep.context) for ep in sfm.endpoints
-                     if ep.group is g and ep.phase.name in ("HEAD", "TAIL"))
-            for g in sfm.groups}
+    want = {
+        g: tuple(
+            id(ep.context)
+            for ep in sfm.endpoints
+            if ep.group is g and ep.phase.name in ("HEAD", "TAIL")
+        )
+        for g in sfm.groups
+    }
     assert all(len(c) == (4 if g.v_head is not None else 2) for g, c in want.items())
     d.run(12)
     d.settle()
     assert d.manager.count_violations() == 0
     assert calls and len(calls) % len(want) == 0
-    per_forward = [calls[i:i + len(want)] for i in range(0, len(calls), len(want))]
+    per_forward = [calls[i : i + len(want)] for i in range(0, len(calls), len(want))]
     assert all(sorted(f) == sorted(want.values()) for f in per_forward)
 
 
@@ -268,13 +312,21 @@ def test_side_half_refuses_a_head_endpoint_that_fingerprints():
     sfm = d.manager.sfms[0]
     tail = next(ep for ep in sfm.endpoints if ep.phase.name == "TAIL")
     assert tail.context.fingerprint_mode
-    endpoints = [dataclasses.replace(ep, context=tail.context) if ep.phase.name == "HEAD"
-                 else ep for ep in sfm.endpoints]
+    endpoints = [
+        dataclasses.replace(ep, context=tail.context) if ep.phase.name == "HEAD" else ep
+        for ep in sfm.endpoints
+    ]
     n = 4
     t = torch.zeros(n, dtype=torch.int64)
     with pytest.raises(RuntimeError, match=r"HEAD endpoint HEAD_K_\w+ fingerprints"):
-        chain_write_launches(endpoints, plans_by_group=sfm.plans, input_ids=t, positions=t,
-                             out_cache_loc=t, expected_inputs=None)
+        chain_write_launches(
+            endpoints,
+            plans_by_group=sfm.plans,
+            input_ids=t,
+            positions=t,
+            out_cache_loc=t,
+            expected_inputs=None,
+        )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,7 @@ def test_replayed_decodes_leave_the_records_of_eager_decodes():
     """The same seeded loop with decodes replayed from a graph of 8 rows and with every
     decode eager: identical records and expected-token pool, no violation; the replayed
     steps' tokens went through the replay buffer (staged, scattered by the graph's launch)."""
-    kw = dict(seed=5, real_data="partial", enable_mha_v=True, verify_tokens=True,
-              max_running=6)
+    kw = dict(seed=5, real_data="partial", enable_mha_v=True, verify_tokens=True, max_running=6)
     graphs = ServingDriver(graph_bs=8, **kw)
     eager = ServingDriver(graph_bs=0, **kw)
     assert isinstance(graphs.graph, CpuGraph) and eager.graph is None

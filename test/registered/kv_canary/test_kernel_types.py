@@ -59,9 +59,17 @@ def test_canary_slot_bytes_is_derived_from_the_field_count():
     assert verify.CANARY_SLOT_BYTES == pkg.CANARY_SLOT_BYTES == types.CANARY_SLOT_BYTES
 
 
-VERIFY_REEXPORTS = ("CANARY_SLOT_BYTES", "CanaryLaunchTag", "CanaryPhase", "KvHalf", "PoolKind",
-                    "NUM_CANARY_LAUNCH_TAGS", "RealKvSource", "VerifyOrWriteContext",
-                    "VerifyPlan")
+VERIFY_REEXPORTS = (
+    "CANARY_SLOT_BYTES",
+    "CanaryLaunchTag",
+    "CanaryPhase",
+    "KvHalf",
+    "PoolKind",
+    "NUM_CANARY_LAUNCH_TAGS",
+    "RealKvSource",
+    "VerifyOrWriteContext",
+    "VerifyPlan",
+)
 
 
 @pytest.mark.parametrize("name", VERIFY_REEXPORTS)
@@ -77,9 +85,18 @@ def test_write_reexports_types(name):
 
 
 def test_package_exports_types():
-    for name in ("CANARY_SLOT_BYTES", "CanaryLaunchTag", "CanaryPhase", "KvHalf", "PoolKind",
-                 "RealKvSource", "VerifyOrWriteContext", "VerifyPlan", "WriteParts",
-                 "WritePlan"):
+    for name in (
+        "CANARY_SLOT_BYTES",
+        "CanaryLaunchTag",
+        "CanaryPhase",
+        "KvHalf",
+        "PoolKind",
+        "RealKvSource",
+        "VerifyOrWriteContext",
+        "VerifyPlan",
+        "WriteParts",
+        "WritePlan",
+    ):
         assert getattr(pkg, name) is getattr(types, name), name
         assert name in pkg.__all__
     for name in pkg.__all__:
@@ -132,8 +149,17 @@ def test_kernel_consts_equal_consts():
 # No Triton in the types, no import cycles
 # =============================================================================================
 
-TRITON_FREE = ("_checks", "types", "validation", "consts", "verify_ref", "write_ref", "plan_ref",
-               "_hash_torch", "_ring_torch")
+TRITON_FREE = (
+    "_checks",
+    "types",
+    "validation",
+    "consts",
+    "verify_ref",
+    "write_ref",
+    "plan_ref",
+    "_hash_torch",
+    "_ring_torch",
+)
 
 
 def _imported_names(path):
@@ -174,8 +200,9 @@ def test_types_and_references_import_without_triton():
         assert not [k for k in sys.modules if k == "triton" or k.startswith("triton.")]
         print("OK")
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-4000:]
 
 
@@ -217,8 +244,13 @@ def _import_graph():
                 for a in node.names:
                     sub = base + "." + a.name
                     targets.add(sub if sub in mods else base)
-        graph[m] = {x for t in targets if t in mods for x in ancestors(t) + [t]
-                    if x in mods and x not in own}
+        graph[m] = {
+            x
+            for t in targets
+            if t in mods
+            for x in ancestors(t) + [t]
+            if x in mods and x not in own
+        }
     return graph
 
 
@@ -231,9 +263,11 @@ def test_no_import_cycles():
         state[m] = 1
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                cycle = path[path.index(n):] + [n]
-                pytest.fail("import cycle: " + " -> ".join(c[len(PKG_NAME) + 1:] or "__init__"
-                                                           for c in cycle))
+                cycle = path[path.index(n) :] + [n]
+                pytest.fail(
+                    "import cycle: "
+                    + " -> ".join(c[len(PKG_NAME) + 1 :] or "__init__" for c in cycle)
+                )
             if n not in state:
                 visit(n, path + [n])
         state[m] = 2
@@ -261,8 +295,11 @@ def _calls(device):
             prefix_lens=torch.tensor([1, 2], dtype=I32, device=device),
             extend_seq_lens=torch.tensor([1, 1], dtype=I64, device=device),
             req_to_token=torch.arange(1, 25, dtype=I32, device=device).reshape(3, 8),
-            swa_window_size=0, full_to_swa_index_mapping=None, verify_capacity=16,
-            req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
+            swa_window_size=0,
+            full_to_swa_index_mapping=None,
+            verify_capacity=16,
+            req_to_verify_expected_tokens=None,
+            req_to_verify_expected_tokens_valid_lens=None,
             kv_token_id_vs_position_offset=0,
         )
 
@@ -273,43 +310,75 @@ def _calls(device):
             input_ids=torch.tensor([5, 6, 7], dtype=I64, device=device),
             positions=torch.tensor([0, 1, 2], dtype=I64, device=device),
             out_cache_loc=torch.tensor([1, 2, 3], dtype=I64, device=device),
-            enable_write_input_assert=False, expected_input_tokens=None,
+            enable_write_input_assert=False,
+            expected_input_tokens=None,
             expected_input_positions=None,
         )
 
     def verify_kwargs():
-        return dict(context=make_context(16, device=device),
-                    plan=VerifyPlan.allocate(verify_capacity=4, device=device),
-                    check_verify_expected_token=False)
+        return dict(
+            context=make_context(16, device=device),
+            plan=VerifyPlan.allocate(verify_capacity=4, device=device),
+            check_verify_expected_token=False,
+        )
 
     def scatter_kwargs():
-        return dict(flat_in=torch.tensor([1, 2, 3], dtype=I64, device=device),
-                    offsets=torch.tensor([0, 2, 3], dtype=I64, device=device),
-                    req_pool_indices=torch.tensor([1, 2], dtype=I64, device=device),
-                    pool_out=torch.zeros(3, 4, dtype=I32, device=device))
+        return dict(
+            flat_in=torch.tensor([1, 2, 3], dtype=I64, device=device),
+            offsets=torch.tensor([0, 2, 3], dtype=I64, device=device),
+            req_pool_indices=torch.tensor([1, 2], dtype=I64, device=device),
+            pool_out=torch.zeros(3, 4, dtype=I32, device=device),
+        )
 
     def packed_scatter_kwargs():
-        return dict(packed=torch.tensor([2, 3, 0, 0, 1, 1, 2, 7, 8, 9], dtype=I64, device=device),
-                    req_pool_indices=torch.tensor([1, 2, 0], dtype=I64, device=device),
-                    pool_out=torch.zeros(3, 4, dtype=I32, device=device),
-                    valid_lens_out=torch.zeros(3, dtype=I64, device=device))
+        return dict(
+            packed=torch.tensor([2, 3, 0, 0, 1, 1, 2, 7, 8, 9], dtype=I64, device=device),
+            req_pool_indices=torch.tensor([1, 2, 0], dtype=I64, device=device),
+            pool_out=torch.zeros(3, 4, dtype=I32, device=device),
+            valid_lens_out=torch.zeros(3, dtype=I64, device=device),
+        )
 
     return {
-        "packed_scatter": (pkg.launch_scatter_packed_token_ids_kernel,
-                           pkg.scatter_packed_token_ids_torch_reference, scatter_req_token_ids,
-                           "run_scatter_packed_token_ids_reference",
-                           "validate_packed_scatter_args", packed_scatter_kwargs),
-        "plan": (pkg.launch_canary_plan_kernels, pkg.launch_canary_plan_kernels_torch_reference,
-                 plan_ref, "run_canary_plan_reference", "validate_plan_args", plan_kwargs),
-        "write": (pkg.launch_canary_write_kernel, pkg.launch_canary_write_kernel_torch_reference,
-                  write_ref, "run_canary_write_reference", "validate_write_args", write_kwargs),
-        "verify": (pkg.launch_canary_verify_kernel,
-                   pkg.launch_canary_verify_kernel_torch_reference, verify_ref,
-                   "run_canary_verify_reference", "validate_verify_args", verify_kwargs),
-        "scatter": (pkg.launch_scatter_req_token_ids_kernel,
-                    pkg.scatter_req_token_ids_torch_reference, scatter_req_token_ids,
-                    "run_scatter_req_token_ids_reference", "validate_scatter_args",
-                    scatter_kwargs),
+        "packed_scatter": (
+            pkg.launch_scatter_packed_token_ids_kernel,
+            pkg.scatter_packed_token_ids_torch_reference,
+            scatter_req_token_ids,
+            "run_scatter_packed_token_ids_reference",
+            "validate_packed_scatter_args",
+            packed_scatter_kwargs,
+        ),
+        "plan": (
+            pkg.launch_canary_plan_kernels,
+            pkg.launch_canary_plan_kernels_torch_reference,
+            plan_ref,
+            "run_canary_plan_reference",
+            "validate_plan_args",
+            plan_kwargs,
+        ),
+        "write": (
+            pkg.launch_canary_write_kernel,
+            pkg.launch_canary_write_kernel_torch_reference,
+            write_ref,
+            "run_canary_write_reference",
+            "validate_write_args",
+            write_kwargs,
+        ),
+        "verify": (
+            pkg.launch_canary_verify_kernel,
+            pkg.launch_canary_verify_kernel_torch_reference,
+            verify_ref,
+            "run_canary_verify_reference",
+            "validate_verify_args",
+            verify_kwargs,
+        ),
+        "scatter": (
+            pkg.launch_scatter_req_token_ids_kernel,
+            pkg.scatter_req_token_ids_torch_reference,
+            scatter_req_token_ids,
+            "run_scatter_req_token_ids_reference",
+            "validate_scatter_args",
+            scatter_kwargs,
+        ),
     }
 
 
@@ -327,8 +396,9 @@ class _ValidatorCallCounter:
     def _hook(self, frame, event, arg):
         if event == "call":
             code = frame.f_code
-            if code.co_name.lstrip("_").startswith("validate") and \
-                    os.path.abspath(code.co_filename).startswith(PKG_DIR + os.sep):
+            if code.co_name.lstrip("_").startswith("validate") and os.path.abspath(
+                code.co_filename
+            ).startswith(PKG_DIR + os.sep):
                 self.calls.append(code.co_name)
 
     def __enter__(self):
@@ -372,11 +442,13 @@ def test_public_reference_validates_once(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_launcher_goes_through_validation_then_unvalidated_reference(
-        kind, reference_kernels_on_cpu, monkeypatch):
+    kind, reference_kernels_on_cpu, monkeypatch
+):
     """The CPU path: ``validation.<validator>`` once, then the module's ``run_*`` (both looked
     up at call time), never the public (validating) reference."""
-    launcher, reference, ref_module, run_name, validator, make_kwargs = \
-        _calls(torch.device("cpu"))[kind]
+    launcher, reference, ref_module, run_name, validator, make_kwargs = _calls(torch.device("cpu"))[
+        kind
+    ]
     seen = []
     real_validator = getattr(validation, validator)
     real_run = getattr(ref_module, run_name)
@@ -400,20 +472,28 @@ def test_launcher_goes_through_validation_then_unvalidated_reference(
 
 BAD_ARGS = {
     "plan": (dict(swa_window_size=-1), ValueError, "swa_window_size must be >= 0, got -1"),
-    "write": (dict(input_ids=torch.tensor([5.0, 6.0, 7.0])), TypeError,
-              "input_ids must have dtype int32 or int64, got torch.float32"),
+    "write": (
+        dict(input_ids=torch.tensor([5.0, 6.0, 7.0])),
+        TypeError,
+        "input_ids must have dtype int32 or int64, got torch.float32",
+    ),
     "verify": (dict(plan=object()), TypeError, "plan must be a VerifyPlan, got object"),
-    "scatter": (dict(pool_out=torch.zeros(3, 4, dtype=I64)), TypeError,
-                "pool_out must have dtype int32, got torch.int64"),
-    "packed_scatter": (dict(packed=torch.tensor([0, 0, 0], dtype=I64)), ValueError,
-                       "packed has 3 words, fewer than the header of 3 requests (10 words)"),
+    "scatter": (
+        dict(pool_out=torch.zeros(3, 4, dtype=I64)),
+        TypeError,
+        "pool_out must have dtype int32, got torch.int64",
+    ),
+    "packed_scatter": (
+        dict(packed=torch.tensor([0, 0, 0], dtype=I64)),
+        ValueError,
+        "packed has 3 words, fewer than the header of 3 requests (10 words)",
+    ),
 }
 
 
 @pytest.mark.parametrize("path", ("triton", "reference"))
 @pytest.mark.parametrize("kind", KINDS)
-def test_bad_argument_raises_the_same_error_through_launcher_and_reference(
-        kind, path, monkeypatch):
+def test_bad_argument_raises_the_same_error_through_launcher_and_reference(kind, path, monkeypatch):
     from sglang.jit_kernel.kv_canary import _launch
 
     monkeypatch.setattr(_launch, "TRITON_INTERPRET", path == "triton")

@@ -55,10 +55,19 @@ class _DecodeState:
         self.prefix = {1: 5, 2: 17, 3: 1}
         kv = torch.randn(SLOTS, 8, 64, dtype=torch.bfloat16, generator=g)
         self.kv = kv.to(device)
-        sources = (RealKvSource(tensor=self.kv, page_size=1, num_bytes_per_token=1024,
-                                read_bytes=1024),) if mode != RealKvHashMode.NONE else ()
-        self.ctx = make_context(SLOTS, device=device, kind=CanaryLaunchTag.HEAD_K_FULL,
-                                sources=sources, mode=mode, ring_capacity=64)
+        sources = (
+            (RealKvSource(tensor=self.kv, page_size=1, num_bytes_per_token=1024, read_bytes=1024),)
+            if mode != RealKvHashMode.NONE
+            else ()
+        )
+        self.ctx = make_context(
+            SLOTS,
+            device=device,
+            kind=CanaryLaunchTag.HEAD_K_FULL,
+            sources=sources,
+            mode=mode,
+            ring_capacity=64,
+        )
         self.vp = VerifyPlan.allocate(verify_capacity=ROWS * CTX, device=device)
         self.wp = WritePlan.allocate(write_req_capacity=BS, device=device)
         # static graph inputs
@@ -78,19 +87,34 @@ class _DecodeState:
         vp = VerifyPlan.allocate(verify_capacity=0, device=self.device)
         pre = [self.prefix[r] for r in rows]
         launch_canary_plan_kernels(
-            verify_plan_out=vp, write_plan_out=plan,
+            verify_plan_out=vp,
+            write_plan_out=plan,
             req_pool_indices=torch.tensor(rows, device=self.device),
             prefix_lens=torch.zeros(len(rows), dtype=torch.int64, device=self.device),
-            extend_seq_lens=torch.tensor(pre, device=self.device), req_to_token=self.r2t,
-            swa_window_size=0, full_to_swa_index_mapping=None, verify_capacity=0,
-            req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
-            kv_token_id_vs_position_offset=0)
+            extend_seq_lens=torch.tensor(pre, device=self.device),
+            req_to_token=self.r2t,
+            swa_window_size=0,
+            full_to_swa_index_mapping=None,
+            verify_capacity=0,
+            req_to_verify_expected_tokens=None,
+            req_to_verify_expected_tokens_valid_lens=None,
+            kv_token_id_vs_position_offset=0,
+        )
         ids = torch.cat([self.tokens[r, :p] for r, p in zip(rows, pre)]).to(self.device)
         pos = torch.cat([torch.arange(p) for p in pre]).to(self.device)
-        loc = torch.cat([self.req_to_token[r, :p] for r, p in zip(rows, pre)]).long().to(self.device)
-        launch_canary_write_kernel(context=self.ctx, plan=plan, input_ids=ids, positions=pos,
-                                   out_cache_loc=loc, enable_write_input_assert=False,
-                                   expected_input_tokens=None, expected_input_positions=None)
+        loc = (
+            torch.cat([self.req_to_token[r, :p] for r, p in zip(rows, pre)]).long().to(self.device)
+        )
+        launch_canary_write_kernel(
+            context=self.ctx,
+            plan=plan,
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=loc,
+            enable_write_input_assert=False,
+            expected_input_tokens=None,
+            expected_input_positions=None,
+        )
 
     def set_step(self, rows_order):
         """Fill the static inputs for one decode step of ``rows_order`` (0 = padding)."""
@@ -102,8 +126,13 @@ class _DecodeState:
             ids.append(int(self.tokens[r, p]) if r else 0)
             pos.append(p)
             loc.append(int(self.req_to_token[r, p]) if r else 0)
-        for dst, vals in ((self.rpi, rpi), (self.pre, pre), (self.ids, ids), (self.pos, pos),
-                          (self.loc, loc)):
+        for dst, vals in (
+            (self.rpi, rpi),
+            (self.pre, pre),
+            (self.ids, ids),
+            (self.pos, pos),
+            (self.loc, loc),
+        ):
             dst.copy_(torch.tensor(vals, dtype=torch.int64))
 
     def advance(self):
@@ -112,24 +141,37 @@ class _DecodeState:
 
     def plan_kwargs(self, device=None):
         mv = (lambda t: t.to(device)) if device is not None else (lambda t: t)
-        return dict(req_pool_indices=mv(self.rpi), prefix_lens=mv(self.pre),
-                    extend_seq_lens=mv(self.ext), req_to_token=mv(self.r2t), swa_window_size=0,
-                    full_to_swa_index_mapping=None, verify_capacity=self.vp.capacity,
-                    req_to_verify_expected_tokens=None,
-                    req_to_verify_expected_tokens_valid_lens=None,
-                    kv_token_id_vs_position_offset=0)
+        return dict(
+            req_pool_indices=mv(self.rpi),
+            prefix_lens=mv(self.pre),
+            extend_seq_lens=mv(self.ext),
+            req_to_token=mv(self.r2t),
+            swa_window_size=0,
+            full_to_swa_index_mapping=None,
+            verify_capacity=self.vp.capacity,
+            req_to_verify_expected_tokens=None,
+            req_to_verify_expected_tokens_valid_lens=None,
+            kv_token_id_vs_position_offset=0,
+        )
 
     def write_kwargs(self, device=None):
         mv = (lambda t: t.to(device)) if device is not None else (lambda t: t)
-        return dict(input_ids=mv(self.ids), positions=mv(self.pos), out_cache_loc=mv(self.loc),
-                    enable_write_input_assert=False, expected_input_tokens=None,
-                    expected_input_positions=None)
+        return dict(
+            input_ids=mv(self.ids),
+            positions=mv(self.pos),
+            out_cache_loc=mv(self.loc),
+            enable_write_input_assert=False,
+            expected_input_tokens=None,
+            expected_input_positions=None,
+        )
 
     def forward_ops(self):
-        launch_canary_plan_kernels(verify_plan_out=self.vp, write_plan_out=self.wp,
-                                   **self.plan_kwargs())
-        launch_canary_verify_kernel(context=self.ctx, plan=self.vp,
-                                    check_verify_expected_token=False)
+        launch_canary_plan_kernels(
+            verify_plan_out=self.vp, write_plan_out=self.wp, **self.plan_kwargs()
+        )
+        launch_canary_verify_kernel(
+            context=self.ctx, plan=self.vp, check_verify_expected_token=False
+        )
         launch_canary_write_kernel(context=self.ctx, plan=self.wp, **self.write_kwargs())
 
 
@@ -138,10 +180,12 @@ def _reference_step(state: _DecodeState):
     ctx = clone_context(state.ctx, "cpu")
     vp = clone_dataclass_tensors(state.vp, "cpu")
     wp = clone_dataclass_tensors(state.wp, "cpu")
-    launch_canary_plan_kernels_torch_reference(verify_plan_out=vp, write_plan_out=wp,
-                                               **state.plan_kwargs("cpu"))
-    launch_canary_verify_kernel_torch_reference(context=ctx, plan=vp,
-                                                check_verify_expected_token=False)
+    launch_canary_plan_kernels_torch_reference(
+        verify_plan_out=vp, write_plan_out=wp, **state.plan_kwargs("cpu")
+    )
+    launch_canary_verify_kernel_torch_reference(
+        context=ctx, plan=vp, check_verify_expected_token=False
+    )
     launch_canary_write_kernel_torch_reference(context=ctx, plan=wp, **state.write_kwargs("cpu"))
     return ctx, vp, wp
 
@@ -227,8 +271,12 @@ def test_packed_token_scatter_replays_with_the_buffer_refilled():
         launch_scatter_packed_token_ids_kernel(**kwargs)
     gen = torch.Generator().manual_seed(3)
     ref_pool, ref_lens = pool.cpu(), lens.cpu()
-    steps = [[(1, 5, 0), (2, 3, 0), (3, 9, 0)], [(3, 10, 9), (1, 6, 5)],
-             [(4, 7, 0), (2, 4, 3), (1, 7, 6), (3, 11, 10)], [(2, 5, 4)]]
+    steps = [
+        [(1, 5, 0), (2, 3, 0), (3, 9, 0)],
+        [(3, 10, 9), (1, 6, 5)],
+        [(4, 7, 0), (2, 4, 3), (1, 7, 6), (3, 11, 10)],
+        [(2, 5, 4)],
+    ]
     for step in steps:
         header, flat = [len(step)], []
         for _, length, start in step:
@@ -236,13 +284,13 @@ def test_packed_token_scatter_replays_with_the_buffer_refilled():
             flat += torch.randint(0, 2**31 - 1, (length - start,), generator=gen).tolist()
         host = torch.tensor(header + flat, dtype=torch.int64)
         rows = [r for r, _, _ in step] + [0] * (BS - len(step))
-        buf[:host.shape[0]].copy_(host)
+        buf[: host.shape[0]].copy_(host)
         rpi.copy_(torch.tensor(rows))
         graph.replay()
         torch.cuda.synchronize()
         scatter_packed_token_ids_torch_reference(
-            packed=buf.cpu(), req_pool_indices=rpi.cpu(), pool_out=ref_pool,
-            valid_lens_out=ref_lens)
+            packed=buf.cpu(), req_pool_indices=rpi.cpu(), pool_out=ref_pool, valid_lens_out=ref_lens
+        )
         assert torch.equal(pool.cpu(), ref_pool) and torch.equal(lens.cpu(), ref_lens)
         assert lens.cpu().tolist() == [length for _, length, _ in step] + [0] * (BS - len(step))
 

@@ -65,8 +65,9 @@ def _random_source(rng: random.Random, g: torch.Generator, num_slots: int) -> Re
     tensor = raw.view(dtype)
     if rng.random() < 0.3 and extra == 0 and row_elems % page_size == 0:
         tensor = tensor.view(num_pages, page_size, row_elems // page_size)
-    return RealKvSource(tensor=tensor, page_size=page_size, num_bytes_per_token=nbpt,
-                        read_bytes=read_bytes)
+    return RealKvSource(
+        tensor=tensor, page_size=page_size, num_bytes_per_token=nbpt, read_bytes=read_bytes
+    )
 
 
 def _scenario(seed: int):
@@ -123,9 +124,9 @@ def _scenario(seed: int):
     for row, pre, ext in batch:
         if row == 0:
             continue
-        ids.append(tokens[row, pre:pre + ext])
+        ids.append(tokens[row, pre : pre + ext])
         pos.append(torch.arange(pre, pre + ext))
-        loc.append(tr(r2t[row, pre:pre + ext].long()))
+        loc.append(tr(r2t[row, pre : pre + ext].long()))
     pad = rng.randint(0, 3)  # CUDA-graph style padding tokens after the real ones
     ids.append(torch.zeros(pad, dtype=torch.int64))
     pos.append(torch.zeros(pad, dtype=torch.int64))
@@ -139,31 +140,52 @@ def _scenario(seed: int):
     sources = [_random_source(rng, g, num_slots) for _ in range(rng.randint(0, 2))]
     mode = RealKvHashMode(rng.randint(0, 2)) if sources else RealKvHashMode.NONE
     kind = CanaryLaunchTag(rng.randrange(12))
-    ctx = make_context(num_slots, device="cpu", kind=kind, sources=sources, mode=mode,
-                       ring_capacity=4096, chain_assert=rng.choice((0, 1)))
+    ctx = make_context(
+        num_slots,
+        device="cpu",
+        kind=kind,
+        sources=sources,
+        mode=mode,
+        ring_capacity=4096,
+        chain_assert=rng.choice((0, 1)),
+    )
 
     # consistent records for every row's history (written through the reference), then damage
     hist_plan = WritePlan.allocate(write_req_capacity=rows, device="cpu")
     hist_vp = VerifyPlan.allocate(verify_capacity=0, device="cpu")
     hist_rows = torch.arange(1, rows)
     launch_canary_plan_kernels_torch_reference(
-        verify_plan_out=hist_vp, write_plan_out=hist_plan, req_pool_indices=hist_rows,
+        verify_plan_out=hist_vp,
+        write_plan_out=hist_plan,
+        req_pool_indices=hist_rows,
         prefix_lens=torch.zeros(rows - 1, dtype=torch.int64),
-        extend_seq_lens=torch.full((rows - 1,), cols), req_to_token=r2t,
-        swa_window_size=window, full_to_swa_index_mapping=lut, verify_capacity=0,
-        req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
-        kv_token_id_vs_position_offset=0)
+        extend_seq_lens=torch.full((rows - 1,), cols),
+        req_to_token=r2t,
+        swa_window_size=window,
+        full_to_swa_index_mapping=lut,
+        verify_capacity=0,
+        req_to_verify_expected_tokens=None,
+        req_to_verify_expected_tokens_valid_lens=None,
+        kv_token_id_vs_position_offset=0,
+    )
     launch_canary_write_kernel_torch_reference(
-        context=ctx, plan=hist_plan, input_ids=tokens[1:].reshape(-1),
-        positions=torch.arange(cols).repeat(rows - 1), out_cache_loc=tr(r2t[1:].reshape(-1).long()),
-        enable_write_input_assert=False, expected_input_tokens=None, expected_input_positions=None)
+        context=ctx,
+        plan=hist_plan,
+        input_ids=tokens[1:].reshape(-1),
+        positions=torch.arange(cols).repeat(rows - 1),
+        out_cache_loc=tr(r2t[1:].reshape(-1).long()),
+        enable_write_input_assert=False,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+    )
     words = ctx.canary_words
     for _ in range(rng.randint(0, 3)):
         words[rng.randrange(1, num_slots), rng.randrange(4)] ^= 1 << rng.randrange(63)
     for s in sources:
         if rng.random() < 0.5:
-            s.words_view[rng.randrange(s.words_view.shape[0]), rng.randrange(
-                s.words_view.shape[1])] ^= 1
+            s.words_view[
+                rng.randrange(s.words_view.shape[0]), rng.randrange(s.words_view.shape[1])
+            ] ^= 1
     ctx.violation_write_index.zero_()
     ctx.violation_ring.zero_()
     ctx.slot_run_counter.zero_()
@@ -175,12 +197,16 @@ def _scenario(seed: int):
         exp_pool = torch.full((rows, cols + 2), -1, dtype=torch.int32)
         exp_pool[:, :cols] = tokens.to(torch.int32)
         if offset:
-            exp_pool[:, 1:cols + 1] = tokens.to(torch.int32)
+            exp_pool[:, 1 : cols + 1] = tokens.to(torch.int32)
         exp_pool[rng.randrange(rows), rng.randrange(cols)] += 7  # one wrong expectation
         # valid lengths: anywhere, or just short of the prefix (recycled rows, spec positions)
         exp_lens = torch.tensor(
-            [rng.choice((rng.randint(0, cols + 2), max(0, pre - rng.randint(0, 2))))
-             for _, pre, _ in batch], dtype=idx_dtype)
+            [
+                rng.choice((rng.randint(0, cols + 2), max(0, pre - rng.randint(0, 2))))
+                for _, pre, _ in batch
+            ],
+            dtype=idx_dtype,
+        )
     write_assert = rng.random() < 0.4
     exp_in_tok = input_ids.clone()
     exp_in_pos = positions.clone()
@@ -189,21 +215,34 @@ def _scenario(seed: int):
 
     total_verify = sum(
         min(pre, cols) - (max(0, min(pre, cols) - window) if window else 0)
-        for row, pre, _ in batch if row)
+        for row, pre, _ in batch
+        if row
+    )
     verify_capacity = max(0, total_verify + rng.choice((0, 5, 40, -1 if total_verify else 0)))
     return dict(
-        ctx=ctx, req_capacity=len(batch) + rng.randint(0, 3), verify_capacity=verify_capacity,
+        ctx=ctx,
+        req_capacity=len(batch) + rng.randint(0, 3),
+        verify_capacity=verify_capacity,
         plan_kwargs=dict(
-            req_pool_indices=rpi.to(idx_dtype), prefix_lens=prefix, extend_seq_lens=extend,
-            req_to_token=r2t, swa_window_size=window, full_to_swa_index_mapping=lut,
-            verify_capacity=verify_capacity, req_to_verify_expected_tokens=exp_pool,
+            req_pool_indices=rpi.to(idx_dtype),
+            prefix_lens=prefix,
+            extend_seq_lens=extend,
+            req_to_token=r2t,
+            swa_window_size=window,
+            full_to_swa_index_mapping=lut,
+            verify_capacity=verify_capacity,
+            req_to_verify_expected_tokens=exp_pool,
             req_to_verify_expected_tokens_valid_lens=exp_lens,
-            kv_token_id_vs_position_offset=offset),
+            kv_token_id_vs_position_offset=offset,
+        ),
         write_kwargs=dict(
-            input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
             enable_write_input_assert=write_assert,
             expected_input_tokens=exp_in_tok if write_assert else None,
-            expected_input_positions=exp_in_pos if write_assert else None),
+            expected_input_positions=exp_in_pos if write_assert else None,
+        ),
         check_token=rng.random() < 0.5,
         garbage_plans=rng.random() < 0.5,
         seed=seed,
@@ -224,18 +263,25 @@ def test_plan_write_verify_match_reference(seed, device):
     ref_wp = WritePlan.allocate(write_req_capacity=sc["req_capacity"], device="cpu")
     if sc["garbage_plans"]:  # stale contents from an earlier forward must not matter
         g = torch.Generator().manual_seed(seed)
-        for t in (ref_vp.verify_slot_indices, ref_vp.verify_prev_slot_indices,
-                  ref_vp.verify_req_to_token_rows, ref_wp.write_req_to_token_rows,
-                  ref_wp.write_offsets, ref_wp.write_seed_slot_indices,
-                  ref_wp.verify_req_offsets):
+        for t in (
+            ref_vp.verify_slot_indices,
+            ref_vp.verify_prev_slot_indices,
+            ref_vp.verify_req_to_token_rows,
+            ref_wp.write_req_to_token_rows,
+            ref_wp.write_offsets,
+            ref_wp.write_seed_slot_indices,
+            ref_wp.verify_req_offsets,
+        ):
             t.copy_(torch.randint(-5, 50, t.shape, generator=g))
     tri_vp = clone_dataclass_tensors(ref_vp, device)
     tri_wp = clone_dataclass_tensors(ref_wp, device)
 
-    launch_canary_plan_kernels_torch_reference(verify_plan_out=ref_vp, write_plan_out=ref_wp,
-                                               **sc["plan_kwargs"])
-    launch_canary_plan_kernels(verify_plan_out=tri_vp, write_plan_out=tri_wp,
-                               **_to(sc["plan_kwargs"], device))
+    launch_canary_plan_kernels_torch_reference(
+        verify_plan_out=ref_vp, write_plan_out=ref_wp, **sc["plan_kwargs"]
+    )
+    launch_canary_plan_kernels(
+        verify_plan_out=tri_vp, write_plan_out=tri_wp, **_to(sc["plan_kwargs"], device)
+    )
     assert_plans_equal(tri_vp, ref_vp)
     assert_plans_equal(tri_wp, ref_wp)
 
@@ -243,10 +289,12 @@ def test_plan_write_verify_match_reference(seed, device):
     launch_canary_write_kernel(context=tri_ctx, plan=tri_wp, **_to(sc["write_kwargs"], device))
     assert_contexts_equal(tri_ctx, ref_ctx)
 
-    launch_canary_verify_kernel_torch_reference(context=ref_ctx, plan=ref_vp,
-                                                check_verify_expected_token=sc["check_token"])
-    launch_canary_verify_kernel(context=tri_ctx, plan=tri_vp,
-                                check_verify_expected_token=sc["check_token"])
+    launch_canary_verify_kernel_torch_reference(
+        context=ref_ctx, plan=ref_vp, check_verify_expected_token=sc["check_token"]
+    )
+    launch_canary_verify_kernel(
+        context=tri_ctx, plan=tri_vp, check_verify_expected_token=sc["check_token"]
+    )
     assert_contexts_equal(tri_ctx, ref_ctx)
 
 
@@ -260,21 +308,25 @@ def test_split_write_equals_one_write(seed, device):
     tri_split = clone_context(ref_ctx, device)
     wp = WritePlan.allocate(write_req_capacity=sc["req_capacity"], device="cpu")
     vp = VerifyPlan.allocate(verify_capacity=sc["verify_capacity"], device="cpu")
-    launch_canary_plan_kernels_torch_reference(verify_plan_out=vp, write_plan_out=wp,
-                                               **sc["plan_kwargs"])
+    launch_canary_plan_kernels_torch_reference(
+        verify_plan_out=vp, write_plan_out=wp, **sc["plan_kwargs"]
+    )
     tri_wp = clone_dataclass_tensors(wp, device)
     launch_canary_write_kernel_torch_reference(context=ref_ctx, plan=wp, **sc["write_kwargs"])
     for parts in (WriteParts.CHAIN, WriteParts.FINGERPRINT):
-        launch_canary_write_kernel_torch_reference(context=ref_split, plan=wp, parts=parts,
-                                                   **sc["write_kwargs"])
-        launch_canary_write_kernel(context=tri_split, plan=tri_wp, parts=parts,
-                                   **_to(sc["write_kwargs"], device))
+        launch_canary_write_kernel_torch_reference(
+            context=ref_split, plan=wp, parts=parts, **sc["write_kwargs"]
+        )
+        launch_canary_write_kernel(
+            context=tri_split, plan=tri_wp, parts=parts, **_to(sc["write_kwargs"], device)
+        )
     assert_contexts_equal(ref_split, ref_ctx)
     assert_contexts_equal(tri_split, ref_ctx)
     if ref_ctx.fingerprint_mode:  # the chain part alone leaves the fingerprints at 0
         only_chain = clone_context(sc["ctx"], "cpu")
-        launch_canary_write_kernel_torch_reference(context=only_chain, plan=wp,
-                                                   parts=WriteParts.CHAIN, **sc["write_kwargs"])
+        launch_canary_write_kernel_torch_reference(
+            context=only_chain, plan=wp, parts=WriteParts.CHAIN, **sc["write_kwargs"]
+        )
         total = int(wp.write_offsets[int(wp.write_num_valid_reqs)])
         slots = sc["write_kwargs"]["out_cache_loc"][:total].long()
         slots = slots[(slots > 0) & (slots < ref_ctx.num_slots)]
@@ -285,11 +337,14 @@ def _sharing(ctx, buf, tag):
     """A context of another canary buffer (``buf``) and tag that shares ``ctx``'s ring, write
     index and chain-position flag (as a pool group's K/V x HEAD/TAIL endpoints do)."""
     return VerifyOrWriteContext(
-        canary_buf=buf, kernel_kind=tag, violation_ring=ctx.violation_ring,
+        canary_buf=buf,
+        kernel_kind=tag,
+        violation_ring=ctx.violation_ring,
         violation_write_index=ctx.violation_write_index,
         slot_run_counter=torch.zeros(1, dtype=torch.int64, device=buf.device),
         kernel_run_counter=torch.zeros(1, dtype=torch.int64, device=buf.device),
-        enable_chain_position_assert=ctx.enable_chain_position_assert)
+        enable_chain_position_assert=ctx.enable_chain_position_assert,
+    )
 
 
 @pytest.mark.parametrize("num_bufs", [1, 2, 3, 4])
@@ -308,17 +363,20 @@ def test_chain_writes_of_several_buffers_equal_one_launch_each(seed, num_bufs, d
         b[rows] = torch.randint(0, 256, (3, b.shape[1]), generator=g, dtype=torch.uint8)
     wp = WritePlan.allocate(write_req_capacity=sc["req_capacity"], device="cpu")
     vp = VerifyPlan.allocate(verify_capacity=sc["verify_capacity"], device="cpu")
-    launch_canary_plan_kernels_torch_reference(verify_plan_out=vp, write_plan_out=wp,
-                                               **sc["plan_kwargs"])
+    launch_canary_plan_kernels_torch_reference(
+        verify_plan_out=vp, write_plan_out=wp, **sc["plan_kwargs"]
+    )
     ref_first = clone_context(base, "cpu")
     refs = [_sharing(ref_first, b.clone(), t) for b, t in zip(bufs, tags)]
     for c in refs:
-        launch_canary_write_kernel_torch_reference(context=c, plan=wp, parts=WriteParts.CHAIN,
-                                                   **sc["write_kwargs"])
+        launch_canary_write_kernel_torch_reference(
+            context=c, plan=wp, parts=WriteParts.CHAIN, **sc["write_kwargs"]
+        )
     tri_first = clone_context(base, device)
     tris = [_sharing(tri_first, b.to(device), t) for b, t in zip(bufs, tags)]
-    launch_canary_chain_writes(contexts=tris, plan=clone_dataclass_tensors(wp, device),
-                               **_to(sc["write_kwargs"], device))
+    launch_canary_chain_writes(
+        contexts=tris, plan=clone_dataclass_tensors(wp, device), **_to(sc["write_kwargs"], device)
+    )
     for tri, ref in zip(tris, refs):
         assert_contexts_equal(tri, ref)
     assert int(tris[0].violation_write_index[0]) == int(refs[0].violation_write_index[0])
@@ -339,17 +397,27 @@ def test_chain_writes_of_more_requests_than_one_program_holds(num_bufs, device):
     positions = torch.arange(2, device=device).repeat(reqs)
     slots = torch.arange(2 * reqs, device=device) + 1
     first = make_context(2 * reqs + 1, device=device)
-    ctxs = [first] + [_sharing(first, torch.zeros_like(first.canary_buf), t)
-                      for t in list(CanaryLaunchTag)[1:num_bufs]]
-    launch_canary_chain_writes(contexts=ctxs, plan=wp, input_ids=tokens, positions=positions,
-                               out_cache_loc=slots, enable_write_input_assert=False,
-                               expected_input_tokens=None, expected_input_positions=None)
+    ctxs = [first] + [
+        _sharing(first, torch.zeros_like(first.canary_buf), t)
+        for t in list(CanaryLaunchTag)[1:num_bufs]
+    ]
+    launch_canary_chain_writes(
+        contexts=ctxs,
+        plan=wp,
+        input_ids=tokens,
+        positions=positions,
+        out_cache_loc=slots,
+        enable_write_input_assert=False,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+    )
     for c in ctxs:
         words = c.canary_words.cpu()
         assert words[1:, 0].tolist() == (tokens.cpu()).tolist()
         assert words[1:, 1].tolist() == positions.cpu().tolist()
         assert int(c.slot_run_counter[0]) == 2 * reqs and int(c.kernel_run_counter[0]) == 1
     assert int(first.violation_write_index[0]) == 0
+
 
 def test_chain_writes_refuse_contexts_they_cannot_run_together():
     sc = _scenario(0)
@@ -369,6 +437,7 @@ def test_chain_writes_refuse_contexts_they_cannot_run_together():
     with pytest.raises(ValueError, match="same slot count"):
         launch_canary_chain_writes(contexts=[other[0], small], **kw)
 
+
 def test_fuzz_exercises_every_path():
     """The seeds above must cover what they claim to (guards against a degenerate generator)."""
     seen = set()
@@ -384,26 +453,41 @@ def test_fuzz_exercises_every_path():
         seen.add("skip_slot" if bool((wk["out_cache_loc"] < 0).any()) else "")
         ref_vp = VerifyPlan.allocate(verify_capacity=sc["verify_capacity"], device="cpu")
         ref_wp = WritePlan.allocate(write_req_capacity=sc["req_capacity"], device="cpu")
-        launch_canary_plan_kernels_torch_reference(verify_plan_out=ref_vp, write_plan_out=ref_wp,
-                                                   **pk)
+        launch_canary_plan_kernels_torch_reference(
+            verify_plan_out=ref_vp, write_plan_out=ref_wp, **pk
+        )
         seen.add("overflow" if int(ref_vp.enable) == 0 else "fits")
         launch_canary_write_kernel_torch_reference(context=ctx, plan=ref_wp, **wk)
-        launch_canary_verify_kernel_torch_reference(context=ctx, plan=ref_vp,
-                                                    check_verify_expected_token=sc["check_token"])
+        launch_canary_verify_kernel_torch_reference(
+            context=ctx, plan=ref_vp, check_verify_expected_token=sc["check_token"]
+        )
         if int(ctx.violation_write_index) > 0:
             seen.add("violations")
         else:
             seen.add("clean")
-    for want in ("mode_NONE", "mode_PARTIAL", "mode_ALL", "swa", "full", "padding_row",
-                 "expected_tokens", "write_assert", "skip_slot", "overflow", "fits",
-                 "violations", "clean"):
+    for want in (
+        "mode_NONE",
+        "mode_PARTIAL",
+        "mode_ALL",
+        "swa",
+        "full",
+        "padding_row",
+        "expected_tokens",
+        "write_assert",
+        "skip_slot",
+        "overflow",
+        "fits",
+        "violations",
+        "clean",
+    ):
         assert want in seen, f"fuzz seeds never produce {want}"
 
 
 def _packed(rows_fields, flat, n=None):
     n = len(rows_fields) if n is None else n
-    return torch.tensor([n] + [v for row in rows_fields for v in row] + list(flat),
-                        dtype=torch.int64)
+    return torch.tensor(
+        [n] + [v for row in rows_fields for v in row] + list(flat), dtype=torch.int64
+    )
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -428,7 +512,7 @@ def test_packed_scatter_matches_reference_and_definition(seed, device):
     if tail == "longer":
         packed = torch.cat([packed, torch.full((rng.randint(1, 9),), 77, dtype=torch.int64)])
     elif tail == "cut" and flat:
-        packed = packed[:-rng.randint(1, len(flat))]
+        packed = packed[: -rng.randint(1, len(flat))]
     short = 1 + 3 * launch_rows - packed.shape[0]  # the launch's rows need their header words
     if short > 0:
         packed = torch.cat([packed, torch.full((short,), 66, dtype=torch.int64)])
@@ -436,12 +520,16 @@ def test_packed_scatter_matches_reference_and_definition(seed, device):
     pool = torch.randint(-9, 9, (pool_rows, cols), dtype=torch.int32, generator=g)
     lens0 = torch.full((launch_rows,), 55, dtype=torch.int64)
     ref, ref_lens = pool.clone(), lens0.clone()
-    scatter_packed_token_ids_torch_reference(packed=packed, req_pool_indices=rpi, pool_out=ref,
-                                             valid_lens_out=ref_lens)
+    scatter_packed_token_ids_torch_reference(
+        packed=packed, req_pool_indices=rpi, pool_out=ref, valid_lens_out=ref_lens
+    )
     out, out_lens = pool.to(device), lens0.to(device)
-    launch_scatter_packed_token_ids_kernel(packed=packed.to(device),
-                                           req_pool_indices=rpi.to(device), pool_out=out,
-                                           valid_lens_out=out_lens)
+    launch_scatter_packed_token_ids_kernel(
+        packed=packed.to(device),
+        req_pool_indices=rpi.to(device),
+        pool_out=out,
+        valid_lens_out=out_lens,
+    )
     assert torch.equal(out.cpu(), ref) and torch.equal(out_lens.cpu(), ref_lens)
     want, want_lens = pool.clone(), lens0.clone()
     for r in range(launch_rows):
@@ -472,15 +560,23 @@ def test_scatter_matches_reference(seed, device, with_starts):
     flat = torch.randint(-3, 2**40, (int(offsets[-1]),), generator=g)
     rpi = torch.tensor(rng.sample(range(rows), bs), dtype=torch.int64)
     pool = torch.randint(-9, 9, (rows, cols), dtype=torch.int32, generator=g)
-    starts = (torch.tensor([rng.randint(-2, cols + 2) for _ in range(bs)], dtype=torch.int64)
-              if with_starts else None)
+    starts = (
+        torch.tensor([rng.randint(-2, cols + 2) for _ in range(bs)], dtype=torch.int64)
+        if with_starts
+        else None
+    )
     ref = pool.clone()
-    scatter_req_token_ids_torch_reference(flat_in=flat, offsets=offsets, req_pool_indices=rpi,
-                                          pool_out=ref, dst_starts=starts)
+    scatter_req_token_ids_torch_reference(
+        flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=ref, dst_starts=starts
+    )
     out = pool.to(device)
     launch_scatter_req_token_ids_kernel(
-        flat_in=flat.to(device), offsets=offsets.to(device), req_pool_indices=rpi.to(device),
-        pool_out=out, dst_starts=starts.to(device) if with_starts else None)
+        flat_in=flat.to(device),
+        offsets=offsets.to(device),
+        req_pool_indices=rpi.to(device),
+        pool_out=out,
+        dst_starts=starts.to(device) if with_starts else None,
+    )
     assert torch.equal(out.cpu(), ref)
     # and the reference itself against the definition
     want = pool.clone()

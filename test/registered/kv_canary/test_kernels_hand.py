@@ -75,16 +75,26 @@ def test_hash_primitives_match_spec():
         assert splitmix64(x) == sm64_spec(x)
     for a, b, c in ((0, 0, 0), (1, 2, 3), (MASK64, -1, 7), (HEAD, 12345, -9)):
         assert splitmix64_mix3(a, b, c) == sm64_spec(
-            sm64_spec(sm64_spec(a) ^ (b & MASK64)) ^ (c & MASK64))
+            sm64_spec(sm64_spec(a) ^ (b & MASK64)) ^ (c & MASK64)
+        )
     assert CANARY_CHAIN_ANCHOR == 0xC0FFEE1234567890
     assert canary_chain_head_hash() == sm64_spec(0xC0FFEE1234567890)
     assert to_int64(MASK64) == -1 and to_int64(5) == 5 and to_int64(1 << 63) == -(1 << 63)
 
 
 SPEC_TAGS = {
-    "HEAD_K_FULL": 0, "HEAD_V_FULL": 1, "TAIL_K_FULL": 2, "TAIL_V_FULL": 3,
-    "SWEEP_K_FULL": 4, "SWEEP_V_FULL": 5, "HEAD_K_SWA": 6, "HEAD_V_SWA": 7,
-    "TAIL_K_SWA": 8, "TAIL_V_SWA": 9, "SWEEP_K_SWA": 10, "SWEEP_V_SWA": 11,
+    "HEAD_K_FULL": 0,
+    "HEAD_V_FULL": 1,
+    "TAIL_K_FULL": 2,
+    "TAIL_V_FULL": 3,
+    "SWEEP_K_FULL": 4,
+    "SWEEP_V_FULL": 5,
+    "HEAD_K_SWA": 6,
+    "HEAD_V_SWA": 7,
+    "TAIL_K_SWA": 8,
+    "TAIL_V_SWA": 9,
+    "SWEEP_K_SWA": 10,
+    "SWEEP_V_SWA": 11,
 }
 
 
@@ -105,16 +115,21 @@ def test_launch_tag_values_and_roundtrip():
 
 def test_fail_reason_values_and_describe():
     assert {r.name: r.value for r in FailReason} == {
-        "VERIFY_CHAIN_HASH_MISMATCH": 1, "VERIFY_POSITION_MISMATCH": 2,
-        "VERIFY_REAL_KV_HASH_MISMATCH": 4, "WRITE_TOKEN_MISMATCH": 8,
-        "WRITE_POSITION_MISMATCH": 16, "VERIFY_TOKEN_MISMATCH": 32,
+        "VERIFY_CHAIN_HASH_MISMATCH": 1,
+        "VERIFY_POSITION_MISMATCH": 2,
+        "VERIFY_REAL_KV_HASH_MISMATCH": 4,
+        "WRITE_TOKEN_MISMATCH": 8,
+        "WRITE_POSITION_MISMATCH": 16,
+        "VERIFY_TOKEN_MISMATCH": 32,
     }
     assert FailReason.describe(5) == "verify_chain_hash+verify_real_kv_hash"
     assert FailReason.describe(4) == "verify_real_kv_hash"
     assert FailReason.describe(8 | 16) == "write_token+write_position"
     assert FailReason.describe(2 | 32) == "verify_position+verify_token"
-    assert FailReason.describe(63) == ("verify_chain_hash+verify_position+verify_real_kv_hash+"
-                                       "write_token+write_position+verify_token")
+    assert FailReason.describe(63) == (
+        "verify_chain_hash+verify_position+verify_real_kv_hash+"
+        "write_token+write_position+verify_token"
+    )
     assert RealKvHashMode.NONE == 0 and RealKvHashMode.PARTIAL == 1 and RealKvHashMode.ALL == 2
 
 
@@ -145,8 +160,14 @@ def test_single_request_extend_then_decode(impl):
     # Decode on top: seed = slot of position prefix-1, whole prefix verified.
     p = run_plan(impl, rpi=[3], prefix=[6], ext=[1], r2t=r2t, write_req_capacity=4)
     assert p.exp.seeds == [11, -1, -1, -1]
-    assert p.exp.entries == [(5, -1, 0, -1), (9, -1, 1, 5), (2, -1, 2, 9), (17, -1, 3, 2),
-                             (30, -1, 4, 17), (11, -1, 5, 30)]
+    assert p.exp.entries == [
+        (5, -1, 0, -1),
+        (9, -1, 1, 5),
+        (2, -1, 2, 9),
+        (17, -1, 3, 2),
+        (30, -1, 4, 17),
+        (11, -1, 5, 30),
+    ]
     assert c.verify(p) == []
     assert int(c.ctx.slot_run_counter[0]) == 6 + 6
     c.write(p, [toks[6]], [6], [slots[6]])
@@ -169,7 +190,7 @@ def test_mixed_batch_with_padding_rows(impl):
     perm = perm_slots(63, num_slots, seed=2)
     r2t = r2t_table(rows, cols)
     for rp in range(1, rows):
-        r2t[rp] = perm[(rp - 1) * cols:rp * cols]
+        r2t[rp] = perm[(rp - 1) * cols : rp * cols]
     pad_slot = perm[56]
     r2t[0] = [pad_slot] * cols  # padding row: a real-looking slot that must never be read
     tok = {rp: [rng.randrange(1, 50000) for _ in range(cols)] for rp in range(rows)}
@@ -188,8 +209,9 @@ def test_mixed_batch_with_padding_rows(impl):
     rpi = [2, 0, 5, 0, 1, 6]
     prefix = [3, 4, 0, 0, 5, 2]
     ext = [2, 3, 4, 1, 1, 0]
-    p = run_plan(impl, rpi=rpi, prefix=prefix, ext=ext, r2t=r2t, write_req_capacity=8,
-                 dtype=torch.int32)
+    p = run_plan(
+        impl, rpi=rpi, prefix=prefix, ext=ext, r2t=r2t, write_req_capacity=8, dtype=torch.int32
+    )
     assert p.exp.write_offsets == [0, 2, 2, 6, 6, 7, 7, 0, 0]
     assert p.exp.seeds == [r2t[2][2], -1, -1, -1, r2t[1][4], r2t[6][1], -1, -1]
     assert len(p.exp.entries) == 3 + 5 + 2
@@ -218,12 +240,26 @@ def test_plan_out_of_range_data_is_padding(impl):
     lut[16] = 0
     # rp 4 (== rows) and -1 are padding; prefix 9 > cols clamps to cols; prefix -2 → 0;
     # negative extend writes nothing.
-    p = run_plan(impl, rpi=[4, 1, -1, 2, 3], prefix=[2, 9, 2, 4, -2], ext=[1, -3, 1, 2, 2],
-                 r2t=r2t, window=100, lut=lut, write_req_capacity=6)
+    p = run_plan(
+        impl,
+        rpi=[4, 1, -1, 2, 3],
+        prefix=[2, 9, 2, 4, -2],
+        ext=[1, -3, 1, 2, 2],
+        r2t=r2t,
+        window=100,
+        lut=lut,
+        write_req_capacity=6,
+    )
     assert p.exp.write_offsets == [0, 0, 0, 0, 2, 4, 0]
     assert p.exp.seeds == [-1, 8, -1, 11, -1, -1]
-    assert p.exp.entries[:6] == [(3, -1, 0, -1), (4, -1, 1, 3), (5, -1, 2, 4), (6, -1, 3, 5),
-                                 (7, -1, 4, 6), (8, -1, 5, 7)]
+    assert p.exp.entries[:6] == [
+        (3, -1, 0, -1),
+        (4, -1, 1, 3),
+        (5, -1, 2, 4),
+        (6, -1, 3, 5),
+        (7, -1, 4, 6),
+        (8, -1, 5, 7),
+    ]
     assert p.exp.entries[6:] == [(9, -1, 0, -1), (10, -1, 1, 9), (0, -1, 2, 10), (11, -1, 3, 0)]
     # Without a table, rp == rows is still padding and the rest is the identity.
     p = run_plan(impl, rpi=[3, 4], prefix=[3, 3], ext=[1, 1], r2t=r2t, write_req_capacity=2)
@@ -238,16 +274,37 @@ def test_swa_window_with_evicted_slots(impl):
     r2t[3][:3] = [14, 15, 16]
     r2t[4][:2] = [50, 51]
     lut_live = [0] * full_slots  # the table while every position was resident
-    for f, s in {3: 1, 8: 2, 12: 6, 5: 19, 20: 7, 9: 21, 33: 4, 40: 11, 14: 25, 15: 26,
-                 16: 27, 50: 28, 51: 29}.items():
+    for f, s in {
+        3: 1,
+        8: 2,
+        12: 6,
+        5: 19,
+        20: 7,
+        9: 21,
+        33: 4,
+        40: 11,
+        14: 25,
+        15: 26,
+        16: 27,
+        50: 28,
+        51: 29,
+    }.items():
         lut_live[f] = s
     window = 3
     c = Canary(impl, swa_slots, kind=CanaryLaunchTag.HEAD_K_SWA)
     toks1 = [11, 12, 13, 14, 15, 16, 17, 18]
 
     # Prefill (prefix 0): seeds -1, no verify entries; the caller translates out_cache_loc.
-    p = run_plan(impl, rpi=[1, 3], prefix=[0, 0], ext=[7, 2], r2t=r2t, window=window,
-                 lut=lut_live, write_req_capacity=4)
+    p = run_plan(
+        impl,
+        rpi=[1, 3],
+        prefix=[0, 0],
+        ext=[7, 2],
+        r2t=r2t,
+        window=window,
+        lut=lut_live,
+        write_req_capacity=4,
+    )
     assert p.exp.seeds == [-1] * 4 and p.exp.num_valid == 0
     loc = [lut_live[f] for f in r2t[1][:7]] + [lut_live[f] for f in r2t[3][:2]]
     c.write(p, toks1[:7] + [31, 32], list(range(7)) + [0, 1], loc)
@@ -256,12 +313,23 @@ def test_swa_window_with_evicted_slots(impl):
     lut = list(lut_live)
     lut[5] = 0
     lut[9] = 0
-    p = run_plan(impl, rpi=[1, 3, 4], prefix=[7, 2, 0], ext=[1, 1, 2], r2t=r2t, window=window,
-                 lut=lut, write_req_capacity=4)
+    p = run_plan(
+        impl,
+        rpi=[1, 3, 4],
+        prefix=[7, 2, 0],
+        ext=[1, 1, 2],
+        r2t=r2t,
+        window=window,
+        lut=lut,
+        write_req_capacity=4,
+    )
     # Request 1: only [4, 7), translated; p=4's predecessor and p=5 itself are evicted → 0.
     assert p.exp.entries == [
-        (7, -1, 4, 0), (0, -1, 5, 7), (4, -1, 6, 0),
-        (25, -1, 0, -1), (26, -1, 1, 25),
+        (7, -1, 4, 0),
+        (0, -1, 5, 7),
+        (4, -1, 6, 0),
+        (25, -1, 0, -1),
+        (26, -1, 1, 25),
     ]
     assert p.exp.seeds == [4, 26, -1, -1]
     assert c.verify(p) == []
@@ -273,21 +341,59 @@ def test_swa_window_with_evicted_slots(impl):
     c.set_field(7, 1, 99)  # p=4's position: reported, expected_aux = stored prev_hash
     rows = c.verify(p)
     # located: attention read req_to_token[1, 4] for position 4
-    assert c.ring_rows() == [(int(CanaryLaunchTag.HEAD_K_SWA), 7, 99, 15, -1, 0x0BADC0DE,
-                              0x0BADC0DE, BIT_POS, 4, 1, NO_KV_LAYER)]
+    assert c.ring_rows() == [
+        (
+            int(CanaryLaunchTag.HEAD_K_SWA),
+            7,
+            99,
+            15,
+            -1,
+            0x0BADC0DE,
+            0x0BADC0DE,
+            BIT_POS,
+            4,
+            1,
+            NO_KV_LAYER,
+        )
+    ]
     assert rows == c.ring_rows()
     c.set_field(7, 1, 4)
 
     # Decode on top of the window: seed T(slot of position 6) = 4.
-    c.set_field(4, 2, to_int64(splitmix64_mix3(
-        splitmix64_mix3(splitmix64_mix3(splitmix64_mix3(splitmix64_mix3(splitmix64_mix3(
-            HEAD, 11, 0), 12, 1), 13, 2), 14, 3), 15, 4), 16, 5)))
-    rows = c.write(p, [18, 33, 41, 42], [7, 2, 0, 1],
-                   [lut[40], lut[r2t[3][2]], lut[50], lut[51]])
+    c.set_field(
+        4,
+        2,
+        to_int64(
+            splitmix64_mix3(
+                splitmix64_mix3(
+                    splitmix64_mix3(
+                        splitmix64_mix3(
+                            splitmix64_mix3(splitmix64_mix3(HEAD, 11, 0), 12, 1), 13, 2
+                        ),
+                        14,
+                        3,
+                    ),
+                    15,
+                    4,
+                ),
+                16,
+                5,
+            )
+        ),
+    )
+    rows = c.write(p, [18, 33, 41, 42], [7, 2, 0, 1], [lut[40], lut[r2t[3][2]], lut[50], lut[51]])
     assert rows == []
     assert c.record(11)[2] == to_int64(rec_hash(c.oracle.recs[4]))
-    p = run_plan(impl, rpi=[1, 3, 4], prefix=[8, 3, 2], ext=[1, 1, 1], r2t=r2t, window=window,
-                 lut=lut, write_req_capacity=4)
+    p = run_plan(
+        impl,
+        rpi=[1, 3, 4],
+        prefix=[8, 3, 2],
+        ext=[1, 1, 1],
+        r2t=r2t,
+        window=window,
+        lut=lut,
+        write_req_capacity=4,
+    )
     assert [e[2] for e in p.exp.entries] == [5, 6, 7, 0, 1, 2, 0, 1]
     assert c.verify(p) == []
 
@@ -301,8 +407,15 @@ def test_verify_overflow_disables_plan(impl):
     for s in range(1, num_slots):  # garbage everywhere: any verified entry would report
         c.set_record(s, [s, 1000 + s, 3 * s, 0])
     # 3 + 4 = 7 > 5: disabled, entries untouched (sentinels), num_valid == capacity.
-    p = run_plan(impl, rpi=[1, 2], prefix=[3, 4], ext=[1, 1], r2t=r2t, verify_capacity=5,
-                 write_req_capacity=2)
+    p = run_plan(
+        impl,
+        rpi=[1, 2],
+        prefix=[3, 4],
+        ext=[1, 1],
+        r2t=r2t,
+        verify_capacity=5,
+        write_req_capacity=2,
+    )
     assert p.exp.enable == 0 and p.exp.num_valid == 5
     assert p.exp.slots == [SENTINEL] * 5
     assert p.exp.write_offsets == [0, 1, 2] and p.exp.seeds == [3, 8]
@@ -311,14 +424,30 @@ def test_verify_overflow_disables_plan(impl):
     assert c.verify(p) == []
     assert int(c.ctx.kernel_run_counter[0]) == 2 and int(c.ctx.slot_run_counter[0]) == 0
     # Exactly at capacity: enabled (and every garbage record reports).
-    p = run_plan(impl, rpi=[1, 2], prefix=[2, 3], ext=[1, 1], r2t=r2t, verify_capacity=5,
-                 write_req_capacity=2)
+    p = run_plan(
+        impl,
+        rpi=[1, 2],
+        prefix=[2, 3],
+        ext=[1, 1],
+        r2t=r2t,
+        verify_capacity=5,
+        write_req_capacity=2,
+    )
     assert p.exp.enable == 1 and p.exp.num_valid == 5
     assert len(c.verify(p)) == 5
     assert int(c.ctx.slot_run_counter[0]) == 5
     # The SWA window counts too: windows of 2 fit in the capacity again.
-    p = run_plan(impl, rpi=[1, 2], prefix=[3, 4], ext=[1, 1], r2t=r2t, window=2,
-                 lut=list(range(num_slots)), verify_capacity=5, write_req_capacity=2)
+    p = run_plan(
+        impl,
+        rpi=[1, 2],
+        prefix=[3, 4],
+        ext=[1, 1],
+        r2t=r2t,
+        window=2,
+        lut=list(range(num_slots)),
+        verify_capacity=5,
+        write_req_capacity=2,
+    )
     assert p.exp.enable == 1 and p.exp.num_valid == 4
 
 
@@ -350,16 +479,27 @@ def test_expected_tokens_plan_and_verify(impl, offset):
     r2t[1][:5] = [2, 4, 6, 8, 10]
     r2t[2][:4] = [3, 5, 7, 9]
     r2t[3][:3] = [11, 12, 13]
-    history = {1: [500, 501, 502, 503, 504, 505], 2: [600, 601, 602, 603, 604],
-               3: [700, 701, 702, 703]}
+    history = {
+        1: [500, 501, 502, 503, 504, 505],
+        2: [600, 601, 602, 603, 604],
+        3: [700, 701, 702, 703],
+    }
     exp_pool = [[-9] * 6 for _ in range(rows)]  # 6 columns: narrower than req_to_token
     for rp, h in history.items():
-        exp_pool[rp][:len(h[:6])] = h[:6]
+        exp_pool[rp][: len(h[:6])] = h[:6]
     exp_pool[0] = [1] * 6
     # valid lens: short (2) for request 1, 4 for request 2, beyond the pool width for 3.
     valid_lens = [2, 4, 9]
-    p = run_plan(impl, rpi=[1, 2, 3], prefix=[5, 4, 3], ext=[1, 1, 1], r2t=r2t,
-                 exp_pool=exp_pool, valid_lens=valid_lens, offset=offset)
+    p = run_plan(
+        impl,
+        rpi=[1, 2, 3],
+        prefix=[5, 4, 3],
+        ext=[1, 1, 1],
+        r2t=r2t,
+        exp_pool=exp_pool,
+        valid_lens=valid_lens,
+        offset=offset,
+    )
 
     def want(rp, vl, n):
         out = []
@@ -402,7 +542,10 @@ def test_expected_tokens_plan_and_verify(impl, offset):
     rows_off = c.verify(p, check_token=False)
     # (slot 7, the successor of slot 5, breaks its chain: the position is part of H)
     assert {r[1]: (r[4], r[7]) for r in rows_off} == {
-        4: (-1, BIT_CHAIN), 5: (-1, BIT_POS), 7: (-1, BIT_CHAIN)}
+        4: (-1, BIT_CHAIN),
+        5: (-1, BIT_POS),
+        7: (-1, BIT_CHAIN),
+    }
 
 
 # =============================================================================================
@@ -430,15 +573,15 @@ def _flip_byte(src: RealKvSource, slot: int, byte: int):
     row_u8[off] ^= 0xFF
 
 
-@pytest.mark.parametrize("mode", [RealKvHashMode.NONE, RealKvHashMode.PARTIAL,
-                                  RealKvHashMode.ALL], ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    "mode", [RealKvHashMode.NONE, RealKvHashMode.PARTIAL, RealKvHashMode.ALL], ids=lambda m: m.name
+)
 def test_real_kv_two_sources_page_size_2(impl, mode):
     src_a, src_b = _make_two_sources(impl.device)
     num_slots, rows, cols = 16, 3, 8
     r2t = r2t_table(rows, cols)
     r2t[1][:7] = [3, 5, 6, 9, 12, 15, 8]
-    c = Canary(impl, num_slots, kind=CanaryLaunchTag.TAIL_K_FULL, sources=(src_a, src_b),
-               mode=mode)
+    c = Canary(impl, num_slots, kind=CanaryLaunchTag.TAIL_K_FULL, sources=(src_a, src_b), mode=mode)
     for s in range(1, num_slots):  # stale real_kv_hash values must be overwritten (0 for NONE)
         c.set_record(s, [0, 0, 0, 0x5EED + s])
     toks = [9, 8, 7, 6, 5, 4, 3]
@@ -454,8 +597,12 @@ def test_real_kv_two_sources_page_size_2(impl, mode):
 
     # Flip one byte of one source for slot 5 (page 2, second token): only slot 5 may report.
     detected = {}
-    for name, src, byte in (("A3", src_a, 3), ("A20", src_a, 20), ("B2", src_b, 2),
-                            ("B10", src_b, 10)):
+    for name, src, byte in (
+        ("A3", src_a, 3),
+        ("A20", src_a, 20),
+        ("B2", src_b, 2),
+        ("B10", src_b, 10),
+    ):
         _flip_byte(src, 5, byte)
         rows = c.verify(p)
         _flip_byte(src, 5, byte)
@@ -471,8 +618,19 @@ def test_real_kv_two_sources_page_size_2(impl, mode):
     assert detected == want
     if mode != RealKvHashMode.NONE:
         row = c.ring_rows()[0]
-        assert row == (int(CanaryLaunchTag.TAIL_K_FULL), 5, 1, 8, -1, c.oracle.recs[5][2],
-                       c.oracle.recs[5][2], BIT_REAL_KV, 1, 1, NO_KV_LAYER)
+        assert row == (
+            int(CanaryLaunchTag.TAIL_K_FULL),
+            5,
+            1,
+            8,
+            -1,
+            c.oracle.recs[5][2],
+            c.oracle.recs[5][2],
+            BIT_REAL_KV,
+            1,
+            1,
+            NO_KV_LAYER,
+        )
     # The decode write on top fingerprints its slot too; a stale record is reported.
     c.write(p, [toks[6]], [6], [8])
     p = run_plan(impl, rpi=[1], prefix=[7], ext=[1], r2t=r2t)
@@ -482,8 +640,7 @@ def test_real_kv_two_sources_page_size_2(impl, mode):
     assert [r[1] for r in rows] == ([] if mode == RealKvHashMode.NONE else [8])
 
 
-@pytest.mark.parametrize("mode", [RealKvHashMode.PARTIAL, RealKvHashMode.ALL],
-                         ids=lambda m: m.name)
+@pytest.mark.parametrize("mode", [RealKvHashMode.PARTIAL, RealKvHashMode.ALL], ids=lambda m: m.name)
 def test_real_kv_24_byte_rows_fold(impl, mode):
     """num_bytes_per_token = read_bytes = 24: PARTIAL folds 16 bytes, ALL folds all 24."""
     g = torch.Generator().manual_seed(5)
@@ -493,7 +650,7 @@ def test_real_kv_24_byte_rows_fold(impl, mode):
     p = hand_write_plan(impl, [2], [-1])
     c.write(p, [10, 11], [0, 1], [5, 6])
     raw = t.cpu()[2].tolist()  # slot 5 = page 2, token 1 → bytes 24..47 of the row
-    words = [int.from_bytes(bytes(raw[24 + 8 * k:32 + 8 * k]), "little") for k in range(3)]
+    words = [int.from_bytes(bytes(raw[24 + 8 * k : 32 + 8 * k]), "little") for k in range(3)]
     src_hash = 0
     for w in words[:2] if mode == RealKvHashMode.PARTIAL else words:
         src_hash = splitmix64(src_hash ^ w)
@@ -527,12 +684,36 @@ def test_chain_position_assert(impl, chain_assert):
     if chain_assert:
         running7 = c.oracle.recs[7][2]
         running15 = c.oracle.recs[15][2]
-        assert c.ring_rows() == sorted([
-            (int(CanaryLaunchTag.HEAD_V_FULL), 7, 5, 31, 31, running7, 3, BIT_WRITE_POS, 5, 1,
-             NO_KV_LAYER),
-            (int(CanaryLaunchTag.HEAD_V_FULL), 15, 8, 52, 52, running15, 7, BIT_WRITE_POS, 8,
-             3, NO_KV_LAYER),
-        ])
+        assert c.ring_rows() == sorted(
+            [
+                (
+                    int(CanaryLaunchTag.HEAD_V_FULL),
+                    7,
+                    5,
+                    31,
+                    31,
+                    running7,
+                    3,
+                    BIT_WRITE_POS,
+                    5,
+                    1,
+                    NO_KV_LAYER,
+                ),
+                (
+                    int(CanaryLaunchTag.HEAD_V_FULL),
+                    15,
+                    8,
+                    52,
+                    52,
+                    running15,
+                    7,
+                    BIT_WRITE_POS,
+                    8,
+                    3,
+                    NO_KV_LAYER,
+                ),
+            ]
+        )
     else:
         assert rows == [] and c.ring_rows() == []
     # The chain advances on actual values either way.
@@ -579,7 +760,6 @@ def test_write_input_assert(impl, input_assert):
     # The running hash column is the prev_hash that was stored.
     for r in c.ring_rows():
         assert r[5] == c.record(r[1])[2]
-
 
 
 if __name__ == "__main__":

@@ -91,12 +91,26 @@ def test_violation_ring_overflow_write(impl, ring_capacity):
     c = Canary(impl, 32, ring_capacity=ring_capacity, chain_assert=0)
     p = hand_write_plan(impl, [3, 3], [-1, -1])
     ids = [1, 2, 3, 4, 5, 6]
-    rows = c.write(p, ids, [0, 1, 2, 0, 1, 2], [1, 2, 3, 4, 5, 6], input_assert=True,
-                   exp_tok=[9, 9, 9, 9, 9, 9], exp_pos=[0, 1, 2, 0, 1, 2])
+    rows = c.write(
+        p,
+        ids,
+        [0, 1, 2, 0, 1, 2],
+        [1, 2, 3, 4, 5, 6],
+        input_assert=True,
+        exp_tok=[9, 9, 9, 9, 9, 9],
+        exp_pos=[0, 1, 2, 0, 1, 2],
+    )
     assert len(rows) == 6 and int(c.ctx.violation_write_index[0]) == 6
     assert len(c.ring_rows()) == ring_capacity
-    c.write(p, ids, [0, 1, 2, 0, 1, 2], [1, 2, 3, 4, 5, 6], input_assert=True,
-            exp_tok=[1, 2, 3, 4, 5, 9], exp_pos=[0, 1, 2, 0, 1, 2])
+    c.write(
+        p,
+        ids,
+        [0, 1, 2, 0, 1, 2],
+        [1, 2, 3, 4, 5, 6],
+        input_assert=True,
+        exp_tok=[1, 2, 3, 4, 5, 9],
+        exp_pos=[0, 1, 2, 0, 1, 2],
+    )
     assert int(c.ctx.violation_write_index[0]) == 7
 
 
@@ -105,8 +119,9 @@ def test_violation_ring_overflow_write(impl, ring_capacity):
 # =============================================================================================
 
 
-@pytest.mark.parametrize("field", [0, 1, 2, 3], ids=["token", "position", "prev_hash",
-                                                     "real_kv_hash"])
+@pytest.mark.parametrize(
+    "field", [0, 1, 2, 3], ids=["token", "position", "prev_hash", "real_kv_hash"]
+)
 def test_corrupted_record_field_detected(impl, field):
     g = torch.Generator().manual_seed(9)
     t = torch.randint(0, 256, (16, 32), dtype=torch.uint8, generator=g).to(impl.device)
@@ -163,16 +178,14 @@ def test_empty_inputs_are_noops(impl):
     c.set_record(3, [1, 2, 3, 4])
     r2t = r2t_table(2, 4)
     # bs 0 plan: offsets all 0, seeds all -1, nothing to verify.
-    p = run_plan(impl, rpi=[], prefix=[], ext=[], r2t=r2t, write_req_capacity=3,
-                 verify_capacity=4)
+    p = run_plan(impl, rpi=[], prefix=[], ext=[], r2t=r2t, write_req_capacity=3, verify_capacity=4)
     assert p.exp.write_offsets == [0, 0, 0, 0] and p.exp.seeds == [-1, -1, -1]
     assert p.exp.enable == 1 and p.exp.num_valid == 0 and p.exp.nreq == 0
     c.write(p, [], [], [])
     c.verify(p)
     assert int(c.ctx.kernel_run_counter[0]) == 2 and int(c.ctx.slot_run_counter[0]) == 0
     # Zero-capacity plans, bs 0.
-    p = run_plan(impl, rpi=[], prefix=[], ext=[], r2t=r2t, write_req_capacity=0,
-                 verify_capacity=0)
+    p = run_plan(impl, rpi=[], prefix=[], ext=[], r2t=r2t, write_req_capacity=0, verify_capacity=0)
     c.write(p, [], [], [])
     c.verify(p)
     # Live requests that write nothing: counters only.
@@ -192,19 +205,40 @@ def test_many_requests_and_shared_prefix(impl):
     r2t = r2t_table(nreq + 1, 4)
     slots = perm_slots(3 * nreq, num_slots, seed=4)
     for r in range(nreq):
-        r2t[r + 1][:3] = slots[3 * r:3 * r + 3]
+        r2t[r + 1][:3] = slots[3 * r : 3 * r + 3]
     c = Canary(impl, num_slots, sources=(src,), mode=RealKvHashMode.ALL, ring_capacity=8)
     rpi = list(range(1, nreq + 1))
-    p = run_plan(impl, rpi=rpi, prefix=[0] * nreq, ext=[2] * nreq, r2t=r2t,
-                 write_req_capacity=nreq, verify_capacity=256)
+    p = run_plan(
+        impl,
+        rpi=rpi,
+        prefix=[0] * nreq,
+        ext=[2] * nreq,
+        r2t=r2t,
+        write_req_capacity=nreq,
+        verify_capacity=256,
+    )
     ids = [1000 + k for k in range(2 * nreq)]
     c.write(p, ids, [0, 1] * nreq, [r2t[r][k] for r in rpi for k in range(2)])
-    p = run_plan(impl, rpi=rpi, prefix=[2] * nreq, ext=[1] * nreq, r2t=r2t,
-                 write_req_capacity=nreq, verify_capacity=256)
+    p = run_plan(
+        impl,
+        rpi=rpi,
+        prefix=[2] * nreq,
+        ext=[1] * nreq,
+        r2t=r2t,
+        write_req_capacity=nreq,
+        verify_capacity=256,
+    )
     assert c.verify(p) == []
     c.write(p, list(range(nreq)), [2] * nreq, [r2t[r][2] for r in rpi])
-    p = run_plan(impl, rpi=rpi, prefix=[3] * nreq, ext=[1] * nreq, r2t=r2t,
-                 write_req_capacity=nreq, verify_capacity=256)
+    p = run_plan(
+        impl,
+        rpi=rpi,
+        prefix=[3] * nreq,
+        ext=[1] * nreq,
+        r2t=r2t,
+        write_req_capacity=nreq,
+        verify_capacity=256,
+    )
     assert c.verify(p) == []
     assert int(c.ctx.slot_run_counter[0]) == 140 + 140 + 70 + 210
 
@@ -217,21 +251,31 @@ def test_shared_prefix_reported_per_request(impl):
         r2t[rp][:plen] = prefix_slots[:plen]
         r2t[rp][plen] = prefix_slots[plen + rp - 1]
     c = Canary(impl, num_slots, kind=CanaryLaunchTag.SWEEP_K_FULL, ring_capacity=16)
-    p = run_plan(impl, rpi=[1], prefix=[0], ext=[plen], r2t=r2t, write_req_capacity=3,
-                 verify_capacity=640)
+    p = run_plan(
+        impl, rpi=[1], prefix=[0], ext=[plen], r2t=r2t, write_req_capacity=3, verify_capacity=640
+    )
     c.write(p, [(7 * k) % 997 for k in range(plen)], range(plen), prefix_slots[:plen])
-    p = run_plan(impl, rpi=[1, 2, 3], prefix=[plen] * 3, ext=[1] * 3, r2t=r2t,
-                 write_req_capacity=3, verify_capacity=640)
+    p = run_plan(
+        impl,
+        rpi=[1, 2, 3],
+        prefix=[plen] * 3,
+        ext=[1] * 3,
+        r2t=r2t,
+        write_req_capacity=3,
+        verify_capacity=640,
+    )
     assert p.exp.num_valid == 3 * plen
     assert c.verify(p) == []
-    c.write(p, [1, 2, 3], [plen] * 3, prefix_slots[plen:plen + 3])
-    assert len({c.record(s)[2] for s in prefix_slots[plen:plen + 3]}) == 1
+    c.write(p, [1, 2, 3], [plen] * 3, prefix_slots[plen : plen + 3])
+    assert len({c.record(s)[2] for s in prefix_slots[plen : plen + 3]}) == 1
     victim = prefix_slots[150]
     c.set_field(victim, 1, 12345)
     rows = c.verify(p)
     # every request reads the shared slot: three identical rows each for it and its successor
     assert collections.Counter((r[1], r[7]) for r in rows) == {
-        (victim, BIT_POS): 3, (prefix_slots[151], BIT_CHAIN): 3}
+        (victim, BIT_POS): 3,
+        (prefix_slots[151], BIT_CHAIN): 3,
+    }
 
 
 def test_large_batch_crosses_plan_blocks(impl):
@@ -248,19 +292,34 @@ def test_large_batch_crosses_plan_blocks(impl):
     c = Canary(impl, num_slots, ring_capacity=8)
     c.set_record(1, [500, 0, to_int64(HEAD), 0])
     c.set_record(2, [501, 1, to_int64(rec_hash(c.oracle.recs[1])), 0])
-    p = run_plan(impl, rpi=rpi, prefix=[2] * bs, ext=[1] * bs, r2t=r2t,
-                 write_req_capacity=bs + 5, verify_capacity=3 * len(live))
+    p = run_plan(
+        impl,
+        rpi=rpi,
+        prefix=[2] * bs,
+        ext=[1] * bs,
+        r2t=r2t,
+        write_req_capacity=bs + 5,
+        verify_capacity=3 * len(live),
+    )
     assert p.exp.num_valid == 2 * len(live)
     assert p.exp.write_offsets[bs] == len(live)
     assert c.verify(p) == []
     assert c.write(p, [600 + r for r in live], [2] * len(live), [own[r] for r in live]) == []
-    p = run_plan(impl, rpi=rpi, prefix=[3] * bs, ext=[1] * bs, r2t=r2t,
-                 write_req_capacity=bs + 5, verify_capacity=3 * len(live))
+    p = run_plan(
+        impl,
+        rpi=rpi,
+        prefix=[3] * bs,
+        ext=[1] * bs,
+        r2t=r2t,
+        write_req_capacity=bs + 5,
+        verify_capacity=3 * len(live),
+    )
     assert c.verify(p) == []
     c.set_field(2, 1, 7)  # the shared position-1 record: every live request reports it
     rows = c.verify(p)
-    assert sorted(collections.Counter((r[1], r[7]) for r in rows).items()) == sorted({
-        (2, BIT_POS): len(live), **{(own[r], BIT_CHAIN): 1 for r in live}}.items())
+    assert sorted(collections.Counter((r[1], r[7]) for r in rows).items()) == sorted(
+        {(2, BIT_POS): len(live), **{(own[r], BIT_CHAIN): 1 for r in live}}.items()
+    )
 
 
 def test_verify_out_of_range_entries(impl):
@@ -268,13 +327,18 @@ def test_verify_out_of_range_entries(impl):
     c = Canary(impl, 16)
     c.set_record(4, [40, 0, to_int64(HEAD), 0])
     c.set_record(5, [50, 3, 0x1234, 0])
-    rows = c.verify(hand_verify_plan(impl, [
-        (16, -1, 0, -1),  # slot == num_slots: skipped
-        (-3, -1, 0, -1),  # negative slot: skipped
-        (5, -1, 3, 16),  # prev out of range: chain not checked
-        (5, -1, 3, -2),  # prev < -1: chain not checked
-        (5, -1, 3, 4),  # checked: 0x1234 != H(record 4)
-    ]))
+    rows = c.verify(
+        hand_verify_plan(
+            impl,
+            [
+                (16, -1, 0, -1),  # slot == num_slots: skipped
+                (-3, -1, 0, -1),  # negative slot: skipped
+                (5, -1, 3, 16),  # prev out of range: chain not checked
+                (5, -1, 3, -2),  # prev < -1: chain not checked
+                (5, -1, 3, 4),  # checked: 0x1234 != H(record 4)
+            ],
+        )
+    )
     assert [(r[1], r[7]) for r in rows] == [(5, BIT_CHAIN)]
     assert rows[0][6] == to_int64(rec_hash(c.oracle.recs[4]))
     assert int(c.ctx.slot_run_counter[0]) == 5
@@ -307,9 +371,13 @@ def _run_scatter(impl, pool, flat, lengths, rpi, starts=None):
         offsets.append(offsets[-1] + n)
     out = torch.tensor(pool, dtype=torch.int32, device=dev)
     extra = {} if starts is None else dict(dst_starts=tensor_of(starts, torch.int64, dev))
-    impl.scatter(flat_in=tensor_of(flat, torch.int64, dev),
-                 offsets=tensor_of(offsets, torch.int64, dev),
-                 req_pool_indices=tensor_of(rpi, torch.int64, dev), pool_out=out, **extra)
+    impl.scatter(
+        flat_in=tensor_of(flat, torch.int64, dev),
+        offsets=tensor_of(offsets, torch.int64, dev),
+        req_pool_indices=tensor_of(rpi, torch.int64, dev),
+        pool_out=out,
+        **extra,
+    )
     want = oracle_scatter(pool, flat, offsets, rpi, starts)
     assert out.cpu().tolist() == want
     return want
@@ -333,8 +401,9 @@ def test_scatter_dst_starts_append_after_what_a_row_holds(impl):
     # row 4: 2 tokens from column 3 (1 dropped past the end); row 1: 1 token at column 0;
     # row 2: 3 tokens from column 5 (all past the end); row 0: a negative start (skipped);
     # row 3: 1 token from column 4; row 9: outside the pool
-    got = _run_scatter(impl, pool, flat, [2, 1, 3, 1, 1, 0], [4, 1, 2, 0, 3, 9],
-                       starts=[3, 0, 5, -1, 4, 0])
+    got = _run_scatter(
+        impl, pool, flat, [2, 1, 3, 1, 1, 0], [4, 1, 2, 0, 3, 9], starts=[3, 0, 5, -1, 4, 0]
+    )
     assert got[4] == [-7, -7, -7, 10, 11]
     assert got[1] == [20, -7, -7, -7, -7]
     assert got[2] == [-7] * 5 and got[0] == [-7] * 5
@@ -358,7 +427,7 @@ def test_scatter_bs4096_one_launch(impl):
     got = _run_scatter(impl, pool, flat, lengths, rpi)
     assert got[0] == [-1, -1] and got[bs + 1] == [-1, -1]
     r = lengths.index(3)
-    assert got[rpi[r]] == flat[sum(lengths[:r]):sum(lengths[:r]) + 2]
+    assert got[rpi[r]] == flat[sum(lengths[:r]) : sum(lengths[:r]) + 2]
 
 
 if __name__ == "__main__":

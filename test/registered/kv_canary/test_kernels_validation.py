@@ -49,21 +49,24 @@ from validation_cases import (
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 
 LAUNCHERS: Dict[str, Dict[str, Callable]] = {
-    "public": dict(plan=launch_canary_plan_kernels, write=launch_canary_write_kernel,
-                   verify=launch_canary_verify_kernel,
-                   scatter=launch_scatter_req_token_ids_kernel),
-    "torch_ref": dict(plan=launch_canary_plan_kernels_torch_reference,
-                      write=launch_canary_write_kernel_torch_reference,
-                      verify=launch_canary_verify_kernel_torch_reference,
-                      scatter=scatter_req_token_ids_torch_reference),
+    "public": dict(
+        plan=launch_canary_plan_kernels,
+        write=launch_canary_write_kernel,
+        verify=launch_canary_verify_kernel,
+        scatter=launch_scatter_req_token_ids_kernel,
+    ),
+    "torch_ref": dict(
+        plan=launch_canary_plan_kernels_torch_reference,
+        write=launch_canary_write_kernel_torch_reference,
+        verify=launch_canary_verify_kernel_torch_reference,
+        scatter=scatter_req_token_ids_torch_reference,
+    ),
 }
 
 
 @pytest.fixture(params=sorted(LAUNCHERS))
 def launchers(request):
     return LAUNCHERS[request.param]
-
-
 
 
 def plan_kwargs(**over):
@@ -101,17 +104,22 @@ def write_kwargs(**over):
 
 
 def verify_kwargs(**over):
-    kw = dict(context=make_context(), plan=VerifyPlan.allocate(verify_capacity=4, device=CPU),
-              check_verify_expected_token=False)
+    kw = dict(
+        context=make_context(),
+        plan=VerifyPlan.allocate(verify_capacity=4, device=CPU),
+        check_verify_expected_token=False,
+    )
     kw.update(over)
     return kw
 
 
 def scatter_kwargs(**over):
-    kw = dict(flat_in=torch.tensor([1, 2, 3], dtype=I64),
-              offsets=torch.tensor([0, 2, 3], dtype=I64),
-              req_pool_indices=torch.tensor([1, 2], dtype=I64),
-              pool_out=torch.zeros(3, 4, dtype=I32))
+    kw = dict(
+        flat_in=torch.tensor([1, 2, 3], dtype=I64),
+        offsets=torch.tensor([0, 2, 3], dtype=I64),
+        req_pool_indices=torch.tensor([1, 2], dtype=I64),
+        pool_out=torch.zeros(3, 4, dtype=I32),
+    )
     kw.update(over)
     return kw
 
@@ -119,17 +127,25 @@ def scatter_kwargs(**over):
 def test_baselines_are_accepted(launchers):
     """Every negative case below differs from these accepted calls in one argument."""
     launchers["plan"](**plan_kwargs())
-    launchers["plan"](**plan_kwargs(swa_window_size=2,
-                                    full_to_swa_index_mapping=torch.arange(32, dtype=I64)))
-    launchers["plan"](**plan_kwargs(
-        req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32),
-        req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2], dtype=I64)))
+    launchers["plan"](
+        **plan_kwargs(swa_window_size=2, full_to_swa_index_mapping=torch.arange(32, dtype=I64))
+    )
+    launchers["plan"](
+        **plan_kwargs(
+            req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32),
+            req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2], dtype=I64),
+        )
+    )
     kw = write_kwargs()
     launchers["write"](**kw)
     assert int(kw["context"].kernel_run_counter[0]) == 1
-    launchers["write"](**write_kwargs(enable_write_input_assert=True,
-                                      expected_input_tokens=torch.tensor([5, 6, 7], dtype=I32),
-                                      expected_input_positions=torch.tensor([0, 1, 2], dtype=I32)))
+    launchers["write"](
+        **write_kwargs(
+            enable_write_input_assert=True,
+            expected_input_tokens=torch.tensor([5, 6, 7], dtype=I32),
+            expected_input_positions=torch.tensor([0, 1, 2], dtype=I32),
+        )
+    )
     kw = verify_kwargs()
     launchers["verify"](**kw)
     assert int(kw["context"].kernel_run_counter[0]) == 1
@@ -142,9 +158,12 @@ def test_baselines_are_accepted(launchers):
 
 
 def test_constructor_baselines_are_accepted():
-    ctx = make_context(kernel_kind=3, real_kv_sources=[make_source(), make_source(nbpt=8,
-                                                                                  read_bytes=8)],
-                       real_kv_hash_mode=1, enable_chain_position_assert=None)
+    ctx = make_context(
+        kernel_kind=3,
+        real_kv_sources=[make_source(), make_source(nbpt=8, read_bytes=8)],
+        real_kv_hash_mode=1,
+        enable_chain_position_assert=None,
+    )
     assert ctx.kernel_kind is CanaryLaunchTag.TAIL_V_FULL
     assert ctx.real_kv_hash_mode is RealKvHashMode.PARTIAL
     assert isinstance(ctx.real_kv_sources, tuple) and len(ctx.real_kv_sources) == 2
@@ -153,8 +172,12 @@ def test_constructor_baselines_are_accepted():
     # rows with padding between them (row stride > row bytes) are fine
     big = torch.zeros(4, 64, dtype=torch.uint8)
     RealKvSource(tensor=big[:, :48], page_size=2, num_bytes_per_token=24, read_bytes=16)
-    RealKvSource(tensor=torch.zeros(4, 2, 12, dtype=torch.bfloat16), page_size=2,
-                 num_bytes_per_token=24, read_bytes=24)
+    RealKvSource(
+        tensor=torch.zeros(4, 2, 12, dtype=torch.bfloat16),
+        page_size=2,
+        num_bytes_per_token=24,
+        read_bytes=24,
+    )
     make_context(real_kv_sources=[make_source()] * 4, real_kv_hash_mode=RealKvHashMode.ALL)
     assert VerifyPlan.allocate(verify_capacity=0, device="cpu").capacity == 0
     assert WritePlan.allocate(write_req_capacity=0, device="cpu").req_capacity == 0
@@ -165,120 +188,260 @@ def test_constructor_baselines_are_accepted():
 # =============================================================================================
 
 PLAN_CASES = [
-    ("verify_plan_out_type", lambda: dict(verify_plan_out=object()), TypeError,
-     "verify_plan_out"),
-    ("verify_plan_out_is_write_plan", lambda: dict(
-        verify_plan_out=WritePlan.allocate(write_req_capacity=16, device=CPU)), TypeError,
-     "verify_plan_out"),
-    ("write_plan_out_type", lambda: dict(
-        write_plan_out=VerifyPlan.allocate(verify_capacity=4, device=CPU)), TypeError,
-     "write_plan_out"),
-    ("req_pool_indices_not_tensor", lambda: dict(req_pool_indices=[1, 2]), TypeError,
-     "req_pool_indices"),
-    ("req_pool_indices_dtype", lambda: dict(req_pool_indices=torch.tensor([1., 2.])), TypeError,
-     "req_pool_indices"),
-    ("req_pool_indices_ndim", lambda: dict(req_pool_indices=torch.tensor([[1, 2]])), ValueError,
-     "req_pool_indices"),
-    ("req_pool_indices_noncontig", lambda: dict(
-        req_pool_indices=noncontig(torch.tensor([1, 2]))), ValueError, "req_pool_indices"),
-    ("prefix_lens_dtype", lambda: dict(prefix_lens=torch.tensor([1, 2], dtype=torch.int16)),
-     TypeError, "prefix_lens"),
-    ("prefix_lens_shape", lambda: dict(prefix_lens=torch.tensor([1, 2, 3])), ValueError,
-     "prefix_lens"),
-    ("prefix_lens_noncontig", lambda: dict(prefix_lens=noncontig(torch.tensor([1, 2]))),
-     ValueError, "prefix_lens"),
-    ("extend_seq_lens_dtype", lambda: dict(extend_seq_lens=torch.tensor([1., 1.])), TypeError,
-     "extend_seq_lens"),
-    ("extend_seq_lens_shape", lambda: dict(extend_seq_lens=torch.tensor([1])), ValueError,
-     "extend_seq_lens"),
-    ("extend_seq_lens_noncontig", lambda: dict(extend_seq_lens=noncontig(torch.tensor([1, 1]))),
-     ValueError, "extend_seq_lens"),
-    ("req_to_token_dtype", lambda: dict(req_to_token=torch.zeros(3, 8)), TypeError,
-     "req_to_token"),
-    ("req_to_token_ndim", lambda: dict(req_to_token=torch.zeros(24, dtype=I32)), ValueError,
-     "req_to_token"),
-    ("req_to_token_noncontig", lambda: dict(req_to_token=torch.zeros(8, 3, dtype=I32).t()),
-     ValueError, "req_to_token"),
-    ("swa_window_size_negative", lambda: dict(swa_window_size=-1), ValueError,
-     "swa_window_size"),
+    ("verify_plan_out_type", lambda: dict(verify_plan_out=object()), TypeError, "verify_plan_out"),
+    (
+        "verify_plan_out_is_write_plan",
+        lambda: dict(verify_plan_out=WritePlan.allocate(write_req_capacity=16, device=CPU)),
+        TypeError,
+        "verify_plan_out",
+    ),
+    (
+        "write_plan_out_type",
+        lambda: dict(write_plan_out=VerifyPlan.allocate(verify_capacity=4, device=CPU)),
+        TypeError,
+        "write_plan_out",
+    ),
+    (
+        "req_pool_indices_not_tensor",
+        lambda: dict(req_pool_indices=[1, 2]),
+        TypeError,
+        "req_pool_indices",
+    ),
+    (
+        "req_pool_indices_dtype",
+        lambda: dict(req_pool_indices=torch.tensor([1.0, 2.0])),
+        TypeError,
+        "req_pool_indices",
+    ),
+    (
+        "req_pool_indices_ndim",
+        lambda: dict(req_pool_indices=torch.tensor([[1, 2]])),
+        ValueError,
+        "req_pool_indices",
+    ),
+    (
+        "req_pool_indices_noncontig",
+        lambda: dict(req_pool_indices=noncontig(torch.tensor([1, 2]))),
+        ValueError,
+        "req_pool_indices",
+    ),
+    (
+        "prefix_lens_dtype",
+        lambda: dict(prefix_lens=torch.tensor([1, 2], dtype=torch.int16)),
+        TypeError,
+        "prefix_lens",
+    ),
+    (
+        "prefix_lens_shape",
+        lambda: dict(prefix_lens=torch.tensor([1, 2, 3])),
+        ValueError,
+        "prefix_lens",
+    ),
+    (
+        "prefix_lens_noncontig",
+        lambda: dict(prefix_lens=noncontig(torch.tensor([1, 2]))),
+        ValueError,
+        "prefix_lens",
+    ),
+    (
+        "extend_seq_lens_dtype",
+        lambda: dict(extend_seq_lens=torch.tensor([1.0, 1.0])),
+        TypeError,
+        "extend_seq_lens",
+    ),
+    (
+        "extend_seq_lens_shape",
+        lambda: dict(extend_seq_lens=torch.tensor([1])),
+        ValueError,
+        "extend_seq_lens",
+    ),
+    (
+        "extend_seq_lens_noncontig",
+        lambda: dict(extend_seq_lens=noncontig(torch.tensor([1, 1]))),
+        ValueError,
+        "extend_seq_lens",
+    ),
+    ("req_to_token_dtype", lambda: dict(req_to_token=torch.zeros(3, 8)), TypeError, "req_to_token"),
+    (
+        "req_to_token_ndim",
+        lambda: dict(req_to_token=torch.zeros(24, dtype=I32)),
+        ValueError,
+        "req_to_token",
+    ),
+    (
+        "req_to_token_noncontig",
+        lambda: dict(req_to_token=torch.zeros(8, 3, dtype=I32).t()),
+        ValueError,
+        "req_to_token",
+    ),
+    ("swa_window_size_negative", lambda: dict(swa_window_size=-1), ValueError, "swa_window_size"),
     ("swa_window_size_bool", lambda: dict(swa_window_size=True), TypeError, "swa_window_size"),
     ("swa_window_size_float", lambda: dict(swa_window_size=2.0), TypeError, "swa_window_size"),
-    ("swa_window_size_tensor", lambda: dict(swa_window_size=torch.tensor(2)), TypeError,
-     "swa_window_size"),
-    ("swa_window_without_table", lambda: dict(swa_window_size=4), ValueError,
-     "full_to_swa_index_mapping"),
-    ("table_without_window", lambda: dict(full_to_swa_index_mapping=torch.arange(32)),
-     ValueError, "full_to_swa_index_mapping"),
-    ("table_dtype", lambda: dict(swa_window_size=4,
-                                 full_to_swa_index_mapping=torch.zeros(32)), TypeError,
-     "full_to_swa_index_mapping"),
-    ("table_ndim", lambda: dict(swa_window_size=4,
-                                full_to_swa_index_mapping=torch.zeros(4, 8, dtype=I64)),
-     ValueError, "full_to_swa_index_mapping"),
-    ("table_noncontig", lambda: dict(swa_window_size=4,
-                                     full_to_swa_index_mapping=noncontig(torch.arange(32))),
-     ValueError, "full_to_swa_index_mapping"),
+    (
+        "swa_window_size_tensor",
+        lambda: dict(swa_window_size=torch.tensor(2)),
+        TypeError,
+        "swa_window_size",
+    ),
+    (
+        "swa_window_without_table",
+        lambda: dict(swa_window_size=4),
+        ValueError,
+        "full_to_swa_index_mapping",
+    ),
+    (
+        "table_without_window",
+        lambda: dict(full_to_swa_index_mapping=torch.arange(32)),
+        ValueError,
+        "full_to_swa_index_mapping",
+    ),
+    (
+        "table_dtype",
+        lambda: dict(swa_window_size=4, full_to_swa_index_mapping=torch.zeros(32)),
+        TypeError,
+        "full_to_swa_index_mapping",
+    ),
+    (
+        "table_ndim",
+        lambda: dict(swa_window_size=4, full_to_swa_index_mapping=torch.zeros(4, 8, dtype=I64)),
+        ValueError,
+        "full_to_swa_index_mapping",
+    ),
+    (
+        "table_noncontig",
+        lambda: dict(swa_window_size=4, full_to_swa_index_mapping=noncontig(torch.arange(32))),
+        ValueError,
+        "full_to_swa_index_mapping",
+    ),
     ("verify_capacity_mismatch", lambda: dict(verify_capacity=8), ValueError, "verify_capacity"),
     ("verify_capacity_type", lambda: dict(verify_capacity=16.0), TypeError, "verify_capacity"),
-    ("verify_capacity_negative", lambda: dict(verify_capacity=-1), ValueError,
-     "verify_capacity"),
-    ("bs_over_write_capacity", lambda: dict(
-        req_pool_indices=torch.tensor([1, 2, 1, 2, 1]), prefix_lens=torch.ones(5, dtype=I64),
-        extend_seq_lens=torch.ones(5, dtype=I64)), ValueError, "req_pool_indices"),
-    ("expected_tokens_dtype", lambda: dict(
-        req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I64),
-        req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2])), TypeError,
-     "req_to_verify_expected_tokens"),
-    ("expected_tokens_ndim", lambda: dict(
-        req_to_verify_expected_tokens=torch.zeros(24, dtype=I32),
-        req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2])), ValueError,
-     "req_to_verify_expected_tokens"),
-    ("expected_tokens_noncontig", lambda: dict(
-        req_to_verify_expected_tokens=torch.zeros(8, 3, dtype=I32).t(),
-        req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2])), ValueError,
-     "req_to_verify_expected_tokens"),
-    ("expected_tokens_without_valid_lens", lambda: dict(
-        req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32)), ValueError,
-     "req_to_verify_expected_tokens_valid_lens"),
-    ("valid_lens_shape", lambda: dict(
-        req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32),
-        req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2, 3])), ValueError,
-     "req_to_verify_expected_tokens_valid_lens"),
-    ("valid_lens_dtype", lambda: dict(
-        req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32),
-        req_to_verify_expected_tokens_valid_lens=torch.tensor([1., 2.])), TypeError,
-     "req_to_verify_expected_tokens_valid_lens"),
-    ("token_offset_float", lambda: dict(kv_token_id_vs_position_offset=1.0), TypeError,
-     "kv_token_id_vs_position_offset"),
-    ("token_offset_none", lambda: dict(kv_token_id_vs_position_offset=None), TypeError,
-     "kv_token_id_vs_position_offset"),
-    ("device_req_to_token", lambda: dict(req_to_token=torch.zeros(3, 8, dtype=I32,
-                                                                  device=META)), ValueError,
-     "req_to_token"),
-    ("device_prefix_lens", lambda: dict(prefix_lens=torch.zeros(2, dtype=I32, device=META)),
-     ValueError, "prefix_lens"),
-    ("device_verify_plan", lambda: dict(
-        verify_plan_out=VerifyPlan.allocate(verify_capacity=16, device=META)), ValueError,
-     "verify_plan_out"),
-    ("device_write_plan", lambda: dict(
-        write_plan_out=WritePlan.allocate(write_req_capacity=4, device=META)), ValueError,
-     "write_plan_out"),
-    ("device_table", lambda: dict(swa_window_size=4, full_to_swa_index_mapping=torch.arange(
-        32, device=META)), ValueError, "full_to_swa_index_mapping"),
-    ("device_expected_tokens", lambda: dict(
-        req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32, device=META),
-        req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2])), ValueError,
-     "req_to_verify_expected_tokens"),
+    ("verify_capacity_negative", lambda: dict(verify_capacity=-1), ValueError, "verify_capacity"),
+    (
+        "bs_over_write_capacity",
+        lambda: dict(
+            req_pool_indices=torch.tensor([1, 2, 1, 2, 1]),
+            prefix_lens=torch.ones(5, dtype=I64),
+            extend_seq_lens=torch.ones(5, dtype=I64),
+        ),
+        ValueError,
+        "req_pool_indices",
+    ),
+    (
+        "expected_tokens_dtype",
+        lambda: dict(
+            req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I64),
+            req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2]),
+        ),
+        TypeError,
+        "req_to_verify_expected_tokens",
+    ),
+    (
+        "expected_tokens_ndim",
+        lambda: dict(
+            req_to_verify_expected_tokens=torch.zeros(24, dtype=I32),
+            req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2]),
+        ),
+        ValueError,
+        "req_to_verify_expected_tokens",
+    ),
+    (
+        "expected_tokens_noncontig",
+        lambda: dict(
+            req_to_verify_expected_tokens=torch.zeros(8, 3, dtype=I32).t(),
+            req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2]),
+        ),
+        ValueError,
+        "req_to_verify_expected_tokens",
+    ),
+    (
+        "expected_tokens_without_valid_lens",
+        lambda: dict(req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32)),
+        ValueError,
+        "req_to_verify_expected_tokens_valid_lens",
+    ),
+    (
+        "valid_lens_shape",
+        lambda: dict(
+            req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32),
+            req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2, 3]),
+        ),
+        ValueError,
+        "req_to_verify_expected_tokens_valid_lens",
+    ),
+    (
+        "valid_lens_dtype",
+        lambda: dict(
+            req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32),
+            req_to_verify_expected_tokens_valid_lens=torch.tensor([1.0, 2.0]),
+        ),
+        TypeError,
+        "req_to_verify_expected_tokens_valid_lens",
+    ),
+    (
+        "token_offset_float",
+        lambda: dict(kv_token_id_vs_position_offset=1.0),
+        TypeError,
+        "kv_token_id_vs_position_offset",
+    ),
+    (
+        "token_offset_none",
+        lambda: dict(kv_token_id_vs_position_offset=None),
+        TypeError,
+        "kv_token_id_vs_position_offset",
+    ),
+    (
+        "device_req_to_token",
+        lambda: dict(req_to_token=torch.zeros(3, 8, dtype=I32, device=META)),
+        ValueError,
+        "req_to_token",
+    ),
+    (
+        "device_prefix_lens",
+        lambda: dict(prefix_lens=torch.zeros(2, dtype=I32, device=META)),
+        ValueError,
+        "prefix_lens",
+    ),
+    (
+        "device_verify_plan",
+        lambda: dict(verify_plan_out=VerifyPlan.allocate(verify_capacity=16, device=META)),
+        ValueError,
+        "verify_plan_out",
+    ),
+    (
+        "device_write_plan",
+        lambda: dict(write_plan_out=WritePlan.allocate(write_req_capacity=4, device=META)),
+        ValueError,
+        "write_plan_out",
+    ),
+    (
+        "device_table",
+        lambda: dict(swa_window_size=4, full_to_swa_index_mapping=torch.arange(32, device=META)),
+        ValueError,
+        "full_to_swa_index_mapping",
+    ),
+    (
+        "device_expected_tokens",
+        lambda: dict(
+            req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I32, device=META),
+            req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2]),
+        ),
+        ValueError,
+        "req_to_verify_expected_tokens",
+    ),
 ]
 
 
-@pytest.mark.parametrize("over,exc,name", [c[1:] for c in PLAN_CASES],
-                         ids=[c[0] for c in PLAN_CASES])
+@pytest.mark.parametrize(
+    "over,exc,name", [c[1:] for c in PLAN_CASES], ids=[c[0] for c in PLAN_CASES]
+)
 def test_plan_rejects(launchers, over, exc, name):
     kw = plan_kwargs(**over())
-    before = kw["write_plan_out"].write_offsets.clone() if isinstance(
-        kw["write_plan_out"], WritePlan) and kw["write_plan_out"].write_offsets.device == CPU \
+    before = (
+        kw["write_plan_out"].write_offsets.clone()
+        if isinstance(kw["write_plan_out"], WritePlan)
+        and kw["write_plan_out"].write_offsets.device == CPU
         else None
+    )
     with pytest.raises(exc, match=named(name)):
         launchers["plan"](**kw)
     if before is not None:  # validation happens before anything is written
@@ -292,13 +455,20 @@ def test_plan_errors_are_specific(launchers):
     with pytest.raises(ValueError, match=r"verify_capacity=8 does not match .*16"):
         launchers["plan"](**plan_kwargs(verify_capacity=8))
     with pytest.raises(ValueError, match=r"batch size 5 .*req_pool_indices.* capacity 4"):
-        launchers["plan"](**plan_kwargs(req_pool_indices=torch.ones(5, dtype=I64),
-                                        prefix_lens=torch.ones(5, dtype=I64),
-                                        extend_seq_lens=torch.ones(5, dtype=I64)))
+        launchers["plan"](
+            **plan_kwargs(
+                req_pool_indices=torch.ones(5, dtype=I64),
+                prefix_lens=torch.ones(5, dtype=I64),
+                extend_seq_lens=torch.ones(5, dtype=I64),
+            )
+        )
     with pytest.raises(TypeError, match=r"req_to_verify_expected_tokens must have dtype int32"):
-        launchers["plan"](**plan_kwargs(
-            req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I64),
-            req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2])))
+        launchers["plan"](
+            **plan_kwargs(
+                req_to_verify_expected_tokens=torch.zeros(3, 8, dtype=I64),
+                req_to_verify_expected_tokens_valid_lens=torch.tensor([1, 2]),
+            )
+        )
     with pytest.raises(ValueError, match=r"prefix_lens must have shape \(2,\)"):
         launchers["plan"](**plan_kwargs(prefix_lens=torch.ones(3, dtype=I64)))
 
@@ -309,63 +479,153 @@ def test_plan_errors_are_specific(launchers):
 
 WRITE_CASES = [
     ("context_type", lambda: dict(context=object()), TypeError, "context"),
-    ("plan_type", lambda: dict(plan=VerifyPlan.allocate(verify_capacity=2, device=CPU)),
-     TypeError, "plan"),
-    ("input_assert_int", lambda: dict(enable_write_input_assert=1), TypeError,
-     "enable_write_input_assert"),
-    ("input_assert_none", lambda: dict(enable_write_input_assert=None), TypeError,
-     "enable_write_input_assert"),
-    ("input_assert_tensor", lambda: dict(enable_write_input_assert=torch.tensor(True)),
-     TypeError, "enable_write_input_assert"),
+    (
+        "plan_type",
+        lambda: dict(plan=VerifyPlan.allocate(verify_capacity=2, device=CPU)),
+        TypeError,
+        "plan",
+    ),
+    (
+        "input_assert_int",
+        lambda: dict(enable_write_input_assert=1),
+        TypeError,
+        "enable_write_input_assert",
+    ),
+    (
+        "input_assert_none",
+        lambda: dict(enable_write_input_assert=None),
+        TypeError,
+        "enable_write_input_assert",
+    ),
+    (
+        "input_assert_tensor",
+        lambda: dict(enable_write_input_assert=torch.tensor(True)),
+        TypeError,
+        "enable_write_input_assert",
+    ),
     ("input_ids_not_tensor", lambda: dict(input_ids=[5, 6, 7]), TypeError, "input_ids"),
-    ("input_ids_dtype", lambda: dict(input_ids=torch.tensor([5., 6., 7.])), TypeError,
-     "input_ids"),
-    ("input_ids_ndim", lambda: dict(input_ids=torch.tensor([[5, 6, 7]])), ValueError,
-     "input_ids"),
-    ("input_ids_noncontig", lambda: dict(input_ids=noncontig(torch.tensor([5, 6, 7]))),
-     ValueError, "input_ids"),
-    ("positions_dtype", lambda: dict(positions=torch.tensor([0, 1, 2], dtype=torch.int16)),
-     TypeError, "positions"),
+    (
+        "input_ids_dtype",
+        lambda: dict(input_ids=torch.tensor([5.0, 6.0, 7.0])),
+        TypeError,
+        "input_ids",
+    ),
+    ("input_ids_ndim", lambda: dict(input_ids=torch.tensor([[5, 6, 7]])), ValueError, "input_ids"),
+    (
+        "input_ids_noncontig",
+        lambda: dict(input_ids=noncontig(torch.tensor([5, 6, 7]))),
+        ValueError,
+        "input_ids",
+    ),
+    (
+        "positions_dtype",
+        lambda: dict(positions=torch.tensor([0, 1, 2], dtype=torch.int16)),
+        TypeError,
+        "positions",
+    ),
     ("positions_shape", lambda: dict(positions=torch.tensor([0, 1])), ValueError, "positions"),
-    ("positions_noncontig", lambda: dict(positions=noncontig(torch.tensor([0, 1, 2]))),
-     ValueError, "positions"),
-    ("out_cache_loc_dtype", lambda: dict(out_cache_loc=torch.tensor([1., 2., 3.])), TypeError,
-     "out_cache_loc"),
-    ("out_cache_loc_shape", lambda: dict(out_cache_loc=torch.tensor([1, 2, 3, 4])), ValueError,
-     "out_cache_loc"),
-    ("out_cache_loc_noncontig", lambda: dict(out_cache_loc=noncontig(torch.tensor([1, 2, 3]))),
-     ValueError, "out_cache_loc"),
-    ("expected_tokens_missing", lambda: dict(
-        enable_write_input_assert=True, expected_input_positions=torch.tensor([0, 1, 2])),
-     ValueError, "expected_input_tokens"),
-    ("expected_positions_missing", lambda: dict(
-        enable_write_input_assert=True, expected_input_tokens=torch.tensor([5, 6, 7])),
-     ValueError, "expected_input_positions"),
-    ("expected_tokens_shape", lambda: dict(
-        enable_write_input_assert=True, expected_input_tokens=torch.tensor([5, 6]),
-        expected_input_positions=torch.tensor([0, 1, 2])), ValueError, "expected_input_tokens"),
-    ("expected_tokens_dtype", lambda: dict(
-        enable_write_input_assert=True, expected_input_tokens=torch.tensor([5., 6., 7.]),
-        expected_input_positions=torch.tensor([0, 1, 2])), TypeError, "expected_input_tokens"),
-    ("expected_positions_noncontig", lambda: dict(
-        enable_write_input_assert=True, expected_input_tokens=torch.tensor([5, 6, 7]),
-        expected_input_positions=noncontig(torch.tensor([0, 1, 2]))), ValueError,
-     "expected_input_positions"),
-    ("device_positions", lambda: dict(positions=torch.zeros(3, dtype=I64, device=META)),
-     ValueError, "positions"),
-    ("device_out_cache_loc", lambda: dict(out_cache_loc=torch.zeros(3, dtype=I64, device=META)),
-     ValueError, "out_cache_loc"),
-    ("device_plan", lambda: dict(plan=WritePlan.allocate(write_req_capacity=2, device=META)),
-     ValueError, "plan"),
-    ("device_expected_tokens", lambda: dict(
-        enable_write_input_assert=True,
-        expected_input_tokens=torch.zeros(3, dtype=I64, device=META),
-        expected_input_positions=torch.tensor([0, 1, 2])), ValueError, "expected_input_tokens"),
+    (
+        "positions_noncontig",
+        lambda: dict(positions=noncontig(torch.tensor([0, 1, 2]))),
+        ValueError,
+        "positions",
+    ),
+    (
+        "out_cache_loc_dtype",
+        lambda: dict(out_cache_loc=torch.tensor([1.0, 2.0, 3.0])),
+        TypeError,
+        "out_cache_loc",
+    ),
+    (
+        "out_cache_loc_shape",
+        lambda: dict(out_cache_loc=torch.tensor([1, 2, 3, 4])),
+        ValueError,
+        "out_cache_loc",
+    ),
+    (
+        "out_cache_loc_noncontig",
+        lambda: dict(out_cache_loc=noncontig(torch.tensor([1, 2, 3]))),
+        ValueError,
+        "out_cache_loc",
+    ),
+    (
+        "expected_tokens_missing",
+        lambda: dict(
+            enable_write_input_assert=True, expected_input_positions=torch.tensor([0, 1, 2])
+        ),
+        ValueError,
+        "expected_input_tokens",
+    ),
+    (
+        "expected_positions_missing",
+        lambda: dict(enable_write_input_assert=True, expected_input_tokens=torch.tensor([5, 6, 7])),
+        ValueError,
+        "expected_input_positions",
+    ),
+    (
+        "expected_tokens_shape",
+        lambda: dict(
+            enable_write_input_assert=True,
+            expected_input_tokens=torch.tensor([5, 6]),
+            expected_input_positions=torch.tensor([0, 1, 2]),
+        ),
+        ValueError,
+        "expected_input_tokens",
+    ),
+    (
+        "expected_tokens_dtype",
+        lambda: dict(
+            enable_write_input_assert=True,
+            expected_input_tokens=torch.tensor([5.0, 6.0, 7.0]),
+            expected_input_positions=torch.tensor([0, 1, 2]),
+        ),
+        TypeError,
+        "expected_input_tokens",
+    ),
+    (
+        "expected_positions_noncontig",
+        lambda: dict(
+            enable_write_input_assert=True,
+            expected_input_tokens=torch.tensor([5, 6, 7]),
+            expected_input_positions=noncontig(torch.tensor([0, 1, 2])),
+        ),
+        ValueError,
+        "expected_input_positions",
+    ),
+    (
+        "device_positions",
+        lambda: dict(positions=torch.zeros(3, dtype=I64, device=META)),
+        ValueError,
+        "positions",
+    ),
+    (
+        "device_out_cache_loc",
+        lambda: dict(out_cache_loc=torch.zeros(3, dtype=I64, device=META)),
+        ValueError,
+        "out_cache_loc",
+    ),
+    (
+        "device_plan",
+        lambda: dict(plan=WritePlan.allocate(write_req_capacity=2, device=META)),
+        ValueError,
+        "plan",
+    ),
+    (
+        "device_expected_tokens",
+        lambda: dict(
+            enable_write_input_assert=True,
+            expected_input_tokens=torch.zeros(3, dtype=I64, device=META),
+            expected_input_positions=torch.tensor([0, 1, 2]),
+        ),
+        ValueError,
+        "expected_input_tokens",
+    ),
 ]
 
 
-@pytest.mark.parametrize("over,exc,name", [c[1:] for c in WRITE_CASES],
-                         ids=[c[0] for c in WRITE_CASES])
+@pytest.mark.parametrize(
+    "over,exc,name", [c[1:] for c in WRITE_CASES], ids=[c[0] for c in WRITE_CASES]
+)
 def test_write_rejects(launchers, over, exc, name):
     kw = write_kwargs(**over())
     ctx = kw["context"]
@@ -377,17 +637,18 @@ def test_write_rejects(launchers, over, exc, name):
 
 
 def test_write_errors_are_specific(launchers):
-    with pytest.raises(ValueError,
-                       match=r"expected_input_tokens is required when enable_write_input_assert"):
+    with pytest.raises(
+        ValueError, match=r"expected_input_tokens is required when enable_write_input_assert"
+    ):
         launchers["write"](**write_kwargs(enable_write_input_assert=True))
     with pytest.raises(TypeError, match=r"plan must be a WritePlan"):
-        launchers["write"](**write_kwargs(plan=VerifyPlan.allocate(verify_capacity=2,
-                                                                   device=CPU)))
+        launchers["write"](**write_kwargs(plan=VerifyPlan.allocate(verify_capacity=2, device=CPU)))
     with pytest.raises(TypeError, match=r"context must be a VerifyOrWriteContext"):
         launchers["write"](**write_kwargs(context=None))
     # expected tensors are ignored (not validated) while the input assert is off
-    launchers["write"](**write_kwargs(expected_input_tokens=torch.zeros(1),
-                                      expected_input_positions=None))
+    launchers["write"](
+        **write_kwargs(expected_input_tokens=torch.zeros(1), expected_input_positions=None)
+    )
 
 
 # =============================================================================================
@@ -396,22 +657,43 @@ def test_write_errors_are_specific(launchers):
 
 VERIFY_CASES = [
     ("context_type", lambda: dict(context="ctx"), TypeError, "context"),
-    ("plan_type", lambda: dict(plan=WritePlan.allocate(write_req_capacity=2, device=CPU)),
-     TypeError, "plan"),
+    (
+        "plan_type",
+        lambda: dict(plan=WritePlan.allocate(write_req_capacity=2, device=CPU)),
+        TypeError,
+        "plan",
+    ),
     ("plan_none", lambda: dict(plan=None), TypeError, "plan"),
-    ("check_token_int", lambda: dict(check_verify_expected_token=1), TypeError,
-     "check_verify_expected_token"),
-    ("check_token_none", lambda: dict(check_verify_expected_token=None), TypeError,
-     "check_verify_expected_token"),
-    ("check_token_tensor", lambda: dict(check_verify_expected_token=torch.tensor(False)),
-     TypeError, "check_verify_expected_token"),
-    ("device_plan", lambda: dict(plan=VerifyPlan.allocate(verify_capacity=4, device=META)),
-     ValueError, "plan"),
+    (
+        "check_token_int",
+        lambda: dict(check_verify_expected_token=1),
+        TypeError,
+        "check_verify_expected_token",
+    ),
+    (
+        "check_token_none",
+        lambda: dict(check_verify_expected_token=None),
+        TypeError,
+        "check_verify_expected_token",
+    ),
+    (
+        "check_token_tensor",
+        lambda: dict(check_verify_expected_token=torch.tensor(False)),
+        TypeError,
+        "check_verify_expected_token",
+    ),
+    (
+        "device_plan",
+        lambda: dict(plan=VerifyPlan.allocate(verify_capacity=4, device=META)),
+        ValueError,
+        "plan",
+    ),
 ]
 
 
-@pytest.mark.parametrize("over,exc,name", [c[1:] for c in VERIFY_CASES],
-                         ids=[c[0] for c in VERIFY_CASES])
+@pytest.mark.parametrize(
+    "over,exc,name", [c[1:] for c in VERIFY_CASES], ids=[c[0] for c in VERIFY_CASES]
+)
 def test_verify_rejects(launchers, over, exc, name):
     kw = verify_kwargs(**over())
     ctx = kw["context"]
@@ -423,11 +705,13 @@ def test_verify_rejects(launchers, over, exc, name):
 
 def test_verify_errors_are_specific(launchers):
     with pytest.raises(TypeError, match=r"plan must be a VerifyPlan"):
-        launchers["verify"](**verify_kwargs(plan=WritePlan.allocate(write_req_capacity=2,
-                                                                    device=CPU)))
+        launchers["verify"](
+            **verify_kwargs(plan=WritePlan.allocate(write_req_capacity=2, device=CPU))
+        )
     with pytest.raises(ValueError, match=r"plan is on meta.*canary_buf is on cpu"):
-        launchers["verify"](**verify_kwargs(plan=VerifyPlan.allocate(verify_capacity=4,
-                                                                     device=META)))
+        launchers["verify"](
+            **verify_kwargs(plan=VerifyPlan.allocate(verify_capacity=4, device=META))
+        )
 
 
 # =============================================================================================
@@ -436,42 +720,89 @@ def test_verify_errors_are_specific(launchers):
 
 SCATTER_CASES = [
     ("flat_in_not_tensor", lambda: dict(flat_in=[1, 2, 3]), TypeError, "flat_in"),
-    ("flat_in_dtype", lambda: dict(flat_in=torch.tensor([1, 2, 3], dtype=I32)), TypeError,
-     "flat_in"),
+    (
+        "flat_in_dtype",
+        lambda: dict(flat_in=torch.tensor([1, 2, 3], dtype=I32)),
+        TypeError,
+        "flat_in",
+    ),
     ("flat_in_ndim", lambda: dict(flat_in=torch.tensor([[1, 2, 3]])), ValueError, "flat_in"),
-    ("flat_in_noncontig", lambda: dict(flat_in=noncontig(torch.tensor([1, 2, 3]))),
-     ValueError, "flat_in"),
-    ("offsets_dtype", lambda: dict(offsets=torch.tensor([0, 2, 3], dtype=I32)), TypeError,
-     "offsets"),
+    (
+        "flat_in_noncontig",
+        lambda: dict(flat_in=noncontig(torch.tensor([1, 2, 3]))),
+        ValueError,
+        "flat_in",
+    ),
+    (
+        "offsets_dtype",
+        lambda: dict(offsets=torch.tensor([0, 2, 3], dtype=I32)),
+        TypeError,
+        "offsets",
+    ),
     ("offsets_shape", lambda: dict(offsets=torch.tensor([0, 3])), ValueError, "offsets"),
-    ("offsets_noncontig", lambda: dict(offsets=noncontig(torch.tensor([0, 2, 3]))),
-     ValueError, "offsets"),
-    ("req_pool_indices_dtype", lambda: dict(req_pool_indices=torch.tensor([1, 2], dtype=I32)),
-     TypeError, "req_pool_indices"),
-    ("req_pool_indices_ndim", lambda: dict(req_pool_indices=torch.tensor([[1, 2]])),
-     ValueError, "req_pool_indices"),
-    ("pool_out_dtype", lambda: dict(pool_out=torch.zeros(3, 4, dtype=I64)), TypeError,
-     "pool_out"),
-    ("pool_out_ndim", lambda: dict(pool_out=torch.zeros(12, dtype=I32)), ValueError,
-     "pool_out"),
-    ("pool_out_noncontig", lambda: dict(pool_out=torch.zeros(4, 3, dtype=I32).t()), ValueError,
-     "pool_out"),
-    ("device_pool_out", lambda: dict(pool_out=torch.zeros(3, 4, dtype=I32, device=META)),
-     ValueError, "pool_out"),
-    ("device_offsets", lambda: dict(offsets=torch.zeros(3, dtype=I64, device=META)),
-     ValueError, "offsets"),
-    ("dst_starts_dtype", lambda: dict(dst_starts=torch.tensor([0, 1], dtype=I32)), TypeError,
-     "dst_starts"),
-    ("dst_starts_shape", lambda: dict(dst_starts=torch.tensor([0, 1, 2], dtype=I64)),
-     ValueError, "dst_starts"),
+    (
+        "offsets_noncontig",
+        lambda: dict(offsets=noncontig(torch.tensor([0, 2, 3]))),
+        ValueError,
+        "offsets",
+    ),
+    (
+        "req_pool_indices_dtype",
+        lambda: dict(req_pool_indices=torch.tensor([1, 2], dtype=I32)),
+        TypeError,
+        "req_pool_indices",
+    ),
+    (
+        "req_pool_indices_ndim",
+        lambda: dict(req_pool_indices=torch.tensor([[1, 2]])),
+        ValueError,
+        "req_pool_indices",
+    ),
+    ("pool_out_dtype", lambda: dict(pool_out=torch.zeros(3, 4, dtype=I64)), TypeError, "pool_out"),
+    ("pool_out_ndim", lambda: dict(pool_out=torch.zeros(12, dtype=I32)), ValueError, "pool_out"),
+    (
+        "pool_out_noncontig",
+        lambda: dict(pool_out=torch.zeros(4, 3, dtype=I32).t()),
+        ValueError,
+        "pool_out",
+    ),
+    (
+        "device_pool_out",
+        lambda: dict(pool_out=torch.zeros(3, 4, dtype=I32, device=META)),
+        ValueError,
+        "pool_out",
+    ),
+    (
+        "device_offsets",
+        lambda: dict(offsets=torch.zeros(3, dtype=I64, device=META)),
+        ValueError,
+        "offsets",
+    ),
+    (
+        "dst_starts_dtype",
+        lambda: dict(dst_starts=torch.tensor([0, 1], dtype=I32)),
+        TypeError,
+        "dst_starts",
+    ),
+    (
+        "dst_starts_shape",
+        lambda: dict(dst_starts=torch.tensor([0, 1, 2], dtype=I64)),
+        ValueError,
+        "dst_starts",
+    ),
     ("dst_starts_type", lambda: dict(dst_starts=[0, 1]), TypeError, "dst_starts"),
-    ("device_dst_starts", lambda: dict(dst_starts=torch.zeros(2, dtype=I64, device=META)),
-     ValueError, "dst_starts"),
+    (
+        "device_dst_starts",
+        lambda: dict(dst_starts=torch.zeros(2, dtype=I64, device=META)),
+        ValueError,
+        "dst_starts",
+    ),
 ]
 
 
-@pytest.mark.parametrize("over,exc,name", [c[1:] for c in SCATTER_CASES],
-                         ids=[c[0] for c in SCATTER_CASES])
+@pytest.mark.parametrize(
+    "over,exc,name", [c[1:] for c in SCATTER_CASES], ids=[c[0] for c in SCATTER_CASES]
+)
 def test_scatter_rejects(launchers, over, exc, name):
     kw = scatter_kwargs(**over())
     pool = kw["pool_out"]
@@ -501,8 +832,9 @@ def test_launchers_are_keyword_only(launchers):
     with pytest.raises(TypeError, match="positional"):
         launchers["plan"](*kw.values())
     with pytest.raises(TypeError, match="positional"):
-        launchers["plan"](kw["verify_plan_out"], **{k: v for k, v in kw.items()
-                                                    if k != "verify_plan_out"})
+        launchers["plan"](
+            kw["verify_plan_out"], **{k: v for k, v in kw.items() if k != "verify_plan_out"}
+        )
     kw = write_kwargs()
     with pytest.raises(TypeError, match="positional"):
         launchers["write"](*kw.values())
@@ -530,16 +862,18 @@ def test_public_launchers_reject_unsupported_device():
     """All tensors on one device that is neither CUDA nor CPU: a clear ValueError."""
     ctx = make_context(device=META)
     with pytest.raises(ValueError, match=r"'cuda' and 'cpu'.*meta"):
-        launch_canary_verify_kernel(context=ctx,
-                                    plan=VerifyPlan.allocate(verify_capacity=4, device=META),
-                                    check_verify_expected_token=False)
+        launch_canary_verify_kernel(
+            context=ctx,
+            plan=VerifyPlan.allocate(verify_capacity=4, device=META),
+            check_verify_expected_token=False,
+        )
     with pytest.raises(ValueError, match=r"'cuda' and 'cpu'.*meta"):
         launch_scatter_req_token_ids_kernel(
             flat_in=torch.zeros(3, dtype=I64, device=META),
             offsets=torch.zeros(3, dtype=I64, device=META),
             req_pool_indices=torch.zeros(2, dtype=I64, device=META),
-            pool_out=torch.zeros(3, 4, dtype=I32, device=META))
-
+            pool_out=torch.zeros(3, 4, dtype=I32, device=META),
+        )
 
 
 if __name__ == "__main__":

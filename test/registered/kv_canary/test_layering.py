@@ -44,30 +44,78 @@ LAYERS = (
     _l("builder", f"{R}.builder"),
     _l("runner", f"{R}.runner", f"{R}.runner.*"),
     _l("single-forward manager", f"{R}.single_forward_manager", f"{R}.single_forward_manager.*"),
-    _l("adapters, perturb, oracle, token history",
-       f"{R}.pool_patcher", f"{R}.pool_patcher.*", f"{R}.perturb", f"{R}.perturb.perturber",
-       f"{R}.perturb.real_kv", f"{R}.perturb.report", f"{R}.token_oracle",
-       f"{R}.token_oracle.manager", f"{R}.token_oracle.sampler", f"{R}.token_history",
-       f"{R}.endpoint"),
-    _l("config", f"{R}.config", f"{R}.server_args_ext", f"{R}.envs", f"{R}.perturb.config",
-       f"{R}.token_oracle.oracle"),
-    _l("leaves", R, f"{R}.state", f"{R}.buffer_group", f"{R}.capacities", f"{R}.memory",
-       f"{R}.ranks",
-       f"{R}.plan_input",
-       f"{R}.expected_inputs", f"{R}.batch_state", f"{R}.radix_cache_walker", f"{R}.cuda_streams",
-       f"{R}.sweep_plan_builder"),
+    _l(
+        "adapters, perturb, oracle, token history",
+        f"{R}.pool_patcher",
+        f"{R}.pool_patcher.*",
+        f"{R}.perturb",
+        f"{R}.perturb.perturber",
+        f"{R}.perturb.real_kv",
+        f"{R}.perturb.report",
+        f"{R}.token_oracle",
+        f"{R}.token_oracle.manager",
+        f"{R}.token_oracle.sampler",
+        f"{R}.token_history",
+        f"{R}.endpoint",
+    ),
+    _l(
+        "config",
+        f"{R}.config",
+        f"{R}.server_args_ext",
+        f"{R}.envs",
+        f"{R}.perturb.config",
+        f"{R}.token_oracle.oracle",
+    ),
+    _l(
+        "leaves",
+        R,
+        f"{R}.state",
+        f"{R}.buffer_group",
+        f"{R}.capacities",
+        f"{R}.memory",
+        f"{R}.ranks",
+        f"{R}.plan_input",
+        f"{R}.expected_inputs",
+        f"{R}.batch_state",
+        f"{R}.radix_cache_walker",
+        f"{R}.cuda_streams",
+        f"{R}.sweep_plan_builder",
+    ),
     _l("sglang seam", f"{R}.sglang_seam"),
     _l("kernel package", K),
-    _l("kernel launchers", f"{K}.verify", f"{K}.write", f"{K}.plan", f"{K}.plan.api",
-       f"{K}.scatter_req_token_ids", f"{K}.deep", f"{K}.rows"),
-    _l("kernel bodies and references", f"{K}.verify_ref", f"{K}.write_ref", f"{K}.plan_ref",
-       f"{K}.deep_ref",
-       f"{K}._hash_triton", f"{K}._ring_triton", f"{K}._kernel_consts",
-       f"{K}.plan.offsets_kernel", f"{K}.plan.entries_kernel", f"{K}.plan.utils"),
+    _l(
+        "kernel launchers",
+        f"{K}.verify",
+        f"{K}.write",
+        f"{K}.plan",
+        f"{K}.plan.api",
+        f"{K}.scatter_req_token_ids",
+        f"{K}.deep",
+        f"{K}.rows",
+    ),
+    _l(
+        "kernel bodies and references",
+        f"{K}.verify_ref",
+        f"{K}.write_ref",
+        f"{K}.plan_ref",
+        f"{K}.deep_ref",
+        f"{K}._hash_triton",
+        f"{K}._ring_triton",
+        f"{K}._kernel_consts",
+        f"{K}.plan.offsets_kernel",
+        f"{K}.plan.entries_kernel",
+        f"{K}.plan.utils",
+    ),
     _l("kernel validation", f"{K}.validation"),
     _l("kernel types", f"{K}.types"),
-    _l("kernel leaves", f"{K}.consts", f"{K}._checks", f"{K}._launch", f"{K}._hash_torch",
-       f"{K}._ring_torch"),
+    _l(
+        "kernel leaves",
+        f"{K}.consts",
+        f"{K}._checks",
+        f"{K}._launch",
+        f"{K}._hash_torch",
+        f"{K}._ring_torch",
+    ),
 )
 
 # modules allowed to import sglang beyond the two kv_canary packages
@@ -77,17 +125,24 @@ KERNEL_FILES = (f"{K}.verify", f"{K}.write")
 
 def sglang_import_violations(graph: ImportGraph, allowed=SGLANG_IMPORTERS) -> list:
     layer = Layer("allowed", tuple(allowed))
-    return [f"{e.source}:{e.line} imports {e.target}" for e in graph.all_edges()
-            if not e.internal and (e.target == "sglang" or e.target.startswith("sglang."))
-            and not layer.matches(e.source)]
+    return [
+        f"{e.source}:{e.line} imports {e.target}"
+        for e in graph.all_edges()
+        if not e.internal
+        and (e.target == "sglang" or e.target.startswith("sglang."))
+        and not layer.matches(e.source)
+    ]
 
 
 def kernel_file_violations(graph: ImportGraph) -> list:
     """Runtime imports from verify.py / write.py of anything but ``launch_*``."""
-    return [f"{e.source}:{e.line} imports {', '.join(e.names) or 'the module'} from {e.target}"
-            for e in graph.internal_edges()
-            if e.source.startswith(RUNTIME + ".") and e.target in KERNEL_FILES
-            and not (e.names and all(n.startswith("launch_") for n in e.names))]
+    return [
+        f"{e.source}:{e.line} imports {', '.join(e.names) or 'the module'} from {e.target}"
+        for e in graph.internal_edges()
+        if e.source.startswith(RUNTIME + ".")
+        and e.target in KERNEL_FILES
+        and not (e.names and all(n.startswith("launch_") for n in e.names))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +172,9 @@ def test_only_the_seam_imports_sglang(graph):
 
 def test_runtime_takes_only_launchers_from_the_kernel_files(graph):
     assert kernel_file_violations(graph) == []
-    assert any(e.target in KERNEL_FILES and e.source.startswith(RUNTIME) for e in
-               graph.internal_edges())
+    assert any(
+        e.target in KERNEL_FILES and e.source.startswith(RUNTIME) for e in graph.internal_edges()
+    )
 
 
 # ---- the checks catch what they should (a planted tree) ----------------------------------------
@@ -132,20 +188,26 @@ def _tree(tmp_path: pathlib.Path, files: dict) -> ImportGraph:
     return ImportGraph(tmp_path, ("pkg",))
 
 
-PLANTED_LAYERS = (Layer("top", ("pkg.top",)), Layer("mid", ("pkg.mid", "pkg.mid.*")),
-                  Layer("low", ("pkg.low",)))
+PLANTED_LAYERS = (
+    Layer("top", ("pkg.top",)),
+    Layer("mid", ("pkg.mid", "pkg.mid.*")),
+    Layer("low", ("pkg.low",)),
+)
 
 
 def test_planted_upward_import_cycle_and_typing_import(tmp_path):
-    g = _tree(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/top.py": "from pkg import mid\n",
-        "pkg/mid/__init__.py": "from .a import x\n",
-        "pkg/mid/a.py": "x = 1\nfrom typing import TYPE_CHECKING\n"
-                        "if TYPE_CHECKING:\n    from pkg import top\n",
-        "pkg/low.py": "def f():\n    from pkg.mid.a import x  # lazy, still counts\n"
-                      "    import sglang.srt.server_args\n",
-    })
+    g = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/top.py": "from pkg import mid\n",
+            "pkg/mid/__init__.py": "from .a import x\n",
+            "pkg/mid/a.py": "x = 1\nfrom typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from pkg import top\n",
+            "pkg/low.py": "def f():\n    from pkg.mid.a import x  # lazy, still counts\n"
+            "    import sglang.srt.server_args\n",
+        },
+    )
     problems = layer_violations(g, PLANTED_LAYERS)
     assert any("pkg.low" in p and "imports pkg.mid.a" in p for p in problems)
     assert any("pkg matches 0 layers" in p for p in problems)  # the package itself: unassigned
@@ -159,22 +221,26 @@ def test_planted_upward_import_cycle_and_typing_import(tmp_path):
 
 
 def test_planted_sglang_import_and_kernel_type_import(tmp_path):
-    g = _tree(tmp_path, {
-        "sglang/srt/kv_canary/__init__.py": "",
-        "sglang/srt/kv_canary/leaf.py":
-            "from sglang.srt.model_executor.forward_batch_info import ForwardMode\n"
+    g = _tree(
+        tmp_path,
+        {
+            "sglang/srt/kv_canary/__init__.py": "",
+            "sglang/srt/kv_canary/leaf.py": "from sglang.srt.model_executor.forward_batch_info import ForwardMode\n"
             "from sglang.jit_kernel.kv_canary.verify import VerifyPlan, launch_canary_verify_kernel\n"
             "from sglang.jit_kernel.kv_canary.write import launch_canary_write_kernel\n",
-        "sglang/srt/kv_canary/sglang_seam.py": "import sglang.srt.layers.sampler\n",
-        "sglang/jit_kernel/kv_canary/__init__.py": "",
-        "sglang/jit_kernel/kv_canary/verify.py": "",
-        "sglang/jit_kernel/kv_canary/write.py": "",
-    })
+            "sglang/srt/kv_canary/sglang_seam.py": "import sglang.srt.layers.sampler\n",
+            "sglang/jit_kernel/kv_canary/__init__.py": "",
+            "sglang/jit_kernel/kv_canary/verify.py": "",
+            "sglang/jit_kernel/kv_canary/write.py": "",
+        },
+    )
     g = ImportGraph(tmp_path, PACKAGES)
     assert sglang_import_violations(g) == [
-        "sglang.srt.kv_canary.leaf:1 imports sglang.srt.model_executor.forward_batch_info"]
+        "sglang.srt.kv_canary.leaf:1 imports sglang.srt.model_executor.forward_batch_info"
+    ]
     assert kernel_file_violations(g) == [
-        "sglang.srt.kv_canary.leaf:2 imports VerifyPlan from sglang.jit_kernel.kv_canary.verify"]
+        "sglang.srt.kv_canary.leaf:2 imports VerifyPlan from sglang.jit_kernel.kv_canary.verify"
+    ]
 
 
 if __name__ == "__main__":

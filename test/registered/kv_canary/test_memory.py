@@ -44,11 +44,22 @@ def _foreign(d: ServingDriver):
 
 DRIVER_CONFIGS = {
     "mha": dict(),
-    "mha_v_layers_tokens_sweep": dict(enable_mha_v=True, real_data="all", real_data_layers="all",
-                                      verify_tokens=True, sweep_interval=4, ring_capacity=77),
-    "swa_divergence_stats": dict(pool="swa", swa_window=8, num_swa_slots=64,
-                                 swa_divergence_interval=3, enable_mha_v=True,
-                                 real_data_layers="all"),
+    "mha_v_layers_tokens_sweep": dict(
+        enable_mha_v=True,
+        real_data="all",
+        real_data_layers="all",
+        verify_tokens=True,
+        sweep_interval=4,
+        ring_capacity=77,
+    ),
+    "swa_divergence_stats": dict(
+        pool="swa",
+        swa_window=8,
+        num_swa_slots=64,
+        swa_divergence_interval=3,
+        enable_mha_v=True,
+        real_data_layers="all",
+    ),
     "dsv4": dict(pool="dsv4", swa_window=8, num_swa_slots=256, num_slots=1024),
     "mla_layers": dict(pool="mla", real_data_layers="all"),
     "nsa_layers_tokens": dict(pool="nsa", real_data_layers="all", verify_tokens=True),
@@ -67,9 +78,17 @@ def test_the_formula_counts_every_tensor_a_built_canary_holds(name):
 
 
 def _mha_pool(size=96, page_size=1, layers=3):
-    return MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.bfloat16, head_num=2,
-                            head_dim=8, layer_num=layers, device="cpu",
-                            enable_memory_saver=False, enable_alt_stream=False)
+    return MHATokenToKVPool(
+        size=size,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
 
 
 @pytest.mark.parametrize("sfms", [1, 3])
@@ -78,18 +97,28 @@ def test_the_formula_counts_each_single_forward_manager_and_the_write_input_chec
     write-input check."""
     pool = _mha_pool()
     r2t = ReqToTokenPool(size=6, max_context_len=80, device="cpu", enable_memory_saver=False)
-    config = CanaryConfig(mode="raise", enable_token_oracle=True, enable_write_input_assert=True,
-                          enable_verify_token_assert=True)
-    manager = build_canary(pool=pool, req_to_token=r2t.req_to_token, config=config,
-                           device="cpu", vocab_size=100,
-                           token_oracle=TokenOracleManager(vocab_size=100, device="cpu"),
-                           num_single_forward_managers=sfms, draft_forwards_per_round=sfms - 1,
-                           capacity_inputs=CanaryCapacityInputs(context_len=80,
-                                                                chunked_prefill_size=16))
+    config = CanaryConfig(
+        mode="raise",
+        enable_token_oracle=True,
+        enable_write_input_assert=True,
+        enable_verify_token_assert=True,
+    )
+    manager = build_canary(
+        pool=pool,
+        req_to_token=r2t.req_to_token,
+        config=config,
+        device="cpu",
+        vocab_size=100,
+        token_oracle=TokenOracleManager(vocab_size=100, device="cpu"),
+        num_single_forward_managers=sfms,
+        draft_forwards_per_round=sfms - 1,
+        capacity_inputs=CanaryCapacityInputs(context_len=80, chunked_prefill_size=16),
+    )
     held = canary_bytes_by_part(manager, foreign=[pool, r2t])
     assert formula_bytes_by_part(manager.memory) == held
-    one = CanaryMemory.for_inputs(dataclasses.replace(manager._memory_inputs,
-                                                      single_forward_managers=1))
+    one = CanaryMemory.for_inputs(
+        dataclasses.replace(manager._memory_inputs, single_forward_managers=1)
+    )
     plans = dict(manager.memory.device)[MemoryPart.PLANS]
     assert plans == sfms * dict(one.device)[MemoryPart.PLANS]
 
@@ -100,14 +129,33 @@ def test_the_formula_counts_each_single_forward_manager_and_the_write_input_chec
 PREDICTED = {
     # driver kwargs, family, layers, swa layers
     "mha": (dict(num_slots=640), PoolFamily.MHA, 2, 0),
-    "mha_v_layers": (dict(num_slots=640, enable_mha_v=True, real_data_layers="all"),
-                     PoolFamily.MHA, 2, 0),
-    "swa_v_layers": (dict(pool="swa", swa_window=8, num_slots=640, num_swa_slots=64,
-                          enable_mha_v=True, real_data_layers="all"), PoolFamily.SWA, 1, 1),
+    "mha_v_layers": (
+        dict(num_slots=640, enable_mha_v=True, real_data_layers="all"),
+        PoolFamily.MHA,
+        2,
+        0,
+    ),
+    "swa_v_layers": (
+        dict(
+            pool="swa",
+            swa_window=8,
+            num_slots=640,
+            num_swa_slots=64,
+            enable_mha_v=True,
+            real_data_layers="all",
+        ),
+        PoolFamily.SWA,
+        1,
+        1,
+    ),
     "mla_layers": (dict(pool="mla", num_slots=640, real_data_layers="all"), PoolFamily.MLA, 2, 0),
     "nsa_layers": (dict(pool="nsa", num_slots=640, real_data_layers="all"), PoolFamily.MLA, 2, 0),
-    "hybrid_layers": (dict(pool="hybrid", num_slots=640, real_data_layers="all"),
-                      PoolFamily.MHA, 2, 0),
+    "hybrid_layers": (
+        dict(pool="hybrid", num_slots=640, real_data_layers="all"),
+        PoolFamily.MHA,
+        2,
+        0,
+    ),
 }
 
 
@@ -117,8 +165,14 @@ def test_the_predicted_groups_are_the_groups_the_adapters_build(name):
     d = ServingDriver(real_data="partial", **kw)
     page = seam.kv_pool_page_size(d.kv_pool)
     tokens = PoolTokens(max_total=kw["num_slots"], swa_total=kw.get("num_swa_slots"))
-    want = predicted_groups(family=family, tokens=tokens, page_size=page, config=d.config,
-                            layers=layers, swa_layers=swa_layers)
+    want = predicted_groups(
+        family=family,
+        tokens=tokens,
+        page_size=page,
+        config=d.config,
+        layers=layers,
+        swa_layers=swa_layers,
+    )
     assert want == tuple(GroupGeometry.of(g) for g in d.manager.groups)
 
 
@@ -140,8 +194,13 @@ class _ProfiledRunner:
         from sglang.srt.server_args import ServerArgs
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-        self.server_args = ServerArgs(model_path=model_dir, device="cpu", load_format="dummy",
-                                      skip_tokenizer_init=True, **server_kw)
+        self.server_args = ServerArgs(
+            model_path=model_dir,
+            device="cpu",
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            **server_kw,
+        )
         self.model_config = ModelConfig.from_server_args(self.server_args)
         self.kv_cache_dtype = torch.bfloat16
         self.mambaish_config = None
@@ -166,10 +225,19 @@ def profiled(tmp_path, monkeypatch):
 CELL = 2 * 2 * 16 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16
 
 
-@pytest.mark.parametrize("config", [dict(), dict(enable_mha_v=True, real_data_layers="all",
-                                                 real_kv_hash_mode="partial",
-                                                 enable_verify_token_assert=True,
-                                                 sweep_interval=2)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(),
+        dict(
+            enable_mha_v=True,
+            real_data_layers="all",
+            real_kv_hash_mode="partial",
+            enable_verify_token_assert=True,
+            sweep_interval=2,
+        ),
+    ],
+)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_the_kv_budget_shrinks_by_exactly_the_canarys_bytes(profiled, config, page_size):
     runner = profiled(page_size=page_size, max_running_requests=16, context_length=256)
@@ -178,8 +246,12 @@ def test_the_kv_budget_shrinks_by_exactly_the_canarys_bytes(profiled, config, pa
     off = sizing.tokens_for(available)
     assert off.max_total == available // CELL // page_size * page_size  # sglang's own sizing
     kv, reservation = reserve_canary_memory(
-        runner, server_args=runner.server_args, config=CanaryConfig(mode="raise", **config),
-        capacity_inputs=CanaryCapacityInputs(context_len=256), available_bytes=available)
+        runner,
+        server_args=runner.server_args,
+        config=CanaryConfig(mode="raise", **config),
+        capacity_inputs=CanaryCapacityInputs(context_len=256),
+        available_bytes=available,
+    )
     on = sizing.tokens_for(kv)
     canary = reservation.target.device_bytes
     assert reservation.tokens == on and reservation.kv_bytes == kv
@@ -188,9 +260,14 @@ def test_the_kv_budget_shrinks_by_exactly_the_canarys_bytes(profiled, config, pa
     assert on.max_total * CELL + canary <= available
     # ... and one more page would not: the pool gave up exactly the canary's bytes
     grown = PoolTokens(on.max_total + page_size)
-    grown_canary, _ = predicted_memory(sizing, grown, config=CanaryConfig(mode="raise", **config),
-                                       capacity_inputs=CanaryCapacityInputs(context_len=256),
-                                       draft_forwards=None, device="cpu")
+    grown_canary, _ = predicted_memory(
+        sizing,
+        grown,
+        config=CanaryConfig(mode="raise", **config),
+        capacity_inputs=CanaryCapacityInputs(context_len=256),
+        draft_forwards=None,
+        device="cpu",
+    )
     assert grown.max_total * CELL + grown_canary.device_bytes > available
     # what the pool gave up is the canary's bytes, to sglang's own rounding (a page of KV;
     # the canary of a page more)
@@ -202,8 +279,12 @@ def test_the_kv_budget_shrinks_by_exactly_the_canarys_bytes(profiled, config, pa
 def test_a_user_cap_below_the_budget_keeps_the_pool(profiled):
     runner = profiled(max_total_tokens=4096, max_running_requests=8, context_length=256)
     kv, reservation = reserve_canary_memory(
-        runner, server_args=runner.server_args, config=CanaryConfig(mode="raise"),
-        capacity_inputs=CanaryCapacityInputs(context_len=256), available_bytes=48 << 20)
+        runner,
+        server_args=runner.server_args,
+        config=CanaryConfig(mode="raise"),
+        capacity_inputs=CanaryCapacityInputs(context_len=256),
+        available_bytes=48 << 20,
+    )
     assert reservation.tokens.max_total == 4096
     assert seam.KvPoolSizing(runner).tokens_for(kv).max_total == 4096
 
@@ -211,24 +292,32 @@ def test_a_user_cap_below_the_budget_keeps_the_pool(profiled):
 def test_a_budget_without_room_for_pool_and_canary_names_the_flag(profiled):
     runner = profiled(max_running_requests=8, context_length=256)
     with pytest.raises(RuntimeError, match="--mem-fraction-static"):
-        reserve_canary_memory(runner, server_args=runner.server_args,
-                              config=CanaryConfig(mode="raise", enable_verify_token_assert=True),
-                              capacity_inputs=CanaryCapacityInputs(context_len=256),
-                              available_bytes=CELL * 64)
+        reserve_canary_memory(
+            runner,
+            server_args=runner.server_args,
+            config=CanaryConfig(mode="raise", enable_verify_token_assert=True),
+            capacity_inputs=CanaryCapacityInputs(context_len=256),
+            available_bytes=CELL * 64,
+        )
 
 
 def test_the_budget_hook_leaves_sglang_alone_with_the_canary_off(profiled):
     runner = profiled(max_running_requests=8)
-    assert api.reserve_kv_budget(server_args=runner.server_args, model_runner=runner,
-                                 available_bytes=12345678) == 12345678
+    assert (
+        api.reserve_kv_budget(
+            server_args=runner.server_args, model_runner=runner, available_bytes=12345678
+        )
+        == 12345678
+    )
     assert seam.runner_memory_reservation(runner) is None
 
 
 def test_the_budget_hook_reserves_and_keeps_the_reservation(profiled):
     runner = profiled(max_running_requests=8, context_length=256)
     runner.server_args.kv_canary = "raise"
-    kv = api.reserve_kv_budget(server_args=runner.server_args, model_runner=runner,
-                               available_bytes=48 << 20)
+    kv = api.reserve_kv_budget(
+        server_args=runner.server_args, model_runner=runner, available_bytes=48 << 20
+    )
     reservation = seam.runner_memory_reservation(runner)
     assert reservation is not None and reservation.kv_bytes == kv < 48 << 20
     assert reservation.draft is None
@@ -244,10 +333,15 @@ def test_the_budget_hook_reserves_and_keeps_the_reservation(profiled):
 
 def test_an_install_that_holds_more_than_was_reserved_says_so(caplog):
     d = ServingDriver()
-    reserved = dataclasses.replace(d.manager._memory_inputs,
-                                   groups=(GroupGeometry(PoolKind.FULL, 8),))
-    small = CanaryMemoryReservation(profiled_bytes=1 << 30, kv_bytes=(1 << 30) - 4096,
-                                    tokens=PoolTokens(7), target=CanaryMemory.for_inputs(reserved))
+    reserved = dataclasses.replace(
+        d.manager._memory_inputs, groups=(GroupGeometry(PoolKind.FULL, 8),)
+    )
+    small = CanaryMemoryReservation(
+        profiled_bytes=1 << 30,
+        kv_bytes=(1 << 30) - 4096,
+        tokens=PoolTokens(7),
+        target=CanaryMemory.for_inputs(reserved),
+    )
     with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
         text = api._check_reserved(d.manager, small, draft=False)
     assert "more GPU memory than was reserved" in caplog.text
@@ -267,17 +361,25 @@ def test_the_gauge_exports_the_bytes_by_part():
     registry = CollectorRegistry()
     labels = {"model_name": "tiny"}
     d = ServingDriver(real_data_layers="all", verify_tokens=True)
-    d.manager.attach_scheduler(radix_cache=None, running_reqs=lambda: [],
-                               metrics_labels=labels, kv_slots_in_use=lambda: 0,
-                               metrics_registry=registry)
+    d.manager.attach_scheduler(
+        radix_cache=None,
+        running_reqs=lambda: [],
+        metrics_labels=labels,
+        kv_slots_in_use=lambda: 0,
+        metrics_registry=registry,
+    )
     memory = d.manager.memory
-    assert {p for p, _ in memory.device} >= {MemoryPart.RECORDS, MemoryPart.TOKEN_TABLE,
-                                             MemoryPart.LAYER_FINGERPRINTS}
+    assert {p for p, _ in memory.device} >= {
+        MemoryPart.RECORDS,
+        MemoryPart.TOKEN_TABLE,
+        MemoryPart.LAYER_FINGERPRINTS,
+    }
     for where, parts in (("device", memory.device), ("host", memory.host)):
         for part, n in parts:
-            got = registry.get_sample_value("sglang:kv_canary_memory_bytes",
-                                            {**labels, "pool": "target", "memory": where,
-                                             "part": part.value})
+            got = registry.get_sample_value(
+                "sglang:kv_canary_memory_bytes",
+                {**labels, "pool": "target", "memory": where, "part": part.value},
+            )
             assert got == n, (where, part)
 
 
@@ -285,7 +387,8 @@ def test_the_server_info_report_has_both_figures():
     d = ServingDriver()
     assert api.canary_memory_info(None, target=d.manager, draft=None) == {
         "reservation": None,
-        "target": {"allocated": d.manager.memory.as_dict(), "reserved": None}}
+        "target": {"allocated": d.manager.memory.as_dict(), "reserved": None},
+    }
 
 
 if __name__ == "__main__":

@@ -32,35 +32,66 @@ from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=690, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds[, "alone"])
-GPU_LANES = {"memory_gpu": ("not alone_on_the_gpu", 150),
-             "memory_gpu_alone": ("alone_on_the_gpu", 540, "alone")}
+GPU_LANES = {
+    "memory_gpu": ("not alone_on_the_gpu", 150),
+    "memory_gpu_alone": ("alone_on_the_gpu", 540, "alone"),
+}
 
 pytestmark = [pytest.mark.cuda]
 
+
 def _pool(kind: str):
     if kind == "mla":
-        return MLATokenToKVPool(size=20000, page_size=1, dtype=torch.bfloat16, kv_lora_rank=32,
-                                qk_rope_head_dim=16, layer_num=3, device="cuda",
-                                enable_memory_saver=False)
-    return MHATokenToKVPool(size=20000, page_size=16, dtype=torch.bfloat16, head_num=2,
-                            head_dim=64, layer_num=3, device="cuda", enable_memory_saver=False,
-                            enable_alt_stream=False)
+        return MLATokenToKVPool(
+            size=20000,
+            page_size=1,
+            dtype=torch.bfloat16,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            layer_num=3,
+            device="cuda",
+            enable_memory_saver=False,
+        )
+    return MHATokenToKVPool(
+        size=20000,
+        page_size=16,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=64,
+        layer_num=3,
+        device="cuda",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
 
 
 CONFIGS = {
     "mha_raise": ("mha", dict()),
-    "mha_everything": ("mha", dict(enable_mha_v=True, real_kv_hash_mode="partial",
-                                   real_data_layers="all", enable_verify_token_assert=True,
-                                   sweep_interval=4)),
-    "mla_layers_tokens": ("mla", dict(real_kv_hash_mode="partial", real_data_layers="all",
-                                      enable_verify_token_assert=True)),
+    "mha_everything": (
+        "mha",
+        dict(
+            enable_mha_v=True,
+            real_kv_hash_mode="partial",
+            real_data_layers="all",
+            enable_verify_token_assert=True,
+            sweep_interval=4,
+        ),
+    ),
+    "mla_layers_tokens": (
+        "mla",
+        dict(real_kv_hash_mode="partial", real_data_layers="all", enable_verify_token_assert=True),
+    ),
 }
 
 
 def _active_blocks() -> dict:
     """The CUDA caching allocator's allocated blocks: address -> size."""
-    return {b["address"]: b["size"] for seg in torch.cuda.memory_snapshot()
-            for b in seg["blocks"] if b["state"] == "active_allocated"}
+    return {
+        b["address"]: b["size"]
+        for seg in torch.cuda.memory_snapshot()
+        for b in seg["blocks"]
+        if b["state"] == "active_allocated"
+    }
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -70,10 +101,15 @@ def test_cuda_allocates_exactly_what_the_formula_counts(name):
     r2t = ReqToTokenPool(size=64, max_context_len=4096, device="cuda", enable_memory_saver=False)
     torch.cuda.synchronize()
     before, blocks_before = torch.cuda.memory_allocated(), _active_blocks()
-    manager = build_canary(pool=pool, req_to_token=r2t.req_to_token,
-                           config=CanaryConfig(mode="raise", **config), device="cuda",
-                           capacity_inputs=CanaryCapacityInputs(
-                               context_len=4096, chunked_prefill_size=512, cuda_graph_max_bs=64))
+    manager = build_canary(
+        pool=pool,
+        req_to_token=r2t.req_to_token,
+        config=CanaryConfig(mode="raise", **config),
+        device="cuda",
+        capacity_inputs=CanaryCapacityInputs(
+            context_len=4096, chunked_prefill_size=512, cuda_graph_max_bs=64
+        ),
+    )
     manager.mark_init_finished()  # captures the eager-forward graphs and the read-back copies
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated() - before
@@ -84,8 +120,11 @@ def test_cuda_allocates_exactly_what_the_formula_counts(name):
     assert formula_bytes_by_part(manager.memory) == held
     # ... and its GPU share is the tensors behind the allocator's new blocks (each block its
     # tensor rounded up as the allocator rounds, sglang's own tensors alike)
-    theirs = {t.untyped_storage().data_ptr() for obj in (pool, r2t)
-              for _, t in walk_tensors(obj, ours_only=False)}
+    theirs = {
+        t.untyped_storage().data_ptr()
+        for obj in (pool, r2t)
+        for _, t in walk_tensors(obj, ours_only=False)
+    }
     ours = {}
     for _, t in walk_tensors(manager, ours_only=True):
         ptr = t.untyped_storage().data_ptr()
@@ -103,17 +142,31 @@ def test_cuda_allocates_exactly_what_the_formula_counts(name):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("memory_model"), hidden_size=256,
-                            intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    return write_tiny_llama(
+        tmp_path_factory.mktemp("memory_model"),
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 def test_a_gpu_server_reserves_what_its_canary_allocates(model):
     """No --max-total-tokens: the pool is what the budget holds, less the canary's share."""
     rc, out, res = run_mixed_workload(
-        model, "raise", dict(max_total_tokens=None, mem_fraction_static=0.1,
-                             max_running_requests=16, kv_canary_real_data="partial",
-                             kv_canary_real_data_layers="all", log_level="info"),
-        device="cuda", env_extra={"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"})
+        model,
+        "raise",
+        dict(
+            max_total_tokens=None,
+            mem_fraction_static=0.1,
+            max_running_requests=16,
+            kv_canary_real_data="partial",
+            kv_canary_real_data_layers="all",
+            log_level="info",
+        ),
+        device="cuda",
+        env_extra={"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
+    )
     assert rc == 0 and res is not None, out[-4000:]
     info = workload_info(out)
     assert_memory_reserved_as_allocated(info)
@@ -132,8 +185,12 @@ KV_BYTES_PER_TOKEN = 28 * 8 * 128 * 2 * 2
 
 def test_alone_on_the_gpu_the_canary_keeps_the_servers_memory(tmp_path):
     out = tmp_path / "memory.jsonl"
-    proc = subprocess.run([sys.executable, str(BENCH), "--configs", "off,raise,everything",
-                           "--out", str(out)], capture_output=True, text=True, timeout=570)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--configs", "off,raise,everything", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=570,
+    )
     # the benchmark fails when the tight server left 1 GiB or more free or any server did not
     # serve its whole workload
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
@@ -148,8 +205,11 @@ def test_alone_on_the_gpu_the_canary_keeps_the_servers_memory(tmp_path):
         # the same budget: the pool gave up the canary's bytes (to a few tokens: the two
         # servers' readings of the GPU's free memory), and the peak stayed within 1 %
         given_up = (off["max_total_num_tokens"] - r["max_total_num_tokens"]) * KV_BYTES_PER_TOKEN
-        assert abs(given_up - canary) <= max(16 * KV_BYTES_PER_TOKEN, canary // 50), \
-            (r["config"], given_up, canary)
+        assert abs(given_up - canary) <= max(16 * KV_BYTES_PER_TOKEN, canary // 50), (
+            r["config"],
+            given_up,
+            canary,
+        )
         assert r["gpu_used_peak"] <= off["gpu_used_peak"] * 1.01, (r["config"], r, off)
     tight = [r for r in records if r["tight"]][-1]
     assert tight["gpu_total"] - tight["gpu_used_idle"] < 1 << 30, tight

@@ -32,23 +32,48 @@ CFG = CanaryConfig(mode="raise", real_kv_hash_mode="all")
 
 
 def _mla(cls=MLATokenToKVPool, size=128, page_size=1, rank=32, rope=16, layers=3):
-    return cls(size=size, page_size=page_size, dtype=torch.bfloat16, kv_lora_rank=rank,
-               qk_rope_head_dim=rope, layer_num=layers, device="cpu",
-               enable_memory_saver=False)
+    return cls(
+        size=size,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+        kv_lora_rank=rank,
+        qk_rope_head_dim=rope,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
 
 
 def _nsa(size=128, layers=2):
-    return NSATokenToKVPool(size=size, page_size=64, kv_lora_rank=32, dtype=torch.bfloat16,
-                            qk_rope_head_dim=16, layer_num=layers, device="cpu",
-                            index_head_dim=128, enable_memory_saver=False, kv_cache_dim=48)
+    return NSATokenToKVPool(
+        size=size,
+        page_size=64,
+        kv_lora_rank=32,
+        dtype=torch.bfloat16,
+        qk_rope_head_dim=16,
+        layer_num=layers,
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=48,
+    )
 
 
 def _hybrid(use_mla=False, size=128):
     kw = dict(kv_lora_rank=32, qk_rope_head_dim=16) if use_mla else {}
-    return HybridLinearKVPool(size=size, dtype=torch.bfloat16, page_size=1, head_num=2,
-                              head_dim=8, full_attention_layer_ids=[1, 3],
-                              enable_kvcache_transpose=False, device="cpu", mamba_pool=None,
-                              use_mla=use_mla, **kw)
+    return HybridLinearKVPool(
+        size=size,
+        dtype=torch.bfloat16,
+        page_size=1,
+        head_num=2,
+        head_dim=8,
+        full_attention_layer_ids=[1, 3],
+        enable_kvcache_transpose=False,
+        device="cpu",
+        mamba_pool=None,
+        use_mla=use_mla,
+        **kw,
+    )
 
 
 # ---- attach and splice ---------------------------------------------------------------------
@@ -56,8 +81,12 @@ def _hybrid(use_mla=False, size=128):
 
 def test_every_new_pool_class_is_supported():
     names = supported_pool_names()
-    for name in ("MLATokenToKVPool", "MLATokenToKVPoolFP4", "NSATokenToKVPool",
-                 "HybridLinearKVPool"):
+    for name in (
+        "MLATokenToKVPool",
+        "MLATokenToKVPoolFP4",
+        "NSATokenToKVPool",
+        "HybridLinearKVPool",
+    ):
         assert name in names
 
 
@@ -97,9 +126,10 @@ def test_attach_nsa_adds_the_indexer_keys():
     assert index.num_slots >= group.num_slots == 128 + 64
     # slot s's key bytes: page row s // 64, bytes (s % 64) * 128 ..., before the page's scales
     slot = 70
-    words = index.words_view[slot // 64, (slot % 64) * 16:(slot % 64 + 1) * 16]
+    words = index.words_view[slot // 64, (slot % 64) * 16 : (slot % 64 + 1) * 16]
     pool.index_k_with_scale_buffer[0].view(-1)[
-        (slot // 64) * pool.index_k_with_scale_buffer[0].shape[1] + (slot % 64) * 128] = 0x5A
+        (slot // 64) * pool.index_k_with_scale_buffer[0].shape[1] + (slot % 64) * 128
+    ] = 0x5A
     assert int(words[0]) & 0xFF == 0x5A
 
 
@@ -170,8 +200,9 @@ def test_nsa_indexer_key_byte_flip_is_caught():
     with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
         d.step()
     found = parse_violation_lines(str(exc.value))
-    assert [(v.slot_idx, v.fail_reasons) for v in found if v.launch_tag.startswith("TAIL")] \
-        == [(slot, ("verify_real_kv_hash",))]
+    assert [(v.slot_idx, v.fail_reasons) for v in found if v.launch_tag.startswith("TAIL")] == [
+        (slot, ("verify_real_kv_hash",))
+    ]
 
 
 if __name__ == "__main__":

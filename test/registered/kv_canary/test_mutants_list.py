@@ -20,8 +20,9 @@ MUTATION_DIR = REPO / "test" / "mutation"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"kv_canary_mutation_{name}",
-                                                  MUTATION_DIR / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(
+        f"kv_canary_mutation_{name}", MUTATION_DIR / f"{name}.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -68,8 +69,9 @@ def test_every_selection_names_an_existing_test(mutants):
             assert path.is_file(), f"{m.id}: {file} does not exist"
             text = path.read_text(encoding="utf-8")
             func = re.sub(r"\[.*\]$", "", name)
-            assert func and re.search(rf"^def {re.escape(func)}\(", text, re.MULTILINE), \
+            assert func and re.search(rf"^def {re.escape(func)}\(", text, re.MULTILINE), (
                 f"{m.id}: no test function {func!r} in {file}"
+            )
             if m.speed == "quick":
                 assert not _is_slow_file(text), f"{m.id}: quick, but {file} is marked slow"
                 assert not re.search(rf"@pytest\.mark\.slow\s*\ndef {re.escape(func)}\(", text)

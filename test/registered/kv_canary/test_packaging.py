@@ -20,10 +20,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def test_every_package_is_listed_and_no_namespace_init_is_shipped():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "packages"])
-    found = {".".join(p.parent.relative_to(ROOT / "python").parts)
-             for p in (ROOT / "python").rglob("__init__.py")}
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(p.parent.relative_to(ROOT / "python").parts)
+        for p in (ROOT / "python").rglob("__init__.py")
+    }
     assert found == listed
     for ns in ("sglang", "sglang/srt", "sglang/jit_kernel"):
         assert not (ROOT / "python" / ns / "__init__.py").exists(), ns

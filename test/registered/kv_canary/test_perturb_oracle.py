@@ -42,11 +42,13 @@ from sglang.test.ci.ci_register import register_cpu_ci
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 
-
 def _server_args(mode="raise", real_data="partial", sweep=0, sampling_backend="pytorch"):
-    return types.SimpleNamespace(kv_canary=mode, kv_canary_real_data=real_data,
-                                 kv_canary_sweep_interval=sweep,
-                                 sampling_backend=sampling_backend)
+    return types.SimpleNamespace(
+        kv_canary=mode,
+        kv_canary_real_data=real_data,
+        kv_canary_sweep_interval=sweep,
+        sampling_backend=sampling_backend,
+    )
 
 
 # ---- configuration ------------------------------------------------------------------------
@@ -73,30 +75,65 @@ def test_perturbations_off_by_default(monkeypatch):
     assert not config.enable_token_oracle
 
 
-@pytest.mark.parametrize("env,args,message", [
-    ({"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1.5"}, {},
-     "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB"),
-    ({"SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB": "-0.1"}, {}, "probability in [0, 1]"),
-    ({"SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "mid"}, {}, "'full', 'swa'"),
-    ({"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "-3"}, {}, "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"),
-    ({"SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.5"}, {},
-     "needs SGLANG_KV_CANARY_PERTURB_TARGET_GROUP=full or swa"),
-    ({"SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB": "1",
-      "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full"}, {"real_data": "none"},
-     "--kv-canary-real-data partial or all"),
-    ({"SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB": "1",
-      "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full"}, {"sweep": 0},
-     "--kv-canary-sweep-interval N"),
-    ({"SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB": "1"}, {},
-     "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1"),
-    ({"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB": "1"}, {"mode": "log"},
-     "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB > 0 leaves a corrupt req_to_token entry "
-     "in place, as a server bug would, and only --kv-canary abort contains"),
-    ({"SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "1"}, {},
-     "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1 checks written tokens against the token oracle"),
-    ({}, {"mode": "none", "real_data": "none", "sampling_backend": "token_oracle"},
-     "the token oracle (--sampling-backend token_oracle or"),
-])
+@pytest.mark.parametrize(
+    "env,args,message",
+    [
+        (
+            {"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1.5"},
+            {},
+            "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB",
+        ),
+        ({"SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB": "-0.1"}, {}, "probability in [0, 1]"),
+        ({"SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "mid"}, {}, "'full', 'swa'"),
+        (
+            {"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "-3"},
+            {},
+            "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS",
+        ),
+        (
+            {"SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.5"},
+            {},
+            "needs SGLANG_KV_CANARY_PERTURB_TARGET_GROUP=full or swa",
+        ),
+        (
+            {
+                "SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB": "1",
+                "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full",
+            },
+            {"real_data": "none"},
+            "--kv-canary-real-data partial or all",
+        ),
+        (
+            {
+                "SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB": "1",
+                "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full",
+            },
+            {"sweep": 0},
+            "--kv-canary-sweep-interval N",
+        ),
+        (
+            {"SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB": "1"},
+            {},
+            "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1",
+        ),
+        (
+            {"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB": "1"},
+            {"mode": "log"},
+            "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB > 0 leaves a corrupt req_to_token entry "
+            "in place, as a server bug would, and only --kv-canary abort contains",
+        ),
+        (
+            {"SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "1"},
+            {},
+            "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1 checks written tokens against the token oracle",
+        ),
+        (
+            {},
+            {"mode": "none", "real_data": "none", "sampling_backend": "token_oracle"},
+            "the token oracle (--sampling-backend token_oracle or",
+        ),
+    ],
+)
 def test_bad_perturb_or_oracle_settings_are_refused(monkeypatch, env, args, message):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -105,8 +142,13 @@ def test_bad_perturb_or_oracle_settings_are_refused(monkeypatch, env, args, mess
     assert message in str(exc.value)
 
 
-@pytest.mark.parametrize("env", [{"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1"},
-                                 {"SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "1"}])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1"},
+        {"SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "1"},
+    ],
+)
 def test_canary_off_ignores_self_test_variables(monkeypatch, env):
     """With the canary off no SGLANG_KV_CANARY_* variable is read (they are named in a
     warning, see test_startup.py): a self-test variable then changes nothing."""
@@ -120,7 +162,8 @@ def test_canary_off_ignores_self_test_variables(monkeypatch, env):
 def test_token_oracle_on_from_the_sampling_backend_flag_or_its_recorded_request(monkeypatch):
     monkeypatch.delenv("SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE", raising=False)
     assert CanaryConfig.from_server_args(
-        _server_args(sampling_backend="token_oracle")).enable_token_oracle
+        _server_args(sampling_backend="token_oracle")
+    ).enable_token_oracle
     # sglang's CPU engine rewrites sampling_backend to pytorch; the plugin records the request
     args = _server_args(sampling_backend="pytorch")
     args.kv_canary_token_oracle_requested = True
@@ -134,9 +177,12 @@ def test_real_kv_target_group_must_exist_in_the_pool():
     with pytest.raises(ValueError, match="TARGET_GROUP=swa but this pool has only full"):
         from sglang.srt.kv_canary.perturb import CanaryPerturber
 
-        CanaryPerturber(config=PerturbConfig(real_kv_used_prob=1.0, target_group=PoolKind.SWA),
-                        groups=d.groups, req_to_token=d.req_to_token_pool.req_to_token,
-                        radix_cache=lambda: None)
+        CanaryPerturber(
+            config=PerturbConfig(real_kv_used_prob=1.0, target_group=PoolKind.SWA),
+            groups=d.groups,
+            req_to_token=d.req_to_token_pool.req_to_token,
+            radix_cache=lambda: None,
+        )
 
 
 # ---- the oracle ---------------------------------------------------------------------------
@@ -180,8 +226,9 @@ def test_oracle_sampler_ignores_logits_and_follows_the_oracle():
         swapped.append(tokens.tolist())
         tokens[0], tokens[1] = int(tokens[1]), int(tokens[0])
 
-    sglang_seam.set_sampling_oracle(holder, OracleBatch(keys=keys, vocab_size=512,
-                                                        after_sample=swap))
+    sglang_seam.set_sampling_oracle(
+        holder, OracleBatch(keys=keys, vocab_size=512, after_sample=swap)
+    )
     out2 = sampler(logits, info, False, [], [], positions)
     assert out2.tolist() == [out[1], out[0], out[2]] and swapped == [out.tolist()]
 
@@ -207,10 +254,16 @@ def _batch(mode, rows, prefix, extend, reqs):
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     n = sum(extend)
     seq = [p + e for p, e in zip(prefix, extend)]
-    fb = ForwardBatch(forward_mode=mode, batch_size=len(rows), input_ids=i64([0] * n),
-                      req_pool_indices=i64(rows), seq_lens=i64(seq),
-                      out_cache_loc=i64(list(range(1, n + 1))), seq_lens_sum=sum(seq),
-                      positions=i64([p for a, b in zip(prefix, extend) for p in range(a, a + b)]))
+    fb = ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(rows),
+        input_ids=i64([0] * n),
+        req_pool_indices=i64(rows),
+        seq_lens=i64(seq),
+        out_cache_loc=i64(list(range(1, n + 1))),
+        seq_lens_sum=sum(seq),
+        positions=i64([p for a, b in zip(prefix, extend) for p in range(a, a + b)]),
+    )
     if mode == ForwardMode.EXTEND:
         fb.extend_prefix_lens, fb.extend_seq_lens = i64(prefix), i64(extend)
         fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(prefix), list(extend)
@@ -219,8 +272,10 @@ def _batch(mode, rows, prefix, extend, reqs):
 
 
 def test_expected_written_tokens_are_prompt_then_oracle():
-    reqs = [types.SimpleNamespace(rid="r0", origin_input_ids=[11, 12, 13, 14, 15]),
-            types.SimpleNamespace(rid="r1", origin_input_ids=[21, 22])]
+    reqs = [
+        types.SimpleNamespace(rid="r0", origin_input_ids=[11, 12, 13, 14, 15]),
+        types.SimpleNamespace(rid="r1", origin_input_ids=[21, 22]),
+    ]
     mgr = TokenOracleManager(vocab_size=97, device="cpu")
     # r0: chunk at prefix 3 of 4 tokens (2 prompt + 2 generated: a retracted request's
     # re-prefill); r1: chunk at 0 of 2 (its whole prompt)
@@ -234,8 +289,10 @@ def test_expected_written_tokens_are_prompt_then_oracle():
     batch = sglang_seam.sampling_oracle(fb.sampling_info)
     assert batch.keys.tolist() == [k0, k1] and batch.vocab_size == 97
     rows = batch_state(fb).oracle_rows  # the host rows live in the batch's canary state
-    assert rows.keys.tolist() == [k0, k1] and rows.prompts == (reqs[0].origin_input_ids,
-                                                               reqs[1].origin_input_ids)
+    assert rows.keys.tolist() == [k0, k1] and rows.prompts == (
+        reqs[0].origin_input_ids,
+        reqs[1].origin_input_ids,
+    )
 
     # decode: each row writes its last position, a generated token
     fb = _batch(ForwardMode.DECODE, [5, 2], [9, 4], [1, 1], reqs)
@@ -261,9 +318,17 @@ def test_expected_written_tokens_are_prompt_then_oracle():
 
 
 def test_flip_first_byte_changes_exactly_one_bit_of_the_slot():
-    pool = MHATokenToKVPool(size=16, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=8,
-                            layer_num=2, device="cpu", enable_memory_saver=False,
-                            enable_alt_stream=False)
+    pool = MHATokenToKVPool(
+        size=16,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     pool.k_buffer[0].copy_(torch.randn_like(pool.k_buffer[0]))
     group = attach_canary_buffers(pool=pool, config=CanaryConfig(mode="raise"), device="cpu")[0]
     source = group.real_kv_sources_k[0]
@@ -286,7 +351,12 @@ def test_perturb_line_round_trip():
     line = format_perturb_line(FaultKind.REAL_KV_USED, step=12, slot=7, old="0x20", new="0x21")
     assert line == ("kv_canary perturb: fault=real_kv_used step=12 slot=7 old=0x20 new=0x21")
     assert parse_perturb_line("[ts] " + line + "\n") == {
-        "fault": "real_kv_used", "step": "12", "slot": "7", "old": "0x20", "new": "0x21"}
+        "fault": "real_kv_used",
+        "step": "12",
+        "slot": "7",
+        "old": "0x20",
+        "new": "0x21",
+    }
     assert parse_perturb_line("kv_canary stats: step=3") is None
 
 
@@ -294,12 +364,24 @@ def test_perturb_line_round_trip():
 
 RUNTIME_FAULTS = {
     # fault -> (perturb kwargs, tags allowed first, reasons, report must name an injected slot)
-    "req_to_token": (dict(req_to_token_prob=1.0), {"HEAD_K_FULL"},
-                     {"verify_chain_hash", "verify_position"}, True),
-    "real_kv_used": (dict(real_kv_used_prob=1.0, target_group="full"), {"TAIL_K_FULL"},
-                     {"verify_real_kv_hash"}, True),
-    "real_kv_post_forward": (dict(real_kv_post_forward_prob=1.0, target_group="full"),
-                             {"TAIL_K_FULL"}, {"verify_real_kv_hash"}, True),
+    "req_to_token": (
+        dict(req_to_token_prob=1.0),
+        {"HEAD_K_FULL"},
+        {"verify_chain_hash", "verify_position"},
+        True,
+    ),
+    "real_kv_used": (
+        dict(real_kv_used_prob=1.0, target_group="full"),
+        {"TAIL_K_FULL"},
+        {"verify_real_kv_hash"},
+        True,
+    ),
+    "real_kv_post_forward": (
+        dict(real_kv_post_forward_prob=1.0, target_group="full"),
+        {"TAIL_K_FULL"},
+        {"verify_real_kv_hash"},
+        True,
+    ),
 }
 
 
@@ -311,8 +393,9 @@ def _injected(d: ServingDriver):
 @pytest.mark.parametrize("fault", sorted(RUNTIME_FAULTS))
 def test_runtime_fault_detected_with_its_reason(fault):
     kwargs, tags, reasons, match_slot = RUNTIME_FAULTS[fault]
-    d = ServingDriver(seed=4, mode="raise", real_data="partial",
-                      perturb=PerturbConfig(warmup_steps=25, **kwargs))
+    d = ServingDriver(
+        seed=4, mode="raise", real_data="partial", perturb=PerturbConfig(warmup_steps=25, **kwargs)
+    )
     with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
         d.run(60)
     injected = _injected(d)
@@ -329,10 +412,16 @@ def test_runtime_fault_detected_with_its_reason(fault):
 
 @pytest.mark.usefixtures("reference_kernels_on_cpu")
 def test_real_kv_fault_on_the_swa_group_is_reported_with_swa_tags():
-    d = ServingDriver(seed=3, pool="swa", num_slots=640, num_swa_slots=400, swa_window=16,
-                      mode="raise", real_data="partial",
-                      perturb=PerturbConfig(warmup_steps=30, real_kv_used_prob=1.0,
-                                            target_group="swa"))
+    d = ServingDriver(
+        seed=3,
+        pool="swa",
+        num_slots=640,
+        num_swa_slots=400,
+        swa_window=16,
+        mode="raise",
+        real_data="partial",
+        perturb=PerturbConfig(warmup_steps=30, real_kv_used_prob=1.0, target_group="swa"),
+    )
     with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
         d.run(80)
     injected = _injected(d)
@@ -343,8 +432,7 @@ def test_real_kv_fault_on_the_swa_group_is_reported_with_swa_tags():
 
 
 @pytest.mark.usefixtures("reference_kernels_on_cpu")
-@pytest.mark.parametrize("real_data,detected", [("all", True), ("partial", False),
-                                                ("none", False)])
+@pytest.mark.parametrize("real_data,detected", [("all", True), ("partial", False), ("none", False)])
 def test_real_data_mode_decides_which_bytes_are_covered(real_data, detected):
     """The last byte of a slot's K row: fingerprinted with ``all`` only (``partial`` reads the
     first 16 bytes, ``none`` no bytes)."""
@@ -360,20 +448,29 @@ def test_real_data_mode_decides_which_bytes_are_covered(real_data, detected):
         d.run(5)
     lines = parse_violation_lines(str(exc.value))
     assert (lines[0].launch_tag, lines[0].fail_reasons, lines[0].slot_idx) == (
-        "TAIL_K_FULL", ("verify_real_kv_hash",), info["slot"])
+        "TAIL_K_FULL",
+        ("verify_real_kv_hash",),
+        info["slot"],
+    )
 
 
 @pytest.mark.usefixtures("reference_kernels_on_cpu")
 def test_no_perturbation_before_the_warm_up_ends():
-    d = ServingDriver(seed=4, mode="raise", real_data="partial",
-                      perturb=PerturbConfig(warmup_steps=10_000, req_to_token_prob=1.0,
-                                            real_kv_used_prob=1.0, target_group="full"))
+    d = ServingDriver(
+        seed=4,
+        mode="raise",
+        real_data="partial",
+        perturb=PerturbConfig(
+            warmup_steps=10_000, req_to_token_prob=1.0, real_kv_used_prob=1.0, target_group="full"
+        ),
+    )
     d.run(120)
     assert d.manager.perturber.injected == []
     assert d.manager.count_violations() == 0
 
 
 # ---- the demo's verdicts --------------------------------------------------------------------
+
 
 def _report(tag, reason, slot, step):
     """What the runtime prints for a violation of ``slot`` reported at forward ``step`` (the
@@ -384,9 +481,18 @@ def _report(tag, reason, slot, step):
     bits = FailReason[reason.upper() + "_MISMATCH"]
     from sglang.srt.kv_canary.runner.violation_record import ViolationRecord
 
-    rec = ViolationRecord(launch_tag=int(CanaryLaunchTag[tag]), slot_idx=slot, position=3,
-                          stored_token=1, expected_token=1, stored_chain_hash=0, expected_aux=0,
-                          fail_bits=int(bits), read_position=3, req_to_token_row=1)
+    rec = ViolationRecord(
+        launch_tag=int(CanaryLaunchTag[tag]),
+        slot_idx=slot,
+        position=3,
+        stored_token=1,
+        expected_token=1,
+        stored_chain_hash=0,
+        expected_aux=0,
+        fail_bits=int(bits),
+        read_position=3,
+        req_to_token_row=1,
+    )
     return format_violation_line(rec, step=step) + "\n" + format_violation_block(rec, step) + "\n"
 
 
@@ -401,8 +507,7 @@ def test_demo_verdicts():
     assert not evaluate(case, "nothing happened", 0).ok  # never injected
     clean = CASES_BY_NAME["clean"]
     quiet = evaluate(clean, "DEMO_RESULT {}\n", 0)
-    noisy = evaluate(clean, "DEMO_RESULT {}\n" + _report("HEAD_K_FULL", "verify_position", 3,
-                                                          9), 0)
+    noisy = evaluate(clean, "DEMO_RESULT {}\n" + _report("HEAD_K_FULL", "verify_position", 3, 9), 0)
     crashed = evaluate(clean, "Traceback", 1)
     assert quiet.ok and not noisy.ok and not crashed.ok
     assert exit_status([quiet, hit]) == 0
@@ -412,8 +517,14 @@ def test_demo_verdicts():
     from sglang.srt.kv_canary.runner.violation_record import decode_ring_rows, merge_incidents
 
     bits = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
-    both = merge_incidents(decode_ring_rows([[int(CanaryLaunchTag[t]), 11, 3, 1, 1, 0, 0, bits,
-                                              3, 1, -1] for t in ("HEAD_K_FULL", "TAIL_K_FULL")]))
+    both = merge_incidents(
+        decode_ring_rows(
+            [
+                [int(CanaryLaunchTag[t]), 11, 3, 1, 1, 0, 0, bits, 3, 1, -1]
+                for t in ("HEAD_K_FULL", "TAIL_K_FULL")
+            ]
+        )
+    )
     assert len(both) == 1
     seen = evaluate(case, inj + format_violation_line(both[0], step=32) + "\n", 1)
     assert seen.ok and seen.tags == ("HEAD_K_FULL", "TAIL_K_FULL")
@@ -452,15 +563,20 @@ def test_before_forward_faults_are_undone_after_the_forward_read_them(caplog):
     forward it was injected for (located at the changed entry) and undone right after, so
     sglang's bookkeeping (each request's ``req_to_token`` row) stays the scheduler's own and
     a forward without a new fault reports nothing."""
-    d = ServingDriver(seed=9, mode="log", real_data="partial",
-                      perturb=PerturbConfig(warmup_steps=20, req_to_token_prob=0.3,
-                                            real_kv_used_prob=0.3, target_group="full"))
+    d = ServingDriver(
+        seed=9,
+        mode="log",
+        real_data="partial",
+        perturb=PerturbConfig(
+            warmup_steps=20, req_to_token_prob=0.3, real_kv_used_prob=0.3, target_group="full"
+        ),
+    )
     with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
         for _ in range(120):
             d.run(1)
             r2t = d.req_to_token_pool.req_to_token
             for r in d.running:  # the scheduler's view and the table agree after every step
-                assert r2t[r.row, :r.kv_len].tolist() == r.slots[:r.kv_len], (d.manager.step, r)
+                assert r2t[r.row, : r.kv_len].tolist() == r.slots[: r.kv_len], (d.manager.step, r)
     injected = _injected(d)
     kinds = {i["fault"] for i in injected}
     assert kinds == {"req_to_token", "real_kv_used"}, injected
@@ -472,16 +588,24 @@ def test_before_forward_faults_are_undone_after_the_forward_read_them(caplog):
         if i["fault"] != "req_to_token":
             continue
         step, row, pos = int(i["step"]), int(i["req_pool_idx"]), int(i["position"])
-        assert any(v.forward_step == step and v.slot_idx == int(i["new_slot"])
-                   and (v.req_to_token_row, v.read_position) == (row, pos) for v in lines), i
+        assert any(
+            v.forward_step == step
+            and v.slot_idx == int(i["new_slot"])
+            and (v.req_to_token_row, v.read_position) == (row, pos)
+            for v in lines
+        ), i
 
 
 def test_the_kept_req_to_token_fault_stays_and_picks_requests_with_tokens_left():
     """``req_to_token_kept``: the entry stays rewritten after the forward (nothing undoes it)
     and its request had more than two tokens left, so the report finds it running; abort mode
     accepts it (the other modes refuse it, above)."""
-    d = ServingDriver(seed=9, mode="abort", real_data="partial",
-                      perturb=PerturbConfig(warmup_steps=10, req_to_token_kept_prob=1.0))
+    d = ServingDriver(
+        seed=9,
+        mode="abort",
+        real_data="partial",
+        perturb=PerturbConfig(warmup_steps=10, req_to_token_kept_prob=1.0),
+    )
     left_at = {}  # step -> {row: tokens left} when the fault is injected
     perturber = d.manager.perturber
     before = perturber.before_forward
@@ -504,7 +628,6 @@ def test_the_kept_req_to_token_fault_stays_and_picks_requests_with_tokens_left()
     assert d.manager.perturber.restored == 0
 
 
-
 @pytest.mark.parametrize("pool,page_size", [("mha", 1), ("nsa", 64)])
 def test_the_kept_fault_rewrites_in_the_pools_pages(pool, page_size):
     """The runtime hands the pool's page size to the perturber: the kept fault's unit (a
@@ -512,6 +635,7 @@ def test_the_kept_fault_rewrites_in_the_pools_pages(pool, page_size):
     d = ServingDriver(mode="abort", pool=pool, perturb=PerturbConfig(req_to_token_kept_prob=1.0))
     assert d.kv_pool.page_size == page_size
     assert d.manager.perturber.page_size == page_size
+
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -34,8 +34,7 @@ WINDOW = 12
 
 
 def _driver(pool: str, **kw) -> ServingDriver:
-    extra = (dict(num_slots=640, num_swa_slots=400, swa_window=WINDOW) if pool == "swa"
-             else {})
+    extra = dict(num_slots=640, num_swa_slots=400, swa_window=WINDOW) if pool == "swa" else {}
     return ServingDriver(seed=7, pool=pool, real_data="partial", **extra, **kw)
 
 
@@ -63,16 +62,32 @@ def test_a_padded_piecewise_replay_is_checked_as_the_scheduler_sent_it(pool):
 
 
 def _runner_with_canary():
-    pool = MHATokenToKVPool(size=63, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=8,
-                            layer_num=1, device="cpu", enable_memory_saver=False,
-                            enable_alt_stream=False)
-    runner = stand_in_model_runner(pool, req_to_token=torch.zeros((8, 32), dtype=torch.int32),
-                                   context_len=32)
+    pool = MHATokenToKVPool(
+        size=63,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    runner = stand_in_model_runner(
+        pool, req_to_token=torch.zeros((8, 32), dtype=torch.int32), context_len=32
+    )
     server_args = types.SimpleNamespace(
-        kv_canary="raise", kv_canary_sweep_interval=0, kv_canary_real_data="partial",
-        device="cpu", disable_piecewise_cuda_graph=False, enable_torch_compile=False,
-        chunked_prefill_size=16, max_prefill_tokens=32, cuda_graph_max_bs=4,
-        sampling_backend="pytorch")
+        kv_canary="raise",
+        kv_canary_sweep_interval=0,
+        kv_canary_real_data="partial",
+        device="cpu",
+        disable_piecewise_cuda_graph=False,
+        enable_torch_compile=False,
+        chunked_prefill_size=16,
+        max_prefill_tokens=32,
+        cuda_graph_max_bs=4,
+        sampling_backend="pytorch",
+    )
     manager = api.install_canary(server_args=server_args, model_runner=runner)
     return runner, manager
 
@@ -81,12 +96,18 @@ def _dummy_capture_batch(runner, num_tokens: int) -> ForwardBatch:
     """What sglang's piecewise ``warmup_compile`` / ``capture_one_batch_size`` hand the model:
     one request of ``num_tokens`` from row 0, slots from a zeroed buffer."""
     z = torch.zeros(num_tokens, dtype=torch.int64)
-    fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=z,
-                      req_pool_indices=torch.zeros(1, dtype=torch.int64),
-                      seq_lens=torch.tensor([num_tokens]), out_cache_loc=z.clone(),
-                      seq_lens_sum=num_tokens, positions=z.clone(),
-                      req_to_token_pool=runner.req_to_token_pool,
-                      token_to_kv_pool=runner.token_to_kv_pool)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=z,
+        req_pool_indices=torch.zeros(1, dtype=torch.int64),
+        seq_lens=torch.tensor([num_tokens]),
+        out_cache_loc=z.clone(),
+        seq_lens_sum=num_tokens,
+        positions=z.clone(),
+        req_to_token_pool=runner.req_to_token_pool,
+        token_to_kv_pool=runner.token_to_kv_pool,
+    )
     fb.extend_prefix_lens = torch.zeros(1, dtype=torch.int64)
     fb.extend_seq_lens = torch.tensor([num_tokens])
     return fb
@@ -130,9 +151,14 @@ def test_the_piecewise_hook_is_registered_on_sglangs_model_runner():
 
 
 def test_piecewise_on_is_accepted_at_start_up():
-    args = types.SimpleNamespace(kv_canary="raise", kv_canary_sweep_interval=0,
-                                 kv_canary_real_data="none", device="cuda",
-                                 disable_piecewise_cuda_graph=False, enable_torch_compile=False)
+    args = types.SimpleNamespace(
+        kv_canary="raise",
+        kv_canary_sweep_interval=0,
+        kv_canary_real_data="none",
+        device="cuda",
+        disable_piecewise_cuda_graph=False,
+        enable_torch_compile=False,
+    )
     config = api.check_server_args_for_canary(args)
     assert isinstance(config, CanaryConfig) and config.enabled
 

@@ -43,8 +43,7 @@ def registered_hook(monkeypatch, target: str):
     """The ``(hook, kind)`` that :func:`plugin.register` registers for ``target`` (exactly
     one)."""
     got = []
-    monkeypatch.setattr(seam, "register_hook",
-                        lambda t, hook, kind: got.append((t, hook, kind)))
+    monkeypatch.setattr(seam, "register_hook", lambda t, hook, kind: got.append((t, hook, kind)))
     plugin.register()
     mine = [(hook, kind) for t, hook, kind in got if t == target]
     assert len(mine) == 1, f"{target}: {len(mine)} hooks registered"
@@ -81,8 +80,9 @@ class _Scheduler:  # stand-in: the two Scheduler attributes the seam reads
 def test_model_runner_init_hook_turns_the_chain_position_check_on(monkeypatch):
     d = ServingDriver(seed=3, mode="raise", init_finished=False)
     flag = d.manager.state.enable_chain_position_assert
-    init = as_sglang_applies(monkeypatch, seam.HOOK_MODEL_RUNNER_INIT,
-                             lambda self, *args, **kwargs: None)
+    init = as_sglang_applies(
+        monkeypatch, seam.HOOK_MODEL_RUNNER_INIT, lambda self, *args, **kwargs: None
+    )
     init(model_runner_with(None))  # canary off: passes straight through
     assert int(flag[0]) == 0  # warm-up and graph capture: off
     init(model_runner_with(d.manager))
@@ -93,7 +93,8 @@ def test_model_runner_init_hook_turns_the_chain_position_check_on(monkeypatch):
         d._forward(fb)
     lines = parse_violation_lines(str(exc.value))
     assert [(v.fail_reasons, v.slot_idx, v.position) for v in lines] == [
-        (("write_position",), info["slot"], info["position"])], lines
+        (("write_position",), info["slot"], info["position"])
+    ], lines
 
 
 # ---- Scheduler.init_cache_with_memory_pool (AFTER): the sweep gets the radix cache ----------
@@ -102,11 +103,20 @@ def test_model_runner_init_hook_turns_the_chain_position_check_on(monkeypatch):
 def _radix_cache_of(d: ServingDriver) -> RadixCache:
     """A real RadixCache over the driver's pools holding its running requests' prefixes."""
     r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
-    cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t,
-                                       token_to_kv_pool_allocator=d.allocator, page_size=1))
+    cache = RadixCache(
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=r2t,
+            token_to_kv_pool_allocator=d.allocator,
+            page_size=1,
+        )
+    )
     for r in d.running:
-        cache.insert(InsertParams(key=RadixKey(r.tokens[: r.kv_len]),
-                                  value=torch.tensor(r.slots[: r.kv_len])))
+        cache.insert(
+            InsertParams(
+                key=RadixKey(r.tokens[: r.kv_len]), value=torch.tensor(r.slots[: r.kv_len])
+            )
+        )
     return cache
 
 
@@ -116,8 +126,9 @@ def test_scheduler_hook_hands_the_radix_cache_to_the_sweep(monkeypatch):
     d.settle()
     cache = _radix_cache_of(d)
     cached = {int(s) for r in d.running for s in r.slots[: r.kv_len]}
-    init_cache = as_sglang_applies(monkeypatch, seam.HOOK_SCHEDULER_INIT_CACHE,
-                                   lambda self, *args, **kwargs: None)
+    init_cache = as_sglang_applies(
+        monkeypatch, seam.HOOK_SCHEDULER_INIT_CACHE, lambda self, *args, **kwargs: None
+    )
     init_cache(_Scheduler(model_runner_with(None), cache))  # canary off: nothing to do
     assert d.manager.radix_cache is None and d.manager.sweep_passes == 0
     init_cache(_Scheduler(model_runner_with(d.manager), cache))
@@ -131,8 +142,7 @@ def test_scheduler_hook_hands_the_radix_cache_to_the_sweep(monkeypatch):
     d.kv_pool.k_buffer[0][slot].view(torch.uint8).view(-1)[0] ^= 0x3C
     d.add_request(prompt_len=5, max_new=8)  # forwards keep running (the sweep follows them)
     report = d.report_within(3)
-    found = [(v.launch_tag, v.fail_reasons, v.slot_idx)
-             for v in parse_violation_lines(report)]
+    found = [(v.launch_tag, v.fail_reasons, v.slot_idx) for v in parse_violation_lines(report)]
     assert ("SWEEP_K_FULL", ("verify_real_kv_hash",), slot) in found, found
 
 
@@ -150,10 +160,14 @@ def test_stash_hook_lets_a_request_aborted_mid_chunked_prefill_advance(monkeypat
 
     d = ServingDriver(seed=3)
     r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
-    alloc = TokenToKVPoolAllocator(d.kv_pool.size, torch.bfloat16, "cpu", d.kv_pool,
-                                   need_sort=False)
-    cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t,
-                                       token_to_kv_pool_allocator=alloc, page_size=1))
+    alloc = TokenToKVPoolAllocator(
+        d.kv_pool.size, torch.bfloat16, "cpu", d.kv_pool, need_sort=False
+    )
+    cache = RadixCache(
+        CacheInitParams(
+            disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1
+        )
+    )
 
     def stash(self, req):  # sglang 0.5.12's Scheduler.stash_chunked_request
         maybe_cache_unfinished_req(req, self.tree_cache, chunked=True)
@@ -164,8 +178,12 @@ def test_stash_hook_lets_a_request_aborted_mid_chunked_prefill_advance(monkeypat
     def chunked_req(row: int, first: int) -> Req:
         """A request of 48 tokens whose first chunk (16) was prefilled into row ``row``."""
         ids = list(range(first, first + 48))
-        req = Req(rid=f"r{row}", origin_input_text="", origin_input_ids=ids,
-                  sampling_params=SamplingParams(max_new_tokens=4))
+        req = Req(
+            rid=f"r{row}",
+            origin_input_text="",
+            origin_input_ids=ids,
+            sampling_params=SamplingParams(max_new_tokens=4),
+        )
         req.req_pool_idx, req.fill_ids = row, ids[:16]
         req.prefix_indices, req.last_node = torch.empty(0, dtype=torch.int64), cache.root_node
         r2t.write((row, slice(0, 16)), alloc.alloc(16))
@@ -178,8 +196,9 @@ def test_stash_hook_lets_a_request_aborted_mid_chunked_prefill_advance(monkeypat
     aborted = chunked_req(1, 200)  # the hook: cached, prefix advanced, mark back
     seam.mark_no_radix_insert(aborted)
     hooked(scheduler, aborted)
-    assert len(aborted.prefix_indices) == 16 and cache.total_size() == 16, \
+    assert len(aborted.prefix_indices) == 16 and cache.total_size() == 16, (
         "the stash hook did not let the aborted request's chunk be cached"
+    )
     assert aborted.skip_radix_cache_insert  # it is still not inserted when it finishes
     own = chunked_req(2, 300)  # a flag sglang set itself stays sglang's
     own.skip_radix_cache_insert = True
@@ -222,16 +241,21 @@ def test_forward_batch_hook_snapshots_real_requests(monkeypatch):
     hook = _init_new_hook(monkeypatch, model_runner_with(d.manager))
     reqs = []
     for row, (prompt, out) in zip((2, 5), (([11, 12, 13], [14]), ([21, 22], []))):
-        req = Req(rid=f"r{row}", origin_input_text="", origin_input_ids=list(prompt),
-                  sampling_params=SamplingParams(max_new_tokens=4))
+        req = Req(
+            rid=f"r{row}",
+            origin_input_text="",
+            origin_input_ids=list(prompt),
+            sampling_params=SamplingParams(max_new_tokens=4),
+        )
         req.req_pool_idx = row
         req.output_ids.extend(out)
         reqs.append(req)
     fb = ForwardBatch.__new__(ForwardBatch)
     hook(fb, reqs)
     state = batch_state(fb)
-    assert state is not None and state.token_reqs == tuple(reqs), \
+    assert state is not None and state.token_reqs == tuple(reqs), (
         "the ForwardBatch.init_new hook attached no requests to snapshot"
+    )
     snap = _snapshot(d.manager, fb)
     assert snap.lens.tolist() == [4, 2]
     assert snap.flat.tolist() == [11, 12, 13, 14, 21, 22]
@@ -250,15 +274,23 @@ def test_spec_v1_draft_extend_snapshots_only_the_unfinished_requests(monkeypatch
     hook = _init_new_hook(monkeypatch, model_runner_with(d.manager))
     reqs = []
     for row, prompt in ((2, [11, 12, 13]), (4, [31, 32]), (5, [21, 22])):
-        req = Req(rid=f"r{row}", origin_input_text="", origin_input_ids=list(prompt),
-                  sampling_params=SamplingParams(max_new_tokens=4))
+        req = Req(
+            rid=f"r{row}",
+            origin_input_text="",
+            origin_input_ids=list(prompt),
+            sampling_params=SamplingParams(max_new_tokens=4),
+        )
         req.req_pool_idx = row
         req.output_ids.append(prompt[-1] + 1)
         reqs.append(req)
     reqs[1].finished_reason = FINISH_LENGTH(length=4)
     fb = ForwardBatch.__new__(ForwardBatch)
-    hook(fb, reqs, forward_mode=ForwardMode.DRAFT_EXTEND,
-         req_pool_indices=torch.tensor([2, 5], dtype=torch.int64))
+    hook(
+        fb,
+        reqs,
+        forward_mode=ForwardMode.DRAFT_EXTEND,
+        req_pool_indices=torch.tensor([2, 5], dtype=torch.int64),
+    )
     snap = _snapshot(d.manager, fb)
     assert snap.lens.tolist() == [4, 3]
     assert snap.flat.tolist() == [11, 12, 13, 14, 21, 22, 23]
@@ -266,8 +298,12 @@ def test_spec_v1_draft_extend_snapshots_only_the_unfinished_requests(monkeypatch
     # any other batch keeps its requests as they are (a mismatch there is sglang's, reported
     # by the upload)
     other = ForwardBatch.__new__(ForwardBatch)
-    hook(other, reqs, forward_mode=ForwardMode.DECODE,
-         req_pool_indices=torch.tensor([2, 5], dtype=torch.int64))
+    hook(
+        other,
+        reqs,
+        forward_mode=ForwardMode.DECODE,
+        req_pool_indices=torch.tensor([2, 5], dtype=torch.int64),
+    )
     assert _snapshot(d.manager, other).lens.tolist() == [4, 3, 3]
 
 
@@ -275,8 +311,12 @@ def test_forward_batch_hook_feeds_the_token_checks_of_a_serving_loop(monkeypatch
     """Every batch of the loop gets its snapshot through the plugin's hook only: a
     same-position slot swap is then caught by the token check (verify_token)."""
     runner = model_runner_with(None)
-    d = ServingDriver(seed=12, verify_tokens=True, mode="raise",
-                      batch_init_hook=_init_new_hook(monkeypatch, runner))
+    d = ServingDriver(
+        seed=12,
+        verify_tokens=True,
+        mode="raise",
+        batch_init_hook=_init_new_hook(monkeypatch, runner),
+    )
     seam.set_runner_canary(runner, d.manager)
     d.run(60)
     d.settle()
@@ -309,7 +349,8 @@ def test_graph_replay_hook_uploads_the_tokens_before_the_replay():
     def replay(self, *args, **kwargs):  # the graph's captured scatter, then its plan reads
         lens = torch.zeros(1, dtype=torch.int64)
         d.manager.token_history.launch_replay_scatter(
-            torch.tensor([req.row], dtype=torch.int64), lens)
+            torch.tensor([req.row], dtype=torch.int64), lens
+        )
         seen.append(pool[req.row, :7].tolist())
         return "logits"
 

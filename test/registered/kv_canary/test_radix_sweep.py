@@ -28,12 +28,21 @@ pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
 def _cache_params(num_slots: int) -> CacheInitParams:
     r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
-    pool = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.bfloat16, head_num=1,
-                            head_dim=8, layer_num=1, device="cpu", enable_memory_saver=False,
-                            enable_alt_stream=False)
+    pool = MHATokenToKVPool(
+        size=num_slots,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=1,
+        head_dim=8,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     alloc = TokenToKVPoolAllocator(num_slots, torch.bfloat16, "cpu", pool, need_sort=False)
-    return CacheInitParams(disable=False, req_to_token_pool=r2t,
-                           token_to_kv_pool_allocator=alloc, page_size=1)
+    return CacheInitParams(
+        disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1
+    )
 
 
 def _cache(num_slots=256):
@@ -54,8 +63,12 @@ def _insert(cache, alloc, tokens, slots=None):
 
 def _check_walk(walk, sequences):
     """Every inserted sequence's (slot, position, prev) triples appear in the walk."""
-    got = {(s, p, q) for s, p, q in zip(walk.slot_indices.tolist(), walk.positions.tolist(),
-                                        walk.prev_slot_indices.tolist())}
+    got = {
+        (s, p, q)
+        for s, p, q in zip(
+            walk.slot_indices.tolist(), walk.positions.tolist(), walk.prev_slot_indices.tolist()
+        )
+    }
     for slots in sequences:
         s = slots.tolist()
         for p, slot in enumerate(s):
@@ -83,8 +96,9 @@ def test_walk_skips_locked_nodes_and_handles_empty_and_deep_trees():
     assert walk_radix_cache_for_canary(radix_cache=cache).num_slots == 0
     a = _insert(cache, alloc, range(10, 30))
     b = _insert(cache, alloc, list(range(10, 20)) + [1, 2, 3])
-    node = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(range(10, 20)) + [1, 2, 3]))
-                              ).last_device_node
+    node = cache.match_prefix(
+        MatchPrefixParams(key=RadixKey(list(range(10, 20)) + [1, 2, 3]))
+    ).last_device_node
     cache.inc_lock_ref(node)  # a running request holds b (locks its path)
     locked = set(b.tolist())
     walk = walk_radix_cache_for_canary(radix_cache=cache, unlocked_only=True)
@@ -122,15 +136,15 @@ def test_walk_real_unified_radix_cache():
     assert walk.num_slots == 40 + 30 + 5
     by_slot = dict(zip(walk.slot_indices.tolist(), walk.prev_slot_indices.tolist()))
     assert by_slot[int(b[20])] == int(a[19]) and by_slot[int(c[0])] == -1
-    node = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(range(100, 120))
-                                                             + list(range(500, 530))))
-                              ).last_device_node
+    node = cache.match_prefix(
+        MatchPrefixParams(key=RadixKey(list(range(100, 120)) + list(range(500, 530))))
+    ).last_device_node
     cache.inc_lock_ref(node)  # a running request holds b's path
     walk = walk_radix_cache_for_canary(radix_cache=cache, unlocked_only=True)
-    assert set(walk.slot_indices.tolist()) == (set(a.tolist()) | set(c.tolist())) - set(
-        b.tolist())
-    assert walk_radix_cache_for_canary(radix_cache=cache, swa_resident_only=True
-                                       ).num_slots == 75  # no SWA component: no tombstones
+    assert set(walk.slot_indices.tolist()) == (set(a.tolist()) | set(c.tolist())) - set(b.tolist())
+    assert (
+        walk_radix_cache_for_canary(radix_cache=cache, swa_resident_only=True).num_slots == 75
+    )  # no SWA component: no tombstones
 
 
 def test_unsupported_cache_type():
@@ -181,8 +195,14 @@ def test_orchestrator_without_a_radix_cache_and_with_a_tree_it_cannot_walk(caplo
     from sglang.srt.mem_cache.chunk_cache import ChunkCache
 
     cache, alloc = _cache()
-    chunk = ChunkCache(CacheInitParams(disable=True, req_to_token_pool=cache.req_to_token_pool,
-                                       token_to_kv_pool_allocator=alloc, page_size=1))
+    chunk = ChunkCache(
+        CacheInitParams(
+            disable=True,
+            req_to_token_pool=cache.req_to_token_pool,
+            token_to_kv_pool_allocator=alloc,
+            page_size=1,
+        )
+    )
     orch = SweepOrchestrator(interval=2, endpoints=[], device="cpu", chunk_capacity=4)
     orch.run_sweep = lambda: pytest.fail("nothing to sweep")
     with caplog.at_level("WARNING"):
@@ -190,8 +210,9 @@ def test_orchestrator_without_a_radix_cache_and_with_a_tree_it_cannot_walk(caplo
     assert "--kv-canary-sweep-interval 2 has nothing to sweep" in caplog.text
     assert "ChunkCache" in caplog.text and orch.radix_cache is None
     assert not any(orch.maybe_run_sweep(s) for s in range(1, 10))
-    with pytest.raises(NotImplementedError,
-                       match="--kv-canary-sweep-interval cannot walk dict .*RadixCache"):
+    with pytest.raises(
+        NotImplementedError, match="--kv-canary-sweep-interval cannot walk dict .*RadixCache"
+    ):
         orch.attach_radix_cache({})
 
 
@@ -202,8 +223,11 @@ def test_sweep_catches_a_flipped_byte_in_a_cached_slot():
     cache, _ = _cache()
     cache.token_to_kv_pool_allocator = d.allocator
     for r in d.running:  # the cache holds the running requests' prefixes (as sglang's does)
-        cache.insert(InsertParams(key=RadixKey(r.tokens[: r.kv_len]),
-                                  value=torch.tensor(r.slots[: r.kv_len])))
+        cache.insert(
+            InsertParams(
+                key=RadixKey(r.tokens[: r.kv_len]), value=torch.tensor(r.slots[: r.kv_len])
+            )
+        )
     d.manager.attach_radix_cache(cache)
     before = d.manager.sweep_passes
     for _ in range(3):
@@ -215,8 +239,7 @@ def test_sweep_catches_a_flipped_byte_in_a_cached_slot():
     slot = victim.slots[1]
     d.kv_pool.k_buffer[0][slot].view(torch.uint8).view(-1)[0] ^= 0x3C
     report = d.report_within(2)
-    found = [(v.launch_tag, v.fail_reasons, v.slot_idx)
-             for v in parse_violation_lines(report)]
+    found = [(v.launch_tag, v.fail_reasons, v.slot_idx) for v in parse_violation_lines(report)]
     assert ("SWEEP_K_FULL", ("verify_real_kv_hash",), slot) in found, found
     assert found and all(tag.startswith("SWEEP") for tag, _, _ in found)
 
@@ -226,15 +249,38 @@ def test_walk_real_swa_radix_cache_skips_tombstones():
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool, SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 
-    pool = SWAKVPool(size=256, size_swa=64, page_size=1, dtype=torch.bfloat16, head_num=1,
-                     head_dim=8, swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
-                     enable_kvcache_transpose=False, device="cpu", enable_memory_saver=False)
-    alloc = SWATokenToKVPoolAllocator(size=256, size_swa=64, page_size=1, dtype=torch.bfloat16,
-                                      device="cpu", kvcache=pool, need_sort=False)
+    pool = SWAKVPool(
+        size=256,
+        size_swa=64,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=1,
+        head_dim=8,
+        swa_attention_layer_ids=[0],
+        full_attention_layer_ids=[1],
+        enable_kvcache_transpose=False,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    alloc = SWATokenToKVPoolAllocator(
+        size=256,
+        size_swa=64,
+        page_size=1,
+        dtype=torch.bfloat16,
+        device="cpu",
+        kvcache=pool,
+        need_sort=False,
+    )
     r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
-    cache = SWARadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t,
-                                          token_to_kv_pool_allocator=alloc, page_size=1,
-                                          sliding_window_size=8))
+    cache = SWARadixCache(
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=r2t,
+            token_to_kv_pool_allocator=alloc,
+            page_size=1,
+            sliding_window_size=8,
+        )
+    )
     a_tok = list(range(100, 130))
     a = alloc.alloc(30)
     cache.insert(InsertParams(key=RadixKey(a_tok), value=a, prev_prefix_len=0))
@@ -269,15 +315,26 @@ def test_sweep_of_a_swa_pool_reads_the_swa_records_through_the_table():
     through the pool's full -> SWA table before reading SWA records: clean sweeps stay clean,
     and a corrupted SWA byte of a slot only the cache holds is reported in the SWA slot
     space."""
-    d = ServingDriver(seed=31, pool="swa", num_slots=640, num_swa_slots=400, swa_window=12,
-                      real_data="partial", mode="raise", sweep_interval=1)
+    d = ServingDriver(
+        seed=31,
+        pool="swa",
+        num_slots=640,
+        num_swa_slots=400,
+        swa_window=12,
+        real_data="partial",
+        mode="raise",
+        sweep_interval=1,
+    )
     d.run(60)
     d.settle()
     cache, _ = _cache()
     cache.token_to_kv_pool_allocator = d.allocator
     for r in d.running:
-        cache.insert(InsertParams(key=RadixKey(r.tokens[: r.kv_len]),
-                                  value=torch.tensor(r.slots[: r.kv_len])))
+        cache.insert(
+            InsertParams(
+                key=RadixKey(r.tokens[: r.kv_len]), value=torch.tensor(r.slots[: r.kv_len])
+            )
+        )
     cached = walk_radix_cache_for_canary(radix_cache=cache).slot_indices.tolist()
     resident = {s for s in cached if d.swa_slot(s) > 0}
     # the two slot spaces really differ here (else an untranslated read would pass)
@@ -290,16 +347,22 @@ def test_sweep_of_a_swa_pool_reads_the_swa_records_through_the_table():
     # a request leaves the batch (only the cache holds its slots); flip one SWA byte of a
     # cached position still resident in the SWA pool
     victim = d.running.pop(0)
-    pos = next(p for p in range(victim.kv_len - 1, 0, -1)
-               if victim.slots[p] in resident and d.swa_slot(victim.slots[p]) > 0
-               and d.slot_refs[victim.slots[p]] == 1)
+    pos = next(
+        p
+        for p in range(victim.kv_len - 1, 0, -1)
+        if victim.slots[p] in resident
+        and d.swa_slot(victim.slots[p]) > 0
+        and d.slot_refs[victim.slots[p]] == 1
+    )
     slot = victim.slots[pos]
     swa_slot = d.swa_slot(slot)
     d.kv_pool.swa_kv_pool.k_buffer[0][swa_slot].view(torch.uint8).view(-1)[0] ^= 0x3C
     d.add_request(prompt_len=5, max_new=8)  # forwards keep running (the sweep follows them)
     report = d.report_within(2)
-    found = {(v.launch_tag, v.fail_reasons, v.slot_idx, v.position)
-             for v in parse_violation_lines(report)}
+    found = {
+        (v.launch_tag, v.fail_reasons, v.slot_idx, v.position)
+        for v in parse_violation_lines(report)
+    }
     assert found == {("SWEEP_K_SWA", ("verify_real_kv_hash",), swa_slot, pos)}, found
 
 
@@ -311,14 +374,23 @@ def test_walk_real_mamba_radix_cache():
 
     _, alloc = _cache()
     r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
-    cache = MambaRadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t,
-                                            token_to_kv_pool_allocator=alloc, page_size=1))
+    cache = MambaRadixCache(
+        CacheInitParams(
+            disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1
+        )
+    )
     a = alloc.alloc(12)
-    cache.insert(InsertParams(key=RadixKey(list(range(12))), value=a,
-                              mamba_value=torch.tensor([1])))
+    cache.insert(
+        InsertParams(key=RadixKey(list(range(12))), value=a, mamba_value=torch.tensor([1]))
+    )
     b = torch.cat([a[:5], alloc.alloc(6)])
-    cache.insert(InsertParams(key=RadixKey(list(range(5)) + list(range(50, 56))), value=b,
-                              mamba_value=torch.tensor([2])))
+    cache.insert(
+        InsertParams(
+            key=RadixKey(list(range(5)) + list(range(50, 56))),
+            value=b,
+            mamba_value=torch.tensor([2]),
+        )
+    )
     walk = walk_radix_cache_for_canary(radix_cache=cache)
     _check_walk(walk, [a, b])
     node = next(iter(cache.root_node.children.values()))  # the shared 5-token prefix

@@ -54,8 +54,9 @@ def make_pool():
     saved = sa._global_server_args
 
     def make(page_size: int, *, chunk: bool = False) -> "Pool":
-        sa.set_global_server_args_for_scheduler(sa.ServerArgs(model_path="dummy",
-                                                              page_size=page_size))
+        sa.set_global_server_args_for_scheduler(
+            sa.ServerArgs(model_path="dummy", page_size=page_size)
+        )
         return Pool(page_size, chunk=chunk)
 
     yield make
@@ -70,23 +71,31 @@ class Pool:
     def __init__(self, page_size: int, *, chunk: bool = False):
         self.page_size = page_size
         if page_size == 1:
-            self.alloc = TokenToKVPoolAllocator(NUM_SLOTS, torch.bfloat16, "cpu", None,
-                                                need_sort=False)
+            self.alloc = TokenToKVPoolAllocator(
+                NUM_SLOTS, torch.bfloat16, "cpu", None, need_sort=False
+            )
         else:
-            self.alloc = PagedTokenToKVPoolAllocator(NUM_SLOTS, page_size, torch.bfloat16, "cpu",
-                                                     None, need_sort=False)
-        self.r2t = ReqToTokenPool(size=8, max_context_len=128, device="cpu",
-                                  enable_memory_saver=False)
-        params = CacheInitParams(disable=False, req_to_token_pool=self.r2t,
-                                 token_to_kv_pool_allocator=self.alloc, page_size=page_size)
+            self.alloc = PagedTokenToKVPoolAllocator(
+                NUM_SLOTS, page_size, torch.bfloat16, "cpu", None, need_sort=False
+            )
+        self.r2t = ReqToTokenPool(
+            size=8, max_context_len=128, device="cpu", enable_memory_saver=False
+        )
+        params = CacheInitParams(
+            disable=False,
+            req_to_token_pool=self.r2t,
+            token_to_kv_pool_allocator=self.alloc,
+            page_size=page_size,
+        )
         self.cache = ChunkCache(params) if chunk else RadixCache(params)
         self.records = torch.zeros(NUM_SLOTS + page_size, CANARY_SLOT_BYTES, dtype=torch.uint8)
         self.live = []
         # abort mode's containment over this pool, attached as the scheduler attaches it
         resolver = RequestResolver(req_to_token=self.r2t.req_to_token)
         resolver.running_reqs = lambda: list(self.live)
-        self.containment = ContainmentManager(resolver=resolver, swa_index_lut=None,
-                                              records=self.records)
+        self.containment = ContainmentManager(
+            resolver=resolver, swa_index_lut=None, records=self.records
+        )
         self.containment.attach_radix_cache(self.cache)
         self.guard = self.containment.guard
         assert seam.release_guard_of(self.cache) is self.guard
@@ -111,7 +120,7 @@ class Pool:
         return req
 
     def row(self, req: Req):
-        return self.r2t.req_to_token[req.req_pool_idx, :req.kv_allocated_len].tolist()
+        return self.r2t.req_to_token[req.req_pool_idx, : req.kv_allocated_len].tolist()
 
     def release(self, req: Req, *, insert: bool = False) -> None:
         """sglang's release of a finished request, through the plugin's hook."""
@@ -133,17 +142,19 @@ class Pool:
         evictable and protected, and each live request's uncached tokens add up to the
         pool."""
         p = self.page_size
-        tree = (0 if isinstance(self.cache, ChunkCache)
-                else self.cache.evictable_size() + self.cache.protected_size())
-        uncached = sum(-(-r.kv_allocated_len // p) * p - r.cache_protected_len
-                       for r in self.live)
+        tree = (
+            0
+            if isinstance(self.cache, ChunkCache)
+            else self.cache.evictable_size() + self.cache.protected_size()
+        )
+        uncached = sum(-(-r.kv_allocated_len // p) * p - r.cache_protected_len for r in self.live)
         assert self.alloc.available_size() + tree + uncached == NUM_SLOTS, "sglang sees a leak"
 
     def check_accounting(self) -> None:
         """Every page of the pool exactly once: free, or named by a live row or a radix node
         (page 0 is the padding page, never handed out)."""
         p = self.page_size
-        free = (torch.cat([self.alloc.free_pages, self.alloc.release_pages]).tolist())
+        free = torch.cat([self.alloc.free_pages, self.alloc.release_pages]).tolist()
         assert len(free) == len(set(free)), "a page is free twice"
         held = {}
         for req in self.live:
@@ -162,9 +173,13 @@ def hooked(monkeypatch):
     ``HookRegistry`` wraps it in a server (restored after the test)."""
     for cls in (RadixCache, ChunkCache):
         original = cls.cache_finished_req
-        monkeypatch.setattr(cls, "cache_finished_req",
-                            lambda self, req, *a, _o=original, **k:
-                            plugin._cache_finished_req(_o, self, req, *a, **k))
+        monkeypatch.setattr(
+            cls,
+            "cache_finished_req",
+            lambda self, req, *a, _o=original, **k: plugin._cache_finished_req(
+                _o, self, req, *a, **k
+            ),
+        )
 
 
 def _corrupt(pool: Pool, req: Req, pos: int, slot: int) -> int:
@@ -177,7 +192,8 @@ def _corrupt(pool: Pool, req: Req, pos: int, slot: int) -> int:
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("first", ["victim", "donor"])
 def test_an_aborted_request_frees_its_own_slots_not_the_ones_its_corrupt_row_names(
-        make_pool, hooked, caplog, page_size, first):
+    make_pool, hooked, caplog, page_size, first
+):
     """A's last entry names B's slot (B still running): whichever of the two is released
     first, B's page is freed once, A's own page is found by its record and freed, and the
     pool loses nothing."""
@@ -212,8 +228,7 @@ def test_an_aborted_request_frees_its_own_slots_not_the_ones_its_corrupt_row_nam
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_without_the_guard_the_same_release_frees_a_live_page_and_leaks_one(
-        make_pool, page_size):
+def test_without_the_guard_the_same_release_frees_a_live_page_and_leaks_one(make_pool, page_size):
     """The defect the guard exists for, on the same objects: sglang alone frees B's page
     while B holds it, and A's own page is lost."""
     pool = make_pool(page_size)
@@ -226,7 +241,8 @@ def test_without_the_guard_the_same_release_frees_a_live_page_and_leaks_one(
 
 
 def test_a_corrupt_entry_whose_page_mates_free_its_own_page_is_attributed(
-        make_pool, hooked, caplog):
+    make_pool, hooked, caplog
+):
     """Page size 16: the entry's own slot is on a page its other entries still name, so the
     release frees it with them; nothing is reclaimed and nothing is unattributed."""
     pool = make_pool(16)
@@ -243,7 +259,8 @@ def test_a_corrupt_entry_whose_page_mates_free_its_own_page_is_attributed(
 
 
 def test_identical_prefixes_make_the_other_holders_slot_look_like_the_requests_own(
-        make_pool, hooked):
+    make_pool, hooked
+):
     """Two requests prefilled the same tokens (identical records). A's entry names B's slot:
     its record fits A too, but A's own slot, named by nobody, holds the same key: that one is
     A's, B's stays with B (in either order of release)."""
@@ -258,7 +275,7 @@ def test_identical_prefixes_make_the_other_holders_slot_look_like_the_requests_o
         _corrupt(pool, a, 6, pool.row(b)[6])
         for r in (a, b):
             seam.mark_contained(r)
-        for r in ((a, b) if first == "a" else (b, a)):
+        for r in (a, b) if first == "a" else (b, a):
             pool.release(r)
             pool.check_busy_count()
         pool.guard.settle(pool.cache)
@@ -268,7 +285,8 @@ def test_identical_prefixes_make_the_other_holders_slot_look_like_the_requests_o
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_a_corrupt_row_sglang_cached_before_its_report_is_evicted_under_the_guard(
-        make_pool, hooked, page_size):
+    make_pool, hooked, page_size
+):
     """On the GPU a report comes a forward late, and sglang may cache a request's row in the
     radix cache before (``cache_unfinished_req`` after a prefill): a corrupt entry then puts
     B's slot in the tree and leaves A's own slot with nobody (at page size 16: on a page the
@@ -285,11 +303,22 @@ def test_a_corrupt_row_sglang_cached_before_its_report_is_evicted_under_the_guar
     pool.release(a)  # its span is the tree's now: nothing of it to free
     # the incident (B's slot read at A's position 7) is contained: the prefix holding the
     # slot is evicted after the batch result
-    (incident,) = merge_incidents([ViolationRecord(
-        launch_tag=int(CanaryLaunchTag.HEAD_K_FULL), slot_idx=pool.row(b)[3], position=7,
-        stored_token=7, expected_token=-1, stored_chain_hash=0, expected_aux=0,
-        fail_bits=int(FailReason.VERIFY_POSITION_MISMATCH), read_position=7,
-        req_to_token_row=a.req_pool_idx or 0)])
+    (incident,) = merge_incidents(
+        [
+            ViolationRecord(
+                launch_tag=int(CanaryLaunchTag.HEAD_K_FULL),
+                slot_idx=pool.row(b)[3],
+                position=7,
+                stored_token=7,
+                expected_token=-1,
+                stored_chain_hash=0,
+                expected_aux=0,
+                fail_bits=int(FailReason.VERIFY_POSITION_MISMATCH),
+                read_position=7,
+                req_to_token_row=a.req_pool_idx or 0,
+            )
+        ]
+    )
     pool.containment.contain([incident], [IncidentRequests(rids=(), running=())])
     pool.containment.after_batch_result()
     assert pool.containment.evicted_nodes == 1
@@ -307,11 +336,16 @@ def _decode_batch(pool: Pool, reqs) -> ForwardBatch:
     one written), as the kept fault sees it before the forward."""
     rows = [r.req_pool_idx for r in reqs]
     lens = [r.kv_allocated_len for r in reqs]
-    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(reqs),
-                      input_ids=torch.tensor([r.origin_input_ids[-1] for r in reqs]),
-                      req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(lens),
-                      out_cache_loc=torch.tensor([pool.row(r)[-1] for r in reqs]),
-                      seq_lens_sum=sum(lens), positions=torch.tensor([n - 1 for n in lens]))
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=len(reqs),
+        input_ids=torch.tensor([r.origin_input_ids[-1] for r in reqs]),
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(lens),
+        out_cache_loc=torch.tensor([pool.row(r)[-1] for r in reqs]),
+        seq_lens_sum=sum(lens),
+        positions=torch.tensor([n - 1 for n in lens]),
+    )
     fb.seq_lens_cpu = torch.tensor(lens)
     return fb
 
@@ -319,7 +353,8 @@ def _decode_batch(pool: Pool, reqs) -> ForwardBatch:
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("seed", range(4))
 def test_the_kept_fault_loses_the_requests_own_page_and_the_guard_reclaims_it(
-        make_pool, hooked, page_size, seed):
+    make_pool, hooked, page_size, seed
+):
     """The self-test's kept ``req_to_token`` fault on real pools: at page size 16 it rewrites
     every entry of one of the victim's full pages (a single entry would leave the page named
     by its page mates, and nothing to reclaim), so the release must hold back the page the
@@ -328,12 +363,16 @@ def test_the_kept_fault_loses_the_requests_own_page_and_the_guard_reclaims_it(
     a = pool.request(40)
     b = pool.request(40)
     before = pool.row(a)
-    perturber = CanaryPerturber(config=PerturbConfig(seed=seed, warmup_steps=0,
-                                                                req_to_token_kept_prob=1.0),
-                                groups=(), req_to_token=pool.r2t.req_to_token,
-                                radix_cache=lambda: pool.cache, page_size=page_size)
-    perturber.before_forward(_decode_batch(pool, [a, b]), step=1,
-                             lasting_rows=lambda: {a.req_pool_idx})
+    perturber = CanaryPerturber(
+        config=PerturbConfig(seed=seed, warmup_steps=0, req_to_token_kept_prob=1.0),
+        groups=(),
+        req_to_token=pool.r2t.req_to_token,
+        radix_cache=lambda: pool.cache,
+        page_size=page_size,
+    )
+    perturber.before_forward(
+        _decode_batch(pool, [a, b]), step=1, lasting_rows=lambda: {a.req_pool_idx}
+    )
     (line,) = perturber.injected
     fault = parse_perturb_line(line)
     start, size = int(fault["position"]), int(fault.get("entries", 1))
@@ -344,9 +383,10 @@ def test_the_kept_fault_loses_the_requests_own_page_and_the_guard_reclaims_it(
     assert start % page_size == 0 and start + page_size <= 39  # never the seed's page
     donor = pool.row(b) if int(fault["donor_req_pool_idx"]) == b.req_pool_idx else before
     d0 = int(fault["donor_position"])
-    assert after[start:start + page_size] == donor[d0:d0 + page_size]
-    assert {s // page_size for s in after[start:start + page_size]} == \
-        {int(fault["new_slot"]) // page_size}
+    assert after[start : start + page_size] == donor[d0 : d0 + page_size]
+    assert {s // page_size for s in after[start : start + page_size]} == {
+        int(fault["new_slot"]) // page_size
+    }
     lost = {s // page_size for s in before} - {s // page_size for s in after}
     assert lost == {int(fault["old_slot"]) // page_size}  # the row no longer names its page
     for r in (a, b):
@@ -388,8 +428,7 @@ def test_a_page_the_radix_cache_holds_is_held_back(make_pool, hooked):
     assert pool.guard.held_back_slots == 1 and pool.guard.reclaimed_slots == 1
 
 
-def test_a_held_back_page_no_holder_names_any_more_is_freed_by_settle(make_pool,
-                                                                        hooked):
+def test_a_held_back_page_no_holder_names_any_more_is_freed_by_settle(make_pool, hooked):
     """A held-back page whose other holder left without freeing it (its row returned to
     sglang as a release that does not free would) is freed by the guard, once."""
     pool = make_pool(1)
@@ -411,8 +450,7 @@ def test_a_held_back_page_no_holder_names_any_more_is_freed_by_settle(make_pool,
     assert pool.guard.pending == [] and pool.guard.settled_slots == 1
 
 
-def test_an_entry_whose_own_slot_no_record_names_is_counted_unattributed(make_pool,
-                                                                          hooked):
+def test_an_entry_whose_own_slot_no_record_names_is_counted_unattributed(make_pool, hooked):
     """A's own slot lost its record as well: the guard cannot tell it is A's, so it holds
     B's slot back, counts the entry, and leaves A's slot allocated."""
     pool = make_pool(1)
@@ -443,14 +481,17 @@ def test_a_chunk_cache_release_is_guarded_too(make_pool, hooked):
 
 
 def test_a_guard_nested_in_a_guarded_release_leaves_it_to_the_outer_one(
-        make_pool, hooked, monkeypatch):
+    make_pool, hooked, monkeypatch
+):
     """The hook applied twice to the same method (a process that loaded the plugin twice, a
     subclass calling its parent's hooked method): one release, one guarded decision; the
     slot the row lost is freed once."""
     original = RadixCache.cache_finished_req  # already the plugin's wrap (``hooked``)
-    monkeypatch.setattr(RadixCache, "cache_finished_req",
-                        lambda self, req, *a, **k:
-                        plugin._cache_finished_req(original, self, req, *a, **k))
+    monkeypatch.setattr(
+        RadixCache,
+        "cache_finished_req",
+        lambda self, req, *a, **k: plugin._cache_finished_req(original, self, req, *a, **k),
+    )
     pool = make_pool(1)
     a = pool.request(6)
     b = pool.request(6)
@@ -462,13 +503,13 @@ def test_a_guard_nested_in_a_guarded_release_leaves_it_to_the_outer_one(
     assert pool.guard.guarded_releases == 1 and pool.guard.reclaimed_slots == 1
 
 
-def test_an_unmarked_request_is_released_by_sglang_alone(make_pool, hooked,
-                                                          monkeypatch):
+def test_an_unmarked_request_is_released_by_sglang_alone(make_pool, hooked, monkeypatch):
     """The hook does nothing for a request no incident touched: no guard work at all."""
     pool = make_pool(1)
     a = pool.request(6)
-    monkeypatch.setattr(pool.guard, "releasing",
-                        lambda *a, **k: pytest.fail("guarded an unmarked request"))
+    monkeypatch.setattr(
+        pool.guard, "releasing", lambda *a, **k: pytest.fail("guarded an unmarked request")
+    )
     pool.release(a)
     pool.check_accounting()
     assert pool.guard.guarded_releases == 0

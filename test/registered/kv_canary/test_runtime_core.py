@@ -45,9 +45,17 @@ pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
 
 def _mha_pool(size=64, page_size=1, layers=3):
-    return MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.bfloat16, head_num=2,
-                            head_dim=8, layer_num=layers, device="cpu",
-                            enable_memory_saver=False, enable_alt_stream=False)
+    return MHATokenToKVPool(
+        size=size,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
 
 
 # ---- attach + splice ------------------------------------------------------------------------
@@ -58,9 +66,9 @@ def _mha_pool(size=64, page_size=1, layers=3):
 def test_attach_mha_groups_and_splice(enable_v, page_size):
     pool = _mha_pool(page_size=page_size)
     before = pool.get_contiguous_buf_infos()
-    (group,) = attach_canary_buffers(pool=pool, config=CanaryConfig(mode="raise",
-                                                                     enable_mha_v=enable_v),
-                                     device="cpu")
+    (group,) = attach_canary_buffers(
+        pool=pool, config=CanaryConfig(mode="raise", enable_mha_v=enable_v), device="cpu"
+    )
     rows = pool.size + pool.page_size
     assert group.kind == PoolKind.FULL and group.num_slots == rows
     assert group.k_head.shape == (rows, CANARY_SLOT_BYTES) and group.k_head.dtype == torch.uint8
@@ -93,16 +101,20 @@ def test_unsupported_pool_names_the_supported_ones():
     pool = DeepSeekV4SingleKVPool.__new__(DeepSeekV4SingleKVPool)
     with pytest.raises(NotImplementedError, match="DeepSeekV4SingleKVPool") as exc:
         attach_canary_buffers(pool=pool, config=CanaryConfig(mode="raise"), device="cpu")
-    for name in ("MHATokenToKVPool", "MLATokenToKVPool", "NSATokenToKVPool",
-                 "HybridLinearKVPool", "SWAKVPool"):
+    for name in (
+        "MHATokenToKVPool",
+        "MLATokenToKVPool",
+        "NSATokenToKVPool",
+        "HybridLinearKVPool",
+        "SWAKVPool",
+    ):
         assert name in str(exc.value)
 
 
 # ---- clean serving loop -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("real_data,enable_v", [("none", False), ("partial", True),
-                                                ("all", False)])
+@pytest.mark.parametrize("real_data,enable_v", [("none", False), ("partial", True), ("all", False)])
 def test_serving_loop_has_no_false_positives(real_data, enable_v):
     d = ServingDriver(seed=3, real_data=real_data, enable_mha_v=enable_v)
     d.run(300)
@@ -127,13 +139,21 @@ def test_serving_loop_has_no_false_positives(real_data, enable_v):
 
 FAULTS = {
     # fault: (injector, expected tag(s), reasons that must appear, max steps to report)
-    "req_to_token_swap": ("fault_swap_req_to_token", {"HEAD_K_FULL"},
-                          {"verify_chain_hash", "verify_position"}, 1),
+    "req_to_token_swap": (
+        "fault_swap_req_to_token",
+        {"HEAD_K_FULL"},
+        {"verify_chain_hash", "verify_position"},
+        1,
+    ),
     "kv_byte_flip": ("fault_flip_kv_byte", {"TAIL_K_FULL"}, {"verify_real_kv_hash"}, 1),
     "record_field_flip": ("fault_flip_record_field", {"HEAD_K_FULL"}, {"verify_position"}, 1),
     # the thief's prefill overwrites the slot; the victim's next decode reads it
-    "slot_reused_while_referenced": ("fault_reuse_referenced_slot", {"HEAD_K_FULL"},
-                                     {"verify_position"}, 2),
+    "slot_reused_while_referenced": (
+        "fault_reuse_referenced_slot",
+        {"HEAD_K_FULL"},
+        {"verify_position"},
+        2,
+    ),
 }
 
 
@@ -147,11 +167,17 @@ def test_raise_names_the_rank_on_a_server_of_several():
     """In raise mode the report travels in the exception, which has no log prefix naming the
     rank: on a server of several ranks the message names it; on a one-rank server it does
     not."""
-    for ranks, said in ((RankFacts(tp_rank=1, tp_size=2),
-                         "KV-cache corruption on tp_rank 1, pp_rank 0, dp_rank 0:\n"),
-                        (RankFacts(pp_rank=1, pp_size=2),
-                         "KV-cache corruption on tp_rank 0, pp_rank 1, dp_rank 0:\n"),
-                        (None, "KV-cache corruption:\n")):
+    for ranks, said in (
+        (
+            RankFacts(tp_rank=1, tp_size=2),
+            "KV-cache corruption on tp_rank 1, pp_rank 0, dp_rank 0:\n",
+        ),
+        (
+            RankFacts(pp_rank=1, pp_size=2),
+            "KV-cache corruption on tp_rank 0, pp_rank 1, dp_rank 0:\n",
+        ),
+        (None, "KV-cache corruption:\n"),
+    ):
         d = ServingDriver(seed=11, mode="raise", real_data="partial", ranks=ranks)
         _inject(d, "req_to_token_swap")
         with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
@@ -185,18 +211,19 @@ def test_log_mode_logs_each_violation_once_and_keeps_serving(caplog):
     with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
         for _ in range(6):
             d.step()
-    lines = [v for r in caplog.records
-             for v in parse_violation_lines(r.getMessage(), unique=False)]
+    lines = [v for r in caplog.records for v in parse_violation_lines(r.getMessage(), unique=False)]
     assert d.manager.count_violations() >= 1
     # every incident logged exactly once, none twice: one line per forward step for the slot
     assert len(lines) == d.manager.violations.total_incidents >= 1
     assert len({v.forward_step for v in lines}) == len(lines)
     assert all(v.slot_idx == info["slot"] for v in lines)
-    assert all(v.launch_tag == "TAIL_K_FULL" and v.fail_reasons == ("verify_real_kv_hash",)
-               for v in lines)
+    assert all(
+        v.launch_tag == "TAIL_K_FULL" and v.fail_reasons == ("verify_real_kv_hash",) for v in lines
+    )
     # located: the request's req_to_token row and the position attention read the slot for
     assert {(v.req_to_token_row, v.read_position) for v in lines} == {
-        (info["row"], info["position"])}
+        (info["row"], info["position"])
+    }
     assert d.step_count >= 66  # kept serving
 
 
@@ -219,7 +246,8 @@ def test_req_to_token_fault_is_located_in_one_report():
     assert all(w.req_to_token_row == info["row"] for w in after)
     assert len(lines) == len({(w.slot_idx, w.read_position, w.req_to_token_row) for w in lines})
     assert f"req_to_token[{info['row']}, {info['position']}] = slot {info['new_slot']}" in str(
-        exc.value)
+        exc.value
+    )
 
 
 def test_ring_is_detailed_again_after_a_full_window(caplog):
@@ -245,8 +273,9 @@ def test_ring_is_detailed_again_after_a_full_window(caplog):
         burst_step = d.manager.step
         lines, text = reported(burst_step)
         assert len(lines) == 2 and {v.slot_idx for v in lines} <= set(burst)
-        m = re.search(rf"(\d+) more violation\(s\) not recorded at forward step {burst_step}\b",
-                      text)
+        m = re.search(
+            rf"(\d+) more violation\(s\) not recorded at forward step {burst_step}\b", text
+        )
         assert m is not None and int(m.group(1)) >= 3, text
         for s in burst:  # repaired: the next forward is clean again
             flip(s)
@@ -285,7 +314,9 @@ def test_phases_out_of_order_raise():
     fb = d._decode_batch(d.running)
     mgr = d.manager
     with mgr.with_active_single_forward_manager(0):
-        with pytest.raises(CanaryPhaseError, match="pre_ops_maybe_inside_graph called in phase idle"):
+        with pytest.raises(
+            CanaryPhaseError, match="pre_ops_maybe_inside_graph called in phase idle"
+        ):
             mgr.pre_ops_maybe_inside_graph(fb)
         with pytest.raises(CanaryPhaseError, match="post_ops_outside_graph"):
             mgr.active_sfm.post_ops_outside_graph()
@@ -305,9 +336,14 @@ def test_phases_out_of_order_raise():
 def test_capacity_errors_name_the_flag():
     d = ServingDriver(seed=1, max_reqs=12)
     cap = d.capacities.write_req_capacity
-    fb = d._make_batch(d._decode_batch.__func__.__globals__["ForwardMode"].DECODE,
-                       [1] * (cap + 1), list(range(cap + 1)), [1] * (cap + 1), [1] * (cap + 1),
-                       seq=[1] * (cap + 1))
+    fb = d._make_batch(
+        d._decode_batch.__func__.__globals__["ForwardMode"].DECODE,
+        [1] * (cap + 1),
+        list(range(cap + 1)),
+        [1] * (cap + 1),
+        [1] * (cap + 1),
+        seq=[1] * (cap + 1),
+    )
     with d.manager.with_active_single_forward_manager(0):
         with pytest.raises(RuntimeError, match="--max-running-requests"):
             with d.manager.with_ops_outside_graph(fb):
@@ -330,11 +366,14 @@ def test_a_forward_of_exactly_the_request_capacity_runs():
     def padded(rows_total):
         fb = d._decode_batch(d.running)
         pad = rows_total - fb.batch_size
-        return d._make_batch(ForwardMode.DECODE, fb.input_ids.tolist() + [0] * pad,
-                             fb.positions.tolist() + [0] * pad,
-                             fb.out_cache_loc.tolist() + [0] * pad,
-                             fb.req_pool_indices.tolist() + [0] * pad,
-                             seq=fb.seq_lens.tolist() + [1] * pad)
+        return d._make_batch(
+            ForwardMode.DECODE,
+            fb.input_ids.tolist() + [0] * pad,
+            fb.positions.tolist() + [0] * pad,
+            fb.out_cache_loc.tolist() + [0] * pad,
+            fb.req_pool_indices.tolist() + [0] * pad,
+            seq=fb.seq_lens.tolist() + [1] * pad,
+        )
 
     before = d.manager.step
     for _ in range(3):
@@ -363,9 +402,11 @@ def test_a_write_at_a_wrong_position_is_reported_only_after_init_finished():
     with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
         d._forward(fb)
     lines = parse_violation_lines(str(exc.value))
-    assert [(v.fail_reasons, v.slot_idx, v.position, v.read_position, v.req_to_token_row)
-            for v in lines] == [(("write_position",), info["slot"], info["position"],
-                                 info["position"], info["row"])], str(exc.value)
+    assert [
+        (v.fail_reasons, v.slot_idx, v.position, v.read_position, v.req_to_token_row) for v in lines
+    ] == [(("write_position",), info["slot"], info["position"], info["position"], info["row"])], (
+        str(exc.value)
+    )
     assert lines[0].expected_aux == info["expected_position"]
     assert set(lines[0].seen_by) == {"HEAD_K_FULL", "TAIL_K_FULL"}
 
@@ -412,8 +453,9 @@ def test_health_checker_raises_when_the_canary_stops_running():
 
 
 def test_health_checker_unit():
-    hc = KernelRunCounterHealthChecker(expected_tags=[CanaryLaunchTag.TAIL_K_FULL],
-                                       warmup_steps=10, interval_steps=5)
+    hc = KernelRunCounterHealthChecker(
+        expected_tags=[CanaryLaunchTag.TAIL_K_FULL], warmup_steps=10, interval_steps=5
+    )
     counters = [0] * 12
     for step in range(1, 30):
         counters[CanaryLaunchTag.TAIL_K_FULL] += 1
@@ -434,7 +476,8 @@ def test_violation_line_format():
         f"{VIOLATION_LINE_PREFIX} launch_tag=TAIL_K_FULL fail_reason=verify_chain_hash+"
         "verify_real_kv_hash slot_idx=812 position=37 stored_token=5 expected_token=-1 "
         "stored_chain_hash=0xfffffffffffffffe expected_aux=0x0000000000001234 forward_step=41 "
-        "read_position=36 req_to_token_row=7 seen_by=TAIL_K_FULL kv_layer=-1 rids=-")
+        "read_position=36 req_to_token_row=7 seen_by=TAIL_K_FULL kv_layer=-1 rids=-"
+    )
     # a per-layer fingerprint names its layer (and the block says which half)
     deep = row[:-1] + [27]
     deep[0] = int(CanaryLaunchTag.SWEEP_V_FULL)
@@ -448,14 +491,33 @@ def test_violation_line_format():
 def test_a_ring_row_is_decoded_once_into_a_record():
     """``ViolationRecord.from_row`` reads each column by its ``consts`` index (a row of another
     width is refused, naming both widths); it is the runtime's one reader of the columns."""
-    row = _row(CanaryLaunchTag.SWEEP_V_SWA, 812, 37, 5, 9, -2, 0x1234,
-               FailReason.VERIFY_REAL_KV_HASH_MISMATCH, read_position=36, req_row=-2, kv_layer=3)
+    row = _row(
+        CanaryLaunchTag.SWEEP_V_SWA,
+        812,
+        37,
+        5,
+        9,
+        -2,
+        0x1234,
+        FailReason.VERIFY_REAL_KV_HASH_MISMATCH,
+        read_position=36,
+        req_row=-2,
+        kv_layer=3,
+    )
     rec = ViolationRecord.from_row(row)
     assert rec == ViolationRecord(
-        launch_tag=int(CanaryLaunchTag.SWEEP_V_SWA), slot_idx=812, position=37, stored_token=5,
-        expected_token=9, stored_chain_hash=-2, expected_aux=0x1234,
-        fail_bits=int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH), read_position=36,
-        req_to_token_row=-2, kv_layer=3)
+        launch_tag=int(CanaryLaunchTag.SWEEP_V_SWA),
+        slot_idx=812,
+        position=37,
+        stored_token=5,
+        expected_token=9,
+        stored_chain_hash=-2,
+        expected_aux=0x1234,
+        fail_bits=int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH),
+        read_position=36,
+        req_to_token_row=-2,
+        kv_layer=3,
+    )
     assert rec.tag == CanaryLaunchTag.SWEEP_V_SWA and rec.tag_name == "SWEEP_V_SWA"
     assert rec.pool_kind == PoolKind.SWA and rec.on_host_tier  # -2: HOST_TIER_ROW
     unknown = ViolationRecord.from_row([99] + row[1:])
@@ -464,8 +526,11 @@ def test_a_ring_row_is_decoded_once_into_a_record():
         ViolationRecord.from_row(row[:-1])
     # nothing else in the runtime package indexes the ring's columns
     runtime = pathlib.Path(c.__file__).resolve().parents[2] / "srt" / "kv_canary"
-    readers = sorted(p.relative_to(runtime).as_posix() for p in runtime.rglob("*.py")
-                     if "VIOLATION_FIELD_" in p.read_text())
+    readers = sorted(
+        p.relative_to(runtime).as_posix()
+        for p in runtime.rglob("*.py")
+        if "VIOLATION_FIELD_" in p.read_text()
+    )
     assert readers == ["runner/violation_record.py"]
 
 
@@ -473,11 +538,14 @@ def test_violation_line_names_requests_and_round_trips_odd_ids():
     """``rids=`` ends the line, after every earlier field in its order; ids with a
     comma, a blank or an equals sign survive the round trip (percent-encoded); none is ``-``."""
     row = [int(CanaryLaunchTag.HEAD_K_FULL), 812, 37, 5, -1, -2, 0x1234, 2, 36, 7, -1]
-    inc = dataclasses.replace(merge_incidents(decode_ring_rows([row]))[0],
-                              rids=("a1b2", "user,req 7", "x=y%", "plain-id.3:4"))
+    inc = dataclasses.replace(
+        merge_incidents(decode_ring_rows([row]))[0],
+        rids=("a1b2", "user,req 7", "x=y%", "plain-id.3:4"),
+    )
     line = format_violation_line(inc, step=41)
-    assert line.endswith(" seen_by=HEAD_K_FULL kv_layer=-1 "
-                         "rids=a1b2,user%2Creq%207,x%3Dy%25,plain-id.3:4")
+    assert line.endswith(
+        " seen_by=HEAD_K_FULL kv_layer=-1 rids=a1b2,user%2Creq%207,x%3Dy%25,plain-id.3:4"
+    )
     plain = format_violation_line(ViolationRecord.from_row(row), step=41)
     assert line.startswith(plain.removesuffix(" rids=-"))
     parsed = parse_violation_line("INFO something: " + line + " trailing")
@@ -492,29 +560,83 @@ def test_one_line_per_incident_lists_every_tag():
     """HEAD and TAIL (and the V half) seeing one slot read for one position of one request in
     one forward window: one line, reasons united, every tag listed; another slot, position,
     row or pool kind is another incident."""
-    head = _row(CanaryLaunchTag.HEAD_K_FULL, 812, 37, 5, -1, 0, 0,
-                FailReason.VERIFY_POSITION_MISMATCH, read_position=36, req_row=7)
-    tail = _row(CanaryLaunchTag.TAIL_K_FULL, 812, 37, 5, -1, 0, 0,
-                FailReason.VERIFY_POSITION_MISMATCH | FailReason.VERIFY_REAL_KV_HASH_MISMATCH,
-                read_position=36, req_row=7)
+    head = _row(
+        CanaryLaunchTag.HEAD_K_FULL,
+        812,
+        37,
+        5,
+        -1,
+        0,
+        0,
+        FailReason.VERIFY_POSITION_MISMATCH,
+        read_position=36,
+        req_row=7,
+    )
+    tail = _row(
+        CanaryLaunchTag.TAIL_K_FULL,
+        812,
+        37,
+        5,
+        -1,
+        0,
+        0,
+        FailReason.VERIFY_POSITION_MISMATCH | FailReason.VERIFY_REAL_KV_HASH_MISMATCH,
+        read_position=36,
+        req_row=7,
+    )
     tail_v = list(tail)
     tail_v[c.VIOLATION_FIELD_KERNEL_KIND] = int(CanaryLaunchTag.TAIL_V_FULL)
-    nxt = _row(CanaryLaunchTag.HEAD_K_FULL, 813, 37, 6, -1, 0, 0,
-               FailReason.VERIFY_CHAIN_HASH_MISMATCH, read_position=37, req_row=7)
-    other_row = _row(CanaryLaunchTag.HEAD_K_FULL, 812, 37, 5, -1, 0, 0,
-                     FailReason.VERIFY_POSITION_MISMATCH, read_position=36, req_row=8)
-    swa = _row(CanaryLaunchTag.HEAD_K_SWA, 812, 37, 5, -1, 0, 0,
-               FailReason.VERIFY_POSITION_MISMATCH, read_position=36, req_row=7)
+    nxt = _row(
+        CanaryLaunchTag.HEAD_K_FULL,
+        813,
+        37,
+        6,
+        -1,
+        0,
+        0,
+        FailReason.VERIFY_CHAIN_HASH_MISMATCH,
+        read_position=37,
+        req_row=7,
+    )
+    other_row = _row(
+        CanaryLaunchTag.HEAD_K_FULL,
+        812,
+        37,
+        5,
+        -1,
+        0,
+        0,
+        FailReason.VERIFY_POSITION_MISMATCH,
+        read_position=36,
+        req_row=8,
+    )
+    swa = _row(
+        CanaryLaunchTag.HEAD_K_SWA,
+        812,
+        37,
+        5,
+        -1,
+        0,
+        0,
+        FailReason.VERIFY_POSITION_MISMATCH,
+        read_position=36,
+        req_row=7,
+    )
     incidents = merge_incidents(decode_ring_rows([head, nxt, tail, tail_v, other_row, swa]))
-    assert [(i.record.slot_idx, i.record.req_to_token_row)
-            for i in incidents] == [(812, 7), (813, 7), (812, 8), (812, 7)]
+    assert [(i.record.slot_idx, i.record.req_to_token_row) for i in incidents] == [
+        (812, 7),
+        (813, 7),
+        (812, 8),
+        (812, 7),
+    ]
     first = parse_violation_line(format_violation_line(incidents[0], step=9))
     assert first.launch_tag == "HEAD_K_FULL"
     assert first.seen_by == ("HEAD_K_FULL", "TAIL_K_FULL", "TAIL_V_FULL")
     assert first.fail_reasons == ("verify_position", "verify_real_kv_hash")
     assert (first.read_position, first.req_to_token_row) == (36, 7)
-    assert [parse_violation_line(format_violation_line(i, step=9)).seen_by
-            for i in incidents[1:]] == [("HEAD_K_FULL",), ("HEAD_K_FULL",), ("HEAD_K_SWA",)]
+    assert [
+        parse_violation_line(format_violation_line(i, step=9)).seen_by for i in incidents[1:]
+    ] == [("HEAD_K_FULL",), ("HEAD_K_FULL",), ("HEAD_K_SWA",)]
     # the explanation names the req_to_token entry attention read
     block = format_violation_block(incidents[0], 9)
     assert "req_to_token[7, 36] = slot 812" in block and "holds position 37" in block
@@ -524,7 +646,8 @@ def test_one_line_per_incident_lists_every_tag():
     tail_kv = list(nxt)
     tail_kv[c.VIOLATION_FIELD_KERNEL_KIND] = int(CanaryLaunchTag.TAIL_K_FULL)
     tail_kv[c.VIOLATION_FIELD_FAIL_REASON_BITS] = int(
-        FailReason.VERIFY_CHAIN_HASH_MISMATCH | FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
+        FailReason.VERIFY_CHAIN_HASH_MISMATCH | FailReason.VERIFY_REAL_KV_HASH_MISMATCH
+    )
     (both,) = merge_incidents(decode_ring_rows([nxt, tail_kv]))
     assert "predecessor req_to_token" not in format_violation_block(both, 9)
 
@@ -532,24 +655,28 @@ def test_one_line_per_incident_lists_every_tag():
 def test_an_incident_unites_the_reasons_of_all_its_rows():
     """Every reason any row of the incident carries is on its line, whichever row carries it
     (not only the first's or the last's), and the line's other fields are the first row's."""
-    reasons = (FailReason.VERIFY_POSITION_MISMATCH, FailReason.VERIFY_REAL_KV_HASH_MISMATCH,
-               FailReason.VERIFY_CHAIN_HASH_MISMATCH)
-    tags = (CanaryLaunchTag.HEAD_K_FULL, CanaryLaunchTag.TAIL_K_FULL,
-            CanaryLaunchTag.TAIL_V_FULL)
-    rows = [_row(tag, 40, 9, 100 + i, -1, 0, 0, bits, read_position=9, req_row=3)
-            for i, (tag, bits) in enumerate(zip(tags, reasons))]
+    reasons = (
+        FailReason.VERIFY_POSITION_MISMATCH,
+        FailReason.VERIFY_REAL_KV_HASH_MISMATCH,
+        FailReason.VERIFY_CHAIN_HASH_MISMATCH,
+    )
+    tags = (CanaryLaunchTag.HEAD_K_FULL, CanaryLaunchTag.TAIL_K_FULL, CanaryLaunchTag.TAIL_V_FULL)
+    rows = [
+        _row(tag, 40, 9, 100 + i, -1, 0, 0, bits, read_position=9, req_row=3)
+        for i, (tag, bits) in enumerate(zip(tags, reasons))
+    ]
     for order in ([0, 1, 2], [2, 1, 0], [1, 0, 2]):
         (inc,) = merge_incidents(decode_ring_rows([rows[i] for i in order]))
         assert inc.fail_bits == int(reasons[0] | reasons[1] | reasons[2])
         assert inc.seen_by == tuple(int(tags[i]) for i in order)
         line = parse_violation_line(format_violation_line(inc, step=4))
-        assert line.fail_reasons == ("verify_chain_hash", "verify_position",
-                                     "verify_real_kv_hash")
+        assert line.fail_reasons == ("verify_chain_hash", "verify_position", "verify_real_kv_hash")
         assert line.stored_token == 100 + order[0] and line.launch_tag == tags[order[0]].name
 
 
-def _row(tag, slot, pos, stored, expected, chain, aux, bits, *, read_position=0, req_row=-1,
-         kv_layer=-1):
+def _row(
+    tag, slot, pos, stored, expected, chain, aux, bits, *, read_position=0, req_row=-1, kv_layer=-1
+):
     row = [0] * c.VIOLATION_NUM_FIELDS
     row[c.VIOLATION_FIELD_KV_LAYER] = kv_layer
     row[c.VIOLATION_FIELD_READ_POSITION] = read_position
@@ -565,27 +692,86 @@ def _row(tag, slot, pos, stored, expected, chain, aux, bits, *, read_position=0,
     return row
 
 
-@pytest.mark.parametrize("tag,slot,pos,stored,expected,chain,aux,bits,step", [
-    (CanaryLaunchTag.TAIL_K_FULL, 812, 37, 5, -1, (1 << 64) - 2, 0x1234,
-     FailReason.VERIFY_CHAIN_HASH_MISMATCH | FailReason.VERIFY_REAL_KV_HASH_MISMATCH, 41),
-    # hashes with the top bit set (negative int64 in the ring), negative tokens / position
-    (CanaryLaunchTag.HEAD_K_SWA, 0, -1, -7, -123456, 0x8000000000000000, 0xFEDCBA9876543210,
-     FailReason.VERIFY_TOKEN_MISMATCH, 0),
-    (CanaryLaunchTag.SWEEP_K_FULL, 2 ** 40, 131071, 151935, 0, 0, (1 << 64) - 1,
-     FailReason.VERIFY_POSITION_MISMATCH, 10 ** 9),
-    (CanaryLaunchTag.HEAD_K_FULL, 3, 3, 1, 2, 0xDEADBEEF, 9,
-     FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH, 7),
-])
+@pytest.mark.parametrize(
+    "tag,slot,pos,stored,expected,chain,aux,bits,step",
+    [
+        (
+            CanaryLaunchTag.TAIL_K_FULL,
+            812,
+            37,
+            5,
+            -1,
+            (1 << 64) - 2,
+            0x1234,
+            FailReason.VERIFY_CHAIN_HASH_MISMATCH | FailReason.VERIFY_REAL_KV_HASH_MISMATCH,
+            41,
+        ),
+        # hashes with the top bit set (negative int64 in the ring), negative tokens / position
+        (
+            CanaryLaunchTag.HEAD_K_SWA,
+            0,
+            -1,
+            -7,
+            -123456,
+            0x8000000000000000,
+            0xFEDCBA9876543210,
+            FailReason.VERIFY_TOKEN_MISMATCH,
+            0,
+        ),
+        (
+            CanaryLaunchTag.SWEEP_K_FULL,
+            2**40,
+            131071,
+            151935,
+            0,
+            0,
+            (1 << 64) - 1,
+            FailReason.VERIFY_POSITION_MISMATCH,
+            10**9,
+        ),
+        (
+            CanaryLaunchTag.HEAD_K_FULL,
+            3,
+            3,
+            1,
+            2,
+            0xDEADBEEF,
+            9,
+            FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH,
+            7,
+        ),
+    ],
+)
 def test_violation_line_round_trip(tag, slot, pos, stored, expected, chain, aux, bits, step):
-    row = _row(tag, slot, pos, stored, expected, chain, aux, bits, read_position=pos + 1,
-               req_row=slot % 5 - 1)
+    row = _row(
+        tag,
+        slot,
+        pos,
+        stored,
+        expected,
+        chain,
+        aux,
+        bits,
+        read_position=pos + 1,
+        req_row=slot % 5 - 1,
+    )
     line = format_violation_line(ViolationRecord.from_row(row), step=step)
-    want = ViolationLine(launch_tag=tag.name, fail_reasons=tuple(FailReason.describe(int(bits))
-                                                                 .split("+")),
-                         slot_idx=slot, position=pos, stored_token=stored,
-                         expected_token=expected, stored_chain_hash=chain, expected_aux=aux,
-                         forward_step=step, read_position=pos + 1, req_to_token_row=slot % 5 - 1,
-                         seen_by=(tag.name,), kv_layer=-1, rids=())
+    want = ViolationLine(
+        launch_tag=tag.name,
+        fail_reasons=tuple(FailReason.describe(int(bits)).split("+")),
+        slot_idx=slot,
+        position=pos,
+        stored_token=stored,
+        expected_token=expected,
+        stored_chain_hash=chain,
+        expected_aux=aux,
+        forward_step=step,
+        read_position=pos + 1,
+        req_to_token_row=slot % 5 - 1,
+        seen_by=(tag.name,),
+        kv_layer=-1,
+        rids=(),
+    )
     assert parse_violation_line(line) == want
     assert all(0 <= h < 1 << 64 for h in (want.stored_chain_hash, want.expected_aux))
     # a ring row as the host reads it back (an int64 tensor row) formats the same way
@@ -603,8 +789,9 @@ def test_parse_violation_line_ignores_other_lines():
     assert parse_violation_lines("nothing to see\n") == []
     # the ring-full line starts with the same prefix but is not a violation
     reporter = ViolationReporter("raise")
-    row = _row(CanaryLaunchTag.TAIL_K_FULL, 5, 2, 1, 1, 0, 0,
-               FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
+    row = _row(
+        CanaryLaunchTag.TAIL_K_FULL, 5, 2, 1, 1, 0, 0, FailReason.VERIFY_REAL_KV_HASH_MISMATCH
+    )
     with pytest.raises(RuntimeError) as exc:
         reporter.report(merge_incidents(decode_ring_rows([row])), step=9, dropped=3)
     text = str(exc.value)
@@ -653,11 +840,15 @@ def test_device_host_handler_packs_mixed_dtypes_into_one_buffer():
     """Every watched tensor travels in one packed buffer; each host copy is its own tensor
     back (dtype, shape, values), aligned, and a later stage does not disturb the copy the
     consumer has not read yet (two buffers alternate)."""
-    src = _Nested(index=torch.tensor([3], dtype=torch.int32),
-                  ring=torch.arange(12, dtype=torch.int64).reshape(4, 3) - 5,
-                  statuses=(_Watched(x=torch.tensor([1, 0, 1], dtype=torch.int32)),
-                            _Watched(x=torch.tensor([-2**40], dtype=torch.int64))),
-                  flags=torch.tensor([True, False, True, True]))
+    src = _Nested(
+        index=torch.tensor([3], dtype=torch.int32),
+        ring=torch.arange(12, dtype=torch.int64).reshape(4, 3) - 5,
+        statuses=(
+            _Watched(x=torch.tensor([1, 0, 1], dtype=torch.int32)),
+            _Watched(x=torch.tensor([-(2**40)], dtype=torch.int64)),
+        ),
+        flags=torch.tensor([True, False, True, True]),
+    )
     h = DelayedDeviceHostHandler(src)
     assert h.num_bytes == 4 + 12 * 8 + 3 * 4 + 8 + 4
     h.stage()
@@ -672,8 +863,12 @@ def test_device_host_handler_packs_mixed_dtypes_into_one_buffer():
     assert host.index.tolist() == [3] and host.index.dtype == torch.int32
     assert host.ring.shape == (4, 3) and torch.equal(host.ring, -src.ring)
     assert host.statuses[0].x.tolist() == [1, 0, 1]
-    assert host.statuses[1].x.tolist() == [-2**40] and host.flags.tolist() == [True, False,
-                                                                               True, True]
+    assert host.statuses[1].x.tolist() == [-(2**40)] and host.flags.tolist() == [
+        True,
+        False,
+        True,
+        True,
+    ]
     for leaf in (host.index, host.ring, host.statuses[0].x, host.statuses[1].x, host.flags):
         assert leaf.data_ptr() % leaf.element_size() == 0
     h.stage()  # step T+1 into the other buffer: T's host copies stay as they were
@@ -692,8 +887,12 @@ def test_device_host_handler_empties_the_named_window_after_its_copy():
     """``zero_after_copy`` names watched tensors reset right after each copy (the violation
     ring's write index: one window per stage); the consumer still sees the value copied."""
     index = torch.tensor([3], dtype=torch.int32)
-    src = _Nested(index=index, ring=torch.zeros(2, 3, dtype=torch.int64), statuses=(),
-                  flags=torch.tensor([True]))
+    src = _Nested(
+        index=index,
+        ring=torch.zeros(2, 3, dtype=torch.int64),
+        statuses=(),
+        flags=torch.tensor([True]),
+    )
     h = DelayedDeviceHostHandler(src, zero_after_copy=(index,))
     h.stage()
     assert index.tolist() == [0]
@@ -705,14 +904,14 @@ def test_device_host_handler_empties_the_named_window_after_its_copy():
 def test_device_host_handler_refuses_to_zero_what_it_does_not_watch():
     watched = torch.zeros(2)
     with pytest.raises(ValueError, match=r"zero_after_copy entries \[1\] are not leaves"):
-        DelayedDeviceHostHandler(_Watched(x=watched),
-                                 zero_after_copy=(watched, torch.zeros(2)))
+        DelayedDeviceHostHandler(_Watched(x=watched), zero_after_copy=(watched, torch.zeros(2)))
 
 
 def test_device_host_handler_captures_only_on_cuda():
     h = DelayedDeviceHostHandler(_Watched(x=torch.zeros(2)))
     with pytest.raises(RuntimeError, match="captured only on CUDA"):
         h.capture()
+
 
 def test_parallel_lanes_run_in_order_off_cuda_and_refuse_more_sequences_than_lanes():
     from sglang.srt.kv_canary.cuda_streams import ParallelLanes
@@ -725,6 +924,7 @@ def test_parallel_lanes_run_in_order_off_cuda_and_refuse_more_sequences_than_lan
         lanes.run([lambda: None] * 4)
     with pytest.raises(ValueError, match="lanes >= 1, got 0"):
         ParallelLanes(0, "cpu")
+
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

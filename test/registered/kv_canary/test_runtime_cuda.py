@@ -168,6 +168,7 @@ class _Pair:
     index: torch.Tensor
     ring: torch.Tensor
 
+
 @pytest.mark.parametrize("captured", [False, True])
 def test_parallel_lanes_fork_from_and_join_the_current_stream(captured):
     """Each sequence after the first runs on a stream of its own, after the work queued on
@@ -186,7 +187,8 @@ def test_parallel_lanes_fork_from_and_join_the_current_stream(captured):
             streams.append(torch.cuda.current_stream())
             if i:  # held up (the first lane is the current stream): a missing join reads 0
                 torch.cuda._sleep(50_000_000)
-            out[i:i + 1].copy_(src[i:i + 1])
+            out[i : i + 1].copy_(src[i : i + 1])
+
         return run
 
     def work():
@@ -209,7 +211,6 @@ def test_parallel_lanes_fork_from_and_join_the_current_stream(captured):
     assert streams[0] == here and len({s.stream_id for s in streams}) == 3
     with pytest.raises(ValueError, match="4 sequences for 3 lanes"):
         lanes.run([lane(0)] * 4)
-
 
 
 def test_cuda_streams_match_torch_and_restore_the_stream():

@@ -45,9 +45,17 @@ pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
 
 def _mha_pool(size=64, layers=1):
-    return MHATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, head_num=2,
-                            head_dim=8, layer_num=layers, device="cpu",
-                            enable_memory_saver=False, enable_alt_stream=False)
+    return MHATokenToKVPool(
+        size=size,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
 
 
 # ---- single-forward manager: ops and phases ---------------------------------------------------
@@ -55,8 +63,7 @@ def _mha_pool(size=64, layers=1):
 
 def test_op_tables_are_keyed_by_sfm_op_only():
     assert set(TRANSITIONS) == set(SfmOp)
-    assert set(CAPTURE_TRANSITIONS) == {SfmOp.PRE_MAYBE_INSIDE_GRAPH,
-                                        SfmOp.POST_MAYBE_INSIDE_GRAPH}
+    assert set(CAPTURE_TRANSITIONS) == {SfmOp.PRE_MAYBE_INSIDE_GRAPH, SfmOp.POST_MAYBE_INSIDE_GRAPH}
     for table in (TRANSITIONS, CAPTURE_TRANSITIONS):
         for op, (allowed, after) in table.items():
             assert type(op) is SfmOp, op
@@ -66,8 +73,11 @@ def test_op_tables_are_keyed_by_sfm_op_only():
         assert callable(getattr(SingleForwardManager, op.value)), op
 
 
-_TAKES_BATCH = {SfmOp.PRE_OUTSIDE_GRAPH, SfmOp.PRE_MAYBE_INSIDE_GRAPH,
-                SfmOp.POST_MAYBE_INSIDE_GRAPH}
+_TAKES_BATCH = {
+    SfmOp.PRE_OUTSIDE_GRAPH,
+    SfmOp.PRE_MAYBE_INSIDE_GRAPH,
+    SfmOp.POST_MAYBE_INSIDE_GRAPH,
+}
 
 
 def _call(sfm, op, fb):
@@ -87,8 +97,12 @@ def test_sfm_rejects_every_out_of_order_op_naming_it():
     sfm = d.manager.sfms[0]
     # reach each phase of an eager forward in turn; in each, every op the table does not
     # allow from it raises, names itself (method name) and the phase, and changes nothing
-    path = [SfmOp.PRE_OUTSIDE_GRAPH, SfmOp.PRE_MAYBE_INSIDE_GRAPH, SfmOp.POST_MAYBE_INSIDE_GRAPH,
-            SfmOp.POST_OUTSIDE_GRAPH]
+    path = [
+        SfmOp.PRE_OUTSIDE_GRAPH,
+        SfmOp.PRE_MAYBE_INSIDE_GRAPH,
+        SfmOp.POST_MAYBE_INSIDE_GRAPH,
+        SfmOp.POST_OUTSIDE_GRAPH,
+    ]
     checked = 0
     for step in path:
         phase = sfm.phase
@@ -105,13 +119,18 @@ def test_sfm_rejects_every_out_of_order_op_naming_it():
     assert sfm.phase == SfmPhase.IDLE and checked == 4 * 4 - 1  # mark_replayed: one phase
     # during a CUDA-graph capture the outside ops are refused by name, inside ops checked
     with sfm.capturing():
-        for op in (SfmOp.PRE_OUTSIDE_GRAPH, SfmOp.MARK_REPLAYED_INSIDE_GRAPH,
-                   SfmOp.POST_OUTSIDE_GRAPH):
-            with pytest.raises(CanaryPhaseError,
-                               match=f"{op.value} must not run during CUDA-graph capture"):
+        for op in (
+            SfmOp.PRE_OUTSIDE_GRAPH,
+            SfmOp.MARK_REPLAYED_INSIDE_GRAPH,
+            SfmOp.POST_OUTSIDE_GRAPH,
+        ):
+            with pytest.raises(
+                CanaryPhaseError, match=f"{op.value} must not run during CUDA-graph capture"
+            ):
                 _call(sfm, op, fb)
-        with pytest.raises(CanaryPhaseError,
-                           match="post_ops_maybe_inside_graph called in phase idle"):
+        with pytest.raises(
+            CanaryPhaseError, match="post_ops_maybe_inside_graph called in phase idle"
+        ):
             _call(sfm, SfmOp.POST_MAYBE_INSIDE_GRAPH, fb)
     assert sfm.phase == SfmPhase.IDLE
 
@@ -131,8 +150,9 @@ def _swa_driver(monkeypatch, *, reorder_plans, small_capacity):
         real_for_server = CanaryLaunchCapacities.for_server.__func__
 
         def small(cls, **kw):
-            return dataclasses.replace(real_for_server(cls, **kw),
-                                       verify_capacity=SMALL_VERIFY_CAPACITY)
+            return dataclasses.replace(
+                real_for_server(cls, **kw), verify_capacity=SMALL_VERIFY_CAPACITY
+            )
 
         monkeypatch.setattr(CanaryLaunchCapacities, "for_server", classmethod(small))
     if reorder_plans:
@@ -143,26 +163,37 @@ def _swa_driver(monkeypatch, *, reorder_plans, small_capacity):
             self.plans = dict(reversed(list(self.plans.items())))
 
         monkeypatch.setattr(SingleForwardManager, "__init__", init)
-    d = ServingDriver(seed=5, pool="swa", num_slots=640, num_swa_slots=400, swa_window=WINDOW,
-                      max_running=6, mode="raise", real_data="partial",
-                      swa_divergence_interval=1000)
+    d = ServingDriver(
+        seed=5,
+        pool="swa",
+        num_slots=640,
+        num_swa_slots=400,
+        swa_window=WINDOW,
+        max_running=6,
+        mode="raise",
+        real_data="partial",
+        swa_divergence_interval=1000,
+    )
     sfm = d.manager.sfms[0]
     assert [g.kind for g in sfm.groups] == [PoolKind.FULL, PoolKind.SWA]
-    assert [g.kind for g in sfm.plans] == ([PoolKind.SWA, PoolKind.FULL] if reorder_plans
-                                          else [PoolKind.FULL, PoolKind.SWA])
+    assert [g.kind for g in sfm.plans] == (
+        [PoolKind.SWA, PoolKind.FULL] if reorder_plans else [PoolKind.FULL, PoolKind.SWA]
+    )
     assert (d.capacities.verify_capacity == SMALL_VERIFY_CAPACITY) == small_capacity
     return d
 
 
 @pytest.mark.parametrize("reorder_plans", [False, True])
 @pytest.mark.parametrize("disabled", ["full_by_overflow", "swa_by_status"])
-def test_overflow_and_divergence_are_read_against_the_right_group(monkeypatch, caplog,
-                                                                  reorder_plans, disabled):
+def test_overflow_and_divergence_are_read_against_the_right_group(
+    monkeypatch, caplog, reorder_plans, disabled
+):
     """FULL overflows its plans for real; or the SWA group's status entry is forced to 0
     after each forward. The read-back must skip exactly the disabled group's entries: a
     status matched to the groups in another order counts the other group's instead."""
-    d = _swa_driver(monkeypatch, reorder_plans=reorder_plans,
-                    small_capacity=disabled == "full_by_overflow")
+    d = _swa_driver(
+        monkeypatch, reorder_plans=reorder_plans, small_capacity=disabled == "full_by_overflow"
+    )
     sfm = d.manager.sfms[0]
     swa_index = [g.kind for g in sfm.groups].index(PoolKind.SWA)
     if disabled == "swa_by_status":
@@ -190,20 +221,28 @@ def test_overflow_and_divergence_are_read_against_the_right_group(monkeypatch, c
                 elif n:
                     skipped[group.kind] += 1
     assert d.step_count == 60
-    off, on = ((PoolKind.FULL, PoolKind.SWA) if disabled == "full_by_overflow"
-               else (PoolKind.SWA, PoolKind.FULL))
+    off, on = (
+        (PoolKind.FULL, PoolKind.SWA)
+        if disabled == "full_by_overflow"
+        else (PoolKind.SWA, PoolKind.FULL)
+    )
     # the disabled group was skipped on forwards with entries, the other never
     assert skipped[off] >= 5 and skipped[on] == 0, skipped
     rep = d.manager.swa_divergence
     assert rep.forwards == 60
     assert (rep.full_verify_entries, rep.swa_verify_entries) == (
-        expect[PoolKind.FULL], expect[PoolKind.SWA])
+        expect[PoolKind.FULL],
+        expect[PoolKind.SWA],
+    )
     assert expect[on] > 0
     if disabled == "swa_by_status":
         assert rep.swa_verify_entries == 0
     # every skipped group-forward was counted (and warned about) as an overflow
-    warned = [r.getMessage() for r in caplog.records
-              if "had more verify entries than the capacity" in r.getMessage()]
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if "had more verify entries than the capacity" in r.getMessage()
+    ]
     assert d.manager.overflow.overflows == len(warned) >= skipped[off]
     assert all("in 1 buffer group(s)" in w for w in warned)
     assert d.manager.count_violations() == 0
@@ -212,15 +251,20 @@ def test_overflow_and_divergence_are_read_against_the_right_group(monkeypatch, c
 # ---- the one assembly and its capacity formula ------------------------------------------------
 
 
-SERVER_INPUTS = CanaryCapacityInputs(context_len=40960, chunked_prefill_size=8192,
-                                     max_prefill_tokens=16384, cuda_graph_max_bs=256)
+SERVER_INPUTS = CanaryCapacityInputs(
+    context_len=40960, chunked_prefill_size=8192, max_prefill_tokens=16384, cuda_graph_max_bs=256
+)
 
 
 def test_capacity_formula_of_a_server():
-    caps = CanaryLaunchCapacities.for_server(num_slots=1000, req_to_token_rows=128,
-                                             inputs=SERVER_INPUTS)
+    caps = CanaryLaunchCapacities.for_server(
+        num_slots=1000, req_to_token_rows=128, inputs=SERVER_INPUTS
+    )
     assert (caps.verify_capacity, caps.write_req_capacity, caps.write_entry_capacity) == (
-        3000, 256, 41088)
+        3000,
+        256,
+        41088,
+    )
 
 
 def _clear_canary_env(monkeypatch):
@@ -247,32 +291,49 @@ def test_install_canary_assembles_through_build_canary_with_the_server_limits(mo
     req_to_token = torch.zeros((128, 8), dtype=torch.int32)
     runner = stand_in_model_runner(pool, req_to_token=req_to_token, context_len=40960)
     server_args = types.SimpleNamespace(
-        kv_canary="log", kv_canary_sweep_interval=0, kv_canary_real_data="none", device="cpu",
-        disable_piecewise_cuda_graph=True, enable_torch_compile=False,
-        chunked_prefill_size=8192, max_prefill_tokens=16384, cuda_graph_max_bs=256,
-        sampling_backend="pytorch")
+        kv_canary="log",
+        kv_canary_sweep_interval=0,
+        kv_canary_real_data="none",
+        device="cpu",
+        disable_piecewise_cuda_graph=True,
+        enable_torch_compile=False,
+        chunked_prefill_size=8192,
+        max_prefill_tokens=16384,
+        cuda_graph_max_bs=256,
+        sampling_backend="pytorch",
+    )
     manager = api.install_canary(server_args=server_args, model_runner=runner)
     assert len(calls) == 1 and calls[0][1] is manager
     kw = calls[0][0]
     assert kw["pool"] is pool and kw["req_to_token"] is req_to_token
     assert kw["capacity_inputs"] == SERVER_INPUTS
     assert manager.groups[0].num_slots == 1000
-    assert manager.capacities == CanaryLaunchCapacities(verify_capacity=3000,
-                                                        write_req_capacity=256,
-                                                        write_entry_capacity=41088)
+    assert manager.capacities == CanaryLaunchCapacities(
+        verify_capacity=3000, write_req_capacity=256, write_entry_capacity=41088
+    )
     assert sglang_seam.runner_canary(runner) is manager
 
 
 def _assembly(manager):
-    return (manager.capacities, manager.config,
-            [(g.kind, g.num_slots, g.has_v) for g in manager.groups],
-            [ep.tag for ep in manager.endpoints], len(manager.sfms),
-            manager.token_history is not None, manager.token_oracle is not None)
+    return (
+        manager.capacities,
+        manager.config,
+        [(g.kind, g.num_slots, g.has_v) for g in manager.groups],
+        [ep.tag for ep in manager.endpoints],
+        len(manager.sfms),
+        manager.token_history is not None,
+        manager.token_oracle is not None,
+    )
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(graph_bs=0, verify_tokens=True, max_reqs=7),
-                                dict(pool="swa", num_slots=640, num_swa_slots=400,
-                                     swa_window=WINDOW)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(graph_bs=0, verify_tokens=True, max_reqs=7),
+        dict(pool="swa", num_slots=640, num_swa_slots=400, swa_window=WINDOW),
+    ],
+)
 def test_the_driver_uses_build_canary(monkeypatch, kw):
     calls = []
     real = serving_driver.build_canary
@@ -290,24 +351,46 @@ def test_the_driver_uses_build_canary(monkeypatch, kw):
     assert args["pool"] is d.kv_pool and args["config"] is d.config
     assert args["req_to_token"] is d.req_to_token_pool.req_to_token
     assert d.capacities == CanaryLaunchCapacities.for_server(
-        num_slots=d.groups[0].num_slots, req_to_token_rows=d.req_to_token_pool.req_to_token
-        .shape[0], inputs=args["capacity_inputs"])
+        num_slots=d.groups[0].num_slots,
+        req_to_token_rows=d.req_to_token_pool.req_to_token.shape[0],
+        inputs=args["capacity_inputs"],
+    )
     # the same assembly by hand on a fresh pool of the same shape gives the same canary
     twin = ServingDriver.__new__(ServingDriver)
     twin.device = torch.device("cpu")
     if d.pool_kind == "mha":
-        fresh = MHATokenToKVPool(size=d.kv_pool.size, page_size=1, dtype=torch.bfloat16,
-                                 head_num=2, head_dim=8, layer_num=2, device="cpu",
-                                 enable_memory_saver=False, enable_alt_stream=False)
+        fresh = MHATokenToKVPool(
+            size=d.kv_pool.size,
+            page_size=1,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=8,
+            layer_num=2,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
     else:
         from sglang.srt.mem_cache.swa_memory_pool import SWATokenToKVPoolAllocator
 
         fresh = twin._build_swa_pool(640, 400)
-        SWATokenToKVPoolAllocator(size=640, size_swa=400, page_size=1, dtype=torch.bfloat16,
-                                  device="cpu", kvcache=fresh, need_sort=False)
-    by_hand = build_canary(pool=fresh, req_to_token=d.req_to_token_pool.req_to_token.clone(),
-                           config=d.config, capacity_inputs=args["capacity_inputs"],
-                           device="cpu", swa_window_size=args.get("swa_window_size"))
+        SWATokenToKVPoolAllocator(
+            size=640,
+            size_swa=400,
+            page_size=1,
+            dtype=torch.bfloat16,
+            device="cpu",
+            kvcache=fresh,
+            need_sort=False,
+        )
+    by_hand = build_canary(
+        pool=fresh,
+        req_to_token=d.req_to_token_pool.req_to_token.clone(),
+        config=d.config,
+        capacity_inputs=args["capacity_inputs"],
+        device="cpu",
+        swa_window_size=args.get("swa_window_size"),
+    )
     assert _assembly(by_hand) == _assembly(d.manager)
 
 
@@ -315,9 +398,13 @@ def test_build_canary_refuses_mode_none_before_touching_the_pool():
     pool = _mha_pool()
     before = pool.get_contiguous_buf_infos()
     with pytest.raises(ValueError, match="build_canary needs --kv-canary log, raise or abort"):
-        build_canary(pool=pool, req_to_token=torch.zeros((4, 16), dtype=torch.int32),
-                     config=CanaryConfig(mode="none"),
-                     capacity_inputs=CanaryCapacityInputs(context_len=16), device="cpu")
+        build_canary(
+            pool=pool,
+            req_to_token=torch.zeros((4, 16), dtype=torch.int32),
+            config=CanaryConfig(mode="none"),
+            capacity_inputs=CanaryCapacityInputs(context_len=16),
+            device="cpu",
+        )
     assert pool.get_contiguous_buf_infos() == before
     # nothing was spliced: the pool still takes its (one) attach
     attach_canary_buffers(pool=pool, config=CanaryConfig(mode="raise"), device="cpu")
@@ -355,9 +442,16 @@ def test_parse_violation_lines_counts_a_line_printed_twice_once():
 
 def _forward_batch():
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=2, input_ids=i64([1, 2]),
-                        req_pool_indices=i64([0, 1]), seq_lens=i64([3, 4]),
-                        out_cache_loc=i64([5, 6]), seq_lens_sum=7, positions=i64([2, 3]))
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=2,
+        input_ids=i64([1, 2]),
+        req_pool_indices=i64([0, 1]),
+        seq_lens=i64([3, 4]),
+        out_cache_loc=i64([5, 6]),
+        seq_lens_sum=7,
+        positions=i64([2, 3]),
+    )
 
 
 def test_batch_state_round_trips_through_the_seam_on_a_forward_batch():
@@ -414,8 +508,7 @@ def test_a_forward_failing_in_the_pre_ops_leaves_the_manager_idle():
     d = ServingDriver(seed=1, max_reqs=12)
     cap = d.capacities.write_req_capacity
     n = cap + 1
-    fb = d._make_batch(ForwardMode.DECODE, [1] * n, list(range(n)), [1] * n, [1] * n,
-                       seq=[1] * n)
+    fb = d._make_batch(ForwardMode.DECODE, [1] * n, list(range(n)), [1] * n, [1] * n, seq=[1] * n)
     with pytest.raises(RuntimeError, match="exceeds the canary's request capacity"):
         d._forward(fb)
     assert d.manager.sfms[0].phase == SfmPhase.IDLE
@@ -445,11 +538,13 @@ def test_a_model_calling_another_models_forward_is_bracketed_once():
             return self.language_model.forward(input_ids, positions, forward_batch)
 
     runner = types.SimpleNamespace(model=Outer())
-    assert sglang_seam.wrap_model_forward(runner, before=lambda fb: calls.append("before"),
-                                          after=lambda fb: calls.append("after"))
+    assert sglang_seam.wrap_model_forward(
+        runner, before=lambda fb: calls.append("before"), after=lambda fb: calls.append("after")
+    )
     # a second install on the same model does not wrap it again
-    assert not sglang_seam.wrap_model_forward(runner, before=lambda fb: calls.append("x"),
-                                              after=lambda fb: calls.append("x"))
+    assert not sglang_seam.wrap_model_forward(
+        runner, before=lambda fb: calls.append("x"), after=lambda fb: calls.append("x")
+    )
     runner.model.forward(torch.zeros(2), torch.zeros(2), object())
     assert calls == ["before", "outer", "inner", "after"]
 

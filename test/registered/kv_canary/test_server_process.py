@@ -43,8 +43,13 @@ _STAND_IN = textwrap.dedent("""
 
 def _stand_in(tmp_path, status: int) -> ServerProcess:
     port = free_port()
-    return ServerProcess("stand-in", [sys.executable, "-c", _STAND_IN, str(port), str(status)],
-                         port=port, env=dict(os.environ), log_path=tmp_path / "s.log")
+    return ServerProcess(
+        "stand-in",
+        [sys.executable, "-c", _STAND_IN, str(port), str(status)],
+        port=port,
+        env=dict(os.environ),
+        log_path=tmp_path / "s.log",
+    )
 
 
 def _running(pid: int) -> bool:
@@ -89,12 +94,19 @@ def test_ready_server_is_waited_for_and_stop_ends_its_whole_group(tmp_path):
 
 
 def test_a_server_that_exits_during_start_up_is_reported_with_its_log(tmp_path):
-    srv = ServerProcess("doomed", [sys.executable, "-c",
-                                   "print('bad flag --kv-canary', flush=True); raise SystemExit(3)"],
-                        port=free_port(), env=dict(os.environ), log_path=tmp_path / "d.log")
+    srv = ServerProcess(
+        "doomed",
+        [sys.executable, "-c", "print('bad flag --kv-canary', flush=True); raise SystemExit(3)"],
+        port=free_port(),
+        env=dict(os.environ),
+        log_path=tmp_path / "d.log",
+    )
     try:
-        with pytest.raises(ServerStartError, match=r"doomed server exited \(3\) during "
-                                                   r"start-up:\n.*bad flag --kv-canary"):
+        with pytest.raises(
+            ServerStartError,
+            match=r"doomed server exited \(3\) during "
+            r"start-up:\n.*bad flag --kv-canary",
+        ):
             srv.wait_ready(60)
     finally:
         srv.stop()
@@ -103,8 +115,11 @@ def test_a_server_that_exits_during_start_up_is_reported_with_its_log(tmp_path):
 def test_a_server_that_never_gets_healthy_times_out_with_its_log(tmp_path):
     srv = _stand_in(tmp_path, 503)
     try:
-        with pytest.raises(ServerStartError, match=r"(?s)stand-in server not ready after 3 s:\n"
-                                                   r".*stand-in up"):
+        with pytest.raises(
+            ServerStartError,
+            match=r"(?s)stand-in server not ready after 3 s:\n"
+            r".*stand-in up",
+        ):
             srv.wait_ready(3)
         assert srv.alive()
         child = _forked_child(srv)
@@ -130,8 +145,11 @@ def test_every_test_server_gets_its_own_ports_outside_the_ephemeral_range(tmp_pa
 
     ports = [free_port() for _ in range(50)]
     assert all(allowed(p) for p in ports), ports
-    picked = [make(str(tmp_path))["nccl_port"] for make in (cpu_engine_kwargs, gpu_engine_kwargs)
-              for _ in range(10)]
+    picked = [
+        make(str(tmp_path))["nccl_port"]
+        for make in (cpu_engine_kwargs, gpu_engine_kwargs)
+        for _ in range(10)
+    ]
     assert all(allowed(p) for p in picked), picked
     assert len(set(picked)) > 1, picked
     assert cpu_engine_kwargs(str(tmp_path), nccl_port=12345)["nccl_port"] == 12345
@@ -173,7 +191,8 @@ def test_a_workload_scripts_command_line_is_checked_before_any_engine_starts(tmp
     assert "device 'gpu'; allowed: cpu, cuda" in refusal("small_workload.py", model, "{}", "gpu")
     assert "must be a JSON object" in refusal("small_workload.py", model, "[1]")
     assert "['kv_canary'] are set by the script itself" in refusal(
-        "abort_workload.py", model, json.dumps({"kv_canary": "raise"}))
+        "abort_workload.py", model, json.dumps({"kv_canary": "raise"})
+    )
     sys.path.insert(0, str(SUPPORT_DIR))
     try:
         from engine_main import parse_argv
@@ -181,7 +200,11 @@ def test_a_workload_scripts_command_line_is_checked_before_any_engine_starts(tmp
         sys.path.remove(str(SUPPORT_DIR))
     args = parse_argv(["w.py", model, '{"page_size": 16}', "cuda", "long"])
     assert (args.model_dir, dict(args.engine_kwargs), args.device, args.rest) == (
-        model, {"page_size": 16}, "cuda", ("long",))
+        model,
+        {"page_size": 16},
+        "cuda",
+        ("long",),
+    )
     assert parse_argv(["w.py", model]).device == "cpu"
     assert tagged_json("x\nINFO {\"a\": 1}\nRESULT [2]\nRESULT [3]\n", "RESULT ") == [2]
 

@@ -100,8 +100,12 @@ SEED = 20261123
 CLIENT_THREADS = 6
 POOL_TOKENS = 2048  # --max-total-tokens: small enough that decodes fill it (retractions)
 CHUNK_TOKENS = 64  # --chunked-prefill-size
-SERVER_KWARGS = dict(max_total_tokens=POOL_TOKENS, chunked_prefill_size=CHUNK_TOKENS,
-                     enable_mixed_chunk=True, log_level="info")
+SERVER_KWARGS = dict(
+    max_total_tokens=POOL_TOKENS,
+    chunked_prefill_size=CHUNK_TOKENS,
+    enable_mixed_chunk=True,
+    log_level="info",
+)
 CONTEXT_LEN = TINY_LLAMA_CONFIG["max_position_embeddings"]  # 4096, sglang's context_len
 VOCAB = TINY_LLAMA_CONFIG["vocab_size"]
 FLUSH_EVERY_S = 10.0
@@ -113,15 +117,34 @@ FILL_PROMPTS = 24  # the fill phase: 24 x (8-16 + 120) tokens, well over the poo
 FILL_MAX_NEW = 120
 
 RETRACT_LOG = "KV cache pool is full. Retract requests."  # sglang scheduler's warning
-STATS_RE = re.compile(r"kv_canary stats: step=(\d+) protected_tokens=(\d+) sweep_passes=(\d+) "
-                      r"violations=(\d+)")
-CANARY_FLAGS = ["--kv-canary", "raise", "--kv-canary-sweep-interval", "2",
-                "--kv-canary-real-data", "all"]
-CANARY_ENV = {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-              "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": str(STATS_EVERY_N_STEPS)}
+STATS_RE = re.compile(
+    r"kv_canary stats: step=(\d+) protected_tokens=(\d+) sweep_passes=(\d+) "
+    r"violations=(\d+)"
+)
+CANARY_FLAGS = [
+    "--kv-canary",
+    "raise",
+    "--kv-canary-sweep-interval",
+    "2",
+    "--kv-canary-real-data",
+    "all",
+]
+CANARY_ENV = {
+    "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+    "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": str(STATS_EVERY_N_STEPS),
+}
 
-KINDS = ("shared_prefix", "chunked_prefill", "parallel_n", "long_decode", "stream_early_close",
-         "abort_by_rid", "client_timeout", "over_context", "over_pool")
+KINDS = (
+    "shared_prefix",
+    "chunked_prefill",
+    "parallel_n",
+    "long_decode",
+    "stream_early_close",
+    "abort_by_rid",
+    "client_timeout",
+    "over_context",
+    "over_pool",
+)
 KIND_WEIGHTS = (24, 12, 12, 14, 10, 10, 6, 4, 4)
 ABORT_MESSAGES = ("Aborted", "Abort in waiting queue")
 
@@ -162,10 +185,20 @@ def _greedy_probes(port: int) -> list[list[int]]:
     _flush_until_idle(port)
     outputs = []
     for prompt in _probe_prompts():
-        status, body = http_call(port, "POST", "/generate", {
-            "input_ids": prompt,
-            "sampling_params": {"temperature": 0, "max_new_tokens": PROBE_MAX_NEW,
-                                "ignore_eos": True}}, timeout=HTTP_TIMEOUT_S)
+        status, body = http_call(
+            port,
+            "POST",
+            "/generate",
+            {
+                "input_ids": prompt,
+                "sampling_params": {
+                    "temperature": 0,
+                    "max_new_tokens": PROBE_MAX_NEW,
+                    "ignore_eos": True,
+                },
+            },
+            timeout=HTTP_TIMEOUT_S,
+        )
         assert status == 200, (status, body[:500])
         res = json.loads(body)
         assert res["meta_info"]["finish_reason"]["type"] == "length", res["meta_info"]
@@ -174,6 +207,7 @@ def _greedy_probes(port: int) -> list[list[int]]:
 
 
 # ---- the soak ----------------------------------------------------------------------------------
+
 
 class Soak:
     def __init__(self, server: CliServer):
@@ -205,8 +239,10 @@ class Soak:
         forwards the abort before it answers, on the same channel as new requests, so one
         answered before t0 cannot; one sent after t1 cannot either (0.5 s of slack)."""
         with self.lock:
-            return any(sent <= t1 + 0.5 and t0 <= answered + 0.5
-                       for sent, answered in self.abort_all_windows)
+            return any(
+                sent <= t1 + 0.5 and t0 <= answered + 0.5
+                for sent, answered in self.abort_all_windows
+            )
 
     def post(self, kind: str, path: str, body, timeout: float = HTTP_TIMEOUT_S):
         """POST; a transport error is a problem unless the server has died (then it is the
@@ -247,14 +283,23 @@ class Soak:
                 self.problem(kind, f"finish length with {len(ids)} of {max_new} tokens")
         elif kind_of == "stop":
             if sp.get("ignore_eos") or len(ids) > max_new:
-                self.problem(kind, f"stop with ignore_eos={sp.get('ignore_eos')} after "
-                             f"{len(ids)} of {max_new} tokens")
+                self.problem(
+                    kind,
+                    f"stop with ignore_eos={sp.get('ignore_eos')} after "
+                    f"{len(ids)} of {max_new} tokens",
+                )
         else:
             self.problem(kind, f"unknown finish reason {reason}")
         return "finished"
 
-    def generate(self, kind: str, body: dict, *, aborts_expected: bool = False,
-                 timeout: float = HTTP_TIMEOUT_S) -> str:
+    def generate(
+        self,
+        kind: str,
+        body: dict,
+        *,
+        aborts_expected: bool = False,
+        timeout: float = HTTP_TIMEOUT_S,
+    ) -> str:
         t0 = time.monotonic()
         status, raw = self.post(kind, "/generate", body, timeout=timeout)
         if status is None:
@@ -292,32 +337,45 @@ class Soak:
     @staticmethod
     def shared_prompt(rng: random.Random) -> list[int]:
         p = rng.choice(SHARED_PREFIXES)
-        return p[:rng.randint(len(p) // 2, len(p))] + _tokens(rng, rng.randint(0, 40))
+        return p[: rng.randint(len(p) // 2, len(p))] + _tokens(rng, rng.randint(0, 40))
 
     def do_shared_prefix(self, rng):
-        return self.generate("shared_prefix", {
-            "input_ids": self.shared_prompt(rng),
-            "sampling_params": self.sampling(rng, rng.randint(1, 96))})
+        return self.generate(
+            "shared_prefix",
+            {
+                "input_ids": self.shared_prompt(rng),
+                "sampling_params": self.sampling(rng, rng.randint(1, 96)),
+            },
+        )
 
     def do_chunked_prefill(self, rng):
         n = rng.randint(CHUNK_TOKENS * 5 // 2, CHUNK_TOKENS * 6)
-        return self.generate("chunked_prefill", {
-            "input_ids": _tokens(rng, n),
-            "sampling_params": self.sampling(rng, rng.randint(4, 48))})
+        return self.generate(
+            "chunked_prefill",
+            {
+                "input_ids": _tokens(rng, n),
+                "sampling_params": self.sampling(rng, rng.randint(4, 48)),
+            },
+        )
 
     def do_parallel_n(self, rng):
         sp = self.sampling(rng, rng.randint(4, 48))
         sp["n"] = rng.randint(2, 4)
         sp["temperature"] = max(sp["temperature"], 0.7)
-        return self.generate("parallel_n", {"input_ids": self.shared_prompt(rng),
-                                            "sampling_params": sp})
+        return self.generate(
+            "parallel_n", {"input_ids": self.shared_prompt(rng), "sampling_params": sp}
+        )
 
     def do_long_decode(self, rng):
         # a batch of 2-4 prompts in one call, together more than the pool can decode
         prompts = [_tokens(rng, rng.randint(40, 250)) for _ in range(rng.randint(2, 4))]
-        return self.generate("long_decode", {
-            "input_ids": prompts,
-            "sampling_params": self.sampling(rng, rng.randint(150, 400), ignore_eos=True)})
+        return self.generate(
+            "long_decode",
+            {
+                "input_ids": prompts,
+                "sampling_params": self.sampling(rng, rng.randint(150, 400), ignore_eos=True),
+            },
+        )
 
     def fill_pool(self) -> str:
         """One call, before the clients start, that must overrun the pool: FILL_PROMPTS short
@@ -329,24 +387,39 @@ class Soak:
         prompts = [_tokens(rng, rng.randint(8, 16)) for _ in range(FILL_PROMPTS)]
         if FILL_PROMPTS * (16 + FILL_MAX_NEW) <= POOL_TOKENS:
             raise ValueError("the fill phase's requests fit in the pool: no retraction")
-        outcome = self.generate("fill_pool", {
-            "input_ids": prompts,
-            "sampling_params": {"max_new_tokens": FILL_MAX_NEW, "ignore_eos": True,
-                                "temperature": 0.0}})
+        outcome = self.generate(
+            "fill_pool",
+            {
+                "input_ids": prompts,
+                "sampling_params": {
+                    "max_new_tokens": FILL_MAX_NEW,
+                    "ignore_eos": True,
+                    "temperature": 0.0,
+                },
+            },
+        )
         self.note("fill_pool", outcome)
         return outcome
 
     def do_stream_early_close(self, rng):
         kind = "stream_early_close"
         rid = uuid.uuid4().hex
-        body = {"rid": rid, "stream": True, "input_ids": self.shared_prompt(rng),
-                "sampling_params": self.sampling(rng, rng.randint(100, 300), ignore_eos=True)}
+        body = {
+            "rid": rid,
+            "stream": True,
+            "input_ids": self.shared_prompt(rng),
+            "sampling_params": self.sampling(rng, rng.randint(100, 300), ignore_eos=True),
+        }
         want = rng.randint(1, 6)
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=HTTP_TIMEOUT_S)
         got, done = 0, False
         try:
-            conn.request("POST", "/generate", body=json.dumps(body),
-                         headers={"Content-Type": "application/json"})
+            conn.request(
+                "POST",
+                "/generate",
+                body=json.dumps(body),
+                headers={"Content-Type": "application/json"},
+            )
             resp = conn.getresponse()
             if resp.status != 200:
                 self.problem(kind, f"HTTP {resp.status}: {resp.read()[:300]!r}")
@@ -389,8 +462,11 @@ class Soak:
         kind = "abort_by_rid"
         rid = uuid.uuid4().hex  # fixed length: sglang aborts every rid *starting with* it
         prompt = self.shared_prompt(rng) + _tokens(rng, rng.randint(0, 200))
-        body = {"rid": rid, "input_ids": prompt,
-                "sampling_params": self.sampling(rng, rng.randint(100, 300), ignore_eos=True)}
+        body = {
+            "rid": rid,
+            "input_ids": prompt,
+            "sampling_params": self.sampling(rng, rng.randint(100, 300), ignore_eos=True),
+        }
         result: dict[str, str] = {}
 
         def send():
@@ -413,8 +489,10 @@ class Soak:
 
     def do_client_timeout(self, rng):
         kind = "client_timeout"
-        body = {"input_ids": self.shared_prompt(rng),
-                "sampling_params": self.sampling(rng, rng.randint(200, 400), ignore_eos=True)}
+        body = {
+            "input_ids": self.shared_prompt(rng),
+            "sampling_params": self.sampling(rng, rng.randint(200, 400), ignore_eos=True),
+        }
         try:
             return self.generate(kind, body, timeout=rng.uniform(0.2, 1.5))
         except TimeoutError:
@@ -422,33 +500,47 @@ class Soak:
 
     def _expect_400(self, kind: str, n_input: int, message: str) -> str:
         t0 = time.monotonic()
-        status, raw = self.post(kind, "/generate", {
-            "input_ids": [5] * n_input, "sampling_params": {"max_new_tokens": 4}})
+        status, raw = self.post(
+            kind,
+            "/generate",
+            {"input_ids": [5] * n_input, "sampling_params": {"max_new_tokens": 4}},
+        )
         if status is None:
             return "transport_error"
-        if (status == 200 and b'"type":"abort"' in raw
-                and self._explained_by_abort_all(t0, time.monotonic())):
+        if (
+            status == 200
+            and b'"type":"abort"' in raw
+            and self._explained_by_abort_all(t0, time.monotonic())
+        ):
             # an abort_all reached it in the waiting queue before the scheduler refused it
             return "aborted_by_abort_all"
         if status != 400 or message.encode() not in raw:
-            self.problem(kind, f"{n_input} input tokens: expected 400 {message!r}, got "
-                         f"{status} {raw[:300]!r}")
+            self.problem(
+                kind,
+                f"{n_input} input tokens: expected 400 {message!r}, got {status} {raw[:300]!r}",
+            )
             return f"http_{status}"
         return "rejected_400"
 
     def do_over_context(self, rng):
-        return self._expect_400("over_context", CONTEXT_LEN + rng.randint(0, 600),
-                                "longer than the model's context length")
+        return self._expect_400(
+            "over_context",
+            CONTEXT_LEN + rng.randint(0, 600),
+            "longer than the model's context length",
+        )
 
     def do_over_pool(self, rng):
         # sglang's max_req_input_len is min(context_len - 1, pool - 1) - 5
-        return self._expect_400("over_pool", rng.randint(POOL_TOKENS, CONTEXT_LEN - 8),
-                                "exceeds the maximum allowed length")
+        return self._expect_400(
+            "over_pool",
+            rng.randint(POOL_TOKENS, CONTEXT_LEN - 8),
+            "exceeds the maximum allowed length",
+        )
 
     # -- threads
     def client(self, index: int) -> None:
         rng = random.Random(SEED * 1000 + index)
-        first = list(KINDS[index % len(KINDS):] + KINDS[:index % len(KINDS)])
+        first = list(KINDS[index % len(KINDS) :] + KINDS[: index % len(KINDS)])
         while not self.stop.is_set():
             if not self.gate.wait(timeout=0.5):
                 continue
@@ -467,8 +559,7 @@ class Soak:
         with self.lock:
             self.abort_all_windows.append(window)
         try:
-            status, raw = self.post("abort_all", "/abort_request", {"abort_all": True},
-                                    timeout=30)
+            status, raw = self.post("abort_all", "/abort_request", {"abort_all": True}, timeout=30)
         except TimeoutError:
             status, raw = None, b""
             self.problem("abort_all", "no answer in 30 s")
@@ -509,8 +600,10 @@ class Soak:
             self.gate.set()
 
     def run(self, seconds: float) -> float:
-        clients = [threading.Thread(target=self.client, args=(i,), daemon=True,
-                                    name=f"soak-client-{i}") for i in range(CLIENT_THREADS)]
+        clients = [
+            threading.Thread(target=self.client, args=(i,), daemon=True, name=f"soak-client-{i}")
+            for i in range(CLIENT_THREADS)
+        ]
         t_start = time.monotonic()
         for t in clients:
             t.start()
@@ -540,28 +633,34 @@ class Soak:
     def report(self, elapsed: float, retractions_logged: int) -> str:
         lines = [f"soak: {elapsed:.0f} s, {CLIENT_THREADS} clients, seed {SEED}"]
         for kind in ("fill_pool", *KINDS, "flush_cache", "abort_all"):
-            detail = ", ".join(f"{k.split(':', 1)[1]}={v}"
-                               for k, v in sorted(self.outcomes.items())
-                               if k.split(":", 1)[0] == kind)
+            detail = ", ".join(
+                f"{k.split(':', 1)[1]}={v}"
+                for k, v in sorted(self.outcomes.items())
+                if k.split(":", 1)[0] == kind
+            )
             lines.append(f"  {kind:20s} {self.counts[kind]:5d}  ({detail})")
-        lines.append(f"  retractions: {retractions_logged} scheduler log lines, "
-                     f"{self.response_retractions} counted in responses' num_retractions")
+        lines.append(
+            f"  retractions: {retractions_logged} scheduler log lines, "
+            f"{self.response_retractions} counted in responses' num_retractions"
+        )
         lines.append(f"  problems: {len(self.problems)}")
         return "\n".join(lines)
 
 
 # ---- the test ----------------------------------------------------------------------------------
 
+
 def _assert_canary_silent(server: CliServer) -> str:
     """No violation report and no traceback in the server's output; returns the log."""
     log = server.log()
     violations = parse_violation_lines(log)
-    assert not violations, (f"{len(violations)} canary violation(s), first: {violations[0]}\n"
-                            f"{server.tail(40)}")
+    assert not violations, (
+        f"{len(violations)} canary violation(s), first: {violations[0]}\n{server.tail(40)}"
+    )
     assert VIOLATION_LINE_PREFIX not in log, server.tail(40)
     if "Traceback" in log:
         at = log.index("Traceback")
-        pytest.fail("Traceback in the server output:\n" + log[max(0, at - 2000):at + 4000])
+        pytest.fail("Traceback in the server output:\n" + log[max(0, at - 2000) : at + 4000])
     return log
 
 
@@ -582,8 +681,14 @@ def test_adversarial_soak_on_a_cli_server(tmp_path):
         # the soak so it takes no CPU from it
         baseline = CliServer("canary_off", tmp_path, model_dir, env, [], **SERVER_KWARGS)
         servers.append(baseline)
-        canary = CliServer("canary_raise", tmp_path, model_dir, dict(env, **CANARY_ENV),
-                           CANARY_FLAGS, **SERVER_KWARGS)
+        canary = CliServer(
+            "canary_raise",
+            tmp_path,
+            model_dir,
+            dict(env, **CANARY_ENV),
+            CANARY_FLAGS,
+            **SERVER_KWARGS,
+        )
         servers.append(canary)
         try:
             baseline.wait_ready()
@@ -601,7 +706,9 @@ def test_adversarial_soak_on_a_cli_server(tmp_path):
             soak = Soak(canary)
             fill = soak.fill_pool()
             assert fill == "finished" and not soak.problems, (fill, soak.problems)
-            assert RETRACT_LOG in canary.log(), "the fill phase never filled the pool: no retraction in the scheduler log"
+            assert RETRACT_LOG in canary.log(), (
+                "the fill phase never filled the pool: no retraction in the scheduler log"
+            )
             elapsed = soak.run(SOAK_SECONDS)
             alive = canary.alive()
             health = _health(canary.port) if alive else None
@@ -616,8 +723,10 @@ def test_adversarial_soak_on_a_cli_server(tmp_path):
         print(soak.report(elapsed, retractions))
         stats = [tuple(map(int, m)) for m in STATS_RE.findall(log)]
         if stats:
-            print("  last canary stats: step={} protected_tokens={} sweep_passes={} "
-                  "violations={}".format(*stats[-1]))
+            print(
+                "  last canary stats: step={} protected_tokens={} sweep_passes={} "
+                "violations={}".format(*stats[-1])
+            )
 
         # 1. the canary found nothing (a raise-mode report would also have stopped the server)
         log = _assert_canary_silent(canary)
@@ -669,10 +778,13 @@ def test_abort_mode_storm_on_a_cli_server(tmp_path):
     from canary_support.storm import StormSettings, failure_excerpt, run_storm
 
     t0 = time.monotonic()
-    figures = run_storm(StormSettings(mode="abort", seconds=STORM_SECONDS, idle_seconds=10,
-                                      out=tmp_path))
-    print(f"\nstorm: {json.dumps({k: v for k, v in figures.items() if k != 'checks'})} "
-          f"in {time.monotonic() - t0:.0f} s")
+    figures = run_storm(
+        StormSettings(mode="abort", seconds=STORM_SECONDS, idle_seconds=10, out=tmp_path)
+    )
+    print(
+        f"\nstorm: {json.dumps({k: v for k, v in figures.items() if k != 'checks'})} "
+        f"in {time.monotonic() - t0:.0f} s"
+    )
     failed = [name for name, ok in figures["checks"].items() if not ok]
     if failed:  # pytest shows a failing test's output: the server log's telling lines
         print("storm server, what it said:\n" + failure_excerpt(figures))

@@ -70,16 +70,29 @@ def test_the_draft_pool_needs_the_token_offset():
     from sglang.srt.kv_canary.ranks import RankFacts
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    pool = MHATokenToKVPool(size=1024, page_size=1, dtype=torch.bfloat16, head_num=2,
-                            head_dim=8, layer_num=1, device="cpu", enable_memory_saver=False,
-                            enable_alt_stream=False)
+    pool = MHATokenToKVPool(
+        size=1024,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
     d.draft_pool = pool
-    d.draft = build_canary(pool=pool, req_to_token=d.req_to_token_pool.req_to_token,
-                           config=d.config, device="cpu",
-                           capacity_inputs=CanaryCapacityInputs(context_len=256,
-                                                                chunked_prefill_size=24),
-                           kv_token_id_vs_position_offset=0, num_single_forward_managers=2,
-                           draft_forwards_per_round=2, ranks=RankFacts(draft=True))
+    d.draft = build_canary(
+        pool=pool,
+        req_to_token=d.req_to_token_pool.req_to_token,
+        config=d.config,
+        device="cpu",
+        capacity_inputs=CanaryCapacityInputs(context_len=256, chunked_prefill_size=24),
+        kv_token_id_vs_position_offset=0,
+        num_single_forward_managers=2,
+        draft_forwards_per_round=2,
+        ranks=RankFacts(draft=True),
+    )
     d.draft.mark_init_finished()
     with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
         d.run(30)
@@ -103,8 +116,9 @@ def test_a_flipped_byte_is_caught_by_its_pool_canary(which):
         for _ in range(10):  # prefills of new arrivals first, then the victim's next round
             d.step()
     lines = _lines(exc)
-    assert {(v.slot_idx, v.fail_reasons) for v in lines} == {(info["slot"],
-                                                              ("verify_real_kv_hash",))}
+    assert {(v.slot_idx, v.fail_reasons) for v in lines} == {
+        (info["slot"], ("verify_real_kv_hash",))
+    }
     assert manager.violations.total >= 1 and other.violations.total == 0
     # the report says which pool (a server with EAGLE has two canaries)
     named = "in the EAGLE draft model's KV pool" in str(exc.value)
@@ -117,7 +131,8 @@ def test_a_req_to_token_fault_is_caught_in_the_draft_round():
     d = EagleDriver(steps=3, seed=8, mode="raise", verify_tokens=True)
     d.run(30)
     while not any(r.prefilled and r.kv_len >= 4 for r in d.running) or any(
-            not r.prefilled for r in d.running):
+        not r.prefilled for r in d.running
+    ):
         d.step()
     info = d.swap_req_to_token()
     with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
@@ -148,10 +163,12 @@ _SPEC_MODES = {  # label: (spec v2, the pool the forward reads and writes)
 def _forward_label(manager_is_draft: bool, mode) -> str:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    return {(False, ForwardMode.TARGET_VERIFY): "target_verify",
-            (True, ForwardMode.DRAFT_EXTEND): "draft_extend",
-            (True, ForwardMode.DRAFT_EXTEND_V2): "draft_extend_v2",
-            (True, ForwardMode.DECODE): "draft_decode"}.get((manager_is_draft, mode), "prefill")
+    return {
+        (False, ForwardMode.TARGET_VERIFY): "target_verify",
+        (True, ForwardMode.DRAFT_EXTEND): "draft_extend",
+        (True, ForwardMode.DRAFT_EXTEND_V2): "draft_extend_v2",
+        (True, ForwardMode.DECODE): "draft_decode",
+    }.get((manager_is_draft, mode), "prefill")
 
 
 class _ForwardWatch:
@@ -175,10 +192,11 @@ class _ForwardWatch:
                 after(label, fb)
 
         d._eager = lambda manager, pool, fb: run(
-            _forward_label(manager is d.draft, fb.forward_mode), fb,
-            lambda: eager(manager, pool, fb))
-        d.around_forward = lambda fb, body: run("draft_decode", fb,
-                                                lambda: around(fb, body))
+            _forward_label(manager is d.draft, fb.forward_mode),
+            fb,
+            lambda: eager(manager, pool, fb),
+        )
+        d.around_forward = lambda fb, body: run("draft_decode", fb, lambda: around(fb, body))
 
 
 @pytest.mark.parametrize("label", sorted(_SPEC_MODES))
@@ -196,8 +214,11 @@ def test_each_speculative_forward_mode_verifies_what_it_reads(label):
         per_req = fb.out_cache_loc.shape[0] // len(rows)
         for i, row in enumerate(rows):
             # this forward reads the request's committed prefix [0, L)
-            prefix = (int(fb.extend_prefix_lens[i]) if lab.startswith("draft_extend")
-                      else int(fb.positions[per_req * i]))
+            prefix = (
+                int(fb.extend_prefix_lens[i])
+                if lab.startswith("draft_extend")
+                else int(fb.positions[per_req * i])
+            )
             if prefix >= 3:
                 p = d.rng.randrange(0, prefix - 1)
                 slot = int(d.req_to_token_pool.req_to_token[row, p])
@@ -236,8 +257,7 @@ def test_each_speculative_forward_mode_writes_the_records_of_its_slots(label):
         for name in ("k_head", "k_tail"):
             words = getattr(group, name).view(torch.int64)[slots]
             got = words[:, [CANARY_FIELD_TOKEN, CANARY_FIELD_POSITION]]
-            wrong.extend((name, int(s)) for s, ok in zip(slots, (got == want).all(dim=1))
-                         if not ok)
+            wrong.extend((name, int(s)) for s, ok in zip(slots, (got == want).all(dim=1)) if not ok)
         checked.append(n)
 
     _ForwardWatch(d, after=after)
@@ -269,14 +289,19 @@ def test_pr26329_chunk_end_draft_input_uses_the_sampled_token(v2):
     the target's sampled token instead of the next prompt token, so the draft KV of the
     chunk's last position was computed from the wrong token. The draft canary's token check
     reports it when the next chunk reads that position."""
-    d = EagleDriver(steps=3, v2=v2, seed=12, mode="raise", verify_tokens=True,
-                    bug_chunk_end_uses_sampled_token=True)
+    d = EagleDriver(
+        steps=3,
+        v2=v2,
+        seed=12,
+        mode="raise",
+        verify_tokens=True,
+        bug_chunk_end_uses_sampled_token=True,
+    )
     with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
         d.run(40)
     lines = _lines(exc)
     assert {r for v in lines for r in v.fail_reasons} == {"verify_token"}
-    assert all(v.position % d.chunk == d.chunk - 1 for v in lines), \
-        [v.position for v in lines]
+    assert all(v.position % d.chunk == d.chunk - 1 for v in lines), [v.position for v in lines]
     assert d.target.violations.total == 0
 
 
@@ -390,8 +415,11 @@ def test_draft_runner_init_leaves_the_chain_check_to_the_worker(monkeypatch):
     for target in (seam.HOOK_EAGLE_V1_INIT_CUDA_GRAPHS, seam.HOOK_EAGLE_V2_INIT_CUDA_GRAPHS):
         hook, kind = _hook(monkeypatch, target)
         flag.zero_()
-        worker = (_DraftWorkerV2(runner) if target == seam.HOOK_EAGLE_V2_INIT_CUDA_GRAPHS
-                  else _DraftWorkerV1(runner))
+        worker = (
+            _DraftWorkerV2(runner)
+            if target == seam.HOOK_EAGLE_V2_INIT_CUDA_GRAPHS
+            else _DraftWorkerV1(runner)
+        )
         _wrap_fn(lambda self: None, hook, HookType[kind])(worker)
         assert int(flag[0]) == 1, target
 
@@ -424,25 +452,37 @@ def test_perturbation_can_target_the_draft_worker_only():
     assert cfg.injects_on(RankFacts()) and not cfg.injects_on(RankFacts(draft=True))
     both = PerturbConfig(req_to_token_prob=1.0)
     assert both.injects_on(RankFacts()) and both.injects_on(RankFacts(draft=True))
-    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_TARGET_WORKER must be "
-                                         "target or draft"):
+    with pytest.raises(
+        ValueError, match="SGLANG_KV_CANARY_PERTURB_TARGET_WORKER must be target or draft"
+    ):
         PerturbConfig(req_to_token_prob=1.0, target_worker="both")
 
 
 def _runner(pool, *, draft: bool):
-    return stand_in_model_runner(pool, req_to_token=torch.zeros((16, 64), dtype=torch.int32),
-                                 context_len=64, draft=draft)
+    return stand_in_model_runner(
+        pool, req_to_token=torch.zeros((16, 64), dtype=torch.int32), context_len=64, draft=draft
+    )
 
 
 def _spec_server_args(**kw):
     import types
 
-    base = dict(kv_canary="raise", kv_canary_sweep_interval=0, kv_canary_real_data="partial",
-                device="cpu", disable_piecewise_cuda_graph=True, enable_torch_compile=False,
-                chunked_prefill_size=64, max_prefill_tokens=128, cuda_graph_max_bs=8,
-                sampling_backend="pytorch", speculative_algorithm="EAGLE",
-                speculative_num_steps=4, speculative_eagle_topk=1,
-                speculative_num_draft_tokens=5)
+    base = dict(
+        kv_canary="raise",
+        kv_canary_sweep_interval=0,
+        kv_canary_real_data="partial",
+        device="cpu",
+        disable_piecewise_cuda_graph=True,
+        enable_torch_compile=False,
+        chunked_prefill_size=64,
+        max_prefill_tokens=128,
+        cuda_graph_max_bs=8,
+        sampling_backend="pytorch",
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=4,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=5,
+    )
     base.update(kw)
     return types.SimpleNamespace(**base)
 
@@ -456,15 +496,27 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
 
     for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
         monkeypatch.delenv(name)
-    pools = [MHATokenToKVPool(size=63, page_size=1, dtype=torch.bfloat16, head_num=2,
-                              head_dim=8, layer_num=1, device="cpu",
-                              enable_memory_saver=False, enable_alt_stream=False)
-             for _ in range(2)]
+    pools = [
+        MHATokenToKVPool(
+            size=63,
+            page_size=1,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=8,
+            layer_num=1,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
+        for _ in range(2)
+    ]
     with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
-        target = api.install_canary(server_args=_spec_server_args(),
-                                    model_runner=_runner(pools[0], draft=False))
-        draft = api.install_canary(server_args=_spec_server_args(),
-                                   model_runner=_runner(pools[1], draft=True))
+        target = api.install_canary(
+            server_args=_spec_server_args(), model_runner=_runner(pools[0], draft=False)
+        )
+        draft = api.install_canary(
+            server_args=_spec_server_args(), model_runner=_runner(pools[1], draft=True)
+        )
     assert draft is not None, "the draft runner got no canary"
     assert [g.kv_token_id_vs_position_offset for g in draft.groups] == [1]
     assert [g.kv_token_id_vs_position_offset for g in target.groups] == [0]
@@ -474,13 +526,16 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
     assert not [r for r in caplog.records if "draft" in r.getMessage()], caplog.records
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(speculative_eagle_topk=2), "--speculative-eagle-topk 1 only"),
-    (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm NGRAM yet"),
-    (dict(speculative_algorithm="STANDALONE"), "--speculative-algorithm STANDALONE yet"),
-    (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
-    (dict(speculative_adaptive=True), "--speculative-adaptive"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(speculative_eagle_topk=2), "--speculative-eagle-topk 1 only"),
+        (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm NGRAM yet"),
+        (dict(speculative_algorithm="STANDALONE"), "--speculative-algorithm STANDALONE yet"),
+        (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
+        (dict(speculative_adaptive=True), "--speculative-adaptive"),
+    ],
+)
 def test_what_speculative_coverage_refuses_names_the_flag(monkeypatch, kw, match):
     from sglang.srt.kv_canary import api
 

@@ -53,16 +53,27 @@ def cli(model_dir, *argv):
     """``sglang serve`` / ``launch_server``'s parse of ``argv``."""
     from sglang.srt.server_args import prepare_server_args
 
-    return prepare_server_args(["--model-path", model_dir, "--device", "cpu",
-                                "--skip-tokenizer-init", "--load-format", "dummy", *argv])
+    return prepare_server_args(
+        [
+            "--model-path",
+            model_dir,
+            "--device",
+            "cpu",
+            "--skip-tokenizer-init",
+            "--load-format",
+            "dummy",
+            *argv,
+        ]
+    )
 
 
 def kwargs(model_dir, **kw):
     """What ``sglang.Engine(**kw)`` builds."""
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs(model_path=model_dir, device="cpu", skip_tokenizer_init=True,
-                      load_format="dummy", **kw)
+    return ServerArgs(
+        model_path=model_dir, device="cpu", skip_tokenizer_init=True, load_format="dummy", **kw
+    )
 
 
 def cli_error(capsys, model_dir, *argv) -> str:
@@ -79,43 +90,60 @@ def cli_error(capsys, model_dir, *argv) -> str:
 # ---- the command line accepts every self-test configuration ----------------------------------
 
 
-@pytest.mark.parametrize("env,argv", [
-    ({"SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.5",
-      "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full"},
-     ["--kv-canary", "log", "--kv-canary-real-data", "partial"]),
-    ({"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1"}, ["--kv-canary", "log"]),
-    ({}, ["--kv-canary", "raise", "--sampling-backend", "token_oracle"]),
-    ({"SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "1",
-      "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "1"}, ["--kv-canary", "log"]),
-])
-def test_self_test_configurations_start_from_the_command_line(monkeypatch, model_dir, env,
-                                                               argv):
+@pytest.mark.parametrize(
+    "env,argv",
+    [
+        (
+            {
+                "SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.5",
+                "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP": "full",
+            },
+            ["--kv-canary", "log", "--kv-canary-real-data", "partial"],
+        ),
+        ({"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "1"}, ["--kv-canary", "log"]),
+        ({}, ["--kv-canary", "raise", "--sampling-backend", "token_oracle"]),
+        (
+            {
+                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "1",
+                "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "1",
+            },
+            ["--kv-canary", "log"],
+        ),
+    ],
+)
+def test_self_test_configurations_start_from_the_command_line(monkeypatch, model_dir, env, argv):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     sa = cli(model_dir, *argv)
     assert sa.kv_canary == argv[1]
     assert CanaryConfig.from_server_args(sa).enabled
-    sa = kwargs(model_dir, **{k.lstrip("-").replace("-", "_"): v
-                              for k, v in zip(argv[::2], argv[1::2])})
+    sa = kwargs(
+        model_dir, **{k.lstrip("-").replace("-", "_"): v for k, v in zip(argv[::2], argv[1::2])}
+    )
     assert sa.kv_canary == argv[1]
 
 
-def test_the_command_line_still_refuses_a_self_test_without_the_canary(monkeypatch, model_dir,
-                                                                       capsys):
+def test_the_command_line_still_refuses_a_self_test_without_the_canary(
+    monkeypatch, model_dir, capsys
+):
     assert "needs --kv-canary log, raise or abort" in cli_error(
-        capsys, model_dir, "--sampling-backend", "token_oracle")
+        capsys, model_dir, "--sampling-backend", "token_oracle"
+    )
 
 
 # ---- one parse for every route ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flag,value,canonical", [
-    ("--kv-canary", "RAISE", "raise"),
-    ("--kv-canary", " log ", "log"),
-    ("--kv-canary-real-data", "ALL", "all"),
-    ("--kv-canary-sweep-interval", "3", 3),
-    ("--kv-canary-real-data-layers", " First ", "first"),
-])
+@pytest.mark.parametrize(
+    "flag,value,canonical",
+    [
+        ("--kv-canary", "RAISE", "raise"),
+        ("--kv-canary", " log ", "log"),
+        ("--kv-canary-real-data", "ALL", "all"),
+        ("--kv-canary-sweep-interval", "3", 3),
+        ("--kv-canary-real-data-layers", " First ", "first"),
+    ],
+)
 def test_the_same_spellings_are_accepted_everywhere(model_dir, flag, value, canonical):
     name = flag.lstrip("-").replace("-", "_")
     extra = [] if name == "kv_canary" else ["--kv-canary", "log"]
@@ -124,23 +152,25 @@ def test_the_same_spellings_are_accepted_everywhere(model_dir, flag, value, cano
     assert getattr(kwargs(model_dir, **extra_kw, **{name: value}), name) == canonical
 
 
-@pytest.mark.parametrize("flag,value", [
-    ("--kv-canary", "sometimes"),
-    ("--kv-canary", ""),
-    ("--kv-canary", None),
-    ("--kv-canary-real-data", "most"),
-    ("--kv-canary-real-data", None),
-    ("--kv-canary-real-data-layers", "most"),
-    ("--kv-canary-real-data-layers", None),
-    ("--kv-canary-sweep-interval", "abc"),
-    ("--kv-canary-sweep-interval", "-1"),
-    ("--kv-canary-sweep-interval", "1.5"),
-    ("--kv-canary-sweep-interval", 1.5),
-    ("--kv-canary-sweep-interval", True),
-    ("--kv-canary-sweep-interval", str(10**10)),
-])
-def test_the_same_values_are_refused_everywhere_naming_the_flag(capsys, model_dir, flag,
-                                                                value):
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--kv-canary", "sometimes"),
+        ("--kv-canary", ""),
+        ("--kv-canary", None),
+        ("--kv-canary-real-data", "most"),
+        ("--kv-canary-real-data", None),
+        ("--kv-canary-real-data-layers", "most"),
+        ("--kv-canary-real-data-layers", None),
+        ("--kv-canary-sweep-interval", "abc"),
+        ("--kv-canary-sweep-interval", "-1"),
+        ("--kv-canary-sweep-interval", "1.5"),
+        ("--kv-canary-sweep-interval", 1.5),
+        ("--kv-canary-sweep-interval", True),
+        ("--kv-canary-sweep-interval", str(10**10)),
+    ],
+)
+def test_the_same_values_are_refused_everywhere_naming_the_flag(capsys, model_dir, flag, value):
     name = flag.lstrip("-").replace("-", "_")
     with pytest.raises(ValueError) as exc:
         kwargs(model_dir, **{"kv_canary": "log", name: value})
@@ -154,16 +184,16 @@ def test_the_same_values_are_refused_everywhere_naming_the_flag(capsys, model_di
 # ---- a canary-off server ignores (and names) canary variables --------------------------------
 
 
-def test_canary_off_reads_no_variable_and_names_the_set_ones(monkeypatch, model_dir,
-                                                             canary_log):
+def test_canary_off_reads_no_variable_and_names_the_set_ones(monkeypatch, model_dir, canary_log):
     monkeypatch.setenv("SGLANG_KV_CANARY_RING_CAPACITY", "lots")  # malformed
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.5")
     for sa in (cli(model_dir), kwargs(model_dir)):
         assert not CanaryConfig.from_server_args(sa).enabled
     warnings = [r.getMessage() for r in canary_log.records if "are ignored" in r.getMessage()]
     assert len(warnings) == 1, warnings  # once per process
-    assert ("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB, SGLANG_KV_CANARY_RING_CAPACITY"
-            in warnings[0])
+    assert (
+        "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB, SGLANG_KV_CANARY_RING_CAPACITY" in warnings[0]
+    )
     # the same variable stops a canary-on start, naming it
     with pytest.raises(ValueError, match="SGLANG_KV_CANARY_RING_CAPACITY"):
         kwargs(model_dir, kv_canary="log")
@@ -172,9 +202,11 @@ def test_canary_off_reads_no_variable_and_names_the_set_ones(monkeypatch, model_
 def test_a_misspelled_variable_gets_the_closest_name(monkeypatch, model_dir, canary_log):
     monkeypatch.setenv("SGLANG_KV_CANARY_RING_CAPACTY", "64")
     kwargs(model_dir, kv_canary="log")
-    assert any("unknown environment variable SGLANG_KV_CANARY_RING_CAPACTY" in r.getMessage()
-               and "did you mean SGLANG_KV_CANARY_RING_CAPACITY?" in r.getMessage()
-               for r in canary_log.records)
+    assert any(
+        "unknown environment variable SGLANG_KV_CANARY_RING_CAPACTY" in r.getMessage()
+        and "did you mean SGLANG_KV_CANARY_RING_CAPACITY?" in r.getMessage()
+        for r in canary_log.records
+    )
 
 
 def test_an_absurd_ring_capacity_is_refused_naming_the_variable(monkeypatch, model_dir):
@@ -200,20 +232,34 @@ def test_real_data_without_the_canary_is_refused(capsys, model_dir, route):
 def test_repr_and_the_installed_line_show_every_setting(monkeypatch, model_dir):
     monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
     monkeypatch.setenv("SGLANG_KV_CANARY_RING_CAPACITY", "64")
-    for sa in (cli(model_dir, "--kv-canary", "raise", "--kv-canary-sweep-interval", "5"),
-               kwargs(model_dir, kv_canary="raise", kv_canary_sweep_interval=5)):
+    for sa in (
+        cli(model_dir, "--kv-canary", "raise", "--kv-canary-sweep-interval", "5"),
+        kwargs(model_dir, kv_canary="raise", kv_canary_sweep_interval=5),
+    ):
         text = repr(sa)
         described = CanaryConfig.from_server_args(sa).describe()
         # the four flags, then the effective config (environment included)
-        assert text.endswith("kv_canary='raise', kv_canary_sweep_interval=5, "
-                             "kv_canary_real_data='none', kv_canary_real_data_layers='first', "
-                             f"kv_canary_config={described!r})"), text[-400:]
+        assert text.endswith(
+            "kv_canary='raise', kv_canary_sweep_interval=5, "
+            "kv_canary_real_data='none', kv_canary_real_data_layers='first', "
+            f"kv_canary_config={described!r})"
+        ), text[-400:]
         assert "ring_capacity=64 token_checks=on" in text
-        for word in ("mode=raise", "real_data=none", "real_data_layers=first",
-                     "layers_per_forward=1", "sweep_interval=5", "ring_capacity=64",
-                     "token_checks=on", "token_oracle=off", "write_input_check=off",
-                     "v_half=off", "stats_every=100", "swa_divergence_every=0",
-                     "fault_injection=off"):
+        for word in (
+            "mode=raise",
+            "real_data=none",
+            "real_data_layers=first",
+            "layers_per_forward=1",
+            "sweep_interval=5",
+            "ring_capacity=64",
+            "token_checks=on",
+            "token_oracle=off",
+            "write_input_check=off",
+            "v_half=off",
+            "stats_every=100",
+            "swa_divergence_every=0",
+            "fault_injection=off",
+        ):
             assert word in described.split(), (word, described)
 
 
@@ -225,13 +271,17 @@ def test_abort_mode_starts_from_every_route(tmp_path, model_dir):
     the refusal of an unsound deployment names the flags on each route."""
     yaml_file = tmp_path / "canary.yaml"
     yaml_file.write_text("kv-canary: abort\nkv-canary-sweep-interval: 4\n")
-    for sa in (cli(model_dir, "--kv-canary", "Abort"), cli(model_dir, "--config", str(yaml_file)),
-               kwargs(model_dir, kv_canary="abort")):
+    for sa in (
+        cli(model_dir, "--kv-canary", "Abort"),
+        cli(model_dir, "--config", str(yaml_file)),
+        kwargs(model_dir, kv_canary="abort"),
+    ):
         assert sa.kv_canary == "abort"
         assert CanaryConfig.from_server_args(sa).describe().startswith("mode=abort ")
         assert "kv_canary_config='mode=abort " in repr(sa)
-    with pytest.raises(ValueError, match="--kv-canary abort needs a single scheduler rank.*"
-                                         "--tp-size 2"):
+    with pytest.raises(
+        ValueError, match="--kv-canary abort needs a single scheduler rank.*--tp-size 2"
+    ):
         cli(model_dir, "--kv-canary", "abort", "--tp-size", "2")
     with pytest.raises(ValueError, match="--tp-size 2"):
         kwargs(model_dir, kv_canary="abort", tp_size=2)
@@ -249,17 +299,32 @@ def test_every_layer_starts_from_the_command_line_and_yaml(tmp_path, model_dir, 
     YAML file and the keyword arguments gives one config; without real data it is refused,
     naming both flags, on every route."""
     yaml = tmp_path / "canary.yaml"
-    yaml.write_text("kv-canary: raise\nkv-canary-real-data: partial\n"
-                    "kv-canary-real-data-layers: all\n")
-    for sa in (cli(model_dir, "--kv-canary", "raise", "--kv-canary-real-data", "partial",
-                   "--kv-canary-real-data-layers", "ALL"),
-               cli(model_dir, "--config", str(yaml)),
-               kwargs(model_dir, kv_canary="raise", kv_canary_real_data="partial",
-                      kv_canary_real_data_layers="all")):
+    yaml.write_text(
+        "kv-canary: raise\nkv-canary-real-data: partial\nkv-canary-real-data-layers: all\n"
+    )
+    for sa in (
+        cli(
+            model_dir,
+            "--kv-canary",
+            "raise",
+            "--kv-canary-real-data",
+            "partial",
+            "--kv-canary-real-data-layers",
+            "ALL",
+        ),
+        cli(model_dir, "--config", str(yaml)),
+        kwargs(
+            model_dir,
+            kv_canary="raise",
+            kv_canary_real_data="partial",
+            kv_canary_real_data_layers="all",
+        ),
+    ):
         assert sa.kv_canary_real_data_layers == "all"
         assert "real_data_layers=all" in CanaryConfig.from_server_args(sa).describe()
-    message = cli_error(capsys, model_dir, "--kv-canary", "raise",
-                        "--kv-canary-real-data-layers", "all")
+    message = cli_error(
+        capsys, model_dir, "--kv-canary", "raise", "--kv-canary-real-data-layers", "all"
+    )
     assert "--kv-canary-real-data-layers=all" in message
     assert "--kv-canary-real-data partial or all" in message
     with pytest.raises(ValueError, match="--kv-canary-real-data partial or all"):
@@ -268,16 +333,30 @@ def test_every_layer_starts_from_the_command_line_and_yaml(tmp_path, model_dir, 
 
 # ---- speculative decoding: the same refusals and fault targets from every route ---------------
 
+
 def _eagle(model_dir, topk):
-    return ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", model_dir,
-            "--speculative-num-steps", "3", "--speculative-eagle-topk", str(topk),
-            "--speculative-num-draft-tokens", "4"]
+    return [
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-draft-model-path",
+        model_dir,
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        str(topk),
+        "--speculative-num-draft-tokens",
+        "4",
+    ]
 
 
 def _eagle_kwargs(model_dir, topk):
-    return dict(speculative_algorithm="EAGLE", speculative_draft_model_path=model_dir,
-                speculative_num_steps=3, speculative_eagle_topk=topk,
-                speculative_num_draft_tokens=4)
+    return dict(
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=model_dir,
+        speculative_num_steps=3,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=4,
+    )
 
 
 def test_eagle_starts_and_a_draft_tree_is_refused_from_every_route(capsys, model_dir):
@@ -285,7 +364,8 @@ def test_eagle_starts_and_a_draft_tree_is_refused_from_every_route(capsys, model
     assert args.kv_canary == "raise" and args.speculative_eagle_topk == 1
     kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 1))
     assert "--speculative-eagle-topk 1 only (got 2)" in cli_error(
-        capsys, model_dir, "--kv-canary", "raise", *_eagle(model_dir, 2))
+        capsys, model_dir, "--kv-canary", "raise", *_eagle(model_dir, 2)
+    )
     with pytest.raises(ValueError, match="--speculative-eagle-topk 1 only"):
         kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 2))
     cli(model_dir, "--kv-canary", "none", *_eagle(model_dir, 2))  # canary off: sglang's own
@@ -297,16 +377,19 @@ def test_draft_fault_target_from_every_route(monkeypatch, capsys, model_dir):
     cli(model_dir, "--kv-canary", "log", *_eagle(model_dir, 1))
     kwargs(model_dir, kv_canary="log", **_eagle_kwargs(model_dir, 1))
     assert "TARGET_WORKER=draft corrupts an EAGLE draft" in cli_error(
-        capsys, model_dir, "--kv-canary", "log")
+        capsys, model_dir, "--kv-canary", "log"
+    )
     with pytest.raises(ValueError, match="TARGET_WORKER=draft corrupts an EAGLE draft"):
         kwargs(model_dir, kv_canary="log")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "both")
     assert "SGLANG_KV_CANARY_PERTURB_TARGET_WORKER" in cli_error(
-        capsys, model_dir, "--kv-canary", "log", *_eagle(model_dir, 1))
+        capsys, model_dir, "--kv-canary", "log", *_eagle(model_dir, 1)
+    )
 
 
 def test_the_kept_req_to_token_fault_starts_in_abort_mode_only_from_every_route(
-        monkeypatch, capsys, tmp_path, model_dir):
+    monkeypatch, capsys, tmp_path, model_dir
+):
     """``SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB`` (a corrupt entry left in place):
     accepted with ``--kv-canary abort`` from the command line, a ``--config`` YAML and
     ``Engine`` kwargs, refused with ``log`` on each route naming the variable and the mode;
@@ -316,8 +399,11 @@ def test_the_kept_req_to_token_fault_starts_in_abort_mode_only_from_every_route(
     refusal = "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB > 0 leaves a corrupt"
     assert CanaryConfig.from_server_args(cli(model_dir, "--kv-canary", "log")).enabled
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB", "0.01")
-    for sa in (cli(model_dir, "--kv-canary", "abort"), cli(model_dir, "--config", str(yaml_file)),
-               kwargs(model_dir, kv_canary="abort")):
+    for sa in (
+        cli(model_dir, "--kv-canary", "abort"),
+        cli(model_dir, "--config", str(yaml_file)),
+        kwargs(model_dir, kv_canary="abort"),
+    ):
         assert "fault_injection=req_to_token_kept" in CanaryConfig.from_server_args(sa).describe()
     assert refusal in cli_error(capsys, model_dir, "--kv-canary", "log")
     with pytest.raises(ValueError, match="only --kv-canary abort contains"):

@@ -39,23 +39,39 @@ WINDOW = 12
 def _pool(size=128, size_swa=64, page_size=1, with_allocator=True):
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool, SWATokenToKVPoolAllocator
 
-    pool = SWAKVPool(size=size, size_swa=size_swa, page_size=page_size, dtype=torch.bfloat16,
-                     head_num=2, head_dim=8, swa_attention_layer_ids=[0, 2],
-                     full_attention_layer_ids=[1], enable_kvcache_transpose=False,
-                     device="cpu", enable_memory_saver=False)
+    pool = SWAKVPool(
+        size=size,
+        size_swa=size_swa,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        swa_attention_layer_ids=[0, 2],
+        full_attention_layer_ids=[1],
+        enable_kvcache_transpose=False,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     alloc = None
     if with_allocator:
-        alloc = SWATokenToKVPoolAllocator(size=size, size_swa=size_swa, page_size=page_size,
-                                          dtype=torch.bfloat16, device="cpu", kvcache=pool,
-                                          need_sort=False)
+        alloc = SWATokenToKVPoolAllocator(
+            size=size,
+            size_swa=size_swa,
+            page_size=page_size,
+            dtype=torch.bfloat16,
+            device="cpu",
+            kvcache=pool,
+            need_sort=False,
+        )
     return pool, alloc
 
 
 def _driver(seed=3, **kw):
     kw.setdefault("mode", "raise")
     kw.setdefault("real_data", "partial")
-    return ServingDriver(seed=seed, pool="swa", num_slots=640, num_swa_slots=400,
-                         swa_window=WINDOW, **kw)
+    return ServingDriver(
+        seed=seed, pool="swa", num_slots=640, num_swa_slots=400, swa_window=WINDOW, **kw
+    )
 
 
 # ---- attach ---------------------------------------------------------------------------------
@@ -65,8 +81,9 @@ def test_attach_swa_builds_full_and_swa_groups_on_the_real_table():
     pool, alloc = _pool()
     config = CanaryConfig(mode="raise", real_kv_hash_mode="all", enable_mha_v=True)
     assert "SWAKVPool" in supported_pool_names()
-    full, swa = attach_canary_buffers(pool=pool, config=config, device="cpu",
-                                      swa_window_size=WINDOW)
+    full, swa = attach_canary_buffers(
+        pool=pool, config=config, device="cpu", swa_window_size=WINDOW
+    )
     assert full.kind == PoolKind.FULL and swa.kind == PoolKind.SWA
     assert full.num_slots == pool.full_kv_pool.k_buffer[0].shape[0] == 129
     assert swa.num_slots == pool.swa_kv_pool.k_buffer[0].shape[0] == 65
@@ -105,19 +122,26 @@ def test_swa_buf_info_splice_lengths_and_order(enable_v):
     config = CanaryConfig(mode="log", enable_mha_v=enable_v)
     full, swa = attach_canary_buffers(pool=pool, config=config, device="cpu", swa_window_size=8)
     for method, before, group, layers in (
-            (pool.get_contiguous_buf_infos, before_full, full, 1),
-            (pool.get_state_buf_infos, before_swa, swa, 2)):
+        (pool.get_contiguous_buf_infos, before_full, full, 1),
+        (pool.get_state_buf_infos, before_swa, swa, 2),
+    ):
         ptrs, lens, items = method()
         k_ptrs, v_ptrs = before[0][:layers], before[0][layers:]
         if enable_v:
-            expect = ([group.k_head.data_ptr()] + k_ptrs + [group.k_tail.data_ptr()]
-                      + [group.v_head.data_ptr()] + v_ptrs + [group.v_tail.data_ptr()])
+            expect = (
+                [group.k_head.data_ptr()]
+                + k_ptrs
+                + [group.k_tail.data_ptr()]
+                + [group.v_head.data_ptr()]
+                + v_ptrs
+                + [group.v_tail.data_ptr()]
+            )
         else:
             expect = [group.k_head.data_ptr()] + k_ptrs + [group.k_tail.data_ptr()] + v_ptrs
         assert ptrs == expect
         assert len(ptrs) == len(lens) == len(items) == len(before[0]) + (4 if enable_v else 2)
         assert lens[0] == group.k_head.nbytes and items[0] == CANARY_SLOT_BYTES * page
-        assert lens[1:1 + layers] == before[1][:layers]
+        assert lens[1 : 1 + layers] == before[1][:layers]
     with pytest.raises(RuntimeError, match="already wrapped"):
         attach_canary_buffers(pool=pool, config=config, device="cpu", swa_window_size=8)
 
@@ -144,8 +168,10 @@ def test_serving_loop_with_window_eviction_has_no_false_positives():
         d.run(1, arrivals=0.35)
         # SWA eviction really happens: full slots still held by running requests whose SWA
         # slot was freed (table entry 0)
-        evicted_but_held = max(evicted_but_held, sum(
-            int(d.swa_table[s]) == 0 for r in d.running for s in r.slots[: r.swa_evicted]))
+        evicted_but_held = max(
+            evicted_but_held,
+            sum(int(d.swa_table[s]) == 0 for r in d.running for s in r.slots[: r.swa_evicted]),
+        )
     d.settle()
     for _ in range(30):
         d.step()
@@ -166,16 +192,16 @@ def test_swa_plan_covers_only_the_window_through_the_table():
     d.run(50)
     d.settle()
     reqs = [(r.kv_len, list(r.slots)) for r in d.running]  # prefix of the coming decode
-    windows = [[int(d.swa_table[slots[p]]) for p in range(max(0, kv - WINDOW), kv)]
-               for kv, slots in reqs]
+    windows = [
+        [int(d.swa_table[slots[p]]) for p in range(max(0, kv - WINDOW), kv)] for kv, slots in reqs
+    ]
     d.step()  # a decode of every running request
     full_plans, swa_plans = _plans_by_kind(d)
     n = int(swa_plans.verify_plan.verify_num_valid)
     assert n == sum(min(kv, WINDOW) for kv, _ in reqs) < sum(kv for kv, _ in reqs)
     assert int(full_plans.verify_plan.verify_num_valid) == sum(kv for kv, _ in reqs)
     # request order, then position order, each slot translated through the table
-    assert swa_plans.verify_plan.verify_slot_indices[:n].tolist() == [
-        s for w in windows for s in w]
+    assert swa_plans.verify_plan.verify_slot_indices[:n].tolist() == [s for w in windows for s in w]
 
 
 @pytest.mark.parametrize("real_data", ["partial", "all"])
@@ -233,9 +259,12 @@ def test_swa_divergence_reporter_logs_running_counts(caplog):
     d = _driver(seed=9, swa_divergence_interval=10)
     with caplog.at_level(logging.INFO, logger="sglang.srt.kv_canary"):
         d.run(60)
-    lines = [r.getMessage() for r in caplog.records
-             if r.getMessage().startswith(SWA_DIVERGENCE_LINE_PREFIX)]
-    stats = [json.loads(x[len(SWA_DIVERGENCE_LINE_PREFIX):]) for x in lines]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith(SWA_DIVERGENCE_LINE_PREFIX)
+    ]
+    stats = [json.loads(x[len(SWA_DIVERGENCE_LINE_PREFIX) :]) for x in lines]
     assert [s["step"] for s in stats] == list(range(10, 61, 10))
     rep = d.manager.swa_divergence
     last = stats[-1]
@@ -278,10 +307,13 @@ def test_swa_divergence_reporter_counts_by_kind_and_skips_disabled_plans(caplog)
     disabled (overflowed) is not counted; the kinds follow the order the plans were given."""
     full, swa = (VerifyPlan.allocate(verify_capacity=4, device="cpu") for _ in range(2))
     # sfm 0 lists FULL then SWA, sfm 1 lists SWA then FULL
-    rep = SwaDivergenceReporter(interval=2, sfm_plans=[[(PoolKind.FULL, full),
-                                                        (PoolKind.SWA, swa)],
-                                                       [(PoolKind.SWA, swa),
-                                                        (PoolKind.FULL, full)]])
+    rep = SwaDivergenceReporter(
+        interval=2,
+        sfm_plans=[
+            [(PoolKind.FULL, full), (PoolKind.SWA, swa)],
+            [(PoolKind.SWA, swa), (PoolKind.FULL, full)],
+        ],
+    )
     sources = rep.device_tensors()
     assert len(sources) == 2
     assert sources[0][0] is full.verify_num_valid and sources[0][1] is swa.verify_num_valid
@@ -296,9 +328,12 @@ def test_swa_divergence_reporter_counts_by_kind_and_skips_disabled_plans(caplog)
     with caplog.at_level(logging.INFO, logger="sglang.srt.kv_canary"):
         rep.consume(num_valid=(n(1), n(1000)), plan_enabled=[1, 0], step=6, sfm_index=1)
     assert (rep.full_verify_entries, rep.swa_verify_entries, rep.forwards) == (30, 13, 4)
-    (line,) = [r.getMessage() for r in caplog.records
-               if r.getMessage().startswith(SWA_DIVERGENCE_LINE_PREFIX)]
-    assert json.loads(line[len(SWA_DIVERGENCE_LINE_PREFIX):]) == rep.snapshot(6)
+    (line,) = [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith(SWA_DIVERGENCE_LINE_PREFIX)
+    ]
+    assert json.loads(line[len(SWA_DIVERGENCE_LINE_PREFIX) :]) == rep.snapshot(6)
 
 
 if __name__ == "__main__":

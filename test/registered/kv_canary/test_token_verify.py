@@ -28,13 +28,15 @@ pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
 
 def _req(inp, out, row=None):
-    return types.SimpleNamespace(origin_input_ids=list(inp), output_ids=list(out),
-                                 req_pool_idx=row)
+    return types.SimpleNamespace(origin_input_ids=list(inp), output_ids=list(out), req_pool_idx=row)
 
 
 def _uploader(rows, cols, replay_rows=4, replay_tokens=8):
-    return TokenHistoryUploader(torch.full((rows, cols), -1, dtype=torch.int32),
-                                replay_rows=replay_rows, replay_tokens=replay_tokens)
+    return TokenHistoryUploader(
+        torch.full((rows, cols), -1, dtype=torch.int32),
+        replay_rows=replay_rows,
+        replay_tokens=replay_tokens,
+    )
 
 
 def _snap(up, reqs) -> CanaryBatchState:
@@ -51,8 +53,8 @@ def _upload(up, state, rows):
     if not up.upload(state, torch.tensor(rows, dtype=torch.int64), lens):
         assert lens.eq(-7).all()
         return None
-    assert lens[len(rows):].eq(-7).all()  # only the batch's rows
-    return lens[:len(rows)]
+    assert lens[len(rows) :].eq(-7).all()  # only the batch's rows
+    return lens[: len(rows)]
 
 
 def _history(req):
@@ -104,13 +106,13 @@ def test_uploader_needs_an_int32_2d_pool():
     for bad in (None, torch.zeros((2, 3), dtype=torch.int64), torch.zeros(6, dtype=torch.int32)):
         with pytest.raises(TypeError, match="int32 \\[rows, max_context_len\\] pool"):
             TokenHistoryUploader(bad, replay_rows=1, replay_tokens=0)
-    up = TokenHistoryUploader(torch.zeros((7, 3), dtype=torch.int32), replay_rows=5,
-                              replay_tokens=9)
+    up = TokenHistoryUploader(
+        torch.zeros((7, 3), dtype=torch.int32), replay_rows=5, replay_tokens=9
+    )
     assert isinstance(up.rows, ExpectedTokenRows) and up.rows.num_rows == 7
     assert up.replay_buffer.shape == (1 + 3 * 5 + 9,) and up.replay_buffer.dtype == torch.int64
     with pytest.raises(ValueError, match="replay_rows >= 1 and replay_tokens >= 0, got 0"):
-        TokenHistoryUploader(torch.zeros((7, 3), dtype=torch.int32), replay_rows=0,
-                             replay_tokens=0)
+        TokenHistoryUploader(torch.zeros((7, 3), dtype=torch.int32), replay_rows=0, replay_tokens=0)
 
 
 def test_upload_mismatch_errors():
@@ -174,8 +176,11 @@ def test_upload_is_one_host_to_device_copy(monkeypatch):
     _upload(up, state, [0, 2])
     monkeypatch.undo()
     snap = state.token_snapshot
-    host_copies = [t for t in copied if t.untyped_storage().data_ptr()
-                   == snap.packed.untyped_storage().data_ptr()]
+    host_copies = [
+        t
+        for t in copied
+        if t.untyped_storage().data_ptr() == snap.packed.untyped_storage().data_ptr()
+    ]
     assert len(host_copies) == 1 and host_copies[0] is snap.packed
     assert up.pool[0, :4].tolist() == [1, 2, 3, 4] and up.pool[2, 0].item() == 5
 
@@ -365,8 +370,9 @@ def test_same_position_swap_is_caught_as_verify_token(verify_tokens):
     else:
         # without token checks the swapped slot itself passes; only its successor's chain fails
         assert not mine, rows
-        assert rows and all("verify_token" not in v.fail_reasons and v.expected_token == -1
-                            for v in rows)
+        assert rows and all(
+            "verify_token" not in v.fail_reasons and v.expected_token == -1 for v in rows
+        )
 
 
 def _one_prefill(verify_tokens=True):
@@ -412,7 +418,8 @@ def test_a_graph_replay_needs_the_token_upload_first():
             # what the graph's captured scatter then does (a padded batch of 3 rows)
             lens = torch.full((3,), -1, dtype=torch.int64)
             mgr.token_history.launch_replay_scatter(
-                torch.tensor([req.row, 0, 0], dtype=torch.int64), lens)
+                torch.tensor([req.row, 0, 0], dtype=torch.int64), lens
+            )
             assert pool[req.row, :7].tolist() == req.prompt and lens.tolist() == [7, 0, 0]
             mgr.mark_replayed_inside_graph()
     d, req, fb = _one_prefill(verify_tokens=False)

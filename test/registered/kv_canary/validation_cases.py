@@ -45,8 +45,9 @@ def named(name: str) -> str:
 
 def make_source(*, pages=8, page_size=2, nbpt=16, read_bytes=16, device=CPU):
     t = torch.zeros(pages, page_size * nbpt, dtype=torch.uint8, device=device)
-    return RealKvSource(tensor=t, page_size=page_size, num_bytes_per_token=nbpt,
-                        read_bytes=read_bytes)
+    return RealKvSource(
+        tensor=t, page_size=page_size, num_bytes_per_token=nbpt, read_bytes=read_bytes
+    )
 
 
 def context_kwargs(num_slots=16, device=CPU, **over):
@@ -67,4 +68,3 @@ def context_kwargs(num_slots=16, device=CPU, **over):
 
 def make_context(**over):
     return VerifyOrWriteContext(**context_kwargs(**over))
-

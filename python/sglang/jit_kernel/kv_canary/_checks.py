@@ -44,9 +44,7 @@ def check_tensor(
         for axis, want in enumerate(shape):
             if want is not None and t.shape[axis] != want:
                 expect = tuple("*" if s is None else s for s in shape)
-                raise ValueError(
-                    f"{name} must have shape {expect}, got {tuple(t.shape)}"
-                )
+                raise ValueError(f"{name} must have shape {expect}, got {tuple(t.shape)}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     if contiguous and not t.is_contiguous():

@@ -46,8 +46,11 @@ def mix3_t(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 def record_hash_t(records: torch.Tensor) -> torch.Tensor:
     """``H(record)`` for an int64 ``[n, 4]`` block of records → int64 ``[n]``."""
-    return mix3_t(records[:, CANARY_FIELD_PREV_HASH], records[:, CANARY_FIELD_TOKEN],
-                  records[:, CANARY_FIELD_POSITION])
+    return mix3_t(
+        records[:, CANARY_FIELD_PREV_HASH],
+        records[:, CANARY_FIELD_TOKEN],
+        records[:, CANARY_FIELD_POSITION],
+    )
 
 
 def real_kv_fingerprint_t(sources, num_words, slots: torch.Tensor) -> torch.Tensor:

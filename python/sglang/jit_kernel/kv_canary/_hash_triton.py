@@ -80,28 +80,54 @@ def real_kv_fingerprint(
     slot,
     mask,
     NUM_SOURCES: tl.constexpr,
-    s0_ptr, s0_stride, s0_page, s0_wpt, s0_nwords,
-    s1_ptr, s1_stride, s1_page, s1_wpt, s1_nwords,
-    s2_ptr, s2_stride, s2_page, s2_wpt, s2_nwords,
-    s3_ptr, s3_stride, s3_page, s3_wpt, s3_nwords,
+    s0_ptr,
+    s0_stride,
+    s0_page,
+    s0_wpt,
+    s0_nwords,
+    s1_ptr,
+    s1_stride,
+    s1_page,
+    s1_wpt,
+    s1_nwords,
+    s2_ptr,
+    s2_stride,
+    s2_page,
+    s2_wpt,
+    s2_nwords,
+    s3_ptr,
+    s3_stride,
+    s3_page,
+    s3_wpt,
+    s3_nwords,
 ):
     """Fingerprint of up to four real-KV sources for a block of slots (u64)."""
     acc = tl.zeros(slot.shape, dtype=tl.uint64)
     if NUM_SOURCES > 0:
-        acc = splitmix64(acc ^ _source_hash(s0_ptr, s0_stride, s0_page, s0_wpt, s0_nwords, slot, mask))
+        acc = splitmix64(
+            acc ^ _source_hash(s0_ptr, s0_stride, s0_page, s0_wpt, s0_nwords, slot, mask)
+        )
     if NUM_SOURCES > 1:
-        acc = splitmix64(acc ^ _source_hash(s1_ptr, s1_stride, s1_page, s1_wpt, s1_nwords, slot, mask))
+        acc = splitmix64(
+            acc ^ _source_hash(s1_ptr, s1_stride, s1_page, s1_wpt, s1_nwords, slot, mask)
+        )
     if NUM_SOURCES > 2:
-        acc = splitmix64(acc ^ _source_hash(s2_ptr, s2_stride, s2_page, s2_wpt, s2_nwords, slot, mask))
+        acc = splitmix64(
+            acc ^ _source_hash(s2_ptr, s2_stride, s2_page, s2_wpt, s2_nwords, slot, mask)
+        )
     if NUM_SOURCES > 3:
-        acc = splitmix64(acc ^ _source_hash(s3_ptr, s3_stride, s3_page, s3_wpt, s3_nwords, slot, mask))
+        acc = splitmix64(
+            acc ^ _source_hash(s3_ptr, s3_stride, s3_page, s3_wpt, s3_nwords, slot, mask)
+        )
     return acc
 
 
 @triton.jit
-def single_source_fingerprint(src_ptr, row_stride_words, page_size, words_per_token, num_words,
-                              slot, mask):
+def single_source_fingerprint(
+    src_ptr, row_stride_words, page_size, words_per_token, num_words, slot, mask
+):
     """The record format's fingerprint over one source (``splitmix64(0 ^ source hash)``), for
     a block of slots: a per-layer (deep) fingerprint column."""
-    return splitmix64(_source_hash(src_ptr, row_stride_words, page_size, words_per_token,
-                                   num_words, slot, mask))
+    return splitmix64(
+        _source_hash(src_ptr, row_stride_words, page_size, words_per_token, num_words, slot, mask)
+    )

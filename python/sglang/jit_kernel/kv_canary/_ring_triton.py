@@ -26,9 +26,21 @@ from sglang.jit_kernel.kv_canary._kernel_consts import (
 
 @triton.jit
 def append_violations(
-    ring_ptr, ring_index_ptr, ring_capacity, viol,
-    kernel_kind, slot, position, stored_token, expected_token, chain_hash, aux, bits,
-    read_position, req_to_token_row, kv_layer,
+    ring_ptr,
+    ring_index_ptr,
+    ring_capacity,
+    viol,
+    kernel_kind,
+    slot,
+    position,
+    stored_token,
+    expected_token,
+    chain_hash,
+    aux,
+    bits,
+    read_position,
+    req_to_token_row,
+    kv_layer,
 ):
     """Append one ring row per lane where ``viol``; rows past the capacity are counted, not kept.
     ``read_position`` / ``req_to_token_row``: where the slot was read (int64 lanes);

@@ -55,14 +55,27 @@ def _column_fingerprint(desc_ptr, col, slot, mask):
     d = desc_ptr + col * DESC_WORDS
     src = tl.load(d + DESC_PTR).to(tl.pointer_type(tl.int64))
     return H.single_source_fingerprint(
-        src, tl.load(d + DESC_ROW_STRIDE), tl.load(d + DESC_PAGE_SIZE),
-        tl.load(d + DESC_WORDS_PER_TOKEN), tl.load(d + DESC_NUM_WORDS), slot, mask)
+        src,
+        tl.load(d + DESC_ROW_STRIDE),
+        tl.load(d + DESC_PAGE_SIZE),
+        tl.load(d + DESC_WORDS_PER_TOKEN),
+        tl.load(d + DESC_NUM_WORDS),
+        slot,
+        mask,
+    )
 
 
 @triton.jit
 def _deep_write_kernel(
-    table_ptr, num_slots, num_columns, desc_ptr,
-    offsets_ptr, num_reqs_ptr, req_capacity, loc_ptr, num_tokens,
+    table_ptr,
+    num_slots,
+    num_columns,
+    desc_ptr,
+    offsets_ptr,
+    num_reqs_ptr,
+    req_capacity,
+    loc_ptr,
+    num_tokens,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -81,9 +94,23 @@ def _deep_write_kernel(
 
 @triton.jit
 def _deep_verify_kernel(
-    table_ptr, num_slots, num_columns, desc_ptr, cursor_ptr, canary_ptr,
-    slot_idx_ptr, exp_pos_ptr, row_ptr, num_valid_ptr, enable_ptr, capacity,
-    ring_ptr, ring_index_ptr, ring_capacity, tag_k, tag_v,
+    table_ptr,
+    num_slots,
+    num_columns,
+    desc_ptr,
+    cursor_ptr,
+    canary_ptr,
+    slot_idx_ptr,
+    exp_pos_ptr,
+    row_ptr,
+    num_valid_ptr,
+    enable_ptr,
+    capacity,
+    ring_ptr,
+    ring_index_ptr,
+    ring_capacity,
+    tag_k,
+    tag_v,
     ROTATE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -113,10 +140,21 @@ def _deep_verify_kernel(
         exp_pos = tl.load(exp_pos_ptr + offs, mask=bad, other=0)
         req_row = tl.load(row_ptr + offs, mask=bad, other=NO_REQ_TO_TOKEN_ROW)
         append_violations(
-            ring_ptr, ring_index_ptr, ring_capacity, bad,
-            tag, slot, st_pos, st_tok, tl.full(offs.shape, NO_EXPECTED_TOKEN, tl.int64),
-            stored, fp, tl.full(offs.shape, FAIL_VERIFY_REAL_KV, tl.int64),
-            exp_pos, req_row, layer,
+            ring_ptr,
+            ring_index_ptr,
+            ring_capacity,
+            bad,
+            tag,
+            slot,
+            st_pos,
+            st_tok,
+            tl.full(offs.shape, NO_EXPECTED_TOKEN, tl.int64),
+            stored,
+            fp,
+            tl.full(offs.shape, FAIL_VERIFY_REAL_KV, tl.int64),
+            exp_pos,
+            req_row,
+            layer,
         )
 
 
@@ -124,57 +162,91 @@ DEEP_WRITE_BLOCK = 128
 DEEP_VERIFY_BLOCK = 256
 
 
-def launch_deep_fingerprint_write(*, table: DeepFingerprintTable, plan: WritePlan,
-                                  out_cache_loc: torch.Tensor) -> None:
+def launch_deep_fingerprint_write(
+    *, table: DeepFingerprintTable, plan: WritePlan, out_cache_loc: torch.Tensor
+) -> None:
     """Fill every column of the slots this forward wrote: entries
     ``[0, plan.write_offsets[num_valid_reqs])`` of ``out_cache_loc`` (int32/int64
     ``[num_tokens]``, the group's slot space; a slot < 0 or out of range is skipped).
     Graph-safe on CUDA."""
     validation.validate_deep_write_args(table, plan, out_cache_loc)
     if not use_triton(table.device):
-        return deep_ref.run_deep_write_reference(table=table, plan=plan,
-                                                 out_cache_loc=out_cache_loc)
+        return deep_ref.run_deep_write_reference(
+            table=table, plan=plan, out_cache_loc=out_cache_loc
+        )
     num_tokens = out_cache_loc.shape[0]
     grid = (grid_size(table.device, num_tokens, DEEP_WRITE_BLOCK), table.num_columns)
     if grid[0] == 0:
         return
     _deep_write_kernel[grid](
-        table.table, table.num_slots, table.num_columns, table.descriptors,
-        plan.write_offsets, plan.write_num_valid_reqs, plan.req_capacity, out_cache_loc,
-        num_tokens, BLOCK=DEEP_WRITE_BLOCK,
+        table.table,
+        table.num_slots,
+        table.num_columns,
+        table.descriptors,
+        plan.write_offsets,
+        plan.write_num_valid_reqs,
+        plan.req_capacity,
+        out_cache_loc,
+        num_tokens,
+        BLOCK=DEEP_WRITE_BLOCK,
     )
 
 
-def launch_deep_fingerprint_verify(*, table: DeepFingerprintTable, plan: VerifyPlan,
-                                   canary_buf: torch.Tensor, violation_ring: torch.Tensor,
-                                   violation_write_index: torch.Tensor,
-                                   tag_k: CanaryLaunchTag, tag_v: CanaryLaunchTag,
-                                   rotate: bool) -> None:
+def launch_deep_fingerprint_verify(
+    *,
+    table: DeepFingerprintTable,
+    plan: VerifyPlan,
+    canary_buf: torch.Tensor,
+    violation_ring: torch.Tensor,
+    violation_write_index: torch.Tensor,
+    tag_k: CanaryLaunchTag,
+    tag_v: CanaryLaunchTag,
+    rotate: bool,
+) -> None:
     """Check the first ``plan.verify_num_valid`` entries of ``plan`` (if ``plan.enable == 1``;
     slot 0 skipped) against the table: the window of ``table.columns_per_forward`` columns
     starting at ``cursor mod num_columns`` when ``rotate`` (the cursor then advances by the
     window, also when the plan is disabled), else every column. ``canary_buf``: the group's
     records (uint8 ``[num_slots, 32]``), read for the report's position and token. Violation
     rows: ``tag_k`` / ``tag_v`` by the column's half. Graph-safe on CUDA."""
-    validation.validate_deep_verify_args(table, plan, canary_buf, violation_ring,
-                                         violation_write_index, tag_k, tag_v)
+    validation.validate_deep_verify_args(
+        table, plan, canary_buf, violation_ring, violation_write_index, tag_k, tag_v
+    )
     if not use_triton(table.device):
         deep_ref.run_deep_verify_reference(
-            table=table, plan=plan, canary_buf=canary_buf, violation_ring=violation_ring,
-            violation_write_index=violation_write_index, tag_k=tag_k, tag_v=tag_v,
-            rotate=rotate)
+            table=table,
+            plan=plan,
+            canary_buf=canary_buf,
+            violation_ring=violation_ring,
+            violation_write_index=violation_write_index,
+            tag_k=tag_k,
+            tag_v=tag_v,
+            rotate=rotate,
+        )
     else:
         window = table.columns_per_forward if rotate else table.num_columns
         grid = (grid_size(table.device, plan.capacity, DEEP_VERIFY_BLOCK), window)
         if grid[0] > 0:
             _deep_verify_kernel[grid](
-                table.table, table.num_slots, table.num_columns, table.descriptors,
-                table.cursor, canary_buf.view(torch.int64),
-                plan.verify_slot_indices, plan.verify_expected_positions,
-                plan.verify_req_to_token_rows, plan.verify_num_valid, plan.enable,
-                plan.capacity, violation_ring, violation_write_index,
-                violation_ring.shape[0], int(tag_k), int(tag_v),
-                ROTATE=rotate, BLOCK=DEEP_VERIFY_BLOCK,
+                table.table,
+                table.num_slots,
+                table.num_columns,
+                table.descriptors,
+                table.cursor,
+                canary_buf.view(torch.int64),
+                plan.verify_slot_indices,
+                plan.verify_expected_positions,
+                plan.verify_req_to_token_rows,
+                plan.verify_num_valid,
+                plan.enable,
+                plan.capacity,
+                violation_ring,
+                violation_write_index,
+                violation_ring.shape[0],
+                int(tag_k),
+                int(tag_v),
+                ROTATE=rotate,
+                BLOCK=DEEP_VERIFY_BLOCK,
             )
     if rotate:
         table.cursor.add_(table.columns_per_forward)

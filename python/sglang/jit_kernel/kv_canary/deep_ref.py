@@ -30,22 +30,22 @@ from sglang.jit_kernel.kv_canary.types import (
 )
 
 
-def column_fingerprints(table: DeepFingerprintTable, col: int, slots: torch.Tensor
-                        ) -> torch.Tensor:
+def column_fingerprints(table: DeepFingerprintTable, col: int, slots: torch.Tensor) -> torch.Tensor:
     """Column ``col``'s fingerprint of ``slots`` (int64 ``[n]``, all in range)."""
     source = table.columns[col].source
     return real_kv_fingerprint_t((source,), (source.words_to_fold(table.mode),), slots)
 
 
-def launch_deep_fingerprint_write_torch_reference(*, table: DeepFingerprintTable,
-                                                  plan: WritePlan,
-                                                  out_cache_loc: torch.Tensor) -> None:
+def launch_deep_fingerprint_write_torch_reference(
+    *, table: DeepFingerprintTable, plan: WritePlan, out_cache_loc: torch.Tensor
+) -> None:
     validation.validate_deep_write_args(table, plan, out_cache_loc)
     run_deep_write_reference(table=table, plan=plan, out_cache_loc=out_cache_loc)
 
 
-def run_deep_write_reference(*, table: DeepFingerprintTable, plan: WritePlan,
-                             out_cache_loc: torch.Tensor) -> None:
+def run_deep_write_reference(
+    *, table: DeepFingerprintTable, plan: WritePlan, out_cache_loc: torch.Tensor
+) -> None:
     num_reqs = min(max(int(plan.write_num_valid_reqs[0].item()), 0), plan.req_capacity)
     total = min(max(int(plan.write_offsets[num_reqs].item()), 0), out_cache_loc.shape[0])
     slots = out_cache_loc[:total].to(torch.int64)
@@ -57,15 +57,29 @@ def run_deep_write_reference(*, table: DeepFingerprintTable, plan: WritePlan,
 
 
 def launch_deep_fingerprint_verify_torch_reference(
-        *, table: DeepFingerprintTable, plan: VerifyPlan, canary_buf: torch.Tensor,
-        violation_ring: torch.Tensor, violation_write_index: torch.Tensor,
-        tag_k: CanaryLaunchTag, tag_v: CanaryLaunchTag, rotate: bool) -> None:
-    validation.validate_deep_verify_args(table, plan, canary_buf, violation_ring,
-                                         violation_write_index, tag_k, tag_v)
-    run_deep_verify_reference(table=table, plan=plan, canary_buf=canary_buf,
-                              violation_ring=violation_ring,
-                              violation_write_index=violation_write_index, tag_k=tag_k,
-                              tag_v=tag_v, rotate=rotate)
+    *,
+    table: DeepFingerprintTable,
+    plan: VerifyPlan,
+    canary_buf: torch.Tensor,
+    violation_ring: torch.Tensor,
+    violation_write_index: torch.Tensor,
+    tag_k: CanaryLaunchTag,
+    tag_v: CanaryLaunchTag,
+    rotate: bool,
+) -> None:
+    validation.validate_deep_verify_args(
+        table, plan, canary_buf, violation_ring, violation_write_index, tag_k, tag_v
+    )
+    run_deep_verify_reference(
+        table=table,
+        plan=plan,
+        canary_buf=canary_buf,
+        violation_ring=violation_ring,
+        violation_write_index=violation_write_index,
+        tag_k=tag_k,
+        tag_v=tag_v,
+        rotate=rotate,
+    )
     if rotate:
         table.cursor.add_(table.columns_per_forward)
 
@@ -78,10 +92,17 @@ def window_columns(table: DeepFingerprintTable, rotate: bool) -> list:
     return [(start + j) % table.num_columns for j in range(table.columns_per_forward)]
 
 
-def run_deep_verify_reference(*, table: DeepFingerprintTable, plan: VerifyPlan,
-                              canary_buf: torch.Tensor, violation_ring: torch.Tensor,
-                              violation_write_index: torch.Tensor, tag_k: CanaryLaunchTag,
-                              tag_v: CanaryLaunchTag, rotate: bool) -> None:
+def run_deep_verify_reference(
+    *,
+    table: DeepFingerprintTable,
+    plan: VerifyPlan,
+    canary_buf: torch.Tensor,
+    violation_ring: torch.Tensor,
+    violation_write_index: torch.Tensor,
+    tag_k: CanaryLaunchTag,
+    tag_v: CanaryLaunchTag,
+    rotate: bool,
+) -> None:
     """The verify reference on validated arguments; does not advance the cursor (the
     launcher does, on either path)."""
     columns = window_columns(table, rotate)
@@ -106,12 +127,21 @@ def run_deep_verify_reference(*, table: DeepFingerprintTable, plan: VerifyPlan,
         tag = tag_v if column.half == KvHalf.V else tag_k
         nbad = int(bad.sum().item())
         rows = violation_rows(
-            int(tag), slot[bad], records[bad][:, CANARY_FIELD_POSITION],
+            int(tag),
+            slot[bad],
+            records[bad][:, CANARY_FIELD_POSITION],
             records[bad][:, CANARY_FIELD_TOKEN],
             torch.full((nbad,), NO_EXPECTED_TOKEN, dtype=torch.int64, device=slot.device),
-            stored[bad], fp[bad],
-            torch.full((nbad,), int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH), dtype=torch.int64,
-                       device=slot.device),
-            exp_pos[bad], req_row[bad],
-            torch.full((nbad,), column.layer_id, dtype=torch.int64, device=slot.device))
+            stored[bad],
+            fp[bad],
+            torch.full(
+                (nbad,),
+                int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH),
+                dtype=torch.int64,
+                device=slot.device,
+            ),
+            exp_pos[bad],
+            req_row[bad],
+            torch.full((nbad,), column.layer_id, dtype=torch.int64, device=slot.device),
+        )
         append_violation_rows(violation_ring, violation_write_index, rows)

@@ -31,24 +31,41 @@ def translate_slots_torch(lut: Optional[torch.Tensor], x: torch.Tensor) -> torch
     if lut is None:
         return x
     in_range = (x >= 0) & (x < lut.shape[0])
-    y = torch.where(in_range, lut[x.clamp(0, max(lut.shape[0] - 1, 0))].long(), 0) \
-        if lut.shape[0] else torch.zeros_like(x)
+    y = (
+        torch.where(in_range, lut[x.clamp(0, max(lut.shape[0] - 1, 0))].long(), 0)
+        if lut.shape[0]
+        else torch.zeros_like(x)
+    )
     return torch.where(x < 0, x, y)
 
 
 def launch_canary_plan_kernels_torch_reference(
-    *, verify_plan_out, write_plan_out, req_pool_indices, prefix_lens, extend_seq_lens,
-    req_to_token, swa_window_size, full_to_swa_index_mapping, verify_capacity,
-    req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+    *,
+    verify_plan_out,
+    write_plan_out,
+    req_pool_indices,
+    prefix_lens,
+    extend_seq_lens,
+    req_to_token,
+    swa_window_size,
+    full_to_swa_index_mapping,
+    verify_capacity,
+    req_to_verify_expected_tokens,
+    req_to_verify_expected_tokens_valid_lens,
     kv_token_id_vs_position_offset,
 ) -> None:
     """Validate the arguments, then :func:`run_canary_plan_reference`."""
     kwargs = dict(
-        verify_plan_out=verify_plan_out, write_plan_out=write_plan_out,
-        req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
-        extend_seq_lens=extend_seq_lens, req_to_token=req_to_token,
-        swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
-        verify_capacity=verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+        verify_plan_out=verify_plan_out,
+        write_plan_out=write_plan_out,
+        req_pool_indices=req_pool_indices,
+        prefix_lens=prefix_lens,
+        extend_seq_lens=extend_seq_lens,
+        req_to_token=req_to_token,
+        swa_window_size=swa_window_size,
+        full_to_swa_index_mapping=full_to_swa_index_mapping,
+        verify_capacity=verify_capacity,
+        req_to_verify_expected_tokens=req_to_verify_expected_tokens,
         req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
     )
@@ -57,9 +74,18 @@ def launch_canary_plan_kernels_torch_reference(
 
 
 def run_canary_plan_reference(
-    *, verify_plan_out, write_plan_out, req_pool_indices, prefix_lens, extend_seq_lens,
-    req_to_token, swa_window_size, full_to_swa_index_mapping, verify_capacity,
-    req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+    *,
+    verify_plan_out,
+    write_plan_out,
+    req_pool_indices,
+    prefix_lens,
+    extend_seq_lens,
+    req_to_token,
+    swa_window_size,
+    full_to_swa_index_mapping,
+    verify_capacity,
+    req_to_verify_expected_tokens,
+    req_to_verify_expected_tokens_valid_lens,
     kv_token_id_vs_position_offset,
 ) -> None:
     """The plan reference on already validated arguments (the launcher's CPU path)."""
@@ -111,9 +137,13 @@ def run_canary_plan_reference(
         idx = p + kv_token_id_vs_position_offset
         vl = req_to_verify_expected_tokens_valid_lens.long()[req]
         ok = (idx >= 0) & (idx < vl) & (idx < exp.shape[1]) & (row < exp.shape[0])
-        gathered = exp[row.clamp(0, max(exp.shape[0] - 1, 0)),
-                       idx.clamp(0, max(exp.shape[1] - 1, 0))].long() if exp.numel() else \
-            torch.zeros_like(idx)
+        gathered = (
+            exp[
+                row.clamp(0, max(exp.shape[0] - 1, 0)), idx.clamp(0, max(exp.shape[1] - 1, 0))
+            ].long()
+            if exp.numel()
+            else torch.zeros_like(idx)
+        )
         tok = torch.where(ok, gathered, NO_EXPECTED_TOKEN)
     else:
         tok = torch.full_like(p, NO_EXPECTED_TOKEN)

@@ -22,8 +22,18 @@ __all__ = ["launch_copy_rows"]
 
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n, src_rows, dst_rows,
-                      ROW_WORDS, WBLOCK: tl.constexpr, BLOCK: tl.constexpr):
+def _copy_rows_kernel(
+    src_ptr,
+    dst_ptr,
+    src_idx_ptr,
+    dst_idx_ptr,
+    n,
+    src_rows,
+    dst_rows,
+    ROW_WORDS,
+    WBLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     words = tl.arange(0, WBLOCK)
@@ -41,8 +51,9 @@ def _copy_rows_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n, src_rows, d
 COPY_ROWS_BLOCK = 64
 
 
-def launch_copy_rows(*, src: torch.Tensor, dst: torch.Tensor, src_indices: torch.Tensor,
-                     dst_indices: torch.Tensor) -> None:
+def launch_copy_rows(
+    *, src: torch.Tensor, dst: torch.Tensor, src_indices: torch.Tensor, dst_indices: torch.Tensor
+) -> None:
     """``dst[dst_indices[i]] = src[src_indices[i]]`` for every i (rows of int64 words, the
     same width; an index out of its tensor's rows skips the pair). ``src`` / ``dst``: int64
     ``[rows, W]`` contiguous; on CUDA, one of them may be a pinned host
@@ -62,6 +73,15 @@ def launch_copy_rows(*, src: torch.Tensor, dst: torch.Tensor, src_indices: torch
     src_idx = src_indices.to(device, non_blocking=True)
     dst_idx = dst_indices.to(device, non_blocking=True)
     grid = (grid_size(device, n, COPY_ROWS_BLOCK),)
-    _copy_rows_kernel[grid](src, dst, src_idx, dst_idx, n, src.shape[0], dst.shape[0],
-                            src.shape[1], WBLOCK=triton.next_power_of_2(src.shape[1]),
-                            BLOCK=COPY_ROWS_BLOCK)
+    _copy_rows_kernel[grid](
+        src,
+        dst,
+        src_idx,
+        dst_idx,
+        n,
+        src.shape[0],
+        dst.shape[0],
+        src.shape[1],
+        WBLOCK=triton.next_power_of_2(src.shape[1]),
+        BLOCK=COPY_ROWS_BLOCK,
+    )

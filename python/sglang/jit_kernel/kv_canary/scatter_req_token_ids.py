@@ -34,8 +34,16 @@ from sglang.jit_kernel.kv_canary.types import (
 
 @triton.jit
 def _scatter_req_token_ids_kernel(
-    flat_ptr, num_flat, offsets_ptr, rpi_ptr, starts_ptr, pool_ptr, pool_rows, pool_cols,
-    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+    flat_ptr,
+    num_flat,
+    offsets_ptr,
+    rpi_ptr,
+    starts_ptr,
+    pool_ptr,
+    pool_rows,
+    pool_cols,
+    HAS_STARTS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0)
     split = tl.program_id(1)
@@ -58,9 +66,19 @@ def _scatter_req_token_ids_kernel(
 
 @triton.jit
 def _scatter_packed_token_ids_kernel(
-    packed_ptr, packed_numel, rpi_ptr, pool_ptr, pool_rows, pool_cols, lens_ptr,
-    NUM_REQS: tl.constexpr, HEADER: tl.constexpr, ROW_FIELDS: tl.constexpr,
-    ROW_LEN: tl.constexpr, ROW_START: tl.constexpr, ROW_OFFSET: tl.constexpr,
+    packed_ptr,
+    packed_numel,
+    rpi_ptr,
+    pool_ptr,
+    pool_rows,
+    pool_cols,
+    lens_ptr,
+    NUM_REQS: tl.constexpr,
+    HEADER: tl.constexpr,
+    ROW_FIELDS: tl.constexpr,
+    ROW_LEN: tl.constexpr,
+    ROW_START: tl.constexpr,
+    ROW_OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -91,7 +109,10 @@ SCATTER_MAX_SPLITS = 64
 
 
 def launch_scatter_packed_token_ids_kernel(
-    *, packed: torch.Tensor, req_pool_indices: torch.Tensor, pool_out: torch.Tensor,
+    *,
+    packed: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
     valid_lens_out: torch.Tensor,
 ) -> None:
     """``packed`` int64 ``[>= types.packed_tokens_numel(bs, 0)]`` (layout: ``types``, its
@@ -106,35 +127,56 @@ def launch_scatter_packed_token_ids_kernel(
     validation.validate_packed_scatter_args(packed, req_pool_indices, pool_out, valid_lens_out)
     if not use_triton(pool_out.device):
         return run_scatter_packed_token_ids_reference(
-            packed=packed, req_pool_indices=req_pool_indices, pool_out=pool_out,
-            valid_lens_out=valid_lens_out)
+            packed=packed,
+            req_pool_indices=req_pool_indices,
+            pool_out=pool_out,
+            valid_lens_out=valid_lens_out,
+        )
     bs = req_pool_indices.shape[0]
     if bs == 0:
         return
     splits = max(1, min(SCATTER_MAX_SPLITS, grid_size(pool_out.device, 1 << 30, 1) // bs))
     _scatter_packed_token_ids_kernel[(bs, splits)](
-        packed, packed.shape[0], req_pool_indices, pool_out, pool_out.shape[0],
-        pool_out.shape[1], valid_lens_out,
-        NUM_REQS=PACKED_TOKENS_NUM_REQS, HEADER=PACKED_TOKENS_HEADER,
-        ROW_FIELDS=PACKED_TOKENS_ROW_FIELDS, ROW_LEN=PACKED_TOKENS_ROW_LEN,
-        ROW_START=PACKED_TOKENS_ROW_START, ROW_OFFSET=PACKED_TOKENS_ROW_OFFSET,
+        packed,
+        packed.shape[0],
+        req_pool_indices,
+        pool_out,
+        pool_out.shape[0],
+        pool_out.shape[1],
+        valid_lens_out,
+        NUM_REQS=PACKED_TOKENS_NUM_REQS,
+        HEADER=PACKED_TOKENS_HEADER,
+        ROW_FIELDS=PACKED_TOKENS_ROW_FIELDS,
+        ROW_LEN=PACKED_TOKENS_ROW_LEN,
+        ROW_START=PACKED_TOKENS_ROW_START,
+        ROW_OFFSET=PACKED_TOKENS_ROW_OFFSET,
         BLOCK=SCATTER_BLOCK,
     )
 
 
 def scatter_packed_token_ids_torch_reference(
-    *, packed: torch.Tensor, req_pool_indices: torch.Tensor, pool_out: torch.Tensor,
+    *,
+    packed: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
     valid_lens_out: torch.Tensor,
 ) -> None:
     """Vectorised torch twin of :func:`launch_scatter_packed_token_ids_kernel`: validate the
     arguments, then :func:`run_scatter_packed_token_ids_reference`."""
     validation.validate_packed_scatter_args(packed, req_pool_indices, pool_out, valid_lens_out)
-    run_scatter_packed_token_ids_reference(packed=packed, req_pool_indices=req_pool_indices,
-                                           pool_out=pool_out, valid_lens_out=valid_lens_out)
+    run_scatter_packed_token_ids_reference(
+        packed=packed,
+        req_pool_indices=req_pool_indices,
+        pool_out=pool_out,
+        valid_lens_out=valid_lens_out,
+    )
 
 
 def run_scatter_packed_token_ids_reference(
-    *, packed: torch.Tensor, req_pool_indices: torch.Tensor, pool_out: torch.Tensor,
+    *,
+    packed: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
     valid_lens_out: torch.Tensor,
 ) -> None:
     """The packed scatter reference on already validated arguments (the launcher's CPU path;
@@ -144,11 +186,13 @@ def run_scatter_packed_token_ids_reference(
         return
     n_all = int(packed[PACKED_TOKENS_NUM_REQS].item())
     n = max(0, min(n_all, bs))
-    rows = packed[PACKED_TOKENS_HEADER:PACKED_TOKENS_HEADER + PACKED_TOKENS_ROW_FIELDS * n]
+    rows = packed[PACKED_TOKENS_HEADER : PACKED_TOKENS_HEADER + PACKED_TOKENS_ROW_FIELDS * n]
     rows = rows.view(n, PACKED_TOKENS_ROW_FIELDS)
     length = rows[:, PACKED_TOKENS_ROW_LEN]
     dst0 = rows[:, PACKED_TOKENS_ROW_START]
-    src0 = PACKED_TOKENS_HEADER + n_all * PACKED_TOKENS_ROW_FIELDS + rows[:, PACKED_TOKENS_ROW_OFFSET]
+    src0 = (
+        PACKED_TOKENS_HEADER + n_all * PACKED_TOKENS_ROW_FIELDS + rows[:, PACKED_TOKENS_ROW_OFFSET]
+    )
     valid_lens_out[:n] = length
     valid_lens_out[n:] = 0
     rpi = req_pool_indices[:n]
@@ -164,8 +208,12 @@ def run_scatter_packed_token_ids_reference(
 
 
 def launch_scatter_req_token_ids_kernel(
-    *, flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,
-    pool_out: torch.Tensor, dst_starts: Optional[torch.Tensor] = None,
+    *,
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+    dst_starts: Optional[torch.Tensor] = None,
 ) -> None:
     """``flat_in`` int64 ``[total]``, ``offsets`` int64 ``[bs + 1]`` (exclusive prefix sum of
     the per-request segment lengths), ``req_pool_indices`` int64 ``[bs]``, ``pool_out`` int32
@@ -175,8 +223,11 @@ def launch_scatter_req_token_ids_kernel(
     validation.validate_scatter_args(flat_in, offsets, req_pool_indices, pool_out, dst_starts)
     if not use_triton(pool_out.device):
         return run_scatter_req_token_ids_reference(
-            flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices,
-            pool_out=pool_out, dst_starts=dst_starts,
+            flat_in=flat_in,
+            offsets=offsets,
+            req_pool_indices=req_pool_indices,
+            pool_out=pool_out,
+            dst_starts=dst_starts,
         )
     bs = req_pool_indices.shape[0]
     if bs == 0:
@@ -184,28 +235,46 @@ def launch_scatter_req_token_ids_kernel(
     # splits per request: enough programs to fill the GPU at small batch sizes
     splits = max(1, min(SCATTER_MAX_SPLITS, grid_size(pool_out.device, 1 << 30, 1) // bs))
     _scatter_req_token_ids_kernel[(bs, splits)](
-        flat_in, flat_in.shape[0], offsets, req_pool_indices,
-        dst_starts if dst_starts is not None else offsets, pool_out,
-        pool_out.shape[0], pool_out.shape[1],
-        HAS_STARTS=dst_starts is not None, BLOCK=SCATTER_BLOCK,
+        flat_in,
+        flat_in.shape[0],
+        offsets,
+        req_pool_indices,
+        dst_starts if dst_starts is not None else offsets,
+        pool_out,
+        pool_out.shape[0],
+        pool_out.shape[1],
+        HAS_STARTS=dst_starts is not None,
+        BLOCK=SCATTER_BLOCK,
     )
 
 
 def scatter_req_token_ids_torch_reference(
-    *, flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,
-    pool_out: torch.Tensor, dst_starts: Optional[torch.Tensor] = None,
+    *,
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+    dst_starts: Optional[torch.Tensor] = None,
 ) -> None:
     """Vectorised torch twin of :func:`launch_scatter_req_token_ids_kernel`: validate the
     arguments, then :func:`run_scatter_req_token_ids_reference`."""
     validation.validate_scatter_args(flat_in, offsets, req_pool_indices, pool_out, dst_starts)
-    run_scatter_req_token_ids_reference(flat_in=flat_in, offsets=offsets,
-                                        req_pool_indices=req_pool_indices, pool_out=pool_out,
-                                        dst_starts=dst_starts)
+    run_scatter_req_token_ids_reference(
+        flat_in=flat_in,
+        offsets=offsets,
+        req_pool_indices=req_pool_indices,
+        pool_out=pool_out,
+        dst_starts=dst_starts,
+    )
 
 
 def run_scatter_req_token_ids_reference(
-    *, flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,
-    pool_out: torch.Tensor, dst_starts: Optional[torch.Tensor] = None,
+    *,
+    flat_in: torch.Tensor,
+    offsets: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    pool_out: torch.Tensor,
+    dst_starts: Optional[torch.Tensor] = None,
 ) -> None:
     """The scatter reference on already validated arguments (the launcher's CPU path)."""
     bs = req_pool_indices.shape[0]
@@ -214,8 +283,7 @@ def run_scatter_req_token_ids_reference(
     start = offsets[:-1]
     end = offsets[1:].clamp(max=flat_in.shape[0])
     dst0 = dst_starts if dst_starts is not None else torch.zeros_like(start)
-    rows_ok = ((req_pool_indices >= 0) & (req_pool_indices < pool_out.shape[0])
-               & (dst0 >= 0))
+    rows_ok = (req_pool_indices >= 0) & (req_pool_indices < pool_out.shape[0]) & (dst0 >= 0)
     room = (pool_out.shape[1] - dst0).clamp(min=0)
     length = torch.where(rows_ok, torch.minimum((end - start).clamp(min=0), room), 0)
     total = int(length.sum().item())
@@ -225,5 +293,6 @@ def run_scatter_req_token_ids_reference(
     pos = torch.arange(total, device=flat_in.device) - (length.cumsum(0) - length)[req]
     src = start[req] + pos
     keep = src >= 0
-    pool_out[req_pool_indices[req][keep], (dst0[req] + pos)[keep]] = \
-        flat_in[src[keep]].to(torch.int32)
+    pool_out[req_pool_indices[req][keep], (dst0[req] + pos)[keep]] = flat_in[src[keep]].to(
+        torch.int32
+    )

@@ -229,8 +229,9 @@ class VerifyOrWriteContext:
     source_launch_args: tuple = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
-        buf = check_tensor("canary_buf", self.canary_buf, dtypes=(torch.uint8,),
-                           shape=(None, CANARY_SLOT_BYTES))
+        buf = check_tensor(
+            "canary_buf", self.canary_buf, dtypes=(torch.uint8,), shape=(None, CANARY_SLOT_BYTES)
+        )
         if buf.shape[0] < 1:
             raise ValueError("canary_buf must have at least one row (slot 0 is the padding slot)")
         if not isinstance(self.kernel_kind, CanaryLaunchTag):
@@ -241,18 +242,31 @@ class VerifyOrWriteContext:
                     f"kernel_kind must be a CanaryLaunchTag (0..{NUM_CANARY_LAUNCH_TAGS - 1}), "
                     f"got {self.kernel_kind!r}"
                 ) from None
-        check_tensor("violation_ring", self.violation_ring, dtypes=(torch.int64,),
-                     shape=(None, VIOLATION_NUM_FIELDS))
-        check_tensor("violation_write_index", self.violation_write_index,
-                     dtypes=(torch.int32,), shape=(1,))
+        check_tensor(
+            "violation_ring",
+            self.violation_ring,
+            dtypes=(torch.int64,),
+            shape=(None, VIOLATION_NUM_FIELDS),
+        )
+        check_tensor(
+            "violation_write_index", self.violation_write_index, dtypes=(torch.int32,), shape=(1,)
+        )
         check_tensor("slot_run_counter", self.slot_run_counter, dtypes=(torch.int64,), shape=(1,))
-        check_tensor("kernel_run_counter", self.kernel_run_counter, dtypes=(torch.int64,),
-                     shape=(1,))
+        check_tensor(
+            "kernel_run_counter", self.kernel_run_counter, dtypes=(torch.int64,), shape=(1,)
+        )
         if self.enable_chain_position_assert is None:
-            object.__setattr__(self, "enable_chain_position_assert",
-                               torch.zeros(1, dtype=torch.int32, device=buf.device))
-        check_tensor("enable_chain_position_assert", self.enable_chain_position_assert,
-                     dtypes=(torch.int32,), shape=(1,))
+            object.__setattr__(
+                self,
+                "enable_chain_position_assert",
+                torch.zeros(1, dtype=torch.int32, device=buf.device),
+            )
+        check_tensor(
+            "enable_chain_position_assert",
+            self.enable_chain_position_assert,
+            dtypes=(torch.int32,),
+            shape=(1,),
+        )
         sources = tuple(self.real_kv_sources)
         object.__setattr__(self, "real_kv_sources", sources)
         if len(sources) > REAL_KV_MAX_SOURCES:
@@ -261,8 +275,9 @@ class VerifyOrWriteContext:
             )
         for i, source in enumerate(sources):
             if not isinstance(source, RealKvSource):
-                raise TypeError(f"real_kv_sources[{i}] must be a RealKvSource, got "
-                                f"{type(source).__name__}")
+                raise TypeError(
+                    f"real_kv_sources[{i}] must be a RealKvSource, got {type(source).__name__}"
+                )
             if source.num_slots < buf.shape[0]:
                 raise ValueError(
                     f"real_kv_sources[{i}] covers {source.num_slots} slots but canary_buf has "
@@ -278,23 +293,30 @@ class VerifyOrWriteContext:
         object.__setattr__(self, "real_kv_hash_mode", mode)
         if mode != RealKvHashMode.NONE and not sources:
             raise ValueError(f"real_kv_hash_mode={mode.name} needs at least one real_kv_source")
-        same_device({
-            "canary_buf": buf,
-            "violation_ring": self.violation_ring,
-            "violation_write_index": self.violation_write_index,
-            "slot_run_counter": self.slot_run_counter,
-            "kernel_run_counter": self.kernel_run_counter,
-            "enable_chain_position_assert": self.enable_chain_position_assert,
-            **{f"real_kv_sources[{i}].tensor": s.tensor for i, s in enumerate(sources)},
-        })
+        same_device(
+            {
+                "canary_buf": buf,
+                "violation_ring": self.violation_ring,
+                "violation_write_index": self.violation_write_index,
+                "slot_run_counter": self.slot_run_counter,
+                "kernel_run_counter": self.kernel_run_counter,
+                "enable_chain_position_assert": self.enable_chain_position_assert,
+                **{f"real_kv_sources[{i}].tensor": s.tensor for i, s in enumerate(sources)},
+            }
+        )
         words = buf.view(torch.int64)
         object.__setattr__(self, "canary_words", words)
         args = []
         for i in range(REAL_KV_MAX_SOURCES):
             if i < len(sources):
                 s = sources[i]
-                args += [s.words_view, s.row_stride_words, s.page_size, s.num_words_per_token,
-                         s.words_to_fold(mode)]
+                args += [
+                    s.words_view,
+                    s.row_stride_words,
+                    s.page_size,
+                    s.num_words_per_token,
+                    s.words_to_fold(mode),
+                ]
             else:  # never dereferenced: NUM_SOURCES is a constexpr
                 args += [words, 0, 1, 0, 0]
         object.__setattr__(self, "source_launch_args", tuple(args))
@@ -344,16 +366,26 @@ class VerifyPlan:
     enable: torch.Tensor
 
     def __post_init__(self):
-        cap = self.verify_slot_indices.shape[0] if isinstance(
-            self.verify_slot_indices, torch.Tensor) and self.verify_slot_indices.dim() == 1 else None
-        for name in ("verify_slot_indices", "verify_expected_tokens",
-                     "verify_expected_positions", "verify_prev_slot_indices",
-                     "verify_req_to_token_rows"):
-            check_tensor(f"VerifyPlan.{name}", getattr(self, name), dtypes=(torch.int64,),
-                         shape=(cap,))
+        cap = (
+            self.verify_slot_indices.shape[0]
+            if isinstance(self.verify_slot_indices, torch.Tensor)
+            and self.verify_slot_indices.dim() == 1
+            else None
+        )
+        for name in (
+            "verify_slot_indices",
+            "verify_expected_tokens",
+            "verify_expected_positions",
+            "verify_prev_slot_indices",
+            "verify_req_to_token_rows",
+        ):
+            check_tensor(
+                f"VerifyPlan.{name}", getattr(self, name), dtypes=(torch.int64,), shape=(cap,)
+            )
         for name in ("verify_num_valid", "enable"):
-            check_tensor(f"VerifyPlan.{name}", getattr(self, name), dtypes=(torch.int32,),
-                         shape=(1,))
+            check_tensor(
+                f"VerifyPlan.{name}", getattr(self, name), dtypes=(torch.int32,), shape=(1,)
+            )
         same_device({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     @property
@@ -428,17 +460,34 @@ class WritePlan:
     verify_req_offsets: torch.Tensor
 
     def __post_init__(self):
-        seeds = check_tensor("WritePlan.write_seed_slot_indices", self.write_seed_slot_indices,
-                             dtypes=(torch.int64,), ndim=1)
+        seeds = check_tensor(
+            "WritePlan.write_seed_slot_indices",
+            self.write_seed_slot_indices,
+            dtypes=(torch.int64,),
+            ndim=1,
+        )
         cap = seeds.shape[0]
-        check_tensor("WritePlan.write_offsets", self.write_offsets, dtypes=(torch.int64,),
-                     shape=(cap + 1,))
-        check_tensor("WritePlan.write_req_to_token_rows", self.write_req_to_token_rows,
-                     dtypes=(torch.int64,), shape=(cap,))
-        check_tensor("WritePlan.verify_req_offsets", self.verify_req_offsets,
-                     dtypes=(torch.int64,), shape=(cap + 1,))
-        check_tensor("WritePlan.write_num_valid_reqs", self.write_num_valid_reqs,
-                     dtypes=(torch.int32,), shape=(1,))
+        check_tensor(
+            "WritePlan.write_offsets", self.write_offsets, dtypes=(torch.int64,), shape=(cap + 1,)
+        )
+        check_tensor(
+            "WritePlan.write_req_to_token_rows",
+            self.write_req_to_token_rows,
+            dtypes=(torch.int64,),
+            shape=(cap,),
+        )
+        check_tensor(
+            "WritePlan.verify_req_offsets",
+            self.verify_req_offsets,
+            dtypes=(torch.int64,),
+            shape=(cap + 1,),
+        )
+        check_tensor(
+            "WritePlan.write_num_valid_reqs",
+            self.write_num_valid_reqs,
+            dtypes=(torch.int32,),
+            shape=(1,),
+        )
         same_device({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     @property
@@ -455,13 +504,16 @@ class WritePlan:
         device = torch.device(device)
         return cls(
             write_offsets=torch.zeros(write_req_capacity + 1, dtype=torch.int64, device=device),
-            write_seed_slot_indices=torch.full((write_req_capacity,), -1, dtype=torch.int64,
-                                               device=device),
-            write_req_to_token_rows=torch.full((write_req_capacity,), -1, dtype=torch.int64,
-                                               device=device),
+            write_seed_slot_indices=torch.full(
+                (write_req_capacity,), -1, dtype=torch.int64, device=device
+            ),
+            write_req_to_token_rows=torch.full(
+                (write_req_capacity,), -1, dtype=torch.int64, device=device
+            ),
             write_num_valid_reqs=torch.zeros(1, dtype=torch.int32, device=device),
-            verify_req_offsets=torch.zeros(write_req_capacity + 1, dtype=torch.int64,
-                                           device=device),
+            verify_req_offsets=torch.zeros(
+                write_req_capacity + 1, dtype=torch.int64, device=device
+            ),
         )
 
 
@@ -549,43 +601,59 @@ class DeepFingerprintTable:
             raise ValueError("DeepFingerprintTable needs at least one column")
         for i, col in enumerate(columns):
             if not isinstance(col, DeepColumn):
-                raise TypeError(f"DeepFingerprintTable.columns[{i}] must be a DeepColumn, got "
-                                f"{type(col).__name__}")
+                raise TypeError(
+                    f"DeepFingerprintTable.columns[{i}] must be a DeepColumn, got "
+                    f"{type(col).__name__}"
+                )
         try:
             mode = RealKvHashMode(self.mode)
         except ValueError:
-            raise ValueError(f"DeepFingerprintTable.mode must be PARTIAL or ALL, got "
-                             f"{self.mode!r}") from None
+            raise ValueError(
+                f"DeepFingerprintTable.mode must be PARTIAL or ALL, got {self.mode!r}"
+            ) from None
         if mode == RealKvHashMode.NONE:
             raise ValueError("DeepFingerprintTable.mode must be PARTIAL or ALL, got NONE")
         object.__setattr__(self, "mode", mode)
-        table = check_tensor("DeepFingerprintTable.table", self.table, dtypes=(torch.int64,),
-                             shape=(None, len(columns)))
+        table = check_tensor(
+            "DeepFingerprintTable.table",
+            self.table,
+            dtypes=(torch.int64,),
+            shape=(None, len(columns)),
+        )
         if not table.is_contiguous():
             raise ValueError("DeepFingerprintTable.table must be contiguous")
         for i, col in enumerate(columns):
             if col.source.num_slots < table.shape[0]:
-                raise ValueError(f"DeepFingerprintTable.columns[{i}] (layer {col.layer_id} "
-                                 f"{col.half.value}) covers {col.source.num_slots} slots but "
-                                 f"the table has {table.shape[0]}")
+                raise ValueError(
+                    f"DeepFingerprintTable.columns[{i}] (layer {col.layer_id} "
+                    f"{col.half.value}) covers {col.source.num_slots} slots but "
+                    f"the table has {table.shape[0]}"
+                )
         halves = self.halves_per_layer
         first_halves = [c.half for c in columns[:halves]]
         for i, col in enumerate(columns):
-            if (col.half != first_halves[i % halves]
-                    or col.layer_id != columns[i - i % halves].layer_id
-                    or (i % halves == 0 and i and col.layer_id == columns[i - 1].layer_id)):
+            if (
+                col.half != first_halves[i % halves]
+                or col.layer_id != columns[i - i % halves].layer_id
+                or (i % halves == 0 and i and col.layer_id == columns[i - 1].layer_id)
+            ):
                 raise ValueError(
                     "DeepFingerprintTable.columns must be layer-major with the same halves, in "
                     f"the same order, for every layer; column {i} is layer {col.layer_id} "
-                    f"{col.half.value}")
-        check_int("DeepFingerprintTable.columns_per_forward", self.columns_per_forward,
-                  minimum=1)
+                    f"{col.half.value}"
+                )
+        check_int("DeepFingerprintTable.columns_per_forward", self.columns_per_forward, minimum=1)
         if self.columns_per_forward % halves or self.columns_per_forward > len(columns):
             raise ValueError(
                 f"DeepFingerprintTable.columns_per_forward must be a multiple of {halves} (whole "
-                f"layers) and at most {len(columns)}, got {self.columns_per_forward}")
-        same_device({"table": table,
-                     **{f"columns[{i}].source": c.source.tensor for i, c in enumerate(columns)}})
+                f"layers) and at most {len(columns)}, got {self.columns_per_forward}"
+            )
+        same_device(
+            {
+                "table": table,
+                **{f"columns[{i}].source": c.source.tensor for i, c in enumerate(columns)},
+            }
+        )
         desc = [[0] * DEEP_DESC_WORDS for _ in columns]
         for row, c in zip(desc, columns):
             row[DEEP_DESC_PTR] = c.source.words_view.data_ptr()
@@ -595,10 +663,10 @@ class DeepFingerprintTable:
             row[DEEP_DESC_NUM_WORDS] = c.source.words_to_fold(mode)
             row[DEEP_DESC_LAYER] = c.layer_id
             row[DEEP_DESC_HALF] = DEEP_HALF_K if c.half == KvHalf.K else DEEP_HALF_V
-        object.__setattr__(self, "descriptors",
-                           torch.tensor(desc, dtype=torch.int64).to(table.device))
-        object.__setattr__(self, "cursor", torch.zeros(1, dtype=torch.int64,
-                                                       device=table.device))
+        object.__setattr__(
+            self, "descriptors", torch.tensor(desc, dtype=torch.int64).to(table.device)
+        )
+        object.__setattr__(self, "cursor", torch.zeros(1, dtype=torch.int64, device=table.device))
 
     @property
     def num_slots(self) -> int:
@@ -628,8 +696,9 @@ class DeepFingerprintTable:
         return self.table.device
 
     @classmethod
-    def allocate(cls, *, num_slots: int, columns, mode: RealKvHashMode,
-                 layers_per_forward: int, device) -> "DeepFingerprintTable":
+    def allocate(
+        cls, *, num_slots: int, columns, mode: RealKvHashMode, layers_per_forward: int, device
+    ) -> "DeepFingerprintTable":
         """A zeroed table for ``columns``; ``layers_per_forward`` whole layers per forward
         (clamped to the layer count)."""
         columns = tuple(columns)
@@ -639,7 +708,11 @@ class DeepFingerprintTable:
         first = columns[0].layer_id
         halves = sum(1 for c in columns if c.layer_id == first)
         num_layers = len(columns) // halves
-        return cls(table=torch.zeros(num_slots, len(columns), dtype=torch.int64,
-                                     device=torch.device(device)),
-                   columns=columns, mode=mode,
-                   columns_per_forward=min(layers_per_forward, num_layers) * halves)
+        return cls(
+            table=torch.zeros(
+                num_slots, len(columns), dtype=torch.int64, device=torch.device(device)
+            ),
+            columns=columns,
+            mode=mode,
+            columns_per_forward=min(layers_per_forward, num_layers) * halves,
+        )

@@ -48,22 +48,57 @@ from sglang.jit_kernel.kv_canary.types import (  # noqa: F401
 )
 
 __all__ = [
-    "CANARY_SLOT_BYTES", "NUM_CANARY_LAUNCH_TAGS", "CanaryLaunchTag", "CanaryPhase", "KvHalf",
-    "PoolKind", "RealKvSource", "VerifyOrWriteContext", "VerifyPlan",
+    "CANARY_SLOT_BYTES",
+    "NUM_CANARY_LAUNCH_TAGS",
+    "CanaryLaunchTag",
+    "CanaryPhase",
+    "KvHalf",
+    "PoolKind",
+    "RealKvSource",
+    "VerifyOrWriteContext",
+    "VerifyPlan",
     "launch_canary_verify_kernel",
 ]
 
 
 @triton.jit
 def _canary_verify_kernel(
-    canary_ptr, num_slots,
-    slot_idx_ptr, exp_tok_ptr, exp_pos_ptr, prev_idx_ptr, row_ptr, num_valid_ptr, enable_ptr,
+    canary_ptr,
+    num_slots,
+    slot_idx_ptr,
+    exp_tok_ptr,
+    exp_pos_ptr,
+    prev_idx_ptr,
+    row_ptr,
+    num_valid_ptr,
+    enable_ptr,
     capacity,
-    ring_ptr, ring_index_ptr, ring_capacity, slot_counter_ptr, kernel_counter_ptr, kernel_kind,
-    s0_ptr, s0_stride, s0_page, s0_wpt, s0_nwords,
-    s1_ptr, s1_stride, s1_page, s1_wpt, s1_nwords,
-    s2_ptr, s2_stride, s2_page, s2_wpt, s2_nwords,
-    s3_ptr, s3_stride, s3_page, s3_wpt, s3_nwords,
+    ring_ptr,
+    ring_index_ptr,
+    ring_capacity,
+    slot_counter_ptr,
+    kernel_counter_ptr,
+    kernel_kind,
+    s0_ptr,
+    s0_stride,
+    s0_page,
+    s0_wpt,
+    s0_nwords,
+    s1_ptr,
+    s1_stride,
+    s1_page,
+    s1_wpt,
+    s1_nwords,
+    s2_ptr,
+    s2_stride,
+    s2_page,
+    s2_wpt,
+    s2_nwords,
+    s3_ptr,
+    s3_stride,
+    s3_page,
+    s3_wpt,
+    s3_nwords,
     CHECK_TOKEN: tl.constexpr,
     NUM_SOURCES: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -89,8 +124,9 @@ def _canary_verify_kernel(
         prev = tl.load(prev_idx_ptr + offs, mask=live, other=0)
         has_prev_rec = live & (prev > 0) & (prev < num_slots)
         check_chain = has_prev_rec | (live & (prev == NO_PREV_SLOT))
-        expected_chain = tl.where(prev == NO_PREV_SLOT, head,
-                                  H.record_hash(canary_ptr, prev, has_prev_rec))
+        expected_chain = tl.where(
+            prev == NO_PREV_SLOT, head, H.record_hash(canary_ptr, prev, has_prev_rec)
+        )
         expected_chain = H.as_i64(expected_chain)
         exp_pos = tl.load(exp_pos_ptr + offs, mask=live, other=0)
         bits = tl.where(check_chain & (st_prev != expected_chain), FAIL_VERIFY_CHAIN, 0)
@@ -104,20 +140,50 @@ def _canary_verify_kernel(
         if NUM_SOURCES > 0:
             st_kv = tl.load(rec + FIELD_REAL_KV_HASH, mask=live, other=0)
             fp = H.real_kv_fingerprint(
-                slot, live, NUM_SOURCES,
-                s0_ptr, s0_stride, s0_page, s0_wpt, s0_nwords,
-                s1_ptr, s1_stride, s1_page, s1_wpt, s1_nwords,
-                s2_ptr, s2_stride, s2_page, s2_wpt, s2_nwords,
-                s3_ptr, s3_stride, s3_page, s3_wpt, s3_nwords,
+                slot,
+                live,
+                NUM_SOURCES,
+                s0_ptr,
+                s0_stride,
+                s0_page,
+                s0_wpt,
+                s0_nwords,
+                s1_ptr,
+                s1_stride,
+                s1_page,
+                s1_wpt,
+                s1_nwords,
+                s2_ptr,
+                s2_stride,
+                s2_page,
+                s2_wpt,
+                s2_nwords,
+                s3_ptr,
+                s3_stride,
+                s3_page,
+                s3_wpt,
+                s3_nwords,
             )
             bits |= tl.where(live & (st_kv != H.as_i64(fp)), FAIL_VERIFY_REAL_KV, 0)
         aux = tl.where(check_chain, expected_chain, st_prev)
         viol = live & (bits != 0)
         req_row = tl.load(row_ptr + offs, mask=viol, other=NO_REQ_TO_TOKEN_ROW)
         append_violations(
-            ring_ptr, ring_index_ptr, ring_capacity, viol,
-            kernel_kind, slot, st_pos, st_tok, exp_tok, st_prev, aux, bits.to(tl.int64),
-            exp_pos, req_row, NO_KV_LAYER,
+            ring_ptr,
+            ring_index_ptr,
+            ring_capacity,
+            viol,
+            kernel_kind,
+            slot,
+            st_pos,
+            st_tok,
+            exp_tok,
+            st_prev,
+            aux,
+            bits.to(tl.int64),
+            exp_pos,
+            req_row,
+            NO_KV_LAYER,
         )
 
 
@@ -144,12 +210,22 @@ def launch_canary_verify_kernel(
         )
     grid = (grid_size(context.device, plan.capacity, VERIFY_BLOCK),)
     _canary_verify_kernel[grid](
-        context.canary_words, context.num_slots,
-        plan.verify_slot_indices, plan.verify_expected_tokens, plan.verify_expected_positions,
-        plan.verify_prev_slot_indices, plan.verify_req_to_token_rows, plan.verify_num_valid,
-        plan.enable, plan.capacity,
-        context.violation_ring, context.violation_write_index, context.ring_capacity,
-        context.slot_run_counter, context.kernel_run_counter, int(context.kernel_kind),
+        context.canary_words,
+        context.num_slots,
+        plan.verify_slot_indices,
+        plan.verify_expected_tokens,
+        plan.verify_expected_positions,
+        plan.verify_prev_slot_indices,
+        plan.verify_req_to_token_rows,
+        plan.verify_num_valid,
+        plan.enable,
+        plan.capacity,
+        context.violation_ring,
+        context.violation_write_index,
+        context.ring_capacity,
+        context.slot_run_counter,
+        context.kernel_run_counter,
+        int(context.kernel_kind),
         *context.source_launch_args,
         CHECK_TOKEN=check_verify_expected_token,
         NUM_SOURCES=len(context.real_kv_sources) if context.fingerprint_mode else 0,

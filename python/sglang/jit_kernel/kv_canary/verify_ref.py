@@ -69,7 +69,9 @@ def run_canary_verify_reference(
     expected_chain[has_prev_rec] = record_hash_t(records[prev[has_prev_rec]])
 
     bits = torch.zeros_like(slot)
-    bits |= (check_chain & (st_prev != expected_chain)).long() * FailReason.VERIFY_CHAIN_HASH_MISMATCH
+    bits |= (
+        check_chain & (st_prev != expected_chain)
+    ).long() * FailReason.VERIFY_CHAIN_HASH_MISMATCH
     bits |= (st_pos != exp_pos).long() * FailReason.VERIFY_POSITION_MISMATCH
     if check_verify_expected_token:
         exp_tok = plan.verify_expected_tokens[:n][live]
@@ -82,11 +84,22 @@ def run_canary_verify_reference(
         fp = real_kv_fingerprint_t(
             context.real_kv_sources, [s.words_to_fold(mode) for s in context.real_kv_sources], slot
         )
-        bits |= (stored[:, CANARY_FIELD_REAL_KV_HASH] != fp).long() * FailReason.VERIFY_REAL_KV_HASH_MISMATCH
+        bits |= (
+            stored[:, CANARY_FIELD_REAL_KV_HASH] != fp
+        ).long() * FailReason.VERIFY_REAL_KV_HASH_MISMATCH
     aux = torch.where(check_chain, expected_chain, st_prev)
     bad = bits != 0
     req_row = plan.verify_req_to_token_rows[:n][live]
-    rows = violation_rows(int(context.kernel_kind), slot[bad], st_pos[bad], st_tok[bad],
-                          exp_tok[bad], st_prev[bad], aux[bad], bits[bad], exp_pos[bad],
-                          req_row[bad])
+    rows = violation_rows(
+        int(context.kernel_kind),
+        slot[bad],
+        st_pos[bad],
+        st_tok[bad],
+        exp_tok[bad],
+        st_prev[bad],
+        aux[bad],
+        bits[bad],
+        exp_pos[bad],
+        req_row[bad],
+    )
     append_violation_rows(context.violation_ring, context.violation_write_index, rows)

@@ -40,8 +40,13 @@ from sglang.jit_kernel.kv_canary.types import VerifyOrWriteContext
 # (``from sglang.jit_kernel.kv_canary.write import WritePlan`` etc.).
 from sglang.jit_kernel.kv_canary.types import WriteParts, WritePlan  # noqa: F401
 
-__all__ = ["MAX_CHAIN_WRITE_BUFFERS", "WriteParts", "WritePlan", "launch_canary_chain_writes",
-           "launch_canary_write_kernel"]
+__all__ = [
+    "MAX_CHAIN_WRITE_BUFFERS",
+    "WriteParts",
+    "WritePlan",
+    "launch_canary_chain_writes",
+    "launch_canary_write_kernel",
+]
 
 
 CHAIN_UNROLL = tl.constexpr(4)  # chain steps per block of the walk (the loop is written for 4)
@@ -63,10 +68,30 @@ def _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, j, length, num_toke
 
 
 @triton.jit
-def _chain_step(canary_ptr, num_slots, start, j, length, num_tokens, tok, pos, slot, running,
-                prev_pos, written, check_pos, exp_tok_ptr, exp_pos_ptr, ring_ptr,
-                ring_index_ptr, ring_capacity, kernel_kind, req_row,
-                INPUT_ASSERT: tl.constexpr, NUM_SOURCES: tl.constexpr):
+def _chain_step(
+    canary_ptr,
+    num_slots,
+    start,
+    j,
+    length,
+    num_tokens,
+    tok,
+    pos,
+    slot,
+    running,
+    prev_pos,
+    written,
+    check_pos,
+    exp_tok_ptr,
+    exp_pos_ptr,
+    ring_ptr,
+    ring_index_ptr,
+    ring_capacity,
+    kernel_kind,
+    req_row,
+    INPUT_ASSERT: tl.constexpr,
+    NUM_SOURCES: tl.constexpr,
+):
     """Chain step ``j`` of every lane (a no-op where the lane has no step ``j``): store the
     record, check, advance ``running`` / ``prev_pos``; returns them and ``written``."""
     i = start + j
@@ -91,9 +116,21 @@ def _chain_step(canary_ptr, num_slots, start, j, length, num_tokens, tok, pos, s
     bits |= tl.where(chain_bad, FAIL_WRITE_POSITION, 0)
     exp_pos = tl.where(chain_bad, prev_pos + 1, exp_pos)
     append_violations(
-        ring_ptr, ring_index_ptr, ring_capacity, store_ok & (bits != 0),
-        kernel_kind, slot, pos, tok, exp_tok, H.as_i64(running), exp_pos, bits,
-        pos, req_row, NO_KV_LAYER,
+        ring_ptr,
+        ring_index_ptr,
+        ring_capacity,
+        store_ok & (bits != 0),
+        kernel_kind,
+        slot,
+        pos,
+        tok,
+        exp_tok,
+        H.as_i64(running),
+        exp_pos,
+        bits,
+        pos,
+        req_row,
+        NO_KV_LAYER,
     )
     written += store_ok.to(tl.int64)
     running = tl.where(act, H.mix3(running, H.as_u64(tok), H.as_u64(pos)), running)
@@ -103,17 +140,58 @@ def _chain_step(canary_ptr, num_slots, start, j, length, num_tokens, tok, pos, s
 
 @triton.jit
 def _canary_write_kernel(
-    c0_ptr, c1_ptr, c2_ptr, c3_ptr, num_slots,
-    offsets_ptr, seeds_ptr, rows_ptr, num_reqs_ptr, req_capacity,
-    input_ids_ptr, positions_ptr, loc_ptr, num_tokens, exp_tok_ptr, exp_pos_ptr,
+    c0_ptr,
+    c1_ptr,
+    c2_ptr,
+    c3_ptr,
+    num_slots,
+    offsets_ptr,
+    seeds_ptr,
+    rows_ptr,
+    num_reqs_ptr,
+    req_capacity,
+    input_ids_ptr,
+    positions_ptr,
+    loc_ptr,
+    num_tokens,
+    exp_tok_ptr,
+    exp_pos_ptr,
     chain_assert_ptr,
-    ring_ptr, ring_index_ptr, ring_capacity,
-    sc0_ptr, sc1_ptr, sc2_ptr, sc3_ptr, kc0_ptr, kc1_ptr, kc2_ptr, kc3_ptr,
-    kind0, kind1, kind2, kind3,
-    s0_ptr, s0_stride, s0_page, s0_wpt, s0_nwords,
-    s1_ptr, s1_stride, s1_page, s1_wpt, s1_nwords,
-    s2_ptr, s2_stride, s2_page, s2_wpt, s2_nwords,
-    s3_ptr, s3_stride, s3_page, s3_wpt, s3_nwords,
+    ring_ptr,
+    ring_index_ptr,
+    ring_capacity,
+    sc0_ptr,
+    sc1_ptr,
+    sc2_ptr,
+    sc3_ptr,
+    kc0_ptr,
+    kc1_ptr,
+    kc2_ptr,
+    kc3_ptr,
+    kind0,
+    kind1,
+    kind2,
+    kind3,
+    s0_ptr,
+    s0_stride,
+    s0_page,
+    s0_wpt,
+    s0_nwords,
+    s1_ptr,
+    s1_stride,
+    s1_page,
+    s1_wpt,
+    s1_nwords,
+    s2_ptr,
+    s2_stride,
+    s2_page,
+    s2_wpt,
+    s2_nwords,
+    s3_ptr,
+    s3_stride,
+    s3_page,
+    s3_wpt,
+    s3_nwords,
     num_chain_programs,
     INPUT_ASSERT: tl.constexpr,
     NUM_SOURCES: tl.constexpr,
@@ -138,10 +216,12 @@ def _canary_write_kernel(
         head = H.chain_head_hash()
         lane = tl.arange(0, RBLOCK)
         buf = lane % NUM_BUFS
-        canary_ptr = tl.where(buf == 0, c0_ptr,
-                              tl.where(buf == 1, c1_ptr, tl.where(buf == 2, c2_ptr, c3_ptr)))
-        kernel_kind = tl.where(buf == 0, kind0,
-                               tl.where(buf == 1, kind1, tl.where(buf == 2, kind2, kind3)))
+        canary_ptr = tl.where(
+            buf == 0, c0_ptr, tl.where(buf == 1, c1_ptr, tl.where(buf == 2, c2_ptr, c3_ptr))
+        )
+        kernel_kind = tl.where(
+            buf == 0, kind0, tl.where(buf == 1, kind1, tl.where(buf == 2, kind2, kind3))
+        )
         reqs_per_block = RBLOCK // NUM_BUFS
         lane_ok = lane < reqs_per_block * NUM_BUFS
         written = tl.zeros([RBLOCK], dtype=tl.int64)
@@ -155,49 +235,134 @@ def _canary_write_kernel(
             req_row = tl.load(rows_ptr + r, mask=rmask, other=NO_REQ_TO_TOKEN_ROW)
             seed_ok = rmask & (seed >= 0) & (seed < num_slots)
             running = tl.where(seed_ok, H.record_hash(canary_ptr, seed, seed_ok), head)
-            prev_pos = tl.load(canary_ptr + seed * RECORD_WORDS + FIELD_POSITION, mask=seed_ok,
-                               other=0)
+            prev_pos = tl.load(
+                canary_ptr + seed * RECORD_WORDS + FIELD_POSITION, mask=seed_ok, other=0
+            )
             # slot 0 (an evicted SWA predecessor) holds no real record: no position to follow
             check_pos = seed_ok & (seed > 0) & chain_assert_on
             # Steps are walked in blocks of CHAIN_UNROLL; a block's inputs are loaded while
             # the block before it is hashed, so the serial hash never waits on a load.
-            t0, p0, s0 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, 0, length,
-                                    num_tokens)
-            t1, p1, s1 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, 1, length,
-                                    num_tokens)
-            t2, p2, s2 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, 2, length,
-                                    num_tokens)
-            t3, p3, s3 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, 3, length,
-                                    num_tokens)
+            t0, p0, s0 = _load_step(
+                input_ids_ptr, positions_ptr, loc_ptr, start, 0, length, num_tokens
+            )
+            t1, p1, s1 = _load_step(
+                input_ids_ptr, positions_ptr, loc_ptr, start, 1, length, num_tokens
+            )
+            t2, p2, s2 = _load_step(
+                input_ids_ptr, positions_ptr, loc_ptr, start, 2, length, num_tokens
+            )
+            t3, p3, s3 = _load_step(
+                input_ids_ptr, positions_ptr, loc_ptr, start, 3, length, num_tokens
+            )
             for jb in range(0, tl.max(length, axis=0), CHAIN_UNROLL):
-                n0, q0, m0 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, jb + 4,
-                                        length, num_tokens)
-                n1, q1, m1 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, jb + 5,
-                                        length, num_tokens)
-                n2, q2, m2 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, jb + 6,
-                                        length, num_tokens)
-                n3, q3, m3 = _load_step(input_ids_ptr, positions_ptr, loc_ptr, start, jb + 7,
-                                        length, num_tokens)
+                n0, q0, m0 = _load_step(
+                    input_ids_ptr, positions_ptr, loc_ptr, start, jb + 4, length, num_tokens
+                )
+                n1, q1, m1 = _load_step(
+                    input_ids_ptr, positions_ptr, loc_ptr, start, jb + 5, length, num_tokens
+                )
+                n2, q2, m2 = _load_step(
+                    input_ids_ptr, positions_ptr, loc_ptr, start, jb + 6, length, num_tokens
+                )
+                n3, q3, m3 = _load_step(
+                    input_ids_ptr, positions_ptr, loc_ptr, start, jb + 7, length, num_tokens
+                )
                 running, prev_pos, written = _chain_step(
-                    canary_ptr, num_slots, start, jb, length, num_tokens, t0, p0, s0, running,
-                    prev_pos, written, check_pos, exp_tok_ptr, exp_pos_ptr, ring_ptr,
-                    ring_index_ptr, ring_capacity, kernel_kind, req_row, INPUT_ASSERT,
-                    NUM_SOURCES)
+                    canary_ptr,
+                    num_slots,
+                    start,
+                    jb,
+                    length,
+                    num_tokens,
+                    t0,
+                    p0,
+                    s0,
+                    running,
+                    prev_pos,
+                    written,
+                    check_pos,
+                    exp_tok_ptr,
+                    exp_pos_ptr,
+                    ring_ptr,
+                    ring_index_ptr,
+                    ring_capacity,
+                    kernel_kind,
+                    req_row,
+                    INPUT_ASSERT,
+                    NUM_SOURCES,
+                )
                 running, prev_pos, written = _chain_step(
-                    canary_ptr, num_slots, start, jb + 1, length, num_tokens, t1, p1, s1,
-                    running, prev_pos, written, check_pos, exp_tok_ptr, exp_pos_ptr, ring_ptr,
-                    ring_index_ptr, ring_capacity, kernel_kind, req_row, INPUT_ASSERT,
-                    NUM_SOURCES)
+                    canary_ptr,
+                    num_slots,
+                    start,
+                    jb + 1,
+                    length,
+                    num_tokens,
+                    t1,
+                    p1,
+                    s1,
+                    running,
+                    prev_pos,
+                    written,
+                    check_pos,
+                    exp_tok_ptr,
+                    exp_pos_ptr,
+                    ring_ptr,
+                    ring_index_ptr,
+                    ring_capacity,
+                    kernel_kind,
+                    req_row,
+                    INPUT_ASSERT,
+                    NUM_SOURCES,
+                )
                 running, prev_pos, written = _chain_step(
-                    canary_ptr, num_slots, start, jb + 2, length, num_tokens, t2, p2, s2,
-                    running, prev_pos, written, check_pos, exp_tok_ptr, exp_pos_ptr, ring_ptr,
-                    ring_index_ptr, ring_capacity, kernel_kind, req_row, INPUT_ASSERT,
-                    NUM_SOURCES)
+                    canary_ptr,
+                    num_slots,
+                    start,
+                    jb + 2,
+                    length,
+                    num_tokens,
+                    t2,
+                    p2,
+                    s2,
+                    running,
+                    prev_pos,
+                    written,
+                    check_pos,
+                    exp_tok_ptr,
+                    exp_pos_ptr,
+                    ring_ptr,
+                    ring_index_ptr,
+                    ring_capacity,
+                    kernel_kind,
+                    req_row,
+                    INPUT_ASSERT,
+                    NUM_SOURCES,
+                )
                 running, prev_pos, written = _chain_step(
-                    canary_ptr, num_slots, start, jb + 3, length, num_tokens, t3, p3, s3,
-                    running, prev_pos, written, check_pos, exp_tok_ptr, exp_pos_ptr, ring_ptr,
-                    ring_index_ptr, ring_capacity, kernel_kind, req_row, INPUT_ASSERT,
-                    NUM_SOURCES)
+                    canary_ptr,
+                    num_slots,
+                    start,
+                    jb + 3,
+                    length,
+                    num_tokens,
+                    t3,
+                    p3,
+                    s3,
+                    running,
+                    prev_pos,
+                    written,
+                    check_pos,
+                    exp_tok_ptr,
+                    exp_pos_ptr,
+                    ring_ptr,
+                    ring_index_ptr,
+                    ring_capacity,
+                    kernel_kind,
+                    req_row,
+                    INPUT_ASSERT,
+                    NUM_SOURCES,
+                )
                 t0, p0, s0, t1, p1, s1 = n0, q0, m0, n1, q1, m1
                 t2, p2, s2, t3, p3, s3 = n2, q2, m2, n3, q3, m3
         tl.atomic_add(sc0_ptr, tl.sum(tl.where(buf == 0, written, 0), axis=0))
@@ -219,14 +384,31 @@ def _canary_write_kernel(
                 slot = tl.load(loc_ptr + i, mask=m, other=-1).to(tl.int64)
                 ok = m & (slot >= 0) & (slot < num_slots)
                 fp = H.real_kv_fingerprint(
-                    slot, ok, NUM_SOURCES,
-                    s0_ptr, s0_stride, s0_page, s0_wpt, s0_nwords,
-                    s1_ptr, s1_stride, s1_page, s1_wpt, s1_nwords,
-                    s2_ptr, s2_stride, s2_page, s2_wpt, s2_nwords,
-                    s3_ptr, s3_stride, s3_page, s3_wpt, s3_nwords,
+                    slot,
+                    ok,
+                    NUM_SOURCES,
+                    s0_ptr,
+                    s0_stride,
+                    s0_page,
+                    s0_wpt,
+                    s0_nwords,
+                    s1_ptr,
+                    s1_stride,
+                    s1_page,
+                    s1_wpt,
+                    s1_nwords,
+                    s2_ptr,
+                    s2_stride,
+                    s2_page,
+                    s2_wpt,
+                    s2_nwords,
+                    s3_ptr,
+                    s3_stride,
+                    s3_page,
+                    s3_wpt,
+                    s3_nwords,
                 )
-                tl.store(c0_ptr + slot * RECORD_WORDS + FIELD_REAL_KV_HASH, H.as_i64(fp),
-                         mask=ok)
+                tl.store(c0_ptr + slot * RECORD_WORDS + FIELD_REAL_KV_HASH, H.as_i64(fp), mask=ok)
 
 
 WRITE_REQ_BLOCK = 32
@@ -261,10 +443,17 @@ def launch_canary_write_kernel(
     running hash, ``expected_aux`` the expected position. Counters: kernel +1, slot + entries
     stored.
     """
-    kwargs = dict(context=context, plan=plan, input_ids=input_ids, positions=positions,
-                  out_cache_loc=out_cache_loc, enable_write_input_assert=enable_write_input_assert,
-                  expected_input_tokens=expected_input_tokens,
-                  expected_input_positions=expected_input_positions, parts=parts)
+    kwargs = dict(
+        context=context,
+        plan=plan,
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        enable_write_input_assert=enable_write_input_assert,
+        expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions,
+        parts=parts,
+    )
     validation.validate_write_args(**kwargs)
     if not use_triton(context.device):
         return write_ref.run_canary_write_reference(**kwargs)
@@ -278,9 +467,19 @@ def launch_canary_write_kernel(
         if not n_fp:
             return
         n_chain = 0
-    _launch([context], plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
-            expected_input_tokens, expected_input_positions, num_sources=num_sources,
-            n_chain=n_chain, n_fp=n_fp)
+    _launch(
+        [context],
+        plan,
+        input_ids,
+        positions,
+        out_cache_loc,
+        enable_write_input_assert,
+        expected_input_tokens,
+        expected_input_positions,
+        num_sources=num_sources,
+        n_chain=n_chain,
+        n_fp=n_fp,
+    )
 
 
 def launch_canary_chain_writes(
@@ -303,40 +502,79 @@ def launch_canary_chain_writes(
     slot count) sharing one violation ring and chain-position flag. Graph-safe on CUDA."""
     contexts = list(contexts)
     if not 1 <= len(contexts) <= MAX_CHAIN_WRITE_BUFFERS:
-        raise ValueError(f"launch_canary_chain_writes takes 1 to {MAX_CHAIN_WRITE_BUFFERS} "
-                         f"contexts, got {len(contexts)}")
+        raise ValueError(
+            f"launch_canary_chain_writes takes 1 to {MAX_CHAIN_WRITE_BUFFERS} "
+            f"contexts, got {len(contexts)}"
+        )
     for c in contexts:
         validation.validate_write_args(
-            context=c, plan=plan, input_ids=input_ids, positions=positions,
-            out_cache_loc=out_cache_loc, enable_write_input_assert=enable_write_input_assert,
+            context=c,
+            plan=plan,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            enable_write_input_assert=enable_write_input_assert,
             expected_input_tokens=expected_input_tokens,
-            expected_input_positions=expected_input_positions, parts=WriteParts.CHAIN)
+            expected_input_positions=expected_input_positions,
+            parts=WriteParts.CHAIN,
+        )
     first = contexts[0]
     for name in ("violation_ring", "violation_write_index", "enable_chain_position_assert"):
         if any(getattr(c, name) is not getattr(first, name) for c in contexts[1:]):
             raise ValueError(f"launch_canary_chain_writes: the contexts must share one {name}")
     if any(c.num_slots != first.num_slots for c in contexts):
-        raise ValueError("launch_canary_chain_writes: the contexts' buffers must have the same "
-                         f"slot count, got {[c.num_slots for c in contexts]}")
+        raise ValueError(
+            "launch_canary_chain_writes: the contexts' buffers must have the same "
+            f"slot count, got {[c.num_slots for c in contexts]}"
+        )
     if len({c.canary_buf.data_ptr() for c in contexts}) != len(contexts):
-        raise ValueError("launch_canary_chain_writes: the contexts must write distinct "
-                         "canary buffers")
+        raise ValueError(
+            "launch_canary_chain_writes: the contexts must write distinct canary buffers"
+        )
     if not use_triton(first.device):
         for c in contexts:
             write_ref.run_canary_write_reference(
-                context=c, plan=plan, input_ids=input_ids, positions=positions,
-                out_cache_loc=out_cache_loc, enable_write_input_assert=enable_write_input_assert,
+                context=c,
+                plan=plan,
+                input_ids=input_ids,
+                positions=positions,
+                out_cache_loc=out_cache_loc,
+                enable_write_input_assert=enable_write_input_assert,
                 expected_input_tokens=expected_input_tokens,
-                expected_input_positions=expected_input_positions, parts=WriteParts.CHAIN)
+                expected_input_positions=expected_input_positions,
+                parts=WriteParts.CHAIN,
+            )
         return
     n_chain = grid_size(first.device, plan.req_capacity * len(contexts), WRITE_REQ_BLOCK)
-    _launch(contexts, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
-            expected_input_tokens, expected_input_positions, num_sources=0, n_chain=n_chain,
-            n_fp=0)
+    _launch(
+        contexts,
+        plan,
+        input_ids,
+        positions,
+        out_cache_loc,
+        enable_write_input_assert,
+        expected_input_tokens,
+        expected_input_positions,
+        num_sources=0,
+        n_chain=n_chain,
+        n_fp=0,
+    )
 
 
-def _launch(contexts, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
-            expected_input_tokens, expected_input_positions, *, num_sources, n_chain, n_fp):
+def _launch(
+    contexts,
+    plan,
+    input_ids,
+    positions,
+    out_cache_loc,
+    enable_write_input_assert,
+    expected_input_tokens,
+    expected_input_positions,
+    *,
+    num_sources,
+    n_chain,
+    n_fp,
+):
     """One write launch on validated arguments: the chain part for every context (lanes of
     (request, context)), the fingerprint part (``n_fp`` programs) for the first."""
     context = contexts[0]
@@ -346,14 +584,25 @@ def _launch(contexts, plan, input_ids, positions, out_cache_loc, enable_write_in
     else:  # never dereferenced: INPUT_ASSERT is a constexpr
         exp_tok, exp_pos = input_ids, positions
     _canary_write_kernel[(n_chain + n_fp,)](
-        *(c.canary_words for c in padded), context.num_slots,
-        plan.write_offsets, plan.write_seed_slot_indices, plan.write_req_to_token_rows,
+        *(c.canary_words for c in padded),
+        context.num_slots,
+        plan.write_offsets,
+        plan.write_seed_slot_indices,
+        plan.write_req_to_token_rows,
         plan.write_num_valid_reqs,
         plan.req_capacity,
-        input_ids, positions, out_cache_loc, input_ids.shape[0], exp_tok, exp_pos,
+        input_ids,
+        positions,
+        out_cache_loc,
+        input_ids.shape[0],
+        exp_tok,
+        exp_pos,
         context.enable_chain_position_assert,
-        context.violation_ring, context.violation_write_index, context.ring_capacity,
-        *(c.slot_run_counter for c in padded), *(c.kernel_run_counter for c in padded),
+        context.violation_ring,
+        context.violation_write_index,
+        context.ring_capacity,
+        *(c.slot_run_counter for c in padded),
+        *(c.kernel_run_counter for c in padded),
         *(int(c.kernel_kind) for c in padded),
         *context.source_launch_args,
         n_chain,

@@ -30,21 +30,44 @@ from sglang.jit_kernel.kv_canary.types import WriteParts
 
 
 def launch_canary_write_kernel_torch_reference(
-    *, context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
-    expected_input_tokens, expected_input_positions, parts=WriteParts.ALL,
+    *,
+    context,
+    plan,
+    input_ids,
+    positions,
+    out_cache_loc,
+    enable_write_input_assert,
+    expected_input_tokens,
+    expected_input_positions,
+    parts=WriteParts.ALL,
 ) -> None:
     """Validate the arguments, then :func:`run_canary_write_reference`."""
-    kwargs = dict(context=context, plan=plan, input_ids=input_ids, positions=positions,
-                  out_cache_loc=out_cache_loc, enable_write_input_assert=enable_write_input_assert,
-                  expected_input_tokens=expected_input_tokens,
-                  expected_input_positions=expected_input_positions, parts=parts)
+    kwargs = dict(
+        context=context,
+        plan=plan,
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        enable_write_input_assert=enable_write_input_assert,
+        expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions,
+        parts=parts,
+    )
     validation.validate_write_args(**kwargs)
     run_canary_write_reference(**kwargs)
 
 
 def run_canary_write_reference(
-    *, context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
-    expected_input_tokens, expected_input_positions, parts=WriteParts.ALL,
+    *,
+    context,
+    plan,
+    input_ids,
+    positions,
+    out_cache_loc,
+    enable_write_input_assert,
+    expected_input_tokens,
+    expected_input_positions,
+    parts=WriteParts.ALL,
 ) -> None:
     """The write reference on already validated arguments (the launcher's CPU path)."""
     records = context.canary_words
@@ -53,9 +76,19 @@ def run_canary_write_reference(
     nreq = min(max(int(plan.write_num_valid_reqs[0].item()), 0), plan.req_capacity)
     offsets = plan.write_offsets[: nreq + 1]
     if parts != WriteParts.FINGERPRINT:
-        _chain(context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
-               expected_input_tokens, expected_input_positions, nreq, offsets,
-               zero_fp=parts == WriteParts.CHAIN or not context.fingerprint_mode)
+        _chain(
+            context,
+            plan,
+            input_ids,
+            positions,
+            out_cache_loc,
+            enable_write_input_assert,
+            expected_input_tokens,
+            expected_input_positions,
+            nreq,
+            offsets,
+            zero_fp=parts == WriteParts.CHAIN or not context.fingerprint_mode,
+        )
     if parts != WriteParts.CHAIN and context.fingerprint_mode and nreq:
         total = min(max(int(offsets[nreq].item()), 0), num_tokens)
         slots = out_cache_loc[:total].long()
@@ -66,8 +99,20 @@ def run_canary_write_reference(
         )
 
 
-def _chain(context, plan, input_ids, positions, out_cache_loc, enable_write_input_assert,
-           expected_input_tokens, expected_input_positions, nreq, offsets, *, zero_fp):
+def _chain(
+    context,
+    plan,
+    input_ids,
+    positions,
+    out_cache_loc,
+    enable_write_input_assert,
+    expected_input_tokens,
+    expected_input_positions,
+    nreq,
+    offsets,
+    *,
+    zero_fp,
+):
     """The serial chain part: records (with ``real_kv_hash`` 0 when ``zero_fp``), checks,
     counters."""
     context.kernel_run_counter.add_(1)
@@ -83,8 +128,9 @@ def _chain(context, plan, input_ids, positions, out_cache_loc, enable_write_inpu
     running[seed_ok] = record_hash_t(records[seeds[seed_ok]])
     prev_pos = torch.zeros_like(seeds)
     prev_pos[seed_ok] = records[seeds[seed_ok], CANARY_FIELD_POSITION]
-    check_pos = seed_ok & (seeds > 0) & bool(
-        int(context.enable_chain_position_assert[0].item()) == 1)
+    check_pos = (
+        seed_ok & (seeds > 0) & bool(int(context.enable_chain_position_assert[0].item()) == 1)
+    )
 
     written = 0
     max_len = int(length.max().item()) if nreq and num_tokens else 0
@@ -116,10 +162,20 @@ def _chain(context, plan, input_ids, positions, out_cache_loc, enable_write_inpu
         bad = ok & (bits != 0)
         if bool(bad.any()):
             append_violation_rows(
-                context.violation_ring, context.violation_write_index,
-                violation_rows(int(context.kernel_kind), slot[bad], pos[bad], tok[bad],
-                               exp_tok[bad], running[bad], exp_pos[bad], bits[bad],
-                               pos[bad], req_rows[bad]),
+                context.violation_ring,
+                context.violation_write_index,
+                violation_rows(
+                    int(context.kernel_kind),
+                    slot[bad],
+                    pos[bad],
+                    tok[bad],
+                    exp_tok[bad],
+                    running[bad],
+                    exp_pos[bad],
+                    bits[bad],
+                    pos[bad],
+                    req_rows[bad],
+                ),
             )
         written += int(ok.sum().item())
         running = torch.where(act, mix3_t(running, tok, pos), running)

@@ -45,8 +45,10 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
         return config
     value = sglang_seam.server_args_value
     if value(server_args, "enable_torch_compile", False):
-        raise ValueError("--kv-canary does not support --enable-torch-compile (the canary's "
-                         "launches must stay outside the compiled model); drop that flag")
+        raise ValueError(
+            "--kv-canary does not support --enable-torch-compile (the canary's "
+            "launches must stay outside the compiled model); drop that flag"
+        )
     if config.mode == CanaryMode.ABORT:
         _check_abort_mode(server_args)
     storage = value(server_args, "hicache_storage_backend", None)
@@ -55,16 +57,23 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
             f"--kv-canary does not support --hicache-storage-backend {storage} yet: pages "
             "prefetched back from that storage tier would come without their canary rows and "
             "fail their checks. HiCache's host tier alone is covered: drop "
-            "--hicache-storage-backend, or run without --kv-canary")
-    if (FaultKind.HOST_KV in config.perturb.active_faults
-            and not value(server_args, "enable_hierarchical_cache", False)):
-        raise ValueError(f"{FaultKind.HOST_KV.env_var} > 0 corrupts HiCache's host memory: "
-                         "pass --enable-hierarchical-cache (or drop the variable)")
+            "--hicache-storage-backend, or run without --kv-canary"
+        )
+    if FaultKind.HOST_KV in config.perturb.active_faults and not value(
+        server_args, "enable_hierarchical_cache", False
+    ):
+        raise ValueError(
+            f"{FaultKind.HOST_KV.env_var} > 0 corrupts HiCache's host memory: "
+            "pass --enable-hierarchical-cache (or drop the variable)"
+        )
     _check_speculative(server_args, config)
-    config.perturb.check_ranks(RankFacts(
-        tp_size=int(value(server_args, "tp_size", 1) or 1),
-        pp_size=int(value(server_args, "pp_size", 1) or 1),
-        dp_size=int(value(server_args, "dp_size", 1) or 1)))
+    config.perturb.check_ranks(
+        RankFacts(
+            tp_size=int(value(server_args, "tp_size", 1) or 1),
+            pp_size=int(value(server_args, "pp_size", 1) or 1),
+            dp_size=int(value(server_args, "dp_size", 1) or 1),
+        )
+    )
     return config
 
 
@@ -80,31 +89,40 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
     spec = sglang_seam.speculative_facts(server_args)
     if spec.algorithm is None:
         if config.perturb.target_worker == WORKER_DRAFT:
-            raise ValueError(f"{TARGET_WORKER_VAR}=draft corrupts an EAGLE draft model's KV: "
-                             "pass --speculative-algorithm EAGLE, EAGLE3 or NEXTN (or unset "
-                             "the variable)")
+            raise ValueError(
+                f"{TARGET_WORKER_VAR}=draft corrupts an EAGLE draft model's KV: "
+                "pass --speculative-algorithm EAGLE, EAGLE3 or NEXTN (or unset "
+                "the variable)"
+            )
         return
     if spec.algorithm not in COVERED_SPECULATIVE_ALGORITHMS:
         raise ValueError(
             f"--kv-canary does not cover --speculative-algorithm {spec.algorithm} yet (covered: "
-            "EAGLE, EAGLE3, NEXTN); run it without --kv-canary")
+            "EAGLE, EAGLE3, NEXTN); run it without --kv-canary"
+        )
     if spec.topk > 1:
         raise ValueError(
             f"--kv-canary covers EAGLE with --speculative-eagle-topk 1 only (got {spec.topk}): "
             "a draft tree's tokens share positions and are accepted along one branch, which "
-            "the canary's per-request chain cannot follow yet; use --speculative-eagle-topk 1")
+            "the canary's per-request chain cannot follow yet; use --speculative-eagle-topk 1"
+        )
     if spec.multi_layer_eagle:
-        raise ValueError("--kv-canary does not cover --enable-multi-layer-eagle yet (its draft "
-                         "layers run outside the draft worker's forwards); drop that flag")
+        raise ValueError(
+            "--kv-canary does not cover --enable-multi-layer-eagle yet (its draft "
+            "layers run outside the draft worker's forwards); drop that flag"
+        )
     if spec.adaptive:
-        raise ValueError("--kv-canary does not cover --speculative-adaptive (it rebuilds the "
-                         "draft graphs with other step counts while serving); drop that flag")
+        raise ValueError(
+            "--kv-canary does not cover --speculative-adaptive (it rebuilds the "
+            "draft graphs with other step counts while serving); drop that flag"
+        )
     if config.enable_token_oracle or config.enable_write_input_assert:
         raise ValueError(
             "the token oracle (--sampling-backend token_oracle, SGLANG_KV_CANARY_ENABLE_TOKEN_"
             "ORACLE, SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT) does not work with speculative "
             "decoding: EAGLE accepts the target's verified tokens, not the sampler's; drop it "
-            "or --speculative-algorithm")
+            "or --speculative-algorithm"
+        )
 
 
 def _check_abort_mode(server_args: "ServerArgs") -> None:
@@ -116,26 +134,36 @@ def _check_abort_mode(server_args: "ServerArgs") -> None:
     transfer queue the abort path does not drain). Both are refused rather than run unsound
     (docs/user_guide.md, "Containment: --kv-canary abort")."""
     value = sglang_seam.server_args_value
-    multi = [f"{flag} {v}" for flag, name in (("--tp-size", "tp_size"), ("--pp-size", "pp_size"),
-                                               ("--dp-size", "dp_size"))
-             if (v := int(value(server_args, name, 1) or 1)) > 1]
+    multi = [
+        f"{flag} {v}"
+        for flag, name in (
+            ("--tp-size", "tp_size"),
+            ("--pp-size", "pp_size"),
+            ("--dp-size", "dp_size"),
+        )
+        if (v := int(value(server_args, name, 1) or 1)) > 1
+    ]
     if value(server_args, "enable_dp_attention", False):
         multi.append("--enable-dp-attention")
     if multi:
         raise ValueError(
-            "--kv-canary abort needs a single scheduler rank: with " + ", ".join(multi)
+            "--kv-canary abort needs a single scheduler rank: with "
+            + ", ".join(multi)
             + " each rank's canary sees its own corruption and the ranks would abort different "
-            "requests (their schedulers must agree); use --kv-canary raise or log there")
+            "requests (their schedulers must agree); use --kv-canary raise or log there"
+        )
     mode = value(server_args, "disaggregation_mode", "null")
     if mode not in (None, "null"):
         raise ValueError(
             f"--kv-canary abort does not support --disaggregation-mode {mode} (a request moves "
             "between the prefill and decode servers, outside the abort path the canary uses); "
-            "use --kv-canary raise or log there")
+            "use --kv-canary raise or log there"
+        )
 
 
-def capacity_inputs_from_server_args(server_args: "ServerArgs", *, context_len: int
-                                     ) -> CanaryCapacityInputs:
+def capacity_inputs_from_server_args(
+    server_args: "ServerArgs", *, context_len: int
+) -> CanaryCapacityInputs:
     value = sglang_seam.server_args_value
     return CanaryCapacityInputs(
         context_len=context_len,
@@ -145,8 +173,9 @@ def capacity_inputs_from_server_args(server_args: "ServerArgs", *, context_len: 
     )
 
 
-def reserve_kv_budget(*, server_args: "ServerArgs", model_runner: "ModelRunner",
-                      available_bytes: int) -> int:
+def reserve_kv_budget(
+    *, server_args: "ServerArgs", model_runner: "ModelRunner", available_bytes: int
+) -> int:
     """The plugin's ``ModelRunner._profile_available_bytes`` hook: with the canary on, the
     KV pool's budget less the canary's share (docs/user_guide.md, "Memory"), the reservation
     kept for ``install_canary``'s check and ``/server_info``; ``available_bytes`` untouched
@@ -155,23 +184,31 @@ def reserve_kv_budget(*, server_args: "ServerArgs", model_runner: "ModelRunner",
     if not config.enabled:
         return available_bytes
     kv_bytes, reservation = reserve_canary_memory(
-        model_runner, server_args=server_args, config=config,
+        model_runner,
+        server_args=server_args,
+        config=config,
         capacity_inputs=capacity_inputs_from_server_args(
-            server_args, context_len=sglang_seam.runner_context_len(model_runner)),
-        available_bytes=available_bytes)
+            server_args, context_len=sglang_seam.runner_context_len(model_runner)
+        ),
+        available_bytes=available_bytes,
+    )
     sglang_seam.set_runner_memory_reservation(model_runner, reservation)
     if reservation is not None:
         logger.info(
             "kv_canary: %s of the KV pool's %s budget reserved for the canary (target: %s%s); "
-            "the pool holds %d tokens", format_bytes(reservation.reserved_bytes),
-            format_bytes(available_bytes), reservation.target.describe(),
+            "the pool holds %d tokens",
+            format_bytes(reservation.reserved_bytes),
+            format_bytes(available_bytes),
+            reservation.target.describe(),
             f"; draft: {reservation.draft.describe()}" if reservation.draft else "",
-            reservation.tokens.max_total)
+            reservation.tokens.max_total,
+        )
     return kv_bytes
 
 
-def host_pool_budget(*, device_pool, host_pool_cls: type, host_to_device_ratio: float,
-                     host_size: float) -> Tuple[float, float]:
+def host_pool_budget(
+    *, device_pool, host_pool_cls: type, host_to_device_ratio: float, host_size: float
+) -> Tuple[float, float]:
     """The plugin's ``HostKVCache.__init__`` hook: ``(host_to_device_ratio, host_size)`` for
     a HiCache host pool of ``device_pool`` such that its KV plus the canary's mirror of its
     slots take the host memory the operator's ``--hicache-size`` (GB) or ``--hicache-ratio``
@@ -196,35 +233,53 @@ def host_pool_budget(*, device_pool, host_pool_cls: type, host_to_device_ratio: 
                 f"--hicache-ratio {host_to_device_ratio} leaves no room for the canary's host "
                 f"mirror ({mirror} bytes per host slot beside {kv} bytes of KV): the host pool "
                 "would be no larger than the device pool, which sglang refuses; raise "
-                f"--hicache-ratio above {(kv + mirror) / kv:.3f} or pass --hicache-size")
-    logger.info("kv_canary: HiCache host pool: %d bytes of KV and %d canary bytes per host "
-                "slot, within the KV's budget (%s)", kv, mirror, what)
+                f"--hicache-ratio above {(kv + mirror) / kv:.3f} or pass --hicache-size"
+            )
+    logger.info(
+        "kv_canary: HiCache host pool: %d bytes of KV and %d canary bytes per host "
+        "slot, within the KV's budget (%s)",
+        kv,
+        mirror,
+        what,
+    )
     return budget
 
 
-def _check_reserved(manager: CanaryManager, reservation: Optional[CanaryMemoryReservation], *,
-                    draft: bool) -> str:
+def _check_reserved(
+    manager: CanaryManager, reservation: Optional[CanaryMemoryReservation], *, draft: bool
+) -> str:
     """The start-up line's memory part; warns when the canary holds more GPU memory than the
     KV pool's budget gave it."""
     allocated = manager.memory
     text = f"memory {allocated.describe()}"
     reserved = reservation.for_runner(draft=draft) if reservation is not None else None
     if reserved is None:
-        logger.warning("kv_canary: no KV-pool budget was reserved for this canary (%s): the "
-                       "server holds that much more GPU memory than --mem-fraction-static "
-                       "sets", allocated.describe())
+        logger.warning(
+            "kv_canary: no KV-pool budget was reserved for this canary (%s): the "
+            "server holds that much more GPU memory than --mem-fraction-static "
+            "sets",
+            allocated.describe(),
+        )
         return text
     extra = allocated.device_bytes - reserved.device_bytes
     if extra > 0:
-        logger.warning("kv_canary: the canary holds %s more GPU memory than was reserved out "
-                       "of the KV pool's budget (reserved %s; allocated %s): the server holds "
-                       "that much more than --mem-fraction-static sets", format_bytes(extra),
-                       reserved.describe(), allocated.describe())
+        logger.warning(
+            "kv_canary: the canary holds %s more GPU memory than was reserved out "
+            "of the KV pool's budget (reserved %s; allocated %s): the server holds "
+            "that much more than --mem-fraction-static sets",
+            format_bytes(extra),
+            reserved.describe(),
+            allocated.describe(),
+        )
     return text + f"; reserved {format_bytes(reserved.device_bytes)}"
 
 
-def canary_memory_info(reservation: Optional[CanaryMemoryReservation], *,
-                       target: Optional[CanaryManager], draft: Optional[CanaryManager]) -> dict:
+def canary_memory_info(
+    reservation: Optional[CanaryMemoryReservation],
+    *,
+    target: Optional[CanaryManager],
+    draft: Optional[CanaryManager],
+) -> dict:
     """``/server_info``'s ``kv_canary.memory``: per guarded runner (``target``, ``draft``) the
     bytes it holds by part and the bytes reserved for it out of the KV pool's budget, and the
     reservation (sglang's budget, what the pool got, its tokens)."""
@@ -232,10 +287,13 @@ def canary_memory_info(reservation: Optional[CanaryMemoryReservation], *,
     for role, manager in (("target", target), ("draft", draft)):
         if manager is None:
             continue
-        reserved = (reservation.for_runner(draft=role == "draft")
-                    if reservation is not None else None)
-        out[role] = {"allocated": manager.memory.as_dict(),
-                     "reserved": reserved.as_dict() if reserved is not None else None}
+        reserved = (
+            reservation.for_runner(draft=role == "draft") if reservation is not None else None
+        )
+        out[role] = {
+            "allocated": manager.memory.as_dict(),
+            "reserved": reserved.as_dict() if reserved is not None else None,
+        }
     return out
 
 
@@ -246,14 +304,20 @@ def _use_token_oracle_sampler(model_runner: "ModelRunner") -> None:
     current = sglang_seam.runner_sampler(model_runner)
     if isinstance(current, TokenOracleSampler):
         return
-    logger.info("kv_canary: token oracle on; replacing sglang's %s with the %s sampler",
-                type(current).__name__, TOKEN_ORACLE_BACKEND)
+    logger.info(
+        "kv_canary: token oracle on; replacing sglang's %s with the %s sampler",
+        type(current).__name__,
+        TOKEN_ORACLE_BACKEND,
+    )
     sglang_seam.set_runner_sampler(model_runner, TokenOracleSampler())
 
 
-def install_canary(*, server_args: "ServerArgs", model_runner: "ModelRunner",
-                   token_oracle_manager: Optional[TokenOracleManager] = None
-                   ) -> Optional[CanaryManager]:
+def install_canary(
+    *,
+    server_args: "ServerArgs",
+    model_runner: "ModelRunner",
+    token_oracle_manager: Optional[TokenOracleManager] = None,
+) -> Optional[CanaryManager]:
     """Install the canary on ``model_runner`` if ``--kv-canary`` is on; returns the manager
     (also stored on the runner, see :func:`get_canary_manager`) or None.
 
@@ -269,40 +333,64 @@ def install_canary(*, server_args: "ServerArgs", model_runner: "ModelRunner",
     draft = sglang_seam.is_draft_worker(model_runner)
     spec = sglang_seam.speculative_facts(server_args)
     manager = build_canary(
-        pool=runner.kv_pool, req_to_token=runner.req_to_token, config=config,
-        capacity_inputs=capacity_inputs_from_server_args(server_args,
-                                                         context_len=runner.context_len),
+        pool=runner.kv_pool,
+        req_to_token=runner.req_to_token,
+        config=config,
+        capacity_inputs=capacity_inputs_from_server_args(
+            server_args, context_len=runner.context_len
+        ),
         device=runner.device,
         # the SWA layers' window, as the scheduler's SWA eviction uses it (None without SWA)
         swa_window_size=runner.sliding_window_size,
-        vocab_size=runner.vocab_size, token_oracle=token_oracle_manager,
+        vocab_size=runner.vocab_size,
+        token_oracle=token_oracle_manager,
         # EAGLE's draft model reads (hidden state of p, token p + 1) at position p
         kv_token_id_vs_position_offset=1 if draft else 0,
         # one single-forward manager per forward of a draft round (steps - 1 of them)
         num_single_forward_managers=max(1, spec.num_steps - 1) if draft else 1,
         draft_forwards_per_round=max(0, spec.num_steps - 1) if draft else 0,
-        ranks=RankFacts(tp_rank=runner.tp_rank, tp_size=runner.tp_size, pp_rank=runner.pp_rank,
-                        pp_size=runner.pp_size, dp_rank=runner.dp_rank,
-                        dp_size=int(sglang_seam.server_args_value(server_args, "dp_size", 1)
-                                    or 1), draft=draft))
+        ranks=RankFacts(
+            tp_rank=runner.tp_rank,
+            tp_size=runner.tp_size,
+            pp_rank=runner.pp_rank,
+            pp_size=runner.pp_size,
+            dp_rank=runner.dp_rank,
+            dp_size=int(sglang_seam.server_args_value(server_args, "dp_size", 1) or 1),
+            draft=draft,
+        ),
+    )
     if manager.token_oracle is not None:
         _use_token_oracle_sampler(model_runner)
     sglang_seam.set_runner_canary(model_runner, manager)
-    sglang_seam.wrap_model_forward(model_runner, before=manager.pre_ops_maybe_inside_graph,
-                                   after=manager.post_ops_maybe_inside_graph)
+    sglang_seam.wrap_model_forward(
+        model_runner,
+        before=manager.pre_ops_maybe_inside_graph,
+        after=manager.post_ops_maybe_inside_graph,
+    )
     if not draft:
         sglang_seam.share_memory_reservation(model_runner)
-    memory = _check_reserved(manager, sglang_seam.runner_memory_reservation(model_runner),
-                             draft=draft)
-    logger.info("kv_canary installed%s: %s pool=%s groups=%d capacities=%s %s",
-                " on the EAGLE draft worker" if draft else "", config.describe(),
-                type(runner.kv_pool).__name__, len(manager.groups), manager.capacities, memory)
+    memory = _check_reserved(
+        manager, sglang_seam.runner_memory_reservation(model_runner), draft=draft
+    )
+    logger.info(
+        "kv_canary installed%s: %s pool=%s groups=%d capacities=%s %s",
+        " on the EAGLE draft worker" if draft else "",
+        config.describe(),
+        type(runner.kv_pool).__name__,
+        len(manager.groups),
+        manager.capacities,
+        memory,
+    )
     if config.perturb.enabled and manager.perturber is None:
-        logger.info("kv_canary: fault injection is set for another rank; none on this one "
-                    "(%s)", manager.ranks.describe())
+        logger.info(
+            "kv_canary: fault injection is set for another rank; none on this one (%s)",
+            manager.ranks.describe(),
+        )
     elif config.perturb.enabled:
-        logger.warning("kv_canary: FAULT INJECTION ON (%s) after %d warm-up steps: this server "
-                       "corrupts its own KV cache on purpose (self-test)",
-                       ", ".join(k.value for k in config.perturb.active_faults),
-                       config.perturb.warmup_steps)
+        logger.warning(
+            "kv_canary: FAULT INJECTION ON (%s) after %d warm-up steps: this server "
+            "corrupts its own KV cache on purpose (self-test)",
+            ", ".join(k.value for k in config.perturb.active_faults),
+            config.perturb.warmup_steps,
+        )
     return manager

@@ -68,8 +68,10 @@ def batch_state(forward_batch) -> Optional[CanaryBatchState]:
     """The batch's state, or None when no canary hook has attached one."""
     state = sglang_seam.batch_state(forward_batch)
     if state is not None and not isinstance(state, CanaryBatchState):
-        raise RuntimeError(f"kv_canary: the batch's canary state is a {type(state).__name__}, "
-                           "not a CanaryBatchState")
+        raise RuntimeError(
+            f"kv_canary: the batch's canary state is a {type(state).__name__}, "
+            "not a CanaryBatchState"
+        )
     return state
 
 

@@ -58,8 +58,10 @@ class CanaryBufferGroup:
         rows = self.k_head.shape[0]
         for name, buf in bufs.items():
             if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape != (rows, CANARY_SLOT_BYTES):
-                raise ValueError(f"{name} must be uint8 [{rows}, {CANARY_SLOT_BYTES}], got "
-                                 f"{buf.dtype} {tuple(buf.shape)}")
+                raise ValueError(
+                    f"{name} must be uint8 [{rows}, {CANARY_SLOT_BYTES}], got "
+                    f"{buf.dtype} {tuple(buf.shape)}"
+                )
         if self.kind == PoolKind.SWA:
             if self.swa_index_lut is None or self.swa_window_size <= 0:
                 raise ValueError("a SWA group needs swa_index_lut and swa_window_size > 0")

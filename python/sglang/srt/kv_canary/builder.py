@@ -22,15 +22,21 @@ from sglang.srt.kv_canary.runner import CanaryManager
 from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
 
 
-def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
-                 capacity_inputs: CanaryCapacityInputs, device,
-                 swa_window_size: Optional[int] = None,
-                 kv_token_id_vs_position_offset: int = 0,
-                 vocab_size: Optional[int] = None,
-                 token_oracle: Optional[TokenOracleManager] = None,
-                 num_single_forward_managers: int = 1,
-                 draft_forwards_per_round: int = 0,
-                 ranks: Optional[RankFacts] = None) -> CanaryManager:
+def build_canary(
+    *,
+    pool,
+    req_to_token: torch.Tensor,
+    config: CanaryConfig,
+    capacity_inputs: CanaryCapacityInputs,
+    device,
+    swa_window_size: Optional[int] = None,
+    kv_token_id_vs_position_offset: int = 0,
+    vocab_size: Optional[int] = None,
+    token_oracle: Optional[TokenOracleManager] = None,
+    num_single_forward_managers: int = 1,
+    draft_forwards_per_round: int = 0,
+    ranks: Optional[RankFacts] = None,
+) -> CanaryManager:
     """Attach canary buffers to ``pool`` (splicing them into its buf-info methods), size the
     per-forward buffers from ``capacity_inputs`` and return the :class:`CanaryManager`.
 
@@ -46,39 +52,63 @@ def build_canary(*, pool, req_to_token: torch.Tensor, config: CanaryConfig,
     if not config.enabled:
         raise ValueError("build_canary needs --kv-canary log, raise or abort (got none)")
     device = torch.device(device)
-    groups = attach_canary_buffers(pool=pool, config=config, device=device,
-                                   kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-                                   swa_window_size=swa_window_size)
+    groups = attach_canary_buffers(
+        pool=pool,
+        config=config,
+        device=device,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        swa_window_size=swa_window_size,
+    )
     capacities = CanaryLaunchCapacities.for_server(
-        num_slots=groups[0].num_slots, req_to_token_rows=int(req_to_token.shape[0]),
-        inputs=capacity_inputs)
+        num_slots=groups[0].num_slots,
+        req_to_token_rows=int(req_to_token.shape[0]),
+        inputs=capacity_inputs,
+    )
     if config.enable_token_oracle and token_oracle is None:
         if vocab_size is None:
             raise ValueError("build_canary: the token oracle is on but no vocab_size was given")
         token_oracle = TokenOracleManager(vocab_size=vocab_size, device=device)
-    memory = memory_inputs(config=config, groups=[GroupGeometry.of(g) for g in groups],
-                           capacities=capacities, req_to_token_shape=tuple(req_to_token.shape),
-                           num_single_forward_managers=num_single_forward_managers,
-                           device=device)
-    manager = CanaryManager(config=config, groups=groups, capacities=capacities,
-                            req_to_token=req_to_token, device=device,
-                            num_single_forward_managers=num_single_forward_managers,
-                            draft_forwards_per_round=draft_forwards_per_round,
-                            token_oracle=token_oracle, ranks=ranks or RankFacts(), kv_pool=pool,
-                            memory_inputs=memory)
+    memory = memory_inputs(
+        config=config,
+        groups=[GroupGeometry.of(g) for g in groups],
+        capacities=capacities,
+        req_to_token_shape=tuple(req_to_token.shape),
+        num_single_forward_managers=num_single_forward_managers,
+        device=device,
+    )
+    manager = CanaryManager(
+        config=config,
+        groups=groups,
+        capacities=capacities,
+        req_to_token=req_to_token,
+        device=device,
+        num_single_forward_managers=num_single_forward_managers,
+        draft_forwards_per_round=draft_forwards_per_round,
+        token_oracle=token_oracle,
+        ranks=ranks or RankFacts(),
+        kv_pool=pool,
+        memory_inputs=memory,
+    )
     # HiCache sizes its host pool from the device pool: the canary's mirror goes beside it
     sglang_seam.set_pool_canary(pool, manager)
     return manager
 
 
-def memory_inputs(*, config: CanaryConfig, groups: Sequence[GroupGeometry],
-                  capacities: CanaryLaunchCapacities, req_to_token_shape: Tuple[int, int],
-                  num_single_forward_managers: int, device) -> CanaryMemoryInputs:
+def memory_inputs(
+    *,
+    config: CanaryConfig,
+    groups: Sequence[GroupGeometry],
+    capacities: CanaryLaunchCapacities,
+    req_to_token_shape: Tuple[int, int],
+    num_single_forward_managers: int,
+    device,
+) -> CanaryMemoryInputs:
     """What :func:`build_canary` allocates for ``groups`` (built, or predicted by the KV-pool
     sizing hook) under ``config``, for :class:`~sglang.srt.kv_canary.memory.CanaryMemory`.
     The HiCache host mirror is added once the scheduler attaches its tree."""
     return CanaryMemoryInputs(
-        groups=tuple(groups), capacities=capacities,
+        groups=tuple(groups),
+        capacities=capacities,
         req_to_token_shape=(int(req_to_token_shape[0]), int(req_to_token_shape[1])),
         single_forward_managers=num_single_forward_managers,
         ring_capacity=config.ring_capacity,
@@ -86,4 +116,5 @@ def memory_inputs(*, config: CanaryConfig, groups: Sequence[GroupGeometry],
         write_input_check=config.enable_write_input_assert,
         sweep=config.sweep_interval > 0,
         swa_divergence_stats=config.swa_divergence_stats_interval > 0,
-        cuda=torch.device(device).type == "cuda")
+        cuda=torch.device(device).type == "cuda",
+    )

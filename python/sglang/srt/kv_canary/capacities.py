@@ -37,10 +37,14 @@ class CanaryCapacityInputs:
     cuda_graph_max_bs: Optional[int] = None
 
     def __post_init__(self):
-        if isinstance(self.context_len, bool) or not isinstance(self.context_len, int) \
-                or self.context_len < 1:
-            raise ValueError(f"CanaryCapacityInputs.context_len must be an int >= 1, got "
-                             f"{self.context_len!r}")
+        if (
+            isinstance(self.context_len, bool)
+            or not isinstance(self.context_len, int)
+            or self.context_len < 1
+        ):
+            raise ValueError(
+                f"CanaryCapacityInputs.context_len must be an int >= 1, got {self.context_len!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +64,15 @@ class CanaryLaunchCapacities:
                 raise ValueError(f"CanaryLaunchCapacities.{f.name} must be an int >= 1, got {v!r}")
 
     @classmethod
-    def from_args(cls, *, num_slots: int, max_running_requests: int,
-                  max_tokens_per_forward: int, cuda_graph_max_bs: Optional[int] = None,
-                  tokens_per_request_in_graph: int = 1) -> "CanaryLaunchCapacities":
+    def from_args(
+        cls,
+        *,
+        num_slots: int,
+        max_running_requests: int,
+        max_tokens_per_forward: int,
+        cuda_graph_max_bs: Optional[int] = None,
+        tokens_per_request_in_graph: int = 1,
+    ) -> "CanaryLaunchCapacities":
         """Derive capacities from the pool size and the scheduler's limits.
 
         ``num_slots``: KV pool rows (incl. padding slot); ``max_running_requests``: scheduler
@@ -79,8 +89,9 @@ class CanaryLaunchCapacities:
         )
 
     @classmethod
-    def for_server(cls, *, num_slots: int, req_to_token_rows: int,
-                   inputs: CanaryCapacityInputs) -> "CanaryLaunchCapacities":
+    def for_server(
+        cls, *, num_slots: int, req_to_token_rows: int, inputs: CanaryCapacityInputs
+    ) -> "CanaryLaunchCapacities":
         """The capacities of a server: one request per ``req_to_token`` row (sglang sizes the
         table from ``--max-running-requests``), and one forward carries at most a prefill
         batch (``max(--max-prefill-tokens, --chunked-prefill-size)``) or one unchunked prompt

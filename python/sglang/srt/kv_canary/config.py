@@ -35,7 +35,8 @@ def _parse_choice(cls, value, flag: str):
     choice = value.strip().lower() if isinstance(value, str) else None
     if choice not in {m.value for m in cls}:
         raise ValueError(
-            f"invalid {flag} value {value!r}; allowed: {', '.join(m.value for m in cls)}")
+            f"invalid {flag} value {value!r}; allowed: {', '.join(m.value for m in cls)}"
+        )
     return cls(choice)
 
 
@@ -57,8 +58,11 @@ class CanaryMode(str, enum.Enum):
         return _parse_choice(cls, value, flag)
 
 
-REAL_DATA_CHOICES = {"none": RealKvHashMode.NONE, "partial": RealKvHashMode.PARTIAL,
-                     "all": RealKvHashMode.ALL}
+REAL_DATA_CHOICES = {
+    "none": RealKvHashMode.NONE,
+    "partial": RealKvHashMode.PARTIAL,
+    "all": RealKvHashMode.ALL,
+}
 
 
 def parse_real_data(value, *, flag: str = "--kv-canary-real-data") -> RealKvHashMode:
@@ -68,8 +72,7 @@ def parse_real_data(value, *, flag: str = "--kv-canary-real-data") -> RealKvHash
         return value
     choice = value.strip().lower() if isinstance(value, str) else None
     if choice not in REAL_DATA_CHOICES:
-        raise ValueError(
-            f"invalid {flag} value {value!r}; allowed: {', '.join(REAL_DATA_CHOICES)}")
+        raise ValueError(f"invalid {flag} value {value!r}; allowed: {', '.join(REAL_DATA_CHOICES)}")
     return REAL_DATA_CHOICES[choice]
 
 
@@ -94,8 +97,10 @@ def parse_sweep_interval(value, *, flag: str = "--kv-canary-sweep-interval") -> 
     else:
         n = None
     if n is None or not 0 <= n <= MAX_STEP_INTERVAL:
-        raise ValueError(f"invalid {flag} value {value!r}; allowed: an integer from 0 (off) "
-                         f"to {MAX_STEP_INTERVAL}")
+        raise ValueError(
+            f"invalid {flag} value {value!r}; allowed: an integer from 0 (off) "
+            f"to {MAX_STEP_INTERVAL}"
+        )
     return n
 
 
@@ -110,7 +115,8 @@ def normalize_canary_values(values: dict) -> dict:
         "kv_canary_sweep_interval": parse_sweep_interval(values["kv_canary_sweep_interval"]),
         "kv_canary_real_data": parse_real_data(values["kv_canary_real_data"]).name.lower(),
         "kv_canary_real_data_layers": RealDataLayers.parse(
-            values["kv_canary_real_data_layers"]).value,
+            values["kv_canary_real_data_layers"]
+        ).value,
     }
 
 
@@ -144,21 +150,31 @@ class CanaryConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "mode", CanaryMode.parse(self.mode))
-        object.__setattr__(self, "real_kv_hash_mode", parse_real_data(self.real_kv_hash_mode)
-                           if not isinstance(self.real_kv_hash_mode, int)
-                           else RealKvHashMode(self.real_kv_hash_mode))
+        object.__setattr__(
+            self,
+            "real_kv_hash_mode",
+            parse_real_data(self.real_kv_hash_mode)
+            if not isinstance(self.real_kv_hash_mode, int)
+            else RealKvHashMode(self.real_kv_hash_mode),
+        )
         object.__setattr__(self, "real_data_layers", RealDataLayers.parse(self.real_data_layers))
         for name, minimum, maximum in (
-                ("ring_capacity", 1, MAX_RING_CAPACITY), ("sweep_interval", 0, MAX_STEP_INTERVAL),
-                ("real_data_layers_per_forward", 1, MAX_LAYERS_PER_FORWARD),
-                ("host_sweep_pages", 0, MAX_STEP_INTERVAL),
-                ("stats_print_every_n_steps", 0, MAX_STEP_INTERVAL),
-                ("swa_divergence_stats_interval", 0, MAX_STEP_INTERVAL)):
+            ("ring_capacity", 1, MAX_RING_CAPACITY),
+            ("sweep_interval", 0, MAX_STEP_INTERVAL),
+            ("real_data_layers_per_forward", 1, MAX_LAYERS_PER_FORWARD),
+            ("host_sweep_pages", 0, MAX_STEP_INTERVAL),
+            ("stats_print_every_n_steps", 0, MAX_STEP_INTERVAL),
+            ("swa_divergence_stats_interval", 0, MAX_STEP_INTERVAL),
+        ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) \
-                    or not minimum <= value <= maximum:
-                raise ValueError(f"CanaryConfig.{name} must be an int from {minimum} to "
-                                 f"{maximum}, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not minimum <= value <= maximum
+            ):
+                raise ValueError(
+                    f"CanaryConfig.{name} must be an int from {minimum} to {maximum}, got {value!r}"
+                )
         if self.sweep_interval > 0 and self.mode == CanaryMode.NONE:
             raise ValueError(
                 f"--kv-canary-sweep-interval={self.sweep_interval} needs the canary on: "
@@ -167,29 +183,38 @@ class CanaryConfig:
         if self.real_kv_hash_mode != RealKvHashMode.NONE and self.mode == CanaryMode.NONE:
             raise ValueError(
                 f"--kv-canary-real-data={self.real_kv_hash_mode.name.lower()} needs the canary "
-                "on: pass --kv-canary log, raise or abort (or drop it)")
-        if (self.real_data_layers == RealDataLayers.ALL
-                and self.real_kv_hash_mode == RealKvHashMode.NONE):
+                "on: pass --kv-canary log, raise or abort (or drop it)"
+            )
+        if (
+            self.real_data_layers == RealDataLayers.ALL
+            and self.real_kv_hash_mode == RealKvHashMode.NONE
+        ):
             raise ValueError(
                 "--kv-canary-real-data-layers=all fingerprints every layer's KV rows: it needs "
-                "--kv-canary-real-data partial or all (or drop it)")
+                "--kv-canary-real-data partial or all (or drop it)"
+            )
         if self.enable_token_oracle and not self.enabled:
             raise ValueError(
                 f"the token oracle (--sampling-backend {TOKEN_ORACLE_BACKEND} or "
-                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1) needs --kv-canary log, raise or abort")
+                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1) needs --kv-canary log, raise or abort"
+            )
         if self.enable_write_input_assert and not self.enable_token_oracle:
             raise ValueError(
                 "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1 checks written tokens against the "
                 f"token oracle: pass --sampling-backend {TOKEN_ORACLE_BACKEND} or set "
-                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1")
+                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1"
+            )
         if not isinstance(self.perturb, PerturbConfig):
-            raise TypeError(f"CanaryConfig.perturb must be a PerturbConfig, got "
-                            f"{type(self.perturb).__name__}")
+            raise TypeError(
+                f"CanaryConfig.perturb must be a PerturbConfig, got {type(self.perturb).__name__}"
+            )
         self.perturb.check_against(
             canary_enabled=self.enabled,
             real_kv_hash_on=self.real_kv_hash_mode != RealKvHashMode.NONE,
-            sweep_interval=self.sweep_interval, token_oracle=self.enable_token_oracle,
-            aborts=self.mode == CanaryMode.ABORT)
+            sweep_interval=self.sweep_interval,
+            token_oracle=self.enable_token_oracle,
+            aborts=self.mode == CanaryMode.ABORT,
+        )
 
     @property
     def enabled(self) -> bool:
@@ -199,18 +224,20 @@ class CanaryConfig:
         """Every effective setting, as ``key=value`` words (the start-up log line)."""
         on = {True: "on", False: "off"}
         faults = ",".join(k.value for k in self.perturb.active_faults) or "off"
-        return (f"mode={self.mode.value} real_data={self.real_kv_hash_mode.name.lower()} "
-                f"real_data_layers={self.real_data_layers.value} "
-                f"layers_per_forward={self.real_data_layers_per_forward} "
-                f"sweep_interval={self.sweep_interval} host_sweep_pages={self.host_sweep_pages} "
-                f"ring_capacity={self.ring_capacity} "
-                f"token_checks={on[self.enable_verify_token_assert]} "
-                f"token_oracle={on[self.enable_token_oracle]} "
-                f"write_input_check={on[self.enable_write_input_assert]} "
-                f"v_half={on[self.enable_mha_v]} "
-                f"stats_every={self.stats_print_every_n_steps} "
-                f"swa_divergence_every={self.swa_divergence_stats_interval} "
-                f"fault_injection={faults}")
+        return (
+            f"mode={self.mode.value} real_data={self.real_kv_hash_mode.name.lower()} "
+            f"real_data_layers={self.real_data_layers.value} "
+            f"layers_per_forward={self.real_data_layers_per_forward} "
+            f"sweep_interval={self.sweep_interval} host_sweep_pages={self.host_sweep_pages} "
+            f"ring_capacity={self.ring_capacity} "
+            f"token_checks={on[self.enable_verify_token_assert]} "
+            f"token_oracle={on[self.enable_token_oracle]} "
+            f"write_input_check={on[self.enable_write_input_assert]} "
+            f"v_half={on[self.enable_mha_v]} "
+            f"stats_every={self.stats_print_every_n_steps} "
+            f"swa_divergence_every={self.swa_divergence_stats_interval} "
+            f"fault_injection={faults}"
+        )
 
     @classmethod
     def from_server_args(cls, server_args) -> "CanaryConfig":
@@ -223,25 +250,36 @@ class CanaryConfig:
         sweep_interval = parse_sweep_interval(value(server_args, "kv_canary_sweep_interval", 0))
         real_data = parse_real_data(value(server_args, "kv_canary_real_data", "none"))
         layers = RealDataLayers.parse(value(server_args, "kv_canary_real_data_layers", "first"))
-        oracle_flag = (value(server_args, "sampling_backend", None) == TOKEN_ORACLE_BACKEND
-                       or bool(value(server_args, TOKEN_ORACLE_REQUESTED_ATTR, False)))
+        oracle_flag = value(server_args, "sampling_backend", None) == TOKEN_ORACLE_BACKEND or bool(
+            value(server_args, TOKEN_ORACLE_REQUESTED_ATTR, False)
+        )
         for name, suggestion in unknown_canary_variables():
-            _warn_once(f"kv_canary: unknown environment variable {name} is ignored"
-                       + (f"; did you mean {suggestion}?" if suggestion else ""))
+            _warn_once(
+                f"kv_canary: unknown environment variable {name} is ignored"
+                + (f"; did you mean {suggestion}?" if suggestion else "")
+            )
         if mode == CanaryMode.NONE:
             ignored = set_canary_variables()
             if ignored:
-                _warn_once("kv_canary: the canary is off (--kv-canary none); these variables "
-                           f"are ignored: {', '.join(ignored)}")
-            return cls(mode=mode, sweep_interval=sweep_interval, real_kv_hash_mode=real_data,
-                       real_data_layers=layers, enable_token_oracle=oracle_flag)
+                _warn_once(
+                    "kv_canary: the canary is off (--kv-canary none); these variables "
+                    f"are ignored: {', '.join(ignored)}"
+                )
+            return cls(
+                mode=mode,
+                sweep_interval=sweep_interval,
+                real_kv_hash_mode=real_data,
+                real_data_layers=layers,
+                enable_token_oracle=oracle_flag,
+            )
         return cls(
             mode=mode,
             sweep_interval=sweep_interval,
             real_kv_hash_mode=real_data,
             real_data_layers=layers,
             real_data_layers_per_forward=(
-                canary_envs.SGLANG_KV_CANARY_REAL_DATA_LAYERS_PER_FORWARD.get()),
+                canary_envs.SGLANG_KV_CANARY_REAL_DATA_LAYERS_PER_FORWARD.get()
+            ),
             host_sweep_pages=canary_envs.SGLANG_KV_CANARY_HOST_SWEEP_PAGES.get(),
             ring_capacity=canary_envs.SGLANG_KV_CANARY_RING_CAPACITY.get(),
             enable_write_input_assert=canary_envs.SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT.get(),
@@ -249,9 +287,11 @@ class CanaryConfig:
             stats_print_every_n_steps=canary_envs.SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS.get(),
             enable_mha_v=canary_envs.SGLANG_KV_CANARY_ENABLE_MHA_V.get(),
             swa_divergence_stats_interval=(
-                canary_envs.SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL.get()),
+                canary_envs.SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL.get()
+            ),
             enable_token_oracle=(
-                canary_envs.SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE.get() or oracle_flag),
+                canary_envs.SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE.get() or oracle_flag
+            ),
             perturb=perturb_config_from_env(),
         )
 

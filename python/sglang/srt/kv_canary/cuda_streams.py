@@ -29,8 +29,9 @@ def current_stream(device_index: int) -> "torch.cuda.Stream":
     key = torch._C._cuda_getCurrentStream(device_index)
     stream = _streams.get(key)
     if stream is None:
-        stream = _streams[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1],
-                                                   device_type=key[2])
+        stream = _streams[key] = torch.cuda.Stream(
+            stream_id=key[0], device_index=key[1], device_type=key[2]
+        )
     return stream
 
 
@@ -40,8 +41,9 @@ def on_stream(stream: "torch.cuda.Stream") -> Iterator[None]:
     that was current there (also when the body raises): ``torch.cuda.stream(stream)`` for a
     stream of the current device."""
     prev = torch._C._cuda_getCurrentStream(stream.device_index)
-    torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
-                             device_type=stream.device_type)
+    torch._C._cuda_setStream(
+        stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type
+    )
     try:
         yield
     finally:
@@ -74,8 +76,9 @@ class ParallelLanes:
         """Run each of ``sequences`` (callables taking no argument, at most ``lanes``) on its
         lane; work queued on the current stream afterwards waits for all of them."""
         if len(sequences) > self.lanes:
-            raise ValueError(f"ParallelLanes.run: {len(sequences)} sequences for "
-                             f"{self.lanes} lanes")
+            raise ValueError(
+                f"ParallelLanes.run: {len(sequences)} sequences for {self.lanes} lanes"
+            )
         if not self._streams or len(sequences) < 2:
             for seq in sequences:
                 seq()

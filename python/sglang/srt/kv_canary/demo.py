@@ -55,9 +55,15 @@ DEMO_ENV = {
     "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "30",
     "SGLANG_KV_CANARY_RING_CAPACITY": "64",
 }
-DEMO_ENGINE_ARGS = dict(kv_canary="raise", kv_canary_real_data="partial",
-                        kv_canary_sweep_interval=2, chunked_prefill_size=32,
-                        max_total_tokens=384, max_running_requests=8, log_level="info")
+DEMO_ENGINE_ARGS = dict(
+    kv_canary="raise",
+    kv_canary_real_data="partial",
+    kv_canary_sweep_interval=2,
+    chunked_prefill_size=32,
+    max_total_tokens=384,
+    max_running_requests=8,
+    log_level="info",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,26 +92,55 @@ class DemoCase:
 
 CASES = (
     DemoCase("clean", None),
-    DemoCase("req_to_token", FaultKind.REQ_TO_TOKEN,
-             reasons=("verify_chain_hash", "verify_position", "verify_token"), tags=("HEAD_",)),
-    DemoCase("real_kv_used", FaultKind.REAL_KV_USED, reasons=("verify_real_kv_hash",),
-             tags=("TAIL_",), match_slot=True),
-    DemoCase("real_kv_unused_cache", FaultKind.REAL_KV_UNUSED_CACHE,
-             reasons=("verify_real_kv_hash",), tags=("SWEEP_",), match_slot=True),
-    DemoCase("real_kv_post_forward", FaultKind.REAL_KV_POST_FORWARD,
-             reasons=("verify_real_kv_hash",), tags=("TAIL_", "SWEEP_"), match_slot=True),
-    DemoCase("next_token_swap", FaultKind.NEXT_TOKEN_SWAP, reasons=("write_token",),
-             tags=("HEAD_", "TAIL_")),
+    DemoCase(
+        "req_to_token",
+        FaultKind.REQ_TO_TOKEN,
+        reasons=("verify_chain_hash", "verify_position", "verify_token"),
+        tags=("HEAD_",),
+    ),
+    DemoCase(
+        "real_kv_used",
+        FaultKind.REAL_KV_USED,
+        reasons=("verify_real_kv_hash",),
+        tags=("TAIL_",),
+        match_slot=True,
+    ),
+    DemoCase(
+        "real_kv_unused_cache",
+        FaultKind.REAL_KV_UNUSED_CACHE,
+        reasons=("verify_real_kv_hash",),
+        tags=("SWEEP_",),
+        match_slot=True,
+    ),
+    DemoCase(
+        "real_kv_post_forward",
+        FaultKind.REAL_KV_POST_FORWARD,
+        reasons=("verify_real_kv_hash",),
+        tags=("TAIL_", "SWEEP_"),
+        match_slot=True,
+    ),
+    DemoCase(
+        "next_token_swap",
+        FaultKind.NEXT_TOKEN_SWAP,
+        reasons=("write_token",),
+        tags=("HEAD_", "TAIL_"),
+    ),
     # HiCache: a byte flipped in host memory, found by the host-tier sweep (every host page
     # each pass here) or when the page is loaded back; the report's slot is the host index
-    DemoCase("host_kv", FaultKind.HOST_KV, reasons=("verify_real_kv_hash",),
-             tags=("SWEEP_", "TAIL_"), hicache=True,
-             extra_env=(("SGLANG_KV_CANARY_HOST_SWEEP_PAGES", "4096"),)),
+    DemoCase(
+        "host_kv",
+        FaultKind.HOST_KV,
+        reasons=("verify_real_kv_hash",),
+        tags=("SWEEP_", "TAIL_"),
+        hicache=True,
+        extra_env=(("SGLANG_KV_CANARY_HOST_SWEEP_PAGES", "4096"),),
+    ),
 )
 CASES_BY_NAME = {c.name: c for c in CASES}
 
 
 # ---- the workload (child process) ------------------------------------------------------------
+
 
 def demo_requests(seed: int = 0) -> List[Tuple[List[int], int]]:
     """48 ``(input_ids, max_new_tokens)`` over three shared prefixes (vocab of the tiny model:
@@ -120,24 +155,30 @@ def demo_requests(seed: int = 0) -> List[Tuple[List[int], int]]:
     return reqs
 
 
-def demo_engine_args(mode: str = "raise", page_size: int = 1,
-                     hicache: bool = False) -> Dict[str, object]:
+def demo_engine_args(
+    mode: str = "raise", page_size: int = 1, hicache: bool = False
+) -> Dict[str, object]:
     """The Engine arguments of every run: :data:`DEMO_ENGINE_ARGS` with ``--kv-canary mode``
     and ``--page-size``; sglang wants the chunked-prefill size a multiple of the page size, and
     the pool keeps room for at least 12 pages. ``hicache``: HiCache on with sglang's defaults
     (a host pool twice the device pool, write-through), so pages the small device pool evicts
     stay in host memory and come back on a prefix hit."""
     base = DEMO_ENGINE_ARGS["chunked_prefill_size"]
-    args = dict(DEMO_ENGINE_ARGS, kv_canary=mode, page_size=page_size,
-                chunked_prefill_size=-(-base // page_size) * page_size,
-                max_total_tokens=max(DEMO_ENGINE_ARGS["max_total_tokens"], 12 * page_size))
+    args = dict(
+        DEMO_ENGINE_ARGS,
+        kv_canary=mode,
+        page_size=page_size,
+        chunked_prefill_size=-(-base // page_size) * page_size,
+        max_total_tokens=max(DEMO_ENGINE_ARGS["max_total_tokens"], 12 * page_size),
+    )
     if hicache:
         args["enable_hierarchical_cache"] = True
     return args
 
 
-def _worker(model_dir: str, device: str, mode: str = "raise", page_size: int = 1,
-            hicache: bool = False) -> None:
+def _worker(
+    model_dir: str, device: str, mode: str = "raise", page_size: int = 1, hicache: bool = False
+) -> None:
     import sglang
     from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
@@ -146,21 +187,26 @@ def _worker(model_dir: str, device: str, mode: str = "raise", page_size: int = 1
     reqs = demo_requests()
     generated = 0
     for b in range(0, len(reqs), 12):
-        wave = reqs[b:b + 12]
+        wave = reqs[b : b + 12]
         outs = engine.generate(
             input_ids=[r[0] for r in wave],
-            sampling_params=[{"max_new_tokens": r[1], "temperature": 0, "ignore_eos": True}
-                             for r in wave])
+            sampling_params=[
+                {"max_new_tokens": r[1], "temperature": 0, "ignore_eos": True} for r in wave
+            ],
+        )
         generated += sum(len(o["output_ids"]) for o in outs)
-    print(RESULT_PREFIX + json.dumps({"requests": len(reqs), "generated_tokens": generated}),
-          flush=True)
+    print(
+        RESULT_PREFIX + json.dumps({"requests": len(reqs), "generated_tokens": generated}),
+        flush=True,
+    )
     engine.shutdown()
 
 
 # ---- reading a run's output ------------------------------------------------------------------
 
-_STATS_RE = re.compile(re.escape(STATS_LINE_PREFIX) +
-                       r" step=(\d+) protected_tokens=(\d+) sweep_passes=(\d+)")
+_STATS_RE = re.compile(
+    re.escape(STATS_LINE_PREFIX) + r" step=(\d+) protected_tokens=(\d+) sweep_passes=(\d+)"
+)
 
 
 def parse_violations(text: str) -> List[ViolationLine]:
@@ -226,13 +272,18 @@ class CaseResult:
 def evaluate(case: DemoCase, text: str, returncode: int, *, mode: str = "raise") -> CaseResult:
     """Judge one run (``--kv-canary mode``) from its combined output."""
     violations = parse_violations(text)
-    injections = [i for i in parse_injections(text)
-                  if case.fault is not None and i.get("fault") == case.fault.value]
+    injections = [
+        i
+        for i in parse_injections(text)
+        if case.fault is not None and i.get("fault") == case.fault.value
+    ]
     first = min((int(i["step"]) for i in injections), default=None)
     slots = _injected_slots(injections)
     matching = [
-        v for v in violations
-        if first is not None and v.forward_step >= first
+        v
+        for v in violations
+        if first is not None
+        and v.forward_step >= first
         and any(r in v.fail_reasons for r in case.reasons)
         and any(seen.startswith(t) for t in case.tags for seen in v.seen_by)
         and (not case.match_slot or v.slot_idx in slots)
@@ -240,8 +291,12 @@ def evaluate(case: DemoCase, text: str, returncode: int, *, mode: str = "raise")
     stats = _STATS_RE.findall(text)
     last = stats[-1] if stats else None
     return CaseResult(
-        name=case.name, fault=case.fault.value if case.fault else None, returncode=returncode,
-        injections=len(injections), first_injection_step=first, detected=bool(matching),
+        name=case.name,
+        fault=case.fault.value if case.fault else None,
+        returncode=returncode,
+        injections=len(injections),
+        first_injection_step=first,
+        detected=bool(matching),
         steps_to_report=(min(v.forward_step for v in matching) - first) if matching else None,
         tags=tuple(sorted({tag for v in violations for tag in v.seen_by})),
         reasons=tuple(sorted({r for v in violations for r in v.fail_reasons})),
@@ -258,34 +313,61 @@ def exit_status(results: Sequence[CaseResult]) -> int:
     return 0 if results and all(r.ok for r in results) else 1
 
 
-def format_table(results: Sequence[CaseResult], device: str, *, mode: str = "raise",
-                 page_size: int = 1) -> str:
-    head = ("fault", "injected", "detected", "steps to report", "tags", "reasons",
-            "protected tokens", "sweeps", "served to the end")
+def format_table(
+    results: Sequence[CaseResult], device: str, *, mode: str = "raise", page_size: int = 1
+) -> str:
+    head = (
+        "fault",
+        "injected",
+        "detected",
+        "steps to report",
+        "tags",
+        "reasons",
+        "protected tokens",
+        "sweeps",
+        "served to the end",
+    )
     rows = []
     for r in results:
-        injected = "-" if r.fault is None else (
-            f"{r.injections}x from step {r.first_injection_step}" if r.injections else "never")
-        detected = ("no violation" if r.violations == 0 else "FALSE POSITIVE") \
-            if r.fault is None else ("yes" if r.detected else "NO")
-        rows.append((
-            r.name, injected, detected,
-            "-" if r.steps_to_report is None else str(r.steps_to_report),
-            ",".join(r.tags) or "-", ",".join(r.reasons) or "-",
-            "-" if r.protected_tokens is None else str(r.protected_tokens),
-            "-" if r.sweep_passes is None else str(r.sweep_passes),
-            "yes" if r.alive else "no"))
+        injected = (
+            "-"
+            if r.fault is None
+            else (
+                f"{r.injections}x from step {r.first_injection_step}" if r.injections else "never"
+            )
+        )
+        detected = (
+            ("no violation" if r.violations == 0 else "FALSE POSITIVE")
+            if r.fault is None
+            else ("yes" if r.detected else "NO")
+        )
+        rows.append(
+            (
+                r.name,
+                injected,
+                detected,
+                "-" if r.steps_to_report is None else str(r.steps_to_report),
+                ",".join(r.tags) or "-",
+                ",".join(r.reasons) or "-",
+                "-" if r.protected_tokens is None else str(r.protected_tokens),
+                "-" if r.sweep_passes is None else str(r.sweep_passes),
+                "yes" if r.alive else "no",
+            )
+        )
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    out = [f"kv_canary demo on {device}: --kv-canary {mode}, page size {page_size}, real data "
-           "partial, sweep every 2 steps, token oracle + write-input + token-id checks",
-           line(head),
-           "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out = [
+        f"kv_canary demo on {device}: --kv-canary {mode}, page size {page_size}, real data "
+        "partial, sweep every 2 steps, token oracle + write-input + token-id checks",
+        line(head),
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
     out += [line(r) for r in rows]
     return "\n".join(out)
 
 
 # ---- the parent ------------------------------------------------------------------------------
+
 
 def _detect_device(requested: str) -> str:
     if requested != "auto":
@@ -298,11 +380,31 @@ def _detect_device(requested: str) -> str:
         return "cpu"
 
 
-def run_case(case: DemoCase, *, model_dir: str, device: str, base_env: Dict[str, str],
-             timeout: float, mode: str = "raise", page_size: int = 1) -> Tuple[CaseResult, str]:
+def run_case(
+    case: DemoCase,
+    *,
+    model_dir: str,
+    device: str,
+    base_env: Dict[str, str],
+    timeout: float,
+    mode: str = "raise",
+    page_size: int = 1,
+) -> Tuple[CaseResult, str]:
     env = dict(base_env, **DEMO_ENV, **case.env)
-    cmd = [sys.executable, "-m", "sglang.srt.kv_canary.demo", "--worker", "--model", model_dir,
-           "--device", device, "--mode", mode, "--page-size", str(page_size)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.srt.kv_canary.demo",
+        "--worker",
+        "--model",
+        model_dir,
+        "--device",
+        device,
+        "--mode",
+        mode,
+        "--page-size",
+        str(page_size),
+    ]
     if case.hicache:
         cmd.append("--hicache")
     try:
@@ -315,25 +417,40 @@ def run_case(case: DemoCase, *, model_dir: str, device: str, base_env: Dict[str,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang.srt.kv_canary.demo",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang.srt.kv_canary.demo", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--cases", default=None,
-                        help=f"comma-separated subset of: {', '.join(CASES_BY_NAME)} (default: "
-                             "all; on the CPU all but the HiCache ones: "
-                             f"{', '.join(c.name for c in CASES if c.hicache)})")
+    parser.add_argument(
+        "--cases",
+        default=None,
+        help=f"comma-separated subset of: {', '.join(CASES_BY_NAME)} (default: "
+        "all; on the CPU all but the HiCache ones: "
+        f"{', '.join(c.name for c in CASES if c.hicache)})",
+    )
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     parser.add_argument("--logs", help="directory to keep each run's full output in")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="runs at a time (default 1); each run is its own server, so on a "
-                             "GPU they share it")
-    parser.add_argument("--mode", choices=("raise", "log"), default="raise",
-                        help="--kv-canary of every run; with log, a fault run must also serve "
-                             "its whole workload (the server survives the injection)")
-    parser.add_argument("--page-size", type=int, default=1,
-                        help="sglang --page-size of every run (> 1 needs a GPU: sglang's paged "
-                             "allocator runs Triton kernels)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at a time (default 1); each run is its own server, so on a GPU they share it",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("raise", "log"),
+        default="raise",
+        help="--kv-canary of every run; with log, a fault run must also serve "
+        "its whole workload (the server survives the injection)",
+    )
+    parser.add_argument(
+        "--page-size",
+        type=int,
+        default=1,
+        help="sglang --page-size of every run (> 1 needs a GPU: sglang's paged "
+        "allocator runs Triton kernels)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hicache", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -351,23 +468,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.cases is None:
         names = [c.name for c in CASES if device == "cuda" or not c.hicache]
         if device == "cpu":
-            print("kv_canary demo: on the CPU without the HiCache case(s) "
-                  f"{', '.join(c.name for c in CASES if c.hicache)}: sglang 0.5.12's HiCache host "
-                  "pool needs CUDA (run the demo on a GPU for them)", flush=True)
+            print(
+                "kv_canary demo: on the CPU without the HiCache case(s) "
+                f"{', '.join(c.name for c in CASES if c.hicache)}: sglang 0.5.12's HiCache host "
+                "pool needs CUDA (run the demo on a GPU for them)",
+                flush=True,
+            )
     else:
         names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES_BY_NAME]
     if unknown or not names:
-        parser.error(f"--cases: unknown {', '.join(unknown) or '(empty)'}; allowed: "
-                     f"{', '.join(CASES_BY_NAME)}")
+        parser.error(
+            f"--cases: unknown {', '.join(unknown) or '(empty)'}; allowed: "
+            f"{', '.join(CASES_BY_NAME)}"
+        )
     if device == "cpu" and args.page_size > 1:
-        parser.error(f"--page-size {args.page_size} needs --device cuda: sglang 0.5.12's paged "
-                     "allocator runs Triton kernels, which its CPU engine cannot")
+        parser.error(
+            f"--page-size {args.page_size} needs --device cuda: sglang 0.5.12's paged "
+            "allocator runs Triton kernels, which its CPU engine cannot"
+        )
     on_host = [n for n in names if CASES_BY_NAME[n].hicache]
     if device == "cpu" and on_host:
-        parser.error(f"--cases {','.join(on_host)} needs --device cuda: it runs HiCache "
-                     "(--enable-hierarchical-cache), whose host pool sglang 0.5.12 pins with "
-                     "CUDA")
+        parser.error(
+            f"--cases {','.join(on_host)} needs --device cuda: it runs HiCache "
+            "(--enable-hierarchical-cache), whose host pool sglang 0.5.12 pins with "
+            "CUDA"
+        )
     from sglang.srt.kv_canary.testing.server_harness import (
         build_libcuda_stub,
         cpu_server_env,
@@ -376,8 +502,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="kv_canary_demo_") as root:
         if device == "cuda":
-            model = write_tiny_llama(os.path.join(root, "model"), hidden_size=256,
-                                     intermediate_size=512)
+            model = write_tiny_llama(
+                os.path.join(root, "model"), hidden_size=256, intermediate_size=512
+            )
             env = dict(os.environ)
         else:
             model = write_tiny_llama(os.path.join(root, "model"))
@@ -385,10 +512,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for k in list(env):  # the demo sets its own canary variables
             if k.startswith("SGLANG_KV_CANARY_"):
                 del env[k]
+
         def one(name: str) -> Tuple[CaseResult, str]:
             print(f"kv_canary demo: running {name} ...", flush=True)
-            return run_case(CASES_BY_NAME[name], model_dir=model, device=device, base_env=env,
-                            timeout=args.timeout, mode=args.mode, page_size=args.page_size)
+            return run_case(
+                CASES_BY_NAME[name],
+                model_dir=model,
+                device=device,
+                base_env=env,
+                timeout=args.timeout,
+                mode=args.mode,
+                page_size=args.page_size,
+            )
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
             runs = list(pool.map(one, names))  # in the order of names
@@ -406,8 +541,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
     status = exit_status(results)
-    print("kv_canary demo: " + ("every fault detected, clean run quiet" if status == 0 else
-                                "FAILED: " + ", ".join(r.name for r in results if not r.ok)))
+    print(
+        "kv_canary demo: "
+        + (
+            "every fault detected, clean run quiet"
+            if status == 0
+            else "FAILED: " + ", ".join(r.name for r in results if not r.ok)
+        )
+    )
     return status
 
 

@@ -87,8 +87,10 @@ class _BoundedInt(_Strict):
 
     def check(self, value, raw) -> None:
         if not self.minimum <= value <= self.maximum:
-            raise ValueError(f"invalid value {raw!r} for environment variable {self.name}: "
-                             f"must be {self.allowed}")
+            raise ValueError(
+                f"invalid value {raw!r} for environment variable {self.name}: "
+                f"must be {self.allowed}"
+            )
 
 
 def _non_neg_int(default: int, **kw) -> _BoundedInt:
@@ -107,8 +109,10 @@ class _Prob(_Strict):
 
     def check(self, value, raw) -> None:
         if not 0.0 <= value <= 1.0:
-            raise ValueError(f"invalid value {raw!r} for environment variable {self.name}: "
-                             "must be a probability in [0, 1]")
+            raise ValueError(
+                f"invalid value {raw!r} for environment variable {self.name}: "
+                "must be a probability in [0, 1]"
+            )
 
 
 class _Choice(_Strict):

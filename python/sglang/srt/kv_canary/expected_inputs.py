@@ -29,8 +29,10 @@ class ExpectedInputs:
         write-input check is on), so they must expect exactly that."""
         n = tokens.shape[0]
         if positions.shape[0] != n or n > self.tokens.shape[0]:
-            raise ValueError(f"expected inputs of {n} tokens / {positions.shape[0]} positions do "
-                             f"not fit the capacity {self.tokens.shape[0]}")
+            raise ValueError(
+                f"expected inputs of {n} tokens / {positions.shape[0]} positions do "
+                f"not fit the capacity {self.tokens.shape[0]}"
+            )
         self.tokens[:n].copy_(tokens)
         self.positions[:n].copy_(positions)
         self.tokens[n:].zero_()

@@ -74,21 +74,29 @@ class GroupGeometry:
     def __post_init__(self):
         _check_count("GroupGeometry.slots", self.slots, minimum=1)
         if self.record_halves not in (1, 2):
-            raise ValueError(f"GroupGeometry.record_halves must be 1 or 2, got "
-                             f"{self.record_halves!r}")
+            raise ValueError(
+                f"GroupGeometry.record_halves must be 1 or 2, got {self.record_halves!r}"
+            )
         _check_count("GroupGeometry.layer_columns", self.layer_columns, minimum=0)
         if (self.kind == PoolKind.SWA) != (self.swa_lut_itemsize > 0):
-            raise ValueError("GroupGeometry.swa_lut_itemsize is > 0 exactly for SWA groups, got "
-                             f"{self.swa_lut_itemsize!r} for a {self.kind.name} group")
+            raise ValueError(
+                "GroupGeometry.swa_lut_itemsize is > 0 exactly for SWA groups, got "
+                f"{self.swa_lut_itemsize!r} for a {self.kind.name} group"
+            )
 
     @classmethod
     def of(cls, group: CanaryBufferGroup) -> "GroupGeometry":
         """The geometry of a built group."""
         lut = group.swa_index_lut
-        return cls(kind=group.kind, slots=group.num_slots, record_halves=2 if group.has_v else 1,
-                   layer_columns=group.deep.num_columns if group.deep is not None else 0,
-                   swa_lut_itemsize=(lut.element_size()
-                                     if group.kind == PoolKind.SWA and lut is not None else 0))
+        return cls(
+            kind=group.kind,
+            slots=group.num_slots,
+            record_halves=2 if group.has_v else 1,
+            layer_columns=group.deep.num_columns if group.deep is not None else 0,
+            swa_lut_itemsize=(
+                lut.element_size() if group.kind == PoolKind.SWA and lut is not None else 0
+            ),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,12 +122,16 @@ class CanaryMemoryInputs:
         if not self.groups:
             raise ValueError("CanaryMemoryInputs.groups needs at least one group")
         if len(self.req_to_token_shape) != 2:
-            raise ValueError(f"CanaryMemoryInputs.req_to_token_shape must be (rows, columns), "
-                             f"got {self.req_to_token_shape!r}")
-        for name, v in (("req_to_token_shape", self.req_to_token_shape[0]),
-                        ("req_to_token_shape", self.req_to_token_shape[1]),
-                        ("single_forward_managers", self.single_forward_managers),
-                        ("ring_capacity", self.ring_capacity)):
+            raise ValueError(
+                f"CanaryMemoryInputs.req_to_token_shape must be (rows, columns), "
+                f"got {self.req_to_token_shape!r}"
+            )
+        for name, v in (
+            ("req_to_token_shape", self.req_to_token_shape[0]),
+            ("req_to_token_shape", self.req_to_token_shape[1]),
+            ("single_forward_managers", self.single_forward_managers),
+            ("ring_capacity", self.ring_capacity),
+        ):
             _check_count(f"CanaryMemoryInputs.{name}", v, minimum=1)
         _check_count("CanaryMemoryInputs.host_mirror_slots", self.host_mirror_slots, minimum=0)
 
@@ -142,14 +154,20 @@ class CanaryMemory:
 
     def as_dict(self) -> Dict[str, Dict[str, int]]:
         """``{"device": {part: bytes}, "host": {...}}`` plus totals (``/server_info``)."""
-        return {"device_bytes": self.device_bytes, "host_bytes": self.host_bytes,
-                "device": {p.value: n for p, n in self.device},
-                "host": {p.value: n for p, n in self.host}}
+        return {
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+            "device": {p.value: n for p, n in self.device},
+            "host": {p.value: n for p, n in self.host},
+        }
 
     def describe(self) -> str:
         """One line: totals and the parts, largest first, in MiB."""
+
         def parts(items):
-            return ", ".join(f"{p.value} {format_bytes(n)}" for p, n in sorted(items, key=lambda x: -x[1]))
+            return ", ".join(
+                f"{p.value} {format_bytes(n)}" for p, n in sorted(items, key=lambda x: -x[1])
+            )
 
         text = f"device {format_bytes(self.device_bytes)} ({parts(self.device)})"
         if self.host:
@@ -171,21 +189,32 @@ class CanaryMemory:
         for g in groups:
             add(device, MemoryPart.RECORDS, 2 * g.record_halves * g.slots * CANARY_SLOT_BYTES)
             if g.layer_columns:
-                add(device, MemoryPart.LAYER_FINGERPRINTS,
+                add(
+                    device,
+                    MemoryPart.LAYER_FINGERPRINTS,
                     g.slots * g.layer_columns * _I64  # the table
                     + g.layer_columns * DEEP_DESC_WORDS * _I64  # its column descriptors
-                    + _I64)  # the rotation cursor
+                    + _I64,
+                )  # the rotation cursor
         for _ in range(inputs.single_forward_managers):
             for g in groups:
-                add(device, MemoryPart.PLANS, _verify_plan_bytes(caps.verify_capacity)
-                    + _write_plan_bytes(reqs) + entries * g.swa_lut_itemsize)
-            add(device, MemoryPart.FORWARD_INPUTS,
+                add(
+                    device,
+                    MemoryPart.PLANS,
+                    _verify_plan_bytes(caps.verify_capacity)
+                    + _write_plan_bytes(reqs)
+                    + entries * g.swa_lut_itemsize,
+                )
+            add(
+                device,
+                MemoryPart.FORWARD_INPUTS,
                 _PLAN_INPUT_ARRAYS * reqs * _I64  # PlanInput
                 + reqs * _I64  # expected_valid_lens
                 + len(groups) * _I32  # plan_enabled
                 + entries * _I64  # forward_slots
                 + (2 * entries * _I64 if inputs.write_input_check else 0)  # ExpectedInputs
-                + (_EAGER_GRAPH_ARRAYS * entries * _I64 if inputs.cuda else 0))
+                + (_EAGER_GRAPH_ARRAYS * entries * _I64 if inputs.cuda else 0),
+            )
         if inputs.token_checks:
             rows, cols = inputs.req_to_token_shape
             replay = packed_tokens_numel(reqs, max(REPLAY_TOKENS_PER_REQUEST * reqs, entries))
@@ -197,17 +226,34 @@ class CanaryMemory:
         ring = inputs.ring_capacity * VIOLATION_NUM_FIELDS * _I64
         # what the read-back copies: ring, its index, counters, each forward's plan flags
         # (and, with SWA divergence stats, each plan's verify count)
-        copied = (ring + _I32 + counters
-                  + inputs.single_forward_managers * len(groups)
-                  * (_I32 + (_I32 if inputs.swa_divergence_stats else 0)))
-        add(device, MemoryPart.READBACK, ring + _I32 + counters + _I32  # + chain flag
-            + (copied if inputs.cuda else 0))  # the device staging buffer
+        copied = (
+            ring
+            + _I32
+            + counters
+            + inputs.single_forward_managers
+            * len(groups)
+            * (_I32 + (_I32 if inputs.swa_divergence_stats else 0))
+        )
+        add(
+            device,
+            MemoryPart.READBACK,
+            ring
+            + _I32
+            + counters
+            + _I32  # + chain flag
+            + (copied if inputs.cuda else 0),
+        )  # the device staging buffer
         add(host, MemoryPart.READBACK, 2 * copied)  # double-buffered host copies
-        add(host, MemoryPart.HOST_MIRROR,
-            inputs.host_mirror_slots * host_mirror_bytes_per_slot(groups))
+        add(
+            host,
+            MemoryPart.HOST_MIRROR,
+            inputs.host_mirror_slots * host_mirror_bytes_per_slot(groups),
+        )
         order = list(MemoryPart)
-        return cls(device=tuple(sorted(device.items(), key=lambda kv: order.index(kv[0]))),
-                   host=tuple(sorted(host.items(), key=lambda kv: order.index(kv[0]))))
+        return cls(
+            device=tuple(sorted(device.items(), key=lambda kv: order.index(kv[0]))),
+            host=tuple(sorted(host.items(), key=lambda kv: order.index(kv[0]))),
+        )
 
 
 def host_mirror_bytes_per_slot(groups: Tuple[GroupGeometry, ...]) -> int:
@@ -233,4 +279,3 @@ def format_bytes(n: int) -> str:
 def _check_count(name: str, v, *, minimum: int) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
-

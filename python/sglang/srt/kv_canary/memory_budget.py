@@ -54,14 +54,23 @@ class CanaryMemoryReservation:
         return self.draft if draft else self.target
 
     def as_dict(self) -> Dict[str, int]:
-        return {"profiled_kv_bytes": self.profiled_bytes, "kv_bytes": self.kv_bytes,
-                "reserved_bytes": self.reserved_bytes, "max_total_num_tokens":
-                self.tokens.max_total}
+        return {
+            "profiled_kv_bytes": self.profiled_bytes,
+            "kv_bytes": self.kv_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "max_total_num_tokens": self.tokens.max_total,
+        }
 
 
-def predicted_groups(*, family: PoolFamily, tokens: PoolTokens, page_size: int,
-                     config: CanaryConfig, layers: int, swa_layers: int = 0
-                     ) -> Tuple[GroupGeometry, ...]:
+def predicted_groups(
+    *,
+    family: PoolFamily,
+    tokens: PoolTokens,
+    page_size: int,
+    config: CanaryConfig,
+    layers: int,
+    swa_layers: int = 0,
+) -> Tuple[GroupGeometry, ...]:
     """The groups the adapters build for a pool of ``family`` holding ``tokens`` (each slot
     space has one page more than its tokens: sglang's padding page)."""
     deep = config.real_data_layers == RealDataLayers.ALL
@@ -72,57 +81,110 @@ def predicted_groups(*, family: PoolFamily, tokens: PoolTokens, page_size: int,
     if family == PoolFamily.MHA:
         return (GroupGeometry(PoolKind.FULL, full_slots, halves, 2 * layers if deep else 0),)
     if tokens.swa_total is None:
-        raise ValueError(f"kv_canary: a {family.value} pool has an SWA slot space, but sglang's "
-                         "sizing gave it none")
+        raise ValueError(
+            f"kv_canary: a {family.value} pool has an SWA slot space, but sglang's "
+            "sizing gave it none"
+        )
     swa_slots = tokens.swa_total + page_size
     if family == PoolFamily.SWA:
-        return (GroupGeometry(PoolKind.FULL, full_slots, halves, 2 * layers if deep else 0),
-                GroupGeometry(PoolKind.SWA, swa_slots, halves, 2 * swa_layers if deep else 0,
-                              swa_lut_itemsize=_SWA_TABLE_ITEMSIZE))
+        return (
+            GroupGeometry(PoolKind.FULL, full_slots, halves, 2 * layers if deep else 0),
+            GroupGeometry(
+                PoolKind.SWA,
+                swa_slots,
+                halves,
+                2 * swa_layers if deep else 0,
+                swa_lut_itemsize=_SWA_TABLE_ITEMSIZE,
+            ),
+        )
     # DeepSeek-V4: no V records, no per-layer columns (docs/architecture.md)
-    return (GroupGeometry(PoolKind.FULL, full_slots, 1, 0),
-            GroupGeometry(PoolKind.SWA, swa_slots, 1, 0, swa_lut_itemsize=_SWA_TABLE_ITEMSIZE))
+    return (
+        GroupGeometry(PoolKind.FULL, full_slots, 1, 0),
+        GroupGeometry(PoolKind.SWA, swa_slots, 1, 0, swa_lut_itemsize=_SWA_TABLE_ITEMSIZE),
+    )
 
 
-def _runner_memory(*, groups, config: CanaryConfig, rows_cols: Tuple[int, int],
-                   capacity_inputs: CanaryCapacityInputs, sfms: int, device) -> CanaryMemory:
+def _runner_memory(
+    *,
+    groups,
+    config: CanaryConfig,
+    rows_cols: Tuple[int, int],
+    capacity_inputs: CanaryCapacityInputs,
+    sfms: int,
+    device,
+) -> CanaryMemory:
     capacities = CanaryLaunchCapacities.for_server(
-        num_slots=groups[0].slots, req_to_token_rows=rows_cols[0], inputs=capacity_inputs)
-    return CanaryMemory.for_inputs(memory_inputs(
-        config=config, groups=groups, capacities=capacities, req_to_token_shape=rows_cols,
-        num_single_forward_managers=sfms, device=device))
+        num_slots=groups[0].slots, req_to_token_rows=rows_cols[0], inputs=capacity_inputs
+    )
+    return CanaryMemory.for_inputs(
+        memory_inputs(
+            config=config,
+            groups=groups,
+            capacities=capacities,
+            req_to_token_shape=rows_cols,
+            num_single_forward_managers=sfms,
+            device=device,
+        )
+    )
 
 
-def predicted_memory(sizing: KvPoolSizing, tokens: PoolTokens, *, config: CanaryConfig,
-                     capacity_inputs: CanaryCapacityInputs, draft_forwards: Optional[int],
-                     device) -> Tuple[CanaryMemory, Optional[CanaryMemory]]:
+def predicted_memory(
+    sizing: KvPoolSizing,
+    tokens: PoolTokens,
+    *,
+    config: CanaryConfig,
+    capacity_inputs: CanaryCapacityInputs,
+    draft_forwards: Optional[int],
+    device,
+) -> Tuple[CanaryMemory, Optional[CanaryMemory]]:
     """The target runner's canary memory for a pool of ``tokens`` and, when
     ``draft_forwards`` is given (EAGLE: forwards per draft round), the draft runner's (its
     pool has the target's token counts; MLA and DeepSeek-V4 drafts keep their family, the
     rest are MHA heads)."""
     rows_cols = sizing.req_to_token_shape(tokens)
     target = _runner_memory(
-        groups=predicted_groups(family=sizing.family, tokens=tokens, page_size=sizing.page_size,
-                                config=config, layers=sizing.layers,
-                                swa_layers=sizing.swa_layers),
-        config=config, rows_cols=rows_cols, capacity_inputs=capacity_inputs, sfms=1,
-        device=device)
+        groups=predicted_groups(
+            family=sizing.family,
+            tokens=tokens,
+            page_size=sizing.page_size,
+            config=config,
+            layers=sizing.layers,
+            swa_layers=sizing.swa_layers,
+        ),
+        config=config,
+        rows_cols=rows_cols,
+        capacity_inputs=capacity_inputs,
+        sfms=1,
+        device=device,
+    )
     if draft_forwards is None:
         return target, None
-    family = sizing.family if sizing.family in (PoolFamily.MLA, PoolFamily.DSV4) \
-        else PoolFamily.MHA
+    family = sizing.family if sizing.family in (PoolFamily.MLA, PoolFamily.DSV4) else PoolFamily.MHA
     draft = _runner_memory(
-        groups=predicted_groups(family=family, tokens=tokens, page_size=sizing.page_size,
-                                config=config, layers=_DRAFT_LAYERS),
-        config=config, rows_cols=rows_cols, capacity_inputs=capacity_inputs,
-        sfms=max(1, draft_forwards), device=device)
+        groups=predicted_groups(
+            family=family,
+            tokens=tokens,
+            page_size=sizing.page_size,
+            config=config,
+            layers=_DRAFT_LAYERS,
+        ),
+        config=config,
+        rows_cols=rows_cols,
+        capacity_inputs=capacity_inputs,
+        sfms=max(1, draft_forwards),
+        device=device,
+    )
     return target, draft
 
 
-def reserve_canary_memory(model_runner: "ModelRunner", *, server_args: "ServerArgs",
-                          config: CanaryConfig, capacity_inputs: CanaryCapacityInputs,
-                          available_bytes: int
-                          ) -> Tuple[int, Optional[CanaryMemoryReservation]]:
+def reserve_canary_memory(
+    model_runner: "ModelRunner",
+    *,
+    server_args: "ServerArgs",
+    config: CanaryConfig,
+    capacity_inputs: CanaryCapacityInputs,
+    available_bytes: int,
+) -> Tuple[int, Optional[CanaryMemoryReservation]]:
     """The KV budget left after the canary's share of ``available_bytes`` (sglang's profile
     for the pool), and the reservation (None when sglang found no room for any pool: its own
     "Not enough memory" error follows). Raises ``RuntimeError`` naming
@@ -136,9 +198,14 @@ def reserve_canary_memory(model_runner: "ModelRunner", *, server_args: "ServerAr
         tokens = sizing.tokens_for(kv_bytes)
         if tokens is None:
             return None, None
-        memories = predicted_memory(sizing, tokens, config=config,
-                                    capacity_inputs=capacity_inputs,
-                                    draft_forwards=draft_forwards, device=device)
+        memories = predicted_memory(
+            sizing,
+            tokens,
+            config=config,
+            capacity_inputs=capacity_inputs,
+            draft_forwards=draft_forwards,
+            device=device,
+        )
         return tokens, memories
 
     def total(memories) -> int:
@@ -163,6 +230,12 @@ def reserve_canary_memory(model_runner: "ModelRunner", *, server_args: "ServerAr
             f"({available_bytes / (1 << 20):.1f} MiB) cannot hold a pool and its canary (that "
             f"pool's canary would take {total(unshrunk) / (1 << 20):.1f} MiB): raise "
             "--mem-fraction-static, lower --max-running-requests or the context length, or "
-            "run without --kv-canary")
-    return lo, CanaryMemoryReservation(profiled_bytes=int(available_bytes), kv_bytes=lo,
-                                       tokens=tokens, target=memories[0], draft=memories[1])
+            "run without --kv-canary"
+        )
+    return lo, CanaryMemoryReservation(
+        profiled_bytes=int(available_bytes),
+        kv_bytes=lo,
+        tokens=tokens,
+        target=memories[0],
+        draft=memories[1],
+    )

@@ -76,18 +76,19 @@ class PlanInput:
         self.write_req_capacity = write_req_capacity
         self.prefix_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
         self.extend_seq_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
-        self.req_pool_indices = torch.zeros(write_req_capacity, dtype=torch.int64,
-                                            device=device)
+        self.req_pool_indices = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
         # sources of the constant fills (decode's extend of 1, the padding rows' index 0)
         self._ones = torch.ones(write_req_capacity, dtype=torch.int64, device=device)
         self._zeros = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
-        self._views = StaticPrefixViews(self.prefix_lens, self.extend_seq_lens,
-                                        self.req_pool_indices, self._ones)
+        self._views = StaticPrefixViews(
+            self.prefix_lens, self.extend_seq_lens, self.req_pool_indices, self._ones
+        )
         # rows [0, _rows_filled) of req_pool_indices hold a batch's rows; the rest are 0
         self._rows_filled = 0
 
-    def _plan_copies(self, forward_batch, bs: int, dst: List[torch.Tensor],
-                     src: List[torch.Tensor]) -> None:
+    def _plan_copies(
+        self, forward_batch, bs: int, dst: List[torch.Tensor], src: List[torch.Tensor]
+    ) -> None:
         """Append the (destination, source) copies that fill ``prefix_lens[:bs]`` /
         ``extend_seq_lens[:bs]`` for ``forward_batch``'s mode; the modes whose values are no
         tensor's copy (target-verify's extend, draft-extend's prefix) are filled here."""
@@ -104,8 +105,9 @@ class PlanInput:
             src.append(leading(forward_batch.seq_lens, bs))
             extend.fill_(sglang_seam.draft_token_num(forward_batch))
         elif mode in (ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2):
-            torch.sub(leading(forward_batch.seq_lens, bs), forward_batch.extend_seq_lens,
-                      out=prefix)
+            torch.sub(
+                leading(forward_batch.seq_lens, bs), forward_batch.extend_seq_lens, out=prefix
+            )
             dst.append(extend)
             src.append(forward_batch.extend_seq_lens)
         else:
@@ -114,8 +116,9 @@ class PlanInput:
                 "EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2"
             )
 
-    def fill_from_forward_batch(self, forward_batch) -> Tuple[torch.Tensor, torch.Tensor,
-                                                              torch.Tensor]:
+    def fill_from_forward_batch(
+        self, forward_batch
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fill from ``forward_batch``; returns ``(req_pool_indices, prefix_lens[:bs],
         extend_seq_lens[:bs])`` with ``bs = req_pool_indices.shape[0]`` (padded in graphs)."""
         rpi = forward_batch.req_pool_indices
@@ -128,8 +131,9 @@ class PlanInput:
         prefix, extend, _, _ = self._views(bs)
         return rpi, prefix, extend
 
-    def padded_copies(self, forward_batch, dst: List[torch.Tensor],
-                      src: List[torch.Tensor]) -> None:
+    def padded_copies(
+        self, forward_batch, dst: List[torch.Tensor], src: List[torch.Tensor]
+    ) -> None:
         """What :meth:`fill_padded` copies, appended to ``dst`` / ``src`` for the caller to
         issue together with its own copies through :func:`copy_pairs`. The modes whose values
         are no copy are filled at once; the rows a larger earlier batch left are reset from a
@@ -140,8 +144,8 @@ class PlanInput:
         dst.append(self._views(bs)[2])
         src.append(rpi)
         if self._rows_filled > bs:
-            dst.append(self.req_pool_indices[bs:self._rows_filled])
-            src.append(self._zeros[:self._rows_filled - bs])
+            dst.append(self.req_pool_indices[bs : self._rows_filled])
+            src.append(self._zeros[: self._rows_filled - bs])
         self._rows_filled = bs
 
     def fill_padded(self, forward_batch) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,8 +181,12 @@ def host_prefix_extend(forward_batch) -> Tuple[list, list, list]:
     if mode == ForwardMode.TARGET_VERIFY:
         n = sglang_seam.draft_token_num(forward_batch)
         return rows, seq, [n] * len(rows)
-    if mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND,
-                ForwardMode.DRAFT_EXTEND_V2):
+    if mode in (
+        ForwardMode.EXTEND,
+        ForwardMode.MIXED,
+        ForwardMode.DRAFT_EXTEND,
+        ForwardMode.DRAFT_EXTEND_V2,
+    ):
         extend = forward_batch.extend_seq_lens_cpu
         if extend is None:
             extend = forward_batch.extend_seq_lens.tolist()
@@ -191,4 +199,5 @@ def host_prefix_extend(forward_batch) -> Tuple[list, list, list]:
         return rows, [int(x) for x in prefix[: len(rows)]], extend
     raise NotImplementedError(
         f"kv_canary host-side batch view does not support forward mode {mode.name}; supported: "
-        "DECODE, IDLE, EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2")
+        "DECODE, IDLE, EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2"
+    )

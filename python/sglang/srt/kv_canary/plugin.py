@@ -112,17 +112,22 @@ def _profile_available_bytes(original, self, *args, **kwargs):
     from sglang.srt.kv_canary.api import reserve_kv_budget
 
     available = original(self, *args, **kwargs)
-    return reserve_kv_budget(server_args=self.server_args, model_runner=self,
-                             available_bytes=available)
+    return reserve_kv_budget(
+        server_args=self.server_args, model_runner=self, available_bytes=available
+    )
 
 
-def _host_kv_cache_init(original, self, device_pool, host_to_device_ratio, host_size, *args,
-                        **kwargs):
+def _host_kv_cache_init(
+    original, self, device_pool, host_to_device_ratio, host_size, *args, **kwargs
+):
     from sglang.srt.kv_canary.api import host_pool_budget
 
-    ratio, size = host_pool_budget(device_pool=device_pool, host_pool_cls=type(self),
-                                   host_to_device_ratio=host_to_device_ratio,
-                                   host_size=host_size)
+    ratio, size = host_pool_budget(
+        device_pool=device_pool,
+        host_pool_cls=type(self),
+        host_to_device_ratio=host_to_device_ratio,
+        host_size=host_size,
+    )
     return original(self, device_pool, ratio, size, *args, **kwargs)
 
 
@@ -181,8 +186,7 @@ def _graph_replay_prepare(original, self, *args, **kwargs):
     token 0 at position 0, which the expected inputs say past the real entries)."""
     manager = seam.runner_canary(seam.graph_runner_model_runner(self))
     if manager is not None:
-        seam.zero_graph_padding_inputs(
-            self, token_inputs=manager.config.enable_write_input_assert)
+        seam.zero_graph_padding_inputs(self, token_inputs=manager.config.enable_write_input_assert)
     return original(self, *args, **kwargs)
 
 
@@ -209,7 +213,8 @@ def _after_init_cache(result, self, *args, **kwargs):
             running_reqs=lambda: seam.scheduler_running_reqs(self),
             metrics_labels=seam.scheduler_metrics_labels(self),
             kv_slots_in_use=lambda: seam.scheduler_kv_slots_in_use(self),
-            metrics_of=target if manager is draft and target is not None else None)
+            metrics_of=target if manager is draft and target is not None else None,
+        )
 
 
 def _after_process_batch_result(result, self, *args, **kwargs):
@@ -250,7 +255,8 @@ def _after_get_init_info(result, self, *args, **kwargs):
         draft = seam.runner_canary(seam.scheduler_draft_model_runner(self))
         if target is not None or draft is not None:
             settings["memory"] = canary_memory_info(
-                seam.runner_memory_reservation(runner), target=target, draft=draft)
+                seam.runner_memory_reservation(runner), target=target, draft=draft
+            )
         result["kv_canary"] = settings
     return result
 
@@ -332,8 +338,7 @@ HOOKS = (
     (seam.HOOK_EAGLE_V2_DRAFT_FORWARD, _draft_forward, "AROUND"),
     (seam.HOOK_EAGLE_V1_INIT_CUDA_GRAPHS, _after_init_cuda_graphs, "AFTER"),
     (seam.HOOK_EAGLE_V2_INIT_CUDA_GRAPHS, _after_init_cuda_graphs, "AFTER"),
-    (seam.HOOK_DRAFT_GRAPH_CAPTURE_ONE_BATCH_SIZE, _draft_graph_capture_one_batch_size,
-     "AROUND"),
+    (seam.HOOK_DRAFT_GRAPH_CAPTURE_ONE_BATCH_SIZE, _draft_graph_capture_one_batch_size, "AROUND"),
     (seam.HOOK_DRAFT_GRAPH_REPLAY, _draft_graph_replay, "AROUND"),
     # the draft-extend graph is captured like a decode graph: single-forward manager 0
     (seam.HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE, _capture_one_batch_size, "AROUND"),

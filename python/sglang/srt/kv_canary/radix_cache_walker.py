@@ -37,8 +37,9 @@ def _empty(device) -> RadixCacheWalkResult:
     return RadixCacheWalkResult(z, z.clone(), z.clone())
 
 
-def walk_radix_cache_for_canary(*, radix_cache, unlocked_only: bool = False,
-                                swa_resident_only: bool = False) -> RadixCacheWalkResult:
+def walk_radix_cache_for_canary(
+    *, radix_cache, unlocked_only: bool = False, swa_resident_only: bool = False
+) -> RadixCacheWalkResult:
     """Every non-root node of a ``RadixCache`` / ``SWARadixCache`` / ``MambaRadixCache`` /
     ``UnifiedRadixCache`` (its full-attention slots), depth first.
 
@@ -51,7 +52,8 @@ def walk_radix_cache_for_canary(*, radix_cache, unlocked_only: bool = False,
     if not isinstance(radix_cache, supported):
         raise NotImplementedError(
             f"kv_canary sweep does not support {type(radix_cache).__name__}; supported: "
-            f"{', '.join(t.__name__ for t in supported)}")
+            f"{', '.join(t.__name__ for t in supported)}"
+        )
     values: List[torch.Tensor] = []
     lens: List[int] = []
     starts: List[int] = []
@@ -75,8 +77,12 @@ def walk_radix_cache_for_canary(*, radix_cache, unlocked_only: bool = False,
         starts.append(depth)
         parents.append(parent)
         if filtering:
-            keep.append(not ((unlocked_only and seam.radix_node_locked(node))
-                             or (swa_resident_only and seam.radix_node_swa_tombstone(node))))
+            keep.append(
+                not (
+                    (unlocked_only and seam.radix_node_locked(node))
+                    or (swa_resident_only and seam.radix_node_swa_tombstone(node))
+                )
+            )
         if seam.radix_node_has_children(node):
             depth += n
             push((child, index, depth) for child in children_of(node))
@@ -90,8 +96,9 @@ def walk_radix_cache_for_canary(*, radix_cache, unlocked_only: bool = False,
     offsets = torch.cumsum(lens_d, 0) - lens_d
     flat = torch.cat(values).to(torch.int64)
     total = flat.shape[0]
-    node_of = torch.repeat_interleave(torch.arange(len(values), device=device), lens_d,
-                                      output_size=total)
+    node_of = torch.repeat_interleave(
+        torch.arange(len(values), device=device), lens_d, output_size=total
+    )
     within = torch.arange(total, device=device) - offsets[node_of]
     positions = node_starts[node_of] + within
     prev = torch.empty_like(flat)
@@ -148,8 +155,9 @@ def radix_nodes_holding_slots(*, radix_cache, slots: torch.Tensor) -> List:
         return []
     flat = torch.cat(values).to(torch.int64)
     lens = torch.tensor([v.shape[0] for v in values], dtype=torch.int64).to(flat.device)
-    node_of = torch.repeat_interleave(torch.arange(len(nodes), device=flat.device), lens,
-                                      output_size=flat.shape[0])
+    node_of = torch.repeat_interleave(
+        torch.arange(len(nodes), device=flat.device), lens, output_size=flat.shape[0]
+    )
     hit = torch.zeros(len(nodes), dtype=torch.bool, device=flat.device)
     hit[node_of[torch.isin(flat, slots.to(flat.device, torch.int64))]] = True
     hits = hit.tolist()
@@ -176,10 +184,13 @@ def host_resident_nodes(radix_cache, *, host_only: bool = False) -> List[tuple]:
         node, depth = stack.pop()
         host = seam.radix_node_host_value(node)
         value = seam.radix_node_value(node)
-        if (host is not None and host.numel() and seam.radix_node_id(node) not in pending
-                and not (host_only and value is not None)):
+        if (
+            host is not None
+            and host.numel()
+            and seam.radix_node_id(node) not in pending
+            and not (host_only and value is not None)
+        ):
             out.append((host, depth))
-        n = max(host.numel() if host is not None else 0,
-                value.numel() if value is not None else 0)
+        n = max(host.numel() if host is not None else 0, value.numel() if value is not None else 0)
         stack.extend((child, depth + n) for child in seam.radix_node_children(node))
     return out

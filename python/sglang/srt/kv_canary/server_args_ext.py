@@ -54,30 +54,40 @@ def _choice(value: str) -> str:
 def add_canary_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KV-cache canary (sglang-kv-canary)")
     group.add_argument(
-        "--kv-canary", type=_choice, default=DEFAULTS["kv_canary"],
+        "--kv-canary",
+        type=_choice,
+        default=DEFAULTS["kv_canary"],
         choices=[m.value for m in CanaryMode],
         help="Verify every KV slot attention reads against a fingerprint record: 'log' logs "
-             "each violation, 'raise' stops the server on the first one, 'abort' logs it, "
-             "aborts the requests reading the corrupt slot and evicts it from the radix cache "
-             "(serving goes on), 'none' (default) installs nothing.")
+        "each violation, 'raise' stops the server on the first one, 'abort' logs it, "
+        "aborts the requests reading the corrupt slot and evicts it from the radix cache "
+        "(serving goes on), 'none' (default) installs nothing.",
+    )
     group.add_argument(
-        "--kv-canary-sweep-interval", type=_argparse_type(parse_sweep_interval),
+        "--kv-canary-sweep-interval",
+        type=_argparse_type(parse_sweep_interval),
         default=DEFAULTS["kv_canary_sweep_interval"],
         help="Every N forward steps also verify the KV slots idle in the radix cache "
-             "(0 = off, the default). Needs --kv-canary log, raise or abort.")
+        "(0 = off, the default). Needs --kv-canary log, raise or abort.",
+    )
     group.add_argument(
-        "--kv-canary-real-data", type=_choice, default=DEFAULTS["kv_canary_real_data"],
+        "--kv-canary-real-data",
+        type=_choice,
+        default=DEFAULTS["kv_canary_real_data"],
         choices=list(REAL_DATA_CHOICES),
         help="Also fingerprint the real KV bytes: 'partial' (first 16 bytes of layer 0's "
-             "row), 'all' (the whole row) or 'none' (default).")
+        "row), 'all' (the whole row) or 'none' (default).",
+    )
     group.add_argument(
-        "--kv-canary-real-data-layers", type=_choice,
+        "--kv-canary-real-data-layers",
+        type=_choice,
         default=DEFAULTS["kv_canary_real_data_layers"],
         choices=[m.value for m in RealDataLayers],
         help="Which layers the real-data fingerprints cover: 'first' (default: layer 0's K "
-             "row) or 'all' (every layer's K and V rows: all checked at write time and by the "
-             "sweep, a rotating window of layers on every read). Needs --kv-canary-real-data "
-             "partial or all.")
+        "row) or 'all' (every layer's K and V rows: all checked at write time and by the "
+        "sweep, a rotating window of layers on every read). Needs --kv-canary-real-data "
+        "partial or all.",
+    )
 
 
 def pop_canary_kwargs(kwargs: dict) -> dict:
@@ -130,11 +140,12 @@ def canary_repr_suffix(server_args) -> str:
 def canary_settings(server_args) -> dict:
     """The canary's flags and (with the canary on) its effective config, for
     ``/server_info`` and ``Engine.get_server_info()``."""
-    out = {name: sglang_seam.server_args_value(server_args, name, default)
-           for name, default in DEFAULTS.items()}
-    out["config"] = (_effective_config(server_args) if out["kv_canary"] != "none" else None)
+    out = {
+        name: sglang_seam.server_args_value(server_args, name, default)
+        for name, default in DEFAULTS.items()
+    }
+    out["config"] = _effective_config(server_args) if out["kv_canary"] != "none" else None
     return out
-
 
 
 def note_requested_sampling_backend(server_args, requested) -> None:
@@ -142,4 +153,5 @@ def note_requested_sampling_backend(server_args, requested) -> None:
     ``sampling_backend`` during ``__init__`` (its CPU engine forces ``pytorch``), and the
     canary must still know the operator asked for the oracle."""
     sglang_seam.set_server_args_values(
-        server_args, {TOKEN_ORACLE_REQUESTED_ATTR: requested == TOKEN_ORACLE_BACKEND})
+        server_args, {TOKEN_ORACLE_REQUESTED_ATTR: requested == TOKEN_ORACLE_BACKEND}
+    )

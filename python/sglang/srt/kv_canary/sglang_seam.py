@@ -76,13 +76,13 @@ HOOK_GRAPH_REPLAY_PREPARE = f"{_CG}.replay_prepare"
 HOOK_GRAPH_REPLAY = f"{_CG}.replay"
 HOOK_SCHEDULER_INIT_CACHE = "sglang.srt.managers.scheduler.Scheduler.init_cache_with_memory_pool"
 HOOK_FORWARD_BATCH_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
-HOOK_SCHEDULER_PROCESS_BATCH_RESULT = (
-    "sglang.srt.managers.scheduler.Scheduler.process_batch_result")
+HOOK_SCHEDULER_PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 HOOK_SCHEDULER_GET_INIT_INFO = "sglang.srt.managers.scheduler.Scheduler.get_init_info"
 # the chunked-prefill stash (``maybe_cache_unfinished_req(..., chunked=True)``) of aggregated
 # serving (abort mode, the only one that marks requests, refuses PD)
 HOOK_SCHEDULER_STASH_CHUNKED_REQUEST = (
-    "sglang.srt.managers.scheduler.Scheduler.stash_chunked_request")
+    "sglang.srt.managers.scheduler.Scheduler.stash_chunked_request"
+)
 # the release of a finished request's KV (``release_kv_cache``'s first step), for the two tree
 # caches abort mode runs with
 HOOK_RADIX_CACHE_FINISHED_REQ = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req"
@@ -137,8 +137,19 @@ _WRAPPED_FORWARD_MARK = "_kv_canary_wrapped_forward"
 class RunnerFacts:
     """What the canary builder needs from a ``ModelRunner`` (read once, at install)."""
 
-    __slots__ = ("kv_pool", "req_to_token", "device", "context_len", "vocab_size",
-                 "sliding_window_size", "tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank")
+    __slots__ = (
+        "kv_pool",
+        "req_to_token",
+        "device",
+        "context_len",
+        "vocab_size",
+        "sliding_window_size",
+        "tp_rank",
+        "tp_size",
+        "pp_rank",
+        "pp_size",
+        "dp_rank",
+    )
 
     def __init__(self, model_runner: "ModelRunner"):
         self.kv_pool: "KVCache" = model_runner.token_to_kv_pool
@@ -206,8 +217,7 @@ def set_runner_sampler(model_runner: "ModelRunner", sampler) -> None:
     model_runner.sampler = sampler
 
 
-def wrap_model_forward(model_runner: "ModelRunner", *, before: Callable, after: Callable
-                       ) -> bool:
+def wrap_model_forward(model_runner: "ModelRunner", *, before: Callable, after: Callable) -> bool:
     """Wrap ``model_runner.model.forward`` on the instance (once) so that ``before(fb)`` and
     ``after(fb)`` run around every call, eager or captured. False when already wrapped."""
     model = model_runner.model
@@ -287,8 +297,9 @@ class KvPoolSizing:
             self.layers = len(mr.model_config.full_attention_layer_ids)
             self.swa_layers = len(mr.model_config.swa_attention_layer_ids)
         elif mamba is not None:
-            self.layers = sum(1 for i in mamba.full_attention_layer_ids
-                              if mr.start_layer <= i < mr.end_layer)
+            self.layers = sum(
+                1 for i in mamba.full_attention_layer_ids if mr.start_layer <= i < mr.end_layer
+            )
             self.swa_layers = 0
         else:
             self.layers = int(mr.num_effective_layers)
@@ -306,7 +317,8 @@ class KvPoolSizing:
             config = self._configurator.calculate_pool_sizes(int(kv_bytes), self.page_size)
             if self._user_cap is not None and self._user_cap < config.max_total_num_tokens:
                 config = self._configurator.calculate_pool_sizes_from_max_tokens(
-                    int(self._user_cap), self.page_size)
+                    int(self._user_cap), self.page_size
+                )
         except RuntimeError:  # MemoryPoolConfig: max_total_num_tokens <= 0
             return None
         swa = config.swa_max_total_num_tokens
@@ -324,8 +336,11 @@ class KvPoolSizing:
         if self._decode:
             from sglang.srt.environ import envs
 
-            rows += reqs * 2 if reqs <= 32 else int(
-                envs.SGLANG_DISAGGREGATION_NUM_PRE_ALLOCATE_REQS.get())
+            rows += (
+                reqs * 2
+                if reqs <= 32
+                else int(envs.SGLANG_DISAGGREGATION_NUM_PRE_ALLOCATE_REQS.get())
+            )
         return rows, self.context_len + 4 + self._draft_tokens
 
 
@@ -378,7 +393,8 @@ def speculative_facts(server_args: "ServerArgs") -> SpeculativeFacts:
         topk=int(getattr(server_args, "speculative_eagle_topk", None) or 0),
         num_draft_tokens=int(getattr(server_args, "speculative_num_draft_tokens", None) or 0),
         multi_layer_eagle=bool(getattr(server_args, "enable_multi_layer_eagle", False)),
-        adaptive=bool(getattr(server_args, "speculative_adaptive", False)))
+        adaptive=bool(getattr(server_args, "speculative_adaptive", False)),
+    )
 
 
 def zero_graph_padding_inputs(graph_runner: "CudaGraphRunner", *, token_inputs: bool) -> None:
@@ -429,7 +445,8 @@ def scheduler_running_reqs(scheduler: "Scheduler") -> List["Req"]:
     batches = (getattr(scheduler, "running_batch", None), getattr(scheduler, "cur_batch", None))
     chunked = getattr(scheduler, "chunked_req", None)
     for req in [r for b in batches if b is not None for r in (b.reqs or ())] + (
-            [chunked] if chunked is not None else []):
+        [chunked] if chunked is not None else []
+    ):
         if id(req) not in seen:  # identity of live objects within this call only
             seen.add(id(req))
             out.append(req)
@@ -461,8 +478,11 @@ def schedule_batch_reqs(batch: "ScheduleBatch") -> Optional[list]:
     ``req_pool_indices`` and ``seq_lens``), while the batch's ``reqs`` still lists every
     request of the round: the finished ones are dropped here, in order."""
     reqs = getattr(batch, "reqs", None)
-    if (reqs is not None and getattr(batch, "forward_mode", None) == ForwardMode.DRAFT_EXTEND
-            and len(reqs) != batch.req_pool_indices.shape[0]):
+    if (
+        reqs is not None
+        and getattr(batch, "forward_mode", None) == ForwardMode.DRAFT_EXTEND
+        and len(reqs) != batch.req_pool_indices.shape[0]
+    ):
         reqs = [r for r in reqs if not r.finished()]
     return reqs
 
@@ -623,8 +643,9 @@ def allocator_free_pages(allocator) -> "torch.Tensor":
 
     parts = [allocator.free_pages.to(torch.int64), allocator.release_pages.to(torch.int64)]
     if not allocator.is_not_in_free_group and allocator.free_group:
-        parts.append(torch.cat(allocator.free_group).to(torch.int64)
-                      // allocator_page_size(allocator))
+        parts.append(
+            torch.cat(allocator.free_group).to(torch.int64) // allocator_page_size(allocator)
+        )
     return torch.cat(parts)
 
 
@@ -675,8 +696,9 @@ def abort_running_req(req: "Req", message: str) -> bool:
 
     if req_done(req):
         return False
-    req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR,
-                                 "KVCacheCorruptionError")
+    req.to_finish = FINISH_ABORT(
+        message, HTTPStatus.INTERNAL_SERVER_ERROR, "KVCacheCorruptionError"
+    )
     return True
 
 
@@ -928,7 +950,8 @@ def host_pool_kind(host_pool) -> str:
     raise NotImplementedError(
         f"kv_canary does not mirror HiCache host pool {type(host_pool).__name__} (supported: "
         "MHATokenToKVPoolHost, MLATokenToKVPoolHost); run without --enable-hierarchical-cache "
-        "or without --kv-canary")
+        "or without --kv-canary"
+    )
 
 
 HOOK_HOST_KV_CACHE_INIT = "sglang.srt.mem_cache.memory_pool_host.HostKVCache.__init__"
@@ -992,8 +1015,10 @@ def host_pool_layer_rows(host_pool, layer: int, half: str):
         return buf[:, layer], 1
     if layout == "page_first_direct":
         return buf[:, layer], int(host_pool.page_size)
-    raise ValueError(f"kv_canary cannot address HiCache host rows in layout {layout!r} "
-                     "(supported: layer_first, page_first, page_first_direct)")
+    raise ValueError(
+        f"kv_canary cannot address HiCache host rows in layout {layout!r} "
+        "(supported: layer_first, page_first, page_first_direct)"
+    )
 
 
 def wrap_host_pool_copies(host_pool, *, after_backup: Callable, before_load: Callable) -> None:
@@ -1007,6 +1032,7 @@ def wrap_host_pool_copies(host_pool, *, after_backup: Callable, before_load: Cal
             result = original(device_pool, host_indices, device_indices, io_backend)
             after_backup(host_indices, device_indices)
             return result
+
         return backup
 
     def make_load(original):
@@ -1014,6 +1040,7 @@ def wrap_host_pool_copies(host_pool, *, after_backup: Callable, before_load: Cal
             if layer_id == 0:
                 before_load(host_indices, device_indices)
             return original(device_pool, host_indices, device_indices, layer_id, io_backend)
+
         return load
 
     wrap_method_once(host_pool, "backup_from_device_all_layer", make_backup)

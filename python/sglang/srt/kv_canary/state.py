@@ -31,8 +31,9 @@ class ViolationLog:
         if ring_capacity < 1:
             raise ValueError(f"ring_capacity must be >= 1, got {ring_capacity}")
         return cls(
-            violation_ring=torch.zeros(ring_capacity, VIOLATION_NUM_FIELDS, dtype=torch.int64,
-                                       device=device),
+            violation_ring=torch.zeros(
+                ring_capacity, VIOLATION_NUM_FIELDS, dtype=torch.int64, device=device
+            ),
             violation_write_index=torch.zeros(1, dtype=torch.int32, device=device),
         )
 
@@ -59,20 +60,25 @@ class CanaryDeviceState:
     req_to_verify_expected_tokens: Optional[torch.Tensor] = None
 
     @classmethod
-    def allocate(cls, *, ring_capacity: int, device,
-                 expected_token_pool_shape: Optional[Tuple[int, int]] = None
-                 ) -> "CanaryDeviceState":
+    def allocate(
+        cls,
+        *,
+        ring_capacity: int,
+        device,
+        expected_token_pool_shape: Optional[Tuple[int, int]] = None,
+    ) -> "CanaryDeviceState":
         device = torch.device(device)
         pool = None
         if expected_token_pool_shape is not None:
-            pool = torch.full(tuple(expected_token_pool_shape), -1, dtype=torch.int32,
-                              device=device)
+            pool = torch.full(
+                tuple(expected_token_pool_shape), -1, dtype=torch.int32, device=device
+            )
         return cls(
             violation_log=ViolationLog.allocate(ring_capacity=ring_capacity, device=device),
-            kernel_run_counters=torch.zeros(NUM_CANARY_LAUNCH_TAGS, dtype=torch.int64,
-                                            device=device),
-            slot_run_counters=torch.zeros(NUM_CANARY_LAUNCH_TAGS, dtype=torch.int64,
-                                          device=device),
+            kernel_run_counters=torch.zeros(
+                NUM_CANARY_LAUNCH_TAGS, dtype=torch.int64, device=device
+            ),
+            slot_run_counters=torch.zeros(NUM_CANARY_LAUNCH_TAGS, dtype=torch.int64, device=device),
             enable_chain_position_assert=torch.zeros(1, dtype=torch.int32, device=device),
             req_to_verify_expected_tokens=pool,
         )
@@ -84,7 +90,7 @@ class CanaryDeviceState:
     def counters_for(self, tag: CanaryLaunchTag) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(slot_run_counter, kernel_run_counter)``: ``[1]`` views for launches of ``tag``."""
         i = int(tag)
-        return self.slot_run_counters[i:i + 1], self.kernel_run_counters[i:i + 1]
+        return self.slot_run_counters[i : i + 1], self.kernel_run_counters[i : i + 1]
 
     def mark_init_finished(self) -> None:
         """Turn the write kernel's chain-position check on (end of warm-up / graph capture)."""

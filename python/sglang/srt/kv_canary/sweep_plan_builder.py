@@ -19,9 +19,13 @@ def translate_for_swa(lut: Optional[torch.Tensor], slots: torch.Tensor) -> torch
     return torch.where(slots < 0, slots, lut[slots.clamp(min=0)].to(torch.int64))
 
 
-def build_verify_plan_radix_sweep(*, walk: RadixCacheWalkResult, plan_out: VerifyPlan,
-                                  start: int = 0,
-                                  swa_index_lut: Optional[torch.Tensor] = None) -> int:
+def build_verify_plan_radix_sweep(
+    *,
+    walk: RadixCacheWalkResult,
+    plan_out: VerifyPlan,
+    start: int = 0,
+    swa_index_lut: Optional[torch.Tensor] = None,
+) -> int:
     """Fill ``plan_out`` (reused across passes) with walk entries ``[start, start + k)``,
     ``k = min(capacity, remaining)``; returns ``k``. Expected tokens are -1 (the sweep checks
     chain, position and real-KV fingerprint); ``req_to_token`` rows are -1 (a cached slot is
@@ -31,9 +35,11 @@ def build_verify_plan_radix_sweep(*, walk: RadixCacheWalkResult, plan_out: Verif
     k = min(plan_out.capacity, walk.num_slots - start)
     end = start + k
     plan_out.verify_slot_indices[:k].copy_(
-        translate_for_swa(swa_index_lut, walk.slot_indices[start:end]))
+        translate_for_swa(swa_index_lut, walk.slot_indices[start:end])
+    )
     plan_out.verify_prev_slot_indices[:k].copy_(
-        translate_for_swa(swa_index_lut, walk.prev_slot_indices[start:end]))
+        translate_for_swa(swa_index_lut, walk.prev_slot_indices[start:end])
+    )
     plan_out.verify_expected_positions[:k].copy_(walk.positions[start:end])
     plan_out.verify_expected_tokens[:k].fill_(NO_EXPECTED_TOKEN)
     plan_out.verify_req_to_token_rows[:k].fill_(NO_REQ_TO_TOKEN_ROW)  # no request reads it

@@ -64,8 +64,9 @@ class TokenIdSnapshot:
     reqs: tuple = ()
 
     @classmethod
-    def pack(cls, lens: Sequence[int], starts: Sequence[int], pieces, total: int,
-             **origin) -> "TokenIdSnapshot":
+    def pack(
+        cls, lens: Sequence[int], starts: Sequence[int], pieces, total: int, **origin
+    ) -> "TokenIdSnapshot":
         """``pieces``: iterables of token ids whose concatenation holds ``total`` ids; the
         segments (``lens[i] - starts[i]`` ids each) must add up to ``total`` (``ValueError``
         otherwise). Host only. The header is built as one list: a decode step's snapshot
@@ -81,20 +82,21 @@ class TokenIdSnapshot:
             offset += n - start
             at += PACKED_TOKENS_ROW_FIELDS
         if offset != total:
-            raise ValueError(f"TokenIdSnapshot.pack: the segments hold {offset} ids, total "
-                             f"says {total}")
-        packed = torch.empty(packed_tokens_numel(bs, total), dtype=torch.int64,
-                             pin_memory=_pin())
+            raise ValueError(
+                f"TokenIdSnapshot.pack: the segments hold {offset} ids, total says {total}"
+            )
+        packed = torch.empty(packed_tokens_numel(bs, total), dtype=torch.int64, pin_memory=_pin())
         host = packed.numpy()
         host[:at] = header
         if total:
-            host[at:] = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64,
-                                    count=total)
+            host[at:] = np.fromiter(
+                itertools.chain.from_iterable(pieces), dtype=np.int64, count=total
+            )
         return cls(packed=packed, num_reqs=bs, **origin)
 
     def _row_field(self, field: int) -> torch.Tensor:
         at = PACKED_TOKENS_HEADER
-        rows = self.packed[at:at + PACKED_TOKENS_ROW_FIELDS * self.num_reqs]
+        rows = self.packed[at : at + PACKED_TOKENS_ROW_FIELDS * self.num_reqs]
         return rows.view(self.num_reqs, PACKED_TOKENS_ROW_FIELDS)[:, field]
 
     @property
@@ -107,7 +109,7 @@ class TokenIdSnapshot:
 
     @property
     def flat(self) -> torch.Tensor:
-        return self.packed[PACKED_TOKENS_HEADER + PACKED_TOKENS_ROW_FIELDS * self.num_reqs:]
+        return self.packed[PACKED_TOKENS_HEADER + PACKED_TOKENS_ROW_FIELDS * self.num_reqs :]
 
     def lengths_only(self) -> torch.Tensor:
         """A packed header of the same requests with nothing to scatter (each segment starts
@@ -115,7 +117,7 @@ class TokenIdSnapshot:
         their own launch. New host buffer (pinned when CUDA exists)."""
         bs = self.num_reqs
         head = torch.empty(packed_tokens_numel(bs, 0), dtype=torch.int64, pin_memory=_pin())
-        head.copy_(self.packed[:head.shape[0]])
+        head.copy_(self.packed[: head.shape[0]])
         rows = head[PACKED_TOKENS_HEADER:].view(bs, PACKED_TOKENS_ROW_FIELDS)
         rows[:, PACKED_TOKENS_ROW_START] = rows[:, PACKED_TOKENS_ROW_LEN]
         rows[:, PACKED_TOKENS_ROW_OFFSET] = 0
@@ -160,8 +162,13 @@ class ExpectedTokenRows:
             row = getattr(req, "req_pool_idx", None)
             if row is not None and 0 <= row < rows:
                 o = owner[row]
-                if (o is not None and o[0] is req and o[1] is origin_ids and o[2] is output_ids
-                        and held[row] <= n):
+                if (
+                    o is not None
+                    and o[0] is req
+                    and o[1] is origin_ids
+                    and o[2] is output_ids
+                    and held[row] <= n
+                ):
                     start = held[row]
                 owner[row] = (req, origin_ids, output_ids)
                 held[row] = n
@@ -172,9 +179,17 @@ class ExpectedTokenRows:
             elif start < n_in:
                 pieces += (origin_ids[start:], output_ids)
             else:
-                pieces.append(output_ids[start - n_in:])
-        snap = TokenIdSnapshot.pack(lens, starts, pieces, sum(lens) - sum(starts), rows=self,
-                                    epoch=self._epoch, seq=self._next_seq, reqs=tuple(reqs))
+                pieces.append(output_ids[start - n_in :])
+        snap = TokenIdSnapshot.pack(
+            lens,
+            starts,
+            pieces,
+            sum(lens) - sum(starts),
+            rows=self,
+            epoch=self._epoch,
+            seq=self._next_seq,
+            reqs=tuple(reqs),
+        )
         self._next_seq += 1
         return snap
 
@@ -185,8 +200,9 @@ class ExpectedTokenRows:
         and the caller must re-snapshot the batch (:meth:`snapshot` now sends it whole)."""
         epoch, seq = snap.epoch, snap.seq
         if snap.rows is not self:
-            raise RuntimeError("kv_canary: a token-id snapshot of another expected-token pool "
-                               "reached this one")
+            raise RuntimeError(
+                "kv_canary: a token-id snapshot of another expected-token pool reached this one"
+            )
         if epoch == self._epoch and seq <= self._uploaded_seq + 1:
             self._uploaded_seq = max(self._uploaded_seq, seq)
             return True
@@ -202,7 +218,10 @@ class ExpectedTokenRows:
                 "last uploaded %d): a ForwardBatch was built and not run, or run out of order. "
                 "The batch was re-snapshotted in full and the record reset; nothing goes "
                 "unchecked, but if this repeats the snapshots are no longer incremental "
-                "(count: ExpectedTokenRows.full_resnapshots; warned once)", seq, last_uploaded)
+                "(count: ExpectedTokenRows.full_resnapshots; warned once)",
+                seq,
+                last_uploaded,
+            )
         return False
 
 
@@ -219,12 +238,15 @@ class TokenHistoryUploader:
         if not isinstance(pool, torch.Tensor) or pool.dtype != torch.int32 or pool.dim() != 2:
             raise TypeError("TokenHistoryUploader needs an int32 [rows, max_context_len] pool")
         if replay_rows < 1 or replay_tokens < 0:
-            raise ValueError(f"TokenHistoryUploader needs replay_rows >= 1 and replay_tokens "
-                             f">= 0, got {replay_rows} and {replay_tokens}")
+            raise ValueError(
+                f"TokenHistoryUploader needs replay_rows >= 1 and replay_tokens "
+                f">= 0, got {replay_rows} and {replay_tokens}"
+            )
         self.pool = pool
         self.rows = ExpectedTokenRows(pool.shape[0])
-        self.replay_buffer = torch.zeros(packed_tokens_numel(replay_rows, replay_tokens),
-                                         dtype=torch.int64, device=pool.device)
+        self.replay_buffer = torch.zeros(
+            packed_tokens_numel(replay_rows, replay_tokens), dtype=torch.int64, device=pool.device
+        )
         self._no_requests = torch.zeros(1, dtype=torch.int64, pin_memory=_pin())
         self._replay_holds: Optional[TokenIdSnapshot] = None  # what replay_buffer holds
 
@@ -243,8 +265,9 @@ class TokenHistoryUploader:
         if reqs is not None:
             state.token_snapshot = self.rows.snapshot(reqs)
 
-    def _ready_snapshot(self, state: Optional[CanaryBatchState],
-                        bs: int) -> Optional[TokenIdSnapshot]:
+    def _ready_snapshot(
+        self, state: Optional[CanaryBatchState], bs: int
+    ) -> Optional[TokenIdSnapshot]:
         """The batch's snapshot, taken now if deferred, checked against the batch size and
         replaced (in ``state``) by a whole one if it reaches the device out of order; None
         when there is nothing to upload (no snapshot, empty batch)."""
@@ -257,7 +280,8 @@ class TokenHistoryUploader:
             raise RuntimeError(
                 f"kv_canary: the token-id snapshot covers {snap.num_reqs} requests but "
                 f"the forward batch has {bs}: the batch's requests and req_pool_indices "
-                "disagree")
+                "disagree"
+            )
         if not self.rows.check_upload(snap):
             # the record was reset: a new snapshot of the batch's requests sends them whole
             # and is the next in order
@@ -266,8 +290,12 @@ class TokenHistoryUploader:
             self.rows.check_upload(snap)
         return snap
 
-    def upload(self, state: Optional[CanaryBatchState], req_pool_indices: torch.Tensor,
-               valid_lens_out: torch.Tensor) -> bool:
+    def upload(
+        self,
+        state: Optional[CanaryBatchState],
+        req_pool_indices: torch.Tensor,
+        valid_lens_out: torch.Tensor,
+    ) -> bool:
         """An eager forward's upload: scatter the batch's snapshot into the pool and write the
         plan's valid lengths into ``valid_lens_out[:bs]`` (int64 ``[>= bs]``). False, with
         nothing done, when there is nothing to upload (no snapshot, empty batch). Raises
@@ -280,15 +308,22 @@ class TokenHistoryUploader:
         self._scatter_now(snap, req_pool_indices, valid_lens_out[:bs])
         return True
 
-    def _scatter_now(self, snap: TokenIdSnapshot, req_pool_indices: torch.Tensor,
-                     valid_lens_out: torch.Tensor) -> None:
+    def _scatter_now(
+        self, snap: TokenIdSnapshot, req_pool_indices: torch.Tensor, valid_lens_out: torch.Tensor
+    ) -> None:
         launch_scatter_packed_token_ids_kernel(
             packed=snap.packed.to(self.pool.device, non_blocking=True),
-            req_pool_indices=req_pool_indices.to(torch.int64), pool_out=self.pool,
-            valid_lens_out=valid_lens_out)
+            req_pool_indices=req_pool_indices.to(torch.int64),
+            pool_out=self.pool,
+            valid_lens_out=valid_lens_out,
+        )
 
-    def stage_for_replay(self, state: Optional[CanaryBatchState],
-                         req_pool_indices: torch.Tensor, valid_lens_out: torch.Tensor) -> None:
+    def stage_for_replay(
+        self,
+        state: Optional[CanaryBatchState],
+        req_pool_indices: torch.Tensor,
+        valid_lens_out: torch.Tensor,
+    ) -> None:
         """Before a CUDA graph whose scatter (:meth:`launch_replay_scatter`) was captured
         replays this batch: put its snapshot in :attr:`replay_buffer` (one host→device copy
         on the current stream; none when the buffer already holds it, as for the second
@@ -303,21 +338,24 @@ class TokenHistoryUploader:
         elif snap is self._replay_holds:
             return
         elif snap.packed.shape[0] <= self.replay_buffer.shape[0]:
-            self.replay_buffer[:snap.packed.shape[0]].copy_(snap.packed, non_blocking=True)
+            self.replay_buffer[: snap.packed.shape[0]].copy_(snap.packed, non_blocking=True)
             self._replay_holds = snap
         else:
-            self._scatter_now(snap, req_pool_indices,
-                              valid_lens_out[:req_pool_indices.shape[0]])
+            self._scatter_now(snap, req_pool_indices, valid_lens_out[: req_pool_indices.shape[0]])
             head = snap.lengths_only()
-            self.replay_buffer[:head.shape[0]].copy_(head, non_blocking=True)
+            self.replay_buffer[: head.shape[0]].copy_(head, non_blocking=True)
             self._replay_holds = None
 
-    def launch_replay_scatter(self, req_pool_indices: torch.Tensor,
-                              valid_lens_out: torch.Tensor) -> None:
+    def launch_replay_scatter(
+        self, req_pool_indices: torch.Tensor, valid_lens_out: torch.Tensor
+    ) -> None:
         """The scatter a CUDA graph captures (inside ops, during sglang's capture): from
         :attr:`replay_buffer` into the pool, lengths into ``valid_lens_out`` (int64 ``[bs]``,
         0 for the graph's padding rows). ``req_pool_indices``: int64 ``[bs]``, the graph's
         static (padded) rows. Allocation- and sync-free."""
         launch_scatter_packed_token_ids_kernel(
-            packed=self.replay_buffer, req_pool_indices=req_pool_indices, pool_out=self.pool,
-            valid_lens_out=valid_lens_out)
+            packed=self.replay_buffer,
+            req_pool_indices=req_pool_indices,
+            pool_out=self.pool,
+            valid_lens_out=valid_lens_out,
+        )

@@ -26,19 +26,25 @@ def tagged_json(text: str, tag: str) -> Optional[Any]:
     """The JSON of the first line of ``text`` that starts with ``tag``; None when there is none."""
     for line in text.splitlines():
         if line.startswith(tag):
-            return json.loads(line[len(tag):])
+            return json.loads(line[len(tag) :])
     return None
 
 
-def run_support_script(script: str, *args: str, env: Mapping[str, str], timeout: float = 900,
-                       sitecustomize: bool = False) -> ScriptRun:
+def run_support_script(
+    script: str,
+    *args: str,
+    env: Mapping[str, str],
+    timeout: float = 900,
+    sitecustomize: bool = False,
+) -> ScriptRun:
     """``python e2e_support/<script> args...`` with ``env``; ``sitecustomize``: ``e2e_support``
     first on ``PYTHONPATH`` (its ``sitecustomize`` test hooks load in every process of the
     server). Raises ``subprocess.TimeoutExpired`` past ``timeout`` seconds."""
     env = dict(env)
     if sitecustomize:
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(SUPPORT_DIR), env.get("PYTHONPATH", "")) if p)
+            p for p in (str(SUPPORT_DIR), env.get("PYTHONPATH", "")) if p
+        )
     argv = [sys.executable, str(SUPPORT_DIR / script), *args]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
     _keep_log(script, argv, proc.stdout + proc.stderr)

@@ -39,9 +39,9 @@ def launch_server_flags(port: int, engine_kwargs: dict) -> List[str]:
     return ["--host", "127.0.0.1", "--port", str(port), *engine_kwargs_to_argv(engine_kwargs)]
 
 
-
-def http_call(port: int, method: str, path: str, body=None,
-              timeout: float = 30.0) -> Tuple[int, bytes]:
+def http_call(
+    port: int, method: str, path: str, body=None, timeout: float = 30.0
+) -> Tuple[int, bytes]:
     """One HTTP exchange with a server on 127.0.0.1 (``body`` sent as JSON); raises on
     transport errors and timeouts (socket.timeout)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -66,8 +66,9 @@ def metric_series(port: int, prefix: str = "sglang:kv_canary_") -> MetricSeries:
     if status != 200:
         raise RuntimeError(f"/metrics answered {status}: {body[:300]!r}")
     out = {}
-    for m in re.finditer(rf"^({re.escape(prefix)}[\w:]*)(?:\{{(.*)\}})? (\S+)$", body.decode(),
-                         re.M):
+    for m in re.finditer(
+        rf"^({re.escape(prefix)}[\w:]*)(?:\{{(.*)\}})? (\S+)$", body.decode(), re.M
+    ):
         labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
         out[(m.group(1), labels)] = float(m.group(3))
     return out
@@ -109,14 +110,22 @@ class ServerProcess:
     scheduler and detokenizer) and nothing else; stdout and stderr go to ``log_path``, open
     for the server's whole life. ``argv`` is the whole command line, ``--port`` included."""
 
-    def __init__(self, name: str, argv: List[str], *, port: int, env: Dict[str, str],
-                 log_path: "str | os.PathLike[str]"):
+    def __init__(
+        self,
+        name: str,
+        argv: List[str],
+        *,
+        port: int,
+        env: Dict[str, str],
+        log_path: "str | os.PathLike[str]",
+    ):
         self.name = name
         self.port = port
         self.log_path = pathlib.Path(log_path)
         self._log = open(self.log_path, "w")  # noqa: SIM115  (closed by stop())
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -136,24 +145,34 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
-                raise ServerStartError(f"{self.name} server exited ({self.proc.returncode}) "
-                                       f"during start-up:\n{self.tail()}")
+                raise ServerStartError(
+                    f"{self.name} server exited ({self.proc.returncode}) "
+                    f"during start-up:\n{self.tail()}"
+                )
             try:
                 if http_call(self.port, "GET", "/health_generate", timeout=60)[0] == 200:
                     return
             except (OSError, http.client.HTTPException):
                 pass
             time.sleep(1.0)
-        raise ServerStartError(f"{self.name} server not ready after {timeout:.0f} s:\n"
-                               f"{self.tail()}")
+        raise ServerStartError(
+            f"{self.name} server not ready after {timeout:.0f} s:\n{self.tail()}"
+        )
 
     def stop(self) -> None:
         stop_process_group(self.proc)
         self._log.close()
 
 
-def run_python(code: str, *, env: Dict[str, str], timeout: float = 600,
-               cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, *, env: Dict[str, str], timeout: float = 600, cwd: Optional[str] = None
+) -> subprocess.CompletedProcess:
     """Run ``code`` (which must guard its Engine use with ``__main__``) in a fresh process."""
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )

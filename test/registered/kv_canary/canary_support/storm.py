@@ -127,8 +127,10 @@ class StormSettings:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"storm device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.seconds <= 0 or self.idle_seconds < 0:
-            raise ValueError(f"storm seconds must be > 0 and idle seconds >= 0, got "
-                             f"{self.seconds!r} and {self.idle_seconds!r}")
+            raise ValueError(
+                f"storm seconds must be > 0 and idle seconds >= 0, got "
+                f"{self.seconds!r} and {self.idle_seconds!r}"
+            )
         for name in ("clients", "requests", "pool", "chunk", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"storm {name} must be >= 1, got {getattr(self, name)!r}")
@@ -141,15 +143,27 @@ def request_list(n: int, seed: int) -> List[Tuple[List[int], int]]:
     tail of 4-60, 4-24 new tokens."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, 500) for _ in range(rng.randrange(16, 97))] for _ in range(6)]
-    return [(rng.choice(prefixes) + [rng.randrange(3, 500) for _ in range(rng.randrange(4, 61))],
-             rng.randrange(4, 25)) for _ in range(n)]
+    return [
+        (
+            rng.choice(prefixes) + [rng.randrange(3, 500) for _ in range(rng.randrange(4, 61))],
+            rng.randrange(4, 25),
+        )
+        for _ in range(n)
+    ]
 
 
 def generate(port: int, rid: str, ids: List[int], max_new: int) -> Tuple[int, dict]:
-    status, body = http_call(port, "POST", "/generate", {
-        "rid": rid, "input_ids": ids,
-        "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}},
-        timeout=600)
+    status, body = http_call(
+        port,
+        "POST",
+        "/generate",
+        {
+            "rid": rid,
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True},
+        },
+        timeout=600,
+    )
     try:
         return status, json.loads(body)
     except ValueError:
@@ -181,8 +195,9 @@ def run_clients(port: int, requests, *, clients: int, until: Optional[float], ro
             with lock:
                 k = state["next"]
                 state["next"] += 1
-            if (until is None and k >= rounds * len(requests)) or \
-                    (until is not None and time.monotonic() > until):
+            if (until is None and k >= rounds * len(requests)) or (
+                until is not None and time.monotonic() > until
+            ):
                 return
             i = k % len(requests)
             ids, max_new = requests[i]
@@ -202,12 +217,24 @@ def run_clients(port: int, requests, *, clients: int, until: Optional[float], ro
     return results
 
 
-def start(name: str, root: pathlib.Path, model: str, env: Dict[str, str], device: str,
-          extra: List[str], **kwargs) -> ServerProcess:
+def start(
+    name: str,
+    root: pathlib.Path,
+    model: str,
+    env: Dict[str, str],
+    device: str,
+    extra: List[str],
+    **kwargs,
+) -> ServerProcess:
     port = free_port()
     make = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
-    argv = [sys.executable, "-m", "sglang.launch_server",
-            *launch_server_flags(port, make(model, **kwargs)), *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        *launch_server_flags(port, make(model, **kwargs)),
+        *extra,
+    ]
     server = ServerProcess(name, argv, port=port, env=env, log_path=root / f"{name}.log")
     server.wait_ready(600)
     return server
@@ -220,9 +247,12 @@ def failure_excerpt(figures: dict, lines: int = 40) -> str:
     log = pathlib.Path(figures["root"]) / "storm.log"
     if not log.exists():
         return "(no storm.log)"
-    keep = [line for line in log.read_text(errors="replace").splitlines()
-            if '"POST /' not in line and any(
-                m in line for m in ("kv_canary abort:", "Leak", "Traceback", "Error"))]
+    keep = [
+        line
+        for line in log.read_text(errors="replace").splitlines()
+        if '"POST /' not in line
+        and any(m in line for m in ("kv_canary abort:", "Leak", "Traceback", "Error"))
+    ]
     return "\n".join(keep[-lines:])
 
 
@@ -235,36 +265,69 @@ def run_storm(settings: StormSettings) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if settings.device == "cpu":
         env = cpu_server_env(build_libcuda_stub(root / "stub"), base=env)
-    server_kwargs = dict(max_total_tokens=settings.pool, chunked_prefill_size=settings.chunk,
-                         page_size=settings.page_size, max_running_requests=settings.clients,
-                         log_level="info")
+    server_kwargs = dict(
+        max_total_tokens=settings.pool,
+        chunked_prefill_size=settings.chunk,
+        page_size=settings.page_size,
+        max_running_requests=settings.clients,
+        log_level="info",
+    )
     requests = request_list(settings.requests, settings.seed)
 
     off = start("off", root, model, env, settings.device, [], **server_kwargs)
     try:
-        ref = {i: res for i, _, res in run_clients(off.port, requests, clients=settings.clients,
-                                                   until=None, rounds=1)}
+        ref = {
+            i: res
+            for i, _, res in run_clients(
+                off.port, requests, clients=settings.clients, until=None, rounds=1
+            )
+        }
     finally:
         off.stop()
     bad_ref = {i: r for i, r in ref.items() if r[0] != "ok"}
     if bad_ref:
-        return dict(root=str(root), checks={"the canary-off server served every request": False},
-                    reference_failures={str(i): r for i, r in bad_ref.items()})
+        return dict(
+            root=str(root),
+            checks={"the canary-off server served every request": False},
+            reference_failures={str(i): r for i, r in bad_ref.items()},
+        )
 
-    storm_env = dict(env, SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS=str(settings.warmup_steps),
-                     SGLANG_KV_CANARY_PERTURB_TARGET_GROUP="full",
-                     SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT="1",
-                     SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
-                     SGLANG_DEBUG_MEMORY_POOL="1",
-                     **{k.env_var: str(p) for k, p in storm_faults(settings.mode).items()})
-    storm = start("storm", root, model, storm_env, settings.device,
-                  ["--kv-canary", settings.mode, "--kv-canary-real-data", "partial",
-                   "--kv-canary-sweep-interval", "4", "--enable-metrics"], **server_kwargs)
+    storm_env = dict(
+        env,
+        SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS=str(settings.warmup_steps),
+        SGLANG_KV_CANARY_PERTURB_TARGET_GROUP="full",
+        SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT="1",
+        SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
+        SGLANG_DEBUG_MEMORY_POOL="1",
+        **{k.env_var: str(p) for k, p in storm_faults(settings.mode).items()},
+    )
+    storm = start(
+        "storm",
+        root,
+        model,
+        storm_env,
+        settings.device,
+        [
+            "--kv-canary",
+            settings.mode,
+            "--kv-canary-real-data",
+            "partial",
+            "--kv-canary-sweep-interval",
+            "4",
+            "--enable-metrics",
+        ],
+        **server_kwargs,
+    )
     checks: Dict[str, bool] = {}
     t0 = time.monotonic()
     try:
-        results = run_clients(storm.port, requests, clients=settings.clients,
-                              until=time.monotonic() + settings.seconds, rounds=0)
+        results = run_clients(
+            storm.port,
+            requests,
+            clients=settings.clients,
+            until=time.monotonic() + settings.seconds,
+            rounds=0,
+        )
         served_s = time.monotonic() - t0
         # read before /health: sglang's health check is a generate request of its own, which
         # the canary aborts like any other if it reads a corrupt prefix (no client sees it)
@@ -277,46 +340,65 @@ def run_storm(settings: StormSettings) -> dict:
         health = http_call(storm.port, "GET", "/health", timeout=60)[0] if storm.alive() else 0
         checks["/health 200 after idle"] = health == 200
         aborted_metric_after_health = (
-            metric_total(metric_series(storm.port), ABORTED_REQUESTS) if storm.alive() else -1)
+            metric_total(metric_series(storm.port), ABORTED_REQUESTS) if storm.alive() else -1
+        )
     finally:
         storm.stop()
     log = storm.log()
     (root / "results.json").write_text(json.dumps({rid: res for _, rid, res in results}))
     kinds = collections.Counter(r[0] for _, _, r in results)
-    injected = collections.Counter(f["fault"] for f in map(parse_perturb_line,
-                                                            log.splitlines()) if f)
+    injected = collections.Counter(
+        f["fault"] for f in map(parse_perturb_line, log.splitlines()) if f
+    )
     violations = parse_violation_lines(log)
     mismatched = sum(1 for i, _, (kind, out) in results if kind == "ok" and out != ref[i][1])
     aborted = [out for _, _, (kind, out) in results if kind == "aborted"]
     checks["no Traceback, leak or out-of-memory in the log"] = not any(
-        m in log for m in LEAK_MARKERS)
+        m in log for m in LEAK_MARKERS
+    )
     checks["no request failed otherwise"] = kinds["error"] == 0
     checks["every fault class was injected"] = set(injected) == {
-        k.value for k in storm_faults(settings.mode)}
+        k.value for k in storm_faults(settings.mode)
+    }
     if settings.mode == "abort":
         checks["every abort carries the canary's message"] = all(
-            ABORT_MESSAGE in m or PREFIX_ABORT_MESSAGE in m for m in aborted)
+            ABORT_MESSAGE in m or PREFIX_ABORT_MESSAGE in m for m in aborted
+        )
         checks["every completed output equals canary off"] = mismatched == 0
         checks["aborted_requests_total equals the aborts seen"] = aborted_metric == len(aborted)
         # a kept entry's own slot has its record: the guard finds every one
         checks["every guarded release found the slots its row lost"] = not any(
-            parse_unattributed(line) for line in log.splitlines())
+            parse_unattributed(line) for line in log.splitlines()
+        )
         checks["the release guard reclaimed slots"] = (
-            injected[FaultKind.REQ_TO_TOKEN_KEPT.value] == 0 or reclaimed > 0)
+            injected[FaultKind.REQ_TO_TOKEN_KEPT.value] == 0 or reclaimed > 0
+        )
     else:
         checks["every request completed"] = kinds["ok"] == len(results)
     figures = dict(
-        mode=settings.mode, device=settings.device, page_size=settings.page_size,
-        seconds=round(served_s), clients=settings.clients, pool_tokens=settings.pool,
+        mode=settings.mode,
+        device=settings.device,
+        page_size=settings.page_size,
+        seconds=round(served_s),
+        clients=settings.clients,
+        pool_tokens=settings.pool,
         chunk=settings.chunk,
-        requests=len(results), completed=kinds["ok"], aborted=len(aborted),
-        errors=kinds["error"], completed_differing_from_off=mismatched,
-        faults_injected=dict(injected), violation_lines=len(violations),
-        aborted_metric=aborted_metric, aborted_metric_after_health=aborted_metric_after_health,
+        requests=len(results),
+        completed=kinds["ok"],
+        aborted=len(aborted),
+        errors=kinds["error"],
+        completed_differing_from_off=mismatched,
+        faults_injected=dict(injected),
+        violation_lines=len(violations),
+        aborted_metric=aborted_metric,
+        aborted_metric_after_health=aborted_metric_after_health,
         prefix_evictions=log.count("kv_canary abort: evicted a radix-cache prefix"),
-        held_back_slots=held_back, reclaimed_slots=reclaimed,
+        held_back_slots=held_back,
+        reclaimed_slots=reclaimed,
         guarded_release_lines=log.count(RELEASE_LINE_PREFIX),
         guarded_eviction_lines=log.count(EVICTION_LINE_PREFIX),
         unattributed_entries=sum(map(parse_unattributed, log.splitlines())),
-        checks=checks, root=str(root))
+        checks=checks,
+        root=str(root),
+    )
     return figures

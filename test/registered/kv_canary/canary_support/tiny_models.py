@@ -40,8 +40,15 @@ TINY_DEEPSEEK_V2_CONFIG = {
     "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
-    "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
-                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 1.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
     "hidden_act": "silu",
     "attention_bias": False,
     "tie_word_embeddings": False,
@@ -52,8 +59,9 @@ TINY_DEEPSEEK_V2_CONFIG = {
 
 # DeepSeek-V3's own MLA head dimensions, for a tiny model whose attention should take the
 # shapes sglang's MLA kernels are tuned for (the tiny DeepSeek-V2 above has dims of 32)
-DEEPSEEK_V3_MLA_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-                            v_head_dim=128)
+DEEPSEEK_V3_MLA_DIMS = dict(
+    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128
+)
 
 # A tiny DeepSeek-V3.2-shaped model (DSA: NSATokenToKVPool, page 64). Its shapes are the ones
 # sglang's NSA kernels take on a Hopper GPU (FlashMLA sparse: a 512 + 64 latent row, 64 query
@@ -115,7 +123,6 @@ TINY_QWEN3_NEXT_CONFIG = {
 }
 
 
-
 def write_tiny_deepseek_v2(model_dir, **overrides) -> str:
     """Write the tiny DeepSeek-V2 (MLA) ``config.json`` into ``model_dir``; returns it."""
     return write_model_config(model_dir, {**TINY_DEEPSEEK_V2_CONFIG, **overrides})
@@ -131,5 +138,3 @@ def write_tiny_qwen3_next(model_dir, **overrides) -> str:
     """Write the tiny Qwen3-Next (hybrid linear attention, ``HybridLinearKVPool``)
     ``config.json`` into ``model_dir``; returns it."""
     return write_model_config(model_dir, {**TINY_QWEN3_NEXT_CONFIG, **overrides})
-
-

@@ -22,8 +22,10 @@ LONG_PROMPT = 160
 async def one(engine, rid, ids):
     try:
         out = await engine.async_generate(
-            input_ids=ids, rid=rid,
-            sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True})
+            input_ids=ids,
+            rid=rid,
+            sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
+        )
     except Exception as e:  # the abort reaches the caller as an error
         return {"error": f"{type(e).__name__}: {e}"}
     reason = out["meta_info"]["finish_reason"]

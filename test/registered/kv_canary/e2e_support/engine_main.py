@@ -56,9 +56,12 @@ def emit_server_info(engine) -> None:
     emit(INFO_TAG, {k: info.get(k) for k in ("kv_canary", "max_total_num_tokens")})
 
 
-def main(body: Callable[[Any, ScriptArgs], Any], *,
-         fixed_kwargs: Optional[Mapping[str, Any]] = None,
-         argv: Optional[Sequence[str]] = None) -> None:
+def main(
+    body: Callable[[Any, ScriptArgs], Any],
+    *,
+    fixed_kwargs: Optional[Mapping[str, Any]] = None,
+    argv: Optional[Sequence[str]] = None,
+) -> None:
     """Start the Engine, print ``RESULT <json>`` of ``body(engine, args)``, shut it down."""
     args = parse_argv(sys.argv if argv is None else argv)
     fixed = dict(fixed_kwargs or {})

@@ -12,13 +12,14 @@ from engine_main import main
 PROMPTS = [[(7 * p + i) % 500 + 3 for i in range(90)] + [400 + p] for p in range(8)]
 
 
-
 def run(engine, args):
     outputs, cached = [], []
     for _ in range(2):
         for prompt in PROMPTS:
-            out = engine.generate(input_ids=prompt, sampling_params={
-                "max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+            out = engine.generate(
+                input_ids=prompt,
+                sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+            )
             outputs.append(out["output_ids"])
             cached.append(out["meta_info"].get("cached_tokens", 0))
     return {"outputs": outputs, "cached": cached}

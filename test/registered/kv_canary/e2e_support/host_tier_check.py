@@ -19,15 +19,30 @@ from sglang.srt.kv_canary.runner.hicache import HostTierMirror
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost
 
+
 def _pool():
-    return MHATokenToKVPool(size=64, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=8,
-                            layer_num=2, device="cpu", enable_memory_saver=False,
-                            enable_alt_stream=False)
+    return MHATokenToKVPool(
+        size=64,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
 
 
 def _host(device_pool, ratio=3.0, size_gb=0.0):
-    return MHATokenToKVPoolHost(device_pool, host_to_device_ratio=ratio, host_size=size_gb,
-                                page_size=1, layout="layer_first", pin_memory=False)
+    return MHATokenToKVPoolHost(
+        device_pool,
+        host_to_device_ratio=ratio,
+        host_size=size_gb,
+        page_size=1,
+        layout="layer_first",
+        pin_memory=False,
+    )
 
 
 def _host_sizes(manager, pool):
@@ -35,8 +50,7 @@ def _host_sizes(manager, pool):
     HostKVCache.__init__ sizes a guarded pool's host pool), and a ratio the mirror cannot
     fit."""
     bare = _pool()
-    out = {"kv_per_token": 2 * 2 * 8 * 2 * 2,
-           "mirror_per_slot": manager.host_mirror_bytes_per_slot}
+    out = {"kv_per_token": 2 * 2 * 8 * 2 * 2, "mirror_per_slot": manager.host_mirror_bytes_per_slot}
     for label, kw in (("ratio", dict(ratio=3.0)), ("size", dict(size_gb=0.0001))):
         out[label] = {"off": _host(bare, **kw).size, "on": _host(pool, **kw).size}
     try:
@@ -57,18 +71,31 @@ if __name__ == "__main__":
     load_plugins()  # the plugin's hooks, as in a server process
     pool = _pool()
     r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
-    config = CanaryConfig(mode="raise", real_kv_hash_mode="partial", real_data_layers="all",
-                          enable_mha_v=True)
-    manager = build_canary(pool=pool, req_to_token=r2t.req_to_token, config=config,
-                           device="cpu", capacity_inputs=CanaryCapacityInputs(
-                               context_len=64, chunked_prefill_size=16, max_prefill_tokens=64))
-    host = MHATokenToKVPoolHost(pool, host_to_device_ratio=3.0, host_size=0, page_size=1,
-                                layout="layer_first", pin_memory=False)
+    config = CanaryConfig(
+        mode="raise", real_kv_hash_mode="partial", real_data_layers="all", enable_mha_v=True
+    )
+    manager = build_canary(
+        pool=pool,
+        req_to_token=r2t.req_to_token,
+        config=config,
+        device="cpu",
+        capacity_inputs=CanaryCapacityInputs(
+            context_len=64, chunked_prefill_size=16, max_prefill_tokens=64
+        ),
+    )
+    host = MHATokenToKVPoolHost(
+        pool,
+        host_to_device_ratio=3.0,
+        host_size=0,
+        page_size=1,
+        layout="layer_first",
+        pin_memory=False,
+    )
     mirror = HostTierMirror(groups=manager.groups, host_pool=host)
     g = torch.Generator().manual_seed(0)
     buffers = [p[0] for p in mirror.pairs]  # device rows: K head/tail, V head/tail, table
     for rows in buffers:
-        rows.copy_(torch.randint(-2**62, 2**62, rows.shape, generator=g))
+        rows.copy_(torch.randint(-(2**62), 2**62, rows.shape, generator=g))
     for layer in range(2):
         pool.k_buffer[layer].normal_(generator=g)
         pool.v_buffer[layer].normal_(generator=g)
@@ -82,11 +109,22 @@ if __name__ == "__main__":
     for layer in range(2):
         host.load_to_device_per_layer(pool, hst, new, layer, "direct")
     back = all(torch.equal(rows[new], b) for rows, b in zip(buffers, before))
-    print("RESULT " + json.dumps({
-        "on_host": on_host, "back": back, "kv_back": bool(torch.equal(pool.k_buffer[1][new],
-                                                                      kv_before)),
-        "pairs": len(mirror.pairs), "bytes_per_host_slot": mirror.bytes_per_host_slot,
-        "backed_up": mirror.backed_up_slots, "loaded": mirror.loaded_slots,
-        "host_slots": mirror.host_slots, "sizes": _host_sizes(manager, pool),
-        "mirror_bytes": sum(h.nbytes for _, h in mirror.pairs),
-        "memory_host_mirror": _memory_host_mirror(manager, mirror)}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "on_host": on_host,
+                "back": back,
+                "kv_back": bool(torch.equal(pool.k_buffer[1][new], kv_before)),
+                "pairs": len(mirror.pairs),
+                "bytes_per_host_slot": mirror.bytes_per_host_slot,
+                "backed_up": mirror.backed_up_slots,
+                "loaded": mirror.loaded_slots,
+                "host_slots": mirror.host_slots,
+                "sizes": _host_sizes(manager, pool),
+                "mirror_bytes": sum(h.nbytes for _, h in mirror.pairs),
+                "memory_host_mirror": _memory_host_mirror(manager, mirror),
+            }
+        ),
+        flush=True,
+    )

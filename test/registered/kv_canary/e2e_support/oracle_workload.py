@@ -9,13 +9,18 @@ PROMPTS = [[5, 6, 7, 8, 9] * 4, [11, 12, 13], [5, 6, 7, 8, 9] * 3 + [40]]
 
 
 def run(engine, args):
-    outs = engine.generate(input_ids=PROMPTS,
-                           sampling_params=[{"max_new_tokens": 12, "temperature": 0,
-                                             "ignore_eos": True}] * len(PROMPTS))
-    return [{"rid": o["meta_info"]["id"], "prompt_len": len(p), "output_ids": o["output_ids"]}
-            for p, o in zip(PROMPTS, outs)]
+    outs = engine.generate(
+        input_ids=PROMPTS,
+        sampling_params=[{"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}]
+        * len(PROMPTS),
+    )
+    return [
+        {"rid": o["meta_info"]["id"], "prompt_len": len(p), "output_ids": o["output_ids"]}
+        for p, o in zip(PROMPTS, outs)
+    ]
 
 
 if __name__ == "__main__":
-    main(run, fixed_kwargs=dict(kv_canary="raise", sampling_backend="token_oracle",
-                                log_level="info"))
+    main(
+        run, fixed_kwargs=dict(kv_canary="raise", sampling_backend="token_oracle", log_level="info")
+    )

@@ -12,18 +12,23 @@ from engine_main import main
 
 PROMPT_LEN = 30
 
+
 def run(engine, args):
     outputs, rids = [], []
     for i in range(3):
         (out,) = engine.generate(
             input_ids=[list(range(10 + i, 10 + i + PROMPT_LEN))],
             sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
-            bootstrap_host=["2.2.2.2"], bootstrap_port=[8998], bootstrap_room=[100 + i])
+            bootstrap_host=["2.2.2.2"],
+            bootstrap_port=[8998],
+            bootstrap_room=[100 + i],
+        )
         outputs.append(out["output_ids"])
         rids.append(out["meta_info"]["id"])
     return {"outputs": outputs, "rids": rids}
 
 
 if __name__ == "__main__":
-    main(run, fixed_kwargs=dict(disaggregation_mode="decode",
-                                disaggregation_transfer_backend="fake"))
+    main(
+        run, fixed_kwargs=dict(disaggregation_mode="decode", disaggregation_transfer_backend="fake")
+    )

@@ -19,8 +19,10 @@ def prompts():
 
 
 def run(engine, args):
-    outs = engine.generate(input_ids=prompts(), sampling_params={
-        "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "ignore_eos": True})
+    outs = engine.generate(
+        input_ids=prompts(),
+        sampling_params={"max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "ignore_eos": True},
+    )
     return [len(o["output_ids"]) for o in outs]
 
 

@@ -49,12 +49,14 @@ if _n:
 
             for group in manager.groups:
                 group.k_head.view(torch.int64)[1:, 1] += 1000
-            print(f"KV_CANARY_TEST: corrupted HEAD K records after forward {_calls['n']}",
-                  flush=True)
+            print(
+                f"KV_CANARY_TEST: corrupted HEAD K records after forward {_calls['n']}", flush=True
+            )
         return result
 
-    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
-                          _corrupt, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward", _corrupt, HookType.AFTER
+    )
 
 _swap = os.environ.get("KV_CANARY_TEST_SWAP_SAME_POSITION_AFTER")
 if _swap:
@@ -83,14 +85,20 @@ if _swap:
                 for p in range(1, min(seqs[i], seqs[j]) - 2):
                     if int(pool[r0, p]) != int(pool[r1, p]) and int(r2t[r0, p]) != int(r2t[r1, p]):
                         r2t[r0, p] = r2t[r1, p]
-                        print(f"KV_CANARY_TEST: req_to_token[{r0}, {p}] -> slot "
-                              f"{int(r2t[r1, p])} (token {int(pool[r1, p])} instead of "
-                              f"{int(pool[r0, p])})", flush=True)
+                        print(
+                            f"KV_CANARY_TEST: req_to_token[{r0}, {p}] -> slot "
+                            f"{int(r2t[r1, p])} (token {int(pool[r1, p])} instead of "
+                            f"{int(pool[r0, p])})",
+                            flush=True,
+                        )
                         return result
         return result
 
-    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
-                          _swap_same_position, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+        _swap_same_position,
+        HookType.AFTER,
+    )
 
 _flip_cached = os.environ.get("KV_CANARY_TEST_FLIP_CACHED_AFTER")
 if _flip_cached:
@@ -119,8 +127,11 @@ if _flip_cached:
         print(f"KV_CANARY_TEST: flipped K byte 0 of cached-only slot {slot}", flush=True)
         return result
 
-    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
-                          _flip_cached_byte, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+        _flip_cached_byte,
+        HookType.AFTER,
+    )
 
 _flip_swa = os.environ.get("KV_CANARY_TEST_FLIP_SWA_AFTER")
 if _flip_swa:
@@ -134,8 +145,12 @@ if _flip_swa:
         request: inside the window its next decode reads (and the canary verifies)."""
         manager = _canary(self)
         pool = getattr(self, "token_to_kv_pool", None)
-        if (manager is None or _swa_state["done"] or not hasattr(pool, "swa_kv_pool")
-                or not forward_batch.forward_mode.is_decode()):
+        if (
+            manager is None
+            or _swa_state["done"]
+            or not hasattr(pool, "swa_kv_pool")
+            or not forward_batch.forward_mode.is_decode()
+        ):
             return result
         _swa_state["n"] += 1
         if _swa_state["n"] < int(_flip_swa):
@@ -149,12 +164,16 @@ if _flip_swa:
         kv = pool.swa_kv_pool.k_buffer[0][swa_slot].view(-1).view(__import__("torch").uint8)
         kv[0] ^= 0x5A
         _swa_state["done"] = True
-        print(f"KV_CANARY_TEST: flipped SWA K byte 0 of position {p} (full slot {full_slot}, "
-              f"swa slot {swa_slot})", flush=True)
+        print(
+            f"KV_CANARY_TEST: flipped SWA K byte 0 of position {p} (full slot {full_slot}, "
+            f"swa slot {swa_slot})",
+            flush=True,
+        )
         return result
 
-    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
-                          _flip_swa_byte, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward", _flip_swa_byte, HookType.AFTER
+    )
 
 
 if os.environ.get("KV_CANARY_TEST_SHIM_HICACHE_CPU") == "1":
@@ -181,8 +200,7 @@ if os.environ.get("KV_CANARY_TEST_PR25015"):
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def _positions_before_forward(original, self, forward_batch, *args, **kwargs):
-        if not (getattr(self, "is_draft_worker", False)
-                and forward_batch.forward_mode.is_decode()):
+        if not (getattr(self, "is_draft_worker", False) and forward_batch.forward_mode.is_decode()):
             return original(self, forward_batch, *args, **kwargs)
         forward_batch.positions.add_(1)
         try:
@@ -190,8 +208,11 @@ if os.environ.get("KV_CANARY_TEST_PR25015"):
         finally:
             forward_batch.positions.sub_(1)
 
-    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
-                          _positions_before_forward, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+        _positions_before_forward,
+        HookType.AROUND,
+    )
 
 
 _pr28254 = os.environ.get("KV_CANARY_TEST_PR28254")
@@ -213,10 +234,13 @@ if _pr28254:
                 tails.append(None)
                 continue
             in_output = n >= len(req.origin_input_ids)
-            print(f"KV_CANARY_TEST_PR28254: chunk end at position {n - 1} inside the "
-                  f"{'output' if in_output else 'prompt'} of request {req.rid} (prompt "
-                  f"{len(req.origin_input_ids)} tokens, output {len(req.output_ids)}, "
-                  f"retracted {req.retraction_count} time(s))", flush=True)
+            print(
+                f"KV_CANARY_TEST_PR28254: chunk end at position {n - 1} inside the "
+                f"{'output' if in_output else 'prompt'} of request {req.rid} (prompt "
+                f"{len(req.origin_input_ids)} tokens, output {len(req.output_ids)}, "
+                f"retracted {req.retraction_count} time(s))",
+                flush=True,
+            )
             if _pr28254 == "buggy" and in_output:
                 tails.append(None)  # PR 28254's bug: bounded by the prompt, falls back
             else:
@@ -234,8 +258,9 @@ if _pr28254:
                 batch.input_ids[end - 1] = tail
         return result
 
-    def _v2_draft_extend_for_prefill(original, self, batch, target_hidden_states,
-                                     next_token_ids, *args, **kwargs):
+    def _v2_draft_extend_for_prefill(
+        original, self, batch, target_hidden_states, next_token_ids, *args, **kwargs
+    ):
         if not batch.forward_mode.is_idle() and batch.reqs:
             tails = _chunk_tails(batch.reqs)
             if any(t is not None for t in tails):
@@ -245,8 +270,13 @@ if _pr28254:
                         next_token_ids[i] = tail
         return original(self, batch, target_hidden_states, next_token_ids, *args, **kwargs)
 
-    HookRegistry.register("sglang.srt.speculative.eagle_info.EagleDraftInput.prepare_for_extend",
-                          _v1_prepare_for_extend, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.speculative.eagle_info.EagleDraftInput.prepare_for_extend",
+        _v1_prepare_for_extend,
+        HookType.AROUND,
+    )
     HookRegistry.register(
         "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill",
-        _v2_draft_extend_for_prefill, HookType.AROUND)
+        _v2_draft_extend_for_prefill,
+        HookType.AROUND,
+    )

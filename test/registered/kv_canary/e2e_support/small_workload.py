@@ -18,8 +18,10 @@ def waves():
 def run(engine, args):
     outputs = []
     for wave in waves():
-        outs = engine.generate(input_ids=wave, sampling_params={
-            "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+        outs = engine.generate(
+            input_ids=wave,
+            sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        )
         outputs += [o["output_ids"] for o in outs]
     emit_server_info(engine)
     return outputs

@@ -26,11 +26,13 @@ def run(engine, args):
     outputs = []
     reqs = requests()
     for b in range(0, len(reqs), 12):
-        batch = reqs[b:b + 12]
+        batch = reqs[b : b + 12]
         outs = engine.generate(
             input_ids=[r[0] for r in batch],
-            sampling_params=[{"max_new_tokens": r[1], "temperature": 0, "ignore_eos": True}
-                             for r in batch])
+            sampling_params=[
+                {"max_new_tokens": r[1], "temperature": 0, "ignore_eos": True} for r in batch
+            ],
+        )
         outputs += [o["output_ids"] for o in outs]
     emit_server_info(engine)
     return outputs

@@ -15,13 +15,27 @@ from sglang.jit_kernel.kv_canary.plan.utils import translate_slots
 
 @triton.jit
 def plan_entries_kernel(
-    verify_offsets_ptr, bs, search_steps,
-    rpi_ptr, prefix_ptr,
-    r2t_ptr, r2t_cols,
-    lut_ptr, lut_len,
-    exp_pool_ptr, exp_rows, exp_cols, valid_lens_ptr, token_offset,
-    num_valid_ptr, enable_ptr,
-    out_slot_ptr, out_tok_ptr, out_pos_ptr, out_prev_ptr, out_row_ptr,
+    verify_offsets_ptr,
+    bs,
+    search_steps,
+    rpi_ptr,
+    prefix_ptr,
+    r2t_ptr,
+    r2t_cols,
+    lut_ptr,
+    lut_len,
+    exp_pool_ptr,
+    exp_rows,
+    exp_cols,
+    valid_lens_ptr,
+    token_offset,
+    num_valid_ptr,
+    enable_ptr,
+    out_slot_ptr,
+    out_tok_ptr,
+    out_pos_ptr,
+    out_prev_ptr,
+    out_row_ptr,
     HAS_LUT: tl.constexpr,
     HAS_EXPECTED: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -58,8 +72,9 @@ def plan_entries_kernel(
             idx = p + token_offset
             vl = tl.load(valid_lens_ptr + r, mask=m, other=0).to(tl.int64)
             ok = m & (idx >= 0) & (idx < vl) & (idx < exp_cols) & (rp < exp_rows)
-            tok = tl.load(exp_pool_ptr + rp * exp_cols + idx, mask=ok,
-                          other=NO_EXPECTED_TOKEN).to(tl.int64)
+            tok = tl.load(exp_pool_ptr + rp * exp_cols + idx, mask=ok, other=NO_EXPECTED_TOKEN).to(
+                tl.int64
+            )
         else:
             tok = tl.full([BLOCK], NO_EXPECTED_TOKEN, tl.int64)
         tl.store(out_slot_ptr + e, slot, mask=m)

@@ -16,11 +16,25 @@ from sglang.jit_kernel.kv_canary.plan.utils import translate_slots
 
 @triton.jit
 def plan_offsets_kernel(
-    rpi_ptr, prefix_ptr, extend_ptr, bs,
-    r2t_ptr, r2t_rows, r2t_cols,
-    lut_ptr, lut_len, window, verify_capacity,
-    verify_offsets_ptr, write_offsets_ptr, seeds_ptr, rows_out_ptr, req_capacity,
-    write_num_valid_ptr, num_valid_ptr, enable_ptr,
+    rpi_ptr,
+    prefix_ptr,
+    extend_ptr,
+    bs,
+    r2t_ptr,
+    r2t_rows,
+    r2t_cols,
+    lut_ptr,
+    lut_len,
+    window,
+    verify_capacity,
+    verify_offsets_ptr,
+    write_offsets_ptr,
+    seeds_ptr,
+    rows_out_ptr,
+    req_capacity,
+    write_num_valid_ptr,
+    num_valid_ptr,
+    enable_ptr,
     HAS_LUT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -45,8 +59,9 @@ def plan_offsets_kernel(
         tl.store(verify_offsets_ptr + r + 1, tl.cumsum(vcount, axis=0) + carry_v, mask=m)
         tl.store(write_offsets_ptr + r + 1, tl.cumsum(wcount, axis=0) + carry_w, mask=m)
         has_seed = live & (pl > 0)
-        seed = tl.load(r2t_ptr + rp * r2t_cols + pl - 1, mask=has_seed,
-                       other=NO_SEED_SLOT).to(tl.int64)
+        seed = tl.load(r2t_ptr + rp * r2t_cols + pl - 1, mask=has_seed, other=NO_SEED_SLOT).to(
+            tl.int64
+        )
         seed = translate_slots(lut_ptr, lut_len, seed, has_seed, HAS_LUT)
         tl.store(seeds_ptr + r, tl.where(has_seed, seed, NO_SEED_SLOT), mask=m)
         tl.store(rows_out_ptr + r, tl.where(live, rp, NO_REQ_TO_TOKEN_ROW), mask=m)

@@ -9,5 +9,12 @@ from sglang.srt.kv_canary.perturb.report import (
     parse_perturb_line,
 )
 
-__all__ = ["CanaryPerturber", "FaultKind", "PERTURB_LINE_PREFIX", "PerturbConfig",
-           "format_perturb_line", "parse_perturb_line", "parse_target_group"]
+__all__ = [
+    "CanaryPerturber",
+    "FaultKind",
+    "PERTURB_LINE_PREFIX",
+    "PerturbConfig",
+    "format_perturb_line",
+    "parse_perturb_line",
+    "parse_target_group",
+]

@@ -37,8 +37,14 @@ class FaultKind(str, enum.Enum):
         return self in REAL_KV_FAULTS
 
 
-REAL_KV_FAULTS = frozenset({FaultKind.REAL_KV_USED, FaultKind.REAL_KV_UNUSED_CACHE,
-                            FaultKind.REAL_KV_POST_FORWARD, FaultKind.HOST_KV})
+REAL_KV_FAULTS = frozenset(
+    {
+        FaultKind.REAL_KV_USED,
+        FaultKind.REAL_KV_UNUSED_CACHE,
+        FaultKind.REAL_KV_POST_FORWARD,
+        FaultKind.HOST_KV,
+    }
+)
 
 TARGET_GROUP_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"
 TARGET_LAYER_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_LAYER"
@@ -91,14 +97,24 @@ class PerturbConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) \
-                or self.warmup_steps < 0:
-            raise ValueError(f"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS must be an int >= 0, got "
-                             f"{self.warmup_steps!r}")
-        if isinstance(self.max_faults, bool) or not isinstance(self.max_faults, int) \
-                or self.max_faults < 0:
-            raise ValueError(f"SGLANG_KV_CANARY_PERTURB_MAX_FAULTS must be an int >= 0 (0: no "
-                             f"limit), got {self.max_faults!r}")
+        if (
+            isinstance(self.warmup_steps, bool)
+            or not isinstance(self.warmup_steps, int)
+            or self.warmup_steps < 0
+        ):
+            raise ValueError(
+                f"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS must be an int >= 0, got "
+                f"{self.warmup_steps!r}"
+            )
+        if (
+            isinstance(self.max_faults, bool)
+            or not isinstance(self.max_faults, int)
+            or self.max_faults < 0
+        ):
+            raise ValueError(
+                f"SGLANG_KV_CANARY_PERTURB_MAX_FAULTS must be an int >= 0 (0: no "
+                f"limit), got {self.max_faults!r}"
+            )
         for kind in FaultKind:
             p = self.prob(kind)
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
@@ -112,10 +128,13 @@ class PerturbConfig:
             layer = int(layer.strip())
         elif isinstance(layer, str) and layer.strip().lower() == LAST_LAYER:
             layer = LAST_LAYER
-        if layer != LAST_LAYER and (isinstance(layer, bool) or not isinstance(layer, int)
-                                    or layer < 0):
-            raise ValueError(f"{TARGET_LAYER_VAR} must be a layer id (0, 1, ...) or "
-                             f"'{LAST_LAYER}', got {self.target_layer!r}")
+        if layer != LAST_LAYER and (
+            isinstance(layer, bool) or not isinstance(layer, int) or layer < 0
+        ):
+            raise ValueError(
+                f"{TARGET_LAYER_VAR} must be a layer id (0, 1, ...) or "
+                f"'{LAST_LAYER}', got {self.target_layer!r}"
+            )
         object.__setattr__(self, "target_layer", layer)
         half = self.target_half
         if not isinstance(half, KvHalf):
@@ -126,16 +145,21 @@ class PerturbConfig:
         object.__setattr__(self, "target_half", half)
         for field, var, _, _ in RANK_TARGETS:
             rank = getattr(self, field)
-            if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
-                                     or rank < 0):
+            if rank is not None and (
+                isinstance(rank, bool) or not isinstance(rank, int) or rank < 0
+            ):
                 raise ValueError(f"{var} must be a rank (0, 1, ...) or unset, got {rank!r}")
         if self.target_worker not in (None, WORKER_TARGET, WORKER_DRAFT):
-            raise ValueError(f"{TARGET_WORKER_VAR} must be {WORKER_TARGET} or {WORKER_DRAFT} "
-                             f"(or unset for both), got {self.target_worker!r}")
+            raise ValueError(
+                f"{TARGET_WORKER_VAR} must be {WORKER_TARGET} or {WORKER_DRAFT} "
+                f"(or unset for both), got {self.target_worker!r}"
+            )
         real_on = [k.env_var for k in REAL_KV_FAULTS if self.prob(k) > 0]
         if real_on and self.target_group is None:
-            raise ValueError(f"{', '.join(sorted(real_on))} > 0 needs {TARGET_GROUP_VAR}=full "
-                             "or swa (the buffer group whose real KV bytes to corrupt)")
+            raise ValueError(
+                f"{', '.join(sorted(real_on))} > 0 needs {TARGET_GROUP_VAR}=full "
+                "or swa (the buffer group whose real KV bytes to corrupt)"
+            )
 
     def prob(self, kind: FaultKind) -> float:
         return getattr(self, f"{kind.value}_prob")
@@ -153,24 +177,37 @@ class PerturbConfig:
         for field, var, flag, dim in RANK_TARGETS:
             rank = getattr(self, field)
             if rank is not None and rank >= sizes.size(dim):
-                raise ValueError(f"{var}={rank} but the server has {flag} {sizes.size(dim)}: "
-                                 f"allowed 0 to {sizes.size(dim) - 1}, or unset for every rank")
+                raise ValueError(
+                    f"{var}={rank} but the server has {flag} {sizes.size(dim)}: "
+                    f"allowed 0 to {sizes.size(dim) - 1}, or unset for every rank"
+                )
 
     def injects_on(self, ranks: RankFacts) -> bool:
         """Whether the model runner of ``ranks`` injects faults (every rank target matches,
         and the worker target: the target or EAGLE's draft model)."""
         worker = WORKER_DRAFT if ranks.draft else WORKER_TARGET
-        return (self.enabled and self.target_worker in (None, worker)
-                and all(getattr(self, field) in (None, ranks.rank(dim))
-                        for field, _, _, dim in RANK_TARGETS))
+        return (
+            self.enabled
+            and self.target_worker in (None, worker)
+            and all(
+                getattr(self, field) in (None, ranks.rank(dim)) for field, _, _, dim in RANK_TARGETS
+            )
+        )
 
     @property
     def targets_layer_0_k(self) -> bool:
         """Real-KV faults hit layer 0's K row (the default target)."""
         return self.target_layer == 0 and self.target_half == KvHalf.K
 
-    def check_against(self, *, canary_enabled: bool, real_kv_hash_on: bool, sweep_interval: int,
-                      token_oracle: bool, aborts: bool = False) -> None:
+    def check_against(
+        self,
+        *,
+        canary_enabled: bool,
+        real_kv_hash_on: bool,
+        sweep_interval: int,
+        token_oracle: bool,
+        aborts: bool = False,
+    ) -> None:
         """Refuse fault settings the rest of the configuration cannot act on or detect
         (``aborts``: ``--kv-canary abort``)."""
         active = self.active_faults
@@ -178,23 +215,33 @@ class PerturbConfig:
             return
         names = ", ".join(k.env_var for k in active)
         if not canary_enabled:
-            raise ValueError(f"{names} > 0 needs the canary on: pass --kv-canary log, raise or abort")
+            raise ValueError(
+                f"{names} > 0 needs the canary on: pass --kv-canary log, raise or abort"
+            )
         if FaultKind.REQ_TO_TOKEN_KEPT in active and not aborts:
-            raise ValueError(f"{FaultKind.REQ_TO_TOKEN_KEPT.env_var} > 0 leaves a corrupt "
-                             "req_to_token entry in place, as a server bug would, and only "
-                             "--kv-canary abort contains what sglang then frees: pass "
-                             "--kv-canary abort (or use "
-                             f"{FaultKind.REQ_TO_TOKEN.env_var}, which undoes its entry)")
+            raise ValueError(
+                f"{FaultKind.REQ_TO_TOKEN_KEPT.env_var} > 0 leaves a corrupt "
+                "req_to_token entry in place, as a server bug would, and only "
+                "--kv-canary abort contains what sglang then frees: pass "
+                "--kv-canary abort (or use "
+                f"{FaultKind.REQ_TO_TOKEN.env_var}, which undoes its entry)"
+            )
         if any(k.is_real_kv for k in active) and not real_kv_hash_on:
-            raise ValueError(f"{names} > 0 corrupts real KV bytes, which only real-data "
-                             "fingerprints see: pass --kv-canary-real-data partial or all")
+            raise ValueError(
+                f"{names} > 0 corrupts real KV bytes, which only real-data "
+                "fingerprints see: pass --kv-canary-real-data partial or all"
+            )
         if FaultKind.REAL_KV_UNUSED_CACHE in active and sweep_interval <= 0:
-            raise ValueError(f"{FaultKind.REAL_KV_UNUSED_CACHE.env_var} > 0 corrupts slots only "
-                             "the radix sweep reads: pass --kv-canary-sweep-interval N (N >= 1)")
+            raise ValueError(
+                f"{FaultKind.REAL_KV_UNUSED_CACHE.env_var} > 0 corrupts slots only "
+                "the radix sweep reads: pass --kv-canary-sweep-interval N (N >= 1)"
+            )
         if FaultKind.NEXT_TOKEN_SWAP in active and not token_oracle:
-            raise ValueError(f"{FaultKind.NEXT_TOKEN_SWAP.env_var} > 0 swaps the token "
-                             "oracle's samples: pass --sampling-backend token_oracle or set "
-                             "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1")
+            raise ValueError(
+                f"{FaultKind.NEXT_TOKEN_SWAP.env_var} > 0 swaps the token "
+                "oracle's samples: pass --sampling-backend token_oracle or set "
+                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1"
+            )
 
 
 def parse_target_group(value: str) -> Optional[PoolKind]:
@@ -204,5 +251,6 @@ def parse_target_group(value: str) -> Optional[PoolKind]:
     try:
         return _TARGET_GROUPS[v]
     except KeyError:
-        raise ValueError(f"invalid {TARGET_GROUP_VAR} value {value!r}; allowed: full, swa") \
-            from None
+        raise ValueError(
+            f"invalid {TARGET_GROUP_VAR} value {value!r}; allowed: full, swa"
+        ) from None

@@ -41,9 +41,16 @@ class CanaryPerturber:
     ``radix_cache``: a callable returning the scheduler's tree cache (or None before it is
     attached); ``page_size``: the pool's (the kept ``req_to_token`` fault's unit)."""
 
-    def __init__(self, *, config: PerturbConfig, groups: Sequence[CanaryBufferGroup],
-                 req_to_token: torch.Tensor, radix_cache: Callable[[], object],
-                 draft: bool = False, page_size: int = 1):
+    def __init__(
+        self,
+        *,
+        config: PerturbConfig,
+        groups: Sequence[CanaryBufferGroup],
+        req_to_token: torch.Tensor,
+        radix_cache: Callable[[], object],
+        draft: bool = False,
+        page_size: int = 1,
+    ):
         if page_size < 1:
             raise ValueError(f"CanaryPerturber needs page_size >= 1, got {page_size}")
         self.config = config
@@ -64,10 +71,12 @@ class CanaryPerturber:
                 raise ValueError(
                     f"SGLANG_KV_CANARY_PERTURB_TARGET_GROUP={config.target_group.name.lower()} "
                     f"but this pool has only {', '.join(g.kind.name.lower() for g in groups)} "
-                    "canary groups")
+                    "canary groups"
+                )
             self.target = matches[0]
-        self.flip_source, self.flip_layer = (self._resolve_flip_target()
-                                             if self.target is not None else (None, None))
+        self.flip_source, self.flip_layer = (
+            self._resolve_flip_target() if self.target is not None else (None, None)
+        )
 
     def _resolve_flip_target(self):
         """The real-KV source (and its sglang layer id) a real-KV fault flips a byte of:
@@ -84,7 +93,8 @@ class CanaryPerturber:
             raise ValueError(
                 f"{TARGET_LAYER_VAR}={cfg.target_layer} / {TARGET_HALF_VAR}="
                 f"{cfg.target_half.value}: the {group.kind.name.lower()} group of this pool has "
-                "no per-layer rows to target; leave both unset (layer 0's K row)")
+                "no per-layer rows to target; leave both unset (layer 0's K row)"
+            )
         layer = layers[-1] if cfg.target_layer == LAST_LAYER else cfg.target_layer
         for col in cols:
             if col.layer_id == layer and col.half == cfg.target_half:
@@ -94,7 +104,8 @@ class CanaryPerturber:
             f"{TARGET_LAYER_VAR}={cfg.target_layer}, {TARGET_HALF_VAR}={cfg.target_half.value}: "
             f"the {group.kind.name.lower()} group has layers {layers[0]}..{layers[-1]} "
             f"({', '.join(map(str, layers))}) and halves {', '.join(halves)}; allowed: one of "
-            f"those layer ids or '{LAST_LAYER}', and one of those halves")
+            f"those layer ids or '{LAST_LAYER}', and one of those halves"
+        )
 
     # ---- scheduling ------------------------------------------------------------------------
 
@@ -111,8 +122,9 @@ class CanaryPerturber:
 
     # ---- hooks -------------------------------------------------------------------------------
 
-    def before_forward(self, forward_batch, *, step: int,
-                       lasting_rows: Callable[[], Collection[int]] = frozenset) -> None:
+    def before_forward(
+        self, forward_batch, *, step: int, lasting_rows: Callable[[], Collection[int]] = frozenset
+    ) -> None:
         """``step``: the number of the forward about to run (1-based); ``lasting_rows``: the
         rows of the batch's requests that stay running past the next forward (the kept
         ``req_to_token`` fault picks only those: its report, a forward later, must find the
@@ -124,8 +136,9 @@ class CanaryPerturber:
             if self.page_size > 1:
                 self._perturb_req_to_token_page(forward_batch, rows=lasting_rows())
             else:
-                self._perturb_req_to_token(forward_batch, FaultKind.REQ_TO_TOKEN_KEPT,
-                                           rows=lasting_rows())
+                self._perturb_req_to_token(
+                    forward_batch, FaultKind.REQ_TO_TOKEN_KEPT, rows=lasting_rows()
+                )
         if self._fires(FaultKind.REAL_KV_USED):
             self._perturb_real_kv_used(forward_batch)
 
@@ -154,8 +167,15 @@ class CanaryPerturber:
             i, j = self.rng.sample(range(len(tokens)), 2)
             if tokens[i] != tokens[j]:
                 next_token_ids[i], next_token_ids[j] = tokens[j], tokens[i]
-                self._log(FaultKind.NEXT_TOKEN_SWAP, row_a=i, row_b=j, old_a=tokens[i],
-                          new_a=tokens[j], old_b=tokens[j], new_b=tokens[i])
+                self._log(
+                    FaultKind.NEXT_TOKEN_SWAP,
+                    row_a=i,
+                    row_b=j,
+                    old_a=tokens[i],
+                    new_a=tokens[j],
+                    old_b=tokens[j],
+                    new_b=tokens[i],
+                )
                 return
 
     # ---- the faults --------------------------------------------------------------------------
@@ -165,8 +185,9 @@ class CanaryPerturber:
         live = [(r, n) for r, n in zip(rows, prefix) if n > 0]
         return live
 
-    def _perturb_req_to_token(self, forward_batch, kind: FaultKind,
-                              rows: Optional[Collection[int]] = None) -> None:
+    def _perturb_req_to_token(
+        self, forward_batch, kind: FaultKind, rows: Optional[Collection[int]] = None
+    ) -> None:
         """``rows``: the rows the rewritten entry may be in (None: any active one)."""
         live = self._active_prefix(forward_batch)
         targets = live if rows is None else [(r, n) for r, n in live if r in rows]
@@ -196,8 +217,15 @@ class CanaryPerturber:
         r2t[row, pos] = new
         if kind == FaultKind.REQ_TO_TOKEN:
             self._undo.append(lambda: r2t.__setitem__((row, pos), old))
-        self._log(kind, req_pool_idx=row, position=pos, old_slot=old,
-                  new_slot=new, donor_req_pool_idx=donor_row, donor_position=donor_pos)
+        self._log(
+            kind,
+            req_pool_idx=row,
+            position=pos,
+            old_slot=old,
+            new_slot=new,
+            donor_req_pool_idx=donor_row,
+            donor_position=donor_pos,
+        )
 
     def _perturb_req_to_token_page(self, forward_batch, rows: Collection[int]) -> None:
         """The kept fault at page size > 1: every entry of one full page of a lasting row
@@ -230,10 +258,17 @@ class CanaryPerturber:
                 return
             row, page, donor_row, donor_page, old, new = fallback
         span = slice(page * ps, (page + 1) * ps)
-        r2t[row, span] = r2t[donor_row, donor_page * ps:(donor_page + 1) * ps].clone()
-        self._log(FaultKind.REQ_TO_TOKEN_KEPT, req_pool_idx=row, position=page * ps,
-                  old_slot=old * ps, new_slot=new * ps, donor_req_pool_idx=donor_row,
-                  donor_position=donor_page * ps, entries=ps)
+        r2t[row, span] = r2t[donor_row, donor_page * ps : (donor_page + 1) * ps].clone()
+        self._log(
+            FaultKind.REQ_TO_TOKEN_KEPT,
+            req_pool_idx=row,
+            position=page * ps,
+            old_slot=old * ps,
+            new_slot=new * ps,
+            donor_req_pool_idx=donor_row,
+            donor_position=donor_page * ps,
+            entries=ps,
+        )
 
     def _target_slot(self, full_slot: int) -> int:
         """The target group's slot for a FULL slot (0 = evicted from the SWA pool)."""
@@ -241,8 +276,9 @@ class CanaryPerturber:
             return int(self.target.swa_index_lut[full_slot])
         return full_slot
 
-    def _flip(self, kind: FaultKind, full_slot: int, *, undo_after_forward: bool = False,
-              **fields) -> bool:
+    def _flip(
+        self, kind: FaultKind, full_slot: int, *, undo_after_forward: bool = False, **fields
+    ) -> bool:
         slot = self._target_slot(full_slot)
         if slot <= 0:
             return False
@@ -250,10 +286,19 @@ class CanaryPerturber:
         flip = flip_first_byte(source, slot)
         if undo_after_forward:  # flipping the same byte again restores it
             self._undo.append(lambda: flip_first_byte(source, slot))
-        self._log(kind, group=self.target.kind.name.lower(), layer=self.flip_layer,
-                  half=self.config.target_half.value, slot=slot, full_slot=full_slot,
-                  row=flip.row, byte=flip.byte, old=f"0x{flip.old:02x}", new=f"0x{flip.new:02x}",
-                  **fields)
+        self._log(
+            kind,
+            group=self.target.kind.name.lower(),
+            layer=self.flip_layer,
+            half=self.config.target_half.value,
+            slot=slot,
+            full_slot=full_slot,
+            row=flip.row,
+            byte=flip.byte,
+            old=f"0x{flip.old:02x}",
+            new=f"0x{flip.new:02x}",
+            **fields,
+        )
         return True
 
     def _perturb_real_kv_used(self, forward_batch) -> None:
@@ -263,8 +308,13 @@ class CanaryPerturber:
             row, n = self.rng.choice(live)
             lo = max(0, n - window) if window else 0
             pos = self.rng.randrange(lo, n)
-            if self._flip(FaultKind.REAL_KV_USED, int(self.req_to_token[row, pos]),
-                          undo_after_forward=True, req_pool_idx=row, position=pos):
+            if self._flip(
+                FaultKind.REAL_KV_USED,
+                int(self.req_to_token[row, pos]),
+                undo_after_forward=True,
+                req_pool_idx=row,
+                position=pos,
+            ):
                 return
 
     def _perturb_real_kv_post_forward(self, forward_batch) -> None:
@@ -275,7 +325,7 @@ class CanaryPerturber:
         if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
             # a fixed number of tokens per request, of which only the first is always kept
             per_req = len(written) // max(1, forward_batch.req_pool_indices.shape[0])
-            written = written[::max(1, per_req)]
+            written = written[:: max(1, per_req)]
         candidates = [s for s in written if s > 0]
         for _ in range(_MAX_TRIES if candidates else 0):
             if self._flip(FaultKind.REAL_KV_POST_FORWARD, self.rng.choice(candidates)):
@@ -288,8 +338,10 @@ class CanaryPerturber:
         if cache is None:
             return
         walk = walk_radix_cache_for_canary(
-            radix_cache=cache, unlocked_only=True,
-            swa_resident_only=self.target.kind == PoolKind.SWA)
+            radix_cache=cache,
+            unlocked_only=True,
+            swa_resident_only=self.target.kind == PoolKind.SWA,
+        )
         slots = [s for s in walk.slot_indices.tolist() if s > 0]
         for _ in range(_MAX_TRIES if slots else 0):
             if self._flip(FaultKind.REAL_KV_UNUSED_CACHE, self.rng.choice(slots)):
@@ -316,12 +368,25 @@ class CanaryPerturber:
         index = int(host[offset])
         layers = sorted({c.layer_id for c in self.target.layer_columns}) or [self.flip_layer]
         rows, page_size = sglang_seam.host_pool_layer_rows(
-            host_pool, layers.index(self.flip_layer), self.config.target_half.value)
+            host_pool, layers.index(self.flip_layer), self.config.target_half.value
+        )
         row_bytes = rows[0].nbytes // page_size
-        flip = flip_first_byte(RealKvSource(tensor=rows, page_size=page_size,
-                                            num_bytes_per_token=row_bytes, read_bytes=row_bytes),
-                               index)
-        self._log(FaultKind.HOST_KV, group=self.target.kind.name.lower(), layer=self.flip_layer,
-                  half=self.config.target_half.value, host_index=index, position=depth + offset,
-                  old=f"0x{flip.old:02x}",
-                  new=f"0x{flip.new:02x}")
+        flip = flip_first_byte(
+            RealKvSource(
+                tensor=rows,
+                page_size=page_size,
+                num_bytes_per_token=row_bytes,
+                read_bytes=row_bytes,
+            ),
+            index,
+        )
+        self._log(
+            FaultKind.HOST_KV,
+            group=self.target.kind.name.lower(),
+            layer=self.flip_layer,
+            half=self.config.target_half.value,
+            host_index=index,
+            position=depth + offset,
+            old=f"0x{flip.old:02x}",
+            new=f"0x{flip.new:02x}",
+        )

@@ -29,10 +29,12 @@ def flip_first_byte(source: RealKvSource, slot: int, *, mask: int = 0x01) -> Byt
         raise ValueError(f"mask must be in [1, 255], got {mask}")
     page, in_page = divmod(int(slot), source.page_size)
     if not 0 <= page < source.words_view.shape[0]:
-        raise IndexError(f"slot {slot} is outside the real-KV source ({source.words_view.shape[0]}"
-                         f" pages of {source.page_size})")
+        raise IndexError(
+            f"slot {slot} is outside the real-KV source ({source.words_view.shape[0]}"
+            f" pages of {source.page_size})"
+        )
     col = in_page * source.num_words_per_token
-    word = source.words_view[page, col:col + 1].view(torch.uint8)  # 8 bytes, little-endian
+    word = source.words_view[page, col : col + 1].view(torch.uint8)  # 8 bytes, little-endian
     old = int(word[0])
     word[0] = old ^ mask
     return ByteFlip(row=page, byte=col * 8, old=old, new=old ^ mask)

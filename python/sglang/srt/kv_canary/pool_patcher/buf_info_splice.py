@@ -26,10 +26,17 @@ def _entry(buf: torch.Tensor, page_size: int) -> Tuple[int, int, int]:
     return buf.data_ptr(), buf.nbytes, row * page_size
 
 
-def splice_buf_infos(infos: BufInfos, *, num_k_entries: int, page_size: int,
-                     k_head: torch.Tensor, k_tail: torch.Tensor,
-                     v_head: Optional[torch.Tensor], v_tail: Optional[torch.Tensor],
-                     k_extra: Optional[torch.Tensor] = None) -> BufInfos:
+def splice_buf_infos(
+    infos: BufInfos,
+    *,
+    num_k_entries: int,
+    page_size: int,
+    k_head: torch.Tensor,
+    k_tail: torch.Tensor,
+    v_head: Optional[torch.Tensor],
+    v_tail: Optional[torch.Tensor],
+    k_extra: Optional[torch.Tensor] = None,
+) -> BufInfos:
     """Return new ``(ptrs, lens, item_lens)`` with the canary entries around the K entries
     (the first ``num_k_entries``) and the V entries (the rest); ``k_extra`` (one row per slot)
     follows the K-tail."""
@@ -46,22 +53,42 @@ def splice_buf_infos(infos: BufInfos, *, num_k_entries: int, page_size: int,
         return [_entry(head, page_size)] + body + [_entry(tail, page_size)]
 
     extra = [_entry(k_extra, page_size)] if k_extra is not None else []
-    rows = (section(0, num_k_entries, k_head, k_tail) + extra
-            + section(num_k_entries, len(ptrs), v_head, v_tail))
+    rows = (
+        section(0, num_k_entries, k_head, k_tail)
+        + extra
+        + section(num_k_entries, len(ptrs), v_head, v_tail)
+    )
     return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
 
-def splice_into_method(pool, method_name: str, *, num_k_entries: Callable[[BufInfos], int],
-                       page_size: int, k_head, k_tail, v_head=None, v_tail=None,
-                       k_extra=None) -> None:
+def splice_into_method(
+    pool,
+    method_name: str,
+    *,
+    num_k_entries: Callable[[BufInfos], int],
+    page_size: int,
+    k_head,
+    k_tail,
+    v_head=None,
+    v_tail=None,
+    k_extra=None,
+) -> None:
     """Wrap ``pool.method_name`` (once) so it returns the spliced buf infos."""
 
     def make(original):
         def wrapper(*args, **kwargs):
             infos = original(*args, **kwargs)
-            return splice_buf_infos(infos, num_k_entries=num_k_entries(infos),
-                                    page_size=page_size, k_head=k_head, k_tail=k_tail,
-                                    v_head=v_head, v_tail=v_tail, k_extra=k_extra)
+            return splice_buf_infos(
+                infos,
+                num_k_entries=num_k_entries(infos),
+                page_size=page_size,
+                k_head=k_head,
+                k_tail=k_tail,
+                v_head=v_head,
+                v_tail=v_tail,
+                k_extra=k_extra,
+            )
+
         return wrapper
 
     wrap_method_once(pool, method_name, make)

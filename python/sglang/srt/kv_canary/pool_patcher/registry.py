@@ -21,8 +21,10 @@ def register_pool_attacher(pool_cls: type, attacher: PoolAttacher) -> None:
         raise TypeError(f"pool_cls must be a class, got {pool_cls!r}")
     existing = _ATTACHERS.get(pool_cls)
     if existing is not None and existing is not attacher:
-        raise ValueError(f"a canary attacher for {pool_cls.__name__} is already registered "
-                         f"({existing.__qualname__})")
+        raise ValueError(
+            f"a canary attacher for {pool_cls.__name__} is already registered "
+            f"({existing.__qualname__})"
+        )
     _ATTACHERS[pool_cls] = attacher
 
 
@@ -40,9 +42,15 @@ def supported_pool_names() -> List[str]:
     return sorted(cls.__name__ for cls in _ATTACHERS)
 
 
-def attach_canary_buffers(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
-                          swa_window_size: Optional[int] = None,
-                          layer_ids: Optional[Sequence[int]] = None) -> List[CanaryBufferGroup]:
+def attach_canary_buffers(
+    *,
+    pool,
+    config,
+    device,
+    kv_token_id_vs_position_offset: int = 0,
+    swa_window_size: Optional[int] = None,
+    layer_ids: Optional[Sequence[int]] = None,
+) -> List[CanaryBufferGroup]:
     """Allocate canary buffers for ``pool``, splice them into its buf-info methods (so PD
     transfers carry them), and return the buffer groups. Dispatches on the pool's class (exact
     match first, then its base classes); an unsupported pool raises ``NotImplementedError``
@@ -60,9 +68,14 @@ def attach_canary_buffers(*, pool, config, device, kv_token_id_vs_position_offse
     for cls in type(pool).__mro__:
         attacher = _ATTACHERS.get(cls)
         if attacher is not None:
-            return attacher(pool=pool, config=config, device=device,
-                            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-                            swa_window_size=swa_window_size, layer_ids=layer_ids)
+            return attacher(
+                pool=pool,
+                config=config,
+                device=device,
+                kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+                swa_window_size=swa_window_size,
+                layer_ids=layer_ids,
+            )
     raise NotImplementedError(
         f"kv_canary does not support KV pool {type(pool).__name__}; supported pools: "
         f"{', '.join(supported_pool_names())}. Run without --kv-canary for this model."

@@ -6,6 +6,12 @@ from sglang.srt.kv_canary.runner.manager import CanaryManager
 from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
 from sglang.srt.kv_canary.runner.violation import ViolationManager, ViolationReporter
 
-__all__ = ["CanaryManager", "DelayedDeviceHostHandler", "FutureTensors",
-           "KernelRunCounterHealthChecker", "PeriodicCanaryStatsLogger", "ViolationManager",
-           "ViolationReporter"]
+__all__ = [
+    "CanaryManager",
+    "DelayedDeviceHostHandler",
+    "FutureTensors",
+    "KernelRunCounterHealthChecker",
+    "PeriodicCanaryStatsLogger",
+    "ViolationManager",
+    "ViolationReporter",
+]

@@ -40,8 +40,10 @@ _PREFIX_ABORT_RE = re.compile(re.escape(PREFIX_ABORT_LINE_PREFIX) + r" rids=(\S+
 
 def abort_message(incident: ViolationIncident) -> str:
     """What an aborted request's client receives (its finish reason's message)."""
-    return (f"{ABORT_MESSAGE_PREFIX} (launch_tag={incident.record.tag_name}, "
-            f"fail_reason={FailReason.describe(incident.fail_bits)})")
+    return (
+        f"{ABORT_MESSAGE_PREFIX} (launch_tag={incident.record.tag_name}, "
+        f"fail_reason={FailReason.describe(incident.fail_bits)})"
+    )
 
 
 class ContainmentManager:
@@ -50,8 +52,13 @@ class ContainmentManager:
     table (an SWA incident's slot is found back as the full slots mapping to it);
     ``records``: the full pool's TAIL canary buffer (the release guard's records)."""
 
-    def __init__(self, *, resolver: RequestResolver, swa_index_lut: Optional[torch.Tensor],
-                 records: torch.Tensor):
+    def __init__(
+        self,
+        *,
+        resolver: RequestResolver,
+        swa_index_lut: Optional[torch.Tensor],
+        records: torch.Tensor,
+    ):
         self.resolver = resolver
         self.swa_index_lut = swa_index_lut
         self.records = records
@@ -67,27 +74,33 @@ class ContainmentManager:
         """The scheduler's tree cache (start-up). Refuses a radix cache whose nodes the canary
         cannot evict, naming it (a cache that is no tree, ``ChunkCache``, has nothing to
         evict)."""
-        if (isinstance(radix_cache, seam.radix_cache_types())
-                and not seam.radix_subtree_eviction_supported(radix_cache)):
+        if isinstance(
+            radix_cache, seam.radix_cache_types()
+        ) and not seam.radix_subtree_eviction_supported(radix_cache):
             raise RuntimeError(
                 f"--kv-canary abort cannot evict corrupt prefixes from {type(radix_cache).__name__}"
                 " (it evicts from sglang's RadixCache only); use --kv-canary raise or log, or "
-                "--disable-radix-cache")
+                "--disable-radix-cache"
+            )
         self.radix_cache = radix_cache
         # one guard per tree cache: an EAGLE draft pool's canary shares the target's requests
         # and slots, and the target's records name their tokens
         if radix_cache is not None and seam.release_guard_of(radix_cache) is None:
-            self.guard = ReleaseGuard(records=self.records, req_to_token=self.resolver.req_to_token,
-                                      live_reqs=lambda: self.resolver.running_reqs(),
-                                      radix_cache=radix_cache)
+            self.guard = ReleaseGuard(
+                records=self.records,
+                req_to_token=self.resolver.req_to_token,
+                live_reqs=lambda: self.resolver.running_reqs(),
+                radix_cache=radix_cache,
+            )
             seam.set_release_guard(radix_cache, self.guard)
 
     @property
     def pending_slots(self) -> Sequence[int]:
         return tuple(self._slots)
 
-    def contain(self, incidents: Sequence[ViolationIncident],
-                touched: Sequence[IncidentRequests]) -> int:
+    def contain(
+        self, incidents: Sequence[ViolationIncident], touched: Sequence[IncidentRequests]
+    ) -> int:
         """Abort the running requests each incident touches and remember its slots; returns
         how many requests were aborted now."""
         aborted = 0
@@ -127,19 +140,28 @@ class ContainmentManager:
             return 0
         self._aborted = [r for r in self._aborted if seam.req_pool_row(r) is not None]
         slots = torch.tensor(self._slots, dtype=torch.int64)
-        nodes = (radix_nodes_holding_slots(radix_cache=self.radix_cache, slots=slots)
-                 if self.radix_cache is not None else [])
+        nodes = (
+            radix_nodes_holding_slots(radix_cache=self.radix_cache, slots=slots)
+            if self.radix_cache is not None
+            else []
+        )
         locked = False
         for node in nodes:
             if seam.radix_subtree_evictable(self.radix_cache, node):
-                guard = (self.guard.evicting(self.radix_cache, node) if self.guard is not None
-                         else contextlib.nullcontext())
+                guard = (
+                    self.guard.evicting(self.radix_cache, node)
+                    if self.guard is not None
+                    else contextlib.nullcontext()
+                )
                 with guard:
                     freed = seam.radix_evict_subtree(self.radix_cache, node)
                 self.evicted_tokens += freed
                 self.evicted_nodes += 1
-                logger.warning("kv_canary abort: evicted a radix-cache prefix holding a corrupt "
-                               "slot (%d token(s) with its descendants)", freed)
+                logger.warning(
+                    "kv_canary abort: evicted a radix-cache prefix holding a corrupt "
+                    "slot (%d token(s) with its descendants)",
+                    freed,
+                )
             else:
                 locked = True
         aborted = 0

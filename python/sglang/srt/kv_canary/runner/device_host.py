@@ -31,10 +31,15 @@ def _leaves(obj: Any, path: str) -> List[torch.Tensor]:
     if isinstance(obj, tuple):
         return [t for i, x in enumerate(obj) for t in _leaves(x, f"{path}[{i}]")]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in _leaves(getattr(obj, f.name),
-                                                                      f"{path}.{f.name}")]
-    raise TypeError(f"DelayedDeviceHostHandler watches tensors, dataclasses and tuples; "
-                    f"{path} is a {type(obj).__name__}")
+        return [
+            t
+            for f in dataclasses.fields(obj)
+            for t in _leaves(getattr(obj, f.name), f"{path}.{f.name}")
+        ]
+    raise TypeError(
+        f"DelayedDeviceHostHandler watches tensors, dataclasses and tuples; "
+        f"{path} is a {type(obj).__name__}"
+    )
 
 
 def _rebuild(obj: Any, host: Iterator[torch.Tensor]) -> Any:
@@ -43,8 +48,9 @@ def _rebuild(obj: Any, host: Iterator[torch.Tensor]) -> Any:
         return next(host)
     if isinstance(obj, tuple):
         return tuple(_rebuild(x, host) for x in obj)
-    return type(obj)(**{f.name: _rebuild(getattr(obj, f.name), host)
-                        for f in dataclasses.fields(obj)})
+    return type(obj)(
+        **{f.name: _rebuild(getattr(obj, f.name), host) for f in dataclasses.fields(obj)}
+    )
 
 
 class FutureTensors(Generic[W]):
@@ -82,12 +88,14 @@ def _word_layout(leaves: Sequence[torch.Tensor]) -> Tuple[torch.dtype, List[int]
     return _WORD_TYPES[word_bytes], offsets, at
 
 
-def _word_views(buffer: torch.Tensor, leaves: Sequence[torch.Tensor],
-                offsets: Sequence[int]) -> List[torch.Tensor]:
+def _word_views(
+    buffer: torch.Tensor, leaves: Sequence[torch.Tensor], offsets: Sequence[int]
+) -> List[torch.Tensor]:
     """Each leaf's place in ``buffer`` (1-D, word type), as words."""
     w = buffer.element_size()
-    return [buffer[off:off + t.numel() * t.element_size() // w]
-            for off, t in zip(offsets, leaves)]
+    return [
+        buffer[off : off + t.numel() * t.element_size() // w] for off, t in zip(offsets, leaves)
+    ]
 
 
 class DelayedDeviceHostHandler(Generic[W]):
@@ -107,14 +115,18 @@ class DelayedDeviceHostHandler(Generic[W]):
             raise ValueError(f"watched tensors span several devices: {sorted(map(str, devices))}")
         strided = [i for i, t in enumerate(self._device_leaves) if not t.is_contiguous()]
         if strided:
-            raise ValueError(f"DelayedDeviceHostHandler watches contiguous tensors; leaves "
-                             f"{strided} of {type(sources).__name__} are not")
+            raise ValueError(
+                f"DelayedDeviceHostHandler watches contiguous tensors; leaves "
+                f"{strided} of {type(sources).__name__} are not"
+            )
         watched = {id(t) for t in self._device_leaves}
         foreign = [i for i, t in enumerate(zero_after_copy) if id(t) not in watched]
         if foreign:
-            raise ValueError(f"DelayedDeviceHostHandler zeroes only watched tensors after their "
-                             f"copy; zero_after_copy entries {foreign} are not leaves of "
-                             f"{type(sources).__name__}")
+            raise ValueError(
+                f"DelayedDeviceHostHandler zeroes only watched tensors after their "
+                f"copy; zero_after_copy entries {foreign} are not leaves of "
+                f"{type(sources).__name__}"
+            )
         self._zero_after_copy = tuple(zero_after_copy)
         self.device = devices.pop()
         self.synchronous = self.device.type != "cuda"
@@ -122,28 +134,37 @@ class DelayedDeviceHostHandler(Generic[W]):
         word, offsets, num_words = _word_layout(self._device_leaves)
         # the gather's inputs: the watched tensors as words
         self._device_words = [t.reshape(-1).view(word) for t in self._device_leaves]
-        self._staging = (None if self.synchronous else
-                         torch.empty(num_words, dtype=word, device=self.device))
-        self._staging_words = (None if self.synchronous else
-                               _word_views(self._staging, self._device_leaves, offsets))
-        self._host_buffers = [torch.empty(num_words, dtype=word, pin_memory=pin)
-                              for _ in range(2)]
+        self._staging = (
+            None if self.synchronous else torch.empty(num_words, dtype=word, device=self.device)
+        )
+        self._staging_words = (
+            None if self.synchronous else _word_views(self._staging, self._device_leaves, offsets)
+        )
+        self._host_buffers = [torch.empty(num_words, dtype=word, pin_memory=pin) for _ in range(2)]
         self.num_bytes = self._host_buffers[0].numel() * self._host_buffers[0].element_size()
-        self._host_words = [_word_views(host, self._device_leaves, offsets)
-                            for host in self._host_buffers]
+        self._host_words = [
+            _word_views(host, self._device_leaves, offsets) for host in self._host_buffers
+        ]
         self._host = [
-            _rebuild(sources, iter([w.view(t.dtype).view(t.shape)
-                                    for w, t in zip(words, self._device_leaves)]))
-            for words in self._host_words]
+            _rebuild(
+                sources,
+                iter([w.view(t.dtype).view(t.shape) for w, t in zip(words, self._device_leaves)]),
+            )
+            for words in self._host_words
+        ]
         self._flip = 0
         self._pending: Optional[FutureTensors[W]] = None
         self._stream = None if self.synchronous else torch.cuda.Stream(device=self.device)
         # CUDA: where the copies start (recorded on the producer's stream) and, per host
         # buffer, when they are done (a buffer is staged again only after its copies were
         # consumed or replaced, so its event is free to be recorded again)
-        self._device_index = (None if self.synchronous else
-                              self.device.index if self.device.index is not None
-                              else torch.cuda.current_device())
+        self._device_index = (
+            None
+            if self.synchronous
+            else self.device.index
+            if self.device.index is not None
+            else torch.cuda.current_device()
+        )
         self._produced = None if self.synchronous else torch.cuda.Event()
         self._copied = None if self.synchronous else [torch.cuda.Event() for _ in range(2)]
         # CUDA, after capture(): per host buffer, its copies as one graph

@@ -16,9 +16,13 @@ class KernelRunCounterHealthChecker:
     have grown since the previous check; otherwise the canary path is not executing (a hook
     lost, a graph captured without the canary) and a ``RuntimeError`` says which tags."""
 
-    def __init__(self, *, expected_tags: Iterable[CanaryLaunchTag],
-                 warmup_steps: int = HEALTH_WARMUP_STEPS,
-                 interval_steps: int = HEALTH_INTERVAL_STEPS):
+    def __init__(
+        self,
+        *,
+        expected_tags: Iterable[CanaryLaunchTag],
+        warmup_steps: int = HEALTH_WARMUP_STEPS,
+        interval_steps: int = HEALTH_INTERVAL_STEPS,
+    ):
         self.expected_tags = tuple(expected_tags)
         self.warmup_steps = warmup_steps
         self.interval_steps = interval_steps
@@ -29,8 +33,11 @@ class KernelRunCounterHealthChecker:
             return
         now = {t: int(kernel_counters[int(t)]) for t in self.expected_tags}
         if self._last is not None:
-            stuck = [f"{t.name} (stuck at {now[t]})" for t in self.expected_tags
-                     if now[t] <= self._last[t]]
+            stuck = [
+                f"{t.name} (stuck at {now[t]})"
+                for t in self.expected_tags
+                if now[t] <= self._last[t]
+            ]
             if stuck:
                 raise RuntimeError(
                     "kv_canary health check failed: the canary path is not executing: kernel "

@@ -55,15 +55,21 @@ class HostTierMirror:
     CUDA (the copy kernel reaches them through unified addressing) and plain on the CPU.
     Wraps the host pool's copy methods on construction."""
 
-    def __init__(self, *, groups: Sequence[CanaryBufferGroup], host_pool,
-                 real_kv_hash_mode: RealKvHashMode = RealKvHashMode.NONE,
-                 sweep_pages: int = 0):
+    def __init__(
+        self,
+        *,
+        groups: Sequence[CanaryBufferGroup],
+        host_pool,
+        real_kv_hash_mode: RealKvHashMode = RealKvHashMode.NONE,
+        sweep_pages: int = 0,
+    ):
         kind = seam.host_pool_kind(host_pool)  # raises for a host pool it cannot mirror
         odd = [g.kind.name for g in groups if g.kind != PoolKind.FULL]
         if odd:
             raise NotImplementedError(
                 f"kv_canary mirrors HiCache host rows of FULL groups only, got {odd}: run "
-                "without --enable-hierarchical-cache or without --kv-canary")
+                "without --enable-hierarchical-cache or without --kv-canary"
+            )
         self.host_pool = host_pool
         self.kind = kind
         self.host_slots = seam.host_pool_size(host_pool)
@@ -73,44 +79,57 @@ class HostTierMirror:
             self.tails.append((KvHalf.K, len(self.pairs) + 1))
             if group.v_tail is not None:
                 self.tails.append((KvHalf.V, len(self.pairs) + 3))
-            bufs = [b.view(torch.int64) for b in (group.k_head, group.k_tail, group.v_head,
-                                                   group.v_tail) if b is not None]
+            bufs = [
+                b.view(torch.int64)
+                for b in (group.k_head, group.k_tail, group.v_head, group.v_tail)
+                if b is not None
+            ]
             if group.deep is not None:
                 bufs.append(group.deep.table)
             for rows in bufs:
                 pin = rows.device.type == "cuda"
-                host = torch.zeros((self.host_slots, rows.shape[1]), dtype=torch.int64,
-                                   pin_memory=pin)
+                host = torch.zeros(
+                    (self.host_slots, rows.shape[1]), dtype=torch.int64, pin_memory=pin
+                )
                 self.pairs.append((rows, host))
         self.tails = [(half, self.pairs[i][1]) for half, i in self.tails]
         self.bytes_per_host_slot = sum(h.shape[1] * 8 for _, h in self.pairs)
         self.mode = RealKvHashMode(real_kv_hash_mode)
         self.sweep_pages = int(sweep_pages)
         self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
-        self.host_sources = (self._host_sources(groups[0])
-                             if self.sweep_pages > 0 and self.mode != RealKvHashMode.NONE
-                             else None)
+        self.host_sources = (
+            self._host_sources(groups[0])
+            if self.sweep_pages > 0 and self.mode != RealKvHashMode.NONE
+            else None
+        )
         self.sweep_cursor = 0  # round robin over the host-resident tokens
         self.swept_slots = 0
         self.backed_up_slots = 0  # host slots written by backups so far
         self.loaded_slots = 0  # device slots filled by loads so far
         seam.wrap_host_pool_copies(host_pool, after_backup=self.backup, before_load=self.load)
-        logger.info("kv_canary: HiCache host tier mirrored (%s host pool, %d host slots, %d "
-                    "canary bytes per slot: %.1f MB of host memory)", kind, self.host_slots,
-                    self.bytes_per_host_slot, self.host_slots * self.bytes_per_host_slot / 1e6)
+        logger.info(
+            "kv_canary: HiCache host tier mirrored (%s host pool, %d host slots, %d "
+            "canary bytes per slot: %.1f MB of host memory)",
+            kind,
+            self.host_slots,
+            self.bytes_per_host_slot,
+            self.host_slots * self.bytes_per_host_slot / 1e6,
+        )
 
     def backup(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """After sglang copied the KV of ``device_indices`` to ``host_indices``: the rows."""
         for rows, host in self.pairs:
-            launch_copy_rows(src=rows, dst=host, src_indices=device_indices,
-                             dst_indices=host_indices)
+            launch_copy_rows(
+                src=rows, dst=host, src_indices=device_indices, dst_indices=host_indices
+            )
         self.backed_up_slots += int(host_indices.shape[0])
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Before sglang loads the KV of ``host_indices`` into ``device_indices``: the rows."""
         for rows, host in self.pairs:
-            launch_copy_rows(src=host, dst=rows, src_indices=host_indices,
-                             dst_indices=device_indices)
+            launch_copy_rows(
+                src=host, dst=rows, src_indices=host_indices, dst_indices=device_indices
+            )
         self.loaded_slots += int(device_indices.shape[0])
 
     def host_rows(self, index: int) -> torch.Tensor:
@@ -123,19 +142,26 @@ class HostTierMirror:
         """Per half, the host rows that mirror the group's real-KV sources (layer 0's row:
         the first per-layer column's; refuses pools whose record fingerprints more)."""
         out = {}
-        for half, device_sources in ((KvHalf.K, group.real_kv_sources_k),
-                                     (KvHalf.V, group.real_kv_sources_v)):
+        for half, device_sources in (
+            (KvHalf.K, group.real_kv_sources_k),
+            (KvHalf.V, group.real_kv_sources_v),
+        ):
             if half == KvHalf.V and group.v_tail is None:
                 continue
             if len(device_sources) != 1:
                 raise NotImplementedError(
                     f"kv_canary's host-tier sweep covers pools whose record fingerprints one "
                     f"row per half; this {self.kind} pool's {half.value} record folds "
-                    f"{len(device_sources)}: set SGLANG_KV_CANARY_HOST_SWEEP_PAGES=0")
+                    f"{len(device_sources)}: set SGLANG_KV_CANARY_HOST_SWEEP_PAGES=0"
+                )
             rows, page_size = seam.host_pool_layer_rows(self.host_pool, 0, half.value)
             row_bytes = rows[0].nbytes // page_size
-            out[half] = RealKvSource(tensor=rows, page_size=page_size,
-                                     num_bytes_per_token=row_bytes, read_bytes=row_bytes)
+            out[half] = RealKvSource(
+                tensor=rows,
+                page_size=page_size,
+                num_bytes_per_token=row_bytes,
+                read_bytes=row_bytes,
+            )
         return out
 
     def sweep(self, radix_cache) -> List[ViolationIncident]:
@@ -171,12 +197,19 @@ class HostTierMirror:
             tag = CanaryLaunchTag.of(CanaryPhase.SWEEP, half, PoolKind.FULL)
             for i in bad:
                 prev = int(rec[i, CANARY_FIELD_PREV_HASH])
-                records.append(ViolationRecord(
-                    launch_tag=int(tag), slot_idx=int(slots[i]),
-                    position=int(rec[i, CANARY_FIELD_POSITION]),
-                    stored_token=int(rec[i, CANARY_FIELD_TOKEN]),
-                    expected_token=NO_EXPECTED_TOKEN, stored_chain_hash=prev, expected_aux=prev,
-                    fail_bits=int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH),
-                    read_position=int(positions[i]), req_to_token_row=HOST_TIER_ROW,
-                    kv_layer=NO_KV_LAYER))
+                records.append(
+                    ViolationRecord(
+                        launch_tag=int(tag),
+                        slot_idx=int(slots[i]),
+                        position=int(rec[i, CANARY_FIELD_POSITION]),
+                        stored_token=int(rec[i, CANARY_FIELD_TOKEN]),
+                        expected_token=NO_EXPECTED_TOKEN,
+                        stored_chain_hash=prev,
+                        expected_aux=prev,
+                        fail_bits=int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH),
+                        read_position=int(positions[i]),
+                        req_to_token_row=HOST_TIER_ROW,
+                        kv_layer=NO_KV_LAYER,
+                    )
+                )
         return merge_incidents(records)

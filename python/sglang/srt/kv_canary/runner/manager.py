@@ -63,9 +63,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # the reports of an EAGLE draft runner's canary name its pool
-DRAFT_POOL_LABEL = ("the EAGLE draft model's KV pool (its position p holds the KV computed from "
-                    "token p + 1)")
-
+DRAFT_POOL_LABEL = (
+    "the EAGLE draft model's KV pool (its position p holds the KV computed from token p + 1)"
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -95,8 +95,11 @@ def _lasting_rows(forward_batch: "ForwardBatch") -> frozenset:
     requests = batch_state_for(forward_batch).requests
     if requests is None:
         return frozenset()
-    return frozenset(row for req, row in zip(requests.reqs, requests.rows)
-                     if row is not None and sglang_seam.req_tokens_left(req) > 2)
+    return frozenset(
+        row
+        for req, row in zip(requests.reqs, requests.rows)
+        if row is not None and sglang_seam.req_tokens_left(req) > 2
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -124,12 +127,21 @@ class CanaryManager:
     the per-forward buffer sizes; ``req_to_token``: the runner's int32 ``[rows,
     max_context_len]`` table; ``token_oracle``: required with the write-input check."""
 
-    def __init__(self, *, config: CanaryConfig, groups: Sequence[CanaryBufferGroup],
-                 capacities: CanaryLaunchCapacities, req_to_token: torch.Tensor, device,
-                 num_single_forward_managers: int = 1, draft_forwards_per_round: int = 0,
-                 token_oracle: Optional[TokenOracleManager] = None,
-                 memory_inputs: CanaryMemoryInputs,
-                 ranks: RankFacts = RankFacts(), kv_pool=None):
+    def __init__(
+        self,
+        *,
+        config: CanaryConfig,
+        groups: Sequence[CanaryBufferGroup],
+        capacities: CanaryLaunchCapacities,
+        req_to_token: torch.Tensor,
+        device,
+        num_single_forward_managers: int = 1,
+        draft_forwards_per_round: int = 0,
+        token_oracle: Optional[TokenOracleManager] = None,
+        memory_inputs: CanaryMemoryInputs,
+        ranks: RankFacts = RankFacts(),
+        kv_pool=None,
+    ):
         if not config.enabled:
             raise ValueError("CanaryManager needs --kv-canary log, raise or abort (got none)")
         if not groups:
@@ -137,12 +149,15 @@ class CanaryManager:
         if num_single_forward_managers < 1:
             raise ValueError("num_single_forward_managers must be >= 1")
         if not 0 <= draft_forwards_per_round <= num_single_forward_managers:
-            raise ValueError(f"draft_forwards_per_round must be in [0, "
-                             f"{num_single_forward_managers}] (one single-forward manager per "
-                             f"draft forward), got {draft_forwards_per_round}")
+            raise ValueError(
+                f"draft_forwards_per_round must be in [0, "
+                f"{num_single_forward_managers}] (one single-forward manager per "
+                f"draft forward), got {draft_forwards_per_round}"
+            )
         if config.enable_write_input_assert and token_oracle is None:
-            raise ValueError("enable_write_input_assert needs a TokenOracleManager "
-                             "(token_oracle=...)")
+            raise ValueError(
+                "enable_write_input_assert needs a TokenOracleManager (token_oracle=...)"
+            )
         device = torch.device(device)
         self._device = device
         self.config = config
@@ -152,27 +167,45 @@ class CanaryManager:
         self.capacities = capacities
         self.groups = tuple(groups)
         self.state = CanaryDeviceState.allocate(
-            ring_capacity=config.ring_capacity, device=device,
-            expected_token_pool_shape=(tuple(req_to_token.shape)
-                                       if config.enable_verify_token_assert else None))
+            ring_capacity=config.ring_capacity,
+            device=device,
+            expected_token_pool_shape=(
+                tuple(req_to_token.shape) if config.enable_verify_token_assert else None
+            ),
+        )
         # the one owner of the expected-token pool's contents (token checks on)
         self.token_history = (
-            TokenHistoryUploader(self.state.req_to_verify_expected_tokens,
-                                 replay_rows=capacities.write_req_capacity,
-                                 replay_tokens=max(REPLAY_TOKENS_PER_REQUEST
-                                                   * capacities.write_req_capacity,
-                                                   capacities.write_entry_capacity))
-            if config.enable_verify_token_assert else None)
-        self.endpoints = tuple(ep for g in self.groups
-                               for ep in build_endpoints_from_group(group=g, state=self.state,
-                                                                    config=config))
+            TokenHistoryUploader(
+                self.state.req_to_verify_expected_tokens,
+                replay_rows=capacities.write_req_capacity,
+                replay_tokens=max(
+                    REPLAY_TOKENS_PER_REQUEST * capacities.write_req_capacity,
+                    capacities.write_entry_capacity,
+                ),
+            )
+            if config.enable_verify_token_assert
+            else None
+        )
+        self.endpoints = tuple(
+            ep
+            for g in self.groups
+            for ep in build_endpoints_from_group(group=g, state=self.state, config=config)
+        )
         self.token_oracle = token_oracle
         self.sfms = tuple(
-            SingleForwardManager(groups=self.groups, endpoints=self.endpoints, state=self.state,
-                                 capacities=capacities, config=config,
-                                 req_to_token=req_to_token, device=device, index=i,
-                                 token_history=self.token_history, token_oracle=token_oracle,
-                                 kv_pool=kv_pool)
+            SingleForwardManager(
+                groups=self.groups,
+                endpoints=self.endpoints,
+                state=self.state,
+                capacities=capacities,
+                config=config,
+                req_to_token=req_to_token,
+                device=device,
+                index=i,
+                token_history=self.token_history,
+                token_oracle=token_oracle,
+                kv_pool=kv_pool,
+            )
             for i in range(num_single_forward_managers)
         )
         # fault injection (self-tests only): off unless a SGLANG_KV_CANARY_PERTURB_* is set
@@ -180,38 +213,52 @@ class CanaryManager:
         self.host_tier: Optional[HostTierMirror] = None  # with HiCache, once the tree exists
         self.ranks = ranks
         if config.perturb.injects_on(ranks):  # SGLANG_KV_CANARY_PERTURB_*_RANK match
-            self.perturber = CanaryPerturber(config=config.perturb, groups=self.groups,
-                                             req_to_token=req_to_token,
-                                             radix_cache=lambda: self.radix_cache,
-                                             draft=ranks.draft,
-                                             page_size=(sglang_seam.kv_pool_page_size(kv_pool)
-                                                        if kv_pool is not None else 1))
+            self.perturber = CanaryPerturber(
+                config=config.perturb,
+                groups=self.groups,
+                req_to_token=req_to_token,
+                radix_cache=lambda: self.radix_cache,
+                draft=ranks.draft,
+                page_size=(sglang_seam.kv_pool_page_size(kv_pool) if kv_pool is not None else 1),
+            )
             if token_oracle is not None:
                 token_oracle.after_sample = self.perturber.swap_next_tokens
         self.swa_divergence = SwaDivergenceReporter(
             interval=config.swa_divergence_stats_interval,
-            sfm_plans=[[(g.kind, sfm.plans[g].verify_plan) for g in sfm.groups]
-                       for sfm in self.sfms])
+            sfm_plans=[
+                [(g.kind, sfm.plans[g].verify_plan) for g in sfm.groups] for sfm in self.sfms
+            ],
+        )
         log = self.state.violation_log
-        self.device_host = DelayedDeviceHostHandler(CanaryReadback(
-            violation_write_index=log.violation_write_index,
-            violation_ring=log.violation_ring,
-            kernel_run_counters=self.state.kernel_run_counters,
-            slot_run_counters=self.state.slot_run_counters,
-            sfm_status=tuple(sfm.status for sfm in self.sfms),
-            swa_verify_num_valid=self.swa_divergence.device_tensors(),
-        ), zero_after_copy=(log.violation_write_index,))
-        self.violations = ViolationManager(reporter=ViolationReporter(
-            config.mode, pool=DRAFT_POOL_LABEL if ranks.draft else "",
-            rank=ranks.describe_rank() if ranks.several else ""),
-                                           ring_capacity=config.ring_capacity)
+        self.device_host = DelayedDeviceHostHandler(
+            CanaryReadback(
+                violation_write_index=log.violation_write_index,
+                violation_ring=log.violation_ring,
+                kernel_run_counters=self.state.kernel_run_counters,
+                slot_run_counters=self.state.slot_run_counters,
+                sfm_status=tuple(sfm.status for sfm in self.sfms),
+                swa_verify_num_valid=self.swa_divergence.device_tensors(),
+            ),
+            zero_after_copy=(log.violation_write_index,),
+        )
+        self.violations = ViolationManager(
+            reporter=ViolationReporter(
+                config.mode,
+                pool=DRAFT_POOL_LABEL if ranks.draft else "",
+                rank=ranks.describe_rank() if ranks.several else "",
+            ),
+            ring_capacity=config.ring_capacity,
+        )
         self.health = KernelRunCounterHealthChecker(
-            expected_tags=[ep.tag for ep in self.endpoints
-                           if ep.phase in (CanaryPhase.HEAD, CanaryPhase.TAIL)])
+            expected_tags=[
+                ep.tag for ep in self.endpoints if ep.phase in (CanaryPhase.HEAD, CanaryPhase.TAIL)
+            ]
+        )
         self.stats = PeriodicCanaryStatsLogger(every_n_steps=config.stats_print_every_n_steps)
         self.overflow = VerifyOverflowWarner(verify_capacity=capacities.verify_capacity)
-        self.sweep = SweepOrchestrator(interval=config.sweep_interval, endpoints=self.endpoints,
-                                       device=device)
+        self.sweep = SweepOrchestrator(
+            interval=config.sweep_interval, endpoints=self.endpoints, device=device
+        )
         self._tree_cache = None  # the scheduler's radix tree (attach_radix_cache)
         # who a violation touches (rids=), abort mode's containment, Prometheus (attached
         # with the scheduler: attach_scheduler)
@@ -221,10 +268,13 @@ class CanaryManager:
         if config.mode == CanaryMode.ABORT:
             full = next((g for g in self.groups if g.kind == PoolKind.FULL), None)
             if full is None:  # every adapter builds one; a new one must too
-                raise ValueError("--kv-canary abort needs the pool's full-attention buffer "
-                                 "group (its records say which request owns a slot)")
-            self.containment = ContainmentManager(resolver=self.requests, swa_index_lut=swa_lut,
-                                                  records=full.k_tail)
+                raise ValueError(
+                    "--kv-canary abort needs the pool's full-attention buffer "
+                    "group (its records say which request owns a slot)"
+                )
+            self.containment = ContainmentManager(
+                resolver=self.requests, swa_index_lut=swa_lut, records=full.k_tail
+            )
         self.metrics: Optional[CanaryMetrics] = None
         self._kv_slots_in_use: Callable[[], int] = lambda: 0
         self.step = 0
@@ -243,12 +293,14 @@ class CanaryManager:
     @contextlib.contextmanager
     def with_active_single_forward_manager(self, index: int):
         if not 0 <= index < len(self.sfms):
-            raise IndexError(f"single-forward manager {index} does not exist "
-                             f"({len(self.sfms)} configured)")
+            raise IndexError(
+                f"single-forward manager {index} does not exist ({len(self.sfms)} configured)"
+            )
         if self._active is not None:
             raise RuntimeError(
                 f"kv_canary: single-forward manager {index} activated while "
-                f"{self._active.index} is active (nesting is not allowed)")
+                f"{self._active.index} is active (nesting is not allowed)"
+            )
         self._active = self.sfms[index]
         try:
             yield self._active
@@ -258,8 +310,10 @@ class CanaryManager:
     @property
     def active_sfm(self) -> SingleForwardManager:
         if self._active is None:
-            raise RuntimeError("kv_canary: no single-forward manager is active (missing "
-                               "with_active_single_forward_manager around the forward)")
+            raise RuntimeError(
+                "kv_canary: no single-forward manager is active (missing "
+                "with_active_single_forward_manager around the forward)"
+            )
         return self._active
 
     # ---- per-forward ops -------------------------------------------------------------------
@@ -274,15 +328,17 @@ class CanaryManager:
             yield sfm
 
     @contextlib.contextmanager
-    def _outside_graph(self, sfms: Sequence[SingleForwardManager],
-                       forward_batch: "ForwardBatch", *, replayed: bool):
+    def _outside_graph(
+        self, sfms: Sequence[SingleForwardManager], forward_batch: "ForwardBatch", *, replayed: bool
+    ):
         """The outside ops of the forwards one model call runs (one, or a replayed draft
         round's), then one read-back; ``replayed``: their inside ops ran in a CUDA graph."""
         # this forward's kernels queue after last step's read-back (and the ring's reset)
         self.device_host.fence()
         if self.perturber is not None:
-            self.perturber.before_forward(forward_batch, step=self.step + 1,
-                                          lasting_rows=lambda: _lasting_rows(forward_batch))
+            self.perturber.before_forward(
+                forward_batch, step=self.step + 1, lasting_rows=lambda: _lasting_rows(forward_batch)
+            )
         try:
             for sfm in sfms:
                 sfm.pre_ops_outside_graph(forward_batch)
@@ -314,8 +370,10 @@ class CanaryManager:
         so the inside ops skip them. Nothing of the canary is captured in the pieces: a
         piecewise replay runs the canary's launches eagerly, around the replayed pieces."""
         if self._active is not None:
-            raise RuntimeError("kv_canary: piecewise CUDA-graph set-up inside a forward "
-                               f"(single-forward manager {self._active.index} is active)")
+            raise RuntimeError(
+                "kv_canary: piecewise CUDA-graph set-up inside a forward "
+                f"(single-forward manager {self._active.index} is active)"
+            )
         self._piecewise_graph_setup = True
         try:
             yield
@@ -371,7 +429,8 @@ class CanaryManager:
         if index >= self.draft_forwards_per_round:
             raise RuntimeError(
                 f"kv_canary: EAGLE draft round ran more than {self.draft_forwards_per_round} "
-                "draft forwards (--speculative-num-steps - 1, which sized the canary)")
+                "draft forwards (--speculative-num-steps - 1, which sized the canary)"
+            )
         draft_round.next_forward += 1
         with self.with_active_single_forward_manager(index):
             if draft_round.capturing:
@@ -396,7 +455,7 @@ class CanaryManager:
         """Around a replay of the draft CUDA graph (one whole draft round): the outside ops
         of every draft forward it holds, then one read-back for the round. No-op with a
         single speculative step (the round runs no draft forward)."""
-        sfms = self.sfms[:self.draft_forwards_per_round]
+        sfms = self.sfms[: self.draft_forwards_per_round]
         if not sfms:
             yield
             return
@@ -426,8 +485,11 @@ class CanaryManager:
         state.requests = ForwardRequests.of(reqs)
         if self.token_history is None and self.token_oracle is None:
             return
-        if (self.ranks.draft and self.draft_forwards_per_round == 0
-                and forward_batch.forward_mode == sglang_seam.ForwardMode.DECODE):
+        if (
+            self.ranks.draft
+            and self.draft_forwards_per_round == 0
+            and forward_batch.forward_mode == sglang_seam.ForwardMode.DECODE
+        ):
             return  # a one-step draft round runs no draft forward: nothing to attach
         if self.token_history is not None:
             self.token_history.defer_snapshot(state, reqs)
@@ -441,14 +503,17 @@ class CanaryManager:
             self.containment.attach_radix_cache(radix_cache)
         self.sweep.attach_radix_cache(radix_cache)
         # no tree (ChunkCache): nothing cached for the self-tests' cache faults either
-        self._tree_cache = (None if radix_cache is None or sglang_seam.is_chunk_cache(radix_cache)
-                            else radix_cache)
+        self._tree_cache = (
+            None if radix_cache is None or sglang_seam.is_chunk_cache(radix_cache) else radix_cache
+        )
         host_pool = sglang_seam.hicache_host_pool(radix_cache)
         if host_pool is not None and self.host_tier is None:
             self.host_tier = HostTierMirror(
-                groups=self.groups, host_pool=host_pool,
+                groups=self.groups,
+                host_pool=host_pool,
                 real_kv_hash_mode=self.config.real_kv_hash_mode,
-                sweep_pages=self.config.host_sweep_pages if self.config.sweep_interval else 0)
+                sweep_pages=self.config.host_sweep_pages if self.config.sweep_interval else 0,
+            )
 
     @property
     def host_mirror_bytes_per_slot(self) -> int:
@@ -464,10 +529,16 @@ class CanaryManager:
             inputs = dataclasses.replace(inputs, host_mirror_slots=self.host_tier.host_slots)
         return CanaryMemory.for_inputs(inputs)
 
-    def attach_scheduler(self, *, radix_cache, running_reqs: Callable[[], Sequence],
-                         metrics_labels: Optional[Dict[str, object]],
-                         kv_slots_in_use: Callable[[], int], metrics_registry=None,
-                         metrics_of: Optional["CanaryManager"] = None) -> None:
+    def attach_scheduler(
+        self,
+        *,
+        radix_cache,
+        running_reqs: Callable[[], Sequence],
+        metrics_labels: Optional[Dict[str, object]],
+        kv_slots_in_use: Callable[[], int],
+        metrics_registry=None,
+        metrics_of: Optional["CanaryManager"] = None,
+    ) -> None:
         """The scheduler's side, at its start-up: its tree cache, its running requests (to
         name and abort), its metric labels (None: metrics off; ``metrics_registry``: a
         ``prometheus_client`` registry other than the process's, for tests) and its count of
@@ -494,8 +565,9 @@ class CanaryManager:
             if self.metrics is not None:
                 self.metrics.on_aborted(aborted)
                 if guard is not None:
-                    self.metrics.on_release_guard(held_back_slots=guard.held_back_slots,
-                                                  reclaimed_slots=guard.reclaimed_slots)
+                    self.metrics.on_release_guard(
+                        held_back_slots=guard.held_back_slots, reclaimed_slots=guard.reclaimed_slots
+                    )
 
     @property
     def radix_cache(self):
@@ -509,8 +581,9 @@ class CanaryManager:
 
     # ---- after each forward ----------------------------------------------------------------
 
-    def after_forward(self, sfms: Sequence[SingleForwardManager],
-                      forward_batch: Optional["ForwardBatch"] = None) -> None:
+    def after_forward(
+        self, sfms: Sequence[SingleForwardManager], forward_batch: Optional["ForwardBatch"] = None
+    ) -> None:
         """Step counter, fault injection (self-tests only; before the sweep so that a fault
         in an idle cached slot is swept this step), the radix sweep (when due), then the
         delayed violation / overflow / health / stats pump: on CUDA the copies staged after
@@ -522,8 +595,11 @@ class CanaryManager:
         if self.sweep.maybe_run_sweep(self.step) and self.host_tier is not None:
             self._host_tier_sweep()
         state = batch_state(forward_batch) if forward_batch is not None else None
-        requests = (state.requests if state is not None and state.requests is not None
-                    else NO_FORWARD_REQUESTS)
+        requests = (
+            state.requests
+            if state is not None and state.requests is not None
+            else NO_FORWARD_REQUESTS
+        )
         if self.device_host.synchronous:
             self._stage(sfms, requests)
             self.device_host.consume(self._on_host_copies)
@@ -556,8 +632,9 @@ class CanaryManager:
         with violation_path_sync(self._device):
             self._report_synced(incidents, dropped=dropped, step=step, requests=requests)
 
-    def _report_synced(self, incidents, *, dropped: int, step: int,
-                       requests: ForwardRequests) -> None:
+    def _report_synced(
+        self, incidents, *, dropped: int, step: int, requests: ForwardRequests
+    ) -> None:
         touched = self.requests.resolve(incidents, requests)
         incidents = [dataclasses.replace(inc, rids=t.rids) for inc, t in zip(incidents, touched)]
         if self.metrics is not None:
@@ -581,29 +658,40 @@ class CanaryManager:
     def _on_host_copies(self, host: CanaryReadback) -> None:
         staged = self._staged
         step = staged.step
-        plans_enabled = {i: host.sfm_status[i].plan_enabled.tolist()
-                         for i in staged.sfm_indices}
+        plans_enabled = {i: host.sfm_status[i].plan_enabled.tolist() for i in staged.sfm_indices}
         for plan_enabled in plans_enabled.values():
             self.overflow.check(step=step, plan_enabled=plan_enabled)
         kernel_counters = host.kernel_run_counters.tolist()
         slot_counters = host.slot_run_counters.tolist()
         incidents, dropped = self.violations.collect(
-            write_index=int(host.violation_write_index[0]), ring=host.violation_ring)
+            write_index=int(host.violation_write_index[0]), ring=host.violation_ring
+        )
         if incidents or dropped:
             self._report(incidents, dropped=dropped, step=step, requests=staged.requests)
         if self.metrics is not None:
-            self.metrics.on_step(verified_slots=sum(slot_counters),
-                                 sweep_passes=self.sweep_passes,
-                                 protected_tokens=self._kv_slots_in_use())
-        self.stats.maybe_log(step=step, kernel_counters=kernel_counters,
-                             slot_counters=slot_counters,
-                             violations=self.violations.total, sweep_passes=self.sweep_passes,
-                             host_tier=((self.host_tier.backed_up_slots,
-                                         self.host_tier.loaded_slots)
-                                        if self.host_tier is not None else None))
+            self.metrics.on_step(
+                verified_slots=sum(slot_counters),
+                sweep_passes=self.sweep_passes,
+                protected_tokens=self._kv_slots_in_use(),
+            )
+        self.stats.maybe_log(
+            step=step,
+            kernel_counters=kernel_counters,
+            slot_counters=slot_counters,
+            violations=self.violations.total,
+            sweep_passes=self.sweep_passes,
+            host_tier=(
+                (self.host_tier.backed_up_slots, self.host_tier.loaded_slots)
+                if self.host_tier is not None
+                else None
+            ),
+        )
         self.health.check(step=step, kernel_counters=kernel_counters)
         if self.swa_divergence.enabled:
             for sfm_index, plan_enabled in plans_enabled.items():
-                self.swa_divergence.consume(num_valid=host.swa_verify_num_valid[sfm_index],
-                                            plan_enabled=plan_enabled, step=step,
-                                            sfm_index=sfm_index)
+                self.swa_divergence.consume(
+                    num_valid=host.swa_verify_num_valid[sfm_index],
+                    plan_enabled=plan_enabled,
+                    step=step,
+                    sfm_index=sfm_index,
+                )

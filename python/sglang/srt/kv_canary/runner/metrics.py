@@ -28,8 +28,17 @@ ABORTED_REQUESTS = "sglang:kv_canary_aborted_requests_total"
 HELD_BACK_SLOTS = "sglang:kv_canary_held_back_slots_total"
 RECLAIMED_SLOTS = "sglang:kv_canary_reclaimed_slots_total"
 MEMORY_BYTES = "sglang:kv_canary_memory_bytes"
-METRIC_NAMES = (VIOLATIONS, VERIFIED_SLOTS, PROTECTED_TOKENS, SWEEP_PASSES, DROPPED_VIOLATIONS,
-                ABORTED_REQUESTS, HELD_BACK_SLOTS, RECLAIMED_SLOTS, MEMORY_BYTES)
+METRIC_NAMES = (
+    VIOLATIONS,
+    VERIFIED_SLOTS,
+    PROTECTED_TOKENS,
+    SWEEP_PASSES,
+    DROPPED_VIOLATIONS,
+    ABORTED_REQUESTS,
+    HELD_BACK_SLOTS,
+    RECLAIMED_SLOTS,
+    MEMORY_BYTES,
+)
 
 
 class _RunningTotal:
@@ -60,42 +69,69 @@ class CanaryMetrics:
         self.labels = {k: str(v) for k, v in labels.items()}
         names = list(self.labels)
         self._violations = Counter(
-            name=VIOLATIONS, labelnames=names + ["launch_tag", "fail_reason"],
+            name=VIOLATIONS,
+            labelnames=names + ["launch_tag", "fail_reason"],
             documentation="KV-canary violation reports (one per structured log line), by the "
-                          "launch tag that saw it first and its fail reasons.")
-        self._verified = _RunningTotal(Counter(
-            name=VERIFIED_SLOTS, labelnames=names,
-            documentation="KV slot checks made by the canary's verify launches (forward reads "
-                          "and the radix sweep).").labels(**self.labels))
+            "launch tag that saw it first and its fail reasons.",
+        )
+        self._verified = _RunningTotal(
+            Counter(
+                name=VERIFIED_SLOTS,
+                labelnames=names,
+                documentation="KV slot checks made by the canary's verify launches (forward reads "
+                "and the radix sweep).",
+            ).labels(**self.labels)
+        )
         self._protected = Gauge(
-            name=PROTECTED_TOKENS, labelnames=names, multiprocess_mode="mostrecent",
+            name=PROTECTED_TOKENS,
+            labelnames=names,
+            multiprocess_mode="mostrecent",
             documentation="Full-attention KV slots in use (running requests and the radix "
-                          "cache), each guarded by a canary record.").labels(**self.labels)
-        self._sweeps = _RunningTotal(Counter(
-            name=SWEEP_PASSES, labelnames=names,
-            documentation="Radix-cache sweep passes of the KV canary.").labels(**self.labels))
+            "cache), each guarded by a canary record.",
+        ).labels(**self.labels)
+        self._sweeps = _RunningTotal(
+            Counter(
+                name=SWEEP_PASSES,
+                labelnames=names,
+                documentation="Radix-cache sweep passes of the KV canary.",
+            ).labels(**self.labels)
+        )
         self._dropped = Counter(
-            name=DROPPED_VIOLATIONS, labelnames=names,
+            name=DROPPED_VIOLATIONS,
+            labelnames=names,
             documentation="KV-canary violation rows past the ring's per-step capacity "
-                          "(counted, not detailed).").labels(**self.labels)
+            "(counted, not detailed).",
+        ).labels(**self.labels)
         self._aborted = Counter(
-            name=ABORTED_REQUESTS, labelnames=names,
-            documentation="Requests aborted by --kv-canary abort.").labels(**self.labels)
-        self._held_back = _RunningTotal(Counter(
-            name=HELD_BACK_SLOTS, labelnames=names,
-            documentation="KV slots --kv-canary abort kept an aborted request's release from "
-                          "freeing (its corrupt req_to_token row named another holder's "
-                          "slots).").labels(**self.labels))
-        self._reclaimed = _RunningTotal(Counter(
-            name=RECLAIMED_SLOTS, labelnames=names,
-            documentation="KV slots --kv-canary abort freed for an aborted request whose "
-                          "corrupt req_to_token row no longer named them.").labels(**self.labels))
+            name=ABORTED_REQUESTS,
+            labelnames=names,
+            documentation="Requests aborted by --kv-canary abort.",
+        ).labels(**self.labels)
+        self._held_back = _RunningTotal(
+            Counter(
+                name=HELD_BACK_SLOTS,
+                labelnames=names,
+                documentation="KV slots --kv-canary abort kept an aborted request's release from "
+                "freeing (its corrupt req_to_token row named another holder's "
+                "slots).",
+            ).labels(**self.labels)
+        )
+        self._reclaimed = _RunningTotal(
+            Counter(
+                name=RECLAIMED_SLOTS,
+                labelnames=names,
+                documentation="KV slots --kv-canary abort freed for an aborted request whose "
+                "corrupt req_to_token row no longer named them.",
+            ).labels(**self.labels)
+        )
         self._memory = Gauge(
-            name=MEMORY_BYTES, labelnames=names + ["pool", "memory", "part"],
+            name=MEMORY_BYTES,
+            labelnames=names + ["pool", "memory", "part"],
             multiprocess_mode="mostrecent",
             documentation="Bytes the KV canary holds for the server's life, by guarded pool "
-                          "(target, draft), memory (device: the GPU's; host: pinned) and part "
-                          "(docs/user_guide.md, \"Memory\").")
+            "(target, draft), memory (device: the GPU's; host: pinned) and part "
+            "(docs/user_guide.md, \"Memory\").",
+        )
         self._sets_protected = True
 
     def sibling(self) -> "CanaryMetrics":
@@ -115,15 +151,16 @@ class CanaryMetrics:
         pool = "draft" if draft else "target"
         for where, parts in (("device", memory.device), ("host", memory.host)):
             for part, n in parts:
-                self._memory.labels(**self.labels, pool=pool, memory=where,
-                                    part=part.value).set(n)
+                self._memory.labels(**self.labels, pool=pool, memory=where, part=part.value).set(n)
 
     def on_incidents(self, incidents: Sequence[ViolationIncident], *, dropped: int) -> None:
         """One increment per reported line, labelled as the line is."""
         for inc in incidents:
             self._violations.labels(
-                **self.labels, launch_tag=inc.record.tag_name,
-                fail_reason=FailReason.describe(inc.fail_bits)).inc()
+                **self.labels,
+                launch_tag=inc.record.tag_name,
+                fail_reason=FailReason.describe(inc.fail_bits),
+            ).inc()
         if dropped:
             self._dropped.inc(dropped)
 

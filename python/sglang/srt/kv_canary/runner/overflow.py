@@ -24,4 +24,9 @@ class VerifyOverflowWarner:
                 "kv_canary: forward step %d had more verify entries than the capacity %d in %d "
                 "buffer group(s); that forward was not verified (%d overflow(s) so far). The "
                 "capacity is 3x the KV pool size: lower --max-running-requests or the context "
-                "length if this persists.", step, self.verify_capacity, skipped, self.overflows)
+                "length if this persists.",
+                step,
+                self.verify_capacity,
+                skipped,
+                self.overflows,
+            )

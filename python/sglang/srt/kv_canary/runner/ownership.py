@@ -36,8 +36,10 @@ _KEY_SHIFT = 31
 GUARD_LINE_PREFIX = "kv_canary abort:"
 RELEASE_LINE_PREFIX = f"{GUARD_LINE_PREFIX} released request"
 EVICTION_LINE_PREFIX = f"{GUARD_LINE_PREFIX} evicting a corrupt prefix"
-_UNATTRIBUTED_RE = re.compile(re.escape(GUARD_LINE_PREFIX) + r" .*, unattributed entries "
-                              r"(\d+)$")
+_UNATTRIBUTED_RE = re.compile(
+    re.escape(GUARD_LINE_PREFIX) + r" .*, unattributed entries "
+    r"(\d+)$"
+)
 
 
 def parse_unattributed(line: str) -> int:
@@ -65,9 +67,11 @@ class ReleaseOutcome:
 
     def describe(self) -> str:
         unit = "slot(s)" if self.page_size == 1 else f"page(s) of {self.page_size} slots"
-        return (f"{GUARD_LINE_PREFIX} {self.what}: held back {self.held_back} {unit} another "
-                f"holder owns, reclaimed {self.reclaimed} {unit} its row no longer named, "
-                f"unattributed entries {self.unattributed}")
+        return (
+            f"{GUARD_LINE_PREFIX} {self.what}: held back {self.held_back} {unit} another "
+            f"holder owns, reclaimed {self.reclaimed} {unit} its row no longer named, "
+            f"unattributed entries {self.unattributed}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -88,17 +92,29 @@ class ReleaseGuard:
     forwarding batches, the chunked request); ``radix_cache``: the tree cache (None, or a
     ``ChunkCache``: no tree)."""
 
-    def __init__(self, *, records: torch.Tensor, req_to_token: torch.Tensor,
-                 live_reqs: Callable[[], Sequence], radix_cache=None):
-        if records.dtype != torch.uint8 or records.dim() != 2 \
-                or records.shape[1] != CANARY_SLOT_BYTES:
-            raise ValueError(f"records must be uint8 [num_slots, {CANARY_SLOT_BYTES}], got "
-                             f"{records.dtype} {tuple(records.shape)}")
+    def __init__(
+        self,
+        *,
+        records: torch.Tensor,
+        req_to_token: torch.Tensor,
+        live_reqs: Callable[[], Sequence],
+        radix_cache=None,
+    ):
+        if (
+            records.dtype != torch.uint8
+            or records.dim() != 2
+            or records.shape[1] != CANARY_SLOT_BYTES
+        ):
+            raise ValueError(
+                f"records must be uint8 [num_slots, {CANARY_SLOT_BYTES}], got "
+                f"{records.dtype} {tuple(records.shape)}"
+            )
         self.records = records.view(torch.int64)
         self.req_to_token = req_to_token
         self.live_reqs = live_reqs
-        self.radix_cache = (None if radix_cache is None or seam.is_chunk_cache(radix_cache)
-                            else radix_cache)
+        self.radix_cache = (
+            None if radix_cache is None or seam.is_chunk_cache(radix_cache) else radix_cache
+        )
         self.pending: List[int] = []  # held-back pages not free yet
         self.held_back_slots = 0  # over the server's life, in slots
         self.reclaimed_slots = 0
@@ -111,27 +127,38 @@ class ReleaseGuard:
 
     # ---- who holds what ----------------------------------------------------------------------
 
-    def _holders(self, allocator, page_size: int, *, exclude_req=None,
-                 exclude_nodes: Sequence = ()):
+    def _holders(
+        self, allocator, page_size: int, *, exclude_req=None, exclude_nodes: Sequence = ()
+    ):
         """Bool ``[num_pages]`` masks on the records' device: pages named by a live request's
         row (``exclude_req`` left out) or a radix node (``exclude_nodes`` left out), and pages
         free in ``allocator``."""
         device = self.records.device
         num_pages = (self.records.shape[0] + page_size - 1) // page_size
         named = torch.zeros(num_pages, dtype=torch.bool, device=device)
-        reqs = [r for r in seam.live_row_reqs(self.live_reqs()) if r is not exclude_req
-                and seam.req_kv_len(r) > 0]
+        reqs = [
+            r
+            for r in seam.live_row_reqs(self.live_reqs())
+            if r is not exclude_req and seam.req_kv_len(r) > 0
+        ]
         if reqs:
             rows = torch.tensor([seam.req_pool_row(r) for r in reqs], dtype=torch.int64)
             lens = torch.tensor([seam.req_kv_len(r) for r in reqs], dtype=torch.int64)
-            table = self.req_to_token[rows.to(self.req_to_token.device), :int(lens.max())]
-            live = (torch.arange(table.shape[1], device=table.device)[None, :]
-                    < lens.to(table.device)[:, None])
+            table = self.req_to_token[rows.to(self.req_to_token.device), : int(lens.max())]
+            live = (
+                torch.arange(table.shape[1], device=table.device)[None, :]
+                < lens.to(table.device)[:, None]
+            )
             named[table[live].to(device, torch.int64) // page_size] = True
         if self.radix_cache is not None:
             skip = {id(n) for n in exclude_nodes}
-            values = [v for n in radix_tree_nodes(self.radix_cache) if id(n) not in skip
-                      for v in [seam.radix_node_value(n)] if v is not None and v.numel()]
+            values = [
+                v
+                for n in radix_tree_nodes(self.radix_cache)
+                if id(n) not in skip
+                for v in [seam.radix_node_value(n)]
+                if v is not None and v.numel()
+            ]
             if values:
                 named[torch.cat(values).to(device, torch.int64) // page_size] = True
         free = torch.zeros(num_pages, dtype=torch.bool, device=device)
@@ -156,9 +183,14 @@ class ReleaseGuard:
             named, free = self._holders(allocator, page_size, exclude_req=req)
             entries = self.req_to_token[row, lo:hi].to(device, torch.int64)
             tokens = seam.req_token_ids(req)[lo:hi]
-            plan = self._decide(entries, torch.arange(lo, lo + len(tokens), device=device),
-                                torch.tensor(tokens, dtype=torch.int64).to(device),
-                                named, free, page_size)
+            plan = self._decide(
+                entries,
+                torch.arange(lo, lo + len(tokens), device=device),
+                torch.tensor(tokens, dtype=torch.int64).to(device),
+                named,
+                free,
+                page_size,
+            )
         with self._guarded(allocator, page_size, plan, f"released request {seam.req_rid(req)}"):
             yield
 
@@ -177,7 +209,7 @@ class ReleaseGuard:
             value = seam.radix_node_value(n)
             if value is None or not value.numel():
                 continue
-            key = seam.radix_node_key_tokens(n)[:value.numel()]
+            key = seam.radix_node_key_tokens(n)[: value.numel()]
             depth = seam.radix_node_depth(n)
             slots.append(value.to(device, torch.int64))
             positions += range(depth, depth + value.numel())
@@ -187,9 +219,14 @@ class ReleaseGuard:
             return
         with violation_path_sync(device):
             named, free = self._holders(allocator, page_size, exclude_nodes=subtree)
-            plan = self._decide(torch.cat(slots), torch.tensor(positions, device=device),
-                                torch.tensor(tokens, dtype=torch.int64).to(device),
-                                named, free, page_size)
+            plan = self._decide(
+                torch.cat(slots),
+                torch.tensor(positions, device=device),
+                torch.tensor(tokens, dtype=torch.int64).to(device),
+                named,
+                free,
+                page_size,
+            )
         with self._guarded(allocator, page_size, plan, "evicting a corrupt prefix"):
             yield
 
@@ -219,10 +256,13 @@ class ReleaseGuard:
         if plan.reclaim.numel():
             allocator.free(plan.reclaim * page_size)
         self.pending.extend(p for p in plan.still_held if p not in self.pending)
-        outcome = ReleaseOutcome(what=what, page_size=page_size,
-                                 held_back=int(plan.held_back.numel()),
-                                 reclaimed=int(plan.reclaim.numel()),
-                                 unattributed=plan.unattributed)
+        outcome = ReleaseOutcome(
+            what=what,
+            page_size=page_size,
+            held_back=int(plan.held_back.numel()),
+            reclaimed=int(plan.reclaim.numel()),
+            unattributed=plan.unattributed,
+        )
         self.guarded_releases += 1
         self.held_back_slots += outcome.held_back * page_size
         self.reclaimed_slots += outcome.reclaimed * page_size
@@ -230,8 +270,15 @@ class ReleaseGuard:
         if outcome.changed:
             logger.warning(outcome.describe())
 
-    def _decide(self, entries: torch.Tensor, positions: torch.Tensor, want: torch.Tensor,
-                named: torch.Tensor, free: torch.Tensor, page_size: int) -> "_ReleasePlan":
+    def _decide(
+        self,
+        entries: torch.Tensor,
+        positions: torch.Tensor,
+        want: torch.Tensor,
+        named: torch.Tensor,
+        free: torch.Tensor,
+        page_size: int,
+    ) -> "_ReleasePlan":
         """Which pages a holder's frees of ``entries`` (int64 slots; the first
         ``len(positions)`` hold the sequence ``positions`` with tokens ``want``, -1: unknown)
         must skip, and which it must free although it no longer names them.
@@ -249,8 +296,11 @@ class ReleaseGuard:
         n = positions.shape[0]
         stored = self.records[entries[:n]]
         fits = torch.zeros_like(other)
-        fits[:n] = ((stored[:, CANARY_FIELD_POSITION] == positions)
-                    & (stored[:, CANARY_FIELD_TOKEN] == want) & (want >= 0))
+        fits[:n] = (
+            (stored[:, CANARY_FIELD_POSITION] == positions)
+            & (stored[:, CANARY_FIELD_TOKEN] == want)
+            & (want >= 0)
+        )
         doubt = (~fits | other | was_free)[:n] & (want >= 0)
         keys = (positions << _KEY_SHIFT) | want.clamp(min=0)
         has_orphan = torch.zeros_like(other)
@@ -258,8 +308,9 @@ class ReleaseGuard:
         slots = torch.zeros(0, dtype=torch.int64, device=device)
         rec_keys = None
         if bool(doubt.any()):
-            rec_keys = ((self.records[:, CANARY_FIELD_POSITION] << _KEY_SHIFT)
-                        | self.records[:, CANARY_FIELD_TOKEN])
+            rec_keys = (self.records[:, CANARY_FIELD_POSITION] << _KEY_SHIFT) | self.records[
+                :, CANARY_FIELD_TOKEN
+            ]
             slots = torch.isin(rec_keys, keys[doubt]).nonzero().flatten()
             slots = slots[slots >= page_size]  # the padding slot (page 0) is nobody's
             cand = slots // page_size
@@ -275,9 +326,12 @@ class ReleaseGuard:
             freed_pages = torch.cat([reclaim, torch.unique(pages[ok])])
             mine = slots[torch.isin(slots // page_size, freed_pages)]
             unattributed = int((lost & ~torch.isin(keys, rec_keys[mine])).sum())
-        return _ReleasePlan(held_back=held_back, reclaim=reclaim,
-                            still_held=held_back[~free[held_back]].tolist(),
-                            unattributed=unattributed)
+        return _ReleasePlan(
+            held_back=held_back,
+            reclaim=reclaim,
+            still_held=held_back[~free[held_back]].tolist(),
+            unattributed=unattributed,
+        )
 
     # ---- held-back pages ---------------------------------------------------------------------
 
@@ -299,7 +353,8 @@ class ReleaseGuard:
         if orphans:
             allocator.free(orphan * page_size)
             self.settled_slots += len(orphans) * page_size
-            logger.warning("kv_canary abort: freed %d held-back page(s) no holder names any "
-                           "more", len(orphans))
+            logger.warning(
+                "kv_canary abort: freed %d held-back page(s) no holder names any more", len(orphans)
+            )
         self.pending = keep
         return len(orphans)

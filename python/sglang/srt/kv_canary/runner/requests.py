@@ -56,15 +56,15 @@ class RequestResolver:
     compare an SWA incident's slot with the rows' full slots. ``running_reqs`` (set when the
     scheduler is attached) returns the scheduler's running requests."""
 
-    def __init__(self, *, req_to_token: torch.Tensor,
-                 swa_index_lut: Optional[torch.Tensor] = None):
+    def __init__(self, *, req_to_token: torch.Tensor, swa_index_lut: Optional[torch.Tensor] = None):
         self.req_to_token = req_to_token
         self.swa_index_lut = swa_index_lut
         self.running_reqs: Callable[[], Sequence] = tuple
         self.device_reads = 0  # row read-backs (steps that reported an incident)
 
-    def resolve(self, incidents: Sequence[ViolationIncident],
-                forward: ForwardRequests) -> List[IncidentRequests]:
+    def resolve(
+        self, incidents: Sequence[ViolationIncident], forward: ForwardRequests
+    ) -> List[IncidentRequests]:
         """One :class:`IncidentRequests` per incident, in order."""
         if not incidents:
             return []
@@ -88,10 +88,13 @@ class RequestResolver:
             for r in reqs:
                 unique.setdefault(id(r), r)
             ordered = list(unique.values())
-            out.append(IncidentRequests(
-                rids=tuple(dict.fromkeys(seam.req_rid(r) for r in ordered)),
-                running=tuple(r for r in ordered if not seam.req_done(r)),
-                holding=tuple(r for r in ordered if seam.req_pool_row(r) is not None)))
+            out.append(
+                IncidentRequests(
+                    rids=tuple(dict.fromkeys(seam.req_rid(r) for r in ordered)),
+                    running=tuple(r for r in ordered if not seam.req_done(r)),
+                    holding=tuple(r for r in ordered if seam.req_pool_row(r) is not None),
+                )
+            )
         return out
 
     def _live_rows(self, rows: Sequence[int], lens: Sequence[int]):
@@ -107,13 +110,17 @@ class RequestResolver:
     def running_mapping_full_slots(self, slots: torch.Tensor) -> List[object]:
         """Running requests (not finishing) whose live row entries map any of ``slots``
         (int64 full-pool slots). One read-back; containment path only."""
-        reqs = [r for r in self.running_reqs() if not seam.req_done(r)
-                and seam.req_pool_row(r) is not None and seam.req_kv_len(r) > 0]
+        reqs = [
+            r
+            for r in self.running_reqs()
+            if not seam.req_done(r) and seam.req_pool_row(r) is not None and seam.req_kv_len(r) > 0
+        ]
         if not reqs or slots.numel() == 0:
             return []
         device = self.req_to_token.device
-        table, live = self._live_rows([seam.req_pool_row(r) for r in reqs],
-                                      [seam.req_kv_len(r) for r in reqs])
+        table, live = self._live_rows(
+            [seam.req_pool_row(r) for r in reqs], [seam.req_kv_len(r) for r in reqs]
+        )
         hit_d = (torch.isin(table, slots.to(device, torch.int64)) & live).any(dim=1)
         self.device_reads += 1
         with violation_path_sync(device):
@@ -125,8 +132,7 @@ class RequestResolver:
         if not candidates:
             return [[] for _ in incidents]
         device = self.req_to_token.device
-        table, live = self._live_rows([r for _, r, _ in candidates],
-                                      [n for _, _, n in candidates])
+        table, live = self._live_rows([r for _, r, _ in candidates], [n for _, _, n in candidates])
         by_kind = {PoolKind.FULL: table}
         if self.swa_index_lut is not None:
             by_kind[PoolKind.SWA] = self.swa_index_lut.to(torch.int64)[table]

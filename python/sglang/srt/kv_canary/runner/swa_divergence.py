@@ -28,15 +28,18 @@ class SwaDivergenceReporter:
     """``sfm_plans``: per single-forward manager (in index order), its groups' verify plans
     in the order of its status entries (``sfm.groups``), as ``(kind, verify_plan)`` pairs."""
 
-    def __init__(self, *, interval: int,
-                 sfm_plans: Sequence[Sequence[Tuple[PoolKind, VerifyPlan]]]):
+    def __init__(
+        self, *, interval: int, sfm_plans: Sequence[Sequence[Tuple[PoolKind, VerifyPlan]]]
+    ):
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
-            raise ValueError(f"SwaDivergenceReporter interval must be an int >= 0, got "
-                             f"{interval!r}")
+            raise ValueError(
+                f"SwaDivergenceReporter interval must be an int >= 0, got {interval!r}"
+            )
         self.interval = interval
         self._kinds = tuple(tuple(kind for kind, _ in plans) for plans in sfm_plans)
-        self._sources = tuple(tuple(plan.verify_num_valid for _, plan in plans)
-                              for plans in sfm_plans)
+        self._sources = tuple(
+            tuple(plan.verify_num_valid for _, plan in plans) for plans in sfm_plans
+        )
         self.full_verify_entries = 0
         self.swa_verify_entries = 0
         self.forwards = 0
@@ -50,8 +53,14 @@ class SwaDivergenceReporter:
         to stage with the manager's delayed copies; empty when off."""
         return self._sources if self.enabled else ()
 
-    def consume(self, *, num_valid: Sequence[torch.Tensor], plan_enabled: Sequence[int],
-                step: int, sfm_index: int) -> None:
+    def consume(
+        self,
+        *,
+        num_valid: Sequence[torch.Tensor],
+        plan_enabled: Sequence[int],
+        step: int,
+        sfm_index: int,
+    ) -> None:
         """Add the forward staged at ``step`` by single-forward manager ``sfm_index``:
         ``num_valid`` the host copies of its :meth:`device_tensors` entry, ``plan_enabled`` its
         status' flags; log the running totals when ``step`` is a multiple of the interval."""
@@ -70,6 +79,11 @@ class SwaDivergenceReporter:
 
     def snapshot(self, step: int) -> dict:
         full, swa = self.full_verify_entries, self.swa_verify_entries
-        return {"step": step, "forwards": self.forwards, "full_verify_entries": full,
-                "swa_verify_entries": swa, "full_minus_swa": full - swa,
-                "swa_over_full": round(swa / full, 6) if full else None}
+        return {
+            "step": step,
+            "forwards": self.forwards,
+            "full_verify_entries": full,
+            "swa_verify_entries": swa,
+            "full_minus_swa": full - swa,
+            "swa_over_full": round(swa / full, 6) if full else None,
+        }

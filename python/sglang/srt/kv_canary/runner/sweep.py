@@ -25,16 +25,26 @@ from sglang.srt.kv_canary.sweep_plan_builder import build_verify_plan_radix_swee
 
 logger = logging.getLogger(__name__)
 
+
 class SweepOrchestrator:
-    def __init__(self, *, interval: int, endpoints: Sequence[CanaryEndpoint], device,
-                 chunk_capacity: int = SWEEP_CHUNK_CAPACITY):
+    def __init__(
+        self,
+        *,
+        interval: int,
+        endpoints: Sequence[CanaryEndpoint],
+        device,
+        chunk_capacity: int = SWEEP_CHUNK_CAPACITY,
+    ):
         self.interval = interval
         self.endpoints = [ep for ep in endpoints if ep.phase == CanaryPhase.SWEEP]
         self.sweep_passes = 0
         self.radix_cache = None
         self._last_sweep_step = None
-        self.plan = (VerifyPlan.allocate(verify_capacity=chunk_capacity, device=device)
-                     if interval > 0 else None)
+        self.plan = (
+            VerifyPlan.allocate(verify_capacity=chunk_capacity, device=device)
+            if interval > 0
+            else None
+        )
 
     def attach_radix_cache(self, radix_cache) -> None:
         """The scheduler's tree cache (start-up). Without a radix cache (``ChunkCache``: no
@@ -48,14 +58,18 @@ class SweepOrchestrator:
                 "kv_canary: --kv-canary-sweep-interval %d has nothing to sweep: this server "
                 "runs without a radix cache (%s: --disable-radix-cache, or a PD decode "
                 "server's default), so no slot stays cached after its request; the "
-                "per-forward checks still run", self.interval, type(radix_cache).__name__)
+                "per-forward checks still run",
+                self.interval,
+                type(radix_cache).__name__,
+            )
             return
         supported = seam.radix_cache_types()
         if not isinstance(radix_cache, supported):
             raise NotImplementedError(
                 f"--kv-canary-sweep-interval cannot walk {type(radix_cache).__name__} "
                 f"(supported: {', '.join(t.__name__ for t in supported)}); set "
-                "--kv-canary-sweep-interval 0 or use one of those trees")
+                "--kv-canary-sweep-interval 0 or use one of those trees"
+            )
         self.radix_cache = radix_cache
 
     def maybe_run_sweep(self, step: int) -> bool:
@@ -76,15 +90,17 @@ class SweepOrchestrator:
         for ep in self.endpoints:
             swa = ep.group.kind == PoolKind.SWA
             if swa not in walks:
-                walks[swa] = walk_radix_cache_for_canary(radix_cache=self.radix_cache,
-                                                         swa_resident_only=swa)
+                walks[swa] = walk_radix_cache_for_canary(
+                    radix_cache=self.radix_cache, swa_resident_only=swa
+                )
             walk = walks[swa]
             start = 0
             while start < walk.num_slots:
                 start += build_verify_plan_radix_sweep(
-                    walk=walk, plan_out=self.plan, start=start,
-                    swa_index_lut=ep.group.swa_index_lut)
-                launch_canary_verify_kernel(context=ep.context, plan=self.plan,
-                                            check_verify_expected_token=False)
+                    walk=walk, plan_out=self.plan, start=start, swa_index_lut=ep.group.swa_index_lut
+                )
+                launch_canary_verify_kernel(
+                    context=ep.context, plan=self.plan, check_verify_expected_token=False
+                )
                 launch_deep_verify(ep, self.plan, rotate=False)  # every layer, if on
         self.sweep_passes += 1

@@ -45,25 +45,36 @@ class ViolationReporter:
         # the raise message has no log prefix naming it; "" on a one-rank server
         self.rank = rank
 
-    def report(self, incidents: Sequence[ViolationIncident], *, step: int, dropped: int = 0,
-               ring_capacity: Optional[int] = None) -> None:
+    def report(
+        self,
+        incidents: Sequence[ViolationIncident],
+        *,
+        step: int,
+        dropped: int = 0,
+        ring_capacity: Optional[int] = None,
+    ) -> None:
         """``incidents``: one forward window's (:func:`merge_incidents`); ``dropped``: its
         rows past ``ring_capacity``."""
         if not incidents and not dropped:
             return
         where = f"\n  Pool: {self.pool}." if self.pool else ""
-        texts = [format_violation_line(i, step=step) + "\n" + format_violation_block(i, step)
-                 + where for i in incidents]
+        texts = [
+            format_violation_line(i, step=step) + "\n" + format_violation_block(i, step) + where
+            for i in incidents
+        ]
         if dropped:
             held = f" (it holds {ring_capacity} per forward step)" if ring_capacity else ""
-            texts.append(f"{VIOLATION_LINE_PREFIX} {dropped} more violation(s) not recorded "
-                         f"at forward step {step}: the ring is full{held}; later steps are "
-                         "recorded again (raise SGLANG_KV_CANARY_RING_CAPACITY for more detail)")
+            texts.append(
+                f"{VIOLATION_LINE_PREFIX} {dropped} more violation(s) not recorded "
+                f"at forward step {step}: the ring is full{held}; later steps are "
+                "recorded again (raise SGLANG_KV_CANARY_RING_CAPACITY for more detail)"
+            )
         if self.mode == CanaryMode.RAISE:
             pool = f" in {self.pool}" if self.pool else ""
             rank = f" on {self.rank}" if self.rank else ""
-            raise RuntimeError(f"kv_canary detected KV-cache corruption{pool}{rank}:\n"
-                               + "\n".join(texts))
+            raise RuntimeError(
+                f"kv_canary detected KV-cache corruption{pool}{rank}:\n" + "\n".join(texts)
+            )
         for text in texts:
             logger.warning("%s", text)
 
@@ -82,8 +93,9 @@ class ViolationManager:
         self.total_dropped = 0  # of those, rows past a window's capacity
         self.total_incidents = 0  # reported lines (merged rows) so far
 
-    def collect(self, *, write_index: int, ring: torch.Tensor
-                ) -> Tuple[List[ViolationIncident], int]:
+    def collect(
+        self, *, write_index: int, ring: torch.Tensor
+    ) -> Tuple[List[ViolationIncident], int]:
         """The window's incidents and its dropped row count (counted in the totals);
         ``write_index``: the window's violation count, ``ring``: a host copy of the ring,
         both read back after one forward."""
@@ -103,7 +115,7 @@ class ViolationManager:
         self.total += len(incidents)
         self.total_incidents += len(incidents)
 
-    def report(self, incidents: Sequence[ViolationIncident], *, dropped: int, step: int
-               ) -> None:
-        self.reporter.report(incidents, step=step, dropped=dropped,
-                             ring_capacity=self.ring_capacity)
+    def report(self, incidents: Sequence[ViolationIncident], *, dropped: int, step: int) -> None:
+        self.reporter.report(
+            incidents, step=step, dropped=dropped, ring_capacity=self.ring_capacity
+        )

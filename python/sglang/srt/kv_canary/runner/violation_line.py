@@ -97,18 +97,27 @@ _LINE_RE = re.compile(
     + rf" stored_token={_INT} expected_token={_INT} stored_chain_hash={_HEX}"
     + rf" expected_aux={_HEX} forward_step={_INT} read_position={_INT}"
     + rf" req_to_token_row={_INT} seen_by=([\w,]+) kv_layer={_INT}"
-    + r" rids=([^\s,]+(?:,[^\s,]+)*)")
+    + r" rids=([^\s,]+(?:,[^\s,]+)*)"
+)
 
 
 def _line_from_match(m: "re.Match") -> ViolationLine:
     return ViolationLine(
-        launch_tag=m.group(1), fail_reasons=tuple(m.group(2).split("+")),
-        slot_idx=int(m.group(3)), position=int(m.group(4)), stored_token=int(m.group(5)),
-        expected_token=int(m.group(6)), stored_chain_hash=int(m.group(7), 16),
-        expected_aux=int(m.group(8), 16), forward_step=int(m.group(9)),
-        read_position=int(m.group(10)), req_to_token_row=int(m.group(11)),
-        seen_by=tuple(m.group(12).split(",")), kv_layer=int(m.group(13)),
-        rids=parse_rids(m.group(14)))
+        launch_tag=m.group(1),
+        fail_reasons=tuple(m.group(2).split("+")),
+        slot_idx=int(m.group(3)),
+        position=int(m.group(4)),
+        stored_token=int(m.group(5)),
+        expected_token=int(m.group(6)),
+        stored_chain_hash=int(m.group(7), 16),
+        expected_aux=int(m.group(8), 16),
+        forward_step=int(m.group(9)),
+        read_position=int(m.group(10)),
+        req_to_token_row=int(m.group(11)),
+        seen_by=tuple(m.group(12).split(",")),
+        kv_layer=int(m.group(13)),
+        rids=parse_rids(m.group(14)),
+    )
 
 
 def parse_violation_line(line: str) -> Optional[ViolationLine]:
@@ -138,21 +147,31 @@ def _where_read(inc: ViolationIncident) -> str:
     slot, pos, req_row = rec.slot_idx, rec.read_position, rec.req_to_token_row
     phase = rec.tag.phase if rec.tag is not None else None
     if rec.on_host_tier:
-        return (f"  The host-tier sweep (HiCache) read host-pool slot {slot}, the cached token at "
-                f"depth {pos}, in host memory (its KV bytes no longer match its fingerprint).")
+        return (
+            f"  The host-tier sweep (HiCache) read host-pool slot {slot}, the cached token at "
+            f"depth {pos}, in host memory (its KV bytes no longer match its fingerprint)."
+        )
     if req_row < 0:
-        return (f"  The radix-cache sweep read slot {slot} as the cached token at depth {pos} "
-                "(no request holds it).")
+        return (
+            f"  The radix-cache sweep read slot {slot} as the cached token at depth {pos} "
+            "(no request holds it)."
+        )
     if bits & (FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH):
-        return (f"  The forward wrote slot {slot} for position {pos} of the request in "
-                f"req_to_token row {req_row}.")
-    where = (f"  Attention read req_to_token[{req_row}, {pos}] = slot {slot} for position {pos}")
+        return (
+            f"  The forward wrote slot {slot} for position {pos} of the request in "
+            f"req_to_token row {req_row}."
+        )
+    where = f"  Attention read req_to_token[{req_row}, {pos}] = slot {slot} for position {pos}"
     if rec.position != pos:
-        where += (f"; the slot's record holds position {rec.position}: that entry points at the "
-                  "wrong slot")
+        where += (
+            f"; the slot's record holds position {rec.position}: that entry points at the "
+            "wrong slot"
+        )
     elif bits == FailReason.VERIFY_CHAIN_HASH_MISMATCH and pos > 0:
-        where += (f"; its predecessor req_to_token[{req_row}, {pos - 1}] holds a record that does "
-                  "not chain to it (look for a report at that position)")
+        where += (
+            f"; its predecessor req_to_token[{req_row}, {pos - 1}] holds a record that does "
+            "not chain to it (look for a report at that position)"
+        )
     return where + (f" ({phase.name.lower()} check)." if phase is not None else ".")
 
 
@@ -162,32 +181,33 @@ def format_violation_block(item: Union[ViolationIncident, ViolationRecord], step
     rec = inc.record
     bits = inc.fail_bits
     seen = ", ".join(tag_name(t) for t in inc.seen_by)
-    lines = [f"  KV slot {rec.slot_idx} failed its canary check in launch "
-             f"{rec.tag_name} (seen by {seen}; reported at forward step {step}):",
-             _where_read(inc)]
+    lines = [
+        f"  KV slot {rec.slot_idx} failed its canary check in launch "
+        f"{rec.tag_name} (seen by {seen}; reported at forward step {step}):",
+        _where_read(inc),
+    ]
     if rec.kv_layer >= 0:
         half = rec.tag.half.name if rec.tag is not None else "?"
-        lines.append(f"  Layer {rec.kv_layer}'s {half} row of the slot no longer matches the "
-                     "fingerprint taken when it was written (per-layer check, "
-                     "--kv-canary-real-data-layers all); first row's layer, if several failed.")
+        lines.append(
+            f"  Layer {rec.kv_layer}'s {half} row of the slot no longer matches the "
+            "fingerprint taken when it was written (per-layer check, "
+            "--kv-canary-real-data-layers all); first row's layer, if several failed."
+        )
     explain = {
-        FailReason.VERIFY_CHAIN_HASH_MISMATCH:
-            "the record's prev_hash does not match its predecessor slot's record: the slot "
-            "holds KV of another sequence, or req_to_token points at the wrong slot",
-        FailReason.VERIFY_POSITION_MISMATCH:
-            "the record holds a different sequence position than attention reads it for",
-        FailReason.VERIFY_TOKEN_MISMATCH:
-            "the record holds a different token than the request's own history",
-        FailReason.VERIFY_REAL_KV_HASH_MISMATCH:
-            "the KV bytes changed since they were written (corruption or a stale/overwritten "
-            "slot)",
+        FailReason.VERIFY_CHAIN_HASH_MISMATCH: "the record's prev_hash does not match its predecessor slot's record: the slot "
+        "holds KV of another sequence, or req_to_token points at the wrong slot",
+        FailReason.VERIFY_POSITION_MISMATCH: "the record holds a different sequence position than attention reads it for",
+        FailReason.VERIFY_TOKEN_MISMATCH: "the record holds a different token than the request's own history",
+        FailReason.VERIFY_REAL_KV_HASH_MISMATCH: "the KV bytes changed since they were written (corruption or a stale/overwritten "
+        "slot)",
         FailReason.WRITE_TOKEN_MISMATCH: "the token written differs from the expected input",
-        FailReason.WRITE_POSITION_MISMATCH:
-            "the position written is not the expected one (expected position in expected_aux)",
+        FailReason.WRITE_POSITION_MISMATCH: "the position written is not the expected one (expected position in expected_aux)",
     }
     for reason, text in explain.items():
         if bits & reason:
             lines.append(f"    - {reason.name.lower()}: {text}")
-    lines.append("  Requests touched: " + (", ".join(inc.rids) if inc.rids else
-                                            "none running (no request maps the slot)"))
+    lines.append(
+        "  Requests touched: "
+        + (", ".join(inc.rids) if inc.rids else "none running (no request maps the slot)")
+    )
     return "\n".join(lines)

@@ -62,19 +62,23 @@ class ViolationRecord:
         """Decode one ring row (``VIOLATION_NUM_FIELDS`` integers in the record format's
         order); a row of another width is refused."""
         if len(row) != VIOLATION_NUM_FIELDS:
-            raise ValueError(f"a violation ring row has {VIOLATION_NUM_FIELDS} fields, got "
-                             f"{len(row)}")
+            raise ValueError(
+                f"a violation ring row has {VIOLATION_NUM_FIELDS} fields, got {len(row)}"
+            )
         v = [int(x) for x in row]
-        return cls(launch_tag=v[VIOLATION_FIELD_KERNEL_KIND], slot_idx=v[VIOLATION_FIELD_SLOT_IDX],
-                   position=v[VIOLATION_FIELD_POSITION],
-                   stored_token=v[VIOLATION_FIELD_STORED_TOKEN],
-                   expected_token=v[VIOLATION_FIELD_EXPECTED_TOKEN],
-                   stored_chain_hash=v[VIOLATION_FIELD_STORED_CHAIN_HASH],
-                   expected_aux=v[VIOLATION_FIELD_EXPECTED_AUX],
-                   fail_bits=v[VIOLATION_FIELD_FAIL_REASON_BITS],
-                   read_position=v[VIOLATION_FIELD_READ_POSITION],
-                   req_to_token_row=v[VIOLATION_FIELD_REQ_TO_TOKEN_ROW],
-                   kv_layer=v[VIOLATION_FIELD_KV_LAYER])
+        return cls(
+            launch_tag=v[VIOLATION_FIELD_KERNEL_KIND],
+            slot_idx=v[VIOLATION_FIELD_SLOT_IDX],
+            position=v[VIOLATION_FIELD_POSITION],
+            stored_token=v[VIOLATION_FIELD_STORED_TOKEN],
+            expected_token=v[VIOLATION_FIELD_EXPECTED_TOKEN],
+            stored_chain_hash=v[VIOLATION_FIELD_STORED_CHAIN_HASH],
+            expected_aux=v[VIOLATION_FIELD_EXPECTED_AUX],
+            fail_bits=v[VIOLATION_FIELD_FAIL_REASON_BITS],
+            read_position=v[VIOLATION_FIELD_READ_POSITION],
+            req_to_token_row=v[VIOLATION_FIELD_REQ_TO_TOKEN_ROW],
+            kv_layer=v[VIOLATION_FIELD_KV_LAYER],
+        )
 
     @property
     def tag(self) -> Optional[CanaryLaunchTag]:
@@ -142,5 +146,6 @@ def merge_incidents(records: Sequence[ViolationRecord]) -> List[ViolationInciden
         entry[1] |= rec.fail_bits
         if rec.launch_tag not in entry[2]:
             entry[2].append(rec.launch_tag)
-    return [ViolationIncident(record=r, fail_bits=b, seen_by=tuple(t))
-            for r, b, t in first.values()]
+    return [
+        ViolationIncident(record=r, fail_bits=b, seen_by=tuple(t)) for r, b, t in first.values()
+    ]

@@ -40,9 +40,17 @@ class EagerForwardGraphs:
     Allocates its buffers here; :meth:`stage` and the replays allocate nothing and never
     sync the host."""
 
-    def __init__(self, *, plan_input: PlanInput, capacities: CanaryLaunchCapacities,
-                 expected_inputs: Optional[ExpectedInputs], side_launches: Launches,
-                 tail_launches: Launches, side_stream: Optional["torch.cuda.Stream"], device):
+    def __init__(
+        self,
+        *,
+        plan_input: PlanInput,
+        capacities: CanaryLaunchCapacities,
+        expected_inputs: Optional[ExpectedInputs],
+        side_launches: Launches,
+        tail_launches: Launches,
+        side_stream: Optional["torch.cuda.Stream"],
+        device,
+    ):
         cap = capacities.write_entry_capacity
         self._plan_input = plan_input
         self._side_launches = side_launches
@@ -55,10 +63,14 @@ class EagerForwardGraphs:
         self._token_views = StaticPrefixViews(self.input_ids, self.positions, self.out_cache_loc)
         self._tokens_filled = 0  # entries [0, _tokens_filled) hold an earlier forward's slots
         self.inputs = ForwardLaunchInputs(
-            req_pool_indices=plan_input.req_pool_indices, prefix_lens=plan_input.prefix_lens,
-            extend_seq_lens=plan_input.extend_seq_lens, input_ids=self.input_ids,
-            positions=self.positions, out_cache_loc=self.out_cache_loc,
-            expected_inputs=expected_inputs.views(cap) if expected_inputs is not None else None)
+            req_pool_indices=plan_input.req_pool_indices,
+            prefix_lens=plan_input.prefix_lens,
+            extend_seq_lens=plan_input.extend_seq_lens,
+            input_ids=self.input_ids,
+            positions=self.positions,
+            out_cache_loc=self.out_cache_loc,
+            expected_inputs=expected_inputs.views(cap) if expected_inputs is not None else None,
+        )
         self._side_graph: Optional["torch.cuda.CUDAGraph"] = None
         self._tail_graph: Optional["torch.cuda.CUDAGraph"] = None
 
@@ -74,8 +86,10 @@ class EagerForwardGraphs:
         if self.captured:
             raise RuntimeError("kv_canary: eager-forward graphs are already captured")
         if self._tokens_filled or self._plan_input.req_pool_indices.any():
-            raise RuntimeError("kv_canary: eager-forward graphs must be captured before the "
-                               "first staged forward (on all-padding inputs)")
+            raise RuntimeError(
+                "kv_canary: eager-forward graphs must be captured before the "
+                "first staged forward (on all-padding inputs)"
+            )
         stream = self._side_stream
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):  # warm-up: compile, no record written
@@ -100,11 +114,14 @@ class EagerForwardGraphs:
         self._plan_input.padded_copies(forward_batch, dst, src)
         n = num_tokens
         dst += self._token_views(n)
-        src += (leading(forward_batch.input_ids, n), leading(forward_batch.positions, n),
-                forward_batch.out_cache_loc)
+        src += (
+            leading(forward_batch.input_ids, n),
+            leading(forward_batch.positions, n),
+            forward_batch.out_cache_loc,
+        )
         if self._tokens_filled > n:
-            dst.append(self.out_cache_loc[n:self._tokens_filled])
-            src.append(self._zeros[:self._tokens_filled - n])
+            dst.append(self.out_cache_loc[n : self._tokens_filled])
+            src.append(self._zeros[: self._tokens_filled - n])
         copy_pairs(dst, src)
         self._tokens_filled = n
 

@@ -74,24 +74,36 @@ class GroupPlans:
     write_slots: Optional[torch.Tensor]
 
     @classmethod
-    def allocate(cls, group: CanaryBufferGroup, capacities: CanaryLaunchCapacities,
-                 device) -> "GroupPlans":
+    def allocate(
+        cls, group: CanaryBufferGroup, capacities: CanaryLaunchCapacities, device
+    ) -> "GroupPlans":
         slots = None
         if group.kind == PoolKind.SWA:
-            slots = torch.zeros(capacities.write_entry_capacity, dtype=group.swa_index_lut.dtype,
-                                device=device)
+            slots = torch.zeros(
+                capacities.write_entry_capacity, dtype=group.swa_index_lut.dtype, device=device
+            )
         return cls(
             group=group,
-            verify_plan=VerifyPlan.allocate(verify_capacity=capacities.verify_capacity,
-                                            device=device),
-            write_plan=WritePlan.allocate(write_req_capacity=capacities.write_req_capacity,
-                                          device=device),
+            verify_plan=VerifyPlan.allocate(
+                verify_capacity=capacities.verify_capacity, device=device
+            ),
+            write_plan=WritePlan.allocate(
+                write_req_capacity=capacities.write_req_capacity, device=device
+            ),
             write_slots=slots,
         )
 
 
-def launch_group_plan(plans: GroupPlans, *, req_pool_indices, prefix_lens, extend_seq_lens,
-                      req_to_token, expected_tokens, expected_valid_lens) -> None:
+def launch_group_plan(
+    plans: GroupPlans,
+    *,
+    req_pool_indices,
+    prefix_lens,
+    extend_seq_lens,
+    req_to_token,
+    expected_tokens,
+    expected_valid_lens,
+) -> None:
     """Plan one group's verify entries and write layout for this forward."""
     group = plans.group
     launch_canary_plan_kernels(
@@ -105,8 +117,9 @@ def launch_group_plan(plans: GroupPlans, *, req_pool_indices, prefix_lens, exten
         full_to_swa_index_mapping=group.swa_index_lut,
         verify_capacity=plans.verify_plan.capacity,
         req_to_verify_expected_tokens=expected_tokens,
-        req_to_verify_expected_tokens_valid_lens=(expected_valid_lens
-                                                  if expected_tokens is not None else None),
+        req_to_verify_expected_tokens_valid_lens=(
+            expected_valid_lens if expected_tokens is not None else None
+        ),
         kv_token_id_vs_position_offset=group.kv_token_id_vs_position_offset,
     )
 
@@ -130,20 +143,32 @@ def translated_slots(plans: GroupPlans, out_cache_loc: torch.Tensor) -> torch.Te
 PlansByGroup = Mapping[CanaryBufferGroup, GroupPlans]
 
 
-def launch_verifies(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
-                    plans_by_group: PlansByGroup, check_verify_expected_token: bool) -> None:
+def launch_verifies(
+    endpoints: Iterable[CanaryEndpoint],
+    phase: CanaryPhase,
+    *,
+    plans_by_group: PlansByGroup,
+    check_verify_expected_token: bool,
+) -> None:
     """Verify launch of every endpoint of ``phase`` (HEAD or TAIL), on its group's plan."""
     for ep in endpoints:
         if ep.phase == phase:
-            launch_canary_verify_kernel(context=ep.context,
-                                        plan=plans_by_group[ep.group].verify_plan,
-                                        check_verify_expected_token=check_verify_expected_token)
+            launch_canary_verify_kernel(
+                context=ep.context,
+                plan=plans_by_group[ep.group].verify_plan,
+                check_verify_expected_token=check_verify_expected_token,
+            )
 
 
-def chain_write_launches(endpoints: Iterable[CanaryEndpoint], *, plans_by_group: PlansByGroup,
-                         input_ids, positions, out_cache_loc,
-                         expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]]
-                         ) -> List[Callable[[], None]]:
+def chain_write_launches(
+    endpoints: Iterable[CanaryEndpoint],
+    *,
+    plans_by_group: PlansByGroup,
+    input_ids,
+    positions,
+    out_cache_loc,
+    expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]],
+) -> List[Callable[[], None]]:
     """The HEAD writes and the TAIL writes' chain part of every group, one callable per group
     (its buffers' chains walked side by side in one launch), independent of one another, to
     run in any order or side by side. A HEAD write is its chain part (HEAD never
@@ -152,26 +177,40 @@ def chain_write_launches(endpoints: Iterable[CanaryEndpoint], *, plans_by_group:
     for ep in endpoints:
         if ep.phase in (CanaryPhase.HEAD, CanaryPhase.TAIL):
             if ep.phase == CanaryPhase.HEAD and ep.context.fingerprint_mode:
-                raise RuntimeError(f"kv_canary: HEAD endpoint {ep.tag.name} fingerprints; "
-                                   "HEAD writes are chain-only")
+                raise RuntimeError(
+                    f"kv_canary: HEAD endpoint {ep.tag.name} fingerprints; "
+                    "HEAD writes are chain-only"
+                )
             by_group.setdefault(ep.group, []).append(ep)
     launches = []
     for group, eps in by_group.items():
         plans = plans_by_group[group]
-        launches.append(functools.partial(
-            launch_canary_chain_writes,
-            contexts=[ep.context for ep in eps], plan=plans.write_plan, input_ids=input_ids,
-            positions=positions, out_cache_loc=write_slots_for(plans, out_cache_loc),
-            enable_write_input_assert=expected_inputs is not None,
-            expected_input_tokens=expected_inputs[0] if expected_inputs is not None else None,
-            expected_input_positions=expected_inputs[1] if expected_inputs is not None else None,
-        ))
+        launches.append(
+            functools.partial(
+                launch_canary_chain_writes,
+                contexts=[ep.context for ep in eps],
+                plan=plans.write_plan,
+                input_ids=input_ids,
+                positions=positions,
+                out_cache_loc=write_slots_for(plans, out_cache_loc),
+                enable_write_input_assert=expected_inputs is not None,
+                expected_input_tokens=expected_inputs[0] if expected_inputs is not None else None,
+                expected_input_positions=expected_inputs[1]
+                if expected_inputs is not None
+                else None,
+            )
+        )
     return launches
 
 
-def launch_fingerprint_writes(endpoints: Iterable[CanaryEndpoint], *,
-                              plans_by_group: PlansByGroup, input_ids, positions,
-                              out_cache_loc) -> None:
+def launch_fingerprint_writes(
+    endpoints: Iterable[CanaryEndpoint],
+    *,
+    plans_by_group: PlansByGroup,
+    input_ids,
+    positions,
+    out_cache_loc,
+) -> None:
     """The TAIL writes' fingerprint part (:attr:`WriteParts.FINGERPRINT`) of every TAIL
     endpoint with real-data fingerprints, after the model wrote the KV bytes and after
     :func:`chain_write_launches` (which translated SWA groups' slots: read here as
@@ -181,10 +220,16 @@ def launch_fingerprint_writes(endpoints: Iterable[CanaryEndpoint], *,
             continue
         plans = plans_by_group[ep.group]
         launch_canary_write_kernel(
-            context=ep.context, plan=plans.write_plan, input_ids=input_ids,
-            positions=positions, out_cache_loc=translated_slots(plans, out_cache_loc),
-            parts=WriteParts.FINGERPRINT, enable_write_input_assert=False,
-            expected_input_tokens=None, expected_input_positions=None)
+            context=ep.context,
+            plan=plans.write_plan,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=translated_slots(plans, out_cache_loc),
+            parts=WriteParts.FINGERPRINT,
+            enable_write_input_assert=False,
+            expected_input_tokens=None,
+            expected_input_positions=None,
+        )
 
 
 def launch_deep_verify(ep: CanaryEndpoint, plan: VerifyPlan, *, rotate: bool) -> None:
@@ -195,14 +240,20 @@ def launch_deep_verify(ep: CanaryEndpoint, plan: VerifyPlan, *, rotate: bool) ->
     if group.deep is None or ep.half != KvHalf.K:
         return
     launch_deep_fingerprint_verify(
-        table=group.deep, plan=plan, canary_buf=ep.context.canary_buf,
+        table=group.deep,
+        plan=plan,
+        canary_buf=ep.context.canary_buf,
         violation_ring=ep.context.violation_ring,
         violation_write_index=ep.context.violation_write_index,
-        tag_k=ep.tag, tag_v=CanaryLaunchTag.of(ep.phase, KvHalf.V, group.kind), rotate=rotate)
+        tag_k=ep.tag,
+        tag_v=CanaryLaunchTag.of(ep.phase, KvHalf.V, group.kind),
+        rotate=rotate,
+    )
 
 
-def launch_deep_verifies(endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *,
-                         plans_by_group: PlansByGroup) -> None:
+def launch_deep_verifies(
+    endpoints: Iterable[CanaryEndpoint], phase: CanaryPhase, *, plans_by_group: PlansByGroup
+) -> None:
     """The forward's rotating per-layer check of every group with a table, on its plan."""
     for ep in endpoints:
         if ep.phase == phase:
@@ -214,5 +265,8 @@ def launch_deep_writes(plans_by_group: PlansByGroup, out_cache_loc: torch.Tensor
     table (SWA groups: the slots the write translated, :func:`translated_slots`)."""
     for group, plans in plans_by_group.items():
         if group.deep is not None:
-            launch_deep_fingerprint_write(table=group.deep, plan=plans.write_plan,
-                                          out_cache_loc=translated_slots(plans, out_cache_loc))
+            launch_deep_fingerprint_write(
+                table=group.deep,
+                plan=plans.write_plan,
+                out_cache_loc=translated_slots(plans, out_cache_loc),
+            )

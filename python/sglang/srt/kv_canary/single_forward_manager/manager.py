@@ -75,18 +75,31 @@ class SingleForwardManager:
     and ``token_oracle`` (write-input check on) are the owners this manager hands batches to.
     All per-forward tensors are allocated here."""
 
-    def __init__(self, *, groups: Sequence[CanaryBufferGroup],
-                 endpoints: Sequence[CanaryEndpoint], state: CanaryDeviceState,
-                 capacities: CanaryLaunchCapacities, config: CanaryConfig,
-                 req_to_token: torch.Tensor, device, index: int = 0,
-                 token_history: Optional[TokenHistoryUploader] = None,
-                 token_oracle: Optional["TokenOracleManager"] = None, kv_pool=None):
+    def __init__(
+        self,
+        *,
+        groups: Sequence[CanaryBufferGroup],
+        endpoints: Sequence[CanaryEndpoint],
+        state: CanaryDeviceState,
+        capacities: CanaryLaunchCapacities,
+        config: CanaryConfig,
+        req_to_token: torch.Tensor,
+        device,
+        index: int = 0,
+        token_history: Optional[TokenHistoryUploader] = None,
+        token_oracle: Optional["TokenOracleManager"] = None,
+        kv_pool=None,
+    ):
         if config.enable_verify_token_assert and token_history is None:
-            raise ValueError("SingleForwardManager: token checks are on "
-                             "(enable_verify_token_assert) but no token_history was given")
+            raise ValueError(
+                "SingleForwardManager: token checks are on "
+                "(enable_verify_token_assert) but no token_history was given"
+            )
         if config.enable_write_input_assert and token_oracle is None:
-            raise ValueError("SingleForwardManager: the write-input check is on "
-                             "(enable_write_input_assert) but no token_oracle was given")
+            raise ValueError(
+                "SingleForwardManager: the write-input check is on "
+                "(enable_write_input_assert) but no token_oracle was given"
+            )
         self.index = index
         self.kv_pool = kv_pool  # the guarded pool (HiCache: its layer-load counter)
         self.token_oracle = token_oracle
@@ -98,21 +111,26 @@ class SingleForwardManager:
         self.req_to_token = req_to_token
         self.groups: Tuple[CanaryBufferGroup, ...] = tuple(groups)
         self.plans: Dict[CanaryBufferGroup, GroupPlans] = {
-            g: GroupPlans.allocate(g, capacities, device) for g in self.groups}
-        self.plan_input = PlanInput(write_req_capacity=capacities.write_req_capacity,
-                                    device=device)
+            g: GroupPlans.allocate(g, capacities, device) for g in self.groups
+        }
+        self.plan_input = PlanInput(write_req_capacity=capacities.write_req_capacity, device=device)
         # per-request valid lengths of the expected-token pool (filled outside the graph)
-        self.expected_valid_lens = torch.zeros(capacities.write_req_capacity, dtype=torch.int64,
-                                               device=device)
-        self.expected_inputs = (ExpectedInputs(write_entry_capacity=capacities.write_entry_capacity,
-                                               device=device)
-                                if config.enable_write_input_assert else None)
-        self.status = SfmStatus(plan_enabled=torch.zeros(len(self.groups), dtype=torch.int32,
-                                                          device=device))
+        self.expected_valid_lens = torch.zeros(
+            capacities.write_req_capacity, dtype=torch.int64, device=device
+        )
+        self.expected_inputs = (
+            ExpectedInputs(write_entry_capacity=capacities.write_entry_capacity, device=device)
+            if config.enable_write_input_assert
+            else None
+        )
+        self.status = SfmStatus(
+            plan_enabled=torch.zeros(len(self.groups), dtype=torch.int32, device=device)
+        )
         # the forward's slots when sglang hands a strided view (an EAGLE draft forward's row
         # of the round's slots): copied here, inside the pre-ops, for the launches
-        self.forward_slots = torch.zeros(capacities.write_entry_capacity, dtype=torch.int64,
-                                         device=device)
+        self.forward_slots = torch.zeros(
+            capacities.write_entry_capacity, dtype=torch.int64, device=device
+        )
         # CUDA: the pre-forward work runs on this side stream, beside the model forward
         device = torch.device(device)
         self.side_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
@@ -123,8 +141,7 @@ class SingleForwardManager:
         # the side half's HEAD and TAIL-chain writes: one launch per group (its buffers'
         # serial chains side by side on one SM), the groups' launches side by side
         self._write_lanes = cuda_streams.ParallelLanes(max(1, len(self.groups)), device)
-        self._device_index = (self.side_stream.device_index if self.side_stream is not None
-                              else None)
+        self._device_index = self.side_stream.device_index if self.side_stream is not None else None
         # the batch of the outside bracket (1.): what an eager forward's inside ops read
         self._batch: Optional["ForwardBatch"] = None
         # token checks: this forward's token-history upload is still to be done
@@ -140,16 +157,23 @@ class SingleForwardManager:
         and are replayed from two CUDA graphs captured now. The manager calls it from
         ``mark_init_finished``; without CUDA only the tests do (``capture_graphs=False``)."""
         if self.eager_graphs is not None:
-            raise RuntimeError(f"kv_canary: single-forward manager {self.index}'s static eager "
-                               "launches are already enabled")
+            raise RuntimeError(
+                f"kv_canary: single-forward manager {self.index}'s static eager "
+                "launches are already enabled"
+            )
         if self.phase != SfmPhase.IDLE:
-            raise CanaryPhaseError("kv_canary: static eager launches enabled in phase "
-                                   f"{self.phase.value}")
-        graphs = EagerForwardGraphs(plan_input=self.plan_input, capacities=self.capacities,
-                                    expected_inputs=self.expected_inputs,
-                                    side_launches=self._eager_side_launches,
-                                    tail_launches=self._tail_launches,
-                                    side_stream=self.side_stream, device=self.req_to_token.device)
+            raise CanaryPhaseError(
+                f"kv_canary: static eager launches enabled in phase {self.phase.value}"
+            )
+        graphs = EagerForwardGraphs(
+            plan_input=self.plan_input,
+            capacities=self.capacities,
+            expected_inputs=self.expected_inputs,
+            side_launches=self._eager_side_launches,
+            tail_launches=self._tail_launches,
+            side_stream=self.side_stream,
+            device=self.req_to_token.device,
+        )
         if capture_graphs:
             graphs.capture()
         self.eager_graphs = graphs
@@ -159,8 +183,7 @@ class SingleForwardManager:
     def _advance(self, op: SfmOp) -> None:
         table = CAPTURE_TRANSITIONS if self._capturing else TRANSITIONS
         if op not in table:
-            raise CanaryPhaseError(f"kv_canary: {op.value} must not run during CUDA-graph "
-                                   "capture")
+            raise CanaryPhaseError(f"kv_canary: {op.value} must not run during CUDA-graph capture")
         allowed, after = table[op]
         if self.phase not in allowed:
             raise CanaryPhaseError(
@@ -214,18 +237,18 @@ class SingleForwardManager:
         if self._tokens_pending:
             self._tokens_pending = False
             forward_batch = self._batch
-            self.token_history.stage_for_replay(batch_state(forward_batch),
-                                                forward_batch.req_pool_indices,
-                                                self.expected_valid_lens)
+            self.token_history.stage_for_replay(
+                batch_state(forward_batch), forward_batch.req_pool_indices, self.expected_valid_lens
+            )
 
     def _upload_tokens(self, forward_batch: "ForwardBatch") -> None:
         """An eager forward's upload: scatter the batch's token-id snapshot into the
         expected-token pool and set the plan's valid lengths (one host->device copy, one
         launch, no host sync), on the current stream."""
         self._tokens_pending = False
-        if not self.token_history.upload(batch_state(forward_batch),
-                                         forward_batch.req_pool_indices,
-                                         self.expected_valid_lens):
+        if not self.token_history.upload(
+            batch_state(forward_batch), forward_batch.req_pool_indices, self.expected_valid_lens
+        ):
             self.expected_valid_lens.zero_()  # no snapshot: no token checks this forward
 
     def _inside_batch(self, forward_batch: "ForwardBatch") -> "ForwardBatch":
@@ -234,8 +257,9 @@ class SingleForwardManager:
         if self._capturing:
             return forward_batch
         if self._batch is None:  # the phase table makes this unreachable; keep it loud
-            raise CanaryPhaseError("kv_canary: inside ops of an eager forward without the "
-                                   "outside bracket's batch")
+            raise CanaryPhaseError(
+                "kv_canary: inside ops of an eager forward without the outside bracket's batch"
+            )
         return self._batch
 
     @contextlib.contextmanager
@@ -292,7 +316,8 @@ class SingleForwardManager:
                     # the replay's upload: staged before the replay, scattered in the graph
                     rpi = inputs.req_pool_indices
                     self.token_history.launch_replay_scatter(
-                        rpi, self.expected_valid_lens[:rpi.shape[0]])
+                        rpi, self.expected_valid_lens[: rpi.shape[0]]
+                    )
                 self._side_launches(inputs)
         self._join()
         if graphs is not None:
@@ -308,11 +333,16 @@ class SingleForwardManager:
         slots = self._contiguous_slots(forward_batch.out_cache_loc)
         n = slots.shape[0]
         return ForwardLaunchInputs(
-            req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend,
-            input_ids=forward_batch.input_ids[:n], positions=forward_batch.positions[:n],
+            req_pool_indices=rpi,
+            prefix_lens=prefix,
+            extend_seq_lens=extend,
+            input_ids=forward_batch.input_ids[:n],
+            positions=forward_batch.positions[:n],
             out_cache_loc=slots,
-            expected_inputs=(self.expected_inputs.views(n)
-                             if self.expected_inputs is not None else None))
+            expected_inputs=(
+                self.expected_inputs.views(n) if self.expected_inputs is not None else None
+            ),
+        )
 
     def _eager_side_launches(self, inputs: ForwardLaunchInputs) -> None:
         """The side half of an eager forward's graph (:class:`EagerForwardGraphs`): with token
@@ -321,8 +351,7 @@ class SingleForwardManager:
         :meth:`_side_launches`."""
         if self.token_history is not None:
             rpi = inputs.req_pool_indices
-            self.token_history.launch_replay_scatter(rpi,
-                                                     self.expected_valid_lens[:rpi.shape[0]])
+            self.token_history.launch_replay_scatter(rpi, self.expected_valid_lens[: rpi.shape[0]])
         self._side_launches(inputs)
 
     def _side_launches(self, inputs: ForwardLaunchInputs) -> None:
@@ -331,17 +360,28 @@ class SingleForwardManager:
         expected = self.token_history.pool if self.token_history is not None else None
         rpi = inputs.req_pool_indices
         for plans in self.plans.values():
-            launch_group_plan(plans, req_pool_indices=rpi, prefix_lens=inputs.prefix_lens,
-                              extend_seq_lens=inputs.extend_seq_lens,
-                              req_to_token=self.req_to_token, expected_tokens=expected,
-                              expected_valid_lens=self.expected_valid_lens[: rpi.shape[0]])
+            launch_group_plan(
+                plans,
+                req_pool_indices=rpi,
+                prefix_lens=inputs.prefix_lens,
+                extend_seq_lens=inputs.extend_seq_lens,
+                req_to_token=self.req_to_token,
+                expected_tokens=expected,
+                expected_valid_lens=self.expected_valid_lens[: rpi.shape[0]],
+            )
         self._verify(CanaryPhase.HEAD)
-        self._write_lanes.run(chain_write_launches(
-            self.endpoints, plans_by_group=self.plans, input_ids=inputs.input_ids,
-            positions=inputs.positions, out_cache_loc=inputs.out_cache_loc,
-            expected_inputs=inputs.expected_inputs))
+        self._write_lanes.run(
+            chain_write_launches(
+                self.endpoints,
+                plans_by_group=self.plans,
+                input_ids=inputs.input_ids,
+                positions=inputs.positions,
+                out_cache_loc=inputs.out_cache_loc,
+                expected_inputs=inputs.expected_inputs,
+            )
+        )
         for i, group in enumerate(self.groups):
-            self.status.plan_enabled[i:i + 1].copy_(self.plans[group].verify_plan.enable)
+            self.status.plan_enabled[i : i + 1].copy_(self.plans[group].verify_plan.enable)
 
     def _tail_launches(self, inputs: ForwardLaunchInputs) -> None:
         """The forward-stream half, after the join: TAIL verify, the per-layer checks, the
@@ -349,9 +389,13 @@ class SingleForwardManager:
         fingerprints)."""
         self._verify(CanaryPhase.TAIL)
         launch_deep_verifies(self.endpoints, CanaryPhase.TAIL, plans_by_group=self.plans)
-        launch_fingerprint_writes(self.endpoints, plans_by_group=self.plans,
-                                  input_ids=inputs.input_ids, positions=inputs.positions,
-                                  out_cache_loc=inputs.out_cache_loc)
+        launch_fingerprint_writes(
+            self.endpoints,
+            plans_by_group=self.plans,
+            input_ids=inputs.input_ids,
+            positions=inputs.positions,
+            out_cache_loc=inputs.out_cache_loc,
+        )
         launch_deep_writes(self.plans, inputs.out_cache_loc)
 
     def mark_replayed_inside_graph(self) -> None:
@@ -359,7 +403,8 @@ class SingleForwardManager:
             raise CanaryPhaseError(
                 f"kv_canary: a CUDA graph replayed single-forward manager {self.index}'s inside "
                 "ops before the token-history upload (the replay hook must call "
-                "upload_tokens_before_replay)")
+                "upload_tokens_before_replay)"
+            )
         self._advance(SfmOp.MARK_REPLAYED_INSIDE_GRAPH)
 
     def post_ops_outside_graph(self) -> None:
@@ -373,8 +418,12 @@ class SingleForwardManager:
         self._tokens_pending = False
 
     def _verify(self, phase: CanaryPhase) -> None:
-        launch_verifies(self.endpoints, phase, plans_by_group=self.plans,
-                        check_verify_expected_token=self.config.enable_verify_token_assert)
+        launch_verifies(
+            self.endpoints,
+            phase,
+            plans_by_group=self.plans,
+            check_verify_expected_token=self.config.enable_verify_token_assert,
+        )
 
     def _contiguous_slots(self, out_cache_loc: torch.Tensor) -> torch.Tensor:
         """``out_cache_loc`` as the write launches take it: itself when contiguous, else a

@@ -27,12 +27,15 @@ class SfmOp(enum.Enum):
 # op -> (phases it may follow, phase after it)
 TRANSITIONS = {
     SfmOp.PRE_OUTSIDE_GRAPH: ((SfmPhase.IDLE,), SfmPhase.PRE_OUTSIDE_GRAPH),
-    SfmOp.PRE_MAYBE_INSIDE_GRAPH: ((SfmPhase.PRE_OUTSIDE_GRAPH,),
-                                   SfmPhase.PRE_MAYBE_INSIDE_GRAPH),
-    SfmOp.POST_MAYBE_INSIDE_GRAPH: ((SfmPhase.PRE_MAYBE_INSIDE_GRAPH,),
-                                    SfmPhase.POST_MAYBE_INSIDE_GRAPH),
-    SfmOp.MARK_REPLAYED_INSIDE_GRAPH: ((SfmPhase.PRE_OUTSIDE_GRAPH,),
-                                       SfmPhase.POST_MAYBE_INSIDE_GRAPH),
+    SfmOp.PRE_MAYBE_INSIDE_GRAPH: ((SfmPhase.PRE_OUTSIDE_GRAPH,), SfmPhase.PRE_MAYBE_INSIDE_GRAPH),
+    SfmOp.POST_MAYBE_INSIDE_GRAPH: (
+        (SfmPhase.PRE_MAYBE_INSIDE_GRAPH,),
+        SfmPhase.POST_MAYBE_INSIDE_GRAPH,
+    ),
+    SfmOp.MARK_REPLAYED_INSIDE_GRAPH: (
+        (SfmPhase.PRE_OUTSIDE_GRAPH,),
+        SfmPhase.POST_MAYBE_INSIDE_GRAPH,
+    ),
     SfmOp.POST_OUTSIDE_GRAPH: ((SfmPhase.POST_MAYBE_INSIDE_GRAPH,), SfmPhase.IDLE),
 }
 

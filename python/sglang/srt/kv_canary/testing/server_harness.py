@@ -74,8 +74,9 @@ def libcuda_symbols(libraries: Optional[List[str]] = None) -> List[str]:
         raise RuntimeError("`nm` (binutils) is needed to build the libcuda stub")
     names = set()
     for lib in libraries or _common_ops_libraries():
-        out = subprocess.run(["nm", "-D", "--undefined-only", lib], check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["nm", "-D", "--undefined-only", lib], check=True, capture_output=True, text=True
+        ).stdout
         for line in out.splitlines():
             m = re.match(r"\s*U\s+(cu[A-Z]\w*)(@\S+)?$", line)
             if m and (m.group(2) is None or "libcuda" in m.group(2)):
@@ -99,8 +100,10 @@ def build_libcuda_stub(out_dir) -> str:
     c_file = out / "libcuda_stub.c"
     c_file.write_text("\n".join(src) + "\n")
     tmp = out / f"libcuda.so.1.tmp{os.getpid()}"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(tmp),
-                    str(c_file)], check=True)
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(tmp), str(c_file)],
+        check=True,
+    )
     os.replace(tmp, lib)
     return str(out)
 
@@ -109,7 +112,8 @@ def cpu_server_env(stub_dir, base: Optional[Dict[str, str]] = None) -> Dict[str,
     """Environment for a CPU sglang server process (stub on LD_LIBRARY_PATH, CPU engine)."""
     env = dict(os.environ if base is None else base)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
-        p for p in (str(stub_dir), env.get("LD_LIBRARY_PATH", "")) if p)
+        p for p in (str(stub_dir), env.get("LD_LIBRARY_PATH", "")) if p
+    )
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env.pop("TRITON_INTERPRET", None)  # the CPU server runs the torch references
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -143,19 +147,32 @@ CPU_MEM_FRACTION_STATIC = 0.3
 def cpu_engine_kwargs(model_dir: str, **overrides) -> dict:
     """``sglang.Engine`` keyword arguments for the tiny CPU server; one set per server (its
     ``nccl_port`` is picked here, see :func:`free_port`)."""
-    return {**_COMMON_ENGINE_KWARGS, "model_path": model_dir, "device": "cpu",
-            "attention_backend": "torch_native", "disable_cuda_graph": True,
-            "mem_fraction_static": CPU_MEM_FRACTION_STATIC, "nccl_port": free_port(),
-            **overrides}
+    return {
+        **_COMMON_ENGINE_KWARGS,
+        "model_path": model_dir,
+        "device": "cpu",
+        "attention_backend": "torch_native",
+        "disable_cuda_graph": True,
+        "mem_fraction_static": CPU_MEM_FRACTION_STATIC,
+        "nccl_port": free_port(),
+        **overrides,
+    }
 
 
 def gpu_engine_kwargs(model_dir: str, **overrides) -> dict:
     """``sglang.Engine`` keyword arguments for the tiny model on one GPU, CUDA graphs on
     (settings seen working with sglang 0.5.12 on an H100; the first capture JIT-compiles
     Triton kernels, so keep ``cuda_graph_max_bs`` small); one set per server, as above."""
-    return {**_COMMON_ENGINE_KWARGS, "model_path": model_dir, "attention_backend": "triton",
-            "disable_piecewise_cuda_graph": True, "cuda_graph_max_bs": 8,
-            "mem_fraction_static": 0.3, "nccl_port": free_port(), **overrides}
+    return {
+        **_COMMON_ENGINE_KWARGS,
+        "model_path": model_dir,
+        "attention_backend": "triton",
+        "disable_piecewise_cuda_graph": True,
+        "cuda_graph_max_bs": 8,
+        "mem_fraction_static": 0.3,
+        "nccl_port": free_port(),
+        **overrides,
+    }
 
 
 _PORT_RANGE_FILE = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -179,11 +196,12 @@ def free_port() -> int:
     store; in between any process's outgoing connection may be given it (``EADDRINUSE`` at
     start-up, seen in CI with the suites' servers side by side)."""
     low, high = _ephemeral_range()
-    ranges = [(a, b) for a, b in ((20000, min(low, 55000)), (max(high + 1, 20000), 55000))
-              if a < b]
+    ranges = [(a, b) for a, b in ((20000, min(low, 55000)), (max(high + 1, 20000), 55000)) if a < b]
     if not ranges:
-        raise RuntimeError(f"no port in [20000, 55000) outside the ephemeral range {low}-{high} "
-                           f"({_PORT_RANGE_FILE})")
+        raise RuntimeError(
+            f"no port in [20000, 55000) outside the ephemeral range {low}-{high} "
+            f"({_PORT_RANGE_FILE})"
+        )
     pick = random.Random()  # not a caller's seeded RNG: two runs must not collide
     for _ in range(200):
         a, b = pick.choice(ranges)
@@ -195,5 +213,3 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError(f"no free port in {ranges}")
-
-

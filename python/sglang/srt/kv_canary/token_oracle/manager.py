@@ -47,16 +47,22 @@ class TokenOracleManager:
     self-test, :class:`~sglang.srt.kv_canary.perturb.CanaryPerturber`).
     """
 
-    def __init__(self, *, vocab_size: int, device,
-                 after_sample: Optional[Callable[[torch.Tensor], None]] = None):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        device,
+        after_sample: Optional[Callable[[torch.Tensor], None]] = None,
+    ):
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = int(vocab_size)
         self.device = torch.device(device)
         self.after_sample = after_sample
 
-    def attach_batch(self, forward_batch, state: CanaryBatchState,
-                     reqs: Optional[Sequence]) -> None:
+    def attach_batch(
+        self, forward_batch, state: CanaryBatchState, reqs: Optional[Sequence]
+    ) -> None:
         """Attach the oracle data of ``reqs`` (row-aligned with ``forward_batch``): the host
         rows to ``state`` (the batch's canary state), the keys to its ``sampling_info``; no-op
         for a batch without requests (idle)."""
@@ -64,9 +70,14 @@ class TokenOracleManager:
             return
         keys = np.fromiter((_req_key(r) for r in reqs), dtype=np.int64, count=len(reqs))
         state.oracle_rows = OracleRows(keys=keys, prompts=tuple(r.origin_input_ids for r in reqs))
-        sglang_seam.set_sampling_oracle(forward_batch, OracleBatch(
-            keys=torch.from_numpy(keys).to(self.device),
-            vocab_size=self.vocab_size, after_sample=self.after_sample))
+        sglang_seam.set_sampling_oracle(
+            forward_batch,
+            OracleBatch(
+                keys=torch.from_numpy(keys).to(self.device),
+                vocab_size=self.vocab_size,
+                after_sample=self.after_sample,
+            ),
+        )
 
     def expected_inputs(self, forward_batch) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(tokens, positions)``: int64 CPU ``[num_written]`` in ``out_cache_loc`` order, or
@@ -79,7 +90,8 @@ class TokenOracleManager:
         if len(prefix) != rows.keys.shape[0]:
             raise RuntimeError(
                 f"kv_canary: the oracle rows cover {rows.keys.shape[0]} requests but the forward "
-                f"batch has {len(prefix)}")
+                f"batch has {len(prefix)}"
+            )
         positions: List[np.ndarray] = []
         prompt_tokens: List[np.ndarray] = []
         for p0, n, prompt in zip(prefix, extend, rows.prompts):
@@ -87,13 +99,13 @@ class TokenOracleManager:
             tok = np.full(n, -1, dtype=np.int64)
             in_prompt = max(0, min(len(prompt), p0 + n) - p0)
             if in_prompt:
-                tok[:in_prompt] = prompt[p0:p0 + in_prompt]
+                tok[:in_prompt] = prompt[p0 : p0 + in_prompt]
             positions.append(pos)
             prompt_tokens.append(tok)
-        pos_t = torch.from_numpy(np.concatenate(positions) if positions
-                                 else np.zeros(0, np.int64))
-        tok_t = torch.from_numpy(np.concatenate(prompt_tokens) if prompt_tokens
-                                 else np.zeros(0, np.int64))
+        pos_t = torch.from_numpy(np.concatenate(positions) if positions else np.zeros(0, np.int64))
+        tok_t = torch.from_numpy(
+            np.concatenate(prompt_tokens) if prompt_tokens else np.zeros(0, np.int64)
+        )
         keys_t = torch.from_numpy(np.repeat(rows.keys, extend))
         generated = oracle_tokens(keys_t, pos_t, self.vocab_size)
         return torch.where(tok_t >= 0, tok_t, generated), pos_t
@@ -106,11 +118,13 @@ class TokenOracleManager:
         if got is None:
             raise RuntimeError(
                 "kv_canary: SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1 but this forward batch "
-                "carries no oracle rows (ForwardBatch.init_new hook did not run)")
+                "carries no oracle rows (ForwardBatch.init_new hook did not run)"
+            )
         tokens, positions = got
         n = forward_batch.out_cache_loc.shape[0]
         if tokens.shape[0] != n:
             raise RuntimeError(
                 f"kv_canary: the oracle expects {tokens.shape[0]} written tokens but the forward "
-                f"writes {n} (out_cache_loc)")
+                f"writes {n} (out_cache_loc)"
+            )
         expected.set(tokens.to(expected.tokens.device), positions.to(expected.tokens.device))

@@ -29,23 +29,34 @@ class TokenOracleSampler(sglang_seam.sglang_sampler_class()):
     def __init__(self):
         sglang_seam.init_sampler_module_only(self)
 
-    def forward(self, logits_output, sampling_info, return_logprob: bool,
-                top_logprobs_nums: List[int], token_ids_logprobs, positions: torch.Tensor):
+    def forward(
+        self,
+        logits_output,
+        sampling_info,
+        return_logprob: bool,
+        top_logprobs_nums: List[int],
+        token_ids_logprobs,
+        positions: torch.Tensor,
+    ):
         batch = sglang_seam.sampling_oracle(sampling_info)
         if batch is None:
             raise RuntimeError(
                 f"kv_canary: the {TOKEN_ORACLE_BACKEND!r} sampler got a batch without oracle "
                 "keys; it needs --kv-canary log|raise (the canary attaches them in "
-                "ForwardBatch.init_new)")
+                "ForwardBatch.init_new)"
+            )
         if return_logprob:
-            raise RuntimeError(f"kv_canary: the {TOKEN_ORACLE_BACKEND!r} sampler does not "
-                               "compute log-probs; do not request return_logprob with it")
+            raise RuntimeError(
+                f"kv_canary: the {TOKEN_ORACLE_BACKEND!r} sampler does not "
+                "compute log-probs; do not request return_logprob with it"
+            )
         bs = batch.keys.shape[0]
         if positions.shape[0] != bs:
-            raise RuntimeError(f"kv_canary: the oracle batch has {bs} keys but the sampler got "
-                               f"{positions.shape[0]} positions")
-        next_token_ids = oracle_tokens(batch.keys, positions.to(torch.int64) + 1,
-                                       batch.vocab_size)
+            raise RuntimeError(
+                f"kv_canary: the oracle batch has {bs} keys but the sampler got "
+                f"{positions.shape[0]} positions"
+            )
+        next_token_ids = oracle_tokens(batch.keys, positions.to(torch.int64) + 1, batch.vocab_size)
         if batch.after_sample is not None:
             batch.after_sample(next_token_ids)
         return next_token_ids  # int64, like sglang's own samplers

@@ -38,8 +38,10 @@ def dsv4_token_layout(kv_pool) -> Tuple[int, int]:
     data = int(kv_pool.qk_nope_head_dim) + int(kv_pool.qk_rope_head_dim) * 2
     scale = int(kv_pool.get_bytes_per_token()) - data
     if data <= 0 or scale <= 0 or data % 8 or scale % 8:
-        raise ValueError(f"kv_canary: unexpected DeepSeek-V4 token layout ({data} data + "
-                         f"{scale} scale bytes); the fingerprint needs multiples of 8")
+        raise ValueError(
+            f"kv_canary: unexpected DeepSeek-V4 token layout ({data} data + "
+            f"{scale} scale bytes); the fingerprint needs multiples of 8"
+        )
     return data, scale
 
 
@@ -49,22 +51,34 @@ def dsv4_layer_sources(kv_pool, layer: int = 0) -> Tuple[RealKvSource, RealKvSou
     page = int(kv_pool.page_size)
     data, scale = dsv4_token_layout(kv_pool)
     if buf.dim() != 2 or buf[0].nbytes < page * (data + scale):
-        raise ValueError(f"kv_canary: DeepSeek-V4 layer buffer {tuple(buf.shape)} is too small "
-                         f"for {page} tokens of {data + scale} bytes")
+        raise ValueError(
+            f"kv_canary: DeepSeek-V4 layer buffer {tuple(buf.shape)} is too small "
+            f"for {page} tokens of {data + scale} bytes"
+        )
     u8 = buf if buf.dtype == torch.uint8 else buf.view(torch.uint8)  # rows are pages
     try:
         return (
             RealKvSource(tensor=u8, page_size=page, num_bytes_per_token=data, read_bytes=data),
-            RealKvSource(tensor=u8[:, page * data: page * (data + scale)], page_size=page,
-                         num_bytes_per_token=scale, read_bytes=scale),
+            RealKvSource(
+                tensor=u8[:, page * data : page * (data + scale)],
+                page_size=page,
+                num_bytes_per_token=scale,
+                read_bytes=scale,
+            ),
         )
     except ValueError as e:
         raise ValueError(f"kv_canary cannot fingerprint the DeepSeek-V4 SWA pool: {e}") from e
 
 
-def attach_dsv4(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
-                swa_window_size: Optional[int] = None,
-                layer_ids: Optional[Sequence[int]] = None) -> List[CanaryBufferGroup]:
+def attach_dsv4(
+    *,
+    pool,
+    config,
+    device,
+    kv_token_id_vs_position_offset: int = 0,
+    swa_window_size: Optional[int] = None,
+    layer_ids: Optional[Sequence[int]] = None,
+) -> List[CanaryBufferGroup]:
     """``[FULL group, SWA group]`` for a ``DeepSeekV4TokenToKVPool`` (see module doc).
     ``swa_window_size`` defaults to the pool's own ``swa_window_size``."""
     swa_pool = require_sub_pool(pool, "swa_kv_pool")
@@ -80,8 +94,10 @@ def attach_dsv4(*, pool, config, device, kv_token_id_vs_position_offset: int = 0
         kind=PoolKind.FULL,
         k_head=allocate_canary_buffer(full_rows, device),
         k_tail=allocate_canary_buffer(full_rows, device),
-        v_head=None, v_tail=None,
-        real_kv_sources_k=(), real_kv_sources_v=(),
+        v_head=None,
+        v_tail=None,
+        real_kv_sources_k=(),
+        real_kv_sources_v=(),
         swa_index_lut=None,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
     )
@@ -90,23 +106,39 @@ def attach_dsv4(*, pool, config, device, kv_token_id_vs_position_offset: int = 0
         kind=PoolKind.SWA,
         k_head=allocate_canary_buffer(swa_rows, device),
         k_tail=allocate_canary_buffer(swa_rows, device),
-        v_head=None, v_tail=None,
-        real_kv_sources_k=dsv4_layer_sources(swa_pool, 0), real_kv_sources_v=(),
+        v_head=None,
+        v_tail=None,
+        real_kv_sources_k=dsv4_layer_sources(swa_pool, 0),
+        real_kv_sources_v=(),
         swa_index_lut=lut,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
         swa_window_size=window,
     )
-    splice_into_method(pool, "get_contiguous_buf_infos",
-                       num_k_entries=lambda infos: len(infos[0]),
-                       page_size=int(pool.page_size), k_head=full.k_head, k_tail=full.k_tail)
+    splice_into_method(
+        pool,
+        "get_contiguous_buf_infos",
+        num_k_entries=lambda infos: len(infos[0]),
+        page_size=int(pool.page_size),
+        k_head=full.k_head,
+        k_tail=full.k_tail,
+    )
     num_swa_layers = len(swa_pool.kv_buffer)
-    splice_into_method(pool, "get_state_buf_infos",
-                       num_k_entries=lambda infos: num_swa_layers,
-                       page_size=int(swa_pool.page_size), k_head=swa.k_head, k_tail=swa.k_tail)
-    logger.info("kv_canary: DeepSeekV4TokenToKVPool covered by a FULL group (%d logical "
-                "slots, no real-KV bytes) and an SWA group (%d slots, window %d, layer-0 "
-                "584-byte fingerprint); compressed c4/c128/indexer pools not fingerprinted",
-                full_rows, swa_rows, window)
+    splice_into_method(
+        pool,
+        "get_state_buf_infos",
+        num_k_entries=lambda infos: num_swa_layers,
+        page_size=int(swa_pool.page_size),
+        k_head=swa.k_head,
+        k_tail=swa.k_tail,
+    )
+    logger.info(
+        "kv_canary: DeepSeekV4TokenToKVPool covered by a FULL group (%d logical "
+        "slots, no real-KV bytes) and an SWA group (%d slots, window %d, layer-0 "
+        "584-byte fingerprint); compressed c4/c128/indexer pools not fingerprinted",
+        full_rows,
+        swa_rows,
+        window,
+    )
     return [full, swa]
 
 
@@ -114,8 +146,9 @@ def register() -> None:
     from sglang.srt.kv_canary.pool_patcher.registry import register_pool_attacher
 
     try:
-        pool_cls = import_sglang_class("sglang.srt.mem_cache.deepseek_v4_memory_pool",
-                                       "DeepSeekV4TokenToKVPool")
+        pool_cls = import_sglang_class(
+            "sglang.srt.mem_cache.deepseek_v4_memory_pool", "DeepSeekV4TokenToKVPool"
+        )
     except ImportError as e:  # a build without DeepSeek-V4 support
         logger.info("kv_canary: DeepSeekV4TokenToKVPool unavailable (%s); DSV4 adapter off", e)
         return

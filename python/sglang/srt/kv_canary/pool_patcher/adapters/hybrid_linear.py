@@ -24,9 +24,15 @@ from sglang.srt.kv_canary.sglang_seam import import_sglang_class
 logger = logging.getLogger(__name__)
 
 
-def attach_hybrid_linear(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
-                         swa_window_size: Optional[int] = None,
-                         layer_ids: Optional[Sequence[int]] = None) -> List[CanaryBufferGroup]:
+def attach_hybrid_linear(
+    *,
+    pool,
+    config,
+    device,
+    kv_token_id_vs_position_offset: int = 0,
+    swa_window_size: Optional[int] = None,
+    layer_ids: Optional[Sequence[int]] = None,
+) -> List[CanaryBufferGroup]:
     """The inner ``full_kv_pool``'s attacher (MHA or MLA), on the inner pool, with the
     model's layer ids of its layers (``full_attention_layer_id_mapping``: model layer id ->
     inner index). ``layer_ids`` is ignored (the hybrid pool has its own map)."""
@@ -35,14 +41,19 @@ def attach_hybrid_linear(*, pool, config, device, kv_token_id_vs_position_offset
     inner = require_sub_pool(pool, "full_kv_pool")
     mapping = getattr(pool, "full_attention_layer_id_mapping", None)
     if not isinstance(mapping, dict):
-        raise ValueError(f"kv_canary: {type(pool).__name__} has no "
-                         "full_attention_layer_id_mapping; this sglang's hybrid pool is not the "
-                         "one the canary was written for")
-    return attach_canary_buffers(pool=inner, config=config, device=device,
-                                 kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-                                 swa_window_size=swa_window_size,
-                                 layer_ids=[gid for gid, _ in sorted(mapping.items(),
-                                                                     key=lambda kv: kv[1])])
+        raise ValueError(
+            f"kv_canary: {type(pool).__name__} has no "
+            "full_attention_layer_id_mapping; this sglang's hybrid pool is not the "
+            "one the canary was written for"
+        )
+    return attach_canary_buffers(
+        pool=inner,
+        config=config,
+        device=device,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        swa_window_size=swa_window_size,
+        layer_ids=[gid for gid, _ in sorted(mapping.items(), key=lambda kv: kv[1])],
+    )
 
 
 def register() -> None:

@@ -30,11 +30,17 @@ from sglang.srt.kv_canary.sglang_seam import import_sglang_class
 logger = logging.getLogger(__name__)
 
 
-def build_mha_group(kv_pool, *, kind: PoolKind, config, device,
-                    kv_token_id_vs_position_offset: int,
-                    swa_index_lut: Optional[torch.Tensor] = None,
-                    swa_window_size: int = 0,
-                    layer_ids: Optional[Sequence[int]] = None) -> CanaryBufferGroup:
+def build_mha_group(
+    kv_pool,
+    *,
+    kind: PoolKind,
+    config,
+    device,
+    kv_token_id_vs_position_offset: int,
+    swa_index_lut: Optional[torch.Tensor] = None,
+    swa_window_size: int = 0,
+    layer_ids: Optional[Sequence[int]] = None,
+) -> CanaryBufferGroup:
     """Allocate K (and, with ``config.enable_mha_v``, V) head/tail buffers of
     ``kv_pool.size + kv_pool.page_size`` rows (one per row of ``kv_pool.k_buffer[0]``) and
     return the group; nothing is spliced here. ``layer_ids``: the sglang layer id of each of
@@ -48,11 +54,15 @@ def build_mha_group(kv_pool, *, kind: PoolKind, config, device,
         v_tail = allocate_canary_buffer(num_slots, device)
     if layer_ids is None:
         layer_ids = pool_layer_ids(kv_pool, len(kv_pool.k_buffer))
-    columns = layer_columns(layer_ids, kv_pool.k_buffer, kv_pool.v_buffer,
-                            what=f"this {type(kv_pool).__name__}'s")
+    columns = layer_columns(
+        layer_ids, kv_pool.k_buffer, kv_pool.v_buffer, what=f"this {type(kv_pool).__name__}'s"
+    )
     return CanaryBufferGroup(
         kind=kind,
-        k_head=k_head, k_tail=k_tail, v_head=v_head, v_tail=v_tail,
+        k_head=k_head,
+        k_tail=k_tail,
+        v_head=v_head,
+        v_tail=v_tail,
         real_kv_sources_k=(row_source(kv_pool.k_buffer[0], "this MHA pool's layer-0 K rows"),),
         real_kv_sources_v=(row_source(kv_pool.v_buffer[0], "this MHA pool's layer-0 V rows"),),
         swa_index_lut=swa_index_lut,
@@ -66,22 +76,39 @@ def build_mha_group(kv_pool, *, kind: PoolKind, config, device,
 def splice_mha_group(pool, method_name: str, group: CanaryBufferGroup, page_size: int) -> None:
     """Splice ``group``'s buffers into ``pool.method_name``, whose infos list the K layers
     then the V layers of an MHA pool (so the first half are K entries)."""
-    splice_into_method(pool, method_name,
-                       num_k_entries=lambda infos: len(infos[0]) // 2,
-                       page_size=page_size, k_head=group.k_head, k_tail=group.k_tail,
-                       v_head=group.v_head, v_tail=group.v_tail,
-                       k_extra=group.deep.table if group.deep is not None else None)
+    splice_into_method(
+        pool,
+        method_name,
+        num_k_entries=lambda infos: len(infos[0]) // 2,
+        page_size=page_size,
+        k_head=group.k_head,
+        k_tail=group.k_tail,
+        v_head=group.v_head,
+        v_tail=group.v_tail,
+        k_extra=group.deep.table if group.deep is not None else None,
+    )
 
 
-def attach_mha(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
-               swa_window_size: Optional[int] = None,
-               layer_ids: Optional[Sequence[int]] = None) -> List[CanaryBufferGroup]:
+def attach_mha(
+    *,
+    pool,
+    config,
+    device,
+    kv_token_id_vs_position_offset: int = 0,
+    swa_window_size: Optional[int] = None,
+    layer_ids: Optional[Sequence[int]] = None,
+) -> List[CanaryBufferGroup]:
     """One FULL group over the whole pool, spliced into ``get_contiguous_buf_infos``.
     ``swa_window_size`` is accepted (every attacher gets it) and ignored: MHA pools have no
     sliding window."""
-    group = build_mha_group(pool, kind=PoolKind.FULL, config=config, device=device,
-                            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-                            layer_ids=layer_ids)
+    group = build_mha_group(
+        pool,
+        kind=PoolKind.FULL,
+        config=config,
+        device=device,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        layer_ids=layer_ids,
+    )
     splice_mha_group(pool, "get_contiguous_buf_infos", group, pool.page_size)
     return [group]
 

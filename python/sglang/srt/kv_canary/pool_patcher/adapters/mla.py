@@ -42,8 +42,13 @@ def mla_latent_source(kv_pool) -> RealKvSource:
     """Layer 0's latent rows, one slot per row."""
     buf = kv_pool.kv_buffer[0]
     row_bytes = buf[0].nbytes
-    return _source("layer-0 latent rows", tensor=buf, page_size=1,
-                   num_bytes_per_token=row_bytes, read_bytes=row_bytes)
+    return _source(
+        "layer-0 latent rows",
+        tensor=buf,
+        page_size=1,
+        num_bytes_per_token=row_bytes,
+        read_bytes=row_bytes,
+    )
 
 
 def nsa_index_key_source(kv_pool) -> RealKvSource:
@@ -51,8 +56,13 @@ def nsa_index_key_source(kv_pool) -> RealKvSource:
     whose first ``page_size * index_head_dim`` bytes are its slots' fp8 keys in slot order."""
     buf = kv_pool.index_k_with_scale_buffer[0]
     key_bytes = int(kv_pool.index_head_dim) * buf.element_size()
-    return _source("layer-0 indexer keys", tensor=buf, page_size=int(kv_pool.page_size),
-                   num_bytes_per_token=key_bytes, read_bytes=key_bytes)
+    return _source(
+        "layer-0 indexer keys",
+        tensor=buf,
+        page_size=int(kv_pool.page_size),
+        num_bytes_per_token=key_bytes,
+        read_bytes=key_bytes,
+    )
 
 
 def mla_sources(kv_pool) -> Tuple[RealKvSource, ...]:
@@ -62,21 +72,30 @@ def mla_sources(kv_pool) -> Tuple[RealKvSource, ...]:
     return tuple(sources)
 
 
-def build_mla_group(kv_pool, *, config, device, kv_token_id_vs_position_offset: int,
-                    layer_ids: Optional[Sequence[int]] = None) -> CanaryBufferGroup:
+def build_mla_group(
+    kv_pool,
+    *,
+    config,
+    device,
+    kv_token_id_vs_position_offset: int,
+    layer_ids: Optional[Sequence[int]] = None,
+) -> CanaryBufferGroup:
     """K head / tail buffers of ``size + page_size`` rows (one per latent row); no V half.
     Per-layer columns: every layer's latent rows (K only)."""
     num_slots = kv_pool.kv_buffer[0].shape[0]
     if layer_ids is None:
         layer_ids = pool_layer_ids(kv_pool, len(kv_pool.kv_buffer))
-    columns = layer_columns(layer_ids, kv_pool.kv_buffer,
-                            what=f"this {type(kv_pool).__name__}'s latent")
+    columns = layer_columns(
+        layer_ids, kv_pool.kv_buffer, what=f"this {type(kv_pool).__name__}'s latent"
+    )
     return CanaryBufferGroup(
         kind=PoolKind.FULL,
         k_head=allocate_canary_buffer(num_slots, device),
         k_tail=allocate_canary_buffer(num_slots, device),
-        v_head=None, v_tail=None,
-        real_kv_sources_k=mla_sources(kv_pool), real_kv_sources_v=(),
+        v_head=None,
+        v_tail=None,
+        real_kv_sources_k=mla_sources(kv_pool),
+        real_kv_sources_v=(),
         swa_index_lut=None,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
         layer_columns=columns,
@@ -84,21 +103,40 @@ def build_mla_group(kv_pool, *, config, device, kv_token_id_vs_position_offset: 
     )
 
 
-def attach_mla(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
-               swa_window_size: Optional[int] = None,
-               layer_ids: Optional[Sequence[int]] = None) -> List[CanaryBufferGroup]:
+def attach_mla(
+    *,
+    pool,
+    config,
+    device,
+    kv_token_id_vs_position_offset: int = 0,
+    swa_window_size: Optional[int] = None,
+    layer_ids: Optional[Sequence[int]] = None,
+) -> List[CanaryBufferGroup]:
     """One FULL group over the latent rows, spliced into ``get_contiguous_buf_infos`` (every
     entry is a K entry). ``config.enable_mha_v`` is ignored: MLA has no V rows of its own.
     ``swa_window_size`` is accepted (every attacher gets it) and ignored."""
     if config.enable_mha_v:
-        logger.info("kv_canary: %s has no V rows (V is part of the latent row); "
-                    "SGLANG_KV_CANARY_ENABLE_MHA_V does not apply", type(pool).__name__)
-    group = build_mla_group(pool, config=config, device=device, layer_ids=layer_ids,
-                            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
-    splice_into_method(pool, "get_contiguous_buf_infos",
-                       num_k_entries=lambda infos: len(infos[0]), page_size=pool.page_size,
-                       k_head=group.k_head, k_tail=group.k_tail,
-                       k_extra=group.deep.table if group.deep is not None else None)
+        logger.info(
+            "kv_canary: %s has no V rows (V is part of the latent row); "
+            "SGLANG_KV_CANARY_ENABLE_MHA_V does not apply",
+            type(pool).__name__,
+        )
+    group = build_mla_group(
+        pool,
+        config=config,
+        device=device,
+        layer_ids=layer_ids,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+    )
+    splice_into_method(
+        pool,
+        "get_contiguous_buf_infos",
+        num_k_entries=lambda infos: len(infos[0]),
+        page_size=pool.page_size,
+        k_head=group.k_head,
+        k_tail=group.k_tail,
+        k_extra=group.deep.table if group.deep is not None else None,
+    )
     return [group]
 
 

@@ -29,8 +29,10 @@ def require_sub_pool(pool, name: str):
     """``pool.<name>``, or a ``ValueError`` naming the pool class and the missing sub-pool."""
     sub = getattr(pool, name, None)
     if sub is None:
-        raise ValueError(f"kv_canary: {type(pool).__name__} has no {name!r} sub-pool; the "
-                         "canary's SWA adapters need it (is this sglang build supported?)")
+        raise ValueError(
+            f"kv_canary: {type(pool).__name__} has no {name!r} sub-pool; the "
+            "canary's SWA adapters need it (is this sglang build supported?)"
+        )
     return sub
 
 
@@ -42,21 +44,31 @@ def require_swa_table(pool) -> torch.Tensor:
         raise RuntimeError(
             f"kv_canary: {type(pool).__name__}.full_to_swa_index_mapping is not set; the "
             "SWATokenToKVPoolAllocator registers it, so the canary must be attached after "
-            "the allocator is built (sglang does both in ModelRunner.init_memory_pool)")
-    if not isinstance(lut, torch.Tensor) or lut.dim() != 1 or lut.dtype not in (
-            torch.int32, torch.int64):
-        raise TypeError(f"kv_canary: full_to_swa_index_mapping must be a 1-D int32/int64 "
-                        f"tensor, got {getattr(lut, 'dtype', type(lut))} "
-                        f"{tuple(getattr(lut, 'shape', ()))}")
+            "the allocator is built (sglang does both in ModelRunner.init_memory_pool)"
+        )
+    if (
+        not isinstance(lut, torch.Tensor)
+        or lut.dim() != 1
+        or lut.dtype not in (torch.int32, torch.int64)
+    ):
+        raise TypeError(
+            f"kv_canary: full_to_swa_index_mapping must be a 1-D int32/int64 "
+            f"tensor, got {getattr(lut, 'dtype', type(lut))} "
+            f"{tuple(getattr(lut, 'shape', ()))}"
+        )
     return lut
 
 
 def require_window(swa_window_size: Optional[int], pool) -> int:
-    if isinstance(swa_window_size, bool) or not isinstance(swa_window_size, int) \
-            or swa_window_size <= 0:
+    if (
+        isinstance(swa_window_size, bool)
+        or not isinstance(swa_window_size, int)
+        or swa_window_size <= 0
+    ):
         raise ValueError(
             f"kv_canary: {type(pool).__name__} needs the model's sliding window size (an int "
-            f">= 1, ModelRunner.sliding_window_size), got {swa_window_size!r}")
+            f">= 1, ModelRunner.sliding_window_size), got {swa_window_size!r}"
+        )
     return swa_window_size
 
 
@@ -65,31 +77,55 @@ def _global_layer_ids(pool, *, swa: bool):
     ``SWAKVPool.layers_mapping``: global id -> (sub-pool index, is SWA))."""
     mapping = getattr(pool, "layers_mapping", None)
     if not isinstance(mapping, dict):
-        raise ValueError(f"kv_canary: {type(pool).__name__} has no layers_mapping; this sglang's "
-                         "SWA pool is not the one the canary was written for")
+        raise ValueError(
+            f"kv_canary: {type(pool).__name__} has no layers_mapping; this sglang's "
+            "SWA pool is not the one the canary was written for"
+        )
     ids = sorted((idx, gid) for gid, (idx, is_swa) in mapping.items() if bool(is_swa) == swa)
     return [gid for _, gid in ids]
 
 
-def attach_swa(*, pool, config, device, kv_token_id_vs_position_offset: int = 0,
-               swa_window_size: Optional[int] = None,
-               layer_ids: Optional[Sequence[int]] = None) -> List[CanaryBufferGroup]:
+def attach_swa(
+    *,
+    pool,
+    config,
+    device,
+    kv_token_id_vs_position_offset: int = 0,
+    swa_window_size: Optional[int] = None,
+    layer_ids: Optional[Sequence[int]] = None,
+) -> List[CanaryBufferGroup]:
     """``[FULL group, SWA group]`` for an ``SWAKVPool``; splices both (see module doc)."""
     full_pool = require_sub_pool(pool, "full_kv_pool")
     swa_pool = require_sub_pool(pool, "swa_kv_pool")
     lut = require_swa_table(pool)
     window = require_window(swa_window_size, pool)
-    full = build_mha_group(full_pool, kind=PoolKind.FULL, config=config, device=device,
-                           kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-                           layer_ids=_global_layer_ids(pool, swa=False))
-    swa = build_mha_group(swa_pool, kind=PoolKind.SWA, config=config, device=device,
-                          kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-                          swa_index_lut=lut, swa_window_size=window,
-                          layer_ids=_global_layer_ids(pool, swa=True))
+    full = build_mha_group(
+        full_pool,
+        kind=PoolKind.FULL,
+        config=config,
+        device=device,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        layer_ids=_global_layer_ids(pool, swa=False),
+    )
+    swa = build_mha_group(
+        swa_pool,
+        kind=PoolKind.SWA,
+        config=config,
+        device=device,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        swa_index_lut=lut,
+        swa_window_size=window,
+        layer_ids=_global_layer_ids(pool, swa=True),
+    )
     splice_mha_group(pool, "get_contiguous_buf_infos", full, pool.page_size)
     splice_mha_group(pool, "get_state_buf_infos", swa, pool.page_size)
-    logger.info("kv_canary: SWAKVPool covered by a FULL group (%d slots) and an SWA group "
-                "(%d slots, window %d)", full.num_slots, swa.num_slots, window)
+    logger.info(
+        "kv_canary: SWAKVPool covered by a FULL group (%d slots) and an SWA group "
+        "(%d slots, window %d)",
+        full.num_slots,
+        swa.num_slots,
+        window,
+    )
     return [full, swa]
 
 
