@@ -381,3 +381,44 @@ def test_upstream_site_keeps_this_projects_modules_out_of_upstreams_packages(tmp
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def _dry_run_servers(*args: str) -> Dict[str, List[str]]:
+    """``pd_one_gpu.py --dry-run``'s server command lines, by role, and its PD_RESULT."""
+    out = _run("pd_one_gpu.py", "--dry-run", *args)
+    servers = {}
+    for line in out.splitlines():
+        for role in ("reference", "prefill", "decode"):
+            if line.startswith(f"pd_one_gpu: {role}: "):
+                servers[role] = line.split(": ", 2)[2].split()
+    result = json.loads(
+        next(line for line in out.splitlines() if line.startswith("PD_RESULT "))[10:]
+    )
+    return servers, result
+
+
+def _flag(argv: List[str], name: str):
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_pd_one_gpu_builds_a_prefill_and_a_decode_server_that_find_each_other():
+    """The PD pair of ``pd_one_gpu.py`` (run on a GPU with a real transfer engine; here only
+    its command lines): one prefill and one decode server with the same transfer backend, the
+    prefill's bootstrap port, canary flags on both, a reference server without PD; with
+    ``--no-fake-requests`` no request of sglang's own (warm-up, health) fakes a transfer."""
+    servers, result = _dry_run_servers(
+        "--backend", "nixl", "--no-fake-requests", "--extra-args=--kv-canary raise"
+    )
+    prefill, decode, reference = servers["prefill"], servers["decode"], servers["reference"]
+    assert _flag(prefill, "--disaggregation-mode") == "prefill"
+    assert _flag(decode, "--disaggregation-mode") == "decode"
+    assert _flag(reference, "--disaggregation-mode") is None
+    for argv in (prefill, decode):
+        assert _flag(argv, "--disaggregation-transfer-backend") == "nixl"
+        assert _flag(argv, "--kv-canary") == "raise" and "--skip-server-warmup" in argv
+    assert _flag(prefill, "--disaggregation-bootstrap-port") is not None
+    assert len({_flag(a, "--port") for a in servers.values()}) == 3
+    assert result["dry_run"] and result["env"]["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
+    servers, result = _dry_run_servers("--backend", "mooncake")
+    assert "--skip-server-warmup" not in servers["decode"]
+    assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in result["env"]
