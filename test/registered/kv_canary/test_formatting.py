@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
@@ -51,3 +52,7 @@ def test_a_file_out_of_format_is_reported(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 1 and "bad.py" in proc.stdout + proc.stderr
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
