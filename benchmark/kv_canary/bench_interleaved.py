@@ -115,9 +115,7 @@ import argparse
 import json
 import os
 import pathlib
-import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -127,8 +125,6 @@ from collections.abc import Sequence
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402  (a sibling module)
-    use_test_support,
-    ALL_DATA_CONFIG,
     CONFIGS,
     DEFAULT_MODEL,
     DEFAULT_SCENARIOS as SERVING_DEFAULT_SCENARIOS,
@@ -138,458 +134,76 @@ from common import (  # noqa: E402  (a sibling module)
     SMOKE_SCENARIOS,
     SMOKE_SETTINGS,
     SPECULATIVE,
-    PROJECT_STACK,
-    UPSTREAM_CONFIGS,
     UPSTREAM_PREFIX,
     UPSTREAM_SITE_DIR,
     UPSTREAM_STACK,
-    BenchConfig,
     EngineSettings,
-    Scenario,
     append_jsonl,
     gpu_name,
-    make_inputs,
     now_utc,
     parse_names,
-    upstream_env,
-    quantile,
     read_jsonl,
-    server_prefill_ms,
+)
+from interleaved_servers import (  # noqa: E402  (the servers: configs, start-up, checks)
+    CONFIG_TABLE,
+    CONTROL_SUFFIX,
+    IDLE_MODES,
+    INSTALLED_LINE,
+    Server,
+    canary_install_problem,
+    check_upstream,
+    http_json,
+    memory_fractions,
+    server_config,
+    server_env,
+    server_facts,
+    server_kwargs,
+    tokens_needed,
+)
+from interleaved_rounds import (  # noqa: E402  (the rounds, their statistics, the table)
+    measure,
+    paired_overhead,
+    resolved,
+    rotated,
+    round_order,
+    scenario_records,
+    server_decode_ms,
+    stack_baselines,
+    table,
 )
 
-from sglang.srt.kv_canary.testing.server_harness import free_port  # noqa: E402
-
-use_test_support()
-from canary_support.server_process import (  # noqa: E402
-    ServerProcess,
-    http_call,
-    launch_server_flags,
-)
+# what other code reads from this module (test_bench_interleaved.py,
+# profile_server_prefill.py), the sibling modules' names included
+__all__ = [
+    "CONFIGS",
+    "CONFIG_TABLE",
+    "INSTALLED_LINE",
+    "SMOKE_SCENARIOS",
+    "UPSTREAM_SITE_DIR",
+    "EngineSettings",
+    "Server",
+    "build_parser",
+    "canary_install_problem",
+    "http_json",
+    "main",
+    "measure",
+    "memory_fractions",
+    "paired_overhead",
+    "resolved",
+    "rotated",
+    "round_order",
+    "server_decode_ms",
+    "server_env",
+    "server_kwargs",
+    "stack_baselines",
+]
 
 START_TIMEOUT_S = 900.0
-REQUEST_TIMEOUT_S = 600.0
-BOOTSTRAP_SAMPLES = 2000
-FLUSH_ATTEMPTS = 100
 # the prefill set of the latency target; with EAGLE, bench_serving_overhead.py's decode set
 DEFAULT_SCENARIOS = {
     "none": "prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k",
     "eagle": ",".join(SERVING_DEFAULT_SCENARIOS["eagle"]),
 }
-# the log lines of a server whose canary was installed (api.install's), on the target and,
-# with EAGLE, on the draft worker
-INSTALLED_LINE = "kv_canary installed: "
-DRAFT_INSTALLED_LINE = "kv_canary installed on the EAGLE draft worker: "
-CONTROL_SUFFIX = "~aa"  # the A/A control: a second server of the baseline's config
-# every config a server can run: this project's, and upstream's canary under the same flags
-CONFIG_TABLE = {**CONFIGS, ALL_DATA_CONFIG.name: ALL_DATA_CONFIG, **UPSTREAM_CONFIGS}
-# first on an upstream server's PYTHONPATH: keeps this project out of that process
-
-
-def server_config(name: str) -> BenchConfig:
-    """The config a server runs (``name``: a config's, or its A/A control's)."""
-    return CONFIG_TABLE[name.removesuffix(CONTROL_SUFFIX)]
-
-
-AA_LIMIT = 0.003  # a run resolves 0.5 % only where its A/A control stays within +-0.3 %
-
-
-# ---- one server ---------------------------------------------------------------------------
-
-
-def http_json(
-    port: int, method: str, path: str, body=None, timeout: float = REQUEST_TIMEOUT_S
-) -> tuple[int, object]:
-    """One HTTP exchange with the server; ``(status, decoded JSON or raw text)``."""
-    status, raw = http_call(port, method, path, body, timeout=timeout)
-    text = raw.decode(errors="replace")
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text
-
-
-def server_decode_ms(outs: list[dict]) -> float | None:
-    """The decode time of one ``generate`` call as sglang's tokenizer manager measured it
-    (first output token to finish, per request: ``(completion_tokens - 1) /
-    decode_throughput``), the batch's median, in ms; None when the outputs have a single
-    token or no such figures."""
-    times = []
-    for o in outs:
-        meta = o.get("meta_info", {})
-        n, tput = meta.get("completion_tokens"), meta.get("decode_throughput")
-        if not n or n < 2 or not tput:
-            return None
-        times.append((n - 1) / tput * 1e3)
-    return statistics.median(times) if times else None
-
-
-def canary_install_problem(
-    log: str, *, canary_on: bool, speculative: str, stack: str = PROJECT_STACK
-) -> str | None:
-    """What is wrong with a server's canary, from its log, or None: a canary-on server must
-    have installed the canary (and, with EAGLE, on the draft worker too: otherwise the draft
-    pool ran unguarded and its figures mean nothing); a canary-off server must not have. An
-    upstream server (``stack``) must not have installed this project's canary at all (its
-    own canary is upstream's business: the server took its flags)."""
-    target = INSTALLED_LINE in log
-    draft = DRAFT_INSTALLED_LINE in log
-    if stack == UPSTREAM_STACK:
-        return (
-            "this project's canary was installed on an upstream server (its plugin ran "
-            f"there: {UPSTREAM_SITE_DIR} must come first on its PYTHONPATH)"
-            if target or draft
-            else None
-        )
-    if canary_on and not target:
-        return f"no '{INSTALLED_LINE.strip()}' line: the canary did not run"
-    if canary_on and speculative != "none" and not draft:
-        return f"no '{DRAFT_INSTALLED_LINE.strip()}' line: the draft pool ran unguarded"
-    if not canary_on and (target or draft):
-        return "the canary was installed on a server of a canary-off config"
-    return None
-
-
-class Server(ServerProcess):
-    """One ``python -m sglang.launch_server`` process of config ``cfg`` (own session, log in
-    ``log_path``)."""
-
-    def __init__(
-        self, name: str, cfg: BenchConfig, kwargs: dict, env: dict[str, str], log_path: str
-    ):
-        self.cfg = cfg
-        port = free_port()
-        super().__init__(
-            name,
-            [sys.executable, "-m", "sglang.launch_server", *launch_server_flags(port, kwargs)],
-            port=port,
-            env=env,
-            log_path=log_path,
-        )
-
-    def generate(self, input_ids: list[list[int]], osl: int) -> tuple[float, list[dict]]:
-        """Flush the radix cache, then one ``/generate`` of the batch: ``(wall ms,
-        outputs)``."""
-        for _ in range(FLUSH_ATTEMPTS):  # refused while the scheduler still holds a request
-            status, body = http_json(self.port, "POST", "/flush_cache")
-            if status == 200:
-                break
-            time.sleep(0.02)
-        else:
-            raise RuntimeError(
-                f"[{self.name}] /flush_cache answered {status} {FLUSH_ATTEMPTS} times: {body}"
-            )
-        params = [{"max_new_tokens": osl, "ignore_eos": True, "temperature": 0} for _ in input_ids]
-        t0 = time.perf_counter()
-        status, outs = http_json(
-            self.port, "POST", "/generate", {"input_ids": input_ids, "sampling_params": params}
-        )
-        ms = (time.perf_counter() - t0) * 1e3
-        if status != 200 or not isinstance(outs, list) or len(outs) != len(input_ids):
-            raise RuntimeError(f"[{self.name}] /generate answered {status}: {str(outs)[:500]}")
-        lens = sorted({len(o["output_ids"]) for o in outs})
-        if lens != [osl]:
-            raise RuntimeError(
-                f"[{self.name}] expected outputs of {osl} tokens, got lengths {lens}"
-            )
-        return ms, outs
-
-
-# ---- statistics -------------------------------------------------------------------------------
-
-
-def paired_overhead(
-    on: Sequence[float], off: Sequence[float], *, seed: int = 0
-) -> tuple[float, float, float]:
-    """Median over the rounds of ``on[k] / off[k] - 1`` and its bootstrap 95 % interval
-    (rounds resampled ``BOOTSTRAP_SAMPLES`` times, seeded), as fractions."""
-    if len(on) != len(off) or not on:
-        raise ValueError(
-            f"paired_overhead needs two equal non-empty series, got {len(on)} and {len(off)} values"
-        )
-    ratios = [a / b - 1.0 for a, b in zip(on, off)]
-    rng = random.Random(seed)
-    n = len(ratios)
-    meds = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(BOOTSTRAP_SAMPLES))
-    return statistics.median(ratios), quantile(meds, 0.025), quantile(meds, 0.975)
-
-
-def summarise(values: Sequence[float]) -> dict:
-    return dict(
-        median=statistics.median(values),
-        min=min(values),
-        p10=quantile(values, 0.1),
-        p90=quantile(values, 0.9),
-    )
-
-
-# ---- the run ----------------------------------------------------------------------------------
-
-
-def rotated(names: Sequence[str], r: int) -> list[str]:
-    """``names`` rotated left by ``r`` (any integer)."""
-    names = list(names)
-    r %= len(names)
-    return names[r:] + names[:r]
-
-
-def round_order(names: Sequence[str], k: int) -> list[str]:
-    """Round ``k``'s order (warm-up rounds have k < 0): ``names`` rotated by k, so each takes
-    each place equally often, reversed in every other cycle of ``len(names)`` rounds, so a
-    server that follows another also precedes it. For two servers: AB, BA, BA, AB (ABBA)."""
-    order = rotated(names, k)
-    return order if (k // len(names)) % 2 == 0 else order[::-1]
-
-
-def measure(
-    servers: dict[str, Server], sc: Scenario, *, rounds: int, warmup: int, vocab: int
-) -> tuple[dict[str, list[float]], dict[str, list], dict[str, list], int]:
-    """Warm-up rounds, then ``rounds`` rounds of ``sc`` over ``servers``: per server the wall
-    ms, the server's prefill ms and its decode ms per round (None where sglang gave none), and
-    the number of rounds whose outputs disagreed between servers of one stack (another sglang's
-    outputs differ by design)."""
-    wall = {n: [] for n in servers}
-    server = {n: [] for n in servers}
-    decode = {n: [] for n in servers}
-    mismatched = 0
-    for k in range(-warmup, rounds):
-        ids = make_inputs(sc, k, vocab)
-        outputs = {}
-        for name in round_order(list(servers), k):
-            ms, outs = servers[name].generate(ids, sc.osl)
-            outputs[name] = [o["output_ids"] for o in outs]
-            if k >= 0:
-                wall[name].append(ms)
-                server[name].append(server_prefill_ms(outs))
-                decode[name].append(server_decode_ms(outs))
-        by_stack: dict[str, set] = {}
-        for name, v in outputs.items():
-            by_stack.setdefault(server_config(name).stack, set()).add(json.dumps(v))
-        if k >= 0 and any(len(seen) > 1 for seen in by_stack.values()):
-            mismatched += 1
-    return wall, server, decode, mismatched
-
-
-def stack_baselines(server_names: Sequence[str], baseline: str) -> dict[str, str]:
-    """Each server's baseline: ``baseline`` for this project's configs (and the A/A
-    control), ``up:`` + ``baseline`` for upstream's; refuses a stack whose baseline is not
-    among the servers."""
-    base = baseline.removeprefix(UPSTREAM_PREFIX)
-    out = {}
-    for name in server_names:
-        want = UPSTREAM_PREFIX + base if server_config(name).stack == UPSTREAM_STACK else base
-        if name.endswith(CONTROL_SUFFIX):
-            want = name.removesuffix(CONTROL_SUFFIX)
-        if want not in server_names:
-            raise SystemExit(
-                f"--configs: {name} is compared with its stack's baseline {want}, "
-                "which is not among them: name it too"
-            )
-        out[name] = want
-    return out
-
-
-def scenario_records(
-    sc: Scenario,
-    wall: dict,
-    server: dict,
-    decode: dict,
-    mismatched: int,
-    *,
-    baselines: dict[str, str],
-    ports: dict,
-    common: dict,
-    facts: dict,
-) -> list[dict]:
-    """One record per server of one scenario; every server but a baseline carries its paired
-    overheads against its baseline (``baselines``: per server, its stack's,
-    :func:`stack_baselines`): ``wall_overhead``, ``server_overhead`` for the prefill,
-    ``decode_overhead``. The A/A control's record (``control``: true) is the run's
-    resolution. ``facts``: each server's :func:`server_facts`, recorded."""
-    recs = []
-    for name in wall:
-        baseline = baselines[name]
-        config = name.removesuffix(CONTROL_SUFFIX)
-        rec = dict(
-            kind="interleaved",
-            config=config,
-            server_name=name,
-            control=name.endswith(CONTROL_SUFFIX),
-            scenario=sc.name,
-            bs=sc.bs,
-            isl=sc.isl,
-            osl=sc.osl,
-            baseline=baseline,
-            stack=server_config(name).stack,
-            **facts[name],
-            rounds=len(wall[name]),
-            port=ports[name],
-            mismatched_rounds=mismatched,
-            wall_runs_ms=wall[name],
-            wall=summarise(wall[name]),
-            **common,
-        )
-        for key, series in (("server", server), ("decode", decode)):
-            if None in series[name] or None in series[baseline]:
-                continue
-            rec[f"{key}_runs_ms"] = series[name]
-            rec[key] = summarise(series[name])
-            if name != baseline:
-                rec[f"{key}_overhead"] = paired_overhead(series[name], series[baseline])
-        if name != baseline:
-            rec["wall_overhead"] = paired_overhead(wall[name], wall[baseline])
-        recs.append(rec)
-    return recs
-
-
-def resolved(rec: dict, control: dict | None, key: str) -> str:
-    """Whether ``rec``'s ``key`` overhead (``wall``, ``server``, ``decode``) is a claim: the
-    A/A control's median and interval lie within +-``AA_LIMIT`` and the config's interval
-    does not include 0. ``no control`` / ``control too wide`` / ``within noise`` /
-    ``resolved``."""
-    if control is None or f"{key}_overhead" not in control:
-        return "no control"
-    med, lo, hi = control[f"{key}_overhead"]
-    if max(abs(med), abs(lo), abs(hi)) > AA_LIMIT:
-        return "control too wide"
-    _, clo, chi = rec[f"{key}_overhead"]
-    return "within noise" if clo <= 0.0 <= chi else "resolved"
-
-
-def _pct(x: float) -> str:
-    return f"{x * 100:+.2f} %"
-
-
-def _interval(t) -> str:
-    return f"{_pct(t[0])} [{_pct(t[1])}, {_pct(t[2])}]"
-
-
-def table(records: list[dict]) -> str:
-    """Markdown table of interleaved records (in their order)."""
-    out = [
-        "| scenario | config | rounds | wall median / min ms | server prefill median / min "
-        "ms | server decode median ms | paired overhead, server prefill (median [95 % CI]) "
-        "| paired overhead, server decode | paired overhead, wall |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    controls = {(r["invocation"], r["scenario"]): r for r in records if r.get("control")}
-    for r in records:
-        w, s, d = r["wall"], r.get("server"), r.get("decode")
-        control = controls.get((r.get("invocation"), r["scenario"]))
-        name = f"{r['config']} (A/A control)" if r.get("control") else r["config"]
-        spec = "" if r.get("speculative", "none") == "none" else f", {r['speculative']}"
-
-        def cell(key: str) -> str:
-            if f"{key}_overhead" not in r:
-                return (
-                    "(baseline)" if r["config"] == r["baseline"] and not r.get("control") else "—"
-                )
-            text = _interval(r[f"{key}_overhead"])
-            return text if r.get("control") else f"{text} ({resolved(r, control, key)})"
-
-        out.append(
-            f"| {r['scenario']}{spec} (bs{r['bs']} isl{r['isl']} osl{r['osl']}) | {name} | "
-            f"{r['rounds']} | {w['median']:.2f} / {w['min']:.2f} | "
-            + (f"{s['median']:.2f} / {s['min']:.2f} | " if s else "— | ")
-            + (f"{d['median']:.2f} | " if d else "— | ")
-            + f"{cell('server')} | {cell('decode')} | {cell('wall')} |"
-        )
-    out.append(
-        f"\nAn overhead is a claim (\"resolved\") only where the A/A control's median "
-        f"and 95 % interval lie within +-{AA_LIMIT * 100:.1f} % and the config's "
-        "interval excludes 0."
-    )
-    mism = {(r["scenario"], r["mismatched_rounds"]) for r in records if r["mismatched_rounds"]}
-    for scn, m in sorted(mism):
-        out.append(f"\n{scn}: greedy outputs disagreed between configs in {m} round(s)")
-    return "\n".join(out)
-
-
-def memory_fractions(n: int, share: float) -> list[float]:
-    """``--mem-fraction-static`` of each of ``n`` servers started one after the other (see
-    the module docstring)."""
-    fracs = [round((i + 1) * share, 4) for i in range(n)]
-    if fracs[-1] > 0.95:
-        raise ValueError(
-            f"--gpu-share {share} x {n} servers = {fracs[-1]} of the GPU; "
-            "allowed: at most 0.95 in all (lower --gpu-share)"
-        )
-    return fracs
-
-
-def tokens_needed(scenarios: Sequence[Scenario], chunk: int) -> int:
-    """A KV pool that holds the largest scenario's batch, with margin."""
-    need = max(sc.bs * (sc.isl + sc.osl) for sc in scenarios)
-    return int(need * 1.25) + chunk
-
-
-IDLE_MODES = ("sleep", "spin")
-
-
-def server_kwargs(
-    settings_kwargs: dict, cfg: BenchConfig, *, mem_fraction: float | None, idle: str
-) -> dict:
-    """One server's engine kwargs: the run's settings, the config's canary flags, its memory
-    fraction (None: sglang's default) and its idle scheduler (``idle``, one of
-    ``IDLE_MODES``: ``sleep`` sets sglang's ``sleep_on_idle``, ``spin`` clears it)."""
-    if idle not in IDLE_MODES:
-        raise ValueError(f"--idle {idle!r}: allowed {', '.join(IDLE_MODES)}")
-    kwargs = {**settings_kwargs, **cfg.engine_kwargs()}
-    if mem_fraction is not None:
-        kwargs["mem_fraction_static"] = mem_fraction
-    kwargs["sleep_on_idle"] = idle == "sleep"
-    return kwargs
-
-
-def check_upstream(
-    names: Sequence[str], *, upstream_site: str | None, piecewise: str, speculative: str
-) -> None:
-    """Refuse what a run with upstream's configs cannot measure (module docstring)."""
-    upstream = [n for n in names if CONFIG_TABLE[n].stack == UPSTREAM_STACK]
-    if not upstream:
-        if upstream_site:
-            raise SystemExit(
-                f"--upstream-site {upstream_site}: no {UPSTREAM_PREFIX}config in "
-                "--configs runs there"
-            )
-        return
-    if not upstream_site or not os.path.isdir(upstream_site):
-        raise SystemExit(
-            f"--configs {', '.join(upstream)}: upstream's servers need "
-            "--upstream-site DIR, the site directory of sglang 0.5.17 "
-            f"(upstream_bundle.sh), got {upstream_site!r}"
-        )
-    if piecewise == "on" and any(CONFIG_TABLE[n].canary_on for n in upstream):
-        raise SystemExit(
-            "--piecewise on: upstream's canary refuses sglang's piecewise prefill "
-            "graphs; pass --piecewise off (every server alike)"
-        )
-    if speculative != "none":
-        raise SystemExit(
-            f"--speculative {speculative}: the side by side with upstream "
-            "measures prefill and decode without speculative decoding"
-        )
-
-
-def server_env(
-    base_env: dict[str, str], cfg: BenchConfig, upstream_site: str | None
-) -> dict[str, str]:
-    """A server's environment: the run's, the config's variables and, for upstream's
-    configs, ``PYTHONPATH`` = ``upstream_site``'s isolation folder, ``upstream_site``, then
-    the run's."""
-    env = {**base_env, **cfg.env()}
-    if cfg.stack == UPSTREAM_STACK:
-        env = upstream_env(env, upstream_site)
-    return env
-
-
-def server_facts(port: int) -> dict:
-    """What a server's ``/server_info`` says of its stack: ``version`` (sglang's, None if it
-    gave none) and ``kv_canary_info`` (whether it carries a ``kv_canary`` entry, which this
-    project's plugin adds on every server it runs in)."""
-    status, info = http_json(port, "GET", "/server_info")
-    if status != 200 or not isinstance(info, dict):
-        return dict(version=None, kv_canary_info=None)
-    return dict(version=info.get("version"), kv_canary_info="kv_canary" in info)
 
 
 def run(args) -> int:

@@ -57,12 +57,17 @@ import pathlib
 import random
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+# sibling modules: the model, the --cpu stub and the processes; the prompts and requests
+from pd_processes import PdProcesses, cpu_stub, write_random_llama_weights  # noqa: E402
+from pd_requests import body_for, generate, make_prompts, pd_request, perturbed  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CANARY_TESTS = REPO / "test" / "registered" / "kv_canary"  # canary_support (server processes)
@@ -198,356 +203,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# ---- prompts ------------------------------------------------------------------------------------
-
-
-def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """``n`` prompts of ``length`` token ids in [3, vocab), pairwise different first tokens."""
-    rng = random.Random(seed)
-    firsts = rng.sample(range(3, vocab), n)
-    return [[f] + [rng.randrange(3, vocab) for _ in range(length - 1)] for f in firsts]
-
-
-def perturbed(prompt: list[int], vocab: int, rng: random.Random, taken: set) -> list[int]:
-    """``prompt`` with every token but the last replaced (first token unused so far)."""
-    first = rng.choice([t for t in range(3, vocab) if t not in taken])
-    taken.add(first)
-    return [first] + [rng.randrange(3, vocab) for _ in range(len(prompt) - 2)] + [prompt[-1]]
-
-
-# ---- HTTP ---------------------------------------------------------------------------------------
-
-
-def generate(http_call, port: int, body: dict, timeout: float) -> dict:
-    """POST /generate; the JSON answer, or ``{"error": ...}``."""
-    try:
-        status, raw = http_call(port, "POST", "/generate", body, timeout=timeout)
-    except Exception as e:  # noqa: BLE001  (reported, the run goes on)
-        return {"error": f"{type(e).__name__}: {e}"}
-    try:
-        out = json.loads(raw)
-    except ValueError:
-        return {"error": f"HTTP {status}: {raw[:300]!r}"}
-    if status != 200:
-        return {"error": f"HTTP {status}: {json.dumps(out)[:300]}"}
-    return out if isinstance(out, dict) else {"error": f"unexpected answer {str(out)[:300]}"}
-
-
-def body_for(prompt: list[int], max_new: int, boot: dict | None = None) -> dict:
-    body = {
-        "input_ids": prompt,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True},
-    }
-    if boot:
-        body.update(boot)
-    return body
-
-
-def pd_request(
-    http_call,
-    prefill_port: int,
-    decode_port: int,
-    bootstrap_port: int,
-    prompt: list[int],
-    max_new: int,
-    timeout: float,
-) -> dict:
-    """One request the way a PD router sends it: the same body, bootstrap fields included, to
-    the prefill and the decode server at once; the decode server's answer plus the prefill's
-    status."""
-    boot = {
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": bootstrap_port,
-        "bootstrap_room": random.SystemRandom().randrange(1, 2**63 - 1),
-    }
-    body = body_for(prompt, max_new, boot)
-    answers: dict[str, dict] = {}
-
-    def send(name: str, port: int) -> None:
-        answers[name] = generate(http_call, port, body, timeout)
-
-    threads = [
-        threading.Thread(target=send, args=(n, p), daemon=True)
-        for n, p in (("prefill", prefill_port), ("decode", decode_port))
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 5)
-    dec = answers.get("decode", {"error": "no answer (thread still running)"})
-    pre = answers.get("prefill", {"error": "no answer (thread still running)"})
-    out = {"room": boot["bootstrap_room"], "output_ids": dec.get("output_ids")}
-    if "error" in dec:
-        out["error"] = "decode: " + dec["error"]
-    if "error" in pre:
-        out["prefill_error"] = pre["error"]
-    return out
-
-
-def wait_health(server, timeout: float) -> None:
-    """Poll ``/health`` (no forward with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0) until 200;
-    ``ServerStartError`` with the log's tail when the process exits or ``timeout`` passes."""
-    from canary_support.server_process import ServerStartError, http_call
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not server.alive():
-            raise ServerStartError(
-                f"{server.name} server exited ({server.proc.returncode}) "
-                f"during start-up:\n{server.tail()}"
-            )
-        try:
-            if http_call(server.port, "GET", "/health", timeout=30)[0] == 200:
-                return
-        except Exception:  # noqa: BLE001, S110  (not up yet / best effort)
-            pass
-        time.sleep(1.0)
-    raise ServerStartError(
-        f"{server.name} server not ready after {timeout:.0f} s:\n{server.tail()}"
-    )
-
-
-# ---- model ------------------------------------------------------------------------------------
-
-
-def write_random_llama_weights(model_dir: str, config: dict, seed: int) -> None:
-    """``model_dir/model.safetensors`` for the Llama ``config`` (HF names): seeded normal
-    weights with std 1/sqrt(fan_in), embeddings with std 1, norms at 1, bfloat16."""
-    import torch
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
-    hd = config.get("head_dim", h // nh)
-
-    def lin(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
-
-    t = {
-        "model.embed_tokens.weight": torch.randn(v, h, generator=g),
-        "model.norm.weight": torch.ones(h),
-        "lm_head.weight": lin(v, h),
-    }
-    for i in range(config["num_hidden_layers"]):
-        pre = f"model.layers.{i}."
-        t.update(
-            {
-                pre + "self_attn.q_proj.weight": lin(nh * hd, h),
-                pre + "self_attn.k_proj.weight": lin(nkv * hd, h),
-                pre + "self_attn.v_proj.weight": lin(nkv * hd, h),
-                pre + "self_attn.o_proj.weight": lin(h, nh * hd),
-                pre + "mlp.gate_proj.weight": lin(inter, h),
-                pre + "mlp.up_proj.weight": lin(inter, h),
-                pre + "mlp.down_proj.weight": lin(h, inter),
-                pre + "input_layernorm.weight": torch.ones(h),
-                pre + "post_attention_layernorm.weight": torch.ones(h),
-            }
-        )
-    save_file(
-        {k: x.to(torch.bfloat16).contiguous() for k, x in t.items()},
-        str(pathlib.Path(model_dir) / "model.safetensors"),
-    )
-
-
-# ---- --cpu: the libcuda stub -------------------------------------------------------------------
-
-
-def transfer_engine_libraries(backend: str) -> list[str]:
-    """The shared libraries of the installed transfer engine that import CUDA driver symbols."""
-    import importlib.util
-
-    pkg = "mooncake" if backend == "mooncake" else "nixl_cu13"
-    spec = importlib.util.find_spec(pkg)
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"{pkg} is not installed (test/device_bundle_pd.sh)")
-    root = pathlib.Path(spec.submodule_search_locations[0])
-    dirs = (
-        [root]
-        if backend == "mooncake"
-        else [root.parent / "nixl_cu13.libs", root.parent / ".nixl_cu13.mesonpy.libs"]
-    )
-    return sorted(
-        str(p) for d in dirs for p in d.rglob("*.so*") if p.is_file() and not p.is_symlink()
-    )
-
-
-def cpu_stub(out_dir: pathlib.Path, backend: str) -> str:
-    """``out_dir/libcuda.so.1`` answering "no device" for the driver symbols of sgl_kernel
-    (``server_harness.libcuda_symbols``) and of the transfer engine (its libraries are
-    loaded with RTLD_NOW, so every symbol they import must exist)."""
-    from sglang.srt.kv_canary.testing.server_harness import libcuda_symbols
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    names = sorted(
-        set(libcuda_symbols())
-        | set(libcuda_symbols(transfer_engine_libraries(backend)))
-        | {"cuInit", "cuDriverGetVersion", "cuDeviceGetCount"}
-    )
-    (out_dir / "stub.c").write_text("".join(f"int {n}(void) {{ return 100; }}\n" for n in names))
-    subprocess.run(
-        [
-            "gcc",
-            "-shared",
-            "-fPIC",
-            "-Wl,-soname,libcuda.so.1",
-            "-o",
-            str(out_dir / "libcuda.so.1"),
-            str(out_dir / "stub.c"),
-        ],
-        check=True,
-    )
-    return str(out_dir)
-
-
 # ---- the run ------------------------------------------------------------------------------------
 
 
-class Run:
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.servers: list = []  # ServerProcess
-        self.router_proc: subprocess.Popen | None = None
-        self.router_log = None
-        self.errors: list[str] = []
-        self.result: dict = {"backend": args.backend}
-
-    # -- processes --
-    def start_server(
-        self,
-        name: str,
-        model_dir: str,
-        port: int,
-        extra: list[str],
-        env: dict[str, str],
-        log_level: str,
-    ):
-        from canary_support.server_process import ServerProcess, launch_server_flags
-        from sglang.srt.kv_canary.testing.server_harness import (
-            cpu_engine_kwargs,
-            gpu_engine_kwargs,
-        )
-
-        make = cpu_engine_kwargs if self.args.cpu else gpu_engine_kwargs
-        kwargs = make(
-            model_dir,
-            mem_fraction_static=self.args.mem_fraction_static,
-            max_total_tokens=self.args.max_total_tokens,
-            log_level=log_level,
-            **({} if self.args.cpu else {"base_gpu_id": 0}),
-            **({"load_format": "auto"} if self.args.weights == "random" else {}),
-        )
-        argv = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            *launch_server_flags(port, kwargs),
-            *extra,
-        ]
-        (self.log_dir / f"{name}.argv").write_text(shlex.join(argv) + "\n")
-        if self.args.dry_run:
-            print(f"pd_one_gpu: {name}: {shlex.join(argv)}", flush=True)
-            return None
-        server = ServerProcess(
-            name, argv, port=port, env=env, log_path=self.log_dir / f"{name}.log"
-        )
-        self.servers.append(server)
-        self.record_pgid(name, server.proc.pid)
-        return server
-
-    def record_pgid(self, name: str, pgid: int) -> None:
-        path = self.log_dir / "pgids.json"
-        try:
-            known = json.loads(path.read_text()) if path.exists() else {}
-        except ValueError:
-            known = {}
-        known[name] = pgid
-        path.write_text(json.dumps(known))
-
-    @staticmethod
-    def router_argv(
-        prefill_port: int, bootstrap_port: int, decode_port: int, port: int, mini: bool
-    ) -> list[str]:
-        from sglang.srt.kv_canary.testing.server_harness import free_port
-
-        argv = [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--pd-disaggregation",
-            "--prefill",
-            f"http://127.0.0.1:{prefill_port}",
-            str(bootstrap_port),
-            "--decode",
-            f"http://127.0.0.1:{decode_port}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port()),
-            "--worker-startup-timeout-secs",
-            "120",
-            "--log-level",
-            "info",
-        ]
-        return argv + (["--mini-lb"] if mini else [])
-
-    def start_router(
-        self,
-        prefill_port: int,
-        bootstrap_port: int,
-        decode_port: int,
-        port: int,
-        mini: bool,
-        env: dict[str, str],
-    ) -> None:
-        argv = self.router_argv(prefill_port, bootstrap_port, decode_port, port, mini)
-        (self.log_dir / "router.argv").write_text(shlex.join(argv) + "\n")
-        self.router_log = open(self.log_dir / "router.log", "w")  # noqa: SIM115
-        self.router_proc = subprocess.Popen(
-            argv, env=env, stdout=self.router_log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        self.record_pgid("router", self.router_proc.pid)
-
-    def stop_all(self) -> list[str]:
-        """Stop every process group started here; the ones still alive after that."""
-        from canary_support.server_process import stop_process_group
-
-        procs = []
-        if self.router_proc is not None:
-            procs.append(("router", self.router_proc))
-        procs += [(s.name, s.proc) for s in self.servers]
-        for name, proc in procs:
-            try:
-                stop_process_group(proc)
-            except Exception as e:  # noqa: BLE001
-                self.errors.append(f"stopping {name}: {e}")
-        for s in self.servers:
-            try:
-                s._log.close()
-            except Exception:  # noqa: BLE001, S110  (not up yet / best effort)
-                pass
-        if self.router_log is not None:
-            self.router_log.close()
-
-        def alive(pgid: int) -> bool:
-            try:
-                os.killpg(pgid, 0)
-                return True
-            except (ProcessLookupError, PermissionError):
-                return False
-
-        # SIGKILLed members of a group go away a moment later (reaped by init): wait for them
-        deadline = time.monotonic() + 15
-        while any(alive(p.pid) for _, p in procs) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = [name for name, proc in procs if alive(proc.pid)]
-        self.servers, self.router_proc = [], None
-        return left
-
+class Run(PdProcesses):
     # -- steps --
     def reference_outputs(self, server, prompts: list[list[int]]) -> list[list[int] | None]:
         from canary_support.server_process import http_call
@@ -697,8 +356,9 @@ class Run:
             [ref] if ref is not None and a.reference == "parallel" else []
         ):
             left = max(1.0, a.start_timeout - (time.monotonic() - t0))
+            # /health answers without a forward when SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0
             if a.no_fake_requests and s is not ref:
-                wait_health(s, left)
+                s.wait_ready(left, "/health")
             else:
                 s.wait_ready(left)
         self.result["start_s"] = round(time.monotonic() - t0, 1)

@@ -222,7 +222,8 @@ MUTANTS = (
         path=f"{_RT}/runner/violation_record.py",
         old="entry[1] |= rec.fail_bits",
         new="entry[1] = rec.fail_bits",
-        selection=f"{_T}/test_runtime_core.py::test_an_incident_unites_the_reasons_of_all_its_rows",
+        selection=f"{_T}/test_runtime_reporting.py::"
+        "test_an_incident_unites_the_reasons_of_all_its_rows",
         speed="quick",
         what="merged incident keeps the last row's reasons only",
     ),
@@ -270,7 +271,7 @@ MUTANTS = (
         path=f"{_RT}/runner/violation_line.py",
         old='f"rids={format_rids(inc.rids)}"',
         new='"rids=-"',
-        selection=f"{_T}/test_runtime_core.py::"
+        selection=f"{_T}/test_runtime_reporting.py::"
         "test_violation_line_names_requests_and_round_trips_odd_ids",
         speed="quick",
         what="the structured line never names the requests",
@@ -787,7 +788,7 @@ MUTANTS = (
         path=f"{_RT}/runner/device_host.py",
         old="        self._flip ^= 1\n",
         new="",
-        selection=f"{_T}/test_runtime_core.py::"
+        selection=f"{_T}/test_runtime_reporting.py::"
         "test_device_host_handler_packs_mixed_dtypes_into_one_buffer",
         speed="quick",
         what="a stage overwrites the read-back the consumer has not read yet",
@@ -797,7 +798,7 @@ MUTANTS = (
         path=f"{_RT}/runner/device_host.py",
         old="    order = sorted(range(len(leaves)), key=lambda i: -leaves[i].element_size())\n",
         new="    order = list(range(len(leaves)))\n",
-        selection=f"{_T}/test_runtime_core.py::"
+        selection=f"{_T}/test_runtime_reporting.py::"
         "test_device_host_handler_packs_mixed_dtypes_into_one_buffer",
         speed="quick",
         what="packed read-back places an int64 tensor after an int32 one",
@@ -835,7 +836,7 @@ MUTANTS = (
     # ---- the interleaved benchmark's statistics ----------------------------------------------
     Mutant(
         id="interleaved-no-abba",
-        path="benchmark/kv_canary/bench_interleaved.py",
+        path="benchmark/kv_canary/interleaved_rounds.py",
         old="    return order if (k // len(names)) % 2 == 0 else order[::-1]",
         new="    return list(names)",
         selection=f"{_T}/test_bench_interleaved.py::"
@@ -847,7 +848,7 @@ MUTANTS = (
     ),
     Mutant(
         id="interleaved-mean-ratio",
-        path="benchmark/kv_canary/bench_interleaved.py",
+        path="benchmark/kv_canary/interleaved_rounds.py",
         old="    return statistics.median(ratios), quantile(meds, 0.025)",
         new="    return statistics.mean(ratios), quantile(meds, 0.025)",
         selection=f"{_T}/test_bench_interleaved.py::"
@@ -857,7 +858,7 @@ MUTANTS = (
     ),
     Mutant(
         id="interleaved-mismatch-uncounted",
-        path="benchmark/kv_canary/bench_interleaved.py",
+        path="benchmark/kv_canary/interleaved_rounds.py",
         old="            mismatched += 1\n",
         new="            pass\n",
         selection=f"{_T}/test_bench_interleaved.py::"

@@ -18,7 +18,9 @@ allocations; decode steps evict SWA slots behind the window as sglang's
 writing the SWA sub-pool's 584-byte token records with sglang's own ``SetKAndS`` (torch path).
 
 Fault injectors (``driver_faults.DriverFaults``; each done once, on request) return what they
-changed, so a test can match the canary's report to the fault.
+changed, so a test can match the canary's report to the fault. The driver's pools and model
+(``driver_pools.DriverPools``) and its forward and decode graphs (``driver_forward``) are mixed
+in the same way.
 """
 
 from __future__ import annotations
@@ -32,13 +34,24 @@ from typing import Dict, List, Optional
 import torch
 
 from driver_faults import DriverFaults
+from driver_forward import CpuGraph, DriverForward
+from driver_pools import DriverPools
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig
-from sglang.srt.kv_canary.single_forward_manager.phases import SfmPhase
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+# what the suites import from this module (CpuGraph: driver_forward's)
+__all__ = [
+    "VOCAB",
+    "CpuGraph",
+    "DriverReq",
+    "ServingDriver",
+    "next_token",
+    "stand_in_model_runner",
+]
 
 VOCAB = 1000
 
@@ -120,32 +133,7 @@ class DriverReq:
         return len(self.output) >= self.max_new
 
 
-class CpuGraph:
-    """The CPU's stand-in for the decode ``torch.cuda.CUDAGraph`` (no graphs without CUDA):
-    :meth:`replay` issues the launches the capture recorded, on the same static tensors, as a
-    graph replays its kernels. It runs the captured body again with the active single-forward
-    manager in capture mode (what it was in when sglang captured the graph, so it takes the
-    captured paths: static inputs, the token scatter from the replay buffer), then gives the
-    manager its phase back: a real replay runs no canary Python, so the outside bracket's
-    phases must not move. Capture itself is the first replay's business: nothing runs at
-    construction (a CUDA capture's launches do not run either)."""
-
-    def __init__(self, manager, body):
-        self.manager = manager
-        self.body = body
-
-    def replay(self) -> None:
-        sfm = self.manager.active_sfm
-        phase = sfm.phase
-        sfm.phase = SfmPhase.IDLE
-        try:
-            with sfm.capturing():
-                self.body()
-        finally:
-            sfm.phase = phase
-
-
-class ServingDriver(DriverFaults):
+class ServingDriver(DriverFaults, DriverPools, DriverForward):
     def __init__(
         self,
         *,
@@ -309,101 +297,6 @@ class ServingDriver(DriverFaults):
             self._capture_decode_graph(graph_bs)
         if init_finished:  # what the plugin's ModelRunner.__init__ hook does after start-up
             self.manager.mark_init_finished()
-
-    # MLA latent rows of the driver: kv_lora_rank 32 + qk_rope_head_dim 16 bf16 (96 bytes)
-    MLA_RANK, MLA_ROPE = 32, 16
-
-    def _build_mla_pool(self, num_slots: int, *, nsa: bool):
-        """sglang's ``MLATokenToKVPool`` (page size 1) or ``NSATokenToKVPool`` (page size 64,
-        the only one it takes off HIP, with its indexer keys of 128 fp8 bytes per slot)."""
-        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, NSATokenToKVPool
-
-        if not nsa:
-            return MLATokenToKVPool(
-                size=num_slots,
-                page_size=1,
-                dtype=torch.bfloat16,
-                kv_lora_rank=self.MLA_RANK,
-                qk_rope_head_dim=self.MLA_ROPE,
-                layer_num=2,
-                device=str(self.device),
-                enable_memory_saver=False,
-            )
-        return NSATokenToKVPool(
-            size=num_slots,
-            page_size=64,
-            kv_lora_rank=self.MLA_RANK,
-            dtype=torch.bfloat16,
-            qk_rope_head_dim=self.MLA_ROPE,
-            layer_num=2,
-            device=str(self.device),
-            index_head_dim=128,
-            enable_memory_saver=False,
-            kv_cache_dim=self.MLA_RANK + self.MLA_ROPE,
-        )
-
-    def nsa_index_key_bytes(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """Flat byte offsets ``[len(slots), 128]`` of ``slots``' indexer keys in
-        ``index_k_with_scale_buffer[layer]`` (page rows: the page's fp8 keys, then its
-        scales)."""
-        buf = self.kv_pool.index_k_with_scale_buffer[layer]
-        page, off = slots // 64, slots % 64
-        return (page * buf.shape[1] + off * 128).unsqueeze(1) + torch.arange(
-            128, device=self.device
-        )
-
-    def _build_swa_pool(self, num_slots: int, num_swa_slots: int):
-        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-
-        return SWAKVPool(
-            size=num_slots,
-            size_swa=num_swa_slots,
-            page_size=1,
-            dtype=torch.bfloat16,
-            head_num=2,
-            head_dim=8,
-            swa_attention_layer_ids=[0],
-            full_attention_layer_ids=[1],
-            enable_kvcache_transpose=False,
-            device=str(self.device),
-            enable_memory_saver=False,
-            enable_alt_stream=False,
-        )
-
-    def _build_dsv4_pool(self, num_slots: int, num_swa_slots: int):
-        from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-        from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-
-        # the pool reads the global server args (speculative or not) for its state rings
-        set_global_server_args_for_scheduler(
-            ServerArgs(model_path="dummy", device=str(self.device.type))
-        )
-        return DeepSeekV4TokenToKVPool(
-            max_num_reqs=4,
-            swa_size=num_swa_slots,
-            c4_size=num_slots // 4,
-            c128_size=max(num_slots // 128, 1),
-            c4_state_pool_size=4,
-            c128_state_pool_size=4,
-            page_size=128,
-            swa_page_size=16,
-            dtype=torch.uint8,
-            state_dtype=torch.float32,
-            qk_nope_head_dim=448,
-            qk_rope_head_dim=64,
-            indexer_head_dim=128,
-            layer_num=2,
-            device=str(self.device),
-            enable_memory_saver=False,
-            compression_ratios=[0, 4],
-        )
-
-    @property
-    def swa_table(self) -> Optional[torch.Tensor]:
-        return getattr(self.allocator, "full_to_swa_index_mapping", None)
-
-    def swa_slot(self, slot: int) -> int:
-        return int(self.swa_table[slot])
 
     # ---- workload ------------------------------------------------------------------------
 
@@ -693,196 +586,3 @@ class ServingDriver(DriverFaults):
                 self.req_to_token_pool.free_slots.append(r.row)
                 r.row = None  # as sglang's ReqToTokenPool.free does
                 self.finished.append(r)
-
-    # ---- the forward, with the canary around it ----------------------------------------------
-
-    def model_forward(self, fb: ForwardBatch) -> None:
-        """Write deterministic KV bytes for every token of ``fb`` into every layer."""
-        if self.pool_kind == "swa":
-            return self._model_forward_swa(fb)
-        if self.pool_kind == "dsv4":
-            return self._model_forward_dsv4(fb)
-        if self.pool_kind in ("mla", "nsa"):
-            return self._model_forward_mla(fb)
-        n = fb.out_cache_loc.shape[0]
-        base = (fb.input_ids[:n] * 31 + fb.positions[:n] * 7).unsqueeze(1)
-        pool = self.mha_pool
-        for layer in range(pool.layer_num):
-            vals = ((base + layer * 13 + torch.arange(16, device=self.device)) % 251).to(
-                torch.bfloat16
-            ) / 251
-            pool.k_buffer[layer][fb.out_cache_loc] = vals.view(n, 2, 8)
-            pool.v_buffer[layer][fb.out_cache_loc] = (vals * 0.5).view(n, 2, 8)
-
-    @property
-    def mha_pool(self):
-        """The MHA pool the model writes (the hybrid pool's full-attention inner pool)."""
-        return self.kv_pool.full_kv_pool if self.pool_kind == "hybrid" else self.kv_pool
-
-    def _kv_values(self, fb: ForwardBatch, layer: int, width: int) -> torch.Tensor:
-        n = fb.out_cache_loc.shape[0]
-        base = (fb.input_ids[:n] * 31 + fb.positions[:n] * 7).unsqueeze(1)
-        return (base + layer * 13 + torch.arange(width, device=self.device)) % 251
-
-    def _model_forward_mla(self, fb: ForwardBatch) -> None:
-        """Every layer's latent row (and, NSA, indexer key bytes) of the new slots."""
-        n = fb.out_cache_loc.shape[0]
-        width = self.MLA_RANK + self.MLA_ROPE
-        for layer in range(self.kv_pool.layer_num):
-            vals = self._kv_values(fb, layer, width).to(torch.bfloat16) / 251
-            self.kv_pool.kv_buffer[layer][fb.out_cache_loc] = vals.view(n, 1, width)
-            if self.pool_kind == "nsa":
-                flat = self.kv_pool.index_k_with_scale_buffer[layer].view(-1)
-                where = self.nsa_index_key_bytes(layer, fb.out_cache_loc)
-                flat[where] = self._kv_values(fb, layer + 5, 128).to(torch.uint8)
-
-    def _model_forward_swa(self, fb: ForwardBatch) -> None:
-        """Layer 0 (sliding window) into the SWA sub-pool at the translated slots, layer 1
-        (full attention) into the full sub-pool, as ``SWAKVPool.set_kv_buffer`` does."""
-        n = fb.out_cache_loc.shape[0]
-        loc = fb.out_cache_loc
-        swa_loc = self.swa_table[loc]
-        for layer, (sub, where) in enumerate(
-            ((self.kv_pool.swa_kv_pool, swa_loc), (self.kv_pool.full_kv_pool, loc))
-        ):
-            vals = self._kv_values(fb, layer, 16).to(torch.bfloat16) / 251
-            sub.k_buffer[0][where] = vals.view(n, 2, 8)
-            sub.v_buffer[0][where] = (vals * 0.5).view(n, 2, 8)
-
-    def _model_forward_dsv4(self, fb: ForwardBatch) -> None:
-        """Every layer's SWA record (448 fp8 nope, 64 bf16 rope, 7 scale bytes) through
-        sglang's ``SetKAndS`` torch path, at the translated slots."""
-        from sglang.srt.layers.attention.dsv4.index_buf_accessor import (
-            NopeFp8RopeBf16Pack,
-            SetKAndS,
-            fp8_dtype,
-        )
-
-        swa = self.kv_pool.swa_kv_pool
-        swa_loc = self.swa_table[fb.out_cache_loc].contiguous()
-        for layer in range(swa.layer_num):
-            pack = NopeFp8RopeBf16Pack(
-                k_nope_fp8=(self._kv_values(fb, layer, 448).float() / 64).to(fp8_dtype),
-                k_rope_bf16=(self._kv_values(fb, layer + 1, 64).float() / 251).to(torch.bfloat16),
-                scale_k_nope_ue8m0=(self._kv_values(fb, layer + 2, 7) + 1).to(torch.uint8),
-            )
-            SetKAndS.torch(swa, swa.kv_buffer[layer], swa_loc, pack)
-
-    def _forward(self, fb: ForwardBatch) -> None:
-        if not self.forbid_host_sync:
-            return self._forward_inner(fb)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            self._forward_inner(fb)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    def _forward_inner(self, fb: ForwardBatch) -> None:
-        mgr = self.manager
-        use_graph = (
-            self.graph is not None
-            and fb.forward_mode == ForwardMode.DECODE
-            and fb.batch_size <= self.graph_bs
-        )
-        with mgr.with_active_single_forward_manager(0):
-            with mgr.with_ops_outside_graph(fb):
-                if use_graph:
-                    self._load_graph_inputs(fb)
-                    mgr.before_graph_replay()
-                    self.graph.replay()
-                    mgr.mark_replayed_inside_graph()
-                else:
-                    inner = (
-                        self.piecewise_padded(fb)
-                        if self.piecewise_pad_to and fb.forward_mode == ForwardMode.EXTEND
-                        else fb
-                    )
-                    mgr.pre_ops_maybe_inside_graph(inner)
-                    self.model_forward(inner)
-                    mgr.post_ops_maybe_inside_graph(inner)
-
-    def piecewise_padded(self, fb: ForwardBatch) -> ForwardBatch:
-        """The batch sglang's ``PiecewiseCudaGraphRunner.replay`` hands ``model.forward``:
-        ``input_ids`` / ``positions`` / ``out_cache_loc`` padded with zeros to the captured
-        token count, the rest of the real batch's fields (a new ``ForwardBatch``, without the
-        canary's batch state)."""
-        n, padded = fb.out_cache_loc.shape[0], self.piecewise_pad_to
-        if n > padded:
-            raise ValueError(f"piecewise_pad_to={padded} is below a forward of {n} tokens")
-
-        def pad(t):
-            out = torch.zeros(padded, dtype=t.dtype, device=t.device)
-            out[:n] = t
-            return out
-
-        copy = ForwardBatch(
-            forward_mode=fb.forward_mode,
-            batch_size=fb.batch_size,
-            input_ids=pad(fb.input_ids),
-            req_pool_indices=fb.req_pool_indices,
-            seq_lens=fb.seq_lens,
-            out_cache_loc=pad(fb.out_cache_loc),
-            seq_lens_sum=fb.seq_lens_sum,
-            positions=pad(fb.positions),
-            req_to_token_pool=fb.req_to_token_pool,
-            token_to_kv_pool=fb.token_to_kv_pool,
-        )
-        copy.extend_prefix_lens, copy.extend_seq_lens = fb.extend_prefix_lens, fb.extend_seq_lens
-        copy.extend_num_tokens = fb.extend_num_tokens
-        copy.extend_prefix_lens_cpu = fb.extend_prefix_lens_cpu
-        copy.extend_seq_lens_cpu = fb.extend_seq_lens_cpu
-        return copy
-
-    # ---- decode CUDA graph -------------------------------------------------------------------
-
-    def _capture_decode_graph(self, bs: int) -> None:
-        if self.device.type == "cpu":
-            self.static = self._static_decode_batch(bs)
-            self.graph = CpuGraph(self.manager, self._graph_body)
-            return
-        self._capture_cuda_decode_graph(bs)
-
-    def _static_decode_batch(self, bs: int) -> ForwardBatch:
-        z = lambda: torch.zeros(bs, dtype=torch.int64, device=self.device)  # noqa: E731
-        return ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            batch_size=bs,
-            input_ids=z(),
-            req_pool_indices=z(),
-            seq_lens=z(),
-            out_cache_loc=z(),
-            seq_lens_sum=0,
-            positions=z(),
-            req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool=self.kv_pool,
-        )
-
-    def _graph_body(self) -> None:
-        """What the decode graph holds: the inside ops around the model, on the static batch."""
-        self.manager.pre_ops_maybe_inside_graph(self.static)
-        self.model_forward(self.static)
-        self.manager.post_ops_maybe_inside_graph(self.static)
-
-    def _capture_cuda_decode_graph(self, bs: int) -> None:
-        self.static = self._static_decode_batch(bs)
-        mgr = self.manager
-        body = self._graph_body
-
-        with mgr.with_active_single_forward_manager(0), mgr.capturing():
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                body()  # warm-up (compiles the kernels), as sglang does before capturing
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                body()
-        torch.cuda.synchronize()
-
-    def _load_graph_inputs(self, fb: ForwardBatch) -> None:
-        """Copy the real batch into the static buffers; rows past it are padding (row 0)."""
-        s, bs = self.static, fb.batch_size
-        for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
-            dst = getattr(s, name)
-            dst.zero_()
-            dst[:bs].copy_(getattr(fb, name))

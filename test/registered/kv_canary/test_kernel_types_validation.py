@@ -1,6 +1,6 @@
 """Bad input for the KV-canary constructors: ``RealKvSource``, ``VerifyOrWriteContext``,
 ``VerifyPlan`` / ``WritePlan`` (``allocate`` and their fields) (docs/architecture.md, "Record
-format", "Plans" and "Kernel rules"; the launchers: ``test_kernels_validation.py``). Each case
+format", "Plans" and "Kernel rules"; the launchers: ``test_kernels_validation*.py``). Each case
 changes one argument of an accepted baseline; the error is a ``TypeError`` or ``ValueError``
 whose message names the argument."""
 

@@ -1,5 +1,5 @@
 """The accepted baselines that the KV-canary validation tests change one argument of
-(``test_kernels_validation.py``: the launchers; ``test_kernel_types_validation.py``: the
+(``test_kernels_validation*.py``: the launchers; ``test_kernel_types_validation.py``: the
 constructors of sources, contexts and plans), and the helpers those cases share. Validation
 reads metadata only: CPU tensors, plus ``meta`` tensors as the "other device"."""
 

@@ -138,10 +138,10 @@ class ServerProcess:
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log().splitlines()[-n:])
 
-    def wait_ready(self, timeout: float) -> None:
-        """Poll ``/health_generate`` (a real forward) once a second until it answers 200;
-        :class:`ServerStartError`, with the log's tail, if the process exits first or
-        ``timeout`` seconds pass."""
+    def wait_ready(self, timeout: float, path: str = "/health_generate") -> None:
+        """Poll ``path`` (by default ``/health_generate``: a real forward) once a second until
+        it answers 200; :class:`ServerStartError`, with the log's tail, if the process exits
+        first or ``timeout`` seconds pass."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
@@ -150,7 +150,7 @@ class ServerProcess:
                     f"during start-up:\n{self.tail()}"
                 )
             try:
-                if http_call(self.port, "GET", "/health_generate", timeout=60)[0] == 200:
+                if http_call(self.port, "GET", path, timeout=60)[0] == 200:
                     return
             except (OSError, http.client.HTTPException):
                 pass

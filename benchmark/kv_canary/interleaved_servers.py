@@ -1,0 +1,225 @@
+"""The servers of ``bench_interleaved.py`` (docs/user_guide.md, "Overhead"): the configs a
+server can run (this project's, upstream's, the A/A control), one ``launch_server`` process with
+its ``/generate`` (radix cache flushed first), the checks of its canary and of its sglang
+(``/server_info``), and its engine kwargs, memory share and environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from common import (
+    use_test_support,
+    ALL_DATA_CONFIG,
+    CONFIGS,
+    PROJECT_STACK,
+    UPSTREAM_CONFIGS,
+    UPSTREAM_PREFIX,
+    UPSTREAM_SITE_DIR,
+    UPSTREAM_STACK,
+    BenchConfig,
+    Scenario,
+    upstream_env,
+)
+
+from sglang.srt.kv_canary.testing.server_harness import free_port
+
+use_test_support()
+from canary_support.server_process import (  # noqa: E402
+    ServerProcess,
+    http_call,
+    launch_server_flags,
+)
+
+REQUEST_TIMEOUT_S = 600.0
+FLUSH_ATTEMPTS = 100
+# the log lines of a server whose canary was installed (api.install's), on the target and,
+# with EAGLE, on the draft worker
+INSTALLED_LINE = "kv_canary installed: "
+DRAFT_INSTALLED_LINE = "kv_canary installed on the EAGLE draft worker: "
+CONTROL_SUFFIX = "~aa"  # the A/A control: a second server of the baseline's config
+# every config a server can run: this project's, and upstream's canary under the same flags
+CONFIG_TABLE = {**CONFIGS, ALL_DATA_CONFIG.name: ALL_DATA_CONFIG, **UPSTREAM_CONFIGS}
+# first on an upstream server's PYTHONPATH: keeps this project out of that process
+
+
+def server_config(name: str) -> BenchConfig:
+    """The config a server runs (``name``: a config's, or its A/A control's)."""
+    return CONFIG_TABLE[name.removesuffix(CONTROL_SUFFIX)]
+
+
+# ---- one server ---------------------------------------------------------------------------
+
+
+def http_json(
+    port: int, method: str, path: str, body=None, timeout: float = REQUEST_TIMEOUT_S
+) -> tuple[int, object]:
+    """One HTTP exchange with the server; ``(status, decoded JSON or raw text)``."""
+    status, raw = http_call(port, method, path, body, timeout=timeout)
+    text = raw.decode(errors="replace")
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def canary_install_problem(
+    log: str, *, canary_on: bool, speculative: str, stack: str = PROJECT_STACK
+) -> str | None:
+    """What is wrong with a server's canary, from its log, or None: a canary-on server must
+    have installed the canary (and, with EAGLE, on the draft worker too: otherwise the draft
+    pool ran unguarded and its figures mean nothing); a canary-off server must not have. An
+    upstream server (``stack``) must not have installed this project's canary at all (its
+    own canary is upstream's business: the server took its flags)."""
+    target = INSTALLED_LINE in log
+    draft = DRAFT_INSTALLED_LINE in log
+    if stack == UPSTREAM_STACK:
+        return (
+            "this project's canary was installed on an upstream server (its plugin ran "
+            f"there: {UPSTREAM_SITE_DIR} must come first on its PYTHONPATH)"
+            if target or draft
+            else None
+        )
+    if canary_on and not target:
+        return f"no '{INSTALLED_LINE.strip()}' line: the canary did not run"
+    if canary_on and speculative != "none" and not draft:
+        return f"no '{DRAFT_INSTALLED_LINE.strip()}' line: the draft pool ran unguarded"
+    if not canary_on and (target or draft):
+        return "the canary was installed on a server of a canary-off config"
+    return None
+
+
+class Server(ServerProcess):
+    """One ``python -m sglang.launch_server`` process of config ``cfg`` (own session, log in
+    ``log_path``)."""
+
+    def __init__(
+        self, name: str, cfg: BenchConfig, kwargs: dict, env: dict[str, str], log_path: str
+    ):
+        self.cfg = cfg
+        port = free_port()
+        super().__init__(
+            name,
+            [sys.executable, "-m", "sglang.launch_server", *launch_server_flags(port, kwargs)],
+            port=port,
+            env=env,
+            log_path=log_path,
+        )
+
+    def generate(self, input_ids: list[list[int]], osl: int) -> tuple[float, list[dict]]:
+        """Flush the radix cache, then one ``/generate`` of the batch: ``(wall ms,
+        outputs)``."""
+        for _ in range(FLUSH_ATTEMPTS):  # refused while the scheduler still holds a request
+            status, body = http_json(self.port, "POST", "/flush_cache")
+            if status == 200:
+                break
+            time.sleep(0.02)
+        else:
+            raise RuntimeError(
+                f"[{self.name}] /flush_cache answered {status} {FLUSH_ATTEMPTS} times: {body}"
+            )
+        params = [{"max_new_tokens": osl, "ignore_eos": True, "temperature": 0} for _ in input_ids]
+        t0 = time.perf_counter()
+        status, outs = http_json(
+            self.port, "POST", "/generate", {"input_ids": input_ids, "sampling_params": params}
+        )
+        ms = (time.perf_counter() - t0) * 1e3
+        if status != 200 or not isinstance(outs, list) or len(outs) != len(input_ids):
+            raise RuntimeError(f"[{self.name}] /generate answered {status}: {str(outs)[:500]}")
+        lens = sorted({len(o["output_ids"]) for o in outs})
+        if lens != [osl]:
+            raise RuntimeError(
+                f"[{self.name}] expected outputs of {osl} tokens, got lengths {lens}"
+            )
+        return ms, outs
+
+
+def memory_fractions(n: int, share: float) -> list[float]:
+    """``--mem-fraction-static`` of each of ``n`` servers started one after the other (see
+    ``bench_interleaved.py``'s docstring)."""
+    fracs = [round((i + 1) * share, 4) for i in range(n)]
+    if fracs[-1] > 0.95:
+        raise ValueError(
+            f"--gpu-share {share} x {n} servers = {fracs[-1]} of the GPU; "
+            "allowed: at most 0.95 in all (lower --gpu-share)"
+        )
+    return fracs
+
+
+def tokens_needed(scenarios: Sequence[Scenario], chunk: int) -> int:
+    """A KV pool that holds the largest scenario's batch, with margin."""
+    need = max(sc.bs * (sc.isl + sc.osl) for sc in scenarios)
+    return int(need * 1.25) + chunk
+
+
+IDLE_MODES = ("sleep", "spin")
+
+
+def server_kwargs(
+    settings_kwargs: dict, cfg: BenchConfig, *, mem_fraction: float | None, idle: str
+) -> dict:
+    """One server's engine kwargs: the run's settings, the config's canary flags, its memory
+    fraction (None: sglang's default) and its idle scheduler (``idle``, one of
+    ``IDLE_MODES``: ``sleep`` sets sglang's ``sleep_on_idle``, ``spin`` clears it)."""
+    if idle not in IDLE_MODES:
+        raise ValueError(f"--idle {idle!r}: allowed {', '.join(IDLE_MODES)}")
+    kwargs = {**settings_kwargs, **cfg.engine_kwargs()}
+    if mem_fraction is not None:
+        kwargs["mem_fraction_static"] = mem_fraction
+    kwargs["sleep_on_idle"] = idle == "sleep"
+    return kwargs
+
+
+def check_upstream(
+    names: Sequence[str], *, upstream_site: str | None, piecewise: str, speculative: str
+) -> None:
+    """Refuse what a run with upstream's configs cannot measure (``bench_interleaved.py``'s docstring)."""
+    upstream = [n for n in names if CONFIG_TABLE[n].stack == UPSTREAM_STACK]
+    if not upstream:
+        if upstream_site:
+            raise SystemExit(
+                f"--upstream-site {upstream_site}: no {UPSTREAM_PREFIX}config in "
+                "--configs runs there"
+            )
+        return
+    if not upstream_site or not os.path.isdir(upstream_site):
+        raise SystemExit(
+            f"--configs {', '.join(upstream)}: upstream's servers need "
+            "--upstream-site DIR, the site directory of sglang 0.5.17 "
+            f"(upstream_bundle.sh), got {upstream_site!r}"
+        )
+    if piecewise == "on" and any(CONFIG_TABLE[n].canary_on for n in upstream):
+        raise SystemExit(
+            "--piecewise on: upstream's canary refuses sglang's piecewise prefill "
+            "graphs; pass --piecewise off (every server alike)"
+        )
+    if speculative != "none":
+        raise SystemExit(
+            f"--speculative {speculative}: the side by side with upstream "
+            "measures prefill and decode without speculative decoding"
+        )
+
+
+def server_env(
+    base_env: dict[str, str], cfg: BenchConfig, upstream_site: str | None
+) -> dict[str, str]:
+    """A server's environment: the run's, the config's variables and, for upstream's
+    configs, ``PYTHONPATH`` = ``upstream_site``'s isolation folder, ``upstream_site``, then
+    the run's."""
+    env = {**base_env, **cfg.env()}
+    if cfg.stack == UPSTREAM_STACK:
+        env = upstream_env(env, upstream_site)
+    return env
+
+
+def server_facts(port: int) -> dict:
+    """What a server's ``/server_info`` says of its stack: ``version`` (sglang's, None if it
+    gave none) and ``kv_canary_info`` (whether it carries a ``kv_canary`` entry, which this
+    project's plugin adds on every server it runs in)."""
+    status, info = http_json(port, "GET", "/server_info")
+    if status != 200 or not isinstance(info, dict):
+        return dict(version=None, kv_canary_info=None)
+    return dict(version=info.get("version"), kv_canary_info="kv_canary" in info)
