@@ -15,9 +15,18 @@ import sys
 import time
 from typing import Any, Mapping, Optional, Tuple
 
+from e2e_support.engine_main import INFO_TAG, RESULT_TAG  # what the scripts print
+
+__all__ = [
+    "INFO_TAG",
+    "RESULT_TAG",
+    "SUPPORT_DIR",
+    "ScriptRun",
+    "run_support_script",
+    "tagged_json",
+]
+
 SUPPORT_DIR = pathlib.Path(__file__).resolve().parents[1] / "e2e_support"
-RESULT_TAG = "RESULT "
-INFO_TAG = "INFO "
 
 ScriptRun = Tuple[int, str, Any]  # returncode, stdout + stderr, the RESULT json or None
 

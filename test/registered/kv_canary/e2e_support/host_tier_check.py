@@ -5,10 +5,9 @@ up and loads them back into other slots through the host pool's own (wrapped) me
 prints ``RESULT <json>`` with what it found, and the host pool's size with and without the
 canary (the plugin's hooks applied, as in a server process)."""
 
-import json
-
 import torch
 
+from engine_main import RESULT_TAG, emit
 from sglang.srt.plugins import load_plugins
 
 from sglang.srt.kv_canary.builder import build_canary
@@ -109,22 +108,19 @@ if __name__ == "__main__":
     for layer in range(2):
         host.load_to_device_per_layer(pool, hst, new, layer, "direct")
     back = all(torch.equal(rows[new], b) for rows, b in zip(buffers, before))
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "on_host": on_host,
-                "back": back,
-                "kv_back": bool(torch.equal(pool.k_buffer[1][new], kv_before)),
-                "pairs": len(mirror.pairs),
-                "bytes_per_host_slot": mirror.bytes_per_host_slot,
-                "backed_up": mirror.backed_up_slots,
-                "loaded": mirror.loaded_slots,
-                "host_slots": mirror.host_slots,
-                "sizes": _host_sizes(manager, pool),
-                "mirror_bytes": sum(h.nbytes for _, h in mirror.pairs),
-                "memory_host_mirror": _memory_host_mirror(manager, mirror),
-            }
-        ),
-        flush=True,
+    emit(
+        RESULT_TAG,
+        {
+            "on_host": on_host,
+            "back": back,
+            "kv_back": bool(torch.equal(pool.k_buffer[1][new], kv_before)),
+            "pairs": len(mirror.pairs),
+            "bytes_per_host_slot": mirror.bytes_per_host_slot,
+            "backed_up": mirror.backed_up_slots,
+            "loaded": mirror.loaded_slots,
+            "host_slots": mirror.host_slots,
+            "sizes": _host_sizes(manager, pool),
+            "mirror_bytes": sum(h.nbytes for _, h in mirror.pairs),
+            "memory_host_mirror": _memory_host_mirror(manager, mirror),
+        },
     )
