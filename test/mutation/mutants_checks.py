@@ -140,6 +140,29 @@ MUTANTS_CHECKS = (
         what="write reference position-checks from the padding slot 0",
     ),
     Mutant(
+        id="kernel-write-failed-steps-unreported",
+        path=f"{_KN}/write.py",
+        old="if tl.max(failed.to(tl.int32), axis=0) != 0:",
+        new="if tl.max(failed.to(tl.int32), axis=0) > 1:",
+        selection=f"{_T}/test_kernels_hand_writes.py::"
+        "test_write_over_its_own_seed_reports_the_hash_it_walked[triton]",
+        speed="quick",
+        what="the chain write stores its records but appends no failed step's row",
+    ),
+    Mutant(
+        id="kernel-write-report-walk-from-overwritten-seed",
+        path=f"{_KN}/write.py",
+        old="_chain_walk(*walk, INPUT_ASSERT, NUM_SOURCES, True)",
+        new="_chain_walk(\n                    *walk[:10],\n                    tl.where(seed_ok, "
+        "H.record_hash(canary_ptr, seed, seed_ok), head),\n                    *walk[11:],\n"
+        "                    INPUT_ASSERT,\n                    NUM_SOURCES,\n"
+        "                    True,\n                )",
+        selection=f"{_T}/test_kernels_hand_writes.py::"
+        "test_write_over_its_own_seed_reports_the_hash_it_walked[triton]",
+        speed="quick",
+        what="the report walk re-reads a seed record the forward has overwritten",
+    ),
+    Mutant(
         id="ref-plan-swa-window-short",
         path=f"{_KN}/plan_ref.py",
         old="ws = (pl - swa_window_size).clamp_min(0)",

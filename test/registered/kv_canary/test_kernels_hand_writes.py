@@ -23,6 +23,7 @@ from kernel_oracle import (
     BIT_POS,
     BIT_REAL_KV,
     BIT_TOKEN,
+    BIT_WRITE_POS,
     Canary,
     hand_verify_plan,
     hand_write_plan,
@@ -112,6 +113,20 @@ def test_violation_ring_overflow_write(impl, ring_capacity):
         exp_pos=[0, 1, 2, 0, 1, 2],
     )
     assert int(c.ctx.violation_write_index[0]) == 7
+
+
+def test_write_over_its_own_seed_reports_the_hash_it_walked(impl):
+    """A chain whose first step overwrites its own seed record (a wrong slot) and whose second
+    step breaks the position chain: the failure's row carries the running hash walked from the
+    seed as it was before the forward, not from the record the forward left there."""
+    c = Canary(impl, 16, chain_assert=1)
+    seed_rec = [5, 3, 0x77, 0]
+    c.set_record(1, seed_rec)
+    p = hand_write_plan(impl, [2], [1])
+    rows = c.write(p, [10, 11], [4, 9], [1, 2])
+    walked = splitmix64_mix3(rec_hash(seed_rec), 10, 4)
+    assert [(r[1], r[5], r[7]) for r in rows] == [(2, to_int64(walked), BIT_WRITE_POS)]
+    assert c.record(1) == [10, 4, to_int64(rec_hash(seed_rec)), 0]
 
 
 # =============================================================================================
