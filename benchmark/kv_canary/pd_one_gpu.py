@@ -39,10 +39,9 @@ process groups); the exit status is 0 when every direct request was served and, 
 reference, identical. Logs go to ``--log-dir`` (default ``$OUT/pd_logs`` when ``$OUT`` is set,
 else a temporary folder). Bundles: ``test/device_bundle_pd.sh``. Server flags:
 ``--extra-args="--kv-canary raise"`` (every server; note the ``=``: the value starts with
-``--``), ``--prefill-args=...``, ``--decode-args=...``. A decode server in raise mode also needs
-``--no-fake-requests``: sglang's PD warmup and ``/health_generate`` send requests whose
-transfer is faked (nothing moves), which the canary reports as a prefix nobody wrote.
-Transfer-engine settings travel in the environment (``--env MC_FORCE_TCP=1``, ``--env
+``--``), ``--prefill-args=...``, ``--decode-args=...``. ``--no-fake-requests`` leaves out the
+requests whose transfer sglang fakes (its PD warmup and ``/health_generate``: nothing moves;
+the canary sets aside what they read). Transfer-engine settings travel in the environment (``--env MC_FORCE_TCP=1``, ``--env
 UCX_TLS=tcp,cuda_copy``) or the calling shell's. ``--cpu`` rehearses the whole run with sglang's
 CPU engine (Mooncake only: sglang registers NIXL buffers as VRAM).
 """
@@ -150,9 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="send the PD servers no request with sglang's fake bootstrap host "
         "(2.2.2.2: a transfer that moves nothing): --skip-server-warmup on both, "
         "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, readiness read from /health "
-        "(no forward), router health checks then generate nothing. For the "
-        "canary in raise mode: the decode server's warmup and /health_generate "
-        "decode a prefix nobody wrote, which it reports",
+        "(no forward), router health checks then generate nothing",
     )
     p.add_argument(
         "--env",

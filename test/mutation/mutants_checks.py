@@ -140,6 +140,16 @@ MUTANTS_CHECKS = (
         what="write reference position-checks from the padding slot 0",
     ),
     Mutant(
+        id="pd-faked-transfer-any-request",
+        path=f"{_RT}/runner/requests.py",
+        old="faked_transfer=bool(ordered) and all(map(self.faked_transfer, ordered)),",
+        new="faked_transfer=bool(ordered) and any(map(self.faked_transfer, ordered)),",
+        selection=f"{_T}/test_containment.py::"
+        "test_resolver_marks_incidents_that_touch_only_faked_transfers",
+        speed="quick",
+        what="a slot a faked PD transfer shares with a real one is set aside, not reported",
+    ),
+    Mutant(
         id="kernel-write-failed-steps-unreported",
         path=f"{_KN}/write.py",
         old="if tl.max(failed.to(tl.int32), axis=0) != 0:",

@@ -184,6 +184,56 @@ def test_reports_name_the_requests_in_log_mode(caplog):
     assert "Requests touched: " in caplog.text
 
 
+def test_resolver_marks_incidents_that_touch_only_faked_transfers():
+    d = ServingDriver(seed=9, mode="log")
+    a, b, c = _shared_pair(d)
+    forward = ForwardRequests.of([a, c])
+    resolver = RequestResolver(req_to_token=d.req_to_token_pool.req_to_token)
+    resolver.running_reqs = lambda: list(d.running)
+    rows = [
+        _row(CanaryLaunchTag.HEAD_K_FULL, a.slots[4], req_row=a.row),  # a reads, b shares
+        _row(CanaryLaunchTag.HEAD_K_FULL, c.slots[2], req_row=c.row),  # c alone
+        _row(CanaryLaunchTag.SWEEP_K_FULL, 0, req_row=-1),  # nobody
+    ]
+    faked = {id(a), id(c)}
+    resolver.faked_transfer = lambda r: id(r) in faked
+    got = resolver.resolve(merge_incidents(rows), forward)
+    # b's transfer was real: the slot it shares with a is a fault
+    assert [t.faked_transfer for t in got] == [False, True, False]
+    faked.add(id(b))
+    got = resolver.resolve(merge_incidents(rows), forward)
+    assert [t.faked_transfer for t in got] == [True, True, False]
+
+
+def test_reads_of_a_faked_pd_transfer_are_set_aside_and_any_other_raises(caplog):
+    """A PD decode server: sglang fakes the transfer of its warm-up and /health_generate
+    requests (nothing is sent), so what their slots hold is no fault. A slot only such a
+    request reads is set aside: no report, no raise, out of the violation counts, counted
+    apart and logged once; the same fault read by a request whose transfer was real raises."""
+    d = ServingDriver(seed=10, mode="raise", real_data="partial")
+    a, b, c = _shared_pair(d)
+    d.manager.attach_scheduler(
+        radix_cache=None,
+        running_reqs=lambda: list(d.running),
+        metrics_labels=None,
+        kv_slots_in_use=lambda: 0,
+        faked_transfer=lambda r: r is c,
+    )
+    _flip(d, c.slots[2])
+    with caplog.at_level("INFO", logger="sglang.srt.kv_canary"):
+        d.step()
+        d.step()
+    assert d.manager.count_violations() == 0
+    assert d.manager.violations.total_incidents == 0
+    assert d.manager.violations.set_aside_incidents >= 2  # read at both steps
+    assert caplog.text.count("are not reported: nothing was sent for them") == 1
+    assert not parse_violation_lines(caplog.text)
+    _flip(d, a.slots[3])
+    with pytest.raises(RuntimeError, match="KV-cache corruption"):
+        d.step()
+    assert d.manager.count_violations() > 0
+
+
 # ---- abort mode ---------------------------------------------------------------------------------
 
 

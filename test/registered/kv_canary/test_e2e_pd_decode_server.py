@@ -1,7 +1,11 @@
 """On the CPU: the decode side of PD disaggregation (``--disaggregation-mode decode``)
 on sglang 0.5.12's CPU engine, with sglang's ``fake`` transfer backend (its prefill side
 refuses ``fake``, and no real transfer engine runs on the CPU). The fake transfer moves no
-bytes, so it stands for a transfer that lost the KV pages and the canary rows spliced into
+bytes: sglang fakes it on purpose (bootstrap host ``2.2.2.2``: a server's warm-up request and
+``/health_generate`` on a real PD pair), so the canary sets aside what such a request reads and
+the server serves in raise mode. With ``KV_CANARY_TEST_TRANSFER_LOST=1`` (a test-only hook in
+``e2e_support/sitecustomize.py``) the canary takes those transfers for real ones, which stands
+for a transfer that reported success and lost the KV pages and the canary rows spliced into
 them: the decode server's first forward of each request reads a prefix no prefill ever wrote
 there. The canary must say so at that step, for every position of the prefix, naming the
 request; in raise mode the server stops with the structured line. What needs GPUs (a real
@@ -10,10 +14,11 @@ docs/user_guide.md, "Deployments"."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
-from e2e_checks import run_workload
+from canary_support.script_run import run_support_script
 
 from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
@@ -39,18 +44,30 @@ def server(tmp_path_factory):
     return dict(model=write_tiny_llama(root / "model"), env=env)
 
 
-def run(server, **engine_kwargs):
-    return run_workload(
+def run(server, *, lost: bool, **engine_kwargs):
+    """The workload on a decode server; ``lost``: the canary takes sglang's faked transfers for
+    real ones that delivered nothing (the sitecustomize hook)."""
+    env = dict(server["env"], KV_CANARY_TEST_TRANSFER_LOST="1" if lost else "0")
+    return run_support_script(
         "pd_decode_workload.py",
         server["model"],
-        dict(ARGS, **engine_kwargs),
-        server["env"],
+        json.dumps(dict(ARGS, **engine_kwargs)),
+        env=env,
         timeout=600,
+        sitecustomize=True,
     )
 
 
-def test_a_prefix_that_never_arrived_is_reported_at_the_first_decode_step(server):
-    rc, out, res = run(server, kv_canary="log", kv_canary_sweep_interval=2)
+def test_faked_transfers_are_set_aside_and_raise_mode_serves(server):
+    rc, out, res = run(server, lost=False, kv_canary="raise")
+    assert rc == 0 and res is not None, out[-3000:]
+    assert len(res["outputs"]) == 3 and all(len(o) == 6 for o in res["outputs"])
+    assert not parse_violation_lines(out) and VIOLATION_LINE_PREFIX not in out
+    assert out.count("are not reported: nothing was sent for them") == 1, out[-3000:]
+
+
+def test_a_transfer_that_delivered_nothing_is_reported_at_the_first_decode_step(server):
+    rc, out, res = run(server, lost=True, kv_canary="log", kv_canary_sweep_interval=2)
     assert rc == 0 and res is not None, out[-3000:]  # log mode: served to the end
     assert "kv_canary installed: mode=log" in out
     # a decode server has no radix cache by default: the sweep has nothing to walk, says so
@@ -76,8 +93,8 @@ def test_a_prefix_that_never_arrived_is_reported_at_the_first_decode_step(server
             assert set(v.fail_reasons) & want, v
 
 
-def test_raise_mode_stops_the_decode_server(server):
-    rc, out, res = run(server, kv_canary="raise")
+def test_a_transfer_that_delivered_nothing_stops_a_raise_mode_decode_server(server):
+    rc, out, res = run(server, lost=True, kv_canary="raise")
     assert rc != 0 and res is None
     assert VIOLATION_LINE_PREFIX in out and "read_position=0 " in out
 

@@ -27,7 +27,7 @@ registers the ``token_oracle`` sampling backend (``--sampling-backend token_orac
 | AROUND | ``CudaGraphRunner.replay`` | before: the token-history upload the graph reads; |
 |  |  | after: record that the graph ran the inside ops |
 | AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_scheduler``: tree cache, running |
-|  |  | requests, metric labels, KV slots in use |
+|  |  | requests, metric labels, KV slots in use, faked PD transfers |
 | AFTER | ``Scheduler.process_batch_result`` | ``after_batch_result`` (abort mode's eviction) |
 | AFTER | ``Scheduler.get_init_info`` | add ``kv_canary`` (flags, effective config and |
 |  |  | memory) to what ``/server_info`` and ``Engine.get_server_info()`` return |
@@ -214,6 +214,7 @@ def _after_init_cache(result, self, *args, **kwargs):
             metrics_labels=seam.scheduler_metrics_labels(self),
             kv_slots_in_use=lambda: seam.scheduler_kv_slots_in_use(self),
             metrics_of=target if manager is draft and target is not None else None,
+            faked_transfer=seam.faked_transfer_test(self),
         )
 
 

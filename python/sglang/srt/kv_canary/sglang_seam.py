@@ -12,6 +12,7 @@ outside the two packages: ``test_layering.py``); a new sglang is ported here
 | ``ModelRunner`` | reads ``token_to_kv_pool``, ``req_to_token_pool.req_to_token``, ``device``, ``model_config.context_len`` / ``vocab_size``, ``sliding_window_size``, ``is_draft_worker``; sets ``kv_canary_manager``; replaces ``sampler`` (token oracle); wraps ``model.forward`` on the instance (a piecewise CUDA-graph replay calls it with a padded copy of the batch; its warm-up and capture, inside ``init_piecewise_cuda_graphs``, with dummy batches) | ``api``, ``plugin`` |
 | ``CudaGraphRunner.model_runner``, ``.buffers`` (``DecodeInputBuffers``) | zeroes ``req_pool_indices`` (and ``input_ids`` / ``positions`` for the token oracle) before each replay | ``plugin`` |
 | ``Scheduler.tp_worker.model_runner``, ``Scheduler.tree_cache``, ``.server_args`` | finds the runner's canary, hands the radix cache to the sweep and containment, the settings to ``get_init_info`` | ``plugin`` |
+| PD decode: ``disaggregation.decode._is_fake_transfer`` (private; with ``server_args.disaggregation_mode``), ``disaggregation.utils.FAKE_BOOTSTRAP_HOST`` | which requests' transfers sglang faked (nothing sent: their reads are set aside, not reported) | ``runner.requests`` |
 | ``Scheduler.running_batch`` / ``.cur_batch`` (``.reqs``), ``.chunked_req`` | the running requests a violation touches; the request PD prefill stashes (abort mode lifts its mark around it) | ``runner.requests``, ``plugin`` |
 | ``Scheduler.enable_metrics``, ``.metrics_collector.labels`` | the canary's Prometheus series get the scheduler's labels | ``runner.metrics`` |
 | ``Scheduler.token_to_kv_pool_allocator.available_size()``, ``.max_total_num_tokens`` | the protected-tokens gauge | ``runner.metrics`` |
@@ -430,6 +431,27 @@ def scheduler_draft_model_runner(scheduler: "Scheduler") -> Optional["ModelRunne
 
 def scheduler_server_args(scheduler: "Scheduler") -> "ServerArgs":
     return scheduler.server_args
+
+
+def faked_transfer_test(scheduler: "Scheduler") -> Callable[["Req"], bool]:
+    """Whether sglang faked a request's KV transfer (sglang's own test, private
+    ``disaggregation.decode._is_fake_transfer``: bootstrap host ``FAKE_BOOTSTRAP_HOST``, the
+    server's warm-up and ``/health_generate`` requests, or any request without a bootstrap
+    host under ``--disaggregation-transfer-backend fake``): no KV and no canary row was sent
+    for it. Never true off a PD decode server."""
+    server_args = scheduler.server_args
+    if getattr(server_args, "disaggregation_mode", "null") != "decode":
+        return lambda req: False
+    from sglang.srt.disaggregation.decode import _is_fake_transfer
+
+    return lambda req: _is_fake_transfer(req, server_args)
+
+
+def fake_bootstrap_host() -> str:
+    """The bootstrap host of the requests whose PD transfer sglang fakes."""
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    return FAKE_BOOTSTRAP_HOST
 
 
 def scheduler_tree_cache(scheduler: "Scheduler") -> "BasePrefixCache":

@@ -3,9 +3,9 @@
 
 The ``fake`` backend "receives" every request's prefill at once and moves no bytes: neither the
 prompt's KV nor the canary rows arrive, so the slots sglang allocates for the prompt hold
-whatever was there. Three requests of 30 prompt tokens, one at a time, 6 greedy tokens each
-(a decode server needs a bootstrap host, port and room per request). Prints ``RESULT <json>``
-with the outputs and each request's id.
+whatever was there. Three requests of 30 prompt tokens, one at a time, 6 greedy tokens each,
+with sglang's fake bootstrap host (a decode server needs a bootstrap host, port and room per
+request). Prints ``RESULT <json>`` with the outputs and each request's id.
 """
 
 from engine_main import main

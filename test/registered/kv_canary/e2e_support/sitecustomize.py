@@ -20,6 +20,10 @@ from the prompt followed by the output so far (as upstream PR 28254 does); ``bug
 from the prompt only and keeps the sampled token where the chunk ends inside the output of a
 retracted and resumed request (the bug PR 28254 fixed). Each non-final chunk's end prints a
 ``KV_CANARY_TEST_PR28254:`` line saying whether it lies inside the prompt or the output.
+
+With ``KV_CANARY_TEST_TRANSFER_LOST=1`` a PD decode server's canary takes every transfer sglang
+fakes for a real one: a request "received" through the ``fake`` backend then stands for a
+transfer that reported success and delivered neither the KV pages nor the canary rows.
 """
 
 import os
@@ -278,5 +282,18 @@ if _pr28254:
     HookRegistry.register(
         "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill",
         _v2_draft_extend_for_prefill,
+        HookType.AROUND,
+    )
+
+
+if os.environ.get("KV_CANARY_TEST_TRANSFER_LOST") == "1":
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def _no_faked_transfer(original, scheduler):
+        return lambda req: False
+
+    HookRegistry.register(
+        "sglang.srt.kv_canary.sglang_seam.faked_transfer_test",
+        _no_faked_transfer,
         HookType.AROUND,
     )

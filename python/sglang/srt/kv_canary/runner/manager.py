@@ -538,14 +538,19 @@ class CanaryManager:
         kv_slots_in_use: Callable[[], int],
         metrics_registry=None,
         metrics_of: Optional["CanaryManager"] = None,
+        faked_transfer: Optional[Callable[[object], bool]] = None,
     ) -> None:
         """The scheduler's side, at its start-up: its tree cache, its running requests (to
         name and abort), its metric labels (None: metrics off; ``metrics_registry``: a
         ``prometheus_client`` registry other than the process's, for tests) and its count of
         KV slots in use (the protected-tokens gauge). ``metrics_of``: the scheduler's first
-        canary (an EAGLE draft pool's canary counts into the target's series)."""
+        canary (an EAGLE draft pool's canary counts into the target's series).
+        ``faked_transfer``: whether sglang faked a request's KV transfer (a PD decode server:
+        reads of such a request's slots are set aside, not reported)."""
         self.attach_radix_cache(radix_cache)
         self.requests.running_reqs = running_reqs
+        if faked_transfer is not None:
+            self.requests.faked_transfer = faked_transfer
         self._kv_slots_in_use = kv_slots_in_use
         if self.metrics is not None:
             return
@@ -636,6 +641,14 @@ class CanaryManager:
         self, incidents, *, dropped: int, step: int, requests: ForwardRequests
     ) -> None:
         touched = self.requests.resolve(incidents, requests)
+        if any(t.faked_transfer for t in touched):
+            self._set_aside_faked_transfers(
+                [inc for inc, t in zip(incidents, touched) if t.faked_transfer]
+            )
+            kept = [(inc, t) for inc, t in zip(incidents, touched) if not t.faked_transfer]
+            incidents, touched = [k[0] for k in kept], [k[1] for k in kept]
+            if not incidents and not dropped:
+                return
         incidents = [dataclasses.replace(inc, rids=t.rids) for inc, t in zip(incidents, touched)]
         if self.metrics is not None:
             self.metrics.on_incidents(incidents, dropped=dropped)
@@ -644,6 +657,21 @@ class CanaryManager:
             if self.metrics is not None:
                 self.metrics.on_aborted(aborted)
         self.violations.report(incidents, dropped=dropped, step=step)
+
+    def _set_aside_faked_transfers(self, incidents: Sequence) -> None:
+        """A PD decode server's reads of requests whose KV transfer sglang faked (its warm-up,
+        ``/health_generate``): nothing was sent to those slots, so what they hold is no fault.
+        Taken out of the violation counts, counted apart, logged once."""
+        self.violations.set_aside(incidents)
+        if self.violations.set_aside_incidents == len(incidents):
+            logger.info(
+                "kv_canary: %d slot(s) read by requests whose KV transfer sglang fakes (bootstrap "
+                "host %s: the warm-up request, /health_generate) are not reported: nothing was "
+                "sent for them. A transfer of any other request that delivers nothing is "
+                "reported (logged once; count: ViolationManager.set_aside_incidents)",
+                len(incidents),
+                sglang_seam.fake_bootstrap_host(),
+            )
 
     def _stage(self, sfms: Sequence[SingleForwardManager], requests: ForwardRequests) -> None:
         """Stage this step's read-back. One ring window per forward step: the ring's write

@@ -23,6 +23,10 @@ from sglang.srt.kv_canary.batch_state import ForwardRequests
 from sglang.srt.kv_canary.runner.violation_record import ViolationIncident
 
 
+def _never(req) -> bool:
+    return False
+
+
 @contextlib.contextmanager
 def violation_path_sync(device: torch.device):
     """Around the read-back of a step that reports an incident: lifts torch's CUDA sync debug
@@ -43,23 +47,27 @@ class IncidentRequests:
     """The requests one incident touches: ``rids`` (reader first, then by first sight) and,
     of them, ``running``: the ``Req`` objects not finished yet (what abort mode aborts), and
     ``holding``: those still holding a ``req_to_token`` row, finished or not (whose release
-    abort mode guards)."""
+    abort mode guards). ``faked_transfer``: every request it touches is one whose KV transfer
+    sglang faked on a PD decode server (nothing was sent to that slot: not a fault)."""
 
     rids: Tuple[str, ...]
     running: Tuple[object, ...]
     holding: Tuple[object, ...] = ()
+    faked_transfer: bool = False
 
 
 class RequestResolver:
     """``req_to_token``: the runner's int32 ``[rows, max_context_len]`` table;
     ``swa_index_lut``: the SWA group's full-slot -> SWA-slot table (None without SWA), to
-    compare an SWA incident's slot with the rows' full slots. ``running_reqs`` (set when the
-    scheduler is attached) returns the scheduler's running requests."""
+    compare an SWA incident's slot with the rows' full slots. ``running_reqs`` and
+    ``faked_transfer`` (set when the scheduler is attached) return the scheduler's running
+    requests and whether sglang faked a request's KV transfer."""
 
     def __init__(self, *, req_to_token: torch.Tensor, swa_index_lut: Optional[torch.Tensor] = None):
         self.req_to_token = req_to_token
         self.swa_index_lut = swa_index_lut
         self.running_reqs: Callable[[], Sequence] = tuple
+        self.faked_transfer: Callable[[object], bool] = _never
         self.device_reads = 0  # row read-backs (steps that reported an incident)
 
     def resolve(
@@ -93,6 +101,7 @@ class RequestResolver:
                     rids=tuple(dict.fromkeys(seam.req_rid(r) for r in ordered)),
                     running=tuple(r for r in ordered if not seam.req_done(r)),
                     holding=tuple(r for r in ordered if seam.req_pool_row(r) is not None),
+                    faked_transfer=bool(ordered) and all(map(self.faked_transfer, ordered)),
                 )
             )
         return out

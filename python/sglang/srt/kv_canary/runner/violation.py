@@ -92,6 +92,7 @@ class ViolationManager:
         self.total = 0  # ring rows counted so far, kept or dropped, over all windows
         self.total_dropped = 0  # of those, rows past a window's capacity
         self.total_incidents = 0  # reported lines (merged rows) so far
+        self.set_aside_incidents = 0  # no fault: reads of a faked PD transfer (set_aside)
 
     def collect(
         self, *, write_index: int, ring: torch.Tensor
@@ -109,6 +110,14 @@ class ViolationManager:
         self.total_dropped += dropped
         self.total_incidents += len(incidents)
         return incidents, dropped
+
+    def set_aside(self, incidents: Sequence[ViolationIncident]) -> None:
+        """Take collected incidents that are no fault (a PD decode server's reads of a
+        request whose transfer sglang faked) out of the totals; counted in
+        ``set_aside_incidents``."""
+        self.total -= sum(inc.rows for inc in incidents)
+        self.total_incidents -= len(incidents)
+        self.set_aside_incidents += len(incidents)
 
     def count(self, incidents: Sequence[ViolationIncident]) -> None:
         """Count incidents found on the host (the HiCache host-tier sweep), not in the ring."""

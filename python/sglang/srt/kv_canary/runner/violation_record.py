@@ -126,6 +126,7 @@ class ViolationIncident:
     fail_bits: int
     seen_by: Tuple[int, ...]
     rids: Tuple[str, ...] = ()
+    rows: int = dataclasses.field(default=1, compare=False)  # ring rows merged into it
 
     @classmethod
     def of(cls, record: ViolationRecord) -> "ViolationIncident":
@@ -141,11 +142,13 @@ def merge_incidents(records: Sequence[ViolationRecord]) -> List[ViolationInciden
         key = rec.incident_key()
         entry = first.get(key)
         if entry is None:
-            first[key] = [rec, rec.fail_bits, [rec.launch_tag]]
+            first[key] = [rec, rec.fail_bits, [rec.launch_tag], 1]
             continue
         entry[1] |= rec.fail_bits
+        entry[3] += 1
         if rec.launch_tag not in entry[2]:
             entry[2].append(rec.launch_tag)
     return [
-        ViolationIncident(record=r, fail_bits=b, seen_by=tuple(t)) for r, b, t in first.values()
+        ViolationIncident(record=r, fail_bits=b, seen_by=tuple(t), rows=n)
+        for r, b, t, n in first.values()
     ]
