@@ -68,10 +68,17 @@ class _TpWorker:  # stand-in: sglang's TpModelWorker exposes the runner as ``mod
         self.model_runner = model_runner
 
 
-class _Scheduler:  # stand-in: the two Scheduler attributes the seam reads
-    def __init__(self, model_runner, tree_cache):
+class _ServerArgs:  # stand-in: the one ServerArgs field the scheduler hook reads
+    def __init__(self, disaggregation_mode: str):
+        self.disaggregation_mode = disaggregation_mode
+        self.disaggregation_transfer_backend = "mooncake"
+
+
+class _Scheduler:  # stand-in: the three Scheduler attributes the seam reads
+    def __init__(self, model_runner, tree_cache, disaggregation_mode: str = "null"):
         self.tp_worker = _TpWorker(model_runner)
         self.tree_cache = tree_cache
+        self.server_args = _ServerArgs(disaggregation_mode)
 
 
 # ---- ModelRunner.__init__ (AFTER): the chain-position check on once start-up is done --------
@@ -144,6 +151,35 @@ def test_scheduler_hook_hands_the_radix_cache_to_the_sweep(monkeypatch):
     report = d.report_within(3)
     found = [(v.launch_tag, v.fail_reasons, v.slot_idx) for v in parse_violation_lines(report)]
     assert ("SWEEP_K_FULL", ("verify_real_kv_hash",), slot) in found, found
+
+
+@pytest.mark.parametrize("disaggregation_mode", ["null", "prefill", "decode"])
+def test_scheduler_hook_hands_sglangs_faked_transfer_test_on_a_pd_decode_server(
+    monkeypatch, disaggregation_mode
+):
+    """sglang fakes the transfer of requests with bootstrap host 2.2.2.2 (warm-up,
+    /health_generate); on a PD decode server the canary gets sglang's own test for them,
+    elsewhere none."""
+    d = ServingDriver(seed=22, mode="raise")
+    init_cache = as_sglang_applies(
+        monkeypatch, seam.HOOK_SCHEDULER_INIT_CACHE, lambda self, *args, **kwargs: None
+    )
+    init_cache(_Scheduler(model_runner_with(d.manager), None, disaggregation_mode))
+
+    def req(host):
+        return Req(
+            rid=f"r-{host}",
+            origin_input_text="",
+            origin_input_ids=[1, 2, 3],
+            sampling_params=SamplingParams(max_new_tokens=4),
+            bootstrap_host=host,
+        )
+
+    faked = d.manager.requests.faked_transfer
+    decode = disaggregation_mode == "decode"
+    assert faked(req(seam.fake_bootstrap_host())) is decode
+    assert faked(req("10.1.2.3")) is False
+    assert faked(req(None)) is False  # a real backend (mooncake): no host is no fake
 
 
 # ---- Scheduler.stash_chunked_request (AROUND): abort mode's mark lifted for the stash ---------
