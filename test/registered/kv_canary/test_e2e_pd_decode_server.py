@@ -91,12 +91,16 @@ def test_a_transfer_that_delivered_nothing_is_reported_at_the_first_decode_step(
                 else {"write_position"}
             )
             assert set(v.fail_reasons) & want, v
+    # every report names the server of the PD pair it comes from
+    logged = parse_violation_lines(out, unique=False)
+    assert out.count("\n  Server: PD decode server.") == len(logged), out[-3000:]
 
 
 def test_a_transfer_that_delivered_nothing_stops_a_raise_mode_decode_server(server):
     rc, out, res = run(server, lost=True, kv_canary="raise")
     assert rc != 0 and res is None
     assert VIOLATION_LINE_PREFIX in out and "read_position=0 " in out
+    assert "kv_canary detected KV-cache corruption of the PD decode server:" in out
 
 
 if __name__ == "__main__":

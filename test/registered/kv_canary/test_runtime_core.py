@@ -150,7 +150,7 @@ def _inject(d: ServingDriver, fault: str) -> dict:
 def test_raise_names_the_rank_on_a_server_of_several():
     """In raise mode the report travels in the exception, which has no log prefix naming the
     rank: on a server of several ranks the message names it; on a one-rank server it does
-    not."""
+    not. A PD server's reports name which server of the pair it is."""
     for ranks, said in (
         (
             RankFacts(tp_rank=1, tp_size=2),
@@ -160,6 +160,14 @@ def test_raise_names_the_rank_on_a_server_of_several():
             RankFacts(pp_rank=1, pp_size=2),
             "KV-cache corruption on tp_rank 0, pp_rank 1, dp_rank 0:\n",
         ),
+        (
+            RankFacts(disaggregation_mode="decode"),
+            "KV-cache corruption of the PD decode server:\n",
+        ),
+        (
+            RankFacts(tp_rank=1, tp_size=2, disaggregation_mode="prefill"),
+            "KV-cache corruption on tp_rank 1, pp_rank 0, dp_rank 0 of the PD prefill server:\n",
+        ),
         (None, "KV-cache corruption:\n"),
     ):
         d = ServingDriver(seed=11, mode="raise", real_data="partial", ranks=ranks)
@@ -167,6 +175,16 @@ def test_raise_names_the_rank_on_a_server_of_several():
         with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
             d.step()
         assert said in str(exc.value), str(exc.value)[:300]
+        server = ranks.server_role if ranks is not None else ""
+        blocks = str(exc.value).count("\n  Server: ")
+        assert blocks == (len(parse_violation_lines(str(exc.value))) if server else 0)
+
+
+def test_rank_facts_refuse_an_unknown_pd_role():
+    with pytest.raises(
+        ValueError, match="disaggregation_mode must be one of null, prefill, decode"
+    ):
+        RankFacts(disaggregation_mode="encode")
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))

@@ -357,6 +357,9 @@ def install_canary(
             dp_rank=runner.dp_rank,
             dp_size=int(sglang_seam.server_args_value(server_args, "dp_size", 1) or 1),
             draft=draft,
+            disaggregation_mode=sglang_seam.server_args_value(
+                server_args, "disaggregation_mode", "null"
+            ),
         ),
     )
     if manager.token_oracle is not None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+PD_ROLES = ("null", "prefill", "decode")  # sglang 0.5.12's --disaggregation-mode choices
+
 
 @dataclasses.dataclass(frozen=True)
 class RankFacts:
@@ -21,6 +23,20 @@ class RankFacts:
     dp_rank: int = 0
     dp_size: int = 1
     draft: bool = False  # an EAGLE draft model's runner (shares the target's ranks)
+    # sglang's --disaggregation-mode: "null" (no PD), or which server of a PD pair
+    disaggregation_mode: str = "null"
+
+    def __post_init__(self):
+        if self.disaggregation_mode not in PD_ROLES:
+            raise ValueError(
+                f"RankFacts.disaggregation_mode must be one of {', '.join(PD_ROLES)}, "
+                f"got {self.disaggregation_mode!r}"
+            )
+
+    @property
+    def server_role(self) -> str:
+        """``PD prefill server`` / ``PD decode server``; ``""`` without PD."""
+        return "" if self.disaggregation_mode == "null" else f"PD {self.disaggregation_mode} server"
 
     def rank(self, dim: str) -> int:
         return getattr(self, f"{dim}_rank")

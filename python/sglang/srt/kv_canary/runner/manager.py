@@ -246,6 +246,7 @@ class CanaryManager:
                 config.mode,
                 pool=DRAFT_POOL_LABEL if ranks.draft else "",
                 rank=ranks.describe_rank() if ranks.several else "",
+                server=ranks.server_role,
             ),
             ring_capacity=config.ring_capacity,
         )

@@ -36,7 +36,7 @@ class ViolationReporter:
     is the manager's). Raise mode: ``RuntimeError`` carrying the structured lines (sglang's
     scheduler then exits, as on any scheduler error)."""
 
-    def __init__(self, mode: CanaryMode, *, pool: str = "", rank: str = ""):
+    def __init__(self, mode: CanaryMode, *, pool: str = "", rank: str = "", server: str = ""):
         self.mode = CanaryMode.parse(mode)
         # which pool the reports are about, when a server has two canaries (EAGLE's draft
         # pool); "" for the one (target) pool
@@ -44,6 +44,8 @@ class ViolationReporter:
         # which rank raises, on a server of several (e.g. "tp_rank 1, pp_rank 0, dp_rank 0"):
         # the raise message has no log prefix naming it; "" on a one-rank server
         self.rank = rank
+        # which server of a PD pair ("PD decode server"); "" without PD
+        self.server = server
 
     def report(
         self,
@@ -58,6 +60,7 @@ class ViolationReporter:
         if not incidents and not dropped:
             return
         where = f"\n  Pool: {self.pool}." if self.pool else ""
+        where += f"\n  Server: {self.server}." if self.server else ""
         texts = [
             format_violation_line(i, step=step) + "\n" + format_violation_block(i, step) + where
             for i in incidents
@@ -72,8 +75,9 @@ class ViolationReporter:
         if self.mode == CanaryMode.RAISE:
             pool = f" in {self.pool}" if self.pool else ""
             rank = f" on {self.rank}" if self.rank else ""
+            server = f" of the {self.server}" if self.server else ""
             raise RuntimeError(
-                f"kv_canary detected KV-cache corruption{pool}{rank}:\n" + "\n".join(texts)
+                f"kv_canary detected KV-cache corruption{pool}{rank}{server}:\n" + "\n".join(texts)
             )
         for text in texts:
             logger.warning("%s", text)
