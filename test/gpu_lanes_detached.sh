@@ -4,7 +4,7 @@
 # outlive the call); `wait N` waits up to N seconds for them, then puts the summary and a
 # tarball of every lane log and server log under $OUT. From the repository root:
 #   call 1 (carry .device/a .device/b):  . .device/a/setup.sh
-#   call 2 (carry .device/c .device/d):  bash test/gpu_lanes_detached.sh start && bash test/gpu_lanes_detached.sh wait 520
+#   call 2 (carry .device/c .device/d .device/pd_a):  bash test/gpu_lanes_detached.sh start && bash test/gpu_lanes_detached.sh wait 520
 #   call 3, at once:                     bash test/gpu_lanes_detached.sh wait 560
 # LANES="a b" runs only those lanes; JOBS=N sets the lanes at once (default: cores - 2).
 # monitor.txt samples the load, the GPU and the busiest processes every 15 s while it runs.
@@ -14,6 +14,9 @@ case "${1:-}" in
   start)
     . .device/a/setup.sh || exit 1
     [ -f .device/d/install.sh ] && { bash .device/d/install.sh || exit 1; }
+    # Mooncake's TransferEngine for the PD lane (into /tmp/site, on PYTHONPATH)
+    [ -f .device/pd_a/install.sh ] && { bash .device/pd_a/install.sh || exit 1; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     rm -rf "$R"; mkdir -p "$R"
     { git log -1 --format=%H; git status --short; } > "$R/tree.txt" 2>&1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt" 2>&1

@@ -88,6 +88,8 @@ LOG_HINTS = {  # substring -> name in PD_RESULT's log_hints (counts per server l
     "handshake failed": "handshake_failed",
     "kv_canary installed": "canary_installed",
     "kv_canary violation": "canary_violations",
+    "kv_canary detected KV-cache corruption": "canary_raised",
+    "are not reported: nothing was sent for them": "faked_transfers_set_aside",
 }
 
 
