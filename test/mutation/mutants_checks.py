@@ -162,8 +162,8 @@ MUTANTS_CHECKS = (
     Mutant(
         id="kernel-write-report-walk-from-overwritten-seed",
         path=f"{_KN}/write.py",
-        old="_chain_walk(*walk, INPUT_ASSERT, NUM_SOURCES, True)",
-        new="_chain_walk(\n                    *walk[:10],\n                    tl.where(seed_ok, "
+        old="chain_walk(*walk, INPUT_ASSERT, NUM_SOURCES, True)",
+        new="chain_walk(\n                    *walk[:10],\n                    tl.where(seed_ok, "
         "H.record_hash(canary_ptr, seed, seed_ok), head),\n                    *walk[11:],\n"
         "                    INPUT_ASSERT,\n                    NUM_SOURCES,\n"
         "                    True,\n                )",

@@ -78,15 +78,15 @@ def test_bench_kernels_smoke_checks_every_kernel_in_every_mode(tmp_path):
 
 def test_bench_chain_walk_compares_two_kernels_only_when_they_write_the_same(tmp_path):
     """The paired walk benchmark first checks that the two kernels leave the same bytes: a
-    copy of this tree's kernel passes, one that stores another token stops it."""
+    copy of this tree's kernel passes, one that counts its launches twice stops it."""
     own = BENCH_DIR.parents[1] / "python/sglang/jit_kernel/kv_canary/write.py"
     out = _run("bench_chain_walk.py", "--against", str(own), "--smoke-cpu")
     assert out.count("records, ring and counters identical") == 2, out
     bad = tmp_path / "write.py"
     text = own.read_text()
-    store = "tl.store(rec + FIELD_TOKEN, tok, mask=store_ok)"
-    assert text.count(store) == 1
-    bad.write_text(text.replace(store, store.replace("tok,", "tok + 1,")))
+    count = "tl.atomic_add(kc0_ptr, 1)"
+    assert text.count(count) == 1
+    bad.write_text(text.replace(count, count.replace("1)", "2)")))
     proc = subprocess.run(
         [sys.executable, str(BENCH_DIR / "bench_chain_walk.py"), "--against", str(bad)]
         + ["--smoke-cpu"],
@@ -94,7 +94,7 @@ def test_bench_chain_walk_compares_two_kernels_only_when_they_write_the_same(tmp
         text=True,
         timeout=600,
     )
-    assert proc.returncode != 0 and "canary_words differ" in proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "kernel_run_counter differ" in proc.stdout + proc.stderr
 
 
 def test_bench_sweep_smoke_sweeps_a_clean_cache_in_every_mode(tmp_path):

@@ -101,6 +101,7 @@ LAYERS = (
         f"{K}.deep_ref",
         f"{K}._hash_triton",
         f"{K}._ring_triton",
+        f"{K}._chain_triton",
         f"{K}._kernel_consts",
         f"{K}.plan.offsets_kernel",
         f"{K}.plan.entries_kernel",

@@ -5,7 +5,8 @@
 position, the request's running chain hash and (TAIL) the real-KV fingerprint; one part of the
 grid walks each request's chain serially (lanes = requests), the other fingerprints all written
 slots in parallel. ``launch_canary_chain_writes`` walks the chains of up to four buffers of one
-pool group in one launch (lanes = request x buffer). Graph-safe on CUDA. :class:`WriteParts` and
+pool group in one launch (lanes = request x buffer); the walk itself is
+:mod:`~sglang.jit_kernel.kv_canary._chain_triton`. Graph-safe on CUDA. :class:`WriteParts` and
 :class:`WritePlan` live in :mod:`~sglang.jit_kernel.kv_canary.types` (no Triton); they are
 re-exported here.
 """
@@ -21,19 +22,14 @@ import triton.language as tl
 from sglang.jit_kernel.kv_canary import _hash_triton as H
 from sglang.jit_kernel.kv_canary import validation, write_ref
 from sglang.jit_kernel.kv_canary._kernel_consts import (
-    FAIL_WRITE_POSITION,
-    FAIL_WRITE_TOKEN,
     FIELD_POSITION,
-    FIELD_PREV_HASH,
     FIELD_REAL_KV_HASH,
-    FIELD_TOKEN,
-    NO_KV_LAYER,
     NO_REQ_TO_TOKEN_ROW,
     NO_SEED_SLOT,
     RECORD_WORDS,
 )
+from sglang.jit_kernel.kv_canary._chain_triton import chain_walk
 from sglang.jit_kernel.kv_canary._launch import grid_size, use_triton
-from sglang.jit_kernel.kv_canary._ring_triton import append_violations
 from sglang.jit_kernel.kv_canary.types import VerifyOrWriteContext
 
 # Re-exports from ``types``, kept for the documented import paths
@@ -49,247 +45,9 @@ __all__ = [
 ]
 
 
-CHAIN_UNROLL = tl.constexpr(4)  # chain steps per block of the walk (the loop is written for 4)
 # warps of a chain-only launch: a program's lanes are one warp (WRITE_REQ_BLOCK = 32), so more
 # warps would only hold copies of them (and sync on every violation-ring append)
 CHAIN_NUM_WARPS = 1
-
-
-@triton.jit
-def _load_step(
-    input_ids_ptr,
-    positions_ptr,
-    loc_ptr,
-    exp_tok_ptr,
-    exp_pos_ptr,
-    start,
-    j,
-    length,
-    num_tokens,
-    INPUT_ASSERT: tl.constexpr,
-):
-    """Chain step ``j``'s token, position, slot and (``INPUT_ASSERT``) expected token and
-    position per lane (int64; slot -1 where the lane has no step ``j``)."""
-    i = start + j
-    act = (j < length) & (i >= 0) & (i < num_tokens)
-    tok = tl.load(input_ids_ptr + i, mask=act, other=0).to(tl.int64)
-    pos = tl.load(positions_ptr + i, mask=act, other=0).to(tl.int64)
-    slot = tl.load(loc_ptr + i, mask=act, other=-1).to(tl.int64)
-    if INPUT_ASSERT:
-        exp_tok = tl.load(exp_tok_ptr + i, mask=act, other=0).to(tl.int64)
-        exp_pos = tl.load(exp_pos_ptr + i, mask=act, other=0).to(tl.int64)
-    else:
-        exp_tok = tok
-        exp_pos = pos
-    return tok, pos, slot, exp_tok, exp_pos
-
-
-@triton.jit
-def _chain_step(
-    canary_ptr,
-    num_slots,
-    start,
-    j,
-    length,
-    num_tokens,
-    tok,
-    pos,
-    slot,
-    exp_tok,
-    exp_pos,
-    running,
-    prev_pos,
-    written,
-    failed,
-    check_pos,
-    ring_ptr,
-    ring_index_ptr,
-    ring_capacity,
-    kernel_kind,
-    req_row,
-    NUM_SOURCES: tl.constexpr,
-    REPORT: tl.constexpr,
-):
-    """Chain step ``j`` of every lane (a no-op where the lane has no step ``j``): check it,
-    then store its record and note a failure in ``failed`` (``REPORT`` off) or append the
-    failure's ring row (``REPORT`` on); advance ``running`` / ``prev_pos``."""
-    i = start + j
-    act = (j < length) & (i >= 0) & (i < num_tokens)
-    store_ok = act & (slot >= 0) & (slot < num_slots)
-    bits = tl.where(tok != exp_tok, FAIL_WRITE_TOKEN, 0)
-    bits |= tl.where(pos != exp_pos, FAIL_WRITE_POSITION, 0)
-    chain_bad = check_pos & (pos != prev_pos + 1)
-    bits |= tl.where(chain_bad, FAIL_WRITE_POSITION, 0)
-    exp_pos = tl.where(chain_bad, prev_pos + 1, exp_pos)
-    bad = store_ok & (bits != 0)
-    if REPORT:
-        append_violations(
-            ring_ptr,
-            ring_index_ptr,
-            ring_capacity,
-            bad,
-            kernel_kind,
-            slot,
-            pos,
-            tok,
-            exp_tok,
-            H.as_i64(running),
-            exp_pos,
-            bits.to(tl.int64),
-            pos,
-            req_row,
-            NO_KV_LAYER,
-        )
-    else:
-        rec = canary_ptr + slot * RECORD_WORDS
-        tl.store(rec + FIELD_TOKEN, tok, mask=store_ok)
-        tl.store(rec + FIELD_POSITION, pos, mask=store_ok)
-        tl.store(rec + FIELD_PREV_HASH, H.as_i64(running), mask=store_ok)
-        if NUM_SOURCES == 0:
-            tl.store(rec + FIELD_REAL_KV_HASH, tl.zeros_like(tok), mask=store_ok)
-        written += store_ok.to(tl.int64)
-        failed |= bad
-    running = tl.where(act, H.mix3(running, H.as_u64(tok), H.as_u64(pos)), running)
-    prev_pos = tl.where(act, pos, prev_pos)
-    return running, prev_pos, written, failed
-
-
-@triton.jit
-def _chain_walk(
-    canary_ptr,
-    num_slots,
-    start,
-    length,
-    input_ids_ptr,
-    positions_ptr,
-    loc_ptr,
-    num_tokens,
-    exp_tok_ptr,
-    exp_pos_ptr,
-    running,
-    prev_pos,
-    check_pos,
-    ring_ptr,
-    ring_index_ptr,
-    ring_capacity,
-    kernel_kind,
-    req_row,
-    INPUT_ASSERT: tl.constexpr,
-    NUM_SOURCES: tl.constexpr,
-    REPORT: tl.constexpr,
-):
-    """Walk every lane's chain from ``running`` / ``prev_pos``, CHAIN_UNROLL steps a block (a
-    block's inputs are loaded while the block before it is hashed, so the serial hash never
-    waits on a load). ``REPORT`` off: store the records, return (entries stored, any step
-    failed) per lane; on: store nothing, append the failed steps' ring rows."""
-    written = tl.zeros_like(running).to(tl.int64)
-    failed = tl.zeros_like(running) != 0
-    a = (
-        input_ids_ptr,
-        positions_ptr,
-        loc_ptr,
-        exp_tok_ptr,
-        exp_pos_ptr,
-    )
-    t0, p0, s0, e0, f0 = _load_step(*a, start, 0, length, num_tokens, INPUT_ASSERT)
-    t1, p1, s1, e1, f1 = _load_step(*a, start, 1, length, num_tokens, INPUT_ASSERT)
-    t2, p2, s2, e2, f2 = _load_step(*a, start, 2, length, num_tokens, INPUT_ASSERT)
-    t3, p3, s3, e3, f3 = _load_step(*a, start, 3, length, num_tokens, INPUT_ASSERT)
-    c = (ring_ptr, ring_index_ptr, ring_capacity, kernel_kind, req_row)
-    for jb in range(0, tl.max(length, axis=0), CHAIN_UNROLL):
-        n0, q0, m0, x0, y0 = _load_step(*a, start, jb + 4, length, num_tokens, INPUT_ASSERT)
-        n1, q1, m1, x1, y1 = _load_step(*a, start, jb + 5, length, num_tokens, INPUT_ASSERT)
-        n2, q2, m2, x2, y2 = _load_step(*a, start, jb + 6, length, num_tokens, INPUT_ASSERT)
-        n3, q3, m3, x3, y3 = _load_step(*a, start, jb + 7, length, num_tokens, INPUT_ASSERT)
-        running, prev_pos, written, failed = _chain_step(
-            canary_ptr,
-            num_slots,
-            start,
-            jb,
-            length,
-            num_tokens,
-            t0,
-            p0,
-            s0,
-            e0,
-            f0,
-            running,
-            prev_pos,
-            written,
-            failed,
-            check_pos,
-            *c,
-            NUM_SOURCES,
-            REPORT,
-        )
-        running, prev_pos, written, failed = _chain_step(
-            canary_ptr,
-            num_slots,
-            start,
-            jb + 1,
-            length,
-            num_tokens,
-            t1,
-            p1,
-            s1,
-            e1,
-            f1,
-            running,
-            prev_pos,
-            written,
-            failed,
-            check_pos,
-            *c,
-            NUM_SOURCES,
-            REPORT,
-        )
-        running, prev_pos, written, failed = _chain_step(
-            canary_ptr,
-            num_slots,
-            start,
-            jb + 2,
-            length,
-            num_tokens,
-            t2,
-            p2,
-            s2,
-            e2,
-            f2,
-            running,
-            prev_pos,
-            written,
-            failed,
-            check_pos,
-            *c,
-            NUM_SOURCES,
-            REPORT,
-        )
-        running, prev_pos, written, failed = _chain_step(
-            canary_ptr,
-            num_slots,
-            start,
-            jb + 3,
-            length,
-            num_tokens,
-            t3,
-            p3,
-            s3,
-            e3,
-            f3,
-            running,
-            prev_pos,
-            written,
-            failed,
-            check_pos,
-            *c,
-            NUM_SOURCES,
-            REPORT,
-        )
-        t0, p0, s0, e0, f0 = n0, q0, m0, x0, y0
-        t1, p1, s1, e1, f1 = n1, q1, m1, x1, y1
-        t2, p2, s2, e2, f2 = n2, q2, m2, x2, y2
-        t3, p3, s3, e3, f3 = n3, q3, m3, x3, y3
-    return written, failed
 
 
 @triton.jit
@@ -417,10 +175,10 @@ def _canary_write_kernel(
                 kernel_kind,
                 req_row,
             )
-            stored, failed = _chain_walk(*walk, INPUT_ASSERT, NUM_SOURCES, False)
+            stored, failed = chain_walk(*walk, INPUT_ASSERT, NUM_SOURCES, False)
             written += stored
             if tl.max(failed.to(tl.int32), axis=0) != 0:
-                _chain_walk(*walk, INPUT_ASSERT, NUM_SOURCES, True)
+                chain_walk(*walk, INPUT_ASSERT, NUM_SOURCES, True)
         tl.atomic_add(sc0_ptr, tl.sum(tl.where(buf == 0, written, 0), axis=0))
         if NUM_BUFS > 1:
             tl.atomic_add(sc1_ptr, tl.sum(tl.where(buf == 1, written, 0), axis=0))
