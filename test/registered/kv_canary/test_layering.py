@@ -108,7 +108,14 @@ LAYERS = (
         f"{K}.plan.utils",
     ),
     _l("kernel validation", f"{K}.validation"),
-    _l("kernel types", f"{K}.types"),
+    _l(
+        "kernel types",
+        f"{K}.types",
+        f"{K}.types.tags",
+        f"{K}.types.context",
+        f"{K}.types.plans",
+        f"{K}.types.deep",
+    ),
     _l(
         "kernel leaves",
         f"{K}.consts",

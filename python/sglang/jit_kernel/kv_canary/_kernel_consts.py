@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from sglang.jit_kernel.kv_canary import types as _types
+from sglang.jit_kernel.kv_canary import consts as _consts
 from sglang.jit_kernel.kv_canary.consts import (
     CANARY_CHAIN_ANCHOR,
     CANARY_FIELD_POSITION,
@@ -83,12 +83,12 @@ SPLITMIX_MUL1 = tl.constexpr(SPLITMIX64_MUL1)
 SPLITMIX_MUL2 = tl.constexpr(SPLITMIX64_MUL2)
 
 # Per-layer fingerprint column descriptors (``types.DeepFingerprintTable.descriptors``).
-DESC_PTR = tl.constexpr(_types.DEEP_DESC_PTR)
-DESC_ROW_STRIDE = tl.constexpr(_types.DEEP_DESC_ROW_STRIDE)
-DESC_PAGE_SIZE = tl.constexpr(_types.DEEP_DESC_PAGE_SIZE)
-DESC_WORDS_PER_TOKEN = tl.constexpr(_types.DEEP_DESC_WORDS_PER_TOKEN)
-DESC_NUM_WORDS = tl.constexpr(_types.DEEP_DESC_NUM_WORDS)
-DESC_LAYER = tl.constexpr(_types.DEEP_DESC_LAYER)
-DESC_HALF = tl.constexpr(_types.DEEP_DESC_HALF)
-DESC_WORDS = tl.constexpr(_types.DEEP_DESC_WORDS)
-HALF_V = tl.constexpr(_types.DEEP_HALF_V)
+DESC_PTR = tl.constexpr(_consts.DEEP_DESC_PTR)
+DESC_ROW_STRIDE = tl.constexpr(_consts.DEEP_DESC_ROW_STRIDE)
+DESC_PAGE_SIZE = tl.constexpr(_consts.DEEP_DESC_PAGE_SIZE)
+DESC_WORDS_PER_TOKEN = tl.constexpr(_consts.DEEP_DESC_WORDS_PER_TOKEN)
+DESC_NUM_WORDS = tl.constexpr(_consts.DEEP_DESC_NUM_WORDS)
+DESC_LAYER = tl.constexpr(_consts.DEEP_DESC_LAYER)
+DESC_HALF = tl.constexpr(_consts.DEEP_DESC_HALF)
+DESC_WORDS = tl.constexpr(_consts.DEEP_DESC_WORDS)
+HALF_V = tl.constexpr(_consts.DEEP_HALF_V)

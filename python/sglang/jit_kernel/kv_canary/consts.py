@@ -128,3 +128,45 @@ def to_int64(x: int) -> int:
 def to_uint64(x: int) -> int:
     """Reinterpret an int64 bit pattern as its unsigned 64-bit value."""
     return int(x) & MASK64
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed token-id uploads
+# ---------------------------------------------------------------------------------------------
+
+# A packed token-id upload (docs/architecture.md, "Token-id scatter"): one int64 buffer
+# ``[PACKED_TOKENS_HEADER + PACKED_TOKENS_ROW_FIELDS * n + total]``. Word PACKED_TOKENS_NUM_REQS
+# holds n; then one row of PACKED_TOKENS_ROW_FIELDS words per request: its whole history length
+# (the plan's valid length), the first position sent and the offset of its segment in the
+# flat part; then the flat part (the tokens sent, request after request).
+PACKED_TOKENS_NUM_REQS = 0
+PACKED_TOKENS_HEADER = 1
+PACKED_TOKENS_ROW_LEN = 0
+PACKED_TOKENS_ROW_START = 1
+PACKED_TOKENS_ROW_OFFSET = 2
+PACKED_TOKENS_ROW_FIELDS = 3
+
+
+def packed_tokens_numel(num_reqs: int, num_tokens: int) -> int:
+    """Words of a packed token-id upload of ``num_reqs`` requests and ``num_tokens`` tokens."""
+    return PACKED_TOKENS_HEADER + PACKED_TOKENS_ROW_FIELDS * num_reqs + num_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-layer (deep) fingerprints
+# ---------------------------------------------------------------------------------------------
+
+# One column descriptor in ``DeepFingerprintTable.descriptors`` (int64 words): the address of
+# the column source's ``words_view``, its row stride in words, page size, words per token, the
+# words a fingerprint in the table's mode folds, the column's sglang layer id and its half
+# (DEEP_HALF_K / DEEP_HALF_V).
+DEEP_DESC_PTR = 0
+DEEP_DESC_ROW_STRIDE = 1
+DEEP_DESC_PAGE_SIZE = 2
+DEEP_DESC_WORDS_PER_TOKEN = 3
+DEEP_DESC_NUM_WORDS = 4
+DEEP_DESC_LAYER = 5
+DEEP_DESC_HALF = 6
+DEEP_DESC_WORDS = 7
+DEEP_HALF_K = 0
+DEEP_HALF_V = 1

@@ -5,7 +5,7 @@ max_context_len]`` (docs/architecture.md, "Token-id scatter"; shapes: the launch
 1]]`` go to row ``req_pool_indices[r]`` from column ``dst_starts[r]`` (default 0); tokens past
 the pool's width are dropped, rows not named untouched. Runs outside CUDA graphs (its inputs
 are fresh per forward). ``launch_scatter_packed_token_ids_kernel`` (the runtime's): the same
-from one int64 buffer laid out as ``types.PACKED_TOKENS_*`` say, plus the plan's valid lengths;
+from one int64 buffer laid out as ``consts.PACKED_TOKENS_*`` say, plus the plan's valid lengths;
 its request count is read on the device, so one launch captured for a graph's padded batch
 serves every batch the graph replays. Both allocation- and sync-free; grid ``(bs, splits)`` (a
 request's programs stride over its tokens). ``*_torch_reference`` validates, then calls
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from sglang.jit_kernel.kv_canary import validation
 from sglang.jit_kernel.kv_canary._launch import grid_size, use_triton
-from sglang.jit_kernel.kv_canary.types import (
+from sglang.jit_kernel.kv_canary.consts import (
     PACKED_TOKENS_HEADER,
     PACKED_TOKENS_NUM_REQS,
     PACKED_TOKENS_ROW_FIELDS,
@@ -115,7 +115,7 @@ def launch_scatter_packed_token_ids_kernel(
     pool_out: torch.Tensor,
     valid_lens_out: torch.Tensor,
 ) -> None:
-    """``packed`` int64 ``[>= types.packed_tokens_numel(bs, 0)]`` (layout: ``types``, its
+    """``packed`` int64 ``[>= consts.packed_tokens_numel(bs, 0)]`` (layout: ``consts``, its
     request count n read on the device), ``req_pool_indices`` int64 ``[bs]`` (the rows this
     launch covers, e.g. a CUDA graph's padded batch), ``pool_out`` int32 ``[rows,
     max_context_len]``, ``valid_lens_out`` int64 ``[bs]``. For request r < min(n, bs):

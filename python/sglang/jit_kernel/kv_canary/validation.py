@@ -28,6 +28,8 @@ from sglang.jit_kernel.kv_canary.types import (
     VerifyPlan,
     WriteParts,
     WritePlan,
+)
+from sglang.jit_kernel.kv_canary.consts import (
     packed_tokens_numel,
 )
 

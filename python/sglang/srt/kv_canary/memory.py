@@ -23,9 +23,11 @@ from typing import Dict, Tuple
 from sglang.jit_kernel.kv_canary.consts import VIOLATION_NUM_FIELDS
 from sglang.jit_kernel.kv_canary.types import (
     CANARY_SLOT_BYTES,
-    DEEP_DESC_WORDS,
     NUM_CANARY_LAUNCH_TAGS,
     PoolKind,
+)
+from sglang.jit_kernel.kv_canary.consts import (
+    DEEP_DESC_WORDS,
     packed_tokens_numel,
 )
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup

@@ -27,7 +27,7 @@ import torch
 from sglang.jit_kernel.kv_canary.scatter_req_token_ids import (
     launch_scatter_packed_token_ids_kernel,
 )
-from sglang.jit_kernel.kv_canary.types import (
+from sglang.jit_kernel.kv_canary.consts import (
     PACKED_TOKENS_HEADER,
     PACKED_TOKENS_NUM_REQS,
     PACKED_TOKENS_ROW_FIELDS,
@@ -50,7 +50,7 @@ def _pin() -> bool:
 class TokenIdSnapshot:
     """One batch's token-id snapshot (the opaque handle its ``CanaryBatchState`` carries):
     ``packed`` is the packed upload, a single int64 host buffer (pinned when CUDA exists; the
-    layout of ``types.PACKED_TOKENS_*``) of ``num_reqs`` requests. Its views :attr:`flat` (the
+    layout of ``consts.PACKED_TOKENS_*``) of ``num_reqs`` requests. Its views :attr:`flat` (the
     tokens sent), :attr:`lens` (each request's whole history length) and :attr:`starts`
     (first position of each request's segment) are made on access (the upload needs none).
     ``rows`` is the record it was taken against and ``epoch`` / ``seq`` / ``reqs`` let the

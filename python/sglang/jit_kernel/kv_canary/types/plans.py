@@ -1,0 +1,189 @@
+"""The verify and write plans and the write's parts (docs/architecture.md, "Plans"). No
+Triton."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from sglang.jit_kernel.kv_canary._checks import check_int, check_tensor, same_device
+
+
+# ---------------------------------------------------------------------------------------------
+# Verify plan
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class VerifyPlan:
+    """The per-forward verify work list (device, fixed capacity; filled by the plan kernels).
+
+    int64 ``[capacity]``: ``verify_slot_indices``, ``verify_expected_tokens`` (-1 = unknown),
+    ``verify_expected_positions`` (the position attention reads the slot for),
+    ``verify_prev_slot_indices`` (-1 = chain head, 0 = predecessor unreachable),
+    ``verify_req_to_token_rows`` (the ``req_to_token`` row the slot was read from, -1 =
+    ``NO_REQ_TO_TOKEN_ROW`` for an entry not read through a request, e.g. the sweep; it only
+    locates a violation in the report); int32 ``[1]``: ``verify_num_valid``, ``enable`` (0 after
+    an overflow).
+    """
+
+    verify_slot_indices: torch.Tensor
+    verify_expected_tokens: torch.Tensor
+    verify_expected_positions: torch.Tensor
+    verify_prev_slot_indices: torch.Tensor
+    verify_req_to_token_rows: torch.Tensor
+    verify_num_valid: torch.Tensor
+    enable: torch.Tensor
+
+    def __post_init__(self):
+        cap = (
+            self.verify_slot_indices.shape[0]
+            if isinstance(self.verify_slot_indices, torch.Tensor)
+            and self.verify_slot_indices.dim() == 1
+            else None
+        )
+        for name in (
+            "verify_slot_indices",
+            "verify_expected_tokens",
+            "verify_expected_positions",
+            "verify_prev_slot_indices",
+            "verify_req_to_token_rows",
+        ):
+            check_tensor(
+                f"VerifyPlan.{name}", getattr(self, name), dtypes=(torch.int64,), shape=(cap,)
+            )
+        for name in ("verify_num_valid", "enable"):
+            check_tensor(
+                f"VerifyPlan.{name}", getattr(self, name), dtypes=(torch.int32,), shape=(1,)
+            )
+        same_device({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @property
+    def capacity(self) -> int:
+        return self.verify_slot_indices.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.verify_slot_indices.device
+
+    @classmethod
+    def allocate(cls, *, verify_capacity: int, device) -> "VerifyPlan":
+        check_int("verify_capacity", verify_capacity, minimum=0)
+        device = torch.device(device)
+
+        def i64():
+            return torch.zeros(verify_capacity, dtype=torch.int64, device=device)
+
+        return cls(
+            verify_slot_indices=i64(),
+            verify_expected_tokens=i64(),
+            verify_expected_positions=i64(),
+            verify_prev_slot_indices=i64(),
+            verify_req_to_token_rows=i64(),
+            verify_num_valid=torch.zeros(1, dtype=torch.int32, device=device),
+            enable=torch.zeros(1, dtype=torch.int32, device=device),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Write parts and plan
+# ---------------------------------------------------------------------------------------------
+
+
+class WriteParts(enum.Enum):
+    """Which part of the write a launch does. ``CHAIN`` then ``FINGERPRINT`` (in stream order)
+    leaves exactly the bytes, violations and counters of one ``ALL`` launch; split, the serial
+    chain (which needs no KV bytes) can run before / beside the model forward and only the
+    parallel fingerprint after it.
+
+    - ``ALL``: records with chain and fingerprint (one launch).
+    - ``CHAIN``: token, position, chain hash, checks, counters; ``real_kv_hash`` stored as 0.
+    - ``FINGERPRINT``: only ``real_kv_hash`` of every written slot; no checks, no counters; a
+      no-op without real-data fingerprints.
+    """
+
+    ALL = "all"
+    CHAIN = "chain"
+    FINGERPRINT = "fingerprint"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WritePlan:
+    """Per-forward write layout (device, fixed request capacity; filled by the plan kernels).
+
+    - ``write_offsets`` int64 ``[req_capacity + 1]``: request r writes the entries
+      ``[write_offsets[r], write_offsets[r + 1])`` of ``input_ids`` / ``positions`` /
+      ``out_cache_loc``; zero beyond the batch.
+    - ``write_seed_slot_indices`` int64 ``[req_capacity]``: slot holding position
+      ``prefix_len - 1`` (the chain seed), -1 for a chain head or a padding row.
+    - ``write_req_to_token_rows`` int64 ``[req_capacity]``: request r's ``req_to_token`` row
+      (-1 for a padding row and beyond the batch; it only locates a violation in the report).
+    - ``write_num_valid_reqs`` int32 ``[1]``: the batch size.
+    - ``verify_req_offsets`` int64 ``[req_capacity + 1]``: plan-internal scratch (per-request
+      exclusive prefix sum of verify entries), read by the plan's entries stage only.
+    """
+
+    write_offsets: torch.Tensor
+    write_seed_slot_indices: torch.Tensor
+    write_req_to_token_rows: torch.Tensor
+    write_num_valid_reqs: torch.Tensor
+    verify_req_offsets: torch.Tensor
+
+    def __post_init__(self):
+        seeds = check_tensor(
+            "WritePlan.write_seed_slot_indices",
+            self.write_seed_slot_indices,
+            dtypes=(torch.int64,),
+            ndim=1,
+        )
+        cap = seeds.shape[0]
+        check_tensor(
+            "WritePlan.write_offsets", self.write_offsets, dtypes=(torch.int64,), shape=(cap + 1,)
+        )
+        check_tensor(
+            "WritePlan.write_req_to_token_rows",
+            self.write_req_to_token_rows,
+            dtypes=(torch.int64,),
+            shape=(cap,),
+        )
+        check_tensor(
+            "WritePlan.verify_req_offsets",
+            self.verify_req_offsets,
+            dtypes=(torch.int64,),
+            shape=(cap + 1,),
+        )
+        check_tensor(
+            "WritePlan.write_num_valid_reqs",
+            self.write_num_valid_reqs,
+            dtypes=(torch.int32,),
+            shape=(1,),
+        )
+        same_device({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @property
+    def req_capacity(self) -> int:
+        return self.write_seed_slot_indices.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.write_seed_slot_indices.device
+
+    @classmethod
+    def allocate(cls, *, write_req_capacity: int, device) -> "WritePlan":
+        check_int("write_req_capacity", write_req_capacity, minimum=0)
+        device = torch.device(device)
+        return cls(
+            write_offsets=torch.zeros(write_req_capacity + 1, dtype=torch.int64, device=device),
+            write_seed_slot_indices=torch.full(
+                (write_req_capacity,), -1, dtype=torch.int64, device=device
+            ),
+            write_req_to_token_rows=torch.full(
+                (write_req_capacity,), -1, dtype=torch.int64, device=device
+            ),
+            write_num_valid_reqs=torch.zeros(1, dtype=torch.int32, device=device),
+            verify_req_offsets=torch.zeros(
+                write_req_capacity + 1, dtype=torch.int64, device=device
+            ),
+        )
