@@ -38,7 +38,7 @@ R, K = RUNTIME, KERNELS
 
 # Top to bottom. Keep docs/architecture.md ("Layers") in step with this table.
 LAYERS = (
-    _l("tools", f"{R}.demo", f"{R}.testing", f"{R}.testing.*"),
+    _l("tools", f"{R}.demo", f"{R}.demo_cases", f"{R}.testing", f"{R}.testing.*"),
     _l("plugin", f"{R}.plugin"),
     _l("api", f"{R}.api", f"{R}.memory_budget"),
     _l("builder", f"{R}.builder"),

@@ -21,7 +21,7 @@ from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.batch_state import CanaryBatchState, batch_state, batch_state_for
 from sglang.srt.kv_canary.config import CanaryConfig
-from sglang.srt.kv_canary.demo import CASES_BY_NAME, evaluate, exit_status
+from sglang.srt.kv_canary.demo_cases import CASES_BY_NAME, evaluate, exit_status
 from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
 from sglang.srt.kv_canary.perturb import (
     FaultKind,
@@ -537,7 +537,8 @@ def test_demo_verdicts():
 
 
 def test_demo_refuses_paged_runs_without_a_gpu(capsys):
-    from sglang.srt.kv_canary.demo import DEMO_ENGINE_ARGS, demo_engine_args, main
+    from sglang.srt.kv_canary.demo import main
+    from sglang.srt.kv_canary.demo_cases import DEMO_ENGINE_ARGS, demo_engine_args
 
     assert demo_engine_args() == dict(DEMO_ENGINE_ARGS, page_size=1)
     paged = demo_engine_args("log", 64)
