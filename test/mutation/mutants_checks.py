@@ -358,7 +358,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i19-mamba-lock-ignored",
-        path=f"{_RT}/sglang_seam.py",
+        path=f"{_RT}/sglang_seam/radix.py",
         old="return (ref if ref is not None else node.full_lock_ref) > 0",
         new="return (ref or 0) > 0",
         selection=f"{_T}/test_radix_sweep.py::test_walk_real_mamba_radix_cache",
@@ -531,7 +531,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i23-demo-host-kv-without-hicache",
-        path=f"{_RT}/demo.py",
+        path=f"{_RT}/demo_cases.py",
         old='        args["enable_hierarchical_cache"] = True\n',
         new="        pass\n",
         selection=f"{_T}/test_perturb_oracle.py::test_demo_refuses_paged_runs_without_a_gpu",
@@ -541,7 +541,7 @@ MUTANTS_CHECKS = (
     # ---- trees the sweep walks ----------------------------------------------------------------
     Mutant(
         id="sweep-unified-tree-unsupported",
-        path=f"{_RT}/sglang_seam.py",
+        path=f"{_RT}/sglang_seam/radix.py",
         old="    return (RadixCache, SWARadixCache, MambaRadixCache, UnifiedRadixCache)",
         new="    return (RadixCache, SWARadixCache, MambaRadixCache)",
         selection=f"{_T}/test_radix_sweep.py::test_walk_real_unified_radix_cache",
@@ -550,7 +550,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="sweep-unified-locks-ignored",
-        path=f"{_RT}/sglang_seam.py",
+        path=f"{_RT}/sglang_seam/radix.py",
         old="        return full.lock_ref > 0\n",
         new="        return False\n",
         selection=f"{_T}/test_radix_sweep.py::test_walk_real_unified_radix_cache",

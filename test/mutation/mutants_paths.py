@@ -48,7 +48,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="spec-v1-draft-extend-keeps-finished-reqs",
-        path=f"{_RT}/sglang_seam.py",
+        path=f"{_RT}/sglang_seam/scheduler.py",
         old="        reqs = [r for r in reqs if not r.finished()]\n",
         new="        pass\n",
         selection=f"{_T}/test_plugin_hooks.py::"

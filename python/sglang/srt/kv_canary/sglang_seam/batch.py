@@ -1,0 +1,95 @@
+"""``ForwardBatch``, ``SamplingBatchInfo`` and ``Req``: the canary's batch state, the token oracle's batch, and what the canary reads of a request.
+
+| sglang internal (0.5.12) | what the canary does with it | used by |
+| --- | --- | --- |
+| ``ForwardBatch`` | sets one attribute, ``kv_canary_batch_state`` (:func:`set_batch_state`); reads ``spec_info.draft_token_num``; ``ForwardMode`` | ``batch_state``, ``plan_input`` |
+| ``SamplingBatchInfo`` | sets / reads ``kv_canary_oracle_batch`` | ``token_oracle`` |
+| ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``, ``kv_allocated_len``, ``finished()``, ``to_finish``; histories are kept by identity (sglang replaces, never edits, a rewritten list); abort mode sets ``to_finish = FINISH_ABORT(...)`` (sglang's abort of a running request), ``skip_radix_cache_insert`` and ``kv_canary_no_radix_insert`` (lifts the former around ``Scheduler.stash_chunked_request``, whose ``maybe_cache_unfinished_req`` also honours it; abort mode refuses PD, so PD prefill's copy of the stash never sees the mark) | ``token_oracle``, ``token_history``, ``runner.requests``, ``runner.containment`` |
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, List, Optional
+
+if TYPE_CHECKING:  # annotations only
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: F401
+
+
+_BATCH_STATE_ATTR = "kv_canary_batch_state"
+
+
+_BATCH_STATE_ATTR = "kv_canary_batch_state"
+_SAMPLING_ORACLE_ATTR = "kv_canary_oracle_batch"
+
+
+_SAMPLING_ORACLE_ATTR = "kv_canary_oracle_batch"
+_REQ_ORACLE_KEY_ATTR = "kv_canary_oracle_key"
+
+
+def batch_state(forward_batch: "ForwardBatch"):
+    """The canary's per-batch state object set by :func:`set_batch_state`, or None."""
+    return getattr(forward_batch, _BATCH_STATE_ATTR, None)
+
+
+def set_batch_state(forward_batch: "ForwardBatch", state) -> None:
+    setattr(forward_batch, _BATCH_STATE_ATTR, state)
+
+
+def draft_token_num(forward_batch: "ForwardBatch") -> int:
+    """Draft tokens per request of a TARGET_VERIFY batch (EAGLE)."""
+    return int(forward_batch.spec_info.draft_token_num)
+
+
+def sampling_oracle(sampling_info: "SamplingBatchInfo"):
+    return getattr(sampling_info, _SAMPLING_ORACLE_ATTR, None)
+
+
+def set_sampling_oracle(forward_batch: "ForwardBatch", oracle_batch) -> None:
+    """Attach ``oracle_batch`` to the batch's ``sampling_info`` (no-op without one)."""
+    sampling_info = getattr(forward_batch, "sampling_info", None)
+    if sampling_info is not None:
+        setattr(sampling_info, _SAMPLING_ORACLE_ATTR, oracle_batch)
+
+
+def req_cached_value(req: "Req", compute: Callable[["Req"], int]) -> int:
+    """``compute(req)``, cached on the request (the oracle key of its ``rid``)."""
+    value = getattr(req, _REQ_ORACLE_KEY_ATTR, None)
+    if value is None:
+        value = compute(req)
+        setattr(req, _REQ_ORACLE_KEY_ATTR, value)
+    return value
+
+
+def req_rid(req: "Req") -> str:
+    return str(req.rid)
+
+
+def req_pool_row(req: "Req") -> Optional[int]:
+    """The request's ``req_to_token`` row (None once freed)."""
+    idx = req.req_pool_idx
+    return int(idx) if idx is not None else None
+
+
+def req_kv_len(req: "Req") -> int:
+    """Entries of the request's ``req_to_token`` row that hold its KV slots now
+    (``kv_allocated_len``: later entries are a previous occupant's leftovers)."""
+    return int(req.kv_allocated_len)
+
+
+def req_tokens_left(req: "Req") -> int:
+    """New tokens the request may still generate (``sampling_params.max_new_tokens`` less its
+    outputs so far; it may stop earlier, at a stop token)."""
+    return int(req.sampling_params.max_new_tokens or 0) - len(req.output_ids)
+
+
+def req_done(req: "Req") -> bool:
+    """Finished, or already told to finish (``to_finish``) at its next result."""
+    return bool(req.finished() or req.to_finish is not None)
+
+
+def req_token_ids(req: "Req") -> List[int]:
+    """The request's tokens by position (``origin_input_ids + output_ids``)."""
+    return list(req.origin_input_ids) + list(req.output_ids)

@@ -1,0 +1,133 @@
+"""Abort mode's marks on a request and the tree-cache release it guards: the no-insert mark around the chunk stash, the release guard, the allocator's pages and frees.
+
+| sglang internal (0.5.12) | what the canary does with it | used by |
+| --- | --- | --- |
+| tree-cache release (``RadixCache`` / ``ChunkCache.cache_finished_req``; the ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` behind it) | hooks ``cache_finished_req``; sets ``kv_canary_release_guard`` on the tree cache; reads the allocator's ``page_size``, ``free_pages``, ``release_pages``, ``free_group``, ``is_not_in_free_group``; wraps its ``free`` on the instance for one release; frees through it; reads ``Req.kv_committed_len``, ``cache_protected_len``, ``sampling_params.max_new_tokens``; sets ``kv_canary_contained`` on a ``Req`` | ``runner.ownership``, ``runner.containment``, ``runner.manager``, ``plugin`` |
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Callable, Optional, Tuple
+
+from sglang.srt.kv_canary.sglang_seam.radix import is_chunk_cache
+
+if TYPE_CHECKING:  # annotations only
+    import torch
+
+    from sglang.srt.managers.schedule_batch import Req
+
+
+_CANARY_NO_INSERT = "kv_canary_no_radix_insert"
+
+
+def mark_no_radix_insert(req: "Req") -> None:
+    """Tell sglang not to insert the request's KV into the radix cache when it finishes
+    (``Req.skip_radix_cache_insert``, which ``release_kv_cache`` honours). sglang's chunked
+    prefill honours the same flag when it stashes a chunk, and a request whose chunks are not
+    stashed re-prefills the same chunk for ever (allocating each time): the canary's own mark
+    is lifted around the stash (:func:`chunk_stash_inserting`). A flag sglang set itself is
+    left as it is."""
+    if not getattr(req, "skip_radix_cache_insert", False):
+        setattr(req, _CANARY_NO_INSERT, True)
+    req.skip_radix_cache_insert = True
+
+
+@contextlib.contextmanager
+def chunk_stash_inserting(req: Optional["Req"]):
+    """Around sglang's stash of a chunked request's prefilled chunk: the canary's no-insert
+    mark (:func:`mark_no_radix_insert`) is lifted so the chunk is cached and the request's
+    prefix advances to its next chunk, as for a client's abort (sglang finishes the request
+    after its last chunk). What the chunk put in the tree is evicted with the corrupt slot's
+    subtree (docs/user_guide.md, "Containment: --kv-canary abort"). No-op for a request the
+    canary has not marked (``req`` may be None)."""
+    lifted = req is not None and getattr(req, _CANARY_NO_INSERT, False)
+    if lifted:
+        req.skip_radix_cache_insert = False
+    try:
+        yield
+    finally:
+        if lifted:
+            req.skip_radix_cache_insert = True
+
+
+_CANARY_CONTAINED = "kv_canary_contained"
+
+
+_CANARY_CONTAINED = "kv_canary_contained"
+_CANARY_RELEASE_GUARD = "kv_canary_release_guard"
+
+
+def mark_contained(req: "Req") -> None:
+    """Mark a request abort mode aborted: its release is guarded (:func:`release_guard_of`)."""
+    setattr(req, _CANARY_CONTAINED, True)
+
+
+def req_contained(req: "Req") -> bool:
+    return bool(getattr(req, _CANARY_CONTAINED, False))
+
+
+def set_release_guard(tree_cache, guard) -> None:
+    """Attach abort mode's release guard to the scheduler's tree cache (start-up); the
+    ``cache_finished_req`` hook finds it there."""
+    setattr(tree_cache, _CANARY_RELEASE_GUARD, guard)
+
+
+def release_guard_of(tree_cache):
+    return getattr(tree_cache, _CANARY_RELEASE_GUARD, None)
+
+
+def req_release_span(req: "Req", tree_cache) -> Tuple[int, int]:
+    """The positions of the request's ``req_to_token`` row whose slots its
+    ``cache_finished_req`` frees: from ``cache_protected_len`` (below it the radix cache's
+    own; 0 for ``ChunkCache``) to ``kv_committed_len``. The speculative over-allocated tail
+    (``kv_committed_len`` to ``kv_allocated_len``) is freed afterwards by
+    ``release_kv_cache``."""
+    lo = 0 if is_chunk_cache(tree_cache) else int(getattr(req, "cache_protected_len", 0) or 0)
+    return lo, int(req.kv_committed_len)
+
+
+def tree_cache_allocator(tree_cache):
+    """The tree cache's ``token_to_kv_pool_allocator`` (what its releases free into)."""
+    return tree_cache.token_to_kv_pool_allocator
+
+
+def allocator_page_size(allocator) -> int:
+    return int(allocator.page_size)
+
+
+def allocator_free_pages(allocator) -> "torch.Tensor":
+    """The pages free now, int64 on the allocator's device: ``free_pages``, ``release_pages``
+    (freed, not merged yet) and the slots of an open free group (``free_group``, freed at
+    ``free_group_end``) as pages. Page ids are slot ids at page size 1."""
+    import torch
+
+    parts = [allocator.free_pages.to(torch.int64), allocator.release_pages.to(torch.int64)]
+    if not allocator.is_not_in_free_group and allocator.free_group:
+        parts.append(
+            torch.cat(allocator.free_group).to(torch.int64) // allocator_page_size(allocator)
+        )
+    return torch.cat(parts)
+
+
+@contextlib.contextmanager
+def allocator_frees_filtered(allocator, keep: Callable[["torch.Tensor"], "torch.Tensor"]):
+    """Within the block, every ``allocator.free(indices)`` frees ``keep(indices)`` instead
+    (a slot tensor of the same dtype; nothing when it is empty): the instance's ``free`` is
+    wrapped for the block and restored after it."""
+    own = vars(allocator).get("free")  # an instance-level ``free`` set before ours, if any
+    original = allocator.free
+
+    def free(free_index):
+        kept = keep(free_index)
+        if kept.numel():
+            original(kept)
+
+    allocator.free = free
+    try:
+        yield
+    finally:
+        if own is None:
+            del allocator.free  # the class's method again
+        else:
+            allocator.free = own
