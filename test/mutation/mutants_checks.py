@@ -243,7 +243,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i21-rids-not-resolved",
-        path=f"{_RT}/runner/manager.py",
+        path=f"{_RT}/runner/reporting.py",
         old="incidents = [dataclasses.replace(inc, rids=t.rids) for inc, t in zip(incidents, touched)]",
         new="incidents = list(incidents)",
         selection=f"{_T}/test_containment.py::test_reports_name_the_requests_in_log_mode",

@@ -19,7 +19,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="spec-draft-forwards-share-sfm-0",
-        path=f"{_RT}/runner/manager.py",
+        path=f"{_RT}/runner/draft_rounds.py",
         old="        draft_round.next_forward += 1\n"
         "        with self.with_active_single_forward_manager(index):\n",
         new="        draft_round.next_forward += 1\n"
@@ -58,7 +58,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="raise-message-without-rank",
-        path=f"{_RT}/runner/manager.py",
+        path=f"{_RT}/runner/reporting.py",
         old='                rank=ranks.describe_rank() if ranks.several else "",\n',
         new='                rank="",\n',
         selection=f"{_T}/test_runtime_core.py::test_raise_names_the_rank_on_a_server_of_several",
@@ -76,7 +76,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="spec-draft-reports-unnamed",
-        path=f"{_RT}/runner/manager.py",
+        path=f"{_RT}/runner/reporting.py",
         old='                pool=DRAFT_POOL_LABEL if ranks.draft else "",\n',
         new='                pool="",\n',
         selection=f"{_T}/test_speculative.py::test_a_flipped_byte_is_caught_by_its_pool_canary",
@@ -441,8 +441,8 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="memory-gauge-unset",
-        path=f"{_RT}/runner/manager.py",
-        old="            self.metrics.set_memory(self.memory, draft=self.ranks.draft)\n",
+        path=f"{_RT}/runner/scheduler_side.py",
+        old="            reporter.metrics.set_memory(self.memory, draft=self.ranks.draft)\n",
         new="            pass\n",
         selection=f"{_T}/test_memory.py::test_the_gauge_exports_the_bytes_by_part",
         speed="quick",

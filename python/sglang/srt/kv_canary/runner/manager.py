@@ -10,19 +10,18 @@ runner and does the after-forward work (docs/architecture.md, "Runtime"). Built 
             #   launches; then manager.mark_replayed_inside_graph()
 
 and around each CUDA-graph capture: ``with manager.with_active_single_forward_manager(i),
-manager.capturing(): ...``.
+manager.capturing(): ...``. Its scheduler-facing part is ``scheduler_side``, the EAGLE draft
+worker's brackets ``draft_rounds``; the read-back goes to ``reporting.ForwardReporter``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from sglang.jit_kernel.kv_canary.types import CanaryPhase, PoolKind
 from sglang.srt.kv_canary.batch_state import (
     NO_FORWARD_REQUESTS,
     ForwardRequests,
@@ -31,28 +30,26 @@ from sglang.srt.kv_canary.batch_state import (
 )
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import REPLAY_TOKENS_PER_REQUEST, CanaryLaunchCapacities
-from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
+from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.endpoint import build_endpoints_from_group
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.memory import (
-    CanaryMemory,
     CanaryMemoryInputs,
-    host_mirror_bytes_per_slot,
 )
 from sglang.srt.kv_canary.perturb import CanaryPerturber
 from sglang.srt.kv_canary.ranks import RankFacts
-from sglang.srt.kv_canary.runner.containment import ContainmentManager
 from sglang.srt.kv_canary.runner.device_host import DelayedDeviceHostHandler
-from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
+from sglang.srt.kv_canary.runner.draft_rounds import DraftRound, DraftRoundBrackets
 from sglang.srt.kv_canary.runner.hicache import HostTierMirror
-from sglang.srt.kv_canary.runner.metrics import CanaryMetrics
-from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
-from sglang.srt.kv_canary.runner.requests import RequestResolver, violation_path_sync
-from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
+from sglang.srt.kv_canary.runner.reporting import (
+    CanaryReadback,
+    ForwardReporter,
+    StagedForward,
+)
+from sglang.srt.kv_canary.runner.scheduler_side import SchedulerSide
 from sglang.srt.kv_canary.runner.swa_divergence import SwaDivergenceReporter
 from sglang.srt.kv_canary.runner.sweep import SweepOrchestrator
-from sglang.srt.kv_canary.runner.violation import ViolationManager, ViolationReporter
-from sglang.srt.kv_canary.single_forward_manager import SfmStatus, SingleForwardManager
+from sglang.srt.kv_canary.single_forward_manager import SingleForwardManager
 from sglang.srt.kv_canary.state import CanaryDeviceState
 from sglang.srt.kv_canary.token_history import TokenHistoryUploader
 from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
@@ -61,32 +58,6 @@ if TYPE_CHECKING:
     from sglang.srt.kv_canary.sglang_seam import ForwardBatch
 
 logger = logging.getLogger(__name__)
-
-# the reports of an EAGLE draft runner's canary name its pool
-DRAFT_POOL_LABEL = (
-    "the EAGLE draft model's KV pool (its position p holds the KV computed from token p + 1)"
-)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class CanaryReadback:
-    """What the manager reads back after every forward (device tensors here; the delayed
-    host copy has the same type, holding host tensors).
-
-    - ``violation_write_index`` int32 ``[1]``, ``violation_ring`` int64 ``[capacity,
-      VIOLATION_NUM_FIELDS]``: one forward window (the ring is emptied after each stage);
-    - ``kernel_run_counters`` / ``slot_run_counters`` int64 ``[num tags]``;
-    - ``sfm_status``: each single-forward manager's :class:`SfmStatus`, by index;
-    - ``swa_verify_num_valid``: per single-forward manager, its plans' ``verify_num_valid``
-      (only with SWA divergence stats on; empty otherwise).
-    """
-
-    violation_write_index: torch.Tensor
-    violation_ring: torch.Tensor
-    kernel_run_counters: torch.Tensor
-    slot_run_counters: torch.Tensor
-    sfm_status: Tuple[SfmStatus, ...]
-    swa_verify_num_valid: Tuple[Tuple[torch.Tensor, ...], ...]
 
 
 def _lasting_rows(forward_batch: "ForwardBatch") -> frozenset:
@@ -102,27 +73,7 @@ def _lasting_rows(forward_batch: "ForwardBatch") -> frozenset:
     )
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class StagedForward:
-    """The forward whose read-back is staged: its step, single-forward managers (one, or a
-    replayed EAGLE draft round's) and requests."""
-
-    step: int
-    sfm_indices: Tuple[int, ...]
-    requests: ForwardRequests
-
-
-@dataclasses.dataclass(eq=False)
-class DraftRound:
-    """An EAGLE draft round in progress (:meth:`CanaryManager.with_draft_round`): whether it is
-    being captured into the draft CUDA graph, and the index of its next forward (= the
-    single-forward manager that forward uses)."""
-
-    capturing: bool
-    next_forward: int = 0
-
-
-class CanaryManager:
+class CanaryManager(SchedulerSide, DraftRoundBrackets):
     """One per guarded model runner. ``groups``: the pool's buffer groups; ``capacities``:
     the per-forward buffer sizes; ``req_to_token``: the runner's int32 ``[rows,
     max_context_len]`` table; ``token_oracle``: required with the write-input check."""
@@ -241,43 +192,20 @@ class CanaryManager:
             ),
             zero_after_copy=(log.violation_write_index,),
         )
-        self.violations = ViolationManager(
-            reporter=ViolationReporter(
-                config.mode,
-                pool=DRAFT_POOL_LABEL if ranks.draft else "",
-                rank=ranks.describe_rank() if ranks.several else "",
-                server=ranks.server_role,
-            ),
-            ring_capacity=config.ring_capacity,
+        self.reporter = ForwardReporter(
+            config=config,
+            ranks=ranks,
+            capacities=capacities,
+            groups=self.groups,
+            expected_tags=ForwardReporter.expected_tags(self.endpoints),
+            swa_divergence=self.swa_divergence,
+            req_to_token=req_to_token,
+            device=device,
         )
-        self.health = KernelRunCounterHealthChecker(
-            expected_tags=[
-                ep.tag for ep in self.endpoints if ep.phase in (CanaryPhase.HEAD, CanaryPhase.TAIL)
-            ]
-        )
-        self.stats = PeriodicCanaryStatsLogger(every_n_steps=config.stats_print_every_n_steps)
-        self.overflow = VerifyOverflowWarner(verify_capacity=capacities.verify_capacity)
         self.sweep = SweepOrchestrator(
             interval=config.sweep_interval, endpoints=self.endpoints, device=device
         )
         self._tree_cache = None  # the scheduler's radix tree (attach_radix_cache)
-        # who a violation touches (rids=), abort mode's containment, Prometheus (attached
-        # with the scheduler: attach_scheduler)
-        swa_lut = next((g.swa_index_lut for g in self.groups if g.kind == PoolKind.SWA), None)
-        self.requests = RequestResolver(req_to_token=req_to_token, swa_index_lut=swa_lut)
-        self.containment = None
-        if config.mode == CanaryMode.ABORT:
-            full = next((g for g in self.groups if g.kind == PoolKind.FULL), None)
-            if full is None:  # every adapter builds one; a new one must too
-                raise ValueError(
-                    "--kv-canary abort needs the pool's full-attention buffer "
-                    "group (its records say which request owns a slot)"
-                )
-            self.containment = ContainmentManager(
-                resolver=self.requests, swa_index_lut=swa_lut, records=full.k_tail
-            )
-        self.metrics: Optional[CanaryMetrics] = None
-        self._kv_slots_in_use: Callable[[], int] = lambda: 0
         self.step = 0
         self._active: Optional[SingleForwardManager] = None
         # EAGLE draft worker: forwards per draft round (0 elsewhere), the round in progress,
@@ -394,75 +322,6 @@ class CanaryManager:
         """Context for a CUDA-graph capture of the active single-forward manager."""
         return self.active_sfm.capturing()
 
-    # ---- EAGLE draft rounds ------------------------------------------------------------------
-    #
-    # A draft round is sglang's ``draft_forward``: ``draft_forwards_per_round`` (= speculative
-    # steps - 1) draft-model forwards in one loop, each writing one draft token per request
-    # after the previous one's. Eager, each forward is bracketed like any other (its own
-    # single-forward manager, outside ops and read-back); in the draft CUDA graph the loop is
-    # captured whole, so forward i's inside ops are captured with single-forward manager i, and
-    # a replay brackets all of them at once (:meth:`with_replayed_draft_round`).
-
-    @contextlib.contextmanager
-    def with_draft_round(self):
-        """Around one ``draft_forward`` call (eager, or inside the draft graph's capture)."""
-        if self._draft_round is not None:
-            raise RuntimeError("kv_canary: an EAGLE draft round started inside another one")
-        self._draft_round = DraftRound(capturing=self._capturing_draft_graph)
-        try:
-            yield self._draft_round
-        finally:
-            self._draft_round = None
-
-    @property
-    def in_draft_round(self) -> bool:
-        return self._draft_round is not None
-
-    @contextlib.contextmanager
-    def with_draft_forward(self, forward_batch: "ForwardBatch"):
-        """Around one draft-model forward of the round in progress: the next single-forward
-        manager, captured (inside the draft graph's capture) or bracketed as an eager
-        forward."""
-        draft_round = self._draft_round
-        if draft_round is None:
-            raise RuntimeError("kv_canary: a draft forward outside an EAGLE draft round")
-        index = draft_round.next_forward
-        if index >= self.draft_forwards_per_round:
-            raise RuntimeError(
-                f"kv_canary: EAGLE draft round ran more than {self.draft_forwards_per_round} "
-                "draft forwards (--speculative-num-steps - 1, which sized the canary)"
-            )
-        draft_round.next_forward += 1
-        with self.with_active_single_forward_manager(index):
-            if draft_round.capturing:
-                with self.capturing():
-                    yield
-            else:
-                with self.with_ops_outside_graph(forward_batch):
-                    yield
-
-    @contextlib.contextmanager
-    def capturing_draft_graph(self):
-        """Around the draft CUDA-graph runner's capture of one batch size: the draft rounds
-        run in it (sglang's warm-up runs and the capture) only record the inside ops."""
-        self._capturing_draft_graph = True
-        try:
-            yield
-        finally:
-            self._capturing_draft_graph = False
-
-    @contextlib.contextmanager
-    def with_replayed_draft_round(self, forward_batch: "ForwardBatch"):
-        """Around a replay of the draft CUDA graph (one whole draft round): the outside ops
-        of every draft forward it holds, then one read-back for the round. No-op with a
-        single speculative step (the round runs no draft forward)."""
-        sfms = self.sfms[: self.draft_forwards_per_round]
-        if not sfms:
-            yield
-            return
-        with self._outside_graph(sfms, forward_batch, replayed=True):
-            yield
-
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def mark_init_finished(self) -> None:
@@ -496,94 +355,6 @@ class CanaryManager:
             self.token_history.defer_snapshot(state, reqs)
         if self.token_oracle is not None:
             self.token_oracle.attach_batch(forward_batch, state, reqs)
-
-    def attach_radix_cache(self, radix_cache) -> None:
-        """Hand over the scheduler's tree cache (for the sweep, and abort mode's eviction,
-        which refuses a cache it cannot evict from)."""
-        if self.containment is not None:
-            self.containment.attach_radix_cache(radix_cache)
-        self.sweep.attach_radix_cache(radix_cache)
-        # no tree (ChunkCache): nothing cached for the self-tests' cache faults either
-        self._tree_cache = (
-            None if radix_cache is None or sglang_seam.is_chunk_cache(radix_cache) else radix_cache
-        )
-        host_pool = sglang_seam.hicache_host_pool(radix_cache)
-        if host_pool is not None and self.host_tier is None:
-            self.host_tier = HostTierMirror(
-                groups=self.groups,
-                host_pool=host_pool,
-                real_kv_hash_mode=self.config.real_kv_hash_mode,
-                sweep_pages=self.config.host_sweep_pages if self.config.sweep_interval else 0,
-            )
-
-    @property
-    def host_mirror_bytes_per_slot(self) -> int:
-        """Bytes HiCache's host tier keeps per host slot for this canary."""
-        return host_mirror_bytes_per_slot(self._memory_inputs.groups)
-
-    @property
-    def memory(self) -> CanaryMemory:
-        """What this canary holds, by part (docs/user_guide.md, "Memory"); with HiCache, the
-        host mirror once the scheduler has attached its tree."""
-        inputs = self._memory_inputs
-        if self.host_tier is not None:
-            inputs = dataclasses.replace(inputs, host_mirror_slots=self.host_tier.host_slots)
-        return CanaryMemory.for_inputs(inputs)
-
-    def attach_scheduler(
-        self,
-        *,
-        radix_cache,
-        running_reqs: Callable[[], Sequence],
-        metrics_labels: Optional[Dict[str, object]],
-        kv_slots_in_use: Callable[[], int],
-        metrics_registry=None,
-        metrics_of: Optional["CanaryManager"] = None,
-        faked_transfer: Optional[Callable[[object], bool]] = None,
-    ) -> None:
-        """The scheduler's side, at its start-up: its tree cache, its running requests (to
-        name and abort), its metric labels (None: metrics off; ``metrics_registry``: a
-        ``prometheus_client`` registry other than the process's, for tests) and its count of
-        KV slots in use (the protected-tokens gauge). ``metrics_of``: the scheduler's first
-        canary (an EAGLE draft pool's canary counts into the target's series).
-        ``faked_transfer``: whether sglang faked a request's KV transfer (a PD decode server:
-        reads of such a request's slots are set aside, not reported)."""
-        self.attach_radix_cache(radix_cache)
-        self.requests.running_reqs = running_reqs
-        if faked_transfer is not None:
-            self.requests.faked_transfer = faked_transfer
-        self._kv_slots_in_use = kv_slots_in_use
-        if self.metrics is not None:
-            return
-        if metrics_of is not None:
-            self.metrics = metrics_of.metrics.sibling() if metrics_of.metrics else None
-        elif metrics_labels is not None:
-            self.metrics = CanaryMetrics(metrics_labels, registry=metrics_registry)
-        if self.metrics is not None:
-            self.metrics.set_memory(self.memory, draft=self.ranks.draft)
-
-    def after_batch_result(self) -> None:
-        """After the scheduler processed a batch result (finished requests released their
-        KV): abort mode evicts the corrupt prefixes it can now. No-op otherwise."""
-        if self.containment is not None:
-            aborted = self.containment.after_batch_result()
-            guard = self.containment.guard
-            if self.metrics is not None:
-                self.metrics.on_aborted(aborted)
-                if guard is not None:
-                    self.metrics.on_release_guard(
-                        held_back_slots=guard.held_back_slots, reclaimed_slots=guard.reclaimed_slots
-                    )
-
-    @property
-    def radix_cache(self):
-        """The scheduler's radix tree once attached (None before, and for a server without
-        one)."""
-        return self._tree_cache
-
-    @property
-    def sweep_passes(self) -> int:
-        return self.sweep.sweep_passes
 
     # ---- after each forward ----------------------------------------------------------------
 
@@ -619,7 +390,7 @@ class CanaryManager:
         incidents = self.host_tier.sweep(self.radix_cache)
         if incidents:
             self.violations.count(incidents)
-            self._report(incidents, dropped=0, step=self.step, requests=NO_FORWARD_REQUESTS)
+            self.reporter.report(incidents, dropped=0, step=self.step, requests=NO_FORWARD_REQUESTS)
 
     def count_violations(self) -> int:
         """Violations counted so far over every forward window (kept in the ring or dropped),
@@ -629,50 +400,6 @@ class CanaryManager:
         if self.device_host.has_pending:
             self.device_host.consume(self._on_host_copies)
         return self.violations.total
-
-    def _report(self, incidents, *, dropped: int, step: int, requests: ForwardRequests) -> None:
-        """Name the requests each incident touches, count it, contain it (abort mode), then
-        report it (raise mode raises here, after the counters moved). Only on a step with an
-        incident; it may wait for the device (docs/architecture.md, "Containment and
-        metrics")."""
-        with violation_path_sync(self._device):
-            self._report_synced(incidents, dropped=dropped, step=step, requests=requests)
-
-    def _report_synced(
-        self, incidents, *, dropped: int, step: int, requests: ForwardRequests
-    ) -> None:
-        touched = self.requests.resolve(incidents, requests)
-        if any(t.faked_transfer for t in touched):
-            self._set_aside_faked_transfers(
-                [inc for inc, t in zip(incidents, touched) if t.faked_transfer]
-            )
-            kept = [(inc, t) for inc, t in zip(incidents, touched) if not t.faked_transfer]
-            incidents, touched = [k[0] for k in kept], [k[1] for k in kept]
-            if not incidents and not dropped:
-                return
-        incidents = [dataclasses.replace(inc, rids=t.rids) for inc, t in zip(incidents, touched)]
-        if self.metrics is not None:
-            self.metrics.on_incidents(incidents, dropped=dropped)
-        if self.containment is not None:
-            aborted = self.containment.contain(incidents, touched)
-            if self.metrics is not None:
-                self.metrics.on_aborted(aborted)
-        self.violations.report(incidents, dropped=dropped, step=step)
-
-    def _set_aside_faked_transfers(self, incidents: Sequence) -> None:
-        """A PD decode server's reads of requests whose KV transfer sglang faked (its warm-up,
-        ``/health_generate``): nothing was sent to those slots, so what they hold is no fault.
-        Taken out of the violation counts, counted apart, logged once."""
-        self.violations.set_aside(incidents)
-        if self.violations.set_aside_incidents == len(incidents):
-            logger.info(
-                "kv_canary: %d slot(s) read by requests whose KV transfer sglang fakes (bootstrap "
-                "host %s: the warm-up request, /health_generate) are not reported: nothing was "
-                "sent for them. A transfer of any other request that delivers nothing is "
-                "reported (logged once; count: ViolationManager.set_aside_incidents)",
-                len(incidents),
-                sglang_seam.fake_bootstrap_host(),
-            )
 
     def _stage(self, sfms: Sequence[SingleForwardManager], requests: ForwardRequests) -> None:
         """Stage this step's read-back. One ring window per forward step: the ring's write
@@ -685,42 +412,14 @@ class CanaryManager:
         self._staged = StagedForward(self.step, tuple(s.index for s in sfms), requests)
 
     def _on_host_copies(self, host: CanaryReadback) -> None:
-        staged = self._staged
-        step = staged.step
-        plans_enabled = {i: host.sfm_status[i].plan_enabled.tolist() for i in staged.sfm_indices}
-        for plan_enabled in plans_enabled.values():
-            self.overflow.check(step=step, plan_enabled=plan_enabled)
-        kernel_counters = host.kernel_run_counters.tolist()
-        slot_counters = host.slot_run_counters.tolist()
-        incidents, dropped = self.violations.collect(
-            write_index=int(host.violation_write_index[0]), ring=host.violation_ring
-        )
-        if incidents or dropped:
-            self._report(incidents, dropped=dropped, step=step, requests=staged.requests)
-        if self.metrics is not None:
-            self.metrics.on_step(
-                verified_slots=sum(slot_counters),
-                sweep_passes=self.sweep_passes,
-                protected_tokens=self._kv_slots_in_use(),
-            )
-        self.stats.maybe_log(
-            step=step,
-            kernel_counters=kernel_counters,
-            slot_counters=slot_counters,
-            violations=self.violations.total,
+        host_tier = self.host_tier
+        self.reporter.consume(
+            host,
+            self._staged,
             sweep_passes=self.sweep_passes,
             host_tier=(
-                (self.host_tier.backed_up_slots, self.host_tier.loaded_slots)
-                if self.host_tier is not None
+                (host_tier.backed_up_slots, host_tier.loaded_slots)
+                if host_tier is not None
                 else None
             ),
         )
-        self.health.check(step=step, kernel_counters=kernel_counters)
-        if self.swa_divergence.enabled:
-            for sfm_index, plan_enabled in plans_enabled.items():
-                self.swa_divergence.consume(
-                    num_valid=host.swa_verify_num_valid[sfm_index],
-                    plan_enabled=plan_enabled,
-                    step=step,
-                    sfm_index=sfm_index,
-                )

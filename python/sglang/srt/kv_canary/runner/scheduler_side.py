@@ -1,0 +1,137 @@
+"""The scheduler's side of ``CanaryManager`` (docs/architecture.md, "Runtime" and "Containment
+and metrics"): what the scheduler hands over at its start-up (tree cache, running requests,
+metrics, PD transfer fakes), abort mode's work after each batch result, the canary's memory,
+and the read-back's consumers (:class:`~sglang.srt.kv_canary.runner.reporting.ForwardReporter`)
+by name. Host only, at start-up and between forwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Optional, Sequence
+
+from sglang.srt.kv_canary import sglang_seam
+from sglang.srt.kv_canary.memory import CanaryMemory, host_mirror_bytes_per_slot
+from sglang.srt.kv_canary.runner.containment import ContainmentManager
+from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
+from sglang.srt.kv_canary.runner.hicache import HostTierMirror
+from sglang.srt.kv_canary.runner.metrics import CanaryMetrics
+from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
+from sglang.srt.kv_canary.runner.requests import RequestResolver
+from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
+from sglang.srt.kv_canary.runner.violation import ViolationManager
+
+
+class SchedulerSide:
+    """``CanaryManager``'s scheduler-facing part (a base class of it: it uses the manager's
+    ``reporter``, ``sweep``, ``groups``, ``config``, ``ranks``, ``host_tier`` and
+    ``_tree_cache``, set in its ``__init__``)."""
+
+    @property
+    def violations(self) -> ViolationManager:
+        return self.reporter.violations
+
+    @property
+    def requests(self) -> RequestResolver:
+        return self.reporter.requests
+
+    @property
+    def containment(self) -> Optional[ContainmentManager]:
+        return self.reporter.containment
+
+    @property
+    def metrics(self) -> Optional[CanaryMetrics]:
+        return self.reporter.metrics
+
+    @property
+    def health(self) -> KernelRunCounterHealthChecker:
+        return self.reporter.health
+
+    @property
+    def stats(self) -> PeriodicCanaryStatsLogger:
+        return self.reporter.stats
+
+    @property
+    def overflow(self) -> VerifyOverflowWarner:
+        return self.reporter.overflow
+
+    def attach_radix_cache(self, radix_cache) -> None:
+        """Hand over the scheduler's tree cache (for the sweep, and abort mode's eviction,
+        which refuses a cache it cannot evict from)."""
+        if self.containment is not None:
+            self.containment.attach_radix_cache(radix_cache)
+        self.sweep.attach_radix_cache(radix_cache)
+        # no tree (ChunkCache): nothing cached for the self-tests' cache faults either
+        self._tree_cache = (
+            None if radix_cache is None or sglang_seam.is_chunk_cache(radix_cache) else radix_cache
+        )
+        host_pool = sglang_seam.hicache_host_pool(radix_cache)
+        if host_pool is not None and self.host_tier is None:
+            self.host_tier = HostTierMirror(
+                groups=self.groups,
+                host_pool=host_pool,
+                real_kv_hash_mode=self.config.real_kv_hash_mode,
+                sweep_pages=self.config.host_sweep_pages if self.config.sweep_interval else 0,
+            )
+
+    @property
+    def host_mirror_bytes_per_slot(self) -> int:
+        """Bytes HiCache's host tier keeps per host slot for this canary."""
+        return host_mirror_bytes_per_slot(self._memory_inputs.groups)
+
+    @property
+    def memory(self) -> CanaryMemory:
+        """What this canary holds, by part (docs/user_guide.md, "Memory"); with HiCache, the
+        host mirror once the scheduler has attached its tree."""
+        inputs = self._memory_inputs
+        if self.host_tier is not None:
+            inputs = dataclasses.replace(inputs, host_mirror_slots=self.host_tier.host_slots)
+        return CanaryMemory.for_inputs(inputs)
+
+    def attach_scheduler(
+        self,
+        *,
+        radix_cache,
+        running_reqs: Callable[[], Sequence],
+        metrics_labels: Optional[Dict[str, object]],
+        kv_slots_in_use: Callable[[], int],
+        metrics_registry=None,
+        metrics_of: Optional["SchedulerSide"] = None,
+        faked_transfer: Optional[Callable[[object], bool]] = None,
+    ) -> None:
+        """The scheduler's side, at its start-up: its tree cache, its running requests (to
+        name and abort), its metric labels (None: metrics off; ``metrics_registry``: a
+        ``prometheus_client`` registry other than the process's, for tests) and its count of
+        KV slots in use (the protected-tokens gauge). ``metrics_of``: the scheduler's first
+        canary (an EAGLE draft pool's canary counts into the target's series).
+        ``faked_transfer``: whether sglang faked a request's KV transfer (a PD decode server:
+        reads of such a request's slots are set aside, not reported)."""
+        self.attach_radix_cache(radix_cache)
+        self.requests.running_reqs = running_reqs
+        if faked_transfer is not None:
+            self.requests.faked_transfer = faked_transfer
+        reporter = self.reporter
+        reporter.kv_slots_in_use = kv_slots_in_use
+        if reporter.metrics is not None:
+            return
+        if metrics_of is not None:
+            reporter.metrics = metrics_of.metrics.sibling() if metrics_of.metrics else None
+        elif metrics_labels is not None:
+            reporter.metrics = CanaryMetrics(metrics_labels, registry=metrics_registry)
+        if reporter.metrics is not None:
+            reporter.metrics.set_memory(self.memory, draft=self.ranks.draft)
+
+    def after_batch_result(self) -> None:
+        """After the scheduler processed a batch result (finished requests released their
+        KV): abort mode evicts the corrupt prefixes it can now. No-op otherwise."""
+        self.reporter.after_batch_result()
+
+    @property
+    def radix_cache(self):
+        """The scheduler's radix tree once attached (None before, and for a server without
+        one)."""
+        return self._tree_cache
+
+    @property
+    def sweep_passes(self) -> int:
+        return self.sweep.sweep_passes
