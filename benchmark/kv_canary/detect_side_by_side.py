@@ -49,7 +49,7 @@ sys.path.insert(0, str(HERE))
 from common import PROJECT_STACK, UPSTREAM_STACK, upstream_env, use_test_support  # noqa: E402
 from side_by_side_workload import INFO_PREFIX, RESULT_PREFIX  # noqa: E402
 
-from sglang.srt.kv_canary.demo import (  # noqa: E402
+from sglang.srt.kv_canary.demo_cases import (  # noqa: E402
     CASES,
     DEMO_ENGINE_ARGS,
     DEMO_ENV,
