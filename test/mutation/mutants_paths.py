@@ -10,9 +10,9 @@ MUTANTS_PATHS = (
     *_SPEC_MODE_SKIPS,
     Mutant(
         id="spec-draft-token-offset-0",
-        path=f"{_RT}/api.py",
-        old="kv_token_id_vs_position_offset=1 if draft else 0,",
-        new="kv_token_id_vs_position_offset=0,",
+        path=f"{_RT}/ranks.py",
+        old="        return 1 if self.draft else 0\n",
+        new="        return 0\n",
         selection=f"{_T}/test_speculative.py::test_install_canary_guards_the_draft_runner",
         speed="quick",
         what="the draft pool compares position p with token p, not p + 1",

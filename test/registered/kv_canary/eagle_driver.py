@@ -4,7 +4,7 @@ objects, with both canaries driven as the plugin's hooks drive them (test suppor
 Two real ``MHATokenToKVPool`` s — the target model's (2 layers) and the draft model's (1
 layer) — share one ``ReqToTokenPool`` and one ``TokenToKVPoolAllocator``, as sglang's EAGLE
 workers do. Each pool gets its canary from ``build_canary`` with what ``install_canary`` passes
-a runner: the draft pool with ``kv_token_id_vs_position_offset=1`` and one single-forward
+a runner: the draft pool (``RankFacts(draft=True, draft_steps=steps)``: position offset 1) and one single-forward
 manager per draft forward of a round (``steps - 1``).
 
 Per request: a chunked prefill (target ``EXTEND``, then the draft ``EXTEND`` of the same
@@ -114,10 +114,7 @@ class EagleDriver:
             config=self.config,
             device="cpu",
             capacity_inputs=caps,
-            kv_token_id_vs_position_offset=1,
-            num_single_forward_managers=max(1, steps - 1),
-            draft_forwards_per_round=steps - 1,
-            ranks=RankFacts(draft=True),
+            ranks=RankFacts(draft=True, draft_steps=steps),
         )
         self.target.mark_init_finished()
         self.draft.mark_init_finished()

@@ -20,6 +20,7 @@ from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.memory import CanaryMemory, GroupGeometry, MemoryPart
 from sglang.srt.kv_canary.memory_budget import (
     CanaryMemoryReservation,
@@ -110,8 +111,7 @@ def test_the_formula_counts_each_single_forward_manager_and_the_write_input_chec
         device="cpu",
         vocab_size=100,
         token_oracle=TokenOracleManager(vocab_size=100, device="cpu"),
-        num_single_forward_managers=sfms,
-        draft_forwards_per_round=sfms - 1,
+        ranks=RankFacts(draft=True, draft_steps=sfms + 1),  # a draft round of sfms forwards
         capacity_inputs=CanaryCapacityInputs(context_len=80, chunked_prefill_size=16),
     )
     held = canary_bytes_by_part(manager, foreign=[pool, r2t])

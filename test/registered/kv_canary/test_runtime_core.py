@@ -180,6 +180,24 @@ def test_raise_names_the_rank_on_a_server_of_several():
         assert blocks == (len(parse_violation_lines(str(exc.value))) if server else 0)
 
 
+def test_rank_facts_say_what_an_eagle_draft_runner_needs():
+    """A draft runner's pool is read one position ahead and its canary has one single-forward
+    manager per forward of a draft round (steps - 1); a target runner has one and offset 0."""
+    target, draft = RankFacts(), RankFacts(draft=True, draft_steps=4)
+    assert (target.kv_token_id_vs_position_offset, target.single_forward_managers) == (0, 1)
+    assert target.draft_forwards_per_round == 0
+    assert (draft.kv_token_id_vs_position_offset, draft.single_forward_managers) == (1, 3)
+    assert draft.draft_forwards_per_round == 3
+    one_step = RankFacts(draft=True, draft_steps=1)  # a round of no draft forward
+    assert (one_step.single_forward_managers, one_step.draft_forwards_per_round) == (1, 0)
+    with pytest.raises(ValueError, match="0 unless draft=True"):
+        RankFacts(draft_steps=3)
+    with pytest.raises(ValueError, match=">= 0"):
+        RankFacts(draft=True, draft_steps=-1)
+    with pytest.raises(TypeError, match="draft_steps must be an int"):
+        RankFacts(draft=True, draft_steps=True)
+
+
 def test_rank_facts_refuse_an_unknown_pd_role():
     with pytest.raises(
         ValueError, match="disaggregation_mode must be one of null, prefill, decode"

@@ -60,7 +60,7 @@ def test_eagle_rounds_run_clean_with_token_checks(v2, steps, caplog):
     assert d.draft.draft_forwards_per_round == steps - 1
 
 
-def test_the_draft_pool_needs_the_token_offset():
+def test_the_draft_pool_needs_the_token_offset(monkeypatch):
     """The draft model's KV at position p was computed from token p + 1: with the target's
     offset (0) the draft pool's token checks fail on a clean run, so offset 1 is what makes
     them agree."""
@@ -82,17 +82,17 @@ def test_the_draft_pool_needs_the_token_offset():
         enable_alt_stream=False,
     )
     d.draft_pool = pool
+    # the draft's canary as the builder makes it, with the target's offset
+    monkeypatch.setattr(RankFacts, "kv_token_id_vs_position_offset", property(lambda self: 0))
     d.draft = build_canary(
         pool=pool,
         req_to_token=d.req_to_token_pool.req_to_token,
         config=d.config,
         device="cpu",
         capacity_inputs=CanaryCapacityInputs(context_len=256, chunked_prefill_size=24),
-        kv_token_id_vs_position_offset=0,
-        num_single_forward_managers=2,
-        draft_forwards_per_round=2,
-        ranks=RankFacts(draft=True),
+        ranks=RankFacts(draft=True, draft_steps=3),
     )
+    assert [g.kv_token_id_vs_position_offset for g in d.draft.groups] == [0]
     d.draft.mark_init_finished()
     with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
         d.run(30)

@@ -344,11 +344,6 @@ def install_canary(
         swa_window_size=runner.sliding_window_size,
         vocab_size=runner.vocab_size,
         token_oracle=token_oracle_manager,
-        # EAGLE's draft model reads (hidden state of p, token p + 1) at position p
-        kv_token_id_vs_position_offset=1 if draft else 0,
-        # one single-forward manager per forward of a draft round (steps - 1 of them)
-        num_single_forward_managers=max(1, spec.num_steps - 1) if draft else 1,
-        draft_forwards_per_round=max(0, spec.num_steps - 1) if draft else 0,
         ranks=RankFacts(
             tp_rank=runner.tp_rank,
             tp_size=runner.tp_size,
@@ -357,6 +352,9 @@ def install_canary(
             dp_rank=runner.dp_rank,
             dp_size=int(sglang_seam.server_args_value(server_args, "dp_size", 1) or 1),
             draft=draft,
+            # the draft model reads (hidden state of p, token p + 1) at position p; one
+            # single-forward manager per forward of a draft round (steps - 1 of them)
+            draft_steps=spec.num_steps if draft else 0,
             disaggregation_mode=sglang_seam.server_args_value(
                 server_args, "disaggregation_mode", "null"
             ),

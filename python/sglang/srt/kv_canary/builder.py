@@ -30,33 +30,30 @@ def build_canary(
     capacity_inputs: CanaryCapacityInputs,
     device,
     swa_window_size: Optional[int] = None,
-    kv_token_id_vs_position_offset: int = 0,
     vocab_size: Optional[int] = None,
     token_oracle: Optional[TokenOracleManager] = None,
-    num_single_forward_managers: int = 1,
-    draft_forwards_per_round: int = 0,
     ranks: Optional[RankFacts] = None,
 ) -> CanaryManager:
     """Attach canary buffers to ``pool`` (splicing them into its buf-info methods), size the
     per-forward buffers from ``capacity_inputs`` and return the :class:`CanaryManager`.
 
     ``req_to_token``: int32 ``[rows, max_context_len]`` (sglang's ``ReqToTokenPool`` table);
-    ``swa_window_size``: the model's sliding window (SWA pools; None without one);
-    ``kv_token_id_vs_position_offset``: 1 for EAGLE draft pools, else 0. With the token oracle
-    on (``config.enable_token_oracle``) a :class:`TokenOracleManager` over ``vocab_size`` is
-    created unless ``token_oracle`` is given. ``num_single_forward_managers`` /
-    ``draft_forwards_per_round``: an EAGLE draft worker's (one manager per forward of a draft
-    round, which may run inside one CUDA graph); 1 / 0 elsewhere. ``ranks``: the model runner's parallel ranks
-    (default: a single rank); fault injection runs only where the rank targets match. Not
-    graph-related; runs once, at start-up."""
+    ``swa_window_size``: the model's sliding window (SWA pools; None without one). With the
+    token oracle on (``config.enable_token_oracle``) a :class:`TokenOracleManager` over
+    ``vocab_size`` is created unless ``token_oracle`` is given. ``ranks``: which worker the
+    model runner is (default: a single rank, not a draft): an EAGLE draft runner's pool is read
+    one position ahead and its canary has one single-forward manager per forward of a draft
+    round (which may run inside one CUDA graph); fault injection runs only where the rank
+    targets match. Not graph-related; runs once, at start-up."""
     if not config.enabled:
         raise ValueError("build_canary needs --kv-canary log, raise or abort (got none)")
     device = torch.device(device)
+    ranks = ranks or RankFacts()
     groups = attach_canary_buffers(
         pool=pool,
         config=config,
         device=device,
-        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        kv_token_id_vs_position_offset=ranks.kv_token_id_vs_position_offset,
         swa_window_size=swa_window_size,
     )
     capacities = CanaryLaunchCapacities.for_server(
@@ -73,7 +70,7 @@ def build_canary(
         groups=[GroupGeometry.of(g) for g in groups],
         capacities=capacities,
         req_to_token_shape=tuple(req_to_token.shape),
-        num_single_forward_managers=num_single_forward_managers,
+        num_single_forward_managers=ranks.single_forward_managers,
         device=device,
     )
     manager = CanaryManager(
@@ -82,10 +79,8 @@ def build_canary(
         capacities=capacities,
         req_to_token=req_to_token,
         device=device,
-        num_single_forward_managers=num_single_forward_managers,
-        draft_forwards_per_round=draft_forwards_per_round,
         token_oracle=token_oracle,
-        ranks=ranks or RankFacts(),
+        ranks=ranks,
         kv_pool=pool,
         memory_inputs=memory,
     )

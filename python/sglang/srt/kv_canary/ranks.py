@@ -1,7 +1,8 @@
-"""Which worker a model runner is: its rank in each parallel dimension and whether it is an
-EAGLE draft model's runner. Built once per runner by the api from sglang's ``ModelRunner``;
-read by the builder, the runner (reports name the rank on a server of several) and the
-self-test's rank targets (docs/user_guide.md, "Self-tests: fault injection, the token oracle,
+"""Which worker a model runner is: its rank in each parallel dimension, whether it is an EAGLE
+draft model's runner (and what that makes of its canary: the draft pool's position offset, one
+single-forward manager per forward of a draft round) and which server of a PD pair it serves.
+Built once per runner by the api from sglang's ``ModelRunner``; read by the builder, the runner
+(reports name the rank on a server of several) and the self-test's rank targets (docs/user_guide.md, "Self-tests: fault injection, the token oracle,
 the demo"). Plain values."""
 
 from __future__ import annotations
@@ -23,15 +24,40 @@ class RankFacts:
     dp_rank: int = 0
     dp_size: int = 1
     draft: bool = False  # an EAGLE draft model's runner (shares the target's ranks)
+    # a draft runner: sglang's --speculative-num-steps (a draft round runs steps - 1 forwards)
+    draft_steps: int = 0
     # sglang's --disaggregation-mode: "null" (no PD), or which server of a PD pair
     disaggregation_mode: str = "null"
 
     def __post_init__(self):
+        if isinstance(self.draft_steps, bool) or not isinstance(self.draft_steps, int):
+            raise TypeError(f"RankFacts.draft_steps must be an int, got {self.draft_steps!r}")
+        if self.draft_steps < 0 or (self.draft_steps and not self.draft):
+            raise ValueError(
+                "RankFacts.draft_steps is an EAGLE draft runner's --speculative-num-steps "
+                f"(>= 0, and 0 unless draft=True), got {self.draft_steps} with draft={self.draft}"
+            )
         if self.disaggregation_mode not in PD_ROLES:
             raise ValueError(
                 f"RankFacts.disaggregation_mode must be one of {', '.join(PD_ROLES)}, "
                 f"got {self.disaggregation_mode!r}"
             )
+
+    @property
+    def draft_forwards_per_round(self) -> int:
+        """Forwards of one EAGLE draft round (``draft_steps - 1``); 0 off a draft runner."""
+        return max(0, self.draft_steps - 1) if self.draft else 0
+
+    @property
+    def single_forward_managers(self) -> int:
+        """The canary's single-forward managers: one per forward of a draft round, else one."""
+        return max(1, self.draft_forwards_per_round)
+
+    @property
+    def kv_token_id_vs_position_offset(self) -> int:
+        """1 for an EAGLE draft pool (its position p holds the KV computed from token p + 1),
+        else 0."""
+        return 1 if self.draft else 0
 
     @property
     def server_role(self) -> str:

@@ -86,8 +86,6 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
         capacities: CanaryLaunchCapacities,
         req_to_token: torch.Tensor,
         device,
-        num_single_forward_managers: int = 1,
-        draft_forwards_per_round: int = 0,
         token_oracle: Optional[TokenOracleManager] = None,
         memory_inputs: CanaryMemoryInputs,
         ranks: RankFacts = RankFacts(),
@@ -97,14 +95,6 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
             raise ValueError("CanaryManager needs --kv-canary log, raise or abort (got none)")
         if not groups:
             raise ValueError("CanaryManager needs at least one buffer group")
-        if num_single_forward_managers < 1:
-            raise ValueError("num_single_forward_managers must be >= 1")
-        if not 0 <= draft_forwards_per_round <= num_single_forward_managers:
-            raise ValueError(
-                f"draft_forwards_per_round must be in [0, "
-                f"{num_single_forward_managers}] (one single-forward manager per "
-                f"draft forward), got {draft_forwards_per_round}"
-            )
         if config.enable_write_input_assert and token_oracle is None:
             raise ValueError(
                 "enable_write_input_assert needs a TokenOracleManager (token_oracle=...)"
@@ -157,7 +147,7 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
                 token_oracle=token_oracle,
                 kv_pool=kv_pool,
             )
-            for i in range(num_single_forward_managers)
+            for i in range(ranks.single_forward_managers)
         )
         # fault injection (self-tests only): off unless a SGLANG_KV_CANARY_PERTURB_* is set
         self.perturber: Optional[CanaryPerturber] = None
@@ -210,7 +200,7 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
         self._active: Optional[SingleForwardManager] = None
         # EAGLE draft worker: forwards per draft round (0 elsewhere), the round in progress,
         # and whether the draft graph runner is capturing
-        self.draft_forwards_per_round = draft_forwards_per_round
+        self.draft_forwards_per_round = ranks.draft_forwards_per_round
         self._draft_round: Optional[DraftRound] = None
         self._capturing_draft_graph = False
         # sglang's piecewise CUDA-graph set-up in progress (its dummy forwards run no canary)
