@@ -53,6 +53,35 @@ def test_environment_is_parsed_once_into_the_config(monkeypatch):
     assert cfg.ring_capacity == 16  # frozen: nothing re-reads the environment
 
 
+def test_the_config_is_built_once_per_server(monkeypatch):
+    """The start-up check, repr(server_args) and /server_info read one config per server; a
+    changed variable or flag builds it anew."""
+    from sglang.srt.kv_canary.server_args_ext import canary_repr_suffix, canary_settings
+
+    monkeypatch.delenv("SGLANG_KV_CANARY_RING_CAPACITY", raising=False)
+    calls = []
+    build = CanaryConfig.from_server_args.__func__
+    monkeypatch.setattr(
+        CanaryConfig,
+        "from_server_args",
+        classmethod(lambda cls, sa: calls.append(sa) or build(cls, sa)),
+    )
+    args = _args()
+    first = check_server_args_for_canary(args)
+    assert CanaryConfig.of_server(args) is first
+    assert canary_settings(args)["config"] == first.describe()
+    assert f"kv_canary_config={first.describe()!r}" in canary_repr_suffix(args)
+    assert len(calls) == 1
+    monkeypatch.setenv("SGLANG_KV_CANARY_RING_CAPACITY", "32")
+    second = CanaryConfig.of_server(args)
+    assert second.ring_capacity == 32 and len(calls) == 2
+    args.kv_canary = "log"
+    third = CanaryConfig.of_server(args)
+    assert third.mode == CanaryMode.LOG and len(calls) == 3
+    assert CanaryConfig.of_server(args) is third and len(calls) == 3
+    assert CanaryConfig.of_server(_args()) is not third  # another server, its own
+
+
 @pytest.mark.parametrize(
     "name,value,allowed",
     [

@@ -40,7 +40,7 @@ def get_canary_manager(model_runner: Optional["ModelRunner"]) -> Optional[Canary
 def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
     """Validate the canary flags and environment (and refuse what the canary does not
     support); returns the config. Raises ``ValueError`` naming the flag or variable."""
-    config = CanaryConfig.from_server_args(server_args)
+    config = CanaryConfig.of_server(server_args)
     if not config.enabled:
         return config
     value = sglang_seam.server_args_value

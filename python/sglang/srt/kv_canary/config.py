@@ -10,6 +10,7 @@ import logging
 from sglang.jit_kernel.kv_canary.consts import RealKvHashMode
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.envs import (
+    canary_environment,
     MAX_LAYERS_PER_FORWARD,
     MAX_RING_CAPACITY,
     MAX_STEP_INTERVAL,
@@ -21,6 +22,10 @@ from sglang.srt.kv_canary.perturb.config import PerturbConfig, parse_target_grou
 from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
 
 logger = logging.getLogger(__name__)
+
+# ServerArgs attribute holding the server's CanaryConfig with what it was built from
+# (:meth:`CanaryConfig.of_server`)
+CONFIG_CACHE_ATTR = "kv_canary_config_cache"
 
 # ServerArgs attribute recording a ``--sampling-backend token_oracle`` request (sglang's CPU
 # engine rewrites ``sampling_backend`` to ``pytorch``; see plugin ``ServerArgs.__init__`` hook)
@@ -238,6 +243,36 @@ class CanaryConfig:
             f"swa_divergence_every={self.swa_divergence_stats_interval} "
             f"fault_injection={faults}"
         )
+
+    @classmethod
+    def of_server(cls, server_args) -> "CanaryConfig":
+        """The server's config, built once (:meth:`from_server_args`) and kept on the
+        ``ServerArgs`` instance with what it was built from (the canary's server arguments,
+        the sampling backend and the ``SGLANG_KV_CANARY_*`` environment): every start-up
+        check, ``repr(server_args)``, ``/server_info`` and each runner's install read the same
+        object, and a changed flag or variable builds it anew. The instance carries it to the
+        scheduler processes."""
+        value = sglang_seam.server_args_value
+        key = (
+            tuple(
+                value(server_args, name, None)
+                for name in (
+                    "kv_canary",
+                    "kv_canary_sweep_interval",
+                    "kv_canary_real_data",
+                    "kv_canary_real_data_layers",
+                    "sampling_backend",
+                    TOKEN_ORACLE_REQUESTED_ATTR,
+                )
+            ),
+            canary_environment(),
+        )
+        cached = value(server_args, CONFIG_CACHE_ATTR, None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        config = cls.from_server_args(server_args)
+        sglang_seam.set_server_args_values(server_args, {CONFIG_CACHE_ATTR: (key, config)})
+        return config
 
     @classmethod
     def from_server_args(cls, server_args) -> "CanaryConfig":

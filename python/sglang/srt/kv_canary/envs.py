@@ -197,6 +197,12 @@ def set_canary_variables() -> List[str]:
     return [n for n in KNOWN_VARIABLES if n in os.environ]
 
 
+def canary_environment() -> Tuple[Tuple[str, str], ...]:
+    """Every ``SGLANG_KV_CANARY_*`` variable set, known or not, with its value (sorted): what
+    a config built from the environment depends on."""
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(PREFIX)))
+
+
 def unknown_canary_variables() -> List[Tuple[str, Optional[str]]]:
     """``(name, closest known name or None)`` of every ``SGLANG_KV_CANARY_*`` variable set in
     the environment that the canary does not know (a typo would otherwise be ignored)."""

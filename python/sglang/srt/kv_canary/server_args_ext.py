@@ -116,7 +116,7 @@ def _effective_config(server_args) -> str:
     from sglang.srt.kv_canary.config import CanaryConfig
 
     try:
-        return CanaryConfig.from_server_args(server_args).describe()
+        return CanaryConfig.of_server(server_args).describe()
     except ValueError as e:
         return f"invalid: {e}"
 
