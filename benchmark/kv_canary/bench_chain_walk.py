@@ -162,6 +162,7 @@ def main() -> None:
     ap.add_argument("--smoke-cpu", action="store_true")
     a = ap.parse_args()
     other = load_write_module(a.against)
+    tokens, decode_bs = parse_ints(a.tokens, "--tokens"), parse_ints(a.decode_bs, "--decode-bs")
     if a.smoke_cpu:
         device = torch.device("cpu")
         shapes = [Shape("prefill 1 x 9", 1, 9, 0), Shape("decode 3 x 1", 3, 1, 5)]
@@ -169,8 +170,8 @@ def main() -> None:
         if not torch.cuda.is_available():
             raise SystemExit("bench_chain_walk.py times CUDA launches: no GPU (try --smoke-cpu)")
         device = torch.device("cuda")
-        shapes = [Shape(f"prefill 1 x {n}", 1, n, 0) for n in parse_ints(a.tokens)]
-        shapes += [Shape(f"decode {bs} x 1", bs, 1, 511) for bs in parse_ints(a.decode_bs)]
+        shapes = [Shape(f"prefill 1 x {n}", 1, n, 0) for n in tokens]
+        shapes += [Shape(f"decode {bs} x 1", bs, 1, 511) for bs in decode_bs]
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"chain walk: this tree (A) vs {a.against} (B); {gpu}; {now_utc()}")
     for shape in shapes:

@@ -80,8 +80,16 @@ def test_bench_chain_walk_compares_two_kernels_only_when_they_write_the_same(tmp
     """The paired walk benchmark first checks that the two kernels leave the same bytes: a
     copy of this tree's kernel passes, one that counts its launches twice stops it."""
     own = BENCH_DIR.parents[1] / "python/sglang/jit_kernel/kv_canary/write.py"
-    out = _run("bench_chain_walk.py", "--against", str(own), "--smoke-cpu")
+    out = _run("bench_chain_walk.py", "--against", str(own), "--smoke-cpu", "--tokens", "64")
     assert out.count("records, ring and counters identical") == 2, out
+    bad_flag = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "bench_chain_walk.py"), "--against", str(own)]
+        + ["--smoke-cpu", "--tokens", "5x"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert bad_flag.returncode != 0 and "--tokens: expected" in bad_flag.stderr
     bad = tmp_path / "write.py"
     text = own.read_text()
     count = "tl.atomic_add(kc0_ptr, 1)"
