@@ -37,6 +37,7 @@ from e2e_workload import assert_memory_reserved_as_allocated, workload_info
 
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from canary_support.script_run import load_support_script
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci
 
@@ -227,12 +228,7 @@ def test_pr26329_chunk_end_draft_token_is_reported(models, spec):
     assert 21 in {v.position for v in token_lines}, summary
     # each token report expects the prompt token after its position (the draft pool's
     # offset): chunk ends inside prompts, nowhere else
-    import importlib.util
-
-    spec_ = importlib.util.spec_from_file_location("small_workload", SUPPORT / "small_workload.py")
-    workload = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(workload)
-    prompts = [p for wave in workload.waves() for p in wave]
+    prompts = [p for wave in load_support_script("small_workload.py").waves() for p in wave]
     for v in token_lines:
         assert any(
             v.position + 1 < len(p) and p[v.position + 1] == v.expected_token for p in prompts

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from sglang.srt.kv_canary.testing.server_harness import free_port
+from canary_support.script_run import load_support_script
 from canary_support.server_process import ServerProcess, ServerStartError
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -207,6 +208,19 @@ def test_a_workload_scripts_command_line_is_checked_before_any_engine_starts(tmp
     )
     assert parse_argv(["w.py", model]).device == "cpu"
     assert tagged_json("x\nINFO {\"a\": 1}\nRESULT [2]\nRESULT [3]\n", "RESULT ") == [2]
+
+
+def test_a_support_script_imports_in_process_with_its_siblings():
+    """A test reading a workload's prompts imports its script here, as the speculative GPU
+    test does: the script's own sibling import (engine_main) resolves, sys.path is left as it
+    was, and the script's main does not run."""
+    path_before = list(sys.path)
+    workload = load_support_script("small_workload.py")
+    assert sys.path == path_before
+    waves = workload.waves()
+    assert [len(w) for w in waves] == [4, 4, 4]
+    assert waves[0][0][:40] == waves[2][0][:40]  # the third wave repeats the first's prefix
+    assert callable(workload.run) and callable(workload.main)
 
 
 def test_the_mixed_workload_takes_the_canary_mode_in_one_place():

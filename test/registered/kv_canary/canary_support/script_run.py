@@ -6,6 +6,7 @@ run, named after the test), which the GPU lanes keep."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -22,6 +23,7 @@ __all__ = [
     "RESULT_TAG",
     "SUPPORT_DIR",
     "ScriptRun",
+    "load_support_script",
     "run_support_script",
     "tagged_json",
 ]
@@ -37,6 +39,21 @@ def tagged_json(text: str, tag: str) -> Optional[Any]:
         if line.startswith(tag):
             return json.loads(line[len(tag) :])
     return None
+
+
+def load_support_script(script: str):
+    """``e2e_support/<script>`` imported in this process for its helpers (a workload's
+    prompts), its directory on ``sys.path`` while it imports, as when it runs (its sibling
+    imports, ``engine_main``, resolve); its ``__main__`` part does not run."""
+    name = pathlib.Path(script).stem
+    spec = importlib.util.spec_from_file_location(f"e2e_support_{name}", SUPPORT_DIR / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(SUPPORT_DIR))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SUPPORT_DIR))
+    return module
 
 
 def run_support_script(
