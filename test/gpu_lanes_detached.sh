@@ -14,9 +14,8 @@ case "${1:-}" in
   start)
     . .device/a/setup.sh || exit 1
     [ -f .device/d/install.sh ] && { bash .device/d/install.sh || exit 1; }
-    # Mooncake's TransferEngine for the PD lane (into /tmp/site, on PYTHONPATH)
+    # Mooncake's TransferEngine for the PD lane (into /tmp/site, which setup.sh put on PYTHONPATH)
     [ -f .device/pd_a/install.sh ] && { bash .device/pd_a/install.sh || exit 1; }
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     rm -rf "$R"; mkdir -p "$R"
     { git log -1 --format=%H; git status --short; } > "$R/tree.txt" 2>&1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt" 2>&1
