@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 
 import pytest
 import torch
 
 from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
+from sglang.srt.kv_canary.batch_state import CanaryBatchState
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.token_history import SnapshotHostBuffers, TokenHistoryUploader
 from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=55, stage="base-b", runner_config="1-gpu-small")
@@ -248,3 +251,35 @@ def test_cuda_streams_match_torch_and_restore_the_stream():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_a_snapshot_buffer_waits_for_its_copy_to_the_device():
+    """A token-id snapshot's pinned host buffer is not handed to a later snapshot before its
+    host→device copy ran, even once the snapshot itself is dropped (the copy is queued behind
+    the GPU's work): the later snapshot gets a buffer of its own, and the device receives the
+    first snapshot's ids. Once the copy completed, the slot is reused."""
+
+    def req(ids, row):
+        return types.SimpleNamespace(origin_input_ids=ids, output_ids=[], req_pool_idx=row)
+
+    up = TokenHistoryUploader(
+        torch.full((4, 64), -1, dtype=torch.int32, device="cuda"), replay_rows=4, replay_tokens=8
+    )
+    buffers = up.rows.buffers = SnapshotHostBuffers(slots=1, pin=True)
+    lens = torch.zeros(4, dtype=torch.int64, device="cuda")
+    state = CanaryBatchState()
+    up.snapshot(state, [req(list(range(10, 50)), 1)])
+    slot = state.token_snapshot.buffer_slot
+    assert slot == 0
+    torch.cuda._sleep(200_000_000)  # the copy below waits behind ~0.1 s of GPU work
+    assert up.upload(state, torch.tensor([1], dtype=torch.int64, device="cuda"), lens)
+    del state
+    later = CanaryBatchState()
+    up.snapshot(later, [req(list(range(90, 99)), 2)])
+    assert later.token_snapshot.buffer_slot == -1 and buffers.own_buffers == 1
+    torch.cuda.synchronize()
+    assert up.pool[1, :40].tolist() == list(range(10, 50))
+    del later
+    again = CanaryBatchState()
+    up.snapshot(again, [req([7, 8], 3)])
+    assert again.token_snapshot.buffer_slot == slot and buffers.own_buffers == 1

@@ -17,6 +17,7 @@ from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 from sglang.srt.kv_canary.single_forward_manager import CanaryPhaseError
 from sglang.srt.kv_canary.token_history import (
     ExpectedTokenRows,
+    SnapshotHostBuffers,
     TokenHistoryUploader,
     TokenIdSnapshot,
 )
@@ -159,6 +160,40 @@ def test_pack_refuses_segments_that_disagree_with_the_total():
     assert snap.num_reqs == 2 and snap.flat.tolist() == [6, 7, 8, 1, 2, 3]
     with pytest.raises(ValueError, match="the segments hold 6 ids, total says 5"):
         TokenIdSnapshot.pack([4, 3], [1, 0], [[6, 7, 8], [1, 2]], 5)
+
+
+def test_pack_refuses_pieces_that_disagree_with_the_segments():
+    """More or fewer ids than the header's segments is refused before anything is written
+    (a reused buffer would otherwise keep an earlier snapshot's ids)."""
+    with pytest.raises(ValueError, match="the pieces hold 5 ids, the segments 4"):
+        TokenIdSnapshot.pack([4], [0], [[6, 7, 8], [1, 2]], 4)
+    with pytest.raises(ValueError, match="the pieces hold 3 ids, the segments 4"):
+        TokenIdSnapshot.pack([4], [0], [[6, 7, 8], []], 4)
+
+
+def test_snapshot_buffers_are_reused_only_once_their_snapshot_is_gone():
+    """A snapshot keeps its buffer slot while it exists (a batch run again uploads it again):
+    later snapshots never write into it; once it is dropped its slot is handed out again,
+    the same storage, and a snapshot that finds every slot taken gets a buffer of its own."""
+    buffers = SnapshotHostBuffers(slots=2, pin=False)
+    rows = ExpectedTokenRows(8, buffers=buffers)
+    a = rows.snapshot([_req([1, 2, 3], [4])])
+    b = rows.snapshot([_req([5, 6], [])])
+    assert sorted((a.buffer_slot, b.buffer_slot)) == [0, 1]
+    c = rows.snapshot([_req([7, 8, 9, 10, 11], [12])])  # both slots held
+    assert c.buffer_slot == -1 and buffers.own_buffers == 1
+    assert (a.flat.tolist(), b.flat.tolist()) == ([1, 2, 3, 4], [5, 6])
+    slot, storage = a.buffer_slot, a.packed.data_ptr()
+    del a
+    d = rows.snapshot([_req([13], [14, 15])])
+    assert d.buffer_slot == slot and d.packed.data_ptr() == storage
+    assert b.flat.tolist() == [5, 6] and c.flat.tolist() == [7, 8, 9, 10, 11, 12]
+    assert d.flat.tolist() == [13, 14, 15] and d.lens.tolist() == [3]
+    # a snapshot larger than its slot grows it; the packed view has the snapshot's length
+    del b
+    e = rows.snapshot([_req(range(5000), [])])
+    assert e.buffer_slot >= 0 and e.packed.numel() == 3 + 1 + 5000
+    assert e.flat.tolist() == list(range(5000))
 
 
 def test_upload_is_one_host_to_device_copy(monkeypatch):

@@ -15,11 +15,12 @@ at most one launch per upload; graph-safe where it says so.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
-import itertools
 import logging
-from typing import List, Optional, Sequence
+import weakref
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -40,6 +41,10 @@ from sglang.srt.kv_canary.batch_state import CanaryBatchState
 
 logger = logging.getLogger(__name__)
 
+# host buffers the uploader's snapshots reuse: a forward's, the next batch's (sglang builds it
+# while the forward runs) and those still held by batches sglang keeps a while
+SNAPSHOT_HOST_BUFFERS = 8
+
 
 @functools.lru_cache(maxsize=None)
 def _pin() -> bool:
@@ -54,7 +59,8 @@ class TokenIdSnapshot:
     tokens sent), :attr:`lens` (each request's whole history length) and :attr:`starts`
     (first position of each request's segment) are made on access (the upload needs none).
     ``rows`` is the record it was taken against and ``epoch`` / ``seq`` / ``reqs`` let the
-    upload check the order (and re-snapshot when needed)."""
+    upload check the order (and re-snapshot when needed). ``buffer_slot``: the
+    :class:`SnapshotHostBuffers` slot ``packed`` lies in (-1: a buffer of its own)."""
 
     packed: torch.Tensor
     num_reqs: int
@@ -62,15 +68,24 @@ class TokenIdSnapshot:
     epoch: int = 0
     seq: int = 0
     reqs: tuple = ()
+    buffer_slot: int = -1
 
     @classmethod
     def pack(
-        cls, lens: Sequence[int], starts: Sequence[int], pieces, total: int, **origin
+        cls,
+        lens: Sequence[int],
+        starts: Sequence[int],
+        pieces,
+        total: int,
+        *,
+        buffers: Optional["SnapshotHostBuffers"] = None,
+        **origin,
     ) -> "TokenIdSnapshot":
-        """``pieces``: iterables of token ids whose concatenation holds ``total`` ids; the
+        """``pieces``: sequences of token ids whose concatenation holds ``total`` ids; the
         segments (``lens[i] - starts[i]`` ids each) must add up to ``total`` (``ValueError``
-        otherwise). Host only. The header is built as one list: a decode step's snapshot
-        carries a few ids, so the fixed cost per call is what counts."""
+        otherwise). Packed into a buffer of ``buffers`` (None: a new one). Host only. The
+        header is built as one list: a decode step's snapshot carries a few ids, so the fixed
+        cost per call is what counts."""
         bs = len(lens)
         header = [0] * (PACKED_TOKENS_HEADER + PACKED_TOKENS_ROW_FIELDS * bs)
         header[PACKED_TOKENS_NUM_REQS] = bs
@@ -85,14 +100,28 @@ class TokenIdSnapshot:
             raise ValueError(
                 f"TokenIdSnapshot.pack: the segments hold {offset} ids, total says {total}"
             )
-        packed = torch.empty(packed_tokens_numel(bs, total), dtype=torch.int64, pin_memory=_pin())
-        host = packed.numpy()
-        host[:at] = header
-        if total:
-            host[at:] = np.fromiter(
-                itertools.chain.from_iterable(pieces), dtype=np.int64, count=total
+        held = sum(map(len, pieces))
+        if held != total:
+            raise ValueError(
+                f"TokenIdSnapshot.pack: the pieces hold {held} ids, the segments {total}"
             )
-        return cls(packed=packed, num_reqs=bs, **origin)
+        numel = packed_tokens_numel(bs, total)
+        if buffers is not None:
+            host, slot = buffers.take(numel)
+            packed = torch.from_numpy(host)
+        else:
+            packed, slot = torch.empty(numel, dtype=torch.int64, pin_memory=_pin()), -1
+            host = packed.numpy()
+        host[:at] = header
+        for piece in pieces:
+            n = len(piece)
+            if n:  # array.array: the cheapest Python ints -> int64 conversion measured
+                host[at : at + n] = np.frombuffer(array.array("q", piece), dtype=np.int64)
+                at += n
+        snap = cls(packed=packed, num_reqs=bs, buffer_slot=slot, **origin)
+        if buffers is not None:
+            buffers.bind(snap)
+        return snap
 
     def _row_field(self, field: int) -> torch.Tensor:
         at = PACKED_TOKENS_HEADER
@@ -124,6 +153,68 @@ class TokenIdSnapshot:
         return head
 
 
+class SnapshotHostBuffers:
+    """The host buffers token-id snapshots are packed into, reused instead of allocated per
+    snapshot (docs/architecture.md, "Token checks"). ``slots`` buffers, each grown (to the
+    next power of two) when a snapshot needs more. A slot is handed out again only when the
+    snapshot packed in it is gone (nothing can upload it again) and, on CUDA, its last
+    host→device copy has completed (:meth:`sent` records that copy's event on the current
+    stream); when no slot is free the snapshot gets a buffer of its own (counted in
+    ``own_buffers``). Pinned when CUDA exists. Host only, on sglang's scheduler thread;
+    never inside a CUDA-graph capture."""
+
+    def __init__(self, *, slots: int, pin: bool):
+        if slots < 1:
+            raise ValueError(f"SnapshotHostBuffers needs slots >= 1, got {slots}")
+        self._pin = pin
+        # per slot: the buffer (owned here for the canary's lifetime) and its numpy view
+        self._buffers: List[Optional[torch.Tensor]] = [None] * slots
+        self._views: List[Optional[np.ndarray]] = [None] * slots
+        self._users: List[Optional[weakref.ref]] = [None] * slots
+        self._copies: List[Optional["torch.cuda.Event"]] = [None] * slots
+        self._next = 0
+        self.own_buffers = 0  # snapshots packed outside the slots (every slot was busy)
+
+    def _free(self, slot: int) -> bool:
+        user, copy = self._users[slot], self._copies[slot]
+        return (user is None or user() is None) and (copy is None or copy.query())
+
+    def take(self, numel: int) -> Tuple[np.ndarray, int]:
+        """A 1-D int64 host buffer of ``numel`` elements, as a numpy view (cheaper to slice
+        than a tensor), and its slot (-1: its own buffer); bound to the snapshot by
+        :meth:`bind`."""
+        slots = len(self._buffers)
+        for i in range(slots):
+            slot = (self._next + i) % slots
+            if self._free(slot):
+                break
+        else:
+            self.own_buffers += 1
+            return torch.empty(numel, dtype=torch.int64, pin_memory=self._pin).numpy(), -1
+        self._next = (slot + 1) % slots
+        view = self._views[slot]
+        if view is None or view.shape[0] < numel:
+            size = 1 << max(10, (numel - 1).bit_length())
+            self._buffers[slot] = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
+            view = self._views[slot] = self._buffers[slot].numpy()
+        self._users[slot] = None
+        return view[:numel], slot
+
+    def bind(self, snap: "TokenIdSnapshot") -> None:
+        """``snap`` is packed in its slot: the slot stays taken while it exists."""
+        if snap.buffer_slot >= 0:
+            self._users[snap.buffer_slot] = weakref.ref(snap)
+
+    def sent(self, snap: "TokenIdSnapshot") -> None:
+        """A host→device copy of ``snap.packed`` was just queued on the current stream: its
+        slot is not reused before that copy completes. No host sync."""
+        slot = snap.buffer_slot
+        if slot >= 0 and self._pin:
+            if self._copies[slot] is None:
+                self._copies[slot] = torch.cuda.Event()
+            self._copies[slot].record()
+
+
 class ExpectedTokenRows:
     """Host record of the expected-token pool (one per pool; the runtime's ``CanaryManager``
     owns it): for every row, the request whose history it holds and how many tokens of it.
@@ -137,10 +228,11 @@ class ExpectedTokenRows:
     from the ``ForwardBatch.init_new`` hook, :meth:`check_upload` before an upload). Not
     thread-safe (sglang builds and runs forwards on one thread)."""
 
-    def __init__(self, num_rows: int):
+    def __init__(self, num_rows: int, *, buffers: Optional[SnapshotHostBuffers] = None):
         if num_rows < 1:
             raise ValueError(f"ExpectedTokenRows needs num_rows >= 1, got {num_rows}")
         self.num_rows = num_rows
+        self.buffers = buffers  # where snapshots are packed (None: a new buffer each)
         self._owner: List[Optional[tuple]] = [None] * num_rows
         self._held: List[int] = [0] * num_rows
         self._epoch = 0
@@ -185,6 +277,7 @@ class ExpectedTokenRows:
             starts,
             pieces,
             sum(lens) - sum(starts),
+            buffers=self.buffers,
             rows=self,
             epoch=self._epoch,
             seq=self._next_seq,
@@ -243,7 +336,10 @@ class TokenHistoryUploader:
                 f">= 0, got {replay_rows} and {replay_tokens}"
             )
         self.pool = pool
-        self.rows = ExpectedTokenRows(pool.shape[0])
+        self.rows = ExpectedTokenRows(
+            pool.shape[0],
+            buffers=SnapshotHostBuffers(slots=SNAPSHOT_HOST_BUFFERS, pin=_pin()),
+        )
         self.replay_buffer = torch.zeros(
             packed_tokens_numel(replay_rows, replay_tokens), dtype=torch.int64, device=pool.device
         )
@@ -311,8 +407,10 @@ class TokenHistoryUploader:
     def _scatter_now(
         self, snap: TokenIdSnapshot, req_pool_indices: torch.Tensor, valid_lens_out: torch.Tensor
     ) -> None:
+        packed = snap.packed.to(self.pool.device, non_blocking=True)
+        self.rows.buffers.sent(snap)
         launch_scatter_packed_token_ids_kernel(
-            packed=snap.packed.to(self.pool.device, non_blocking=True),
+            packed=packed,
             req_pool_indices=req_pool_indices.to(torch.int64),
             pool_out=self.pool,
             valid_lens_out=valid_lens_out,
@@ -339,6 +437,7 @@ class TokenHistoryUploader:
             return
         elif snap.packed.shape[0] <= self.replay_buffer.shape[0]:
             self.replay_buffer[: snap.packed.shape[0]].copy_(snap.packed, non_blocking=True)
+            self.rows.buffers.sent(snap)
             self._replay_holds = snap
         else:
             self._scatter_now(snap, req_pool_indices, valid_lens_out[: req_pool_indices.shape[0]])

@@ -142,7 +142,7 @@ class ForwardReporter:
         kernel_counters = host.kernel_run_counters.tolist()
         slot_counters = host.slot_run_counters.tolist()
         incidents, dropped = self.violations.collect(
-            write_index=int(host.violation_write_index[0]), ring=host.violation_ring
+            write_index=host.violation_write_index.tolist()[0], ring=host.violation_ring
         )
         if incidents or dropped:
             self.report(incidents, dropped=dropped, step=step, requests=staged.requests)
