@@ -15,6 +15,7 @@ from sglang.srt.kv_canary.envs import (
     MAX_RING_CAPACITY,
     MAX_STEP_INTERVAL,
     canary_envs,
+    normalize_choice,
     set_canary_variables,
     unknown_canary_variables,
 )
@@ -37,7 +38,7 @@ def _parse_choice(cls, value, flag: str):
     anything else (``None``, ``''``, a misspelling) raises ``ValueError`` naming ``flag``."""
     if isinstance(value, cls):
         return value
-    choice = value.strip().lower() if isinstance(value, str) else None
+    choice = normalize_choice(value)
     if choice not in {m.value for m in cls}:
         raise ValueError(
             f"invalid {flag} value {value!r}; allowed: {', '.join(m.value for m in cls)}"
@@ -75,7 +76,7 @@ def parse_real_data(value, *, flag: str = "--kv-canary-real-data") -> RealKvHash
     naming ``flag``."""
     if isinstance(value, RealKvHashMode):
         return value
-    choice = value.strip().lower() if isinstance(value, str) else None
+    choice = normalize_choice(value)
     if choice not in REAL_DATA_CHOICES:
         raise ValueError(f"invalid {flag} value {value!r}; allowed: {', '.join(REAL_DATA_CHOICES)}")
     return REAL_DATA_CHOICES[choice]

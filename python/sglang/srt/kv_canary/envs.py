@@ -24,6 +24,13 @@ MAX_RING_CAPACITY = 1 << 20  # violation rows of 88 bytes: 88 MiB of device memo
 MAX_LAYERS_PER_FORWARD = 4096  # more than any model's layer count
 
 
+def normalize_choice(value) -> Optional[str]:
+    """A user-given string choice (a flag's, a variable's, a config field's) as it is matched
+    against the allowed values: surrounding blanks stripped, lower-cased. ``None`` for anything
+    but a ``str``, which then matches no choice (the caller's error names what it parses)."""
+    return value.strip().lower() if isinstance(value, str) else None
+
+
 class _Strict(abc.ABC):
     """A variable: ``get()`` parses it (or returns the default when unset); parse errors raise,
     naming the variable and what is allowed."""
@@ -66,7 +73,7 @@ class _Bool(_Strict):
     allowed = "0/1, true/false, yes/no, on/off"
 
     def parse(self, value: str) -> bool:
-        v = value.strip().lower()
+        v = normalize_choice(value)
         if v in ("1", "true", "yes", "on", "y", "t"):
             return True
         if v in ("0", "false", "no", "off", "n", "f", ""):
@@ -122,7 +129,7 @@ class _Choice(_Strict):
         self.allowed = ", ".join(repr(c) for c in self.choices)
 
     def parse(self, value: str) -> str:
-        v = value.strip().lower()
+        v = normalize_choice(value)
         if v not in self.choices:
             raise ValueError("not one of the allowed values")
         return v
@@ -135,7 +142,7 @@ class _Layer(_Strict):
     allowed = "a layer id (0, 1, ...) or 'last'"
 
     def parse(self, value: str) -> str:
-        v = value.strip().lower()
+        v = normalize_choice(value)
         if v != "last" and not v.isdigit():
             raise ValueError("not a layer")
         return v if v == "last" else str(int(v))

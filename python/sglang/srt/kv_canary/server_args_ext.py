@@ -22,6 +22,7 @@ from sglang.srt.kv_canary.config import (
     normalize_canary_values,
     parse_sweep_interval,
 )
+from sglang.srt.kv_canary.envs import normalize_choice
 from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
 
 DEFAULTS = {
@@ -46,16 +47,11 @@ def _argparse_type(parse):
     return convert
 
 
-def _choice(value: str) -> str:
-    """Choices match in any case, as in ``Engine(kv_canary=...)``."""
-    return value.strip().lower()
-
-
 def add_canary_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KV-cache canary (sglang-kv-canary)")
     group.add_argument(
         "--kv-canary",
-        type=_choice,
+        type=normalize_choice,
         default=DEFAULTS["kv_canary"],
         choices=[m.value for m in CanaryMode],
         help="Verify every KV slot attention reads against a fingerprint record: 'log' logs "
@@ -72,7 +68,7 @@ def add_canary_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--kv-canary-real-data",
-        type=_choice,
+        type=normalize_choice,
         default=DEFAULTS["kv_canary_real_data"],
         choices=list(REAL_DATA_CHOICES),
         help="Also fingerprint the real KV bytes: 'partial' (first 16 bytes of layer 0's "
@@ -80,7 +76,7 @@ def add_canary_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--kv-canary-real-data-layers",
-        type=_choice,
+        type=normalize_choice,
         default=DEFAULTS["kv_canary_real_data_layers"],
         choices=[m.value for m in RealDataLayers],
         help="Which layers the real-data fingerprints cover: 'first' (default: layer 0's K "

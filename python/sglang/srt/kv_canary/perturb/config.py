@@ -13,6 +13,7 @@ import enum
 from typing import Optional
 
 from sglang.jit_kernel.kv_canary.types import KvHalf, PoolKind
+from sglang.srt.kv_canary.envs import normalize_choice
 from sglang.srt.kv_canary.ranks import RankFacts
 
 
@@ -126,7 +127,7 @@ class PerturbConfig:
         layer = self.target_layer
         if isinstance(layer, str) and layer.strip().isdigit():
             layer = int(layer.strip())
-        elif isinstance(layer, str) and layer.strip().lower() == LAST_LAYER:
+        elif normalize_choice(layer) == LAST_LAYER:
             layer = LAST_LAYER
         if layer != LAST_LAYER and (
             isinstance(layer, bool) or not isinstance(layer, int) or layer < 0
@@ -139,7 +140,7 @@ class PerturbConfig:
         half = self.target_half
         if not isinstance(half, KvHalf):
             try:
-                half = KvHalf(str(half).strip().lower())
+                half = KvHalf(normalize_choice(str(half)))
             except ValueError:
                 raise ValueError(f"{TARGET_HALF_VAR} must be k or v, got {half!r}") from None
         object.__setattr__(self, "target_half", half)
@@ -245,8 +246,8 @@ class PerturbConfig:
 
 
 def parse_target_group(value: str) -> Optional[PoolKind]:
-    v = (value or "").strip().lower()
-    if not v:
+    v = normalize_choice(value or "")
+    if v == "":
         return None
     try:
         return _TARGET_GROUPS[v]
