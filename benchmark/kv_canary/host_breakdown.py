@@ -129,6 +129,8 @@ def run_host_breakdown(args) -> None:
                 runs=runs,
                 median_us=med,
                 before_forward_us=before,
+                # snapshots that found every reusable host buffer held (None: no such buffers)
+                own_snapshot_buffers=_own_snapshot_buffers(mgr),
             )
             append_jsonl(args.out, rec)
             rows.append(rec)
@@ -163,6 +165,14 @@ def run_host_breakdown(args) -> None:
         gc.collect()
     print()
     print(host_breakdown_table(rows))
+
+
+def _own_snapshot_buffers(mgr):
+    """Token checks: how many snapshots got a host buffer of their own (every reusable one
+    held); None without token checks or reusable buffers."""
+    uploader = mgr.token_history
+    buffers = getattr(uploader.rows, "buffers", None) if uploader is not None else None
+    return buffers.own_buffers if buffers is not None else None
 
 
 class MethodTimers:
