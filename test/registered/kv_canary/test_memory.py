@@ -265,7 +265,7 @@ def test_the_kv_budget_shrinks_by_exactly_the_canarys_bytes(profiled, config, pa
         grown,
         config=CanaryConfig(mode="raise", **config),
         capacity_inputs=CanaryCapacityInputs(context_len=256),
-        draft_forwards=None,
+        draft=None,
         device="cpu",
     )
     assert grown.max_total * CELL + grown_canary.device_bytes > available

@@ -23,6 +23,7 @@ from sglang.srt.kv_canary.builder import memory_inputs
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs, CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig, RealDataLayers
 from sglang.srt.kv_canary.memory import CanaryMemory, GroupGeometry
+from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.sglang_seam import KvPoolSizing, PoolFamily, PoolTokens
 
 if TYPE_CHECKING:
@@ -134,13 +135,12 @@ def predicted_memory(
     *,
     config: CanaryConfig,
     capacity_inputs: CanaryCapacityInputs,
-    draft_forwards: Optional[int],
+    draft: Optional[RankFacts],
     device,
 ) -> Tuple[CanaryMemory, Optional[CanaryMemory]]:
-    """The target runner's canary memory for a pool of ``tokens`` and, when
-    ``draft_forwards`` is given (EAGLE: forwards per draft round), the draft runner's (its
-    pool has the target's token counts; MLA and DeepSeek-V4 drafts keep their family, the
-    rest are MHA heads)."""
+    """The target runner's canary memory for a pool of ``tokens`` and, when ``draft`` (the
+    EAGLE draft runner's facts) is given, the draft runner's (its pool has the target's token
+    counts; MLA and DeepSeek-V4 drafts keep their family, the rest are MHA heads)."""
     rows_cols = sizing.req_to_token_shape(tokens)
     target = _runner_memory(
         groups=predicted_groups(
@@ -157,10 +157,10 @@ def predicted_memory(
         sfms=1,
         device=device,
     )
-    if draft_forwards is None:
+    if draft is None:
         return target, None
     family = sizing.family if sizing.family in (PoolFamily.MLA, PoolFamily.DSV4) else PoolFamily.MHA
-    draft = _runner_memory(
+    draft_memory = _runner_memory(
         groups=predicted_groups(
             family=family,
             tokens=tokens,
@@ -171,10 +171,10 @@ def predicted_memory(
         config=config,
         rows_cols=rows_cols,
         capacity_inputs=capacity_inputs,
-        sfms=max(1, draft_forwards),
+        sfms=draft.single_forward_managers,
         device=device,
     )
-    return target, draft
+    return target, draft_memory
 
 
 def reserve_canary_memory(
@@ -191,7 +191,10 @@ def reserve_canary_memory(
     ``--mem-fraction-static`` when a pool fits but not with its canary."""
     sizing = KvPoolSizing(model_runner)
     spec = sglang_seam.speculative_facts(server_args)
-    draft_forwards = max(0, spec.num_steps - 1) if spec.algorithm is not None else None
+    # the EAGLE draft runner as install_canary will describe it (its single-forward managers)
+    draft = (
+        RankFacts(draft=True, draft_steps=spec.num_steps) if spec.algorithm is not None else None
+    )
     device = sizing.device
 
     def canary(kv_bytes: int):
@@ -203,7 +206,7 @@ def reserve_canary_memory(
             tokens,
             config=config,
             capacity_inputs=capacity_inputs,
-            draft_forwards=draft_forwards,
+            draft=draft,
             device=device,
         )
         return tokens, memories
