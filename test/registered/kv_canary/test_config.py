@@ -288,5 +288,28 @@ def test_host_kv_needs_hicache(monkeypatch):
         check_server_args_for_canary(_args(kv_canary="log", enable_hierarchical_cache=True))
 
 
+def test_pd_transfer_fault_only_on_a_pd_decode_server(monkeypatch):
+    """The ``pd_transfer`` fault corrupts what a PD decode server received: any other server
+    refuses it, naming the flag and its own mode; it is a real-KV fault (real data and a
+    target group needed)."""
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_PD_TRANSFER_PROB", "1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_GROUP", "full")
+    for mode in ("null", "prefill"):
+        with pytest.raises(
+            ValueError,
+            match="SGLANG_KV_CANARY_PERTURB_PD_TRANSFER_PROB > 0 corrupts KV a PD decode server "
+            f"received .* --disaggregation-mode decode .* --disaggregation-mode {mode}",
+        ):
+            check_server_args_for_canary(
+                _args(kv_canary="log", kv_canary_real_data="partial", disaggregation_mode=mode)
+            )
+    cfg = check_server_args_for_canary(
+        _args(kv_canary="log", kv_canary_real_data="partial", disaggregation_mode="decode")
+    )
+    assert cfg.perturb.pd_transfer_prob == 1.0
+    with pytest.raises(ValueError, match="only real-data fingerprints see"):
+        check_server_args_for_canary(_args(kv_canary="log", disaggregation_mode="decode"))
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

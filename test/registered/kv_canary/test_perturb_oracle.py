@@ -597,6 +597,51 @@ def test_before_forward_faults_are_undone_after_the_forward_read_them(caplog):
         ), i
 
 
+@pytest.mark.usefixtures("reference_kernels_on_cpu")
+def test_pd_transfer_fault_hits_a_prefix_at_its_first_read_and_is_caught_there(caplog):
+    """``pd_transfer``: a byte of a page the request did not write (on a PD decode server,
+    one it received; here a prefix shared through the radix cache) flipped right before the
+    first forward that reads the request, never later: caught by that forward's verify at
+    the flipped slot. Requests whose transfer sglang faked are left alone."""
+    faked = set()
+    d = ServingDriver(
+        seed=4,
+        mode="log",
+        real_data="partial",
+        perturb=PerturbConfig(warmup_steps=20, pd_transfer_prob=1.0, target_group="full"),
+    )
+    perturber = d.manager.perturber
+    perturber._faked_transfer = lambda req: req.rid in faked
+    first_read = {}  # rid -> (the step of the first forward that read it, its shared prefix)
+    real_before = perturber.before_forward
+
+    def before_forward(forward_batch, *, step, **kw):
+        for req in batch_state(forward_batch).requests.reqs:
+            first_read.setdefault(req.rid, (step, req.shared_prefix))
+            if req.rid % 3 == 0:
+                faked.add(req.rid)
+        return real_before(forward_batch, step=step, **kw)
+
+    perturber.before_forward = before_forward
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+        d.run(150)
+        d.settle()
+    injected = _injected(d)
+    assert len(injected) >= 3 and {i["fault"] for i in injected} == {"pd_transfer"}, injected
+    lines = parse_violation_lines("\n".join(r.getMessage() for r in caplog.records))
+    for i in injected:
+        rid, step = int(i["rid"]), int(i["step"])
+        assert rid % 3 and first_read[rid][0] == step, (i, first_read.get(rid))
+        assert int(i["position"]) < first_read[rid][1], (i, first_read[rid])
+        assert any(
+            v.forward_step == step
+            and v.slot_idx == int(i["slot"])
+            and "verify_real_kv_hash" in v.fail_reasons
+            for v in lines
+        ), (i, lines)
+    assert {v.forward_step for v in lines} <= {int(i["step"]) for i in injected}
+
+
 def test_the_kept_req_to_token_fault_stays_and_picks_requests_with_tokens_left():
     """``req_to_token_kept``: the entry stays rewritten after the forward (nothing undoes it)
     and its request had more than two tokens left, so the report finds it running; abort mode

@@ -66,6 +66,13 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
             f"{FaultKind.HOST_KV.env_var} > 0 corrupts HiCache's host memory: "
             "pass --enable-hierarchical-cache (or drop the variable)"
         )
+    pd_mode = value(server_args, "disaggregation_mode", "null")
+    if FaultKind.PD_TRANSFER in config.perturb.active_faults and pd_mode != "decode":
+        raise ValueError(
+            f"{FaultKind.PD_TRANSFER.env_var} > 0 corrupts KV a PD decode server received "
+            f"from its prefill server: set it on the server started with --disaggregation-mode "
+            f"decode (this one has --disaggregation-mode {pd_mode})"
+        )
     _check_speculative(server_args, config)
     config.perturb.check_ranks(
         RankFacts(

@@ -345,6 +345,7 @@ def perturb_config_from_env() -> PerturbConfig:
         real_kv_post_forward_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB.get(),
         next_token_swap_prob=e.SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB.get(),
         host_kv_prob=e.SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB.get(),
+        pd_transfer_prob=e.SGLANG_KV_CANARY_PERTURB_PD_TRANSFER_PROB.get(),
         target_group=parse_target_group(e.SGLANG_KV_CANARY_PERTURB_TARGET_GROUP.get()),
         target_layer=e.SGLANG_KV_CANARY_PERTURB_TARGET_LAYER.get(),
         target_half=e.SGLANG_KV_CANARY_PERTURB_TARGET_HALF.get(),

@@ -192,6 +192,7 @@ class CanaryEnvs:
     SGLANG_KV_CANARY_PERTURB_TARGET_WORKER = _Choice("", ("", "target", "draft"))
     SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB = _Prob(0.0)
     SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB = _Prob(0.0)
+    SGLANG_KV_CANARY_PERTURB_PD_TRANSFER_PROB = _Prob(0.0)
 
 
 canary_envs = CanaryEnvs()

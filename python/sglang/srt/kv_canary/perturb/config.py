@@ -28,6 +28,8 @@ class FaultKind(str, enum.Enum):
     REAL_KV_POST_FORWARD = "real_kv_post_forward"
     NEXT_TOKEN_SWAP = "next_token_swap"
     HOST_KV = "host_kv"  # a byte of a page in HiCache's host memory
+    # a byte of a page a PD decode server received, before the request's first decode step
+    PD_TRANSFER = "pd_transfer"
 
     @property
     def env_var(self) -> str:
@@ -44,6 +46,7 @@ REAL_KV_FAULTS = frozenset(
         FaultKind.REAL_KV_UNUSED_CACHE,
         FaultKind.REAL_KV_POST_FORWARD,
         FaultKind.HOST_KV,
+        FaultKind.PD_TRANSFER,
     }
 )
 
@@ -86,6 +89,7 @@ class PerturbConfig:
     real_kv_post_forward_prob: float = 0.0
     next_token_swap_prob: float = 0.0
     host_kv_prob: float = 0.0
+    pd_transfer_prob: float = 0.0
     target_group: Optional[PoolKind] = None
     target_layer: object = 0  # int >= 0 or LAST_LAYER
     target_half: KvHalf = KvHalf.K

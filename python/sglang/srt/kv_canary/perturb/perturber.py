@@ -3,8 +3,9 @@
 injection, the token oracle, the demo").
 
 Caller: :class:`~sglang.srt.kv_canary.runner.CanaryManager`, outside CUDA graphs.
-:meth:`before_forward`: ``req_to_token``, ``req_to_token_kept``, ``real_kv_used`` (all but the
-kept one undone at the next :meth:`after_forward`, once the forward has read them);
+:meth:`before_forward`: ``req_to_token``, ``req_to_token_kept``, ``real_kv_used``,
+``pd_transfer`` (all but the kept one undone at the next :meth:`after_forward`, once the
+forward has read them);
 :meth:`after_forward`: ``real_kv_post_forward``, ``real_kv_unused_cache``, ``host_kv``;
 :meth:`swap_next_tokens`: the token oracle sampler's ``after_sample`` hook. A fault fires with
 its probability per step past ``warmup_steps``, up to ``max_faults``, and logs one ``kv_canary
@@ -14,12 +15,14 @@ perturb:`` line. Host-synchronising and destructive: self-tests and the demo onl
 from __future__ import annotations
 
 import random
-from typing import Callable, Collection, List, Optional, Sequence
+import weakref
+from typing import Callable, Collection, Dict, List, Optional, Sequence
 
 import torch
 
 from sglang.jit_kernel.kv_canary.types import PoolKind, RealKvSource
 from sglang.srt.kv_canary import sglang_seam
+from sglang.srt.kv_canary.batch_state import batch_state
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.perturb.config import (
     LAST_LAYER,
@@ -39,7 +42,8 @@ _MAX_TRIES = 64
 class CanaryPerturber:
     """``req_to_token``: the runner's int32 ``[rows, max_context_len]`` table;
     ``radix_cache``: a callable returning the scheduler's tree cache (or None before it is
-    attached); ``page_size``: the pool's (the kept ``req_to_token`` fault's unit)."""
+    attached); ``page_size``: the pool's (the kept ``req_to_token`` fault's unit);
+    ``faked_transfer``: whether sglang faked a request's PD transfer (nothing received)."""
 
     def __init__(
         self,
@@ -50,6 +54,7 @@ class CanaryPerturber:
         radix_cache: Callable[[], object],
         draft: bool = False,
         page_size: int = 1,
+        faked_transfer: Callable[[object], bool] = lambda req: False,
     ):
         if page_size < 1:
             raise ValueError(f"CanaryPerturber needs page_size >= 1, got {page_size}")
@@ -58,6 +63,7 @@ class CanaryPerturber:
         self.draft = draft  # an EAGLE draft runner's (its DECODE forwards are draft rounds)
         self.req_to_token = req_to_token
         self._radix_cache = radix_cache
+        self._faked_transfer = faked_transfer
         self.rng = random.Random(config.seed)
         self.step = 0
         self.injected: List[str] = []  # every line logged, in order
@@ -77,6 +83,10 @@ class CanaryPerturber:
         self.flip_source, self.flip_layer = (
             self._resolve_flip_target() if self.target is not None else (None, None)
         )
+        # pd_transfer: the requests a forward has already read (their received pages were
+        # read once: a flip now would no longer be "before the first decode step"), by id,
+        # each entry dropped with its request
+        self._read_once: Dict[int, weakref.ref] = {}
 
     def _resolve_flip_target(self):
         """The real-KV source (and its sglang layer id) a real-KV fault flips a byte of:
@@ -141,6 +151,8 @@ class CanaryPerturber:
                 )
         if self._fires(FaultKind.REAL_KV_USED):
             self._perturb_real_kv_used(forward_batch)
+        if self.config.prob(FaultKind.PD_TRANSFER) > 0:
+            self._perturb_pd_transfer(forward_batch)
 
     def after_forward(self, forward_batch, *, step: int) -> None:
         """``step``: the number of the forward that just ran. First undoes this forward's
@@ -314,6 +326,41 @@ class CanaryPerturber:
                 undo_after_forward=True,
                 req_pool_idx=row,
                 position=pos,
+            ):
+                return
+
+    def _perturb_pd_transfer(self, forward_batch) -> None:
+        """A PD decode server (start-up refuses the fault elsewhere): flip a byte of a page
+        received for a request this forward reads for the first time (its prefix came from
+        the prefill server; nothing has read it here yet), so the forward's verify is the
+        first read of the corrupted page. Requests whose transfer sglang faked (nothing was
+        received) are left alone. Every request of the batch counts as read afterwards."""
+        requests = batch_state(forward_batch).requests
+        if requests is None:
+            return
+        read = self._read_once
+        fresh = [
+            (req, row)
+            for req, row in zip(requests.reqs, requests.rows)
+            if row is not None and id(req) not in read and not self._faked_transfer(req)
+        ]
+        for req in requests.reqs:
+            if id(req) not in read:
+                read[id(req)] = weakref.ref(req, lambda _, key=id(req): read.pop(key, None))
+        if not fresh or not self._fires(FaultKind.PD_TRANSFER):
+            return
+        prefix = dict(self._active_prefix(forward_batch))
+        fresh = [(req, row) for req, row in fresh if prefix.get(row, 0) > 0]
+        for _ in range(_MAX_TRIES if fresh else 0):
+            req, row = self.rng.choice(fresh)
+            pos = self.rng.randrange(prefix[row])
+            if self._flip(
+                FaultKind.PD_TRANSFER,
+                int(self.req_to_token[row, pos]),
+                undo_after_forward=True,
+                req_pool_idx=row,
+                position=pos,
+                rid=sglang_seam.req_rid(req),
             ):
                 return
 

@@ -161,6 +161,8 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
                 radix_cache=lambda: self.radix_cache,
                 draft=ranks.draft,
                 page_size=(sglang_seam.kv_pool_page_size(kv_pool) if kv_pool is not None else 1),
+                # the scheduler's own test, once attached (a PD decode server's faked transfers)
+                faked_transfer=lambda req: self.reporter.requests.faked_transfer(req),
             )
             if token_oracle is not None:
                 token_oracle.after_sample = self.perturber.swap_next_tokens
