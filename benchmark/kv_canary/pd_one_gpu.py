@@ -90,6 +90,7 @@ LOG_HINTS = {  # substring -> name in PD_RESULT's log_hints (counts per server l
     "kv_canary violation": "canary_violations",
     "kv_canary detected KV-cache corruption": "canary_raised",
     "are not reported: nothing was sent for them": "faked_transfers_set_aside",
+    "kv_canary perturb:": "faults_injected",
 }
 
 
@@ -161,6 +162,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="environment of the PD servers (repeatable), e.g. MC_FORCE_TCP=1",
     )
     p.add_argument(
+        "--decode-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the decode server only (repeatable, after --env), e.g. a "
+        "SGLANG_KV_CANARY_PERTURB_* fault injected on the decode side",
+    )
+    p.add_argument(
         "--log-dir",
         default=None,
         help="server logs and the model dir (default $OUT/pd_logs, else a temp dir)",
@@ -194,9 +203,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="write the model dir and the command lines (LOG_DIR/*.argv), start nothing",
     )
     args = p.parse_args(argv)
-    for kv in args.env:
-        if "=" not in kv:
-            p.error(f"--env wants KEY=VALUE, got {kv!r}")
+    for flag, values in (("--env", args.env), ("--decode-env", args.decode_env)):
+        for kv in values:
+            if "=" not in kv:
+                p.error(f"{flag} wants KEY=VALUE, got {kv!r}")
     if args.requests < 1 or args.prompt_len < 2 or args.max_new_tokens < 2:
         p.error("--requests >= 1, --prompt-len >= 2 and --max-new-tokens >= 2")
     return args
@@ -288,6 +298,7 @@ class Run(PdProcesses):
                 )
             )
         }
+        self.result["decode_env"] = dict(kv.split("=", 1) for kv in a.decode_env)
         extra = shlex.split(a.extra_args)
 
         # reference server
@@ -328,12 +339,16 @@ class Run(PdProcesses):
             pd_env,
             a.log_level,
         )
+        decode_env = dict(pd_env)
+        for kv in a.decode_env:
+            k, v = kv.split("=", 1)
+            decode_env[k] = v
         decode = self.start_server(
             "decode",
             model_dir,
             free_port(),
             [*pd_flags, "--disaggregation-mode", "decode", *extra, *shlex.split(a.decode_args)],
-            pd_env,
+            decode_env,
             a.log_level,
         )
         if a.dry_run:

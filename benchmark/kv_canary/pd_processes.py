@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+# the variables a dry run shows per server (the canary's and the test hooks')
+CANARY_ENV_PREFIXES = ("SGLANG_KV_CANARY_", "KV_CANARY_TEST_")
 
 # ---- model ------------------------------------------------------------------------------------
 
@@ -158,6 +160,8 @@ class PdProcesses:
         (self.log_dir / f"{name}.argv").write_text(shlex.join(argv) + "\n")
         if self.args.dry_run:
             print(f"pd_one_gpu: {name}: {shlex.join(argv)}", flush=True)
+            canary_env = {k: v for k, v in env.items() if k.startswith(CANARY_ENV_PREFIXES)}
+            print(f"pd_one_gpu: {name} env: {json.dumps(canary_env, sort_keys=True)}", flush=True)
             return None
         server = ServerProcess(
             name, argv, port=port, env=env, log_path=self.log_dir / f"{name}.log"

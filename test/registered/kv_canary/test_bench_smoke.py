@@ -18,7 +18,7 @@ import os
 import pathlib
 import subprocess
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -412,14 +412,17 @@ if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
 
 
-def _dry_run_servers(*args: str) -> Dict[str, List[str]]:
-    """``pd_one_gpu.py --dry-run``'s server command lines, by role, and its PD_RESULT."""
+def _dry_run_servers(*args: str, envs: Optional[dict] = None) -> Dict[str, List[str]]:
+    """``pd_one_gpu.py --dry-run``'s server command lines, by role, and its PD_RESULT;
+    ``envs``, when given, gets each server's canary variables, by role."""
     out = _run("pd_one_gpu.py", "--dry-run", *args)
     servers = {}
     for line in out.splitlines():
         for role in ("reference", "prefill", "decode"):
             if line.startswith(f"pd_one_gpu: {role}: "):
                 servers[role] = line.split(": ", 2)[2].split()
+            if envs is not None and line.startswith(f"pd_one_gpu: {role} env: "):
+                envs[role] = json.loads(line.split(": ", 2)[2])
     result = json.loads(
         next(line for line in out.splitlines() if line.startswith("PD_RESULT "))[10:]
     )
@@ -451,3 +454,29 @@ def test_pd_one_gpu_builds_a_prefill_and_a_decode_server_that_find_each_other():
     servers, result = _dry_run_servers("--backend", "mooncake")
     assert "--skip-server-warmup" not in servers["decode"]
     assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in result["env"]
+
+
+def test_pd_one_gpu_gives_a_fault_to_the_decode_server_only():
+    """``--env`` reaches both PD servers, ``--decode-env`` the decode server alone (a fault
+    injected on the decode side), after ``--env``."""
+    envs = {}
+    _, result = _dry_run_servers(
+        "--env",
+        "KV_CANARY_TEST_SPLICE_DROPPED=1",
+        "--env",
+        "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS=5",
+        "--decode-env",
+        "SGLANG_KV_CANARY_PERTURB_PD_TRANSFER_PROB=1",
+        "--decode-env",
+        "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS=0",
+        envs=envs,
+    )
+    both = {"KV_CANARY_TEST_SPLICE_DROPPED": "1"}
+    assert envs["prefill"] == dict(both, SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="5"), envs
+    assert envs["decode"] == dict(
+        both,
+        SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="0",
+        SGLANG_KV_CANARY_PERTURB_PD_TRANSFER_PROB="1",
+    ), envs
+    assert "KV_CANARY_TEST_SPLICE_DROPPED" not in envs["reference"], envs
+    assert result["decode_env"]["SGLANG_KV_CANARY_PERTURB_PD_TRANSFER_PROB"] == "1"
