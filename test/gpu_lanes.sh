@@ -24,6 +24,7 @@
 #   paged_clean_64       test/registered/kv_canary/test_e2e_paged_gpu.py -k clean and 64
 #   paged_faults_16      test/registered/kv_canary/test_e2e_paged_gpu.py -k log_mode and 16
 #   paged_faults_64      test/registered/kv_canary/test_e2e_paged_gpu.py -k log_mode and 64
+#   e2e_pd_faults_gpu    test/registered/kv_canary/test_e2e_pd_faults_gpu.py
 #   e2e_pd_gpu           test/registered/kv_canary/test_e2e_pd_gpu.py
 #   spec_clean_v2        test/registered/kv_canary/test_e2e_speculative_gpu.py -k clean and spec_v2
 #   spec_clean_v1        test/registered/kv_canary/test_e2e_speculative_gpu.py -k clean and spec_v1

@@ -24,6 +24,11 @@ retracted and resumed request (the bug PR 28254 fixed). Each non-final chunk's e
 With ``KV_CANARY_TEST_TRANSFER_LOST=1`` a PD decode server's canary takes every transfer sglang
 fakes for a real one: a request "received" through the ``fake`` backend then stands for a
 transfer that reported success and delivered neither the KV pages nor the canary rows.
+
+With ``KV_CANARY_TEST_SPLICE_DROPPED=1`` the pools' transfer buffer lists come without the
+canary's rows (sglang's own lists, nothing spliced in): a PD transfer then carries the KV pages
+and leaves the decode server's canary rows as they were. Set it on both PD servers (their
+lists must match).
 """
 
 import os
@@ -295,5 +300,18 @@ if os.environ.get("KV_CANARY_TEST_TRANSFER_LOST") == "1":
     HookRegistry.register(
         "sglang.srt.kv_canary.sglang_seam.faked_transfer_test",
         _no_faked_transfer,
+        HookType.AROUND,
+    )
+
+
+if os.environ.get("KV_CANARY_TEST_SPLICE_DROPPED") == "1":
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def _unspliced(original, infos, **kwargs):
+        return tuple(list(x) for x in infos)
+
+    HookRegistry.register(
+        "sglang.srt.kv_canary.pool_patcher.buf_info_splice.splice_buf_infos",
+        _unspliced,
         HookType.AROUND,
     )
