@@ -35,7 +35,13 @@ if "--smoke-cpu" in sys.argv:  # the kernels read it once, at import: before the
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_jsonl, now_utc, parse_ints, use_test_support  # noqa: E402
+from common import (  # noqa: E402
+    append_jsonl,
+    cuda_event_ms,
+    now_utc,
+    parse_ints,
+    use_test_support,
+)
 
 use_test_support()
 from canary_testlib import make_context  # noqa: E402
@@ -135,15 +141,8 @@ def check_equal(case: Case, a_module, b_module) -> None:
 
 def time_us(case: Case, module, contexts, reps: int = 5) -> float:
     """Median device time of ``reps`` launches, each between two CUDA events."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        case.launch(module, contexts)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(times)
+    times = cuda_event_ms(lambda: case.launch(module, contexts), reps)
+    return statistics.median([ms * 1000.0 for ms in times])
 
 
 def bootstrap_ci(ratios, n: int = 2000, seed: int = 0):

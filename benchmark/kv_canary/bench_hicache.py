@@ -25,9 +25,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import pathlib
 import statistics
+import sys
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import cuda_event_ms  # noqa: E402  (a sibling module)
 
 SHAPE = dict(layer_num=28, head_num=8, head_dim=128, num_slots=32768)
 CONFIGS = {
@@ -87,20 +92,6 @@ def build(config_name: str):
     return pool, host, mirror, plain, wrapped
 
 
-def gpu_ms(fn, reps: int):
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return out
-
-
 def measure(config_name: str, tokens, reps: int):
     pool, host, mirror, plain, wrapped = build(config_name)
     g = torch.Generator().manual_seed(0)
@@ -119,7 +110,7 @@ def measure(config_name: str, tokens, reps: int):
         times = {(name, op): [] for name in calls for op in ("backup", "load")}
         for name in ("sglang", "sglang+canary", "sglang+canary", "sglang"):  # A B B A
             for op, fn in zip(("backup", "load"), calls[name]):
-                times[(name, op)] += gpu_ms(fn, reps)
+                times[(name, op)] += cuda_event_ms(fn, reps, warmup=1)
         for op in ("backup", "load"):
             base, on = times[("sglang", op)], times[("sglang+canary", op)]
             rows.append(

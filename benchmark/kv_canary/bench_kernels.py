@@ -82,6 +82,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import pathlib
 import sys
 import time
 from typing import Callable, List, Optional
@@ -107,6 +108,12 @@ from sglang.jit_kernel.kv_canary import (
     scatter_req_token_ids_torch_reference,
 )
 from sglang.jit_kernel.kv_canary.consts import VIOLATION_NUM_FIELDS
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import use_test_support  # noqa: E402  (a sibling module)
+
+use_test_support()
+from canary_testlib import clone_dataclass_tensors  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Model / pool shape (Qwen3-0.6B-ish layer 0)
@@ -241,13 +248,7 @@ def _clone(obj, device):
     if isinstance(obj, torch.Tensor):
         return obj.to(device, copy=True)
     if isinstance(obj, (VerifyPlan, WritePlan)):
-        return type(obj)(
-            **{
-                f.name: getattr(obj, f.name).to(device, copy=True)
-                for f in dataclasses.fields(obj)
-                if f.init
-            }
-        )
+        return clone_dataclass_tensors(obj, device)
     return obj
 
 

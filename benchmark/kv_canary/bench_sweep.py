@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import pathlib
+import sys
 import time
 
 import torch
@@ -33,10 +35,8 @@ from sglang.jit_kernel.kv_canary.types import DeepFingerprintTable
 from sglang.srt.kv_canary.pool_patcher.layer_columns import layer_columns
 from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
 from sglang.srt.kv_canary.capacities import SWEEP_CHUNK_CAPACITY
-from sglang.srt.kv_canary.state import CanaryDeviceState
 from sglang.srt.kv_canary.sweep_plan_builder import build_verify_plan_radix_sweep
 from sglang.jit_kernel.kv_canary.verify import (
-    VerifyOrWriteContext,
     VerifyPlan,
     launch_canary_verify_kernel,
 )
@@ -45,6 +45,12 @@ from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import use_test_support  # noqa: E402  (a sibling module)
+
+use_test_support()
+from canary_testlib import make_context  # noqa: E402
 
 PREFIX, BRANCH, BRANCHES = 512, 256, 4
 
@@ -94,27 +100,21 @@ def build(tokens: int, device, head_num=8, head_dim=128, layers=1):
     return pool, cache, seqs
 
 
-def make_context(pool, state, mode):
+def sweep_context(pool, mode):
+    """The sweep's context over layer 0's K rows: a ring of 64 rows, the chain-position
+    check off (as a freshly allocated device state has it)."""
+    k = pool.k_buffer[0]
     src = RealKvSource(
-        tensor=pool.k_buffer[0],
-        page_size=1,
-        num_bytes_per_token=pool.k_buffer[0][0].nbytes,
-        read_bytes=pool.k_buffer[0][0].nbytes,
+        tensor=k, page_size=1, num_bytes_per_token=k[0].nbytes, read_bytes=k[0].nbytes
     )
-    slot_c, kern_c = state.counters_for(CanaryLaunchTag.SWEEP_K_FULL)
-    buf = torch.zeros(
-        pool.k_buffer[0].shape[0], 32, dtype=torch.uint8, device=pool.k_buffer[0].device
-    )
-    return VerifyOrWriteContext(
-        canary_buf=buf,
-        kernel_kind=CanaryLaunchTag.SWEEP_K_FULL,
-        violation_ring=state.violation_log.violation_ring,
-        violation_write_index=state.violation_log.violation_write_index,
-        slot_run_counter=slot_c,
-        kernel_run_counter=kern_c,
-        real_kv_sources=(src,) if mode else (),
-        real_kv_hash_mode=mode,
-        enable_chain_position_assert=state.enable_chain_position_assert,
+    return make_context(
+        k.shape[0],
+        device=k.device,
+        kind=CanaryLaunchTag.SWEEP_K_FULL,
+        sources=(src,) if mode else (),
+        mode=mode,
+        ring_capacity=64,
+        chain_assert=0,
     )
 
 
@@ -229,8 +229,7 @@ def main():
     for n in tokens:
         pool, cache, seqs = build(n, device, *head, layers=args.layers)
         for mode in (RealKvHashMode.NONE, RealKvHashMode.PARTIAL, RealKvHashMode.ALL):
-            state = CanaryDeviceState.allocate(ring_capacity=64, device=device)
-            ctx = make_context(pool, state, mode)
+            ctx = sweep_context(pool, mode)
             write_records(ctx, seqs, device)
             plan = VerifyPlan.allocate(
                 verify_capacity=min(SWEEP_CHUNK_CAPACITY, n + 16), device=device
@@ -249,7 +248,7 @@ def main():
                     for _ in range(1 if args.smoke else 5)
                 )
                 deep_ms = f"{deep[len(deep) // 2]:.2f}"
-            viol = int(state.violation_log.violation_write_index)
+            viol = int(ctx.violation_write_index)
             if viol:
                 raise SystemExit(f"clean cache reported {viol} violations")
             lines.append(

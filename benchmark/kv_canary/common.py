@@ -1,7 +1,7 @@
 """What the KV-canary benchmarks share (docs/user_guide.md, "Overhead"): the model shapes
 (dummy weights, a ``config.json`` each), the scenarios, the canary configs and the Engine
 settings every config is served with, the inputs of a scenario's run, sglang's own prefill
-time of a request, and the JSON-lines helpers. Imported by ``bench_serving_overhead.py``,
+time of a request, the JSON-lines helpers and a CUDA-event timer. Imported by ``bench_serving_overhead.py``,
 ``bench_interleaved.py`` and ``bench_prefill_device_time.py``."""
 
 from __future__ import annotations
@@ -355,6 +355,30 @@ def read_jsonl(paths: Sequence[str]) -> list[dict]:
         with open(p) as f:
             records += [json.loads(line) for line in f if line.strip()]
     return records
+
+
+# ---- GPU timing ---------------------------------------------------------------------------------
+
+
+def cuda_event_ms(fn, reps: int, *, warmup: int = 0) -> list[float]:
+    """The device time of each of ``reps`` calls of ``fn``, in ms, each call between two CUDA
+    events on the current stream; first ``warmup`` untimed calls and a synchronize (none
+    when 0)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    if warmup:
+        torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return out
 
 
 # ---- torch profiler traces ----------------------------------------------------------------------
