@@ -137,10 +137,10 @@ MUTANTS_PATHS = (
     Mutant(
         id="eager-graphs-stale-rows-kept",
         path=f"{_RT}/plan_input.py",
-        old='            dst.append(self.req_pool_indices[bs : self._rows_filled])\n            src.append(self._zeros[: self._rows_filled - bs])\n',
-        new='            pass\n',
+        old="            put(rows + 8 * bs, self._rows_filled - bs, STAGE_OP_FILL, 0, 0)\n",
+        new="            pass\n",
         selection=f"{_T}/test_eager_graphs.py::"
-        "test_fill_padded_zeroes_only_the_rows_a_larger_batch_left "
+        "test_staging_zeroes_only_the_rows_a_larger_batch_left "
         f"{_T}/test_eager_graphs.py::"
         "test_static_padded_inputs_leave_the_same_records_as_the_batch_tensors",
         speed="quick",
@@ -149,8 +149,8 @@ MUTANTS_PATHS = (
     Mutant(
         id="eager-graphs-stale-slots-kept",
         path=f"{_RT}/single_forward_manager/eager_graphs.py",
-        old='            dst.append(self.out_cache_loc[n : self._tokens_filled])\n            src.append(self._zeros[: self._tokens_filled - n])\n',
-        new='            pass\n',
+        old="            put(slots + 8 * n, self._tokens_filled - n, STAGE_OP_FILL, 0, 0)\n",
+        new="            pass\n",
         selection=f"{_T}/test_eager_graphs.py::"
         "test_a_smaller_batch_pads_the_rows_and_slots_a_larger_one_left",
         speed="quick",
@@ -159,8 +159,8 @@ MUTANTS_PATHS = (
     Mutant(
         id="eager-graphs-positions-unstaged",
         path=f"{_RT}/single_forward_manager/eager_graphs.py",
-        old="leading(forward_batch.positions, n),\n",
-        new="self.positions[:n],\n",
+        old='        put(positions, n, *stage_source(forward_batch.positions, n, "positions", index))\n',
+        new="",
         selection=f"{_T}/test_eager_graphs.py::"
         "test_static_padded_inputs_leave_the_same_records_as_the_batch_tensors",
         speed="quick",
@@ -177,14 +177,44 @@ MUTANTS_PATHS = (
         what="an eager forward's graph does not scatter the staged token history",
     ),
     Mutant(
-        id="copy-pairs-drops-conversions",
+        id="stage-source-int32-read-as-int64",
         path=f"{_RT}/plan_input.py",
-        old="    if conv_d:\n        torch._foreach_copy_(conv_d, conv_s)\n",
-        new="",
+        old="    return (STAGE_A_INT32 if dtype is torch.int32 else STAGE_OP_COPY), t.data_ptr()\n",
+        new="    return STAGE_OP_COPY, t.data_ptr()\n",
         selection=f"{_T}/test_eager_graphs.py::"
         "test_plan_input_normalises_each_mode_from_sglang_dtypes",
         speed="quick",
-        what="the staging copies skip sglang's int32 lengths",
+        what="the staging table reads sglang's int32 lengths as int64",
+    ),
+    Mutant(
+        id="stage-kernel-int32-b-read-as-int64",
+        path=f"{_KN}/stage_inputs.py",
+        old="                    if (kind & B_INT32) != 0:\n",
+        new="                    if (kind & B_INT32) == 12345:\n",
+        selection=f"{_T}/test_eager_graphs.py::"
+        "test_the_staging_kernel_and_its_reference_stage_the_same_values",
+        speed="quick",
+        what="the staging kernel's differences read an int32 second source as int64",
+    ),
+    Mutant(
+        id="snapshot-buffer-reused-while-held",
+        path=f"{_RT}/token_history.py",
+        old="        return (user is None or user() is None) and (copy is None or copy.query())\n",
+        new="        return copy is None or copy.query()\n",
+        selection=f"{_T}/test_token_verify.py::"
+        "test_snapshot_buffers_are_reused_only_once_their_snapshot_is_gone",
+        speed="quick",
+        what="a token snapshot's host buffer is handed out while the snapshot may be uploaded",
+    ),
+    Mutant(
+        id="pd-transfer-after-the-first-read",
+        path=f"{_RT}/perturb/perturber.py",
+        old="            if row is not None and id(req) not in read and not self._faked_transfer(req)\n",
+        new="            if row is not None and not self._faked_transfer(req)\n",
+        selection=f"{_T}/test_perturb_oracle.py::"
+        "test_pd_transfer_fault_hits_a_prefix_at_its_first_read_and_is_caught_there",
+        speed="quick",
+        what="the pd_transfer fault lands after the received prefix was first read",
     ),
     # ---- session 8: packed read-back, packed token upload -------------------------------------
     Mutant(

@@ -17,7 +17,17 @@ import pytest
 import torch
 
 from serving_driver import ServingDriver
+from sglang.jit_kernel.kv_canary import _launch
+from sglang.jit_kernel.kv_canary.consts import (
+    STAGE_A_INT32,
+    STAGE_B_INT32,
+    STAGE_OP_COPY,
+    STAGE_OP_FILL,
+    STAGE_OP_SUB,
+)
+from sglang.jit_kernel.kv_canary.stage_inputs import launch_stage_inputs_kernel
 from sglang.srt.kv_canary.plan_input import PlanInput, StaticPrefixViews
+from sglang.srt.kv_canary.single_forward_manager.eager_graphs import StageTable
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -99,17 +109,33 @@ def test_a_smaller_batch_pads_the_rows_and_slots_a_larger_one_left():
         fb.extend_prefix_lens, fb.extend_seq_lens = i64([0] * len(rows)), i64(ext)
         return fb
 
-    graphs.stage(batch([3, 4, 5], [2, 3, 2], [11, 12, 13, 14, 15, 16, 17]), num_tokens=7)
+    # the batches stay alive until their side half ran (it reads them by address)
+    first = batch([3, 4, 5], [2, 3, 2], [11, 12, 13, 14, 15, 16, 17])
+    graphs.stage(first, num_tokens=7)
+    graphs.run_side()  # the side half stages the inputs first
     assert plan_input.req_pool_indices[:4].tolist() == [3, 4, 5, 0]
     assert graphs.out_cache_loc[:8].tolist() == [11, 12, 13, 14, 15, 16, 17, 0]
-    graphs.stage(batch([6], [2], [21, 22]), num_tokens=2)
+    second = batch([6], [2], [21, 22])
+    graphs.stage(second, num_tokens=2)
+    assert plan_input.req_pool_indices[:4].tolist() == [3, 4, 5, 0]  # not before the side half
+    graphs.run_side()
     assert plan_input.req_pool_indices[:4].tolist() == [6, 0, 0, 0]
     assert graphs.out_cache_loc[:8].tolist() == [21, 22, 0, 0, 0, 0, 0, 0]
     assert graphs.input_ids[:2].tolist() == [100, 101]
     assert plan_input.extend_seq_lens[:1].tolist() == [2]
 
 
-def test_fill_padded_zeroes_only_the_rows_a_larger_batch_left():
+def _staged(pi: PlanInput, fb):
+    """Stage ``fb``'s plan input through a staging table and the staging kernel (what an eager
+    forward's side half does); the three whole buffers."""
+    table = StageTable(torch.device("cpu"))
+    pi.stage_entries(fb, table.put)
+    table.send()
+    launch_stage_inputs_kernel(table=table.device_table)
+    return pi.req_pool_indices, pi.prefix_lens, pi.extend_seq_lens
+
+
+def test_staging_zeroes_only_the_rows_a_larger_batch_left():
     pi = PlanInput(write_req_capacity=6, device="cpu")
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
 
@@ -126,11 +152,11 @@ def test_fill_padded_zeroes_only_the_rows_a_larger_batch_left():
         )
         return b
 
-    rpi, prefix, extend = pi.fill_padded(fb([2, 3, 4, 5]))
+    rpi, prefix, extend = _staged(pi, fb([2, 3, 4, 5]))
     assert rpi.shape == prefix.shape == extend.shape == (6,)
     assert rpi.tolist() == [2, 3, 4, 5, 0, 0]
-    assert pi.fill_padded(fb([7]))[0].tolist() == [7, 0, 0, 0, 0, 0]
-    assert pi.fill_padded(fb([8, 9]))[0].tolist() == [8, 9, 0, 0, 0, 0]
+    assert _staged(pi, fb([7]))[0].tolist() == [7, 0, 0, 0, 0, 0]
+    assert _staged(pi, fb([8, 9]))[0].tolist() == [8, 9, 0, 0, 0, 0]
 
 
 def _mode_batch(mode, rows, *, seq, prefix=None, ext=None, positions=None, draft=None):
@@ -195,19 +221,85 @@ MODE_CASES = {
 
 
 @pytest.mark.parametrize("mode", sorted(MODE_CASES))
-@pytest.mark.parametrize("fill", ["fill_padded", "fill_from_forward_batch"])
+@pytest.mark.parametrize("fill", ["staged", "fill_from_forward_batch"])
 def test_plan_input_normalises_each_mode_from_sglang_dtypes(mode, fill):
-    """Both fills (the padded one issues its copies as one multi-tensor copy, with int32
-    sources beside int64 ones) give each mode's prefix and extend, in int64; a second, smaller
-    batch leaves no row of the first behind in the padded rows."""
+    """Both fills (the staged one through the staging kernel's table, int32 sources beside
+    int64 ones) give each mode's prefix and extend, in int64; a second, smaller batch leaves
+    no row of the first behind in the padded rows."""
     make, prefix, extend = MODE_CASES[mode]
     pi = PlanInput(write_req_capacity=4, device="cpu")
-    pi.fill_padded(_mode_batch(ForwardMode.DECODE, [5, 6, 7], seq=[1, 1, 1], positions=[0, 0, 0]))
-    rpi, p, e = getattr(pi, fill)(make())
+    _staged(pi, _mode_batch(ForwardMode.DECODE, [5, 6, 7], seq=[1, 1, 1], positions=[0, 0, 0]))
+    rpi, p, e = _staged(pi, make()) if fill == "staged" else pi.fill_from_forward_batch(make())
     assert (p.dtype, e.dtype) == (torch.int64, torch.int64)
     assert p[:2].tolist() == prefix and e[:2].tolist() == extend
-    if fill == "fill_padded":
+    if fill == "staged":
         assert rpi.tolist() == [2, 3, 0, 0]
+
+
+def test_staging_refuses_a_batch_field_it_cannot_read_by_address():
+    """The staging kernel reads sglang's tensors through their addresses: a field that is not
+    a contiguous int32 / int64 vector on the canary's device is refused, naming it."""
+    pi = PlanInput(write_req_capacity=4, device="cpu")
+    fb = MODE_CASES["extend"][0]()
+    fb.extend_seq_lens = torch.tensor([2.0, 5.0])
+    with pytest.raises(ValueError, match="ForwardBatch.extend_seq_lens must be a contiguous"):
+        _staged(pi, fb)
+    fb = MODE_CASES["extend"][0]()
+    fb.extend_prefix_lens = torch.tensor([6, 9, 0, 9], dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match="ForwardBatch.extend_prefix_lens must be a contiguous"):
+        _staged(pi, fb)
+
+
+@pytest.mark.parametrize("interpret", [True, False])
+def test_the_staging_kernel_and_its_reference_stage_the_same_values(interpret, monkeypatch):
+    """Copies from int32 and int64 sources, fills and differences (of every source dtype
+    pair), sized past the kernel's block, entries past the count ignored: Triton's kernel (in
+    its interpreter) and the torch reference write the same values, and nothing else."""
+    monkeypatch.setattr(_launch, "TRITON_INTERPRET", interpret)
+    g = torch.Generator().manual_seed(3)
+    n = 2500  # more than one block of the kernel
+
+    def src(dtype):
+        return torch.randint(-(1 << 30), 1 << 30, (n,), generator=g).to(dtype)
+
+    a64, a32, b64, b32 = src(torch.int64), src(torch.int32), src(torch.int64), src(torch.int32)
+    outs = [torch.full((n + 3,), -7, dtype=torch.int64) for _ in range(7)]
+    table = StageTable(torch.device("cpu"))
+    table.put(outs[0].data_ptr(), n, STAGE_OP_COPY, a64.data_ptr())
+    table.put(outs[1].data_ptr(), n - 1, STAGE_OP_COPY | STAGE_A_INT32, a32.data_ptr())
+    table.put(outs[2].data_ptr(), 5, STAGE_OP_FILL, 0, -(1 << 40))
+    table.put(outs[3].data_ptr(), n, STAGE_OP_SUB, a64.data_ptr(), b64.data_ptr())
+    table.put(
+        outs[4].data_ptr(),
+        n,
+        STAGE_OP_SUB | STAGE_A_INT32 | STAGE_B_INT32,
+        a32.data_ptr(),
+        b32.data_ptr(),
+    )
+    table.put(outs[5].data_ptr(), n, STAGE_OP_SUB | STAGE_B_INT32, a64.data_ptr(), b32.data_ptr())
+    table.put(outs[6].data_ptr(), 0, STAGE_OP_FILL, 0, 1)  # nothing: no entry
+    table.send()
+    launch_stage_inputs_kernel(table=table.device_table)
+    i64 = torch.int64
+    expected = [
+        a64,
+        a32[: n - 1].to(i64),
+        torch.full((5,), -(1 << 40), dtype=i64),
+        a64 - b64,
+        a32.to(i64) - b32.to(i64),
+        a64 - b32.to(i64),
+        torch.zeros(0, dtype=i64),
+    ]
+    for out, want in zip(outs, expected):
+        k = want.shape[0]
+        assert torch.equal(out[:k], want)
+        assert out[k:].eq(-7).all()
+    # a table of fewer entries: the entries past its count are left alone
+    table.put(outs[0].data_ptr(), 3, STAGE_OP_FILL, 0, 9)
+    table.send()
+    table.send()  # the other host table: a count of 0
+    launch_stage_inputs_kernel(table=table.device_table)
+    assert torch.equal(outs[0][:n], a64)
 
 
 def test_static_prefix_views_are_the_buffers_own_and_bounded():

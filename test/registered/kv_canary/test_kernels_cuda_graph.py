@@ -295,5 +295,47 @@ def test_packed_token_scatter_replays_with_the_buffer_refilled():
         assert lens.cpu().tolist() == [length for _, length, _ in step] + [0] * (BS - len(step))
 
 
+def test_the_staging_kernel_replays_with_the_table_rewritten():
+    """The staging kernel captured once, replayed after each staging table's copy to the
+    device (two host tables in turn, as an eager forward stages): every replay stages the
+    sources of its own table (int32 and int64 copies, fills, differences, a shorter batch
+    leaving the rest of the destination as the earlier one wrote it)."""
+    from sglang.jit_kernel.kv_canary.consts import (
+        STAGE_A_INT32,
+        STAGE_OP_COPY,
+        STAGE_OP_FILL,
+        STAGE_OP_SUB,
+    )
+    from sglang.jit_kernel.kv_canary.stage_inputs import launch_stage_inputs_kernel
+    from sglang.srt.kv_canary.single_forward_manager.eager_graphs import StageTable
+
+    dev = torch.device("cuda")
+    table = StageTable(dev)
+    dst = [torch.full((3000,), -1, dtype=torch.int64, device=dev) for _ in range(3)]
+    launch_stage_inputs_kernel(table=table.device_table)  # compile (0 entries)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch_stage_inputs_kernel(table=table.device_table)
+    gen = torch.Generator().manual_seed(5)
+    expected = [torch.full((3000,), -1, dtype=torch.int64) for _ in range(3)]
+    for n in (3000, 17, 2049, 1):
+        a32 = torch.randint(0, 1 << 30, (n,), generator=gen, dtype=torch.int32).to(dev)
+        a64 = torch.randint(0, 1 << 40, (n,), generator=gen).to(dev)
+        table.put(dst[0].data_ptr(), n, STAGE_OP_COPY | STAGE_A_INT32, a32.data_ptr())
+        table.put(
+            dst[1].data_ptr(), n, STAGE_OP_SUB | STAGE_A_INT32, a32.data_ptr(), a64.data_ptr()
+        )
+        table.put(dst[2].data_ptr(), n, STAGE_OP_FILL, 0, n)
+        table.send()
+        graph.replay()
+        torch.cuda.synchronize()
+        expected[0][:n] = a32.cpu().to(torch.int64)
+        expected[1][:n] = a32.cpu().to(torch.int64) - a64.cpu()
+        expected[2][:n] = n
+        for got, want in zip(dst, expected):
+            assert torch.equal(got.cpu(), want)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

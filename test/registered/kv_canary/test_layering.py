@@ -90,6 +90,7 @@ LAYERS = (
         f"{K}.plan",
         f"{K}.plan.api",
         f"{K}.scatter_req_token_ids",
+        f"{K}.stage_inputs",
         f"{K}.deep",
         f"{K}.rows",
     ),

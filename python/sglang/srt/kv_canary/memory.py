@@ -20,7 +20,7 @@ import dataclasses
 import enum
 from typing import Dict, Tuple
 
-from sglang.jit_kernel.kv_canary.consts import VIOLATION_NUM_FIELDS
+from sglang.jit_kernel.kv_canary.consts import STAGE_TABLE_NUMEL, VIOLATION_NUM_FIELDS
 from sglang.jit_kernel.kv_canary.types import (
     CANARY_SLOT_BYTES,
     NUM_CANARY_LAUNCH_TAGS,
@@ -33,6 +33,7 @@ from sglang.jit_kernel.kv_canary.consts import (
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import (
     REPLAY_TOKENS_PER_REQUEST,
+    SNAPSHOT_HOST_BUFFERS,
     SWEEP_CHUNK_CAPACITY,
     CanaryLaunchCapacities,
 )
@@ -41,10 +42,12 @@ _I64 = 8
 _I32 = 4
 # VerifyPlan: five int64 entry arrays, plus its int32 count and enable flag
 _VERIFY_PLAN_ARRAYS = 5
-# PlanInput: prefix_lens, extend_seq_lens, req_pool_indices and its two constant fills
-_PLAN_INPUT_ARRAYS = 5
-# EagerForwardGraphs: input_ids, positions, out_cache_loc and a zero fill (CUDA only)
-_EAGER_GRAPH_ARRAYS = 4
+# PlanInput: prefix_lens, extend_seq_lens, req_pool_indices and its constant fill of ones
+_PLAN_INPUT_ARRAYS = 4
+# EagerForwardGraphs (CUDA only): input_ids, positions, out_cache_loc; its staging table on
+# the device and two on the host
+_EAGER_GRAPH_ARRAYS = 3
+_STAGE_TABLE_BYTES = STAGE_TABLE_NUMEL * _I64
 
 
 class MemoryPart(enum.Enum):
@@ -215,13 +218,16 @@ class CanaryMemory:
                 + len(groups) * _I32  # plan_enabled
                 + entries * _I64  # forward_slots
                 + (2 * entries * _I64 if inputs.write_input_check else 0)  # ExpectedInputs
-                + (_EAGER_GRAPH_ARRAYS * entries * _I64 if inputs.cuda else 0),
+                + (_EAGER_GRAPH_ARRAYS * entries * _I64 + _STAGE_TABLE_BYTES if inputs.cuda else 0),
             )
+            if inputs.cuda:
+                add(host, MemoryPart.FORWARD_INPUTS, 2 * _STAGE_TABLE_BYTES)
         if inputs.token_checks:
             rows, cols = inputs.req_to_token_shape
             replay = packed_tokens_numel(reqs, max(REPLAY_TOKENS_PER_REQUEST * reqs, entries))
             add(device, MemoryPart.TOKEN_TABLE, rows * cols * _I32 + replay * _I64)
-            add(host, MemoryPart.TOKEN_TABLE, _I64)  # the empty upload's header
+            # the empty upload's header and the snapshots' reused host buffers
+            add(host, MemoryPart.TOKEN_TABLE, _I64 + SNAPSHOT_HOST_BUFFERS * replay * _I64)
         if inputs.sweep:
             add(device, MemoryPart.SWEEP, _verify_plan_bytes(SWEEP_CHUNK_CAPACITY))
         counters = 2 * NUM_CANARY_LAUNCH_TAGS * _I64

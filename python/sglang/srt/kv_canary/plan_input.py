@@ -7,12 +7,23 @@ device copies between static tensors, no allocation, no host sync.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from sglang.jit_kernel.kv_canary.consts import (
+    STAGE_A_INT32,
+    STAGE_B_INT32,
+    STAGE_OP_COPY,
+    STAGE_OP_FILL,
+    STAGE_OP_SUB,
+)
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.sglang_seam import ForwardMode
+
+# a staging table's entry: (destination address, element count, kind, source A, source B or
+# the fill value): consts.STAGE_*
+StagePut = Callable[[int, int, int, int, int], None]
 
 
 class StaticPrefixViews:
@@ -42,28 +53,9 @@ def leading(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if t.shape[0] == n else t[:n]
 
 
-def copy_pairs(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for every i, as few launches as torch allows: the pairs of one
-    dtype as one ``torch._foreach_copy_`` (its multi-tensor fast path takes only lists of one
-    dtype; a mixed list falls back to a copy per pair), the converting ones (sglang's int32
-    lengths into int64 buffers) as a second."""
-    same_d, same_s, conv_d, conv_s = [], [], [], []
-    for d, s_ in zip(dst, src):
-        if d.dtype == s_.dtype:
-            same_d.append(d)
-            same_s.append(s_)
-        else:
-            conv_d.append(d)
-            conv_s.append(s_)
-    if same_d:
-        torch._foreach_copy_(same_d, same_s)
-    if conv_d:
-        torch._foreach_copy_(conv_d, conv_s)
-
-
 class PlanInput:
     """Static ``prefix_lens`` / ``extend_seq_lens`` / ``req_pool_indices`` int64
-    ``[write_req_capacity]`` buffers (``req_pool_indices``: only for :meth:`fill_padded`).
+    ``[write_req_capacity]`` buffers (``req_pool_indices``: only for :meth:`stage_entries`).
 
     Normalisation (docs/architecture.md, "Runtime"): decode / idle → prefix = positions, extend
     = 1; extend / mixed →
@@ -77,14 +69,20 @@ class PlanInput:
         self.prefix_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
         self.extend_seq_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
         self.req_pool_indices = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
-        # sources of the constant fills (decode's extend of 1, the padding rows' index 0)
+        # the source of decode's extend of 1 (fill_from_forward_batch's copies)
         self._ones = torch.ones(write_req_capacity, dtype=torch.int64, device=device)
-        self._zeros = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
         self._views = StaticPrefixViews(
             self.prefix_lens, self.extend_seq_lens, self.req_pool_indices, self._ones
         )
         # rows [0, _rows_filled) of req_pool_indices hold a batch's rows; the rest are 0
         self._rows_filled = 0
+        # the staging table's destinations
+        self._addresses = (
+            self.prefix_lens.data_ptr(),
+            self.extend_seq_lens.data_ptr(),
+            self.req_pool_indices.data_ptr(),
+        )
+        self._device_index = self.prefix_lens.get_device()
 
     def _plan_copies(
         self, forward_batch, bs: int, dst: List[torch.Tensor], src: List[torch.Tensor]
@@ -131,37 +129,70 @@ class PlanInput:
         prefix, extend, _, _ = self._views(bs)
         return rpi, prefix, extend
 
-    def padded_copies(
-        self, forward_batch, dst: List[torch.Tensor], src: List[torch.Tensor]
-    ) -> None:
-        """What :meth:`fill_padded` copies, appended to ``dst`` / ``src`` for the caller to
-        issue together with its own copies through :func:`copy_pairs`. The modes whose values
-        are no copy are filled at once; the rows a larger earlier batch left are reset from a
-        zero buffer. Host-known sizes, no sync. Not for use inside a capture."""
+    def stage_entries(self, forward_batch, put: "StagePut") -> None:
+        """The staging table's entries (``put(dst_address, numel, kind, a, b)``: see
+        ``consts.STAGE_*``) that fill the three buffers as :meth:`fill_from_forward_batch`
+        would, with the batch's ``req_pool_indices`` in the static buffer and the rows past
+        the batch reset to 0 (padding rows: no verify entries, no writes, whatever their
+        prefix and extend). What a launch sequence captured once for every batch reads
+        (:class:`~sglang.srt.kv_canary.single_forward_manager.eager_graphs.EagerForwardGraphs`).
+        Host only: addresses, no launch."""
+        mode = forward_batch.forward_mode
         rpi = forward_batch.req_pool_indices
         bs = rpi.shape[0]
-        self._plan_copies(forward_batch, bs, dst, src)
-        dst.append(self._views(bs)[2])
-        src.append(rpi)
+        prefix, extend, rows = self._addresses
+        source = self._source
+        if mode in (ForwardMode.DECODE, ForwardMode.IDLE):
+            put(prefix, bs, *source(forward_batch.positions, bs, "positions"))
+            put(extend, bs, STAGE_OP_FILL, 0, 1)
+        elif mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+            put(prefix, bs, *source(forward_batch.extend_prefix_lens, bs, "extend_prefix_lens"))
+            put(extend, bs, *source(forward_batch.extend_seq_lens, bs, "extend_seq_lens"))
+        elif mode == ForwardMode.TARGET_VERIFY:
+            put(prefix, bs, *source(forward_batch.seq_lens, bs, "seq_lens"))
+            put(extend, bs, STAGE_OP_FILL, 0, sglang_seam.draft_token_num(forward_batch))
+        elif mode in (ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2):
+            kind_a, seq = source(forward_batch.seq_lens, bs, "seq_lens")
+            kind_b, ext = source(forward_batch.extend_seq_lens, bs, "extend_seq_lens")
+            int32_b = STAGE_B_INT32 if kind_b & STAGE_A_INT32 else 0
+            put(prefix, bs, STAGE_OP_SUB | (kind_a & STAGE_A_INT32) | int32_b, seq, ext)
+            put(extend, bs, kind_b, ext)
+        else:
+            raise NotImplementedError(
+                f"kv_canary does not support forward mode {mode.name}; supported: DECODE, IDLE, "
+                "EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2"
+            )
+        put(rows, bs, *source(rpi, bs, "req_pool_indices"))
         if self._rows_filled > bs:
-            dst.append(self.req_pool_indices[bs : self._rows_filled])
-            src.append(self._zeros[: self._rows_filled - bs])
+            put(rows + 8 * bs, self._rows_filled - bs, STAGE_OP_FILL, 0, 0)
         self._rows_filled = bs
 
-    def fill_padded(self, forward_batch) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fill like :meth:`fill_from_forward_batch`, and copy the batch's
-        ``req_pool_indices`` into the static buffer; returns the three whole buffers
-        (``[write_req_capacity]``): rows past the batch are padding rows
-        (``req_pool_indices`` 0: no verify entries, no writes, whatever their prefix and
-        extend). What a launch sequence captured once for every batch reads
-        (:class:`~sglang.srt.kv_canary.single_forward_manager.eager_graphs.EagerForwardGraphs`,
-        which issues :meth:`padded_copies` with its own). Device copies only; host-known
-        sizes, no sync. Not for use inside a capture."""
-        dst: List[torch.Tensor] = []
-        src: List[torch.Tensor] = []
-        self.padded_copies(forward_batch, dst, src)
-        copy_pairs(dst, src)
-        return self.req_pool_indices, self.prefix_lens, self.extend_seq_lens
+    def _source(self, t: torch.Tensor, n: int, name: str) -> Tuple[int, int]:
+        """``(kind, address)`` of a copy from the first ``n`` elements of sglang's ``t``;
+        raises ``ValueError`` naming the field unless they are int32 / int64, contiguous and
+        on the canary's device (the staging kernel reads them through their address)."""
+        return stage_source(t, n, name, self._device_index)
+
+
+def stage_source(t: torch.Tensor, n: int, name: str, device_index: int) -> Tuple[int, int]:
+    """``(kind, address)`` of a staging copy from the first ``n`` elements of ``t`` (a
+    ``ForwardBatch`` field named ``name``): ``STAGE_OP_COPY``, with ``STAGE_A_INT32`` for an
+    int32 source. Raises ``ValueError`` naming the field unless ``t`` is a 1-D int32 / int64
+    tensor of at least ``n`` contiguous elements on device ``device_index`` (-1: the CPU)."""
+    dtype = t.dtype
+    if (
+        (dtype is not torch.int64 and dtype is not torch.int32)
+        or t.dim() != 1
+        or t.shape[0] < n
+        or (n > 1 and t.stride(0) != 1)
+        or t.get_device() != device_index
+    ):
+        raise ValueError(
+            f"kv_canary: ForwardBatch.{name} must be a contiguous 1-D int32 or int64 tensor of "
+            f"at least {n} elements on the canary's device (index {device_index}, -1: CPU); got "
+            f"{dtype}, shape {tuple(t.shape)}, stride {tuple(t.stride())}, device {t.device}"
+        )
+    return (STAGE_A_INT32 if dtype is torch.int32 else STAGE_OP_COPY), t.data_ptr()
 
 
 def host_prefix_extend(forward_batch) -> Tuple[list, list, list]:

@@ -3,13 +3,15 @@ sglang's decode graphs) on static, padded inputs, replayed from two CUDA graphs 
 per single-forward manager (docs/architecture.md, "One forward").
 
 Caller: :class:`SingleForwardManager`, after ``enable_static_eager_launches`` (on CUDA at
-``mark_init_finished``). :meth:`~EagerForwardGraphs.stage` copies the forward's inputs into
-buffers of the canary's capacities; :meth:`~EagerForwardGraphs.run_side` (side stream, from the
-fork) and :meth:`~EagerForwardGraphs.run_tail` (forward stream, after the join) replay the two
-halves. :meth:`~EagerForwardGraphs.capture` (start-up only; syncs) runs both once on
-all-padding inputs (compiles, writes no record), then captures them. Without CUDA
-(``capture_graphs=False``: the CPU tests) the halves launch directly on the same static inputs.
-Staging and replays neither allocate nor sync.
+``mark_init_finished``). :meth:`~EagerForwardGraphs.stage` writes the addresses of the forward's
+inputs into a staging table (:class:`StageTable`, one host→device copy); the side half begins
+with the staging kernel, which copies them into buffers of the canary's capacities.
+:meth:`~EagerForwardGraphs.run_side` (side stream, from the fork) and
+:meth:`~EagerForwardGraphs.run_tail` (forward stream, after the join) replay the two halves.
+:meth:`~EagerForwardGraphs.capture` (start-up only; syncs) runs both once on all-padding inputs
+(compiles, writes no record), then captures them. Without CUDA (``capture_graphs=False``: the
+CPU tests) the halves launch directly on the same static inputs. Staging and replays neither
+allocate nor sync.
 """
 
 from __future__ import annotations
@@ -20,18 +22,66 @@ import torch
 
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
-from sglang.srt.kv_canary.plan_input import (
-    PlanInput,
-    StaticPrefixViews,
-    copy_pairs,
-    leading,
+from sglang.jit_kernel.kv_canary.consts import (
+    STAGE_ENTRY_FIELDS,
+    STAGE_HEADER,
+    STAGE_MAX_ENTRIES,
+    STAGE_NUM_ENTRIES,
+    STAGE_OP_FILL,
+    STAGE_TABLE_NUMEL,
 )
+from sglang.jit_kernel.kv_canary.stage_inputs import launch_stage_inputs_kernel
+from sglang.srt.kv_canary.plan_input import PlanInput, stage_source
 from sglang.srt.kv_canary.single_forward_manager.launches import ForwardLaunchInputs
 
 if TYPE_CHECKING:
     from sglang.srt.kv_canary.sglang_seam import ForwardBatch
 
 Launches = Callable[[ForwardLaunchInputs], None]
+
+
+class StageTable:
+    """The staging kernel's table of one :class:`EagerForwardGraphs` (layout:
+    ``consts.STAGE_*``): :meth:`put` adds an entry of the forward being staged, :meth:`send`
+    writes them into one of two host tables (pinned on CUDA) and queues its copy into
+    :attr:`device_table` on the current stream. A host table is written again two stagings
+    later, when the read-back of the forward that sent it has been consumed (its copy ran
+    before that forward's side half); should that copy still be pending (a forward aborted
+    in between), :meth:`send` waits for it. Allocation-free."""
+
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
+        self.device_table = torch.zeros(STAGE_TABLE_NUMEL, dtype=torch.int64, device=device)
+        self._host = [
+            torch.zeros(STAGE_TABLE_NUMEL, dtype=torch.int64, pin_memory=cuda) for _ in range(2)
+        ]
+        self._host_words = [h.numpy() for h in self._host]
+        self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._flip = 0
+        self._words: List[int] = []
+
+    def put(self, dst: int, numel: int, kind: int, a: int = 0, b: int = 0) -> None:
+        """An entry: ``numel`` int64 elements at address ``dst`` (none: no entry)."""
+        if numel > 0:
+            self._words += (dst, a, b, numel, kind)
+
+    def send(self) -> None:
+        words, self._words = self._words, []
+        count = len(words) // STAGE_ENTRY_FIELDS
+        if count > STAGE_MAX_ENTRIES:  # the callers' entries are fixed: a bug, not an input
+            raise RuntimeError(
+                f"kv_canary: {count} staging entries for a table of {STAGE_MAX_ENTRIES}"
+            )
+        flip = self._flip
+        self._flip ^= 1
+        if self._copied is not None and not self._copied[flip].query():
+            self._copied[flip].synchronize()
+        host = self._host_words[flip]
+        host[STAGE_NUM_ENTRIES] = count
+        host[STAGE_HEADER : STAGE_HEADER + len(words)] = words
+        self.device_table.copy_(self._host[flip], non_blocking=True)
+        if self._copied is not None:
+            self._copied[flip].record()
 
 
 class EagerForwardGraphs:
@@ -59,9 +109,14 @@ class EagerForwardGraphs:
         self.input_ids = torch.zeros(cap, dtype=torch.int64, device=device)
         self.positions = torch.zeros(cap, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(cap, dtype=torch.int64, device=device)
-        self._zeros = torch.zeros(cap, dtype=torch.int64, device=device)
-        self._token_views = StaticPrefixViews(self.input_ids, self.positions, self.out_cache_loc)
+        self._addresses = (
+            self.input_ids.data_ptr(),
+            self.positions.data_ptr(),
+            self.out_cache_loc.data_ptr(),
+        )
+        self._device_index = self.input_ids.get_device()
         self._tokens_filled = 0  # entries [0, _tokens_filled) hold an earlier forward's slots
+        self._table = StageTable(torch.device(device))
         self.inputs = ForwardLaunchInputs(
             req_pool_indices=plan_input.req_pool_indices,
             prefix_lens=plan_input.prefix_lens,
@@ -93,44 +148,50 @@ class EagerForwardGraphs:
         stream = self._side_stream
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):  # warm-up: compile, no record written
-            self._side_launches(self.inputs)
+            self._side_half()
             self._tail_launches(self.inputs)
         torch.cuda.synchronize(stream.device)
         side, tail = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA call cannot break the capture
         with torch.cuda.graph(side, stream=stream, capture_error_mode="thread_local"):
-            self._side_launches(self.inputs)
+            self._side_half()
         with torch.cuda.graph(tail, capture_error_mode="thread_local"):
             self._tail_launches(self.inputs)
         self._side_graph, self._tail_graph = side, tail
 
     def stage(self, forward_batch: "ForwardBatch", num_tokens: int) -> None:
-        """Copy the forward's inputs into the static buffers (on the current stream: the side
-        stream, after the fork point): :func:`copy_pairs` of the plan input, the
-        tokens, positions and slots, and the reset of the slots an earlier, larger forward
-        left. ``num_tokens``: the forward's token count (its ``out_cache_loc`` length)."""
-        dst: List[torch.Tensor] = []
-        src: List[torch.Tensor] = []
-        self._plan_input.padded_copies(forward_batch, dst, src)
+        """Stage the forward's inputs (on the current stream: the side stream, after the fork
+        point): the staging table's entries of the plan input
+        (:meth:`PlanInput.stage_entries`), the tokens, positions and slots, and the reset of
+        the slots an earlier, larger forward left; then its one host→device copy.
+        ``num_tokens``: the forward's token count (its ``out_cache_loc`` length). Raises
+        ``ValueError`` naming a batch field the kernel cannot read (not contiguous int32 /
+        int64 on the canary's device)."""
+        table = self._table
+        put = table.put
+        self._plan_input.stage_entries(forward_batch, put)
         n = num_tokens
-        dst += self._token_views(n)
-        src += (
-            leading(forward_batch.input_ids, n),
-            leading(forward_batch.positions, n),
-            forward_batch.out_cache_loc,
-        )
+        ids, positions, slots = self._addresses
+        index = self._device_index
+        put(ids, n, *stage_source(forward_batch.input_ids, n, "input_ids", index))
+        put(positions, n, *stage_source(forward_batch.positions, n, "positions", index))
+        put(slots, n, *stage_source(forward_batch.out_cache_loc, n, "out_cache_loc", index))
         if self._tokens_filled > n:
-            dst.append(self.out_cache_loc[n : self._tokens_filled])
-            src.append(self._zeros[: self._tokens_filled - n])
-        copy_pairs(dst, src)
+            put(slots + 8 * n, self._tokens_filled - n, STAGE_OP_FILL, 0, 0)
+        table.send()
         self._tokens_filled = n
+
+    def _side_half(self) -> None:
+        """The side half's launches: the staging kernel, then ``side_launches``."""
+        launch_stage_inputs_kernel(table=self._table.device_table)
+        self._side_launches(self.inputs)
 
     def run_side(self) -> None:
         """The side half on the staged inputs (a replay once captured)."""
         if self._side_graph is not None:
             self._side_graph.replay()
         else:
-            self._side_launches(self.inputs)
+            self._side_half()
 
     def run_tail(self) -> None:
         """The tail half on the staged inputs (a replay once captured)."""
