@@ -265,7 +265,7 @@ def test_a_snapshot_buffer_waits_for_its_copy_to_the_device():
     up = TokenHistoryUploader(
         torch.full((4, 64), -1, dtype=torch.int32, device="cuda"), replay_rows=4, replay_tokens=8
     )
-    buffers = up.rows.buffers = SnapshotHostBuffers(slots=1, pin=True)
+    buffers = up.rows.buffers = SnapshotHostBuffers(slots=1, numel=64, pin=True)
     lens = torch.zeros(4, dtype=torch.int64, device="cuda")
     state = CanaryBatchState()
     up.snapshot(state, [req(list(range(10, 50)), 1)])

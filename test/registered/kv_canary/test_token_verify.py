@@ -174,8 +174,9 @@ def test_pack_refuses_pieces_that_disagree_with_the_segments():
 def test_snapshot_buffers_are_reused_only_once_their_snapshot_is_gone():
     """A snapshot keeps its buffer slot while it exists (a batch run again uploads it again):
     later snapshots never write into it; once it is dropped its slot is handed out again,
-    the same storage, and a snapshot that finds every slot taken gets a buffer of its own."""
-    buffers = SnapshotHostBuffers(slots=2, pin=False)
+    the same storage; a snapshot that finds every slot taken, or that is larger than a slot,
+    gets a buffer of its own."""
+    buffers = SnapshotHostBuffers(slots=2, numel=64, pin=False)
     rows = ExpectedTokenRows(8, buffers=buffers)
     a = rows.snapshot([_req([1, 2, 3], [4])])
     b = rows.snapshot([_req([5, 6], [])])
@@ -189,11 +190,13 @@ def test_snapshot_buffers_are_reused_only_once_their_snapshot_is_gone():
     assert d.buffer_slot == slot and d.packed.data_ptr() == storage
     assert b.flat.tolist() == [5, 6] and c.flat.tolist() == [7, 8, 9, 10, 11, 12]
     assert d.flat.tolist() == [13, 14, 15] and d.lens.tolist() == [3]
-    # a snapshot larger than its slot grows it; the packed view has the snapshot's length
     del b
-    e = rows.snapshot([_req(range(5000), [])])
-    assert e.buffer_slot >= 0 and e.packed.numel() == 3 + 1 + 5000
-    assert e.flat.tolist() == list(range(5000))
+    e = rows.snapshot([_req(range(60), [])])  # 1 + 3 + 60 words: fits a slot
+    assert e.buffer_slot >= 0 and e.packed.numel() == 64 and e.flat.tolist() == list(range(60))
+    del e
+    f = rows.snapshot([_req(range(61), [])])  # one word too many
+    assert f.buffer_slot == -1 and buffers.own_buffers == 2
+    assert f.flat.tolist() == list(range(61))
 
 
 def test_upload_is_one_host_to_device_copy(monkeypatch):

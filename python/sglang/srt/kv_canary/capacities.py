@@ -22,6 +22,9 @@ SWEEP_CHUNK_CAPACITY = 1 << 20
 # forward's graph scatters (a prefill chunk's new tokens). A larger upload goes by its own
 # launch before the replay.
 REPLAY_TOKENS_PER_REQUEST = 8
+# token checks: the host buffers token-id snapshots are packed into, each of the replay
+# buffer's size (a forward's snapshot, the next batch's, and those batches sglang still holds)
+SNAPSHOT_HOST_BUFFERS = 8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,12 +38,9 @@ from sglang.jit_kernel.kv_canary.consts import (
     packed_tokens_numel,
 )
 from sglang.srt.kv_canary.batch_state import CanaryBatchState
+from sglang.srt.kv_canary.capacities import SNAPSHOT_HOST_BUFFERS
 
 logger = logging.getLogger(__name__)
-
-# host buffers the uploader's snapshots reuse: a forward's, the next batch's (sglang builds it
-# while the forward runs) and those still held by batches sglang keeps a while
-SNAPSHOT_HOST_BUFFERS = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,21 +152,27 @@ class TokenIdSnapshot:
 
 class SnapshotHostBuffers:
     """The host buffers token-id snapshots are packed into, reused instead of allocated per
-    snapshot (docs/architecture.md, "Token checks"). ``slots`` buffers, each grown (to the
-    next power of two) when a snapshot needs more. A slot is handed out again only when the
+    snapshot (docs/architecture.md, "Token checks"): ``slots`` buffers of ``numel`` int64
+    words each, allocated here (pinned when ``pin``). A slot is handed out again only when the
     snapshot packed in it is gone (nothing can upload it again) and, on CUDA, its last
     host→device copy has completed (:meth:`sent` records that copy's event on the current
-    stream); when no slot is free the snapshot gets a buffer of its own (counted in
-    ``own_buffers``). Pinned when CUDA exists. Host only, on sglang's scheduler thread;
-    never inside a CUDA-graph capture."""
+    stream); a snapshot that finds no slot free, or that is larger than a slot (a long
+    prompt's first chunk carries the whole prompt), gets a buffer of its own (counted in
+    ``own_buffers``). Host only, on sglang's scheduler thread; never inside a CUDA-graph
+    capture."""
 
-    def __init__(self, *, slots: int, pin: bool):
-        if slots < 1:
-            raise ValueError(f"SnapshotHostBuffers needs slots >= 1, got {slots}")
+    def __init__(self, *, slots: int, numel: int, pin: bool):
+        if slots < 1 or numel < 1:
+            raise ValueError(
+                f"SnapshotHostBuffers needs slots >= 1 and numel >= 1, got {slots} and {numel}"
+            )
         self._pin = pin
+        self.numel = numel
         # per slot: the buffer (owned here for the canary's lifetime) and its numpy view
-        self._buffers: List[Optional[torch.Tensor]] = [None] * slots
-        self._views: List[Optional[np.ndarray]] = [None] * slots
+        self._buffers = [
+            torch.empty(numel, dtype=torch.int64, pin_memory=pin) for _ in range(slots)
+        ]
+        self._views = [b.numpy() for b in self._buffers]
         self._users: List[Optional[weakref.ref]] = [None] * slots
         self._copies: List[Optional["torch.cuda.Event"]] = [None] * slots
         self._next = 0
@@ -184,21 +187,15 @@ class SnapshotHostBuffers:
         than a tensor), and its slot (-1: its own buffer); bound to the snapshot by
         :meth:`bind`."""
         slots = len(self._buffers)
-        for i in range(slots):
-            slot = (self._next + i) % slots
-            if self._free(slot):
-                break
-        else:
-            self.own_buffers += 1
-            return torch.empty(numel, dtype=torch.int64, pin_memory=self._pin).numpy(), -1
-        self._next = (slot + 1) % slots
-        view = self._views[slot]
-        if view is None or view.shape[0] < numel:
-            size = 1 << max(10, (numel - 1).bit_length())
-            self._buffers[slot] = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
-            view = self._views[slot] = self._buffers[slot].numpy()
-        self._users[slot] = None
-        return view[:numel], slot
+        if numel <= self.numel:
+            for i in range(slots):
+                slot = (self._next + i) % slots
+                if self._free(slot):
+                    self._next = (slot + 1) % slots
+                    self._users[slot] = None
+                    return self._views[slot][:numel], slot
+        self.own_buffers += 1
+        return torch.empty(numel, dtype=torch.int64, pin_memory=self._pin).numpy(), -1
 
     def bind(self, snap: "TokenIdSnapshot") -> None:
         """``snap`` is packed in its slot: the slot stays taken while it exists."""
@@ -336,12 +333,14 @@ class TokenHistoryUploader:
                 f">= 0, got {replay_rows} and {replay_tokens}"
             )
         self.pool = pool
-        self.rows = ExpectedTokenRows(
-            pool.shape[0],
-            buffers=SnapshotHostBuffers(slots=SNAPSHOT_HOST_BUFFERS, pin=_pin()),
-        )
         self.replay_buffer = torch.zeros(
             packed_tokens_numel(replay_rows, replay_tokens), dtype=torch.int64, device=pool.device
+        )
+        self.rows = ExpectedTokenRows(
+            pool.shape[0],
+            buffers=SnapshotHostBuffers(
+                slots=SNAPSHOT_HOST_BUFFERS, numel=self.replay_buffer.shape[0], pin=_pin()
+            ),
         )
         self._no_requests = torch.zeros(1, dtype=torch.int64, pin_memory=_pin())
         self._replay_holds: Optional[TokenIdSnapshot] = None  # what replay_buffer holds
