@@ -176,7 +176,7 @@ class SnapshotHostBuffers:
         self._users: List[Optional[weakref.ref]] = [None] * slots
         self._copies: List[Optional["torch.cuda.Event"]] = [None] * slots
         self._next = 0
-        self.own_buffers = 0  # snapshots packed outside the slots (every slot was busy)
+        self.own_buffers = 0  # snapshots packed outside the slots (none free, or too large)
 
     def _free(self, slot: int) -> bool:
         user, copy = self._users[slot], self._copies[slot]

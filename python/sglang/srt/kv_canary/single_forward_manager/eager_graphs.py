@@ -66,6 +66,9 @@ class StageTable:
             self._words += (dst, a, b, numel, kind)
 
     def send(self) -> None:
+        """Write the entries put since the last send into the next host table and queue its
+        copy into :attr:`device_table` on the current stream (the stream the staging kernel
+        then runs on); no sync unless that host table's previous copy is still pending."""
         words, self._words = self._words, []
         count = len(words) // STAGE_ENTRY_FIELDS
         if count > STAGE_MAX_ENTRIES:  # the callers' entries are fixed: a bug, not an input
