@@ -6,16 +6,21 @@
 #   call 1 (carry .device/a .device/b):  . .device/a/setup.sh
 #   call 2 (carry .device/c .device/d .device/pd_a):  bash test/gpu_lanes_detached.sh start && bash test/gpu_lanes_detached.sh wait 520
 #   call 3, at once:                     bash test/gpu_lanes_detached.sh wait 560
-# LANES="a b" runs only those lanes; JOBS=N sets the lanes at once (default: cores - 2).
+# LANES="a b" runs only those lanes; JOBS=N sets the lanes at once (default: cores - 2);
+# GPU_LANES_INSTALLED=1: the bundles are already installed in /tmp/site (skip the installs).
 # monitor.txt samples the load, the GPU and the busiest processes every 15 s while it runs.
 set -u
 R=/tmp/gpu_lanes_run
 case "${1:-}" in
   start)
-    . .device/a/setup.sh || exit 1
-    [ -f .device/d/install.sh ] && { bash .device/d/install.sh || exit 1; }
-    # Mooncake's TransferEngine for the PD lane (into /tmp/site, which setup.sh put on PYTHONPATH)
-    [ -f .device/pd_a/install.sh ] && { bash .device/pd_a/install.sh || exit 1; }
+    if [ "${GPU_LANES_INSTALLED:-0}" = 1 ]; then  # an earlier call of this machine installed
+      export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    else
+      . .device/a/setup.sh || exit 1
+      [ -f .device/d/install.sh ] && { bash .device/d/install.sh || exit 1; }
+      # Mooncake's TransferEngine for the PD lane (into /tmp/site, which setup.sh put on PYTHONPATH)
+      [ -f .device/pd_a/install.sh ] && { bash .device/pd_a/install.sh || exit 1; }
+    fi
     rm -rf "$R"; mkdir -p "$R"
     { git log -1 --format=%H; git status --short; } > "$R/tree.txt" 2>&1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt" 2>&1
