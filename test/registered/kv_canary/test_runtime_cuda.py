@@ -267,12 +267,18 @@ def test_a_snapshot_buffer_waits_for_its_copy_to_the_device():
     )
     buffers = up.rows.buffers = SnapshotHostBuffers(slots=1, numel=64, pin=True)
     lens = torch.zeros(4, dtype=torch.int64, device="cuda")
+    warm = CanaryBatchState()  # compile the scatter first: the timed part must not wait for it
+    up.snapshot(warm, [req([1, 2], 0)])
+    assert up.upload(warm, torch.tensor([0], dtype=torch.int64, device="cuda"), lens)
+    del warm
+    torch.cuda.synchronize()
     state = CanaryBatchState()
     up.snapshot(state, [req(list(range(10, 50)), 1)])
     slot = state.token_snapshot.buffer_slot
     assert slot == 0
-    torch.cuda._sleep(200_000_000)  # the copy below waits behind ~0.1 s of GPU work
-    assert up.upload(state, torch.tensor([1], dtype=torch.int64, device="cuda"), lens)
+    rows = torch.tensor([1], dtype=torch.int64, device="cuda")  # (a blocking copy: before)
+    torch.cuda._sleep(1_000_000_000)  # the copy below waits behind ~0.5 s of GPU work
+    assert up.upload(state, rows, lens)
     del state
     later = CanaryBatchState()
     up.snapshot(later, [req(list(range(90, 99)), 2)])
