@@ -134,7 +134,12 @@ class PdProcesses:
         extra: list[str],
         env: dict[str, str],
         log_level: str,
+        mem_fraction: float | None = None,
+        **overrides,
     ):
+        """Start (or, with ``--dry-run``, print) one server; ``mem_fraction``: its
+        ``--mem-fraction-static`` (None: ``--mem-fraction-static``'s); ``overrides``: engine
+        kwargs that replace the harness's."""
         from canary_support.server_process import ServerProcess, launch_server_flags
         from sglang.srt.kv_canary.testing.server_harness import (
             cpu_engine_kwargs,
@@ -144,12 +149,15 @@ class PdProcesses:
         make = cpu_engine_kwargs if self.args.cpu else gpu_engine_kwargs
         kwargs = make(
             model_dir,
-            mem_fraction_static=self.args.mem_fraction_static,
+            mem_fraction_static=(
+                mem_fraction if mem_fraction is not None else self.args.mem_fraction_static
+            ),
             max_total_tokens=self.args.max_total_tokens,
             log_level=log_level,
             **({} if self.args.cpu else {"base_gpu_id": 0}),
             **({"load_format": "auto"} if self.args.weights == "random" else {}),
         )
+        kwargs.update(overrides)
         argv = [
             sys.executable,
             "-m",

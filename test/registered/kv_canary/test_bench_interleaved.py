@@ -21,6 +21,7 @@ BENCH_DIR = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_cana
 sys.path.insert(0, str(BENCH_DIR))
 
 import bench_interleaved as bi  # noqa: E402
+import bench_pd_overhead as pdo  # noqa: E402
 from canary_support.server_process import engine_kwargs_to_argv  # noqa: E402
 
 
@@ -356,6 +357,31 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
     for port in {r["port"] for r in recs}:
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_pd_overhead_is_paired_per_round_and_resolved_only_by_a_quiet_twin():
+    """``bench_pd_overhead.py``'s verdict: each pair's overhead is the median of its per-round
+    ratios to the baseline (a drift shared by every pair in a round cancels), a round without
+    a decode figure leaves that metric unmeasured, and the table says whether the A/A twin
+    lies within the limit."""
+    drift = [1.0, 1.5, 0.8, 1.2, 1.1, 0.9, 1.3]  # the machine's state, round by round
+    times = {
+        "off": {"ttft": [10 * d for d in drift], "decode": [100 * d for d in drift]},
+        "raise": {"ttft": [10.5 * d for d in drift], "decode": [101 * d for d in drift]},
+        "off~aa": {"ttft": [10 * d for d in drift], "decode": [100 * d for d in drift]},
+        "gap": {"ttft": [10 * d for d in drift], "decode": [None] + [100.0] * 6},
+    }
+    result = pdo.overheads(times, "off")
+    assert set(result) == {"raise", "off~aa", "gap"}
+    assert result["raise"]["ttft"]["median"] == pytest.approx(0.05)
+    assert result["raise"]["decode"]["median"] == pytest.approx(0.01)
+    assert result["raise"]["ttft"]["lo"] == pytest.approx(0.05)  # no spread: a point interval
+    assert result["off~aa"]["decode"]["median"] == pytest.approx(0.0)
+    assert result["gap"]["decode"] is None
+    text = pdo.table(result, "off", "off~aa")
+    assert "A/A twin within" in text and "| raise | +5.00 % [+5.00, +5.00] | +1.00 % [" in text
+    times["off~aa"]["ttft"] = [10.5 * d for d in drift]
+    assert "A/A twin NOT within" in pdo.table(pdo.overheads(times, "off"), "off", "off~aa")
 
 
 if __name__ == "__main__":

@@ -456,6 +456,52 @@ def test_pd_one_gpu_builds_a_prefill_and_a_decode_server_that_find_each_other():
     assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in result["env"]
 
 
+def test_bench_pd_overhead_builds_one_pd_pair_per_config_and_a_twin_of_the_baseline(tmp_path):
+    """``bench_pd_overhead.py`` (run on a GPU; here its command lines): a prefill and a decode
+    server per config and for the baseline's A/A twin, each pair with its own bootstrap port,
+    the config's canary flags and variables on both of its servers, the memory fractions
+    growing server after server, every scheduler spinning when idle."""
+    out = _run("bench_pd_overhead.py", "--dry-run", "--log-dir", str(tmp_path))
+    argv, envs = {}, {}
+    for line in out.splitlines():
+        head, _, rest = line.partition(": ")
+        if not head.startswith("pd_one_gpu") or not rest:
+            continue
+        name, _, value = rest.partition(": ")
+        if name.endswith(" env"):
+            envs[name[: -len(" env")]] = json.loads(value)
+        else:
+            argv[name] = value.split()
+    pairs = ["off", "raise", "raise+token+partial", "off~aa"]
+    assert sorted(argv) == sorted(f"{p}.{r}" for p in pairs for r in ("prefill", "decode"))
+    boots = set()
+    fractions = [
+        float(_flag(argv[f"{p}.{r}"], "--mem-fraction-static"))
+        for p in pairs
+        for r in ("prefill", "decode")
+    ]
+    assert fractions == sorted(fractions) and len(set(fractions)) == len(fractions)
+    for pair in pairs:
+        prefill, decode = argv[f"{pair}.prefill"], argv[f"{pair}.decode"]
+        assert _flag(prefill, "--disaggregation-mode") == "prefill"
+        assert _flag(decode, "--disaggregation-mode") == "decode"
+        boots.add(_flag(prefill, "--disaggregation-bootstrap-port"))
+        for a in (prefill, decode):
+            assert "--sleep-on-idle" not in a
+            assert _flag(a, "--kv-canary") == ("none" if pair.startswith("off") else "raise")
+        token = pair == "raise+token+partial"
+        assert _flag(decode, "--kv-canary-real-data") == (
+            "partial" if token else (None if pair.startswith("off") else "none")
+        )
+        for role in ("prefill", "decode"):
+            assert (
+                "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT" in envs[f"{pair}.{role}"]
+            ) == token
+    assert len(boots) == len(pairs)
+    result = json.loads(out.splitlines()[-1].split(" ", 1)[1])
+    assert result["errors"] == [] and result["backend"] == "mooncake"
+
+
 def test_pd_one_gpu_gives_a_fault_to_the_decode_server_only():
     """``--env`` reaches both PD servers, ``--decode-env`` the decode server alone (a fault
     injected on the decode side), after ``--env``."""
