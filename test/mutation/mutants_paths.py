@@ -198,7 +198,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="snapshot-buffer-reused-while-held",
-        path=f"{_RT}/token_history.py",
+        path=f"{_RT}/snapshot_buffers.py",
         old="        return (user is None or user() is None) and (copy is None or copy.query())\n",
         new="        return copy is None or copy.query()\n",
         selection=f"{_T}/test_token_verify.py::"

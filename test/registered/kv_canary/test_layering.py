@@ -80,6 +80,7 @@ LAYERS = (
         f"{R}.radix_cache_walker",
         f"{R}.cuda_streams",
         f"{R}.sweep_plan_builder",
+        f"{R}.snapshot_buffers",
     ),
     _l("sglang seam", f"{R}.sglang_seam", f"{R}.sglang_seam.*"),
     _l("kernel package", K),

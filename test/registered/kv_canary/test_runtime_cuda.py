@@ -16,7 +16,8 @@ from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary.batch_state import CanaryBatchState
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
-from sglang.srt.kv_canary.token_history import SnapshotHostBuffers, TokenHistoryUploader
+from sglang.srt.kv_canary.snapshot_buffers import SnapshotHostBuffers
+from sglang.srt.kv_canary.token_history import TokenHistoryUploader
 from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=55, stage="base-b", runner_config="1-gpu-small")
