@@ -11,7 +11,6 @@ into ``/tmp/site``, on ``PYTHONPATH``). The clean run is ``test_e2e_pd_gpu.py``.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -19,6 +18,7 @@ import sys
 
 import pytest
 from canary_support.script_run import tagged_json
+from canary_support.server_process import require_mooncake
 
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
@@ -39,12 +39,7 @@ ONE_FAULT = ("SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS=0", "SGLANG_KV_CANARY_PERTUR
 def _pd_run(tmp_path, *, env=(), decode_env=()):
     """One PD pair (no reference server, no router), four requests one at a time, then the
     servers' logs; returns ``(PD_RESULT, prefill log, decode log)``."""
-    if importlib.util.find_spec("mooncake") is None:
-        pytest.fail(
-            "Mooncake's TransferEngine is not importable: on the device run "
-            "`bash .device/pd_a/install.sh` (test/device_bundle_pd.sh builds the bundle) "
-            "and put /tmp/site on PYTHONPATH"
-        )
+    require_mooncake()
     argv = [
         sys.executable,
         str(PD_SCRIPT),

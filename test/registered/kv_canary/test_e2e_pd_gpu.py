@@ -10,13 +10,13 @@ server (faked transfers set aside, a lost transfer reported) is ``test_e2e_pd_de
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
 
 import pytest
 from canary_support.script_run import tagged_json
+from canary_support.server_process import require_mooncake
 
 from sglang.test.ci.ci_register import register_cuda_ci
 
@@ -33,12 +33,7 @@ def test_pd_pair_with_the_canary_serves_a_default_start_up(tmp_path):
     no violation on either server, the decode server's reads of faked transfers set aside
     (its warm-up and ``/health_generate`` requests: nothing is sent for them), and the
     prefixes that did travel verified on the decode server without a report."""
-    if importlib.util.find_spec("mooncake") is None:
-        pytest.fail(
-            "Mooncake's TransferEngine is not importable: on the device run "
-            "`bash .device/pd_a/install.sh` (test/device_bundle_pd.sh builds the bundle) "
-            "and put /tmp/site on PYTHONPATH"
-        )
+    require_mooncake()
     proc = subprocess.run(
         [
             sys.executable,

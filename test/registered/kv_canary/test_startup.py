@@ -410,5 +410,44 @@ def test_the_kept_req_to_token_fault_starts_in_abort_mode_only_from_every_route(
         kwargs(model_dir, kv_canary="log")
 
 
+def test_the_pd_transfer_fault_starts_on_a_pd_decode_server_only_from_every_route(
+    monkeypatch, capsys, tmp_path, model_dir
+):
+    """``SGLANG_KV_CANARY_PERTURB_PD_TRANSFER_PROB`` (a byte of a received page): accepted on a
+    PD decode server from the command line, a ``--config`` YAML and ``Engine`` kwargs, refused
+    on a server of any other mode on each route, naming the variable and the server's mode;
+    unset, the same server starts as before."""
+    decode = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake"]
+    flags = ["--kv-canary", "log", "--kv-canary-real-data", "partial"]
+    yaml_file = tmp_path / "canary.yaml"
+    yaml_file.write_text(
+        "kv-canary: log\nkv-canary-real-data: partial\ndisaggregation-mode: decode\n"
+        "disaggregation-transfer-backend: fake\n"
+    )
+    engine = dict(
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        disaggregation_transfer_backend="fake",
+    )
+    assert CanaryConfig.from_server_args(cli(model_dir, *flags)).enabled
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_PD_TRANSFER_PROB", "1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_GROUP", "full")
+    for sa in (
+        cli(model_dir, *flags, *decode),
+        cli(model_dir, "--config", str(yaml_file)),
+        kwargs(model_dir, disaggregation_mode="decode", **engine),
+    ):
+        assert "fault_injection=pd_transfer" in CanaryConfig.from_server_args(sa).describe()
+    refusal = "SGLANG_KV_CANARY_PERTURB_PD_TRANSFER_PROB > 0 corrupts KV a PD decode server"
+    error = cli_error(capsys, model_dir, *flags)
+    assert refusal in error and "--disaggregation-mode null" in error
+    with pytest.raises(ValueError, match="this one has --disaggregation-mode prefill"):
+        kwargs(
+            model_dir,
+            **dict(engine, disaggregation_transfer_backend="mooncake"),
+            disaggregation_mode="prefill",
+        )
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

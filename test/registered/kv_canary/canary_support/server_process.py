@@ -6,6 +6,7 @@ Python snippet in a fresh process."""
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import os
 import pathlib
@@ -176,3 +177,16 @@ def run_python(
         timeout=timeout,
         cwd=cwd,
     )
+
+
+def require_mooncake() -> None:
+    """Fail the calling test unless Mooncake's TransferEngine imports (the PD pairs' transfer
+    engine on the GPU machine), saying how to bring it."""
+    import pytest  # tests only: the benchmarks import this module without pytest
+
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.fail(
+            "Mooncake's TransferEngine is not importable: on the device run "
+            "`bash .device/pd_a/install.sh` (test/device_bundle_pd.sh builds the bundle) "
+            "and put /tmp/site on PYTHONPATH"
+        )
