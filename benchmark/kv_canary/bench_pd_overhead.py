@@ -30,7 +30,6 @@ import json
 import os
 import pathlib
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -38,7 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import CONFIGS, append_jsonl, now_utc, parse_names  # noqa: E402
 from interleaved_rounds import paired_overhead, round_order, server_decode_ms  # noqa: E402
 from interleaved_servers import CONTROL_SUFFIX, memory_fractions, server_config  # noqa: E402
-from pd_processes import PdProcesses, write_random_llama_weights  # noqa: E402
+from pd_processes import PdProcesses, log_dir_for, write_random_llama_weights  # noqa: E402
 from pd_requests import make_prompts, pd_request  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -221,13 +220,7 @@ class PdPairs(PdProcesses):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(CANARY_TESTS))
-    if args.log_dir:
-        log_dir = pathlib.Path(args.log_dir)
-    elif os.environ.get("OUT"):
-        log_dir = pathlib.Path(os.environ["OUT"]) / "pd_overhead_logs"
-    else:
-        log_dir = pathlib.Path(tempfile.mkdtemp(prefix="bench_pd_overhead_"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = log_dir_for(args.log_dir, "pd_overhead")
     run = PdPairs(args)
     run.log_dir = log_dir
     rc = 1

@@ -57,7 +57,6 @@ import random
 import shlex
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -65,7 +64,12 @@ import traceback
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 # sibling modules: the model, the --cpu stub and the processes; the prompts and requests
-from pd_processes import PdProcesses, cpu_stub, write_random_llama_weights  # noqa: E402
+from pd_processes import (  # noqa: E402
+    PdProcesses,
+    cpu_stub,
+    log_dir_for,
+    write_random_llama_weights,
+)
 from pd_requests import body_for, generate, make_prompts, pd_request, perturbed  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -521,13 +525,7 @@ class Run(PdProcesses):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(CANARY_TESTS))
-    if args.log_dir:
-        log_dir = pathlib.Path(args.log_dir)
-    elif os.environ.get("OUT"):
-        log_dir = pathlib.Path(os.environ["OUT"]) / "pd_logs"
-    else:
-        log_dir = pathlib.Path(tempfile.mkdtemp(prefix="pd_one_gpu_"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = log_dir_for(args.log_dir, "pd")
     if args.kill_stale and (log_dir / "pgids.json").exists():
         for name, pgid in json.loads((log_dir / "pgids.json").read_text()).items():
             try:

@@ -12,6 +12,7 @@ import pathlib
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 # the variables a dry run shows per server (the canary's and the test hooks')
@@ -111,6 +112,19 @@ def cpu_stub(out_dir: pathlib.Path, backend: str) -> str:
 
 
 # ---- the processes ------------------------------------------------------------------------------
+
+
+def log_dir_for(given: str | None, name: str) -> pathlib.Path:
+    """A run's log folder, made: ``given``, else ``$OUT/<name>_logs`` when ``$OUT`` is set
+    (the device tool brings it back), else a new temporary folder."""
+    if given:
+        path = pathlib.Path(given)
+    elif os.environ.get("OUT"):
+        path = pathlib.Path(os.environ["OUT"]) / f"{name}_logs"
+    else:
+        path = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}_"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 class PdProcesses:
