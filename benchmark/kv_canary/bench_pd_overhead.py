@@ -40,6 +40,8 @@ from interleaved_servers import CONTROL_SUFFIX, memory_fractions, server_config 
 from pd_processes import PdProcesses, log_dir_for, write_random_llama_weights  # noqa: E402
 from pd_requests import make_prompts, pd_request  # noqa: E402
 
+from sglang.srt.kv_canary.testing.pd_pair import PdRole, pair_env, role_flags  # noqa: E402
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CANARY_TESTS = REPO / "test" / "registered" / "kv_canary"
 A_A_LIMIT = 0.003  # an overhead is claimed only where the A/A twin lies within this
@@ -147,11 +149,10 @@ class PdPairs(PdProcesses):
         fractions = memory_fractions(2 * len(names), share)
         model_dir = write_tiny_llama(self.log_dir / "model")
         write_random_llama_weights(model_dir, TINY_LLAMA_CONFIG, a.seed)
-        base_env = dict(os.environ, PYTHONUNBUFFERED="1", SGLANG_HOST_IP="127.0.0.1")
+        base_env = pair_env(dict(os.environ))
         for kv in a.env:
             k, v = kv.split("=", 1)
             base_env[k] = v
-        pd = ["--disaggregation-transfer-backend", a.backend]
         pairs = {}
         for i, name in enumerate(names):
             env = {**base_env, **server_config(name).env()}
@@ -161,8 +162,7 @@ class PdPairs(PdProcesses):
                 f"{name}.prefill",
                 model_dir,
                 free_port(),
-                [*pd, "--disaggregation-mode", "prefill"]
-                + ["--disaggregation-bootstrap-port", str(boot), *flags],
+                [*role_flags(PdRole.PREFILL, a.backend, boot), *flags],
                 env,
                 "warning",
                 mem_fraction=fractions[2 * i],
@@ -172,7 +172,7 @@ class PdPairs(PdProcesses):
                 f"{name}.decode",
                 model_dir,
                 free_port(),
-                [*pd, "--disaggregation-mode", "decode", *flags],
+                [*role_flags(PdRole.DECODE, a.backend, boot), *flags],
                 env,
                 "warning",
                 mem_fraction=fractions[2 * i + 1],

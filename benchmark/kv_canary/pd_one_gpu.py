@@ -72,6 +72,8 @@ from pd_processes import (  # noqa: E402
 )
 from pd_requests import body_for, generate, make_prompts, pd_request, perturbed  # noqa: E402
 
+from sglang.srt.kv_canary.testing.pd_pair import PdRole, pair_env, role_flags  # noqa: E402
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CANARY_TESTS = REPO / "test" / "registered" / "kv_canary"  # canary_support (server processes)
 START_TIMEOUT_S = 420.0
@@ -273,17 +275,7 @@ class Run(PdProcesses):
             base_env = cpu_server_env(cpu_stub(self.log_dir / "stub", a.backend), base_env)
         base_env.setdefault("PYTHONUNBUFFERED", "1")
         base_env["SGLANG_HOST_IP"] = "127.0.0.1"
-        # mooncake/engine.so finds its companion libraries through its RPATH; the path is
-        # added for anything started without it (harmless when absent)
-        site = pathlib.Path("/tmp/site")
-        extra_ld = [str(site / "mooncake")] if (site / "mooncake").is_dir() else []
-        pd_env = dict(base_env)
-        if extra_ld:
-            pd_env["LD_LIBRARY_PATH"] = os.pathsep.join(
-                extra_ld + [p for p in [pd_env.get("LD_LIBRARY_PATH", "")] if p]
-            )
-        if a.no_fake_requests:
-            pd_env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
+        pd_env = pair_env(base_env, no_fake_requests=a.no_fake_requests)
         for kv in a.env:
             k, v = kv.split("=", 1)
             pd_env[k] = v
@@ -321,22 +313,13 @@ class Run(PdProcesses):
             self.servers.remove(ref)
 
         # PD pair
-        bootstrap_port = free_port()
-        pd_flags = [
-            "--disaggregation-transfer-backend",
-            a.backend,
-            *(["--skip-server-warmup"] if a.no_fake_requests else []),
-        ]
+        bootstrap_port, skip = free_port(), a.no_fake_requests
         prefill = self.start_server(
             "prefill",
             model_dir,
             free_port(),
             [
-                *pd_flags,
-                "--disaggregation-mode",
-                "prefill",
-                "--disaggregation-bootstrap-port",
-                str(bootstrap_port),
+                *role_flags(PdRole.PREFILL, a.backend, bootstrap_port, skip_warmup=skip),
                 *extra,
                 *shlex.split(a.prefill_args),
             ],
@@ -351,7 +334,11 @@ class Run(PdProcesses):
             "decode",
             model_dir,
             free_port(),
-            [*pd_flags, "--disaggregation-mode", "decode", *extra, *shlex.split(a.decode_args)],
+            [
+                *role_flags(PdRole.DECODE, a.backend, bootstrap_port, skip_warmup=skip),
+                *extra,
+                *shlex.split(a.decode_args),
+            ],
             decode_env,
             a.log_level,
         )

@@ -1,13 +1,15 @@
-"""The requests of ``pd_one_gpu.py`` (docs/user_guide.md, "Deployments"): its prompts
-(pairwise different first tokens) and each one's control with every token but the last
-replaced, one ``/generate`` with its body, and one request the way a PD router sends it (the
-same body, bootstrap fields included, to the prefill and the decode server at once)."""
+"""The prompts of ``pd_one_gpu.py`` (docs/user_guide.md, "Deployments"): pairwise different
+first tokens, and each one's control with every token but the last replaced. One ``/generate``
+with its body and one request the way a PD router sends it are the package's
+(:mod:`sglang.srt.kv_canary.testing.pd_pair`, re-exported here)."""
 
 from __future__ import annotations
 
-import json
 import random
-import threading
+
+from sglang.srt.kv_canary.testing.pd_pair import body_for, generate, pd_request
+
+__all__ = ["body_for", "generate", "make_prompts", "pd_request", "perturbed"]
 
 
 # ---- prompts ------------------------------------------------------------------------------------
@@ -25,72 +27,3 @@ def perturbed(prompt: list[int], vocab: int, rng: random.Random, taken: set) -> 
     first = rng.choice([t for t in range(3, vocab) if t not in taken])
     taken.add(first)
     return [first] + [rng.randrange(3, vocab) for _ in range(len(prompt) - 2)] + [prompt[-1]]
-
-
-# ---- HTTP ---------------------------------------------------------------------------------------
-
-
-def generate(http_call, port: int, body: dict, timeout: float) -> dict:
-    """POST /generate; the JSON answer, or ``{"error": ...}``."""
-    try:
-        status, raw = http_call(port, "POST", "/generate", body, timeout=timeout)
-    except Exception as e:  # noqa: BLE001  (reported, the run goes on)
-        return {"error": f"{type(e).__name__}: {e}"}
-    try:
-        out = json.loads(raw)
-    except ValueError:
-        return {"error": f"HTTP {status}: {raw[:300]!r}"}
-    if status != 200:
-        return {"error": f"HTTP {status}: {json.dumps(out)[:300]}"}
-    return out if isinstance(out, dict) else {"error": f"unexpected answer {str(out)[:300]}"}
-
-
-def body_for(prompt: list[int], max_new: int, boot: dict | None = None) -> dict:
-    body = {
-        "input_ids": prompt,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True},
-    }
-    if boot:
-        body.update(boot)
-    return body
-
-
-def pd_request(
-    http_call,
-    prefill_port: int,
-    decode_port: int,
-    bootstrap_port: int,
-    prompt: list[int],
-    max_new: int,
-    timeout: float,
-) -> dict:
-    """One request the way a PD router sends it: the same body, bootstrap fields included, to
-    the prefill and the decode server at once; the decode server's answer plus the prefill's
-    status."""
-    boot = {
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": bootstrap_port,
-        "bootstrap_room": random.SystemRandom().randrange(1, 2**63 - 1),
-    }
-    body = body_for(prompt, max_new, boot)
-    answers: dict[str, dict] = {}
-
-    def send(name: str, port: int) -> None:
-        answers[name] = generate(http_call, port, body, timeout)
-
-    threads = [
-        threading.Thread(target=send, args=(n, p), daemon=True)
-        for n, p in (("prefill", prefill_port), ("decode", decode_port))
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 5)
-    dec = answers.get("decode", {"error": "no answer (thread still running)"})
-    pre = answers.get("prefill", {"error": "no answer (thread still running)"})
-    out = {"room": boot["bootstrap_room"], "output_ids": dec.get("output_ids")}
-    if "error" in dec:
-        out["error"] = "decode: " + dec["error"]
-    if "error" in pre:
-        out["prefill_error"] = pre["error"]
-    return out

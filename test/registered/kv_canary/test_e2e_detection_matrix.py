@@ -74,7 +74,8 @@ def test_demo_exit_status_and_table(demo):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert set(rows) == {"clean", *EXPECTED}
     assert "every fault detected, clean run quiet" in proc.stdout
-    assert "on the CPU without the HiCache case(s) host_kv" in proc.stdout  # said, not hidden
+    for gpu_only in ("host_kv", "pd_transfer"):  # said, not hidden
+        assert f"leaving out {gpu_only}, which needs --device cuda" in proc.stdout
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(rows)  # header + one row per run
 

@@ -6,11 +6,13 @@ both so the pair keeps serving and the reports can be read; docs/user_guide.md,
 rewritten on the decode server, and transfers that carry the KV pages without the canary's rows
 (sglang's buffer lists with nothing spliced in, a test-only hook in
 ``e2e_support/sitecustomize.py``). Needs Mooncake importable (``bash .device/pd_a/install.sh``
-into ``/tmp/site``, on ``PYTHONPATH``). The clean run is ``test_e2e_pd_gpu.py``.
+into ``/tmp/site``, on ``PYTHONPATH``). The clean run is ``test_e2e_pd_gpu.py``; the demo's
+``pd_transfer`` row runs here too.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -24,7 +26,7 @@ from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=540, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=700, stage="base-b", runner_config="1-gpu-small")
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -140,6 +142,45 @@ def test_transfers_without_the_canary_rows_are_caught_on_the_decode_server(tmp_p
     assert all(r.launch_tag.startswith(("HEAD_", "TAIL_")) for r in reports), reports[:3]
     assert all(r.fail_reasons for r in reports), reports[:3]
     assert "PD decode server" in decode_log
+
+
+def test_the_demo_shows_a_pd_transfer_fault_caught(tmp_path):
+    """``python -m sglang.srt.kv_canary.demo --cases pd_transfer`` on the GPU: its PD pair
+    serves the warm-up, the decode server's first received page after it is flipped, and the
+    row says detected within the report lag, at the flipped slot, in raise mode (the decode
+    server stops)."""
+    require_mooncake()
+    rows_path = tmp_path / "rows.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang.srt.kv_canary.demo",
+            "--device",
+            "cuda",
+            "--cases",
+            "pd_transfer",
+            "--json",
+            str(rows_path),
+            "--logs",
+            str(tmp_path / "logs"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    (row,) = json.loads(rows_path.read_text())
+    assert row["name"] == "pd_transfer" and row["detected"], row
+    assert row["injections"] >= 1 and row["first_injection_step"] > 30, row  # after warm-up
+    assert 0 <= row["steps_to_report"] <= 1 and "verify_real_kv_hash" in row["reasons"], row
+    assert not row["finished"], row  # raise: the decode server stopped at its report
+    log = (tmp_path / "logs" / "pd_transfer.log").read_text(errors="replace")
+    assert "---- prefill server log ----" in log and "PD decode server" in log
+    assert "kv_canary perturb: fault=pd_transfer" in log
 
 
 if __name__ == "__main__":

@@ -558,6 +558,52 @@ def test_demo_refuses_paged_runs_without_a_gpu(capsys):
     assert hicache == dict(DEMO_ENGINE_ARGS, page_size=1, enable_hierarchical_cache=True)
 
 
+def test_demo_pd_case_needs_a_gpu_and_mooncake_and_says_so(capsys, monkeypatch):
+    """The ``pd_transfer`` row runs a PD pair: refused on the CPU and where Mooncake does not
+    import, each time naming what is missing; its servers keep the token-id check and leave
+    out the token oracle; the fault goes to the decode server only (``_pd_worker``)."""
+    from sglang.srt.kv_canary import demo
+    from sglang.srt.kv_canary.demo_cases import DEMO_ENV, PD_ENV_LEFT_OUT
+    from sglang.srt.kv_canary.testing import pd_pair
+
+    with pytest.raises(SystemExit):
+        demo.main(["--device", "cpu", "--cases", "clean,pd_transfer"])
+    assert "--cases pd_transfer needs --device cuda" in capsys.readouterr().err
+    monkeypatch.setattr(pd_pair.importlib.util, "find_spec", lambda name: None)
+    assert "package 'mooncake') is not importable" in pd_pair.transfer_engine_missing("mooncake")
+    assert "allowed mooncake, nixl" in pd_pair.transfer_engine_missing("tcp")
+    with pytest.raises(SystemExit):
+        demo.main(["--device", "cuda", "--cases", "pd_transfer"])
+    err = capsys.readouterr().err
+    assert "--cases pd_transfer needs Mooncake" in err and "pd_a/install.sh" in err
+
+    pd_env = CASES_BY_NAME["pd_transfer"].env
+    assert pd_env["SGLANG_KV_CANARY_PERTURB_PD_TRANSFER_PROB"] == "1"
+    assert pd_env["SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT"] == "1"
+    assert not set(PD_ENV_LEFT_OUT) & set(pd_env)
+    assert CASES_BY_NAME["req_to_token"].env.items() >= DEMO_ENV.items()
+    assert CASES_BY_NAME["clean"].env == DEMO_ENV
+
+
+def test_pd_pair_flags_and_environment():
+    """Each side's ``launch_server`` flags (the bootstrap port on the prefill server only) and
+    the pair's environment (the loopback, no forward behind ``/health`` when asked)."""
+    from sglang.srt.kv_canary.testing.pd_pair import PdRole, pair_env, role_flags
+
+    prefill = role_flags(PdRole.PREFILL, "mooncake", 4242, skip_warmup=True)
+    decode = role_flags(PdRole.DECODE, "mooncake", 4242)
+    assert prefill[prefill.index("--disaggregation-mode") + 1] == "prefill"
+    assert prefill[prefill.index("--disaggregation-bootstrap-port") + 1] == "4242"
+    assert "--skip-server-warmup" in prefill and "--skip-server-warmup" not in decode
+    assert decode[decode.index("--disaggregation-mode") + 1] == "decode"
+    assert "4242" not in decode
+    assert decode[decode.index("--disaggregation-transfer-backend") + 1] == "mooncake"
+    env = pair_env({"PATH": "/bin"}, no_fake_requests=True)
+    assert env["SGLANG_HOST_IP"] == "127.0.0.1" and env["PATH"] == "/bin"
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
+    assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in pair_env({})
+
+
 @pytest.mark.usefixtures("reference_kernels_on_cpu")
 def test_before_forward_faults_are_undone_after_the_forward_read_them(caplog):
     """A ``req_to_token`` / ``real_kv_used`` fault is reported in the

@@ -10,7 +10,10 @@ real-data fingerprints (``partial``), the radix sweep, the token oracle with the
 check and the token-id check on, so the clean run shows that none of them reports anything on
 a healthy server. The ``host_kv`` case runs its server with HiCache (a host pool behind the
 small device pool) and flips a byte in host memory; sglang 0.5.12's host pool needs CUDA, so
-the demo runs it on a GPU only.
+the demo runs it on a GPU only. The ``pd_transfer`` case runs a prefill/decode pair
+(:mod:`~sglang.srt.kv_canary.testing.pd_pair`: two ``launch_server`` processes, Mooncake's
+transfer engine) and flips a byte of a page the decode server received; it needs a GPU and
+Mooncake.
 
 It prints one row per run: fault, injected (count, first step), detected, forward steps from
 injection to the first matching report, the launch tags and fail reasons reported, and the
@@ -35,13 +38,13 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Dict, Optional, Sequence, Tuple
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
 
 from sglang.srt.kv_canary.demo_cases import (
     CASES,
     CASES_BY_NAME,
-    DEMO_ENV,
     RESULT_PREFIX,
     CaseResult,
     DemoCase,
@@ -79,6 +82,101 @@ def _worker(
     engine.shutdown()
 
 
+# a request of the PD workload: the decode server's answer comes within this (a wave waits
+# for its requests; a decode server stopped by a report ends the run at once)
+PD_REQUEST_TIMEOUT_S = 120.0
+PD_START_TIMEOUT_S = 420.0
+
+
+def _pd_worker(model_dir: str, mode: str, page_size: int) -> None:
+    """The demo workload through a PD pair: a prefill and a decode ``launch_server`` on this
+    GPU (Mooncake), every request sent to both the way a router does. The fault variables go
+    to the decode server only (the prefill server injects nothing). Prints both servers' logs
+    (prefill first), then the result line if every request was served."""
+    from sglang.srt.kv_canary.testing.pd_pair import PdRole, pair_env, pd_request, role_flags
+    from sglang.srt.kv_canary.testing.server_harness import free_port, gpu_engine_kwargs
+    from sglang.srt.kv_canary.testing.server_process import (
+        ServerProcess,
+        http_call,
+        launch_server_flags,
+    )
+
+    decode_env = pair_env(dict(os.environ), no_fake_requests=True)
+    prefill_env = {
+        k: v for k, v in decode_env.items() if not k.startswith("SGLANG_KV_CANARY_PERTURB_")
+    }
+    engine_args = demo_engine_args(mode, page_size, pd=True)
+    bootstrap_port = free_port()
+    servers: List[ServerProcess] = []
+    reqs = demo_requests()
+    served = generated = 0
+    with tempfile.TemporaryDirectory(prefix="kv_canary_demo_pd_") as logs:
+        try:
+            for role, env in ((PdRole.PREFILL, prefill_env), (PdRole.DECODE, decode_env)):
+                port = free_port()
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "sglang.launch_server",
+                    *launch_server_flags(port, gpu_engine_kwargs(model_dir, **engine_args)),
+                    *role_flags(role, "mooncake", bootstrap_port, skip_warmup=True),
+                ]
+                log = os.path.join(logs, f"{role.value}.log")
+                servers.append(ServerProcess(role.value, argv, port=port, env=env, log_path=log))
+            for server in servers:
+                server.wait_ready(PD_START_TIMEOUT_S, "/health")
+            prefill, decode = servers
+            ports = (http_call, prefill.port, decode.port, bootstrap_port)
+            with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
+                for b in range(0, len(reqs), 12):
+                    wave = [
+                        pool.submit(pd_request, *ports, ids, n, PD_REQUEST_TIMEOUT_S)
+                        for ids, n in reqs[b : b + 12]
+                    ]
+                    while not all(f.done() for f in wave) and decode.alive():
+                        time.sleep(0.2)
+                    if not decode.alive():
+                        break  # stopped by a report (raise): what is in flight fails now
+                    answers = [f.result() for f in wave]
+                    ok = [a for a in answers if "error" not in a and a["output_ids"]]
+                    served += len(ok)
+                    generated += sum(len(a["output_ids"]) for a in ok)
+                    if len(ok) < len(wave):
+                        break
+                for server in servers:  # the pending requests of a stopped pair fail
+                    server.stop()
+        finally:
+            for server in servers:
+                server.stop()
+                print(f"---- {server.name} server log ----\n{server.log()}", flush=True)
+    if served == len(reqs):
+        print(
+            RESULT_PREFIX + json.dumps({"requests": served, "generated_tokens": generated}),
+            flush=True,
+        )
+
+
+def _cases_left_out(device: str) -> Dict[str, str]:
+    """The cases that cannot run on ``device`` here, each with what it needs and why."""
+    from sglang.srt.kv_canary.testing.pd_pair import transfer_engine_missing
+
+    out = {}
+    for case in CASES:
+        if case.hicache and device == "cpu":
+            out[case.name] = (
+                "needs --device cuda: it runs HiCache (--enable-hierarchical-cache), whose "
+                "host pool sglang 0.5.12 pins with CUDA"
+            )
+        elif case.pd and device == "cpu":
+            out[case.name] = (
+                "needs --device cuda: it runs a PD pair on the GPU "
+                "(benchmark/kv_canary/pd_one_gpu.py --cpu rehearses PD with the CPU engine)"
+            )
+        elif case.pd and (missing := transfer_engine_missing("mooncake")) is not None:
+            out[case.name] = f"needs Mooncake for its PD pair: {missing}"
+    return out
+
+
 def _detect_device(requested: str) -> str:
     if requested != "auto":
         return requested
@@ -100,7 +198,7 @@ def run_case(
     mode: str = "raise",
     page_size: int = 1,
 ) -> Tuple[CaseResult, str]:
-    env = dict(base_env, **DEMO_ENV, **case.env)
+    env = dict(base_env, **case.env)
     cmd = [
         sys.executable,
         "-m",
@@ -117,6 +215,8 @@ def run_case(
     ]
     if case.hicache:
         cmd.append("--hicache")
+    if case.pd:
+        cmd.append("--pd")
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         text, rc = proc.stdout + proc.stderr, proc.returncode
@@ -163,6 +263,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hicache", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pd", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -171,19 +272,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.worker:
-        _worker(args.model, args.device, args.mode, args.page_size, args.hicache)
+        if args.pd:
+            _pd_worker(args.model, args.mode, args.page_size)
+        else:
+            _worker(args.model, args.device, args.mode, args.page_size, args.hicache)
         return 0
 
     device = _detect_device(args.device)
+    left_out = _cases_left_out(device)
     if args.cases is None:
-        names = [c.name for c in CASES if device == "cuda" or not c.hicache]
-        if device == "cpu":
-            print(
-                "kv_canary demo: on the CPU without the HiCache case(s) "
-                f"{', '.join(c.name for c in CASES if c.hicache)}: sglang 0.5.12's HiCache host "
-                "pool needs CUDA (run the demo on a GPU for them)",
-                flush=True,
-            )
+        names = [c.name for c in CASES if c.name not in left_out]
+        for name, why in left_out.items():
+            print(f"kv_canary demo: leaving out {name}, which {why}", flush=True)
     else:
         names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES_BY_NAME]
@@ -197,13 +297,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"--page-size {args.page_size} needs --device cuda: sglang 0.5.12's paged "
             "allocator runs Triton kernels, which its CPU engine cannot"
         )
-    on_host = [n for n in names if CASES_BY_NAME[n].hicache]
-    if device == "cpu" and on_host:
-        parser.error(
-            f"--cases {','.join(on_host)} needs --device cuda: it runs HiCache "
-            "(--enable-hierarchical-cache), whose host pool sglang 0.5.12 pins with "
-            "CUDA"
-        )
+    cannot = [f"{n} {left_out[n]}" for n in names if n in left_out]
+    if cannot:
+        parser.error("--cases " + "; ".join(cannot))
     from sglang.srt.kv_canary.testing.server_harness import (
         build_libcuda_stub,
         cpu_server_env,

@@ -28,6 +28,13 @@ DEMO_ENV = {
     "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "30",
     "SGLANG_KV_CANARY_RING_CAPACITY": "64",
 }
+# what a PD pair's servers run without: the token oracle samples on each server by itself, and
+# a PD request's first token is the prefill server's (not tried on a pair yet); the token-id
+# check stays on
+PD_ENV_LEFT_OUT = (
+    "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE",
+    "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT",
+)
 DEMO_ENGINE_ARGS = dict(
     kv_canary="raise",
     kv_canary_real_data="partial",
@@ -51,13 +58,19 @@ class DemoCase:
     tags: Tuple[str, ...] = ()
     match_slot: bool = False
     hicache: bool = False  # the server runs HiCache (--enable-hierarchical-cache): GPU only
+    # a PD pair (prefill and decode server, Mooncake's transfer engine), the fault on the
+    # decode server: GPU and Mooncake only
+    pd: bool = False
     extra_env: Tuple[Tuple[str, str], ...] = ()
 
     @property
     def env(self) -> Dict[str, str]:
+        """The canary variables of this run: :data:`DEMO_ENV` (less :data:`PD_ENV_LEFT_OUT`
+        for a PD pair) and the fault's."""
+        env = {k: v for k, v in DEMO_ENV.items() if not (self.pd and k in PD_ENV_LEFT_OUT)}
         if self.fault is None:
-            return {}
-        env = {self.fault.env_var: "1", **dict(self.extra_env)}
+            return env
+        env.update({self.fault.env_var: "1", **dict(self.extra_env)})
         if self.fault.is_real_kv:
             env["SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"] = "full"
         return env
@@ -108,6 +121,16 @@ CASES = (
         hicache=True,
         extra_env=(("SGLANG_KV_CANARY_HOST_SWEEP_PAGES", "4096"),),
     ),
+    # PD: a byte flipped in a page the decode server received, after the transfer and before
+    # its first forward; found by that forward's verify at the flipped slot
+    DemoCase(
+        "pd_transfer",
+        FaultKind.PD_TRANSFER,
+        reasons=("verify_real_kv_hash",),
+        tags=("HEAD_", "TAIL_", "SWEEP_"),
+        match_slot=True,
+        pd=True,
+    ),
 )
 CASES_BY_NAME = {c.name: c for c in CASES}
 
@@ -128,14 +151,20 @@ def demo_requests(seed: int = 0) -> List[Tuple[List[int], int]]:
     return reqs
 
 
+# the PD pair's pools: room for every request of a wave at once (a decode server admits a
+# request only once its whole prompt fits; the demo's small pool would serve one at a time)
+PD_MAX_TOTAL_TOKENS = 4096
+
+
 def demo_engine_args(
-    mode: str = "raise", page_size: int = 1, hicache: bool = False
+    mode: str = "raise", page_size: int = 1, hicache: bool = False, pd: bool = False
 ) -> Dict[str, object]:
     """The Engine arguments of every run: :data:`DEMO_ENGINE_ARGS` with ``--kv-canary mode``
     and ``--page-size``; sglang wants the chunked-prefill size a multiple of the page size, and
     the pool keeps room for at least 12 pages. ``hicache``: HiCache on with sglang's defaults
     (a host pool twice the device pool, write-through), so pages the small device pool evicts
-    stay in host memory and come back on a prefix hit."""
+    stay in host memory and come back on a prefix hit. ``pd``: the pools of a PD pair
+    (:data:`PD_MAX_TOTAL_TOKENS`)."""
     base = DEMO_ENGINE_ARGS["chunked_prefill_size"]
     args = dict(
         DEMO_ENGINE_ARGS,
@@ -146,6 +175,8 @@ def demo_engine_args(
     )
     if hicache:
         args["enable_hierarchical_cache"] = True
+    if pd:
+        args["max_total_tokens"] = max(args["max_total_tokens"], PD_MAX_TOTAL_TOKENS)
     return args
 
 
