@@ -6,8 +6,9 @@ transfer engine) per config of ``common.CONFIGS``, plus an A/A twin of the basel
 up at once on one GPU. Round k sends one prompt (new each round: no prefix is cached) to every
 pair, in the order ``interleaved_rounds.round_order`` gives, twice: one new token (the wall
 time of that request is the pair's time to first token: prefill, transfer and the decode
-server's first token) and ``--osl`` tokens (the decode server's own decode time of that request,
-sglang's ``decode_throughput``). A config's overhead is the median over the rounds of its time
+server's first token) and ``--osl`` tokens (from the decode server's ``meta_info``, with
+``--enable-metrics`` on every server: its time from receipt to first token and its decode time,
+sglang's ``decode_throughput``; ``round_figures``). A config's overhead is the median over the rounds of its time
 divided by the baseline's in the same round, minus one, with a bootstrap 95 % interval; the
 twin's is the run's resolution (an overhead is claimed only where it lies within +-0.3 %).
 
@@ -45,7 +46,7 @@ from sglang.srt.kv_canary.testing.pd_pair import PdRole, pair_env, role_flags  #
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CANARY_TESTS = REPO / "test" / "registered" / "kv_canary"
 A_A_LIMIT = 0.003  # an overhead is claimed only where the A/A twin lies within this
-METRICS = ("ttft", "decode")
+METRICS = ("ttft", "ttft_server", "decode")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,6 +86,18 @@ def pair_names(args) -> list[str]:
     """The pairs of the run: the configs, then the baseline's twin (unless --no-control)."""
     names = parse_names(args.configs, CONFIGS, "--configs")
     return names + ([] if args.no_control else [names[0] + CONTROL_SUFFIX])
+
+
+def round_figures(ttft_ms: float, full: dict) -> dict[str, float | None]:
+    """One pair's figures of one round, ms: ``ttft`` the client's wall time of the one-token
+    request; of the ``--osl`` request (``pd_request``'s answer, the decode server's
+    ``meta_info``, which ``--enable-metrics`` fills): ``decode`` first token to finish
+    (``server_decode_ms``) and ``ttft_server`` the decode server's receipt to first token
+    (``e2e_latency`` less that), both None where sglang gave no such figures."""
+    decode = server_decode_ms([full])
+    e2e = full.get("meta_info", {}).get("e2e_latency")
+    server_ttft = e2e * 1e3 - decode if decode is not None and e2e else None
+    return {"ttft": ttft_ms, "ttft_server": server_ttft, "decode": decode}
 
 
 def canary_flags(name: str) -> list[str]:
@@ -127,10 +140,13 @@ def table(result: dict, baseline: str, control: str | None) -> str:
         f"PD overhead against {baseline} (median [95 %]); A/A twin "
         + ("within" if resolved else "NOT within")
         + f" +-{100 * A_A_LIMIT:.1f} %",
-        "| pair | time to first token | decode |",
-        "| --- | ---: | ---: |",
+        "| pair | time to first token (client) | time to first token (decode server) | decode |",
+        "| --- | ---: | ---: | ---: |",
     ]
-    lines += [f"| {n} | {cell(o['ttft'])} | {cell(o['decode'])} |" for n, o in result.items()]
+    lines += [
+        f"| {n} | {cell(o['ttft'])} | {cell(o['ttft_server'])} | {cell(o['decode'])} |"
+        for n, o in result.items()
+    ]
     return "\n".join(lines)
 
 
@@ -167,6 +183,7 @@ class PdPairs(PdProcesses):
                 "warning",
                 mem_fraction=fractions[2 * i],
                 sleep_on_idle=False,  # spinning schedulers (bench_interleaved.py: --idle)
+                enable_metrics=True,  # meta_info's timing (round_figures)
             )
             decode = self.start_server(
                 f"{name}.decode",
@@ -177,6 +194,7 @@ class PdPairs(PdProcesses):
                 "warning",
                 mem_fraction=fractions[2 * i + 1],
                 sleep_on_idle=False,
+                enable_metrics=True,
             )
             pairs[name] = (prefill, decode, boot)
         if a.dry_run:
@@ -202,8 +220,8 @@ class PdPairs(PdProcesses):
                     if "error" in ans:
                         raise RuntimeError(f"pair {name}, round {k}: {ans['error']}")
                 if k >= 0:
-                    times[name]["ttft"].append(ttft_ms)
-                    times[name]["decode"].append(server_decode_ms([full]))
+                    for metric, value in round_figures(ttft_ms, full).items():
+                        times[name][metric].append(value)
         self.result.update(
             time=now_utc(),
             idle="spin",

@@ -365,23 +365,54 @@ def test_pd_overhead_is_paired_per_round_and_resolved_only_by_a_quiet_twin():
     a decode figure leaves that metric unmeasured, and the table says whether the A/A twin
     lies within the limit."""
     drift = [1.0, 1.5, 0.8, 1.2, 1.1, 0.9, 1.3]  # the machine's state, round by round
+
+    def series(ttft, decode):
+        return {"ttft": ttft, "ttft_server": [t / 2 for t in ttft], "decode": decode}
+
     times = {
-        "off": {"ttft": [10 * d for d in drift], "decode": [100 * d for d in drift]},
-        "raise": {"ttft": [10.5 * d for d in drift], "decode": [101 * d for d in drift]},
-        "off~aa": {"ttft": [10 * d for d in drift], "decode": [100 * d for d in drift]},
-        "gap": {"ttft": [10 * d for d in drift], "decode": [None] + [100.0] * 6},
+        "off": series([10 * d for d in drift], [100 * d for d in drift]),
+        "raise": series([10.5 * d for d in drift], [101 * d for d in drift]),
+        "off~aa": series([10 * d for d in drift], [100 * d for d in drift]),
+        "gap": series([10 * d for d in drift], [None] + [100.0] * 6),
     }
     result = pdo.overheads(times, "off")
     assert set(result) == {"raise", "off~aa", "gap"}
     assert result["raise"]["ttft"]["median"] == pytest.approx(0.05)
+    assert result["raise"]["ttft_server"]["median"] == pytest.approx(0.05)
     assert result["raise"]["decode"]["median"] == pytest.approx(0.01)
     assert result["raise"]["ttft"]["lo"] == pytest.approx(0.05)  # no spread: a point interval
     assert result["off~aa"]["decode"]["median"] == pytest.approx(0.0)
     assert result["gap"]["decode"] is None
     text = pdo.table(result, "off", "off~aa")
-    assert "A/A twin within" in text and "| raise | +5.00 % [+5.00, +5.00] | +1.00 % [" in text
+    assert "A/A twin within" in text
+    assert "| raise | +5.00 % [+5.00, +5.00] | +5.00 % [+5.00, +5.00] | +1.00 % [" in text
     times["off~aa"]["ttft"] = [10.5 * d for d in drift]
     assert "A/A twin NOT within" in pdo.table(pdo.overheads(times, "off"), "off", "off~aa")
+
+
+def test_pd_rounds_read_the_decode_servers_timing_from_its_answer():
+    """A round's figures come from what ``pd_request`` returns: the decode server's
+    ``meta_info`` (``--enable-metrics``: ``e2e_latency`` and ``decode_throughput``) travels
+    with its answer; without those figures a round has no decode or server TTFT value."""
+    from sglang.srt.kv_canary.testing.pd_pair import pd_request
+
+    meta = {"completion_tokens": 65, "decode_throughput": 640.0, "e2e_latency": 0.130}
+
+    def http_call(port, method, path, body, timeout):
+        answer = {"output_ids": [5] * 65, "meta_info": meta if port == 2 else {}}
+        return 200, json.dumps(answer).encode()
+
+    full = pd_request(http_call, 1, 2, 3, [7, 8, 9], 65, 5.0)
+    assert full["meta_info"] == meta
+    figures = pdo.round_figures(12.5, full)
+    assert figures["ttft"] == 12.5
+    assert figures["decode"] == pytest.approx(100.0)  # 64 tokens at 640 per second
+    assert figures["ttft_server"] == pytest.approx(30.0)  # 130 ms less the decode
+    assert pdo.round_figures(12.5, {"output_ids": [5]}) == {
+        "ttft": 12.5,
+        "ttft_server": None,
+        "decode": None,
+    }
 
 
 if __name__ == "__main__":

@@ -488,6 +488,7 @@ def test_bench_pd_overhead_builds_one_pd_pair_per_config_and_a_twin_of_the_basel
         boots.add(_flag(prefill, "--disaggregation-bootstrap-port"))
         for a in (prefill, decode):
             assert "--sleep-on-idle" not in a
+            assert "--enable-metrics" in a  # the decode server's meta_info timing
             assert _flag(a, "--kv-canary") == ("none" if pair.startswith("off") else "raise")
         token = pair == "raise+token+partial"
         assert _flag(decode, "--kv-canary-real-data") == (

@@ -108,7 +108,7 @@ def pd_request(
 ) -> dict:
     """One request the way a PD router sends it: the same body, bootstrap fields included, to
     the prefill and the decode server at once; the decode server's answer (``output_ids``,
-    ``error``) plus the prefill's error, if any, and the bootstrap room."""
+    ``meta_info``, ``error``) plus the prefill's error, if any, and the bootstrap room."""
     boot = {
         "bootstrap_host": "127.0.0.1",
         "bootstrap_port": bootstrap_port,
@@ -130,7 +130,11 @@ def pd_request(
         t.join(timeout + 5)
     dec = answers.get("decode", {"error": "no answer (thread still running)"})
     pre = answers.get("prefill", {"error": "no answer (thread still running)"})
-    out = {"room": boot["bootstrap_room"], "output_ids": dec.get("output_ids")}
+    out = {
+        "room": boot["bootstrap_room"],
+        "output_ids": dec.get("output_ids"),
+        "meta_info": dec.get("meta_info", {}),
+    }
     if "error" in dec:
         out["error"] = "decode: " + dec["error"]
     if "error" in pre:
