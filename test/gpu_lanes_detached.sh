@@ -3,9 +3,14 @@
 # takes longer: `start` installs the bundles and starts the lanes in their own session (they
 # outlive the call); `wait N` waits up to N seconds for them, then puts the summary and a
 # tarball of every lane log and server log under $OUT. From the repository root:
-#   call 1 (carry .device/a .device/b):  . .device/a/setup.sh
-#   call 2 (carry .device/c .device/d .device/pd_a):  bash test/gpu_lanes_detached.sh start && bash test/gpu_lanes_detached.sh wait 520
-#   call 3, at once:                     bash test/gpu_lanes_detached.sh wait 560
+#   call 1 (carry .device/a .device/setup.sh):  . .device/a/setup.sh
+#   call 2 (carry .device/b .device/c):  python3 -m pip install -q --no-index --no-deps --no-compile \
+#        --no-cache-dir --upgrade --target /tmp/site .device/c/*.whl; tar xzf .device/b/sgl_kernel_slim.tgz -C /tmp/site
+#   call 3 (carry .device/d .device/pd_a):  bash .device/d/install.sh; export PYTHONPATH=/tmp/site;
+#        bash .device/pd_a/install.sh; GPU_LANES_INSTALLED=1 JOBS=10 bash test/gpu_lanes_detached.sh start &&
+#        bash test/gpu_lanes_detached.sh wait 520
+#   calls 4.., at once, until it prints the summary:  bash test/gpu_lanes_detached.sh wait 560
+# (the bundles no longer fit fewer calls' 64 MB beside the tree)
 # LANES="a b" runs only those lanes; JOBS=N sets the lanes at once (default: cores - 2);
 # GPU_LANES_INSTALLED=1: the bundles are already installed in /tmp/site (skip the installs).
 # monitor.txt samples the load, the GPU and the busiest processes every 15 s while it runs.

@@ -6,11 +6,14 @@
 # and a tarball of the whole run folder (every server's log with it) under $OUT. From the repository root on the GPU machine,
 # with the bundles of ../shared/device/bundle.sh, test/device_bundle_nsa.sh and
 # benchmark/kv_canary/upstream_bundle.sh built here (carries stay under 64 MB a call):
-#   call 1 (carry .device/a .device/b .device/setup.sh):        . .device/a/setup.sh
-#   call 2 (carry .device/c .device/d .device/up_b):             bash $0 install c d up_b
-#   call 3 (carry .device/up_a):                                 bash $0 install up_a
-#   call 4 (carry .device/up_c), at once:                        bash $0 install up_c && bash $0 start && bash $0 wait 540
-#   calls 5.., at once, until it says finished:                  bash $0 wait 570
+#   call 1 (carry .device/a .device/setup.sh):                  . .device/a/setup.sh
+#   call 2 (carry .device/b .device/c):                          pip install --target /tmp/site
+#          .device/c's wheels and untar .device/b into it (test/gpu_lanes_detached.sh's header)
+#   call 3 (carry .device/d .device/up_b):                       bash .device/d/install.sh && bash $0 install up_b
+#   call 4 (carry .device/up_a):                                 bash $0 install up_a
+#   call 5 (carry .device/up_c), at once:                        bash $0 install up_c && bash $0 start && bash $0 wait 540
+#   calls 6.., at once, until it says finished:                  bash $0 wait 570
+# (bundle a and b no longer fit one call's 64 MB beside the tree)
 # PART=overhead|detect|both (default both); SCENARIOS, CONFIGS, ROUNDS, WARMUP and JOBS override
 # the defaults below; SIDE_BY_SIDE_DIR (the run folder) and SITE_UP (upstream's site) the paths.
 set -u
