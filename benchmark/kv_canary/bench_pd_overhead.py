@@ -174,27 +174,19 @@ class PdPairs(PdProcesses):
             env = {**base_env, **server_config(name).env()}
             flags = canary_flags(name)
             boot = free_port()
-            prefill = self.start_server(
-                f"{name}.prefill",
-                model_dir,
-                free_port(),
-                [*role_flags(PdRole.PREFILL, a.backend, boot), *flags],
-                env,
-                "warning",
-                mem_fraction=fractions[2 * i],
-                sleep_on_idle=False,  # spinning schedulers (bench_interleaved.py: --idle)
-                enable_metrics=True,  # meta_info's timing (round_figures)
-            )
-            decode = self.start_server(
-                f"{name}.decode",
-                model_dir,
-                free_port(),
-                [*role_flags(PdRole.DECODE, a.backend, boot), *flags],
-                env,
-                "warning",
-                mem_fraction=fractions[2 * i + 1],
-                sleep_on_idle=False,
-                enable_metrics=True,
+            prefill, decode = (
+                self.start_server(
+                    f"{name}.{role.value}",
+                    model_dir,
+                    free_port(),
+                    [*role_flags(role, a.backend, boot), *flags],
+                    env,
+                    "warning",
+                    mem_fraction=fractions[2 * i + j],
+                    sleep_on_idle=False,  # spinning schedulers (bench_interleaved.py: --idle)
+                    enable_metrics=True,  # meta_info's timing (round_figures)
+                )
+                for j, role in enumerate((PdRole.PREFILL, PdRole.DECODE))
             )
             pairs[name] = (prefill, decode, boot)
         if a.dry_run:
