@@ -161,6 +161,7 @@ from interleaved_servers import (  # noqa: E402  (the servers: configs, start-up
     tokens_needed,
 )
 from interleaved_rounds import (  # noqa: E402  (the rounds, their statistics, the table)
+    control_names,
     measure,
     paired_overhead,
     resolved,
@@ -184,6 +185,7 @@ __all__ = [
     "Server",
     "build_parser",
     "canary_install_problem",
+    "control_names",
     "http_json",
     "main",
     "measure",
@@ -281,8 +283,9 @@ def run(args) -> int:
             pathlib.Path(draft_dir, "config.json").write_text(
                 json.dumps(QWEN3_EAGLE_DRAFT_CONFIG, indent=1)
             )
-    # the servers: each config's, plus the A/A control (a second server of the baseline's)
-    server_names = names + ([args.baseline + CONTROL_SUFFIX] if args.control else [])
+    # the servers: each config's, plus the A/A controls (a second server of each stack's
+    # baseline: upstream's stack has its own when an up: config runs)
+    server_names = names + (control_names(names, args.baseline) if args.control else [])
     baselines = stack_baselines(server_names, args.baseline)
     rotation = (
         args.start_rotation
@@ -298,7 +301,11 @@ def run(args) -> int:
     print(
         f"KV-canary interleaved overhead — {gpu} — {now_utc()} — configs {', '.join(names)} "
         f"(baseline {args.baseline}"
-        + (f", A/A control {args.baseline + CONTROL_SUFFIX}" if args.control else "")
+        + (
+            f", A/A control {', '.join(control_names(names, args.baseline))}"
+            if args.control
+            else ""
+        )
         + f") — started in the order {', '.join(start_order)} — {args.rounds} rounds after "
         f"{args.warmup} warm-up — idle schedulers: {args.idle} — results to {out}",
         flush=True,

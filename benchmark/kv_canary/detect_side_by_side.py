@@ -53,6 +53,7 @@ from sglang.srt.kv_canary.demo_cases import (  # noqa: E402
     CASES,
     DEMO_ENGINE_ARGS,
     DEMO_ENV,
+    PD_ENV_LEFT_OUT,
     DemoCase,
     demo_requests,
 )
@@ -61,7 +62,7 @@ WORKLOAD = HERE / "side_by_side_workload.py"
 
 # the fault classes both stacks inject: the demo's cases (its variables, the reasons a report
 # of each must carry) but the HiCache host tier's, which is this project's alone
-FAULTS = {c.name: c for c in CASES if c.fault is not None and not c.hicache}
+FAULTS = {c.name: c for c in CASES if c.fault is not None and not c.hicache and not c.pd}
 CLEAN = "clean"
 
 
@@ -75,6 +76,8 @@ class Deployment:
     engine_args: Tuple[Tuple[str, object], ...] = ()
     cpu: bool = True
     draft: bool = False  # an EAGLE draft model beside the target
+    # canary variables of the run's that this deployment runs without, on both stacks
+    env_left_out: Tuple[str, ...] = ()
 
 
 DEPLOYMENTS = {
@@ -100,6 +103,10 @@ DEPLOYMENTS = {
             ),
             cpu=False,
             draft=True,
+            # the token oracle samples the target's tokens itself, which EAGLE's verify
+            # replaces (this project refuses the two together at start-up: a self-test
+            # setting, not the deployment this row is about)
+            env_left_out=PD_ENV_LEFT_OUT,
         ),
         Deployment("abort", "llama", (("kv_canary", "abort"),)),
     )
@@ -238,6 +245,33 @@ def stack_env(base_env: Dict[str, str], stack: str, upstream_site: Optional[str]
     return env
 
 
+# Engine arguments sglang 0.5.17 renamed: this project's (0.5.12's) name -> (upstream's name,
+# its value for each of ours); upstream keeps the old name as a command-line flag only
+UPSTREAM_RENAMED_KWARGS = {
+    "disable_piecewise_cuda_graph": ("cuda_graph_backend_prefill", {True: "disabled"}),
+    "cuda_graph_max_bs": ("cuda_graph_max_bs_decode", None),  # None: the value as it is
+}
+
+
+def stack_kwargs(stack: str, kwargs: Dict[str, object]) -> Dict[str, object]:
+    """``kwargs`` as ``stack``'s ``sglang.Engine`` takes them: upstream's runs get
+    :data:`UPSTREAM_RENAMED_KWARGS`' names (an old value without a new one, e.g.
+    ``disable_piecewise_cuda_graph=False``, is sglang's default there and is left out)."""
+    if stack != UPSTREAM_STACK:
+        return dict(kwargs)
+    out = {}
+    for key, value in kwargs.items():
+        if key in UPSTREAM_RENAMED_KWARGS:
+            new_key, values = UPSTREAM_RENAMED_KWARGS[key]
+            if values is None:
+                out[new_key] = value
+            elif value in values:
+                out[new_key] = values[value]
+            continue
+        out[key] = value
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     stack: str
@@ -285,7 +319,7 @@ def plan(
                 Run(
                     stack,
                     case,
-                    make_kwargs(models["llama"], **DEMO_ENGINE_ARGS),
+                    stack_kwargs(stack, make_kwargs(models["llama"], **DEMO_ENGINE_ARGS)),
                     {**env0, **fault_env},
                 )
             )
@@ -299,17 +333,18 @@ def plan(
                 Run(
                     stack,
                     name + OFF_SUFFIX,
-                    make_kwargs(models[d.model], kv_canary="none", **off),
+                    stack_kwargs(stack, make_kwargs(models[d.model], kv_canary="none", **off)),
                     bare,
                 )
             )
             for fault in (None, FAULTS[PROBE_FAULT]):
+                env = {**env0, **(fault.env if fault else {})}
                 runs.append(
                     Run(
                         stack,
                         name if fault is None else f"{name}+{fault.name}",
-                        make_kwargs(models[d.model], **args),
-                        {**env0, **(fault.env if fault else {})},
+                        stack_kwargs(stack, make_kwargs(models[d.model], **args)),
+                        {k: v for k, v in env.items() if k not in d.env_left_out},
                     )
                 )
     return runs

@@ -114,6 +114,18 @@ def measure(
     return wall, server, decode, mismatched
 
 
+def control_names(names: Sequence[str], baseline: str) -> list[str]:
+    """The A/A controls of a run of ``names``: a second server of this project's baseline and,
+    where an ``up:`` config other than upstream's baseline runs, of upstream's (each stack's
+    overheads are resolved by its own pair)."""
+    base = baseline.removeprefix(UPSTREAM_PREFIX)
+    up_base = UPSTREAM_PREFIX + base
+    out = [base + CONTROL_SUFFIX]
+    if any(server_config(n).stack == UPSTREAM_STACK and n != up_base for n in names):
+        out.append(up_base + CONTROL_SUFFIX)
+    return out
+
+
 def stack_baselines(server_names: Sequence[str], baseline: str) -> dict[str, str]:
     """Each server's baseline: ``baseline`` for this project's configs (and the A/A
     control), ``up:`` + ``baseline`` for upstream's; refuses a stack whose baseline is not
@@ -216,10 +228,13 @@ def table(records: list[dict]) -> str:
         "| paired overhead, server decode | paired overhead, wall |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    controls = {(r["invocation"], r["scenario"]): r for r in records if r.get("control")}
+    # each stack's A/A control decides for that stack's configs
+    controls = {
+        (r["invocation"], r["scenario"], r.get("stack")): r for r in records if r.get("control")
+    }
     for r in records:
         w, s, d = r["wall"], r.get("server"), r.get("decode")
-        control = controls.get((r.get("invocation"), r["scenario"]))
+        control = controls.get((r.get("invocation"), r["scenario"], r.get("stack")))
         name = f"{r['config']} (A/A control)" if r.get("control") else r["config"]
         spec = "" if r.get("speculative", "none") == "none" else f", {r['speculative']}"
 

@@ -15,7 +15,8 @@
 #   calls 6.., at once, until it says finished:                  bash $0 wait 570
 # (bundle a and b no longer fit one call's 64 MB beside the tree)
 # PART=overhead|detect|both (default both); SCENARIOS, CONFIGS, ROUNDS, WARMUP and JOBS override
-# the defaults below; SIDE_BY_SIDE_DIR (the run folder) and SITE_UP (upstream's site) the paths.
+# the defaults below, GPU_SHARE and MAX_TOTAL_TOKENS bench_interleaved.py's (each server's memory
+# share and KV pool); SIDE_BY_SIDE_DIR (the run folder) and SITE_UP (upstream's site) the paths.
 set -u
 R=${SIDE_BY_SIDE_DIR:-/tmp/side_by_side_run}
 SITE_UP=${SITE_UP:-/tmp/site_up}
@@ -49,13 +50,14 @@ print('upstream', sglang.__version__)" "$SITE_UP" 2>/dev/null \
     rm -rf "$R"; mkdir -p "$R"
     { git log -1 --format=%H; git status --short; } > "$R/tree.txt" 2>&1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt" 2>&1
-    export PYTHONUNBUFFERED=1 R SITE_UP CONFIGS SCENARIOS
+    export PYTHONUNBUFFERED=1 R SITE_UP CONFIGS SCENARIOS GPU_SHARE MAX_TOTAL_TOKENS
     setsid nohup bash -c '
       date -u +%FT%TZ > "$R/start.txt"
       if [ "${PART:-both}" != detect ]; then
         python3 benchmark/kv_canary/bench_interleaved.py --upstream-site "$SITE_UP" \
           --configs "$CONFIGS" --piecewise off --scenarios "$SCENARIOS" \
           --rounds "${ROUNDS:-12}" --warmup "${WARMUP:-2}" --start-timeout 900 \
+          ${GPU_SHARE:+--gpu-share "$GPU_SHARE"} ${MAX_TOTAL_TOKENS:+--max-total-tokens "$MAX_TOTAL_TOKENS"} \
           --out "$R/overhead.jsonl" > "$R/overhead.log" 2>&1
         echo "overhead rc=$?" >> "$R/summary.txt"
       fi

@@ -167,6 +167,57 @@ def test_upstream_configs_take_the_same_flags_and_their_own_baseline():
         bi.stack_baselines(["off", "raise", "up:raise"], "off")
 
 
+def test_each_stack_is_resolved_by_its_own_aa_control():
+    """Upstream's stack gets its own A/A twin once one of its canary configs runs, and the
+    table judges each stack's overheads by its own twin: a quiet project pair does not make
+    upstream's rows claims when upstream's twin is noisy."""
+    assert bi.control_names(["off", "raise"], "off") == ["off~aa"]
+    assert bi.control_names(["off", "raise", "up:off"], "off") == ["off~aa"]
+    assert bi.control_names(["off", "raise", "up:off", "up:raise"], "off") == [
+        "off~aa",
+        "up:off~aa",
+    ]
+    names = ["off", "raise", "up:off", "up:raise", "off~aa", "up:off~aa"]
+    baselines = bi.stack_baselines(names, "off")
+    assert baselines["up:off~aa"] == "up:off" and baselines["off~aa"] == "off"
+
+    def rec(name, overhead):
+        cfg = name.removesuffix("~aa")
+        r = dict(
+            invocation="i",
+            scenario="s",
+            bs=1,
+            isl=1,
+            osl=1,
+            config=cfg,
+            server_name=name,
+            control=name.endswith("~aa"),
+            baseline=baselines[name],
+            stack=bi.CONFIG_TABLE[cfg].stack,
+            rounds=3,
+            mismatched_rounds=0,
+            wall={"median": 1.0, "min": 1.0},
+        )
+        if overhead is not None:
+            r["wall_overhead"] = overhead
+        return r
+
+    text = bi.table(
+        [
+            rec("off", None),
+            rec("raise", (0.02, 0.01, 0.03)),
+            rec("up:off", None),
+            rec("up:raise", (0.02, 0.01, 0.03)),
+            rec("off~aa", (0.0, -0.001, 0.001)),
+            rec("up:off~aa", (0.01, -0.02, 0.03)),
+        ]
+    )
+    rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| s ")}
+    assert rows["raise"].endswith("(resolved) |")
+    assert rows["up:raise"].endswith("(control too wide) |")
+    assert "up:off (A/A control)" in rows
+
+
 def test_upstream_servers_run_from_their_site_with_this_project_kept_out(tmp_path):
     """An upstream server's PYTHONPATH: the isolation folder, the upstream site, then the
     run's; this project's servers keep the run's environment."""

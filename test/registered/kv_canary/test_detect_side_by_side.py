@@ -183,6 +183,48 @@ def test_the_plan_runs_each_fault_and_each_deployment_clean_and_probed(tmp_path)
     assert len({r.engine_kwargs["nccl_port"] for r in runs}) == len(runs)
 
 
+def test_upstream_runs_take_upstreams_engine_argument_names(tmp_path):
+    """sglang 0.5.17's ``Engine`` no longer takes two of 0.5.12's arguments the GPU runs set
+    (it keeps them as command-line aliases only): its runs get the new names and values, this
+    project's runs keep theirs; and every fault is one both stacks inject on one server (the
+    PD transfer fault needs a PD pair: it is not among them), the EAGLE deployment runs
+    without the token oracle on both stacks."""
+    from sglang.srt.kv_canary.testing.server_harness import gpu_engine_kwargs
+
+    assert "pd_transfer" not in sbs.FAULTS and "req_to_token" in sbs.FAULTS
+    runs = sbs.plan(
+        stacks=["project", "upstream"],
+        faults=["clean"],
+        deployments=["eagle"],
+        models={"llama": "/m/llama", "deepseek_v2": "/m/dsv2"},
+        draft_dir="/m/draft",
+        make_kwargs=gpu_engine_kwargs,
+        base_env={},
+        upstream_site=str(tmp_path),
+    )
+    by = {(r.stack, r.case): r for r in runs}
+    ours, theirs = by[("project", "clean")].engine_kwargs, by[("upstream", "clean")].engine_kwargs
+    assert ours["disable_piecewise_cuda_graph"] is True and ours["cuda_graph_max_bs"] == 8
+    assert not set(sbs.UPSTREAM_RENAMED_KWARGS) & set(theirs)
+    assert theirs["cuda_graph_backend_prefill"] == "disabled"
+    assert theirs["cuda_graph_max_bs_decode"] == 8
+    drop = lambda kw: {k: v for k, v in kw.items() if k != "nccl_port"}  # noqa: E731
+    assert drop(sbs.stack_kwargs("project", ours)) == drop(ours)
+    # 0.5.12's default (piecewise graphs on) has no counterpart to pass: left out
+    assert sbs.stack_kwargs("upstream", {"disable_piecewise_cuda_graph": False}) == {}
+    for stack in ("project", "upstream"):
+        assert by[(stack, "clean")].env["SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE"] == "1"
+        for case in ("eagle", "eagle+req_to_token"):
+            env = by[(stack, case)].env
+            assert "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE" not in env
+            assert "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT" not in env
+            assert env["SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT"] == "1"
+        assert (
+            by[(stack, "eagle+req_to_token")].env["SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB"]
+            == "1"
+        )
+
+
 def _result(**kw) -> "sbs.RunResult":
     base = dict(
         stack="upstream",
