@@ -146,7 +146,6 @@ from common import (  # noqa: E402  (a sibling module)
 )
 from interleaved_servers import (  # noqa: E402  (the servers: configs, start-up, checks)
     CONFIG_TABLE,
-    CONTROL_SUFFIX,
     IDLE_MODES,
     INSTALLED_LINE,
     Server,
