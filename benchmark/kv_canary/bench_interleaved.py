@@ -141,6 +141,7 @@ from common import (  # noqa: E402  (a sibling module)
     append_jsonl,
     gpu_name,
     now_utc,
+    parse_ints,
     parse_names,
     read_jsonl,
 )
@@ -178,6 +179,7 @@ __all__ = [
     "CONFIGS",
     "CONFIG_TABLE",
     "INSTALLED_LINE",
+    "SCENARIOS",
     "SMOKE_SCENARIOS",
     "UPSTREAM_SITE_DIR",
     "EngineSettings",
@@ -185,6 +187,7 @@ __all__ = [
     "build_parser",
     "canary_install_problem",
     "control_names",
+    "graph_batch_sizes",
     "http_json",
     "main",
     "measure",
@@ -205,6 +208,18 @@ DEFAULT_SCENARIOS = {
     "none": "prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k",
     "eagle": ",".join(SERVING_DEFAULT_SCENARIOS["eagle"]),
 }
+
+
+def graph_batch_sizes(args, scenarios: Sequence) -> tuple:
+    """The decode graphs every server captures: ``--cuda-graph-bs`` if given; with EAGLE bs 1
+    and 32; else bs 1 and each decode scenario's batch size, so a decode scenario replays a
+    graph of its own size (not one padded up to a larger size) and a server captures no graph
+    the run does not use (each capture is start-up time, times every server)."""
+    if args.cuda_graph_bs:
+        return tuple(parse_ints(args.cuda_graph_bs, "--cuda-graph-bs"))
+    if args.speculative != "none":
+        return (1, 32)
+    return tuple(sorted({1} | {sc.bs for sc in scenarios if sc.osl > 1}))
 
 
 def run(args) -> int:
@@ -253,7 +268,7 @@ def run(args) -> int:
             or tokens_needed(scenarios, EngineSettings.chunked_prefill_size),
             speculative=args.speculative,
             piecewise=args.piecewise == "on",
-            cuda_graph_bs=(1, 32) if args.speculative != "none" else EngineSettings.cuda_graph_bs,
+            cuda_graph_bs=graph_batch_sizes(args, scenarios),
         )
     )
     draft_dir = None
@@ -360,6 +375,7 @@ def run(args) -> int:
             start_order=start_order,
             idle=args.idle,
             piecewise=args.piecewise,
+            cuda_graph_bs=list(settings.cuda_graph_bs),
         )
         records = []
         for sc in scenarios:
@@ -463,6 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=IDLE_MODES,
         help="spin (default, sglang's default): an idle scheduler polls in a busy "
         "loop; sleep: every server with sglang's --sleep-on-idle",
+    )
+    ap.add_argument(
+        "--cuda-graph-bs",
+        default=None,
+        help="comma-separated decode graph batch sizes, every server alike (default: 1 and "
+        "each decode scenario's batch size; with --speculative eagle 1 and 32)",
     )
     ap.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S)
     ap.add_argument(

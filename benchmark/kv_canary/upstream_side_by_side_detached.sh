@@ -14,13 +14,17 @@
 #   call 5 (carry .device/up_c), at once:                        bash $0 install up_c && bash $0 start && bash $0 wait 540
 #   calls 6.., at once, until it says finished:                  bash $0 wait 570
 # (bundle a and b no longer fit one call's 64 MB beside the tree)
-# PART=overhead|detect|both (default both); SCENARIOS, CONFIGS, ROUNDS, WARMUP and JOBS override
+# PART: the runs, in order, comma-separated from overhead and detect (default both =
+# overhead,detect); STACKS the detection's stacks (default both); SCENARIOS, CONFIGS, ROUNDS,
+# WARMUP and JOBS override
 # the defaults below, GPU_SHARE and MAX_TOTAL_TOKENS bench_interleaved.py's (each server's memory
 # share and KV pool); SIDE_BY_SIDE_DIR (the run folder) and SITE_UP (upstream's site) the paths.
 set -u
 R=${SIDE_BY_SIDE_DIR:-/tmp/side_by_side_run}
 SITE_UP=${SITE_UP:-/tmp/site_up}
-CONFIGS=${CONFIGS:-off,raise,raise+token+partial,raise+all,up:off,up:raise,up:raise+token+partial,up:raise+all}
+# six configs and the two stacks' A/A twins: eight servers start in about a third of a lease
+# (add raise+all,up:raise+all through CONFIGS for real data `all`)
+CONFIGS=${CONFIGS:-off,raise,raise+token+partial,up:off,up:raise,up:raise+token+partial}
 SCENARIOS=${SCENARIOS:-prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k,decode_bs1,decode_bs32}
 case "${1:-}" in
   install)
@@ -34,8 +38,13 @@ case "${1:-}" in
     done
     echo "side_by_side: installed $*" ;;
   start)
-    case "${PART:-both}" in overhead|detect|both) ;;
-      *) echo "PART=${PART}: allowed overhead, detect, both" >&2; exit 2 ;; esac
+    PARTS=${PART:-both}
+    [ "$PARTS" = both ] && PARTS=overhead,detect
+    for part in ${PARTS//,/ }; do
+      case "$part" in overhead|detect) ;;
+        *) echo "PART=${PART}: allowed overhead, detect (comma-separated, in order) or both" >&2
+           exit 2 ;; esac
+    done
     . .device/a/setup.sh > /dev/null 2>&1 || exit 1
     # upstream's sglang must come from $SITE_UP, not from this project's site behind it
     python3 -c "import os, sys; site = os.path.realpath(sys.argv[1]); sys.path.insert(0, site)
@@ -50,30 +59,32 @@ print('upstream', sglang.__version__)" "$SITE_UP" 2>/dev/null \
     rm -rf "$R"; mkdir -p "$R"
     { git log -1 --format=%H; git status --short; } > "$R/tree.txt" 2>&1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt" 2>&1
-    export PYTHONUNBUFFERED=1 R SITE_UP CONFIGS SCENARIOS GPU_SHARE MAX_TOTAL_TOKENS
+    export PYTHONUNBUFFERED=1 R SITE_UP CONFIGS SCENARIOS GPU_SHARE MAX_TOTAL_TOKENS PARTS STACKS
     setsid nohup bash -c '
       date -u +%FT%TZ > "$R/start.txt"
-      if [ "${PART:-both}" != detect ]; then
-        python3 benchmark/kv_canary/bench_interleaved.py --upstream-site "$SITE_UP" \
-          --configs "$CONFIGS" --piecewise off --scenarios "$SCENARIOS" \
-          --rounds "${ROUNDS:-12}" --warmup "${WARMUP:-2}" --start-timeout 900 \
-          ${GPU_SHARE:+--gpu-share "$GPU_SHARE"} ${MAX_TOTAL_TOKENS:+--max-total-tokens "$MAX_TOTAL_TOKENS"} \
-          --out "$R/overhead.jsonl" > "$R/overhead.log" 2>&1
-        echo "overhead rc=$?" >> "$R/summary.txt"
-      fi
-      if [ "${PART:-both}" != overhead ]; then
-        python3 benchmark/kv_canary/detect_side_by_side.py --upstream-site "$SITE_UP" \
-          --jobs "${JOBS:-4}" --timeout 900 --logs "$R/detect_logs" --json "$R/detect.json" \
-          > "$R/detect.log" 2>&1
-        echo "detect rc=$?" >> "$R/summary.txt"
-      fi
+      for part in ${PARTS//,/ }; do
+        if [ "$part" = overhead ]; then
+          python3 benchmark/kv_canary/bench_interleaved.py --upstream-site "$SITE_UP" \
+            --configs "$CONFIGS" --piecewise off --scenarios "$SCENARIOS" \
+            --rounds "${ROUNDS:-12}" --warmup "${WARMUP:-2}" --start-timeout 900 \
+            ${GPU_SHARE:+--gpu-share "$GPU_SHARE"} ${MAX_TOTAL_TOKENS:+--max-total-tokens "$MAX_TOTAL_TOKENS"} \
+            --out "$R/overhead.jsonl" > "$R/overhead.log" 2>&1
+          echo "overhead rc=$?" >> "$R/summary.txt"
+        else
+          python3 benchmark/kv_canary/detect_side_by_side.py --upstream-site "$SITE_UP" \
+            ${STACKS:+--stacks "$STACKS"} --jobs "${JOBS:-4}" --timeout 900 \
+            --logs "$R/detect_logs" --json "$R/detect.json" > "$R/detect.log" 2>&1
+          echo "detect rc=$?" >> "$R/summary.txt"
+        fi
+      done
       date -u +%FT%TZ > "$R/end.txt"' > /dev/null 2>&1 < /dev/null &
     echo "side_by_side: started; logs in $R" ;;
   wait)
     for _ in $(seq 1 $(( ${2:-500} / 5 ))); do [ -f "$R/end.txt" ] && break; sleep 5; done
     mkdir -p "${OUT:?}"
-    cp "$R"/*.txt "$R"/*.log "$R"/*.jsonl "$R"/*.json "$OUT/" 2>/dev/null
-    # every server's log is in $R too (bench_interleaved writes <out>.<config>.log)
+    # few files (the device tool returns a limited number): every server's and every
+    # detection run's log is in the tarball only (bench_interleaved writes <out>.<config>.log)
+    cp "$R"/*.txt "$R"/overhead.log "$R"/detect.log "$R"/*.jsonl "$R"/*.json "$OUT/" 2>/dev/null
     tar czf "$OUT/side_by_side_run.tgz" -C "$(dirname "$R")" "$(basename "$R")"
     cat "$R/summary.txt" 2>/dev/null
     tail -5 "$R/overhead.log" "$R/detect.log" 2>/dev/null

@@ -218,6 +218,23 @@ def test_each_stack_is_resolved_by_its_own_aa_control():
     assert "up:off (A/A control)" in rows
 
 
+def test_servers_capture_the_decode_graphs_of_the_run_s_batch_sizes():
+    """Every server captures a decode graph for bs 1 and each decode scenario's batch size
+    (a bs 32 decode replays a bs 32 graph, and no server spends start-up time on graphs the
+    run never replays); ``--cuda-graph-bs`` overrides, EAGLE keeps 1 and 32."""
+    sc = [bi.SCENARIOS[n] for n in ("prefill_bs1_16k", "decode_bs64", "decode_bs32")]
+    args = bi.build_parser().parse_args([])
+    assert bi.graph_batch_sizes(args, sc) == (1, 32, 64)
+    assert bi.graph_batch_sizes(args, sc[:1]) == (1,)  # prefill only: bs 1
+    args = bi.build_parser().parse_args(["--cuda-graph-bs", "1,8"])
+    assert bi.graph_batch_sizes(args, sc) == (1, 8)
+    args = bi.build_parser().parse_args(["--speculative", "eagle"])
+    assert bi.graph_batch_sizes(args, sc) == (1, 32)
+    args = bi.build_parser().parse_args(["--cuda-graph-bs", "0"])
+    with pytest.raises(SystemExit, match="--cuda-graph-bs: expected comma-separated positive"):
+        bi.graph_batch_sizes(args, sc)
+
+
 def test_upstream_servers_run_from_their_site_with_this_project_kept_out(tmp_path):
     """An upstream server's PYTHONPATH: the isolation folder, the upstream site, then the
     run's; this project's servers keep the run's environment."""

@@ -419,6 +419,9 @@ def _lease_tree(tmp_path) -> pathlib.Path:
     (bench / "detect_side_by_side.py").write_text(
         "import sys, json\nprint('DETECT', json.dumps(sys.argv[1:]))\n"
     )
+    (bench / "bench_interleaved.py").write_text(
+        "import sys, json\nprint('OVERHEAD', json.dumps(sys.argv[1:]))\n"
+    )
     return root
 
 
@@ -461,6 +464,36 @@ def test_the_lease_script_installs_starts_and_collects(tmp_path):
     assert '"--upstream-site", "%s"' % (tmp_path / "site_up") in detect
     assert '"--jobs", "3"' in detect
     assert (out / "side_by_side_run.tgz").stat().st_size > 0
+
+
+def test_the_lease_script_runs_the_parts_in_the_order_given(tmp_path):
+    """``PART=detect,overhead``: the detection first (of the stacks ``STACKS`` names), then
+    the overhead run with its memory settings; the wait brings back the two logs, not each
+    server's (those are in the tarball)."""
+    root = _lease_tree(tmp_path)
+    run = tmp_path / "run"
+    started = _lease(
+        root,
+        tmp_path,
+        "start",
+        PART="detect,overhead",
+        STACKS="upstream",
+        MAX_TOTAL_TOKENS="56000",
+        CONFIGS="off,up:off,up:raise",
+    )
+    assert started.returncode == 0, started.stderr
+    done = _lease(root, tmp_path, "wait", "60")
+    assert "side_by_side: finished" in done.stdout, done.stdout + done.stderr
+    assert (run / "summary.txt").read_text().split("\n")[:2] == ["detect rc=0", "overhead rc=0"]
+    out = tmp_path / "out"
+    detect = (out / "detect.log").read_text()
+    assert '"--stacks", "upstream"' in detect
+    overhead = (out / "overhead.log").read_text()
+    assert '"--configs", "off,up:off,up:raise"' in overhead
+    assert '"--max-total-tokens", "56000"' in overhead and "--gpu-share" not in overhead
+    # a part that does not exist is refused before anything starts
+    refused = _lease(root, tmp_path, "start", PART="overhead,sweep")
+    assert refused.returncode == 2 and "allowed overhead, detect" in refused.stderr
 
 
 def test_the_lease_script_refuses_without_upstreams_sglang(tmp_path):
