@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import cProfile
 import gc
+import os
 import pstats
 import statistics
 import time
@@ -25,6 +26,26 @@ from serving_report import (
 )
 
 
+RULER_PYTHON_ITEMS = 256  # the ruler's pure-Python part: a list of this many ints, summed
+RULER_TORCH_CALLS = 8  # the ruler's torch part: this many small device ops of each kind
+
+
+def host_ruler_us(torch, scratch) -> float:
+    """Host µs of a fixed workload of the kinds of calls the canary's host work makes (Python
+    built-ins, torch's dispatch of small device ops: an in-place op, a sliced copy, an
+    allocation), timed right before each prefill: the host's speed at that moment. The
+    canary's phases divided by it compare runs (and runtimes) across a machine whose speed
+    changes from one minute to the next (benchmark/results/latency_h100.md). ``scratch``: a
+    1-D int64 tensor of at least 32 elements on the bench device."""
+    t0 = time.perf_counter()
+    sum(list(range(RULER_PYTHON_ITEMS)))
+    for _ in range(RULER_TORCH_CALLS):
+        scratch.add_(1)
+        scratch[:16].copy_(scratch[16:32])
+        torch.empty(16, dtype=torch.int64, device=scratch.device)
+    return (time.perf_counter() - t0) * 1e6
+
+
 def run_host_breakdown(args) -> None:
     """Host (CPU) time of each canary phase around one request's eager prefill, what a bs1
     time to first token pays: real pools with the Qwen3 shapes, the canary from the
@@ -32,7 +53,9 @@ def run_host_breakdown(args) -> None:
     in for by a GPU sleep long enough that the host is never waiting for the device (so the
     phases' host time is all that is measured). ``batch init``, ``outside pre-ops`` and
     ``inside pre-ops`` run before the model's kernels are queued: their sum is what the
-    forward waits for. Medians over ``--host-breakdown-runs`` prefills after two warm-ups."""
+    forward waits for. Medians over ``--host-breakdown-runs`` prefills after two warm-ups;
+    beside them the :func:`host_ruler_us` of each prefill, the median of the per-prefill
+    ratios of the phases' sum to it, and the load average before and after the row."""
     import torch
 
     smoke = args.smoke_cpu
@@ -57,8 +80,11 @@ def run_host_breakdown(args) -> None:
         )
         gen = torch.Generator().manual_seed(0)
 
+        scratch = torch.zeros(32, dtype=torch.int64, device=device)
         for isl in isls:
             times = {p: [] for p in HOST_PHASES}
+            rulers, ratios = [], []
+            load_before = os.getloadavg()
             profiler = pre_profiler = None
             detail = None
             extra = (20 if args.host_breakdown_cprofile else 0) + (
@@ -81,6 +107,7 @@ def run_host_breakdown(args) -> None:
                 slots = torch.randperm(num_slots - 1, generator=gen)[:isl] + 1
                 r2t.req_to_token[row, :isl] = slots.to(torch.int32).to(device)
                 per_run = {p: 0.0 for p in HOST_PHASES}
+                ruler = host_ruler_us(torch, scratch)
                 for start in range(0, isl, chunk):
                     n = min(chunk, isl - start)
                     fb = prefill_chunk_batch(req, slots, start, n, device=device, r2t=r2t, kv=kv)
@@ -115,6 +142,8 @@ def run_host_breakdown(args) -> None:
                 if 0 <= run < runs:
                     for p in HOST_PHASES:
                         times[p].append(per_run[p])
+                    rulers.append(ruler)
+                    ratios.append(sum(per_run.values()) / ruler)
             if mgr.count_violations():
                 raise SystemExit(f"host breakdown {cname} isl {isl}: violations on a clean run")
             med = {p: statistics.median(v) for p, v in times.items()}
@@ -129,6 +158,10 @@ def run_host_breakdown(args) -> None:
                 runs=runs,
                 median_us=med,
                 before_forward_us=before,
+                ruler_us=statistics.median(rulers),
+                sum_per_ruler=statistics.median(ratios),
+                loadavg_before=load_before,
+                loadavg_after=os.getloadavg(),
                 # snapshots that found every reusable host buffer held (None: no such buffers)
                 own_snapshot_buffers=_own_snapshot_buffers(mgr),
             )
@@ -136,7 +169,8 @@ def run_host_breakdown(args) -> None:
             rows.append(rec)
             print(
                 f"[{cname} isl {isl}] before the forward {before:.0f} µs; "
-                + "; ".join(f"{p} {med[p]:.0f}" for p in HOST_PHASES),
+                + "; ".join(f"{p} {med[p]:.0f}" for p in HOST_PHASES)
+                + f"; ruler {rec['ruler_us']:.1f} µs, sum / ruler {rec['sum_per_ruler']:.2f}",
                 flush=True,
             )
             if detail is not None:

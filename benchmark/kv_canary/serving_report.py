@@ -294,10 +294,21 @@ def host_breakdown_table(rows: list[dict]) -> str:
         f"Host µs per bs1 prefill (median of {rows[0]['runs']}; {rows[0]['gpu']}, "
         f"{rows[0]['time']}; chunk {rows[0]['chunk']})",
         "",
-        f"| config | prompt | {head} | before the forward |",
-        "| --- | ---: |" + " ---: |" * (len(HOST_PHASES) + 1),
+        f"| config | prompt | {head} | before the forward | sum | ruler µs | sum / ruler |",
+        "| --- | ---: |" + " ---: |" * (len(HOST_PHASES) + 4),
     ]
     for r in rows:
         cells = " | ".join(f"{r['median_us'][p]:.0f}" for p in HOST_PHASES)
-        lines.append(f"| {r['config']} | {r['isl']} | {cells} | **{r['before_forward_us']:.0f}** |")
+        total = sum(r["median_us"][p] for p in HOST_PHASES)
+        # records from before the ruler have none
+        ruler = f"{r['ruler_us']:.1f} | {r['sum_per_ruler']:.2f}" if "ruler_us" in r else "— | —"
+        lines.append(
+            f"| {r['config']} | {r['isl']} | {cells} | **{r['before_forward_us']:.0f}** | "
+            f"{total:.0f} | {ruler} |"
+        )
+    lines.append(
+        "\nsum / ruler: the median over the prefills of the phases' sum divided by the host "
+        "ruler timed just before each (a fixed workload of Python and small torch calls): "
+        "comparable across runs on a machine whose host speed changes."
+    )
     return "\n".join(lines)

@@ -164,6 +164,14 @@ def test_bench_serving_overhead_host_breakdown_detail_times_each_method():
     )
     phases = _table(text, "config")
     assert [r["config"] for r in phases] == ["raise", "raise+token"]
+    for r in phases:
+        # the host ruler beside each row: the sum of the phases (as printed) and its ratio
+        phases_of_row = list(r)[2:-4]  # between the prompt and "before the forward"
+        assert len(phases_of_row) == 5 and list(r)[-4] == "before the forward", r
+        phase_sum = sum(float(r[p]) for p in phases_of_row)
+        assert abs(float(r["sum"]) - phase_sum) <= len(phases_of_row), r
+        ruler, ratio = float(r["ruler µs"]), float(r["sum / ruler"])
+        assert ruler > 0 and ratio > 0, r
     tables = text.split("host µs per call of the canary's methods")[1:]
     assert len(tables) == 2
     for config, part in zip(("raise", "raise+token"), tables):
