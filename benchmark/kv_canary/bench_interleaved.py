@@ -48,6 +48,13 @@ paced by the host, and a scheduler woken from a blocking poll runs it on a core 
 been idle. (Pinning each server to three cores of its own, tried with sleeping schedulers,
 did not bring the servers closer.) The choice is in every record (``idle``).
 
+Isolation (``--isolate``): every server but the one being sent a request is paused
+(SIGSTOP to its process group: its scheduler, spinning or not, its tokenizer and detokenizer
+stop), continued 50 ms before its request and paused again after it. A short prefill is paced
+by the host, and with eight or ten servers up their spinning schedulers alone hold most of
+the cores; paused, they hold none, and each server is measured on a quiet host in the same
+rounds as the others. The choice is in every record (``isolate``).
+
 Order: the servers start in the config order rotated by ``--start-rotation`` (default: a
 different rotation for each invocation, recorded in the results), so no config always starts
 first (and gets the first memory share, the first cores). Within a run, round k sends to the
@@ -321,7 +328,9 @@ def run(args) -> int:
             else ""
         )
         + f") — started in the order {', '.join(start_order)} — {args.rounds} rounds after "
-        f"{args.warmup} warm-up — idle schedulers: {args.idle} — results to {out}",
+        f"{args.warmup} warm-up — idle schedulers: {args.idle}"
+        + (" — every other server paused during a request" if args.isolate else "")
+        + f" — results to {out}",
         flush=True,
     )
     started: dict[str, Server] = {}
@@ -376,12 +385,18 @@ def run(args) -> int:
             idle=args.idle,
             piecewise=args.piecewise,
             cuda_graph_bs=list(settings.cuda_graph_bs),
+            isolate=args.isolate,
         )
         records = []
         for sc in scenarios:
             t0 = time.perf_counter()
             wall, server, decode, mismatched = measure(
-                servers, sc, rounds=args.rounds, warmup=args.warmup, vocab=vocab
+                servers,
+                sc,
+                rounds=args.rounds,
+                warmup=args.warmup,
+                vocab=vocab,
+                isolate=args.isolate,
             )
             recs = scenario_records(
                 sc,
@@ -485,6 +500,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated decode graph batch sizes, every server alike (default: 1 and "
         "each decode scenario's batch size; with --speculative eagle 1 and 32)",
+    )
+    ap.add_argument(
+        "--isolate",
+        action="store_true",
+        help="pause (SIGSTOP) every server but the one being sent a request, so it has the "
+        "host to itself; the servers are continued when the rounds end",
     )
     ap.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S)
     ap.add_argument(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import time
 from collections.abc import Sequence
 
 from common import (
@@ -85,33 +86,65 @@ def round_order(names: Sequence[str], k: int) -> list[str]:
     return order if (k // len(names)) % 2 == 0 else order[::-1]
 
 
+ISOLATE_SETTLE_S = 0.05  # after a server is continued, before its request
+
+
 def measure(
-    servers: dict[str, Server], sc: Scenario, *, rounds: int, warmup: int, vocab: int
+    servers: dict[str, Server],
+    sc: Scenario,
+    *,
+    rounds: int,
+    warmup: int,
+    vocab: int,
+    isolate: bool = False,
 ) -> tuple[dict[str, list[float]], dict[str, list], dict[str, list], int]:
     """Warm-up rounds, then ``rounds`` rounds of ``sc`` over ``servers``: per server the wall
     ms, the server's prefill ms and its decode ms per round (None where sglang gave none), and
     the number of rounds whose outputs disagreed between servers of one stack (another sglang's
-    outputs differ by design)."""
+    outputs differ by design). ``isolate``: every server but the one being sent a request is
+    paused (``Server.pause``; continued ``ISOLATE_SETTLE_S`` before its request, paused after
+    it), and all are continued when the rounds end, however they end."""
     wall = {n: [] for n in servers}
     server = {n: [] for n in servers}
     decode = {n: [] for n in servers}
     mismatched = 0
-    for k in range(-warmup, rounds):
-        ids = make_inputs(sc, k, vocab)
-        outputs = {}
-        for name in round_order(list(servers), k):
-            ms, outs = servers[name].generate(ids, sc.osl)
-            outputs[name] = [o["output_ids"] for o in outs]
-            if k >= 0:
-                wall[name].append(ms)
-                server[name].append(server_prefill_ms(outs))
-                decode[name].append(server_decode_ms(outs))
-        by_stack: dict[str, set] = {}
-        for name, v in outputs.items():
-            by_stack.setdefault(server_config(name).stack, set()).add(json.dumps(v))
-        if k >= 0 and any(len(seen) > 1 for seen in by_stack.values()):
-            mismatched += 1
+    if isolate:
+        for srv in servers.values():
+            srv.pause()
+    try:
+        for k in range(-warmup, rounds):
+            mismatched += _one_round(
+                servers, sc, k, vocab, isolate=isolate, wall=wall, server=server, decode=decode
+            )
+    finally:
+        if isolate:
+            for srv in servers.values():
+                srv.resume()
     return wall, server, decode, mismatched
+
+
+def _one_round(servers, sc, k, vocab, *, isolate, wall, server, decode) -> int:
+    """Round ``k`` of :func:`measure`: 1 if its outputs disagreed within a stack, else 0."""
+    ids = make_inputs(sc, k, vocab)
+    outputs = {}
+    for name in round_order(list(servers), k):
+        if isolate:
+            servers[name].resume()
+            time.sleep(ISOLATE_SETTLE_S)
+        try:
+            ms, outs = servers[name].generate(ids, sc.osl)
+        finally:
+            if isolate:
+                servers[name].pause()
+        outputs[name] = [o["output_ids"] for o in outs]
+        if k >= 0:
+            wall[name].append(ms)
+            server[name].append(server_prefill_ms(outs))
+            decode[name].append(server_decode_ms(outs))
+    by_stack: dict[str, set] = {}
+    for name, v in outputs.items():
+        by_stack.setdefault(server_config(name).stack, set()).add(json.dumps(v))
+    return int(k >= 0 and any(len(seen) > 1 for seen in by_stack.values()))
 
 
 def control_names(names: Sequence[str], baseline: str) -> list[str]:

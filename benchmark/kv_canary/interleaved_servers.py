@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -92,6 +93,19 @@ def canary_install_problem(
     return None
 
 
+def pause_group(proc) -> None:
+    """Stop the process group of ``proc`` (started with ``start_new_session=True``: a server,
+    its scheduler and detokenizer) with SIGSTOP: none of them runs, a spinning scheduler
+    included, so another server being measured has the host to itself."""
+    os.killpg(proc.pid, signal.SIGSTOP)
+
+
+def resume_group(proc) -> None:
+    """Continue a process group :func:`pause_group` stopped (SIGCONT); harmless on a running
+    one."""
+    os.killpg(proc.pid, signal.SIGCONT)
+
+
 class Server(ServerProcess):
     """One ``python -m sglang.launch_server`` process of config ``cfg`` (own session, log in
     ``log_path``)."""
@@ -108,6 +122,21 @@ class Server(ServerProcess):
             env=env,
             log_path=log_path,
         )
+
+    def pause(self) -> None:
+        """:func:`pause_group` of this server, between its requests."""
+        pause_group(self.proc)
+
+    def resume(self) -> None:
+        """:func:`resume_group` of this server."""
+        resume_group(self.proc)
+
+    def stop(self) -> None:
+        """Continue the server first (a stopped process group would hold SIGTERM pending
+        until the SIGKILL), then stop it."""
+        if self.alive():
+            self.resume()
+        super().stop()
 
     def generate(self, input_ids: list[list[int]], osl: int) -> tuple[float, list[dict]]:
         """Flush the radix cache, then one ``/generate`` of the batch: ``(wall ms,

@@ -12,6 +12,8 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
+
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -22,6 +24,8 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import bench_interleaved as bi  # noqa: E402
 import bench_pd_overhead as pdo  # noqa: E402
+import interleaved_rounds  # noqa: E402
+import interleaved_servers  # noqa: E402
 from canary_support.server_process import engine_kwargs_to_argv  # noqa: E402
 
 
@@ -235,6 +239,101 @@ def test_servers_capture_the_decode_graphs_of_the_run_s_batch_sizes():
         bi.graph_batch_sizes(args, sc)
 
 
+class _PausableServer:
+    """A stand-in server of :func:`interleaved_rounds.measure`: records whether it is paused,
+    and at each request that no other server was running."""
+
+    def __init__(self, name, peers, fail_at=None, strict=True):
+        self.name, self.peers, self.paused, self.requests = name, peers, False, 0
+        self.fail_at, self.strict, self.signals = fail_at, strict, 0
+
+    def pause(self):
+        self.paused = True
+        self.signals += 1
+
+    def resume(self):
+        self.paused = False
+        self.signals += 1
+
+    def generate(self, ids, osl):
+        running = [n for n, s in self.peers.items() if not s.paused]
+        if self.strict:
+            assert running == [self.name], f"running during {self.name}'s request: {running}"
+        self.requests += 1
+        if self.requests == self.fail_at:
+            raise RuntimeError(f"{self.name} failed")
+        out = {"output_ids": [7] * osl, "meta_info": {}}
+        return 1.0, [out for _ in ids]
+
+
+def test_isolated_rounds_run_one_server_at_a_time_and_continue_all_at_the_end(monkeypatch):
+    """``--isolate``: while one server has a request, every other is paused; when the rounds
+    end, or one request fails, every server is continued."""
+    monkeypatch.setattr(interleaved_rounds, "ISOLATE_SETTLE_S", 0.0)
+    monkeypatch.setattr(interleaved_rounds, "server_config", lambda n: bi.CONFIG_TABLE["off"])
+    sc = bi.SMOKE_SCENARIOS["decode_bs1"]
+    servers = {}
+    servers.update({n: _PausableServer(n, servers) for n in ("a", "b", "c")})
+    wall, _, _, mismatched = interleaved_rounds.measure(
+        servers, sc, rounds=3, warmup=1, vocab=100, isolate=True
+    )
+    assert {n: len(v) for n, v in wall.items()} == {"a": 3, "b": 3, "c": 3}
+    assert mismatched == 0 and not any(s.paused for s in servers.values())
+    assert all(s.requests == 4 for s in servers.values())
+    servers.clear()
+    servers.update({n: _PausableServer(n, servers, fail_at=2) for n in ("a", "b")})
+    with pytest.raises(RuntimeError, match="failed"):
+        interleaved_rounds.measure(servers, sc, rounds=3, warmup=0, vocab=100, isolate=True)
+    assert not any(s.paused for s in servers.values())
+    # without --isolate no server is signalled (and the strict stand-ins would refuse)
+    servers.clear()
+    servers.update({n: _PausableServer(n, servers, strict=False) for n in ("a", "b")})
+    interleaved_rounds.measure(servers, sc, rounds=2, warmup=0, vocab=100, isolate=False)
+    assert [(s.requests, s.signals) for s in servers.values()] == [(2, 0), (2, 0)]
+    servers.clear()
+    servers.update({n: _PausableServer(n, servers) for n in ("a", "b")})
+    with pytest.raises(AssertionError, match="running during"):
+        interleaved_rounds.measure(servers, sc, rounds=1, warmup=0, vocab=100, isolate=False)
+
+
+def test_a_paused_process_group_stops_all_its_processes_until_continued():
+    """``pause_group`` stops the server's whole session (a child too, as a scheduler), and
+    ``resume_group`` continues it: the processes' state in ``/proc`` says so."""
+    code = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time\\nwhile True: time.sleep(0.01)'])\n"
+        "print(child.pid, flush=True)\n"
+        "while True: time.sleep(0.01)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        child = int(proc.stdout.readline())
+
+        def states():
+            out = []
+            for pid in (proc.pid, child):
+                stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+                out.append(stat.rsplit(")", 1)[1].split()[0])
+            return out
+
+        interleaved_servers.pause_group(proc)
+        deadline = time.monotonic() + 10
+        while states() != ["T", "T"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert states() == ["T", "T"]
+        interleaved_servers.resume_group(proc)
+        deadline = time.monotonic() + 10
+        while "T" in states() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "T" not in states()
+    finally:
+        interleaved_servers.resume_group(proc)
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
 def test_upstream_servers_run_from_their_site_with_this_project_kept_out(tmp_path):
     """An upstream server's PYTHONPATH: the isolation folder, the upstream site, then the
     run's; this project's servers keep the run's environment."""
@@ -357,7 +456,7 @@ def test_eagle_runs_refuse_what_they_cannot_measure(argv, message):
 def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
     """Two configs, the A/A control and an ``up:`` server whose upstream site is a stand-in
     (an empty directory: the machine's sglang 0.5.12 runs there, with this project kept out
-    by the isolation folder)."""
+    by the isolation folder); ``--isolate``: the servers paused between their requests."""
     out = tmp_path / "i.jsonl"
     stand_in = tmp_path / "upstream_site"
     stand_in.mkdir()
@@ -380,6 +479,7 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
             "1",
             "--idle",
             "sleep",
+            "--isolate",
             "--out",
             str(out),
         ],
@@ -408,6 +508,10 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
     assert all(r["start_order"] == ["raise", "up:off", "off~aa", "off"] for r in recs)
     # every server slept on idle as told (three spinning servers would hold CI's two cores)
     assert all(r["idle"] == "sleep" for r in recs) and "idle schedulers: sleep" in proc.stdout
+    # each request went to the one server not paused (SIGSTOP), and every server, paused
+    # between its requests, answered the next round and stopped cleanly
+    assert all(r["isolate"] for r in recs)
+    assert "every other server paused during a request" in proc.stdout
     for r in recs:
         assert r["rounds"] == 2 and len(r["wall_runs_ms"]) == 2 and r["mismatched_rounds"] == 0
         assert len(r["server_runs_ms"]) == 2 and all(t > 0 for t in r["server_runs_ms"])
