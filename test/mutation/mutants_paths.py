@@ -293,8 +293,8 @@ MUTANTS_PATHS = (
     Mutant(
         id="interleaved-mismatch-uncounted",
         path="benchmark/kv_canary/interleaved_rounds.py",
-        old="            mismatched += 1\n",
-        new="            pass\n",
+        old="    return int(k >= 0 and any(len(seen) > 1 for seen in by_stack.values()))\n",
+        new="    return 0\n",
         selection=f"{_T}/test_bench_interleaved.py::"
         "test_measure_sends_each_round_to_every_server_in_rotating_order",
         speed="quick",
