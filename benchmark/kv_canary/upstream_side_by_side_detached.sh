@@ -16,7 +16,7 @@
 # (bundle a and b no longer fit one call's 64 MB beside the tree)
 # PART: the runs, in order, comma-separated from overhead and detect (default both =
 # overhead,detect); STACKS the detection's stacks (default both); SCENARIOS, CONFIGS, ROUNDS,
-# WARMUP and JOBS override
+# WARMUP, JOBS and DETECT_TIMEOUT (seconds per detection run, default 900) override
 # the defaults below, GPU_SHARE and MAX_TOTAL_TOKENS bench_interleaved.py's (each server's memory
 # share and KV pool), ISOLATE=1 its --isolate; SIDE_BY_SIDE_DIR (the run folder) and SITE_UP (upstream's site) the paths.
 set -u
@@ -59,7 +59,7 @@ print('upstream', sglang.__version__)" "$SITE_UP" 2>/dev/null \
     rm -rf "$R"; mkdir -p "$R"
     { git log -1 --format=%H; git status --short; } > "$R/tree.txt" 2>&1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt" 2>&1
-    export PYTHONUNBUFFERED=1 R SITE_UP CONFIGS SCENARIOS GPU_SHARE MAX_TOTAL_TOKENS PARTS STACKS ISOLATE
+    export PYTHONUNBUFFERED=1 R SITE_UP CONFIGS SCENARIOS GPU_SHARE MAX_TOTAL_TOKENS PARTS STACKS ISOLATE DETECT_TIMEOUT
     setsid nohup bash -c '
       date -u +%FT%TZ > "$R/start.txt"
       for part in ${PARTS//,/ }; do
@@ -72,7 +72,7 @@ print('upstream', sglang.__version__)" "$SITE_UP" 2>/dev/null \
           echo "overhead rc=$?" >> "$R/summary.txt"
         else
           python3 benchmark/kv_canary/detect_side_by_side.py --upstream-site "$SITE_UP" \
-            ${STACKS:+--stacks "$STACKS"} --jobs "${JOBS:-4}" --timeout 900 \
+            ${STACKS:+--stacks "$STACKS"} --jobs "${JOBS:-4}" --timeout "${DETECT_TIMEOUT:-900}" \
             --logs "$R/detect_logs" --json "$R/detect.json" > "$R/detect.log" 2>&1
           echo "detect rc=$?" >> "$R/summary.txt"
         fi
