@@ -80,6 +80,9 @@ class Deployment:
     env_left_out: Tuple[str, ...] = ()
 
 
+# longer than any of the demo's prompts, so no prompt of the EAGLE deployment is split
+EAGLE_CHUNKED_PREFILL_SIZE = 512
+
 DEPLOYMENTS = {
     d.name: d
     for d in (
@@ -100,6 +103,10 @@ DEPLOYMENTS = {
                 ("speculative_num_steps", 3),
                 ("speculative_eagle_topk", 1),
                 ("speculative_num_draft_tokens", 4),
+                # unchunked: sglang 0.5.12 computes a non-final prefill chunk's last draft KV
+                # from the sampled token (upstream's fix is in 0.5.17), which this canary
+                # reports before any fault (docs/user_guide.md, "Speculative decoding")
+                ("chunked_prefill_size", EAGLE_CHUNKED_PREFILL_SIZE),
             ),
             cpu=False,
             draft=True,
@@ -245,6 +252,13 @@ def stack_env(base_env: Dict[str, str], stack: str, upstream_site: Optional[str]
     return env
 
 
+# Upstream's server builds its token oracle (the sampler its write-input check and next-token
+# swap need) only for this sampling backend, whatever its SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE
+# says; this project's builds it for either
+ORACLE_VAR = "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE"
+UPSTREAM_ORACLE_BACKEND = ("sampling_backend", "token_oracle")
+
+
 # Engine arguments sglang 0.5.17 renamed: this project's (0.5.12's) name -> (upstream's name,
 # its value for each of ours); upstream keeps the old name as a command-line flag only
 UPSTREAM_RENAMED_KWARGS = {
@@ -253,13 +267,18 @@ UPSTREAM_RENAMED_KWARGS = {
 }
 
 
-def stack_kwargs(stack: str, kwargs: Dict[str, object]) -> Dict[str, object]:
-    """``kwargs`` as ``stack``'s ``sglang.Engine`` takes them: upstream's runs get
-    :data:`UPSTREAM_RENAMED_KWARGS`' names (an old value without a new one, e.g.
-    ``disable_piecewise_cuda_graph=False``, is sglang's default there and is left out)."""
+def stack_kwargs(
+    stack: str, kwargs: Dict[str, object], env: Optional[Dict[str, str]] = None
+) -> Dict[str, object]:
+    """``kwargs`` as ``stack``'s ``sglang.Engine`` takes them for a run with variables
+    ``env``: upstream's runs get :data:`UPSTREAM_RENAMED_KWARGS`' names (an old value without a
+    new one, e.g. ``disable_piecewise_cuda_graph=False``, is sglang's default there and is left
+    out) and, where ``env`` asks for the token oracle, :data:`UPSTREAM_ORACLE_BACKEND`."""
     if stack != UPSTREAM_STACK:
         return dict(kwargs)
     out = {}
+    if (env or {}).get(ORACLE_VAR) == "1":
+        out[UPSTREAM_ORACLE_BACKEND[0]] = UPSTREAM_ORACLE_BACKEND[1]
     for key, value in kwargs.items():
         if key in UPSTREAM_RENAMED_KWARGS:
             new_key, values = UPSTREAM_RENAMED_KWARGS[key]
@@ -268,7 +287,7 @@ def stack_kwargs(stack: str, kwargs: Dict[str, object]) -> Dict[str, object]:
             elif value in values:
                 out[new_key] = values[value]
             continue
-        out[key] = value
+        out.setdefault(key, value)
     return out
 
 
@@ -314,13 +333,13 @@ def plan(
         bare = stack_env(base_env, stack, upstream_site)  # no canary variable at all
         env0 = {**bare, **DEMO_ENV}
         for case in faults:
-            fault_env = FAULTS[case].env if case in FAULTS else {}
+            env = {**env0, **(FAULTS[case].env if case in FAULTS else {})}
             runs.append(
                 Run(
                     stack,
                     case,
-                    stack_kwargs(stack, make_kwargs(models["llama"], **DEMO_ENGINE_ARGS)),
-                    {**env0, **fault_env},
+                    stack_kwargs(stack, make_kwargs(models["llama"], **DEMO_ENGINE_ARGS), env),
+                    env,
                 )
             )
         for name in deployments:
@@ -339,12 +358,13 @@ def plan(
             )
             for fault in (None, FAULTS[PROBE_FAULT]):
                 env = {**env0, **(fault.env if fault else {})}
+                env = {k: v for k, v in env.items() if k not in d.env_left_out}
                 runs.append(
                     Run(
                         stack,
                         name if fault is None else f"{name}+{fault.name}",
-                        stack_kwargs(stack, make_kwargs(models[d.model], **args)),
-                        {k: v for k, v in env.items() if k not in d.env_left_out},
+                        stack_kwargs(stack, make_kwargs(models[d.model], **args), env),
+                        env,
                     )
                 )
     return runs

@@ -168,15 +168,17 @@ def test_the_plan_runs_each_fault_and_each_deployment_clean_and_probed(tmp_path)
             assert off.engine_kwargs["kv_canary"] == "none"
             assert not [k for k in off.engine_kwargs if k.startswith("kv_canary_")]
             assert not [k for k in off.env if k.startswith("SGLANG_KV_CANARY_")]
+            # besides the canary's own: upstream's token oracle is a sampling backend
+            canary_only = ("nccl_port",) + (("sampling_backend",) if stack == "upstream" else ())
             same = {
                 k: v
                 for k, v in by[(stack, name)].engine_kwargs.items()
-                if not k.startswith("kv_canary") and k != "nccl_port"
+                if not k.startswith("kv_canary") and k not in canary_only
             }
             assert {
                 k: v
                 for k, v in off.engine_kwargs.items()
-                if not k.startswith("kv_canary") and k != "nccl_port"
+                if not k.startswith("kv_canary") and k not in canary_only
             } == same
     assert by[("upstream", "clean")].env["PYTHONPATH"].startswith(str(UPSTREAM_SITE_DIR))
     # each server its own port for torch's store
@@ -188,7 +190,9 @@ def test_upstream_runs_take_upstreams_engine_argument_names(tmp_path):
     (it keeps them as command-line aliases only): its runs get the new names and values, this
     project's runs keep theirs; and every fault is one both stacks inject on one server (the
     PD transfer fault needs a PD pair: it is not among them), the EAGLE deployment runs
-    without the token oracle on both stacks."""
+    without the token oracle on both stacks, with no prompt split into prefill chunks (sglang
+    0.5.12's own chunk-end draft bug would stop it first); upstream's runs that ask for the
+    token oracle also get the sampling backend its server builds the oracle for."""
     from sglang.srt.kv_canary.testing.server_harness import gpu_engine_kwargs
 
     assert "pd_transfer" not in sbs.FAULTS and "req_to_token" in sbs.FAULTS
@@ -223,6 +227,17 @@ def test_upstream_runs_take_upstreams_engine_argument_names(tmp_path):
             by[(stack, "eagle+req_to_token")].env["SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB"]
             == "1"
         )
+        longest = max(len(ids) for ids, _ in sbs.demo_requests())
+        for case in ("eagle:off", "eagle", "eagle+req_to_token"):
+            assert by[(stack, case)].engine_kwargs["chunked_prefill_size"] >= longest
+    for r in runs:
+        oracle = r.env.get("SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE") == "1"
+        backend = r.engine_kwargs["sampling_backend"]
+        if r.stack == "upstream":
+            assert (backend == "token_oracle") == oracle, (r.case, backend)
+        else:
+            assert backend == "pytorch", (r.case, backend)
+    assert by[("upstream", "clean")].engine_kwargs["sampling_backend"] == "token_oracle"
 
 
 def _result(**kw) -> "sbs.RunResult":
