@@ -36,6 +36,9 @@ from the baseline is the run's resolution: two identical servers differ by that 
 machine at this moment (their memory, their cores, their place in the round). It is printed
 beside each scenario's table; an overhead is claimed only where the A/A difference and its
 interval lie within +-0.3 % (``A/A_LIMIT``), and then only if the config's interval clears it.
+``--twins raise`` adds a second server of a canary config the same way (``raise~aa``, compared
+with ``raise``): where a config differs from its baseline in a direction no canary explains
+(faster), its twin tells a server difference from a config's.
 
 Idle schedulers: every server here runs ``--idle spin`` (the default): sglang's own default,
 a scheduler polling its sockets in a busy loop while it has nothing to run. With
@@ -178,6 +181,7 @@ from interleaved_rounds import (  # noqa: E402  (the rounds, their statistics, t
     server_decode_ms,
     stack_baselines,
     table,
+    twin_names,
 )
 
 # what other code reads from this module (test_bench_interleaved.py,
@@ -207,6 +211,7 @@ __all__ = [
     "server_env",
     "server_kwargs",
     "stack_baselines",
+    "twin_names",
 ]
 
 START_TIMEOUT_S = 900.0
@@ -306,7 +311,15 @@ def run(args) -> int:
             )
     # the servers: each config's, plus the A/A controls (a second server of each stack's
     # baseline: upstream's stack has its own when an up: config runs)
-    server_names = names + (control_names(names, args.baseline) if args.control else [])
+    server_names = (
+        names
+        + (control_names(names, args.baseline) if args.control else [])
+        + twin_names(
+            names,
+            parse_names(args.twins, CONFIG_TABLE, "--twins") if args.twins else [],
+            args.baseline,
+        )
+    )
     baselines = stack_baselines(server_names, args.baseline)
     rotation = (
         args.start_rotation
@@ -327,6 +340,7 @@ def run(args) -> int:
             if args.control
             else ""
         )
+        + (f", twins {args.twins}" if args.twins else "")
         + f") — started in the order {', '.join(start_order)} — {args.rounds} rounds after "
         f"{args.warmup} warm-up — idle schedulers: {args.idle}"
         + (" — every other server paused during a request" if args.isolate else "")
@@ -473,6 +487,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="run the A/A control: a second server of the baseline's config "
         "(default on; its difference from the baseline is the resolution)",
+    )
+    ap.add_argument(
+        "--twins",
+        default="",
+        help="comma-separated configs of --configs (not a baseline) that get a second "
+        "server, compared with the first: how far two servers of that config differ",
     )
     ap.add_argument(
         "--start-rotation",

@@ -159,6 +159,23 @@ def control_names(names: Sequence[str], baseline: str) -> list[str]:
     return out
 
 
+def twin_names(names: Sequence[str], twins: Sequence[str], baseline: str) -> list[str]:
+    """A second server of each config in ``twins`` (``<config>~aa``), compared with its
+    config, not its stack's baseline: how far two servers of a canary config differ. Each must
+    be among ``names`` and not a stack's baseline (those twins are the A/A controls)."""
+    base = baseline.removeprefix(UPSTREAM_PREFIX)
+    out = []
+    for t in twins:
+        if t not in names:
+            raise SystemExit(f"--twins {t}: not among --configs ({', '.join(names)})")
+        if t in (base, UPSTREAM_PREFIX + base):
+            raise SystemExit(
+                f"--twins {t}: a stack's baseline; its twin is the A/A control (--control)"
+            )
+        out.append(t + CONTROL_SUFFIX)
+    return out
+
+
 def stack_baselines(server_names: Sequence[str], baseline: str) -> dict[str, str]:
     """Each server's baseline: ``baseline`` for this project's configs (and the A/A
     control), ``up:`` + ``baseline`` for upstream's; refuses a stack whose baseline is not
@@ -193,17 +210,21 @@ def scenario_records(
     """One record per server of one scenario; every server but a baseline carries its paired
     overheads against its baseline (``baselines``: per server, its stack's,
     :func:`stack_baselines`): ``wall_overhead``, ``server_overhead`` for the prefill,
-    ``decode_overhead``. The A/A control's record (``control``: true) is the run's
-    resolution. ``facts``: each server's :func:`server_facts`, recorded."""
+    ``decode_overhead``. The A/A control's record (``control``: true, the twin of a stack's
+    baseline) is the run's resolution; another config's twin (``twin``: true) is compared
+    with that config. ``facts``: each server's :func:`server_facts`, recorded."""
     recs = []
     for name in wall:
         baseline = baselines[name]
         config = name.removesuffix(CONTROL_SUFFIX)
+        twin = name.endswith(CONTROL_SUFFIX)
+        control = twin and baselines.get(config) == config
         rec = dict(
             kind="interleaved",
             config=config,
             server_name=name,
-            control=name.endswith(CONTROL_SUFFIX),
+            control=control,
+            twin=twin and not control,
             scenario=sc.name,
             bs=sc.bs,
             isl=sc.isl,
@@ -268,16 +289,28 @@ def table(records: list[dict]) -> str:
     for r in records:
         w, s, d = r["wall"], r.get("server"), r.get("decode")
         control = controls.get((r.get("invocation"), r["scenario"], r.get("stack")))
-        name = f"{r['config']} (A/A control)" if r.get("control") else r["config"]
+        name = (
+            f"{r['config']} (A/A control)"
+            if r.get("control")
+            else f"{r['config']} (twin)"
+            if r.get("twin")
+            else r["config"]
+        )
         spec = "" if r.get("speculative", "none") == "none" else f", {r['speculative']}"
 
         def cell(key: str) -> str:
             if f"{key}_overhead" not in r:
                 return (
-                    "(baseline)" if r["config"] == r["baseline"] and not r.get("control") else "—"
+                    "(baseline)"
+                    if r["config"] == r["baseline"] and not (r.get("control") or r.get("twin"))
+                    else "—"
                 )
             text = _interval(r[f"{key}_overhead"])
-            return text if r.get("control") else f"{text} ({resolved(r, control, key)})"
+            if r.get("control"):
+                return text
+            if r.get("twin"):
+                return f"{text} (against {r['config']})"
+            return f"{text} ({resolved(r, control, key)})"
 
         out.append(
             f"| {r['scenario']}{spec} (bs{r['bs']} isl{r['isl']} osl{r['osl']}) | {name} | "

@@ -18,7 +18,7 @@
 # overhead,detect); STACKS the detection's stacks (default both); SCENARIOS, CONFIGS, ROUNDS,
 # WARMUP, JOBS and DETECT_TIMEOUT (seconds per detection run, default 900) override
 # the defaults below, GPU_SHARE and MAX_TOTAL_TOKENS bench_interleaved.py's (each server's memory
-# share and KV pool), ISOLATE=1 its --isolate; SIDE_BY_SIDE_DIR (the run folder) and SITE_UP (upstream's site) the paths.
+# share and KV pool), ISOLATE=1 its --isolate, TWINS its --twins; SIDE_BY_SIDE_DIR (the run folder) and SITE_UP (upstream's site) the paths.
 set -u
 R=${SIDE_BY_SIDE_DIR:-/tmp/side_by_side_run}
 SITE_UP=${SITE_UP:-/tmp/site_up}
@@ -59,7 +59,7 @@ print('upstream', sglang.__version__)" "$SITE_UP" 2>/dev/null \
     rm -rf "$R"; mkdir -p "$R"
     { git log -1 --format=%H; git status --short; } > "$R/tree.txt" 2>&1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt" 2>&1
-    export PYTHONUNBUFFERED=1 R SITE_UP CONFIGS SCENARIOS GPU_SHARE MAX_TOTAL_TOKENS PARTS STACKS ISOLATE DETECT_TIMEOUT
+    export PYTHONUNBUFFERED=1 R SITE_UP CONFIGS SCENARIOS GPU_SHARE MAX_TOTAL_TOKENS PARTS STACKS ISOLATE DETECT_TIMEOUT TWINS
     setsid nohup bash -c '
       date -u +%FT%TZ > "$R/start.txt"
       for part in ${PARTS//,/ }; do
@@ -68,7 +68,7 @@ print('upstream', sglang.__version__)" "$SITE_UP" 2>/dev/null \
             --configs "$CONFIGS" --piecewise off --scenarios "$SCENARIOS" \
             --rounds "${ROUNDS:-12}" --warmup "${WARMUP:-2}" --start-timeout 900 \
             ${GPU_SHARE:+--gpu-share "$GPU_SHARE"} ${MAX_TOTAL_TOKENS:+--max-total-tokens "$MAX_TOTAL_TOKENS"} \
-            ${ISOLATE:+--isolate} --out "$R/overhead.jsonl" > "$R/overhead.log" 2>&1
+            ${ISOLATE:+--isolate} ${TWINS:+--twins "$TWINS"} --out "$R/overhead.jsonl" > "$R/overhead.log" 2>&1
           echo "overhead rc=$?" >> "$R/summary.txt"
         else
           python3 benchmark/kv_canary/detect_side_by_side.py --upstream-site "$SITE_UP" \

@@ -222,6 +222,51 @@ def test_each_stack_is_resolved_by_its_own_aa_control():
     assert "up:off (A/A control)" in rows
 
 
+def test_a_canary_config_s_twin_is_compared_with_that_config():
+    """``--twins raise`` starts a second ``raise`` server whose records compare it with the
+    first (not with ``off``) and are marked as a twin, not as the A/A control: the table
+    keeps judging ``raise`` by ``off~aa`` and shows the twin's difference without a verdict.
+    A baseline or a config not in the run is refused."""
+    names = ["off", "raise"]
+    assert bi.twin_names(names, ["raise"], "off") == ["raise~aa"]
+    for bad in (["off"], ["raise+all"]):
+        with pytest.raises(SystemExit, match="--twins"):
+            bi.twin_names(names, bad, "off")
+    servers = names + bi.control_names(names, "off") + bi.twin_names(names, ["raise"], "off")
+    baselines = bi.stack_baselines(servers, "off")
+    assert baselines == {"off": "off", "raise": "off", "off~aa": "off", "raise~aa": "raise"}
+    runs = {"off": [10.0] * 5, "raise": [11.0] * 5, "off~aa": [10.0] * 5, "raise~aa": [13.2] * 5}
+    recs = bi.scenario_records(
+        bi.SCENARIOS["prefill_bs1_512"],
+        runs,
+        {n: list(v) for n, v in runs.items()},
+        {n: [None] * 5 for n in runs},
+        0,
+        baselines=baselines,
+        ports={n: 1 for n in runs},
+        common=dict(invocation="i"),
+        facts={n: {} for n in runs},
+    )
+    by = {r["server_name"]: r for r in recs}
+    assert by["off~aa"]["control"] and not by["off~aa"]["twin"]
+    assert by["raise~aa"]["twin"] and not by["raise~aa"]["control"]
+    assert not by["raise"]["control"] and not by["raise"]["twin"]
+    assert by["raise~aa"]["baseline"] == "raise"
+    assert by["raise~aa"]["server_overhead"][0] == pytest.approx(0.2)  # 13.2 against 11
+    assert by["raise"]["server_overhead"][0] == pytest.approx(0.1)  # 11 against 10
+    rows = {
+        line.split(" | ")[1]: line
+        for line in bi.table(recs).splitlines()
+        if line.startswith("| prefill_bs1_512")
+    }
+    assert set(rows) == {"off", "raise", "off (A/A control)", "raise (twin)"}
+    assert "(resolved)" in rows["raise"]
+    assert "(against raise)" in rows["raise (twin)"] and "resolved" not in rows["raise (twin)"]
+    assert "(baseline)" not in rows["raise (twin)"]  # its decode cell: no decode here
+    args = bi.build_parser().parse_args(["--twins", "raise"])
+    assert args.twins == "raise"
+
+
 def test_servers_capture_the_decode_graphs_of_the_run_s_batch_sizes():
     """Every server captures a decode graph for bs 1 and each decode scenario's batch size
     (a bs 32 decode replays a bs 32 graph, and no server spends start-up time on graphs the

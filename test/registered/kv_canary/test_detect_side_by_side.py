@@ -482,9 +482,10 @@ def test_the_lease_script_installs_starts_and_collects(tmp_path):
 
 
 def test_the_lease_script_runs_the_parts_in_the_order_given(tmp_path):
-    """``PART=detect,overhead``: the detection first (of the stacks ``STACKS`` names), then
-    the overhead run with its memory settings; the wait brings back the two logs, not each
-    server's (those are in the tarball)."""
+    """``PART=detect,overhead``: the detection first (of the stacks ``STACKS`` names, each run
+    with its ``DETECT_TIMEOUT``), then the overhead run with its memory settings and
+    ``TWINS``; the wait brings back the two logs, not each server's (those are in the
+    tarball)."""
     root = _lease_tree(tmp_path)
     run = tmp_path / "run"
     started = _lease(
@@ -495,6 +496,8 @@ def test_the_lease_script_runs_the_parts_in_the_order_given(tmp_path):
         STACKS="upstream",
         MAX_TOTAL_TOKENS="56000",
         CONFIGS="off,up:off,up:raise",
+        DETECT_TIMEOUT="300",
+        TWINS="up:raise",
     )
     assert started.returncode == 0, started.stderr
     done = _lease(root, tmp_path, "wait", "60")
@@ -502,10 +505,11 @@ def test_the_lease_script_runs_the_parts_in_the_order_given(tmp_path):
     assert (run / "summary.txt").read_text().split("\n")[:2] == ["detect rc=0", "overhead rc=0"]
     out = tmp_path / "out"
     detect = (out / "detect.log").read_text()
-    assert '"--stacks", "upstream"' in detect
+    assert '"--stacks", "upstream"' in detect and '"--timeout", "300"' in detect
     overhead = (out / "overhead.log").read_text()
     assert '"--configs", "off,up:off,up:raise"' in overhead
     assert '"--max-total-tokens", "56000"' in overhead and "--gpu-share" not in overhead
+    assert '"--twins", "up:raise"' in overhead
     # a part that does not exist is refused before anything starts
     refused = _lease(root, tmp_path, "start", PART="overhead,sweep")
     assert refused.returncode == 2 and "allowed overhead, detect" in refused.stderr
