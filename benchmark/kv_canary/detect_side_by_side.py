@@ -2,7 +2,9 @@
 sglang's own (0.5.17, run as a black box from its wheel), each tried on the same workload with
 the same faults injected, each through its own ``SGLANG_KV_CANARY_*`` variables (both stacks
 read the same names: ``..._PERTURB_<FAULT>_PROB``, ``..._PERTURB_TARGET_GROUP``,
-``..._PERTURB_WARMUP_STEPS``, ``..._ENABLE_TOKEN_ORACLE`` and the two token checks).
+``..._PERTURB_WARMUP_STEPS``, ``..._ENABLE_TOKEN_ORACLE`` and the two token checks; upstream's
+server builds the token oracle only with ``--sampling-backend token_oracle``, which its runs
+that ask for the oracle get: :func:`stack_kwargs`).
 
 Two tables (docs/user_guide.md, "Self-tests: fault injection, the token oracle, the demo"):
 
