@@ -34,6 +34,8 @@
 #   spec_pr28254_v1      test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr28254 and spec_v1
 #   spec_faults_v2       test/registered/kv_canary/test_e2e_speculative_gpu.py -k fault and spec_v2
 #   spec_faults_v1       test/registered/kv_canary/test_e2e_speculative_gpu.py -k fault and spec_v1
+#   spec_adaptive_v2     test/registered/kv_canary/test_e2e_speculative_gpu.py -k adaptive and spec_v2
+#   spec_adaptive_v1     test/registered/kv_canary/test_e2e_speculative_gpu.py -k adaptive and spec_v1
 #   spec_eagle3_clean    test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and clean and EAGLE3
 #   spec_eagle3_faults   test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and every_fault and EAGLE3
 #   spec_nextn_clean     test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and clean and NEXTN

@@ -4,8 +4,9 @@ objects, with both canaries driven as the plugin's hooks drive them (test suppor
 Two real ``MHATokenToKVPool`` s — the target model's (2 layers) and the draft model's (1
 layer) — share one ``ReqToTokenPool`` and one ``TokenToKVPoolAllocator``, as sglang's EAGLE
 workers do. Each pool gets its canary from ``build_canary`` with what ``install_canary`` passes
-a runner: the draft pool (``RankFacts(draft=True, draft_steps=steps)``: position offset 1) and one single-forward
-manager per draft forward of a round (``steps - 1``).
+a runner: the draft pool (``RankFacts(draft=True, draft_steps=max_steps)``: position offset 1) and one
+single-forward manager per draft forward of the largest round (``max_steps - 1``; ``max_steps``
+defaults to ``steps``, which an adaptive run changes between rounds).
 
 Per request: a chunked prefill (target ``EXTEND``, then the draft ``EXTEND`` of the same
 positions with the tokens shifted by one: the next prompt token at a non-final chunk's end,
@@ -64,9 +65,15 @@ class EagleDriver:
         max_running: int = 4,
         bug_positions_before_forward: bool = False,
         bug_chunk_end_uses_sampled_token: bool = False,
+        max_steps: Optional[int] = None,
     ):
         if steps < 1:
             raise ValueError("steps must be >= 1")
+        # ``max_steps``: the largest step count the canary is sized for (an adaptive worker's
+        # largest candidate); ``steps`` may then change between rounds, as sglang's switch does
+        self.max_steps = steps if max_steps is None else max_steps
+        if self.max_steps < steps:
+            raise ValueError(f"max_steps {self.max_steps} < steps {steps}")
         self.steps, self.v2, self.chunk = steps, v2, chunk
         self.accept_prob, self.max_running = accept_prob, max_running
         self.rng = random.Random(seed)
@@ -114,7 +121,7 @@ class EagleDriver:
             config=self.config,
             device="cpu",
             capacity_inputs=caps,
-            ranks=RankFacts(draft=True, draft_steps=steps),
+            ranks=RankFacts(draft=True, draft_steps=self.max_steps),
         )
         self.target.mark_init_finished()
         self.draft.mark_init_finished()
@@ -382,7 +389,7 @@ class EagleDriver:
         self.around_round(fb, loop)
 
     def around_round(self, fb: ForwardBatch, body) -> None:
-        with self.draft.with_draft_round():
+        with self.draft.with_draft_round(self.steps - 1):
             body()
 
     def around_forward(self, fb: ForwardBatch, body) -> None:

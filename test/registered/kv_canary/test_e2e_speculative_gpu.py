@@ -27,8 +27,10 @@ Needs the device bundles a, b, c (docs/architecture.md, "Tests")."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import re
 import sys
 
 import pytest
@@ -41,7 +43,7 @@ from canary_support.script_run import load_support_script
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=3040, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=3700, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2", 190),
@@ -52,6 +54,8 @@ GPU_LANES = {
     "spec_pr28254_v1": ("pr28254 and spec_v1", 450),
     "spec_faults_v2": ("fault and spec_v2", 210),
     "spec_faults_v1": ("fault and spec_v1", 360),
+    "spec_adaptive_v2": ("adaptive and spec_v2", 330),
+    "spec_adaptive_v1": ("adaptive and spec_v1", 330),
     "spec_eagle3_clean": ("other_algorithms and clean and EAGLE3", 200),
     "spec_eagle3_faults": ("other_algorithms and every_fault and EAGLE3", 130),
     "spec_nextn_clean": ("other_algorithms and clean and NEXTN", 220),
@@ -233,6 +237,67 @@ def test_pr26329_chunk_end_draft_token_is_reported(models, spec):
         assert any(
             v.position + 1 < len(p) and p[v.position + 1] == v.expected_token for p in prompts
         ), v
+
+
+# ---- adaptive step counts -----------------------------------------------------------------------
+
+# accepted drafts fed to sglang's adaptive controller, one per verify, in a cycle (the test hook
+# KV_CANARY_TEST_ADAPTIVE_ACCEPT): with the candidates 1, 2, 4 (and the initial 3) and each
+# verify deciding alone, the worker climbs to 4 steps, falls to 1, and passes 2 and 3 both ways
+ADAPTIVE_ACCEPT = "6,6,0,0,1,2,6,1"
+ADAPTIVE_CONFIG = {
+    "candidate_steps": [1, 2, 4],
+    "warmup_batches": 0,
+    "update_interval": 1,
+    "ema_alpha": 1.0,
+}
+
+
+@pytest.mark.parametrize("spec", sorted(SPEC))
+def test_adaptive_steps_switch_while_serving(models, spec, tmp_path):
+    """``--speculative-adaptive``: sglang captures every candidate's draft, draft-extend and
+    target-verify graphs at start-up and switches between them while serving. With the switches
+    forced both ways, the canary's servers give the outputs of the canary off with zero
+    violations, and every fault class injected into the draft pool is caught."""
+    config = tmp_path / "adaptive.json"
+    config.write_text(json.dumps(ADAPTIVE_CONFIG))
+    adaptive = dict(speculative_adaptive=True, speculative_adaptive_config=str(config))
+    env = {"KV_CANARY_TEST_ADAPTIVE_ACCEPT": ADAPTIVE_ACCEPT}
+    rc, out, off = run(models, spec, env, **adaptive, **UNCHUNKED)
+    assert rc == 0 and off is not None, out[-4000:]
+    rc, out, on = run(
+        models,
+        spec,
+        dict(env, SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT="1"),
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=3,
+        **adaptive,
+        **UNCHUNKED,
+    )
+    assert rc == 0, out[-4000:]
+    assert "kv_canary installed on the EAGLE draft worker: mode=raise" in out, out[-4000:]
+    switches = {
+        tuple(int(x) for x in m)
+        for m in re.findall(r"Switch adaptive runtime state: steps (\d+) -> (\d+)", out)
+    }
+    # every candidate reached, up and down
+    assert {to for _, to in switches} >= {1, 2, 4}, switches
+    assert any(a < b for a, b in switches) and any(a > b for a, b in switches), switches
+    assert parse_violation_lines(out) == []
+    assert on == off
+    rc, out, res = run(
+        models,
+        spec,
+        dict(env, **EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER="draft"),
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+        **adaptive,
+    )
+    assert rc == 0 and res is not None, out[-4000:]
+    assert "Switch adaptive runtime state" in out
+    assert_every_fault_caught(out)
 
 
 # ---- EAGLE3 and NEXTN (MTP) ---------------------------------------------------------------------

@@ -276,6 +276,38 @@ def test_the_kv_budget_shrinks_by_exactly_the_canarys_bytes(profiled, config, pa
     assert shrink < grown_canary.device_bytes + page_size * CELL
 
 
+def test_an_adaptive_draft_is_reserved_for_its_largest_step_count(profiled):
+    """``--speculative-adaptive`` may switch the draft worker to its largest candidate step
+    count (sglang's defaults: 1, 3, 7): the draft canary's memory is that count's, as for a
+    fixed ``--speculative-num-steps 7``, and more than the initial 3 steps'."""
+    import types
+
+    runner = profiled(max_running_requests=8, context_length=256)
+
+    def draft_bytes(**spec):
+        args = types.SimpleNamespace(
+            **{
+                **vars(runner.server_args),
+                "speculative_algorithm": "EAGLE",
+                "speculative_eagle_topk": 1,
+                "speculative_adaptive_config": None,
+                **spec,
+            }
+        )
+        _, reservation = reserve_canary_memory(
+            runner,
+            server_args=args,
+            config=CanaryConfig(mode="raise"),
+            capacity_inputs=CanaryCapacityInputs(context_len=256),
+            available_bytes=48 << 20,
+        )
+        return reservation.draft.device_bytes
+
+    adaptive = draft_bytes(speculative_num_steps=3, speculative_adaptive=True)
+    assert adaptive == draft_bytes(speculative_num_steps=7, speculative_adaptive=False)
+    assert adaptive > draft_bytes(speculative_num_steps=3, speculative_adaptive=False)
+
+
 def test_a_user_cap_below_the_budget_keeps_the_pool(profiled):
     runner = profiled(max_total_tokens=4096, max_running_requests=8, context_length=256)
     kv, reservation = reserve_canary_memory(

@@ -7,6 +7,8 @@ sglang applies them. sglang 0.5.12's CPU engine cannot run EAGLE (docs/user_guid
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import sys
 
@@ -68,19 +70,8 @@ def test_the_draft_pool_needs_the_token_offset(monkeypatch):
     from sglang.srt.kv_canary.builder import build_canary
     from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
     from sglang.srt.kv_canary.ranks import RankFacts
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    pool = MHATokenToKVPool(
-        size=1024,
-        page_size=1,
-        dtype=torch.bfloat16,
-        head_num=2,
-        head_dim=8,
-        layer_num=1,
-        device="cpu",
-        enable_memory_saver=False,
-        enable_alt_stream=False,
-    )
+    pool = _tiny_pool(1024)
     d.draft_pool = pool
     # the draft's canary as the builder makes it, with the target's offset
     monkeypatch.setattr(RankFacts, "kv_token_id_vs_position_offset", property(lambda self: 0))
@@ -323,7 +314,7 @@ def test_a_draft_round_refuses_more_forwards_than_it_was_sized_for():
             real(fb, body)
 
     d.around_forward = twice
-    with pytest.raises(RuntimeError, match=r"more than 1 draft forwards \(--speculative-num"):
+    with pytest.raises(RuntimeError, match=r"more than its 1 draft forwards \(the worker's"):
         d.step()
 
 
@@ -333,9 +324,9 @@ def test_draft_forwards_outside_a_round_and_nested_rounds_are_refused():
     with pytest.raises(RuntimeError, match="outside an EAGLE draft round"):
         with d.draft.with_draft_forward(fb):
             pass
-    with d.draft.with_draft_round():
+    with d.draft.with_draft_round(2):
         with pytest.raises(RuntimeError, match="inside another one"):
-            with d.draft.with_draft_round():
+            with d.draft.with_draft_round(2):
                 pass
     assert not d.draft.in_draft_round
 
@@ -353,13 +344,15 @@ def _hook(monkeypatch, target):
 
 
 class _DraftWorkerV2:  # stand-in: spec v2's EagleDraftWorker keeps its runner as draft_runner
-    def __init__(self, runner):
+    def __init__(self, runner, steps=3):
         self.draft_runner = runner
+        self.speculative_num_steps = steps
 
 
 class _DraftWorkerV1:  # stand-in: spec v1's EAGLEWorker is the draft TpModelWorker
-    def __init__(self, runner):
+    def __init__(self, runner, steps=3):
         self.model_runner = runner
+        self.speculative_num_steps = steps
 
 
 @pytest.mark.parametrize("v2", [False, True], ids=["spec_v1", "spec_v2"])
@@ -458,6 +451,23 @@ def test_perturbation_can_target_the_draft_worker_only():
         PerturbConfig(req_to_token_prob=1.0, target_worker="both")
 
 
+def _tiny_pool(size: int):
+    """A one-layer real ``MHATokenToKVPool`` on the CPU (2 KV heads of 8)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(
+        size=size,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+
+
 def _runner(pool, *, draft: bool):
     return stand_in_model_runner(
         pool, req_to_token=torch.zeros((16, 64), dtype=torch.int32), context_len=64, draft=draft
@@ -492,24 +502,10 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
     single-forward manager per draft forward of a round, the draft flag for the perturbation
     target, and no warning about an unguarded draft pool."""
     from sglang.srt.kv_canary import api
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
         monkeypatch.delenv(name)
-    pools = [
-        MHATokenToKVPool(
-            size=63,
-            page_size=1,
-            dtype=torch.bfloat16,
-            head_num=2,
-            head_dim=8,
-            layer_num=1,
-            device="cpu",
-            enable_memory_saver=False,
-            enable_alt_stream=False,
-        )
-        for _ in range(2)
-    ]
+    pools = [_tiny_pool(63) for _ in range(2)]
     with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
         target = api.install_canary(
             server_args=_spec_server_args(), model_runner=_runner(pools[0], draft=False)
@@ -533,7 +529,6 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
         (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm NGRAM yet"),
         (dict(speculative_algorithm="STANDALONE"), "--speculative-algorithm STANDALONE yet"),
         (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
-        (dict(speculative_adaptive=True), "--speculative-adaptive"),
     ],
 )
 def test_what_speculative_coverage_refuses_names_the_flag(monkeypatch, kw, match):
@@ -544,6 +539,133 @@ def test_what_speculative_coverage_refuses_names_the_flag(monkeypatch, kw, match
     with pytest.raises(ValueError, match=match):
         api.check_server_args_for_canary(_spec_server_args(**kw))
     api.check_server_args_for_canary(_spec_server_args())  # the covered setting starts
+
+
+def test_adaptive_steps_size_the_draft_canary_for_the_largest_candidate(monkeypatch, tmp_path):
+    """``--speculative-adaptive``: the canary starts, and the draft runner's canary has one
+    single-forward manager per draft forward of the largest step count sglang may switch to
+    (its own candidates: the config file's ``candidate_steps`` or its defaults, plus the
+    initial count); a config file sglang cannot read is refused naming the flag."""
+    from sglang.srt.kv_canary import api
+
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    config = tmp_path / "adaptive.json"
+    config.write_text(json.dumps({"candidate_steps": [1, 2, 6]}))
+    cases = [
+        (dict(speculative_adaptive=True, speculative_adaptive_config=str(config)), (1, 2, 4, 6)),
+        (dict(speculative_adaptive=True, speculative_adaptive_config=None), (1, 3, 4, 7)),
+        (dict(speculative_adaptive=False, speculative_adaptive_config=str(config)), (4,)),
+    ]
+    for kw, counts in cases:
+        args = _spec_server_args(**kw)
+        assert seam.speculative_facts(args).step_counts == counts
+        api.check_server_args_for_canary(args)
+        pool = _tiny_pool(63)
+        draft = api.install_canary(server_args=args, model_runner=_runner(pool, draft=True))
+        assert draft.draft_forwards_per_round == max(counts) - 1, kw
+        assert len(draft.sfms) == max(counts) - 1, kw
+    config.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="--speculative-adaptive-config"):
+        seam.speculative_facts(
+            _spec_server_args(speculative_adaptive=True, speculative_adaptive_config=str(config))
+        )
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["spec_v1", "spec_v2"])
+def test_adaptive_rounds_switch_step_counts_through_the_plugin_hooks(monkeypatch, v2):
+    """An adaptive worker switches its step count between rounds (sglang's
+    ``apply_runtime_state``): the ``draft_forward`` hook opens each round with the worker's
+    current count, so rounds of 0 to 6 draft forwards on a canary sized for 7 steps are
+    clean, each uses single-forward managers 0 .. count - 1, and a draft-pool fault after
+    the switches is caught. A round longer than the canary's size is refused, naming it."""
+    d = EagleDriver(steps=3, max_steps=7, v2=v2, seed=21, mode="raise", verify_tokens=True)
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.is_draft_worker = True
+    seam.set_runner_canary(runner, d.draft)
+
+    lag = {}  # a worker whose count says other than what its round runs: {steps: reported}
+
+    class Worker(_DraftWorkerV2 if v2 else _DraftWorkerV1):
+        # the switch sglang makes (apply_runtime_state): the driver's current step count
+        speculative_num_steps = property(
+            lambda self: lag.get(d.steps, d.steps), lambda self, value: None
+        )
+
+    worker = Worker(runner)
+    target = seam.HOOK_EAGLE_V2_DRAFT_FORWARD if v2 else seam.HOOK_EAGLE_V1_DRAFT_FORWARD
+    hook, kind = _hook(monkeypatch, target)
+    draft_forward = _wrap_fn(lambda self, fb, body: body(), hook, HookType[kind])
+    hook, kind = _hook(monkeypatch, seam.HOOK_MODEL_RUNNER_FORWARD)
+    runner_forward = _wrap_fn(lambda self, fb, body: body(), hook, HookType[kind])
+    used: dict = {}
+    real_with_active = d.draft.with_active_single_forward_manager
+
+    def spy(index):
+        if d.draft.in_draft_round:  # not the draft extends (manager 0 outside rounds)
+            used.setdefault(d.steps, set()).add(index)
+        return real_with_active(index)
+
+    monkeypatch.setattr(d.draft, "with_active_single_forward_manager", spy)
+    d.around_round = lambda fb, body: draft_forward(worker, fb, body)
+    d.around_forward = lambda fb, body: runner_forward(runner, fb, body)
+    rounds = 0
+    for steps in (3, 7, 1, 4, 7, 2, 1, 5):
+        d.steps = steps
+        before = d.rounds
+        while d.rounds < before + 3:
+            d.run(1)
+        rounds += d.rounds - before
+    assert d.draft.count_violations() == 0 and d.target.count_violations() == 0
+    # a one-step round runs no draft forward; otherwise forward i uses manager i
+    assert {s: used.get(s, set()) for s in (1, 2, 5, 7)} == {
+        1: set(),
+        2: {0},
+        5: {0, 1, 2, 3},
+        7: {0, 1, 2, 3, 4, 5},
+    }
+    # the round opens with the worker's count: one that runs more forwards is refused
+    lag[5] = 2
+    d.steps = 5
+    with pytest.raises(RuntimeError, match="more than its 1 draft forwards"):
+        for _ in range(10):
+            d.run(1)
+    lag.clear()
+    d.steps = 6
+    while not any(r.prefilled and r.kv_len >= 4 for r in d.running):
+        d.run(1)
+    info = d.flip_byte(d.draft_pool)
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        for _ in range(10):
+            d.step()
+    assert info["slot"] in {v.slot_idx for v in _lines(exc)}
+    with pytest.raises(RuntimeError, match="sized for at most 6"):
+        with d.draft.with_draft_round(7):
+            pass
+    assert not d.draft.in_draft_round
+
+
+def test_a_replayed_draft_round_brackets_its_graph_s_forwards_only(monkeypatch):
+    """A draft graph replay brackets the forwards its graph holds (the graph runner's step
+    count - 1, fixed at its capture): with adaptive steps, fewer than the canary's size; a
+    count beyond the size is refused."""
+    d = EagleDriver(steps=3, max_steps=7, seed=3)
+    seen = []
+
+    @contextlib.contextmanager
+    def outside(sfms, forward_batch, *, replayed):
+        seen.append((len(sfms), replayed))
+        yield
+
+    monkeypatch.setattr(d.draft, "_outside_graph", outside)
+    fb = object()
+    for forwards in (2, 6, 0):
+        with d.draft.with_replayed_draft_round(fb, forwards):
+            pass
+    assert seen == [(2, True), (6, True)]  # zero forwards: nothing to bracket
+    with pytest.raises(RuntimeError, match="sized for at most 6"):
+        with d.draft.with_replayed_draft_round(fb, 7):
+            pass
 
 
 def test_draft_fault_target_needs_speculative_decoding(monkeypatch):

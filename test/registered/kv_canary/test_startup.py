@@ -371,6 +371,32 @@ def test_eagle_starts_and_a_draft_tree_is_refused_from_every_route(capsys, model
     cli(model_dir, "--kv-canary", "none", *_eagle(model_dir, 2))  # canary off: sglang's own
 
 
+def test_adaptive_steps_start_from_every_route(capsys, tmp_path, model_dir):
+    """``--speculative-adaptive`` with the canary: accepted from the command line, a
+    ``--config`` YAML and ``Engine`` kwargs; a ``--speculative-adaptive-config`` file sglang
+    cannot read is refused on each route, naming that flag."""
+    config = tmp_path / "adaptive.json"
+    config.write_text('{"candidate_steps": [1, 2, 5]}')
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")  # sglang's config is a JSON object
+    flags = ["--speculative-adaptive", "--speculative-adaptive-config"]
+    args = cli(model_dir, "--kv-canary", "raise", *_eagle(model_dir, 1), *flags, str(config))
+    assert args.speculative_adaptive and args.kv_canary == "raise"
+    yaml_file = tmp_path / "canary.yaml"
+    yaml_file.write_text(
+        f"kv-canary: raise\nspeculative-adaptive: true\nspeculative-adaptive-config: {config}\n"
+    )
+    args = cli(model_dir, "--config", str(yaml_file), *_eagle(model_dir, 1))
+    assert args.speculative_adaptive and args.kv_canary == "raise"
+    kw = dict(_eagle_kwargs(model_dir, 1), speculative_adaptive=True)
+    assert kwargs(model_dir, kv_canary="raise", speculative_adaptive_config=str(config), **kw)
+    assert "--speculative-adaptive-config" in cli_error(
+        capsys, model_dir, "--kv-canary", "raise", *_eagle(model_dir, 1), *flags, str(bad)
+    )
+    with pytest.raises(ValueError, match="--speculative-adaptive-config"):
+        kwargs(model_dir, kv_canary="raise", speculative_adaptive_config=str(bad), **kw)
+
+
 def test_draft_fault_target_from_every_route(monkeypatch, capsys, model_dir):
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft")

@@ -118,11 +118,6 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
             "--kv-canary does not cover --enable-multi-layer-eagle yet (its draft "
             "layers run outside the draft worker's forwards); drop that flag"
         )
-    if spec.adaptive:
-        raise ValueError(
-            "--kv-canary does not cover --speculative-adaptive (it rebuilds the "
-            "draft graphs with other step counts while serving); drop that flag"
-        )
     if config.enable_token_oracle or config.enable_write_input_assert:
         raise ValueError(
             "the token oracle (--sampling-backend token_oracle, SGLANG_KV_CANARY_ENABLE_TOKEN_"
@@ -360,8 +355,9 @@ def install_canary(
             dp_size=int(sglang_seam.server_args_value(server_args, "dp_size", 1) or 1),
             draft=draft,
             # the draft model reads (hidden state of p, token p + 1) at position p; one
-            # single-forward manager per forward of a draft round (steps - 1 of them)
-            draft_steps=spec.num_steps if draft else 0,
+            # single-forward manager per forward of a draft round (steps - 1 of them, for the
+            # largest step count --speculative-adaptive may switch to)
+            draft_steps=spec.max_steps if draft else 0,
             disaggregation_mode=sglang_seam.server_args_value(
                 server_args, "disaggregation_mode", "null"
             ),

@@ -193,7 +193,7 @@ def reserve_canary_memory(
     spec = sglang_seam.speculative_facts(server_args)
     # the EAGLE draft runner as install_canary will describe it (its single-forward managers)
     draft = (
-        RankFacts(draft=True, draft_steps=spec.num_steps) if spec.algorithm is not None else None
+        RankFacts(draft=True, draft_steps=spec.max_steps) if spec.algorithm is not None else None
     )
     device = sizing.device
 

@@ -273,7 +273,7 @@ def _draft_forward(original, self, *args, **kwargs):
     manager = seam.runner_canary(seam.draft_worker_runner(self))
     if manager is None:
         return original(self, *args, **kwargs)
-    with manager.with_draft_round():
+    with manager.with_draft_round(seam.draft_worker_steps(self) - 1):
         return original(self, *args, **kwargs)
 
 
@@ -295,7 +295,7 @@ def _draft_graph_replay(original, self, forward_batch, *args, **kwargs):
     manager = seam.runner_canary(seam.graph_runner_model_runner(self))
     if manager is None:
         return original(self, forward_batch, *args, **kwargs)
-    with manager.with_replayed_draft_round(forward_batch):
+    with manager.with_replayed_draft_round(forward_batch, seam.draft_graph_runner_steps(self) - 1):
         return original(self, forward_batch, *args, **kwargs)
 
 

@@ -21,6 +21,12 @@ from the prompt only and keeps the sampled token where the chunk ends inside the
 retracted and resumed request (the bug PR 28254 fixed). Each non-final chunk's end prints a
 ``KV_CANARY_TEST_PR28254:`` line saying whether it lies inside the prompt or the output.
 
+With ``KV_CANARY_TEST_ADAPTIVE_ACCEPT=a,b,...`` sglang's ``--speculative-adaptive``
+controller is fed these accepted-draft counts, one per verify, in a cycle, in place of the
+measured ones (dummy weights accept nothing, so it would only ever step down): with
+``ema_alpha`` 1 and ``update_interval`` 1 in its config, the worker switches its step count up
+and down as the cycle says.
+
 With ``KV_CANARY_TEST_TRANSFER_LOST=1`` a PD decode server's canary takes every transfer sglang
 fakes for a real one: a request "received" through the ``fake`` backend then stands for a
 transfer that reported success and delivered neither the KV pages nor the canary rows.
@@ -220,6 +226,27 @@ if os.environ.get("KV_CANARY_TEST_PR25015"):
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.forward",
         _positions_before_forward,
+        HookType.AROUND,
+    )
+
+
+_adaptive_accept = os.environ.get("KV_CANARY_TEST_ADAPTIVE_ACCEPT")
+if _adaptive_accept:
+    import itertools
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    _accepts = itertools.cycle(int(a) for a in _adaptive_accept.split(","))
+
+    def _scripted_accepts(original, self, num_correct_drafts_per_req, *args, **kwargs):
+        if not num_correct_drafts_per_req:
+            return original(self, num_correct_drafts_per_req, *args, **kwargs)
+        n = next(_accepts)
+        return original(self, [n] * len(num_correct_drafts_per_req), *args, **kwargs)
+
+    HookRegistry.register(
+        "sglang.srt.speculative.adaptive_spec_params.AdaptiveSpeculativeParams.update",
+        _scripted_accepts,
         HookType.AROUND,
     )
 

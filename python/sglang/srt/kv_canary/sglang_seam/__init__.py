@@ -75,6 +75,8 @@ from sglang.srt.kv_canary.sglang_seam.runner import (
     wrap_model_forward,
     graph_runner_model_runner,
     draft_worker_runner,
+    draft_worker_steps,
+    draft_graph_runner_steps,
     zero_draft_extend_graph_padding,
     zero_graph_padding_inputs,
 )
@@ -217,6 +219,8 @@ __all__ = [
     "wrap_model_forward",
     "graph_runner_model_runner",
     "draft_worker_runner",
+    "draft_worker_steps",
+    "draft_graph_runner_steps",
     "zero_draft_extend_graph_padding",
     "zero_graph_padding_inputs",
     "PoolFamily",

@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | ``ModelRunner`` | reads ``token_to_kv_pool``, ``req_to_token_pool.req_to_token``, ``device``, ``model_config.context_len`` / ``vocab_size``, ``sliding_window_size``, ``is_draft_worker``; sets ``kv_canary_manager``; replaces ``sampler`` (token oracle); wraps ``model.forward`` on the instance (a piecewise CUDA-graph replay calls it with a padded copy of the batch; its warm-up and capture, inside ``init_piecewise_cuda_graphs``, with dummy batches) | ``api``, ``plugin`` |
 | ``CudaGraphRunner.model_runner``, ``.buffers`` (``DecodeInputBuffers``) | zeroes ``req_pool_indices`` (and ``input_ids`` / ``positions`` for the token oracle) before each replay | ``plugin`` |
-| EAGLE (``EAGLEWorker`` spec v1, ``EagleDraftWorker`` / ``EAGLEWorkerV2`` spec v2, ``EAGLEDraftCudaGraphRunner``, ``EAGLEDraftExtendCudaGraphRunner``) | hooks ``draft_forward``, ``init_cuda_graphs``, the graph runners' ``capture_one_batch_size`` / ``replay``; reads the workers' ``draft_runner`` / ``model_runner``, ``Scheduler.draft_worker`` (``.draft_worker`` in v2), the graph runners' ``model_runner``; zeroes the draft-extend graph's ``buffers.req_pool_indices``; reads ``ServerArgs.speculative_*`` and ``enable_multi_layer_eagle`` | ``plugin``, ``api`` |
+| EAGLE (``EAGLEWorker`` spec v1, ``EagleDraftWorker`` / ``EAGLEWorkerV2`` spec v2, ``EAGLEDraftCudaGraphRunner``, ``EAGLEDraftExtendCudaGraphRunner``) | hooks ``draft_forward``, ``init_cuda_graphs``, the graph runners' ``capture_one_batch_size`` / ``replay``; reads the workers' ``draft_runner`` / ``model_runner`` / ``speculative_num_steps``, ``Scheduler.draft_worker`` (``.draft_worker`` in v2), the graph runners' ``model_runner`` (and the draft one's ``speculative_num_steps``); zeroes the draft-extend graph's ``buffers.req_pool_indices``; reads ``ServerArgs.speculative_*`` and ``enable_multi_layer_eagle`` | ``plugin``, ``api`` |
 """
 
 from __future__ import annotations
@@ -141,6 +141,19 @@ def draft_worker_runner(worker) -> "ModelRunner":
     spec v1's ``EAGLEWorker.model_runner`` (the v1 worker is the draft ``TpModelWorker``)."""
     runner = getattr(worker, "draft_runner", None)
     return runner if runner is not None else worker.model_runner
+
+
+def draft_worker_steps(worker) -> int:
+    """The speculative steps an EAGLE worker's next ``draft_forward`` runs: its
+    ``speculative_num_steps`` (``EAGLEWorker`` / ``EagleDraftWorker``), which
+    ``--speculative-adaptive`` switches between rounds."""
+    return int(worker.speculative_num_steps)
+
+
+def draft_graph_runner_steps(graph_runner) -> int:
+    """The speculative steps an ``EAGLEDraftCudaGraphRunner``'s graphs were captured with (its
+    ``speculative_num_steps``, fixed at construction: one runner per adaptive step count)."""
+    return int(graph_runner.speculative_num_steps)
 
 
 def zero_draft_extend_graph_padding(graph_runner) -> None:

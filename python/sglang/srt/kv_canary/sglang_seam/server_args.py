@@ -3,12 +3,13 @@
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
 | ``ServerArgs`` instance | sets ``kv_canary``, ``kv_canary_sweep_interval``, ``kv_canary_real_data``, ``kv_canary_token_oracle_requested``; reads ``device``, ``enable_torch_compile``, ``chunked_prefill_size``, ``max_prefill_tokens``, ``cuda_graph_max_bs``, ``sampling_backend``, ``disaggregation_mode`` (the reports' PD server role) | ``server_args_ext``, ``config``, ``api`` |
+| ``speculative.adaptive_spec_params.load_adaptive_config``, ``AdaptiveSpeculativeParams(...).candidate_steps`` | the step counts ``--speculative-adaptive`` may switch between (its config file and sglang's defaults, the initial count added) | ``speculative_facts`` |
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 if TYPE_CHECKING:  # annotations only
     from sglang.srt.server_args import ServerArgs
@@ -31,7 +32,10 @@ def set_server_args_values(server_args: "ServerArgs", values: dict) -> None:
 class SpeculativeFacts:
     """sglang's resolved speculative-decoding settings (``ServerArgs`` after its own
     defaults): ``algorithm`` upper-case or None; ``num_steps`` / ``topk`` /
-    ``num_draft_tokens`` 0 when unset."""
+    ``num_draft_tokens`` 0 when unset; ``step_counts`` every ``--speculative-num-steps`` the
+    worker may run: the initial one, and with ``--speculative-adaptive`` each candidate
+    (sglang captures every candidate's graphs at start-up and switches between them while
+    serving)."""
 
     algorithm: Optional[str]
     num_steps: int
@@ -39,15 +43,51 @@ class SpeculativeFacts:
     num_draft_tokens: int
     multi_layer_eagle: bool
     adaptive: bool
+    step_counts: Tuple[int, ...] = ()
+
+    @property
+    def max_steps(self) -> int:
+        """The largest step count a draft round may run (what sizes the draft canary)."""
+        return max(self.step_counts, default=self.num_steps)
 
 
 def speculative_facts(server_args: "ServerArgs") -> SpeculativeFacts:
+    """Raises ``ValueError`` naming ``--speculative-adaptive-config`` when sglang cannot read
+    that file (sglang itself would fail on it while building the worker)."""
     algo = getattr(server_args, "speculative_algorithm", None)
+    num_steps = int(getattr(server_args, "speculative_num_steps", None) or 0)
+    adaptive = bool(getattr(server_args, "speculative_adaptive", False))
     return SpeculativeFacts(
         algorithm=str(algo).upper() if algo else None,
-        num_steps=int(getattr(server_args, "speculative_num_steps", None) or 0),
+        num_steps=num_steps,
         topk=int(getattr(server_args, "speculative_eagle_topk", None) or 0),
         num_draft_tokens=int(getattr(server_args, "speculative_num_draft_tokens", None) or 0),
         multi_layer_eagle=bool(getattr(server_args, "enable_multi_layer_eagle", False)),
-        adaptive=bool(getattr(server_args, "speculative_adaptive", False)),
+        adaptive=adaptive,
+        step_counts=(
+            _adaptive_step_counts(
+                num_steps, getattr(server_args, "speculative_adaptive_config", None)
+            )
+            if adaptive and algo
+            else (num_steps,)
+        ),
     )
+
+
+def _adaptive_step_counts(initial_steps: int, config_path: Optional[str]) -> Tuple[int, ...]:
+    """sglang's own candidate step counts for ``--speculative-adaptive`` (its defaults, or
+    ``candidate_steps`` of the config file, with the initial count added)."""
+    from sglang.srt.speculative.adaptive_spec_params import (
+        AdaptiveSpeculativeParams,
+        load_adaptive_config,
+    )
+
+    try:
+        params = AdaptiveSpeculativeParams(initial_steps, load_adaptive_config(config_path))
+    except (OSError, ValueError, TypeError, AssertionError) as exc:
+        raise ValueError(
+            f"--speculative-adaptive-config {config_path!r}: sglang cannot read its step "
+            f"counts ({type(exc).__name__}: {exc}); the canary sizes its draft rounds for the "
+            "largest of them"
+        ) from exc
+    return tuple(int(s) for s in params.candidate_steps)
