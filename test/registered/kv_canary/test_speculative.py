@@ -668,6 +668,44 @@ def test_a_replayed_draft_round_brackets_its_graph_s_forwards_only(monkeypatch):
             pass
 
 
+def test_graphs_captured_after_start_up_warm_up_without_the_chain_position_check(monkeypatch):
+    """``--speculative-adaptive`` captures each candidate's target-verify, draft and
+    draft-extend graphs after the runners' init: sglang's warm-up forwards of those captures
+    run dummy batches of arbitrary positions, so through the capture hooks the chain-position
+    check is off during the call and on again after it (and stays off for a capture during
+    start-up)."""
+    d = EagleDriver(steps=3, max_steps=4, seed=2)
+    seen = []
+
+    def original(self, *args, **kwargs):  # sglang's capture_one_batch_size: warm-up + capture
+        seen.append(int(seam.runner_canary(self.model_runner).state.enable_chain_position_assert))
+
+    runners = {}
+    for name, manager in (("target", d.target), ("draft", d.draft)):
+        runner = ModelRunner.__new__(ModelRunner)
+        runner.is_draft_worker = name == "draft"
+        seam.set_runner_canary(runner, manager)
+        runners[name] = type("GraphRunner", (), {"model_runner": runner})()
+    captures = [
+        (seam.HOOK_GRAPH_CAPTURE_ONE_BATCH_SIZE, "target"),
+        (seam.HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE, "draft"),
+        (seam.HOOK_DRAFT_GRAPH_CAPTURE_ONE_BATCH_SIZE, "draft"),
+    ]
+    for target, name in captures:
+        hook, kind = _hook(monkeypatch, target)
+        _wrap_fn(original, hook, HookType[kind])(runners[name])
+        flag = seam.runner_canary(runners[name].model_runner).state.enable_chain_position_assert
+        assert int(flag) == 1, target
+    assert seen == [0, 0, 0]
+    # during start-up (before mark_init_finished) a capture leaves the check off
+    fresh = EagleDriver(steps=3, seed=2)
+    fresh.target.state.enable_chain_position_assert.zero_()
+    fresh.target._init_finished = False
+    with fresh.target.graph_capture_setup():
+        pass
+    assert int(fresh.target.state.enable_chain_position_assert) == 0
+
+
 def test_draft_fault_target_needs_speculative_decoding(monkeypatch):
     from sglang.srt.kv_canary import api
 

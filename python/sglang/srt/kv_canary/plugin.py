@@ -172,8 +172,9 @@ def _capture_one_batch_size(original, self, *args, **kwargs):
     manager = seam.runner_canary(seam.graph_runner_model_runner(self))
     if manager is None:
         return original(self, *args, **kwargs)
-    with manager.with_active_single_forward_manager(0), manager.capturing():
-        return original(self, *args, **kwargs)
+    with manager.graph_capture_setup(), manager.with_active_single_forward_manager(0):
+        with manager.capturing():
+            return original(self, *args, **kwargs)
 
 
 def _graph_replay_prepare(original, self, *args, **kwargs):

@@ -94,4 +94,8 @@ class CanaryDeviceState:
 
     def mark_init_finished(self) -> None:
         """Turn the write kernel's chain-position check on (end of warm-up / graph capture)."""
-        self.enable_chain_position_assert.fill_(1)
+        self.set_chain_position_assert(True)
+
+    def set_chain_position_assert(self, on: bool) -> None:
+        """The chain-position flag (a fill on the current stream; never inside a capture)."""
+        self.enable_chain_position_assert.fill_(1 if on else 0)

@@ -90,10 +90,12 @@ class DraftRoundBrackets:
     @contextlib.contextmanager
     def capturing_draft_graph(self):
         """Around the draft CUDA-graph runner's capture of one batch size: the draft rounds
-        run in it (sglang's warm-up runs and the capture) only record the inside ops."""
+        run in it (sglang's warm-up runs and the capture) only record the inside ops; the
+        chain-position check is off meanwhile (:meth:`CanaryManager.graph_capture_setup`)."""
         self._capturing_draft_graph = True
         try:
-            yield
+            with self.graph_capture_setup():
+                yield
         finally:
             self._capturing_draft_graph = False
 

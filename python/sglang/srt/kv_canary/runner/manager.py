@@ -207,6 +207,7 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
         self._capturing_draft_graph = False
         # sglang's piecewise CUDA-graph set-up in progress (its dummy forwards run no canary)
         self._piecewise_graph_setup = False
+        self._init_finished = False  # mark_init_finished ran (the chain-position check is on)
         self._staged: Optional[StagedForward] = None
 
     # ---- which single-forward manager is active ----------------------------------------
@@ -316,12 +317,29 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def graph_capture_setup(self):
+        """Around one sglang graph capture call (its warm-up forwards and the capture), from
+        outside the capture: a graph captured after start-up (``--speculative-adaptive``
+        captures every candidate step count's graphs after the runners' init) warms up on
+        dummy batches of arbitrary positions, so the chain-position check is off meanwhile,
+        as during start-up, and on again after."""
+        if not self._init_finished:
+            yield
+            return
+        self.state.set_chain_position_assert(False)
+        try:
+            yield
+        finally:
+            self.state.set_chain_position_assert(True)
+
     def mark_init_finished(self) -> None:
         """End of warm-up and graph capture: turn the chain-position check on; on CUDA,
         capture the read-back's copies and each single-forward manager's eager-forward graphs
         (its launches for the forwards no sglang graph holds: prefills, large decode
         batches)."""
         self.state.mark_init_finished()
+        self._init_finished = True
         if self._device.type == "cuda":
             if not self.device_host.captured:
                 self.device_host.capture()
