@@ -22,8 +22,8 @@ MUTANTS_CHECKS = (
     Mutant(
         id="row2-chain-position-never-on",
         path=f"{_RT}/state.py",
-        old="self.enable_chain_position_assert.fill_(1)",
-        new="self.enable_chain_position_assert.fill_(0)",
+        old="self.set_chain_position_assert(True)",
+        new="self.set_chain_position_assert(False)",
         selection=f"{_T}/test_runtime_core.py::"
         "test_a_write_at_a_wrong_position_is_reported_only_after_init_finished",
         speed="quick",
