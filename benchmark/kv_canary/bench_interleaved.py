@@ -92,7 +92,8 @@ server without the canary or a canary-off server with it.
 
 Side by side with upstream's own canary (``--upstream-site DIR``): configs named ``up:<config>``
 (``up:off``, ``up:raise``, ``up:raise+token``, ``up:raise+partial``, ``up:raise+token+partial``,
-``up:raise+all``; ``raise+all`` is this project's same setting) run upstream sglang 0.5.17 and its
+``up:raise+all``, ``up:raise+all+sweep`` (the radix sweep every 100 forwards); ``raise+all`` and
+``raise+all+sweep`` are this project's same settings) run upstream sglang 0.5.17 and its
 canary, installed in its own site directory DIR by ``upstream_bundle.sh``, as a black box: the
 same ``launch_server`` flags (``--kv-canary``, ``--kv-canary-real-data``; token checks through the
 same variable), ``PYTHONPATH`` = ``benchmark/kv_canary/upstream_site`` (which keeps this

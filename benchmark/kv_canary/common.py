@@ -173,6 +173,7 @@ class BenchConfig:
     real_data: str = "none"
     verify_tokens: bool = False
     real_data_layers: str = "first"  # "all" = per-layer fingerprints
+    sweep_interval: int = 0  # --kv-canary-sweep-interval (0: sweep off, both stacks' default)
     # whose canary: this project's on sglang 0.5.12 (PROJECT_STACK) or upstream sglang's own
     # (UPSTREAM_STACK, 0.5.17, run as a black box by bench_interleaved.py --upstream-site)
     stack: str = PROJECT_STACK
@@ -192,6 +193,8 @@ class BenchConfig:
             kw["kv_canary_real_data"] = self.real_data
             if self.stack == PROJECT_STACK:
                 kw["kv_canary_real_data_layers"] = self.real_data_layers
+            if self.sweep_interval:
+                kw["kv_canary_sweep_interval"] = self.sweep_interval
         return kw
 
     def env(self) -> dict[str, str]:
@@ -218,6 +221,11 @@ CONFIGS = {
 # every slot's real-data fingerprint without per-layer fingerprints: the setting both canaries
 # have (bench_interleaved.py's side by side with upstream)
 ALL_DATA_CONFIG = BenchConfig("raise+all", kv_canary="raise", real_data="all")
+# the same with the radix sweep every SWEEP_INTERVAL forwards (both canaries' flag)
+SWEEP_INTERVAL = 100
+SWEEP_CONFIG = BenchConfig(
+    "raise+all+sweep", kv_canary="raise", real_data="all", sweep_interval=SWEEP_INTERVAL
+)
 # upstream's canary under the same flags (token checks through the same variable), for the
 # servers of bench_interleaved.py --upstream-site: every config of a mode upstream has (none,
 # log, raise: no abort) without per-layer fingerprints
@@ -225,7 +233,7 @@ UPSTREAM_CONFIGS = {
     UPSTREAM_PREFIX + c.name: dataclasses.replace(
         c, name=UPSTREAM_PREFIX + c.name, stack=UPSTREAM_STACK
     )
-    for c in (*CONFIGS.values(), ALL_DATA_CONFIG)
+    for c in (*CONFIGS.values(), ALL_DATA_CONFIG, SWEEP_CONFIG)
     if c.real_data_layers == "first" and c.kv_canary in ("none", "log", "raise")
 }
 

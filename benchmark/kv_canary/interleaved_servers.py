@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from common import (
     use_test_support,
     ALL_DATA_CONFIG,
+    SWEEP_CONFIG,
     CONFIGS,
     PROJECT_STACK,
     UPSTREAM_CONFIGS,
@@ -43,7 +44,12 @@ INSTALLED_LINE = "kv_canary installed: "
 DRAFT_INSTALLED_LINE = "kv_canary installed on the EAGLE draft worker: "
 CONTROL_SUFFIX = "~aa"  # the A/A control: a second server of the baseline's config
 # every config a server can run: this project's, and upstream's canary under the same flags
-CONFIG_TABLE = {**CONFIGS, ALL_DATA_CONFIG.name: ALL_DATA_CONFIG, **UPSTREAM_CONFIGS}
+CONFIG_TABLE = {
+    **CONFIGS,
+    ALL_DATA_CONFIG.name: ALL_DATA_CONFIG,
+    SWEEP_CONFIG.name: SWEEP_CONFIG,
+    **UPSTREAM_CONFIGS,
+}
 # first on an upstream server's PYTHONPATH: keeps this project out of that process
 
 

@@ -153,6 +153,10 @@ def test_upstream_configs_take_the_same_flags_and_their_own_baseline():
     assert bi.CONFIG_TABLE["up:off"].engine_kwargs() == {}
     assert bi.CONFIG_TABLE["up:raise+all"].engine_kwargs()["kv_canary_real_data"] == "all"
     assert bi.CONFIG_TABLE["raise+all"].stack == "project"
+    # the sweep: the same flag and interval on both stacks, none where it is off
+    for name in ("raise+all+sweep", "up:raise+all+sweep"):
+        assert bi.CONFIG_TABLE[name].engine_kwargs()["kv_canary_sweep_interval"] == 100
+    assert "kv_canary_sweep_interval" not in bi.CONFIG_TABLE["up:raise+all"].engine_kwargs()
     assert not [
         n for n in bi.CONFIG_TABLE if n.startswith("up:") and ("abort" in n or "layers" in n)
     ]
