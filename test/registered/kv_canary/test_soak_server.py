@@ -773,7 +773,8 @@ def test_abort_mode_storm_on_a_cli_server(tmp_path):
     injected, every request that did not complete ended with the canary's abort message, every
     completed one equals the canary-off output,
     ``sglang:kv_canary_aborted_requests_total`` equals the aborts the clients saw and the
-    release guard reclaimed the slots the kept entries' rows lost (none unattributed). The
+    release guard reclaimed slots wherever a kept entry took one from its request (one at a
+    decoded position: a prompt's positions are the radix tree's; none unattributed). The
     10-minute runs and their figures: ``benchmark/results/containment.md``."""
     from canary_support.storm import StormSettings, failure_excerpt, run_storm
 
