@@ -86,6 +86,8 @@ def run_host_breakdown(args) -> None:
             rulers, ratios = [], []
             load_before = os.getloadavg()
             profiler = pre_profiler = None
+            # the profilers of the 20 cProfile prefills, kept for printing once they are done
+            profiled = None
             detail = None
             extra = (20 if args.host_breakdown_cprofile else 0) + (
                 runs if args.host_breakdown_detail else 0
@@ -100,6 +102,7 @@ def run_host_breakdown(args) -> None:
                     20 if args.host_breakdown_cprofile else 0
                 ):
                     if profiler is not None:
+                        profiled = (pre_profiler, profiler)
                         profiler = pre_profiler = None
                     detail = MethodTimers(mgr)
                 row = 1 + (run % 4)
@@ -183,6 +186,9 @@ def run_host_breakdown(args) -> None:
                 rec["methods_median_us"] = detail.medians()
                 append_jsonl(args.out, dict(rec, kind="host_breakdown_detail"))
             if profiler is not None:
+                profiled = (pre_profiler, profiler)
+            if profiled is not None:
+                pre_profiler, profiler = profiled
                 print(
                     f"[{cname} isl {isl}] cProfile of 20 prefills' batch init + outside "
                     "pre-ops + inside pre-ops (tottime, top 30):",

@@ -150,9 +150,10 @@ def test_bench_serving_overhead_breakdown_smoke_times_every_launch():
 
 
 def test_bench_serving_overhead_host_breakdown_detail_times_each_method():
-    """``--host-breakdown --host-breakdown-detail``: the phase table, and per config and
-    prompt a table of the canary's per-forward methods, each called once per prefill of one
-    chunk (the token snapshot only with token checks)."""
+    """``--host-breakdown --host-breakdown-detail --host-breakdown-cprofile``: the phase table,
+    per config and prompt a table of the canary's per-forward methods, each called once per
+    prefill of one chunk (the token snapshot only with token checks), and the two cProfile
+    listings (before the forward, after it) after the detail table."""
     text = _run(
         "bench_serving_overhead.py",
         "--smoke-cpu",
@@ -161,7 +162,14 @@ def test_bench_serving_overhead_host_breakdown_detail_times_each_method():
         "--configs",
         "raise,raise+token",
         "--host-breakdown-detail",
+        "--host-breakdown-cprofile",
     )
+    for config in ("raise", "raise+token"):
+        for part in ("batch init + outside pre-ops", "inside post-ops + outside post-ops"):
+            head = f"[{config} isl 32] cProfile of 20 prefills' {part}"
+            assert text.count(head) == 1, (head, text[-3000:])
+            listing = text.split(head, 1)[1][:4000]
+            assert "function calls" in listing and "ncalls  tottime" in listing, listing
     phases = _table(text, "config")
     assert [r["config"] for r in phases] == ["raise", "raise+token"]
     for r in phases:
@@ -281,6 +289,65 @@ def test_abort_storm_classifies_what_a_client_gets():
     assert len({tuple(ids[:16]) for ids, _ in reqs}) <= 6
     assert sum(len(ids) > 32 for ids, _ in reqs) > 24
     assert all(4 <= n <= 24 for _, n in reqs)
+
+
+def test_storm_counts_kept_faults_on_positions_the_request_owned():
+    """The storm's reclaim check counts only the kept faults that rewrote an entry its
+    request owned (decoded past its prompt's last full page; the prompt's pages are the radix
+    tree's): the request is the first rid of the violation its forward reported at a rewritten
+    position of that row; a fault no violation names is not counted."""
+    from sglang.srt.kv_canary.perturb.config import FaultKind
+    from sglang.srt.kv_canary.perturb.report import format_perturb_line
+    from sglang.srt.kv_canary.runner.violation_line import ViolationLine
+    from canary_support.storm import kept_faults_on_own_positions
+
+    def kept(step, row, pos, **extra):
+        return format_perturb_line(
+            FaultKind.REQ_TO_TOKEN_KEPT, step=step, req_pool_idx=row, position=pos, **extra
+        )
+
+    def seen(step, row, read_position, *rids):
+        return ViolationLine(
+            launch_tag="HEAD_K_FULL",
+            fail_reasons=("verify_position",),
+            slot_idx=7,
+            position=0,
+            stored_token=1,
+            expected_token=1,
+            stored_chain_hash=0,
+            expected_aux=0,
+            forward_step=step,
+            read_position=read_position,
+            req_to_token_row=row,
+            seen_by=("HEAD_K_FULL",),
+            kv_layer=-1,
+            rids=rids,
+        )
+
+    prompts = {"r0-0": 40, "r1-1": 40}
+    log = "\n".join(
+        [
+            kept(10, 3, 41),  # decoded position of r0-0: its own
+            kept(11, 3, 39),  # the prompt's last token: the tree's
+            kept(12, 4, 45),  # no violation names it
+            format_perturb_line(FaultKind.REQ_TO_TOKEN, step=13, req_pool_idx=3, position=42),
+            "an unrelated line",
+        ]
+    )
+    violations = [
+        seen(10, 3, 41, "r0-0", "r1-1"),
+        seen(11, 3, 39, "r0-0"),
+        seen(12, 5, 45, "r1-1"),  # another row
+        seen(13, 3, 42, "r0-0"),  # the undone fault
+    ]
+    assert kept_faults_on_own_positions(log, violations, prompts, 1) == 1
+    # the row's own request is the first rid: r1-1's prompt is longer than position 41
+    violations[0] = seen(10, 3, 41, "r1-1", "r0-0")
+    assert kept_faults_on_own_positions(log, violations, {"r0-0": 40, "r1-1": 50}, 1) == 0
+    # page size 16: a page-wide fault owns from the prompt's last full page (40 // 16 * 16)
+    paged = "\n".join([kept(20, 2, 32, entries=16), kept(21, 2, 16, entries=16)])
+    pages = [seen(20, 2, 37, "r0-0"), seen(21, 2, 20, "r0-0")]
+    assert kept_faults_on_own_positions(paged, pages, prompts, 16) == 1
 
 
 @pytest.mark.parametrize(
