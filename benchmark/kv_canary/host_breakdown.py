@@ -30,6 +30,10 @@ RULER_PYTHON_ITEMS = 256  # the ruler's pure-Python part: a list of this many in
 RULER_TORCH_CALLS = 8  # the ruler's torch part: this many small device ops of each kind
 
 
+# prefills run under cProfile per row with --host-breakdown-cprofile (not timed)
+PROFILED_PREFILLS = 20
+
+
 def host_ruler_us(torch, scratch) -> float:
     """Host µs of a fixed workload of the kinds of calls the canary's host work makes (Python
     built-ins, torch's dispatch of small device ops: an in-place op, a sliced copy, an
@@ -89,7 +93,7 @@ def run_host_breakdown(args) -> None:
             # the profilers of the 20 cProfile prefills, kept for printing once they are done
             profiled = None
             detail = None
-            extra = (20 if args.host_breakdown_cprofile else 0) + (
+            extra = (PROFILED_PREFILLS if args.host_breakdown_cprofile else 0) + (
                 runs if args.host_breakdown_detail else 0
             )
             for run in range(-2, runs + extra):
@@ -99,7 +103,7 @@ def run_host_breakdown(args) -> None:
                 if run == runs and args.host_breakdown_cprofile:
                     profiler, pre_profiler = cProfile.Profile(), cProfile.Profile()
                 if args.host_breakdown_detail and run == runs + (
-                    20 if args.host_breakdown_cprofile else 0
+                    PROFILED_PREFILLS if args.host_breakdown_cprofile else 0
                 ):
                     if profiler is not None:
                         profiled = (pre_profiler, profiler)
@@ -191,20 +195,40 @@ def run_host_breakdown(args) -> None:
                 pre_profiler, profiler = profiled
                 print(
                     f"[{cname} isl {isl}] cProfile of 20 prefills' batch init + outside "
-                    "pre-ops + inside pre-ops (tottime, top 30):",
+                    "pre-ops + inside pre-ops (top 30 by own time):",
                     flush=True,
                 )
-                pstats.Stats(pre_profiler).sort_stats("tottime").print_stats(30)
+                print(profile_table(pstats.Stats(pre_profiler), PROFILED_PREFILLS), flush=True)
                 print(
                     f"[{cname} isl {isl}] cProfile of 20 prefills' inside post-ops + outside "
-                    "post-ops + read-back (tottime, top 30):",
+                    "post-ops + read-back (top 30 by own time):",
                     flush=True,
                 )
-                pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+                print(profile_table(pstats.Stats(profiler), PROFILED_PREFILLS), flush=True)
         del mgr, kv, r2t
         gc.collect()
     print()
     print(host_breakdown_table(rows))
+
+
+def profile_table(stats: "pstats.Stats", prefills: int, top: int = 30) -> str:
+    """A cProfile's ``top`` functions by own time as a table in µs per prefill (pstats' own
+    listing rounds to milliseconds, coarser than one prefill's host work): calls, own time and
+    time with callees, each divided by ``prefills``."""
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    lines = [
+        "| function | calls per prefill | own µs per prefill | with callees, µs per prefill |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for (path, line, func), (_, ncalls, own, cum, _) in rows:
+        where = f"{os.path.basename(path)}:{line}({func})" if line else func
+        lines.append(
+            f"| {where} | {ncalls / prefills:.1f} | {own / prefills * 1e6:.1f} | "
+            f"{cum / prefills * 1e6:.1f} |"
+        )
+    total = sum(v[2] for v in stats.stats.values())
+    lines.append(f"| (all {len(stats.stats)} functions) | | {total / prefills * 1e6:.1f} | |")
+    return "\n".join(lines)
 
 
 def _own_snapshot_buffers(mgr):

@@ -168,8 +168,9 @@ def test_bench_serving_overhead_host_breakdown_detail_times_each_method():
         for part in ("batch init + outside pre-ops", "inside post-ops + outside post-ops"):
             head = f"[{config} isl 32] cProfile of 20 prefills' {part}"
             assert text.count(head) == 1, (head, text[-3000:])
-            listing = text.split(head, 1)[1][:4000]
-            assert "function calls" in listing and "ncalls  tottime" in listing, listing
+            listing = text.split(head, 1)[1][:6000]
+            assert "(top 30 by own time):\n| function | calls per prefill" in listing[:200], listing
+            assert "| (all " in listing, listing
     phases = _table(text, "config")
     assert [r["config"] for r in phases] == ["raise", "raise+token"]
     for r in phases:
@@ -289,6 +290,43 @@ def test_abort_storm_classifies_what_a_client_gets():
     assert len({tuple(ids[:16]) for ids, _ in reqs}) <= 6
     assert sum(len(ids) > 32 for ids, _ in reqs) > 24
     assert all(4 <= n <= 24 for _, n in reqs)
+
+
+def test_host_breakdown_profile_table_is_per_prefill(monkeypatch):
+    """``--host-breakdown-cprofile``'s table: a function's calls and times divided by the
+    prefills profiled, most own time first, the total of every function last."""
+    import cProfile
+    import pstats
+
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    from host_breakdown import profile_table
+
+    def busy():
+        return sum(range(20_000))
+
+    def light():
+        return 1
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(40):
+        busy()
+        light()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    lines = profile_table(stats, prefills=20).splitlines()
+    assert lines[0].startswith("| function | calls per prefill | own µs per prefill")
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
+    rows = {r[0]: r for r in cells[2:-1]}
+    busy = next(r for k, r in rows.items() if k.endswith("(busy)"))
+    light = next(r for k, r in rows.items() if k.endswith("(light)"))
+    assert busy[1] == "2.0" and light[1] == "2.0", (busy, light)
+    own = [float(r[2]) for r in cells[2:-1]]
+    assert own == sorted(own, reverse=True), own
+    busy_key = next(k for k in stats.stats if k[2] == "busy")
+    assert abs(float(busy[2]) - stats.stats[busy_key][2] / 20 * 1e6) < 0.1, busy
+    total = sum(v[2] for v in stats.stats.values()) / 20 * 1e6
+    assert cells[-1][0].startswith("(all ") and abs(float(cells[-1][2]) - total) < 0.1, cells[-1]
 
 
 def test_storm_counts_kept_faults_on_positions_the_request_owned():
