@@ -226,6 +226,8 @@ SWEEP_INTERVAL = 100
 SWEEP_CONFIG = BenchConfig(
     "raise+all+sweep", kv_canary="raise", real_data="all", sweep_interval=SWEEP_INTERVAL
 )
+# the configs beyond CONFIGS that the side by side runs on both stacks
+SIDE_BY_SIDE_CONFIGS = (ALL_DATA_CONFIG, SWEEP_CONFIG)
 # upstream's canary under the same flags (token checks through the same variable), for the
 # servers of bench_interleaved.py --upstream-site: every config of a mode upstream has (none,
 # log, raise: no abort) without per-layer fingerprints
@@ -233,7 +235,7 @@ UPSTREAM_CONFIGS = {
     UPSTREAM_PREFIX + c.name: dataclasses.replace(
         c, name=UPSTREAM_PREFIX + c.name, stack=UPSTREAM_STACK
     )
-    for c in (*CONFIGS.values(), ALL_DATA_CONFIG, SWEEP_CONFIG)
+    for c in (*CONFIGS.values(), *SIDE_BY_SIDE_CONFIGS)
     if c.real_data_layers == "first" and c.kv_canary in ("none", "log", "raise")
 }
 

@@ -14,10 +14,9 @@ from collections.abc import Sequence
 
 from common import (
     use_test_support,
-    ALL_DATA_CONFIG,
-    SWEEP_CONFIG,
     CONFIGS,
     PROJECT_STACK,
+    SIDE_BY_SIDE_CONFIGS,
     UPSTREAM_CONFIGS,
     UPSTREAM_PREFIX,
     UPSTREAM_SITE_DIR,
@@ -46,8 +45,7 @@ CONTROL_SUFFIX = "~aa"  # the A/A control: a second server of the baseline's con
 # every config a server can run: this project's, and upstream's canary under the same flags
 CONFIG_TABLE = {
     **CONFIGS,
-    ALL_DATA_CONFIG.name: ALL_DATA_CONFIG,
-    SWEEP_CONFIG.name: SWEEP_CONFIG,
+    **{c.name: c for c in SIDE_BY_SIDE_CONFIGS},
     **UPSTREAM_CONFIGS,
 }
 # first on an upstream server's PYTHONPATH: keeps this project out of that process
