@@ -90,7 +90,7 @@ def run_host_breakdown(args) -> None:
             rulers, ratios = [], []
             load_before = os.getloadavg()
             profiler = pre_profiler = None
-            # the profilers of the 20 cProfile prefills, kept for printing once they are done
+            # the profilers of the cProfile prefills, kept for printing once they are done
             profiled = None
             detail = None
             extra = (PROFILED_PREFILLS if args.host_breakdown_cprofile else 0) + (
@@ -194,14 +194,14 @@ def run_host_breakdown(args) -> None:
             if profiled is not None:
                 pre_profiler, profiler = profiled
                 print(
-                    f"[{cname} isl {isl}] cProfile of 20 prefills' batch init + outside "
-                    "pre-ops + inside pre-ops (top 30 by own time):",
+                    f"[{cname} isl {isl}] cProfile of {PROFILED_PREFILLS} prefills' batch init "
+                    "+ outside pre-ops + inside pre-ops (top 30 by own time):",
                     flush=True,
                 )
                 print(profile_table(pstats.Stats(pre_profiler), PROFILED_PREFILLS), flush=True)
                 print(
-                    f"[{cname} isl {isl}] cProfile of 20 prefills' inside post-ops + outside "
-                    "post-ops + read-back (top 30 by own time):",
+                    f"[{cname} isl {isl}] cProfile of {PROFILED_PREFILLS} prefills' inside "
+                    "post-ops + outside post-ops + read-back (top 30 by own time):",
                     flush=True,
                 )
                 print(profile_table(pstats.Stats(profiler), PROFILED_PREFILLS), flush=True)
