@@ -30,7 +30,8 @@ RULER_PYTHON_ITEMS = 256  # the ruler's pure-Python part: a list of this many in
 RULER_TORCH_CALLS = 8  # the ruler's torch part: this many small device ops of each kind
 
 
-# prefills run under cProfile per row with --host-breakdown-cprofile (not timed)
+# prefills run under cProfile per row with --host-breakdown-cprofile (not timed; 2 with
+# --smoke-cpu)
 PROFILED_PREFILLS = 20
 
 
@@ -71,6 +72,7 @@ def run_host_breakdown(args) -> None:
     max_ctx = max(isls) + 8
     num_slots = max(4 * max(isls), 4096)
     runs = 2 if smoke else args.host_breakdown_runs
+    profiled_prefills = 2 if smoke else PROFILED_PREFILLS
     name = torch.cuda.get_device_name() if not smoke else "cpu (smoke)"
     print(
         f"KV-canary host time per phase of a bs1 eager prefill — {name} — {now_utc()} — "
@@ -93,7 +95,7 @@ def run_host_breakdown(args) -> None:
             # the profilers of the cProfile prefills, kept for printing once they are done
             profiled = None
             detail = None
-            extra = (PROFILED_PREFILLS if args.host_breakdown_cprofile else 0) + (
+            extra = (profiled_prefills if args.host_breakdown_cprofile else 0) + (
                 runs if args.host_breakdown_detail else 0
             )
             for run in range(-2, runs + extra):
@@ -103,7 +105,7 @@ def run_host_breakdown(args) -> None:
                 if run == runs and args.host_breakdown_cprofile:
                     profiler, pre_profiler = cProfile.Profile(), cProfile.Profile()
                 if args.host_breakdown_detail and run == runs + (
-                    PROFILED_PREFILLS if args.host_breakdown_cprofile else 0
+                    profiled_prefills if args.host_breakdown_cprofile else 0
                 ):
                     if profiler is not None:
                         profiled = (pre_profiler, profiler)
@@ -194,17 +196,17 @@ def run_host_breakdown(args) -> None:
             if profiled is not None:
                 pre_profiler, profiler = profiled
                 print(
-                    f"[{cname} isl {isl}] cProfile of {PROFILED_PREFILLS} prefills' batch init "
+                    f"[{cname} isl {isl}] cProfile of {profiled_prefills} prefills' batch init "
                     "+ outside pre-ops + inside pre-ops (top 30 by own time):",
                     flush=True,
                 )
-                print(profile_table(pstats.Stats(pre_profiler), PROFILED_PREFILLS), flush=True)
+                print(profile_table(pstats.Stats(pre_profiler), profiled_prefills), flush=True)
                 print(
-                    f"[{cname} isl {isl}] cProfile of {PROFILED_PREFILLS} prefills' inside "
+                    f"[{cname} isl {isl}] cProfile of {profiled_prefills} prefills' inside "
                     "post-ops + outside post-ops + read-back (top 30 by own time):",
                     flush=True,
                 )
-                print(profile_table(pstats.Stats(profiler), PROFILED_PREFILLS), flush=True)
+                print(profile_table(pstats.Stats(profiler), profiled_prefills), flush=True)
         del mgr, kv, r2t
         gc.collect()
     print()
