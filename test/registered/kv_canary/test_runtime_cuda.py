@@ -266,7 +266,7 @@ def test_a_snapshot_buffer_waits_for_its_copy_to_the_device():
     up = TokenHistoryUploader(
         torch.full((4, 64), -1, dtype=torch.int32, device="cuda"), replay_rows=4, replay_tokens=8
     )
-    buffers = up.rows.buffers = SnapshotHostBuffers(slots=1, numel=64, pin=True)
+    buffers = up.rows.buffers = SnapshotHostBuffers(slots=1, numel=64, device=up.pool.device)
     lens = torch.zeros(4, dtype=torch.int64, device="cuda")
     warm = CanaryBatchState()  # compile the scatter first: the timed part must not wait for it
     up.snapshot(warm, [req([1, 2], 0)])

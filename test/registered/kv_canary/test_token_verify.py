@@ -176,7 +176,7 @@ def test_snapshot_buffers_are_reused_only_once_their_snapshot_is_gone():
     later snapshots never write into it; once it is dropped its slot is handed out again,
     the same storage; a snapshot that finds every slot taken, or that is larger than a slot,
     gets a buffer of its own."""
-    buffers = SnapshotHostBuffers(slots=2, numel=64, pin=False)
+    buffers = SnapshotHostBuffers(slots=2, numel=64, device=torch.device("cpu"))
     rows = ExpectedTokenRows(8, buffers=buffers)
     a = rows.snapshot([_req([1, 2, 3], [4])])
     b = rows.snapshot([_req([5, 6], [])])

@@ -12,11 +12,14 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
+from sglang.srt.kv_canary import cuda_streams
+
 
 class SnapshotHostBuffers:
     """The host buffers token-id snapshots are packed into, reused instead of allocated per
     snapshot (docs/architecture.md, "Token checks"): ``slots`` buffers of ``numel`` int64
-    words each, allocated here (pinned when ``pin``). A slot is handed out again only when the
+    words each, allocated here, for copies to ``device`` (pinned when it is a CUDA device). A
+    slot is handed out again only when the
     snapshot packed in it is gone (nothing can upload it again) and, on CUDA, its last
     host→device copy has completed (:meth:`sent` records that copy's event on the current
     stream); a snapshot that finds no slot free, or that is larger than a slot (a long
@@ -24,12 +27,21 @@ class SnapshotHostBuffers:
     ``own_buffers``). Host only, on sglang's scheduler thread; never inside a CUDA-graph
     capture."""
 
-    def __init__(self, *, slots: int, numel: int, pin: bool):
+    def __init__(self, *, slots: int, numel: int, device: torch.device):
         if slots < 1 or numel < 1:
             raise ValueError(
                 f"SnapshotHostBuffers needs slots >= 1 and numel >= 1, got {slots} and {numel}"
             )
-        self._pin = pin
+        device = torch.device(device)
+        pin = self._pin = device.type == "cuda"
+        # the device whose current stream the copies are queued on (CUDA only)
+        self._device_index = (
+            None
+            if not pin
+            else device.index
+            if device.index is not None
+            else torch.cuda.current_device()
+        )
         self.numel = numel
         # per slot: the buffer (owned here for the canary's lifetime) and its numpy view
         self._buffers = [
@@ -73,4 +85,4 @@ class SnapshotHostBuffers:
         if slot >= 0 and self._pin:
             if self._copies[slot] is None:
                 self._copies[slot] = torch.cuda.Event()
-            self._copies[slot].record()
+            self._copies[slot].record(cuda_streams.current_stream(self._device_index))

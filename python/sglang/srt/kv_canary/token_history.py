@@ -277,7 +277,7 @@ class TokenHistoryUploader:
         self.rows = ExpectedTokenRows(
             pool.shape[0],
             buffers=SnapshotHostBuffers(
-                slots=SNAPSHOT_HOST_BUFFERS, numel=self.replay_buffer.shape[0], pin=_pin()
+                slots=SNAPSHOT_HOST_BUFFERS, numel=self.replay_buffer.shape[0], device=pool.device
             ),
         )
         self._no_requests = torch.zeros(1, dtype=torch.int64, pin_memory=_pin())

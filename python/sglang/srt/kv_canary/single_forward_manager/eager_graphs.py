@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 
+from sglang.srt.kv_canary import cuda_streams
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
 from sglang.jit_kernel.kv_canary.consts import (
@@ -57,6 +58,8 @@ class StageTable:
         ]
         self._host_words = [h.numpy() for h in self._host]
         self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        # the device whose current stream the copies are queued on (CUDA only)
+        self._device_index = self.device_table.get_device() if cuda else None
         self._flip = 0
         self._words: List[int] = []
 
@@ -84,7 +87,7 @@ class StageTable:
         host[STAGE_HEADER : STAGE_HEADER + len(words)] = words
         self.device_table.copy_(self._host[flip], non_blocking=True)
         if self._copied is not None:
-            self._copied[flip].record()
+            self._copied[flip].record(cuda_streams.current_stream(self._device_index))
 
 
 class EagerForwardGraphs:
