@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang.srt.kv_canary import cuda_streams
+
 BATCH = 100
 
 
@@ -78,6 +80,23 @@ def main() -> None:
     with torch.cuda.graph(g20):
         for _ in range(20):
             _touch[(4,)](x, 4096, 1, 2, 3, 4, 5, BLOCK=1024)
+    # 20 kernels on four parallel branches, forked and joined by events (the shape
+    # ParallelLanes gives the canary's side half inside a capture)
+    g20x4 = torch.cuda.CUDAGraph()
+    lanes = [torch.cuda.Stream(dev) for _ in range(3)]
+    fork, joins = torch.cuda.Event(), [torch.cuda.Event() for _ in lanes]
+    with torch.cuda.graph(g20x4):
+        fork.record()
+        for lane, join in zip(lanes, joins):
+            lane.wait_event(fork)
+            with torch.cuda.stream(lane):
+                for _ in range(5):
+                    _touch[(4,)](x, 4096, 1, 2, 3, 4, 5, BLOCK=1024)
+            join.record(lane)
+        for _ in range(5):
+            _touch[(4,)](x, 4096, 1, 2, 3, 4, 5, BLOCK=1024)
+        for join in joins:
+            torch.cuda.current_stream().wait_event(join)
 
     @contextlib.contextmanager
     def cm():
@@ -115,6 +134,10 @@ def main() -> None:
         "_cuda_getCurrentStream + _cuda_setStream x2": switch_private,
         "torch.cuda.Event()": torch.cuda.Event,
         "event.record(stream)": lambda: ev.record(cur),
+        "event.record() (no stream: torch.cuda.current_stream())": ev.record,
+        "event.record(cuda_streams.current_stream(idx))": lambda: ev.record(
+            cuda_streams.current_stream(idx)
+        ),
         "stream.wait_event(event)": lambda: cur.wait_event(ev),
         "stream.wait_stream(stream)": lambda: side.wait_stream(cur),
         "small D2D copy_ (512 x int64)": lambda: a.copy_(b),
@@ -134,6 +157,7 @@ def main() -> None:
         "torch.empty(4096, int64, pinned) + H2D copy, earlier copies in flight": pinned_in_flight,
         "CUDAGraph.replay() (1 kernel)": g1.replay,
         "CUDAGraph.replay() (20 kernels)": g20.replay,
+        "CUDAGraph.replay() (20 kernels on 4 parallel branches)": g20x4.replay,
         "Triton JIT launch (7 args)": lambda: _touch[(4,)](x, 4096, 1, 2, 3, 4, 5, BLOCK=1024),
         "host tensor .tolist() (16)": host_small.tolist,
         "contextlib.contextmanager enter + exit": lambda: cm().__enter__(),
