@@ -91,8 +91,8 @@ def run_host_breakdown(args) -> None:
             times = {p: [] for p in HOST_PHASES}
             rulers, ratios = [], []
             load_before = os.getloadavg()
-            profiler = pre_profiler = None
-            # the profilers of the cProfile prefills, kept for printing once they are done
+            profiler = pre_profiler = None  # enabled around the cProfile prefills
+            # the profilers of the cProfile prefills, for printing once they are done
             profiled = None
             detail = None
             extra = (profiled_prefills if args.host_breakdown_cprofile else 0) + (
@@ -104,12 +104,11 @@ def run_host_breakdown(args) -> None:
                 # --host-breakdown-detail) as many again with the canary's methods timed
                 if run == runs and args.host_breakdown_cprofile:
                     profiler, pre_profiler = cProfile.Profile(), cProfile.Profile()
+                    profiled = (pre_profiler, profiler)
                 if args.host_breakdown_detail and run == runs + (
                     profiled_prefills if args.host_breakdown_cprofile else 0
                 ):
-                    if profiler is not None:
-                        profiled = (pre_profiler, profiler)
-                        profiler = pre_profiler = None
+                    profiler = pre_profiler = None  # the profiled prefills are done
                     detail = MethodTimers(mgr)
                 row = 1 + (run % 4)
                 req = _Req(row, torch.randint(100, vocab - 100, (isl,), generator=gen).tolist())
@@ -191,8 +190,6 @@ def run_host_breakdown(args) -> None:
                 print(detail.table(prefills=runs), flush=True)
                 rec["methods_median_us"] = detail.medians()
                 append_jsonl(args.out, dict(rec, kind="host_breakdown_detail"))
-            if profiler is not None:
-                profiled = (pre_profiler, profiler)
             if profiled is not None:
                 pre_profiler, profiler = profiled
                 print(
