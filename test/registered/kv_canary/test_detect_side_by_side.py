@@ -325,10 +325,20 @@ def _cli(*argv, timeout=60):
         (["--jobs", "0"], "--jobs must be >= 1, got 0"),
     ],
 )
-def test_refusals_name_the_flag(argv, message):
-    proc = _cli(*argv)
+def test_refusals_name_the_flag(argv, message, capsys):
+    # in this process (the script's main, as its command line calls it): a process per case
+    # would spend its time importing sglang; the command line itself is the next test's
+    with pytest.raises(SystemExit) as refused:
+        sbs.main(argv)
+    out = capsys.readouterr()
+    assert refused.value.code not in (0, None)
+    assert message in f"{refused.value.code}{out.err}{out.out}"
+
+
+def test_a_refusal_on_the_command_line_exits_non_zero_naming_the_flag():
+    proc = _cli("--jobs", "0")
     assert proc.returncode != 0
-    assert message in proc.stderr + proc.stdout
+    assert "--jobs must be >= 1, got 0" in proc.stderr + proc.stdout
 
 
 @pytest.mark.slow
