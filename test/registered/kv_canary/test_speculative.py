@@ -525,9 +525,12 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(speculative_eagle_topk=2), "--speculative-eagle-topk 1 only"),
+        (dict(speculative_eagle_topk=2), "EAGLE with --speculative-eagle-topk 1 only"),
+        (
+            dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=2),
+            "STANDALONE with --speculative-eagle-topk 1 only",
+        ),
         (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm NGRAM yet"),
-        (dict(speculative_algorithm="STANDALONE"), "--speculative-algorithm STANDALONE yet"),
         (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
     ],
 )
@@ -539,6 +542,72 @@ def test_what_speculative_coverage_refuses_names_the_flag(monkeypatch, kw, match
     with pytest.raises(ValueError, match=match):
         api.check_server_args_for_canary(_spec_server_args(**kw))
     api.check_server_args_for_canary(_spec_server_args())  # the covered setting starts
+
+
+def _clean_canary_env(monkeypatch):
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("radix", [True, False], ids=["radix_on", "radix_off"])
+def test_standalone_topk_1_is_covered_and_named(monkeypatch, caplog, radix):
+    """STANDALONE (a separate draft LM, EAGLE's forwards): topk 1 starts, both runners get
+    their canary (the draft's with offset 1 and one manager per draft forward), the start-up
+    line and the draft pool's reports name STANDALONE, and with the radix cache on one warning
+    explains its single-token keys' reports and names the flags to pass."""
+    from sglang.srt.kv_canary import api
+
+    _clean_canary_env(monkeypatch)
+    args = _spec_server_args(speculative_algorithm="STANDALONE", disable_radix_cache=not radix)
+    api.check_server_args_for_canary(args)
+    pools = [_tiny_pool(63) for _ in range(2)]
+    with caplog.at_level(logging.INFO, logger="sglang.srt.kv_canary"):
+        target = api.install_canary(server_args=args, model_runner=_runner(pools[0], draft=False))
+        draft = api.install_canary(server_args=args, model_runner=_runner(pools[1], draft=True))
+    assert [g.kv_token_id_vs_position_offset for g in draft.groups] == [1]
+    assert [g.kv_token_id_vs_position_offset for g in target.groups] == [0]
+    assert (len(draft.sfms), draft.draft_forwards_per_round) == (3, 3)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("kv_canary installed on the STANDALONE draft worker" in m for m in messages)
+    assert not any("EAGLE draft worker" in m for m in messages), messages
+    warnings = [m for m in messages if "radix cache" in m]
+    if radix:
+        (warning,) = warnings
+        for text in (
+            "STANDALONE",
+            "single tokens",
+            "verify_token at m - 1",
+            "verify_chain_hash at m",
+            "--disable-radix-cache",
+            "--kv-canary log",
+        ):
+            assert text in warning, warning
+    else:
+        assert warnings == []
+    assert draft.ranks.describe().endswith("STANDALONE draft worker")
+    assert "the STANDALONE draft model's KV pool" in draft.reporter.violations.reporter.pool
+
+
+def test_a_standalone_draft_on_a_hybrid_linear_or_dsv4_pool_is_refused(monkeypatch):
+    """sglang gives the draft runner of a hybrid-linear model a one-layer
+    ``HybridLinearKVPool`` (meant for MTP heads); neither it nor a DeepSeek-V4 pool is guarded
+    as a separate draft model's: refused at install, naming the flag. EAGLE's draft runner on
+    the same pool classes is not refused here."""
+    from sglang.srt.kv_canary import api
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    _clean_canary_env(monkeypatch)
+    args = _spec_server_args(
+        speculative_algorithm="STANDALONE", speculative_draft_model_path="/models/draft"
+    )
+    for cls in (HybridLinearKVPool, DeepSeekV4TokenToKVPool):
+        pool = cls.__new__(cls)  # the class is what is refused; nothing else is read
+        with pytest.raises(ValueError, match=f"builds a {cls.__name__}") as exc:
+            api.install_canary(server_args=args, model_runner=_runner(pool, draft=True))
+        assert "--speculative-draft-model-path '/models/draft'" in str(exc.value)
+        assert seam.hybrid_linear_or_dsv4_pool(pool) == cls.__name__
+    assert seam.hybrid_linear_or_dsv4_pool(_tiny_pool(15)) is None
 
 
 def test_adaptive_steps_size_the_draft_canary_for_the_largest_candidate(monkeypatch, tmp_path):
@@ -714,7 +783,8 @@ def test_draft_fault_target_needs_speculative_decoding(monkeypatch):
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft")
     api.check_server_args_for_canary(_spec_server_args())
-    with pytest.raises(ValueError, match="TARGET_WORKER=draft corrupts an EAGLE draft"):
+    api.check_server_args_for_canary(_spec_server_args(speculative_algorithm="STANDALONE"))
+    with pytest.raises(ValueError, match="TARGET_WORKER=draft corrupts a speculative draft"):
         api.check_server_args_for_canary(_spec_server_args(speculative_algorithm=None))
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "drafts")
     with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_TARGET_WORKER"):
