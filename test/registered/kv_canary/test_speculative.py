@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from eagle_driver import EagleDriver
-from serving_driver import stand_in_model_runner
+from eagle_driver import STANDALONE_DRAFT, EagleDriver
+from serving_driver import VOCAB, stand_in_model_runner
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary import plugin
 from sglang.srt.kv_canary import sglang_seam as seam
@@ -132,6 +132,116 @@ def test_a_req_to_token_fault_is_caught_in_the_draft_round():
     assert info["new_slot"] in {v.slot_idx for v in lines}
     assert {r for v in lines for r in v.fail_reasons} & {"verify_chain_hash", "verify_position"}
     assert d.draft.violations.total >= 1
+
+
+# ---- STANDALONE: a separate draft LM of its own shape, single-token radix keys --------------
+
+STANDALONE_CANARY = dict(real_data_layers="all")
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["spec_v1", "spec_v2"])
+def test_a_standalone_draft_of_another_shape_runs_clean(v2, caplog):
+    """STANDALONE runs EAGLE's forwards with a draft LM of its own shape (3 layers, 1 KV head
+    of 16, float16, against the target's 2 layers, 2 KV heads of 8, bfloat16): raise mode,
+    every byte fingerprinted, per-layer columns, token checks: clean, the draft pool at
+    offset 1 with a column per layer half; a byte flipped in the draft's last layer is caught
+    at that layer."""
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+        d = EagleDriver(
+            steps=3,
+            v2=v2,
+            seed=2,
+            real_data="all",
+            verify_tokens=True,
+            draft_pool=STANDALONE_DRAFT,
+            canary_settings=STANDALONE_CANARY,
+        )
+        d.run(45)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert d.target.count_violations() == 0 and d.draft.count_violations() == 0
+    assert d.rounds >= 10 and d.accepted >= 10 and d.rejected >= 10 and d.chunked >= 3
+    assert (d.draft_pool.layer_num, d.draft_pool.head_num, d.draft_pool.head_dim) == (3, 1, 16)
+    assert d.draft_pool.k_buffer[0].dtype == torch.float16
+    assert [g.kv_token_id_vs_position_offset for g in d.draft.groups] == [1]
+    assert [g.kv_token_id_vs_position_offset for g in d.target.groups] == [0]
+    while not any(r.prefilled and r.kv_len >= 4 for r in d.running):
+        d.run(1)
+    info = d.flip_byte(d.draft_pool, layer=2)
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        for _ in range(10):
+            d.step()
+    lines = _lines(exc)
+    assert {(v.slot_idx, v.fail_reasons) for v in lines} == {
+        (info["slot"], ("verify_real_kv_hash",))
+    }
+    assert {v.kv_layer for v in lines} == {2}
+    assert d.target.violations.total == 0
+
+
+def _pool_reports(messages) -> set:
+    """``(pool, fail reason, position)`` of every violation in the canaries' log messages
+    (``draft``: a draft pool's canary names its pool in the message)."""
+    return {
+        ("draft" if "draft model's KV pool" in m else "target", reason, v.position)
+        for m in messages
+        for v in parse_violation_lines(m)
+        for reason in v.fail_reasons
+    }
+
+
+SHARED = 12  # prompt tokens two requests share before they differ
+
+
+def _divergent_pair(d: EagleDriver, *, together: bool):
+    """Two 20-token prompts equal on ``[0, SHARED)`` and different at ``SHARED``: served in
+    one prefill batch (``together``: the second one's prompt is swapped to the first one's
+    slots by the tree insert after the prefill), or the second after the first finished (a
+    prefix hit at admission)."""
+    first = [(7 * i + 3) % VOCAB for i in range(20)]
+    second = first[:SHARED] + [(first[SHARED] + 1) % VOCAB] + [(11 * i) % VOCAB for i in range(7)]
+    a = d.add_request(0, 6, prompt=first)
+    if not together:
+        while a not in d.finished:
+            d.step()
+    b = d.add_request(0, 6, prompt=second)
+    while a not in d.finished or b not in d.finished:
+        d.step()
+    assert b.shared_prefix >= SHARED - 1
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["spec_v1", "spec_v2"])
+@pytest.mark.parametrize("together", [True, False], ids=["one_batch", "prefix_hit"])
+@pytest.mark.parametrize("verify_tokens", [True, False], ids=["tokens", "no_tokens"])
+def test_single_token_radix_keys_report_every_divergent_shared_prefix(
+    v2, together, verify_tokens, caplog
+):
+    """sglang 0.5.12 keys STANDALONE's radix cache by single tokens (``is_eagle`` False):
+    a request sharing m prompt tokens with another and differing at m gets the other's draft
+    slot of position m - 1, whose KV was computed from the other's token m. The draft canary
+    reports it, nothing in the target pool: ``verify_token`` at m - 1 with token checks, and
+    when the tree insert after a shared prefill batch swaps the request's own slots for the
+    other's, ``verify_chain_hash`` at m (its own record at m chained from its own m - 1). With
+    EAGLE's pair keys (``is_eagle`` True) the match stops at m - 1: clean."""
+    expected = set()
+    if verify_tokens:
+        expected.add(("draft", "verify_token", SHARED - 1))
+    if together:
+        expected.add(("draft", "verify_chain_hash", SHARED))
+    for is_eagle, want in ((False, expected), (True, set())):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+            d = EagleDriver(
+                steps=3,
+                v2=v2,
+                seed=5,
+                mode="log",
+                verify_tokens=verify_tokens,
+                draft_pool=STANDALONE_DRAFT,
+                radix_is_eagle=is_eagle,
+            )
+            _divergent_pair(d, together=together)
+        assert _pool_reports(r.getMessage() for r in caplog.records) == want, is_eagle
+        assert d.target.count_violations() == 0
 
 
 # ---- every speculative forward mode verifies and writes its own slots ----------------------
