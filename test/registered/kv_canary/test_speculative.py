@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from e2e_checks import violations_by_pool
 from eagle_driver import STANDALONE_DRAFT, EagleDriver
 from serving_driver import VOCAB, stand_in_model_runner
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
@@ -179,12 +180,11 @@ def test_a_standalone_draft_of_another_shape_runs_clean(v2, caplog):
 
 
 def _pool_reports(messages) -> set:
-    """``(pool, fail reason, position)`` of every violation in the canaries' log messages
-    (``draft``: a draft pool's canary names its pool in the message)."""
+    """``(pool, fail reason, position)`` of every violation in the canaries' log messages, as
+    the GPU tests read a server's output (``e2e_checks.violations_by_pool``)."""
     return {
-        ("draft" if "draft model's KV pool" in m else "target", reason, v.position)
-        for m in messages
-        for v in parse_violation_lines(m)
+        (pool, reason, v.position)
+        for pool, v in violations_by_pool("\n".join(messages))
         for reason in v.fail_reasons
     }
 
