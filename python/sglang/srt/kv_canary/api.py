@@ -134,7 +134,7 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
         )
 
 
-def _warn_standalone_radix_keys(server_args: "ServerArgs") -> None:
+def _warn_standalone_radix_keys() -> None:
     """STANDALONE with the radix cache on: sglang 0.5.12 keys that cache by single tokens
     (EAGLE's keys are token pairs), so a prefix hit of m tokens reuses the draft slot of
     position m - 1, computed from the other request's token m (docs/user_guide.md,
@@ -419,7 +419,7 @@ def install_canary(
     elif spec.algorithm == "STANDALONE" and not sglang_seam.server_args_value(
         server_args, "disable_radix_cache", False
     ):
-        _warn_standalone_radix_keys(server_args)
+        _warn_standalone_radix_keys()
     memory = _check_reserved(
         manager, sglang_seam.runner_memory_reservation(model_runner), draft=draft
     )
