@@ -544,6 +544,17 @@ def test_scheduler_draft_runner_is_found_for_both_spec_versions():
     s.draft_worker = V2()
     assert seam.scheduler_draft_model_runner(s) is runner
 
+    class StandaloneDraftWorker(_DraftWorkerV2):  # spec v2: also holds its TpModelWorker
+        def __init__(self, runner):
+            super().__init__(runner)
+            self.draft_worker = _DraftWorkerV1(object())
+
+    class StandaloneV2:  # StandaloneWorkerV2.draft_worker is the StandaloneDraftWorker
+        draft_worker = StandaloneDraftWorker(runner)
+
+    s.draft_worker = StandaloneV2()
+    assert seam.scheduler_draft_model_runner(s) is runner
+
 
 def test_perturbation_can_target_the_draft_worker_only():
     from sglang.srt.kv_canary.perturb.config import PerturbConfig
