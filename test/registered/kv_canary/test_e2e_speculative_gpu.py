@@ -53,7 +53,7 @@ from canary_support.script_run import load_support_script
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=4700, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=4850, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -71,7 +71,7 @@ GPU_LANES = {
     "spec_nextn_clean": ("other_algorithms and clean and NEXTN", 220),
     "spec_nextn_faults": ("other_algorithms and every_fault and NEXTN", 140),
     "spec_standalone_clean": ("standalone and clean", 380),
-    "spec_standalone_faults": ("standalone and every_fault", 420),
+    "spec_standalone_faults": ("standalone and every_fault", 570),
     "spec_standalone_radix_keys": ("standalone and radix_keys", 200),
 }
 
