@@ -33,14 +33,10 @@ from sglang.srt.kv_canary.single_forward_manager import SfmStatus
 
 logger = logging.getLogger(__name__)
 
-
-def draft_pool_label(draft_worker: str) -> str:
-    """How the reports of a draft runner's canary name its pool (``draft_worker``: EAGLE or
-    STANDALONE)."""
-    return (
-        f"the {draft_worker} draft model's KV pool (its position p holds the KV computed from "
-        "token p + 1)"
-    )
+# the reports of an EAGLE draft runner's canary name its pool
+DRAFT_POOL_LABEL = (
+    "the EAGLE draft model's KV pool (its position p holds the KV computed from token p + 1)"
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -96,7 +92,7 @@ class ForwardReporter:
         self.violations = ViolationManager(
             reporter=ViolationReporter(
                 config.mode,
-                pool=draft_pool_label(ranks.draft_worker) if ranks.draft else "",
+                pool=DRAFT_POOL_LABEL if ranks.draft else "",
                 rank=ranks.describe_rank() if ranks.several else "",
                 server=ranks.server_role,
             ),

@@ -84,8 +84,6 @@ from sglang.srt.kv_canary.sglang_seam.pool_sizing import (
     PoolFamily,
     PoolTokens,
     KvPoolSizing,
-    DraftModelShape,
-    draft_model_shape,
 )
 from sglang.srt.kv_canary.sglang_seam.scheduler import (
     scheduler_model_runner,
@@ -155,7 +153,6 @@ from sglang.srt.kv_canary.sglang_seam.sampler import (
 from sglang.srt.kv_canary.sglang_seam.pools import (
     kv_pool_page_size,
     import_sglang_class,
-    hybrid_linear_or_dsv4_pool,
     wrap_method_once,
     set_pool_canary,
     pool_canary,
@@ -229,8 +226,6 @@ __all__ = [
     "PoolFamily",
     "PoolTokens",
     "KvPoolSizing",
-    "DraftModelShape",
-    "draft_model_shape",
     "scheduler_model_runner",
     "scheduler_draft_model_runner",
     "scheduler_server_args",
@@ -288,7 +283,6 @@ __all__ = [
     "register_sampler_backend",
     "kv_pool_page_size",
     "import_sglang_class",
-    "hybrid_linear_or_dsv4_pool",
     "wrap_method_once",
     "set_pool_canary",
     "pool_canary",
