@@ -19,13 +19,12 @@ class SnapshotHostBuffers:
     """The host buffers token-id snapshots are packed into, reused instead of allocated per
     snapshot (docs/architecture.md, "Token checks"): ``slots`` buffers of ``numel`` int64
     words each, allocated here, for copies to ``device`` (pinned when it is a CUDA device). A
-    slot is handed out again only when the
-    snapshot packed in it is gone (nothing can upload it again) and, on CUDA, its last
-    host→device copy has completed (:meth:`sent` records that copy's event on the current
-    stream); a snapshot that finds no slot free, or that is larger than a slot (a long
-    prompt's first chunk carries the whole prompt), gets a buffer of its own (counted in
-    ``own_buffers``). Host only, on sglang's scheduler thread; never inside a CUDA-graph
-    capture."""
+    slot is handed out again only when the snapshot packed in it is gone (nothing can upload
+    it again) and, on CUDA, its last host→device copy has completed (:meth:`sent` records
+    that copy's event on ``device``'s current stream); a snapshot that finds no slot free,
+    or that is larger than a slot (a long prompt's first chunk carries the whole prompt), gets
+    a buffer of its own (counted in ``own_buffers``). Host only, on sglang's scheduler thread;
+    never inside a CUDA-graph capture."""
 
     def __init__(self, *, slots: int, numel: int, device: torch.device):
         if slots < 1 or numel < 1:
