@@ -5,6 +5,7 @@ was reported with its reason at its slot, and the HiCache host-tier checks."""
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 
 from canary_support.script_run import run_support_script
@@ -21,6 +22,15 @@ def run_workload(
     return run_support_script(
         script, model, json.dumps(engine_kwargs), *extra, env=env, timeout=timeout
     )
+
+
+def demo_failure(out: str, logs, case: str, *, chars: int = 4000) -> str:
+    """What a failed ``python -m sglang.srt.kv_canary.demo ... --logs LOGS`` run leaves to read:
+    the tail of its own output and of the case's server log (``LOGS/CASE.log``, which the
+    demo writes; said when missing), for an assertion message."""
+    log = pathlib.Path(logs) / f"{case}.log"
+    server = log.read_text(errors="replace")[-chars:] if log.exists() else f"(no {log})"
+    return f"{out[-chars:]}\n---- {case}.log, the last {chars} characters ----\n{server}"
 
 
 # every fault class of the perturbation framework, in the FULL group, from step 8 on

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from canary_support.script_run import run_support_script
+from e2e_checks import demo_failure
 from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX
 from sglang.srt.kv_canary.testing.server_harness import (
     build_libcuda_stub,
@@ -163,6 +164,16 @@ def test_real_data_all_end_to_end(tmp_path):
     stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
     assert stats and "violations=0" in stats[-1] and "TAIL_K_FULL" in stats[-1]
     assert "SWEEP_K_FULL" in stats[-1]
+
+
+def test_a_failed_demo_run_shows_the_tail_of_its_server_log(tmp_path):
+    """What the GPU tests' assertion prints when a demo run fails: the tail of the demo's
+    output and of the case's server log, or that the log is missing."""
+    (tmp_path / "host_kv.log").write_text("early lines " * 50 + "Traceback: the server died")
+    message = demo_failure("host_kv | never | NO", tmp_path, "host_kv", chars=60)
+    assert message.startswith("host_kv | never | NO\n---- host_kv.log")
+    assert message.endswith("Traceback: the server died") and "early lines " * 10 not in message
+    assert f"(no {tmp_path / 'pd_transfer.log'})" in demo_failure("out", tmp_path, "pd_transfer")
 
 
 if __name__ == "__main__":

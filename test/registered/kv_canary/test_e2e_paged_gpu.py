@@ -19,7 +19,7 @@ import json
 import subprocess
 import sys
 import pytest
-from e2e_checks import EVERY_FAULT_WITH_ORACLE_ENV, assert_every_fault_caught
+from e2e_checks import EVERY_FAULT_WITH_ORACLE_ENV, assert_every_fault_caught, demo_failure
 from e2e_workload import run_mixed_workload
 
 from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX
@@ -127,7 +127,7 @@ def test_paged_log_mode_demo_host_kv(page_size, tmp_path):
     )
     out = proc.stdout + proc.stderr
     print(proc.stdout)
-    assert proc.returncode == 0, out[-4000:]
+    assert proc.returncode == 0, demo_failure(out, tmp_path / "logs", "host_kv")
     (row,) = json.loads(out_json.read_text())
     assert row["name"] == "host_kv" and row["mode"] == "log", row
     assert row["returncode"] == 0 and row["finished"], row  # served to the end

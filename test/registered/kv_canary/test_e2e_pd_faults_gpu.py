@@ -21,6 +21,7 @@ import sys
 import pytest
 from canary_support.script_run import tagged_json
 from canary_support.server_process import require_mooncake
+from e2e_checks import demo_failure
 
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
@@ -172,7 +173,7 @@ def test_the_demo_shows_a_pd_transfer_fault_caught(tmp_path):
         timeout=600,
     )
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    assert proc.returncode == 0, demo_failure(out, tmp_path / "logs", "pd_transfer")
     (row,) = json.loads(rows_path.read_text())
     assert row["name"] == "pd_transfer" and row["detected"], row
     assert row["injections"] >= 1 and row["first_injection_step"] > 30, row  # after warm-up
