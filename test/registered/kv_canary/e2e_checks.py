@@ -95,7 +95,9 @@ def assert_every_fault_caught(out: str, also_injected=()) -> None:
     assert {*ALWAYS_CAUGHT, "real_kv_post_forward", *also_injected} <= kinds, injected
     for f in injected:
         if f["fault"] in ALWAYS_CAUGHT:
-            assert fault_caught(f, lines), (f, lines[-5:])
+            # on failure: the reports of the fault's forward and its neighbours
+            near = [v for v in lines if abs(v.forward_step - int(f["step"])) <= 1]
+            assert fault_caught(f, lines), (f, near[:20])
     for kind in kinds - set(ALWAYS_CAUGHT):
         assert any(fault_caught(f, lines) for f in injected if f["fault"] == kind), (kind, injected)
 
