@@ -26,20 +26,23 @@
 #   paged_faults_64      test/registered/kv_canary/test_e2e_paged_gpu.py -k log_mode and 64
 #   e2e_pd_faults_gpu    test/registered/kv_canary/test_e2e_pd_faults_gpu.py
 #   e2e_pd_gpu           test/registered/kv_canary/test_e2e_pd_gpu.py
-#   spec_clean_v2        test/registered/kv_canary/test_e2e_speculative_gpu.py -k clean and spec_v2
-#   spec_clean_v1        test/registered/kv_canary/test_e2e_speculative_gpu.py -k clean and spec_v1
+#   spec_clean_v2        test/registered/kv_canary/test_e2e_speculative_gpu.py -k clean and spec_v2 and not standalone
+#   spec_clean_v1        test/registered/kv_canary/test_e2e_speculative_gpu.py -k clean and spec_v1 and not standalone
 #   spec_pr25015         test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr25015
 #   spec_pr26329         test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr26329
 #   spec_pr28254_v2      test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr28254 and spec_v2
 #   spec_pr28254_v1      test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr28254 and spec_v1
-#   spec_faults_v2       test/registered/kv_canary/test_e2e_speculative_gpu.py -k fault and spec_v2
-#   spec_faults_v1       test/registered/kv_canary/test_e2e_speculative_gpu.py -k fault and spec_v1
+#   spec_faults_v2       test/registered/kv_canary/test_e2e_speculative_gpu.py -k fault and spec_v2 and not standalone
+#   spec_faults_v1       test/registered/kv_canary/test_e2e_speculative_gpu.py -k fault and spec_v1 and not standalone
 #   spec_adaptive_v2     test/registered/kv_canary/test_e2e_speculative_gpu.py -k adaptive and spec_v2
 #   spec_adaptive_v1     test/registered/kv_canary/test_e2e_speculative_gpu.py -k adaptive and spec_v1
 #   spec_eagle3_clean    test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and clean and EAGLE3
 #   spec_eagle3_faults   test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and every_fault and EAGLE3
 #   spec_nextn_clean     test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and clean and NEXTN
 #   spec_nextn_faults    test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and every_fault and NEXTN
+#   spec_standalone_clean test/registered/kv_canary/test_e2e_speculative_gpu.py -k standalone and clean
+#   spec_standalone_faults test/registered/kv_canary/test_e2e_speculative_gpu.py -k standalone and every_fault
+#   spec_standalone_radix_keys test/registered/kv_canary/test_e2e_speculative_gpu.py -k standalone and radix_keys
 #   e2e_swa_gpu          test/registered/kv_canary/test_e2e_swa_gpu.py
 #   kernels_cuda_graph   test/registered/kv_canary/test_kernels_cuda_graph.py
 #   memory_gpu           test/registered/kv_canary/test_memory_gpu.py -k not alone_on_the_gpu

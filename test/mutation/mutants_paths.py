@@ -77,7 +77,7 @@ MUTANTS_PATHS = (
     Mutant(
         id="spec-draft-reports-unnamed",
         path=f"{_RT}/runner/reporting.py",
-        old='                pool=DRAFT_POOL_LABEL if ranks.draft else "",\n',
+        old='                pool=draft_pool_label(ranks.draft_worker) if ranks.draft else "",\n',
         new='                pool="",\n',
         selection=f"{_T}/test_speculative.py::test_a_flipped_byte_is_caught_by_its_pool_canary",
         speed="quick",

@@ -10,7 +10,7 @@ import re
 
 from canary_support.script_run import run_support_script
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.runner.violation_line import parse_violation_line, parse_violation_lines
 
 
 def run_workload(
@@ -44,6 +44,21 @@ EVERY_FAULT_ENV = {
     "SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB": "0.15",
     "SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB": "0.15",
 }
+
+
+def violations_by_pool(out: str):
+    """Every violation line of a server's output with the pool it is about: ``("draft",
+    line)`` when the report names a draft model's pool (the ``Pool:`` line a draft runner's
+    canary adds after its report, before the next violation line), else ``("target", line)``."""
+    found = []
+    for text in out.splitlines():
+        line = parse_violation_line(text)
+        if line is not None:
+            found.append(["target", line])
+        elif found and "Pool: " in text and "draft model's KV pool" in text:
+            found[-1][0] = "draft"
+    return [tuple(f) for f in found]
+
 
 # EVERY_FAULT_ENV plus two sampled tokens swapped between rows, which the token oracle's
 # write-input check reports at the next forward (the oracle on: the swap needs it); with five

@@ -1,9 +1,10 @@
 """EAGLE speculative decoding (``topk`` 1) over real sglang 0.5.12 pools and ForwardBatch
 objects, with both canaries driven as the plugin's hooks drive them (test support).
 
-Two real ``MHATokenToKVPool`` s — the target model's (2 layers) and the draft model's (1
-layer) — share one ``ReqToTokenPool`` and one ``TokenToKVPoolAllocator``, as sglang's EAGLE
-workers do. Each pool gets its canary from ``build_canary`` with what ``install_canary`` passes
+Two real ``MHATokenToKVPool`` s — the target model's (2 layers, 2 KV heads of 8, bfloat16) and
+the draft model's (by default an EAGLE head's: 1 layer of the target's geometry; ``draft_pool``
+gives a STANDALONE draft LM's own shape) — share one ``ReqToTokenPool`` and one
+``TokenToKVPoolAllocator``, as sglang's EAGLE and STANDALONE workers do. Each pool gets its canary from ``build_canary`` with what ``install_canary`` passes
 a runner: the draft pool (``RankFacts(draft=True, draft_steps=max_steps)``: position offset 1) and one
 single-forward manager per draft forward of the largest round (``max_steps - 1``; ``max_steps``
 defaults to ``steps``, which an adaptive run changes between rounds).
@@ -26,12 +27,20 @@ before the verify allocates its own (sglang's ``backup_state`` / ``restore_state
 (``v2=True``) pre-allocates ``2 * (steps + 1)`` slots past the committed length (sglang's
 ``kv_allocated_len``) that the draft round, the verify and the draft extend all use.
 
+With ``radix_is_eagle`` set, a real ``RadixCache`` built with that ``is_eagle`` (True: EAGLE's
+token-pair keys; False: single-token keys, sglang 0.5.12's for STANDALONE) is used as sglang's
+scheduler uses it: an admitted request starts from its prefix match (its prompt less one token
+at most); after each prefill chunk the request's KV goes into the tree and its positions the
+tree already held are swapped to the tree's slots, its own freed (``cache_unfinished_req``);
+a finished request's committed KV goes into the tree (``cache_finished_req``).
+
 Bugs of real sglang versions can be re-introduced with the ``bug_*`` switches (the unit-level
 counterparts of the GPU regression tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import List, Optional
 
@@ -45,6 +54,21 @@ from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftPoolShape:
+    """The draft ``MHATokenToKVPool``'s geometry (default: an EAGLE head's, one layer of the
+    target's)."""
+
+    layers: int = 1
+    heads: int = 2
+    head_dim: int = 8
+    dtype: torch.dtype = torch.bfloat16
+
+
+# a STANDALONE draft LM of another shape than the target (2 layers, 2 KV heads of 8, bfloat16)
+STANDALONE_DRAFT = DraftPoolShape(layers=3, heads=1, head_dim=16, dtype=torch.float16)
 
 
 class EagleDriver:
@@ -66,6 +90,9 @@ class EagleDriver:
         bug_positions_before_forward: bool = False,
         bug_chunk_end_uses_sampled_token: bool = False,
         max_steps: Optional[int] = None,
+        draft_pool: DraftPoolShape = DraftPoolShape(),
+        canary_settings: Optional[dict] = None,
+        radix_is_eagle: Optional[bool] = None,
     ):
         if steps < 1:
             raise ValueError("steps must be >= 1")
@@ -93,7 +120,8 @@ class EagleDriver:
             enable_alt_stream=False,
         )
         self.target_pool = MHATokenToKVPool(layer_num=2, **kw)
-        self.draft_pool = MHATokenToKVPool(layer_num=1, **kw)
+        kw.update(dtype=draft_pool.dtype, head_num=draft_pool.heads, head_dim=draft_pool.head_dim)
+        self.draft_pool = MHATokenToKVPool(layer_num=draft_pool.layers, **kw)
         self.allocator = TokenToKVPoolAllocator(
             num_slots, torch.bfloat16, "cpu", self.target_pool, need_sort=False
         )
@@ -102,6 +130,7 @@ class EagleDriver:
             real_kv_hash_mode=real_data,
             enable_verify_token_assert=verify_tokens,
             stats_print_every_n_steps=0,
+            **(canary_settings or {}),
         )
         caps = CanaryCapacityInputs(
             context_len=max_ctx, chunked_prefill_size=chunk, max_prefill_tokens=chunk * max_reqs
@@ -125,6 +154,20 @@ class EagleDriver:
         )
         self.target.mark_init_finished()
         self.draft.mark_init_finished()
+        self.radix = None
+        if radix_is_eagle is not None:
+            from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+            from sglang.srt.mem_cache.radix_cache import RadixCache
+
+            self.radix = RadixCache(
+                CacheInitParams(
+                    disable=False,
+                    req_to_token_pool=self.req_to_token_pool,
+                    token_to_kv_pool_allocator=self.allocator,
+                    page_size=1,
+                    is_eagle=radix_is_eagle,
+                )
+            )
         self.waiting: List[DriverReq] = []
         self.running: List[DriverReq] = []
         self.finished: List[DriverReq] = []
@@ -136,10 +179,16 @@ class EagleDriver:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def add_request(self, prompt_len: int, max_new: int) -> DriverReq:
+    def add_request(
+        self, prompt_len: int, max_new: int, prompt: Optional[List[int]] = None
+    ) -> DriverReq:
         req = DriverReq(
             rid=self._next_rid,
-            prompt=[self.rng.randrange(VOCAB) for _ in range(prompt_len)],
+            prompt=(
+                list(prompt)
+                if prompt is not None
+                else [self.rng.randrange(VOCAB) for _ in range(prompt_len)]
+            ),
             max_new=max_new,
         )
         self._next_rid += 1
@@ -164,6 +213,8 @@ class EagleDriver:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting.pop(0)
             req.row = self.req_to_token_pool.free_slots.pop(0)
+            if self.radix is not None:
+                self._match_prefix(req)
             self.running.append(req)
         prefill = [r for r in self.running if not r.prefilled]
         if prefill:
@@ -241,6 +292,9 @@ class EagleDriver:
                 self.draft, ForwardMode.EXTEND, d_ids, pos, loc, rows, seq, reqs, pre=pre, ext=ext
             ),
         )
+        if self.radix is not None:
+            for r in reqs:
+                self._cache_unfinished(r)
 
     def _ensure_allocated(self, req: DriverReq, upto: int) -> None:
         """Spec v2: the request's slots cover positions ``[0, upto)``."""
@@ -396,9 +450,66 @@ class EagleDriver:
         with self.draft.with_draft_forward(fb):
             body()
 
+    def _match_prefix(self, req: DriverReq) -> None:
+        """The radix cache's prefix of ``req``'s prompt (one token at least left to prefill):
+        its slots become the request's first ones (sglang's ``match_prefix``)."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        key = self._radix_key(req.prompt[: len(req.prompt) - 1])
+        got = self.radix.match_prefix(MatchPrefixParams(key=key)).device_indices.tolist()
+        if got:
+            self._set_slots(req, 0, got)
+            req.slots = list(got)
+            req.kv_len = req.shared_prefix = len(got)
+
+    def _radix_key(self, tokens: List[int]):
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        return RadixKey(list(tokens), is_bigram=self.radix.is_eagle)
+
+    def _cache_unfinished(self, req: DriverReq) -> None:
+        """sglang's ``cache_unfinished_req`` after a prefill chunk: the prefilled tokens go
+        into the tree; positions the tree already held (another request's identical prefix)
+        are swapped to the tree's slots, the request's own ones freed."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+
+        key = self._radix_key(req.prompt[: req.kv_len])
+        n = len(key)
+        prefix = self.radix.insert(
+            InsertParams(key=key, value=torch.tensor(req.slots[:n], dtype=torch.int64))
+        ).prefix_len
+        protected = req.shared_prefix
+        if prefix > protected:
+            self.allocator.free(torch.tensor(req.slots[protected:prefix], dtype=torch.int64))
+        new = self.radix.match_prefix(MatchPrefixParams(key=key)).device_indices.tolist()
+        self._set_slots(req, protected, new[protected:])
+        req.slots[protected : len(new)] = new[protected:]
+        req.shared_prefix = len(new)
+
+    def _cache_finished(self, req: DriverReq) -> None:
+        """sglang's ``cache_finished_req``: the committed KV goes into the tree (with pair keys
+        one slot less); the request's own slots the tree already had, and those it did not
+        take, are freed."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+        key = self._radix_key(req.tokens[: req.kv_len])
+        kept = len(key)
+        prefix = self.radix.insert(
+            InsertParams(key=key, value=torch.tensor(req.slots[:kept], dtype=torch.int64))
+        ).prefix_len
+        freed = req.slots[req.shared_prefix : prefix] + req.slots[kept:]
+        if freed:
+            self.allocator.free(torch.tensor(freed, dtype=torch.int64))
+
     def _finish(self) -> None:
         for r in list(self.running):
-            if r.prefilled and r.done:
+            if r.prefilled and r.done and self.radix is not None:
+                self.running.remove(r)
+                self._cache_finished(r)
+                self.req_to_token_pool.free_slots.append(r.row)
+                r.row = None
+                self.finished.append(r)
+            elif r.prefilled and r.done:
                 self.running.remove(r)
                 self.allocator.free(torch.tensor(r.slots, dtype=torch.int64))
                 self.req_to_token_pool.free_slots.append(r.row)
@@ -455,13 +566,16 @@ class EagleDriver:
 
     @staticmethod
     def write_kv(pool: MHATokenToKVPool, fb: ForwardBatch) -> None:
-        """Deterministic KV bytes of (token, position, layer) for every token of ``fb``."""
+        """Deterministic KV bytes of (token, position, layer) for every token of ``fb``, in
+        the pool's geometry and dtype."""
         n = fb.out_cache_loc.shape[0]
         base = (fb.input_ids[:n] * 31 + fb.positions[:n] * 7).unsqueeze(1)
+        heads, dim = pool.k_buffer[0].shape[1:]
+        dtype = pool.k_buffer[0].dtype
         for layer in range(pool.layer_num):
-            vals = ((base + layer * 13 + torch.arange(16)) % 251).to(torch.bfloat16) / 251
-            pool.k_buffer[layer][fb.out_cache_loc] = vals.view(n, 2, 8)
-            pool.v_buffer[layer][fb.out_cache_loc] = (vals * 0.5).view(n, 2, 8)
+            vals = ((base + layer * 13 + torch.arange(heads * dim)) % 251).to(dtype) / 251
+            pool.k_buffer[layer][fb.out_cache_loc] = vals.view(n, heads, dim)
+            pool.v_buffer[layer][fb.out_cache_loc] = (vals * 0.5).view(n, heads, dim)
 
     def _eager(self, manager, pool, fb: ForwardBatch) -> None:
         """An eager forward as the ``ModelRunner.forward`` hook brackets it."""
@@ -481,13 +595,15 @@ class EagleDriver:
             raise RuntimeError("eagle driver: no running request with a committed prefix")
         return max(reqs, key=lambda r: (r.max_new - len(r.output), -r.rid))
 
-    def flip_byte(self, pool: MHATokenToKVPool, req: Optional[DriverReq] = None) -> dict:
-        """Flip the first byte of layer 0's K row of a committed slot a running request reads
-        next round."""
+    def flip_byte(
+        self, pool: MHATokenToKVPool, req: Optional[DriverReq] = None, layer: int = 0
+    ) -> dict:
+        """Flip the first byte of ``layer``'s K row of a committed slot a running request
+        reads next round."""
         req = req or self.committed_victim()
         p = self.rng.randrange(0, req.kv_len - 1)
         slot = int(self.req_to_token_pool.req_to_token[req.row, p])
-        row = pool.k_buffer[0][slot].view(torch.uint8).view(-1)
+        row = pool.k_buffer[layer][slot].view(torch.uint8).view(-1)
         row[0] ^= 0xFF
         return dict(rid=req.rid, position=p, slot=slot)
 

@@ -11,13 +11,18 @@ verifies and extends), ``speculative_num_steps`` 3, ``topk`` 1, 4 draft tokens:
   draft) and a one-layer ``LlamaForCausalLMEagle3`` draft (``draft_vocab_size``, the aux
   layers in ``eagle_config``);
 - ``NEXTN`` (MTP): a tiny DeepSeek-V3 (MLA, ``MLATokenToKVPool``) with one NextN layer, which
-  sglang loads as the draft (``DeepseekV3ForCausalLMNextN``, MLA too).
+  sglang loads as the draft (``DeepseekV3ForCausalLMNextN``, MLA too);
+- ``STANDALONE``: the tiny Llama target and a separate tiny plain ``LlamaForCausalLM`` draft of
+  another shape (3 layers, 1 KV head), its own ``MHATokenToKVPool``; Triton attention.
 
 - clean: raise + sweep + real data + token checks give zero violations and the greedy outputs
   of the canary off, with the draft worker's canary installed;
 - faults: every fault class of the perturbation framework, injected into the draft pool only
   (``SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=draft``) and into the target pool only, each
   caught;
+- STANDALONE's radix keys: sglang 0.5.12 keys its radix cache by single tokens, and each
+  shared prefix that diverges is reported in the draft pool (docs/user_guide.md, "Speculative
+  decoding"); its clean runs keep the radix cache off;
 - the regression suite of real sglang bugs (one test per upstream PR, the bug re-introduced by
   a test-only hook in ``e2e_support/sitecustomize.py``).
 
@@ -34,7 +39,12 @@ import re
 import sys
 
 import pytest
-from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
+from e2e_checks import (
+    EVERY_FAULT_ENV,
+    assert_every_fault_caught,
+    run_workload,
+    violations_by_pool,
+)
 from e2e_workload import assert_memory_reserved_as_allocated, workload_info
 
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
@@ -43,23 +53,26 @@ from canary_support.script_run import load_support_script
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=3700, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=4850, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
-    "spec_clean_v2": ("clean and spec_v2", 190),
-    "spec_clean_v1": ("clean and spec_v1", 190),
+    "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
+    "spec_clean_v1": ("clean and spec_v1 and not standalone", 190),
     "spec_pr25015": ("pr25015", 240),
     "spec_pr26329": ("pr26329", 260),
     "spec_pr28254_v2": ("pr28254 and spec_v2", 450),
     "spec_pr28254_v1": ("pr28254 and spec_v1", 450),
-    "spec_faults_v2": ("fault and spec_v2", 210),
-    "spec_faults_v1": ("fault and spec_v1", 360),
+    "spec_faults_v2": ("fault and spec_v2 and not standalone", 210),
+    "spec_faults_v1": ("fault and spec_v1 and not standalone", 360),
     "spec_adaptive_v2": ("adaptive and spec_v2", 330),
     "spec_adaptive_v1": ("adaptive and spec_v1", 330),
     "spec_eagle3_clean": ("other_algorithms and clean and EAGLE3", 200),
     "spec_eagle3_faults": ("other_algorithms and every_fault and EAGLE3", 130),
     "spec_nextn_clean": ("other_algorithms and clean and NEXTN", 220),
     "spec_nextn_faults": ("other_algorithms and every_fault and NEXTN", 140),
+    "spec_standalone_clean": ("standalone and clean", 380),
+    "spec_standalone_faults": ("standalone and every_fault", 570),
+    "spec_standalone_radix_keys": ("standalone and radix_keys", 200),
 }
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -116,6 +129,14 @@ def write_models(tmp_path_factory, algorithm):
             num_nextn_predict_layers=1,
             **DEEPSEEK_V3_MLA_DIMS,
         ), None
+    if algorithm == "STANDALONE":  # a separate plain LM of its own shape as the draft
+        target = write_tiny_llama(tmp_path_factory.mktemp("target_standalone"))
+        draft = write_tiny_llama(
+            tmp_path_factory.mktemp("standalone_draft"),
+            num_hidden_layers=3,
+            num_key_value_heads=1,
+        )
+        return target, draft
     raise ValueError(algorithm)
 
 
@@ -358,6 +379,117 @@ def test_other_algorithms_every_fault_class_is_caught(algorithm_models, worker):
     assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
     assert "kv_canary installed on the EAGLE draft worker" in out
     assert_every_fault_caught(out)
+
+
+# ---- STANDALONE: a separate small draft LM --------------------------------------------------
+
+# Triton attention (the device bundles have no FA3)
+STANDALONE = dict(algorithm="STANDALONE", attention_backend="triton")
+# what the start-up warning for STANDALONE with the radix cache on says
+RADIX_KEYS_WARNING = "keys STANDALONE's radix cache by single tokens"
+
+
+@pytest.fixture(scope="module")
+def standalone_models(tmp_path_factory):
+    return write_models(tmp_path_factory, "STANDALONE")
+
+
+@pytest.mark.parametrize("spec", sorted(SPEC))
+def test_standalone_clean_matches_canary_off(standalone_models, spec):
+    """STANDALONE with the radix cache off (sglang 0.5.12's single-token keys report every
+    divergent shared prefix: test_standalone_radix_keys_...): the clean test of EAGLE above,
+    both canaries installed on their MHA pools, the draft's memory reserved for its own
+    3-layer pool as it was then built, no radix-key warning."""
+    kw = dict(STANDALONE, disable_radix_cache=True, **UNCHUNKED)
+    rc, out, off = run(standalone_models, spec, **kw)
+    assert rc == 0 and off is not None, out[-4000:]
+    rc, out, on = run(
+        standalone_models,
+        spec,
+        {
+            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5",
+        },
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        **kw,
+    )
+    assert rc == 0, out[-4000:]
+    installed = [line for line in out.splitlines() if "kv_canary installed" in line]
+    assert any(
+        "on the STANDALONE draft worker: mode=raise" in line and "pool=MHATokenToKVPool" in line
+        for line in installed
+    ), installed
+    assert any(
+        "draft worker" not in line and "pool=MHATokenToKVPool" in line for line in installed
+    ), installed
+    assert "EAGLE draft worker" not in out and RADIX_KEYS_WARNING not in out
+    assert parse_violation_lines(out) == []
+    assert on == off and len(on) == 12
+    stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
+    assert stats and all("violations=0" in s for s in stats)
+    info = workload_info(out)
+    assert_memory_reserved_as_allocated(info)
+    draft = info["kv_canary"]["memory"]["draft"]
+    assert draft["allocated"]["device_bytes"] > 0 and draft["allocated"] == draft["reserved"], info[
+        "kv_canary"
+    ]["memory"]
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+@pytest.mark.parametrize("spec", sorted(SPEC))
+def test_standalone_every_fault_class_is_caught_in_each_pool(standalone_models, spec, worker):
+    """Every fault class, injected into the STANDALONE draft pool only and into the target pool
+    only, is caught (the settings of EAGLE's fault test above: the radix cache on, whose
+    divergent-prefix reports come on top of the faults' in log mode)."""
+    env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
+    rc, out, res = run(
+        standalone_models,
+        spec,
+        env,
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+        **STANDALONE,
+    )
+    assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
+    assert "kv_canary installed on the STANDALONE draft worker" in out
+    assert_every_fault_caught(out)
+
+
+@pytest.mark.parametrize("spec", sorted(SPEC))
+def test_standalone_radix_keys_report_each_divergent_shared_prefix(standalone_models, spec):
+    """sglang 0.5.12 keys STANDALONE's radix cache by single tokens (EAGLE's by token pairs).
+    The workload's waves each send 4 prompts sharing a prefix of m = 40 or 64 tokens and
+    differing at m, in one prefill batch; after it the tree insert swaps the prefix of all but
+    one of them to the first one's slots, whose draft KV at m - 1 was computed from that
+    request's token m (and a later wave's prefix hit reuses it too). With the radix cache on,
+    token checks and ``--kv-canary log``, the draft canary reports exactly ``verify_token`` at
+    m - 1 and ``verify_chain_hash`` at m for each m, and nothing in the target pool; the
+    start-up warning says so. Unchunked prompts: no chunk-end report of PR 26329 mixes in."""
+    rc, out, res = run(
+        standalone_models,
+        spec,
+        {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
+        kv_canary="log",
+        **STANDALONE,
+        **UNCHUNKED,
+    )
+    assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
+    assert RADIX_KEYS_WARNING in out, out[-4000:]
+    # each wave's prompts are its shared prefix and two tokens of their own
+    prompts = [p for wave in load_support_script("small_workload.py").waves() for p in wave]
+    divergences = sorted({len(p) - 2 for p in prompts})
+    assert divergences == [40, 64]
+    want = {("draft", "verify_token", m - 1) for m in divergences} | {
+        ("draft", "verify_chain_hash", m) for m in divergences
+    }
+    got = {
+        (pool, reason, v.position)
+        for pool, v in violations_by_pool(out)
+        for reason in v.fail_reasons
+    }
+    assert got == want, sorted(got)
 
 
 # ---- PR 28254: a resumed request's chunk end inside its output ----------------------------------

@@ -308,6 +308,88 @@ def test_an_adaptive_draft_is_reserved_for_its_largest_step_count(profiled):
     assert adaptive > draft_bytes(speculative_num_steps=3, speculative_adaptive=False)
 
 
+# a STANDALONE draft of another shape than the tiny Llama target: 3 layers, 1 KV head of 16
+STANDALONE_DRAFT = dict(num_hidden_layers=3, num_key_value_heads=1, torch_dtype="float16")
+
+
+def _spec_args(runner, **spec):
+    import types
+
+    return types.SimpleNamespace(
+        **{
+            **vars(runner.server_args),
+            "speculative_eagle_topk": 1,
+            "speculative_num_steps": 3,
+            "speculative_adaptive": False,
+            "speculative_adaptive_config": None,
+            **spec,
+        }
+    )
+
+
+def test_a_standalone_draft_is_reserved_as_the_builder_allocates_it(profiled, tmp_path):
+    """STANDALONE: the draft pool is the separate draft model's own (its layers, from its
+    config): with per-layer fingerprint columns (``layers all``) the predicted draft canary is
+    what ``build_canary`` then allocates on that 3-layer pool of the reserved tokens, and more
+    than an EAGLE head's; the draft path defaults to the target's model; an unreadable draft
+    config is refused naming the flag."""
+    from sglang.srt.kv_canary.memory_budget import DraftPool
+
+    runner = profiled(max_running_requests=8, context_length=256)
+    draft_dir = write_tiny_llama(tmp_path / "draft", **STANDALONE_DRAFT)
+    config = CanaryConfig(mode="raise", real_data_layers="all", real_kv_hash_mode="all")
+    caps = CanaryCapacityInputs(context_len=256)
+
+    def reserve(**spec):
+        return reserve_canary_memory(
+            runner,
+            server_args=_spec_args(runner, **spec),
+            config=config,
+            capacity_inputs=caps,
+            available_bytes=48 << 20,
+        )[1]
+
+    standalone = reserve(speculative_algorithm="STANDALONE", speculative_draft_model_path=draft_dir)
+    sizing = seam.KvPoolSizing(runner)
+    args = _spec_args(
+        runner, speculative_algorithm="STANDALONE", speculative_draft_model_path=draft_dir
+    )
+    assert DraftPool.for_server(sizing, args, "STANDALONE") == DraftPool(PoolFamily.MHA, 3)
+    pool = MHATokenToKVPool(
+        size=standalone.tokens.max_total,
+        page_size=1,
+        dtype=torch.float16,
+        head_num=1,
+        head_dim=16,
+        layer_num=3,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    manager = build_canary(
+        pool=pool,
+        req_to_token=torch.zeros(sizing.req_to_token_shape(standalone.tokens), dtype=torch.int32),
+        config=config,
+        device="cpu",
+        capacity_inputs=caps,
+        ranks=RankFacts(draft=True, draft_steps=3),
+    )
+    assert manager.memory.as_dict() == standalone.draft.as_dict()
+    eagle = reserve(speculative_algorithm="EAGLE")
+    assert standalone.draft.device_bytes > eagle.draft.device_bytes
+    # no --speculative-draft-model-path: sglang loads the target's checkpoint as the draft
+    assert DraftPool.for_server(
+        sizing, _spec_args(runner, speculative_draft_model_path=None), "STANDALONE"
+    ) == DraftPool(PoolFamily.MHA, 2)
+    assert DraftPool.for_server(sizing, args, "EAGLE") == DraftPool(PoolFamily.MHA, 1)
+    assert DraftPool.for_server(sizing, args, None) is None
+    with pytest.raises(ValueError, match="--speculative-draft-model-path"):
+        reserve(
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=str(tmp_path / "missing"),
+        )
+
+
 def test_a_user_cap_below_the_budget_keeps_the_pool(profiled):
     runner = profiled(max_total_tokens=4096, max_running_requests=8, context_length=256)
     kv, reservation = reserve_canary_memory(

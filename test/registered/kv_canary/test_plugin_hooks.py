@@ -397,5 +397,72 @@ def test_graph_replay_hook_uploads_the_tokens_before_the_replay():
     assert seen == [req.prompt]
 
 
+# run in a fresh process with the libcuda stub (importing sglang's speculative workers loads
+# sgl_kernel's common_ops): each STANDALONE worker class's method the plugin hooks on its EAGLE
+# base class, before and after sglang's HookRegistry applies the plugin's hooks
+_INHERITED_HOOKS_SCRIPT = """
+import json
+from sglang.srt.kv_canary import plugin
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.speculative import eagle_worker, eagle_worker_v2
+from sglang.srt.speculative import standalone_worker, standalone_worker_v2
+
+pairs = [
+    (standalone_worker.StandaloneWorker, eagle_worker.EAGLEWorker),
+    (standalone_worker_v2.StandaloneDraftWorker, eagle_worker_v2.EagleDraftWorker),
+]
+methods = ("draft_forward", "init_cuda_graphs")
+before = {(b.__name__, m): getattr(b, m) for _, b in pairs for m in methods}
+plugin.register()
+HookRegistry.apply_hooks()
+print("RESULT " + json.dumps([
+    dict(
+        sub=sub.__name__,
+        base=base.__name__,
+        method=m,
+        hooked=getattr(base, m) is not before[(base.__name__, m)],
+        inherited=getattr(sub, m) is getattr(base, m),
+        overridden=m in vars(sub),
+    )
+    for sub, base in pairs
+    for m in methods
+] + [dict(
+    v2_worker_is_eagle_v2=issubclass(
+        standalone_worker_v2.StandaloneWorkerV2, eagle_worker_v2.EAGLEWorkerV2
+    ),
+)]))
+"""
+
+
+def test_standalone_workers_inherit_the_hooked_eagle_methods(tmp_path):
+    """STANDALONE runs EAGLE's forwards: the plugin hooks ``draft_forward`` and
+    ``init_cuda_graphs`` on ``EAGLEWorker`` (spec v1) and ``EagleDraftWorker`` (spec v2), and
+    ``StandaloneWorker`` / ``StandaloneDraftWorker`` must reach those hooked methods (inherit,
+    not override them): an override would run the draft forwards as unbracketed single
+    forwards. A failure here means sglang's STANDALONE workers changed: hook their own
+    methods in the seam."""
+    import json
+    import subprocess
+
+    from sglang.srt.kv_canary.testing.server_harness import build_libcuda_stub, cpu_server_env
+
+    env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _INHERITED_HOOKS_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")] or [None]
+    assert proc.returncode == 0 and line, out[-3000:]
+    *rows, v2 = json.loads(line[len("RESULT ") :])
+    assert v2 == {"v2_worker_is_eagle_v2": True}
+    assert len(rows) == 4
+    for row in rows:
+        assert row["hooked"] and row["inherited"] and not row["overridden"], row
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

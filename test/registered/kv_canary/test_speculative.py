@@ -15,8 +15,9 @@ import sys
 import pytest
 import torch
 
-from eagle_driver import EagleDriver
-from serving_driver import stand_in_model_runner
+from e2e_checks import violations_by_pool
+from eagle_driver import STANDALONE_DRAFT, EagleDriver
+from serving_driver import VOCAB, stand_in_model_runner
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary import plugin
 from sglang.srt.kv_canary import sglang_seam as seam
@@ -132,6 +133,115 @@ def test_a_req_to_token_fault_is_caught_in_the_draft_round():
     assert info["new_slot"] in {v.slot_idx for v in lines}
     assert {r for v in lines for r in v.fail_reasons} & {"verify_chain_hash", "verify_position"}
     assert d.draft.violations.total >= 1
+
+
+# ---- STANDALONE: a separate draft LM of its own shape, single-token radix keys --------------
+
+STANDALONE_CANARY = dict(real_data_layers="all")
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["spec_v1", "spec_v2"])
+def test_a_standalone_draft_of_another_shape_runs_clean(v2, caplog):
+    """STANDALONE runs EAGLE's forwards with a draft LM of its own shape (3 layers, 1 KV head
+    of 16, float16, against the target's 2 layers, 2 KV heads of 8, bfloat16): raise mode,
+    every byte fingerprinted, per-layer columns, token checks: clean, the draft pool at
+    offset 1 with a column per layer half; a byte flipped in the draft's last layer is caught
+    at that layer."""
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+        d = EagleDriver(
+            steps=3,
+            v2=v2,
+            seed=2,
+            real_data="all",
+            verify_tokens=True,
+            draft_pool=STANDALONE_DRAFT,
+            canary_settings=STANDALONE_CANARY,
+        )
+        d.run(45)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert d.target.count_violations() == 0 and d.draft.count_violations() == 0
+    assert d.rounds >= 10 and d.accepted >= 10 and d.rejected >= 10 and d.chunked >= 3
+    assert (d.draft_pool.layer_num, d.draft_pool.head_num, d.draft_pool.head_dim) == (3, 1, 16)
+    assert d.draft_pool.k_buffer[0].dtype == torch.float16
+    assert [g.kv_token_id_vs_position_offset for g in d.draft.groups] == [1]
+    assert [g.kv_token_id_vs_position_offset for g in d.target.groups] == [0]
+    while not any(r.prefilled and r.kv_len >= 4 for r in d.running):
+        d.run(1)
+    info = d.flip_byte(d.draft_pool, layer=2)
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        for _ in range(10):
+            d.step()
+    lines = _lines(exc)
+    assert {(v.slot_idx, v.fail_reasons) for v in lines} == {
+        (info["slot"], ("verify_real_kv_hash",))
+    }
+    assert {v.kv_layer for v in lines} == {2}
+    assert d.target.violations.total == 0
+
+
+def _pool_reports(messages) -> set:
+    """``(pool, fail reason, position)`` of every violation in the canaries' log messages, as
+    the GPU tests read a server's output (``e2e_checks.violations_by_pool``)."""
+    return {
+        (pool, reason, v.position)
+        for pool, v in violations_by_pool("\n".join(messages))
+        for reason in v.fail_reasons
+    }
+
+
+SHARED = 12  # prompt tokens two requests share before they differ
+
+
+def _divergent_pair(d: EagleDriver, *, together: bool):
+    """Two 20-token prompts equal on ``[0, SHARED)`` and different at ``SHARED``: served in
+    one prefill batch (``together``: the second one's prompt is swapped to the first one's
+    slots by the tree insert after the prefill), or the second after the first finished (a
+    prefix hit at admission)."""
+    first = [(7 * i + 3) % VOCAB for i in range(20)]
+    second = first[:SHARED] + [(first[SHARED] + 1) % VOCAB] + [(11 * i) % VOCAB for i in range(7)]
+    a = d.add_request(0, 6, prompt=first)
+    if not together:
+        while a not in d.finished:
+            d.step()
+    b = d.add_request(0, 6, prompt=second)
+    while a not in d.finished or b not in d.finished:
+        d.step()
+    assert b.shared_prefix >= SHARED - 1
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["spec_v1", "spec_v2"])
+@pytest.mark.parametrize("together", [True, False], ids=["one_batch", "prefix_hit"])
+@pytest.mark.parametrize("verify_tokens", [True, False], ids=["tokens", "no_tokens"])
+def test_single_token_radix_keys_report_every_divergent_shared_prefix(
+    v2, together, verify_tokens, caplog
+):
+    """sglang 0.5.12 keys STANDALONE's radix cache by single tokens (``is_eagle`` False):
+    a request sharing m prompt tokens with another and differing at m gets the other's draft
+    slot of position m - 1, whose KV was computed from the other's token m. The draft canary
+    reports it, nothing in the target pool: ``verify_token`` at m - 1 with token checks, and
+    when the tree insert after a shared prefill batch swaps the request's own slots for the
+    other's, ``verify_chain_hash`` at m (its own record at m chained from its own m - 1). With
+    EAGLE's pair keys (``is_eagle`` True) the match stops at m - 1: clean."""
+    expected = set()
+    if verify_tokens:
+        expected.add(("draft", "verify_token", SHARED - 1))
+    if together:
+        expected.add(("draft", "verify_chain_hash", SHARED))
+    for is_eagle, want in ((False, expected), (True, set())):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+            d = EagleDriver(
+                steps=3,
+                v2=v2,
+                seed=5,
+                mode="log",
+                verify_tokens=verify_tokens,
+                draft_pool=STANDALONE_DRAFT,
+                radix_is_eagle=is_eagle,
+            )
+            _divergent_pair(d, together=together)
+        assert _pool_reports(r.getMessage() for r in caplog.records) == want, is_eagle
+        assert d.target.count_violations() == 0
 
 
 # ---- every speculative forward mode verifies and writes its own slots ----------------------
@@ -434,6 +544,17 @@ def test_scheduler_draft_runner_is_found_for_both_spec_versions():
     s.draft_worker = V2()
     assert seam.scheduler_draft_model_runner(s) is runner
 
+    class StandaloneDraftWorker(_DraftWorkerV2):  # spec v2: also holds its TpModelWorker
+        def __init__(self, runner):
+            super().__init__(runner)
+            self.draft_worker = _DraftWorkerV1(object())
+
+    class StandaloneV2:  # StandaloneWorkerV2.draft_worker is the StandaloneDraftWorker
+        draft_worker = StandaloneDraftWorker(runner)
+
+    s.draft_worker = StandaloneV2()
+    assert seam.scheduler_draft_model_runner(s) is runner
+
 
 def test_perturbation_can_target_the_draft_worker_only():
     from sglang.srt.kv_canary.perturb.config import PerturbConfig
@@ -525,9 +646,12 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(speculative_eagle_topk=2), "--speculative-eagle-topk 1 only"),
+        (dict(speculative_eagle_topk=2), "EAGLE with --speculative-eagle-topk 1 only"),
+        (
+            dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=2),
+            "STANDALONE with --speculative-eagle-topk 1 only",
+        ),
         (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm NGRAM yet"),
-        (dict(speculative_algorithm="STANDALONE"), "--speculative-algorithm STANDALONE yet"),
         (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
     ],
 )
@@ -539,6 +663,72 @@ def test_what_speculative_coverage_refuses_names_the_flag(monkeypatch, kw, match
     with pytest.raises(ValueError, match=match):
         api.check_server_args_for_canary(_spec_server_args(**kw))
     api.check_server_args_for_canary(_spec_server_args())  # the covered setting starts
+
+
+def _clean_canary_env(monkeypatch):
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("radix", [True, False], ids=["radix_on", "radix_off"])
+def test_standalone_topk_1_is_covered_and_named(monkeypatch, caplog, radix):
+    """STANDALONE (a separate draft LM, EAGLE's forwards): topk 1 starts, both runners get
+    their canary (the draft's with offset 1 and one manager per draft forward), the start-up
+    line and the draft pool's reports name STANDALONE, and with the radix cache on one warning
+    explains its single-token keys' reports and names the flags to pass."""
+    from sglang.srt.kv_canary import api
+
+    _clean_canary_env(monkeypatch)
+    args = _spec_server_args(speculative_algorithm="STANDALONE", disable_radix_cache=not radix)
+    api.check_server_args_for_canary(args)
+    pools = [_tiny_pool(63) for _ in range(2)]
+    with caplog.at_level(logging.INFO, logger="sglang.srt.kv_canary"):
+        target = api.install_canary(server_args=args, model_runner=_runner(pools[0], draft=False))
+        draft = api.install_canary(server_args=args, model_runner=_runner(pools[1], draft=True))
+    assert [g.kv_token_id_vs_position_offset for g in draft.groups] == [1]
+    assert [g.kv_token_id_vs_position_offset for g in target.groups] == [0]
+    assert (len(draft.sfms), draft.draft_forwards_per_round) == (3, 3)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("kv_canary installed on the STANDALONE draft worker" in m for m in messages)
+    assert not any("EAGLE draft worker" in m for m in messages), messages
+    warnings = [m for m in messages if "radix cache" in m]
+    if radix:
+        (warning,) = warnings
+        for text in (
+            "STANDALONE",
+            "single tokens",
+            "verify_token at m - 1",
+            "verify_chain_hash at m",
+            "--disable-radix-cache",
+            "--kv-canary log",
+        ):
+            assert text in warning, warning
+    else:
+        assert warnings == []
+    assert draft.ranks.describe().endswith("STANDALONE draft worker")
+    assert "the STANDALONE draft model's KV pool" in draft.reporter.violations.reporter.pool
+
+
+def test_a_standalone_draft_on_a_hybrid_linear_or_dsv4_pool_is_refused(monkeypatch):
+    """sglang gives the draft runner of a hybrid-linear model a one-layer
+    ``HybridLinearKVPool`` (meant for MTP heads); neither it nor a DeepSeek-V4 pool is guarded
+    as a separate draft model's: refused at install, naming the flag. EAGLE's draft runner on
+    the same pool classes is not refused here."""
+    from sglang.srt.kv_canary import api
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    _clean_canary_env(monkeypatch)
+    args = _spec_server_args(
+        speculative_algorithm="STANDALONE", speculative_draft_model_path="/models/draft"
+    )
+    for cls in (HybridLinearKVPool, DeepSeekV4TokenToKVPool):
+        pool = cls.__new__(cls)  # the class is what is refused; nothing else is read
+        with pytest.raises(ValueError, match=f"builds a {cls.__name__}") as exc:
+            api.install_canary(server_args=args, model_runner=_runner(pool, draft=True))
+        assert "--speculative-draft-model-path '/models/draft'" in str(exc.value)
+        assert seam.hybrid_linear_or_dsv4_pool(pool) == cls.__name__
+    assert seam.hybrid_linear_or_dsv4_pool(_tiny_pool(15)) is None
 
 
 def test_adaptive_steps_size_the_draft_canary_for_the_largest_candidate(monkeypatch, tmp_path):
@@ -714,7 +904,8 @@ def test_draft_fault_target_needs_speculative_decoding(monkeypatch):
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft")
     api.check_server_args_for_canary(_spec_server_args())
-    with pytest.raises(ValueError, match="TARGET_WORKER=draft corrupts an EAGLE draft"):
+    api.check_server_args_for_canary(_spec_server_args(speculative_algorithm="STANDALONE"))
+    with pytest.raises(ValueError, match="TARGET_WORKER=draft corrupts a speculative draft"):
         api.check_server_args_for_canary(_spec_server_args(speculative_algorithm=None))
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "drafts")
     with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_TARGET_WORKER"):

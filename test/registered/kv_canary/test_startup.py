@@ -402,10 +402,10 @@ def test_draft_fault_target_from_every_route(monkeypatch, capsys, model_dir):
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft")
     cli(model_dir, "--kv-canary", "log", *_eagle(model_dir, 1))
     kwargs(model_dir, kv_canary="log", **_eagle_kwargs(model_dir, 1))
-    assert "TARGET_WORKER=draft corrupts an EAGLE draft" in cli_error(
+    assert "TARGET_WORKER=draft corrupts a speculative draft" in cli_error(
         capsys, model_dir, "--kv-canary", "log"
     )
-    with pytest.raises(ValueError, match="TARGET_WORKER=draft corrupts an EAGLE draft"):
+    with pytest.raises(ValueError, match="TARGET_WORKER=draft corrupts a speculative draft"):
         kwargs(model_dir, kv_canary="log")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "both")
     assert "SGLANG_KV_CANARY_PERTURB_TARGET_WORKER" in cli_error(

@@ -85,31 +85,38 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
 
 
 # speculative algorithms whose draft and verify forwards the canary plans (NEXTN is resolved
-# to EAGLE by sglang)
-COVERED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
+# to EAGLE by sglang; STANDALONE runs EAGLE's forwards with a separate small LM as the draft)
+COVERED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
+_COVERED_FLAGS = "EAGLE, EAGLE3, NEXTN or STANDALONE"
+
+
+def draft_worker_name(algorithm: Optional[str]) -> str:
+    """The draft worker's name in messages and reports: STANDALONE, else EAGLE (sglang's EAGLE
+    workers run EAGLE, EAGLE3 and NEXTN)."""
+    return "STANDALONE" if algorithm == "STANDALONE" else "EAGLE"
 
 
 def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
-    """Speculative decoding: EAGLE / EAGLE3 / NEXTN with a draft chain (``topk`` 1) are
-    guarded, target and draft pools (docs/user_guide.md, "Speculative decoding"); the rest
-    is refused with the flag to change."""
+    """Speculative decoding: EAGLE / EAGLE3 / NEXTN / STANDALONE with a draft chain (``topk``
+    1) are guarded, target and draft pools (docs/user_guide.md, "Speculative decoding"); the
+    rest is refused with the flag to change."""
     spec = sglang_seam.speculative_facts(server_args)
     if spec.algorithm is None:
         if config.perturb.target_worker == WORKER_DRAFT:
             raise ValueError(
-                f"{TARGET_WORKER_VAR}=draft corrupts an EAGLE draft model's KV: "
-                "pass --speculative-algorithm EAGLE, EAGLE3 or NEXTN (or unset "
-                "the variable)"
+                f"{TARGET_WORKER_VAR}=draft corrupts a speculative draft model's KV: "
+                f"pass --speculative-algorithm {_COVERED_FLAGS} (or unset the variable)"
             )
         return
     if spec.algorithm not in COVERED_SPECULATIVE_ALGORITHMS:
         raise ValueError(
             f"--kv-canary does not cover --speculative-algorithm {spec.algorithm} yet (covered: "
-            "EAGLE, EAGLE3, NEXTN); run it without --kv-canary"
+            f"{_COVERED_FLAGS.replace(' or', ',')}); run it without --kv-canary"
         )
     if spec.topk > 1:
         raise ValueError(
-            f"--kv-canary covers EAGLE with --speculative-eagle-topk 1 only (got {spec.topk}): "
+            f"--kv-canary covers {draft_worker_name(spec.algorithm)} with "
+            f"--speculative-eagle-topk 1 only (got {spec.topk}): "
             "a draft tree's tokens share positions and are accepted along one branch, which "
             "the canary's per-request chain cannot follow yet; use --speculative-eagle-topk 1"
         )
@@ -122,8 +129,41 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
         raise ValueError(
             "the token oracle (--sampling-backend token_oracle, SGLANG_KV_CANARY_ENABLE_TOKEN_"
             "ORACLE, SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT) does not work with speculative "
-            "decoding: EAGLE accepts the target's verified tokens, not the sampler's; drop it "
-            "or --speculative-algorithm"
+            f"decoding: {draft_worker_name(spec.algorithm)} accepts the target's verified "
+            "tokens, not the sampler's; drop it or --speculative-algorithm"
+        )
+
+
+def _warn_standalone_radix_keys() -> None:
+    """STANDALONE with the radix cache on: sglang 0.5.12 keys that cache by single tokens
+    (EAGLE's keys are token pairs), so a prefix hit of m tokens reuses the draft slot of
+    position m - 1, computed from the other request's token m (docs/user_guide.md,
+    "Speculative decoding"). Logged once, by the draft runner's install."""
+    logger.warning(
+        "kv_canary: --speculative-algorithm STANDALONE with the radix cache on: sglang 0.5.12 "
+        "keys STANDALONE's radix cache by single tokens (EAGLE's by token pairs), so a request "
+        "that shares a cached prefix of m tokens with another and differs at token m reuses "
+        "the draft KV of position m - 1 computed from the other request's token m. The draft "
+        "pool's canary reports every such divergence (verify_token at m - 1 with token checks, "
+        "verify_chain_hash at m), and --kv-canary raise stops the server at the first one. "
+        "It costs draft acceptance, not output correctness: pass --disable-radix-cache, or "
+        "--kv-canary log to keep serving and log the reports"
+    )
+
+
+def _check_standalone_draft_pool(server_args: "ServerArgs", kv_pool) -> None:
+    """A STANDALONE draft runner's pool must be one the canary guards as a draft model's:
+    sglang gives the draft runner of a hybrid-linear model a one-layer ``HybridLinearKVPool``
+    (meant for MTP heads), and a DeepSeek-V4 draft pool is not planned for separate drafts;
+    both are refused naming the flag."""
+    refused = sglang_seam.hybrid_linear_or_dsv4_pool(kv_pool)
+    if refused is not None:
+        path = sglang_seam.server_args_value(server_args, "speculative_draft_model_path", None)
+        raise ValueError(
+            f"--kv-canary does not cover a STANDALONE draft model whose runner builds a "
+            f"{refused} (--speculative-draft-model-path {path!r}): use a draft model with "
+            "plain attention layers (an MHA, MLA or sliding-window pool), or run without "
+            "--kv-canary"
         )
 
 
@@ -334,6 +374,8 @@ def install_canary(
     runner = sglang_seam.RunnerFacts(model_runner)
     draft = sglang_seam.is_draft_worker(model_runner)
     spec = sglang_seam.speculative_facts(server_args)
+    if draft and spec.algorithm == "STANDALONE":
+        _check_standalone_draft_pool(server_args, runner.kv_pool)
     manager = build_canary(
         pool=runner.kv_pool,
         req_to_token=runner.req_to_token,
@@ -354,6 +396,7 @@ def install_canary(
             dp_rank=runner.dp_rank,
             dp_size=int(sglang_seam.server_args_value(server_args, "dp_size", 1) or 1),
             draft=draft,
+            draft_worker=draft_worker_name(spec.algorithm),
             # the draft model reads (hidden state of p, token p + 1) at position p; one
             # single-forward manager per forward of a draft round (steps - 1 of them, for the
             # largest step count --speculative-adaptive may switch to)
@@ -373,12 +416,16 @@ def install_canary(
     )
     if not draft:
         sglang_seam.share_memory_reservation(model_runner)
+    elif spec.algorithm == "STANDALONE" and not sglang_seam.server_args_value(
+        server_args, "disable_radix_cache", False
+    ):
+        _warn_standalone_radix_keys()
     memory = _check_reserved(
         manager, sglang_seam.runner_memory_reservation(model_runner), draft=draft
     )
     logger.info(
         "kv_canary installed%s: %s pool=%s groups=%d capacities=%s %s",
-        " on the EAGLE draft worker" if draft else "",
+        f" on the {draft_worker_name(spec.algorithm)} draft worker" if draft else "",
         config.describe(),
         type(runner.kv_pool).__name__,
         len(manager.groups),

@@ -3,7 +3,7 @@
 sglang's ``ModelRunner._profile_available_bytes`` returns the bytes the KV pool may fill under
 ``--mem-fraction-static``; the plugin's hook hands them to :func:`reserve_canary_memory`,
 which returns the largest KV budget whose pool, plus the canary that pool will carry (the
-target runner's and, with EAGLE, the draft runner's), fits in them. The server then keeps the
+target runner's and, with speculative decoding, the draft runner's), fits in them. The server then keeps the
 GPU memory ``--mem-fraction-static`` gives it; its pool holds fewer tokens instead. Start-up
 only; not graph-related.
 
@@ -39,7 +39,7 @@ _DRAFT_LAYERS = 1
 class CanaryMemoryReservation:
     """What :func:`reserve_canary_memory` took: ``profiled_bytes`` (sglang's budget for the
     pool), ``kv_bytes`` (what it left the pool), the pool it sized (``tokens``) and the canary
-    memory predicted for it (``target``; ``draft`` with EAGLE, else None)."""
+    memory predicted for it (``target``; ``draft`` with speculative decoding, else None)."""
 
     profiled_bytes: int
     kv_bytes: int
@@ -61,6 +61,36 @@ class CanaryMemoryReservation:
             "reserved_bytes": self.reserved_bytes,
             "max_total_num_tokens": self.tokens.max_total,
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftPool:
+    """The draft runner's KV pool as the target's profile predicts it (it has the target's
+    token counts and page size): its ``family`` and attention ``layers`` (``swa_layers``: an
+    SWA pool's sliding-window ones)."""
+
+    family: PoolFamily
+    layers: int
+    swa_layers: int = 0
+
+    @classmethod
+    def for_server(
+        cls, sizing: KvPoolSizing, server_args: "ServerArgs", algorithm: Optional[str]
+    ) -> Optional["DraftPool"]:
+        """None without speculative decoding. EAGLE / EAGLE3 / NEXTN: a one-layer head, MLA
+        and DeepSeek-V4 in their target's family, MHA otherwise. STANDALONE: the separate
+        draft model's own pool (:func:`~sglang.srt.kv_canary.sglang_seam.draft_model_shape`;
+        ``ValueError`` naming ``--speculative-draft-model-path`` when its config cannot be
+        read)."""
+        if algorithm is None:
+            return None
+        if algorithm == "STANDALONE":
+            shape = sglang_seam.draft_model_shape(server_args)
+            return cls(shape.family, shape.layers, shape.swa_layers)
+        family = (
+            sizing.family if sizing.family in (PoolFamily.MLA, PoolFamily.DSV4) else PoolFamily.MHA
+        )
+        return cls(family, _DRAFT_LAYERS)
 
 
 def predicted_groups(
@@ -137,10 +167,11 @@ def predicted_memory(
     capacity_inputs: CanaryCapacityInputs,
     draft: Optional[RankFacts],
     device,
+    draft_pool: Optional[DraftPool] = None,
 ) -> Tuple[CanaryMemory, Optional[CanaryMemory]]:
     """The target runner's canary memory for a pool of ``tokens`` and, when ``draft`` (the
-    EAGLE draft runner's facts) is given, the draft runner's (its pool has the target's token
-    counts; MLA and DeepSeek-V4 drafts keep their family, the rest are MHA heads)."""
+    draft runner's facts) is given, the draft runner's, on ``draft_pool`` (its pool has the
+    target's token counts; default: an EAGLE head, :meth:`DraftPool.for_server`)."""
     rows_cols = sizing.req_to_token_shape(tokens)
     target = _runner_memory(
         groups=predicted_groups(
@@ -159,14 +190,16 @@ def predicted_memory(
     )
     if draft is None:
         return target, None
-    family = sizing.family if sizing.family in (PoolFamily.MLA, PoolFamily.DSV4) else PoolFamily.MHA
+    if draft_pool is None:
+        draft_pool = DraftPool.for_server(sizing, None, "EAGLE")
     draft_memory = _runner_memory(
         groups=predicted_groups(
-            family=family,
+            family=draft_pool.family,
             tokens=tokens,
             page_size=sizing.page_size,
             config=config,
-            layers=_DRAFT_LAYERS,
+            layers=draft_pool.layers,
+            swa_layers=draft_pool.swa_layers,
         ),
         config=config,
         rows_cols=rows_cols,
@@ -191,10 +224,11 @@ def reserve_canary_memory(
     ``--mem-fraction-static`` when a pool fits but not with its canary."""
     sizing = KvPoolSizing(model_runner)
     spec = sglang_seam.speculative_facts(server_args)
-    # the EAGLE draft runner as install_canary will describe it (its single-forward managers)
+    # the draft runner as install_canary will describe it (its single-forward managers)
     draft = (
         RankFacts(draft=True, draft_steps=spec.max_steps) if spec.algorithm is not None else None
     )
+    draft_pool = DraftPool.for_server(sizing, server_args, spec.algorithm)
     device = sizing.device
 
     def canary(kv_bytes: int):
@@ -208,6 +242,7 @@ def reserve_canary_memory(
             capacity_inputs=capacity_inputs,
             draft=draft,
             device=device,
+            draft_pool=draft_pool,
         )
         return tokens, memories
 

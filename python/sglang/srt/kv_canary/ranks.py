@@ -1,5 +1,5 @@
-"""Which worker a model runner is: its rank in each parallel dimension, whether it is an EAGLE
-draft model's runner (and what that makes of its canary: the draft pool's position offset, one
+"""Which worker a model runner is: its rank in each parallel dimension, whether it is a
+speculative draft model's runner (and what that makes of its canary: the draft pool's position offset, one
 single-forward manager per forward of a draft round) and which server of a PD pair it serves.
 Built once per runner by the api from sglang's ``ModelRunner``; read by the builder, the runner
 (reports name the rank on a server of several) and the self-test's rank targets (docs/user_guide.md, "Self-tests: fault injection, the token oracle,
@@ -23,9 +23,11 @@ class RankFacts:
     pp_size: int = 1
     dp_rank: int = 0
     dp_size: int = 1
-    draft: bool = False  # an EAGLE draft model's runner (shares the target's ranks)
+    draft: bool = False  # a speculative draft model's runner (shares the target's ranks)
     # a draft runner: sglang's --speculative-num-steps (a draft round runs steps - 1 forwards)
     draft_steps: int = 0
+    # a draft runner's name in reports: EAGLE (EAGLE, EAGLE3, NEXTN) or STANDALONE
+    draft_worker: str = "EAGLE"
     # sglang's --disaggregation-mode: "null" (no PD), or which server of a PD pair
     disaggregation_mode: str = "null"
 
@@ -55,7 +57,7 @@ class RankFacts:
 
     @property
     def kv_token_id_vs_position_offset(self) -> int:
-        """1 for an EAGLE draft pool (its position p holds the KV computed from token p + 1),
+        """1 for a draft pool (EAGLE's and STANDALONE's: its position p holds the KV computed from token p + 1),
         else 0."""
         return 1 if self.draft else 0
 
@@ -71,7 +73,7 @@ class RankFacts:
         return getattr(self, f"{dim}_size")
 
     def describe(self) -> str:
-        return self.describe_rank() + (", EAGLE draft worker" if self.draft else "")
+        return self.describe_rank() + (f", {self.draft_worker} draft worker" if self.draft else "")
 
     @property
     def several(self) -> bool:

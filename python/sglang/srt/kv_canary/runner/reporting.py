@@ -33,10 +33,14 @@ from sglang.srt.kv_canary.single_forward_manager import SfmStatus
 
 logger = logging.getLogger(__name__)
 
-# the reports of an EAGLE draft runner's canary name its pool
-DRAFT_POOL_LABEL = (
-    "the EAGLE draft model's KV pool (its position p holds the KV computed from token p + 1)"
-)
+
+def draft_pool_label(draft_worker: str) -> str:
+    """How the reports of a draft runner's canary name its pool (``draft_worker``: EAGLE or
+    STANDALONE)."""
+    return (
+        f"the {draft_worker} draft model's KV pool (its position p holds the KV computed from "
+        "token p + 1)"
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -92,7 +96,7 @@ class ForwardReporter:
         self.violations = ViolationManager(
             reporter=ViolationReporter(
                 config.mode,
-                pool=DRAFT_POOL_LABEL if ranks.draft else "",
+                pool=draft_pool_label(ranks.draft_worker) if ranks.draft else "",
                 rank=ranks.describe_rank() if ranks.several else "",
                 server=ranks.server_role,
             ),

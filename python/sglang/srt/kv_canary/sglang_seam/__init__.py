@@ -84,6 +84,8 @@ from sglang.srt.kv_canary.sglang_seam.pool_sizing import (
     PoolFamily,
     PoolTokens,
     KvPoolSizing,
+    DraftModelShape,
+    draft_model_shape,
 )
 from sglang.srt.kv_canary.sglang_seam.scheduler import (
     scheduler_model_runner,
@@ -153,6 +155,7 @@ from sglang.srt.kv_canary.sglang_seam.sampler import (
 from sglang.srt.kv_canary.sglang_seam.pools import (
     kv_pool_page_size,
     import_sglang_class,
+    hybrid_linear_or_dsv4_pool,
     wrap_method_once,
     set_pool_canary,
     pool_canary,
@@ -226,6 +229,8 @@ __all__ = [
     "PoolFamily",
     "PoolTokens",
     "KvPoolSizing",
+    "DraftModelShape",
+    "draft_model_shape",
     "scheduler_model_runner",
     "scheduler_draft_model_runner",
     "scheduler_server_args",
@@ -283,6 +288,7 @@ __all__ = [
     "register_sampler_backend",
     "kv_pool_page_size",
     "import_sglang_class",
+    "hybrid_linear_or_dsv4_pool",
     "wrap_method_once",
     "set_pool_canary",
     "pool_canary",

@@ -3,6 +3,7 @@
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
 | KV pool sizing (``ModelRunner._profile_available_bytes``, before the pool exists) | hook target; :class:`KvPoolSizing` calls ``create_memory_pool_configurator`` (``calculate_pool_sizes`` / ``_from_max_tokens``, ``MemoryPoolConfig``'s token counts) and ``ModelRunner._resolve_max_num_reqs``; reads ``server_args.page_size`` / ``max_total_tokens`` / ``speculative_num_draft_tokens`` / ``disaggregation_mode``, ``model_config`` (context length, layer ids, ``hf_config``), ``use_mla_backend``, ``is_hybrid_swa``, ``mambaish_config``, ``num_effective_layers``, ``start_layer`` / ``end_layer``, ``device``; sets ``kv_canary_memory_reservation`` on the target ``ModelRunner`` and its ``memory_pool_config`` (the draft runner's, shared) | ``memory_budget``, ``api``, ``plugin`` |
+| ``ModelConfig.from_server_args(server_args, model_path=..., is_draft_model=True)`` (what ``TpModelWorker._init_model_config`` builds for a draft worker); reads ``server_args.speculative_draft_model_path`` / ``speculative_draft_model_revision`` / ``model_path``, the config's ``hf_config``, ``attention_arch``, ``is_hybrid_swa``, ``full_attention_layer_ids`` / ``swa_attention_layer_ids``, ``num_nextn_predict_layers``, ``num_hidden_layers`` / ``num_attention_layers``, ``hf_config.loop_num`` | :func:`draft_model_shape`: a STANDALONE draft pool's family and layers, before the draft worker exists | ``memory_budget`` |
 """
 
 from __future__ import annotations
@@ -33,6 +34,60 @@ class PoolTokens:
 
     max_total: int
     swa_total: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelShape:
+    """What a separate draft model's KV pool will look like: its ``family`` and attention
+    layers (``layers``: the full ones, ``swa_layers``: the sliding-window ones of an SWA
+    pool, else 0)."""
+
+    family: PoolFamily
+    layers: int
+    swa_layers: int = 0
+
+
+def draft_model_shape(server_args) -> DraftModelShape:
+    """The KV pool shape sglang's draft ``ModelRunner`` will build for a separate draft
+    model (STANDALONE): from the draft's own config, as ``TpModelWorker`` reads it
+    (``--speculative-draft-model-path``, else the target's ``model_path``), with the layer
+    count ``ModelRunner`` derives (no pipeline parallelism). Raises ``ValueError`` naming
+    ``--speculative-draft-model-path`` when that config cannot be read."""
+    from sglang.srt.configs.model_config import AttentionArch, ModelConfig, is_deepseek_v4
+
+    path = getattr(server_args, "speculative_draft_model_path", None) or server_args.model_path
+    try:
+        config = ModelConfig.from_server_args(
+            server_args,
+            model_path=path,
+            model_revision=getattr(server_args, "speculative_draft_model_revision", None),
+            is_draft_model=True,
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, AssertionError) as exc:
+        raise ValueError(
+            f"--speculative-draft-model-path {path!r}: sglang cannot read the draft model's "
+            f"config ({type(exc).__name__}: {exc}); the canary sizes the draft pool's share "
+            "of the KV budget from it"
+        ) from exc
+    hf = config.hf_config
+    nextn = getattr(config, "num_nextn_predict_layers", None)
+    layers = (
+        int(nextn)
+        if nextn is not None
+        else max(int(config.num_hidden_layers), int(config.num_attention_layers))
+    )
+    layers *= int(getattr(hf, "loop_num", 1) or 1)
+    if getattr(config, "is_hybrid_swa", False):
+        if is_deepseek_v4(hf):
+            return DraftModelShape(PoolFamily.DSV4, layers)
+        return DraftModelShape(
+            PoolFamily.SWA,
+            len(config.full_attention_layer_ids),
+            len(config.swa_attention_layer_ids),
+        )
+    if config.attention_arch == AttentionArch.MLA:
+        return DraftModelShape(PoolFamily.MLA, layers)
+    return DraftModelShape(PoolFamily.MHA, layers)
 
 
 class KvPoolSizing:

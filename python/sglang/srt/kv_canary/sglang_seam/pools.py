@@ -3,13 +3,14 @@
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
 | KV pool instances | wraps buf-info methods on the instance (:func:`wrap_method_once`); pool classes (:func:`import_sglang_class`); each adapter reads its pool's buffers (listed in the adapter's docstring); reads ``page_size`` (the kept ``req_to_token`` self-test's unit) | ``pool_patcher``, ``runner.manager`` |
+| ``memory_pool.HybridLinearKVPool``, ``deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool`` | ``isinstance`` (:func:`hybrid_linear_or_dsv4_pool`): the pools a separate draft model's runner is refused on | ``api`` |
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:  # annotations only
     from sglang.srt.mem_cache.memory_pool import KVCache
@@ -29,6 +30,22 @@ def import_sglang_class(module: str, name: str) -> type:
     if cls is None:
         raise ImportError(f"{module} has no {name}")
     return cls
+
+
+def hybrid_linear_or_dsv4_pool(kv_pool: "KVCache") -> Optional[str]:
+    """The sglang class ``kv_pool`` is an instance of when it is a ``HybridLinearKVPool`` or a
+    ``DeepSeekV4TokenToKVPool``; None for any other pool."""
+    for module, name in (
+        ("sglang.srt.mem_cache.memory_pool", "HybridLinearKVPool"),
+        ("sglang.srt.mem_cache.deepseek_v4_memory_pool", "DeepSeekV4TokenToKVPool"),
+    ):
+        try:
+            cls = import_sglang_class(module, name)
+        except ImportError:
+            continue
+        if isinstance(kv_pool, cls):
+            return name
+    return None
 
 
 def wrap_method_once(obj, method_name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
