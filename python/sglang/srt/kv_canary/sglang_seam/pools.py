@@ -39,11 +39,7 @@ def hybrid_linear_or_dsv4_pool(kv_pool: "KVCache") -> Optional[str]:
         ("sglang.srt.mem_cache.memory_pool", "HybridLinearKVPool"),
         ("sglang.srt.mem_cache.deepseek_v4_memory_pool", "DeepSeekV4TokenToKVPool"),
     ):
-        try:
-            cls = import_sglang_class(module, name)
-        except ImportError:
-            continue
-        if isinstance(kv_pool, cls):
+        if isinstance(kv_pool, import_sglang_class(module, name)):
             return name
     return None
 
