@@ -441,8 +441,15 @@ def test_standalone_clean_matches_canary_off(standalone_models, spec):
 def test_standalone_every_fault_class_is_caught_in_each_pool(standalone_models, spec, worker):
     """Every fault class, injected into the STANDALONE draft pool only and into the target pool
     only, is caught (the settings of EAGLE's fault test above: the radix cache on, whose
-    divergent-prefix reports come on top of the faults' in log mode)."""
-    env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
+    divergent-prefix reports come on top of the faults' in log mode). A post-forward fault is
+    likelier and the budget larger: a draft round's forwards draw none, and this workload's
+    run is short enough that at 0.15 a pool could see none."""
+    env = dict(
+        EVERY_FAULT_ENV,
+        SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker,
+        SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB="0.4",
+        SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="20",
+    )
     rc, out, res = run(
         standalone_models,
         spec,

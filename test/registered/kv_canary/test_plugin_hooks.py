@@ -18,6 +18,13 @@ import sys
 import pytest
 import torch
 
+from plugin_hooks_support import (
+    SchedulerStandIn,
+    TpWorkerStandIn,
+    as_sglang_applies,
+    model_runner_with,
+    registered_hook,
+)
 from serving_driver import ServingDriver
 from sglang.srt.kv_canary import plugin
 from sglang.srt.kv_canary import sglang_seam as seam
@@ -29,7 +36,6 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -37,48 +43,6 @@ from sglang.test.ci.ci_register import register_cpu_ci
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
-
-
-def registered_hook(monkeypatch, target: str):
-    """The ``(hook, kind)`` that :func:`plugin.register` registers for ``target`` (exactly
-    one)."""
-    got = []
-    monkeypatch.setattr(seam, "register_hook", lambda t, hook, kind: got.append((t, hook, kind)))
-    plugin.register()
-    mine = [(hook, kind) for t, hook, kind in got if t == target]
-    assert len(mine) == 1, f"{target}: {len(mine)} hooks registered"
-    return mine[0]
-
-
-def as_sglang_applies(monkeypatch, target: str, original):
-    """``original`` wrapped the way sglang's ``HookRegistry`` applies the plugin's hook."""
-    hook, kind = registered_hook(monkeypatch, target)
-    return _wrap_fn(original, hook, HookType[kind])
-
-
-def model_runner_with(manager) -> ModelRunner:
-    runner = ModelRunner.__new__(ModelRunner)  # sglang's class; its __init__ loads a model
-    if manager is not None:
-        seam.set_runner_canary(runner, manager)
-    return runner
-
-
-class _TpWorker:  # stand-in: sglang's TpModelWorker exposes the runner as ``model_runner``
-    def __init__(self, model_runner):
-        self.model_runner = model_runner
-
-
-class _ServerArgs:  # stand-in: the one ServerArgs field the scheduler hook reads
-    def __init__(self, disaggregation_mode: str):
-        self.disaggregation_mode = disaggregation_mode
-        self.disaggregation_transfer_backend = "mooncake"
-
-
-class _Scheduler:  # stand-in: the three Scheduler attributes the seam reads
-    def __init__(self, model_runner, tree_cache, disaggregation_mode: str = "null"):
-        self.tp_worker = _TpWorker(model_runner)
-        self.tree_cache = tree_cache
-        self.server_args = _ServerArgs(disaggregation_mode)
 
 
 # ---- ModelRunner.__init__ (AFTER): the chain-position check on once start-up is done --------
@@ -136,9 +100,9 @@ def test_scheduler_hook_hands_the_radix_cache_to_the_sweep(monkeypatch):
     init_cache = as_sglang_applies(
         monkeypatch, seam.HOOK_SCHEDULER_INIT_CACHE, lambda self, *args, **kwargs: None
     )
-    init_cache(_Scheduler(model_runner_with(None), cache))  # canary off: nothing to do
+    init_cache(SchedulerStandIn(model_runner_with(None), cache))  # canary off: nothing to do
     assert d.manager.radix_cache is None and d.manager.sweep_passes == 0
-    init_cache(_Scheduler(model_runner_with(d.manager), cache))
+    init_cache(SchedulerStandIn(model_runner_with(d.manager), cache))
     assert d.manager.radix_cache is cache, "the Scheduler hook did not attach the radix cache"
     for _ in range(3):
         d.step()
@@ -164,7 +128,7 @@ def test_scheduler_hook_hands_sglangs_faked_transfer_test_on_a_pd_decode_server(
     init_cache = as_sglang_applies(
         monkeypatch, seam.HOOK_SCHEDULER_INIT_CACHE, lambda self, *args, **kwargs: None
     )
-    init_cache(_Scheduler(model_runner_with(d.manager), None, disaggregation_mode))
+    init_cache(SchedulerStandIn(model_runner_with(d.manager), None, disaggregation_mode))
 
     def req(host):
         return Req(
@@ -209,7 +173,7 @@ def test_stash_hook_lets_a_request_aborted_mid_chunked_prefill_advance(monkeypat
         maybe_cache_unfinished_req(req, self.tree_cache, chunked=True)
 
     hooked = as_sglang_applies(monkeypatch, seam.HOOK_SCHEDULER_STASH_CHUNKED_REQUEST, stash)
-    scheduler = _Scheduler(model_runner_with(None), cache)
+    scheduler = SchedulerStandIn(model_runner_with(None), cache)
 
     def chunked_req(row: int, first: int) -> Req:
         """A request of 48 tokens whose first chunk (16) was prefilled into row ``row``."""
@@ -244,6 +208,37 @@ def test_stash_hook_lets_a_request_aborted_mid_chunked_prefill_advance(monkeypat
     unmarked = chunked_req(3, 400)  # canary off or request untouched: sglang's stash
     hooked(scheduler, unmarked)
     assert len(unmarked.prefix_indices) == 16 and not unmarked.skip_radix_cache_insert
+
+
+# ---- Scheduler.on_idle (BEFORE): the last forward's read-back, reported while idle -----------
+
+
+def test_idle_hook_consumes_the_pending_read_back_of_each_canary(monkeypatch):
+    """Before sglang's idle step runs, each canary of the scheduler (the target's, an EAGLE
+    draft's) consumes the read-back its last forward staged; a scheduler without a canary
+    passes straight through. A read-back stays staged between forwards only on CUDA (here
+    one is staged by hand); test_runtime_cuda's idle test shows the report it carries."""
+    target, draft = (ServingDriver(seed=s, mode="log") for s in (4, 5))
+    ran = []  # sglang's idle step: which scheduler, and which canaries had a read-back staged
+
+    def idle_step(scheduler):
+        ran.append((scheduler, [d.manager.device_host.has_pending for d in (target, draft)]))
+
+    on_idle = as_sglang_applies(monkeypatch, seam.HOOK_SCHEDULER_ON_IDLE, idle_step)
+    plain = SchedulerStandIn(model_runner_with(None), None)
+    on_idle(plain)
+    for d in (target, draft):
+        d.run(5)
+        assert not d.manager.device_host.has_pending  # the CPU consumes at each forward
+        d.manager.device_host.stage()
+    scheduler = SchedulerStandIn(
+        model_runner_with(target.manager),
+        None,
+        draft_worker=TpWorkerStandIn(model_runner_with(draft.manager)),
+    )
+    on_idle(scheduler)
+    # sglang's own idle step still runs, after both read-backs were consumed
+    assert ran == [(plain, [False, False]), (scheduler, [False, False])]
 
 
 # ---- ForwardBatch.init_new (AFTER): the batch's token-id snapshot ----------------------------

@@ -6,13 +6,16 @@ forward stream (every canary op runs under torch's sync debug mode "error")."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import types
 
 import pytest
 import torch
 
+from plugin_hooks_support import SchedulerStandIn, as_sglang_applies, model_runner_with
 from serving_driver import ServingDriver
+from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary.batch_state import CanaryBatchState
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
@@ -89,6 +92,29 @@ def test_graph_replay_detects_fault(fault):
     found = parse_violation_lines(str(exc.value))
     assert {r for v in found for r in v.fail_reasons} & reasons
     assert info.get("slot", info.get("new_slot")) in {v.slot_idx for v in found}
+
+
+def test_the_last_forward_before_the_scheduler_idles_is_reported_at_its_idle_step(
+    monkeypatch, caplog
+):
+    """A fault read by the last forward before a quiet period is reported when sglang's
+    scheduler runs its idle step (the plugin's hook before ``Scheduler.on_idle``), not held
+    back until a next forward that may never come: on CUDA the forward's read-back is still
+    staged after it, and the idle hook consumes it."""
+    d = _driver(seed=11, mode="log", real_data="partial")
+    d.run(60)
+    d.settle()
+    info = d.fault_swap_req_to_token()
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+        d.step()  # a decode of every running request: it reads the rewritten entry
+        assert d.manager.device_host.has_pending and d.manager.violations.total == 0
+        on_idle = as_sglang_applies(monkeypatch, seam.HOOK_SCHEDULER_ON_IDLE, lambda self: None)
+        on_idle(SchedulerStandIn(model_runner_with(d.manager), None))
+    assert not d.manager.device_host.has_pending and d.manager.violations.total > 0
+    found = [v for r in caplog.records for v in parse_violation_lines(r.getMessage())]
+    assert (info["row"], info["position"], info["new_slot"]) in {
+        (v.req_to_token_row, v.read_position, v.slot_idx) for v in found
+    }, found
 
 
 def test_graph_replay_with_token_checks():

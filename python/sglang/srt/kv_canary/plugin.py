@@ -219,11 +219,24 @@ def _after_init_cache(result, self, *args, **kwargs):
         )
 
 
+def _scheduler_canaries(scheduler):
+    """The canaries of a scheduler's runners: the target's, then an EAGLE draft's (each only
+    where installed)."""
+    runners = (seam.scheduler_model_runner(scheduler), seam.scheduler_draft_model_runner(scheduler))
+    managers = (seam.runner_canary(runner) for runner in runners)
+    return [m for m in managers if m is not None]
+
+
 def _after_process_batch_result(result, self, *args, **kwargs):
-    for runner in (seam.scheduler_model_runner(self), seam.scheduler_draft_model_runner(self)):
-        manager = seam.runner_canary(runner)
-        if manager is not None:
-            manager.after_batch_result()
+    for manager in _scheduler_canaries(self):
+        manager.after_batch_result()
+
+
+def _before_on_idle(self, *args, **kwargs):
+    """The scheduler is idle: each of its canaries (the target's, an EAGLE draft's) reports
+    the last forward's read-back now (``CanaryManager.on_scheduler_idle``)."""
+    for manager in _scheduler_canaries(self):
+        manager.on_scheduler_idle()
 
 
 def _stash_chunked_request(original, self, req, *args, **kwargs):
@@ -332,6 +345,7 @@ HOOKS = (
     (seam.HOOK_SCHEDULER_INIT_CACHE, _after_init_cache, "AFTER"),
     (seam.HOOK_SCHEDULER_PROCESS_BATCH_RESULT, _after_process_batch_result, "AFTER"),
     (seam.HOOK_SCHEDULER_GET_INIT_INFO, _after_get_init_info, "AFTER"),
+    (seam.HOOK_SCHEDULER_ON_IDLE, _before_on_idle, "BEFORE"),
     (seam.HOOK_SCHEDULER_STASH_CHUNKED_REQUEST, _stash_chunked_request, "AROUND"),
     (seam.HOOK_RADIX_CACHE_FINISHED_REQ, _cache_finished_req, "AROUND"),
     (seam.HOOK_CHUNK_CACHE_FINISHED_REQ, _cache_finished_req, "AROUND"),

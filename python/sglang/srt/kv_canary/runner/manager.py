@@ -407,8 +407,7 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
         after consuming the read-back still pending (the host waits for it: for tests, tools
         and shutdown, never on the forward path). The ring itself holds only the current
         window, so its write index is no running total."""
-        if self.device_host.has_pending:
-            self.device_host.consume(self._on_host_copies)
+        self.device_host.consume(self._on_host_copies)
         return self.violations.total
 
     def _stage(self, sfms: Sequence[SingleForwardManager], requests: ForwardRequests) -> None:

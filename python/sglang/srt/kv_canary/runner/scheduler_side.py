@@ -24,8 +24,8 @@ from sglang.srt.kv_canary.runner.violation import ViolationManager
 
 class SchedulerSide:
     """``CanaryManager``'s scheduler-facing part (a base class of it: it uses the manager's
-    ``reporter``, ``sweep``, ``groups``, ``config``, ``ranks``, ``host_tier`` and
-    ``_tree_cache``, set in its ``__init__``)."""
+    ``reporter``, ``sweep``, ``groups``, ``config``, ``ranks``, ``host_tier``,
+    ``device_host``, ``_on_host_copies`` and ``_tree_cache``, set in its ``__init__``)."""
 
     @property
     def violations(self) -> ViolationManager:
@@ -125,6 +125,17 @@ class SchedulerSide:
         """After the scheduler processed a batch result (finished requests released their
         KV): abort mode evicts the corrupt prefixes it can now. No-op otherwise."""
         self.reporter.after_batch_result()
+
+    def on_scheduler_idle(self) -> None:
+        """The scheduler's loop ran no batch this iteration (sglang's ``Scheduler.on_idle``):
+        the last forward's read-back, which the next forward would otherwise consume, is
+        reported now, with abort mode's containment and eviction, so a violation read by the
+        last forward before a quiet period is not held back until the next request
+        (docs/architecture.md, "Reading results"). The host waits for that read-back's copy
+        (its forward has run); nothing to do when none is pending. Host only, between
+        forwards."""
+        if self.device_host.consume(self._on_host_copies):
+            self.reporter.after_batch_result()
 
     @property
     def radix_cache(self):

@@ -82,6 +82,9 @@ HOOK_SCHEDULER_PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.p
 
 HOOK_SCHEDULER_PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 HOOK_SCHEDULER_GET_INIT_INFO = "sglang.srt.managers.scheduler.Scheduler.get_init_info"
+# the event loops' idle step (every scheduler loop calls it when it runs no batch): the last
+# forward's read-back is reported there, not held back until the next request
+HOOK_SCHEDULER_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 
 
 # the chunked-prefill stash (``maybe_cache_unfinished_req(..., chunked=True)``) of aggregated
