@@ -7,149 +7,61 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:  # annotations only
-    pass
-
-
-_SA = "sglang.srt.server_args.ServerArgs"
-
+from typing import Callable
 
 _SA = "sglang.srt.server_args.ServerArgs"
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
-
-
-_MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 _CG = "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner"
-
-
-_CG = "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner"
-HOOK_SERVER_ARGS_INIT = f"{_SA}.__init__"
-
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 
 HOOK_SERVER_ARGS_INIT = f"{_SA}.__init__"
 HOOK_SERVER_ARGS_ADD_CLI_ARGS = f"{_SA}.add_cli_args"
-
-
-HOOK_SERVER_ARGS_ADD_CLI_ARGS = f"{_SA}.add_cli_args"
-HOOK_SERVER_ARGS_FROM_CLI_ARGS = f"{_SA}.from_cli_args"
-
-
 HOOK_SERVER_ARGS_FROM_CLI_ARGS = f"{_SA}.from_cli_args"
 HOOK_SERVER_ARGS_REPR = f"{_SA}.__repr__"
 
-
-HOOK_SERVER_ARGS_REPR = f"{_SA}.__repr__"
-HOOK_MODEL_RUNNER_INIT_MEMORY_POOL = f"{_MR}.init_memory_pool"
-
-
 HOOK_MODEL_RUNNER_INIT_MEMORY_POOL = f"{_MR}.init_memory_pool"
 HOOK_MODEL_RUNNER_INIT = f"{_MR}.__init__"
-
-
-HOOK_MODEL_RUNNER_INIT = f"{_MR}.__init__"
-HOOK_MODEL_RUNNER_FORWARD = f"{_MR}.forward"
-
-
 HOOK_MODEL_RUNNER_FORWARD = f"{_MR}.forward"
 HOOK_MODEL_RUNNER_INIT_PIECEWISE_CUDA_GRAPHS = f"{_MR}.init_piecewise_cuda_graphs"
-
-
-HOOK_MODEL_RUNNER_INIT_PIECEWISE_CUDA_GRAPHS = f"{_MR}.init_piecewise_cuda_graphs"
-HOOK_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_CG}.capture_one_batch_size"
-
+HOOK_MODEL_RUNNER_PROFILE_AVAILABLE_BYTES = f"{_MR}._profile_available_bytes"
 
 HOOK_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_CG}.capture_one_batch_size"
 HOOK_GRAPH_REPLAY_PREPARE = f"{_CG}.replay_prepare"
-
-
-HOOK_GRAPH_REPLAY_PREPARE = f"{_CG}.replay_prepare"
 HOOK_GRAPH_REPLAY = f"{_CG}.replay"
 
-
-HOOK_GRAPH_REPLAY = f"{_CG}.replay"
-HOOK_SCHEDULER_INIT_CACHE = "sglang.srt.managers.scheduler.Scheduler.init_cache_with_memory_pool"
-
-
-HOOK_SCHEDULER_INIT_CACHE = "sglang.srt.managers.scheduler.Scheduler.init_cache_with_memory_pool"
 HOOK_FORWARD_BATCH_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 
-
-HOOK_FORWARD_BATCH_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
-HOOK_SCHEDULER_PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
-
-
-HOOK_SCHEDULER_PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
-HOOK_SCHEDULER_GET_INIT_INFO = "sglang.srt.managers.scheduler.Scheduler.get_init_info"
+HOOK_SCHEDULER_INIT_CACHE = f"{_SCHEDULER}.init_cache_with_memory_pool"
+HOOK_SCHEDULER_PROCESS_BATCH_RESULT = f"{_SCHEDULER}.process_batch_result"
+HOOK_SCHEDULER_GET_INIT_INFO = f"{_SCHEDULER}.get_init_info"
 # the event loops' idle step (every scheduler loop calls it when it runs no batch): the last
 # forward's read-back is reported there, not held back until the next request
-HOOK_SCHEDULER_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
-
-
+HOOK_SCHEDULER_ON_IDLE = f"{_SCHEDULER}.on_idle"
 # the chunked-prefill stash (``maybe_cache_unfinished_req(..., chunked=True)``) of aggregated
 # serving (abort mode, the only one that marks requests, refuses PD)
-HOOK_SCHEDULER_STASH_CHUNKED_REQUEST = (
-    "sglang.srt.managers.scheduler.Scheduler.stash_chunked_request"
-)
-
+HOOK_SCHEDULER_STASH_CHUNKED_REQUEST = f"{_SCHEDULER}.stash_chunked_request"
 
 # the release of a finished request's KV (``release_kv_cache``'s first step), for the two tree
 # caches abort mode runs with
 HOOK_RADIX_CACHE_FINISHED_REQ = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req"
-
-
-HOOK_RADIX_CACHE_FINISHED_REQ = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req"
 HOOK_CHUNK_CACHE_FINISHED_REQ = "sglang.srt.mem_cache.chunk_cache.ChunkCache.cache_finished_req"
 
+HOOK_HOST_KV_CACHE_INIT = "sglang.srt.mem_cache.memory_pool_host.HostKVCache.__init__"
 
 # EAGLE / EAGLE3 / NEXTN speculative decoding: spec v1 (``EAGLEWorker``, overlap scheduler off)
 # and spec v2 (``EagleDraftWorker``, overlap on); the draft graph runners serve both
 _SPEC = "sglang.srt.speculative"
-
-
-_EAGLE_V2 = f"{_SPEC}.eagle_worker_v2.EagleDraftWorker"
-_DRAFT_CG = f"{_SPEC}.eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner"
-
-
-_DRAFT_CG = f"{_SPEC}.eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner"
-_DRAFT_EXTEND_CG = f"{_SPEC}.eagle_draft_extend_cuda_graph_runner.EAGLEDraftExtendCudaGraphRunner"
-
-
 _EAGLE_V1 = f"{_SPEC}.eagle_worker.EAGLEWorker"
-
-
 _EAGLE_V2 = f"{_SPEC}.eagle_worker_v2.EagleDraftWorker"
-
-
+_DRAFT_CG = f"{_SPEC}.eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner"
 _DRAFT_EXTEND_CG = f"{_SPEC}.eagle_draft_extend_cuda_graph_runner.EAGLEDraftExtendCudaGraphRunner"
-HOOK_EAGLE_V1_DRAFT_FORWARD = f"{_EAGLE_V1}.draft_forward"
-
 
 HOOK_EAGLE_V1_DRAFT_FORWARD = f"{_EAGLE_V1}.draft_forward"
 HOOK_EAGLE_V2_DRAFT_FORWARD = f"{_EAGLE_V2}.draft_forward"
-
-
-HOOK_EAGLE_V2_DRAFT_FORWARD = f"{_EAGLE_V2}.draft_forward"
-HOOK_EAGLE_V1_INIT_CUDA_GRAPHS = f"{_EAGLE_V1}.init_cuda_graphs"
-
-
 HOOK_EAGLE_V1_INIT_CUDA_GRAPHS = f"{_EAGLE_V1}.init_cuda_graphs"
 HOOK_EAGLE_V2_INIT_CUDA_GRAPHS = f"{_EAGLE_V2}.init_cuda_graphs"
-
-
-HOOK_EAGLE_V2_INIT_CUDA_GRAPHS = f"{_EAGLE_V2}.init_cuda_graphs"
-HOOK_DRAFT_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_DRAFT_CG}.capture_one_batch_size"
-
-
 HOOK_DRAFT_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_DRAFT_CG}.capture_one_batch_size"
 HOOK_DRAFT_GRAPH_REPLAY = f"{_DRAFT_CG}.replay"
-
-
-HOOK_DRAFT_GRAPH_REPLAY = f"{_DRAFT_CG}.replay"
-HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_DRAFT_EXTEND_CG}.capture_one_batch_size"
-
-
 HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_DRAFT_EXTEND_CG}.capture_one_batch_size"
 HOOK_DRAFT_EXTEND_GRAPH_REPLAY = f"{_DRAFT_EXTEND_CG}.replay"
 
@@ -160,9 +72,3 @@ def register_hook(target: str, hook: Callable, kind: str) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(target, hook, HookType[kind])
-
-
-HOOK_MODEL_RUNNER_PROFILE_AVAILABLE_BYTES = f"{_MR}._profile_available_bytes"
-
-
-HOOK_HOST_KV_CACHE_INIT = "sglang.srt.mem_cache.memory_pool_host.HostKVCache.__init__"
