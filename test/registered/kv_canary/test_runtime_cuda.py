@@ -244,13 +244,17 @@ def test_parallel_lanes_fork_from_and_join_the_current_stream(captured):
 
 
 def test_cuda_streams_match_torch_and_restore_the_stream():
-    """The per-forward path's stream helpers agree with torch's own: the current stream (the
+    """The per-forward path's stream helpers agree with torch's own: the device index of a
+    device (a bare ``"cuda"``: the current one), the current stream (the
     same object each time for the same stream), a switch that makes the side stream current
     for its body and restores the caller's stream afterwards, also when the body raises, and
     work queued inside the switch runs on the side stream."""
     from sglang.srt.kv_canary import cuda_streams
 
     idx = torch.cuda.current_device()
+    assert cuda_streams.device_index("cuda") == idx
+    assert cuda_streams.device_index(f"cuda:{idx}") == idx
+    assert cuda_streams.device_index("cpu") is None
     outer = torch.cuda.Stream()
     side = torch.cuda.Stream()
     with torch.cuda.stream(outer):

@@ -15,7 +15,7 @@ index. Graph-safe (no allocation on the device, no sync), including inside a cap
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,16 @@ def current_stream(device_index: int) -> "torch.cuda.Stream":
             stream_id=key[0], device_index=key[1], device_type=key[2]
         )
     return stream
+
+
+def device_index(device) -> Optional[int]:
+    """The CUDA device index whose current stream work on ``device`` is queued on: its own
+    index, the current device for a bare ``"cuda"``, None off CUDA. At construction, not on
+    the forward path."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @contextlib.contextmanager

@@ -34,13 +34,7 @@ class SnapshotHostBuffers:
         device = torch.device(device)
         pin = self._pin = device.type == "cuda"
         # the device whose current stream the copies are queued on (CUDA only)
-        self._device_index = (
-            None
-            if not pin
-            else device.index
-            if device.index is not None
-            else torch.cuda.current_device()
-        )
+        self._device_index = cuda_streams.device_index(device)
         self.numel = numel
         # per slot: the buffer (owned here for the canary's lifetime) and its numpy view
         self._buffers = [

@@ -158,13 +158,7 @@ class DelayedDeviceHostHandler(Generic[W]):
         # CUDA: where the copies start (recorded on the producer's stream) and, per host
         # buffer, when they are done (a buffer is staged again only after its copies were
         # consumed or replaced, so its event is free to be recorded again)
-        self._device_index = (
-            None
-            if self.synchronous
-            else self.device.index
-            if self.device.index is not None
-            else torch.cuda.current_device()
-        )
+        self._device_index = cuda_streams.device_index(self.device)
         self._produced = None if self.synchronous else torch.cuda.Event()
         self._copied = None if self.synchronous else [torch.cuda.Event() for _ in range(2)]
         # CUDA, after capture(): per host buffer, its copies as one graph
