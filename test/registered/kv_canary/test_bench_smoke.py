@@ -265,6 +265,17 @@ def test_bench_host_primitives_needs_cuda():
     assert "bench_host_primitives.py needs a CUDA GPU" in proc.stderr
 
 
+def test_probe_graph_event_wait_needs_cuda():
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "probe_graph_event_wait.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "probe_graph_event_wait: needs a CUDA GPU" in proc.stderr
+
+
 def test_abort_storm_classifies_what_a_client_gets():
     """The storm of ``abort_storm.py`` (``canary_support/storm.py``; its server runs are in the soak
     test): how it reads a response. Completed, aborted by the canary (HTTP 500 with either of
