@@ -16,6 +16,7 @@ import re
 import sys
 
 import pytest
+from canary_support.tiny_models import write_tiny_gpt_oss
 from e2e_workload import run_mixed_workload
 
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
@@ -36,48 +37,11 @@ ARGS = dict(
     kv_canary_real_data="partial",
 )
 
-TINY_GPT_OSS = {
-    "architectures": ["GptOssForCausalLM"],
-    "model_type": "gpt_oss",
-    "hidden_size": 256,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-    "experts_per_token": 2,
-    "sliding_window": WINDOW,
-    "layer_types": ["sliding_attention", "full_attention"],
-    "vocab_size": 512,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 150000,
-    "rope_scaling": {
-        "rope_type": "yarn",
-        "factor": 1.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 4096,
-    },
-    "swiglu_limit": 7.0,
-    "attention_bias": True,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss_swa")
-    (path / "config.json").write_text(json.dumps(TINY_GPT_OSS, indent=1))
-    return str(path)
+    return write_tiny_gpt_oss(path, sliding_window=WINDOW)
 
 
 def _workload(model, env_extra=None):

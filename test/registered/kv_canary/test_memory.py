@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 
+from canary_support.tiny_models import write_tiny_deepseek_v2, write_tiny_gpt_oss
 from memory_walk import canary_bytes_by_part, formula_bytes_by_part
 from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary.types import PoolKind
@@ -388,6 +389,26 @@ def test_a_standalone_draft_is_reserved_as_the_builder_allocates_it(profiled, tm
             speculative_algorithm="STANDALONE",
             speculative_draft_model_path=str(tmp_path / "missing"),
         )
+
+
+@pytest.mark.parametrize("kind", ["mla", "swa"])
+def test_a_standalone_draft_of_another_attention_kind_is_read_as_that_pool(
+    profiled, tmp_path, kind
+):
+    """STANDALONE with a draft whose attention is not the target's MHA: the draft pool's
+    family and layer counts are read from the draft's own config, as sglang's draft runner
+    builds its pool: a DeepSeek-V2-shaped draft gives an MLA pool of its layers, a GPT-OSS
+    draft (one sliding-window, one full-attention layer) an SWA pool of one full and one
+    sliding layer."""
+    from sglang.srt.kv_canary.memory_budget import DraftPool
+
+    runner = profiled(max_running_requests=8, context_length=256)
+    if kind == "mla":
+        path, expected = write_tiny_deepseek_v2(tmp_path / "mla"), DraftPool(PoolFamily.MLA, 2)
+    else:
+        path, expected = write_tiny_gpt_oss(tmp_path / "swa"), DraftPool(PoolFamily.SWA, 1, 1)
+    args = _spec_args(runner, speculative_algorithm="STANDALONE", speculative_draft_model_path=path)
+    assert DraftPool.for_server(seam.KvPoolSizing(runner), args, "STANDALONE") == expected
 
 
 def test_a_user_cap_below_the_budget_keeps_the_pool(profiled):

@@ -1,6 +1,7 @@
 """Tiny dummy-weight model shapes for the end-to-end tests and benchmarks beyond the demo's
 Llama: DeepSeek-V2 (MLA), DeepSeek-V3's MLA dimensions, DeepSeek-V3.2 (MLA + DSA indexer) and
-Qwen3-Next (hybrid linear attention). Each ``write_tiny_*`` writes a bare ``config.json``
+Qwen3-Next (hybrid linear attention) and GPT-OSS (one sliding-window and one full-attention
+layer). Each ``write_tiny_*`` writes a bare ``config.json``
 (``load_format="dummy"``, requests pass ``input_ids``)."""
 
 from __future__ import annotations
@@ -123,6 +124,45 @@ TINY_QWEN3_NEXT_CONFIG = {
 }
 
 
+# A tiny GPT-OSS (hybrid sliding window: layer 0 sliding, layer 1 full attention; sglang builds
+# an SWAKVPool for it; GPU only: sglang 0.5.12's CPU attention has no sliding window)
+TINY_GPT_OSS_CONFIG = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "experts_per_token": 2,
+    "sliding_window": 32,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 1.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    "swiglu_limit": 7.0,
+    "attention_bias": True,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
 def write_tiny_deepseek_v2(model_dir, **overrides) -> str:
     """Write the tiny DeepSeek-V2 (MLA) ``config.json`` into ``model_dir``; returns it."""
     return write_model_config(model_dir, {**TINY_DEEPSEEK_V2_CONFIG, **overrides})
@@ -138,3 +178,9 @@ def write_tiny_qwen3_next(model_dir, **overrides) -> str:
     """Write the tiny Qwen3-Next (hybrid linear attention, ``HybridLinearKVPool``)
     ``config.json`` into ``model_dir``; returns it."""
     return write_model_config(model_dir, {**TINY_QWEN3_NEXT_CONFIG, **overrides})
+
+
+def write_tiny_gpt_oss(model_dir, **overrides) -> str:
+    """Write the tiny GPT-OSS (hybrid sliding window, ``SWAKVPool``) ``config.json`` into
+    ``model_dir``; returns it."""
+    return write_model_config(model_dir, {**TINY_GPT_OSS_CONFIG, **overrides})
