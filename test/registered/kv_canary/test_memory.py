@@ -411,6 +411,46 @@ def test_a_standalone_draft_of_another_attention_kind_is_read_as_that_pool(
     assert DraftPool.for_server(seam.KvPoolSizing(runner), args, "STANDALONE") == expected
 
 
+def test_an_mla_standalone_draft_is_reserved_as_the_builder_allocates_it(profiled, tmp_path):
+    """A DeepSeek-V2-shaped STANDALONE draft behind an MHA target: the predicted draft canary
+    (per-layer fingerprint columns on) is what ``build_canary`` allocates on an
+    ``MLATokenToKVPool`` of the draft's layers holding the reserved tokens."""
+    from sglang.srt.kv_canary.memory_budget import DraftPool
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    runner = profiled(max_running_requests=8, context_length=256)
+    draft_dir = write_tiny_deepseek_v2(tmp_path / "mla")
+    config = CanaryConfig(mode="raise", real_data_layers="all", real_kv_hash_mode="all")
+    caps = CanaryCapacityInputs(context_len=256)
+    args = _spec_args(
+        runner, speculative_algorithm="STANDALONE", speculative_draft_model_path=draft_dir
+    )
+    reserved = reserve_canary_memory(
+        runner, server_args=args, config=config, capacity_inputs=caps, available_bytes=48 << 20
+    )[1]
+    sizing = seam.KvPoolSizing(runner)
+    assert DraftPool.for_server(sizing, args, "STANDALONE") == DraftPool(PoolFamily.MLA, 2)
+    pool = MLATokenToKVPool(
+        size=reserved.tokens.max_total,
+        page_size=1,
+        dtype=torch.bfloat16,
+        kv_lora_rank=256,
+        qk_rope_head_dim=32,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    manager = build_canary(
+        pool=pool,
+        req_to_token=torch.zeros(sizing.req_to_token_shape(reserved.tokens), dtype=torch.int32),
+        config=config,
+        device="cpu",
+        capacity_inputs=caps,
+        ranks=RankFacts(draft=True, draft_steps=3),
+    )
+    assert manager.memory.as_dict() == reserved.draft.as_dict()
+
+
 def test_a_user_cap_below_the_budget_keeps_the_pool(profiled):
     runner = profiled(max_total_tokens=4096, max_running_requests=8, context_length=256)
     kv, reservation = reserve_canary_memory(
