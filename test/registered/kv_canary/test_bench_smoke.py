@@ -254,26 +254,19 @@ def test_bench_prefill_device_time_traces_one_prefill_per_stand_in(tmp_path):
     assert "-- timeline 32_off " in text and "-- timeline 32_off (A/A) " in text
 
 
-def test_bench_host_primitives_needs_cuda():
+@pytest.mark.parametrize(
+    "script, message",
+    [
+        ("bench_host_primitives.py", "bench_host_primitives.py needs a CUDA GPU"),
+        ("probe_graph_event_wait.py", "probe_graph_event_wait: needs a CUDA GPU"),
+    ],
+)
+def test_a_cuda_only_script_says_it_needs_a_gpu(script, message):
     proc = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "bench_host_primitives.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, str(BENCH_DIR / script)], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode != 0
-    assert "bench_host_primitives.py needs a CUDA GPU" in proc.stderr
-
-
-def test_probe_graph_event_wait_needs_cuda():
-    proc = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "probe_graph_event_wait.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0
-    assert "probe_graph_event_wait: needs a CUDA GPU" in proc.stderr
+    assert message in proc.stderr
 
 
 def test_abort_storm_classifies_what_a_client_gets():

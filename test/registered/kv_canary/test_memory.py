@@ -328,6 +328,20 @@ def _spec_args(runner, **spec):
     )
 
 
+def _draft_canary_memory(pool, sizing, reservation, config, caps) -> CanaryMemory:
+    """The memory of the draft canary ``build_canary`` allocates on ``pool`` (a draft pool of
+    the reserved tokens), as ``install_canary`` builds a 3-step draft runner's."""
+    manager = build_canary(
+        pool=pool,
+        req_to_token=torch.zeros(sizing.req_to_token_shape(reservation.tokens), dtype=torch.int32),
+        config=config,
+        device="cpu",
+        capacity_inputs=caps,
+        ranks=RankFacts(draft=True, draft_steps=3),
+    )
+    return manager.memory
+
+
 def test_a_standalone_draft_is_reserved_as_the_builder_allocates_it(profiled, tmp_path):
     """STANDALONE: the draft pool is the separate draft model's own (its layers, from its
     config): with per-layer fingerprint columns (``layers all``) the predicted draft canary is
@@ -367,15 +381,8 @@ def test_a_standalone_draft_is_reserved_as_the_builder_allocates_it(profiled, tm
         enable_memory_saver=False,
         enable_alt_stream=False,
     )
-    manager = build_canary(
-        pool=pool,
-        req_to_token=torch.zeros(sizing.req_to_token_shape(standalone.tokens), dtype=torch.int32),
-        config=config,
-        device="cpu",
-        capacity_inputs=caps,
-        ranks=RankFacts(draft=True, draft_steps=3),
-    )
-    assert manager.memory.as_dict() == standalone.draft.as_dict()
+    built = _draft_canary_memory(pool, sizing, standalone, config, caps)
+    assert built.as_dict() == standalone.draft.as_dict()
     eagle = reserve(speculative_algorithm="EAGLE")
     assert standalone.draft.device_bytes > eagle.draft.device_bytes
     # no --speculative-draft-model-path: sglang loads the target's checkpoint as the draft
@@ -440,15 +447,8 @@ def test_an_mla_standalone_draft_is_reserved_as_the_builder_allocates_it(profile
         device="cpu",
         enable_memory_saver=False,
     )
-    manager = build_canary(
-        pool=pool,
-        req_to_token=torch.zeros(sizing.req_to_token_shape(reserved.tokens), dtype=torch.int32),
-        config=config,
-        device="cpu",
-        capacity_inputs=caps,
-        ranks=RankFacts(draft=True, draft_steps=3),
-    )
-    assert manager.memory.as_dict() == reserved.draft.as_dict()
+    built = _draft_canary_memory(pool, sizing, reserved, config, caps)
+    assert built.as_dict() == reserved.draft.as_dict()
 
 
 def test_a_user_cap_below_the_budget_keeps_the_pool(profiled):

@@ -17,9 +17,9 @@ import torch
 
 from e2e_checks import violations_by_pool
 from eagle_driver import STANDALONE_DRAFT, EagleDriver
+from plugin_hooks_support import registered_hook
 from serving_driver import VOCAB, stand_in_model_runner
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
-from sglang.srt.kv_canary import plugin
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 from sglang.srt.model_executor.model_runner import ModelRunner
@@ -444,15 +444,6 @@ def test_draft_forwards_outside_a_round_and_nested_rounds_are_refused():
 # ---- the plugin's hooks, as sglang applies them ----------------------------------------------
 
 
-def _hook(monkeypatch, target):
-    got = []
-    monkeypatch.setattr(seam, "register_hook", lambda t, hook, kind: got.append((t, hook, kind)))
-    plugin.register()
-    mine = [(hook, kind) for t, hook, kind in got if t == target]
-    assert len(mine) == 1, f"{target}: {len(mine)} hooks"
-    return mine[0]
-
-
 class _DraftWorkerV2:  # stand-in: spec v2's EagleDraftWorker keeps its runner as draft_runner
     def __init__(self, runner, steps=3):
         self.draft_runner = runner
@@ -476,9 +467,9 @@ def test_draft_rounds_through_the_plugin_hooks(monkeypatch, v2):
     seam.set_runner_canary(runner, d.draft)
     worker = _DraftWorkerV2(runner) if v2 else _DraftWorkerV1(runner)
     target = seam.HOOK_EAGLE_V2_DRAFT_FORWARD if v2 else seam.HOOK_EAGLE_V1_DRAFT_FORWARD
-    hook, kind = _hook(monkeypatch, target)
+    hook, kind = registered_hook(monkeypatch, target)
     draft_forward = _wrap_fn(lambda self, fb, body: body(), hook, HookType[kind])
-    hook, kind = _hook(monkeypatch, seam.HOOK_MODEL_RUNNER_FORWARD)
+    hook, kind = registered_hook(monkeypatch, seam.HOOK_MODEL_RUNNER_FORWARD)
     runner_forward = _wrap_fn(lambda self, fb, body: body(), hook, HookType[kind])
     used = []
     real_with_active = d.draft.with_active_single_forward_manager
@@ -512,11 +503,11 @@ def test_draft_runner_init_leaves_the_chain_check_to_the_worker(monkeypatch):
     runner = ModelRunner.__new__(ModelRunner)
     runner.is_draft_worker = True
     seam.set_runner_canary(runner, d.draft)
-    hook, kind = _hook(monkeypatch, seam.HOOK_MODEL_RUNNER_INIT)
+    hook, kind = registered_hook(monkeypatch, seam.HOOK_MODEL_RUNNER_INIT)
     _wrap_fn(lambda self: None, hook, HookType[kind])(runner)
     assert int(flag[0]) == 0
     for target in (seam.HOOK_EAGLE_V1_INIT_CUDA_GRAPHS, seam.HOOK_EAGLE_V2_INIT_CUDA_GRAPHS):
-        hook, kind = _hook(monkeypatch, target)
+        hook, kind = registered_hook(monkeypatch, target)
         flag.zero_()
         worker = (
             _DraftWorkerV2(runner)
@@ -784,9 +775,9 @@ def test_adaptive_rounds_switch_step_counts_through_the_plugin_hooks(monkeypatch
 
     worker = Worker(runner)
     target = seam.HOOK_EAGLE_V2_DRAFT_FORWARD if v2 else seam.HOOK_EAGLE_V1_DRAFT_FORWARD
-    hook, kind = _hook(monkeypatch, target)
+    hook, kind = registered_hook(monkeypatch, target)
     draft_forward = _wrap_fn(lambda self, fb, body: body(), hook, HookType[kind])
-    hook, kind = _hook(monkeypatch, seam.HOOK_MODEL_RUNNER_FORWARD)
+    hook, kind = registered_hook(monkeypatch, seam.HOOK_MODEL_RUNNER_FORWARD)
     runner_forward = _wrap_fn(lambda self, fb, body: body(), hook, HookType[kind])
     used: dict = {}
     real_with_active = d.draft.with_active_single_forward_manager
@@ -882,7 +873,7 @@ def test_graphs_captured_after_start_up_warm_up_without_the_chain_position_check
         (seam.HOOK_DRAFT_GRAPH_CAPTURE_ONE_BATCH_SIZE, "draft"),
     ]
     for target, name in captures:
-        hook, kind = _hook(monkeypatch, target)
+        hook, kind = registered_hook(monkeypatch, target)
         _wrap_fn(original, hook, HookType[kind])(runners[name])
         flag = seam.runner_canary(runners[name].model_runner).state.enable_chain_position_assert
         assert int(flag) == 1, target
