@@ -156,6 +156,22 @@ def run(
 UNCHUNKED = dict(chunked_prefill_size=512)
 
 
+def assert_clean_and_both_canaries_reserved(out: str, on, off) -> None:
+    """A clean speculative run: no violation, outputs equal to the canary off's (12 requests),
+    every stats line at zero violations, and both canaries' memory reserved out of the KV
+    budget (the target's profile sizes the draft pool too) as they were then built."""
+    assert parse_violation_lines(out) == []
+    assert on == off and len(on) == 12
+    stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
+    assert stats and all("violations=0" in s for s in stats)
+    info = workload_info(out)
+    assert_memory_reserved_as_allocated(info)
+    draft = info["kv_canary"]["memory"]["draft"]
+    assert draft["allocated"]["device_bytes"] > 0 and draft["allocated"] == draft["reserved"], info[
+        "kv_canary"
+    ]["memory"]
+
+
 @pytest.mark.parametrize("spec", sorted(SPEC))
 def test_clean_matches_canary_off(models, spec):
     rc, out, off = run(models, spec, **UNCHUNKED)
@@ -175,18 +191,7 @@ def test_clean_matches_canary_off(models, spec):
     assert rc == 0, out[-4000:]
     assert "kv_canary installed on the EAGLE draft worker: mode=raise" in out, out[-4000:]
     assert "not covered yet" not in out
-    assert parse_violation_lines(out) == []
-    assert on == off and len(on) == 12
-    stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
-    assert stats and all("violations=0" in s for s in stats)
-    # both canaries' memory was reserved out of the KV budget (the target's profile sizes the
-    # draft pool too) as they were then built
-    info = workload_info(out)
-    assert_memory_reserved_as_allocated(info)
-    draft = info["kv_canary"]["memory"]["draft"]
-    assert draft["allocated"]["device_bytes"] > 0 and draft["allocated"] == draft["reserved"], info[
-        "kv_canary"
-    ]["memory"]
+    assert_clean_and_both_canaries_reserved(out, on, off)
 
 
 @pytest.mark.parametrize("worker", ["draft", "target"])
@@ -424,16 +429,7 @@ def test_standalone_clean_matches_canary_off(standalone_models, spec):
         "draft worker" not in line and "pool=MHATokenToKVPool" in line for line in installed
     ), installed
     assert "EAGLE draft worker" not in out and RADIX_KEYS_WARNING not in out
-    assert parse_violation_lines(out) == []
-    assert on == off and len(on) == 12
-    stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
-    assert stats and all("violations=0" in s for s in stats)
-    info = workload_info(out)
-    assert_memory_reserved_as_allocated(info)
-    draft = info["kv_canary"]["memory"]["draft"]
-    assert draft["allocated"]["device_bytes"] > 0 and draft["allocated"] == draft["reserved"], info[
-        "kv_canary"
-    ]["memory"]
+    assert_clean_and_both_canaries_reserved(out, on, off)
 
 
 @pytest.mark.parametrize("worker", ["draft", "target"])
