@@ -194,10 +194,10 @@ def test_clean_matches_canary_off(models, spec):
     assert_clean_and_both_canaries_reserved(out, on, off)
 
 
-@pytest.mark.parametrize("worker", ["draft", "target"])
-@pytest.mark.parametrize("spec", sorted(SPEC))
-def test_every_fault_class_is_caught_in_each_pool(models, spec, worker):
-    env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
+def assert_every_fault_caught_in_a_log_run(models, spec, env, drafter: str, **engine_kwargs):
+    """The fault tests' run: ``--kv-canary log``, real data partial, a sweep every 2 steps,
+    faults as ``env`` injects them; all 12 requests served, the draft canary installed on the
+    ``drafter``'s worker (``EAGLE``, ``STANDALONE``), every fault caught."""
     rc, out, res = run(
         models,
         spec,
@@ -205,10 +205,18 @@ def test_every_fault_class_is_caught_in_each_pool(models, spec, worker):
         kv_canary="log",
         kv_canary_real_data="partial",
         kv_canary_sweep_interval=2,
+        **engine_kwargs,
     )
     assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
-    assert "kv_canary installed on the EAGLE draft worker" in out
+    assert f"kv_canary installed on the {drafter} draft worker" in out
     assert_every_fault_caught(out)
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+@pytest.mark.parametrize("spec", sorted(SPEC))
+def test_every_fault_class_is_caught_in_each_pool(models, spec, worker):
+    env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
+    assert_every_fault_caught_in_a_log_run(models, spec, env, "EAGLE")
 
 
 @pytest.mark.parametrize("spec", sorted(SPEC))
@@ -372,18 +380,7 @@ def test_other_algorithms_clean_matches_canary_off(algorithm_models):
 def test_other_algorithms_every_fault_class_is_caught(algorithm_models, worker):
     algorithm, models = algorithm_models
     env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
-    rc, out, res = run(
-        models,
-        "spec_v2",
-        env,
-        algorithm=algorithm,
-        kv_canary="log",
-        kv_canary_real_data="partial",
-        kv_canary_sweep_interval=2,
-    )
-    assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
-    assert "kv_canary installed on the EAGLE draft worker" in out
-    assert_every_fault_caught(out)
+    assert_every_fault_caught_in_a_log_run(models, "spec_v2", env, "EAGLE", algorithm=algorithm)
 
 
 # ---- STANDALONE: a separate small draft LM --------------------------------------------------
@@ -446,18 +443,7 @@ def test_standalone_every_fault_class_is_caught_in_each_pool(standalone_models, 
         SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB="0.4",
         SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="20",
     )
-    rc, out, res = run(
-        standalone_models,
-        spec,
-        env,
-        kv_canary="log",
-        kv_canary_real_data="partial",
-        kv_canary_sweep_interval=2,
-        **STANDALONE,
-    )
-    assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
-    assert "kv_canary installed on the STANDALONE draft worker" in out
-    assert_every_fault_caught(out)
+    assert_every_fault_caught_in_a_log_run(standalone_models, spec, env, "STANDALONE", **STANDALONE)
 
 
 @pytest.mark.parametrize("spec", sorted(SPEC))
