@@ -2,14 +2,16 @@
 the hook that :func:`plugin.register` hands to sglang for a target, wraps a stand-in original
 with sglang's own ``HookRegistry`` wrapper (``_wrap_fn``, the call convention sglang applies),
 and checks what the hook must do to the canary of a real ``ModelRunner`` instance: the chain-
-position check turned on after start-up, the radix cache handed to the sweep, the token-id
-snapshot attached to every ``ForwardBatch``.
+position check turned on after start-up, the radix cache handed to the sweep, the read-back
+consumed at the scheduler's idle step, the token-id snapshot attached to every
+``ForwardBatch`` (helpers: ``plugin_hooks_support.py``).
 
 ``ModelRunner``, ``ForwardBatch``, ``ModelWorkerBatch``, ``Req`` and ``RadixCache`` are sglang's
 classes (``ModelRunner`` / ``ModelWorkerBatch`` instances made without running their
-``__init__``). ``Scheduler`` and ``TpModelWorker`` are stand-ins with the two attributes the
-seam reads (``tp_worker.model_runner``, ``tree_cache``): importing them loads ``sgl_kernel``'s
-``common_ops``, which needs ``libcuda.so.1`` (the end-to-end server tests cover them)."""
+``__init__``). ``Scheduler`` and ``TpModelWorker`` are stand-ins with the attributes the seam
+reads (``tp_worker.model_runner``, ``tree_cache``, ``draft_worker``): importing them loads
+``sgl_kernel``'s ``common_ops``, which needs ``libcuda.so.1`` (the end-to-end server tests
+cover them)."""
 
 from __future__ import annotations
 
