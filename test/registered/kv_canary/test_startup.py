@@ -334,10 +334,10 @@ def test_every_layer_starts_from_the_command_line_and_yaml(tmp_path, model_dir, 
 # ---- speculative decoding: the same refusals and fault targets from every route ---------------
 
 
-def _eagle(model_dir, topk):
+def _eagle(model_dir, topk, algorithm="EAGLE"):
     return [
         "--speculative-algorithm",
-        "EAGLE",
+        algorithm,
         "--speculative-draft-model-path",
         model_dir,
         "--speculative-num-steps",
@@ -349,9 +349,9 @@ def _eagle(model_dir, topk):
     ]
 
 
-def _eagle_kwargs(model_dir, topk):
+def _eagle_kwargs(model_dir, topk, algorithm="EAGLE"):
     return dict(
-        speculative_algorithm="EAGLE",
+        speculative_algorithm=algorithm,
         speculative_draft_model_path=model_dir,
         speculative_num_steps=3,
         speculative_eagle_topk=topk,
@@ -369,6 +369,28 @@ def test_eagle_starts_and_a_draft_tree_is_refused_from_every_route(capsys, model
     with pytest.raises(ValueError, match="--speculative-eagle-topk 1 only"):
         kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 2))
     cli(model_dir, "--kv-canary", "none", *_eagle(model_dir, 2))  # canary off: sglang's own
+
+
+def test_standalone_starts_and_a_draft_tree_is_refused_from_every_route(
+    capsys, monkeypatch, model_dir
+):
+    """STANDALONE (a separate draft LM) with the canary: accepted at topk 1 from the command
+    line and ``Engine`` kwargs, also with ``SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=draft``
+    (it has a draft pool); refused at topk 2 on each route, naming the flag."""
+    flags, tree = (_eagle(model_dir, k, "STANDALONE") for k in (1, 2))
+    kw = _eagle_kwargs(model_dir, 1, "STANDALONE")
+    args = cli(model_dir, "--kv-canary", "raise", *flags)
+    assert args.speculative_algorithm == "STANDALONE" and args.kv_canary == "raise"
+    kwargs(model_dir, kv_canary="raise", **kw)
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft")
+    cli(model_dir, "--kv-canary", "log", *flags)
+    kwargs(model_dir, kv_canary="log", **kw)
+    monkeypatch.delenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER")
+    assert "STANDALONE with --speculative-eagle-topk 1 only" in cli_error(
+        capsys, model_dir, "--kv-canary", "raise", *tree
+    )
+    with pytest.raises(ValueError, match="STANDALONE with --speculative-eagle-topk 1 only"):
+        kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 2, "STANDALONE"))
 
 
 def test_adaptive_steps_start_from_every_route(capsys, tmp_path, model_dir):
