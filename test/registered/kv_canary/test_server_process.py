@@ -174,6 +174,28 @@ def test_free_port_keeps_out_of_any_ephemeral_range(tmp_path, monkeypatch):
         free_port()
 
 
+def test_free_port_never_returns_a_port_twice_in_one_process(monkeypatch):
+    """A port is free when picked but bound only when its server starts: a plan that picks
+    every server's ports first (the side-by-side runs) must not get one port twice, even when
+    the random pick lands on it again."""
+    from sglang.srt.kv_canary.testing import server_harness
+
+    first = free_port()
+    other = free_port()
+    server_harness._HANDED_OUT.discard(other)  # handed out, then given back for the draw below
+    draws = iter([first, first, other])
+
+    class Repeating:
+        def choice(self, ranges):
+            return ranges[0]
+
+        def randrange(self, a, b):
+            return next(draws)
+
+    monkeypatch.setattr(server_harness.random, "Random", Repeating)
+    assert free_port() == other
+
+
 def test_a_workload_scripts_command_line_is_checked_before_any_engine_starts(tmp_path):
     """The support scripts' one main: a device, engine kwargs that are not a JSON object, or a
     keyword the script sets itself is refused with the value and what is allowed, before an

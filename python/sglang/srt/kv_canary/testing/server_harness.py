@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import subprocess
+import threading
 from typing import Dict, List, Optional, Tuple
 
 TINY_LLAMA_CONFIG = {
@@ -176,6 +177,10 @@ def gpu_engine_kwargs(model_dir: str, **overrides) -> dict:
 
 
 _PORT_RANGE_FILE = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range")
+# every port :func:`free_port` has returned in this process: a port is free when picked but
+# bound only when its server starts, so a later pick must not return it again
+_HANDED_OUT: set = set()
+_HANDED_OUT_LOCK = threading.Lock()
 
 
 def _ephemeral_range() -> Tuple[int, int]:
@@ -194,7 +199,8 @@ def free_port() -> int:
     whose ``port + 10000``, its gRPC port, is not a valid port). Left to sglang, ``nccl_port``
     is an ephemeral port that is free when picked and bound only later by torch's rendezvous
     store; in between any process's outgoing connection may be given it (``EADDRINUSE`` at
-    start-up, seen in CI with the suites' servers side by side)."""
+    start-up, seen in CI with the suites' servers side by side). No port is returned twice in
+    one process (a plan of servers picked before any starts would otherwise share one)."""
     low, high = _ephemeral_range()
     ranges = [(a, b) for a, b in ((20000, min(low, 55000)), (max(high + 1, 20000), 55000)) if a < b]
     if not ranges:
@@ -206,6 +212,10 @@ def free_port() -> int:
     for _ in range(200):
         a, b = pick.choice(ranges)
         port = pick.randrange(a, b)
+        with _HANDED_OUT_LOCK:
+            if port in _HANDED_OUT:
+                continue
+            _HANDED_OUT.add(port)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
