@@ -35,7 +35,7 @@ from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
@@ -402,20 +402,88 @@ def test_a_standalone_draft_is_reserved_as_the_builder_allocates_it(profiled, tm
 def test_a_standalone_draft_of_another_attention_kind_is_read_as_that_pool(
     profiled, tmp_path, kind
 ):
-    """STANDALONE with a draft whose attention is not the target's MHA: the draft pool's
-    family and layer counts are read from the draft's own config, as sglang's draft runner
-    builds its pool: a DeepSeek-V2-shaped draft gives an MLA pool of its layers, a GPT-OSS
-    draft (one sliding-window, one full-attention layer) an SWA pool of one full and one
-    sliding layer."""
+    """STANDALONE with a draft whose attention is not the target's: the draft pool's family
+    and layer counts are read from the draft's own config, as sglang's draft runner builds
+    its pool: a DeepSeek-V2-shaped draft behind an MHA target gives an MLA pool of its
+    layers; a GPT-OSS draft (one sliding-window, one full-attention layer) behind a
+    sliding-window target an SWA pool of one full and one sliding layer."""
     from sglang.srt.kv_canary.memory_budget import DraftPool
 
-    runner = profiled(max_running_requests=8, context_length=256)
     if kind == "mla":
+        runner = profiled(max_running_requests=8, context_length=256)
         path, expected = write_tiny_deepseek_v2(tmp_path / "mla"), DraftPool(PoolFamily.MLA, 2)
     else:
+        runner = _sliding_window_target(tmp_path)
         path, expected = write_tiny_gpt_oss(tmp_path / "swa"), DraftPool(PoolFamily.SWA, 1, 1)
     args = _spec_args(runner, speculative_algorithm="STANDALONE", speculative_draft_model_path=path)
     assert DraftPool.for_server(seam.KvPoolSizing(runner), args, "STANDALONE") == expected
+
+
+def _sliding_window_target(tmp_path) -> _ProfiledRunner:
+    """A profiled runner of the tiny GPT-OSS (hybrid sliding window), as sglang sizes it."""
+    runner = _ProfiledRunner(
+        write_tiny_gpt_oss(tmp_path / "target"),
+        max_running_requests=8,
+        context_length=256,
+        attention_backend="triton",  # GPT-OSS's server arguments refuse the CPU's default
+    )
+    runner.is_hybrid_swa = True
+    return runner
+
+
+def test_a_sliding_window_standalone_draft_behind_a_target_without_one_is_refused(
+    profiled, tmp_path
+):
+    """sglang 0.5.12 sizes a STANDALONE draft's pool from the target's pool sizes and shares
+    the target's allocator, neither of which has a sliding-window part when the target has
+    no sliding-window layers: the reservation refuses that pair naming
+    ``--speculative-draft-model-path``, both models and what would work, instead of failing
+    on the missing sizes."""
+    from sglang.srt.kv_canary.memory_budget import DraftPool
+
+    runner = profiled(max_running_requests=8, context_length=256)
+    draft = write_tiny_gpt_oss(tmp_path / "swa")
+    args = _spec_args(
+        runner, speculative_algorithm="STANDALONE", speculative_draft_model_path=draft
+    )
+    with pytest.raises(ValueError) as refused:
+        reserve_canary_memory(
+            runner,
+            server_args=args,
+            config=CanaryConfig(mode="raise"),
+            capacity_inputs=CanaryCapacityInputs(context_len=256),
+            available_bytes=48 << 20,
+        )
+    message = str(refused.value)
+    assert (
+        f"--speculative-draft-model-path {draft!r} has sliding-window attention layers" in message
+    )
+    assert "(1 of 2)" in message and repr(runner.server_args.model_path) in message
+    assert "use a draft model without sliding-window layers, or a target with them" in message
+    # sglang's own draft runner for that pair: the target's pool config has no sliding-window
+    # sizes, and the draft's SWAKVPool cannot be built from them
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+
+    target_config = create_memory_pool_configurator(runner).calculate_pool_sizes(48 << 20, 1)
+    assert target_config.swa_max_total_num_tokens is None
+    with pytest.raises(TypeError, match="NoneType"):
+        SWAKVPool(
+            size=target_config.full_max_total_num_tokens,
+            size_swa=target_config.swa_max_total_num_tokens,
+            page_size=1,
+            dtype=torch.bfloat16,
+            head_num=1,
+            head_dim=16,
+            swa_attention_layer_ids=[0],
+            full_attention_layer_ids=[1],
+            enable_kvcache_transpose=False,
+            device="cpu",
+        )
+    # the same draft behind the tiny Llama as EAGLE's head: no separate draft model, no refusal
+    assert DraftPool.for_server(seam.KvPoolSizing(runner), args, "EAGLE") == DraftPool(
+        PoolFamily.MHA, 1
+    )
 
 
 def test_an_mla_standalone_draft_is_reserved_as_the_builder_allocates_it(profiled, tmp_path):

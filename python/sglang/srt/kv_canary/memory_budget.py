@@ -79,18 +79,39 @@ class DraftPool:
     ) -> Optional["DraftPool"]:
         """None without speculative decoding. EAGLE / EAGLE3 / NEXTN: a one-layer head, MLA
         and DeepSeek-V4 in their target's family, MHA otherwise. STANDALONE: the separate
-        draft model's own pool (:func:`~sglang.srt.kv_canary.sglang_seam.draft_model_shape`;
+        draft model's own pool (:func:`~sglang.srt.kv_canary.sglang_seam.draft_model_shape`);
         ``ValueError`` naming ``--speculative-draft-model-path`` when its config cannot be
-        read)."""
+        read, or when it has sliding-window layers and the target none (sglang sizes the
+        draft's pool from the target's, which then has no sliding-window slot space)."""
         if algorithm is None:
             return None
         if algorithm == "STANDALONE":
             shape = sglang_seam.draft_model_shape(server_args)
+            if shape.family == PoolFamily.SWA and sizing.family not in (
+                PoolFamily.SWA,
+                PoolFamily.DSV4,
+            ):
+                raise ValueError(_sliding_window_draft_refusal(server_args, shape))
             return cls(shape.family, shape.layers, shape.swa_layers)
         family = (
             sizing.family if sizing.family in (PoolFamily.MLA, PoolFamily.DSV4) else PoolFamily.MHA
         )
         return cls(family, _DRAFT_LAYERS)
+
+
+def _sliding_window_draft_refusal(server_args, shape) -> str:
+    """Why a STANDALONE draft with sliding-window layers cannot run behind a target without
+    them, naming both models."""
+    draft = getattr(server_args, "speculative_draft_model_path", None) or server_args.model_path
+    return (
+        f"--speculative-draft-model-path {draft!r} has sliding-window attention layers "
+        f"({shape.swa_layers} of {shape.swa_layers + shape.layers}) but the target "
+        f"(--model-path {server_args.model_path!r}) has none: sglang 0.5.12 sizes a "
+        "STANDALONE draft's KV pool from the target's pool sizes and shares the target's "
+        "token allocator, neither of which has a sliding-window part for such a target, so "
+        "it cannot build this draft's pool (with or without --kv-canary); use a draft model "
+        "without sliding-window layers, or a target with them"
+    )
 
 
 def predicted_groups(
