@@ -19,7 +19,7 @@ from canary_support.script_run import load_support_script
 from canary_support.server_process import ServerProcess, ServerStartError
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=5, suite="stage-a-test-cpu")
 
 # A stand-in server: answers ``status`` to every GET, after forking a child that would outlive
 # it if only the parent were signalled.
@@ -172,6 +172,20 @@ def test_free_port_keeps_out_of_any_ephemeral_range(tmp_path, monkeypatch):
     ranges.write_text("1024 65535\n")
     with pytest.raises(RuntimeError, match="outside the ephemeral range 1024-65535"):
         free_port()
+
+
+def test_each_xdist_worker_picks_ports_of_its_own(monkeypatch):
+    """Two pytest-xdist workers (and the servers they start, which inherit the variables)
+    pick from disjoint shares of the range: worker i of n only ports congruent to i modulo
+    n; outside xdist any port."""
+    for worker, count in (("gw0", "2"), ("gw1", "2"), ("gw2", "3")):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", count)
+        ports = [free_port() for _ in range(40)]
+        assert {p % int(count) for p in ports} == {int(worker[2:])}, (worker, ports)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
+    assert len({p % 2 for p in (free_port() for _ in range(60))}) == 2
 
 
 def test_free_port_never_returns_a_port_twice_in_one_process(monkeypatch):

@@ -193,6 +193,16 @@ def _ephemeral_range() -> Tuple[int, int]:
         return 32768, 60999
 
 
+def _xdist_worker_share() -> Tuple[int, int]:
+    """``(worker index, worker count)`` of the pytest-xdist worker this process runs under
+    (or was started by: the variables are inherited), ``(0, 1)`` outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 0:
+        return int(worker[2:]) % int(count), int(count)
+    return 0, 1
+
+
 def free_port() -> int:
     """A free port for a test server to listen on (its HTTP port, its ``nccl_port``) in
     [20000, 55000) and outside the kernel's ephemeral range (sglang 0.5.12 refuses a port
@@ -200,7 +210,9 @@ def free_port() -> int:
     is an ephemeral port that is free when picked and bound only later by torch's rendezvous
     store; in between any process's outgoing connection may be given it (``EADDRINUSE`` at
     start-up, seen in CI with the suites' servers side by side). No port is returned twice in
-    one process (a plan of servers picked before any starts would otherwise share one)."""
+    one process (a plan of servers picked before any starts would otherwise share one), and
+    under pytest-xdist each worker (and the processes it starts) picks from its own residue
+    class modulo the number of workers, so two workers never pick the same port either."""
     low, high = _ephemeral_range()
     ranges = [(a, b) for a, b in ((20000, min(low, 55000)), (max(high + 1, 20000), 55000)) if a < b]
     if not ranges:
@@ -209,9 +221,13 @@ def free_port() -> int:
             f"({_PORT_RANGE_FILE})"
         )
     pick = random.Random()  # not a caller's seeded RNG: two runs must not collide
+    residue, modulus = _xdist_worker_share()
     for _ in range(200):
         a, b = pick.choice(ranges)
         port = pick.randrange(a, b)
+        port -= (port - residue) % modulus  # this worker's share of the range
+        if port < a:
+            continue
         with _HANDED_OUT_LOCK:
             if port in _HANDED_OUT:
                 continue
