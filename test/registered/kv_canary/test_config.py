@@ -16,7 +16,7 @@ from sglang.srt.kv_canary.envs import MAX_RING_CAPACITY, MAX_STEP_INTERVAL, Cana
 from sglang.srt.kv_canary.perturb.config import FaultKind, PerturbConfig
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-test-cpu")
 
 
 def _args(**kw):

@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 

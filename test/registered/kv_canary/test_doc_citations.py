@@ -15,7 +15,7 @@ import pytest
 
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-test-cpu")
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 CITATION = re.compile(r'docs/(\w+\.md),\s+"([^"]+)"')

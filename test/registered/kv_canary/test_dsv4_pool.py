@@ -19,7 +19,7 @@ from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers, supported_p
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 

@@ -22,7 +22,7 @@ from sglang.srt.kv_canary.testing.server_harness import (
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=280, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 

@@ -40,7 +40,7 @@ from sglang.jit_kernel.kv_canary import (
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-test-cpu")
 
 PKG_DIR = os.path.dirname(os.path.abspath(pkg.__file__))
 PKG_NAME = "sglang.jit_kernel.kv_canary"

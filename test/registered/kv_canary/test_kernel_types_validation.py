@@ -30,7 +30,7 @@ from validation_cases import (
     make_context,
 )
 
-register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-test-cpu")
 
 
 # =============================================================================================

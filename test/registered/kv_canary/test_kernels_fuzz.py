@@ -45,7 +45,7 @@ from sglang.jit_kernel.kv_canary import (
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
 NUM_SEEDS = 24
 

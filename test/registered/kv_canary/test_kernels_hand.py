@@ -67,7 +67,7 @@ from kernel_oracle import (
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=18, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
 
 def test_hash_primitives_match_spec():

@@ -48,7 +48,7 @@ from validation_cases import (
     make_context,
 )
 
-register_cpu_ci(est_time=12, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-test-cpu")
 
 
 def test_baselines_are_accepted(launchers):

@@ -27,7 +27,7 @@ from sglang.jit_kernel.kv_canary import VerifyOrWriteContext, VerifyPlan, WriteP
 from sglang.test.ci.ci_register import register_cpu_ci
 from validation_cases import CPU, META, I64, I32, noncontig, named
 
-register_cpu_ci(est_time=8, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-test-cpu")
 
 
 # =============================================================================================

@@ -34,7 +34,7 @@ from sglang.srt.kv_canary.runner.violation_record import (
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=5, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 

@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=8, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 

@@ -18,7 +18,7 @@ from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-test-cpu")
 
 
 @pytest.fixture(scope="module")
