@@ -15,12 +15,9 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernel_oracle import IMPLS, make_impl  # noqa: E402  (imports the kernels: after the above)
-from canary_support.ci_order import longest_files_first  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    # the longest files first, for xdist's two workers (canary_support/ci_order.py)
-    items[:] = longest_files_first(items, lambda item: item.path)
     if HAS_CUDA:
         return
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
