@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The extra device bundle the GPU suite's NSA lane needs (docs/architecture.md, "Tests"):
+# The extra device bundle the GPU suite's NSA lane needs (docs/testing.md, "The CPU suite"):
 # FlashMLA's ops from the sglang-kernel wheel (bundle b drops them), sgl-deep-gemm and einops
 # (NSA's indexer). Run on the development machine, from the repository root, after
 # `bash ../shared/device/bundle.sh`:

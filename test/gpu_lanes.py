@@ -1,22 +1,26 @@
-"""The GPU suite as lanes on one GPU, derived from the test files' own CI declarations
-(docs/architecture.md, "Tests").
+"""The GPU suite as lanes over the machine's GPUs, derived from the test files' own CI
+declarations (docs/testing.md, "The GPU suite").
 
 Every test file under ``test/registered/kv_canary`` declares its CI suites the way sglang's
 ``test/registered/`` files do (``sglang.test.ci.ci_register``): ``register_cpu_ci(...)`` and,
-when it holds ``cuda``-marked tests, one ``register_cuda_ci(est_time=..., ...)``. A CUDA file
-is one lane (named after the file: ``test_e2e_swa_gpu.py`` -> ``e2e_swa_gpu``), or, when it
-also assigns a module-level ``GPU_LANES = {name: (pytest -k expression, est. seconds)}``, one
-lane per entry. Each lane is one ``pytest -m cuda`` process; lanes run side by side, longest
-first, at most ``--jobs`` at once; a lane declared ``(expression, seconds, "alone")`` runs by
-itself after all the others (it needs the GPU's memory to itself).
+when it holds ``cuda``-marked tests, one ``register_cuda_ci(est_time=..., runner_config=...)``
+(``"2-gpu..."``: its tests need two GPUs). A CUDA file is one lane (named after the file:
+``test_e2e_swa_gpu.py`` -> ``e2e_swa_gpu``), or, when it also assigns a module-level
+``GPU_LANES = {name: (pytest -k expression, est. seconds[, options])}``, one lane per entry;
+``options`` is ``"alone"`` or a dict ``{"alone": bool, "gpus": int}`` (default: not alone, the
+file's runner_config GPUs). Each lane is one ``pytest -m cuda`` process on the GPUs it is given
+(``CUDA_VISIBLE_DEVICES``); placement, "alone" lanes and lanes needing more GPUs than there are:
+``gpu_lanes_run.py``.
 
-    python3 test/gpu_lanes.py                 # every lane; exit 0 only if every lane passed
+    python3 test/gpu_lanes.py                 # every lane; exit 0 only if none failed
     python3 test/gpu_lanes.py e2e_swa_gpu hicache_mla   # only these lanes
-    python3 test/gpu_lanes.py --list          # lanes, files, selections, estimates
+    python3 test/gpu_lanes.py --gpus 0,1      # these GPUs (default: $CUDA_VISIBLE_DEVICES,
+                                              # else every GPU nvidia-smi lists)
+    python3 test/gpu_lanes.py --list          # lanes, files, selections, estimates, GPUs
     python3 test/gpu_lanes.py --check         # collect only: every cuda test in one lane
 
-Each lane prints one line when it ends (``lane NAME: N passed, M failed, S s``) and the lines
-are printed together at the end. Logs: ``--out`` (default ``$OUT`` or ``gpu_lanes_out``).
+Each lane prints one line when it ends (``lane NAME: N passed, M failed, S s, GPU g``) and the
+lines are printed together at the end. Logs: ``--out`` (default ``$OUT`` or ``gpu_lanes_out``).
 
 Before the lanes, the import path (``$PYTHONPATH``'s directories and this project's ``python/``)
 is byte-compiled once. The device's bundles install sglang and its dependencies without
@@ -25,32 +29,43 @@ suite's few hundred processes (pytest, each server's engine, scheduler and detok
 compiles sglang's sources again: tens of CPU seconds each, on a machine the lanes keep
 CPU-bound (``--no-precompile`` skips it).
 
-While the lanes run, :class:`CpuAccount` adds up where the CPU time goes (by kind of process and
-by lane; printed before the lane lines, written to ``OUT/cpu_account.json``; the suite is bound
-by CPU, docs/architecture.md, "Registration and the GPU lanes"); ``--no-cpu-account`` skips it.
+While the lanes run, :class:`CpuAccount` (``gpu_lanes_cpu_account.py``) adds up where the CPU
+time goes (by kind of process and by lane; printed before the lane lines, written to
+``OUT/cpu_account.json``); ``--no-cpu-account`` skips it.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import json
 import os
 import pathlib
 import re
-import subprocess
 import sys
-import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from gpu_lanes_cpu_account import CPU_KINDS, CpuAccount, cpu_kind, format_cpu_report  # noqa: F401
+from gpu_lanes_run import (  # noqa: F401
+    GpuDiscoveryError,
+    GpuPlacer,
+    Lane,
+    LaneResult,
+    parse_gpus,
+    parse_pytest_counts,
+    parse_pytest_progress,
+    run_lanes,
+    visible_gpus,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TEST_DIR = REPO / "test" / "registered" / "kv_canary"
 LANES_VAR = "GPU_LANES"
-# a GPU_LANES entry's third element: the lane runs alone, after every other lane (it measures
-# the GPU's memory, or sizes a server from the GPU's free memory)
+# a GPU_LANES entry's options: "alone" (no other lane on its GPUs: it measures the GPU's memory,
+# or sizes a server from the GPU's free memory), or a dict of these keys
 ALONE = "alone"
+OPTION_KEYS = {"alone": bool, "gpus": int}
 # test/gpu_lanes.sh lists the lanes between these lines, rendered from the declarations
 # (``--sync-sh`` rewrites it; ``--check`` fails while it is stale)
 LANES_SH = REPO / "test" / "gpu_lanes.sh"
@@ -60,42 +75,6 @@ SH_END = "# (end of lanes)"
 
 class LaneDeclarationError(ValueError):
     """A test file's CI declarations do not make a lane set (named file and what is wrong)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Lane:
-    name: str
-    file: pathlib.Path
-    select: Optional[str]  # pytest -k expression; None: the whole file
-    est_seconds: float
-    alone: bool = False  # runs by itself, after the other lanes
-
-    def pytest_args(self) -> List[str]:
-        path = self.file.relative_to(REPO) if self.file.is_relative_to(REPO) else self.file
-        args = [str(path), "-m", "cuda"]
-        return args + (["-k", self.select] if self.select else [])
-
-
-@dataclasses.dataclass(frozen=True)
-class LaneResult:
-    name: str
-    passed: int
-    failed: int
-    seconds: float
-    returncode: Optional[int]  # None: stopped at the lane's time limit
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0 and self.failed == 0 and self.passed > 0
-
-    def line(self) -> str:
-        tail = "" if self.returncode is not None else " (timed out)"
-        if self.returncode not in (0, None) and self.failed == 0:
-            tail = f" (pytest exit {self.returncode})"
-        return (
-            f"lane {self.name}: {self.passed} passed, {self.failed} failed, "
-            f"{self.seconds:.0f} s{tail}"
-        )
 
 
 def test_files(test_dir: pathlib.Path = TEST_DIR) -> List[pathlib.Path]:
@@ -126,17 +105,48 @@ def _module_lanes(path: pathlib.Path, tree: ast.Module) -> Optional[Dict[str, tu
                     and len(v) in (2, 3)
                     and isinstance(v[0], str)
                     and isinstance(v[1], (int, float))
-                    and (len(v) == 2 or v[2] == ALONE)
                     for k, v in value.items()
                 )
             ):
                 raise LaneDeclarationError(
                     f"{path.name}: {LANES_VAR} must map each lane name to a "
-                    f"(-k expression, estimated seconds) pair, or a triple ending in "
-                    f"{ALONE!r} for a lane that needs the GPU to itself; got {value!r}"
+                    f"(-k expression, estimated seconds[, options]) tuple; got {value!r}"
                 )
+            for name, v in value.items():
+                _lane_options(path, name, v[2] if len(v) == 3 else {})
             return value
     return None
+
+
+def _lane_options(path: pathlib.Path, name: str, options) -> Dict[str, object]:
+    """A ``GPU_LANES`` entry's options as a dict of :data:`OPTION_KEYS`."""
+    if options == ALONE:
+        return {"alone": True}
+    if isinstance(options, dict) and all(
+        k in OPTION_KEYS and type(v) is OPTION_KEYS[k] for k, v in options.items()
+    ):
+        if options.get("gpus", 1) < 1:
+            raise LaneDeclarationError(f"{path.name}: lane {name}: gpus must be >= 1")
+        return dict(options)
+    raise LaneDeclarationError(
+        f"{path.name}: lane {name}: options must be {ALONE!r} (no other lane on its GPUs) or a "
+        f"dict of {', '.join(f'{k!r}: {t.__name__}' for k, t in OPTION_KEYS.items())}; "
+        f"got {options!r}"
+    )
+
+
+def runner_gpus(path: pathlib.Path, runner_config: Optional[str]) -> int:
+    """The GPUs a ``register_cuda_ci(runner_config=...)`` asks for: sglang's runner names start
+    with the count (``"1-gpu-small"``, ``"2-gpu"``, ``"4-gpu-h100"``); none given: one."""
+    if runner_config is None:
+        return 1
+    m = re.match(r"^(\d+)-gpu", runner_config)
+    if m is None or int(m.group(1)) < 1:
+        raise LaneDeclarationError(
+            f"{path.name}: runner_config {runner_config!r} does not start with a GPU count "
+            "(like '1-gpu-small' or '2-gpu')"
+        )
+    return int(m.group(1))
 
 
 def ci_register():
@@ -176,16 +186,30 @@ def lanes_of_file(path: pathlib.Path) -> List[Lane]:
         raise LaneDeclarationError(
             f"{path.name}: {len(cuda)} register_cuda_ci calls; one per file (its lanes split it)"
         )
+    gpus = runner_gpus(path, cuda[0].runner_config)
     if declared is None:
         stem = path.stem[len("test_") :]
-        return [Lane(stem, path, None, cuda[0].est_time)]
+        return [Lane(stem, path, None, cuda[0].est_time, gpus=gpus)]
     total = sum(v[1] for v in declared.values())
     if abs(total - cuda[0].est_time) > 1e-6:
         raise LaneDeclarationError(
             f"{path.name}: register_cuda_ci(est_time={cuda[0].est_time:g}) but its lanes "
             f"add up to {total:g} s; est_time is the whole file's time"
         )
-    return [Lane(name, path, v[0], v[1], alone=len(v) == 3) for name, v in declared.items()]
+    lanes = []
+    for name, v in declared.items():
+        options = _lane_options(path, name, v[2] if len(v) == 3 else {})
+        lanes.append(
+            Lane(
+                name,
+                path,
+                v[0],
+                v[1],
+                alone=bool(options.get("alone", False)),
+                gpus=int(options.get("gpus", gpus)),
+            )
+        )
+    return lanes
 
 
 def all_lanes(files: Optional[Sequence[pathlib.Path]] = None) -> List[Lane]:
@@ -206,7 +230,8 @@ def sh_listing(lanes: Sequence[Lane]) -> str:
     rows = [
         f"#   {lane.name:<20} {lane.pytest_args()[0]}"
         + (f" -k {lane.select}" if lane.select else "")
-        + (" (alone, after the others)" if lane.alone else "")
+        + (f" ({lane.gpus} GPUs)" if lane.gpus > 1 else "")
+        + (" (alone: no other lane on its GPU)" if lane.alone else "")
         for lane in lanes
     ]
     return "\n".join([SH_BEGIN, *rows, SH_END])
@@ -228,281 +253,6 @@ def sh_listing_stale(lanes: Sequence[Lane]) -> bool:
 
 def sync_sh(lanes: Sequence[Lane]) -> None:
     LANES_SH.write_text(_sh_with_listing(LANES_SH.read_text(), sh_listing(lanes)))
-
-
-_COUNT_RE = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected)")
-
-
-def parse_pytest_counts(output: str) -> Dict[str, int]:
-    """Counts from pytest's closing summary line (``== 3 passed, 1 failed in 12.3s ==``);
-    errors count as failures. Empty dict when no summary line is found."""
-    for line in reversed(output.splitlines()):
-        if re.search(r"\b(passed|failed|errors?|no tests ran)\b", line) and " in " in line:
-            counts: Dict[str, int] = {}
-            for n, word in _COUNT_RE.findall(line):
-                key = "failed" if word.startswith("error") else word
-                counts[key] = counts.get(key, 0) + int(n)
-            return counts
-    return {}
-
-
-_PROGRESS_RE = re.compile(r"^([.FEsxX]+)\s*(\[\s*\d+%\])?$")
-
-
-def parse_pytest_progress(output: str) -> Dict[str, int]:
-    """Counts from ``pytest -q``'s progress characters, for a run stopped before its closing
-    line (``.`` passed, ``F`` / ``E`` failed)."""
-    chars = "".join(m.group(1) for m in map(_PROGRESS_RE.match, output.splitlines()) if m)
-    return {"passed": chars.count("."), "failed": chars.count("F") + chars.count("E")}
-
-
-# process kinds of the CPU account, first match wins: (kind, where, pattern); ``comm`` is the
-# kernel's name of the executable, ``cmd`` the command line (sglang retitles its subprocesses)
-CPU_KINDS = (
-    ("scheduler", "cmd", re.compile(r"sglang::scheduler")),
-    ("detokenizer", "cmd", re.compile(r"sglang::detokenizer")),
-    (
-        "native compiler",
-        "comm",
-        re.compile(
-            r"^(cicc|ptxas|nvcc|nvlink|fatbinary|nvdisasm|cc1|cc1plus|gcc|g\+\+|c\+\+|as|ld|"
-            r"collect2|ninja)$"
-        ),
-    ),
-    ("pytest", "cmd", re.compile(r"-m pytest")),
-    ("engine (workload, demo)", "cmd", re.compile(r"e2e_support/|kv_canary\.demo")),
-)
-
-
-def cpu_kind(comm: str, cmd: str) -> str:
-    for kind, where, pattern in CPU_KINDS:
-        if pattern.search(comm if where == "comm" else cmd):
-            return kind
-    return "other"
-
-
-@dataclasses.dataclass
-class _Seen:
-    ppid: int
-    cpu_s: float  # user + system, at the last sample
-    first_s: float  # monotonic time of the first and the last sample that saw it
-    last_s: float
-    kind: str
-    lane: Optional[str]
-    command: str  # the command line, digits blanked, at most 90 characters
-
-
-class CpuAccount:
-    """Where the suite's CPU time goes: samples ``/proc`` every ``interval`` seconds while the
-    lanes run and adds up each process's user + system time by kind (:data:`CPU_KINDS`) and by
-    lane (the lane whose pytest it descends from). A process's time after its last sample is
-    lost (at most ``interval`` s each). Linux only; elsewhere it records nothing."""
-
-    def __init__(self, interval: float = 2.0):
-        self.interval = interval
-        self.lane_roots: Dict[int, str] = {}
-        self.seen: Dict[int, _Seen] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        self.t0 = time.monotonic()
-
-    def add_lane(self, pid: int, name: str) -> None:
-        self.lane_roots[pid] = name
-
-    def start(self) -> "CpuAccount":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
-
-    def _lane_of(self, pid: int, ppids: Dict[int, int]) -> Optional[str]:
-        for _ in range(32):
-            if pid in self.lane_roots:
-                return self.lane_roots[pid]
-            pid = ppids.get(pid, self.seen[pid].ppid if pid in self.seen else 0)
-            if pid <= 1:
-                return None
-        return None
-
-    def sample(self) -> None:
-        now = time.monotonic()
-        stats: Dict[int, Tuple[int, float, str, str]] = {}
-        for entry in pathlib.Path("/proc").iterdir() if pathlib.Path("/proc").is_dir() else ():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:  # gone between the listing and the read
-                continue
-            comm = stat[stat.find("(") + 1 : stat.rfind(")")]
-            fields = stat[stat.rfind(")") + 2 :].split()
-            # fields[0] is the state (stat's 3rd field): ppid 4th, utime 14th, stime 15th
-            cpu = (int(fields[11]) + int(fields[12])) / self._tick
-            stats[int(entry.name)] = (int(fields[1]), cpu, comm, cmd)
-        ppids = {pid: v[0] for pid, v in stats.items()}
-        for pid, (ppid, cpu, comm, cmd) in stats.items():
-            old = self.seen.get(pid)
-            kind = cpu_kind(comm, cmd)
-            command = re.sub(r"\d+", "N", (cmd or f"[{comm}]").strip())[:90]
-            if old is None:
-                self.seen[pid] = _Seen(
-                    ppid, cpu, now, now, kind, self._lane_of(pid, ppids), command
-                )
-            else:
-                old.cpu_s, old.last_s, old.kind, old.command = cpu, now, kind, command
-                old.lane = old.lane or self._lane_of(pid, ppids)
-
-    def report(self) -> dict:
-        """``{"seconds", "cores", "cpu_s", "kinds": {kind: {processes, cpu_s, alive_s,
-        top}}, "lanes": {lane: cpu_s}}`` of the processes seen while the lanes ran (the lanes'
-        own); ``top``: the kind's three costliest command lines, ``[command, processes,
-        cpu_s]``."""
-        mine = [s for s in self.seen.values() if s.lane is not None]
-        kinds: Dict[str, dict] = {}
-        lanes: Dict[str, float] = {}
-        commands: Dict[Tuple[str, str], List[float]] = {}
-        for s in mine:
-            k = kinds.setdefault(s.kind, dict(processes=0, cpu_s=0.0, alive_s=0.0))
-            k["processes"] += 1
-            k["cpu_s"] += s.cpu_s
-            k["alive_s"] += s.last_s - s.first_s
-            lanes[s.lane] = lanes.get(s.lane, 0.0) + s.cpu_s
-            c = commands.setdefault((s.kind, s.command), [0, 0.0])
-            c[0] += 1
-            c[1] += s.cpu_s
-        for kind, k in kinds.items():
-            top = sorted(
-                ((cmd, n, cpu) for (kd, cmd), (n, cpu) in commands.items() if kd == kind),
-                key=lambda t: -t[2],
-            )[:3]
-            k["top"] = [[cmd, n, round(cpu, 1)] for cmd, n, cpu in top]
-        return dict(
-            seconds=time.monotonic() - self.t0,
-            cores=os.cpu_count(),
-            cpu_s=sum(s.cpu_s for s in mine),
-            kinds=dict(sorted(kinds.items(), key=lambda kv: -kv[1]["cpu_s"])),
-            lanes=dict(sorted(lanes.items(), key=lambda kv: -kv[1])),
-        )
-
-
-def format_cpu_report(rep: dict) -> str:
-    share = rep["cpu_s"] / max(1e-9, rep["seconds"] * (rep["cores"] or 1))
-    lines = [
-        f"gpu_lanes CPU: {rep['cpu_s']:.0f} CPU-s in {rep['seconds']:.0f} s on "
-        f"{rep['cores']} cores ({share:.0%} of the machine)"
-    ]
-    for kind, k in rep["kinds"].items():
-        busy = k["cpu_s"] / k["alive_s"] if k["alive_s"] else 0.0
-        lines.append(
-            f"  {kind}: {k['processes']} processes, {k['cpu_s']:.0f} CPU-s "
-            f"({busy:.0%} of their {k['alive_s']:.0f} s alive)"
-        )
-        lines += [f"    {cpu:.0f} CPU-s, {n} x {cmd}" for cmd, n, cpu in k.get("top", ())]
-    lines.append("  by lane: " + ", ".join(f"{n} {s:.0f}" for n, s in rep["lanes"].items()))
-    return "\n".join(lines)
-
-
-def run_lane(
-    lane: Lane, out_dir: pathlib.Path, timeout: float, account: Optional[CpuAccount] = None
-) -> LaneResult:
-    log = out_dir / f"{lane.name}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-ra",
-        "-p",
-        "no:cacheprovider",
-        "--tb=short",
-        "-o",
-        "addopts=",
-        "--durations=0",
-        *lane.pytest_args(),
-    ]
-    t0 = time.monotonic()
-    with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        if account is not None:
-            account.add_lane(proc.pid, lane.name)
-        try:
-            rc: Optional[int] = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            rc = None
-    seconds = time.monotonic() - t0
-    text = log.read_text(errors="replace")
-    counts = parse_pytest_counts(text) or parse_pytest_progress(text)
-    return LaneResult(lane.name, counts.get("passed", 0), counts.get("failed", 0), seconds, rc)
-
-
-def run_lanes(
-    lanes: Sequence[Lane],
-    *,
-    jobs: int,
-    timeout: float,
-    out_dir: pathlib.Path,
-    account: Optional[CpuAccount] = None,
-) -> List[LaneResult]:
-    """Run ``lanes`` longest first, ``jobs`` at a time, then the ``alone`` lanes one by one;
-    print each lane's line as it ends."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shared = [lane for lane in lanes if not lane.alone]
-    results = _run_queue(shared, jobs=jobs, timeout=timeout, out_dir=out_dir, account=account)
-    results += _run_queue(
-        [lane for lane in lanes if lane.alone],
-        jobs=1,
-        timeout=timeout,
-        out_dir=out_dir,
-        account=account,
-    )
-    order = {lane.name: i for i, lane in enumerate(lanes)}
-    return sorted(results, key=lambda r: order[r.name])
-
-
-def _run_queue(
-    lanes: Sequence[Lane],
-    *,
-    jobs: int,
-    timeout: float,
-    out_dir: pathlib.Path,
-    account: Optional[CpuAccount],
-) -> List[LaneResult]:
-    queue = sorted(lanes, key=lambda lane: (-lane.est_seconds, lane.name))
-    results: List[LaneResult] = []
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not queue:
-                    return
-                lane = queue.pop(0)
-            result = run_lane(lane, out_dir, timeout, account)
-            with lock:
-                results.append(result)
-                print(result.line(), flush=True)
-
-    threads = [threading.Thread(target=worker) for _ in range(max(1, jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
 
 
 class _Collector:
@@ -618,9 +368,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--timeout",
         type=float,
         default=float(os.environ.get("GPU_LANES_TIMEOUT", 600)),
-        help="seconds per lane before it is stopped (default 600)",
+        help="seconds per lane before it is stopped, or twice its estimate when longer "
+        "(default 600)",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_lanes_out"))
+    parser.add_argument(
+        "--gpus",
+        default=os.environ.get("GPU_LANES_GPUS"),
+        help="GPUs to spread the lanes over: a count or ids (0,1); default: $GPU_LANES_GPUS, "
+        "else $CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists",
+    )
     parser.add_argument(
         "--test-dir",
         type=pathlib.Path,
@@ -648,6 +405,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.jobs < 1 or args.timeout <= 0:
         parser.error("--jobs must be >= 1 and --timeout > 0")
+    gpus: Tuple[str, ...] = ()
+    if args.gpus is not None:
+        try:
+            gpus = parse_gpus(args.gpus)
+        except ValueError as e:
+            parser.error(str(e))
     t0 = time.monotonic()
     if not (args.list or args.check or args.sync_sh or args.no_precompile):
         dirs = import_path_dirs()
@@ -682,8 +445,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         lanes = [lane for lane in lanes if lane.name in set(args.lanes)]
     if args.list:
         for lane in lanes:
-            print(f"{lane.name}\t{lane.est_seconds:g}s\t{' '.join(lane.pytest_args())}")
+            flags = ("alone, " if lane.alone else "") + f"{lane.gpus} GPU"
+            print(f"{lane.name}\t{lane.est_seconds:g}s\t{flags}\t{' '.join(lane.pytest_args())}")
         return 0
+    if not gpus:
+        try:
+            gpus = visible_gpus()
+        except GpuDiscoveryError as e:
+            print(f"gpu_lanes: {e}", file=sys.stderr)
+            return 2
+    print(f"gpu_lanes: {len(lanes)} lanes over GPU(s) {','.join(gpus)}, {args.jobs} at once")
     out_dir = pathlib.Path(args.out)
     # a server compiling with torch's inductor would otherwise start a pool of compile workers,
     # a process per core, each importing torch: on a machine the lanes keep CPU-bound, compiling
@@ -691,7 +462,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     account = None if args.no_cpu_account else CpuAccount().start()
     results = run_lanes(
-        lanes, jobs=args.jobs, timeout=args.timeout, out_dir=out_dir, account=account
+        lanes, jobs=args.jobs, timeout=args.timeout, out_dir=out_dir, gpus=gpus, account=account
     )
     if account is not None:
         account.stop()
@@ -699,12 +470,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         (out_dir / "cpu_account.json").write_text(json.dumps(rep, indent=1))
         print(format_cpu_report(rep))
     print("\n".join(["", "== GPU lanes =="] + [r.line() for r in results]))
-    bad = [r.name for r in results if not r.ok]
-    print(
-        f"gpu_lanes: {len(results) - len(bad)} of {len(results)} lanes passed in "
-        f"{time.monotonic() - t0:.0f} s" + (f"; failed: {', '.join(bad)}" if bad else "")
+    print(summary_line(results, time.monotonic() - t0, gpus))
+    return 1 if any(not r.ok and r.skipped is None for r in results) else 0
+
+
+def summary_line(results: Sequence[LaneResult], seconds: float, gpus: Sequence[str]) -> str:
+    """``gpu_lanes: P of N lanes passed in S s on G GPUs (ids)[; failed: ...][; skipped: ...]``:
+    the suite's last line. A skipped lane (more GPUs than here) is neither passed nor failed."""
+    ran = [r for r in results if r.skipped is None]
+    bad = [r.name for r in ran if not r.ok]
+    skipped = [f"{r.name} ({r.skipped})" for r in results if r.skipped is not None]
+    return (
+        f"gpu_lanes: {len(ran) - len(bad)} of {len(ran)} lanes passed in {seconds:.0f} s on "
+        f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''} ({','.join(gpus)})"
+        + (f"; failed: {', '.join(bad)}" if bad else "")
+        + (f"; skipped: {', '.join(skipped)}" if skipped else "")
     )
-    return 1 if bad else 0
 
 
 if __name__ == "__main__":

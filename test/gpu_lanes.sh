@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU suite on one GPU, as lanes derived from the test files' register_cuda_ci
-# declarations (test/gpu_lanes.py; docs/architecture.md, "Tests"). On the device machine, from
+# The whole GPU suite over the GPUs, as lanes derived from the test files' register_cuda_ci
+# declarations (test/gpu_lanes.py; docs/testing.md, "The GPU suite"). On the device machine, from
 # the repository root, after the bundles are installed:
 #   bash test/gpu_lanes.sh                  # every lane; one line per lane, then all together
 #   bash test/gpu_lanes.sh e2e_swa_gpu hicache_mla   # only the lanes named (--list: the names)
@@ -44,9 +44,11 @@
 #   spec_standalone_faults test/registered/kv_canary/test_e2e_speculative_gpu.py -k standalone and every_fault
 #   spec_standalone_radix_keys test/registered/kv_canary/test_e2e_speculative_gpu.py -k standalone and radix_keys
 #   e2e_swa_gpu          test/registered/kv_canary/test_e2e_swa_gpu.py
+#   tp2_clean            test/registered/kv_canary/test_e2e_tp_gpu.py -k clean (2 GPUs)
+#   tp2_fault            test/registered/kv_canary/test_e2e_tp_gpu.py -k fault (2 GPUs)
 #   kernels_cuda_graph   test/registered/kv_canary/test_kernels_cuda_graph.py
 #   memory_gpu           test/registered/kv_canary/test_memory_gpu.py -k not alone_on_the_gpu
-#   memory_gpu_alone     test/registered/kv_canary/test_memory_gpu.py -k alone_on_the_gpu (alone, after the others)
+#   memory_gpu_alone     test/registered/kv_canary/test_memory_gpu.py -k alone_on_the_gpu (alone: no other lane on its GPU)
 #   runtime_cuda         test/registered/kv_canary/test_runtime_cuda.py
 # (end of lanes)
 exec python3 "$(dirname "$0")/gpu_lanes.py" "$@"

@@ -3,7 +3,8 @@
 with the canary off and on at the same ``--mem-fraction-static``: the canary's bytes by part
 (``/server_info``), the pool's tokens (``max_total_num_tokens``) and the GPU's memory in use,
 idle after start-up and at its peak while a workload fills the pool; then a server started at a
-fraction that leaves under 1 GiB of the GPU free, with token checks on, filling its pool.
+fraction that leaves under 1 GiB of the GPU free, with token checks on, filling its pool with
+long prompts, and the canary-off server at the same fraction as its control.
 
 One server at a time, alone on the GPU: the memory figures are the GPU's (``cudaMemGetInfo``,
 sampled every 20 ms by the Engine's process, whose own CUDA context is the same for every
@@ -63,6 +64,14 @@ CONFIGS: Dict[str, tuple] = {
 TIGHT_CONFIG = "raise+token"
 TIGHT_FREE = 0.6 * GIB  # what the tight server aims to leave free
 TIGHT_LIMIT = 1 * GIB  # and must leave less than
+# the tight servers' workload: so few, long prompts that at most this many requests decode at
+# once, whatever the pool's size. sglang's own memory outside the pool grows with the running
+# batch (the logits of a decode step, float32 [requests, vocabulary]: 0.58 MiB a request for
+# this model), so with short prompts a larger GPU's larger pool runs more requests at once and
+# needs more free memory than 1 GiB, with the canary off too (benchmark/results/memory.md)
+TIGHT_CONCURRENCY = 32
+SHORT_ISL = 4000  # the other servers' prompts (and --tight-isl's historical value)
+OSL = 32
 
 
 class GpuSampler:
@@ -99,6 +108,14 @@ def fill_requests(tokens: int, *, isl: int, osl: int, vocab: int, seed: int) -> 
     rng = random.Random(seed)
     n = max(1, math.ceil(1.1 * tokens / (isl + osl)))
     return [[rng.randrange(3, vocab - 1) for _ in range(isl)] for _ in range(n)]
+
+
+def tight_isl(tokens: int, context_len: int, osl: int = OSL) -> int:
+    """Prompt tokens of the tight servers' requests: 110 % of a ``tokens`` pool in requests of
+    which at most :data:`TIGHT_CONCURRENCY` fit in it at once, within the context length
+    (sglang gives a request at most ``context_len - 1`` tokens in all)."""
+    cap = context_len - 1 - osl
+    return max(min(SHORT_ISL, cap), min(cap, math.ceil(tokens / TIGHT_CONCURRENCY) - osl))
 
 
 def child(args) -> None:
@@ -141,7 +158,11 @@ def child(args) -> None:
         info = engine.get_server_info()
         tokens = int(info["max_total_num_tokens"])
         idle = sampler.used() if sampler is not None else None
-        isl, osl = (4000, 32) if sampler is not None else (200, 8)
+        isl, osl = (SHORT_ISL, OSL) if sampler is not None else (200, 8)
+        if args.tight_isl is not None:
+            isl = args.tight_isl
+        elif args.tight and sampler is not None:
+            isl = tight_isl(tokens, MODELS["qwen3-0.6b"]["max_position_embeddings"])
         prompts = fill_requests(tokens, isl=isl, osl=osl, vocab=vocab, seed=1)
         t0 = time.perf_counter()
         outs = engine.generate(
@@ -176,7 +197,7 @@ def child(args) -> None:
 
 
 def run_child(
-    args, name: str, fraction: float, log_path: str, stub_dir: Optional[str]
+    args, name: str, fraction: float, log_path: str, stub_dir: Optional[str], tight: bool
 ) -> Optional[dict]:
     env = dict(os.environ)
     env.pop(TOKEN_ENV, None)
@@ -194,6 +215,10 @@ def run_child(
         "--_fraction",
         str(fraction),
     ] + (["--smoke-cpu"] if args.smoke_cpu else [])
+    if tight:
+        cmd.append("--_tight")
+        if args.tight_isl is not None:
+            cmd += ["--tight-isl", str(args.tight_isl)]
     with open(log_path, "w") as log:
         proc = subprocess.run(
             cmd,
@@ -219,8 +244,12 @@ def _mib(n: Optional[int]) -> str:
     return "-" if n is None else f"{n / (1 << 20):,.0f}"
 
 
+def _role(r: dict) -> str:
+    return " (tight control)" if r.get("control") else " (tight)" if r.get("tight") else ""
+
+
 def table(records: Sequence[dict]) -> str:
-    off = next((r for r in records if r["config"] == "off" and not r.get("tight")), None)
+    off = next((r for r in records if r["config"] == "off" and not _role(r)), None)
     rows = [
         "| config | fraction | canary device MiB (by part) | host MiB | pool tokens | vs off "
         "| GPU used idle MiB | GPU peak MiB | peak vs off | served |",
@@ -234,12 +263,12 @@ def table(records: Sequence[dict]) -> str:
         dev = _mib(mem["device_bytes"]) if mem else "0"
         host = _mib(mem["host_bytes"]) if mem else "0"
         vs = peak_vs = ""
-        if off is not None and r is not off and not r.get("tight"):
+        if off is not None and r is not off and not _role(r):
             vs = f"{r['max_total_num_tokens'] / off['max_total_num_tokens'] - 1:+.3%}"
             if r["gpu_used_peak"] is not None:
                 peak_vs = f"{r['gpu_used_peak'] / off['gpu_used_peak'] - 1:+.3%}"
         rows.append(
-            f"| {r['config']}{' (tight)' if r.get('tight') else ''} | {r['fraction']:.4f} "
+            f"| {r['config']}{_role(r)} | {r['fraction']:.4f} "
             f"| {dev} ({parts}) | {host} | {r['max_total_num_tokens']:,} | {vs} "
             f"| {_mib(r['gpu_used_idle'])} | {_mib(r['gpu_used_peak'])} | {peak_vs} "
             f"| {r['served']}/{r['requests']} |"
@@ -260,12 +289,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default=0.5,
         help="--mem-fraction-static of every server but the tight one",
     )
-    ap.add_argument("--no-tight", action="store_true", help="skip the tight server")
+    ap.add_argument("--no-tight", action="store_true", help="skip the tight servers")
+    ap.add_argument(
+        "--tight-isl",
+        type=int,
+        help="prompt tokens of the tight servers' requests (default: from the pool, so that "
+        f"at most {TIGHT_CONCURRENCY} decode at once; {SHORT_ISL} reproduces the workload "
+        "whose decode batch grows with the GPU)",
+    )
     ap.add_argument("--out", help="JSON lines file (one record per server)")
     ap.add_argument("--child-timeout", type=float, default=900)
     ap.add_argument("--smoke-cpu", action="store_true")
     ap.add_argument("--_child", dest="child", help=argparse.SUPPRESS)
     ap.add_argument("--_fraction", dest="child_fraction", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--_tight", dest="tight", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         args.fraction = args.child_fraction
@@ -278,6 +315,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"--configs: {', '.join(bad) or args.configs!r}: give 'off' first, then any of "
             f"{', '.join(CONFIGS)}"
         )
+    if args.tight_isl is not None and not 1 <= args.tight_isl <= 40000:
+        ap.error(f"--tight-isl {args.tight_isl}: give 1 to 40000 prompt tokens")
     if args.smoke_cpu:
         args.fraction = 0.3
     invocation, gpu = uuid.uuid4().hex[:12], gpu_name(args.smoke_cpu)
@@ -295,47 +334,59 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         flush=True,
     )
     records, failed = [], []
-    plan = [(n, args.fraction, False) for n in names]
+    # (config, fraction, role): role "" a server at --fraction, "tight" the tight canary
+    # server, "control" the canary-off server at the tight one's final fraction
+    plan = [(n, args.fraction, "") for n in names]
     tries = 2  # tight servers started again when the last left TIGHT_LIMIT or more free
+    crashed = {}
     while plan:
-        name, fraction, tight = plan.pop(0)
+        name, fraction, role = plan.pop(0)
         rec = run_child(
             args,
             name,
             fraction,
-            f"{out}.{name.replace('+', '_')}{'_tight' if tight else ''}.log",
+            f"{out}.{name.replace('+', '_')}{'_' + role if role else ''}.log",
             stub_dir,
+            tight=bool(role),
         )
         if rec is None:
-            failed.append(name)
+            crashed[role] = fraction
+            failed.append(f"{name}{' ' + role if role else ''} @ {fraction:.4f} (exited)")
+        else:
+            rec.update(
+                kind="memory",
+                invocation=invocation,
+                gpu=gpu,
+                time=now_utc(),
+                tight=role == "tight",
+                control=role == "control",
+                smoke=args.smoke_cpu,
+            )
+            records.append(rec)
+            append_jsonl(out, rec)
+            print(
+                f"[{name}{' ' + role if role else ''}] {rec['max_total_num_tokens']:,} tokens, "
+                f"idle {_mib(rec['gpu_used_idle'])} MiB, peak {_mib(rec['gpu_used_peak'])} MiB, "
+                f"served {rec['served']}/{rec['requests']} of {rec['prompt_tokens']}+"
+                f"{rec['output_tokens']} tokens",
+                flush=True,
+            )
+        if args.no_tight or args.smoke_cpu:
             continue
-        rec.update(
-            kind="memory",
-            invocation=invocation,
-            gpu=gpu,
-            time=now_utc(),
-            tight=tight,
-            smoke=args.smoke_cpu,
-        )
-        records.append(rec)
-        append_jsonl(out, rec)
-        print(
-            f"[{name}{' tight' if tight else ''}] {rec['max_total_num_tokens']:,} tokens, "
-            f"idle {_mib(rec['gpu_used_idle'])} MiB, peak {_mib(rec['gpu_used_peak'])} MiB, "
-            f"served {rec['served']}/{rec['requests']}",
-            flush=True,
-        )
-        free = (rec["gpu_total"] - rec["gpu_used_idle"]) if rec["gpu_total"] else None
-        if (
-            ((name == "off" and not tight) or (tight and free >= TIGHT_LIMIT and tries))
-            and not args.no_tight
-            and not args.smoke_cpu
-        ):
-            # the fraction that leaves TIGHT_FREE of the GPU free when idle (the pool grows
-            # with the fraction; sglang's other buffers a little: try again from the result)
-            tries -= tight
-            tight_fraction = round(fraction + (free - TIGHT_FREE) / rec["gpu_total"], 4)
-            plan.append((TIGHT_CONFIG, tight_fraction, True))
+        free = None if rec is None else rec["gpu_total"] - rec["gpu_used_idle"]
+        # the fraction that leaves TIGHT_FREE of the GPU free when idle (the pool grows with
+        # the fraction; sglang's other buffers a little: try again from the result)
+        if role == "" and name == "off" and rec is not None:
+            plan.append(
+                (TIGHT_CONFIG, round(fraction + (free - TIGHT_FREE) / rec["gpu_total"], 4), "tight")
+            )
+        elif role == "tight" and rec is not None and free >= TIGHT_LIMIT and tries:
+            tries -= 1
+            plan.append(
+                (TIGHT_CONFIG, round(fraction + (free - TIGHT_FREE) / rec["gpu_total"], 4), "tight")
+            )
+        elif role == "tight":
+            plan.append(("off", fraction, "control"))
     print()
     print(table(records))
     tight = [r for r in records if r.get("tight")]
@@ -350,6 +401,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         if free >= TIGHT_LIMIT:
             failed.append(f"tight (left {free / GIB:.2f} GiB free)")
+    if "tight" in crashed and "control" in crashed:
+        failed.append(
+            "the canary-off control at the same fraction exited too: what ran out is sglang's "
+            "own memory outside the pool, not the canary's (see both logs)"
+        )
     failed += [
         f"{r['config']} (served {r['served']} of {r['requests']})"
         for r in records

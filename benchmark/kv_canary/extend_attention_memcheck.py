@@ -1,7 +1,7 @@
 """sglang 0.5.12's Triton extend attention (``extend_attention_fwd``) on the MLA shapes the
 GPU tests' tiny DeepSeek models give it, without the canary or a server: run under
 ``compute-sanitizer --tool memcheck`` to see whether the kernel itself reads or writes out of
-bounds (docs/architecture.md, "Tests": the HiCache + MLA lane).
+bounds (docs/testing.md, "The CPU suite": the HiCache + MLA lane).
 
     compute-sanitizer --tool memcheck python benchmark/kv_canary/extend_attention_memcheck.py
 

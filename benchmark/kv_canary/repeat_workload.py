@@ -1,7 +1,7 @@
 """Run the HiCache GPU lane's workload (``e2e_support/hicache_workload.py`` with the lane's
 engine arguments) many times at once on one GPU, with the kv_canary plugin not loaded and
 loaded but off, and tabulate how each run ended: how the HiCache + MLA lane's stop was told
-apart from the canary (docs/architecture.md, "Tests"; ``benchmark/results/gpu_suite_h100.md``).
+apart from the canary (docs/testing.md, "The CPU suite"; ``benchmark/results/gpu_suite.md``).
 
     python benchmark/kv_canary/repeat_workload.py --copies 2 --seconds 420
 

@@ -1,4 +1,4 @@
-"""The mutation check's types and shared pieces (docs/architecture.md, "Mutation check"):
+"""The mutation check's types and shared pieces (docs/testing.md, "Mutation check"):
 :class:`Mutant`, the path prefixes, and the speculative forward modes' skipped verify and
 write. The lists are ``mutants_checks.py`` and ``mutants_paths.py``, joined in
 ``mutants.py``."""

@@ -1,4 +1,4 @@
-"""The planted defects of the mutation check (docs/architecture.md, "Mutation check"), read by
+"""The planted defects of the mutation check (docs/testing.md, "Mutation check"), read by
 ``run_mutants.py`` and kept well-formed by ``test/registered/kv_canary/test_mutants_list.py``.
 
 Each :class:`Mutant` is one realistic single defect: replace ``old`` (which must occur exactly

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Mutation check (docs/architecture.md, "Mutation check").
+"""Mutation check (docs/testing.md, "Mutation check").
 
 Plants each single defect listed in ``mutants.py`` into this checkout, one at a time, runs
 the pytest selection that must catch it (``python -m pytest -q -x -p no:warnings

@@ -1,7 +1,7 @@
 """Every test file is registered the way sglang's ``test/registered/`` files are
 (``sglang.test.ci.ci_register``), and the GPU suite's lanes (``test/gpu_lanes.py``), derived
 from the ``register_cuda_ci`` declarations, hold every ``cuda``-marked test exactly once
-(docs/architecture.md, "Tests"). The checks run on this tree and on small planted trees that
+(docs/testing.md, "The CPU suite"). The checks run on this tree and on small planted trees that
 break each rule once."""
 
 from __future__ import annotations
@@ -141,29 +141,18 @@ def test_planted_declaration_errors_name_the_file(tmp_path):
         )
 
 
-def test_an_alone_lane_is_declared_and_runs_by_itself_after_the_others(tmp_path):
-    """A ``GPU_LANES`` entry ending in ``"alone"``: its lane starts once every shared lane has
-    ended, and no other runs beside it; any other third element is refused."""
-    text = GPU_FILE.replace(
-        'register_cuda_ci(est_time=20, suite="gpu")',
-        'register_cuda_ci(est_time=20, suite="gpu")\n'
-        'GPU_LANES = {"one": ("a", 10), "two": ("b", 10, "alone")}',
-    )
-    one, two = gpu_lanes.lanes_of_file(_tree(tmp_path, test_g=text) / "test_g.py")
-    assert (one.alone, two.alone) == (False, True)
-    assert "(alone, after the others)" in gpu_lanes.sh_listing([one, two])
-    bad = text.replace('"alone")', '"solo")')
-    with pytest.raises(gpu_lanes.LaneDeclarationError, match="alone"):
-        gpu_lanes.lanes_of_file(_tree(tmp_path, test_h=bad) / "test_h.py")
-    # stamps: each test writes when it started and ended; the two shared ones each wait (up to
-    # two minutes) for the other to have started, so they pass only if they ran side by side,
-    # whatever the machine's load
+def _stamped_lanes(tmp_path, bodies, *, est=None, alone=None, gpus=None):
+    """A lane per ``{file stem: test body}``: each test writes when it started and ended, and
+    the GPUs it was given (``CUDA_VISIBLE_DEVICES``), to ``tmp_path/stamps``; ``_wait_for(name)``
+    in a body waits (up to two minutes) for that lane to have started. ``est``, ``alone``,
+    ``gpus``: per stem, the lanes' declarations (default 1 s, shared, one GPU)."""
+    est, alone, gpus = est or {}, alone or {}, gpus or {}
     stamps = str(tmp_path / "stamps")
     stamp = (
-        "import pathlib, time\n"
+        "import os, pathlib, time\n"
         "def _stamp(name, what):\n"
         f"    with open({stamps!r}, 'a') as f:\n"
-        "        f.write(f'{name} {what} {time.time()}\\n')\n"
+        "        f.write(f'{name} {what} {time.time()} {os.environ[\"CUDA_VISIBLE_DEVICES\"]}\\n')\n"
         "def _wait_for(name):\n"
         "    for _ in range(1200):\n"
         f"        if f'{{name}} start' in pathlib.Path({stamps!r}).read_text():\n"
@@ -172,11 +161,7 @@ def test_an_alone_lane_is_declared_and_runs_by_itself_after_the_others(tmp_path)
         "    raise AssertionError(f'{name} never started beside this test')\n"
     )
     files = {}
-    for name, body in (
-        ("test_long", "_wait_for('test_short')"),
-        ("test_short", "_wait_for('test_long')"),
-        ("test_solo", "time.sleep(0.5)"),
-    ):
+    for name, body in bodies.items():
         files[name] = GPU_FILE.replace(
             "def test_gpu(x):\n    pass",
             (
@@ -186,17 +171,182 @@ def test_an_alone_lane_is_declared_and_runs_by_itself_after_the_others(tmp_path)
         ).replace(HEADER, HEADER + stamp)
     (tmp_path / "run").mkdir()
     tests = _tree(tmp_path / "run", **files)
-    lanes = [
-        gpu_lanes.Lane(p.stem, p, None, 1, alone=p.stem == "test_solo")
+    return [
+        gpu_lanes.Lane(
+            p.stem,
+            p,
+            None,
+            est.get(p.stem, 1),
+            alone=alone.get(p.stem, False),
+            gpus=gpus.get(p.stem, 1),
+        )
         for p in sorted(tests.glob("test_*.py"))
     ]
-    results = gpu_lanes.run_lanes(lanes, jobs=3, timeout=300, out_dir=tmp_path / "logs")
-    assert all(r.ok for r in results), [r.line() for r in results]
+
+
+def _stamps(tmp_path):
     rows = [line.split() for line in (tmp_path / "stamps").read_text().splitlines()]
-    starts = {n: min(float(t) for m, w, t in rows if m == n and w == "start") for n, _, _ in rows}
-    ends = {n: max(float(t) for m, w, t in rows if m == n and w == "end") for n, _, _ in rows}
+    starts = {n: min(float(t) for m, w, t, _ in rows if m == n and w == "start") for n, *_ in rows}
+    ends = {n: max(float(t) for m, w, t, _ in rows if m == n and w == "end") for n, *_ in rows}
+    gpus = {n: g for n, _, _, g in rows}
+    return starts, ends, gpus
+
+
+def test_an_alone_lane_is_declared_and_on_one_gpu_runs_by_itself_after_the_others(tmp_path):
+    """A ``GPU_LANES`` entry ending in ``"alone"``: on one GPU its lane starts once every
+    shared lane has ended, and no other runs beside it; any other option is refused."""
+    text = GPU_FILE.replace(
+        'register_cuda_ci(est_time=20, suite="gpu")',
+        'register_cuda_ci(est_time=20, suite="gpu")\n'
+        'GPU_LANES = {"one": ("a", 10), "two": ("b", 10, "alone")}',
+    )
+    one, two = gpu_lanes.lanes_of_file(_tree(tmp_path, test_g=text) / "test_g.py")
+    assert (one.alone, two.alone) == (False, True)
+    assert "(alone: no other lane on its GPU)" in gpu_lanes.sh_listing([one, two])
+    bad = text.replace('"alone")', '"solo")')
+    with pytest.raises(gpu_lanes.LaneDeclarationError, match="alone"):
+        gpu_lanes.lanes_of_file(_tree(tmp_path, test_h=bad) / "test_h.py")
+    # the two shared lanes each wait for the other to have started, so they pass only if they
+    # ran side by side, whatever the machine's load
+    lanes = _stamped_lanes(
+        tmp_path,
+        {
+            "test_long": "_wait_for('test_short')",
+            "test_short": "_wait_for('test_long')",
+            "test_solo": "time.sleep(0.5)",
+        },
+        alone={"test_solo": True},
+    )
+    results = gpu_lanes.run_lanes(lanes, jobs=3, timeout=300, out_dir=tmp_path / "logs", gpus=["7"])
+    assert all(r.ok for r in results), [r.line() for r in results]
+    assert all(r.line().endswith(", GPU 7") for r in results), [r.line() for r in results]
+    starts, ends, gpus = _stamps(tmp_path)
     assert starts["test_long"] < ends["test_short"]  # the shared lanes ran side by side
     assert starts["test_solo"] >= max(ends["test_long"], ends["test_short"])
+    assert set(gpus.values()) == {"7"}
+
+
+def test_lanes_spread_over_the_gpus_and_an_alone_lane_starts_first_on_its_own(tmp_path):
+    """Two GPUs: the alone lane's process starts first, on a GPU no other lane uses while it
+    runs (it waits for both shared lanes to have started, so it holds its GPU through them);
+    the shared lanes go to the other GPU; a two-GPU lane gets both once the alone lane has ended; a lane
+    needing more GPUs than there are is skipped, saying so, and fails nothing."""
+    lanes = _stamped_lanes(
+        tmp_path,
+        {
+            "test_a_solo": "_wait_for('test_b'); _wait_for('test_c')",
+            "test_b": "_wait_for('test_c')",
+            "test_c": "_wait_for('test_b')",
+            "test_d_pair": "pass",
+            "test_e_quad": "pass",
+        },
+        alone={"test_a_solo": True},
+        gpus={"test_d_pair": 2, "test_e_quad": 4},
+        est={"test_a_solo": 5, "test_b": 50, "test_c": 40, "test_d_pair": 1},
+    )
+    results = {
+        r.name: r
+        for r in gpu_lanes.run_lanes(
+            lanes, jobs=4, timeout=300, out_dir=tmp_path / "logs", gpus=["0", "1"]
+        )
+    }
+    assert results["test_e_quad"].line() == "lane test_e_quad: skipped (needs 4 GPUs, 2 here)"
+    assert not results["test_e_quad"].ok and results["test_e_quad"].skipped
+    ran = [r for r in results.values() if r.skipped is None]
+    assert all(r.ok for r in ran), [r.line() for r in results.values()]
+    starts, ends, gpus = _stamps(tmp_path)
+    assert results["test_a_solo"].started < min(
+        results["test_b"].started, results["test_c"].started
+    )
+    assert gpus["test_a_solo"] not in (gpus["test_b"], gpus["test_c"])
+    assert gpus["test_b"] == gpus["test_c"]
+    assert gpus["test_d_pair"] == "0,1" and starts["test_d_pair"] >= ends["test_a_solo"]
+    assert results["test_d_pair"].line().endswith(", GPUs 0,1")
+    line = gpu_lanes.summary_line(list(results.values()), 12.0, ["0", "1"])
+    assert line == (
+        "gpu_lanes: 4 of 4 lanes passed in 12 s on 2 GPUs (0,1); "
+        "skipped: test_e_quad (needs 4 GPUs, 2 here)"
+    )
+
+
+def _lane(name, est, **kw):
+    return gpu_lanes.Lane(name, REPO / f"test_{name}.py", None, est, **kw)
+
+
+def test_the_placer_balances_estimated_work_and_keeps_alone_gpus_to_themselves():
+    placer = gpu_lanes.GpuPlacer(["0", "1", "2"])
+    solo = _lane("solo", 300, alone=True)
+    assert placer.place(solo, 0.0, shared_left=True) == ("0",)
+    placer.start(solo, ("0",), 0.0)
+    # a second alone lane would leave the shared lanes one GPU: it may start, a third not
+    solo2 = _lane("solo2", 300, alone=True)
+    assert placer.place(solo2, 0.0, shared_left=True) == ("1",)
+    long, short, mid = _lane("long", 400), _lane("short", 100), _lane("mid", 150)
+    for lane, gpu in ((long, "1"), (short, "2")):  # each to the GPU with no work yet
+        assert placer.place(lane, 0.0, shared_left=True) == (gpu,)
+        placer.start(lane, (gpu,), 0.0)
+    # then to the GPU with the least estimated work left: short's (100 s against 400 s),
+    # and still there once short has overrun its estimate
+    assert placer.place(mid, 0.0, shared_left=True) == ("2",)
+    assert placer.place(mid, 380.0, shared_left=True) == ("2",)
+    placer.start(mid, ("2",), 0.0)  # GPU 2: 250 s left, GPU 1: 400
+    assert placer.place(_lane("next", 10), 0.0, shared_left=True) == ("2",)
+    assert placer.place(_lane("next", 10), 300.0, shared_left=True) == ("2",)  # 0 vs 100
+    # no shared lane on the alone lane's GPU, and an alone lane waits for an idle GPU
+    assert placer.place(_lane("pair", 10, gpus=2), 0.0, shared_left=True) == ("1", "2")
+    assert placer.place(_lane("trio", 10, gpus=3), 0.0, shared_left=True) is None
+    assert placer.place(solo2, 0.0, shared_left=True) is None
+    placer.end(solo, ("0",))
+    assert placer.place(_lane("trio", 10, gpus=3), 0.0, shared_left=True) == ("0", "1", "2")
+    # one GPU: an alone lane waits for the shared lanes, then runs when nothing else does
+    one = gpu_lanes.GpuPlacer(["0"])
+    assert one.place(solo, 0.0, shared_left=True) is None
+    assert one.place(solo, 0.0, shared_left=False) == ("0",)
+    one.start(short, ("0",), 0.0)
+    assert one.place(solo, 0.0, shared_left=False) is None
+
+
+def test_the_gpus_come_from_the_flag_the_environment_or_nvidia_smi(monkeypatch):
+    assert gpu_lanes.parse_gpus("2") == ("0", "1")
+    assert gpu_lanes.parse_gpus("2,3") == ("2", "3")
+    for bad in ("0", "1,1", "1,,2", ""):
+        with pytest.raises(ValueError, match="--gpus"):
+            gpu_lanes.parse_gpus(bad)
+    assert gpu_lanes.visible_gpus({"CUDA_VISIBLE_DEVICES": "3, 1"}) == ("3", "1")
+    with pytest.raises(gpu_lanes.GpuDiscoveryError, match="names no GPU"):
+        gpu_lanes.visible_gpus({"CUDA_VISIBLE_DEVICES": ""})
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(gpu_lanes.GpuDiscoveryError, match="--gpus"):
+        gpu_lanes.visible_gpus({})
+
+
+def test_a_lane_asks_for_gpus_through_its_runner_config_or_its_options(tmp_path):
+    pair_file = GPU_FILE.replace(
+        'register_cuda_ci(est_time=20, suite="gpu")',
+        'register_cuda_ci(est_time=20, stage="base-b", runner_config="2-gpu-h200")',
+    )
+    (lane,) = gpu_lanes.lanes_of_file(_tree(tmp_path, test_p=pair_file) / "test_p.py")
+    assert lane.gpus == 2
+    assert "(2 GPUs)" in gpu_lanes.sh_listing([lane])
+    split = pair_file.replace(
+        'runner_config="2-gpu-h200")',
+        'runner_config="2-gpu-h200")\n'
+        'GPU_LANES = {"one": ("a", 10, {"gpus": 1}), '
+        '"two": ("b", 10, {"alone": True, "gpus": 4})}',
+    )
+    one, two = gpu_lanes.lanes_of_file(_tree(tmp_path, test_s=split) / "test_s.py")
+    assert (one.gpus, one.alone, two.gpus, two.alone) == (1, False, 4, True)
+    for bad, match in (
+        ('{"gpus": 0}', "gpus must be >= 1"),
+        ('{"gpus": "2"}', "options must be"),
+        ('{"cores": 2}', "options must be"),
+    ):
+        text = split.replace('{"gpus": 1}', bad)
+        with pytest.raises(gpu_lanes.LaneDeclarationError, match=match):
+            gpu_lanes.lanes_of_file(_tree(tmp_path, test_bad=text) / "test_bad.py")
+    text = pair_file.replace('"2-gpu-h200"', '"h200-pair"')
+    with pytest.raises(gpu_lanes.LaneDeclarationError, match="GPU count"):
+        gpu_lanes.lanes_of_file(_tree(tmp_path, test_rc=text) / "test_rc.py")
 
 
 @pytest.mark.parametrize(

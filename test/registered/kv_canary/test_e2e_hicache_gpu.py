@@ -9,7 +9,7 @@ evicted, loaded back on the second round) for each variant:
 - ``mha_direct``: page 16, the ``direct`` io backend (``page_first_direct``);
 - ``mla``: a tiny DeepSeek-V2 with DeepSeek-V3's MLA dims (``MLATokenToKVPoolHost``), page 1,
   sglang's defaults. Not the tiny model's own dims of 32: with those, sglang 0.5.12 itself
-  stops now and then under load with the plugin not loaded (docs/architecture.md, "Tests").
+  stops now and then under load with the plugin not loaded (docs/testing.md, "The CPU suite").
 
 Each: raise + partial real data + per-layer fingerprints + token checks + the device and
 host-tier sweep are quiet and give the greedy outputs of the canary off, with the canary's

@@ -14,7 +14,7 @@ with CUDA graphs on (docs/user_guide.md, "Supported pools").
 Each shape: raise + sweep + real data + token checks is clean and gives the greedy outputs of
 the canary off; under every fault class (log mode) each injected fault is reported with its
 reason at its slot. Needs the device bundles a, b, c and, for ``nsa``, FlashMLA and DeepGEMM
-(docs/architecture.md, "Tests").
+(docs/testing.md, "The CPU suite").
 
 ``MLATokenToKVPoolFP4`` (``--kv-cache-dtype fp4_e2m1``) has no shape here: no sglang 0.5.12
 server can serve FP4 MLA on a Hopper GPU or the CPU, canary on or off (its pool imports a

@@ -28,7 +28,7 @@ verifies and extends), ``speculative_num_steps`` 3, ``topk`` 1, 4 draft tokens:
 
 sglang 0.5.12's CPU engine cannot run EAGLE (docs/user_guide.md, "Speculative decoding"): the
 planning of every speculative forward is tested in CPU CI on real pools (test_speculative.py).
-Needs the device bundles a, b, c (docs/architecture.md, "Tests")."""
+Needs the device bundles a, b, c (docs/testing.md, "The CPU suite")."""
 
 from __future__ import annotations
 

@@ -309,6 +309,79 @@ def test_an_adaptive_draft_is_reserved_for_its_largest_step_count(profiled):
     assert adaptive > draft_bytes(speculative_num_steps=3, speculative_adaptive=False)
 
 
+@pytest.mark.parametrize("algorithm", ["EAGLE", "STANDALONE"])
+def test_the_budget_holds_the_pool_and_the_target_and_draft_canaries(profiled, tmp_path, algorithm):
+    """With speculative decoding the pool gives up both canaries' bytes: the pool, the target
+    runner's canary and the draft runner's fit sglang's budget together, and a page more of
+    pool (with the larger canaries it would carry) would not."""
+    from sglang.srt.kv_canary.memory_budget import DraftPool
+
+    runner = profiled(max_running_requests=8, context_length=256)
+    spec = dict(speculative_algorithm=algorithm)
+    if algorithm == "STANDALONE":
+        spec["speculative_draft_model_path"] = write_tiny_llama(
+            tmp_path / "draft", **STANDALONE_DRAFT
+        )
+    args = _spec_args(runner, **spec)
+    config = CanaryConfig(
+        mode="raise",
+        real_kv_hash_mode="partial",
+        real_data_layers="all",
+        enable_verify_token_assert=True,
+    )
+    caps = CanaryCapacityInputs(context_len=256)
+    available = 48 << 20
+    kv, reservation = reserve_canary_memory(
+        runner, server_args=args, config=config, capacity_inputs=caps, available_bytes=available
+    )
+    sizing = seam.KvPoolSizing(runner)
+    target, draft = reservation.target.device_bytes, reservation.draft.device_bytes
+    assert draft > 0 and reservation.tokens == sizing.tokens_for(kv)
+    assert reservation.tokens.max_total * CELL + target + draft <= available
+    grown = PoolTokens(reservation.tokens.max_total + 1)
+    grown_target, grown_draft = predicted_memory(
+        sizing,
+        grown,
+        config=config,
+        capacity_inputs=caps,
+        draft=RankFacts(draft=True, draft_steps=3),
+        device="cpu",
+        draft_pool=DraftPool.for_server(sizing, args, algorithm),
+    )
+    assert grown_draft.device_bytes >= draft
+    assert grown.max_total * CELL + grown_target.device_bytes + grown_draft.device_bytes > available
+
+
+def test_the_tight_memory_servers_decode_a_bounded_batch_whatever_the_pool():
+    """``bench_memory.py``'s tight servers (lane ``memory_gpu_alone``) fill the pool with
+    prompts so long that at most ``TIGHT_CONCURRENCY`` requests fit in it at once: sglang's
+    own memory outside the pool (a decode step's float32 logits, per running request) then
+    does not grow with the GPU. Short pools keep the 4000-token prompts; no prompt passes the
+    context length."""
+    import importlib.util
+    import math
+    import pathlib
+
+    bench = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_canary"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_memory", bench / "bench_memory.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench))
+    ctx = 40960
+    for pool in (353_672, 697_981, 1_260_052, 2_000_000):  # H100 0.5 / tight, H200 tight, more
+        isl = mod.tight_isl(pool, ctx)
+        assert mod.SHORT_ISL <= isl and isl + mod.OSL <= ctx - 1, (pool, isl)
+        prompts = math.ceil(1.1 * pool / (isl + mod.OSL))
+        at_once = pool // (isl + mod.OSL)
+        assert at_once <= mod.TIGHT_CONCURRENCY or isl + mod.OSL == ctx - 1, (pool, at_once)
+        assert prompts * (isl + mod.OSL) >= 1.1 * pool - (isl + mod.OSL)
+    assert mod.tight_isl(50_000, ctx) == mod.SHORT_ISL
+    assert mod.tight_isl(10_000, 2048) == 2048 - 1 - mod.OSL
+
+
 # a STANDALONE draft of another shape than the tiny Llama target: 3 layers, 1 KV head of 16
 STANDALONE_DRAFT = dict(num_hidden_layers=3, num_key_value_heads=1, torch_dtype="float16")
 

@@ -1,4 +1,4 @@
-"""The mutation check's list (``test/mutation/mutants.py``, docs/architecture.md, "Mutation
+"""The mutation check's list (``test/mutation/mutants.py``, docs/testing.md, "Mutation
 check") stays runnable: every old text occurs exactly once in its file, every selection names
 an existing test function in an existing file, ids are unique, quick selections are not in a
 slow suite. Reads files only; plants nothing."""
