@@ -24,6 +24,7 @@ from sglang.jit_kernel.kv_canary.consts import (
     STAGE_OP_COPY,
     STAGE_OP_FILL,
     STAGE_OP_SUB,
+    STAGE_TABLE_NUMEL,
 )
 from sglang.jit_kernel.kv_canary.stage_inputs import launch_stage_inputs_kernel
 from sglang.srt.kv_canary.plan_input import PlanInput, StaticPrefixViews
@@ -130,8 +131,8 @@ def _staged(pi: PlanInput, fb):
     forward's side half does); the three whole buffers."""
     table = StageTable(torch.device("cpu"))
     pi.stage_entries(fb, table.put)
-    table.send()
-    launch_stage_inputs_kernel(table=table.device_table)
+    sent = table.send()
+    launch_stage_inputs_kernel(table=table.tables[sent], device=torch.device("cpu"))
     return pi.req_pool_indices, pi.prefix_lens, pi.extend_seq_lens
 
 
@@ -278,8 +279,8 @@ def test_the_staging_kernel_and_its_reference_stage_the_same_values(interpret, m
     )
     table.put(outs[5].data_ptr(), n, STAGE_OP_SUB | STAGE_B_INT32, a64.data_ptr(), b32.data_ptr())
     table.put(outs[6].data_ptr(), 0, STAGE_OP_FILL, 0, 1)  # nothing: no entry
-    table.send()
-    launch_stage_inputs_kernel(table=table.device_table)
+    cpu = torch.device("cpu")
+    launch_stage_inputs_kernel(table=table.tables[table.send()], device=cpu)
     i64 = torch.int64
     expected = [
         a64,
@@ -297,9 +298,23 @@ def test_the_staging_kernel_and_its_reference_stage_the_same_values(interpret, m
     # a table of fewer entries: the entries past its count are left alone
     table.put(outs[0].data_ptr(), 3, STAGE_OP_FILL, 0, 9)
     table.send()
-    table.send()  # the other host table: a count of 0
-    launch_stage_inputs_kernel(table=table.device_table)
+    launch_stage_inputs_kernel(table=table.tables[table.send()], device=cpu)  # a count of 0
     assert torch.equal(outs[0][:n], a64)
+
+
+def test_the_staging_kernel_refuses_a_table_it_cannot_read():
+    """The table must be where the kernel runs or, on CUDA, in pinned host memory (which the
+    device reads in place): pageable host memory for a CUDA launch, or a table on another
+    device, is refused naming what is allowed, before anything launches."""
+    table = torch.zeros(STAGE_TABLE_NUMEL, dtype=torch.int64)
+    with pytest.raises(
+        ValueError, match="table must be on cuda or in pinned host memory, got a tensor on cpu"
+    ):
+        launch_stage_inputs_kernel(table=table, device=torch.device("cuda"))
+    meta = torch.zeros(STAGE_TABLE_NUMEL, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="table must be on cpu, got a tensor on meta"):
+        launch_stage_inputs_kernel(table=meta, device=torch.device("cpu"))
+    launch_stage_inputs_kernel(table=table, device=torch.device("cpu"))  # 0 entries: no-op
 
 
 def test_static_prefix_views_are_the_buffers_own_and_bounded():

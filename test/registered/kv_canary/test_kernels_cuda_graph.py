@@ -296,10 +296,12 @@ def test_packed_token_scatter_replays_with_the_buffer_refilled():
 
 
 def test_the_staging_kernel_replays_with_the_table_rewritten():
-    """The staging kernel captured once, replayed after each staging table's copy to the
-    device (two host tables in turn, as an eager forward stages): every replay stages the
-    sources of its own table (int32 and int64 copies, fills, differences, a shorter batch
-    leaving the rest of the destination as the earlier one wrote it)."""
+    """The staging kernel captured once per staging table (pinned host memory the kernel
+    reads in place, as an eager forward's side half does), the host rewriting the tables in
+    turn between replays: every replay stages the sources of its table's latest contents
+    (int32 and int64 copies, fills, differences, a shorter batch leaving the rest of the
+    destination as the earlier one wrote it). And a table whose reader is still queued is
+    not rewritten under it: ``send`` waits for that reader."""
     from sglang.jit_kernel.kv_canary.consts import (
         STAGE_A_INT32,
         STAGE_OP_COPY,
@@ -311,15 +313,17 @@ def test_the_staging_kernel_replays_with_the_table_rewritten():
 
     dev = torch.device("cuda")
     table = StageTable(dev)
+    assert all(t.is_pinned() and t.device.type == "cpu" for t in table.tables)
     dst = [torch.full((3000,), -1, dtype=torch.int64, device=dev) for _ in range(3)]
-    launch_stage_inputs_kernel(table=table.device_table)  # compile (0 entries)
+    launch_stage_inputs_kernel(table=table.tables[0], device=dev)  # compile (0 entries)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch_stage_inputs_kernel(table=table.device_table)
+    graphs = [torch.cuda.CUDAGraph() for _ in table.tables]
+    for t, graph in zip(table.tables, graphs):
+        with torch.cuda.graph(graph):
+            launch_stage_inputs_kernel(table=t, device=dev)
     gen = torch.Generator().manual_seed(5)
     expected = [torch.full((3000,), -1, dtype=torch.int64) for _ in range(3)]
-    for n in (3000, 17, 2049, 1):
+    for n in (3000, 17, 2049, 1, 700):
         a32 = torch.randint(0, 1 << 30, (n,), generator=gen, dtype=torch.int32).to(dev)
         a64 = torch.randint(0, 1 << 40, (n,), generator=gen).to(dev)
         table.put(dst[0].data_ptr(), n, STAGE_OP_COPY | STAGE_A_INT32, a32.data_ptr())
@@ -327,14 +331,25 @@ def test_the_staging_kernel_replays_with_the_table_rewritten():
             dst[1].data_ptr(), n, STAGE_OP_SUB | STAGE_A_INT32, a32.data_ptr(), a64.data_ptr()
         )
         table.put(dst[2].data_ptr(), n, STAGE_OP_FILL, 0, n)
-        table.send()
-        graph.replay()
+        graphs[table.send()].replay()
+        table.mark_read()
         torch.cuda.synchronize()
         expected[0][:n] = a32.cpu().to(torch.int64)
         expected[1][:n] = a32.cpu().to(torch.int64) - a64.cpu()
         expected[2][:n] = n
         for got, want in zip(dst, expected):
             assert torch.equal(got.cpu(), want)
+    # a reader queued behind ~0.2 s of device work: the table it reads is written again two
+    # sends later, and that send waits for it (the replay stages the fill of 5, not of 6)
+    torch.cuda._sleep(400_000_000)
+    table.put(dst[2].data_ptr(), 10, STAGE_OP_FILL, 0, 5)
+    graphs[table.send()].replay()
+    table.mark_read()
+    table.send()
+    table.put(dst[2].data_ptr(), 10, STAGE_OP_FILL, 0, 6)
+    table.send()
+    torch.cuda.synchronize()
+    assert dst[2][:10].tolist() == [5] * 10
 
 
 if __name__ == "__main__":

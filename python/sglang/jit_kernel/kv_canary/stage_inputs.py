@@ -5,7 +5,9 @@
 ``= B`` (fill) or ``= A[i] - B[i]`` (subtract) for ``i < numel``, int64 results from int32 or
 int64 sources. The table is device data, so one launch captured in a CUDA graph stages every
 forward the graph replays: the host writes the next forward's addresses into the table before
-the replay. Destinations must not overlap any source. Allocation- and sync-free; grid
+the replay. On CUDA the table may be pinned host memory, which the kernel reads in place (no
+copy to the device; its loads cross the bus when it runs). Destinations must not overlap any
+source. Allocation- and sync-free; grid
 ``(STAGE_MAX_ENTRIES, splits)`` (an entry's programs stride over its elements). The torch
 reference (CPU tensors, through the addresses themselves) is the launcher's CPU path.
 """
@@ -97,14 +99,31 @@ def _validate_table(table: torch.Tensor) -> torch.Tensor:
     return check_tensor("table", table, dtypes=(torch.int64,), shape=(STAGE_TABLE_NUMEL,))
 
 
-def launch_stage_inputs_kernel(*, table: torch.Tensor) -> None:
-    """``table`` int64 ``[STAGE_TABLE_NUMEL]`` on the device of the addresses it holds
-    (layout: ``consts.STAGE_*``; the entry count is read on the device). Allocation- and
-    sync-free (capturable)."""
+def _check_table_reachable(table: torch.Tensor, device: torch.device) -> None:
+    """Raise ``ValueError`` unless the kernel running on ``device`` can read ``table``: on
+    ``device`` itself, or (CUDA) pinned host memory."""
+    if table.device == device:
+        return
+    if device.type == "cuda" and table.device.type == "cpu" and table.is_pinned():
+        return
+    raise ValueError(
+        f"table must be on {device}"
+        + (" or in pinned host memory" if device.type == "cuda" else "")
+        + f", got a tensor on {table.device}"
+    )
+
+
+def launch_stage_inputs_kernel(*, table: torch.Tensor, device: torch.device) -> None:
+    """``table`` int64 ``[STAGE_TABLE_NUMEL]`` (layout: ``consts.STAGE_*``; the entry count is
+    read when the kernel runs), on ``device`` (where the addresses it holds are and the kernel
+    runs) or, on CUDA, in pinned host memory. Allocation- and sync-free (capturable; the
+    pinned check is a driver query, at capture time)."""
     _validate_table(table)
-    if not use_triton(table.device):
+    device = torch.device(device)
+    _check_table_reachable(table, device)
+    if not use_triton(device):
         return run_stage_inputs_reference(table=table)
-    splits = min(STAGE_MAX_SPLITS, grid_size(table.device, 1 << 30, 1))
+    splits = min(STAGE_MAX_SPLITS, grid_size(device, 1 << 30, 1))
     _stage_inputs_kernel[(STAGE_MAX_ENTRIES, splits)](
         table,
         NUM_ENTRIES=STAGE_NUM_ENTRIES,
