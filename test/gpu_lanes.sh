@@ -24,7 +24,8 @@
 #   paged_clean_64       test/registered/kv_canary/test_e2e_paged_gpu.py -k clean and 64
 #   paged_faults_16      test/registered/kv_canary/test_e2e_paged_gpu.py -k log_mode and 16
 #   paged_faults_64      test/registered/kv_canary/test_e2e_paged_gpu.py -k log_mode and 64
-#   e2e_pd_faults_gpu    test/registered/kv_canary/test_e2e_pd_faults_gpu.py
+#   pd_faults_pages      test/registered/kv_canary/test_e2e_pd_faults_gpu.py -k byte_flipped or demo_shows
+#   pd_faults_decode     test/registered/kv_canary/test_e2e_pd_faults_gpu.py -k req_to_token or without_the_canary_rows
 #   e2e_pd_gpu           test/registered/kv_canary/test_e2e_pd_gpu.py
 #   spec_clean_v2        test/registered/kv_canary/test_e2e_speculative_gpu.py -k clean and spec_v2 and not standalone
 #   spec_clean_v1        test/registered/kv_canary/test_e2e_speculative_gpu.py -k clean and spec_v1 and not standalone
@@ -41,14 +42,16 @@
 #   spec_nextn_clean     test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and clean and NEXTN
 #   spec_nextn_faults    test/registered/kv_canary/test_e2e_speculative_gpu.py -k other_algorithms and every_fault and NEXTN
 #   spec_standalone_clean test/registered/kv_canary/test_e2e_speculative_gpu.py -k standalone and clean
-#   spec_standalone_faults test/registered/kv_canary/test_e2e_speculative_gpu.py -k standalone and every_fault
+#   spec_standalone_faults_v1 test/registered/kv_canary/test_e2e_speculative_gpu.py -k standalone and every_fault and spec_v1
+#   spec_standalone_faults_v2 test/registered/kv_canary/test_e2e_speculative_gpu.py -k standalone and every_fault and spec_v2
 #   spec_standalone_radix_keys test/registered/kv_canary/test_e2e_speculative_gpu.py -k standalone and radix_keys
 #   e2e_swa_gpu          test/registered/kv_canary/test_e2e_swa_gpu.py
 #   tp2_clean            test/registered/kv_canary/test_e2e_tp_gpu.py -k clean (2 GPUs)
 #   tp2_fault            test/registered/kv_canary/test_e2e_tp_gpu.py -k fault (2 GPUs)
 #   kernels_cuda_graph   test/registered/kv_canary/test_kernels_cuda_graph.py
 #   memory_gpu           test/registered/kv_canary/test_memory_gpu.py -k not alone_on_the_gpu
-#   memory_gpu_alone     test/registered/kv_canary/test_memory_gpu.py -k alone_on_the_gpu (alone: no other lane on its GPU)
+#   memory_gpu_alone     test/registered/kv_canary/test_memory_gpu.py -k alone_on_the_gpu and keeps (alone: no other lane on its GPU)
+#   memory_gpu_tight     test/registered/kv_canary/test_memory_gpu.py -k alone_on_the_gpu and tight (alone: no other lane on its GPU)
 #   runtime_cuda         test/registered/kv_canary/test_runtime_cuda.py
 # (end of lanes)
 exec python3 "$(dirname "$0")/gpu_lanes.py" "$@"

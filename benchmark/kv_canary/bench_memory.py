@@ -4,7 +4,8 @@ with the canary off and on at the same ``--mem-fraction-static``: the canary's b
 (``/server_info``), the pool's tokens (``max_total_num_tokens``) and the GPU's memory in use,
 idle after start-up and at its peak while a workload fills the pool; then a server started at a
 fraction that leaves under 1 GiB of the GPU free, with token checks on, filling its pool with
-long prompts, and the canary-off server at the same fraction as its control.
+long prompts; when it fails (or with ``--control``), the canary-off server at the same
+fraction as its control, which says whose memory ran out.
 
 One server at a time, alone on the GPU: the memory figures are the GPU's (``cudaMemGetInfo``,
 sampled every 20 ms by the Engine's process, whose own CUDA context is the same for every
@@ -291,6 +292,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     ap.add_argument("--no-tight", action="store_true", help="skip the tight servers")
     ap.add_argument(
+        "--control",
+        action="store_true",
+        help="also run the canary-off control at the tight server's fraction when the tight "
+        "server served its workload (it always runs when the tight server did not)",
+    )
+    ap.add_argument(
         "--tight-isl",
         type=int,
         help="prompt tokens of the tight servers' requests (default: from the pool, so that "
@@ -335,7 +342,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     records, failed = [], []
     # (config, fraction, role): role "" a server at --fraction, "tight" the tight canary
-    # server, "control" the canary-off server at the tight one's final fraction
+    # server, "control" the canary-off server at the tight one's final fraction (when the
+    # tight one failed, or --control)
     plan = [(n, args.fraction, "") for n in names]
     tries = 2  # tight servers started again when the last left TIGHT_LIMIT or more free
     crashed = {}
@@ -385,7 +393,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             plan.append(
                 (TIGHT_CONFIG, round(fraction + (free - TIGHT_FREE) / rec["gpu_total"], 4), "tight")
             )
-        elif role == "tight":
+        elif role == "tight" and (args.control or rec is None or rec["served"] != rec["requests"]):
             plan.append(("off", fraction, "control"))
     print()
     print(table(records))

@@ -28,6 +28,11 @@ from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
 from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=700, stage="base-b", runner_config="1-gpu-small")
+# its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
+GPU_LANES = {
+    "pd_faults_pages": ("byte_flipped or demo_shows", 380),
+    "pd_faults_decode": ("req_to_token or without_the_canary_rows", 320),
+}
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 

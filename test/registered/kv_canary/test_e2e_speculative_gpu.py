@@ -71,7 +71,8 @@ GPU_LANES = {
     "spec_nextn_clean": ("other_algorithms and clean and NEXTN", 220),
     "spec_nextn_faults": ("other_algorithms and every_fault and NEXTN", 140),
     "spec_standalone_clean": ("standalone and clean", 380),
-    "spec_standalone_faults": ("standalone and every_fault", 570),
+    "spec_standalone_faults_v1": ("standalone and every_fault and spec_v1", 350),
+    "spec_standalone_faults_v2": ("standalone and every_fault and spec_v2", 220),
     "spec_standalone_radix_keys": ("standalone and radix_keys", 200),
 }
 

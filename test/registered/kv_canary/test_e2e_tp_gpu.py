@@ -93,6 +93,7 @@ def test_tp2_clean_on_two_gpus_matches_canary_off(server):
         kv_canary="raise",
         kv_canary_real_data="partial",
         kv_canary_sweep_interval=2,
+        decode_log_interval=1,  # a "Decode batch" line per step: it says whether a graph ran
     )
     assert rc == 0, out[-3000:]
     installed = _by_rank(out, "kv_canary installed:")

@@ -44,8 +44,8 @@ _I32 = 4
 _VERIFY_PLAN_ARRAYS = 5
 # PlanInput: prefix_lens, extend_seq_lens, req_pool_indices and its constant fill of ones
 _PLAN_INPUT_ARRAYS = 4
-# EagerForwardGraphs (CUDA only): input_ids, positions, out_cache_loc; its staging table on
-# the device and two on the host
+# EagerForwardGraphs (CUDA only): input_ids, positions, out_cache_loc on the device; its two
+# staging tables in pinned host memory (the staging kernel reads them in place)
 _EAGER_GRAPH_ARRAYS = 3
 _STAGE_TABLE_BYTES = STAGE_TABLE_NUMEL * _I64
 
@@ -218,7 +218,7 @@ class CanaryMemory:
                 + len(groups) * _I32  # plan_enabled
                 + entries * _I64  # forward_slots
                 + (2 * entries * _I64 if inputs.write_input_check else 0)  # ExpectedInputs
-                + (_EAGER_GRAPH_ARRAYS * entries * _I64 + _STAGE_TABLE_BYTES if inputs.cuda else 0),
+                + (_EAGER_GRAPH_ARRAYS * entries * _I64 if inputs.cuda else 0),
             )
             if inputs.cuda:
                 add(host, MemoryPart.FORWARD_INPUTS, 2 * _STAGE_TABLE_BYTES)
