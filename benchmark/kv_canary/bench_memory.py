@@ -292,6 +292,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     ap.add_argument("--no-tight", action="store_true", help="skip the tight servers")
     ap.add_argument(
+        "--tight-fraction",
+        type=float,
+        help="start the tight server at this --mem-fraction-static (no servers at --fraction, "
+        "no search for the fraction)",
+    )
+    ap.add_argument(
         "--control",
         action="store_true",
         help="also run the canary-off control at the tight server's fraction when the tight "
@@ -324,6 +330,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
     if args.tight_isl is not None and not 1 <= args.tight_isl <= 40000:
         ap.error(f"--tight-isl {args.tight_isl}: give 1 to 40000 prompt tokens")
+    if args.tight_fraction is not None and not 0 < args.tight_fraction < 1:
+        ap.error(f"--tight-fraction {args.tight_fraction}: give a fraction in (0, 1)")
     if args.smoke_cpu:
         args.fraction = 0.3
     invocation, gpu = uuid.uuid4().hex[:12], gpu_name(args.smoke_cpu)
@@ -346,6 +354,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # tight one failed, or --control)
     plan = [(n, args.fraction, "") for n in names]
     tries = 2  # tight servers started again when the last left TIGHT_LIMIT or more free
+    if args.tight_fraction is not None:
+        plan, tries = [(TIGHT_CONFIG, args.tight_fraction, "tight")], 0
     crashed = {}
     while plan:
         name, fraction, role = plan.pop(0)
