@@ -112,16 +112,21 @@ class GpuDiscoveryError(RuntimeError):
 
 def parse_gpus(value: str) -> Tuple[str, ...]:
     """``--gpus`` / ``$GPU_LANES_GPUS``: a count (``4``: GPUs 0-3) or a comma-separated list of
-    ids as ``CUDA_VISIBLE_DEVICES`` takes them (``2,3``)."""
-    value = value.strip()
+    ids as ``CUDA_VISIBLE_DEVICES`` takes them (``2,3``; one id alone with a comma: ``2,``)."""
+    given = value = value.strip()
     if value.isdigit():
         if int(value) < 1:
-            raise ValueError(f"--gpus {value!r}: give a count >= 1 or a list of GPU ids")
+            raise ValueError(
+                f"--gpus {value!r}: give a count >= 1, or GPU ids with a comma (0,1; GPU 0 "
+                "alone: 0,)"
+            )
         return tuple(str(i) for i in range(int(value)))
+    if value.endswith(",") and not value.endswith(",,"):
+        value = value[:-1]
     ids = tuple(v.strip() for v in value.split(","))
     if not ids or any(not v for v in ids) or len(set(ids)) != len(ids):
         raise ValueError(
-            f"--gpus {value!r}: give a count >= 1 or comma-separated distinct GPU ids (0,1)"
+            f"--gpus {given!r}: give a count >= 1 or comma-separated distinct GPU ids (0,1)"
         )
     return ids
 

@@ -309,7 +309,8 @@ def test_the_placer_balances_estimated_work_and_keeps_alone_gpus_to_themselves()
 def test_the_gpus_come_from_the_flag_the_environment_or_nvidia_smi(monkeypatch):
     assert gpu_lanes.parse_gpus("2") == ("0", "1")
     assert gpu_lanes.parse_gpus("2,3") == ("2", "3")
-    for bad in ("0", "1,1", "1,,2", ""):
+    assert gpu_lanes.parse_gpus("0,") == ("0",)
+    for bad in ("0", "1,1", "1,,2", "", ",", "2,,"):
         with pytest.raises(ValueError, match="--gpus"):
             gpu_lanes.parse_gpus(bad)
     assert gpu_lanes.visible_gpus({"CUDA_VISIBLE_DEVICES": "3, 1"}) == ("3", "1")
