@@ -184,6 +184,35 @@ def test_single_request_extend_then_decode(impl):
     assert int(c.ctx.kernel_run_counter[0]) == 7
 
 
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_record_corrupted_at_either_end_of_the_plan_is_reported_there(impl, where):
+    """Every entry of a verify plan is read, its ends included: a record whose position is
+    wrong at the plan's first or last entry gives one violation, at that slot and position,
+    from the kernel and the oracle alike (the last entry has no successor in the plan, so
+    only its own read can see it)."""
+    num_slots, rows, cols = 64, 6, 16
+    slots = [5, 9, 2, 17, 30, 11]
+    r2t = r2t_table(rows, cols)
+    r2t[3][:6] = slots
+    c = Canary(impl, num_slots, kind=CanaryLaunchTag.HEAD_K_FULL)
+    p = run_plan(impl, rpi=[3], prefix=[0], ext=[6], r2t=r2t, write_req_capacity=4)
+    assert c.write(p, [101, 7, 55, 1000, 3, 42], range(6), slots) == []
+    p = run_plan(impl, rpi=[3], prefix=[6], ext=[1], r2t=r2t, write_req_capacity=4)
+    assert [e[0] for e in p.exp.entries] == slots
+    index = 0 if where == "first" else len(slots) - 1
+    slot = slots[index]
+    # the position field alone: the record's hash changes too, which the next entry's chain
+    # check sees, except after the last entry
+    c.set_field(slot, 1, 40)
+    found = c.verify(p)
+    assert found == c.ring_rows()  # kernel and oracle agree row for row
+    by_slot = {row[1]: row for row in found}
+    assert slot in by_slot and by_slot[slot][2] == 40 and by_slot[slot][8] == index
+    assert by_slot[slot][7] & BIT_POS
+    assert set(by_slot) == ({slot, slots[1]} if where == "first" else {slot})
+    assert int(c.ctx.slot_run_counter[0]) == 2 * len(slots)  # six written, six verified
+
+
 def test_mixed_batch_with_padding_rows(impl):
     num_slots, rows, cols = 64, 8, 8
     rng = random.Random(1)

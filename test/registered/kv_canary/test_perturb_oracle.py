@@ -720,6 +720,46 @@ def test_the_kept_req_to_token_fault_stays_and_picks_requests_with_tokens_left()
     assert d.manager.perturber.restored == 0
 
 
+@pytest.mark.parametrize("pool", ["mha", "nsa"])
+def test_a_kept_fault_never_rewrites_its_requests_seed_page(pool):
+    """The kept ``req_to_token`` fault leaves its rewrite in place, so it must never touch the
+    position the forward's new KV chains from (the seed, ``prefix - 1``) nor, at page size
+    > 1, any entry of the seed's page: each injection is checked against the prefix its row
+    had in that forward's batch."""
+    from sglang.srt.kv_canary.plan_input import host_prefix_extend
+
+    d = ServingDriver(
+        seed=5,
+        mode="abort",
+        pool=pool,
+        perturb=PerturbConfig(warmup_steps=5, req_to_token_kept_prob=1.0),
+    )
+    ps = d.kv_pool.page_size
+    prefix_at = {}  # step -> {row: prefix length}
+    perturber = d.manager.perturber
+    before = perturber.before_forward
+
+    def snapshot(forward_batch, *, step, **kwargs):
+        rows, prefix, _ = host_prefix_extend(forward_batch)
+        prefix_at[step] = dict(zip(rows, prefix))
+        before(forward_batch, step=step, **kwargs)
+
+    perturber.before_forward = snapshot
+    if ps > 1:  # requests long enough for a full page before the seed's
+        for _ in range(3):
+            d.add_request(2 * ps + 8, 10)
+    d.run(120)
+    injected = [i for i in _injected(d) if i["fault"] == "req_to_token_kept"]
+    assert len(injected) >= 3, injected
+    for i in injected:
+        row, pos = int(i["req_pool_idx"]), int(i["position"])
+        seed = prefix_at[int(i["step"])][row] - 1
+        entries = int(i.get("entries", 1))
+        assert entries == ps and pos % ps == 0, i
+        # the rewritten entries [pos, pos + entries) end before the seed's page
+        assert pos + entries <= seed // ps * ps, (i, seed)
+
+
 @pytest.mark.parametrize("pool,page_size", [("mha", 1), ("nsa", 64)])
 def test_the_kept_fault_rewrites_in_the_pools_pages(pool, page_size):
     """The runtime hands the pool's page size to the perturber: the kept fault's unit (a

@@ -164,6 +164,8 @@ def test_the_same_spellings_are_accepted_everywhere(model_dir, flag, value, cano
         ("--kv-canary-real-data-layers", None),
         ("--kv-canary-sweep-interval", "abc"),
         ("--kv-canary-sweep-interval", "-1"),
+        ("--kv-canary-sweep-interval", -1),
+        ("--kv-canary-sweep-interval", 10**10),
         ("--kv-canary-sweep-interval", "1.5"),
         ("--kv-canary-sweep-interval", 1.5),
         ("--kv-canary-sweep-interval", True),
