@@ -567,5 +567,45 @@ MUTANTS_CHECKS = (
         speed="quick",
         what="--disable-radix-cache with the sweep on stops the server",
     ),
+    Mutant(
+        id="sweep-interval-no-lower-bound",
+        path=f"{_RT}/config.py",
+        old="    if n is None or not 0 <= n <= MAX_STEP_INTERVAL:",
+        new="    if n is None or not n <= MAX_STEP_INTERVAL:",
+        selection=f"{_T}/test_startup.py::"
+        "test_the_same_values_are_refused_everywhere_naming_the_flag",
+        speed="quick",
+        what="a negative integer sweep interval from Engine kwargs is accepted",
+    ),
+    Mutant(
+        id="kept-page-fault-on-seed-page",
+        path=f"{_RT}/perturb/perturber.py",
+        old="targets = [(r, (n - 1) // ps) for r, n in live if r in rows and (n - 1) // ps > 0]",
+        new="targets = [(r, (n - 1) // ps + 1) for r, n in live if r in rows and (n - 1) // ps > 0]",
+        selection=f"{_T}/test_perturb_oracle.py::"
+        "test_a_kept_fault_never_rewrites_its_requests_seed_page",
+        speed="quick",
+        what="the kept page fault may rewrite the page the new KV chains from",
+    ),
+    Mutant(
+        id="verify-skips-last-entry",
+        path=f"{_KN}/verify.py",
+        old="        in_plan = offs < n\n",
+        new="        in_plan = offs < n - 1\n",
+        selection=f"{_T}/test_kernels_hand.py::"
+        "test_a_record_corrupted_at_either_end_of_the_plan_is_reported_there",
+        speed="quick",
+        what="the verify kernel never reads its plan's last entry",
+    ),
+    Mutant(
+        id="reservation-without-draft-canary",
+        path=f"{_RT}/memory_budget.py",
+        old="        return sum(m.device_bytes for m in memories if m is not None)",
+        new="        return memories[0].device_bytes",
+        selection=f"{_T}/test_memory.py::"
+        "test_the_budget_holds_the_pool_and_the_target_and_draft_canaries",
+        speed="quick",
+        what="the KV budget leaves out the speculative draft's canary",
+    ),
     # ---- speculative decoding ----------------------------------------------------------------
 )
