@@ -1,6 +1,7 @@
-"""Shared checks of the end-to-end tests (model shapes, HiCache; CPU and GPU): the perturbation
-settings that inject every fault class into the FULL group, the check that each injected fault
-was reported with its reason at its slot, and the HiCache host-tier checks."""
+"""Shared checks of the end-to-end tests (model shapes, HiCache, tensor parallelism; CPU and
+GPU): the perturbation settings that inject every fault class into the FULL group, the check
+that each injected fault was reported with its reason at its slot, the HiCache host-tier
+checks, and the TP 2 servers' per-rank checks."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import pathlib
 import re
 
 from canary_support.script_run import run_support_script
-from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_line, parse_violation_lines
+from sglang.srt.kv_canary.perturb.report import PERTURB_LINE_PREFIX, parse_perturb_line
+from sglang.srt.kv_canary.runner.violation_line import (
+    VIOLATION_LINE_PREFIX,
+    parse_violation_line,
+    parse_violation_lines,
+)
 
 
 def run_workload(
@@ -182,3 +187,48 @@ def assert_host_kv_found(out: str):
     loaded = [v for v in lines if v.req_to_token_row >= 0]
     assert all(v.position == int(fault["position"]) for v in loaded), (fault, lines)
     return fault, host, loaded
+
+
+# a TP 2 workload's fault, on rank 1 only (test_e2e_tp_server.py, test_e2e_tp_gpu.py)
+TP_RANK_1_FAULT = {
+    "SGLANG_KV_CANARY_PERTURB_TP_RANK": "1",
+    "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "6",
+    "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "2",
+    "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "0.5",
+}
+
+
+def lines_by_tp_rank(out: str, prefix: str) -> dict:
+    """Log lines holding ``prefix``, by the TP rank in their sglang log prefix (None: no
+    prefix)."""
+    found = {}
+    for line in out.splitlines():
+        if prefix in line:
+            m = re.search(r" TP(\d+)\]", line)
+            found.setdefault(int(m.group(1)) if m else None, []).append(line)
+    return found
+
+
+def assert_tp2_clean(rc: int, out: str, on, off) -> None:
+    """A clean TP 2 run: a canary on each rank's pool, no violation, the canary-off outputs
+    (12 requests: ``small_workload.py``)."""
+    assert rc == 0, out[-3000:]
+    installed = lines_by_tp_rank(out, "kv_canary installed:")
+    assert sorted(installed) == [0, 1], installed
+    assert parse_violation_lines(out) == []
+    assert on == off and len(on) == 12
+
+
+def assert_tp2_fault_on_rank_1_only(rc: int, out: str, res) -> None:
+    """A raise-mode TP 2 run with :data:`TP_RANK_1_FAULT`: rank 1 injects, rank 0 says it has
+    no fault injection, and the whole server stops with the structured lines in rank 1's error
+    (the raise message names the rank: it carries no log prefix)."""
+    assert res is None or rc != 0, out[-3000:]  # the server stopped before the workload ended
+    injected = lines_by_tp_rank(out, PERTURB_LINE_PREFIX)
+    assert sorted(injected) == [1] and injected[1], injected  # only rank 1 injects
+    assert "fault injection is set for another rank; none on this one (tp_rank 0" in out
+    assert parse_violation_lines(out), out[-3000:]
+    assert "kv_canary detected KV-cache corruption on tp_rank 1, pp_rank 0, dp_rank 0:" in out
+    assert "corruption on tp_rank 0" not in out  # rank 0 reported nothing
+    # no rank logged a report line of its own (raise mode reports in the error only)
+    assert set(lines_by_tp_rank(out, VIOLATION_LINE_PREFIX)) <= {None}

@@ -7,14 +7,16 @@ off. ``SGLANG_KV_CANARY_PERTURB_TP_RANK=1``: only rank 1 injects faults and repo
 
 from __future__ import annotations
 
-import re
 import sys
 
 import pytest
-from e2e_checks import run_workload
+from e2e_checks import (
+    TP_RANK_1_FAULT,
+    assert_tp2_clean,
+    assert_tp2_fault_on_rank_1_only,
+    run_workload,
+)
 
-from sglang.srt.kv_canary.perturb.report import PERTURB_LINE_PREFIX
-from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
     build_libcuda_stub,
     cpu_server_env,
@@ -33,12 +35,6 @@ ARGS = dict(
     max_running_requests=4,
     log_level="info",
 )
-FAULT = {
-    "SGLANG_KV_CANARY_PERTURB_TP_RANK": "1",
-    "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "6",
-    "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "2",
-    "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "0.5",
-}
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +59,6 @@ def run(server, env_extra=None, **engine_kwargs):
     )
 
 
-def _by_rank(out: str, prefix: str) -> dict:
-    """Log lines holding ``prefix``, by the TP rank in their sglang log prefix."""
-    found = {}
-    for line in out.splitlines():
-        if prefix in line:
-            m = re.search(r" TP(\d+)\]", line)
-            found.setdefault(int(m.group(1)) if m else None, []).append(line)
-    return found
-
-
 def test_tp2_clean_matches_canary_off(server):
     rc, out, off = run(server)
     assert rc == 0 and off is not None, out[-3000:]
@@ -83,27 +69,15 @@ def test_tp2_clean_matches_canary_off(server):
         kv_canary_real_data="partial",
         kv_canary_sweep_interval=2,
     )
-    assert rc == 0, out[-3000:]
-    installed = _by_rank(out, "kv_canary installed:")
-    assert sorted(installed) == [0, 1], installed  # a canary on each rank's pool
-    assert parse_violation_lines(out) == []
-    assert on == off and len(on) == 12
+    assert_tp2_clean(rc, out, on, off)
 
 
 def test_a_fault_on_one_rank_is_reported_by_that_rank_only_and_raise_stops_the_server(server):
     """One server run (raise mode): rank 1 injects, rank 0 says it has no fault injection,
     and the whole server stops with the structured lines in rank 1's error (the raise
     message names the rank: it carries no log prefix)."""
-    rc, out, res = run(server, FAULT, kv_canary="raise")
-    assert res is None or rc != 0, out[-3000:]  # the server stopped before the workload ended
-    injected = _by_rank(out, PERTURB_LINE_PREFIX)
-    assert sorted(injected) == [1] and injected[1], injected  # only rank 1 injects
-    assert "fault injection is set for another rank; none on this one (tp_rank 0" in out
-    assert parse_violation_lines(out), out[-3000:]
-    assert "kv_canary detected KV-cache corruption on tp_rank 1, pp_rank 0, dp_rank 0:" in out
-    assert "corruption on tp_rank 0" not in out  # rank 0 reported nothing
-    # no rank logged a report line of its own (raise mode reports in the error only)
-    assert set(_by_rank(out, VIOLATION_LINE_PREFIX)) <= {None}
+    rc, out, res = run(server, TP_RANK_1_FAULT, kv_canary="raise")
+    assert_tp2_fault_on_rank_1_only(rc, out, res)
 
 
 if __name__ == "__main__":
