@@ -82,6 +82,7 @@ def test_files(test_dir: pathlib.Path = TEST_DIR) -> List[pathlib.Path]:
 
 
 def _module_lanes(path: pathlib.Path, tree: ast.Module) -> Optional[Dict[str, tuple]]:
+    """The file's ``GPU_LANES``: name -> (-k expression, seconds, options dict), or None."""
     for stmt in tree.body:
         if (
             isinstance(stmt, ast.Assign)
@@ -112,14 +113,15 @@ def _module_lanes(path: pathlib.Path, tree: ast.Module) -> Optional[Dict[str, tu
                     f"{path.name}: {LANES_VAR} must map each lane name to a "
                     f"(-k expression, estimated seconds[, options]) tuple; got {value!r}"
                 )
-            for name, v in value.items():
-                _lane_options(path, name, v[2] if len(v) == 3 else {})
-            return value
+            return {
+                name: (v[0], v[1], _lane_options(path, name, v[2] if len(v) == 3 else {}))
+                for name, v in value.items()
+            }
     return None
 
 
 def _lane_options(path: pathlib.Path, name: str, options) -> Dict[str, object]:
-    """A ``GPU_LANES`` entry's options as a dict of :data:`OPTION_KEYS`."""
+    """A ``GPU_LANES`` entry's options as a dict of :data:`OPTION_KEYS` (parsed here once)."""
     if options == ALONE:
         return {"alone": True}
     if isinstance(options, dict) and all(
@@ -196,20 +198,17 @@ def lanes_of_file(path: pathlib.Path) -> List[Lane]:
             f"{path.name}: register_cuda_ci(est_time={cuda[0].est_time:g}) but its lanes "
             f"add up to {total:g} s; est_time is the whole file's time"
         )
-    lanes = []
-    for name, v in declared.items():
-        options = _lane_options(path, name, v[2] if len(v) == 3 else {})
-        lanes.append(
-            Lane(
-                name,
-                path,
-                v[0],
-                v[1],
-                alone=bool(options.get("alone", False)),
-                gpus=int(options.get("gpus", gpus)),
-            )
+    return [
+        Lane(
+            name,
+            path,
+            select,
+            seconds,
+            alone=options.get("alone", False),
+            gpus=options.get("gpus", gpus),
         )
-    return lanes
+        for name, (select, seconds, options) in declared.items()
+    ]
 
 
 def all_lanes(files: Optional[Sequence[pathlib.Path]] = None) -> List[Lane]:

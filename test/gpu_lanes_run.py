@@ -182,9 +182,7 @@ class GpuPlacer:
         free = [g for g in self.gpus if g not in self._alone]
         if lane.alone:
             idle = [g for g in free if not self._ends[g]]
-            keep = 1 if shared_left else 0  # GPUs left for the shared lanes
-            if len(self.gpus) == 1 and shared_left:
-                return None
+            keep = 1 if shared_left else 0  # GPUs left for the shared lanes (one GPU: it waits)
             if len(free) - lane.gpus < keep or len(idle) < lane.gpus:
                 return None
             return tuple(idle[: lane.gpus])

@@ -356,7 +356,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tries = 2  # tight servers started again when the last left TIGHT_LIMIT or more free
     if args.tight_fraction is not None:
         plan, tries = [(TIGHT_CONFIG, args.tight_fraction, "tight")], 0
-    crashed = {}
+    crashed = set()  # the roles of the servers that exited
     while plan:
         name, fraction, role = plan.pop(0)
         rec = run_child(
@@ -368,7 +368,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tight=bool(role),
         )
         if rec is None:
-            crashed[role] = fraction
+            crashed.add(role)
             failed.append(f"{name}{' ' + role if role else ''} @ {fraction:.4f} (exited)")
         else:
             rec.update(
@@ -392,14 +392,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.no_tight or args.smoke_cpu:
             continue
         free = None if rec is None else rec["gpu_total"] - rec["gpu_used_idle"]
-        # the fraction that leaves TIGHT_FREE of the GPU free when idle (the pool grows with
-        # the fraction; sglang's other buffers a little: try again from the result)
-        if role == "" and name == "off" and rec is not None:
-            plan.append(
-                (TIGHT_CONFIG, round(fraction + (free - TIGHT_FREE) / rec["gpu_total"], 4), "tight")
-            )
-        elif role == "tight" and rec is not None and free >= TIGHT_LIMIT and tries:
-            tries -= 1
+        if rec is not None and (
+            (role == "" and name == "off") or (role == "tight" and free >= TIGHT_LIMIT and tries)
+        ):
+            # the fraction that leaves TIGHT_FREE of the GPU free when idle (the pool grows with
+            # the fraction; sglang's other buffers a little: try again from the result)
+            tries -= role == "tight"
             plan.append(
                 (TIGHT_CONFIG, round(fraction + (free - TIGHT_FREE) / rec["gpu_total"], 4), "tight")
             )

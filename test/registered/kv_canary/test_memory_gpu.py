@@ -191,10 +191,11 @@ BENCH = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_canary" 
 KV_BYTES_PER_TOKEN = 28 * 8 * 128 * 2 * 2
 
 
-def _bench(tmp_path, *args: str) -> list:
+def _bench(tmp_path, name: str, *args: str) -> list:
     """``bench_memory.py ARGS`` (it fails when a tight server left 1 GiB or more free or any
     server did not serve its whole workload): its records. With ``KV_CANARY_E2E_LOG_DIR`` set
-    (the GPU suite's detached runs), its output and records are kept there."""
+    (the GPU suite's detached runs), its output and records are kept there as
+    ``bench_memory_NAME.log`` / ``.jsonl``."""
     out = tmp_path / "memory.jsonl"
     proc = subprocess.run(
         [sys.executable, str(BENCH), *args, "--out", str(out)],
@@ -204,17 +205,16 @@ def _bench(tmp_path, *args: str) -> list:
     )
     keep = os.environ.get("KV_CANARY_E2E_LOG_DIR")
     if keep:
-        name = f"bench_memory_{'tight' if '--no-tight' not in args else 'same_fraction'}"
         os.makedirs(keep, exist_ok=True)
-        pathlib.Path(keep, name + ".log").write_text(proc.stdout + proc.stderr)
+        pathlib.Path(keep, f"bench_memory_{name}.log").write_text(proc.stdout + proc.stderr)
         if out.exists():
-            shutil.copy(out, pathlib.Path(keep, name + ".jsonl"))
+            shutil.copy(out, pathlib.Path(keep, f"bench_memory_{name}.jsonl"))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
 def test_alone_on_the_gpu_the_canary_keeps_the_servers_memory(tmp_path):
-    records = _bench(tmp_path, "--configs", "off,raise,everything", "--no-tight")
+    records = _bench(tmp_path, "same_fraction", "--configs", "off,raise,everything", "--no-tight")
     off = next(r for r in records if r["config"] == "off")
     assert {r["config"] for r in records} == {"off", "raise", "everything"}
     for r in records:
@@ -238,7 +238,7 @@ def test_alone_on_the_gpu_a_tight_server_serves_a_full_pool(tmp_path):
     """A server left under 1 GiB free, ``raise`` + token checks, fills its pool with prompts
     so long that at most ``TIGHT_CONCURRENCY`` decode at once (sglang's own memory outside
     the pool grows with the running batch, not the canary's: benchmark/results/memory.md)."""
-    records = _bench(tmp_path, "--configs", "off")
+    records = _bench(tmp_path, "tight", "--configs", "off")
     tight = [r for r in records if r["tight"]]
     assert tight and all(r["served"] == r["requests"] for r in records), records
     last = tight[-1]
