@@ -4,8 +4,10 @@ with the canary off and on at the same ``--mem-fraction-static``: the canary's b
 (``/server_info``), the pool's tokens (``max_total_num_tokens``) and the GPU's memory in use,
 idle after start-up and at its peak while a workload fills the pool; then a server started at a
 fraction that leaves under 1 GiB of the GPU free, with token checks on, filling its pool with
-long prompts; when it fails (or with ``--control``), the canary-off server at the same
-fraction as its control, which says whose memory ran out.
+long prompts (its first fraction estimated from the GPU's size, one more try from what that
+server left free); when it fails (or with ``--control``), the canary-off server at the same
+fraction as its control, which says whose memory ran out. ``--only-tight``: the tight servers
+alone (GPU lane ``memory_gpu_tight``).
 
 One server at a time, alone on the GPU: the memory figures are the GPU's (``cudaMemGetInfo``,
 sampled every 20 ms by the Engine's process, whose own CUDA context is the same for every
@@ -65,6 +67,11 @@ CONFIGS: Dict[str, tuple] = {
 TIGHT_CONFIG = "raise+token"
 TIGHT_FREE = 0.6 * GIB  # what the tight server aims to leave free
 TIGHT_LIMIT = 1 * GIB  # and must leave less than
+# what a server holds after start-up outside its --mem-fraction-static share at a tight
+# fraction (CUDA contexts, graphs, sglang's buffers): 0.86-0.93 GiB measured on an H100 and
+# 0.88-0.90 GiB on an H200 (benchmark/results/memory.md); the tight server's first fraction
+# aims from it, and one more try corrects what it missed
+OUTSIDE_STATIC = 0.9 * GIB
 # the tight servers' workload: so few, long prompts that at most this many requests decode at
 # once, whatever the pool's size. sglang's own memory outside the pool grows with the running
 # batch (the logits of a decode step, float32 [requests, vocabulary]: 0.58 MiB a request for
@@ -119,6 +126,19 @@ def tight_isl(tokens: int, context_len: int, osl: int = OSL) -> int:
     return max(min(SHORT_ISL, cap), min(cap, math.ceil(tokens / TIGHT_CONCURRENCY) - osl))
 
 
+def first_tight_fraction(gpu_total: int) -> float:
+    """The tight server's first ``--mem-fraction-static``: the one that leaves
+    :data:`TIGHT_FREE` of a ``gpu_total``-byte GPU free, if the server holds
+    :data:`OUTSIDE_STATIC` outside its static share."""
+    return round(1 - (TIGHT_FREE + OUTSIDE_STATIC) / gpu_total, 4)
+
+
+def next_tight_fraction(fraction: float, free: int, gpu_total: int) -> float:
+    """The fraction to try after a server at ``fraction`` left ``free`` bytes free (the pool
+    grows with the fraction, sglang's other buffers a little)."""
+    return round(fraction + (free - TIGHT_FREE) / gpu_total, 4)
+
+
 def child(args) -> None:
     import sglang
 
@@ -140,6 +160,9 @@ def child(args) -> None:
             model = MODELS["qwen3-0.6b"]
             pathlib.Path(tmp, "config.json").write_text(json.dumps(model))
             model_dir, vocab = tmp, model["vocab_size"]
+            sampler = GpuSampler()
+            if args.fraction is None:  # the tight server's first: from this GPU's size
+                args.fraction = first_tight_fraction(sampler.total)
             engine_kwargs = dict(
                 model_path=model_dir,
                 load_format="dummy",
@@ -152,7 +175,6 @@ def child(args) -> None:
                 random_seed=0,
                 **kwargs,
             )
-            sampler = GpuSampler()
         t0 = time.perf_counter()
         engine = sglang.Engine(**engine_kwargs)
         startup_s = time.perf_counter() - t0
@@ -198,8 +220,15 @@ def child(args) -> None:
 
 
 def run_child(
-    args, name: str, fraction: float, log_path: str, stub_dir: Optional[str], tight: bool
+    args,
+    name: str,
+    fraction: Optional[float],
+    log_path: str,
+    stub_dir: Optional[str],
+    tight: bool,
 ) -> Optional[dict]:
+    """One server in a child process; ``fraction`` None: the tight server's first, its fraction
+    chosen by the child from the GPU's size. Its record, or None when it failed."""
     env = dict(os.environ)
     env.pop(TOKEN_ENV, None)
     env.pop(V_ENV, None)
@@ -214,7 +243,7 @@ def run_child(
         "--_child",
         name,
         "--_fraction",
-        str(fraction),
+        "auto" if fraction is None else str(fraction),
     ] + (["--smoke-cpu"] if args.smoke_cpu else [])
     if tight:
         cmd.append("--_tight")
@@ -233,12 +262,16 @@ def run_child(
     found = [json.loads(x[len(RESULT) :]) for x in proc.stdout.splitlines() if x.startswith(RESULT)]
     if proc.returncode != 0 or not found:
         print(
-            f"[{name} @ {fraction:.4f}] exited {proc.returncode}; last lines of {log_path}:\n"
+            f"[{name} @ {_fraction(fraction)}] exited {proc.returncode}; last lines of {log_path}:\n"
             + "\n".join(proc.stdout.splitlines()[-40:]),
             flush=True,
         )
         return None
     return found[0]
+
+
+def _fraction(fraction: Optional[float]) -> str:
+    return "(from the GPU's size)" if fraction is None else f"{fraction:.4f}"
 
 
 def _mib(n: Optional[int]) -> str:
@@ -292,10 +325,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     ap.add_argument("--no-tight", action="store_true", help="skip the tight servers")
     ap.add_argument(
+        "--only-tight",
+        action="store_true",
+        help="only the tight servers (no servers at --fraction; --configs must be 'off')",
+    )
+    ap.add_argument(
         "--tight-fraction",
         type=float,
-        help="start the tight server at this --mem-fraction-static (no servers at --fraction, "
-        "no search for the fraction)",
+        help="start the tight server at this --mem-fraction-static (not from the GPU's size; "
+        "no second try)",
     )
     ap.add_argument(
         "--control",
@@ -314,7 +352,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--child-timeout", type=float, default=900)
     ap.add_argument("--smoke-cpu", action="store_true")
     ap.add_argument("--_child", dest="child", help=argparse.SUPPRESS)
-    ap.add_argument("--_fraction", dest="child_fraction", type=float, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--_fraction",
+        dest="child_fraction",
+        type=lambda v: None if v == "auto" else float(v),
+        help=argparse.SUPPRESS,
+    )
     ap.add_argument("--_tight", dest="tight", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -332,6 +375,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"--tight-isl {args.tight_isl}: give 1 to 40000 prompt tokens")
     if args.tight_fraction is not None and not 0 < args.tight_fraction < 1:
         ap.error(f"--tight-fraction {args.tight_fraction}: give a fraction in (0, 1)")
+    if args.only_tight and (args.no_tight or args.smoke_cpu or names != ["off"]):
+        ap.error(
+            "--only-tight: runs the tight servers alone; give it without --no-tight and "
+            "--smoke-cpu, with --configs off (the default names every config)"
+        )
     if args.smoke_cpu:
         args.fraction = 0.3
     invocation, gpu = uuid.uuid4().hex[:12], gpu_name(args.smoke_cpu)
@@ -351,11 +399,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     records, failed = [], []
     # (config, fraction, role): role "" a server at --fraction, "tight" the tight canary
     # server, "control" the canary-off server at the tight one's final fraction (when the
-    # tight one failed, or --control)
-    plan = [(n, args.fraction, "") for n in names]
-    tries = 2  # tight servers started again when the last left TIGHT_LIMIT or more free
-    if args.tight_fraction is not None:
-        plan, tries = [(TIGHT_CONFIG, args.tight_fraction, "tight")], 0
+    # tight one failed, or --control); a fraction None: the tight one's first (from the GPU)
+    plan = [] if args.only_tight else [(n, args.fraction, "") for n in names]
+    if not (args.no_tight or args.smoke_cpu):
+        plan.append((TIGHT_CONFIG, args.tight_fraction, "tight"))
+    # tight servers started again when the last left TIGHT_LIMIT or more free
+    tries = 0 if args.tight_fraction is not None else 1
     crashed = set()  # the roles of the servers that exited
     while plan:
         name, fraction, role = plan.pop(0)
@@ -369,7 +418,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         if rec is None:
             crashed.add(role)
-            failed.append(f"{name}{' ' + role if role else ''} @ {fraction:.4f} (exited)")
+            failed.append(f"{name}{' ' + role if role else ''} @ {_fraction(fraction)} (exited)")
         else:
             rec.update(
                 kind="memory",
@@ -389,19 +438,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"{rec['output_tokens']} tokens",
                 flush=True,
             )
-        if args.no_tight or args.smoke_cpu:
+        if role != "tight":
             continue
-        free = None if rec is None else rec["gpu_total"] - rec["gpu_used_idle"]
-        if rec is not None and (
-            (role == "" and name == "off") or (role == "tight" and free >= TIGHT_LIMIT and tries)
-        ):
-            # the fraction that leaves TIGHT_FREE of the GPU free when idle (the pool grows with
-            # the fraction; sglang's other buffers a little: try again from the result)
-            tries -= role == "tight"
-            plan.append(
-                (TIGHT_CONFIG, round(fraction + (free - TIGHT_FREE) / rec["gpu_total"], 4), "tight")
-            )
-        elif role == "tight" and (args.control or rec is None or rec["served"] != rec["requests"]):
+        fraction = fraction if rec is None else rec["fraction"]
+        if rec is not None and tries and rec["gpu_total"] - rec["gpu_used_idle"] >= TIGHT_LIMIT:
+            tries -= 1
+            free = rec["gpu_total"] - rec["gpu_used_idle"]
+            plan.append((TIGHT_CONFIG, next_tight_fraction(fraction, free, rec["gpu_total"]), role))
+        elif args.control or rec is None or rec["served"] != rec["requests"]:
             plan.append(("off", fraction, "control"))
     print()
     print(table(records))

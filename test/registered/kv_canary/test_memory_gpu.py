@@ -39,7 +39,7 @@ register_cuda_ci(est_time=900, stage="base-b", runner_config="1-gpu-small")
 GPU_LANES = {
     "memory_gpu": ("not alone_on_the_gpu", 150),
     "memory_gpu_alone": ("alone_on_the_gpu and keeps", 300, "alone"),
-    "memory_gpu_tight": ("alone_on_the_gpu and tight", 450, "alone"),
+    "memory_gpu_tight": ("alone_on_the_gpu and tight", 200, "alone"),
 }
 
 pytestmark = [pytest.mark.cuda]
@@ -235,10 +235,11 @@ def test_alone_on_the_gpu_the_canary_keeps_the_servers_memory(tmp_path):
 
 
 def test_alone_on_the_gpu_a_tight_server_serves_a_full_pool(tmp_path):
-    """A server left under 1 GiB free, ``raise`` + token checks, fills its pool with prompts
-    so long that at most ``TIGHT_CONCURRENCY`` decode at once (sglang's own memory outside
+    """A server left under 1 GiB free, ``raise`` + token checks (its fraction from the GPU's
+    size, one more try from what it left), fills its pool with prompts so long that at most
+    ``TIGHT_CONCURRENCY`` decode at once (sglang's own memory outside
     the pool grows with the running batch, not the canary's: benchmark/results/memory.md)."""
-    records = _bench(tmp_path, "tight", "--configs", "off")
+    records = _bench(tmp_path, "tight", "--configs", "off", "--only-tight")
     tight = [r for r in records if r["tight"]]
     assert tight and all(r["served"] == r["requests"] for r in records), records
     last = tight[-1]
