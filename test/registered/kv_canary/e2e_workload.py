@@ -40,7 +40,8 @@ def run_mixed_workload(
 
 def workload_info(out: str) -> Optional[dict]:
     """The ``INFO <json>`` line ``workload.py`` prints: ``Engine.get_server_info()``'s
-    ``kv_canary`` and ``max_total_num_tokens``."""
+    ``kv_canary`` and ``max_total_num_tokens``, and ``kv_canary_live`` (each scheduler's live
+    counts from ``internal_states``)."""
     return tagged_json(out, INFO_TAG)
 
 

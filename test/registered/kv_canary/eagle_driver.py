@@ -93,7 +93,12 @@ class EagleDriver:
         draft_pool: DraftPoolShape = DraftPoolShape(),
         canary_settings: Optional[dict] = None,
         radix_is_eagle: Optional[bool] = None,
+        draft_violations: str = "act",
     ):
+        """``draft_violations``: ``CanaryConfig.draft_violations``; ``act`` (not the server's
+        default, ``report``) so that a raise-mode driver stops at either pool's first
+        violation, as the detection tests read them; the default's own tests pass
+        ``report``."""
         if steps < 1:
             raise ValueError("steps must be >= 1")
         # ``max_steps``: the largest step count the canary is sized for (an adaptive worker's
@@ -130,6 +135,7 @@ class EagleDriver:
             real_kv_hash_mode=real_data,
             enable_verify_token_assert=verify_tokens,
             stats_print_every_n_steps=0,
+            draft_violations=draft_violations,
             **(canary_settings or {}),
         )
         caps = CanaryCapacityInputs(

@@ -402,6 +402,7 @@ def test_metrics_count_each_line_each_abort_and_the_slots_checked(caplog):
                 registry,
                 "sglang:kv_canary_violations_total",
                 **labels,
+                pool="target",
                 launch_tag=tag,
                 fail_reason=reason,
             )
@@ -416,7 +417,7 @@ def test_metrics_count_dropped_rows():
 
     registry = CollectorRegistry()
     metrics = CanaryMetrics({"tp_rank": 0}, registry=registry)
-    metrics.on_incidents([], dropped=5)
+    metrics.on_incidents([], dropped=5, pool="target")
     assert _sample(registry, "sglang:kv_canary_dropped_violations_total", tp_rank="0") == 5
 
 

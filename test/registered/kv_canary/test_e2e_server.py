@@ -102,6 +102,17 @@ def test_clean_workload_matches_canary_off_and_log_mode_works(server, baseline):
     # is --max-total-tokens either way (the budget is far larger)
     assert_memory_reserved_as_allocated(workload_info(out))
     assert workload_info(out)["max_total_num_tokens"] == WORKLOAD_ARGS["max_total_tokens"]
+    # the live counts in Engine.get_server_info()'s internal_states (sglang's scheduler call)
+    assert workload_info(out)["kv_canary_live"] == [
+        {
+            "target": {
+                "violations": 0,
+                "dropped_violations": 0,
+                "aborted_requests": 0,
+                "acting_mode": "raise",
+            }
+        }
+    ]
     stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
     assert stats, "no stats line"
     assert "violations=0" in stats[-1] and "HEAD_K_FULL" in stats[-1]
@@ -320,6 +331,12 @@ def test_cli_log_server_under_injection_locates_every_fault_and_keeps_serving(se
         info = json.loads(body)
         assert_memory_reserved_as_allocated(info)
         assert "token_table" in info["kv_canary"]["memory"]["target"]["allocated"]["device"]
+        # and what it reported so far, live: each fault step's lines and the rows past the
+        # 2-row ring (the last forward's read-back may come after this call)
+        live = [s["kv_canary"] for s in info["internal_states"]]
+        assert len(live) == 1 and set(live[0]) == {"target"}, live
+        assert live[0]["target"]["violations"] >= 1 and live[0]["target"]["acting_mode"] == "log"
+        assert live[0]["target"]["dropped_violations"] >= 1, live
         assert srv.alive()
     finally:
         srv.stop()
@@ -332,6 +349,7 @@ def test_cli_log_server_under_injection_locates_every_fault_and_keeps_serving(se
     ]
     assert len(injected) >= 3, log[-3000:]
     lines = parse_violation_lines(log)
+    assert live[0]["target"]["violations"] <= len(lines)
     steps = {int(i["step"]) for i in injected}
     assert {v.forward_step for v in lines} <= steps  # undone: later forwards are clean
     for i in injected:

@@ -22,7 +22,8 @@ verifies and extends), ``speculative_num_steps`` 3, ``topk`` 1, 4 draft tokens:
   caught;
 - STANDALONE's radix keys: sglang 0.5.12 keys its radix cache by single tokens, and each
   shared prefix that diverges is reported in the draft pool (docs/user_guide.md, "Speculative
-  decoding"); its clean runs keep the radix cache off;
+  decoding"); a raise server logs and counts those reports and serves on (a draft pool's
+  reports are not acted on by default); its clean runs keep the radix cache off;
 - the regression suite of real sglang bugs (one test per upstream PR, the bug re-introduced by
   a test-only hook in ``e2e_support/sitecustomize.py``).
 
@@ -224,8 +225,10 @@ def test_every_fault_class_is_caught_in_each_pool(models, spec, worker):
 def test_pr25015_draft_positions_advanced_before_the_forward(models, spec):
     """Upstream PR 25015, re-introduced by a test-only hook (``KV_CANARY_TEST_PR25015``): each
     draft forward runs at the next position. The draft canary stops the server with the
-    stored position; the same workload without the hook is clean (the test above)."""
-    rc, out, _ = run(models, spec, {"KV_CANARY_TEST_PR25015": "1"}, kv_canary="raise", **UNCHUNKED)
+    stored position (``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act``: by default a draft pool's
+    reports are logged only); the same workload without the hook is clean (the test above)."""
+    env = {"KV_CANARY_TEST_PR25015": "1", "SGLANG_KV_CANARY_DRAFT_VIOLATIONS": "act"}
+    rc, out, _ = run(models, spec, env, kv_canary="raise", **UNCHUNKED)
     assert rc != 0, out[-3000:]
     lines = parse_violation_lines(out)
     reasons = {r for v in lines for r in v.fail_reasons}
@@ -456,17 +459,24 @@ def test_standalone_radix_keys_report_each_divergent_shared_prefix(standalone_mo
     request's token m (and a later wave's prefix hit reuses it too). With the radix cache on,
     token checks and ``--kv-canary log``, the draft canary reports exactly ``verify_token`` at
     m - 1 and ``verify_chain_hash`` at m for each m, and nothing in the target pool; the
-    start-up warning says so. Unchunked prompts: no chunk-end report of PR 26329 mixes in."""
+    start-up warning says so. Under ``--kv-canary raise`` the server serves on: a draft pool's
+    reports are logged (saying why they are not acted on) and counted, the live counts in
+    ``get_server_info()``'s ``internal_states`` name the pool. Unchunked prompts: no
+    chunk-end report of PR 26329 mixes in."""
     rc, out, res = run(
         standalone_models,
         spec,
         {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
-        kv_canary="log",
+        kv_canary="raise",
         **STANDALONE,
         **UNCHUNKED,
     )
     assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
-    assert RADIX_KEYS_WARNING in out, out[-4000:]
+    assert RADIX_KEYS_WARNING in out and "not acted on" in out, out[-4000:]
+    assert "Not acted on (--kv-canary raise)" in out, out[-4000:]
+    (live,) = workload_info(out)["kv_canary_live"]
+    assert live["draft"]["acting_mode"] == "log" and live["draft"]["violations"] >= 2, live
+    assert live["target"] == dict(live["target"], violations=0, acting_mode="raise"), live
     # each wave's prompts are its shared prefix and two tokens of their own
     prompts = [p for wave in load_support_script("small_workload.py").waves() for p in wave]
     divergences = sorted({len(p) - 2 for p in prompts})

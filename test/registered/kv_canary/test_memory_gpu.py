@@ -34,7 +34,7 @@ from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=900, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=650, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds[, "alone"])
 GPU_LANES = {
     "memory_gpu": ("not alone_on_the_gpu", 150),

@@ -15,10 +15,9 @@ import sys
 import pytest
 import torch
 
-from e2e_checks import violations_by_pool
 from eagle_driver import STANDALONE_DRAFT, EagleDriver
 from plugin_hooks_support import registered_hook
-from serving_driver import VOCAB, stand_in_model_runner
+from serving_driver import stand_in_model_runner
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
@@ -177,71 +176,6 @@ def test_a_standalone_draft_of_another_shape_runs_clean(v2, caplog):
     }
     assert {v.kv_layer for v in lines} == {2}
     assert d.target.violations.total == 0
-
-
-def _pool_reports(messages) -> set:
-    """``(pool, fail reason, position)`` of every violation in the canaries' log messages, as
-    the GPU tests read a server's output (``e2e_checks.violations_by_pool``)."""
-    return {
-        (pool, reason, v.position)
-        for pool, v in violations_by_pool("\n".join(messages))
-        for reason in v.fail_reasons
-    }
-
-
-SHARED = 12  # prompt tokens two requests share before they differ
-
-
-def _divergent_pair(d: EagleDriver, *, together: bool):
-    """Two 20-token prompts equal on ``[0, SHARED)`` and different at ``SHARED``: served in
-    one prefill batch (``together``: the second one's prompt is swapped to the first one's
-    slots by the tree insert after the prefill), or the second after the first finished (a
-    prefix hit at admission)."""
-    first = [(7 * i + 3) % VOCAB for i in range(20)]
-    second = first[:SHARED] + [(first[SHARED] + 1) % VOCAB] + [(11 * i) % VOCAB for i in range(7)]
-    a = d.add_request(0, 6, prompt=first)
-    if not together:
-        while a not in d.finished:
-            d.step()
-    b = d.add_request(0, 6, prompt=second)
-    while a not in d.finished or b not in d.finished:
-        d.step()
-    assert b.shared_prefix >= SHARED - 1
-
-
-@pytest.mark.parametrize("v2", [False, True], ids=["spec_v1", "spec_v2"])
-@pytest.mark.parametrize("together", [True, False], ids=["one_batch", "prefix_hit"])
-@pytest.mark.parametrize("verify_tokens", [True, False], ids=["tokens", "no_tokens"])
-def test_single_token_radix_keys_report_every_divergent_shared_prefix(
-    v2, together, verify_tokens, caplog
-):
-    """sglang 0.5.12 keys STANDALONE's radix cache by single tokens (``is_eagle`` False):
-    a request sharing m prompt tokens with another and differing at m gets the other's draft
-    slot of position m - 1, whose KV was computed from the other's token m. The draft canary
-    reports it, nothing in the target pool: ``verify_token`` at m - 1 with token checks, and
-    when the tree insert after a shared prefill batch swaps the request's own slots for the
-    other's, ``verify_chain_hash`` at m (its own record at m chained from its own m - 1). With
-    EAGLE's pair keys (``is_eagle`` True) the match stops at m - 1: clean."""
-    expected = set()
-    if verify_tokens:
-        expected.add(("draft", "verify_token", SHARED - 1))
-    if together:
-        expected.add(("draft", "verify_chain_hash", SHARED))
-    for is_eagle, want in ((False, expected), (True, set())):
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
-            d = EagleDriver(
-                steps=3,
-                v2=v2,
-                seed=5,
-                mode="log",
-                verify_tokens=verify_tokens,
-                draft_pool=STANDALONE_DRAFT,
-                radix_is_eagle=is_eagle,
-            )
-            _divergent_pair(d, together=together)
-        assert _pool_reports(r.getMessage() for r in caplog.records) == want, is_eagle
-        assert d.target.count_violations() == 0
 
 
 # ---- every speculative forward mode verifies and writes its own slots ----------------------

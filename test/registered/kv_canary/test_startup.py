@@ -437,6 +437,32 @@ def test_draft_fault_target_from_every_route(monkeypatch, capsys, model_dir):
     )
 
 
+def test_draft_violations_from_every_route(monkeypatch, capsys, tmp_path, model_dir):
+    """``SGLANG_KV_CANARY_DRAFT_VIOLATIONS``: ``act`` accepted with speculative decoding from
+    the command line, a ``--config`` YAML and ``Engine`` kwargs (the effective config says
+    so, as does the default ``report``), refused without it on each route naming the
+    variable; a misspelt value refused naming the variable and the allowed values."""
+    from sglang.srt.kv_canary.config import CanaryConfig
+
+    args = cli(model_dir, "--kv-canary", "raise", *_eagle(model_dir, 1))
+    assert "draft_violations=report" in CanaryConfig.of_server(args).describe()
+    monkeypatch.setenv("SGLANG_KV_CANARY_DRAFT_VIOLATIONS", "act")
+    args = cli(model_dir, "--kv-canary", "raise", *_eagle(model_dir, 1))
+    assert "draft_violations=act" in CanaryConfig.of_server(args).describe()
+    yaml_file = tmp_path / "canary.yaml"
+    yaml_file.write_text("kv-canary: abort\n")
+    cli(model_dir, "--config", str(yaml_file), *_eagle(model_dir, 1))
+    assert kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 1))
+    refused = "SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act acts on a speculative draft"
+    assert refused in cli_error(capsys, model_dir, "--kv-canary", "raise")
+    assert refused in cli_error(capsys, model_dir, "--config", str(yaml_file))
+    with pytest.raises(ValueError, match=refused):
+        kwargs(model_dir, kv_canary="raise")
+    monkeypatch.setenv("SGLANG_KV_CANARY_DRAFT_VIOLATIONS", "acts")
+    err = cli_error(capsys, model_dir, "--kv-canary", "raise", *_eagle(model_dir, 1))
+    assert "SGLANG_KV_CANARY_DRAFT_VIOLATIONS" in err and "'report', 'act'" in err, err
+
+
 def test_the_kept_req_to_token_fault_starts_in_abort_mode_only_from_every_route(
     monkeypatch, capsys, tmp_path, model_dir
 ):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional, Tuple
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
-from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
+from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode, DraftViolations
 from sglang.srt.kv_canary.memory import format_bytes
 from sglang.srt.kv_canary.memory_budget import CanaryMemoryReservation, reserve_canary_memory
 from sglang.srt.kv_canary.perturb.config import TARGET_WORKER_VAR, WORKER_DRAFT, FaultKind
@@ -107,6 +107,12 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
                 f"{TARGET_WORKER_VAR}=draft corrupts a speculative draft model's KV: "
                 f"pass --speculative-algorithm {_COVERED_FLAGS} (or unset the variable)"
             )
+        if config.draft_violations == DraftViolations.ACT:
+            raise ValueError(
+                "SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act acts on a speculative draft model's KV "
+                f"pool, and this server has none: pass --speculative-algorithm {_COVERED_FLAGS} "
+                "(or unset the variable)"
+            )
         return
     if spec.algorithm not in COVERED_SPECULATIVE_ALGORITHMS:
         raise ValueError(
@@ -134,20 +140,31 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
         )
 
 
-def _warn_standalone_radix_keys() -> None:
+def _warn_standalone_radix_keys(config: CanaryConfig) -> None:
     """STANDALONE with the radix cache on: sglang 0.5.12 keys that cache by single tokens
     (EAGLE's keys are token pairs), so a prefix hit of m tokens reuses the draft slot of
     position m - 1, computed from the other request's token m (docs/user_guide.md,
-    "Speculative decoding"). Logged once, by the draft runner's install."""
+    "Speculative decoding"). Logged once, by the draft runner's install; says what the
+    server's mode does with those reports (:meth:`CanaryConfig.acting_mode`)."""
+    if config.acting_mode(draft=True) == config.mode and config.mode != CanaryMode.LOG:
+        what = (
+            f"and --kv-canary {config.mode.value} acts on each one "
+            f"(SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act): unset that variable to log and count "
+            "them without acting, or pass --disable-radix-cache"
+        )
+    else:
+        what = (
+            "each logged and counted (pool=draft), not acted on: they cost draft acceptance, "
+            "not output correctness; --disable-radix-cache avoids them"
+        )
     logger.warning(
         "kv_canary: --speculative-algorithm STANDALONE with the radix cache on: sglang 0.5.12 "
         "keys STANDALONE's radix cache by single tokens (EAGLE's by token pairs), so a request "
         "that shares a cached prefix of m tokens with another and differs at token m reuses "
         "the draft KV of position m - 1 computed from the other request's token m. The draft "
         "pool's canary reports every such divergence (verify_token at m - 1 with token checks, "
-        "verify_chain_hash at m), and --kv-canary raise stops the server at the first one. "
-        "It costs draft acceptance, not output correctness: pass --disable-radix-cache, or "
-        "--kv-canary log to keep serving and log the reports"
+        "verify_chain_hash at m), %s",
+        what,
     )
 
 
@@ -339,6 +356,19 @@ def canary_memory_info(
     return out
 
 
+def canary_violation_info(
+    *, target: Optional[CanaryManager], draft: Optional[CanaryManager]
+) -> dict:
+    """``/server_info``'s ``internal_states[i].kv_canary``, read at each call: per guarded
+    pool (``target``, ``draft``) the violations it reported so far and the mode they are
+    handled in (:meth:`~sglang.srt.kv_canary.runner.reporting.ForwardReporter.counts`)."""
+    return {
+        role: manager.reporter.counts()
+        for role, manager in (("target", target), ("draft", draft))
+        if manager is not None
+    }
+
+
 def _use_token_oracle_sampler(model_runner: "ModelRunner") -> None:
     """Make the runner sample with the token oracle. sglang builds its sampler from
     ``--sampling-backend`` but forces ``pytorch`` on some devices (the CPU engine): then the
@@ -419,7 +449,7 @@ def install_canary(
     elif spec.algorithm == "STANDALONE" and not sglang_seam.server_args_value(
         server_args, "disable_radix_cache", False
     ):
-        _warn_standalone_radix_keys()
+        _warn_standalone_radix_keys(config)
     memory = _check_reserved(
         manager, sglang_seam.runner_memory_reservation(model_runner), draft=draft
     )

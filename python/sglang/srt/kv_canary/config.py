@@ -64,6 +64,19 @@ class CanaryMode(str, enum.Enum):
         return _parse_choice(cls, value, flag)
 
 
+class DraftViolations(str, enum.Enum):
+    """``SGLANG_KV_CANARY_DRAFT_VIOLATIONS``: what a violation in a speculative draft model's
+    KV pool does (docs/user_guide.md, "Speculative decoding": a draft's KV costs draft
+    acceptance only, the target model verifies every token)."""
+
+    REPORT = "report"  # logged and counted in every mode; raise and abort do not act on it
+    ACT = "act"  # as a target-pool violation: raise stops the server, abort aborts requests
+
+    @classmethod
+    def parse(cls, value, *, flag: str = "SGLANG_KV_CANARY_DRAFT_VIOLATIONS") -> "DraftViolations":
+        return _parse_choice(cls, value, flag)
+
+
 REAL_DATA_CHOICES = {
     "none": RealKvHashMode.NONE,
     "partial": RealKvHashMode.PARTIAL,
@@ -152,6 +165,7 @@ class CanaryConfig:
     enable_mha_v: bool = False
     swa_divergence_stats_interval: int = 0
     enable_token_oracle: bool = False
+    draft_violations: DraftViolations = DraftViolations.REPORT
     perturb: PerturbConfig = PerturbConfig()
 
     def __post_init__(self):
@@ -164,6 +178,7 @@ class CanaryConfig:
             else RealKvHashMode(self.real_kv_hash_mode),
         )
         object.__setattr__(self, "real_data_layers", RealDataLayers.parse(self.real_data_layers))
+        object.__setattr__(self, "draft_violations", DraftViolations.parse(self.draft_violations))
         for name, minimum, maximum in (
             ("ring_capacity", 1, MAX_RING_CAPACITY),
             ("sweep_interval", 0, MAX_STEP_INTERVAL),
@@ -226,6 +241,13 @@ class CanaryConfig:
     def enabled(self) -> bool:
         return self.mode != CanaryMode.NONE
 
+    def acting_mode(self, *, draft: bool) -> CanaryMode:
+        """The mode a pool's violations are handled in: ``mode``, except a speculative draft
+        pool's with ``draft_violations`` ``report``, which are logged (and counted) only."""
+        if draft and self.draft_violations == DraftViolations.REPORT and self.enabled:
+            return CanaryMode.LOG
+        return self.mode
+
     def describe(self) -> str:
         """Every effective setting, as ``key=value`` words (the start-up log line)."""
         on = {True: "on", False: "off"}
@@ -242,6 +264,7 @@ class CanaryConfig:
             f"v_half={on[self.enable_mha_v]} "
             f"stats_every={self.stats_print_every_n_steps} "
             f"swa_divergence_every={self.swa_divergence_stats_interval} "
+            f"draft_violations={self.draft_violations.value} "
             f"fault_injection={faults}"
         )
 
@@ -328,6 +351,7 @@ class CanaryConfig:
             enable_token_oracle=(
                 canary_envs.SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE.get() or oracle_flag
             ),
+            draft_violations=canary_envs.SGLANG_KV_CANARY_DRAFT_VIOLATIONS.get(),
             perturb=perturb_config_from_env(),
         )
 

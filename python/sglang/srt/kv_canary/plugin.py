@@ -31,6 +31,9 @@ registers the ``token_oracle`` sampling backend (``--sampling-backend token_orac
 | AFTER | ``Scheduler.process_batch_result`` | ``after_batch_result`` (abort mode's eviction) |
 | AFTER | ``Scheduler.get_init_info`` | add ``kv_canary`` (flags, effective config and |
 |  |  | memory) to what ``/server_info`` and ``Engine.get_server_info()`` return |
+| AFTER | ``Scheduler.get_internal_state`` | add ``kv_canary`` (each guarded pool's |
+|  |  | violations so far, and the mode they are handled in) to ``/server_info``'s |
+|  |  | ``internal_states`` |
 | AROUND | ``Scheduler.stash_chunked_request`` | |
 |  |  | abort mode: a request aborted mid chunked prefill is still stashed chunk by |
 |  |  | chunk (its no-insert mark lifted), so it reaches its last chunk and finishes |
@@ -276,6 +279,17 @@ def _after_get_init_info(result, self, *args, **kwargs):
     return result
 
 
+def _after_get_internal_state(result, self, *args, **kwargs):
+    from sglang.srt.kv_canary.api import canary_violation_info
+
+    state = seam.internal_state_of(result)
+    target = seam.runner_canary(seam.scheduler_model_runner(self))
+    draft = seam.runner_canary(seam.scheduler_draft_model_runner(self))
+    if state is not None and (target is not None or draft is not None):
+        state["kv_canary"] = canary_violation_info(target=target, draft=draft)
+    return result
+
+
 def _after_forward_batch_init(result, cls, batch, model_runner, *args, **kwargs):
     manager = seam.runner_canary(model_runner)
     if manager is not None:
@@ -345,6 +359,7 @@ HOOKS = (
     (seam.HOOK_SCHEDULER_INIT_CACHE, _after_init_cache, "AFTER"),
     (seam.HOOK_SCHEDULER_PROCESS_BATCH_RESULT, _after_process_batch_result, "AFTER"),
     (seam.HOOK_SCHEDULER_GET_INIT_INFO, _after_get_init_info, "AFTER"),
+    (seam.HOOK_SCHEDULER_GET_INTERNAL_STATE, _after_get_internal_state, "AFTER"),
     (seam.HOOK_SCHEDULER_ON_IDLE, _before_on_idle, "BEFORE"),
     (seam.HOOK_SCHEDULER_STASH_CHUNKED_REQUEST, _stash_chunked_request, "AROUND"),
     (seam.HOOK_RADIX_CACHE_FINISHED_REQ, _cache_finished_req, "AROUND"),

@@ -51,9 +51,12 @@ def emit(tag: str, obj: Any) -> None:
 
 
 def emit_server_info(engine) -> None:
-    """``INFO <json>``: the server info's ``kv_canary`` and ``max_total_num_tokens``."""
+    """``INFO <json>``: the server info's ``kv_canary`` and ``max_total_num_tokens``, and as
+    ``kv_canary_live`` each scheduler's ``internal_states[i].kv_canary`` (read now)."""
     info = engine.get_server_info()
-    emit(INFO_TAG, {k: info.get(k) for k in ("kv_canary", "max_total_num_tokens")})
+    out = {k: info.get(k) for k in ("kv_canary", "max_total_num_tokens")}
+    out["kv_canary_live"] = [s.get("kv_canary") for s in info.get("internal_states") or []]
+    emit(INFO_TAG, out)
 
 
 def main(

@@ -70,9 +70,10 @@ class CanaryMetrics:
         names = list(self.labels)
         self._violations = Counter(
             name=VIOLATIONS,
-            labelnames=names + ["launch_tag", "fail_reason"],
+            labelnames=names + ["pool", "launch_tag", "fail_reason"],
             documentation="KV-canary violation reports (one per structured log line), by the "
-            "launch tag that saw it first and its fail reasons.",
+            "guarded pool (target, draft), the launch tag that saw it first and its fail "
+            "reasons.",
         )
         self._verified = _RunningTotal(
             Counter(
@@ -153,11 +154,15 @@ class CanaryMetrics:
             for part, n in parts:
                 self._memory.labels(**self.labels, pool=pool, memory=where, part=part.value).set(n)
 
-    def on_incidents(self, incidents: Sequence[ViolationIncident], *, dropped: int) -> None:
-        """One increment per reported line, labelled as the line is."""
+    def on_incidents(
+        self, incidents: Sequence[ViolationIncident], *, dropped: int, pool: str
+    ) -> None:
+        """One increment per reported line, labelled as the line is and by its ``pool``
+        (``target``, or ``draft``: a speculative draft model's)."""
         for inc in incidents:
             self._violations.labels(
                 **self.labels,
+                pool=pool,
                 launch_tag=inc.record.tag_name,
                 fail_reason=FailReason.describe(inc.fail_bits),
             ).inc()

@@ -34,6 +34,16 @@ from sglang.srt.kv_canary.single_forward_manager import SfmStatus
 logger = logging.getLogger(__name__)
 
 
+def draft_not_acted_on(mode: CanaryMode) -> str:
+    """The last line of a draft pool's report that ``mode`` does not act on
+    (``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=report``, the default)."""
+    return (
+        f"Not acted on (--kv-canary {mode.value}): a draft model's KV costs draft acceptance "
+        "only, the target model verifies every token; SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act "
+        f"makes --kv-canary {mode.value} act on it."
+    )
+
+
 def draft_pool_label(draft_worker: str) -> str:
     """How the reports of a draft runner's canary name its pool (``draft_worker``: EAGLE or
     STANDALONE)."""
@@ -93,12 +103,17 @@ class ForwardReporter:
         device: torch.device,
     ):
         self._device = device
+        # a draft pool's violations are only logged unless the operator opts in
+        # (CanaryConfig.acting_mode); they are counted either way, labelled by pool
+        self.mode = config.acting_mode(draft=ranks.draft)
+        self.pool = "draft" if ranks.draft else "target"
         self.violations = ViolationManager(
             reporter=ViolationReporter(
-                config.mode,
+                self.mode,
                 pool=draft_pool_label(ranks.draft_worker) if ranks.draft else "",
                 rank=ranks.describe_rank() if ranks.several else "",
                 server=ranks.server_role,
+                not_acted_on="" if self.mode == config.mode else draft_not_acted_on(config.mode),
             ),
             ring_capacity=config.ring_capacity,
         )
@@ -110,7 +125,7 @@ class ForwardReporter:
         swa_lut = next((g.swa_index_lut for g in groups if g.kind == PoolKind.SWA), None)
         self.requests = RequestResolver(req_to_token=req_to_token, swa_index_lut=swa_lut)
         self.containment: Optional[ContainmentManager] = None
-        if config.mode == CanaryMode.ABORT:
+        if self.mode == CanaryMode.ABORT:
             full = next((g for g in groups if g.kind == PoolKind.FULL), None)
             if full is None:  # every adapter builds one; a new one must too
                 raise ValueError(
@@ -122,6 +137,19 @@ class ForwardReporter:
             )
         self.metrics: Optional[CanaryMetrics] = None
         self.kv_slots_in_use: Callable[[], int] = lambda: 0
+
+    def counts(self) -> dict:
+        """What this pool's canary reported so far: violation lines, rows dropped past the
+        ring, requests aborted, and the mode its violations are handled in (``log`` for a
+        draft pool whose reports the server's mode does not act on). Host values only."""
+        return {
+            "violations": self.violations.total_incidents,
+            "dropped_violations": self.violations.total_dropped,
+            "aborted_requests": (
+                self.containment.aborted_requests if self.containment is not None else 0
+            ),
+            "acting_mode": self.mode.value,
+        }
 
     @staticmethod
     def expected_tags(endpoints) -> list:
@@ -196,7 +224,7 @@ class ForwardReporter:
                 return
         incidents = [dataclasses.replace(inc, rids=t.rids) for inc, t in zip(incidents, touched)]
         if self.metrics is not None:
-            self.metrics.on_incidents(incidents, dropped=dropped)
+            self.metrics.on_incidents(incidents, dropped=dropped, pool=self.pool)
         if self.containment is not None:
             aborted = self.containment.contain(incidents, touched)
             if self.metrics is not None:

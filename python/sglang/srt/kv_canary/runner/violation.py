@@ -36,7 +36,15 @@ class ViolationReporter:
     is the manager's). Raise mode: ``RuntimeError`` carrying the structured lines (sglang's
     scheduler then exits, as on any scheduler error)."""
 
-    def __init__(self, mode: CanaryMode, *, pool: str = "", rank: str = "", server: str = ""):
+    def __init__(
+        self,
+        mode: CanaryMode,
+        *,
+        pool: str = "",
+        rank: str = "",
+        server: str = "",
+        not_acted_on: str = "",
+    ):
         self.mode = CanaryMode.parse(mode)
         # which pool the reports are about, when a server has two canaries (EAGLE's draft
         # pool); "" for the one (target) pool
@@ -46,6 +54,9 @@ class ViolationReporter:
         self.rank = rank
         # which server of a PD pair ("PD decode server"); "" without PD
         self.server = server
+        # why the server's --kv-canary mode does not act on these reports (a draft pool's
+        # under raise / abort: logged only), ending each report; "" when it acts
+        self.not_acted_on = not_acted_on
 
     def report(
         self,
@@ -61,6 +72,7 @@ class ViolationReporter:
             return
         where = f"\n  Pool: {self.pool}." if self.pool else ""
         where += f"\n  Server: {self.server}." if self.server else ""
+        where += f"\n  {self.not_acted_on}" if self.not_acted_on else ""
         texts = [
             format_violation_line(i, step=step) + "\n" + format_violation_block(i, step) + where
             for i in incidents

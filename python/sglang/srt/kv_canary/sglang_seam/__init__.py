@@ -41,6 +41,7 @@ from sglang.srt.kv_canary.sglang_seam.hooks import (
     HOOK_SCHEDULER_ON_IDLE,
     HOOK_SCHEDULER_PROCESS_BATCH_RESULT,
     HOOK_SCHEDULER_GET_INIT_INFO,
+    HOOK_SCHEDULER_GET_INTERNAL_STATE,
     HOOK_SCHEDULER_STASH_CHUNKED_REQUEST,
     HOOK_RADIX_CACHE_FINISHED_REQ,
     HOOK_CHUNK_CACHE_FINISHED_REQ,
@@ -102,6 +103,7 @@ from sglang.srt.kv_canary.sglang_seam.scheduler import (
     live_row_reqs,
     scheduler_chunked_req,
     abort_running_req,
+    internal_state_of,
 )
 from sglang.srt.kv_canary.sglang_seam.batch import (
     batch_state,
@@ -193,6 +195,7 @@ __all__ = [
     "HOOK_SCHEDULER_ON_IDLE",
     "HOOK_SCHEDULER_PROCESS_BATCH_RESULT",
     "HOOK_SCHEDULER_GET_INIT_INFO",
+    "HOOK_SCHEDULER_GET_INTERNAL_STATE",
     "HOOK_SCHEDULER_STASH_CHUNKED_REQUEST",
     "HOOK_RADIX_CACHE_FINISHED_REQ",
     "HOOK_CHUNK_CACHE_FINISHED_REQ",
@@ -246,6 +249,7 @@ __all__ = [
     "live_row_reqs",
     "scheduler_chunked_req",
     "abort_running_req",
+    "internal_state_of",
     "batch_state",
     "set_batch_state",
     "draft_token_num",

@@ -7,6 +7,7 @@
 | ``Scheduler.running_batch`` / ``.cur_batch`` (``.reqs``), ``.chunked_req`` | the running requests a violation touches; the request PD prefill stashes (abort mode lifts its mark around it) | ``runner.requests``, ``plugin`` |
 | ``Scheduler.enable_metrics``, ``.metrics_collector.labels`` | the canary's Prometheus series get the scheduler's labels | ``runner.metrics`` |
 | ``Scheduler.token_to_kv_pool_allocator.available_size()``, ``.max_total_num_tokens`` | the protected-tokens gauge | ``runner.metrics`` |
+| ``GetInternalStateReqOutput.internal_state`` (what ``Scheduler.get_internal_state`` returns) | adds ``kv_canary``: the violations each guarded pool reported so far (``/server_info``'s ``internal_states``) | ``plugin`` |
 | ``ScheduleBatch.reqs`` (``ModelWorkerBatch.reqs``, ``.forward_mode``, ``.req_pool_indices``) | the requests of a ``ForwardBatch.init_new`` (spec v1's draft extend: the unfinished ones) | ``plugin`` |
 """
 
@@ -23,6 +24,13 @@ if TYPE_CHECKING:  # annotations only
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.server_args import ServerArgs
+
+
+def internal_state_of(output) -> Optional[Dict[str, Any]]:
+    """The ``internal_state`` dict of what ``Scheduler.get_internal_state`` returned (a
+    ``GetInternalStateReqOutput``); None for anything else."""
+    state = getattr(output, "internal_state", None)
+    return state if isinstance(state, dict) else None
 
 
 def scheduler_model_runner(scheduler: "Scheduler") -> Optional["ModelRunner"]:
