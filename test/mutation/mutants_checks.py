@@ -607,5 +607,34 @@ MUTANTS_CHECKS = (
         speed="quick",
         what="the KV budget leaves out the speculative draft's canary",
     ),
+    Mutant(
+        id="guard-reclaims-a-named-slot",
+        path=f"{_RT}/runner/ownership.py",
+        old="            orphan = ~named[cand] & ~free[cand] & ~torch.isin(cand, pages)",
+        new="            orphan = ~free[cand] & ~torch.isin(cand, pages)",
+        selection=f"{_T}/test_release_guard.py::"
+        "test_a_third_holder_of_identical_records_keeps_its_page",
+        speed="quick",
+        what="the release guard reclaims a slot a third live holder of the same record names",
+    ),
+    Mutant(
+        id="guard-ignores-own-page-mates",
+        path=f"{_RT}/runner/ownership.py",
+        old="            mine = orphan | torch.isin(cand, own_pages)",
+        new="            mine = orphan",
+        selection=f"{_T}/test_release_guard.py::"
+        "test_a_third_holder_of_identical_records_keeps_its_page",
+        speed="quick",
+        what="at page size > 1 a release frees another's page whose record fits its own",
+    ),
     # ---- speculative decoding ----------------------------------------------------------------
+    Mutant(
+        id="draft-violations-acted-on",
+        path=f"{_RT}/config.py",
+        old="        if draft and self.draft_violations == DraftViolations.REPORT and self.enabled:",
+        new="        if False:",
+        selection=f"{_T}/test_speculative_draft_reports.py",
+        speed="quick",
+        what="raise and abort act on a draft pool's violations by default",
+    ),
 )

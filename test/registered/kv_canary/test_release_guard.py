@@ -283,6 +283,48 @@ def test_identical_prefixes_make_the_other_holders_slot_look_like_the_requests_o
         assert pool.guard.reclaimed_slots == 1 and pool.guard.unattributed == 0, first
 
 
+def _same_tokens(pool: Pool, reqs) -> None:
+    """Give every request of ``reqs`` the first one's tokens (identical records)."""
+    words = pool.records.view(torch.int64)
+    first = reqs[0]
+    for other in reqs[1:]:
+        for pos, (s0, s1) in enumerate(zip(pool.row(first), pool.row(other))):
+            words[s1, 0] = words[s0, 0]
+            other.origin_input_ids[pos] = first.origin_input_ids[pos]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("order", ["abc", "bac", "cab", "cba"])
+def test_a_third_holder_of_identical_records_keeps_its_page(make_pool, hooked, page_size, order):
+    """Three requests prefilled the same tokens in slots of their own (identical records). A's
+    entry names B's slot; C holds a slot with the same (position, token) as well. Released in
+    any order: no page is freed while another live request names it (C's above all: its
+    record fits A's entry, but C holds it), A's own slot is freed once (at page size 1 found
+    by its record, nobody naming it; at 16 with its page mates), nothing is lost."""
+    pool = make_pool(page_size)
+    reqs = dict(zip("abc", [pool.request(2 * page_size + 3, first_token=5) for _ in range(3)]))
+    _same_tokens(pool, list(reqs.values()))
+    pos = page_size + 1  # on each request's second page
+    own = _corrupt(pool, reqs["a"], pos, pool.row(reqs["b"])[pos])
+    for r in reqs.values():
+        seam.mark_contained(r)
+    for n, name in enumerate(order):
+        pool.release(reqs[name])
+        pool.check_busy_count()
+        pool.guard.settle(pool.cache)
+        free = set(torch.cat([pool.alloc.free_pages, pool.alloc.release_pages]).tolist())
+        for live in order[n + 1 :]:
+            row = pool.row(reqs[live])
+            if live == "a":
+                row = row[:pos] + row[pos + 1 :]  # its corrupt entry names B's page
+            assert not free & {s // page_size for s in row}, (name, live)
+        if "a" in order[: n + 1]:
+            pool.check_accounting()
+    assert own // page_size in free
+    assert pool.guard.unattributed == 0 and pool.guard.pending == []
+    assert pool.guard.reclaimed_slots == (1 if page_size == 1 else 0)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_a_corrupt_row_sglang_cached_before_its_report_is_evicted_under_the_guard(
     make_pool, hooked, page_size

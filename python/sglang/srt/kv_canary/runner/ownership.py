@@ -284,8 +284,9 @@ class ReleaseGuard:
         must skip, and which it must free although it no longer names them.
 
         An entry is the holder's to free when its page is not free and either no other holder
-        names it, or its record holds the entry's (position, token) and no slot nobody names
-        holds that key as well (then that one is the holder's, and this one the other's: two
+        names it, or its record holds the entry's (position, token) and no other slot that
+        may be the holder's (one nobody names, or one on a page only the holder names) holds
+        that key as well (then that one is the holder's, and this one the other's: two
         requests' identical prefixes have identical records). A page is held back when an
         entry naming it is not the holder's to free. A slot nobody names, not free, whose
         record holds the (position, token) of an entry in doubt (its record is another's,
@@ -316,7 +317,12 @@ class ReleaseGuard:
             cand = slots // page_size
             orphan = ~named[cand] & ~free[cand] & ~torch.isin(cand, pages)
             reclaim = torch.unique(cand[orphan])
-            has_orphan[:n] = torch.isin(keys, rec_keys[slots[orphan]]) & doubt
+            # the holder's own slot of a key: an orphan, or a slot on a page only this holder
+            # names (a page mate of its other entries: at page size > 1 identical prefixes
+            # put the key on the holder's own page too)
+            own_pages = torch.unique(pages[~other & ~was_free])
+            mine = orphan | torch.isin(cand, own_pages)
+            has_orphan[:n] = torch.isin(keys, rec_keys[slots[mine]]) & doubt
         ok = ~was_free & (~other | (fits & ~has_orphan))
         held_back = torch.unique(pages[~ok])
         unattributed = 0
