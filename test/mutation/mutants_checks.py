@@ -633,7 +633,8 @@ MUTANTS_CHECKS = (
         path=f"{_RT}/config.py",
         old="        if draft and self.draft_violations == DraftViolations.REPORT and self.enabled:",
         new="        if False:",
-        selection=f"{_T}/test_speculative_draft_reports.py",
+        selection=f"{_T}/test_speculative_draft_reports.py::"
+        "test_a_draft_pool_fault_under_raise_is_logged_and_counted_unless_act",
         speed="quick",
         what="raise and abort act on a draft pool's violations by default",
     ),
