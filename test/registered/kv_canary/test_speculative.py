@@ -600,7 +600,8 @@ def test_standalone_topk_1_is_covered_and_named(monkeypatch, caplog, radix):
     """STANDALONE (a separate draft LM, EAGLE's forwards): topk 1 starts, both runners get
     their canary (the draft's with offset 1 and one manager per draft forward), the start-up
     line and the draft pool's reports name STANDALONE, and with the radix cache on one warning
-    explains its single-token keys' reports and names the flags to pass."""
+    explains its single-token keys' reports, that they are not acted on (or, with
+    ``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act``, that raise acts on each) and the flag to pass."""
     from sglang.srt.kv_canary import api
 
     _clean_canary_env(monkeypatch)
@@ -625,9 +626,18 @@ def test_standalone_topk_1_is_covered_and_named(monkeypatch, caplog, radix):
             "verify_token at m - 1",
             "verify_chain_hash at m",
             "--disable-radix-cache",
-            "--kv-canary log",
+            "not acted on",
         ):
             assert text in warning, warning
+        # with SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act the warning says raise acts on each one
+        from sglang.srt.kv_canary.config import CanaryConfig
+
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+            api._warn_standalone_radix_keys(CanaryConfig(mode="raise", draft_violations="act"))
+        (acting,) = [r.getMessage() for r in caplog.records]
+        assert "--kv-canary raise acts on each one" in acting and "not acted on" not in acting
+        assert "SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act" in acting, acting
     else:
         assert warnings == []
     assert draft.ranks.describe().endswith("STANDALONE draft worker")
