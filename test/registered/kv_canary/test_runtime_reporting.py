@@ -17,6 +17,7 @@ import torch
 from sglang.jit_kernel.kv_canary import consts as c
 from sglang.jit_kernel.kv_canary.consts import FailReason, to_int64
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
+from sglang.srt.kv_canary.config import CanaryMode
 from sglang.srt.kv_canary.runner import DelayedDeviceHostHandler
 from sglang.srt.kv_canary.runner.violation import ViolationReporter
 from sglang.srt.kv_canary.runner.violation_line import (
@@ -355,12 +356,20 @@ def test_violation_line_round_trip(tag, slot, pos, stored, expected, chain, aux,
     assert parse_violation_lines("noise\n" + logged + "\nmore noise\n") == [want]
 
 
+def test_the_reporter_takes_the_mode_the_config_parsed():
+    """``--kv-canary`` is parsed once, into ``CanaryConfig.mode``; the reporter refuses a
+    string rather than parse it again."""
+    with pytest.raises(TypeError, match="takes a CanaryMode, got 'raise'"):
+        ViolationReporter("raise")
+    assert ViolationReporter(CanaryMode.LOG).mode is CanaryMode.LOG
+
+
 def test_parse_violation_line_ignores_other_lines():
     assert parse_violation_line("kv_canary stats: step=3 protected_tokens=10") is None
     assert parse_violation_line("") is None
     assert parse_violation_lines("nothing to see\n") == []
     # the ring-full line starts with the same prefix but is not a violation
-    reporter = ViolationReporter("raise")
+    reporter = ViolationReporter(CanaryMode.RAISE)
     row = _row(
         CanaryLaunchTag.TAIL_K_FULL, 5, 2, 1, 1, 0, 0, FailReason.VERIFY_REAL_KV_HASH_MISMATCH
     )

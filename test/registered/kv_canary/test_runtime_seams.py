@@ -23,7 +23,7 @@ from sglang.srt.kv_canary import api, builder, sglang_seam
 from sglang.srt.kv_canary.batch_state import CanaryBatchState, batch_state, batch_state_for
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs, CanaryLaunchCapacities
-from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
 from sglang.srt.kv_canary.runner.violation import ViolationReporter
 from sglang.srt.kv_canary.runner.violation_line import format_violation_line, parse_violation_lines
@@ -425,7 +425,7 @@ def _row(slot, bits=FailReason.VERIFY_REAL_KV_HASH_MISMATCH):
 
 def test_parse_violation_lines_counts_a_line_printed_twice_once():
     with pytest.raises(RuntimeError) as exc:
-        ViolationReporter("raise").report(merge_incidents([_row(5), _row(6)]), step=12)
+        ViolationReporter(CanaryMode.RAISE).report(merge_incidents([_row(5), _row(6)]), step=12)
     text = str(exc.value)
     # raise mode: sglang's scheduler logs the error, then it propagates and is printed again
     output = f"[TP0] Scheduler hit an exception: {text}\nTraceback ...\nRuntimeError: {text}\n"

@@ -105,6 +105,15 @@ def set_canary_attrs(server_args, values: dict) -> None:
 _MISSING = object()
 
 
+def _canary_on(server_args) -> bool:
+    """Whether ``--kv-canary`` is other than ``none`` (its value normalized at the edge, by
+    :func:`~sglang.srt.kv_canary.config.normalize_canary_values`)."""
+    from sglang.srt.kv_canary.config import CanaryMode
+
+    value = sglang_seam.server_args_value(server_args, "kv_canary", CanaryMode.NONE.value)
+    return value != CanaryMode.NONE.value
+
+
 def _effective_config(server_args) -> str:
     """The effective settings (flags plus ``SGLANG_KV_CANARY_*``) as ``key=value`` words, as
     the start-up log line has them; ``invalid: ...`` when they do not parse (a repr must not
@@ -128,7 +137,7 @@ def canary_repr_suffix(server_args) -> str:
         value = sglang_seam.server_args_value(server_args, name, _MISSING)
         if value is not _MISSING:
             parts.append(f"{name}={value!r}")
-    if parts and sglang_seam.server_args_value(server_args, "kv_canary", "none") != "none":
+    if parts and _canary_on(server_args):
         parts.append(f"kv_canary_config={_effective_config(server_args)!r}")
     return "".join(", " + p for p in parts)
 
@@ -140,7 +149,7 @@ def canary_settings(server_args) -> dict:
         name: sglang_seam.server_args_value(server_args, name, default)
         for name, default in DEFAULTS.items()
     }
-    out["config"] = _effective_config(server_args) if out["kv_canary"] != "none" else None
+    out["config"] = _effective_config(server_args) if _canary_on(server_args) else None
     return out
 
 

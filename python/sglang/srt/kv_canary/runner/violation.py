@@ -45,7 +45,9 @@ class ViolationReporter:
         server: str = "",
         not_acted_on: str = "",
     ):
-        self.mode = CanaryMode.parse(mode)
+        if not isinstance(mode, CanaryMode):  # parsed once, by CanaryConfig
+            raise TypeError(f"ViolationReporter takes a CanaryMode, got {mode!r}")
+        self.mode = mode
         # which pool the reports are about, when a server has two canaries (EAGLE's draft
         # pool); "" for the one (target) pool
         self.pool = pool
