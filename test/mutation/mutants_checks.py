@@ -141,7 +141,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="pd-faked-transfer-any-request",
-        path=f"{_RT}/runner/requests.py",
+        path=f"{_RT}/violations/resolver.py",
         old="faked_transfer=bool(ordered) and all(map(self.faked_transfer, ordered)),",
         new="faked_transfer=bool(ordered) and any(map(self.faked_transfer, ordered)),",
         selection=f"{_T}/test_containment.py::"
@@ -184,7 +184,7 @@ MUTANTS_CHECKS = (
     # ---- runtime ------------------------------------------------------------------------------
     Mutant(
         id="rt-merge-incidents-last-reason",
-        path=f"{_RT}/runner/violation_record.py",
+        path=f"{_RT}/violations/records.py",
         old="entry[1] |= rec.fail_bits",
         new="entry[1] = rec.fail_bits",
         selection=f"{_T}/test_runtime_reporting.py::"
@@ -233,7 +233,7 @@ MUTANTS_CHECKS = (
     # ---- request ids, abort mode, metrics ----------------------------------------------------
     Mutant(
         id="i21-rids-not-printed",
-        path=f"{_RT}/runner/violation_line.py",
+        path=f"{_RT}/violations/lines.py",
         old='f"rids={format_rids(inc.rids)}"',
         new='"rids=-"',
         selection=f"{_T}/test_runtime_reporting.py::"
@@ -252,7 +252,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i21-reader-from-live-rows-only",
-        path=f"{_RT}/runner/requests.py",
+        path=f"{_RT}/violations/resolver.py",
         old="reqs += [r for r, snap in zip(forward.reqs, forward.rows) if snap == row]",
         new="pass",
         selection=f"{_T}/test_containment.py::"
@@ -262,7 +262,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i21-stale-row-entries-match",
-        path=f"{_RT}/runner/requests.py",
+        path=f"{_RT}/violations/resolver.py",
         old="hits.append(((slots == slot) & live).any(dim=1))",
         new="hits.append((slots == slot).any(dim=1))",
         selection=f"{_T}/test_containment.py::"
@@ -272,7 +272,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i21-abort-not-applied",
-        path=f"{_RT}/runner/containment.py",
+        path=f"{_RT}/violations/containment.py",
         old="if seam.abort_running_req(req, message):",
         new="if False:",
         selection=f"{_T}/test_containment.py::"
@@ -282,7 +282,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i21-no-eviction",
-        path=f"{_RT}/runner/containment.py",
+        path=f"{_RT}/violations/containment.py",
         old="freed = seam.radix_evict_subtree(self.radix_cache, node)",
         new="freed = 0",
         selection=f"{_T}/test_containment.py::"
@@ -292,7 +292,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i21-lockers-not-aborted",
-        path=f"{_RT}/runner/containment.py",
+        path=f"{_RT}/violations/containment.py",
         old="for req in self.resolver.running_mapping_full_slots(slots):",
         new="for req in []:",
         selection=f"{_T}/test_containment.py::"
@@ -302,7 +302,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i21-prefix-aborts-unlogged",
-        path=f"{_RT}/runner/containment.py",
+        path=f"{_RT}/violations/containment.py",
         old="            if rids:\n",
         new="            if False:\n",
         selection=f"{_T}/test_containment.py::"
@@ -312,7 +312,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i21-dropped-not-counted",
-        path=f"{_RT}/runner/metrics.py",
+        path=f"{_RT}/violations/metrics.py",
         old="self._dropped.inc(dropped)",
         new="pass",
         selection=f"{_T}/test_containment.py::test_metrics_count_dropped_rows",
@@ -609,7 +609,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="guard-reclaims-a-named-slot",
-        path=f"{_RT}/runner/ownership.py",
+        path=f"{_RT}/violations/release_guard.py",
         old="            orphan = ~named[cand] & ~free[cand] & ~torch.isin(cand, pages)",
         new="            orphan = ~free[cand] & ~torch.isin(cand, pages)",
         selection=f"{_T}/test_release_guard.py::"
@@ -619,7 +619,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="guard-ignores-own-page-mates",
-        path=f"{_RT}/runner/ownership.py",
+        path=f"{_RT}/violations/release_guard.py",
         old="            mine = orphan | torch.isin(cand, own_pages)",
         new="            mine = orphan",
         selection=f"{_T}/test_release_guard.py::"

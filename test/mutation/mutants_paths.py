@@ -302,7 +302,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="guard-ignores-holders",
-        path=f"{_RT}/runner/ownership.py",
+        path=f"{_RT}/violations/release_guard.py",
         old="        ok = ~was_free & (~other | (fits & ~has_orphan))\n",
         new="        ok = ~was_free\n",
         selection=f"{_T}/test_release_guard.py::test_a_page_the_radix_cache_holds_is_held_back",
@@ -311,7 +311,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="guard-holds-back-its-own",
-        path=f"{_RT}/runner/ownership.py",
+        path=f"{_RT}/violations/release_guard.py",
         old="        ok = ~was_free & (~other | (fits & ~has_orphan))\n",
         new="        ok = ~was_free & ~other\n",
         selection=f"{_T}/test_release_guard.py::"
@@ -322,7 +322,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="guard-trusts-identical-records",
-        path=f"{_RT}/runner/ownership.py",
+        path=f"{_RT}/violations/release_guard.py",
         old="        ok = ~was_free & (~other | (fits & ~has_orphan))\n",
         new="        ok = ~was_free & (~other | fits)\n",
         selection=f"{_T}/test_release_guard.py::"
@@ -332,7 +332,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="guard-page-mates-unattributed",
-        path=f"{_RT}/runner/ownership.py",
+        path=f"{_RT}/violations/release_guard.py",
         old="            unattributed = int((lost & ~torch.isin(keys, rec_keys[mine])).sum())\n",
         new="            unattributed = int(lost.sum())\n",
         selection=f"{_T}/test_release_guard.py::"
@@ -342,7 +342,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="guard-no-reclaim",
-        path=f"{_RT}/runner/ownership.py",
+        path=f"{_RT}/violations/release_guard.py",
         old="        if plan.reclaim.numel():\n",
         new="        if False:\n",
         selection=f"{_T}/test_release_guard.py::test_a_row_naming_its_own_slot_twice_frees_it_once",
@@ -351,7 +351,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="guard-no-dedupe",
-        path=f"{_RT}/runner/ownership.py",
+        path=f"{_RT}/violations/release_guard.py",
         old="            if page_size == 1:\n                idx = torch.unique(idx)\n",
         new="",
         selection=f"{_T}/test_release_guard.py::test_a_row_naming_its_own_slot_twice_frees_it_once",
@@ -360,7 +360,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="guard-settle-frees-nothing",
-        path=f"{_RT}/runner/ownership.py",
+        path=f"{_RT}/violations/release_guard.py",
         old="            orphans = orphan.tolist()\n",
         new="            orphans = []\n",
         selection=f"{_T}/test_release_guard.py::"
@@ -379,7 +379,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="guard-eviction-unguarded",
-        path=f"{_RT}/runner/containment.py",
+        path=f"{_RT}/violations/containment.py",
         old="                with guard:\n                    freed = seam.radix_evict_subtree(",
         new="                with contextlib.nullcontext():\n"
         "                    freed = seam.radix_evict_subtree(",
@@ -391,7 +391,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="guard-nests",
-        path=f"{_RT}/runner/ownership.py",
+        path=f"{_RT}/violations/release_guard.py",
         old="        if self._busy or row is None or hi <= lo:\n",
         new="        if row is None or hi <= lo:\n",
         selection=f"{_T}/test_release_guard.py::"

@@ -11,7 +11,7 @@ import re
 
 from canary_support.script_run import run_support_script
 from sglang.srt.kv_canary.perturb.report import PERTURB_LINE_PREFIX, parse_perturb_line
-from sglang.srt.kv_canary.runner.violation_line import (
+from sglang.srt.kv_canary.violations.lines import (
     VIOLATION_LINE_PREFIX,
     parse_violation_line,
     parse_violation_lines,

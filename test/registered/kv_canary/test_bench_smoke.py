@@ -273,7 +273,7 @@ def test_abort_storm_classifies_what_a_client_gets():
     """The storm of ``abort_storm.py`` (``canary_support/storm.py``; its server runs are in the soak
     test): how it reads a response. Completed, aborted by the canary (HTTP 500 with either of
     its messages, or a 200 whose finish reason is an abort), and anything else an error."""
-    from sglang.srt.kv_canary.runner.containment import PREFIX_ABORT_MESSAGE
+    from sglang.srt.kv_canary.violations.containment import PREFIX_ABORT_MESSAGE
     from canary_support import storm
 
     ok = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}}}
@@ -340,7 +340,7 @@ def test_storm_counts_kept_faults_on_positions_the_request_owned():
     position of that row; a fault no violation names is not counted."""
     from sglang.srt.kv_canary.perturb.config import FaultKind
     from sglang.srt.kv_canary.perturb.report import format_perturb_line
-    from sglang.srt.kv_canary.runner.violation_line import ViolationLine
+    from sglang.srt.kv_canary.violations.lines import ViolationLine
     from canary_support.storm import kept_faults_on_own_positions
 
     def kept(step, row, pos, **extra):

@@ -17,16 +17,16 @@ from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary.perturb.config import PerturbConfig
 from sglang.srt.kv_canary.perturb.perturber import CanaryPerturber
 from sglang.srt.kv_canary.radix_cache_walker import radix_nodes_holding_slots
-from sglang.srt.kv_canary.runner.containment import (
+from sglang.srt.kv_canary.violations.containment import (
     PREFIX_ABORT_MESSAGE,
     ContainmentManager,
     parse_prefix_abort_rids,
 )
-from sglang.srt.kv_canary.runner.metrics import CanaryMetrics
+from sglang.srt.kv_canary.violations.metrics import CanaryMetrics
 from sglang.srt.kv_canary.batch_state import ForwardRequests
-from sglang.srt.kv_canary.runner.requests import RequestResolver
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
-from sglang.srt.kv_canary.runner.violation_record import ViolationRecord, merge_incidents
+from sglang.srt.kv_canary.violations.resolver import RequestResolver
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
+from sglang.srt.kv_canary.violations.records import ViolationRecord, merge_incidents
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams

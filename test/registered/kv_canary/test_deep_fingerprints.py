@@ -263,7 +263,7 @@ def test_table_validation_names_the_problem(device):
 
 from serving_driver import ServingDriver  # noqa: E402
 
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines  # noqa: E402
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines  # noqa: E402
 
 
 def _driver(pool, layers, **kw):

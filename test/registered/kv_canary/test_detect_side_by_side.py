@@ -16,8 +16,8 @@ import pytest
 
 from sglang.srt.kv_canary.perturb.config import FaultKind
 from sglang.srt.kv_canary.perturb.report import format_perturb_line
-from sglang.srt.kv_canary.runner.violation_line import format_violation_line
-from sglang.srt.kv_canary.runner.violation_record import ViolationRecord
+from sglang.srt.kv_canary.violations.lines import format_violation_line
+from sglang.srt.kv_canary.violations.records import ViolationRecord
 from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs
 from sglang.test.ci.ci_register import register_cpu_ci
 

@@ -16,7 +16,7 @@ from sglang.jit_kernel.kv_canary.consts import RealKvHashMode
 from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES, PoolKind
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers, supported_pool_names
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")

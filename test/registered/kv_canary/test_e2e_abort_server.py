@@ -19,8 +19,11 @@ import pytest
 from canary_support.script_run import run_support_script
 from cli_server import CliServer, http_call
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-from sglang.srt.kv_canary.runner.containment import PREFIX_ABORT_MESSAGE, parse_prefix_abort_rids
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.containment import (
+    PREFIX_ABORT_MESSAGE,
+    parse_prefix_abort_rids,
+)
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from canary_support.storm import ABORT_MESSAGE
 from sglang.srt.kv_canary.testing.server_harness import (
     build_libcuda_stub,

@@ -16,7 +16,7 @@ from e2e_checks import run_workload
 from e2e_workload import assert_memory_reserved_as_allocated, workload_info
 
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
     build_libcuda_stub,
     cpu_server_env,

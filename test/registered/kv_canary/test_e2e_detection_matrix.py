@@ -16,7 +16,7 @@ import torch
 
 from canary_support.script_run import run_support_script
 from e2e_checks import demo_failure
-from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX
+from sglang.srt.kv_canary.violations.lines import VIOLATION_LINE_PREFIX
 from sglang.srt.kv_canary.testing.server_harness import (
     build_libcuda_stub,
     cpu_server_env,
@@ -109,7 +109,7 @@ def test_fault_detected_with_its_reason(demo, fault):
     assert f"kv_canary perturb: fault={fault} step=31" in text
     if fault == "req_to_token":  # the report names the changed entry (Engine path)
         from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-        from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+        from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 
         inj = next(f for f in map(parse_perturb_line, text.splitlines()) if f is not None)
         assert any(

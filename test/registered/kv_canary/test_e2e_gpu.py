@@ -11,7 +11,7 @@ import sys
 import pytest
 from e2e_workload import run_mixed_workload
 
-from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX, parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
 from sglang.test.ci.ci_register import register_cuda_ci
 

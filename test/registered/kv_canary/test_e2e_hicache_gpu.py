@@ -32,7 +32,7 @@ from e2e_checks import (
     run_workload,
 )
 
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci

@@ -31,7 +31,7 @@ import sys
 import pytest
 from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
 
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from canary_support.tiny_models import (
     write_tiny_deepseek_v2,
     write_tiny_deepseek_v32,

@@ -24,7 +24,7 @@ from canary_support.server_process import require_mooncake
 from e2e_checks import demo_failure
 
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=700, stage="base-b", runner_config="1-gpu-small")

@@ -21,7 +21,7 @@ from e2e_workload import run_mixed_workload
 
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.swa_divergence import SWA_DIVERGENCE_LINE_PREFIX
-from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX, parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=450, stage="base-b", runner_config="1-gpu-small")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from serving_driver import CpuGraph, ServingDriver
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")

@@ -43,6 +43,7 @@ LAYERS = (
     _l("api", f"{R}.api", f"{R}.memory_budget"),
     _l("builder", f"{R}.builder"),
     _l("runner", f"{R}.runner", f"{R}.runner.*"),
+    _l("violations", f"{R}.violations", f"{R}.violations.*"),
     _l("single-forward manager", f"{R}.single_forward_manager", f"{R}.single_forward_manager.*"),
     _l(
         "adapters, perturb, oracle, token history",

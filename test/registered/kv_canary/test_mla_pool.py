@@ -14,7 +14,7 @@ from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES, PoolKind
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers, supported_pool_names
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.mem_cache.memory_pool import (
     HybridLinearKVPool,
     MHATokenToKVPool,

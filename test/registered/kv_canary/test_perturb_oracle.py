@@ -31,7 +31,7 @@ from sglang.srt.kv_canary.perturb import (
 )
 from sglang.srt.kv_canary.perturb.real_kv import flip_first_byte
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
-from sglang.srt.kv_canary.runner.violation_line import format_violation_line, parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import format_violation_line, parse_violation_lines
 from sglang.srt.kv_canary.token_oracle import OracleBatch, oracle_tokens, request_oracle_key
 from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
 from sglang.srt.kv_canary.token_oracle.sampler import TokenOracleSampler
@@ -476,10 +476,10 @@ def _report(tag, reason, slot, step):
     """What the runtime prints for a violation of ``slot`` reported at forward ``step`` (the
     structured line, then the explanation block)."""
     from sglang.jit_kernel.kv_canary.consts import FailReason
-    from sglang.srt.kv_canary.runner.violation_line import format_violation_block
+    from sglang.srt.kv_canary.violations.lines import format_violation_block
 
     bits = FailReason[reason.upper() + "_MISMATCH"]
-    from sglang.srt.kv_canary.runner.violation_record import ViolationRecord
+    from sglang.srt.kv_canary.violations.records import ViolationRecord
 
     rec = ViolationRecord(
         launch_tag=int(CanaryLaunchTag[tag]),
@@ -514,7 +514,7 @@ def test_demo_verdicts():
     assert exit_status([noisy, hit]) == 1 and exit_status([quiet, crashed]) == 1
     assert exit_status([]) == 1
     # a report counts through any tag that saw it (seen_by), and the row lists them all
-    from sglang.srt.kv_canary.runner.violation_record import decode_ring_rows, merge_incidents
+    from sglang.srt.kv_canary.violations.records import decode_ring_rows, merge_incidents
 
     bits = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
     both = merge_incidents(

@@ -31,7 +31,7 @@ from serving_driver import ServingDriver
 from sglang.srt.kv_canary import plugin
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.batch_state import batch_state
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, ModelWorkerBatch, Req
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams

@@ -19,13 +19,13 @@ from sglang.srt.kv_canary import plugin
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.jit_kernel.kv_canary.consts import FailReason
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
-from sglang.srt.kv_canary.runner.containment import ContainmentManager
-from sglang.srt.kv_canary.runner.ownership import RELEASE_LINE_PREFIX
-from sglang.srt.kv_canary.runner.requests import IncidentRequests, RequestResolver
+from sglang.srt.kv_canary.violations.containment import ContainmentManager
+from sglang.srt.kv_canary.violations.release_guard import RELEASE_LINE_PREFIX
+from sglang.srt.kv_canary.violations.resolver import IncidentRequests, RequestResolver
 from sglang.srt.kv_canary.perturb import CanaryPerturber
 from sglang.srt.kv_canary.perturb.config import PerturbConfig
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-from sglang.srt.kv_canary.runner.violation_record import ViolationRecord, merge_incidents
+from sglang.srt.kv_canary.violations.records import ViolationRecord, merge_incidents
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.allocator import (
     PagedTokenToKVPoolAllocator,

@@ -17,7 +17,7 @@ from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES, CanaryLaunchTag
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
 from sglang.srt.kv_canary.runner import KernelRunCounterHealthChecker
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.single_forward_manager import CanaryPhaseError
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool

@@ -18,7 +18,7 @@ from serving_driver import ServingDriver
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary.batch_state import CanaryBatchState
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.kv_canary.snapshot_buffers import SnapshotHostBuffers
 from sglang.srt.kv_canary.token_history import TokenHistoryUploader
 from sglang.test.ci.ci_register import register_cuda_ci

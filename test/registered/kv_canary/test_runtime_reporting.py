@@ -19,8 +19,8 @@ from sglang.jit_kernel.kv_canary.consts import FailReason, to_int64
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
 from sglang.srt.kv_canary.config import CanaryMode
 from sglang.srt.kv_canary.runner import DelayedDeviceHostHandler
-from sglang.srt.kv_canary.runner.violation import ViolationReporter
-from sglang.srt.kv_canary.runner.violation_line import (
+from sglang.srt.kv_canary.violations.reporter import ViolationReporter
+from sglang.srt.kv_canary.violations.lines import (
     VIOLATION_LINE_PREFIX,
     ViolationLine,
     format_violation_block,
@@ -28,7 +28,7 @@ from sglang.srt.kv_canary.runner.violation_line import (
     parse_violation_line,
     parse_violation_lines,
 )
-from sglang.srt.kv_canary.runner.violation_record import (
+from sglang.srt.kv_canary.violations.records import (
     ViolationRecord,
     decode_ring_rows,
     merge_incidents,
@@ -104,7 +104,7 @@ def test_a_ring_row_is_decoded_once_into_a_record():
         for p in runtime.rglob("*.py")
         if "VIOLATION_FIELD_" in p.read_text()
     )
-    assert readers == ["runner/violation_record.py"]
+    assert readers == ["violations/records.py"]
 
 
 def test_violation_line_names_requests_and_round_trips_odd_ids():

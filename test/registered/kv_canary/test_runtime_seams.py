@@ -25,9 +25,9 @@ from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs, CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
-from sglang.srt.kv_canary.runner.violation import ViolationReporter
-from sglang.srt.kv_canary.runner.violation_line import format_violation_line, parse_violation_lines
-from sglang.srt.kv_canary.runner.violation_record import ViolationRecord, merge_incidents
+from sglang.srt.kv_canary.violations.reporter import ViolationReporter
+from sglang.srt.kv_canary.violations.lines import format_violation_line, parse_violation_lines
+from sglang.srt.kv_canary.violations.records import ViolationRecord, merge_incidents
 from sglang.srt.kv_canary.single_forward_manager import (
     CanaryPhaseError,
     SfmOp,

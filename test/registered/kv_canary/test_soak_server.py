@@ -82,7 +82,7 @@ import uuid
 
 import pytest
 from cli_server import CliServer, http_call
-from sglang.srt.kv_canary.runner.violation_line import VIOLATION_LINE_PREFIX, parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
     TINY_LLAMA_CONFIG,
     build_libcuda_stub,

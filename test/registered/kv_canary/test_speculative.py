@@ -20,7 +20,7 @@ from plugin_hooks_support import registered_hook
 from serving_driver import stand_in_model_runner
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary import sglang_seam as seam
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 from sglang.test.ci.ci_register import register_cpu_ci

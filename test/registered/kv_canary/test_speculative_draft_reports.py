@@ -22,8 +22,8 @@ from plugin_hooks_support import (
 )
 from serving_driver import VOCAB
 from sglang.srt.kv_canary import sglang_seam as seam
-from sglang.srt.kv_canary.runner.metrics import CanaryMetrics
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.metrics import CanaryMetrics
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")

@@ -37,7 +37,7 @@ from sglang.jit_kernel.kv_canary.consts import (
     CANARY_FIELD_TOKEN,
 )
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, CanaryPhase
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.test.ci.ci_register import register_cpu_ci
 

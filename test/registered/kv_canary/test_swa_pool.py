@@ -26,7 +26,7 @@ from sglang.srt.kv_canary.runner.swa_divergence import (
     SWA_DIVERGENCE_LINE_PREFIX,
     SwaDivergenceReporter,
 )
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")

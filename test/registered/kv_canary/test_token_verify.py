@@ -13,7 +13,7 @@ import torch
 
 from serving_driver import ServingDriver
 from sglang.srt.kv_canary.batch_state import CanaryBatchState, batch_state
-from sglang.srt.kv_canary.runner.violation_line import parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.kv_canary.single_forward_manager import CanaryPhaseError
 from sglang.srt.kv_canary.snapshot_buffers import SnapshotHostBuffers
 from sglang.srt.kv_canary.token_history import (

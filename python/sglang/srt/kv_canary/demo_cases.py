@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from sglang.srt.kv_canary.perturb.config import FaultKind
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.runner.stats import STATS_LINE_PREFIX
-from sglang.srt.kv_canary.runner.violation_line import ViolationLine, parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import ViolationLine, parse_violation_lines
 
 
 RESULT_PREFIX = "DEMO_RESULT "

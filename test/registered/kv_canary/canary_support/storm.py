@@ -54,18 +54,18 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from sglang.srt.kv_canary.perturb.config import FaultKind
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-from sglang.srt.kv_canary.runner.containment import ABORT_MESSAGE_PREFIX, PREFIX_ABORT_MESSAGE
-from sglang.srt.kv_canary.runner.metrics import (
+from sglang.srt.kv_canary.violations.containment import ABORT_MESSAGE_PREFIX, PREFIX_ABORT_MESSAGE
+from sglang.srt.kv_canary.violations.metrics import (
     ABORTED_REQUESTS,
     HELD_BACK_SLOTS,
     RECLAIMED_SLOTS,
 )
-from sglang.srt.kv_canary.runner.ownership import (
+from sglang.srt.kv_canary.violations.release_guard import (
     EVICTION_LINE_PREFIX,
     RELEASE_LINE_PREFIX,
     parse_unattributed,
 )
-from sglang.srt.kv_canary.runner.violation_line import ViolationLine, parse_violation_lines
+from sglang.srt.kv_canary.violations.lines import ViolationLine, parse_violation_lines
 from sglang.srt.kv_canary.testing.server_harness import (
     build_libcuda_stub,
     cpu_engine_kwargs,
@@ -82,7 +82,7 @@ from canary_support.server_process import (
     metric_total,
 )
 
-# the message of a request the canary aborted for a violation it touches (runner/containment)
+# the message of a request the canary aborted for a violation it touches (violations/containment)
 ABORT_MESSAGE = f"{ABORT_MESSAGE_PREFIX} (launch_tag="
 LEAK_MARKERS = ("memory leak", "Out of memory", "Traceback")
 FAULTS = {  # probability per forward step, after the warm-up

@@ -4,7 +4,6 @@ from sglang.srt.kv_canary.runner.device_host import DelayedDeviceHostHandler, Fu
 from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
 from sglang.srt.kv_canary.runner.manager import CanaryManager
 from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
-from sglang.srt.kv_canary.runner.violation import ViolationManager, ViolationReporter
 
 __all__ = [
     "CanaryManager",
@@ -12,6 +11,4 @@ __all__ = [
     "FutureTensors",
     "KernelRunCounterHealthChecker",
     "PeriodicCanaryStatsLogger",
-    "ViolationManager",
-    "ViolationReporter",
 ]

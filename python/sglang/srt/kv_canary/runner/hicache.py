@@ -40,7 +40,7 @@ from sglang.jit_kernel.kv_canary.types import (
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.radix_cache_walker import host_resident_nodes
-from sglang.srt.kv_canary.runner.violation_record import (
+from sglang.srt.kv_canary.violations.records import (
     ViolationIncident,
     ViolationRecord,
     merge_incidents,

@@ -12,14 +12,14 @@ from typing import Callable, Dict, Optional, Sequence
 
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.memory import CanaryMemory, host_mirror_bytes_per_slot
-from sglang.srt.kv_canary.runner.containment import ContainmentManager
+from sglang.srt.kv_canary.violations.containment import ContainmentManager
 from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
 from sglang.srt.kv_canary.runner.hicache import HostTierMirror
-from sglang.srt.kv_canary.runner.metrics import CanaryMetrics
+from sglang.srt.kv_canary.violations.metrics import CanaryMetrics
 from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
-from sglang.srt.kv_canary.runner.requests import RequestResolver
+from sglang.srt.kv_canary.violations.resolver import RequestResolver
 from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
-from sglang.srt.kv_canary.runner.violation import ViolationManager
+from sglang.srt.kv_canary.violations.reporter import ViolationManager
 
 
 class SchedulerSide:

@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | ``ForwardBatch`` | sets one attribute, ``kv_canary_batch_state`` (:func:`set_batch_state`); reads ``spec_info.draft_token_num``; ``ForwardMode`` | ``batch_state``, ``plan_input`` |
 | ``SamplingBatchInfo`` | sets / reads ``kv_canary_oracle_batch`` | ``token_oracle`` |
-| ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``, ``kv_allocated_len``, ``finished()``, ``to_finish``; histories are kept by identity (sglang replaces, never edits, a rewritten list); abort mode sets ``to_finish = FINISH_ABORT(...)`` (sglang's abort of a running request), ``skip_radix_cache_insert`` and ``kv_canary_no_radix_insert`` (lifts the former around ``Scheduler.stash_chunked_request``, whose ``maybe_cache_unfinished_req`` also honours it; abort mode refuses PD, so PD prefill's copy of the stash never sees the mark) | ``token_oracle``, ``token_history``, ``runner.requests``, ``runner.containment`` |
+| ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``, ``kv_allocated_len``, ``finished()``, ``to_finish``; histories are kept by identity (sglang replaces, never edits, a rewritten list); abort mode sets ``to_finish = FINISH_ABORT(...)`` (sglang's abort of a running request), ``skip_radix_cache_insert`` and ``kv_canary_no_radix_insert`` (lifts the former around ``Scheduler.stash_chunked_request``, whose ``maybe_cache_unfinished_req`` also honours it; abort mode refuses PD, so PD prefill's copy of the stash never sees the mark) | ``token_oracle``, ``token_history``, ``violations.resolver``, ``violations.containment`` |
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
 | ``Scheduler.tp_worker.model_runner``, ``Scheduler.tree_cache``, ``.server_args`` | finds the runner's canary, hands the radix cache to the sweep and containment, the settings to ``get_init_info`` | ``plugin`` |
-| PD decode: ``disaggregation.decode._is_fake_transfer`` (private; with ``server_args.disaggregation_mode``), ``disaggregation.utils.FAKE_BOOTSTRAP_HOST`` | which requests' transfers sglang faked (nothing sent: their reads are set aside, not reported) | ``runner.requests`` |
-| ``Scheduler.running_batch`` / ``.cur_batch`` (``.reqs``), ``.chunked_req`` | the running requests a violation touches; the request PD prefill stashes (abort mode lifts its mark around it) | ``runner.requests``, ``plugin`` |
-| ``Scheduler.enable_metrics``, ``.metrics_collector.labels`` | the canary's Prometheus series get the scheduler's labels | ``runner.metrics`` |
-| ``Scheduler.token_to_kv_pool_allocator.available_size()``, ``.max_total_num_tokens`` | the protected-tokens gauge | ``runner.metrics`` |
+| PD decode: ``disaggregation.decode._is_fake_transfer`` (private; with ``server_args.disaggregation_mode``), ``disaggregation.utils.FAKE_BOOTSTRAP_HOST`` | which requests' transfers sglang faked (nothing sent: their reads are set aside, not reported) | ``violations.resolver`` |
+| ``Scheduler.running_batch`` / ``.cur_batch`` (``.reqs``), ``.chunked_req`` | the running requests a violation touches; the request PD prefill stashes (abort mode lifts its mark around it) | ``violations.resolver``, ``plugin`` |
+| ``Scheduler.enable_metrics``, ``.metrics_collector.labels`` | the canary's Prometheus series get the scheduler's labels | ``violations.metrics`` |
+| ``Scheduler.token_to_kv_pool_allocator.available_size()``, ``.max_total_num_tokens`` | the protected-tokens gauge | ``violations.metrics`` |
 | ``GetInternalStateReqOutput.internal_state`` (what ``Scheduler.get_internal_state`` returns) | adds ``kv_canary``: the violations each guarded pool reported so far (``/server_info``'s ``internal_states``) | ``plugin`` |
 | ``ScheduleBatch.reqs`` (``ModelWorkerBatch.reqs``, ``.forward_mode``, ``.req_pool_indices``) | the requests of a ``ForwardBatch.init_new`` (spec v1's draft extend: the unfinished ones) | ``plugin`` |
 """

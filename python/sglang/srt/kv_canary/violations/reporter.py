@@ -1,8 +1,8 @@
 """Violation reporting policy: log, abort and raise modes, and the read-back of one forward
 window of the ring into incidents (docs/user_guide.md, "Reading a violation report";
 docs/architecture.md, "Reading results"). The records and incidents are
-:mod:`~sglang.srt.kv_canary.runner.violation_record`'s, the line
-:mod:`~sglang.srt.kv_canary.runner.violation_line`'s.
+:mod:`~sglang.srt.kv_canary.violations.records`'s, the line
+:mod:`~sglang.srt.kv_canary.violations.lines`'s.
 
 The ring is read back after every forward and then emptied, so each forward step has its own
 ``ring_capacity`` rows of detail: violations past that in one step are counted in a "more
@@ -17,12 +17,12 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.kv_canary.config import CanaryMode
-from sglang.srt.kv_canary.runner.violation_line import (
+from sglang.srt.kv_canary.violations.lines import (
     VIOLATION_LINE_PREFIX,
     format_violation_block,
     format_violation_line,
 )
-from sglang.srt.kv_canary.runner.violation_record import (
+from sglang.srt.kv_canary.violations.records import (
     ViolationIncident,
     decode_ring_rows,
     merge_incidents,

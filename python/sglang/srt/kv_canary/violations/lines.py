@@ -20,7 +20,7 @@ import urllib.parse
 from typing import List, Optional, Sequence, Tuple, Union
 
 from sglang.jit_kernel.kv_canary.consts import FailReason, to_uint64
-from sglang.srt.kv_canary.runner.violation_record import (
+from sglang.srt.kv_canary.violations.records import (
     ViolationIncident,
     ViolationRecord,
     tag_name,

@@ -20,7 +20,7 @@ import torch
 from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.batch_state import ForwardRequests
-from sglang.srt.kv_canary.runner.violation_record import ViolationIncident
+from sglang.srt.kv_canary.violations.records import ViolationIncident
 
 
 def _never(req) -> bool:

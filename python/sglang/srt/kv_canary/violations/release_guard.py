@@ -26,7 +26,7 @@ from sglang.jit_kernel.kv_canary.consts import CANARY_FIELD_POSITION, CANARY_FIE
 from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.radix_cache_walker import radix_subtree_nodes, radix_tree_nodes
-from sglang.srt.kv_canary.runner.requests import violation_path_sync
+from sglang.srt.kv_canary.violations.resolver import violation_path_sync
 
 logger = logging.getLogger(__name__)
 

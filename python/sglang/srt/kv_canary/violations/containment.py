@@ -2,12 +2,12 @@
 "Containment and metrics"; docs/user_guide.md, "Containment: --kv-canary abort").
 
 :meth:`ContainmentManager.contain` (per reported incident) aborts every running request the
-incident touches (:class:`~sglang.srt.kv_canary.runner.requests.RequestResolver`) through
+incident touches (:class:`~sglang.srt.kv_canary.violations.resolver.RequestResolver`) through
 sglang's abort of running requests, marks them not to be inserted into the radix cache, and
 remembers the slot. :meth:`ContainmentManager.after_batch_result` (scheduler thread, between
 batches) evicts the radix nodes holding a remembered slot, with their subtrees, once no
 running request locks them (one that does maps the slot: it is aborted too). Releases and
-evictions go through :class:`~sglang.srt.kv_canary.runner.ownership.ReleaseGuard`.
+evictions go through :class:`~sglang.srt.kv_canary.violations.release_guard.ReleaseGuard`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from sglang.jit_kernel.kv_canary.consts import FailReason
 from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.radix_cache_walker import radix_nodes_holding_slots
-from sglang.srt.kv_canary.runner.ownership import ReleaseGuard
-from sglang.srt.kv_canary.runner.requests import IncidentRequests, RequestResolver
-from sglang.srt.kv_canary.runner.violation_line import format_rids, parse_rids
-from sglang.srt.kv_canary.runner.violation_record import ViolationIncident
+from sglang.srt.kv_canary.violations.release_guard import ReleaseGuard
+from sglang.srt.kv_canary.violations.resolver import IncidentRequests, RequestResolver
+from sglang.srt.kv_canary.violations.lines import format_rids, parse_rids
+from sglang.srt.kv_canary.violations.records import ViolationIncident
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Dict, Sequence
 
 from sglang.jit_kernel.kv_canary.consts import FailReason
 from sglang.srt.kv_canary.memory import CanaryMemory
-from sglang.srt.kv_canary.runner.violation_record import ViolationIncident
+from sglang.srt.kv_canary.violations.records import ViolationIncident
 
 VIOLATIONS = "sglang:kv_canary_violations_total"
 VERIFIED_SLOTS = "sglang:kv_canary_verified_slots_total"
