@@ -7,7 +7,7 @@ host slot and the time the canary's row copies add to sglang's own backups and l
 Real sglang 0.5.12 pools on one GPU, Qwen3-0.6B shapes: ``MHATokenToKVPool`` bf16, 28 layers x
 8 KV heads x 128 (114688 KV bytes per token), 32768 slots; an ``MHATokenToKVPoolHost`` of twice
 as many slots, pinned, ``layer_first``; the canary assembled by the runtime's builder and its
-:class:`~sglang.srt.kv_canary.runner.hicache.HostTierMirror` wrapping the host pool's copy
+:class:`~sglang.srt.kv_canary.manager.hicache.HostTierMirror` wrapping the host pool's copy
 methods as in a server. Per canary config (real data ``partial``; ``partial`` with per-layer
 fingerprints, ``--kv-canary-real-data-layers all``) and per transfer size (tokens, device and
 host slots scattered as after churn; page size 1):
@@ -45,7 +45,7 @@ def build(config_name: str):
     from sglang.srt.kv_canary.builder import build_canary
     from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
     from sglang.srt.kv_canary.config import CanaryConfig
-    from sglang.srt.kv_canary.runner.hicache import HostTierMirror
+    from sglang.srt.kv_canary.manager.hicache import HostTierMirror
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost
 

@@ -31,7 +31,7 @@ def _spec_mode_skips(label: str, mode: str, what: str) -> tuple:
         f"        if self._batch is not None and self._batch.forward_mode.name == "
         f"\"{mode}\":\n            return\n"
     )
-    sfm = f"{_RT}/single_forward_manager/manager.py"
+    sfm = f"{_RT}/single_forward_manager/forward_manager.py"
     verify = "    def _verify(self, phase: CanaryPhase) -> None:\n"
     write = "        self._write_lanes.run(\n            chain_write_launches(\n"
     name = label.replace("_", "-")

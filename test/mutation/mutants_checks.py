@@ -11,7 +11,7 @@ MUTANTS_CHECKS = (
     # ---- the audit's rows --------------------------------------------------------------------
     Mutant(
         id="row1-sweep-swa-untranslated",
-        path=f"{_RT}/runner/sweep.py",
+        path=f"{_RT}/manager/sweep.py",
         old='swa_index_lut=ep.group.swa_index_lut\n',
         new='swa_index_lut=None\n',
         selection=f"{_T}/test_radix_sweep.py::"
@@ -50,7 +50,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="row5-overflow-not-warned",
-        path=f"{_RT}/runner/overflow.py",
+        path=f"{_RT}/manager/overflow.py",
         old="if int(e) != 1)",
         new="if int(e) not in (0, 1))",
         selection=f"{_T}/test_runtime_seams.py::"
@@ -80,7 +80,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="row7-request-capacity-off-by-one",
-        path=f"{_RT}/single_forward_manager/manager.py",
+        path=f"{_RT}/single_forward_manager/forward_manager.py",
         old="if bs > caps.write_req_capacity:",
         new="if bs >= caps.write_req_capacity:",
         selection=f"{_T}/test_runtime_core.py::test_a_forward_of_exactly_the_request_capacity_runs",
@@ -194,7 +194,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="rt-ring-not-emptied",
-        path=f"{_RT}/runner/manager.py",
+        path=f"{_RT}/manager/canary_manager.py",
         old='zero_after_copy=(log.violation_write_index,),',
         new='zero_after_copy=(),',
         selection=f"{_T}/test_runtime_core.py::test_ring_is_detailed_again_after_a_full_window",
@@ -243,7 +243,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i21-rids-not-resolved",
-        path=f"{_RT}/runner/reporting.py",
+        path=f"{_RT}/manager/reporting.py",
         old="incidents = [dataclasses.replace(inc, rids=t.rids) for inc, t in zip(incidents, touched)]",
         new="incidents = list(incidents)",
         selection=f"{_T}/test_containment.py::test_reports_name_the_requests_in_log_mode",
@@ -396,7 +396,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i24-no-deep-writes",
-        path=f"{_RT}/single_forward_manager/manager.py",
+        path=f"{_RT}/single_forward_manager/forward_manager.py",
         old="        launch_deep_writes(self.plans, inputs.out_cache_loc)\n",
         new="",
         selection=f"{_T}/test_deep_fingerprints.py::test_serving_loop_with_every_layer_is_clean",
@@ -405,7 +405,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i24-no-deep-verify",
-        path=f"{_RT}/single_forward_manager/manager.py",
+        path=f"{_RT}/single_forward_manager/forward_manager.py",
         old="        launch_deep_verifies(self.endpoints, CanaryPhase.TAIL, plans_by_group=self.plans)\n",
         new="",
         selection=f"{_T}/test_deep_fingerprints.py::"
@@ -415,7 +415,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i24-sweep-skips-layers",
-        path=f"{_RT}/runner/sweep.py",
+        path=f"{_RT}/manager/sweep.py",
         old="                launch_deep_verify(ep, self.plan, rotate=False)  # every layer, if on\n",
         new="",
         selection=f"{_T}/test_e2e_deep_server.py::"
@@ -483,7 +483,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i20-runner-ranks-dropped",
-        path=f"{_RT}/runner/manager.py",
+        path=f"{_RT}/manager/canary_manager.py",
         old="        if config.perturb.injects_on(ranks):",
         new="        if config.perturb.injects_on(RankFacts()):",
         selection=f"{_T}/test_e2e_tp_server.py::"
@@ -494,7 +494,7 @@ MUTANTS_CHECKS = (
     # ---- HiCache -----------------------------------------------------------------------------
     Mutant(
         id="i23-load-not-mirrored",
-        path=f"{_RT}/runner/hicache.py",
+        path=f"{_RT}/manager/hicache.py",
         old='src=host, dst=rows, src_indices=host_indices,',
         new='src=host, dst=host, src_indices=host_indices,',
         selection=f"{_T}/test_deep_fingerprints.py::test_host_tier_mirror_on_real_pools",
@@ -503,7 +503,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i23-backup-not-mirrored",
-        path=f"{_RT}/runner/hicache.py",
+        path=f"{_RT}/manager/hicache.py",
         old='src=rows, dst=host, src_indices=device_indices,',
         new='src=rows, dst=rows, src_indices=device_indices,',
         selection=f"{_T}/test_deep_fingerprints.py::test_host_tier_mirror_on_real_pools",
@@ -559,7 +559,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="sweep-chunk-cache-walked",
-        path=f"{_RT}/runner/sweep.py",
+        path=f"{_RT}/manager/sweep.py",
         old="        if seam.is_chunk_cache(radix_cache):",
         new="        if False:",
         selection=f"{_T}/test_radix_sweep.py::"

@@ -19,7 +19,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="spec-draft-forwards-share-sfm-0",
-        path=f"{_RT}/runner/draft_rounds.py",
+        path=f"{_RT}/manager/draft_rounds.py",
         old="        draft_round.next_forward += 1\n"
         "        with self.with_active_single_forward_manager(index):\n",
         new="        draft_round.next_forward += 1\n"
@@ -39,7 +39,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="spec-strided-slots-passed-through",
-        path=f"{_RT}/single_forward_manager/manager.py",
+        path=f"{_RT}/single_forward_manager/forward_manager.py",
         old="        if out_cache_loc.is_contiguous():\n",
         new="        if True:\n",
         selection=f"{_T}/test_speculative.py::test_eagle_rounds_run_clean_with_token_checks",
@@ -58,7 +58,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="raise-message-without-rank",
-        path=f"{_RT}/runner/reporting.py",
+        path=f"{_RT}/manager/reporting.py",
         old='                rank=ranks.describe_rank() if ranks.several else "",\n',
         new='                rank="",\n',
         selection=f"{_T}/test_runtime_core.py::test_raise_names_the_rank_on_a_server_of_several",
@@ -76,7 +76,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="spec-draft-reports-unnamed",
-        path=f"{_RT}/runner/reporting.py",
+        path=f"{_RT}/manager/reporting.py",
         old='                pool=draft_pool_label(ranks.draft_worker) if ranks.draft else "",\n',
         new='                pool="",\n',
         selection=f"{_T}/test_speculative.py::test_a_flipped_byte_is_caught_by_its_pool_canary",
@@ -85,7 +85,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="piecewise-replay-reads-padded-batch",
-        path=f"{_RT}/single_forward_manager/manager.py",
+        path=f"{_RT}/single_forward_manager/forward_manager.py",
         old="        if self._capturing:\n            return forward_batch\n",
         new="        if True:\n            return forward_batch\n",
         selection=f"{_T}/test_piecewise.py::"
@@ -95,7 +95,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="piecewise-set-up-runs-the-canary",
-        path=f"{_RT}/runner/manager.py",
+        path=f"{_RT}/manager/canary_manager.py",
         old="        if not self._piecewise_graph_setup:\n"
         "            self.active_sfm.pre_ops_maybe_inside_graph(forward_batch)\n",
         new="        if True:\n"
@@ -106,7 +106,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="token-upload-before-the-forward",
-        path=f"{_RT}/single_forward_manager/manager.py",
+        path=f"{_RT}/single_forward_manager/forward_manager.py",
         old="        self._tokens_pending = self.token_history is not None\n",
         new="        self._tokens_pending = self.token_history is not None\n"
         "        self.upload_tokens_before_replay()\n",
@@ -117,7 +117,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="token-snapshot-at-batch-build",
-        path=f"{_RT}/runner/manager.py",
+        path=f"{_RT}/manager/canary_manager.py",
         old="            self.token_history.defer_snapshot(state, reqs)\n",
         new="            self.token_history.snapshot(state, reqs)\n",
         selection=f"{_T}/test_token_verify.py::test_manager_hook_fills_the_batch_state",
@@ -168,7 +168,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="eager-graphs-token-scatter-left-out",
-        path=f"{_RT}/single_forward_manager/manager.py",
+        path=f"{_RT}/single_forward_manager/forward_manager.py",
         old='            self.token_history.launch_replay_scatter(rpi, self.expected_valid_lens[: rpi.shape[0]])\n',
         new='            pass\n',
         selection=f"{_T}/test_eager_graphs.py::"
@@ -219,7 +219,7 @@ MUTANTS_PATHS = (
     # ---- session 8: packed read-back, packed token upload -------------------------------------
     Mutant(
         id="readback-one-buffer",
-        path=f"{_RT}/runner/device_host.py",
+        path=f"{_RT}/manager/device_host.py",
         old="        self._flip ^= 1\n",
         new="",
         selection=f"{_T}/test_runtime_reporting.py::"
@@ -229,7 +229,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="readback-unaligned-layout",
-        path=f"{_RT}/runner/device_host.py",
+        path=f"{_RT}/manager/device_host.py",
         old="    order = sorted(range(len(leaves)), key=lambda i: -leaves[i].element_size())\n",
         new="    order = list(range(len(leaves)))\n",
         selection=f"{_T}/test_runtime_reporting.py::"
@@ -239,7 +239,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="replay-scatter-not-captured",
-        path=f"{_RT}/single_forward_manager/manager.py",
+        path=f"{_RT}/single_forward_manager/forward_manager.py",
         old="                if self._capturing and self.token_history is not None:\n",
         new="                if False:\n",
         selection=f"{_T}/test_graph_replay_cpu.py::"
@@ -422,7 +422,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="kept-fault-page-size-ignored",
-        path=f"{_RT}/runner/manager.py",
+        path=f"{_RT}/manager/canary_manager.py",
         old='page_size=(sglang_seam.kv_pool_page_size(kv_pool) if kv_pool is not None else 1),',
         new='page_size=(1 and 1 if kv_pool is not None else 1),',
         selection=f"{_T}/test_perturb_oracle.py::test_the_kept_fault_rewrites_in_the_pools_pages",
@@ -471,7 +471,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="memory-gauge-unset",
-        path=f"{_RT}/runner/scheduler_side.py",
+        path=f"{_RT}/manager/scheduler_side.py",
         old="            reporter.metrics.set_memory(self.memory, draft=self.ranks.draft)\n",
         new="            pass\n",
         selection=f"{_T}/test_memory.py::test_the_gauge_exports_the_bytes_by_part",

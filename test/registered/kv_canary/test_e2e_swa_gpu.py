@@ -20,7 +20,7 @@ from canary_support.tiny_models import write_tiny_gpt_oss
 from e2e_workload import run_mixed_workload
 
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-from sglang.srt.kv_canary.runner.swa_divergence import SWA_DIVERGENCE_LINE_PREFIX
+from sglang.srt.kv_canary.manager.swa_divergence import SWA_DIVERGENCE_LINE_PREFIX
 from sglang.srt.kv_canary.violations.lines import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.test.ci.ci_register import register_cuda_ci
 

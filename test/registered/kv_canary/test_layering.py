@@ -42,7 +42,7 @@ LAYERS = (
     _l("plugin", f"{R}.plugin"),
     _l("api", f"{R}.api", f"{R}.memory_budget"),
     _l("builder", f"{R}.builder"),
-    _l("runner", f"{R}.runner", f"{R}.runner.*"),
+    _l("manager", f"{R}.manager", f"{R}.manager.*"),
     _l("violations", f"{R}.violations", f"{R}.violations.*"),
     _l("single-forward manager", f"{R}.single_forward_manager", f"{R}.single_forward_manager.*"),
     _l(
@@ -54,7 +54,7 @@ LAYERS = (
         f"{R}.perturb.real_kv",
         f"{R}.perturb.report",
         f"{R}.token_oracle",
-        f"{R}.token_oracle.manager",
+        f"{R}.token_oracle.expected_tokens",
         f"{R}.token_oracle.sampler",
         f"{R}.token_history",
         f"{R}.endpoint",

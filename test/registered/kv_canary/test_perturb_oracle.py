@@ -33,7 +33,7 @@ from sglang.srt.kv_canary.perturb.real_kv import flip_first_byte
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
 from sglang.srt.kv_canary.violations.lines import format_violation_line, parse_violation_lines
 from sglang.srt.kv_canary.token_oracle import OracleBatch, oracle_tokens, request_oracle_key
-from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
+from sglang.srt.kv_canary.token_oracle.expected_tokens import TokenOracleManager
 from sglang.srt.kv_canary.token_oracle.sampler import TokenOracleSampler
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode

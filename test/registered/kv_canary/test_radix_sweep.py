@@ -11,7 +11,7 @@ import torch
 from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary.types import VerifyPlan
 from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
-from sglang.srt.kv_canary.runner.sweep import SweepOrchestrator
+from sglang.srt.kv_canary.manager.sweep import SweepOrchestrator
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.kv_canary.sweep_plan_builder import build_verify_plan_radix_sweep
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator

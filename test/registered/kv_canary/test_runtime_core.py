@@ -16,7 +16,7 @@ from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES, CanaryLaunchTag, PoolKind
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
-from sglang.srt.kv_canary.runner import KernelRunCounterHealthChecker
+from sglang.srt.kv_canary.manager import KernelRunCounterHealthChecker
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.single_forward_manager import CanaryPhaseError

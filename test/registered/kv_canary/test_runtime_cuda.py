@@ -142,7 +142,7 @@ class _Watched:
 def test_fence_orders_the_next_forward_after_the_read_back(fenced):
     """A read-back held up on its side stream: with ``fence()`` the next forward's write to a
     watched tensor waits for it (the host sees the staged value); without, it races ahead."""
-    from sglang.srt.kv_canary.runner import DelayedDeviceHostHandler
+    from sglang.srt.kv_canary.manager import DelayedDeviceHostHandler
 
     src = torch.zeros(1 << 20, dtype=torch.int64, device="cuda")
     h = DelayedDeviceHostHandler(_Watched(x=src))
@@ -164,7 +164,7 @@ def test_captured_read_back_copies_match_the_eager_ones(pending_before_capture):
     watched tensor's value at the stage (the two host buffers alternate), the window named by
     ``zero_after_copy`` is emptied after its copy, and capturing runs nothing (a stage pending
     before it is consumed unchanged; the watched tensors keep their values)."""
-    from sglang.srt.kv_canary.runner import DelayedDeviceHostHandler
+    from sglang.srt.kv_canary.manager import DelayedDeviceHostHandler
 
     index = torch.tensor([5], dtype=torch.int32, device="cuda")
     ring = torch.arange(12, dtype=torch.int64, device="cuda").reshape(4, 3)

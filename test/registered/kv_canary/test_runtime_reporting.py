@@ -18,7 +18,7 @@ from sglang.jit_kernel.kv_canary import consts as c
 from sglang.jit_kernel.kv_canary.consts import FailReason, to_int64
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
 from sglang.srt.kv_canary.config import CanaryMode
-from sglang.srt.kv_canary.runner import DelayedDeviceHostHandler
+from sglang.srt.kv_canary.manager import DelayedDeviceHostHandler
 from sglang.srt.kv_canary.violations.reporter import ViolationReporter
 from sglang.srt.kv_canary.violations.lines import (
     VIOLATION_LINE_PREFIX,

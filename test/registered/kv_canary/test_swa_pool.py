@@ -22,7 +22,7 @@ from sglang.jit_kernel.kv_canary.types import (
 )
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers, supported_pool_names
-from sglang.srt.kv_canary.runner.swa_divergence import (
+from sglang.srt.kv_canary.manager.swa_divergence import (
     SWA_DIVERGENCE_LINE_PREFIX,
     SwaDivergenceReporter,
 )

@@ -21,8 +21,8 @@ from sglang.srt.kv_canary.memory import format_bytes
 from sglang.srt.kv_canary.memory_budget import CanaryMemoryReservation, reserve_canary_memory
 from sglang.srt.kv_canary.perturb.config import TARGET_WORKER_VAR, WORKER_DRAFT, FaultKind
 from sglang.srt.kv_canary.ranks import RankFacts
-from sglang.srt.kv_canary.runner import CanaryManager
-from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
+from sglang.srt.kv_canary.manager import CanaryManager
+from sglang.srt.kv_canary.token_oracle.expected_tokens import TokenOracleManager
 from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
 from sglang.srt.kv_canary.token_oracle.sampler import TokenOracleSampler
 
@@ -361,7 +361,7 @@ def canary_violation_info(
 ) -> dict:
     """``/server_info``'s ``internal_states[i].kv_canary``, read at each call: per guarded
     pool (``target``, ``draft``) the violations it reported so far and the mode they are
-    handled in (:meth:`~sglang.srt.kv_canary.runner.reporting.ForwardReporter.counts`)."""
+    handled in (:meth:`~sglang.srt.kv_canary.manager.reporting.ForwardReporter.counts`)."""
     return {
         role: manager.reporter.counts()
         for role, manager in (("target", target), ("draft", draft))

@@ -18,8 +18,8 @@ from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.memory import CanaryMemoryInputs, GroupGeometry
 from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
-from sglang.srt.kv_canary.runner import CanaryManager
-from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
+from sglang.srt.kv_canary.manager import CanaryManager
+from sglang.srt.kv_canary.token_oracle.expected_tokens import TokenOracleManager
 
 
 def build_canary(

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from sglang.srt.kv_canary.perturb.config import FaultKind
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-from sglang.srt.kv_canary.runner.stats import STATS_LINE_PREFIX
+from sglang.srt.kv_canary.manager.stats import STATS_LINE_PREFIX
 from sglang.srt.kv_canary.violations.lines import ViolationLine, parse_violation_lines
 
 

@@ -14,7 +14,7 @@ from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.memory import MemoryPart
-from sglang.srt.kv_canary.runner.hicache import HostTierMirror
+from sglang.srt.kv_canary.manager.hicache import HostTierMirror
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost
 

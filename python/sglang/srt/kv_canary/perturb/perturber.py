@@ -2,7 +2,7 @@
 (docs/architecture.md, "Self-tests"; the fault classes: docs/user_guide.md, "Self-tests: fault
 injection, the token oracle, the demo").
 
-Caller: :class:`~sglang.srt.kv_canary.runner.CanaryManager`, outside CUDA graphs.
+Caller: :class:`~sglang.srt.kv_canary.manager.CanaryManager`, outside CUDA graphs.
 :meth:`before_forward`: ``req_to_token``, ``req_to_token_kept``, ``real_kv_used``,
 ``pd_transfer`` (all but the kept one undone at the next :meth:`after_forward`, once the
 forward has read them);

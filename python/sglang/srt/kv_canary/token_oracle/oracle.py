@@ -4,7 +4,7 @@
 where ``key`` identifies the request (:func:`request_oracle_key` of its ``rid``) and
 ``position`` is the sequence position the token will occupy once it is fed back as input.
 The sampler (``token_oracle`` backend) produces exactly these tokens; the
-:class:`~sglang.srt.kv_canary.token_oracle.manager.TokenOracleManager` predicts them for the
+:class:`~sglang.srt.kv_canary.token_oracle.expected_tokens.TokenOracleManager` predicts them for the
 write-input check.
 """
 

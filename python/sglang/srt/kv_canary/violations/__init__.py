@@ -9,6 +9,6 @@
 | the mode's action: log or raise (``reporter``); abort's containment (``containment``) and its guarded release (``release_guard``) | ``reporter``, ``containment``, ``release_guard`` | *action* |
 | the counters (Prometheus) | ``metrics`` | *count* |
 
-The runner's ``ForwardReporter`` (``runner/reporting.py``) feeds each forward's read-back in.
+The runner's ``ForwardReporter`` (``manager/reporting.py``) feeds each forward's read-back in.
 Host only.
 """

@@ -38,21 +38,21 @@ from sglang.srt.kv_canary.memory import (
 )
 from sglang.srt.kv_canary.perturb import CanaryPerturber
 from sglang.srt.kv_canary.ranks import RankFacts
-from sglang.srt.kv_canary.runner.device_host import DelayedDeviceHostHandler
-from sglang.srt.kv_canary.runner.draft_rounds import DraftRound, DraftRoundBrackets
-from sglang.srt.kv_canary.runner.hicache import HostTierMirror
-from sglang.srt.kv_canary.runner.reporting import (
+from sglang.srt.kv_canary.manager.device_host import DelayedDeviceHostHandler
+from sglang.srt.kv_canary.manager.draft_rounds import DraftRound, DraftRoundBrackets
+from sglang.srt.kv_canary.manager.hicache import HostTierMirror
+from sglang.srt.kv_canary.manager.reporting import (
     CanaryReadback,
     ForwardReporter,
     StagedForward,
 )
-from sglang.srt.kv_canary.runner.scheduler_side import SchedulerSide
-from sglang.srt.kv_canary.runner.swa_divergence import SwaDivergenceReporter
-from sglang.srt.kv_canary.runner.sweep import SweepOrchestrator
+from sglang.srt.kv_canary.manager.scheduler_side import SchedulerSide
+from sglang.srt.kv_canary.manager.swa_divergence import SwaDivergenceReporter
+from sglang.srt.kv_canary.manager.sweep import SweepOrchestrator
 from sglang.srt.kv_canary.single_forward_manager import SingleForwardManager
 from sglang.srt.kv_canary.state import CanaryDeviceState
 from sglang.srt.kv_canary.token_history import TokenHistoryUploader
-from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
+from sglang.srt.kv_canary.token_oracle.expected_tokens import TokenOracleManager
 
 if TYPE_CHECKING:
     from sglang.srt.kv_canary.sglang_seam import ForwardBatch

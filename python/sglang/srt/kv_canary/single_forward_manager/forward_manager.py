@@ -54,7 +54,7 @@ from sglang.srt.kv_canary.token_history import TokenHistoryUploader
 
 if TYPE_CHECKING:
     from sglang.srt.kv_canary.sglang_seam import ForwardBatch
-    from sglang.srt.kv_canary.token_oracle.manager import TokenOracleManager
+    from sglang.srt.kv_canary.token_oracle.expected_tokens import TokenOracleManager
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

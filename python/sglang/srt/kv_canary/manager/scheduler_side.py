@@ -1,7 +1,7 @@
 """The scheduler's side of ``CanaryManager`` (docs/architecture.md, "Runtime" and "Containment
 and metrics"): what the scheduler hands over at its start-up (tree cache, running requests,
 metrics, PD transfer fakes), abort mode's work after each batch result, the canary's memory,
-and the read-back's consumers (:class:`~sglang.srt.kv_canary.runner.reporting.ForwardReporter`)
+and the read-back's consumers (:class:`~sglang.srt.kv_canary.manager.reporting.ForwardReporter`)
 by name. Host only, at start-up and between forwards.
 """
 
@@ -13,12 +13,12 @@ from typing import Callable, Dict, Optional, Sequence
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.memory import CanaryMemory, host_mirror_bytes_per_slot
 from sglang.srt.kv_canary.violations.containment import ContainmentManager
-from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
-from sglang.srt.kv_canary.runner.hicache import HostTierMirror
+from sglang.srt.kv_canary.manager.health import KernelRunCounterHealthChecker
+from sglang.srt.kv_canary.manager.hicache import HostTierMirror
 from sglang.srt.kv_canary.violations.metrics import CanaryMetrics
-from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
+from sglang.srt.kv_canary.manager.overflow import VerifyOverflowWarner
 from sglang.srt.kv_canary.violations.resolver import RequestResolver
-from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
+from sglang.srt.kv_canary.manager.stats import PeriodicCanaryStatsLogger
 from sglang.srt.kv_canary.violations.reporter import ViolationManager
 
 

@@ -22,12 +22,12 @@ from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.violations.containment import ContainmentManager
-from sglang.srt.kv_canary.runner.health import KernelRunCounterHealthChecker
+from sglang.srt.kv_canary.manager.health import KernelRunCounterHealthChecker
 from sglang.srt.kv_canary.violations.metrics import CanaryMetrics
-from sglang.srt.kv_canary.runner.overflow import VerifyOverflowWarner
+from sglang.srt.kv_canary.manager.overflow import VerifyOverflowWarner
 from sglang.srt.kv_canary.violations.resolver import RequestResolver, violation_path_sync
-from sglang.srt.kv_canary.runner.stats import PeriodicCanaryStatsLogger
-from sglang.srt.kv_canary.runner.swa_divergence import SwaDivergenceReporter
+from sglang.srt.kv_canary.manager.stats import PeriodicCanaryStatsLogger
+from sglang.srt.kv_canary.manager.swa_divergence import SwaDivergenceReporter
 from sglang.srt.kv_canary.violations.reporter import ViolationManager, ViolationReporter
 from sglang.srt.kv_canary.single_forward_manager import SfmStatus
 
