@@ -321,7 +321,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i21-abort-on-tp",
-        path=f"{_RT}/api.py",
+        path=f"{_RT}/startup_checks.py",
         old="    if multi:\n",
         new="    if False:\n",
         selection=f"{_T}/test_config.py::test_abort_mode_refuses_what_it_cannot_abort_soundly",
@@ -473,7 +473,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i20-rank-not-checked",
-        path=f"{_RT}/api.py",
+        path=f"{_RT}/startup_checks.py",
         old='    config.perturb.check_ranks(\n',
         new='    (lambda _: None)(\n',
         selection=f"{_T}/test_config.py::"
@@ -522,7 +522,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i23-host-kv-without-hicache",
-        path=f"{_RT}/api.py",
+        path=f"{_RT}/startup_checks.py",
         old='and not value(\n        server_args, "enable_hierarchical_cache", False\n    ):',
         new='and False:',
         selection=f"{_T}/test_config.py::test_host_kv_needs_hicache",

@@ -480,7 +480,7 @@ MUTANTS_PATHS = (
     ),
     Mutant(
         id="memory-host-pool-unshrunk",
-        path=f"{_RT}/api.py",
+        path=f"{_RT}/memory_budget.py",
         old="    share = kv / (kv + mirror)\n",
         new="    share = 1.0\n",
         selection=f"{_T}/test_deep_fingerprints.py::test_host_tier_mirror_on_real_pools",

@@ -10,7 +10,7 @@ import pytest
 
 from sglang.jit_kernel.kv_canary.consts import RealKvHashMode
 from sglang.jit_kernel.kv_canary.types import PoolKind
-from sglang.srt.kv_canary.api import check_server_args_for_canary
+from sglang.srt.kv_canary.startup_checks import check_server_args_for_canary
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.envs import MAX_RING_CAPACITY, MAX_STEP_INTERVAL, CanaryEnvs
 from sglang.srt.kv_canary.perturb.config import FaultKind, PerturbConfig

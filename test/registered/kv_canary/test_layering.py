@@ -40,7 +40,7 @@ R, K = RUNTIME, KERNELS
 LAYERS = (
     _l("tools", f"{R}.demo", f"{R}.demo_cases", f"{R}.testing", f"{R}.testing.*"),
     _l("plugin", f"{R}.plugin"),
-    _l("api", f"{R}.api", f"{R}.memory_budget"),
+    _l("install", f"{R}.install", f"{R}.startup_checks", f"{R}.memory_budget"),
     _l("builder", f"{R}.builder"),
     _l("manager", f"{R}.manager", f"{R}.manager.*"),
     _l("violations", f"{R}.violations", f"{R}.violations.*"),

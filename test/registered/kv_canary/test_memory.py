@@ -16,7 +16,7 @@ from canary_support.tiny_models import write_tiny_deepseek_v2, write_tiny_gpt_os
 from memory_walk import canary_bytes_by_part, formula_bytes_by_part
 from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary.types import PoolKind
-from sglang.srt.kv_canary import api
+from sglang.srt.kv_canary import install, memory_budget
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
@@ -725,7 +725,7 @@ def test_a_budget_without_room_for_pool_and_canary_names_the_flag(profiled):
 def test_the_budget_hook_leaves_sglang_alone_with_the_canary_off(profiled):
     runner = profiled(max_running_requests=8)
     assert (
-        api.reserve_kv_budget(
+        memory_budget.reserve_kv_budget(
             server_args=runner.server_args, model_runner=runner, available_bytes=12345678
         )
         == 12345678
@@ -736,7 +736,7 @@ def test_the_budget_hook_leaves_sglang_alone_with_the_canary_off(profiled):
 def test_the_budget_hook_reserves_and_keeps_the_reservation(profiled):
     runner = profiled(max_running_requests=8, context_length=256)
     runner.server_args.kv_canary = "raise"
-    kv = api.reserve_kv_budget(
+    kv = memory_budget.reserve_kv_budget(
         server_args=runner.server_args, model_runner=runner, available_bytes=48 << 20
     )
     reservation = seam.runner_memory_reservation(runner)
@@ -764,14 +764,14 @@ def test_an_install_that_holds_more_than_was_reserved_says_so(caplog):
         target=CanaryMemory.for_inputs(reserved),
     )
     with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
-        text = api._check_reserved(d.manager, small, draft=False)
+        text = install._check_reserved(d.manager, small, draft=False)
     assert "more GPU memory than was reserved" in caplog.text
     assert "reserved" in text
     caplog.clear()
     exact = dataclasses.replace(small, target=d.manager.memory)
     with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
-        api._check_reserved(d.manager, exact, draft=False)
-        api._check_reserved(d.manager, None, draft=False)
+        install._check_reserved(d.manager, exact, draft=False)
+        install._check_reserved(d.manager, None, draft=False)
     assert "than was reserved" not in caplog.text
     assert "no KV-pool budget was reserved" in caplog.text
 
@@ -806,7 +806,7 @@ def test_the_gauge_exports_the_bytes_by_part():
 
 def test_the_server_info_report_has_both_figures():
     d = ServingDriver()
-    assert api.canary_memory_info(None, target=d.manager, draft=None) == {
+    assert install.canary_memory_info(None, target=d.manager, draft=None) == {
         "reservation": None,
         "target": {"allocated": d.manager.memory.as_dict(), "reserved": None},
     }

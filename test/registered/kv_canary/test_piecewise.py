@@ -20,7 +20,7 @@ import torch
 
 from serving_driver import ServingDriver, stand_in_model_runner
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
-from sglang.srt.kv_canary import api, plugin, sglang_seam
+from sglang.srt.kv_canary import install, startup_checks, plugin, sglang_seam
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -88,7 +88,7 @@ def _runner_with_canary():
         cuda_graph_max_bs=4,
         sampling_backend="pytorch",
     )
-    manager = api.install_canary(server_args=server_args, model_runner=runner)
+    manager = install.install_canary(server_args=server_args, model_runner=runner)
     return runner, manager
 
 
@@ -159,7 +159,7 @@ def test_piecewise_on_is_accepted_at_start_up():
         disable_piecewise_cuda_graph=False,
         enable_torch_compile=False,
     )
-    config = api.check_server_args_for_canary(args)
+    config = startup_checks.check_server_args_for_canary(args)
     assert isinstance(config, CanaryConfig) and config.enabled
 
 

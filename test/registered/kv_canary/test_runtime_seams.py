@@ -19,7 +19,7 @@ from serving_driver import ServingDriver, stand_in_model_runner
 from sglang.jit_kernel.kv_canary import consts as c
 from sglang.jit_kernel.kv_canary.consts import FailReason, to_int64
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
-from sglang.srt.kv_canary import api, builder, sglang_seam
+from sglang.srt.kv_canary import install, builder, sglang_seam
 from sglang.srt.kv_canary.batch_state import CanaryBatchState, batch_state, batch_state_for
 from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs, CanaryLaunchCapacities
@@ -278,7 +278,7 @@ def _clear_canary_env(monkeypatch):
 def test_install_canary_assembles_through_build_canary_with_the_server_limits(monkeypatch):
     _clear_canary_env(monkeypatch)
     calls = []
-    real = api.build_canary
+    real = install.build_canary
     assert real is builder.build_canary
 
     def spy(**kw):
@@ -286,7 +286,7 @@ def test_install_canary_assembles_through_build_canary_with_the_server_limits(mo
         calls.append((kw, manager))
         return manager
 
-    monkeypatch.setattr(api, "build_canary", spy)
+    monkeypatch.setattr(install, "build_canary", spy)
     pool = _mha_pool(size=999)  # 1000 rows with the padding slot
     req_to_token = torch.zeros((128, 8), dtype=torch.int32)
     runner = stand_in_model_runner(pool, req_to_token=req_to_token, context_len=40960)
@@ -302,7 +302,7 @@ def test_install_canary_assembles_through_build_canary_with_the_server_limits(mo
         cuda_graph_max_bs=256,
         sampling_backend="pytorch",
     )
-    manager = api.install_canary(server_args=server_args, model_runner=runner)
+    manager = install.install_canary(server_args=server_args, model_runner=runner)
     assert len(calls) == 1 and calls[0][1] is manager
     kw = calls[0][0]
     assert kw["pool"] is pool and kw["req_to_token"] is req_to_token

@@ -547,16 +547,16 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
     """``install_canary`` on an EAGLE draft runner: a canary with the draft token offset, one
     single-forward manager per draft forward of a round, the draft flag for the perturbation
     target, and no warning about an unguarded draft pool."""
-    from sglang.srt.kv_canary import api
+    from sglang.srt.kv_canary import install
 
     for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
         monkeypatch.delenv(name)
     pools = [_tiny_pool(63) for _ in range(2)]
     with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
-        target = api.install_canary(
+        target = install.install_canary(
             server_args=_spec_server_args(), model_runner=_runner(pools[0], draft=False)
         )
-        draft = api.install_canary(
+        draft = install.install_canary(
             server_args=_spec_server_args(), model_runner=_runner(pools[1], draft=True)
         )
     assert draft is not None, "the draft runner got no canary"
@@ -581,13 +581,13 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
     ],
 )
 def test_what_speculative_coverage_refuses_names_the_flag(monkeypatch, kw, match):
-    from sglang.srt.kv_canary import api
+    from sglang.srt.kv_canary import startup_checks
 
     for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
         monkeypatch.delenv(name)
     with pytest.raises(ValueError, match=match):
-        api.check_server_args_for_canary(_spec_server_args(**kw))
-    api.check_server_args_for_canary(_spec_server_args())  # the covered setting starts
+        startup_checks.check_server_args_for_canary(_spec_server_args(**kw))
+    startup_checks.check_server_args_for_canary(_spec_server_args())  # the covered setting starts
 
 
 def _clean_canary_env(monkeypatch):
@@ -602,15 +602,17 @@ def test_standalone_topk_1_is_covered_and_named(monkeypatch, caplog, radix):
     line and the draft pool's reports name STANDALONE, and with the radix cache on one warning
     explains its single-token keys' reports, that they are not acted on (or, with
     ``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act``, that raise acts on each) and the flag to pass."""
-    from sglang.srt.kv_canary import api
+    from sglang.srt.kv_canary import install, startup_checks
 
     _clean_canary_env(monkeypatch)
     args = _spec_server_args(speculative_algorithm="STANDALONE", disable_radix_cache=not radix)
-    api.check_server_args_for_canary(args)
+    startup_checks.check_server_args_for_canary(args)
     pools = [_tiny_pool(63) for _ in range(2)]
     with caplog.at_level(logging.INFO, logger="sglang.srt.kv_canary"):
-        target = api.install_canary(server_args=args, model_runner=_runner(pools[0], draft=False))
-        draft = api.install_canary(server_args=args, model_runner=_runner(pools[1], draft=True))
+        target = install.install_canary(
+            server_args=args, model_runner=_runner(pools[0], draft=False)
+        )
+        draft = install.install_canary(server_args=args, model_runner=_runner(pools[1], draft=True))
     assert [g.kv_token_id_vs_position_offset for g in draft.groups] == [1]
     assert [g.kv_token_id_vs_position_offset for g in target.groups] == [0]
     assert (len(draft.sfms), draft.draft_forwards_per_round) == (3, 3)
@@ -634,7 +636,9 @@ def test_standalone_topk_1_is_covered_and_named(monkeypatch, caplog, radix):
 
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
-            api._warn_standalone_radix_keys(CanaryConfig(mode="raise", draft_violations="act"))
+            startup_checks.warn_standalone_radix_keys(
+                CanaryConfig(mode="raise", draft_violations="act")
+            )
         (acting,) = [r.getMessage() for r in caplog.records]
         assert "--kv-canary raise acts on each one" in acting and "not acted on" not in acting
         assert "SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act" in acting, acting
@@ -649,7 +653,7 @@ def test_a_standalone_draft_on_a_hybrid_linear_or_dsv4_pool_is_refused(monkeypat
     ``HybridLinearKVPool`` (meant for MTP heads); neither it nor a DeepSeek-V4 pool is guarded
     as a separate draft model's: refused at install, naming the flag. EAGLE's draft runner on
     the same pool classes is not refused here."""
-    from sglang.srt.kv_canary import api
+    from sglang.srt.kv_canary import install
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
@@ -660,7 +664,7 @@ def test_a_standalone_draft_on_a_hybrid_linear_or_dsv4_pool_is_refused(monkeypat
     for cls in (HybridLinearKVPool, DeepSeekV4TokenToKVPool):
         pool = cls.__new__(cls)  # the class is what is refused; nothing else is read
         with pytest.raises(ValueError, match=f"builds a {cls.__name__}") as exc:
-            api.install_canary(server_args=args, model_runner=_runner(pool, draft=True))
+            install.install_canary(server_args=args, model_runner=_runner(pool, draft=True))
         assert "--speculative-draft-model-path '/models/draft'" in str(exc.value)
         assert seam.hybrid_linear_or_dsv4_pool(pool) == cls.__name__
     assert seam.hybrid_linear_or_dsv4_pool(_tiny_pool(15)) is None
@@ -671,7 +675,7 @@ def test_adaptive_steps_size_the_draft_canary_for_the_largest_candidate(monkeypa
     single-forward manager per draft forward of the largest step count sglang may switch to
     (its own candidates: the config file's ``candidate_steps`` or its defaults, plus the
     initial count); a config file sglang cannot read is refused naming the flag."""
-    from sglang.srt.kv_canary import api
+    from sglang.srt.kv_canary import install, startup_checks
 
     for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
         monkeypatch.delenv(name)
@@ -685,9 +689,9 @@ def test_adaptive_steps_size_the_draft_canary_for_the_largest_candidate(monkeypa
     for kw, counts in cases:
         args = _spec_server_args(**kw)
         assert seam.speculative_facts(args).step_counts == counts
-        api.check_server_args_for_canary(args)
+        startup_checks.check_server_args_for_canary(args)
         pool = _tiny_pool(63)
-        draft = api.install_canary(server_args=args, model_runner=_runner(pool, draft=True))
+        draft = install.install_canary(server_args=args, model_runner=_runner(pool, draft=True))
         assert draft.draft_forwards_per_round == max(counts) - 1, kw
         assert len(draft.sfms) == max(counts) - 1, kw
     config.write_text("[1, 2]")
@@ -832,19 +836,21 @@ def test_graphs_captured_after_start_up_warm_up_without_the_chain_position_check
 
 
 def test_draft_fault_target_needs_speculative_decoding(monkeypatch):
-    from sglang.srt.kv_canary import api
+    from sglang.srt.kv_canary import startup_checks
 
     for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft")
-    api.check_server_args_for_canary(_spec_server_args())
-    api.check_server_args_for_canary(_spec_server_args(speculative_algorithm="STANDALONE"))
+    startup_checks.check_server_args_for_canary(_spec_server_args())
+    startup_checks.check_server_args_for_canary(
+        _spec_server_args(speculative_algorithm="STANDALONE")
+    )
     with pytest.raises(ValueError, match="TARGET_WORKER=draft corrupts a speculative draft"):
-        api.check_server_args_for_canary(_spec_server_args(speculative_algorithm=None))
+        startup_checks.check_server_args_for_canary(_spec_server_args(speculative_algorithm=None))
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "drafts")
     with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_TARGET_WORKER"):
-        api.check_server_args_for_canary(_spec_server_args())
+        startup_checks.check_server_args_for_canary(_spec_server_args())
 
 
 if __name__ == "__main__":

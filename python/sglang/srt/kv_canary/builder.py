@@ -1,6 +1,6 @@
 """``build_canary``: the one assembly of the canary, for production, tests and benchmarks.
 
-:func:`~sglang.srt.kv_canary.api.install_canary` calls it with what it reads off a
+:func:`~sglang.srt.kv_canary.install.install_canary` calls it with what it reads off a
 ``ModelRunner``; the test driver and the benchmarks call it with their own pools. Nothing here
 knows about ``ModelRunner``: inputs are the KV pool, the ``req_to_token`` table, the config and
 the server limits (:class:`~sglang.srt.kv_canary.capacities.CanaryCapacityInputs`).

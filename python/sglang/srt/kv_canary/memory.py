@@ -3,7 +3,7 @@
 One formula, :meth:`CanaryMemory.for_inputs`, from a typed description of what the canary
 will allocate (:class:`CanaryMemoryInputs`: its buffer groups' geometry, the capacities, the
 ``req_to_token`` shape, which checks are on). Two callers: the KV-pool sizing hook
-(``api.reserve_canary_memory``, before sglang sizes the pool, with the geometry the pool will
+(``memory_budget.reserve_canary_memory``, before sglang sizes the pool, with the geometry the pool will
 get), and the builder (after the canary is built, with the geometry it got: the figure of the
 start-up line, ``/server_info`` and ``sglang:kv_canary_memory_bytes``). The CPU tests sum the
 tensors a built canary holds and compare them with this, part by part.

@@ -1,4 +1,6 @@
-"""The canary's share of the KV pool's budget (docs/user_guide.md, "Memory").
+"""The canary's share of the KV pool's budget, and the KV and HiCache host budgets the plugin's
+hooks ask for (:func:`reserve_kv_budget`, :func:`host_pool_budget`; docs/user_guide.md,
+"Memory").
 
 sglang's ``ModelRunner._profile_available_bytes`` returns the bytes the KV pool may fill under
 ``--mem-fraction-static``; the plugin's hook hands them to :func:`reserve_canary_memory`,
@@ -15,6 +17,7 @@ what was then allocated with what was reserved here.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 from sglang.jit_kernel.kv_canary.types import PoolKind
@@ -22,12 +25,15 @@ from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.builder import memory_inputs
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs, CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig, RealDataLayers
-from sglang.srt.kv_canary.memory import CanaryMemory, GroupGeometry
+from sglang.srt.kv_canary.memory import CanaryMemory, GroupGeometry, format_bytes
 from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.sglang_seam import KvPoolSizing, PoolFamily, PoolTokens
+from sglang.srt.kv_canary.startup_checks import check_server_args_for_canary
 
 if TYPE_CHECKING:
     from sglang.srt.kv_canary.sglang_seam import ModelRunner, ServerArgs
+
+logger = logging.getLogger(__name__)
 
 # the full-to-SWA slot table sglang's SWA allocator builds is int64
 _SWA_TABLE_ITEMSIZE = 8
@@ -298,3 +304,87 @@ def reserve_canary_memory(
         target=memories[0],
         draft=memories[1],
     )
+
+
+def capacity_inputs_from_server_args(
+    server_args: "ServerArgs", *, context_len: int
+) -> CanaryCapacityInputs:
+    value = sglang_seam.server_args_value
+    return CanaryCapacityInputs(
+        context_len=context_len,
+        chunked_prefill_size=value(server_args, "chunked_prefill_size", None),
+        max_prefill_tokens=int(value(server_args, "max_prefill_tokens", 0) or 0),
+        cuda_graph_max_bs=value(server_args, "cuda_graph_max_bs", None),
+    )
+
+
+def reserve_kv_budget(
+    *, server_args: "ServerArgs", model_runner: "ModelRunner", available_bytes: int
+) -> int:
+    """The plugin's ``ModelRunner._profile_available_bytes`` hook: with the canary on, the
+    KV pool's budget less the canary's share (docs/user_guide.md, "Memory"), the reservation
+    kept for ``install_canary``'s check and ``/server_info``; ``available_bytes`` untouched
+    with the canary off."""
+    config = check_server_args_for_canary(server_args)
+    if not config.enabled:
+        return available_bytes
+    kv_bytes, reservation = reserve_canary_memory(
+        model_runner,
+        server_args=server_args,
+        config=config,
+        capacity_inputs=capacity_inputs_from_server_args(
+            server_args, context_len=sglang_seam.runner_context_len(model_runner)
+        ),
+        available_bytes=available_bytes,
+    )
+    sglang_seam.set_runner_memory_reservation(model_runner, reservation)
+    if reservation is not None:
+        logger.info(
+            "kv_canary: %s of the KV pool's %s budget reserved for the canary (target: %s%s); "
+            "the pool holds %d tokens",
+            format_bytes(reservation.reserved_bytes),
+            format_bytes(available_bytes),
+            reservation.target.describe(),
+            f"; draft: {reservation.draft.describe()}" if reservation.draft else "",
+            reservation.tokens.max_total,
+        )
+    return kv_bytes
+
+
+def host_pool_budget(
+    *, device_pool, host_pool_cls: type, host_to_device_ratio: float, host_size: float
+) -> Tuple[float, float]:
+    """The plugin's ``HostKVCache.__init__`` hook: ``(host_to_device_ratio, host_size)`` for
+    a HiCache host pool of ``device_pool`` such that its KV plus the canary's mirror of its
+    slots take the host memory the operator's ``--hicache-size`` (GB) or ``--hicache-ratio``
+    (of the device pool's KV bytes) gives the KV alone (docs/user_guide.md, "Memory").
+    Unchanged for a pool without a canary or a host pool the canary does not mirror. Raises
+    ``ValueError`` naming ``--hicache-ratio`` when the mirror leaves it no larger than the
+    device pool (sglang's own minimum)."""
+    manager = sglang_seam.pool_canary(device_pool)
+    if manager is None or sglang_seam.host_pool_class_kind(host_pool_cls) is None:
+        return host_to_device_ratio, host_size
+    kv = sglang_seam.kv_pool_bytes_per_token(device_pool)
+    mirror = manager.host_mirror_bytes_per_slot
+    share = kv / (kv + mirror)
+    if host_size > 0:
+        budget = (host_to_device_ratio, host_size * share)
+        what = f"--hicache-size {host_size} GB -> {budget[1]:.4f} GB of host slots"
+    else:
+        budget = (host_to_device_ratio * share, host_size)
+        what = f"--hicache-ratio {host_to_device_ratio} -> {budget[0]:.4f}"
+        if budget[0] <= 1:
+            raise ValueError(
+                f"--hicache-ratio {host_to_device_ratio} leaves no room for the canary's host "
+                f"mirror ({mirror} bytes per host slot beside {kv} bytes of KV): the host pool "
+                "would be no larger than the device pool, which sglang refuses; raise "
+                f"--hicache-ratio above {(kv + mirror) / kv:.3f} or pass --hicache-size"
+            )
+    logger.info(
+        "kv_canary: HiCache host pool: %d bytes of KV and %d canary bytes per host "
+        "slot, within the KV's budget (%s)",
+        kv,
+        mirror,
+        what,
+    )
+    return budget

@@ -68,7 +68,7 @@ _IN_FROM_CLI_ARGS = contextvars.ContextVar("kv_canary_in_from_cli_args", default
 
 
 def _server_args_init(original, self, *args, **kwargs):
-    from sglang.srt.kv_canary.api import check_server_args_for_canary
+    from sglang.srt.kv_canary.startup_checks import check_server_args_for_canary
     from sglang.srt.kv_canary.server_args_ext import (
         note_requested_sampling_backend,
         pop_canary_kwargs,
@@ -90,7 +90,7 @@ def _add_cli_args(result, parser):
 
 
 def _from_cli_args(original, cls, args):
-    from sglang.srt.kv_canary.api import check_server_args_for_canary
+    from sglang.srt.kv_canary.startup_checks import check_server_args_for_canary
     from sglang.srt.kv_canary.server_args_ext import canary_values_from_namespace, set_canary_attrs
 
     token = _IN_FROM_CLI_ARGS.set(True)
@@ -112,7 +112,7 @@ def _server_args_repr(original, self):
 
 
 def _profile_available_bytes(original, self, *args, **kwargs):
-    from sglang.srt.kv_canary.api import reserve_kv_budget
+    from sglang.srt.kv_canary.memory_budget import reserve_kv_budget
 
     available = original(self, *args, **kwargs)
     return reserve_kv_budget(
@@ -123,7 +123,7 @@ def _profile_available_bytes(original, self, *args, **kwargs):
 def _host_kv_cache_init(
     original, self, device_pool, host_to_device_ratio, host_size, *args, **kwargs
 ):
-    from sglang.srt.kv_canary.api import host_pool_budget
+    from sglang.srt.kv_canary.memory_budget import host_pool_budget
 
     ratio, size = host_pool_budget(
         device_pool=device_pool,
@@ -135,7 +135,7 @@ def _host_kv_cache_init(
 
 
 def _after_init_memory_pool(result, self, *args, **kwargs):
-    from sglang.srt.kv_canary.api import install_canary
+    from sglang.srt.kv_canary.install import install_canary
 
     install_canary(server_args=self.server_args, model_runner=self)
 
@@ -263,7 +263,7 @@ def _cache_finished_req(original, self, req, *args, **kwargs):
 
 
 def _after_get_init_info(result, self, *args, **kwargs):
-    from sglang.srt.kv_canary.api import canary_memory_info
+    from sglang.srt.kv_canary.install import canary_memory_info
     from sglang.srt.kv_canary.server_args_ext import canary_settings
 
     if isinstance(result, dict):
@@ -280,7 +280,7 @@ def _after_get_init_info(result, self, *args, **kwargs):
 
 
 def _after_get_internal_state(result, self, *args, **kwargs):
-    from sglang.srt.kv_canary.api import canary_violation_info
+    from sglang.srt.kv_canary.install import canary_violation_info
 
     state = seam.internal_state_of(result)
     target = seam.runner_canary(seam.scheduler_model_runner(self))

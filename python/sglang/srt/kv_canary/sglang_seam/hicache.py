@@ -2,7 +2,7 @@
 
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
-| HiCache host pool sizing (``HostKVCache.__init__``) | hook target: its ``host_to_device_ratio`` / ``host_size`` arguments; reads the device pool's ``size`` and per-token row bytes (``k_buffer`` / ``v_buffer`` / ``kv_buffer``); the builder sets ``kv_canary_manager`` on the guarded pool | ``api``, ``builder`` |
+| HiCache host pool sizing (``HostKVCache.__init__``) | hook target: its ``host_to_device_ratio`` / ``host_size`` arguments; reads the device pool's ``size`` and per-token row bytes (``k_buffer`` / ``v_buffer`` / ``kv_buffer``); the builder sets ``kv_canary_manager`` on the guarded pool | ``memory_budget``, ``builder`` |
 | HiCache (``HiRadixCache.cache_controller``: ``mem_pool_host``, ``load_stream``; host pool ``size``, ``page_size``, ``layout``, ``k_buffer`` / ``v_buffer`` / ``kv_buffer``, ``backup_from_device_all_layer``, ``load_to_device_per_layer``; nodes' ``host_value``, ``id``; ``ongoing_write_through``; the device pool's ``layer_transfer_counter``) | wraps the host pool's two copy methods on the instance to copy the canary rows with the KV; waits for loads before reading records; lists host-resident pages; flips a host byte (``host_kv`` self-test) | ``manager.hicache``, ``perturb`` |
 """
 

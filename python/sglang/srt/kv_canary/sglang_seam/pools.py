@@ -3,7 +3,7 @@
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
 | KV pool instances | wraps buf-info methods on the instance (:func:`wrap_method_once`); pool classes (:func:`import_sglang_class`); each adapter reads its pool's buffers (listed in the adapter's docstring); reads ``page_size`` (the kept ``req_to_token`` self-test's unit) | ``pool_patcher``, ``manager.canary_manager`` |
-| ``memory_pool.HybridLinearKVPool``, ``deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool`` | ``isinstance`` (:func:`hybrid_linear_or_dsv4_pool`): the pools a separate draft model's runner is refused on | ``api`` |
+| ``memory_pool.HybridLinearKVPool``, ``deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool`` | ``isinstance`` (:func:`hybrid_linear_or_dsv4_pool`): the pools a separate draft model's runner is refused on | ``startup_checks`` |
 """
 
 from __future__ import annotations

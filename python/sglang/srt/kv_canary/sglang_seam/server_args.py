@@ -2,7 +2,7 @@
 
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
-| ``ServerArgs`` instance | sets ``kv_canary``, ``kv_canary_sweep_interval``, ``kv_canary_real_data``, ``kv_canary_token_oracle_requested``; reads ``device``, ``enable_torch_compile``, ``chunked_prefill_size``, ``max_prefill_tokens``, ``cuda_graph_max_bs``, ``sampling_backend``, ``disaggregation_mode`` (the reports' PD server role) | ``server_args_ext``, ``config``, ``api`` |
+| ``ServerArgs`` instance | sets ``kv_canary``, ``kv_canary_sweep_interval``, ``kv_canary_real_data``, ``kv_canary_token_oracle_requested``; reads ``device``, ``enable_torch_compile``, ``chunked_prefill_size``, ``max_prefill_tokens``, ``cuda_graph_max_bs``, ``sampling_backend``, ``disaggregation_mode`` (the reports' PD server role) | ``server_args_ext``, ``config``, ``startup_checks``, ``install`` |
 | ``speculative.adaptive_spec_params.load_adaptive_config``, ``AdaptiveSpeculativeParams(...).candidate_steps`` | the step counts ``--speculative-adaptive`` may switch between (its config file and sglang's defaults, the initial count added) | ``speculative_facts`` |
 """
 

@@ -1,0 +1,216 @@
+"""``install_canary``: put the canary on one ``ModelRunner`` (docs/architecture.md, "Start-up").
+
+Called by the plugin's hook right after ``ModelRunner.init_memory_pool`` (the KV pool exists,
+CUDA graphs are not captured yet). Reads what it needs off the runner through the sglang seam,
+builds the canary with :func:`~sglang.srt.kv_canary.builder.build_canary`, stores the manager
+on the runner and wraps the runner's ``model.forward`` (instance attribute) with the HEAD /
+TAIL bracket, so eager forwards run the launches and decode CUDA-graph capture records them
+into the graphs. Also what ``/server_info`` shows of the installed canaries.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+from sglang.srt.kv_canary import sglang_seam
+from sglang.srt.kv_canary.builder import build_canary
+from sglang.srt.kv_canary.memory import format_bytes
+from sglang.srt.kv_canary.memory_budget import (
+    CanaryMemoryReservation,
+    capacity_inputs_from_server_args,
+)
+from sglang.srt.kv_canary.ranks import RankFacts
+from sglang.srt.kv_canary.manager import CanaryManager
+from sglang.srt.kv_canary.startup_checks import (
+    check_server_args_for_canary,
+    check_standalone_draft_pool,
+    draft_worker_name,
+    warn_standalone_radix_keys,
+)
+from sglang.srt.kv_canary.token_oracle.expected_tokens import TokenOracleManager
+from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
+from sglang.srt.kv_canary.token_oracle.sampler import TokenOracleSampler
+
+if TYPE_CHECKING:
+    from sglang.srt.kv_canary.sglang_seam import ModelRunner, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def get_canary_manager(model_runner: Optional["ModelRunner"]) -> Optional[CanaryManager]:
+    """The runner's manager, or None when the canary is off (or not installed there)."""
+    return sglang_seam.runner_canary(model_runner)
+
+
+def _check_reserved(
+    manager: CanaryManager, reservation: Optional[CanaryMemoryReservation], *, draft: bool
+) -> str:
+    """The start-up line's memory part; warns when the canary holds more GPU memory than the
+    KV pool's budget gave it."""
+    allocated = manager.memory
+    text = f"memory {allocated.describe()}"
+    reserved = reservation.for_runner(draft=draft) if reservation is not None else None
+    if reserved is None:
+        logger.warning(
+            "kv_canary: no KV-pool budget was reserved for this canary (%s): the "
+            "server holds that much more GPU memory than --mem-fraction-static "
+            "sets",
+            allocated.describe(),
+        )
+        return text
+    extra = allocated.device_bytes - reserved.device_bytes
+    if extra > 0:
+        logger.warning(
+            "kv_canary: the canary holds %s more GPU memory than was reserved out "
+            "of the KV pool's budget (reserved %s; allocated %s): the server holds "
+            "that much more than --mem-fraction-static sets",
+            format_bytes(extra),
+            reserved.describe(),
+            allocated.describe(),
+        )
+    return text + f"; reserved {format_bytes(reserved.device_bytes)}"
+
+
+def canary_memory_info(
+    reservation: Optional[CanaryMemoryReservation],
+    *,
+    target: Optional[CanaryManager],
+    draft: Optional[CanaryManager],
+) -> dict:
+    """``/server_info``'s ``kv_canary.memory``: per guarded runner (``target``, ``draft``) the
+    bytes it holds by part and the bytes reserved for it out of the KV pool's budget, and the
+    reservation (sglang's budget, what the pool got, its tokens)."""
+    out = {"reservation": reservation.as_dict() if reservation is not None else None}
+    for role, manager in (("target", target), ("draft", draft)):
+        if manager is None:
+            continue
+        reserved = (
+            reservation.for_runner(draft=role == "draft") if reservation is not None else None
+        )
+        out[role] = {
+            "allocated": manager.memory.as_dict(),
+            "reserved": reserved.as_dict() if reserved is not None else None,
+        }
+    return out
+
+
+def canary_violation_info(
+    *, target: Optional[CanaryManager], draft: Optional[CanaryManager]
+) -> dict:
+    """``/server_info``'s ``internal_states[i].kv_canary``, read at each call: per guarded
+    pool (``target``, ``draft``) the violations it reported so far and the mode they are
+    handled in (:meth:`~sglang.srt.kv_canary.manager.reporting.ForwardReporter.counts`)."""
+    return {
+        role: manager.reporter.counts()
+        for role, manager in (("target", target), ("draft", draft))
+        if manager is not None
+    }
+
+
+def _use_token_oracle_sampler(model_runner: "ModelRunner") -> None:
+    """Make the runner sample with the token oracle. sglang builds its sampler from
+    ``--sampling-backend`` but forces ``pytorch`` on some devices (the CPU engine): then the
+    oracle is swapped in here, with a log line saying so."""
+    current = sglang_seam.runner_sampler(model_runner)
+    if isinstance(current, TokenOracleSampler):
+        return
+    logger.info(
+        "kv_canary: token oracle on; replacing sglang's %s with the %s sampler",
+        type(current).__name__,
+        TOKEN_ORACLE_BACKEND,
+    )
+    sglang_seam.set_runner_sampler(model_runner, TokenOracleSampler())
+
+
+def install_canary(
+    *,
+    server_args: "ServerArgs",
+    model_runner: "ModelRunner",
+    token_oracle_manager: Optional[TokenOracleManager] = None,
+) -> Optional[CanaryManager]:
+    """Install the canary on ``model_runner`` if ``--kv-canary`` is on; returns the manager
+    (also stored on the runner, see :func:`get_canary_manager`) or None.
+
+    With the token oracle on (``--sampling-backend token_oracle`` or
+    ``SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1``) a :class:`TokenOracleManager` is created unless
+    ``token_oracle_manager`` is given, and the runner samples with the oracle."""
+    config = check_server_args_for_canary(server_args)
+    if not config.enabled:
+        return None
+    if get_canary_manager(model_runner) is not None:
+        raise RuntimeError("kv_canary is already installed on this model runner")
+    runner = sglang_seam.RunnerFacts(model_runner)
+    draft = sglang_seam.is_draft_worker(model_runner)
+    spec = sglang_seam.speculative_facts(server_args)
+    if draft and spec.algorithm == "STANDALONE":
+        check_standalone_draft_pool(server_args, runner.kv_pool)
+    manager = build_canary(
+        pool=runner.kv_pool,
+        req_to_token=runner.req_to_token,
+        config=config,
+        capacity_inputs=capacity_inputs_from_server_args(
+            server_args, context_len=runner.context_len
+        ),
+        device=runner.device,
+        # the SWA layers' window, as the scheduler's SWA eviction uses it (None without SWA)
+        swa_window_size=runner.sliding_window_size,
+        vocab_size=runner.vocab_size,
+        token_oracle=token_oracle_manager,
+        ranks=RankFacts(
+            tp_rank=runner.tp_rank,
+            tp_size=runner.tp_size,
+            pp_rank=runner.pp_rank,
+            pp_size=runner.pp_size,
+            dp_rank=runner.dp_rank,
+            dp_size=int(sglang_seam.server_args_value(server_args, "dp_size", 1) or 1),
+            draft=draft,
+            draft_worker=draft_worker_name(spec.algorithm),
+            # the draft model reads (hidden state of p, token p + 1) at position p; one
+            # single-forward manager per forward of a draft round (steps - 1 of them, for the
+            # largest step count --speculative-adaptive may switch to)
+            draft_steps=spec.max_steps if draft else 0,
+            disaggregation_mode=sglang_seam.server_args_value(
+                server_args, "disaggregation_mode", "null"
+            ),
+        ),
+    )
+    if manager.token_oracle is not None:
+        _use_token_oracle_sampler(model_runner)
+    sglang_seam.set_runner_canary(model_runner, manager)
+    sglang_seam.wrap_model_forward(
+        model_runner,
+        before=manager.pre_ops_maybe_inside_graph,
+        after=manager.post_ops_maybe_inside_graph,
+    )
+    if not draft:
+        sglang_seam.share_memory_reservation(model_runner)
+    elif spec.algorithm == "STANDALONE" and not sglang_seam.server_args_value(
+        server_args, "disable_radix_cache", False
+    ):
+        warn_standalone_radix_keys(config)
+    memory = _check_reserved(
+        manager, sglang_seam.runner_memory_reservation(model_runner), draft=draft
+    )
+    logger.info(
+        "kv_canary installed%s: %s pool=%s groups=%d capacities=%s %s",
+        f" on the {draft_worker_name(spec.algorithm)} draft worker" if draft else "",
+        config.describe(),
+        type(runner.kv_pool).__name__,
+        len(manager.groups),
+        manager.capacities,
+        memory,
+    )
+    if config.perturb.enabled and manager.perturber is None:
+        logger.info(
+            "kv_canary: fault injection is set for another rank; none on this one (%s)",
+            manager.ranks.describe(),
+        )
+    elif config.perturb.enabled:
+        logger.warning(
+            "kv_canary: FAULT INJECTION ON (%s) after %d warm-up steps: this server "
+            "corrupts its own KV cache on purpose (self-test)",
+            ", ".join(k.value for k in config.perturb.active_faults),
+            config.perturb.warmup_steps,
+        )
+    return manager

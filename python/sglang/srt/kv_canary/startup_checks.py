@@ -1,0 +1,203 @@
+"""Start-up checks: the canary's flags, environment and the server's other settings validated
+once (every start-up route: ``ServerArgs.__init__`` / ``from_cli_args`` through the plugin),
+and the install-time checks of a runner's pool (docs/user_guide.md, "Turning it on"). Each
+refusal raises ``ValueError`` naming the flag or variable and what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+from sglang.srt.kv_canary import sglang_seam
+from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode, DraftViolations
+from sglang.srt.kv_canary.perturb.config import TARGET_WORKER_VAR, WORKER_DRAFT, FaultKind
+from sglang.srt.kv_canary.ranks import RankFacts
+
+if TYPE_CHECKING:
+    from sglang.srt.kv_canary.sglang_seam import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
+    """Validate the canary flags and environment (and refuse what the canary does not
+    support); returns the config. Raises ``ValueError`` naming the flag or variable."""
+    config = CanaryConfig.of_server(server_args)
+    if not config.enabled:
+        return config
+    value = sglang_seam.server_args_value
+    if value(server_args, "enable_torch_compile", False):
+        raise ValueError(
+            "--kv-canary does not support --enable-torch-compile (the canary's "
+            "launches must stay outside the compiled model); drop that flag"
+        )
+    if config.mode == CanaryMode.ABORT:
+        _check_abort_mode(server_args)
+    storage = value(server_args, "hicache_storage_backend", None)
+    if value(server_args, "enable_hierarchical_cache", False) and storage:
+        raise ValueError(
+            f"--kv-canary does not support --hicache-storage-backend {storage} yet: pages "
+            "prefetched back from that storage tier would come without their canary rows and "
+            "fail their checks. HiCache's host tier alone is covered: drop "
+            "--hicache-storage-backend, or run without --kv-canary"
+        )
+    if FaultKind.HOST_KV in config.perturb.active_faults and not value(
+        server_args, "enable_hierarchical_cache", False
+    ):
+        raise ValueError(
+            f"{FaultKind.HOST_KV.env_var} > 0 corrupts HiCache's host memory: "
+            "pass --enable-hierarchical-cache (or drop the variable)"
+        )
+    pd_mode = value(server_args, "disaggregation_mode", "null")
+    if FaultKind.PD_TRANSFER in config.perturb.active_faults and pd_mode != "decode":
+        raise ValueError(
+            f"{FaultKind.PD_TRANSFER.env_var} > 0 corrupts KV a PD decode server received "
+            f"from its prefill server: set it on the server started with --disaggregation-mode "
+            f"decode (this one has --disaggregation-mode {pd_mode})"
+        )
+    _check_speculative(server_args, config)
+    config.perturb.check_ranks(
+        RankFacts(
+            tp_size=int(value(server_args, "tp_size", 1) or 1),
+            pp_size=int(value(server_args, "pp_size", 1) or 1),
+            dp_size=int(value(server_args, "dp_size", 1) or 1),
+        )
+    )
+    return config
+
+
+# speculative algorithms whose draft and verify forwards the canary plans (NEXTN is resolved
+# to EAGLE by sglang; STANDALONE runs EAGLE's forwards with a separate small LM as the draft)
+COVERED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
+_COVERED_FLAGS = "EAGLE, EAGLE3, NEXTN or STANDALONE"
+
+
+def draft_worker_name(algorithm: Optional[str]) -> str:
+    """The draft worker's name in messages and reports: STANDALONE, else EAGLE (sglang's EAGLE
+    workers run EAGLE, EAGLE3 and NEXTN)."""
+    return "STANDALONE" if algorithm == "STANDALONE" else "EAGLE"
+
+
+def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
+    """Speculative decoding: EAGLE / EAGLE3 / NEXTN / STANDALONE with a draft chain (``topk``
+    1) are guarded, target and draft pools (docs/user_guide.md, "Speculative decoding"); the
+    rest is refused with the flag to change."""
+    spec = sglang_seam.speculative_facts(server_args)
+    if spec.algorithm is None:
+        if config.perturb.target_worker == WORKER_DRAFT:
+            raise ValueError(
+                f"{TARGET_WORKER_VAR}=draft corrupts a speculative draft model's KV: "
+                f"pass --speculative-algorithm {_COVERED_FLAGS} (or unset the variable)"
+            )
+        if config.draft_violations == DraftViolations.ACT:
+            raise ValueError(
+                "SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act acts on a speculative draft model's KV "
+                f"pool, and this server has none: pass --speculative-algorithm {_COVERED_FLAGS} "
+                "(or unset the variable)"
+            )
+        return
+    if spec.algorithm not in COVERED_SPECULATIVE_ALGORITHMS:
+        raise ValueError(
+            f"--kv-canary does not cover --speculative-algorithm {spec.algorithm} yet (covered: "
+            f"{_COVERED_FLAGS.replace(' or', ',')}); run it without --kv-canary"
+        )
+    if spec.topk > 1:
+        raise ValueError(
+            f"--kv-canary covers {draft_worker_name(spec.algorithm)} with "
+            f"--speculative-eagle-topk 1 only (got {spec.topk}): "
+            "a draft tree's tokens share positions and are accepted along one branch, which "
+            "the canary's per-request chain cannot follow yet; use --speculative-eagle-topk 1"
+        )
+    if spec.multi_layer_eagle:
+        raise ValueError(
+            "--kv-canary does not cover --enable-multi-layer-eagle yet (its draft "
+            "layers run outside the draft worker's forwards); drop that flag"
+        )
+    if config.enable_token_oracle or config.enable_write_input_assert:
+        raise ValueError(
+            "the token oracle (--sampling-backend token_oracle, SGLANG_KV_CANARY_ENABLE_TOKEN_"
+            "ORACLE, SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT) does not work with speculative "
+            f"decoding: {draft_worker_name(spec.algorithm)} accepts the target's verified "
+            "tokens, not the sampler's; drop it or --speculative-algorithm"
+        )
+
+
+def warn_standalone_radix_keys(config: CanaryConfig) -> None:
+    """STANDALONE with the radix cache on: sglang 0.5.12 keys that cache by single tokens
+    (EAGLE's keys are token pairs), so a prefix hit of m tokens reuses the draft slot of
+    position m - 1, computed from the other request's token m (docs/user_guide.md,
+    "Speculative decoding"). Logged once, by the draft runner's install; says what the
+    server's mode does with those reports (:meth:`CanaryConfig.acting_mode`)."""
+    if config.acting_mode(draft=True) == config.mode and config.mode != CanaryMode.LOG:
+        what = (
+            f"and --kv-canary {config.mode.value} acts on each one "
+            f"(SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act): unset that variable to log and count "
+            "them without acting, or pass --disable-radix-cache"
+        )
+    else:
+        what = (
+            "each logged and counted (pool=draft), not acted on: they cost draft acceptance, "
+            "not output correctness; --disable-radix-cache avoids them"
+        )
+    logger.warning(
+        "kv_canary: --speculative-algorithm STANDALONE with the radix cache on: sglang 0.5.12 "
+        "keys STANDALONE's radix cache by single tokens (EAGLE's by token pairs), so a request "
+        "that shares a cached prefix of m tokens with another and differs at token m reuses "
+        "the draft KV of position m - 1 computed from the other request's token m. The draft "
+        "pool's canary reports every such divergence (verify_token at m - 1 with token checks, "
+        "verify_chain_hash at m), %s",
+        what,
+    )
+
+
+def check_standalone_draft_pool(server_args: "ServerArgs", kv_pool) -> None:
+    """A STANDALONE draft runner's pool must be one the canary guards as a draft model's:
+    sglang gives the draft runner of a hybrid-linear model a one-layer ``HybridLinearKVPool``
+    (meant for MTP heads), and a DeepSeek-V4 draft pool is not planned for separate drafts;
+    both are refused naming the flag."""
+    refused = sglang_seam.hybrid_linear_or_dsv4_pool(kv_pool)
+    if refused is not None:
+        path = sglang_seam.server_args_value(server_args, "speculative_draft_model_path", None)
+        raise ValueError(
+            f"--kv-canary does not cover a STANDALONE draft model whose runner builds a "
+            f"{refused} (--speculative-draft-model-path {path!r}): use a draft model with "
+            "plain attention layers (an MHA, MLA or sliding-window pool), or run without "
+            "--kv-canary"
+        )
+
+
+def _check_abort_mode(server_args: "ServerArgs") -> None:
+    """``--kv-canary abort`` changes the scheduler's batch (it aborts requests) on what one
+    rank's canary saw. sglang's schedulers of several ranks must make identical decisions,
+    and a corruption (one GPU's memory, one rank's ``req_to_token``) is seen by one rank
+    only: each rank would abort different requests and the ranks would fall out of step.
+    PD disaggregation moves a request between servers (prefill's running batch hands it to a
+    transfer queue the abort path does not drain). Both are refused rather than run unsound
+    (docs/user_guide.md, "Containment: --kv-canary abort")."""
+    value = sglang_seam.server_args_value
+    multi = [
+        f"{flag} {v}"
+        for flag, name in (
+            ("--tp-size", "tp_size"),
+            ("--pp-size", "pp_size"),
+            ("--dp-size", "dp_size"),
+        )
+        if (v := int(value(server_args, name, 1) or 1)) > 1
+    ]
+    if value(server_args, "enable_dp_attention", False):
+        multi.append("--enable-dp-attention")
+    if multi:
+        raise ValueError(
+            "--kv-canary abort needs a single scheduler rank: with "
+            + ", ".join(multi)
+            + " each rank's canary sees its own corruption and the ranks would abort different "
+            "requests (their schedulers must agree); use --kv-canary raise or log there"
+        )
+    mode = value(server_args, "disaggregation_mode", "null")
+    if mode not in (None, "null"):
+        raise ValueError(
+            f"--kv-canary abort does not support --disaggregation-mode {mode} (a request moves "
+            "between the prefill and decode servers, outside the abort path the canary uses); "
+            "use --kv-canary raise or log there"
+        )
