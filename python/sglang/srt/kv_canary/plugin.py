@@ -49,6 +49,14 @@ registers the ``token_oracle`` sampling backend (``--sampling-backend token_orac
 | AROUND | ``EAGLEDraftExtendCudaGraphRunner.replay`` | padding rows at row 0, outside-graph |
 |  |  | bracket, replayed mark |
 
+One more way in, not a hook: ``install_canary`` (from the hook after
+``ModelRunner.init_memory_pool``) wraps each guarded runner's ``model.forward`` on the instance
+(``sglang_seam.wrap_model_forward``), so the launches before and after the model run inside
+the model call that sglang's CUDA-graph capture records (the ``ModelRunner.forward`` hook runs
+outside any graph) and that a piecewise graph's replay calls. It cannot be a ``HookRegistry``
+hook: the model class differs per architecture (and per draft model) and is known only once the
+runner has loaded it; the wrap must cover exactly the runners the canary guards.
+
 The targets and every sglang internal the hooks touch: :mod:`~sglang.srt.kv_canary.sglang_seam`.
 """
 
