@@ -71,7 +71,7 @@ def labelled_launches(manager):
     from sglang.srt.kv_canary import plan_input as pi_mod
     from sglang.srt.kv_canary import token_history as th_mod
     from sglang.srt.kv_canary.single_forward_manager import launches as kl_mod
-    from sglang.srt.kv_canary.single_forward_manager import manager as sfm_mod
+    from sglang.srt.kv_canary.single_forward_manager import forward_manager as sfm_mod
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 

@@ -337,7 +337,7 @@ def test_an_eager_forward_queues_its_side_half_after_the_model(static, monkeypat
     staging and the side graph), the join, then the tail half. Queuing the side half before
     the model was measured slower on an H100 (docs/architecture.md, "One forward"): its host
     staging delays the model's first kernel and its chain walk slows the model's GEMMs."""
-    from sglang.srt.kv_canary.single_forward_manager import manager as sfm_module
+    from sglang.srt.kv_canary.single_forward_manager import forward_manager as sfm_module
     from sglang.srt.kv_canary.single_forward_manager.eager_graphs import EagerForwardGraphs
 
     d = _driver("mha_partial", static=static)
