@@ -53,12 +53,16 @@ class CpuAccount:
     """Where the suite's CPU time goes: samples ``/proc`` every ``interval`` seconds while the
     lanes run and adds up each process's user + system time by kind (:data:`CPU_KINDS`) and by
     lane (the lane whose pytest it descends from). A process's time after its last sample is
-    lost (at most ``interval`` s each). Linux only; elsewhere it records nothing."""
+    lost (at most ``interval`` s each). A process is known by its pid and start time: a pid the
+    kernel hands out again (a busy machine's churn) is another process, not the same one's
+    later sample. Linux only; elsewhere it records nothing."""
 
-    def __init__(self, interval: float = 2.0):
+    def __init__(self, interval: float = 2.0, *, proc: str = "/proc"):
         self.interval = interval
+        self.proc = pathlib.Path(proc)  # the process table (a test's stand-in elsewhere)
         self.lane_roots: Dict[int, str] = {}
-        self.seen: Dict[int, _Seen] = {}
+        self.seen: Dict[Tuple[int, int], _Seen] = {}  # (pid, start time in ticks) -> it
+        self._latest: Dict[int, Tuple[int, int]] = {}  # pid -> its latest process's key
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -84,15 +88,16 @@ class CpuAccount:
         for _ in range(32):
             if pid in self.lane_roots:
                 return self.lane_roots[pid]
-            pid = ppids.get(pid, self.seen[pid].ppid if pid in self.seen else 0)
+            gone = self.seen.get(self._latest.get(pid, (0, 0)))
+            pid = ppids.get(pid, gone.ppid if gone is not None else 0)
             if pid <= 1:
                 return None
         return None
 
     def sample(self) -> None:
         now = time.monotonic()
-        stats: Dict[int, Tuple[int, float, str, str]] = {}
-        for entry in pathlib.Path("/proc").iterdir() if pathlib.Path("/proc").is_dir() else ():
+        stats: Dict[int, Tuple[int, int, float, str, str]] = {}
+        for entry in self.proc.iterdir() if self.proc.is_dir() else ():
             if not entry.name.isdigit():
                 continue
             try:
@@ -102,16 +107,19 @@ class CpuAccount:
                 continue
             comm = stat[stat.find("(") + 1 : stat.rfind(")")]
             fields = stat[stat.rfind(")") + 2 :].split()
-            # fields[0] is the state (stat's 3rd field): ppid 4th, utime 14th, stime 15th
+            # fields[0] is the state (stat's 3rd field): ppid 4th, utime 14th, stime 15th,
+            # starttime 22nd
             cpu = (int(fields[11]) + int(fields[12])) / self._tick
-            stats[int(entry.name)] = (int(fields[1]), cpu, comm, cmd)
+            stats[int(entry.name)] = (int(fields[1]), int(fields[19]), cpu, comm, cmd)
         ppids = {pid: v[0] for pid, v in stats.items()}
-        for pid, (ppid, cpu, comm, cmd) in stats.items():
-            old = self.seen.get(pid)
+        for pid, (ppid, start, cpu, comm, cmd) in stats.items():
+            key = (pid, start)
+            old = self.seen.get(key)
             kind = cpu_kind(comm, cmd)
             command = re.sub(r"\d+", "N", (cmd or f"[{comm}]").strip())[:90]
             if old is None:
-                self.seen[pid] = _Seen(
+                self._latest[pid] = key
+                self.seen[key] = _Seen(
                     ppid, cpu, now, now, kind, self._lane_of(pid, ppids), command
                 )
             else:

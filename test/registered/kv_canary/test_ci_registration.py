@@ -479,6 +479,40 @@ def test_the_cpu_account_adds_up_each_lane_and_kind(tmp_path):
     assert "scheduler: 1 processes" in text and "by lane: busy " in text, text
 
 
+def _proc_entry(root, pid: int, *, ppid: int, start: int, cpu_ticks: int, cmd: str) -> None:
+    """A ``/proc/<pid>`` stand-in: ``stat`` with the fields the account reads, ``cmdline``."""
+    d = root / str(pid)
+    d.mkdir(parents=True, exist_ok=True)
+    # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime
+    # stime cutime cstime priority nice threads itrealvalue starttime ...
+    fields = ["S", ppid] + [0] * 9 + [cpu_ticks, 0] + [0] * 6 + [start, 0]
+    (d / "stat").write_text(f"{pid} (python3) " + " ".join(map(str, fields)) + "\n")
+    (d / "cmdline").write_bytes(cmd.replace(" ", "\0").encode() + b"\0")
+
+
+def test_the_cpu_account_tells_a_reused_pid_from_the_process_it_saw(tmp_path):
+    """A busy machine hands a dead process's pid to a new one: the account keeps the first
+    process's time and kind (a lane's scheduler) and counts the newcomer as another process,
+    of no lane when it descends from none (a process table of files: no timing involved)."""
+    proc = tmp_path / "proc"
+    account = gpu_lanes.CpuAccount(proc=str(proc))
+    tick = account._tick
+    _proc_entry(proc, 100, ppid=1, start=10, cpu_ticks=tick, cmd="python -m pytest lane_a")
+    _proc_entry(
+        proc, 101, ppid=100, start=20, cpu_ticks=3 * tick, cmd="python sglang::scheduler_TP0"
+    )
+    account.add_lane(100, "lane_a")
+    account.sample()
+    # the scheduler exits; pid 101 is handed to an unrelated process
+    _proc_entry(proc, 101, ppid=1, start=90, cpu_ticks=tick // 2, cmd="python -m other")
+    account.sample()
+    rep = account.report()
+    assert rep["kinds"]["scheduler"]["processes"] == 1, rep
+    assert rep["kinds"]["scheduler"]["cpu_s"] == pytest.approx(3.0), rep
+    assert rep["lanes"] == {"lane_a": pytest.approx(4.0)}, rep
+    assert len(account.seen) == 3
+
+
 @pytest.mark.parametrize(
     "comm, cmd, kind",
     [
