@@ -123,7 +123,9 @@ class CpuAccount:
                     ppid, cpu, now, now, kind, self._lane_of(pid, ppids), command
                 )
             else:
-                old.cpu_s, old.last_s, old.kind, old.command = cpu, now, kind, command
+                old.cpu_s, old.last_s = cpu, now
+                if cmd:  # a zombie (exited, not yet reaped) has no command line: keep its kind
+                    old.kind, old.command = kind, command
                 old.lane = old.lane or self._lane_of(pid, ppids)
 
     def report(self) -> dict:

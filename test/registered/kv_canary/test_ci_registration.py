@@ -479,15 +479,18 @@ def test_the_cpu_account_adds_up_each_lane_and_kind(tmp_path):
     assert "scheduler: 1 processes" in text and "by lane: busy " in text, text
 
 
-def _proc_entry(root, pid: int, *, ppid: int, start: int, cpu_ticks: int, cmd: str) -> None:
-    """A ``/proc/<pid>`` stand-in: ``stat`` with the fields the account reads, ``cmdline``."""
+def _proc_entry(
+    root, pid: int, *, ppid: int, start: int, cpu_ticks: int, cmd: str, state: str = "S"
+) -> None:
+    """A ``/proc/<pid>`` stand-in: ``stat`` with the fields the account reads, ``cmdline``
+    (empty for a zombie, as the kernel shows it)."""
     d = root / str(pid)
     d.mkdir(parents=True, exist_ok=True)
     # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime
     # stime cutime cstime priority nice threads itrealvalue starttime ...
-    fields = ["S", ppid] + [0] * 9 + [cpu_ticks, 0] + [0] * 6 + [start, 0]
+    fields = [state, ppid] + [0] * 9 + [cpu_ticks, 0] + [0] * 6 + [start, 0]
     (d / "stat").write_text(f"{pid} (python3) " + " ".join(map(str, fields)) + "\n")
-    (d / "cmdline").write_bytes(cmd.replace(" ", "\0").encode() + b"\0")
+    (d / "cmdline").write_bytes(cmd.replace(" ", "\0").encode() + b"\0" if cmd else b"")
 
 
 def test_the_cpu_account_tells_a_reused_pid_from_the_process_it_saw(tmp_path):
@@ -511,6 +514,26 @@ def test_the_cpu_account_tells_a_reused_pid_from_the_process_it_saw(tmp_path):
     assert rep["kinds"]["scheduler"]["cpu_s"] == pytest.approx(3.0), rep
     assert rep["lanes"] == {"lane_a": pytest.approx(4.0)}, rep
     assert len(account.seen) == 3
+
+
+def test_the_cpu_account_keeps_the_kind_of_a_process_that_exited_unreaped(tmp_path):
+    """A lane's scheduler exits and is sampled before its parent reaps it: a zombie, whose
+    command line the kernel shows empty. It stays a scheduler of its lane, with its time
+    (under load the reaping waits, and the account test's child was last seen so: its kind
+    was lost, ``KeyError: 'scheduler'``)."""
+    proc = tmp_path / "proc"
+    account = gpu_lanes.CpuAccount(proc=str(proc))
+    tick = account._tick
+    _proc_entry(proc, 100, ppid=1, start=10, cpu_ticks=0, cmd="python -m pytest lane_a")
+    _proc_entry(proc, 101, ppid=100, start=20, cpu_ticks=tick, cmd="python sglang::scheduler_TP0")
+    account.add_lane(100, "lane_a")
+    account.sample()
+    _proc_entry(proc, 101, ppid=100, start=20, cpu_ticks=2 * tick, cmd="", state="Z")
+    account.sample()
+    rep = account.report()
+    assert rep["kinds"]["scheduler"]["processes"] == 1, rep
+    assert rep["kinds"]["scheduler"]["cpu_s"] == pytest.approx(2.0), rep
+    assert rep["kinds"]["scheduler"]["top"][0][0] == "python sglang::scheduler_TPN", rep
 
 
 @pytest.mark.parametrize(
