@@ -13,7 +13,7 @@ MUTANTS_PATHS = (
         path=f"{_RT}/ranks.py",
         old="        return 1 if self.draft else 0\n",
         new="        return 0\n",
-        selection=f"{_T}/test_speculative.py::test_install_canary_guards_the_draft_runner",
+        selection=f"{_T}/test_speculative_install.py::test_install_canary_guards_the_draft_runner",
         speed="quick",
         what="the draft pool compares position p with token p, not p + 1",
     ),

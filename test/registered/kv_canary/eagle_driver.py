@@ -67,6 +67,22 @@ class DraftPoolShape:
     dtype: torch.dtype = torch.bfloat16
 
 
+def tiny_mha_pool(size: int) -> MHATokenToKVPool:
+    """A one-layer real ``MHATokenToKVPool`` on the CPU (2 KV heads of 8, bfloat16): an EAGLE
+    head's pool, for the tests that build a draft canary on their own."""
+    return MHATokenToKVPool(
+        size=size,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+
+
 # a STANDALONE draft LM of another shape than the target (2 layers, 2 KV heads of 8, bfloat16)
 STANDALONE_DRAFT = DraftPoolShape(layers=3, heads=1, head_dim=16, dtype=torch.float16)
 

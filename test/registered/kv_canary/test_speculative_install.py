@@ -1,0 +1,232 @@
+"""Speculative decoding at start-up and install (docs/user_guide.md, "Speculative decoding"):
+the canary installed on a draft runner (real sglang ``MHATokenToKVPool`` on the CPU), what the
+speculative coverage refuses (naming the flag), STANDALONE at topk 1 and its radix-key warning,
+the draft pools it refuses, an adaptive draft sized for its largest step count, and the draft
+fault target's own check. The forwards themselves: ``test_speculative.py``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import pytest
+import torch
+
+from eagle_driver import tiny_mha_pool
+from serving_driver import stand_in_model_runner
+from sglang.srt.kv_canary import sglang_seam as seam
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
+
+pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
+
+
+def _runner(pool, *, draft: bool):
+    return stand_in_model_runner(
+        pool, req_to_token=torch.zeros((16, 64), dtype=torch.int32), context_len=64, draft=draft
+    )
+
+
+def _spec_server_args(**kw):
+    import types
+
+    base = dict(
+        kv_canary="raise",
+        kv_canary_sweep_interval=0,
+        kv_canary_real_data="partial",
+        device="cpu",
+        disable_piecewise_cuda_graph=True,
+        enable_torch_compile=False,
+        chunked_prefill_size=64,
+        max_prefill_tokens=128,
+        cuda_graph_max_bs=8,
+        sampling_backend="pytorch",
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=4,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=5,
+    )
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
+    """``install_canary`` on an EAGLE draft runner: a canary with the draft token offset, one
+    single-forward manager per draft forward of a round, the draft flag for the perturbation
+    target, and no warning about an unguarded draft pool."""
+    from sglang.srt.kv_canary import install
+
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    pools = [tiny_mha_pool(63) for _ in range(2)]
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+        target = install.install_canary(
+            server_args=_spec_server_args(), model_runner=_runner(pools[0], draft=False)
+        )
+        draft = install.install_canary(
+            server_args=_spec_server_args(), model_runner=_runner(pools[1], draft=True)
+        )
+    assert draft is not None, "the draft runner got no canary"
+    assert [g.kv_token_id_vs_position_offset for g in draft.groups] == [1]
+    assert [g.kv_token_id_vs_position_offset for g in target.groups] == [0]
+    assert (len(draft.sfms), draft.draft_forwards_per_round) == (3, 3)
+    assert (len(target.sfms), target.draft_forwards_per_round) == (1, 0)
+    assert draft.ranks.draft and not target.ranks.draft
+    assert not [r for r in caplog.records if "draft" in r.getMessage()], caplog.records
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(speculative_eagle_topk=2), "EAGLE with --speculative-eagle-topk 1 only"),
+        (
+            dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=2),
+            "STANDALONE with --speculative-eagle-topk 1 only",
+        ),
+        (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm NGRAM yet"),
+        (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
+    ],
+)
+def test_what_speculative_coverage_refuses_names_the_flag(monkeypatch, kw, match):
+    from sglang.srt.kv_canary import startup_checks
+
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    with pytest.raises(ValueError, match=match):
+        startup_checks.check_server_args_for_canary(_spec_server_args(**kw))
+    startup_checks.check_server_args_for_canary(_spec_server_args())  # the covered setting starts
+
+
+def _clean_canary_env(monkeypatch):
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("radix", [True, False], ids=["radix_on", "radix_off"])
+def test_standalone_topk_1_is_covered_and_named(monkeypatch, caplog, radix):
+    """STANDALONE (a separate draft LM, EAGLE's forwards): topk 1 starts, both runners get
+    their canary (the draft's with offset 1 and one manager per draft forward), the start-up
+    line and the draft pool's reports name STANDALONE, and with the radix cache on one warning
+    explains its single-token keys' reports, that they are not acted on (or, with
+    ``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act``, that raise acts on each) and the flag to pass."""
+    from sglang.srt.kv_canary import install, startup_checks
+
+    _clean_canary_env(monkeypatch)
+    args = _spec_server_args(speculative_algorithm="STANDALONE", disable_radix_cache=not radix)
+    startup_checks.check_server_args_for_canary(args)
+    pools = [tiny_mha_pool(63) for _ in range(2)]
+    with caplog.at_level(logging.INFO, logger="sglang.srt.kv_canary"):
+        target = install.install_canary(
+            server_args=args, model_runner=_runner(pools[0], draft=False)
+        )
+        draft = install.install_canary(server_args=args, model_runner=_runner(pools[1], draft=True))
+    assert [g.kv_token_id_vs_position_offset for g in draft.groups] == [1]
+    assert [g.kv_token_id_vs_position_offset for g in target.groups] == [0]
+    assert (len(draft.sfms), draft.draft_forwards_per_round) == (3, 3)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("kv_canary installed on the STANDALONE draft worker" in m for m in messages)
+    assert not any("EAGLE draft worker" in m for m in messages), messages
+    warnings = [m for m in messages if "radix cache" in m]
+    if radix:
+        (warning,) = warnings
+        for text in (
+            "STANDALONE",
+            "single tokens",
+            "verify_token at m - 1",
+            "verify_chain_hash at m",
+            "--disable-radix-cache",
+            "not acted on",
+        ):
+            assert text in warning, warning
+        # with SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act the warning says raise acts on each one
+        from sglang.srt.kv_canary.config import CanaryConfig
+
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+            startup_checks.warn_standalone_radix_keys(
+                CanaryConfig(mode="raise", draft_violations="act")
+            )
+        (acting,) = [r.getMessage() for r in caplog.records]
+        assert "--kv-canary raise acts on each one" in acting and "not acted on" not in acting
+        assert "SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act" in acting, acting
+    else:
+        assert warnings == []
+    assert draft.ranks.describe().endswith("STANDALONE draft worker")
+    assert "the STANDALONE draft model's KV pool" in draft.reporter.violations.reporter.pool
+
+
+def test_a_standalone_draft_on_a_hybrid_linear_or_dsv4_pool_is_refused(monkeypatch):
+    """sglang gives the draft runner of a hybrid-linear model a one-layer
+    ``HybridLinearKVPool`` (meant for MTP heads); neither it nor a DeepSeek-V4 pool is guarded
+    as a separate draft model's: refused at install, naming the flag. EAGLE's draft runner on
+    the same pool classes is not refused here."""
+    from sglang.srt.kv_canary import install
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    _clean_canary_env(monkeypatch)
+    args = _spec_server_args(
+        speculative_algorithm="STANDALONE", speculative_draft_model_path="/models/draft"
+    )
+    for cls in (HybridLinearKVPool, DeepSeekV4TokenToKVPool):
+        pool = cls.__new__(cls)  # the class is what is refused; nothing else is read
+        with pytest.raises(ValueError, match=f"builds a {cls.__name__}") as exc:
+            install.install_canary(server_args=args, model_runner=_runner(pool, draft=True))
+        assert "--speculative-draft-model-path '/models/draft'" in str(exc.value)
+        assert seam.hybrid_linear_or_dsv4_pool(pool) == cls.__name__
+    assert seam.hybrid_linear_or_dsv4_pool(tiny_mha_pool(15)) is None
+
+
+def test_adaptive_steps_size_the_draft_canary_for_the_largest_candidate(monkeypatch, tmp_path):
+    """``--speculative-adaptive``: the canary starts, and the draft runner's canary has one
+    single-forward manager per draft forward of the largest step count sglang may switch to
+    (its own candidates: the config file's ``candidate_steps`` or its defaults, plus the
+    initial count); a config file sglang cannot read is refused naming the flag."""
+    from sglang.srt.kv_canary import install, startup_checks
+
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    config = tmp_path / "adaptive.json"
+    config.write_text(json.dumps({"candidate_steps": [1, 2, 6]}))
+    cases = [
+        (dict(speculative_adaptive=True, speculative_adaptive_config=str(config)), (1, 2, 4, 6)),
+        (dict(speculative_adaptive=True, speculative_adaptive_config=None), (1, 3, 4, 7)),
+        (dict(speculative_adaptive=False, speculative_adaptive_config=str(config)), (4,)),
+    ]
+    for kw, counts in cases:
+        args = _spec_server_args(**kw)
+        assert seam.speculative_facts(args).step_counts == counts
+        startup_checks.check_server_args_for_canary(args)
+        pool = tiny_mha_pool(63)
+        draft = install.install_canary(server_args=args, model_runner=_runner(pool, draft=True))
+        assert draft.draft_forwards_per_round == max(counts) - 1, kw
+        assert len(draft.sfms) == max(counts) - 1, kw
+    config.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="--speculative-adaptive-config"):
+        seam.speculative_facts(
+            _spec_server_args(speculative_adaptive=True, speculative_adaptive_config=str(config))
+        )
+
+
+def test_draft_fault_target_needs_speculative_decoding(monkeypatch):
+    from sglang.srt.kv_canary import startup_checks
+
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft")
+    startup_checks.check_server_args_for_canary(_spec_server_args())
+    startup_checks.check_server_args_for_canary(
+        _spec_server_args(speculative_algorithm="STANDALONE")
+    )
+    with pytest.raises(ValueError, match="TARGET_WORKER=draft corrupts a speculative draft"):
+        startup_checks.check_server_args_for_canary(_spec_server_args(speculative_algorithm=None))
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "drafts")
+    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_PERTURB_TARGET_WORKER"):
+        startup_checks.check_server_args_for_canary(_spec_server_args())
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
