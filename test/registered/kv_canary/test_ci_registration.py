@@ -141,6 +141,16 @@ def test_planted_declaration_errors_name_the_file(tmp_path):
         )
 
 
+def _lane_file(body: str, prelude: str = "") -> str:
+    """A file of two ``cuda``-marked tests running ``body``, for lanes built here and given to
+    the runner as they are (their registration is not read): no sglang import, which would
+    cost each lane's process seconds of CPU."""
+    return (
+        f"import pytest\n{prelude}\npytestmark = [{CUDA_MARK}]\n\n\n"
+        f"@pytest.mark.parametrize('x', ['a', 'b'])\ndef test_gpu(x):\n    {body}\n"
+    )
+
+
 def _stamped_lanes(tmp_path, bodies, *, est=None, alone=None, gpus=None):
     """A lane per ``{file stem: test body}``: each test writes when it started and ended, and
     the GPUs it was given (``CUDA_VISIBLE_DEVICES``), to ``tmp_path/stamps``; ``_wait_for(name)``
@@ -160,15 +170,12 @@ def _stamped_lanes(tmp_path, bodies, *, est=None, alone=None, gpus=None):
         "        time.sleep(0.1)\n"
         "    raise AssertionError(f'{name} never started beside this test')\n"
     )
-    files = {}
-    for name, body in bodies.items():
-        files[name] = GPU_FILE.replace(
-            "def test_gpu(x):\n    pass",
-            (
-                f"def test_gpu(x):\n    _stamp('{name}', 'start')\n    {body}\n"
-                f"    _stamp('{name}', 'end')"
-            ),
-        ).replace(HEADER, HEADER + stamp)
+    files = {
+        name: _lane_file(
+            f"_stamp('{name}', 'start')\n    {body}\n    _stamp('{name}', 'end')", stamp
+        )
+        for name, body in bodies.items()
+    }
     (tmp_path / "run").mkdir()
     tests = _tree(tmp_path / "run", **files)
     return [
@@ -372,9 +379,9 @@ def test_pytest_progress_of_a_stopped_run():
 def test_lanes_run_report_one_line_each_and_stop_at_the_time_limit(tmp_path, capsys):
     tests = _tree(
         tmp_path,
-        test_ok=GPU_FILE,
-        test_bad=GPU_FILE.replace("pass", "assert x == 'a'"),
-        test_slow=GPU_FILE.replace("pass", "import time; time.sleep(600)"),
+        test_ok=_lane_file("pass"),
+        test_bad=_lane_file("assert x == 'a'"),
+        test_slow=_lane_file("import time; time.sleep(600)"),
     )
     lanes = {p.stem: gpu_lanes.Lane(p.stem, p, None, 1) for p in tests.glob("test_*.py")}
     results = {

@@ -688,6 +688,7 @@ def test_pd_transfer_fault_hits_a_prefix_at_its_first_read_and_is_caught_there(c
     assert {v.forward_step for v in lines} <= {int(i["step"]) for i in injected}
 
 
+@pytest.mark.usefixtures("reference_kernels_on_cpu")
 def test_the_kept_req_to_token_fault_stays_and_picks_requests_with_tokens_left():
     """``req_to_token_kept``: the entry stays rewritten after the forward (nothing undoes it)
     and its request had more than two tokens left, so the report finds it running; abort mode
@@ -720,6 +721,7 @@ def test_the_kept_req_to_token_fault_stays_and_picks_requests_with_tokens_left()
     assert d.manager.perturber.restored == 0
 
 
+@pytest.mark.usefixtures("reference_kernels_on_cpu")
 @pytest.mark.parametrize("pool", ["mha", "nsa"])
 def test_a_kept_fault_never_rewrites_its_requests_seed_page(pool):
     """The kept ``req_to_token`` fault leaves its rewrite in place, so it must never touch the

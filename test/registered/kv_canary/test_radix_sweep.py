@@ -91,6 +91,9 @@ def test_walk_real_radix_cache_with_shared_prefixes():
     assert by_slot[int(d[0])] == -1 and by_slot[int(a[0])] == -1
 
 
+DEEP_TREE_NODES = 600
+
+
 def test_walk_skips_locked_nodes_and_handles_empty_and_deep_trees():
     cache, alloc = _cache(num_slots=4096)
     assert walk_radix_cache_for_canary(radix_cache=cache).num_slots == 0
@@ -104,15 +107,21 @@ def test_walk_skips_locked_nodes_and_handles_empty_and_deep_trees():
     walk = walk_radix_cache_for_canary(radix_cache=cache, unlocked_only=True)
     assert set(walk.slot_indices.tolist()) == set(a.tolist()) - locked
     assert walk_radix_cache_for_canary(radix_cache=cache).num_slots == 23
-    # deep tree: 2000 nested nodes (a chain of splits) walks without recursion
-    deep, _ = _cache(num_slots=8192)
-    toks = list(range(1, 2001))
-    limit = sys.getrecursionlimit()
-    for n in range(2, 2001):
+    # deep tree: 600 nested nodes (a chain of splits) walks without recursion, under a
+    # recursion limit of half its depth (a recursive walk would need a frame per node)
+    deep, _ = _cache(num_slots=2048)
+    toks = list(range(1, DEEP_TREE_NODES + 1))
+    for n in range(2, DEEP_TREE_NODES + 1):
         _insert(deep, deep.token_to_kv_pool_allocator, toks[:n])
-    walk = walk_radix_cache_for_canary(radix_cache=deep)
-    assert walk.num_slots == 2000 and sys.getrecursionlimit() == limit
-    assert walk.positions.tolist() == list(range(2000))
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(DEEP_TREE_NODES // 2)
+    try:
+        walk = walk_radix_cache_for_canary(radix_cache=deep)
+        assert sys.getrecursionlimit() == DEEP_TREE_NODES // 2
+    finally:
+        sys.setrecursionlimit(limit)
+    assert walk.num_slots == DEEP_TREE_NODES
+    assert walk.positions.tolist() == list(range(DEEP_TREE_NODES))
 
 
 def _unified_cache(num_slots=256):
