@@ -1,5 +1,5 @@
-"""The chain walk of a prefill (the side half's write launch, docs/architecture.md, "One
-forward"), this tree's kernel against another tree's, paired and interleaved on one GPU.
+"""The chain walk of a prefill (the side half's write launch, docs/performance.md, "The
+forward path"), this tree's kernel against another tree's, paired and interleaved on one GPU.
 
     python benchmark/kv_canary/bench_chain_walk.py --against OTHER/python/sglang/jit_kernel/kv_canary/write.py
         [--tokens 512,4096,16384] [--decode-bs 32,256] [--rounds 30] [--out F.jsonl]

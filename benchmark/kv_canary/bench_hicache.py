@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host-tier cost of the KV-canary under HiCache (docs/architecture.md, "HiCache"): memory per
+"""Host-tier cost of the KV-canary under HiCache (docs/subsystems.md, "HiCache"): memory per
 host slot and the time the canary's row copies add to sglang's own backups and loads.
 
     python benchmark/kv_canary/bench_hicache.py [--tokens 64 1024 8192] [--reps 20] [--out F]

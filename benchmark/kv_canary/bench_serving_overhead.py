@@ -127,7 +127,7 @@ queued (what a bs1 time to first token waits for)::
         --host-breakdown 512,4096,16384 --configs raise,raise+token --out $OUT/host.jsonl
 
 Without a GPU (``--smoke-cpu``): the same code paths on the CPU, sglang's CPU server
-(docs/architecture.md, "CPU server": tiny dummy Llama, libcuda stub, CUDA graphs off) with tiny
+(docs/testing.md, "CPU server": tiny dummy Llama, libcuda stub, CUDA graphs off) with tiny
 scenarios (bs 2 / 1 / 2, isl 16 / 16 / 64, osl 8 / 8 / 1, chunked prefill 32) and
 ``--runs 2``; ``--breakdown --smoke-cpu`` builds
 tiny CPU pools (the kernels run as torch references) and reports CPU times. Numbers from smoke

@@ -1,4 +1,5 @@
-"""Abort mode at the unit level (docs/architecture.md, "Containment and metrics"): the requests
+"""Abort mode at the unit level (docs/architecture.md, "Violation pipeline"; docs/subsystems.md,
+"Containment"): the requests
 a violation touches (``rids=``), abort mode's containment on the serving driver's real pools
 with a real sglang ``RadixCache``, and the Prometheus series in a private registry. The
 end-to-end HTTP server tests are in ``test_e2e_server.py``."""

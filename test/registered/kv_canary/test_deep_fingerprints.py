@@ -1,4 +1,4 @@
-"""Per-layer (deep) fingerprint kernels (docs/architecture.md, "Per-layer
+"""Per-layer (deep) fingerprint kernels (docs/subsystems.md, "Per-layer
 fingerprints"): the Triton kernels (compiled on CUDA, interpreted on CPU) against the torch
 references byte for byte; a byte flipped in any layer's K or V row is reported by the window
 that holds its column and by a full (sweep) check, with the column's tag, slot and layer; the

@@ -1,8 +1,10 @@
-"""Docstrings cite the docs by section (``docs/architecture.md, "Plans"``): every cited
-section must exist, no source file may cite the SPEC (a file this repository does not have),
-none names a tracker item ("issue" or "finding" and a number): the reason belongs in the
-text, the history in git; and the architecture's module map names every module of the two
-packages and no module that does not exist."""
+"""Docstrings and the prose beside them cite the docs by section (``docs/architecture.md,
+"Plans"``): every section cited from the code, the tests, the benchmarks, their results, the
+docs themselves (``docs/performance.md`` included) and the README must exist; no source file may
+cite the SPEC (a file this repository does not have), none names a tracker item ("issue" or
+"finding" and a number): the reason belongs in the text, the history in git; and the
+architecture's module map names every module of the two packages and no module that does not
+exist."""
 
 from __future__ import annotations
 
@@ -28,8 +30,14 @@ def headings(doc: pathlib.Path) -> set:
     return {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", doc.read_text(), re.M)}
 
 
+def files(root: pathlib.Path, suffixes) -> list:
+    """``root`` itself when it is a file, else every file under it, of those suffixes."""
+    found = [root] if root.is_file() else sorted(root.rglob("*"))
+    return [p for p in found if p.is_file() and p.suffix in suffixes]
+
+
 def citations(root: pathlib.Path):
-    for path in sorted(root.rglob("*.py")):
+    for path in files(root, (".py", ".md")):
         for m in CITATION.finditer(path.read_text()):
             # a docstring may wrap a section name over lines
             yield path.relative_to(REPO), m.group(1), " ".join(m.group(2).split())
@@ -44,14 +52,13 @@ def check(root: pathlib.Path, docs: pathlib.Path) -> list:
     ]
     bad += [
         f"{p.relative_to(REPO)} cites the SPEC"
-        for p in sorted(root.rglob("*.py"))
+        for p in files(root, (".py",))
         if SPEC_MARK in p.read_text()
     ]
     # code, scripts and the prose beside them (benchmark/results/*.md) alike
     bad += [
         f"{p.relative_to(REPO)} names a tracker item: {m.group(0)!r}"
-        for p in sorted(root.rglob("*"))
-        if p.suffix in (".py", ".md", ".sh")
+        for p in files(root, (".py", ".md", ".sh"))
         for m in TRACKER_REF.finditer(p.read_text())
     ]
     return bad
@@ -63,6 +70,8 @@ def test_every_cited_section_exists():
     assert check(REPO / "python", REPO / "docs") == []
     assert check(REPO / "benchmark", REPO / "docs") == []
     assert check(REPO / "test", REPO / "docs") == []
+    assert check(REPO / "docs", REPO / "docs") == []
+    assert check(REPO / "README.md", REPO / "docs") == []
 
 
 def test_a_wrong_citation_is_reported(tmp_path):
@@ -72,6 +81,20 @@ def test_a_wrong_citation_is_reported(tmp_path):
     src = REPO / "python"  # relative paths in messages need a path under REPO
     bad = check(src, docs)  # the real tree against a docs folder lacking its sections
     assert any('has no section' in b for b in bad)
+
+
+def test_a_wrong_citation_in_prose_is_reported():
+    root = REPO / "benchmark" / "results"
+    probe = root / "_citation_probe_tmp.md"  # under REPO: messages carry relative paths
+    cite = "docs/performance.md"  # the citations spelled apart, so this file makes none
+    probe.write_text(f'Why: {cite}, "The forward\npath"; {cite}, "Nowhere".\n')
+    try:
+        bad = [b for b in check(root, REPO / "docs") if "_citation_probe_tmp" in b]
+    finally:
+        probe.unlink()
+    assert bad == [
+        "benchmark/results/_citation_probe_tmp.md: performance.md has no section 'Nowhere'"
+    ]
 
 
 def test_a_tracker_reference_is_reported(tmp_path):

@@ -1,5 +1,5 @@
 """Per-layer fingerprints end to end on the CPU: ``--kv-canary-real-data-layers all`` on a real sglang 0.5.12
-server (a tiny four-layer Llama; docs/architecture.md, "Per-layer fingerprints"). Clean with
+server (a tiny four-layer Llama; docs/subsystems.md, "Per-layer fingerprints"). Clean with
 raise + sweep + real data + token checks: no violation and the greedy outputs of the canary
 off. A byte flipped in the last layer's V row of a slot only the radix cache holds is caught
 by the sweep (``SWEEP_V_FULL``, ``verify_real_kv_hash``, ``kv_layer=3``); one flipped in a slot

@@ -1,4 +1,4 @@
-"""The detection matrix on a real sglang 0.5.12 CPU server (docs/architecture.md, "Self-tests"): the demo runs the
+"""The detection matrix on a real sglang 0.5.12 CPU server (docs/subsystems.md, "Self-tests"): the demo runs the
 clean workload and then each fault class, one server each, with ``--kv-canary raise``, real-data
 ``partial``, the sweep, the token oracle and both token checks on. Each fault must be reported
 with the reason it must cause; the clean run must report nothing; the demo's exit status must

@@ -2,7 +2,7 @@
 with the test-only shims of e2e_support/sitecustomize.py (``KV_CANARY_TEST_SHIM_HICACHE_CPU``:
 unpinned host memory, a torch stand-in for ``transfer_kv_direct``; ``hicache_io_backend=direct``,
 ``layer_first``). A workload whose prefixes overflow the 256-token device pool backs them up to
-the host pool and loads them back (docs/architecture.md, "HiCache"). Clean with raise + real
+the host pool and loads them back (docs/subsystems.md, "HiCache"). Clean with raise + real
 data + token checks + the sweep (and per-layer fingerprints): no violation, the greedy outputs
 of the canary off, the canary's rows really went to the host and back, and the host pool made
 room for them within --hicache-ratio. ``host_kv``: a byte

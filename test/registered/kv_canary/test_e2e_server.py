@@ -1,4 +1,4 @@
-"""End to end on a real sglang 0.5.12 server on the CPU (docs/architecture.md, "CPU server"), canary wired through the
+"""End to end on a real sglang 0.5.12 server on the CPU (docs/testing.md, "CPU server"), canary wired through the
 plugin: CLI / YAML / Engine kwargs, a clean workload identical to canary-off, and a corrupted
 record stopping the server in raise mode."""
 

@@ -335,7 +335,7 @@ def test_static_prefix_views_are_the_buffers_own_and_bounded():
 def test_an_eager_forward_queues_its_side_half_after_the_model(static, monkeypatch):
     """Each eager forward: the model's kernels, then the side half (with static launches:
     staging and the side graph), the join, then the tail half. Queuing the side half before
-    the model was measured slower on an H100 (docs/architecture.md, "One forward"): its host
+    the model was measured slower on an H100 (docs/performance.md, "The forward path"): its host
     staging delays the model's first kernel and its chain walk slows the model's GEMMs."""
     from sglang.srt.kv_canary.single_forward_manager import forward_manager as sfm_module
     from sglang.srt.kv_canary.single_forward_manager.eager_graphs import EagerForwardGraphs

@@ -1,7 +1,7 @@
 """Fault injection (``perturb/``) and the token oracle (``token_oracle/``) on real sglang 0.5.12
 objects: configuration and its errors, the oracle function and sampler, the expected written
 tokens, byte flips, and each runtime-injectable fault detected by the canary in the serving
-loop with the reason the fault must cause (docs/architecture.md, "Self-tests"). The CPU-server detection matrix is in
+loop with the reason the fault must cause (docs/subsystems.md, "Self-tests"). The CPU-server detection matrix is in
 ``test_e2e_detection_matrix.py``."""
 
 from __future__ import annotations

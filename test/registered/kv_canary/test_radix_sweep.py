@@ -1,4 +1,4 @@
-"""Radix-cache sweep (docs/architecture.md, "Radix sweep"): the walker on real sglang trees, the orchestrator's cadence,
+"""Radix-cache sweep (docs/subsystems.md, "Radix sweep"): the walker on real sglang trees, the orchestrator's cadence,
 and a sweep catching a byte flipped in a slot only the cache holds."""
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Abort mode's release guard on real sglang objects (docs/architecture.md, "Containment and
-metrics"): sglang 0.5.12's ``Req``, ``ReqToTokenPool``, ``TokenToKVPoolAllocator`` /
+"""Abort mode's release guard on real sglang objects (docs/subsystems.md, "Containment"): sglang 0.5.12's ``Req``, ``ReqToTokenPool``, ``TokenToKVPoolAllocator`` /
 ``PagedTokenToKVPoolAllocator`` and ``RadixCache``, released through sglang's own
 ``release_kv_cache`` with the plugin's ``cache_finished_req`` hook around the tree cache's
 method. A request's ``req_to_token`` entry is rewritten to another holder's slot and left

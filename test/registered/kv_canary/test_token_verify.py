@@ -1,4 +1,4 @@
-"""Token-id verification (docs/architecture.md, "Token checks"): the token-history snapshot and its upload
+"""Token-id verification (docs/subsystems.md, "Token checks"): the token-history snapshot and its upload
 (``TokenHistoryUploader``: whole and incremental snapshots, out-of-order re-snapshot, the
 scatter into the expected-token pool, consistency errors), and the serving loop with token
 checks on: clean, and a same-position slot swap caught as verify_token."""

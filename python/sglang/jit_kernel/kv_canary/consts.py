@@ -156,7 +156,7 @@ def packed_tokens_numel(num_reqs: int, num_tokens: int) -> int:
 # Staged launch inputs
 # ---------------------------------------------------------------------------------------------
 
-# The table an eager forward's staging kernel reads (docs/architecture.md, "One forward"): one
+# The table an eager forward's staging kernel reads (docs/performance.md, "The forward path"): one
 # int64 buffer ``[STAGE_TABLE_NUMEL]``. Word STAGE_NUM_ENTRIES holds the entry count e (at most
 # STAGE_MAX_ENTRIES); then e entries of STAGE_ENTRY_FIELDS words: the destination's address
 # (int64 elements), source A's address, source B's address or the fill value, the element count

@@ -1,4 +1,4 @@
-"""Per-layer (deep) fingerprint kernels (docs/architecture.md, "Per-layer fingerprints").
+"""Per-layer (deep) fingerprint kernels (docs/subsystems.md, "Per-layer fingerprints").
 
 With ``--kv-canary-real-data-layers all`` every buffer group has a
 :class:`~sglang.jit_kernel.kv_canary.types.DeepFingerprintTable`: one fingerprint per slot and

@@ -1,4 +1,4 @@
-"""Row copy between a device buffer and its host-tier mirror (HiCache; docs/architecture.md,
+"""Row copy between a device buffer and its host-tier mirror (HiCache; docs/subsystems.md,
 "HiCache").
 
 ``launch_copy_rows`` copies ``dst[dst_indices[i]] = src[src_indices[i]]`` for whole rows of

@@ -1,5 +1,5 @@
 """Stage a forward's launch inputs into static buffers from a table of addresses
-(docs/architecture.md, "One forward"; the table's layout: ``consts.STAGE_*``).
+(docs/performance.md, "The forward path"; the table's layout: ``consts.STAGE_*``).
 
 ``launch_stage_inputs_kernel``: for each of the table's entries, ``dst[i] = A[i]`` (copy),
 ``= B`` (fill) or ``= A[i] - B[i]`` (subtract) for ``i < numel``, int64 results from int32 or

@@ -1,6 +1,6 @@
 """Stream look-ups and switches for the per-forward path, at a fraction of the host time of
-``torch.cuda.current_stream`` / ``torch.cuda.stream`` (docs/architecture.md, "One forward",
-host time).
+``torch.cuda.current_stream`` / ``torch.cuda.stream`` (docs/performance.md, "The forward
+path").
 
 On an H100 host (``benchmark/kv_canary/bench_host_primitives.py``) ``current_stream(dev)``
 costs about 3 µs and entering and leaving ``torch.cuda.stream(s)`` about 10 µs, most of it
@@ -65,7 +65,7 @@ class ParallelLanes:
     other on a stream of its own, forked from the current stream and joined back to it by
     events (inside a CUDA-graph capture: parallel branches of the graph). For launches whose
     time is the latency of one SM, such as the serial hash chains a group's write walks: N of
-    them then take about the time of one (docs/architecture.md, "One forward").
+    them then take about the time of one (docs/performance.md, "The forward path").
 
     ``lanes``: the most sequences one :meth:`run` takes; ``device``: where they run (not CUDA:
     in order, on the caller's stream). Streams and events are made here; :meth:`run`

@@ -4,7 +4,7 @@ Starts a tiny dummy-weight sglang server with ``--kv-canary raise`` (on the CPU 
 the harness of :mod:`~sglang.srt.kv_canary.testing.server_harness` when no GPU is present,
 else on the GPU with CUDA graphs), runs a clean workload (shared prefixes → radix hits,
 chunked prefill, a small pool → evictions), then the same workload once per fault class
-(docs/architecture.md, "Self-tests") with that fault injected after a warm-up
+(docs/subsystems.md, "Self-tests") with that fault injected after a warm-up
 (docs/user_guide.md, "Self-tests: fault injection, the token oracle, the demo"). Every run has
 real-data fingerprints (``partial``), the radix sweep, the token oracle with the write-input
 check and the token-id check on, so the clean run shows that none of them reports anything on

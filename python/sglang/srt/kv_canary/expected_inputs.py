@@ -1,6 +1,6 @@
 """Static buffers holding what each written token / position is expected to be.
 
-Filled outside the CUDA graph (by the token oracle, docs/architecture.md, "Self-tests") before
+Filled outside the CUDA graph (by the token oracle, docs/subsystems.md, "Self-tests") before
 each forward; read by
 the write kernel when ``SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT=1``. Allocated once.
 """

@@ -155,7 +155,7 @@ def predicted_groups(
                 swa_lut_itemsize=_SWA_TABLE_ITEMSIZE,
             ),
         )
-    # DeepSeek-V4: no V records, no per-layer columns (docs/architecture.md)
+    # DeepSeek-V4: no V records, no per-layer columns (docs/subsystems.md, "Per-layer fingerprints")
     return (
         GroupGeometry(PoolKind.FULL, full_slots, 1, 0),
         GroupGeometry(PoolKind.SWA, swa_slots, 1, 0, swa_lut_itemsize=_SWA_TABLE_ITEMSIZE),

@@ -1,5 +1,5 @@
 """Flatten a radix cache into (slot, position, predecessor slot) triples for the sweep
-(docs/architecture.md, "Radix sweep").
+(docs/subsystems.md, "Radix sweep").
 
 The walk is iterative (deep trees never hit Python's recursion limit) and touches each node
 once on the host, collecting only its value tensor, depth and parent; the flattening itself

@@ -1,5 +1,5 @@
 """``SnapshotHostBuffers``: the reused host buffers token-id snapshots are packed into
-(docs/architecture.md, "Token checks"). Caller: ``token_history`` (``TokenIdSnapshot.pack``
+(docs/subsystems.md, "Token checks"). Caller: ``token_history`` (``TokenIdSnapshot.pack``
 takes, binds and, after each host→device copy, marks them sent). Host only, on sglang's
 scheduler thread; never inside a CUDA-graph capture.
 """
@@ -17,7 +17,7 @@ from sglang.srt.kv_canary import cuda_streams
 
 class SnapshotHostBuffers:
     """The host buffers token-id snapshots are packed into, reused instead of allocated per
-    snapshot (docs/architecture.md, "Token checks"): ``slots`` buffers of ``numel`` int64
+    snapshot (docs/subsystems.md, "Token checks"): ``slots`` buffers of ``numel`` int64
     words each, allocated here, for copies to ``device`` (pinned when it is a CUDA device). A
     slot is handed out again only when the snapshot packed in it is gone (nothing can upload
     it again) and, on CUDA, its last host→device copy has completed (:meth:`sent` records

@@ -1,4 +1,4 @@
-"""Turn a radix-cache walk into verify-plan chunks for the sweep (docs/architecture.md, "Radix
+"""Turn a radix-cache walk into verify-plan chunks for the sweep (docs/subsystems.md, "Radix
 sweep")."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Token-id verification inputs: each request's own token history, scattered into the
-expected-token pool that the plan gathers from (docs/architecture.md, "Token checks"; the
+expected-token pool that the plan gathers from (docs/subsystems.md, "Token checks"; the
 packed layout: docs/architecture.md, "Token-id scatter").
 
 One owner, :class:`TokenHistoryUploader` (built by the canary builder, handed to every

@@ -1,4 +1,4 @@
-"""The per-layer fingerprint table of one buffer group (docs/architecture.md, "Per-layer
+"""The per-layer fingerprint table of one buffer group (docs/subsystems.md, "Per-layer
 fingerprints"; its descriptor layout: ``consts.DEEP_DESC_*``). No Triton."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class DeepColumn:
 @dataclasses.dataclass(frozen=True, eq=False)
 class DeepFingerprintTable:
     """Per-slot, per-(layer, half) real-KV fingerprints of one buffer group
-    (``--kv-canary-real-data-layers all``; docs/architecture.md, "Per-layer fingerprints").
+    (``--kv-canary-real-data-layers all``; docs/subsystems.md, "Per-layer fingerprints").
 
     - ``table``: int64 ``[num_slots, num_columns]``; ``table[s, c]`` is the fingerprint of slot
       ``s`` over ``columns[c].source`` alone (the record format's fingerprint with one source),

@@ -1,4 +1,4 @@
-"""HiCache: the canary rows follow their KV pages to host memory and back (docs/architecture.md,
+"""HiCache: the canary rows follow their KV pages to host memory and back (docs/subsystems.md,
 "HiCache").
 
 :class:`HostTierMirror` keeps one host row per host-pool slot for each canary buffer of each

@@ -1,5 +1,5 @@
 """What happens to one forward's read-back (docs/architecture.md, "Reading results" and
-"Containment and metrics"): the typed read-back (:class:`CanaryReadback`), the forward it
+"Violation pipeline"): the typed read-back (:class:`CanaryReadback`), the forward it
 belongs to (:class:`StagedForward`), and :class:`ForwardReporter`, which consumes it (overflow,
 health, stats, SWA divergence, metrics) and reports its incidents (the requests each touches,
 abort mode's containment, the reporter). One per ``CanaryManager``, which hands it plain
@@ -205,8 +205,8 @@ class ForwardReporter:
     def report(self, incidents, *, dropped: int, step: int, requests: ForwardRequests) -> None:
         """Name the requests each incident touches, count it, contain it (abort mode), then
         report it (raise mode raises here, after the counters moved). Only on a step with an
-        incident; it may wait for the device (docs/architecture.md, "Containment and
-        metrics")."""
+        incident; it may wait for the device (docs/architecture.md, "Violation
+        pipeline")."""
         with violation_path_sync(self._device):
             self._report_synced(incidents, dropped=dropped, step=step, requests=requests)
 

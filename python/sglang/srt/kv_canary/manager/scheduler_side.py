@@ -1,5 +1,5 @@
-"""The scheduler's side of ``CanaryManager`` (docs/architecture.md, "Runtime" and "Containment
-and metrics"): what the scheduler hands over at its start-up (tree cache, running requests,
+"""The scheduler's side of ``CanaryManager`` (docs/architecture.md, "Runtime"; docs/subsystems.md,
+"Containment"): what the scheduler hands over at its start-up (tree cache, running requests,
 metrics, PD transfer fakes), abort mode's work after each batch result, the canary's memory,
 and the read-back's consumers (:class:`~sglang.srt.kv_canary.manager.reporting.ForwardReporter`)
 by name. Host only, at start-up and between forwards.

@@ -1,5 +1,5 @@
 """``SweepOrchestrator``: every N forwards, verify every slot the radix cache holds
-(docs/architecture.md, "Radix sweep").
+(docs/subsystems.md, "Radix sweep").
 
 Per-forward checks only see slots that running requests read; KV idle in the radix cache
 could rot unseen until a later request hits it. Runs after a forward, outside any graph, over

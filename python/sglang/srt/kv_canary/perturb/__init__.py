@@ -1,4 +1,4 @@
-"""Fault injection (docs/architecture.md, "Self-tests"): the self-tests that prove the canary
+"""Fault injection (docs/subsystems.md, "Self-tests"): the self-tests that prove the canary
 catches what it claims."""
 
 from sglang.srt.kv_canary.perturb.config import FaultKind, PerturbConfig, parse_target_group

@@ -1,4 +1,4 @@
-"""``PerturbConfig``: the fault-injection settings (docs/architecture.md, "Self-tests"), read
+"""``PerturbConfig``: the fault-injection settings (docs/subsystems.md, "Self-tests"), read
 once from the
 ``SGLANG_KV_CANARY_PERTURB_*`` variables by :class:`~sglang.srt.kv_canary.config.CanaryConfig`.
 

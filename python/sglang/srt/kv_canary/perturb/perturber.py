@@ -1,5 +1,5 @@
 """``CanaryPerturber``: injects the self-test faults into a live runner, on purpose
-(docs/architecture.md, "Self-tests"; the fault classes: docs/user_guide.md, "Self-tests: fault
+(docs/subsystems.md, "Self-tests"; the fault classes: docs/user_guide.md, "Self-tests: fault
 injection, the token oracle, the demo").
 
 Caller: :class:`~sglang.srt.kv_canary.manager.CanaryManager`, outside CUDA graphs.

@@ -1,5 +1,5 @@
 """Flipping one bit of a slot's real KV bytes (the real-KV fault classes of
-docs/architecture.md, "Self-tests")."""
+docs/subsystems.md, "Self-tests")."""
 
 from __future__ import annotations
 

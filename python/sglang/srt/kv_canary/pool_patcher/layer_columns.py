@@ -1,5 +1,5 @@
 """Every layer's KV rows of a pool as :class:`DeepColumn` s, and the per-layer fingerprint
-table over them (``--kv-canary-real-data-layers all``; docs/architecture.md, "Per-layer
+table over them (``--kv-canary-real-data-layers all``; docs/subsystems.md, "Per-layer
 fingerprints"). Used by the adapters when they build a group."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the demo needs to run a real sglang 0.5.12 server with a tiny dummy-weight Llama on
 the CPU or a GPU (the end-to-end tests use it too): the model's ``config.json``, a
 ``libcuda.so.1`` stub and the environment of a GPU-less server, ``sglang.Engine`` keyword
-arguments, free ports. Design: docs/architecture.md, "CPU server". Scripts that start an
+arguments, free ports. Design: docs/testing.md, "CPU server". Scripts that start an
 Engine must guard it with ``if __name__ == "__main__":`` (sglang spawns processes). Server
 processes: :mod:`~sglang.srt.kv_canary.testing.server_process`; the other model shapes are test
 support (``test/registered/kv_canary/canary_support``)."""

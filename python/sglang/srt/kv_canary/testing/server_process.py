@@ -1,7 +1,7 @@
 """Server processes of the demo, the tests and the benchmarks: ``launch_server`` / ``sglang
 serve`` flags from ``sglang.Engine`` keyword arguments, one HTTP exchange with a server on
 127.0.0.1, and :class:`ServerProcess`, a server in its own process group with its log in a file
-(docs/architecture.md, "CPU server"). Not graph- or device-related: host processes only."""
+(docs/testing.md, "CPU server"). Not graph- or device-related: host processes only."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The token oracle (docs/architecture.md, "Self-tests"): a sampler whose next token is a pure
+"""The token oracle (docs/subsystems.md, "Self-tests"): a sampler whose next token is a pure
 function of the request
 and the position, so every token a forward writes can be checked against what it must be."""
 

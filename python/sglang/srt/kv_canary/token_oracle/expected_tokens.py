@@ -1,5 +1,5 @@
 """``TokenOracleManager``: the token oracle's per-batch bookkeeping on one model runner
-(docs/architecture.md, "Self-tests"; docs/user_guide.md, "Self-tests: fault injection, the
+(docs/subsystems.md, "Self-tests"; docs/user_guide.md, "Self-tests: fault injection, the
 token oracle, the demo").
 
 - :meth:`attach_batch` (``ForwardBatch.init_new`` hook, host): each request's oracle key; an

@@ -1,4 +1,4 @@
-"""``TokenOracleSampler``: the ``token_oracle`` sampling backend (docs/architecture.md,
+"""``TokenOracleSampler``: the ``token_oracle`` sampling backend (docs/subsystems.md,
 "Self-tests").
 
 Registered with sglang's ``register_sampler_backend`` by the plugin, so

@@ -1,5 +1,5 @@
 """The violation pipeline: what happens to a failed check, one stage per module, top to bottom
-(docs/architecture.md, "Containment and metrics", and its glossary):
+(docs/architecture.md, "Violation pipeline", and its glossary):
 
 | stage | module | noun |
 | --- | --- | --- |

@@ -1,5 +1,5 @@
-"""``--kv-canary abort``: contain a violation and keep serving (docs/architecture.md,
-"Containment and metrics"; docs/user_guide.md, "Containment: --kv-canary abort").
+"""``--kv-canary abort``: contain a violation and keep serving (docs/subsystems.md,
+"Containment"; docs/user_guide.md, "Containment: --kv-canary abort").
 
 :meth:`ContainmentManager.contain` (per reported incident) aborts every running request the
 incident touches (:class:`~sglang.srt.kv_canary.violations.resolver.RequestResolver`) through

@@ -1,5 +1,5 @@
 """``CanaryMetrics``: the canary's Prometheus series, through sglang's own metrics machinery
-(docs/monitoring/README.md; docs/architecture.md, "Containment and metrics").
+(docs/monitoring/README.md; docs/architecture.md, "Violation pipeline").
 
 With ``--enable-metrics`` sglang points ``PROMETHEUS_MULTIPROC_DIR`` at a directory shared by
 its processes and serves every process's series at the HTTP server's ``/metrics``; a

@@ -1,5 +1,5 @@
 """Abort mode's release guard: a holder of KV slots the canary suspects frees only the ones it
-owns (docs/architecture.md, "Containment and metrics"; docs/user_guide.md, "Containment:
+owns (docs/subsystems.md, "Containment"; docs/user_guide.md, "Containment:
 --kv-canary abort").
 
 :class:`ReleaseGuard` guards the release of each request an incident touched

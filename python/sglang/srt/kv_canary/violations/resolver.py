@@ -1,4 +1,4 @@
-"""Which requests a violation touches (docs/architecture.md, "Containment and metrics";
+"""Which requests a violation touches (docs/architecture.md, "Violation pipeline";
 docs/user_guide.md, "Reading a violation report").
 
 :class:`RequestResolver` names, for an incident, the reader (the request of the forward that
