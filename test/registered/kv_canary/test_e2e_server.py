@@ -8,9 +8,9 @@ import json
 import os
 import pathlib
 import re
-import subprocess
 import sys
 import pytest
+from canary_support.script_run import run_support_script
 from e2e_workload import assert_memory_reserved_as_allocated, run_mixed_workload, workload_info
 
 from sglang.srt.kv_canary.violations.lines import VIOLATION_LINE_PREFIX, parse_violation_lines
@@ -36,12 +36,6 @@ def server(tmp_path_factory):
     env = cpu_server_env(build_libcuda_stub(root / "stub"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
     return dict(model=model, env=env, root=root)
-
-
-def _run(args, env, timeout=600):
-    return subprocess.run(
-        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def _workload(server, mode, extra=None, env_extra=None, timeout=600):
@@ -183,73 +177,68 @@ def test_corrupted_record_stops_the_server_in_raise_mode(server):
     ), out[-3000:]
 
 
-def test_launch_server_help_lists_the_flags(server):
-    proc = _run(["-m", "sglang.launch_server", "--help"], server["env"], 300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+# the command-line cases that end before a server starts: one process runs them all
+# (e2e_support/launch_server_cases.py: launch_server's main code, once per case)
+BAD_VALUES = [
+    (["--kv-canary", "maybe"], "argument --kv-canary: invalid choice: 'maybe'"),
+    (["--kv-canary-real-data", "most"], "argument --kv-canary-real-data: invalid choice"),
+    (
+        ["--kv-canary-sweep-interval", "-2"],
+        "invalid --kv-canary-sweep-interval value '-2'; allowed: an integer from 0 (off)",
+    ),
+    (["--kv-canary-sweep-interval", "5"], "--kv-canary-sweep-interval=5 needs the canary on"),
+]
+YAML_FLAGS = "kv-canary: log\nkv-canary-sweep-interval: 7\nkv-canary-real-data: partial\n"
+
+
+@pytest.fixture(scope="module")
+def launch_server_cases(server):
+    """``{case name: {"exit": status, "output": text}}`` of every case, from one process."""
+    model = ["--model-path", server["model"], "--device", "cpu"]
+    config = server["root"] / "server.yaml"
+    config.write_text(YAML_FLAGS)
+    cases = {"help": {"argv": ["--help"]}}
+    for i, (argv, _) in enumerate(BAD_VALUES):
+        cases[f"bad_value_{i}"] = {"argv": [*model, *argv]}
+    cases["bad_env"] = {
+        "argv": [*model, "--kv-canary", "log"],
+        "env": {"SGLANG_KV_CANARY_RING_CAPACITY": "lots"},
+    }
+    cases["yaml"] = {"argv": [*model, "--config", str(config)]}
+    rc, out, res = run_support_script(
+        "launch_server_cases.py", json.dumps(list(cases.values())), env=server["env"], timeout=600
+    )
+    assert rc == 0 and res is not None and len(res) == len(cases), out[-3000:]
+    return dict(zip(cases, res))
+
+
+def test_launch_server_help_lists_the_flags(launch_server_cases):
+    case = launch_server_cases["help"]
+    assert case["exit"] == 0, case["output"][-2000:]
     for flag in ("--kv-canary ", "--kv-canary-sweep-interval", "--kv-canary-real-data"):
-        assert flag in proc.stdout
-    assert "{none,log,raise,abort}" in proc.stdout and "{none,partial,all}" in proc.stdout
+        assert flag in case["output"]
+    assert "{none,log,raise,abort}" in case["output"]
+    assert "{none,partial,all}" in case["output"]
 
 
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        (["--kv-canary", "maybe"], "argument --kv-canary: invalid choice: 'maybe'"),
-        (["--kv-canary-real-data", "most"], "argument --kv-canary-real-data: invalid choice"),
-        (
-            ["--kv-canary-sweep-interval", "-2"],
-            "invalid --kv-canary-sweep-interval value '-2'; allowed: an integer from 0 (off)",
-        ),
-        (["--kv-canary-sweep-interval", "5"], "--kv-canary-sweep-interval=5 needs the canary on"),
-    ],
-)
-def test_launch_server_rejects_bad_values(server, argv, message):
-    proc = _run(
-        ["-m", "sglang.launch_server", "--model-path", server["model"], "--device", "cpu", *argv],
-        server["env"],
-        300,
-    )
-    assert proc.returncode != 0
-    assert message in proc.stderr + proc.stdout
+@pytest.mark.parametrize("index", range(len(BAD_VALUES)), ids=[m for _, m in BAD_VALUES])
+def test_launch_server_rejects_bad_values(launch_server_cases, index):
+    case = launch_server_cases[f"bad_value_{index}"]
+    assert case["exit"] != 0
+    assert BAD_VALUES[index][1] in case["output"], case["output"][-2000:]
+    assert "PARSED" not in case["output"]
 
 
-def test_bad_environment_variable_is_named(server):
-    env = dict(server["env"], SGLANG_KV_CANARY_RING_CAPACITY="lots")
-    proc = _run(
-        [
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            server["model"],
-            "--device",
-            "cpu",
-            "--kv-canary",
-            "log",
-        ],
-        env,
-        300,
-    )
-    assert proc.returncode != 0
-    assert "SGLANG_KV_CANARY_RING_CAPACITY" in proc.stderr + proc.stdout
+def test_bad_environment_variable_is_named(launch_server_cases):
+    case = launch_server_cases["bad_env"]
+    assert case["exit"] != 0 and "PARSED" not in case["output"]
+    assert "SGLANG_KV_CANARY_RING_CAPACITY" in case["output"], case["output"][-2000:]
 
 
-def test_config_yaml_carries_the_flags(server, tmp_path):
-    cfg = tmp_path / "server.yaml"
-    cfg.write_text("kv-canary: log\nkv-canary-sweep-interval: 7\nkv-canary-real-data: partial\n")
-    code = (
-        "import sys\n"
-        "from sglang.srt.plugins import load_plugins\n"
-        "load_plugins()\n"
-        "from sglang.srt.server_args import prepare_server_args\n"
-        "sa = prepare_server_args(sys.argv[1:])\n"
-        "print('PARSED', sa.kv_canary, sa.kv_canary_sweep_interval, sa.kv_canary_real_data)\n"
-    )
-    proc = _run(
-        ["-c", code, "--model-path", server["model"], "--device", "cpu", "--config", str(cfg)],
-        server["env"],
-        300,
-    )
-    assert "PARSED log 7 partial" in proc.stdout, proc.stderr[-2000:]
+def test_config_yaml_carries_the_flags(launch_server_cases):
+    case = launch_server_cases["yaml"]
+    assert case["exit"] == 0, case["output"][-2000:]
+    assert "PARSED log 7 partial" in case["output"], case["output"][-2000:]
 
 
 def test_sweep_catches_a_flipped_byte_in_a_cached_only_slot(server):
