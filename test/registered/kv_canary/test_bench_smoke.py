@@ -30,13 +30,19 @@ pytestmark = pytest.mark.slow  # three subprocess runs, ~2 min together
 BENCH_DIR = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_canary"
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str, interpret: bool = False) -> str:
+    """``script``'s stdout (it must exit 0). ``interpret``: the kernels in Triton's interpreter
+    (the scripts that compare kernels' bytes); else the torch references on the CPU tensors, as
+    a CPU server runs them (the interpreter costs a benchmark of the runtime minutes here)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run(
         [sys.executable, str(BENCH_DIR / script), *args],
         capture_output=True,
         text=True,
         timeout=600,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -57,7 +63,7 @@ def _table(text: str, first_header_cell: str) -> List[Dict[str, str]]:
 
 def test_bench_kernels_smoke_checks_every_kernel_in_every_mode(tmp_path):
     out = tmp_path / "kernels.md"
-    _run("bench_kernels.py", "--smoke", "--out", str(out))
+    _run("bench_kernels.py", "--smoke", "--out", str(out), interpret=True)
     rows = _table(out.read_text(), "kernel")
     measured = [r for r in rows if r["kernel"] != "all"]
     scenarios = {r["scenario"] for r in measured}
@@ -80,7 +86,15 @@ def test_bench_chain_walk_compares_two_kernels_only_when_they_write_the_same(tmp
     """The paired walk benchmark first checks that the two kernels leave the same bytes: a
     copy of this tree's kernel passes, one that counts its launches twice stops it."""
     own = BENCH_DIR.parents[1] / "python/sglang/jit_kernel/kv_canary/write.py"
-    out = _run("bench_chain_walk.py", "--against", str(own), "--smoke-cpu", "--tokens", "64")
+    out = _run(
+        "bench_chain_walk.py",
+        "--against",
+        str(own),
+        "--smoke-cpu",
+        "--tokens",
+        "64",
+        interpret=True,
+    )
     assert out.count("records, ring and counters identical") == 2, out
     bad_flag = subprocess.run(
         [sys.executable, str(BENCH_DIR / "bench_chain_walk.py"), "--against", str(own)]
