@@ -286,7 +286,7 @@ def run(args) -> int:
     )
     draft_dir = None
     if smoke:
-        from sglang.srt.kv_canary.testing.server_harness import (
+        from sglang.srt.kv_canary.demo.server_harness import (
             TINY_LLAMA_CONFIG,
             build_libcuda_stub,
             cpu_server_env,

@@ -145,7 +145,7 @@ def child(args) -> None:
     kwargs, _ = CONFIGS[args.child]
     with tempfile.TemporaryDirectory(prefix="kv_canary_mem_model_") as tmp:
         if args.smoke_cpu:
-            from sglang.srt.kv_canary.testing.server_harness import (
+            from sglang.srt.kv_canary.demo.server_harness import (
                 TINY_LLAMA_CONFIG,
                 cpu_engine_kwargs,
                 write_tiny_llama,
@@ -233,7 +233,7 @@ def run_child(
     env.pop(TOKEN_ENV, None)
     env.pop(V_ENV, None)
     if args.smoke_cpu:
-        from sglang.srt.kv_canary.testing.server_harness import cpu_server_env
+        from sglang.srt.kv_canary.demo.server_harness import cpu_server_env
 
         env = cpu_server_env(stub_dir, env)
     env.update(CONFIGS[name][1])
@@ -388,7 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     stub_dir = None
     if args.smoke_cpu:
-        from sglang.srt.kv_canary.testing.server_harness import build_libcuda_stub
+        from sglang.srt.kv_canary.demo.server_harness import build_libcuda_stub
 
         stub_dir = build_libcuda_stub(os.path.join(tmp, "stub"))
     print(

@@ -41,10 +41,8 @@ from interleaved_servers import CONTROL_SUFFIX, memory_fractions, server_config 
 from pd_processes import PdProcesses, log_dir_for, write_random_llama_weights  # noqa: E402
 from pd_requests import make_prompts, pd_request  # noqa: E402
 
-from sglang.srt.kv_canary.testing.pd_pair import PdRole, pair_env, role_flags  # noqa: E402
+from sglang.srt.kv_canary.demo.pd_pair import PdRole, pair_env, role_flags  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-CANARY_TESTS = REPO / "test" / "registered" / "kv_canary"
 A_A_LIMIT = 0.003  # an overhead is claimed only where the A/A twin lies within this
 METRICS = ("ttft", "ttft_server", "decode")
 
@@ -152,8 +150,8 @@ def table(result: dict, baseline: str, control: str | None) -> str:
 
 class PdPairs(PdProcesses):
     def main(self) -> int:
-        from canary_support.server_process import http_call
-        from sglang.srt.kv_canary.testing.server_harness import (
+        from sglang.srt.kv_canary.demo.server_process import http_call
+        from sglang.srt.kv_canary.demo.server_harness import (
             TINY_LLAMA_CONFIG,
             free_port,
             write_tiny_llama,
@@ -229,7 +227,6 @@ class PdPairs(PdProcesses):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(CANARY_TESTS))
     log_dir = log_dir_for(args.log_dir, "pd_overhead")
     run = PdPairs(args)
     run.log_dir = log_dir

@@ -204,7 +204,7 @@ def engine_child(args) -> None:
     settings = SMOKE_SETTINGS if smoke else args.settings
     with tempfile.TemporaryDirectory(prefix="kv_canary_bench_model_") as tmp:
         if smoke:
-            from sglang.srt.kv_canary.testing.server_harness import (
+            from sglang.srt.kv_canary.demo.server_harness import (
                 TINY_LLAMA_CONFIG,
                 write_tiny_llama,
             )
@@ -369,7 +369,7 @@ def child_env(cfg: BenchConfig, smoke: bool, stub_dir: str | None) -> dict[str, 
     env = dict(os.environ)
     env.pop(TOKEN_ENV, None)
     if smoke:
-        from sglang.srt.kv_canary.testing.server_harness import cpu_server_env
+        from sglang.srt.kv_canary.demo.server_harness import cpu_server_env
 
         env = cpu_server_env(stub_dir, env)
     env.update(cfg.env())
@@ -487,7 +487,7 @@ def run_engines(args) -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     stub_dir = None
     if args.smoke_cpu:
-        from sglang.srt.kv_canary.testing.server_harness import build_libcuda_stub
+        from sglang.srt.kv_canary.demo.server_harness import build_libcuda_stub
 
         stub_dir = build_libcuda_stub(os.path.join(tmpdir, "stub"))
     print(

@@ -144,7 +144,7 @@ PROJECT_STACK, UPSTREAM_STACK = "project", "upstream"
 UPSTREAM_PREFIX = "up:"  # upstream's configs: its own canary, the same flags
 # the isolation folder (its sitecustomize) that goes first on an upstream process's PYTHONPATH
 UPSTREAM_SITE_DIR = pathlib.Path(__file__).resolve().parent / "upstream_site"
-# the test suites' directory: its support package ``canary_support`` (server processes, the
+# the test suites' directory: its support package ``canary_support`` (support scripts, the
 # tiny model shapes, the containment storm) serves the benchmarks too
 TEST_DIR = pathlib.Path(__file__).resolve().parents[2] / "test" / "registered" / "kv_canary"
 
@@ -257,7 +257,7 @@ class EngineSettings:
     server_timing: bool = True
 
     def engine_kwargs(self, model_dir: str, *, smoke: bool, draft_dir: str | None = None) -> dict:
-        from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+        from sglang.srt.kv_canary.demo.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
         if smoke:
             return cpu_engine_kwargs(

@@ -51,7 +51,7 @@ sys.path.insert(0, str(HERE))
 from common import PROJECT_STACK, UPSTREAM_STACK, upstream_env, use_test_support  # noqa: E402
 from side_by_side_workload import INFO_PREFIX, RESULT_PREFIX  # noqa: E402
 
-from sglang.srt.kv_canary.demo_cases import (  # noqa: E402
+from sglang.srt.kv_canary.demo.cases import (  # noqa: E402
     CASES,
     DEMO_ENGINE_ARGS,
     DEMO_ENV,
@@ -520,7 +520,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "has no MLA"
         )
 
-    from sglang.srt.kv_canary.testing.server_harness import (
+    from sglang.srt.kv_canary.demo.server_harness import (
         build_libcuda_stub,
         cpu_engine_kwargs,
         cpu_server_env,

@@ -13,7 +13,6 @@ import time
 from collections.abc import Sequence
 
 from common import (
-    use_test_support,
     CONFIGS,
     PROJECT_STACK,
     SIDE_BY_SIDE_CONFIGS,
@@ -26,14 +25,8 @@ from common import (
     upstream_env,
 )
 
-from sglang.srt.kv_canary.testing.server_harness import free_port
-
-use_test_support()
-from canary_support.server_process import (  # noqa: E402
-    ServerProcess,
-    http_call,
-    launch_server_flags,
-)
+from sglang.srt.kv_canary.demo.server_harness import free_port
+from sglang.srt.kv_canary.demo.server_process import ServerProcess, http_call, launch_server_flags
 
 REQUEST_TIMEOUT_S = 600.0
 FLUSH_ATTEMPTS = 100

@@ -72,10 +72,8 @@ from pd_processes import (  # noqa: E402
 )
 from pd_requests import body_for, generate, make_prompts, pd_request, perturbed  # noqa: E402
 
-from sglang.srt.kv_canary.testing.pd_pair import PdRole, pair_env, role_flags  # noqa: E402
+from sglang.srt.kv_canary.demo.pd_pair import PdRole, pair_env, role_flags  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-CANARY_TESTS = REPO / "test" / "registered" / "kv_canary"  # canary_support (server processes)
 START_TIMEOUT_S = 420.0
 REQUEST_TIMEOUT_S = 120.0
 LOG_HINTS = {  # substring -> name in PD_RESULT's log_hints (counts per server log)
@@ -224,7 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Run(PdProcesses):
     # -- steps --
     def reference_outputs(self, server, prompts: list[list[int]]) -> list[list[int] | None]:
-        from canary_support.server_process import http_call
+        from sglang.srt.kv_canary.demo.server_process import http_call
 
         outs = []
         for prompt in prompts:
@@ -240,8 +238,8 @@ class Run(PdProcesses):
         return outs
 
     def main(self) -> int:
-        from canary_support.server_process import http_call
-        from sglang.srt.kv_canary.testing.server_harness import (
+        from sglang.srt.kv_canary.demo.server_process import http_call
+        from sglang.srt.kv_canary.demo.server_harness import (
             TINY_LLAMA_CONFIG,
             free_port,
             write_tiny_llama,
@@ -270,7 +268,7 @@ class Run(PdProcesses):
             write_random_llama_weights(model_dir, TINY_LLAMA_CONFIG, a.seed)
         base_env = dict(os.environ)
         if a.cpu:
-            from sglang.srt.kv_canary.testing.server_harness import cpu_server_env
+            from sglang.srt.kv_canary.demo.server_harness import cpu_server_env
 
             base_env = cpu_server_env(cpu_stub(self.log_dir / "stub", a.backend), base_env)
         base_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -454,8 +452,8 @@ class Run(PdProcesses):
         prompts: list[list[int]],
         env: dict[str, str],
     ) -> list[dict]:
-        from canary_support.server_process import http_call
-        from sglang.srt.kv_canary.testing.server_harness import free_port
+        from sglang.srt.kv_canary.demo.server_process import http_call
+        from sglang.srt.kv_canary.demo.server_harness import free_port
 
         port = free_port()
         self.start_router(
@@ -511,7 +509,6 @@ class Run(PdProcesses):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(CANARY_TESTS))
     log_dir = log_dir_for(args.log_dir, "pd")
     if args.kill_stale and (log_dir / "pgids.json").exists():
         for name, pgid in json.loads((log_dir / "pgids.json").read_text()).items():

@@ -87,7 +87,7 @@ def cpu_stub(out_dir: pathlib.Path, backend: str) -> str:
     """``out_dir/libcuda.so.1`` answering "no device" for the driver symbols of sgl_kernel
     (``server_harness.libcuda_symbols``) and of the transfer engine (its libraries are
     loaded with RTLD_NOW, so every symbol they import must exist)."""
-    from sglang.srt.kv_canary.testing.server_harness import libcuda_symbols
+    from sglang.srt.kv_canary.demo.server_harness import libcuda_symbols
 
     out_dir.mkdir(parents=True, exist_ok=True)
     names = sorted(
@@ -154,8 +154,8 @@ class PdProcesses:
         """Start (or, with ``--dry-run``, print) one server; ``mem_fraction``: its
         ``--mem-fraction-static`` (None: ``--mem-fraction-static``'s); ``overrides``: engine
         kwargs that replace the harness's."""
-        from canary_support.server_process import ServerProcess, launch_server_flags
-        from sglang.srt.kv_canary.testing.server_harness import (
+        from sglang.srt.kv_canary.demo.server_process import ServerProcess, launch_server_flags
+        from sglang.srt.kv_canary.demo.server_harness import (
             cpu_engine_kwargs,
             gpu_engine_kwargs,
         )
@@ -205,7 +205,7 @@ class PdProcesses:
     def router_argv(
         prefill_port: int, bootstrap_port: int, decode_port: int, port: int, mini: bool
     ) -> list[str]:
-        from sglang.srt.kv_canary.testing.server_harness import free_port
+        from sglang.srt.kv_canary.demo.server_harness import free_port
 
         argv = [
             sys.executable,
@@ -251,7 +251,7 @@ class PdProcesses:
 
     def stop_all(self) -> list[str]:
         """Stop every process group started here; the ones still alive after that."""
-        from canary_support.server_process import stop_process_group
+        from sglang.srt.kv_canary.demo.server_process import stop_process_group
 
         procs = []
         if self.router_proc is not None:

@@ -1,13 +1,13 @@
 """The prompts of ``pd_one_gpu.py`` (docs/user_guide.md, "Deployments"): pairwise different
 first tokens, and each one's control with every token but the last replaced. One ``/generate``
 with its body and one request the way a PD router sends it are the package's
-(:mod:`sglang.srt.kv_canary.testing.pd_pair`, re-exported here)."""
+(:mod:`sglang.srt.kv_canary.demo.pd_pair`, re-exported here)."""
 
 from __future__ import annotations
 
 import random
 
-from sglang.srt.kv_canary.testing.pd_pair import body_for, generate, pd_request
+from sglang.srt.kv_canary.demo.pd_pair import body_for, generate, pd_request
 
 __all__ = ["body_for", "generate", "make_prompts", "pd_request", "perturbed"]
 

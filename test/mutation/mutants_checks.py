@@ -531,7 +531,7 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="i23-demo-host-kv-without-hicache",
-        path=f"{_RT}/demo_cases.py",
+        path=f"{_RT}/demo/cases.py",
         old='        args["enable_hierarchical_cache"] = True\n',
         new="        pass\n",
         selection=f"{_T}/test_perturb_oracle.py::test_demo_refuses_paged_runs_without_a_gpu",

@@ -1,7 +1,7 @@
 """A real sglang 0.5.12 HTTP server on the CPU, started from the command line
 (``python -m sglang.launch_server``), for the end-to-end tests that must take the CLI path.
 
-The server's flags are :func:`~sglang.srt.kv_canary.testing.server_harness.cpu_engine_kwargs`
+The server's flags are :func:`~sglang.srt.kv_canary.demo.server_harness.cpu_engine_kwargs`
 written as command-line flags; its output goes to a log file the test reads.
 """
 
@@ -12,13 +12,13 @@ import sys
 
 import pytest
 
-from canary_support.server_process import (  # noqa: F401  (http_call: tests)
+from sglang.srt.kv_canary.demo.server_process import (  # noqa: F401  (http_call: tests)
     ServerProcess,
     ServerStartError,
     http_call,
     launch_server_flags,
 )
-from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, free_port
+from sglang.srt.kv_canary.demo.server_harness import cpu_engine_kwargs, free_port
 
 START_TIMEOUT_S = 240.0
 

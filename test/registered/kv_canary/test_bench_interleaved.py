@@ -26,7 +26,7 @@ import bench_interleaved as bi  # noqa: E402
 import bench_pd_overhead as pdo  # noqa: E402
 import interleaved_rounds  # noqa: E402
 import interleaved_servers  # noqa: E402
-from canary_support.server_process import engine_kwargs_to_argv  # noqa: E402
+from sglang.srt.kv_canary.demo.server_process import engine_kwargs_to_argv  # noqa: E402
 
 
 def test_paired_overhead_is_the_median_ratio_with_a_bootstrap_interval():
@@ -615,7 +615,7 @@ def test_pd_rounds_read_the_decode_servers_timing_from_its_answer():
     """A round's figures come from what ``pd_request`` returns: the decode server's
     ``meta_info`` (``--enable-metrics``: ``e2e_latency`` and ``decode_throughput``) travels
     with its answer; without those figures a round has no decode or server TTFT value."""
-    from sglang.srt.kv_canary.testing.pd_pair import pd_request
+    from sglang.srt.kv_canary.demo.pd_pair import pd_request
 
     meta = {"completion_tokens": 65, "decode_throughput": 640.0, "e2e_latency": 0.130}
 

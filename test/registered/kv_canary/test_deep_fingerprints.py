@@ -519,7 +519,7 @@ def test_host_tier_mirror_on_real_pools(tmp_path):
     to the host with a backup and come back, into other slots, with the load's first layer; the
     host pool makes room for them in its budget (docs/user_guide.md, "Memory")."""
     from canary_support.script_run import run_support_script
-    from sglang.srt.kv_canary.testing.server_harness import build_libcuda_stub, cpu_server_env
+    from sglang.srt.kv_canary.demo.server_harness import build_libcuda_stub, cpu_server_env
 
     env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
     env["KV_CANARY_TEST_SHIM_HICACHE_CPU"] = "1"

@@ -18,7 +18,7 @@ from sglang.srt.kv_canary.perturb.config import FaultKind
 from sglang.srt.kv_canary.perturb.report import format_perturb_line
 from sglang.srt.kv_canary.violations.lines import format_violation_line
 from sglang.srt.kv_canary.violations.records import ViolationRecord
-from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs
+from sglang.srt.kv_canary.demo.server_harness import cpu_engine_kwargs
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=275, suite="stage-a-test-cpu")
@@ -193,7 +193,7 @@ def test_upstream_runs_take_upstreams_engine_argument_names(tmp_path):
     without the token oracle on both stacks, with no prompt split into prefill chunks (sglang
     0.5.12's own chunk-end draft bug would stop it first); upstream's runs that ask for the
     token oracle also get the sampling backend its server builds the oracle for."""
-    from sglang.srt.kv_canary.testing.server_harness import gpu_engine_kwargs
+    from sglang.srt.kv_canary.demo.server_harness import gpu_engine_kwargs
 
     assert "pd_transfer" not in sbs.FAULTS and "req_to_token" in sbs.FAULTS
     runs = sbs.plan(

@@ -15,7 +15,7 @@ import pytest
 from test_e2e_abort_server import MAX_NEW, check_engine_abort_run, run_abort_engine
 
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
-from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from sglang.srt.kv_canary.demo.server_harness import write_tiny_llama
 from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=660, stage="base-b", runner_config="1-gpu-small")

@@ -25,7 +25,7 @@ from sglang.srt.kv_canary.violations.containment import (
 )
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from canary_support.storm import ABORT_MESSAGE
-from sglang.srt.kv_canary.testing.server_harness import (
+from sglang.srt.kv_canary.demo.server_harness import (
     build_libcuda_stub,
     cpu_server_env,
     write_tiny_llama,

@@ -17,7 +17,7 @@ import torch
 from canary_support.script_run import run_support_script
 from e2e_checks import demo_failure
 from sglang.srt.kv_canary.violations.lines import VIOLATION_LINE_PREFIX
-from sglang.srt.kv_canary.testing.server_harness import (
+from sglang.srt.kv_canary.demo.server_harness import (
     build_libcuda_stub,
     cpu_server_env,
     write_tiny_llama,

@@ -33,7 +33,7 @@ from e2e_checks import (
 )
 
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
-from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from sglang.srt.kv_canary.demo.server_harness import write_tiny_llama
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci
 

@@ -17,7 +17,7 @@ from e2e_checks import EVERY_FAULT_ENV, assert_every_fault_caught, run_workload
 from e2e_workload import assert_memory_reserved_as_allocated, workload_info
 
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
-from sglang.srt.kv_canary.testing.server_harness import build_libcuda_stub, cpu_server_env
+from sglang.srt.kv_canary.demo.server_harness import build_libcuda_stub, cpu_server_env
 from canary_support.tiny_models import write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cpu_ci
 

@@ -23,7 +23,7 @@ from e2e_checks import EVERY_FAULT_WITH_ORACLE_ENV, assert_every_fault_caught, d
 from e2e_workload import run_mixed_workload
 
 from sglang.srt.kv_canary.violations.lines import VIOLATION_LINE_PREFIX
-from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from sglang.srt.kv_canary.demo.server_harness import write_tiny_llama
 from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=960, stage="base-b", runner_config="1-gpu-small")

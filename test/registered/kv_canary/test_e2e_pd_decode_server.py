@@ -21,7 +21,7 @@ import pytest
 from canary_support.script_run import run_support_script
 
 from sglang.srt.kv_canary.violations.lines import VIOLATION_LINE_PREFIX, parse_violation_lines
-from sglang.srt.kv_canary.testing.server_harness import (
+from sglang.srt.kv_canary.demo.server_harness import (
     build_libcuda_stub,
     cpu_server_env,
     write_tiny_llama,

@@ -14,7 +14,7 @@ from canary_support.script_run import run_support_script
 from e2e_workload import assert_memory_reserved_as_allocated, run_mixed_workload, workload_info
 
 from sglang.srt.kv_canary.violations.lines import VIOLATION_LINE_PREFIX, parse_violation_lines
-from sglang.srt.kv_canary.testing.server_harness import (
+from sglang.srt.kv_canary.demo.server_harness import (
     build_libcuda_stub,
     cpu_server_env,
     write_tiny_llama,

@@ -49,7 +49,7 @@ from e2e_checks import (
 from e2e_workload import assert_memory_reserved_as_allocated, workload_info
 
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
-from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from sglang.srt.kv_canary.demo.server_harness import write_tiny_llama
 from canary_support.script_run import load_support_script
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci

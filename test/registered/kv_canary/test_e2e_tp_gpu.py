@@ -19,7 +19,7 @@ from e2e_checks import (
     run_workload,
 )
 
-from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from sglang.srt.kv_canary.demo.server_harness import write_tiny_llama
 from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=420, stage="base-b", runner_config="2-gpu-h200")

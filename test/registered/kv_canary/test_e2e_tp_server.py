@@ -17,7 +17,7 @@ from e2e_checks import (
     run_workload,
 )
 
-from sglang.srt.kv_canary.testing.server_harness import (
+from sglang.srt.kv_canary.demo.server_harness import (
     build_libcuda_stub,
     cpu_server_env,
     write_tiny_llama,

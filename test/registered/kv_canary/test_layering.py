@@ -2,7 +2,7 @@
 
 Each module belongs to exactly one layer; a module may import from its own layer and the
 layers below it, never from one above. No import cycle between files. Only the sglang seam
-(and the tools on top: the demo, the testing harness) import sglang beyond the two kv_canary
+(and the tool on top: the demo and its server harness) import sglang beyond the two kv_canary
 packages. The runtime takes nothing but ``launch_*`` functions from the kernel files
 ``verify.py`` / ``write.py`` (their types live in ``types.py``).
 
@@ -38,7 +38,7 @@ R, K = RUNTIME, KERNELS
 
 # Top to bottom. Keep docs/architecture.md ("Layers") in step with this table.
 LAYERS = (
-    _l("tools", f"{R}.demo", f"{R}.demo_cases", f"{R}.testing", f"{R}.testing.*"),
+    _l("tools", f"{R}.demo", f"{R}.demo.*"),
     _l("plugin", f"{R}.plugin"),
     _l("install", f"{R}.install", f"{R}.startup_checks", f"{R}.memory_budget"),
     _l("builder", f"{R}.builder"),
@@ -130,7 +130,7 @@ LAYERS = (
 )
 
 # modules allowed to import sglang beyond the two kv_canary packages
-SGLANG_IMPORTERS = (f"{R}.sglang_seam", f"{R}.sglang_seam.*", f"{R}.demo", f"{R}.testing.*")
+SGLANG_IMPORTERS = (f"{R}.sglang_seam", f"{R}.sglang_seam.*", f"{R}.demo.*")
 KERNEL_FILES = (f"{K}.verify", f"{K}.write")
 
 

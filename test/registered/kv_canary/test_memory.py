@@ -30,7 +30,7 @@ from sglang.srt.kv_canary.memory_budget import (
     reserve_canary_memory,
 )
 from sglang.srt.kv_canary.sglang_seam import PoolFamily, PoolTokens
-from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from sglang.srt.kv_canary.demo.server_harness import write_tiny_llama
 from sglang.srt.kv_canary.token_oracle.expected_tokens import TokenOracleManager
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.test.ci.ci_register import register_cpu_ci

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import pathlib
+import subprocess
 import sys
 import tomllib
 
@@ -37,6 +39,23 @@ def test_imports_resolve_to_this_repo_and_to_installed_sglang():
     assert pathlib.Path(runtime.__file__).resolve().is_relative_to(ROOT / "python")
     assert not pathlib.Path(sglang.__file__).resolve().is_relative_to(ROOT)
     assert sglang.__version__ == "0.5.12"
+
+
+def test_the_demo_runs_as_a_module_of_the_runtime_package():
+    """README's ``python -m sglang.srt.kv_canary.demo`` (the ``demo`` subpackage's
+    ``__main__``) starts the demo's command line from this repository."""
+    spec = importlib.util.find_spec("sglang.srt.kv_canary.demo.__main__")
+    assert spec is not None and spec.origin is not None
+    assert pathlib.Path(spec.origin).resolve().is_relative_to(ROOT / "python")
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang.srt.kv_canary.demo", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m sglang.srt.kv_canary.demo"), out.stdout
+    assert "--cases" in out.stdout and "--page-size" in out.stdout
 
 
 def test_plugin_entry_point_is_registered():

@@ -21,7 +21,7 @@ from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag, PoolKind
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.batch_state import CanaryBatchState, batch_state, batch_state_for
 from sglang.srt.kv_canary.config import CanaryConfig
-from sglang.srt.kv_canary.demo_cases import CASES_BY_NAME, evaluate, exit_status
+from sglang.srt.kv_canary.demo.cases import CASES_BY_NAME, evaluate, exit_status
 from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
 from sglang.srt.kv_canary.perturb import (
     FaultKind,
@@ -537,8 +537,8 @@ def test_demo_verdicts():
 
 
 def test_demo_refuses_paged_runs_without_a_gpu(capsys):
-    from sglang.srt.kv_canary.demo import main
-    from sglang.srt.kv_canary.demo_cases import DEMO_ENGINE_ARGS, demo_engine_args
+    from sglang.srt.kv_canary.demo.cli import main
+    from sglang.srt.kv_canary.demo.cases import DEMO_ENGINE_ARGS, demo_engine_args
 
     assert demo_engine_args() == dict(DEMO_ENGINE_ARGS, page_size=1)
     paged = demo_engine_args("log", 64)
@@ -562,18 +562,17 @@ def test_demo_pd_case_needs_a_gpu_and_mooncake_and_says_so(capsys, monkeypatch):
     """The ``pd_transfer`` row runs a PD pair: refused on the CPU and where Mooncake does not
     import, each time naming what is missing; its servers keep the token-id check and leave
     out the token oracle; the fault goes to the decode server only (``_pd_worker``)."""
-    from sglang.srt.kv_canary import demo
-    from sglang.srt.kv_canary.demo_cases import DEMO_ENV, PD_ENV_LEFT_OUT
-    from sglang.srt.kv_canary.testing import pd_pair
+    from sglang.srt.kv_canary.demo import cli, pd_pair
+    from sglang.srt.kv_canary.demo.cases import DEMO_ENV, PD_ENV_LEFT_OUT
 
     with pytest.raises(SystemExit):
-        demo.main(["--device", "cpu", "--cases", "clean,pd_transfer"])
+        cli.main(["--device", "cpu", "--cases", "clean,pd_transfer"])
     assert "--cases pd_transfer needs --device cuda" in capsys.readouterr().err
     monkeypatch.setattr(pd_pair.importlib.util, "find_spec", lambda name: None)
     assert "package 'mooncake') is not importable" in pd_pair.transfer_engine_missing("mooncake")
     assert "allowed mooncake, nixl" in pd_pair.transfer_engine_missing("tcp")
     with pytest.raises(SystemExit):
-        demo.main(["--device", "cuda", "--cases", "pd_transfer"])
+        cli.main(["--device", "cuda", "--cases", "pd_transfer"])
     err = capsys.readouterr().err
     assert "--cases pd_transfer needs Mooncake" in err and "pd_a/install.sh" in err
 
@@ -588,7 +587,7 @@ def test_demo_pd_case_needs_a_gpu_and_mooncake_and_says_so(capsys, monkeypatch):
 def test_pd_pair_flags_and_environment():
     """Each side's ``launch_server`` flags (the bootstrap port on the prefill server only) and
     the pair's environment (the loopback, no forward behind ``/health`` when asked)."""
-    from sglang.srt.kv_canary.testing.pd_pair import PdRole, pair_env, role_flags
+    from sglang.srt.kv_canary.demo.pd_pair import PdRole, pair_env, role_flags
 
     prefill = role_flags(PdRole.PREFILL, "mooncake", 4242, skip_warmup=True)
     decode = role_flags(PdRole.DECODE, "mooncake", 4242)

@@ -441,7 +441,7 @@ def test_standalone_workers_inherit_the_hooked_eagle_methods(tmp_path):
     import json
     import subprocess
 
-    from sglang.srt.kv_canary.testing.server_harness import build_libcuda_stub, cpu_server_env
+    from sglang.srt.kv_canary.demo.server_harness import build_libcuda_stub, cpu_server_env
 
     env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
     proc = subprocess.run(

@@ -1,8 +1,9 @@
-"""``canary_support.server_process.ServerProcess``, the one start / wait / stop of an HTTP server process that
-the CLI test servers (``cli_server.CliServer``) and the interleaved benchmark share, on
-stand-in servers (a few lines of ``http.server``) instead of sglang: ready when
-``/health_generate`` answers 200, a clear error with the log's tail when the process dies or
-never gets ready, and ``stop()`` leaves nothing of its process group behind."""
+"""``sglang.srt.kv_canary.demo.server_process.ServerProcess``, the one start / wait / stop of
+an HTTP server process that the CLI test servers (``cli_server.CliServer``), the interleaved
+benchmark and the demo's PD pair share, on stand-in servers (a few lines of ``http.server``)
+instead of sglang: ready when ``/health_generate`` answers 200, a clear error with the log's
+tail when the process dies or never gets ready, and ``stop()`` leaves nothing of its process
+group behind."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import time
 
 import pytest
 
-from sglang.srt.kv_canary.testing.server_harness import free_port
+from sglang.srt.kv_canary.demo.server_harness import free_port
 from canary_support.script_run import load_support_script
-from canary_support.server_process import ServerProcess, ServerStartError
+from sglang.srt.kv_canary.demo.server_process import ServerProcess, ServerStartError
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="stage-a-test-cpu")
@@ -137,7 +138,7 @@ def test_every_test_server_gets_its_own_ports_outside_the_ephemeral_range(tmp_pa
     """A test server's ports (HTTP, ``nccl_port``) come from below the kernel's ephemeral range,
     where no outgoing connection is given one between the pick and sglang's bind; each set of
     engine kwargs names its own ``nccl_port`` (sglang's default is an ephemeral one)."""
-    from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+    from sglang.srt.kv_canary.demo.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
     low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[:2])
 
@@ -160,7 +161,7 @@ def test_free_port_keeps_out_of_any_ephemeral_range(tmp_path, monkeypatch):
     """Whatever range the kernel hands outgoing connections, the pick stays outside it (above
     it when it starts below 20000), and a range covering all of [20000, 55000) is an error
     naming it, not a silent pick inside it."""
-    from sglang.srt.kv_canary.testing import server_harness
+    from sglang.srt.kv_canary.demo import server_harness
 
     ranges = tmp_path / "ip_local_port_range"
     monkeypatch.setattr(server_harness, "_PORT_RANGE_FILE", ranges)
@@ -192,7 +193,7 @@ def test_free_port_never_returns_a_port_twice_in_one_process(monkeypatch):
     """A port is free when picked but bound only when its server starts: a plan that picks
     every server's ports first (the side-by-side runs) must not get one port twice, even when
     the random pick lands on it again."""
-    from sglang.srt.kv_canary.testing import server_harness
+    from sglang.srt.kv_canary.demo import server_harness
 
     first = free_port()
     other = free_port()

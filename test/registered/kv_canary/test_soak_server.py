@@ -6,7 +6,7 @@ violation (in raise mode one report stops it), and its greedy outputs must equal
 token, those of a second CLI server with the canary off (same model, same arguments).
 
 The tiny dummy-weight Llama, the libcuda stub and the CPU environment come from
-``sglang.srt.kv_canary.testing.server_harness``; the server's flags are that module's
+``sglang.srt.kv_canary.demo.server_harness``; the server's flags are that module's
 ``cpu_engine_kwargs`` written as command-line flags. The KV pool is small
 (``POOL_TOKENS``) so decodes run it full and the scheduler retracts requests; prefill is
 chunked (``CHUNK_TOKENS``) and ``--enable-mixed-chunk`` puts prefill chunks and decodes into
@@ -84,7 +84,7 @@ import uuid
 import pytest
 from cli_server import CliServer, http_call
 from sglang.srt.kv_canary.violations.lines import VIOLATION_LINE_PREFIX, parse_violation_lines
-from sglang.srt.kv_canary.testing.server_harness import (
+from sglang.srt.kv_canary.demo.server_harness import (
     TINY_LLAMA_CONFIG,
     build_libcuda_stub,
     cpu_server_env,

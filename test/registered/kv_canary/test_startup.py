@@ -15,7 +15,7 @@ import pytest
 
 from sglang.srt.kv_canary import config as config_mod
 from sglang.srt.kv_canary.config import CanaryConfig
-from sglang.srt.kv_canary.testing.server_harness import write_tiny_llama
+from sglang.srt.kv_canary.demo.server_harness import write_tiny_llama
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=3, suite="stage-a-test-cpu")

@@ -1,6 +1,6 @@
-"""Test support on top of :mod:`sglang.srt.kv_canary.testing.server_process` (which holds the
-server processes, the flags and the HTTP exchange, re-exported here for the tests and
-benchmarks): the Prometheus series of ``/metrics``, a Python snippet in a fresh process, and the
+"""Test support on top of :mod:`sglang.srt.kv_canary.demo.server_process` (which holds the
+server processes, the flags and the HTTP exchange; tests and benchmarks import those from
+there): the Prometheus series of ``/metrics``, a Python snippet in a fresh process, and the
 Mooncake check of the PD GPU tests."""
 
 from __future__ import annotations
@@ -11,28 +11,8 @@ import subprocess
 import sys
 from typing import Dict, Optional, Tuple
 
-from sglang.srt.kv_canary.testing.server_process import (  # noqa: F401  (re-exported)
-    ServerProcess,
-    ServerStartError,
-    engine_kwargs_to_argv,
-    http_call,
-    launch_server_flags,
-    stop_process_group,
-)
+from sglang.srt.kv_canary.demo.server_process import http_call
 
-__all__ = [
-    "MetricSeries",
-    "ServerProcess",
-    "ServerStartError",
-    "engine_kwargs_to_argv",
-    "http_call",
-    "launch_server_flags",
-    "metric_series",
-    "metric_total",
-    "require_mooncake",
-    "run_python",
-    "stop_process_group",
-]
 MetricSeries = Dict[Tuple[str, frozenset], float]
 
 

@@ -66,7 +66,7 @@ from sglang.srt.kv_canary.violations.release_guard import (
     parse_unattributed,
 )
 from sglang.srt.kv_canary.violations.lines import ViolationLine, parse_violation_lines
-from sglang.srt.kv_canary.testing.server_harness import (
+from sglang.srt.kv_canary.demo.server_harness import (
     build_libcuda_stub,
     cpu_engine_kwargs,
     cpu_server_env,
@@ -74,13 +74,8 @@ from sglang.srt.kv_canary.testing.server_harness import (
     gpu_engine_kwargs,
     write_tiny_llama,
 )
-from canary_support.server_process import (
-    ServerProcess,
-    http_call,
-    launch_server_flags,
-    metric_series,
-    metric_total,
-)
+from sglang.srt.kv_canary.demo.server_process import ServerProcess, http_call, launch_server_flags
+from canary_support.server_process import metric_series, metric_total
 
 # the message of a request the canary aborted for a violation it touches (violations/containment)
 ABORT_MESSAGE = f"{ABORT_MESSAGE_PREFIX} (launch_tag="

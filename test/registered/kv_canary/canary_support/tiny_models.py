@@ -6,7 +6,7 @@ layer). Each ``write_tiny_*`` writes a bare ``config.json``
 
 from __future__ import annotations
 
-from sglang.srt.kv_canary.testing.server_harness import write_model_config
+from sglang.srt.kv_canary.demo.server_harness import write_model_config
 
 # A tiny DeepSeek-V2-shaped MLA model (dense MLP on every layer: first_k_dense_replace = the
 # layer count). sglang 0.5.12's CPU engine builds its MLATokenToKVPool; it serves it with the

@@ -72,7 +72,7 @@ def main(
     if both:
         sys.exit(f"{args.script}: engine kwargs {both} are set by the script itself")
     import sglang
-    from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+    from sglang.srt.kv_canary.demo.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
     make = gpu_engine_kwargs if args.device == "cuda" else cpu_engine_kwargs
     engine = sglang.Engine(**make(args.model_dir, **fixed, **args.engine_kwargs))

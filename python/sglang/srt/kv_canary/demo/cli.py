@@ -1,7 +1,7 @@
 """``python -m sglang.srt.kv_canary.demo``: watch the canary catch every fault class.
 
 Starts a tiny dummy-weight sglang server with ``--kv-canary raise`` (on the CPU through
-the harness of :mod:`~sglang.srt.kv_canary.testing.server_harness` when no GPU is present,
+the harness of :mod:`~sglang.srt.kv_canary.demo.server_harness` when no GPU is present,
 else on the GPU with CUDA graphs), runs a clean workload (shared prefixes → radix hits,
 chunked prefill, a small pool → evictions), then the same workload once per fault class
 (docs/subsystems.md, "Self-tests") with that fault injected after a warm-up
@@ -11,7 +11,7 @@ check and the token-id check on, so the clean run shows that none of them report
 a healthy server. The ``host_kv`` case runs its server with HiCache (a host pool behind the
 small device pool) and flips a byte in host memory; sglang 0.5.12's host pool needs CUDA, so
 the demo runs it on a GPU only. The ``pd_transfer`` case runs a prefill/decode pair
-(:mod:`~sglang.srt.kv_canary.testing.pd_pair`: two ``launch_server`` processes, Mooncake's
+(:mod:`~sglang.srt.kv_canary.demo.pd_pair`: two ``launch_server`` processes, Mooncake's
 transfer engine) and flips a byte of a page the decode server received; it needs a GPU and
 Mooncake.
 
@@ -42,7 +42,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 
-from sglang.srt.kv_canary.demo_cases import (
+from sglang.srt.kv_canary.demo.cases import (
     CASES,
     CASES_BY_NAME,
     RESULT_PREFIX,
@@ -60,7 +60,7 @@ def _worker(
     model_dir: str, device: str, mode: str = "raise", page_size: int = 1, hicache: bool = False
 ) -> None:
     import sglang
-    from sglang.srt.kv_canary.testing.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
+    from sglang.srt.kv_canary.demo.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
     make = gpu_engine_kwargs if device == "cuda" else cpu_engine_kwargs
     engine = sglang.Engine(**make(model_dir, **demo_engine_args(mode, page_size, hicache)))
@@ -93,9 +93,9 @@ def _pd_worker(model_dir: str, mode: str, page_size: int) -> None:
     GPU (Mooncake), every request sent to both the way a router does. The fault variables go
     to the decode server only (the prefill server injects nothing). Prints both servers' logs
     (prefill first), then the result line if every request was served."""
-    from sglang.srt.kv_canary.testing.pd_pair import PdRole, pair_env, pd_request, role_flags
-    from sglang.srt.kv_canary.testing.server_harness import free_port, gpu_engine_kwargs
-    from sglang.srt.kv_canary.testing.server_process import (
+    from sglang.srt.kv_canary.demo.pd_pair import PdRole, pair_env, pd_request, role_flags
+    from sglang.srt.kv_canary.demo.server_harness import free_port, gpu_engine_kwargs
+    from sglang.srt.kv_canary.demo.server_process import (
         ServerProcess,
         http_call,
         launch_server_flags,
@@ -158,7 +158,7 @@ def _pd_worker(model_dir: str, mode: str, page_size: int) -> None:
 
 def _cases_left_out(device: str) -> Dict[str, str]:
     """The cases that cannot run on ``device`` here, each with what it needs and why."""
-    from sglang.srt.kv_canary.testing.pd_pair import transfer_engine_missing
+    from sglang.srt.kv_canary.demo.pd_pair import transfer_engine_missing
 
     out = {}
     for case in CASES:
@@ -300,7 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cannot = [f"{n} {left_out[n]}" for n in names if n in left_out]
     if cannot:
         parser.error("--cases " + "; ".join(cannot))
-    from sglang.srt.kv_canary.testing.server_harness import (
+    from sglang.srt.kv_canary.demo.server_harness import (
         build_libcuda_stub,
         cpu_server_env,
         write_tiny_llama,
@@ -356,7 +356,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
     )
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

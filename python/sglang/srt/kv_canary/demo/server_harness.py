@@ -3,7 +3,7 @@ the CPU or a GPU (the end-to-end tests use it too): the model's ``config.json``,
 ``libcuda.so.1`` stub and the environment of a GPU-less server, ``sglang.Engine`` keyword
 arguments, free ports. Design: docs/testing.md, "CPU server". Scripts that start an
 Engine must guard it with ``if __name__ == "__main__":`` (sglang spawns processes). Server
-processes: :mod:`~sglang.srt.kv_canary.testing.server_process`; the other model shapes are test
+processes: :mod:`~sglang.srt.kv_canary.demo.server_process`; the other model shapes are test
 support (``test/registered/kv_canary/canary_support``)."""
 
 from __future__ import annotations
