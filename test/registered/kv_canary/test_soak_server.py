@@ -97,7 +97,6 @@ register_cpu_ci(est_time=530, suite="stage-a-test-cpu")
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 
-
 def _soak_seconds() -> float:
     """The traffic phase's length: CI's size, or ``KV_CANARY_SOAK_SECONDS`` for a long run
     (docs/testing.md, "The CPU suite")."""
