@@ -247,22 +247,10 @@ def check_engine_abort_run(rc: int, out: str, res) -> None:
     assert res["server_info"]["config"].startswith("mode=abort real_data=partial")
 
 
-def test_abort_engine_contains_faults(server):
-    """The same on ``sglang.Engine(kv_canary="abort", ...)``, its requests sent with
-    ``async_generate``: the aborted ones end with the canary's message."""
-    env = dict(
-        server["env"],
-        SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.5",
-        SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20",
-        SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2",
-    )
-    check_engine_abort_run(
-        *run_abort_engine(server["model"], env, "cpu", kv_canary_real_data="partial", **SERVER_ARGS)
-    )
-
-
 def test_abort_mid_chunked_prefill_finishes_the_request_and_keeps_serving(server):
-    """A request aborted between the chunks of its chunked prefill: sglang stashes each chunk
+    """On ``sglang.Engine(kv_canary="abort", ...)`` (its requests sent with
+    ``async_generate``; the same workload's waves under two faults: ``test_e2e_abort_gpu.py``).
+    A request aborted between the chunks of its chunked prefill: sglang stashes each chunk
     through the same radix-insert flag abort mode sets to keep corrupt KV out of the tree, so
     the canary lifts its mark around the stash. The request (160 tokens, chunks of 16) takes
     a ``req_to_token`` fault in its second chunk (the first forward with a prefix to point

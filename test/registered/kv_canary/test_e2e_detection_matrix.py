@@ -139,33 +139,6 @@ def test_token_oracle_backend_flag_on_the_cpu_engine(tmp_path):
         assert r["output_ids"] == want.tolist()
 
 
-def test_real_data_all_end_to_end(tmp_path):
-    """``--kv-canary-real-data all`` on the CPU server: the whole layer-0 K row of every slot
-    fingerprinted by the TAIL and SWEEP launches; a clean workload reports nothing. (Which
-    bytes each mode covers: ``test_perturb_oracle.py::test_real_data_mode_decides_...``.)"""
-    model = write_tiny_llama(tmp_path / "model")
-    env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
-    env["SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS"] = "20"
-    args = json.dumps(
-        dict(
-            kv_canary="raise",
-            chunked_prefill_size=32,
-            max_total_tokens=384,
-            max_running_requests=8,
-            log_level="info",
-            kv_canary_real_data="all",
-            kv_canary_sweep_interval=3,
-        )
-    )
-    rc, out, _ = run_support_script("workload.py", model, args, env=env, timeout=600)
-    assert rc == 0, out[-3000:]
-    assert "kv_canary installed: mode=raise real_data=all" in out
-    assert VIOLATION_LINE_PREFIX not in out
-    stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
-    assert stats and "violations=0" in stats[-1] and "TAIL_K_FULL" in stats[-1]
-    assert "SWEEP_K_FULL" in stats[-1]
-
-
 def test_a_failed_demo_run_shows_the_tail_of_its_server_log(tmp_path):
     """What the GPU tests' assertion prints when a demo run fails: the tail of the demo's
     output and of the case's server log, or that the log is missing."""

@@ -35,9 +35,16 @@ With ``KV_CANARY_TEST_SPLICE_DROPPED=1`` the pools' transfer buffer lists come w
 canary's rows (sglang's own lists, nothing spliced in): a PD transfer then carries the KV pages
 and leaves the decode server's canary rows as they were. Set it on both PD servers (their
 lists must match).
+
+multiprocessing's resource tracker (one per server, started from this environment too) runs
+no sglang code: it loads no hook, where importing sglang for one would cost it seconds of CPU.
 """
 
 import os
+import sys
+
+_RESOURCE_TRACKER = any("multiprocessing.resource_tracker" in a for a in sys.orig_argv)
+_TEST_ENV = {} if _RESOURCE_TRACKER else os.environ
 
 
 def _canary(model_runner):
@@ -48,7 +55,7 @@ def _canary(model_runner):
     return sglang_seam.runner_canary(model_runner)
 
 
-_n = os.environ.get("KV_CANARY_TEST_CORRUPT_AFTER")
+_n = _TEST_ENV.get("KV_CANARY_TEST_CORRUPT_AFTER")
 if _n:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -73,7 +80,7 @@ if _n:
         "sglang.srt.model_executor.model_runner.ModelRunner.forward", _corrupt, HookType.AFTER
     )
 
-_swap = os.environ.get("KV_CANARY_TEST_SWAP_SAME_POSITION_AFTER")
+_swap = _TEST_ENV.get("KV_CANARY_TEST_SWAP_SAME_POSITION_AFTER")
 if _swap:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -115,7 +122,7 @@ if _swap:
         HookType.AFTER,
     )
 
-_flip_cached = os.environ.get("KV_CANARY_TEST_FLIP_CACHED_AFTER")
+_flip_cached = _TEST_ENV.get("KV_CANARY_TEST_FLIP_CACHED_AFTER")
 if _flip_cached:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -148,7 +155,7 @@ if _flip_cached:
         HookType.AFTER,
     )
 
-_flip_swa = os.environ.get("KV_CANARY_TEST_FLIP_SWA_AFTER")
+_flip_swa = _TEST_ENV.get("KV_CANARY_TEST_FLIP_SWA_AFTER")
 if _flip_swa:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -191,7 +198,7 @@ if _flip_swa:
     )
 
 
-if os.environ.get("KV_CANARY_TEST_SHIM_HICACHE_CPU") == "1":
+if _TEST_ENV.get("KV_CANARY_TEST_SHIM_HICACHE_CPU") == "1":
     import torch
     from sglang.srt.mem_cache import memory_pool_host as _mph
 
@@ -208,7 +215,7 @@ if os.environ.get("KV_CANARY_TEST_SHIM_HICACHE_CPU") == "1":
     _mph.ALLOC_MEMORY_FUNCS.default_factory = lambda: _alloc_unpinned
     _mph.ALLOC_MEMORY_FUNCS.clear()
 
-if os.environ.get("KV_CANARY_TEST_PR25015"):
+if _TEST_ENV.get("KV_CANARY_TEST_PR25015"):
     # upstream PR 25015 re-introduced (test processes only): a draft round's forward runs at
     # the position after its own, as when the round advanced positions before each draft
     # forward instead of after; in eager forwards and in the captured draft graph alike
@@ -230,7 +237,7 @@ if os.environ.get("KV_CANARY_TEST_PR25015"):
     )
 
 
-_adaptive_accept = os.environ.get("KV_CANARY_TEST_ADAPTIVE_ACCEPT")
+_adaptive_accept = _TEST_ENV.get("KV_CANARY_TEST_ADAPTIVE_ACCEPT")
 if _adaptive_accept:
     import itertools
 
@@ -251,7 +258,7 @@ if _adaptive_accept:
     )
 
 
-_pr28254 = os.environ.get("KV_CANARY_TEST_PR28254")
+_pr28254 = _TEST_ENV.get("KV_CANARY_TEST_PR28254")
 if _pr28254:
     # upstream PRs 26329 / 26800 applied to sglang 0.5.12 (test processes only), with PR
     # 28254's fix ("fixed") or with the bug it fixed ("buggy"); spec v1 and v2
@@ -318,7 +325,7 @@ if _pr28254:
     )
 
 
-if os.environ.get("KV_CANARY_TEST_TRANSFER_LOST") == "1":
+if _TEST_ENV.get("KV_CANARY_TEST_TRANSFER_LOST") == "1":
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def _no_faked_transfer(original, scheduler):
@@ -331,7 +338,7 @@ if os.environ.get("KV_CANARY_TEST_TRANSFER_LOST") == "1":
     )
 
 
-if os.environ.get("KV_CANARY_TEST_SPLICE_DROPPED") == "1":
+if _TEST_ENV.get("KV_CANARY_TEST_SPLICE_DROPPED") == "1":
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def _unspliced(original, infos, **kwargs):
