@@ -28,6 +28,7 @@ _PARTS = (
     (".state", MemoryPart.READBACK),
     (".device_host", MemoryPart.READBACK),
     (".host_tier", MemoryPart.HOST_MIRROR),
+    (".endpoints[].context", MemoryPart.RECORDS),  # the launch contexts' source descriptors
 )
 
 

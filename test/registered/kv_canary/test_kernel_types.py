@@ -136,6 +136,15 @@ def test_kernel_consts_equal_consts():
         "CHAIN_ANCHOR": c.CANARY_CHAIN_ANCHOR,
         "SPLITMIX_MUL1": c.SPLITMIX64_MUL1,
         "SPLITMIX_MUL2": c.SPLITMIX64_MUL2,
+        "SRC_DESC_PTR": c.REAL_KV_DESC_PTR,
+        "SRC_DESC_ROW_STRIDE": c.REAL_KV_DESC_ROW_STRIDE,
+        "SRC_DESC_PAGE_SIZE": c.REAL_KV_DESC_PAGE_SIZE,
+        "SRC_DESC_WORDS_PER_TOKEN": c.REAL_KV_DESC_WORDS_PER_TOKEN,
+        "SRC_DESC_NUM_WORDS": c.REAL_KV_DESC_NUM_WORDS,
+        "SRC_DESC_WORDS": c.REAL_KV_DESC_WORDS,
+        "DESC_LAYER": c.DEEP_DESC_LAYER,
+        "DESC_HALF": c.DEEP_DESC_HALF,
+        "DESC_WORDS": c.DEEP_DESC_WORDS,
     }
     import triton.language as tl
 
@@ -143,6 +152,28 @@ def test_kernel_consts_equal_consts():
         got = getattr(k, name)
         assert isinstance(got, tl.constexpr), name
         assert got.value == int(want), name
+
+
+def test_the_context_packs_its_sources_once_into_one_descriptor_tensor():
+    """The kernels read a context's real-KV sources through ``source_descriptors`` (one launch
+    argument), built with the context on its device."""
+    kv = torch.zeros(8, 48, dtype=I64)
+    a = types.RealKvSource(tensor=kv, page_size=2, num_bytes_per_token=64, read_bytes=48)
+    b = types.RealKvSource(tensor=kv[:, 32:], page_size=4, num_bytes_per_token=32, read_bytes=32)
+    ctx = make_context(16, device="cpu", sources=(a, b), mode=consts.RealKvHashMode.ALL)
+    desc = ctx.source_descriptors
+    c = consts
+    assert desc.dtype == I64 and desc.device == ctx.device
+    assert desc.shape == (c.REAL_KV_MAX_SOURCES, c.REAL_KV_DESC_WORDS)
+    rows = desc.tolist()
+    for row, src, words in ((rows[0], a, 6), (rows[1], b, 4)):
+        assert row[c.REAL_KV_DESC_PTR] == src.words_view.data_ptr()
+        assert row[c.REAL_KV_DESC_ROW_STRIDE] == src.row_stride_words == 48
+        assert row[c.REAL_KV_DESC_PAGE_SIZE] == src.page_size
+        assert row[c.REAL_KV_DESC_WORDS_PER_TOKEN] == src.num_words_per_token
+        assert row[c.REAL_KV_DESC_NUM_WORDS] == words
+    for row in rows[2:]:  # past the sources: never read, nothing to fold
+        assert row[c.REAL_KV_DESC_PAGE_SIZE] == 1 and row[c.REAL_KV_DESC_NUM_WORDS] == 0
 
 
 # =============================================================================================

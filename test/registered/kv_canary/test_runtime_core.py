@@ -15,7 +15,12 @@ import torch
 from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES, CanaryLaunchTag, PoolKind
 from sglang.srt.kv_canary.config import CanaryConfig
-from sglang.srt.kv_canary.pool_patcher import attach_canary_buffers
+from sglang.srt.kv_canary.pool_patcher import (
+    AttachRequest,
+    attach_canary_buffers,
+    register_pool_attacher,
+)
+from sglang.srt.kv_canary.pool_patcher import registry as pool_registry
 from sglang.srt.kv_canary.manager import KernelRunCounterHealthChecker
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.kv_canary.ranks import RankFacts
@@ -93,6 +98,42 @@ def test_unsupported_pool_names_the_supported_ones():
         "SWAKVPool",
     ):
         assert name in str(exc.value)
+
+
+def test_the_attach_request_is_checked_and_handed_to_the_registered_adapter(monkeypatch):
+    cfg = CanaryConfig(mode="raise")
+    with pytest.raises(TypeError, match="config must be a CanaryConfig"):
+        AttachRequest(pool=object(), config={"mode": "raise"}, device="cpu")
+    for offset in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="kv_token_id_vs_position_offset"):
+            AttachRequest(
+                pool=object(), config=cfg, device="cpu", kv_token_id_vs_position_offset=offset
+            )
+    with pytest.raises(ValueError, match=r"layer_ids\[1\] must be an int >= 0"):
+        AttachRequest(pool=object(), config=cfg, device="cpu", layer_ids=[3, -1])
+
+    class _Pool:
+        pass
+
+    monkeypatch.setattr(pool_registry, "_ATTACHERS", dict(pool_registry._ATTACHERS))
+    with pytest.raises(TypeError, match="_Pool must be a PoolAdapter"):
+        register_pool_attacher(_Pool, object())
+    seen = []
+    register_pool_attacher(_Pool, lambda request: seen.append(request) or [])
+    pool = _Pool()
+    out = attach_canary_buffers(
+        pool=pool,
+        config=cfg,
+        device="cpu",
+        kv_token_id_vs_position_offset=1,
+        swa_window_size=7,
+        layer_ids=[4, 5],
+    )
+    (request,) = seen
+    assert out == [] and isinstance(request, AttachRequest)
+    assert (request.pool, request.config, request.device) == (pool, cfg, torch.device("cpu"))
+    assert (request.kv_token_id_vs_position_offset, request.swa_window_size) == (1, 7)
+    assert request.layer_ids == (4, 5)
 
 
 # ---- clean serving loop -------------------------------------------------------------------

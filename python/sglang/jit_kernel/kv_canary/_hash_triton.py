@@ -17,6 +17,12 @@ from sglang.jit_kernel.kv_canary._kernel_consts import (
     RECORD_WORDS,
     SPLITMIX_MUL1,
     SPLITMIX_MUL2,
+    SRC_DESC_NUM_WORDS,
+    SRC_DESC_PAGE_SIZE,
+    SRC_DESC_PTR,
+    SRC_DESC_ROW_STRIDE,
+    SRC_DESC_WORDS,
+    SRC_DESC_WORDS_PER_TOKEN,
 )
 
 
@@ -61,73 +67,41 @@ def record_hash(canary_ptr, slot, mask):
 
 
 @triton.jit
-def _source_hash(src_ptr, row_stride_words, page_size, words_per_token, num_words, slot, mask):
+def source_hash(desc, slot, mask):
+    """Hash of one real-KV source for a block of slots (u64, before the fold's final mix).
+    ``desc`` points at the source's descriptor (``SRC_DESC_*`` int64 words: the address of its
+    int64 words, row stride, page size, words per token, words to fold)."""
+    src = tl.load(desc + SRC_DESC_PTR).to(tl.pointer_type(tl.int64))
+    row_stride_words = tl.load(desc + SRC_DESC_ROW_STRIDE)
+    page_size = tl.load(desc + SRC_DESC_PAGE_SIZE)
+    words_per_token = tl.load(desc + SRC_DESC_WORDS_PER_TOKEN)
+    num_words = tl.load(desc + SRC_DESC_NUM_WORDS)
     page = slot // page_size
     base = page * row_stride_words + (slot - page * page_size) * words_per_token
     acc = tl.zeros(slot.shape, dtype=tl.uint64)
     # Software-pipelined by one word: the next load is issued before the current word is
     # folded, so its latency overlaps the (serial) hash.
-    word = tl.load(src_ptr + base, mask=mask & (num_words > 0), other=0)
+    word = tl.load(src + base, mask=mask & (num_words > 0), other=0)
     for w in range(0, num_words):
-        nxt = tl.load(src_ptr + base + w + 1, mask=mask & (w + 1 < num_words), other=0)
+        nxt = tl.load(src + base + w + 1, mask=mask & (w + 1 < num_words), other=0)
         acc = splitmix64(acc ^ as_u64(word))
         word = nxt
     return acc
 
 
 @triton.jit
-def real_kv_fingerprint(
-    slot,
-    mask,
-    NUM_SOURCES: tl.constexpr,
-    s0_ptr,
-    s0_stride,
-    s0_page,
-    s0_wpt,
-    s0_nwords,
-    s1_ptr,
-    s1_stride,
-    s1_page,
-    s1_wpt,
-    s1_nwords,
-    s2_ptr,
-    s2_stride,
-    s2_page,
-    s2_wpt,
-    s2_nwords,
-    s3_ptr,
-    s3_stride,
-    s3_page,
-    s3_wpt,
-    s3_nwords,
-):
-    """Fingerprint of up to four real-KV sources for a block of slots (u64)."""
+def real_kv_fingerprint(slot, mask, desc_ptr, NUM_SOURCES: tl.constexpr):
+    """Fingerprint of the first ``NUM_SOURCES`` real-KV sources described at ``desc_ptr``
+    (``SRC_DESC_WORDS`` int64 words each) for a block of slots (u64)."""
     acc = tl.zeros(slot.shape, dtype=tl.uint64)
-    if NUM_SOURCES > 0:
-        acc = splitmix64(
-            acc ^ _source_hash(s0_ptr, s0_stride, s0_page, s0_wpt, s0_nwords, slot, mask)
-        )
-    if NUM_SOURCES > 1:
-        acc = splitmix64(
-            acc ^ _source_hash(s1_ptr, s1_stride, s1_page, s1_wpt, s1_nwords, slot, mask)
-        )
-    if NUM_SOURCES > 2:
-        acc = splitmix64(
-            acc ^ _source_hash(s2_ptr, s2_stride, s2_page, s2_wpt, s2_nwords, slot, mask)
-        )
-    if NUM_SOURCES > 3:
-        acc = splitmix64(
-            acc ^ _source_hash(s3_ptr, s3_stride, s3_page, s3_wpt, s3_nwords, slot, mask)
-        )
+    for i in tl.static_range(NUM_SOURCES):
+        acc = splitmix64(acc ^ source_hash(desc_ptr + i * SRC_DESC_WORDS, slot, mask))
     return acc
 
 
 @triton.jit
-def single_source_fingerprint(
-    src_ptr, row_stride_words, page_size, words_per_token, num_words, slot, mask
-):
-    """The record format's fingerprint over one source (``splitmix64(0 ^ source hash)``), for
-    a block of slots: a per-layer (deep) fingerprint column."""
-    return splitmix64(
-        _source_hash(src_ptr, row_stride_words, page_size, words_per_token, num_words, slot, mask)
-    )
+def single_source_fingerprint(desc, slot, mask):
+    """The record format's fingerprint over the one source described at ``desc``
+    (``splitmix64(0 ^ source hash)``), for a block of slots: a per-layer (deep) fingerprint
+    column."""
+    return splitmix64(source_hash(desc, slot, mask))

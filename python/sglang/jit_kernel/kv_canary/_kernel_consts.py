@@ -82,12 +82,16 @@ CHAIN_ANCHOR = tl.constexpr(CANARY_CHAIN_ANCHOR)
 SPLITMIX_MUL1 = tl.constexpr(SPLITMIX64_MUL1)
 SPLITMIX_MUL2 = tl.constexpr(SPLITMIX64_MUL2)
 
+# Real-KV source descriptors (``types.VerifyOrWriteContext.source_descriptors``; a per-layer
+# column descriptor begins with one).
+SRC_DESC_PTR = tl.constexpr(_consts.REAL_KV_DESC_PTR)
+SRC_DESC_ROW_STRIDE = tl.constexpr(_consts.REAL_KV_DESC_ROW_STRIDE)
+SRC_DESC_PAGE_SIZE = tl.constexpr(_consts.REAL_KV_DESC_PAGE_SIZE)
+SRC_DESC_WORDS_PER_TOKEN = tl.constexpr(_consts.REAL_KV_DESC_WORDS_PER_TOKEN)
+SRC_DESC_NUM_WORDS = tl.constexpr(_consts.REAL_KV_DESC_NUM_WORDS)
+SRC_DESC_WORDS = tl.constexpr(_consts.REAL_KV_DESC_WORDS)
+
 # Per-layer fingerprint column descriptors (``types.DeepFingerprintTable.descriptors``).
-DESC_PTR = tl.constexpr(_consts.DEEP_DESC_PTR)
-DESC_ROW_STRIDE = tl.constexpr(_consts.DEEP_DESC_ROW_STRIDE)
-DESC_PAGE_SIZE = tl.constexpr(_consts.DEEP_DESC_PAGE_SIZE)
-DESC_WORDS_PER_TOKEN = tl.constexpr(_consts.DEEP_DESC_WORDS_PER_TOKEN)
-DESC_NUM_WORDS = tl.constexpr(_consts.DEEP_DESC_NUM_WORDS)
 DESC_LAYER = tl.constexpr(_consts.DEEP_DESC_LAYER)
 DESC_HALF = tl.constexpr(_consts.DEEP_DESC_HALF)
 DESC_WORDS = tl.constexpr(_consts.DEEP_DESC_WORDS)

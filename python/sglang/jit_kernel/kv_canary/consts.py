@@ -53,6 +53,18 @@ REAL_KV_MAX_SOURCES = 4
 REAL_KV_PARTIAL_BYTES = 16
 REAL_KV_WORD_BYTES = 8
 
+# One real-KV source descriptor (int64 words): the address of the source's ``words_view``, its
+# row stride in words, page size, words per token, and the words a fingerprint folds (by the
+# hash mode). ``VerifyOrWriteContext.source_descriptors`` holds REAL_KV_MAX_SOURCES of them
+# (rows past the context's sources are never read); a per-layer column descriptor
+# (DEEP_DESC_*) begins with one.
+REAL_KV_DESC_PTR = 0
+REAL_KV_DESC_ROW_STRIDE = 1
+REAL_KV_DESC_PAGE_SIZE = 2
+REAL_KV_DESC_WORDS_PER_TOKEN = 3
+REAL_KV_DESC_NUM_WORDS = 4
+REAL_KV_DESC_WORDS = 5
+
 # Sentinels used in plans.
 NO_PREV_SLOT = -1  # predecessor of position 0 (chain head)
 NO_EXPECTED_TOKEN = -1  # expected token unknown: token check skipped
@@ -184,17 +196,11 @@ STAGE_B_INT32 = 8
 # Per-layer (deep) fingerprints
 # ---------------------------------------------------------------------------------------------
 
-# One column descriptor in ``DeepFingerprintTable.descriptors`` (int64 words): the address of
-# the column source's ``words_view``, its row stride in words, page size, words per token, the
-# words a fingerprint in the table's mode folds, the column's sglang layer id and its half
-# (DEEP_HALF_K / DEEP_HALF_V).
-DEEP_DESC_PTR = 0
-DEEP_DESC_ROW_STRIDE = 1
-DEEP_DESC_PAGE_SIZE = 2
-DEEP_DESC_WORDS_PER_TOKEN = 3
-DEEP_DESC_NUM_WORDS = 4
-DEEP_DESC_LAYER = 5
-DEEP_DESC_HALF = 6
-DEEP_DESC_WORDS = 7
+# One column descriptor in ``DeepFingerprintTable.descriptors`` (int64 words): the column
+# source's real-KV source descriptor (REAL_KV_DESC_*, in the table's mode), then the column's
+# sglang layer id and its half (DEEP_HALF_K / DEEP_HALF_V).
+DEEP_DESC_LAYER = REAL_KV_DESC_WORDS
+DEEP_DESC_HALF = REAL_KV_DESC_WORDS + 1
+DEEP_DESC_WORDS = REAL_KV_DESC_WORDS + 2
 DEEP_HALF_K = 0
 DEEP_HALF_V = 1

@@ -24,12 +24,7 @@ from sglang.jit_kernel.kv_canary import deep_ref, validation
 from sglang.jit_kernel.kv_canary._kernel_consts import (
     DESC_HALF,
     DESC_LAYER,
-    DESC_NUM_WORDS,
-    DESC_PAGE_SIZE,
-    DESC_PTR,
-    DESC_ROW_STRIDE,
     DESC_WORDS,
-    DESC_WORDS_PER_TOKEN,
     FAIL_VERIFY_REAL_KV,
     FIELD_POSITION,
     FIELD_TOKEN,
@@ -52,17 +47,8 @@ __all__ = ["launch_deep_fingerprint_write", "launch_deep_fingerprint_verify"]
 
 @triton.jit
 def _column_fingerprint(desc_ptr, col, slot, mask):
-    d = desc_ptr + col * DESC_WORDS
-    src = tl.load(d + DESC_PTR).to(tl.pointer_type(tl.int64))
-    return H.single_source_fingerprint(
-        src,
-        tl.load(d + DESC_ROW_STRIDE),
-        tl.load(d + DESC_PAGE_SIZE),
-        tl.load(d + DESC_WORDS_PER_TOKEN),
-        tl.load(d + DESC_NUM_WORDS),
-        slot,
-        mask,
-    )
+    # a column descriptor begins with its source's descriptor
+    return H.single_source_fingerprint(desc_ptr + col * DESC_WORDS, slot, mask)
 
 
 @triton.jit

@@ -24,10 +24,13 @@ from sglang.jit_kernel.kv_canary.consts import STAGE_TABLE_NUMEL, VIOLATION_NUM_
 from sglang.jit_kernel.kv_canary.types import (
     CANARY_SLOT_BYTES,
     NUM_CANARY_LAUNCH_TAGS,
+    CanaryPhase,
     PoolKind,
 )
 from sglang.jit_kernel.kv_canary.consts import (
     DEEP_DESC_WORDS,
+    REAL_KV_DESC_WORDS,
+    REAL_KV_MAX_SOURCES,
     packed_tokens_numel,
 )
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
@@ -48,12 +51,15 @@ _PLAN_INPUT_ARRAYS = 4
 # staging tables in pinned host memory (the staging kernel reads them in place)
 _EAGER_GRAPH_ARRAYS = 3
 _STAGE_TABLE_BYTES = STAGE_TABLE_NUMEL * _I64
+# a launch context's real-KV source descriptors (one context per phase and half of a group)
+_CONTEXT_DESCRIPTOR_BYTES = REAL_KV_MAX_SOURCES * REAL_KV_DESC_WORDS * _I64
 
 
 class MemoryPart(enum.Enum):
     """What a byte is for (the ``part`` label of ``sglang:kv_canary_memory_bytes``)."""
 
-    RECORDS = "records"  # the 32-byte HEAD / TAIL records, per KV slot
+    # the 32-byte HEAD / TAIL records, per KV slot, and the launch contexts over them
+    RECORDS = "records"
     LAYER_FINGERPRINTS = "layer_fingerprints"  # --kv-canary-real-data-layers all, per slot
     PLANS = "plans"  # each forward's verify and write plans (verify: 3x the pool's slots)
     FORWARD_INPUTS = "forward_inputs"  # each forward's static launch inputs
@@ -193,6 +199,8 @@ class CanaryMemory:
 
         for g in groups:
             add(device, MemoryPart.RECORDS, 2 * g.record_halves * g.slots * CANARY_SLOT_BYTES)
+            contexts = len(CanaryPhase) * g.record_halves  # a launch context per phase and half
+            add(device, MemoryPart.RECORDS, contexts * _CONTEXT_DESCRIPTOR_BYTES)
             if g.layer_columns:
                 add(
                     device,

@@ -4,12 +4,18 @@ No Triton."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from sglang.jit_kernel.kv_canary._checks import check_int, check_tensor, same_device
 from sglang.jit_kernel.kv_canary.consts import (
+    REAL_KV_DESC_NUM_WORDS,
+    REAL_KV_DESC_PAGE_SIZE,
+    REAL_KV_DESC_PTR,
+    REAL_KV_DESC_ROW_STRIDE,
+    REAL_KV_DESC_WORDS,
+    REAL_KV_DESC_WORDS_PER_TOKEN,
     REAL_KV_MAX_SOURCES,
     REAL_KV_PARTIAL_BYTES,
     REAL_KV_WORD_BYTES,
@@ -121,6 +127,25 @@ class RealKvSource:
             return min(REAL_KV_PARTIAL_BYTES, self.read_bytes) // REAL_KV_WORD_BYTES
         return self.read_bytes // REAL_KV_WORD_BYTES
 
+    def descriptor(self, mode: RealKvHashMode) -> List[int]:
+        """This source's ``REAL_KV_DESC_WORDS`` descriptor words for a fingerprint in
+        ``mode`` (the kernels read the source through them)."""
+        desc = [0] * REAL_KV_DESC_WORDS
+        desc[REAL_KV_DESC_PTR] = self.words_view.data_ptr()
+        desc[REAL_KV_DESC_ROW_STRIDE] = self.row_stride_words
+        desc[REAL_KV_DESC_PAGE_SIZE] = self.page_size
+        desc[REAL_KV_DESC_WORDS_PER_TOKEN] = self.num_words_per_token
+        desc[REAL_KV_DESC_NUM_WORDS] = self.words_to_fold(mode)
+        return desc
+
+
+def _unused_source_descriptor() -> List[int]:
+    """A descriptor row past a context's sources: never read (the kernels' source count is a
+    constexpr); page size 1, nothing to fold."""
+    desc = [0] * REAL_KV_DESC_WORDS
+    desc[REAL_KV_DESC_PAGE_SIZE] = 1
+    return desc
+
 
 # ---------------------------------------------------------------------------------------------
 # Launch context
@@ -138,6 +163,11 @@ class VerifyOrWriteContext:
     - ``real_kv_sources``: up to 4 :class:`RealKvSource` covering every slot of ``canary_buf``.
     - ``real_kv_hash_mode``: :class:`RealKvHashMode` (NONE for HEAD launches).
     - ``enable_chain_position_assert``: int32 ``[1]`` device flag read by the write kernel.
+
+    Built here, once: ``canary_words`` (an int64 view of ``canary_buf``) and
+    ``source_descriptors``, int64 ``[REAL_KV_MAX_SOURCES, REAL_KV_DESC_WORDS]`` on the
+    context's device, row ``i`` the descriptor of ``real_kv_sources[i]`` in
+    ``real_kv_hash_mode`` (``consts.REAL_KV_DESC_*``); the kernels read the sources through it.
     """
 
     canary_buf: torch.Tensor
@@ -150,7 +180,7 @@ class VerifyOrWriteContext:
     real_kv_hash_mode: RealKvHashMode = RealKvHashMode.NONE
     enable_chain_position_assert: Optional[torch.Tensor] = None
     canary_words: torch.Tensor = dataclasses.field(init=False, repr=False)
-    source_launch_args: tuple = dataclasses.field(init=False, repr=False)
+    source_descriptors: torch.Tensor = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
         buf = check_tensor(
@@ -230,20 +260,11 @@ class VerifyOrWriteContext:
         )
         words = buf.view(torch.int64)
         object.__setattr__(self, "canary_words", words)
-        args = []
-        for i in range(REAL_KV_MAX_SOURCES):
-            if i < len(sources):
-                s = sources[i]
-                args += [
-                    s.words_view,
-                    s.row_stride_words,
-                    s.page_size,
-                    s.num_words_per_token,
-                    s.words_to_fold(mode),
-                ]
-            else:  # never dereferenced: NUM_SOURCES is a constexpr
-                args += [words, 0, 1, 0, 0]
-        object.__setattr__(self, "source_launch_args", tuple(args))
+        desc = [s.descriptor(mode) for s in sources]
+        desc += [_unused_source_descriptor() for _ in range(REAL_KV_MAX_SOURCES - len(sources))]
+        object.__setattr__(
+            self, "source_descriptors", torch.tensor(desc, dtype=torch.int64).to(buf.device)
+        )
 
     @property
     def num_slots(self) -> int:

@@ -12,13 +12,9 @@ from sglang.jit_kernel.kv_canary._checks import check_int, check_tensor, same_de
 from sglang.jit_kernel.kv_canary.consts import (
     DEEP_DESC_HALF,
     DEEP_DESC_LAYER,
-    DEEP_DESC_NUM_WORDS,
-    DEEP_DESC_PAGE_SIZE,
-    DEEP_DESC_PTR,
-    DEEP_DESC_ROW_STRIDE,
     DEEP_DESC_WORDS,
-    DEEP_DESC_WORDS_PER_TOKEN,
     DEEP_HALF_K,
+    REAL_KV_DESC_WORDS,
     DEEP_HALF_V,
     RealKvHashMode,
 )
@@ -123,11 +119,7 @@ class DeepFingerprintTable:
         )
         desc = [[0] * DEEP_DESC_WORDS for _ in columns]
         for row, c in zip(desc, columns):
-            row[DEEP_DESC_PTR] = c.source.words_view.data_ptr()
-            row[DEEP_DESC_ROW_STRIDE] = c.source.row_stride_words
-            row[DEEP_DESC_PAGE_SIZE] = c.source.page_size
-            row[DEEP_DESC_WORDS_PER_TOKEN] = c.source.num_words_per_token
-            row[DEEP_DESC_NUM_WORDS] = c.source.words_to_fold(mode)
+            row[:REAL_KV_DESC_WORDS] = c.source.descriptor(mode)
             row[DEEP_DESC_LAYER] = c.layer_id
             row[DEEP_DESC_HALF] = DEEP_HALF_K if c.half == KvHalf.K else DEEP_HALF_V
         object.__setattr__(

@@ -2,8 +2,17 @@
 
 from sglang.srt.kv_canary.pool_patcher.registry import (
     attach_canary_buffers,
+    attach_for_request,
     register_pool_attacher,
     supported_pool_names,
 )
+from sglang.srt.kv_canary.pool_patcher.types import AttachRequest, PoolAdapter
 
-__all__ = ["attach_canary_buffers", "register_pool_attacher", "supported_pool_names"]
+__all__ = [
+    "AttachRequest",
+    "PoolAdapter",
+    "attach_canary_buffers",
+    "attach_for_request",
+    "register_pool_attacher",
+    "supported_pool_names",
+]

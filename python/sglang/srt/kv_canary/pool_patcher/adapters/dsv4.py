@@ -14,7 +14,7 @@ window) and ``page_size``; the sub-pool's ``kv_buffer[0]``, ``page_size``, ``qk_
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Tuple
 
 import torch
 
@@ -27,6 +27,7 @@ from sglang.srt.kv_canary.pool_patcher.adapters.swa import (
 )
 from sglang.srt.kv_canary.pool_patcher.buf_info_splice import splice_into_method
 from sglang.srt.kv_canary.pool_patcher.buffer_alloc import allocate_canary_buffer
+from sglang.srt.kv_canary.pool_patcher.types import AttachRequest
 from sglang.srt.kv_canary.sglang_seam import import_sglang_class
 
 logger = logging.getLogger(__name__)
@@ -70,19 +71,15 @@ def dsv4_layer_sources(kv_pool, layer: int = 0) -> Tuple[RealKvSource, RealKvSou
         raise ValueError(f"kv_canary cannot fingerprint the DeepSeek-V4 SWA pool: {e}") from e
 
 
-def attach_dsv4(
-    *,
-    pool,
-    config,
-    device,
-    kv_token_id_vs_position_offset: int = 0,
-    swa_window_size: Optional[int] = None,
-    layer_ids: Optional[Sequence[int]] = None,
-) -> List[CanaryBufferGroup]:
+def attach_dsv4(request: AttachRequest) -> List[CanaryBufferGroup]:
     """``[FULL group, SWA group]`` for a ``DeepSeekV4TokenToKVPool`` (see module doc).
-    ``swa_window_size`` defaults to the pool's own ``swa_window_size``."""
+    ``request.swa_window_size`` defaults to the pool's own ``swa_window_size``;
+    ``request.layer_ids`` is ignored."""
+    pool, config, device = request.pool, request.config, request.device
+    kv_token_id_vs_position_offset = request.kv_token_id_vs_position_offset
     swa_pool = require_sub_pool(pool, "swa_kv_pool")
     lut = require_swa_table(pool)
+    swa_window_size = request.swa_window_size
     if swa_window_size is None:
         swa_window_size = getattr(pool, "swa_window_size", None)
     window = require_window(swa_window_size, pool)

@@ -14,30 +14,26 @@ per-token record to keep, and a corrupted state shows up only in the outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import List, Optional, Sequence
+from typing import List
 
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.pool_patcher.adapters.swa import require_sub_pool
+from sglang.srt.kv_canary.pool_patcher.types import AttachRequest
 from sglang.srt.kv_canary.sglang_seam import import_sglang_class
 
 logger = logging.getLogger(__name__)
 
 
-def attach_hybrid_linear(
-    *,
-    pool,
-    config,
-    device,
-    kv_token_id_vs_position_offset: int = 0,
-    swa_window_size: Optional[int] = None,
-    layer_ids: Optional[Sequence[int]] = None,
-) -> List[CanaryBufferGroup]:
-    """The inner ``full_kv_pool``'s attacher (MHA or MLA), on the inner pool, with the
-    model's layer ids of its layers (``full_attention_layer_id_mapping``: model layer id ->
-    inner index). ``layer_ids`` is ignored (the hybrid pool has its own map)."""
-    from sglang.srt.kv_canary.pool_patcher.registry import attach_canary_buffers
+def attach_hybrid_linear(request: AttachRequest) -> List[CanaryBufferGroup]:
+    """The inner ``full_kv_pool``'s adapter (MHA or MLA), on a copy of ``request`` for the
+    inner pool with the model's layer ids of its layers (``full_attention_layer_id_mapping``:
+    model layer id -> inner index). ``request.layer_ids`` is ignored (the hybrid pool has its
+    own map)."""
+    from sglang.srt.kv_canary.pool_patcher.registry import attach_for_request
 
+    pool = request.pool
     inner = require_sub_pool(pool, "full_kv_pool")
     mapping = getattr(pool, "full_attention_layer_id_mapping", None)
     if not isinstance(mapping, dict):
@@ -46,13 +42,12 @@ def attach_hybrid_linear(
             "full_attention_layer_id_mapping; this sglang's hybrid pool is not the "
             "one the canary was written for"
         )
-    return attach_canary_buffers(
-        pool=inner,
-        config=config,
-        device=device,
-        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-        swa_window_size=swa_window_size,
-        layer_ids=[gid for gid, _ in sorted(mapping.items(), key=lambda kv: kv[1])],
+    return attach_for_request(
+        dataclasses.replace(
+            request,
+            pool=inner,
+            layer_ids=[gid for gid, _ in sorted(mapping.items(), key=lambda kv: kv[1])],
+        )
     )
 
 

@@ -25,6 +25,7 @@ from sglang.srt.kv_canary.pool_patcher.layer_columns import (
     pool_layer_ids,
     row_source,
 )
+from sglang.srt.kv_canary.pool_patcher.types import AttachRequest
 from sglang.srt.kv_canary.sglang_seam import import_sglang_class
 
 logger = logging.getLogger(__name__)
@@ -89,25 +90,17 @@ def splice_mha_group(pool, method_name: str, group: CanaryBufferGroup, page_size
     )
 
 
-def attach_mha(
-    *,
-    pool,
-    config,
-    device,
-    kv_token_id_vs_position_offset: int = 0,
-    swa_window_size: Optional[int] = None,
-    layer_ids: Optional[Sequence[int]] = None,
-) -> List[CanaryBufferGroup]:
+def attach_mha(request: AttachRequest) -> List[CanaryBufferGroup]:
     """One FULL group over the whole pool, spliced into ``get_contiguous_buf_infos``.
-    ``swa_window_size`` is accepted (every attacher gets it) and ignored: MHA pools have no
-    sliding window."""
+    ``request.swa_window_size`` is ignored: MHA pools have no sliding window."""
+    pool = request.pool
     group = build_mha_group(
         pool,
         kind=PoolKind.FULL,
-        config=config,
-        device=device,
-        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-        layer_ids=layer_ids,
+        config=request.config,
+        device=request.device,
+        kv_token_id_vs_position_offset=request.kv_token_id_vs_position_offset,
+        layer_ids=request.layer_ids,
     )
     splice_mha_group(pool, "get_contiguous_buf_infos", group, pool.page_size)
     return [group]

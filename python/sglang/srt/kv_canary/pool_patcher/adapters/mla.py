@@ -24,6 +24,7 @@ from sglang.srt.kv_canary.pool_patcher.layer_columns import (
     layer_columns,
     pool_layer_ids,
 )
+from sglang.srt.kv_canary.pool_patcher.types import AttachRequest
 from sglang.srt.kv_canary.sglang_seam import import_sglang_class
 
 logger = logging.getLogger(__name__)
@@ -103,19 +104,12 @@ def build_mla_group(
     )
 
 
-def attach_mla(
-    *,
-    pool,
-    config,
-    device,
-    kv_token_id_vs_position_offset: int = 0,
-    swa_window_size: Optional[int] = None,
-    layer_ids: Optional[Sequence[int]] = None,
-) -> List[CanaryBufferGroup]:
+def attach_mla(request: AttachRequest) -> List[CanaryBufferGroup]:
     """One FULL group over the latent rows, spliced into ``get_contiguous_buf_infos`` (every
     entry is a K entry). ``config.enable_mha_v`` is ignored: MLA has no V rows of its own.
-    ``swa_window_size`` is accepted (every attacher gets it) and ignored."""
-    if config.enable_mha_v:
+    ``request.swa_window_size`` is ignored."""
+    pool = request.pool
+    if request.config.enable_mha_v:
         logger.info(
             "kv_canary: %s has no V rows (V is part of the latent row); "
             "SGLANG_KV_CANARY_ENABLE_MHA_V does not apply",
@@ -123,10 +117,10 @@ def attach_mla(
         )
     group = build_mla_group(
         pool,
-        config=config,
-        device=device,
-        layer_ids=layer_ids,
-        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        config=request.config,
+        device=request.device,
+        layer_ids=request.layer_ids,
+        kv_token_id_vs_position_offset=request.kv_token_id_vs_position_offset,
     )
     splice_into_method(
         pool,

@@ -13,13 +13,14 @@ reference: attach after ``SWATokenToKVPoolAllocator`` exists. Splices FULL into
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 
 from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.pool_patcher.adapters.mha import build_mha_group, splice_mha_group
+from sglang.srt.kv_canary.pool_patcher.types import AttachRequest
 from sglang.srt.kv_canary.sglang_seam import import_sglang_class
 
 logger = logging.getLogger(__name__)
@@ -85,20 +86,15 @@ def _global_layer_ids(pool, *, swa: bool):
     return [gid for _, gid in ids]
 
 
-def attach_swa(
-    *,
-    pool,
-    config,
-    device,
-    kv_token_id_vs_position_offset: int = 0,
-    swa_window_size: Optional[int] = None,
-    layer_ids: Optional[Sequence[int]] = None,
-) -> List[CanaryBufferGroup]:
-    """``[FULL group, SWA group]`` for an ``SWAKVPool``; splices both (see module doc)."""
+def attach_swa(request: AttachRequest) -> List[CanaryBufferGroup]:
+    """``[FULL group, SWA group]`` for an ``SWAKVPool``; splices both (see module doc).
+    ``request.layer_ids`` is ignored (the pool has its own layer map)."""
+    pool, config, device = request.pool, request.config, request.device
+    kv_token_id_vs_position_offset = request.kv_token_id_vs_position_offset
     full_pool = require_sub_pool(pool, "full_kv_pool")
     swa_pool = require_sub_pool(pool, "swa_kv_pool")
     lut = require_swa_table(pool)
-    window = require_window(swa_window_size, pool)
+    window = require_window(request.swa_window_size, pool)
     full = build_mha_group(
         full_pool,
         kind=PoolKind.FULL,
