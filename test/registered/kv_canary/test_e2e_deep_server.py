@@ -1,8 +1,7 @@
 """Per-layer fingerprints end to end on the CPU: ``--kv-canary-real-data-layers all`` on a real sglang 0.5.12
 server (a tiny four-layer Llama; docs/subsystems.md, "Per-layer fingerprints"). Clean with
-raise + sweep + real data + token checks: no violation and the greedy outputs of the canary
-off. A byte flipped in the last layer's V row of a slot only the radix cache holds is caught
-by the sweep (``SWEEP_V_FULL``, ``verify_real_kv_hash``, ``kv_layer=3``); one flipped in a slot
+raise + sweep + real data + token checks: no violation. A byte flipped in the last layer's V
+row of a slot only the radix cache holds is caught by the sweep (``SWEEP_V_FULL``, ``verify_real_kv_hash``, ``kv_layer=3``); one flipped in a slot
 the forwards go on reading is caught by a TAIL check within the stated bound (layers / layers
 per forward forwards). With ``first`` (layer 0's K only) the same faults go unseen: the gap the
 user guide's "What it does not catch" states."""
@@ -62,9 +61,9 @@ def run(server, env_extra=None, **engine_kwargs):
     )
 
 
-def test_every_layer_clean_matches_canary_off(server):
-    rc, out, off = run(server)
-    assert rc == 0 and off is not None, out[-3000:]
+def test_every_layer_clean_reports_nothing(server):
+    """(The outputs with every layer fingerprinted against the canary off: the HiCache clean
+    test, test_e2e_hicache_server.py, which runs ``--kv-canary-real-data-layers all``.)"""
     rc, out, on = run(
         server,
         {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
@@ -76,7 +75,7 @@ def test_every_layer_clean_matches_canary_off(server):
     assert rc == 0, out[-3000:]
     assert "real_data=partial real_data_layers=all layers_per_forward=1" in out
     assert parse_violation_lines(out) == []
-    assert on == off and len(on) == 12
+    assert on is not None and len(on) == 12
     # every layer's fingerprint columns (and the token table) reserved as then built
     info = workload_info(out)
     assert_memory_reserved_as_allocated(info)

@@ -1,6 +1,7 @@
 """End to end on a real sglang 0.5.12 server on the CPU (docs/testing.md, "CPU server"), canary wired through the
 plugin: CLI / YAML / Engine kwargs, a clean workload identical to canary-off, and a corrupted
-record stopping the server in raise mode."""
+record stopping the server in raise mode. (The sweep finding a byte flipped in a slot only the
+radix cache holds: the demo's ``real_kv_unused_cache`` case, test_e2e_detection_matrix.py.)"""
 
 from __future__ import annotations
 
@@ -237,34 +238,6 @@ def test_config_yaml_carries_the_flags(launch_server_cases):
     case = launch_server_cases["yaml"]
     assert case["exit"] == 0, case["output"][-2000:]
     assert "PARSED log 7 partial" in case["output"], case["output"][-2000:]
-
-
-def test_sweep_catches_a_flipped_byte_in_a_cached_only_slot(server):
-    rc, out, res = _workload(
-        server,
-        "raise",
-        dict(
-            WORKLOAD_ARGS,
-            log_level="info",
-            kv_canary_sweep_interval=1,
-            kv_canary_real_data="partial",
-        ),
-        {
-            "KV_CANARY_TEST_FLIP_CACHED_AFTER": "30",
-            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "10",
-        },
-        timeout=300,
-    )
-    flipped = re.search(r"KV_CANARY_TEST: flipped K byte 0 of cached-only slot (\d+)", out)
-    assert flipped, out[-3000:]
-    assert rc != 0 and res is None, out[-3000:]
-    reports = [(v.launch_tag, v.fail_reasons, v.slot_idx) for v in parse_violation_lines(out)]
-    assert ("SWEEP_K_FULL", ("verify_real_kv_hash",), int(flipped.group(1))) in reports, reports
-    # sweeps ran (and found nothing) before the flip
-    passes = [
-        int(x) for x in re.findall(r"kv_canary stats: .*sweep_passes=(\d+) violations=0", out)
-    ]
-    assert passes and max(passes) >= 10
 
 
 def test_cli_log_server_under_injection_locates_every_fault_and_keeps_serving(server):

@@ -122,39 +122,6 @@ if _swap:
         HookType.AFTER,
     )
 
-_flip_cached = _TEST_ENV.get("KV_CANARY_TEST_FLIP_CACHED_AFTER")
-if _flip_cached:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    _flip_state = {"n": 0, "done": False}
-
-    def _flip_cached_byte(result, self, forward_batch, *args, **kwargs):
-        """From forward N on, once: flip the first K byte (layer 0) of a slot held only by the
-        radix cache (an unlocked node: no running request references it)."""
-        manager = _canary(self)
-        if manager is None or _flip_state["done"] or manager.radix_cache is None:
-            return result
-        _flip_state["n"] += 1
-        if _flip_state["n"] < int(_flip_cached):
-            return result
-        from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
-
-        walk = walk_radix_cache_for_canary(radix_cache=manager.radix_cache, unlocked_only=True)
-        if walk.num_slots == 0:
-            return result
-        slot = int(walk.slot_indices[walk.num_slots // 2])
-        row = self.token_to_kv_pool.k_buffer[0][slot].view(-1).view(__import__("torch").uint8)
-        row[0] ^= 0x5A
-        _flip_state["done"] = True
-        print(f"KV_CANARY_TEST: flipped K byte 0 of cached-only slot {slot}", flush=True)
-        return result
-
-    HookRegistry.register(
-        "sglang.srt.model_executor.model_runner.ModelRunner.forward",
-        _flip_cached_byte,
-        HookType.AFTER,
-    )
-
 _flip_swa = _TEST_ENV.get("KV_CANARY_TEST_FLIP_SWA_AFTER")
 if _flip_swa:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
