@@ -1,7 +1,7 @@
 """Shared checks of the end-to-end tests (model shapes, HiCache, tensor parallelism; CPU and
 GPU): the perturbation settings that inject every fault class into the FULL group, the check
 that each injected fault was reported with its reason at its slot, the HiCache host-tier
-checks, and the TP 2 servers' per-rank checks."""
+checks, and the TP 2 servers' settings and per-rank checks."""
 
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ def assert_host_kv_found(out: str):
     return fault, host, loaded
 
 
-# a TP 2 workload's fault, on rank 1 only (test_e2e_tp_server.py, test_e2e_tp_gpu.py)
+# a TP 2 workload's fault, on rank 1 only (test_e2e_tp_fault_server.py, test_e2e_tp_gpu.py)
 TP_RANK_1_FAULT = {
     "SGLANG_KV_CANARY_PERTURB_TP_RANK": "1",
     "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "6",
@@ -232,3 +232,41 @@ def assert_tp2_fault_on_rank_1_only(rc: int, out: str, res) -> None:
     assert "corruption on tp_rank 0" not in out  # rank 0 reported nothing
     # no rank logged a report line of its own (raise mode reports in the error only)
     assert set(lines_by_tp_rank(out, VIOLATION_LINE_PREFIX)) <= {None}
+
+
+# the TP 2 CPU servers' settings: small chunks, a small pool
+TP2_CPU_ARGS = dict(
+    tp_size=2,
+    chunked_prefill_size=32,
+    max_total_tokens=512,
+    max_running_requests=4,
+    log_level="info",
+)
+
+
+def tp2_cpu_server(root: pathlib.Path) -> dict:
+    """The model (4 KV heads: 2 per rank) and environment of a TP 2 CPU server under ``root``:
+    one core per rank, pynccl off (gloo), no canary variable inherited."""
+    from sglang.srt.kv_canary.demo.server_harness import (
+        build_libcuda_stub,
+        cpu_server_env,
+        write_tiny_llama,
+    )
+
+    env = cpu_server_env(build_libcuda_stub(root / "stub"))
+    env = {k: v for k, v in env.items() if not k.startswith("SGLANG_KV_CANARY_")}
+    env["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"
+    env["SGLANG_NCCL_SO_PATH"] = str(root / "no-nccl.so")
+    model = write_tiny_llama(root / "model", num_attention_heads=4, num_key_value_heads=4)
+    return dict(model=model, env=env)
+
+
+def run_tp2_cpu(server: dict, env_extra=None, **engine_kwargs):
+    """``small_workload.py`` on a TP 2 CPU Engine (:data:`TP2_CPU_ARGS` plus ``engine_kwargs``)."""
+    return run_workload(
+        "small_workload.py",
+        server["model"],
+        dict(TP2_CPU_ARGS, **engine_kwargs),
+        dict(server["env"], **(env_extra or {})),
+        timeout=900,
+    )
