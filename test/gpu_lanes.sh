@@ -11,9 +11,10 @@
 #   e2e_abort_gpu        test/registered/kv_canary/test_e2e_abort_gpu.py -k not storm
 #   abort_storm_gpu_page_1 test/registered/kv_canary/test_e2e_abort_gpu.py -k storm and one_slot_pages
 #   abort_storm_gpu_page_16 test/registered/kv_canary/test_e2e_abort_gpu.py -k storm and sixteen_slot_pages
-#   core                 test/registered/kv_canary/test_e2e_gpu.py -k not piecewise and not corrupted
+#   core                 test/registered/kv_canary/test_e2e_gpu.py -k not piecewise and not corrupted and not demo
 #   core_fault           test/registered/kv_canary/test_e2e_gpu.py -k corrupted_record
 #   piecewise            test/registered/kv_canary/test_e2e_gpu.py -k piecewise
+#   demo_raise           test/registered/kv_canary/test_e2e_gpu.py -k demo
 #   hicache_kernel       test/registered/kv_canary/test_e2e_hicache_gpu.py -k mha_kernel
 #   hicache_page_first   test/registered/kv_canary/test_e2e_hicache_gpu.py -k page_first
 #   hicache_direct       test/registered/kv_canary/test_e2e_hicache_gpu.py -k mha_direct

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import subprocess
+import sys
 
 from canary_support.script_run import run_support_script
 from sglang.srt.kv_canary.perturb.report import PERTURB_LINE_PREFIX, parse_perturb_line
@@ -36,6 +38,63 @@ def demo_failure(out: str, logs, case: str, *, chars: int = 4000) -> str:
     log = pathlib.Path(logs) / f"{case}.log"
     server = log.read_text(errors="replace")[-chars:] if log.exists() else f"(no {log})"
     return f"{out[-chars:]}\n---- {case}.log, the last {chars} characters ----\n{server}"
+
+
+# the demo's fault cases (python -m sglang.srt.kv_canary.demo, raise mode): fault -> (launch
+# tags a matching report may carry, reasons of which one must appear)
+DEMO_EXPECTED = {
+    "req_to_token": (
+        {"HEAD_K_FULL", "TAIL_K_FULL"},
+        {"verify_chain_hash", "verify_position", "verify_token"},
+    ),
+    "real_kv_used": ({"TAIL_K_FULL", "SWEEP_K_FULL"}, {"verify_real_kv_hash"}),
+    "real_kv_unused_cache": ({"SWEEP_K_FULL"}, {"verify_real_kv_hash"}),
+    "real_kv_post_forward": ({"TAIL_K_FULL", "SWEEP_K_FULL"}, {"verify_real_kv_hash"}),
+    "next_token_swap": ({"HEAD_K_FULL", "TAIL_K_FULL"}, {"write_token"}),
+}
+DEMO_WARMUP_STEPS = 30  # the demo's cases inject from the forward after these
+
+
+def run_demo(device: str, cases, out: pathlib.Path, *, env=None, timeout: float = 1500):
+    """``python -m sglang.srt.kv_canary.demo --device DEVICE --cases CASES`` (raise mode, two
+    runs at a time), its rows as JSON and each run's server log under ``out``:
+    ``(CompletedProcess, rows by case name, logs directory)``."""
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang.srt.kv_canary.demo", "--device", device]
+        + ["--cases", ",".join(cases), "--jobs", "2", "--json", str(out / "rows.json")]
+        + ["--logs", str(out / "logs")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    rows = json.loads((out / "rows.json").read_text()) if (out / "rows.json").exists() else []
+    return proc, {r["name"]: r for r in rows}, out / "logs"
+
+
+def assert_demo_fault_caught(row: dict, fault: str, logs: pathlib.Path) -> None:
+    """A demo row of ``fault`` in raise mode: injected from the first forward after the
+    warm-up, reported within three forwards with a reason the fault must cause by a launch that
+    can see it, and the server stopped; a ``req_to_token`` report names the entry the
+    injection changed (row, position, slot)."""
+    tags, reasons = DEMO_EXPECTED[fault]
+    assert row["injections"] >= 1 and row["first_injection_step"] == DEMO_WARMUP_STEPS + 1, row
+    assert row["detected"], row
+    assert 0 <= row["steps_to_report"] <= 3, row
+    assert set(row["tags"]) & tags and set(row["reasons"]) & reasons, row
+    assert row["returncode"] != 0 and not row["finished"], row  # raise mode stopped the server
+    text = (logs / f"{fault}.log").read_text()
+    assert f"FAULT INJECTION ON ({fault})" in text
+    assert f"kv_canary perturb: fault={fault} step={DEMO_WARMUP_STEPS + 1}" in text
+    if fault == "req_to_token":
+        inj = next(f for f in map(parse_perturb_line, text.splitlines()) if f is not None)
+        assert any(
+            (v.req_to_token_row, v.read_position, v.slot_idx)
+            == (int(inj["req_pool_idx"]), int(inj["position"]), int(inj["new_slot"]))
+            and "HEAD_K_FULL" in v.seen_by
+            for v in parse_violation_lines(text)
+        ), text[-3000:]
 
 
 # every fault class of the perturbation framework, in the FULL group, from step 8 on

@@ -1,21 +1,21 @@
-"""The detection matrix on a real sglang 0.5.12 CPU server (docs/subsystems.md, "Self-tests"): the demo runs the
-clean workload and then each fault class, one server each, with ``--kv-canary raise``, real-data
+"""The detection matrix on a real sglang 0.5.12 CPU server (docs/subsystems.md,
+"Self-tests"): the demo runs the clean workload and then one fault per detecting launch (HEAD,
+the sweep, the write check), one server each, with ``--kv-canary raise``, real-data
 ``partial``, the sweep, the token oracle and both token checks on. Each fault must be reported
 with the reason it must cause; the clean run must report nothing; the demo's exit status must
-say so. Also: ``--sampling-backend token_oracle`` on the CPU engine (which rewrites the flag to
-``pytorch``) really samples the oracle's tokens."""
+say so. The TAIL launch's cases in raise mode: the GPU lane ``demo_raise``. Also:
+``--sampling-backend token_oracle`` on the CPU engine (which rewrites the flag to ``pytorch``)
+really samples the oracle's tokens."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import pytest
 import torch
 
 from canary_support.script_run import run_support_script
-from e2e_checks import demo_failure
+from e2e_checks import assert_demo_fault_caught, demo_failure, run_demo
 from sglang.srt.kv_canary.violations.lines import VIOLATION_LINE_PREFIX
 from sglang.srt.kv_canary.demo.server_harness import (
     build_libcuda_stub,
@@ -30,55 +30,40 @@ register_cpu_ci(est_time=365, suite="stage-a-test-cpu")
 pytestmark = pytest.mark.slow
 
 
-# fault -> (tags a matching report may carry, reasons of which one must appear)
-EXPECTED = {
-    "req_to_token": (
-        {"HEAD_K_FULL", "TAIL_K_FULL"},
-        {"verify_chain_hash", "verify_position", "verify_token"},
-    ),
-    "real_kv_used": ({"TAIL_K_FULL", "SWEEP_K_FULL"}, {"verify_real_kv_hash"}),
-    "real_kv_unused_cache": ({"SWEEP_K_FULL"}, {"verify_real_kv_hash"}),
-    "real_kv_post_forward": ({"TAIL_K_FULL", "SWEEP_K_FULL"}, {"verify_real_kv_hash"}),
-    "next_token_swap": ({"HEAD_K_FULL", "TAIL_K_FULL"}, {"write_token"}),
-}
+# the demo's cases on the CPU: the clean run and one fault per detecting launch: HEAD
+# (req_to_token, whose report names the changed entry), the sweep (real_kv_unused_cache: a
+# flipped byte of a cached slot no forward reads) and the write check (next_token_swap). The
+# TAIL launch's raise-mode cases (real_kv_used, real_kv_post_forward) run on the GPU lane
+# ``demo_raise`` (test_e2e_gpu.py); on the CPU the same faults are found in log mode by the
+# MLA and unified-tree every-fault runs.
+CPU_FAULTS = ("req_to_token", "real_kv_unused_cache", "next_token_swap")
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sglang.srt.kv_canary.demo",
-            "--device",
-            "cpu",
-            "--jobs",
-            "2",
-            "--json",
-            str(out / "rows.json"),
-            "--logs",
-            str(out / "logs"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    rows = json.loads((out / "rows.json").read_text()) if (out / "rows.json").exists() else []
-    return proc, {r["name"]: r for r in rows}, out / "logs"
+    return run_demo("cpu", ("clean", *CPU_FAULTS), tmp_path_factory.mktemp("demo"), env=env)
 
 
 def test_demo_exit_status_and_table(demo):
     proc, rows, _ = demo
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert set(rows) == {"clean", *EXPECTED}
+    assert set(rows) == {"clean", *CPU_FAULTS}
     assert "every fault detected, clean run quiet" in proc.stdout
-    for gpu_only in ("host_kv", "pd_transfer"):  # said, not hidden
-        assert f"leaving out {gpu_only}, which needs --device cuda" in proc.stdout
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(rows)  # header + one row per run
+
+
+def test_without_cases_the_demo_says_which_it_leaves_out_on_the_cpu():
+    """The case list of a run without ``--cases`` on the CPU: every case but the GPU-only
+    ones, each said, not hidden."""
+    from sglang.srt.kv_canary.demo.cases import CASES
+    from sglang.srt.kv_canary.demo.cli import choose_cases
+
+    names, notes = choose_cases(None, "cpu")
+    assert names == [c.name for c in CASES if c.name not in ("host_kv", "pd_transfer")]
+    for gpu_only in ("host_kv", "pd_transfer"):
+        assert f"leaving out {gpu_only}, which needs --device cuda" in "\n".join(notes)
 
 
 def test_clean_run_reports_nothing(demo):
@@ -94,30 +79,10 @@ def test_clean_run_reports_nothing(demo):
     assert "#new-token: 32, " in text
 
 
-@pytest.mark.parametrize("fault", sorted(EXPECTED))
+@pytest.mark.parametrize("fault", CPU_FAULTS)
 def test_fault_detected_with_its_reason(demo, fault):
     _, rows, logs = demo
-    row = rows[fault]
-    tags, reasons = EXPECTED[fault]
-    assert row["injections"] >= 1 and row["first_injection_step"] == 31  # warm-up is 30
-    assert row["detected"], row
-    assert 0 <= row["steps_to_report"] <= 3
-    assert set(row["tags"]) & tags and set(row["reasons"]) & reasons, row
-    assert row["returncode"] != 0 and not row["finished"]  # raise mode stopped the server
-    text = (logs / f"{fault}.log").read_text()
-    assert f"FAULT INJECTION ON ({fault})" in text
-    assert f"kv_canary perturb: fault={fault} step=31" in text
-    if fault == "req_to_token":  # the report names the changed entry (Engine path)
-        from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-        from sglang.srt.kv_canary.violations.lines import parse_violation_lines
-
-        inj = next(f for f in map(parse_perturb_line, text.splitlines()) if f is not None)
-        assert any(
-            (v.req_to_token_row, v.read_position, v.slot_idx)
-            == (int(inj["req_pool_idx"]), int(inj["position"]), int(inj["new_slot"]))
-            and "HEAD_K_FULL" in v.seen_by
-            for v in parse_violation_lines(text)
-        ), text[-3000:]
+    assert_demo_fault_caught(rows[fault], fault, logs)
 
 
 def test_token_oracle_backend_flag_on_the_cpu_engine(tmp_path):

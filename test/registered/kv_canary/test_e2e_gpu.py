@@ -1,7 +1,8 @@
 """A full sglang Engine on a GPU with CUDA graphs and ``--kv-canary raise``: the canary
 launches are captured inside the decode graphs (their kernel counters keep growing through
 graph replays), a clean workload reports nothing and matches canary-off token for token, and
-a corrupted record is caught through a graph replay."""
+a corrupted record is caught through a graph replay. The demo's TAIL-launch faults in raise
+mode (``real_kv_used``, ``real_kv_post_forward``; its other cases: the CPU detection matrix)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,20 @@ import re
 import sys
 
 import pytest
+from e2e_checks import assert_demo_fault_caught, demo_failure, run_demo
 from e2e_workload import run_mixed_workload
 
 from sglang.srt.kv_canary.violations.lines import VIOLATION_LINE_PREFIX, parse_violation_lines
 from sglang.srt.kv_canary.demo.server_harness import write_tiny_llama
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=780, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=930, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
-    "core": ("not piecewise and not corrupted", 400),
+    "core": ("not piecewise and not corrupted and not demo", 400),
     "core_fault": ("corrupted_record", 120),
     "piecewise": ("piecewise", 260),
+    "demo_raise": ("demo", 150),
 }
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -147,6 +150,22 @@ def test_piecewise_cuda_graphs_on_catch_every_fault(model):
     assert rc == 0, out[-4000:]
     assert re.search(r"Prefill batch.*cuda graph: True", out), "no prefill replayed a graph"
     assert_every_fault_caught(out)
+
+
+# the demo's faults that only the TAIL launch (and the sweep) can see, in raise mode
+DEMO_TAIL_FAULTS = ("real_kv_used", "real_kv_post_forward")
+
+
+def test_demo_raise_mode_tail_faults(tmp_path):
+    """``python -m sglang.srt.kv_canary.demo --device cuda`` with the faults whose reports come
+    from the TAIL launch: each injected after the warm-up, reported within three forwards with
+    ``verify_real_kv_hash``, and the raise-mode server stopped."""
+    proc, rows, logs = run_demo("cuda", DEMO_TAIL_FAULTS, tmp_path, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, demo_failure(out, logs, DEMO_TAIL_FAULTS[0])
+    assert set(rows) == set(DEMO_TAIL_FAULTS), out[-3000:]
+    for fault in DEMO_TAIL_FAULTS:
+        assert_demo_fault_caught(rows[fault], fault, logs)
 
 
 if __name__ == "__main__":

@@ -156,6 +156,16 @@ def _pd_worker(model_dir: str, mode: str, page_size: int) -> None:
         )
 
 
+def choose_cases(cases: Optional[str], device: str) -> Tuple[List[str], List[str]]:
+    """The case names a run makes, in order, and the notes it prints: ``--cases`` as given
+    (checked by the caller), or else every case ``device`` can run, each left out one said."""
+    if cases is not None:
+        return [n.strip() for n in cases.split(",") if n.strip()], []
+    left_out = _cases_left_out(device)
+    names = [c.name for c in CASES if c.name not in left_out]
+    return names, [f"kv_canary demo: leaving out {n}, which {why}" for n, why in left_out.items()]
+
+
 def _cases_left_out(device: str) -> Dict[str, str]:
     """The cases that cannot run on ``device`` here, each with what it needs and why."""
     from sglang.srt.kv_canary.demo.pd_pair import transfer_engine_missing
@@ -280,12 +290,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     device = _detect_device(args.device)
     left_out = _cases_left_out(device)
-    if args.cases is None:
-        names = [c.name for c in CASES if c.name not in left_out]
-        for name, why in left_out.items():
-            print(f"kv_canary demo: leaving out {name}, which {why}", flush=True)
-    else:
-        names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    names, notes = choose_cases(args.cases, device)
+    for note in notes:
+        print(note, flush=True)
     unknown = [n for n in names if n not in CASES_BY_NAME]
     if unknown or not names:
         parser.error(
