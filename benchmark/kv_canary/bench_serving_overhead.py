@@ -190,6 +190,7 @@ from serving_report import (
     report,
     server_table,
 )
+from trace_kernels import canary_kernel_names, kernel_time
 
 
 def engine_child(args) -> None:
@@ -353,6 +354,14 @@ def host_profile(engine, cfg: BenchConfig, sc: Scenario, vocab: int, steps: int,
         flush=True,
     )
     per = max(forwards, 1)
+    if forwards:
+        kt = kernel_time(events, forwards, canary_kernel_names())
+        print(
+            f"{RESULT_PREFIX}[{cfg.name}] GPU per forward: canary kernels {kt.canary_us:.1f} µs, "
+            f"other kernels {kt.other_us:.1f} µs, span {kt.span_us:.1f} µs; most frequent "
+            f"kernel {kt.probe_name} median {kt.probe_median_us:.2f} µs",
+            flush=True,
+        )
     for (cat, name), (dur, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:45]:
         short = name.split("kv_canary/")[-1] if cat == "python_function" else name
         print(

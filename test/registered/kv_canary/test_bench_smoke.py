@@ -210,11 +210,14 @@ def test_bench_serving_overhead_host_breakdown_detail_times_each_method():
         assert ("token_history.snapshot" in rows) == (config == "raise+token"), rows.keys()
 
 
-def test_bench_prefill_device_time_smoke_runs_every_stand_in(tmp_path):
-    """``bench_prefill_device_time.py --smoke-cpu``: per prompt a row for canary off, the A/A
-    control and each config (the canary's no-model time only for canary-on rows), with the
-    same figures in the JSON lines."""
+def test_bench_prefill_device_time_smoke_runs_and_traces_every_stand_in(tmp_path):
+    """``bench_prefill_device_time.py --smoke-cpu --trace DIR``: per prompt a row for canary
+    off, the A/A control and each config (the canary's no-model time only for canary-on rows),
+    with the same figures in the JSON lines; a Chrome trace per prompt and stand-in, and its
+    timeline printed with the host phases in order (on the CPU no kernels: the phases only)."""
     out = tmp_path / "d.jsonl"
+    traces = tmp_path / "traces"
+    traces.mkdir()
     text = _run(
         "bench_prefill_device_time.py",
         "--smoke-cpu",
@@ -224,6 +227,8 @@ def test_bench_prefill_device_time_smoke_runs_every_stand_in(tmp_path):
         "raise,raise+token",
         "--out",
         str(out),
+        "--trace",
+        str(traces),
     )
     rows = _table(text, "prompt")
     assert [(r["prompt"], r["config"]) for r in rows] == [
@@ -237,24 +242,12 @@ def test_bench_prefill_device_time_smoke_runs_every_stand_in(tmp_path):
     assert [(r["isl"], r["config"]) for r in recs] == [
         (int(a), b) for a, b in ((r["prompt"], r["config"]) for r in rows)
     ]
-
-
-def test_bench_prefill_device_time_traces_one_prefill_per_stand_in(tmp_path):
-    """``--trace DIR``: a Chrome trace per prompt and stand-in, and its timeline printed with
-    the host phases in order (on the CPU no kernels: the phases only)."""
-    text = _run(
-        "bench_prefill_device_time.py",
-        "--smoke-cpu",
-        "--isls",
-        "32",
-        "--configs",
-        "raise",
-        "--trace",
-        str(tmp_path),
-    )
-    names = sorted(f.name for f in tmp_path.iterdir())
-    assert names == ["trace_32_off.json", "trace_32_off_A_A_.json", "trace_32_raise.json"]
-    timeline = text.split("-- timeline 32_raise")[1].split("--")[0]
+    names = sorted(f.name for f in traces.iterdir())
+    assert len(names) == 8 and all(n.endswith(".json") for n in names), names  # 2 prompts x 4
+    for isl in ("32", "48"):
+        assert {f"trace_{isl}_off.json", f"trace_{isl}_off_A_A_.json"} <= set(names), names
+        assert f"trace_{isl}_raise.json" in names, names
+    timeline = text.split("-- timeline 32_raise ")[1].split("--")[0]
     phases = [line.split()[-1] for line in timeline.splitlines()[1:] if "host" in line]
     assert phases == [
         "canary.pre",
@@ -537,6 +530,37 @@ def test_upstream_site_keeps_this_projects_modules_out_of_upstreams_packages(tmp
     chained.mkdir()
     (chained / "sitecustomize.py").write_text("print('chained')\n")
     assert _probe([isolation, chained, up])[0] == "chained"
+
+
+def test_kernel_time_per_forward_sets_the_canarys_kernels_apart():
+    """``trace_kernels.kernel_time`` (``--host-profile``'s GPU line): this project's Triton
+    kernels by name apart from the rest, per forward, the span from the first kernel's start
+    to the last one's end, and the most frequent other kernel's median as a probe; CPU events
+    and other phases left out; a trace without kernels refused."""
+    sys.path.insert(0, str(BENCH_DIR))
+    from trace_kernels import canary_kernel_names, kernel_time
+
+    names = canary_kernel_names()
+    assert {"_canary_write_kernel", "_canary_verify_kernel", "_stage_inputs_kernel"} <= names
+
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        kernel("gemm", 0, 10),
+        kernel("_canary_write_kernel", 5, 4),
+        kernel("gemm", 20, 12),
+        kernel("norm", 40, 2),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+        {"ph": "i", "cat": "kernel", "name": "gemm", "ts": 90},
+    ]
+    kt = kernel_time(events, 2, names)
+    assert (kt.canary_us, kt.other_us, kt.span_us) == (2.0, 12.0, 21.0)
+    assert (kt.probe_name, kt.probe_median_us) == ("gemm", 11.0)
+    with pytest.raises(ValueError, match="no kernel events"):
+        kernel_time(events[4:], 2, names)
+    with pytest.raises(ValueError, match="forwards must be positive"):
+        kernel_time(events, 0, names)
 
 
 if __name__ == "__main__":
