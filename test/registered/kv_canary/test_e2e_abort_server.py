@@ -3,8 +3,9 @@
 abort"; docs/monitoring/README.md): a clean run aborts nothing and exports growing counters;
 under ``req_to_token`` fault injection the touched requests end with the abort reason and
 message, every other request and every later one completes, ``/health`` stays OK, and the
-Prometheus counters match the log lines. One server is started with ``python -m
-sglang.launch_server``, the other with ``sglang serve``."""
+Prometheus counters match the log lines. One ``sglang serve`` server (the suite's other CLI
+servers start with ``python -m sglang.launch_server``) serves a clean phase and then the
+faults; an Engine serves the abort in the middle of a chunked prefill."""
 
 from __future__ import annotations
 
@@ -97,12 +98,28 @@ def check_aborts(errors: dict, log: str) -> None:
     assert direct <= named and shared <= by_prefix, (direct, named, shared, by_prefix)
 
 
-def test_abort_server_clean_run_exports_metrics_and_settings(server):
+# the faults start after this many forwards: past the clean phase's three waves (about 20
+# forwards each), checked by the log holding no injection when that phase ends
+CLEAN_PHASE_WARMUP_STEPS = 120
+
+
+@pytest.fixture(scope="module")
+def abort_run(server):
+    """One ``sglang serve`` server in abort mode (sweep every 4, real data ``partial``,
+    metrics): a clean phase of three waves, its metrics, ``/server_info`` and ``/health``
+    read, then ``req_to_token`` faults from forward ``CLEAN_PHASE_WARMUP_STEPS`` on (two, at
+    0.5 a step) in waves until both are injected, then one more wave."""
+    env = dict(
+        server["env"],
+        SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.5",
+        SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS=str(CLEAN_PHASE_WARMUP_STEPS),
+        SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2",
+    )
     srv = CliServer(
-        "abort_clean",
+        "abort",
         server["root"],
         server["model"],
-        server["env"],
+        env,
         [
             "--kv-canary",
             "abort",
@@ -112,23 +129,49 @@ def test_abort_server_clean_run_exports_metrics_and_settings(server):
             "partial",
             "--enable-metrics",
         ],
+        launcher="serve",
         **SERVER_ARGS,
     )
+    run = {}
     try:
         srv.wait_ready()
-        first = metric_series(srv.port)
+        run["first"] = metric_series(srv.port)
+        clean = {}
         for w in range(3):
-            results = wave(srv.port, f"clean{w}", prefix_len=40 + 8 * w)
-            assert all(completed(*r) for r in results.values()), results
-        second = metric_series(srv.port)
+            clean.update(wave(srv.port, f"clean{w}", prefix_len=40 + 8 * w))
+        run["clean"] = clean
+        run["second"] = metric_series(srv.port)
         status, body = http_call(srv.port, "GET", "/server_info", timeout=60)
-        assert status == 200
-        info = json.loads(body)["kv_canary"]
-        assert http_call(srv.port, "GET", "/health", timeout=60)[0] == 200
+        run["info_status"], run["info"] = status, json.loads(body)["kv_canary"]
+        run["clean_health"] = http_call(srv.port, "GET", "/health", timeout=60)[0]
+        run["clean_log"] = srv.log()
+        results = {}
+        for w in range(20):  # until both faults are injected and contained
+            results.update(wave(srv.port, f"f{w}", prefix_len=32 + 4 * w))
+            if len([f for f in map(parse_perturb_line, srv.log().splitlines()) if f]) >= 2:
+                break
+        run["results"] = results
+        run["later"] = wave(srv.port, "later", prefix_len=36)  # after the faults: all complete
+        run["health"] = http_call(srv.port, "GET", "/health", timeout=60)[0]
+        run["series"] = metric_series(srv.port)
+        run["alive"] = srv.alive()
     finally:
         srv.stop()
-    log = srv.log()
-    assert parse_violation_lines(log) == [] and "Traceback" not in log, log[-3000:]
+    run["log"] = srv.log()
+    return run
+
+
+def test_abort_server_clean_phase_exports_metrics_and_settings(abort_run):
+    """The clean phase: every request completes, nothing reported or injected before its end
+    (the log then), the counters grow, none of violations, aborts or drops, sglang's scheduler
+    labels, and the settings in ``/server_info`` and sglang's ``server_args`` line."""
+    run = abort_run
+    assert all(completed(*r) for r in run["clean"].values()), run["clean"]
+    clean_log = run["clean_log"]
+    assert not [f for f in map(parse_perturb_line, clean_log.splitlines()) if f], clean_log[-3000:]
+    assert parse_violation_lines(clean_log) == [] and "Traceback" not in clean_log
+    first, second, info = run["first"], run["second"], run["info"]
+    assert run["info_status"] == 200 and run["clean_health"] == 200
     verified = "sglang:kv_canary_verified_slots_total"
     # it checks, and keeps on
     assert metric_total(second, verified) > metric_total(first, verified) > 0
@@ -145,42 +188,21 @@ def test_abort_server_clean_run_exports_metrics_and_settings(server):
     )
     assert info["kv_canary_real_data_layers"] == "first"
     assert "token_checks=on" in info["config"]
-    assert "kv_canary_config='mode=abort real_data=partial" in log  # repr(server_args)
+    assert "kv_canary_config='mode=abort real_data=partial" in clean_log  # repr(server_args)
 
 
-def test_abort_server_contains_faults_and_keeps_serving(server):
-    env = dict(
-        server["env"],
-        SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.5",
-        SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="20",
-        SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2",
-    )
-    srv = CliServer(
-        "abort_faults",
-        server["root"],
-        server["model"],
-        env,
-        ["--kv-canary", "abort", "--kv-canary-real-data", "partial", "--enable-metrics"],
-        launcher="serve",
-        **SERVER_ARGS,
-    )
-    results = {}
-    try:
-        srv.wait_ready()
-        for w in range(12):  # until both faults are injected and contained
-            results.update(wave(srv.port, f"f{w}", prefix_len=32 + 4 * w))
-            if len([f for f in map(parse_perturb_line, srv.log().splitlines()) if f]) >= 2:
-                break
-        later = wave(srv.port, "later", prefix_len=36)  # after the faults: all complete
-        assert http_call(srv.port, "GET", "/health", timeout=60)[0] == 200
-        series = metric_series(srv.port)
-        assert srv.alive()
-    finally:
-        srv.stop()
-    log = srv.log()
+def test_abort_server_contains_faults_and_keeps_serving(abort_run):
+    """The faults: the touched requests end with HTTP 500 and the canary's message (for a
+    violation naming them, or for locking the corrupt prefix), every other request and every
+    later one completes, ``/health`` stays OK, each fault is reported at its step naming the
+    changed row, and the counters match the log lines."""
+    run = abort_run
+    log, results, later, series = run["log"], run["results"], run["later"], run["series"]
+    assert run["health"] == 200 and run["alive"]
     assert "Traceback" not in log and "memory leak" not in log, log[-3000:]
     injected = [f for f in map(parse_perturb_line, log.splitlines()) if f]
     assert len(injected) == 2, log[-3000:]
+    assert all(int(f["step"]) > CLEAN_PHASE_WARMUP_STEPS for f in injected), injected
     assert all(completed(*r) for r in later.values()), later
     aborted = {rid for rid, (status, body) in results.items() if status != 200}
     assert all(results[rid][0] == 500 for rid in aborted), {r: results[r] for r in aborted}
