@@ -3,6 +3,7 @@
 Without a GPU, the Triton kernels run in Triton's interpreter on CPU tensors: TRITON_INTERPRET
 must be set before any kernel module is imported (Triton reads it when a kernel is decorated),
 so it is set here, at conftest import. With a GPU the kernels run compiled on CUDA tensors.
+Without one, each worker's torch runs one thread.
 """
 
 import os
@@ -13,6 +14,11 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # CI runs two workers on two cores, beside the servers they start (one OpenMP thread each:
+    # demo/server_harness.py): a worker's own torch ops on small tensors gain nothing from a
+    # second thread, whose team would wait, spinning, on a core another process holds
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
 
 from kernel_oracle import IMPLS, make_impl  # noqa: E402  (imports the kernels: after the above)
 

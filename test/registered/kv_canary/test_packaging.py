@@ -58,6 +58,18 @@ def test_the_demo_runs_as_a_module_of_the_runtime_package():
     assert "--cases" in out.stdout and "--page-size" in out.stdout
 
 
+def test_a_cpu_server_runs_one_openmp_thread_unless_told_otherwise(tmp_path):
+    """``cpu_server_env``: the stub first on ``LD_LIBRARY_PATH``, sglang's CPU engine, the
+    torch references (no ``TRITON_INTERPRET``), and one OpenMP thread unless the caller's
+    environment sets ``OMP_NUM_THREADS``."""
+    from sglang.srt.kv_canary.demo.server_harness import cpu_server_env
+
+    env = cpu_server_env(tmp_path, {"LD_LIBRARY_PATH": "/x", "TRITON_INTERPRET": "1"})
+    assert env["LD_LIBRARY_PATH"] == f"{tmp_path}:/x" and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert "TRITON_INTERPRET" not in env and env["OMP_NUM_THREADS"] == "1"
+    assert cpu_server_env(tmp_path, {"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
+
+
 def test_plugin_entry_point_is_registered():
     eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
     (ep,) = [e for e in eps if e.name == "kv_canary"]
