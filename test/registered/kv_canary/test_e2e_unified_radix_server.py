@@ -29,7 +29,7 @@ register_cpu_ci(est_time=80, suite="stage-a-test-cpu")
 pytestmark = pytest.mark.slow
 
 ARGS = dict(chunked_prefill_size=32, max_total_tokens=256, max_running_requests=4, log_level="info")
-# faults only past the clean phase (small_workload.py's waves: about 40 forwards)
+# faults only past the clean phase (small_workload.py's waves: 32 forwards)
 WARMUP = 50
 
 
