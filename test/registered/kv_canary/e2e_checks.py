@@ -12,6 +12,8 @@ import subprocess
 import sys
 
 from canary_support.script_run import run_support_script
+from e2e_support.engine_main import PHASE_END_TAG
+from sglang.srt.kv_canary.manager.stats import STATS_LINE_PREFIX
 from sglang.srt.kv_canary.perturb.report import PERTURB_LINE_PREFIX, parse_perturb_line
 from sglang.srt.kv_canary.violations.lines import (
     VIOLATION_LINE_PREFIX,
@@ -95,6 +97,39 @@ def assert_demo_fault_caught(row: dict, fault: str, logs: pathlib.Path) -> None:
             and "HEAD_K_FULL" in v.seen_by
             for v in parse_violation_lines(text)
         ), text[-3000:]
+
+
+# forward steps at least between a clean phase's last forward and the fault warm-up's end: the
+# phase must end before a fault can be injected (one step more in case the stats line's step
+# and the perturber's count differ by one); a phase that takes more forwards on a loaded
+# machine (its requests batched otherwise) fails only past the warm-up
+CLEAN_PHASE_MARGIN = 2
+
+
+def assert_clean_phase_then_faults(out: str, *, warmup: int, phase: str = "clean") -> str:
+    """A log-mode CPU server's run as a clean phase, then faults (fault warm-up ``warmup``
+    steps, ``SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS=1``: on the CPU a forward's stats line
+    is logged in that forward). The phase's last forward is the step of the last stats line
+    before the workload's ``KV_CANARY_TEST_PHASE_END <phase>`` line: it counts no violation and
+    lies at least :data:`CLEAN_PHASE_MARGIN` steps before the warm-up's end; a fault was
+    injected, the first past the warm-up, and nothing was reported before it. Returns the
+    phase's last stats line."""
+    lines = out.splitlines()
+    ends = [i for i, text in enumerate(lines) if text.startswith(PHASE_END_TAG + phase)]
+    assert len(ends) == 1, (phase, ends, out[-3000:])
+    stats = [text for text in lines[: ends[0]] if STATS_LINE_PREFIX in text]
+    assert stats, out[-3000:]
+    fields = dict(w.split("=", 1) for w in stats[-1].split() if "=" in w)
+    last_clean = int(fields["step"])
+    assert fields["violations"] == "0", stats[-1]
+    assert last_clean + CLEAN_PHASE_MARGIN <= warmup, (last_clean, warmup)
+    injected = [f for f in map(parse_perturb_line, lines) if f]
+    assert injected, out[-3000:]
+    first_fault = min(int(f["step"]) for f in injected)
+    assert first_fault > warmup, (first_fault, warmup)
+    early = [v for v in parse_violation_lines(out) if v.forward_step < first_fault]
+    assert early == [], early[:5]
+    return stats[-1]
 
 
 # every fault class of the perturbation framework, in the FULL group, from step 8 on

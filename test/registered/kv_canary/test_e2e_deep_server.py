@@ -1,17 +1,19 @@
-"""Per-layer fingerprints end to end on the CPU: ``--kv-canary-real-data-layers all`` on a real sglang 0.5.12
-server (a tiny four-layer Llama; docs/subsystems.md, "Per-layer fingerprints"). Clean with
-raise + sweep + real data + token checks: no violation. A byte flipped in the last layer's V
-row of a slot only the radix cache holds is caught by the sweep (``SWEEP_V_FULL``, ``verify_real_kv_hash``, ``kv_layer=3``); one flipped in a slot
-the forwards go on reading is caught by a TAIL check within the stated bound (layers / layers
-per forward forwards). With ``first`` (layer 0's K only) the same faults go unseen: the gap the
-user guide's "What it does not catch" states."""
+"""Per-layer fingerprints end to end on the CPU: ``--kv-canary-real-data-layers all`` on a real
+sglang 0.5.12 server (a tiny four-layer Llama; docs/subsystems.md, "Per-layer fingerprints").
+One server (log mode, sweep + real data + token checks, two layers a forward) runs a clean
+phase, then faults: the clean phase reports no violation; a byte flipped after it in the last
+layer's V row of a slot only the radix cache holds is caught by the sweep (``SWEEP_V_FULL``,
+``verify_real_kv_hash``, ``kv_layer=3``); one flipped in a slot the forwards go on reading is
+caught by a TAIL check within the stated bound (layers / layers per forward forwards). With
+``first`` (layer 0's K only; a server of its own) the same faults go unseen: the gap the user
+guide's "What it does not catch" states."""
 
 from __future__ import annotations
 
 import sys
 
 import pytest
-from e2e_checks import run_workload
+from e2e_checks import assert_clean_phase_then_faults, run_workload
 from e2e_workload import assert_memory_reserved_as_allocated, workload_info
 
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
@@ -23,7 +25,7 @@ from sglang.srt.kv_canary.demo.server_harness import (
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=225, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=140, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +33,9 @@ LAYERS = 4
 LAYERS_PER_FORWARD = 2
 BOUND = LAYERS // LAYERS_PER_FORWARD  # forwards reading a slot that check all its layers
 ARGS = dict(chunked_prefill_size=32, max_total_tokens=512, max_running_requests=4, log_level="info")
+# the every-layer server's faults only past its clean phase (small_workload.py's waves: 32
+# forwards)
+WARMUP = 50
 FAULTS = {
     "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "6",
     "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "10",
@@ -51,31 +56,52 @@ def server(tmp_path_factory):
     return dict(model=write_tiny_llama(root / "model", num_hidden_layers=LAYERS), env=env)
 
 
-def run(server, env_extra=None, **engine_kwargs):
+def run(server, layers, env_extra, *extra):
     return run_workload(
         "small_workload.py",
         server["model"],
-        dict(ARGS, **engine_kwargs),
-        dict(server["env"], **(env_extra or {})),
+        dict(
+            ARGS,
+            kv_canary="log",
+            kv_canary_real_data="partial",
+            kv_canary_real_data_layers=layers,
+            kv_canary_sweep_interval=2,
+        ),
+        dict(server["env"], **env_extra),
+        "cpu",
+        *extra,
         timeout=900,
     )
 
 
-def test_every_layer_clean_reports_nothing(server):
-    """(The outputs with every layer fingerprinted against the canary off: the HiCache clean
-    test, test_e2e_hicache_server.py, which runs ``--kv-canary-real-data-layers all``.)"""
-    rc, out, on = run(
+@pytest.fixture(scope="module")
+def every_layer(server):
+    """One server with every layer fingerprinted (and token checks): ``small_workload.py
+    two-phase``, the waves clean, then :data:`FAULTS` from step ``WARMUP`` on, while the second
+    phase's waves run."""
+    rc, out, res = run(
         server,
-        {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
-        kv_canary="raise",
-        kv_canary_real_data="partial",
-        kv_canary_real_data_layers="all",
-        kv_canary_sweep_interval=2,
+        "all",
+        dict(
+            FAULTS,
+            SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS=str(WARMUP),
+            SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT="1",
+            SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS="1",
+        ),
+        "two-phase",
     )
-    assert rc == 0, out[-3000:]
-    assert "real_data=partial real_data_layers=all layers_per_forward=1" in out
-    assert parse_violation_lines(out) == []
-    assert on is not None and len(on) == 12
+    assert rc == 0 and res is not None and len(res["second"]) == 24, out[-3000:]
+    return out, res
+
+
+def test_every_layer_clean_reports_nothing(every_layer):
+    """The clean phase. (The outputs with every layer fingerprinted against the canary off: the
+    HiCache clean test, test_e2e_hicache_server.py, which runs ``--kv-canary-real-data-layers
+    all``.)"""
+    out, res = every_layer
+    assert f"real_data=partial real_data_layers=all layers_per_forward={LAYERS_PER_FORWARD}" in out
+    assert_clean_phase_then_faults(out, warmup=WARMUP)
+    assert len(res["clean"]) == 12
     # every layer's fingerprint columns (and the token table) reserved as then built
     info = workload_info(out)
     assert_memory_reserved_as_allocated(info)
@@ -84,16 +110,7 @@ def test_every_layer_clean_reports_nothing(server):
     )
 
 
-def _faults_and_lines(server, layers):
-    rc, out, res = run(
-        server,
-        FAULTS,
-        kv_canary="log",
-        kv_canary_real_data="partial",
-        kv_canary_real_data_layers=layers,
-        kv_canary_sweep_interval=2,
-    )
-    assert rc == 0 and res is not None and len(res) == 12, out[-3000:]
+def _faults_and_lines(out):
     injected = [f for f in map(parse_perturb_line, out.splitlines()) if f]
     kinds = {f["fault"] for f in injected}
     assert kinds == {"real_kv_unused_cache", "real_kv_post_forward"}, injected
@@ -101,8 +118,8 @@ def _faults_and_lines(server, layers):
     return injected, parse_violation_lines(out)
 
 
-def test_last_layer_v_flips_are_caught_with_every_layer(server):
-    injected, lines = _faults_and_lines(server, "all")
+def test_last_layer_v_flips_are_caught_with_every_layer(every_layer):
+    injected, lines = _faults_and_lines(every_layer[0])
     assert lines and all(v.fail_reasons == ("verify_real_kv_hash",) for v in lines), lines
     assert all(v.kv_layer == LAYERS - 1 for v in lines), lines
     # a slot only the radix cache holds: the sweep, every layer
@@ -126,7 +143,10 @@ def test_last_layer_v_flips_are_caught_with_every_layer(server):
 
 
 def test_first_layer_only_misses_them(server):
-    injected, lines = _faults_and_lines(server, "first")
+    """Its own server (layer 0's K only): the faults from step 6 on, the waves once."""
+    rc, out, res = run(server, "first", FAULTS)
+    assert rc == 0 and res is not None and len(res) == 12, out[-3000:]
+    injected, lines = _faults_and_lines(out)
     assert injected and lines == []
 
 

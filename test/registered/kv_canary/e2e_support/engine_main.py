@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 DEVICES = ("cpu", "cuda")
 RESULT_TAG = "RESULT "
 INFO_TAG = "INFO "
+PHASE_END_TAG = "KV_CANARY_TEST_PHASE_END "
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,14 @@ def parse_argv(argv: Sequence[str]) -> ScriptArgs:
 
 def emit(tag: str, obj: Any) -> None:
     print(tag + json.dumps(obj), flush=True)
+
+
+def end_phase(name: str) -> None:
+    """``KV_CANARY_TEST_PHASE_END <name>`` on stderr, where the server's log lines go: in the
+    captured stderr it follows every line the phase's forwards logged before their requests
+    returned (on the CPU each forward's ``kv_canary stats:`` line among them), and precedes
+    every line of the next phase's forwards."""
+    print(PHASE_END_TAG + name, file=sys.stderr, flush=True)
 
 
 def emit_server_info(engine) -> None:
