@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 DEVICES = ("cpu", "cuda")
 RESULT_TAG = "RESULT "
 INFO_TAG = "INFO "
+CLEAN_TAG = "CLEAN "  # on stderr, after a two-phase script's clean phase
 
 
 @dataclasses.dataclass(frozen=True)
