@@ -486,8 +486,8 @@ MUTANTS_CHECKS = (
         path=f"{_RT}/manager/canary_manager.py",
         old="        if config.perturb.injects_on(ranks):",
         new="        if config.perturb.injects_on(RankFacts()):",
-        selection=f"{_T}/test_e2e_tp_fault_server.py::"
-        "test_a_fault_on_one_rank_is_reported_by_that_rank_only_and_raise_stops_the_server",
+        selection=f"{_T}/test_e2e_tp_server.py::"
+        "test_tp2_clean_matches_canary_off_then_a_fault_on_rank_1_stops_the_server",
         speed="slow",
         what="every rank believes it is rank 0 (faults land on the wrong rank)",
     ),

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from canary_support.script_run import run_support_script
-from e2e_support.engine_main import PHASE_END_TAG
+from e2e_support.engine_main import CLEAN_TAG, PHASE_END_TAG
 from sglang.srt.kv_canary.manager.stats import STATS_LINE_PREFIX
 from sglang.srt.kv_canary.perturb.report import PERTURB_LINE_PREFIX, parse_perturb_line
 from sglang.srt.kv_canary.violations.lines import (
@@ -283,13 +283,27 @@ def assert_host_kv_found(out: str):
     return fault, host, loaded
 
 
-# a TP 2 workload's fault, on rank 1 only (test_e2e_tp_fault_server.py, test_e2e_tp_gpu.py)
+# a TP 2 workload's fault, on rank 1 only (test_e2e_tp_gpu.py; test_e2e_tp_server.py with
+# TP_RANK_1_FAULT_AFTER_CLEAN)
 TP_RANK_1_FAULT = {
     "SGLANG_KV_CANARY_PERTURB_TP_RANK": "1",
     "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "6",
     "SGLANG_KV_CANARY_PERTURB_MAX_FAULTS": "2",
     "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB": "0.5",
 }
+
+
+# the TP 2 CPU test's one canary-on run (clean_then_fault_workload.py): TP_RANK_1_FAULT with the
+# injection's warm-up past every forward the clean phase can take (each forward serves at least
+# one prefill chunk or decoded token: 12 requests of at most 3 chunks and 7 decodes, 120; about
+# 32 as sglang batches them), a stats line of each rank per forward (its step count), and the
+# token checks of the clean run
+TP_RANK_1_FAULT_AFTER_CLEAN = dict(
+    TP_RANK_1_FAULT,
+    SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS="128",
+    SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS="1",
+    SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT="1",
+)
 
 
 def lines_by_tp_rank(out: str, prefix: str) -> dict:
@@ -328,6 +342,49 @@ def assert_tp2_fault_on_rank_1_only(rc: int, out: str, res) -> None:
     assert set(lines_by_tp_rank(out, VIOLATION_LINE_PREFIX)) <= {None}
 
 
+def stats_by_tp_rank(lines) -> dict:
+    """``{tp_rank: {step: violations}}`` of the stats lines among ``lines`` (each with sglang's
+    ``TP<n>]`` log prefix)."""
+    found = {}
+    for line in lines:
+        m = re.search(
+            r" TP(\d+)\] " + re.escape(STATS_LINE_PREFIX) + r" step=(\d+) .*violations=(\d+) ", line
+        )
+        if m:
+            found.setdefault(int(m.group(1)), {})[int(m.group(2))] = int(m.group(3))
+    return found
+
+
+def assert_tp2_clean_then_fault_on_rank_1(rc: int, out: str, res, off) -> None:
+    """The TP 2 CPU test's one canary-on run (``clean_then_fault_workload.py``,
+    :data:`TP_RANK_1_FAULT_AFTER_CLEAN`, raise mode). Its clean phase as
+    :func:`assert_tp2_clean` (a canary on each rank, the canary-off outputs ``off``, nothing
+    reported), ended before the first injection: TP rank 0's stats lines before the ``CLEAN``
+    line count the phase's forwards (L), both ranks logged steps 1..L with no violation, L is
+    below the warm-up, and each injection and each report comes at a later step. Then the
+    fault phase as :func:`assert_tp2_fault_on_rank_1_only`."""
+    assert_tp2_fault_on_rank_1_only(rc, out, res)
+    lines = out.splitlines()
+    marks = [i for i, line in enumerate(lines) if line.startswith(CLEAN_TAG)]
+    assert len(marks) == 1, out[-3000:]  # the server was up when the clean phase ended
+    clean = json.loads(lines[marks[0]][len(CLEAN_TAG) :])
+    installed = lines_by_tp_rank(out, "kv_canary installed:")
+    assert sorted(installed) == [0, 1], installed
+    assert clean["outputs"] == off and len(off) == 12, (clean["outputs"], off)
+    live = clean["kv_canary_live"]
+    assert live and all(s["target"]["violations"] == 0 for s in live), live
+    last_clean = max(stats_by_tp_rank(lines[: marks[0]]).get(0, {}), default=0)
+    steps = stats_by_tp_rank(lines)
+    for rank in (0, 1):
+        logged = {s: v for s, v in steps.get(rank, {}).items() if s <= last_clean}
+        assert logged == dict.fromkeys(range(1, last_clean + 1), 0), (rank, last_clean, logged)
+    warmup = int(TP_RANK_1_FAULT_AFTER_CLEAN["SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"])
+    assert 0 < last_clean < warmup, (last_clean, warmup)
+    faults = [int(f["step"]) for f in map(parse_perturb_line, lines) if f]
+    reported = [v.forward_step for v in parse_violation_lines(out)]
+    assert last_clean < min(faults) <= min(reported), (last_clean, faults, reported)
+
+
 # the TP 2 CPU servers' settings: small chunks, a small pool
 TP2_CPU_ARGS = dict(
     tp_size=2,
@@ -355,10 +412,11 @@ def tp2_cpu_server(root: pathlib.Path) -> dict:
     return dict(model=model, env=env)
 
 
-def run_tp2_cpu(server: dict, env_extra=None, **engine_kwargs):
-    """``small_workload.py`` on a TP 2 CPU Engine (:data:`TP2_CPU_ARGS` plus ``engine_kwargs``)."""
+def run_tp2_cpu(server: dict, env_extra=None, *, script="small_workload.py", **engine_kwargs):
+    """``e2e_support/<script>`` on a TP 2 CPU Engine (:data:`TP2_CPU_ARGS` plus
+    ``engine_kwargs``)."""
     return run_workload(
-        "small_workload.py",
+        script,
         server["model"],
         dict(TP2_CPU_ARGS, **engine_kwargs),
         dict(server["env"], **(env_extra or {})),

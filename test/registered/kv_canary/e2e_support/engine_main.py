@@ -20,6 +20,7 @@ DEVICES = ("cpu", "cuda")
 RESULT_TAG = "RESULT "
 INFO_TAG = "INFO "
 PHASE_END_TAG = "KV_CANARY_TEST_PHASE_END "
+CLEAN_TAG = "CLEAN "  # on stderr, after a two-phase script's clean phase
 
 
 @dataclasses.dataclass(frozen=True)
