@@ -13,7 +13,7 @@ import time
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=200, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=150, suite="stage-a-test-cpu")
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
 

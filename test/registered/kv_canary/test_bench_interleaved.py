@@ -17,7 +17,7 @@ import time
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=245, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=125, suite="stage-a-test-cpu")
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_canary"
 sys.path.insert(0, str(BENCH_DIR))

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=445, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=205, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow  # three subprocess runs, ~2 min together
 

@@ -21,7 +21,7 @@ from sglang.srt.kv_canary.violations.records import ViolationRecord
 from sglang.srt.kv_canary.demo.server_harness import cpu_engine_kwargs
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=275, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=150, suite="stage-a-test-cpu")
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_canary"
 sys.path.insert(0, str(BENCH_DIR))

@@ -34,7 +34,7 @@ from sglang.srt.kv_canary.demo.server_harness import (
 from canary_support.server_process import metric_series, metric_total
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=215, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=80, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 

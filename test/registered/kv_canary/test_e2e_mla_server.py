@@ -21,7 +21,7 @@ from sglang.srt.kv_canary.demo.server_harness import build_libcuda_stub, cpu_ser
 from canary_support.tiny_models import write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=195, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=105, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 

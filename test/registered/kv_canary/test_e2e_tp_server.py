@@ -20,7 +20,7 @@ from e2e_checks import (
 
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=220, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=180, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 

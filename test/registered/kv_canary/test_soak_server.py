@@ -90,7 +90,7 @@ from sglang.srt.kv_canary.demo.server_harness import (
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=215, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=110, suite="stage-a-test-cpu")
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
