@@ -23,7 +23,7 @@ from sglang.srt.kv_canary.snapshot_buffers import SnapshotHostBuffers
 from sglang.srt.kv_canary.token_history import TokenHistoryUploader
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=55, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=60, stage="base-b", runner_config="1-gpu-small")
 
 pytestmark = pytest.mark.cuda
 
@@ -281,6 +281,59 @@ def test_cuda_streams_match_torch_and_restore_the_stream():
     assert outer.query()
     done.synchronize()
     assert int(x.sum()) == 1 << 20
+
+
+def test_the_sweeps_walk_holds_an_evicted_nodes_value_until_its_stream_read_it():
+    """sglang makes a radix node's value (its slots) on the scheduling stream; the sweep's walk
+    reads the values on the forward stream, behind that forward's kernels. An eviction in
+    between frees a value on the scheduling stream, whose next tensor of that size takes the
+    same memory and is written at once: unless the walk holds the values for its own stream,
+    it reads the new tensor's contents as the cached slots (a clean server's sweep then reports
+    slots of running requests at the cached depths). Here the forward stream sleeps while the
+    node is evicted and its memory offered again."""
+    from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    slots_n = 256
+    r2t = ReqToTokenPool(size=4, max_context_len=64, device="cuda", enable_memory_saver=False)
+    pool = MHATokenToKVPool(
+        size=slots_n,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=1,
+        head_dim=8,
+        layer_num=1,
+        device="cuda",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    alloc = TokenToKVPoolAllocator(slots_n, torch.bfloat16, "cuda", pool, need_sort=False)
+    cache = RadixCache(
+        CacheInitParams(
+            disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1
+        )
+    )
+    tokens = list(range(3, 43))
+    slots = alloc.alloc(len(tokens)).to(torch.int64)
+    expected = slots.tolist()
+    cache.insert(InsertParams(key=RadixKey(tokens), value=slots))
+    del slots  # the tree holds the only reference, as in a server
+    forward = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(forward):
+        torch.cuda._sleep(200_000_000)  # the forward's model kernels, still running
+        walk = walk_radix_cache_for_canary(radix_cache=cache)
+    # the scheduling stream: the node evicted, then tensors of its value's size made and written
+    cache.evict(EvictParams(num_tokens=len(tokens)))
+    assert cache.evictable_size() == 0
+    junk = [torch.full((len(tokens),), -7, dtype=torch.int64, device="cuda") for _ in range(4)]
+    torch.cuda.synchronize()
+    assert walk.slot_indices.tolist() == expected, (walk.slot_indices.tolist(), len(junk))
+    assert walk.positions.tolist() == list(range(len(tokens)))
 
 
 if __name__ == "__main__":

@@ -90,6 +90,15 @@ def walk_radix_cache_for_canary(
         return _empty(seam.radix_cache_device(radix_cache))
 
     device = values[0].device
+    if device.type == "cuda":
+        # sglang makes a node's value on its scheduling stream; the walk's reads below queue on
+        # the current (forward) stream, behind that forward's model kernels. An eviction before
+        # they run frees the value there, and the scheduling stream's next tensor may take its
+        # memory and be written first: the walk would read another sequence's slots. Each
+        # value stays allocated until this stream's queued work is done.
+        stream = torch.cuda.current_stream(device)
+        for value in values:
+            value.record_stream(stream)
     lens_d = torch.tensor(lens, dtype=torch.int64).to(device)
     meta = torch.tensor([starts, parents], dtype=torch.int64).to(device)
     node_starts, node_parents = meta[0], meta[1]
