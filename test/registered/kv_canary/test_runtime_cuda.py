@@ -290,7 +290,7 @@ def test_the_sweeps_walk_holds_an_evicted_nodes_value_until_its_stream_read_it()
     same memory and is written at once: unless the walk holds the values for its own stream,
     it reads the new tensor's contents as the cached slots (a clean server's sweep then reports
     slots of running requests at the cached depths). Here the forward stream sleeps while the
-    node is evicted and its memory offered again."""
+    node is evicted and its memory offered again; the walk itself must not wait for it."""
     from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
@@ -327,10 +327,11 @@ def test_the_sweeps_walk_holds_an_evicted_nodes_value_until_its_stream_read_it()
     with torch.cuda.stream(forward):
         torch.cuda._sleep(200_000_000)  # the forward's model kernels, still running
         walk = walk_radix_cache_for_canary(radix_cache=cache)
+    assert not forward.query(), "the walk waited for the forward stream"
     # the scheduling stream: the node evicted, then tensors of its value's size made and written
     cache.evict(EvictParams(num_tokens=len(tokens)))
     assert cache.evictable_size() == 0
-    junk = [torch.full((len(tokens),), -7, dtype=torch.int64, device="cuda") for _ in range(4)]
+    junk = [torch.full((len(tokens),), -7, dtype=torch.int64, device="cuda") for _ in range(256)]
     torch.cuda.synchronize()
     assert walk.slot_indices.tolist() == expected, (walk.slot_indices.tolist(), len(junk))
     assert walk.positions.tolist() == list(range(len(tokens)))

@@ -4,7 +4,8 @@
 The walk is iterative (deep trees never hit Python's recursion limit) and touches each node
 once on the host, collecting only its value tensor, depth and parent; the flattening itself
 (positions, predecessors) is vectorised on the device where the slots live, with no per-node
-device→host reads.
+device→host reads and, on CUDA, no wait for the forward stream: its work queues behind the
+forward's kernels, holding the node values it reads for that stream.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ def walk_radix_cache_for_canary(
         stream = torch.cuda.current_stream(device)
         for value in values:
             value.record_stream(stream)
-    lens_d = torch.tensor(lens, dtype=torch.int64).to(device)
-    meta = torch.tensor([starts, parents], dtype=torch.int64).to(device)
+    lens_d = _host_list_to(lens, torch.int64, device)
+    meta = _host_list_to([starts, parents], torch.int64, device)
     node_starts, node_parents = meta[0], meta[1]
     offsets = torch.cumsum(lens_d, 0) - lens_d
     flat = torch.cat(values).to(torch.int64)
@@ -116,8 +117,18 @@ def walk_radix_cache_for_canary(
     prev[offsets] = torch.where(node_parents >= 0, parent_last, -1)
     if not filtering or all(keep):
         return RadixCacheWalkResult(flat, positions, prev)
-    mask = torch.tensor(keep, dtype=torch.bool).to(device)[node_of]
+    mask = _host_list_to(keep, torch.bool, device)[node_of]
     return RadixCacheWalkResult(flat[mask], positions[mask], prev[mask])
+
+
+def _host_list_to(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``data`` (a host list) as a tensor on ``device``: on CUDA through pinned memory and a
+    copy queued on the current stream, so the walk never waits for the forward's kernels (a
+    pageable copy would block the host until the stream is idle); the pinned buffer is kept
+    until that copy ran (torch's pinned allocator)."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def radix_tree_nodes(radix_cache) -> List:
