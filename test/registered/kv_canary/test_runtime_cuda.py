@@ -318,14 +318,16 @@ def test_the_sweeps_walk_holds_an_evicted_nodes_value_until_its_stream_read_it()
         )
     )
     tokens = list(range(3, 43))
-    slots = alloc.alloc(len(tokens)).to(torch.int64)
+    slots = alloc.alloc(len(tokens)).to(torch.int64, copy=True)  # its own memory, as in sglang
     expected = slots.tolist()
     cache.insert(InsertParams(key=RadixKey(tokens), value=slots))
     del slots  # the tree holds the only reference, as in a server
     forward = torch.cuda.Stream()
+    with torch.cuda.stream(forward):  # a server's earlier sweeps: kernels loaded, pinned blocks
+        walk_radix_cache_for_canary(radix_cache=cache)
     torch.cuda.synchronize()
     with torch.cuda.stream(forward):
-        torch.cuda._sleep(200_000_000)  # the forward's model kernels, still running
+        torch.cuda._sleep(2_000_000_000)  # the forward's model kernels, still running
         walk = walk_radix_cache_for_canary(radix_cache=cache)
     assert not forward.query(), "the walk waited for the forward stream"
     # the scheduling stream: the node evicted, then tensors of its value's size made and written
