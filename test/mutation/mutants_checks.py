@@ -293,7 +293,7 @@ MUTANTS_CHECKS = (
     Mutant(
         id="i21-lockers-not-aborted",
         path=f"{_RT}/violations/containment.py",
-        old="for req in self.resolver.running_mapping_full_slots(slots):",
+        old="for req in (r for r, h in zip(reqs, hit) if h):",
         new="for req in []:",
         selection=f"{_T}/test_containment.py::"
         "test_abort_mode_waits_for_locked_nodes_and_aborts_who_locks_them",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 import pytest
 import torch
@@ -18,7 +19,16 @@ from sglang.srt.kv_canary import plugin
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.jit_kernel.kv_canary.consts import FailReason
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
-from sglang.srt.kv_canary.violations.containment import ContainmentManager
+from sglang.srt.kv_canary.violations.containment import (
+    ContainmentManager,
+    parse_notice_lines,
+)
+from sglang.srt.kv_canary.violations.rank_relay import (
+    RankAgreement,
+    RankRelay,
+    connect_input,
+    take_containment_notices,
+)
 from sglang.srt.kv_canary.violations.release_guard import RELEASE_LINE_PREFIX
 from sglang.srt.kv_canary.violations.resolver import IncidentRequests, RequestResolver
 from sglang.srt.kv_canary.perturb import CanaryPerturber
@@ -554,6 +564,176 @@ def test_an_unmarked_request_is_released_by_sglang_alone(make_pool, hooked, monk
     pool.release(a)
     pool.check_accounting()
     assert pool.guard.guarded_releases == 0
+
+
+# ---- several TP ranks -------------------------------------------------------------------------
+
+
+class _ThreadRanks:
+    """Threads standing in for the TP ranks of one scheduler group, each with its own pool:
+    ``agreement(rank)`` gathers as ``all_gather_object`` does (every rank's object, in rank
+    order, once every rank has made the call)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._barrier = threading.Barrier(n, timeout=60)
+        self._box = [None] * n
+        self.gathers = 0
+
+    def agreement(self, rank: int) -> RankAgreement:
+        def gather(obj):
+            self._box[rank] = obj
+            self._barrier.wait()
+            out = list(self._box)
+            self._barrier.wait()
+            if rank == 0:
+                self.gathers += 1
+            return out
+
+        return RankAgreement(gather, self.n)
+
+
+def _on_ranks(*calls) -> None:
+    """Run ``calls[i]`` on rank i's thread, all at once (as the ranks' schedulers reach the
+    same step); re-raise the first error."""
+    errors = []
+
+    def run(call):
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+
+
+def _free_list(pool: Pool):
+    return torch.cat([pool.alloc.free_pages, pool.alloc.release_pages]).tolist()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_two_tp_ranks_free_the_same_pages_in_the_same_order_when_one_ranks_row_is_corrupt(
+    make_pool, hooked, page_size
+):
+    """Two TP ranks hold the same requests in the same slots. Rank 1's copy of A's row names
+    B's slot at a middle position (a fault on that GPU); rank 0's is clean. Released under
+    the guard on both ranks at once, A frees the same pages on both, in the same order (the
+    next request gets the same slots on both), B's page is held back on both until B frees
+    it, and each pool's accounting holds. Without the agreement rank 1 frees A's own slot
+    last (its reclaim) and keeps a pending page rank 0 does not have."""
+    ranks = _ThreadRanks(2)
+    pools = [make_pool(page_size), make_pool(page_size)]
+    for rank, pool in enumerate(pools):
+        pool.guard.agreement = ranks.agreement(rank)
+    reqs = [(p.request(3 * page_size + 2), p.request(2 * page_size + 4)) for p in pools]
+    assert pools[0].row(reqs[0][0]) == pools[1].row(reqs[1][0])
+    a1, b1 = reqs[1]
+    _corrupt(pools[1], a1, page_size + 1, pools[1].row(b1)[3])
+    for pool, (a, b) in zip(pools, reqs):
+        seam.mark_contained(a)
+        seam.mark_contained(b)
+    _on_ranks(*(lambda p=p, r=r: p.release(r[0]) for p, r in zip(pools, reqs)))
+    assert _free_list(pools[0]) == _free_list(pools[1])
+    assert pools[0].guard.pending == pools[1].guard.pending == [pools[0].row(reqs[0][1])[3] // page_size]
+    c = [p.request(page_size + 1) for p in pools]
+    assert pools[0].row(c[0]) == pools[1].row(c[1])  # the same slots handed out
+    _on_ranks(*(lambda p=p, r=r: p.release(r[1]) for p, r in zip(pools, reqs)))
+    _on_ranks(*(lambda p=p: p.guard.settle(p.cache) for p in pools))
+    assert _free_list(pools[0]) == _free_list(pools[1])
+    for pool in pools:
+        assert pool.guard.pending == []
+        pool.check_busy_count()
+        pool.check_accounting()
+    assert ranks.gathers == 3  # one per guarded release, one for settle (a page pending)
+
+
+def test_a_held_back_page_is_freed_by_settle_only_when_no_rank_sees_a_holder(
+    make_pool, hooked
+):
+    """The ranks' views of a held-back page differ (rank 0 still sees B's row name it, rank
+    1 does not): settle frees it on neither rank until no rank sees a holder, then on both."""
+    ranks = _ThreadRanks(2)
+    pools = [make_pool(1), make_pool(1)]
+    for rank, pool in enumerate(pools):
+        pool.guard.agreement = ranks.agreement(rank)
+    bs = [p.request(6) for p in pools]
+    page = pools[0].row(bs[0])[2]
+    for pool in pools:
+        pool.guard.pending = [page]
+    pools[1].r2t.req_to_token[bs[1].req_pool_idx, 2] = pools[1].row(bs[1])[1]  # rank 1 only
+    _on_ranks(*(lambda p=p: p.guard.settle(p.cache) for p in pools))
+    assert [p.guard.pending for p in pools] == [[page], [page]]
+    assert _free_list(pools[0]) == _free_list(pools[1])
+    pools[0].r2t.req_to_token[bs[0].req_pool_idx, 2] = pools[0].row(bs[0])[1]
+    _on_ranks(*(lambda p=p: p.guard.settle(p.cache) for p in pools))
+    assert [p.guard.pending for p in pools] == [[], []]
+    assert page in _free_list(pools[0]) and _free_list(pools[0]) == _free_list(pools[1])
+
+
+def test_a_report_on_one_rank_is_contained_on_every_rank_through_rank_0s_inputs(
+    make_pool, hooked, caplog
+):
+    """Rank 1's containment sends its incident (no abort yet) to rank 0's scheduler input
+    socket; taken out of that iteration's inputs (the tokenizer's request stays), the notice
+    is applied on both ranks: the same request aborted by id, its slot remembered, the same
+    line on each rank."""
+    import zmq
+
+    ranks = _ThreadRanks(2)
+    pools = [make_pool(1), make_pool(1)]
+    relays = [RankRelay(origin=f"tp_rank {r}, pp_rank 0, dp_rank 0", pool="target") for r in range(2)]
+    context = zmq.Context(1)
+    rank0_input = context.socket(zmq.PULL)  # the scheduler's recv_from_tokenizer
+    try:
+        connect_input(rank0_input, [r.endpoint for r in relays])
+        for rank, pool in enumerate(pools):
+            pool.containment.attach_ranks(relays[rank], ranks.agreement(rank))
+        reqs = [(p.request(6), p.request(6)) for p in pools]
+        a1 = reqs[1][0]
+        slot = pools[1].row(a1)[2]
+        (incident,) = merge_incidents(
+            [
+                ViolationRecord(
+                    launch_tag=int(CanaryLaunchTag.HEAD_K_FULL),
+                    slot_idx=slot,
+                    position=2,
+                    stored_token=7,
+                    expected_token=-1,
+                    stored_chain_hash=0,
+                    expected_aux=0,
+                    fail_bits=int(FailReason.VERIFY_TOKEN_MISMATCH),
+                    read_position=2,
+                    req_to_token_row=a1.req_pool_idx,
+                )
+            ]
+        )
+        touched = IncidentRequests(rids=(a1.rid,), running=(a1,), holding=(a1,))
+        assert pools[1].containment.contain([incident], [touched]) == 0
+        assert not seam.req_done(a1)  # nothing aborted before every rank has the notice
+        assert rank0_input.poll(10_000), "the notice never reached rank 0's input"
+        inputs = ["a tokenized request", rank0_input.recv_pyobj()]
+        notices = take_containment_notices(inputs)
+        assert inputs == ["a tokenized request"] and len(notices) == 1
+        with caplog.at_level(logging.WARNING):
+            for pool in pools:  # every rank gets the same list (recv_requests' broadcast)
+                assert pool.containment.apply(notices[0]) == 1
+        for pool, (a, b) in zip(pools, reqs):
+            assert seam.req_done(a) and not seam.req_done(b)
+            assert a.to_finish.message.startswith("kv_canary: KV cache corruption detected")
+            assert seam.req_contained(a) and not seam.req_contained(b)
+            assert list(pool.containment.pending_slots) == [slot]
+        assert parse_notice_lines(caplog.text) == [("tp_rank 1, pp_rank 0, dp_rank 0", (a1.rid,))] * 2
+    finally:
+        rank0_input.close()
+        context.term()
+        for relay in relays:
+            relay.close()
 
 
 if __name__ == "__main__":

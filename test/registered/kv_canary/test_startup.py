@@ -281,12 +281,17 @@ def test_abort_mode_starts_from_every_route(tmp_path, model_dir):
         assert sa.kv_canary == "abort"
         assert CanaryConfig.from_server_args(sa).describe().startswith("mode=abort ")
         assert "kv_canary_config='mode=abort " in repr(sa)
+    # tensor parallelism on one node is served; pipeline stages and DP attention are not
+    assert cli(model_dir, "--kv-canary", "abort", "--tp-size", "2").kv_canary == "abort"
+    assert kwargs(model_dir, kv_canary="abort", tp_size=4).tp_size == 4
     with pytest.raises(
-        ValueError, match="--kv-canary abort needs a single scheduler rank.*--tp-size 2"
+        ValueError,
+        match="--kv-canary abort runs with one scheduler rank or with tensor parallelism on "
+        "one node .*, got --pp-size 2",
     ):
-        cli(model_dir, "--kv-canary", "abort", "--tp-size", "2")
-    with pytest.raises(ValueError, match="--tp-size 2"):
-        kwargs(model_dir, kv_canary="abort", tp_size=2)
+        cli(model_dir, "--kv-canary", "abort", "--tp-size", "2", "--pp-size", "2")
+    with pytest.raises(ValueError, match="got --dp-size 2, --enable-dp-attention"):
+        kwargs(model_dir, kv_canary="abort", tp_size=2, dp_size=2, enable_dp_attention=True)
 
 
 def test_help_lists_abort(capsys, model_dir):

@@ -29,6 +29,8 @@ registers the ``token_oracle`` sampling backend (``--sampling-backend token_orac
 | AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_scheduler``: tree cache, running |
 |  |  | requests, metric labels, KV slots in use, faked PD transfers |
 | AFTER | ``Scheduler.process_batch_result`` | ``after_batch_result`` (abort mode's eviction) |
+| BEFORE | ``Scheduler.process_input_requests`` | abort mode on several TP ranks: the |
+|  |  | containment notices taken out of the iteration's inputs and applied |
 | AFTER | ``Scheduler.get_init_info`` | add ``kv_canary`` (flags, effective config and |
 |  |  | memory) to what ``/server_info`` and ``Engine.get_server_info()`` return |
 | AFTER | ``Scheduler.get_internal_state`` | add ``kv_canary`` (each guarded pool's |
@@ -228,6 +230,31 @@ def _after_init_cache(result, self, *args, **kwargs):
             metrics_of=target if manager is draft and target is not None else None,
             faked_transfer=seam.faked_transfer_test(self),
         )
+    _attach_ranks(self, [m for m in (target, draft) if m is not None])
+
+
+def _attach_ranks(scheduler, managers) -> None:
+    """Several TP ranks: each canary's containment joins the others' (abort mode; every rank
+    runs this at the same point of its start-up, in the same order of canaries)."""
+    group = seam.scheduler_tp_rank_group(scheduler)
+    if group is None:
+        return
+    for manager in managers:
+        manager.attach_ranks(group)
+
+
+def _before_process_input_requests(self, recv_reqs, *args, **kwargs):
+    """Abort mode on several ranks: the containment notices among this iteration's inputs
+    (every rank's list is the same) are taken out before sglang dispatches the list, and
+    each of the scheduler's canaries applies those for its pool."""
+    if not recv_reqs:
+        return
+    from sglang.srt.kv_canary.violations.rank_relay import take_containment_notices
+
+    notices = take_containment_notices(recv_reqs)
+    if notices:
+        for manager in _scheduler_canaries(self):
+            manager.apply_containment_notices(notices)
 
 
 def _scheduler_canaries(scheduler):
@@ -366,6 +393,7 @@ HOOKS = (
     (seam.HOOK_GRAPH_REPLAY, _graph_replay, "AROUND"),
     (seam.HOOK_SCHEDULER_INIT_CACHE, _after_init_cache, "AFTER"),
     (seam.HOOK_SCHEDULER_PROCESS_BATCH_RESULT, _after_process_batch_result, "AFTER"),
+    (seam.HOOK_SCHEDULER_PROCESS_INPUT_REQUESTS, _before_process_input_requests, "BEFORE"),
     (seam.HOOK_SCHEDULER_GET_INIT_INFO, _after_get_init_info, "AFTER"),
     (seam.HOOK_SCHEDULER_GET_INTERNAL_STATE, _after_get_internal_state, "AFTER"),
     (seam.HOOK_SCHEDULER_ON_IDLE, _before_on_idle, "BEFORE"),

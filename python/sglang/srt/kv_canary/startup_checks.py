@@ -169,19 +169,21 @@ def check_standalone_draft_pool(server_args: "ServerArgs", kv_pool) -> None:
 
 def _check_abort_mode(server_args: "ServerArgs") -> None:
     """``--kv-canary abort`` changes the scheduler's batch (it aborts requests) on what one
-    rank's canary saw. sglang's schedulers of several ranks must make identical decisions,
-    and a corruption (one GPU's memory, one rank's ``req_to_token``) is seen by one rank
-    only: each rank would abort different requests and the ranks would fall out of step.
-    PD disaggregation moves a request between servers (prefill's running batch hands it to a
-    transfer queue the abort path does not drain). Both are refused rather than run unsound
+    rank's canary saw, and sglang's schedulers of several ranks must make identical
+    decisions. Tensor parallelism on one node is served: the detecting rank's report reaches
+    every TP rank through TP rank 0's input broadcast, and decisions read from a rank's own
+    view are agreed (docs/multi_rank_abort_design.md). Pipeline stages, data-parallel
+    schedulers and DP attention pass inputs differently, and a relay across nodes is not
+    built: those are refused. PD disaggregation moves a request between servers (prefill's
+    running batch hands it to a transfer queue the abort path does not drain): refused
     (docs/user_guide.md, "Containment: --kv-canary abort")."""
     value = sglang_seam.server_args_value
     multi = [
         f"{flag} {v}"
         for flag, name in (
-            ("--tp-size", "tp_size"),
             ("--pp-size", "pp_size"),
             ("--dp-size", "dp_size"),
+            ("--nnodes", "nnodes"),
         )
         if (v := int(value(server_args, name, 1) or 1)) > 1
     ]
@@ -189,10 +191,12 @@ def _check_abort_mode(server_args: "ServerArgs") -> None:
         multi.append("--enable-dp-attention")
     if multi:
         raise ValueError(
-            "--kv-canary abort needs a single scheduler rank: with "
+            "--kv-canary abort runs with one scheduler rank or with tensor parallelism on one "
+            "node (--tp-size), got "
             + ", ".join(multi)
-            + " each rank's canary sees its own corruption and the ranks would abort different "
-            "requests (their schedulers must agree); use --kv-canary raise or log there"
+            + ": the ranks must abort the same requests at the same step, and the canary "
+            "carries a report to every rank only through TP rank 0's inputs on one node; use "
+            "--kv-canary raise or log there"
         )
     mode = value(server_args, "disaggregation_mode", "null")
     if mode not in (None, "null"):

@@ -22,6 +22,7 @@ from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.violations.containment import ContainmentManager
+from sglang.srt.kv_canary.violations.rank_relay import ContainmentNotice
 from sglang.srt.kv_canary.manager.health import KernelRunCounterHealthChecker
 from sglang.srt.kv_canary.violations.metrics import CanaryMetrics
 from sglang.srt.kv_canary.manager.overflow import VerifyOverflowWarner
@@ -245,6 +246,17 @@ class ForwardReporter:
                 len(incidents),
                 sglang_seam.fake_bootstrap_host(),
             )
+
+    def apply_notices(self, notices: Sequence[ContainmentNotice]) -> None:
+        """Abort mode on several ranks: contain what the notices for this pool (``target`` /
+        ``draft``) ask, at the iteration every rank received them."""
+        if self.containment is None:
+            return
+        for notice in notices:
+            if notice.pool == self.pool:
+                aborted = self.containment.apply(notice)
+                if self.metrics is not None:
+                    self.metrics.on_aborted(aborted)
 
     def after_batch_result(self) -> None:
         """Abort mode, after the scheduler processed a batch result: evict the corrupt

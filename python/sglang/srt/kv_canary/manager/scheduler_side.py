@@ -13,6 +13,12 @@ from typing import Callable, Dict, Optional, Sequence
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.memory import CanaryMemory, host_mirror_bytes_per_slot
 from sglang.srt.kv_canary.violations.containment import ContainmentManager
+from sglang.srt.kv_canary.violations.rank_relay import (
+    ContainmentNotice,
+    RankAgreement,
+    RankRelay,
+    connect_input,
+)
 from sglang.srt.kv_canary.manager.health import KernelRunCounterHealthChecker
 from sglang.srt.kv_canary.manager.hicache import HostTierMirror
 from sglang.srt.kv_canary.violations.metrics import CanaryMetrics
@@ -120,6 +126,24 @@ class SchedulerSide:
             reporter.metrics = CanaryMetrics(metrics_labels, registry=metrics_registry)
         if reporter.metrics is not None:
             reporter.metrics.set_memory(self.memory, draft=self.ranks.draft)
+
+    def attach_ranks(self, group: "sglang_seam.SchedulerRankGroup") -> None:
+        """Several TP ranks, at the scheduler's start-up on every rank (abort mode; nothing
+        to do otherwise): this canary's relay bound, the endpoints exchanged, TP rank 0's
+        scheduler input connected to every rank's relay, the containment's agreements made
+        over the group (docs/multi_rank_abort_design.md)."""
+        if self.containment is None:
+            return
+        relay = RankRelay(origin=self.ranks.describe_rank(), pool=self.reporter.pool)
+        endpoints = group.gather(relay.endpoint)
+        if group.input_socket is not None:
+            connect_input(group.input_socket, endpoints)
+        self.containment.attach_ranks(relay, RankAgreement(group.gather, group.size))
+
+    def apply_containment_notices(self, notices: Sequence[ContainmentNotice]) -> None:
+        """The notices of this iteration's inputs (every rank gets the same): abort mode's
+        containment of what one rank reported."""
+        self.reporter.apply_notices(notices)
 
     def after_batch_result(self) -> None:
         """After the scheduler processed a batch result (finished requests released their

@@ -9,10 +9,13 @@
 | ``Scheduler.token_to_kv_pool_allocator.available_size()``, ``.max_total_num_tokens`` | the protected-tokens gauge | ``violations.metrics`` |
 | ``GetInternalStateReqOutput.internal_state`` (what ``Scheduler.get_internal_state`` returns) | adds ``kv_canary``: the violations each guarded pool reported so far (``/server_info``'s ``internal_states``) | ``plugin`` |
 | ``ScheduleBatch.reqs`` (``ModelWorkerBatch.reqs``, ``.forward_mode``, ``.req_pool_indices``) | the requests of a ``ForwardBatch.init_new`` (spec v1's draft extend: the unfinished ones) | ``plugin`` |
+| ``Scheduler.tp_size``, ``.tp_rank``, ``.tp_cpu_group`` (``torch.distributed.all_gather_object`` over it), ``.recv_from_tokenizer`` (TP rank 0's input ``PULL`` socket: ``connect``) | abort mode on several TP ranks: the ranks' relays' endpoints exchanged, rank 0's input connected to them; the containment agreements | ``manager.scheduler_side`` (through ``plugin``) |
+| ``Scheduler.process_input_requests``' list (``recv_requests``' broadcast) | the canary's containment notices taken out before sglang dispatches it | ``plugin`` |
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional
 
 from sglang.srt.kv_canary.sglang_seam.batch import req_done
@@ -50,6 +53,43 @@ def scheduler_draft_model_runner(scheduler: "Scheduler") -> Optional["ModelRunne
         worker = inner
     runner = getattr(worker, "draft_runner", None)
     return runner if runner is not None else getattr(worker, "model_runner", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerRankGroup:
+    """The TP ranks of a scheduler (more than one): this one's ``rank`` of ``size``;
+    ``gather(obj)``: every rank's ``obj`` in rank order (the same call on every rank:
+    ``all_gather_object`` over the TP CPU group); ``input_socket``: rank 0's scheduler input
+    ``PULL`` socket (None on the other ranks)."""
+
+    rank: int
+    size: int
+    gather: Callable[[object], List[object]]
+    input_socket: Optional[object]
+
+
+def scheduler_tp_rank_group(scheduler: "Scheduler") -> Optional[SchedulerRankGroup]:
+    """The scheduler's TP ranks, None with one. Call on every rank at the same point (a
+    gather blocks until every rank made it)."""
+    size = int(getattr(scheduler, "tp_size", 1) or 1)
+    if size <= 1:
+        return None
+    import torch.distributed as dist
+
+    group = scheduler.tp_cpu_group
+
+    def gather(obj) -> List[object]:
+        out: List[object] = [None] * size
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    rank = int(scheduler.tp_rank)
+    return SchedulerRankGroup(
+        rank=rank,
+        size=size,
+        gather=gather,
+        input_socket=scheduler.recv_from_tokenizer if rank == 0 else None,
+    )
 
 
 def scheduler_server_args(scheduler: "Scheduler") -> "ServerArgs":

@@ -23,6 +23,13 @@ from sglang.jit_kernel.kv_canary.consts import FailReason
 from sglang.jit_kernel.kv_canary.types import PoolKind
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.radix_cache_walker import radix_nodes_holding_slots
+from sglang.srt.kv_canary.violations.rank_relay import (
+    SINGLE_RANK,
+    ContainmentNotice,
+    NoticeIncident,
+    RankAgreement,
+    RankRelay,
+)
 from sglang.srt.kv_canary.violations.release_guard import ReleaseGuard
 from sglang.srt.kv_canary.violations.resolver import IncidentRequests, RequestResolver
 from sglang.srt.kv_canary.violations.lines import format_rids, parse_rids
@@ -35,6 +42,9 @@ ABORT_MESSAGE_PREFIX = "kv_canary: KV cache corruption detected"
 # (it is in no violation line's ``rids=``: it was admitted, or locked the prefix, later)
 PREFIX_ABORT_MESSAGE = f"{ABORT_MESSAGE_PREFIX} (a cached prefix it shares held a corrupt slot)"
 PREFIX_ABORT_LINE_PREFIX = "kv_canary abort: aborted the running requests locking a corrupt prefix:"
+# several ranks: each rank's line when it applies a notice (the same request ids on every rank)
+NOTICE_LINE_PREFIX = "kv_canary abort: applied the containment reported by"
+_NOTICE_RE = re.compile(re.escape(NOTICE_LINE_PREFIX) + r" (.+?): aborted rids=(\S+)")
 _PREFIX_ABORT_RE = re.compile(re.escape(PREFIX_ABORT_LINE_PREFIX) + r" rids=(\S+)")
 
 
@@ -69,6 +79,21 @@ class ContainmentManager:
         self.evicted_tokens = 0
         self._slots: List[int] = []  # full-pool slots whose radix nodes must go
         self._aborted: List[object] = []  # requests aborted for them, until they release
+        # several TP ranks (attach_ranks): reports go to every rank as notices, and the
+        # decisions read from this rank's own view are agreed
+        self.relay: Optional[RankRelay] = None
+        self.agreement: RankAgreement = SINGLE_RANK
+        self.applied_notices = 0
+
+    def attach_ranks(self, relay: RankRelay, agreement: RankAgreement) -> None:
+        """Several TP ranks (start-up, after :meth:`attach_radix_cache`): :meth:`contain`
+        sends its incidents to every rank through ``relay`` instead of acting, each rank acts
+        in :meth:`apply`, and the locked-prefix aborts and the release guard decide through
+        ``agreement``."""
+        self.relay = relay
+        self.agreement = agreement
+        if self.guard is not None:
+            self.guard.agreement = agreement
 
     def attach_radix_cache(self, radix_cache) -> None:
         """The scheduler's tree cache (start-up). Refuses a radix cache whose nodes the canary
@@ -102,7 +127,22 @@ class ContainmentManager:
         self, incidents: Sequence[ViolationIncident], touched: Sequence[IncidentRequests]
     ) -> int:
         """Abort the running requests each incident touches and remember its slots; returns
-        how many requests were aborted now."""
+        how many requests were aborted now. On several ranks nothing is aborted here: the
+        incidents go to every rank (:meth:`apply`, at the iteration rank 0 receives them)."""
+        if self.relay is not None:
+            self.relay.send(
+                [
+                    NoticeIncident(
+                        slot_idx=inc.record.slot_idx,
+                        pool_kind=inc.record.pool_kind.value,
+                        message=abort_message(inc),
+                        running_rids=tuple(seam.req_rid(r) for r in reqs.running),
+                        holding_rids=tuple(seam.req_rid(r) for r in reqs.holding),
+                    )
+                    for inc, reqs in zip(incidents, touched)
+                ]
+            )
+            return 0
         aborted = 0
         for inc, reqs in zip(incidents, touched):
             message = abort_message(inc)
@@ -117,9 +157,40 @@ class ContainmentManager:
         self.aborted_requests += aborted
         return aborted
 
+    def apply(self, notice: ContainmentNotice) -> int:
+        """Several ranks: what :meth:`contain` does on one rank, for a notice every rank
+        received in the same iteration's inputs: the running requests it names are aborted
+        and the holders' releases guarded, by request id (the ranks hold the same requests),
+        and its slots remembered. Requests that finished since the report are not here any
+        more (named, not aborted). Returns how many requests were aborted; logs the ids."""
+        live = {seam.req_rid(r): r for r in self.resolver.running_reqs()}
+        aborted, rids = 0, []
+        for inc in notice.incidents:
+            for rid in inc.holding_rids:
+                req = live.get(rid)
+                if req is not None and seam.req_pool_row(req) is not None:
+                    seam.mark_contained(req)
+            for rid in inc.running_rids:
+                req = live.get(rid)
+                if req is None:
+                    continue
+                seam.mark_no_radix_insert(req)
+                if seam.abort_running_req(req, inc.message):
+                    aborted += 1
+                    rids.append(rid)
+                    self._aborted.append(req)
+            self._remember_slot(inc.slot_idx, PoolKind(inc.pool_kind))
+        self.aborted_requests += aborted
+        self.applied_notices += 1
+        logger.warning(
+            "%s %s: aborted rids=%s", NOTICE_LINE_PREFIX, notice.origin, format_rids(rids)
+        )
+        return aborted
+
     def _remember(self, inc: ViolationIncident) -> None:
-        slot = inc.record.slot_idx
-        kind = inc.record.pool_kind
+        self._remember_slot(inc.record.slot_idx, inc.record.pool_kind)
+
+    def _remember_slot(self, slot: int, kind: PoolKind) -> None:
         if kind == PoolKind.FULL:
             full = [slot]
         elif self.swa_index_lut is not None:
@@ -167,7 +238,9 @@ class ContainmentManager:
         aborted = 0
         if locked:  # a running request holds the corrupt prefix: it reads corrupt KV
             rids = []
-            for req in self.resolver.running_mapping_full_slots(slots):
+            reqs, hit = self.resolver.running_mapping_mask(slots)
+            hit = self.agreement.any_of(hit) if self.agreement.several else hit
+            for req in (r for r, h in zip(reqs, hit) if h):
                 seam.mark_no_radix_insert(req)
                 if seam.abort_running_req(req, PREFIX_ABORT_MESSAGE):
                     aborted += 1
@@ -179,6 +252,12 @@ class ContainmentManager:
         elif not self._aborted:
             self._slots = []
         return aborted
+
+
+def parse_notice_lines(log: str) -> List[Tuple[str, Tuple[str, ...]]]:
+    """Every applied-notice line in ``log`` (:meth:`ContainmentManager.apply`): (the
+    detecting rank as named, the request ids aborted), in log order."""
+    return [(m.group(1), parse_rids(m.group(2))) for m in _NOTICE_RE.finditer(log)]
 
 
 def parse_prefix_abort_rids(log: str) -> Tuple[str, ...]:

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import re
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,6 +26,7 @@ from sglang.jit_kernel.kv_canary.consts import CANARY_FIELD_POSITION, CANARY_FIE
 from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.radix_cache_walker import radix_subtree_nodes, radix_tree_nodes
+from sglang.srt.kv_canary.violations.rank_relay import SINGLE_RANK, RankAgreement, agree_release
 from sglang.srt.kv_canary.violations.resolver import violation_path_sync
 
 logger = logging.getLogger(__name__)
@@ -77,12 +78,15 @@ class ReleaseOutcome:
 @dataclasses.dataclass(frozen=True, eq=False)
 class _ReleasePlan:
     """One guarded release: pages held back (int64, the allocator's device), pages reclaimed,
-    held-back pages not free yet (host list), unattributed entries."""
+    held-back pages not free yet (host list), unattributed entries. ``agreed`` (several
+    ranks): the pages every rank frees, in the order each frees them (sorted), instead of
+    sglang's frees in its own order."""
 
     held_back: torch.Tensor
     reclaim: torch.Tensor
     still_held: List[int]
     unattributed: int
+    agreed: Optional[Tuple[int, ...]] = None
 
 
 class ReleaseGuard:
@@ -124,6 +128,8 @@ class ReleaseGuard:
         # a release or eviction under way: a guard nested in it (sglang calling a hooked
         # method from another, a second wrap of the same method) leaves it to the outer one
         self._busy = False
+        # several TP ranks: every plan is agreed (they free the same pages; see agree_release)
+        self.agreement: RankAgreement = SINGLE_RANK
 
     # ---- who holds what ----------------------------------------------------------------------
 
@@ -191,6 +197,7 @@ class ReleaseGuard:
                 free,
                 page_size,
             )
+            plan = self._agreed(plan, entries // page_size, free)
         with self._guarded(allocator, page_size, plan, f"released request {seam.req_rid(req)}"):
             yield
 
@@ -219,19 +226,26 @@ class ReleaseGuard:
             return
         with violation_path_sync(device):
             named, free = self._holders(allocator, page_size, exclude_nodes=subtree)
+            entries = torch.cat(slots)
             plan = self._decide(
-                torch.cat(slots),
+                entries,
                 torch.tensor(positions, device=device),
                 torch.tensor(tokens, dtype=torch.int64).to(device),
                 named,
                 free,
                 page_size,
             )
+            plan = self._agreed(plan, entries // page_size, free)
         with self._guarded(allocator, page_size, plan, "evicting a corrupt prefix"):
             yield
 
     @contextlib.contextmanager
     def _guarded(self, allocator, page_size: int, plan: "_ReleasePlan", what: str):
+        if plan.agreed is not None:
+            with self._agreed_frees(allocator, page_size, plan):
+                yield
+            self._account(plan, page_size, what)
+            return
         dropped = plan.held_back
         freed: List[torch.Tensor] = []
 
@@ -255,6 +269,32 @@ class ReleaseGuard:
             self._busy = False
         if plan.reclaim.numel():
             allocator.free(plan.reclaim * page_size)
+        self._account(plan, page_size, what)
+
+    @contextlib.contextmanager
+    def _agreed_frees(self, allocator, page_size: int, plan: "_ReleasePlan"):
+        """Several ranks: sglang's frees within the block are collected, not made; after it,
+        the agreed pages among them (and those the plan reclaims) are freed in one call,
+        sorted, so every rank's allocator hands out the same slots afterwards."""
+        tried: List[torch.Tensor] = []
+
+        def keep(free_index: torch.Tensor) -> torch.Tensor:
+            tried.append(free_index.to(torch.int64) // page_size)
+            return free_index[:0]
+
+        self._busy = True
+        try:
+            with seam.allocator_frees_filtered(allocator, keep):
+                yield
+        finally:
+            self._busy = False
+        attempted = set(torch.cat(tried).tolist()) if tried else set()
+        pages = sorted(set(plan.agreed) & (attempted | set(plan.reclaim.tolist())))
+        if pages:
+            device = plan.held_back.device
+            allocator.free(torch.tensor(pages, dtype=torch.int64, device=device) * page_size)
+
+    def _account(self, plan: "_ReleasePlan", page_size: int, what: str) -> None:
         self.pending.extend(p for p in plan.still_held if p not in self.pending)
         outcome = ReleaseOutcome(
             what=what,
@@ -339,6 +379,29 @@ class ReleaseGuard:
             unattributed=unattributed,
         )
 
+    def _agreed(
+        self, plan: "_ReleasePlan", entry_pages: torch.Tensor, free: torch.Tensor
+    ) -> "_ReleasePlan":
+        """On several ranks, ``plan`` replaced by the ranks' agreed one (``agree_release``):
+        the pages every rank frees, in one order, and the pages held back on every rank. One
+        gather; ``plan`` itself on one rank."""
+        if not self.agreement.several:
+            return plan
+        agreed = agree_release(
+            self.agreement,
+            entry_pages=torch.unique(entry_pages).tolist(),
+            held_back=plan.held_back.tolist(),
+            reclaim=plan.reclaim.tolist(),
+        )
+        device = plan.held_back.device
+        return _ReleasePlan(
+            held_back=torch.tensor(agreed.held_back, dtype=torch.int64, device=device),
+            reclaim=torch.tensor(agreed.reclaim, dtype=torch.int64, device=device),
+            still_held=[p for p in agreed.kept if not bool(free[p])],
+            unattributed=plan.unattributed,
+            agreed=agreed.frees,
+        )
+
     # ---- held-back pages ---------------------------------------------------------------------
 
     def settle(self, tree_cache) -> int:
@@ -353,9 +416,12 @@ class ReleaseGuard:
         with violation_path_sync(device):
             named, free = self._holders(allocator, page_size)
             pending = torch.tensor(self.pending, dtype=torch.int64, device=device)
-            orphan = pending[~named[pending] & ~free[pending]]
-            keep = pending[named[pending] & ~free[pending]].tolist()
-            orphans = orphan.tolist()
+            orphans = pending[~named[pending] & ~free[pending]].tolist()
+            held = pending[~free[pending]].tolist()
+        if self.agreement.several:  # freed only where no rank sees a holder
+            orphans = self.agreement.common(orphans)
+        keep = [p for p in held if p not in set(orphans)]
+        orphan = torch.tensor(orphans, dtype=torch.int64, device=device)
         if orphans:
             allocator.free(orphan * page_size)
             self.settled_slots += len(orphans) * page_size

@@ -116,16 +116,17 @@ class RequestResolver:
         live = torch.arange(width, device=device)[None, :] < lens_d[:, None]
         return table.to(torch.int64), live
 
-    def running_mapping_full_slots(self, slots: torch.Tensor) -> List[object]:
-        """Running requests (not finishing) whose live row entries map any of ``slots``
-        (int64 full-pool slots). One read-back; containment path only."""
+    def running_mapping_mask(self, slots: torch.Tensor) -> Tuple[List[object], List[bool]]:
+        """The running requests (not finishing) holding live row entries, and for each
+        whether one of them maps any of ``slots`` (int64 full-pool slots). One read-back;
+        containment path only."""
         reqs = [
             r
             for r in self.running_reqs()
             if not seam.req_done(r) and seam.req_pool_row(r) is not None and seam.req_kv_len(r) > 0
         ]
         if not reqs or slots.numel() == 0:
-            return []
+            return reqs, [False] * len(reqs)
         device = self.req_to_token.device
         table, live = self._live_rows(
             [seam.req_pool_row(r) for r in reqs], [seam.req_kv_len(r) for r in reqs]
@@ -133,8 +134,7 @@ class RequestResolver:
         hit_d = (torch.isin(table, slots.to(device, torch.int64)) & live).any(dim=1)
         self.device_reads += 1
         with violation_path_sync(device):
-            hit = hit_d.tolist()
-        return [r for r, h in zip(reqs, hit) if h]
+            return reqs, hit_d.tolist()
 
     def _mapped(self, incidents, candidates) -> List[List[int]]:
         """For each incident, the candidates whose live row entries map its slot."""
