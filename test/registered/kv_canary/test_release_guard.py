@@ -640,7 +640,11 @@ def test_two_tp_ranks_free_the_same_pages_in_the_same_order_when_one_ranks_row_i
         seam.mark_contained(b)
     _on_ranks(*(lambda p=p, r=r: p.release(r[0]) for p, r in zip(pools, reqs)))
     assert _free_list(pools[0]) == _free_list(pools[1])
-    assert pools[0].guard.pending == pools[1].guard.pending == [pools[0].row(reqs[0][1])[3] // page_size]
+    assert (
+        pools[0].guard.pending
+        == pools[1].guard.pending
+        == [pools[0].row(reqs[0][1])[3] // page_size]
+    )
     c = [p.request(page_size + 1) for p in pools]
     assert pools[0].row(c[0]) == pools[1].row(c[1])  # the same slots handed out
     _on_ranks(*(lambda p=p, r=r: p.release(r[1]) for p, r in zip(pools, reqs)))
@@ -653,9 +657,7 @@ def test_two_tp_ranks_free_the_same_pages_in_the_same_order_when_one_ranks_row_i
     assert ranks.gathers == 3  # one per guarded release, one for settle (a page pending)
 
 
-def test_a_held_back_page_is_freed_by_settle_only_when_no_rank_sees_a_holder(
-    make_pool, hooked
-):
+def test_a_held_back_page_is_freed_by_settle_only_when_no_rank_sees_a_holder(make_pool, hooked):
     """The ranks' views of a held-back page differ (rank 0 still sees B's row name it, rank
     1 does not): settle frees it on neither rank until no rank sees a holder, then on both."""
     ranks = _ThreadRanks(2)
@@ -687,7 +689,9 @@ def test_a_report_on_one_rank_is_contained_on_every_rank_through_rank_0s_inputs(
 
     ranks = _ThreadRanks(2)
     pools = [make_pool(1), make_pool(1)]
-    relays = [RankRelay(origin=f"tp_rank {r}, pp_rank 0, dp_rank 0", pool="target") for r in range(2)]
+    relays = [
+        RankRelay(origin=f"tp_rank {r}, pp_rank 0, dp_rank 0", pool="target") for r in range(2)
+    ]
     context = zmq.Context(1)
     rank0_input = context.socket(zmq.PULL)  # the scheduler's recv_from_tokenizer
     try:
@@ -728,7 +732,9 @@ def test_a_report_on_one_rank_is_contained_on_every_rank_through_rank_0s_inputs(
             assert a.to_finish.message.startswith("kv_canary: KV cache corruption detected")
             assert seam.req_contained(a) and not seam.req_contained(b)
             assert list(pool.containment.pending_slots) == [slot]
-        assert parse_notice_lines(caplog.text) == [("tp_rank 1, pp_rank 0, dp_rank 0", (a1.rid,))] * 2
+        assert (
+            parse_notice_lines(caplog.text) == [("tp_rank 1, pp_rank 0, dp_rank 0", (a1.rid,))] * 2
+        )
     finally:
         rank0_input.close()
         context.term()

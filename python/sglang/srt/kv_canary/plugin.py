@@ -249,12 +249,14 @@ def _before_process_input_requests(self, recv_reqs, *args, **kwargs):
     each of the scheduler's canaries applies those for its pool."""
     if not recv_reqs:
         return
+    managers = _scheduler_canaries(self)
+    if not managers:
+        return
     from sglang.srt.kv_canary.violations.rank_relay import take_containment_notices
 
     notices = take_containment_notices(recv_reqs)
-    if notices:
-        for manager in _scheduler_canaries(self):
-            manager.apply_containment_notices(notices)
+    for manager in managers if notices else ():
+        manager.apply_containment_notices(notices)
 
 
 def _scheduler_canaries(scheduler):
