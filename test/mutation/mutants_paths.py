@@ -361,7 +361,7 @@ MUTANTS_PATHS = (
     Mutant(
         id="guard-settle-frees-nothing",
         path=f"{_RT}/violations/release_guard.py",
-        old="            orphans = orphan.tolist()\n",
+        old="            orphans = pending[~named[pending] & ~free[pending]].tolist()\n",
         new="            orphans = []\n",
         selection=f"{_T}/test_release_guard.py::"
         "test_a_held_back_page_no_holder_names_any_more_is_freed_by_settle",

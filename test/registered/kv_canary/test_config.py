@@ -137,21 +137,31 @@ def test_startup_refusals_name_the_flag(kw, message):
 @pytest.mark.parametrize(
     "kw,names",
     [
-        (dict(tp_size=2), ["--tp-size 2"]),
+        (dict(tp_size=2, pp_size=2), ["--pp-size 2"]),
         (dict(pp_size=2), ["--pp-size 2"]),
         (dict(dp_size=2, enable_dp_attention=True), ["--dp-size 2", "--enable-dp-attention"]),
+        (dict(tp_size=2, nnodes=2), ["--nnodes 2"]),
         (dict(disaggregation_mode="decode"), ["--disaggregation-mode decode"]),
         (dict(disaggregation_mode="prefill"), ["--disaggregation-mode prefill"]),
     ],
 )
 def test_abort_mode_refuses_what_it_cannot_abort_soundly(kw, names):
-    """``--kv-canary abort`` on several scheduler ranks or across PD servers is
-    refused at start-up, naming the flags and the modes to use instead."""
+    """``--kv-canary abort`` with pipeline stages, data-parallel schedulers or DP attention,
+    across nodes or across PD servers is refused at start-up, naming the flags and the modes
+    to use instead."""
     with pytest.raises(ValueError, match="--kv-canary abort") as exc:
         check_server_args_for_canary(_args(kv_canary="abort", **kw))
     assert all(n in str(exc.value) for n in names) and "raise or log" in str(exc.value)
     for mode in ("raise", "log"):  # the same deployment with the other modes starts
         assert check_server_args_for_canary(_args(kv_canary=mode, **kw)).enabled
+
+
+@pytest.mark.parametrize("tp_size", [2, 8])
+def test_abort_mode_starts_with_tensor_parallelism_on_one_node(tp_size):
+    """TP ranks of one node agree on containment (docs/multi_rank_abort_design.md): no
+    refusal."""
+    cfg = check_server_args_for_canary(_args(kv_canary="abort", tp_size=tp_size))
+    assert cfg.mode == CanaryMode.ABORT
 
 
 def test_abort_mode_parses_on_one_rank(monkeypatch):

@@ -420,7 +420,8 @@ class ReleaseGuard:
             held = pending[~free[pending]].tolist()
         if self.agreement.several:  # freed only where no rank sees a holder
             orphans = self.agreement.common(orphans)
-        keep = [p for p in held if p not in set(orphans)]
+        gone = set(orphans)
+        keep = [p for p in held if p not in gone]
         orphan = torch.tensor(orphans, dtype=torch.int64, device=device)
         if orphans:
             allocator.free(orphan * page_size)
