@@ -412,13 +412,16 @@ def tp2_cpu_server(root: pathlib.Path) -> dict:
     return dict(model=model, env=env)
 
 
-def run_tp2_cpu(server: dict, env_extra=None, *, script="small_workload.py", **engine_kwargs):
+def run_tp2_cpu(
+    server: dict, env_extra=None, *extra: str, script="small_workload.py", **engine_kwargs
+):
     """``e2e_support/<script>`` on a TP 2 CPU Engine (:data:`TP2_CPU_ARGS` plus
-    ``engine_kwargs``)."""
+    ``engine_kwargs``); ``extra``: the script's arguments after the kwargs (device, mode)."""
     return run_workload(
         script,
         server["model"],
         dict(TP2_CPU_ARGS, **engine_kwargs),
         dict(server["env"], **(env_extra or {})),
+        *extra,
         timeout=900,
     )

@@ -28,7 +28,7 @@ from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=280, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=260, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 
@@ -56,14 +56,14 @@ def test_tp2_clean_matches_canary_off_then_a_fault_on_rank_1_stops_the_server(tm
 def test_tp2_abort_a_fault_on_rank_1_aborts_the_same_requests_on_both_ranks_and_keeps_serving(
     tmp_path,
 ):
-    """``--kv-canary abort`` with TP 2 (``e2e_support/abort_workload.py``: waves of six
-    requests sharing a prefix, then a later wave) and ``req_to_token`` faults on rank 1 only:
+    """``--kv-canary abort`` with TP 2 (``e2e_support/abort_workload.py short``: two waves
+    of six requests sharing a prefix, then a later wave) and ``req_to_token`` faults on rank 1 only:
     rank 1 reports, both ranks apply its containment at the same iteration (each logs the
     same request ids), those requests end with the canary's abort message, every other
     request and the later wave complete, and neither rank's scheduler finds a leak (sglang
     checks its pool's accounting when idle and stops on a mismatch)."""
     server = tp2_cpu_server(tmp_path)
-    rc, out, res = run_tp2_cpu(server, TP_RANK_1_FAULT, script="abort_workload.py")
+    rc, out, res = run_tp2_cpu(server, TP_RANK_1_FAULT, "cpu", "short", script="abort_workload.py")
     assert rc == 0 and res is not None, out[-4000:]
     assert sorted(lines_by_tp_rank(out, PERTURB_LINE_PREFIX)) == [1], out[-4000:]
     violations = parse_violation_lines(out)

@@ -1,8 +1,10 @@
 """Abort-mode workload on an Engine:
-``python abort_workload.py MODEL_DIR [engine kwargs as JSON] [cpu|cuda] [waves|long]``.
+``python abort_workload.py MODEL_DIR [engine kwargs as JSON] [cpu|cuda] [waves|short|long]``.
 
 ``waves`` (the default): ``WAVES`` waves of 6 concurrent requests sharing a prefix
-(``Engine.async_generate``, each with its own ``rid``), then one more wave. ``long``: one
+(``Engine.async_generate``, each with its own ``rid``), then one more wave; ``short``: the
+first ``SHORT_WAVES`` of them, then the same last wave (faults with a warm-up of a few steps
+land in the first wave). ``long``: one
 request of ``LONG_PROMPT`` tokens alone (many chunks of a small ``chunked_prefill_size``),
 then the same last wave. Prints ``RESULT <json>``: per rid, ``"ok"`` with the number of output
 tokens, or the error the request ended with; ``later``: the last wave's; ``server_info``: the
@@ -16,6 +18,7 @@ from engine_main import main
 
 MAX_NEW = 16
 WAVES = 6
+SHORT_WAVES = 2
 LONG_PROMPT = 160
 
 
@@ -41,7 +44,7 @@ async def wave(engine, tag, prefix_len):
     return dict(zip(jobs, got))
 
 
-MODES = ("waves", "long")
+MODES = ("waves", "short", "long")
 
 
 def run(engine, args):
@@ -54,7 +57,8 @@ def run(engine, args):
         ids = [(7 * k) % 500 + 3 for k in range(LONG_PROMPT)]
         results["long"] = loop.run_until_complete(one(engine, "long", ids))
     else:
-        for w in range(WAVES):  # ~20 forward steps each: past any warm-up of a few dozen
+        waves = SHORT_WAVES if mode == "short" else WAVES
+        for w in range(waves):  # ~20 forward steps each: past any warm-up of a few dozen
             results.update(loop.run_until_complete(wave(engine, f"w{w}", 32 + 4 * w)))
     later = loop.run_until_complete(wave(engine, "later", 36))
     info = engine.get_server_info().get("kv_canary")
