@@ -283,6 +283,19 @@ def test_cuda_streams_match_torch_and_restore_the_stream():
     assert int(x.sum()) == 1 << 20
 
 
+def _allocator_block_state(address: int) -> str:
+    """The state torch's CUDA caching allocator gives the block holding ``address``
+    (``torch.cuda.memory_snapshot()``: "active_allocated", "active_pending_free": freed and
+    waiting for the streams that used it, "inactive": free)."""
+    for segment in torch.cuda.memory_snapshot():
+        offset = segment["address"]
+        for block in segment["blocks"]:
+            if offset <= address < offset + block["size"]:
+                return block["state"]
+            offset += block["size"]
+    raise AssertionError(f"no block of the caching allocator holds address {address:#x}")
+
+
 def test_the_sweeps_walk_holds_an_evicted_nodes_value_until_its_stream_read_it():
     """sglang makes a radix node's value (its slots) on the scheduling stream; the sweep's walk
     reads the values on the forward stream, behind that forward's kernels. An eviction in
@@ -290,7 +303,9 @@ def test_the_sweeps_walk_holds_an_evicted_nodes_value_until_its_stream_read_it()
     same memory and is written at once: unless the walk holds the values for its own stream,
     it reads the new tensor's contents as the cached slots (a clean server's sweep then reports
     slots of running requests at the cached depths). Here the forward stream sleeps while the
-    node is evicted and its memory offered again; the walk itself must not wait for it."""
+    node is evicted and its memory offered again: the evicted value's block must wait for the
+    forward stream (not be free), the walk must read the right slots, and the walk itself must
+    not wait for the forward."""
     from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
@@ -322,6 +337,9 @@ def test_the_sweeps_walk_holds_an_evicted_nodes_value_until_its_stream_read_it()
     expected = slots.tolist()
     cache.insert(InsertParams(key=RadixKey(tokens), value=slots))
     del slots  # the tree holds the only reference, as in a server
+    (node,) = cache.root_node.children.values()
+    value_address = node.value.data_ptr()
+    del node
     forward = torch.cuda.Stream()
     with torch.cuda.stream(forward):  # a server's earlier sweeps: kernels loaded, pinned blocks
         walk_radix_cache_for_canary(radix_cache=cache)
@@ -333,6 +351,9 @@ def test_the_sweeps_walk_holds_an_evicted_nodes_value_until_its_stream_read_it()
     # the scheduling stream: the node evicted, then tensors of its value's size made and written
     cache.evict(EvictParams(num_tokens=len(tokens)))
     assert cache.evictable_size() == 0
+    # freed by the eviction, but kept from reuse until the forward stream's queued reads ran
+    # (the caching allocator's snapshot: "inactive" would be free for the next tensor)
+    assert _allocator_block_state(value_address) == "active_pending_free"
     junk = [torch.full((len(tokens),), -7, dtype=torch.int64, device="cuda") for _ in range(256)]
     torch.cuda.synchronize()
     assert walk.slot_indices.tolist() == expected, (walk.slot_indices.tolist(), len(junk))
