@@ -8,16 +8,16 @@ import sys
 import pytest
 import torch
 
+from canary_support.radix_pools import radix_cache_params
 from serving_driver import ServingDriver
 from sglang.jit_kernel.kv_canary.types import VerifyPlan
 from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
 from sglang.srt.kv_canary.manager.sweep import SweepOrchestrator
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.kv_canary.sweep_plan_builder import build_verify_plan_radix_sweep
-from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -26,27 +26,8 @@ register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 
 
-def _cache_params(num_slots: int) -> CacheInitParams:
-    r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
-    pool = MHATokenToKVPool(
-        size=num_slots,
-        page_size=1,
-        dtype=torch.bfloat16,
-        head_num=1,
-        head_dim=8,
-        layer_num=1,
-        device="cpu",
-        enable_memory_saver=False,
-        enable_alt_stream=False,
-    )
-    alloc = TokenToKVPoolAllocator(num_slots, torch.bfloat16, "cpu", pool, need_sort=False)
-    return CacheInitParams(
-        disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1
-    )
-
-
 def _cache(num_slots=256):
-    params = _cache_params(num_slots)
+    params = radix_cache_params(num_slots)
     return RadixCache(params), params.token_to_kv_pool_allocator
 
 
@@ -128,7 +109,7 @@ def _unified_cache(num_slots=256):
     from sglang.srt.mem_cache.unified_cache_components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    params = _cache_params(num_slots)
+    params = radix_cache_params(num_slots)
     params.tree_components = (ComponentType.FULL,)  # as sglang's scheduler sets it
     return UnifiedRadixCache(params), params.token_to_kv_pool_allocator
 

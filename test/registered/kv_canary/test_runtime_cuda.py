@@ -307,31 +307,13 @@ def test_the_sweeps_walk_holds_an_evicted_nodes_value_until_its_stream_read_it()
     forward stream (not be free), the walk must read the right slots, and the walk itself must
     not wait for the forward."""
     from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary
-    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from canary_support.radix_pools import radix_cache_params
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-    slots_n = 256
-    r2t = ReqToTokenPool(size=4, max_context_len=64, device="cuda", enable_memory_saver=False)
-    pool = MHATokenToKVPool(
-        size=slots_n,
-        page_size=1,
-        dtype=torch.bfloat16,
-        head_num=1,
-        head_dim=8,
-        layer_num=1,
-        device="cuda",
-        enable_memory_saver=False,
-        enable_alt_stream=False,
-    )
-    alloc = TokenToKVPoolAllocator(slots_n, torch.bfloat16, "cuda", pool, need_sort=False)
-    cache = RadixCache(
-        CacheInitParams(
-            disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1
-        )
-    )
+    params = radix_cache_params(256, device="cuda")
+    alloc = params.token_to_kv_pool_allocator
+    cache = RadixCache(params)
     tokens = list(range(3, 43))
     slots = alloc.alloc(len(tokens)).to(torch.int64, copy=True)  # its own memory, as in sglang
     expected = slots.tolist()
