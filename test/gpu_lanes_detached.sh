@@ -13,8 +13,12 @@
 # LANES="a b" runs only those lanes; JOBS=N sets the lanes at once (default: cores - 2);
 # GPUS=0,1 (or a count) the GPUs to spread them over (default: all).
 # monitor.txt samples the load, the GPUs and the busiest processes every 15 s while it runs.
+# Each device call re-sends the tree, replacing its files: `start` runs the lanes from a copy
+# of it (/tmp/gpu_lanes_tree, this project installed editable from there), so a later call
+# cannot pull a file from under a running lane.
 set -u
 R=/tmp/gpu_lanes_run
+T=/tmp/gpu_lanes_tree
 SITE=/tmp/site
 case "${1:-}" in
   install)
@@ -42,8 +46,20 @@ case "${1:-}" in
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
     python3 -c "import sgl_kernel, sglang" 2>/dev/null \
       || { echo "gpu_lanes_detached: not installed: run 'install 1' and 'install 2' first" >&2; exit 1; }
-    rm -rf "$R"; mkdir -p "$R"
+    rm -rf "$R" "$T"; mkdir -p "$R" "$T"
     { git log -1 --format=%H; git status --short; } > "$R/tree.txt" 2>&1
+    # the lanes' own copy of the tree (tracked and untracked-not-ignored files), installed
+    python3 - "$T" <<'EOF' || { echo "gpu_lanes_detached: could not copy the tree to $T" >&2; exit 1; }
+import os, shutil, subprocess, sys
+listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"],
+                        capture_output=True, check=True).stdout.decode().split("\0")
+for f in filter(os.path.lexists, filter(None, listed)):  # a deleted tracked file: not copied
+    os.makedirs(os.path.join(sys.argv[1], os.path.dirname(f)), exist_ok=True)
+    shutil.copy2(f, os.path.join(sys.argv[1], f), follow_symlinks=False)
+EOF
+    (cd "$T" && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .) \
+      || { echo "gpu_lanes_detached: could not install the copy in $T" >&2; exit 1; }
+    cd "$T" || exit 1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt" 2>&1
     export PYTHONUNBUFFERED=1 KV_CANARY_E2E_LOG_DIR="$R/e2e_logs" OUT="$R/lanes"
     [ -n "${JOBS:-}" ] && export GPU_LANES_JOBS="$JOBS"
