@@ -682,3 +682,45 @@ def test_pd_one_gpu_gives_a_fault_to_the_decode_server_only():
     ), envs
     assert "KV_CANARY_TEST_SPLICE_DROPPED" not in envs["reference"], envs
     assert result["decode_env"]["SGLANG_KV_CANARY_PERTURB_PD_TRANSFER_PROB"] == "1"
+
+
+def test_pacing_probe_is_an_sglang_plugin_and_refuses_bad_settings(monkeypatch):
+    """The decode bisect's probe (``benchmark/kv_canary/pacing_probe``): its folder on
+    ``PYTHONPATH`` makes it an entry point of sglang's plugin group, and its settings parse
+    from the environment, a bad value naming the variable."""
+    probe_dir = BENCH_DIR / "pacing_probe"
+    found = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from importlib.metadata import entry_points; "
+            "print([e.value for e in entry_points(group='sglang.srt.plugins')])",
+        ],
+        env=dict(os.environ, PYTHONPATH=str(probe_dir)),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "kv_pacing_probe:register" in found, found
+    spec = importlib.util.spec_from_file_location(
+        "kv_pacing_probe", probe_dir / "kv_pacing_probe.py"
+    )
+    probe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "kv_pacing_probe", probe)  # its dataclass looks it up
+    spec.loader.exec_module(probe)
+    assert probe.parse_settings({}) == probe.ProbeSettings()
+    settings = probe.parse_settings(
+        {
+            "KV_PACING_PROBE_WAIT": " Forward ",
+            "KV_PACING_PROBE_STREAMS": "2",
+            "KV_PACING_PROBE_MIB": "40",
+        }
+    )
+    assert settings == probe.ProbeSettings(wait="forward", streams=2, mib=40)
+    for env, name in (
+        ({"KV_PACING_PROBE_WAIT": "later"}, "KV_PACING_PROBE_WAIT"),
+        ({"KV_PACING_PROBE_STREAMS": "-1"}, "KV_PACING_PROBE_STREAMS"),
+        ({"KV_PACING_PROBE_MIB": "9999999"}, "KV_PACING_PROBE_MIB"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            probe.parse_settings(env)
