@@ -156,6 +156,40 @@ def test_abort_mode_refuses_what_it_cannot_abort_soundly(kw, names):
         assert check_server_args_for_canary(_args(kv_canary=mode, **kw)).enabled
 
 
+@pytest.mark.parametrize(
+    "kw,names",
+    [
+        (dict(pp_size=2), ["--kv-canary heal runs with one scheduler rank", "--pp-size 2"]),
+        (dict(disaggregation_mode="decode"), ["--kv-canary heal", "--disaggregation-mode decode"]),
+        (dict(tp_size=2), ["--kv-canary heal runs with one scheduler rank, got --tp-size 2"]),
+        (dict(disable_overlap_schedule=True), ["drop --disable-overlap-schedule"]),
+        (
+            dict(speculative_algorithm="EAGLE"),
+            ["--kv-canary heal does not support --speculative-algorithm EAGLE"],
+        ),
+    ],
+)
+def test_heal_mode_refuses_what_it_cannot_heal_in(kw, names):
+    """``--kv-canary heal`` refuses what abort mode refuses, and several TP ranks, sglang's
+    loop without overlap and speculative decoding, naming the flag; abort mode starts with
+    the last three."""
+    with pytest.raises(ValueError) as exc:
+        check_server_args_for_canary(_args(kv_canary="heal", **kw))
+    assert all(n in str(exc.value) for n in names), str(exc.value)
+    if "pp_size" not in kw and "disaggregation_mode" not in kw:
+        assert check_server_args_for_canary(_args(kv_canary="abort", **kw)).mode == CanaryMode.ABORT
+
+
+def test_heal_mode_parses_with_its_heal_count(monkeypatch):
+    cfg = check_server_args_for_canary(_args(kv_canary=" HEAL "))
+    assert cfg.mode == CanaryMode.HEAL and cfg.mode.contains and cfg.max_heals == 3
+    assert "mode=heal" in cfg.describe() and "max_heals=3" in cfg.describe().split()
+    assert "max_heals" not in check_server_args_for_canary(_args(kv_canary="abort")).describe()
+    monkeypatch.setenv("SGLANG_KV_CANARY_MAX_HEALS", "1001")
+    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_MAX_HEALS.*an integer from 1 to 1000"):
+        check_server_args_for_canary(_args(kv_canary="heal"))
+
+
 @pytest.mark.parametrize("tp_size", [2, 8])
 def test_abort_mode_starts_with_tensor_parallelism_on_one_node(tp_size):
     """TP ranks of one node agree on containment (docs/multi_rank_abort_design.md): no

@@ -201,7 +201,7 @@ def test_launch_server_help_lists_the_flags(launch_server_cases):
     assert case["exit"] == 0, case["output"][-2000:]
     for flag in ("--kv-canary ", "--kv-canary-sweep-interval", "--kv-canary-real-data"):
         assert flag in case["output"]
-    assert "{none,log,raise,abort}" in case["output"]
+    assert "{none,log,raise,abort,heal}" in case["output"]
     assert "{none,partial,all}" in case["output"]
 
 

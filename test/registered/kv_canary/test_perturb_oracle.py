@@ -120,7 +120,7 @@ def test_perturbations_off_by_default(monkeypatch):
             {"SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB": "1"},
             {"mode": "log"},
             "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_KEPT_PROB > 0 leaves a corrupt req_to_token entry "
-            "in place, as a server bug would, and only --kv-canary abort contains",
+            "in place, as a server bug would, and only --kv-canary abort or heal contains",
         ),
         (
             {"SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "1"},

@@ -126,7 +126,7 @@ def test_self_test_configurations_start_from_the_command_line(monkeypatch, model
 def test_the_command_line_still_refuses_a_self_test_without_the_canary(
     monkeypatch, model_dir, capsys
 ):
-    assert "needs --kv-canary log, raise or abort" in cli_error(
+    assert "needs --kv-canary log, raise, abort or heal" in cli_error(
         capsys, model_dir, "--sampling-backend", "token_oracle"
     )
 
@@ -294,11 +294,42 @@ def test_abort_mode_starts_from_every_route(tmp_path, model_dir):
         kwargs(model_dir, kv_canary="abort", tp_size=2, dp_size=2, enable_dp_attention=True)
 
 
+def test_heal_mode_starts_from_every_route(monkeypatch, tmp_path, model_dir, capsys):
+    """``heal`` parses from the command line, a ``--config`` YAML and ``Engine`` kwargs, with
+    ``SGLANG_KV_CANARY_MAX_HEALS`` in its effective settings; the deployments it cannot heal
+    in are refused on each route naming the flag, and a bad heal count names the variable."""
+    yaml_file = tmp_path / "canary.yaml"
+    yaml_file.write_text("kv-canary: heal\n")
+    monkeypatch.setenv("SGLANG_KV_CANARY_MAX_HEALS", "5")
+    for sa in (
+        cli(model_dir, "--kv-canary", "Heal"),
+        cli(model_dir, "--config", str(yaml_file)),
+        kwargs(model_dir, kv_canary="heal"),
+    ):
+        assert sa.kv_canary == "heal"
+        described = CanaryConfig.from_server_args(sa).describe()
+        assert described.startswith("mode=heal ") and "max_heals=5" in described.split()
+        assert "kv_canary_config='mode=heal " in repr(sa)
+    refused = "--kv-canary heal needs sglang's overlap scheduler"
+    assert refused in cli_error(
+        capsys, model_dir, "--kv-canary", "heal", "--disable-overlap-schedule"
+    )
+    with pytest.raises(ValueError, match=refused):
+        kwargs(model_dir, kv_canary="heal", disable_overlap_schedule=True)
+    with pytest.raises(
+        ValueError, match="--kv-canary heal runs with one scheduler rank, got --tp-size 2"
+    ):
+        kwargs(model_dir, kv_canary="heal", tp_size=2)
+    monkeypatch.setenv("SGLANG_KV_CANARY_MAX_HEALS", "0")
+    err = cli_error(capsys, model_dir, "--kv-canary", "heal")
+    assert "SGLANG_KV_CANARY_MAX_HEALS" in err and "an integer from 1 to 1000" in err, err
+
+
 def test_help_lists_abort(capsys, model_dir):
     with pytest.raises(SystemExit):
         cli(model_dir, "--help")
     out = capsys.readouterr().out
-    assert "{none,log,raise,abort}" in out and "'abort' logs it" in out.replace("\n", " ")
+    assert "{none,log,raise,abort,heal}" in out and "'abort' logs it" in out.replace("\n", " ")
 
 
 def test_every_layer_starts_from_the_command_line_and_yaml(tmp_path, model_dir, capsys):
@@ -487,7 +518,7 @@ def test_the_kept_req_to_token_fault_starts_in_abort_mode_only_from_every_route(
     ):
         assert "fault_injection=req_to_token_kept" in CanaryConfig.from_server_args(sa).describe()
     assert refusal in cli_error(capsys, model_dir, "--kv-canary", "log")
-    with pytest.raises(ValueError, match="only --kv-canary abort contains"):
+    with pytest.raises(ValueError, match="only --kv-canary abort or heal contains"):
         kwargs(model_dir, kv_canary="log")
 
 

@@ -46,7 +46,7 @@ def build_canary(
     round (which may run inside one CUDA graph); fault injection runs only where the rank
     targets match. Not graph-related; runs once, at start-up."""
     if not config.enabled:
-        raise ValueError("build_canary needs --kv-canary log, raise or abort (got none)")
+        raise ValueError("build_canary needs --kv-canary log, raise, abort or heal (got none)")
     device = torch.device(device)
     ranks = ranks or RankFacts()
     groups = attach_canary_buffers(

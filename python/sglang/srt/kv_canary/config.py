@@ -11,6 +11,7 @@ from sglang.jit_kernel.kv_canary.consts import RealKvHashMode
 from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.envs import (
     canary_environment,
+    MAX_HEALS,
     MAX_LAYERS_PER_FORWARD,
     MAX_RING_CAPACITY,
     MAX_STEP_INTERVAL,
@@ -55,6 +56,14 @@ class CanaryMode(str, enum.Enum):
     # the requests mapping the violating slot are aborted and its radix nodes evicted; each
     # violation is logged as in LOG; serving goes on
     ABORT = "abort"
+    # as ABORT, but the requests are taken back and computed again from their tokens (aborted
+    # only past SGLANG_KV_CANARY_MAX_HEALS heals of one request)
+    HEAL = "heal"
+
+    @property
+    def contains(self) -> bool:
+        """The mode acts on the requests a violation touches (abort, heal)."""
+        return self in (CanaryMode.ABORT, CanaryMode.HEAL)
 
     @classmethod
     def parse(cls, value, *, flag: str = "--kv-canary") -> "CanaryMode":
@@ -166,6 +175,7 @@ class CanaryConfig:
     swa_divergence_stats_interval: int = 0
     enable_token_oracle: bool = False
     draft_violations: DraftViolations = DraftViolations.REPORT
+    max_heals: int = 3
     perturb: PerturbConfig = PerturbConfig()
 
     def __post_init__(self):
@@ -186,6 +196,7 @@ class CanaryConfig:
             ("host_sweep_pages", 0, MAX_STEP_INTERVAL),
             ("stats_print_every_n_steps", 0, MAX_STEP_INTERVAL),
             ("swa_divergence_stats_interval", 0, MAX_STEP_INTERVAL),
+            ("max_heals", 1, MAX_HEALS),
         ):
             value = getattr(self, name)
             if (
@@ -199,12 +210,12 @@ class CanaryConfig:
         if self.sweep_interval > 0 and self.mode == CanaryMode.NONE:
             raise ValueError(
                 f"--kv-canary-sweep-interval={self.sweep_interval} needs the canary on: "
-                "pass --kv-canary log, raise or abort (or set the interval to 0)"
+                "pass --kv-canary log, raise, abort or heal (or set the interval to 0)"
             )
         if self.real_kv_hash_mode != RealKvHashMode.NONE and self.mode == CanaryMode.NONE:
             raise ValueError(
                 f"--kv-canary-real-data={self.real_kv_hash_mode.name.lower()} needs the canary "
-                "on: pass --kv-canary log, raise or abort (or drop it)"
+                "on: pass --kv-canary log, raise, abort or heal (or drop it)"
             )
         if (
             self.real_data_layers == RealDataLayers.ALL
@@ -217,7 +228,7 @@ class CanaryConfig:
         if self.enable_token_oracle and not self.enabled:
             raise ValueError(
                 f"the token oracle (--sampling-backend {TOKEN_ORACLE_BACKEND} or "
-                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1) needs --kv-canary log, raise or abort"
+                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1) needs --kv-canary log, raise, abort or heal"
             )
         if self.enable_write_input_assert and not self.enable_token_oracle:
             raise ValueError(
@@ -234,7 +245,7 @@ class CanaryConfig:
             real_kv_hash_on=self.real_kv_hash_mode != RealKvHashMode.NONE,
             sweep_interval=self.sweep_interval,
             token_oracle=self.enable_token_oracle,
-            aborts=self.mode == CanaryMode.ABORT,
+            aborts=self.mode.contains,
         )
 
     @property
@@ -265,7 +276,8 @@ class CanaryConfig:
             f"stats_every={self.stats_print_every_n_steps} "
             f"swa_divergence_every={self.swa_divergence_stats_interval} "
             f"draft_violations={self.draft_violations.value} "
-            f"fault_injection={faults}"
+            + (f"max_heals={self.max_heals} " if self.mode == CanaryMode.HEAL else "")
+            + f"fault_injection={faults}"
         )
 
     @classmethod
@@ -352,6 +364,7 @@ class CanaryConfig:
                 canary_envs.SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE.get() or oracle_flag
             ),
             draft_violations=canary_envs.SGLANG_KV_CANARY_DRAFT_VIOLATIONS.get(),
+            max_heals=canary_envs.SGLANG_KV_CANARY_MAX_HEALS.get(),
             perturb=perturb_config_from_env(),
         )
 

@@ -22,6 +22,7 @@ PREFIX = "SGLANG_KV_CANARY_"
 MAX_STEP_INTERVAL = 10**9  # forward steps
 MAX_RING_CAPACITY = 1 << 20  # violation rows of 88 bytes: 88 MiB of device memory
 MAX_LAYERS_PER_FORWARD = 4096  # more than any model's layer count
+MAX_HEALS = 1000  # heals of one request before heal mode aborts it
 
 
 def normalize_choice(value) -> Optional[str]:
@@ -177,6 +178,7 @@ class CanaryEnvs:
     SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL = _non_neg_int(0)
     SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE = _Bool(False)
     SGLANG_KV_CANARY_DRAFT_VIOLATIONS = _Choice("report", ("report", "act"))
+    SGLANG_KV_CANARY_MAX_HEALS = _pos_int(3, maximum=MAX_HEALS)
     SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS = _non_neg_int(50)
     SGLANG_KV_CANARY_PERTURB_MAX_FAULTS = _non_neg_int(0)
     SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB = _Prob(0.0)

@@ -28,7 +28,10 @@ registers the ``token_oracle`` sampling backend (``--sampling-backend token_orac
 |  |  | after: record that the graph ran the inside ops |
 | AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_scheduler``: tree cache, running |
 |  |  | requests, metric labels, KV slots in use, faked PD transfers |
-| AFTER | ``Scheduler.process_batch_result`` | ``after_batch_result`` (abort mode's eviction) |
+| BEFORE | ``Scheduler.process_batch_result`` | ``before_batch_result`` (heal mode takes back |
+|  |  | the requests its reports marked, before sglang appends their tokens) |
+| AFTER | ``Scheduler.process_batch_result`` | ``after_batch_result`` (abort and heal mode's |
+|  |  | eviction; heal mode queues taken-back requests again) |
 | BEFORE | ``Scheduler.process_input_requests`` | abort mode on several TP ranks: the |
 |  |  | containment notices taken out of the iteration's inputs and applied |
 | AFTER | ``Scheduler.get_init_info`` | add ``kv_canary`` (flags, effective config and |
@@ -229,6 +232,7 @@ def _after_init_cache(result, self, *args, **kwargs):
             kv_slots_in_use=lambda: seam.scheduler_kv_slots_in_use(self),
             metrics_of=target if manager is draft and target is not None else None,
             faked_transfer=seam.faked_transfer_test(self),
+            retraction=seam.SchedulerRetraction(self),
         )
     _attach_ranks(self, [m for m in (target, draft) if m is not None])
 
@@ -265,6 +269,11 @@ def _scheduler_canaries(scheduler):
     runners = (seam.scheduler_model_runner(scheduler), seam.scheduler_draft_model_runner(scheduler))
     managers = (seam.runner_canary(runner) for runner in runners)
     return [m for m in managers if m is not None]
+
+
+def _before_process_batch_result(self, *args, **kwargs):
+    for manager in _scheduler_canaries(self):
+        manager.before_batch_result()
 
 
 def _after_process_batch_result(result, self, *args, **kwargs):
@@ -394,6 +403,7 @@ HOOKS = (
     (seam.HOOK_GRAPH_REPLAY_PREPARE, _graph_replay_prepare, "AROUND"),
     (seam.HOOK_GRAPH_REPLAY, _graph_replay, "AROUND"),
     (seam.HOOK_SCHEDULER_INIT_CACHE, _after_init_cache, "AFTER"),
+    (seam.HOOK_SCHEDULER_PROCESS_BATCH_RESULT, _before_process_batch_result, "BEFORE"),
     (seam.HOOK_SCHEDULER_PROCESS_BATCH_RESULT, _after_process_batch_result, "AFTER"),
     (seam.HOOK_SCHEDULER_PROCESS_INPUT_REQUESTS, _before_process_input_requests, "BEFORE"),
     (seam.HOOK_SCHEDULER_GET_INIT_INFO, _after_get_init_info, "AFTER"),

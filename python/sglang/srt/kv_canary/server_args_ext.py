@@ -57,14 +57,16 @@ def add_canary_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Verify every KV slot attention reads against a fingerprint record: 'log' logs "
         "each violation, 'raise' stops the server on the first one, 'abort' logs it, "
         "aborts the requests reading the corrupt slot and evicts it from the radix cache "
-        "(serving goes on), 'none' (default) installs nothing.",
+        "(serving goes on), 'heal' does what abort does but takes the requests back and "
+        "computes them again from their tokens (their clients get the right output), 'none' "
+        "(default) installs nothing.",
     )
     group.add_argument(
         "--kv-canary-sweep-interval",
         type=_argparse_type(parse_sweep_interval),
         default=DEFAULTS["kv_canary_sweep_interval"],
         help="Every N forward steps also verify the KV slots idle in the radix cache "
-        "(0 = off, the default). Needs --kv-canary log, raise or abort.",
+        "(0 = off, the default). Needs --kv-canary log, raise, abort or heal.",
     )
     group.add_argument(
         "--kv-canary-real-data",

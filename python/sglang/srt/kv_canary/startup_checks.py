@@ -32,8 +32,10 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
             "--kv-canary does not support --enable-torch-compile (the canary's "
             "launches must stay outside the compiled model); drop that flag"
         )
-    if config.mode == CanaryMode.ABORT:
-        _check_abort_mode(server_args)
+    if config.mode.contains:
+        _check_abort_mode(server_args, config.mode)
+    if config.mode == CanaryMode.HEAL:
+        _check_heal_mode(server_args)
     storage = value(server_args, "hicache_storage_backend", None)
     if value(server_args, "enable_hierarchical_cache", False) and storage:
         raise ValueError(
@@ -167,7 +169,37 @@ def check_standalone_draft_pool(server_args: "ServerArgs", kv_pool) -> None:
         )
 
 
-def _check_abort_mode(server_args: "ServerArgs") -> None:
+def _check_heal_mode(server_args: "ServerArgs") -> None:
+    """``--kv-canary heal`` takes a touched request back before sglang appends a token of the
+    batch whose result comes next. sglang's overlap loop skips a taken-back request's row in
+    every launched batch; its other loop (``--disable-overlap-schedule``, and speculative
+    decoding, whose spec v1 runs there and whose verify commits tokens inside the forward)
+    appends it: refused. Several ranks: refused until the ranks agree on a retraction as they
+    do on an abort (docs/user_guide.md, "Self-healing: --kv-canary heal")."""
+    value = sglang_seam.server_args_value
+    tp = int(value(server_args, "tp_size", 1) or 1)
+    if tp > 1:
+        raise ValueError(
+            f"--kv-canary heal runs with one scheduler rank, got --tp-size {tp}: the ranks would "
+            "have to take back the same requests at the same step (abort mode agrees on that; "
+            "heal does not yet); use --kv-canary abort with --tp-size"
+        )
+    algorithm = value(server_args, "speculative_algorithm", None)
+    if algorithm:
+        raise ValueError(
+            f"--kv-canary heal does not support --speculative-algorithm {algorithm} yet (the "
+            "verify commits accepted tokens inside the forward, before heal can take the request "
+            "back); use --kv-canary abort, raise or log with speculative decoding"
+        )
+    if value(server_args, "disable_overlap_schedule", False):
+        raise ValueError(
+            "--kv-canary heal needs sglang's overlap scheduler (it skips a taken-back "
+            "request's row of a launched batch; the other loop appends it): drop "
+            "--disable-overlap-schedule, or use --kv-canary abort"
+        )
+
+
+def _check_abort_mode(server_args: "ServerArgs", mode: CanaryMode = CanaryMode.ABORT) -> None:
     """``--kv-canary abort`` changes the scheduler's batch (it aborts requests) on what one
     rank's canary saw, and sglang's schedulers of several ranks must make identical
     decisions. Tensor parallelism on one node is served: the detecting rank's report reaches
@@ -176,8 +208,10 @@ def _check_abort_mode(server_args: "ServerArgs") -> None:
     schedulers and DP attention pass inputs differently, and a relay across nodes is not
     built: those are refused. PD disaggregation moves a request between servers (prefill's
     running batch hands it to a transfer queue the abort path does not drain): refused
-    (docs/user_guide.md, "Containment: --kv-canary abort")."""
+    (docs/user_guide.md, "Containment: --kv-canary abort"). ``mode``: abort or heal (named in
+    the refusal)."""
     value = sglang_seam.server_args_value
+    flag = f"--kv-canary {mode.value}"
     multi = [
         f"{flag} {v}"
         for flag, name in (
@@ -191,17 +225,17 @@ def _check_abort_mode(server_args: "ServerArgs") -> None:
         multi.append("--enable-dp-attention")
     if multi:
         raise ValueError(
-            "--kv-canary abort runs with one scheduler rank or with tensor parallelism on one "
+            f"{flag} runs with one scheduler rank or with tensor parallelism on one "
             "node (--tp-size), got "
             + ", ".join(multi)
             + ": the ranks must abort the same requests at the same step, and the canary "
             "carries a report to every rank only through TP rank 0's inputs on one node; use "
             "--kv-canary raise or log there"
         )
-    mode = value(server_args, "disaggregation_mode", "null")
-    if mode not in (None, "null"):
+    pd = value(server_args, "disaggregation_mode", "null")
+    if pd not in (None, "null"):
         raise ValueError(
-            f"--kv-canary abort does not support --disaggregation-mode {mode} (a request moves "
+            f"{flag} does not support --disaggregation-mode {pd} (a request moves "
             "between the prefill and decode servers, outside the abort path the canary uses); "
             "use --kv-canary raise or log there"
         )

@@ -54,9 +54,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from sglang.srt.kv_canary.perturb.config import FaultKind
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
-from sglang.srt.kv_canary.violations.containment import ABORT_MESSAGE_PREFIX, PREFIX_ABORT_MESSAGE
+from sglang.srt.kv_canary.violations.containment import (
+    ABORT_MESSAGE_PREFIX,
+    HEALS_SUFFIX_RE,
+    PREFIX_ABORT_MESSAGE,
+    parse_healed_rids,
+)
 from sglang.srt.kv_canary.violations.metrics import (
     ABORTED_REQUESTS,
+    HEALED_REQUESTS,
     HELD_BACK_SLOTS,
     RECLAIMED_SLOTS,
 )
@@ -86,22 +92,26 @@ FAULTS = {  # probability per forward step, after the warm-up
     FaultKind.REAL_KV_UNUSED_CACHE: 0.01,
     FaultKind.REAL_KV_POST_FORWARD: 0.01,
 }
+# heal mode's heals of one request before it aborts it (SGLANG_KV_CANARY_MAX_HEALS)
+MAX_HEALS = 3
 # abort mode also gets the corrupt entry left in place (what its release guard contains)
 ABORT_FAULTS = {**FAULTS, FaultKind.REQ_TO_TOKEN_KEPT: 0.01}
 
 
 def storm_faults(mode: str) -> Dict[FaultKind, float]:
-    """The fault classes and probabilities of a storm in ``mode``."""
-    return ABORT_FAULTS if mode == "abort" else FAULTS
+    """The fault classes and probabilities of a storm in ``mode`` (heal mode contains as abort
+    mode does: the kept entry too)."""
+    return ABORT_FAULTS if mode in ("abort", "heal") else FAULTS
 
 
 @dataclasses.dataclass(frozen=True)
 class StormSettings:
-    """One storm. ``mode``: ``abort`` or ``log``; ``seconds`` of traffic from ``clients``
+    """One storm. ``mode``: ``abort``, ``heal`` or ``log``; ``seconds`` of traffic from ``clients``
     concurrent clients over a list of ``requests`` distinct requests; the server's KV pool
     (``pool`` tokens, ``--max-total-tokens``), prefill chunk and page size; faults from forward
     step ``warmup_steps`` on; ``idle_seconds`` idle at the end (sglang's idle leak check);
-    ``out``: where the logs and ``results.json`` go (None: a new temporary directory)."""
+    ``out``: where the logs and ``results.json`` go (None: a new temporary directory);
+    ``stream``: every other request streams (heal mode checks every chunk it receives)."""
 
     mode: str
     seconds: float = 600
@@ -114,11 +124,12 @@ class StormSettings:
     idle_seconds: float = 15
     device: str = "cpu"
     seed: int = 7
+    stream: bool = False
     out: Optional[pathlib.Path] = None
 
     def __post_init__(self):
-        if self.mode not in ("abort", "log"):
-            raise ValueError(f"storm mode must be 'abort' or 'log', got {self.mode!r}")
+        if self.mode not in ("abort", "heal", "log"):
+            raise ValueError(f"storm mode must be 'abort', 'heal' or 'log', got {self.mode!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"storm device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.seconds <= 0 or self.idle_seconds < 0:
@@ -165,6 +176,34 @@ def generate(port: int, rid: str, ids: List[int], max_new: int) -> Tuple[int, di
         return status, {"raw": body.decode(errors="replace")[:300]}
 
 
+def generate_stream(port: int, rid: str, ids: List[int], max_new: int) -> Tuple[int, dict]:
+    """:func:`generate` with ``stream: true``: the final chunk's fields, plus ``chunks``: the
+    output ids of every chunk received, in order (each the whole output so far)."""
+    status, body = http_call(
+        port,
+        "POST",
+        "/generate",
+        {
+            "rid": rid,
+            "input_ids": ids,
+            "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True},
+        },
+        timeout=600,
+    )
+    chunks, last = [], {}
+    for line in body.decode(errors="replace").splitlines():
+        if not line.startswith("data:") or line.strip() == "data: [DONE]":
+            continue
+        try:
+            last = json.loads(line[len("data:") :])
+        except ValueError:
+            return status, {"raw": line[:300]}
+        if "output_ids" in last:
+            chunks.append(list(last["output_ids"]))
+    return status, dict(last, chunks=chunks)
+
+
 def outcome(status: int, out: dict) -> Tuple[str, object]:
     """("ok", output ids) or ("aborted", message) or ("error", text)."""
     if status == 200 and "output_ids" in out:
@@ -173,14 +212,24 @@ def outcome(status: int, out: dict) -> Tuple[str, object]:
             return "aborted", str(reason.get("message"))
         return "ok", out["output_ids"]
     text = json.dumps(out)[:300]
-    if ABORT_MESSAGE in text or PREFIX_ABORT_MESSAGE in text:
-        return "aborted", text
+    if ABORT_MESSAGE in text or PREFIX_ABORT_MESSAGE[:-1] in text:
+        return "aborted", str(out.get("message", text))
     return "error", f"HTTP {status}: {text}"
 
 
-def run_clients(port: int, requests, *, clients: int, until: Optional[float], rounds: int):
+def run_clients(
+    port: int,
+    requests,
+    *,
+    clients: int,
+    until: Optional[float],
+    rounds: int,
+    stream: bool = False,
+    chunks: Optional[Dict[str, List[List[int]]]] = None,
+):
     """Send ``requests`` in order, ``clients`` at a time, ``rounds`` times over (or until the
-    monotonic deadline ``until``): a list of (request index, rid, outcome)."""
+    monotonic deadline ``until``): a list of (request index, rid, outcome). ``stream``: every
+    other request streams, its chunks' output ids put in ``chunks`` by rid."""
     lock = threading.Lock()
     state = {"next": 0}
     results: List[Tuple[int, str, Tuple[str, object]]] = []
@@ -198,7 +247,14 @@ def run_clients(port: int, requests, *, clients: int, until: Optional[float], ro
             ids, max_new = requests[i]
             rid = f"r{i}-{k}"
             try:
-                res = outcome(*generate(port, rid, ids, max_new))
+                if stream and k % 2:
+                    status, out = generate_stream(port, rid, ids, max_new)
+                    if chunks is not None:
+                        with lock:
+                            chunks[rid] = out.pop("chunks", [])
+                    res = outcome(status, out)
+                else:
+                    res = outcome(*generate(port, rid, ids, max_new))
             except OSError as e:
                 res = ("error", f"transport: {e}")
             with lock:
@@ -246,7 +302,9 @@ def failure_excerpt(figures: dict, lines: int = 40) -> str:
         line
         for line in log.read_text(errors="replace").splitlines()
         if '"POST /' not in line
-        and any(m in line for m in ("kv_canary abort:", "Leak", "Traceback", "Error"))
+        and any(
+            m in line for m in ("kv_canary abort:", "kv_canary heal:", "Leak", "Traceback", "Error")
+        )
     ]
     return "\n".join(keep[-lines:])
 
@@ -324,6 +382,7 @@ def run_storm(settings: StormSettings) -> dict:
         SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT="1",
         SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
         SGLANG_DEBUG_MEMORY_POOL="1",
+        SGLANG_KV_CANARY_MAX_HEALS=str(MAX_HEALS),
         **{k.env_var: str(p) for k, p in storm_faults(settings.mode).items()},
     )
     storm = start(
@@ -346,12 +405,15 @@ def run_storm(settings: StormSettings) -> dict:
     checks: Dict[str, bool] = {}
     t0 = time.monotonic()
     try:
+        chunks: Dict[str, List[List[int]]] = {}
         results = run_clients(
             storm.port,
             requests,
             clients=settings.clients,
             until=time.monotonic() + settings.seconds,
             rounds=0,
+            stream=settings.stream,
+            chunks=chunks,
         )
         served_s = time.monotonic() - t0
         # read before /health: sglang's health check is a generate request of its own, which
@@ -360,6 +422,7 @@ def run_storm(settings: StormSettings) -> dict:
         aborted_metric = metric_total(series, ABORTED_REQUESTS) if series is not None else -1
         held_back = metric_total(series, HELD_BACK_SLOTS) if series is not None else -1
         reclaimed = metric_total(series, RECLAIMED_SLOTS) if series is not None else -1
+        healed_metric = metric_total(series, HEALED_REQUESTS) if series is not None else -1
         time.sleep(settings.idle_seconds)  # idle: sglang's leak check runs
         checks["alive after idle"] = storm.alive()
         health = http_call(storm.port, "GET", "/health", timeout=60)[0] if storm.alive() else 0
@@ -391,7 +454,32 @@ def run_storm(settings: StormSettings) -> dict:
     checks["every fault class was injected"] = set(injected) == {
         k.value for k in storm_faults(settings.mode)
     }
-    if settings.mode == "abort":
+    healed = parse_healed_rids(log)
+    over_max = [m for m in aborted if HEALS_SUFFIX_RE.search(m)]
+    index_of = {rid: i for i, rid, _ in results}
+    diverged_chunks = sum(
+        1 for rid, seen in chunks.items() for c in seen if c != ref[index_of[rid]][1][: len(c)]
+    )
+    streamed = sum(1 for seen in chunks.values() if seen)
+    if settings.mode == "heal":
+        # past SGLANG_KV_CANARY_MAX_HEALS heals a request is aborted (faults that keep hitting
+        # the same request: at the storm's rates a long request may be hit again after each
+        # heal); no other abort
+        checks["every abort is of a request healed the most times"] = all(
+            int(HEALS_SUFFIX_RE.search(m).group(1)) == MAX_HEALS for m in over_max
+        ) and len(over_max) == len(aborted)
+        checks["every completed output equals canary off"] = mismatched == 0
+        # a streaming client never sees a token computed from corrupt KV: every chunk is a
+        # prefix of the canary-off output, the aborted requests' chunks included
+        checks["every streamed chunk is a prefix of the canary-off output"] = diverged_chunks == 0
+        checks["requests streamed"] = not settings.stream or streamed > 0
+        checks["healed_requests_total equals the heal lines"] = healed_metric == len(healed)
+        checks["aborted_requests_total equals the aborts seen"] = aborted_metric == len(aborted)
+        checks["every guarded release found the slots its row lost"] = not any(
+            parse_unattributed(line) for line in log.splitlines()
+        )
+        checks["the release guard reclaimed slots"] = kept_own == 0 or reclaimed > 0
+    elif settings.mode == "abort":
         checks["every abort carries the canary's message"] = all(
             ABORT_MESSAGE in m or PREFIX_ABORT_MESSAGE in m for m in aborted
         )
@@ -422,6 +510,13 @@ def run_storm(settings: StormSettings) -> dict:
         violation_lines=len(violations),
         aborted_metric=aborted_metric,
         aborted_metric_after_health=aborted_metric_after_health,
+        healed=len(healed),
+        healed_requests=len(set(healed)),
+        healed_metric=healed_metric,
+        streamed_requests=streamed,
+        streamed_chunks=sum(map(len, chunks.values())),
+        streamed_chunks_diverged=diverged_chunks,
+        aborted_after_max_heals=len(over_max),
         prefix_evictions=log.count("kv_canary abort: evicted a radix-cache prefix"),
         kept_faults_on_own_positions=kept_own,
         held_back_slots=held_back,

@@ -92,7 +92,7 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
         kv_pool=None,
     ):
         if not config.enabled:
-            raise ValueError("CanaryManager needs --kv-canary log, raise or abort (got none)")
+            raise ValueError("CanaryManager needs --kv-canary log, raise, abort or heal (got none)")
         if not groups:
             raise ValueError("CanaryManager needs at least one buffer group")
         if config.enable_write_input_assert and token_oracle is None:

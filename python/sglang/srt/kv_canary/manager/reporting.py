@@ -126,29 +126,32 @@ class ForwardReporter:
         swa_lut = next((g.swa_index_lut for g in groups if g.kind == PoolKind.SWA), None)
         self.requests = RequestResolver(req_to_token=req_to_token, swa_index_lut=swa_lut)
         self.containment: Optional[ContainmentManager] = None
-        if self.mode == CanaryMode.ABORT:
+        if self.mode.contains:
             full = next((g for g in groups if g.kind == PoolKind.FULL), None)
             if full is None:  # every adapter builds one; a new one must too
                 raise ValueError(
-                    "--kv-canary abort needs the pool's full-attention buffer "
+                    f"--kv-canary {self.mode.value} needs the pool's full-attention buffer "
                     "group (its records say which request owns a slot)"
                 )
             self.containment = ContainmentManager(
-                resolver=self.requests, swa_index_lut=swa_lut, records=full.k_tail
+                resolver=self.requests,
+                swa_index_lut=swa_lut,
+                records=full.k_tail,
+                heal_max=config.max_heals if self.mode == CanaryMode.HEAL else None,
             )
         self.metrics: Optional[CanaryMetrics] = None
         self.kv_slots_in_use: Callable[[], int] = lambda: 0
 
     def counts(self) -> dict:
         """What this pool's canary reported so far: violation lines, rows dropped past the
-        ring, requests aborted, and the mode its violations are handled in (``log`` for a
-        draft pool whose reports the server's mode does not act on). Host values only."""
+        ring, requests aborted and healed, and the mode its violations are handled in (``log``
+        for a draft pool whose reports the server's mode does not act on). Host values only."""
+        containment = self.containment
         return {
             "violations": self.violations.total_incidents,
             "dropped_violations": self.violations.total_dropped,
-            "aborted_requests": (
-                self.containment.aborted_requests if self.containment is not None else 0
-            ),
+            "aborted_requests": containment.aborted_requests if containment is not None else 0,
+            "healed_requests": containment.healed_requests if containment is not None else 0,
             "acting_mode": self.mode.value,
         }
 
@@ -258,9 +261,19 @@ class ForwardReporter:
                 if self.metrics is not None:
                     self.metrics.on_aborted(aborted)
 
+    def before_batch_result(self) -> None:
+        """Heal mode, before the scheduler processes a batch result: take back the requests
+        its reports marked (metrics of the heals)."""
+        if self.containment is None:
+            return
+        healed = self.containment.before_batch_result()
+        if healed and self.metrics is not None:
+            self.metrics.on_healed(healed)
+
     def after_batch_result(self) -> None:
-        """Abort mode, after the scheduler processed a batch result: evict the corrupt
-        prefixes it can now (metrics of the aborts and the release guard)."""
+        """Abort and heal mode, after the scheduler processed a batch result: evict the
+        corrupt prefixes it can now, queue healed requests again (metrics of the aborts and
+        the release guard)."""
         if self.containment is None:
             return
         aborted = self.containment.after_batch_result()

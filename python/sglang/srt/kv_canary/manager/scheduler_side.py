@@ -104,6 +104,7 @@ class SchedulerSide:
         metrics_registry=None,
         metrics_of: Optional["SchedulerSide"] = None,
         faked_transfer: Optional[Callable[[object], bool]] = None,
+        retraction: Optional["sglang_seam.SchedulerRetraction"] = None,
     ) -> None:
         """The scheduler's side, at its start-up: its tree cache, its running requests (to
         name and abort), its metric labels (None: metrics off; ``metrics_registry``: a
@@ -111,8 +112,12 @@ class SchedulerSide:
         KV slots in use (the protected-tokens gauge). ``metrics_of``: the scheduler's first
         canary (an EAGLE draft pool's canary counts into the target's series).
         ``faked_transfer``: whether sglang faked a request's KV transfer (a PD decode server:
-        reads of such a request's slots are set aside, not reported)."""
+        reads of such a request's slots are set aside, not reported). ``retraction``: the
+        scheduler's retraction of running requests (heal mode takes requests back through
+        it)."""
         self.attach_radix_cache(radix_cache)
+        if retraction is not None and self.containment is not None and self.containment.heals:
+            self.containment.attach_retraction(retraction)
         self.requests.running_reqs = running_reqs
         if faked_transfer is not None:
             self.requests.faked_transfer = faked_transfer
@@ -145,6 +150,12 @@ class SchedulerSide:
         containment of what one rank reported."""
         self.reporter.apply_notices(notices)
 
+    def before_batch_result(self) -> None:
+        """Before the scheduler processes a batch result: heal mode takes back the requests
+        its reports marked, so sglang appends no token of theirs from this result. No-op
+        otherwise."""
+        self.reporter.before_batch_result()
+
     def after_batch_result(self) -> None:
         """After the scheduler processed a batch result (finished requests released their
         KV): abort mode evicts the corrupt prefixes it can now. No-op otherwise."""
@@ -158,7 +169,11 @@ class SchedulerSide:
         (docs/architecture.md, "Reading results"). The host waits for that read-back's copy
         (its forward has run); nothing to do when none is pending. Host only, between
         forwards."""
-        if self.device_host.consume(self._on_host_copies):
+        containment = self.containment
+        if self.device_host.consume(self._on_host_copies) or (
+            containment is not None and containment.heal_pending
+        ):
+            self.reporter.before_batch_result()
             self.reporter.after_batch_result()
 
     @property

@@ -214,21 +214,21 @@ class PerturbConfig:
         aborts: bool = False,
     ) -> None:
         """Refuse fault settings the rest of the configuration cannot act on or detect
-        (``aborts``: ``--kv-canary abort``)."""
+        (``aborts``: ``--kv-canary abort`` or ``heal``)."""
         active = self.active_faults
         if not active:
             return
         names = ", ".join(k.env_var for k in active)
         if not canary_enabled:
             raise ValueError(
-                f"{names} > 0 needs the canary on: pass --kv-canary log, raise or abort"
+                f"{names} > 0 needs the canary on: pass --kv-canary log, raise, abort or heal"
             )
         if FaultKind.REQ_TO_TOKEN_KEPT in active and not aborts:
             raise ValueError(
                 f"{FaultKind.REQ_TO_TOKEN_KEPT.env_var} > 0 leaves a corrupt "
                 "req_to_token entry in place, as a server bug would, and only "
-                "--kv-canary abort contains what sglang then frees: pass "
-                "--kv-canary abort (or use "
+                "--kv-canary abort or heal contains what sglang then frees: pass "
+                "--kv-canary abort or heal (or use "
                 f"{FaultKind.REQ_TO_TOKEN.env_var}, which undoes its entry)"
             )
         if any(k.is_real_kv for k in active) and not real_kv_hash_on:

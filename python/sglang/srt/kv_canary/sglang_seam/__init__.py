@@ -13,6 +13,7 @@ the internals it touches and who relies on them:
 | ``scheduler`` | the ``Scheduler``: runners, tree cache, running requests, metrics, PD fakes |
 | ``batch`` | ``ForwardBatch``, ``SamplingBatchInfo``, ``Req`` |
 | ``release`` | abort mode's request marks and the tree-cache release it guards |
+| ``retraction`` | heal mode's retraction of running requests |
 | ``radix`` | the radix caches and their nodes, subtree eviction |
 | ``sampler`` | sglang's sampler module (the token oracle) |
 | ``pools`` | KV pool instances |
@@ -126,6 +127,8 @@ from sglang.srt.kv_canary.sglang_seam.release import (
     mark_no_radix_insert,
     chunk_stash_inserting,
     mark_contained,
+    unmark_contained,
+    unmark_no_radix_insert,
     req_contained,
     set_release_guard,
     release_guard_of,
@@ -134,6 +137,11 @@ from sglang.srt.kv_canary.sglang_seam.release import (
     allocator_page_size,
     allocator_free_pages,
     allocator_frees_filtered,
+)
+from sglang.srt.kv_canary.sglang_seam.retraction import (
+    SchedulerRetraction,
+    count_heal,
+    req_heals,
 )
 from sglang.srt.kv_canary.sglang_seam.radix import (
     radix_cache_types,
@@ -271,6 +279,11 @@ __all__ = [
     "mark_no_radix_insert",
     "chunk_stash_inserting",
     "mark_contained",
+    "unmark_contained",
+    "unmark_no_radix_insert",
+    "SchedulerRetraction",
+    "count_heal",
+    "req_heals",
     "req_contained",
     "set_release_guard",
     "release_guard_of",

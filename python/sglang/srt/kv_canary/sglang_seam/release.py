@@ -33,6 +33,15 @@ def mark_no_radix_insert(req: "Req") -> None:
     req.skip_radix_cache_insert = True
 
 
+def unmark_no_radix_insert(req: "Req") -> None:
+    """Undo :func:`mark_no_radix_insert` (heal mode, when a taken-back request is queued
+    again: its recomputed KV is clean and is cached as any other). A flag sglang set itself
+    stays."""
+    if getattr(req, _CANARY_NO_INSERT, False):
+        delattr(req, _CANARY_NO_INSERT)
+        req.skip_radix_cache_insert = False
+
+
 @contextlib.contextmanager
 def chunk_stash_inserting(req: Optional["Req"]):
     """Around sglang's stash of a chunked request's prefilled chunk: the canary's no-insert
@@ -52,15 +61,19 @@ def chunk_stash_inserting(req: Optional["Req"]):
 
 
 _CANARY_CONTAINED = "kv_canary_contained"
-
-
-_CANARY_CONTAINED = "kv_canary_contained"
 _CANARY_RELEASE_GUARD = "kv_canary_release_guard"
 
 
 def mark_contained(req: "Req") -> None:
-    """Mark a request abort mode aborted: its release is guarded (:func:`release_guard_of`)."""
+    """Mark a request abort mode aborted (or heal mode takes back): its release is guarded
+    (:func:`release_guard_of`)."""
     setattr(req, _CANARY_CONTAINED, True)
+
+
+def unmark_contained(req: "Req") -> None:
+    """Undo :func:`mark_contained` (heal mode, when a taken-back request is queued again)."""
+    if hasattr(req, _CANARY_CONTAINED):
+        delattr(req, _CANARY_CONTAINED)
 
 
 def req_contained(req: "Req") -> bool:

@@ -1,5 +1,6 @@
-"""``--kv-canary abort``: contain a violation and keep serving (docs/subsystems.md,
-"Containment"; docs/user_guide.md, "Containment: --kv-canary abort").
+"""``--kv-canary abort`` and ``heal``: contain a violation and keep serving (docs/subsystems.md,
+"Containment"; docs/user_guide.md, "Containment: --kv-canary abort" and "Self-healing:
+--kv-canary heal").
 
 :meth:`ContainmentManager.contain` (per reported incident) aborts every running request the
 incident touches (:class:`~sglang.srt.kv_canary.violations.resolver.RequestResolver`) through
@@ -8,6 +9,14 @@ remembers the slot. :meth:`ContainmentManager.after_batch_result` (scheduler thr
 batches) evicts the radix nodes holding a remembered slot, with their subtrees, once no
 running request locks them (one that does maps the slot: it is aborted too). Releases and
 evictions go through :class:`~sglang.srt.kv_canary.violations.release_guard.ReleaseGuard`.
+
+Heal mode (``heal_max`` set) takes a touched request back instead of aborting it: marked in
+:meth:`ContainmentManager.contain`, taken out of the scheduler's batches with its KV freed
+under the release guard in :meth:`ContainmentManager.before_batch_result` (before sglang
+appends a token of the batch whose result comes next), queued again by
+:meth:`ContainmentManager.after_batch_result` once no launched batch holds it and no corrupt
+prefix is left to evict; sglang then recomputes it from its tokens. Past ``heal_max`` heals a
+request is aborted as in abort mode.
 """
 
 from __future__ import annotations
@@ -41,18 +50,33 @@ ABORT_MESSAGE_PREFIX = "kv_canary: KV cache corruption detected"
 # the message of a request aborted because it locks a cached prefix holding a corrupt slot
 # (it is in no violation line's ``rids=``: it was admitted, or locked the prefix, later)
 PREFIX_ABORT_MESSAGE = f"{ABORT_MESSAGE_PREFIX} (a cached prefix it shares held a corrupt slot)"
+# heal mode's abort of a request healed SGLANG_KV_CANARY_MAX_HEALS times: what the message ends with
+HEALS_SUFFIX_RE = re.compile(r", after (\d+) heal\(s\)\)$")
 PREFIX_ABORT_LINE_PREFIX = "kv_canary abort: aborted the running requests locking a corrupt prefix:"
+HEAL_LINE_PREFIX = "kv_canary heal: took back"
+REQUEUE_LINE_PREFIX = "kv_canary heal: queued again"
+_HEAL_RE = re.compile(re.escape(HEAL_LINE_PREFIX) + r" rids=(\S+)")
 # several ranks: each rank's line when it applies a notice (the same request ids on every rank)
 NOTICE_LINE_PREFIX = "kv_canary abort: applied the containment reported by"
 _NOTICE_RE = re.compile(re.escape(NOTICE_LINE_PREFIX) + r" (.+?): aborted rids=(\S+)")
 _PREFIX_ABORT_RE = re.compile(re.escape(PREFIX_ABORT_LINE_PREFIX) + r" rids=(\S+)")
 
 
-def abort_message(incident: ViolationIncident) -> str:
-    """What an aborted request's client receives (its finish reason's message)."""
+def prefix_abort_message(heals: int = 0) -> str:
+    """What a request aborted for locking a corrupt prefix receives; ``heals``: as for
+    :func:`abort_message`."""
+    if not heals:
+        return PREFIX_ABORT_MESSAGE
+    return f"{PREFIX_ABORT_MESSAGE[:-1]}, after {heals} heal(s))"
+
+
+def abort_message(incident: ViolationIncident, *, heals: int = 0) -> str:
+    """What an aborted request's client receives (its finish reason's message); ``heals``:
+    heal mode's heals of the request before this abort (0: abort mode)."""
+    after = f", after {heals} heal(s)" if heals else ""
     return (
         f"{ABORT_MESSAGE_PREFIX} (launch_tag={incident.record.tag_name}, "
-        f"fail_reason={FailReason.describe(incident.fail_bits)})"
+        f"fail_reason={FailReason.describe(incident.fail_bits)}{after})"
     )
 
 
@@ -60,7 +84,8 @@ class ContainmentManager:
     """Abort mode's containment. ``resolver``: the manager's request resolver (its
     ``req_to_token`` and running requests); ``swa_index_lut``: the SWA group's full -> SWA
     table (an SWA incident's slot is found back as the full slots mapping to it);
-    ``records``: the full pool's TAIL canary buffer (the release guard's records)."""
+    ``records``: the full pool's TAIL canary buffer (the release guard's records);
+    ``heal_max``: heal mode's heals of one request before it is aborted (None: abort mode)."""
 
     def __init__(
         self,
@@ -68,6 +93,7 @@ class ContainmentManager:
         resolver: RequestResolver,
         swa_index_lut: Optional[torch.Tensor],
         records: torch.Tensor,
+        heal_max: Optional[int] = None,
     ):
         self.resolver = resolver
         self.swa_index_lut = swa_index_lut
@@ -84,6 +110,27 @@ class ContainmentManager:
         self.relay: Optional[RankRelay] = None
         self.agreement: RankAgreement = SINGLE_RANK
         self.applied_notices = 0
+        # heal mode: the scheduler's retraction (attach_retraction), the requests marked to be
+        # taken back, those taken back and not queued again yet
+        self.heal_max = heal_max
+        self.retraction = None
+        self._to_heal: List[object] = []
+        self._healed: List[object] = []
+        self.healed_requests = 0  # heals, over the server's life (a request may count twice)
+
+    @property
+    def heals(self) -> bool:
+        return self.heal_max is not None
+
+    @property
+    def heal_pending(self) -> bool:
+        """Heal mode: requests marked to be taken back, or taken back and not queued again."""
+        return bool(self._to_heal or self._healed)
+
+    def attach_retraction(self, retraction) -> None:
+        """Heal mode: the scheduler's :class:`~sglang.srt.kv_canary.sglang_seam.SchedulerRetraction`
+        (start-up)."""
+        self.retraction = retraction
 
     def attach_ranks(self, relay: RankRelay, agreement: RankAgreement) -> None:
         """Several TP ranks (start-up, after :meth:`attach_radix_cache`): :meth:`contain`
@@ -145,17 +192,84 @@ class ContainmentManager:
             return 0
         aborted = 0
         for inc, reqs in zip(incidents, touched):
-            message = abort_message(inc)
             for req in reqs.holding:
                 seam.mark_contained(req)
             for req in reqs.running:
                 seam.mark_no_radix_insert(req)
-                if seam.abort_running_req(req, message):
+                if self._heal_later(req):
+                    continue
+                heals = seam.req_heals(req) if self.heals else 0
+                if seam.abort_running_req(req, abort_message(inc, heals=heals)):
                     aborted += 1
                     self._aborted.append(req)
             self._remember(inc)
         self.aborted_requests += aborted
         return aborted
+
+    def _heal_later(self, req) -> bool:
+        """Heal mode: mark ``req`` to be taken back (True), unless it was healed ``heal_max``
+        times already (False: it is aborted)."""
+        if not self.heals or seam.req_heals(req) >= self.heal_max:
+            return False
+        seam.mark_contained(req)  # its release is guarded
+        if not any(r is req for r in self._to_heal):
+            self._to_heal.append(req)
+        return True
+
+    def before_batch_result(self) -> int:
+        """Heal mode, before the scheduler processes a batch result (and at the idle step):
+        every marked request still running is taken out of the scheduler's batches, its KV
+        freed under the release guard, and reset for recomputation; sglang then appends no
+        token of it from any launched batch. The request being prefilled chunk by chunk waits
+        for its last chunk. Returns how many were taken back. Host work only while requests
+        are marked."""
+        if not self._to_heal or self.retraction is None:
+            return 0
+        taken, waiting = [], []
+        for req in self._to_heal:
+            if seam.req_done(req) or seam.req_pool_row(req) is None:
+                continue  # finished, aborted or released since its report: nothing to heal
+            if self.retraction.is_chunked(req):
+                waiting.append(req)
+                continue
+            self.retraction.take_back(req, self._release)
+            seam.count_heal(req)
+            taken.append(req)
+            self._healed.append(req)
+        self._to_heal = waiting
+        if taken:
+            self.healed_requests += len(taken)
+            logger.warning(
+                "%s rids=%s (their KV freed; computed again from their tokens)",
+                HEAL_LINE_PREFIX,
+                format_rids([seam.req_rid(r) for r in taken]),
+            )
+        return len(taken)
+
+    def _release(self, req, free) -> None:
+        guard = self.guard
+        if guard is None:
+            free()
+            return
+        with guard.releasing(req, self.radix_cache):
+            free()
+
+    def _requeue_healed(self) -> None:
+        """Heal mode: queue again the taken-back requests no launched batch holds any more,
+        once no corrupt prefix is left in the radix cache (they would read it again)."""
+        if not self._healed or self._slots:
+            return
+        ready = [r for r in self._healed if not self.retraction.in_flight(r)]
+        if not ready:
+            return
+        self._healed = [r for r in self._healed if all(r is not x for x in ready)]
+        for req in ready:
+            seam.unmark_contained(req)
+            seam.unmark_no_radix_insert(req)
+            self.retraction.requeue(req)
+        logger.info(
+            "%s rids=%s", REQUEUE_LINE_PREFIX, format_rids([seam.req_rid(r) for r in ready])
+        )
 
     def apply(self, notice: ContainmentNotice) -> int:
         """Several ranks: what :meth:`contain` does on one rank, for a notice every rank
@@ -208,6 +322,8 @@ class ContainmentManager:
         if self.guard is not None:
             self.guard.settle(self.radix_cache)
         if not self._slots:
+            if self.heals:
+                self._requeue_healed()
             return 0
         self._aborted = [r for r in self._aborted if seam.req_pool_row(r) is not None]
         slots = torch.tensor(self._slots, dtype=torch.int64)
@@ -242,7 +358,10 @@ class ContainmentManager:
             hit = self.agreement.any_of(hit) if self.agreement.several else hit
             for req in (r for r, h in zip(reqs, hit) if h):
                 seam.mark_no_radix_insert(req)
-                if seam.abort_running_req(req, PREFIX_ABORT_MESSAGE):
+                if self._heal_later(req):
+                    continue
+                heals = seam.req_heals(req) if self.heals else 0
+                if seam.abort_running_req(req, prefix_abort_message(heals)):
                     aborted += 1
                     rids.append(seam.req_rid(req))
                     self._aborted.append(req)
@@ -251,6 +370,8 @@ class ContainmentManager:
             self.aborted_requests += aborted
         elif not self._aborted:
             self._slots = []
+        if self.heals:
+            self._requeue_healed()
         return aborted
 
 
@@ -258,6 +379,12 @@ def parse_notice_lines(log: str) -> List[Tuple[str, Tuple[str, ...]]]:
     """Every applied-notice line in ``log`` (:meth:`ContainmentManager.apply`): (the
     detecting rank as named, the request ids aborted), in log order."""
     return [(m.group(1), parse_rids(m.group(2))) for m in _NOTICE_RE.finditer(log)]
+
+
+def parse_healed_rids(log: str) -> Tuple[str, ...]:
+    """The request ids of every heal line in ``log`` (:meth:`ContainmentManager.before_batch_result`),
+    in log order (a request healed twice appears twice)."""
+    return tuple(rid for m in _HEAL_RE.finditer(log) for rid in parse_rids(m.group(1)))
 
 
 def parse_prefix_abort_rids(log: str) -> Tuple[str, ...]:

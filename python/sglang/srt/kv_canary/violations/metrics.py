@@ -25,6 +25,7 @@ PROTECTED_TOKENS = "sglang:kv_canary_protected_tokens"
 SWEEP_PASSES = "sglang:kv_canary_sweep_passes_total"
 DROPPED_VIOLATIONS = "sglang:kv_canary_dropped_violations_total"
 ABORTED_REQUESTS = "sglang:kv_canary_aborted_requests_total"
+HEALED_REQUESTS = "sglang:kv_canary_healed_requests_total"
 HELD_BACK_SLOTS = "sglang:kv_canary_held_back_slots_total"
 RECLAIMED_SLOTS = "sglang:kv_canary_reclaimed_slots_total"
 MEMORY_BYTES = "sglang:kv_canary_memory_bytes"
@@ -35,6 +36,7 @@ METRIC_NAMES = (
     SWEEP_PASSES,
     DROPPED_VIOLATIONS,
     ABORTED_REQUESTS,
+    HEALED_REQUESTS,
     HELD_BACK_SLOTS,
     RECLAIMED_SLOTS,
     MEMORY_BYTES,
@@ -106,7 +108,14 @@ class CanaryMetrics:
         self._aborted = Counter(
             name=ABORTED_REQUESTS,
             labelnames=names,
-            documentation="Requests aborted by --kv-canary abort.",
+            documentation="Requests aborted by --kv-canary abort (and by heal, past "
+            "SGLANG_KV_CANARY_MAX_HEALS heals of one request).",
+        ).labels(**self.labels)
+        self._healed = Counter(
+            name=HEALED_REQUESTS,
+            labelnames=names,
+            documentation="Requests --kv-canary heal took back to compute again from their "
+            "tokens (a request healed twice counts twice).",
         ).labels(**self.labels)
         self._held_back = _RunningTotal(
             Counter(
@@ -172,6 +181,10 @@ class CanaryMetrics:
     def on_aborted(self, count: int) -> None:
         if count:
             self._aborted.inc(count)
+
+    def on_healed(self, count: int) -> None:
+        if count:
+            self._healed.inc(count)
 
     def on_release_guard(self, *, held_back_slots: int, reclaimed_slots: int) -> None:
         """The release guard's running totals."""

@@ -1,0 +1,59 @@
+"""Heal mode's storm on the CPU (``canary_support/storm.py``; docs/user_guide.md,
+"Self-healing: --kv-canary heal"): faults injected on purpose into a small-pool CLI server with
+eight clients; every request must complete with the canary-off output, none aborted, and the
+server must pass sglang's own leak checks. At CI's size."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=150, suite="stage-a-test-cpu")
+
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
+
+# every fault class of abort mode's storm, eight clients, a 1,024-token pool, 32-token
+# prefill chunks (canary_support.storm), at CI's size
+STORM_SECONDS = 60
+
+
+def test_heal_mode_storm_on_a_cli_server(tmp_path):
+    """Heal mode under a storm of self-test faults: a canary-off CLI server answers a list of
+    48 requests (shared prefixes, most longer than a prefill chunk) for the reference; then a
+    heal-mode CLI server with a small pool, sglang's strict pool checks after every batch and
+    when idle, and the ``req_to_token`` fault (undone, and kept) and three real-KV faults
+    injected at random serves the list to eight concurrent clients for ``STORM_SECONDS``, every
+    other request streaming. It passes only if the server is alive after idling and
+    ``/health`` answers, its log has no Traceback, leak or out-of-memory report, every fault
+    class was injected, every completed request has the canary-off output, every streamed
+    chunk is a prefix of it, the only aborts are of requests healed
+    ``SGLANG_KV_CANARY_MAX_HEALS`` times (at the storm's fault rates a long request can be hit
+    again after each heal), ``sglang:kv_canary_healed_requests_total`` equals the heal lines,
+    ``sglang:kv_canary_aborted_requests_total`` the aborts seen, and every slot a kept entry
+    took from its request was found by its record."""
+    from canary_support.storm import StormSettings, failure_excerpt, run_storm
+
+    t0 = time.monotonic()
+    figures = run_storm(
+        StormSettings(
+            mode="heal", seconds=STORM_SECONDS, idle_seconds=10, stream=True, out=tmp_path
+        )
+    )
+    print(
+        f"\nstorm: {json.dumps({k: v for k, v in figures.items() if k != 'checks'})} "
+        f"in {time.monotonic() - t0:.0f} s"
+    )
+    failed = [name for name, ok in figures["checks"].items() if not ok]
+    if failed:  # pytest shows a failing test's output: the server log's telling lines
+        print("storm server, what it said:\n" + failure_excerpt(figures))
+    assert not failed, (failed, figures)
+    # the storm really stormed: requests healed, and served
+    assert figures["healed"] > 0 and figures["completed"] > figures["aborted"], figures
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
