@@ -4,6 +4,7 @@
 
     python benchmark/kv_canary/abort_storm.py --mode abort --seconds 600 --out /tmp/storm
     python benchmark/kv_canary/abort_storm.py --mode log --seconds 600 --out /tmp/storm_log
+    python benchmark/kv_canary/abort_storm.py --mode heal --stream --seconds 600 --out /tmp/storm_heal
     python benchmark/kv_canary/abort_storm.py --mode abort --device cuda --page-size 16
 
 Prints ``RESULT <json>`` (the figures), then one line per check; exit status 1 when a check
@@ -26,7 +27,7 @@ from canary_support.storm import StormSettings, run_storm  # noqa: E402
 
 def parse_args(argv=None) -> StormSettings:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("abort", "log"), required=True)
+    ap.add_argument("--mode", choices=("abort", "heal", "log"), required=True)
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=48, help="distinct requests in the list")
@@ -37,6 +38,10 @@ def parse_args(argv=None) -> StormSettings:
     ap.add_argument("--idle-seconds", type=float, default=15)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument(
+        "--stream", action="store_true", help="every other request streams (heal checks chunks)"
+    )
+    ap.add_argument("--stuck", action="store_true", help="a stuck bit alone (heal retires it)")
     ap.add_argument("--out", type=pathlib.Path, default=None, help="server logs (default: tmp)")
     args = ap.parse_args(argv)
     try:

@@ -1,7 +1,8 @@
 """Heal mode's storm on the CPU (``canary_support/storm.py``; docs/user_guide.md,
 "Self-healing: --kv-canary heal"): faults injected on purpose into a small-pool CLI server with
-eight clients; every request must complete with the canary-off output, none aborted, and the
-server must pass sglang's own leak checks. At CI's size."""
+eight clients; every request must complete with the canary-off output, none aborted but those
+healed the most times, and the server must pass sglang's own leak checks; a stuck bit's slot
+is retired. At CI's size."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.soak]
 # every fault class of abort mode's storm, eight clients, a 1,024-token pool, 32-token
 # prefill chunks (canary_support.storm), at CI's size
 STORM_SECONDS = 60
+# the stuck bit: long enough for its slot to be handed out again after its first heal
+STUCK_SECONDS = 30
 
 
 def test_heal_mode_storm_on_a_cli_server(tmp_path):
@@ -53,6 +56,27 @@ def test_heal_mode_storm_on_a_cli_server(tmp_path):
     assert not failed, (failed, figures)
     # the storm really stormed: requests healed, and served
     assert figures["healed"] > 0 and figures["completed"] > figures["aborted"], figures
+
+
+def test_heal_mode_retires_a_stuck_slot_on_a_cli_server(tmp_path):
+    """A stuck bit (``SGLANG_KV_CANARY_PERTURB_REAL_KV_STUCK_PROB=1``: the slot a forward wrote
+    is flipped, and flipped again after every later forward that writes it) under heal mode's
+    storm clients: the requests reading it are healed, and once the slot is found corrupt
+    again after its corrupt content was freed it is retired (a WARNING naming it, the
+    ``sglang:kv_canary_retired_slots`` gauge); nothing writes it after that, every request
+    completes with the canary-off output, and sglang's pool-leak checks (busy and idle) stay
+    clean with the retired slot out of the allocator."""
+    from canary_support.storm import StormSettings, failure_excerpt, run_storm
+
+    figures = run_storm(
+        StormSettings(mode="heal", seconds=STUCK_SECONDS, idle_seconds=10, stuck=True, out=tmp_path)
+    )
+    print(f"\nstuck: {json.dumps({k: v for k, v in figures.items() if k != 'checks'})}")
+    failed = [name for name, ok in figures["checks"].items() if not ok]
+    if failed:
+        print("storm server, what it said:\n" + failure_excerpt(figures))
+    assert not failed, (failed, figures)
+    assert figures["retired_metric"] == 1 and figures["stuck_flips"] >= 2, figures
 
 
 if __name__ == "__main__":

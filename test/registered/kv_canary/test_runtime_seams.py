@@ -397,7 +397,9 @@ def test_the_driver_uses_build_canary(monkeypatch, kw):
 def test_build_canary_refuses_mode_none_before_touching_the_pool():
     pool = _mha_pool()
     before = pool.get_contiguous_buf_infos()
-    with pytest.raises(ValueError, match="build_canary needs --kv-canary log, raise, abort or heal"):
+    with pytest.raises(
+        ValueError, match="build_canary needs --kv-canary log, raise, abort or heal"
+    ):
         build_canary(
             pool=pool,
             req_to_token=torch.zeros((4, 16), dtype=torch.int32),

@@ -176,6 +176,7 @@ class CanaryConfig:
     enable_token_oracle: bool = False
     draft_violations: DraftViolations = DraftViolations.REPORT
     max_heals: int = 3
+    retire_after: int = 1
     perturb: PerturbConfig = PerturbConfig()
 
     def __post_init__(self):
@@ -197,6 +198,7 @@ class CanaryConfig:
             ("stats_print_every_n_steps", 0, MAX_STEP_INTERVAL),
             ("swa_divergence_stats_interval", 0, MAX_STEP_INTERVAL),
             ("max_heals", 1, MAX_HEALS),
+            ("retire_after", 1, MAX_HEALS),
         ):
             value = getattr(self, name)
             if (
@@ -276,7 +278,11 @@ class CanaryConfig:
             f"stats_every={self.stats_print_every_n_steps} "
             f"swa_divergence_every={self.swa_divergence_stats_interval} "
             f"draft_violations={self.draft_violations.value} "
-            + (f"max_heals={self.max_heals} " if self.mode == CanaryMode.HEAL else "")
+            + (
+                f"max_heals={self.max_heals} retire_after={self.retire_after} "
+                if self.mode == CanaryMode.HEAL
+                else ""
+            )
             + f"fault_injection={faults}"
         )
 
@@ -365,6 +371,7 @@ class CanaryConfig:
             ),
             draft_violations=canary_envs.SGLANG_KV_CANARY_DRAFT_VIOLATIONS.get(),
             max_heals=canary_envs.SGLANG_KV_CANARY_MAX_HEALS.get(),
+            retire_after=canary_envs.SGLANG_KV_CANARY_RETIRE_AFTER.get(),
             perturb=perturb_config_from_env(),
         )
 
@@ -380,6 +387,7 @@ def perturb_config_from_env() -> PerturbConfig:
         real_kv_used_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB.get(),
         real_kv_unused_cache_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB.get(),
         real_kv_post_forward_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB.get(),
+        real_kv_stuck_prob=e.SGLANG_KV_CANARY_PERTURB_REAL_KV_STUCK_PROB.get(),
         next_token_swap_prob=e.SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB.get(),
         host_kv_prob=e.SGLANG_KV_CANARY_PERTURB_HOST_KV_PROB.get(),
         pd_transfer_prob=e.SGLANG_KV_CANARY_PERTURB_PD_TRANSFER_PROB.get(),

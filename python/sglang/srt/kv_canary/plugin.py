@@ -39,6 +39,8 @@ registers the ``token_oracle`` sampling backend (``--sampling-backend token_orac
 | AFTER | ``Scheduler.get_internal_state`` | add ``kv_canary`` (each guarded pool's |
 |  |  | violations so far, and the mode they are handled in) to ``/server_info``'s |
 |  |  | ``internal_states`` |
+| AFTER | ``Scheduler._session_held_tokens`` | heal mode: its retired slots counted as |
+|  |  | held by sglang's pool-leak checks |
 | AROUND | ``Scheduler.stash_chunked_request`` | |
 |  |  | abort mode: a request aborted mid chunked prefill is still stashed chunk by |
 |  |  | chunk (its no-insert mark lifted), so it reaches its last chunk and finishes |
@@ -281,6 +283,13 @@ def _after_process_batch_result(result, self, *args, **kwargs):
         manager.after_batch_result()
 
 
+def _after_session_held_tokens(result, self, *args, **kwargs):
+    """Heal mode: sglang's pool-leak checks count the retired slots (out of the allocator for
+    the server's life) as held, as they count a streaming session's."""
+    retired = sum(m.retired_slots for m in _scheduler_canaries(self))
+    return result + retired if retired else result
+
+
 def _before_on_idle(self, *args, **kwargs):
     """The scheduler is idle: each of its canaries (the target's, an EAGLE draft's) reports
     the last forward's read-back now (``CanaryManager.on_scheduler_idle``)."""
@@ -410,6 +419,7 @@ HOOKS = (
     (seam.HOOK_SCHEDULER_GET_INTERNAL_STATE, _after_get_internal_state, "AFTER"),
     (seam.HOOK_SCHEDULER_ON_IDLE, _before_on_idle, "BEFORE"),
     (seam.HOOK_SCHEDULER_STASH_CHUNKED_REQUEST, _stash_chunked_request, "AROUND"),
+    (seam.HOOK_SCHEDULER_SESSION_HELD_TOKENS, _after_session_held_tokens, "AFTER"),
     (seam.HOOK_RADIX_CACHE_FINISHED_REQ, _cache_finished_req, "AROUND"),
     (seam.HOOK_CHUNK_CACHE_FINISHED_REQ, _cache_finished_req, "AROUND"),
     (seam.HOOK_FORWARD_BATCH_INIT_NEW, _after_forward_batch_init, "AFTER"),

@@ -46,6 +46,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import sys
 import tempfile
 import threading
@@ -58,11 +59,13 @@ from sglang.srt.kv_canary.violations.containment import (
     ABORT_MESSAGE_PREFIX,
     HEALS_SUFFIX_RE,
     PREFIX_ABORT_MESSAGE,
+    RETIRE_LINE_PREFIX,
     parse_healed_rids,
 )
 from sglang.srt.kv_canary.violations.metrics import (
     ABORTED_REQUESTS,
     HEALED_REQUESTS,
+    RETIRED_SLOTS,
     HELD_BACK_SLOTS,
     RECLAIMED_SLOTS,
 )
@@ -83,6 +86,8 @@ from sglang.srt.kv_canary.demo.server_harness import (
 from sglang.srt.kv_canary.demo.server_process import ServerProcess, http_call, launch_server_flags
 from canary_support.server_process import metric_series, metric_total
 
+# heal mode's line when it retires a slot (violations/containment.RETIRE_LINE_PREFIX)
+RETIRED_RE = re.compile(re.escape(RETIRE_LINE_PREFIX) + r" slot (\d+) ")
 # the message of a request the canary aborted for a violation it touches (violations/containment)
 ABORT_MESSAGE = f"{ABORT_MESSAGE_PREFIX} (launch_tag="
 LEAK_MARKERS = ("memory leak", "Out of memory", "Traceback")
@@ -98,9 +103,15 @@ MAX_HEALS = 3
 ABORT_FAULTS = {**FAULTS, FaultKind.REQ_TO_TOKEN_KEPT: 0.01}
 
 
-def storm_faults(mode: str) -> Dict[FaultKind, float]:
+# a stuck bit (heal mode's slot retirement): the one fault, from the first step past warm-up
+STUCK_FAULTS = {FaultKind.REAL_KV_STUCK: 1.0}
+
+
+def storm_faults(mode: str, stuck: bool = False) -> Dict[FaultKind, float]:
     """The fault classes and probabilities of a storm in ``mode`` (heal mode contains as abort
-    mode does: the kept entry too)."""
+    mode does: the kept entry too); ``stuck``: a stuck bit alone."""
+    if stuck:
+        return STUCK_FAULTS
     return ABORT_FAULTS if mode in ("abort", "heal") else FAULTS
 
 
@@ -111,7 +122,8 @@ class StormSettings:
     (``pool`` tokens, ``--max-total-tokens``), prefill chunk and page size; faults from forward
     step ``warmup_steps`` on; ``idle_seconds`` idle at the end (sglang's idle leak check);
     ``out``: where the logs and ``results.json`` go (None: a new temporary directory);
-    ``stream``: every other request streams (heal mode checks every chunk it receives)."""
+    ``stream``: every other request streams (heal mode checks every chunk it receives);
+    ``stuck``: the only fault is a stuck bit (heal mode must retire its slot)."""
 
     mode: str
     seconds: float = 600
@@ -125,6 +137,7 @@ class StormSettings:
     device: str = "cpu"
     seed: int = 7
     stream: bool = False
+    stuck: bool = False
     out: Optional[pathlib.Path] = None
 
     def __post_init__(self):
@@ -383,7 +396,7 @@ def run_storm(settings: StormSettings) -> dict:
         SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1",
         SGLANG_DEBUG_MEMORY_POOL="1",
         SGLANG_KV_CANARY_MAX_HEALS=str(MAX_HEALS),
-        **{k.env_var: str(p) for k, p in storm_faults(settings.mode).items()},
+        **{k.env_var: str(p) for k, p in storm_faults(settings.mode, settings.stuck).items()},
     )
     storm = start(
         "storm",
@@ -423,6 +436,7 @@ def run_storm(settings: StormSettings) -> dict:
         held_back = metric_total(series, HELD_BACK_SLOTS) if series is not None else -1
         reclaimed = metric_total(series, RECLAIMED_SLOTS) if series is not None else -1
         healed_metric = metric_total(series, HEALED_REQUESTS) if series is not None else -1
+        retired_metric = metric_total(series, RETIRED_SLOTS) if series is not None else -1
         time.sleep(settings.idle_seconds)  # idle: sglang's leak check runs
         checks["alive after idle"] = storm.alive()
         health = http_call(storm.port, "GET", "/health", timeout=60)[0] if storm.alive() else 0
@@ -452,10 +466,23 @@ def run_storm(settings: StormSettings) -> dict:
     )
     checks["no request failed otherwise"] = kinds["error"] == 0
     checks["every fault class was injected"] = set(injected) == {
-        k.value for k in storm_faults(settings.mode)
+        k.value for k in storm_faults(settings.mode, settings.stuck)
     }
     healed = parse_healed_rids(log)
     over_max = [m for m in aborted if HEALS_SUFFIX_RE.search(m)]
+    retired = [int(m.group(1)) for m in map(RETIRED_RE.search, log.splitlines()) if m]
+    stuck_lines = [
+        (i, f)
+        for i, f in enumerate(map(parse_perturb_line, log.splitlines()))
+        if f and f["fault"] == FaultKind.REAL_KV_STUCK.value
+    ]
+    stuck = [int(f["full_slot"]) for _, f in stuck_lines[:1]]
+    retire_at = next(
+        (i for i, line in enumerate(log.splitlines()) if RETIRED_RE.search(line)), None
+    )
+    stuck_repeats_after_retire = (
+        sum(1 for i, _ in stuck_lines if i > retire_at) if retire_at is not None else -1
+    )
     index_of = {rid: i for i, rid, _ in results}
     diverged_chunks = sum(
         1 for rid, seen in chunks.items() for c in seen if c != ref[index_of[rid]][1][: len(c)]
@@ -479,6 +506,10 @@ def run_storm(settings: StormSettings) -> dict:
             parse_unattributed(line) for line in log.splitlines()
         )
         checks["the release guard reclaimed slots"] = kept_own == 0 or reclaimed > 0
+        checks["retired_slots equals the retire lines"] = retired_metric == len(retired)
+        if settings.stuck:  # the stuck slot is retired, and nothing else
+            checks["the stuck slot was retired, alone"] = bool(stuck) and retired == stuck[:1]
+            checks["the stuck slot stopped being written"] = stuck_repeats_after_retire == 0
     elif settings.mode == "abort":
         checks["every abort carries the canary's message"] = all(
             ABORT_MESSAGE in m or PREFIX_ABORT_MESSAGE in m for m in aborted
@@ -513,6 +544,10 @@ def run_storm(settings: StormSettings) -> dict:
         healed=len(healed),
         healed_requests=len(set(healed)),
         healed_metric=healed_metric,
+        retired_slots=retired,
+        retired_metric=retired_metric,
+        stuck_slot=stuck,
+        stuck_flips=len(stuck_lines),
         streamed_requests=streamed,
         streamed_chunks=sum(map(len, chunks.values())),
         streamed_chunks_diverged=diverged_chunks,

@@ -138,6 +138,7 @@ class ForwardReporter:
                 swa_index_lut=swa_lut,
                 records=full.k_tail,
                 heal_max=config.max_heals if self.mode == CanaryMode.HEAL else None,
+                retire_after=config.retire_after,
             )
         self.metrics: Optional[CanaryMetrics] = None
         self.kv_slots_in_use: Callable[[], int] = lambda: 0
@@ -152,6 +153,7 @@ class ForwardReporter:
             "dropped_violations": self.violations.total_dropped,
             "aborted_requests": containment.aborted_requests if containment is not None else 0,
             "healed_requests": containment.healed_requests if containment is not None else 0,
+            "retired_slots": containment.retired_slots if containment is not None else 0,
             "acting_mode": self.mode.value,
         }
 
@@ -280,6 +282,8 @@ class ForwardReporter:
         guard = self.containment.guard
         if self.metrics is not None:
             self.metrics.on_aborted(aborted)
+            if self.containment.heals:
+                self.metrics.set_retired(self.containment.retired_slots)
             if guard is not None:
                 self.metrics.on_release_guard(
                     held_back_slots=guard.held_back_slots, reclaimed_slots=guard.reclaimed_slots

@@ -177,6 +177,12 @@ class SchedulerSide:
             self.reporter.after_batch_result()
 
     @property
+    def retired_slots(self) -> int:
+        """Heal mode: KV slots retired and out of the allocator (0 otherwise)."""
+        containment = self.containment
+        return containment.retired_slots if containment is not None else 0
+
+    @property
     def radix_cache(self):
         """The scheduler's radix tree once attached (None before, and for a server without
         one)."""

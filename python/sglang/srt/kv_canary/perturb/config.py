@@ -26,6 +26,9 @@ class FaultKind(str, enum.Enum):
     REAL_KV_USED = "real_kv_used"
     REAL_KV_UNUSED_CACHE = "real_kv_unused_cache"
     REAL_KV_POST_FORWARD = "real_kv_post_forward"
+    # a stuck bit: a slot a forward wrote is flipped, and flipped again after every later
+    # forward that writes it (until it is never handed out again)
+    REAL_KV_STUCK = "real_kv_stuck"
     NEXT_TOKEN_SWAP = "next_token_swap"
     HOST_KV = "host_kv"  # a byte of a page in HiCache's host memory
     # a byte of a page a PD decode server received, before the request's first decode step
@@ -45,6 +48,7 @@ REAL_KV_FAULTS = frozenset(
         FaultKind.REAL_KV_USED,
         FaultKind.REAL_KV_UNUSED_CACHE,
         FaultKind.REAL_KV_POST_FORWARD,
+        FaultKind.REAL_KV_STUCK,
         FaultKind.HOST_KV,
         FaultKind.PD_TRANSFER,
     }
@@ -87,6 +91,7 @@ class PerturbConfig:
     real_kv_used_prob: float = 0.0
     real_kv_unused_cache_prob: float = 0.0
     real_kv_post_forward_prob: float = 0.0
+    real_kv_stuck_prob: float = 0.0
     next_token_swap_prob: float = 0.0
     host_kv_prob: float = 0.0
     pd_transfer_prob: float = 0.0

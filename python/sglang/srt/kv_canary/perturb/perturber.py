@@ -6,7 +6,8 @@ Caller: :class:`~sglang.srt.kv_canary.manager.CanaryManager`, outside CUDA graph
 :meth:`before_forward`: ``req_to_token``, ``req_to_token_kept``, ``real_kv_used``,
 ``pd_transfer`` (all but the kept one undone at the next :meth:`after_forward`, once the
 forward has read them);
-:meth:`after_forward`: ``real_kv_post_forward``, ``real_kv_unused_cache``, ``host_kv``;
+:meth:`after_forward`: ``real_kv_post_forward``, ``real_kv_stuck`` (once; the same slot
+flipped again after each forward that writes it), ``real_kv_unused_cache``, ``host_kv``;
 :meth:`swap_next_tokens`: the token oracle sampler's ``after_sample`` hook. A fault fires with
 its probability per step past ``warmup_steps``, up to ``max_faults``, and logs one ``kv_canary
 perturb:`` line. Host-synchronising and destructive: self-tests and the demo only.
@@ -87,6 +88,7 @@ class CanaryPerturber:
         # read once: a flip now would no longer be "before the first decode step"), by id,
         # each entry dropped with its request
         self._read_once: Dict[int, weakref.ref] = {}
+        self.stuck_slot: Optional[int] = None  # real_kv_stuck's slot, once it fired
 
     def _resolve_flip_target(self):
         """The real-KV source (and its sglang layer id) a real-KV fault flips a byte of:
@@ -165,6 +167,8 @@ class CanaryPerturber:
             self.restored += 1
         if self._fires(FaultKind.REAL_KV_POST_FORWARD):
             self._perturb_real_kv_post_forward(forward_batch)
+        if self.stuck_slot is not None or self.config.prob(FaultKind.REAL_KV_STUCK) > 0:
+            self._perturb_real_kv_stuck(forward_batch)
         if self._fires(FaultKind.REAL_KV_UNUSED_CACHE):
             self._perturb_real_kv_unused_cache()
         if self._fires(FaultKind.HOST_KV):
@@ -377,6 +381,21 @@ class CanaryPerturber:
         for _ in range(_MAX_TRIES if candidates else 0):
             if self._flip(FaultKind.REAL_KV_POST_FORWARD, self.rng.choice(candidates)):
                 return
+
+    def _perturb_real_kv_stuck(self, forward_batch) -> None:
+        """A stuck bit: once it fires, a slot this forward wrote is flipped; from then on the
+        same slot is flipped again after every forward that writes it (each logged, with
+        ``repeat=1`` after the first)."""
+        written = forward_batch.out_cache_loc.tolist()
+        if self.stuck_slot is not None:
+            if self.stuck_slot in written:
+                self._flip(FaultKind.REAL_KV_STUCK, self.stuck_slot, repeat=1)
+            return
+        candidates = [s for s in written if s > 0]
+        if candidates and self._fires(FaultKind.REAL_KV_STUCK):
+            slot = self.rng.choice(candidates)
+            if self._flip(FaultKind.REAL_KV_STUCK, slot, repeat=0):
+                self.stuck_slot = slot
 
     def _perturb_real_kv_unused_cache(self) -> None:
         from sglang.srt.kv_canary.radix_cache_walker import walk_radix_cache_for_canary

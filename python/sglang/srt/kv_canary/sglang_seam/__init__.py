@@ -45,6 +45,7 @@ from sglang.srt.kv_canary.sglang_seam.hooks import (
     HOOK_SCHEDULER_GET_INIT_INFO,
     HOOK_SCHEDULER_GET_INTERNAL_STATE,
     HOOK_SCHEDULER_STASH_CHUNKED_REQUEST,
+    HOOK_SCHEDULER_SESSION_HELD_TOKENS,
     HOOK_RADIX_CACHE_FINISHED_REQ,
     HOOK_CHUNK_CACHE_FINISHED_REQ,
     HOOK_EAGLE_V1_DRAFT_FORWARD,
@@ -137,6 +138,8 @@ from sglang.srt.kv_canary.sglang_seam.release import (
     allocator_page_size,
     allocator_free_pages,
     allocator_frees_filtered,
+    allocator_take_out,
+    allocator_retiring,
 )
 from sglang.srt.kv_canary.sglang_seam.retraction import (
     SchedulerRetraction,
@@ -209,6 +212,7 @@ __all__ = [
     "HOOK_SCHEDULER_GET_INIT_INFO",
     "HOOK_SCHEDULER_GET_INTERNAL_STATE",
     "HOOK_SCHEDULER_STASH_CHUNKED_REQUEST",
+    "HOOK_SCHEDULER_SESSION_HELD_TOKENS",
     "HOOK_RADIX_CACHE_FINISHED_REQ",
     "HOOK_CHUNK_CACHE_FINISHED_REQ",
     "HOOK_EAGLE_V1_DRAFT_FORWARD",
@@ -292,6 +296,8 @@ __all__ = [
     "allocator_page_size",
     "allocator_free_pages",
     "allocator_frees_filtered",
+    "allocator_take_out",
+    "allocator_retiring",
     "radix_cache_types",
     "is_chunk_cache",
     "radix_root_children",

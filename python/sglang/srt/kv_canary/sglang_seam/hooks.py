@@ -44,6 +44,9 @@ HOOK_SCHEDULER_ON_IDLE = f"{_SCHEDULER}.on_idle"
 # the chunked-prefill stash (``maybe_cache_unfinished_req(..., chunked=True)``) of aggregated
 # serving (abort mode, the only one that marks requests, refuses PD)
 HOOK_SCHEDULER_STASH_CHUNKED_REQUEST = f"{_SCHEDULER}.stash_chunked_request"
+# the tokens sglang's pool-leak checks count as held outside the tree and the running requests
+# (``SchedulerRuntimeCheckerMixin._session_held_tokens``): heal mode adds its retired slots
+HOOK_SCHEDULER_SESSION_HELD_TOKENS = f"{_SCHEDULER}._session_held_tokens"
 
 # the release of a finished request's KV (``release_kv_cache``'s first step), for the two tree
 # caches abort mode runs with

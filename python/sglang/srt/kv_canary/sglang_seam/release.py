@@ -2,7 +2,7 @@
 
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
-| tree-cache release (``RadixCache`` / ``ChunkCache.cache_finished_req``; the ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` behind it) | hooks ``cache_finished_req``; sets ``kv_canary_release_guard`` on the tree cache; reads the allocator's ``page_size``, ``free_pages``, ``release_pages``, ``free_group``, ``is_not_in_free_group``; wraps its ``free`` on the instance for one release; frees through it; reads ``Req.kv_committed_len``, ``cache_protected_len``, ``sampling_params.max_new_tokens``; sets ``kv_canary_contained`` on a ``Req`` | ``violations.release_guard``, ``violations.containment``, ``manager.canary_manager``, ``plugin`` |
+| tree-cache release (``RadixCache`` / ``ChunkCache.cache_finished_req``; the ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` behind it) | hooks ``cache_finished_req``; sets ``kv_canary_release_guard`` on the tree cache; reads the allocator's ``page_size``, ``free_pages``, ``release_pages``, ``free_group``, ``is_not_in_free_group``; wraps its ``free`` on the instance for one release (heal mode: for the server's life, dropping retired pages); frees through it; takes retired pages out of ``free_pages`` / ``release_pages``; reads ``Req.kv_committed_len``, ``cache_protected_len``, ``sampling_params.max_new_tokens``; sets ``kv_canary_contained`` on a ``Req`` | ``violations.release_guard``, ``violations.containment``, ``manager.canary_manager``, ``plugin`` |
 """
 
 from __future__ import annotations
@@ -121,6 +121,47 @@ def allocator_free_pages(allocator) -> "torch.Tensor":
             torch.cat(allocator.free_group).to(torch.int64) // allocator_page_size(allocator)
         )
     return torch.cat(parts)
+
+
+def allocator_take_out(allocator, pages: "torch.Tensor") -> int:
+    """Take ``pages`` (int64 page ids; slot ids at page size 1) out of the allocator's free
+    lists (``free_pages``, ``release_pages``): they are never handed out again. Returns how
+    many of them were free. Between batches only (no free group open)."""
+    import torch
+
+    taken = 0
+    for name in ("free_pages", "release_pages"):
+        current = getattr(allocator, name)
+        hit = torch.isin(current.to(torch.int64), pages.to(current.device, torch.int64))
+        if bool(hit.any()):
+            taken += int(hit.sum())
+            setattr(allocator, name, current[~hit])
+    return taken
+
+
+def allocator_retiring(allocator, retired, on_drop: Callable[[list], None]) -> None:
+    """From now on, for the allocator's life, ``allocator.free(indices)`` drops the slots on
+    a page in ``retired`` (a set of page ids the caller grows) and hands those pages to
+    ``on_drop``: an instance-level wrap of ``free`` (what :func:`allocator_frees_filtered`
+    wraps and restores in turn). Nothing is checked while ``retired`` is empty."""
+    import torch
+
+    original = allocator.free
+    page_size = allocator_page_size(allocator)
+
+    def free(free_index):
+        if retired and free_index.numel():
+            pages = free_index.to(torch.int64) // page_size
+            ids = torch.tensor(sorted(retired), dtype=torch.int64, device=pages.device)
+            dropped = torch.isin(pages, ids)
+            if bool(dropped.any()):
+                on_drop(torch.unique(pages[dropped]).tolist())
+                free_index = free_index[~dropped]
+                if not free_index.numel():
+                    return None
+        return original(free_index)
+
+    allocator.free = free
 
 
 @contextlib.contextmanager

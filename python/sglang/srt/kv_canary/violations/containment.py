@@ -16,7 +16,9 @@ under the release guard in :meth:`ContainmentManager.before_batch_result` (befor
 appends a token of the batch whose result comes next), queued again by
 :meth:`ContainmentManager.after_batch_result` once no launched batch holds it and no corrupt
 prefix is left to evict; sglang then recomputes it from its tokens. Past ``heal_max`` heals a
-request is aborted as in abort mode.
+request is aborted as in abort mode. A slot reported again after its corrupt content was
+freed (evicted, released: it was handed out, written and found corrupt once more) is retired:
+its page is taken out of the allocator for the server's life (a stuck bit, a bad page).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ PREFIX_ABORT_MESSAGE = f"{ABORT_MESSAGE_PREFIX} (a cached prefix it shares held 
 HEALS_SUFFIX_RE = re.compile(r", after (\d+) heal\(s\)\)$")
 PREFIX_ABORT_LINE_PREFIX = "kv_canary abort: aborted the running requests locking a corrupt prefix:"
 HEAL_LINE_PREFIX = "kv_canary heal: took back"
+RETIRE_LINE_PREFIX = "kv_canary heal: retired"
 REQUEUE_LINE_PREFIX = "kv_canary heal: queued again"
 _HEAL_RE = re.compile(re.escape(HEAL_LINE_PREFIX) + r" rids=(\S+)")
 # several ranks: each rank's line when it applies a notice (the same request ids on every rank)
@@ -85,7 +88,9 @@ class ContainmentManager:
     ``req_to_token`` and running requests); ``swa_index_lut``: the SWA group's full -> SWA
     table (an SWA incident's slot is found back as the full slots mapping to it);
     ``records``: the full pool's TAIL canary buffer (the release guard's records);
-    ``heal_max``: heal mode's heals of one request before it is aborted (None: abort mode)."""
+    ``heal_max``: heal mode's heals of one request before it is aborted (None: abort mode);
+    ``retire_after``: heal mode's reports of a slot after its corrupt content was freed before
+    the slot is retired."""
 
     def __init__(
         self,
@@ -94,6 +99,7 @@ class ContainmentManager:
         swa_index_lut: Optional[torch.Tensor],
         records: torch.Tensor,
         heal_max: Optional[int] = None,
+        retire_after: int = 1,
     ):
         self.resolver = resolver
         self.swa_index_lut = swa_index_lut
@@ -117,6 +123,14 @@ class ContainmentManager:
         self._to_heal: List[object] = []
         self._healed: List[object] = []
         self.healed_requests = 0  # heals, over the server's life (a request may count twice)
+        # slots whose corrupt content was freed since their report; pages retired (never
+        # handed out again), and those of them out of the allocator by now
+        self._cleared: set = set()
+        self.retire_after = retire_after
+        self._again: dict = {}  # slot -> reports after its content was freed
+        self.retired_pages: set = set()
+        self._retired_out: set = set()
+        self._page_size = 1
 
     @property
     def heals(self) -> bool:
@@ -129,8 +143,37 @@ class ContainmentManager:
 
     def attach_retraction(self, retraction) -> None:
         """Heal mode: the scheduler's :class:`~sglang.srt.kv_canary.sglang_seam.SchedulerRetraction`
-        (start-up)."""
+        (start-up, after :meth:`attach_radix_cache`): the tree cache's allocator drops frees
+        of retired pages from now on."""
         self.retraction = retraction
+        if self.radix_cache is not None:
+            allocator = seam.tree_cache_allocator(self.radix_cache)
+            self._page_size = seam.allocator_page_size(allocator)
+            seam.allocator_retiring(allocator, self.retired_pages, self._retired_out.update)
+
+    @property
+    def retired_slots(self) -> int:
+        """Slots of retired pages out of the allocator (sglang's pool accounting counts them
+        as held: ``Scheduler._session_held_tokens``)."""
+        return len(self._retired_out) * self._page_size
+
+    def _retire(self, slot: int) -> None:
+        page = slot // self._page_size
+        if page in self.retired_pages or self.radix_cache is None:
+            return
+        self.retired_pages.add(page)
+        allocator = seam.tree_cache_allocator(self.radix_cache)
+        if seam.allocator_take_out(allocator, torch.tensor([page], dtype=torch.int64)):
+            self._retired_out.add(page)
+        unit = "slot" if self._page_size == 1 else f"page of {self._page_size} slots"
+        logger.warning(
+            "%s %s %d (found corrupt again after its corrupt content was freed): never "
+            "handed out again (retired slots: %d)",
+            RETIRE_LINE_PREFIX,
+            unit,
+            page,
+            len(self.retired_pages) * self._page_size,
+        )
 
     def attach_ranks(self, relay: RankRelay, agreement: RankAgreement) -> None:
         """Several TP ranks (start-up, after :meth:`attach_radix_cache`): :meth:`contain`
@@ -312,6 +355,11 @@ class ContainmentManager:
         else:
             full = []
         for s in full:
+            if s > 0 and s in self._cleared:  # heal mode: corrupt again after it was freed
+                self._cleared.discard(s)
+                self._again[s] = self._again.get(s, 0) + 1
+                if self._again[s] >= self.retire_after:
+                    self._retire(s)
             if s > 0 and s not in self._slots:  # slot 0 is the pool's padding slot
                 self._slots.append(s)
 
@@ -369,6 +417,8 @@ class ContainmentManager:
                 logger.warning("%s rids=%s", PREFIX_ABORT_LINE_PREFIX, format_rids(rids))
             self.aborted_requests += aborted
         elif not self._aborted:
+            if self.heals:  # their corrupt content is freed: a report of them again is new
+                self._cleared.update(self._slots)
             self._slots = []
         if self.heals:
             self._requeue_healed()

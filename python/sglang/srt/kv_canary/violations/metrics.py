@@ -26,6 +26,7 @@ SWEEP_PASSES = "sglang:kv_canary_sweep_passes_total"
 DROPPED_VIOLATIONS = "sglang:kv_canary_dropped_violations_total"
 ABORTED_REQUESTS = "sglang:kv_canary_aborted_requests_total"
 HEALED_REQUESTS = "sglang:kv_canary_healed_requests_total"
+RETIRED_SLOTS = "sglang:kv_canary_retired_slots"
 HELD_BACK_SLOTS = "sglang:kv_canary_held_back_slots_total"
 RECLAIMED_SLOTS = "sglang:kv_canary_reclaimed_slots_total"
 MEMORY_BYTES = "sglang:kv_canary_memory_bytes"
@@ -37,6 +38,7 @@ METRIC_NAMES = (
     DROPPED_VIOLATIONS,
     ABORTED_REQUESTS,
     HEALED_REQUESTS,
+    RETIRED_SLOTS,
     HELD_BACK_SLOTS,
     RECLAIMED_SLOTS,
     MEMORY_BYTES,
@@ -117,6 +119,13 @@ class CanaryMetrics:
             documentation="Requests --kv-canary heal took back to compute again from their "
             "tokens (a request healed twice counts twice).",
         ).labels(**self.labels)
+        self._retired = Gauge(
+            name=RETIRED_SLOTS,
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+            documentation="KV slots --kv-canary heal retired (found corrupt again after their "
+            "corrupt content was freed: never handed out again).",
+        ).labels(**self.labels)
         self._held_back = _RunningTotal(
             Counter(
                 name=HELD_BACK_SLOTS,
@@ -181,6 +190,9 @@ class CanaryMetrics:
     def on_aborted(self, count: int) -> None:
         if count:
             self._aborted.inc(count)
+
+    def set_retired(self, slots: int) -> None:
+        self._retired.set(slots)
 
     def on_healed(self, count: int) -> None:
         if count:
