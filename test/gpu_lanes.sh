@@ -15,6 +15,8 @@
 #   core_fault           test/registered/kv_canary/test_e2e_gpu.py -k corrupted_record
 #   piecewise            test/registered/kv_canary/test_e2e_gpu.py -k piecewise
 #   demo_raise           test/registered/kv_canary/test_e2e_gpu.py -k demo
+#   heal_storm_gpu_page_1 test/registered/kv_canary/test_e2e_heal_gpu.py -k one_slot_pages
+#   heal_storm_gpu_page_16 test/registered/kv_canary/test_e2e_heal_gpu.py -k sixteen_slot_pages
 #   hicache_kernel       test/registered/kv_canary/test_e2e_hicache_gpu.py -k mha_kernel
 #   hicache_page_first   test/registered/kv_canary/test_e2e_hicache_gpu.py -k page_first
 #   hicache_direct       test/registered/kv_canary/test_e2e_hicache_gpu.py -k mha_direct

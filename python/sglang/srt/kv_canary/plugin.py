@@ -28,8 +28,10 @@ registers the ``token_oracle`` sampling backend (``--sampling-backend token_orac
 |  |  | after: record that the graph ran the inside ops |
 | AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_scheduler``: tree cache, running |
 |  |  | requests, metric labels, KV slots in use, faked PD transfers |
-| BEFORE | ``Scheduler.process_batch_result`` | ``before_batch_result`` (heal mode takes back |
-|  |  | the requests its reports marked, before sglang appends their tokens) |
+| AFTER | ``Scheduler.run_batch`` | heal mode: the result object tagged with its forward |
+| BEFORE | ``Scheduler.process_batch_result`` | ``before_batch_result`` (heal mode: the read-back |
+|  |  | of the result's forward consumed if still pending; the requests its reports |
+|  |  | marked taken back, before sglang appends their tokens) |
 | AFTER | ``Scheduler.process_batch_result`` | ``after_batch_result`` (abort and heal mode's |
 |  |  | eviction; heal mode queues taken-back requests again) |
 | BEFORE | ``Scheduler.process_input_requests`` | abort mode on several TP ranks: the |
@@ -273,9 +275,17 @@ def _scheduler_canaries(scheduler):
     return [m for m in managers if m is not None]
 
 
-def _before_process_batch_result(self, *args, **kwargs):
+def _after_run_batch(result, self, *args, **kwargs):
     for manager in _scheduler_canaries(self):
-        manager.before_batch_result()
+        manager.tag_batch_result(result)
+    return result
+
+
+def _before_process_batch_result(self, *args, **kwargs):
+    """``Scheduler.process_batch_result(batch, result)``: heal mode's work before it."""
+    result = args[1] if len(args) > 1 else kwargs.get("result")
+    for manager in _scheduler_canaries(self):
+        manager.before_batch_result(result)
 
 
 def _after_process_batch_result(result, self, *args, **kwargs):
@@ -412,6 +422,7 @@ HOOKS = (
     (seam.HOOK_GRAPH_REPLAY_PREPARE, _graph_replay_prepare, "AROUND"),
     (seam.HOOK_GRAPH_REPLAY, _graph_replay, "AROUND"),
     (seam.HOOK_SCHEDULER_INIT_CACHE, _after_init_cache, "AFTER"),
+    (seam.HOOK_SCHEDULER_RUN_BATCH, _after_run_batch, "AFTER"),
     (seam.HOOK_SCHEDULER_PROCESS_BATCH_RESULT, _before_process_batch_result, "BEFORE"),
     (seam.HOOK_SCHEDULER_PROCESS_BATCH_RESULT, _after_process_batch_result, "AFTER"),
     (seam.HOOK_SCHEDULER_PROCESS_INPUT_REQUESTS, _before_process_input_requests, "BEFORE"),

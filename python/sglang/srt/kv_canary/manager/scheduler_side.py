@@ -31,7 +31,8 @@ from sglang.srt.kv_canary.violations.reporter import ViolationManager
 class SchedulerSide:
     """``CanaryManager``'s scheduler-facing part (a base class of it: it uses the manager's
     ``reporter``, ``sweep``, ``groups``, ``config``, ``ranks``, ``host_tier``,
-    ``device_host``, ``_on_host_copies`` and ``_tree_cache``, set in its ``__init__``)."""
+    ``device_host``, ``step``, ``_staged``, ``_on_host_copies`` and ``_tree_cache``, set in
+    its ``__init__``)."""
 
     @property
     def violations(self) -> ViolationManager:
@@ -150,10 +151,27 @@ class SchedulerSide:
         containment of what one rank reported."""
         self.reporter.apply_notices(notices)
 
-    def before_batch_result(self) -> None:
+    def tag_batch_result(self, result) -> None:
+        """Heal mode, after the scheduler launched a batch: its result object remembers this
+        canary's step of the forward that computes it. No-op otherwise."""
+        if self.containment is not None and self.containment.heals:
+            sglang_seam.tag_result_forward_step(result, self.step)
+
+    def before_batch_result(self, result=None) -> None:
         """Before the scheduler processes a batch result: heal mode takes back the requests
-        its reports marked, so sglang appends no token of theirs from this result. No-op
-        otherwise."""
+        its reports marked, so sglang appends no token of theirs from this result. When the
+        forward that computed ``result`` is still the one whose read-back is pending (no
+        later forward was launched to consume it: the last batch before a quiet period, or a
+        batch processed before the next launch), that read-back is consumed first: the host
+        waits for its copy, so no token of a forward is kept before its checks are read.
+        No-op in the other modes."""
+        containment = self.containment
+        if containment is None or not containment.heals:
+            return
+        step = sglang_seam.result_forward_step(result)
+        staged = self._staged
+        if step is not None and staged is not None and staged.step == step:
+            self.device_host.consume(self._on_host_copies)
         self.reporter.before_batch_result()
 
     def after_batch_result(self) -> None:

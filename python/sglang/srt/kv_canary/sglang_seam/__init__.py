@@ -41,6 +41,7 @@ from sglang.srt.kv_canary.sglang_seam.hooks import (
     HOOK_FORWARD_BATCH_INIT_NEW,
     HOOK_SCHEDULER_ON_IDLE,
     HOOK_SCHEDULER_PROCESS_BATCH_RESULT,
+    HOOK_SCHEDULER_RUN_BATCH,
     HOOK_SCHEDULER_PROCESS_INPUT_REQUESTS,
     HOOK_SCHEDULER_GET_INIT_INFO,
     HOOK_SCHEDULER_GET_INTERNAL_STATE,
@@ -145,6 +146,8 @@ from sglang.srt.kv_canary.sglang_seam.retraction import (
     SchedulerRetraction,
     count_heal,
     req_heals,
+    result_forward_step,
+    tag_result_forward_step,
 )
 from sglang.srt.kv_canary.sglang_seam.radix import (
     radix_cache_types,
@@ -208,6 +211,7 @@ __all__ = [
     "HOOK_FORWARD_BATCH_INIT_NEW",
     "HOOK_SCHEDULER_ON_IDLE",
     "HOOK_SCHEDULER_PROCESS_BATCH_RESULT",
+    "HOOK_SCHEDULER_RUN_BATCH",
     "HOOK_SCHEDULER_PROCESS_INPUT_REQUESTS",
     "HOOK_SCHEDULER_GET_INIT_INFO",
     "HOOK_SCHEDULER_GET_INTERNAL_STATE",
@@ -288,6 +292,8 @@ __all__ = [
     "SchedulerRetraction",
     "count_heal",
     "req_heals",
+    "result_forward_step",
+    "tag_result_forward_step",
     "req_contained",
     "set_release_guard",
     "release_guard_of",

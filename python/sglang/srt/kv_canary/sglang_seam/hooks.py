@@ -33,6 +33,8 @@ HOOK_FORWARD_BATCH_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.Forw
 
 HOOK_SCHEDULER_INIT_CACHE = f"{_SCHEDULER}.init_cache_with_memory_pool"
 HOOK_SCHEDULER_PROCESS_BATCH_RESULT = f"{_SCHEDULER}.process_batch_result"
+# a batch launched (its result object returned): heal mode tags the result with its forward
+HOOK_SCHEDULER_RUN_BATCH = f"{_SCHEDULER}.run_batch"
 # each loop iteration's inputs, the same list on every TP rank (``recv_requests`` broadcast it)
 HOOK_SCHEDULER_PROCESS_INPUT_REQUESTS = f"{_SCHEDULER}.process_input_requests"
 HOOK_SCHEDULER_GET_INIT_INFO = f"{_SCHEDULER}.get_init_info"

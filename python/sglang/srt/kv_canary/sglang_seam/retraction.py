@@ -6,6 +6,7 @@
 | ``release_kv_cache(req, tree_cache, is_insert=False)`` (``mem_cache.common``) | frees the request's KV (through the tree cache's ``cache_finished_req``, which the release guard wraps) | ``violations.containment`` |
 | ``Req.reset_for_retract``, ``is_retracted``, ``kv_committed_len``, ``kv_allocated_len``, ``output_ids`` | resets the request for its recomputation; the slots past its known tokens (the launched forward's write) are freed with it | ``violations.containment`` |
 | ``Scheduler._add_request_to_queue(req, is_retracted=True)`` | queues it again; sglang prefills it from ``origin_input_ids + output_ids`` | ``violations.containment`` |
+| the result ``Scheduler.run_batch`` returns (``GenerationBatchResult``) | sets ``kv_canary_forward_step`` on it: the canary's step of the forward that computed it | ``manager.scheduler_side``, ``plugin`` |
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ if TYPE_CHECKING:  # annotations only
     from sglang.srt.managers.scheduler import Scheduler
 
 _HEALS = "kv_canary_heals"
+_FORWARD_STEP = "kv_canary_forward_step"
+
+
+def tag_result_forward_step(result, step: int) -> None:
+    """Remember on a launched batch's result object the canary's step of its forward."""
+    if result is not None:
+        setattr(result, _FORWARD_STEP, step)
+
+
+def result_forward_step(result):
+    """The step :func:`tag_result_forward_step` put on ``result`` (None: untagged)."""
+    return getattr(result, _FORWARD_STEP, None)
 
 
 def req_heals(req: "Req") -> int:
