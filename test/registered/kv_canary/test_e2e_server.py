@@ -120,6 +120,8 @@ def test_clean_workload_with_token_checks_matches_canary_off(server, baseline):
                 "violations": 0,
                 "dropped_violations": 0,
                 "aborted_requests": 0,
+                "healed_requests": 0,
+                "retired_slots": 0,
                 "acting_mode": "raise",
             }
         }

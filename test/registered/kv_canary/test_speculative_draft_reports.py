@@ -76,6 +76,8 @@ def test_a_draft_pool_fault_under_raise_is_logged_and_counted_unless_act(draft_v
         "violations": 0,
         "dropped_violations": 0,
         "aborted_requests": 0,
+        "healed_requests": 0,
+        "retired_slots": 0,
         "acting_mode": "raise",
     }
     assert len(d.finished) > finished and not d.running and not d.waiting

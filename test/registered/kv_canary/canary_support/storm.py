@@ -239,10 +239,12 @@ def run_clients(
     rounds: int,
     stream: bool = False,
     chunks: Optional[Dict[str, List[List[int]]]] = None,
+    seconds: Optional[Dict[str, float]] = None,
 ):
     """Send ``requests`` in order, ``clients`` at a time, ``rounds`` times over (or until the
     monotonic deadline ``until``): a list of (request index, rid, outcome). ``stream``: every
-    other request streams, its chunks' output ids put in ``chunks`` by rid."""
+    other request streams, its chunks' output ids put in ``chunks`` by rid; ``seconds``: each
+    request's time from send to its last byte, by rid."""
     lock = threading.Lock()
     state = {"next": 0}
     results: List[Tuple[int, str, Tuple[str, object]]] = []
@@ -259,6 +261,7 @@ def run_clients(
             i = k % len(requests)
             ids, max_new = requests[i]
             rid = f"r{i}-{k}"
+            sent = time.monotonic()
             try:
                 if stream and k % 2:
                     status, out = generate_stream(port, rid, ids, max_new)
@@ -272,6 +275,8 @@ def run_clients(
                 res = ("error", f"transport: {e}")
             with lock:
                 results.append((i, rid, res))
+                if seconds is not None:
+                    seconds[rid] = time.monotonic() - sent
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
@@ -352,6 +357,13 @@ def kept_faults_on_own_positions(
     return own
 
 
+def _median(values: List[float]) -> Optional[float]:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[len(ordered) // 2], 3)
+
+
 def run_storm(settings: StormSettings) -> dict:
     """Run one storm; returns its figures (JSON-ready), with ``checks`` (check name ->
     passed) and ``root`` (where the logs and ``results.json`` (rid -> outcome) are)."""
@@ -419,6 +431,7 @@ def run_storm(settings: StormSettings) -> dict:
     t0 = time.monotonic()
     try:
         chunks: Dict[str, List[List[int]]] = {}
+        seconds: Dict[str, float] = {}
         results = run_clients(
             storm.port,
             requests,
@@ -427,6 +440,7 @@ def run_storm(settings: StormSettings) -> dict:
             rounds=0,
             stream=settings.stream,
             chunks=chunks,
+            seconds=seconds,
         )
         served_s = time.monotonic() - t0
         # read before /health: sglang's health check is a generate request of its own, which
@@ -488,6 +502,13 @@ def run_storm(settings: StormSettings) -> dict:
         1 for rid, seen in chunks.items() for c in seen if c != ref[index_of[rid]][1][: len(c)]
     )
     streamed = sum(1 for seen in chunks.values() if seen)
+    # a healed request's latency against the others' (completed ones, by their list entry:
+    # the same prompt and output length), medians in seconds
+    healed_set = set(healed)
+    latency = {"healed": [], "others": []}
+    for _, rid, (kind, _out) in results:
+        if kind == "ok" and rid in seconds:
+            latency["healed" if rid in healed_set else "others"].append(seconds[rid])
     if settings.mode == "heal":
         # past SGLANG_KV_CANARY_MAX_HEALS heals a request is aborted (faults that keep hitting
         # the same request: at the storm's rates a long request may be hit again after each
@@ -548,6 +569,8 @@ def run_storm(settings: StormSettings) -> dict:
         retired_metric=retired_metric,
         stuck_slot=stuck,
         stuck_flips=len(stuck_lines),
+        median_seconds_healed=_median(latency["healed"]),
+        median_seconds_others=_median(latency["others"]),
         streamed_requests=streamed,
         streamed_chunks=sum(map(len, chunks.values())),
         streamed_chunks_diverged=diverged_chunks,
