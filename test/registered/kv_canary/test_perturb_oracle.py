@@ -345,6 +345,23 @@ def test_flip_first_byte_changes_exactly_one_bit_of_the_slot():
     assert torch.equal(pool.k_buffer[0], before)
     with pytest.raises(IndexError, match="outside the real-KV source"):
         flip_first_byte(source, 10_000)
+    # SGLANG_KV_CANARY_PERTURB_FLIP=exponent: the first element's top exponent bit (byte 1,
+    # 0x40): a small value becomes huge, still in the fingerprinted bytes
+    from sglang.srt.kv_canary.perturb.config import FlipBit
+
+    byte, mask = FlipBit.EXPONENT.byte_and_mask
+    pool.k_buffer[0][5, 0, 0] = 0.01
+    before = pool.k_buffer[0].clone()
+    fp_before = real_kv_fingerprint_t([source], [2], slots)
+    flip = flip_first_byte(source, 5, mask=mask, byte=byte)
+    changed = (pool.k_buffer[0].view(torch.uint8) != before.view(torch.uint8)).nonzero().tolist()
+    assert changed == [[5, 0, 1]] and flip.byte == 1 and flip.new == flip.old ^ 0x40
+    assert float(pool.k_buffer[0][5, 0, 0]) > 1e30  # 0.01 * 2**128
+    assert (
+        real_kv_fingerprint_t([source], [2], slots) != fp_before
+    ).nonzero().flatten().tolist() == [4]
+    flip_first_byte(source, 5, mask=mask, byte=byte)
+    assert torch.equal(pool.k_buffer[0], before)
 
 
 def test_perturb_line_round_trip():
@@ -534,6 +551,35 @@ def test_demo_verdicts():
     assert evaluate(case, died, 1, mode="raise").ok  # raise: stopping is the point
     served = inj + _report("TAIL_K_FULL", "verify_real_kv_hash", 11, 32) + "DEMO_RESULT {}\n"
     assert evaluate(case, served, 0, mode="log").ok
+
+
+def test_demo_heal_verdicts_compare_each_fault_runs_outputs_with_the_clean_runs(capsys):
+    """``--mode heal``: a fault row is ok only when detected, served to the end and its
+    outputs' digest equals the clean run's; the heal lines are counted; the rows the mode
+    cannot run are left out, each saying why."""
+    from sglang.srt.kv_canary.demo.cases import compare_with_clean, format_table
+    from sglang.srt.kv_canary.demo.cli import choose_cases
+
+    def result_line(digest):
+        return 'DEMO_RESULT {"outputs_digest": "%s"}\n' % digest
+
+    inj = format_perturb_line(FaultKind.REAL_KV_USED, step=31, slot=11, row=11) + "\n"
+    report = _report("TAIL_K_FULL", "verify_real_kv_hash", 11, 32)
+    healed = "kv_canary heal: took back rids=demo-3,demo-4 (their KV freed; ...)\n"
+    clean = evaluate(CASES_BY_NAME["clean"], result_line("abc"), 0, mode="heal")
+    case = CASES_BY_NAME["real_kv_used"]
+    same = evaluate(case, inj + report + healed + result_line("abc"), 0, mode="heal")
+    other = evaluate(case, inj + report + result_line("abd"), 0, mode="heal")
+    rows = compare_with_clean([clean, same])
+    assert rows[1].same_output is True and rows[1].healed == 2 and rows[1].ok
+    rows_bad = compare_with_clean([clean, other])
+    assert rows_bad[1].same_output is False and not rows_bad[1].ok
+    assert exit_status(rows) == 0 and exit_status(rows_bad) == 1
+    table = format_table(rows_bad, "cpu", mode="heal")
+    assert "output = clean run" in table.splitlines()[1] and "| NO " in table
+    names, notes = choose_cases(None, "cuda", "heal")
+    assert "next_token_swap" not in names and "host_kv" not in names
+    assert any("pd_transfer, which cannot run in heal mode" in n for n in notes), notes
 
 
 def test_demo_refuses_paged_runs_without_a_gpu(capsys):

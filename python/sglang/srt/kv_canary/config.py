@@ -394,6 +394,7 @@ def perturb_config_from_env() -> PerturbConfig:
         target_group=parse_target_group(e.SGLANG_KV_CANARY_PERTURB_TARGET_GROUP.get()),
         target_layer=e.SGLANG_KV_CANARY_PERTURB_TARGET_LAYER.get(),
         target_half=e.SGLANG_KV_CANARY_PERTURB_TARGET_HALF.get(),
+        flip=e.SGLANG_KV_CANARY_PERTURB_FLIP.get(),
         target_tp_rank=e.SGLANG_KV_CANARY_PERTURB_TP_RANK.get(),
         target_pp_rank=e.SGLANG_KV_CANARY_PERTURB_PP_RANK.get(),
         target_dp_rank=e.SGLANG_KV_CANARY_PERTURB_DP_RANK.get(),

@@ -191,6 +191,7 @@ class CanaryEnvs:
     SGLANG_KV_CANARY_PERTURB_TARGET_GROUP = _Choice("", ("", "full", "swa"))
     SGLANG_KV_CANARY_PERTURB_TARGET_LAYER = _Layer("0")
     SGLANG_KV_CANARY_PERTURB_TARGET_HALF = _Choice("k", ("k", "v"))
+    SGLANG_KV_CANARY_PERTURB_FLIP = _Choice("mantissa", ("mantissa", "exponent"))
     SGLANG_KV_CANARY_PERTURB_TP_RANK = _Rank(None)
     SGLANG_KV_CANARY_PERTURB_PP_RANK = _Rank(None)
     SGLANG_KV_CANARY_PERTURB_DP_RANK = _Rank(None)

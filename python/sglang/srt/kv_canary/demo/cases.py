@@ -7,6 +7,7 @@ violation lines, injections and stats) into a :class:`CaseResult`, and the table
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -14,10 +15,28 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from sglang.srt.kv_canary.perturb.config import FaultKind
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.manager.stats import STATS_LINE_PREFIX
+from sglang.srt.kv_canary.violations.containment import parse_healed_rids
 from sglang.srt.kv_canary.violations.lines import ViolationLine, parse_violation_lines
 
 
 RESULT_PREFIX = "DEMO_RESULT "
+# what heal mode's runs leave off: the token oracle samples by request id and position, so its
+# outputs would not show what a corrupt KV read changes; the model samples instead
+HEAL_ENV_LEFT_OUT = (
+    "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE",
+    "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT",
+)
+# heal mode's real-KV faults: an exponent bit of layer 0's V row (its half guarded), which
+# changes what attention computes; the demo's tiny dummy-weight model follows its last token,
+# and a mantissa bit of a K row hardly moves a greedy token
+HEAL_FAULT_TARGET = {
+    "SGLANG_KV_CANARY_ENABLE_MHA_V": "1",
+    "SGLANG_KV_CANARY_PERTURB_TARGET_HALF": "v",
+    "SGLANG_KV_CANARY_PERTURB_FLIP": "exponent",
+}
+# heal mode's faults per run: each is healed (taken back, computed again); at one fault a step
+# the same request would be hit past SGLANG_KV_CANARY_MAX_HEALS and aborted
+HEAL_MAX_FAULTS = 2
 
 # settings shared by every run (clean and faulty)
 DEMO_ENV = {
@@ -62,6 +81,9 @@ class DemoCase:
     # decode server: GPU and Mooncake only
     pd: bool = False
     extra_env: Tuple[Tuple[str, str], ...] = ()
+    # the fault changes a sampled token itself (not KV): heal mode recomputes KV, and the
+    # token already in the output stays, so its outputs are not compared with the clean run's
+    output_fault: bool = False
 
     @property
     def env(self) -> Dict[str, str]:
@@ -110,6 +132,7 @@ CASES = (
         FaultKind.NEXT_TOKEN_SWAP,
         reasons=("write_token",),
         tags=("HEAD_", "TAIL_"),
+        output_fault=True,
     ),
     # HiCache: a byte flipped in host memory, found by the host-tier sweep (every host page
     # each pass here) or when the page is loaded back; the report's slot is the host index
@@ -232,6 +255,9 @@ class CaseResult:
     sweep_passes: Optional[int]
     finished: bool
     mode: str = "raise"
+    outputs_digest: Optional[str] = None  # the worker's digest of every output, in order
+    healed: int = 0  # heal mode's heals (requests taken back and computed again)
+    same_output: Optional[bool] = None  # heal mode: outputs equal the clean run's (None: n/a)
 
     @property
     def alive(self) -> bool:
@@ -240,10 +266,14 @@ class CaseResult:
 
     @property
     def ok(self) -> bool:
-        """Clean run: alive and quiet. A fault: detected; in ``log`` mode the server must also
-        have kept serving to the end (fault injection must not break sglang's own state)."""
+        """Clean run: alive and quiet. A fault: detected; in ``log`` and ``heal`` mode the
+        server must also have kept serving to the end (fault injection must not break sglang's
+        own state), and in ``heal`` mode every output must equal the clean run's (where the
+        fault is in KV)."""
         if self.fault is None:
             return self.alive and self.violations == 0
+        if self.mode == "heal":
+            return self.detected and self.alive and self.same_output is not False
         return self.detected and (self.mode == "raise" or self.alive)
 
 
@@ -268,6 +298,10 @@ def evaluate(case: DemoCase, text: str, returncode: int, *, mode: str = "raise")
     ]
     stats = _STATS_RE.findall(text)
     last = stats[-1] if stats else None
+    result_line = next((line for line in text.splitlines() if line.startswith(RESULT_PREFIX)), None)
+    digest = (
+        json.loads(result_line[len(RESULT_PREFIX) :]).get("outputs_digest") if result_line else None
+    )
     return CaseResult(
         name=case.name,
         fault=case.fault.value if case.fault else None,
@@ -283,7 +317,27 @@ def evaluate(case: DemoCase, text: str, returncode: int, *, mode: str = "raise")
         sweep_passes=int(last[2]) if last else None,
         finished=RESULT_PREFIX in text,
         mode=mode,
+        outputs_digest=digest,
+        healed=len(parse_healed_rids(text)),
     )
+
+
+def compare_with_clean(results: Sequence[CaseResult]) -> List[CaseResult]:
+    """Heal mode: each fault row's ``same_output`` (its outputs' digest against the clean
+    row's; None for a fault in the sampled output itself, or without a clean row). Other modes:
+    the rows as they are."""
+    clean = next((r for r in results if r.fault is None), None)
+    out = []
+    for r in results:
+        case = CASES_BY_NAME.get(r.name)
+        if r.mode != "heal" or r.fault is None or clean is None or case is None:
+            out.append(r)
+        elif case.output_fault:
+            out.append(dataclasses.replace(r, same_output=None))
+        else:
+            same = r.outputs_digest is not None and r.outputs_digest == clean.outputs_digest
+            out.append(dataclasses.replace(r, same_output=same))
+    return out
 
 
 def exit_status(results: Sequence[CaseResult]) -> int:
@@ -304,7 +358,7 @@ def format_table(
         "protected tokens",
         "sweeps",
         "served to the end",
-    )
+    ) + (("healed", "output = clean run") if mode == "heal" else ())
     rows = []
     for r in results:
         injected = (
@@ -331,12 +385,27 @@ def format_table(
                 "-" if r.sweep_passes is None else str(r.sweep_passes),
                 "yes" if r.alive else "no",
             )
+            + (
+                (
+                    str(r.healed),
+                    "-"
+                    if r.fault is None or r.same_output is None
+                    else ("yes" if r.same_output else "NO"),
+                )
+                if mode == "heal"
+                else ()
+            )
         )
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     out = [
         f"kv_canary demo on {device}: --kv-canary {mode}, page size {page_size}, real data "
-        "partial, sweep every 2 steps, token oracle + write-input + token-id checks",
+        "partial, sweep every 2 steps, "
+        + (
+            "token-id checks, the model sampling (greedy)"
+            if mode == "heal"
+            else "token oracle + write-input + token-id checks"
+        ),
         line(head),
         "|" + "|".join("-" * (w + 2) for w in widths) + "|",
     ]

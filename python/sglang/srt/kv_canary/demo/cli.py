@@ -23,7 +23,12 @@ changed). Exit status 0 only if the clean run reports nothing and every fault is
 
 ``--mode log`` runs every server with ``--kv-canary log`` instead: a fault row then also needs
 the server to have served its whole workload (fault injection undoes what it changed in
-sglang's bookkeeping once the forward has read it). ``--page-size N`` sets sglang's page size
+sglang's bookkeeping once the forward has read it). ``--mode heal`` runs ``--kv-canary heal``
+with at most ``HEAL_MAX_FAULTS`` faults per run and the model's own greedy sampling (the token
+oracle off: its tokens do not depend on the KV read): a fault row also needs the whole workload
+served with every output equal to the clean run's (two more columns: the heals, and whether
+the outputs match); the HiCache and PD cases are left out (heal mode refuses both), and
+``next_token_swap`` (it needs the oracle). ``--page-size N`` sets sglang's page size
 (N > 1 needs a GPU). ``--worker`` is the per-run child process (one server each: in raise mode
 the first violation stops the server, as it would in production).
 """
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -48,6 +54,10 @@ from sglang.srt.kv_canary.demo.cases import (
     RESULT_PREFIX,
     CaseResult,
     DemoCase,
+    HEAL_ENV_LEFT_OUT,
+    HEAL_FAULT_TARGET,
+    HEAL_MAX_FAULTS,
+    compare_with_clean,
     demo_engine_args,
     demo_requests,
     evaluate,
@@ -66,17 +76,30 @@ def _worker(
     engine = sglang.Engine(**make(model_dir, **demo_engine_args(mode, page_size, hicache)))
     reqs = demo_requests()
     generated = 0
+    digest = hashlib.sha256()
     for b in range(0, len(reqs), 12):
         wave = reqs[b : b + 12]
         outs = engine.generate(
             input_ids=[r[0] for r in wave],
+            # fixed request ids: the token oracle's tokens are a function of the rid, so every
+            # run of the demo samples the same outputs (heal mode compares them)
+            rid=[f"demo-{b + i}" for i in range(len(wave))],
             sampling_params=[
                 {"max_new_tokens": r[1], "temperature": 0, "ignore_eos": True} for r in wave
             ],
         )
         generated += sum(len(o["output_ids"]) for o in outs)
+        for o in outs:
+            digest.update(json.dumps(o["output_ids"]).encode())
     print(
-        RESULT_PREFIX + json.dumps({"requests": len(reqs), "generated_tokens": generated}),
+        RESULT_PREFIX
+        + json.dumps(
+            {
+                "requests": len(reqs),
+                "generated_tokens": generated,
+                "outputs_digest": digest.hexdigest()[:16],
+            }
+        ),
         flush=True,
     )
     engine.shutdown()
@@ -156,23 +179,37 @@ def _pd_worker(model_dir: str, mode: str, page_size: int) -> None:
         )
 
 
-def choose_cases(cases: Optional[str], device: str) -> Tuple[List[str], List[str]]:
+def choose_cases(
+    cases: Optional[str], device: str, mode: str = "raise"
+) -> Tuple[List[str], List[str]]:
     """The case names a run makes, in order, and the notes it prints: ``--cases`` as given
     (checked by the caller), or else every case ``device`` can run, each left out one said."""
     if cases is not None:
         return [n.strip() for n in cases.split(",") if n.strip()], []
-    left_out = _cases_left_out(device)
+    left_out = _cases_left_out(device, mode)
     names = [c.name for c in CASES if c.name not in left_out]
     return names, [f"kv_canary demo: leaving out {n}, which {why}" for n, why in left_out.items()]
 
 
-def _cases_left_out(device: str) -> Dict[str, str]:
-    """The cases that cannot run on ``device`` here, each with what it needs and why."""
+def _cases_left_out(device: str, mode: str = "raise") -> Dict[str, str]:
+    """The cases that cannot run on ``device`` here (in ``mode``), each with what it needs and
+    why."""
     from sglang.srt.kv_canary.demo.pd_pair import transfer_engine_missing
 
     out = {}
     for case in CASES:
-        if case.hicache and device == "cpu":
+        if mode == "heal" and (case.hicache or case.pd):
+            out[case.name] = (
+                "cannot run in heal mode: --kv-canary heal refuses "
+                + ("HiCache's tree cache" if case.hicache else "PD disaggregation")
+                + " (docs/user_guide.md, \"Self-healing: --kv-canary heal\")"
+            )
+        elif mode == "heal" and case.output_fault:
+            out[case.name] = (
+                "needs the token oracle (heal mode's runs leave it off: their outputs come "
+                "from the model, so they show what reading corrupt KV would have changed)"
+            )
+        elif case.hicache and device == "cpu":
             out[case.name] = (
                 "needs --device cuda: it runs HiCache (--enable-hierarchical-cache), whose "
                 "host pool sglang 0.5.12 pins with CUDA"
@@ -209,6 +246,13 @@ def run_case(
     page_size: int = 1,
 ) -> Tuple[CaseResult, str]:
     env = dict(base_env, **case.env)
+    if mode == "heal":  # the model samples (its outputs depend on the KV it reads)
+        for name in HEAL_ENV_LEFT_OUT:
+            env.pop(name, None)
+        if case.fault is not None:  # a fault every step would outrun the heals
+            env["SGLANG_KV_CANARY_PERTURB_MAX_FAULTS"] = str(HEAL_MAX_FAULTS)
+            # an exponent bit of a V row: a corrupt read kept would change the output
+            env.update(HEAL_FAULT_TARGET)
     cmd = [
         sys.executable,
         "-m",
@@ -259,10 +303,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument(
         "--mode",
-        choices=("raise", "log"),
+        choices=("raise", "log", "heal"),
         default="raise",
         help="--kv-canary of every run; with log, a fault run must also serve "
-        "its whole workload (the server survives the injection)",
+        "its whole workload (the server survives the injection); with heal, also with "
+        "outputs equal to the clean run's",
     )
     parser.add_argument(
         "--page-size",
@@ -289,8 +334,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
 
     device = _detect_device(args.device)
-    left_out = _cases_left_out(device)
-    names, notes = choose_cases(args.cases, device)
+    left_out = _cases_left_out(device, args.mode)
+    names, notes = choose_cases(args.cases, device, args.mode)
     for note in notes:
         print(note, flush=True)
     unknown = [n for n in names if n not in CASES_BY_NAME]
@@ -349,6 +394,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     f.write(text)
             if not result.ok and result.fault is None:
                 print(text[-3000:], file=sys.stderr)
+    results = compare_with_clean(results)
     print(format_table(results, device, mode=args.mode, page_size=args.page_size))
     if args.json:
         with open(args.json, "w") as f:

@@ -57,6 +57,25 @@ REAL_KV_FAULTS = frozenset(
 TARGET_GROUP_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"
 TARGET_LAYER_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_LAYER"
 TARGET_HALF_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_HALF"
+FLIP_VAR = "SGLANG_KV_CANARY_PERTURB_FLIP"
+
+
+class FlipBit(str, enum.Enum):
+    """``SGLANG_KV_CANARY_PERTURB_FLIP``: which bit of a slot's first 16-bit KV element a
+    real-KV fault flips."""
+
+    # bit 0: a bf16/fp16 mantissa bit (the value changes a little, never to inf/NaN)
+    MANTISSA = "mantissa"
+    # bit 14: the exponent's top bit (a small value becomes huge): a read of it changes what
+    # attention computes, so the output shows whether the corrupt read was kept
+    EXPONENT = "exponent"
+
+    @property
+    def byte_and_mask(self):
+        """(byte offset in the slot's bytes, XOR mask), little-endian."""
+        return (0, 0x01) if self == FlipBit.MANTISSA else (1, 0x40)
+
+
 TARGET_WORKER_VAR = "SGLANG_KV_CANARY_PERTURB_TARGET_WORKER"
 # the model runners of a speculative server: the target model's, and EAGLE's draft model's
 WORKER_TARGET, WORKER_DRAFT = "target", "draft"
@@ -98,6 +117,7 @@ class PerturbConfig:
     target_group: Optional[PoolKind] = None
     target_layer: object = 0  # int >= 0 or LAST_LAYER
     target_half: KvHalf = KvHalf.K
+    flip: FlipBit = FlipBit.MANTISSA
     # None: every rank; an int: only the model runners of that rank inject faults
     target_tp_rank: Optional[int] = None
     target_pp_rank: Optional[int] = None
@@ -153,6 +173,15 @@ class PerturbConfig:
             except ValueError:
                 raise ValueError(f"{TARGET_HALF_VAR} must be k or v, got {half!r}") from None
         object.__setattr__(self, "target_half", half)
+        flip = self.flip
+        if not isinstance(flip, FlipBit):
+            try:
+                flip = FlipBit(normalize_choice(str(flip)))
+            except ValueError:
+                raise ValueError(
+                    f"{FLIP_VAR} must be mantissa or exponent, got {self.flip!r}"
+                ) from None
+        object.__setattr__(self, "flip", flip)
         for field, var, _, _ in RANK_TARGETS:
             rank = getattr(self, field)
             if rank is not None and (

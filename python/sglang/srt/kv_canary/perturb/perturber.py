@@ -299,9 +299,10 @@ class CanaryPerturber:
         if slot <= 0:
             return False
         source = self.flip_source
-        flip = flip_first_byte(source, slot)
+        byte, mask = self.config.flip.byte_and_mask
+        flip = flip_first_byte(source, slot, mask=mask, byte=byte)
         if undo_after_forward:  # flipping the same byte again restores it
-            self._undo.append(lambda: flip_first_byte(source, slot))
+            self._undo.append(lambda: flip_first_byte(source, slot, mask=mask, byte=byte))
         self._log(
             kind,
             group=self.target.kind.name.lower(),
