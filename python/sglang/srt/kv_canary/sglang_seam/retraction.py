@@ -67,11 +67,6 @@ class SchedulerRetraction:
     def __init__(self, scheduler: "Scheduler"):
         self._scheduler = scheduler
 
-    def overlap(self) -> bool:
-        """The overlap loop (``result_queue``): a launched batch's result is processed after
-        the next batch is launched, and sglang skips a retracted request's row in it."""
-        return bool(getattr(self._scheduler, "enable_overlap", False))
-
     def is_chunked(self, req: "Req") -> bool:
         """The request is the one being prefilled chunk by chunk (its next chunk is scheduled
         by the loop itself, not from the queue)."""
