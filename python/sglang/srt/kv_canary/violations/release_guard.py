@@ -261,15 +261,22 @@ class ReleaseGuard:
             freed.append(torch.unique(idx // page_size))
             return idx.to(free_index.dtype)
 
+        with self._filtered_frees(allocator, keep):
+            yield
+        if plan.reclaim.numel():
+            allocator.free(plan.reclaim * page_size)
+        self._account(plan, page_size, what)
+
+    @contextlib.contextmanager
+    def _filtered_frees(self, allocator, keep):
+        """Within the block, the allocator's frees go through ``keep`` and this guard is busy
+        (a guard nested in the block leaves the release to this one)."""
         self._busy = True
         try:
             with seam.allocator_frees_filtered(allocator, keep):
                 yield
         finally:
             self._busy = False
-        if plan.reclaim.numel():
-            allocator.free(plan.reclaim * page_size)
-        self._account(plan, page_size, what)
 
     @contextlib.contextmanager
     def _agreed_frees(self, allocator, page_size: int, plan: "_ReleasePlan"):
@@ -282,12 +289,8 @@ class ReleaseGuard:
             tried.append(free_index.to(torch.int64) // page_size)
             return free_index[:0]
 
-        self._busy = True
-        try:
-            with seam.allocator_frees_filtered(allocator, keep):
-                yield
-        finally:
-            self._busy = False
+        with self._filtered_frees(allocator, keep):
+            yield
         attempted = set(torch.cat(tried).tolist()) if tried else set()
         pages = sorted(set(plan.agreed) & (attempted | set(plan.reclaim.tolist())))
         if pages:
