@@ -296,10 +296,16 @@ def test_abort_mode_starts_from_every_route(tmp_path, model_dir):
 
 def test_heal_mode_starts_from_every_route(monkeypatch, tmp_path, model_dir, capsys):
     """``heal`` parses from the command line, a ``--config`` YAML and ``Engine`` kwargs, with
-    ``SGLANG_KV_CANARY_MAX_HEALS`` in its effective settings; the deployments it cannot heal
+    its defaults when no variable is set and ``SGLANG_KV_CANARY_MAX_HEALS`` in its effective
+    settings when one is; the deployments it cannot heal
     in are refused on each route naming the flag, and a bad heal count names the variable."""
     yaml_file = tmp_path / "canary.yaml"
     yaml_file.write_text("kv-canary: heal\n")
+    for name in ("SGLANG_KV_CANARY_MAX_HEALS", "SGLANG_KV_CANARY_RETIRE_AFTER"):
+        monkeypatch.delenv(name, raising=False)
+    for sa in (cli(model_dir, "--kv-canary", "heal"), kwargs(model_dir, kv_canary="heal")):
+        words = CanaryConfig.from_server_args(sa).describe().split()
+        assert "max_heals=3" in words and "retire_after=1" in words, words
     monkeypatch.setenv("SGLANG_KV_CANARY_MAX_HEALS", "5")
     for sa in (
         cli(model_dir, "--kv-canary", "Heal"),
