@@ -42,6 +42,11 @@ def parse_args(argv=None) -> StormSettings:
         "--stream", action="store_true", help="every other request streams (heal checks chunks)"
     )
     ap.add_argument("--stuck", action="store_true", help="a stuck bit alone (heal retires it)")
+    ap.add_argument(
+        "--deferred-readback",
+        action="store_true",
+        help="CPU: read each forward's checks back one forward later, as on CUDA",
+    )
     ap.add_argument("--out", type=pathlib.Path, default=None, help="server logs (default: tmp)")
     args = ap.parse_args(argv)
     try:

@@ -190,6 +190,32 @@ def test_heal_mode_parses_with_its_heal_count(monkeypatch):
         check_server_args_for_canary(_args(kv_canary="heal"))
 
 
+def test_heal_modes_retirement_budget_and_the_cpus_deferred_read_back(monkeypatch):
+    """``SGLANG_KV_CANARY_RETIRE_MAX_FRACTION`` (heal mode's retired slots, a fraction of the
+    pool) and ``SGLANG_KV_CANARY_CPU_DEFERRED_READBACK`` parse into the config and show in its
+    description; a bad value names the variable and what is allowed."""
+    cfg = check_server_args_for_canary(_args(kv_canary="heal"))
+    assert cfg.retire_max_fraction == 0.01 and not cfg.cpu_deferred_readback
+    assert "retire_max_fraction=0.01" in cfg.describe().split()
+    assert "cpu_readback=deferred" not in cfg.describe()
+    monkeypatch.setenv("SGLANG_KV_CANARY_RETIRE_MAX_FRACTION", "0")
+    monkeypatch.setenv("SGLANG_KV_CANARY_CPU_DEFERRED_READBACK", "1")
+    cfg = check_server_args_for_canary(_args(kv_canary="heal"))
+    assert cfg.retire_max_fraction == 0.0 and cfg.cpu_deferred_readback
+    assert {"retire_max_fraction=0", "cpu_readback=deferred"} <= set(cfg.describe().split())
+    for bad in ("1.5", "-0.1", "nan", "a tenth"):
+        monkeypatch.setenv("SGLANG_KV_CANARY_RETIRE_MAX_FRACTION", bad)
+        with pytest.raises(ValueError, match="SGLANG_KV_CANARY_RETIRE_MAX_FRACTION.*fraction in"):
+            check_server_args_for_canary(_args(kv_canary="heal"))
+    monkeypatch.delenv("SGLANG_KV_CANARY_RETIRE_MAX_FRACTION")
+    monkeypatch.setenv("SGLANG_KV_CANARY_CPU_DEFERRED_READBACK", "later")
+    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_CPU_DEFERRED_READBACK"):
+        check_server_args_for_canary(_args(kv_canary="raise"))
+    for bad in (True, 2, "0.1"):
+        with pytest.raises(ValueError, match="retire_max_fraction must be a number in"):
+            CanaryConfig(mode=CanaryMode.HEAL, retire_max_fraction=bad)
+
+
 @pytest.mark.parametrize("tp_size", [2, 8])
 def test_abort_mode_starts_with_tensor_parallelism_on_one_node(tp_size):
     """TP ranks of one node agree on containment (docs/multi_rank_abort_design.md): no

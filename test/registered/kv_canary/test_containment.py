@@ -303,7 +303,9 @@ def test_abort_mode_waits_for_locked_nodes_and_aborts_who_locks_them(caplog):
         ForwardRequests.of([]),
     )
     d.manager.containment.contain(
-        merge_incidents([_row(CanaryLaunchTag.SWEEP_K_FULL, slot, req_row=-1)]), touched
+        merge_incidents([_row(CanaryLaunchTag.SWEEP_K_FULL, slot, req_row=-1)]),
+        touched,
+        step=d.manager.step,
     )
     # a request admitted before the abort took effect maps the corrupt prefix too
     late = d.add_request(prompt_len=14, max_new=20, share_with=a, shared_len=6)

@@ -2,7 +2,10 @@
 "Self-healing: --kv-canary heal"): faults injected on purpose into a small-pool CLI server with
 eight clients; every request must complete with the canary-off output, none aborted but those
 healed the most times, and the server must pass sglang's own leak checks; a stuck bit's slot
-is retired. At CI's size."""
+is retired. At CI's size, with each forward's checks read back one forward later, in the order a
+GPU server reads them (``SGLANG_KV_CANARY_CPU_DEFERRED_READBACK``): a report then comes after
+the next forward was launched, and a request past its heals is hit while the token of the
+forward that read corrupt KV waits to be appended."""
 
 from __future__ import annotations
 
@@ -43,7 +46,12 @@ def test_heal_mode_storm_on_a_cli_server(tmp_path):
     t0 = time.monotonic()
     figures = run_storm(
         StormSettings(
-            mode="heal", seconds=STORM_SECONDS, idle_seconds=10, stream=True, out=tmp_path
+            mode="heal",
+            seconds=STORM_SECONDS,
+            idle_seconds=10,
+            stream=True,
+            deferred_readback=True,
+            out=tmp_path,
         )
     )
     print(
@@ -69,7 +77,14 @@ def test_heal_mode_retires_a_stuck_slot_on_a_cli_server(tmp_path):
     from canary_support.storm import StormSettings, failure_excerpt, run_storm
 
     figures = run_storm(
-        StormSettings(mode="heal", seconds=STUCK_SECONDS, idle_seconds=10, stuck=True, out=tmp_path)
+        StormSettings(
+            mode="heal",
+            seconds=STUCK_SECONDS,
+            idle_seconds=10,
+            stuck=True,
+            deferred_readback=True,
+            out=tmp_path,
+        )
     )
     print(f"\nstuck: {json.dumps({k: v for k, v in figures.items() if k != 'checks'})}")
     failed = [name for name, ok in figures["checks"].items() if not ok]

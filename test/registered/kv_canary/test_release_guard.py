@@ -3,13 +3,17 @@
 ``release_kv_cache`` with the plugin's ``cache_finished_req`` hook around the tree cache's
 method. A request's ``req_to_token`` entry is rewritten to another holder's slot and left
 there (what a server bug would do); after every release the pool's accounting must hold:
-each page free exactly once, or held by exactly one live row or radix node, none lost."""
+each page free exactly once, or held by exactly one live row or radix node, none lost. Heal
+mode's containment on the same objects: a request taken back (and, past its heals, aborted
+without the token of the forward that read corrupt KV), a slot retired only when a forward
+launched after its free finds it corrupt again, and no more than the retirement budget."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import threading
+from typing import Optional
 
 import pytest
 import torch
@@ -20,7 +24,9 @@ from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.jit_kernel.kv_canary.consts import FailReason
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary.violations.containment import (
+    RETIRE_BUDGET_LINE_PREFIX,
     ContainmentManager,
+    TakeBacks,
     parse_notice_lines,
 )
 from sglang.srt.kv_canary.violations.rank_relay import (
@@ -62,22 +68,51 @@ def make_pool():
 
     saved = sa._global_server_args
 
-    def make(page_size: int, *, chunk: bool = False) -> "Pool":
+    def make(page_size: int, *, chunk: bool = False, **heal) -> "Pool":
         sa.set_global_server_args_for_scheduler(
             sa.ServerArgs(model_path="dummy", page_size=page_size)
         )
-        return Pool(page_size, chunk=chunk)
+        return Pool(page_size, chunk=chunk, **heal)
 
     yield make
     sa._global_server_args = saved
 
 
+class SchedulerStandIn:
+    """The parts of sglang's ``Scheduler`` heal mode's retraction touches, for requests that
+    are in no batch: the tree cache, no running or launched batch, and a record of what it
+    queues again (``_add_request_to_queue``) and sends to the detokenizer (``stream_output``)."""
+
+    def __init__(self, tree_cache):
+        self.tree_cache = tree_cache
+        self.running_batch = None
+        self.cur_batch = None
+        self.chunked_req = None
+        self.result_queue = []
+        self.queued: list = []
+        self.streamed: list = []
+
+    def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+        self.queued.append((req, is_retracted))
+
+    def stream_output(self, reqs, return_logprob: bool, skip_req=None) -> None:
+        self.streamed.append(list(reqs))
+
+
 class Pool:
     """One scheduler's KV bookkeeping: the allocator, ``req_to_token``, the tree cache (a
     ``RadixCache``, or a ``ChunkCache`` with ``chunk=True``), the canary records and the guard
-    attached to the cache as abort mode attaches it."""
+    attached to the cache as abort mode attaches it (heal mode's, with ``heal_max``: its
+    retraction over :class:`SchedulerStandIn`)."""
 
-    def __init__(self, page_size: int, *, chunk: bool = False):
+    def __init__(
+        self,
+        page_size: int,
+        *,
+        chunk: bool = False,
+        heal_max: Optional[int] = None,
+        retire_max_fraction: float = 0.01,
+    ):
         self.page_size = page_size
         if page_size == 1:
             self.alloc = TokenToKVPoolAllocator(
@@ -103,9 +138,16 @@ class Pool:
         resolver = RequestResolver(req_to_token=self.r2t.req_to_token)
         resolver.running_reqs = lambda: list(self.live)
         self.containment = ContainmentManager(
-            resolver=resolver, swa_index_lut=None, records=self.records
+            resolver=resolver,
+            swa_index_lut=None,
+            records=self.records,
+            heal_max=heal_max,
+            retire_max_fraction=retire_max_fraction,
         )
         self.containment.attach_radix_cache(self.cache)
+        self.scheduler = SchedulerStandIn(self.cache)
+        if heal_max is not None:
+            self.containment.attach_retraction(seam.SchedulerRetraction(self.scheduler))
         self.guard = self.containment.guard
         assert seam.release_guard_of(self.cache) is self.guard
         self._rid = 0
@@ -160,8 +202,8 @@ class Pool:
         assert self.alloc.available_size() + tree + uncached == NUM_SLOTS, "sglang sees a leak"
 
     def check_accounting(self) -> None:
-        """Every page of the pool exactly once: free, or named by a live row or a radix node
-        (page 0 is the padding page, never handed out)."""
+        """Every page of the pool exactly once: free, or named by a live row or a radix node,
+        or retired by heal mode (page 0 is the padding page, never handed out)."""
         p = self.page_size
         free = torch.cat([self.alloc.free_pages, self.alloc.release_pages]).tolist()
         assert len(free) == len(set(free)), "a page is free twice"
@@ -173,7 +215,11 @@ class Pool:
             held.setdefault(s // p, set()).add("tree")
         assert not set(free) & set(held), "a page is free and held"
         assert all(len(h) == 1 for h in held.values()), f"a page held twice: {held}"
-        assert set(free) | set(held) == set(range(1, NUM_SLOTS // p + 1)), "a page is lost"
+        retired = self.containment.retired_pages
+        assert not retired & (set(free) | set(held)), "a retired page is free or held"
+        assert set(free) | set(held) | retired == set(range(1, NUM_SLOTS // p + 1)), (
+            "a page is lost"
+        )
 
 
 @pytest.fixture
@@ -370,8 +416,8 @@ def test_a_corrupt_row_sglang_cached_before_its_report_is_evicted_under_the_guar
             )
         ]
     )
-    pool.containment.contain([incident], [IncidentRequests(rids=(), running=())])
-    pool.containment.after_batch_result()
+    pool.containment.contain([incident], [IncidentRequests(rids=(), running=())], step=1)
+    pool.containment.after_batch_result(launched_step=1)
     assert pool.containment.evicted_nodes == 1
     pool.check_busy_count()
     pool.check_accounting()
@@ -718,7 +764,7 @@ def test_a_report_on_one_rank_is_contained_on_every_rank_through_rank_0s_inputs(
             ]
         )
         touched = IncidentRequests(rids=(a1.rid,), running=(a1,), holding=(a1,))
-        assert pools[1].containment.contain([incident], [touched]) == 0
+        assert pools[1].containment.contain([incident], [touched], step=1) == 0
         assert not seam.req_done(a1)  # nothing aborted before every rank has the notice
         assert rank0_input.poll(10_000), "the notice never reached rank 0's input"
         inputs = ["a tokenized request", rank0_input.recv_pyobj()]
@@ -744,3 +790,118 @@ def test_a_report_on_one_rank_is_contained_on_every_rank_through_rank_0s_inputs(
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+# ---- heal mode -------------------------------------------------------------------------------
+
+
+def _incident(slot: int, req: Optional[Req] = None, position: int = 3):
+    """A position-mismatch incident on ``slot`` (read by ``req``'s row, if given)."""
+    (incident,) = merge_incidents(
+        [
+            ViolationRecord(
+                launch_tag=int(CanaryLaunchTag.HEAD_K_FULL),
+                slot_idx=slot,
+                position=position,
+                stored_token=7,
+                expected_token=-1,
+                stored_chain_hash=0,
+                expected_aux=0,
+                fail_bits=int(FailReason.VERIFY_POSITION_MISMATCH),
+                read_position=position,
+                req_to_token_row=(req.req_pool_idx or 0) if req is not None else 0,
+            )
+        ]
+    )
+    return incident
+
+
+def _free_pages(pool: Pool) -> set:
+    return set(torch.cat([pool.alloc.free_pages, pool.alloc.release_pages]).tolist())
+
+
+def _report_freed_slot(pool: Pool, slot: int, *, step: int, launched: int) -> None:
+    """Heal mode's containment of a report of ``slot`` (read by no running request) found by
+    forward ``step``, then the batch result's settling with forward ``launched`` the newest
+    launched."""
+    nobody = IncidentRequests(rids=(), running=())
+    pool.containment.contain([_incident(slot)], [nobody], step=step)
+    pool.containment.after_batch_result(launched_step=launched)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_heal_retires_a_slot_only_when_a_forward_launched_after_its_free_finds_it_again(
+    make_pool, hooked, page_size
+):
+    """On the GPU a forward's checks are read one forward late: a forward launched before a
+    corrupt slot was freed still reads (and reports) its old content after the free. That is
+    the same corruption, not a stuck bit; only a forward launched after the free is news."""
+    pool = make_pool(page_size, heal_max=3, retire_max_fraction=0.5)
+    a = pool.request(12 if page_size == 1 else 32)
+    slot = pool.row(a)[3]
+    page = slot // page_size
+    touched = IncidentRequests(rids=(a.rid,), running=(a,), holding=(a,))
+    # forward 5 read the corrupt slot; forward 6 was launched before the result of 5
+    pool.containment.contain([_incident(slot, a)], [touched], step=5)
+    assert pool.containment.before_batch_result() == TakeBacks(healed=1, aborted=0)
+    pool.live.remove(a)
+    assert a.req_pool_idx is None and page in _free_pages(pool)
+    pool.containment.after_batch_result(launched_step=6)  # the slot's content freed now
+    assert pool.scheduler.queued == [(a, True)]  # computed again from its tokens
+    # forward 6 read the slot before the free: its report comes after it
+    _report_freed_slot(pool, slot, step=6, launched=7)
+    assert pool.containment.retired_pages == set() and page in _free_pages(pool)
+    # forward 8 was built after the free: the slot was handed out, written and is corrupt again
+    _report_freed_slot(pool, slot, step=8, launched=9)
+    assert pool.containment.retired_pages == {page}
+    assert page not in _free_pages(pool) and pool.containment.retired_slots == page_size
+    pool.check_accounting()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_heal_retires_no_more_than_its_fraction_of_the_pool(make_pool, hooked, caplog, page_size):
+    """``SGLANG_KV_CANARY_RETIRE_MAX_FRACTION``: past the budget (whole pages, rounded down) a
+    slot found corrupt again stays in service, and says so."""
+    pool = make_pool(page_size, heal_max=3, retire_max_fraction=2 * page_size / NUM_SLOTS)
+    slots = [page_size * p + (page_size > 1) for p in (3, 5, 7)]  # on pages 3, 5, 7
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+        for i, slot in enumerate(slots):
+            _report_freed_slot(pool, slot, step=10 * i + 1, launched=10 * i + 2)
+            _report_freed_slot(pool, slot, step=10 * i + 3, launched=10 * i + 4)
+    assert pool.containment.retired_pages == {3, 5}
+    assert pool.containment.retire_refused == 1 and 7 in _free_pages(pool)
+    assert any(
+        r.getMessage().startswith(RETIRE_BUDGET_LINE_PREFIX) and " 7 " in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
+    pool.check_accounting()
+    none = make_pool(page_size, heal_max=3, retire_max_fraction=0.0)
+    _report_freed_slot(none, slots[0], step=1, launched=2)
+    _report_freed_slot(none, slots[0], step=3, launched=4)
+    assert none.containment.retired_pages == set() and none.containment.retire_refused == 1
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_heal_past_its_heals_takes_the_request_back_then_aborts_it(make_pool, hooked, page_size):
+    """A request healed ``heal_max`` times and hit again is aborted, but taken back first: the
+    token of the batch whose forward read corrupt KV (its result comes next) is never
+    appended, so its client, streaming or not, gets no token computed from corrupt KV; its KV
+    is freed at once and its output goes out once, with abort mode's message."""
+    pool = make_pool(page_size, heal_max=1)
+    a = pool.request(12 if page_size == 1 else 32)
+    a.output_ids = [5, 6]
+    seam.count_heal(a)  # healed once already
+    slot = pool.row(a)[3]
+    touched = IncidentRequests(rids=(a.rid,), running=(a,), holding=(a,))
+    assert pool.containment.contain([_incident(slot, a)], [touched], step=4) == 0
+    assert not seam.req_done(a)  # not yet: sglang would append the next result's token first
+    assert pool.containment.before_batch_result() == TakeBacks(healed=0, aborted=1)
+    pool.live.remove(a)
+    assert a.finished() and a.is_retracted and a.req_pool_idx is None
+    assert a.finished_reason.message.endswith(", after 1 heal(s))")
+    assert a.output_ids == [5, 6]
+    assert pool.scheduler.streamed == [[a]] and pool.scheduler.queued == []
+    assert pool.containment.aborted_requests == 1 and pool.containment.healed_requests == 0
+    pool.containment.after_batch_result(launched_step=5)
+    pool.check_busy_count()
+    pool.check_accounting()

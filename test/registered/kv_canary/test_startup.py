@@ -301,11 +301,20 @@ def test_heal_mode_starts_from_every_route(monkeypatch, tmp_path, model_dir, cap
     in are refused on each route naming the flag, and a bad heal count names the variable."""
     yaml_file = tmp_path / "canary.yaml"
     yaml_file.write_text("kv-canary: heal\n")
-    for name in ("SGLANG_KV_CANARY_MAX_HEALS", "SGLANG_KV_CANARY_RETIRE_AFTER"):
+    for name in (
+        "SGLANG_KV_CANARY_MAX_HEALS",
+        "SGLANG_KV_CANARY_RETIRE_AFTER",
+        "SGLANG_KV_CANARY_RETIRE_MAX_FRACTION",
+    ):
         monkeypatch.delenv(name, raising=False)
     for sa in (cli(model_dir, "--kv-canary", "heal"), kwargs(model_dir, kv_canary="heal")):
         words = CanaryConfig.from_server_args(sa).describe().split()
         assert "max_heals=3" in words and "retire_after=1" in words, words
+        assert "retire_max_fraction=0.01" in words, words
+    monkeypatch.setenv("SGLANG_KV_CANARY_RETIRE_MAX_FRACTION", "0.05")
+    for sa in (cli(model_dir, "--kv-canary", "heal"), kwargs(model_dir, kv_canary="heal")):
+        assert "retire_max_fraction=0.05" in CanaryConfig.from_server_args(sa).describe().split()
+    monkeypatch.delenv("SGLANG_KV_CANARY_RETIRE_MAX_FRACTION")
     monkeypatch.setenv("SGLANG_KV_CANARY_MAX_HEALS", "5")
     for sa in (
         cli(model_dir, "--kv-canary", "Heal"),

@@ -177,6 +177,11 @@ class CanaryConfig:
     draft_violations: DraftViolations = DraftViolations.REPORT
     max_heals: int = 3
     retire_after: int = 1
+    # heal mode: at most this fraction of the pool's slots retired (whole pages, rounded down)
+    retire_max_fraction: float = 0.01
+    # CPU servers: each forward's results read back one forward later, as on CUDA (tests of
+    # the GPU's ordering on a CPU server); CUDA always reads back one forward later
+    cpu_deferred_readback: bool = False
     perturb: PerturbConfig = PerturbConfig()
 
     def __post_init__(self):
@@ -209,6 +214,15 @@ class CanaryConfig:
                 raise ValueError(
                     f"CanaryConfig.{name} must be an int from {minimum} to {maximum}, got {value!r}"
                 )
+        fraction = self.retire_max_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise ValueError(
+                f"CanaryConfig.retire_max_fraction must be a number in [0, 1], got {fraction!r}"
+            )
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(
+                f"CanaryConfig.retire_max_fraction must be a number in [0, 1], got {fraction!r}"
+            )
         if self.sweep_interval > 0 and self.mode == CanaryMode.NONE:
             raise ValueError(
                 f"--kv-canary-sweep-interval={self.sweep_interval} needs the canary on: "
@@ -280,9 +294,11 @@ class CanaryConfig:
             f"draft_violations={self.draft_violations.value} "
             + (
                 f"max_heals={self.max_heals} retire_after={self.retire_after} "
+                f"retire_max_fraction={self.retire_max_fraction:g} "
                 if self.mode == CanaryMode.HEAL
                 else ""
             )
+            + ("cpu_readback=deferred " if self.cpu_deferred_readback else "")
             + f"fault_injection={faults}"
         )
 
@@ -372,6 +388,8 @@ class CanaryConfig:
             draft_violations=canary_envs.SGLANG_KV_CANARY_DRAFT_VIOLATIONS.get(),
             max_heals=canary_envs.SGLANG_KV_CANARY_MAX_HEALS.get(),
             retire_after=canary_envs.SGLANG_KV_CANARY_RETIRE_AFTER.get(),
+            retire_max_fraction=canary_envs.SGLANG_KV_CANARY_RETIRE_MAX_FRACTION.get(),
+            cpu_deferred_readback=canary_envs.SGLANG_KV_CANARY_CPU_DEFERRED_READBACK.get(),
             perturb=perturb_config_from_env(),
         )
 

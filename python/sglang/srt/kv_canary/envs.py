@@ -123,6 +123,17 @@ class _Prob(_Strict):
             )
 
 
+class _Fraction(_Prob):
+    allowed = "a fraction in [0, 1]"
+
+    def check(self, value, raw) -> None:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(
+                f"invalid value {raw!r} for environment variable {self.name}: "
+                "must be a fraction in [0, 1]"
+            )
+
+
 class _Choice(_Strict):
     def __init__(self, default, choices):
         super().__init__(default)
@@ -180,6 +191,8 @@ class CanaryEnvs:
     SGLANG_KV_CANARY_DRAFT_VIOLATIONS = _Choice("report", ("report", "act"))
     SGLANG_KV_CANARY_MAX_HEALS = _pos_int(3, maximum=MAX_HEALS)
     SGLANG_KV_CANARY_RETIRE_AFTER = _pos_int(1, maximum=MAX_HEALS)
+    SGLANG_KV_CANARY_RETIRE_MAX_FRACTION = _Fraction(0.01)
+    SGLANG_KV_CANARY_CPU_DEFERRED_READBACK = _Bool(False)
     SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS = _non_neg_int(50)
     SGLANG_KV_CANARY_PERTURB_MAX_FAULTS = _non_neg_int(0)
     SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB = _Prob(0.0)

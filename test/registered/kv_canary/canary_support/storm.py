@@ -88,7 +88,10 @@ from sglang.srt.kv_canary.demo.server_process import ServerProcess, http_call, l
 from canary_support.server_process import metric_series, metric_total
 
 # heal mode's line when it retires a slot (violations/containment.RETIRE_LINE_PREFIX)
-RETIRED_RE = re.compile(re.escape(RETIRE_LINE_PREFIX) + r" slot (\d+) ")
+RETIRED_RE = re.compile(re.escape(RETIRE_LINE_PREFIX) + r" (?:slot|page of \d+ slots) (\d+) ")
+# heal mode retires at most this fraction of the pool (SGLANG_KV_CANARY_RETIRE_MAX_FRACTION's
+# default), in whole pages
+RETIRE_MAX_FRACTION = 0.01
 # the message of a request the canary aborted for a violation it touches (violations/containment)
 ABORT_MESSAGE = f"{ABORT_MESSAGE_PREFIX} (launch_tag="
 LEAK_MARKERS = ("memory leak", "Out of memory", "Traceback")
@@ -124,7 +127,9 @@ class StormSettings:
     step ``warmup_steps`` on; ``idle_seconds`` idle at the end (sglang's idle leak check);
     ``out``: where the logs and ``results.json`` go (None: a new temporary directory);
     ``stream``: every other request streams (heal mode checks every chunk it receives);
-    ``stuck``: the only fault is a stuck bit (heal mode must retire its slot)."""
+    ``stuck``: the only fault is a stuck bit (heal mode must retire its slot);
+    ``deferred_readback``: a CPU server reads each forward's checks back one forward later, as
+    a GPU server does (``SGLANG_KV_CANARY_CPU_DEFERRED_READBACK``)."""
 
     mode: str
     seconds: float = 600
@@ -139,6 +144,7 @@ class StormSettings:
     seed: int = 7
     stream: bool = False
     stuck: bool = False
+    deferred_readback: bool = False
     out: Optional[pathlib.Path] = None
 
     def __post_init__(self):
@@ -415,6 +421,11 @@ def run_storm(settings: StormSettings) -> dict:
         # default, a mantissa bit of the K row, none did: the tiny dummy-weight model's greedy
         # tokens follow the last token)
         **(HEAL_FAULT_TARGET if settings.mode == "heal" else {}),
+        **(
+            {"SGLANG_KV_CANARY_CPU_DEFERRED_READBACK": "1"}
+            if settings.deferred_readback and settings.device == "cpu"
+            else {}
+        ),
         **{k.env_var: str(p) for k, p in storm_faults(settings.mode, settings.stuck).items()},
     )
     storm = start(
@@ -534,7 +545,11 @@ def run_storm(settings: StormSettings) -> dict:
             parse_unattributed(line) for line in log.splitlines()
         )
         checks["the release guard reclaimed slots"] = kept_own == 0 or reclaimed > 0
-        checks["retired_slots equals the retire lines"] = retired_metric == len(retired)
+        checks["retired_slots equals the retire lines"] = (
+            retired_metric == len(retired) * settings.page_size
+        )
+        budget = int(RETIRE_MAX_FRACTION * settings.pool) // settings.page_size
+        checks["no more pages retired than the budget allows"] = len(retired) <= budget
         if settings.stuck:  # the stuck slot is retired, and nothing else
             checks["the stuck slot was retired, alone"] = bool(stuck) and retired == stuck[:1]
             checks["the stuck slot stopped being written"] = stuck_repeats_after_retire == 0

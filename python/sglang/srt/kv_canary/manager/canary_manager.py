@@ -183,6 +183,7 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
                 swa_verify_num_valid=self.swa_divergence.device_tensors(),
             ),
             zero_after_copy=(log.violation_write_index,),
+            defer_on_cpu=config.cpu_deferred_readback,
         )
         self.reporter = ForwardReporter(
             config=config,
@@ -375,7 +376,8 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
         in an idle cached slot is swept this step), the radix sweep (when due), then the
         delayed violation / overflow / health / stats pump: on CUDA the copies staged after
         the previous forward are consumed and this forward's are staged (never syncing the
-        forward stream); on CPU both happen now."""
+        forward stream); on CPU both happen now (unless the config defers the CPU's read-back
+        as on CUDA)."""
         self.step += 1
         if self.perturber is not None and forward_batch is not None:
             self.perturber.after_forward(forward_batch, step=self.step)

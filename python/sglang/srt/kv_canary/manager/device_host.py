@@ -9,7 +9,9 @@ side stream into one of two alternating pinned host buffers and records an event
 :meth:`~DelayedDeviceHostHandler.fence` (before each forward) orders the forward after the
 staged copies (a stream wait, no host sync). A named window (the ring's write index) is emptied
 right after its copy. On CUDA, :meth:`~DelayedDeviceHostHandler.capture` (start-up) makes a
-stage one graph replay; on CPU the copies are synchronous.
+stage one graph replay; on CPU the copies are synchronous, and consumed in the same forward
+unless ``defer_on_cpu`` (``SGLANG_KV_CANARY_CPU_DEFERRED_READBACK``) consumes them after the
+next one, as on CUDA.
 """
 
 from __future__ import annotations
@@ -105,7 +107,13 @@ class DelayedDeviceHostHandler(Generic[W]):
     per watched tensor, are what the consumer gets (on CPU the gather writes the host buffer
     directly)."""
 
-    def __init__(self, sources: W, *, zero_after_copy: Sequence[torch.Tensor] = ()):
+    def __init__(
+        self,
+        sources: W,
+        *,
+        zero_after_copy: Sequence[torch.Tensor] = (),
+        defer_on_cpu: bool = False,
+    ):
         self._sources = sources
         self._device_leaves = _leaves(sources, type(sources).__name__)
         if not self._device_leaves:
@@ -129,16 +137,18 @@ class DelayedDeviceHostHandler(Generic[W]):
             )
         self._zero_after_copy = tuple(zero_after_copy)
         self.device = devices.pop()
-        self.synchronous = self.device.type != "cuda"
-        pin = not self.synchronous
+        on_cpu = self.device.type != "cuda"
+        self._on_cpu = on_cpu
+        # consumed in the forward that staged it (CPU), or one forward later (CUDA; CPU with
+        # ``defer_on_cpu``: a CPU server read back in the GPU's order)
+        self.synchronous = on_cpu and not defer_on_cpu
+        pin = not on_cpu
         word, offsets, num_words = _word_layout(self._device_leaves)
         # the gather's inputs: the watched tensors as words
         self._device_words = [t.reshape(-1).view(word) for t in self._device_leaves]
-        self._staging = (
-            None if self.synchronous else torch.empty(num_words, dtype=word, device=self.device)
-        )
+        self._staging = None if on_cpu else torch.empty(num_words, dtype=word, device=self.device)
         self._staging_words = (
-            None if self.synchronous else _word_views(self._staging, self._device_leaves, offsets)
+            None if on_cpu else _word_views(self._staging, self._device_leaves, offsets)
         )
         self._host_buffers = [torch.empty(num_words, dtype=word, pin_memory=pin) for _ in range(2)]
         self.num_bytes = self._host_buffers[0].numel() * self._host_buffers[0].element_size()
@@ -154,13 +164,13 @@ class DelayedDeviceHostHandler(Generic[W]):
         ]
         self._flip = 0
         self._pending: Optional[FutureTensors[W]] = None
-        self._stream = None if self.synchronous else torch.cuda.Stream(device=self.device)
+        self._stream = None if on_cpu else torch.cuda.Stream(device=self.device)
         # CUDA: where the copies start (recorded on the producer's stream) and, per host
         # buffer, when they are done (a buffer is staged again only after its copies were
         # consumed or replaced, so its event is free to be recorded again)
         self._device_index = cuda_streams.device_index(self.device)
-        self._produced = None if self.synchronous else torch.cuda.Event()
-        self._copied = None if self.synchronous else [torch.cuda.Event() for _ in range(2)]
+        self._produced = None if on_cpu else torch.cuda.Event()
+        self._copied = None if on_cpu else [torch.cuda.Event() for _ in range(2)]
         # CUDA, after capture(): per host buffer, its copies as one graph
         self._graphs: Optional[List["torch.cuda.CUDAGraph"]] = None
 
@@ -190,7 +200,7 @@ class DelayedDeviceHostHandler(Generic[W]):
         runs none of them: a pending stage and the watched tensors are left as they are, so
         it may come between any two forwards (at the end of start-up: it synchronizes the
         device). CUDA only."""
-        if self.synchronous:
+        if self._on_cpu:
             raise RuntimeError("kv_canary: the read-back's copies are captured only on CUDA")
         if self.captured:
             raise RuntimeError("kv_canary: the read-back's copies are already captured")
@@ -209,7 +219,7 @@ class DelayedDeviceHostHandler(Generic[W]):
         host-sync-free on CUDA."""
         flip = self._flip
         self._flip ^= 1
-        if self.synchronous:
+        if self._on_cpu:
             self._gather(self._host_words[flip])
             for t in self._zero_after_copy:
                 t.zero_()

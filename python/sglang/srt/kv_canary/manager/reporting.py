@@ -139,6 +139,7 @@ class ForwardReporter:
                 records=full.k_tail,
                 heal_max=config.max_heals if self.mode == CanaryMode.HEAL else None,
                 retire_after=config.retire_after,
+                retire_max_fraction=config.retire_max_fraction,
             )
         self.metrics: Optional[CanaryMetrics] = None
         self.kv_slots_in_use: Callable[[], int] = lambda: 0
@@ -232,7 +233,7 @@ class ForwardReporter:
         if self.metrics is not None:
             self.metrics.on_incidents(incidents, dropped=dropped, pool=self.pool)
         if self.containment is not None:
-            aborted = self.containment.contain(incidents, touched)
+            aborted = self.containment.contain(incidents, touched, step=step)
             if self.metrics is not None:
                 self.metrics.on_aborted(aborted)
         self.violations.report(incidents, dropped=dropped, step=step)
@@ -268,17 +269,20 @@ class ForwardReporter:
         its reports marked (metrics of the heals)."""
         if self.containment is None:
             return
-        healed = self.containment.before_batch_result()
-        if healed and self.metrics is not None:
-            self.metrics.on_healed(healed)
+        took = self.containment.before_batch_result()
+        if self.metrics is not None:
+            if took.healed:
+                self.metrics.on_healed(took.healed)
+            if took.aborted:
+                self.metrics.on_aborted(took.aborted)
 
-    def after_batch_result(self) -> None:
+    def after_batch_result(self, *, launched_step: int) -> None:
         """Abort and heal mode, after the scheduler processed a batch result: evict the
         corrupt prefixes it can now, queue healed requests again (metrics of the aborts and
         the release guard)."""
         if self.containment is None:
             return
-        aborted = self.containment.after_batch_result()
+        aborted = self.containment.after_batch_result(launched_step=launched_step)
         guard = self.containment.guard
         if self.metrics is not None:
             self.metrics.on_aborted(aborted)

@@ -177,7 +177,7 @@ class SchedulerSide:
     def after_batch_result(self) -> None:
         """After the scheduler processed a batch result (finished requests released their
         KV): abort mode evicts the corrupt prefixes it can now. No-op otherwise."""
-        self.reporter.after_batch_result()
+        self.reporter.after_batch_result(launched_step=self.step)
 
     def on_scheduler_idle(self) -> None:
         """The scheduler's loop ran no batch this iteration (sglang's ``Scheduler.on_idle``):
@@ -192,7 +192,7 @@ class SchedulerSide:
             containment is not None and containment.heal_pending
         ):
             self.reporter.before_batch_result()
-            self.reporter.after_batch_result()
+            self.reporter.after_batch_result(launched_step=self.step)
 
     @property
     def retired_slots(self) -> int:

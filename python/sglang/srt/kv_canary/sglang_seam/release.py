@@ -2,7 +2,7 @@
 
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
-| tree-cache release (``RadixCache`` / ``ChunkCache.cache_finished_req``; the ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` behind it) | hooks ``cache_finished_req``; sets ``kv_canary_release_guard`` on the tree cache; reads the allocator's ``page_size``, ``free_pages``, ``release_pages``, ``free_group``, ``is_not_in_free_group``; wraps its ``free`` on the instance for one release (heal mode: for the server's life, dropping retired pages); frees through it; takes retired pages out of ``free_pages`` / ``release_pages``; reads ``Req.kv_committed_len``, ``cache_protected_len``, ``sampling_params.max_new_tokens``; sets ``kv_canary_contained`` on a ``Req`` | ``violations.release_guard``, ``violations.containment``, ``manager.canary_manager``, ``plugin`` |
+| tree-cache release (``RadixCache`` / ``ChunkCache.cache_finished_req``; the ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` behind it) | hooks ``cache_finished_req``; sets ``kv_canary_release_guard`` on the tree cache; reads the allocator's ``page_size``, ``size``, ``free_pages``, ``release_pages``, ``free_group``, ``is_not_in_free_group``; wraps its ``free`` on the instance for one release (heal mode: for the server's life, dropping retired pages); frees through it; takes retired pages out of ``free_pages`` / ``release_pages``; reads ``Req.kv_committed_len``, ``cache_protected_len``, ``sampling_params.max_new_tokens``; sets ``kv_canary_contained`` on a ``Req`` | ``violations.release_guard``, ``violations.containment``, ``manager.canary_manager``, ``plugin`` |
 """
 
 from __future__ import annotations
@@ -107,6 +107,11 @@ def tree_cache_allocator(tree_cache):
 
 def allocator_page_size(allocator) -> int:
     return int(allocator.page_size)
+
+
+def allocator_size(allocator) -> int:
+    """The allocator's slots (``size``: the KV pool's tokens, padding slot excluded)."""
+    return int(allocator.size)
 
 
 def allocator_free_pages(allocator) -> "torch.Tensor":

@@ -6,6 +6,7 @@
 | ``release_kv_cache(req, tree_cache, is_insert=False)`` (``mem_cache.common``) | frees the request's KV (through the tree cache's ``cache_finished_req``, which the release guard wraps) | ``violations.containment`` |
 | ``Req.reset_for_retract``, ``is_retracted``, ``kv_committed_len``, ``kv_allocated_len``, ``output_ids`` | resets the request for its recomputation; the slots past its known tokens (the launched forward's write) are freed with it | ``violations.containment`` |
 | ``Scheduler._add_request_to_queue(req, is_retracted=True)`` | queues it again; sglang prefills it from ``origin_input_ids + output_ids`` | ``violations.containment`` |
+| ``Req.to_finish``, ``Req.check_finished``, ``Scheduler.stream_output(reqs, return_logprob)`` | a taken-back request past its heals is finished with abort mode's ``FINISH_ABORT`` and its output sent as sglang sends a finished request's (no token of the forward that read corrupt KV in it) | ``violations.containment`` |
 | the result ``Scheduler.run_batch`` returns (``GenerationBatchResult``) | sets ``kv_canary_forward_step`` on it: the canary's step of the forward that computed it | ``manager.scheduler_side``, ``plugin`` |
 """
 
@@ -105,6 +106,18 @@ class SchedulerRetraction:
 
         release(req, free)
         req.reset_for_retract()
+
+    def finish_aborted(self, req: "Req", message: str) -> None:
+        """Finish a taken-back request (:meth:`take_back` ran: its KV is freed, no batch will
+        append to it) with abort mode's abort and ``message``, and send its output as sglang
+        sends a finished request's: its client gets the error, and a streaming client no token
+        past those it was sent before the take-back."""
+        from sglang.srt.kv_canary.sglang_seam.scheduler import abort_running_req
+
+        if not abort_running_req(req, message):
+            return  # finished already: its output went out
+        req.check_finished()
+        self._scheduler.stream_output([req], req.return_logprob)
 
     def requeue(self, req: "Req") -> None:
         """Queue a taken-back request again (sglang prefills it from its tokens)."""

@@ -16,9 +16,11 @@ under the release guard in :meth:`ContainmentManager.before_batch_result` (befor
 appends a token of the batch whose result comes next), queued again by
 :meth:`ContainmentManager.after_batch_result` once no launched batch holds it and no corrupt
 prefix is left to evict; sglang then recomputes it from its tokens. Past ``heal_max`` heals a
-request is aborted as in abort mode. A slot reported again after its corrupt content was
-freed (evicted, released: it was handed out, written and found corrupt once more) is retired:
-its page is taken out of the allocator for the server's life (a stuck bit, a bad page).
+request is taken back all the same and then finished with abort mode's abort (its client gets
+no token of the forward that read corrupt KV). A slot reported again by a forward launched
+after its corrupt content was freed (evicted, released: it was handed out, written and found
+corrupt once more) is retired: its page is taken out of the allocator for the server's life
+(a stuck bit, a bad page), up to ``retire_max_fraction`` of the pool's slots.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,12 +59,22 @@ HEALS_SUFFIX_RE = re.compile(r", after (\d+) heal\(s\)\)$")
 PREFIX_ABORT_LINE_PREFIX = "kv_canary abort: aborted the running requests locking a corrupt prefix:"
 HEAL_LINE_PREFIX = "kv_canary heal: took back"
 RETIRE_LINE_PREFIX = "kv_canary heal: retired"
+RETIRE_BUDGET_LINE_PREFIX = "kv_canary heal: not retired"
 REQUEUE_LINE_PREFIX = "kv_canary heal: queued again"
+HEAL_ABORT_LINE_PREFIX = "kv_canary heal: took back and aborted"
 _HEAL_RE = re.compile(re.escape(HEAL_LINE_PREFIX) + r" rids=(\S+)")
 # several ranks: each rank's line when it applies a notice (the same request ids on every rank)
 NOTICE_LINE_PREFIX = "kv_canary abort: applied the containment reported by"
 _NOTICE_RE = re.compile(re.escape(NOTICE_LINE_PREFIX) + r" (.+?): aborted rids=(\S+)")
 _PREFIX_ABORT_RE = re.compile(re.escape(PREFIX_ABORT_LINE_PREFIX) + r" rids=(\S+)")
+
+
+class TakeBacks(NamedTuple):
+    """What one :meth:`ContainmentManager.before_batch_result` did: requests taken back to be
+    computed again, and taken back and aborted (past their heals)."""
+
+    healed: int
+    aborted: int
 
 
 def prefix_abort_message(heals: int = 0) -> str:
@@ -90,7 +102,8 @@ class ContainmentManager:
     ``records``: the full pool's TAIL canary buffer (the release guard's records);
     ``heal_max``: heal mode's heals of one request before it is aborted (None: abort mode);
     ``retire_after``: heal mode's reports of a slot after its corrupt content was freed before
-    the slot is retired."""
+    the slot is retired; ``retire_max_fraction``: heal mode retires at most this fraction of
+    the pool's slots (whole pages, rounded down; 0: none)."""
 
     def __init__(
         self,
@@ -100,6 +113,7 @@ class ContainmentManager:
         records: torch.Tensor,
         heal_max: Optional[int] = None,
         retire_after: int = 1,
+        retire_max_fraction: float = 0.01,
     ):
         self.resolver = resolver
         self.swa_index_lut = swa_index_lut
@@ -120,13 +134,18 @@ class ContainmentManager:
         # taken back, those taken back and not queued again yet
         self.heal_max = heal_max
         self.retraction = None
-        self._to_heal: List[object] = []
+        # (request, None) to heal; (request, message): past heal_max, finished with that abort
+        self._to_heal: List[Tuple[object, Optional[str]]] = []
         self._healed: List[object] = []
         self.healed_requests = 0  # heals, over the server's life (a request may count twice)
-        # slots whose corrupt content was freed since their report; pages retired (never
-        # handed out again), and those of them out of the allocator by now
-        self._cleared: set = set()
+        # slot -> the newest forward step launched when its corrupt content was freed (a
+        # report from a forward launched after that is new); pages retired (never handed out
+        # again), and those of them out of the allocator by now
+        self._cleared: Dict[int, int] = {}
         self.retire_after = retire_after
+        self.retire_max_fraction = retire_max_fraction
+        self._retire_max_pages = 0  # attach_retraction: the fraction of the pool, in pages
+        self.retire_refused = 0  # slots found corrupt again with the retirement budget spent
         self._again: dict = {}  # slot -> reports after its content was freed
         self.retired_pages: set = set()
         self._retired_out: set = set()
@@ -149,6 +168,9 @@ class ContainmentManager:
         if self.radix_cache is not None:
             allocator = seam.tree_cache_allocator(self.radix_cache)
             self._page_size = seam.allocator_page_size(allocator)
+            self._retire_max_pages = (
+                int(self.retire_max_fraction * seam.allocator_size(allocator)) // self._page_size
+            )
             seam.allocator_retiring(allocator, self.retired_pages, self._retired_out.update)
 
     @property
@@ -161,11 +183,24 @@ class ContainmentManager:
         page = slot // self._page_size
         if page in self.retired_pages or self.radix_cache is None:
             return
+        unit = "slot" if self._page_size == 1 else f"page of {self._page_size} slots"
+        if len(self.retired_pages) >= self._retire_max_pages:
+            self.retire_refused += 1
+            logger.warning(
+                "%s %s %d (found corrupt again after its corrupt content was freed): %d "
+                "slot(s) retired already, the most SGLANG_KV_CANARY_RETIRE_MAX_FRACTION=%g "
+                "of the pool allows; it stays in service",
+                RETIRE_BUDGET_LINE_PREFIX,
+                unit,
+                page,
+                len(self.retired_pages) * self._page_size,
+                self.retire_max_fraction,
+            )
+            return
         self.retired_pages.add(page)
         allocator = seam.tree_cache_allocator(self.radix_cache)
         if seam.allocator_take_out(allocator, torch.tensor([page], dtype=torch.int64)):
             self._retired_out.add(page)
-        unit = "slot" if self._page_size == 1 else f"page of {self._page_size} slots"
         logger.warning(
             "%s %s %d (found corrupt again after its corrupt content was freed): never "
             "handed out again (retired slots: %d)",
@@ -214,11 +249,16 @@ class ContainmentManager:
         return tuple(self._slots)
 
     def contain(
-        self, incidents: Sequence[ViolationIncident], touched: Sequence[IncidentRequests]
+        self,
+        incidents: Sequence[ViolationIncident],
+        touched: Sequence[IncidentRequests],
+        *,
+        step: int,
     ) -> int:
         """Abort the running requests each incident touches and remember its slots; returns
-        how many requests were aborted now. On several ranks nothing is aborted here: the
-        incidents go to every rank (:meth:`apply`, at the iteration rank 0 receives them)."""
+        how many requests were aborted now. ``step``: the canary step of the forward whose
+        checks found the incidents. On several ranks nothing is aborted here: the incidents
+        go to every rank (:meth:`apply`, at the iteration rank 0 receives them)."""
         if self.relay is not None:
             self.relay.send(
                 [
@@ -239,43 +279,51 @@ class ContainmentManager:
                 seam.mark_contained(req)
             for req in reqs.running:
                 seam.mark_no_radix_insert(req)
-                if self._heal_later(req):
-                    continue
                 heals = seam.req_heals(req) if self.heals else 0
-                if seam.abort_running_req(req, abort_message(inc, heals=heals)):
+                message = abort_message(inc, heals=heals)
+                if self._heal_later(req, message):
+                    continue
+                if seam.abort_running_req(req, message):
                     aborted += 1
                     self._aborted.append(req)
-            self._remember(inc)
+            self._remember(inc, step)
         self.aborted_requests += aborted
         return aborted
 
-    def _heal_later(self, req) -> bool:
-        """Heal mode: mark ``req`` to be taken back (True), unless it was healed ``heal_max``
-        times already (False: it is aborted)."""
-        if not self.heals or seam.req_heals(req) >= self.heal_max:
+    def _heal_later(self, req, message: str) -> bool:
+        """Heal mode (True; False: abort mode): mark ``req`` to be taken back, to be queued
+        again or, healed ``heal_max`` times already, finished with an abort carrying
+        ``message``."""
+        if not self.heals:
             return False
         seam.mark_contained(req)  # its release is guarded
-        if not any(r is req for r in self._to_heal):
-            self._to_heal.append(req)
+        if not any(r is req for r, _ in self._to_heal):
+            over = seam.req_heals(req) >= self.heal_max
+            self._to_heal.append((req, message if over else None))
         return True
 
-    def before_batch_result(self) -> int:
+    def before_batch_result(self) -> "TakeBacks":
         """Heal mode, before the scheduler processes a batch result (and at the idle step):
         every marked request still running is taken out of the scheduler's batches, its KV
         freed under the release guard, and reset for recomputation; sglang then appends no
-        token of it from any launched batch. The request being prefilled chunk by chunk waits
-        for its last chunk. Returns how many were taken back. Host work only while requests
-        are marked."""
+        token of it from any launched batch. One healed ``heal_max`` times is then finished
+        with its abort instead (its output as sent before: no token of the forward that read
+        corrupt KV). The request being prefilled chunk by chunk waits for its last chunk.
+        Host work only while requests are marked."""
         if not self._to_heal or self.retraction is None:
-            return 0
-        taken, waiting = [], []
-        for req in self._to_heal:
+            return TakeBacks(0, 0)
+        taken, ended, waiting = [], [], []
+        for req, message in self._to_heal:
             if seam.req_done(req) or seam.req_pool_row(req) is None:
                 continue  # finished, aborted or released since its report: nothing to heal
             if self.retraction.is_chunked(req):
-                waiting.append(req)
+                waiting.append((req, message))
                 continue
             self.retraction.take_back(req, self._release)
+            if message is not None:
+                self.retraction.finish_aborted(req, message)
+                ended.append(req)
+                continue
             seam.count_heal(req)
             taken.append(req)
             self._healed.append(req)
@@ -287,7 +335,15 @@ class ContainmentManager:
                 HEAL_LINE_PREFIX,
                 format_rids([seam.req_rid(r) for r in taken]),
             )
-        return len(taken)
+        if ended:
+            self.aborted_requests += len(ended)
+            logger.warning(
+                "%s rids=%s (their KV freed; healed %d time(s) already)",
+                HEAL_ABORT_LINE_PREFIX,
+                format_rids([seam.req_rid(r) for r in ended]),
+                self.heal_max,
+            )
+        return TakeBacks(healed=len(taken), aborted=len(ended))
 
     def _release(self, req, free) -> None:
         guard = self.guard
@@ -336,7 +392,7 @@ class ContainmentManager:
                     aborted += 1
                     rids.append(rid)
                     self._aborted.append(req)
-            self._remember_slot(inc.slot_idx, PoolKind(inc.pool_kind))
+            self._remember_slot(inc.slot_idx, PoolKind(inc.pool_kind), None)
         self.aborted_requests += aborted
         self.applied_notices += 1
         logger.warning(
@@ -344,10 +400,12 @@ class ContainmentManager:
         )
         return aborted
 
-    def _remember(self, inc: ViolationIncident) -> None:
-        self._remember_slot(inc.record.slot_idx, inc.record.pool_kind)
+    def _remember(self, inc: ViolationIncident, step: Optional[int]) -> None:
+        self._remember_slot(inc.record.slot_idx, inc.record.pool_kind, step)
 
-    def _remember_slot(self, slot: int, kind: PoolKind) -> None:
+    def _remember_slot(self, slot: int, kind: PoolKind, step: Optional[int]) -> None:
+        """``step``: the forward's canary step whose checks found it (None: not a forward's,
+        never a report of a slot again)."""
         if kind == PoolKind.FULL:
             full = [slot]
         elif self.swa_index_lut is not None:
@@ -355,18 +413,22 @@ class ContainmentManager:
         else:
             full = []
         for s in full:
-            if s > 0 and s in self._cleared:  # heal mode: corrupt again after it was freed
-                self._cleared.discard(s)
+            # heal mode: corrupt again in a forward launched after its content was freed (a
+            # forward launched before the free read the old content: no news)
+            if s > 0 and step is not None and step > self._cleared.get(s, step):
+                del self._cleared[s]
                 self._again[s] = self._again.get(s, 0) + 1
                 if self._again[s] >= self.retire_after:
                     self._retire(s)
             if s > 0 and s not in self._slots:  # slot 0 is the pool's padding slot
                 self._slots.append(s)
 
-    def after_batch_result(self) -> int:
+    def after_batch_result(self, *, launched_step: int) -> int:
         """Settle held-back pages (the release guard), evict what can be evicted now; returns
-        the number of requests aborted because they lock a node holding a corrupt slot. Host
-        work only while pages are held back or slots are pending."""
+        the number of requests aborted because they lock a node holding a corrupt slot.
+        ``launched_step``: the canary step of the newest forward launched (heal mode: a slot
+        freed now is news again only in a later forward's report). Host work only while pages
+        are held back or slots are pending."""
         if self.guard is not None:
             self.guard.settle(self.radix_cache)
         if not self._slots:
@@ -406,9 +468,9 @@ class ContainmentManager:
             hit = self.agreement.any_of(hit) if self.agreement.several else hit
             for req in (r for r, h in zip(reqs, hit) if h):
                 seam.mark_no_radix_insert(req)
-                if self._heal_later(req):
-                    continue
                 heals = seam.req_heals(req) if self.heals else 0
+                if self._heal_later(req, prefix_abort_message(heals)):
+                    continue
                 if seam.abort_running_req(req, prefix_abort_message(heals)):
                     aborted += 1
                     rids.append(seam.req_rid(req))
@@ -417,8 +479,8 @@ class ContainmentManager:
                 logger.warning("%s rids=%s", PREFIX_ABORT_LINE_PREFIX, format_rids(rids))
             self.aborted_requests += aborted
         elif not self._aborted:
-            if self.heals:  # their corrupt content is freed: a report of them again is new
-                self._cleared.update(self._slots)
+            if self.heals:  # their corrupt content is freed: a later forward's report is new
+                self._cleared.update((s, launched_step) for s in self._slots)
             self._slots = []
         if self.heals:
             self._requeue_healed()
