@@ -371,27 +371,46 @@ def _median(values: List[float]) -> Optional[float]:
     return round(ordered[len(ordered) // 2], 3)
 
 
-def run_storm(settings: StormSettings) -> dict:
-    """Run one storm; returns its figures (JSON-ready), with ``checks`` (check name ->
-    passed) and ``root`` (where the logs and ``results.json`` (rid -> outcome) are)."""
-    root = settings.out or pathlib.Path(tempfile.mkdtemp(prefix="kv_canary_storm_"))
-    root.mkdir(parents=True, exist_ok=True)
-    model = write_tiny_llama(root / "model")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if settings.device == "cpu":
-        env = cpu_server_env(build_libcuda_stub(root / "stub"), base=env)
-    server_kwargs = dict(
+@dataclasses.dataclass(frozen=True)
+class StormReference:
+    """The canary-off server's outputs for a storm's request list (request index -> outcome),
+    with the model directory and the server environment they came from: what a storm
+    compares its outputs with. One reference serves every storm of the same ``key``."""
+
+    key: Tuple
+    model: pathlib.Path
+    env: Dict[str, str]
+    outputs: Dict[int, Tuple[str, object]]
+
+
+def _reference_key(settings: StormSettings) -> Tuple:
+    s = settings
+    return (s.device, s.pool, s.chunk, s.page_size, s.clients, s.requests, s.seed)
+
+
+def _server_kwargs(settings: StormSettings) -> dict:
+    return dict(
         max_total_tokens=settings.pool,
         chunked_prefill_size=settings.chunk,
         page_size=settings.page_size,
         max_running_requests=settings.clients,
         log_level="info",
     )
-    requests = request_list(settings.requests, settings.seed)
 
-    off = start("off", root, model, env, settings.device, [], **server_kwargs)
+
+def storm_reference(settings: StormSettings, root: pathlib.Path) -> StormReference:
+    """Write the tiny model under ``root`` and serve the storm's request list once on a
+    canary-off server (greedy): the reference of every storm with these settings' server,
+    clients and request list (:func:`run_storm`'s ``reference``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    model = write_tiny_llama(root / "model")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if settings.device == "cpu":
+        env = cpu_server_env(build_libcuda_stub(root / "stub"), base=env)
+    requests = request_list(settings.requests, settings.seed)
+    off = start("off", root, model, env, settings.device, [], **_server_kwargs(settings))
     try:
-        ref = {
+        outputs = {
             i: res
             for i, _, res in run_clients(
                 off.port, requests, clients=settings.clients, until=None, rounds=1
@@ -399,6 +418,26 @@ def run_storm(settings: StormSettings) -> dict:
         }
     finally:
         off.stop()
+    return StormReference(_reference_key(settings), model, env, outputs)
+
+
+def run_storm(settings: StormSettings, reference: Optional[StormReference] = None) -> dict:
+    """Run one storm; returns its figures (JSON-ready), with ``checks`` (check name ->
+    passed) and ``root`` (where the logs and ``results.json`` (rid -> outcome) are).
+    ``reference``: the canary-off outputs to compare with (:func:`storm_reference`, for the
+    same server, clients and request list); None: a reference server runs first."""
+    root = settings.out or pathlib.Path(tempfile.mkdtemp(prefix="kv_canary_storm_"))
+    root.mkdir(parents=True, exist_ok=True)
+    if reference is None:
+        reference = storm_reference(settings, root)
+    elif reference.key != _reference_key(settings):
+        raise ValueError(
+            f"the storm's reference was served with (device, pool, chunk, page_size, clients, "
+            f"requests, seed) = {reference.key}, this storm's are {_reference_key(settings)}"
+        )
+    model, env, ref = reference.model, reference.env, reference.outputs
+    server_kwargs = _server_kwargs(settings)
+    requests = request_list(settings.requests, settings.seed)
     bad_ref = {i: r for i, r in ref.items() if r[0] != "ok"}
     if bad_ref:
         return dict(
