@@ -849,7 +849,10 @@ def test_heal_retires_a_slot_only_when_a_forward_launched_after_its_free_finds_i
     pool.containment.after_batch_result(launched_step=6)  # the slot's content freed now
     assert pool.scheduler.queued == [(a, True)]  # computed again from its tokens
     # forward 6 read the slot before the free: its report comes after it
-    _report_freed_slot(pool, slot, step=6, launched=7)
+    nobody = IncidentRequests(rids=(), running=())
+    pool.containment.contain([_incident(slot)], [nobody], step=6)
+    assert pool.containment.pending_slots == ()  # the old content: nothing left to evict
+    pool.containment.after_batch_result(launched_step=7)
     assert pool.containment.retired_pages == set() and page in _free_pages(pool)
     # forward 8 was built after the free: the slot was handed out, written and is corrupt again
     _report_freed_slot(pool, slot, step=8, launched=9)

@@ -413,14 +413,20 @@ class ContainmentManager:
         else:
             full = []
         for s in full:
-            # heal mode: corrupt again in a forward launched after its content was freed (a
-            # forward launched before the free read the old content: no news)
-            if s > 0 and step is not None and step > self._cleared.get(s, step):
+            if s <= 0:  # slot 0 is the pool's padding slot
+                continue
+            cleared_at = self._cleared.get(s)
+            if cleared_at is not None and step is not None:  # heal mode: freed since a report
+                if step <= cleared_at:
+                    # a forward launched before the free read the old content: its readers
+                    # are marked; the content is gone, nothing to evict, no news of the slot
+                    continue
+                # corrupt again in a forward launched after its content was freed
                 del self._cleared[s]
                 self._again[s] = self._again.get(s, 0) + 1
                 if self._again[s] >= self.retire_after:
                     self._retire(s)
-            if s > 0 and s not in self._slots:  # slot 0 is the pool's padding slot
+            if s not in self._slots:
                 self._slots.append(s)
 
     def after_batch_result(self, *, launched_step: int) -> int:
