@@ -273,7 +273,7 @@ MUTANTS_CHECKS = (
     Mutant(
         id="i21-abort-not-applied",
         path=f"{_RT}/violations/containment.py",
-        old="if seam.abort_running_req(req, abort_message(inc, heals=heals)):",
+        old="if seam.abort_running_req(req, message):",
         new="if False:",
         selection=f"{_T}/test_containment.py::"
         "test_abort_mode_aborts_the_touched_requests_evicts_the_prefix_and_keeps_serving",

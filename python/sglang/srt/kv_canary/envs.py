@@ -111,6 +111,7 @@ def _pos_int(default: int, **kw) -> _BoundedInt:
 
 class _Prob(_Strict):
     allowed = "a probability in [0, 1]"
+    noun = "a probability"
 
     def parse(self, value: str) -> float:
         return float(value.strip())
@@ -119,19 +120,13 @@ class _Prob(_Strict):
         if not 0.0 <= value <= 1.0:
             raise ValueError(
                 f"invalid value {raw!r} for environment variable {self.name}: "
-                "must be a probability in [0, 1]"
+                f"must be {self.noun} in [0, 1]"
             )
 
 
 class _Fraction(_Prob):
     allowed = "a fraction in [0, 1]"
-
-    def check(self, value, raw) -> None:
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(
-                f"invalid value {raw!r} for environment variable {self.name}: "
-                "must be a fraction in [0, 1]"
-            )
+    noun = "a fraction"
 
 
 class _Choice(_Strict):
