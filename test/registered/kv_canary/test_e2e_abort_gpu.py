@@ -77,7 +77,7 @@ def test_abort_engine_on_gpu_contains_faults(model):
 
 @pytest.mark.parametrize("page_size", [1, 16], ids=["one_slot_pages", "sixteen_slot_pages"])
 def test_abort_mode_storm_on_the_gpu(tmp_path, page_size):
-    from canary_support.storm import StormSettings, failure_excerpt, run_storm
+    from canary_support.storm import StormSettings, assert_storm_passed, run_storm
 
     figures = run_storm(
         StormSettings(
@@ -89,11 +89,7 @@ def test_abort_mode_storm_on_the_gpu(tmp_path, page_size):
             out=tmp_path,
         )
     )
-    print("GPU storm:", {k: v for k, v in figures.items() if k != "checks"})
-    failed = [name for name, ok in figures["checks"].items() if not ok]
-    if failed:  # pytest shows a failing test's output: the server log's telling lines
-        print("storm server, what it said:\n" + failure_excerpt(figures))
-    assert not failed, (failed, figures)
+    assert_storm_passed(figures, "GPU storm")
     assert figures["aborted"] > 0 and figures["completed"] > figures["aborted"], figures
 
 

@@ -9,7 +9,6 @@ forward that read corrupt KV waits to be appended."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -50,7 +49,7 @@ def test_heal_mode_storm_on_a_cli_server(tmp_path, reference):
     again after each heal), ``sglang:kv_canary_healed_requests_total`` equals the heal lines,
     ``sglang:kv_canary_aborted_requests_total`` the aborts seen, and every slot a kept entry
     took from its request was found by its record."""
-    from canary_support.storm import StormSettings, failure_excerpt, run_storm
+    from canary_support.storm import StormSettings, assert_storm_passed, run_storm
 
     t0 = time.monotonic()
     figures = run_storm(
@@ -64,14 +63,7 @@ def test_heal_mode_storm_on_a_cli_server(tmp_path, reference):
         ),
         reference,
     )
-    print(
-        f"\nstorm: {json.dumps({k: v for k, v in figures.items() if k != 'checks'})} "
-        f"in {time.monotonic() - t0:.0f} s"
-    )
-    failed = [name for name, ok in figures["checks"].items() if not ok]
-    if failed:  # pytest shows a failing test's output: the server log's telling lines
-        print("storm server, what it said:\n" + failure_excerpt(figures))
-    assert not failed, (failed, figures)
+    assert_storm_passed(figures, f"storm in {time.monotonic() - t0:.0f} s")
     # the storm really stormed: requests healed, and served
     assert figures["healed"] > 0 and figures["completed"] > figures["aborted"], figures
 
@@ -84,7 +76,7 @@ def test_heal_mode_retires_a_stuck_slot_on_a_cli_server(tmp_path, reference):
     ``sglang:kv_canary_retired_slots`` gauge); nothing writes it after that, every request
     completes with the canary-off output, and sglang's pool-leak checks (busy and idle) stay
     clean with the retired slot out of the allocator."""
-    from canary_support.storm import StormSettings, failure_excerpt, run_storm
+    from canary_support.storm import StormSettings, assert_storm_passed, run_storm
 
     figures = run_storm(
         StormSettings(
@@ -97,11 +89,7 @@ def test_heal_mode_retires_a_stuck_slot_on_a_cli_server(tmp_path, reference):
         ),
         reference,
     )
-    print(f"\nstuck: {json.dumps({k: v for k, v in figures.items() if k != 'checks'})}")
-    failed = [name for name, ok in figures["checks"].items() if not ok]
-    if failed:
-        print("storm server, what it said:\n" + failure_excerpt(figures))
-    assert not failed, (failed, figures)
+    assert_storm_passed(figures, "stuck")
     assert figures["retired_metric"] == 1 and figures["stuck_flips"] >= 2, figures
 
 

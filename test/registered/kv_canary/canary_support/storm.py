@@ -334,6 +334,17 @@ def failure_excerpt(figures: dict, lines: int = 40) -> str:
     return "\n".join(keep[-lines:])
 
 
+def assert_storm_passed(figures: dict, label: str) -> None:
+    """A storm test's verdict: print the figures (after ``label``), and when a check failed the
+    storm server log's telling lines (pytest shows a failing test's output), then fail naming
+    the failed checks."""
+    print(f"\n{label}: {json.dumps({k: v for k, v in figures.items() if k != 'checks'})}")
+    failed = [name for name, ok in figures["checks"].items() if not ok]
+    if failed:
+        print("storm server, what it said:\n" + failure_excerpt(figures))
+    assert not failed, (failed, figures)
+
+
 def kept_faults_on_own_positions(
     log: str,
     violations: Sequence[ViolationLine],
