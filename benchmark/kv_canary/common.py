@@ -207,6 +207,9 @@ CONFIGS = {
         BenchConfig("off"),
         BenchConfig("raise", kv_canary="raise"),
         BenchConfig("abort", kv_canary="abort"),
+        # heal against abort on a clean run: what holding a result until its forward's
+        # read-back costs (docs/heal_design.md, "When")
+        BenchConfig("heal", kv_canary="heal"),
         BenchConfig("raise+partial", kv_canary="raise", real_data="partial"),
         BenchConfig("raise+token", kv_canary="raise", verify_tokens=True),
         BenchConfig(

@@ -1,5 +1,5 @@
 """Heal mode on the GPU (docs/user_guide.md, "Self-healing: --kv-canary heal"): heal mode's
-storm (``canary_support/storm.py``, as ``test_heal_storm_server.py`` runs it on the CPU) on a
+storm (``canary_support/storm.py``, as ``test_storm_server.py`` runs it on the CPU) on a
 GPU ``launch_server`` with CUDA graphs and sglang's overlap scheduler, at page sizes 1 and 16:
 every fault class, eight clients, every other request streaming, sglang's strict pool checks.
 On the GPU a forward's read-back is consumed after the next forward is launched, or, for the

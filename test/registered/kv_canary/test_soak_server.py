@@ -62,8 +62,8 @@ To see the test fail, plant a fault through the environment the servers inherit,
 the greedy probes before it): the canary reports a violation, the server stops and the
 violation assertion fails.
 
-Abort mode's storm is ``test_abort_storm_server.py`` (a file of its own: the two run side by side
-on CI's two workers).
+Abort and heal mode's storms are ``test_storm_server.py`` (a file of its own: the two run side
+by side on CI's two workers).
 """
 
 from __future__ import annotations
