@@ -178,18 +178,21 @@ def request_list(n: int, seed: int) -> List[Tuple[List[int], int]]:
     ]
 
 
+def _post_generate(port: int, rid: str, ids: List[int], max_new: int, *, stream: bool):
+    """sglang's ``/generate`` of ``ids`` (greedy, ``max_new`` tokens, no early EOS): the HTTP
+    status and the body's bytes."""
+    payload = {
+        "rid": rid,
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True},
+    }
+    if stream:
+        payload["stream"] = True
+    return http_call(port, "POST", "/generate", payload, timeout=600)
+
+
 def generate(port: int, rid: str, ids: List[int], max_new: int) -> Tuple[int, dict]:
-    status, body = http_call(
-        port,
-        "POST",
-        "/generate",
-        {
-            "rid": rid,
-            "input_ids": ids,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True},
-        },
-        timeout=600,
-    )
+    status, body = _post_generate(port, rid, ids, max_new, stream=False)
     try:
         return status, json.loads(body)
     except ValueError:
@@ -199,18 +202,7 @@ def generate(port: int, rid: str, ids: List[int], max_new: int) -> Tuple[int, di
 def generate_stream(port: int, rid: str, ids: List[int], max_new: int) -> Tuple[int, dict]:
     """:func:`generate` with ``stream: true``: the final chunk's fields, plus ``chunks``: the
     output ids of every chunk received, in order (each the whole output so far)."""
-    status, body = http_call(
-        port,
-        "POST",
-        "/generate",
-        {
-            "rid": rid,
-            "input_ids": ids,
-            "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True},
-        },
-        timeout=600,
-    )
+    status, body = _post_generate(port, rid, ids, max_new, stream=True)
     chunks, last = [], {}
     for line in body.decode(errors="replace").splitlines():
         if not line.startswith("data:") or line.strip() == "data: [DONE]":
