@@ -11,7 +11,10 @@
 #   calls 3.., at once, carrying nothing, until it prints the summary:
 #        bash test/gpu_lanes_detached.sh wait 560
 # LANES="a b" runs only those lanes; JOBS=N sets the lanes at once (default: cores - 2);
-# GPUS=0,1 (or a count) the GPUs to spread them over (default: all).
+# GPUS=0,1 (or a count) the GPUs to spread them over (default: all). STORMS=SECONDS: after the
+# lanes, heal mode's storm (benchmark/kv_canary/abort_storm.py, streaming clients) at page
+# sizes 1 and 16 for that long, side by side on the first two GPUs (one after the other on
+# one GPU); their logs under storms/, their verdicts in summary.txt.
 # monitor.txt samples the load, the GPUs and the busiest processes every 15 s while it runs.
 # Each device call re-sends the tree, replacing its files: `start` runs the lanes from a copy
 # of it (/tmp/gpu_lanes_tree, this project installed editable from there), so a later call
@@ -43,6 +46,9 @@ case "${1:-}" in
       *) echo "usage: $0 install 1|2" >&2; exit 2 ;;
     esac ;;
   start)
+    case "${STORMS:-}" in
+      ""|*[!0-9]*) [ -z "${STORMS:-}" ] || { echo "gpu_lanes_detached: STORMS=$STORMS: seconds, a whole number" >&2; exit 2; } ;;
+    esac
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
     python3 -c "import sgl_kernel, sglang" 2>/dev/null \
       || { echo "gpu_lanes_detached: not installed: run 'install 1' and 'install 2' first" >&2; exit 1; }
@@ -69,13 +75,33 @@ EOF
       top -bn1 -o %CPU -c -w 200 | sed -n 7,22p; sleep 15; done' > "$R/monitor.txt" 2>&1 < /dev/null &
     setsid nohup bash -c 'date -u +%FT%TZ > '"$R"'/start.txt
       bash test/gpu_lanes.sh '"${LANES:-}"' > '"$R"'/summary.txt 2>&1; echo "rc=$?" >> '"$R"'/summary.txt
+      [ -n "'"${STORMS:-}"'" ] && bash test/gpu_lanes_detached.sh storms '"${STORMS:-0}"' >> '"$R"'/summary.txt 2>&1
       date -u +%FT%TZ > '"$R"'/end.txt' > /dev/null 2>&1 < /dev/null &
     echo "gpu_lanes_detached: started; logs in $R" ;;
+  storms)  # (run by start, after the lanes) heal storms at page 1 and 16
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+    mkdir -p "$R/storms"
+    mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader)
+    run_storm() {  # page size, GPU
+      CUDA_VISIBLE_DEVICES=$2 python3 benchmark/kv_canary/abort_storm.py --mode heal --stream \
+        --seconds "${3:?}" --idle-seconds 10 --device cuda --page-size "$1" \
+        --out "$R/storms/page_$1" > "$R/storms/page_$1.log" 2>&1
+      echo "storm page $1 (GPU $2): rc=$?"; grep "^abort_storm: \|^RESULT" "$R/storms/page_$1.log"
+    }
+    if [ "${#gpus[@]}" -ge 2 ]; then
+      run_storm 1 "${gpus[0]}" "$2" > "$R/storms/page_1.verdict" &
+      run_storm 16 "${gpus[1]}" "$2" > "$R/storms/page_16.verdict"
+      wait
+    else
+      run_storm 1 "${gpus[0]}" "$2" > "$R/storms/page_1.verdict"
+      run_storm 16 "${gpus[0]}" "$2" > "$R/storms/page_16.verdict"
+    fi
+    cat "$R/storms/page_1.verdict" "$R/storms/page_16.verdict" ;;
   wait)
     for _ in $(seq 1 $(( ${2:-500} / 5 ))); do [ -f "$R/end.txt" ] && break; sleep 5; done
     cp "$R/summary.txt" "${OUT:?}/" 2>/dev/null
     tar czf "$OUT/gpu_lanes_run.tgz" -C "$(dirname "$R")" "$(basename "$R")"
     cat "$R/summary.txt"
     [ -f "$R/end.txt" ] || echo "gpu_lanes_detached: still running; wait again" ;;
-  *) echo "usage: $0 install 1|2 | start | wait SECONDS" >&2; exit 2 ;;
+  *) echo "usage: $0 install 1|2 | start | wait SECONDS | storms SECONDS" >&2; exit 2 ;;
 esac
