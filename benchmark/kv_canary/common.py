@@ -208,7 +208,8 @@ CONFIGS = {
         BenchConfig("raise", kv_canary="raise"),
         BenchConfig("abort", kv_canary="abort"),
         # heal against abort on a clean run: what holding a result until its forward's
-        # read-back costs (docs/heal_design.md, "When")
+        # read-back costs; the design:
+        # docs/heal_design.md, "When: before sglang takes the corrupt forward's tokens"
         BenchConfig("heal", kv_canary="heal"),
         BenchConfig("raise+partial", kv_canary="raise", real_data="partial"),
         BenchConfig("raise+token", kv_canary="raise", verify_tokens=True),
