@@ -344,7 +344,8 @@ def test_storm_counts_kept_faults_on_positions_the_request_owned():
     """The storm's reclaim check counts only the kept faults that rewrote an entry its
     request owned (decoded past its prompt's last full page; the prompt's pages are the radix
     tree's): the request is the first rid of the violation its forward reported at a rewritten
-    position of that row; a fault no violation names is not counted."""
+    position of that row; a fault no violation names is not counted, nor one on a request heal
+    mode took back before it (its recomputation cached its output's pages in the tree)."""
     from sglang.srt.kv_canary.perturb.config import FaultKind
     from sglang.srt.kv_canary.perturb.report import format_perturb_line
     from sglang.srt.kv_canary.violations.lines import ViolationLine
@@ -397,6 +398,13 @@ def test_storm_counts_kept_faults_on_positions_the_request_owned():
     paged = "\n".join([kept(20, 2, 32, entries=16), kept(21, 2, 16, entries=16)])
     pages = [seen(20, 2, 37, "r0-0"), seen(21, 2, 20, "r0-0")]
     assert kept_faults_on_own_positions(paged, pages, prompts, 16) == 1
+    # heal mode took r0-0 back before the fault: its recomputation's prefill cached its
+    # output's pages too, so the decoded position is no longer known to be its own; a take-back
+    # after the fault changes nothing
+    took_back = "kv_canary heal: took back rids=r0-0 (their KV freed; computed again)"
+    violations[0] = seen(10, 3, 41, "r0-0", "r1-1")
+    assert kept_faults_on_own_positions(log + "\n" + took_back, violations, prompts, 1) == 1
+    assert kept_faults_on_own_positions(took_back + "\n" + log, violations, prompts, 1) == 0
 
 
 @pytest.mark.parametrize(

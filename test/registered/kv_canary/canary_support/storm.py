@@ -349,19 +349,24 @@ def kept_faults_on_own_positions(
     kept entry lose the request a slot for the release guard to reclaim. A fault's request is
     the first rid (the row's own request) of the violation its forward reported at one of the
     rewritten positions of that row; ``prompt_len_of``: rid -> prompt length. A fault no
-    violation names counts as not owned."""
+    violation names counts as not owned, and so does one on a request heal mode took back
+    earlier in the log: its recomputation prefilled its prompt and the output it had, and
+    sglang cached those pages in the tree too (how many the log does not say)."""
     by_read = collections.defaultdict(list)
     for v in violations:
         if v.rids:
             by_read[(v.forward_step, v.req_to_token_row)].append(v)
     own = 0
-    for fault in map(parse_perturb_line, log.splitlines()):
+    taken_back = set()
+    for line in log.splitlines():
+        taken_back.update(parse_healed_rids(line))
+        fault = parse_perturb_line(line)
         if not fault or fault["fault"] != FaultKind.REQ_TO_TOKEN_KEPT.value:
             continue
         step, row, pos = int(fault["step"]), int(fault["req_pool_idx"]), int(fault["position"])
         span = range(pos, pos + int(fault.get("entries", 1)))
         rids = [v.rids[0] for v in by_read[(step, row)] if v.read_position in span]
-        if rids and rids[0] in prompt_len_of:
+        if rids and rids[0] in prompt_len_of and rids[0] not in taken_back:
             owned_from = prompt_len_of[rids[0]] // page_size * page_size
             own += pos >= owned_from
     return own
