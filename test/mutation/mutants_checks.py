@@ -620,12 +620,23 @@ MUTANTS_CHECKS = (
     Mutant(
         id="guard-ignores-own-page-mates",
         path=f"{_RT}/violations/release_guard.py",
-        old="            mine = orphan | torch.isin(cand, own_pages)",
-        new="            mine = orphan",
+        old="            mine = slots[orphan | torch.isin(cand, own_pages)]",
+        new="            mine = slots[orphan]",
         selection=f"{_T}/test_release_guard.py::"
         "test_a_third_holder_of_identical_records_keeps_its_page",
         speed="quick",
         what="at page size > 1 a release frees another's page whose record fits its own",
+    ),
+    Mutant(
+        id="guard-same-record-by-chance",
+        path=f"{_RT}/violations/release_guard.py",
+        old="            has_orphan[:n] = same.any(dim=1) & doubt & fits[:n]",
+        new="            has_orphan[:n] = torch.isin(keys, rec_keys[mine]) & doubt",
+        selection=f"{_T}/test_release_guard.py::"
+        "test_an_evicted_prefix_frees_the_page_a_corrupt_row_names_and_keeps_sglangs_count",
+        speed="quick",
+        what="a slot with the same (position, token) by chance counts as the same record: an "
+        "eviction holds back a page sglang counts nowhere",
     ),
     # ---- speculative decoding ----------------------------------------------------------------
     Mutant(

@@ -152,11 +152,13 @@ class Pool:
         assert seam.release_guard_of(self.cache) is self.guard
         self._rid = 0
 
-    def request(self, n: int, *, first_token: int = 100) -> Req:
-        """A request whose ``n`` prompt tokens were prefilled: its own pages allocated, its row
-        and each slot's record (token, position) written as the canary writes them."""
+    def request(self, n: int, *, first_token: int = 100, tokens=None) -> Req:
+        """A request whose ``n`` prompt tokens (``tokens``, or new ones) were prefilled: its
+        own pages allocated, its row and each slot's record (token, position, a chain hash of
+        the tokens before it) written as the canary writes them."""
         self._rid += 1
-        tokens = [first_token + self._rid * 1000 + i for i in range(n)]
+        if tokens is None:
+            tokens = [first_token + self._rid * 1000 + i for i in range(n)]
         req = Req(f"r{self._rid}", "", tokens, SamplingParams(max_new_tokens=4))
         self.r2t.alloc([req])
         pages = -(-n // self.page_size)
@@ -165,8 +167,10 @@ class Pool:
         req.kv_committed_len = req.kv_allocated_len = n
         req.last_node = getattr(self.cache, "root_node", None)
         words = self.records.view(torch.int64)
+        chain = 0
         for pos, (slot, tok) in enumerate(zip(slots.tolist(), tokens)):
-            words[slot, 0], words[slot, 1] = tok, pos
+            words[slot, 0], words[slot, 1], words[slot, 2] = tok, pos, chain
+            chain = (chain * 1_000_003 + tok + 1) % (1 << 61)  # identical prefixes: same chain
         self.live.append(req)
         return req
 
@@ -325,7 +329,7 @@ def test_identical_prefixes_make_the_other_holders_slot_look_like_the_requests_o
         b = pool.request(10, first_token=5)
         words = pool.records.view(torch.int64)
         for pos, (sa, sb) in enumerate(zip(pool.row(a), pool.row(b))):  # same tokens
-            words[sb, 0] = words[sa, 0]
+            words[sb, 0], words[sb, 2] = words[sa, 0], words[sa, 2]  # and chain
             b.origin_input_ids[pos] = a.origin_input_ids[pos]
         _corrupt(pool, a, 6, pool.row(b)[6])
         for r in (a, b):
@@ -339,12 +343,13 @@ def test_identical_prefixes_make_the_other_holders_slot_look_like_the_requests_o
 
 
 def _same_tokens(pool: Pool, reqs) -> None:
-    """Give every request of ``reqs`` the first one's tokens (identical records)."""
+    """Give every request of ``reqs`` the first one's tokens (identical records: the same
+    token, position and chain)."""
     words = pool.records.view(torch.int64)
     first = reqs[0]
     for other in reqs[1:]:
         for pos, (s0, s1) in enumerate(zip(pool.row(first), pool.row(other))):
-            words[s1, 0] = words[s0, 0]
+            words[s1, 0], words[s1, 2] = words[s0, 0], words[s0, 2]
             other.origin_input_ids[pos] = first.origin_input_ids[pos]
 
 
@@ -426,6 +431,60 @@ def test_a_corrupt_row_sglang_cached_before_its_report_is_evicted_under_the_guar
     assert pool.guard.held_back_slots == page_size and pool.guard.unattributed == 0
     # page 1: A's slot reclaimed by its record; page 16: freed with its page mates
     assert pool.guard.reclaimed_slots == (1 if page_size == 1 else 0)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_an_evicted_prefix_frees_the_page_a_corrupt_row_names_and_keeps_sglangs_count(
+    make_pool, hooked, page_size
+):
+    """The GPU heal storm at page 16 (10 minutes): a kept fault gave a live request V's first
+    page the entries of a finished request's page the radix cache held; the prefix was then
+    evicted for another incident before V's report. V names that page without owning it
+    (its records are another sequence's, and V locks no node of the prefix), so sglang counts
+    it nowhere once the tree lets it go: the eviction must free it (held back, sglang's busy
+    check saw a page missing and stopped the server) and mark V, whose own release then
+    reclaims the page its row lost."""
+    pool = make_pool(page_size)
+    done = pool.request(64)
+    pool.release(done, insert=True)  # its prefix cached in the tree, nobody locking it
+    cached = pool.tree_slots()
+    # a sibling branch: the same first 32 tokens, other ones, then the same tokens at the
+    # same positions 48-63 as the page V's row will name (same position and token, another
+    # chain: the storm's prompts draw from 500 tokens, so such pairs are common)
+    toks = list(done.origin_input_ids)
+    sibling = pool.request(64, tokens=toks[:32] + [t + 7 for t in toks[32:48]] + toks[48:])
+    pool.release(sibling, insert=True)
+    assert len(pool.tree_slots()) == 96
+    v = pool.request(32)
+    # the kept fault: V's first page names the cached sequence's last page
+    own = [_corrupt(pool, v, i, cached[48 + i]) for i in range(page_size)]
+    (incident,) = merge_incidents(
+        [
+            ViolationRecord(
+                launch_tag=int(CanaryLaunchTag.TAIL_V_FULL),
+                slot_idx=cached[12],
+                position=12,
+                stored_token=0,
+                expected_token=-1,
+                stored_chain_hash=0,
+                expected_aux=0,
+                fail_bits=int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH),
+                read_position=12,
+                req_to_token_row=0,
+            )
+        ]
+    )
+    pool.containment.contain([incident], [IncidentRequests(rids=(), running=())], step=1)
+    pool.containment.after_batch_result(launched_step=1)
+    assert pool.containment.evicted_nodes == 1 and not pool.tree_slots()
+    pool.check_busy_count()
+    free = set(pool.alloc.free_pages.tolist())
+    assert cached[48] // page_size in free and own[0] // page_size not in free
+    assert seam.req_contained(v)  # its release is guarded: it names a page it does not own
+    pool.release(v)
+    pool.check_busy_count()
+    pool.check_accounting()
+    assert pool.guard.reclaimed_slots == page_size and pool.guard.unattributed == 0
 
 
 def _decode_batch(pool: Pool, reqs) -> ForwardBatch:

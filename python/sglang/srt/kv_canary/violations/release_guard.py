@@ -22,7 +22,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.jit_kernel.kv_canary.consts import CANARY_FIELD_POSITION, CANARY_FIELD_TOKEN
+from sglang.jit_kernel.kv_canary.consts import (
+    CANARY_FIELD_POSITION,
+    CANARY_FIELD_PREV_HASH,
+    CANARY_FIELD_TOKEN,
+)
 from sglang.jit_kernel.kv_canary.types import CANARY_SLOT_BYTES
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.radix_cache_walker import radix_subtree_nodes, radix_tree_nodes
@@ -87,6 +91,9 @@ class _ReleasePlan:
     still_held: List[int]
     unattributed: int
     agreed: Optional[Tuple[int, ...]] = None
+    # pages the holder frees although a live row names them: those rows name a page that is
+    # not theirs (a corrupt entry); they are marked, so their own release is guarded
+    named_elsewhere: Tuple[int, ...] = ()
 
 
 class ReleaseGuard:
@@ -171,6 +178,21 @@ class ReleaseGuard:
         free[seam.allocator_free_pages(allocator).to(device)] = True
         return named, free
 
+    def _mark_namers(self, pages: Sequence[int], page_size: int, *, exclude_req=None) -> None:
+        """Mark the live requests whose rows name one of ``pages`` (pages a guarded release
+        frees as its holder's): their entries there are not theirs, so their own release must
+        be guarded too."""
+        if not pages:
+            return
+        wanted = torch.tensor(pages, dtype=torch.int64)
+        for r in seam.live_row_reqs(self.live_reqs()):
+            n = seam.req_kv_len(r)
+            if r is exclude_req or n <= 0:
+                continue
+            row = self.req_to_token[seam.req_pool_row(r), :n].to("cpu", torch.int64)
+            if bool(torch.isin(row // page_size, wanted).any()):
+                seam.mark_contained(r)
+
     # ---- the guarded frees -------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -198,6 +220,7 @@ class ReleaseGuard:
                 page_size,
             )
             plan = self._agreed(plan, entries // page_size, free)
+            self._mark_namers(plan.named_elsewhere, page_size, exclude_req=req)
         with self._guarded(allocator, page_size, plan, f"released request {seam.req_rid(req)}"):
             yield
 
@@ -236,6 +259,7 @@ class ReleaseGuard:
                 page_size,
             )
             plan = self._agreed(plan, entries // page_size, free)
+            self._mark_namers(plan.named_elsewhere, page_size)
         with self._guarded(allocator, page_size, plan, "evicting a corrupt prefix"):
             yield
 
@@ -364,10 +388,18 @@ class ReleaseGuard:
             # names (a page mate of its other entries: at page size > 1 identical prefixes
             # put the key on the holder's own page too)
             own_pages = torch.unique(pages[~other & ~was_free])
-            mine = orphan | torch.isin(cand, own_pages)
-            has_orphan[:n] = torch.isin(keys, rec_keys[slots[mine]]) & doubt
+            mine = slots[orphan | torch.isin(cand, own_pages)]
+            # the same record: (position, token) and the chain before it (identical token
+            # prefixes only; two sequences share a (position, token) by chance)
+            same = (keys[:, None] == rec_keys[mine][None, :]) & (
+                stored[:, CANARY_FIELD_PREV_HASH, None]
+                == self.records[mine, CANARY_FIELD_PREV_HASH][None, :]
+            )
+            has_orphan[:n] = same.any(dim=1) & doubt & fits[:n]
         ok = ~was_free & (~other | (fits & ~has_orphan))
         held_back = torch.unique(pages[~ok])
+        named_elsewhere = torch.unique(pages[ok & other])
+        named_elsewhere = named_elsewhere[~torch.isin(named_elsewhere, held_back)]
         unattributed = 0
         lost = (~fits & ~ok)[:n] & (want >= 0)  # another's record on a page held back
         if bool(lost.any()):
@@ -380,6 +412,7 @@ class ReleaseGuard:
             reclaim=reclaim,
             still_held=held_back[~free[held_back]].tolist(),
             unattributed=unattributed,
+            named_elsewhere=tuple(named_elsewhere.tolist()),
         )
 
     def _agreed(
@@ -403,6 +436,7 @@ class ReleaseGuard:
             still_held=[p for p in agreed.kept if not bool(free[p])],
             unattributed=plan.unattributed,
             agreed=agreed.frees,
+            named_elsewhere=plan.named_elsewhere,
         )
 
     # ---- held-back pages ---------------------------------------------------------------------
