@@ -938,9 +938,13 @@ def test_heal_retires_no_more_than_its_fraction_of_the_pool(make_pool, hooked, c
     ), caplog.text
     pool.check_accounting()
     none = make_pool(page_size, heal_max=3, retire_max_fraction=0.0)
-    _report_freed_slot(none, slots[0], step=1, launched=2)
-    _report_freed_slot(none, slots[0], step=3, launched=4)
-    assert none.containment.retired_pages == set() and none.containment.retire_refused == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
+        for step in range(1, 13, 2):  # found again five times: counted five times, said once
+            _report_freed_slot(none, slots[0], step=step, launched=step + 1)
+    assert none.containment.retired_pages == set() and none.containment.retire_refused == 5
+    refusals = [r for r in caplog.records if r.getMessage().startswith(RETIRE_BUDGET_LINE_PREFIX)]
+    assert len(refusals) == 1, caplog.text
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

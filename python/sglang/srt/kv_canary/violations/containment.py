@@ -146,6 +146,7 @@ class ContainmentManager:
         self.retire_max_fraction = retire_max_fraction
         self._retire_max_pages = 0  # attach_retraction: the fraction of the pool, in pages
         self.retire_refused = 0  # slots found corrupt again with the retirement budget spent
+        self._refused_pages: set = set()  # pages whose refusal was logged
         self._again: dict = {}  # slot -> reports after its content was freed
         self.retired_pages: set = set()
         self._retired_out: set = set()
@@ -186,10 +187,13 @@ class ContainmentManager:
         unit = "slot" if self._page_size == 1 else f"page of {self._page_size} slots"
         if len(self.retired_pages) >= self._retire_max_pages:
             self.retire_refused += 1
+            if page in self._refused_pages:  # said once per page; the counter counts each
+                return
+            self._refused_pages.add(page)
             logger.warning(
                 "%s %s %d (found corrupt again after its corrupt content was freed): %d "
                 "slot(s) retired already, the most SGLANG_KV_CANARY_RETIRE_MAX_FRACTION=%g "
-                "of the pool allows; it stays in service",
+                "of the pool allows; it stays in service (said once per page)",
                 RETIRE_BUDGET_LINE_PREFIX,
                 unit,
                 page,
