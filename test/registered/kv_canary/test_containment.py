@@ -424,6 +424,19 @@ def test_metrics_count_dropped_rows():
     assert _sample(registry, "sglang:kv_canary_dropped_violations_total", tp_rank="0") == 5
 
 
+def test_metrics_histogram_of_heal_seconds():
+    """``sglang:kv_canary_heal_seconds``: one observation per healed request, in seconds."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    metrics = CanaryMetrics({"tp_rank": 0}, registry=registry)
+    metrics.on_heal_seconds([0.02, 0.3, 4.0])
+    name = "sglang:kv_canary_heal_seconds"
+    assert _sample(registry, f"{name}_count", tp_rank="0") == 3
+    assert _sample(registry, f"{name}_sum", tp_rank="0") == pytest.approx(4.32)
+    assert _sample(registry, f"{name}_bucket", tp_rank="0", le="0.5") == 2
+
+
 def test_max_faults_stops_injection():
     d = ServingDriver(seed=13, mode="log")
     p = CanaryPerturber(

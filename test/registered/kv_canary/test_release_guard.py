@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from typing import Optional
 
 import pytest
@@ -41,7 +42,7 @@ from sglang.srt.kv_canary.perturb import CanaryPerturber
 from sglang.srt.kv_canary.perturb.config import PerturbConfig
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.violations.records import ViolationRecord, merge_incidents
-from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
 from sglang.srt.mem_cache.allocator import (
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
@@ -160,6 +161,14 @@ class Pool:
         if tokens is None:
             tokens = [first_token + self._rid * 1000 + i for i in range(n)]
         req = Req(f"r{self._rid}", "", tokens, SamplingParams(max_new_tokens=4))
+        self.prefill(req)
+        return req
+
+    def prefill(self, req: Req) -> None:
+        """Prefill ``req``'s prompt into a row and pages of its own (a new request, or one
+        taken back and queued again)."""
+        tokens = list(req.origin_input_ids)
+        n = len(tokens)
         self.r2t.alloc([req])
         pages = -(-n // self.page_size)
         slots = self.alloc.alloc(pages * self.page_size)[:n]
@@ -172,7 +181,6 @@ class Pool:
             words[slot, 0], words[slot, 1], words[slot, 2] = tok, pos, chain
             chain = (chain * 1_000_003 + tok + 1) % (1 << 61)  # identical prefixes: same chain
         self.live.append(req)
-        return req
 
     def row(self, req: Req):
         return self.r2t.req_to_token[req.req_pool_idx, : req.kv_allocated_len].tolist()
@@ -945,6 +953,35 @@ def test_heal_retires_no_more_than_its_fraction_of_the_pool(make_pool, hooked, c
     assert none.containment.retired_pages == set() and none.containment.retire_refused == 5
     refusals = [r for r in caplog.records if r.getMessage().startswith(RETIRE_BUDGET_LINE_PREFIX)]
     assert len(refusals) == 1, caplog.text
+
+
+def test_heal_times_a_request_from_its_take_back_to_its_next_token(make_pool, hooked):
+    """``sglang:kv_canary_heal_seconds``: a request taken back is timed until a token more
+    than it had at its take-back (its KV computed again); taken back a second time before
+    that token, it is timed once, from the first; one that ends without it is not timed."""
+    pool = make_pool(1, heal_max=3)
+    a, b = pool.request(12), pool.request(12)
+    a.output_ids, b.output_ids = [5], [6]
+    for step, reqs in ((1, (a, b)), (3, (a,))):  # A taken back twice, B once
+        touched = [IncidentRequests(rids=(r.rid,), running=(r,), holding=(r,)) for r in reqs]
+        pool.containment.contain([_incident(pool.row(r)[3], r) for r in reqs], touched, step=step)
+        t0 = time.monotonic()
+        assert pool.containment.before_batch_result().healed == len(reqs)
+        for r in reqs:
+            pool.live.remove(r)
+        pool.containment.after_batch_result(launched_step=step + 1)
+        assert pool.containment.take_heal_seconds() == []  # no token yet
+        for r in reqs:  # queued again: prefilled again (a row and pages of its own)
+            pool.prefill(r)
+    time.sleep(0.05)
+    a.output_ids.append(7)  # A's next token; B ends without one (aborted by its client)
+    b.finished_reason = FINISH_ABORT("client gone")
+    pool.containment.after_batch_result(launched_step=9)
+    (seconds,) = pool.containment.take_heal_seconds()
+    assert 0.05 <= seconds < time.monotonic() - t0 + 1.0
+    a.output_ids.append(8)
+    pool.containment.after_batch_result(launched_step=10)
+    assert pool.containment.take_heal_seconds() == []
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

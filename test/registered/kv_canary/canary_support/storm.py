@@ -64,6 +64,7 @@ from sglang.srt.kv_canary.violations.containment import (
 )
 from sglang.srt.kv_canary.violations.metrics import (
     ABORTED_REQUESTS,
+    HEAL_SECONDS,
     HEALED_REQUESTS,
     RETIRED_SLOTS,
     HELD_BACK_SLOTS,
@@ -516,6 +517,8 @@ def run_storm(settings: StormSettings, reference: Optional[StormReference] = Non
         reclaimed = metric_total(series, RECLAIMED_SLOTS) if series is not None else -1
         healed_metric = metric_total(series, HEALED_REQUESTS) if series is not None else -1
         retired_metric = metric_total(series, RETIRED_SLOTS) if series is not None else -1
+        heal_timed = metric_total(series, f"{HEAL_SECONDS}_count") if series is not None else -1
+        heal_timed_s = metric_total(series, f"{HEAL_SECONDS}_sum") if series is not None else -1
         time.sleep(settings.idle_seconds)  # idle: sglang's leak check runs
         checks["alive after idle"] = storm.alive()
         health = http_call(storm.port, "GET", "/health", timeout=60)[0] if storm.alive() else 0
@@ -588,6 +591,14 @@ def run_storm(settings: StormSettings, reference: Optional[StormReference] = Non
         checks["requests streamed"] = not settings.stream or streamed > 0
         checks["healed_requests_total equals the heal lines"] = healed_metric == len(healed)
         checks["aborted_requests_total equals the aborts seen"] = aborted_metric == len(aborted)
+        # one time per interruption: each healed request that completed was timed at least
+        # once (its next token after its last take-back), and no more times than its heals
+        completed_healed = sum(
+            1 for _, rid, (kind, _o) in results if kind == "ok" and rid in healed_set
+        )
+        checks["heal_seconds timed every completed healed request"] = (
+            completed_healed <= heal_timed <= len(healed)
+        )
         checks["every guarded release found the slots its row lost"] = not any(
             parse_unattributed(line) for line in log.splitlines()
         )
@@ -634,6 +645,8 @@ def run_storm(settings: StormSettings, reference: Optional[StormReference] = Non
         healed=len(healed),
         healed_requests=len(set(healed)),
         healed_metric=healed_metric,
+        heal_seconds_count=heal_timed,
+        heal_seconds_mean=round(heal_timed_s / heal_timed, 3) if heal_timed > 0 else -1,
         retired_slots=retired,
         retired_metric=retired_metric,
         stuck_slot=stuck,

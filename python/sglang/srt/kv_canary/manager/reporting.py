@@ -288,6 +288,7 @@ class ForwardReporter:
             self.metrics.on_aborted(aborted)
             if self.containment.heals:
                 self.metrics.set_retired(self.containment.retired_slots)
+                self.metrics.on_heal_seconds(self.containment.take_heal_seconds())
             if guard is not None:
                 self.metrics.on_release_guard(
                     held_back_slots=guard.held_back_slots, reclaimed_slots=guard.reclaimed_slots

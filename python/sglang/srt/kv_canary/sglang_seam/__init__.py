@@ -122,6 +122,7 @@ from sglang.srt.kv_canary.sglang_seam.batch import (
     req_pool_row,
     req_kv_len,
     req_tokens_left,
+    req_output_count,
     req_done,
     req_token_ids,
 )
@@ -283,6 +284,7 @@ __all__ = [
     "req_pool_row",
     "req_kv_len",
     "req_tokens_left",
+    "req_output_count",
     "req_done",
     "req_token_ids",
     "mark_no_radix_insert",

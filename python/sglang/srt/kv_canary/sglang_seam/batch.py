@@ -85,6 +85,12 @@ def req_tokens_left(req: "Req") -> int:
     return int(req.sampling_params.max_new_tokens or 0) - len(req.output_ids)
 
 
+def req_output_count(req: "Req") -> int:
+    """Tokens the request has generated so far (``len(output_ids)``; a retraction keeps
+    them: they are prefilled again with the prompt)."""
+    return len(req.output_ids)
+
+
 def req_done(req: "Req") -> bool:
     """Finished, or already told to finish (``to_finish``) at its next result."""
     return bool(req.finished() or req.to_finish is not None)

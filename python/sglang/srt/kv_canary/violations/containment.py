@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import time
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -138,6 +139,9 @@ class ContainmentManager:
         self._to_heal: List[Tuple[object, Optional[str]]] = []
         self._healed: List[object] = []
         self.healed_requests = 0  # heals, over the server's life (a request may count twice)
+        # taken-back requests until their next token: (request, take-back time, outputs then)
+        self._healing: List[Tuple[object, float, int]] = []
+        self._heal_seconds: List[float] = []  # not yet taken (take_heal_seconds)
         # slot -> the newest forward step launched when its corrupt content was freed (a
         # report from a forward launched after that is new); pages retired (never handed out
         # again), and those of them out of the allocator by now
@@ -331,6 +335,8 @@ class ContainmentManager:
             seam.count_heal(req)
             taken.append(req)
             self._healed.append(req)
+            if all(r is not req for r, _, _ in self._healing):  # timed from its first take-back
+                self._healing.append((req, time.monotonic(), seam.req_output_count(req)))
         self._to_heal = waiting
         if taken:
             self.healed_requests += len(taken)
@@ -348,6 +354,24 @@ class ContainmentManager:
                 self.heal_max,
             )
         return TakeBacks(healed=len(taken), aborted=len(ended))
+
+    def _time_heals(self) -> None:
+        """Heal mode: a taken-back request with a token more than at its take-back has been
+        computed again: its time since the take-back is recorded; one finished without it
+        (aborted past its heals, or stopped) is forgotten."""
+        now, left = time.monotonic(), []
+        for req, t0, outputs in self._healing:
+            if seam.req_output_count(req) > outputs:
+                self._heal_seconds.append(now - t0)
+            elif not seam.req_done(req):
+                left.append((req, t0, outputs))
+        self._healing = left
+
+    def take_heal_seconds(self) -> List[float]:
+        """Heal mode: the healed requests' times from take-back to their next token recorded
+        since the last call (the metrics' histogram)."""
+        out, self._heal_seconds = self._heal_seconds, []
+        return out
 
     def _release(self, req, free) -> None:
         guard = self.guard
@@ -441,6 +465,8 @@ class ContainmentManager:
         are held back or slots are pending."""
         if self.guard is not None:
             self.guard.settle(self.radix_cache)
+        if self._healing:
+            self._time_heals()
         if not self._slots:
             if self.heals:
                 self._requeue_healed()

@@ -27,6 +27,7 @@ DROPPED_VIOLATIONS = "sglang:kv_canary_dropped_violations_total"
 ABORTED_REQUESTS = "sglang:kv_canary_aborted_requests_total"
 HEALED_REQUESTS = "sglang:kv_canary_healed_requests_total"
 RETIRED_SLOTS = "sglang:kv_canary_retired_slots"
+HEAL_SECONDS = "sglang:kv_canary_heal_seconds"
 HELD_BACK_SLOTS = "sglang:kv_canary_held_back_slots_total"
 RECLAIMED_SLOTS = "sglang:kv_canary_reclaimed_slots_total"
 MEMORY_BYTES = "sglang:kv_canary_memory_bytes"
@@ -39,10 +40,15 @@ METRIC_NAMES = (
     ABORTED_REQUESTS,
     HEALED_REQUESTS,
     RETIRED_SLOTS,
+    HEAL_SECONDS,
     HELD_BACK_SLOTS,
     RECLAIMED_SLOTS,
     MEMORY_BYTES,
 )
+
+
+# a heal recomputes a request's KV (a prefill of its tokens) and waits for the next batch
+HEAL_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class _RunningTotal:
@@ -70,6 +76,7 @@ class CanaryMetrics:
         reg = {"registry": registry if registry is not None else prometheus_client.REGISTRY}
         Counter = functools.partial(prometheus_client.Counter, **reg)  # noqa: N806
         Gauge = functools.partial(prometheus_client.Gauge, **reg)  # noqa: N806
+        Histogram = functools.partial(prometheus_client.Histogram, **reg)  # noqa: N806
         self.labels = {k: str(v) for k, v in labels.items()}
         names = list(self.labels)
         self._violations = Counter(
@@ -118,6 +125,15 @@ class CanaryMetrics:
             labelnames=names,
             documentation="Requests --kv-canary heal took back to compute again from their "
             "tokens (a request healed twice counts twice).",
+        ).labels(**self.labels)
+        self._heal_seconds = Histogram(
+            name=HEAL_SECONDS,
+            labelnames=names,
+            buckets=HEAL_SECONDS_BUCKETS,
+            documentation="Seconds from a request's take-back by --kv-canary heal to its next "
+            "token (its KV computed again from its tokens): what a heal adds to the request's "
+            "latency; one observation per interruption (a request taken back again before "
+            "that token counts once).",
         ).labels(**self.labels)
         self._retired = Gauge(
             name=RETIRED_SLOTS,
@@ -197,6 +213,11 @@ class CanaryMetrics:
     def on_healed(self, count: int) -> None:
         if count:
             self._healed.inc(count)
+
+    def on_heal_seconds(self, seconds: Sequence[float]) -> None:
+        """Heal mode: each healed request's time from its take-back to its next token."""
+        for value in seconds:
+            self._heal_seconds.observe(value)
 
     def on_release_guard(self, *, held_back_slots: int, reclaimed_slots: int) -> None:
         """The release guard's running totals."""
