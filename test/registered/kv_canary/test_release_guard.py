@@ -466,22 +466,7 @@ def test_an_evicted_prefix_frees_the_page_a_corrupt_row_names_and_keeps_sglangs_
     v = pool.request(32)
     # the kept fault: V's first page names the cached sequence's last page
     own = [_corrupt(pool, v, i, cached[48 + i]) for i in range(page_size)]
-    (incident,) = merge_incidents(
-        [
-            ViolationRecord(
-                launch_tag=int(CanaryLaunchTag.TAIL_V_FULL),
-                slot_idx=cached[12],
-                position=12,
-                stored_token=0,
-                expected_token=-1,
-                stored_chain_hash=0,
-                expected_aux=0,
-                fail_bits=int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH),
-                read_position=12,
-                req_to_token_row=0,
-            )
-        ]
-    )
+    incident = _incident(cached[12], position=12)  # another incident in the prefix
     pool.containment.contain([incident], [IncidentRequests(rids=(), running=())], step=1)
     pool.containment.after_batch_result(launched_step=1)
     assert pool.containment.evicted_nodes == 1 and not pool.tree_slots()
