@@ -149,19 +149,8 @@ class ReleaseGuard:
         device = self.records.device
         num_pages = (self.records.shape[0] + page_size - 1) // page_size
         named = torch.zeros(num_pages, dtype=torch.bool, device=device)
-        reqs = [
-            r
-            for r in seam.live_row_reqs(self.live_reqs())
-            if r is not exclude_req and seam.req_kv_len(r) > 0
-        ]
+        reqs, table, live = self._live_rows(exclude_req)
         if reqs:
-            rows = torch.tensor([seam.req_pool_row(r) for r in reqs], dtype=torch.int64)
-            lens = torch.tensor([seam.req_kv_len(r) for r in reqs], dtype=torch.int64)
-            table = self.req_to_token[rows.to(self.req_to_token.device), : int(lens.max())]
-            live = (
-                torch.arange(table.shape[1], device=table.device)[None, :]
-                < lens.to(table.device)[:, None]
-            )
             named[table[live].to(device, torch.int64) // page_size] = True
         if self.radix_cache is not None:
             skip = {id(n) for n in exclude_nodes}
@@ -178,20 +167,39 @@ class ReleaseGuard:
         free[seam.allocator_free_pages(allocator).to(device)] = True
         return named, free
 
+    def _live_rows(self, exclude_req=None):
+        """The live requests holding KV (``exclude_req`` left out), their ``req_to_token``
+        rows as one table (``[n, longest]``, the table's device) and the mask of each row's
+        entries in use (up to its ``kv_allocated_len``); ``([], None, None)`` when none."""
+        reqs = [
+            r
+            for r in seam.live_row_reqs(self.live_reqs())
+            if r is not exclude_req and seam.req_kv_len(r) > 0
+        ]
+        if not reqs:
+            return [], None, None
+        rows = torch.tensor([seam.req_pool_row(r) for r in reqs], dtype=torch.int64)
+        lens = torch.tensor([seam.req_kv_len(r) for r in reqs], dtype=torch.int64)
+        table = self.req_to_token[rows.to(self.req_to_token.device), : int(lens.max())]
+        live = (
+            torch.arange(table.shape[1], device=table.device)[None, :]
+            < lens.to(table.device)[:, None]
+        )
+        return reqs, table, live
+
     def _mark_namers(self, pages: Sequence[int], page_size: int, *, exclude_req=None) -> None:
         """Mark the live requests whose rows name one of ``pages`` (pages a guarded release
         frees as its holder's): their entries there are not theirs, so their own release must
         be guarded too."""
         if not pages:
             return
-        wanted = torch.tensor(pages, dtype=torch.int64)
-        for r in seam.live_row_reqs(self.live_reqs()):
-            n = seam.req_kv_len(r)
-            if r is exclude_req or n <= 0:
-                continue
-            row = self.req_to_token[seam.req_pool_row(r), :n].to("cpu", torch.int64)
-            if bool(torch.isin(row // page_size, wanted).any()):
-                seam.mark_contained(r)
+        reqs, table, live = self._live_rows(exclude_req)
+        if not reqs:
+            return
+        wanted = torch.tensor(pages, dtype=torch.int64, device=table.device)
+        hits = (torch.isin(table.to(torch.int64) // page_size, wanted) & live).any(dim=1)
+        for r in (r for r, hit in zip(reqs, hits.tolist()) if hit):
+            seam.mark_contained(r)
 
     # ---- the guarded frees -------------------------------------------------------------------
 
