@@ -14,7 +14,9 @@
 # GPUS=0,1 (or a count) the GPUs to spread them over (default: all). STORMS=SECONDS: after the
 # lanes, heal mode's storm (benchmark/kv_canary/abort_storm.py, streaming clients) at page
 # sizes 1 and 16 for that long, side by side on the first two GPUs (one after the other on
-# one GPU); their logs under storms/, their verdicts in summary.txt.
+# one GPU); their logs under storms/, their verdicts in summary.txt. STORMS_WITH_LANES=1 starts
+# the storms beside the lanes instead (the storms check containment, not time: their latencies
+# then include the lanes' load); give the lanes two jobs fewer (JOBS).
 # monitor.txt samples the load, the GPUs and the busiest processes every 15 s while it runs.
 # Each device call re-sends the tree, replacing its files: `start` runs the lanes from a copy
 # of it (/tmp/gpu_lanes_tree, this project installed editable from there), so a later call
@@ -73,9 +75,16 @@ EOF
     setsid nohup bash -c 'while [ ! -f '"$R"'/end.txt ]; do date -u +%T; cat /proc/loadavg
       nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
       top -bn1 -o %CPU -c -w 200 | sed -n 7,22p; sleep 15; done' > "$R/monitor.txt" 2>&1 < /dev/null &
+    case "${STORMS_WITH_LANES:-0}" in
+      0|1) ;;
+      *) echo "gpu_lanes_detached: STORMS_WITH_LANES=$STORMS_WITH_LANES: 0 or 1" >&2; exit 2 ;;
+    esac
+    storms_at=after; [ -n "${STORMS:-}" ] && [ "${STORMS_WITH_LANES:-0}" = 1 ] && storms_at=with
     setsid nohup bash -c 'date -u +%FT%TZ > '"$R"'/start.txt
+      [ "'"$storms_at"'" = with ] && { bash test/gpu_lanes_detached.sh storms '"${STORMS:-0}"' > '"$R"'/storms.txt 2>&1 & }
       bash test/gpu_lanes.sh '"${LANES:-}"' > '"$R"'/summary.txt 2>&1; echo "rc=$?" >> '"$R"'/summary.txt
-      [ -n "'"${STORMS:-}"'" ] && bash test/gpu_lanes_detached.sh storms '"${STORMS:-0}"' >> '"$R"'/summary.txt 2>&1
+      [ -n "'"${STORMS:-}"'" ] && [ "'"$storms_at"'" = after ] && bash test/gpu_lanes_detached.sh storms '"${STORMS:-0}"' >> '"$R"'/summary.txt 2>&1
+      wait; [ -f '"$R"'/storms.txt ] && cat '"$R"'/storms.txt >> '"$R"'/summary.txt
       date -u +%FT%TZ > '"$R"'/end.txt' > /dev/null 2>&1 < /dev/null &
     echo "gpu_lanes_detached: started; logs in $R" ;;
   storms)  # (run by start, after the lanes) heal storms at page 1 and 16
