@@ -16,7 +16,9 @@
 # sizes 1 and 16 for that long, side by side on the first two GPUs (one after the other on
 # one GPU); their logs under storms/, their verdicts in summary.txt. STORMS_WITH_LANES=1 starts
 # the storms beside the lanes instead (the storms check containment, not time: their latencies
-# then include the lanes' load); give the lanes two jobs fewer (JOBS).
+# then include the lanes' load), both on the last GPU (the first is the "alone" lanes':
+# GPU suite run 35 put the page 1 storm there and memory_gpu_alone failed); give the lanes two
+# jobs fewer (JOBS). Two GPUs or more.
 # monitor.txt samples the load, the GPUs and the busiest processes every 15 s while it runs.
 # Each device call re-sends the tree, replacing its files: `start` runs the lanes from a copy
 # of it (/tmp/gpu_lanes_tree, this project installed editable from there), so a later call
@@ -81,7 +83,7 @@ EOF
     esac
     storms_at=after; [ -n "${STORMS:-}" ] && [ "${STORMS_WITH_LANES:-0}" = 1 ] && storms_at=with
     setsid nohup bash -c 'date -u +%FT%TZ > '"$R"'/start.txt
-      [ "'"$storms_at"'" = with ] && { bash test/gpu_lanes_detached.sh storms '"${STORMS:-0}"' > '"$R"'/storms.txt 2>&1 & }
+      [ "'"$storms_at"'" = with ] && { bash test/gpu_lanes_detached.sh storms '"${STORMS:-0}"' beside > '"$R"'/storms.txt 2>&1 & }
       bash test/gpu_lanes.sh '"${LANES:-}"' > '"$R"'/summary.txt 2>&1; echo "rc=$?" >> '"$R"'/summary.txt
       [ -n "'"${STORMS:-}"'" ] && [ "'"$storms_at"'" = after ] && bash test/gpu_lanes_detached.sh storms '"${STORMS:-0}"' >> '"$R"'/summary.txt 2>&1
       wait; [ -f '"$R"'/storms.txt ] && cat '"$R"'/storms.txt >> '"$R"'/summary.txt
@@ -97,7 +99,15 @@ EOF
         --out "$R/storms/page_$1" > "$R/storms/page_$1.log" 2>&1
       echo "storm page $1 (GPU $2): rc=$?"; grep "^abort_storm: \|^RESULT" "$R/storms/page_$1.log"
     }
-    if [ "${#gpus[@]}" -ge 2 ]; then
+    if [ "${3:-}" = beside ]; then
+      # beside the lanes: both on the last GPU, never the first, where gpu_lanes_run.py puts
+      # its "alone" lanes (they read the GPU's free memory: a storm's server there moves it)
+      last=${gpus[${#gpus[@]}-1]}
+      [ "${#gpus[@]}" -ge 2 ] || { echo "gpu_lanes_detached: STORMS_WITH_LANES=1 needs 2 GPUs or more (the alone lanes keep the first)" >&2; exit 2; }
+      run_storm 1 "$last" "$2" > "$R/storms/page_1.verdict" &
+      run_storm 16 "$last" "$2" > "$R/storms/page_16.verdict"
+      wait
+    elif [ "${#gpus[@]}" -ge 2 ]; then
       run_storm 1 "${gpus[0]}" "$2" > "$R/storms/page_1.verdict" &
       run_storm 16 "${gpus[1]}" "$2" > "$R/storms/page_16.verdict"
       wait
@@ -112,5 +122,5 @@ EOF
     tar czf "$OUT/gpu_lanes_run.tgz" -C "$(dirname "$R")" "$(basename "$R")"
     cat "$R/summary.txt"
     [ -f "$R/end.txt" ] || echo "gpu_lanes_detached: still running; wait again" ;;
-  *) echo "usage: $0 install 1|2 | start | wait SECONDS | storms SECONDS" >&2; exit 2 ;;
+  *) echo "usage: $0 install 1|2 | start | wait SECONDS | storms SECONDS [beside]" >&2; exit 2 ;;
 esac
