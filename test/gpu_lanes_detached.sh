@@ -18,7 +18,10 @@
 # the storms beside the lanes instead (the storms check containment, not time: their latencies
 # then include the lanes' load), both on the last GPU (the first is the "alone" lanes':
 # GPU suite run 35 put the page 1 storm there and memory_gpu_alone failed); give the lanes two
-# jobs fewer (JOBS). Two GPUs or more.
+# jobs fewer (JOBS). Two GPUs or more. AFTER='command': run once the lanes and storms have
+# ended, in the lanes' copy of the tree (a measurement that needs quiet GPUs, in the same
+# detached job: no call to start it, nothing to poll); $AFTER_OUT is its folder (in the
+# tarball), its output's tail goes into summary.txt.
 # monitor.txt samples the load, the GPUs and the busiest processes every 15 s while it runs.
 # Each device call re-sends the tree, replacing its files: `start` runs the lanes from a copy
 # of it (/tmp/gpu_lanes_tree, this project installed editable from there), so a later call
@@ -72,6 +75,7 @@ EOF
     cd "$T" || exit 1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt" 2>&1
     export PYTHONUNBUFFERED=1 KV_CANARY_E2E_LOG_DIR="$R/e2e_logs" OUT="$R/lanes"
+    export GPU_LANES_AFTER="${AFTER:-}"
     [ -n "${JOBS:-}" ] && export GPU_LANES_JOBS="$JOBS"
     [ -n "${GPUS:-}" ] && export GPU_LANES_GPUS="$GPUS"
     setsid nohup bash -c 'while [ ! -f '"$R"'/end.txt ]; do date -u +%T; cat /proc/loadavg
@@ -87,6 +91,11 @@ EOF
       bash test/gpu_lanes.sh '"${LANES:-}"' > '"$R"'/summary.txt 2>&1; echo "rc=$?" >> '"$R"'/summary.txt
       [ -n "'"${STORMS:-}"'" ] && [ "'"$storms_at"'" = after ] && bash test/gpu_lanes_detached.sh storms '"${STORMS:-0}"' >> '"$R"'/summary.txt 2>&1
       wait; [ -f '"$R"'/storms.txt ] && cat '"$R"'/storms.txt >> '"$R"'/summary.txt
+      if [ -n "$GPU_LANES_AFTER" ]; then
+        mkdir -p '"$R"'/after; echo "== after: $GPU_LANES_AFTER" >> '"$R"'/summary.txt
+        AFTER_OUT='"$R"'/after bash -c "$GPU_LANES_AFTER" > '"$R"'/after/log.txt 2>&1
+        echo "after: rc=$?" >> '"$R"'/summary.txt; tail -60 '"$R"'/after/log.txt >> '"$R"'/summary.txt
+      fi
       date -u +%FT%TZ > '"$R"'/end.txt' > /dev/null 2>&1 < /dev/null &
     echo "gpu_lanes_detached: started; logs in $R" ;;
   storms)  # (run by start, after the lanes) heal storms at page 1 and 16
