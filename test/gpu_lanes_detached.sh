@@ -56,6 +56,15 @@ case "${1:-}" in
     case "${STORMS:-}" in
       ""|*[!0-9]*) [ -z "${STORMS:-}" ] || { echo "gpu_lanes_detached: STORMS=$STORMS: seconds, a whole number" >&2; exit 2; } ;;
     esac
+    case "${STORMS_WITH_LANES:-0}" in
+      0|1) ;;
+      *) echo "gpu_lanes_detached: STORMS_WITH_LANES=$STORMS_WITH_LANES: 0 or 1" >&2; exit 2 ;;
+    esac
+    storms_at=after; [ -n "${STORMS:-}" ] && [ "${STORMS_WITH_LANES:-0}" = 1 ] && storms_at=with
+    if [ "$storms_at" = with ] && [ "$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)" -lt 2 ]; then
+      echo "gpu_lanes_detached: STORMS_WITH_LANES=1 needs 2 GPUs or more (the alone lanes keep the first): drop it" >&2
+      exit 2
+    fi
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
     python3 -c "import sgl_kernel, sglang" 2>/dev/null \
       || { echo "gpu_lanes_detached: not installed: run 'install 1' and 'install 2' first" >&2; exit 1; }
@@ -81,11 +90,6 @@ EOF
     setsid nohup bash -c 'while [ ! -f '"$R"'/end.txt ]; do date -u +%T; cat /proc/loadavg
       nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
       top -bn1 -o %CPU -c -w 200 | sed -n 7,22p; sleep 15; done' > "$R/monitor.txt" 2>&1 < /dev/null &
-    case "${STORMS_WITH_LANES:-0}" in
-      0|1) ;;
-      *) echo "gpu_lanes_detached: STORMS_WITH_LANES=$STORMS_WITH_LANES: 0 or 1" >&2; exit 2 ;;
-    esac
-    storms_at=after; [ -n "${STORMS:-}" ] && [ "${STORMS_WITH_LANES:-0}" = 1 ] && storms_at=with
     setsid nohup bash -c 'date -u +%FT%TZ > '"$R"'/start.txt
       [ "'"$storms_at"'" = with ] && { bash test/gpu_lanes_detached.sh storms '"${STORMS:-0}"' beside > '"$R"'/storms.txt 2>&1 & }
       bash test/gpu_lanes.sh '"${LANES:-}"' > '"$R"'/summary.txt 2>&1; echo "rc=$?" >> '"$R"'/summary.txt
@@ -111,8 +115,7 @@ EOF
     if [ "${3:-}" = beside ]; then
       # beside the lanes: both on the last GPU, never the first, where gpu_lanes_run.py puts
       # its "alone" lanes (they read the GPU's free memory: a storm's server there moves it)
-      last=${gpus[${#gpus[@]}-1]}
-      [ "${#gpus[@]}" -ge 2 ] || { echo "gpu_lanes_detached: STORMS_WITH_LANES=1 needs 2 GPUs or more (the alone lanes keep the first)" >&2; exit 2; }
+      last=${gpus[${#gpus[@]}-1]}  # start checked there are two or more
       run_storm 1 "$last" "$2" > "$R/storms/page_1.verdict" &
       run_storm 16 "$last" "$2" > "$R/storms/page_16.verdict"
       wait
