@@ -105,6 +105,7 @@ LAYERS = (
         f"{K}._hash_triton",
         f"{K}._ring_triton",
         f"{K}._chain_triton",
+        f"{K}._tree_triton",
         f"{K}._kernel_consts",
         f"{K}.plan.offsets_kernel",
         f"{K}.plan.entries_kernel",

@@ -31,6 +31,7 @@ from sglang.jit_kernel.kv_canary.types import (
     VerifyPlan,
     WriteParts,
     WritePlan,
+    WriteTree,
 )
 from sglang.jit_kernel.kv_canary.verify import launch_canary_verify_kernel
 from sglang.jit_kernel.kv_canary.verify_ref import launch_canary_verify_kernel_torch_reference
@@ -51,6 +52,7 @@ __all__ = [
     "VerifyPlan",
     "WriteParts",
     "WritePlan",
+    "WriteTree",
     "launch_canary_plan_kernels",
     "launch_canary_plan_kernels_torch_reference",
     "launch_canary_verify_kernel",

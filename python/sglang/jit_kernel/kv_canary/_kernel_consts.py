@@ -24,6 +24,8 @@ from sglang.jit_kernel.kv_canary.consts import (
     NO_PREV_SLOT as _NO_PREV_SLOT,
     NO_REQ_TO_TOKEN_ROW as _NO_REQ_TO_TOKEN_ROW,
     NO_SEED_SLOT as _NO_SEED_SLOT,
+    TREE_PARENT_ORPHAN as _TREE_PARENT_ORPHAN,
+    TREE_PARENT_SEED as _TREE_PARENT_SEED,
     SPLITMIX64_MUL1,
     SPLITMIX64_MUL2,
     VIOLATION_FIELD_EXPECTED_AUX,
@@ -76,6 +78,8 @@ NO_EXPECTED_TOKEN = tl.constexpr(_NO_EXPECTED_TOKEN)
 NO_SEED_SLOT = tl.constexpr(_NO_SEED_SLOT)
 NO_REQ_TO_TOKEN_ROW = tl.constexpr(_NO_REQ_TO_TOKEN_ROW)
 NO_KV_LAYER = tl.constexpr(_NO_KV_LAYER)
+TREE_PARENT_SEED = tl.constexpr(_TREE_PARENT_SEED)
+TREE_PARENT_ORPHAN = tl.constexpr(_TREE_PARENT_ORPHAN)
 
 # Hash constants (u64 values >= 2**63: Triton types them uint64, as it does the same literals).
 CHAIN_ANCHOR = tl.constexpr(CANARY_CHAIN_ANCHOR)

@@ -72,6 +72,10 @@ NO_SEED_SLOT = -1  # write seed of a chain head / padding row
 NO_REQ_TO_TOKEN_ROW = -1  # plan entry not read through a request's req_to_token row (sweep)
 HOST_TIER_ROW = -2  # a HiCache host-tier sweep entry: its slot is a host-pool index
 NO_KV_LAYER = -1  # a ring row that is not a per-layer fingerprint check
+# a draft tree's write (types.WriteTree.parent): an entry's parent is its request's seed, or it
+# has none among the written entries (sglang dropped it from the tree: nothing reads it)
+TREE_PARENT_SEED = -1
+TREE_PARENT_ORPHAN = -2
 
 
 class FailReason(enum.IntFlag):

@@ -28,6 +28,7 @@ from sglang.jit_kernel.kv_canary.types import (
     VerifyPlan,
     WriteParts,
     WritePlan,
+    WriteTree,
 )
 from sglang.jit_kernel.kv_canary.consts import (
     packed_tokens_numel,
@@ -131,6 +132,7 @@ def validate_write_args(
     expected_input_tokens,
     expected_input_positions,
     parts=WriteParts.ALL,
+    tree=None,
 ) -> None:
     """Host-side checks shared by the launcher and the torch reference (metadata only)."""
     if not isinstance(parts, WriteParts):
@@ -155,10 +157,18 @@ def validate_write_args(
             if t is None:
                 raise ValueError(f"{name} is required when enable_write_input_assert=True")
             check_tensor(name, t, dtypes=INDEX_DTYPES, shape=(n,))
+    if tree is not None:
+        if not isinstance(tree, WriteTree):
+            raise TypeError(f"tree must be a WriteTree or None, got {type(tree).__name__}")
+        if tree.capacity < n:
+            raise ValueError(
+                f"tree.parent holds {tree.capacity} entries, fewer than the launch's {n} tokens"
+            )
     same_device(
         {
             "context.canary_buf": context.canary_buf,
             "plan.write_offsets": plan.write_offsets,
+            "tree.parent": tree.parent if tree is not None else None,
             "input_ids": input_ids,
             "positions": positions,
             "out_cache_loc": out_cache_loc,

@@ -29,8 +29,9 @@ from sglang.jit_kernel.kv_canary._kernel_consts import (
     RECORD_WORDS,
 )
 from sglang.jit_kernel.kv_canary._chain_triton import chain_walk
+from sglang.jit_kernel.kv_canary._tree_triton import tree_write_kernel
 from sglang.jit_kernel.kv_canary._launch import grid_size, use_triton
-from sglang.jit_kernel.kv_canary.types import VerifyOrWriteContext
+from sglang.jit_kernel.kv_canary.types import VerifyOrWriteContext, WriteTree
 
 # Re-exports from ``types``, kept for the documented import paths
 # (``from sglang.jit_kernel.kv_canary.write import WritePlan`` etc.).
@@ -198,6 +199,7 @@ def launch_canary_write_kernel(
     expected_input_tokens: Optional[torch.Tensor],
     expected_input_positions: Optional[torch.Tensor],
     parts: WriteParts = WriteParts.ALL,
+    tree: Optional[WriteTree] = None,
 ) -> None:
     """Write the canary records of this forward's new KV slots (``parts``: all of it, or only
     the chain / only the fingerprints, see :class:`WriteParts`).
@@ -212,7 +214,9 @@ def launch_canary_write_kernel(
     Violation rows (docs/architecture.md, "Record format"): ``expected_token`` is
     ``expected_input_tokens[i]`` with the input assert, else the token; ``stored_chain_hash`` the
     running hash, ``expected_aux`` the expected position. Counters: kernel +1, slot + entries
-    stored.
+    stored. With a ``tree`` (:class:`WriteTree`: a draft tree's target verify) each entry is
+    chained from its tree path instead (the seed, then its ancestors root first), its position
+    checked against its parent's, all entries in parallel (``_tree_triton``).
     """
     kwargs = dict(
         context=context,
@@ -224,6 +228,7 @@ def launch_canary_write_kernel(
         expected_input_tokens=expected_input_tokens,
         expected_input_positions=expected_input_positions,
         parts=parts,
+        tree=tree,
     )
     validation.validate_write_args(**kwargs)
     if not use_triton(context.device):
@@ -235,6 +240,22 @@ def launch_canary_write_kernel(
     if parts == WriteParts.CHAIN:
         num_sources, n_fp = 0, 0  # the chain part then stores real_kv_hash = 0
     elif parts == WriteParts.FINGERPRINT:
+        if not n_fp:
+            return
+        n_chain = 0
+    if tree is not None and n_chain:
+        _launch_tree(
+            [context],
+            plan,
+            tree,
+            input_ids,
+            positions,
+            out_cache_loc,
+            enable_write_input_assert,
+            expected_input_tokens,
+            expected_input_positions,
+            zero_fp=num_sources == 0,
+        )
         if not n_fp:
             return
         n_chain = 0
@@ -263,6 +284,7 @@ def launch_canary_chain_writes(
     enable_write_input_assert: bool,
     expected_input_tokens: Optional[torch.Tensor],
     expected_input_positions: Optional[torch.Tensor],
+    tree: Optional[WriteTree] = None,
 ) -> None:
     """The chain part (:attr:`WriteParts.CHAIN`) of :func:`launch_canary_write_kernel` for up
     to ``MAX_CHAIN_WRITE_BUFFERS`` canary buffers of one pool group at once, byte for byte what
@@ -288,6 +310,7 @@ def launch_canary_chain_writes(
             expected_input_tokens=expected_input_tokens,
             expected_input_positions=expected_input_positions,
             parts=WriteParts.CHAIN,
+            tree=tree,
         )
     first = contexts[0]
     for name in ("violation_ring", "violation_write_index", "enable_chain_position_assert"):
@@ -314,7 +337,22 @@ def launch_canary_chain_writes(
                 expected_input_tokens=expected_input_tokens,
                 expected_input_positions=expected_input_positions,
                 parts=WriteParts.CHAIN,
+                tree=tree,
             )
+        return
+    if tree is not None:
+        _launch_tree(
+            contexts,
+            plan,
+            tree,
+            input_ids,
+            positions,
+            out_cache_loc,
+            enable_write_input_assert,
+            expected_input_tokens,
+            expected_input_positions,
+            zero_fp=True,
+        )
         return
     n_chain = grid_size(first.device, plan.req_capacity * len(contexts), WRITE_REQ_BLOCK)
     _launch(
@@ -383,4 +421,59 @@ def _launch(
         RBLOCK=WRITE_REQ_BLOCK,
         FBLOCK=WRITE_FINGERPRINT_BLOCK,
         num_warps=CHAIN_NUM_WARPS if n_fp == 0 else 4,
+    )
+
+
+TREE_ENTRY_BLOCK = 32  # entries of one request a tree-write program walks at once
+
+
+def _launch_tree(
+    contexts,
+    plan,
+    tree,
+    input_ids,
+    positions,
+    out_cache_loc,
+    enable_write_input_assert,
+    expected_input_tokens,
+    expected_input_positions,
+    *,
+    zero_fp,
+):
+    """The chain part over a draft tree on validated arguments: one program per request
+    (grid-stride), one grid column per context."""
+    context = contexts[0]
+    padded = contexts + [context] * (MAX_CHAIN_WRITE_BUFFERS - len(contexts))
+    if enable_write_input_assert:
+        exp_tok, exp_pos = expected_input_tokens, expected_input_positions
+    else:  # never dereferenced: INPUT_ASSERT is a constexpr
+        exp_tok, exp_pos = input_ids, positions
+    n_prog = grid_size(context.device, plan.req_capacity, 1)
+    tree_write_kernel[(n_prog, len(contexts))](
+        *(c.canary_words for c in padded),
+        context.num_slots,
+        plan.write_offsets,
+        plan.write_seed_slot_indices,
+        plan.write_req_to_token_rows,
+        plan.write_num_valid_reqs,
+        plan.req_capacity,
+        input_ids,
+        positions,
+        out_cache_loc,
+        input_ids.shape[0],
+        exp_tok,
+        exp_pos,
+        context.enable_chain_position_assert,
+        tree.parent,
+        context.violation_ring,
+        context.violation_write_index,
+        context.ring_capacity,
+        *(c.slot_run_counter for c in padded),
+        *(c.kernel_run_counter for c in padded),
+        *(int(c.kernel_kind) for c in padded),
+        INPUT_ASSERT=enable_write_input_assert,
+        ZERO_FP=zero_fp,
+        MAX_DEPTH=tree.max_depth,
+        TBLOCK=TREE_ENTRY_BLOCK,
+        num_warps=1,
     )

@@ -9,6 +9,8 @@ launcher's CPU path calls directly (it has validated already).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from sglang.jit_kernel.kv_canary import validation
@@ -24,6 +26,8 @@ from sglang.jit_kernel.kv_canary.consts import (
     CANARY_FIELD_PREV_HASH,
     CANARY_FIELD_REAL_KV_HASH,
     CANARY_FIELD_TOKEN,
+    TREE_PARENT_ORPHAN,
+    TREE_PARENT_SEED,
     FailReason,
 )
 from sglang.jit_kernel.kv_canary.types import WriteParts
@@ -40,6 +44,7 @@ def launch_canary_write_kernel_torch_reference(
     expected_input_tokens,
     expected_input_positions,
     parts=WriteParts.ALL,
+    tree=None,
 ) -> None:
     """Validate the arguments, then :func:`run_canary_write_reference`."""
     kwargs = dict(
@@ -52,6 +57,7 @@ def launch_canary_write_kernel_torch_reference(
         expected_input_tokens=expected_input_tokens,
         expected_input_positions=expected_input_positions,
         parts=parts,
+        tree=tree,
     )
     validation.validate_write_args(**kwargs)
     run_canary_write_reference(**kwargs)
@@ -68,15 +74,18 @@ def run_canary_write_reference(
     expected_input_tokens,
     expected_input_positions,
     parts=WriteParts.ALL,
+    tree=None,
 ) -> None:
-    """The write reference on already validated arguments (the launcher's CPU path)."""
+    """The write reference on already validated arguments (the launcher's CPU path); with a
+    ``tree`` (:class:`~sglang.jit_kernel.kv_canary.types.WriteTree`) the chain part follows
+    each entry's tree path (:func:`_tree_chain`)."""
     records = context.canary_words
     num_slots = context.num_slots
     num_tokens = input_ids.shape[0]
     nreq = min(max(int(plan.write_num_valid_reqs[0].item()), 0), plan.req_capacity)
     offsets = plan.write_offsets[: nreq + 1]
     if parts != WriteParts.FINGERPRINT:
-        _chain(
+        (_chain if tree is None else functools.partial(_tree_chain, tree=tree))(
             context,
             plan,
             input_ids,
@@ -180,4 +189,127 @@ def _chain(
         written += int(ok.sum().item())
         running = torch.where(act, mix3_t(running, tok, pos), running)
         prev_pos = torch.where(act, pos, prev_pos)
+    context.slot_run_counter.add_(written)
+
+
+# an entry's walk up its tree path (:func:`_tree_chain`)
+_WALKING, _ROOTED, _ORPHAN, _BAD_LINK = 0, 1, 2, 3
+
+
+def _tree_chain(
+    context,
+    plan,
+    input_ids,
+    positions,
+    out_cache_loc,
+    enable_write_input_assert,
+    expected_input_tokens,
+    expected_input_positions,
+    nreq,
+    offsets,
+    *,
+    zero_fp,
+    tree,
+):
+    """The chain part over a draft tree (docs/speculative_trees.md, "Record semantics for
+    tree tokens"): each entry's record is chained from its tree path (the request's seed, then
+    its ancestors root first), its position checked against its parent's; an orphan (itself
+    or an ancestor ``TREE_PARENT_ORPHAN``) is skipped; a bad link (a parent index not smaller
+    than its child's, or a path of more than ``tree.max_depth`` entries) is reported
+    (``WRITE_POSITION_MISMATCH``, expected position -1) and not stored. Vectorised over a
+    request's entries, one request at a time."""
+    context.kernel_run_counter.add_(1)
+    records = context.canary_words
+    num_slots = context.num_slots
+    num_tokens = input_ids.shape[0]
+    chain_assert = int(context.enable_chain_position_assert[0].item()) == 1
+    depth_bound = tree.max_depth
+    written = 0
+    for r in range(nreq):
+        start = int(offsets[r].item())
+        length = min(max(int(offsets[r + 1].item()) - start, 0), max(num_tokens - start, 0))
+        if start < 0 or length == 0:
+            continue
+        seed = int(plan.write_seed_slot_indices[r].item())
+        seed_ok = 0 <= seed < num_slots
+        g = torch.arange(start, start + length, device=input_ids.device)
+        tok, pos = input_ids[g].long(), positions[g].long()
+        slot = out_cache_loc[g].long()
+        parent = tree.parent[g]
+        local = torch.arange(length, device=g.device)
+
+        def parent_of(i):
+            return parent[i.clamp(0, length - 1)]
+
+        # walk up: depth = entries on the path from the seed to the entry, itself included
+        status = torch.full_like(local, _WALKING)
+        cur, depth = local.clone(), torch.ones_like(local)
+        for _ in range(depth_bound):
+            p = parent_of(cur)
+            walking = status == _WALKING
+            status = torch.where(walking & (p == TREE_PARENT_SEED), _ROOTED, status)
+            status = torch.where(walking & (p == TREE_PARENT_ORPHAN), _ORPHAN, status)
+            status = torch.where(
+                walking & ((p < TREE_PARENT_ORPHAN) | (p >= cur)), _BAD_LINK, status
+            )
+            step = walking & (p >= 0) & (p < cur)
+            cur = torch.where(step, p, cur)
+            depth = depth + step.long()
+        status = torch.where(status == _WALKING, _BAD_LINK, status)  # deeper than the bound
+        rooted = status == _ROOTED
+
+        seed_hash = record_hash_t(records[seed : seed + 1])[0] if seed_ok else CHAIN_HEAD_HASH_I64
+        running = torch.full_like(local, int(seed_hash))
+        for level in range(depth_bound - 1):  # the ancestor `level` entries below the root
+            anc = local.clone()
+            for hop in range(depth_bound):
+                anc = torch.where(hop < depth - 1 - level, parent_of(anc), anc)
+            fold = rooted & (level < depth - 1)
+            running = torch.where(fold, mix3_t(running, tok[anc], pos[anc]), running)
+        seed_pos = int(records[seed, CANARY_FIELD_POSITION].item()) if seed_ok else 0
+        has_parent = rooted & (depth > 1)
+        prev_pos = torch.where(has_parent, pos[parent_of(local).clamp_min(0)], seed_pos)
+
+        in_range = (slot >= 0) & (slot < num_slots)
+        bits = torch.zeros_like(tok)
+        if enable_write_input_assert:
+            exp_tok = expected_input_tokens[g].long()
+            exp_pos = expected_input_positions[g].long()
+            bits |= (tok != exp_tok).long() * FailReason.WRITE_TOKEN_MISMATCH
+            bits |= (pos != exp_pos).long() * FailReason.WRITE_POSITION_MISMATCH
+        else:
+            exp_tok, exp_pos = tok, pos
+        check_pos = seed_ok and seed > 0 and chain_assert
+        chain_bad = rooted & check_pos & (pos != prev_pos + 1)
+        bad_link = status == _BAD_LINK
+        bits |= (chain_bad | bad_link).long() * FailReason.WRITE_POSITION_MISMATCH
+        exp_pos = torch.where(chain_bad, prev_pos + 1, exp_pos)
+        exp_pos = torch.where(bad_link, -1, exp_pos)
+
+        store = rooted & in_range
+        s = slot[store]
+        records[s, CANARY_FIELD_TOKEN] = tok[store]
+        records[s, CANARY_FIELD_POSITION] = pos[store]
+        records[s, CANARY_FIELD_PREV_HASH] = running[store]
+        if zero_fp:
+            records[s, CANARY_FIELD_REAL_KV_HASH] = 0
+        written += int(store.sum().item())
+        bad = (rooted | bad_link) & in_range & (bits != 0)
+        if bool(bad.any()):
+            append_violation_rows(
+                context.violation_ring,
+                context.violation_write_index,
+                violation_rows(
+                    int(context.kernel_kind),
+                    slot[bad],
+                    pos[bad],
+                    tok[bad],
+                    exp_tok[bad],
+                    running[bad],
+                    exp_pos[bad],
+                    bits[bad],
+                    pos[bad],
+                    plan.write_req_to_token_rows[r].expand(int(bad.sum().item())),
+                ),
+            )
     context.slot_run_counter.add_(written)

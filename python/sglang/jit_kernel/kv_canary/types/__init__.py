@@ -22,6 +22,7 @@ from sglang.jit_kernel.kv_canary.types.plans import (
     VerifyPlan,
     WriteParts,
     WritePlan,
+    WriteTree,
 )
 from sglang.jit_kernel.kv_canary.types.deep import (
     DeepColumn,
@@ -40,6 +41,7 @@ __all__ = [
     "VerifyPlan",
     "WriteParts",
     "WritePlan",
+    "WriteTree",
     "DeepColumn",
     "DeepFingerprintTable",
 ]

@@ -9,6 +9,7 @@ import enum
 import torch
 
 from sglang.jit_kernel.kv_canary._checks import check_int, check_tensor, same_device
+from sglang.jit_kernel.kv_canary.consts import TREE_PARENT_ORPHAN
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,4 +187,43 @@ class WritePlan:
             verify_req_offsets=torch.zeros(
                 write_req_capacity + 1, dtype=torch.int64, device=device
             ),
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WriteTree:
+    """A speculative draft tree's shape, for a write whose entries are tree nodes rather than a
+    chain (the target verify of ``--speculative-eagle-topk`` > 1; docs/speculative_trees.md,
+    "Record semantics for tree tokens").
+
+    - ``parent`` int64 ``[capacity]`` (device; at least the launch's ``num_tokens``): per
+      entry, its parent's index *within its request's entries* (``write_offsets``), which is
+      smaller than its own; ``TREE_PARENT_SEED`` (-1): its parent is the request's seed;
+      ``TREE_PARENT_ORPHAN`` (-2): sglang dropped it from the tree (nothing reads it, it is
+      freed): not written, not checked, as is every entry below it.
+    - ``max_depth``: the most entries on a path from a request's seed to an entry (sglang's
+      ``speculative_num_steps`` + 1); fixed per server (a Triton constexpr, so capturable). An
+      entry deeper than this, or whose parent index is not smaller than its own, is reported
+      (``write_position``, expected position -1) and not written.
+    """
+
+    parent: torch.Tensor
+    max_depth: int
+
+    def __post_init__(self):
+        check_tensor("WriteTree.parent", self.parent, dtypes=(torch.int64,), ndim=1)
+        check_int("WriteTree.max_depth", self.max_depth, minimum=1)
+
+    @property
+    def capacity(self) -> int:
+        return self.parent.shape[0]
+
+    @classmethod
+    def allocate(cls, *, capacity: int, max_depth: int, device) -> "WriteTree":
+        check_int("capacity", capacity, minimum=0)
+        return cls(
+            parent=torch.full(
+                (capacity,), TREE_PARENT_ORPHAN, dtype=torch.int64, device=torch.device(device)
+            ),
+            max_depth=max_depth,
         )
