@@ -457,5 +457,85 @@ def test_a_tree_that_does_not_fit_or_is_not_a_tree_is_refused(device):
         WriteTree(parent=tensor_of([SEED], torch.int32, device), max_depth=1)
 
 
+def _lists_of(parents, n):
+    """sglang's linked lists of a tree given by ``parents`` (local indices, -1 root, -2 an
+    orphan: in no list): a node's first child, then each child's next sibling, index order."""
+    first, sibling = [-1] * n, [-1] * n
+    last_child = {}
+    for c, p in enumerate(parents):
+        if p < 0:
+            continue
+        if p in last_child:
+            sibling[last_child[p]] = c
+        else:
+            first[p] = c
+        last_child[p] = c
+    return first, sibling
+
+
+@pytest.mark.parametrize("name", ["triton", "torch_ref"])
+def test_the_parent_table_comes_from_sglangs_lists(device, name):
+    """``retrieve_next_token`` / ``retrieve_next_sibling`` (``[bs, n]``, local indices) → each
+    node's parent in the write's entry order (``b * n + i``): the root the seed's, an orphan
+    (in no list) ``TREE_PARENT_ORPHAN``; the entries past ``bs * n`` untouched."""
+    from sglang.jit_kernel.kv_canary.tree_parents import (
+        launch_tree_parents_kernel,
+        tree_parents_torch_reference,
+    )
+
+    launch = launch_tree_parents_kernel if name == "triton" else tree_parents_torch_reference
+    dev = device if name == "triton" else torch.device("cpu")
+    rng = random.Random(5)
+    bs, n = 3, 9
+    want, firsts, siblings = [], [], []
+    for b in range(bs):
+        parents, _depth = _random_tree(rng, n, 4)
+        if b == 0:
+            parents[1] = ORPHAN
+        # an orphan's subtree stays linked below it, as sglang links it
+        first, sibling = _lists_of(parents, n)
+        want += parents
+        firsts.append(first)
+        siblings.append(sibling)
+    tree = WriteTree.allocate(capacity=bs * n + 4, max_depth=4, device=dev)
+    tree.parent.fill_(123)
+    launch(
+        next_token=tensor_of(firsts, torch.int64, dev),
+        next_sibling=tensor_of(siblings, torch.int64, dev),
+        tree=tree,
+    )
+    assert tree.parent.tolist() == want + [123] * 4
+    assert ORPHAN in want
+    assert _parents_back(TREE) == TREE
+
+
+def _parents_back(parents):
+    """``parents`` through the lists and back (the reference), for a hand check."""
+    from sglang.jit_kernel.kv_canary.tree_parents import tree_parents_torch_reference
+
+    n = len(parents)
+    first, sibling = _lists_of(parents, n)
+    tree = WriteTree.allocate(capacity=n, max_depth=n, device="cpu")
+    tree_parents_torch_reference(
+        next_token=torch.tensor([first]), next_sibling=torch.tensor([sibling]), tree=tree
+    )
+    return tree.parent.tolist()
+
+
+def test_the_parent_table_refuses_lists_that_do_not_fit(device):
+    """The lists must be int64 ``[bs, n]`` of one shape, the table hold ``bs * n``."""
+    from sglang.jit_kernel.kv_canary.tree_parents import launch_tree_parents_kernel
+
+    lists = torch.full((2, 4), -1, dtype=torch.int64, device=device)
+    small = WriteTree.allocate(capacity=7, max_depth=2, device=device)
+    with pytest.raises(ValueError, match="tree.parent holds 7 entries, fewer than the 2 x 4"):
+        launch_tree_parents_kernel(next_token=lists, next_sibling=lists, tree=small)
+    tree = WriteTree.allocate(capacity=8, max_depth=2, device=device)
+    with pytest.raises(ValueError, match="retrieve_next_sibling"):
+        launch_tree_parents_kernel(next_token=lists, next_sibling=lists[:1], tree=tree)
+    with pytest.raises(TypeError, match="retrieve_next_token must have dtype int64"):
+        launch_tree_parents_kernel(next_token=lists.int(), next_sibling=lists, tree=tree)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -92,6 +92,7 @@ LAYERS = (
         f"{K}.plan",
         f"{K}.plan.api",
         f"{K}.scatter_req_token_ids",
+        f"{K}.tree_parents",
         f"{K}.stage_inputs",
         f"{K}.deep",
         f"{K}.rows",
