@@ -24,6 +24,7 @@ from sglang.jit_kernel.kv_canary import (
     RealKvHashMode,
     RealKvSource,
     VerifyPlan,
+    WriteParts,
     WritePlan,
     launch_canary_plan_kernels,
     launch_canary_plan_kernels_torch_reference,
@@ -350,6 +351,103 @@ def test_the_staging_kernel_replays_with_the_table_rewritten():
     table.send()
     torch.cuda.synchronize()
     assert dst[2][:10].tolist() == [5] * 10
+
+
+def test_a_draft_trees_parents_and_write_replay_with_the_lists_rewritten():
+    """A target verify of draft trees (bs 3, 6 nodes each): the parent table from sglang's
+    lists and the tree's chain write captured once, replayed with the lists, tokens and slots
+    rewritten in place: records, ring and counters byte-equal to the torch references each
+    replay, and no allocation across eager launches."""
+    from sglang.jit_kernel.kv_canary import WriteTree, launch_canary_chain_writes
+    from sglang.jit_kernel.kv_canary.tree_parents import (
+        launch_tree_parents_kernel,
+        tree_parents_torch_reference,
+    )
+
+    dev, bs, n = torch.device("cuda"), 3, 6
+    gen = torch.Generator().manual_seed(11)
+    first = torch.full((bs, n), -1, dtype=torch.int64, device=dev)
+    sibling = torch.full((bs, n), -1, dtype=torch.int64, device=dev)
+    ids = torch.zeros(bs * n, dtype=torch.int64, device=dev)
+    pos = torch.zeros(bs * n, dtype=torch.int64, device=dev)
+    loc = torch.zeros(bs * n, dtype=torch.int64, device=dev)
+    plan = WritePlan.allocate(write_req_capacity=bs, device=dev)
+    plan.write_offsets.copy_(torch.arange(bs + 1) * n)
+    plan.write_seed_slot_indices.copy_(torch.tensor([7, 8, 9]))
+    plan.write_req_to_token_rows.copy_(torch.arange(bs))
+    plan.write_num_valid_reqs.fill_(bs)
+    tree = WriteTree.allocate(capacity=bs * n, max_depth=4, device=dev)
+    ctx = make_context(SLOTS, device=dev)
+    ctx.canary_words[7:10] = torch.randint(0, 1000, (3, 4), generator=gen).to(dev)
+    args = dict(
+        plan=plan,
+        input_ids=ids,
+        positions=pos,
+        out_cache_loc=loc,
+        enable_write_input_assert=False,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+        tree=tree,
+    )
+
+    def ops():
+        launch_tree_parents_kernel(next_token=first, next_sibling=sibling, tree=tree)
+        launch_canary_chain_writes(contexts=[ctx], **args)
+
+    ops()  # compile
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    ops()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops()
+    ref = clone_context(ctx, "cpu")
+    for step in range(3):
+        parents = []
+        for _ in range(bs):  # node i under a random earlier node, depth <= 4; node 5 orphaned
+            depth = [1]
+            row = [-1]
+            for i in range(1, n):
+                p = int(torch.randint(0, i, (1,), generator=gen))
+                while depth[p] >= 4:
+                    p = int(torch.randint(0, i, (1,), generator=gen))
+                row.append(p if i < n - 1 or step == 0 else -2)
+                depth.append(depth[p] + 1)
+            parents.append((row, depth))
+        f = torch.full((bs, n), -1, dtype=torch.int64)
+        sib = torch.full((bs, n), -1, dtype=torch.int64)
+        for b, (row, _) in enumerate(parents):
+            last = {}
+            for c, p in enumerate(row):
+                if p < 0:
+                    continue
+                if p in last:
+                    sib[b, last[p]] = c
+                else:
+                    f[b, p] = c
+                last[p] = c
+        first.copy_(f)
+        sibling.copy_(sib)
+        ids.copy_(torch.randint(0, 30000, (bs * n,), generator=gen))
+        pos.copy_(torch.tensor([10 + d - 1 for _, depth in parents for d in depth]))
+        loc.copy_(torch.randperm(SLOTS - 16, generator=gen)[: bs * n] + 16)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_tree = WriteTree.allocate(capacity=bs * n, max_depth=4, device="cpu")
+        tree_parents_torch_reference(next_token=f, next_sibling=sib, tree=ref_tree)
+        assert tree.parent.cpu().tolist() == ref_tree.parent.tolist()
+        launch_canary_write_kernel_torch_reference(
+            context=ref,
+            **{
+                **{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items()},
+                "plan": clone_dataclass_tensors(plan, "cpu"),
+                "tree": ref_tree,
+            },
+            parts=WriteParts.CHAIN,
+        )
+        assert_contexts_equal(ctx, ref)
 
 
 if __name__ == "__main__":
