@@ -25,6 +25,7 @@ from canary_testlib import make_context
 
 from sglang.jit_kernel.kv_canary import (
     CanaryLaunchTag,
+    PlanLanes,
     RealKvHashMode,
     RealKvSource,
     VerifyPlan,
@@ -203,7 +204,9 @@ def oracle_plan(
     exp_pool=None,
     valid_lens=None,
     offset=0,
+    lanes=None,
 ) -> ExpectedPlan:
+    """``lanes``: ``(verify_from, branch_split, branch_shift)`` lists (``PlanLanes``) or None."""
     rows = len(r2t)
     cols = len(r2t[0]) if rows else 0
 
@@ -219,11 +222,19 @@ def oracle_plan(
     for r, rp in enumerate(rpi):
         live = 0 < rp < rows
         pl = min(max(prefix[r], 0), cols)
+
+        def col(q):
+            if lanes is None:
+                return q
+            return min(max(q + (lanes[2][r] if q >= lanes[1][r] else 0), 0), cols - 1)
+
         if live:
             ws = max(0, pl - window) if window > 0 else 0
+            if lanes is not None:
+                ws = max(ws, min(max(lanes[0][r], 0), pl))
             for p in range(ws, pl):
-                slot = T(r2t[rp][p])
-                prev = T(r2t[rp][p - 1]) if p > 0 else -1
+                slot = T(r2t[rp][col(p)])
+                prev = T(r2t[rp][col(p - 1)]) if p > 0 else -1
                 tok = -1
                 if exp_pool is not None:
                     idx = p + offset
@@ -231,7 +242,7 @@ def oracle_plan(
                         tok = exp_pool[rp][idx]
                 entries.append((slot, tok, p, prev, rp))
         woff.append(woff[-1] + (ext[r] if live and ext[r] > 0 else 0))
-        seeds.append(T(r2t[rp][pl - 1]) if live and pl > 0 else -1)
+        seeds.append(T(r2t[rp][col(pl - 1)]) if live and pl > 0 else -1)
         write_rows.append(rp if live else -1)
     bs = len(rpi)
     woff += [0] * (write_req_capacity - bs)
@@ -446,6 +457,7 @@ def run_plan(
     offset=0,
     dtype=torch.int64,
     r2t_dtype=torch.int32,
+    lanes=None,
 ) -> Plans:
     """Run the plan launcher on ``impl`` (sentinel-filled plans), check against the oracle."""
     dev = impl.device
@@ -482,6 +494,11 @@ def run_plan(
         if valid_lens is None
         else tensor_of(valid_lens, dtype, dev),
         kv_token_id_vs_position_offset=offset,
+        **(
+            {}
+            if lanes is None
+            else {"lanes": PlanLanes(*(tensor_of(list(v), torch.int64, dev) for v in lanes))}
+        ),
     )
     exp = oracle_plan(
         rpi=rpi,
@@ -495,6 +512,7 @@ def run_plan(
         exp_pool=exp_pool,
         valid_lens=valid_lens,
         offset=offset,
+        lanes=lanes,
     )
     assert_plan_tensors(vp, wp, exp, where=f"[{impl.name} plan] ")
     return Plans(vp, wp, exp)

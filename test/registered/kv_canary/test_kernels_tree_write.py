@@ -5,6 +5,7 @@ Triton launcher (the interpreter on CPU) and the torch reference (the ``impl`` f
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 
@@ -17,6 +18,8 @@ from kernel_oracle import (
     HEAD,
     Canary,
     hand_write_plan,
+    r2t_table,
+    run_plan,
     oracle_fingerprint,
     rec_hash,
     tensor_of,
@@ -535,6 +538,115 @@ def test_the_parent_table_refuses_lists_that_do_not_fit(device):
         launch_tree_parents_kernel(next_token=lists, next_sibling=lists[:1], tree=tree)
     with pytest.raises(TypeError, match="retrieve_next_token must have dtype int64"):
         launch_tree_parents_kernel(next_token=lists.int(), next_sibling=lists, tree=tree)
+
+
+# =============================================================================================
+# Plan lanes: a draft round's rows of a tree (PlanLanes)
+# =============================================================================================
+
+
+def _lane_batch(k_lanes, steps, step, prefixes, rows):
+    """A draft round's forward ``step`` over requests of committed lengths ``prefixes`` in
+    ``req_to_token`` rows ``rows``, ``k_lanes`` lanes each (sglang's page-1 layout: lane k's
+    step j at column L + k * steps + j): the batch rows, prefix lengths and lanes."""
+    rpi, prefix, vfrom, split, shift = [], [], [], [], []
+    for length, row in zip(prefixes, rows):
+        for k in range(k_lanes):
+            rpi.append(row)
+            prefix.append(length + step)
+            vfrom.append(0 if k == 0 else length)
+            split.append(length)
+            shift.append(k * steps)
+    return rpi, prefix, (vfrom, split, shift)
+
+
+@pytest.mark.parametrize("step", [0, 1, 2])
+def test_lane_rows_verify_their_own_steps_and_the_prefix_once(impl, step):
+    """Draft forward ``step`` of topk 2, 3 steps: lane 0 verifies the prefix and its own
+    steps, lane 1 only its own steps (from its columns), each chained from its previous step's
+    slot and seeded from its last step's (or the prefix's last) slot."""
+    r2t = r2t_table(4, 24)
+    r2t[1][:5] = [11, 12, 13, 14, 15]
+    r2t[1][5:11] = [20, 21, 22, 30, 31, 32]  # lane 0 steps 0..2, lane 1 steps 0..2
+    rpi, prefix, lanes = _lane_batch(2, 3, step, [5], [1])
+    p = run_plan(impl, rpi=rpi, prefix=prefix, ext=[1, 1], r2t=r2t, lanes=lanes)
+    lane0 = [11, 12, 13, 14, 15] + [20, 21, 22][:step]
+    lane1 = [30, 31, 32][:step]
+    assert [e[0] for e in p.exp.entries] == lane0 + lane1
+    assert p.exp.seeds[:2] == [lane0[-1], (lane1 or [15])[-1]]
+    if step:
+        assert p.exp.entries[len(lane0)][3] == 15  # lane 1's first step follows the prefix
+
+
+def test_zero_lanes_plan_as_without_lanes(impl):
+    """``verify_from`` 0 and ``branch_shift`` 0 on every row: the plan of no lanes."""
+    rng = random.Random(2)
+    r2t = r2t_table(6, 40)
+    for r in range(1, 6):
+        r2t[r] = [rng.randrange(1, 500) for _ in range(40)]
+    rpi, prefix, ext = [1, 3, 0, 5], [7, 40, 3, 0], [1, 2, 1, 4]
+    without = run_plan(impl, rpi=rpi, prefix=prefix, ext=ext, r2t=r2t)
+    zero = run_plan(
+        impl, rpi=rpi, prefix=prefix, ext=ext, r2t=r2t, lanes=([0] * 4, [9] * 4, [0] * 4)
+    )
+    assert zero.exp.entries == without.exp.entries and zero.exp.seeds == without.exp.seeds
+    for a, b in ((zero.vp, without.vp), (zero.wp, without.wp)):
+        for f in dataclasses.fields(a):
+            assert torch.equal(getattr(a, f.name), getattr(b, f.name)), f.name
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lanes_fuzz_against_the_oracle(impl, seed):
+    """Random draft rounds (topk 2-4, 1-4 steps, a few requests and a padding row), expected
+    tokens on, against the oracle's plan."""
+    rng = random.Random(seed)
+    k_lanes, steps = rng.randint(2, 4), rng.randint(1, 4)
+    cols = 48
+    r2t = [[rng.randrange(1, 900) for _ in range(cols)] for _ in range(6)]
+    lengths = [rng.randint(0, 20) for _ in range(rng.randint(1, 3))]
+    rows = rng.sample(range(1, 6), len(lengths))
+    rpi, prefix, lanes = _lane_batch(k_lanes, steps, rng.randrange(steps), lengths, rows)
+    rpi.append(0)  # a padding row
+    prefix.append(3)
+    lanes = tuple(v + [0] for v in lanes)
+    exp_pool = [[rng.randrange(50_000) for _ in range(cols)] for _ in range(6)]
+    run_plan(
+        impl,
+        rpi=rpi,
+        prefix=prefix,
+        ext=[1] * len(rpi),
+        r2t=r2t,
+        lanes=lanes,
+        verify_capacity=256,
+        write_req_capacity=16,
+        exp_pool=exp_pool,
+        valid_lens=[rng.randint(0, cols) for _ in rpi],
+        offset=1,
+    )
+
+
+def test_lanes_that_do_not_cover_the_batch_are_refused(device):
+    """A ``PlanLanes`` of fewer rows than the batch names both."""
+    from sglang.jit_kernel.kv_canary import PlanLanes, VerifyPlan, WritePlan
+    from sglang.jit_kernel.kv_canary import launch_canary_plan_kernels
+
+    rows = tensor_of([1, 2], torch.int64, device)
+    with pytest.raises(ValueError, match="lanes hold 1 rows, fewer than the batch's 2"):
+        launch_canary_plan_kernels(
+            verify_plan_out=VerifyPlan.allocate(verify_capacity=8, device=device),
+            write_plan_out=WritePlan.allocate(write_req_capacity=2, device=device),
+            req_pool_indices=rows,
+            prefix_lens=rows,
+            extend_seq_lens=rows,
+            req_to_token=torch.zeros(3, 8, dtype=torch.int32, device=device),
+            swa_window_size=0,
+            full_to_swa_index_mapping=None,
+            verify_capacity=8,
+            req_to_verify_expected_tokens=None,
+            req_to_verify_expected_tokens_valid_lens=None,
+            kv_token_id_vs_position_offset=0,
+            lanes=PlanLanes.allocate(capacity=1, device=device),
+        )
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def launch_canary_plan_kernels_torch_reference(
     req_to_verify_expected_tokens,
     req_to_verify_expected_tokens_valid_lens,
     kv_token_id_vs_position_offset,
+    lanes=None,
 ) -> None:
     """Validate the arguments, then :func:`run_canary_plan_reference`."""
     kwargs = dict(
@@ -68,6 +69,7 @@ def launch_canary_plan_kernels_torch_reference(
         req_to_verify_expected_tokens=req_to_verify_expected_tokens,
         req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        lanes=lanes,
     )
     validation.validate_plan_args(**kwargs)
     run_canary_plan_reference(**kwargs)
@@ -87,8 +89,11 @@ def run_canary_plan_reference(
     req_to_verify_expected_tokens,
     req_to_verify_expected_tokens_valid_lens,
     kv_token_id_vs_position_offset,
+    lanes=None,
 ) -> None:
-    """The plan reference on already validated arguments (the launcher's CPU path)."""
+    """The plan reference on already validated arguments (the launcher's CPU path); with
+    ``lanes`` (:class:`~sglang.jit_kernel.kv_canary.types.PlanLanes`) each row verifies from
+    its ``verify_from`` and reads position p at its shifted column."""
     vp, wp = verify_plan_out, write_plan_out
     lut = full_to_swa_index_mapping
     bs = req_pool_indices.shape[0]
@@ -101,6 +106,16 @@ def run_canary_plan_reference(
     pl = prefix_lens.long().clamp(0, cols)
     ext = extend_seq_lens.long()
     ws = (pl - swa_window_size).clamp_min(0) if swa_window_size > 0 else torch.zeros_like(pl)
+    if lanes is not None:
+        ws = torch.maximum(ws, lanes.verify_from[:bs].clamp(0).minimum(pl))
+        split, shift = lanes.branch_split[:bs], lanes.branch_shift[:bs]
+    else:
+        split = shift = torch.zeros_like(pl)
+
+    def col(q, r_split, r_shift):
+        """The req_to_token column of position q (in range: sglang wrote it)."""
+        return (q + torch.where(q >= r_split, r_shift, 0)).clamp(0, max(cols - 1, 0))
+
     vcount = torch.where(live, pl - ws, 0)
     wcount = torch.where(live & (ext > 0), ext, 0)
 
@@ -110,7 +125,11 @@ def run_canary_plan_reference(
     wp.write_offsets.zero_()
     wp.write_offsets[: bs + 1] = torch.cat([zero, wcount.cumsum(0)])
     has_seed = live & (pl > 0)
-    seed = req_to_token[rp_safe, (pl - 1).clamp_min(0)].long() if cols else torch.zeros_like(pl)
+    seed = (
+        req_to_token[rp_safe, col((pl - 1).clamp_min(0), split, shift)].long()
+        if cols
+        else torch.zeros_like(pl)
+    )
     seed = translate_slots_torch(lut, seed)
     wp.write_seed_slot_indices.fill_(NO_SEED_SLOT)
     wp.write_seed_slot_indices[:bs] = torch.where(has_seed, seed, NO_SEED_SLOT)
@@ -128,9 +147,10 @@ def run_canary_plan_reference(
     starts = wp.verify_req_offsets[:bs]
     p = ws[req] + torch.arange(total, device=device) - starts[req]
     row = rp_safe[req]
-    slot = translate_slots_torch(lut, req_to_token[row, p].long())
+    slot = translate_slots_torch(lut, req_to_token[row, col(p, split[req], shift[req])].long())
     has_prev = p > 0
-    prev = translate_slots_torch(lut, req_to_token[row, (p - 1).clamp_min(0)].long())
+    prev_col = col((p - 1).clamp_min(0), split[req], shift[req])
+    prev = translate_slots_torch(lut, req_to_token[row, prev_col].long())
     prev = torch.where(has_prev, prev, NO_PREV_SLOT)
     if req_to_verify_expected_tokens is not None:
         exp = req_to_verify_expected_tokens

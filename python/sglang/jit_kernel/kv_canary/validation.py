@@ -25,6 +25,7 @@ from sglang.jit_kernel.kv_canary.types import (
     CanaryLaunchTag,
     DeepFingerprintTable,
     VerifyOrWriteContext,
+    PlanLanes,
     VerifyPlan,
     WriteParts,
     WritePlan,
@@ -194,6 +195,7 @@ def validate_plan_args(
     req_to_verify_expected_tokens,
     req_to_verify_expected_tokens_valid_lens,
     kv_token_id_vs_position_offset,
+    lanes=None,
 ) -> None:
     """Host-side checks shared by the launcher and the torch reference (metadata only)."""
     if not isinstance(verify_plan_out, VerifyPlan):
@@ -250,8 +252,16 @@ def validate_plan_args(
             shape=(bs,),
         )
     check_int("kv_token_id_vs_position_offset", kv_token_id_vs_position_offset)
+    if lanes is not None:
+        if not isinstance(lanes, PlanLanes):
+            raise TypeError(f"lanes must be a PlanLanes or None, got {type(lanes).__name__}")
+        if lanes.capacity < bs:
+            raise ValueError(
+                f"lanes hold {lanes.capacity} rows, fewer than the batch's {bs} (req_pool_indices)"
+            )
     same_device(
         {
+            "lanes": lanes.verify_from if lanes is not None else None,
             "verify_plan_out": verify_plan_out.verify_slot_indices,
             "write_plan_out": write_plan_out.write_offsets,
             "req_pool_indices": req_pool_indices,

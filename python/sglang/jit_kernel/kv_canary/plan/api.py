@@ -12,7 +12,7 @@ from sglang.jit_kernel.kv_canary._launch import grid_size, use_triton
 from sglang.jit_kernel.kv_canary.plan.entries_kernel import plan_entries_kernel
 from sglang.jit_kernel.kv_canary.plan.offsets_kernel import plan_offsets_kernel
 from sglang.jit_kernel.kv_canary.plan.utils import search_steps
-from sglang.jit_kernel.kv_canary.types import VerifyPlan, WritePlan
+from sglang.jit_kernel.kv_canary.types import PlanLanes, VerifyPlan, WritePlan
 
 PLAN_OFFSETS_BLOCK = 1024
 PLAN_ENTRIES_BLOCK = 512
@@ -32,6 +32,7 @@ def launch_canary_plan_kernels(
     req_to_verify_expected_tokens: Optional[torch.Tensor],
     req_to_verify_expected_tokens_valid_lens: Optional[torch.Tensor],
     kv_token_id_vs_position_offset: int,
+    lanes: Optional[PlanLanes] = None,
 ) -> None:
     """Fill both plans on the device for a batch of ``bs = req_pool_indices.shape[0]`` rows.
 
@@ -42,7 +43,9 @@ def launch_canary_plan_kernels(
     Verify entries cover positions ``[max(0, prefix - window), prefix)`` (whole prefix without
     a window); each entry and each request also records its ``req_to_token`` row (for the
     report). On overflow of ``verify_capacity`` the plan is disabled (``enable = 0``).
-    Two launches (offsets, then entries); graph-safe on CUDA. Out-of-range indices in the data
+    With ``lanes`` (:class:`PlanLanes`: a draft round's lanes, topk > 1) a row verifies from
+    its ``verify_from`` and reads position p (its entries, predecessors and seed) at its
+    shifted column. Two launches (offsets, then entries); graph-safe on CUDA. Out-of-range indices in the data
     are clamped or treated as padding, never dereferenced.
     """
     kwargs = dict(
@@ -58,6 +61,7 @@ def launch_canary_plan_kernels(
         req_to_verify_expected_tokens=req_to_verify_expected_tokens,
         req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        lanes=lanes,
     )
     validation.validate_plan_args(**kwargs)
     if not use_triton(req_to_token.device):
@@ -69,6 +73,12 @@ def launch_canary_plan_kernels(
     has_lut = lut is not None
     has_expected = req_to_verify_expected_tokens is not None
     vp, wp = verify_plan_out, write_plan_out
+    # never dereferenced without lanes: HAS_LANES is a constexpr
+    lane_args = (
+        (lanes.verify_from, lanes.branch_split, lanes.branch_shift)
+        if lanes is not None
+        else (prefix_lens, prefix_lens, prefix_lens)
+    )
     plan_offsets_kernel[(1,)](
         req_pool_indices,
         prefix_lens,
@@ -89,7 +99,9 @@ def launch_canary_plan_kernels(
         wp.write_num_valid_reqs,
         vp.verify_num_valid,
         vp.enable,
+        *lane_args[:3],
         HAS_LUT=has_lut,
+        HAS_LANES=lanes is not None,
         BLOCK=PLAN_OFFSETS_BLOCK,
     )
     exp = req_to_verify_expected_tokens
@@ -115,7 +127,9 @@ def launch_canary_plan_kernels(
         vp.verify_expected_positions,
         vp.verify_prev_slot_indices,
         vp.verify_req_to_token_rows,
+        *lane_args[1:],
         HAS_LUT=has_lut,
+        HAS_LANES=lanes is not None,
         HAS_EXPECTED=has_expected,
         BLOCK=PLAN_ENTRIES_BLOCK,
     )

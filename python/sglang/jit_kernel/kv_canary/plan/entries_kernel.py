@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from sglang.jit_kernel.kv_canary._kernel_consts import NO_EXPECTED_TOKEN, NO_PREV_SLOT
-from sglang.jit_kernel.kv_canary.plan.utils import translate_slots
+from sglang.jit_kernel.kv_canary.plan.utils import lane_column, translate_slots
 
 
 @triton.jit
@@ -36,7 +36,10 @@ def plan_entries_kernel(
     out_pos_ptr,
     out_prev_ptr,
     out_row_ptr,
+    split_ptr,
+    shift_ptr,
     HAS_LUT: tl.constexpr,
+    HAS_LANES: tl.constexpr,
     HAS_EXPECTED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -62,10 +65,17 @@ def plan_entries_kernel(
         p = pl - cnt + (e - base)
         rp = tl.load(rpi_ptr + r, mask=m, other=0).to(tl.int64)
         row = r2t_ptr + rp * r2t_cols
-        slot = tl.load(row + p, mask=m, other=0).to(tl.int64)
+        c = p
+        prev_c = p - 1
+        if HAS_LANES:
+            split = tl.load(split_ptr + r, mask=m, other=0)
+            shift = tl.load(shift_ptr + r, mask=m, other=0)
+            c = lane_column(c, split, shift, r2t_cols)
+            prev_c = lane_column(prev_c, split, shift, r2t_cols)
+        slot = tl.load(row + c, mask=m, other=0).to(tl.int64)
         slot = translate_slots(lut_ptr, lut_len, slot, m, HAS_LUT)
         has_prev = m & (p > 0)
-        prev = tl.load(row + p - 1, mask=has_prev, other=NO_PREV_SLOT).to(tl.int64)
+        prev = tl.load(row + prev_c, mask=has_prev, other=NO_PREV_SLOT).to(tl.int64)
         prev = translate_slots(lut_ptr, lut_len, prev, has_prev, HAS_LUT)
         prev = tl.where(has_prev, prev, NO_PREV_SLOT)
         if HAS_EXPECTED:

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from sglang.jit_kernel.kv_canary._kernel_consts import NO_REQ_TO_TOKEN_ROW, NO_SEED_SLOT
-from sglang.jit_kernel.kv_canary.plan.utils import translate_slots
+from sglang.jit_kernel.kv_canary.plan.utils import lane_column, translate_slots
 
 
 @triton.jit
@@ -35,7 +35,11 @@ def plan_offsets_kernel(
     write_num_valid_ptr,
     num_valid_ptr,
     enable_ptr,
+    vfrom_ptr,
+    split_ptr,
+    shift_ptr,
     HAS_LUT: tl.constexpr,
+    HAS_LANES: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     carry_v = tl.full([], 0, tl.int64)
@@ -54,12 +58,19 @@ def plan_offsets_kernel(
             ws = tl.maximum(pl - window, 0)
         else:
             ws = tl.zeros_like(pl)
+        seed_col = pl - 1
+        if HAS_LANES:
+            vfrom = tl.load(vfrom_ptr + r, mask=m, other=0)
+            ws = tl.maximum(ws, tl.minimum(tl.maximum(vfrom, 0), pl))
+            split = tl.load(split_ptr + r, mask=m, other=0)
+            shift = tl.load(shift_ptr + r, mask=m, other=0)
+            seed_col = lane_column(seed_col, split, shift, r2t_cols)
         vcount = tl.where(live, pl - ws, 0)
         wcount = tl.where(live & (ext > 0), ext, 0)
         tl.store(verify_offsets_ptr + r + 1, tl.cumsum(vcount, axis=0) + carry_v, mask=m)
         tl.store(write_offsets_ptr + r + 1, tl.cumsum(wcount, axis=0) + carry_w, mask=m)
         has_seed = live & (pl > 0)
-        seed = tl.load(r2t_ptr + rp * r2t_cols + pl - 1, mask=has_seed, other=NO_SEED_SLOT).to(
+        seed = tl.load(r2t_ptr + rp * r2t_cols + seed_col, mask=has_seed, other=NO_SEED_SLOT).to(
             tl.int64
         )
         seed = translate_slots(lut_ptr, lut_len, seed, has_seed, HAS_LUT)

@@ -21,6 +21,14 @@ def translate_slots(lut_ptr, lut_len, x, mask, HAS_LUT: tl.constexpr):
         return x
 
 
+@triton.jit
+def lane_column(q, split, shift, cols):
+    """The ``req_to_token`` column of position ``q`` in a lane row (``types.PlanLanes``),
+    clamped into the row (sglang wrote the lane there, so it is in range)."""
+    c = q + tl.where(q >= split, shift, 0)
+    return tl.minimum(tl.maximum(c, 0), cols - 1)
+
+
 def search_steps(bs: int) -> int:
     """Binary-search iterations that locate an entry's request among ``bs`` requests."""
     return max(1, int(bs).bit_length())

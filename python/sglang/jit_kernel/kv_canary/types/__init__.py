@@ -19,6 +19,7 @@ from sglang.jit_kernel.kv_canary.types.context import (
     VerifyOrWriteContext,
 )
 from sglang.jit_kernel.kv_canary.types.plans import (
+    PlanLanes,
     VerifyPlan,
     WriteParts,
     WritePlan,
@@ -38,6 +39,7 @@ __all__ = [
     "NUM_CANARY_LAUNCH_TAGS",
     "RealKvSource",
     "VerifyOrWriteContext",
+    "PlanLanes",
     "VerifyPlan",
     "WriteParts",
     "WritePlan",

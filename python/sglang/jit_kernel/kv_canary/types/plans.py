@@ -227,3 +227,47 @@ class WriteTree:
             ),
             max_depth=max_depth,
         )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanLanes:
+    """Per-row ``req_to_token`` layout of a plan whose rows are a speculative draft round's
+    lanes (``--speculative-eagle-topk`` K > 1: row ``b * K + k`` is request b's lane k;
+    docs/speculative_trees.md, "Plan"). int64 ``[capacity]`` (at least the batch's rows):
+
+    - ``verify_from``: the row's first verified position (with a window: the later of the two);
+      a lane k >= 1 verifies only its own steps, the shared prefix being lane 0's.
+    - ``branch_split`` / ``branch_shift``: the row's position p is read at ``req_to_token``
+      column ``p + (branch_shift if p >= branch_split else 0)`` (lane k's steps sit
+      ``k * steps`` columns past the prefix); the chain seed and each entry's predecessor too.
+
+    ``verify_from`` 0 and ``branch_shift`` 0 plan a row exactly as without lanes.
+    """
+
+    verify_from: torch.Tensor
+    branch_split: torch.Tensor
+    branch_shift: torch.Tensor
+
+    def __post_init__(self):
+        cap = check_tensor(
+            "PlanLanes.verify_from", self.verify_from, dtypes=(torch.int64,), ndim=1
+        ).shape[0]
+        for name in ("branch_split", "branch_shift"):
+            check_tensor(
+                f"PlanLanes.{name}", getattr(self, name), dtypes=(torch.int64,), shape=(cap,)
+            )
+        same_device({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @property
+    def capacity(self) -> int:
+        return self.verify_from.shape[0]
+
+    @classmethod
+    def allocate(cls, *, capacity: int, device) -> "PlanLanes":
+        check_int("capacity", capacity, minimum=0)
+        device = torch.device(device)
+
+        def zeros():
+            return torch.zeros(capacity, dtype=torch.int64, device=device)
+
+        return cls(verify_from=zeros(), branch_split=zeros(), branch_shift=zeros())
