@@ -110,6 +110,7 @@ class EagleDriver:
         canary_settings: Optional[dict] = None,
         radix_is_eagle: Optional[bool] = None,
         draft_violations: str = "act",
+        topk: int = 1,
     ):
         """``draft_violations``: ``CanaryConfig.draft_violations``; ``act`` (not the server's
         default, ``report``) so that a raise-mode driver stops at either pool's first
@@ -122,7 +123,7 @@ class EagleDriver:
         self.max_steps = steps if max_steps is None else max_steps
         if self.max_steps < steps:
             raise ValueError(f"max_steps {self.max_steps} < steps {steps}")
-        self.steps, self.v2, self.chunk = steps, v2, chunk
+        self.steps, self.v2, self.chunk, self.topk = steps, v2, chunk, topk
         self.accept_prob, self.max_running = accept_prob, max_running
         self.rng = random.Random(seed)
         self.bug_positions_before_forward = bug_positions_before_forward
@@ -164,6 +165,7 @@ class EagleDriver:
             config=self.config,
             device="cpu",
             capacity_inputs=caps,
+            ranks=RankFacts(verify_tree_depth=self.max_steps + 1 if topk > 1 else 0),
         )
         # what install_canary builds on an EAGLE draft runner
         self.draft = build_canary(
@@ -172,7 +174,7 @@ class EagleDriver:
             config=self.config,
             device="cpu",
             capacity_inputs=caps,
-            ranks=RankFacts(draft=True, draft_steps=self.max_steps),
+            ranks=RankFacts(draft=True, draft_steps=self.max_steps, draft_topk=topk),
         )
         self.target.mark_init_finished()
         self.draft.mark_init_finished()

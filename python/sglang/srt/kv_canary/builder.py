@@ -60,6 +60,7 @@ def build_canary(
         num_slots=groups[0].num_slots,
         req_to_token_rows=int(req_to_token.shape[0]),
         inputs=capacity_inputs,
+        rows_per_request=ranks.plan_rows_per_request,
     )
     if config.enable_token_oracle and token_oracle is None:
         if vocab_size is None:

@@ -93,16 +93,31 @@ class CanaryLaunchCapacities:
 
     @classmethod
     def for_server(
-        cls, *, num_slots: int, req_to_token_rows: int, inputs: CanaryCapacityInputs
+        cls,
+        *,
+        num_slots: int,
+        req_to_token_rows: int,
+        inputs: CanaryCapacityInputs,
+        rows_per_request: int = 1,
     ) -> "CanaryLaunchCapacities":
         """The capacities of a server: one request per ``req_to_token`` row (sglang sizes the
         table from ``--max-running-requests``), and one forward carries at most a prefill
         batch (``max(--max-prefill-tokens, --chunked-prefill-size)``) or one unchunked prompt
-        (the context length), plus the decodes mixed into it."""
+        (the context length), plus the decodes mixed into it. ``rows_per_request``: plan rows
+        of one request in a forward (a draft round's lanes with ``--speculative-eagle-topk`` K:
+        K rows and K tokens per request)."""
+        if isinstance(rows_per_request, bool) or not isinstance(rows_per_request, int):
+            raise TypeError(f"rows_per_request must be an int, got {rows_per_request!r}")
+        if rows_per_request < 1:
+            raise ValueError(f"rows_per_request must be >= 1, got {rows_per_request}")
         prefill = max(int(inputs.max_prefill_tokens or 0), int(inputs.chunked_prefill_size or -1))
+        rows = rows_per_request * req_to_token_rows
+        graph_rows = (
+            rows_per_request * inputs.cuda_graph_max_bs if inputs.cuda_graph_max_bs else None
+        )
         return cls.from_args(
             num_slots=num_slots,
-            max_running_requests=req_to_token_rows,
-            max_tokens_per_forward=max(prefill, inputs.context_len) + req_to_token_rows,
-            cuda_graph_max_bs=inputs.cuda_graph_max_bs,
+            max_running_requests=rows,
+            max_tokens_per_forward=max(prefill, inputs.context_len) + rows,
+            cuda_graph_max_bs=graph_rows,
         )

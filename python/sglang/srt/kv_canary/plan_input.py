@@ -7,9 +7,11 @@ device copies between static tensors, no allocation, no host sync.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from sglang.jit_kernel.kv_canary.types import PlanLanes
 
 from sglang.jit_kernel.kv_canary.consts import (
     STAGE_A_INT32,
@@ -64,7 +66,9 @@ class PlanInput:
     extend = extend_seq_lens. Any other mode raises ``NotImplementedError`` naming it.
     """
 
-    def __init__(self, *, write_req_capacity: int, device):
+    def __init__(self, *, write_req_capacity: int, device, lanes: Optional[Tuple[int, int]] = None):
+        """``lanes``: ``(topk, steps)`` of a draft runner with ``--speculative-eagle-topk`` > 1:
+        its decode forwards (the draft round's) are planned one row per lane (:meth:`lane_rows`)."""
         self.write_req_capacity = write_req_capacity
         self.prefix_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
         self.extend_seq_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
@@ -83,6 +87,26 @@ class PlanInput:
             self.req_pool_indices.data_ptr(),
         )
         self._device_index = self.prefix_lens.get_device()
+        self.lanes: Optional[PlanLanes] = None
+        if lanes is not None:
+            topk, steps = lanes
+            if topk < 2 or steps < 1:
+                raise ValueError(f"PlanInput lanes need topk >= 2 and steps >= 1, got {lanes}")
+            self._topk = topk
+            row = torch.arange(write_req_capacity, dtype=torch.int64, device=device)
+            # static per row: its request (row // topk), whether it is a lane k >= 1, its shift
+            self._lane_request = row // topk
+            self._later_lane = (row % topk > 0).to(torch.int64)
+            self.lane_rows = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
+            self._lane_valid_lens = torch.zeros(
+                write_req_capacity, dtype=torch.int64, device=device
+            )
+            self.lanes = PlanLanes(
+                verify_from=torch.zeros(write_req_capacity, dtype=torch.int64, device=device),
+                branch_split=torch.zeros(write_req_capacity, dtype=torch.int64, device=device),
+                branch_shift=(row % topk) * steps,
+            )
+            self._lane_views: Dict[int, PlanLanes] = {}
 
     def _plan_copies(
         self, forward_batch, bs: int, dst: List[torch.Tensor], src: List[torch.Tensor]
@@ -113,6 +137,54 @@ class PlanInput:
                 f"kv_canary does not support forward mode {mode.name}; supported: DECODE, IDLE, "
                 "EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2"
             )
+
+    def is_lane_forward(self, forward_batch) -> bool:
+        """A draft round's forward planned by lanes (``lanes`` given, a decode forward)."""
+        return self.lanes is not None and forward_batch.forward_mode in (
+            ForwardMode.DECODE,
+            ForwardMode.IDLE,
+        )
+
+    def fill_lanes(
+        self, forward_batch
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, PlanLanes]:
+        """A draft round's forward of ``bs`` requests and ``topk`` lanes each (its tokens,
+        positions and slots ``[bs * topk]``, row ``b * topk + k``): fill ``bs * topk`` rows
+        (request b's ``req_to_token`` row, prefix = the lane's position, extend 1; lane k >= 1
+        verifies from the committed length L = ``seq_lens[b]``, its positions from L on read
+        ``k * steps`` columns further: docs/speculative_trees.md, "Plan") and return them as
+        ``(req_pool_indices, prefix_lens, extend_seq_lens, lanes)``. Static buffers, index
+        copies only: capturable."""
+        bs = forward_batch.req_pool_indices.shape[0]
+        rows = bs * self._topk
+        request = self._lane_request[:rows]
+        prefix, extend, _, ones = self._views(rows)
+        lane_rows = self.lane_rows[:rows]
+        torch.index_select(forward_batch.req_pool_indices, 0, request, out=lane_rows)
+        prefix.copy_(leading(forward_batch.positions, rows))
+        extend.copy_(ones)
+        split = self.lanes.branch_split[:rows]
+        torch.index_select(leading(forward_batch.seq_lens, bs), 0, request, out=split)
+        torch.mul(split, self._later_lane[:rows], out=self.lanes.verify_from[:rows])
+        return lane_rows, prefix, extend, self._lane_view(rows)
+
+    def lane_valid_lens(self, per_request: torch.Tensor, rows: int) -> torch.Tensor:
+        """The expected-token pool's valid lengths of a lane forward's ``rows`` rows: each
+        lane its request's (``per_request[row // topk]``), in a static buffer."""
+        out = self._lane_valid_lens[:rows]
+        torch.index_select(per_request, 0, self._lane_request[:rows], out=out)
+        return out
+
+    def _lane_view(self, rows: int) -> PlanLanes:
+        view = self._lane_views.get(rows)
+        if view is None:
+            lanes = self.lanes
+            view = self._lane_views[rows] = PlanLanes(
+                verify_from=lanes.verify_from[:rows],
+                branch_split=lanes.branch_split[:rows],
+                branch_shift=lanes.branch_shift[:rows],
+            )
+        return view
 
     def fill_from_forward_batch(
         self, forward_batch

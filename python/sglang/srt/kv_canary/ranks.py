@@ -30,6 +30,12 @@ class RankFacts:
     draft_worker: str = "EAGLE"
     # sglang's --disaggregation-mode: "null" (no PD), or which server of a PD pair
     disaggregation_mode: str = "null"
+    # --speculative-eagle-topk K > 1 (draft trees; docs/speculative_trees.md): a draft runner's
+    # forwards of a round carry K lanes per request; a target runner's verify writes a tree
+    # whose paths hold at most verify_tree_depth entries (--speculative-num-steps + 1); 1 / 0
+    # without trees
+    draft_topk: int = 1
+    verify_tree_depth: int = 0
 
     def __post_init__(self):
         if isinstance(self.draft_steps, bool) or not isinstance(self.draft_steps, int):
@@ -38,6 +44,20 @@ class RankFacts:
             raise ValueError(
                 "RankFacts.draft_steps is an EAGLE draft runner's --speculative-num-steps "
                 f"(>= 0, and 0 unless draft=True), got {self.draft_steps} with draft={self.draft}"
+            )
+        for name, low in (("draft_topk", 1), ("verify_tree_depth", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"RankFacts.{name} must be an int >= {low}, got {v!r}")
+        if self.draft_topk > 1 and not self.draft:
+            raise ValueError(
+                f"RankFacts.draft_topk is a draft runner's lanes per request, got "
+                f"{self.draft_topk} with draft=False"
+            )
+        if self.verify_tree_depth and self.draft:
+            raise ValueError(
+                "RankFacts.verify_tree_depth is a target runner's (draft=False), got "
+                f"{self.verify_tree_depth} with draft=True"
             )
         if self.disaggregation_mode not in PD_ROLES:
             raise ValueError(
@@ -54,6 +74,11 @@ class RankFacts:
     def single_forward_managers(self) -> int:
         """The canary's single-forward managers: one per forward of a draft round, else one."""
         return max(1, self.draft_forwards_per_round)
+
+    @property
+    def plan_rows_per_request(self) -> int:
+        """Plan rows one request takes in a forward: a draft runner's lanes (topk), else 1."""
+        return self.draft_topk if self.draft else 1
 
     @property
     def kv_token_id_vs_position_offset(self) -> int:

@@ -146,6 +146,8 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
                 token_history=self.token_history,
                 token_oracle=token_oracle,
                 kv_pool=kv_pool,
+                lanes=(ranks.draft_topk, ranks.draft_steps) if ranks.draft_topk > 1 else None,
+                verify_tree_depth=ranks.verify_tree_depth,
             )
             for i in range(ranks.single_forward_managers)
         )

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.jit_kernel.kv_canary.types import CanaryPhase
+from sglang.jit_kernel.kv_canary.tree_parents import launch_tree_parents_kernel
+from sglang.jit_kernel.kv_canary.types import CanaryPhase, WriteTree
 from sglang.srt.kv_canary import cuda_streams, sglang_seam
 from sglang.srt.kv_canary.batch_state import batch_state
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
@@ -89,7 +90,13 @@ class SingleForwardManager:
         token_history: Optional[TokenHistoryUploader] = None,
         token_oracle: Optional["TokenOracleManager"] = None,
         kv_pool=None,
+        lanes: Optional[Tuple[int, int]] = None,
+        verify_tree_depth: int = 0,
     ):
+        """``lanes``: ``(topk, steps)`` on a draft runner with ``--speculative-eagle-topk`` >
+        1 (its draft round's forwards planned by lane); ``verify_tree_depth`` > 0 on its
+        target runner (the verify's draft trees written along their paths, at most that many
+        entries per path): docs/speculative_trees.md."""
         if config.enable_verify_token_assert and token_history is None:
             raise ValueError(
                 "SingleForwardManager: token checks are on "
@@ -113,7 +120,19 @@ class SingleForwardManager:
         self.plans: Dict[CanaryBufferGroup, GroupPlans] = {
             g: GroupPlans.allocate(g, capacities, device) for g in self.groups
         }
-        self.plan_input = PlanInput(write_req_capacity=capacities.write_req_capacity, device=device)
+        self.plan_input = PlanInput(
+            write_req_capacity=capacities.write_req_capacity, device=device, lanes=lanes
+        )
+        # a target verify of draft trees: each node's parent (filled outside the graph)
+        self.tree = (
+            WriteTree.allocate(
+                capacity=capacities.write_entry_capacity,
+                max_depth=verify_tree_depth,
+                device=device,
+            )
+            if verify_tree_depth
+            else None
+        )
         # per-request valid lengths of the expected-token pool (filled outside the graph)
         self.expected_valid_lens = torch.zeros(
             capacities.write_req_capacity, dtype=torch.int64, device=device
@@ -225,6 +244,13 @@ class SingleForwardManager:
             )
         if self.expected_inputs is not None:
             self.token_oracle.fill_expected_inputs(forward_batch, self.expected_inputs)
+        if self._is_tree_forward(forward_batch):
+            # before the fork (so before the side stream's write) and before a graph replays
+            # the write that reads it
+            next_token, next_sibling = sglang_seam.verify_tree_lists(forward_batch)
+            launch_tree_parents_kernel(
+                next_token=next_token, next_sibling=next_sibling, tree=self.tree
+            )
         self._batch = forward_batch
         # token checks: the upload waits for the forward's kernels (eager) or the replay
         self._tokens_pending = self.token_history is not None
@@ -300,8 +326,15 @@ class SingleForwardManager:
         layer's, with per-layer fingerprints)."""
         self._advance(SfmOp.POST_MAYBE_INSIDE_GRAPH)
         forward_batch = self._inside_batch(forward_batch)
-        # an eager forward with static launches: staged copies and graph replays
-        graphs = None if self._capturing else self.eager_graphs
+        # an eager forward with static launches: staged copies and graph replays (a draft
+        # round's lanes and a verify's trees: launched directly, their inputs are no copies)
+        graphs = (
+            None
+            if self._capturing
+            or self.plan_input.is_lane_forward(forward_batch)
+            or self._is_tree_forward(forward_batch)
+            else self.eager_graphs
+        )
         with self._beside_the_forward():
             if graphs is not None:
                 # eager: the upload was left for now (step 1.); the graph scatters it
@@ -328,11 +361,18 @@ class SingleForwardManager:
     def _batch_inputs(self, forward_batch: "ForwardBatch") -> ForwardLaunchInputs:
         """The launch inputs read straight from the batch (inside sglang's captures, and
         eager forwards before static launches are enabled): the plan input filled (static
-        buffers, ``[bs]``), the slots made contiguous."""
-        rpi, prefix, extend = self.plan_input.fill_from_forward_batch(forward_batch)
+        buffers, ``[bs]``; a draft round's lanes: ``[bs * topk]``), the slots made
+        contiguous."""
+        lanes = None
+        if self.plan_input.is_lane_forward(forward_batch):
+            rpi, prefix, extend, lanes = self.plan_input.fill_lanes(forward_batch)
+        else:
+            rpi, prefix, extend = self.plan_input.fill_from_forward_batch(forward_batch)
         slots = self._contiguous_slots(forward_batch.out_cache_loc)
         n = slots.shape[0]
         return ForwardLaunchInputs(
+            lanes=lanes,
+            tree=self.tree if self._is_tree_forward(forward_batch) else None,
             req_pool_indices=rpi,
             prefix_lens=prefix,
             extend_seq_lens=extend,
@@ -359,6 +399,9 @@ class SingleForwardManager:
         HEAD verify + write, the TAIL writes' chain part, the status copy."""
         expected = self.token_history.pool if self.token_history is not None else None
         rpi = inputs.req_pool_indices
+        valid_lens = self.expected_valid_lens[: rpi.shape[0]]
+        if inputs.lanes is not None and expected is not None:  # per request: one per lane
+            valid_lens = self.plan_input.lane_valid_lens(self.expected_valid_lens, rpi.shape[0])
         for plans in self.plans.values():
             launch_group_plan(
                 plans,
@@ -367,7 +410,8 @@ class SingleForwardManager:
                 extend_seq_lens=inputs.extend_seq_lens,
                 req_to_token=self.req_to_token,
                 expected_tokens=expected,
-                expected_valid_lens=self.expected_valid_lens[: rpi.shape[0]],
+                expected_valid_lens=valid_lens,
+                lanes=inputs.lanes,
             )
         self._verify(CanaryPhase.HEAD)
         self._write_lanes.run(
@@ -378,6 +422,7 @@ class SingleForwardManager:
                 positions=inputs.positions,
                 out_cache_loc=inputs.out_cache_loc,
                 expected_inputs=inputs.expected_inputs,
+                tree=inputs.tree,
             )
         )
         for i, group in enumerate(self.groups):
@@ -416,6 +461,13 @@ class SingleForwardManager:
         self.phase = SfmPhase.IDLE
         self._batch = None
         self._tokens_pending = False
+
+    def _is_tree_forward(self, forward_batch: "ForwardBatch") -> bool:
+        """A target verify of draft trees (trees on, ``TARGET_VERIFY``)."""
+        return (
+            self.tree is not None
+            and forward_batch.forward_mode == sglang_seam.ForwardMode.TARGET_VERIFY
+        )
 
     def _verify(self, phase: CanaryPhase) -> None:
         launch_verifies(

@@ -21,10 +21,12 @@ from sglang.jit_kernel.kv_canary.types import (
     CanaryLaunchTag,
     CanaryPhase,
     KvHalf,
+    PlanLanes,
     PoolKind,
     VerifyPlan,
     WriteParts,
     WritePlan,
+    WriteTree,
 )
 from sglang.jit_kernel.kv_canary.verify import launch_canary_verify_kernel
 from sglang.jit_kernel.kv_canary.write import (
@@ -46,7 +48,10 @@ class ForwardLaunchInputs:
     - ``input_ids`` / ``positions`` / ``out_cache_loc``: int32/int64 ``[num_tokens]``, laid out
       as the plan's write offsets say (``out_cache_loc`` contiguous);
     - ``expected_inputs``: the write-input check's expected tokens and positions
-      ``[num_tokens]`` each (None with the check off).
+      ``[num_tokens]`` each (None with the check off);
+    - ``lanes``: a draft round's forward with ``--speculative-eagle-topk`` > 1 (its rows are
+      lanes: :class:`PlanLanes`), else None; ``tree``: a target verify of draft trees (the
+      write follows each node's path: :class:`WriteTree`), else None.
 
     Either the batch's own tensors (eager without graphs, and inside sglang's captures) or
     static buffers of the canary's capacities (:class:`EagerForwardGraphs`)."""
@@ -58,6 +63,8 @@ class ForwardLaunchInputs:
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
     expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]]
+    lanes: Optional[PlanLanes] = None
+    tree: Optional[WriteTree] = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -103,8 +110,10 @@ def launch_group_plan(
     req_to_token,
     expected_tokens,
     expected_valid_lens,
+    lanes: Optional[PlanLanes] = None,
 ) -> None:
-    """Plan one group's verify entries and write layout for this forward."""
+    """Plan one group's verify entries and write layout for this forward (``lanes``: a
+    draft round's lane rows)."""
     group = plans.group
     launch_canary_plan_kernels(
         verify_plan_out=plans.verify_plan,
@@ -121,6 +130,7 @@ def launch_group_plan(
             expected_valid_lens if expected_tokens is not None else None
         ),
         kv_token_id_vs_position_offset=group.kv_token_id_vs_position_offset,
+        lanes=lanes,
     )
 
 
@@ -168,11 +178,13 @@ def chain_write_launches(
     positions,
     out_cache_loc,
     expected_inputs: Optional[Tuple[torch.Tensor, torch.Tensor]],
+    tree: Optional[WriteTree] = None,
 ) -> List[Callable[[], None]]:
     """The HEAD writes and the TAIL writes' chain part of every group, one callable per group
     (its buffers' chains walked side by side in one launch), independent of one another, to
     run in any order or side by side. A HEAD write is its chain part (HEAD never
-    fingerprints). SWA groups' slots are translated now, on the current stream."""
+    fingerprints). SWA groups' slots are translated now, on the current stream. ``tree``: a
+    target verify of draft trees (each node chained from its path)."""
     by_group: Dict[CanaryBufferGroup, List[CanaryEndpoint]] = {}
     for ep in endpoints:
         if ep.phase in (CanaryPhase.HEAD, CanaryPhase.TAIL):
@@ -198,6 +210,7 @@ def chain_write_launches(
                 expected_input_positions=expected_inputs[1]
                 if expected_inputs is not None
                 else None,
+                tree=tree,
             )
         )
     return launches

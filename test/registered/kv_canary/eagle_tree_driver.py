@@ -1,0 +1,274 @@
+"""EAGLE draft trees (``--speculative-eagle-topk`` K > 1, spec v1, page size 1) over real sglang
+0.5.12 pools and ForwardBatch objects (test support; docs/speculative_trees.md, "What sglang
+0.5.12 runs with topk > 1").
+
+:class:`EagleTreeDriver` is :class:`~eagle_driver.EagleDriver` (prefill, finishing, the
+canaries built as ``install_canary`` builds them, here with ``RankFacts.draft_topk`` K on the
+draft runner and ``verify_tree_depth`` steps + 1 on the target) with a tree decode round:
+
+1. the draft round: ``K * steps`` slots per request borrowed from the allocator and given
+   back after it, lane k's step j at ``req_to_token`` column ``L + k * steps + j``; ``steps -
+   1`` draft ``DECODE`` forwards of ``bs * K`` tokens (row ``b * K + k``, lane k at position
+   ``L + i`` in forward i, its slot row i of sglang's ``[steps, bs * K]`` transposed view);
+2. the target ``TARGET_VERIFY`` of a random tree of ``num_draft`` nodes (node 0 the bonus
+   token at L, every other node under an earlier one, at most K children and ``steps`` levels
+   below the root, node i at position ``L + depth(i)`` and column ``L + i``; now and then an
+   orphan that no list links, as sgl-kernel drops a node whose parent was not selected), with a
+   real ``EagleVerifyInput`` carrying the linked lists sgl-kernel's ``build_tree_efficient``
+   builds (first child, then its next siblings, in index order);
+3. acceptance as sglang's greedy tree verify walks the lists (from the root, the first child
+   whose token is the true continuation), every node off the accepted path freed at once, the
+   path's slots re-pointed into ``req_to_token[L .. L + acc]``;
+4. the linear draft ``DRAFT_EXTEND`` of the accepted path (as with topk 1).
+
+``bug_*`` / ``fault_*`` switches plant the defects the tests check.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from eagle_driver import EagleDriver
+from serving_driver import VOCAB, DriverReq
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+
+class EagleTreeDriver(EagleDriver):
+    def __init__(
+        self,
+        *,
+        topk: int = 2,
+        steps: int = 3,
+        num_draft: Optional[int] = None,
+        orphan_prob: float = 0.05,
+        **kwargs,
+    ):
+        if topk < 2:
+            raise ValueError("EagleTreeDriver is for topk >= 2 (EagleDriver runs topk 1)")
+        if kwargs.get("v2"):
+            raise ValueError("sglang 0.5.12 runs draft trees on spec v1 only")
+        super().__init__(topk=topk, steps=steps, **kwargs)
+        most = topk + (steps - 1) * topk * topk + 1  # sglang's bound on the draft tokens
+        self.num_draft = min(num_draft or 2 * topk + 2, most)
+        self.orphan_prob = orphan_prob
+        # faults planted for the next round (the tests' switches): see plant_*
+        self._fault = None
+        self.fault_log: List[dict] = []
+
+    # ---- faults ------------------------------------------------------------------------------
+
+    def plant_rejected_sibling(self) -> None:
+        """Next round: point the accepted path's first position past the root at a rejected
+        node of the same depth before the free (a wrong re-pointing of ``req_to_token``)."""
+        self._fault = "rejected_sibling"
+
+    def plant_flattened_acceptance(self) -> None:
+        """Next round: accept nodes ``0 .. acc`` in flattened order (what sglang's
+        ``SGLANG_SIMULATE_ACC_LEN`` does), not a root path."""
+        self._fault = "flattened"
+
+    def plant_lane_flip(self) -> None:
+        """Next round: after the draft round's first forward, flip a KV byte of the second
+        lane's first step (draft pool): its second forward reads that lane."""
+        self._fault = "lane_flip"
+
+    # ---- one tree decode round -------------------------------------------------------------
+
+    def decode_round(self, reqs: List[DriverReq]) -> None:
+        s, k_lanes, n = self.steps, self.topk, self.num_draft
+        base = [r.kv_len for r in reqs]
+        # 1. the draft round's lanes
+        lane_slots = []
+        for r, L in zip(reqs, base):
+            got = self._alloc(k_lanes * s)
+            self._set_slots(r, L, got)
+            lane_slots.append(got)
+        self._tree_draft_round(reqs, base, lane_slots)
+        self.allocator.free(torch.tensor([x for ls in lane_slots for x in ls], dtype=torch.int64))
+        # 2. the target verify of each request's tree
+        trees = [self._random_tree(r, L) for r, L in zip(reqs, base)]
+        verify_slots = []
+        for r, L in zip(reqs, base):
+            got = self._alloc(n)
+            self._set_slots(r, L, got)
+            verify_slots.append(got)
+        ids = [t for tree in trees for t in tree["tokens"]]
+        pos = [L + d for tree, L in zip(trees, base) for d in tree["depth"]]
+        fb = self._batch(
+            self.target,
+            ForwardMode.TARGET_VERIFY,
+            ids,
+            pos,
+            [x for v in verify_slots for x in v],
+            [r.row for r in reqs],
+            base,
+            reqs,
+        )
+        fb.spec_info = self._tree_verify_input(ids, pos, base, trees, self.topk, self.steps)
+        self._eager(self.target, self.target_pool, fb)
+        # 3. acceptance: a root path (the first matching child at each level)
+        paths = []
+        for r, L, tree, vs in zip(reqs, base, trees, verify_slots):
+            path = self._accepted_path(r, L, tree)
+            # a planted fault goes to a request that reads it next round (one not finishing)
+            reads_on = r.max_new - len(r.output) > 2 * (s + 1)
+            if self._fault == "flattened" and reads_on and path != list(range(len(path))):
+                path = list(range(len(path)))
+                self.fault_log.append(dict(kind="flattened", rid=r.rid, path=path))
+            acc = len(path) - 1
+            self.accepted += acc
+            self.rejected += n - 1 - acc
+            r.output += [self.truth(r, L + 1 + j) for j in range(acc + 1)]
+            r.kv_len = L + acc + 1
+            kept = [vs[i] for i in path]
+            if self._fault == "rejected_sibling" and reads_on and acc >= 1:
+                sib = [
+                    i
+                    for i in range(1, n)
+                    if tree["depth"][i] == 1
+                    and tree["parent"][i] == 0
+                    and tree["tokens"][i] != tree["tokens"][path[1]]
+                ]
+                if sib:
+                    kept[1] = vs[sib[0]]  # re-pointed at a rejected node of the same depth
+                    self.fault_log.append(
+                        dict(kind="rejected_sibling", rid=r.rid, position=L + 1, slot=kept[1])
+                    )
+            self._set_slots(r, L, kept)
+            r.slots += kept
+            dropped = [vs[i] for i in range(n) if vs[i] not in kept]
+            if dropped:
+                self.allocator.free(torch.tensor(dropped, dtype=torch.int64))
+            paths.append(kept)
+        if self.fault_log and self._fault in ("flattened", "rejected_sibling"):
+            self._fault = None
+        # 4. the draft extend of the accepted paths
+        ids, pos, loc, seq, ext = [], [], [], [], []
+        for r, L, kept in zip(reqs, base, paths):
+            acc = len(kept) - 1
+            ids += [self.truth(r, L + 1 + j) for j in range(acc + 1)]
+            pos += [L + j for j in range(acc + 1)]
+            loc += kept
+            seq.append(L + acc + 1)
+            ext.append(acc + 1)
+        self._eager(
+            self.draft,
+            self.draft_pool,
+            self._batch(
+                self.draft,
+                ForwardMode.DRAFT_EXTEND,
+                ids,
+                pos,
+                loc,
+                [r.row for r in reqs],
+                seq,
+                reqs,
+                pre=base,
+                ext=ext,
+            ),
+        )
+        self.rounds += 1
+
+    def _tree_draft_round(self, reqs, base, lane_slots) -> None:
+        """sglang's ``draft_forward`` with K lanes: one ForwardBatch of ``bs`` requests whose
+        tokens, positions and slots are ``[bs * K]``, mutated per forward."""
+        s, k_lanes = self.steps, self.topk
+        fb = self._batch(
+            self.draft,
+            ForwardMode.DECODE,
+            [self.rng.randrange(VOCAB) for _ in range(len(reqs) * k_lanes)],
+            [L for L in base for _ in range(k_lanes)],
+            [x for ls in lane_slots for x in ls],
+            [r.row for r in reqs],
+            base,
+            reqs,
+        )
+        # sglang's out_cache_loc.reshape(bs, K, steps).permute(2, 0, 1).reshape(steps, -1)
+        by_step = fb.out_cache_loc.reshape(len(reqs), k_lanes, s).permute(2, 0, 1).reshape(s, -1)
+
+        def one_forward():
+            self.draft.pre_ops_maybe_inside_graph(fb)
+            self.write_kv(self.draft_pool, fb)
+            self.draft.post_ops_maybe_inside_graph(fb)
+
+        def loop():
+            for i in range(s - 1):
+                fb.input_ids = torch.tensor(
+                    [self.rng.randrange(VOCAB) for _ in range(len(reqs) * k_lanes)],
+                    dtype=torch.int64,
+                )
+                fb.out_cache_loc = by_step[i]
+                self.around_forward(fb, one_forward)
+                fb.positions.add_(1)
+                if i == 0 and self._fault == "lane_flip" and s >= 3:
+                    slot = int(by_step[0][1])  # request 0, lane 1, step 0
+                    self.draft_pool.k_buffer[0][slot].view(torch.uint8).view(-1)[0] ^= 0xFF
+                    self.fault_log.append(dict(kind="lane_flip", rid=reqs[0].rid, slot=slot))
+                    self._fault = None
+
+        self.around_round(fb, loop)
+
+    def _random_tree(self, req: DriverReq, L: int) -> dict:
+        """A tree of ``num_draft`` nodes (module docstring): parents, depths, tokens (each
+        right with ``accept_prob``), orphans marked -2 (their subtrees stay linked under them)."""
+        n, k_lanes, s = self.num_draft, self.topk, self.steps
+        parent, depth, children = [-1], [0], [0] * n
+        for i in range(1, n):
+            choices = [p for p in range(i) if depth[p] < s and children[p] < k_lanes]
+            p = self.rng.choice(choices)
+            children[p] += 1
+            parent.append(p)
+            depth.append(depth[p] + 1)
+        tokens = [req.tokens[L]] + [self._guess(req, L + depth[i]) for i in range(1, n)]
+        linked = list(parent)
+        for i in range(1, n):
+            if self.rng.random() < self.orphan_prob:
+                linked[i] = -2
+        return dict(parent=linked, depth=depth, tokens=tokens)
+
+    def _accepted_path(self, req: DriverReq, L: int, tree: dict) -> List[int]:
+        parent, tokens, depth = tree["parent"], tree["tokens"], tree["depth"]
+        path = [0]
+        while True:
+            kids = [c for c in range(len(parent)) if parent[c] == path[-1]]
+            nxt = next((c for c in kids if tokens[c] == self.truth(req, L + depth[c])), None)
+            if nxt is None:
+                return path
+            path.append(nxt)
+
+    @staticmethod
+    def _tree_verify_input(ids, pos, seq, trees, topk, steps):
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.eagle_info import EagleVerifyInput
+
+        n = len(trees[0]["parent"])
+        first = torch.full((len(trees), n), -1, dtype=torch.int64)
+        sibling = torch.full((len(trees), n), -1, dtype=torch.int64)
+        for b, tree in enumerate(trees):
+            last = {}
+            for c, p in enumerate(tree["parent"]):
+                if p < 0:
+                    continue
+                if p in last:
+                    sibling[b, last[p]] = c
+                else:
+                    first[b, p] = c
+                last[p] = c
+        i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        return EagleVerifyInput(
+            draft_token=i64(ids),
+            custom_mask=torch.ones(len(ids), dtype=torch.bool),
+            positions=i64(pos),
+            retrieve_index=i64(list(range(len(ids)))).view(len(trees), n),
+            retrieve_next_token=first,
+            retrieve_next_sibling=sibling,
+            retrieve_cum_len=i64([0]),
+            spec_steps=steps,
+            topk=topk,
+            draft_token_num=n,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+            seq_lens_sum=sum(seq),
+            seq_lens_cpu=i64(seq),
+        )
