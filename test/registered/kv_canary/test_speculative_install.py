@@ -80,10 +80,10 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(speculative_eagle_topk=2), "EAGLE with --speculative-eagle-topk 1 only"),
+        (dict(speculative_eagle_topk=2, page_size=16), "at --page-size 1 only \\(got 16\\)"),
         (
-            dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=2),
-            "STANDALONE with --speculative-eagle-topk 1 only",
+            dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=4, page_size=64),
+            "--speculative-eagle-topk 4 \\(draft trees\\) at --page-size 1 only",
         ),
         (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm NGRAM yet"),
         (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
@@ -97,6 +97,30 @@ def test_what_speculative_coverage_refuses_names_the_flag(monkeypatch, kw, match
     with pytest.raises(ValueError, match=match):
         startup_checks.check_server_args_for_canary(_spec_server_args(**kw))
     startup_checks.check_server_args_for_canary(_spec_server_args())  # the covered setting starts
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "STANDALONE"])
+def test_a_draft_tree_server_guards_its_lanes_and_its_trees(monkeypatch, algorithm):
+    """``--speculative-eagle-topk`` 3 at page size 1 starts; the draft runner's canary plans
+    its round's forwards by lane (3 lanes of 4 steps, rows for 3 per request) and the target's
+    writes its verify's trees (paths of at most steps + 1 nodes)."""
+    from sglang.srt.kv_canary import install, startup_checks
+
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    args = _spec_server_args(
+        speculative_algorithm=algorithm, speculative_eagle_topk=3, speculative_num_draft_tokens=8
+    )
+    startup_checks.check_server_args_for_canary(args)
+    pools = [tiny_mha_pool(63) for _ in range(2)]
+    target = install.install_canary(server_args=args, model_runner=_runner(pools[0], draft=False))
+    draft = install.install_canary(server_args=args, model_runner=_runner(pools[1], draft=True))
+    assert (draft.ranks.draft_topk, target.ranks.verify_tree_depth) == (3, 5)
+    lanes = draft.sfms[0].plan_input.lanes
+    assert lanes is not None and lanes.branch_shift[:6].tolist() == [0, 4, 8, 0, 4, 8]
+    assert draft.sfms[0].tree is None and target.sfms[0].plan_input.lanes is None
+    assert target.sfms[0].tree.max_depth == 5
+    assert draft.capacities.write_req_capacity == 3 * target.capacities.write_req_capacity
 
 
 def _clean_canary_env(monkeypatch):

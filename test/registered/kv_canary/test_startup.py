@@ -412,24 +412,35 @@ def _eagle_kwargs(model_dir, topk, algorithm="EAGLE"):
     )
 
 
-def test_eagle_starts_and_a_draft_tree_is_refused_from_every_route(capsys, model_dir):
-    args = cli(model_dir, "--kv-canary", "raise", *_eagle(model_dir, 1))
-    assert args.kv_canary == "raise" and args.speculative_eagle_topk == 1
-    kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 1))
-    assert "--speculative-eagle-topk 1 only (got 2)" in cli_error(
-        capsys, model_dir, "--kv-canary", "raise", *_eagle(model_dir, 2)
-    )
-    with pytest.raises(ValueError, match="--speculative-eagle-topk 1 only"):
-        kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 2))
-    cli(model_dir, "--kv-canary", "none", *_eagle(model_dir, 2))  # canary off: sglang's own
-
-
-def test_standalone_starts_and_a_draft_tree_is_refused_from_every_route(
-    capsys, monkeypatch, model_dir
+def test_eagle_chains_and_trees_start_and_paged_trees_are_refused_from_every_route(
+    capsys, model_dir
 ):
+    """EAGLE with the canary: topk 1 and a draft tree (topk 2) start from the command line
+    and ``Engine`` kwargs; a draft tree at page size 16 (sglang runs it with flashinfer) is
+    refused on each route, naming ``--page-size``; the canary off, sglang's own."""
+    for topk in (1, 2):
+        args = cli(model_dir, "--kv-canary", "raise", *_eagle(model_dir, topk))
+        assert args.kv_canary == "raise" and args.speculative_eagle_topk == topk
+        kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, topk))
+    paged = ["--page-size", "16", "--attention-backend", "flashinfer"]
+    assert "at --page-size 1 only (got 16)" in cli_error(
+        capsys, model_dir, "--kv-canary", "raise", *_eagle(model_dir, 2), *paged
+    )
+    with pytest.raises(ValueError, match="at --page-size 1 only"):
+        kwargs(
+            model_dir,
+            kv_canary="raise",
+            page_size=16,
+            attention_backend="flashinfer",
+            **_eagle_kwargs(model_dir, 2),
+        )
+    cli(model_dir, "--kv-canary", "none", *_eagle(model_dir, 2), *paged)  # canary off
+
+
+def test_standalone_starts_with_chains_and_trees_from_every_route(capsys, monkeypatch, model_dir):
     """STANDALONE (a separate draft LM) with the canary: accepted at topk 1 from the command
     line and ``Engine`` kwargs, also with ``SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=draft``
-    (it has a draft pool); refused at topk 2 on each route, naming the flag."""
+    (it has a draft pool), and at topk 2 (a draft tree) on each route."""
     flags, tree = (_eagle(model_dir, k, "STANDALONE") for k in (1, 2))
     kw = _eagle_kwargs(model_dir, 1, "STANDALONE")
     args = cli(model_dir, "--kv-canary", "raise", *flags)
@@ -439,11 +450,8 @@ def test_standalone_starts_and_a_draft_tree_is_refused_from_every_route(
     cli(model_dir, "--kv-canary", "log", *flags)
     kwargs(model_dir, kv_canary="log", **kw)
     monkeypatch.delenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER")
-    assert "STANDALONE with --speculative-eagle-topk 1 only" in cli_error(
-        capsys, model_dir, "--kv-canary", "raise", *tree
-    )
-    with pytest.raises(ValueError, match="STANDALONE with --speculative-eagle-topk 1 only"):
-        kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 2, "STANDALONE"))
+    assert cli(model_dir, "--kv-canary", "raise", *tree).speculative_eagle_topk == 2
+    kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 2, "STANDALONE"))
 
 
 def test_adaptive_steps_start_from_every_route(capsys, tmp_path, model_dir):

@@ -82,9 +82,10 @@ def draft_worker_name(algorithm: Optional[str]) -> str:
 
 
 def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
-    """Speculative decoding: EAGLE / EAGLE3 / NEXTN / STANDALONE with a draft chain (``topk``
-    1) are guarded, target and draft pools (docs/user_guide.md, "Speculative decoding"); the
-    rest is refused with the flag to change."""
+    """Speculative decoding: EAGLE / EAGLE3 / NEXTN / STANDALONE, with a draft chain (``topk``
+    1) or draft trees (``topk`` > 1 at page size 1), are guarded, target and draft pools
+    (docs/user_guide.md, "Speculative decoding"); the rest is refused with the flag to
+    change."""
     spec = sglang_seam.speculative_facts(server_args)
     if spec.algorithm is None:
         if config.perturb.target_worker == WORKER_DRAFT:
@@ -104,12 +105,13 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
             f"--kv-canary does not cover --speculative-algorithm {spec.algorithm} yet (covered: "
             f"{_COVERED_FLAGS.replace(' or', ',')}); run it without --kv-canary"
         )
-    if spec.topk > 1:
+    page_size = int(sglang_seam.server_args_value(server_args, "page_size", 1) or 1)
+    if spec.topk > 1 and page_size > 1:
         raise ValueError(
-            f"--kv-canary covers {draft_worker_name(spec.algorithm)} with "
-            f"--speculative-eagle-topk 1 only (got {spec.topk}): "
-            "a draft tree's tokens share positions and are accepted along one branch, which "
-            "the canary's per-request chain cannot follow yet; use --speculative-eagle-topk 1"
+            f"--kv-canary covers --speculative-eagle-topk {spec.topk} (draft trees) at "
+            f"--page-size 1 only (got {page_size}): with larger pages sglang moves the accepted "
+            "nodes' KV between slots (move_kv_cache), which the canary does not follow yet; use "
+            "--page-size 1 or --speculative-eagle-topk 1"
         )
     if spec.multi_layer_eagle:
         raise ValueError(
