@@ -54,7 +54,7 @@ from canary_support.script_run import load_support_script
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=4850, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=5250, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -75,6 +75,8 @@ GPU_LANES = {
     "spec_standalone_faults_v1": ("standalone and every_fault and spec_v1", 350),
     "spec_standalone_faults_v2": ("standalone and every_fault and spec_v2", 220),
     "spec_standalone_radix_keys": ("standalone and radix_keys", 200),
+    "spec_tree_clean": ("tree and clean", 220),
+    "spec_tree_faults": ("tree and every_fault", 180),
 }
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -219,6 +221,42 @@ def assert_every_fault_caught_in_a_log_run(models, spec, env, drafter: str, **en
 def test_every_fault_class_is_caught_in_each_pool(models, spec, worker):
     env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
     assert_every_fault_caught_in_a_log_run(models, spec, env, "EAGLE")
+
+
+# draft trees (docs/speculative_trees.md): spec v1 (sglang runs trees on v1 only), page size 1
+TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_tree_clean_matches_canary_off(models, backend):
+    """A draft tree (topk 2, 3 steps, 6 draft tokens) with the canary in raise mode, real
+    data, a sweep and token checks: outputs equal to the canary off's, no violation, both
+    canaries reserved; the draft runner's canary plans its round by lane, the target's
+    writes the verify's trees."""
+    kw = dict(UNCHUNKED, attention_backend=backend, **TREE)
+    rc, out, off = run(models, "spec_v1", **kw)
+    assert rc == 0 and off is not None, out[-4000:]
+    rc, out, on = run(
+        models,
+        "spec_v1",
+        {
+            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5",
+        },
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=3,
+        **kw,
+    )
+    assert rc == 0, out[-4000:]
+    assert "kv_canary installed on the EAGLE draft worker: mode=raise" in out, out[-4000:]
+    assert_clean_and_both_canaries_reserved(out, on, off)
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+def test_tree_every_fault_class_is_caught_in_each_pool(models, worker):
+    env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
+    assert_every_fault_caught_in_a_log_run(models, "spec_v1", env, "EAGLE", **TREE)
 
 
 @pytest.mark.parametrize("spec", sorted(SPEC))
