@@ -1,6 +1,6 @@
 """EAGLE draft trees (``--speculative-eagle-topk`` K > 1, spec v1, page size 1) over real sglang
-0.5.12 pools and ForwardBatch objects (test support; docs/speculative_trees.md, "What sglang
-0.5.12 runs with topk > 1").
+0.5.12 pools and ForwardBatch objects (test support; docs/speculative_trees.md, "1. What
+sglang 0.5.12 runs with topk > 1").
 
 :class:`EagleTreeDriver` is :class:`~eagle_driver.EagleDriver` (prefill, finishing, the
 canaries built as ``install_canary`` builds them, here with ``RankFacts.draft_topk`` K on the

@@ -1,5 +1,5 @@
 """The write kernel over a speculative draft tree (``WriteTree``; docs/speculative_trees.md,
-"Record semantics for tree tokens"): hand trees and seeded fuzz against an independent scalar
+"3. Record semantics for tree tokens"): hand trees and seeded fuzz against an independent scalar
 oracle (:func:`oracle_tree_write`, one entry at a time, walking each path in Python), on the
 Triton launcher (the interpreter on CPU) and the torch reference (the ``impl`` fixture)."""
 

@@ -1,5 +1,5 @@
 """The write kernel's chain part over a speculative draft tree (docs/speculative_trees.md,
-"Record semantics for tree tokens"): one lane per entry, all in parallel. Each lane walks its
+"3. Record semantics for tree tokens"): one lane per entry, all in parallel. Each lane walks its
 entry's path up to the request's seed (at most ``MAX_DEPTH`` entries), then folds the path's
 (token, position) pairs root first into the seed's hash: the record a plain decode of the same
 tokens would store. Launched by ``write.launch_canary_write_kernel`` /

@@ -1,5 +1,5 @@
-"""A draft tree's parent table from sglang's linked lists (docs/speculative_trees.md, "Changes
-to the canary", the single-forward manager).
+"""A draft tree's parent table from sglang's linked lists (docs/speculative_trees.md, "4.4
+Single-forward manager").
 
 ``launch_tree_parents_kernel``: from a target verify's ``retrieve_next_token`` (a node's first
 child) and ``retrieve_next_sibling`` (its next sibling), both int64 ``[bs, n]`` with local node

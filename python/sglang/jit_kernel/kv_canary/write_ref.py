@@ -211,7 +211,7 @@ def _tree_chain(
     zero_fp,
     tree,
 ):
-    """The chain part over a draft tree (docs/speculative_trees.md, "Record semantics for
+    """The chain part over a draft tree (docs/speculative_trees.md, "3. Record semantics for
     tree tokens"): each entry's record is chained from its tree path (the request's seed, then
     its ancestors root first), its position checked against its parent's; an orphan (itself
     or an ancestor ``TREE_PARENT_ORPHAN``) is skipped; a bad link (a parent index not smaller

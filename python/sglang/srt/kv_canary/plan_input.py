@@ -152,7 +152,7 @@ class PlanInput:
         positions and slots ``[bs * topk]``, row ``b * topk + k``): fill ``bs * topk`` rows
         (request b's ``req_to_token`` row, prefix = the lane's position, extend 1; lane k >= 1
         verifies from the committed length L = ``seq_lens[b]``, its positions from L on read
-        ``k * steps`` columns further: docs/speculative_trees.md, "Plan") and return them as
+        ``k * steps`` columns further: docs/speculative_trees.md, "4.2 Plan") and return them as
         ``(req_pool_indices, prefix_lens, extend_seq_lens, lanes)``. Static buffers, index
         copies only: capturable."""
         bs = forward_batch.req_pool_indices.shape[0]

@@ -194,7 +194,7 @@ class WritePlan:
 class WriteTree:
     """A speculative draft tree's shape, for a write whose entries are tree nodes rather than a
     chain (the target verify of ``--speculative-eagle-topk`` > 1; docs/speculative_trees.md,
-    "Record semantics for tree tokens").
+    "3. Record semantics for tree tokens").
 
     - ``parent`` int64 ``[capacity]`` (device; at least the launch's ``num_tokens``): per
       entry, its parent's index *within its request's entries* (``write_offsets``), which is
@@ -233,7 +233,7 @@ class WriteTree:
 class PlanLanes:
     """Per-row ``req_to_token`` layout of a plan whose rows are a speculative draft round's
     lanes (``--speculative-eagle-topk`` K > 1: row ``b * K + k`` is request b's lane k;
-    docs/speculative_trees.md, "Plan"). int64 ``[capacity]`` (at least the batch's rows):
+    docs/speculative_trees.md, "4.2 Plan"). int64 ``[capacity]`` (at least the batch's rows):
 
     - ``verify_from``: the row's first verified position (with a window: the later of the two);
       a lane k >= 1 verifies only its own steps, the shared prefix being lane 0's.
