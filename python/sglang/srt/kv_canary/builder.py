@@ -73,6 +73,7 @@ def build_canary(
         req_to_token_shape=tuple(req_to_token.shape),
         num_single_forward_managers=ranks.single_forward_managers,
         device=device,
+        ranks=ranks,
     )
     manager = CanaryManager(
         config=config,
@@ -98,6 +99,7 @@ def memory_inputs(
     req_to_token_shape: Tuple[int, int],
     num_single_forward_managers: int,
     device,
+    ranks: Optional[RankFacts] = None,
 ) -> CanaryMemoryInputs:
     """What :func:`build_canary` allocates for ``groups`` (built, or predicted by the KV-pool
     sizing hook) under ``config``, for :class:`~sglang.srt.kv_canary.memory.CanaryMemory`.
@@ -113,4 +115,6 @@ def memory_inputs(
         sweep=config.sweep_interval > 0,
         swa_divergence_stats=config.swa_divergence_stats_interval > 0,
         cuda=torch.device(device).type == "cuda",
+        plan_lanes=ranks is not None and ranks.draft_topk > 1,
+        verify_trees=ranks is not None and ranks.verify_tree_depth > 0,
     )

@@ -172,8 +172,7 @@ def install_canary(
             draft_steps=spec.max_steps if draft else 0,
             # draft trees (--speculative-eagle-topk > 1): the draft round's lanes, and the
             # verify's paths of at most steps + 1 nodes (docs/speculative_trees.md)
-            draft_topk=max(spec.topk, 1) if draft else 1,
-            verify_tree_depth=spec.max_steps + 1 if spec.topk > 1 and not draft else 0,
+            **RankFacts.tree_fields(topk=spec.topk, max_steps=spec.max_steps, draft=draft),
             disaggregation_mode=sglang_seam.server_args_value(
                 server_args, "disaggregation_mode", "null"
             ),

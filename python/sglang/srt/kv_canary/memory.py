@@ -47,6 +47,9 @@ _I32 = 4
 _VERIFY_PLAN_ARRAYS = 5
 # PlanInput: prefix_lens, extend_seq_lens, req_pool_indices and its constant fill of ones
 _PLAN_INPUT_ARRAYS = 4
+# PlanInput's lanes (a draft runner with topk > 1): per row its request, whether it is a later
+# lane, its req_to_token row, its valid length, and PlanLanes' three arrays
+_PLAN_LANE_ARRAYS = 7
 # EagerForwardGraphs (CUDA only): input_ids, positions, out_cache_loc on the device; its two
 # staging tables in pinned host memory (the staging kernel reads them in place)
 _EAGER_GRAPH_ARRAYS = 3
@@ -128,6 +131,10 @@ class CanaryMemoryInputs:
     swa_divergence_stats: bool = False
     cuda: bool = True
     host_mirror_slots: int = 0
+    # draft trees (docs/speculative_trees.md): a draft runner's lane buffers, a target
+    # runner's parent table
+    plan_lanes: bool = False
+    verify_trees: bool = False
 
     def __post_init__(self):
         if not self.groups:
@@ -226,7 +233,9 @@ class CanaryMemory:
                 + len(groups) * _I32  # plan_enabled
                 + entries * _I64  # forward_slots
                 + (2 * entries * _I64 if inputs.write_input_check else 0)  # ExpectedInputs
-                + (_EAGER_GRAPH_ARRAYS * entries * _I64 if inputs.cuda else 0),
+                + (_EAGER_GRAPH_ARRAYS * entries * _I64 if inputs.cuda else 0)
+                + (_PLAN_LANE_ARRAYS * reqs * _I64 if inputs.plan_lanes else 0)
+                + (entries * _I64 if inputs.verify_trees else 0),  # WriteTree.parent
             )
             if inputs.cuda:
                 add(host, MemoryPart.FORWARD_INPUTS, 2 * _STAGE_TABLE_BYTES)

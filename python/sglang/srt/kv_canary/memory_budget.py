@@ -168,11 +168,14 @@ def _runner_memory(
     config: CanaryConfig,
     rows_cols: Tuple[int, int],
     capacity_inputs: CanaryCapacityInputs,
-    sfms: int,
+    ranks: RankFacts,
     device,
 ) -> CanaryMemory:
     capacities = CanaryLaunchCapacities.for_server(
-        num_slots=groups[0].slots, req_to_token_rows=rows_cols[0], inputs=capacity_inputs
+        num_slots=groups[0].slots,
+        req_to_token_rows=rows_cols[0],
+        inputs=capacity_inputs,
+        rows_per_request=ranks.plan_rows_per_request,
     )
     return CanaryMemory.for_inputs(
         memory_inputs(
@@ -180,8 +183,9 @@ def _runner_memory(
             groups=groups,
             capacities=capacities,
             req_to_token_shape=rows_cols,
-            num_single_forward_managers=sfms,
+            num_single_forward_managers=ranks.single_forward_managers,
             device=device,
+            ranks=ranks,
         )
     )
 
@@ -195,10 +199,12 @@ def predicted_memory(
     draft: Optional[RankFacts],
     device,
     draft_pool: Optional[DraftPool] = None,
+    target: Optional[RankFacts] = None,
 ) -> Tuple[CanaryMemory, Optional[CanaryMemory]]:
-    """The target runner's canary memory for a pool of ``tokens`` and, when ``draft`` (the
-    draft runner's facts) is given, the draft runner's, on ``draft_pool`` (its pool has the
-    target's token counts; default: an EAGLE head, :meth:`DraftPool.for_server`)."""
+    """The target runner's canary memory for a pool of ``tokens`` (``target``: its facts,
+    default a single rank) and, when ``draft`` (the draft runner's facts) is given, the draft
+    runner's, on ``draft_pool`` (its pool has the target's token counts; default: an EAGLE
+    head, :meth:`DraftPool.for_server`)."""
     rows_cols = sizing.req_to_token_shape(tokens)
     target = _runner_memory(
         groups=predicted_groups(
@@ -212,7 +218,7 @@ def predicted_memory(
         config=config,
         rows_cols=rows_cols,
         capacity_inputs=capacity_inputs,
-        sfms=1,
+        ranks=target or RankFacts(),
         device=device,
     )
     if draft is None:
@@ -231,7 +237,7 @@ def predicted_memory(
         config=config,
         rows_cols=rows_cols,
         capacity_inputs=capacity_inputs,
-        sfms=draft.single_forward_managers,
+        ranks=draft,
         device=device,
     )
     return target, draft_memory
@@ -252,9 +258,15 @@ def reserve_canary_memory(
     sizing = KvPoolSizing(model_runner)
     spec = sglang_seam.speculative_facts(server_args)
     # the draft runner as install_canary will describe it (its single-forward managers)
+    trees = dict(topk=spec.topk, max_steps=spec.max_steps)
     draft = (
-        RankFacts(draft=True, draft_steps=spec.max_steps) if spec.algorithm is not None else None
+        RankFacts(
+            draft=True, draft_steps=spec.max_steps, **RankFacts.tree_fields(**trees, draft=True)
+        )
+        if spec.algorithm is not None
+        else None
     )
+    target = RankFacts(**RankFacts.tree_fields(**trees, draft=False))
     draft_pool = DraftPool.for_server(sizing, server_args, spec.algorithm)
     device = sizing.device
 
@@ -270,6 +282,7 @@ def reserve_canary_memory(
             draft=draft,
             device=device,
             draft_pool=draft_pool,
+            target=target,
         )
         return tokens, memories
 

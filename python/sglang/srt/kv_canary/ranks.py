@@ -75,6 +75,17 @@ class RankFacts:
         """The canary's single-forward managers: one per forward of a draft round, else one."""
         return max(1, self.draft_forwards_per_round)
 
+    @staticmethod
+    def tree_fields(*, topk: int, max_steps: int, draft: bool) -> dict:
+        """``draft_topk`` / ``verify_tree_depth`` of a runner of a server with
+        ``--speculative-eagle-topk`` ``topk`` and at most ``max_steps`` draft steps (what
+        :func:`install_canary` and the memory reservation both build)."""
+        trees = topk > 1
+        return dict(
+            draft_topk=topk if trees and draft else 1,
+            verify_tree_depth=max_steps + 1 if trees and not draft else 0,
+        )
+
     @property
     def plan_rows_per_request(self) -> int:
         """Plan rows one request takes in a forward: a draft runner's lanes (topk), else 1."""
