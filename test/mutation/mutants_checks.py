@@ -649,4 +649,32 @@ MUTANTS_CHECKS = (
         speed="quick",
         what="raise and abort act on a draft pool's violations by default",
     ),
+    Mutant(
+        id="tree-write-folds-leaf-first",
+        path=f"{_KN}/_tree_triton.py",
+        old="                    up = fold & (hop < depth - 1 - level)",
+        new="                    up = fold & (hop < level)",
+        selection=f"{_T}/test_kernels_tree_write.py::"
+        "test_each_node_is_chained_from_its_path_root_first",
+        speed="quick",
+        what="a draft tree's node records fold their path leaf first, not root first",
+    ),
+    Mutant(
+        id="draft-lanes-planned-as-one-chain",
+        path=f"{_RT}/single_forward_manager/forward_manager.py",
+        old="                lanes=inputs.lanes,",
+        new="                lanes=None,",
+        selection=f"{_T}/test_speculative_trees.py::test_a_lane_is_verified_from_its_own_columns",
+        speed="quick",
+        what="a draft round's later lanes are verified at the first lane's columns",
+    ),
+    Mutant(
+        id="verify-tree-written-as-a-chain",
+        path=f"{_RT}/single_forward_manager/forward_manager.py",
+        old="            tree=self.tree if self._is_tree_forward(forward_batch) else None,",
+        new="            tree=None,",
+        selection=f"{_T}/test_speculative_trees.py::test_tree_rounds_run_clean_with_token_checks",
+        speed="quick",
+        what="a target verify's tree nodes are chained in entry order, not along their paths",
+    ),
 )
