@@ -387,7 +387,10 @@ class EagleDriver:
                 r.slots += vs[: acc + 1]
                 self.allocator.free(torch.tensor(vs[acc + 1 :], dtype=torch.int64))
         # 3. the draft extend after the verify
-        if self.v2:
+        if not self.v2:
+            kept = [vs[: acc + 1] for acc, vs in zip(accepts, verify_slots)]
+            self.draft_extend_accepted(reqs, base, kept)
+        else:
             ids, pos, loc, seq = [], [], [], []
             for r, L, acc, vs in zip(reqs, base, accepts, verify_slots):
                 ids += [
@@ -398,24 +401,52 @@ class EagleDriver:
                 loc += vs
                 seq.append(L + s + 1)
             ext = [s + 1] * len(reqs)
-            mode = ForwardMode.DRAFT_EXTEND_V2
-        else:
-            ids, pos, loc, seq, ext = [], [], [], [], []
-            for r, L, acc, vs in zip(reqs, base, accepts, verify_slots):
-                ids += [self.truth(r, L + 1 + k) for k in range(acc + 1)]
-                pos += [L + k for k in range(acc + 1)]
-                loc += vs[: acc + 1]
-                seq.append(L + acc + 1)
-                ext.append(acc + 1)
-            mode = ForwardMode.DRAFT_EXTEND
+            self._eager(
+                self.draft,
+                self.draft_pool,
+                self._batch(
+                    self.draft,
+                    ForwardMode.DRAFT_EXTEND_V2,
+                    ids,
+                    pos,
+                    loc,
+                    [r.row for r in reqs],
+                    seq,
+                    reqs,
+                    pre=base,
+                    ext=ext,
+                ),
+            )
+        self.rounds += 1
+
+    def draft_extend_accepted(self, reqs, base, kept) -> None:
+        """Spec v1's draft ``DRAFT_EXTEND`` after a verify: each request's accepted slots
+        ``kept`` (its verify's bonus and accepted guesses) at ``L ..``, with the tokens
+        shifted by one (position p holds the KV of token p + 1)."""
+        ids, pos, loc, seq, ext = [], [], [], [], []
+        for r, L, slots in zip(reqs, base, kept):
+            n = len(slots)
+            ids += [self.truth(r, L + 1 + k) for k in range(n)]
+            pos += [L + k for k in range(n)]
+            loc += slots
+            seq.append(L + n)
+            ext.append(n)
         self._eager(
             self.draft,
             self.draft_pool,
             self._batch(
-                self.draft, mode, ids, pos, loc, [r.row for r in reqs], seq, reqs, pre=base, ext=ext
+                self.draft,
+                ForwardMode.DRAFT_EXTEND,
+                ids,
+                pos,
+                loc,
+                [r.row for r in reqs],
+                seq,
+                reqs,
+                pre=base,
+                ext=ext,
             ),
         )
-        self.rounds += 1
 
     def _guess(self, req: DriverReq, position: int) -> int:
         right = self.truth(req, position)

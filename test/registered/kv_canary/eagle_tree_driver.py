@@ -32,7 +32,7 @@ import torch
 
 from eagle_driver import EagleDriver
 from serving_driver import VOCAB, DriverReq
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 
 class EagleTreeDriver(EagleDriver):
@@ -145,30 +145,7 @@ class EagleTreeDriver(EagleDriver):
         if self.fault_log and self._fault in ("flattened", "rejected_sibling"):
             self._fault = None
         # 4. the draft extend of the accepted paths
-        ids, pos, loc, seq, ext = [], [], [], [], []
-        for r, L, kept in zip(reqs, base, paths):
-            acc = len(kept) - 1
-            ids += [self.truth(r, L + 1 + j) for j in range(acc + 1)]
-            pos += [L + j for j in range(acc + 1)]
-            loc += kept
-            seq.append(L + acc + 1)
-            ext.append(acc + 1)
-        self._eager(
-            self.draft,
-            self.draft_pool,
-            self._batch(
-                self.draft,
-                ForwardMode.DRAFT_EXTEND,
-                ids,
-                pos,
-                loc,
-                [r.row for r in reqs],
-                seq,
-                reqs,
-                pre=base,
-                ext=ext,
-            ),
-        )
+        self.draft_extend_accepted(reqs, base, paths)
         self.rounds += 1
 
     def _tree_draft_round(self, reqs, base, lane_slots) -> None:

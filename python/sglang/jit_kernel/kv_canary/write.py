@@ -370,7 +370,7 @@ def launch_canary_chain_writes(
     )
 
 
-def _launch(
+def _write_args(
     contexts,
     plan,
     input_ids,
@@ -379,20 +379,17 @@ def _launch(
     enable_write_input_assert,
     expected_input_tokens,
     expected_input_positions,
-    *,
-    num_sources,
-    n_chain,
-    n_fp,
-):
-    """One write launch on validated arguments: the chain part for every context (lanes of
-    (request, context)), the fingerprint part (``n_fp`` programs) for the first."""
+) -> tuple:
+    """The arguments both write kernels take first, in their order: the (padded) contexts'
+    buffers, the plan, the forward's inputs and expected inputs, the chain-position flag, the
+    ring, and the contexts' counters and kinds."""
     context = contexts[0]
     padded = contexts + [context] * (MAX_CHAIN_WRITE_BUFFERS - len(contexts))
     if enable_write_input_assert:
         exp_tok, exp_pos = expected_input_tokens, expected_input_positions
     else:  # never dereferenced: INPUT_ASSERT is a constexpr
         exp_tok, exp_pos = input_ids, positions
-    _canary_write_kernel[(n_chain + n_fp,)](
+    return (
         *(c.canary_words for c in padded),
         context.num_slots,
         plan.write_offsets,
@@ -413,7 +410,37 @@ def _launch(
         *(c.slot_run_counter for c in padded),
         *(c.kernel_run_counter for c in padded),
         *(int(c.kernel_kind) for c in padded),
-        context.source_descriptors,
+    )
+
+
+def _launch(
+    contexts,
+    plan,
+    input_ids,
+    positions,
+    out_cache_loc,
+    enable_write_input_assert,
+    expected_input_tokens,
+    expected_input_positions,
+    *,
+    num_sources,
+    n_chain,
+    n_fp,
+):
+    """One write launch on validated arguments: the chain part for every context (lanes of
+    (request, context)), the fingerprint part (``n_fp`` programs) for the first."""
+    _canary_write_kernel[(n_chain + n_fp,)](
+        *_write_args(
+            contexts,
+            plan,
+            input_ids,
+            positions,
+            out_cache_loc,
+            enable_write_input_assert,
+            expected_input_tokens,
+            expected_input_positions,
+        ),
+        contexts[0].source_descriptors,
         n_chain,
         INPUT_ASSERT=enable_write_input_assert,
         NUM_SOURCES=num_sources,
@@ -442,35 +469,19 @@ def _launch_tree(
 ):
     """The chain part over a draft tree on validated arguments: one program per request
     (grid-stride), one grid column per context."""
-    context = contexts[0]
-    padded = contexts + [context] * (MAX_CHAIN_WRITE_BUFFERS - len(contexts))
-    if enable_write_input_assert:
-        exp_tok, exp_pos = expected_input_tokens, expected_input_positions
-    else:  # never dereferenced: INPUT_ASSERT is a constexpr
-        exp_tok, exp_pos = input_ids, positions
-    n_prog = grid_size(context.device, plan.req_capacity, 1)
+    n_prog = grid_size(contexts[0].device, plan.req_capacity, 1)
     tree_write_kernel[(n_prog, len(contexts))](
-        *(c.canary_words for c in padded),
-        context.num_slots,
-        plan.write_offsets,
-        plan.write_seed_slot_indices,
-        plan.write_req_to_token_rows,
-        plan.write_num_valid_reqs,
-        plan.req_capacity,
-        input_ids,
-        positions,
-        out_cache_loc,
-        input_ids.shape[0],
-        exp_tok,
-        exp_pos,
-        context.enable_chain_position_assert,
+        *_write_args(
+            contexts,
+            plan,
+            input_ids,
+            positions,
+            out_cache_loc,
+            enable_write_input_assert,
+            expected_input_tokens,
+            expected_input_positions,
+        ),
         tree.parent,
-        context.violation_ring,
-        context.violation_write_index,
-        context.ring_capacity,
-        *(c.slot_run_counter for c in padded),
-        *(c.kernel_run_counter for c in padded),
-        *(int(c.kernel_kind) for c in padded),
         INPUT_ASSERT=enable_write_input_assert,
         ZERO_FP=zero_fp,
         MAX_DEPTH=tree.max_depth,

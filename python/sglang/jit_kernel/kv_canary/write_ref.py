@@ -151,42 +151,20 @@ def _chain(
         pos = torch.where(act, positions[ia].long(), 0)
         slot = torch.where(act, out_cache_loc[ia].long(), -1)
         ok = act & (slot >= 0) & (slot < num_slots)
-        s = slot[ok]
-        records[s, CANARY_FIELD_TOKEN] = tok[ok]
-        records[s, CANARY_FIELD_POSITION] = pos[ok]
-        records[s, CANARY_FIELD_PREV_HASH] = running[ok]
-        if zero_fp:
-            records[s, CANARY_FIELD_REAL_KV_HASH] = 0
-        bits = torch.zeros_like(tok)
-        if enable_write_input_assert:
-            exp_tok = expected_input_tokens[ia].long()
-            exp_pos = expected_input_positions[ia].long()
-            bits |= (tok != exp_tok).long() * FailReason.WRITE_TOKEN_MISMATCH
-            bits |= (pos != exp_pos).long() * FailReason.WRITE_POSITION_MISMATCH
-        else:
-            exp_tok, exp_pos = tok, pos
+        written += _store(records, ok, slot, tok, pos, running, zero_fp)
+        bits, exp_tok, exp_pos = _input_check(
+            tok,
+            pos,
+            ia,
+            expected_input_tokens if enable_write_input_assert else None,
+            expected_input_positions,
+        )
         chain_bad = check_pos & (pos != prev_pos + 1)
         bits |= chain_bad.long() * FailReason.WRITE_POSITION_MISMATCH
         exp_pos = torch.where(chain_bad, prev_pos + 1, exp_pos)
-        bad = ok & (bits != 0)
-        if bool(bad.any()):
-            append_violation_rows(
-                context.violation_ring,
-                context.violation_write_index,
-                violation_rows(
-                    int(context.kernel_kind),
-                    slot[bad],
-                    pos[bad],
-                    tok[bad],
-                    exp_tok[bad],
-                    running[bad],
-                    exp_pos[bad],
-                    bits[bad],
-                    pos[bad],
-                    req_rows[bad],
-                ),
-            )
-        written += int(ok.sum().item())
+        _append(
+            context, ok & (bits != 0), slot, pos, tok, exp_tok, running, exp_pos, bits, req_rows
+        )
         running = torch.where(act, mix3_t(running, tok, pos), running)
         prev_pos = torch.where(act, pos, prev_pos)
     context.slot_run_counter.add_(written)
@@ -271,14 +249,13 @@ def _tree_chain(
         prev_pos = torch.where(has_parent, pos[parent_of(local).clamp_min(0)], seed_pos)
 
         in_range = (slot >= 0) & (slot < num_slots)
-        bits = torch.zeros_like(tok)
-        if enable_write_input_assert:
-            exp_tok = expected_input_tokens[g].long()
-            exp_pos = expected_input_positions[g].long()
-            bits |= (tok != exp_tok).long() * FailReason.WRITE_TOKEN_MISMATCH
-            bits |= (pos != exp_pos).long() * FailReason.WRITE_POSITION_MISMATCH
-        else:
-            exp_tok, exp_pos = tok, pos
+        bits, exp_tok, exp_pos = _input_check(
+            tok,
+            pos,
+            g,
+            expected_input_tokens if enable_write_input_assert else None,
+            expected_input_positions,
+        )
         check_pos = seed_ok and seed > 0 and chain_assert
         chain_bad = rooted & check_pos & (pos != prev_pos + 1)
         bad_link = status == _BAD_LINK
@@ -286,30 +263,54 @@ def _tree_chain(
         exp_pos = torch.where(chain_bad, prev_pos + 1, exp_pos)
         exp_pos = torch.where(bad_link, -1, exp_pos)
 
-        store = rooted & in_range
-        s = slot[store]
-        records[s, CANARY_FIELD_TOKEN] = tok[store]
-        records[s, CANARY_FIELD_POSITION] = pos[store]
-        records[s, CANARY_FIELD_PREV_HASH] = running[store]
-        if zero_fp:
-            records[s, CANARY_FIELD_REAL_KV_HASH] = 0
-        written += int(store.sum().item())
+        written += _store(records, rooted & in_range, slot, tok, pos, running, zero_fp)
         bad = (rooted | bad_link) & in_range & (bits != 0)
-        if bool(bad.any()):
-            append_violation_rows(
-                context.violation_ring,
-                context.violation_write_index,
-                violation_rows(
-                    int(context.kernel_kind),
-                    slot[bad],
-                    pos[bad],
-                    tok[bad],
-                    exp_tok[bad],
-                    running[bad],
-                    exp_pos[bad],
-                    bits[bad],
-                    pos[bad],
-                    plan.write_req_to_token_rows[r].expand(int(bad.sum().item())),
-                ),
-            )
+        rows = plan.write_req_to_token_rows[r].expand(length)
+        _append(context, bad, slot, pos, tok, exp_tok, running, exp_pos, bits, rows)
     context.slot_run_counter.add_(written)
+
+
+def _store(records, mask, slot, tok, pos, running, zero_fp) -> int:
+    """Store the records of the entries ``mask`` selects (``real_kv_hash`` 0 when
+    ``zero_fp``); returns how many."""
+    s = slot[mask]
+    records[s, CANARY_FIELD_TOKEN] = tok[mask]
+    records[s, CANARY_FIELD_POSITION] = pos[mask]
+    records[s, CANARY_FIELD_PREV_HASH] = running[mask]
+    if zero_fp:
+        records[s, CANARY_FIELD_REAL_KV_HASH] = 0
+    return int(mask.sum().item())
+
+
+def _input_check(tok, pos, idx, expected_tokens, expected_positions):
+    """The write-input check of the entries at ``idx`` (``expected_tokens`` None: off):
+    ``(fail bits, expected token, expected position)``."""
+    bits = torch.zeros_like(tok)
+    if expected_tokens is None:
+        return bits, tok, pos
+    exp_tok = expected_tokens[idx].long()
+    exp_pos = expected_positions[idx].long()
+    bits |= (tok != exp_tok).long() * FailReason.WRITE_TOKEN_MISMATCH
+    bits |= (pos != exp_pos).long() * FailReason.WRITE_POSITION_MISMATCH
+    return bits, exp_tok, exp_pos
+
+
+def _append(context, bad, slot, pos, tok, exp_tok, running, exp_pos, bits, req_rows) -> None:
+    """The violation rows of the entries ``bad`` selects (read position: their own)."""
+    if bool(bad.any()):
+        append_violation_rows(
+            context.violation_ring,
+            context.violation_write_index,
+            violation_rows(
+                int(context.kernel_kind),
+                slot[bad],
+                pos[bad],
+                tok[bad],
+                exp_tok[bad],
+                running[bad],
+                exp_pos[bad],
+                bits[bad],
+                pos[bad],
+                req_rows[bad],
+            ),
+        )
