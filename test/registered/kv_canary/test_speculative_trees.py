@@ -25,7 +25,7 @@ def test_tree_rounds_run_clean_with_token_checks(topk, steps, num_draft, caplog)
     included) over both pools report nothing, with nodes accepted past the first child."""
     with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
         d = EagleTreeDriver(topk=topk, steps=steps, num_draft=num_draft, seed=3, verify_tokens=True)
-        d.run(40)
+        d.run(28)
     assert not caplog.records, [r.getMessage() for r in caplog.records]
     assert d.target.count_violations() == 0 and d.draft.count_violations() == 0
     assert d.rounds >= 10 and d.accepted >= 10 and d.rejected >= 10
