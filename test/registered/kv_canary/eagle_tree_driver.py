@@ -21,7 +21,8 @@ draft runner and ``verify_tree_depth`` steps + 1 on the target) with a tree deco
    path's slots re-pointed into ``req_to_token[L .. L + acc]``;
 4. the linear draft ``DRAFT_EXTEND`` of the accepted path (as with topk 1).
 
-``bug_*`` / ``fault_*`` switches plant the defects the tests check.
+``bug_*`` switches (:class:`EagleDriver`'s: PR 25015's positions, PR 26329's chunk-end token)
+and ``plant_*`` faults plant the defects the tests check.
 """
 
 from __future__ import annotations
@@ -177,8 +178,11 @@ class EagleTreeDriver(EagleDriver):
                     dtype=torch.int64,
                 )
                 fb.out_cache_loc = by_step[i]
+                if self.bug_positions_before_forward:  # upstream PR 25015
+                    fb.positions.add_(1)
                 self.around_forward(fb, one_forward)
-                fb.positions.add_(1)
+                if not self.bug_positions_before_forward:
+                    fb.positions.add_(1)
                 if i == 0 and self._fault == "lane_flip" and s >= 3:
                     slot = int(by_step[0][1])  # request 0, lane 1, step 0
                     self.draft_pool.k_buffer[0][slot].view(torch.uint8).view(-1)[0] ^= 0xFF

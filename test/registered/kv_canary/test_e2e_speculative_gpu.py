@@ -54,13 +54,13 @@ from canary_support.script_run import load_support_script
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=5250, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=5460, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
     "spec_clean_v1": ("clean and spec_v1 and not standalone", 190),
-    "spec_pr25015": ("pr25015", 240),
-    "spec_pr26329": ("pr26329", 260),
+    "spec_pr25015": ("pr25015", 340),
+    "spec_pr26329": ("pr26329", 370),
     "spec_pr28254_v2": ("pr28254 and spec_v2", 450),
     "spec_pr28254_v1": ("pr28254 and spec_v1", 450),
     "spec_faults_v2": ("fault and spec_v2 and not standalone", 210),
@@ -259,22 +259,27 @@ def test_tree_every_fault_class_is_caught_in_each_pool(models, worker):
     assert_every_fault_caught_in_a_log_run(models, "spec_v1", env, "EAGLE", **TREE)
 
 
-@pytest.mark.parametrize("spec", sorted(SPEC))
-def test_pr25015_draft_positions_advanced_before_the_forward(models, spec):
+# the PR regressions with a draft chain (spec v1 and v2) and a draft tree (spec v1)
+CHAIN_AND_TREE = [("spec_v1", "chain"), ("spec_v2", "chain"), ("spec_v1", "tree")]
+SHAPES = {"chain": {}, "tree": TREE}
+
+
+@pytest.mark.parametrize("spec, shape", CHAIN_AND_TREE)
+def test_pr25015_draft_positions_advanced_before_the_forward(models, spec, shape):
     """Upstream PR 25015, re-introduced by a test-only hook (``KV_CANARY_TEST_PR25015``): each
     draft forward runs at the next position. The draft canary stops the server with the
     stored position (``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act``: by default a draft pool's
     reports are logged only); the same workload without the hook is clean (the test above)."""
     env = {"KV_CANARY_TEST_PR25015": "1", "SGLANG_KV_CANARY_DRAFT_VIOLATIONS": "act"}
-    rc, out, _ = run(models, spec, env, kv_canary="raise", **UNCHUNKED)
+    rc, out, _ = run(models, spec, env, kv_canary="raise", **UNCHUNKED, **SHAPES[shape])
     assert rc != 0, out[-3000:]
     lines = parse_violation_lines(out)
     reasons = {r for v in lines for r in v.fail_reasons}
     assert reasons & {"verify_position", "write_position"}, out[-3000:]
 
 
-@pytest.mark.parametrize("spec", sorted(SPEC))
-def test_pr26329_chunk_end_draft_token_is_reported(models, spec):
+@pytest.mark.parametrize("spec, shape", CHAIN_AND_TREE)
+def test_pr26329_chunk_end_draft_token_is_reported(models, spec, shape):
     """Upstream PRs 26329 / 26800: sglang 0.5.12 still shifts every prefill chunk's draft
     input with the token the target sampled, also at a non-final chunk's end, where the next
     prompt token belongs: the draft KV of that chunk's last position is computed from the
@@ -292,6 +297,7 @@ def test_pr26329_chunk_end_draft_token_is_reported(models, spec):
         {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
         kv_canary="log",
         chunked_prefill_size=64,
+        **SHAPES[shape],
     )
     assert rc == 0 and res is not None, out[-3000:]
     lines = parse_violation_lines(out)

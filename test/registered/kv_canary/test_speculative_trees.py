@@ -89,5 +89,43 @@ def test_a_lane_is_verified_from_its_own_columns():
     }, seen
 
 
+@pytest.mark.parametrize("bug", [False, True], ids=["fixed", "bug"])
+def test_pr25015_tree_draft_positions_advanced_before_the_forward(bug):
+    """Upstream PR 25015 with draft trees: every lane's positions advanced before each draft
+    forward, so each lane wrote step i at position L + i + 1; the draft canary reports the
+    positions, the target's nothing. The same workload without the bug is clean."""
+    d = EagleTreeDriver(topk=2, steps=3, seed=10, bug_positions_before_forward=bug)
+    if not bug:
+        d.run(28)
+        assert d.target.count_violations() == 0 and d.draft.count_violations() == 0
+        return
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d.run(28)
+    seen = parse_violation_lines(str(exc.value))
+    assert {r for v in seen for r in v.fail_reasons} & {"verify_position", "write_position"}
+    assert d.target.violations.total == 0 and d.draft.violations.total >= 1
+
+
+@pytest.mark.parametrize("bug", [False, True], ids=["fixed", "bug"])
+def test_pr26329_tree_chunk_end_draft_input_uses_the_sampled_token(bug):
+    """Upstream PRs 26329 / 26800 with draft trees (the prefill is the same as topk 1's): the
+    draft KV at a non-final chunk's last position computed from the sampled token; the draft
+    canary's token check reports exactly those positions. Without the bug: clean."""
+    d = EagleTreeDriver(
+        topk=2, steps=3, seed=12, verify_tokens=True, bug_chunk_end_uses_sampled_token=bug
+    )
+    if not bug:
+        d.run(28)
+        assert d.chunked >= 1
+        assert d.target.count_violations() == 0 and d.draft.count_violations() == 0
+        return
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d.run(28)
+    seen = parse_violation_lines(str(exc.value))
+    assert {r for v in seen for r in v.fail_reasons} == {"verify_token"}
+    assert all(v.position % d.chunk == d.chunk - 1 for v in seen), [v.position for v in seen]
+    assert d.target.violations.total == 0
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
