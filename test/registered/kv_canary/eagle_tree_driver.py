@@ -32,6 +32,7 @@ from typing import List, Optional
 import torch
 
 from eagle_driver import EagleDriver
+from kernel_oracle import sglang_tree_lists
 from serving_driver import VOCAB, DriverReq
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -225,18 +226,7 @@ class EagleTreeDriver(EagleDriver):
         from sglang.srt.speculative.eagle_info import EagleVerifyInput
 
         n = len(trees[0]["parent"])
-        first = torch.full((len(trees), n), -1, dtype=torch.int64)
-        sibling = torch.full((len(trees), n), -1, dtype=torch.int64)
-        for b, tree in enumerate(trees):
-            last = {}
-            for c, p in enumerate(tree["parent"]):
-                if p < 0:
-                    continue
-                if p in last:
-                    sibling[b, last[p]] = c
-                else:
-                    first[b, p] = c
-                last[p] = c
+        first, sibling = sglang_tree_lists([tree["parent"] for tree in trees])
         i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
         return EagleVerifyInput(
             draft_token=i64(ids),

@@ -741,6 +741,28 @@ def r2t_table(rows, cols, fill=0):
     return [[fill] * cols for _ in range(rows)]
 
 
+def sglang_tree_lists(parent_rows):
+    """sglang's linked lists of draft trees (``EagleVerifyInput.retrieve_next_token`` /
+    ``retrieve_next_sibling``, as sgl-kernel's ``build_tree_efficient`` links them): per tree
+    (a row of ``parent_rows``: each node's parent index, -1 the root, -2 an orphan no list
+    names) a node's first child, then each child's next sibling, in index order. int64
+    ``[trees, nodes]`` each, -1 for none."""
+    n = len(parent_rows[0])
+    first = torch.full((len(parent_rows), n), -1, dtype=torch.int64)
+    sibling = torch.full((len(parent_rows), n), -1, dtype=torch.int64)
+    for b, parents in enumerate(parent_rows):
+        last_child = {}
+        for c, p in enumerate(parents):
+            if p < 0:
+                continue
+            if p in last_child:
+                sibling[b, last_child[p]] = c
+            else:
+                first[b, p] = c
+            last_child[p] = c
+    return first, sibling
+
+
 # =============================================================================================
 # Contract values (no kernels)
 # =============================================================================================

@@ -358,6 +358,7 @@ def test_a_draft_trees_parents_and_write_replay_with_the_lists_rewritten():
     lists and the tree's chain write captured once, replayed with the lists, tokens and slots
     rewritten in place: records, ring and counters byte-equal to the torch references each
     replay, and no allocation across eager launches."""
+    from kernel_oracle import sglang_tree_lists
     from sglang.jit_kernel.kv_canary import WriteTree, launch_canary_chain_writes
     from sglang.jit_kernel.kv_canary.tree_parents import (
         launch_tree_parents_kernel,
@@ -416,18 +417,7 @@ def test_a_draft_trees_parents_and_write_replay_with_the_lists_rewritten():
                 row.append(p if i < n - 1 or step == 0 else -2)
                 depth.append(depth[p] + 1)
             parents.append((row, depth))
-        f = torch.full((bs, n), -1, dtype=torch.int64)
-        sib = torch.full((bs, n), -1, dtype=torch.int64)
-        for b, (row, _) in enumerate(parents):
-            last = {}
-            for c, p in enumerate(row):
-                if p < 0:
-                    continue
-                if p in last:
-                    sib[b, last[p]] = c
-                else:
-                    f[b, p] = c
-                last[p] = c
+        f, sib = sglang_tree_lists([row for row, _ in parents])
         first.copy_(f)
         sibling.copy_(sib)
         ids.copy_(torch.randint(0, 30000, (bs * n,), generator=gen))

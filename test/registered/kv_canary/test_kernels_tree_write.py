@@ -20,6 +20,7 @@ from kernel_oracle import (
     hand_write_plan,
     r2t_table,
     run_plan,
+    sglang_tree_lists,
     oracle_fingerprint,
     rec_hash,
     tensor_of,
@@ -460,22 +461,6 @@ def test_a_tree_that_does_not_fit_or_is_not_a_tree_is_refused(device):
         WriteTree(parent=tensor_of([SEED], torch.int32, device), max_depth=1)
 
 
-def _lists_of(parents, n):
-    """sglang's linked lists of a tree given by ``parents`` (local indices, -1 root, -2 an
-    orphan: in no list): a node's first child, then each child's next sibling, index order."""
-    first, sibling = [-1] * n, [-1] * n
-    last_child = {}
-    for c, p in enumerate(parents):
-        if p < 0:
-            continue
-        if p in last_child:
-            sibling[last_child[p]] = c
-        else:
-            first[p] = c
-        last_child[p] = c
-    return first, sibling
-
-
 @pytest.mark.parametrize("name", ["triton", "torch_ref"])
 def test_the_parent_table_comes_from_sglangs_lists(device, name):
     """``retrieve_next_token`` / ``retrieve_next_sibling`` (``[bs, n]``, local indices) → each
@@ -490,23 +475,18 @@ def test_the_parent_table_comes_from_sglangs_lists(device, name):
     dev = device if name == "triton" else torch.device("cpu")
     rng = random.Random(5)
     bs, n = 3, 9
-    want, firsts, siblings = [], [], []
+    want, rows = [], []
     for b in range(bs):
         parents, _depth = _random_tree(rng, n, 4)
         if b == 0:
             parents[1] = ORPHAN
-        # an orphan's subtree stays linked below it, as sglang links it
-        first, sibling = _lists_of(parents, n)
         want += parents
-        firsts.append(first)
-        siblings.append(sibling)
+        rows.append(parents)
     tree = WriteTree.allocate(capacity=bs * n + 4, max_depth=4, device=dev)
     tree.parent.fill_(123)
-    launch(
-        next_token=tensor_of(firsts, torch.int64, dev),
-        next_sibling=tensor_of(siblings, torch.int64, dev),
-        tree=tree,
-    )
+    # an orphan's subtree stays linked below it, as sglang links it
+    first, sibling = sglang_tree_lists(rows)
+    launch(next_token=first.to(dev), next_sibling=sibling.to(dev), tree=tree)
     assert tree.parent.tolist() == want + [123] * 4
     assert ORPHAN in want
     assert _parents_back(TREE) == TREE
@@ -517,11 +497,9 @@ def _parents_back(parents):
     from sglang.jit_kernel.kv_canary.tree_parents import tree_parents_torch_reference
 
     n = len(parents)
-    first, sibling = _lists_of(parents, n)
+    first, sibling = sglang_tree_lists([parents])
     tree = WriteTree.allocate(capacity=n, max_depth=n, device="cpu")
-    tree_parents_torch_reference(
-        next_token=torch.tensor([first]), next_sibling=torch.tensor([sibling]), tree=tree
-    )
+    tree_parents_torch_reference(next_token=first, next_sibling=sibling, tree=tree)
     return tree.parent.tolist()
 
 

@@ -71,9 +71,8 @@ def build_canary(
         groups=[GroupGeometry.of(g) for g in groups],
         capacities=capacities,
         req_to_token_shape=tuple(req_to_token.shape),
-        num_single_forward_managers=ranks.single_forward_managers,
-        device=device,
         ranks=ranks,
+        device=device,
     )
     manager = CanaryManager(
         config=config,
@@ -97,9 +96,8 @@ def memory_inputs(
     groups: Sequence[GroupGeometry],
     capacities: CanaryLaunchCapacities,
     req_to_token_shape: Tuple[int, int],
-    num_single_forward_managers: int,
+    ranks: RankFacts,
     device,
-    ranks: Optional[RankFacts] = None,
 ) -> CanaryMemoryInputs:
     """What :func:`build_canary` allocates for ``groups`` (built, or predicted by the KV-pool
     sizing hook) under ``config``, for :class:`~sglang.srt.kv_canary.memory.CanaryMemory`.
@@ -108,13 +106,13 @@ def memory_inputs(
         groups=tuple(groups),
         capacities=capacities,
         req_to_token_shape=(int(req_to_token_shape[0]), int(req_to_token_shape[1])),
-        single_forward_managers=num_single_forward_managers,
+        single_forward_managers=ranks.single_forward_managers,
         ring_capacity=config.ring_capacity,
         token_checks=config.enable_verify_token_assert,
         write_input_check=config.enable_write_input_assert,
         sweep=config.sweep_interval > 0,
         swa_divergence_stats=config.swa_divergence_stats_interval > 0,
         cuda=torch.device(device).type == "cuda",
-        plan_lanes=ranks is not None and ranks.draft_topk > 1,
-        verify_trees=ranks is not None and ranks.verify_tree_depth > 0,
+        plan_lanes=ranks.draft_topk > 1,
+        verify_trees=ranks.verify_tree_depth > 0,
     )

@@ -183,9 +183,8 @@ def _runner_memory(
             groups=groups,
             capacities=capacities,
             req_to_token_shape=rows_cols,
-            num_single_forward_managers=ranks.single_forward_managers,
-            device=device,
             ranks=ranks,
+            device=device,
         )
     )
 

@@ -68,7 +68,7 @@ class PlanInput:
 
     def __init__(self, *, write_req_capacity: int, device, lanes: Optional[Tuple[int, int]] = None):
         """``lanes``: ``(topk, steps)`` of a draft runner with ``--speculative-eagle-topk`` > 1:
-        its decode forwards (the draft round's) are planned one row per lane (:meth:`lane_rows`)."""
+        its decode forwards (the draft round's) are planned one row per lane (:meth:`fill_lanes`)."""
         self.write_req_capacity = write_req_capacity
         self.prefix_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
         self.extend_seq_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)

@@ -89,7 +89,7 @@ class RankFacts:
     @property
     def plan_rows_per_request(self) -> int:
         """Plan rows one request takes in a forward: a draft runner's lanes (topk), else 1."""
-        return self.draft_topk if self.draft else 1
+        return self.draft_topk
 
     @property
     def kv_token_id_vs_position_offset(self) -> int:
