@@ -574,15 +574,29 @@ class EagleDriver:
     # ---- batches and forwards ------------------------------------------------------------
 
     def _batch(
-        self, manager, mode, ids, pos, loc, rows, seq, reqs, *, pre=None, ext=None
+        self,
+        manager,
+        mode,
+        ids,
+        pos,
+        loc,
+        rows,
+        seq,
+        reqs,
+        *,
+        pre=None,
+        ext=None,
+        seq_dtype=torch.int64,
     ) -> ForwardBatch:
+        """``seq_dtype``: ``seq_lens``' dtype: int64 as an eager batch has it, int32 as
+        sglang's CUDA graph runners' static buffers hold it in a replayed forward."""
         i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
         fb = ForwardBatch(
             forward_mode=mode,
             batch_size=len(rows),
             input_ids=i64(ids),
             req_pool_indices=i64(rows),
-            seq_lens=i64(seq),
+            seq_lens=torch.tensor(seq, dtype=seq_dtype),
             out_cache_loc=i64(loc),
             seq_lens_sum=sum(seq),
             positions=i64(pos),

@@ -21,7 +21,8 @@ draft runner and ``verify_tree_depth`` steps + 1 on the target) with a tree deco
    path's slots re-pointed into ``req_to_token[L .. L + acc]``;
 4. the linear draft ``DRAFT_EXTEND`` of the accepted path (as with topk 1).
 
-``bug_*`` switches (:class:`EagleDriver`'s: PR 25015's positions, PR 26329's chunk-end token)
+``seq_lens`` is int32 in even rounds (sglang's graph runners' static buffers) and int64 in
+odd ones (an eager batch). ``bug_*`` switches (:class:`EagleDriver`'s: PR 25015's positions, PR 26329's chunk-end token)
 and ``plant_*`` faults plant the defects the tests check.
 """
 
@@ -107,6 +108,7 @@ class EagleTreeDriver(EagleDriver):
             [r.row for r in reqs],
             base,
             reqs,
+            seq_dtype=self._seq_dtype(),
         )
         fb.spec_info = self._tree_verify_input(ids, pos, base, trees, self.topk, self.steps)
         self._eager(self.target, self.target_pool, fb)
@@ -163,6 +165,7 @@ class EagleTreeDriver(EagleDriver):
             [r.row for r in reqs],
             base,
             reqs,
+            seq_dtype=self._seq_dtype(),
         )
         # sglang's out_cache_loc.reshape(bs, K, steps).permute(2, 0, 1).reshape(steps, -1)
         by_step = fb.out_cache_loc.reshape(len(reqs), k_lanes, s).permute(2, 0, 1).reshape(s, -1)
@@ -191,6 +194,12 @@ class EagleTreeDriver(EagleDriver):
                     self._fault = None
 
         self.around_round(fb, loop)
+
+    def _seq_dtype(self) -> torch.dtype:
+        """``seq_lens``' dtype in this round's draft and verify forwards: even rounds int32
+        (sglang's ``CudaGraphRunner`` / ``EAGLEDraftCudaGraphRunner`` static buffers, a
+        replayed forward), odd rounds int64 (an eager batch)."""
+        return torch.int32 if self.rounds % 2 == 0 else torch.int64
 
     def _random_tree(self, req: DriverReq, L: int) -> dict:
         """A tree of ``num_draft`` nodes (module docstring): parents, depths, tokens (each

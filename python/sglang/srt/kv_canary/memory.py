@@ -48,8 +48,9 @@ _VERIFY_PLAN_ARRAYS = 5
 # PlanInput: prefix_lens, extend_seq_lens, req_pool_indices and its constant fill of ones
 _PLAN_INPUT_ARRAYS = 4
 # PlanInput's lanes (a draft runner with topk > 1): per row its request, whether it is a later
-# lane, its req_to_token row, its valid length, and PlanLanes' three arrays
-_PLAN_LANE_ARRAYS = 7
+# lane, its req_to_token row, its valid length, its request's committed length (int64), and
+# PlanLanes' three arrays
+_PLAN_LANE_ARRAYS = 8
 # EagerForwardGraphs (CUDA only): input_ids, positions, out_cache_loc on the device; its two
 # staging tables in pinned host memory (the staging kernel reads them in place)
 _EAGER_GRAPH_ARRAYS = 3

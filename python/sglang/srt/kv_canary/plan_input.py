@@ -97,6 +97,9 @@ class PlanInput:
             # static per row: its request (row // topk), whether it is a lane k >= 1, its shift
             self._lane_request = row // topk
             self._later_lane = (row % topk > 0).to(torch.int64)
+            # the batch's committed lengths as int64: sglang's graph runners hold seq_lens as
+            # int32 (their static buffers), an eager batch as int64; index_select needs one dtype
+            self._committed = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
             self.lane_rows = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
             self._lane_valid_lens = torch.zeros(
                 write_req_capacity, dtype=torch.int64, device=device
@@ -153,8 +156,8 @@ class PlanInput:
         (request b's ``req_to_token`` row, prefix = the lane's position, extend 1; lane k >= 1
         verifies from the committed length L = ``seq_lens[b]``, its positions from L on read
         ``k * steps`` columns further: docs/speculative_trees.md, "4.2 Plan") and return them as
-        ``(req_pool_indices, prefix_lens, extend_seq_lens, lanes)``. Static buffers, index
-        copies only: capturable."""
+        ``(req_pool_indices, prefix_lens, extend_seq_lens, lanes)``. ``seq_lens`` int32 (sglang's
+        graph runners) or int64 (an eager batch). Static buffers, index copies only: capturable."""
         bs = forward_batch.req_pool_indices.shape[0]
         rows = bs * self._topk
         request = self._lane_request[:rows]
@@ -164,7 +167,9 @@ class PlanInput:
         prefix.copy_(leading(forward_batch.positions, rows))
         extend.copy_(ones)
         split = self.lanes.branch_split[:rows]
-        torch.index_select(leading(forward_batch.seq_lens, bs), 0, request, out=split)
+        committed = self._committed[:bs]
+        committed.copy_(leading(forward_batch.seq_lens, bs))
+        torch.index_select(committed, 0, request, out=split)
         torch.mul(split, self._later_lane[:rows], out=self.lanes.verify_from[:rows])
         return lane_rows, prefix, extend, self._lane_view(rows)
 
