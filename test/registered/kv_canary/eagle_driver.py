@@ -111,11 +111,15 @@ class EagleDriver:
         radix_is_eagle: Optional[bool] = None,
         draft_violations: str = "act",
         topk: int = 1,
+        draft_model: bool = True,
+        verify_tree_depth: Optional[int] = None,
     ):
         """``draft_violations``: ``CanaryConfig.draft_violations``; ``act`` (not the server's
         default, ``report``) so that a raise-mode driver stops at either pool's first
         violation, as the detection tests read them; the default's own tests pass
-        ``report``."""
+        ``report``. ``draft_model`` False: no draft canary and no draft forward (NGRAM's
+        worker); ``verify_tree_depth``: the target's ``RankFacts.verify_tree_depth`` (default:
+        ``max_steps + 1`` with ``topk`` > 1, else 0)."""
         if steps < 1:
             raise ValueError("steps must be >= 1")
         # ``max_steps``: the largest step count the canary is sized for (an adaptive worker's
@@ -165,19 +169,32 @@ class EagleDriver:
             config=self.config,
             device="cpu",
             capacity_inputs=caps,
-            ranks=RankFacts(verify_tree_depth=self.max_steps + 1 if topk > 1 else 0),
+            ranks=RankFacts(
+                verify_tree_depth=(
+                    verify_tree_depth
+                    if verify_tree_depth is not None
+                    else self.max_steps + 1
+                    if topk > 1
+                    else 0
+                )
+            ),
         )
-        # what install_canary builds on an EAGLE draft runner
-        self.draft = build_canary(
-            pool=self.draft_pool,
-            req_to_token=r2t,
-            config=self.config,
-            device="cpu",
-            capacity_inputs=caps,
-            ranks=RankFacts(draft=True, draft_steps=self.max_steps, draft_topk=topk),
+        # what install_canary builds on an EAGLE draft runner (none without a draft model)
+        self.draft = (
+            build_canary(
+                pool=self.draft_pool,
+                req_to_token=r2t,
+                config=self.config,
+                device="cpu",
+                capacity_inputs=caps,
+                ranks=RankFacts(draft=True, draft_steps=self.max_steps, draft_topk=topk),
+            )
+            if draft_model
+            else None
         )
         self.target.mark_init_finished()
-        self.draft.mark_init_finished()
+        if self.draft is not None:
+            self.draft.mark_init_finished()
         self.radix = None
         if radix_is_eagle is not None:
             from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -309,13 +326,23 @@ class EagleDriver:
                 self.target, ForwardMode.EXTEND, t_ids, pos, loc, rows, seq, reqs, pre=pre, ext=ext
             ),
         )
-        self._eager(
-            self.draft,
-            self.draft_pool,
-            self._batch(
-                self.draft, ForwardMode.EXTEND, d_ids, pos, loc, rows, seq, reqs, pre=pre, ext=ext
-            ),
-        )
+        if self.draft is not None:
+            self._eager(
+                self.draft,
+                self.draft_pool,
+                self._batch(
+                    self.draft,
+                    ForwardMode.EXTEND,
+                    d_ids,
+                    pos,
+                    loc,
+                    rows,
+                    seq,
+                    reqs,
+                    pre=pre,
+                    ext=ext,
+                ),
+            )
         if self.radix is not None:
             for r in reqs:
                 self._cache_unfinished(r)

@@ -80,7 +80,7 @@ class EagleTreeDriver(EagleDriver):
     # ---- one tree decode round -------------------------------------------------------------
 
     def decode_round(self, reqs: List[DriverReq]) -> None:
-        s, k_lanes, n = self.steps, self.topk, self.num_draft
+        s, k_lanes = self.steps, self.topk
         base = [r.kv_len for r in reqs]
         # 1. the draft round's lanes
         lane_slots = []
@@ -90,8 +90,19 @@ class EagleTreeDriver(EagleDriver):
             lane_slots.append(got)
         self._tree_draft_round(reqs, base, lane_slots)
         self.allocator.free(torch.tensor([x for ls in lane_slots for x in ls], dtype=torch.int64))
-        # 2. the target verify of each request's tree
+        # 2. and 3. the target verify of each request's tree, its acceptance
         trees = [self._random_tree(r, L) for r, L in zip(reqs, base)]
+        paths = self.verify_trees(reqs, base, trees)
+        # 4. the draft extend of the accepted paths
+        self.draft_extend_accepted(reqs, base, paths)
+        self.rounds += 1
+
+    def verify_trees(self, reqs: List[DriverReq], base: List[int], trees: List[dict]):
+        """The target verify of ``trees`` (one per request, ``num_draft`` nodes each, node i
+        at ``req_to_token`` column ``L + i``), acceptance along a root path (a planted fault
+        applied), every other node freed; returns each request's kept slots (and sets each
+        tree's ``path``: the accepted node indices, root first)."""
+        n, s = self.num_draft, self.steps
         verify_slots = []
         for r, L in zip(reqs, base):
             got = self._alloc(n)
@@ -110,7 +121,7 @@ class EagleTreeDriver(EagleDriver):
             reqs,
             seq_dtype=self._seq_dtype(),
         )
-        fb.spec_info = self._tree_verify_input(ids, pos, base, trees, self.topk, self.steps)
+        fb.spec_info = self.tree_verify_input(ids, pos, base, trees)
         self._eager(self.target, self.target_pool, fb)
         # 3. acceptance: a root path (the first matching child at each level)
         paths = []
@@ -121,6 +132,7 @@ class EagleTreeDriver(EagleDriver):
             if self._fault == "flattened" and reads_on and path != list(range(len(path))):
                 path = list(range(len(path)))
                 self.fault_log.append(dict(kind="flattened", rid=r.rid, path=path))
+            tree["path"] = path
             acc = len(path) - 1
             self.accepted += acc
             self.rejected += n - 1 - acc
@@ -148,9 +160,7 @@ class EagleTreeDriver(EagleDriver):
             paths.append(kept)
         if self.fault_log and self._fault in ("flattened", "rejected_sibling"):
             self._fault = None
-        # 4. the draft extend of the accepted paths
-        self.draft_extend_accepted(reqs, base, paths)
-        self.rounds += 1
+        return paths
 
     def _tree_draft_round(self, reqs, base, lane_slots) -> None:
         """sglang's ``draft_forward`` with K lanes: one ForwardBatch of ``bs`` requests whose
@@ -229,8 +239,12 @@ class EagleTreeDriver(EagleDriver):
                 return path
             path.append(nxt)
 
+    def tree_verify_input(self, ids, pos, seq, trees):
+        """The verify's ``spec_info``: an ``EagleVerifyInput`` with the trees' lists."""
+        return self._eagle_verify_input(ids, pos, seq, trees, self.topk, self.steps)
+
     @staticmethod
-    def _tree_verify_input(ids, pos, seq, trees, topk, steps):
+    def _eagle_verify_input(ids, pos, seq, trees, topk, steps):
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
         from sglang.srt.speculative.eagle_info import EagleVerifyInput
 

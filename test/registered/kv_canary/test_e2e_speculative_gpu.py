@@ -54,7 +54,7 @@ from canary_support.script_run import load_support_script
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=5460, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=5830, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -77,6 +77,8 @@ GPU_LANES = {
     "spec_standalone_radix_keys": ("standalone and radix_keys", 200),
     "spec_tree_clean": ("tree and clean", 220),
     "spec_tree_faults": ("tree and every_fault", 180),
+    "spec_ngram_clean": ("ngram and clean", 220),
+    "spec_ngram_faults": ("ngram and every_fault", 150),
 }
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -257,6 +259,76 @@ def test_tree_clean_matches_canary_off(models, backend):
 def test_tree_every_fault_class_is_caught_in_each_pool(models, worker):
     env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
     assert_every_fault_caught_in_a_log_run(models, "spec_v1", env, "EAGLE", **TREE)
+
+
+# NGRAM (docs/speculative_standalone_ngram.md, "2. NGRAM (n-gram lookup, no draft model)"):
+# no draft model; sglang runs it on spec v1, its verify's trees of 6 nodes, 3 per level
+NGRAM = dict(speculative_num_draft_tokens=6, speculative_ngram_max_bfs_breadth=3)
+
+
+def assert_only_the_target_guarded(out: str) -> None:
+    """NGRAM: the canary installed once, on the target (its worker's runner is the
+    target's), with no draft pool reserved."""
+    assert out.count("kv_canary installed: ") == 1, out[-4000:]
+    assert "draft worker" not in out
+    memory = workload_info(out)["kv_canary"]["memory"]
+    assert memory.get("draft") is None, memory
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_ngram_clean_matches_canary_off(models, backend):
+    """NGRAM (6 draft tokens, breadth 3; the tiny model's repetitive greedy output feeds the
+    corpus) with the canary in raise mode, real data, a sweep and token checks: outputs equal
+    to the canary off's, no violation, the target's canary reserved as built, none on a
+    draft."""
+    ngram = (models[0], None)
+    kw = dict(UNCHUNKED, attention_backend=backend, **NGRAM)
+    rc, out, off = run(ngram, "spec_v1", algorithm="NGRAM", **kw)
+    assert rc == 0 and off is not None, out[-4000:]
+    rc, out, on = run(
+        ngram,
+        "spec_v1",
+        {
+            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5",
+        },
+        algorithm="NGRAM",
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=3,
+        **kw,
+    )
+    assert rc == 0, out[-4000:]
+    assert parse_violation_lines(out) == []
+    assert on == off and len(on) == 12
+    stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
+    assert stats and all("violations=0" in s for s in stats)
+    assert_memory_reserved_as_allocated(workload_info(out))
+    assert_only_the_target_guarded(out)
+
+
+@pytest.fixture
+def ngram_models(models):
+    return models[0], None
+
+
+def test_ngram_every_fault_class_is_caught_in_the_target_pool(ngram_models):
+    """Every fault class injected into the target's pool (NGRAM's only one), in log mode,
+    real data partial, a sweep every 2 steps: all 12 requests served, every fault caught."""
+    env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER="target")
+    rc, out, res = run(
+        ngram_models,
+        "spec_v1",
+        env,
+        algorithm="NGRAM",
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+        **NGRAM,
+    )
+    assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
+    assert_only_the_target_guarded(out)
+    assert_every_fault_caught(out)
 
 
 # the PR regressions with a draft chain (spec v1 and v2) and a draft tree (spec v1)

@@ -124,19 +124,26 @@ def test_the_formula_counts_each_single_forward_manager_and_the_write_input_chec
     assert plans == sfms * dict(one.device)[MemoryPart.PLANS]
 
 
-@pytest.mark.parametrize("draft", [True, False], ids=["draft_lanes", "target_trees"])
-def test_the_formula_counts_a_draft_trees_lanes_and_parent_table(draft):
-    """``--speculative-eagle-topk`` 3 (draft trees): the draft runner's canary (its plan rows
-    per lane, its lane buffers) and the target's (its verify's parent table) hold exactly what
-    the formula says, more than the same runner without trees."""
+@pytest.mark.parametrize(
+    "draft, topk, depth",
+    [(True, 3, 5), (False, 3, 5), (False, 1, 12)],
+    ids=["draft_lanes", "target_trees", "ngram_target"],
+)
+def test_the_formula_counts_a_draft_trees_lanes_and_parent_table(draft, topk, depth):
+    """``--speculative-eagle-topk`` 3 (draft trees, 4 steps): the draft runner's canary (its
+    plan rows per lane, its lane buffers) and the target's (its verify's parent table); NGRAM's
+    target (trees of up to 12 tokens at any breadth): each holds exactly what the formula says,
+    more than the same runner without trees."""
     r2t = ReqToTokenPool(size=6, max_context_len=80, device="cpu", enable_memory_saver=False)
     pools = []
 
-    def built(topk):
+    def built(trees):
         ranks = RankFacts(
             draft=draft,
             draft_steps=4 if draft else 0,
-            **RankFacts.tree_fields(topk=topk, max_steps=4, draft=draft),
+            **RankFacts.tree_fields(
+                topk=topk if trees else 1, verify_tree_depth=depth if trees else 0, draft=draft
+            ),
         )
         pools.append(_mha_pool())
         return build_canary(
@@ -148,10 +155,10 @@ def test_the_formula_counts_a_draft_trees_lanes_and_parent_table(draft):
             capacity_inputs=CanaryCapacityInputs(context_len=80, chunked_prefill_size=16),
         )
 
-    manager = built(3)
+    manager = built(True)
     held = canary_bytes_by_part(manager, foreign=[pools[0], r2t])
     assert formula_bytes_by_part(manager.memory) == held
-    assert manager.memory.device_bytes > built(1).memory.device_bytes
+    assert manager.memory.device_bytes > built(False).memory.device_bytes
 
 
 # ---- the groups predicted before the pool exists ------------------------------------------------

@@ -85,7 +85,11 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
             dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=4, page_size=64),
             "--speculative-eagle-topk 4 \\(draft trees\\) at --page-size 1 only",
         ),
-        (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm NGRAM yet"),
+        (
+            dict(speculative_algorithm="NGRAM", speculative_eagle_topk=10, page_size=16),
+            "--speculative-algorithm NGRAM at --page-size 1 only \\(got 16\\)",
+        ),
+        (dict(speculative_algorithm="DFLASH"), "--speculative-algorithm DFLASH yet"),
         (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
     ],
 )
@@ -121,6 +125,68 @@ def test_a_draft_tree_server_guards_its_lanes_and_its_trees(monkeypatch, algorit
     assert draft.sfms[0].tree is None and target.sfms[0].plan_input.lanes is None
     assert target.sfms[0].tree.max_depth == 5
     assert draft.capacities.write_req_capacity == 3 * target.capacities.write_req_capacity
+
+
+def test_an_ngram_server_guards_its_target_verify_trees(monkeypatch):
+    """NGRAM (no draft model; sglang sets topk to the BFS breadth, 10, and 12 draft tokens)
+    starts at page size 1; the target's canary writes its verify's trees (paths of up to 12
+    nodes), plans no lanes, names NGRAM, and holds a verify of every request (12 tokens each);
+    a draft fault target or ``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act`` is refused naming the
+    variable and that NGRAM has no draft model."""
+    from sglang.srt.kv_canary import install, startup_checks
+
+    _clean_canary_env(monkeypatch)
+    args = _spec_server_args(
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=None,
+        speculative_eagle_topk=10,
+        speculative_num_draft_tokens=12,
+    )
+    startup_checks.check_server_args_for_canary(args)
+    target = install.install_canary(
+        server_args=args, model_runner=_runner(tiny_mha_pool(63), draft=False)
+    )
+    assert target.ranks.verify_tree_depth == 12 and target.ranks.draft_topk == 1
+    assert target.sfms[0].tree.max_depth == 12 and target.sfms[0].plan_input.lanes is None
+    assert target.ranks.draft_worker == "NGRAM"
+    caps = target.capacities
+    assert caps.write_entry_capacity >= 12 * caps.write_req_capacity
+    for var, value in (
+        ("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft"),
+        ("SGLANG_KV_CANARY_DRAFT_VIOLATIONS", "act"),
+    ):
+        monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
+        monkeypatch.setenv(var, value)
+        with pytest.raises(ValueError, match=f"{var}=.*NGRAM has none") as exc:
+            startup_checks.check_server_args_for_canary(args)
+        assert "--speculative-algorithm EAGLE, EAGLE3, NEXTN or STANDALONE" in str(exc.value)
+        monkeypatch.delenv(var)
+
+
+class _NgramWorkerStandIn:  # stand-in: NGRAMWorker's runner is its target worker's
+    def __init__(self, target_worker):
+        self.target_worker = target_worker
+        self.model_runner = target_worker.model_runner
+
+
+class _EagleWorkerStandIn:  # stand-in: spec v1's EAGLEWorker is the draft runner's worker
+    def __init__(self, model_runner):
+        self.model_runner = model_runner
+
+
+def test_an_ngram_scheduler_has_no_draft_runner():
+    """An ``NGRAMWorker``'s ``model_runner`` is the target's: the seam finds no draft runner
+    (the plugin would otherwise install, run and report the target's canary twice), while an
+    EAGLE worker's own runner is found. (sglang's scheduler and worker classes load
+    ``sgl_kernel``'s CUDA ops on import: stand-ins with the attributes the seam reads.)"""
+    from plugin_hooks_support import SchedulerStandIn, model_runner_with
+
+    target_runner, draft_runner = model_runner_with(None), model_runner_with(None)
+    scheduler = SchedulerStandIn(target_runner, tree_cache=None)
+    scheduler.draft_worker = _NgramWorkerStandIn(scheduler.tp_worker)
+    assert seam.scheduler_draft_model_runner(scheduler) is None
+    scheduler.draft_worker = _EagleWorkerStandIn(draft_runner)
+    assert seam.scheduler_draft_model_runner(scheduler) is draft_runner
 
 
 def _clean_canary_env(monkeypatch):

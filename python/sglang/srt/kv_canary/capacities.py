@@ -31,23 +31,21 @@ SNAPSHOT_HOST_BUFFERS = 8
 class CanaryCapacityInputs:
     """The server limits the capacities follow (``ServerArgs`` / the model config):
     ``context_len`` (the model's context length), ``chunked_prefill_size`` (None or <= 0 =
-    unchunked), ``max_prefill_tokens`` (0 = unset) and ``cuda_graph_max_bs`` (None = no decode
-    graphs, or sglang's default)."""
+    unchunked), ``max_prefill_tokens`` (0 = unset), ``cuda_graph_max_bs`` (None = no decode
+    graphs, or sglang's default) and ``verify_tokens_per_request`` (a speculative verify's
+    tokens per request, ``--speculative-num-draft-tokens``; 1 without)."""
 
     context_len: int
     chunked_prefill_size: Optional[int] = None
     max_prefill_tokens: int = 0
     cuda_graph_max_bs: Optional[int] = None
+    verify_tokens_per_request: int = 1
 
     def __post_init__(self):
-        if (
-            isinstance(self.context_len, bool)
-            or not isinstance(self.context_len, int)
-            or self.context_len < 1
-        ):
-            raise ValueError(
-                f"CanaryCapacityInputs.context_len must be an int >= 1, got {self.context_len!r}"
-            )
+        for name in ("context_len", "verify_tokens_per_request"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"CanaryCapacityInputs.{name} must be an int >= 1, got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +101,10 @@ class CanaryLaunchCapacities:
         """The capacities of a server: one request per ``req_to_token`` row (sglang sizes the
         table from ``--max-running-requests``), and one forward carries at most a prefill
         batch (``max(--max-prefill-tokens, --chunked-prefill-size)``) or one unchunked prompt
-        (the context length), plus the decodes mixed into it. ``rows_per_request``: plan rows
-        of one request in a forward (a draft round's lanes with ``--speculative-eagle-topk`` K:
-        K rows and K tokens per request)."""
+        (the context length), plus the decodes mixed into it, or a speculative verify of every
+        request (``verify_tokens_per_request`` each: NGRAM's trees can hold more tokens than a
+        prompt). ``rows_per_request``: plan rows of one request in a forward (a draft round's
+        lanes with ``--speculative-eagle-topk`` K: K rows and K tokens per request)."""
         if isinstance(rows_per_request, bool) or not isinstance(rows_per_request, int):
             raise TypeError(f"rows_per_request must be an int, got {rows_per_request!r}")
         if rows_per_request < 1:
@@ -120,4 +119,5 @@ class CanaryLaunchCapacities:
             max_running_requests=rows,
             max_tokens_per_forward=max(prefill, inputs.context_len) + rows,
             cuda_graph_max_bs=graph_rows,
+            tokens_per_request_in_graph=inputs.verify_tokens_per_request,
         )

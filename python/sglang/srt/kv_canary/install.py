@@ -171,8 +171,11 @@ def install_canary(
             # largest step count --speculative-adaptive may switch to)
             draft_steps=spec.max_steps if draft else 0,
             # draft trees (--speculative-eagle-topk > 1): the draft round's lanes, and the
-            # verify's paths of at most steps + 1 nodes (docs/speculative_trees.md)
-            **RankFacts.tree_fields(topk=spec.topk, max_steps=spec.max_steps, draft=draft),
+            # verify's paths of at most steps + 1 nodes (docs/speculative_trees.md); NGRAM's
+            # verify trees (docs/speculative_standalone_ngram.md, "2.3 Record semantics")
+            **RankFacts.tree_fields(
+                topk=spec.topk, verify_tree_depth=spec.verify_tree_depth, draft=draft
+            ),
             disaggregation_mode=sglang_seam.server_args_value(
                 server_args, "disaggregation_mode", "null"
             ),

@@ -83,13 +83,13 @@ class DraftPool:
     def for_server(
         cls, sizing: KvPoolSizing, server_args: "ServerArgs", algorithm: Optional[str]
     ) -> Optional["DraftPool"]:
-        """None without speculative decoding. EAGLE / EAGLE3 / NEXTN: a one-layer head, MLA
+        """None without speculative decoding, and for NGRAM (no draft model). EAGLE / EAGLE3 / NEXTN: a one-layer head, MLA
         and DeepSeek-V4 in their target's family, MHA otherwise. STANDALONE: the separate
         draft model's own pool (:func:`~sglang.srt.kv_canary.sglang_seam.draft_model_shape`);
         ``ValueError`` naming ``--speculative-draft-model-path`` when its config cannot be
         read, or when it has sliding-window layers and the target none (sglang sizes the
         draft's pool from the target's, which then has no sliding-window slot space)."""
-        if algorithm is None:
+        if algorithm is None or algorithm == "NGRAM":
             return None
         if algorithm == "STANDALONE":
             shape = sglang_seam.draft_model_shape(server_args)
@@ -257,12 +257,12 @@ def reserve_canary_memory(
     sizing = KvPoolSizing(model_runner)
     spec = sglang_seam.speculative_facts(server_args)
     # the draft runner as install_canary will describe it (its single-forward managers)
-    trees = dict(topk=spec.topk, max_steps=spec.max_steps)
+    trees = dict(topk=spec.topk, verify_tree_depth=spec.verify_tree_depth)
     draft = (
         RankFacts(
             draft=True, draft_steps=spec.max_steps, **RankFacts.tree_fields(**trees, draft=True)
         )
-        if spec.algorithm is not None
+        if spec.has_draft_model
         else None
     )
     target = RankFacts(**RankFacts.tree_fields(**trees, draft=False))
@@ -322,11 +322,13 @@ def capacity_inputs_from_server_args(
     server_args: "ServerArgs", *, context_len: int
 ) -> CanaryCapacityInputs:
     value = sglang_seam.server_args_value
+    spec = sglang_seam.speculative_facts(server_args)
     return CanaryCapacityInputs(
         context_len=context_len,
         chunked_prefill_size=value(server_args, "chunked_prefill_size", None),
         max_prefill_tokens=int(value(server_args, "max_prefill_tokens", 0) or 0),
         cuda_graph_max_bs=value(server_args, "cuda_graph_max_bs", None),
+        verify_tokens_per_request=max(spec.num_draft_tokens, 1) if spec.algorithm else 1,
     )
 
 

@@ -32,8 +32,8 @@ class RankFacts:
     disaggregation_mode: str = "null"
     # --speculative-eagle-topk K > 1 (draft trees; docs/speculative_trees.md): a draft runner's
     # forwards of a round carry K lanes per request; a target runner's verify writes a tree
-    # whose paths hold at most verify_tree_depth entries (--speculative-num-steps + 1); 1 / 0
-    # without trees
+    # whose paths hold at most verify_tree_depth entries (--speculative-num-steps + 1; NGRAM:
+    # --speculative-num-draft-tokens, its verify is always a tree); 1 / 0 without trees
     draft_topk: int = 1
     verify_tree_depth: int = 0
 
@@ -76,14 +76,14 @@ class RankFacts:
         return max(1, self.draft_forwards_per_round)
 
     @staticmethod
-    def tree_fields(*, topk: int, max_steps: int, draft: bool) -> dict:
+    def tree_fields(*, topk: int, verify_tree_depth: int, draft: bool) -> dict:
         """``draft_topk`` / ``verify_tree_depth`` of a runner of a server with
-        ``--speculative-eagle-topk`` ``topk`` and at most ``max_steps`` draft steps (what
-        :func:`install_canary` and the memory reservation both build)."""
-        trees = topk > 1
+        ``--speculative-eagle-topk`` ``topk`` whose target verifies trees of paths of at most
+        ``verify_tree_depth`` tokens (0: chains; ``SpeculativeFacts.verify_tree_depth``): what
+        :func:`install_canary` and the memory reservation both build."""
         return dict(
-            draft_topk=topk if trees and draft else 1,
-            verify_tree_depth=max_steps + 1 if trees and not draft else 0,
+            draft_topk=topk if topk > 1 and draft else 1,
+            verify_tree_depth=0 if draft else verify_tree_depth,
         )
 
     @property

@@ -70,35 +70,46 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
 
 
 # speculative algorithms whose draft and verify forwards the canary plans (NEXTN is resolved
-# to EAGLE by sglang; STANDALONE runs EAGLE's forwards with a separate small LM as the draft)
-COVERED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
-_COVERED_FLAGS = "EAGLE, EAGLE3, NEXTN or STANDALONE"
+# to EAGLE by sglang; STANDALONE runs EAGLE's forwards with a separate small LM as the draft;
+# NGRAM has no draft model: the target verifies trees drafted from an n-gram corpus)
+COVERED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
+_COVERED_FLAGS = "EAGLE, EAGLE3, NEXTN, STANDALONE or NGRAM"
+# those with a draft model (its own runner and KV pool)
+_DRAFT_MODEL_FLAGS = "EAGLE, EAGLE3, NEXTN or STANDALONE"
 
 
 def draft_worker_name(algorithm: Optional[str]) -> str:
-    """The draft worker's name in messages and reports: STANDALONE, else EAGLE (sglang's EAGLE
-    workers run EAGLE, EAGLE3 and NEXTN)."""
-    return "STANDALONE" if algorithm == "STANDALONE" else "EAGLE"
+    """The draft worker's name in messages and reports: STANDALONE or NGRAM, else EAGLE
+    (sglang's EAGLE workers run EAGLE, EAGLE3 and NEXTN)."""
+    return algorithm if algorithm in ("STANDALONE", "NGRAM") else "EAGLE"
 
 
 def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
     """Speculative decoding: EAGLE / EAGLE3 / NEXTN / STANDALONE, with a draft chain (``topk``
-    1) or draft trees (``topk`` > 1 at page size 1), are guarded, target and draft pools
+    1) or draft trees (``topk`` > 1 at page size 1), target and draft pools, and NGRAM's tree
+    verifies (page size 1, the target's pool: it has no draft model) are guarded
     (docs/user_guide.md, "Speculative decoding"); the rest is refused with the flag to
     change."""
     spec = sglang_seam.speculative_facts(server_args)
-    if spec.algorithm is None:
+    if not spec.has_draft_model:
+        what = (
+            "this server has none"
+            if spec.algorithm is None
+            else f"--speculative-algorithm {spec.algorithm} has none (its drafts come from an "
+            "n-gram corpus)"
+        )
         if config.perturb.target_worker == WORKER_DRAFT:
             raise ValueError(
-                f"{TARGET_WORKER_VAR}=draft corrupts a speculative draft model's KV: "
-                f"pass --speculative-algorithm {_COVERED_FLAGS} (or unset the variable)"
+                f"{TARGET_WORKER_VAR}=draft corrupts a speculative draft model's KV, and {what}: "
+                f"pass --speculative-algorithm {_DRAFT_MODEL_FLAGS} (or unset the variable)"
             )
         if config.draft_violations == DraftViolations.ACT:
             raise ValueError(
                 "SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act acts on a speculative draft model's KV "
-                f"pool, and this server has none: pass --speculative-algorithm {_COVERED_FLAGS} "
-                "(or unset the variable)"
+                f"pool, and {what}: pass --speculative-algorithm {_DRAFT_MODEL_FLAGS} (or unset "
+                "the variable)"
             )
+    if spec.algorithm is None:
         return
     if spec.algorithm not in COVERED_SPECULATIVE_ALGORITHMS:
         raise ValueError(
@@ -106,6 +117,12 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
             f"{_COVERED_FLAGS.replace(' or', ',')}); run it without --kv-canary"
         )
     page_size = int(sglang_seam.server_args_value(server_args, "page_size", 1) or 1)
+    if spec.algorithm == "NGRAM" and page_size > 1:
+        raise ValueError(
+            f"--kv-canary covers --speculative-algorithm NGRAM at --page-size 1 only (got "
+            f"{page_size}): with larger pages sglang moves the accepted nodes' KV between slots "
+            "(move_kv_cache), which the canary does not follow yet; use --page-size 1"
+        )
     if spec.topk > 1 and page_size > 1:
         raise ValueError(
             f"--kv-canary covers --speculative-eagle-topk {spec.topk} (draft trees) at "

@@ -3,6 +3,7 @@
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
 | ``Scheduler.tp_worker.model_runner``, ``Scheduler.tree_cache``, ``.server_args`` | finds the runner's canary, hands the radix cache to the sweep and containment, the settings to ``get_init_info`` | ``plugin`` |
+| ``Scheduler.draft_worker`` (spec v2: its ``.draft_worker``), its ``.draft_runner`` or ``.model_runner`` | the draft runner's canary; none when that runner is the target's (``NGRAMWorker``) | ``plugin`` |
 | PD decode: ``disaggregation.decode._is_fake_transfer`` (private; with ``server_args.disaggregation_mode``), ``disaggregation.utils.FAKE_BOOTSTRAP_HOST`` | which requests' transfers sglang faked (nothing sent: their reads are set aside, not reported) | ``violations.resolver`` |
 | ``Scheduler.running_batch`` / ``.cur_batch`` (``.reqs``), ``.chunked_req`` | the running requests a violation touches; the request PD prefill stashes (abort mode lifts its mark around it) | ``violations.resolver``, ``plugin`` |
 | ``Scheduler.enable_metrics``, ``.metrics_collector.labels`` | the canary's Prometheus series get the scheduler's labels | ``violations.metrics`` |
@@ -44,7 +45,8 @@ def scheduler_model_runner(scheduler: "Scheduler") -> Optional["ModelRunner"]:
 def scheduler_draft_model_runner(scheduler: "Scheduler") -> Optional["ModelRunner"]:
     """The EAGLE draft runner of a speculative scheduler (``Scheduler.draft_worker``: spec v1's
     ``EAGLEWorker``, or spec v2's ``EAGLEWorkerV2`` whose ``draft_worker`` is the
-    ``EagleDraftWorker``); None without speculative decoding."""
+    ``EagleDraftWorker``); None without speculative decoding, and without a draft model (an
+    ``NGRAMWorker``'s ``model_runner`` is the target's, ``Scheduler.tp_worker.model_runner``)."""
     worker = getattr(scheduler, "draft_worker", None)
     if worker is None:
         return None
@@ -52,7 +54,10 @@ def scheduler_draft_model_runner(scheduler: "Scheduler") -> Optional["ModelRunne
     if inner is not None:
         worker = inner
     runner = getattr(worker, "draft_runner", None)
-    return runner if runner is not None else getattr(worker, "model_runner", None)
+    if runner is None:
+        runner = getattr(worker, "model_runner", None)
+    target = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    return None if runner is target else runner
 
 
 @dataclasses.dataclass(frozen=True)

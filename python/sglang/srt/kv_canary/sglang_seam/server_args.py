@@ -50,6 +50,22 @@ class SpeculativeFacts:
         """The largest step count a draft round may run (what sizes the draft canary)."""
         return max(self.step_counts, default=self.num_steps)
 
+    @property
+    def has_draft_model(self) -> bool:
+        """A draft model with its own runner and KV pool: every algorithm but NGRAM (its
+        drafts come from an n-gram corpus; its worker's ``model_runner`` is the target's)."""
+        return self.algorithm is not None and self.algorithm != "NGRAM"
+
+    @property
+    def verify_tree_depth(self) -> int:
+        """The most tokens on one path of a target verify's tree (root included), 0 when
+        the verify is a chain: NGRAM's trees always (its corpus pads a short match with
+        siblings of the root), at most ``--speculative-num-draft-tokens`` deep; EAGLE's draft
+        trees (``--speculative-eagle-topk`` > 1), ``max_steps + 1``."""
+        if self.algorithm == "NGRAM":
+            return self.num_draft_tokens
+        return self.max_steps + 1 if self.topk > 1 else 0
+
 
 def speculative_facts(server_args: "ServerArgs") -> SpeculativeFacts:
     """Raises ``ValueError`` naming ``--speculative-adaptive-config`` when sglang cannot read
