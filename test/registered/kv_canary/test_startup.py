@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 
 import pytest
@@ -452,6 +453,46 @@ def test_standalone_starts_with_chains_and_trees_from_every_route(capsys, monkey
     monkeypatch.delenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER")
     assert cli(model_dir, "--kv-canary", "raise", *tree).speculative_eagle_topk == 2
     kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 2, "STANDALONE"))
+
+
+def test_ngram_starts_at_page_1_and_paged_ngram_is_refused_from_every_route(
+    monkeypatch, capsys, tmp_path, model_dir
+):
+    """NGRAM with the canary (sglang's defaults: breadth 10 as topk, 12 draft tokens; CUDA
+    only, so these servers say ``--device cuda``; no GPU is touched to parse them): starts from
+    the command line, a ``--config`` YAML and ``Engine`` kwargs; at page size 16 (sglang runs
+    it with flashinfer) refused on each route naming ``--page-size``; the draft fault target
+    refused naming the variable; the canary off, sglang's own."""
+    ngram = ["--speculative-algorithm", "NGRAM", "--device", "cuda"]
+    args = cli(model_dir, "--kv-canary", "raise", *ngram)
+    assert (args.kv_canary, args.speculative_eagle_topk) == ("raise", 10)
+    yaml_file = tmp_path / "ngram.yaml"
+    yaml_file.write_text("kv-canary: log\n")
+    assert cli(model_dir, "--config", str(yaml_file), *ngram).kv_canary == "log"
+    from sglang.srt.server_args import ServerArgs
+
+    def engine(**kw):
+        return ServerArgs(
+            model_path=model_dir,
+            device="cuda",
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            speculative_algorithm="NGRAM",
+            **kw,
+        )
+
+    assert engine(kv_canary="raise").speculative_num_draft_tokens == 12
+    paged = ["--page-size", "16", "--attention-backend", "flashinfer"]
+    refused = "NGRAM at --page-size 1 only (got 16)"
+    assert refused in cli_error(capsys, model_dir, "--kv-canary", "raise", *ngram, *paged)
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        engine(kv_canary="raise", page_size=16, attention_backend="flashinfer")
+    cli(model_dir, "--kv-canary", "none", *ngram, *paged)  # canary off
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft")
+    assert "NGRAM has none" in cli_error(capsys, model_dir, "--kv-canary", "log", *ngram)
+    with pytest.raises(ValueError, match="TARGET_WORKER=draft .*NGRAM has none"):
+        engine(kv_canary="log")
 
 
 def test_adaptive_steps_start_from_every_route(capsys, tmp_path, model_dir):
