@@ -677,4 +677,22 @@ MUTANTS_CHECKS = (
         speed="quick",
         what="a target verify's tree nodes are chained in entry order, not along their paths",
     ),
+    Mutant(
+        id="ngram-verify-sized-as-an-eagle-chain",
+        path=f"{_RT}/sglang_seam/server_args.py",
+        old="            return self.num_draft_tokens\n",
+        new="            return self.max_steps + 1 if self.topk > 1 else 0\n",
+        selection=f"{_T}/test_speculative_install.py::test_an_ngram_server_guards_its_target_verify_trees",
+        speed="quick",
+        what="NGRAM's verify trees bounded by EAGLE's step count, not its draft tokens",
+    ),
+    Mutant(
+        id="ngram-target-found-as-its-draft-runner",
+        path=f"{_RT}/sglang_seam/scheduler.py",
+        old="    return None if runner is target else runner\n",
+        new="    return runner\n",
+        selection=f"{_T}/test_speculative_install.py::test_an_ngram_scheduler_has_no_draft_runner",
+        speed="quick",
+        what="an NGRAM worker's runner (the target's) taken for a draft runner",
+    ),
 )
