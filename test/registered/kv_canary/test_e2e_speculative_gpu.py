@@ -178,9 +178,11 @@ def assert_clean_and_both_canaries_reserved(out: str, on, off) -> None:
     ]["memory"]
 
 
-@pytest.mark.parametrize("spec", sorted(SPEC))
-def test_clean_matches_canary_off(models, spec):
-    rc, out, off = run(models, spec, **UNCHUNKED)
+def run_clean_pair(models, spec, **engine_kwargs):
+    """A clean test's two runs of the workload: the canary off, then ``--kv-canary raise``
+    with real data partial, a sweep every 3 steps and token checks; both must exit 0.
+    Returns (the canary-on run's output, its results, the canary-off run's results)."""
+    rc, out, off = run(models, spec, **engine_kwargs)
     assert rc == 0 and off is not None, out[-4000:]
     rc, out, on = run(
         models,
@@ -192,9 +194,15 @@ def test_clean_matches_canary_off(models, spec):
         kv_canary="raise",
         kv_canary_real_data="partial",
         kv_canary_sweep_interval=3,
-        **UNCHUNKED,
+        **engine_kwargs,
     )
     assert rc == 0, out[-4000:]
+    return out, on, off
+
+
+@pytest.mark.parametrize("spec", sorted(SPEC))
+def test_clean_matches_canary_off(models, spec):
+    out, on, off = run_clean_pair(models, spec, **UNCHUNKED)
     assert "kv_canary installed on the EAGLE draft worker: mode=raise" in out, out[-4000:]
     assert "not covered yet" not in out
     assert_clean_and_both_canaries_reserved(out, on, off)
@@ -235,22 +243,7 @@ def test_tree_clean_matches_canary_off(models, backend):
     data, a sweep and token checks: outputs equal to the canary off's, no violation, both
     canaries reserved; the draft runner's canary plans its round by lane, the target's
     writes the verify's trees."""
-    kw = dict(UNCHUNKED, attention_backend=backend, **TREE)
-    rc, out, off = run(models, "spec_v1", **kw)
-    assert rc == 0 and off is not None, out[-4000:]
-    rc, out, on = run(
-        models,
-        "spec_v1",
-        {
-            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5",
-        },
-        kv_canary="raise",
-        kv_canary_real_data="partial",
-        kv_canary_sweep_interval=3,
-        **kw,
-    )
-    assert rc == 0, out[-4000:]
+    out, on, off = run_clean_pair(models, "spec_v1", **UNCHUNKED, attention_backend=backend, **TREE)
     assert "kv_canary installed on the EAGLE draft worker: mode=raise" in out, out[-4000:]
     assert_clean_and_both_canaries_reserved(out, on, off)
 
@@ -275,41 +268,27 @@ def assert_only_the_target_guarded(out: str) -> None:
     assert memory.get("draft") is None, memory
 
 
+@pytest.fixture
+def ngram_models(models):
+    """(target, no draft model)."""
+    return models[0], None
+
+
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_ngram_clean_matches_canary_off(models, backend):
+def test_ngram_clean_matches_canary_off(ngram_models, backend):
     """NGRAM (6 draft tokens, breadth 3; the tiny model's repetitive greedy output feeds the
     corpus) with the canary in raise mode, real data, a sweep and token checks: outputs equal
     to the canary off's, no violation, the target's canary reserved as built, none on a
     draft."""
-    ngram = (models[0], None)
-    kw = dict(UNCHUNKED, attention_backend=backend, **NGRAM)
-    rc, out, off = run(ngram, "spec_v1", algorithm="NGRAM", **kw)
-    assert rc == 0 and off is not None, out[-4000:]
-    rc, out, on = run(
-        ngram,
-        "spec_v1",
-        {
-            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
-            "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5",
-        },
-        algorithm="NGRAM",
-        kv_canary="raise",
-        kv_canary_real_data="partial",
-        kv_canary_sweep_interval=3,
-        **kw,
+    out, on, off = run_clean_pair(
+        ngram_models, "spec_v1", algorithm="NGRAM", **UNCHUNKED, attention_backend=backend, **NGRAM
     )
-    assert rc == 0, out[-4000:]
     assert parse_violation_lines(out) == []
     assert on == off and len(on) == 12
     stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
     assert stats and all("violations=0" in s for s in stats)
     assert_memory_reserved_as_allocated(workload_info(out))
     assert_only_the_target_guarded(out)
-
-
-@pytest.fixture
-def ngram_models(models):
-    return models[0], None
 
 
 def test_ngram_every_fault_class_is_caught_in_the_target_pool(ngram_models):

@@ -42,9 +42,17 @@ def test_ngram_rounds_run_clean_with_token_checks(num_draft, breadth, caplog):
     assert d.target.sfms[0].tree is not None and d.target.sfms[0].tree.max_depth == num_draft
 
 
-def _long_requests(d: NgramDriver, n: int = 3) -> None:
-    for _ in range(n):
+def _clean_then_planted(d: NgramDriver, plant) -> list:
+    """Three long requests run clean for 8 steps, then ``plant()`` and the run that must stop
+    the raise server on it; the violation lines of its report."""
+    for _ in range(3):
         d.add_request(d.rng.randint(8, 40), 60)
+    d.run(8, arrivals=0.0)
+    assert d.target.count_violations() == 0
+    plant()
+    with pytest.raises(RuntimeError, match="KV-cache corruption") as exc:
+        d.run(12, arrivals=0.0)
+    return parse_violation_lines(str(exc.value))
 
 
 def test_a_rejected_node_re_pointed_into_the_path_is_reported():
@@ -52,15 +60,9 @@ def test_a_rejected_node_re_pointed_into_the_path_is_reported():
     a padding node included): the next round reads it and the canary stops the raise
     server, naming the request."""
     d = NgramDriver(num_draft=6, breadth=3, seed=5, verify_tokens=True, accept_prob=0.8)
-    _long_requests(d)
-    d.run(8, arrivals=0.0)
-    assert d.target.count_violations() == 0
-    d.plant_rejected_sibling()
-    with pytest.raises(RuntimeError, match="KV-cache corruption") as exc:
-        d.run(12, arrivals=0.0)
+    seen = _clean_then_planted(d, d.plant_rejected_sibling)
     faults = d.fault_log  # one per request of the round that had a rejected sibling
     assert faults and {f["kind"] for f in faults} == {"rejected_sibling"}
-    seen = parse_violation_lines(str(exc.value))
     assert any(
         v.rids[0] == str(f["rid"])
         and (
@@ -77,14 +79,8 @@ def test_a_flattened_acceptance_is_reported():
     """Nodes ``0 .. acc`` accepted in node order where that is no root path (siblings in BFS
     order, padding included): the next round's read of them is reported."""
     d = NgramDriver(num_draft=8, breadth=3, seed=9, verify_tokens=True, accept_prob=0.9)
-    _long_requests(d)
-    d.run(8, arrivals=0.0)
-    assert d.target.count_violations() == 0
-    d.plant_flattened_acceptance()
-    with pytest.raises(RuntimeError, match="KV-cache corruption") as exc:
-        d.run(12, arrivals=0.0)
+    seen = _clean_then_planted(d, d.plant_flattened_acceptance)
     assert d.fault_log and d.fault_log[0]["kind"] == "flattened"
-    seen = parse_violation_lines(str(exc.value))
     assert {v.rids[0] for v in seen} <= {str(f["rid"]) for f in d.fault_log}, seen
 
 
@@ -93,16 +89,15 @@ def test_an_accepted_node_s_flipped_kv_byte_is_reported():
     verify, re-pointed into the request's row) flipped: the next round's verify of the
     request's prefix reports that slot (its real-data fingerprint)."""
     d = NgramDriver(num_draft=6, breadth=3, seed=11, verify_tokens=True)
-    _long_requests(d)
-    d.run(8, arrivals=0.0)
-    assert d.target.count_violations() == 0
-    victim = d.committed_victim()
-    slot = int(d.req_to_token_pool.req_to_token[victim.row, victim.kv_len - 1])
-    d.target_pool.k_buffer[0][slot].view(torch.uint8).view(-1)[0] ^= 0xFF
-    fault = dict(rid=victim.rid, slot=slot)
-    with pytest.raises(RuntimeError, match="KV-cache corruption") as exc:
-        d.run(6, arrivals=0.0)
-    seen = parse_violation_lines(str(exc.value))
+    fault = {}
+
+    def flip():
+        victim = d.committed_victim()
+        slot = int(d.req_to_token_pool.req_to_token[victim.row, victim.kv_len - 1])
+        d.target_pool.k_buffer[0][slot].view(torch.uint8).view(-1)[0] ^= 0xFF
+        fault.update(rid=victim.rid, slot=slot)
+
+    seen = _clean_then_planted(d, flip)
     assert any(v.slot_idx == fault["slot"] for v in seen), (fault, seen)
 
 
