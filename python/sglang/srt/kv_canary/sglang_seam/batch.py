@@ -2,7 +2,7 @@
 
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
-| ``ForwardBatch`` | sets one attribute, ``kv_canary_batch_state`` (:func:`set_batch_state`); reads ``spec_info.draft_token_num`` and, of a draft-tree verify (``--speculative-eagle-topk`` > 1), ``spec_info.retrieve_next_token`` / ``retrieve_next_sibling``; ``ForwardMode`` | ``batch_state``, ``plan_input`` |
+| ``ForwardBatch`` | sets one attribute, ``kv_canary_batch_state`` (:func:`set_batch_state`); reads ``spec_info.draft_token_num`` and, of a tree verify (``--speculative-eagle-topk`` > 1's ``EagleVerifyInput``, NGRAM's ``NgramVerifyInput``), ``spec_info.retrieve_next_token`` / ``retrieve_next_sibling``; ``ForwardMode`` | ``batch_state``, ``plan_input`` |
 | ``SamplingBatchInfo`` | sets / reads ``kv_canary_oracle_batch`` | ``token_oracle`` |
 | ``Req`` | caches ``kv_canary_oracle_key``; reads ``rid``, ``origin_input_ids``, ``output_ids``, ``req_pool_idx``, ``kv_allocated_len``, ``finished()``, ``to_finish``; histories are kept by identity (sglang replaces, never edits, a rewritten list); abort mode sets ``to_finish = FINISH_ABORT(...)`` (sglang's abort of a running request), ``skip_radix_cache_insert`` and ``kv_canary_no_radix_insert`` (lifts the former around ``Scheduler.stash_chunked_request``, whose ``maybe_cache_unfinished_req`` also honours it; abort mode refuses PD, so PD prefill's copy of the stash never sees the mark) | ``token_oracle``, ``token_history``, ``violations.resolver``, ``violations.containment`` |
 """
@@ -46,9 +46,10 @@ def draft_token_num(forward_batch: "ForwardBatch") -> int:
 
 
 def verify_tree_lists(forward_batch: "ForwardBatch") -> Tuple["torch.Tensor", "torch.Tensor"]:
-    """A draft-tree TARGET_VERIFY batch's linked lists (``EagleVerifyInput``, built by
-    sgl-kernel's ``build_tree_efficient``): ``(retrieve_next_token, retrieve_next_sibling)``,
-    int64 ``[bs, draft_token_num]`` each, local node indices, -1 for none."""
+    """A tree TARGET_VERIFY batch's linked lists (``EagleVerifyInput``'s, built by sgl-kernel's
+    ``build_tree_efficient``; ``NgramVerifyInput``'s, by ``reconstruct_indices_from_tree_mask``):
+    ``(retrieve_next_token, retrieve_next_sibling)``, int64 ``[bs, draft_token_num]`` each,
+    local node indices, -1 for none."""
     spec_info = forward_batch.spec_info
     return spec_info.retrieve_next_token, spec_info.retrieve_next_sibling
 
