@@ -83,13 +83,15 @@ class DraftPool:
     def for_server(
         cls, sizing: KvPoolSizing, server_args: "ServerArgs", algorithm: Optional[str]
     ) -> Optional["DraftPool"]:
-        """None without speculative decoding, and for NGRAM (no draft model). EAGLE / EAGLE3 / NEXTN: a one-layer head, MLA
-        and DeepSeek-V4 in their target's family, MHA otherwise. STANDALONE: the separate
+        """None without speculative decoding (``algorithm`` None; the caller passes only an
+        algorithm with a draft model: ``SpeculativeFacts.has_draft_model``). EAGLE / EAGLE3 /
+        NEXTN: a one-layer head, MLA and DeepSeek-V4 in their target's family, MHA otherwise.
+        STANDALONE: the separate
         draft model's own pool (:func:`~sglang.srt.kv_canary.sglang_seam.draft_model_shape`);
         ``ValueError`` naming ``--speculative-draft-model-path`` when its config cannot be
         read, or when it has sliding-window layers and the target none (sglang sizes the
         draft's pool from the target's, which then has no sliding-window slot space)."""
-        if algorithm is None or algorithm == "NGRAM":
+        if algorithm is None:
             return None
         if algorithm == "STANDALONE":
             shape = sglang_seam.draft_model_shape(server_args)
@@ -266,7 +268,9 @@ def reserve_canary_memory(
         else None
     )
     target = RankFacts(**RankFacts.tree_fields(**trees, draft=False))
-    draft_pool = DraftPool.for_server(sizing, server_args, spec.algorithm)
+    draft_pool = DraftPool.for_server(
+        sizing, server_args, spec.algorithm if spec.has_draft_model else None
+    )
     device = sizing.device
 
     def canary(kv_bytes: int):
