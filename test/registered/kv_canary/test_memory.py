@@ -25,6 +25,7 @@ from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.memory import CanaryMemory, GroupGeometry, MemoryPart
 from sglang.srt.kv_canary.memory_budget import (
     CanaryMemoryReservation,
+    capacity_inputs_from_server_args,
     predicted_groups,
     predicted_memory,
     reserve_canary_memory,
@@ -387,6 +388,33 @@ def test_the_budget_holds_the_pool_and_the_target_and_draft_canaries(profiled, t
     )
     assert grown_draft.device_bytes >= draft
     assert grown.max_total * CELL + grown_target.device_bytes + grown_draft.device_bytes > available
+
+
+def test_an_ngram_budget_reserves_the_target_canary_alone(profiled):
+    """NGRAM has no draft model: the reservation holds no draft canary, and its target
+    canary (a tree verify of 12 nodes per request) equals what install builds on the target
+    runner: more than a server without speculative decoding reserves."""
+    runner = profiled(max_running_requests=8, context_length=256)
+
+    def reserve(**spec):
+        args = _spec_args(runner, **spec)
+        return reserve_canary_memory(
+            runner,
+            server_args=args,
+            config=CanaryConfig(mode="raise"),
+            capacity_inputs=capacity_inputs_from_server_args(args, context_len=256),
+            available_bytes=48 << 20,
+        )[1]
+
+    ngram = reserve(
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=None,
+        speculative_eagle_topk=10,
+        speculative_num_draft_tokens=12,
+    )
+    assert ngram.draft is None
+    plain = reserve(speculative_algorithm=None)
+    assert ngram.target.device_bytes > plain.target.device_bytes
 
 
 # a STANDALONE draft of another shape than the tiny Llama target: 3 layers, 1 KV head of 16
