@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The decode speed-up runs E1-E3 of benchmark/results/latency_h200.md ("Why raise decodes
+# faster: the runs that decide"), one after the other on one GPU, into folder $1 (E3's block
+# is sized from E1's raise install line). Device machine, PYTHONPATH with sglang's site; about
+# 6 minutes on an H200. Usage: bash benchmark/kv_canary/pacing_experiments.sh OUT_DIR
+set -euo pipefail
+OUT=${1:?usage: pacing_experiments.sh OUT_DIR}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
+A=(--scenarios decode_bs1,decode_bs32 --runs 3 --cuda-graph-bs 1,32)
+BENCH=benchmark/kv_canary/bench_serving_overhead.py
+echo "== E1 $(date -u +%T)"
+nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,clocks_event_reasons.active \
+    --format=csv,noheader -lms 100 > "$OUT/smi.csv" &
+SMI=$!
+SGLANG_ENABLE_METRICS_DEVICE_TIMER=1 python "$BENCH" --configs off,raise "${A[@]}" --out "$OUT/e1.jsonl"
+kill "$SMI" || true
+MIB=$(grep -ho "kv_canary installed.*device [0-9.]* MiB" "$OUT"/e1.jsonl.raise.log \
+    | head -1 | sed 's/.*device \([0-9.]*\) MiB/\1/')
+MIB=$(python -c "import math,sys; print(math.ceil(float(sys.argv[1])))" "${MIB:?no install line in the E1 raise log}")
+echo "== canary device MiB (E1 raise): $MIB"
+export PYTHONPATH=$PWD/benchmark/kv_canary/pacing_probe:${PYTHONPATH:-}
+for W in forward batch; do
+    echo "== E2 $W $(date -u +%T)"
+    KV_PACING_PROBE_WAIT=$W python "$BENCH" --configs off "${A[@]}" --out "$OUT/e2_$W.jsonl"
+done
+echo "== E3 $(date -u +%T)"
+KV_PACING_PROBE_STREAMS=2 KV_PACING_PROBE_MIB=$MIB python "$BENCH" --configs off "${A[@]}" --out "$OUT/e3.jsonl"
+grep -h "kv_pacing_probe: wait=" "$OUT"/e2_*.log "$OUT"/e3*.log || echo "no kv_pacing_probe line"
+echo "== done $(date -u +%T)"
