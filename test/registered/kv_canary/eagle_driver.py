@@ -287,6 +287,7 @@ class EagleDriver:
 
     def prefill_chunk(self, reqs: List[DriverReq]) -> None:
         t_ids, d_ids, pos, loc, rows, pre, ext = [], [], [], [], [], [], []
+        sampled = []
         for r in reqs:
             start = r.kv_len
             n = min(self.chunk, len(r.prompt) - start)
@@ -299,9 +300,10 @@ class EagleDriver:
                 self._set_slots(r, start, new)
                 r.slots += new
             last = end == len(r.prompt)
-            if last:  # the target samples the first output token: the bonus
-                r.output.append(self.truth(r, end))
-                shifted_tail = r.output[0]
+            if last:  # the target samples the first output token: the bonus (appended to
+                # the request's output after the forwards, as sglang's process_batch_result)
+                shifted_tail = self.truth(r, end)
+                sampled.append((r, shifted_tail))
             elif self.bug_chunk_end_uses_sampled_token:
                 # upstream PRs 26329 / 26800: the non-final chunk's draft input ends with the
                 # token the target sampled there, not the next prompt token
@@ -343,6 +345,8 @@ class EagleDriver:
                     ext=ext,
                 ),
             )
+        for r, token in sampled:
+            r.output.append(token)
         if self.radix is not None:
             for r in reqs:
                 self._cache_unfinished(r)

@@ -22,7 +22,10 @@ draft runner and ``verify_tree_depth`` steps + 1 on the target) with a tree deco
 4. the linear draft ``DRAFT_EXTEND`` of the accepted path (as with topk 1).
 
 ``seq_lens`` is int32 in even rounds (sglang's graph runners' static buffers) and int64 in
-odd ones (an eager batch). ``bug_*`` switches (:class:`EagleDriver`'s: PR 25015's positions, PR 26329's chunk-end token)
+odd ones (an eager batch). ``replay_draft_rounds``: the even rounds' draft rounds run as
+sglang's ``EAGLEDraftCudaGraphRunner`` replays them (the outside ops of every forward and the
+token snapshot staged first, then each forward's inside ops in capture mode, as
+``driver_forward.CpuGraph`` replays a captured decode). ``bug_*`` switches (:class:`EagleDriver`'s: PR 25015's positions, PR 26329's chunk-end token)
 and ``plant_*`` faults plant the defects the tests check.
 """
 
@@ -35,6 +38,7 @@ import torch
 from eagle_driver import EagleDriver
 from kernel_oracle import sglang_tree_lists
 from serving_driver import VOCAB, DriverReq
+from sglang.srt.kv_canary.single_forward_manager.phases import SfmPhase
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 
@@ -46,6 +50,7 @@ class EagleTreeDriver(EagleDriver):
         steps: int = 3,
         num_draft: Optional[int] = None,
         orphan_prob: float = 0.05,
+        replay_draft_rounds: bool = False,
         **kwargs,
     ):
         if topk < 2:
@@ -56,6 +61,9 @@ class EagleTreeDriver(EagleDriver):
         most = topk + (steps - 1) * topk * topk + 1  # sglang's bound on the draft tokens
         self.num_draft = min(num_draft or 2 * topk + 2, most)
         self.orphan_prob = orphan_prob
+        self.replay_draft_rounds = replay_draft_rounds
+        self.replayed_rounds = 0
+        self._replay_forward: Optional[int] = None  # the replayed round's next forward
         # faults planted for the next round (the tests' switches): see plant_*
         self._fault = None
         self.fault_log: List[dict] = []
@@ -76,6 +84,33 @@ class EagleTreeDriver(EagleDriver):
         """Next round: after the draft round's first forward, flip a KV byte of the second
         lane's first step (draft pool): its second forward reads that lane."""
         self._fault = "lane_flip"
+
+    # ---- a draft round replayed from its graph --------------------------------------------
+
+    def around_round(self, fb, body) -> None:
+        if not (self.replay_draft_rounds and self._seq_dtype() == torch.int32):
+            return super().around_round(fb, body)
+        with self.draft.with_replayed_draft_round(fb, self.steps - 1):
+            self._replay_forward = 0
+            try:
+                body()
+            finally:
+                self._replay_forward = None
+        self.replayed_rounds += 1
+
+    def around_forward(self, fb, body) -> None:
+        if self._replay_forward is None:
+            return super().around_forward(fb, body)
+        # the graph's forward i: its captured inside ops, the outside phases left as they are
+        with self.draft.with_active_single_forward_manager(self._replay_forward):
+            sfm = self.draft.active_sfm
+            phase, sfm.phase = sfm.phase, SfmPhase.IDLE
+            try:
+                with sfm.capturing():
+                    body()
+            finally:
+                sfm.phase = phase
+        self._replay_forward += 1
 
     # ---- one tree decode round -------------------------------------------------------------
 

@@ -37,6 +37,20 @@ def test_tree_rounds_run_clean_with_token_checks(topk, steps, num_draft, caplog)
     assert d.target.sfms[0].tree is not None and d.target.sfms[0].tree.max_depth == steps + 1
 
 
+def test_replayed_draft_rounds_check_each_lane_against_its_own_request_s_tokens():
+    """Draft rounds replayed from the draft graph (every other round): the graph's token
+    scatter puts each request's history in its own expected-token row, not one per lane (the
+    lanes of requests b and b + 1 would share rows and a lane compare its draft KV with another
+    request's tokens): clean rounds report nothing."""
+    d = EagleTreeDriver(
+        topk=2, steps=3, num_draft=6, seed=5, verify_tokens=True, replay_draft_rounds=True
+    )
+    d.run(28)
+    assert d.replayed_rounds >= 5 and d.rounds - d.replayed_rounds >= 5
+    assert d.draft.count_violations() == 0 and d.target.count_violations() == 0
+    assert int(d.draft.state.slot_run_counters[CanaryLaunchTag.HEAD_K_FULL]) > 300
+
+
 def test_a_rejected_node_re_pointed_into_the_path_is_reported():
     """The accepted path's first position re-pointed at a rejected node of the same depth
     (another token): the next round reads it and the canary stops the raise server."""

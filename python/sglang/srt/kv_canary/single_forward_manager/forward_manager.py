@@ -346,8 +346,9 @@ class SingleForwardManager:
                     self._upload_tokens(forward_batch)
                 inputs = self._batch_inputs(forward_batch)
                 if self._capturing and self.token_history is not None:
-                    # the replay's upload: staged before the replay, scattered in the graph
-                    rpi = inputs.req_pool_indices
+                    # the replay's upload: staged before the replay by the batch's requests
+                    # (not a draft round's lanes), scattered in the graph
+                    rpi = forward_batch.req_pool_indices
                     self.token_history.launch_replay_scatter(
                         rpi, self.expected_valid_lens[: rpi.shape[0]]
                     )
