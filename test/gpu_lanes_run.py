@@ -231,13 +231,22 @@ def _pytest_cmd(lane: Lane) -> List[str]:
     ]
 
 
-def _start(lane: Lane, gpus: Tuple[str, ...], out_dir: pathlib.Path, account) -> _Running:
+def _start(
+    lane: Lane, gpus: Tuple[str, ...], out_dir: pathlib.Path, account, share: Tuple[int, int]
+) -> _Running:
+    """Start ``lane`` on ``gpus``; ``share``: ``(i, n)``, lane i of the run's n, whose test
+    servers pick their ports from share i of n (``KV_CANARY_PORT_SHARE``, read by
+    ``server_harness.free_port``): lanes side by side never pick the same port."""
     path = out_dir / f"{lane.name}.log"
     cmd = _pytest_cmd(lane)
     log = open(path, "w")
     log.write(f"CUDA_VISIBLE_DEVICES={','.join(gpus)} " + " ".join(cmd) + "\n")
     log.flush()
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus))
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES=",".join(gpus),
+        KV_CANARY_PORT_SHARE=f"{share[0]}/{share[1]}",
+    )
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
     )
@@ -281,6 +290,7 @@ def run_lanes(
     longest first, at most ``jobs`` at once, each stopped after :func:`lane_limit` seconds;
     print each lane's line as it ends. Results in ``lanes``' order."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    order = {lane.name: i for i, lane in enumerate(lanes)}
     placer = GpuPlacer(gpus)
     results: List[LaneResult] = []
     for lane in lanes:
@@ -308,7 +318,7 @@ def run_lanes(
                 continue
             pending.remove(lane)
             placer.start(lane, where, now)
-            running.append(_start(lane, where, out_dir, account))
+            running.append(_start(lane, where, out_dir, account, (order[lane.name], len(lanes))))
         time.sleep(POLL_SECONDS)
         for run in list(running):
             rc = run.proc.poll()
@@ -321,5 +331,4 @@ def run_lanes(
             placer.end(run.lane, run.gpus)
             results.append(_finish(run, rc))
             print(results[-1].line(), flush=True)
-    order = {lane.name: i for i, lane in enumerate(lanes)}
     return sorted(results, key=lambda r: order[r.name])

@@ -408,6 +408,27 @@ def test_lanes_run_report_one_line_each_and_stop_at_the_time_limit(tmp_path, cap
     assert all(f"lane {name}:" in printed for name in results)
 
 
+def test_each_lane_s_servers_pick_ports_from_a_share_of_their_own(tmp_path):
+    """Lanes run side by side as separate pytest processes: lane i of n gets
+    ``KV_CANARY_PORT_SHARE=i/n``, which ``free_port`` reads, so two lanes' servers never pick
+    the same port (GPU suite run 36: two lanes' servers drew the same ``nccl_port``)."""
+    out = tmp_path / "shares"
+    out.mkdir()
+    body = (
+        "import os, pathlib; pathlib.Path(%r, os.environ['KV_CANARY_PORT_SHARE'].replace('/', "
+        "'_') + x).write_text('')" % str(out)
+    )
+    tests = _tree(
+        tmp_path, test_a=_lane_file(body), test_b=_lane_file(body), test_c=_lane_file(body)
+    )
+    lanes = [gpu_lanes.Lane(p.stem, p, None, 1) for p in sorted(tests.glob("test_*.py"))]
+    results = gpu_lanes.run_lanes(lanes, jobs=3, timeout=300, out_dir=tmp_path / "logs")
+    assert all(r.ok for r in results), [r.line() for r in results]
+    assert sorted(p.name for p in out.iterdir()) == [
+        f"{i}_3{x}" for i in range(3) for x in ("a", "b")
+    ]
+
+
 def test_the_lanes_byte_compile_their_import_path_first(tmp_path, monkeypatch):
     """The device's Python writes no bytecode (``-B``) and its bundles come without it: the
     runner compiles ``$PYTHONPATH``'s directories and ``python/`` once, so that a process

@@ -189,6 +189,22 @@ def test_each_xdist_worker_picks_ports_of_its_own(monkeypatch):
     assert len({p % 2 for p in (free_port() for _ in range(60))}) == 2
 
 
+def test_each_gpu_lane_picks_ports_of_its_own(monkeypatch):
+    """``KV_CANARY_PORT_SHARE=i/n`` (the GPU suite's lane i of n): only ports congruent to i
+    modulo n, each xdist worker's share within it; a malformed value names the variable."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    monkeypatch.setenv("KV_CANARY_PORT_SHARE", "2/5")
+    assert {free_port() % 5 for _ in range(40)} == {2}
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    assert {free_port() % 10 for _ in range(40)} == {2 * 2 + 1}
+    for bad in ("5/5", "x", "1/", "-1/3", "1/0"):
+        monkeypatch.setenv("KV_CANARY_PORT_SHARE", bad)
+        with pytest.raises(ValueError, match="KV_CANARY_PORT_SHARE=.*allowed 'i/n'"):
+            free_port()
+
+
 def test_free_port_never_returns_a_port_twice_in_one_process(monkeypatch):
     """A port is free when picked but bound only when its server starts: a plan that picks
     every server's ports first (the side-by-side runs) must not get one port twice, even when

@@ -202,6 +202,9 @@ def _ephemeral_range() -> Tuple[int, int]:
         return 32768, 60999
 
 
+PORT_SHARE_VARIABLE = "KV_CANARY_PORT_SHARE"
+
+
 def _xdist_worker_share() -> Tuple[int, int]:
     """``(worker index, worker count)`` of the pytest-xdist worker this process runs under
     (or was started by: the variables are inherited), ``(0, 1)`` outside xdist."""
@@ -210,6 +213,25 @@ def _xdist_worker_share() -> Tuple[int, int]:
     if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 0:
         return int(worker[2:]) % int(count), int(count)
     return 0, 1
+
+
+def _port_share() -> Tuple[int, int]:
+    """``(residue, modulus)``: the ports this process may pick are those congruent to
+    ``residue`` modulo ``modulus``. ``KV_CANARY_PORT_SHARE=i/n`` (set by the GPU suite's
+    runner, ``test/gpu_lanes_run.py``, for lane i of n: its lanes are pytest processes side by
+    side, not xdist workers) splits the range n ways, each xdist worker's share within it.
+    A malformed value raises ``ValueError`` naming the variable."""
+    lane, lanes = 0, 1
+    raw = os.environ.get(PORT_SHARE_VARIABLE, "").strip()
+    if raw:
+        i, _, n = raw.partition("/")
+        if not (i.isdigit() and n.isdigit() and 0 <= int(i) < int(n)):
+            raise ValueError(
+                f"{PORT_SHARE_VARIABLE}={raw!r}: allowed 'i/n' with integers 0 <= i < n"
+            )
+        lane, lanes = int(i), int(n)
+    worker, workers = _xdist_worker_share()
+    return lane * workers + worker, lanes * workers
 
 
 def free_port() -> int:
@@ -221,7 +243,8 @@ def free_port() -> int:
     start-up, seen in CI with the suites' servers side by side). No port is returned twice in
     one process (a plan of servers picked before any starts would otherwise share one), and
     under pytest-xdist each worker (and the processes it starts) picks from its own residue
-    class modulo the number of workers, so two workers never pick the same port either."""
+    class modulo the number of workers, so two workers never pick the same port either; the
+    GPU suite's lanes likewise (:func:`_port_share`)."""
     low, high = _ephemeral_range()
     ranges = [(a, b) for a, b in ((20000, min(low, 55000)), (max(high + 1, 20000), 55000)) if a < b]
     if not ranges:
@@ -230,7 +253,7 @@ def free_port() -> int:
             f"({_PORT_RANGE_FILE})"
         )
     pick = random.Random()  # not a caller's seeded RNG: two runs must not collide
-    residue, modulus = _xdist_worker_share()
+    residue, modulus = _port_share()
     for _ in range(200):
         a, b = pick.choice(ranges)
         port = pick.randrange(a, b)
