@@ -109,6 +109,31 @@ def models(tmp_path_factory):
     return target, draft
 
 
+@pytest.fixture(scope="module")
+def head_dim_128_models(tmp_path_factory):
+    """The tiny target and EAGLE draft with heads of 128 (hidden 256, 2 heads, 1 KV head):
+    flashinfer's prefill kernels, which run a tree's verify (its custom mask), have no
+    configuration for the tiny model's heads of 16 (the canary-off server stopped capturing
+    its verify graph: "Invalid configuration : NUM_MMA_Q=2 NUM_MMA_D_QK=1 ...")."""
+    wide = dict(
+        hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1
+    )
+    target = write_tiny_llama(tmp_path_factory.mktemp("target128"), **wide)
+    draft = write_tiny_llama(
+        tmp_path_factory.mktemp("draft128"),
+        architectures=["LlamaForCausalLMEagle"],
+        num_hidden_layers=1,
+        **wide,
+    )
+    return target, draft
+
+
+def models_for(request, backend: str):
+    """The models a tree or NGRAM run on ``backend`` uses: the tiny ones on triton, heads
+    of 128 on flashinfer (:func:`head_dim_128_models`)."""
+    return request.getfixturevalue("models" if backend == "triton" else "head_dim_128_models")
+
+
 def write_models(tmp_path_factory, algorithm):
     """(target dir, draft dir or None) of ``algorithm``."""
     if algorithm == "EAGLE3":
@@ -238,11 +263,12 @@ TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_d
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_tree_clean_matches_canary_off(models, backend):
+def test_tree_clean_matches_canary_off(request, backend):
     """A draft tree (topk 2, 3 steps, 6 draft tokens) with the canary in raise mode, real
     data, a sweep and token checks: outputs equal to the canary off's, no violation, both
     canaries reserved; the draft runner's canary plans its round by lane, the target's
     writes the verify's trees."""
+    models = models_for(request, backend)
     out, on, off = run_clean_pair(models, "spec_v1", **UNCHUNKED, attention_backend=backend, **TREE)
     assert "kv_canary installed on the EAGLE draft worker: mode=raise" in out, out[-4000:]
     assert_clean_and_both_canaries_reserved(out, on, off)
@@ -275,11 +301,12 @@ def ngram_models(models):
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_ngram_clean_matches_canary_off(ngram_models, backend):
+def test_ngram_clean_matches_canary_off(request, backend):
     """NGRAM (6 draft tokens, breadth 3; the tiny model's repetitive greedy output feeds the
     corpus) with the canary in raise mode, real data, a sweep and token checks: outputs equal
     to the canary off's, no violation, the target's canary reserved as built, none on a
     draft."""
+    ngram_models = (models_for(request, backend)[0], None)
     out, on, off = run_clean_pair(
         ngram_models, "spec_v1", algorithm="NGRAM", **UNCHUNKED, attention_backend=backend, **NGRAM
     )
@@ -293,19 +320,23 @@ def test_ngram_clean_matches_canary_off(ngram_models, backend):
 
 def test_ngram_every_fault_class_is_caught_in_the_target_pool(ngram_models):
     """Every fault class injected into the target's pool (NGRAM's only one), in log mode,
-    real data partial, a sweep every 2 steps: all 12 requests served, every fault caught."""
+    real data partial, a sweep every 2 steps: all 48 requests served, every fault caught. The
+    48-request workload: NGRAM accepts so many tokens per verify that the 12 short requests
+    end a few forwards after the faults' warm-up (GPU suite run 36: the one byte flipped after
+    a forward was flipped after the last one, and nothing read or swept it)."""
     env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER="target")
     rc, out, res = run(
         ngram_models,
         "spec_v1",
         env,
+        script="workload.py",
         algorithm="NGRAM",
         kv_canary="log",
         kv_canary_real_data="partial",
         kv_canary_sweep_interval=2,
         **NGRAM,
     )
-    assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
+    assert rc == 0 and res is not None and len(res) == 48, out[-4000:]
     assert_only_the_target_guarded(out)
     assert_every_fault_caught(out)
 
