@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The decode speed-up runs E1-E3 of benchmark/results/latency_h200.md ("Why raise decodes
-# faster: the runs that decide"), one after the other on one GPU, into folder $1 (E3's block
-# is sized from E1's raise install line). Device machine, PYTHONPATH with sglang's site; about
-# 6 minutes on an H200. Usage: bash benchmark/kv_canary/pacing_experiments.sh OUT_DIR
+# The decode speed-up runs of benchmark/results/latency_h200.md, one after the other on one
+# GPU, into folder $1: E1-E3 ("Why raise decodes faster: the runs that decide"; E3's block is
+# sized from E1's raise install line), E4 (off with an empty / a one-kernel side-stream branch
+# forked and joined around the model, as the canary's) and E5 (raise again: the drift since
+# E1). Device machine, PYTHONPATH with sglang's site; about 9 minutes on an H200. Usage: bash benchmark/kv_canary/pacing_experiments.sh OUT_DIR
 set -euo pipefail
 OUT=${1:?usage: pacing_experiments.sh OUT_DIR}
 mkdir -p "$OUT"
@@ -26,5 +27,13 @@ for W in forward batch; do
 done
 echo "== E3 $(date -u +%T)"
 KV_PACING_PROBE_STREAMS=2 KV_PACING_PROBE_MIB=$MIB python "$BENCH" --configs off "${A[@]}" --out "$OUT/e3.jsonl"
-grep -h "kv_pacing_probe: wait=" "$OUT"/e2_*.log "$OUT"/e3*.log || echo "no kv_pacing_probe line"
+for F in empty kernel; do
+    echo "== E4 fork=$F $(date -u +%T)"
+    KV_PACING_PROBE_FORK=$F python "$BENCH" --configs off "${A[@]}" --out "$OUT/e4_$F.jsonl"
+done
+echo "== E5 raise again (drift since E1) $(date -u +%T)"
+SGLANG_ENABLE_METRICS_DEVICE_TIMER=1 python "$BENCH" --configs raise "${A[@]}" --out "$OUT/e5.jsonl"
+# the probe's own line is logged before sglang's logging is set up; its hooks show in the
+# hook registry's lines (E2 forward: "Multiple AROUND hooks ... plugin=kv_pacing_probe")
+grep -h "kv_pacing_probe" "$OUT"/e2_*.log "$OUT"/e3*.log "$OUT"/e4_*.log | sort | uniq -c || true
 echo "== done $(date -u +%T)"

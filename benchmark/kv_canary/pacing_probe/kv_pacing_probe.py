@@ -12,6 +12,11 @@ and set, in the server's environment:
 - ``KV_PACING_PROBE_STREAMS=N``: N streams taken from torch's stream pool right after
   ``ModelRunner.init_memory_pool`` (the canary takes two there); ``KV_PACING_PROBE_MIB=N``: a
   device block of N MiB allocated there (the canary's buffers).
+- ``KV_PACING_PROBE_FORK=empty``: the model's forward (wrapped on the instance there, as the
+  canary wraps it, so eager forwards and CUDA-graph captures both get it) forks a side stream
+  at its start and joins it at its end, as the canary's post-ops do around their side-stream
+  launches, with nothing on the side stream; ``kernel``: one small kernel there (a 4 KiB add),
+  beside the model's; unset or empty: no fork.
 
 CUDA only; a bad value raises ``ValueError`` naming the variable. Not part of the canary."""
 
@@ -24,6 +29,7 @@ from typing import Dict, Optional
 
 logger = logging.getLogger(__name__)
 
+FORKS = ("empty", "kernel")
 WAIT_POINTS = {
     "forward": "sglang.srt.model_executor.model_runner.ModelRunner.forward",
     "batch": "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation",
@@ -38,6 +44,7 @@ class ProbeSettings:
     wait: Optional[str] = None  # a key of WAIT_POINTS, or None
     streams: int = 0
     mib: int = 0
+    fork: Optional[str] = None  # one of FORKS, or None
 
 
 def _count(env: Dict[str, str], name: str, maximum: int) -> int:
@@ -57,10 +64,17 @@ def parse_settings(env: Dict[str, str]) -> ProbeSettings:
             f"KV_PACING_PROBE_WAIT={env['KV_PACING_PROBE_WAIT']!r}: allowed "
             f"{', '.join(WAIT_POINTS)} or empty"
         )
+    fork = env.get("KV_PACING_PROBE_FORK", "").strip().lower() or None
+    if fork is not None and fork not in FORKS:
+        raise ValueError(
+            f"KV_PACING_PROBE_FORK={env['KV_PACING_PROBE_FORK']!r}: allowed "
+            f"{', '.join(FORKS)} or empty"
+        )
     return ProbeSettings(
         wait=wait,
         streams=_count(env, "KV_PACING_PROBE_STREAMS", MAX_STREAMS),
         mib=_count(env, "KV_PACING_PROBE_MIB", MAX_MIB),
+        fork=fork,
     )
 
 
@@ -95,9 +109,41 @@ def _take_streams_and_memory(settings: ProbeSettings):
             else None
         )
         _kept.append((streams, block))
+        if settings.fork is not None:
+            _fork_around_model_forward(self, with_kernel=settings.fork == "kernel")
         return result
 
     return hook
+
+
+def _fork_around_model_forward(model_runner, *, with_kernel: bool) -> None:
+    """Wrap ``model_runner.model.forward``: an event recorded on the current stream before
+    the model's launches; after them the side stream waits for it, runs the kernel (or
+    nothing) and the current stream waits for the side stream. The event, stream and buffer
+    are made here, once (capture-safe: no allocation in the forward)."""
+    import functools
+
+    import torch
+
+    side = torch.cuda.Stream(device=model_runner.device)
+    fork = torch.cuda.Event()
+    scratch = torch.zeros(512, dtype=torch.int64, device=model_runner.device)
+    model = model_runner.model
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        fork.record()
+        out = original(*args, **kwargs)
+        side.wait_event(fork)
+        if with_kernel:
+            with torch.cuda.stream(side):
+                scratch.add_(1)
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    model.forward = forward
+    _kept.append((side, fork, scratch))
 
 
 def register() -> None:
@@ -107,11 +153,12 @@ def register() -> None:
     settings = parse_settings(dict(os.environ))
     if settings.wait is not None:
         HookRegistry.register(WAIT_POINTS[settings.wait], _wait_for_previous, HookType.AROUND)
-    if settings.streams or settings.mib:
+    if settings.streams or settings.mib or settings.fork:
         HookRegistry.register(INIT_MEMORY_POOL, _take_streams_and_memory(settings), HookType.AFTER)
     logger.info(
-        "kv_pacing_probe: wait=%s streams=%d mib=%d",
+        "kv_pacing_probe: wait=%s streams=%d mib=%d fork=%s",
         settings.wait or "none",
         settings.streams,
         settings.mib,
+        settings.fork or "none",
     )

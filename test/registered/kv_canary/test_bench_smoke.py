@@ -722,10 +722,13 @@ def test_pacing_probe_is_an_sglang_plugin_and_refuses_bad_settings(monkeypatch):
             "KV_PACING_PROBE_WAIT": " Forward ",
             "KV_PACING_PROBE_STREAMS": "2",
             "KV_PACING_PROBE_MIB": "40",
+            "KV_PACING_PROBE_FORK": "Kernel",
         }
     )
-    assert settings == probe.ProbeSettings(wait="forward", streams=2, mib=40)
+    assert settings == probe.ProbeSettings(wait="forward", streams=2, mib=40, fork="kernel")
+    assert probe.parse_settings({"KV_PACING_PROBE_FORK": "empty"}).fork == "empty"
     for env, name in (
+        ({"KV_PACING_PROBE_FORK": "both"}, "KV_PACING_PROBE_FORK"),
         ({"KV_PACING_PROBE_WAIT": "later"}, "KV_PACING_PROBE_WAIT"),
         ({"KV_PACING_PROBE_STREAMS": "-1"}, "KV_PACING_PROBE_STREAMS"),
         ({"KV_PACING_PROBE_MIB": "9999999"}, "KV_PACING_PROBE_MIB"),
