@@ -695,4 +695,28 @@ MUTANTS_CHECKS = (
         speed="quick",
         what="an NGRAM worker's runner (the target's) taken for a draft runner",
     ),
+    Mutant(
+        id="replayed-draft-round-scatters-by-lane-rows",
+        path=f"{_RT}/single_forward_manager/forward_manager.py",
+        old="                    rpi = forward_batch.req_pool_indices\n",
+        new="                    rpi = inputs.req_pool_indices\n",
+        selection=(
+            f"{_T}/test_speculative_trees.py::"
+            "test_replayed_draft_rounds_check_each_lane_against_its_own_request_s_tokens"
+        ),
+        speed="quick",
+        what="a replayed draft round's token scatter by its lanes' rows, not its requests'",
+    ),
+    Mutant(
+        id="gpu-lanes-share-one-port-range",
+        path="test/gpu_lanes_run.py",
+        old='        KV_CANARY_PORT_SHARE=f"{share[0]}/{share[1]}",\n',
+        new="",
+        selection=(
+            f"{_T}/test_ci_registration.py::"
+            "test_each_lane_s_servers_pick_ports_from_a_share_of_their_own"
+        ),
+        speed="quick",
+        what="the GPU suite's lanes pick their servers' ports from one range",
+    ),
 )
