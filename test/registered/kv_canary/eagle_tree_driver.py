@@ -35,10 +35,10 @@ from typing import List, Optional
 
 import torch
 
+from driver_forward import CpuGraph
 from eagle_driver import EagleDriver
 from kernel_oracle import sglang_tree_lists
 from serving_driver import VOCAB, DriverReq
-from sglang.srt.kv_canary.single_forward_manager.phases import SfmPhase
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 
@@ -103,13 +103,7 @@ class EagleTreeDriver(EagleDriver):
             return super().around_forward(fb, body)
         # the graph's forward i: its captured inside ops, the outside phases left as they are
         with self.draft.with_active_single_forward_manager(self._replay_forward):
-            sfm = self.draft.active_sfm
-            phase, sfm.phase = sfm.phase, SfmPhase.IDLE
-            try:
-                with sfm.capturing():
-                    body()
-            finally:
-                sfm.phase = phase
+            CpuGraph(self.draft, body).replay()
         self._replay_forward += 1
 
     # ---- one tree decode round -------------------------------------------------------------
