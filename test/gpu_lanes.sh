@@ -51,8 +51,9 @@
 #   spec_standalone_radix_keys test/registered/kv_canary/test_e2e_speculative_gpu.py -k standalone and radix_keys
 #   spec_tree_clean      test/registered/kv_canary/test_e2e_speculative_gpu.py -k tree and clean
 #   spec_tree_faults     test/registered/kv_canary/test_e2e_speculative_gpu.py -k tree and every_fault
-#   spec_ngram_clean     test/registered/kv_canary/test_e2e_speculative_gpu.py -k ngram and clean
-#   spec_ngram_faults    test/registered/kv_canary/test_e2e_speculative_gpu.py -k ngram and every_fault
+#   spec_ngram_clean     test/registered/kv_canary/test_e2e_speculative_gpu.py -k ngram and clean and not paged
+#   spec_ngram_faults    test/registered/kv_canary/test_e2e_speculative_gpu.py -k ngram and every_fault and not paged
+#   spec_ngram_paged     test/registered/kv_canary/test_e2e_speculative_gpu.py -k ngram and paged
 #   e2e_swa_gpu          test/registered/kv_canary/test_e2e_swa_gpu.py
 #   tp2_clean            test/registered/kv_canary/test_e2e_tp_gpu.py -k clean (2 GPUs)
 #   tp2_fault            test/registered/kv_canary/test_e2e_tp_gpu.py -k fault (2 GPUs)

@@ -25,7 +25,10 @@ draft runner and ``verify_tree_depth`` steps + 1 on the target) with a tree deco
 odd ones (an eager batch). ``replay_draft_rounds``: the even rounds' draft rounds run as
 sglang's ``EAGLEDraftCudaGraphRunner`` replays them (the outside ops of every forward and the
 token snapshot staged first, then each forward's inside ops in capture mode, as
-``driver_forward.CpuGraph`` replays a captured decode). ``bug_*`` switches (:class:`EagleDriver`'s: PR 25015's positions, PR 26329's chunk-end token)
+``driver_forward.CpuGraph`` replays a captured decode). ``compact_accepted``: the verify's
+acceptance as sglang runs it at page size > 1 (``_free_cache``): the accepted nodes' KV
+moved into the request's first verify slots by sglang's torch path of ``move_kv_cache`` and
+the plugin's hook on it, the rest freed. ``bug_*`` switches (:class:`EagleDriver`'s: PR 25015's positions, PR 26329's chunk-end token)
 and ``plant_*`` faults plant the defects the tests check.
 """
 
@@ -51,6 +54,7 @@ class EagleTreeDriver(EagleDriver):
         num_draft: Optional[int] = None,
         orphan_prob: float = 0.05,
         replay_draft_rounds: bool = False,
+        compact_accepted: bool = False,
         **kwargs,
     ):
         if topk < 2:
@@ -62,6 +66,8 @@ class EagleTreeDriver(EagleDriver):
         self.num_draft = min(num_draft or 2 * topk + 2, most)
         self.orphan_prob = orphan_prob
         self.replay_draft_rounds = replay_draft_rounds
+        self.compact_accepted = compact_accepted
+        self.moves = 0  # compactions that moved KV (a source slot not its target)
         self.replayed_rounds = 0
         self._replay_forward: Optional[int] = None  # the replayed round's next forward
         # faults planted for the next round (the tests' switches): see plant_*
@@ -181,6 +187,8 @@ class EagleTreeDriver(EagleDriver):
                     self.fault_log.append(
                         dict(kind="rejected_sibling", rid=r.rid, position=L + 1, slot=kept[1])
                     )
+            if self.compact_accepted:
+                kept = self._compact(vs, kept)
             self._set_slots(r, L, kept)
             r.slots += kept
             dropped = [vs[i] for i in range(n) if vs[i] not in kept]
@@ -190,6 +198,25 @@ class EagleTreeDriver(EagleDriver):
         if self.fault_log and self._fault in ("flattened", "rejected_sibling"):
             self._fault = None
         return paths
+
+    def _compact(self, verify_slots: List[int], kept: List[int]) -> List[int]:
+        """sglang's ``_free_cache`` at page size > 1: the accepted nodes' KV moved into the
+        first ``len(kept)`` of the request's verify slots by sglang's own torch path of
+        ``MHATokenToKVPool.move_kv_cache`` (``move_kv_cache_native``: the method itself may
+        already carry the plugin's hook in this process, ``load_plugins`` having run), then
+        the plugin's AFTER hook as ``HookRegistry`` runs it (the records follow); returns
+        those slots."""
+        from sglang.srt.kv_canary import plugin
+        from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
+
+        tgt = verify_slots[: len(kept)]
+        if tgt != kept:
+            self.moves += 1
+        pool = self.target_pool
+        t, s_ = (torch.tensor(x, dtype=torch.int64) for x in (tgt, kept))
+        move_kv_cache_native(pool.k_buffer, pool.v_buffer, t, s_)
+        plugin._after_move_kv_cache(None, pool, t, s_)
+        return tgt
 
     def _tree_draft_round(self, reqs, base, lane_slots) -> None:
         """sglang's ``draft_forward`` with K lanes: one ForwardBatch of ``bs`` requests whose

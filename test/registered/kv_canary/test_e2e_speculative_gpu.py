@@ -54,7 +54,7 @@ from canary_support.script_run import load_support_script
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=5830, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=6130, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -77,8 +77,9 @@ GPU_LANES = {
     "spec_standalone_radix_keys": ("standalone and radix_keys", 200),
     "spec_tree_clean": ("tree and clean", 220),
     "spec_tree_faults": ("tree and every_fault", 180),
-    "spec_ngram_clean": ("ngram and clean", 220),
-    "spec_ngram_faults": ("ngram and every_fault", 150),
+    "spec_ngram_clean": ("ngram and clean and not paged", 220),
+    "spec_ngram_faults": ("ngram and every_fault and not paged", 150),
+    "spec_ngram_paged": ("ngram and paged", 300),
 }
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -335,6 +336,44 @@ def test_ngram_every_fault_class_is_caught_in_the_target_pool(ngram_models):
         kv_canary_real_data="partial",
         kv_canary_sweep_interval=2,
         **NGRAM,
+    )
+    assert rc == 0 and res is not None and len(res) == 48, out[-4000:]
+    assert_only_the_target_guarded(out)
+    assert_every_fault_caught(out)
+
+
+# NGRAM at page size 16: sglang compacts each verify's accepted nodes with move_kv_cache
+# (docs/speculative_standalone_ngram.md, "2.6 Page size > 1"); it runs trees at page > 1 on
+# flashinfer only, whose prefill needs the heads of 128
+PAGED_NGRAM = dict(page_size=16, attention_backend="flashinfer", **NGRAM)
+
+
+def test_ngram_paged_clean_matches_canary_off(head_dim_128_models):
+    """NGRAM at page size 16 with the canary in raise mode, real data, a sweep and token
+    checks: outputs equal to the canary off's, no violation (the records followed every
+    compaction), the target's canary reserved as built, none on a draft."""
+    models = (head_dim_128_models[0], None)
+    out, on, off = run_clean_pair(models, "spec_v1", algorithm="NGRAM", **UNCHUNKED, **PAGED_NGRAM)
+    assert parse_violation_lines(out) == []
+    assert on == off and len(on) == 12
+    assert_memory_reserved_as_allocated(workload_info(out))
+    assert_only_the_target_guarded(out)
+
+
+def test_ngram_paged_every_fault_class_is_caught(head_dim_128_models):
+    """Every fault class injected into NGRAM's target pool at page size 16, in log mode, real
+    data partial, a sweep every 2 steps, over the 48-request workload: every fault caught."""
+    env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER="target")
+    rc, out, res = run(
+        (head_dim_128_models[0], None),
+        "spec_v1",
+        env,
+        script="workload.py",
+        algorithm="NGRAM",
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+        **PAGED_NGRAM,
     )
     assert rc == 0 and res is not None and len(res) == 48, out[-4000:]
     assert_only_the_target_guarded(out)

@@ -394,6 +394,34 @@ def test_graph_replay_hook_uploads_the_tokens_before_the_replay():
     assert seen == [req.prompt]
 
 
+def test_move_kv_cache_hook_moves_the_bound_groups_records_with_the_kv(monkeypatch):
+    """The hook registered on ``MHATokenToKVPool.move_kv_cache`` (as sglang's HookRegistry
+    wraps the method): after the KV moves, the records of the groups the builder bound to that
+    pool move the same way; a pool without a canary is left to sglang alone."""
+    from ngram_driver import NgramDriver
+    from eagle_driver import tiny_mha_pool
+    from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
+
+    def original(self, tgt_loc, src_loc):
+        move_kv_cache_native(self.k_buffer, self.v_buffer, tgt_loc, src_loc)
+
+    hooked = as_sglang_applies(monkeypatch, seam.HOOK_MHA_POOL_MOVE_KV_CACHE, original)
+    d = NgramDriver(num_draft=6, breadth=3, seed=1)
+    pool, group = d.target_pool, d.target.groups[0]
+    for i, buf in enumerate((group.k_head, group.k_tail, pool.k_buffer[0])):
+        buf.view(-1).view(torch.uint8)[:] = (
+            torch.arange(buf.view(torch.uint8).numel()).to(torch.uint8) + i
+        )
+    before = [b.clone() for b in (group.k_head, group.k_tail, pool.k_buffer[0])]
+    tgt, src = torch.tensor([3, 4]), torch.tensor([4, 8])
+    hooked(pool, tgt, src)
+    for buf, old in zip((group.k_head, group.k_tail, pool.k_buffer[0]), before):
+        assert torch.equal(buf[tgt], old[src])
+    bare = tiny_mha_pool(31)
+    assert seam.kv_move_groups(bare) == ()
+    hooked(bare, tgt, src)  # no canary: sglang's move only
+
+
 # run in a fresh process with the libcuda stub (importing sglang's speculative workers loads
 # sgl_kernel's common_ops): each STANDALONE worker class's method the plugin hooks on its EAGLE
 # base class, before and after sglang's HookRegistry applies the plugin's hooks

@@ -85,10 +85,6 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
             dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=4, page_size=64),
             "--speculative-eagle-topk 4 \\(draft trees\\) at --page-size 1 only",
         ),
-        (
-            dict(speculative_algorithm="NGRAM", speculative_eagle_topk=10, page_size=16),
-            "--speculative-algorithm NGRAM at --page-size 1 only \\(got 16\\)",
-        ),
         (dict(speculative_algorithm="DFLASH"), "--speculative-algorithm DFLASH yet"),
         (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
     ],
@@ -129,10 +125,11 @@ def test_a_draft_tree_server_guards_its_lanes_and_its_trees(monkeypatch, algorit
 
 def test_an_ngram_server_guards_its_target_verify_trees(monkeypatch):
     """NGRAM (no draft model; sglang sets topk to the BFS breadth, 10, and 12 draft tokens)
-    starts at page size 1; the target's canary writes its verify's trees (paths of up to 12
-    nodes), plans no lanes, names NGRAM, and holds a verify of every request (12 tokens each);
-    a draft fault target or ``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act`` is refused naming the
-    variable and that NGRAM has no draft model."""
+    starts at page size 1 and 16; the target's canary writes its verify's trees (paths of up
+    to 12 nodes), plans no lanes, names NGRAM, holds a verify of every request (12 tokens
+    each) and is bound to its pool's ``move_kv_cache``; a draft fault target or
+    ``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act`` is refused naming the variable and that NGRAM
+    has no draft model."""
     from sglang.srt.kv_canary import install, startup_checks
 
     _clean_canary_env(monkeypatch)
@@ -143,9 +140,17 @@ def test_an_ngram_server_guards_its_target_verify_trees(monkeypatch):
         speculative_num_draft_tokens=12,
     )
     startup_checks.check_server_args_for_canary(args)
-    target = install.install_canary(
-        server_args=args, model_runner=_runner(tiny_mha_pool(63), draft=False)
+    paged = _spec_server_args(
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=None,
+        speculative_eagle_topk=10,
+        speculative_num_draft_tokens=12,
+        page_size=16,
     )
+    startup_checks.check_server_args_for_canary(paged)
+    pool = tiny_mha_pool(63)
+    target = install.install_canary(server_args=args, model_runner=_runner(pool, draft=False))
+    assert seam.kv_move_groups(pool) == tuple(target.groups)
     assert target.ranks.verify_tree_depth == 12 and target.ranks.draft_topk == 1
     assert target.sfms[0].tree.max_depth == 12 and target.sfms[0].plan_input.lanes is None
     assert target.ranks.draft_worker == "NGRAM"

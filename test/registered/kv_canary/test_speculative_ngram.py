@@ -1,9 +1,11 @@
-"""NGRAM speculative decoding (``--speculative-algorithm NGRAM``, page size 1) on real sglang
+"""NGRAM speculative decoding (``--speculative-algorithm NGRAM``) on real sglang
 0.5.12 pools, ForwardBatches and ``NgramVerifyInput`` (``ngram_driver.py``;
 docs/speculative_standalone_ngram.md, "2. NGRAM (n-gram lookup, no draft model)"): the target verify's trees of the n-gram
 corpus (BFS order, padding siblings under the root) written along each node's path, the
-accepted path re-pointed and read by the next round. Clean runs report nothing; a wrong
-re-pointing and a flattened acceptance are reported. Start-up and install:
+accepted path re-pointed (page size 1) or compacted with ``move_kv_cache`` (page size > 1,
+the records following through the plugin's hook) and read by the next round. Clean runs
+report nothing; a wrong re-pointing, a flattened acceptance and records left behind by a
+compaction are reported. Start-up and install:
 ``test_speculative_install.py``."""
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from ngram_driver import NgramDriver
 from sglang.jit_kernel.kv_canary import CanaryLaunchTag
+from sglang.srt.kv_canary import sglang_seam
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -40,6 +43,61 @@ def test_ngram_rounds_run_clean_with_token_checks(num_draft, breadth, caplog):
         assert d.branch_accepted >= 1
     assert int(d.target.state.slot_run_counters[CanaryLaunchTag.HEAD_K_FULL]) > 300
     assert d.target.sfms[0].tree is not None and d.target.sfms[0].tree.max_depth == num_draft
+
+
+@pytest.mark.parametrize("num_draft, breadth", [(6, 3), (12, 10)])
+def test_ngram_compacted_acceptance_runs_clean(num_draft, breadth):
+    """Acceptance as sglang runs it at page size > 1: the accepted nodes' KV moved into the
+    request's first verify slots (sglang's torch ``move_kv_cache``) with the plugin's hook on
+    it, so the records follow the KV: clean rounds with token checks and real data report
+    nothing, and compactions did move KV."""
+    d = NgramDriver(
+        num_draft=num_draft,
+        breadth=breadth,
+        seed=4,
+        verify_tokens=True,
+        accept_prob=0.7,
+        compact_accepted=True,
+    )
+    d.run(28)
+    assert d.target.count_violations() == 0
+    assert d.moves >= 3 and d.branch_accepted >= 1 and d.accepted >= 5
+    assert sglang_seam.kv_move_groups(d.target_pool) == tuple(d.target.groups)
+
+
+def test_ngram_compaction_whose_records_stay_behind_is_reported(monkeypatch):
+    """The same compaction with the hook doing nothing (the KV moved, the records left at
+    the accepted nodes' slots): the next round's read of a moved slot finds another node's
+    record there and the raise server stops."""
+    from sglang.srt.kv_canary import plugin
+
+    d = NgramDriver(
+        num_draft=6, breadth=3, seed=4, verify_tokens=True, accept_prob=0.8, compact_accepted=True
+    )
+    monkeypatch.setattr(plugin, "_after_move_kv_cache", lambda result, *a, **k: result)
+    with pytest.raises(RuntimeError, match="KV-cache corruption"):
+        d.run(28)
+    assert d.moves >= 1
+
+
+def test_a_move_reads_every_source_row_before_it_writes_one():
+    """``CanaryBufferGroup.mirror_kv_move`` with overlapping slots (a target that is also a
+    later source, as a compaction's are): every buffer's target rows get the sources' rows as
+    they were before the move, and a shape mismatch is refused."""
+    d = NgramDriver(num_draft=6, breadth=3, seed=1)
+    group = d.target.groups[0]
+    bufs = [group.k_head, group.k_tail]
+    for i, buf in enumerate(bufs):
+        buf.copy_(torch.arange(buf.numel(), dtype=torch.int64).view(buf.shape).to(torch.uint8) + i)
+    before = [buf.clone() for buf in bufs]
+    tgt, src = torch.tensor([5, 6, 7]), torch.tensor([6, 9, 5])
+    group.mirror_kv_move(tgt, src)
+    for buf, old in zip(bufs, before):
+        assert torch.equal(buf[tgt], old[src])
+        untouched = [s for s in range(buf.shape[0]) if s not in (5, 6, 7)]
+        assert torch.equal(buf[untouched], old[untouched])
+    with pytest.raises(ValueError, match="move_kv_cache with"):
+        group.mirror_kv_move(torch.tensor([1, 2]), torch.tensor([3]))
 
 
 def _clean_then_planted(d: NgramDriver, plant) -> list:

@@ -455,20 +455,23 @@ def test_standalone_starts_with_chains_and_trees_from_every_route(capsys, monkey
     kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 2, "STANDALONE"))
 
 
-def test_ngram_starts_at_page_1_and_paged_ngram_is_refused_from_every_route(
-    monkeypatch, capsys, tmp_path, model_dir
-):
+def test_ngram_starts_at_every_page_size_from_every_route(monkeypatch, capsys, tmp_path, model_dir):
     """NGRAM with the canary (sglang's defaults: breadth 10 as topk, 12 draft tokens; CUDA
     only, so these servers say ``--device cuda``; no GPU is touched to parse them): starts from
-    the command line, a ``--config`` YAML and ``Engine`` kwargs; at page size 16 (sglang runs
-    it with flashinfer) refused on each route naming ``--page-size``; the draft fault target
-    refused naming the variable; the canary off, sglang's own."""
+    the command line, a ``--config`` YAML and ``Engine`` kwargs, at page size 1 and at page
+    size 16 (sglang runs it with flashinfer; its accepted nodes' KV is compacted with
+    ``move_kv_cache``, which the records follow); the draft fault target refused naming the
+    variable; a draft model's paged trees still refused naming ``--page-size``."""
     ngram = ["--speculative-algorithm", "NGRAM", "--device", "cuda"]
+    paged = ["--page-size", "16", "--attention-backend", "flashinfer"]
     args = cli(model_dir, "--kv-canary", "raise", *ngram)
     assert (args.kv_canary, args.speculative_eagle_topk) == ("raise", 10)
+    args = cli(model_dir, "--kv-canary", "raise", *ngram, *paged)
+    assert (args.kv_canary, args.page_size) == ("raise", 16)
     yaml_file = tmp_path / "ngram.yaml"
-    yaml_file.write_text("kv-canary: log\n")
-    assert cli(model_dir, "--config", str(yaml_file), *ngram).kv_canary == "log"
+    yaml_file.write_text("kv-canary: log\npage-size: 16\nattention-backend: flashinfer\n")
+    args = cli(model_dir, "--config", str(yaml_file), *ngram)
+    assert (args.kv_canary, args.page_size) == ("log", 16)
     from sglang.srt.server_args import ServerArgs
 
     def engine(**kw):
@@ -482,12 +485,10 @@ def test_ngram_starts_at_page_1_and_paged_ngram_is_refused_from_every_route(
         )
 
     assert engine(kv_canary="raise").speculative_num_draft_tokens == 12
-    paged = ["--page-size", "16", "--attention-backend", "flashinfer"]
-    refused = "NGRAM at --page-size 1 only (got 16)"
-    assert refused in cli_error(capsys, model_dir, "--kv-canary", "raise", *ngram, *paged)
-    with pytest.raises(ValueError, match=re.escape(refused)):
-        engine(kv_canary="raise", page_size=16, attention_backend="flashinfer")
-    cli(model_dir, "--kv-canary", "none", *ngram, *paged)  # canary off
+    assert engine(kv_canary="raise", page_size=16, attention_backend="flashinfer").page_size == 16
+    refused = "--speculative-eagle-topk 2 (draft trees) at --page-size 1 only (got 16)"
+    eagle_paged = [*_eagle(model_dir, 2), *paged]
+    assert refused in cli_error(capsys, model_dir, "--kv-canary", "raise", *eagle_paged)
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft")
     assert "NGRAM has none" in cli_error(capsys, model_dir, "--kv-canary", "log", *ngram)

@@ -75,6 +75,40 @@ class CanaryBufferGroup:
     def num_slots(self) -> int:
         return self.k_head.shape[0]
 
+    def mirror_kv_move(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Do to this group's records (HEAD and TAIL, K and V) and per-layer fingerprints what
+        sglang's ``move_kv_cache(tgt_loc, src_loc)`` does to the KV: row ``tgt_loc[i]``
+        becomes row ``src_loc[i]`` as it was before the call. Every source row is read before
+        any is written (the two may overlap: a compaction's targets include accepted nodes'
+        slots). ``tgt_loc`` / ``src_loc``: integer ``[n]`` slots of this group's slot space,
+        on its device. Eager only (allocates the gathered rows), on the current stream:
+        docs/speculative_standalone_ngram.md, "2.6 Page size > 1"."""
+        if tgt_loc.shape != src_loc.shape:
+            raise ValueError(
+                f"kv_canary: move_kv_cache with {tuple(tgt_loc.shape)} target slots and "
+                f"{tuple(src_loc.shape)} source slots"
+            )
+        if tgt_loc.numel() == 0:
+            return
+        tgt = tgt_loc.reshape(-1).to(device=self.k_head.device, dtype=torch.int64)
+        src = src_loc.reshape(-1).to(device=self.k_head.device, dtype=torch.int64)
+        buffers = [self.k_head, self.k_tail]
+        if self.has_v:
+            buffers += [self.v_head, self.v_tail]
+        if self.deep is not None:
+            buffers.append(self.deep.table)
+        rows = [buf.index_select(0, src) for buf in buffers]
+        for buf, moved in zip(buffers, rows):
+            buf.index_copy_(0, tgt, moved)
+
+    def fingerprinted_tensors(self) -> Tuple[torch.Tensor, ...]:
+        """The KV tensors this group fingerprints (its real-KV sources and per-layer columns):
+        what ties it to the pool whose ``move_kv_cache`` it mirrors."""
+        sources = (*self.real_kv_sources_k, *self.real_kv_sources_v)
+        return tuple(src.tensor for src in sources) + tuple(
+            col.source.tensor for col in self.layer_columns
+        )
+
     @property
     def has_v(self) -> bool:
         return self.v_head is not None

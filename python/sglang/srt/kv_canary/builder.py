@@ -87,6 +87,9 @@ def build_canary(
     )
     # HiCache sizes its host pool from the device pool: the canary's mirror goes beside it
     sglang_seam.set_pool_canary(pool, manager)
+    # sglang's compaction of accepted tree nodes (page size > 1) moves KV between slots: the
+    # records follow (plugin's move_kv_cache hook)
+    sglang_seam.bind_kv_move_groups(pool, groups)
     return manager
 
 

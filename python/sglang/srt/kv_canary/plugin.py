@@ -57,6 +57,8 @@ registers the ``token_oracle`` sampling backend (``--sampling-backend token_orac
 | AROUND | ``EAGLEDraftExtendCudaGraphRunner.capture_one_batch_size`` | capture bracket |
 | AROUND | ``EAGLEDraftExtendCudaGraphRunner.replay`` | padding rows at row 0, outside-graph |
 |  |  | bracket, replayed mark |
+| AFTER | ``MHATokenToKVPool.move_kv_cache`` | the records of the groups bound to that pool |
+|  |  | follow the KV (NGRAM's compaction of accepted nodes at page size > 1) |
 
 One more way in, not a hook: ``install_canary`` (from the hook after
 ``ModelRunner.init_memory_pool``) wraps each guarded runner's ``model.forward`` on the instance
@@ -370,6 +372,15 @@ def _draft_forward(original, self, *args, **kwargs):
         return original(self, *args, **kwargs)
 
 
+def _after_move_kv_cache(result, self, tgt_loc, src_loc, *args, **kwargs):
+    """sglang moved KV ``tgt_loc <- src_loc`` in pool ``self`` (its compaction of accepted
+    tree nodes at page size > 1, eager, on the current stream): the records of the groups
+    bound to that pool follow (docs/speculative_standalone_ngram.md, "2.6 Page size > 1")."""
+    for group in seam.kv_move_groups(self):
+        group.mirror_kv_move(tgt_loc, src_loc)
+    return result
+
+
 def _after_init_cuda_graphs(result, self, *args, **kwargs):
     manager = seam.runner_canary(seam.draft_worker_runner(self))
     if manager is not None:
@@ -443,6 +454,7 @@ HOOKS = (
     # the draft-extend graph is captured like a decode graph: single-forward manager 0
     (seam.HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE, _capture_one_batch_size, "AROUND"),
     (seam.HOOK_DRAFT_EXTEND_GRAPH_REPLAY, _draft_extend_graph_replay, "AROUND"),
+    (seam.HOOK_MHA_POOL_MOVE_KV_CACHE, _after_move_kv_cache, "AFTER"),
 )
 
 

@@ -29,6 +29,11 @@ HOOK_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_CG}.capture_one_batch_size"
 HOOK_GRAPH_REPLAY_PREPARE = f"{_CG}.replay_prepare"
 HOOK_GRAPH_REPLAY = f"{_CG}.replay"
 
+# sglang's compaction of accepted tree nodes at page size > 1 (NGRAM's and EAGLE's verify
+# ``_free_cache``): MHATokenToKVPoolFP4 inherits it, the SWA and hybrid pools call it on their
+# MHA sub-pools
+HOOK_MHA_POOL_MOVE_KV_CACHE = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.move_kv_cache"
+
 HOOK_FORWARD_BATCH_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 
 HOOK_SCHEDULER_INIT_CACHE = f"{_SCHEDULER}.init_cache_with_memory_pool"

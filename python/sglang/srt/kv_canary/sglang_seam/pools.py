@@ -3,6 +3,7 @@
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
 | KV pool instances | wraps buf-info methods on the instance (:func:`wrap_method_once`); pool classes (:func:`import_sglang_class`); each adapter reads its pool's buffers (listed in the adapter's docstring); reads ``page_size`` (the kept ``req_to_token`` self-test's unit) | ``pool_patcher``, ``manager.canary_manager`` |
+| KV pools' ``full_kv_pool`` / ``swa_kv_pool`` sub-pools and ``k_buffer`` / ``v_buffer`` tensors | binds the canary groups fingerprinting those tensors to the pool (:func:`bind_kv_move_groups`), whose ``move_kv_cache`` the plugin mirrors | ``builder``, ``plugin`` |
 | ``memory_pool.HybridLinearKVPool``, ``deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool`` | ``isinstance`` (:func:`hybrid_linear_or_dsv4_pool`): the pools a separate draft model's runner is refused on | ``startup_checks`` |
 """
 
@@ -73,6 +74,40 @@ def set_pool_canary(kv_pool: "KVCache", manager) -> None:
 
 def pool_canary(kv_pool: "KVCache"):
     return getattr(kv_pool, _POOL_CANARY_ATTR, None)
+
+
+# the canary groups whose records follow this pool's ``move_kv_cache`` (an MHA pool's, or an
+# SWA / hybrid pool's sub-pools': their own ``move_kv_cache`` calls reach the sub-pools)
+_KV_MOVE_GROUPS_ATTR = "kv_canary_move_groups"
+_SUB_POOL_ATTRS = ("full_kv_pool", "swa_kv_pool")
+
+
+def bind_kv_move_groups(kv_pool: "KVCache", groups) -> int:
+    """Bind to ``kv_pool`` and to each of its sub-pools (``full_kv_pool``, ``swa_kv_pool``)
+    that keeps its KV in ``k_buffer`` / ``v_buffer`` the groups among ``groups`` that
+    fingerprint those tensors (``CanaryBufferGroup.fingerprinted_tensors``): the groups whose
+    records :func:`kv_move_groups` returns for that pool's ``move_kv_cache``. Returns how many
+    pools got a group. Start-up only."""
+    pools = [kv_pool] + [
+        sub for sub in (getattr(kv_pool, a, None) for a in _SUB_POOL_ATTRS) if sub is not None
+    ]
+    bound = 0
+    for pool in pools:
+        if not hasattr(pool, "k_buffer"):
+            continue
+        ptrs = {t.data_ptr() for t in (*pool.k_buffer, *pool.v_buffer)}
+        mine = tuple(
+            g for g in groups if any(t.data_ptr() in ptrs for t in g.fingerprinted_tensors())
+        )
+        if mine:
+            setattr(pool, _KV_MOVE_GROUPS_ATTR, mine)
+            bound += 1
+    return bound
+
+
+def kv_move_groups(kv_pool: "KVCache") -> tuple:
+    """The groups :func:`bind_kv_move_groups` bound to ``kv_pool`` (empty: none)."""
+    return getattr(kv_pool, _KV_MOVE_GROUPS_ATTR, ())
 
 
 def kv_pool_bytes_per_token(kv_pool: "KVCache") -> int:
