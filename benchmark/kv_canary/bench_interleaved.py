@@ -160,6 +160,7 @@ from interleaved_servers import (  # noqa: E402  (the servers: configs, start-up
     CONFIG_TABLE,
     IDLE_MODES,
     INSTALLED_LINE,
+    SIDE_FORK_LINE,
     Server,
     canary_install_problem,
     check_upstream,
@@ -191,6 +192,7 @@ __all__ = [
     "CONFIGS",
     "CONFIG_TABLE",
     "INSTALLED_LINE",
+    "SIDE_FORK_LINE",
     "SCENARIOS",
     "SMOKE_SCENARIOS",
     "UPSTREAM_SITE_DIR",
@@ -364,7 +366,11 @@ def run(args) -> int:
             started[name] = srv
             srv.wait_ready(args.start_timeout)
             problem = canary_install_problem(
-                srv.log(), canary_on=cfg.canary_on, speculative=args.speculative, stack=cfg.stack
+                srv.log(),
+                canary_on=cfg.canary_on,
+                speculative=args.speculative,
+                stack=cfg.stack,
+                side_fork=cfg.side_fork,
             )
             if problem:
                 raise SystemExit(

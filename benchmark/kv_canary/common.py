@@ -144,6 +144,10 @@ PROJECT_STACK, UPSTREAM_STACK = "project", "upstream"
 UPSTREAM_PREFIX = "up:"  # upstream's configs: its own canary, the same flags
 # the isolation folder (its sitecustomize) that goes first on an upstream process's PYTHONPATH
 UPSTREAM_SITE_DIR = pathlib.Path(__file__).resolve().parent / "upstream_site"
+# the decode pacing probe (an sglang plugin: its folder on PYTHONPATH loads it); a config's
+# ``side_fork`` runs it with KV_PACING_PROBE_FORK (latency_h200.md: why raise decodes faster)
+PACING_PROBE_DIR = pathlib.Path(__file__).resolve().parent / "pacing_probe"
+PACING_PROBE_FORK_ENV = "KV_PACING_PROBE_FORK"
 # the test suites' directory: its support package ``canary_support`` (support scripts, the
 # tiny model shapes, the containment storm) serves the benchmarks too
 TEST_DIR = pathlib.Path(__file__).resolve().parents[2] / "test" / "registered" / "kv_canary"
@@ -177,6 +181,10 @@ class BenchConfig:
     # whose canary: this project's on sglang 0.5.12 (PROJECT_STACK) or upstream sglang's own
     # (UPSTREAM_STACK, 0.5.17, run as a black box by bench_interleaved.py --upstream-site)
     stack: str = PROJECT_STACK
+    # "" or the pacing probe's fork ("empty", "kernel"): a side stream forked and joined
+    # around the model's forward, as the canary's (the probe's folder goes first on the
+    # server's PYTHONPATH: interleaved_servers.server_env)
+    side_fork: str = ""
 
     @property
     def canary_on(self) -> bool:
@@ -198,7 +206,10 @@ class BenchConfig:
         return kw
 
     def env(self) -> dict[str, str]:
-        return {TOKEN_ENV: "1"} if self.verify_tokens else {}
+        env = {TOKEN_ENV: "1"} if self.verify_tokens else {}
+        if self.side_fork:
+            env[PACING_PROBE_FORK_ENV] = self.side_fork
+        return env
 
 
 CONFIGS = {
@@ -220,6 +231,9 @@ CONFIGS = {
             "raise+partial+layers", kv_canary="raise", real_data="partial", real_data_layers="all"
         ),
         BenchConfig("raise+all+layers", kv_canary="raise", real_data="all", real_data_layers="all"),
+        # canary off with one small kernel on a side stream forked and joined around the
+        # model, as the canary's: the decode speed-up's cause, measured against raise
+        BenchConfig("off+sidekernel", side_fork="kernel"),
     )
 }
 # every slot's real-data fingerprint without per-layer fingerprints: the setting both canaries
@@ -240,7 +254,7 @@ UPSTREAM_CONFIGS = {
         c, name=UPSTREAM_PREFIX + c.name, stack=UPSTREAM_STACK
     )
     for c in (*CONFIGS.values(), *SIDE_BY_SIDE_CONFIGS)
-    if c.real_data_layers == "first" and c.kv_canary in ("none", "log", "raise")
+    if c.real_data_layers == "first" and c.kv_canary in ("none", "log", "raise") and not c.side_fork
 }
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from common import (
     CONFIGS,
+    PACING_PROBE_DIR,
     PROJECT_STACK,
     SIDE_BY_SIDE_CONFIGS,
     UPSTREAM_CONFIGS,
@@ -64,14 +65,26 @@ def http_json(
         return status, text
 
 
+# the pacing probe's line once it forked a model runner's forward (kv_pacing_probe.py)
+SIDE_FORK_LINE = "kv_pacing_probe: forked the model's forward"
+
+
 def canary_install_problem(
-    log: str, *, canary_on: bool, speculative: str, stack: str = PROJECT_STACK
+    log: str,
+    *,
+    canary_on: bool,
+    speculative: str,
+    stack: str = PROJECT_STACK,
+    side_fork: str = "",
 ) -> str | None:
     """What is wrong with a server's canary, from its log, or None: a canary-on server must
     have installed the canary (and, with EAGLE, on the draft worker too: otherwise the draft
     pool ran unguarded and its figures mean nothing); a canary-off server must not have. An
     upstream server (``stack``) must not have installed this project's canary at all (its
-    own canary is upstream's business: the server took its flags)."""
+    own canary is upstream's business: the server took its flags). A config with a
+    ``side_fork`` must show the pacing probe's fork (``SIDE_FORK_LINE``)."""
+    if side_fork and f"{SIDE_FORK_LINE} ({side_fork})" not in log:
+        return f"no '{SIDE_FORK_LINE} ({side_fork})' line: the pacing probe did not fork"
     target = INSTALLED_LINE in log
     draft = DRAFT_INSTALLED_LINE in log
     if stack == UPSTREAM_STACK:
@@ -234,10 +247,14 @@ def server_env(
 ) -> dict[str, str]:
     """A server's environment: the run's, the config's variables and, for upstream's
     configs, ``PYTHONPATH`` = ``upstream_site``'s isolation folder, ``upstream_site``, then
-    the run's."""
+    the run's; for a config with a ``side_fork``, the pacing probe's folder first."""
     env = {**base_env, **cfg.env()}
     if cfg.stack == UPSTREAM_STACK:
         env = upstream_env(env, upstream_site)
+    if cfg.side_fork:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(PACING_PROBE_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        )
     return env
 
 

@@ -28,6 +28,9 @@ import os
 from typing import Dict, Optional
 
 logger = logging.getLogger(__name__)
+# logged once a model runner's forward is forked (bench_interleaved.py checks a server's log
+# for it, followed by " (kernel)" or " (empty)")
+FORK_LINE = "kv_pacing_probe: forked the model's forward"
 
 FORKS = ("empty", "kernel")
 WAIT_POINTS = {
@@ -144,6 +147,13 @@ def _fork_around_model_forward(model_runner, *, with_kernel: bool) -> None:
 
     model.forward = forward
     _kept.append((side, fork, scratch))
+    # after sglang set up its logging (this runs in the memory pool's hook): in the server log
+    logger.info(
+        "%s (%s) on %s",
+        FORK_LINE,
+        "kernel" if with_kernel else "empty",
+        model_runner.device,
+    )
 
 
 def register() -> None:

@@ -6,6 +6,7 @@ they measured and the servers are gone afterwards."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -402,6 +403,44 @@ def test_upstream_servers_run_from_their_site_with_this_project_kept_out(tmp_pat
     )
     assert (
         bi.canary_install_problem("", canary_on=True, speculative="none", stack="upstream") is None
+    )
+
+
+def test_the_side_kernel_config_runs_the_pacing_probe_and_is_refused_without_its_fork(
+    monkeypatch,
+):
+    """``off+sidekernel``: canary off, the pacing probe's folder first on the server's
+    PYTHONPATH and its fork variable set; a server whose log lacks the probe's fork line is
+    refused (its figures would be plain off's); no upstream twin of it."""
+    cfg = bi.CONFIG_TABLE["off+sidekernel"]
+    assert not cfg.canary_on and cfg.engine_kwargs() == {"kv_canary": "none"}
+    base = {"PYTHONPATH": "/tmp/site", "HOME": "/root"}
+    env = bi.server_env(base, cfg, None)
+    probe_dir = BENCH_DIR / "pacing_probe"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(probe_dir), "/tmp/site"]
+    assert env["KV_PACING_PROBE_FORK"] == "kernel" and env["HOME"] == "/root"
+    assert bi.server_env({}, cfg, None)["PYTHONPATH"] == str(probe_dir)
+    assert "KV_PACING_PROBE_FORK" not in bi.server_env(base, bi.CONFIG_TABLE["off"], None)
+    assert not any(c.side_fork for c in interleaved_servers.UPSTREAM_CONFIGS.values())
+    spec = importlib.util.spec_from_file_location(
+        "kv_pacing_probe", probe_dir / "kv_pacing_probe.py"
+    )
+    probe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "kv_pacing_probe", probe)
+    spec.loader.exec_module(probe)
+    assert probe.FORK_LINE == bi.SIDE_FORK_LINE
+    line = f"[2026-11-30 07:00:00] {probe.FORK_LINE} (kernel) on cuda:0"
+    assert (
+        bi.canary_install_problem(line, canary_on=False, speculative="none", side_fork="kernel")
+        is None
+    )
+    for log in ("", line.replace("(kernel)", "(empty)")):
+        problem = bi.canary_install_problem(
+            log, canary_on=False, speculative="none", side_fork="kernel"
+        )
+        assert "the pacing probe did not fork" in problem
+    assert "canary-off config" in bi.canary_install_problem(
+        line + "\n" + TARGET_LINE, canary_on=False, speculative="none", side_fork="kernel"
     )
 
 
