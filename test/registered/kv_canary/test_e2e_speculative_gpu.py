@@ -325,9 +325,16 @@ def test_ngram_every_fault_class_is_caught_in_the_target_pool(ngram_models):
     48-request workload: NGRAM accepts so many tokens per verify that the 12 short requests
     end a few forwards after the faults' warm-up (GPU suite run 36: the one byte flipped after
     a forward was flipped after the last one, and nothing read or swept it)."""
+    assert_ngram_faults_caught(ngram_models, **NGRAM)
+
+
+def assert_ngram_faults_caught(models, **settings) -> None:
+    """Every fault class in NGRAM's target pool (log mode, real data partial, a sweep every 2
+    steps) over the 48-request workload: all served, only the target guarded, every fault
+    caught."""
     env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER="target")
     rc, out, res = run(
-        ngram_models,
+        models,
         "spec_v1",
         env,
         script="workload.py",
@@ -335,7 +342,7 @@ def test_ngram_every_fault_class_is_caught_in_the_target_pool(ngram_models):
         kv_canary="log",
         kv_canary_real_data="partial",
         kv_canary_sweep_interval=2,
-        **NGRAM,
+        **settings,
     )
     assert rc == 0 and res is not None and len(res) == 48, out[-4000:]
     assert_only_the_target_guarded(out)
@@ -363,21 +370,7 @@ def test_ngram_paged_clean_matches_canary_off(head_dim_128_models):
 def test_ngram_paged_every_fault_class_is_caught(head_dim_128_models):
     """Every fault class injected into NGRAM's target pool at page size 16, in log mode, real
     data partial, a sweep every 2 steps, over the 48-request workload: every fault caught."""
-    env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER="target")
-    rc, out, res = run(
-        (head_dim_128_models[0], None),
-        "spec_v1",
-        env,
-        script="workload.py",
-        algorithm="NGRAM",
-        kv_canary="log",
-        kv_canary_real_data="partial",
-        kv_canary_sweep_interval=2,
-        **PAGED_NGRAM,
-    )
-    assert rc == 0 and res is not None and len(res) == 48, out[-4000:]
-    assert_only_the_target_guarded(out)
-    assert_every_fault_caught(out)
+    assert_ngram_faults_caught((head_dim_128_models[0], None), **PAGED_NGRAM)
 
 
 # the PR regressions with a draft chain (spec v1 and v2) and a draft tree (spec v1)
