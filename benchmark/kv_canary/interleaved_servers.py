@@ -17,6 +17,7 @@ from common import (
     PACING_PROBE_DIR,
     PROJECT_STACK,
     SIDE_BY_SIDE_CONFIGS,
+    SIDE_KERNEL_CONFIG,
     UPSTREAM_CONFIGS,
     UPSTREAM_PREFIX,
     UPSTREAM_SITE_DIR,
@@ -40,6 +41,7 @@ CONTROL_SUFFIX = "~aa"  # the A/A control: a second server of the baseline's con
 CONFIG_TABLE = {
     **CONFIGS,
     **{c.name: c for c in SIDE_BY_SIDE_CONFIGS},
+    SIDE_KERNEL_CONFIG.name: SIDE_KERNEL_CONFIG,
     **UPSTREAM_CONFIGS,
 }
 # first on an upstream server's PYTHONPATH: keeps this project out of that process

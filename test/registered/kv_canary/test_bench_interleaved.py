@@ -422,6 +422,8 @@ def test_the_side_kernel_config_runs_the_pacing_probe_and_is_refused_without_its
     assert bi.server_env({}, cfg, None)["PYTHONPATH"] == str(probe_dir)
     assert "KV_PACING_PROBE_FORK" not in bi.server_env(base, bi.CONFIG_TABLE["off"], None)
     assert not any(c.side_fork for c in interleaved_servers.UPSTREAM_CONFIGS.values())
+    # the other scripts' configs (common.CONFIGS) are canary configs and off: no probe there
+    assert "off+sidekernel" not in bi.CONFIGS
     spec = importlib.util.spec_from_file_location(
         "kv_pacing_probe", probe_dir / "kv_pacing_probe.py"
     )
