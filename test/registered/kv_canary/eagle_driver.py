@@ -51,7 +51,7 @@ from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.ranks import RankFacts
-from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
@@ -113,8 +113,13 @@ class EagleDriver:
         topk: int = 1,
         draft_model: bool = True,
         verify_tree_depth: Optional[int] = None,
+        page_size: int = 1,
     ):
-        """``draft_violations``: ``CanaryConfig.draft_violations``; ``act`` (not the server's
+        """``page_size``: sglang's ``--page-size``: the pools' page size, a real
+        ``PagedTokenToKVPoolAllocator`` when > 1 (its ``alloc_extend``: each request's new
+        slots continue its last partial page, then whole pages) and the draft canary's lane
+        layout; the topk 1 round, spec v2 and the radix cache are page size 1 only here.
+        ``draft_violations``: ``CanaryConfig.draft_violations``; ``act`` (not the server's
         default, ``report``) so that a raise-mode driver stops at either pool's first
         violation, as the detection tests read them; the default's own tests pass
         ``report``. ``draft_model`` False: no draft canary and no draft forward (NGRAM's
@@ -122,6 +127,9 @@ class EagleDriver:
         ``max_steps + 1`` with ``topk`` > 1, else 0)."""
         if steps < 1:
             raise ValueError("steps must be >= 1")
+        if page_size > 1 and (v2 or radix_is_eagle is not None):
+            raise ValueError("the driver runs page size > 1 without spec v2 and the radix cache")
+        self.page_size = page_size
         # ``max_steps``: the largest step count the canary is sized for (an adaptive worker's
         # largest candidate); ``steps`` may then change between rounds, as sglang's switch does
         self.max_steps = steps if max_steps is None else max_steps
@@ -137,7 +145,7 @@ class EagleDriver:
         )
         kw = dict(
             size=num_slots,
-            page_size=1,
+            page_size=page_size,
             dtype=torch.bfloat16,
             head_num=2,
             head_dim=8,
@@ -148,8 +156,14 @@ class EagleDriver:
         self.target_pool = MHATokenToKVPool(layer_num=2, **kw)
         kw.update(dtype=draft_pool.dtype, head_num=draft_pool.heads, head_dim=draft_pool.head_dim)
         self.draft_pool = MHATokenToKVPool(layer_num=draft_pool.layers, **kw)
-        self.allocator = TokenToKVPoolAllocator(
-            num_slots, torch.bfloat16, "cpu", self.target_pool, need_sort=False
+        self.allocator = (
+            TokenToKVPoolAllocator(
+                num_slots, torch.bfloat16, "cpu", self.target_pool, need_sort=False
+            )
+            if page_size == 1
+            else PagedTokenToKVPoolAllocator(
+                num_slots, page_size, torch.bfloat16, "cpu", self.target_pool, need_sort=False
+            )
         )
         self.config = CanaryConfig(
             mode=mode,
@@ -187,7 +201,13 @@ class EagleDriver:
                 config=self.config,
                 device="cpu",
                 capacity_inputs=caps,
-                ranks=RankFacts(draft=True, draft_steps=self.max_steps, draft_topk=topk),
+                ranks=RankFacts(
+                    draft=True,
+                    draft_steps=self.max_steps,
+                    **RankFacts.tree_fields(
+                        topk=topk, verify_tree_depth=0, draft=True, page_size=page_size
+                    ),
+                ),
             )
             if draft_model
             else None
@@ -275,6 +295,38 @@ class EagleDriver:
             raise RuntimeError("eagle driver: KV pool exhausted")
         return got.tolist()
 
+    def _alloc_columns(self, reqs: List[DriverReq], starts: List[int], ends: List[int]):
+        """Slots for columns ``[start, end)`` of each request's ``req_to_token`` row (not set
+        there), one list per request: page size 1 from ``alloc``; larger pages from one
+        ``alloc_extend`` of the batch, as sglang's ``alloc_paged_token_slots_extend`` (the
+        columns continue the request's last partial page, the slot after
+        ``req_to_token[row, start - 1]``, then take whole pages)."""
+        if self.page_size == 1:
+            return [self._alloc(e - b) for b, e in zip(starts, ends)]
+        i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        pre, seq = i64(starts), i64(ends)
+        out = self.allocator.alloc_extend(
+            pre, pre, seq, seq, self.last_loc(reqs, starts), int(sum(ends) - sum(starts))
+        )
+        if out is None:
+            raise RuntimeError("eagle driver: KV pool exhausted")
+        got, at = [], 0
+        for b, e in zip(starts, ends):
+            got.append(out[at : at + e - b].tolist())
+            at += e - b
+        return got
+
+    def last_loc(self, reqs: List[DriverReq], starts: List[int]) -> torch.Tensor:
+        """sglang's ``get_last_loc`` (its torch path): each request's slot at column ``start
+        - 1``, -1 where ``start`` is 0."""
+        from sglang.srt.mem_cache.common import get_last_loc_torch
+
+        return get_last_loc_torch(
+            self.req_to_token_pool.req_to_token,
+            torch.tensor([r.row for r in reqs], dtype=torch.int64),
+            torch.tensor(starts, dtype=torch.int64),
+        ).to(torch.int64)
+
     def _set_slots(self, req: DriverReq, start: int, slots: List[int]) -> None:
         self.req_to_token_pool.req_to_token[req.row, start : start + len(slots)] = torch.tensor(
             slots, dtype=torch.int32
@@ -288,7 +340,10 @@ class EagleDriver:
     def prefill_chunk(self, reqs: List[DriverReq]) -> None:
         t_ids, d_ids, pos, loc, rows, pre, ext = [], [], [], [], [], [], []
         sampled = []
-        for r in reqs:
+        starts = [r.kv_len for r in reqs]
+        ends = [min(b + self.chunk, len(r.prompt)) for r, b in zip(reqs, starts)]
+        fresh = None if self.v2 else self._alloc_columns(reqs, starts, ends)
+        for i, r in enumerate(reqs):
             start = r.kv_len
             n = min(self.chunk, len(r.prompt) - start)
             end = start + n
@@ -296,7 +351,7 @@ class EagleDriver:
                 self._ensure_allocated(r, end)
                 new = self._slots(r, start, n)
             else:
-                new = self._alloc(n)
+                new = fresh[i]
                 self._set_slots(r, start, new)
                 r.slots += new
             last = end == len(r.prompt)
@@ -361,6 +416,8 @@ class EagleDriver:
     # ---- one decode round ------------------------------------------------------------------
 
     def decode_round(self, reqs: List[DriverReq]) -> None:
+        if self.page_size > 1:
+            raise NotImplementedError("the driver's topk 1 round runs at page size 1 only")
         s = self.steps
         base = [r.kv_len for r in reqs]  # L: committed KV; the bonus token sits at L
         guesses = [[self._guess(r, L + 1 + i) for i in range(s)] for r, L in zip(reqs, base)]

@@ -1,4 +1,4 @@
-"""EAGLE draft trees (``--speculative-eagle-topk`` K > 1, spec v1, page size 1) over real sglang
+"""EAGLE draft trees (``--speculative-eagle-topk`` K > 1, spec v1, any page size) over real sglang
 0.5.12 pools and ForwardBatch objects (test support; docs/speculative_trees.md, "1. What
 sglang 0.5.12 runs with topk > 1").
 
@@ -7,8 +7,8 @@ canaries built as ``install_canary`` builds them, here with ``RankFacts.draft_to
 draft runner and ``verify_tree_depth`` steps + 1 on the target) with a tree decode round:
 
 1. the draft round: ``K * steps`` slots per request borrowed from the allocator and given
-   back after it, lane k's step j at ``req_to_token`` column ``L + k * steps + j``; ``steps -
-   1`` draft ``DECODE`` forwards of ``bs * K`` tokens (row ``b * K + k``, lane k at position
+   back after it, lane k's step j at ``req_to_token`` column ``L + k * steps + j`` (page
+   size 1; larger pages: below); ``steps - 1`` draft ``DECODE`` forwards of ``bs * K`` tokens (row ``b * K + k``, lane k at position
    ``L + i`` in forward i, its slot row i of sglang's ``[steps, bs * K]`` transposed view);
 2. the target ``TARGET_VERIFY`` of a random tree of ``num_draft`` nodes (node 0 the bonus
    token at L, every other node under an earlier one, at most K children and ``steps`` levels
@@ -28,8 +28,19 @@ token snapshot staged first, then each forward's inside ops in capture mode, as
 ``driver_forward.CpuGraph`` replays a captured decode). ``compact_accepted``: the verify's
 acceptance as sglang runs it at page size > 1 (``_free_cache``): the accepted nodes' KV
 moved into the request's first verify slots by sglang's torch path of ``move_kv_cache`` and
-the plugin's hook on it, the rest freed. ``bug_*`` switches (:class:`EagleDriver`'s: PR 25015's positions, PR 26329's chunk-end token)
-and ``plant_*`` faults plant the defects the tests check.
+the plugin's hook on it, the rest freed.
+
+``page_size`` > 1 (a real ``PagedTokenToKVPoolAllocator``; docs/speculative_trees.md, "1.1
+Draft round (draft pool, `DECODE` forwards)"): the draft round's lanes as sglang lays them
+out (:meth:`EagleTreeDriver._paged_draft_lanes`: ``npp`` whole pages per lane from the
+prefix's last page boundary, lane k's step j at column ``L + k * npp * page + j``, the
+prefix's last partial page copied into the head of every lane k >= 1 by the draft pool's
+``move_kv_cache`` and the plugin's hook), the verify allocated contiguously from L by
+``alloc_extend`` and always compacted, the pages past the last kept one freed.
+
+``bug_*`` switches (:class:`EagleDriver`'s: PR 25015's positions, PR 26329's chunk-end token;
+``bug_aligned_round_lane_slots``: sglang 0.5.12's lane slots in a paged round without a
+partial page) and ``plant_*`` faults plant the defects the tests check.
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ class EagleTreeDriver(EagleDriver):
         orphan_prob: float = 0.05,
         replay_draft_rounds: bool = False,
         compact_accepted: bool = False,
+        bug_aligned_round_lane_slots: bool = False,
         **kwargs,
     ):
         if topk < 2:
@@ -66,7 +78,13 @@ class EagleTreeDriver(EagleDriver):
         self.num_draft = min(num_draft or 2 * topk + 2, most)
         self.orphan_prob = orphan_prob
         self.replay_draft_rounds = replay_draft_rounds
-        self.compact_accepted = compact_accepted
+        # page size > 1: sglang compacts every verify's accepted nodes (topk > 1)
+        self.compact_accepted = compact_accepted or self.page_size > 1
+        # page size > 1: the draft pool's partial-page duplications, (target, source) slot
+        # pairs per round that had one (each mirrored by the plugin's hook)
+        self.duplications: List[List[tuple]] = []
+        self.bug_aligned_round_lane_slots = bug_aligned_round_lane_slots
+        self.aligned_rounds = 0  # page size > 1: draft rounds with no partial page
         self.moves = 0  # compactions that moved KV (a source slot not its target)
         self.replayed_rounds = 0
         self._replay_forward: Optional[int] = None  # the replayed round's next forward
@@ -118,13 +136,20 @@ class EagleTreeDriver(EagleDriver):
         s, k_lanes = self.steps, self.topk
         base = [r.kv_len for r in reqs]
         # 1. the draft round's lanes
-        lane_slots = []
-        for r, L in zip(reqs, base):
-            got = self._alloc(k_lanes * s)
-            self._set_slots(r, L, got)
-            lane_slots.append(got)
-        self._tree_draft_round(reqs, base, lane_slots)
-        self.allocator.free(torch.tensor([x for ls in lane_slots for x in ls], dtype=torch.int64))
+        if self.page_size > 1:
+            # borrowed (and given back) before the round's forwards run, as sglang does
+            lane_slots = self._paged_draft_lanes(reqs, base)
+            self._tree_draft_round(reqs, base, lane_slots)
+        else:
+            lane_slots = []
+            for r, L in zip(reqs, base):
+                got = self._alloc(k_lanes * s)
+                self._set_slots(r, L, got)
+                lane_slots.append(got)
+            self._tree_draft_round(reqs, base, lane_slots)
+            self.allocator.free(
+                torch.tensor([x for ls in lane_slots for x in ls], dtype=torch.int64)
+            )
         # 2. and 3. the target verify of each request's tree, its acceptance
         trees = [self._random_tree(r, L) for r, L in zip(reqs, base)]
         paths = self.verify_trees(reqs, base, trees)
@@ -138,11 +163,10 @@ class EagleTreeDriver(EagleDriver):
         applied), every other node freed; returns each request's kept slots (and sets each
         tree's ``path``: the accepted node indices, root first)."""
         n, s = self.num_draft, self.steps
-        verify_slots = []
-        for r, L in zip(reqs, base):
-            got = self._alloc(n)
+        # page size > 1: contiguous from L, continuing the request's last partial page
+        verify_slots = self._alloc_columns(reqs, base, [L + n for L in base])
+        for r, L, got in zip(reqs, base, verify_slots):
             self._set_slots(r, L, got)
-            verify_slots.append(got)
         ids = [t for tree in trees for t in tree["tokens"]]
         pos = [L + d for tree, L in zip(trees, base) for d in tree["depth"]]
         fb = self._batch(
@@ -191,7 +215,15 @@ class EagleTreeDriver(EagleDriver):
                 kept = self._compact(vs, kept)
             self._set_slots(r, L, kept)
             r.slots += kept
-            dropped = [vs[i] for i in range(n) if vs[i] not in kept]
+            if self.page_size > 1:
+                # sglang's get_src_tgt_cache_loc: the rest of the last kept page stays the
+                # request's (its next allocation continues there); the pages after it are freed
+                ps = self.page_size
+                keep = min((L + acc + 1 + ps - 1) // ps * ps, L + n) - L
+                r.slots += vs[acc + 1 : keep]
+                dropped = vs[keep:]
+            else:
+                dropped = [vs[i] for i in range(n) if vs[i] not in kept]
             if dropped:
                 self.allocator.free(torch.tensor(dropped, dtype=torch.int64))
             paths.append(kept)
@@ -217,6 +249,84 @@ class EagleTreeDriver(EagleDriver):
         move_kv_cache_native(pool.k_buffer, pool.v_buffer, t, s_)
         plugin._after_move_kv_cache(None, pool, t, s_)
         return tgt
+
+    def _paged_draft_lanes(self, reqs: List[DriverReq], base: List[int]) -> List[List[int]]:
+        """sglang's ``_draft_preprocess_decode`` at page size > 1 with topk > 1: per request
+        ``npp = ceil((L % page + steps) / page)`` pages per lane from the prefix's last page
+        boundary (``get_last_loc_large_page_size_large_top_k``'s lengths), allocated by
+        ``alloc_extend`` with the allocator's state backed up; sglang's own
+        ``assign_draft_cache_locs`` kernel (Triton; its interpreter on the CPU) writes them into
+        ``req_to_token``, lists the duplication of the prefix's last partial page into the head
+        of every lane k >= 1 and rewrites the slots to ``[bs, K, steps]``; the draft pool's
+        ``move_kv_cache`` of that duplication (sglang's torch path) and the plugin's hook on it,
+        as :meth:`_compact` runs them; the allocator's state restored. Returns each request's
+        ``K * steps`` lane slots (lane k's steps ``k * steps ..``) and records the
+        duplication's slot pairs in :attr:`duplications`.
+
+        In a round where no request has a partial page, sglang 0.5.12's kernel skips its
+        rewrite of the slots (its part 3 sits under ``duplicate_cache_len > 0``), so the
+        round's forwards write the allocation's first ``bs * K * steps`` slots, not the lanes'
+        columns: the driver completes the rewrite from ``req_to_token`` unless
+        ``bug_aligned_round_lane_slots`` (sglang 0.5.12 as it runs)."""
+        from sglang.srt.kv_canary import plugin
+        from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
+        from sglang.srt.speculative.spec_utils import assign_draft_cache_locs
+        from sglang.srt.utils import next_power_of_2
+
+        s, k_lanes, ps = self.steps, self.topk, self.page_size
+        bs = len(reqs)
+        i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        rpi, seq = i64([r.row for r in reqs]), i64(base)
+        # get_last_loc_large_page_size_large_top_k
+        last_page_lens = seq % ps
+        npp = (last_page_lens + s + ps - 1) // ps
+        ends = seq // ps * ps + npp * (ps * k_lanes)
+        extend_lens = ends - seq
+        state = self.allocator.backup_state()
+        out = self.allocator.alloc_extend(
+            seq, seq, ends, ends, self.last_loc(reqs, base), int(extend_lens.sum())
+        )
+        if out is None:
+            raise RuntimeError("eagle driver: KV pool exhausted")
+        dup = int(last_page_lens.sum()) * (k_lanes - 1)
+        self.aligned_rounds += dup == 0
+        tgt, src = (torch.zeros(dup, dtype=torch.int32) for _ in range(2))
+        r2t = self.req_to_token_pool.req_to_token
+        assign_draft_cache_locs[(bs,)](
+            rpi,
+            r2t,
+            seq,
+            extend_lens,
+            npp,
+            out,
+            src,
+            tgt,
+            torch.cumsum(last_page_lens, dim=0),
+            dup,
+            r2t.shape[1],
+            k_lanes,
+            s,
+            ps,
+            next_power_of_2(bs),
+            next_power_of_2(s + ps),
+        )
+        if not dup and not self.bug_aligned_round_lane_slots:
+            # the kernel's part 3 (the lanes' slots in [bs, K, steps] order) runs only when
+            # some request has a partial page: completed here from req_to_token, as that part
+            # writes it (lane k's step j at column L + k * npp * page + j)
+            cols = seq.view(bs, 1, 1) + (
+                torch.arange(k_lanes).view(1, k_lanes, 1) * (npp * ps).view(bs, 1, 1)
+                + torch.arange(s).view(1, 1, s)
+            )
+            lanes = r2t[rpi.view(bs, 1, 1), cols].to(torch.int64)
+            out[: bs * k_lanes * s] = lanes.reshape(-1)
+        if dup:
+            pool = self.draft_pool
+            move_kv_cache_native(pool.k_buffer, pool.v_buffer, tgt, src)
+            plugin._after_move_kv_cache(None, pool, tgt, src)
+            self.duplications.append(list(zip(tgt.tolist(), src.tolist())))
+        self.allocator.restore_state(state)
+        return out[: bs * k_lanes * s].view(bs, k_lanes * s).tolist()
 
     def _tree_draft_round(self, reqs, base, lane_slots) -> None:
         """sglang's ``draft_forward`` with K lanes: one ForwardBatch of ``bs`` requests whose

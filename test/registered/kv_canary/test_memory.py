@@ -126,15 +126,16 @@ def test_the_formula_counts_each_single_forward_manager_and_the_write_input_chec
 
 
 @pytest.mark.parametrize(
-    "draft, topk, depth",
-    [(True, 3, 5), (False, 3, 5), (False, 1, 12)],
-    ids=["draft_lanes", "target_trees", "ngram_target"],
+    "draft, topk, depth, page_size",
+    [(True, 3, 5, 1), (True, 3, 5, 16), (False, 3, 5, 1), (False, 1, 12, 1)],
+    ids=["draft_lanes", "draft_lanes_paged", "target_trees", "ngram_target"],
 )
-def test_the_formula_counts_a_draft_trees_lanes_and_parent_table(draft, topk, depth):
+def test_the_formula_counts_a_draft_trees_lanes_and_parent_table(draft, topk, depth, page_size):
     """``--speculative-eagle-topk`` 3 (draft trees, 4 steps): the draft runner's canary (its
-    plan rows per lane, its lane buffers) and the target's (its verify's parent table); NGRAM's
-    target (trees of up to 12 tokens at any breadth): each holds exactly what the formula says,
-    more than the same runner without trees."""
+    plan rows per lane, its lane buffers, at page size 16 also each row's page stride) and the
+    target's (its verify's parent table); NGRAM's target (trees of up to 12 tokens at any
+    breadth): each holds exactly what the formula says, more than the same runner without
+    trees."""
     r2t = ReqToTokenPool(size=6, max_context_len=80, device="cpu", enable_memory_saver=False)
     pools = []
 
@@ -143,7 +144,10 @@ def test_the_formula_counts_a_draft_trees_lanes_and_parent_table(draft, topk, de
             draft=draft,
             draft_steps=4 if draft else 0,
             **RankFacts.tree_fields(
-                topk=topk if trees else 1, verify_tree_depth=depth if trees else 0, draft=draft
+                topk=topk if trees else 1,
+                verify_tree_depth=depth if trees else 0,
+                draft=draft,
+                page_size=page_size,
             ),
         )
         pools.append(_mha_pool())

@@ -16,6 +16,7 @@ import torch
 from eagle_driver import tiny_mha_pool
 from serving_driver import stand_in_model_runner
 from sglang.srt.kv_canary import sglang_seam as seam
+from sglang.srt.kv_canary.plan_input import LaneLayout
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
@@ -80,11 +81,6 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(speculative_eagle_topk=2, page_size=16), "at --page-size 1 only \\(got 16\\)"),
-        (
-            dict(speculative_algorithm="STANDALONE", speculative_eagle_topk=4, page_size=64),
-            "--speculative-eagle-topk 4 \\(draft trees\\) at --page-size 1 only",
-        ),
         (dict(speculative_algorithm="DFLASH"), "--speculative-algorithm DFLASH yet"),
         (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
     ],
@@ -99,25 +95,37 @@ def test_what_speculative_coverage_refuses_names_the_flag(monkeypatch, kw, match
     startup_checks.check_server_args_for_canary(_spec_server_args())  # the covered setting starts
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("algorithm", ["EAGLE", "STANDALONE"])
-def test_a_draft_tree_server_guards_its_lanes_and_its_trees(monkeypatch, algorithm):
-    """``--speculative-eagle-topk`` 3 at page size 1 starts; the draft runner's canary plans
-    its round's forwards by lane (3 lanes of 4 steps, rows for 3 per request) and the target's
-    writes its verify's trees (paths of at most steps + 1 nodes)."""
+def test_a_draft_tree_server_guards_its_lanes_and_its_trees(monkeypatch, algorithm, page_size):
+    """``--speculative-eagle-topk`` 3 starts at page size 1 and 16; the draft runner's canary
+    plans its round's forwards by lane (3 lanes of 4 steps, rows for 3 per request; the
+    lanes' columns laid out by the page size: a static shift at page size 1, whole pages per
+    lane filled per forward at 16) and the target's writes its verify's trees (paths of at
+    most steps + 1 nodes); each pool's ``move_kv_cache`` (the draft round's partial-page copy,
+    the verify's compaction) is bound to that pool's own canary groups."""
     from sglang.srt.kv_canary import install, startup_checks
 
     for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
         monkeypatch.delenv(name)
     args = _spec_server_args(
-        speculative_algorithm=algorithm, speculative_eagle_topk=3, speculative_num_draft_tokens=8
+        speculative_algorithm=algorithm,
+        speculative_eagle_topk=3,
+        speculative_num_draft_tokens=8,
+        page_size=page_size,
     )
     startup_checks.check_server_args_for_canary(args)
     pools = [tiny_mha_pool(63) for _ in range(2)]
     target = install.install_canary(server_args=args, model_runner=_runner(pools[0], draft=False))
     draft = install.install_canary(server_args=args, model_runner=_runner(pools[1], draft=True))
     assert (draft.ranks.draft_topk, target.ranks.verify_tree_depth) == (3, 5)
-    lanes = draft.sfms[0].plan_input.lanes
-    assert lanes is not None and lanes.branch_shift[:6].tolist() == [0, 4, 8, 0, 4, 8]
+    plan_input = draft.sfms[0].plan_input
+    assert plan_input.lane_layout == LaneLayout(topk=3, steps=4, page_size=page_size)
+    assert draft.ranks.draft_page_size == page_size and target.ranks.draft_page_size == 1
+    static_shift = [0, 4, 8, 0, 4, 8] if page_size == 1 else [0] * 6
+    assert plan_input.lanes.branch_shift[:6].tolist() == static_shift
+    assert seam.kv_move_groups(pools[1]) == tuple(draft.groups)
+    assert seam.kv_move_groups(pools[0]) == tuple(target.groups)
     assert draft.sfms[0].tree is None and target.sfms[0].plan_input.lanes is None
     assert target.sfms[0].tree.max_depth == 5
     assert draft.capacities.write_req_capacity == 3 * target.capacities.write_req_capacity

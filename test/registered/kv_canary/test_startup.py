@@ -413,35 +413,46 @@ def _eagle_kwargs(model_dir, topk, algorithm="EAGLE"):
     )
 
 
-def test_eagle_chains_and_trees_start_and_paged_trees_are_refused_from_every_route(
-    capsys, model_dir
+def test_eagle_chains_and_trees_start_at_every_page_size_from_every_route(
+    capsys, tmp_path, model_dir
 ):
     """EAGLE with the canary: topk 1 and a draft tree (topk 2) start from the command line
-    and ``Engine`` kwargs; a draft tree at page size 16 (sglang runs it with flashinfer) is
-    refused on each route, naming ``--page-size``; the canary off, sglang's own."""
+    and ``Engine`` kwargs; a draft tree at page size 16 (sglang runs it with flashinfer or fa3;
+    the draft round copies the prefix's partial page into every lane with ``move_kv_cache``,
+    which the records follow) starts from the command line, a ``--config`` YAML and ``Engine``
+    kwargs; with another attention backend sglang's own refusal stands."""
     for topk in (1, 2):
         args = cli(model_dir, "--kv-canary", "raise", *_eagle(model_dir, topk))
         assert args.kv_canary == "raise" and args.speculative_eagle_topk == topk
         kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, topk))
     paged = ["--page-size", "16", "--attention-backend", "flashinfer"]
-    assert "at --page-size 1 only (got 16)" in cli_error(
-        capsys, model_dir, "--kv-canary", "raise", *_eagle(model_dir, 2), *paged
+    args = cli(model_dir, "--kv-canary", "raise", *_eagle(model_dir, 2), *paged)
+    assert (args.kv_canary, args.speculative_eagle_topk, args.page_size) == ("raise", 2, 16)
+    yaml_file = tmp_path / "paged_tree.yaml"
+    yaml_file.write_text("kv-canary: log\npage-size: 16\nattention-backend: fa3\n")
+    args = cli(model_dir, "--config", str(yaml_file), *_eagle(model_dir, 2))
+    assert (args.kv_canary, args.page_size, args.attention_backend) == ("log", 16, "fa3")
+    sa = kwargs(
+        model_dir,
+        kv_canary="raise",
+        page_size=16,
+        attention_backend="flashinfer",
+        **_eagle_kwargs(model_dir, 2),
     )
-    with pytest.raises(ValueError, match="at --page-size 1 only"):
-        kwargs(
-            model_dir,
-            kv_canary="raise",
-            page_size=16,
-            attention_backend="flashinfer",
-            **_eagle_kwargs(model_dir, 2),
+    assert (sa.kv_canary, sa.page_size, sa.speculative_eagle_topk) == ("raise", 16, 2)
+    refused = "only supported for the 'flashinfer' backend"  # sglang's, canary on or off
+    triton = ["--page-size", "16", "--attention-backend", "triton"]
+    for mode in ("raise", "none"):
+        assert refused in cli_error(
+            capsys, model_dir, "--kv-canary", mode, *_eagle(model_dir, 2), *triton
         )
-    cli(model_dir, "--kv-canary", "none", *_eagle(model_dir, 2), *paged)  # canary off
 
 
 def test_standalone_starts_with_chains_and_trees_from_every_route(capsys, monkeypatch, model_dir):
     """STANDALONE (a separate draft LM) with the canary: accepted at topk 1 from the command
     line and ``Engine`` kwargs, also with ``SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=draft``
-    (it has a draft pool), and at topk 2 (a draft tree) on each route."""
+    (it has a draft pool), and at topk 2 (a draft tree) on each route, also at page size
+    16."""
     flags, tree = (_eagle(model_dir, k, "STANDALONE") for k in (1, 2))
     kw = _eagle_kwargs(model_dir, 1, "STANDALONE")
     args = cli(model_dir, "--kv-canary", "raise", *flags)
@@ -453,6 +464,8 @@ def test_standalone_starts_with_chains_and_trees_from_every_route(capsys, monkey
     monkeypatch.delenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER")
     assert cli(model_dir, "--kv-canary", "raise", *tree).speculative_eagle_topk == 2
     kwargs(model_dir, kv_canary="raise", **_eagle_kwargs(model_dir, 2, "STANDALONE"))
+    paged = ["--page-size", "16", "--attention-backend", "flashinfer"]
+    assert cli(model_dir, "--kv-canary", "raise", *tree, *paged).page_size == 16
 
 
 def test_ngram_starts_at_every_page_size_from_every_route(monkeypatch, capsys, tmp_path, model_dir):
@@ -461,7 +474,7 @@ def test_ngram_starts_at_every_page_size_from_every_route(monkeypatch, capsys, t
     the command line, a ``--config`` YAML and ``Engine`` kwargs, at page size 1 and at page
     size 16 (sglang runs it with flashinfer; its accepted nodes' KV is compacted with
     ``move_kv_cache``, which the records follow); the draft fault target refused naming the
-    variable; a draft model's paged trees still refused naming ``--page-size``."""
+    variable."""
     ngram = ["--speculative-algorithm", "NGRAM", "--device", "cuda"]
     paged = ["--page-size", "16", "--attention-backend", "flashinfer"]
     args = cli(model_dir, "--kv-canary", "raise", *ngram)
@@ -486,9 +499,6 @@ def test_ngram_starts_at_every_page_size_from_every_route(monkeypatch, capsys, t
 
     assert engine(kv_canary="raise").speculative_num_draft_tokens == 12
     assert engine(kv_canary="raise", page_size=16, attention_backend="flashinfer").page_size == 16
-    refused = "--speculative-eagle-topk 2 (draft trees) at --page-size 1 only (got 16)"
-    eagle_paged = [*_eagle(model_dir, 2), *paged]
-    assert refused in cli_error(capsys, model_dir, "--kv-canary", "raise", *eagle_paged)
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
     monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft")
     assert "NGRAM has none" in cli_error(capsys, model_dir, "--kv-canary", "log", *ngram)

@@ -117,5 +117,6 @@ def memory_inputs(
         swa_divergence_stats=config.swa_divergence_stats_interval > 0,
         cuda=torch.device(device).type == "cuda",
         plan_lanes=ranks.draft_topk > 1,
+        plan_lane_pages=ranks.draft_page_size > 1,
         verify_trees=ranks.verify_tree_depth > 0,
     )

@@ -170,11 +170,15 @@ def install_canary(
             # single-forward manager per forward of a draft round (steps - 1 of them, for the
             # largest step count --speculative-adaptive may switch to)
             draft_steps=spec.max_steps if draft else 0,
-            # draft trees (--speculative-eagle-topk > 1): the draft round's lanes, and the
-            # verify's paths of at most steps + 1 nodes (docs/speculative_trees.md); NGRAM's
-            # verify trees (docs/speculative_standalone_ngram.md, "2.3 Record semantics")
+            # draft trees (--speculative-eagle-topk > 1): the draft round's lanes (their
+            # req_to_token columns laid out by --page-size), and the verify's paths of at most
+            # steps + 1 nodes (docs/speculative_trees.md); NGRAM's verify trees
+            # (docs/speculative_standalone_ngram.md, "2.3 Record semantics")
             **RankFacts.tree_fields(
-                topk=spec.topk, verify_tree_depth=spec.verify_tree_depth, draft=draft
+                topk=spec.topk,
+                verify_tree_depth=spec.verify_tree_depth,
+                draft=draft,
+                page_size=spec.page_size,
             ),
             disaggregation_mode=sglang_seam.server_args_value(
                 server_args, "disaggregation_mode", "null"

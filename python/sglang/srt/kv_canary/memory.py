@@ -49,7 +49,7 @@ _VERIFY_PLAN_ARRAYS = 5
 _PLAN_INPUT_ARRAYS = 4
 # PlanInput's lanes (a draft runner with topk > 1): per row its request, whether it is a later
 # lane, its req_to_token row, its valid length, its request's committed length (int64), and
-# PlanLanes' three arrays
+# PlanLanes' three arrays; at page size > 1 also each row's k * page_size
 _PLAN_LANE_ARRAYS = 8
 # EagerForwardGraphs (CUDA only): input_ids, positions, out_cache_loc on the device; its two
 # staging tables in pinned host memory (the staging kernel reads them in place)
@@ -136,6 +136,8 @@ class CanaryMemoryInputs:
     # runner's parent table
     plan_lanes: bool = False
     verify_trees: bool = False
+    # the lanes at --page-size > 1 (their per-row page stride)
+    plan_lane_pages: bool = False
 
     def __post_init__(self):
         if not self.groups:
@@ -153,6 +155,8 @@ class CanaryMemoryInputs:
         ):
             _check_count(f"CanaryMemoryInputs.{name}", v, minimum=1)
         _check_count("CanaryMemoryInputs.host_mirror_slots", self.host_mirror_slots, minimum=0)
+        if self.plan_lane_pages and not self.plan_lanes:
+            raise ValueError("CanaryMemoryInputs.plan_lane_pages needs plan_lanes (paged lanes)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +240,7 @@ class CanaryMemory:
                 + (2 * entries * _I64 if inputs.write_input_check else 0)  # ExpectedInputs
                 + (_EAGER_GRAPH_ARRAYS * entries * _I64 if inputs.cuda else 0)
                 + (_PLAN_LANE_ARRAYS * reqs * _I64 if inputs.plan_lanes else 0)
+                + (reqs * _I64 if inputs.plan_lane_pages else 0)
                 + (entries * _I64 if inputs.verify_trees else 0),  # WriteTree.parent
             )
             if inputs.cuda:

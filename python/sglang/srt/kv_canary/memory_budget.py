@@ -259,7 +259,7 @@ def reserve_canary_memory(
     sizing = KvPoolSizing(model_runner)
     spec = sglang_seam.speculative_facts(server_args)
     # the draft runner as install_canary will describe it (its single-forward managers)
-    trees = dict(topk=spec.topk, verify_tree_depth=spec.verify_tree_depth)
+    trees = dict(topk=spec.topk, verify_tree_depth=spec.verify_tree_depth, page_size=spec.page_size)
     draft = (
         RankFacts(
             draft=True, draft_steps=spec.max_steps, **RankFacts.tree_fields(**trees, draft=True)

@@ -7,6 +7,7 @@ device copies between static tensors, no allocation, no host sync.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -50,6 +51,29 @@ class StaticPrefixViews:
         return views
 
 
+@dataclasses.dataclass(frozen=True)
+class LaneLayout:
+    """Where a draft round's lanes sit in ``req_to_token`` (sglang 0.5.12's
+    ``EAGLEWorker._draft_preprocess_decode``, docs/speculative_trees.md, "1.1 Draft round
+    (draft pool, `DECODE` forwards)"): ``topk`` lanes (>= 2) of ``steps`` slots (>= 1,
+    ``--speculative-num-steps``) per request, at ``--page-size`` ``page_size`` (>= 1). Page
+    size 1: lane k's step j at column ``L + k * steps + j``; page size > 1: each lane takes
+    ``npp = ceil((L % page_size + steps) / page_size)`` whole pages from the prefix's last page
+    boundary ``L - L % page_size``, lane k's step j at column ``L + k * npp * page_size + j``
+    and, for k >= 1, a copy of the prefix's last partial page at the head of its first page.
+    Plain ints, validated here."""
+
+    topk: int
+    steps: int
+    page_size: int = 1
+
+    def __post_init__(self):
+        for name, low in (("topk", 2), ("steps", 1), ("page_size", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"LaneLayout.{name} must be an int >= {low}, got {v!r}")
+
+
 def leading(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t[:n]``, without a new view when ``t`` has exactly ``n`` rows."""
     return t if t.shape[0] == n else t[:n]
@@ -66,8 +90,8 @@ class PlanInput:
     extend = extend_seq_lens. Any other mode raises ``NotImplementedError`` naming it.
     """
 
-    def __init__(self, *, write_req_capacity: int, device, lanes: Optional[Tuple[int, int]] = None):
-        """``lanes``: ``(topk, steps)`` of a draft runner with ``--speculative-eagle-topk`` > 1:
+    def __init__(self, *, write_req_capacity: int, device, lanes: Optional[LaneLayout] = None):
+        """``lanes``: the lane layout of a draft runner with ``--speculative-eagle-topk`` > 1:
         its decode forwards (the draft round's) are planned one row per lane (:meth:`fill_lanes`)."""
         self.write_req_capacity = write_req_capacity
         self.prefix_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
@@ -88,10 +112,11 @@ class PlanInput:
         )
         self._device_index = self.prefix_lens.get_device()
         self.lanes: Optional[PlanLanes] = None
+        self.lane_layout = lanes
         if lanes is not None:
-            topk, steps = lanes
-            if topk < 2 or steps < 1:
-                raise ValueError(f"PlanInput lanes need topk >= 2 and steps >= 1, got {lanes}")
+            if not isinstance(lanes, LaneLayout):
+                raise TypeError(f"PlanInput lanes must be a LaneLayout, got {lanes!r}")
+            topk, steps = lanes.topk, lanes.steps
             self._topk = topk
             row = torch.arange(write_req_capacity, dtype=torch.int64, device=device)
             # static per row: its request (row // topk), whether it is a lane k >= 1, its shift
@@ -104,10 +129,17 @@ class PlanInput:
             self._lane_valid_lens = torch.zeros(
                 write_req_capacity, dtype=torch.int64, device=device
             )
+            # page size 1: the shift is static (k * steps); larger pages: k * page_size per
+            # row, times the request's pages per lane (filled per forward, fill_lanes)
+            self._lane_page_stride = (row % topk) * lanes.page_size if lanes.page_size > 1 else None
             self.lanes = PlanLanes(
                 verify_from=torch.zeros(write_req_capacity, dtype=torch.int64, device=device),
                 branch_split=torch.zeros(write_req_capacity, dtype=torch.int64, device=device),
-                branch_shift=(row % topk) * steps,
+                branch_shift=(
+                    (row % topk) * steps
+                    if lanes.page_size == 1
+                    else torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
+                ),
             )
             self._lane_views: Dict[int, PlanLanes] = {}
 
@@ -153,11 +185,23 @@ class PlanInput:
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, PlanLanes]:
         """A draft round's forward of ``bs`` requests and ``topk`` lanes each (its tokens,
         positions and slots ``[bs * topk]``, row ``b * topk + k``): fill ``bs * topk`` rows
-        (request b's ``req_to_token`` row, prefix = the lane's position, extend 1; lane k >= 1
-        verifies from the committed length L = ``seq_lens[b]``, its positions from L on read
-        ``k * steps`` columns further: docs/speculative_trees.md, "4.2 Plan") and return them as
-        ``(req_pool_indices, prefix_lens, extend_seq_lens, lanes)``. ``seq_lens`` int32 (sglang's
-        graph runners) or int64 (an eager batch). Static buffers, index copies only: capturable."""
+        and return them as ``(req_pool_indices, prefix_lens, extend_seq_lens, lanes)``, all
+        int64 ``[bs * topk]`` views of static buffers: request b's ``req_to_token`` row,
+        prefix = the lane's position (``forward_batch.positions``), extend 1, and the lane's
+        columns (docs/speculative_trees.md, "4.2 Plan"), with L = ``seq_lens[b]`` (int32 in
+        sglang's graph runners, int64 in an eager batch):
+
+        - page size 1: ``branch_split`` = L, ``branch_shift`` = ``k * steps`` (static),
+          ``verify_from`` = L for k >= 1, 0 for k = 0 (the shared prefix verified once, by
+          lane 0);
+        - page size P > 1: ``branch_split`` = ``L - L % P``, ``branch_shift`` = ``k * npp * P``
+          with ``npp = (L % P + steps + P - 1) // P``, ``verify_from`` = ``L - L % P`` for k
+          >= 1, 0 for k = 0: lane k >= 1 also verifies its copy of the prefix's last partial
+          page (its first ``L % P`` columns), which sglang's ``move_kv_cache`` on the draft
+          pool filled and the plugin's hook gave the prefix's records.
+
+        Graph-safe (captured in ``EAGLEDraftCudaGraphRunner``): index and arithmetic ops into
+        static buffers (``out=`` / in place), no allocation, no host sync."""
         bs = forward_batch.req_pool_indices.shape[0]
         rows = bs * self._topk
         request = self._lane_request[:rows]
@@ -167,10 +211,21 @@ class PlanInput:
         prefix.copy_(leading(forward_batch.positions, rows))
         extend.copy_(ones)
         split = self.lanes.branch_split[:rows]
+        verify_from = self.lanes.verify_from[:rows]
         committed = self._committed[:bs]
         committed.copy_(leading(forward_batch.seq_lens, bs))
         torch.index_select(committed, 0, request, out=split)
-        torch.mul(split, self._later_lane[:rows], out=self.lanes.verify_from[:rows])
+        if self._lane_page_stride is not None:
+            page, steps = self.lane_layout.page_size, self.lane_layout.steps
+            shift = self.lanes.branch_shift[:rows]
+            # verify_from holds L % P for now: the partial page's length
+            torch.remainder(split, page, out=verify_from)
+            split.sub_(verify_from)  # the prefix's last page boundary L - L % P
+            # pages per lane, npp = (L % P + steps + P - 1) // P, then k * npp * P
+            torch.add(verify_from, steps + page - 1, out=shift)
+            shift.div_(page, rounding_mode="floor")
+            shift.mul_(self._lane_page_stride[:rows])
+        torch.mul(split, self._later_lane[:rows], out=verify_from)
         return lane_rows, prefix, extend, self._lane_view(rows)
 
     def lane_valid_lens(self, per_request: torch.Tensor, rows: int) -> torch.Tensor:

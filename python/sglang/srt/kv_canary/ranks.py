@@ -36,6 +36,10 @@ class RankFacts:
     # --speculative-num-draft-tokens, its verify is always a tree); 1 / 0 without trees
     draft_topk: int = 1
     verify_tree_depth: int = 0
+    # a draft runner with draft_topk > 1: sglang's --page-size, which lays out its lanes'
+    # req_to_token columns (whole pages per lane from the prefix's last page boundary); 1
+    # otherwise
+    draft_page_size: int = 1
 
     def __post_init__(self):
         if isinstance(self.draft_steps, bool) or not isinstance(self.draft_steps, int):
@@ -45,7 +49,7 @@ class RankFacts:
                 "RankFacts.draft_steps is an EAGLE draft runner's --speculative-num-steps "
                 f"(>= 0, and 0 unless draft=True), got {self.draft_steps} with draft={self.draft}"
             )
-        for name, low in (("draft_topk", 1), ("verify_tree_depth", 0)):
+        for name, low in (("draft_topk", 1), ("verify_tree_depth", 0), ("draft_page_size", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"RankFacts.{name} must be an int >= {low}, got {v!r}")
@@ -53,6 +57,11 @@ class RankFacts:
             raise ValueError(
                 f"RankFacts.draft_topk is a draft runner's lanes per request, got "
                 f"{self.draft_topk} with draft=False"
+            )
+        if self.draft_page_size > 1 and self.draft_topk == 1:
+            raise ValueError(
+                "RankFacts.draft_page_size lays out a draft runner's lanes (draft_topk > 1), "
+                f"got {self.draft_page_size} with draft_topk=1"
             )
         if self.verify_tree_depth and self.draft:
             raise ValueError(
@@ -76,14 +85,17 @@ class RankFacts:
         return max(1, self.draft_forwards_per_round)
 
     @staticmethod
-    def tree_fields(*, topk: int, verify_tree_depth: int, draft: bool) -> dict:
-        """``draft_topk`` / ``verify_tree_depth`` of a runner of a server with
-        ``--speculative-eagle-topk`` ``topk`` whose target verifies trees of paths of at most
-        ``verify_tree_depth`` tokens (0: chains; ``SpeculativeFacts.verify_tree_depth``): what
-        :func:`install_canary` and the memory reservation both build."""
+    def tree_fields(*, topk: int, verify_tree_depth: int, draft: bool, page_size: int = 1) -> dict:
+        """``draft_topk`` / ``verify_tree_depth`` / ``draft_page_size`` of a runner of a
+        server with ``--speculative-eagle-topk`` ``topk`` and ``--page-size`` ``page_size``
+        whose target verifies trees of paths of at most ``verify_tree_depth`` tokens (0:
+        chains; ``SpeculativeFacts.verify_tree_depth``): what :func:`install_canary` and the
+        memory reservation both build."""
+        lanes = topk > 1 and draft
         return dict(
-            draft_topk=topk if topk > 1 and draft else 1,
+            draft_topk=topk if lanes else 1,
             verify_tree_depth=0 if draft else verify_tree_depth,
+            draft_page_size=page_size if lanes else 1,
         )
 
     @property

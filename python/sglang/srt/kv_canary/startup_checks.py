@@ -86,8 +86,8 @@ def draft_worker_name(algorithm: Optional[str]) -> str:
 
 def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
     """Speculative decoding: EAGLE / EAGLE3 / NEXTN / STANDALONE, with a draft chain (``topk``
-    1) or draft trees (``topk`` > 1 at page size 1), target and draft pools, and NGRAM's tree
-    verifies (any page size, the target's pool: it has no draft model) are guarded
+    1) or draft trees (``topk`` > 1), target and draft pools, and NGRAM's tree verifies (the
+    target's pool: it has no draft model), at any page size, are guarded
     (docs/user_guide.md, "Speculative decoding"); the rest is refused with the flag to
     change."""
     spec = sglang_seam.speculative_facts(server_args)
@@ -115,16 +115,6 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
         raise ValueError(
             f"--kv-canary does not cover --speculative-algorithm {spec.algorithm} yet (covered: "
             f"{_COVERED_FLAGS.replace(' or', ',')}); run it without --kv-canary"
-        )
-    page_size = int(sglang_seam.server_args_value(server_args, "page_size", 1) or 1)
-    # NGRAM at page size > 1: sglang compacts the accepted nodes with move_kv_cache, which the
-    # records follow; a draft model's trees also duplicate a partial page into every lane
-    if spec.has_draft_model and spec.topk > 1 and page_size > 1:
-        raise ValueError(
-            f"--kv-canary covers --speculative-eagle-topk {spec.topk} (draft trees) at "
-            f"--page-size 1 only (got {page_size}): with larger pages sglang moves the accepted "
-            "nodes' KV between slots (move_kv_cache), which the canary does not follow yet; use "
-            "--page-size 1 or --speculative-eagle-topk 1"
         )
     if spec.multi_layer_eagle:
         raise ValueError(

@@ -37,6 +37,7 @@ from sglang.srt.kv_canary.memory import (
     CanaryMemoryInputs,
 )
 from sglang.srt.kv_canary.perturb import CanaryPerturber
+from sglang.srt.kv_canary.plan_input import LaneLayout
 from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.kv_canary.manager.device_host import DelayedDeviceHostHandler
 from sglang.srt.kv_canary.manager.draft_rounds import DraftRound, DraftRoundBrackets
@@ -146,7 +147,15 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
                 token_history=self.token_history,
                 token_oracle=token_oracle,
                 kv_pool=kv_pool,
-                lanes=(ranks.draft_topk, ranks.draft_steps) if ranks.draft_topk > 1 else None,
+                lanes=(
+                    LaneLayout(
+                        topk=ranks.draft_topk,
+                        steps=ranks.draft_steps,
+                        page_size=ranks.draft_page_size,
+                    )
+                    if ranks.draft_topk > 1
+                    else None
+                ),
                 verify_tree_depth=ranks.verify_tree_depth,
             )
             for i in range(ranks.single_forward_managers)

@@ -32,7 +32,8 @@ def set_server_args_values(server_args: "ServerArgs", values: dict) -> None:
 class SpeculativeFacts:
     """sglang's resolved speculative-decoding settings (``ServerArgs`` after its own
     defaults): ``algorithm`` upper-case or None; ``num_steps`` / ``topk`` /
-    ``num_draft_tokens`` 0 when unset; ``step_counts`` every ``--speculative-num-steps`` the
+    ``num_draft_tokens`` 0 when unset; ``page_size`` sglang's ``--page-size`` (1 when unset);
+    ``step_counts`` every ``--speculative-num-steps`` the
     worker may run: the initial one, and with ``--speculative-adaptive`` each candidate
     (sglang captures every candidate's graphs at start-up and switches between them while
     serving)."""
@@ -44,6 +45,7 @@ class SpeculativeFacts:
     multi_layer_eagle: bool
     adaptive: bool
     step_counts: Tuple[int, ...] = ()
+    page_size: int = 1
 
     @property
     def max_steps(self) -> int:
@@ -87,6 +89,7 @@ def speculative_facts(server_args: "ServerArgs") -> SpeculativeFacts:
             if adaptive and algo
             else (num_steps,)
         ),
+        page_size=int(getattr(server_args, "page_size", None) or 1),
     )
 
 

@@ -31,7 +31,7 @@ from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.endpoint import CanaryEndpoint
 from sglang.srt.kv_canary.expected_inputs import ExpectedInputs
-from sglang.srt.kv_canary.plan_input import PlanInput
+from sglang.srt.kv_canary.plan_input import LaneLayout, PlanInput
 from sglang.srt.kv_canary.single_forward_manager.eager_graphs import EagerForwardGraphs
 from sglang.srt.kv_canary.single_forward_manager.launches import (
     ForwardLaunchInputs,
@@ -90,11 +90,11 @@ class SingleForwardManager:
         token_history: Optional[TokenHistoryUploader] = None,
         token_oracle: Optional["TokenOracleManager"] = None,
         kv_pool=None,
-        lanes: Optional[Tuple[int, int]] = None,
+        lanes: Optional[LaneLayout] = None,
         verify_tree_depth: int = 0,
     ):
-        """``lanes``: ``(topk, steps)`` on a draft runner with ``--speculative-eagle-topk`` >
-        1 (its draft round's forwards planned by lane); ``verify_tree_depth`` > 0 on its
+        """``lanes``: the lane layout (topk, steps, page size) on a draft runner with
+        ``--speculative-eagle-topk`` > 1 (its draft round's forwards planned by lane); ``verify_tree_depth`` > 0 on its
         target runner (the verify's draft trees written along their paths, at most that many
         entries per path): docs/speculative_trees.md."""
         if config.enable_verify_token_assert and token_history is None:
