@@ -54,7 +54,7 @@ from canary_support.script_run import load_support_script
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=6130, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=6550, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -75,8 +75,9 @@ GPU_LANES = {
     "spec_standalone_faults_v1": ("standalone and every_fault and spec_v1", 350),
     "spec_standalone_faults_v2": ("standalone and every_fault and spec_v2", 220),
     "spec_standalone_radix_keys": ("standalone and radix_keys", 200),
-    "spec_tree_clean": ("tree and clean", 220),
-    "spec_tree_faults": ("tree and every_fault", 180),
+    "spec_tree_clean": ("tree and clean and not paged", 220),
+    "spec_tree_faults": ("tree and every_fault and not paged", 180),
+    "spec_tree_paged": ("tree and paged", 420),
     "spec_ngram_clean": ("ngram and clean and not paged", 220),
     "spec_ngram_faults": ("ngram and every_fault and not paged", 150),
     "spec_ngram_paged": ("ngram and paged", 300),
@@ -204,16 +205,18 @@ def assert_clean_and_both_canaries_reserved(out: str, on, off) -> None:
     ]["memory"]
 
 
-def run_clean_pair(models, spec, **engine_kwargs):
+def run_clean_pair(models, spec, env_extra=None, **engine_kwargs):
     """A clean test's two runs of the workload: the canary off, then ``--kv-canary raise``
-    with real data partial, a sweep every 3 steps and token checks; both must exit 0.
-    Returns (the canary-on run's output, its results, the canary-off run's results)."""
-    rc, out, off = run(models, spec, **engine_kwargs)
+    with real data partial, a sweep every 3 steps and token checks; both must exit 0, both
+    with ``env_extra``. Returns (the canary-on run's output, its results, the canary-off run's
+    results)."""
+    rc, out, off = run(models, spec, env_extra, **engine_kwargs)
     assert rc == 0 and off is not None, out[-4000:]
     rc, out, on = run(
         models,
         spec,
         {
+            **(env_extra or {}),
             "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
             "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "5",
         },
@@ -279,6 +282,64 @@ def test_tree_clean_matches_canary_off(request, backend):
 def test_tree_every_fault_class_is_caught_in_each_pool(models, worker):
     env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
     assert_every_fault_caught_in_a_log_run(models, "spec_v1", env, "EAGLE", **TREE)
+
+
+# draft trees at page size 16 (docs/speculative_trees.md, "4.5 Page size > 1 (second step)"):
+# each lane takes whole pages, every later lane a copy of the prefix's partial page (the draft
+# pool's move_kv_cache), the verify's accepted nodes compacted (the target pool's); sglang
+# runs trees at page > 1 on flashinfer or fa3 only, flashinfer's prefill needs heads of 128
+PAGED_TREE = dict(page_size=16, attention_backend="flashinfer", **TREE)
+# sglang 0.5.12 lays out the slots of a paged round in which no request's prefix ends inside
+# a page wrongly (its assign_draft_cache_locs skips their rewrite): e2e_support/sitecustomize.py
+# rewrites them as that kernel does when a partial page exists, in the canary-off and -on runs
+PAGED_LANES_REWRITTEN = {"KV_CANARY_TEST_PAGED_LANES_REWRITTEN": "1"}
+
+
+def test_tree_paged_clean_matches_canary_off(head_dim_128_models):
+    """A draft tree (topk 2, 3 steps, 6 draft tokens) at page size 16 with the canary in raise
+    mode, real data, a sweep and token checks: outputs equal to the canary off's, no violation
+    (the records followed every partial-page copy and every compaction, each lane verified
+    from its own pages), both canaries reserved."""
+    out, on, off = run_clean_pair(
+        head_dim_128_models, "spec_v1", PAGED_LANES_REWRITTEN, **UNCHUNKED, **PAGED_TREE
+    )
+    assert "kv_canary installed on the EAGLE draft worker: mode=raise" in out, out[-4000:]
+    assert_clean_and_both_canaries_reserved(out, on, off)
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+def test_tree_paged_every_fault_class_is_caught_in_each_pool(head_dim_128_models, worker):
+    env = dict(
+        EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker, **PAGED_LANES_REWRITTEN
+    )
+    assert_every_fault_caught_in_a_log_run(
+        head_dim_128_models, "spec_v1", env, "EAGLE", **PAGED_TREE
+    )
+
+
+def test_tree_paged_rounds_without_a_partial_page_are_reported(head_dim_128_models):
+    """sglang 0.5.12 as it runs, one request at a time (each prompt's draft rounds pass its
+    committed length 48 alone): in a round whose request's prefix ends on a page boundary the
+    lanes' steps are written to the allocation's first slots, not to the columns the draft
+    attention reads. With the canary in raise mode and token checks: outputs equal to the
+    canary off's (the draft pool's reports are logged, not acted on), the target pool
+    clean, and every draft report at the stale step read (position L, a multiple of 16) or
+    the step written after it (L + 1)."""
+    engine = dict(UNCHUNKED, max_running_requests=1, **PAGED_TREE)
+    rc, out, off = run(head_dim_128_models, "spec_v1", **engine)
+    assert rc == 0 and off is not None, out[-4000:]
+    rc, out, on = run(
+        head_dim_128_models,
+        "spec_v1",
+        {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        **engine,
+    )
+    assert rc == 0 and on == off and len(on) == 12, out[-4000:]
+    seen = violations_by_pool(out)
+    assert seen and {pool for pool, _ in seen} == {"draft"}, seen
+    assert {v.read_position % 16 for _, v in seen} <= {0, 1}, seen
 
 
 # NGRAM (docs/speculative_standalone_ngram.md, "2. NGRAM (n-gram lookup, no draft model)"):

@@ -21,6 +21,12 @@ from the prompt only and keeps the sampled token where the chunk ends inside the
 retracted and resumed request (the bug PR 28254 fixed). Each non-final chunk's end prints a
 ``KV_CANARY_TEST_PR28254:`` line saying whether it lies inside the prompt or the output.
 
+With ``KV_CANARY_TEST_PAGED_LANES_REWRITTEN=1`` an EAGLE draft round at page size > 1 with
+topk > 1 in which no request's prefix ends inside a page gets its lane slots as sglang's
+``assign_draft_cache_locs`` writes them when some prefix does (lane k's step j at the
+``req_to_token`` column ``L + k * npp * page_size + j``): sglang 0.5.12's kernel skips that
+rewrite then, and the round's forwards write the allocation's first slots instead.
+
 With ``KV_CANARY_TEST_ADAPTIVE_ACCEPT=a,b,...`` sglang's ``--speculative-adaptive``
 controller is fed these accepted-draft counts, one per verify, in a cycle, in place of the
 measured ones (dummy weights accept nothing, so it would only ever step down): with
@@ -201,6 +207,37 @@ if _TEST_ENV.get("KV_CANARY_TEST_PR25015"):
         "sglang.srt.model_executor.model_runner.ModelRunner.forward",
         _positions_before_forward,
         HookType.AROUND,
+    )
+
+
+if _TEST_ENV.get("KV_CANARY_TEST_PAGED_LANES_REWRITTEN"):
+    # sglang 0.5.12's assign_draft_cache_locs rewrites the round's slots to [bs, topk, steps]
+    # only when duplicate_cache_len > 0: done here for the rounds without a partial page
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def _rewrite_aligned_lane_slots(result, self, batch, *args, **kwargs):
+        import torch
+
+        page, topk, steps = self.page_size, self.topk, self.speculative_num_steps
+        if page == 1 or topk == 1 or bool((batch.seq_lens_cpu % page).any()):
+            return result
+        seq = batch.seq_lens.to(torch.int64).view(-1, 1, 1)
+        npp = (steps + page - 1) // page  # pages per lane of a prefix ending on a boundary
+        device = seq.device
+        cols = (
+            seq
+            + torch.arange(topk, device=device).view(1, topk, 1) * (npp * page)
+            + torch.arange(steps, device=device).view(1, 1, steps)
+        )
+        rows = batch.req_pool_indices.to(torch.int64).view(-1, 1, 1)
+        slots = batch.req_to_token_pool.req_to_token[rows, cols].reshape(-1)
+        batch.out_cache_loc = slots.to(batch.out_cache_loc.dtype)
+        return result
+
+    HookRegistry.register(
+        "sglang.srt.speculative.eagle_worker.EAGLEWorker._draft_preprocess_decode",
+        _rewrite_aligned_lane_slots,
+        HookType.AFTER,
     )
 
 
