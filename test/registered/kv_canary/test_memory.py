@@ -421,6 +421,34 @@ def test_an_ngram_budget_reserves_the_target_canary_alone(profiled):
     assert ngram.target.device_bytes > plain.target.device_bytes
 
 
+def test_a_frozen_kv_mtp_budget_reserves_the_target_canary_alone(profiled):
+    """FROZEN_KV_MTP's draft writes no KV (its layers read the target's): the reservation
+    holds no draft canary, where EAGLE's of the same steps holds one, so the pool keeps those
+    bytes."""
+    runner = profiled(max_running_requests=8, context_length=256)
+
+    def reserve(algorithm):
+        args = _spec_args(
+            runner,
+            speculative_algorithm=algorithm,
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=4,
+        )
+        return reserve_canary_memory(
+            runner,
+            server_args=args,
+            config=CanaryConfig(mode="raise"),
+            capacity_inputs=capacity_inputs_from_server_args(args, context_len=256),
+            available_bytes=48 << 20,
+        )[1]
+
+    frozen, eagle = reserve("FROZEN_KV_MTP"), reserve("EAGLE")
+    assert frozen.draft is None and eagle.draft is not None and eagle.draft.device_bytes > 0
+    # the pool keeps what EAGLE's draft canary takes
+    assert frozen.kv_bytes > eagle.kv_bytes
+    assert frozen.tokens.max_total * CELL + frozen.target.device_bytes <= 48 << 20
+
+
 # a STANDALONE draft of another shape than the tiny Llama target: 3 layers, 1 KV head of 16
 STANDALONE_DRAFT = dict(num_hidden_layers=3, num_key_value_heads=1, torch_dtype="float16")
 

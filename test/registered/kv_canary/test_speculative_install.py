@@ -176,6 +176,51 @@ def test_an_ngram_server_guards_its_target_verify_trees(monkeypatch):
         monkeypatch.delenv(var)
 
 
+@pytest.mark.parametrize("topk,page_size", [(1, 1), (2, 1), (2, 16)])
+def test_a_frozen_kv_mtp_server_guards_its_target_pool_and_installs_no_draft_canary(
+    monkeypatch, caplog, topk, page_size
+):
+    """FROZEN_KV_MTP (its draft's layers read the target's KV and write none) starts with
+    chains and trees, at page size 1 and 16 (its trees' accepted nodes are compacted in the
+    target's pool, which the records follow); the target's canary writes its verify's chains
+    or trees and names FROZEN_KV_MTP; the draft runner gets no canary (its pool is a stand-in)
+    and says so; a draft fault target or ``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act`` is refused
+    naming the variable and that FROZEN_KV_MTP's draft writes no KV."""
+    from sglang.srt.kv_canary import install, startup_checks
+
+    _clean_canary_env(monkeypatch)
+    args = _spec_server_args(
+        speculative_algorithm="FROZEN_KV_MTP",
+        speculative_num_steps=3,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=4 if topk == 1 else 6,
+        page_size=page_size,
+    )
+    startup_checks.check_server_args_for_canary(args)
+    pools = [tiny_mha_pool(63) for _ in range(2)]
+    target = install.install_canary(server_args=args, model_runner=_runner(pools[0], draft=False))
+    draft_runner = _runner(pools[1], draft=True)
+    with caplog.at_level(logging.INFO, logger="sglang.srt.kv_canary"):
+        draft = install.install_canary(server_args=args, model_runner=draft_runner)
+    assert draft is None and seam.runner_canary(draft_runner) is None
+    assert seam.kv_move_groups(pools[1]) == ()
+    assert "no canary on the FROZEN_KV_MTP draft worker: it writes no KV" in caplog.text
+    assert target.ranks.draft_worker == "FROZEN_KV_MTP" and not target.ranks.draft
+    assert seam.kv_move_groups(pools[0]) == tuple(target.groups)
+    assert target.ranks.verify_tree_depth == (0 if topk == 1 else 4)
+    assert (target.sfms[0].tree is None) == (topk == 1)
+    for var, value in (
+        ("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft"),
+        ("SGLANG_KV_CANARY_DRAFT_VIOLATIONS", "act"),
+    ):
+        monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
+        monkeypatch.setenv(var, value)
+        with pytest.raises(ValueError, match=f"{var}=.*FROZEN_KV_MTP has none") as exc:
+            startup_checks.check_server_args_for_canary(args)
+        assert "its draft reads the target's KV and writes none" in str(exc.value)
+        monkeypatch.delenv(var)
+
+
 class _NgramWorkerStandIn:  # stand-in: NGRAMWorker's runner is its target worker's
     def __init__(self, target_worker):
         self.target_worker = target_worker

@@ -506,6 +506,52 @@ def test_ngram_starts_at_every_page_size_from_every_route(monkeypatch, capsys, t
         engine(kv_canary="log")
 
 
+def test_frozen_kv_mtp_starts_with_chains_and_trees_from_every_route(
+    monkeypatch, capsys, tmp_path, model_dir
+):
+    """FROZEN_KV_MTP with the canary (its draft reads the target's KV and writes none; sglang
+    sets no defaults for it: steps, topk and draft tokens given): named on the command line,
+    promoted by sglang from NEXTN for a Gemma4 assistant draft, from a ``--config`` YAML and
+    ``Engine`` kwargs, with chains and with trees at page size 16 (the target's compaction is
+    followed); the draft fault target refused naming the variable. (sglang decides the
+    algorithm from the draft's ``architectures``: a tiny Llama config naming
+    ``Gemma4AssistantForCausalLM`` is enough to parse; no model is built.)"""
+    draft = write_tiny_llama(tmp_path / "assistant", architectures=["Gemma4AssistantForCausalLM"])
+    chain = ["--speculative-num-steps", "2", "--speculative-eagle-topk", "1"]
+    chain += ["--speculative-num-draft-tokens", "3", "--speculative-draft-model-path", draft]
+    tree = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2"]
+    tree += ["--speculative-num-draft-tokens", "6", "--speculative-draft-model-path", draft]
+    frozen = ["--speculative-algorithm", "FROZEN_KV_MTP"]
+    args = cli(model_dir, "--kv-canary", "raise", *frozen, *chain)
+    assert (args.kv_canary, args.speculative_algorithm) == ("raise", "FROZEN_KV_MTP")
+    args = cli(model_dir, "--kv-canary", "raise", "--speculative-algorithm", "NEXTN", *chain)
+    assert args.speculative_algorithm == "FROZEN_KV_MTP"  # sglang's promotion
+    args = cli(model_dir, "--kv-canary", "log", *frozen, *tree, "--page-size", "16")
+    assert (args.speculative_eagle_topk, args.page_size) == (2, 16)
+    yaml_file = tmp_path / "frozen.yaml"
+    yaml_file.write_text(
+        "kv-canary: abort\nspeculative-algorithm: FROZEN_KV_MTP\nspeculative-num-steps: 2\n"
+        "speculative-eagle-topk: 1\nspeculative-num-draft-tokens: 3\n"
+        f"speculative-draft-model-path: {draft}\n"
+    )
+    args = cli(model_dir, "--config", str(yaml_file))
+    assert (args.kv_canary, args.speculative_algorithm) == ("abort", "FROZEN_KV_MTP")
+    engine = dict(
+        speculative_algorithm="FROZEN_KV_MTP",
+        speculative_draft_model_path=draft,
+        speculative_num_steps=2,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=3,
+    )
+    assert kwargs(model_dir, kv_canary="raise", **engine).speculative_algorithm == "FROZEN_KV_MTP"
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft")
+    refused = "FROZEN_KV_MTP has none (its draft reads the target's KV and writes none)"
+    assert refused in cli_error(capsys, model_dir, "--kv-canary", "log", *frozen, *chain)
+    with pytest.raises(ValueError, match="TARGET_WORKER=draft .*FROZEN_KV_MTP has none"):
+        kwargs(model_dir, kv_canary="log", **engine)
+
+
 def test_adaptive_steps_start_from_every_route(capsys, tmp_path, model_dir):
     """``--speculative-adaptive`` with the canary: accepted from the command line, a
     ``--config`` YAML and ``Engine`` kwargs; a ``--speculative-adaptive-config`` file sglang

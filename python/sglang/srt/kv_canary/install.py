@@ -143,6 +143,17 @@ def install_canary(
     runner = sglang_seam.RunnerFacts(model_runner)
     draft = sglang_seam.is_draft_worker(model_runner)
     spec = sglang_seam.speculative_facts(server_args)
+    if draft and not spec.has_draft_pool:
+        # FROZEN_KV_MTP: the draft's layers read the target's KV and write none; its runner's
+        # pool is a stand-in the target's slot numbers would index past. The target's verify
+        # checks every slot the draft read, one forward later (docs/user_guide.md,
+        # "Speculative decoding")
+        logger.info(
+            "kv_canary: no canary on the %s draft worker: it writes no KV (its reads of the "
+            "target's KV are checked by the target's verify)",
+            draft_worker_name(spec.algorithm),
+        )
+        return None
     if draft and spec.algorithm == "STANDALONE":
         check_standalone_draft_pool(server_args, runner.kv_pool)
     manager = build_canary(

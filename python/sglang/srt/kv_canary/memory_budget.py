@@ -84,7 +84,7 @@ class DraftPool:
         cls, sizing: KvPoolSizing, server_args: "ServerArgs", algorithm: Optional[str]
     ) -> Optional["DraftPool"]:
         """None without speculative decoding (``algorithm`` None; the caller passes only an
-        algorithm with a draft model: ``SpeculativeFacts.has_draft_model``). EAGLE / EAGLE3 /
+        algorithm with a draft KV pool: ``SpeculativeFacts.has_draft_pool``). EAGLE / EAGLE3 /
         NEXTN: a one-layer head, MLA and DeepSeek-V4 in their target's family, MHA otherwise.
         STANDALONE: the separate
         draft model's own pool (:func:`~sglang.srt.kv_canary.sglang_seam.draft_model_shape`);
@@ -264,12 +264,12 @@ def reserve_canary_memory(
         RankFacts(
             draft=True, draft_steps=spec.max_steps, **RankFacts.tree_fields(**trees, draft=True)
         )
-        if spec.has_draft_model
+        if spec.has_draft_pool
         else None
     )
     target = RankFacts(**RankFacts.tree_fields(**trees, draft=False))
     draft_pool = DraftPool.for_server(
-        sizing, server_args, spec.algorithm if spec.has_draft_model else None
+        sizing, server_args, spec.algorithm if spec.has_draft_pool else None
     )
     device = sizing.device
 

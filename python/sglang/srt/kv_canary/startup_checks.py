@@ -70,34 +70,43 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
 
 
 # speculative algorithms whose draft and verify forwards the canary plans (NEXTN is resolved
-# to EAGLE by sglang; STANDALONE runs EAGLE's forwards with a separate small LM as the draft;
-# NGRAM has no draft model: the target verifies trees drafted from an n-gram corpus)
-COVERED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
-_COVERED_FLAGS = "EAGLE, EAGLE3, NEXTN, STANDALONE or NGRAM"
+# to EAGLE by sglang, or to FROZEN_KV_MTP with a Gemma4 assistant draft; STANDALONE runs
+# EAGLE's forwards with a separate small LM as the draft; NGRAM has no draft model: the target
+# verifies trees drafted from an n-gram corpus; FROZEN_KV_MTP's draft reads the target's KV and
+# writes none: the target's verify checks what it read)
+COVERED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM", "FROZEN_KV_MTP")
+_COVERED_FLAGS = "EAGLE, EAGLE3, NEXTN, STANDALONE, NGRAM or FROZEN_KV_MTP"
 # those with a draft model (its own runner and KV pool)
 _DRAFT_MODEL_FLAGS = "EAGLE, EAGLE3, NEXTN or STANDALONE"
 
 
 def draft_worker_name(algorithm: Optional[str]) -> str:
-    """The draft worker's name in messages and reports: STANDALONE or NGRAM, else EAGLE
-    (sglang's EAGLE workers run EAGLE, EAGLE3 and NEXTN)."""
-    return algorithm if algorithm in ("STANDALONE", "NGRAM") else "EAGLE"
+    """The draft worker's name in messages and reports: STANDALONE, NGRAM or FROZEN_KV_MTP,
+    else EAGLE (sglang's EAGLE workers run EAGLE, EAGLE3 and NEXTN)."""
+    return algorithm if algorithm in ("STANDALONE", "NGRAM", "FROZEN_KV_MTP") else "EAGLE"
 
 
 def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
     """Speculative decoding: EAGLE / EAGLE3 / NEXTN / STANDALONE, with a draft chain (``topk``
-    1) or draft trees (``topk`` > 1), target and draft pools, and NGRAM's tree verifies (the
-    target's pool: it has no draft model), at any page size, are guarded
+    1) or draft trees (``topk`` > 1), target and draft pools, NGRAM's tree verifies (the
+    target's pool: it has no draft model) and FROZEN_KV_MTP (the target's pool: its draft
+    writes no KV), at any page size, are guarded
     (docs/user_guide.md, "Speculative decoding"); the rest is refused with the flag to
     change."""
     spec = sglang_seam.speculative_facts(server_args)
-    if not spec.has_draft_model:
-        what = (
-            "this server has none"
-            if spec.algorithm is None
-            else f"--speculative-algorithm {spec.algorithm} has none (its drafts come from an "
-            "n-gram corpus)"
-        )
+    if not spec.has_draft_pool:
+        if spec.algorithm is None:
+            what = "this server has none"
+        elif spec.algorithm == "FROZEN_KV_MTP":
+            what = (
+                "--speculative-algorithm FROZEN_KV_MTP has none (its draft reads the target's "
+                "KV and writes none)"
+            )
+        else:
+            what = (
+                f"--speculative-algorithm {spec.algorithm} has none (its drafts come from an "
+                "n-gram corpus)"
+            )
         if config.perturb.target_worker == WORKER_DRAFT:
             raise ValueError(
                 f"{TARGET_WORKER_VAR}=draft corrupts a speculative draft model's KV, and {what}: "

@@ -28,6 +28,11 @@ def set_server_args_values(server_args: "ServerArgs", values: dict) -> None:
         setattr(server_args, name, value)
 
 
+# speculative algorithms without a draft KV pool to guard: NGRAM has no draft model;
+# FROZEN_KV_MTP's draft reads the target's KV (``save_kv_cache=False``) and writes none
+NO_DRAFT_POOL_ALGORITHMS = ("NGRAM", "FROZEN_KV_MTP")
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeFacts:
     """sglang's resolved speculative-decoding settings (``ServerArgs`` after its own
@@ -53,10 +58,12 @@ class SpeculativeFacts:
         return max(self.step_counts, default=self.num_steps)
 
     @property
-    def has_draft_model(self) -> bool:
-        """A draft model with its own runner and KV pool: every algorithm but NGRAM (its
-        drafts come from an n-gram corpus; its worker's ``model_runner`` is the target's)."""
-        return self.algorithm is not None and self.algorithm != "NGRAM"
+    def has_draft_pool(self) -> bool:
+        """A draft model whose runner writes a KV pool of its own (the draft canary's): every
+        algorithm but NGRAM (its drafts come from an n-gram corpus; its worker's
+        ``model_runner`` is the target's) and FROZEN_KV_MTP (its draft layers read the
+        target's KV and write none; its runner's pool is a 64-token stand-in)."""
+        return self.algorithm is not None and self.algorithm not in NO_DRAFT_POOL_ALGORITHMS
 
     @property
     def verify_tree_depth(self) -> int:
