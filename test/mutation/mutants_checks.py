@@ -719,4 +719,16 @@ MUTANTS_CHECKS = (
         speed="quick",
         what="the GPU suite's lanes pick their servers' ports from one range",
     ),
+    Mutant(
+        id="frozen-kv-mtp-draft-runner-gets-a-canary",
+        path=f"{_RT}/install.py",
+        old="    if draft and not spec.has_draft_pool:\n",
+        new="    if False:\n",
+        selection=(
+            f"{_T}/test_speculative_install.py::"
+            "test_a_frozen_kv_mtp_server_guards_its_target_pool_and_installs_no_draft_canary"
+        ),
+        speed="quick",
+        what="a FROZEN_KV_MTP draft runner (its pool a stand-in) given a canary",
+    ),
 )
