@@ -390,6 +390,17 @@ MUTANTS_PATHS = (
         "corrupt row put in the tree",
     ),
     Mutant(
+        id="guard-corrupt-row-keeps-a-page",
+        path=f"{_RT}/violations/release_guard.py",
+        old="        other, was_free = kept[pages], free[pages]\n",
+        new="        other, was_free = named[pages], free[pages]\n",
+        selection=f"{_T}/test_release_guard.py::"
+        "test_an_evicted_prefix_frees_a_page_a_corrupt_row_names_though_a_sibling_branch_starts_alike",
+        speed="quick",
+        what="a live row's corrupt entry keeps a page of an evicted prefix (sglang's busy "
+        "check sees a page missing)",
+    ),
+    Mutant(
         id="guard-nests",
         path=f"{_RT}/violations/release_guard.py",
         old="        if self._busy or row is None or hi <= lo:\n",

@@ -36,7 +36,10 @@ from sglang.srt.kv_canary.violations.rank_relay import (
     connect_input,
     take_containment_notices,
 )
-from sglang.srt.kv_canary.violations.release_guard import RELEASE_LINE_PREFIX
+from sglang.srt.kv_canary.violations.release_guard import (
+    EVICTION_LINE_PREFIX,
+    RELEASE_LINE_PREFIX,
+)
 from sglang.srt.kv_canary.violations.resolver import IncidentRequests, RequestResolver
 from sglang.srt.kv_canary.perturb import CanaryPerturber
 from sglang.srt.kv_canary.perturb.config import PerturbConfig
@@ -478,6 +481,114 @@ def test_an_evicted_prefix_frees_the_page_a_corrupt_row_names_and_keeps_sglangs_
     pool.check_busy_count()
     pool.check_accounting()
     assert pool.guard.reclaimed_slots == page_size and pool.guard.unattributed == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("holder", ["evicted prefix", "released request"])
+def test_a_page_a_corrupt_row_names_is_freed_by_its_holder_though_a_lost_twin_page_matches_it(
+    make_pool, hooked, page_size, holder
+):
+    """T and W are the same request sent twice (the same prompt; greedy decoding gives the
+    same tokens), each in pages of its own. The kept ``req_to_token`` fault hits W (its third
+    page named D's second, at other positions: W's own page is lost, nobody names it, and
+    W's count still covers it) and V (its second page named T's third, at other positions; T
+    was that forward's donor). V's report comes a forward later. Then the holder of T's page
+    gives it up: the radix cache (T finished, sglang cached its sequence, and the prefix is
+    evicted) or T itself (it maps the slot, so it is aborted and released). V names the page
+    without owning it (its records are T's, at other positions), and only that holder
+    counted it: the holder frees it, and W's lost page, whose records match it, stays W's
+    (reclaimed at W's release). sglang's count holds after every batch result, and once the
+    requests are released the pool has lost nothing."""
+    pool = make_pool(page_size)
+    ps, n = page_size, 4 * max(page_size, 4)
+    tokens = [7000 + i for i in range(n)]
+    t, w = pool.request(n, tokens=tokens), pool.request(n, tokens=list(tokens))
+    d, v = pool.request(n), pool.request(n)
+    quarter = n // 4
+    lost = [_corrupt(pool, w, 2 * quarter + i, pool.row(d)[quarter + i]) for i in range(ps)]
+    own_v = [_corrupt(pool, v, quarter + i, pool.row(t)[2 * quarter + i]) for i in range(ps)]
+    page = pool.row(v)[quarter] // ps  # T's page, named by V
+    pool.check_busy_count()
+    # V's report: it read T's page at its own positions (a position mismatch)
+    incident = _incident(page * ps, v, position=quarter)
+    if holder == "evicted prefix":
+        pool.release(t, insert=True)  # T finished first: its sequence cached, unlocked
+        pool.check_busy_count()
+        touched = IncidentRequests(rids=(v.rid,), running=(v,), holding=(v,))
+        assert pool.containment.contain([incident], [touched], step=2) == 1
+        pool.containment.after_batch_result(launched_step=2)
+        assert pool.containment.evicted_nodes == 1 and not pool.tree_slots()
+    else:
+        touched = IncidentRequests(rids=(v.rid, t.rid), running=(v, t), holding=(v, t))
+        assert pool.containment.contain([incident], [touched], step=2) == 2
+        pool.release(t)  # aborted: its release is guarded
+        pool.containment.after_batch_result(launched_step=2)
+    pool.check_busy_count()
+    freed_first = _free_pages(pool)
+    pool.release(v)  # aborted: its release reclaims the page its row lost
+    pool.containment.after_batch_result(launched_step=3)
+    pool.check_busy_count()
+    assert page in freed_first and lost[0] // ps not in freed_first
+    assert own_v[0] // ps in _free_pages(pool)
+    for r in (w, d):  # W's own report (it read D's page) aborted it, and D with it
+        seam.mark_contained(r)
+    for r in (w, d):
+        pool.release(r)
+        pool.containment.after_batch_result(launched_step=4)
+        pool.check_busy_count()
+    pool.check_accounting()
+    assert pool.guard.unattributed == 0 and pool.guard.pending == []
+    assert pool.guard.reclaimed_slots == 2 * ps  # V's and W's own pages, at their releases
+
+
+@pytest.mark.parametrize("v_page", ["cached", "own"])
+def test_an_evicted_prefix_frees_a_page_a_corrupt_row_names_though_a_sibling_branch_starts_alike(
+    make_pool, hooked, caplog, v_page
+):
+    """Page size 16. Two prompts share a 50-token prefix: sglang's tree keeps their first 48
+    tokens in one node and gives each its own branch from position 48, whose first pages
+    hold identical records at positions 48 and 49 (the same tokens after the same prefix).
+    The kept ``req_to_token`` fault gave a live request V's second page the entries of one
+    branch's first page P (its donor held that cached prompt, and finished since), at other
+    positions: V's page is the tree's (``cached``: V's prompt was cached after its prefill,
+    the storm's usual case) or V's own (``own``). Another fault's report in the shared prefix
+    then evicts it with both branches. V names P without owning it, so only the tree counted
+    P: the eviction frees it (the other branch's identical records are the tree's own, not a
+    sign that P is V's) and marks V, and sglang's busy check finds every page; nothing is
+    held back or reclaimed there. V's release reclaims V's own page when V's row lost it."""
+    pool = make_pool(16)
+    prefix = [5000 + i for i in range(50)]
+    first = pool.request(80, tokens=prefix + [6000 + i for i in range(30)])
+    shared, p = pool.row(first)[:48], pool.row(first)[48:64]
+    pool.release(first, insert=True)
+    second = pool.request(80, tokens=prefix + [6100 + i for i in range(30)])
+    pool.release(second, insert=True)  # the tree splits at page 48: two branches
+    assert len(pool.tree_slots()) == 48 + 2 * 32
+    v = pool.request(48)
+    if v_page == "cached":
+        v.fill_ids = list(v.origin_input_ids)
+        pool.cache.cache_unfinished_req(v)  # V's prompt cached; V locks its node
+        assert v.cache_protected_len == 48
+    cached_v = pool.row(v)
+    own = [_corrupt(pool, v, 16 + i, p[i]) for i in range(16)]
+    pool.check_busy_count()
+    # an idle cached slot of the shared prefix was flipped; the sweep reported it
+    nobody = IncidentRequests(rids=(), running=())
+    pool.containment.contain([_incident(shared[5], position=5)], [nobody], step=1)
+    with caplog.at_level(logging.WARNING):
+        pool.containment.after_batch_result(launched_step=1)
+    assert pool.containment.evicted_nodes == 1
+    assert set(pool.tree_slots()) == (set(cached_v) if v_page == "cached" else set())
+    pool.check_busy_count()
+    assert EVICTION_LINE_PREFIX not in caplog.text  # no page held back, none reclaimed
+    assert p[0] // 16 in _free_pages(pool) and own[0] // 16 not in _free_pages(pool)
+    assert seam.req_contained(v)  # its release is guarded: it names a page it does not own
+    pool.release(v)
+    pool.check_busy_count()
+    pool.check_accounting()
+    assert pool.guard.held_back_slots == (16 if v_page == "own" else 0)
+    assert pool.guard.reclaimed_slots == (16 if v_page == "own" else 0)
+    assert pool.guard.unattributed == 0
 
 
 def _decode_batch(pool: Pool, reqs) -> ForwardBatch:

@@ -100,6 +100,16 @@ def req_release_span(req: "Req", tree_cache) -> Tuple[int, int]:
     return lo, int(req.kv_committed_len)
 
 
+def req_uncached_start(req: "Req", tree_cache) -> int:
+    """The first position of the request's ``req_to_token`` row that sglang's pool accounting
+    counts as the request's own (``_get_total_uncached_sizes``: ``kv_allocated_len`` less
+    ``cache_protected_len``, page-aligned; below it the radix cache counts the KV, in the
+    nodes the request locks): ``cache_protected_len``, 0 for ``ChunkCache``."""
+    if is_chunk_cache(tree_cache):
+        return 0
+    return int(getattr(req, "cache_protected_len", 0) or 0)
+
+
 def tree_cache_allocator(tree_cache):
     """The tree cache's ``token_to_kv_pool_allocator`` (what its releases free into)."""
     return tree_cache.token_to_kv_pool_allocator

@@ -4,12 +4,13 @@ owns (docs/subsystems.md, "Containment"; docs/user_guide.md, "Containment:
 
 :class:`ReleaseGuard` guards the release of each request an incident touched
 (:meth:`~ReleaseGuard.releasing`, around the tree cache's ``cache_finished_req``) and each
-containment eviction (:meth:`~ReleaseGuard.evicting`): a page another holder names, or already
-free, is held back (the rule: ``_decide``) and freed once, by its holder or by
-:meth:`~ReleaseGuard.settle`; a slot nobody names whose record holds an entry in doubt's
-(position, token) is reclaimed; an entry whose own slot no record identifies is counted as
-unattributed. Scheduler thread; host work and read-backs on the containment path only. Page
-ids are slot ids at page size 1.
+containment eviction (:meth:`~ReleaseGuard.evicting`): a page another holder keeps (a radix
+node names it, or a live row names it where sglang counts it for that row and its record holds
+the row's (position, token): ``_kept``), or already free, is held back (the rule: ``_decide``)
+and freed once, by its holder or by :meth:`~ReleaseGuard.settle`; a slot nobody names whose
+record holds an entry in doubt's (position, token) is reclaimed; an entry whose own slot no
+record identifies is counted as unattributed. Scheduler thread; host work and read-backs on
+the containment path only. Page ids are slot ids at page size 1.
 """
 
 from __future__ import annotations
@@ -80,6 +81,16 @@ class ReleaseOutcome:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class _Holders:
+    """Bool ``[num_pages]`` masks (:meth:`ReleaseGuard._holders`): pages another holder names
+    (a live row or a radix node), pages a radix node names, free pages."""
+
+    named: torch.Tensor
+    free: torch.Tensor
+    by_nodes: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class _ReleasePlan:
     """One guarded release: pages held back (int64, the allocator's device), pages reclaimed,
     held-back pages not free yet (host list), unattributed entries. ``agreed`` (several
@@ -142,16 +153,13 @@ class ReleaseGuard:
 
     def _holders(
         self, allocator, page_size: int, *, exclude_req=None, exclude_nodes: Sequence = ()
-    ):
+    ) -> "_Holders":
         """Bool ``[num_pages]`` masks on the records' device: pages named by a live request's
-        row (``exclude_req`` left out) or a radix node (``exclude_nodes`` left out), and pages
-        free in ``allocator``."""
+        row (``exclude_req`` left out) or a radix node (``exclude_nodes`` left out), pages
+        named by such a node, and pages free in ``allocator``."""
         device = self.records.device
         num_pages = (self.records.shape[0] + page_size - 1) // page_size
-        named = torch.zeros(num_pages, dtype=torch.bool, device=device)
-        reqs, table, live = self._live_rows(exclude_req)
-        if reqs:
-            named[table[live].to(device, torch.int64) // page_size] = True
+        by_nodes = torch.zeros(num_pages, dtype=torch.bool, device=device)
         if self.radix_cache is not None:
             skip = {id(n) for n in exclude_nodes}
             values = [
@@ -162,10 +170,54 @@ class ReleaseGuard:
                 if v is not None and v.numel()
             ]
             if values:
-                named[torch.cat(values).to(device, torch.int64) // page_size] = True
+                by_nodes[torch.cat(values).to(device, torch.int64) // page_size] = True
+        named = by_nodes.clone()
+        reqs, table, live = self._live_rows(exclude_req)
+        if reqs:
+            named[table[live].to(device, torch.int64) // page_size] = True
         free = torch.zeros(num_pages, dtype=torch.bool, device=device)
         free[seam.allocator_free_pages(allocator).to(device)] = True
-        return named, free
+        return _Holders(named=named, free=free, by_nodes=by_nodes)
+
+    def _kept(
+        self, holders: "_Holders", pages: torch.Tensor, page_size: int, tree_cache, exclude_req=None
+    ) -> torch.Tensor:
+        """Bool ``[num_pages]``: of ``pages`` (int64), those another holder keeps as its own
+        (what sglang's pool accounting counts for it): a radix node names the page, or a live
+        request's row (``exclude_req`` left out) names a slot of it at a position sglang counts
+        as that request's (``req_uncached_start`` to ``kv_allocated_len``) where the slot's
+        record holds the request's (position, token). A row naming a page anywhere else keeps
+        nothing: its entry is corrupt (the records are another sequence's), or below
+        ``cache_protected_len``, where the nodes the request locks count its KV; sglang counts
+        that page for the tree or the holder deciding, not for the row."""
+        device = self.records.device
+        kept = holders.by_nodes.clone()
+        reqs, table, live = self._live_rows(exclude_req)
+        if not reqs:
+            return kept
+        starts = torch.tensor([seam.req_uncached_start(r, tree_cache) for r in reqs])
+        cols = torch.arange(table.shape[1], device=device)
+        slots = table.to(device, torch.int64)
+        counted = live.to(device) & (cols[None, :] >= starts.to(device)[:, None])
+        counted &= torch.isin(slots // page_size, pages.to(device))
+        rows, positions = counted.nonzero(as_tuple=True)
+        if not rows.numel():
+            return kept
+        tokens = {i: seam.req_token_ids(reqs[i]) for i in set(rows.tolist())}
+        want = torch.tensor(
+            [
+                tokens[i][p] if p < len(tokens[i]) else -1
+                for i, p in zip(rows.tolist(), positions.tolist())
+            ],
+            dtype=torch.int64,
+        ).to(device)
+        named = slots[rows, positions]
+        stored = self.records[named]
+        fits = (stored[:, CANARY_FIELD_POSITION] == positions) & (
+            (want < 0) | (stored[:, CANARY_FIELD_TOKEN] == want)
+        )
+        kept[named[fits] // page_size] = True
+        return kept
 
     def _live_rows(self, exclude_req=None):
         """The live requests holding KV (``exclude_req`` left out), their ``req_to_token``
@@ -216,18 +268,18 @@ class ReleaseGuard:
             return
         device = self.records.device
         with violation_path_sync(device):
-            named, free = self._holders(allocator, page_size, exclude_req=req)
+            holders = self._holders(allocator, page_size, exclude_req=req)
             entries = self.req_to_token[row, lo:hi].to(device, torch.int64)
             tokens = seam.req_token_ids(req)[lo:hi]
             plan = self._decide(
                 entries,
                 torch.arange(lo, lo + len(tokens), device=device),
                 torch.tensor(tokens, dtype=torch.int64).to(device),
-                named,
-                free,
+                holders,
+                self._kept(holders, entries // page_size, page_size, tree_cache, exclude_req=req),
                 page_size,
             )
-            plan = self._agreed(plan, entries // page_size, free)
+            plan = self._agreed(plan, entries // page_size, holders.free)
             self._mark_namers(plan.named_elsewhere, page_size, exclude_req=req)
         with self._guarded(allocator, page_size, plan, f"released request {seam.req_rid(req)}"):
             yield
@@ -256,17 +308,17 @@ class ReleaseGuard:
             yield
             return
         with violation_path_sync(device):
-            named, free = self._holders(allocator, page_size, exclude_nodes=subtree)
+            holders = self._holders(allocator, page_size, exclude_nodes=subtree)
             entries = torch.cat(slots)
             plan = self._decide(
                 entries,
                 torch.tensor(positions, device=device),
                 torch.tensor(tokens, dtype=torch.int64).to(device),
-                named,
-                free,
+                holders,
+                self._kept(holders, entries // page_size, page_size, radix_cache),
                 page_size,
             )
-            plan = self._agreed(plan, entries // page_size, free)
+            plan = self._agreed(plan, entries // page_size, holders.free)
             self._mark_namers(plan.named_elsewhere, page_size)
         with self._guarded(allocator, page_size, plan, "evicting a corrupt prefix"):
             yield
@@ -350,25 +402,30 @@ class ReleaseGuard:
         entries: torch.Tensor,
         positions: torch.Tensor,
         want: torch.Tensor,
-        named: torch.Tensor,
-        free: torch.Tensor,
+        holders: "_Holders",
+        kept: torch.Tensor,
         page_size: int,
     ) -> "_ReleasePlan":
         """Which pages a holder's frees of ``entries`` (int64 slots; the first
         ``len(positions)`` hold the sequence ``positions`` with tokens ``want``, -1: unknown)
-        must skip, and which it must free although it no longer names them.
+        must skip, and which it must free although it no longer names them. ``holders``: who
+        else names each page, and what is free; ``kept``: the pages another holder keeps as
+        its own (:meth:`_kept`).
 
         An entry is the holder's to free when its page is not free and either no other holder
-        names it, or its record holds the entry's (position, token) and no other slot that
-        may be the holder's (one nobody names, or one on a page only the holder names) holds
-        that key as well (then that one is the holder's, and this one the other's: two
+        keeps it, or its record holds the entry's (position, token) and no other slot that
+        may be the holder's (one nobody names, or one on a page no other holder keeps) holds
+        that record as well (then that one is the holder's, and this one the other's: two
         requests' identical prefixes have identical records). A page is held back when an
         entry naming it is not the holder's to free. A slot nobody names, not free, whose
         record holds the (position, token) of an entry in doubt (its record is another's,
-        another holder names it, or it is free) is reclaimed."""
+        another holder keeps it, or it is free) is reclaimed. ``named_elsewhere``: the pages
+        freed although another holder names them (a live row naming one has a corrupt entry
+        there)."""
         device = self.records.device
+        named, free = holders.named, holders.free
         pages = entries // page_size
-        other, was_free = named[pages], free[pages]
+        other, was_free = kept[pages], free[pages]
         n = positions.shape[0]
         stored = self.records[entries[:n]]
         fits = torch.zeros_like(other)
@@ -392,8 +449,8 @@ class ReleaseGuard:
             cand = slots // page_size
             orphan = ~named[cand] & ~free[cand] & ~torch.isin(cand, pages)
             reclaim = torch.unique(cand[orphan])
-            # the holder's own slot of a key: an orphan, or a slot on a page only this holder
-            # names (a page mate of its other entries: at page size > 1 identical prefixes
+            # the holder's own slot of a key: an orphan, or a slot on a page no other holder
+            # keeps (a page mate of its other entries: at page size > 1 identical prefixes
             # put the key on the holder's own page too)
             own_pages = torch.unique(pages[~other & ~was_free])
             mine = slots[orphan | torch.isin(cand, own_pages)]
@@ -406,7 +463,7 @@ class ReleaseGuard:
             has_orphan[:n] = same.any(dim=1) & doubt & fits[:n]
         ok = ~was_free & (~other | (fits & ~has_orphan))
         held_back = torch.unique(pages[~ok])
-        named_elsewhere = torch.unique(pages[ok & other])
+        named_elsewhere = torch.unique(pages[ok & named[pages]])
         named_elsewhere = named_elsewhere[~torch.isin(named_elsewhere, held_back)]
         unattributed = 0
         lost = (~fits & ~ok)[:n] & (want >= 0)  # another's record on a page held back
@@ -459,7 +516,8 @@ class ReleaseGuard:
         page_size = seam.allocator_page_size(allocator)
         device = self.records.device
         with violation_path_sync(device):
-            named, free = self._holders(allocator, page_size)
+            holders = self._holders(allocator, page_size)
+            named, free = holders.named, holders.free
             pending = torch.tensor(self.pending, dtype=torch.int64, device=device)
             orphans = pending[~named[pending] & ~free[pending]].tolist()
             held = pending[~free[pending]].tolist()
