@@ -315,10 +315,10 @@ MUTANTS_PATHS = (
         old="        ok = ~was_free & (~other | (fits & ~has_orphan))\n",
         new="        ok = ~was_free & ~other\n",
         selection=f"{_T}/test_release_guard.py::"
-        "test_an_aborted_request_frees_its_own_slots_not_the_ones_its_corrupt_row_names",
+        "test_a_third_holder_of_identical_records_keeps_its_page",
         speed="quick",
-        what="a request holds back its own slot another's corrupt row names "
-        "(sglang's busy check sees a leak)",
+        what="a request holds back its own slot another's corrupt row names with identical "
+        "records (sglang's busy check sees a leak)",
     ),
     Mutant(
         id="guard-trusts-identical-records",
