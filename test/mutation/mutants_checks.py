@@ -731,4 +731,15 @@ MUTANTS_CHECKS = (
         speed="quick",
         what="a FROZEN_KV_MTP draft runner (its pool a stand-in) given a canary",
     ),
+    Mutant(
+        id="paged-lanes-keep-page-1-shift",
+        path=f"{_RT}/plan_input.py",
+        old="        if self._lane_page_stride is not None:\n",
+        new="        if False:\n",
+        selection=(
+            f"{_T}/test_speculative_trees.py::test_paged_lane_rows_read_the_columns_sglang_lays_out"
+        ),
+        speed="quick",
+        what="a paged draft round's lanes planned without their page shift and split",
+    ),
 )
