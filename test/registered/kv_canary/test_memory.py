@@ -394,6 +394,19 @@ def test_the_budget_holds_the_pool_and_the_target_and_draft_canaries(profiled, t
     assert grown.max_total * CELL + grown_target.device_bytes + grown_draft.device_bytes > available
 
 
+def _reserve_raise(runner, **spec):
+    """The reservation of a raise canary on ``runner``'s pool under 48 MiB, with ``spec``'s
+    speculative settings."""
+    args = _spec_args(runner, **spec)
+    return reserve_canary_memory(
+        runner,
+        server_args=args,
+        config=CanaryConfig(mode="raise"),
+        capacity_inputs=capacity_inputs_from_server_args(args, context_len=256),
+        available_bytes=48 << 20,
+    )[1]
+
+
 def test_an_ngram_budget_reserves_the_target_canary_alone(profiled):
     """NGRAM has no draft model: the reservation holds no draft canary, and its target
     canary (a tree verify of 12 nodes per request) equals what install builds on the target
@@ -401,14 +414,7 @@ def test_an_ngram_budget_reserves_the_target_canary_alone(profiled):
     runner = profiled(max_running_requests=8, context_length=256)
 
     def reserve(**spec):
-        args = _spec_args(runner, **spec)
-        return reserve_canary_memory(
-            runner,
-            server_args=args,
-            config=CanaryConfig(mode="raise"),
-            capacity_inputs=capacity_inputs_from_server_args(args, context_len=256),
-            available_bytes=48 << 20,
-        )[1]
+        return _reserve_raise(runner, **spec)
 
     ngram = reserve(
         speculative_algorithm="NGRAM",
@@ -428,19 +434,12 @@ def test_a_frozen_kv_mtp_budget_reserves_the_target_canary_alone(profiled):
     runner = profiled(max_running_requests=8, context_length=256)
 
     def reserve(algorithm):
-        args = _spec_args(
+        return _reserve_raise(
             runner,
             speculative_algorithm=algorithm,
             speculative_num_steps=3,
             speculative_num_draft_tokens=4,
         )
-        return reserve_canary_memory(
-            runner,
-            server_args=args,
-            config=CanaryConfig(mode="raise"),
-            capacity_inputs=capacity_inputs_from_server_args(args, context_len=256),
-            available_bytes=48 << 20,
-        )[1]
 
     frozen, eagle = reserve("FROZEN_KV_MTP"), reserve("EAGLE")
     assert frozen.draft is None and eagle.draft is not None and eagle.draft.device_bytes > 0

@@ -131,6 +131,26 @@ def test_a_draft_tree_server_guards_its_lanes_and_its_trees(monkeypatch, algorit
     assert draft.capacities.write_req_capacity == 3 * target.capacities.write_req_capacity
 
 
+def _draft_settings_refused(monkeypatch, args, algorithm: str):
+    """The start-up messages refusing the draft fault target and
+    ``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act`` on ``args`` (a server without a draft pool),
+    each naming its variable and that ``algorithm`` has none."""
+    from sglang.srt.kv_canary import startup_checks
+
+    messages = []
+    for var, value in (
+        ("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft"),
+        ("SGLANG_KV_CANARY_DRAFT_VIOLATIONS", "act"),
+    ):
+        monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
+        monkeypatch.setenv(var, value)
+        with pytest.raises(ValueError, match=f"{var}=.*{algorithm} has none") as exc:
+            startup_checks.check_server_args_for_canary(args)
+        messages.append(str(exc.value))
+        monkeypatch.delenv(var)
+    return messages
+
+
 def test_an_ngram_server_guards_its_target_verify_trees(monkeypatch):
     """NGRAM (no draft model; sglang sets topk to the BFS breadth, 10, and 12 draft tokens)
     starts at page size 1 and 16; the target's canary writes its verify's trees (paths of up
@@ -164,16 +184,8 @@ def test_an_ngram_server_guards_its_target_verify_trees(monkeypatch):
     assert target.ranks.draft_worker == "NGRAM"
     caps = target.capacities
     assert caps.write_entry_capacity >= 12 * caps.write_req_capacity
-    for var, value in (
-        ("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft"),
-        ("SGLANG_KV_CANARY_DRAFT_VIOLATIONS", "act"),
-    ):
-        monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
-        monkeypatch.setenv(var, value)
-        with pytest.raises(ValueError, match=f"{var}=.*NGRAM has none") as exc:
-            startup_checks.check_server_args_for_canary(args)
-        assert "--speculative-algorithm EAGLE, EAGLE3, NEXTN or STANDALONE" in str(exc.value)
-        monkeypatch.delenv(var)
+    for message in _draft_settings_refused(monkeypatch, args, "NGRAM"):
+        assert "--speculative-algorithm EAGLE, EAGLE3, NEXTN or STANDALONE" in message
 
 
 @pytest.mark.parametrize("topk,page_size", [(1, 1), (2, 1), (2, 16)])
@@ -209,16 +221,8 @@ def test_a_frozen_kv_mtp_server_guards_its_target_pool_and_installs_no_draft_can
     assert seam.kv_move_groups(pools[0]) == tuple(target.groups)
     assert target.ranks.verify_tree_depth == (0 if topk == 1 else 4)
     assert (target.sfms[0].tree is None) == (topk == 1)
-    for var, value in (
-        ("SGLANG_KV_CANARY_PERTURB_TARGET_WORKER", "draft"),
-        ("SGLANG_KV_CANARY_DRAFT_VIOLATIONS", "act"),
-    ):
-        monkeypatch.setenv("SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB", "0.1")
-        monkeypatch.setenv(var, value)
-        with pytest.raises(ValueError, match=f"{var}=.*FROZEN_KV_MTP has none") as exc:
-            startup_checks.check_server_args_for_canary(args)
-        assert "its draft reads the target's KV and writes none" in str(exc.value)
-        monkeypatch.delenv(var)
+    for message in _draft_settings_refused(monkeypatch, args, "FROZEN_KV_MTP"):
+        assert "its draft reads the target's KV and writes none" in message
 
 
 class _NgramWorkerStandIn:  # stand-in: NGRAMWorker's runner is its target worker's
