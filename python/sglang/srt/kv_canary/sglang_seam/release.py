@@ -96,18 +96,15 @@ def req_release_span(req: "Req", tree_cache) -> Tuple[int, int]:
     own; 0 for ``ChunkCache``) to ``kv_committed_len``. The speculative over-allocated tail
     (``kv_committed_len`` to ``kv_allocated_len``) is freed afterwards by
     ``release_kv_cache``."""
-    lo = 0 if is_chunk_cache(tree_cache) else int(getattr(req, "cache_protected_len", 0) or 0)
-    return lo, int(req.kv_committed_len)
+    return req_release_start(req, tree_cache), int(req.kv_committed_len)
 
 
-def req_uncached_start(req: "Req", tree_cache) -> int:
-    """The first position of the request's ``req_to_token`` row that sglang's pool accounting
-    counts as the request's own (``_get_total_uncached_sizes``: ``kv_allocated_len`` less
-    ``cache_protected_len``, page-aligned; below it the radix cache counts the KV, in the
-    nodes the request locks): ``cache_protected_len``, 0 for ``ChunkCache``."""
-    if is_chunk_cache(tree_cache):
-        return 0
-    return int(getattr(req, "cache_protected_len", 0) or 0)
+def req_release_start(req: "Req", tree_cache) -> int:
+    """The first position of the request's ``req_to_token`` row that is its own rather than
+    the radix cache's (``cache_protected_len``; 0 for ``ChunkCache``): where its release span
+    starts, and where sglang's busy-time pool accounting (``_get_total_uncached_sizes``)
+    starts counting the request's KV."""
+    return 0 if is_chunk_cache(tree_cache) else int(getattr(req, "cache_protected_len", 0) or 0)
 
 
 def tree_cache_allocator(tree_cache):

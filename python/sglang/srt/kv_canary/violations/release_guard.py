@@ -88,6 +88,7 @@ class _Holders:
     named: torch.Tensor
     free: torch.Tensor
     by_nodes: torch.Tensor
+    rows: tuple  # the other holders' live rows (ReleaseGuard._live_rows)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -172,30 +173,32 @@ class ReleaseGuard:
             if values:
                 by_nodes[torch.cat(values).to(device, torch.int64) // page_size] = True
         named = by_nodes.clone()
-        reqs, table, live = self._live_rows(exclude_req)
+        rows = self._live_rows(exclude_req)
+        reqs, table, live = rows
         if reqs:
             named[table[live].to(device, torch.int64) // page_size] = True
         free = torch.zeros(num_pages, dtype=torch.bool, device=device)
         free[seam.allocator_free_pages(allocator).to(device)] = True
-        return _Holders(named=named, free=free, by_nodes=by_nodes)
+        return _Holders(named=named, free=free, by_nodes=by_nodes, rows=rows)
 
     def _kept(
-        self, holders: "_Holders", pages: torch.Tensor, page_size: int, tree_cache, exclude_req=None
+        self, holders: "_Holders", pages: torch.Tensor, page_size: int, tree_cache
     ) -> torch.Tensor:
         """Bool ``[num_pages]``: of ``pages`` (int64), those another holder keeps as its own
-        (what sglang's pool accounting counts for it): a radix node names the page, or a live
-        request's row (``exclude_req`` left out) names a slot of it at a position sglang counts
-        as that request's (``req_uncached_start`` to ``kv_allocated_len``) where the slot's
-        record holds the request's (position, token). A row naming a page anywhere else keeps
-        nothing: its entry is corrupt (the records are another sequence's), or below
-        ``cache_protected_len``, where the nodes the request locks count its KV; sglang counts
-        that page for the tree or the holder deciding, not for the row."""
+        (what sglang's pool accounting counts for it): a radix node names the page, or one of
+        ``holders``' live rows names a slot of it at a position sglang counts as that request's
+        (``req_release_start``, ``cache_protected_len``, to ``kv_allocated_len``:
+        ``_get_total_uncached_sizes``) where the slot's record holds the request's (position,
+        token). A row naming a page anywhere else keeps nothing: its entry is corrupt (the
+        records are another sequence's), or below ``cache_protected_len``, where the nodes the
+        request locks count its KV; sglang counts that page for the tree or the holder
+        deciding, not for the row."""
         device = self.records.device
         kept = holders.by_nodes.clone()
-        reqs, table, live = self._live_rows(exclude_req)
+        reqs, table, live = holders.rows
         if not reqs:
             return kept
-        starts = torch.tensor([seam.req_uncached_start(r, tree_cache) for r in reqs])
+        starts = torch.tensor([seam.req_release_start(r, tree_cache) for r in reqs])
         cols = torch.arange(table.shape[1], device=device)
         slots = table.to(device, torch.int64)
         counted = live.to(device) & (cols[None, :] >= starts.to(device)[:, None])
@@ -276,7 +279,7 @@ class ReleaseGuard:
                 torch.arange(lo, lo + len(tokens), device=device),
                 torch.tensor(tokens, dtype=torch.int64).to(device),
                 holders,
-                self._kept(holders, entries // page_size, page_size, tree_cache, exclude_req=req),
+                self._kept(holders, entries // page_size, page_size, tree_cache),
                 page_size,
             )
             plan = self._agreed(plan, entries // page_size, holders.free)
