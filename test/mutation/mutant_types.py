@@ -33,7 +33,7 @@ def _spec_mode_skips(label: str, mode: str, what: str) -> tuple:
     )
     sfm = f"{_RT}/single_forward_manager/forward_manager.py"
     verify = "    def _verify(self, phase: CanaryPhase) -> None:\n"
-    write = "        self._write_lanes.run(\n            chain_write_launches(\n"
+    write = "        self._write_lanes.run(launches)\n"
     name = label.replace("_", "-")
     return (
         Mutant(

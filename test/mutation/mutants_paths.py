@@ -11,7 +11,7 @@ MUTANTS_PATHS = (
     Mutant(
         id="spec-draft-token-offset-0",
         path=f"{_RT}/ranks.py",
-        old="        return 1 if self.draft else 0\n",
+        old="        return 1 if self.draft and self.draft_worker not in SAME_POSITION_DRAFT_WORKERS else 0\n",
         new="        return 0\n",
         selection=f"{_T}/test_speculative_install.py::test_install_canary_guards_the_draft_runner",
         speed="quick",

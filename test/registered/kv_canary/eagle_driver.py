@@ -51,9 +51,11 @@ from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.ranks import RankFacts
+from sglang.srt.kv_canary.token_oracle import oracle_tokens, request_oracle_key
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.speculative.eagle_info import EagleDraftInput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +116,12 @@ class EagleDriver:
         draft_model: bool = True,
         verify_tree_depth: Optional[int] = None,
         page_size: int = 1,
+        token_oracle: bool = False,
     ):
-        """``page_size``: sglang's ``--page-size``: the pools' page size, a real
+        """``token_oracle``: the token oracle and its write-input check on (both canaries,
+        vocabulary ``VOCAB``), the continuation being the oracle's tokens (what the verify
+        commits with the plugin's verify hooks, ``test_speculative_oracle.py``).
+        ``page_size``: sglang's ``--page-size``: the pools' page size, a real
         ``PagedTokenToKVPoolAllocator`` when > 1 (its ``alloc_extend``: each request's new
         slots continue its last partial page, then whole pages) and the draft canary's lane
         layout; the topk 1 round, spec v2 and the radix cache are page size 1 only here.
@@ -165,6 +171,11 @@ class EagleDriver:
                 num_slots, page_size, torch.bfloat16, "cpu", self.target_pool, need_sort=False
             )
         )
+        self.token_oracle = token_oracle
+        if token_oracle:
+            canary_settings = dict(
+                canary_settings or {}, enable_token_oracle=True, enable_write_input_assert=True
+            )
         self.config = CanaryConfig(
             mode=mode,
             real_kv_hash_mode=real_data,
@@ -181,6 +192,7 @@ class EagleDriver:
             pool=self.target_pool,
             req_to_token=r2t,
             config=self.config,
+            vocab_size=VOCAB,
             device="cpu",
             capacity_inputs=caps,
             ranks=RankFacts(
@@ -199,6 +211,7 @@ class EagleDriver:
                 pool=self.draft_pool,
                 req_to_token=r2t,
                 config=self.config,
+                vocab_size=VOCAB,
                 device="cpu",
                 capacity_inputs=caps,
                 ranks=RankFacts(
@@ -260,6 +273,9 @@ class EagleDriver:
         """The token at ``position`` (prompt, else the deterministic continuation)."""
         if position < len(req.prompt):
             return req.prompt[position]
+        if self.token_oracle:
+            key = torch.tensor([request_oracle_key(req.rid)])
+            return int(oracle_tokens(key, torch.tensor([position]), VOCAB))
         return next_token(req.rid, position)
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -503,6 +519,7 @@ class EagleDriver:
                     reqs,
                     pre=base,
                     ext=ext,
+                    accepted=[acc + 1 for acc in accepts],
                 ),
             )
         self.rounds += 1
@@ -675,6 +692,7 @@ class EagleDriver:
         pre=None,
         ext=None,
         seq_dtype=torch.int64,
+        accepted=None,
     ) -> ForwardBatch:
         """``seq_dtype``: ``seq_lens``' dtype: int64 as an eager batch has it, int32 as
         sglang's CUDA graph runners' static buffers hold it in a replayed forward."""
@@ -696,6 +714,11 @@ class EagleDriver:
             fb.extend_prefix_lens, fb.extend_seq_lens = i64(pre), i64(ext)
             fb.extend_num_tokens = len(ids)
             fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(pre), list(ext)
+        if accepted is not None:  # spec v2's draft extend: its spec info's accepted counts
+            fb.spec_info = EagleDraftInput.create_idle_input(
+                device="cpu", hidden_size=8, dtype=torch.bfloat16, topk=1, capture_hidden_mode=None
+            )
+            fb.spec_info.num_accept_tokens = torch.tensor(accepted, dtype=torch.int32)
         manager.on_forward_batch_init(fb, reqs)  # the ForwardBatch.init_new hook
         return fb
 

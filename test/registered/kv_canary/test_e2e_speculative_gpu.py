@@ -14,6 +14,14 @@ verifies and extends), ``speculative_num_steps`` 3, ``topk`` 1, 4 draft tokens:
   sglang loads as the draft (``DeepseekV3ForCausalLMNextN``, MLA too);
 - ``STANDALONE``: the tiny Llama target and a separate tiny plain ``LlamaForCausalLM`` draft of
   another shape (3 layers, 1 KV head), its own ``MHATokenToKVPool``; Triton attention.
+- ``DFLASH`` (spec v1: sglang runs it only there): a four-layer tiny Llama target and a
+  one-layer ``DFlashDraftModel`` (block size 4, fed by the hidden states of target layers 0
+  and 1, an explicit mask token id), its own ``MHATokenToKVPool`` written by the draft KV appends; Triton
+  attention.
+- ``FROZEN_KV_MTP`` (spec v1 only): a four-layer tiny Gemma4 target whose last sliding and full
+  layers are KV-shared (an ``SWAKVPool``) and a two-layer Gemma4 MTP assistant that reads the
+  target's KV and writes none: the target canary only (no fault in a draft pool: it has
+  none); Triton attention.
 
 - clean: raise + sweep + real data + token checks give zero violations and the greedy outputs
   of the canary off, with the draft worker's canary installed;
@@ -48,13 +56,18 @@ from e2e_checks import (
 )
 from e2e_workload import assert_memory_reserved_as_allocated, workload_info
 
+from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.kv_canary.demo.server_harness import write_tiny_llama
 from canary_support.script_run import load_support_script
-from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
+from canary_support.tiny_models import (
+    DEEPSEEK_V3_MLA_DIMS,
+    write_tiny_deepseek_v2,
+    write_tiny_gemma4_pair,
+)
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=6550, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=8180, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -81,6 +94,12 @@ GPU_LANES = {
     "spec_ngram_clean": ("ngram and clean and not paged", 220),
     "spec_ngram_faults": ("ngram and every_fault and not paged", 150),
     "spec_ngram_paged": ("ngram and paged", 300),
+    "spec_dflash_clean": ("dflash and clean", 300),
+    "spec_dflash_faults": ("dflash and every_fault", 250),
+    "spec_oracle": ("token_oracle and outputs", 420),
+    "spec_oracle_swap": ("token_oracle and swap", 260),
+    "spec_frozen_kv_mtp_clean": ("frozen_kv_mtp and clean", 200),
+    "spec_frozen_kv_mtp_faults": ("frozen_kv_mtp and every_fault", 200),
 }
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -237,10 +256,13 @@ def test_clean_matches_canary_off(models, spec):
     assert_clean_and_both_canaries_reserved(out, on, off)
 
 
-def assert_every_fault_caught_in_a_log_run(models, spec, env, drafter: str, **engine_kwargs):
+def assert_every_fault_caught_in_a_log_run(
+    models, spec, env, drafter: str, post_forward: bool = True, **engine_kwargs
+):
     """The fault tests' run: ``--kv-canary log``, real data partial, a sweep every 2 steps,
     faults as ``env`` injects them; all 12 requests served, the draft canary installed on the
-    ``drafter``'s worker (``EAGLE``, ``STANDALONE``), every fault caught."""
+    ``drafter``'s worker (``EAGLE``, ``STANDALONE``, ``DFLASH``), every fault caught
+    (:func:`~e2e_checks.assert_every_fault_caught`, ``post_forward`` passed on)."""
     rc, out, res = run(
         models,
         spec,
@@ -252,7 +274,7 @@ def assert_every_fault_caught_in_a_log_run(models, spec, env, drafter: str, **en
     )
     assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
     assert f"kv_canary installed on the {drafter} draft worker" in out
-    assert_every_fault_caught(out)
+    assert_every_fault_caught(out, post_forward=post_forward)
 
 
 @pytest.mark.parametrize("worker", ["draft", "target"])
@@ -775,5 +797,232 @@ def test_pr28254_resumed_request_chunk_end_inside_its_output(models, spec):
     )
 
 
+# the token oracle with speculative decoding (its design: docs/speculative_coverage.md,
+# "The token oracle with speculative decoding"): the verify commits the oracle's tokens, the
+# write-input check runs in both pools
+ORACLE_CASES = {
+    "spec_v2-chain": ("spec_v2", "EAGLE", {}),
+    "spec_v1-chain": ("spec_v1", "EAGLE", {}),
+    "spec_v1-tree": ("spec_v1", "EAGLE", TREE),
+    "spec_v1-ngram": ("spec_v1", "NGRAM", NGRAM),
+}
+ORACLE_ENV = {
+    "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "1",
+    "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+}
+
+
+def run_oracle(models, case: str, env_extra=None, **engine_kwargs):
+    spec, algorithm, shape = ORACLE_CASES[case]
+    if algorithm == "NGRAM":
+        models = (models[0], None)
+    return run(
+        models,
+        spec,
+        {**ORACLE_ENV, **(env_extra or {})},
+        script="oracle_workload.py",
+        algorithm=algorithm,
+        attention_backend="triton",
+        **UNCHUNKED,
+        **shape,
+        **engine_kwargs,
+    )
+
+
+def oracle_outputs(results) -> list:
+    """What each request's output must be: the oracle's token at each position after its
+    prompt."""
+    import torch
+
+    from sglang.srt.kv_canary.token_oracle import oracle_tokens, request_oracle_key
+
+    want = []
+    for r in results:
+        n = len(r["output_ids"])
+        keys = torch.full((n,), request_oracle_key(r["rid"]))
+        positions = torch.arange(r["prompt_len"], r["prompt_len"] + n)
+        want.append(oracle_tokens(keys, positions, 512).tolist())
+    return want
+
+
+@pytest.mark.parametrize("case", sorted(ORACLE_CASES))
+def test_token_oracle_outputs_are_the_oracles_tokens(models, case):
+    """``--sampling-backend token_oracle`` with the write-input check and token checks, raise
+    mode: every request's output is the oracle's (the verify's walk took the oracle's
+    predictions: none of the target's argmax), no violation in either pool (the verify's
+    roots and the draft extends checked against the oracle, the proposals not), the draft
+    canary installed where there is a draft model."""
+    rc, out, res = run_oracle(models, case, kv_canary_real_data="partial")
+    assert rc == 0 and res is not None, out[-4000:]
+    assert parse_violation_lines(out) == []
+    assert "token_oracle=on" in out and "write_input_check=on" in out, out[-4000:]
+    assert [len(r["output_ids"]) for r in res] == [12] * len(res)
+    assert [r["output_ids"] for r in res] == oracle_outputs(res)
+    if ORACLE_CASES[case][1] == "EAGLE":
+        assert "kv_canary installed on the EAGLE draft worker" in out, out[-4000:]
+
+
+@pytest.mark.parametrize("case", ["spec_v1-chain", "spec_v2-chain"])
+def test_token_oracle_swap_is_a_write_token_violation(models, case):
+    """The next-token-swap self-test on a speculative server: two requests' root predictions
+    swapped in the verify; the swapped tokens are written by the next verify (target) and the
+    draft extend (draft), where the write-input check reports ``write_token``."""
+    env = {
+        "SGLANG_KV_CANARY_PERTURB_NEXT_TOKEN_SWAP_PROB": "0.3",
+        "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "4",
+    }
+    rc, out, res = run_oracle(models, case, env, kv_canary="log")
+    assert rc == 0 and res is not None, out[-4000:]
+    injected = [f for f in map(parse_perturb_line, out.splitlines()) if f]
+    assert any(f["fault"] == "next_token_swap" for f in injected), out[-4000:]
+    found = violations_by_pool(out)
+    assert any("write_token" in v.fail_reasons for _, v in found), out[-4000:]
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+# ---- DFLASH: a block draft fed by the target's hidden states -------------------------------
+
+# sglang runs DFLASH with one step, topk 1, and the block size as its draft tokens (spec v1:
+# it turns the overlap scheduler off itself); Triton attention (the bundles have no FA3)
+DFLASH = dict(
+    algorithm="DFLASH",
+    attention_backend="triton",
+    speculative_num_steps=1,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=4,
+)
+
+
+@pytest.fixture(scope="module")
+def dflash_models(tmp_path_factory):
+    """A four-layer tiny Llama target whose layers 0 and 1 feed the draft: sglang 0.5.12's
+    Llama captures layer k's output before layer k + 1 runs, so the last layer's output is
+    never captured (a two-layer target with ``target_layer_ids`` [0, 1] stopped the canary-off
+    server: "DFLASH target_hidden feature dim mismatch ... got shape=(64, 64)")."""
+    target = write_tiny_llama(tmp_path_factory.mktemp("target_dflash"), num_hidden_layers=4)
+    draft = write_tiny_llama(
+        tmp_path_factory.mktemp("dflash_draft"),
+        architectures=["DFlashDraftModel"],
+        num_hidden_layers=1,
+        dflash_config={
+            "block_size": 4,
+            "mask_token_id": 3,
+            "num_target_layers": 4,
+            "target_layer_ids": [0, 1],
+        },
+    )
+    return target, draft
+
+
+@pytest.mark.parametrize("chunks", ["unchunked", "chunked"])
+def test_dflash_clean_matches_canary_off(dflash_models, chunks):
+    """DFLASH with the radix cache on (its keys are plain tokens: a shared prefix's draft KV
+    was appended from the same tokens): the clean test of EAGLE above, both canaries installed
+    on their MHA pools, the draft's memory reserved for its own pool; chunked: prompts split
+    into prefill chunks of 64, each followed by its draft KV append."""
+    kw = dict(DFLASH, **(UNCHUNKED if chunks == "unchunked" else {}))
+    out, on, off = run_clean_pair(dflash_models, "spec_v1", **kw)
+    installed = [line for line in out.splitlines() if "kv_canary installed" in line]
+    assert any(
+        "on the DFLASH draft worker: mode=raise" in line and "pool=MHATokenToKVPool" in line
+        for line in installed
+    ), installed
+    assert any(
+        "draft worker" not in line and "pool=MHATokenToKVPool" in line for line in installed
+    ), installed
+    assert "EAGLE draft worker" not in out
+    assert_clean_and_both_canaries_reserved(out, on, off)
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+def test_dflash_every_fault_class_is_caught_in_each_pool(dflash_models, worker):
+    """Every fault class, injected into the DFLASH draft pool only and into the target pool
+    only, is caught. The draft runner's forwards are draft blocks on borrowed slots, which draw
+    no post-forward fault (the verify's append rewrites them): its pool's faults are the
+    req_to_token entries and bytes its blocks read and the cached slots the sweep reads."""
+    env = dict(
+        EVERY_FAULT_ENV,
+        SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker,
+        SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB="0.4",
+        SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="20",
+    )
+    assert_every_fault_caught_in_a_log_run(
+        dflash_models, "spec_v1", env, "DFLASH", post_forward=worker == "target", **DFLASH
+    )
+
+
+# ---- FROZEN_KV_MTP: a Gemma4 MTP assistant reading the target's KV ---------------------------
+
+# sglang runs FROZEN_KV_MTP on spec v1 only (it turns the overlap scheduler off itself) and
+# sets no default for steps, topk or draft tokens: all three given; Triton attention
+FROZEN_KV_MTP = dict(
+    algorithm="FROZEN_KV_MTP",
+    attention_backend="triton",
+    speculative_num_steps=3,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=4,
+)
+# install_canary's line for the assistant's runner (its pool is a 64-slot stand-in)
+NO_FROZEN_KV_MTP_DRAFT_CANARY = (
+    "kv_canary: no canary on the FROZEN_KV_MTP draft worker: it writes no KV"
+)
+
+
+@pytest.fixture(scope="module")
+def frozen_kv_mtp_models(tmp_path_factory):
+    """A four-layer tiny Gemma4 target (sliding, full, sliding, full; the last two KV-shared
+    with the first two: an ``SWAKVPool``, window 32) and a two-layer MTP assistant (one
+    sliding, one full layer, bound to target layers 0 and 1)."""
+    return write_tiny_gemma4_pair(
+        tmp_path_factory.mktemp("gemma4_target"), tmp_path_factory.mktemp("gemma4_assistant")
+    )
+
+
+def assert_only_the_frozen_kv_mtp_target_guarded(out: str) -> None:
+    """FROZEN_KV_MTP: the canary installed once, on the target's ``SWAKVPool``; the
+    assistant's runner logged without one; no draft canary reserved."""
+    installed = [line for line in out.splitlines() if "kv_canary installed" in line]
+    assert len(installed) == 1 and "draft worker" not in installed[0], installed
+    assert "pool=SWAKVPool" in installed[0], installed
+    assert NO_FROZEN_KV_MTP_DRAFT_CANARY in out, out[-4000:]
+    assert "EAGLE draft worker" not in out
+    memory = workload_info(out)["kv_canary"]["memory"]
+    assert memory.get("draft") is None, memory
+
+
+def test_frozen_kv_mtp_clean_matches_canary_off(frozen_kv_mtp_models):
+    """FROZEN_KV_MTP (topk 1, 3 steps, 4 draft tokens; the assistant's seed and draft steps
+    read the target's committed KV at layers 0 and 1 and write none) with the canary in raise
+    mode, real data partial, a sweep every 3 steps and token checks: outputs equal to the
+    canary off's, no violation, every stats line at zero, the target's canary reserved as
+    built, none on the assistant (docs/speculative_multilayer_adaptive_dflash_mtp.md, "4.4
+    Changes to the canary")."""
+    out, on, off = run_clean_pair(frozen_kv_mtp_models, "spec_v1", **UNCHUNKED, **FROZEN_KV_MTP)
+    assert parse_violation_lines(out) == []
+    assert on == off and len(on) == 12
+    stats = [line for line in out.splitlines() if "kv_canary stats:" in line]
+    assert stats and all("violations=0" in s for s in stats)
+    assert_memory_reserved_as_allocated(workload_info(out))
+    assert_only_the_frozen_kv_mtp_target_guarded(out)
+
+
+def test_frozen_kv_mtp_every_fault_class_is_caught_in_the_target_pool(frozen_kv_mtp_models):
+    """Every fault class injected into the target's pool (FROZEN_KV_MTP's only one; the
+    ``draft`` perturbation target is refused at start-up), in log mode, real data partial, a
+    sweep every 2 steps: all 12 requests served, every fault caught, the assistant unguarded."""
+    env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER="target")
+    rc, out, res = run(
+        frozen_kv_mtp_models,
+        "spec_v1",
+        env,
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+        **FROZEN_KV_MTP,
+    )
+    assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
+    assert_only_the_frozen_kv_mtp_target_guarded(out)
+    assert_every_fault_caught(out)

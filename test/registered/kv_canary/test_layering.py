@@ -55,6 +55,7 @@ LAYERS = (
         f"{R}.perturb.report",
         f"{R}.token_oracle",
         f"{R}.token_oracle.expected_tokens",
+        f"{R}.token_oracle.spec_verify",
         f"{R}.token_oracle.sampler",
         f"{R}.token_history",
         f"{R}.endpoint",

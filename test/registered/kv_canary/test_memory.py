@@ -537,6 +537,78 @@ def test_a_standalone_draft_is_reserved_as_the_builder_allocates_it(profiled, tm
         )
 
 
+# a DFLASH draft: the tiny Llama's fields as a DFlashDraftModel, fed by target layers 0 and 1
+DFLASH_DRAFT = dict(
+    architectures=["DFlashDraftModel"],
+    dflash_config={
+        "block_size": 4,
+        "mask_token_id": 3,
+        "num_target_layers": 4,
+        "target_layer_ids": [0, 1],
+    },
+)
+
+
+def test_a_dflash_draft_is_reserved_for_its_own_layers(profiled, tmp_path):
+    """DFLASH: the draft pool is the ``DFlashDraftModel``'s own, of its ``num_hidden_layers``
+    (docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4 Changes to the canary"), read
+    from its config as sglang's draft runner builds it. With per-layer fingerprint columns the
+    predicted draft canary of a one-layer and of a two-layer draft is what ``build_canary``
+    allocates on an MHA pool of that many layers holding the reserved tokens; the two-layer
+    draft's is the larger, and leaves the pool fewer tokens."""
+    from sglang.srt.kv_canary.memory_budget import DraftPool
+
+    runner = profiled(max_running_requests=8, context_length=256)
+    config = CanaryConfig(mode="raise", real_data_layers="all", real_kv_hash_mode="all")
+    caps = CanaryCapacityInputs(context_len=256)
+    sizing = seam.KvPoolSizing(runner)
+    reserved = {}
+    for layers in (1, 2):
+        draft_dir = write_tiny_llama(
+            tmp_path / f"dflash{layers}", num_hidden_layers=layers, **DFLASH_DRAFT
+        )
+        args = _spec_args(
+            runner,
+            speculative_algorithm="DFLASH",
+            speculative_draft_model_path=draft_dir,
+            speculative_num_steps=1,
+            speculative_num_draft_tokens=4,
+        )
+        shape = seam.draft_model_shape(args)
+        assert (shape.family, shape.layers, shape.swa_layers) == (PoolFamily.MHA, layers, 0)
+        assert DraftPool.for_server(sizing, args, "DFLASH") == DraftPool(PoolFamily.MHA, layers)
+        reservation = reserve_canary_memory(
+            runner, server_args=args, config=config, capacity_inputs=caps, available_bytes=48 << 20
+        )[1]
+        pool = MHATokenToKVPool(
+            size=reservation.tokens.max_total,
+            page_size=1,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=16,
+            layer_num=layers,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
+        built = build_canary(
+            pool=pool,
+            req_to_token=torch.zeros(
+                sizing.req_to_token_shape(reservation.tokens), dtype=torch.int32
+            ),
+            config=config,
+            device="cpu",
+            capacity_inputs=caps,
+            ranks=RankFacts(draft=True, draft_steps=seam.speculative_facts(args).max_steps),
+        ).memory
+        assert built.as_dict() == reservation.draft.as_dict(), layers
+        reserved[layers] = reservation
+    one, two = reserved[1], reserved[2]
+    assert two.draft.device_bytes > one.draft.device_bytes
+    # the second draft layer's KV and canary come out of the same budget: fewer tokens
+    assert two.tokens.max_total < one.tokens.max_total
+
+
 @pytest.mark.parametrize("kind", ["mla", "swa"])
 def test_a_standalone_draft_of_another_attention_kind_is_read_as_that_pool(
     profiled, tmp_path, kind

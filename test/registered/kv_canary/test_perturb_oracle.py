@@ -317,6 +317,38 @@ def test_expected_written_tokens_are_prompt_then_oracle():
 # ---- perturbation pieces --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "draft, mode, flipped",
+    [
+        (False, ForwardMode.TARGET_VERIFY, True),  # the target's verify: its slots are kept
+        (False, ForwardMode.EXTEND, True),
+        (True, ForwardMode.EXTEND, True),  # a draft extend writes slots later forwards read
+        (True, ForwardMode.DECODE, False),  # a draft round: rewritten by the draft extend
+        (True, ForwardMode.TARGET_VERIFY, False),  # DFLASH's draft block: borrowed slots
+    ],
+)
+def test_post_forward_faults_skip_the_draft_forwards_whose_slots_nothing_reads(
+    draft, mode, flipped
+):
+    """A post-forward fault flips a slot the forward wrote, for a later read to catch; a
+    draft runner's DECODE (a draft round) and TARGET_VERIFY (DFLASH's draft block, on slots
+    borrowed for the block and rewritten by the verify's draft KV append) forwards write slots
+    no later forward reads as written, so they draw none."""
+    from sglang.srt.kv_canary.perturb import CanaryPerturber
+
+    d = ServingDriver(seed=1, mode="raise", real_data="partial")
+    perturber = CanaryPerturber(
+        config=PerturbConfig(real_kv_post_forward_prob=1.0, target_group=PoolKind.FULL),
+        groups=d.groups,
+        req_to_token=d.req_to_token_pool.req_to_token,
+        radix_cache=lambda: None,
+        draft=draft,
+    )
+    fb = _batch(mode, [1, 2], [3, 5], [2, 2], None)
+    perturber.after_forward(fb, step=60)  # past the warm-up (50 steps)
+    assert bool(perturber.injected) == flipped, perturber.injected
+
+
 def test_flip_first_byte_changes_exactly_one_bit_of_the_slot():
     pool = MHATokenToKVPool(
         size=16,

@@ -1,8 +1,9 @@
 """Speculative decoding at start-up and install (docs/user_guide.md, "Speculative decoding"):
 the canary installed on a draft runner (real sglang ``MHATokenToKVPool`` on the CPU), what the
 speculative coverage refuses (naming the flag), STANDALONE at topk 1 and its radix-key warning,
-the draft pools it refuses, an adaptive draft sized for its largest step count, and the draft
-fault target's own check. The forwards themselves: ``test_speculative.py``."""
+the draft pools it refuses, an adaptive draft sized for its largest step count, the draft
+fault target's own check, and the tiny Gemma4 FROZEN_KV_MTP pair as sglang reads its configs.
+The forwards themselves: ``test_speculative.py``."""
 
 from __future__ import annotations
 
@@ -81,7 +82,18 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(speculative_algorithm="DFLASH"), "--speculative-algorithm DFLASH yet"),
+        (
+            dict(speculative_algorithm="DFLASH", page_size=16),
+            "DFLASH at --page-size 1, got --page-size 16",
+        ),
+        (
+            dict(speculative_algorithm="DFLASH", speculative_draft_window_size=8),
+            "--speculative-draft-window-size 8 yet",
+        ),
+        (
+            dict(speculative_algorithm="DFLASH", enable_hierarchical_cache=True),
+            "DFLASH with --enable-hierarchical-cache",
+        ),
         (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
     ],
 )
@@ -185,7 +197,7 @@ def test_an_ngram_server_guards_its_target_verify_trees(monkeypatch):
     caps = target.capacities
     assert caps.write_entry_capacity >= 12 * caps.write_req_capacity
     for message in _draft_settings_refused(monkeypatch, args, "NGRAM"):
-        assert "--speculative-algorithm EAGLE, EAGLE3, NEXTN or STANDALONE" in message
+        assert "--speculative-algorithm EAGLE, EAGLE3, NEXTN, STANDALONE or DFLASH" in message
 
 
 @pytest.mark.parametrize("topk,page_size", [(1, 1), (2, 1), (2, 16)])
@@ -223,6 +235,35 @@ def test_a_frozen_kv_mtp_server_guards_its_target_pool_and_installs_no_draft_can
     assert (target.sfms[0].tree is None) == (topk == 1)
     for message in _draft_settings_refused(monkeypatch, args, "FROZEN_KV_MTP"):
         assert "its draft reads the target's KV and writes none" in message
+
+
+def test_the_tiny_gemma4_pair_is_read_by_sglangs_config_path(tmp_path):
+    """The tiny FROZEN_KV_MTP pair of the GPU lanes
+    (docs/speculative_multilayer_adaptive_dflash_mtp.md, "4.1 What sglang 0.5.12 runs") as
+    sglang 0.5.12 reads it: the assistant's architecture
+    promotes EAGLE to FROZEN_KV_MTP; the target is hybrid SWA (sliding layers 0 and 2, full 1
+    and 3) with the ``swa_*`` fields its ``SWAKVPool`` reads; the assistant's two layers (one
+    of each type) have the target's heads of 16 and 2 KV heads, and its ``backbone_hidden_size``
+    is the target's hidden size."""
+    from canary_support.tiny_models import write_tiny_gemma4_pair
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.server_args import _resolve_speculative_algorithm_alias
+
+    target_dir, draft_dir = write_tiny_gemma4_pair(tmp_path / "target", tmp_path / "draft")
+    assert _resolve_speculative_algorithm_alias("EAGLE", draft_dir) == "FROZEN_KV_MTP"
+    target = ModelConfig(target_dir, dtype="bfloat16")
+    text = target.hf_text_config
+    assert target.hf_config.architectures == ["Gemma4ForCausalLM"] and target.is_hybrid_swa
+    assert (target.swa_attention_layer_ids, target.full_attention_layer_ids) == ([0, 2], [1, 3])
+    assert (text.num_kv_shared_layers, text.sliding_window) == (2, 32)
+    assert (text.swa_num_key_value_heads, text.swa_head_dim, text.swa_v_head_dim) == (2, 16, 16)
+    assert (target.head_dim, target.get_total_num_kv_heads(), text.hidden_size) == (16, 2, 64)
+    draft = ModelConfig(draft_dir, dtype="bfloat16", is_draft_model=True)
+    assert draft.hf_config.architectures == ["Gemma4AssistantForCausalLM"]
+    assert draft.hf_config.backbone_hidden_size == text.hidden_size
+    assert draft.hf_text_config.layer_types == ["sliding_attention", "full_attention"]
+    assert (draft.head_dim, draft.swa_head_dim, draft.get_total_num_kv_heads()) == (16, 16, 2)
+    assert draft.hf_text_config.swa_num_key_value_heads == 2
 
 
 class _NgramWorkerStandIn:  # stand-in: NGRAMWorker's runner is its target worker's

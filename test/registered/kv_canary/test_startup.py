@@ -448,6 +448,49 @@ def test_eagle_chains_and_trees_start_at_every_page_size_from_every_route(
         )
 
 
+def test_the_token_oracle_starts_with_speculative_decoding_from_every_route(
+    monkeypatch, capsys, tmp_path, model_dir
+):
+    """The token oracle (its verify hooks commit the oracle's tokens) with EAGLE chains and
+    trees, STANDALONE and NGRAM: from the command line (``--sampling-backend token_oracle``),
+    a ``--config`` YAML, ``Engine`` kwargs and the variables
+    ``SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE`` / ``..._WRITE_INPUT_ASSERT``; sglang's simulated
+    acceptance refused naming its variable."""
+    oracle = ["--sampling-backend", "token_oracle"]
+    for topk in (1, 2):
+        args = cli(model_dir, "--kv-canary", "raise", *oracle, *_eagle(model_dir, topk))
+        assert CanaryConfig.from_server_args(args).enable_token_oracle
+        sa = kwargs(
+            model_dir,
+            kv_canary="raise",
+            sampling_backend="token_oracle",
+            **_eagle_kwargs(model_dir, topk),
+        )
+        assert CanaryConfig.from_server_args(sa).enable_token_oracle
+    yaml_file = tmp_path / "oracle.yaml"
+    yaml_file.write_text("kv-canary: log\nsampling-backend: token_oracle\n")
+    args = cli(model_dir, "--config", str(yaml_file), *_eagle(model_dir, 2, "STANDALONE"))
+    assert CanaryConfig.from_server_args(args).enable_token_oracle
+    ngram = ["--speculative-algorithm", "NGRAM", "--device", "cuda"]
+    assert cli(model_dir, "--kv-canary", "raise", *oracle, *ngram).speculative_algorithm == "NGRAM"
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE", "1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT", "1")
+    for sa in (
+        cli(model_dir, "--kv-canary", "log", *_eagle(model_dir, 1)),
+        kwargs(model_dir, kv_canary="log", **_eagle_kwargs(model_dir, 2)),
+    ):
+        config = CanaryConfig.from_server_args(sa)
+        assert config.enable_token_oracle and config.enable_write_input_assert
+    from sglang.srt.environ import envs
+
+    monkeypatch.setenv("SGLANG_SIMULATE_ACC_LEN", "3")
+    assert envs.SGLANG_SIMULATE_ACC_LEN.get() == 3
+    message = cli_error(capsys, model_dir, "--kv-canary", "log", *_eagle(model_dir, 1))
+    assert "SGLANG_SIMULATE_ACC_LEN=3" in message, message
+    with pytest.raises(ValueError, match="SGLANG_SIMULATE_ACC_LEN=3"):
+        kwargs(model_dir, kv_canary="log", **_eagle_kwargs(model_dir, 1))
+
+
 def test_standalone_starts_with_chains_and_trees_from_every_route(capsys, monkeypatch, model_dir):
     """STANDALONE (a separate draft LM) with the canary: accepted at topk 1 from the command
     line and ``Engine`` kwargs, also with ``SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=draft``
@@ -550,6 +593,88 @@ def test_frozen_kv_mtp_starts_with_chains_and_trees_from_every_route(
     assert refused in cli_error(capsys, model_dir, "--kv-canary", "log", *frozen, *chain)
     with pytest.raises(ValueError, match="TARGET_WORKER=draft .*FROZEN_KV_MTP has none"):
         kwargs(model_dir, kv_canary="log", **engine)
+
+
+def test_dflash_starts_from_every_route_and_its_refusals_name_the_flag(capsys, tmp_path, model_dir):
+    """DFLASH with the canary (sglang forces steps and topk 1; the block size is given, so
+    no draft config is read to parse): accepted from the command line, a ``--config`` YAML
+    and ``Engine`` kwargs; ``--page-size`` > 1, ``--speculative-draft-window-size`` and
+    ``--enable-hierarchical-cache`` refused on each route, naming the flag."""
+    dflash = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", model_dir]
+    dflash += ["--speculative-num-draft-tokens", "4"]
+    args = cli(model_dir, "--kv-canary", "raise", *dflash)
+    assert (args.kv_canary, args.speculative_algorithm) == ("raise", "DFLASH")
+    assert (args.speculative_num_steps, args.speculative_eagle_topk) == (1, 1)
+    yaml_file = tmp_path / "dflash.yaml"
+    yaml_file.write_text(
+        "kv-canary: log\nspeculative-algorithm: DFLASH\nspeculative-num-draft-tokens: 4\n"
+        f"speculative-draft-model-path: {model_dir}\n"
+    )
+    assert cli(model_dir, "--config", str(yaml_file)).speculative_algorithm == "DFLASH"
+    engine = dict(
+        speculative_algorithm="DFLASH",
+        speculative_draft_model_path=model_dir,
+        speculative_num_draft_tokens=4,
+    )
+    assert kwargs(model_dir, kv_canary="abort", **engine).speculative_num_draft_tokens == 4
+    refusals = [
+        (["--page-size", "16"], dict(page_size=16), "--page-size 16"),
+        (
+            ["--speculative-draft-window-size", "8"],
+            dict(speculative_draft_window_size=8),
+            "--speculative-draft-window-size 8",
+        ),
+        (
+            ["--enable-hierarchical-cache"],
+            dict(enable_hierarchical_cache=True),
+            "DFLASH with --enable-hierarchical-cache",
+        ),
+    ]
+    for argv, kw, flag in refusals:
+        assert flag in cli_error(capsys, model_dir, "--kv-canary", "raise", *dflash, *argv)
+        with pytest.raises(ValueError, match=re.escape(flag)):
+            kwargs(model_dir, kv_canary="raise", **engine, **kw)
+        cli(model_dir, *dflash, *argv)  # canary off: sglang's own parse accepts it
+
+
+def test_dflash_with_the_token_oracle_is_refused_from_every_route(
+    capsys, tmp_path, model_dir, monkeypatch
+):
+    """The token oracle with DFLASH (whose own verify is not hooked: it would commit the
+    target's tokens, not the oracle's) is refused naming the flag, from the command line's
+    sampling backend, a ``--config`` YAML, ``Engine`` kwargs and the oracle's variables."""
+    dflash = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", model_dir]
+    dflash += ["--speculative-num-draft-tokens", "4"]
+    refused = "does not work with --speculative-algorithm DFLASH"
+    oracle = ["--sampling-backend", "token_oracle"]
+    assert refused in cli_error(capsys, model_dir, "--kv-canary", "raise", *dflash, *oracle)
+    yaml_file = tmp_path / "dflash_oracle.yaml"
+    yaml_file.write_text(
+        "kv-canary: raise\nspeculative-algorithm: DFLASH\nspeculative-num-draft-tokens: 4\n"
+        f"speculative-draft-model-path: {model_dir}\nsampling-backend: token_oracle\n"
+    )
+    assert refused in cli_error(capsys, model_dir, "--config", str(yaml_file))
+    engine = dict(
+        speculative_algorithm="DFLASH",
+        speculative_draft_model_path=model_dir,
+        speculative_num_draft_tokens=4,
+    )
+    with pytest.raises(ValueError, match=refused):
+        kwargs(model_dir, kv_canary="raise", sampling_backend="token_oracle", **engine)
+    # the oracle's variable alone, then with the write-input check (which needs the oracle)
+    for env in (
+        ("SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE",),
+        ("SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE", "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT"),
+    ):
+        for var in env:
+            monkeypatch.setenv(var, "1")
+        assert refused in cli_error(capsys, model_dir, "--kv-canary", "raise", *dflash)
+        with pytest.raises(ValueError, match=refused):
+            kwargs(model_dir, kv_canary="raise", **engine)
+        for var in env:
+            monkeypatch.delenv(var)
+    # the same server without the oracle starts
+    assert cli(model_dir, "--kv-canary", "raise", *dflash).speculative_algorithm == "DFLASH"
 
 
 def test_adaptive_steps_start_from_every_route(capsys, tmp_path, model_dir):

@@ -65,7 +65,12 @@ def build_canary(
     if config.enable_token_oracle and token_oracle is None:
         if vocab_size is None:
             raise ValueError("build_canary: the token oracle is on but no vocab_size was given")
-        token_oracle = TokenOracleManager(vocab_size=vocab_size, device=device)
+        token_oracle = TokenOracleManager(
+            vocab_size=vocab_size,
+            device=device,
+            draft=ranks.draft,
+            token_offset=ranks.kv_token_id_vs_position_offset,
+        )
     memory = memory_inputs(
         config=config,
         groups=[GroupGeometry.of(g) for g in groups],

@@ -196,7 +196,9 @@ def install_canary(
             ),
         ),
     )
-    if manager.token_oracle is not None:
+    if manager.token_oracle is not None and not draft:
+        # a draft runner never samples (EAGLE's draft takes the top-k of its logits); the
+        # verify commits the oracle's tokens (token_oracle.spec_verify)
         _use_token_oracle_sampler(model_runner)
     sglang_seam.set_runner_canary(model_runner, manager)
     sglang_seam.wrap_model_forward(

@@ -86,14 +86,14 @@ class DraftPool:
         """None without speculative decoding (``algorithm`` None; the caller passes only an
         algorithm with a draft KV pool: ``SpeculativeFacts.has_draft_pool``). EAGLE / EAGLE3 /
         NEXTN: a one-layer head, MLA and DeepSeek-V4 in their target's family, MHA otherwise.
-        STANDALONE: the separate
-        draft model's own pool (:func:`~sglang.srt.kv_canary.sglang_seam.draft_model_shape`);
+        STANDALONE and DFLASH (whose ``DFlashDraftModel`` has ``num_hidden_layers`` layers):
+        the separate draft model's own pool (:func:`~sglang.srt.kv_canary.sglang_seam.draft_model_shape`);
         ``ValueError`` naming ``--speculative-draft-model-path`` when its config cannot be
         read, or when it has sliding-window layers and the target none (sglang sizes the
         draft's pool from the target's, which then has no sliding-window slot space)."""
         if algorithm is None:
             return None
-        if algorithm == "STANDALONE":
+        if algorithm in ("STANDALONE", "DFLASH"):
             shape = sglang_seam.draft_model_shape(server_args)
             if shape.family == PoolFamily.SWA and sizing.family not in (
                 PoolFamily.SWA,

@@ -59,6 +59,19 @@ registers the ``token_oracle`` sampling backend (``--sampling-backend token_orac
 |  |  | bracket, replayed mark |
 | AFTER | ``MHATokenToKVPool.move_kv_cache`` | the records of the groups bound to that pool |
 |  |  | follow the KV (NGRAM's compaction of accepted nodes at page size > 1) |
+| AROUND | ``DFlashWorker._append_target_hidden_to_draft_kv`` | the draft canary's write-only |
+|  |  | launch for the draft KV DFLASH writes outside any forward |
+| AROUND | ``DFlashWorker._append_target_hidden_sequential``, | the positions and slots the |
+|  | ``DFlashWorker._append_target_hidden_fused`` | append really wrote |
+| AROUND | ``DFlashWorker._prepare_for_speculative_decoding`` | its hand-built draft block |
+|  |  | batch gets the batch's requests as canary state |
+| AFTER | ``DFlashWorker.__init__`` | the DFLASH draft runner's ``mark_init_finished`` |
+| AROUND | ``EagleVerifyInput.verify``, ``EagleVerifyInputV2Mixin.sample``, | token oracle on: |
+|  | ``NgramVerifyInput.verify`` | the oracle's predictions per tree node, the greedy walk |
+|  |  | forced (``token_oracle.spec_verify``) |
+| AROUND | ``eagle_info.verify_tree_greedy_func``, ``eagle_info_v2.verify_tree_greedy_func``, | |
+|  | ``ngram_info.verify_tree_greedy`` (CUDA / MUSA / HIP only) | the walk's |
+|  |  | ``target_predict`` replaced by those predictions |
 
 One more way in, not a hook: ``install_canary`` (from the hook after
 ``ModelRunner.init_memory_pool``) wraps each guarded runner's ``model.forward`` on the instance
@@ -418,6 +431,79 @@ def _draft_extend_graph_replay(original, self, forward_batch, *args, **kwargs):
             return out
 
 
+# the (positions, slots) DFLASH's write path was given during the append in progress
+_DFLASH_WRITES: contextvars.ContextVar = contextvars.ContextVar("kv_canary_dflash_writes")
+
+
+def _dflash_append(original, self, batch, draft_input, *args, **kwargs):
+    """DFLASH's draft KV append (``_append_target_hidden_to_draft_kv``, after every target
+    prefill and verify, outside any forward): its rows and tokens are read before sglang's
+    call (which zeroes ``ctx_lens``), the positions and slots its write path really wrote are
+    taken from that path (:func:`_dflash_write`), and after the call the draft canary
+    records them (a write-only launch on the current stream;
+    docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4 Changes to the canary")."""
+    manager = seam.runner_canary(seam.dflash_draft_runner(self))
+    if manager is None:
+        return original(self, batch, draft_input, *args, **kwargs)
+    append = seam.dflash_append_inputs(batch, draft_input)
+    writes: list = []
+    token = _DFLASH_WRITES.set(writes)
+    try:
+        out = original(self, batch, draft_input, *args, **kwargs)
+    finally:
+        _DFLASH_WRITES.reset(token)
+    if append is not None and writes:
+        positions, slots = writes[-1]  # one path writes (the fused one, or its fallback)
+        if slots.shape[0] != append.total:
+            raise RuntimeError(
+                f"kv_canary: DFLASH's draft KV append wrote {slots.shape[0]} slots for "
+                f"{append.total} newly committed positions (target_hidden rows); the draft "
+                "canary records one slot per committed position"
+            )
+        manager.write_outside_forward(seam.dflash_append_batch(append, positions, slots))
+    return out
+
+
+def _dflash_write(original, self, ctx_hidden, ctx_positions, ctx_cache_loc, *args, **kwargs):
+    """DFLASH's sequential or fused KV write of an append: once it returned, the positions
+    and slots it wrote are what the append's records follow."""
+    out = original(self, ctx_hidden, ctx_positions, ctx_cache_loc, *args, **kwargs)
+    writes = _DFLASH_WRITES.get(None)
+    if writes is not None:
+        writes.append((ctx_positions, ctx_cache_loc))
+    return out
+
+
+def _dflash_prepare(original, self, batch, *args, **kwargs):
+    """DFLASH's draft block (``_prepare_for_speculative_decoding``): the ``ForwardBatch`` it
+    builds by hand for the draft runner gets the batch's requests as its canary state."""
+    manager = seam.runner_canary(seam.dflash_draft_runner(self))
+    if manager is None:
+        return original(self, batch, *args, **kwargs)
+    with manager.with_hand_built_batch_requests(seam.schedule_batch_reqs(batch) or ()):
+        return original(self, batch, *args, **kwargs)
+
+
+def _after_dflash_init(result, self, *args, **kwargs):
+    """The DFLASH draft runner's ``mark_init_finished``: its graphs were captured in its
+    ``ModelRunner.__init__``, which skips draft runners (``_after_model_runner_init``)."""
+    manager = seam.runner_canary(seam.dflash_draft_runner(self))
+    if manager is not None:
+        manager.mark_init_finished()
+
+
+def _verify(original, self, batch, *args, **kwargs):
+    from sglang.srt.kv_canary.token_oracle.spec_verify import verify_with_oracle
+
+    return verify_with_oracle(original, self, batch, *args, **kwargs)
+
+
+def _greedy_walk(original, *args, **kwargs):
+    from sglang.srt.kv_canary.token_oracle.spec_verify import greedy_walk_with_oracle
+
+    return greedy_walk_with_oracle(original, *args, **kwargs)
+
+
 HOOKS = (
     (seam.HOOK_SERVER_ARGS_INIT, _server_args_init, "AROUND"),
     (seam.HOOK_SERVER_ARGS_ADD_CLI_ARGS, _add_cli_args, "AFTER"),
@@ -455,13 +541,28 @@ HOOKS = (
     (seam.HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE, _capture_one_batch_size, "AROUND"),
     (seam.HOOK_DRAFT_EXTEND_GRAPH_REPLAY, _draft_extend_graph_replay, "AROUND"),
     (seam.HOOK_MHA_POOL_MOVE_KV_CACHE, _after_move_kv_cache, "AFTER"),
+    (seam.HOOK_DFLASH_APPEND, _dflash_append, "AROUND"),
+    (seam.HOOK_DFLASH_WRITE_SEQUENTIAL, _dflash_write, "AROUND"),
+    (seam.HOOK_DFLASH_WRITE_FUSED, _dflash_write, "AROUND"),
+    (seam.HOOK_DFLASH_PREPARE, _dflash_prepare, "AROUND"),
+    (seam.HOOK_DFLASH_INIT, _after_dflash_init, "AFTER"),
+    (seam.HOOK_EAGLE_V1_VERIFY, _verify, "AROUND"),
+    (seam.HOOK_EAGLE_V2_VERIFY_SAMPLE, _verify, "AROUND"),
+    (seam.HOOK_NGRAM_VERIFY, _verify, "AROUND"),
+    (seam.HOOK_EAGLE_V1_GREEDY_WALK, _greedy_walk, "AROUND"),
+    (seam.HOOK_EAGLE_V2_GREEDY_WALK, _greedy_walk, "AROUND"),
 )
+# where sglang binds NGRAM's greedy walk at all (sgl-kernel's op: CUDA, MUSA, HIP)
+DEVICE_BOUND_HOOKS = ((seam.HOOK_NGRAM_GREEDY_WALK, _greedy_walk, "AROUND"),)
 
 
 def register() -> None:
     """Register the KV-canary hooks with sglang's ``HookRegistry``."""
     for target, hook, kind in HOOKS:
         seam.register_hook(target, hook, kind)
+    if seam.ngram_greedy_walk_bound():
+        for target, hook, kind in DEVICE_BOUND_HOOKS:
+            seam.register_hook(target, hook, kind)
     from sglang.srt.kv_canary.token_oracle.sampler import register_token_oracle_backend
 
     register_token_oracle_backend()

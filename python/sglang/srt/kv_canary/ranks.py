@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 PD_ROLES = ("null", "prefill", "decode")  # sglang 0.5.12's --disaggregation-mode choices
+# draft workers whose pool's position p holds the KV of token p itself (token offset 0)
+SAME_POSITION_DRAFT_WORKERS = ("DFLASH",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +28,7 @@ class RankFacts:
     draft: bool = False  # a speculative draft model's runner (shares the target's ranks)
     # a draft runner: sglang's --speculative-num-steps (a draft round runs steps - 1 forwards)
     draft_steps: int = 0
-    # a draft runner's name in reports: EAGLE (EAGLE, EAGLE3, NEXTN) or STANDALONE
+    # a draft runner's name in reports: EAGLE (EAGLE, EAGLE3, NEXTN), STANDALONE or DFLASH
     draft_worker: str = "EAGLE"
     # sglang's --disaggregation-mode: "null" (no PD), or which server of a PD pair
     disaggregation_mode: str = "null"
@@ -105,9 +107,19 @@ class RankFacts:
 
     @property
     def kv_token_id_vs_position_offset(self) -> int:
-        """1 for a draft pool (EAGLE's and STANDALONE's: its position p holds the KV computed from token p + 1),
-        else 0."""
-        return 1 if self.draft else 0
+        """1 for an EAGLE or STANDALONE draft pool (its position p holds the KV computed from
+        token p + 1); 0 for DFLASH's draft pool (position p holds the KV projected from the
+        target's hidden state of token p: docs/speculative_multilayer_adaptive_dflash_mtp.md,
+        "3.3 Record semantics") and for a target pool."""
+        return 1 if self.draft and self.draft_worker not in SAME_POSITION_DRAFT_WORKERS else 0
+
+    @property
+    def forwards_write_records(self) -> bool:
+        """Whether this runner's model forwards write records of the slots they write: not on
+        DFLASH's draft runner, whose only forwards are draft blocks on borrowed slots no later
+        forward reads (its records come from the appends: docs/speculative_multilayer_adaptive_dflash_mtp.md,
+        "3.3 Record semantics"); its block forwards verify the prefix they read."""
+        return not (self.draft and self.draft_worker in SAME_POSITION_DRAFT_WORKERS)
 
     @property
     def server_role(self) -> str:

@@ -73,25 +73,36 @@ def check_server_args_for_canary(server_args: "ServerArgs") -> CanaryConfig:
 # to EAGLE by sglang, or to FROZEN_KV_MTP with a Gemma4 assistant draft; STANDALONE runs
 # EAGLE's forwards with a separate small LM as the draft; NGRAM has no draft model: the target
 # verifies trees drafted from an n-gram corpus; FROZEN_KV_MTP's draft reads the target's KV and
-# writes none: the target's verify checks what it read)
-COVERED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM", "FROZEN_KV_MTP")
-_COVERED_FLAGS = "EAGLE, EAGLE3, NEXTN, STANDALONE, NGRAM or FROZEN_KV_MTP"
+# writes none: the target's verify checks what it read; DFLASH's draft pool is written from
+# the target's hidden states outside any forward, and read by its block forwards)
+COVERED_SPECULATIVE_ALGORITHMS = (
+    "EAGLE",
+    "EAGLE3",
+    "STANDALONE",
+    "NGRAM",
+    "FROZEN_KV_MTP",
+    "DFLASH",
+)
+_COVERED_FLAGS = "EAGLE, EAGLE3, NEXTN, STANDALONE, NGRAM, FROZEN_KV_MTP or DFLASH"
 # those with a draft model (its own runner and KV pool)
-_DRAFT_MODEL_FLAGS = "EAGLE, EAGLE3, NEXTN or STANDALONE"
+_DRAFT_MODEL_FLAGS = "EAGLE, EAGLE3, NEXTN, STANDALONE or DFLASH"
+# the workers that are not sglang's EAGLE workers, named as themselves
+_OWN_WORKER_NAMES = ("STANDALONE", "NGRAM", "FROZEN_KV_MTP", "DFLASH")
 
 
 def draft_worker_name(algorithm: Optional[str]) -> str:
-    """The draft worker's name in messages and reports: STANDALONE, NGRAM or FROZEN_KV_MTP,
-    else EAGLE (sglang's EAGLE workers run EAGLE, EAGLE3 and NEXTN)."""
-    return algorithm if algorithm in ("STANDALONE", "NGRAM", "FROZEN_KV_MTP") else "EAGLE"
+    """The draft worker's name in messages and reports: STANDALONE, NGRAM, FROZEN_KV_MTP or
+    DFLASH, else EAGLE (sglang's EAGLE workers run EAGLE, EAGLE3 and NEXTN)."""
+    return algorithm if algorithm in _OWN_WORKER_NAMES else "EAGLE"
 
 
 def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
     """Speculative decoding: EAGLE / EAGLE3 / NEXTN / STANDALONE, with a draft chain (``topk``
     1) or draft trees (``topk`` > 1), target and draft pools, NGRAM's tree verifies (the
     target's pool: it has no draft model) and FROZEN_KV_MTP (the target's pool: its draft
-    writes no KV), at any page size, are guarded
-    (docs/user_guide.md, "Speculative decoding"); the rest is refused with the flag to
+    writes no KV), at any page size, and DFLASH at page size 1 without a draft window or
+    HiCache (:func:`_check_dflash`), are guarded, also with the token oracle (DFLASH without
+    it) (docs/user_guide.md, "Speculative decoding"); the rest is refused with the flag to
     change."""
     spec = sglang_seam.speculative_facts(server_args)
     if not spec.has_draft_pool:
@@ -125,17 +136,80 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
             f"--kv-canary does not cover --speculative-algorithm {spec.algorithm} yet (covered: "
             f"{_COVERED_FLAGS.replace(' or', ',')}); run it without --kv-canary"
         )
+    if spec.algorithm == "DFLASH":
+        _check_dflash(server_args, spec.page_size)
     if spec.multi_layer_eagle:
         raise ValueError(
             "--kv-canary does not cover --enable-multi-layer-eagle yet (its draft "
             "layers run outside the draft worker's forwards); drop that flag"
         )
     if config.enable_token_oracle or config.enable_write_input_assert:
+        _check_token_oracle_speculative(config, spec.algorithm)
+
+
+def _check_token_oracle_speculative(config: CanaryConfig, algorithm: str) -> None:
+    """The token oracle with speculative decoding: every covered algorithm's verify but
+    DFLASH's commits the oracle's tokens (``token_oracle.spec_verify``;
+    docs/speculative_coverage.md, "The token oracle with speculative decoding"). DFLASH's own
+    verify (``DFlashVerifyInput.verify``) is not hooked, and sglang's simulated acceptance
+    replaces the verify's tokens with a constant: both refused naming the flag or variable."""
+    if algorithm == "DFLASH":
         raise ValueError(
             "the token oracle (--sampling-backend token_oracle, SGLANG_KV_CANARY_ENABLE_TOKEN_"
-            "ORACLE, SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT) does not work with speculative "
-            f"decoding: {draft_worker_name(spec.algorithm)} accepts the target's verified "
-            "tokens, not the sampler's; drop it or --speculative-algorithm"
+            "ORACLE, SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT) does not work with "
+            "--speculative-algorithm DFLASH yet: its verify commits the target's greedy tokens, "
+            "not the oracle's; drop the token oracle (or use EAGLE, EAGLE3, NEXTN, STANDALONE, "
+            "NGRAM or FROZEN_KV_MTP)"
+        )
+    simulated = sglang_seam.simulated_acceptance_length()
+    if simulated > 0:
+        raise ValueError(
+            f"the token oracle (--sampling-backend token_oracle, SGLANG_KV_CANARY_ENABLE_TOKEN_"
+            f"ORACLE, SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT) does not work with "
+            f"SGLANG_SIMULATE_ACC_LEN={simulated:g}: sglang's simulated acceptance commits a "
+            "constant token, not the verify's; unset SGLANG_SIMULATE_ACC_LEN (or drop the "
+            "token oracle)"
+        )
+    if FaultKind.NEXT_TOKEN_SWAP in config.perturb.active_faults and (
+        config.perturb.target_worker == WORKER_DRAFT
+    ):
+        raise ValueError(
+            f"{FaultKind.NEXT_TOKEN_SWAP.env_var} > 0 swaps the target verify's oracle "
+            f"predictions, and {TARGET_WORKER_VAR}=draft injects on the draft model only: unset "
+            f"{TARGET_WORKER_VAR} or set it to target"
+        )
+
+
+def _check_dflash(server_args: "ServerArgs", page_size: int) -> None:
+    """DFLASH is guarded at page size 1, with the draft pool mapped through the target's
+    ``req_to_token`` (docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4 Changes to the
+    canary"). Refused, naming the flag: ``--page-size`` > 1 (its block forwards and verifies
+    lay slots out by page, which the canary's DFLASH plans do not model),
+    ``--speculative-draft-window-size`` (the draft's own compact ``req_to_token``, whose
+    column c holds position ``c + L - W'``) and ``--enable-hierarchical-cache`` (sglang
+    0.5.12's HiCache backs up the target's pool as DFLASH's draft pool, so draft KV loaded
+    back from host memory would come without its draft KV)."""
+    value = sglang_seam.server_args_value
+    if page_size > 1:
+        raise ValueError(
+            f"--kv-canary covers --speculative-algorithm DFLASH at --page-size 1, got --page-size "
+            f"{page_size}: drop --page-size (or set it to 1), or run without --kv-canary"
+        )
+    window = value(server_args, "speculative_draft_window_size", None)
+    if window is not None:
+        raise ValueError(
+            f"--kv-canary does not cover --speculative-algorithm DFLASH with "
+            f"--speculative-draft-window-size {window} yet (the draft keeps its own compact "
+            "req_to_token, whose columns the canary does not map to positions): drop "
+            "--speculative-draft-window-size (full draft context), or run without --kv-canary"
+        )
+    if value(server_args, "enable_hierarchical_cache", False):
+        raise ValueError(
+            "--kv-canary does not cover --speculative-algorithm DFLASH with "
+            "--enable-hierarchical-cache: sglang 0.5.12's HiCache backs up the target's KV pool "
+            "in place of DFLASH's draft pool, so draft KV of prefixes loaded back from host "
+            "memory would be missing; drop --enable-hierarchical-cache, or run without "
+            "--kv-canary"
         )
 
 

@@ -1,7 +1,8 @@
 """Tiny dummy-weight model shapes for the end-to-end tests and benchmarks beyond the demo's
 Llama: DeepSeek-V2 (MLA), DeepSeek-V3's MLA dimensions, DeepSeek-V3.2 (MLA + DSA indexer) and
-Qwen3-Next (hybrid linear attention) and GPT-OSS (one sliding-window and one full-attention
-layer). Each ``write_tiny_*`` writes a bare ``config.json``
+Qwen3-Next (hybrid linear attention), GPT-OSS (one sliding-window and one full-attention
+layer) and a Gemma4 target with its MTP assistant (FROZEN_KV_MTP). Each ``write_tiny_*``
+writes a bare ``config.json``
 (``load_format="dummy"``, requests pass ``input_ids``)."""
 
 from __future__ import annotations
@@ -163,6 +164,79 @@ TINY_GPT_OSS_CONFIG = {
 }
 
 
+# A tiny Gemma4 text target (``Gemma4ForCausalLM``; sglang builds an ``SWAKVPool`` for it,
+# GPU only as GPT-OSS above) for FROZEN_KV_MTP (docs/speculative_multilayer_adaptive_dflash_mtp.md,
+# "4.1 What sglang 0.5.12 runs"): layers sliding, full, sliding, full, the last two KV-shared
+# (``num_kv_shared_layers``) with layers 0 and 1, whose KV the assistant reads. Heads of 16 as
+# the tiny Llama's, on every layer of either type; no per-layer embeddings
+# (``hidden_size_per_layer_input`` 0: transformers' default is 256), default rope on both types
+# (transformers' default for full attention is a "proportional" partial rope). sglang 0.5.12
+# copies a Gemma4 config's ``swa_*`` and ``v_head_dim`` fields from its base ones only for
+# ``model_type`` "gemma4" (``utils/hf_transformers/config.py``), while ``Gemma4ForCausalLM`` takes
+# the text config itself ("gemma4_text"), so they are written out here: its SWAKVPool reads them.
+GEMMA4_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+}
+TINY_GEMMA4_TEXT_CONFIG = {
+    "architectures": ["Gemma4ForCausalLM"],
+    "model_type": "gemma4_text",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "global_head_dim": 16,
+    "num_global_key_value_heads": 2,
+    "swa_num_key_value_heads": 2,
+    "swa_head_dim": 16,
+    "swa_v_head_dim": 16,
+    "v_head_dim": 16,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "num_kv_shared_layers": 2,
+    "sliding_window": 32,
+    "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": 512,
+    # no MoE block; set because sglang's CPU start-up pads it (None stops the CPU server:
+    # "unsupported operand type(s) for %: 'NoneType' and 'int'", configs/update_config.py)
+    "moe_intermediate_size": 128,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": GEMMA4_ROPE,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+# Its MTP assistant (``Gemma4AssistantForCausalLM``): one sliding and one full layer, each
+# bound to the target's KV owner of that type. No library has an assistant config class and
+# transformers 5.6.0 knows no "gemma4_assistant", so it is a "gemma4" config (the assistant
+# reads its ``text_config``; sglang maps ``global_head_dim`` / ``num_global_key_value_heads``
+# to the full layers' heads), with ``backbone_hidden_size`` the target's hidden size.
+TINY_GEMMA4_ASSISTANT_CONFIG = {
+    "architectures": ["Gemma4AssistantForCausalLM"],
+    "model_type": "gemma4",
+    "backbone_hidden_size": 64,
+    "text_config": {
+        **{k: v for k, v in TINY_GEMMA4_TEXT_CONFIG.items() if k != "architectures"},
+        "num_hidden_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "num_kv_shared_layers": 0,
+    },
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
 def write_tiny_deepseek_v2(model_dir, **overrides) -> str:
     """Write the tiny DeepSeek-V2 (MLA) ``config.json`` into ``model_dir``; returns it."""
     return write_model_config(model_dir, {**TINY_DEEPSEEK_V2_CONFIG, **overrides})
@@ -184,3 +258,12 @@ def write_tiny_gpt_oss(model_dir, **overrides) -> str:
     """Write the tiny GPT-OSS (hybrid sliding window, ``SWAKVPool``) ``config.json`` into
     ``model_dir``; returns it."""
     return write_model_config(model_dir, {**TINY_GPT_OSS_CONFIG, **overrides})
+
+
+def write_tiny_gemma4_pair(target_dir, draft_dir) -> tuple:
+    """Write the tiny Gemma4 target and its MTP assistant draft (FROZEN_KV_MTP) ``config.json``
+    files; returns (target dir, draft dir)."""
+    return (
+        write_model_config(target_dir, TINY_GEMMA4_TEXT_CONFIG),
+        write_model_config(draft_dir, TINY_GEMMA4_ASSISTANT_CONFIG),
+    )

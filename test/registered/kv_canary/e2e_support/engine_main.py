@@ -73,18 +73,22 @@ def main(
     body: Callable[[Any, ScriptArgs], Any],
     *,
     fixed_kwargs: Optional[Mapping[str, Any]] = None,
+    default_kwargs: Optional[Mapping[str, Any]] = None,
     argv: Optional[Sequence[str]] = None,
 ) -> None:
-    """Start the Engine, print ``RESULT <json>`` of ``body(engine, args)``, shut it down."""
+    """Start the Engine, print ``RESULT <json>`` of ``body(engine, args)``, shut it down.
+    ``fixed_kwargs``: engine kwargs the script sets (given ones refused); ``default_kwargs``:
+    those it sets unless given."""
     args = parse_argv(sys.argv if argv is None else argv)
     fixed = dict(fixed_kwargs or {})
     both = sorted(set(fixed) & set(args.engine_kwargs))
     if both:
         sys.exit(f"{args.script}: engine kwargs {both} are set by the script itself")
+    given = {**(default_kwargs or {}), **args.engine_kwargs}
     import sglang
     from sglang.srt.kv_canary.demo.server_harness import cpu_engine_kwargs, gpu_engine_kwargs
 
     make = gpu_engine_kwargs if args.device == "cuda" else cpu_engine_kwargs
-    engine = sglang.Engine(**make(args.model_dir, **fixed, **args.engine_kwargs))
+    engine = sglang.Engine(**make(args.model_dir, **fixed, **given))
     emit(RESULT_TAG, body(engine, args))
     engine.shutdown()

@@ -1,7 +1,7 @@
-"""``python oracle_workload.py MODEL_DIR [engine kwargs as JSON]``: a CPU Engine with ``--kv-canary raise`` and
+"""``python oracle_workload.py MODEL_DIR [engine kwargs as JSON] [cpu|cuda]``: an Engine with
 ``sampling_backend="token_oracle"`` (which sglang's CPU engine rewrites to ``pytorch``: the
-canary must still sample with the oracle). Prints ``RESULT <json>``: per request its id, prompt
-length and output ids."""
+canary must still sample with the oracle), ``--kv-canary raise`` and log level ``info`` unless
+given. Prints ``RESULT <json>``: per request its id, prompt length and output ids."""
 
 from engine_main import main
 
@@ -22,5 +22,7 @@ def run(engine, args):
 
 if __name__ == "__main__":
     main(
-        run, fixed_kwargs=dict(kv_canary="raise", sampling_backend="token_oracle", log_level="info")
+        run,
+        fixed_kwargs=dict(sampling_backend="token_oracle"),
+        default_kwargs=dict(kv_canary="raise", log_level="info"),
     )

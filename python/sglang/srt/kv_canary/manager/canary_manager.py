@@ -157,6 +157,7 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
                     else None
                 ),
                 verify_tree_depth=ranks.verify_tree_depth,
+                forwards_write=ranks.forwards_write_records,
             )
             for i in range(ranks.single_forward_managers)
         )
@@ -221,6 +222,8 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
         self._piecewise_graph_setup = False
         self._init_finished = False  # mark_init_finished ran (the chain-position check is on)
         self._staged: Optional[StagedForward] = None
+        # the requests of the hand-built batches run inside with_hand_built_batch_requests
+        self._hand_built_reqs: Optional[tuple] = None
 
     # ---- which single-forward manager is active ----------------------------------------
 
@@ -258,8 +261,41 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
         own pre-ops, e.g. a capacity check, or in the model) leaves the single-forward manager
         IDLE, so the next forward starts clean and reports its own error."""
         sfm = self.active_sfm
+        if self._hand_built_reqs is not None and batch_state(forward_batch) is None:
+            # a batch sglang built by hand (no ForwardBatch.init_new): its requests' state now
+            self.on_forward_batch_init(forward_batch, self._hand_built_reqs)
         with self._outside_graph((sfm,), forward_batch, replayed=False):
             yield sfm
+
+    @contextlib.contextmanager
+    def with_hand_built_batch_requests(self, reqs):
+        """Around sglang code that builds a ``ForwardBatch`` by hand (not through
+        ``ForwardBatch.init_new``, whose hook sets a batch's canary state) and runs it on this
+        runner: DFLASH's draft block. Such a batch gets ``reqs``' state (their rows for the
+        reports, their token histories with token checks on) at its forward
+        (docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4 Changes to the canary")."""
+        if self._hand_built_reqs is not None:
+            raise RuntimeError("kv_canary: hand-built batch requests set twice (no nesting)")
+        self._hand_built_reqs = tuple(reqs)
+        try:
+            yield
+        finally:
+            self._hand_built_reqs = None
+
+    def write_outside_forward(self, forward_batch: "ForwardBatch") -> None:
+        """Records of KV sglang wrote into this runner's pool outside any model forward
+        (DFLASH's draft appends), after that write: single-forward manager 0's write-only
+        launches (:meth:`SingleForwardManager.write_outside_forward`), on the current stream.
+        No step is counted and nothing is read back here: the next forward on this runner
+        reads its slots, verifies them and reads back what both found."""
+        if self._active is not None:
+            raise RuntimeError(
+                "kv_canary: a write outside any forward while single-forward manager "
+                f"{self._active.index} is active"
+            )
+        # these launches queue after the last read-back (and the ring's reset), as a forward's
+        self.device_host.fence()
+        self.sfms[0].write_outside_forward(forward_batch)
 
     @contextlib.contextmanager
     def _outside_graph(
@@ -275,7 +311,7 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
             )
         try:
             for sfm in sfms:
-                sfm.pre_ops_outside_graph(forward_batch)
+                sfm.pre_ops_outside_graph(forward_batch, replayed=replayed)
                 if replayed:  # a draft round's graph: its replay reads the tokens
                     sfm.upload_tokens_before_replay()
             yield

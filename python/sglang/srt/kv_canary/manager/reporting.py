@@ -20,7 +20,7 @@ from sglang.srt.kv_canary.batch_state import ForwardRequests
 from sglang.srt.kv_canary.buffer_group import CanaryBufferGroup
 from sglang.srt.kv_canary.capacities import CanaryLaunchCapacities
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
-from sglang.srt.kv_canary.ranks import RankFacts
+from sglang.srt.kv_canary.ranks import SAME_POSITION_DRAFT_WORKERS, RankFacts
 from sglang.srt.kv_canary.violations.containment import ContainmentManager
 from sglang.srt.kv_canary.violations.rank_relay import ContainmentNotice
 from sglang.srt.kv_canary.manager.health import KernelRunCounterHealthChecker
@@ -46,8 +46,14 @@ def draft_not_acted_on(mode: CanaryMode) -> str:
 
 
 def draft_pool_label(draft_worker: str) -> str:
-    """How the reports of a draft runner's canary name its pool (``draft_worker``: EAGLE or
-    STANDALONE)."""
+    """How the reports of a draft runner's canary name its pool (``draft_worker``: EAGLE,
+    STANDALONE or DFLASH, whose position p holds the KV projected from token p's target hidden
+    state)."""
+    if draft_worker in SAME_POSITION_DRAFT_WORKERS:
+        return (
+            f"the {draft_worker} draft model's KV pool (its position p holds the KV projected "
+            "from the target's hidden state of token p)"
+        )
     return (
         f"the {draft_worker} draft model's KV pool (its position p holds the KV computed from "
         "token p + 1)"

@@ -374,6 +374,10 @@ class CanaryPerturber:
         mode = forward_batch.forward_mode
         if self.draft and mode == ForwardMode.DECODE:
             return  # a draft round's slots: rewritten by the draft extend, never read as they are
+        if self.draft and mode == ForwardMode.TARGET_VERIFY:
+            # DFLASH's draft block (a draft runner's only verify-mode forward): its slots are
+            # borrowed for the block, then rewritten by the verify's draft KV append
+            return
         if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
             # a fixed number of tokens per request, of which only the first is always kept
             per_req = len(written) // max(1, forward_batch.req_pool_indices.shape[0])

@@ -9,6 +9,7 @@ the internals it touches and who relies on them:
 | ``hooks`` | the hook targets (``HOOK_*``) and ``register_hook`` |
 | ``server_args`` | ``ServerArgs``: the canary's attributes, the speculative settings |
 | ``runner`` | ``ModelRunner``, its CUDA-graph runners, the EAGLE draft runners |
+| ``dflash`` | DFLASH's worker: its draft KV appends, its hand-built draft block batch, its draft runner |
 | ``pool_sizing`` | KV pool sizing, before the pool exists |
 | ``scheduler`` | the ``Scheduler``: runners, tree cache, running requests, metrics, PD fakes |
 | ``batch`` | ``ForwardBatch``, ``SamplingBatchInfo``, ``Req`` |
@@ -16,6 +17,7 @@ the internals it touches and who relies on them:
 | ``retraction`` | heal mode's retraction of running requests |
 | ``radix`` | the radix caches and their nodes, subtree eviction |
 | ``sampler`` | sglang's sampler module (the token oracle) |
+| ``speculative`` | the speculative verifies and greedy walk the token oracle feeds |
 | ``pools`` | KV pool instances |
 | ``hicache`` | HiCache's host pool and its copies |
 
@@ -58,6 +60,12 @@ from sglang.srt.kv_canary.sglang_seam.hooks import (
     HOOK_DRAFT_GRAPH_REPLAY,
     HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE,
     HOOK_DRAFT_EXTEND_GRAPH_REPLAY,
+    HOOK_EAGLE_V1_VERIFY,
+    HOOK_EAGLE_V2_VERIFY_SAMPLE,
+    HOOK_NGRAM_VERIFY,
+    HOOK_EAGLE_V1_GREEDY_WALK,
+    HOOK_EAGLE_V2_GREEDY_WALK,
+    HOOK_NGRAM_GREEDY_WALK,
     register_hook,
     HOOK_MODEL_RUNNER_PROFILE_AVAILABLE_BYTES,
     HOOK_HOST_KV_CACHE_INIT,
@@ -86,6 +94,17 @@ from sglang.srt.kv_canary.sglang_seam.runner import (
     draft_graph_runner_steps,
     zero_draft_extend_graph_padding,
     zero_graph_padding_inputs,
+)
+from sglang.srt.kv_canary.sglang_seam.dflash import (
+    HOOK_DFLASH_INIT,
+    HOOK_DFLASH_APPEND,
+    HOOK_DFLASH_PREPARE,
+    HOOK_DFLASH_WRITE_SEQUENTIAL,
+    HOOK_DFLASH_WRITE_FUSED,
+    DFlashAppend,
+    dflash_draft_runner,
+    dflash_append_inputs,
+    dflash_append_batch,
 )
 from sglang.srt.kv_canary.sglang_seam.pool_sizing import (
     PoolFamily,
@@ -172,6 +191,18 @@ from sglang.srt.kv_canary.sglang_seam.radix import (
     radix_node_host_value,
     radix_node_id,
 )
+from sglang.srt.kv_canary.sglang_seam.speculative import (
+    TARGET_PREDICT_KWARG,
+    verify_batch_idle,
+    verify_sampling_info,
+    verify_rows,
+    verify_draft_token_num,
+    verify_node_positions,
+    greedy_verify,
+    ngram_greedy_walk_bound,
+    draft_extend_accept_lens,
+    simulated_acceptance_length,
+)
 from sglang.srt.kv_canary.sglang_seam.sampler import (
     sglang_sampler_class,
     init_sampler_module_only,
@@ -202,6 +233,15 @@ from sglang.srt.kv_canary.sglang_seam.hicache import (
 )
 
 __all__ = [
+    "HOOK_DFLASH_INIT",
+    "HOOK_DFLASH_APPEND",
+    "HOOK_DFLASH_PREPARE",
+    "HOOK_DFLASH_WRITE_SEQUENTIAL",
+    "HOOK_DFLASH_WRITE_FUSED",
+    "DFlashAppend",
+    "dflash_draft_runner",
+    "dflash_append_inputs",
+    "dflash_append_batch",
     "ForwardMode",
     "HOOK_SERVER_ARGS_INIT",
     "HOOK_SERVER_ARGS_ADD_CLI_ARGS",
@@ -235,6 +275,12 @@ __all__ = [
     "HOOK_DRAFT_GRAPH_REPLAY",
     "HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE",
     "HOOK_DRAFT_EXTEND_GRAPH_REPLAY",
+    "HOOK_EAGLE_V1_VERIFY",
+    "HOOK_EAGLE_V2_VERIFY_SAMPLE",
+    "HOOK_NGRAM_VERIFY",
+    "HOOK_EAGLE_V1_GREEDY_WALK",
+    "HOOK_EAGLE_V2_GREEDY_WALK",
+    "HOOK_NGRAM_GREEDY_WALK",
     "register_hook",
     "HOOK_MODEL_RUNNER_PROFILE_AVAILABLE_BYTES",
     "HOOK_HOST_KV_CACHE_INIT",
@@ -332,6 +378,16 @@ __all__ = [
     "radix_evict_subtree",
     "radix_node_host_value",
     "radix_node_id",
+    "TARGET_PREDICT_KWARG",
+    "verify_batch_idle",
+    "verify_sampling_info",
+    "verify_rows",
+    "verify_draft_token_num",
+    "verify_node_positions",
+    "greedy_verify",
+    "ngram_greedy_walk_bound",
+    "draft_extend_accept_lens",
+    "simulated_acceptance_length",
     "sglang_sampler_class",
     "init_sampler_module_only",
     "register_sampler_backend",

@@ -79,6 +79,16 @@ HOOK_DRAFT_GRAPH_REPLAY = f"{_DRAFT_CG}.replay"
 HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_DRAFT_EXTEND_CG}.capture_one_batch_size"
 HOOK_DRAFT_EXTEND_GRAPH_REPLAY = f"{_DRAFT_EXTEND_CG}.replay"
 
+# the token oracle with speculative decoding: each verify (spec v1 EAGLE / EAGLE3 / NEXTN /
+# STANDALONE / FROZEN_KV_MTP, spec v2, NGRAM) and the greedy tree walk as each module looks it
+# up (a module attribute; NGRAM's is sgl-kernel's op, bound only on CUDA / MUSA / HIP)
+HOOK_EAGLE_V1_VERIFY = f"{_SPEC}.eagle_info.EagleVerifyInput.verify"
+HOOK_EAGLE_V2_VERIFY_SAMPLE = f"{_SPEC}.eagle_info_v2.EagleVerifyInputV2Mixin.sample"
+HOOK_NGRAM_VERIFY = f"{_SPEC}.ngram_info.NgramVerifyInput.verify"
+HOOK_EAGLE_V1_GREEDY_WALK = f"{_SPEC}.eagle_info.verify_tree_greedy_func"
+HOOK_EAGLE_V2_GREEDY_WALK = f"{_SPEC}.eagle_info_v2.verify_tree_greedy_func"
+HOOK_NGRAM_GREEDY_WALK = f"{_SPEC}.ngram_info.verify_tree_greedy"
+
 
 def register_hook(target: str, hook: Callable, kind: str) -> None:
     """``HookRegistry.register(target, hook, HookType[kind])`` (kind: BEFORE / AFTER / AROUND

@@ -92,6 +92,7 @@ class SingleForwardManager:
         kv_pool=None,
         lanes: Optional[LaneLayout] = None,
         verify_tree_depth: int = 0,
+        forwards_write: bool = True,
     ):
         """``lanes``: the lane layout (topk, steps, page size) on a draft runner with
         ``--speculative-eagle-topk`` > 1 (its draft round's forwards planned by lane); ``verify_tree_depth`` > 0 on its
@@ -108,6 +109,8 @@ class SingleForwardManager:
                 "(enable_write_input_assert) but no token_oracle was given"
             )
         self.index = index
+        # False: forwards verify only (DFLASH's draft blocks; RankFacts.forwards_write_records)
+        self.forwards_write = forwards_write
         self.kv_pool = kv_pool  # the guarded pool (HiCache: its layer-load counter)
         self.token_oracle = token_oracle
         self.token_history = token_history
@@ -225,8 +228,32 @@ class SingleForwardManager:
 
     # ---- the four ops --------------------------------------------------------------------
 
-    def pre_ops_outside_graph(self, forward_batch: "ForwardBatch") -> None:
+    def pre_ops_outside_graph(
+        self, forward_batch: "ForwardBatch", *, replayed: bool = False
+    ) -> None:
+        """``replayed``: ``forward_batch`` is a replayed draft round's (its CUDA graph holds
+        this forward's inside ops, which read no expected inputs: a draft round's tokens are
+        proposals)."""
         self._advance(SfmOp.PRE_OUTSIDE_GRAPH)
+        self._check_capacities(forward_batch)
+        if self.expected_inputs is not None and not (
+            replayed and self.token_oracle.writes_proposals(forward_batch)
+        ):
+            self.token_oracle.fill_expected_inputs(forward_batch, self.expected_inputs)
+        if self._is_tree_forward(forward_batch):
+            # before the fork (so before the side stream's write) and before a graph replays
+            # the write that reads it
+            next_token, next_sibling = sglang_seam.verify_tree_lists(forward_batch)
+            launch_tree_parents_kernel(
+                next_token=next_token, next_sibling=next_sibling, tree=self.tree
+            )
+        self._batch = forward_batch
+        # token checks: the upload waits for the forward's kernels (eager) or the replay
+        self._tokens_pending = self.token_history is not None
+
+    def _check_capacities(self, forward_batch: "ForwardBatch") -> None:
+        """Raise ``RuntimeError`` naming the flags to raise when the batch's requests or
+        tokens exceed the canary's capacities."""
         bs = forward_batch.req_pool_indices.shape[0]
         caps = self.capacities
         if bs > caps.write_req_capacity:
@@ -242,18 +269,40 @@ class SingleForwardManager:
                 f"capacity {caps.write_entry_capacity}; it is sized from --max-prefill-tokens "
                 "and --chunked-prefill-size: raise them to cover this batch"
             )
-        if self.expected_inputs is not None:
-            self.token_oracle.fill_expected_inputs(forward_batch, self.expected_inputs)
-        if self._is_tree_forward(forward_batch):
-            # before the fork (so before the side stream's write) and before a graph replays
-            # the write that reads it
-            next_token, next_sibling = sglang_seam.verify_tree_lists(forward_batch)
-            launch_tree_parents_kernel(
-                next_token=next_token, next_sibling=next_sibling, tree=self.tree
+
+    def write_outside_forward(self, forward_batch: "ForwardBatch") -> None:
+        """Records of KV sglang wrote outside any model forward (DFLASH's draft appends:
+        docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4 Changes to the canary"),
+        after that write: plan, HEAD and TAIL chain writes, TAIL fingerprints (per-layer ones
+        too), eager, in order, on the current stream. No verify: the next forward that reads
+        those slots verifies them. Runs only between forwards (phase IDLE, no capture)."""
+        if self.phase != SfmPhase.IDLE or self._capturing:
+            raise CanaryPhaseError(
+                f"kv_canary: a write outside any forward in phase {self.phase.value} "
+                f"(single-forward manager {self.index}); it runs only between forwards"
             )
-        self._batch = forward_batch
-        # token checks: the upload waits for the forward's kernels (eager) or the replay
-        self._tokens_pending = self.token_history is not None
+        self._check_capacities(forward_batch)
+        inputs = self._batch_inputs(forward_batch)
+        for plans in self.plans.values():
+            launch_group_plan(
+                plans,
+                req_pool_indices=inputs.req_pool_indices,
+                prefix_lens=inputs.prefix_lens,
+                extend_seq_lens=inputs.extend_seq_lens,
+                req_to_token=self.req_to_token,
+                expected_tokens=None,
+                expected_valid_lens=None,
+            )
+        for launch in chain_write_launches(
+            self.endpoints,
+            plans_by_group=self.plans,
+            input_ids=inputs.input_ids,
+            positions=inputs.positions,
+            out_cache_loc=inputs.out_cache_loc,
+            expected_inputs=None,
+        ):
+            launch()
+        self._fingerprint_writes(inputs)
 
     def upload_tokens_before_replay(self) -> None:
         """Before a CUDA graph replays this forward's inside ops (the replay hooks call it, on
@@ -381,7 +430,10 @@ class SingleForwardManager:
             positions=forward_batch.positions[:n],
             out_cache_loc=slots,
             expected_inputs=(
-                self.expected_inputs.views(n) if self.expected_inputs is not None else None
+                self.expected_inputs.views(n)
+                if self.expected_inputs is not None
+                and not self.token_oracle.writes_proposals(forward_batch)
+                else None
             ),
         )
 
@@ -415,7 +467,8 @@ class SingleForwardManager:
                 lanes=inputs.lanes,
             )
         self._verify(CanaryPhase.HEAD)
-        self._write_lanes.run(
+        # a runner whose forwards write no records (RankFacts.forwards_write_records) runs none
+        launches = (
             chain_write_launches(
                 self.endpoints,
                 plans_by_group=self.plans,
@@ -425,7 +478,10 @@ class SingleForwardManager:
                 expected_inputs=inputs.expected_inputs,
                 tree=inputs.tree,
             )
+            if self.forwards_write
+            else []
         )
+        self._write_lanes.run(launches)
         for i, group in enumerate(self.groups):
             self.status.plan_enabled[i : i + 1].copy_(self.plans[group].verify_plan.enable)
 
@@ -435,6 +491,12 @@ class SingleForwardManager:
         fingerprints)."""
         self._verify(CanaryPhase.TAIL)
         launch_deep_verifies(self.endpoints, CanaryPhase.TAIL, plans_by_group=self.plans)
+        if self.forwards_write:
+            self._fingerprint_writes(inputs)
+
+    def _fingerprint_writes(self, inputs: ForwardLaunchInputs) -> None:
+        """The TAIL writes' fingerprints of the new slots ``inputs`` name (every layer's, with
+        per-layer fingerprints)."""
         launch_fingerprint_writes(
             self.endpoints,
             plans_by_group=self.plans,

@@ -1,0 +1,409 @@
+"""DFLASH speculative decoding over real sglang 0.5.12 pools, allocator, ``ReqToTokenPool``
+and ``ForwardBatch`` objects, with both canaries driven through the plugin's own hooks
+(docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.5 Tests and open questions").
+
+A stand-in ``DFlashWorker`` runs sglang 0.5.12's DFLASH life cycle at page size 1: chunked
+target prefills, each followed by the draft KV append of the chunk
+(``_append_target_hidden_to_draft_kv``: KV written into the draft pool outside any forward,
+through the hooked sequential write path); then rounds of a draft block (a hand-built
+``TARGET_VERIFY`` ``ForwardBatch`` on the draft runner over ``B`` slots borrowed with
+``backup_state`` / ``restore_state``, inside the hooked ``_prepare_for_speculative_decoding``),
+the target's verify of ``[bonus, drafts]`` at ``L .. L + B - 1`` with a random commit length
+(the rest freed at once), and the append of the committed positions. Requests may start from
+another request's committed prefix (a radix hit: its slots shared)."""
+
+from __future__ import annotations
+
+import random
+import sys
+import types
+from typing import List
+
+import pytest
+import torch
+
+from eagle_driver import EagleDriver
+from serving_driver import VOCAB, DriverReq, next_token
+from sglang.srt.kv_canary import plugin
+from sglang.srt.kv_canary import sglang_seam as seam
+from sglang.srt.kv_canary.builder import build_canary
+from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
+from sglang.srt.kv_canary.config import CanaryConfig
+from sglang.srt.kv_canary.ranks import RankFacts
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.speculative.dflash_info import DFlashDraftInput, DFlashVerifyInput
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
+
+pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
+
+MASK = VOCAB - 1  # the draft config's mask_token_id
+
+
+class DFlashDriver:
+    """``bug``: a fault of the append re-introduced: ``skip_request`` (one request's newly
+    committed positions dropped before the append, as if its ``ctx_lens`` were lost),
+    ``start_off_by_one`` (the write path given ``ctx_start + 1``), ``block_slot_left`` (one
+    committed column of ``req_to_token`` still pointing at a draft block slot after a
+    verify)."""
+
+    def __init__(self, *, block=4, seed=0, verify_tokens=True, num_slots=2048, chunk=16):
+        self.B, self.chunk, self.rng = block, chunk, random.Random(seed)
+        self.bug = None
+        self.req_to_token_pool = ReqToTokenPool(
+            size=8, max_context_len=256, device="cpu", enable_memory_saver=False
+        )
+        kw = dict(
+            size=num_slots,
+            page_size=1,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=8,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
+        self.target_pool = MHATokenToKVPool(layer_num=2, **kw)
+        self.draft_pool = MHATokenToKVPool(layer_num=2, **kw)  # a 2-layer DFlashDraftModel
+        self.allocator = TokenToKVPoolAllocator(
+            num_slots, torch.bfloat16, "cpu", self.target_pool, need_sort=False
+        )
+        config = CanaryConfig(
+            mode="raise",
+            real_kv_hash_mode="partial",
+            enable_verify_token_assert=verify_tokens,
+            stats_print_every_n_steps=0,
+            draft_violations="act",
+        )
+        caps = CanaryCapacityInputs(
+            context_len=256, chunked_prefill_size=chunk, max_prefill_tokens=128
+        )
+        r2t = self.req_to_token_pool.req_to_token
+        common = dict(req_to_token=r2t, config=config, device="cpu", capacity_inputs=caps)
+        self.target = build_canary(pool=self.target_pool, ranks=RankFacts(), **common)
+        self.draft = build_canary(
+            pool=self.draft_pool,
+            ranks=RankFacts(draft=True, draft_steps=1, draft_worker="DFLASH"),
+            **common,
+        )
+        self.target.mark_init_finished()
+        # the worker: its draft runner carries the draft canary; DFlashWorker.__init__'s hook
+        self.draft_runner = types.SimpleNamespace(is_draft_worker=True)
+        seam.set_runner_canary(self.draft_runner, self.draft)
+        self.worker = types.SimpleNamespace(draft_model_runner=self.draft_runner)
+        plugin._after_dflash_init(None, self.worker)
+        self.running: List[DriverReq] = []
+        self.done: List[DriverReq] = []
+        self.next_rid = 1
+        self.rounds = self.appends = self.commits_below_block = 0
+        self.block_rows_seen = []  # each draft block batch's request rows, as the canary has them
+
+    # ---- requests --------------------------------------------------------------------
+
+    def truth(self, req: DriverReq, p: int) -> int:
+        return req.prompt[p] if p < len(req.prompt) else next_token(req.rid, p)
+
+    def add(self, prompt_len: int, max_new: int, parent: DriverReq = None, shared: int = 0):
+        """A request; with ``parent``, its prompt starts with the parent's first ``shared``
+        committed tokens and their slots (a radix hit)."""
+        prompt = [self.rng.randrange(VOCAB - 1) for _ in range(prompt_len)]
+        req = DriverReq(rid=self.next_rid, prompt=prompt, max_new=max_new)
+        self.next_rid += 1
+        req.row = self.req_to_token_pool.free_slots.pop(0)
+        if parent is not None:
+            req.prompt[:shared] = parent.tokens[:shared]
+            slots = parent.slots[:shared]  # by position (its row may be reused by now)
+            self._set(req, 0, slots)
+            req.slots, req.kv_len = list(slots), shared
+        self.running.append(req)
+        return req
+
+    def _set(self, req, start, slots):
+        r2t = self.req_to_token_pool.req_to_token
+        r2t[req.row, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int32)
+
+    def step(self) -> None:
+        pre = [r for r in self.running if not r.prefilled]
+        if pre:
+            self.prefill(pre)
+        elif self.running:
+            self.decode(list(self.running))
+        for r in [r for r in self.running if r.prefilled and r.done]:
+            self.running.remove(r)
+            self.req_to_token_pool.free_slots.append(r.row)
+            self.done.append(r)  # its slots stay put: a later request may share them
+
+    # ---- the target's forwards ------------------------------------------------------------
+
+    def _forward(self, manager, pool, runner, fb):
+        """``ModelRunner.forward`` through the plugin's hook; the model writes KV bytes."""
+
+        def model(_runner, batch):
+            manager.pre_ops_maybe_inside_graph(batch)
+            EagleDriver.write_kv(pool, batch)
+            manager.post_ops_maybe_inside_graph(batch)
+
+        plugin._model_runner_forward(model, runner, fb)
+
+    def _target_batch(self, mode, reqs, ids, pos, loc, seq, pre=None, ext=None):
+        i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        fb = ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(reqs),
+            input_ids=i64(ids),
+            req_pool_indices=i64([r.row for r in reqs]),
+            seq_lens=i64(seq),
+            out_cache_loc=i64(loc),
+            seq_lens_sum=sum(seq),
+            positions=i64(pos),
+        )
+        fb.seq_lens_cpu = i64(seq)
+        if ext is not None:
+            fb.extend_prefix_lens, fb.extend_seq_lens = i64(pre), i64(ext)
+            fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(pre), list(ext)
+        self.target.on_forward_batch_init(fb, reqs)  # the ForwardBatch.init_new hook
+        return fb
+
+    def prefill(self, reqs) -> None:
+        target_runner = types.SimpleNamespace()
+        seam.set_runner_canary(target_runner, self.target)
+        ids, pos, loc, pre, ext, seq = [], [], [], [], [], []
+        for r in reqs:
+            n = min(self.chunk, len(r.prompt) - r.kv_len)
+            got = self.allocator.alloc(n).tolist()
+            self._set(r, r.kv_len, got)
+            r.slots += got
+            ids += r.prompt[r.kv_len : r.kv_len + n]
+            pos += list(range(r.kv_len, r.kv_len + n))
+            loc += got
+            pre.append(r.kv_len)
+            ext.append(n)
+            r.kv_len += n
+            seq.append(r.kv_len)
+        fb = self._target_batch(ForwardMode.EXTEND, reqs, ids, pos, loc, seq, pre, ext)
+        self._forward(self.target, self.target_pool, target_runner, fb)
+        for r in reqs:
+            if r.prefilled:
+                r.output.append(self.truth(r, len(r.prompt)))  # the first bonus token
+        self.append(reqs, ForwardMode.EXTEND, torch.tensor(ids), ext)
+
+    # ---- DFLASH: the append, the draft block, the verify -------------------------------
+
+    def append(self, reqs, mode, input_ids, ctx) -> None:
+        """sglang's ``_append_target_hidden_to_draft_kv(batch, draft_input)`` through the
+        plugin's hook: the newly committed ``ctx`` positions of each request."""
+        ctx = list(ctx)
+        if self.bug == "skip_request" and mode == ForwardMode.TARGET_VERIFY:
+            ctx[0] = 0  # the first request's committed positions never reach the append
+        batch = types.SimpleNamespace(
+            forward_mode=mode,
+            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64),
+            seq_lens=torch.tensor([r.kv_len for r in reqs], dtype=torch.int64),
+            input_ids=input_ids,
+            spec_info=types.SimpleNamespace(draft_token_num=self.B),
+            reqs=reqs,
+        )
+        draft_input = DFlashDraftInput(
+            bonus_tokens=torch.zeros(len(reqs), dtype=torch.int64),
+            target_hidden=torch.zeros((sum(ctx), 1)),
+            ctx_lens=torch.tensor(ctx, dtype=torch.int32),
+            draft_seq_lens=torch.zeros(len(reqs), dtype=torch.int32),
+        )
+        plugin._dflash_append(DFlashDriver._append_impl, self, batch, draft_input)
+        self.appends += 1
+
+    @property
+    def draft_model_runner(self):  # what the seam reads of a DFlashWorker
+        return self.draft_runner
+
+    def _append_impl(self, batch, draft_input) -> None:
+        """sglang 0.5.12's append, reduced: the committed positions' slots gathered from
+        ``req_to_token``, the projected KV written by the sequential path."""
+        total = int(draft_input.target_hidden.shape[0])
+        ctx = draft_input.ctx_lens.to(torch.int64)
+        if total > 0:
+            start = batch.seq_lens - ctx + (1 if self.bug == "start_off_by_one" else 0)
+            pos = torch.cat([torch.arange(s, s + n) for s, n in zip(start.tolist(), ctx.tolist())])
+            rows = torch.repeat_interleave(batch.req_pool_indices, ctx)
+            slots = self.req_to_token_pool.req_to_token[rows, pos].to(torch.int64)
+            plugin._dflash_write(
+                DFlashDriver._write_sequential, self, draft_input.target_hidden, pos, slots
+            )
+        draft_input.ctx_lens = torch.zeros_like(draft_input.ctx_lens)
+        draft_input.target_hidden = draft_input.target_hidden[:0]
+
+    def _write_sequential(self, ctx_hidden, ctx_positions, ctx_cache_loc) -> None:
+        """The draft layers' KV of each position (stand-in bytes of the position)."""
+        fb = types.SimpleNamespace(
+            out_cache_loc=ctx_cache_loc, input_ids=ctx_positions * 0 + 5, positions=ctx_positions
+        )
+        EagleDriver.write_kv(self.draft_pool, fb)
+
+    def decode(self, reqs) -> None:
+        B, bs = self.B, len(reqs)
+        L = [r.kv_len for r in reqs]
+        bonus = [r.tokens[r.kv_len] for r in reqs]
+        block_slots = {}
+
+        def prepare(_worker, _batch):  # _prepare_for_speculative_decoding's draft block
+            backup = self.allocator.backup_state()
+            try:
+                loc = self.allocator.alloc(bs * B)
+                for i, r in enumerate(reqs):
+                    self._set(r, L[i], loc[i * B : (i + 1) * B].tolist())
+                    block_slots[r.rid] = loc[i * B : (i + 1) * B].tolist()
+                i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+                fb = ForwardBatch(  # built by hand, as DFlashWorker does: no init_new
+                    forward_mode=ForwardMode.TARGET_VERIFY,
+                    batch_size=bs,
+                    input_ids=i64([t for b in bonus for t in [b] + [MASK] * (B - 1)]),
+                    req_pool_indices=i64([r.row for r in reqs]),
+                    seq_lens=torch.tensor(L, dtype=torch.int32),
+                    out_cache_loc=loc.to(torch.int64),
+                    seq_lens_sum=sum(L),
+                    seq_lens_cpu=torch.tensor(L, dtype=torch.int32),
+                    positions=i64([l + j for l in L for j in range(B)]),
+                    spec_info=DFlashVerifyInput(
+                        draft_token=torch.empty((0,), dtype=torch.long),
+                        positions=torch.empty((0,), dtype=torch.int64),
+                        draft_token_num=B,
+                        custom_mask=None,
+                    ),
+                )
+                self._forward(self.draft, self.draft_pool, self.draft_runner, fb)
+                state = seam.batch_state(fb)  # set by the canary from batch.reqs
+                self.block_rows_seen.append(
+                    None if state is None or state.requests is None else state.requests.rows
+                )
+            finally:
+                self.allocator.restore_state(backup)
+
+        plugin._dflash_prepare(prepare, self, types.SimpleNamespace(reqs=reqs))
+        # the target's verify of [bonus, drafts] at L .. L + B - 1, fresh slots (the block's,
+        # given back; with block_slot_left, shifted by one: the block's first slot held)
+        held = self.allocator.alloc(1).tolist() if self.bug == "block_slot_left" else []
+        loc = self.allocator.alloc(bs * B).tolist()
+        ids, acc = [], []
+        for i, r in enumerate(reqs):
+            self._set(r, L[i], loc[i * B : (i + 1) * B])
+            a = self.rng.randrange(B)
+            left = r.max_new - len(r.output)
+            if self.bug == "block_slot_left" and i == 0:
+                a = max(a, 1)  # the fault needs a committed column past the bonus
+            a = min(a, max(0, left - 1))
+            acc.append(a)
+            drafts = [
+                self.truth(r, L[i] + 1 + k) if k < a else (self.truth(r, L[i] + 1 + k) + 1) % VOCAB
+                for k in range(B - 1)
+            ]
+            ids += [bonus[i]] + drafts
+        pos = [l + j for l in L for j in range(B)]
+        fb = self._target_batch(ForwardMode.TARGET_VERIFY, reqs, ids, pos, loc, L)
+        fb.spec_info = DFlashVerifyInput(
+            draft_token=torch.tensor(ids), positions=torch.tensor(pos), draft_token_num=B
+        )
+        target_runner = types.SimpleNamespace()
+        seam.set_runner_canary(target_runner, self.target)
+        self._forward(self.target, self.target_pool, target_runner, fb)
+        commit = []
+        for i, r in enumerate(reqs):
+            n = acc[i] + 1
+            commit.append(n)
+            self.commits_below_block += n < B
+            mine = loc[i * B : (i + 1) * B]
+            r.slots += mine[:n]
+            self.allocator.free(torch.tensor(mine[n:], dtype=torch.int64))
+            r.output += [self.truth(r, L[i] + 1 + k) for k in range(n)]
+            r.kv_len = L[i] + n
+            if held and i == 0 and n >= 2 and held[0] == block_slots[r.rid][0]:
+                self._set(r, L[i] + 1, held)  # the block's slot, not the verify's, kept
+        self.append(reqs, ForwardMode.TARGET_VERIFY, torch.tensor(ids), commit)
+        self.rounds += 1
+
+    # ---- faults ------------------------------------------------------------------------
+
+    def report_within(self, steps: int) -> str:
+        for _ in range(steps):
+            try:
+                self.workload(1)
+            except RuntimeError as exc:
+                if "kv_canary detected" not in str(exc):
+                    raise
+                return str(exc)
+        raise AssertionError(f"no kv_canary report within {steps} steps")
+
+    def workload(self, steps: int) -> None:
+        for _ in range(steps):
+            if len(self.running) < 4 and self.rng.random() < 0.5:
+                parents = [r for r in self.running + self.done if r.kv_len > 8]
+                if parents and self.rng.random() < 0.5:
+                    parent = self.rng.choice(parents)
+                    shared = self.rng.randrange(2, min(parent.kv_len, 30))
+                    self.add(self.rng.randint(shared + 1, shared + 30), 12, parent, shared)
+                else:
+                    self.add(self.rng.randint(5, 40), self.rng.randint(4, 16))
+            self.step()
+
+
+def _reasons(report: str) -> set:
+    return {
+        reason
+        for line in report.splitlines()
+        if "fail_reason=" in line
+        for reason in line.split("fail_reason=")[1].split()[0].split("+")
+    }
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_clean_dflash_workload_reports_nothing(seed):
+    """Chunked prefills with appends, verifies with random commit lengths and their appends,
+    draft blocks on borrowed slots, requests sharing another's committed prefix: no report,
+    and both canaries did their work (the draft one's verifies ran in the blocks, its writes
+    in the appends, with the chain-position check on)."""
+    d = DFlashDriver(seed=seed)
+    d.workload(120)
+    assert d.rounds > 20 and d.appends > d.rounds and d.commits_below_block > 5
+    assert len(d.done) >= 4
+    assert d.draft.count_violations() == 0 and d.target.count_violations() == 0
+    assert d.draft.state.enable_chain_position_assert.item() == 1
+    assert d.draft.groups[0].kv_token_id_vs_position_offset == 0
+    assert d.draft.step == d.rounds  # one step per draft block, none per append
+    # the hand-built block batches got their requests (reports' rids, token checks)
+    assert len(d.block_rows_seen) == d.rounds and all(d.block_rows_seen)
+
+
+def test_a_flipped_draft_byte_at_a_committed_position_is_reported_by_the_next_block():
+    d = DFlashDriver(seed=3)
+    d.workload(30)
+    victim = max((r for r in d.running if r.prefilled), key=lambda r: r.max_new - len(r.output))
+    slot = int(d.req_to_token_pool.req_to_token[victim.row, victim.kv_len // 2])
+    d.draft_pool.k_buffer[0][slot].view(torch.uint8).view(-1)[0] ^= 0xFF
+    report = d.report_within(3)
+    assert "verify_real_kv_hash" in _reasons(report) and f"slot_idx={slot}" in report
+
+
+@pytest.mark.parametrize(
+    "bug,reason",
+    [
+        ("skip_request", "verify_chain_hash"),
+        ("start_off_by_one", "verify_position"),
+        ("block_slot_left", "verify_token"),
+    ],
+)
+def test_each_append_fault_is_reported_by_its_check(bug, reason):
+    """An append that skips a request (its committed positions keep stale records), a write
+    path given ``ctx_start + 1`` (position ``ctx_start`` never written, the last one past the
+    committed length), a draft block's slot left in ``req_to_token`` after a verify: the draft
+    canary reports each at the next draft block, by the check named."""
+    d = DFlashDriver(seed=4)
+    d.workload(30)
+    d.bug = bug
+    report = d.report_within(12)
+    assert reason in _reasons(report), report
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
