@@ -40,7 +40,8 @@ prefix's last partial page copied into the head of every lane k >= 1 by the draf
 
 ``bug_*`` switches (:class:`EagleDriver`'s: PR 25015's positions, PR 26329's chunk-end token;
 ``bug_aligned_round_lane_slots``: sglang 0.5.12's lane slots in a paged round without a
-partial page) and ``plant_*`` faults plant the defects the tests check.
+partial page; ``bug_stale_lane_columns``: the outcome its kernel's unsynchronised read of
+``req_to_token`` allows) and ``plant_*`` faults plant the defects the tests check.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class EagleTreeDriver(EagleDriver):
         replay_draft_rounds: bool = False,
         compact_accepted: bool = False,
         bug_aligned_round_lane_slots: bool = False,
+        bug_stale_lane_columns: bool = False,
         **kwargs,
     ):
         if topk < 2:
@@ -85,6 +87,8 @@ class EagleTreeDriver(EagleDriver):
         self.duplications: List[List[tuple]] = []
         self.bug_aligned_round_lane_slots = bug_aligned_round_lane_slots
         self.aligned_rounds = 0  # page size > 1: draft rounds with no partial page
+        self.bug_stale_lane_columns = bug_stale_lane_columns
+        self.stale_lane_slots = 0  # lane slots taken from req_to_token before the kernel
         self.moves = 0  # compactions that moved KV (a source slot not its target)
         self.replayed_rounds = 0
         self._replay_forward: Optional[int] = None  # the replayed round's next forward
@@ -267,7 +271,16 @@ class EagleTreeDriver(EagleDriver):
         rewrite of the slots (its part 3 sits under ``duplicate_cache_len > 0``), so the
         round's forwards write the allocation's first ``bs * K * steps`` slots, not the lanes'
         columns: the driver completes the rewrite from ``req_to_token`` unless
-        ``bug_aligned_round_lane_slots`` (sglang 0.5.12 as it runs)."""
+        ``bug_aligned_round_lane_slots`` (sglang 0.5.12 as it runs).
+
+        ``bug_stale_lane_columns``: the kernel's part 3 loads the lanes' columns of
+        ``req_to_token`` that its part 1 stored, in the same program with no barrier between
+        (its PTX has none): part 1's element ``e`` (column ``L + e``) is stored by warp
+        ``e % 128 // 32`` of four, part 3's 32-wide load is repeated by every warp, each storing
+        into ``out_cache_loc``. A lane step at offset ``k * npp * page + j`` past warp 0's 32
+        columns (lane 1 of a two-page lane: ``L % page + steps > page``) may then be read before
+        it is stored: the switch gives such steps the column's slot from before the kernel (the
+        outcome the race allows; GPU suite run 39 saw it at page 16, topk 2, 3 steps)."""
         from sglang.srt.kv_canary import plugin
         from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
         from sglang.srt.speculative.spec_utils import assign_draft_cache_locs
@@ -292,6 +305,7 @@ class EagleTreeDriver(EagleDriver):
         self.aligned_rounds += dup == 0
         tgt, src = (torch.zeros(dup, dtype=torch.int32) for _ in range(2))
         r2t = self.req_to_token_pool.req_to_token
+        before = r2t[rpi].clone() if self.bug_stale_lane_columns else None
         assign_draft_cache_locs[(bs,)](
             rpi,
             r2t,
@@ -320,6 +334,15 @@ class EagleTreeDriver(EagleDriver):
             )
             lanes = r2t[rpi.view(bs, 1, 1), cols].to(torch.int64)
             out[: bs * k_lanes * s] = lanes.reshape(-1)
+        if dup and before is not None:
+            for b in range(bs):
+                for k in range(k_lanes):
+                    for j in range(s):
+                        offset = k * int(npp[b]) * ps + j
+                        if offset % 128 // 32:
+                            slot = before[b, int(seq[b]) + offset].to(torch.int64)
+                            self.stale_lane_slots += int(slot != out[(b * k_lanes + k) * s + j])
+                            out[(b * k_lanes + k) * s + j] = slot
         if dup:
             pool = self.draft_pool
             move_kv_cache_native(pool.k_buffer, pool.v_buffer, tgt, src)

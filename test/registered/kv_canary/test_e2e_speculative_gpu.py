@@ -312,8 +312,10 @@ def test_tree_every_fault_class_is_caught_in_each_pool(models, worker):
 # runs trees at page > 1 on flashinfer or fa3 only, flashinfer's prefill needs heads of 128
 PAGED_TREE = dict(page_size=16, attention_backend="flashinfer", **TREE)
 # sglang 0.5.12 lays out the slots of a paged round in which no request's prefix ends inside
-# a page wrongly (its assign_draft_cache_locs skips their rewrite): e2e_support/sitecustomize.py
-# rewrites them as that kernel does when a partial page exists, in the canary-off and -on runs
+# a page wrongly (its assign_draft_cache_locs skips their rewrite), and may give a lane that
+# spans two pages a column's earlier slot (the kernel reads back req_to_token with no barrier):
+# e2e_support/sitecustomize.py reads every round's lane slots from req_to_token, in the
+# canary-off and -on runs
 PAGED_LANES_REWRITTEN = {"KV_CANARY_TEST_PAGED_LANES_REWRITTEN": "1"}
 
 
@@ -343,10 +345,13 @@ def test_tree_paged_rounds_without_a_partial_page_are_reported(head_dim_128_mode
     """sglang 0.5.12 as it runs, one request at a time (each prompt's draft rounds pass its
     committed length 48 alone): in a round whose request's prefix ends on a page boundary the
     lanes' steps are written to the allocation's first slots, not to the columns the draft
-    attention reads. With the canary in raise mode and token checks: outputs equal to the
-    canary off's (the draft pool's reports are logged, not acted on), the target pool
-    clean, and every draft report at the stale step read (position L, a multiple of 16) or
-    the step written after it (L + 1)."""
+    attention reads; in a round whose lanes span two pages (``L % 16`` of 14 or 15) lane 1's
+    steps may get their columns' earlier slots (the kernel's unsynchronised read-back, seen
+    under load in GPU suite run 39; ``test_speculative_trees.py`` plants it). With the canary
+    in raise mode and token checks: outputs equal to the canary off's (the draft pool's
+    reports are logged, not acted on), the target pool clean, and every draft report at the
+    stale step read (position L) or the step written after it (L + 1) of such a round: a
+    position of 14, 15, 0 or 1 modulo 16."""
     engine = dict(UNCHUNKED, max_running_requests=1, **PAGED_TREE)
     rc, out, off = run(head_dim_128_models, "spec_v1", **engine)
     assert rc == 0 and off is not None, out[-4000:]
@@ -361,7 +366,7 @@ def test_tree_paged_rounds_without_a_partial_page_are_reported(head_dim_128_mode
     assert rc == 0 and on == off and len(on) == 12, out[-4000:]
     seen = violations_by_pool(out)
     assert seen and {pool for pool, _ in seen} == {"draft"}, seen
-    assert {v.read_position % 16 for _, v in seen} <= {0, 1}, seen
+    assert {v.read_position % 16 for _, v in seen} <= {14, 15, 0, 1}, seen
 
 
 # NGRAM (docs/speculative_standalone_ngram.md, "2. NGRAM (n-gram lookup, no draft model)"):

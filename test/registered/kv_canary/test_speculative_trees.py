@@ -383,5 +383,25 @@ def test_sglang_0_5_12_lane_slots_of_a_paged_round_without_a_partial_page_are_re
     assert seen and {v.read_position % 4 for v in seen} <= {0, 1}, seen
 
 
+def test_sglang_0_5_12_stale_lane_columns_of_a_two_page_lane_are_reported():
+    """sglang 0.5.12's ``assign_draft_cache_locs`` reads back the lanes' ``req_to_token``
+    columns that the same program stored, with no barrier between: a lane step stored by
+    another warp than the one whose load lands last (lane 1 of a lane spanning two pages at
+    page 16, 3 steps: ``L % 16`` of 14 or 15) may get the column's slot from before the kernel
+    (``bug_stale_lane_columns``). The step is then written where the lane does not read it:
+    the draft canary reports the stale read at position L (``L % 16`` 14 or 15) or the step
+    written after it (L + 1), the target's nothing. The same rounds without the race run
+    clean (:func:`test_paged_tree_rounds_run_clean`, page 16, topk 4)."""
+    d = EagleTreeDriver(
+        topk=2, steps=3, num_draft=6, seed=2, page_size=16, bug_stale_lane_columns=True
+    )
+    with pytest.raises(RuntimeError, match="draft model's KV pool") as exc:
+        d.run(28)
+    assert d.stale_lane_slots >= 1 and d.target.violations.total == 0
+    seen = parse_violation_lines(str(exc.value))
+    assert seen and {v.read_position % 16 for v in seen} <= {14, 15, 0}, seen
+    assert any("verify_position" in v.fail_reasons for v in seen), seen
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -21,11 +21,15 @@ from the prompt only and keeps the sampled token where the chunk ends inside the
 retracted and resumed request (the bug PR 28254 fixed). Each non-final chunk's end prints a
 ``KV_CANARY_TEST_PR28254:`` line saying whether it lies inside the prompt or the output.
 
-With ``KV_CANARY_TEST_PAGED_LANES_REWRITTEN=1`` an EAGLE draft round at page size > 1 with
-topk > 1 in which no request's prefix ends inside a page gets its lane slots as sglang's
-``assign_draft_cache_locs`` writes them when some prefix does (lane k's step j at the
-``req_to_token`` column ``L + k * npp * page_size + j``): sglang 0.5.12's kernel skips that
-rewrite then, and the round's forwards write the allocation's first slots instead.
+With ``KV_CANARY_TEST_PAGED_LANES_REWRITTEN=1`` every EAGLE draft round at page size > 1 with
+topk > 1 gets its lane slots as sglang's ``assign_draft_cache_locs`` means to write them (lane
+k's step j at the ``req_to_token`` column ``L + k * npp * page_size + j``), read from
+``req_to_token`` once the kernel has ended. Two defects of sglang 0.5.12's kernel: in a round
+where no request's prefix ends inside a page it skips that rewrite, and the round's forwards
+write the allocation's first slots instead; where a lane spans two pages, its part 3 may read
+a column before its part 1 has stored it (no barrier between them), and the step gets the
+column's earlier slot (docs/speculative_trees.md, "1.1 Draft round (draft pool, `DECODE`
+forwards)").
 
 With ``KV_CANARY_TEST_ADAPTIVE_ACCEPT=a,b,...`` sglang's ``--speculative-adaptive``
 controller is fed these accepted-draft counts, one per verify, in a cycle, in place of the
@@ -212,17 +216,18 @@ if _TEST_ENV.get("KV_CANARY_TEST_PR25015"):
 
 if _TEST_ENV.get("KV_CANARY_TEST_PAGED_LANES_REWRITTEN"):
     # sglang 0.5.12's assign_draft_cache_locs rewrites the round's slots to [bs, topk, steps]
-    # only when duplicate_cache_len > 0: done here for the rounds without a partial page
+    # only when duplicate_cache_len > 0, and may read a lane's column before storing it: every
+    # round's slots are read here from req_to_token, which the kernel's stores leave right
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    def _rewrite_aligned_lane_slots(result, self, batch, *args, **kwargs):
+    def _rewrite_lane_slots(result, self, batch, *args, **kwargs):
         import torch
 
         page, topk, steps = self.page_size, self.topk, self.speculative_num_steps
-        if page == 1 or topk == 1 or bool((batch.seq_lens_cpu % page).any()):
+        if page == 1 or topk == 1:
             return result
         seq = batch.seq_lens.to(torch.int64).view(-1, 1, 1)
-        npp = (steps + page - 1) // page  # pages per lane of a prefix ending on a boundary
+        npp = (seq % page + steps + page - 1) // page  # pages per lane, per request
         device = seq.device
         cols = (
             seq
@@ -236,7 +241,7 @@ if _TEST_ENV.get("KV_CANARY_TEST_PAGED_LANES_REWRITTEN"):
 
     HookRegistry.register(
         "sglang.srt.speculative.eagle_worker.EAGLEWorker._draft_preprocess_decode",
-        _rewrite_aligned_lane_slots,
+        _rewrite_lane_slots,
         HookType.AFTER,
     )
 
