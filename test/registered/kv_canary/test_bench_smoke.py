@@ -266,6 +266,7 @@ def test_bench_prefill_device_time_smoke_runs_and_traces_every_stand_in(tmp_path
     [
         ("bench_host_primitives.py", "bench_host_primitives.py needs a CUDA GPU"),
         ("probe_graph_event_wait.py", "probe_graph_event_wait: needs a CUDA GPU"),
+        ("diag_multi_layer_eagle.py", "diag_multi_layer_eagle: needs a CUDA GPU"),
     ],
 )
 def test_a_cuda_only_script_says_it_needs_a_gpu(script, message):
@@ -274,6 +275,29 @@ def test_a_cuda_only_script_says_it_needs_a_gpu(script, message):
     )
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+def test_the_multi_layer_eagle_diagnostic_refuses_an_unknown_case_and_reads_sglangs_error():
+    """``diag_multi_layer_eagle.py``: an unknown ``--cases`` entry is refused naming the flag,
+    the value and the cases allowed; a case's error is the last exception line of its output."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "diag_multi_layer_eagle.py"), "--cases", "spec_v3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "--cases 'spec_v3': unknown ['spec_v3']; allowed: spec_v2-graphs" in proc.stderr
+    sys.path.insert(0, str(BENCH_DIR))
+    from diag_multi_layer_eagle import last_error
+
+    out = (
+        "Traceback (most recent call last):\n  File x\nKeyError: 3\nduring handling\n"
+        "Traceback (most recent call last):\nAttributeError: 'X' object has no attribute "
+        "'buffers'\n[2026] scheduler exited\n"
+    )
+    assert last_error(out) == "AttributeError: 'X' object has no attribute 'buffers'"
+    assert last_error("served 12 requests\n") == ""
 
 
 def test_abort_storm_classifies_what_a_client_gets():

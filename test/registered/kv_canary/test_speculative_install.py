@@ -266,6 +266,32 @@ def test_the_tiny_gemma4_pair_is_read_by_sglangs_config_path(tmp_path):
     assert draft.hf_text_config.swa_num_key_value_heads == 2
 
 
+def test_the_tiny_step3p5_is_read_by_sglangs_config_path(tmp_path):
+    """The tiny Step-3.5 for multi-layer EAGLE's diagnostic
+    (docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.1 What sglang 0.5.12 runs") as
+    sglang 0.5.12 reads it: the target hybrid SWA (three sliding layers to one full) over 45
+    layers, so that the MTP block sglang builds at ``layer_id = 45`` attends through layer 0
+    of a draft pool; the same directory read as the draft is ``Step3p5MTP`` with one sliding
+    layer; three MTP layers (one draft runner each)."""
+    from canary_support.tiny_models import write_tiny_step3p5
+    from sglang.srt.configs.model_config import ModelConfig
+
+    model_dir = write_tiny_step3p5(tmp_path / "step3p5")
+    target = ModelConfig(model_dir, dtype="bfloat16")
+    assert target.hf_config.architectures == ["Step3p5ForCausalLM"] and target.is_hybrid_swa
+    assert target.full_attention_layer_ids == list(range(3, 45, 4))
+    assert len(target.swa_attention_layer_ids) == 45 - 11
+    assert target.hf_config.num_hidden_layers == 45
+    assert target.hf_config.num_nextn_predict_layers == 3
+    assert len(target.hf_config.layer_types) == 48 and target.hf_config.layer_types[45] == (
+        "sliding_attention"
+    )
+    draft = ModelConfig(model_dir, dtype="bfloat16", is_draft_model=True)
+    assert draft.hf_config.architectures == ["Step3p5MTP"] and draft.is_hybrid_swa
+    assert (draft.swa_attention_layer_ids, draft.full_attention_layer_ids) == ([0], [])
+    assert (draft.head_dim, draft.get_total_num_kv_heads()) == (16, 2)
+
+
 class _NgramWorkerStandIn:  # stand-in: NGRAMWorker's runner is its target worker's
     def __init__(self, target_worker):
         self.target_worker = target_worker

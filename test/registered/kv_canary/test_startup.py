@@ -677,6 +677,37 @@ def test_dflash_with_the_token_oracle_is_refused_from_every_route(
     assert cli(model_dir, "--kv-canary", "raise", *dflash).speculative_algorithm == "DFLASH"
 
 
+def test_a_step3p5_target_with_eagle_is_refused_from_every_route(capsys, tmp_path):
+    """A Step-3.5 target with ``--speculative-algorithm EAGLE``: sglang turns on
+    ``--enable-multi-layer-eagle`` by itself, which the canary does not cover; the refusal
+    says so (the operator never passed the flag) from the command line, a ``--config`` YAML
+    and ``Engine`` kwargs. The same server without the canary starts, with the flag on."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from canary_support.tiny_models import write_tiny_step3p5
+
+    step = write_tiny_step3p5(tmp_path / "step3p5")
+    eagle = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"]
+    eagle += ["--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    refused = "sglang also turns it on by itself for MiMoV2 and Step-3.5 targets"
+    assert refused in cli_error(capsys, step, "--kv-canary", "raise", *eagle)
+    yaml_file = tmp_path / "step3p5_eagle.yaml"
+    yaml_file.write_text(
+        "kv-canary: log\nspeculative-algorithm: EAGLE\nspeculative-num-steps: 3\n"
+        "speculative-eagle-topk: 1\nspeculative-num-draft-tokens: 4\n"
+    )
+    assert refused in cli_error(capsys, step, "--config", str(yaml_file))
+    engine = dict(
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+    )
+    with pytest.raises(ValueError, match=refused):
+        kwargs(step, kv_canary="abort", **engine)
+    assert kwargs(step, **engine).enable_multi_layer_eagle
+    assert cli(step, *eagle).enable_multi_layer_eagle
+
+
 def test_adaptive_steps_start_from_every_route(capsys, tmp_path, model_dir):
     """``--speculative-adaptive`` with the canary: accepted from the command line, a
     ``--config`` YAML and ``Engine`` kwargs; a ``--speculative-adaptive-config`` file sglang

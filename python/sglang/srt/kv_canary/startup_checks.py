@@ -140,8 +140,11 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
         _check_dflash(server_args, spec.page_size)
     if spec.multi_layer_eagle:
         raise ValueError(
-            "--kv-canary does not cover --enable-multi-layer-eagle yet (its draft "
-            "layers run outside the draft worker's forwards); drop that flag"
+            "--kv-canary does not cover --enable-multi-layer-eagle yet (its draft layers run "
+            "outside the draft worker's forwards). sglang also turns it on by itself for "
+            "MiMoV2 and Step-3.5 targets (MiMoV2ForCausalLM, MiMoV2FlashForCausalLM, "
+            "Step3p5ForCausalLM) with --speculative-algorithm EAGLE: drop the flag, or serve "
+            "such a model without --kv-canary or without speculative decoding"
         )
     if config.enable_token_oracle or config.enable_write_input_assert:
         _check_token_oracle_speculative(config, spec.algorithm)

@@ -1,7 +1,8 @@
 """Tiny dummy-weight model shapes for the end-to-end tests and benchmarks beyond the demo's
 Llama: DeepSeek-V2 (MLA), DeepSeek-V3's MLA dimensions, DeepSeek-V3.2 (MLA + DSA indexer) and
 Qwen3-Next (hybrid linear attention), GPT-OSS (one sliding-window and one full-attention
-layer) and a Gemma4 target with its MTP assistant (FROZEN_KV_MTP). Each ``write_tiny_*``
+layer), a Gemma4 target with its MTP assistant (FROZEN_KV_MTP) and a Step-3.5 target with its
+three MTP layers (multi-layer EAGLE). Each ``write_tiny_*``
 writes a bare ``config.json``
 (``load_format="dummy"``, requests pass ``input_ids``)."""
 
@@ -267,3 +268,61 @@ def write_tiny_gemma4_pair(target_dir, draft_dir) -> tuple:
         write_model_config(target_dir, TINY_GEMMA4_TEXT_CONFIG),
         write_model_config(draft_dir, TINY_GEMMA4_ASSISTANT_CONFIG),
     )
+
+
+# A tiny Step-3.5 (``Step3p5ForCausalLM``: hybrid sliding window 3:1, MoE on two layers, three
+# MTP layers after the last). sglang 0.5.12 turns ``--speculative-algorithm EAGLE`` into
+# multi-layer EAGLE for this architecture, loads the draft from the same directory as
+# ``Step3p5MTP`` (one sliding-window layer per MTP runner) and builds every MTP block with
+# ``layer_id = 45`` (a FIXME in ``step3p5_mtp.py``): its attention layer is ``45 -
+# num_hidden_layers``, the one layer of a draft pool only with 45 target layers. Per-layer lists
+# have the 48 entries of the target's layers and the MTP layers.
+_STEP3P5_LAYERS, _STEP3P5_MTP = 45, 3
+TINY_STEP3P5_CONFIG = {
+    "architectures": ["Step3p5ForCausalLM"],
+    "model_type": "step3p5",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_attention_groups": 2,
+    "head_dim": 16,
+    "num_hidden_layers": _STEP3P5_LAYERS,
+    "num_nextn_predict_layers": _STEP3P5_MTP,
+    "layer_types": [
+        "full_attention" if i % 4 == 3 and i < _STEP3P5_LAYERS else "sliding_attention"
+        for i in range(_STEP3P5_LAYERS + _STEP3P5_MTP)
+    ],
+    "sliding_window": 32,
+    "attention_other_setting": {"num_attention_heads": 4, "num_attention_groups": 2},
+    "use_head_wise_attn_gate": False,
+    "partial_rotary_factors": [1.0] * (_STEP3P5_LAYERS + _STEP3P5_MTP),
+    "rope_theta": [10000.0] * (_STEP3P5_LAYERS + _STEP3P5_MTP),
+    "rope_scaling": None,
+    "yarn_only_types": [],
+    "moe_layers_enum": "3,4",
+    "moe_num_experts": 4,
+    "moe_top_k": 2,
+    "moe_intermediate_size": 32,
+    "share_expert_dims": 32,
+    "moe_router_scaling_factor": 1.0,
+    "use_moe_router_bias": False,
+    "need_fp32_gate": False,
+    "norm_expert_weight": True,
+    "swiglu_limits": [0.0] * (_STEP3P5_LAYERS + _STEP3P5_MTP),
+    "swiglu_limits_shared": [0.0] * (_STEP3P5_LAYERS + _STEP3P5_MTP),
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "max_seq_len": 4096,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write_tiny_step3p5(model_dir, **overrides) -> str:
+    """Write the tiny Step-3.5 (hybrid sliding window, three MTP layers: multi-layer EAGLE's
+    target and, from the same directory, its draft) ``config.json`` into ``model_dir``;
+    returns it."""
+    return write_model_config(model_dir, {**TINY_STEP3P5_CONFIG, **overrides})
