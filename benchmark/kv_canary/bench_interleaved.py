@@ -84,11 +84,17 @@ to start, then seconds per scenario)::
         --scenarios prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k --rounds 30 \
         --out $OUT/interleaved.jsonl
 
-``--speculative eagle``: every server decodes with EAGLE (the one-layer draft of
-``bench_serving_overhead.py --speculative eagle``, Qwen3-0.6B shapes only; default scenarios
-decode bs 1 and bs 32, decode graphs for bs 1 and 32). A canary-on server whose log does not
-say the canary was installed on its draft worker too stops the run, as does any canary-on
-server without the canary or a canary-off server with it.
+``--speculative MODE`` (``eagle``, ``eagle-tree``, ``eagle3``, ``standalone``, ``ngram``,
+``dflash``, ``adaptive``: ``bench_serving_overhead.py``'s modes and drafts, Qwen3-0.6B shapes
+only): every server decodes with that mode; default scenarios decode bs 1 and bs 32, decode
+graphs for bs 1 and 32. A canary-on server must log the canary installed on the target and,
+for a mode with a draft KV pool, on that mode's draft worker (``common.SPECULATIVE_DRAFT_WORKERS``;
+``ngram`` has none) and on no other; a canary-off server on neither; otherwise the run stops.
+NEXTN, FROZEN_KV_MTP and multi-layer EAGLE need their own target family: not measured here. One
+mode's decode rows against ``off`` and its A/A control::
+
+    . .device/c/setup.sh && python benchmark/kv_canary/bench_interleaved.py \
+        --speculative eagle3 --configs off,raise --rounds 30 --out $OUT/spec_eagle3.jsonl
 
 Side by side with upstream's own canary (``--upstream-site DIR``): configs named ``up:<config>``
 (``up:off``, ``up:raise``, ``up:raise+token``, ``up:raise+partial``, ``up:raise+token+partial``,
@@ -139,22 +145,27 @@ from common import (  # noqa: E402  (a sibling module)
     CONFIGS,
     DEFAULT_MODEL,
     DEFAULT_SCENARIOS as SERVING_DEFAULT_SCENARIOS,
+    DRAFT_WORKERS_HELP,
     MODELS,
-    QWEN3_EAGLE_DRAFT_CONFIG,
+    PROJECT_STACK,
     SCENARIOS,
     SMOKE_SCENARIOS,
     SMOKE_SETTINGS,
     SPECULATIVE,
+    SPECULATIVE_HELP,
     UPSTREAM_PREFIX,
     UPSTREAM_SITE_DIR,
     UPSTREAM_STACK,
     EngineSettings,
     append_jsonl,
+    canary_lines_problem,
     gpu_name,
     now_utc,
     parse_ints,
     parse_names,
     read_jsonl,
+    speculative_mode,
+    write_speculative_files,
 )
 from interleaved_servers import (  # noqa: E402  (the servers: configs, start-up, checks)
     CONFIG_TABLE,
@@ -162,7 +173,7 @@ from interleaved_servers import (  # noqa: E402  (the servers: configs, start-up
     INSTALLED_LINE,
     SIDE_FORK_LINE,
     Server,
-    canary_install_problem,
+    canary_install_problem as server_canary_problem,
     check_upstream,
     http_json,
     memory_fractions,
@@ -218,18 +229,41 @@ __all__ = [
 ]
 
 START_TIMEOUT_S = 900.0
-# the prefill set of the latency target; with EAGLE, bench_serving_overhead.py's decode set
+# the prefill set of the latency target; with a speculative mode, bench_serving_overhead.py's
+# decode set
 DEFAULT_SCENARIOS = {
     "none": "prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k",
-    "eagle": ",".join(SERVING_DEFAULT_SCENARIOS["eagle"]),
+    **{mode: ",".join(SERVING_DEFAULT_SCENARIOS[mode]) for mode in SPECULATIVE if mode != "none"},
 }
 
 
+def canary_install_problem(
+    log: str,
+    *,
+    canary_on: bool,
+    speculative: str,
+    stack: str = PROJECT_STACK,
+    side_fork: str = "",
+) -> str | None:
+    """What is wrong with a server's canary, from its log, or None: the pacing probe's fork
+    and upstream's servers as ``interleaved_servers.canary_install_problem`` checks them, then,
+    on this project's stack, the target's and the ``--speculative`` mode's draft canary lines
+    (``common.canary_lines_problem``: a canary-on server logs the target's and, where the mode
+    has a draft KV pool, its draft worker's; a canary-off server neither)."""
+    problem = server_canary_problem(
+        log, canary_on=canary_on, speculative="none", stack=stack, side_fork=side_fork
+    )
+    if problem or stack == UPSTREAM_STACK:
+        return problem
+    return canary_lines_problem(log, canary_on=canary_on, speculative=speculative)
+
+
 def graph_batch_sizes(args, scenarios: Sequence) -> tuple:
-    """The decode graphs every server captures: ``--cuda-graph-bs`` if given; with EAGLE bs 1
-    and 32; else bs 1 and each decode scenario's batch size, so a decode scenario replays a
-    graph of its own size (not one padded up to a larger size) and a server captures no graph
-    the run does not use (each capture is start-up time, times every server)."""
+    """The decode graphs every server captures: ``--cuda-graph-bs`` if given; with a
+    speculative mode bs 1 and 32; else bs 1 and each decode scenario's batch size, so a decode
+    scenario replays a graph of its own size (not one padded up to a larger size) and a server
+    captures no graph the run does not use (each capture is start-up time, times every
+    server)."""
     if args.cuda_graph_bs:
         return tuple(parse_ints(args.cuda_graph_bs, "--cuda-graph-bs"))
     if args.speculative != "none":
@@ -306,12 +340,7 @@ def run(args) -> int:
         pathlib.Path(model_dir, "config.json").write_text(json.dumps(MODELS[args.model], indent=1))
         vocab = MODELS[args.model]["vocab_size"]
         base_env = dict(os.environ)
-        if args.speculative != "none":
-            draft_dir = os.path.join(tmp, "draft")
-            os.makedirs(draft_dir)
-            pathlib.Path(draft_dir, "config.json").write_text(
-                json.dumps(QWEN3_EAGLE_DRAFT_CONFIG, indent=1)
-            )
+        draft_dir = write_speculative_files(args.speculative, os.path.join(tmp, "draft"))
     # the servers: each config's, plus the A/A controls (a second server of each stack's
     # baseline: upstream's stack has its own when an up: config runs)
     server_names = (
@@ -461,17 +490,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--scenarios",
         default=None,
         help=f"comma-separated, from: {', '.join(SCENARIOS)} (default "
-        f"{DEFAULT_SCENARIOS['none']}; with --speculative eagle "
+        f"{DEFAULT_SCENARIOS['none']}; with a --speculative mode "
         f"{DEFAULT_SCENARIOS['eagle']})",
     )
     ap.add_argument(
         "--speculative",
         default="none",
-        choices=sorted(SPECULATIVE),
-        help="eagle: every server decodes with EAGLE (a one-layer "
-        "LlamaForCausalLMEagle draft of the model's shapes, topk 1, 3 steps, 4 "
-        "draft tokens); each canary-on server must report the canary installed on "
-        "its draft worker too",
+        type=speculative_mode,
+        metavar="{" + ",".join(SPECULATIVE) + "}",
+        help=SPECULATIVE_HELP + "; each canary-on server must report the canary installed on "
+        "the target and on the mode's draft worker (" + DRAFT_WORKERS_HELP + ")",
     )
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5, help="unrecorded rounds first")
@@ -526,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cuda-graph-bs",
         default=None,
         help="comma-separated decode graph batch sizes, every server alike (default: 1 and "
-        "each decode scenario's batch size; with --speculative eagle 1 and 32)",
+        "each decode scenario's batch size; with a --speculative mode 1 and 32)",
     )
     ap.add_argument(
         "--isolate",

@@ -1,16 +1,19 @@
 """What the KV-canary benchmarks share (docs/user_guide.md, "Overhead"): the model shapes
 (dummy weights, a ``config.json`` each), the scenarios, the canary configs and the Engine
 settings every config is served with, the inputs of a scenario's run, sglang's own prefill
-time of a request, the JSON-lines helpers and a CUDA-event timer. Imported by ``bench_serving_overhead.py``,
+time of a request, each ``--speculative`` mode's settings, draft model and canary-installation
+check, the JSON-lines helpers and a CUDA-event timer. Imported by ``bench_serving_overhead.py``,
 ``bench_interleaved.py`` and ``bench_prefill_device_time.py``."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -72,6 +75,12 @@ QWEN3_30B_A3B_CONFIG = {
 MODELS = {"qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG}
 DEFAULT_MODEL = "qwen3-0.6b"
 
+# ---- speculative decoding (``--speculative``) -------------------------------------------------
+# Each mode's draft model is a ``config.json`` (dummy weights) written into a draft directory
+# beside the target's (:func:`write_speculative_files`); every draft has the Qwen3-0.6B shapes.
+# NEXTN, FROZEN_KV_MTP and multi-layer EAGLE take their draft from the target's own family (an
+# MTP layer of the target, an MTP assistant, MTP layers): not measured here.
+
 # ``--speculative eagle``: a one-layer EAGLE draft of the same shapes (hidden 1024, 16 heads,
 # 8 KV heads x 128, the target's vocabulary; sglang hands it the target's embedding and head)
 QWEN3_EAGLE_DRAFT_CONFIG = {
@@ -81,6 +90,48 @@ QWEN3_EAGLE_DRAFT_CONFIG = {
     "num_hidden_layers": 1,
     "tie_word_embeddings": False,
 }
+# ``--speculative eagle3``: a one-layer EAGLE3 draft of the same shapes, fed by the outputs of
+# target layers 1, 13 and 24 (what sglang captures when a draft names none: before layers 2,
+# 14 and 25 of 28; each below the last layer, whose output Qwen3 never captures), with its own
+# head over the whole vocabulary (``draft_vocab_size``; the embedding is the target's)
+QWEN3_EAGLE3_DRAFT_CONFIG = {
+    **QWEN3_EAGLE_DRAFT_CONFIG,
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "draft_vocab_size": QWEN3_0_6B_CONFIG["vocab_size"],
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 13, 24], "use_aux_hidden_state": True},
+}
+# ``--speculative standalone``: a separate small LM of the target's family and vocabulary (2
+# layers of the target's shapes), with its own embedding, head and KV pool
+QWEN3_STANDALONE_DRAFT_CONFIG = {**QWEN3_0_6B_CONFIG, "num_hidden_layers": 2}
+# ``--speculative dflash``: a one-layer DFlash block draft of the target's hidden size and
+# heads, block size 4, fed by the outputs of target layers 1 and 25 (sglang's own pick for two
+# layers of 28; below the last layer, whose output Qwen3 never captures); an explicit mask
+# token id (the servers skip the tokenizer, from which sglang would otherwise take it): an id
+# below the vocabulary size past Qwen3's last token (151668)
+QWEN3_DFLASH_DRAFT_CONFIG = {
+    **QWEN3_0_6B_CONFIG,
+    "architectures": ["DFlashDraftModel"],
+    "num_hidden_layers": 1,
+    "dflash_config": {
+        "block_size": 4,
+        "mask_token_id": 151669,
+        "num_target_layers": QWEN3_0_6B_CONFIG["num_hidden_layers"],
+        "target_layer_ids": [1, 25],
+    },
+}
+# ``--speculative adaptive``: sglang's adaptive step counts (``--speculative-adaptive-config``,
+# written beside the draft's config as ADAPTIVE_CONFIG_FILE): the candidates of the GPU suite's
+# adaptive lanes (1, 2, 4; sglang adds the initial 3), sglang's defaults for the rest
+ADAPTIVE_CONFIG_FILE = "adaptive.json"
+QWEN3_ADAPTIVE_CONFIG = {"candidate_steps": [1, 2, 4]}
+
+# the EAGLE chain of every EAGLE-family mode: 3 steps, topk 1, 4 draft tokens
+_EAGLE_CHAIN = dict(
+    speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4
+)
+# each mode's Engine / launch_server settings (the draft's path and the adaptive config's are
+# added by EngineSettings.engine_kwargs); ``disable_overlap_schedule``: spec v1, as the GPU
+# suite runs each mode that sglang runs on v1 only (it would turn the overlap off itself)
 SPECULATIVE = {
     "none": {},
     "eagle": dict(
@@ -89,7 +140,160 @@ SPECULATIVE = {
         speculative_eagle_topk=1,
         speculative_num_draft_tokens=4,
     ),
+    # draft trees: spec v1 (sglang runs topk > 1 on v1 only), page size 1
+    "eagle-tree": dict(
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=6,
+        disable_overlap_schedule=True,
+    ),
+    "eagle3": dict(speculative_algorithm="EAGLE3", **_EAGLE_CHAIN),
+    # the radix cache off: sglang 0.5.12 keys STANDALONE's radix cache by single tokens, and
+    # the draft canary reports each divergent shared prefix
+    # (docs/user_guide.md, "Speculative decoding")
+    "standalone": dict(
+        speculative_algorithm="STANDALONE", disable_radix_cache=True, **_EAGLE_CHAIN
+    ),
+    # no draft model: trees of 6 tokens, 3 per level, drafted from an n-gram corpus (sglang
+    # sets topk to the breadth; 3 steps as every server of the GPU suite); spec v1
+    "ngram": dict(
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=6,
+        speculative_ngram_max_bfs_breadth=3,
+        disable_overlap_schedule=True,
+    ),
+    # one step, topk 1, the block size as draft tokens; spec v1; page size 1 (the canary
+    # covers DFLASH there only)
+    "dflash": dict(
+        speculative_algorithm="DFLASH",
+        speculative_num_steps=1,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+        page_size=1,
+        disable_overlap_schedule=True,
+    ),
+    "adaptive": dict(speculative_algorithm="EAGLE", speculative_adaptive=True, **_EAGLE_CHAIN),
 }
+# each mode's draft model (None: no draft model)
+SPECULATIVE_DRAFT_CONFIGS = {
+    "none": None,
+    "eagle": QWEN3_EAGLE_DRAFT_CONFIG,
+    "eagle-tree": QWEN3_EAGLE_DRAFT_CONFIG,
+    "eagle3": QWEN3_EAGLE3_DRAFT_CONFIG,
+    "standalone": QWEN3_STANDALONE_DRAFT_CONFIG,
+    "ngram": None,
+    "dflash": QWEN3_DFLASH_DRAFT_CONFIG,
+    "adaptive": QWEN3_EAGLE_DRAFT_CONFIG,
+}
+# the draft worker whose canary a canary-on server of each mode logs (install.py's
+# "kv_canary installed on the <worker> draft worker: "; sglang's EAGLE workers run EAGLE and
+# EAGLE3); None: no draft KV pool, the target's canary only (NGRAM)
+SPECULATIVE_DRAFT_WORKERS = {
+    "none": None,
+    "eagle": "EAGLE",
+    "eagle-tree": "EAGLE",
+    "eagle3": "EAGLE",
+    "standalone": "STANDALONE",
+    "ngram": None,
+    "dflash": "DFLASH",
+    "adaptive": "EAGLE",
+}
+# what ``--speculative``'s refusal and help add about the modes left out
+OTHER_FAMILIES_NOTE = (
+    "NEXTN, FROZEN_KV_MTP and multi-layer EAGLE: each needs its own target family; "
+    "not measured by this benchmark"
+)
+# ``--speculative``'s help in both benchmarks: what each mode serves with
+SPECULATIVE_HELP = (
+    "every server decodes with: none (default); eagle: EAGLE, a one-layer "
+    "LlamaForCausalLMEagle draft of the model's shapes, chains of 3 steps, topk 1, 4 draft "
+    "tokens (spec v2, sglang's default); eagle-tree: the same draft, trees of 3 steps, topk 2, 6 draft tokens (spec v1); "
+    "eagle3: a one-layer LlamaForCausalLMEagle3 draft fed by target layers 1, 13, 24, the "
+    "chain; standalone: a 2-layer Qwen3ForCausalLM draft, the chain, radix cache off; ngram: "
+    "no draft model, trees of 6 tokens, breadth 3 (spec v1); dflash: a one-layer "
+    "DFlashDraftModel fed by target layers 1, 25, blocks of 4 (spec v1, page size 1); "
+    "adaptive: the eagle chain with --speculative-adaptive (candidate steps 1, 2, 4); "
+    + OTHER_FAMILIES_NOTE
+)
+# which draft worker's canary line each mode's canary-on server must show (in the help)
+DRAFT_WORKERS_HELP = "; ".join(
+    f"{worker or 'no draft canary'}: "
+    + ", ".join(m for m, w in SPECULATIVE_DRAFT_WORKERS.items() if w == worker and m != "none")
+    for worker in sorted(
+        {w for m, w in SPECULATIVE_DRAFT_WORKERS.items() if m != "none"},
+        key=lambda w: (w is None, list(SPECULATIVE_DRAFT_WORKERS.values()).index(w)),
+    )
+)
+
+
+def speculative_mode(value: str) -> str:
+    """``--speculative``'s value (argparse's ``type``: its error names the flag): a key of
+    :data:`SPECULATIVE`, else refused naming the value and the allowed values."""
+    if value in SPECULATIVE:
+        return value
+    raise argparse.ArgumentTypeError(
+        f"unknown value {value!r}; allowed: {', '.join(SPECULATIVE)} ({OTHER_FAMILIES_NOTE})"
+    )
+
+
+def write_speculative_files(speculative: str, draft_dir: str) -> str | None:
+    """Write mode ``speculative``'s draft ``config.json`` (and, for ``adaptive``, its
+    ADAPTIVE_CONFIG_FILE) into ``draft_dir``, created; returns ``draft_dir``, or None (nothing
+    written) for a mode without a draft model."""
+    draft = SPECULATIVE_DRAFT_CONFIGS[speculative]
+    if draft is None:
+        return None
+    os.makedirs(draft_dir, exist_ok=True)
+    pathlib.Path(draft_dir, "config.json").write_text(json.dumps(draft, indent=1))
+    if SPECULATIVE[speculative].get("speculative_adaptive"):
+        pathlib.Path(draft_dir, ADAPTIVE_CONFIG_FILE).write_text(
+            json.dumps(QWEN3_ADAPTIVE_CONFIG, indent=1)
+        )
+    return draft_dir
+
+
+# the log lines of a server whose canary was installed (install.py's), on the target and on a
+# draft worker
+INSTALLED_LINE = "kv_canary installed: "
+DRAFT_INSTALLED_PREFIX = "kv_canary installed on the "
+
+
+def draft_installed_line(worker: str) -> str:
+    """The log line of the canary installed on ``worker``'s draft runner."""
+    return f"{DRAFT_INSTALLED_PREFIX}{worker} draft worker: "
+
+
+def canary_lines_problem(log: str, *, canary_on: bool, speculative: str) -> str | None:
+    """What is wrong with a server's canary, from its log (``log``: the whole log, or its lines
+    that name ``kv_canary installed``), or None. A canary-on server must have installed the
+    canary on the target and, for a mode with a draft KV pool, on that mode's draft worker
+    (:data:`SPECULATIVE_DRAFT_WORKERS`: otherwise the draft pool ran unguarded and its figures
+    mean nothing), and on no other draft worker; a canary-off server on neither."""
+    target = INSTALLED_LINE in log
+    drafts = set(re.findall(re.escape(DRAFT_INSTALLED_PREFIX) + r"(\S+) draft worker: ", log))
+    if not canary_on:
+        return (
+            "the canary was installed on a server of a canary-off config"
+            if target or drafts
+            else None
+        )
+    if not target:
+        return f"no '{INSTALLED_LINE.strip()}' line: the canary did not run"
+    worker = SPECULATIVE_DRAFT_WORKERS[speculative]
+    if worker is not None and worker not in drafts:
+        return f"no '{draft_installed_line(worker).strip()}' line: the draft pool ran unguarded"
+    others = sorted(drafts - {worker})
+    if others:
+        return (
+            f"a '{draft_installed_line(others[0]).strip()}' line, and --speculative "
+            f"{speculative} "
+            + (f"drafts on the {worker} draft worker" if worker else "has no draft KV pool")
+            + ": the server ran another speculative algorithm"
+        )
+    return None
+
 
 TOKEN_ENV = "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT"
 RESULT_PREFIX = "BENCH "  # lines the Engine child prints for the parent to echo
@@ -123,7 +327,8 @@ SCENARIOS = {
 # scenarios run when --scenarios is not given
 DEFAULT_SCENARIOS = {
     "none": ("decode_bs128", "decode_bs1", "prefill_bs32", "prefill_bs1_4k"),
-    "eagle": ("decode_bs1", "decode_bs32"),
+    # every speculative mode: decode bs 1 and bs 32
+    **{mode: ("decode_bs1", "decode_bs32") for mode in SPECULATIVE if mode != "none"},
 }
 SMOKE_SCENARIOS = {
     s.name: s
@@ -268,7 +473,7 @@ class EngineSettings:
     max_running_requests: int = 128
     mem_fraction_static: float = 0.7
     cuda_graph_bs: tuple = (1, 128)
-    speculative: str = "none"  # a key of SPECULATIVE
+    speculative: str = "none"  # a key of SPECULATIVE (write_speculative_files: its draft)
     piecewise: bool = True  # sglang's piecewise CUDA graphs for prefill (its default: on)
     model: str = DEFAULT_MODEL  # a key of MODELS
     # sglang's request metrics on (every config): each output's meta_info then carries the
@@ -288,8 +493,12 @@ class EngineSettings:
                 log_level="info",
             )
         spec = dict(SPECULATIVE[self.speculative])
-        if spec:
+        if SPECULATIVE_DRAFT_CONFIGS[self.speculative] is not None:
             spec["speculative_draft_model_path"] = draft_dir
+        if spec.get("speculative_adaptive"):
+            spec["speculative_adaptive_config"] = (
+                os.path.join(draft_dir, ADAPTIVE_CONFIG_FILE) if draft_dir else None
+            )
         return gpu_engine_kwargs(
             model_dir,
             chunked_prefill_size=self.chunked_prefill_size,

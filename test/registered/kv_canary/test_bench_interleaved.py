@@ -1,6 +1,8 @@
 """``benchmark/kv_canary/bench_interleaved.py`` (the paired latency measurement): its statistics
-and server plumbing at the unit level, and one smoke run on sglang's CPU server (two real
-``launch_server`` processes, requests alternated between them). The numbers of a CPU run mean
+and server plumbing at the unit level, each ``--speculative`` mode's launch flags, draft
+configs (read by sglang's own config loader and parsers) and canary-installation check, and one
+smoke run on sglang's CPU server (two real ``launch_server`` processes, requests alternated
+between them). The numbers of a CPU run mean
 nothing; what is checked is that every round reaches every server, the records say what
 they measured and the servers are gone afterwards."""
 
@@ -10,6 +12,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -25,9 +28,13 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import bench_interleaved as bi  # noqa: E402
 import bench_pd_overhead as pdo  # noqa: E402
+import common  # noqa: E402
 import interleaved_rounds  # noqa: E402
 import interleaved_servers  # noqa: E402
-from sglang.srt.kv_canary.demo.server_process import engine_kwargs_to_argv  # noqa: E402
+from sglang.srt.kv_canary.demo.server_process import (  # noqa: E402
+    engine_kwargs_to_argv,
+    launch_server_flags,
+)
 
 
 def test_paired_overhead_is_the_median_ratio_with_a_bootstrap_interval():
@@ -502,6 +509,53 @@ def test_idle_schedulers_sleep_or_spin_as_told(tmp_path):
 
 TARGET_LINE = "[INFO] kv_canary installed: MHATokenToKVPool pool=... groups=1"
 DRAFT_LINE = "[INFO] kv_canary installed on the EAGLE draft worker: MHATokenToKVPool ..."
+# install.py's line for each draft worker (the GPU suite's speculative lanes assert them)
+STANDALONE_LINE = "[INFO] kv_canary installed on the STANDALONE draft worker: mode=raise ..."
+DFLASH_LINE = "[INFO] kv_canary installed on the DFLASH draft worker: mode=raise ..."
+# the draft canary line a canary-on server of each mode must show (None: NGRAM has no draft
+# KV pool, its worker's runner is the target's: test_e2e_speculative_gpu.py's
+# assert_only_the_target_guarded)
+MODE_DRAFT_LINES = {
+    "eagle": DRAFT_LINE,
+    "eagle-tree": DRAFT_LINE,
+    "eagle3": DRAFT_LINE,
+    "adaptive": DRAFT_LINE,
+    "standalone": STANDALONE_LINE,
+    "dflash": DFLASH_LINE,
+    "ngram": None,
+}
+
+
+def _install_cases():
+    """Per speculative mode: its right lines pass, a missing or another worker's draft line
+    is refused on a canary-on server, any canary line on a canary-off server."""
+    cases = []
+    for mode, line in MODE_DRAFT_LINES.items():
+        wrong = STANDALONE_LINE if line != STANDALONE_LINE else DRAFT_LINE
+        if line is None:
+            cases += [
+                (TARGET_LINE, True, mode, None),
+                (TARGET_LINE + "\n" + DRAFT_LINE, True, mode, "has no draft KV pool"),
+                (TARGET_LINE + "\n" + DFLASH_LINE, True, mode, "has no draft KV pool"),
+                (TARGET_LINE, False, mode, "canary-off config"),
+                ("", False, mode, None),
+            ]
+            continue
+        cases += [
+            (TARGET_LINE + "\n" + line, True, mode, None),
+            (TARGET_LINE, True, mode, "the draft pool ran unguarded"),
+            (TARGET_LINE + "\n" + wrong, True, mode, "the draft pool ran unguarded"),
+            (
+                TARGET_LINE + "\n" + line + "\n" + wrong,
+                True,
+                mode,
+                "the server ran another speculative algorithm",
+            ),
+            (line, True, mode, "the canary did not run"),
+            ("", False, mode, None),
+            (line, False, mode, "canary-off config"),
+        ]
+    return cases
 
 
 @pytest.mark.parametrize(
@@ -515,13 +569,32 @@ DRAFT_LINE = "[INFO] kv_canary installed on the EAGLE draft worker: MHATokenToKV
         (DRAFT_LINE, True, "eagle", "the canary did not run"),
         (TARGET_LINE, False, "none", "canary-off config"),
         (DRAFT_LINE, False, "eagle", "canary-off config"),
+        (STANDALONE_LINE, False, "none", "canary-off config"),
+        *_install_cases(),
     ],
 )
 def test_a_server_whose_canary_is_not_what_its_config_says_is_refused(
     log, canary_on, speculative, problem
 ):
     got = bi.canary_install_problem(log, canary_on=canary_on, speculative=speculative)
-    assert (got is None) if problem is None else (problem in got), got
+    assert (got is None) if problem is None else (got is not None and problem in got), got
+
+
+def test_every_speculative_mode_has_its_install_check_cases():
+    """Every mode of the benchmarks' table is in the install check's cases above, with the
+    worker the plugin names: install.py logs ``draft_worker_name`` of the algorithm sglang
+    runs, and none for an algorithm without a draft KV pool."""
+    from sglang.srt.kv_canary.sglang_seam.server_args import NO_DRAFT_POOL_ALGORITHMS
+    from sglang.srt.kv_canary.startup_checks import draft_worker_name
+
+    assert set(MODE_DRAFT_LINES) == set(common.SPECULATIVE) - {"none"}
+    for mode, line in MODE_DRAFT_LINES.items():
+        algorithm = common.SPECULATIVE[mode]["speculative_algorithm"]
+        worker = None if algorithm in NO_DRAFT_POOL_ALGORITHMS else draft_worker_name(algorithm)
+        assert common.SPECULATIVE_DRAFT_WORKERS[mode] == worker, mode
+        assert (line is None) == (worker is None), mode
+        if line is not None:
+            assert common.draft_installed_line(worker) in line, mode
 
 
 @pytest.mark.parametrize(
@@ -540,6 +613,288 @@ def test_a_server_whose_canary_is_not_what_its_config_says_is_refused(
 def test_eagle_runs_refuse_what_they_cannot_measure(argv, message):
     with pytest.raises(SystemExit, match=message):
         bi.main(["--configs", "off,raise", *argv])
+
+
+@pytest.mark.parametrize("mode", [m for m in common.SPECULATIVE if m != "none"])
+def test_every_speculative_mode_refuses_what_it_cannot_measure(monkeypatch, mode):
+    """Each mode: no CPU dry run (sglang 0.5.12's CPU server has no speculative decoding), the
+    Qwen3-0.6B shapes of its draft only (refused before any server starts)."""
+
+    def no_server(name, *args):
+        raise AssertionError(f"server {name} started")
+
+    monkeypatch.setattr(bi, "Server", no_server)
+    for argv, message in (
+        (["--smoke-cpu"], f"--speculative {mode} cannot run with --smoke-cpu"),
+        (["--model", "qwen3-30b-a3b"], f"--speculative {mode} needs --model qwen3-0.6b"),
+    ):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            bi.main(["--configs", "off,raise", "--speculative", mode, *argv])
+    args = bi.build_parser().parse_args(["--speculative", mode])
+    assert args.speculative == mode
+    assert bi.DEFAULT_SCENARIOS[mode] == "decode_bs1,decode_bs32"
+
+
+@pytest.mark.parametrize("bad", ["nextn", "frozen_kv_mtp", "EAGLE", "eagle-chain", ""])
+def test_an_unknown_speculative_mode_is_refused_naming_the_flag_and_the_modes(capsys, bad):
+    """An unknown mode (the algorithms left out among them) is refused by both benchmarks,
+    naming ``--speculative``, the value and every allowed mode, and why NEXTN, FROZEN_KV_MTP and
+    multi-layer EAGLE are not among them."""
+    import bench_serving_overhead as bso
+
+    for main in (bi.main, bso.main):
+        with pytest.raises(SystemExit):
+            main(["--speculative", bad])
+        err = capsys.readouterr().err
+        assert f"argument --speculative: unknown value {bad!r}" in err, err
+        assert "allowed: " + ", ".join(common.SPECULATIVE) in err, err
+        assert "needs its own target family; not measured by this benchmark" in err, err
+    with pytest.raises(KeyError):
+        common.write_speculative_files(bad, "/nonexistent")
+
+
+# each mode's launch_server flags beside the draft's path, as the GPU suite's servers of that
+# mode run (test_e2e_speculative_gpu.py: COMMON's chain, TREE and spec v1, EAGLE3, STANDALONE
+# with the radix cache off, NGRAM on spec v1, DFLASH on spec v1 at page size 1, adaptive)
+_CHAIN = {
+    "--speculative-num-steps": ["3"],
+    "--speculative-eagle-topk": ["1"],
+    "--speculative-num-draft-tokens": ["4"],
+}
+SPEC_FLAGS = {
+    "none": {},
+    "eagle": {"--speculative-algorithm": ["EAGLE"], **_CHAIN},
+    "eagle-tree": {
+        "--speculative-algorithm": ["EAGLE"],
+        "--speculative-num-steps": ["3"],
+        "--speculative-eagle-topk": ["2"],
+        "--speculative-num-draft-tokens": ["6"],
+        "--disable-overlap-schedule": [],
+    },
+    "eagle3": {"--speculative-algorithm": ["EAGLE3"], **_CHAIN},
+    "standalone": {
+        "--speculative-algorithm": ["STANDALONE"],
+        "--disable-radix-cache": [],
+        **_CHAIN,
+    },
+    "ngram": {
+        "--speculative-algorithm": ["NGRAM"],
+        "--speculative-num-steps": ["3"],
+        "--speculative-num-draft-tokens": ["6"],
+        "--speculative-ngram-max-bfs-breadth": ["3"],
+        "--disable-overlap-schedule": [],
+    },
+    "dflash": {
+        "--speculative-algorithm": ["DFLASH"],
+        "--speculative-num-steps": ["1"],
+        "--speculative-eagle-topk": ["1"],
+        "--speculative-num-draft-tokens": ["4"],
+        "--page-size": ["1"],
+        "--disable-overlap-schedule": [],
+    },
+    "adaptive": {
+        "--speculative-algorithm": ["EAGLE"],
+        "--speculative-adaptive": [],
+        "--speculative-adaptive-config": ["{draft}/adaptive.json"],
+        **_CHAIN,
+    },
+}
+# what sglang 0.5.12 resolves each mode to: (algorithm, spec version, steps, topk, draft tokens)
+SPEC_RESOLVED = {
+    "none": (None, "v2", None, None, None),
+    "eagle": ("EAGLE", "v2", 3, 1, 4),
+    "eagle-tree": ("EAGLE", "v1", 3, 2, 6),
+    "eagle3": ("EAGLE3", "v2", 3, 1, 4),
+    "standalone": ("STANDALONE", "v2", 3, 1, 4),
+    "ngram": ("NGRAM", "v1", 3, 3, 6),  # sglang sets topk to the breadth
+    "dflash": ("DFLASH", "v1", 1, 1, 4),
+    "adaptive": ("EAGLE", "v2", 3, 1, 4),
+}
+# flags that belong to a speculative mode's settings (the rest are every server's)
+_MODE_FLAGS = (
+    "--speculative",
+    "--disable-overlap-schedule",
+    "--disable-radix-cache",
+    "--page-size",
+)
+
+
+def _flag_values(argv):
+    """``{flag: [values]}`` of a launch_server command line."""
+    out, flag = {}, None
+    for a in argv:
+        if a.startswith("--"):
+            flag = a
+            out[flag] = []
+        else:
+            out[flag].append(a)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec_dirs(tmp_path_factory):
+    """The target's dir (Qwen3-0.6B shapes) and each mode's draft dir, or None, as the
+    benchmarks write them."""
+    root = tmp_path_factory.mktemp("spec")
+    target = root / "model"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(common.QWEN3_0_6B_CONFIG))
+    drafts = {m: common.write_speculative_files(m, str(root / m)) for m in common.SPECULATIVE}
+    return str(target), drafts
+
+
+def _mode_kwargs(spec_dirs, mode, config="raise"):
+    """One interleaved server's engine kwargs for ``mode`` and canary ``config``."""
+    target, drafts = spec_dirs
+    settings = bi.EngineSettings(speculative=mode, max_total_tokens=50000, cuda_graph_bs=(1, 32))
+    kw = settings.engine_kwargs(target, smoke=False, draft_dir=drafts[mode])
+    return bi.server_kwargs(kw, bi.CONFIG_TABLE[config], mem_fraction=0.2, idle="spin")
+
+
+@pytest.mark.parametrize("mode", list(SPEC_FLAGS))
+def test_each_speculative_mode_becomes_its_launch_server_flags(spec_dirs, mode):
+    """A mode's settings reach the server's command line as the GPU suite's servers of that
+    mode run; the draft's path exactly where the mode has a draft model."""
+    assert set(SPEC_FLAGS) == set(common.SPECULATIVE)
+    draft = spec_dirs[1][mode]
+    flags = _flag_values(engine_kwargs_to_argv(_mode_kwargs(spec_dirs, mode)))
+    want = {k: [v.replace("{draft}", str(draft)) for v in vs] for k, vs in SPEC_FLAGS[mode].items()}
+    if draft is not None:
+        want["--speculative-draft-model-path"] = [draft]
+    got = {k: v for k, v in flags.items() if k.startswith(_MODE_FLAGS)}
+    assert got == want
+    assert flags["--kv-canary"] == ["raise"]
+    assert (draft is None) == (common.SPECULATIVE_DRAFT_CONFIGS[mode] is None)
+
+
+@pytest.fixture
+def sglang_parsers(monkeypatch):
+    """sglang's own parsers with this project's plugin loaded (as launch_server and Engine
+    load it), each server argument resolved as on a GPU machine."""
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    for name in [n for n in os.environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+    return prepare_server_args, ServerArgs
+
+
+@pytest.mark.parametrize("mode", list(SPEC_RESOLVED))
+@pytest.mark.parametrize("config", ["off", "raise"])
+def test_sglang_and_the_canary_accept_each_speculative_mode_as_launched(
+    spec_dirs, sglang_parsers, mode, config
+):
+    """Each mode's server, as bench_interleaved.py launches it (launch_server's command line)
+    and as bench_serving_overhead.py starts it (``Engine`` kwargs), parsed by sglang 0.5.12
+    with the plugin's start-up checks (``--device cuda``, as on the GPU): the algorithm, spec
+    version, steps, topk and draft tokens sglang resolves it to; adaptive kept on with its
+    candidate step counts (sglang turns it off where unsupported); page size 1; the radix cache
+    off for STANDALONE only; the canary accepted in raise mode."""
+    from sglang.srt.kv_canary.sglang_seam.server_args import speculative_facts
+
+    prepare_server_args, ServerArgs = sglang_parsers
+    assert set(SPEC_RESOLVED) == set(common.SPECULATIVE)
+    kw = _mode_kwargs(spec_dirs, mode, config)
+    for sa in (
+        prepare_server_args(launch_server_flags(12345, kw) + ["--device", "cuda"]),
+        ServerArgs(**{**kw, "device": "cuda"}),
+    ):
+        got = (
+            sa.speculative_algorithm,
+            "v1" if sa.disable_overlap_schedule else "v2",
+            sa.speculative_num_steps,
+            sa.speculative_eagle_topk,
+            sa.speculative_num_draft_tokens,
+        )
+        assert got == SPEC_RESOLVED[mode]
+        assert sa.speculative_draft_model_path == spec_dirs[1][mode]
+        assert sa.speculative_adaptive == (mode == "adaptive")
+        steps = speculative_facts(sa).step_counts
+        assert steps == ((1, 2, 3, 4) if mode == "adaptive" else (sa.speculative_num_steps or 0,))
+        assert sa.page_size == 1 and sa.disable_radix_cache == (mode == "standalone")
+        assert sa.kv_canary == ("none" if config == "off" else "raise")
+
+
+# each draft model as sglang 0.5.12 reads it: (architecture, its class's module, layers)
+DRAFT_MODELS = {
+    "eagle": ("LlamaForCausalLMEagle", "sglang.srt.models.llama_eagle", 1),
+    "eagle-tree": ("LlamaForCausalLMEagle", "sglang.srt.models.llama_eagle", 1),
+    "adaptive": ("LlamaForCausalLMEagle", "sglang.srt.models.llama_eagle", 1),
+    "eagle3": ("LlamaForCausalLMEagle3", "sglang.srt.models.llama_eagle3", 1),
+    "standalone": ("Qwen3ForCausalLM", "sglang.srt.models.qwen3", 2),
+    "dflash": ("DFlashDraftModel", "sglang.srt.models.dflash", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def sglang_models(spec_dirs):
+    """sglang's model config of the target and of each draft (``is_draft_model``, as the draft
+    worker builds it) and the class sglang's registry picks for each."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.models.registry import ModelRegistry
+
+    def load(path, draft):
+        config = ModelConfig(path, dtype="bfloat16", is_draft_model=draft)
+        return config, ModelRegistry.resolve_model_cls(config.hf_config.architectures)[0]
+
+    target, drafts = spec_dirs
+    return load(target, False), {m: load(d, True) for m, d in drafts.items() if d is not None}
+
+
+@pytest.mark.parametrize("mode", list(DRAFT_MODELS))
+def test_each_draft_config_is_read_by_sglang_as_its_mode_needs(spec_dirs, sglang_models, mode):
+    """Each mode's draft ``config.json`` through sglang's own config loader and model
+    registry: the architecture and class sglang picks, the target's hidden size, heads and
+    vocabulary; EAGLE3's aux layers as the target runner reads them (``eagle_config``) and
+    DFLASH's ``dflash_config`` as sglang parses it, each captured target layer below the last
+    (Qwen3 captures "before layer id + 1"), which the Qwen3 target can capture; DFLASH's block
+    size the mode's draft tokens and its mask token inside the vocabulary; adaptive's step
+    counts as sglang's controller reads its config file."""
+    (target, target_cls), drafts = sglang_models
+    assert set(DRAFT_MODELS) == {m for m, c in common.SPECULATIVE_DRAFT_CONFIGS.items() if c}
+    assert target_cls.__name__ == "Qwen3ForCausalLM"
+    config, cls = drafts[mode]
+    hf, layers = config.hf_config, target.hf_config.num_hidden_layers
+    arch, module, n = DRAFT_MODELS[mode]
+    assert (hf.architectures, cls.__name__, cls.__module__) == ([arch], arch, module)
+    assert hf.num_hidden_layers == n
+    assert (hf.hidden_size, hf.vocab_size) == (1024, target.hf_config.vocab_size)
+    assert (config.num_attention_heads, config.get_total_num_kv_heads(), config.head_dim) == (
+        16,
+        8,
+        128,
+    )
+    if mode == "eagle3":
+        # what ModelRunner reads from the draft's config for the target's capture
+        assert hf.eagle_config["use_aux_hidden_state"] is True
+        ids = hf.eagle_config["eagle_aux_hidden_state_layer_ids"]
+        assert len(ids) == 3 and all(0 <= i and i + 1 < layers for i in ids), ids
+        assert hf.draft_vocab_size == hf.vocab_size
+        assert callable(getattr(target_cls, "set_eagle3_layers_to_capture", None))
+    if mode == "dflash":
+        from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+
+        parsed = parse_dflash_draft_config(draft_hf_config=hf)
+        ids = parsed.resolve_target_layer_ids(target_num_layers=layers, draft_num_layers=n)
+        assert len(ids) >= 1 and all(0 <= i and i + 1 < layers for i in ids), ids
+        assert parsed.block_size == common.SPECULATIVE[mode]["speculative_num_draft_tokens"]
+        assert 0 <= parsed.mask_token_id < target.hf_config.vocab_size
+        assert parsed.num_target_layers == layers
+        assert callable(getattr(target_cls, "set_dflash_layers_to_capture", None))
+    if mode == "adaptive":
+        from sglang.srt.speculative.adaptive_spec_params import (
+            AdaptiveSpeculativeParams,
+            load_adaptive_config,
+        )
+
+        path = os.path.join(spec_dirs[1][mode], common.ADAPTIVE_CONFIG_FILE)
+        params = AdaptiveSpeculativeParams(3, load_adaptive_config(path))
+        assert params.candidate_steps == [1, 2, 3, 4]
+    else:
+        assert os.listdir(spec_dirs[1][mode]) == ["config.json"]
 
 
 @pytest.mark.slow

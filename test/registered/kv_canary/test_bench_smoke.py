@@ -8,7 +8,8 @@ inputs for today's kernels and runtime and that its table says what it measured.
 (``bench_kernels.py`` once built an 8-column violation ring after the ring grew to
 ``VIOLATION_NUM_FIELDS`` columns, and failed at its first verify; nothing ran it.)
 ``bench_interleaved.py`` has its own test; ``bench_serving_overhead.py --smoke-cpu`` (Engine
-runs, ~3 min) and ``bench_hicache.py`` (GPU only) are not run here."""
+runs, ~3 min) and ``bench_hicache.py`` (GPU only) are not run here; of its Engine runs, the
+checks of each ``--speculative`` mode are (its refusals, an Engine's canary lines)."""
 
 from __future__ import annotations
 
@@ -759,3 +760,105 @@ def test_pacing_probe_is_an_sglang_plugin_and_refuses_bad_settings(monkeypatch):
     ):
         with pytest.raises(ValueError, match=name):
             probe.parse_settings(env)
+
+
+def _serving_overhead():
+    """``bench_serving_overhead.py`` as a module (its siblings importable)."""
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
+    import bench_serving_overhead
+
+    return bench_serving_overhead
+
+
+# a canary-on Engine's log lines per speculative mode (install.py's lines: the target's and,
+# with a draft KV pool, its draft worker's; NGRAM has none)
+_TARGET = "[INFO] kv_canary installed: mode=raise pool=MHATokenToKVPool ...\n"
+_DRAFTS = {
+    "eagle": "EAGLE",
+    "eagle-tree": "EAGLE",
+    "eagle3": "EAGLE",
+    "adaptive": "EAGLE",
+    "standalone": "STANDALONE",
+    "dflash": "DFLASH",
+    "ngram": None,
+}
+
+
+def _draft(worker: str) -> str:
+    return f"[INFO] kv_canary installed on the {worker} draft worker: mode=raise ...\n"
+
+
+@pytest.mark.parametrize("mode", sorted(_DRAFTS))
+def test_bench_serving_overhead_checks_each_modes_canary_lines(monkeypatch, tmp_path, mode):
+    """An Engine child's log decides whether its config's results stand: for each
+    ``--speculative`` mode, a canary-on Engine must log the target's canary and its mode's
+    draft canary (none for NGRAM), and no other draft worker's; a canary-off Engine neither;
+    else the config fails (exit 3). The child's command line carries the mode."""
+    bso = _serving_overhead()
+    commands = []
+
+    class FakeChild:  # the Engine child: its output is the given log, its exit status 0
+        def __init__(self, cmd, **kwargs):
+            commands.append(cmd)
+            self.stdout, self.pid = iter(self.log.splitlines(keepends=True)), 0
+
+        def wait(self):
+            return 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(bso.subprocess, "Popen", FakeChild)
+    args = bso.argparse.Namespace(
+        invocation="i",
+        gpu="g",
+        scenarios="decode_bs1",
+        runs=1,
+        out=str(tmp_path / "o.jsonl"),
+        chunked_prefill_size=8192,
+        max_total_tokens=4096,
+        mem_fraction_static=0.5,
+        speculative=mode,
+        piecewise="on",
+        smoke_cpu=False,
+        host_profile=0,
+        child_timeout=60,
+    )
+
+    def rc(config, log):
+        FakeChild.log = log
+        return bso.run_child(args, bso.CONFIGS[config], str(tmp_path / "c.log"), None)
+
+    worker = _DRAFTS[mode]
+    other = "STANDALONE" if worker != "STANDALONE" else "EAGLE"
+    right = _TARGET + (_draft(worker) if worker else "")
+    assert rc("raise", right) == 0
+    assert commands[-1][commands[-1].index("--speculative") + 1] == mode
+    assert rc("off", "") == 0
+    assert rc("raise", "") == 3  # the canary did not run
+    assert rc("raise", right + _draft(other)) == 3  # another algorithm's draft worker
+    assert rc("off", _draft(worker or "EAGLE")) == 3  # a canary on a canary-off Engine
+    if worker:
+        assert rc("raise", _TARGET) == 3  # the draft pool unguarded
+
+
+@pytest.mark.parametrize("mode", sorted(_DRAFTS))
+def test_bench_serving_overhead_refuses_what_a_speculative_mode_cannot_measure(
+    capsys, monkeypatch, mode
+):
+    """Each mode: no CPU dry run (sglang 0.5.12's CPU engine has no speculative decoding), the
+    Qwen3-0.6B shapes of the drafts only, each refusal naming the mode (before any Engine)."""
+    bso = _serving_overhead()
+
+    def no_engines(args):
+        raise AssertionError(f"Engines started for {args.speculative}")
+
+    monkeypatch.setattr(bso, "run_engines", no_engines)
+    for argv, message in (
+        (["--smoke-cpu"], f"--speculative {mode} cannot run with --smoke-cpu"),
+        (["--model", "qwen3-30b-a3b"], f"--speculative {mode} needs --model qwen3-0.6b"),
+    ):
+        with pytest.raises(SystemExit):
+            bso.main(["--speculative", mode, *argv])
+        assert message in capsys.readouterr().err
