@@ -147,7 +147,6 @@ from common import (  # noqa: E402  (a sibling module)
     DEFAULT_SCENARIOS as SERVING_DEFAULT_SCENARIOS,
     DRAFT_WORKERS_HELP,
     MODELS,
-    PROJECT_STACK,
     SCENARIOS,
     SMOKE_SCENARIOS,
     SMOKE_SETTINGS,
@@ -158,7 +157,6 @@ from common import (  # noqa: E402  (a sibling module)
     UPSTREAM_STACK,
     EngineSettings,
     append_jsonl,
-    canary_lines_problem,
     gpu_name,
     now_utc,
     parse_ints,
@@ -173,7 +171,7 @@ from interleaved_servers import (  # noqa: E402  (the servers: configs, start-up
     INSTALLED_LINE,
     SIDE_FORK_LINE,
     Server,
-    canary_install_problem as server_canary_problem,
+    canary_install_problem,
     check_upstream,
     http_json,
     memory_fractions,
@@ -235,27 +233,6 @@ DEFAULT_SCENARIOS = {
     "none": "prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k",
     **{mode: ",".join(SERVING_DEFAULT_SCENARIOS[mode]) for mode in SPECULATIVE if mode != "none"},
 }
-
-
-def canary_install_problem(
-    log: str,
-    *,
-    canary_on: bool,
-    speculative: str,
-    stack: str = PROJECT_STACK,
-    side_fork: str = "",
-) -> str | None:
-    """What is wrong with a server's canary, from its log, or None: the pacing probe's fork
-    and upstream's servers as ``interleaved_servers.canary_install_problem`` checks them, then,
-    on this project's stack, the target's and the ``--speculative`` mode's draft canary lines
-    (``common.canary_lines_problem``: a canary-on server logs the target's and, where the mode
-    has a draft KV pool, its draft worker's; a canary-off server neither)."""
-    problem = server_canary_problem(
-        log, canary_on=canary_on, speculative="none", stack=stack, side_fork=side_fork
-    )
-    if problem or stack == UPSTREAM_STACK:
-        return problem
-    return canary_lines_problem(log, canary_on=canary_on, speculative=speculative)
 
 
 def graph_batch_sizes(args, scenarios: Sequence) -> tuple:

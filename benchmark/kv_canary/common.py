@@ -134,12 +134,7 @@ _EAGLE_CHAIN = dict(
 # suite runs each mode that sglang runs on v1 only (it would turn the overlap off itself)
 SPECULATIVE = {
     "none": {},
-    "eagle": dict(
-        speculative_algorithm="EAGLE",
-        speculative_num_steps=3,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=4,
-    ),
+    "eagle": dict(speculative_algorithm="EAGLE", **_EAGLE_CHAIN),
     # draft trees: spec v1 (sglang runs topk > 1 on v1 only), page size 1
     "eagle-tree": dict(
         speculative_algorithm="EAGLE",

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 from common import (
     CONFIGS,
+    DRAFT_INSTALLED_PREFIX,
+    INSTALLED_LINE,
     PACING_PROBE_DIR,
     PROJECT_STACK,
     SIDE_BY_SIDE_CONFIGS,
@@ -24,6 +26,7 @@ from common import (
     UPSTREAM_STACK,
     BenchConfig,
     Scenario,
+    canary_lines_problem,
     upstream_env,
 )
 
@@ -32,10 +35,6 @@ from sglang.srt.kv_canary.demo.server_process import ServerProcess, http_call, l
 
 REQUEST_TIMEOUT_S = 600.0
 FLUSH_ATTEMPTS = 100
-# the log lines of a server whose canary was installed (api.install's), on the target and,
-# with EAGLE, on the draft worker
-INSTALLED_LINE = "kv_canary installed: "
-DRAFT_INSTALLED_LINE = "kv_canary installed on the EAGLE draft worker: "
 CONTROL_SUFFIX = "~aa"  # the A/A control: a second server of the baseline's config
 # every config a server can run: this project's, and upstream's canary under the same flags
 CONFIG_TABLE = {
@@ -79,30 +78,23 @@ def canary_install_problem(
     stack: str = PROJECT_STACK,
     side_fork: str = "",
 ) -> str | None:
-    """What is wrong with a server's canary, from its log, or None: a canary-on server must
-    have installed the canary (and, with EAGLE, on the draft worker too: otherwise the draft
-    pool ran unguarded and its figures mean nothing); a canary-off server must not have. An
-    upstream server (``stack``) must not have installed this project's canary at all (its
-    own canary is upstream's business: the server took its flags). A config with a
-    ``side_fork`` must show the pacing probe's fork (``SIDE_FORK_LINE``)."""
+    """What is wrong with a server's canary, from its log, or None. A config with a
+    ``side_fork`` must show the pacing probe's fork (``SIDE_FORK_LINE``). An upstream server
+    (``stack``) must not have installed this project's canary at all (its own canary is
+    upstream's business: the server took its flags). This project's servers:
+    ``common.canary_lines_problem`` (a canary-on server logs the target's canary and, where the
+    ``--speculative`` mode has a draft KV pool, its draft worker's, and no other; a canary-off
+    server neither)."""
     if side_fork and f"{SIDE_FORK_LINE} ({side_fork})" not in log:
         return f"no '{SIDE_FORK_LINE} ({side_fork})' line: the pacing probe did not fork"
-    target = INSTALLED_LINE in log
-    draft = DRAFT_INSTALLED_LINE in log
     if stack == UPSTREAM_STACK:
         return (
             "this project's canary was installed on an upstream server (its plugin ran "
             f"there: {UPSTREAM_SITE_DIR} must come first on its PYTHONPATH)"
-            if target or draft
+            if INSTALLED_LINE in log or DRAFT_INSTALLED_PREFIX in log
             else None
         )
-    if canary_on and not target:
-        return f"no '{INSTALLED_LINE.strip()}' line: the canary did not run"
-    if canary_on and speculative != "none" and not draft:
-        return f"no '{DRAFT_INSTALLED_LINE.strip()}' line: the draft pool ran unguarded"
-    if not canary_on and (target or draft):
-        return "the canary was installed on a server of a canary-off config"
-    return None
+    return canary_lines_problem(log, canary_on=canary_on, speculative=speculative)
 
 
 def pause_group(proc) -> None:
