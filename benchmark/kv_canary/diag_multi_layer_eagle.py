@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import use_test_support  # noqa: E402  (a sibling module)
+from common import TEST_DIR, use_test_support  # noqa: E402  (a sibling module)
 
 use_test_support()
 from canary_support.script_run import run_support_script  # noqa: E402
@@ -36,23 +36,33 @@ from canary_support.tiny_models import write_tiny_step3p5  # noqa: E402
 
 # no plugin of this name exists: sglang's load_plugins loads none of this project's
 NOT_LOADED = {"SGLANG_PLUGINS": "no_plugin_of_this_name"}
-ENGINE = dict(
-    chunked_prefill_size=64,
-    max_total_tokens=4096,
-    max_running_requests=8,
-    mem_fraction_static=0.85,
-    log_level="info",
-    speculative_algorithm="EAGLE",
-    speculative_num_steps=3,
-    speculative_eagle_topk=1,
-    speculative_num_draft_tokens=4,
-)
+# per case: the GPU tests' spec v2 / v1 settings (``test_e2e_speculative_gpu.SPEC``), with
+# CUDA graphs on or off
 CASES = {
-    "spec_v2-graphs": {},
-    "spec_v2-eager": dict(disable_cuda_graph=True),
-    "spec_v1-eager": dict(disable_overlap_schedule=True, disable_cuda_graph=True),
-    "spec_v1-graphs": dict(disable_overlap_schedule=True),
+    "spec_v2-graphs": ("spec_v2", {}),
+    "spec_v2-eager": ("spec_v2", dict(disable_cuda_graph=True)),
+    "spec_v1-eager": ("spec_v1", dict(disable_cuda_graph=True)),
+    "spec_v1-graphs": ("spec_v1", {}),
 }
+
+
+def case_kwargs(case: str, model: str) -> dict:
+    """A case's engine kwargs: the speculative GPU tests' ``COMMON`` (3 steps, topk 1, 4 draft
+    tokens, their pool and batch sizes), EAGLE with the draft read from ``model``, the case's
+    spec version and graphs."""
+    sys.path.insert(0, str(TEST_DIR))
+    from test_e2e_speculative_gpu import COMMON, SPEC
+
+    spec, extra = CASES[case]
+    return dict(
+        COMMON,
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=model,
+        **SPEC[spec],
+        **extra,
+    )
+
+
 ERROR_LINE = re.compile(r"^(\w+(?:\.\w+)*(?:Error|Exception)\b.*)$", re.M)
 
 
@@ -87,7 +97,7 @@ def main(argv=None) -> int:
     env.update(NOT_LOADED)
     rows, first_outputs = [], None
     for case in cases:
-        kwargs = dict(ENGINE, speculative_draft_model_path=model, **CASES[case])
+        kwargs = case_kwargs(case, model)
         try:
             rc, out, result = run_support_script(
                 "small_workload.py",

@@ -280,7 +280,8 @@ def test_a_cuda_only_script_says_it_needs_a_gpu(script, message):
 
 def test_the_multi_layer_eagle_diagnostic_refuses_an_unknown_case_and_reads_sglangs_error():
     """``diag_multi_layer_eagle.py``: an unknown ``--cases`` entry is refused naming the flag,
-    the value and the cases allowed; a case's error is the last exception line of its output."""
+    the value and the cases allowed; each case runs EAGLE with its spec version and graphs; a
+    case's error is the last exception line of its output."""
     proc = subprocess.run(
         [sys.executable, str(BENCH_DIR / "diag_multi_layer_eagle.py"), "--cases", "spec_v3"],
         capture_output=True,
@@ -290,7 +291,16 @@ def test_the_multi_layer_eagle_diagnostic_refuses_an_unknown_case_and_reads_sgla
     assert proc.returncode == 2
     assert "--cases 'spec_v3': unknown ['spec_v3']; allowed: spec_v2-graphs" in proc.stderr
     sys.path.insert(0, str(BENCH_DIR))
-    from diag_multi_layer_eagle import last_error
+    from diag_multi_layer_eagle import CASES, case_kwargs, last_error
+
+    for case in CASES:  # EAGLE on the Step-3.5's own directory, the case's spec and graphs
+        kw = case_kwargs(case, "/step3p5")
+        assert (kw["speculative_algorithm"], kw["speculative_draft_model_path"]) == (
+            "EAGLE",
+            "/step3p5",
+        )
+        assert kw.get("disable_overlap_schedule", False) == case.startswith("spec_v1"), kw
+        assert kw.get("disable_cuda_graph", False) == case.endswith("eager"), kw
 
     out = (
         "Traceback (most recent call last):\n  File x\nKeyError: 3\nduring handling\n"

@@ -405,5 +405,29 @@ def test_each_append_fault_is_reported_by_its_check(bug, reason):
     assert reason in _reasons(report), report
 
 
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.IDLE])
+def test_an_append_after_another_batch_kind_is_refused_naming_it(mode):
+    """An append with rows to write after a batch that is neither a prefill nor a verify
+    (sglang 0.5.12 makes none) is refused naming the batch's mode, not recorded with tokens
+    the canary cannot know; an empty one (sglang's early return) is nothing to record."""
+    draft_input = DFlashDraftInput(
+        bonus_tokens=torch.zeros(2, dtype=torch.int64),
+        target_hidden=torch.zeros((3, 1)),
+        ctx_lens=torch.tensor([1, 2], dtype=torch.int32),
+        draft_seq_lens=torch.zeros(2, dtype=torch.int32),
+    )
+    batch = types.SimpleNamespace(
+        forward_mode=mode,
+        req_pool_indices=torch.tensor([0, 1]),
+        seq_lens=torch.tensor([5, 6]),
+        input_ids=torch.tensor([7, 8]),
+        spec_info=None,
+    )
+    with pytest.raises(NotImplementedError, match=f"after a {mode.name} batch"):
+        seam.dflash_append_inputs(batch, draft_input)
+    draft_input.target_hidden = torch.zeros((0, 1))
+    assert seam.dflash_append_inputs(batch, draft_input) is None
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -677,11 +677,12 @@ def test_dflash_with_the_token_oracle_is_refused_from_every_route(
     assert cli(model_dir, "--kv-canary", "raise", *dflash).speculative_algorithm == "DFLASH"
 
 
-def test_a_step3p5_target_with_eagle_is_refused_from_every_route(capsys, tmp_path):
+def test_a_step3p5_target_with_eagle_is_refused_from_every_route(capsys, tmp_path, monkeypatch):
     """A Step-3.5 target with ``--speculative-algorithm EAGLE``: sglang turns on
     ``--enable-multi-layer-eagle`` by itself, which the canary does not cover; the refusal
     says so (the operator never passed the flag) from the command line, a ``--config`` YAML
-    and ``Engine`` kwargs. The same server without the canary starts, with the flag on."""
+    and ``Engine`` kwargs, with and without the canary's variables. The same server without
+    the canary starts, with the flag on."""
     sys.path.insert(0, os.path.dirname(__file__))
     from canary_support.tiny_models import write_tiny_step3p5
 
@@ -706,6 +707,12 @@ def test_a_step3p5_target_with_eagle_is_refused_from_every_route(capsys, tmp_pat
         kwargs(step, kv_canary="abort", **engine)
     assert kwargs(step, **engine).enable_multi_layer_eagle
     assert cli(step, *eagle).enable_multi_layer_eagle
+    # with the canary's variables set, the same refusal
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS", "10")
+    assert refused in cli_error(capsys, step, "--kv-canary", "raise", *eagle)
+    with pytest.raises(ValueError, match=refused):
+        kwargs(step, kv_canary="log", **engine)
 
 
 def test_adaptive_steps_start_from_every_route(capsys, tmp_path, model_dir):
