@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Each --speculative mode's paired decode bs 1 / bs 32 rows with the A/A control
+# (benchmark/results/speculative_h200.md, "Overhead per mode"), the modes dealt over the GPUs
+# in turn, one mode at a time per GPU (the interleaved servers of one mode share its GPU only).
+#   bash benchmark/kv_canary/speculative_overhead_all.sh OUTDIR [MODE ...]
+# Default modes: every mode of bench_interleaved.py --speculative but none. ROUNDS (default 8).
+# Per mode: OUTDIR/spec_MODE.jsonl (the records) and OUTDIR/spec_MODE.log; prints one line per
+# mode with its exit status, then the table of every record (bench_interleaved.py --report).
+set -u
+out=${1:?usage: $0 OUTDIR [MODE ...]}; shift
+modes=("$@")
+[ ${#modes[@]} -gt 0 ] || modes=(eagle eagle-tree eagle3 standalone ngram dflash adaptive)
+rounds=${ROUNDS:-8}
+case "$rounds" in ""|*[!0-9]*|0) echo "$0: ROUNDS=$rounds: a whole number above 0" >&2; exit 2 ;; esac
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out"
+mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader)
+[ ${#gpus[@]} -gt 0 ] || { echo "$0: no GPU (nvidia-smi lists none)" >&2; exit 1; }
+run_gpu() {  # GPU, then its modes
+  local gpu=$1; shift
+  for m in "$@"; do
+    CUDA_VISIBLE_DEVICES=$gpu python3 "$here/bench_interleaved.py" --speculative "$m" \
+      --configs off,raise --scenarios decode_bs1,decode_bs32 --rounds "$rounds" --warmup 1 \
+      --out "$out/spec_$m.jsonl" > "$out/spec_$m.log" 2>&1
+    echo "speculative_overhead: $m on GPU $gpu: rc=$?"
+  done
+}
+for i in "${!gpus[@]}"; do
+  mine=()
+  for j in "${!modes[@]}"; do [ $(( j % ${#gpus[@]} )) -eq "$i" ] && mine+=("${modes[$j]}"); done
+  [ ${#mine[@]} -gt 0 ] && run_gpu "${gpus[$i]}" "${mine[@]}" &
+done
+wait
+shopt -s nullglob
+records=("$out"/spec_*.jsonl)
+[ ${#records[@]} -gt 0 ] && python3 "$here/bench_interleaved.py" --report "${records[@]}"
