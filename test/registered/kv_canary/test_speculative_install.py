@@ -292,6 +292,97 @@ def test_the_tiny_step3p5_is_read_by_sglangs_config_path(tmp_path):
     assert (draft.head_dim, draft.get_total_num_kv_heads()) == (16, 2)
 
 
+def _e2e_support_module(name):
+    """A module of ``e2e_support`` (the server processes' ``PYTHONPATH``), loaded by path."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent / "e2e_support" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"e2e_support_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pr26859_a_frozen_kv_mtp_round_that_finished_every_request_leaves_an_empty_draft_input():
+    """The GPU lanes' work-around of sglang 0.5.12's FROZEN_KV_MTP defect (upstream PR 26859;
+    ``e2e_support/pr26859.py``): a round whose verify finished every request leaves the batch
+    its ``FrozenKVMTPVerifyInput``, which has no ``merge_batch`` (the scheduler's merge of the
+    next prefill stops the server); with the hook the batch holds the worker's empty draft
+    input, on which the scheduler's merge of a 4-request prefill and its filter of the 4
+    finished requests (spec v1) leave the prefill's rows. A round with an unfinished request
+    keeps its draft input."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+    from sglang.srt.speculative.frozen_kv_mtp_info import (
+        FrozenKVMTPDraftInput,
+        FrozenKVMTPVerifyInput,
+    )
+
+    pr26859 = _e2e_support_module("pr26859")
+    empty = torch.empty((0, 4), dtype=torch.long)
+    verify = FrozenKVMTPVerifyInput(
+        draft_token=torch.empty((0,), dtype=torch.long),
+        custom_mask=torch.empty((0,), dtype=torch.bool),
+        positions=torch.empty((0,), dtype=torch.int64),
+        retrieve_index=empty,
+        retrieve_next_token=empty,
+        retrieve_next_sibling=empty,
+        retrieve_cum_len=None,
+        topk=1,
+        draft_token_num=4,
+        spec_steps=3,
+        capture_hidden_mode=CaptureHiddenMode.FULL,
+        seq_lens_sum=0,
+        seq_lens_cpu=torch.empty((0,), dtype=torch.int32),
+    )
+    assert not hasattr(verify, "merge_batch")  # sglang 0.5.12's defect: the merge would raise
+    worker = SimpleNamespace(
+        device="cpu",
+        _recurrent_hidden_size=64,
+        model_config=SimpleNamespace(dtype=torch.bfloat16),
+        topk=1,
+    )
+    batch = SimpleNamespace(spec_info=verify)
+    result = object()
+    assert pr26859.idle_draft_input_after_all_finished(result, worker, batch) is result
+    running = batch.spec_info
+    assert type(running) is FrozenKVMTPDraftInput and running.topk_index.shape == (0, 1)
+    assert running.hidden_states.shape == (0, 64)
+    assert running.hidden_states.dtype == torch.bfloat16
+
+    def prefill_input(n):
+        return FrozenKVMTPDraftInput(
+            bonus_tokens=torch.arange(n, dtype=torch.int64) + 100,
+            hidden_states=torch.randn(n, 64).to(torch.bfloat16),
+            topk_p=torch.rand(n, 1),
+            topk_index=torch.arange(n, dtype=torch.int64).view(n, 1),
+            capture_hidden_mode=CaptureHiddenMode.LAST,
+        )
+
+    prefill = prefill_input(4)
+    running.merge_batch(prefill)  # ScheduleBatch.merge_batch: 4 finished + 4 new requests
+    running.filter_batch(new_indices=torch.arange(4, 8), has_been_filtered=True)
+    assert torch.equal(running.bonus_tokens, prefill.bonus_tokens)
+    assert torch.equal(running.hidden_states, prefill.hidden_states)
+    assert torch.equal(running.topk_index, prefill.topk_index)
+    # a round that left a request unfinished: its draft input kept
+    unfinished = prefill_input(2)
+    batch = SimpleNamespace(spec_info=unfinished)
+    pr26859.idle_draft_input_after_all_finished(result, worker, batch)
+    assert batch.spec_info is unfinished
+    # the hook's target is a method of sglang 0.5.12's worker (its module imports sgl_kernel's
+    # CUDA ops: read from its source, not imported)
+    import ast
+    import importlib.util
+
+    module, cls, method = pr26859.TARGET.rsplit(".", 2)
+    tree = ast.parse(open(importlib.util.find_spec(module).origin).read())
+    (worker_class,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+    assert method in [n.name for n in worker_class.body if isinstance(n, ast.FunctionDef)]
+
+
 class _NgramWorkerStandIn:  # stand-in: NGRAMWorker's runner is its target worker's
     def __init__(self, target_worker):
         self.target_worker = target_worker

@@ -46,6 +46,11 @@ canary's rows (sglang's own lists, nothing spliced in): a PD transfer then carri
 and leaves the decode server's canary rows as they were. Set it on both PD servers (their
 lists must match).
 
+With ``KV_CANARY_TEST_PR26859=1`` a FROZEN_KV_MTP decode round whose verify finished every
+request leaves the batch an empty draft input, not its verify input (sglang 0.5.12's defect
+that upstream PR 26859 fixed: the next prefill's merge otherwise stops the server;
+``pr26859.py``).
+
 multiprocessing's resource tracker (one per server, started from this environment too) runs
 no sglang code: it loads no hook, where importing sglang for one would cost it seconds of CPU.
 """
@@ -358,3 +363,10 @@ if _TEST_ENV.get("KV_CANARY_TEST_SPLICE_DROPPED") == "1":
         _unspliced,
         HookType.AROUND,
     )
+
+
+if _TEST_ENV.get("KV_CANARY_TEST_PR26859") == "1":
+    from pr26859 import TARGET, idle_draft_input_after_all_finished
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, idle_draft_input_after_all_finished, HookType.AFTER)
