@@ -305,7 +305,9 @@ TINY_STEP3P5_CONFIG = {
     "moe_intermediate_size": 32,
     "share_expert_dims": 32,
     "moe_router_scaling_factor": 1.0,
-    "use_moe_router_bias": False,
+    # as Step-3.5-Flash sets it: sglang 0.5.12's Step3p5MoEMLP reads its router bias even
+    # without it (AttributeError: 'Step3p5MoEMLP' object has no attribute 'router_bias')
+    "use_moe_router_bias": True,
     "need_fp32_gate": False,
     "norm_expert_weight": True,
     "swiglu_limits": [0.0] * (_STEP3P5_LAYERS + _STEP3P5_MTP),
