@@ -91,3 +91,7 @@ def test_the_tiny_step3p5_target_serves_on_sglangs_cpu_engine(tmp_path):
     assert rc == 0 and res is not None and len(res) == 12, out[-3000:]
     assert all(len(o) == 8 for o in res)
     assert workload_info(out)["kv_canary"] is None  # the plugin not loaded
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
