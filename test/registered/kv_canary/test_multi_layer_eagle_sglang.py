@@ -2,8 +2,8 @@
 the docs give for it (docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.5 Tests and open
 questions"). A Step-3.5 target with ``--speculative-algorithm EAGLE`` turns the flag on; spec v1
 (``--disable-overlap-schedule``) then fails in sglang's own worker module at import, on any
-device; spec v2 gets ``MultiLayerEagleWorkerV2`` (what it does on a GPU:
-``benchmark/kv_canary/diag_multi_layer_eagle.py``). The tiny Step-3.5 that diagnostic serves is
+device, and the canary leaves it to that error; spec v2 gets ``MultiLayerEagleWorkerV2`` (what
+it does on a GPU: ``benchmark/kv_canary/diag_multi_layer_eagle.py``). The tiny Step-3.5 that diagnostic serves is
 built and served by sglang's CPU engine here, so a GPU run is not spent on a config sglang
 cannot build."""
 
@@ -91,6 +91,36 @@ def test_the_tiny_step3p5_target_serves_on_sglangs_cpu_engine(tmp_path):
     assert rc == 0 and res is not None and len(res) == 12, out[-3000:]
     assert all(len(o) == 8 for o in res)
     assert workload_info(out)["kv_canary"] is None  # the plugin not loaded
+
+
+@pytest.mark.slow
+def test_with_the_canary_spec_v1_multi_layer_eagle_stops_on_sglangs_own_error(tmp_path):
+    """The tiny Step-3.5 with EAGLE and ``--disable-overlap-schedule``, ``--kv-canary raise``
+    (the plugin loaded): the canary does not refuse it, and the server stops on sglang 0.5.12's
+    own error, the spec v1 worker module's ``NameError``, as without the canary."""
+    model_dir = write_tiny_step3p5(tmp_path / "step3p5")
+    env = {
+        k: v
+        for k, v in cpu_server_env(build_libcuda_stub(tmp_path / "stub")).items()
+        if not k.startswith("SGLANG_KV_CANARY_") and k != "SGLANG_PLUGINS"
+    }
+    kwargs = dict(
+        chunked_prefill_size=64,
+        max_running_requests=4,
+        log_level="info",
+        kv_canary="raise",
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=model_dir,
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+        disable_overlap_schedule=True,
+    )
+    rc, out, res = run_workload("small_workload.py", model_dir, kwargs, env, "cpu", timeout=600)
+    assert rc != 0 and res is None, out[-3000:]
+    assert "kv_canary installed: mode=raise" in out  # on the target, before sglang's error
+    assert "NameError: name 'ModelRunner' is not defined" in out, out[-3000:]
+    assert "does not cover --enable-multi-layer-eagle" not in out
 
 
 if __name__ == "__main__":

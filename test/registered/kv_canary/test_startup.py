@@ -715,6 +715,55 @@ def test_a_step3p5_target_with_eagle_is_refused_from_every_route(capsys, tmp_pat
         kwargs(step, kv_canary="log", **engine)
 
 
+def test_a_step3p5_target_with_spec_v1_eagle_is_left_to_sglangs_own_error(
+    capsys, tmp_path, monkeypatch
+):
+    """The same Step-3.5 target with EAGLE and ``--disable-overlap-schedule`` (spec v1): the
+    canary does not refuse it from the command line, a ``--config`` YAML or ``Engine`` kwargs,
+    with and without the canary's variables (sglang 0.5.12's spec v1 multi-layer worker fails
+    to import whatever the canary does: ``test_multi_layer_eagle_sglang.py``); an explicit
+    ``--enable-multi-layer-eagle`` with spec v1 alike, and with spec v2 still refused."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from canary_support.tiny_models import write_tiny_step3p5
+
+    step = write_tiny_step3p5(tmp_path / "step3p5")
+    eagle = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"]
+    eagle += ["--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    v1 = ["--disable-overlap-schedule"]
+    engine = dict(
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+        disable_overlap_schedule=True,
+    )
+    yaml_file = tmp_path / "step3p5_eagle_v1.yaml"
+    yaml_file.write_text(
+        "kv-canary: log\nspeculative-algorithm: EAGLE\nspeculative-num-steps: 3\n"
+        "speculative-eagle-topk: 1\nspeculative-num-draft-tokens: 4\n"
+        "disable-overlap-schedule: true\n"
+    )
+
+    def accepted_on_every_route():
+        args = cli(step, "--kv-canary", "raise", *eagle, *v1)
+        assert args.kv_canary == "raise" and args.enable_multi_layer_eagle
+        assert args.disable_overlap_schedule
+        args = cli(step, "--config", str(yaml_file))
+        assert args.kv_canary == "log" and args.enable_multi_layer_eagle
+        args = kwargs(step, kv_canary="abort", **engine)
+        assert args.kv_canary == "abort" and args.enable_multi_layer_eagle
+
+    accepted_on_every_route()
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS", "10")
+    accepted_on_every_route()
+    explicit = ["--enable-multi-layer-eagle"]
+    assert cli(step, "--kv-canary", "raise", *eagle, *v1, *explicit).enable_multi_layer_eagle
+    assert "with the overlap scheduler (spec v2)" in cli_error(
+        capsys, step, "--kv-canary", "raise", *eagle, *explicit
+    )
+
+
 def test_adaptive_steps_start_from_every_route(capsys, tmp_path, model_dir):
     """``--speculative-adaptive`` with the canary: accepted from the command line, a
     ``--config`` YAML and ``Engine`` kwargs; a ``--speculative-adaptive-config`` file sglang

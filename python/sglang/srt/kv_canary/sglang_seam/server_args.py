@@ -38,6 +38,8 @@ class SpeculativeFacts:
     """sglang's resolved speculative-decoding settings (``ServerArgs`` after its own
     defaults): ``algorithm`` upper-case or None; ``num_steps`` / ``topk`` /
     ``num_draft_tokens`` 0 when unset; ``page_size`` sglang's ``--page-size`` (1 when unset);
+    ``spec_v1`` sglang's overlap scheduler off (``--disable-overlap-schedule``, which sglang
+    also sets itself, e.g. for NGRAM, DFLASH and FROZEN_KV_MTP): its spec v1 workers;
     ``step_counts`` every ``--speculative-num-steps`` the
     worker may run: the initial one, and with ``--speculative-adaptive`` each candidate
     (sglang captures every candidate's graphs at start-up and switches between them while
@@ -51,6 +53,7 @@ class SpeculativeFacts:
     adaptive: bool
     step_counts: Tuple[int, ...] = ()
     page_size: int = 1
+    spec_v1: bool = False
 
     @property
     def max_steps(self) -> int:
@@ -97,6 +100,7 @@ def speculative_facts(server_args: "ServerArgs") -> SpeculativeFacts:
             else (num_steps,)
         ),
         page_size=int(getattr(server_args, "page_size", None) or 1),
+        spec_v1=bool(getattr(server_args, "disable_overlap_schedule", False)),
     )
 
 
