@@ -86,11 +86,11 @@ to start, then seconds per scenario)::
 
 ``--speculative MODE`` (``eagle``, ``eagle-tree``, ``eagle3``, ``standalone``, ``ngram``,
 ``dflash``, ``adaptive``: ``bench_serving_overhead.py``'s modes and drafts, Qwen3-0.6B shapes
-only): every server decodes with that mode; default scenarios decode bs 1 and bs 32, decode
+only; ``nextn`` with ``--model deepseek-v3-mtp``, whose MTP layer drafts): every server decodes with that mode; default scenarios decode bs 1 and bs 32, decode
 graphs for bs 1 and 32. A canary-on server must log the canary installed on the target and,
 for a mode with a draft KV pool, on that mode's draft worker (``common.SPECULATIVE_DRAFT_WORKERS``;
 ``ngram`` has none) and on no other; a canary-off server on neither; otherwise the run stops.
-NEXTN, FROZEN_KV_MTP and multi-layer EAGLE need their own target family: not measured here. One
+FROZEN_KV_MTP and multi-layer EAGLE need their own target family: not measured here. One
 mode's decode rows against ``off`` and its A/A control::
 
     . .device/c/setup.sh && python benchmark/kv_canary/bench_interleaved.py \
@@ -143,7 +143,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402  (a sibling module)
     CONFIGS,
-    DEFAULT_MODEL,
     DEFAULT_SCENARIOS as SERVING_DEFAULT_SCENARIOS,
     DRAFT_WORKERS_HELP,
     MODELS,
@@ -163,6 +162,7 @@ from common import (  # noqa: E402  (a sibling module)
     parse_names,
     read_jsonl,
     speculative_mode,
+    speculative_model_problem,
     write_speculative_files,
 )
 from interleaved_servers import (  # noqa: E402  (the servers: configs, start-up, checks)
@@ -266,11 +266,9 @@ def run(args) -> int:
             f"--speculative {args.speculative} cannot run with --smoke-cpu: "
             "sglang 0.5.12's CPU server has no speculative decoding"
         )
-    if args.speculative != "none" and args.model != DEFAULT_MODEL:
-        raise SystemExit(
-            f"--speculative {args.speculative} needs --model {DEFAULT_MODEL} "
-            f"(the draft's shape is that model's), got --model {args.model}"
-        )
+    problem = speculative_model_problem(args.speculative, args.model)
+    if problem:
+        raise SystemExit(problem)
     check_upstream(
         names,
         upstream_site=args.upstream_site,

@@ -54,14 +54,15 @@ scenarios it also holds the launch of the first decode step (the overlap schedul
 the prefill result after queuing the next batch).
 
 ``--speculative MODE`` (``eagle``, ``eagle-tree``, ``eagle3``, ``standalone``, ``ngram``,
-``dflash``, ``adaptive``; each mode's settings, draft config and draft worker in
-``common.SPECULATIVE``, ``SPECULATIVE_DRAFT_CONFIGS`` and ``SPECULATIVE_DRAFT_WORKERS``,
-summed up by ``--help``): every Engine serves with that mode (Qwen3-0.6B shapes only, decode
+``dflash``, ``adaptive``, ``nextn``; each mode's settings, target, draft config and draft worker
+in ``common.SPECULATIVE``, ``SPECULATIVE_MODELS``, ``SPECULATIVE_DRAFT_CONFIGS`` and
+``SPECULATIVE_DRAFT_WORKERS``, summed up by ``--help``): every Engine serves with that mode
+(Qwen3-0.6B shapes; ``nextn`` with ``--model deepseek-v3-mtp``, whose MTP layer drafts; decode
 graphs for bs 1 and 32) and the scenarios default to ``decode_bs1`` and ``decode_bs32`` (32
 requests x isl 512, osl 1024). A canary-on Engine must log the canary installed on the target
 and, for a mode with a draft KV pool, on that mode's draft worker; a canary-off Engine on
-neither; otherwise its config fails. NEXTN, FROZEN_KV_MTP and multi-layer EAGLE need their own
-target family: not measured here::
+neither; otherwise its config fails. FROZEN_KV_MTP and multi-layer EAGLE need their own target
+family: not measured here::
 
     . .device/c/setup.sh && python benchmark/kv_canary/bench_serving_overhead.py \
         --speculative eagle --configs off,raise --runs 3 --out $OUT/eagle.jsonl
@@ -188,6 +189,7 @@ from common import (
     server_prefill_ms,
     server_stats,
     speculative_mode,
+    speculative_model_problem,
     write_speculative_files,
 )
 from serving_breakdown import (
@@ -678,11 +680,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--speculative {args.speculative} cannot run with --smoke-cpu: sglang 0.5.12's CPU "
             "engine has no speculative decoding (docs/user_guide.md, \"Speculative decoding\")"
         )
-    if args.speculative != "none" and args.model != DEFAULT_MODEL:
-        ap.error(
-            f"--speculative {args.speculative} needs --model {DEFAULT_MODEL} (the draft's shape "
-            f"is that model's), got --model {args.model}"
-        )
+    problem = speculative_model_problem(args.speculative, args.model)
+    if problem:
+        ap.error(problem)
     if not 0 < args.mem_fraction_static < 1:
         ap.error(f"--mem-fraction-static must be in (0, 1), got {args.mem_fraction_static}")
     if args.engine_child is not None and args.engine_child not in CONFIGS:

@@ -72,14 +72,70 @@ QWEN3_30B_A3B_CONFIG = {
     "bos_token_id": 151643,
     "eos_token_id": 151645,
 }
-MODELS = {"qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG}
+# ``--model deepseek-v3-mtp`` (``--speculative nextn``'s target: NEXTN drafts with the target's
+# own MTP layer, which sglang reads from the target's directory): DeepSeek-V3's MLA with its
+# head dimensions (the shapes sglang's MLA kernels are tuned for) and one MTP layer, at about
+# Qwen3-0.6B's scale: 28 dense layers of hidden 1024, 16 heads, Qwen3's vocabulary; the MTP
+# layer (sglang builds it at layer 28, past ``first_k_dense_replace``) a small MoE
+DEEPSEEK_V3_MTP_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 28,
+    "first_k_dense_replace": 28,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_layer_freq": 1,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 1.0,
+        "original_max_position_embeddings": 40960,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+MODELS = {
+    "qwen3-0.6b": QWEN3_0_6B_CONFIG,
+    "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG,
+    "deepseek-v3-mtp": DEEPSEEK_V3_MTP_CONFIG,
+}
 DEFAULT_MODEL = "qwen3-0.6b"
 
 # ---- speculative decoding (``--speculative``) -------------------------------------------------
 # Each mode's draft model is a ``config.json`` (dummy weights) written into a draft directory
-# beside the target's (:func:`write_speculative_files`); every draft has the Qwen3-0.6B shapes.
-# NEXTN, FROZEN_KV_MTP and multi-layer EAGLE take their draft from the target's own family (an
-# MTP layer of the target, an MTP assistant, MTP layers): not measured here.
+# beside the target's (:func:`write_speculative_files`); every such draft has the Qwen3-0.6B
+# shapes. NEXTN's draft is the target's own MTP layer (``--model deepseek-v3-mtp``, read from the
+# target's directory). FROZEN_KV_MTP and multi-layer EAGLE take their draft from targets of
+# their own families (an MTP assistant, MTP layers): not measured here.
 
 # ``--speculative eagle``: a one-layer EAGLE draft of the same shapes (hidden 1024, 16 heads,
 # 8 KV heads x 128, the target's vocabulary; sglang hands it the target's embedding and head)
@@ -170,8 +226,18 @@ SPECULATIVE = {
         disable_overlap_schedule=True,
     ),
     "adaptive": dict(speculative_algorithm="EAGLE", speculative_adaptive=True, **_EAGLE_CHAIN),
+    # the target's own MTP layer as the draft, the chain, spec v2 (the GPU suite's NEXTN lanes)
+    "nextn": dict(speculative_algorithm="NEXTN", **_EAGLE_CHAIN),
 }
-# each mode's draft model (None: no draft model)
+# each mode's target (``--model``): the Qwen3-0.6B shapes every written draft has, NEXTN's the
+# model whose MTP layer it drafts with
+SPECULATIVE_MODELS = {
+    **{mode: DEFAULT_MODEL for mode in SPECULATIVE if mode not in ("none", "nextn")},
+    "nextn": "deepseek-v3-mtp",
+}
+# the modes whose draft sglang reads from the target's own directory (none written)
+SPECULATIVE_DRAFT_IN_TARGET = ("nextn",)
+# each mode's draft model written beside the target (None: none written)
 SPECULATIVE_DRAFT_CONFIGS = {
     "none": None,
     "eagle": QWEN3_EAGLE_DRAFT_CONFIG,
@@ -181,6 +247,7 @@ SPECULATIVE_DRAFT_CONFIGS = {
     "ngram": None,
     "dflash": QWEN3_DFLASH_DRAFT_CONFIG,
     "adaptive": QWEN3_EAGLE_DRAFT_CONFIG,
+    "nextn": None,
 }
 # the draft worker whose canary a canary-on server of each mode logs (install.py's
 # "kv_canary installed on the <worker> draft worker: "; sglang's EAGLE workers run EAGLE and
@@ -194,10 +261,11 @@ SPECULATIVE_DRAFT_WORKERS = {
     "ngram": None,
     "dflash": "DFLASH",
     "adaptive": "EAGLE",
+    "nextn": "EAGLE",
 }
 # what ``--speculative``'s refusal and help add about the modes left out
 OTHER_FAMILIES_NOTE = (
-    "NEXTN, FROZEN_KV_MTP and multi-layer EAGLE: each needs its own target family; "
+    "FROZEN_KV_MTP and multi-layer EAGLE: each needs its own target family; "
     "not measured by this benchmark"
 )
 # ``--speculative``'s help in both benchmarks: what each mode serves with
@@ -210,7 +278,8 @@ SPECULATIVE_HELP = (
     "no draft model, trees of 6 tokens, breadth 3 (spec v1); dflash: a one-layer "
     "DFlashDraftModel fed by target layers 1, 25, blocks of 4 (spec v1, page size 1); "
     "adaptive: the eagle chain with --speculative-adaptive (candidate steps 1, 2, 4); "
-    + OTHER_FAMILIES_NOTE
+    "nextn: NEXTN, the chain, drafted by the MTP layer of --model deepseek-v3-mtp (a "
+    "DeepSeek-V3-shaped MLA model of Qwen3-0.6B's scale); " + OTHER_FAMILIES_NOTE
 )
 # which draft worker's canary line each mode's canary-on server must show (in the help)
 DRAFT_WORKERS_HELP = "; ".join(
@@ -230,6 +299,22 @@ def speculative_mode(value: str) -> str:
         return value
     raise argparse.ArgumentTypeError(
         f"unknown value {value!r}; allowed: {', '.join(SPECULATIVE)} ({OTHER_FAMILIES_NOTE})"
+    )
+
+
+def speculative_model_problem(speculative: str, model: str) -> str | None:
+    """Why ``--speculative speculative`` cannot measure ``--model model`` (None: it can): each
+    mode serves the target its draft is made for (:data:`SPECULATIVE_MODELS`)."""
+    if speculative == "none" or model == SPECULATIVE_MODELS[speculative]:
+        return None
+    why = (
+        "its draft is that model's MTP layer"
+        if speculative in SPECULATIVE_DRAFT_IN_TARGET
+        else "the draft's shape is that model's"
+    )
+    return (
+        f"--speculative {speculative} needs --model {SPECULATIVE_MODELS[speculative]} ({why}), "
+        f"got --model {model}"
     )
 
 
@@ -490,6 +575,8 @@ class EngineSettings:
         spec = dict(SPECULATIVE[self.speculative])
         if SPECULATIVE_DRAFT_CONFIGS[self.speculative] is not None:
             spec["speculative_draft_model_path"] = draft_dir
+        if self.speculative in SPECULATIVE_DRAFT_IN_TARGET:
+            spec["speculative_draft_model_path"] = model_dir
         if spec.get("speculative_adaptive"):
             spec["speculative_adaptive_config"] = (
                 os.path.join(draft_dir, ADAPTIVE_CONFIG_FILE) if draft_dir else None

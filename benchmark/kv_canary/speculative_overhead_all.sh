@@ -9,7 +9,7 @@
 set -u
 out=${1:?usage: $0 OUTDIR [MODE ...]}; shift
 modes=("$@")
-[ ${#modes[@]} -gt 0 ] || modes=(eagle eagle-tree eagle3 standalone ngram dflash adaptive)
+[ ${#modes[@]} -gt 0 ] || modes=(eagle eagle-tree eagle3 standalone ngram dflash adaptive nextn)
 rounds=${ROUNDS:-8}
 case "$rounds" in ""|*[!0-9]*|0) echo "$0: ROUNDS=$rounds: a whole number above 0" >&2; exit 2 ;; esac
 here=$(cd "$(dirname "$0")" && pwd)
@@ -19,9 +19,12 @@ mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader)
 run_gpu() {  # GPU, then its modes
   local gpu=$1; shift
   for m in "$@"; do
+    # the target the mode's draft is made for (common.SPECULATIVE_MODELS)
+    model=$(python3 -c "import sys; sys.path.insert(0, sys.argv[1]); from common import \
+SPECULATIVE_MODELS as M; print(M[sys.argv[2]])" "$here" "$m") || { echo "$0: unknown mode $m" >&2; continue; }
     CUDA_VISIBLE_DEVICES=$gpu python3 "$here/bench_interleaved.py" --speculative "$m" \
-      --configs off,raise --scenarios decode_bs1,decode_bs32 --rounds "$rounds" --warmup 1 \
-      --out "$out/spec_$m.jsonl" > "$out/spec_$m.log" 2>&1
+      --model "$model" --configs off,raise --scenarios decode_bs1,decode_bs32 \
+      --rounds "$rounds" --warmup 1 --out "$out/spec_$m.jsonl" > "$out/spec_$m.log" 2>&1
     echo "speculative_overhead: $m on GPU $gpu: rc=$?"
   done
 }

@@ -523,6 +523,7 @@ MODE_DRAFT_LINES = {
     "standalone": STANDALONE_LINE,
     "dflash": DFLASH_LINE,
     "ngram": None,
+    "nextn": DRAFT_LINE,  # sglang's EAGLE worker runs NEXTN
 }
 
 
@@ -624,21 +625,22 @@ def test_every_speculative_mode_refuses_what_it_cannot_measure(monkeypatch, mode
         raise AssertionError(f"server {name} started")
 
     monkeypatch.setattr(bi, "Server", no_server)
+    model = common.SPECULATIVE_MODELS[mode]
     for argv, message in (
         (["--smoke-cpu"], f"--speculative {mode} cannot run with --smoke-cpu"),
-        (["--model", "qwen3-30b-a3b"], f"--speculative {mode} needs --model qwen3-0.6b"),
+        (["--model", "qwen3-30b-a3b"], f"--speculative {mode} needs --model {model}"),
     ):
         with pytest.raises(SystemExit, match=re.escape(message)):
-            bi.main(["--configs", "off,raise", "--speculative", mode, *argv])
+            bi.main(["--configs", "off,raise", "--speculative", mode, "--model", model, *argv])
     args = bi.build_parser().parse_args(["--speculative", mode])
     assert args.speculative == mode
     assert bi.DEFAULT_SCENARIOS[mode] == "decode_bs1,decode_bs32"
 
 
-@pytest.mark.parametrize("bad", ["nextn", "frozen_kv_mtp", "EAGLE", "eagle-chain", ""])
+@pytest.mark.parametrize("bad", ["frozen_kv_mtp", "multi-layer", "EAGLE", "eagle-chain", ""])
 def test_an_unknown_speculative_mode_is_refused_naming_the_flag_and_the_modes(capsys, bad):
     """An unknown mode (the algorithms left out among them) is refused by both benchmarks,
-    naming ``--speculative``, the value and every allowed mode, and why NEXTN, FROZEN_KV_MTP and
+    naming ``--speculative``, the value and every allowed mode, and why FROZEN_KV_MTP and
     multi-layer EAGLE are not among them."""
     import bench_serving_overhead as bso
 
@@ -698,6 +700,7 @@ SPEC_FLAGS = {
         "--speculative-adaptive-config": ["{draft}/adaptive.json"],
         **_CHAIN,
     },
+    "nextn": {"--speculative-algorithm": ["NEXTN"], **_CHAIN},
 }
 # what sglang 0.5.12 resolves each mode to: (algorithm, spec version, steps, topk, draft tokens)
 SPEC_RESOLVED = {
@@ -709,6 +712,7 @@ SPEC_RESOLVED = {
     "ngram": ("NGRAM", "v1", 3, 3, 6),  # sglang sets topk to the breadth
     "dflash": ("DFLASH", "v1", 1, 1, 4),
     "adaptive": ("EAGLE", "v2", 3, 1, 4),
+    "nextn": ("EAGLE", "v2", 3, 1, 4),  # sglang runs NEXTN as EAGLE
 }
 # flags that belong to a speculative mode's settings (the rest are every server's)
 _MODE_FLAGS = (
@@ -733,30 +737,43 @@ def _flag_values(argv):
 
 @pytest.fixture(scope="module")
 def spec_dirs(tmp_path_factory):
-    """The target's dir (Qwen3-0.6B shapes) and each mode's draft dir, or None, as the
-    benchmarks write them."""
+    """Each target's dir (``{model: dir}``: Qwen3-0.6B's shapes, NEXTN's DeepSeek-V3 MTP model)
+    and each mode's draft dir, or None, as the benchmarks write them."""
     root = tmp_path_factory.mktemp("spec")
-    target = root / "model"
-    target.mkdir()
-    (target / "config.json").write_text(json.dumps(common.QWEN3_0_6B_CONFIG))
+    targets = {}
+    for model in {common.DEFAULT_MODEL, *common.SPECULATIVE_MODELS.values()}:
+        (root / model).mkdir()
+        (root / model / "config.json").write_text(json.dumps(common.MODELS[model]))
+        targets[model] = str(root / model)
     drafts = {m: common.write_speculative_files(m, str(root / m)) for m in common.SPECULATIVE}
-    return str(target), drafts
+    return targets, drafts
+
+
+def _target(spec_dirs, mode):
+    return spec_dirs[0][common.SPECULATIVE_MODELS.get(mode, common.DEFAULT_MODEL)]
+
+
+def _draft_path(spec_dirs, mode):
+    """Where mode's server reads its draft: the draft dir written for it, NEXTN the target's."""
+    if mode in common.SPECULATIVE_DRAFT_IN_TARGET:
+        return _target(spec_dirs, mode)
+    return spec_dirs[1][mode]
 
 
 def _mode_kwargs(spec_dirs, mode, config="raise"):
     """One interleaved server's engine kwargs for ``mode`` and canary ``config``."""
-    target, drafts = spec_dirs
     settings = bi.EngineSettings(speculative=mode, max_total_tokens=50000, cuda_graph_bs=(1, 32))
-    kw = settings.engine_kwargs(target, smoke=False, draft_dir=drafts[mode])
+    kw = settings.engine_kwargs(_target(spec_dirs, mode), smoke=False, draft_dir=spec_dirs[1][mode])
     return bi.server_kwargs(kw, bi.CONFIG_TABLE[config], mem_fraction=0.2, idle="spin")
 
 
 @pytest.mark.parametrize("mode", list(SPEC_FLAGS))
 def test_each_speculative_mode_becomes_its_launch_server_flags(spec_dirs, mode):
     """A mode's settings reach the server's command line as the GPU suite's servers of that
-    mode run; the draft's path exactly where the mode has a draft model."""
+    mode run; the draft's path exactly where the mode has a draft model (NEXTN's: the
+    target's own directory)."""
     assert set(SPEC_FLAGS) == set(common.SPECULATIVE)
-    draft = spec_dirs[1][mode]
+    draft = _draft_path(spec_dirs, mode)
     flags = _flag_values(engine_kwargs_to_argv(_mode_kwargs(spec_dirs, mode)))
     want = {k: [v.replace("{draft}", str(draft)) for v in vs] for k, vs in SPEC_FLAGS[mode].items()}
     if draft is not None:
@@ -764,7 +781,10 @@ def test_each_speculative_mode_becomes_its_launch_server_flags(spec_dirs, mode):
     got = {k: v for k, v in flags.items() if k.startswith(_MODE_FLAGS)}
     assert got == want
     assert flags["--kv-canary"] == ["raise"]
-    assert (draft is None) == (common.SPECULATIVE_DRAFT_CONFIGS[mode] is None)
+    assert (draft is None) == (
+        common.SPECULATIVE_DRAFT_CONFIGS[mode] is None
+        and mode not in common.SPECULATIVE_DRAFT_IN_TARGET
+    )
 
 
 @pytest.fixture
@@ -810,7 +830,7 @@ def test_sglang_and_the_canary_accept_each_speculative_mode_as_launched(
             sa.speculative_num_draft_tokens,
         )
         assert got == SPEC_RESOLVED[mode]
-        assert sa.speculative_draft_model_path == spec_dirs[1][mode]
+        assert sa.speculative_draft_model_path == _draft_path(spec_dirs, mode)
         assert sa.speculative_adaptive == (mode == "adaptive")
         steps = speculative_facts(sa).step_counts
         assert steps == ((1, 2, 3, 4) if mode == "adaptive" else (sa.speculative_num_steps or 0,))
@@ -840,8 +860,10 @@ def sglang_models(spec_dirs):
         config = ModelConfig(path, dtype="bfloat16", is_draft_model=draft)
         return config, ModelRegistry.resolve_model_cls(config.hf_config.architectures)[0]
 
-    target, drafts = spec_dirs
-    return load(target, False), {m: load(d, True) for m, d in drafts.items() if d is not None}
+    targets, drafts = spec_dirs
+    return load(targets[common.DEFAULT_MODEL], False), {
+        m: load(d, True) for m, d in drafts.items() if d is not None
+    }
 
 
 @pytest.mark.parametrize("mode", list(DRAFT_MODELS))
@@ -1031,3 +1053,27 @@ def test_pd_rounds_read_the_decode_servers_timing_from_its_answer():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_the_nextn_target_and_its_mtp_draft_are_read_by_sglang_as_the_mode_needs(spec_dirs):
+    """``--speculative nextn``'s target (``--model deepseek-v3-mtp``) through sglang's own
+    config loader and registry: ``DeepseekV3ForCausalLM``, MLA with DeepSeek-V3's head
+    dimensions, 28 layers of hidden 1024, one MTP layer; the same directory read as the draft
+    (``is_draft_model``, as the NEXTN draft worker reads it) is ``DeepseekV3ForCausalLMNextN``,
+    MLA; the vocabulary Qwen3's (the benchmarks' token ids)."""
+    from sglang.srt.configs.model_config import AttentionArch, ModelConfig
+    from sglang.srt.models.registry import ModelRegistry
+
+    path = _target(spec_dirs, "nextn")
+    assert common.SPECULATIVE_MODELS["nextn"] == "deepseek-v3-mtp"
+    for draft, arch in ((False, "DeepseekV3ForCausalLM"), (True, "DeepseekV3ForCausalLMNextN")):
+        config = ModelConfig(path, dtype="bfloat16", is_draft_model=draft)
+        cls = ModelRegistry.resolve_model_cls(config.hf_config.architectures)[0]
+        assert (config.hf_config.architectures, cls.__name__) == ([arch], arch)
+        assert config.attention_arch == AttentionArch.MLA
+        assert (config.kv_lora_rank, config.qk_rope_head_dim) == (512, 64)
+        # the draft keeps the target's count (its one layer is built at layer_id 28)
+        assert config.num_hidden_layers == 28 and config.hidden_size == 1024
+        assert config.hf_config.num_nextn_predict_layers == 1
+        assert config.vocab_size == common.QWEN3_0_6B_CONFIG["vocab_size"]
+    assert common.write_speculative_files("nextn", "/nonexistent") is None

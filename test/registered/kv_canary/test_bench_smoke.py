@@ -792,6 +792,7 @@ _DRAFTS = {
     "standalone": "STANDALONE",
     "dflash": "DFLASH",
     "ngram": None,
+    "nextn": "EAGLE",
 }
 
 
@@ -865,10 +866,13 @@ def test_bench_serving_overhead_refuses_what_a_speculative_mode_cannot_measure(
         raise AssertionError(f"Engines started for {args.speculative}")
 
     monkeypatch.setattr(bso, "run_engines", no_engines)
+    import common
+
+    model = common.SPECULATIVE_MODELS[mode]
     for argv, message in (
         (["--smoke-cpu"], f"--speculative {mode} cannot run with --smoke-cpu"),
-        (["--model", "qwen3-30b-a3b"], f"--speculative {mode} needs --model qwen3-0.6b"),
+        (["--model", "qwen3-30b-a3b"], f"--speculative {mode} needs --model {model}"),
     ):
         with pytest.raises(SystemExit):
-            bso.main(["--speculative", mode, *argv])
+            bso.main(["--speculative", mode, "--model", model, *argv])
         assert message in capsys.readouterr().err
