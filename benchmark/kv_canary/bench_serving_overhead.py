@@ -57,12 +57,13 @@ the prefill result after queuing the next batch).
 ``dflash``, ``adaptive``, ``nextn``; each mode's settings, target, draft config and draft worker
 in ``common.SPECULATIVE``, ``SPECULATIVE_MODELS``, ``SPECULATIVE_DRAFT_CONFIGS`` and
 ``SPECULATIVE_DRAFT_WORKERS``, summed up by ``--help``): every Engine serves with that mode
-(Qwen3-0.6B shapes; ``nextn`` with ``--model deepseek-v3-mtp``, whose MTP layer drafts; decode
+(Qwen3-0.6B shapes; ``nextn`` with ``--model deepseek-v3-mtp``, whose MTP layer drafts;
+``frozen-kv-mtp`` with ``--model gemma4-mtp``, whose KV its Gemma4 assistant reads; decode
 graphs for bs 1 and 32) and the scenarios default to ``decode_bs1`` and ``decode_bs32`` (32
 requests x isl 512, osl 1024). A canary-on Engine must log the canary installed on the target
 and, for a mode with a draft KV pool, on that mode's draft worker; a canary-off Engine on
-neither; otherwise its config fails. FROZEN_KV_MTP and multi-layer EAGLE need their own target
-family: not measured here::
+neither; otherwise its config fails. Multi-layer EAGLE needs its own target family: not
+measured here::
 
     . .device/c/setup.sh && python benchmark/kv_canary/bench_serving_overhead.py \
         --speculative eagle --configs off,raise --runs 3 --out $OUT/eagle.jsonl

@@ -123,19 +123,62 @@ DEEPSEEK_V3_MTP_CONFIG = {
     "bos_token_id": 151643,
     "eos_token_id": 151645,
 }
+# ``--model gemma4-mtp`` (``--speculative frozen-kv-mtp``'s target): a Gemma4 text model of about
+# Qwen3-0.6B's scale (28 layers of hidden 1024, 16 heads, 8 KV heads of 128, sliding and full
+# attention alternating, a 1024-token window; the last two layers KV-shared with the last
+# owner of their type), the GPU suite's tiny FROZEN_KV_MTP target scaled up
+# (test/registered/kv_canary/canary_support/tiny_models.py says why each field is written
+# out); Qwen3's vocabulary (the benchmarks' token ids)
+GEMMA4_MTP_CONFIG = {
+    "architectures": ["Gemma4ForCausalLM"],
+    "model_type": "gemma4_text",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "global_head_dim": 128,
+    "num_global_key_value_heads": 8,
+    "swa_num_key_value_heads": 8,
+    "swa_head_dim": 128,
+    "swa_v_head_dim": 128,
+    "v_head_dim": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 14,
+    "num_kv_shared_layers": 2,
+    "sliding_window": 1024,
+    "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": 151936,
+    "moe_intermediate_size": 3072,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "pad_token_id": 0,
+}
 MODELS = {
     "qwen3-0.6b": QWEN3_0_6B_CONFIG,
     "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG,
     "deepseek-v3-mtp": DEEPSEEK_V3_MTP_CONFIG,
+    "gemma4-mtp": GEMMA4_MTP_CONFIG,
 }
 DEFAULT_MODEL = "qwen3-0.6b"
 
 # ---- speculative decoding (``--speculative``) -------------------------------------------------
 # Each mode's draft model is a ``config.json`` (dummy weights) written into a draft directory
 # beside the target's (:func:`write_speculative_files`); every such draft has the Qwen3-0.6B
-# shapes. NEXTN's draft is the target's own MTP layer (``--model deepseek-v3-mtp``, read from the
-# target's directory). FROZEN_KV_MTP and multi-layer EAGLE take their draft from targets of
-# their own families (an MTP assistant, MTP layers): not measured here.
+# shapes but FROZEN_KV_MTP's assistant (``--model gemma4-mtp``'s). NEXTN's draft is the
+# target's own MTP layer (``--model deepseek-v3-mtp``, read from the target's directory).
+# Multi-layer EAGLE takes its draft layers from a target of its own family: not measured here.
 
 # ``--speculative eagle``: a one-layer EAGLE draft of the same shapes (hidden 1024, 16 heads,
 # 8 KV heads x 128, the target's vocabulary; sglang hands it the target's embedding and head)
@@ -174,6 +217,25 @@ QWEN3_DFLASH_DRAFT_CONFIG = {
         "num_target_layers": QWEN3_0_6B_CONFIG["num_hidden_layers"],
         "target_layer_ids": [1, 25],
     },
+}
+# ``--speculative frozen-kv-mtp``: Gemma4's MTP assistant for ``--model gemma4-mtp`` (one sliding
+# and one full layer reading the target's KV, writing none; ``backbone_hidden_size`` the
+# target's), as the GPU suite's tiny assistant, scaled up
+GEMMA4_ASSISTANT_DRAFT_CONFIG = {
+    "architectures": ["Gemma4AssistantForCausalLM"],
+    "model_type": "gemma4",
+    "backbone_hidden_size": GEMMA4_MTP_CONFIG["hidden_size"],
+    "text_config": {
+        **{k: v for k, v in GEMMA4_MTP_CONFIG.items() if k != "architectures"},
+        "num_hidden_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "num_kv_shared_layers": 0,
+    },
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": GEMMA4_MTP_CONFIG["bos_token_id"],
+    "eos_token_id": GEMMA4_MTP_CONFIG["eos_token_id"],
+    "pad_token_id": 0,
 }
 # ``--speculative adaptive``: sglang's adaptive step counts (``--speculative-adaptive-config``,
 # written beside the draft's config as ADAPTIVE_CONFIG_FILE): the candidates of the GPU suite's
@@ -228,12 +290,18 @@ SPECULATIVE = {
     "adaptive": dict(speculative_algorithm="EAGLE", speculative_adaptive=True, **_EAGLE_CHAIN),
     # the target's own MTP layer as the draft, the chain, spec v2 (the GPU suite's NEXTN lanes)
     "nextn": dict(speculative_algorithm="NEXTN", **_EAGLE_CHAIN),
+    # Gemma4's assistant reading the target's KV, the chain, spec v1 (sglang runs FROZEN_KV_MTP
+    # there only), as the GPU suite's FROZEN_KV_MTP lanes
+    "frozen-kv-mtp": dict(
+        speculative_algorithm="FROZEN_KV_MTP", disable_overlap_schedule=True, **_EAGLE_CHAIN
+    ),
 }
-# each mode's target (``--model``): the Qwen3-0.6B shapes every written draft has, NEXTN's the
-# model whose MTP layer it drafts with
+# each mode's target (``--model``): the Qwen3-0.6B shapes of the written drafts, NEXTN's the
+# model whose MTP layer it drafts with, FROZEN_KV_MTP's the model its assistant reads
 SPECULATIVE_MODELS = {
-    **{mode: DEFAULT_MODEL for mode in SPECULATIVE if mode not in ("none", "nextn")},
+    **{mode: DEFAULT_MODEL for mode in SPECULATIVE if mode != "none"},
     "nextn": "deepseek-v3-mtp",
+    "frozen-kv-mtp": "gemma4-mtp",
 }
 # the modes whose draft sglang reads from the target's own directory (none written)
 SPECULATIVE_DRAFT_IN_TARGET = ("nextn",)
@@ -248,10 +316,11 @@ SPECULATIVE_DRAFT_CONFIGS = {
     "dflash": QWEN3_DFLASH_DRAFT_CONFIG,
     "adaptive": QWEN3_EAGLE_DRAFT_CONFIG,
     "nextn": None,
+    "frozen-kv-mtp": GEMMA4_ASSISTANT_DRAFT_CONFIG,
 }
 # the draft worker whose canary a canary-on server of each mode logs (install.py's
 # "kv_canary installed on the <worker> draft worker: "; sglang's EAGLE workers run EAGLE and
-# EAGLE3); None: no draft KV pool, the target's canary only (NGRAM)
+# EAGLE3); None: no draft KV pool, the target's canary only (NGRAM, FROZEN_KV_MTP)
 SPECULATIVE_DRAFT_WORKERS = {
     "none": None,
     "eagle": "EAGLE",
@@ -262,11 +331,11 @@ SPECULATIVE_DRAFT_WORKERS = {
     "dflash": "DFLASH",
     "adaptive": "EAGLE",
     "nextn": "EAGLE",
+    "frozen-kv-mtp": None,  # its assistant writes no KV: the target's canary only
 }
 # what ``--speculative``'s refusal and help add about the modes left out
 OTHER_FAMILIES_NOTE = (
-    "FROZEN_KV_MTP and multi-layer EAGLE: each needs its own target family; "
-    "not measured by this benchmark"
+    "multi-layer EAGLE: it needs its own target family; not measured by this benchmark"
 )
 # ``--speculative``'s help in both benchmarks: what each mode serves with
 SPECULATIVE_HELP = (
@@ -279,7 +348,9 @@ SPECULATIVE_HELP = (
     "DFlashDraftModel fed by target layers 1, 25, blocks of 4 (spec v1, page size 1); "
     "adaptive: the eagle chain with --speculative-adaptive (candidate steps 1, 2, 4); "
     "nextn: NEXTN, the chain, drafted by the MTP layer of --model deepseek-v3-mtp (a "
-    "DeepSeek-V3-shaped MLA model of Qwen3-0.6B's scale); " + OTHER_FAMILIES_NOTE
+    "DeepSeek-V3-shaped MLA model of Qwen3-0.6B's scale); frozen-kv-mtp: FROZEN_KV_MTP, "
+    "the chain (spec v1), a two-layer Gemma4 assistant reading the KV of --model gemma4-mtp "
+    "(a Gemma4 text model of Qwen3-0.6B's scale); " + OTHER_FAMILIES_NOTE
 )
 # which draft worker's canary line each mode's canary-on server must show (in the help)
 DRAFT_WORKERS_HELP = "; ".join(

@@ -524,6 +524,7 @@ MODE_DRAFT_LINES = {
     "dflash": DFLASH_LINE,
     "ngram": None,
     "nextn": DRAFT_LINE,  # sglang's EAGLE worker runs NEXTN
+    "frozen-kv-mtp": None,  # its assistant writes no KV
 }
 
 
@@ -701,6 +702,11 @@ SPEC_FLAGS = {
         **_CHAIN,
     },
     "nextn": {"--speculative-algorithm": ["NEXTN"], **_CHAIN},
+    "frozen-kv-mtp": {
+        "--speculative-algorithm": ["FROZEN_KV_MTP"],
+        "--disable-overlap-schedule": [],
+        **_CHAIN,
+    },
 }
 # what sglang 0.5.12 resolves each mode to: (algorithm, spec version, steps, topk, draft tokens)
 SPEC_RESOLVED = {
@@ -713,6 +719,7 @@ SPEC_RESOLVED = {
     "dflash": ("DFLASH", "v1", 1, 1, 4),
     "adaptive": ("EAGLE", "v2", 3, 1, 4),
     "nextn": ("EAGLE", "v2", 3, 1, 4),  # sglang runs NEXTN as EAGLE
+    "frozen-kv-mtp": ("FROZEN_KV_MTP", "v1", 3, 1, 4),
 }
 # flags that belong to a speculative mode's settings (the rest are every server's)
 _MODE_FLAGS = (
@@ -876,7 +883,11 @@ def test_each_draft_config_is_read_by_sglang_as_its_mode_needs(spec_dirs, sglang
     size the mode's draft tokens and its mask token inside the vocabulary; adaptive's step
     counts as sglang's controller reads its config file."""
     (target, target_cls), drafts = sglang_models
-    assert set(DRAFT_MODELS) == {m for m, c in common.SPECULATIVE_DRAFT_CONFIGS.items() if c}
+    assert set(DRAFT_MODELS) == {
+        m
+        for m, c in common.SPECULATIVE_DRAFT_CONFIGS.items()
+        if c and common.SPECULATIVE_MODELS[m] == common.DEFAULT_MODEL
+    }
     assert target_cls.__name__ == "Qwen3ForCausalLM"
     config, cls = drafts[mode]
     hf, layers = config.hf_config, target.hf_config.num_hidden_layers
@@ -1077,3 +1088,39 @@ def test_the_nextn_target_and_its_mtp_draft_are_read_by_sglang_as_the_mode_needs
         assert config.hf_config.num_nextn_predict_layers == 1
         assert config.vocab_size == common.QWEN3_0_6B_CONFIG["vocab_size"]
     assert common.write_speculative_files("nextn", "/nonexistent") is None
+
+
+def test_the_frozen_kv_mtp_pair_is_read_by_sglang_as_the_mode_needs(spec_dirs):
+    """``--speculative frozen-kv-mtp``'s pair through sglang's own config loader and registry:
+    the assistant's architecture promotes EAGLE to FROZEN_KV_MTP; the target (``--model
+    gemma4-mtp``) is ``Gemma4ForCausalLM``, hybrid SWA (sliding even layers, full odd ones,
+    the window 1024), 16 heads and 8 KV heads of 128, hidden 1024, its last two layers
+    KV-shared; the assistant (``is_draft_model``) is ``Gemma4AssistantForCausalLM`` with one
+    sliding and one full layer of the target's heads, its ``backbone_hidden_size`` the
+    target's hidden size; the vocabulary Qwen3's (the benchmarks' token ids)."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.server_args import _resolve_speculative_algorithm_alias
+
+    target_dir, draft_dir = _target(spec_dirs, "frozen-kv-mtp"), spec_dirs[1]["frozen-kv-mtp"]
+    assert _resolve_speculative_algorithm_alias("EAGLE", draft_dir) == "FROZEN_KV_MTP"
+    target = ModelConfig(target_dir, dtype="bfloat16")
+    text = target.hf_text_config
+    cls = ModelRegistry.resolve_model_cls(target.hf_config.architectures)[0]
+    assert (target.hf_config.architectures, cls.__name__) == (
+        ["Gemma4ForCausalLM"],
+        "Gemma4ForCausalLM",
+    )
+    assert target.is_hybrid_swa
+    assert target.swa_attention_layer_ids == list(range(0, 28, 2))
+    assert target.full_attention_layer_ids == list(range(1, 28, 2))
+    assert (text.num_kv_shared_layers, text.sliding_window) == (2, 1024)
+    assert (text.swa_num_key_value_heads, text.swa_head_dim, text.swa_v_head_dim) == (8, 128, 128)
+    assert (target.head_dim, target.get_total_num_kv_heads(), text.hidden_size) == (128, 8, 1024)
+    assert target.vocab_size == common.QWEN3_0_6B_CONFIG["vocab_size"]
+    draft = ModelConfig(draft_dir, dtype="bfloat16", is_draft_model=True)
+    cls = ModelRegistry.resolve_model_cls(draft.hf_config.architectures)[0]
+    assert cls.__name__ == "Gemma4AssistantForCausalLM"
+    assert draft.hf_config.backbone_hidden_size == text.hidden_size
+    assert draft.hf_text_config.layer_types == ["sliding_attention", "full_attention"]
+    assert (draft.head_dim, draft.swa_head_dim, draft.get_total_num_kv_heads()) == (128, 128, 8)

@@ -793,6 +793,7 @@ _DRAFTS = {
     "dflash": "DFLASH",
     "ngram": None,
     "nextn": "EAGLE",
+    "frozen-kv-mtp": None,
 }
 
 
