@@ -678,11 +678,11 @@ def test_dflash_with_the_token_oracle_is_refused_from_every_route(
 
 
 def test_a_step3p5_target_with_eagle_is_refused_from_every_route(capsys, tmp_path, monkeypatch):
-    """A Step-3.5 target with ``--speculative-algorithm EAGLE``: sglang turns on
-    ``--enable-multi-layer-eagle`` by itself, which the canary does not cover; the refusal
-    says so (the operator never passed the flag) from the command line, a ``--config`` YAML
-    and ``Engine`` kwargs, with and without the canary's variables. The same server without
-    the canary starts, with the flag on."""
+    """A Step-3.5 target with ``--speculative-algorithm EAGLE`` (the overlap scheduler on:
+    spec v2): sglang turns on ``--enable-multi-layer-eagle`` by itself, which the canary does
+    not cover there; the refusal says so (the operator never passed the flag) from the command
+    line, a ``--config`` YAML and ``Engine`` kwargs, with and without the canary's variables.
+    The same server without the canary starts, with the flag on."""
     sys.path.insert(0, os.path.dirname(__file__))
     from canary_support.tiny_models import write_tiny_step3p5
 
