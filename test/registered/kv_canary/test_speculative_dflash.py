@@ -423,8 +423,11 @@ def test_an_append_after_another_batch_kind_is_refused_naming_it(mode):
         input_ids=torch.tensor([7, 8]),
         spec_info=None,
     )
-    with pytest.raises(NotImplementedError, match=f"after a {mode.name} batch"):
+    with pytest.raises(NotImplementedError, match=f"after a {mode.name} batch") as refused:
         seam.dflash_append_inputs(batch, draft_input)
+    # the message names the batch kinds it records appends after: sglang's extend modes
+    assert "(an extend batch: EXTEND, MIXED, DRAFT_EXTEND, " in str(refused.value)
+    assert str(refused.value).endswith("or a verify (TARGET_VERIFY) only")
     draft_input.target_hidden = torch.zeros((0, 1))
     assert seam.dflash_append_inputs(batch, draft_input) is None
 

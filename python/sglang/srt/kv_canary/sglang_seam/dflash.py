@@ -79,9 +79,13 @@ def dflash_append_inputs(batch: "ScheduleBatch", draft_input) -> Optional[DFlash
         return DFlashAppend(block_tokens=batch.input_ids.view(bs, block), **common)
     if mode.is_extend():
         return DFlashAppend(tokens=batch.input_ids, **common)
+    prefills = ", ".join(
+        m.name for m in ForwardMode if m.is_extend() and m != ForwardMode.TARGET_VERIFY
+    )
     raise NotImplementedError(
         f"kv_canary: a DFLASH draft KV append of {total} positions after a {mode.name} batch; "
-        "the canary records appends after a prefill (EXTEND) or a verify (TARGET_VERIFY) only"
+        f"the canary records appends after a prefill (an extend batch: {prefills}) or a "
+        "verify (TARGET_VERIFY) only"
     )
 
 
