@@ -86,8 +86,8 @@ to start, then seconds per scenario)::
 
 ``--speculative MODE`` (``eagle``, ``eagle-tree``, ``eagle3``, ``standalone``, ``ngram``,
 ``dflash``, ``adaptive``: ``bench_serving_overhead.py``'s modes and drafts, Qwen3-0.6B shapes
-only; ``nextn`` with ``--model deepseek-v3-mtp``, whose MTP layer drafts; ``frozen-kv-mtp``
-with ``--model gemma4-mtp``, whose KV its Gemma4 assistant reads): every server decodes with that mode; default scenarios decode bs 1 and bs 32, decode
+only; ``nextn`` on ``--model deepseek-v3-mtp`` (its default), whose MTP layer drafts; ``frozen-kv-mtp``
+on ``--model gemma4-mtp``, whose KV its Gemma4 assistant reads): every server decodes with that mode; default scenarios decode bs 1 and bs 32, decode
 graphs for bs 1 and 32. A canary-on server must log the canary installed on the target and,
 for a mode with a draft KV pool, on that mode's draft worker (``common.SPECULATIVE_DRAFT_WORKERS``;
 ``ngram`` and ``frozen-kv-mtp`` have none) and on no other; a canary-off server on neither;
@@ -163,6 +163,7 @@ from common import (  # noqa: E402  (a sibling module)
     parse_names,
     read_jsonl,
     speculative_mode,
+    speculative_model,
     speculative_model_problem,
     write_speculative_files,
 )
@@ -267,6 +268,7 @@ def run(args) -> int:
             f"--speculative {args.speculative} cannot run with --smoke-cpu: "
             "sglang 0.5.12's CPU server has no speculative decoding"
         )
+    args.model = speculative_model(args.speculative, args.model)
     problem = speculative_model_problem(args.speculative, args.model)
     if problem:
         raise SystemExit(problem)
@@ -479,7 +481,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5, help="unrecorded rounds first")
-    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS))
+    ap.add_argument(
+        "--model",
+        default=None,
+        choices=sorted(MODELS),
+        help="the dummy-weight model's shapes (default: the --speculative mode's target, "
+        "else qwen3-0.6b)",
+    )
     ap.add_argument(
         "--gpu-share",
         type=float,

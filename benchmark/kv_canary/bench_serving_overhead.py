@@ -57,8 +57,8 @@ the prefill result after queuing the next batch).
 ``dflash``, ``adaptive``, ``nextn``; each mode's settings, target, draft config and draft worker
 in ``common.SPECULATIVE``, ``SPECULATIVE_MODELS``, ``SPECULATIVE_DRAFT_CONFIGS`` and
 ``SPECULATIVE_DRAFT_WORKERS``, summed up by ``--help``): every Engine serves with that mode
-(Qwen3-0.6B shapes; ``nextn`` with ``--model deepseek-v3-mtp``, whose MTP layer drafts;
-``frozen-kv-mtp`` with ``--model gemma4-mtp``, whose KV its Gemma4 assistant reads; decode
+(Qwen3-0.6B shapes; ``nextn`` on ``--model deepseek-v3-mtp`` (its default), whose MTP layer drafts;
+``frozen-kv-mtp`` on ``--model gemma4-mtp``, whose KV its Gemma4 assistant reads; decode
 graphs for bs 1 and 32) and the scenarios default to ``decode_bs1`` and ``decode_bs32`` (32
 requests x isl 512, osl 1024). A canary-on Engine must log the canary installed on the target
 and, for a mode with a draft KV pool, on that mode's draft worker; a canary-off Engine on
@@ -164,7 +164,6 @@ from collections.abc import Sequence
 
 from common import (
     CONFIGS,
-    DEFAULT_MODEL,
     DEFAULT_SCENARIOS,
     DRAFT_WORKERS_HELP,
     MODELS,
@@ -190,6 +189,7 @@ from common import (
     server_prefill_ms,
     server_stats,
     speculative_mode,
+    speculative_model,
     speculative_model_problem,
     write_speculative_files,
 )
@@ -416,6 +416,8 @@ def run_child(args, cfg: BenchConfig, log_path: str, stub_dir: str | None) -> in
         str(args.mem_fraction_static),
         "--speculative",
         args.speculative,
+        "--model",
+        args.model,
         "--piecewise",
         args.piecewise,
     ]
@@ -567,10 +569,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--model",
-        default=DEFAULT_MODEL,
+        default=None,
         choices=sorted(MODELS),
-        help="the dummy-weight model's shapes (default qwen3-0.6b; qwen3-30b-a3b: "
-        "the upstream-shaped MoE rows, one H200)",
+        help="the dummy-weight model's shapes (default: the --speculative mode's target, "
+        "else qwen3-0.6b; qwen3-30b-a3b: the upstream-shaped MoE rows, one H200)",
     )
     ap.add_argument(
         "--server-timing",
@@ -681,6 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--speculative {args.speculative} cannot run with --smoke-cpu: sglang 0.5.12's CPU "
             "engine has no speculative decoding (docs/user_guide.md, \"Speculative decoding\")"
         )
+    args.model = speculative_model(args.speculative, args.model)
     problem = speculative_model_problem(args.speculative, args.model)
     if problem:
         ap.error(problem)

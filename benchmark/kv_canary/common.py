@@ -373,6 +373,12 @@ def speculative_mode(value: str) -> str:
     )
 
 
+def speculative_model(speculative: str, model: str | None) -> str:
+    """``--model``'s value: as given, else the target mode ``speculative`` is made for
+    (:data:`SPECULATIVE_MODELS`; :data:`DEFAULT_MODEL` without a mode)."""
+    return model or SPECULATIVE_MODELS.get(speculative, DEFAULT_MODEL)
+
+
 def speculative_model_problem(speculative: str, model: str) -> str | None:
     """Why ``--speculative speculative`` cannot measure ``--model model`` (None: it can): each
     mode serves the target its draft is made for (:data:`SPECULATIVE_MODELS`)."""

@@ -19,12 +19,10 @@ mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader)
 run_gpu() {  # GPU, then its modes
   local gpu=$1; shift
   for m in "$@"; do
-    # the target the mode's draft is made for (common.SPECULATIVE_MODELS)
-    model=$(python3 -c "import sys; sys.path.insert(0, sys.argv[1]); from common import \
-SPECULATIVE_MODELS as M; print(M[sys.argv[2]])" "$here" "$m") || { echo "$0: unknown mode $m" >&2; continue; }
+    # on the target the mode's draft is made for (bench_interleaved.py's default --model)
     CUDA_VISIBLE_DEVICES=$gpu python3 "$here/bench_interleaved.py" --speculative "$m" \
-      --model "$model" --configs off,raise --scenarios decode_bs1,decode_bs32 \
-      --rounds "$rounds" --warmup 1 --out "$out/spec_$m.jsonl" > "$out/spec_$m.log" 2>&1
+      --configs off,raise --scenarios decode_bs1,decode_bs32 --rounds "$rounds" --warmup 1 \
+      --out "$out/spec_$m.jsonl" > "$out/spec_$m.log" 2>&1
     echo "speculative_overhead: $m on GPU $gpu: rc=$?"
   done
 }

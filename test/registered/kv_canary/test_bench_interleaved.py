@@ -620,7 +620,8 @@ def test_eagle_runs_refuse_what_they_cannot_measure(argv, message):
 @pytest.mark.parametrize("mode", [m for m in common.SPECULATIVE if m != "none"])
 def test_every_speculative_mode_refuses_what_it_cannot_measure(monkeypatch, mode):
     """Each mode: no CPU dry run (sglang 0.5.12's CPU server has no speculative decoding), the
-    Qwen3-0.6B shapes of its draft only (refused before any server starts)."""
+    target its draft is made for only (refused before any server starts); without ``--model``
+    that target, the run past its checks."""
 
     def no_server(name, *args):
         raise AssertionError(f"server {name} started")
@@ -633,6 +634,9 @@ def test_every_speculative_mode_refuses_what_it_cannot_measure(monkeypatch, mode
     ):
         with pytest.raises(SystemExit, match=re.escape(message)):
             bi.main(["--configs", "off,raise", "--speculative", mode, "--model", model, *argv])
+    # without --model: the mode's target, past the checks to the first server
+    with pytest.raises(AssertionError, match="started"):
+        bi.main(["--configs", "off,raise", "--speculative", mode])
     args = bi.build_parser().parse_args(["--speculative", mode])
     assert args.speculative == mode
     assert bi.DEFAULT_SCENARIOS[mode] == "decode_bs1,decode_bs32"

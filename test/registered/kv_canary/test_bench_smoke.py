@@ -806,8 +806,10 @@ def test_bench_serving_overhead_checks_each_modes_canary_lines(monkeypatch, tmp_
     """An Engine child's log decides whether its config's results stand: for each
     ``--speculative`` mode, a canary-on Engine must log the target's canary and its mode's
     draft canary (none for NGRAM), and no other draft worker's; a canary-off Engine neither;
-    else the config fails (exit 3). The child's command line carries the mode."""
+    else the config fails (exit 3). The child's command line carries the mode and the model."""
     bso = _serving_overhead()
+    import common
+
     commands = []
 
     class FakeChild:  # the Engine child: its output is the given log, its exit status 0
@@ -832,6 +834,7 @@ def test_bench_serving_overhead_checks_each_modes_canary_lines(monkeypatch, tmp_
         max_total_tokens=4096,
         mem_fraction_static=0.5,
         speculative=mode,
+        model=common.SPECULATIVE_MODELS[mode],
         piecewise="on",
         smoke_cpu=False,
         host_profile=0,
@@ -847,6 +850,8 @@ def test_bench_serving_overhead_checks_each_modes_canary_lines(monkeypatch, tmp_
     right = _TARGET + (_draft(worker) if worker else "")
     assert rc("raise", right) == 0
     assert commands[-1][commands[-1].index("--speculative") + 1] == mode
+    # and the model: the child builds the Engine on it (its default is another model)
+    assert commands[-1][commands[-1].index("--model") + 1] == args.model
     assert rc("off", "") == 0
     assert rc("raise", "") == 3  # the canary did not run
     assert rc("raise", right + _draft(other)) == 3  # another algorithm's draft worker
@@ -860,10 +865,13 @@ def test_bench_serving_overhead_refuses_what_a_speculative_mode_cannot_measure(
     capsys, monkeypatch, mode
 ):
     """Each mode: no CPU dry run (sglang 0.5.12's CPU engine has no speculative decoding), the
-    Qwen3-0.6B shapes of the drafts only, each refusal naming the mode (before any Engine)."""
+    target its draft is made for only, each refusal naming the mode (before any Engine);
+    without ``--model`` the Engines get that target."""
     bso = _serving_overhead()
+    started = []
 
     def no_engines(args):
+        started.append(args)
         raise AssertionError(f"Engines started for {args.speculative}")
 
     monkeypatch.setattr(bso, "run_engines", no_engines)
@@ -877,3 +885,7 @@ def test_bench_serving_overhead_refuses_what_a_speculative_mode_cannot_measure(
         with pytest.raises(SystemExit):
             bso.main(["--speculative", mode, "--model", model, *argv])
         assert message in capsys.readouterr().err
+    assert not started
+    with pytest.raises(AssertionError, match="Engines started"):
+        bso.main(["--speculative", mode])
+    assert started[-1].model == model and started[-1].settings.model == model
