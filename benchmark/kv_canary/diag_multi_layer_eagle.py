@@ -9,10 +9,11 @@ layers, three MTP layers, dummy weights) serves ``e2e_support/small_workload.py`
 requests of 8 tokens) with ``--speculative-algorithm EAGLE`` (sglang turns on
 ``--enable-multi-layer-eagle`` for this architecture; 3 steps, topk 1, 4 draft tokens; the
 draft read from the target's directory), once per case: spec v2 (overlap on) and spec v1
-(``--disable-overlap-schedule``), each with CUDA graphs and with ``--disable-cuda-graph``.
+(``--disable-overlap-schedule``), each with CUDA graphs and with ``--disable-cuda-graph``, and
+spec v2's graphs with FlashInfer attention on a tiny Step-3.5 of heads of 128.
 ``SGLANG_PLUGINS`` names no plugin of this project, so sglang skips it: whatever happens is
 sglang's. Prints a ``CASE`` line per case (exit status, requests served, outputs equal to the
-first case that served, the error's last traceback line) and a table; ``--log-dir`` keeps each
+first case on the same model that served, the error's last traceback line) and a table; ``--log-dir`` keeps each
 case's whole output. Needs a CUDA GPU.
 """
 
@@ -43,7 +44,19 @@ CASES = {
     "spec_v2-eager": ("spec_v2", dict(disable_cuda_graph=True)),
     "spec_v1-eager": ("spec_v1", dict(disable_cuda_graph=True)),
     "spec_v1-graphs": ("spec_v1", {}),
+    # sglang's graphs with FlashInfer attention, on heads of 128 (its kernels have no
+    # configuration for the tiny model's heads of 16)
+    "spec_v2-graphs-flashinfer": ("spec_v2", dict(attention_backend="flashinfer")),
 }
+# a case's tiny Step-3.5 config overrides (default: none)
+WIDE_HEADS = dict(
+    hidden_size=256,
+    num_attention_heads=2,
+    num_attention_groups=1,
+    head_dim=128,
+    attention_other_setting={"num_attention_heads": 2, "num_attention_groups": 1},
+)
+CASE_MODEL = {"spec_v2-graphs-flashinfer": WIDE_HEADS}
 
 
 def case_kwargs(case: str, model: str) -> dict:
@@ -92,11 +105,20 @@ def main(argv=None) -> int:
         print("diag_multi_layer_eagle: needs a CUDA GPU", file=sys.stderr)
         return 2
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="diag_multi_layer_eagle_"))
-    model = write_tiny_step3p5(tmp / "step3p5")
+    models = {}
+
+    def model_of(case: str) -> str:
+        overrides = CASE_MODEL.get(case, {})
+        key = json.dumps(overrides, sort_keys=True)
+        if key not in models:
+            models[key] = write_tiny_step3p5(tmp / f"step3p5_{len(models)}", **overrides)
+        return models[key]
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
     env.update(NOT_LOADED)
     rows, first_outputs = [], None
     for case in cases:
+        model = model_of(case)
         kwargs = case_kwargs(case, model)
         try:
             rc, out, result = run_support_script(
@@ -111,16 +133,17 @@ def main(argv=None) -> int:
         except subprocess.TimeoutExpired as e:
             rc, out, result = "timeout", str(e.output or ""), None
         served = len(result) if isinstance(result, list) else 0
-        if served and first_outputs is None:
+        if served and first_outputs is None and case not in CASE_MODEL:
             first_outputs = result
-        same = "-" if not served else str(result == first_outputs)
+        same = "-" if not served or case in CASE_MODEL else str(result == first_outputs)
         loaded = "kv_canary" in out and "kv_canary installed" in out
         row = dict(
             case=case,
             rc=rc,
             served=served,
             same_as_first=same,
-            multi_layer="multi-layer EAGLE" in out,
+            # sglang's ServerArgs line: the flag it turned on by itself
+            multi_layer="enable_multi_layer_eagle=True" in out,
             plugin_loaded=loaded,
             error=last_error(out) if rc != 0 else "",
         )

@@ -394,6 +394,43 @@ def test_the_budget_holds_the_pool_and_the_target_and_draft_canaries(profiled, t
     assert grown.max_total * CELL + grown_target.device_bytes + grown_draft.device_bytes > available
 
 
+def test_a_multi_layer_eagle_draft_is_reserved_without_token_checks(profiled):
+    """Multi-layer EAGLE's draft canary is built without token checks
+    (``CanaryConfig.for_draft``): the budget reserves it so, and only it (the target keeps
+    its token-check pool)."""
+    runner = profiled(max_running_requests=8, context_length=256)
+    caps = CanaryCapacityInputs(context_len=256)
+
+    def reserve(token_checks: bool, **spec):
+        return reserve_canary_memory(
+            runner,
+            server_args=_spec_args(runner, speculative_algorithm="EAGLE", **spec),
+            config=CanaryConfig(mode="raise", enable_verify_token_assert=token_checks),
+            capacity_inputs=caps,
+            available_bytes=48 << 20,
+        )[1]
+
+    multi_layer = reserve(True, enable_multi_layer_eagle=True, disable_cuda_graph=True)
+    sizing = seam.KvPoolSizing(runner)
+
+    def predicted(token_checks: bool):
+        return predicted_memory(
+            sizing,
+            multi_layer.tokens,
+            config=CanaryConfig(mode="raise", enable_verify_token_assert=token_checks),
+            capacity_inputs=caps,
+            draft=RankFacts(draft=True, draft_steps=3),
+            device="cpu",
+        )
+
+    (target_checked, draft_checked), (_, draft_unchecked) = predicted(True), predicted(False)
+    assert multi_layer.draft.device_bytes == draft_unchecked.device_bytes
+    assert draft_unchecked.device_bytes < draft_checked.device_bytes
+    assert multi_layer.target.device_bytes == target_checked.device_bytes
+    # plain EAGLE keeps the draft's token checks
+    assert reserve(True).draft.device_bytes > reserve(False).draft.device_bytes
+
+
 def _reserve_raise(runner, **spec):
     """The reservation of a raise canary on ``runner``'s pool under 48 MiB, with ``spec``'s
     speculative settings."""

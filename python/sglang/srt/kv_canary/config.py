@@ -268,6 +268,15 @@ class CanaryConfig:
     def enabled(self) -> bool:
         return self.mode != CanaryMode.NONE
 
+    def for_draft(self, *, token_checks: bool) -> "CanaryConfig":
+        """The config a speculative draft runner's canary is built with (by ``install_canary``
+        and predicted with by the memory budget): this one, or without token checks when the
+        draft pool's records cannot be checked against the request's tokens
+        (``SpeculativeFacts.draft_token_checks``)."""
+        if token_checks or not self.enable_verify_token_assert:
+            return self
+        return dataclasses.replace(self, enable_verify_token_assert=False)
+
     def acting_mode(self, *, draft: bool) -> CanaryMode:
         """The mode a pool's violations are handled in: ``mode``, except a speculative draft
         pool's with ``draft_violations`` ``report``, which are logged (and counted) only."""

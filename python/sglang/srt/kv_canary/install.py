@@ -123,6 +123,45 @@ def _use_token_oracle_sampler(model_runner: "ModelRunner") -> None:
     sglang_seam.set_runner_sampler(model_runner, TokenOracleSampler())
 
 
+def _share_mtp_layer_0_canary(model_runner: "ModelRunner", mtp_layer: int) -> CanaryManager:
+    """Multi-layer EAGLE's runner of MTP layer ``mtp_layer`` (>= 1). sglang 0.5.12 runs each
+    MTP step eagerly on the batch it built for layer 0's runner, so every step's attention
+    writes and reads layer 0's pool, never this runner's own
+    (docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.4 Changes to the canary"). This
+    runner therefore takes layer 0's canary; its model's forwards run that canary's launches,
+    after checking that the batch's pool is layer 0's (``RuntimeError`` otherwise: a
+    forward the canary would plan against the wrong records). Start-up only; the check is a
+    host-side identity test (CUDA-graph safe)."""
+    shared = sglang_seam.mtp_layer_0_canary(model_runner)
+    if shared is None:
+        raise RuntimeError(
+            f"kv_canary: multi-layer EAGLE's MTP layer {mtp_layer} runner got no canary to "
+            "share: MTP layer 0's runner has none (sglang builds layer 0's runner first)"
+        )
+    manager, guarded_pool = shared
+
+    def before(forward_batch) -> None:
+        if sglang_seam.batch_kv_pool(forward_batch) is not guarded_pool:
+            raise RuntimeError(
+                f"kv_canary: a forward of multi-layer EAGLE's MTP layer {mtp_layer} runner "
+                "writes a KV pool other than MTP layer 0's, the one its canary guards (sglang "
+                "0.5.12 runs every MTP step on layer 0's batch and pool); this sglang routes it "
+                "elsewhere: run this server without --kv-canary"
+            )
+        manager.pre_ops_maybe_inside_graph(forward_batch)
+
+    sglang_seam.set_runner_canary(model_runner, manager)
+    sglang_seam.wrap_model_forward(
+        model_runner, before=before, after=manager.post_ops_maybe_inside_graph
+    )
+    logger.info(
+        "kv_canary: multi-layer EAGLE's MTP layer %d runner shares MTP layer 0's canary (its "
+        "steps write layer 0's pool)",
+        mtp_layer,
+    )
+    return manager
+
+
 def install_canary(
     *,
     server_args: "ServerArgs",
@@ -154,12 +193,22 @@ def install_canary(
             draft_worker_name(spec.algorithm),
         )
         return None
+    mtp_layer = sglang_seam.mtp_layer_index(model_runner)
+    if mtp_layer:  # multi-layer EAGLE's MTP layers 1 .. steps - 1
+        return _share_mtp_layer_0_canary(model_runner, mtp_layer)
     if draft and spec.algorithm == "STANDALONE":
         check_standalone_draft_pool(server_args, runner.kv_pool)
+    runner_config = config.for_draft(token_checks=spec.draft_token_checks) if draft else config
+    if runner_config is not config:
+        logger.info(
+            "kv_canary: no token checks on the multi-layer EAGLE draft pool: its MTP steps "
+            "leave each round's last positions holding the KV of predicted tokens "
+            "(docs/speculative_multilayer_adaptive_dflash_mtp.md, \"1.3 Record semantics\")"
+        )
     manager = build_canary(
         pool=runner.kv_pool,
         req_to_token=runner.req_to_token,
-        config=config,
+        config=runner_config,
         capacity_inputs=capacity_inputs_from_server_args(
             server_args, context_len=runner.context_len
         ),
@@ -206,6 +255,8 @@ def install_canary(
         before=manager.pre_ops_maybe_inside_graph,
         after=manager.post_ops_maybe_inside_graph,
     )
+    if mtp_layer == 0:
+        sglang_seam.set_mtp_layer_0_canary(model_runner, manager)
     if not draft:
         sglang_seam.share_memory_reservation(model_runner)
     elif spec.algorithm == "STANDALONE" and not sglang_seam.server_args_value(

@@ -201,11 +201,14 @@ def predicted_memory(
     device,
     draft_pool: Optional[DraftPool] = None,
     target: Optional[RankFacts] = None,
+    draft_config: Optional[CanaryConfig] = None,
 ) -> Tuple[CanaryMemory, Optional[CanaryMemory]]:
     """The target runner's canary memory for a pool of ``tokens`` (``target``: its facts,
     default a single rank) and, when ``draft`` (the draft runner's facts) is given, the draft
     runner's, on ``draft_pool`` (its pool has the target's token counts; default: an EAGLE
-    head, :meth:`DraftPool.for_server`)."""
+    head, :meth:`DraftPool.for_server`), built with ``draft_config`` (default ``config``:
+    :meth:`CanaryConfig.for_draft`)."""
+    draft_config = config if draft_config is None else draft_config
     rows_cols = sizing.req_to_token_shape(tokens)
     target = _runner_memory(
         groups=predicted_groups(
@@ -231,11 +234,11 @@ def predicted_memory(
             family=draft_pool.family,
             tokens=tokens,
             page_size=sizing.page_size,
-            config=config,
+            config=draft_config,
             layers=draft_pool.layers,
             swa_layers=draft_pool.swa_layers,
         ),
-        config=config,
+        config=draft_config,
         rows_cols=rows_cols,
         capacity_inputs=capacity_inputs,
         ranks=draft,
@@ -286,6 +289,7 @@ def reserve_canary_memory(
             device=device,
             draft_pool=draft_pool,
             target=target,
+            draft_config=config.for_draft(token_checks=spec.draft_token_checks),
         )
         return tokens, memories
 

@@ -50,8 +50,9 @@ registers the ``token_oracle`` sampling backend (``--sampling-backend token_orac
 |  |  | ``batch.reqs`` (token checks on), token-oracle rows (token oracle on) |
 | AROUND | ``EAGLEWorker.draft_forward``, ``EagleDraftWorker.draft_forward`` | one EAGLE |
 |  |  | draft round (spec v1 / v2): its forwards use one single-forward manager each |
-| AFTER | ``EAGLEWorker.init_cuda_graphs``, ``EagleDraftWorker.init_cuda_graphs`` | the draft |
-|  |  | runner's ``mark_init_finished`` (its graphs are captured by the worker, later) |
+| AFTER | ``EAGLEWorker.init_cuda_graphs``, ``EagleDraftWorker.init_cuda_graphs``, | the draft |
+|  | ``MultiLayerEagleDraftWorker.init_cuda_graphs`` | runner's ``mark_init_finished`` (its |
+|  |  | graphs are captured by the worker, later; multi-layer EAGLE: MTP layer 0's runner) |
 | AROUND | ``EAGLEDraftCudaGraphRunner.capture_one_batch_size`` | draft rounds captured |
 | AROUND | ``EAGLEDraftCudaGraphRunner.replay`` | outside ops of a replayed draft round |
 | AROUND | ``EAGLEDraftExtendCudaGraphRunner.capture_one_batch_size`` | capture bracket |
@@ -535,6 +536,7 @@ HOOKS = (
     (seam.HOOK_EAGLE_V2_DRAFT_FORWARD, _draft_forward, "AROUND"),
     (seam.HOOK_EAGLE_V1_INIT_CUDA_GRAPHS, _after_init_cuda_graphs, "AFTER"),
     (seam.HOOK_EAGLE_V2_INIT_CUDA_GRAPHS, _after_init_cuda_graphs, "AFTER"),
+    (seam.HOOK_MULTI_LAYER_EAGLE_V2_INIT_CUDA_GRAPHS, _after_init_cuda_graphs, "AFTER"),
     (seam.HOOK_DRAFT_GRAPH_CAPTURE_ONE_BATCH_SIZE, _draft_graph_capture_one_batch_size, "AROUND"),
     (seam.HOOK_DRAFT_GRAPH_REPLAY, _draft_graph_replay, "AROUND"),
     # the draft-extend graph is captured like a decode graph: single-forward manager 0

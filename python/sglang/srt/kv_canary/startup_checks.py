@@ -141,14 +141,22 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
     # spec v1 multi-layer EAGLE is not refused here: sglang 0.5.12's own worker module fails
     # to import, canary or not, and its error is the one to see:
     # docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.5 Tests and open questions"
-    if spec.multi_layer_eagle and not spec.spec_v1:
+    # spec v2 multi-layer EAGLE without CUDA graphs: every MTP step runs eagerly on MTP layer
+    # 0's pool, which its canary guards (install._share_mtp_layer_0_canary); with graphs each
+    # layer's draft-extend graph writes its own pool outside any guarded forward
+    if (
+        spec.multi_layer_eagle
+        and not spec.spec_v1
+        and not sglang_seam.server_args_value(server_args, "disable_cuda_graph", False)
+    ):
         raise ValueError(
-            "--kv-canary does not cover --enable-multi-layer-eagle with the overlap scheduler "
-            "(spec v2) yet (its draft layers run outside the draft worker's forwards). sglang "
-            "also turns it on by itself for MiMoV2 and Step-3.5 targets (MiMoV2ForCausalLM, "
+            "--kv-canary covers --enable-multi-layer-eagle with the overlap scheduler (spec v2) "
+            "only with --disable-cuda-graph: its per-layer draft-extend CUDA graphs write each "
+            "MTP layer's own pool outside the forwards the canary guards. sglang also turns it "
+            "on by itself for MiMoV2 and Step-3.5 targets (MiMoV2ForCausalLM, "
             "MiMoV2FlashForCausalLM, Step3p5ForCausalLM) with --speculative-algorithm EAGLE: "
-            "drop the flag, or serve such a model without --kv-canary or without speculative "
-            "decoding"
+            "add --disable-cuda-graph, or serve such a model without --kv-canary or without "
+            "speculative decoding"
         )
     if config.enable_token_oracle or config.enable_write_input_assert:
         _check_token_oracle_speculative(config, spec.algorithm)

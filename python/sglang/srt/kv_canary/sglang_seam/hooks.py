@@ -74,6 +74,11 @@ HOOK_EAGLE_V1_DRAFT_FORWARD = f"{_EAGLE_V1}.draft_forward"
 HOOK_EAGLE_V2_DRAFT_FORWARD = f"{_EAGLE_V2}.draft_forward"
 HOOK_EAGLE_V1_INIT_CUDA_GRAPHS = f"{_EAGLE_V1}.init_cuda_graphs"
 HOOK_EAGLE_V2_INIT_CUDA_GRAPHS = f"{_EAGLE_V2}.init_cuda_graphs"
+# multi-layer EAGLE (spec v2): its draft worker (one runner per MTP layer) is not an
+# EagleDraftWorker; its init_cuda_graphs ends its start-up, graphs or not
+HOOK_MULTI_LAYER_EAGLE_V2_INIT_CUDA_GRAPHS = (
+    f"{_SPEC}.multi_layer_eagle_worker_v2.MultiLayerEagleDraftWorker.init_cuda_graphs"
+)
 HOOK_DRAFT_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_DRAFT_CG}.capture_one_batch_size"
 HOOK_DRAFT_GRAPH_REPLAY = f"{_DRAFT_CG}.replay"
 HOOK_DRAFT_EXTEND_GRAPH_CAPTURE_ONE_BATCH_SIZE = f"{_DRAFT_EXTEND_CG}.capture_one_batch_size"

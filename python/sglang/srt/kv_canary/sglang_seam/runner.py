@@ -2,9 +2,9 @@
 
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
-| ``ModelRunner`` | reads ``token_to_kv_pool``, ``req_to_token_pool.req_to_token``, ``device``, ``model_config.context_len`` / ``vocab_size``, ``sliding_window_size``, ``is_draft_worker``; sets ``kv_canary_manager``; replaces ``sampler`` (token oracle); wraps ``model.forward`` on the instance (a piecewise CUDA-graph replay calls it with a padded copy of the batch; its warm-up and capture, inside ``init_piecewise_cuda_graphs``, with dummy batches) | ``install``, ``plugin`` |
+| ``ModelRunner`` | reads ``token_to_kv_pool``, ``req_to_token_pool.req_to_token``, ``device``, ``model_config.context_len`` / ``vocab_size``, ``sliding_window_size``, ``is_draft_worker``, ``draft_model_idx`` (multi-layer EAGLE's MTP layer); sets ``kv_canary_manager``, and ``kv_canary_mtp_layer_0`` on the ``req_to_token_pool`` the multi-layer EAGLE runners share; replaces ``sampler`` (token oracle); wraps ``model.forward`` on the instance (a piecewise CUDA-graph replay calls it with a padded copy of the batch; its warm-up and capture, inside ``init_piecewise_cuda_graphs``, with dummy batches) | ``install``, ``plugin`` |
 | ``CudaGraphRunner.model_runner``, ``.buffers`` (``DecodeInputBuffers``) | zeroes ``req_pool_indices`` (and ``input_ids`` / ``positions`` for the token oracle) before each replay | ``plugin`` |
-| EAGLE (``EAGLEWorker`` spec v1, ``EagleDraftWorker`` / ``EAGLEWorkerV2`` spec v2, ``EAGLEDraftCudaGraphRunner``, ``EAGLEDraftExtendCudaGraphRunner``) | hooks ``draft_forward``, ``init_cuda_graphs``, the graph runners' ``capture_one_batch_size`` / ``replay``; reads the workers' ``draft_runner`` / ``model_runner`` / ``speculative_num_steps``, ``Scheduler.draft_worker`` (``.draft_worker`` in v2), the graph runners' ``model_runner`` (and the draft one's ``speculative_num_steps``); zeroes the draft-extend graph's ``buffers.req_pool_indices``; reads ``ServerArgs.speculative_*``, ``enable_multi_layer_eagle`` and ``disable_overlap_schedule`` (spec v1) | ``plugin``, ``startup_checks``, ``install`` |
+| EAGLE (``EAGLEWorker`` spec v1, ``EagleDraftWorker`` / ``EAGLEWorkerV2`` spec v2, ``EAGLEDraftCudaGraphRunner``, ``EAGLEDraftExtendCudaGraphRunner``; multi-layer EAGLE's ``MultiLayerEagleDraftWorker``) | hooks ``draft_forward``, ``init_cuda_graphs`` (and ``MultiLayerEagleDraftWorker.init_cuda_graphs``), the graph runners' ``capture_one_batch_size`` / ``replay``; reads the workers' ``draft_runner`` / ``model_runner`` / ``speculative_num_steps``, ``Scheduler.draft_worker`` (``.draft_worker`` in v2), the graph runners' ``model_runner`` (and the draft one's ``speculative_num_steps``); zeroes the draft-extend graph's ``buffers.req_pool_indices``; reads ``ServerArgs.speculative_*``, ``enable_multi_layer_eagle`` and ``disable_overlap_schedule`` (spec v1) | ``plugin``, ``startup_checks``, ``install`` |
 """
 
 from __future__ import annotations
@@ -91,6 +91,42 @@ def runner_memory_reservation(model_runner: "ModelRunner"):
 
 def is_draft_worker(model_runner: "ModelRunner") -> bool:
     return bool(getattr(model_runner, "is_draft_worker", False))
+
+
+def mtp_layer_index(model_runner: "ModelRunner") -> Optional[int]:
+    """Multi-layer EAGLE (``--enable-multi-layer-eagle``): which MTP layer's draft runner
+    ``model_runner`` is (sglang's ``draft_model_idx``: 0 for the draft ``TpModelWorker``'s own
+    runner, ``1 .. steps - 1`` for the runners it adds); None on any other runner."""
+    if not is_draft_worker(model_runner):
+        return None
+    index = getattr(model_runner, "draft_model_idx", None)
+    return None if index is None else int(index)
+
+
+# MTP layer 0's canary and pool, kept on the ReqToTokenPool every multi-layer EAGLE runner
+# shares (sglang builds runners 1 .. steps - 1 after runner 0, each given that same object)
+_MTP_LAYER_0_ATTR = "kv_canary_mtp_layer_0"
+
+
+def set_mtp_layer_0_canary(model_runner: "ModelRunner", manager) -> None:
+    """Keep MTP layer 0's runner's canary and its pool where the later MTP runners find them."""
+    setattr(
+        model_runner.req_to_token_pool,
+        _MTP_LAYER_0_ATTR,
+        (manager, model_runner.token_to_kv_pool),
+    )
+
+
+def mtp_layer_0_canary(model_runner: "ModelRunner"):
+    """``(canary, KV pool)`` of MTP layer 0's runner of the multi-layer EAGLE worker
+    ``model_runner`` belongs to (None: none installed)."""
+    return getattr(model_runner.req_to_token_pool, _MTP_LAYER_0_ATTR, None)
+
+
+def batch_kv_pool(forward_batch) -> "KVCache":
+    """The KV pool a ``ForwardBatch``'s attention writes and reads (``token_to_kv_pool``,
+    which ``ForwardBatch.init_new`` takes from the runner it builds the batch for)."""
+    return forward_batch.token_to_kv_pool
 
 
 def runner_canary(model_runner: Optional["ModelRunner"]):

@@ -61,6 +61,16 @@ class SpeculativeFacts:
         return max(self.step_counts, default=self.num_steps)
 
     @property
+    def draft_token_checks(self) -> bool:
+        """Whether a draft canary may check its records' tokens (token checks on): not with
+        multi-layer EAGLE, whose eager MTP steps all write MTP layer 0's pool in sglang 0.5.12
+        (step k feeds position p the token p + 1 + k, the last step's stays) and leave the last
+        positions of every round holding the KV of predicted tokens, which no later round
+        rewrites (docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.3 Record
+        semantics")."""
+        return not self.multi_layer_eagle
+
+    @property
     def has_draft_pool(self) -> bool:
         """A draft model whose runner writes a KV pool of its own (the draft canary's): every
         algorithm but NGRAM (its drafts come from an n-gram corpus; its worker's

@@ -1,0 +1,140 @@
+"""Multi-layer EAGLE (``--enable-multi-layer-eagle``, spec v2 without CUDA graphs) on real
+sglang 0.5.12 pools and ForwardBatch objects (:mod:`multi_layer_eagle_driver`): the MTP
+layers' runners share MTP layer 0's canary, every MTP step's write of layer 0's pool gets
+its records, a fault there is caught, a step routed to another pool is refused, and the
+draft pool runs without token checks (docs/speculative_multilayer_adaptive_dflash_mtp.md,
+"1.4 Changes to the canary"). sglang's own runs: ``test_multi_layer_eagle_sglang.py`` (CPU)
+and ``test_e2e_speculative_gpu.py`` (GPU)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pytest
+
+from multi_layer_eagle_driver import MultiLayerEagleDriver
+from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
+from sglang.srt.kv_canary import sglang_seam as seam
+from sglang.srt.kv_canary.violations.lines import parse_violation_lines
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
+
+pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
+
+
+@pytest.fixture
+def canary_env(monkeypatch):
+    """Token checks on (the target's; the draft's are turned off by the install) and draft
+    violations acted on, so that a raise-mode driver stops at the draft pool's first one."""
+    for name in [n for n in os.environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_DRAFT_VIOLATIONS", "act")
+    return monkeypatch
+
+
+def _reasons(exc) -> set:
+    lines = parse_violation_lines(str(exc.value))
+    assert lines, str(exc.value)[:2000]
+    return {r for v in lines for r in v.fail_reasons}
+
+
+def test_every_mtp_step_writes_layer_0s_pool_under_its_canary(canary_env, caplog):
+    """A clean run: every MTP layer's runner ran each draft extend's step, all through MTP
+    layer 0's canary (one installed, shared by the others, its start-up ended by the hook
+    after the worker's ``init_cuda_graphs``), which verified the reads of that pool and
+    reported nothing; the other layers' pools were never written; the target kept
+    its token checks, the draft pool has none."""
+    with caplog.at_level(logging.INFO, logger="sglang.srt.kv_canary"):
+        d = MultiLayerEagleDriver(monkeypatch=canary_env, steps=3, seed=2)
+        d.run(45)
+    assert d.draft.count_violations() == 0 and d.target.count_violations() == 0
+    assert d.rounds >= 10 and d.chunked >= 3 and len(d.finished) >= 5
+    assert d.mtp_forwards[0] >= 30 and len(set(d.mtp_forwards)) == 1, d.mtp_forwards
+    assert all(m is d.draft for m in d.installed), "an MTP runner got a canary of its own"
+    assert [seam.runner_canary(r) for r in d.mtp_runners] == [d.draft] * 3
+    assert int(d.draft.state.slot_run_counters[CanaryLaunchTag.HEAD_K_FULL]) > 500
+    # start-up ended by the worker's init_cuda_graphs hook: the chain-position check is on
+    assert int(d.draft.state.enable_chain_position_assert[0]) == 1
+    for pool in d.mtp_pools[1:]:
+        assert not any(b.abs().sum() for b in (*pool.k_buffer, *pool.v_buffer))
+    assert d.target.config.enable_verify_token_assert
+    assert not d.draft.config.enable_verify_token_assert
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("no token checks on the multi-layer EAGLE draft pool" in m for m in messages)
+    assert sum("shares MTP layer 0's canary" in m for m in messages) == 2, messages
+
+
+def test_an_mtp_step_without_the_canary_leaves_records_the_kv_disagrees_with(canary_env):
+    """Why the later MTP runners share layer 0's canary: without it their steps rewrite
+    layer 0's pool with no records, and the next read of a rewritten slot fails its real-KV
+    check on a clean run."""
+    d = MultiLayerEagleDriver(monkeypatch=canary_env, steps=3, seed=2, unshared=True)
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d.run(45)
+    assert _reasons(exc) == {"verify_real_kv_hash"}
+    assert "in the EAGLE draft model's KV pool" in str(exc.value)
+
+
+def test_draft_token_checks_would_report_sglangs_predicted_token_kv(canary_env):
+    """Why the draft pool has no token checks: with them, a clean run's draft records (the
+    last MTP step's token, p + steps, and predicted tokens at each round's last positions)
+    fail the check against token p + 1."""
+    canary_env.setattr(seam.SpeculativeFacts, "draft_token_checks", property(lambda self: True))
+    d = MultiLayerEagleDriver(monkeypatch=canary_env, steps=3, seed=2)
+    assert d.draft.config.enable_verify_token_assert
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d.run(45)
+    assert _reasons(exc) == {"verify_token"}
+
+
+def test_a_flipped_byte_in_layer_0s_pool_is_caught(canary_env):
+    d = MultiLayerEagleDriver(monkeypatch=canary_env, steps=3, seed=6)
+    d.run(30)
+    while not any(r.prefilled and r.kv_len >= 4 for r in d.running):
+        d.step()
+    info = d.flip_byte(d.draft_pool)
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        for _ in range(10):  # prefills of new arrivals first, then the victim's next extend
+            d.step()
+    lines = parse_violation_lines(str(exc.value))
+    assert {(v.slot_idx, v.fail_reasons) for v in lines} == {
+        (info["slot"], ("verify_real_kv_hash",))
+    }
+    assert d.target.violations.total == 0
+
+
+def test_an_mtp_step_writing_another_pool_is_refused(canary_env):
+    """A step whose batch carries MTP layer k's own pool (not what sglang 0.5.12 does) would
+    be planned against layer 0's records: refused, naming the layer."""
+    d = MultiLayerEagleDriver(monkeypatch=canary_env, steps=3, seed=2, bug_own_pool=True)
+    with pytest.raises(RuntimeError, match="MTP layer 1 runner writes a KV pool other than"):
+        d.run(10)
+
+
+def test_layer_0s_canary_must_exist_before_the_others(canary_env):
+    from serving_driver import stand_in_model_runner
+    from sglang.srt.kv_canary import install
+    from multi_layer_eagle_driver import multi_layer_server_args
+    from eagle_driver import tiny_mha_pool
+    import torch
+
+    runner = stand_in_model_runner(
+        tiny_mha_pool(63),
+        req_to_token=torch.zeros((8, 64), dtype=torch.int32),
+        context_len=64,
+        draft=True,
+    )
+    runner.draft_model_idx = 2
+    with pytest.raises(RuntimeError, match="MTP layer 2 runner got no canary to share"):
+        install.install_canary(
+            server_args=multi_layer_server_args(steps=3, chunk=24, max_reqs=8),
+            model_runner=runner,
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
