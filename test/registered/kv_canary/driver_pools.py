@@ -56,7 +56,9 @@ class DriverPools:
             128, device=self.device
         )
 
-    def _build_swa_pool(self, num_slots: int, num_swa_slots: int):
+    def _build_swa_pool(self, num_slots: int, num_swa_slots: int, *, swa_only: bool = False):
+        """sglang's ``SWAKVPool``: layer 0 sliding-window, layer 1 full; ``swa_only``: the one
+        sliding-window layer alone (an MTP draft model's pool: ``Step3p5MTP``, ``MiMoV2MTP``)."""
         from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
         return SWAKVPool(
@@ -67,7 +69,7 @@ class DriverPools:
             head_num=2,
             head_dim=8,
             swa_attention_layer_ids=[0],
-            full_attention_layer_ids=[1],
+            full_attention_layer_ids=[] if swa_only else [1],
             enable_kvcache_transpose=False,
             device=str(self.device),
             enable_memory_saver=False,
@@ -160,6 +162,8 @@ class DriverPools:
         for layer, (sub, where) in enumerate(
             ((self.kv_pool.swa_kv_pool, swa_loc), (self.kv_pool.full_kv_pool, loc))
         ):
+            if not sub.k_buffer:  # an SWA-only pool has no full layer
+                continue
             vals = self._kv_values(fb, layer, 16).to(torch.bfloat16) / 251
             sub.k_buffer[0][where] = vals.view(n, 2, 8)
             sub.v_buffer[0][where] = (vals * 0.5).view(n, 2, 8)

@@ -10,7 +10,7 @@ writes KV bytes that are a deterministic function of (token, position, layer) in
 layer of the real ``MHATokenToKVPool``.
 
 ``pool="swa"`` runs the same loop over a real ``SWAKVPool`` (layer 0 sliding-window, layer 1
-full) with a real ``SWATokenToKVPoolAllocator``, so the full → SWA table is filled by real
+full; ``swa_only``: layer 0 alone, an MTP draft model's pool) with a real ``SWATokenToKVPoolAllocator``, so the full → SWA table is filled by real
 allocations; decode steps evict SWA slots behind the window as sglang's
 ``ScheduleBatch._evict_swa`` does (every ``swa_evict_interval`` steps, positions below
 ``prefix - window - page_size``, never slots another running request shares).
@@ -156,6 +156,7 @@ class ServingDriver(DriverFaults, DriverPools, DriverForward):
         pool="mha",
         swa_window=0,
         num_swa_slots=0,
+        swa_only=False,
         swa_evict_interval=4,
         swa_divergence_interval=0,
         perturb=None,
@@ -233,7 +234,7 @@ class ServingDriver(DriverFaults, DriverPools, DriverForward):
             if swa_window <= 0 or num_swa_slots <= 0:
                 raise ValueError("pool='swa'/'dsv4' needs swa_window and num_swa_slots")
             self.kv_pool = (
-                self._build_swa_pool(num_slots, num_swa_slots)
+                self._build_swa_pool(num_slots, num_swa_slots, swa_only=swa_only)
                 if pool == "swa"
                 else self._build_dsv4_pool(num_slots, num_swa_slots)
             )

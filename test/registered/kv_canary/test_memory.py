@@ -191,6 +191,21 @@ PREDICTED = {
         1,
         1,
     ),
+    # an MTP draft model's one-layer pool (Step3p5MTP, MiMoV2MTP): one sliding-window layer
+    "swa_only_v_layers": (
+        dict(
+            pool="swa",
+            swa_only=True,
+            swa_window=8,
+            num_slots=640,
+            num_swa_slots=64,
+            enable_mha_v=True,
+            real_data_layers="all",
+        ),
+        PoolFamily.SWA,
+        0,
+        1,
+    ),
     "mla_layers": (dict(pool="mla", num_slots=640, real_data_layers="all"), PoolFamily.MLA, 2, 0),
     "nsa_layers": (dict(pool="nsa", num_slots=640, real_data_layers="all"), PoolFamily.MLA, 2, 0),
     "hybrid_layers": (
@@ -429,6 +444,30 @@ def test_a_multi_layer_eagle_draft_is_reserved_without_token_checks(profiled):
     assert multi_layer.target.device_bytes == target_checked.device_bytes
     # plain EAGLE keeps the draft's token checks
     assert reserve(True).draft.device_bytes > reserve(False).draft.device_bytes
+
+
+@pytest.mark.parametrize("family", [PoolFamily.SWA, PoolFamily.MHA])
+def test_a_multi_layer_eagle_draft_pool_is_predicted_as_one_sliding_window_layer(family):
+    """sglang gives each multi-layer EAGLE MTP runner (``Step3p5MTP``, ``MiMoV2MTP``) of a
+    hybrid sliding-window target a one-layer ``SWAKVPool`` whose layer is sliding-window
+    (``get_hybrid_layer_ids``: ``[0]`` and ``[]``): the budget predicts that pool, not an EAGLE
+    head's; behind a target of another family the EAGLE head's prediction stands."""
+    import types
+
+    from sglang.srt.kv_canary.memory_budget import DraftPool
+
+    sizing = types.SimpleNamespace(family=family)
+    args = types.SimpleNamespace(
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+        enable_multi_layer_eagle=True,
+    )
+    want = DraftPool(PoolFamily.SWA, 0, 1) if family == PoolFamily.SWA else DraftPool(family, 1)
+    assert DraftPool.for_server(sizing, args, "EAGLE") == want
+    args.enable_multi_layer_eagle = False
+    assert DraftPool.for_server(sizing, args, "EAGLE") == DraftPool(PoolFamily.MHA, 1)
 
 
 def _reserve_raise(runner, **spec):

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 WINDOW = 12
 
 
-def _pool(size=128, size_swa=64, page_size=1, with_allocator=True):
+def _pool(size=128, size_swa=64, page_size=1, with_allocator=True, swa=(0, 2), full=(1,)):
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool, SWATokenToKVPoolAllocator
 
     pool = SWAKVPool(
@@ -46,8 +46,8 @@ def _pool(size=128, size_swa=64, page_size=1, with_allocator=True):
         dtype=torch.bfloat16,
         head_num=2,
         head_dim=8,
-        swa_attention_layer_ids=[0, 2],
-        full_attention_layer_ids=[1],
+        swa_attention_layer_ids=list(swa),
+        full_attention_layer_ids=list(full),
         enable_kvcache_transpose=False,
         device="cpu",
         enable_memory_saver=False,
@@ -111,6 +111,50 @@ def test_attach_swa_refuses_missing_table_window_or_sub_pool():
     pool.swa_kv_pool = None
     with pytest.raises(ValueError, match="no 'swa_kv_pool' sub-pool"):
         attach_canary_buffers(pool=pool, config=config, device="cpu", swa_window_size=8)
+
+
+@pytest.mark.parametrize("only", ["swa", "full"])
+def test_a_sub_pool_without_layers_gets_no_group(only):
+    """An ``SWAKVPool`` of sliding-window layers only (an MTP draft model's: sglang's
+    ``Step3p5MTP`` / ``MiMoV2MTP`` pools have one sliding layer and no full one) gets the SWA
+    group alone, spliced into ``get_state_buf_infos`` only; one of full layers only gets the
+    FULL group alone; one with neither is refused."""
+    layers = dict(swa=(0,), full=()) if only == "swa" else dict(swa=(), full=(0,))
+    pool, _ = _pool(**layers)
+    before_full = len(pool.get_contiguous_buf_infos()[0])
+    before_swa = len(pool.get_state_buf_infos()[0])
+    config = CanaryConfig(mode="raise")
+    groups = attach_canary_buffers(pool=pool, config=config, device="cpu", swa_window_size=8)
+    kind = PoolKind.SWA if only == "swa" else PoolKind.FULL
+    assert [g.kind for g in groups] == [kind]
+    sub = pool.swa_kv_pool if only == "swa" else pool.full_kv_pool
+    assert groups[0].real_kv_sources_k[0].tensor is sub.k_buffer[0]
+    grown = {
+        "swa": len(pool.get_state_buf_infos()[0]) - before_swa,
+        "full": len(pool.get_contiguous_buf_infos()[0]) - before_full,
+    }
+    assert grown == {only: 2, ("full" if only == "swa" else "swa"): 0}, grown
+    pool, _ = _pool(swa=(), full=())
+    with pytest.raises(ValueError, match="no layer in either sub-pool"):
+        attach_canary_buffers(pool=pool, config=config, device="cpu", swa_window_size=8)
+
+
+def test_an_swa_only_pool_serves_clean_and_catches_a_flipped_window_byte():
+    """A serving loop over an MTP draft model's kind of pool (one sliding-window layer, no
+    full one) with SWA eviction: clean, then a byte flipped inside a window is reported."""
+    d = _driver(seed=7, verify_tokens=True, swa_only=True)
+    assert [g.kind for g in d.manager.groups] == [PoolKind.SWA]
+    d.run(120)
+    d.settle()
+    assert d.manager.count_violations() == 0
+    assert int(d.manager.state.slot_run_counters[int(CanaryLaunchTag.HEAD_K_SWA)]) > 100
+    info = d.fault_flip_swa_kv_byte(inside_window=True)
+    with pytest.raises(RuntimeError, match="kv_canary detected KV-cache corruption") as exc:
+        d.step()
+    lines = parse_violation_lines(str(exc.value))
+    assert {(v.slot_idx, v.position, v.launch_tag) for v in lines} == {
+        (info["swa_slot"], info["position"], "TAIL_K_SWA")
+    }
 
 
 @pytest.mark.parametrize("enable_v", [False, True])

@@ -85,7 +85,8 @@ class DraftPool:
     ) -> Optional["DraftPool"]:
         """None without speculative decoding (``algorithm`` None; the caller passes only an
         algorithm with a draft KV pool: ``SpeculativeFacts.has_draft_pool``). EAGLE / EAGLE3 /
-        NEXTN: a one-layer head, MLA and DeepSeek-V4 in their target's family, MHA otherwise.
+        NEXTN: a one-layer head, MLA and DeepSeek-V4 in their target's family, MHA otherwise;
+        multi-layer EAGLE on a hybrid-SWA target: one sliding-window layer in an SWA pool.
         STANDALONE and DFLASH (whose ``DFlashDraftModel`` has ``num_hidden_layers`` layers):
         the separate draft model's own pool (:func:`~sglang.srt.kv_canary.sglang_seam.draft_model_shape`);
         ``ValueError`` naming ``--speculative-draft-model-path`` when its config cannot be
@@ -101,6 +102,13 @@ class DraftPool:
             ):
                 raise ValueError(_sliding_window_draft_refusal(server_args, shape))
             return cls(shape.family, shape.layers, shape.swa_layers)
+        if sglang_seam.speculative_facts(server_args).multi_layer_eagle and (
+            sizing.family == PoolFamily.SWA
+        ):
+            # multi-layer EAGLE's MTP draft runners (MiMoV2MTP, Step3p5MTP): sglang gives each
+            # a one-layer SWAKVPool whose one layer is sliding-window (no full one); the canary
+            # is built on layer 0's (install._share_mtp_layer_0_canary)
+            return cls(PoolFamily.SWA, 0, _DRAFT_LAYERS)
         family = (
             sizing.family if sizing.family in (PoolFamily.MLA, PoolFamily.DSV4) else PoolFamily.MHA
         )
@@ -146,17 +154,16 @@ def predicted_groups(
             "sizing gave it none"
         )
     swa_slots = tokens.swa_total + page_size
-    if family == PoolFamily.SWA:
-        return (
-            GroupGeometry(PoolKind.FULL, full_slots, halves, 2 * layers if deep else 0),
-            GroupGeometry(
-                PoolKind.SWA,
-                swa_slots,
-                halves,
-                2 * swa_layers if deep else 0,
-                swa_lut_itemsize=_SWA_TABLE_ITEMSIZE,
-            ),
+    if family == PoolFamily.SWA:  # a sub-pool without layers gets no group (attach_swa)
+        full = GroupGeometry(PoolKind.FULL, full_slots, halves, 2 * layers if deep else 0)
+        swa = GroupGeometry(
+            PoolKind.SWA,
+            swa_slots,
+            halves,
+            2 * swa_layers if deep else 0,
+            swa_lut_itemsize=_SWA_TABLE_ITEMSIZE,
         )
+        return tuple(g for g, n in ((full, layers), (swa, swa_layers)) if n > 0)
     # DeepSeek-V4: no V records, no per-layer columns (docs/subsystems.md, "Per-layer fingerprints")
     return (
         GroupGeometry(PoolKind.FULL, full_slots, 1, 0),

@@ -148,17 +148,17 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
 
 def _check_multi_layer_eagle(spec) -> None:
     """``--enable-multi-layer-eagle`` with the overlap scheduler (spec v2): refused. Its eager
-    MTP steps share MTP layer 0's canary (``install._share_mtp_layer_0_canary``), but on a
-    hybrid-SWA target that draft pool is an ``SWAKVPool`` with an empty sub-pool, which the
-    SWA adapter cannot attach yet (GPU suite run 41); with CUDA graphs each layer's graph
-    writes its own pool outside any guarded forward. Spec v1 is left to sglang 0.5.12's own
-    import error (docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.5 Tests and open questions")."""
+    MTP steps share MTP layer 0's canary (``install._share_mtp_layer_0_canary``) on its
+    one-layer ``SWAKVPool`` (the SWA adapter's SWA group alone), CPU-tested, not yet served
+    on a GPU with the canary (GPU suite run 41 stopped at that pool, before the adapter took
+    it); with CUDA graphs each layer's graph writes its own pool outside any guarded forward.
+    Spec v1 is left to sglang 0.5.12's own import error
+    (docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.5 Tests and open questions")."""
     if spec.multi_layer_eagle and not spec.spec_v1:
         raise ValueError(
             "--kv-canary does not cover --enable-multi-layer-eagle with the overlap scheduler "
-            "(spec v2) yet: its one-layer MTP draft pools (an SWA pool with an empty sub-pool "
-            "on hybrid sliding-window targets) and, with CUDA graphs, its per-layer "
-            "draft-extend graphs. sglang also turns it on by itself for MiMoV2 and Step-3.5 "
+            "(spec v2) yet (its eager MTP steps are not yet proven on a GPU with the canary; "
+            "with CUDA graphs, its per-layer draft-extend graphs are not guarded). sglang also turns it on by itself for MiMoV2 and Step-3.5 "
             "targets (MiMoV2ForCausalLM, MiMoV2FlashForCausalLM, Step3p5ForCausalLM) with "
             "--speculative-algorithm EAGLE: drop the flag, or serve such a model without "
             "--kv-canary or without speculative decoding"

@@ -1,7 +1,7 @@
 """Adapter for ``SWAKVPool``, hybrid sliding-window models (docs/architecture.md, "The adapters
 and what they cover").
 
-:func:`attach_swa` returns ``[FULL, SWA]``, each an MHA group (layer 0's K rows, and V rows
+:func:`attach_swa` returns ``[FULL, SWA]`` (a sub-pool without layers gets none), each an MHA group (layer 0's K rows, and V rows
 with the V half): FULL on ``full_kv_pool`` (the whole prefix, by ``req_to_token`` slots), SWA
 on ``swa_kv_pool`` over the window, through ``full_to_swa_index_mapping`` (full slot → SWA
 slot, 0 = evicted). Reads those three, ``layers_mapping`` and ``page_size``; the window is the
@@ -87,42 +87,56 @@ def _global_layer_ids(pool, *, swa: bool):
 
 
 def attach_swa(request: AttachRequest) -> List[CanaryBufferGroup]:
-    """``[FULL group, SWA group]`` for an ``SWAKVPool``; splices both (see module doc).
-    ``request.layer_ids`` is ignored (the pool has its own layer map)."""
+    """``[FULL group, SWA group]`` for an ``SWAKVPool``; splices both (see module doc). A
+    sub-pool without layers gets no group: an MTP draft model's one-layer pool (sglang's
+    ``MiMoV2MTP`` / ``Step3p5MTP``: one sliding-window layer, no full one) gets the SWA group
+    alone, which covers every read of its only layer. ``ValueError`` when neither sub-pool has
+    a layer. ``request.layer_ids`` is ignored (the pool has its own layer map)."""
     pool, config, device = request.pool, request.config, request.device
     kv_token_id_vs_position_offset = request.kv_token_id_vs_position_offset
     full_pool = require_sub_pool(pool, "full_kv_pool")
     swa_pool = require_sub_pool(pool, "swa_kv_pool")
     lut = require_swa_table(pool)
     window = require_window(request.swa_window_size, pool)
-    full = build_mha_group(
-        full_pool,
-        kind=PoolKind.FULL,
-        config=config,
-        device=device,
-        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-        layer_ids=_global_layer_ids(pool, swa=False),
-    )
-    swa = build_mha_group(
-        swa_pool,
-        kind=PoolKind.SWA,
-        config=config,
-        device=device,
-        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-        swa_index_lut=lut,
-        swa_window_size=window,
-        layer_ids=_global_layer_ids(pool, swa=True),
-    )
-    splice_mha_group(pool, "get_contiguous_buf_infos", full, pool.page_size)
-    splice_mha_group(pool, "get_state_buf_infos", swa, pool.page_size)
+    if not full_pool.k_buffer and not swa_pool.k_buffer:
+        raise ValueError(
+            f"kv_canary: this {type(pool).__name__} has no layer in either sub-pool "
+            "(full_kv_pool, swa_kv_pool): nothing to guard"
+        )
+    groups = []
+    if full_pool.k_buffer:
+        full = build_mha_group(
+            full_pool,
+            kind=PoolKind.FULL,
+            config=config,
+            device=device,
+            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+            layer_ids=_global_layer_ids(pool, swa=False),
+        )
+        splice_mha_group(pool, "get_contiguous_buf_infos", full, pool.page_size)
+        groups.append(full)
+    if swa_pool.k_buffer:
+        swa = build_mha_group(
+            swa_pool,
+            kind=PoolKind.SWA,
+            config=config,
+            device=device,
+            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+            swa_index_lut=lut,
+            swa_window_size=window,
+            layer_ids=_global_layer_ids(pool, swa=True),
+        )
+        splice_mha_group(pool, "get_state_buf_infos", swa, pool.page_size)
+        groups.append(swa)
     logger.info(
-        "kv_canary: SWAKVPool covered by a FULL group (%d slots) and an SWA group "
-        "(%d slots, window %d)",
-        full.num_slots,
-        swa.num_slots,
+        "kv_canary: SWAKVPool covered by %s (window %d)",
+        " and ".join(
+            f"a{'n' if g.kind == PoolKind.SWA else ''} {g.kind.name} group ({g.num_slots} slots)"
+            for g in groups
+        ),
         window,
     )
-    return [full, swa]
+    return groups
 
 
 def register() -> None:
