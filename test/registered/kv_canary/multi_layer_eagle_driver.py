@@ -35,7 +35,7 @@ import torch
 
 from eagle_driver import EagleDriver, tiny_mha_pool
 from plugin_hooks_support import registered_hook
-from serving_driver import VOCAB, stand_in_model_runner
+from serving_driver import VOCAB, speculative_server_args, stand_in_model_runner
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
@@ -45,26 +45,15 @@ def multi_layer_server_args(*, steps: int, chunk: int, max_reqs: int, **kw):
     """The server arguments ``install_canary`` reads, for multi-layer EAGLE spec v2 without
     CUDA graphs (what sglang sets for a Step-3.5 target with ``--speculative-algorithm
     EAGLE --disable-cuda-graph``)."""
-    base = dict(
-        kv_canary="raise",
-        kv_canary_sweep_interval=0,
-        kv_canary_real_data="partial",
-        device="cpu",
-        disable_piecewise_cuda_graph=True,
+    return speculative_server_args(
         disable_cuda_graph=True,
-        enable_torch_compile=False,
         chunked_prefill_size=chunk,
         max_prefill_tokens=chunk * max_reqs,
-        cuda_graph_max_bs=8,
-        sampling_backend="pytorch",
-        speculative_algorithm="EAGLE",
         speculative_num_steps=steps,
-        speculative_eagle_topk=1,
         speculative_num_draft_tokens=steps + 1,
         enable_multi_layer_eagle=True,
+        **kw,
     )
-    base.update(kw)
-    return types.SimpleNamespace(**base)
 
 
 class MultiLayerEagleDriver(EagleDriver):

@@ -79,6 +79,30 @@ def stand_in_model_runner(
     )
 
 
+def speculative_server_args(**kw):
+    """Stand-in ``ServerArgs`` with what ``install_canary`` reads of a speculative server
+    (EAGLE, 4 steps, topk 1, 5 draft tokens, the canary in raise mode on the CPU), ``kw``
+    overriding or adding."""
+    base = dict(
+        kv_canary="raise",
+        kv_canary_sweep_interval=0,
+        kv_canary_real_data="partial",
+        device="cpu",
+        disable_piecewise_cuda_graph=True,
+        enable_torch_compile=False,
+        chunked_prefill_size=64,
+        max_prefill_tokens=128,
+        cuda_graph_max_bs=8,
+        sampling_backend="pytorch",
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=4,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=5,
+    )
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
 def next_token(rid: int, position: int) -> int:
     return (rid * 7919 + position * 104729 + 17) % VOCAB
 

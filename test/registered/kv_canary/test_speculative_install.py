@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from eagle_driver import tiny_mha_pool
-from serving_driver import stand_in_model_runner
+from serving_driver import speculative_server_args, stand_in_model_runner
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.plan_input import LaneLayout
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -32,26 +32,7 @@ def _runner(pool, *, draft: bool):
 
 
 def _spec_server_args(**kw):
-    import types
-
-    base = dict(
-        kv_canary="raise",
-        kv_canary_sweep_interval=0,
-        kv_canary_real_data="partial",
-        device="cpu",
-        disable_piecewise_cuda_graph=True,
-        enable_torch_compile=False,
-        chunked_prefill_size=64,
-        max_prefill_tokens=128,
-        cuda_graph_max_bs=8,
-        sampling_backend="pytorch",
-        speculative_algorithm="EAGLE",
-        speculative_num_steps=4,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=5,
-    )
-    base.update(kw)
-    return types.SimpleNamespace(**base)
+    return speculative_server_args(**kw)
 
 
 def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):

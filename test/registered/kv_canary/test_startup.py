@@ -677,6 +677,26 @@ def test_dflash_with_the_token_oracle_is_refused_from_every_route(
     assert cli(model_dir, "--kv-canary", "raise", *dflash).speculative_algorithm == "DFLASH"
 
 
+# EAGLE on the tiny Step-3.5 (sglang turns multi-layer EAGLE on by itself): 3 steps, topk 1,
+# 4 draft tokens, as command-line flags and as Engine kwargs
+STEP3P5_EAGLE_ARGS = (
+    "--speculative-algorithm",
+    "EAGLE",
+    "--speculative-num-steps",
+    "3",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "4",
+)
+STEP3P5_EAGLE_ENGINE = dict(
+    speculative_algorithm="EAGLE",
+    speculative_num_steps=3,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=4,
+)
+
+
 def test_a_step3p5_target_with_eagle_is_refused_from_every_route(capsys, tmp_path, monkeypatch):
     """A Step-3.5 target with ``--speculative-algorithm EAGLE`` (the overlap scheduler on:
     spec v2): sglang turns on ``--enable-multi-layer-eagle`` by itself, which the canary does
@@ -687,8 +707,7 @@ def test_a_step3p5_target_with_eagle_is_refused_from_every_route(capsys, tmp_pat
     from canary_support.tiny_models import write_tiny_step3p5
 
     step = write_tiny_step3p5(tmp_path / "step3p5")
-    eagle = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"]
-    eagle += ["--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    eagle = list(STEP3P5_EAGLE_ARGS)
     refused = "sglang also turns it on by itself for MiMoV2 and Step-3.5 targets"
     assert refused in cli_error(capsys, step, "--kv-canary", "raise", *eagle)
     yaml_file = tmp_path / "step3p5_eagle.yaml"
@@ -697,12 +716,7 @@ def test_a_step3p5_target_with_eagle_is_refused_from_every_route(capsys, tmp_pat
         "speculative-eagle-topk: 1\nspeculative-num-draft-tokens: 4\n"
     )
     assert refused in cli_error(capsys, step, "--config", str(yaml_file))
-    engine = dict(
-        speculative_algorithm="EAGLE",
-        speculative_num_steps=3,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=4,
-    )
+    engine = dict(STEP3P5_EAGLE_ENGINE)
     with pytest.raises(ValueError, match=refused):
         kwargs(step, kv_canary="abort", **engine)
     assert kwargs(step, **engine).enable_multi_layer_eagle
@@ -725,14 +739,10 @@ def test_a_step3p5_target_with_eager_spec_v2_eagle_is_refused_too(capsys, tmp_pa
     from canary_support.tiny_models import write_tiny_step3p5
 
     step = write_tiny_step3p5(tmp_path / "step3p5")
-    eagle = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"]
-    eagle += ["--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    eagle = list(STEP3P5_EAGLE_ARGS)
     eager = ["--disable-cuda-graph"]
     engine = dict(
-        speculative_algorithm="EAGLE",
-        speculative_num_steps=3,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=4,
+        **STEP3P5_EAGLE_ENGINE,
         disable_cuda_graph=True,
     )
     yaml_file = tmp_path / "step3p5_eagle_eager.yaml"
@@ -768,14 +778,10 @@ def test_a_step3p5_target_with_spec_v1_eagle_is_left_to_sglangs_own_error(
     from canary_support.tiny_models import write_tiny_step3p5
 
     step = write_tiny_step3p5(tmp_path / "step3p5")
-    eagle = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"]
-    eagle += ["--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    eagle = list(STEP3P5_EAGLE_ARGS)
     v1 = ["--disable-overlap-schedule"]
     engine = dict(
-        speculative_algorithm="EAGLE",
-        speculative_num_steps=3,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=4,
+        **STEP3P5_EAGLE_ENGINE,
         disable_overlap_schedule=True,
     )
     yaml_file = tmp_path / "step3p5_eagle_v1.yaml"
