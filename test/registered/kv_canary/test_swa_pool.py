@@ -157,6 +157,34 @@ def test_an_swa_only_pool_serves_clean_and_catches_a_flipped_window_byte():
     }
 
 
+@pytest.mark.parametrize("mode", ["abort", "heal"])
+def test_containment_on_an_swa_only_draft_pool_names_the_draft_variable(mode):
+    """Abort and heal mode find a slot's request through the FULL group's records, which an
+    SWA-only pool lacks: a draft canary acting on its violations
+    (``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act``) on such a pool is refused at build, naming
+    the variable; with the draft's default (``report``) it builds, logging only."""
+    from sglang.srt.kv_canary.builder import build_canary
+    from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
+    from sglang.srt.kv_canary.ranks import RankFacts
+
+    def build(draft_violations):
+        pool, _ = _pool(swa=(0,), full=())
+        return build_canary(
+            pool=pool,
+            req_to_token=torch.zeros((8, 64), dtype=torch.int32),
+            config=CanaryConfig(mode=mode, draft_violations=draft_violations),
+            device="cpu",
+            capacity_inputs=CanaryCapacityInputs(context_len=64, chunked_prefill_size=32),
+            swa_window_size=8,
+            ranks=RankFacts(draft=True, draft_steps=3),
+        )
+
+    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act; unset it"):
+        build("act")
+    manager = build("report")
+    assert [g.kind for g in manager.groups] == [PoolKind.SWA]
+
+
 @pytest.mark.parametrize("enable_v", [False, True])
 def test_swa_buf_info_splice_lengths_and_order(enable_v):
     page = 4

@@ -134,10 +134,18 @@ class ForwardReporter:
         self.containment: Optional[ContainmentManager] = None
         if self.mode.contains:
             full = next((g for g in groups if g.kind == PoolKind.FULL), None)
-            if full is None:  # every adapter builds one; a new one must too
+            if full is None:  # every adapter builds one, but for an SWA-only pool
                 raise ValueError(
                     f"--kv-canary {self.mode.value} needs the pool's full-attention buffer "
-                    "group (its records say which request owns a slot)"
+                    "group (its records say which request owns a slot), which this pool has "
+                    "none of"
+                    + (
+                        " (a draft model's pool of sliding-window layers only): a draft "
+                        "pool's violations are acted on only with "
+                        "SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act; unset it (report)"
+                        if ranks.draft
+                        else ""
+                    )
                 )
             self.containment = ContainmentManager(
                 resolver=self.requests,
