@@ -36,7 +36,8 @@
 #   spec_pr25015         test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr25015
 #   spec_pr26329         test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr26329
 #   spec_pr28254_v2      test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr28254 and spec_v2
-#   spec_pr28254_v1      test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr28254 and spec_v1
+#   spec_pr28254_v1      test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr28254 and spec_v1 and chain
+#   spec_pr28254_tree    test/registered/kv_canary/test_e2e_speculative_gpu.py -k pr28254 and tree
 #   spec_faults_v2       test/registered/kv_canary/test_e2e_speculative_gpu.py -k fault and spec_v2 and not standalone
 #   spec_faults_v1       test/registered/kv_canary/test_e2e_speculative_gpu.py -k fault and spec_v1 and not standalone
 #   spec_adaptive_v2     test/registered/kv_canary/test_e2e_speculative_gpu.py -k adaptive and spec_v2

@@ -67,7 +67,7 @@ from canary_support.tiny_models import (
 )
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=8180, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=8660, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -75,7 +75,8 @@ GPU_LANES = {
     "spec_pr25015": ("pr25015", 340),
     "spec_pr26329": ("pr26329", 370),
     "spec_pr28254_v2": ("pr28254 and spec_v2", 450),
-    "spec_pr28254_v1": ("pr28254 and spec_v1", 450),
+    "spec_pr28254_v1": ("pr28254 and spec_v1 and chain", 450),
+    "spec_pr28254_tree": ("pr28254 and tree", 480),
     "spec_faults_v2": ("fault and spec_v2 and not standalone", 210),
     "spec_faults_v1": ("fault and spec_v1 and not standalone", 360),
     "spec_adaptive_v2": ("adaptive and spec_v2", 330),
@@ -757,8 +758,8 @@ def _output_chunk_ends(out: str) -> set:
     }
 
 
-@pytest.mark.parametrize("spec", sorted(SPEC))
-def test_pr28254_resumed_request_chunk_end_inside_its_output(models, spec):
+@pytest.mark.parametrize("spec, shape", CHAIN_AND_TREE)
+def test_pr28254_resumed_request_chunk_end_inside_its_output(models, spec, shape):
     """Upstream PR 28254. sglang 0.5.12 lacks the chunk-end fix of PRs 26329 / 26800 (the
     test above); the hook ``KV_CANARY_TEST_PR28254`` applies it. ``fixed``: the draft input
     of a non-final chunk ends with the next token of the prompt followed by the output, as
@@ -769,7 +770,9 @@ def test_pr28254_resumed_request_chunk_end_inside_its_output(models, spec):
     1, the radix cache off (with it on, sglang 0.5.12 finds most of a resumed request's
     prompt and output in the tree and re-prefills a few tokens: no chunk ends inside the
     output). Both runs reach chunk ends inside outputs (the hook prints each); the fixed run
-    is clean; the buggy one reports ``verify_token`` in the draft pool at those positions."""
+    is clean; the buggy one reports ``verify_token`` in the draft pool at those positions.
+    With a draft chain (spec v1 and v2) and a draft tree (spec v1, topk 2: the same draft
+    extend of each prefill chunk)."""
     ends, lines = {}, {}
     for variant in ("fixed", "buggy"):
         rc, out, res = run(
@@ -780,6 +783,7 @@ def test_pr28254_resumed_request_chunk_end_inside_its_output(models, spec):
             kv_canary="log",
             chunked_prefill_size=64,
             disable_radix_cache=True,
+            **SHAPES[shape],
         )
         assert rc == 0 and res == [160] * 6, out[-4000:]
         assert "Testing retraction" in out, out[-4000:]
