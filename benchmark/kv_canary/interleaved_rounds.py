@@ -23,6 +23,9 @@ from interleaved_servers import CONTROL_SUFFIX, Server, server_config
 
 BOOTSTRAP_SAMPLES = 2000
 AA_LIMIT = 0.003  # a run resolves 0.5 % only where its A/A control stays within +-0.3 %
+# no decode step of any model takes less: a decode time under this per token is not one (sglang
+# 0.5.12's STANDALONE servers with every dummy draft accepted report about 4 ns per token)
+MIN_DECODE_S_PER_TOKEN = 1e-5
 
 
 # ---- statistics -------------------------------------------------------------------------------
@@ -32,12 +35,16 @@ def server_decode_ms(outs: list[dict]) -> float | None:
     """The decode time of one ``generate`` call as sglang's tokenizer manager measured it
     (first output token to finish, per request: ``(completion_tokens - 1) /
     decode_throughput``), the batch's median, in ms; None when the outputs have a single
-    token or no such figures."""
+    token or no such figures, or when a request's figure is under
+    ``MIN_DECODE_S_PER_TOKEN`` per token (not a decode time: the record then has no decode
+    figure, as for a prefill)."""
     times = []
     for o in outs:
         meta = o.get("meta_info", {})
         n, tput = meta.get("completion_tokens"), meta.get("decode_throughput")
         if not n or n < 2 or not tput:
+            return None
+        if (n - 1) / tput < (n - 1) * MIN_DECODE_S_PER_TOKEN:
             return None
         times.append((n - 1) / tput * 1e3)
     return statistics.median(times) if times else None

@@ -80,6 +80,10 @@ def test_decode_time_is_sglangs_own_and_the_control_decides_what_is_resolved():
     ) == pytest.approx(100.0)
     assert bi.server_decode_ms([out(1, 0.0)]) is None  # one token: no decode
     assert bi.server_decode_ms([{"output_ids": [1, 2], "meta_info": {}}]) is None
+    # a figure no decode can reach (STANDALONE's 1023 tokens in 0.004 ms): no decode time
+    assert bi.server_decode_ms([out(1024, 1023 / 4e-6)]) is None
+    assert bi.server_decode_ms([out(1024, 1023 / 0.5), out(1024, 1023 / 4e-6)]) is None
+    assert bi.server_decode_ms([out(1024, 1023 / 0.011)]) == pytest.approx(11.0)
 
     rec = {"server_overhead": (0.012, 0.008, 0.015), "decode_overhead": (0.001, -0.002, 0.004)}
     quiet = {"server_overhead": (0.001, -0.002, 0.0025), "decode_overhead": (0.0, -0.001, 0.001)}
