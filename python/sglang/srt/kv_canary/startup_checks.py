@@ -158,10 +158,11 @@ def _check_multi_layer_eagle(spec) -> None:
         raise ValueError(
             "--kv-canary does not cover --enable-multi-layer-eagle with the overlap scheduler "
             "(spec v2) yet (its eager MTP steps are not yet proven on a GPU with the canary; "
-            "with CUDA graphs, its per-layer draft-extend graphs are not guarded). sglang also turns it on by itself for MiMoV2 and Step-3.5 "
-            "targets (MiMoV2ForCausalLM, MiMoV2FlashForCausalLM, Step3p5ForCausalLM) with "
-            "--speculative-algorithm EAGLE: drop the flag, or serve such a model without "
-            "--kv-canary or without speculative decoding"
+            "with CUDA graphs, its per-layer draft-extend graphs are not guarded). sglang "
+            "also turns it on by itself for MiMoV2 and Step-3.5 targets (MiMoV2ForCausalLM, "
+            "MiMoV2FlashForCausalLM, Step3p5ForCausalLM) with --speculative-algorithm EAGLE: "
+            "drop the flag, or serve such a model without --kv-canary or without speculative "
+            "decoding"
         )
 
 

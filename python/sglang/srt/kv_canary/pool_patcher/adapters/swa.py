@@ -1,12 +1,13 @@
 """Adapter for ``SWAKVPool``, hybrid sliding-window models (docs/architecture.md, "The adapters
 and what they cover").
 
-:func:`attach_swa` returns ``[FULL, SWA]`` (a sub-pool without layers gets none), each an MHA group (layer 0's K rows, and V rows
-with the V half): FULL on ``full_kv_pool`` (the whole prefix, by ``req_to_token`` slots), SWA
-on ``swa_kv_pool`` over the window, through ``full_to_swa_index_mapping`` (full slot → SWA
-slot, 0 = evicted). Reads those three, ``layers_mapping`` and ``page_size``; the window is the
-caller's (``ModelRunner.sliding_window_size``). The table is the allocator's, held by
-reference: attach after ``SWATokenToKVPoolAllocator`` exists. Splices FULL into
+:func:`attach_swa` returns ``[FULL, SWA]`` (a sub-pool without layers gets none), each an MHA
+group (layer 0's K rows, and V rows with the V half): FULL on ``full_kv_pool`` (the whole
+prefix, by ``req_to_token`` slots), SWA on ``swa_kv_pool`` over the window, through
+``full_to_swa_index_mapping`` (full slot → SWA slot, 0 = evicted). Reads those three,
+``layers_mapping`` and ``page_size``; the window is the caller's
+(``ModelRunner.sliding_window_size``). The table is the allocator's, held by reference: attach
+after ``SWATokenToKVPoolAllocator`` exists. Splices FULL into
 ``get_contiguous_buf_infos`` and SWA into ``get_state_buf_infos``.
 """
 
@@ -86,6 +87,9 @@ def _global_layer_ids(pool, *, swa: bool):
     return [gid for _, gid in ids]
 
 
+_ARTICLE = {PoolKind.FULL: "a", PoolKind.SWA: "an"}  # the start-up line's "a FULL", "an SWA"
+
+
 def attach_swa(request: AttachRequest) -> List[CanaryBufferGroup]:
     """``[FULL group, SWA group]`` for an ``SWAKVPool``; splices both (see module doc). A
     sub-pool without layers gets no group: an MTP draft model's one-layer pool (sglang's
@@ -103,36 +107,35 @@ def attach_swa(request: AttachRequest) -> List[CanaryBufferGroup]:
             f"kv_canary: this {type(pool).__name__} has no layer in either sub-pool "
             "(full_kv_pool, swa_kv_pool): nothing to guard"
         )
-    groups = []
-    if full_pool.k_buffer:
-        full = build_mha_group(
-            full_pool,
-            kind=PoolKind.FULL,
-            config=config,
-            device=device,
-            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-            layer_ids=_global_layer_ids(pool, swa=False),
-        )
-        splice_mha_group(pool, "get_contiguous_buf_infos", full, pool.page_size)
-        groups.append(full)
-    if swa_pool.k_buffer:
-        swa = build_mha_group(
+    # per sub-pool: the group's kind, the buf-info method it is spliced into, its SWA extras
+    parts = (
+        (full_pool, PoolKind.FULL, "get_contiguous_buf_infos", {}),
+        (
             swa_pool,
-            kind=PoolKind.SWA,
+            PoolKind.SWA,
+            "get_state_buf_infos",
+            dict(swa_index_lut=lut, swa_window_size=window),
+        ),
+    )
+    groups = []
+    for sub_pool, kind, method, swa_extras in parts:
+        if not sub_pool.k_buffer:
+            continue
+        group = build_mha_group(
+            sub_pool,
+            kind=kind,
             config=config,
             device=device,
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-            swa_index_lut=lut,
-            swa_window_size=window,
-            layer_ids=_global_layer_ids(pool, swa=True),
+            layer_ids=_global_layer_ids(pool, swa=kind == PoolKind.SWA),
+            **swa_extras,
         )
-        splice_mha_group(pool, "get_state_buf_infos", swa, pool.page_size)
-        groups.append(swa)
+        splice_mha_group(pool, method, group, pool.page_size)
+        groups.append(group)
     logger.info(
-        "kv_canary: SWAKVPool covered by %s (window %d)",
+        "kv_canary: SWAKVPool covered by %s, window %d",
         " and ".join(
-            f"a{'n' if g.kind == PoolKind.SWA else ''} {g.kind.name} group ({g.num_slots} slots)"
-            for g in groups
+            f"{_ARTICLE[g.kind]} {g.kind.name} group ({g.num_slots} slots)" for g in groups
         ),
         window,
     )
