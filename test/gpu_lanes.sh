@@ -62,6 +62,8 @@
 #   spec_oracle_swap     test/registered/kv_canary/test_e2e_speculative_gpu.py -k token_oracle and swap
 #   spec_frozen_kv_mtp_clean test/registered/kv_canary/test_e2e_speculative_gpu.py -k frozen_kv_mtp and clean
 #   spec_frozen_kv_mtp_faults test/registered/kv_canary/test_e2e_speculative_gpu.py -k frozen_kv_mtp and every_fault
+#   spec_multi_layer_clean test/registered/kv_canary/test_e2e_speculative_gpu.py -k multi_layer and clean
+#   spec_multi_layer_faults test/registered/kv_canary/test_e2e_speculative_gpu.py -k multi_layer and every_fault
 #   e2e_swa_gpu          test/registered/kv_canary/test_e2e_swa_gpu.py
 #   tp2_clean            test/registered/kv_canary/test_e2e_tp_gpu.py -k clean (2 GPUs)
 #   tp2_fault            test/registered/kv_canary/test_e2e_tp_gpu.py -k fault (2 GPUs)

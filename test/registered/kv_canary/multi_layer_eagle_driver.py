@@ -20,8 +20,7 @@ The :class:`~eagle_driver.EagleDriver` spec v2 workload (target ``EXTEND`` /
   request's ids move one place left, a predicted token last (sglang's
   ``rotate_input_ids_triton``).
 
-The start-up refusal of multi-layer EAGLE with spec v2 is lifted for the driver (it stays for
-servers until the GPU lanes pass). ``bug_own_pool`` routes steps k >= 1 to runner k's own pool (a batch built for runner k),
+``bug_own_pool`` routes steps k >= 1 to runner k's own pool (a batch built for runner k),
 which sglang 0.5.12 does not do; ``unshared`` leaves runners k >= 1 without the canary
 (their forwards then write layer 0's pool behind its canary's back).
 """
@@ -71,11 +70,7 @@ class MultiLayerEagleDriver(EagleDriver):
         canaries come from ``install_canary`` with ``multi_layer_server_args`` (plus
         ``server_args``) and the ``SGLANG_KV_CANARY_*`` variables the test set; the target's
         from the driver's own config (``EagleDriver``)."""
-        from sglang.srt.kv_canary import install, startup_checks
-
-        # what lifting the start-up refusal enables (it stays until the GPU lanes pass:
-        # docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.4 Changes to the canary")
-        monkeypatch.setattr(startup_checks, "_check_multi_layer_eagle", lambda spec: None)
+        from sglang.srt.kv_canary import install
 
         # no draft canary of the driver's own: install_canary builds them below
         super().__init__(steps=steps, v2=True, draft_model=False, **kw)

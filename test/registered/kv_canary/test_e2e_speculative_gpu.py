@@ -64,10 +64,11 @@ from canary_support.tiny_models import (
     DEEPSEEK_V3_MLA_DIMS,
     write_tiny_deepseek_v2,
     write_tiny_gemma4_pair,
+    write_tiny_step3p5,
 )
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=8660, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=9320, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -101,6 +102,8 @@ GPU_LANES = {
     "spec_oracle_swap": ("token_oracle and swap", 260),
     "spec_frozen_kv_mtp_clean": ("frozen_kv_mtp and clean", 200),
     "spec_frozen_kv_mtp_faults": ("frozen_kv_mtp and every_fault", 200),
+    "spec_multi_layer_clean": ("multi_layer and clean", 360),
+    "spec_multi_layer_faults": ("multi_layer and every_fault", 300),
 }
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -1041,4 +1044,68 @@ def test_frozen_kv_mtp_every_fault_class_is_caught_in_the_target_pool(frozen_kv_
     )
     assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
     assert_only_the_frozen_kv_mtp_target_guarded(out)
+    assert_every_fault_caught(out)
+
+
+# ---- multi-layer EAGLE: the tiny Step-3.5's three MTP layers, spec v2 without CUDA graphs ----
+
+# sglang turns --enable-multi-layer-eagle on by itself for a Step-3.5 target with EAGLE; the
+# canary covers it with the overlap scheduler on and CUDA graphs off, its MTP steps then all
+# running eagerly on MTP layer 0's pool (design:
+# docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.4 Changes to the canary"); sglang
+# 0.5.12's own capture of the per-layer draft-extend graphs stops on the tiny model with
+# Triton attention (the GPU diagnostic)
+MULTI_LAYER = dict(disable_cuda_graph=True)
+
+
+@pytest.fixture(scope="module")
+def multi_layer_models(tmp_path_factory):
+    """The tiny Step-3.5 (45 hybrid-SWA layers, three MTP layers, dummy weights): the
+    target, and the draft read from the same directory."""
+    step = write_tiny_step3p5(tmp_path_factory.mktemp("step3p5"))
+    return step, step
+
+
+def assert_multi_layer_guarded(out: str) -> None:
+    """sglang ran multi-layer EAGLE; the canary installed on the target and on MTP layer 0's
+    runner (an ``SWAKVPool`` each), which MTP layers 1 and 2 share."""
+    assert "enable_multi_layer_eagle=True" in out, out[-4000:]
+    installed = [line for line in out.splitlines() if "kv_canary installed" in line]
+    assert len(installed) == 2, installed
+    assert sum("on the EAGLE draft worker" in line for line in installed) == 1, installed
+    assert all("pool=SWAKVPool" in line for line in installed), installed
+    for layer in (1, 2):
+        assert f"MTP layer {layer} runner shares MTP layer 0's canary" in out, out[-4000:]
+
+
+@pytest.mark.parametrize("chunks", ["unchunked", "chunked"])
+def test_multi_layer_eagle_clean_matches_canary_off(multi_layer_models, chunks):
+    """Multi-layer EAGLE (3 MTP layers, topk 1, 4 draft tokens; spec v2, eager) with the canary
+    in raise mode, real data partial, a sweep every 3 steps and token checks (the target's;
+    none on the draft pool, whose MTP steps leave predicted tokens' KV): outputs equal to the
+    canary off's, no violation, both canaries reserved as built; chunked: prompts split into
+    prefill chunks of 64, each chunk's MTP steps writing its last positions from predictions."""
+    kw = dict(MULTI_LAYER, **(UNCHUNKED if chunks == "unchunked" else {}))
+    out, on, off = run_clean_pair(multi_layer_models, "spec_v2", **kw)
+    assert_multi_layer_guarded(out)
+    assert "no token checks on the multi-layer EAGLE draft pool" in out
+    assert_clean_and_both_canaries_reserved(out, on, off)
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+def test_multi_layer_eagle_every_fault_class_is_caught_in_each_pool(multi_layer_models, worker):
+    """Every fault class, injected into MTP layer 0's pool only (the one every MTP step
+    writes) and into the target pool only, is caught, in log mode."""
+    env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
+    rc, out, res = run(
+        multi_layer_models,
+        "spec_v2",
+        env,
+        kv_canary="log",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+        **MULTI_LAYER,
+    )
+    assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
+    assert_multi_layer_guarded(out)
     assert_every_fault_caught(out)

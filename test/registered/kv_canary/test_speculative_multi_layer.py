@@ -3,8 +3,7 @@ sglang 0.5.12 pools and ForwardBatch objects (:mod:`multi_layer_eagle_driver`): 
 layers' runners share MTP layer 0's canary, every MTP step's write of layer 0's pool gets
 its records, a fault there is caught, a step routed to another pool is refused, and the
 draft pool runs without token checks (docs/speculative_multilayer_adaptive_dflash_mtp.md,
-"1.4 Changes to the canary"). Servers still refuse the mode at start-up (``test_startup.py``);
-these tests lift that refusal to drive what lifting it enables. sglang's own runs: ``test_multi_layer_eagle_sglang.py`` (CPU)
+"1.4 Changes to the canary"). sglang's own runs: ``test_multi_layer_eagle_sglang.py`` (CPU)
 and ``test_e2e_speculative_gpu.py`` (GPU)."""
 
 from __future__ import annotations
@@ -130,9 +129,6 @@ def test_layer_0s_canary_must_exist_before_the_others(canary_env):
         draft=True,
     )
     runner.draft_model_idx = 2
-    from sglang.srt.kv_canary import startup_checks
-
-    canary_env.setattr(startup_checks, "_check_multi_layer_eagle", lambda spec: None)
     with pytest.raises(RuntimeError, match="MTP layer 2 runner got no canary to share"):
         install.install_canary(
             server_args=multi_layer_server_args(steps=3, chunk=24, max_reqs=8),

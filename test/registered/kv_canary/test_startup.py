@@ -699,10 +699,12 @@ STEP3P5_EAGLE_ENGINE = dict(
 
 def test_a_step3p5_target_with_eagle_is_refused_from_every_route(capsys, tmp_path, monkeypatch):
     """A Step-3.5 target with ``--speculative-algorithm EAGLE`` (the overlap scheduler on:
-    spec v2): sglang turns on ``--enable-multi-layer-eagle`` by itself, which the canary does
-    not cover there yet; the refusal says so (the operator never passed the flag) from the
-    command line, a ``--config`` YAML and ``Engine`` kwargs, with and without the canary's
-    variables. The same server without the canary starts, with the flag on."""
+    spec v2) and CUDA graphs: sglang turns on ``--enable-multi-layer-eagle`` by itself, whose
+    per-layer draft-extend graphs the canary does not cover; the refusal says so (the operator
+    never passed the flag) from the command line, a ``--config`` YAML and ``Engine`` kwargs,
+    with and without the canary's variables. The same server without the canary starts, with
+    the flag on; with ``--disable-cuda-graph`` it starts with the canary
+    (``test_a_step3p5_target_with_eager_spec_v2_eagle_starts_from_every_route``)."""
     sys.path.insert(0, os.path.dirname(__file__))
     from canary_support.tiny_models import write_tiny_step3p5
 
@@ -729,12 +731,17 @@ def test_a_step3p5_target_with_eagle_is_refused_from_every_route(capsys, tmp_pat
         kwargs(step, kv_canary="log", **engine)
 
 
-def test_a_step3p5_target_with_eager_spec_v2_eagle_is_refused_too(capsys, tmp_path, monkeypatch):
-    """The same Step-3.5 target with EAGLE, spec v2 and ``--disable-cuda-graph``: its MTP
-    steps share MTP layer 0's canary (``test_speculative_multi_layer.py``), but that draft
-    pool (an ``SWAKVPool`` whose full sub-pool has no layer) is not attachable yet: refused
-    from the command line, a ``--config`` YAML and ``Engine`` kwargs, with and without the
-    canary's variables, naming the flag."""
+def test_a_step3p5_target_with_eager_spec_v2_eagle_starts_from_every_route(
+    capsys, tmp_path, monkeypatch
+):
+    """The same Step-3.5 target with EAGLE, the overlap scheduler on (spec v2) and
+    ``--disable-cuda-graph``: multi-layer EAGLE's MTP steps then all run eagerly on MTP layer
+    0's pool, which the canary guards (``test_speculative_multi_layer.py``): accepted from the
+    command line, a ``--config`` YAML and ``Engine`` kwargs, with and without the canary's
+    variables, the flag on and spec v2 kept. With ``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act``,
+    abort is refused naming the variable (the MTP draft pool holds sliding-window layers only:
+    no record of a slot's request to contain; heal is refused with any speculative decoding),
+    raise still starts."""
     sys.path.insert(0, os.path.dirname(__file__))
     from canary_support.tiny_models import write_tiny_step3p5
 
@@ -751,19 +758,29 @@ def test_a_step3p5_target_with_eager_spec_v2_eagle_is_refused_too(capsys, tmp_pa
         "speculative-eagle-topk: 1\nspeculative-num-draft-tokens: 4\n"
         "disable-cuda-graph: true\n"
     )
-    refused = "--enable-multi-layer-eagle with the overlap scheduler (spec v2) yet"
 
-    def refused_on_every_route():
-        assert refused in cli_error(capsys, step, "--kv-canary", "raise", *eagle, *eager)
-        assert refused in cli_error(capsys, step, "--config", str(yaml_file))
-        with pytest.raises(ValueError, match=re.escape(refused)):
-            kwargs(step, kv_canary="abort", **engine)
+    def accepted_on_every_route():
+        for args, mode in (
+            (cli(step, "--kv-canary", "raise", *eagle, *eager), "raise"),
+            (cli(step, "--config", str(yaml_file)), "log"),
+            (kwargs(step, kv_canary="abort", **engine), "abort"),
+        ):
+            assert args.kv_canary == mode and args.enable_multi_layer_eagle
+            assert args.disable_cuda_graph and not args.disable_overlap_schedule
 
-    refused_on_every_route()
+    accepted_on_every_route()
     monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
     monkeypatch.setenv("SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS", "10")
-    refused_on_every_route()
-    assert cli(step, *eagle, *eager).enable_multi_layer_eagle  # without the canary: starts
+    accepted_on_every_route()
+
+    monkeypatch.setenv("SGLANG_KV_CANARY_DRAFT_VIOLATIONS", "act")
+    refused = "SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act cannot act on --enable-multi-layer-eagle"
+    assert refused in cli_error(capsys, step, "--kv-canary", "abort", *eagle, *eager)
+    yaml_file.write_text(yaml_file.read_text().replace("kv-canary: log", "kv-canary: abort"))
+    assert refused in cli_error(capsys, step, "--config", str(yaml_file))
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        kwargs(step, kv_canary="abort", **engine)
+    assert cli(step, "--kv-canary", "raise", *eagle, *eager).enable_multi_layer_eagle
 
 
 def test_a_step3p5_target_with_spec_v1_eagle_is_left_to_sglangs_own_error(
@@ -773,7 +790,8 @@ def test_a_step3p5_target_with_spec_v1_eagle_is_left_to_sglangs_own_error(
     canary does not refuse it from the command line, a ``--config`` YAML or ``Engine`` kwargs,
     with and without the canary's variables (sglang 0.5.12's spec v1 multi-layer worker fails
     to import whatever the canary does: ``test_multi_layer_eagle_sglang.py``); an explicit
-    ``--enable-multi-layer-eagle`` with spec v1 alike, and with spec v2 still refused."""
+    ``--enable-multi-layer-eagle`` with spec v1 alike, and with spec v2 and CUDA graphs still
+    refused."""
     sys.path.insert(0, os.path.dirname(__file__))
     from canary_support.tiny_models import write_tiny_step3p5
 

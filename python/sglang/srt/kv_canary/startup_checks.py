@@ -141,28 +141,42 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
     # spec v1 multi-layer EAGLE is not refused here: sglang 0.5.12's own worker module fails
     # to import, canary or not, and its error is the one to see:
     # docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.5 Tests and open questions"
-    _check_multi_layer_eagle(spec)
+    _check_multi_layer_eagle(server_args, spec, config)
     if config.enable_token_oracle or config.enable_write_input_assert:
         _check_token_oracle_speculative(config, spec.algorithm)
 
 
-def _check_multi_layer_eagle(spec) -> None:
-    """``--enable-multi-layer-eagle`` with the overlap scheduler (spec v2): refused. Its eager
-    MTP steps share MTP layer 0's canary (``install._share_mtp_layer_0_canary``) on its
-    one-layer ``SWAKVPool`` (the SWA adapter's SWA group alone), CPU-tested, not yet served
-    on a GPU with the canary (GPU suite run 41 stopped at that pool, before the adapter took
-    it); with CUDA graphs each layer's graph writes its own pool outside any guarded forward.
-    Spec v1 is left to sglang 0.5.12's own import error
-    (docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.5 Tests and open questions")."""
-    if spec.multi_layer_eagle and not spec.spec_v1:
+def _check_multi_layer_eagle(server_args: "ServerArgs", spec, config: CanaryConfig) -> None:
+    """``--enable-multi-layer-eagle`` with the overlap scheduler (spec v2): covered with
+    ``--disable-cuda-graph``, every eager MTP step then writing MTP layer 0's one-layer pool,
+    whose canary every MTP runner shares (``install._share_mtp_layer_0_canary``). Refused with
+    CUDA graphs (each layer's draft-extend graph writes its own pool outside any guarded
+    forward), and with ``SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act`` in abort mode (that pool has
+    sliding-window layers only, no records to find a slot's request by). Spec v1 is
+    left to sglang 0.5.12's own import error
+    (docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.4 Changes to the canary")."""
+    if not spec.multi_layer_eagle or spec.spec_v1:
+        return
+    by_sglang = (
+        " sglang also turns it on by itself for MiMoV2 and Step-3.5 targets (MiMoV2ForCausalLM, "
+        "MiMoV2FlashForCausalLM, Step3p5ForCausalLM) with --speculative-algorithm EAGLE."
+    )
+    if not sglang_seam.server_args_value(server_args, "disable_cuda_graph", False):
         raise ValueError(
-            "--kv-canary does not cover --enable-multi-layer-eagle with the overlap scheduler "
-            "(spec v2) yet (its eager MTP steps are not yet proven on a GPU with the canary; "
-            "with CUDA graphs, its per-layer draft-extend graphs are not guarded). sglang "
-            "also turns it on by itself for MiMoV2 and Step-3.5 targets (MiMoV2ForCausalLM, "
-            "MiMoV2FlashForCausalLM, Step3p5ForCausalLM) with --speculative-algorithm EAGLE: "
-            "drop the flag, or serve such a model without --kv-canary or without speculative "
-            "decoding"
+            "--kv-canary covers --enable-multi-layer-eagle with the overlap scheduler (spec v2) "
+            "only with --disable-cuda-graph: its per-layer draft-extend CUDA graphs write each "
+            "MTP layer's own pool outside the forwards the canary guards." + by_sglang + " Add "
+            "--disable-cuda-graph, or serve such a model without --kv-canary or without "
+            "speculative decoding"
+        )
+    if config.draft_violations == DraftViolations.ACT and config.mode.contains:
+        raise ValueError(
+            f"--kv-canary {config.mode.value} with SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act cannot "
+            "act on --enable-multi-layer-eagle's draft pool: its MTP layers' pools hold "
+            "sliding-window layers only, with no record of which request owns a slot."
+            + by_sglang
+            + " Unset SGLANG_KV_CANARY_DRAFT_VIOLATIONS (draft reports are then logged and "
+            "counted), or use --kv-canary raise or log"
         )
 
 
