@@ -177,13 +177,17 @@ ALWAYS_CAUGHT = ("req_to_token", "real_kv_used")
 
 
 def fault_caught(fault: dict, lines) -> bool:
-    """Was the injected ``fault`` (a parsed perturbation line) reported?"""
+    """Was the injected ``fault`` (a parsed perturbation line) reported? A report of a
+    sliding-window group (``*_SWA`` tags) names the window pool's slot: a flipped byte's is
+    the line's ``slot`` (``full_slot`` for a full-attention group), and a changed
+    ``req_to_token`` entry (logged as a full slot) is matched by its row and position there."""
     step = int(fault["step"])
     if fault["fault"] == "req_to_token":  # the changed entry, reported at its forward
+        row, position = int(fault["req_pool_idx"]), int(fault["position"])
         return any(
             v.forward_step == step
-            and (v.req_to_token_row, v.read_position, v.slot_idx)
-            == (int(fault["req_pool_idx"]), int(fault["position"]), int(fault["new_slot"]))
+            and (v.req_to_token_row, v.read_position) == (row, position)
+            and (v.launch_tag.endswith("_SWA") or v.slot_idx == int(fault["new_slot"]))
             for v in lines
         )
     if fault["fault"] == "next_token_swap":  # the token oracle's write-input check
@@ -191,7 +195,8 @@ def fault_caught(fault: dict, lines) -> bool:
     # a byte of the slot's KV row flipped: its fingerprint no longer matches
     return any(
         v.forward_step >= step
-        and v.slot_idx == int(fault["full_slot"])
+        and v.slot_idx == int(fault["slot"])
+        and v.launch_tag.endswith("_SWA") == (fault["group"] == "swa")
         and "verify_real_kv_hash" in v.fail_reasons
         for v in lines
     )

@@ -68,7 +68,7 @@ from canary_support.tiny_models import (
 )
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=9320, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=9470, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -104,6 +104,7 @@ GPU_LANES = {
     "spec_frozen_kv_mtp_faults": ("frozen_kv_mtp and every_fault", 200),
     "spec_multi_layer_clean": ("multi_layer and clean", 360),
     "spec_multi_layer_faults": ("multi_layer and every_fault", 300),
+    "spec_multi_layer_radix": ("multi_layer and radix", 150),
 }
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -891,10 +892,6 @@ def test_token_oracle_swap_is_a_write_token_violation(models, case):
     assert any("write_token" in v.fail_reasons for _, v in found), out[-4000:]
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-v"]))
-
-
 # ---- DFLASH: a block draft fed by the target's hidden states -------------------------------
 
 # sglang runs DFLASH with one step, topk 1, and the block size as its draft tokens (spec v1:
@@ -1084,8 +1081,10 @@ def test_multi_layer_eagle_clean_matches_canary_off(multi_layer_models, chunks):
     in raise mode, real data partial, a sweep every 3 steps and token checks (the target's;
     none on the draft pool, whose MTP steps leave predicted tokens' KV): outputs equal to the
     canary off's, no violation, both canaries reserved as built; chunked: prompts split into
-    prefill chunks of 64, each chunk's MTP steps writing its last positions from predictions."""
-    kw = dict(MULTI_LAYER, **(UNCHUNKED if chunks == "unchunked" else {}))
+    prefill chunks of 64, each chunk's MTP steps writing its last positions from predictions.
+    The radix cache off: with it on, shared prefixes reuse draft KV of another request's
+    tokens (the radix test below)."""
+    kw = dict(MULTI_LAYER, disable_radix_cache=True, **(UNCHUNKED if chunks == "unchunked" else {}))
     out, on, off = run_clean_pair(multi_layer_models, "spec_v2", **kw)
     assert_multi_layer_guarded(out)
     assert "no token checks on the multi-layer EAGLE draft pool" in out
@@ -1095,8 +1094,13 @@ def test_multi_layer_eagle_clean_matches_canary_off(multi_layer_models, chunks):
 @pytest.mark.parametrize("worker", ["draft", "target"])
 def test_multi_layer_eagle_every_fault_class_is_caught_in_each_pool(multi_layer_models, worker):
     """Every fault class, injected into MTP layer 0's pool only (the one every MTP step
-    writes) and into the target pool only, is caught, in log mode."""
-    env = dict(EVERY_FAULT_ENV, SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker)
+    writes: its sliding-window group, the only one it has) and into the target pool only (its
+    full-attention group), is caught, in log mode."""
+    env = dict(
+        EVERY_FAULT_ENV,
+        SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker,
+        SGLANG_KV_CANARY_PERTURB_TARGET_GROUP="swa" if worker == "draft" else "full",
+    )
     rc, out, res = run(
         multi_layer_models,
         "spec_v2",
@@ -1109,3 +1113,45 @@ def test_multi_layer_eagle_every_fault_class_is_caught_in_each_pool(multi_layer_
     assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
     assert_multi_layer_guarded(out)
     assert_every_fault_caught(out)
+
+
+MULTI_LAYER_RADIX_WARNING = "--enable-multi-layer-eagle with the radix cache on"
+
+
+def test_multi_layer_eagle_radix_cache_reports_each_shared_prefix_boundary(multi_layer_models):
+    """The radix cache on (sglang's token-pair keys), the workload's waves each sending 4
+    prompts that share a prefix of m = 40 or 64 tokens in one prefill batch: the tree insert
+    after it swaps all but one request's slots up to m - 2 for the first one's, whose MTP
+    layer 0 KV there came from that request's tokens up to p + 3. The draft canary reports
+    exactly ``verify_chain_hash`` at m - 1 for each m (each request's first own slot), nothing
+    in the target pool; under ``--kv-canary raise`` the server serves every request, the
+    reports logged as not acted on and counted per pool, the start-up warning says why
+    (docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.4 Changes to the canary")."""
+    rc, out, res = run(
+        multi_layer_models,
+        "spec_v2",
+        {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
+        kv_canary="raise",
+        **MULTI_LAYER,
+        **UNCHUNKED,
+    )
+    assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
+    assert_multi_layer_guarded(out)
+    assert MULTI_LAYER_RADIX_WARNING in out and "not acted on" in out, out[-4000:]
+    assert "Not acted on (--kv-canary raise)" in out, out[-4000:]
+    (live,) = workload_info(out)["kv_canary_live"]
+    assert live["draft"]["acting_mode"] == "log" and live["draft"]["violations"] >= 2, live
+    assert live["target"] == dict(live["target"], violations=0, acting_mode="raise"), live
+    prompts = [p for wave in load_support_script("small_workload.py").waves() for p in wave]
+    shared = sorted({len(p) - 2 for p in prompts})
+    assert shared == [40, 64]
+    got = {
+        (pool, reason, v.position)
+        for pool, v in violations_by_pool(out)
+        for reason in v.fail_reasons
+    }
+    assert got == {("draft", "verify_chain_hash", m - 1) for m in shared}, sorted(got)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -18,6 +18,8 @@ from multi_layer_eagle_driver import MultiLayerEagleDriver
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
+from e2e_checks import violations_by_pool
+from serving_driver import VOCAB
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
@@ -134,6 +136,46 @@ def test_layer_0s_canary_must_exist_before_the_others(canary_env):
             server_args=multi_layer_server_args(steps=3, chunk=24, max_reqs=8),
             model_runner=runner,
         )
+
+
+SHARED = 12  # prompt tokens the two requests of the radix tests share
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["one_batch", "prefix_hit"])
+def test_a_shared_prefix_s_draft_kv_comes_from_the_first_request_s_later_tokens(
+    canary_env, caplog, together
+):
+    """With the radix cache on (EAGLE's token-pair keys), two prompts equal on ``[0,
+    SHARED)``: sglang shares slots up to ``SHARED - 2``, but MTP layer 0's pool holds there the
+    last MTP step's KV, computed from the first request's token at ``p + steps``. Served in
+    one prefill batch, the tree insert swaps the second request's slots for the first one's,
+    and its own record at ``SHARED - 1`` no longer chains: the draft canary reports that
+    ``verify_chain_hash`` (not acted on under ``raise``, the draft's default), nothing in the
+    target pool, and the start-up warning says why; admitted after the first finished, the
+    second chains from the shared records: nothing to see without the draft's token checks."""
+    canary_env.delenv("SGLANG_KV_CANARY_DRAFT_VIOLATIONS")
+    first = [(7 * i + 3) % VOCAB for i in range(20)]
+    second = first[:SHARED] + [(first[SHARED] + 1) % VOCAB] + [(11 * i) % VOCAB for i in range(7)]
+    with caplog.at_level(logging.INFO, logger="sglang.srt.kv_canary"):
+        d = MultiLayerEagleDriver(monkeypatch=canary_env, steps=3, seed=4, radix_is_eagle=True)
+        a = d.add_request(0, 6, prompt=first)
+        while not together and a not in d.finished:
+            d.step()
+        b = d.add_request(0, 6, prompt=second)
+        while a not in d.finished or b not in d.finished:
+            d.step()
+    assert b.shared_prefix >= SHARED - 1
+    messages = [r.getMessage() for r in caplog.records]
+    reports = {
+        (pool, reason, v.position)
+        for pool, v in violations_by_pool("\n".join(messages))
+        for reason in v.fail_reasons
+    }
+    assert reports == ({("draft", "verify_chain_hash", SHARED - 1)} if together else set()), reports
+    assert d.target.count_violations() == 0
+    assert any("Not acted on (--kv-canary raise)" in m for m in messages) == together
+    (warning,) = [m for m in messages if "--enable-multi-layer-eagle with the radix cache on" in m]
+    assert "from the token at p + 3" in warning and "not acted on" in warning
 
 
 if __name__ == "__main__":

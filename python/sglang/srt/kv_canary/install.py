@@ -26,6 +26,7 @@ from sglang.srt.kv_canary.startup_checks import (
     check_server_args_for_canary,
     check_standalone_draft_pool,
     draft_worker_name,
+    warn_multi_layer_radix_reuse,
     warn_standalone_radix_keys,
 )
 from sglang.srt.kv_canary.token_oracle.expected_tokens import TokenOracleManager
@@ -259,10 +260,11 @@ def install_canary(
         sglang_seam.set_mtp_layer_0_canary(model_runner, manager)
     if not draft:
         sglang_seam.share_memory_reservation(model_runner)
-    elif spec.algorithm == "STANDALONE" and not sglang_seam.server_args_value(
-        server_args, "disable_radix_cache", False
-    ):
-        warn_standalone_radix_keys(config)
+    elif not sglang_seam.server_args_value(server_args, "disable_radix_cache", False):
+        if spec.algorithm == "STANDALONE":
+            warn_standalone_radix_keys(config)
+        elif spec.multi_layer_eagle:
+            warn_multi_layer_radix_reuse(config, spec.max_steps)
     memory = _check_reserved(
         manager, sglang_seam.runner_memory_reservation(model_runner), draft=draft
     )

@@ -252,17 +252,6 @@ def warn_standalone_radix_keys(config: CanaryConfig) -> None:
     position m - 1, computed from the other request's token m (docs/user_guide.md,
     "Speculative decoding"). Logged once, by the draft runner's install; says what the
     server's mode does with those reports (:meth:`CanaryConfig.acting_mode`)."""
-    if config.acting_mode(draft=True) == config.mode and config.mode != CanaryMode.LOG:
-        what = (
-            f"and --kv-canary {config.mode.value} acts on each one "
-            f"(SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act): unset that variable to log and count "
-            "them without acting, or pass --disable-radix-cache"
-        )
-    else:
-        what = (
-            "each logged and counted (pool=draft), not acted on: they cost draft acceptance, "
-            "not output correctness; --disable-radix-cache avoids them"
-        )
     logger.warning(
         "kv_canary: --speculative-algorithm STANDALONE with the radix cache on: sglang 0.5.12 "
         "keys STANDALONE's radix cache by single tokens (EAGLE's by token pairs), so a request "
@@ -270,7 +259,45 @@ def warn_standalone_radix_keys(config: CanaryConfig) -> None:
         "the draft KV of position m - 1 computed from the other request's token m. The draft "
         "pool's canary reports every such divergence (verify_token at m - 1 with token checks, "
         "verify_chain_hash at m), %s",
-        what,
+        _what_draft_reports_get(config),
+    )
+
+
+def warn_multi_layer_radix_reuse(config: CanaryConfig, steps: int) -> None:
+    """Multi-layer EAGLE with the radix cache on: sglang 0.5.12 keys the cache by token pairs
+    (one draft step's KV at position p comes from tokens p and p + 1), but every MTP step
+    rewrites MTP layer 0's pool, the last from the token at p + ``steps``, and a prefill
+    chunk's last positions from predicted tokens; a request that takes over another's cached
+    slots reuses draft KV computed from the other's later tokens
+    (docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.4 Changes to the canary").
+    Logged once, by MTP layer 0's install; says what the server's mode does with those
+    reports."""
+    logger.warning(
+        "kv_canary: --enable-multi-layer-eagle with the radix cache on: sglang 0.5.12 keys "
+        "the radix cache by token pairs, but each of the %d MTP steps rewrites MTP layer 0's "
+        "draft KV at position p, the last one from the token at p + %d, and a prefill chunk's "
+        "last positions from predicted tokens; so a request that takes over another's cached "
+        "slots of a shared prefix reuses draft KV computed from the other request's later "
+        "tokens. The draft pool's canary reports each such boundary (verify_chain_hash at the "
+        "request's first position past the shared slots), %s",
+        steps,
+        steps,
+        _what_draft_reports_get(config),
+    )
+
+
+def _what_draft_reports_get(config: CanaryConfig) -> str:
+    """The end of a radix-cache warning: what the server's mode does with the draft pool's
+    reports (:meth:`CanaryConfig.acting_mode`), and how to avoid them."""
+    if config.acting_mode(draft=True) == config.mode and config.mode != CanaryMode.LOG:
+        return (
+            f"and --kv-canary {config.mode.value} acts on each one "
+            f"(SGLANG_KV_CANARY_DRAFT_VIOLATIONS=act): unset that variable to log and count "
+            "them without acting, or pass --disable-radix-cache"
+        )
+    return (
+        "each logged and counted (pool=draft), not acted on: they cost draft acceptance, "
+        "not output correctness; --disable-radix-cache avoids them"
     )
 
 
