@@ -87,12 +87,13 @@ to start, then seconds per scenario)::
 ``--speculative MODE`` (``eagle``, ``eagle-tree``, ``eagle3``, ``standalone``, ``ngram``,
 ``dflash``, ``adaptive``: ``bench_serving_overhead.py``'s modes and drafts, Qwen3-0.6B shapes
 only; ``nextn`` on ``--model deepseek-v3-mtp`` (its default), whose MTP layer drafts; ``frozen-kv-mtp``
-on ``--model gemma4-mtp``, whose KV its Gemma4 assistant reads): every server decodes with that mode; default scenarios decode bs 1 and bs 32, decode
+on ``--model gemma4-mtp``, whose KV its Gemma4 assistant reads; ``multi-layer`` on ``--model
+step3p5-mtp``, whose three MTP layers sglang runs as multi-layer EAGLE, CUDA graphs off): every
+server decodes with that mode; default scenarios decode bs 1 and bs 32, decode
 graphs for bs 1 and 32. A canary-on server must log the canary installed on the target and,
 for a mode with a draft KV pool, on that mode's draft worker (``common.SPECULATIVE_DRAFT_WORKERS``;
 ``ngram`` and ``frozen-kv-mtp`` have none) and on no other; a canary-off server on neither;
-otherwise the run stops. Multi-layer EAGLE needs its own target family: not measured here. One
-mode's decode rows against ``off`` and its A/A control::
+otherwise the run stops. One mode's decode rows against ``off`` and its A/A control::
 
     . .device/c/setup.sh && python benchmark/kv_canary/bench_interleaved.py \
         --speculative eagle3 --configs off,raise --rounds 30 --out $OUT/spec_eagle3.jsonl

@@ -54,16 +54,16 @@ scenarios it also holds the launch of the first decode step (the overlap schedul
 the prefill result after queuing the next batch).
 
 ``--speculative MODE`` (``eagle``, ``eagle-tree``, ``eagle3``, ``standalone``, ``ngram``,
-``dflash``, ``adaptive``, ``nextn``; each mode's settings, target, draft config and draft worker
+``dflash``, ``adaptive``, ``nextn``, ``frozen-kv-mtp``, ``multi-layer``; each mode's settings, target, draft config and draft worker
 in ``common.SPECULATIVE``, ``SPECULATIVE_MODELS``, ``SPECULATIVE_DRAFT_CONFIGS`` and
 ``SPECULATIVE_DRAFT_WORKERS``, summed up by ``--help``): every Engine serves with that mode
 (Qwen3-0.6B shapes; ``nextn`` on ``--model deepseek-v3-mtp`` (its default), whose MTP layer drafts;
-``frozen-kv-mtp`` on ``--model gemma4-mtp``, whose KV its Gemma4 assistant reads; decode
+``frozen-kv-mtp`` on ``--model gemma4-mtp``, whose KV its Gemma4 assistant reads;
+``multi-layer`` on ``--model step3p5-mtp``, whose MTP layers draft, CUDA graphs off; decode
 graphs for bs 1 and 32) and the scenarios default to ``decode_bs1`` and ``decode_bs32`` (32
 requests x isl 512, osl 1024). A canary-on Engine must log the canary installed on the target
 and, for a mode with a draft KV pool, on that mode's draft worker; a canary-off Engine on
-neither; otherwise its config fails. Multi-layer EAGLE needs its own target family: not
-measured here::
+neither; otherwise its config fails::
 
     . .device/c/setup.sh && python benchmark/kv_canary/bench_serving_overhead.py \
         --speculative eagle --configs off,raise --runs 3 --out $OUT/eagle.jsonl

@@ -165,11 +165,61 @@ GEMMA4_MTP_CONFIG = {
     "eos_token_id": 151645,
     "pad_token_id": 0,
 }
+# ``--model step3p5-mtp`` (``--speculative multi-layer``'s target: sglang 0.5.12 runs
+# ``--speculative-algorithm EAGLE`` on a Step-3.5 as multi-layer EAGLE, each of its three MTP
+# layers a draft runner read from the target's directory): the GPU suite's tiny Step-3.5
+# (test/registered/kv_canary/canary_support/tiny_models.py says why each field is written out,
+# and why 45 layers: sglang builds every MTP block at layer_id 45) at about Qwen3-0.6B's
+# scale: hidden 1024, 16 heads in 8 groups of 128, sliding and full attention 3:1 with a
+# 512-token window, a small MoE on layers 3 and 4; Qwen3's vocabulary (the benchmarks' ids)
+_STEP3P5_LAYERS, _STEP3P5_MTP = 45, 3
+STEP3P5_MTP_CONFIG = {
+    "architectures": ["Step3p5ForCausalLM"],
+    "model_type": "step3p5",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_attention_heads": 16,
+    "num_attention_groups": 8,
+    "head_dim": 128,
+    "num_hidden_layers": _STEP3P5_LAYERS,
+    "num_nextn_predict_layers": _STEP3P5_MTP,
+    "layer_types": [
+        "full_attention" if i % 4 == 3 and i < _STEP3P5_LAYERS else "sliding_attention"
+        for i in range(_STEP3P5_LAYERS + _STEP3P5_MTP)
+    ],
+    "sliding_window": 512,
+    "attention_other_setting": {"num_attention_heads": 16, "num_attention_groups": 8},
+    "use_head_wise_attn_gate": False,
+    "partial_rotary_factors": [1.0] * (_STEP3P5_LAYERS + _STEP3P5_MTP),
+    "rope_theta": [10000.0] * (_STEP3P5_LAYERS + _STEP3P5_MTP),
+    "rope_scaling": None,
+    "yarn_only_types": [],
+    "moe_layers_enum": "3,4",
+    "moe_num_experts": 8,
+    "moe_top_k": 2,
+    "moe_intermediate_size": 768,
+    "share_expert_dims": 768,
+    "moe_router_scaling_factor": 1.0,
+    "use_moe_router_bias": True,
+    "need_fp32_gate": False,
+    "norm_expert_weight": True,
+    "swiglu_limits": [0.0] * (_STEP3P5_LAYERS + _STEP3P5_MTP),
+    "swiglu_limits_shared": [0.0] * (_STEP3P5_LAYERS + _STEP3P5_MTP),
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "max_seq_len": 40960,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
 MODELS = {
     "qwen3-0.6b": QWEN3_0_6B_CONFIG,
     "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG,
     "deepseek-v3-mtp": DEEPSEEK_V3_MTP_CONFIG,
     "gemma4-mtp": GEMMA4_MTP_CONFIG,
+    "step3p5-mtp": STEP3P5_MTP_CONFIG,
 }
 DEFAULT_MODEL = "qwen3-0.6b"
 
@@ -177,8 +227,8 @@ DEFAULT_MODEL = "qwen3-0.6b"
 # Each mode's draft model is a ``config.json`` (dummy weights) written into a draft directory
 # beside the target's (:func:`write_speculative_files`); every such draft has the Qwen3-0.6B
 # shapes but FROZEN_KV_MTP's assistant (``--model gemma4-mtp``'s). NEXTN's draft is the
-# target's own MTP layer (``--model deepseek-v3-mtp``, read from the target's directory).
-# Multi-layer EAGLE takes its draft layers from a target of its own family: not measured here.
+# target's own MTP layer (``--model deepseek-v3-mtp``, read from the target's directory), and
+# multi-layer EAGLE's the three MTP layers of ``--model step3p5-mtp`` (likewise).
 
 # ``--speculative eagle``: a one-layer EAGLE draft of the same shapes (hidden 1024, 16 heads,
 # 8 KV heads x 128, the target's vocabulary; sglang hands it the target's embedding and head)
@@ -295,6 +345,16 @@ SPECULATIVE = {
     "frozen-kv-mtp": dict(
         speculative_algorithm="FROZEN_KV_MTP", disable_overlap_schedule=True, **_EAGLE_CHAIN
     ),
+    # EAGLE on a Step-3.5 target: sglang turns on --enable-multi-layer-eagle itself (each MTP
+    # layer a draft step); spec v2 without CUDA graphs (the canary covers it there only) and
+    # the radix cache off (with it, the draft canary reports each shared-prefix boundary:
+    # docs/user_guide.md, "Speculative decoding"), as the GPU suite's multi-layer lanes
+    "multi-layer": dict(
+        speculative_algorithm="EAGLE",
+        disable_cuda_graph=True,
+        disable_radix_cache=True,
+        **_EAGLE_CHAIN,
+    ),
 }
 # each mode's target (``--model``): the Qwen3-0.6B shapes of the written drafts, NEXTN's the
 # model whose MTP layer it drafts with, FROZEN_KV_MTP's the model its assistant reads
@@ -302,9 +362,10 @@ SPECULATIVE_MODELS = {
     **{mode: DEFAULT_MODEL for mode in SPECULATIVE if mode != "none"},
     "nextn": "deepseek-v3-mtp",
     "frozen-kv-mtp": "gemma4-mtp",
+    "multi-layer": "step3p5-mtp",
 }
 # the modes whose draft sglang reads from the target's own directory (none written)
-SPECULATIVE_DRAFT_IN_TARGET = ("nextn",)
+SPECULATIVE_DRAFT_IN_TARGET = ("nextn", "multi-layer")
 # each mode's draft model written beside the target (None: none written)
 SPECULATIVE_DRAFT_CONFIGS = {
     "none": None,
@@ -317,6 +378,7 @@ SPECULATIVE_DRAFT_CONFIGS = {
     "adaptive": QWEN3_EAGLE_DRAFT_CONFIG,
     "nextn": None,
     "frozen-kv-mtp": GEMMA4_ASSISTANT_DRAFT_CONFIG,
+    "multi-layer": None,
 }
 # the draft worker whose canary a canary-on server of each mode logs (install.py's
 # "kv_canary installed on the <worker> draft worker: "; sglang's EAGLE workers run EAGLE and
@@ -332,11 +394,8 @@ SPECULATIVE_DRAFT_WORKERS = {
     "adaptive": "EAGLE",
     "nextn": "EAGLE",
     "frozen-kv-mtp": None,  # its assistant writes no KV: the target's canary only
+    "multi-layer": "EAGLE",  # MTP layer 0's runner (the other layers share its canary)
 }
-# what ``--speculative``'s refusal and help add about the modes left out
-OTHER_FAMILIES_NOTE = (
-    "multi-layer EAGLE: it needs its own target family; not measured by this benchmark"
-)
 # ``--speculative``'s help in both benchmarks: what each mode serves with
 SPECULATIVE_HELP = (
     "every server decodes with: none (default); eagle: EAGLE, a one-layer "
@@ -350,7 +409,9 @@ SPECULATIVE_HELP = (
     "nextn: NEXTN, the chain, drafted by the MTP layer of --model deepseek-v3-mtp (a "
     "DeepSeek-V3-shaped MLA model of Qwen3-0.6B's scale); frozen-kv-mtp: FROZEN_KV_MTP, "
     "the chain (spec v1), a two-layer Gemma4 assistant reading the KV of --model gemma4-mtp "
-    "(a Gemma4 text model of Qwen3-0.6B's scale); " + OTHER_FAMILIES_NOTE
+    "(a Gemma4 text model of Qwen3-0.6B's scale); multi-layer: EAGLE on --model step3p5-mtp "
+    "(a Step-3.5 of Qwen3-0.6B's scale), which sglang runs as multi-layer EAGLE, its 3 MTP "
+    "layers the chain's steps (spec v2, CUDA graphs and the radix cache off)"
 )
 # which draft worker's canary line each mode's canary-on server must show (in the help)
 DRAFT_WORKERS_HELP = "; ".join(
@@ -368,9 +429,7 @@ def speculative_mode(value: str) -> str:
     :data:`SPECULATIVE`, else refused naming the value and the allowed values."""
     if value in SPECULATIVE:
         return value
-    raise argparse.ArgumentTypeError(
-        f"unknown value {value!r}; allowed: {', '.join(SPECULATIVE)} ({OTHER_FAMILIES_NOTE})"
-    )
+    raise argparse.ArgumentTypeError(f"unknown value {value!r}; allowed: {', '.join(SPECULATIVE)}")
 
 
 def speculative_model(speculative: str, model: str | None) -> str:

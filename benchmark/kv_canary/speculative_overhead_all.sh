@@ -9,7 +9,7 @@
 set -u
 out=${1:?usage: $0 OUTDIR [MODE ...]}; shift
 modes=("$@")
-[ ${#modes[@]} -gt 0 ] || modes=(eagle eagle-tree eagle3 standalone ngram dflash adaptive nextn frozen-kv-mtp)
+[ ${#modes[@]} -gt 0 ] || modes=(eagle eagle-tree eagle3 standalone ngram dflash adaptive nextn frozen-kv-mtp multi-layer)
 rounds=${ROUNDS:-8}
 case "$rounds" in ""|*[!0-9]*|0) echo "$0: ROUNDS=$rounds: a whole number above 0" >&2; exit 2 ;; esac
 here=$(cd "$(dirname "$0")" && pwd)

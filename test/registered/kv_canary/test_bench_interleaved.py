@@ -529,6 +529,7 @@ MODE_DRAFT_LINES = {
     "ngram": None,
     "nextn": DRAFT_LINE,  # sglang's EAGLE worker runs NEXTN
     "frozen-kv-mtp": None,  # its assistant writes no KV
+    "multi-layer": DRAFT_LINE,  # MTP layer 0's runner, sglang's multi-layer EAGLE worker
 }
 
 
@@ -646,11 +647,10 @@ def test_every_speculative_mode_refuses_what_it_cannot_measure(monkeypatch, mode
     assert bi.DEFAULT_SCENARIOS[mode] == "decode_bs1,decode_bs32"
 
 
-@pytest.mark.parametrize("bad", ["frozen_kv_mtp", "multi-layer", "EAGLE", "eagle-chain", ""])
+@pytest.mark.parametrize("bad", ["frozen_kv_mtp", "multi_layer", "EAGLE", "eagle-chain", ""])
 def test_an_unknown_speculative_mode_is_refused_naming_the_flag_and_the_modes(capsys, bad):
-    """An unknown mode (the algorithms left out among them) is refused by both benchmarks,
-    naming ``--speculative``, the value and every allowed mode, and why FROZEN_KV_MTP and
-    multi-layer EAGLE are not among them."""
+    """An unknown mode (the algorithms' own spellings among them) is refused by both
+    benchmarks, naming ``--speculative``, the value and every allowed mode."""
     import bench_serving_overhead as bso
 
     for main in (bi.main, bso.main):
@@ -659,7 +659,6 @@ def test_an_unknown_speculative_mode_is_refused_naming_the_flag_and_the_modes(ca
         err = capsys.readouterr().err
         assert f"argument --speculative: unknown value {bad!r}" in err, err
         assert "allowed: " + ", ".join(common.SPECULATIVE) in err, err
-        assert "needs its own target family; not measured by this benchmark" in err, err
     with pytest.raises(KeyError):
         common.write_speculative_files(bad, "/nonexistent")
 
@@ -715,6 +714,12 @@ SPEC_FLAGS = {
         "--disable-overlap-schedule": [],
         **_CHAIN,
     },
+    "multi-layer": {
+        "--speculative-algorithm": ["EAGLE"],
+        "--disable-cuda-graph": [],
+        "--disable-radix-cache": [],
+        **_CHAIN,
+    },
 }
 # what sglang 0.5.12 resolves each mode to: (algorithm, spec version, steps, topk, draft tokens)
 SPEC_RESOLVED = {
@@ -728,12 +733,14 @@ SPEC_RESOLVED = {
     "adaptive": ("EAGLE", "v2", 3, 1, 4),
     "nextn": ("EAGLE", "v2", 3, 1, 4),  # sglang runs NEXTN as EAGLE
     "frozen-kv-mtp": ("FROZEN_KV_MTP", "v1", 3, 1, 4),
+    "multi-layer": ("EAGLE", "v2", 3, 1, 4),  # sglang's multi-layer EAGLE worker
 }
 # flags that belong to a speculative mode's settings (the rest are every server's)
 _MODE_FLAGS = (
     "--speculative",
     "--disable-overlap-schedule",
     "--disable-radix-cache",
+    "--disable-cuda-graph",
     "--page-size",
 )
 
@@ -827,7 +834,8 @@ def test_sglang_and_the_canary_accept_each_speculative_mode_as_launched(
     with the plugin's start-up checks (``--device cuda``, as on the GPU): the algorithm, spec
     version, steps, topk and draft tokens sglang resolves it to; adaptive kept on with its
     candidate step counts (sglang turns it off where unsupported); page size 1; the radix cache
-    off for STANDALONE only; the canary accepted in raise mode."""
+    off for STANDALONE and multi-layer EAGLE only; multi-layer EAGLE turned on by sglang for
+    the Step-3.5 target alone, without CUDA graphs; the canary accepted in raise mode."""
     from sglang.srt.kv_canary.sglang_seam.server_args import speculative_facts
 
     prepare_server_args, ServerArgs = sglang_parsers
@@ -849,7 +857,9 @@ def test_sglang_and_the_canary_accept_each_speculative_mode_as_launched(
         assert sa.speculative_adaptive == (mode == "adaptive")
         steps = speculative_facts(sa).step_counts
         assert steps == ((1, 2, 3, 4) if mode == "adaptive" else (sa.speculative_num_steps or 0,))
-        assert sa.page_size == 1 and sa.disable_radix_cache == (mode == "standalone")
+        assert sa.page_size == 1
+        assert sa.disable_radix_cache == (mode in ("standalone", "multi-layer"))
+        assert sa.enable_multi_layer_eagle == sa.disable_cuda_graph == (mode == "multi-layer")
         assert sa.kv_canary == ("none" if config == "off" else "raise")
 
 
@@ -1070,10 +1080,6 @@ def test_pd_rounds_read_the_decode_servers_timing_from_its_answer():
     }
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-v"]))
-
-
 def test_the_nextn_target_and_its_mtp_draft_are_read_by_sglang_as_the_mode_needs(spec_dirs):
     """``--speculative nextn``'s target (``--model deepseek-v3-mtp``) through sglang's own
     config loader and registry: ``DeepseekV3ForCausalLM``, MLA with DeepSeek-V3's head
@@ -1132,3 +1138,36 @@ def test_the_frozen_kv_mtp_pair_is_read_by_sglang_as_the_mode_needs(spec_dirs):
     assert draft.hf_config.backbone_hidden_size == text.hidden_size
     assert draft.hf_text_config.layer_types == ["sliding_attention", "full_attention"]
     assert (draft.head_dim, draft.swa_head_dim, draft.get_total_num_kv_heads()) == (128, 128, 8)
+
+
+def test_the_multi_layer_target_and_its_mtp_drafts_are_read_by_sglang_as_the_mode_needs(spec_dirs):
+    """``--speculative multi-layer``'s target (``--model step3p5-mtp``) through sglang's own
+    config loader and registry: ``Step3p5ForCausalLM``, hybrid SWA (every fourth of its 45
+    layers full attention, the window 512), 16 heads in 8 groups of 128, hidden 1024, three
+    MTP layers; the same directory read as a draft (``is_draft_model``, as each MTP runner
+    reads it) is ``Step3p5MTP``, whose one-layer pool sglang makes a sliding-window layer with
+    no full one (the pool the canary's SWA adapter takes with its window group alone); the
+    vocabulary Qwen3's (the benchmarks' token ids)."""
+    from sglang.srt.configs.model_config import ModelConfig, get_hybrid_layer_ids
+    from sglang.srt.models.registry import ModelRegistry
+
+    path = _target(spec_dirs, "multi-layer")
+    assert common.SPECULATIVE_MODELS["multi-layer"] == "step3p5-mtp"
+    target = ModelConfig(path, dtype="bfloat16")
+    cls = ModelRegistry.resolve_model_cls(target.hf_config.architectures)[0]
+    assert cls.__name__ == "Step3p5ForCausalLM" and target.is_hybrid_swa
+    assert target.full_attention_layer_ids == list(range(3, 45, 4))
+    assert target.hf_config.sliding_window == 512
+    assert (target.num_hidden_layers, target.hidden_size, target.head_dim) == (45, 1024, 128)
+    assert (target.num_attention_heads, target.get_total_num_kv_heads()) == (16, 8)
+    assert target.hf_config.num_nextn_predict_layers == 3
+    assert target.vocab_size == common.QWEN3_0_6B_CONFIG["vocab_size"]
+    draft = ModelConfig(path, dtype="bfloat16", is_draft_model=True)
+    cls = ModelRegistry.resolve_model_cls(draft.hf_config.architectures)[0]
+    assert cls.__name__ == "Step3p5MTP"
+    assert get_hybrid_layer_ids(draft.hf_config.architectures, draft.hf_config) == ([0], [])
+    assert common.write_speculative_files("multi-layer", "/nonexistent") is None
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

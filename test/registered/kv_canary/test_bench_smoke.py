@@ -794,6 +794,7 @@ _DRAFTS = {
     "ngram": None,
     "nextn": "EAGLE",
     "frozen-kv-mtp": None,
+    "multi-layer": "EAGLE",
 }
 
 
