@@ -481,6 +481,45 @@ def test_real_kv_fault_on_the_swa_group_is_reported_with_swa_tags():
 
 
 @pytest.mark.usefixtures("reference_kernels_on_cpu")
+@pytest.mark.parametrize(
+    "fault,kwargs",
+    [
+        ("real_kv_used", dict(real_kv_used_prob=1.0)),
+        ("req_to_token", dict(req_to_token_prob=1.0)),
+    ],
+)
+def test_the_gpu_suites_fault_matching_reads_an_swa_only_pool_by_its_window_slots(fault, kwargs):
+    """An MTP draft model's kind of pool (one sliding-window layer, no full one: the window
+    group alone): the runtime's own fault injection is reported there with ``*_SWA`` tags
+    naming the window pool's slot, not the full slot the perturbation line also logs; the GPU
+    suite's matcher (``e2e_checks.fault_caught``) reads it so: each fault caught. A
+    ``req_to_token`` fault lands inside the window (no forward reads a position before it)."""
+    from e2e_checks import fault_caught
+
+    d = ServingDriver(
+        seed=3,
+        pool="swa",
+        swa_only=True,
+        num_slots=640,
+        num_swa_slots=400,
+        swa_window=16,
+        mode="raise",
+        real_data="partial",
+        perturb=PerturbConfig(warmup_steps=60, target_group="swa", **kwargs),
+    )
+    with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
+        d.run(110)
+    injected = _injected(d)
+    lines = parse_violation_lines(str(exc.value))
+    assert injected and {i["fault"] for i in injected} == {fault}
+    assert lines and {v.launch_tag for v in lines} <= {"HEAD_K_SWA", "TAIL_K_SWA"}, lines
+    assert all(fault_caught(i, lines) for i in injected), (injected, lines)
+    # the full slot the line logs is not the reported one: a matcher reading it would miss
+    full = "full_slot" if fault == "real_kv_used" else "new_slot"
+    assert not any(v.slot_idx == int(i[full]) for i in injected for v in lines), (injected, lines)
+
+
+@pytest.mark.usefixtures("reference_kernels_on_cpu")
 @pytest.mark.parametrize("real_data,detected", [("all", True), ("partial", False), ("none", False)])
 def test_real_data_mode_decides_which_bytes_are_covered(real_data, detected):
     """The last byte of a slot's K row: fingerprinted with ``all`` only (``partial`` reads the

@@ -81,6 +81,13 @@ class CanaryPerturber:
                     "canary groups"
                 )
             self.target = matches[0]
+        # a pool whose only group is a sliding window's (an MTP draft model's): a forward reads
+        # no position before the window, so a req_to_token fault lands inside it
+        self._window_only = (
+            groups[0].swa_window_size
+            if groups and all(g.kind == PoolKind.SWA for g in groups)
+            else None
+        )
         self.flip_source, self.flip_layer = (
             self._resolve_flip_target() if self.target is not None else (None, None)
         )
@@ -216,7 +223,8 @@ class CanaryPerturber:
             row, n = self.rng.choice(targets)
             # never the seed position n - 1 when there is another: this forward's new KV
             # chains from that entry's record, which must stay the request's own
-            pos = self.rng.randrange(n - 1) if n > 1 else 0
+            lo = max(0, n - self._window_only) if self._window_only else 0
+            pos = self.rng.randrange(lo, n - 1) if n - 1 > lo else n - 1
             donor_row, donor_n = self.rng.choice(live)
             donor_pos = self.rng.randrange(donor_n)
             old, new = int(r2t[row, pos]), int(r2t[donor_row, donor_pos])
