@@ -267,7 +267,8 @@ def assert_every_fault_caught_in_a_log_run(
     """The fault tests' run: ``--kv-canary log``, real data partial, a sweep every 2 steps,
     faults as ``env`` injects them; all 12 requests served, the draft canary installed on the
     ``drafter``'s worker (``EAGLE``, ``STANDALONE``, ``DFLASH``), every fault caught
-    (:func:`~e2e_checks.assert_every_fault_caught`, ``post_forward`` passed on)."""
+    (:func:`~e2e_checks.assert_every_fault_caught`, ``post_forward`` passed on). Returns the
+    run's output."""
     rc, out, res = run(
         models,
         spec,
@@ -280,6 +281,7 @@ def assert_every_fault_caught_in_a_log_run(
     assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
     assert f"kv_canary installed on the {drafter} draft worker" in out
     assert_every_fault_caught(out, post_forward=post_forward)
+    return out
 
 
 @pytest.mark.parametrize("worker", ["draft", "target"])
@@ -1101,18 +1103,10 @@ def test_multi_layer_eagle_every_fault_class_is_caught_in_each_pool(multi_layer_
         SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker,
         SGLANG_KV_CANARY_PERTURB_TARGET_GROUP="swa" if worker == "draft" else "full",
     )
-    rc, out, res = run(
-        multi_layer_models,
-        "spec_v2",
-        env,
-        kv_canary="log",
-        kv_canary_real_data="partial",
-        kv_canary_sweep_interval=2,
-        **MULTI_LAYER,
+    out = assert_every_fault_caught_in_a_log_run(
+        multi_layer_models, "spec_v2", env, "EAGLE", **MULTI_LAYER
     )
-    assert rc == 0 and res is not None and len(res) == 12, out[-4000:]
     assert_multi_layer_guarded(out)
-    assert_every_fault_caught(out)
 
 
 MULTI_LAYER_RADIX_WARNING = "--enable-multi-layer-eagle with the radix cache on"
