@@ -138,6 +138,23 @@ def test_layer_0s_canary_must_exist_before_the_others(canary_env):
         )
 
 
+def test_the_token_oracle_checks_the_target_s_writes_and_not_the_mtp_steps(canary_env, caplog):
+    """The token oracle and its write-input check (a self-test) with multi-layer EAGLE: the
+    target's writes are checked against the oracle's tokens, the shared draft canary's are not
+    (each MTP step k writes the token of p + k + 1 at p, the rotated ids: no one token a
+    write at p must hold); a clean run has no report in either pool."""
+    canary_env.setenv("SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE", "1")
+    canary_env.setenv("SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT", "1")
+    with caplog.at_level(logging.INFO, logger="sglang.srt.kv_canary"):
+        d = MultiLayerEagleDriver(monkeypatch=canary_env, steps=3, seed=2, token_oracle=True)
+        d.run(45)
+    assert d.rounds >= 10 and len(d.finished) >= 5
+    assert d.draft.count_violations() == 0 and d.target.count_violations() == 0
+    assert d.target.config.enable_write_input_assert and d.target.token_oracle is not None
+    assert not d.draft.config.enable_write_input_assert
+    assert not d.draft.config.enable_verify_token_assert
+
+
 SHARED = 12  # prompt tokens the two requests of the radix tests share
 
 

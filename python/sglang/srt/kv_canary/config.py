@@ -270,12 +270,15 @@ class CanaryConfig:
 
     def for_draft(self, *, token_checks: bool) -> "CanaryConfig":
         """The config a speculative draft runner's canary is built with (by ``install_canary``
-        and predicted with by the memory budget): this one, or without token checks when the
-        draft pool's records cannot be checked against the request's tokens
-        (``SpeculativeFacts.draft_token_checks``)."""
-        if token_checks or not self.enable_verify_token_assert:
+        and predicted with by the memory budget): this one, or without token checks, on reads
+        and on writes (the token oracle's write-input check), when the draft pool's records
+        cannot be checked against the request's tokens (``SpeculativeFacts.draft_token_checks``:
+        multi-layer EAGLE's MTP steps write the token of p + k + 1 at p)."""
+        if token_checks or not (self.enable_verify_token_assert or self.enable_write_input_assert):
             return self
-        return dataclasses.replace(self, enable_verify_token_assert=False)
+        return dataclasses.replace(
+            self, enable_verify_token_assert=False, enable_write_input_assert=False
+        )
 
     def acting_mode(self, *, draft: bool) -> CanaryMode:
         """The mode a pool's violations are handled in: ``mode``, except a speculative draft

@@ -202,7 +202,8 @@ def install_canary(
     runner_config = config.for_draft(token_checks=spec.draft_token_checks) if draft else config
     if runner_config is not config:
         logger.info(
-            "kv_canary: no token checks on the multi-layer EAGLE draft pool: its MTP steps "
+            "kv_canary: no token checks on the multi-layer EAGLE draft pool (on reads or, with "
+            "the token oracle, on writes): its MTP steps write the token of p + k + 1 at p and "
             "leave each round's last positions holding the KV of predicted tokens "
             "(docs/speculative_multilayer_adaptive_dflash_mtp.md, \"1.3 Record semantics\")"
         )
