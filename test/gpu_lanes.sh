@@ -65,6 +65,7 @@
 #   spec_multi_layer_clean test/registered/kv_canary/test_e2e_speculative_gpu.py -k multi_layer and clean
 #   spec_multi_layer_faults test/registered/kv_canary/test_e2e_speculative_gpu.py -k multi_layer and every_fault
 #   spec_multi_layer_radix test/registered/kv_canary/test_e2e_speculative_gpu.py -k multi_layer and radix
+#   spec_multi_layer_oracle test/registered/kv_canary/test_e2e_speculative_gpu.py -k multi_layer and token_oracle
 #   e2e_swa_gpu          test/registered/kv_canary/test_e2e_swa_gpu.py
 #   tp2_clean            test/registered/kv_canary/test_e2e_tp_gpu.py -k clean (2 GPUs)
 #   tp2_fault            test/registered/kv_canary/test_e2e_tp_gpu.py -k fault (2 GPUs)

@@ -68,7 +68,7 @@ from canary_support.tiny_models import (
 )
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=9470, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=9620, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -105,6 +105,7 @@ GPU_LANES = {
     "spec_multi_layer_clean": ("multi_layer and clean", 360),
     "spec_multi_layer_faults": ("multi_layer and every_fault", 300),
     "spec_multi_layer_radix": ("multi_layer and radix", 150),
+    "spec_multi_layer_oracle": ("multi_layer and token_oracle", 150),
 }
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -1145,6 +1146,35 @@ def test_multi_layer_eagle_radix_cache_reports_each_shared_prefix_boundary(multi
         for reason in v.fail_reasons
     }
     assert got == {("draft", "verify_chain_hash", m - 1) for m in shared}, sorted(got)
+
+
+def test_multi_layer_eagle_token_oracle_commits_the_oracles_tokens(multi_layer_models):
+    """``--sampling-backend token_oracle`` with the write-input check and token checks, raise
+    mode, multi-layer EAGLE (spec v2, eager, the radix cache off): every request's output is
+    the oracle's, no violation in either pool; the target's writes and verify are checked
+    against the oracle, the shared MTP draft canary has neither check (each MTP step k writes
+    the token of p + k + 1 at p)."""
+    rc, out, res = run(
+        multi_layer_models,
+        "spec_v2",
+        ORACLE_ENV,
+        script="oracle_workload.py",
+        kv_canary_real_data="partial",
+        disable_radix_cache=True,
+        **MULTI_LAYER,
+        **UNCHUNKED,
+    )
+    assert rc == 0 and res is not None, out[-4000:]
+    assert parse_violation_lines(out) == []
+    assert_multi_layer_guarded(out)
+    installed = [line for line in out.splitlines() if "kv_canary installed" in line]
+    draft = [line for line in installed if "on the EAGLE draft worker" in line]
+    target = [line for line in installed if line not in draft]
+    assert all("token_oracle=on" in line for line in installed), installed
+    checks = [(" token_checks=on " in x, " write_input_check=on " in x) for x in target + draft]
+    assert checks == [(True, True), (False, False)], installed
+    assert [len(r["output_ids"]) for r in res] == [12] * len(res)
+    assert [r["output_ids"] for r in res] == oracle_outputs(res)
 
 
 if __name__ == "__main__":
