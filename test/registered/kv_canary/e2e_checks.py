@@ -159,6 +159,16 @@ def violations_by_pool(out: str):
     return [tuple(f) for f in found]
 
 
+def pool_reports(out: str) -> set:
+    """``(pool, fail reason, position)`` of every violation line in ``out`` (a server's output
+    or the canaries' log messages joined), the pool as :func:`violations_by_pool` reads it."""
+    return {
+        (pool, reason, v.position)
+        for pool, v in violations_by_pool(out)
+        for reason in v.fail_reasons
+    }
+
+
 # EVERY_FAULT_ENV plus two sampled tokens swapped between rows, which the token oracle's
 # write-input check reports at the next forward (the oracle on: the swap needs it); with five
 # kinds drawing on one budget of faults, a larger budget and a likelier real_kv_used (each kind

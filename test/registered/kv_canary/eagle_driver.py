@@ -286,6 +286,12 @@ class EagleDriver:
                 self.add_request(self.rng.randint(6, 70), self.rng.randint(4, 20))
             self.step()
 
+    def step_until_committed(self, kv_len: int = 4) -> None:
+        """Step (no new arrivals) until a running request is prefilled and holds ``kv_len``
+        committed positions or more: one whose KV the next forwards read."""
+        while not any(r.prefilled and r.kv_len >= kv_len for r in self.running):
+            self.step()
+
     def step(self) -> str:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting.pop(0)

@@ -51,6 +51,7 @@ import pytest
 from e2e_checks import (
     EVERY_FAULT_ENV,
     assert_every_fault_caught,
+    pool_reports,
     run_workload,
     violations_by_pool,
 )
@@ -704,6 +705,15 @@ def test_standalone_every_fault_class_is_caught_in_each_pool(standalone_models, 
     assert_every_fault_caught_in_a_log_run(standalone_models, spec, env, "STANDALONE", **STANDALONE)
 
 
+def shared_prefix_lengths() -> list:
+    """The small workload's shared prefix lengths m (each wave's prompts are its shared
+    prefix and two tokens of their own): 40 and 64."""
+    prompts = [p for wave in load_support_script("small_workload.py").waves() for p in wave]
+    lengths = sorted({len(p) - 2 for p in prompts})
+    assert lengths == [40, 64], lengths
+    return lengths
+
+
 @pytest.mark.parametrize("spec", sorted(SPEC))
 def test_standalone_radix_keys_report_each_divergent_shared_prefix(standalone_models, spec):
     """sglang 0.5.12 keys STANDALONE's radix cache by single tokens (EAGLE's by token pairs).
@@ -732,17 +742,11 @@ def test_standalone_radix_keys_report_each_divergent_shared_prefix(standalone_mo
     assert live["draft"]["acting_mode"] == "log" and live["draft"]["violations"] >= 2, live
     assert live["target"] == dict(live["target"], violations=0, acting_mode="raise"), live
     # each wave's prompts are its shared prefix and two tokens of their own
-    prompts = [p for wave in load_support_script("small_workload.py").waves() for p in wave]
-    divergences = sorted({len(p) - 2 for p in prompts})
-    assert divergences == [40, 64]
+    divergences = shared_prefix_lengths()
     want = {("draft", "verify_token", m - 1) for m in divergences} | {
         ("draft", "verify_chain_hash", m) for m in divergences
     }
-    got = {
-        (pool, reason, v.position)
-        for pool, v in violations_by_pool(out)
-        for reason in v.fail_reasons
-    }
+    got = pool_reports(out)
     assert got == want, sorted(got)
 
 
@@ -1137,15 +1141,8 @@ def test_multi_layer_eagle_radix_cache_reports_each_shared_prefix_boundary(multi
     (live,) = workload_info(out)["kv_canary_live"]
     assert live["draft"]["acting_mode"] == "log" and live["draft"]["violations"] >= 2, live
     assert live["target"] == dict(live["target"], violations=0, acting_mode="raise"), live
-    prompts = [p for wave in load_support_script("small_workload.py").waves() for p in wave]
-    shared = sorted({len(p) - 2 for p in prompts})
-    assert shared == [40, 64]
-    got = {
-        (pool, reason, v.position)
-        for pool, v in violations_by_pool(out)
-        for reason in v.fail_reasons
-    }
-    assert got == {("draft", "verify_chain_hash", m - 1) for m in shared}, sorted(got)
+    got = pool_reports(out)
+    assert got == {("draft", "verify_chain_hash", m - 1) for m in shared_prefix_lengths()}, got
 
 
 def test_multi_layer_eagle_token_oracle_commits_the_oracles_tokens(multi_layer_models):

@@ -169,6 +169,14 @@ def test_the_formula_counts_a_draft_trees_lanes_and_parent_table(draft, topk, de
 # ---- the groups predicted before the pool exists ------------------------------------------------
 
 
+_SWA_V_LAYERS = dict(
+    pool="swa",
+    swa_window=8,
+    num_slots=640,
+    num_swa_slots=64,
+    enable_mha_v=True,
+    real_data_layers="all",
+)
 PREDICTED = {
     # driver kwargs, family, layers, swa layers
     "mha": (dict(num_slots=640), PoolFamily.MHA, 2, 0),
@@ -178,34 +186,9 @@ PREDICTED = {
         2,
         0,
     ),
-    "swa_v_layers": (
-        dict(
-            pool="swa",
-            swa_window=8,
-            num_slots=640,
-            num_swa_slots=64,
-            enable_mha_v=True,
-            real_data_layers="all",
-        ),
-        PoolFamily.SWA,
-        1,
-        1,
-    ),
+    "swa_v_layers": (_SWA_V_LAYERS, PoolFamily.SWA, 1, 1),
     # an MTP draft model's one-layer pool (Step3p5MTP, MiMoV2MTP): one sliding-window layer
-    "swa_only_v_layers": (
-        dict(
-            pool="swa",
-            swa_only=True,
-            swa_window=8,
-            num_slots=640,
-            num_swa_slots=64,
-            enable_mha_v=True,
-            real_data_layers="all",
-        ),
-        PoolFamily.SWA,
-        0,
-        1,
-    ),
+    "swa_only_v_layers": (dict(_SWA_V_LAYERS, swa_only=True), PoolFamily.SWA, 0, 1),
     "mla_layers": (dict(pool="mla", num_slots=640, real_data_layers="all"), PoolFamily.MLA, 2, 0),
     "nsa_layers": (dict(pool="nsa", num_slots=640, real_data_layers="all"), PoolFamily.MLA, 2, 0),
     "hybrid_layers": (

@@ -95,8 +95,7 @@ def test_the_draft_pool_needs_the_token_offset(monkeypatch):
 def test_a_flipped_byte_is_caught_by_its_pool_canary(which):
     d = EagleDriver(steps=3, seed=6, mode="raise", verify_tokens=True)
     d.run(30)
-    while not any(r.prefilled and r.kv_len >= 4 for r in d.running):
-        d.step()
+    d.step_until_committed()
     pool = d.draft_pool if which == "draft" else d.target_pool
     info = d.flip_byte(pool)
     manager = d.draft if which == "draft" else d.target
@@ -417,8 +416,7 @@ def test_draft_rounds_through_the_plugin_hooks(monkeypatch, v2):
     assert d.draft.count_violations() == 0 and d.target.count_violations() == 0
     assert d.rounds >= 5
     assert {0, 1} <= set(used), used  # forward i of a round: single-forward manager i
-    while not any(r.prefilled and r.kv_len >= 4 for r in d.running):
-        d.step()
+    d.step_until_committed()
     info = d.flip_byte(d.draft_pool)
     with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
         for _ in range(10):  # prefills of new arrivals first, then the victim's next round

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from e2e_checks import violations_by_pool
+from e2e_checks import pool_reports
 from eagle_driver import STANDALONE_DRAFT, EagleDriver
 from plugin_hooks_support import (
     SchedulerStandIn,
@@ -35,8 +35,7 @@ NOT_ACTED_ON = "Not acted on (--kv-canary raise)"
 
 def _committed(d: EagleDriver) -> None:
     d.run(30)
-    while not any(r.prefilled and r.kv_len >= 4 for r in d.running):
-        d.step()
+    d.step_until_committed()
 
 
 def _messages(caplog) -> str:
@@ -189,16 +188,6 @@ def test_server_info_internal_state_has_each_pools_live_counts(monkeypatch):
 # ---- STANDALONE's single-token radix keys -----------------------------------------------------
 
 
-def _pool_reports(messages) -> set:
-    """``(pool, fail reason, position)`` of every violation in the canaries' log messages, as
-    the GPU tests read a server's output (``e2e_checks.violations_by_pool``)."""
-    return {
-        (pool, reason, v.position)
-        for pool, v in violations_by_pool("\n".join(messages))
-        for reason in v.fail_reasons
-    }
-
-
 SHARED = 12  # prompt tokens two requests share before they differ
 
 
@@ -252,7 +241,7 @@ def test_single_token_radix_keys_report_every_divergent_shared_prefix(
                 radix_is_eagle=is_eagle,
             )
             _divergent_pair(d, together=together)
-        assert _pool_reports(r.getMessage() for r in caplog.records) == want, is_eagle
+        assert pool_reports(_messages(caplog)) == want, is_eagle
         assert (NOT_ACTED_ON in _messages(caplog)) == bool(want)
         assert d.target.count_violations() == 0
 

@@ -18,7 +18,7 @@ from multi_layer_eagle_driver import MultiLayerEagleDriver
 from sglang.jit_kernel.kv_canary.types import CanaryLaunchTag
 from sglang.srt.kv_canary import sglang_seam as seam
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
-from e2e_checks import violations_by_pool
+from e2e_checks import pool_reports
 from serving_driver import VOCAB
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -96,8 +96,7 @@ def test_draft_token_checks_would_report_sglangs_predicted_token_kv(canary_env):
 def test_a_flipped_byte_in_layer_0s_pool_is_caught(canary_env):
     d = MultiLayerEagleDriver(monkeypatch=canary_env, steps=3, seed=6)
     d.run(30)
-    while not any(r.prefilled and r.kv_len >= 4 for r in d.running):
-        d.step()
+    d.step_until_committed()
     info = d.flip_byte(d.draft_pool)
     with pytest.raises(RuntimeError, match="kv_canary detected") as exc:
         for _ in range(10):  # prefills of new arrivals first, then the victim's next extend
@@ -183,11 +182,7 @@ def test_a_shared_prefix_s_draft_kv_comes_from_the_first_request_s_later_tokens(
             d.step()
     assert b.shared_prefix >= SHARED - 1
     messages = [r.getMessage() for r in caplog.records]
-    reports = {
-        (pool, reason, v.position)
-        for pool, v in violations_by_pool("\n".join(messages))
-        for reason in v.fail_reasons
-    }
+    reports = pool_reports("\n".join(messages))
     assert reports == ({("draft", "verify_chain_hash", SHARED - 1)} if together else set()), reports
     assert d.target.count_violations() == 0
     assert any("Not acted on (--kv-canary raise)" in m for m in messages) == together
