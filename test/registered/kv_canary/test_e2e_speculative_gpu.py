@@ -69,7 +69,7 @@ from canary_support.tiny_models import (
 )
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=9620, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=9940, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -97,8 +97,9 @@ GPU_LANES = {
     "spec_ngram_clean": ("ngram and clean and not paged", 220),
     "spec_ngram_faults": ("ngram and every_fault and not paged", 150),
     "spec_ngram_paged": ("ngram and paged", 300),
-    "spec_dflash_clean": ("dflash and clean", 300),
-    "spec_dflash_faults": ("dflash and every_fault", 250),
+    "spec_dflash_clean": ("dflash and clean and not paged", 300),
+    "spec_dflash_faults": ("dflash and every_fault and not paged", 250),
+    "spec_dflash_paged": ("dflash and paged", 320),
     "spec_oracle": ("token_oracle and outputs", 420),
     "spec_oracle_swap": ("token_oracle and swap", 260),
     "spec_frozen_kv_mtp_clean": ("frozen_kv_mtp and clean", 200),
@@ -967,6 +968,33 @@ def test_dflash_every_fault_class_is_caught_in_each_pool(dflash_models, worker):
     )
     assert_every_fault_caught_in_a_log_run(
         dflash_models, "spec_v1", env, "DFLASH", post_forward=worker == "target", **DFLASH
+    )
+
+
+# DFLASH at page size 16: the draft block and the verify each continue a request's last page
+# (alloc_extend from its slot at L - 1), and a verify keeps the uncommitted slots up to the
+# committed length's page end, which the next round's block and verify take again
+PAGED_DFLASH = dict(DFLASH, page_size=16)
+
+
+def test_dflash_paged_clean_matches_canary_off(dflash_models):
+    """DFLASH at page size 16, chunked prefills of 64 (whole pages), the radix cache on: the
+    clean test above, outputs equal to the canary off's, no violation in either pool."""
+    out, on, off = run_clean_pair(dflash_models, "spec_v1", **PAGED_DFLASH)
+    assert "kv_canary installed on the DFLASH draft worker: mode=raise" in out, out[-4000:]
+    assert_clean_and_both_canaries_reserved(out, on, off)
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+def test_dflash_paged_every_fault_class_is_caught_in_each_pool(dflash_models, worker):
+    env = dict(
+        EVERY_FAULT_ENV,
+        SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker,
+        SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB="0.4",
+        SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="20",
+    )
+    assert_every_fault_caught_in_a_log_run(
+        dflash_models, "spec_v1", env, "DFLASH", post_forward=worker == "target", **PAGED_DFLASH
     )
 
 

@@ -2,15 +2,17 @@
 and ``ForwardBatch`` objects, with both canaries driven through the plugin's own hooks
 (docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.5 Tests and open questions").
 
-A stand-in ``DFlashWorker`` runs sglang 0.5.12's DFLASH life cycle at page size 1: chunked
+A stand-in ``DFlashWorker`` runs sglang 0.5.12's DFLASH life cycle at page size 1 and 16: chunked
 target prefills, each followed by the draft KV append of the chunk
 (``_append_target_hidden_to_draft_kv``: KV written into the draft pool outside any forward,
 through the hooked sequential write path); then rounds of a draft block (a hand-built
 ``TARGET_VERIFY`` ``ForwardBatch`` on the draft runner over ``B`` slots borrowed with
 ``backup_state`` / ``restore_state``, inside the hooked ``_prepare_for_speculative_decoding``),
 the target's verify of ``[bonus, drafts]`` at ``L .. L + B - 1`` with a random commit length
-(the rest freed at once), and the append of the committed positions. Requests may start from
-another request's committed prefix (a radix hit: its slots shared)."""
+(the rest freed at once; at page size > 1, as sglang's ``_compute_paged_keep_slots`` says: the
+slots up to the committed length's page end stay allocated, and the next block and verify
+continue in them), and the append of the committed positions. Requests may start from another
+request's committed prefix (a radix hit: its slots shared; whole pages at page size > 1)."""
 
 from __future__ import annotations
 
@@ -30,10 +32,15 @@ from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.ranks import RankFacts
-from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from sglang.srt.mem_cache.common import get_last_loc_torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from sglang.srt.speculative.dflash_info import DFlashDraftInput, DFlashVerifyInput
+from sglang.srt.speculative.dflash_info import (
+    DFlashDraftInput,
+    DFlashVerifyInput,
+    _compute_paged_keep_slots,
+)
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
@@ -48,17 +55,21 @@ class DFlashDriver:
     committed positions dropped before the append, as if its ``ctx_lens`` were lost),
     ``start_off_by_one`` (the write path given ``ctx_start + 1``), ``block_slot_left`` (one
     committed column of ``req_to_token`` still pointing at a draft block slot after a
-    verify)."""
+    verify; page size 1 only: at a larger page the block and the verify get the same slots,
+    both continuing the row's last page from ``req_to_token[row, L - 1]``)."""
 
-    def __init__(self, *, block=4, seed=0, verify_tokens=True, num_slots=2048, chunk=16):
+    def __init__(
+        self, *, block=4, seed=0, verify_tokens=True, num_slots=2048, chunk=16, page_size=1
+    ):
         self.B, self.chunk, self.rng = block, chunk, random.Random(seed)
+        self.page_size = page_size
         self.bug = None
         self.req_to_token_pool = ReqToTokenPool(
             size=8, max_context_len=256, device="cpu", enable_memory_saver=False
         )
         kw = dict(
             size=num_slots,
-            page_size=1,
+            page_size=page_size,
             dtype=torch.bfloat16,
             head_num=2,
             head_dim=8,
@@ -68,8 +79,14 @@ class DFlashDriver:
         )
         self.target_pool = MHATokenToKVPool(layer_num=2, **kw)
         self.draft_pool = MHATokenToKVPool(layer_num=2, **kw)  # a 2-layer DFlashDraftModel
-        self.allocator = TokenToKVPoolAllocator(
-            num_slots, torch.bfloat16, "cpu", self.target_pool, need_sort=False
+        self.allocator = (
+            TokenToKVPoolAllocator(
+                num_slots, torch.bfloat16, "cpu", self.target_pool, need_sort=False
+            )
+            if page_size == 1
+            else PagedTokenToKVPoolAllocator(
+                num_slots, page_size, torch.bfloat16, "cpu", self.target_pool, need_sort=False
+            )
         )
         config = CanaryConfig(
             mode="raise",
@@ -98,7 +115,8 @@ class DFlashDriver:
         self.running: List[DriverReq] = []
         self.done: List[DriverReq] = []
         self.next_rid = 1
-        self.rounds = self.appends = self.commits_below_block = 0
+        self.rounds = self.appends = self.commits_below_block = self.shares = 0
+        self.partial_page_rows = 0  # verify rows continuing a page the last verify kept
         self.block_rows_seen = []  # each draft block batch's request rows, as the canary has them
 
     # ---- requests --------------------------------------------------------------------
@@ -114,6 +132,7 @@ class DFlashDriver:
         self.next_rid += 1
         req.row = self.req_to_token_pool.free_slots.pop(0)
         if parent is not None:
+            self.shares += 1
             req.prompt[:shared] = parent.tokens[:shared]
             slots = parent.slots[:shared]  # by position (its row may be reused by now)
             self._set(req, 0, slots)
@@ -124,6 +143,28 @@ class DFlashDriver:
     def _set(self, req, start, slots):
         r2t = self.req_to_token_pool.req_to_token
         r2t[req.row, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int32)
+
+    def _alloc_columns(self, reqs, starts, ends) -> List[List[int]]:
+        """Slots for columns ``[start, end)`` of each request's row (not set there): ``alloc``
+        at page size 1; else one ``alloc_extend`` of the batch, as sglang's DFLASH block and
+        verify (and ``alloc_paged_token_slots_extend``) take them: each row continues its
+        last partial page, from the slot at ``req_to_token[row, start - 1]``."""
+        if self.page_size == 1:
+            return [self.allocator.alloc(e - b).tolist() for b, e in zip(starts, ends)]
+        i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        pre, seq = i64(starts), i64(ends)
+        rows = i64([r.row for r in reqs])
+        last = get_last_loc_torch(self.req_to_token_pool.req_to_token, rows, pre)
+        out = self.allocator.alloc_extend(
+            pre, pre, seq, seq, last.to(torch.int64), int(sum(ends) - sum(starts))
+        )
+        if out is None:
+            raise RuntimeError("dflash driver: KV pool exhausted")
+        got, at = [], 0
+        for b, e in zip(starts, ends):
+            got.append(out[at : at + e - b].tolist())
+            at += e - b
+        return got
 
     def step(self) -> None:
         pre = [r for r in self.running if not r.prefilled]
@@ -171,9 +212,10 @@ class DFlashDriver:
         target_runner = types.SimpleNamespace()
         seam.set_runner_canary(target_runner, self.target)
         ids, pos, loc, pre, ext, seq = [], [], [], [], [], []
-        for r in reqs:
-            n = min(self.chunk, len(r.prompt) - r.kv_len)
-            got = self.allocator.alloc(n).tolist()
+        sizes = [min(self.chunk, len(r.prompt) - r.kv_len) for r in reqs]
+        starts = [r.kv_len for r in reqs]
+        columns = self._alloc_columns(reqs, starts, [b + n for b, n in zip(starts, sizes)])
+        for r, n, got in zip(reqs, sizes, columns):
             self._set(r, r.kv_len, got)
             r.slots += got
             ids += r.prompt[r.kv_len : r.kv_len + n]
@@ -245,16 +287,18 @@ class DFlashDriver:
     def decode(self, reqs) -> None:
         B, bs = self.B, len(reqs)
         L = [r.kv_len for r in reqs]
+        self.partial_page_rows += sum(l % self.page_size != 0 for l in L)
         bonus = [r.tokens[r.kv_len] for r in reqs]
         block_slots = {}
 
         def prepare(_worker, _batch):  # _prepare_for_speculative_decoding's draft block
             backup = self.allocator.backup_state()
             try:
-                loc = self.allocator.alloc(bs * B)
-                for i, r in enumerate(reqs):
-                    self._set(r, L[i], loc[i * B : (i + 1) * B].tolist())
-                    block_slots[r.rid] = loc[i * B : (i + 1) * B].tolist()
+                columns = self._alloc_columns(reqs, L, [l + B for l in L])
+                loc = torch.tensor([s for c in columns for s in c], dtype=torch.int64)
+                for r, start, got in zip(reqs, L, columns):
+                    self._set(r, start, got)
+                    block_slots[r.rid] = got
                 i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
                 fb = ForwardBatch(  # built by hand, as DFlashWorker does: no init_new
                     forward_mode=ForwardMode.TARGET_VERIFY,
@@ -285,7 +329,7 @@ class DFlashDriver:
         # the target's verify of [bonus, drafts] at L .. L + B - 1, fresh slots (the block's,
         # given back; with block_slot_left, shifted by one: the block's first slot held)
         held = self.allocator.alloc(1).tolist() if self.bug == "block_slot_left" else []
-        loc = self.allocator.alloc(bs * B).tolist()
+        loc = [s for c in self._alloc_columns(reqs, L, [l + B for l in L]) for s in c]
         ids, acc = [], []
         for i, r in enumerate(reqs):
             self._set(r, L[i], loc[i * B : (i + 1) * B])
@@ -308,14 +352,21 @@ class DFlashDriver:
         target_runner = types.SimpleNamespace()
         seam.set_runner_canary(target_runner, self.target)
         self._forward(self.target, self.target_pool, target_runner, fb)
-        commit = []
+        commit = [a + 1 for a in acc]
+        keep = commit  # page size 1: the uncommitted slots freed at once
+        if self.page_size > 1:
+            keep = _compute_paged_keep_slots(
+                prefix_lens=torch.tensor(L, dtype=torch.int64),
+                commit_lens=torch.tensor(commit, dtype=torch.int32),
+                draft_token_num=B,
+                page_size=self.page_size,
+            ).tolist()
         for i, r in enumerate(reqs):
-            n = acc[i] + 1
-            commit.append(n)
+            n = commit[i]
             self.commits_below_block += n < B
             mine = loc[i * B : (i + 1) * B]
             r.slots += mine[:n]
-            self.allocator.free(torch.tensor(mine[n:], dtype=torch.int64))
+            self.allocator.free(torch.tensor(mine[keep[i] :], dtype=torch.int64))
             r.output += [self.truth(r, L[i] + 1 + k) for k in range(n)]
             r.kv_len = L[i] + n
             if held and i == 0 and n >= 2 and held[0] == block_slots[r.rid][0]:
@@ -338,10 +389,14 @@ class DFlashDriver:
     def workload(self, steps: int) -> None:
         for _ in range(steps):
             if len(self.running) < 4 and self.rng.random() < 0.5:
-                parents = [r for r in self.running + self.done if r.kv_len > 8]
+                page = self.page_size
+                parents = [r for r in self.running + self.done if r.kv_len > max(8, page - 1)]
                 if parents and self.rng.random() < 0.5:
                     parent = self.rng.choice(parents)
-                    shared = self.rng.randrange(2, min(parent.kv_len, 30))
+                    if page == 1:
+                        shared = self.rng.randrange(2, min(parent.kv_len, 30))
+                    else:  # the radix cache matches whole pages
+                        shared = page * self.rng.randrange(1, parent.kv_len // page + 1)
                     self.add(self.rng.randint(shared + 1, shared + 30), 12, parent, shared)
                 else:
                     self.add(self.rng.randint(5, 40), self.rng.randint(4, 16))
@@ -357,16 +412,23 @@ def _reasons(report: str) -> set:
     }
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_clean_dflash_workload_reports_nothing(seed):
+def _driver(page_size: int, seed: int) -> DFlashDriver:
+    # pages of 16 hold more slots per request, and done requests keep theirs
+    return DFlashDriver(seed=seed, page_size=page_size, num_slots=2048 * page_size)
+
+
+@pytest.mark.parametrize("page_size,seed", [(1, 0), (1, 1), (1, 2), (16, 0), (16, 1)])
+def test_a_clean_dflash_workload_reports_nothing(page_size, seed):
     """Chunked prefills with appends, verifies with random commit lengths and their appends,
     draft blocks on borrowed slots, requests sharing another's committed prefix: no report,
     and both canaries did their work (the draft one's verifies ran in the blocks, its writes
     in the appends, with the chain-position check on)."""
-    d = DFlashDriver(seed=seed)
+    d = _driver(page_size, seed)
     d.workload(120)
     assert d.rounds > 20 and d.appends > d.rounds and d.commits_below_block > 5
-    assert len(d.done) >= 4
+    assert len(d.done) >= 4 and d.shares >= 2
+    if page_size > 1:
+        assert d.partial_page_rows > 10
     assert d.draft.count_violations() == 0 and d.target.count_violations() == 0
     assert d.draft.state.enable_chain_position_assert.item() == 1
     assert d.draft.groups[0].kv_token_id_vs_position_offset == 0
@@ -375,8 +437,9 @@ def test_a_clean_dflash_workload_reports_nothing(seed):
     assert len(d.block_rows_seen) == d.rounds and all(d.block_rows_seen)
 
 
-def test_a_flipped_draft_byte_at_a_committed_position_is_reported_by_the_next_block():
-    d = DFlashDriver(seed=3)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_flipped_draft_byte_at_a_committed_position_is_reported_by_the_next_block(page_size):
+    d = _driver(page_size, seed=3)
     d.workload(30)
     victim = max((r for r in d.running if r.prefilled), key=lambda r: r.max_new - len(r.output))
     slot = int(d.req_to_token_pool.req_to_token[victim.row, victim.kv_len // 2])
@@ -386,19 +449,22 @@ def test_a_flipped_draft_byte_at_a_committed_position_is_reported_by_the_next_bl
 
 
 @pytest.mark.parametrize(
-    "bug,reason",
+    "bug,reason,page_size",
     [
-        ("skip_request", "verify_chain_hash"),
-        ("start_off_by_one", "verify_position"),
-        ("block_slot_left", "verify_token"),
+        ("skip_request", "verify_chain_hash", 1),
+        ("start_off_by_one", "verify_position", 1),
+        ("block_slot_left", "verify_token", 1),
+        ("skip_request", "verify_chain_hash", 16),
+        ("start_off_by_one", "verify_position", 16),
     ],
 )
-def test_each_append_fault_is_reported_by_its_check(bug, reason):
+def test_each_append_fault_is_reported_by_its_check(bug, reason, page_size):
     """An append that skips a request (its committed positions keep stale records), a write
     path given ``ctx_start + 1`` (position ``ctx_start`` never written, the last one past the
-    committed length), a draft block's slot left in ``req_to_token`` after a verify: the draft
-    canary reports each at the next draft block, by the check named."""
-    d = DFlashDriver(seed=4)
+    committed length), a draft block's slot left in ``req_to_token`` after a verify (page
+    size 1: at larger pages the block's slots are the verify's): the draft canary reports
+    each at the next draft block, by the check named."""
+    d = _driver(page_size, seed=4)
     d.workload(30)
     d.bug = bug
     report = d.report_within(12)

@@ -64,10 +64,6 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
     "kw,match",
     [
         (
-            dict(speculative_algorithm="DFLASH", page_size=16),
-            "DFLASH at --page-size 1, got --page-size 16",
-        ),
-        (
             dict(speculative_algorithm="DFLASH", speculative_draft_window_size=8),
             "--speculative-draft-window-size 8 yet",
         ),

@@ -598,7 +598,7 @@ def test_frozen_kv_mtp_starts_with_chains_and_trees_from_every_route(
 def test_dflash_starts_from_every_route_and_its_refusals_name_the_flag(capsys, tmp_path, model_dir):
     """DFLASH with the canary (sglang forces steps and topk 1; the block size is given, so
     no draft config is read to parse): accepted from the command line, a ``--config`` YAML
-    and ``Engine`` kwargs; ``--page-size`` > 1, ``--speculative-draft-window-size`` and
+    and ``Engine`` kwargs, at page size 1 and 16; ``--speculative-draft-window-size`` and
     ``--enable-hierarchical-cache`` refused on each route, naming the flag."""
     dflash = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", model_dir]
     dflash += ["--speculative-num-draft-tokens", "4"]
@@ -617,8 +617,12 @@ def test_dflash_starts_from_every_route_and_its_refusals_name_the_flag(capsys, t
         speculative_num_draft_tokens=4,
     )
     assert kwargs(model_dir, kv_canary="abort", **engine).speculative_num_draft_tokens == 4
+    assert cli(model_dir, "--kv-canary", "raise", *dflash, "--page-size", "16").page_size == 16
+    paged_yaml = tmp_path / "dflash_paged.yaml"
+    paged_yaml.write_text(yaml_file.read_text() + "page-size: 16\n")
+    assert cli(model_dir, "--config", str(paged_yaml)).page_size == 16
+    assert kwargs(model_dir, kv_canary="raise", page_size=16, **engine).page_size == 16
     refusals = [
-        (["--page-size", "16"], dict(page_size=16), "--page-size 16"),
         (
             ["--speculative-draft-window-size", "8"],
             dict(speculative_draft_window_size=8),

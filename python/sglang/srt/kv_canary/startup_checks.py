@@ -100,9 +100,9 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
     """Speculative decoding: EAGLE / EAGLE3 / NEXTN / STANDALONE, with a draft chain (``topk``
     1) or draft trees (``topk`` > 1), target and draft pools, NGRAM's tree verifies (the
     target's pool: it has no draft model) and FROZEN_KV_MTP (the target's pool: its draft
-    writes no KV), at any page size, and DFLASH at page size 1 without a draft window or
-    HiCache (:func:`_check_dflash`), are guarded, also with the token oracle (DFLASH without
-    it) (docs/user_guide.md, "Speculative decoding"); the rest is refused with the flag to
+    writes no KV) and DFLASH without a draft window or HiCache (:func:`_check_dflash`), at
+    any page size, are guarded, also with the token oracle (DFLASH without it)
+    (docs/user_guide.md, "Speculative decoding"); the rest is refused with the flag to
     change."""
     spec = sglang_seam.speculative_facts(server_args)
     if not spec.has_draft_pool:
@@ -137,7 +137,7 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
             f"{_COVERED_FLAGS.replace(' or', ',')}); run it without --kv-canary"
         )
     if spec.algorithm == "DFLASH":
-        _check_dflash(server_args, spec.page_size)
+        _check_dflash(server_args)
     # spec v1 multi-layer EAGLE is not refused here: sglang 0.5.12's own worker module fails
     # to import, canary or not, and its error is the one to see:
     # docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.5 Tests and open questions"
@@ -213,21 +213,15 @@ def _check_token_oracle_speculative(config: CanaryConfig, algorithm: str) -> Non
         )
 
 
-def _check_dflash(server_args: "ServerArgs", page_size: int) -> None:
-    """DFLASH is guarded at page size 1, with the draft pool mapped through the target's
+def _check_dflash(server_args: "ServerArgs") -> None:
+    """DFLASH is guarded at any page size, with the draft pool mapped through the target's
     ``req_to_token`` (docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4 Changes to the
-    canary"). Refused, naming the flag: ``--page-size`` > 1 (its block forwards and verifies
-    lay slots out by page, which the canary's DFLASH plans do not model),
-    ``--speculative-draft-window-size`` (the draft's own compact ``req_to_token``, whose
-    column c holds position ``c + L - W'``) and ``--enable-hierarchical-cache`` (sglang
-    0.5.12's HiCache backs up the target's pool as DFLASH's draft pool, so draft KV loaded
-    back from host memory would come without its draft KV)."""
+    canary"). Refused, naming the flag: ``--speculative-draft-window-size`` (the draft's own
+    compact ``req_to_token``, whose column c holds position ``c + L - W'``) and
+    ``--enable-hierarchical-cache`` (sglang 0.5.12's HiCache backs up the target's pool as
+    DFLASH's draft pool, so draft KV loaded back from host memory would come without its
+    draft KV)."""
     value = sglang_seam.server_args_value
-    if page_size > 1:
-        raise ValueError(
-            f"--kv-canary covers --speculative-algorithm DFLASH at --page-size 1, got --page-size "
-            f"{page_size}: drop --page-size (or set it to 1), or run without --kv-canary"
-        )
     window = value(server_args, "speculative_draft_window_size", None)
     if window is not None:
         raise ValueError(
