@@ -543,5 +543,30 @@ def test_host_tier_mirror_on_real_pools(tmp_path):
     assert res["memory_host_mirror"] == res["mirror_bytes"] == res["host_slots"] * mirror
 
 
+def test_a_draft_pool_s_rows_follow_its_own_host_pool(tmp_path):
+    """HiCache with speculative decoding: sglang registers the draft pool's own host pool after
+    the tree exists (``Scheduler._maybe_register_hicache_draft``), sized slot for slot to the
+    target's host pool, and copies both in each backup and load. Both canaries attach to the
+    tree without clashing (the draft's mirror is not built on the target's host pool), the
+    draft's rows follow its own host pool once sglang registered it, both canaries' rows come
+    back with their KV, and the draft host pool keeps the size sglang gives it without the
+    canary (the canary's host budget applies to the target's host pool only)."""
+    from canary_support.script_run import run_support_script
+    from sglang.srt.kv_canary.demo.server_harness import build_libcuda_stub, cpu_server_env
+
+    env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
+    env["KV_CANARY_TEST_SHIM_HICACHE_CPU"] = "1"
+    rc, out, res = run_support_script(
+        "draft_host_tier_check.py", env=env, timeout=300, sitecustomize=True
+    )
+    assert rc == 0 and res, out[-5000:]
+    assert res["errors"] == {}, res
+    # sglang's own sizing (at least the target host pool's slots), not the budget's
+    assert res["draft_host_slots"] == res["draft_host_slots_canary_off"] >= res["host_slots"]
+    assert not res["draft_mirrored_before_register"] and res["draft_mirror_host_pool_is_drafts"]
+    assert res["moved"] == {"target": True, "draft": True}, res
+    assert res["draft_memory_host_mirror"] > 0
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

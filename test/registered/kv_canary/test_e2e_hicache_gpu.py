@@ -37,13 +37,14 @@ from sglang.srt.kv_canary.demo.server_harness import write_tiny_llama
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=1760, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=2060, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "hicache_kernel": ("mha_kernel", 440),
     "hicache_page_first": ("page_first", 440),
     "hicache_direct": ("mha_direct", 440),
     "hicache_mla": ("mla", 440),
+    "hicache_eagle": ("with_eagle", 300),
 }
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -152,6 +153,51 @@ def test_host_kv_is_found_in_host_memory(variant):
     )
     assert rc == 0 and res is not None, out[-4000:]
     assert_host_kv_found(out)
+
+
+def test_hicache_with_eagle_mirrors_the_draft_pool_in_its_own_host_pool(tmp_path_factory):
+    """EAGLE (spec v2, a chain of 3) with HiCache: sglang keeps the draft pool's KV in a host
+    pool of its own, copied with the target's. Both canaries' rows follow their pools'
+    copies: the workload's prefixes loaded back from host memory read clean in both pools
+    (raise, partial real data, token checks, the sweep), outputs equal to the canary off's."""
+    target = write_tiny_llama(tmp_path_factory.mktemp("hicache_eagle_target"))
+    draft = write_tiny_llama(
+        tmp_path_factory.mktemp("hicache_eagle_draft"),
+        architectures=["LlamaForCausalLMEagle"],
+        num_hidden_layers=1,
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
+    variant = dict(
+        model=target,
+        kwargs=dict(
+            COMMON,
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path=draft,
+            speculative_num_steps=3,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4,
+        ),
+        env=env,
+    )
+    rc, out, off = run(variant)
+    assert rc == 0 and off is not None, out[-4000:]
+    assert "HiCache draft KV registered" in out, out[-4000:]
+    assert sum(off["cached"][8:]) >= 8 * 80, off
+    rc, out, on = run(
+        variant,
+        {"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"},
+        kv_canary="raise",
+        kv_canary_real_data="partial",
+        kv_canary_sweep_interval=2,
+    )
+    assert rc == 0, out[-4000:]
+    assert "kv_canary installed on the EAGLE draft worker" in out, out[-4000:]
+    assert out.count("HiCache host tier mirrored (mha host pool") == 2, out[-4000:]
+    assert "keeps no host copy" not in out
+    assert parse_violation_lines(out) == []
+    assert on["outputs"] == off["outputs"]
+    assert sum(on["cached"][8:]) >= 8 * 80, on
 
 
 if __name__ == "__main__":

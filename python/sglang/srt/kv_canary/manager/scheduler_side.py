@@ -72,7 +72,23 @@ class SchedulerSide:
         self._tree_cache = (
             None if radix_cache is None or sglang_seam.is_chunk_cache(radix_cache) else radix_cache
         )
-        host_pool = sglang_seam.hicache_host_pool(radix_cache)
+        if not self.ranks.draft:
+            # a draft pool's host pool exists only later: attach_draft_host_tier
+            self._mirror_host_tier(sglang_seam.hicache_host_pool(radix_cache))
+
+    def attach_draft_host_tier(self, radix_cache) -> bool:
+        """A speculative draft canary with HiCache: mirror its rows in the host pool sglang
+        registered for this canary's pool (after ``Scheduler._maybe_register_hicache_draft``;
+        one host slot per target host slot, copied in the target's backups and loads). False
+        where sglang registered no host pool for this pool: the draft KV of prefixes loaded
+        back from host memory is then not restored (docs/user_guide.md, "HiCache")."""
+        device_pool, host_pool = sglang_seam.hicache_draft_pools(radix_cache)
+        if host_pool is None or sglang_seam.pool_canary(device_pool) is not self:
+            return False
+        self._mirror_host_tier(host_pool)
+        return True
+
+    def _mirror_host_tier(self, host_pool) -> None:
         if host_pool is not None and self.host_tier is None:
             self.host_tier = HostTierMirror(
                 groups=self.groups,

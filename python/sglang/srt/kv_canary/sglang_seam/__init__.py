@@ -40,6 +40,7 @@ from sglang.srt.kv_canary.sglang_seam.hooks import (
     HOOK_GRAPH_REPLAY_PREPARE,
     HOOK_GRAPH_REPLAY,
     HOOK_SCHEDULER_INIT_CACHE,
+    HOOK_SCHEDULER_REGISTER_HICACHE_DRAFT,
     HOOK_FORWARD_BATCH_INIT_NEW,
     HOOK_MHA_POOL_MOVE_KV_CACHE,
     HOOK_SCHEDULER_ON_IDLE,
@@ -226,6 +227,7 @@ from sglang.srt.kv_canary.sglang_seam.pools import (
     kv_pool_size,
 )
 from sglang.srt.kv_canary.sglang_seam.hicache import (
+    hicache_draft_pools,
     hicache_host_pool,
     hicache_wait_for_loads,
     hicache_wait_for_first_layer,
@@ -260,6 +262,7 @@ __all__ = [
     "HOOK_GRAPH_REPLAY_PREPARE",
     "HOOK_GRAPH_REPLAY",
     "HOOK_SCHEDULER_INIT_CACHE",
+    "HOOK_SCHEDULER_REGISTER_HICACHE_DRAFT",
     "HOOK_FORWARD_BATCH_INIT_NEW",
     "HOOK_MHA_POOL_MOVE_KV_CACHE",
     "HOOK_SCHEDULER_ON_IDLE",
@@ -411,6 +414,7 @@ __all__ = [
     "kv_move_groups",
     "kv_pool_bytes_per_token",
     "kv_pool_size",
+    "hicache_draft_pools",
     "hicache_host_pool",
     "hicache_wait_for_loads",
     "hicache_wait_for_first_layer",

@@ -37,6 +37,9 @@ HOOK_MHA_POOL_MOVE_KV_CACHE = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool
 HOOK_FORWARD_BATCH_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 
 HOOK_SCHEDULER_INIT_CACHE = f"{_SCHEDULER}.init_cache_with_memory_pool"
+# speculative decoding with HiCache: sglang registers the draft pool's own host pool with the
+# HiCache controller right after init_cache_with_memory_pool
+HOOK_SCHEDULER_REGISTER_HICACHE_DRAFT = f"{_SCHEDULER}._maybe_register_hicache_draft"
 HOOK_SCHEDULER_PROCESS_BATCH_RESULT = f"{_SCHEDULER}.process_batch_result"
 # a batch launched (its result object returned): heal mode tags the result with its forward
 HOOK_SCHEDULER_RUN_BATCH = f"{_SCHEDULER}.run_batch"
