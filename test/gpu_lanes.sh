@@ -21,7 +21,7 @@
 #   hicache_page_first   test/registered/kv_canary/test_e2e_hicache_gpu.py -k page_first
 #   hicache_direct       test/registered/kv_canary/test_e2e_hicache_gpu.py -k mha_direct
 #   hicache_mla          test/registered/kv_canary/test_e2e_hicache_gpu.py -k mla
-#   hicache_eagle        test/registered/kv_canary/test_e2e_hicache_gpu.py -k with_eagle
+#   hicache_spec         test/registered/kv_canary/test_e2e_hicache_gpu.py -k with_a_draft_model
 #   shape_mla            test/registered/kv_canary/test_e2e_model_shapes_gpu.py -k mla
 #   shape_nsa            test/registered/kv_canary/test_e2e_model_shapes_gpu.py -k nsa
 #   shape_hybrid         test/registered/kv_canary/test_e2e_model_shapes_gpu.py -k hybrid

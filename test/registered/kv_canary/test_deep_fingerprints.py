@@ -568,5 +568,28 @@ def test_a_draft_pool_s_rows_follow_its_own_host_pool(tmp_path):
     assert res["draft_memory_host_mirror"] > 0
 
 
+def test_a_dflash_draft_pool_left_without_a_host_copy_is_said_at_start_up(tmp_path):
+    """sglang 0.5.12's DFLASH with HiCache registers the target's pool as the draft's: the
+    "draft" host pool keeps sglang's size (not the target budget's), copies the target's KV
+    a second time without overflowing, the draft canary mirrors nothing (no host copy of its
+    pool exists) and the start-up log says why its reports of loaded-back prefixes will come."""
+    from canary_support.script_run import run_support_script
+    from sglang.srt.kv_canary.demo.server_harness import build_libcuda_stub, cpu_server_env
+
+    env = cpu_server_env(build_libcuda_stub(tmp_path / "stub"))
+    env["KV_CANARY_TEST_SHIM_HICACHE_CPU"] = "1"
+    rc, out, res = run_support_script(
+        "draft_host_tier_check.py", "dflash", env=env, timeout=300, sitecustomize=True
+    )
+    assert rc == 0 and res, out[-5000:]
+    assert res["errors"] == {}, res
+    assert res["draft_host_slots"] == res["draft_host_slots_canary_off"] >= res["host_slots"]
+    assert res["moved"] == {"target": True, "draft": False}, res
+    assert (
+        "keeps no host copy of this server's speculative draft KV (it registered the target's "
+        "pool as the draft's (sglang 0.5.12 does so for --speculative-algorithm DFLASH)" in out
+    ), out[-3000:]
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

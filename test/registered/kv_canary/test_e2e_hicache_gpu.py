@@ -26,6 +26,7 @@ import sys
 import pytest
 from e2e_checks import (
     HOST_KV_FAULT_ENV,
+    violations_by_pool,
     assert_host_kv_found,
     assert_host_pool_made_room,
     host_tier_stats,
@@ -37,14 +38,14 @@ from sglang.srt.kv_canary.demo.server_harness import write_tiny_llama
 from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=2060, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=2180, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "hicache_kernel": ("mha_kernel", 440),
     "hicache_page_first": ("page_first", 440),
     "hicache_direct": ("mha_direct", 440),
     "hicache_mla": ("mla", 440),
-    "hicache_eagle": ("with_eagle", 300),
+    "hicache_spec": ("with_a_draft_model", 420),
 }
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -155,28 +156,59 @@ def test_host_kv_is_found_in_host_memory(variant):
     assert_host_kv_found(out)
 
 
-def test_hicache_with_eagle_mirrors_the_draft_pool_in_its_own_host_pool(tmp_path_factory):
-    """EAGLE (spec v2, a chain of 3) with HiCache: sglang keeps the draft pool's KV in a host
-    pool of its own, copied with the target's. Both canaries' rows follow their pools'
-    copies: the workload's prefixes loaded back from host memory read clean in both pools
-    (raise, partial real data, token checks, the sweep), outputs equal to the canary off's."""
-    target = write_tiny_llama(tmp_path_factory.mktemp("hicache_eagle_target"))
-    draft = write_tiny_llama(
-        tmp_path_factory.mktemp("hicache_eagle_draft"),
-        architectures=["LlamaForCausalLMEagle"],
-        num_hidden_layers=1,
-    )
+# speculative decoding with HiCache: the draft model and the flags of each drafter
+DRAFTERS = {
+    # EAGLE, spec v2, a chain of 3 (sglang's defaults for the rest)
+    "EAGLE": (
+        dict(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1),
+        dict(num_hidden_layers=2),
+        dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4),
+    ),
+    # DFLASH (spec v1): a one-layer DFlashDraftModel fed by target layers 0 and 1 of four
+    # (test_e2e_speculative_gpu.py's dflash_models), Triton attention
+    "DFLASH": (
+        dict(
+            architectures=["DFlashDraftModel"],
+            num_hidden_layers=1,
+            dflash_config={
+                "block_size": 4,
+                "mask_token_id": 3,
+                "num_target_layers": 4,
+                "target_layer_ids": [0, 1],
+            },
+        ),
+        dict(num_hidden_layers=4),
+        dict(
+            attention_backend="triton",
+            speculative_num_steps=1,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_hicache_with_a_draft_model(tmp_path_factory, drafter):
+    """Speculative decoding with HiCache, ``--kv-canary raise`` (partial real data, token
+    checks, the sweep): the workload's prefixes go to host memory and come back, outputs equal
+    to the canary off's, nothing reported in the target's pool. EAGLE: sglang keeps the draft
+    pool's KV in a host pool of its own, copied with the target's, and the draft canary's rows
+    follow it: nothing reported in either pool. DFLASH: sglang 0.5.12 registers the target's
+    pool as the draft's, so no draft KV comes back with a prefix; the start-up log says so,
+    the draft canary reports those draft slots (pool=draft) and the server serves on."""
+    draft_config, target_config, flags = DRAFTERS[drafter]
+    target = write_tiny_llama(tmp_path_factory.mktemp(f"hicache_{drafter}_target"), **target_config)
+    draft = write_tiny_llama(tmp_path_factory.mktemp(f"hicache_{drafter}_draft"), **draft_config)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
     variant = dict(
         model=target,
         kwargs=dict(
             COMMON,
-            speculative_algorithm="EAGLE",
+            speculative_algorithm=drafter,
             speculative_draft_model_path=draft,
-            speculative_num_steps=3,
-            speculative_eagle_topk=1,
-            speculative_num_draft_tokens=4,
+            **flags,
         ),
         env=env,
     )
@@ -192,12 +224,18 @@ def test_hicache_with_eagle_mirrors_the_draft_pool_in_its_own_host_pool(tmp_path
         kv_canary_sweep_interval=2,
     )
     assert rc == 0, out[-4000:]
-    assert "kv_canary installed on the EAGLE draft worker" in out, out[-4000:]
-    assert out.count("HiCache host tier mirrored (mha host pool") == 2, out[-4000:]
-    assert "keeps no host copy" not in out
-    assert parse_violation_lines(out) == []
+    assert f"kv_canary installed on the {drafter} draft worker" in out, out[-4000:]
     assert on["outputs"] == off["outputs"]
     assert sum(on["cached"][8:]) >= 8 * 80, on
+    pools = {pool for pool, _ in violations_by_pool(out)}
+    mirrored = out.count("HiCache host tier mirrored (mha host pool")
+    if drafter == "EAGLE":
+        assert mirrored == 2 and "keeps no host copy" not in out, out[-4000:]
+        assert pools == set(), out[-4000:]
+    else:
+        assert mirrored == 1, out[-4000:]
+        assert "it registered the target's pool as the draft's" in out, out[-4000:]
+        assert pools == {"draft"}, out[-4000:]
 
 
 if __name__ == "__main__":

@@ -67,10 +67,6 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
             dict(speculative_algorithm="DFLASH", speculative_draft_window_size=8),
             "--speculative-draft-window-size 8 yet",
         ),
-        (
-            dict(speculative_algorithm="DFLASH", enable_hierarchical_cache=True),
-            "DFLASH with --enable-hierarchical-cache",
-        ),
         (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
     ],
 )

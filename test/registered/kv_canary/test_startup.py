@@ -598,8 +598,8 @@ def test_frozen_kv_mtp_starts_with_chains_and_trees_from_every_route(
 def test_dflash_starts_from_every_route_and_its_refusals_name_the_flag(capsys, tmp_path, model_dir):
     """DFLASH with the canary (sglang forces steps and topk 1; the block size is given, so
     no draft config is read to parse): accepted from the command line, a ``--config`` YAML
-    and ``Engine`` kwargs, at page size 1 and 16; ``--speculative-draft-window-size`` and
-    ``--enable-hierarchical-cache`` refused on each route, naming the flag."""
+    and ``Engine`` kwargs, at page size 1 and 16 and with ``--enable-hierarchical-cache``;
+    ``--speculative-draft-window-size`` refused on each route, naming the flag."""
     dflash = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", model_dir]
     dflash += ["--speculative-num-draft-tokens", "4"]
     args = cli(model_dir, "--kv-canary", "raise", *dflash)
@@ -622,16 +622,18 @@ def test_dflash_starts_from_every_route_and_its_refusals_name_the_flag(capsys, t
     paged_yaml.write_text(yaml_file.read_text() + "page-size: 16\n")
     assert cli(model_dir, "--config", str(paged_yaml)).page_size == 16
     assert kwargs(model_dir, kv_canary="raise", page_size=16, **engine).page_size == 16
+    hicache = cli(model_dir, "--kv-canary", "raise", *dflash, "--enable-hierarchical-cache")
+    assert hicache.enable_hierarchical_cache
+    hicache_yaml = tmp_path / "dflash_hicache.yaml"
+    hicache_yaml.write_text(yaml_file.read_text() + "enable-hierarchical-cache: true\n")
+    assert cli(model_dir, "--config", str(hicache_yaml)).enable_hierarchical_cache
+    kw = dict(engine, enable_hierarchical_cache=True)
+    assert kwargs(model_dir, kv_canary="raise", **kw).enable_hierarchical_cache
     refusals = [
         (
             ["--speculative-draft-window-size", "8"],
             dict(speculative_draft_window_size=8),
             "--speculative-draft-window-size 8",
-        ),
-        (
-            ["--enable-hierarchical-cache"],
-            dict(enable_hierarchical_cache=True),
-            "DFLASH with --enable-hierarchical-cache",
         ),
     ]
     for argv, kw, flag in refusals:

@@ -381,24 +381,30 @@ def reserve_kv_budget(
 
 
 def host_pool_budget(
-    *, device_pool, host_pool_cls: type, host_to_device_ratio: float, host_size: float
+    *,
+    device_pool,
+    host_pool_cls: type,
+    host_to_device_ratio: float,
+    host_size: float,
+    draft: bool = False,
 ) -> Tuple[float, float]:
     """The plugin's ``HostKVCache.__init__`` hook: ``(host_to_device_ratio, host_size)`` for
     a HiCache host pool of ``device_pool`` such that its KV plus the canary's mirror of its
     slots take the host memory the operator's ``--hicache-size`` (GB) or ``--hicache-ratio``
     (of the device pool's KV bytes) gives the KV alone (docs/user_guide.md, "Memory").
     Unchanged for a pool without a canary, a host pool the canary does not mirror, and a
-    speculative draft pool's host pool (sglang sizes it to the target host pool's slot count,
-    outside those flags, and copies it slot for slot with the target's: its mirror is host
-    memory beside it). Raises ``ValueError`` naming ``--hicache-ratio`` when the mirror
+    speculative draft pool's host pool (``draft``: built by
+    ``Scheduler._maybe_register_hicache_draft``, which sizes it to the target host pool's slot
+    count, outside those flags, and copies it slot for slot with the target's; a mirror of it
+    is host memory beside it). Raises ``ValueError`` naming ``--hicache-ratio`` when the mirror
     leaves it no larger than the device pool (sglang's own minimum)."""
     manager = sglang_seam.pool_canary(device_pool)
     if manager is None or sglang_seam.host_pool_class_kind(host_pool_cls) is None:
         return host_to_device_ratio, host_size
-    if manager.ranks.draft:
+    if draft:
         logger.info(
             "kv_canary: HiCache draft host pool: one slot per target host slot, as sglang sizes "
-            "it; the draft canary's mirror adds %d bytes per host slot beside it",
+            "it; a canary mirror of it adds %d bytes per host slot beside it",
             manager.host_mirror_bytes_per_slot,
         )
         return host_to_device_ratio, host_size

@@ -28,8 +28,8 @@ registers the ``token_oracle`` sampling backend (``--sampling-backend token_orac
 |  |  | after: record that the graph ran the inside ops |
 | AFTER | ``Scheduler.init_cache_with_memory_pool`` | ``attach_scheduler``: tree cache, running |
 |  |  | requests, metric labels, KV slots in use, faked PD transfers |
-| AFTER | ``Scheduler._maybe_register_hicache_draft`` | HiCache with a draft pool: the draft |
-|  |  | canary's rows mirrored in the draft's host pool |
+| AROUND | ``Scheduler._maybe_register_hicache_draft`` | HiCache with a draft pool: its host |
+|  |  | pool keeps sglang's size; the draft canary's rows mirrored in it |
 | AFTER | ``Scheduler.run_batch`` | heal mode: the result object tagged with its forward |
 | BEFORE | ``Scheduler.process_batch_result`` | ``before_batch_result`` (heal mode: the read-back |
 |  |  | of the result's forward consumed if still pending; the requests its reports |
@@ -165,6 +165,7 @@ def _host_kv_cache_init(
         host_pool_cls=type(self),
         host_to_device_ratio=host_to_device_ratio,
         host_size=host_size,
+        draft=_REGISTERING_DRAFT_HOST_POOL.get(),
     )
     return original(self, device_pool, ratio, size, *args, **kwargs)
 
@@ -259,23 +260,44 @@ def _after_init_cache(result, self, *args, **kwargs):
     _attach_ranks(self, [m for m in (target, draft) if m is not None])
 
 
-def _after_register_hicache_draft(result, self, *args, **kwargs):
-    """Speculative decoding with HiCache: the draft canary's rows go to the host pool sglang
-    just registered for the draft pool (one host slot per target host slot). Where sglang
-    keeps no host copy of the draft pool's KV, a warning: prefixes loaded back from host
-    memory bring no draft KV, and the draft canary reports their slots (docs/user_guide.md,
-    "HiCache")."""
+# set while sglang builds a speculative draft pool's HiCache host pool: it keeps sglang's size
+_REGISTERING_DRAFT_HOST_POOL: contextvars.ContextVar = contextvars.ContextVar(
+    "kv_canary_registering_draft_host_pool", default=False
+)
+
+
+def _register_hicache_draft(original, self, *args, **kwargs):
+    """Speculative decoding with HiCache: the host pool sglang builds for the draft pool
+    (one host slot per target host slot) keeps sglang's size (:func:`_host_kv_cache_init`),
+    and the draft canary's rows then go to it. Where sglang keeps no host copy of the draft
+    pool's KV, a warning: prefixes loaded back from host memory bring no draft KV, and the
+    draft canary reports their slots (docs/user_guide.md, "HiCache")."""
+    token = _REGISTERING_DRAFT_HOST_POOL.set(True)
+    try:
+        result = original(self, *args, **kwargs)
+    finally:
+        _REGISTERING_DRAFT_HOST_POOL.reset(token)
     draft = seam.runner_canary(seam.scheduler_draft_model_runner(self))
     tree = seam.scheduler_tree_cache(self)
     if draft is None or seam.hicache_host_pool(tree) is None:
-        return
+        return result
     if not draft.attach_draft_host_tier(tree):
+        device_pool, _ = seam.hicache_draft_pools(tree)
+        target = seam.runner_canary(seam.scheduler_model_runner(self))
+        why = (
+            "it registered the target's pool as the draft's (sglang 0.5.12 does so for "
+            "--speculative-algorithm DFLASH)"
+            if device_pool is not None and seam.pool_canary(device_pool) is target
+            else "it registered no host pool for the draft's pool"
+        )
         logger.warning(
             "kv_canary: sglang's HiCache keeps no host copy of this server's speculative draft "
-            "pool: a prefix loaded back from host memory comes with the target's KV only, and "
-            "the draft canary reports the draft slots it reads (pool=draft; they cost draft "
-            "acceptance, not output correctness)"
+            "KV (%s): a prefix loaded back from host memory comes with the target's KV only, "
+            "and the draft canary reports the draft slots it reads (pool=draft; they cost "
+            "draft acceptance, not output correctness)",
+            why,
         )
+    return result
 
 
 def _attach_ranks(scheduler, managers) -> None:
@@ -541,7 +563,7 @@ HOOKS = (
     (seam.HOOK_GRAPH_REPLAY_PREPARE, _graph_replay_prepare, "AROUND"),
     (seam.HOOK_GRAPH_REPLAY, _graph_replay, "AROUND"),
     (seam.HOOK_SCHEDULER_INIT_CACHE, _after_init_cache, "AFTER"),
-    (seam.HOOK_SCHEDULER_REGISTER_HICACHE_DRAFT, _after_register_hicache_draft, "AFTER"),
+    (seam.HOOK_SCHEDULER_REGISTER_HICACHE_DRAFT, _register_hicache_draft, "AROUND"),
     (seam.HOOK_SCHEDULER_RUN_BATCH, _after_run_batch, "AFTER"),
     (seam.HOOK_SCHEDULER_PROCESS_BATCH_RESULT, _before_process_batch_result, "BEFORE"),
     (seam.HOOK_SCHEDULER_PROCESS_BATCH_RESULT, _after_process_batch_result, "AFTER"),

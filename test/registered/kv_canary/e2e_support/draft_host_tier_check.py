@@ -7,7 +7,13 @@ tree as the scheduler's ``init_cache_with_memory_pool`` hook does; then sglang's
 draft's host pool. Slots are backed up and loaded back into other slots through both host
 pools' own (wrapped) methods, target then draft, as ``HiCacheController`` does. Prints
 ``RESULT <json>``: whether each canary's rows went to its host pool and came back, both host
-pools' slot counts, and what went wrong where."""
+pools' slot counts, and what went wrong where.
+
+``python draft_host_tier_check.py dflash``: sglang 0.5.12's DFLASH case, where
+``_get_draft_kv_pool`` returns the target's pool, so the "draft" host pool copies the target's
+KV a second time and the draft pool's KV has no host copy."""
+
+import sys
 
 import types
 
@@ -49,6 +55,9 @@ def _rows_moved(manager, dev, new, before):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] not in ([], ["dflash"]):
+        sys.exit(f"draft_host_tier_check.py: arguments {sys.argv[1:]}; allowed: none, or dflash")
+    dflash = sys.argv[1:] == ["dflash"]
     load_plugins()
     r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
     config = CanaryConfig(mode="raise", real_kv_hash_mode="partial")
@@ -75,8 +84,9 @@ if __name__ == "__main__":
         enable_hierarchical_cache=True,
         page_size=1,
         server_args=types.SimpleNamespace(hicache_mem_layout="layer_first"),
-        _get_draft_kv_pool=lambda: (draft_pool, None),
+        _get_draft_kv_pool=lambda: (target_pool if dflash else draft_pool, None),
     )
+    registered_pool = target_pool if dflash else draft_pool
     errors = {}
     for name, manager in (("target", target), ("draft", draft)):
         try:  # what the plugin's init_cache_with_memory_pool hook does for each canary
@@ -88,7 +98,7 @@ if __name__ == "__main__":
     draft_host = controller.mem_pool_host_draft
     # what sglang's registration gives a draft pool without a canary
     bare_draft_host = MHATokenToKVPoolHost(
-        _pool(1),
+        _pool(2 if dflash else 1),
         host_to_device_ratio=host.size / 64,
         host_size=0,
         page_size=1,
@@ -108,11 +118,11 @@ if __name__ == "__main__":
     moved = {}
     try:  # HiCacheController's backup, then its per-layer load: target, then draft
         host.backup_from_device_all_layer(target_pool, hst, dev, "direct")
-        draft_host.backup_from_device_all_layer(draft_pool, hst, dev, "direct")
+        draft_host.backup_from_device_all_layer(registered_pool, hst, dev, "direct")
         for layer in range(2):
             host.load_to_device_per_layer(target_pool, hst, new, layer, "direct")
             if layer < draft_host.layer_num:
-                draft_host.load_to_device_per_layer(draft_pool, hst, new, layer, "direct")
+                draft_host.load_to_device_per_layer(registered_pool, hst, new, layer, "direct")
         for name, m in (("target", target), ("draft", draft)):
             moved[name] = m.host_tier is not None and _rows_moved(m, dev, new, before[name])
     except Exception as exc:
