@@ -69,6 +69,16 @@ class DraftPoolShape:
     dtype: torch.dtype = torch.bfloat16
 
 
+def token_allocator(num_slots: int, page_size: int, kvcache) -> TokenToKVPoolAllocator:
+    """sglang's slot allocator on the CPU for ``kvcache``: ``TokenToKVPoolAllocator`` at page
+    size 1, else ``PagedTokenToKVPoolAllocator`` (whole pages, ``alloc_extend``)."""
+    if page_size == 1:
+        return TokenToKVPoolAllocator(num_slots, torch.bfloat16, "cpu", kvcache, need_sort=False)
+    return PagedTokenToKVPoolAllocator(
+        num_slots, page_size, torch.bfloat16, "cpu", kvcache, need_sort=False
+    )
+
+
 def tiny_mha_pool(size: int) -> MHATokenToKVPool:
     """A one-layer real ``MHATokenToKVPool`` on the CPU (2 KV heads of 8, bfloat16): an EAGLE
     head's pool, for the tests that build a draft canary on their own."""
@@ -162,15 +172,7 @@ class EagleDriver:
         self.target_pool = MHATokenToKVPool(layer_num=2, **kw)
         kw.update(dtype=draft_pool.dtype, head_num=draft_pool.heads, head_dim=draft_pool.head_dim)
         self.draft_pool = MHATokenToKVPool(layer_num=draft_pool.layers, **kw)
-        self.allocator = (
-            TokenToKVPoolAllocator(
-                num_slots, torch.bfloat16, "cpu", self.target_pool, need_sort=False
-            )
-            if page_size == 1
-            else PagedTokenToKVPoolAllocator(
-                num_slots, page_size, torch.bfloat16, "cpu", self.target_pool, need_sort=False
-            )
-        )
+        self.allocator = token_allocator(num_slots, page_size, self.target_pool)
         self.token_oracle = token_oracle
         if token_oracle:
             canary_settings = dict(

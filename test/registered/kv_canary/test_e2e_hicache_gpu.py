@@ -35,7 +35,11 @@ from e2e_checks import (
 
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.srt.kv_canary.demo.server_harness import write_tiny_llama
-from canary_support.tiny_models import DEEPSEEK_V3_MLA_DIMS, write_tiny_deepseek_v2
+from canary_support.tiny_models import (
+    DEEPSEEK_V3_MLA_DIMS,
+    write_tiny_deepseek_v2,
+    write_tiny_dflash_pair,
+)
 from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=2180, stage="base-b", runner_config="1-gpu-small")
@@ -156,28 +160,21 @@ def test_host_kv_is_found_in_host_memory(variant):
     assert_host_kv_found(out)
 
 
-# speculative decoding with HiCache: the draft model and the flags of each drafter
+# speculative decoding with HiCache: each drafter's (target, draft) writer and its flags
 DRAFTERS = {
-    # EAGLE, spec v2, a chain of 3 (sglang's defaults for the rest)
+    # EAGLE, spec v2, a chain of 3
     "EAGLE": (
-        dict(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1),
-        dict(num_hidden_layers=2),
+        lambda target_dir, draft_dir: (
+            write_tiny_llama(target_dir),
+            write_tiny_llama(
+                draft_dir, architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1
+            ),
+        ),
         dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4),
     ),
-    # DFLASH (spec v1): a one-layer DFlashDraftModel fed by target layers 0 and 1 of four
-    # (test_e2e_speculative_gpu.py's dflash_models), Triton attention
+    # DFLASH (spec v1), Triton attention
     "DFLASH": (
-        dict(
-            architectures=["DFlashDraftModel"],
-            num_hidden_layers=1,
-            dflash_config={
-                "block_size": 4,
-                "mask_token_id": 3,
-                "num_target_layers": 4,
-                "target_layer_ids": [0, 1],
-            },
-        ),
-        dict(num_hidden_layers=4),
+        write_tiny_dflash_pair,
         dict(
             attention_backend="triton",
             speculative_num_steps=1,
@@ -197,9 +194,11 @@ def test_hicache_with_a_draft_model(tmp_path_factory, drafter):
     follow it: nothing reported in either pool. DFLASH: sglang 0.5.12 registers the target's
     pool as the draft's, so no draft KV comes back with a prefix; the start-up log says so,
     the draft canary reports those draft slots (pool=draft) and the server serves on."""
-    draft_config, target_config, flags = DRAFTERS[drafter]
-    target = write_tiny_llama(tmp_path_factory.mktemp(f"hicache_{drafter}_target"), **target_config)
-    draft = write_tiny_llama(tmp_path_factory.mktemp(f"hicache_{drafter}_draft"), **draft_config)
+    write_pair, flags = DRAFTERS[drafter]
+    target, draft = write_pair(
+        tmp_path_factory.mktemp(f"hicache_{drafter}_target"),
+        tmp_path_factory.mktemp(f"hicache_{drafter}_draft"),
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KV_CANARY_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), env.get("PYTHONPATH", "")) if p)
     variant = dict(

@@ -64,6 +64,7 @@ from canary_support.script_run import load_support_script
 from canary_support.tiny_models import (
     DEEPSEEK_V3_MLA_DIMS,
     write_tiny_deepseek_v2,
+    write_tiny_dflash_pair,
     write_tiny_gemma4_pair,
     write_tiny_step3p5,
 )
@@ -915,23 +916,28 @@ DFLASH = dict(
 
 @pytest.fixture(scope="module")
 def dflash_models(tmp_path_factory):
-    """A four-layer tiny Llama target whose layers 0 and 1 feed the draft: sglang 0.5.12's
-    Llama captures layer k's output before layer k + 1 runs, so the last layer's output is
-    never captured (a two-layer target with ``target_layer_ids`` [0, 1] stopped the canary-off
-    server: "DFLASH target_hidden feature dim mismatch ... got shape=(64, 64)")."""
-    target = write_tiny_llama(tmp_path_factory.mktemp("target_dflash"), num_hidden_layers=4)
-    draft = write_tiny_llama(
-        tmp_path_factory.mktemp("dflash_draft"),
-        architectures=["DFlashDraftModel"],
-        num_hidden_layers=1,
-        dflash_config={
-            "block_size": 4,
-            "mask_token_id": 3,
-            "num_target_layers": 4,
-            "target_layer_ids": [0, 1],
-        },
+    """The tiny DFLASH pair (``write_tiny_dflash_pair``): a two-layer target with
+    ``target_layer_ids`` [0, 1] stopped the canary-off server ("DFLASH target_hidden feature
+    dim mismatch ... got shape=(64, 64)"): its last layer's output is never captured."""
+    return write_tiny_dflash_pair(
+        tmp_path_factory.mktemp("target_dflash"), tmp_path_factory.mktemp("dflash_draft")
     )
-    return target, draft
+
+
+def assert_dflash_faults_caught(models, worker: str, **engine_kwargs) -> None:
+    """Every fault class injected into the DFLASH pool ``worker`` names is caught (a log run).
+    The draft runner's forwards are draft blocks on borrowed slots, which draw no post-forward
+    fault (the verify's append rewrites them): its pool's faults are the req_to_token entries
+    and bytes its blocks read and the cached slots the sweep reads."""
+    env = dict(
+        EVERY_FAULT_ENV,
+        SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker,
+        SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB="0.4",
+        SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="20",
+    )
+    assert_every_fault_caught_in_a_log_run(
+        models, "spec_v1", env, "DFLASH", post_forward=worker == "target", **engine_kwargs
+    )
 
 
 @pytest.mark.parametrize("chunks", ["unchunked", "chunked"])
@@ -957,18 +963,8 @@ def test_dflash_clean_matches_canary_off(dflash_models, chunks):
 @pytest.mark.parametrize("worker", ["draft", "target"])
 def test_dflash_every_fault_class_is_caught_in_each_pool(dflash_models, worker):
     """Every fault class, injected into the DFLASH draft pool only and into the target pool
-    only, is caught. The draft runner's forwards are draft blocks on borrowed slots, which draw
-    no post-forward fault (the verify's append rewrites them): its pool's faults are the
-    req_to_token entries and bytes its blocks read and the cached slots the sweep reads."""
-    env = dict(
-        EVERY_FAULT_ENV,
-        SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker,
-        SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB="0.4",
-        SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="20",
-    )
-    assert_every_fault_caught_in_a_log_run(
-        dflash_models, "spec_v1", env, "DFLASH", post_forward=worker == "target", **DFLASH
-    )
+    only, is caught."""
+    assert_dflash_faults_caught(dflash_models, worker, **DFLASH)
 
 
 # DFLASH at page size 16: the draft block and the verify each continue a request's last page
@@ -987,15 +983,7 @@ def test_dflash_paged_clean_matches_canary_off(dflash_models):
 
 @pytest.mark.parametrize("worker", ["draft", "target"])
 def test_dflash_paged_every_fault_class_is_caught_in_each_pool(dflash_models, worker):
-    env = dict(
-        EVERY_FAULT_ENV,
-        SGLANG_KV_CANARY_PERTURB_TARGET_WORKER=worker,
-        SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB="0.4",
-        SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="20",
-    )
-    assert_every_fault_caught_in_a_log_run(
-        dflash_models, "spec_v1", env, "DFLASH", post_forward=worker == "target", **PAGED_DFLASH
-    )
+    assert_dflash_faults_caught(dflash_models, worker, **PAGED_DFLASH)
 
 
 # ---- FROZEN_KV_MTP: a Gemma4 MTP assistant reading the target's KV ---------------------------

@@ -24,7 +24,7 @@ from typing import List
 import pytest
 import torch
 
-from eagle_driver import EagleDriver
+from eagle_driver import EagleDriver, token_allocator
 from serving_driver import VOCAB, DriverReq, next_token
 from sglang.srt.kv_canary import plugin
 from sglang.srt.kv_canary import sglang_seam as seam
@@ -32,7 +32,6 @@ from sglang.srt.kv_canary.builder import build_canary
 from sglang.srt.kv_canary.capacities import CanaryCapacityInputs
 from sglang.srt.kv_canary.config import CanaryConfig
 from sglang.srt.kv_canary.ranks import RankFacts
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.common import get_last_loc_torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -79,15 +78,7 @@ class DFlashDriver:
         )
         self.target_pool = MHATokenToKVPool(layer_num=2, **kw)
         self.draft_pool = MHATokenToKVPool(layer_num=2, **kw)  # a 2-layer DFlashDraftModel
-        self.allocator = (
-            TokenToKVPoolAllocator(
-                num_slots, torch.bfloat16, "cpu", self.target_pool, need_sort=False
-            )
-            if page_size == 1
-            else PagedTokenToKVPoolAllocator(
-                num_slots, page_size, torch.bfloat16, "cpu", self.target_pool, need_sort=False
-            )
-        )
+        self.allocator = token_allocator(num_slots, page_size, self.target_pool)
         config = CanaryConfig(
             mode="raise",
             real_kv_hash_mode="partial",

@@ -8,7 +8,7 @@ writes a bare ``config.json``
 
 from __future__ import annotations
 
-from sglang.srt.kv_canary.demo.server_harness import write_model_config
+from sglang.srt.kv_canary.demo.server_harness import write_model_config, write_tiny_llama
 
 # A tiny DeepSeek-V2-shaped MLA model (dense MLP on every layer: first_k_dense_replace = the
 # layer count). sglang 0.5.12's CPU engine builds its MLATokenToKVPool; it serves it with the
@@ -268,6 +268,25 @@ def write_tiny_gemma4_pair(target_dir, draft_dir) -> tuple:
         write_model_config(target_dir, TINY_GEMMA4_TEXT_CONFIG),
         write_model_config(draft_dir, TINY_GEMMA4_ASSISTANT_CONFIG),
     )
+
+
+def write_tiny_dflash_pair(target_dir, draft_dir) -> tuple:
+    """Write a four-layer tiny Llama target and a one-layer ``DFlashDraftModel`` (block size 4,
+    fed by target layers 0 and 1: sglang 0.5.12's Llama captures layer k's output before layer
+    k + 1 runs, so the last layer's output is never captured) ``config.json`` files; returns
+    (target dir, draft dir)."""
+    draft = write_tiny_llama(
+        draft_dir,
+        architectures=["DFlashDraftModel"],
+        num_hidden_layers=1,
+        dflash_config={
+            "block_size": 4,
+            "mask_token_id": 3,
+            "num_target_layers": 4,
+            "target_layer_ids": [0, 1],
+        },
+    )
+    return write_tiny_llama(target_dir, num_hidden_layers=4), draft
 
 
 # A tiny Step-3.5 (``Step3p5ForCausalLM``: hybrid sliding window 3:1, MoE on two layers, three

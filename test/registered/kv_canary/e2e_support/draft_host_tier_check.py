@@ -20,6 +20,7 @@ import types
 import torch
 
 from engine_main import RESULT_TAG, emit
+from host_tier_check import tiny_pool
 from sglang.srt.plugins import load_plugins
 
 from sglang.srt.kv_canary import sglang_seam as seam
@@ -30,22 +31,8 @@ from sglang.srt.kv_canary.memory import MemoryPart
 from sglang.srt.kv_canary.ranks import RankFacts
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.managers.scheduler import Scheduler
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost
-
-
-def _pool(layers):
-    return MHATokenToKVPool(
-        size=64,
-        page_size=1,
-        dtype=torch.bfloat16,
-        head_num=2,
-        head_dim=8,
-        layer_num=layers,
-        device="cpu",
-        enable_memory_saver=False,
-        enable_alt_stream=False,
-    )
 
 
 def _rows_moved(manager, dev, new, before):
@@ -62,7 +49,7 @@ if __name__ == "__main__":
     r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
     config = CanaryConfig(mode="raise", real_kv_hash_mode="partial")
     caps = CanaryCapacityInputs(context_len=64, chunked_prefill_size=16, max_prefill_tokens=64)
-    target_pool, draft_pool = _pool(2), _pool(1)
+    target_pool, draft_pool = tiny_pool(2), tiny_pool(1)
     common = dict(req_to_token=r2t.req_to_token, config=config, device="cpu", capacity_inputs=caps)
     target = build_canary(pool=target_pool, **common)
     draft = build_canary(pool=draft_pool, ranks=RankFacts(draft=True, draft_steps=3), **common)
@@ -98,7 +85,7 @@ if __name__ == "__main__":
     draft_host = controller.mem_pool_host_draft
     # what sglang's registration gives a draft pool without a canary
     bare_draft_host = MHATokenToKVPoolHost(
-        _pool(2 if dflash else 1),
+        tiny_pool(2 if dflash else 1),
         host_to_device_ratio=host.size / 64,
         host_size=0,
         page_size=1,

@@ -19,14 +19,15 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost
 
 
-def _pool():
+def tiny_pool(layers: int = 2):
+    """A 64-slot ``MHATokenToKVPool`` on the CPU (2 KV heads of 8, bfloat16)."""
     return MHATokenToKVPool(
         size=64,
         page_size=1,
         dtype=torch.bfloat16,
         head_num=2,
         head_dim=8,
-        layer_num=2,
+        layer_num=layers,
         device="cpu",
         enable_memory_saver=False,
         enable_alt_stream=False,
@@ -48,7 +49,7 @@ def _host_sizes(manager, pool):
     """Host slots with and without the canary, in ratio and size mode (the plugin's hook on
     HostKVCache.__init__ sizes a guarded pool's host pool), and a ratio the mirror cannot
     fit."""
-    bare = _pool()
+    bare = tiny_pool()
     out = {"kv_per_token": 2 * 2 * 8 * 2 * 2, "mirror_per_slot": manager.host_mirror_bytes_per_slot}
     for label, kw in (("ratio", dict(ratio=3.0)), ("size", dict(size_gb=0.0001))):
         out[label] = {"off": _host(bare, **kw).size, "on": _host(pool, **kw).size}
@@ -68,7 +69,7 @@ def _memory_host_mirror(manager, mirror):
 
 if __name__ == "__main__":
     load_plugins()  # the plugin's hooks, as in a server process
-    pool = _pool()
+    pool = tiny_pool()
     r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
     config = CanaryConfig(
         mode="raise", real_kv_hash_mode="partial", real_data_layers="all", enable_mha_v=True
