@@ -68,6 +68,9 @@ def test_every_mtp_step_writes_layer_0s_pool_under_its_canary(canary_env, caplog
     messages = [r.getMessage() for r in caplog.records]
     assert any("no token checks on the multi-layer EAGLE draft pool" in m for m in messages)
     assert sum("shares MTP layer 0's canary" in m for m in messages) == 2, messages
+    # the draft's installed line says what that canary checks (its own config)
+    installed = [m for m in messages if m.startswith("kv_canary installed on the EAGLE draft")]
+    assert len(installed) == 1 and " token_checks=off " in installed[0], installed
 
 
 def test_an_mtp_step_without_the_canary_leaves_records_the_kv_disagrees_with(canary_env):

@@ -272,7 +272,7 @@ def install_canary(
     logger.info(
         "kv_canary installed%s: %s pool=%s groups=%d capacities=%s %s",
         f" on the {draft_worker_name(spec.algorithm)} draft worker" if draft else "",
-        config.describe(),
+        manager.config.describe(),
         type(runner.kv_pool).__name__,
         len(manager.groups),
         manager.capacities,
