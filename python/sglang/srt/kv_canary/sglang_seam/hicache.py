@@ -3,7 +3,7 @@
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
 | HiCache host pool sizing (``HostKVCache.__init__``) | hook target: its ``host_to_device_ratio`` / ``host_size`` arguments; reads the device pool's ``size`` and per-token row bytes (``k_buffer`` / ``v_buffer`` / ``kv_buffer``); the builder sets ``kv_canary_manager`` on the guarded pool | ``memory_budget``, ``builder`` |
-| ``Scheduler._maybe_register_hicache_draft`` (hooked, AFTER); ``HiCacheController.has_draft``, ``.mem_pool_device_draft``, ``.mem_pool_host_draft`` | a speculative draft pool's own host pool (one host slot per target host slot), whose copies the draft canary's mirror wraps | ``plugin``, ``manager.scheduler_side`` |
+| ``Scheduler._maybe_register_hicache_draft`` (hooked, AROUND: its host pool built at sglang's size); ``HiCacheController.has_draft``, ``.mem_pool_device_draft``, ``.mem_pool_host_draft`` | a speculative draft pool's own host pool (one host slot per target host slot), whose copies the draft canary's mirror wraps | ``plugin``, ``manager.scheduler_side`` |
 | HiCache (``HiRadixCache.cache_controller``: ``mem_pool_host``, ``load_stream``; host pool ``size``, ``page_size``, ``layout``, ``k_buffer`` / ``v_buffer`` / ``kv_buffer``, ``backup_from_device_all_layer``, ``load_to_device_per_layer``; nodes' ``host_value``, ``id``; ``ongoing_write_through``; the device pool's ``layer_transfer_counter``) | wraps the host pool's two copy methods on the instance to copy the canary rows with the KV; waits for loads before reading records; lists host-resident pages; flips a host byte (``host_kv`` self-test) | ``manager.hicache``, ``perturb`` |
 """
 
