@@ -79,6 +79,24 @@ def token_allocator(num_slots: int, page_size: int, kvcache) -> TokenToKVPoolAll
     )
 
 
+def alloc_paged_columns(allocator, last_loc, starts, ends, who: str) -> List[List[int]]:
+    """Slots for columns ``[start, end)`` of each row from one ``alloc_extend`` of the batch,
+    as sglang's ``alloc_paged_token_slots_extend`` takes them (each row continues its last
+    partial page from ``last_loc``, the slot at column ``start - 1``, then whole pages)."""
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    pre, seq = i64(starts), i64(ends)
+    out = allocator.alloc_extend(
+        pre, pre, seq, seq, last_loc.to(torch.int64), int(sum(ends) - sum(starts))
+    )
+    if out is None:
+        raise RuntimeError(f"{who}: KV pool exhausted")
+    got, at = [], 0
+    for b, e in zip(starts, ends):
+        got.append(out[at : at + e - b].tolist())
+        at += e - b
+    return got
+
+
 def tiny_mha_pool(size: int) -> MHATokenToKVPool:
     """A one-layer real ``MHATokenToKVPool`` on the CPU (2 KV heads of 8, bfloat16): an EAGLE
     head's pool, for the tests that build a draft canary on their own."""
@@ -327,18 +345,9 @@ class EagleDriver:
         ``req_to_token[row, start - 1]``, then take whole pages)."""
         if self.page_size == 1:
             return [self._alloc(e - b) for b, e in zip(starts, ends)]
-        i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-        pre, seq = i64(starts), i64(ends)
-        out = self.allocator.alloc_extend(
-            pre, pre, seq, seq, self.last_loc(reqs, starts), int(sum(ends) - sum(starts))
+        return alloc_paged_columns(
+            self.allocator, self.last_loc(reqs, starts), starts, ends, "eagle driver"
         )
-        if out is None:
-            raise RuntimeError("eagle driver: KV pool exhausted")
-        got, at = [], 0
-        for b, e in zip(starts, ends):
-            got.append(out[at : at + e - b].tolist())
-            at += e - b
-        return got
 
     def last_loc(self, reqs: List[DriverReq], starts: List[int]) -> torch.Tensor:
         """sglang's ``get_last_loc`` (its torch path): each request's slot at column ``start

@@ -24,7 +24,7 @@ from typing import List
 import pytest
 import torch
 
-from eagle_driver import EagleDriver, token_allocator
+from eagle_driver import EagleDriver, alloc_paged_columns, token_allocator
 from serving_driver import VOCAB, DriverReq, next_token
 from sglang.srt.kv_canary import plugin
 from sglang.srt.kv_canary import sglang_seam as seam
@@ -142,20 +142,10 @@ class DFlashDriver:
         last partial page, from the slot at ``req_to_token[row, start - 1]``."""
         if self.page_size == 1:
             return [self.allocator.alloc(e - b).tolist() for b, e in zip(starts, ends)]
-        i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-        pre, seq = i64(starts), i64(ends)
-        rows = i64([r.row for r in reqs])
-        last = get_last_loc_torch(self.req_to_token_pool.req_to_token, rows, pre)
-        out = self.allocator.alloc_extend(
-            pre, pre, seq, seq, last.to(torch.int64), int(sum(ends) - sum(starts))
-        )
-        if out is None:
-            raise RuntimeError("dflash driver: KV pool exhausted")
-        got, at = [], 0
-        for b, e in zip(starts, ends):
-            got.append(out[at : at + e - b].tolist())
-            at += e - b
-        return got
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        last = get_last_loc_torch(self.req_to_token_pool.req_to_token, rows, starts_t)
+        return alloc_paged_columns(self.allocator, last, starts, ends, "dflash driver")
 
     def step(self) -> None:
         pre = [r for r in self.running if not r.prefilled]
