@@ -57,9 +57,10 @@
 #   spec_ngram_clean     test/registered/kv_canary/test_e2e_speculative_gpu.py -k ngram and clean and not paged
 #   spec_ngram_faults    test/registered/kv_canary/test_e2e_speculative_gpu.py -k ngram and every_fault and not paged
 #   spec_ngram_paged     test/registered/kv_canary/test_e2e_speculative_gpu.py -k ngram and paged
-#   spec_dflash_clean    test/registered/kv_canary/test_e2e_speculative_gpu.py -k dflash and clean and not paged
-#   spec_dflash_faults   test/registered/kv_canary/test_e2e_speculative_gpu.py -k dflash and every_fault and not paged
+#   spec_dflash_clean    test/registered/kv_canary/test_e2e_speculative_gpu.py -k dflash and clean and not paged and not window
+#   spec_dflash_faults   test/registered/kv_canary/test_e2e_speculative_gpu.py -k dflash and every_fault and not paged and not window
 #   spec_dflash_paged    test/registered/kv_canary/test_e2e_speculative_gpu.py -k dflash and paged
+#   spec_dflash_window   test/registered/kv_canary/test_e2e_speculative_gpu.py -k dflash and window
 #   spec_oracle          test/registered/kv_canary/test_e2e_speculative_gpu.py -k token_oracle and outputs
 #   spec_oracle_swap     test/registered/kv_canary/test_e2e_speculative_gpu.py -k token_oracle and swap
 #   spec_frozen_kv_mtp_clean test/registered/kv_canary/test_e2e_speculative_gpu.py -k frozen_kv_mtp and clean

@@ -16,8 +16,8 @@ verifies and extends), ``speculative_num_steps`` 3, ``topk`` 1, 4 draft tokens:
   another shape (3 layers, 1 KV head), its own ``MHATokenToKVPool``; Triton attention.
 - ``DFLASH`` (spec v1: sglang runs it only there): a four-layer tiny Llama target and a
   one-layer ``DFlashDraftModel`` (block size 4, fed by the hidden states of target layers 0
-  and 1, an explicit mask token id), its own ``MHATokenToKVPool`` written by the draft KV appends; Triton
-  attention.
+  and 1, an explicit mask token id), its own ``MHATokenToKVPool`` written by the draft KV appends,
+  without and with a draft window of 16 (sglang's compact draft table); Triton attention.
 - ``FROZEN_KV_MTP`` (spec v1 only): a four-layer tiny Gemma4 target whose last sliding and full
   layers are KV-shared (an ``SWAKVPool``) and a two-layer Gemma4 MTP assistant that reads the
   target's KV and writes none: the target canary only (no fault in a draft pool: it has
@@ -70,7 +70,7 @@ from canary_support.tiny_models import (
 )
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=9940, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=10360, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -98,9 +98,10 @@ GPU_LANES = {
     "spec_ngram_clean": ("ngram and clean and not paged", 220),
     "spec_ngram_faults": ("ngram and every_fault and not paged", 150),
     "spec_ngram_paged": ("ngram and paged", 300),
-    "spec_dflash_clean": ("dflash and clean and not paged", 300),
-    "spec_dflash_faults": ("dflash and every_fault and not paged", 250),
+    "spec_dflash_clean": ("dflash and clean and not paged and not window", 300),
+    "spec_dflash_faults": ("dflash and every_fault and not paged and not window", 250),
     "spec_dflash_paged": ("dflash and paged", 320),
+    "spec_dflash_window": ("dflash and window", 420),
     "spec_oracle": ("token_oracle and outputs", 420),
     "spec_oracle_swap": ("token_oracle and swap", 260),
     "spec_frozen_kv_mtp_clean": ("frozen_kv_mtp and clean", 200),
@@ -984,6 +985,31 @@ def test_dflash_paged_clean_matches_canary_off(dflash_models):
 @pytest.mark.parametrize("worker", ["draft", "target"])
 def test_dflash_paged_every_fault_class_is_caught_in_each_pool(dflash_models, worker):
     assert_dflash_faults_caught(dflash_models, worker, **PAGED_DFLASH)
+
+
+# DFLASH with a draft window: the draft runner keeps its own compact req_to_token (a request's
+# last W' = min(16, L) committed positions, widened to a page boundary at page size 16); its
+# blocks carry seq_lens W' and the absolute positions, and the draft canary maps positions
+# through the target's table (docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4")
+WINDOW_DFLASH = dict(DFLASH, speculative_draft_window_size=16)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_dflash_window_clean_matches_canary_off(dflash_models, page_size):
+    """DFLASH with ``--speculative-draft-window-size 16`` (prompts longer than the window,
+    the radix cache on): sglang's compact draft cache on (its own start-up line), outputs
+    equal to the canary off's, no violation in either pool."""
+    kw = dict(WINDOW_DFLASH, page_size=page_size)
+    out, on, off = run_clean_pair(dflash_models, "spec_v1", **kw)
+    assert "draft_window_size=16, compact_cache=True" in out, out[-4000:]
+    assert "kv_canary installed on the DFLASH draft worker: mode=raise" in out, out[-4000:]
+    assert_clean_and_both_canaries_reserved(out, on, off)
+
+
+def test_dflash_window_every_fault_class_is_caught_in_the_draft_pool(dflash_models):
+    """Every fault class injected into the draft pool of a DFLASH server with a draft window
+    is caught (the target pool's faults do not depend on the draft's window)."""
+    assert_dflash_faults_caught(dflash_models, "draft", **WINDOW_DFLASH)
 
 
 # ---- FROZEN_KV_MTP: a Gemma4 MTP assistant reading the target's KV ---------------------------

@@ -23,6 +23,7 @@ from sglang.jit_kernel.kv_canary.consts import (
     STAGE_B_INT32,
     STAGE_OP_COPY,
     STAGE_OP_FILL,
+    STAGE_OP_STRIDE,
     STAGE_OP_SUB,
     STAGE_TABLE_NUMEL,
 )
@@ -237,6 +238,29 @@ def test_plan_input_normalises_each_mode_from_sglang_dtypes(mode, fill):
         assert rpi.tolist() == [2, 3, 0, 0]
 
 
+@pytest.mark.parametrize("fill", ["staged", "fill_from_forward_batch"])
+@pytest.mark.parametrize("positions_dtype", [torch.int64, torch.int32])
+def test_a_dflash_draft_blocks_prefix_is_each_rows_first_position(fill, positions_dtype):
+    """DFLASH's draft block (``block_prefix_from_positions``): ``seq_lens`` holds the draft's
+    compact window ``W'`` (here 8 and 5), the positions run ``L .. L + B - 1`` per row (L = 40
+    and 13, B = 4): both fills give prefix ``L``, read every B-th position (a strided copy
+    in the staging kernel), extend ``B``; a runner without the flag keeps ``seq_lens``."""
+    positions = [40 + j for j in range(4)] + [13 + j for j in range(4)]
+    block = lambda: _mode_batch(  # noqa: E731
+        ForwardMode.TARGET_VERIFY, [2, 3], seq=[8, 5], positions=positions, draft=4
+    )
+    pi = PlanInput(write_req_capacity=4, device="cpu", block_prefix_from_positions=True)
+    fb = block()
+    fb.positions = fb.positions.to(positions_dtype)
+    _, p, e = _staged(pi, fb) if fill == "staged" else pi.fill_from_forward_batch(fb)
+    assert p[:2].tolist() == [40, 13] and e[:2].tolist() == [4, 4]
+    plain = PlanInput(write_req_capacity=4, device="cpu")
+    _, p, _ = (
+        _staged(plain, block()) if fill == "staged" else plain.fill_from_forward_batch(block())
+    )
+    assert p[:2].tolist() == [8, 5]
+
+
 def test_staging_refuses_a_batch_field_it_cannot_read_by_address():
     """The staging kernel reads sglang's tensors through their addresses: a field that is not
     a contiguous int32 / int64 vector on the canary's device is refused, naming it."""
@@ -253,9 +277,10 @@ def test_staging_refuses_a_batch_field_it_cannot_read_by_address():
 
 @pytest.mark.parametrize("interpret", [True, False])
 def test_the_staging_kernel_and_its_reference_stage_the_same_values(interpret, monkeypatch):
-    """Copies from int32 and int64 sources, fills and differences (of every source dtype
-    pair), sized past the kernel's block, entries past the count ignored: Triton's kernel (in
-    its interpreter) and the torch reference write the same values, and nothing else."""
+    """Copies from int32 and int64 sources, fills, differences (of every source dtype pair)
+    and strided copies (every B-th element, from either dtype), sized past the kernel's
+    block, entries past the count ignored: Triton's kernel (in its interpreter) and the torch
+    reference write the same values, and nothing else."""
     monkeypatch.setattr(_launch, "TRITON_INTERPRET", interpret)
     g = torch.Generator().manual_seed(3)
     n = 2500  # more than one block of the kernel
@@ -264,7 +289,9 @@ def test_the_staging_kernel_and_its_reference_stage_the_same_values(interpret, m
         return torch.randint(-(1 << 30), 1 << 30, (n,), generator=g).to(dtype)
 
     a64, a32, b64, b32 = src(torch.int64), src(torch.int32), src(torch.int64), src(torch.int32)
-    outs = [torch.full((n + 3,), -7, dtype=torch.int64) for _ in range(7)]
+    outs = [torch.full((n + 3,), -7, dtype=torch.int64) for _ in range(9)]
+    # strided sources: n // 3 + 1 elements of a64 every 3rd, n // 5 of a32 every 5th
+    n3, n5 = n // 3 + 1, n // 5
     table = StageTable(torch.device("cpu"))
     table.put(outs[0].data_ptr(), n, STAGE_OP_COPY, a64.data_ptr())
     table.put(outs[1].data_ptr(), n - 1, STAGE_OP_COPY | STAGE_A_INT32, a32.data_ptr())
@@ -279,6 +306,8 @@ def test_the_staging_kernel_and_its_reference_stage_the_same_values(interpret, m
     )
     table.put(outs[5].data_ptr(), n, STAGE_OP_SUB | STAGE_B_INT32, a64.data_ptr(), b32.data_ptr())
     table.put(outs[6].data_ptr(), 0, STAGE_OP_FILL, 0, 1)  # nothing: no entry
+    table.put(outs[7].data_ptr(), n3, STAGE_OP_STRIDE, a64.data_ptr(), 3)
+    table.put(outs[8].data_ptr(), n5, STAGE_OP_STRIDE | STAGE_A_INT32, a32.data_ptr(), 5)
     cpu = torch.device("cpu")
     launch_stage_inputs_kernel(table=table.tables[table.send()], device=cpu)
     i64 = torch.int64
@@ -290,6 +319,8 @@ def test_the_staging_kernel_and_its_reference_stage_the_same_values(interpret, m
         a32.to(i64) - b32.to(i64),
         a64 - b32.to(i64),
         torch.zeros(0, dtype=i64),
+        a64[::3][:n3],
+        a32[::5][:n5].to(i64),
     ]
     for out, want in zip(outs, expected):
         k = want.shape[0]

@@ -300,13 +300,14 @@ def test_the_staging_kernel_replays_with_the_table_rewritten():
     """The staging kernel captured once per staging table (pinned host memory the kernel
     reads in place, as an eager forward's side half does), the host rewriting the tables in
     turn between replays: every replay stages the sources of its table's latest contents
-    (int32 and int64 copies, fills, differences, a shorter batch leaving the rest of the
-    destination as the earlier one wrote it). And a table whose reader is still queued is
+    (int32 and int64 copies, fills, differences, strided copies, a shorter batch leaving the
+    rest of the destination as the earlier one wrote it). And a table whose reader is still queued is
     not rewritten under it: ``send`` waits for that reader."""
     from sglang.jit_kernel.kv_canary.consts import (
         STAGE_A_INT32,
         STAGE_OP_COPY,
         STAGE_OP_FILL,
+        STAGE_OP_STRIDE,
         STAGE_OP_SUB,
     )
     from sglang.jit_kernel.kv_canary.stage_inputs import launch_stage_inputs_kernel
@@ -315,7 +316,7 @@ def test_the_staging_kernel_replays_with_the_table_rewritten():
     dev = torch.device("cuda")
     table = StageTable(dev)
     assert all(t.is_pinned() and t.device.type == "cpu" for t in table.tables)
-    dst = [torch.full((3000,), -1, dtype=torch.int64, device=dev) for _ in range(3)]
+    dst = [torch.full((3000,), -1, dtype=torch.int64, device=dev) for _ in range(4)]
     launch_stage_inputs_kernel(table=table.tables[0], device=dev)  # compile (0 entries)
     torch.cuda.synchronize()
     graphs = [torch.cuda.CUDAGraph() for _ in table.tables]
@@ -323,7 +324,7 @@ def test_the_staging_kernel_replays_with_the_table_rewritten():
         with torch.cuda.graph(graph):
             launch_stage_inputs_kernel(table=t, device=dev)
     gen = torch.Generator().manual_seed(5)
-    expected = [torch.full((3000,), -1, dtype=torch.int64) for _ in range(3)]
+    expected = [torch.full((3000,), -1, dtype=torch.int64) for _ in range(4)]
     for n in (3000, 17, 2049, 1, 700):
         a32 = torch.randint(0, 1 << 30, (n,), generator=gen, dtype=torch.int32).to(dev)
         a64 = torch.randint(0, 1 << 40, (n,), generator=gen).to(dev)
@@ -332,12 +333,17 @@ def test_the_staging_kernel_replays_with_the_table_rewritten():
             dst[1].data_ptr(), n, STAGE_OP_SUB | STAGE_A_INT32, a32.data_ptr(), a64.data_ptr()
         )
         table.put(dst[2].data_ptr(), n, STAGE_OP_FILL, 0, n)
+        # every 4th element of a32 (as a DFLASH draft block's row starts: positions[row * B])
+        table.put(
+            dst[3].data_ptr(), (n + 3) // 4, STAGE_OP_STRIDE | STAGE_A_INT32, a32.data_ptr(), 4
+        )
         graphs[table.send()].replay()
         table.mark_read()
         torch.cuda.synchronize()
         expected[0][:n] = a32.cpu().to(torch.int64)
         expected[1][:n] = a32.cpu().to(torch.int64) - a64.cpu()
         expected[2][:n] = n
+        expected[3][: (n + 3) // 4] = a32.cpu()[::4].to(torch.int64)
         for got, want in zip(dst, expected):
             assert torch.equal(got.cpu(), want)
     # a reader queued behind ~0.2 s of device work: the table it reads is written again two

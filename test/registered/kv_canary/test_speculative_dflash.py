@@ -12,7 +12,15 @@ the target's verify of ``[bonus, drafts]`` at ``L .. L + B - 1`` with a random c
 (the rest freed at once; at page size > 1, as sglang's ``_compute_paged_keep_slots`` says: the
 slots up to the committed length's page end stay allocated, and the next block and verify
 continue in them), and the append of the committed positions. Requests may start from another
-request's committed prefix (a radix hit: its slots shared; whole pages at page size > 1)."""
+request's committed prefix (a radix hit: its slots shared; whole pages at page size > 1).
+
+With a draft window (``--speculative-draft-window-size W``) the draft runner keeps its own
+compact ``ReqToTokenPool``, as sglang's does: after each append a request's row holds the
+target's slots of its last ``W'`` committed positions (``W' = min(W, L)``, widened to the page
+boundary at page size > 1: ``_compute_compact_draft_seq_lens``), and the draft block puts its
+borrowed slots at columns ``W' .. W' + B - 1`` of that row with ``seq_lens`` = ``W'`` and the
+absolute positions ``L .. L + B - 1``. The draft canary maps positions through the target's
+table (the plugin's ``DFlashWorker.__init__`` hook hands it to the install)."""
 
 from __future__ import annotations
 
@@ -58,14 +66,33 @@ class DFlashDriver:
     both continuing the row's last page from ``req_to_token[row, L - 1]``)."""
 
     def __init__(
-        self, *, block=4, seed=0, verify_tokens=True, num_slots=2048, chunk=16, page_size=1
+        self,
+        *,
+        block=4,
+        seed=0,
+        verify_tokens=True,
+        num_slots=2048,
+        chunk=16,
+        page_size=1,
+        window=None,
     ):
         self.B, self.chunk, self.rng = block, chunk, random.Random(seed)
         self.page_size = page_size
+        self.window = window
         self.bug = None
         self.req_to_token_pool = ReqToTokenPool(
             size=8, max_context_len=256, device="cpu", enable_memory_saver=False
         )
+        # the draft runner's own table: the target's without a window, else a compact one
+        self.draft_req_to_token_pool = (
+            self.req_to_token_pool
+            if window is None
+            else ReqToTokenPool(
+                size=8, max_context_len=256, device="cpu", enable_memory_saver=False
+            )
+        )
+        self.draft_lens = {}  # rid -> W', the draft's resident length after the last append
+        self.windowed_blocks = 0  # block rows whose window W' < L
         kw = dict(
             size=num_slots,
             page_size=page_size,
@@ -102,7 +129,13 @@ class DFlashDriver:
         self.draft_runner = types.SimpleNamespace(is_draft_worker=True)
         seam.set_runner_canary(self.draft_runner, self.draft)
         self.worker = types.SimpleNamespace(draft_model_runner=self.draft_runner)
-        plugin._after_dflash_init(None, self.worker)
+        # (the install inside it maps positions through the target's table: r2t above)
+        target_worker = types.SimpleNamespace(
+            model_runner=types.SimpleNamespace(req_to_token_pool=self.req_to_token_pool)
+        )
+        plugin._dflash_init(
+            lambda worker, target_worker: None, self.worker, target_worker=target_worker
+        )
         self.running: List[DriverReq] = []
         self.done: List[DriverReq] = []
         self.next_rid = 1
@@ -255,8 +288,24 @@ class DFlashDriver:
             plugin._dflash_write(
                 DFlashDriver._write_sequential, self, draft_input.target_hidden, pos, slots
             )
+        if self.window is not None:
+            self._rebuild_compact_rows(batch)
         draft_input.ctx_lens = torch.zeros_like(draft_input.ctx_lens)
         draft_input.target_hidden = draft_input.target_hidden[:0]
+
+    def _rebuild_compact_rows(self, batch) -> None:
+        """sglang's compact rewrite after an append: row ``[0, W')`` = the target's slots of
+        positions ``[L - W', L)``, ``W'`` from ``_compute_compact_draft_seq_lens``."""
+        target = self.req_to_token_pool.req_to_token
+        compact = self.draft_req_to_token_pool.req_to_token
+        for req, row, L in zip(
+            batch.reqs, batch.req_pool_indices.tolist(), batch.seq_lens.tolist()
+        ):
+            visible = min(self.window, L)
+            start = L - visible
+            start -= start % self.page_size
+            compact[row, : L - start] = target[row, start:L]
+            self.draft_lens[req.rid] = L - start
 
     def _write_sequential(self, ctx_hidden, ctx_positions, ctx_cache_loc) -> None:
         """The draft layers' KV of each position (stand-in bytes of the position)."""
@@ -272,13 +321,20 @@ class DFlashDriver:
         bonus = [r.tokens[r.kv_len] for r in reqs]
         block_slots = {}
 
+        # the draft's resident lengths: W' with a window (the compact rows), else L
+        W = [self.draft_lens[r.rid] for r in reqs] if self.window is not None else L
+        self.windowed_blocks += sum(w < l for w, l in zip(W, L))
+
         def prepare(_worker, _batch):  # _prepare_for_speculative_decoding's draft block
             backup = self.allocator.backup_state()
+            draft_r2t = self.draft_req_to_token_pool.req_to_token
             try:
+                # the row's last page continues from column W' - 1 of the draft's table, which
+                # holds the target's slot of position L - 1 (with or without a window)
                 columns = self._alloc_columns(reqs, L, [l + B for l in L])
                 loc = torch.tensor([s for c in columns for s in c], dtype=torch.int64)
-                for r, start, got in zip(reqs, L, columns):
-                    self._set(r, start, got)
+                for r, start, got in zip(reqs, W, columns):
+                    draft_r2t[r.row, start : start + B] = torch.tensor(got, dtype=torch.int32)
                     block_slots[r.rid] = got
                 i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
                 fb = ForwardBatch(  # built by hand, as DFlashWorker does: no init_new
@@ -286,10 +342,10 @@ class DFlashDriver:
                     batch_size=bs,
                     input_ids=i64([t for b in bonus for t in [b] + [MASK] * (B - 1)]),
                     req_pool_indices=i64([r.row for r in reqs]),
-                    seq_lens=torch.tensor(L, dtype=torch.int32),
+                    seq_lens=torch.tensor(W, dtype=torch.int32),
                     out_cache_loc=loc.to(torch.int64),
-                    seq_lens_sum=sum(L),
-                    seq_lens_cpu=torch.tensor(L, dtype=torch.int32),
+                    seq_lens_sum=sum(W),
+                    seq_lens_cpu=torch.tensor(W, dtype=torch.int32),
                     positions=i64([l + j for l in L for j in range(B)]),
                     spec_info=DFlashVerifyInput(
                         draft_token=torch.empty((0,), dtype=torch.long),
@@ -393,23 +449,30 @@ def _reasons(report: str) -> set:
     }
 
 
-def _driver(page_size: int, seed: int) -> DFlashDriver:
+def _driver(page_size: int, seed: int, window=None) -> DFlashDriver:
     # pages of 16 hold more slots per request, and done requests keep theirs
-    return DFlashDriver(seed=seed, page_size=page_size, num_slots=2048 * page_size)
+    return DFlashDriver(seed=seed, page_size=page_size, num_slots=2048 * page_size, window=window)
 
 
-@pytest.mark.parametrize("page_size,seed", [(1, 0), (1, 1), (1, 2), (16, 0), (16, 1)])
-def test_a_clean_dflash_workload_reports_nothing(page_size, seed):
+@pytest.mark.parametrize(
+    "page_size,seed,window",
+    [(1, 0, None), (1, 1, None), (1, 2, None), (16, 0, None), (16, 1, None)]
+    + [(1, 0, 8), (1, 1, 5), (16, 0, 8), (16, 1, 20)],
+)
+def test_a_clean_dflash_workload_reports_nothing(page_size, seed, window):
     """Chunked prefills with appends, verifies with random commit lengths and their appends,
     draft blocks on borrowed slots, requests sharing another's committed prefix: no report,
     and both canaries did their work (the draft one's verifies ran in the blocks, its writes
-    in the appends, with the chain-position check on)."""
-    d = _driver(page_size, seed)
+    in the appends, with the chain-position check on). With a draft window, most blocks
+    read a compact row shorter than the committed length."""
+    d = _driver(page_size, seed, window)
     d.workload(120)
     assert d.rounds > 20 and d.appends > d.rounds and d.commits_below_block > 5
     assert len(d.done) >= 4 and d.shares >= 2
     if page_size > 1:
         assert d.partial_page_rows > 10
+    if window is not None:
+        assert d.windowed_blocks > 20
     assert d.draft.count_violations() == 0 and d.target.count_violations() == 0
     assert d.draft.state.enable_chain_position_assert.item() == 1
     assert d.draft.groups[0].kv_token_id_vs_position_offset == 0
@@ -429,23 +492,44 @@ def test_a_flipped_draft_byte_at_a_committed_position_is_reported_by_the_next_bl
     assert "verify_real_kv_hash" in _reasons(report) and f"slot_idx={slot}" in report
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("where", ["in_window", "before_window"])
+def test_with_a_draft_window_a_flipped_draft_byte_is_reported_by_the_next_block(page_size, where):
+    """With ``--speculative-draft-window-size`` 8 the block's ``seq_lens`` is the compact
+    ``W'``, not ``L``: a flipped byte at committed position ``L - 2`` (in the window, past
+    column ``W'``) is reported at the next block, whose prefix is ``L`` (its first position);
+    so is one before the window: the block verifies ``[0, L)``, a superset of what it reads
+    (docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4 Changes to the canary")."""
+    d = _driver(page_size, seed=3, window=8)
+    d.workload(30)
+    victim = max((r for r in d.running if r.prefilled), key=lambda r: r.max_new - len(r.output))
+    assert victim.kv_len > 16 + page_size
+    pos = victim.kv_len - 2 if where == "in_window" else 1
+    slot = int(d.req_to_token_pool.req_to_token[victim.row, pos])
+    d.draft_pool.k_buffer[0][slot].view(torch.uint8).view(-1)[0] ^= 0xFF
+    report = d.report_within(3)
+    assert "verify_real_kv_hash" in _reasons(report) and f"slot_idx={slot}" in report
+
+
 @pytest.mark.parametrize(
-    "bug,reason,page_size",
+    "bug,reason,page_size,window",
     [
-        ("skip_request", "verify_chain_hash", 1),
-        ("start_off_by_one", "verify_position", 1),
-        ("block_slot_left", "verify_token", 1),
-        ("skip_request", "verify_chain_hash", 16),
-        ("start_off_by_one", "verify_position", 16),
+        ("skip_request", "verify_chain_hash", 1, None),
+        ("start_off_by_one", "verify_position", 1, None),
+        ("block_slot_left", "verify_token", 1, None),
+        ("skip_request", "verify_chain_hash", 16, None),
+        ("start_off_by_one", "verify_position", 16, None),
+        ("skip_request", "verify_chain_hash", 1, 8),
+        ("start_off_by_one", "verify_position", 16, 8),
     ],
 )
-def test_each_append_fault_is_reported_by_its_check(bug, reason, page_size):
+def test_each_append_fault_is_reported_by_its_check(bug, reason, page_size, window):
     """An append that skips a request (its committed positions keep stale records), a write
     path given ``ctx_start + 1`` (position ``ctx_start`` never written, the last one past the
     committed length), a draft block's slot left in ``req_to_token`` after a verify (page
     size 1: at larger pages the block's slots are the verify's): the draft canary reports
-    each at the next draft block, by the check named."""
-    d = _driver(page_size, seed=4)
+    each at the next draft block, by the check named, also with a draft window of 8."""
+    d = _driver(page_size, seed=4, window=window)
     d.workload(30)
     d.bug = bug
     report = d.report_within(12)

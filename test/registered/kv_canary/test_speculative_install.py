@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import types
 
 import pytest
 import torch
@@ -60,15 +61,75 @@ def test_install_canary_guards_the_draft_runner(monkeypatch, caplog):
     assert not [r for r in caplog.records if "draft" in r.getMessage()], caplog.records
 
 
+def test_a_dflash_draft_canary_maps_positions_through_the_targets_req_to_token(monkeypatch):
+    """``DFlashWorker.__init__`` (sglang's own arguments, its body replaced by what it does
+    that the canary sees: a draft runner built with its own table, as with
+    ``--speculative-draft-window-size``, whose ``init_memory_pool`` installs the canary),
+    through the plugin's hook: the draft canary maps positions through the target's
+    ``req_to_token``, not the draft's compact one, and is marked initialised after the call;
+    a runner built outside the call keeps its own table."""
+    import ast
+    import importlib.util
+    import inspect
+
+    from sglang.srt.kv_canary import plugin
+
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    server_args = _spec_server_args(
+        speculative_algorithm="DFLASH",
+        speculative_num_steps=1,
+        speculative_num_draft_tokens=4,
+        speculative_draft_window_size=8,
+    )
+    target_table = torch.zeros((16, 64), dtype=torch.int32)
+    target_worker = types.SimpleNamespace(
+        model_runner=types.SimpleNamespace(
+            req_to_token_pool=types.SimpleNamespace(req_to_token=target_table)
+        )
+    )
+    compact = torch.zeros((16, 64), dtype=torch.int32)
+
+    def body(self, server_args, gpu_id, tp_rank, dp_rank, moe_ep_rank, attn_cp_rank,
+             moe_dp_rank, nccl_port, target_worker):  # fmt: skip
+        runner = stand_in_model_runner(
+            tiny_mha_pool(63), req_to_token=compact, context_len=64, draft=True
+        )
+        runner.server_args = server_args
+        plugin._after_init_memory_pool(None, runner)  # ModelRunner.init_memory_pool's hook
+        assert not seam.runner_canary(runner)._init_finished  # its graphs: still to capture
+        self.draft_model_runner = runner
+
+    # the stand-in body takes sglang 0.5.12's own arguments (read from its source: importing
+    # dflash_worker needs sgl_kernel's CUDA library)
+    spec = importlib.util.find_spec("sglang.srt.speculative.dflash_worker")
+    tree = ast.parse(open(spec.origin).read())
+    init = next(
+        f
+        for c in tree.body
+        if isinstance(c, ast.ClassDef) and c.name == "DFlashWorker"
+        for f in c.body
+        if isinstance(f, ast.FunctionDef) and f.name == "__init__"
+    )
+    assert [a.arg for a in init.args.args] == list(inspect.signature(body).parameters)
+    worker = types.SimpleNamespace()
+    kwargs = dict(gpu_id=0, tp_rank=0, dp_rank=None, moe_ep_rank=0, attn_cp_rank=0)
+    kwargs.update(moe_dp_rank=0, nccl_port=0, target_worker=target_worker)
+    plugin._dflash_init(body, worker, server_args=server_args, **kwargs)
+    draft = seam.runner_canary(worker.draft_model_runner)
+    assert draft.sfms[0].req_to_token is target_table and draft._init_finished
+    assert draft.ranks.block_prefix_from_positions
+    assert draft.sfms[0].plan_input.block_prefix_from_positions
+    outside = stand_in_model_runner(tiny_mha_pool(63), req_to_token=compact, context_len=64)
+    outside.server_args = server_args
+    plugin._after_init_memory_pool(None, outside)  # the target's own runner
+    assert seam.runner_canary(outside).sfms[0].req_to_token is compact
+    with pytest.raises(TypeError, match="without the target_worker argument"):
+        plugin._dflash_init(body, worker, server_args, 0, 0)
+
+
 @pytest.mark.parametrize(
-    "kw,match",
-    [
-        (
-            dict(speculative_algorithm="DFLASH", speculative_draft_window_size=8),
-            "--speculative-draft-window-size 8 yet",
-        ),
-        (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
-    ],
+    "kw,match", [(dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle")]
 )
 def test_what_speculative_coverage_refuses_names_the_flag(monkeypatch, kw, match):
     from sglang.srt.kv_canary import startup_checks

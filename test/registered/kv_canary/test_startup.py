@@ -595,11 +595,11 @@ def test_frozen_kv_mtp_starts_with_chains_and_trees_from_every_route(
         kwargs(model_dir, kv_canary="log", **engine)
 
 
-def test_dflash_starts_from_every_route_and_its_refusals_name_the_flag(capsys, tmp_path, model_dir):
+def test_dflash_starts_from_every_route(tmp_path, model_dir):
     """DFLASH with the canary (sglang forces steps and topk 1; the block size is given, so
     no draft config is read to parse): accepted from the command line, a ``--config`` YAML
-    and ``Engine`` kwargs, at page size 1 and 16 and with ``--enable-hierarchical-cache``;
-    ``--speculative-draft-window-size`` refused on each route, naming the flag."""
+    and ``Engine`` kwargs, at page size 1 and 16, with ``--enable-hierarchical-cache`` and with
+    ``--speculative-draft-window-size``."""
     dflash = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", model_dir]
     dflash += ["--speculative-num-draft-tokens", "4"]
     args = cli(model_dir, "--kv-canary", "raise", *dflash)
@@ -629,18 +629,15 @@ def test_dflash_starts_from_every_route_and_its_refusals_name_the_flag(capsys, t
     assert cli(model_dir, "--config", str(hicache_yaml)).enable_hierarchical_cache
     kw = dict(engine, enable_hierarchical_cache=True)
     assert kwargs(model_dir, kv_canary="raise", **kw).enable_hierarchical_cache
-    refusals = [
-        (
-            ["--speculative-draft-window-size", "8"],
-            dict(speculative_draft_window_size=8),
-            "--speculative-draft-window-size 8",
-        ),
-    ]
-    for argv, kw, flag in refusals:
-        assert flag in cli_error(capsys, model_dir, "--kv-canary", "raise", *dflash, *argv)
-        with pytest.raises(ValueError, match=re.escape(flag)):
-            kwargs(model_dir, kv_canary="raise", **engine, **kw)
-        cli(model_dir, *dflash, *argv)  # canary off: sglang's own parse accepts it
+    window = ["--speculative-draft-window-size", "8"]
+    assert (
+        cli(model_dir, "--kv-canary", "raise", *dflash, *window).speculative_draft_window_size == 8
+    )
+    window_yaml = tmp_path / "dflash_window.yaml"
+    window_yaml.write_text(yaml_file.read_text() + "speculative-draft-window-size: 8\n")
+    assert cli(model_dir, "--config", str(window_yaml)).speculative_draft_window_size == 8
+    kw = dict(engine, speculative_draft_window_size=8, page_size=16)
+    assert kwargs(model_dir, kv_canary="raise", **kw).speculative_draft_window_size == 8
 
 
 def test_dflash_with_the_token_oracle_is_refused_from_every_route(

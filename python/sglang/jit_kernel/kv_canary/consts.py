@@ -176,8 +176,9 @@ def packed_tokens_numel(num_reqs: int, num_tokens: int) -> int:
 # int64 buffer ``[STAGE_TABLE_NUMEL]``. Word STAGE_NUM_ENTRIES holds the entry count e (at most
 # STAGE_MAX_ENTRIES); then e entries of STAGE_ENTRY_FIELDS words: the destination's address
 # (int64 elements), source A's address, source B's address or the fill value, the element count
-# and the kind: the operation (kind & STAGE_OP_MASK: copy A, fill with B, A - B) and whether A /
-# B hold int32 elements (STAGE_A_INT32 / STAGE_B_INT32; int64 otherwise).
+# and the kind: the operation (kind & STAGE_OP_MASK: copy A, fill with B, A - B, every B-th
+# element of A) and whether A / B hold int32 elements (STAGE_A_INT32 / STAGE_B_INT32; int64
+# otherwise).
 STAGE_NUM_ENTRIES = 0
 STAGE_HEADER = 1
 STAGE_DST = 0
@@ -191,6 +192,7 @@ STAGE_TABLE_NUMEL = STAGE_HEADER + STAGE_MAX_ENTRIES * STAGE_ENTRY_FIELDS
 STAGE_OP_COPY = 0
 STAGE_OP_FILL = 1
 STAGE_OP_SUB = 2
+STAGE_OP_STRIDE = 3  # dst[i] = A[i * B], B the stride (an element count >= 1)
 STAGE_OP_MASK = 3
 STAGE_A_INT32 = 4
 STAGE_B_INT32 = 8

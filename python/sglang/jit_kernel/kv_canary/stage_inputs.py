@@ -2,8 +2,8 @@
 (docs/performance.md, "The forward path"; the table's layout: ``consts.STAGE_*``).
 
 ``launch_stage_inputs_kernel``: for each of the table's entries, ``dst[i] = A[i]`` (copy),
-``= B`` (fill) or ``= A[i] - B[i]`` (subtract) for ``i < numel``, int64 results from int32 or
-int64 sources. The table is device data, so one launch captured in a CUDA graph stages every
+``= B`` (fill), ``= A[i] - B[i]`` (subtract) or ``= A[i * B]`` (stride: B an element count >=
+1) for ``i < numel``, int64 results from int32 or int64 sources. The table is device data, so one launch captured in a CUDA graph stages every
 forward the graph replays: the host writes the next forward's addresses into the table before
 the replay. On CUDA the table may be pinned host memory, which the kernel reads in place (no
 copy to the device; its loads cross the bus when it runs). Destinations must not overlap any
@@ -38,6 +38,7 @@ from sglang.jit_kernel.kv_canary.consts import (
     STAGE_OP_COPY,
     STAGE_OP_FILL,
     STAGE_OP_MASK,
+    STAGE_OP_STRIDE,
     STAGE_OP_SUB,
     STAGE_TABLE_NUMEL,
 )
@@ -60,6 +61,7 @@ def _stage_inputs_kernel(
     OP_MASK: tl.constexpr,
     OP_FILL: tl.constexpr,
     OP_SUB: tl.constexpr,
+    OP_STRIDE: tl.constexpr,
     A_INT32: tl.constexpr,
     B_INT32: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -76,16 +78,19 @@ def _stage_inputs_kernel(
         n = tl.load(entry + F_NUMEL)
         kind = tl.load(entry + F_KIND)
         op = kind & OP_MASK
+        # A's element step: B for a strided copy, 1 otherwise (B is an address or a value then)
+        step = tl.where(op == OP_STRIDE, b, 1).to(tl.int64)
         for start in range(split * BLOCK, n, nsplit * BLOCK):
             offs = start + tl.arange(0, BLOCK)
             m = offs < n
             if op == OP_FILL:
                 v = tl.zeros([BLOCK], dtype=tl.int64) + b
             else:
+                src = offs.to(tl.int64) * step
                 if (kind & A_INT32) != 0:
-                    v = tl.load(a.to(tl.pointer_type(tl.int32)) + offs, mask=m).to(tl.int64)
+                    v = tl.load(a.to(tl.pointer_type(tl.int32)) + src, mask=m).to(tl.int64)
                 else:
-                    v = tl.load(a.to(tl.pointer_type(tl.int64)) + offs, mask=m)
+                    v = tl.load(a.to(tl.pointer_type(tl.int64)) + src, mask=m)
                 if op == OP_SUB:
                     if (kind & B_INT32) != 0:
                         w = tl.load(b.to(tl.pointer_type(tl.int32)) + offs, mask=m).to(tl.int64)
@@ -137,6 +142,7 @@ def launch_stage_inputs_kernel(*, table: torch.Tensor, device: torch.device) -> 
         OP_MASK=STAGE_OP_MASK,
         OP_FILL=STAGE_OP_FILL,
         OP_SUB=STAGE_OP_SUB,
+        OP_STRIDE=STAGE_OP_STRIDE,
         A_INT32=STAGE_A_INT32,
         B_INT32=STAGE_B_INT32,
         BLOCK=STAGE_BLOCK,
@@ -170,8 +176,15 @@ def run_stage_inputs_reference(*, table: torch.Tensor) -> None:
         if op == STAGE_OP_FILL:
             out.fill_(b)
             continue
-        if op not in (STAGE_OP_COPY, STAGE_OP_SUB):
+        if op not in (STAGE_OP_COPY, STAGE_OP_SUB, STAGE_OP_STRIDE):
             raise ValueError(f"staging table entry {e} has kind {kind}: unknown operation {op}")
+        if op == STAGE_OP_STRIDE:
+            if b < 1:
+                raise ValueError(f"staging table entry {e} strides A by {b}; allowed: >= 1")
+            span = (n - 1) * b + 1
+            values = _host_view(a, span, int32=bool(kind & STAGE_A_INT32))[::b].to(torch.int64)
+            out.copy_(values)
+            continue
         values = _host_view(a, n, int32=bool(kind & STAGE_A_INT32)).to(torch.int64)
         if op == STAGE_OP_SUB:
             values = values - _host_view(b, n, int32=bool(kind & STAGE_B_INT32)).to(torch.int64)

@@ -34,6 +34,8 @@ from sglang.srt.kv_canary.token_oracle.oracle import TOKEN_ORACLE_BACKEND
 from sglang.srt.kv_canary.token_oracle.sampler import TokenOracleSampler
 
 if TYPE_CHECKING:
+    import torch
+
     from sglang.srt.kv_canary.sglang_seam import ModelRunner, ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -168,9 +170,14 @@ def install_canary(
     server_args: "ServerArgs",
     model_runner: "ModelRunner",
     token_oracle_manager: Optional[TokenOracleManager] = None,
+    req_to_token: Optional["torch.Tensor"] = None,
 ) -> Optional[CanaryManager]:
     """Install the canary on ``model_runner`` if ``--kv-canary`` is on; returns the manager
     (also stored on the runner, see :func:`get_canary_manager`) or None.
+
+    ``req_to_token``: the table the canary maps positions through, in place of the runner's
+    own (DFLASH's draft runner: the target's, given by the plugin's ``DFlashWorker.__init__``
+    hook; with ``--speculative-draft-window-size`` its own is a compact window).
 
     With the token oracle on (``--sampling-backend token_oracle`` or
     ``SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE=1``) a :class:`TokenOracleManager` is created unless
@@ -180,7 +187,7 @@ def install_canary(
         return None
     if get_canary_manager(model_runner) is not None:
         raise RuntimeError("kv_canary is already installed on this model runner")
-    runner = sglang_seam.RunnerFacts(model_runner)
+    runner = sglang_seam.RunnerFacts(model_runner, req_to_token=req_to_token)
     draft = sglang_seam.is_draft_worker(model_runner)
     spec = sglang_seam.speculative_facts(server_args)
     if draft and not spec.has_draft_pool:

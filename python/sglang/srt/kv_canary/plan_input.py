@@ -19,6 +19,7 @@ from sglang.jit_kernel.kv_canary.consts import (
     STAGE_B_INT32,
     STAGE_OP_COPY,
     STAGE_OP_FILL,
+    STAGE_OP_STRIDE,
     STAGE_OP_SUB,
 )
 from sglang.srt.kv_canary import sglang_seam
@@ -86,14 +87,29 @@ class PlanInput:
     Normalisation (docs/architecture.md, "Runtime"): decode / idle → prefix = positions, extend
     = 1; extend / mixed →
     prefix = extend_prefix_lens, extend = extend_seq_lens; target-verify (EAGLE) → prefix =
-    seq_lens, extend = draft_token_num; draft-extend → prefix = seq_lens - extend_seq_lens,
+    seq_lens, extend = draft_token_num (``block_prefix_from_positions``: prefix =
+    ``positions[row * draft_token_num]``); draft-extend → prefix = seq_lens - extend_seq_lens,
     extend = extend_seq_lens. Any other mode raises ``NotImplementedError`` naming it.
     """
 
-    def __init__(self, *, write_req_capacity: int, device, lanes: Optional[LaneLayout] = None):
+    def __init__(
+        self,
+        *,
+        write_req_capacity: int,
+        device,
+        lanes: Optional[LaneLayout] = None,
+        block_prefix_from_positions: bool = False,
+    ):
         """``lanes``: the lane layout of a draft runner with ``--speculative-eagle-topk`` > 1:
-        its decode forwards (the draft round's) are planned one row per lane (:meth:`fill_lanes`)."""
+        its decode forwards (the draft round's) are planned one row per lane (:meth:`fill_lanes`).
+        ``block_prefix_from_positions``: DFLASH's draft runner, whose ``TARGET_VERIFY`` blocks
+        carry the draft's own resident length as ``seq_lens`` (with
+        ``--speculative-draft-window-size``, the compact window ``W'``) and the absolute
+        positions ``L .. L + B - 1`` per row: the prefix is each row's first position, ``L``,
+        read through the target's ``req_to_token`` (docs/speculative_multilayer_adaptive_dflash_mtp.md,
+        "3.4 Changes to the canary")."""
         self.write_req_capacity = write_req_capacity
+        self.block_prefix_from_positions = bool(block_prefix_from_positions)
         self.prefix_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
         self.extend_seq_lens = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
         self.req_pool_indices = torch.zeros(write_req_capacity, dtype=torch.int64, device=device)
@@ -158,9 +174,13 @@ class PlanInput:
             dst += (prefix, extend)
             src += (forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens)
         elif mode == ForwardMode.TARGET_VERIFY:
+            n = sglang_seam.draft_token_num(forward_batch)
             dst.append(prefix)
-            src.append(leading(forward_batch.seq_lens, bs))
-            extend.fill_(sglang_seam.draft_token_num(forward_batch))
+            if self.block_prefix_from_positions:  # each row's first position
+                src.append(forward_batch.positions[: bs * n : n])
+            else:
+                src.append(leading(forward_batch.seq_lens, bs))
+            extend.fill_(n)
         elif mode in (ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2):
             torch.sub(
                 leading(forward_batch.seq_lens, bs), forward_batch.extend_seq_lens, out=prefix
@@ -281,8 +301,13 @@ class PlanInput:
             put(prefix, bs, *source(forward_batch.extend_prefix_lens, bs, "extend_prefix_lens"))
             put(extend, bs, *source(forward_batch.extend_seq_lens, bs, "extend_seq_lens"))
         elif mode == ForwardMode.TARGET_VERIFY:
-            put(prefix, bs, *source(forward_batch.seq_lens, bs, "seq_lens"))
-            put(extend, bs, STAGE_OP_FILL, 0, sglang_seam.draft_token_num(forward_batch))
+            n = sglang_seam.draft_token_num(forward_batch)
+            if self.block_prefix_from_positions:  # each row's first position
+                kind, pos = source(forward_batch.positions, bs * n, "positions")
+                put(prefix, bs, kind | STAGE_OP_STRIDE, pos, n)
+            else:
+                put(prefix, bs, *source(forward_batch.seq_lens, bs, "seq_lens"))
+            put(extend, bs, STAGE_OP_FILL, 0, n)
         elif mode in (ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2):
             kind_a, seq = source(forward_batch.seq_lens, bs, "seq_lens")
             kind_b, ext = source(forward_batch.extend_seq_lens, bs, "extend_seq_lens")

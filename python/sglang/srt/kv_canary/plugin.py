@@ -68,7 +68,8 @@ registers the ``token_oracle`` sampling backend (``--sampling-backend token_orac
 |  | ``DFlashWorker._append_target_hidden_fused`` | append really wrote |
 | AROUND | ``DFlashWorker._prepare_for_speculative_decoding`` | its hand-built draft block |
 |  |  | batch gets the batch's requests as canary state |
-| AFTER | ``DFlashWorker.__init__`` | the DFLASH draft runner's ``mark_init_finished`` |
+| AROUND | ``DFlashWorker.__init__`` | the DFLASH draft runner's canary maps positions |
+|  |  | through the target's req_to_token; its ``mark_init_finished`` |
 | AROUND | ``EagleVerifyInput.verify``, ``EagleVerifyInputV2Mixin.sample``, | token oracle on: |
 |  | ``NgramVerifyInput.verify`` | the oracle's predictions per tree node, the greedy walk |
 |  |  | forced (``token_oracle.spec_verify``) |
@@ -170,10 +171,18 @@ def _host_kv_cache_init(
     return original(self, device_pool, ratio, size, *args, **kwargs)
 
 
+# the target's req_to_token while DFlashWorker.__init__ builds its draft runner
+_DFLASH_DRAFT_REQ_TO_TOKEN: contextvars.ContextVar = contextvars.ContextVar(
+    "kv_canary_dflash_draft_req_to_token"
+)
+
+
 def _after_init_memory_pool(result, self, *args, **kwargs):
     from sglang.srt.kv_canary.install import install_canary
 
-    install_canary(server_args=self.server_args, model_runner=self)
+    # DFLASH's draft runner, built inside DFlashWorker.__init__: the target's req_to_token
+    table = _DFLASH_DRAFT_REQ_TO_TOKEN.get(None) if seam.is_draft_worker(self) else None
+    install_canary(server_args=self.server_args, model_runner=self, req_to_token=table)
 
 
 def _after_model_runner_init(result, self, *args, **kwargs):
@@ -528,12 +537,23 @@ def _dflash_prepare(original, self, batch, *args, **kwargs):
         return original(self, batch, *args, **kwargs)
 
 
-def _after_dflash_init(result, self, *args, **kwargs):
-    """The DFLASH draft runner's ``mark_init_finished``: its graphs were captured in its
+def _dflash_init(original, self, *args, **kwargs):
+    """``DFlashWorker.__init__``: the draft runner it builds gets a canary that maps positions
+    through the target's ``req_to_token`` (:func:`_after_init_memory_pool`; with
+    ``--speculative-draft-window-size`` the draft's own table is a compact view of the last
+    ``W'`` columns: docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4 Changes to the
+    canary"); then the draft runner's ``mark_init_finished``: its graphs were captured in its
     ``ModelRunner.__init__``, which skips draft runners (``_after_model_runner_init``)."""
+    table = seam.dflash_init_target_req_to_token(original, self, args, kwargs)
+    token = _DFLASH_DRAFT_REQ_TO_TOKEN.set(table)
+    try:
+        out = original(self, *args, **kwargs)
+    finally:
+        _DFLASH_DRAFT_REQ_TO_TOKEN.reset(token)
     manager = seam.runner_canary(seam.dflash_draft_runner(self))
     if manager is not None:
         manager.mark_init_finished()
+    return out
 
 
 def _verify(original, self, batch, *args, **kwargs):
@@ -591,7 +611,7 @@ HOOKS = (
     (seam.HOOK_DFLASH_WRITE_SEQUENTIAL, _dflash_write, "AROUND"),
     (seam.HOOK_DFLASH_WRITE_FUSED, _dflash_write, "AROUND"),
     (seam.HOOK_DFLASH_PREPARE, _dflash_prepare, "AROUND"),
-    (seam.HOOK_DFLASH_INIT, _after_dflash_init, "AFTER"),
+    (seam.HOOK_DFLASH_INIT, _dflash_init, "AROUND"),
     (seam.HOOK_EAGLE_V1_VERIFY, _verify, "AROUND"),
     (seam.HOOK_EAGLE_V2_VERIFY_SAMPLE, _verify, "AROUND"),
     (seam.HOOK_NGRAM_VERIFY, _verify, "AROUND"),

@@ -122,6 +122,15 @@ class RankFacts:
         return not (self.draft and self.draft_worker in SAME_POSITION_DRAFT_WORKERS)
 
     @property
+    def block_prefix_from_positions(self) -> bool:
+        """Whether this runner's ``TARGET_VERIFY`` forwards are DFLASH draft blocks, whose
+        ``seq_lens`` is the draft's resident length (the compact window ``W'`` with
+        ``--speculative-draft-window-size``), not the committed length ``L``: their verified
+        prefix is each row's first position, ``L`` (docs/speculative_multilayer_adaptive_dflash_mtp.md,
+        "3.4 Changes to the canary")."""
+        return self.draft and self.draft_worker in SAME_POSITION_DRAFT_WORKERS
+
+    @property
     def server_role(self) -> str:
         """``PD prefill server`` / ``PD decode server``; ``""`` without PD."""
         return "" if self.disaggregation_mode == "null" else f"PD {self.disaggregation_mode} server"

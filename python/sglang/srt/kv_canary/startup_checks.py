@@ -100,8 +100,9 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
     """Speculative decoding: EAGLE / EAGLE3 / NEXTN / STANDALONE, with a draft chain (``topk``
     1) or draft trees (``topk`` > 1), target and draft pools, NGRAM's tree verifies (the
     target's pool: it has no draft model) and FROZEN_KV_MTP (the target's pool: its draft
-    writes no KV) and DFLASH without a draft window (:func:`_check_dflash`), at any page
-    size, are guarded, also with the token oracle (DFLASH without it)
+    writes no KV) and DFLASH (its draft pool mapped through the target's ``req_to_token``,
+    with or without ``--speculative-draft-window-size``), at any page size, are guarded, also
+    with the token oracle (DFLASH without it)
     (docs/user_guide.md, "Speculative decoding"); the rest is refused with the flag to
     change."""
     spec = sglang_seam.speculative_facts(server_args)
@@ -136,8 +137,6 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
             f"--kv-canary does not cover --speculative-algorithm {spec.algorithm} yet (covered: "
             f"{_COVERED_FLAGS.replace(' or', ',')}); run it without --kv-canary"
         )
-    if spec.algorithm == "DFLASH":
-        _check_dflash(server_args)
     # spec v1 multi-layer EAGLE is not refused here: sglang 0.5.12's own worker module fails
     # to import, canary or not, and its error is the one to see:
     # docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.5 Tests and open questions"
@@ -210,24 +209,6 @@ def _check_token_oracle_speculative(config: CanaryConfig, algorithm: str) -> Non
             f"{FaultKind.NEXT_TOKEN_SWAP.env_var} > 0 swaps the target verify's oracle "
             f"predictions, and {TARGET_WORKER_VAR}=draft injects on the draft model only: unset "
             f"{TARGET_WORKER_VAR} or set it to target"
-        )
-
-
-def _check_dflash(server_args: "ServerArgs") -> None:
-    """DFLASH is guarded at any page size, with the draft pool mapped through the target's
-    ``req_to_token`` (docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4 Changes to the
-    canary"). Refused, naming the flag: ``--speculative-draft-window-size`` (the draft's own
-    compact ``req_to_token``, whose column c holds position ``c + L - W'``). With HiCache,
-    sglang 0.5.12 keeps no host copy of DFLASH's draft KV (it backs the target's pool up in
-    its place): the draft canary reports loaded-back prefixes' draft slots, logged
-    (``plugin._register_hicache_draft``)."""
-    window = sglang_seam.server_args_value(server_args, "speculative_draft_window_size", None)
-    if window is not None:
-        raise ValueError(
-            f"--kv-canary does not cover --speculative-algorithm DFLASH with "
-            f"--speculative-draft-window-size {window} yet (the draft keeps its own compact "
-            "req_to_token, whose columns the canary does not map to positions): drop "
-            "--speculative-draft-window-size (full draft context), or run without --kv-canary"
         )
 
 

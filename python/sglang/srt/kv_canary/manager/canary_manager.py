@@ -158,6 +158,7 @@ class CanaryManager(SchedulerSide, DraftRoundBrackets):
                 ),
                 verify_tree_depth=ranks.verify_tree_depth,
                 forwards_write=ranks.forwards_write_records,
+                block_prefix_from_positions=ranks.block_prefix_from_positions,
             )
             for i in range(ranks.single_forward_managers)
         )

@@ -111,6 +111,7 @@ from sglang.srt.kv_canary.sglang_seam.dflash import (
     dflash_draft_runner,
     dflash_append_inputs,
     dflash_append_batch,
+    dflash_init_target_req_to_token,
 )
 from sglang.srt.kv_canary.sglang_seam.pool_sizing import (
     PoolFamily,
@@ -249,6 +250,7 @@ __all__ = [
     "dflash_draft_runner",
     "dflash_append_inputs",
     "dflash_append_batch",
+    "dflash_init_target_req_to_token",
     "ForwardMode",
     "HOOK_SERVER_ARGS_INIT",
     "HOOK_SERVER_ARGS_ADD_CLI_ARGS",

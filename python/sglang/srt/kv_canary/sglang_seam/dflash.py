@@ -2,7 +2,7 @@
 
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
-| ``DFlashWorker.__init__`` (hooked, AFTER), ``.draft_model_runner`` | the draft runner's ``mark_init_finished`` once its graphs are captured (never ``DFlashWorker.model_runner``: the target's) | ``plugin`` |
+| ``DFlashWorker.__init__`` (hooked, AROUND; its ``target_worker`` argument's ``model_runner.req_to_token_pool.req_to_token``), ``.draft_model_runner`` | the target's ``req_to_token`` handed to the draft canary's install inside the call (with ``--speculative-draft-window-size`` the draft runner keeps a private compact table); the draft runner's ``mark_init_finished`` once its graphs are captured (never ``DFlashWorker.model_runner``: the target's) | ``plugin`` |
 | ``DFlashWorker._append_target_hidden_to_draft_kv(batch, draft_input)`` (hooked, AROUND) | reads, before the call (which zeroes ``ctx_lens``), ``draft_input.target_hidden.shape[0]`` / ``.ctx_lens``, ``batch.req_pool_indices`` / ``.seq_lens`` / ``.input_ids`` / ``.forward_mode`` (and, after a verify, ``batch.spec_info.draft_token_num``); after it, the written positions' records: :func:`dflash_append_batch` | ``plugin`` |
 | ``DFlashWorker._prepare_for_speculative_decoding(batch, draft_input)`` (hooked, AROUND) | ``batch.reqs`` (``schedule_batch_reqs``): the requests of the ``ForwardBatch`` it builds by hand (no ``ForwardBatch.init_new``) for its draft block | ``plugin`` |
 | ``DFlashWorker._append_target_hidden_sequential`` / ``._append_target_hidden_fused(ctx_hidden, ctx_positions, ctx_cache_loc)`` (hooked, AROUND) | the positions and slots sglang really wrote (the records follow them, not the canary's own reckoning) | ``plugin`` |
@@ -14,6 +14,7 @@ Design: docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4 Changes to the 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -30,6 +31,25 @@ HOOK_DFLASH_PREPARE = f"{_DFLASH}._prepare_for_speculative_decoding"
 # the two paths that write the projected KV: (ctx_hidden, ctx_positions, ctx_cache_loc)
 HOOK_DFLASH_WRITE_SEQUENTIAL = f"{_DFLASH}._append_target_hidden_sequential"
 HOOK_DFLASH_WRITE_FUSED = f"{_DFLASH}._append_target_hidden_fused"
+
+
+def dflash_init_target_req_to_token(init, worker, args, kwargs) -> torch.Tensor:
+    """The target's ``req_to_token`` of a ``DFlashWorker.__init__(worker, *args, **kwargs)``
+    call (``init``: the function called; its ``target_worker`` argument, which sglang's
+    ``Scheduler`` passes by keyword). The draft canary maps positions through it: the
+    appends write every committed position's draft KV into the slots it names, and with
+    ``--speculative-draft-window-size`` the draft runner's own table is a compact view of its
+    last ``W'`` columns (docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4 Changes to
+    the canary"). Raises ``TypeError`` when the call has no ``target_worker``."""
+    try:
+        target = inspect.signature(init).bind(worker, *args, **kwargs).arguments["target_worker"]
+    except (TypeError, KeyError) as exc:
+        raise TypeError(
+            "kv_canary: DFlashWorker.__init__ was called without the target_worker argument "
+            f"sglang 0.5.12 gives it ({exc}); the DFLASH draft canary needs the target's "
+            "req_to_token"
+        ) from exc
+    return target.model_runner.req_to_token_pool.req_to_token
 
 
 def dflash_draft_runner(worker) -> "ModelRunner":

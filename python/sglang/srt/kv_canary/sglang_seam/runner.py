@@ -44,9 +44,13 @@ class RunnerFacts:
         "dp_rank",
     )
 
-    def __init__(self, model_runner: "ModelRunner"):
+    def __init__(self, model_runner: "ModelRunner", req_to_token: "Optional[torch.Tensor]" = None):
+        """``req_to_token``: the table to map positions through, when not the runner's own
+        (DFLASH's draft runner: the target's)."""
         self.kv_pool: "KVCache" = model_runner.token_to_kv_pool
-        self.req_to_token: "torch.Tensor" = model_runner.req_to_token_pool.req_to_token
+        self.req_to_token: "torch.Tensor" = (
+            model_runner.req_to_token_pool.req_to_token if req_to_token is None else req_to_token
+        )
         self.device = model_runner.device
         self.context_len = int(model_runner.model_config.context_len)
         self.vocab_size = int(model_runner.model_config.vocab_size)

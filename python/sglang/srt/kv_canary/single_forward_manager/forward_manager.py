@@ -93,11 +93,14 @@ class SingleForwardManager:
         lanes: Optional[LaneLayout] = None,
         verify_tree_depth: int = 0,
         forwards_write: bool = True,
+        block_prefix_from_positions: bool = False,
     ):
         """``lanes``: the lane layout (topk, steps, page size) on a draft runner with
         ``--speculative-eagle-topk`` > 1 (its draft round's forwards planned by lane); ``verify_tree_depth`` > 0 on its
         target runner (the verify's draft trees written along their paths, at most that many
-        entries per path): docs/speculative_trees.md."""
+        entries per path): docs/speculative_trees.md. ``forwards_write`` /
+        ``block_prefix_from_positions``: :class:`~sglang.srt.kv_canary.ranks.RankFacts`'
+        ``forwards_write_records`` / ``block_prefix_from_positions`` (DFLASH's draft runner)."""
         if config.enable_verify_token_assert and token_history is None:
             raise ValueError(
                 "SingleForwardManager: token checks are on "
@@ -124,7 +127,10 @@ class SingleForwardManager:
             g: GroupPlans.allocate(g, capacities, device) for g in self.groups
         }
         self.plan_input = PlanInput(
-            write_req_capacity=capacities.write_req_capacity, device=device, lanes=lanes
+            write_req_capacity=capacities.write_req_capacity,
+            device=device,
+            lanes=lanes,
+            block_prefix_from_positions=block_prefix_from_positions,
         )
         # a target verify of draft trees: each node's parent (filled outside the graph)
         self.tree = (
