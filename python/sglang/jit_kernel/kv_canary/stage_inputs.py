@@ -3,11 +3,11 @@
 
 ``launch_stage_inputs_kernel``: for each of the table's entries, ``dst[i] = A[i]`` (copy),
 ``= B`` (fill), ``= A[i] - B[i]`` (subtract) or ``= A[i * B]`` (stride: B an element count >=
-1) for ``i < numel``, int64 results from int32 or int64 sources. The table is device data, so one launch captured in a CUDA graph stages every
-forward the graph replays: the host writes the next forward's addresses into the table before
-the replay. On CUDA the table may be pinned host memory, which the kernel reads in place (no
-copy to the device; its loads cross the bus when it runs). Destinations must not overlap any
-source. Allocation- and sync-free; grid
+1) for ``i < numel``, int64 results from int32 or int64 sources. The table is device data, so
+one launch captured in a CUDA graph stages every forward the graph replays: the host writes
+the next forward's addresses into the table before the replay. On CUDA the table may be pinned
+host memory, which the kernel reads in place (no copy to the device; its loads cross the bus
+when it runs). Destinations must not overlap any source. Allocation- and sync-free; grid
 ``(STAGE_MAX_ENTRIES, splits)`` (an entry's programs stride over its elements). The torch
 reference (CPU tensors, through the addresses themselves) is the launcher's CPU path.
 """
