@@ -70,7 +70,7 @@ from canary_support.tiny_models import (
 )
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=10360, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=10470, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -102,7 +102,7 @@ GPU_LANES = {
     "spec_dflash_faults": ("dflash and every_fault and not paged and not window", 250),
     "spec_dflash_paged": ("dflash and paged", 320),
     "spec_dflash_window": ("dflash and window", 420),
-    "spec_oracle": ("token_oracle and outputs", 420),
+    "spec_oracle": ("token_oracle and outputs", 530),
     "spec_oracle_swap": ("token_oracle and swap", 260),
     "spec_frozen_kv_mtp_clean": ("frozen_kv_mtp and clean", 200),
     "spec_frozen_kv_mtp_faults": ("frozen_kv_mtp and every_fault", 200),
@@ -966,6 +966,27 @@ def test_dflash_every_fault_class_is_caught_in_each_pool(dflash_models, worker):
     """Every fault class, injected into the DFLASH draft pool only and into the target pool
     only, is caught."""
     assert_dflash_faults_caught(dflash_models, worker, **DFLASH)
+
+
+def test_dflash_token_oracle_outputs_are_the_oracles_tokens(dflash_models):
+    """``--sampling-backend token_oracle`` with DFLASH, the write-input check and token checks,
+    raise mode: DFLASH's verify (``DFlashVerifyInput.verify``) commits the oracle's tokens, so
+    every output is the oracle's; no violation in either pool; the draft canary keeps its
+    token checks and runs no write-input check (its forwards write no records)."""
+    rc, out, res = run(
+        dflash_models,
+        "spec_v1",
+        ORACLE_ENV,
+        script="oracle_workload.py",
+        kv_canary_real_data="partial",
+        **UNCHUNKED,
+        **DFLASH,
+    )
+    assert rc == 0 and res is not None, out[-4000:]
+    assert parse_violation_lines(out) == []
+    assert "kv_canary: no write-input check on the DFLASH draft pool" in out, out[-4000:]
+    assert [len(r["output_ids"]) for r in res] == [12] * len(res)
+    assert [r["output_ids"] for r in res] == oracle_outputs(res)
 
 
 # DFLASH at page size 16: the draft block and the verify each continue a request's last page

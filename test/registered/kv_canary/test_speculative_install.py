@@ -128,6 +128,41 @@ def test_a_dflash_draft_canary_maps_positions_through_the_targets_req_to_token(m
         plugin._dflash_init(body, worker, server_args, 0, 0)
 
 
+@pytest.mark.parametrize("algorithm", ["DFLASH", "EAGLE"])
+def test_a_draft_canary_under_the_oracle_keeps_token_checks_and_drops_only_dflash_write_check(
+    monkeypatch, caplog, algorithm
+):
+    """With the token oracle's write-input check and token checks on: the DFLASH draft canary
+    keeps its token checks and runs no write-input check (its forwards write no records; the
+    start-up log says why), an EAGLE draft canary keeps both, the target keeps both."""
+    from sglang.srt.kv_canary import install
+
+    for name in [n for n in __import__("os").environ if n.startswith("SGLANG_KV_CANARY_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
+    monkeypatch.setenv("SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT", "1")
+    kw = dict(speculative_algorithm=algorithm, sampling_backend="token_oracle")
+    if algorithm == "DFLASH":
+        kw.update(speculative_num_steps=1, speculative_num_draft_tokens=4)
+    args = _spec_server_args(**kw)
+    with caplog.at_level(logging.INFO, logger="sglang.srt.kv_canary"):
+        target = install.install_canary(
+            server_args=args, model_runner=_runner(tiny_mha_pool(63), draft=False)
+        )
+        draft = install.install_canary(
+            server_args=args, model_runner=_runner(tiny_mha_pool(63), draft=True)
+        )
+    configs = [(m.config.enable_verify_token_assert, m.config.enable_write_input_assert)
+               for m in (target, draft)]  # fmt: skip
+    said = [r.getMessage() for r in caplog.records if "no write-input check" in r.getMessage()]
+    if algorithm == "DFLASH":
+        assert configs == [(True, True), (True, False)]
+        assert said and "on the DFLASH draft pool" in said[0], said
+        assert all(sfm.expected_inputs is None for sfm in draft.sfms)
+    else:
+        assert configs == [(True, True), (True, True)] and not said
+
+
 @pytest.mark.parametrize(
     "kw,match", [(dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle")]
 )

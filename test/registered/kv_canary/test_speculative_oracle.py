@@ -1,8 +1,9 @@
 """The token oracle with speculative decoding (docs/speculative_coverage.md, "The token oracle
 with speculative decoding"), on sglang 0.5.12's own verify code on the CPU: spec v1
 ``EagleVerifyInput.verify`` (EAGLE / EAGLE3 / NEXTN / STANDALONE; FROZEN_KV_MTP's verify calls
-it), spec v2 ``EagleVerifyInputV2Mixin.sample`` and NGRAM's ``NgramVerifyInput.verify``, chains
-and trees, each wrapped with the plugin's hooks the way sglang's ``HookRegistry`` applies them.
+it), spec v2 ``EagleVerifyInputV2Mixin.sample``, NGRAM's ``NgramVerifyInput.verify`` and
+DFLASH's ``DFlashVerifyInput.verify`` (its acceptance rule, torch, sglang's own), chains and
+trees, each wrapped with the plugin's hooks the way sglang's ``HookRegistry`` applies them.
 
 sglang's greedy tree walk is sgl-kernel's CUDA op (``verify_tree_greedy``): on the CPU
 sglang's ``verify_tree_greedy_func`` does nothing and ngram_info binds no walk at all. The
@@ -38,7 +39,8 @@ from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 from sglang.srt.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang.srt.speculative import eagle_info, eagle_info_v2, ngram_info
+from sglang.srt.speculative import dflash_info, dflash_utils, eagle_info, eagle_info_v2, ngram_info
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.eagle_info import EagleVerifyInput
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -129,6 +131,7 @@ def with_plugin_hooks(monkeypatch, *, skip_walk_hook: bool = False):
         (seam.HOOK_EAGLE_V1_VERIFY, EagleVerifyInput, "verify"),
         (seam.HOOK_EAGLE_V2_VERIFY_SAMPLE, eagle_info_v2.EagleVerifyInputV2Mixin, "sample"),
         (seam.HOOK_NGRAM_VERIFY, NgramVerifyInput, "verify"),
+        (seam.HOOK_DFLASH_VERIFY, DFlashVerifyInput, "verify"),
     ):
         if target in hooks:  # each registered hook as sglang applies it, on sglang's own
             # method (unwrapped: sglang's load_plugins may have hooked it in this process)
@@ -144,6 +147,11 @@ def with_plugin_hooks(monkeypatch, *, skip_walk_hook: bool = False):
         if target in hooks and not skip_walk_hook:
             walk = _wrap_fn(greedy_walk_stand_in, *hooks[target])
         monkeypatch.setattr(module, name, walk, raising=False)
+    # DFLASH's acceptance rule is torch: sglang's own function, under the hook
+    dflash_walk = dflash_utils.compute_dflash_correct_drafts_and_bonus
+    if not skip_walk_hook:
+        dflash_walk = _wrap_fn(dflash_walk, *hooks[seam.HOOK_DFLASH_GREEDY_WALK])
+    monkeypatch.setattr(dflash_info, "compute_dflash_correct_drafts_and_bonus", dflash_walk)
 
 
 # ---- a verify round on real sglang objects ---------------------------------------------------
@@ -360,6 +368,52 @@ def test_spec_v1_verify_without_the_oracle_commits_the_targets_argmax(monkeypatc
     assert out.accept_tokens.tolist() == argmax
 
 
+def _dflash_verify(rnd: Round, drafts, *, hooked_walk=True):
+    """sglang's ``DFlashVerifyInput.verify`` of ``rnd``'s chains (a block of ``rnd.n`` tokens
+    per request: the bonus, then the draft's), as ``DFlashWorker`` calls it (keywords)."""
+    tokens, positions, _, _, _ = rnd.tree_tensors(drafts)
+    spec = DFlashVerifyInput(draft_token=tokens, positions=positions, draft_token_num=rnd.n)
+    rnd.batch.spec_info = spec
+    rnd.batch.seq_lens_sum = sum(rnd.lengths)  # the scheduler's, kept in sync by the verify
+    logits = _logits(rnd)
+    logits.hidden_states = torch.zeros(rnd.bs * rnd.n, 8)  # the target's, for the next append
+    return spec.verify(batch=rnd.batch, logits_output=logits, page_size=1)
+
+
+def test_dflash_verify_commits_the_oracles_tokens(monkeypatch):
+    """``DFlashVerifyInput.verify`` with the oracle on: the committed tokens (the requests'
+    outputs, the new bonus tokens, the commit lengths) are the oracle's, along the chain the
+    oracle's predictions accept, for a greedy and a sampling request alike; without the
+    oracle the target's argmax is committed."""
+    with_plugin_hooks(monkeypatch)
+    rnd = Round(CHAIN, seed=4)
+    rnd.attach_oracle()
+    drafts = rnd.drafts(CHAIN_RIGHT)
+    before = [len(r.output_ids) for r in rnd.reqs]
+    bonus, commit_lens, hidden, correct = _dflash_verify(rnd, drafts)
+    want = rnd.expected_path(drafts)
+    assert [len(w) for w in want] == [3, 2]
+    assert [r.output_ids[n:] for r, n in zip(rnd.reqs, before)] == want
+    assert bonus.tolist() == [w[-1] for w in want] and commit_lens.tolist() == [3, 2]
+    assert correct == [2, 1] and hidden.shape[0] == 5
+    assert rnd.batch.sampling_info.is_all_greedy is False  # restored after the verify
+    # the oracle off: the hooks pass through, the argmax (one off the oracle) is committed
+    off = Round(CHAIN, greedy=(True, True), seed=5)
+    bonus, commit_lens, _, _ = _dflash_verify(off, off.drafts(CHAIN_RIGHT))
+    argmax = [(off.oracle_at(b, off.position(b, 0) + 1) + 1) % VOCAB for b in range(off.bs)]
+    assert bonus.tolist() == argmax and commit_lens.tolist() == [1, 1]
+
+
+def test_a_dflash_verify_whose_walk_the_oracle_did_not_reach_is_refused(monkeypatch):
+    """The planted defect: DFLASH's acceptance rule left unhooked; the verify hook notices
+    its committed tokens would not be the oracle's."""
+    with_plugin_hooks(monkeypatch, skip_walk_hook=True)
+    rnd = Round(CHAIN, seed=6)
+    rnd.attach_oracle()
+    with pytest.raises(RuntimeError, match="did not run sglang's greedy tree walk"):
+        _dflash_verify(rnd, rnd.drafts(CHAIN_RIGHT))
+
+
 def test_spec_v2_sample_commits_the_oracles_tokens_and_forces_the_greedy_walk(monkeypatch):
     """``EagleVerifyInputV2Mixin.sample`` (spec v2, topk 1): the returned predictions at the
     accepted nodes are the oracle's, with a sampling request in the batch (without the forced
@@ -464,16 +518,19 @@ def test_the_next_token_swap_swaps_two_requests_root_predictions(monkeypatch):
 
 
 def test_the_plugin_hooks_every_verify_and_walk(monkeypatch):
-    """The registered targets: the three verifies and the walks as eagle_info / eagle_info_v2
-    look them up; NGRAM's only where sglang binds sgl-kernel's op."""
+    """The registered targets: the four verifies and the walks as eagle_info / eagle_info_v2 /
+    dflash_info look them up; NGRAM's only where sglang binds sgl-kernel's op."""
     for target in (
         seam.HOOK_EAGLE_V1_VERIFY,
         seam.HOOK_EAGLE_V2_VERIFY_SAMPLE,
         seam.HOOK_NGRAM_VERIFY,
+        seam.HOOK_DFLASH_VERIFY,
         seam.HOOK_EAGLE_V1_GREEDY_WALK,
         seam.HOOK_EAGLE_V2_GREEDY_WALK,
+        seam.HOOK_DFLASH_GREEDY_WALK,
     ):
         assert registered_hook(monkeypatch, target)[1] == "AROUND"
+    assert callable(dflash_info.compute_dflash_correct_drafts_and_bonus)
     assert callable(eagle_info.verify_tree_greedy_func)
     assert callable(eagle_info_v2.verify_tree_greedy_func)
     monkeypatch.setattr(seam, "ngram_greedy_walk_bound", lambda: False)
@@ -618,6 +675,7 @@ def _spec_args(**kw):
         ("STANDALONE", 2),
         ("NGRAM", 4),
         ("FROZEN_KV_MTP", 1),
+        ("DFLASH", 1),
     ],
 )
 def test_the_oracle_with_a_covered_algorithm_is_accepted(monkeypatch, algorithm, topk):

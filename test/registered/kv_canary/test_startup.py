@@ -640,30 +640,33 @@ def test_dflash_starts_from_every_route(tmp_path, model_dir):
     assert kwargs(model_dir, kv_canary="raise", **kw).speculative_draft_window_size == 8
 
 
-def test_dflash_with_the_token_oracle_is_refused_from_every_route(
-    capsys, tmp_path, model_dir, monkeypatch
-):
-    """The token oracle with DFLASH (whose own verify is not hooked: it would commit the
-    target's tokens, not the oracle's) is refused naming the flag, from the command line's
-    sampling backend, a ``--config`` YAML, ``Engine`` kwargs and the oracle's variables."""
+def test_dflash_with_the_token_oracle_starts_from_every_route(tmp_path, model_dir, monkeypatch):
+    """The token oracle with DFLASH (its verify commits the oracle's tokens:
+    ``plugin._dflash_verify``) starts from the command line's sampling backend, a ``--config``
+    YAML, ``Engine`` kwargs and the oracle's variables (alone, and with the write-input
+    check)."""
     dflash = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", model_dir]
     dflash += ["--speculative-num-draft-tokens", "4"]
-    refused = "does not work with --speculative-algorithm DFLASH"
     oracle = ["--sampling-backend", "token_oracle"]
-    assert refused in cli_error(capsys, model_dir, "--kv-canary", "raise", *dflash, *oracle)
+    args = cli(model_dir, "--kv-canary", "raise", *dflash, *oracle)
+    assert args.speculative_algorithm == "DFLASH"
+    assert CanaryConfig.from_server_args(args).enable_token_oracle
     yaml_file = tmp_path / "dflash_oracle.yaml"
     yaml_file.write_text(
         "kv-canary: raise\nspeculative-algorithm: DFLASH\nspeculative-num-draft-tokens: 4\n"
         f"speculative-draft-model-path: {model_dir}\nsampling-backend: token_oracle\n"
     )
-    assert refused in cli_error(capsys, model_dir, "--config", str(yaml_file))
+    args = cli(model_dir, "--config", str(yaml_file))
+    assert CanaryConfig.from_server_args(args).enable_token_oracle
     engine = dict(
         speculative_algorithm="DFLASH",
         speculative_draft_model_path=model_dir,
         speculative_num_draft_tokens=4,
     )
-    with pytest.raises(ValueError, match=refused):
-        kwargs(model_dir, kv_canary="raise", sampling_backend="token_oracle", **engine)
+    kw = dict(engine, sampling_backend="token_oracle")
+    assert CanaryConfig.from_server_args(
+        kwargs(model_dir, kv_canary="raise", **kw)
+    ).enable_token_oracle
     # the oracle's variable alone, then with the write-input check (which needs the oracle)
     for env in (
         ("SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE",),
@@ -671,13 +674,15 @@ def test_dflash_with_the_token_oracle_is_refused_from_every_route(
     ):
         for var in env:
             monkeypatch.setenv(var, "1")
-        assert refused in cli_error(capsys, model_dir, "--kv-canary", "raise", *dflash)
-        with pytest.raises(ValueError, match=refused):
-            kwargs(model_dir, kv_canary="raise", **engine)
+        for sa in (
+            cli(model_dir, "--kv-canary", "raise", *dflash),
+            kwargs(model_dir, kv_canary="raise", **engine),
+        ):
+            config = CanaryConfig.from_server_args(sa)
+            assert sa.speculative_algorithm == "DFLASH" and config.enable_token_oracle
+            assert config.enable_write_input_assert == (len(env) == 2)
         for var in env:
             monkeypatch.delenv(var)
-    # the same server without the oracle starts
-    assert cli(model_dir, "--kv-canary", "raise", *dflash).speculative_algorithm == "DFLASH"
 
 
 # EAGLE on the tiny Step-3.5 (sglang turns multi-layer EAGLE on by itself): 3 steps, topk 1,

@@ -268,16 +268,20 @@ class CanaryConfig:
     def enabled(self) -> bool:
         return self.mode != CanaryMode.NONE
 
-    def for_draft(self, *, token_checks: bool) -> "CanaryConfig":
+    def for_draft(self, *, token_checks: bool, write_input_check: bool) -> "CanaryConfig":
         """The config a speculative draft runner's canary is built with (by ``install_canary``
-        and predicted with by the memory budget): this one, or without token checks, on reads
-        and on writes (the token oracle's write-input check), when the draft pool's records
-        cannot be checked against the request's tokens (``SpeculativeFacts.draft_token_checks``:
-        multi-layer EAGLE's MTP steps write the token of p + k + 1 at p)."""
-        if token_checks or not (self.enable_verify_token_assert or self.enable_write_input_assert):
+        and predicted with by the memory budget): this one, without token checks on reads and
+        writes (the token oracle's write-input check) when the draft pool's records cannot be
+        checked against the request's tokens (``SpeculativeFacts.draft_token_checks``:
+        multi-layer EAGLE's MTP steps write the token of p + k + 1 at p), and without the
+        write-input check alone when the draft's forwards write no records
+        (``SpeculativeFacts.draft_write_input_check``: DFLASH)."""
+        verify = self.enable_verify_token_assert and token_checks
+        write = self.enable_write_input_assert and token_checks and write_input_check
+        if (verify, write) == (self.enable_verify_token_assert, self.enable_write_input_assert):
             return self
         return dataclasses.replace(
-            self, enable_verify_token_assert=False, enable_write_input_assert=False
+            self, enable_verify_token_assert=verify, enable_write_input_assert=write
         )
 
     def acting_mode(self, *, draft: bool) -> CanaryMode:

@@ -206,13 +206,27 @@ def install_canary(
         return _share_mtp_layer_0_canary(model_runner, mtp_layer)
     if draft and spec.algorithm == "STANDALONE":
         check_standalone_draft_pool(server_args, runner.kv_pool)
-    runner_config = config.for_draft(token_checks=spec.draft_token_checks) if draft else config
-    if runner_config is not config:
+    runner_config = (
+        config.for_draft(
+            token_checks=spec.draft_token_checks, write_input_check=spec.draft_write_input_check
+        )
+        if draft
+        else config
+    )
+    if runner_config is not config and not spec.draft_token_checks:
         logger.info(
             "kv_canary: no token checks on the multi-layer EAGLE draft pool (on reads or, with "
             "the token oracle, on writes): its MTP steps write the token of p + k + 1 at p and "
             "leave each round's last positions holding the KV of predicted tokens "
             "(docs/speculative_multilayer_adaptive_dflash_mtp.md, \"1.3 Record semantics\")"
+        )
+    elif runner_config is not config:
+        logger.info(
+            "kv_canary: no write-input check on the %s draft pool: its forwards write no "
+            "records; the committed tokens its appends record are compared with the request's "
+            "by the next draft block's token checks (docs/speculative_coverage.md, \"The token "
+            "oracle with speculative decoding\")",
+            draft_worker_name(spec.algorithm),
         )
     manager = build_canary(
         pool=runner.kv_pool,

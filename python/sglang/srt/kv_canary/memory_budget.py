@@ -296,7 +296,10 @@ def reserve_canary_memory(
             device=device,
             draft_pool=draft_pool,
             target=target,
-            draft_config=config.for_draft(token_checks=spec.draft_token_checks),
+            draft_config=config.for_draft(
+                token_checks=spec.draft_token_checks,
+                write_input_check=spec.draft_write_input_check,
+            ),
         )
         return tokens, memories
 

@@ -71,11 +71,11 @@ registers the ``token_oracle`` sampling backend (``--sampling-backend token_orac
 | AROUND | ``DFlashWorker.__init__`` | the DFLASH draft runner's canary maps positions |
 |  |  | through the target's req_to_token; its ``mark_init_finished`` |
 | AROUND | ``EagleVerifyInput.verify``, ``EagleVerifyInputV2Mixin.sample``, | token oracle on: |
-|  | ``NgramVerifyInput.verify`` | the oracle's predictions per tree node, the greedy walk |
-|  |  | forced (``token_oracle.spec_verify``) |
+|  | ``NgramVerifyInput.verify``, ``DFlashVerifyInput.verify`` | the oracle's predictions per |
+|  |  | tree node, the greedy walk forced (``token_oracle.spec_verify``) |
 | AROUND | ``eagle_info.verify_tree_greedy_func``, ``eagle_info_v2.verify_tree_greedy_func``, | |
-|  | ``ngram_info.verify_tree_greedy`` (CUDA / MUSA / HIP only) | the walk's |
-|  |  | ``target_predict`` replaced by those predictions |
+|  | ``ngram_info.verify_tree_greedy`` (CUDA / MUSA / HIP only), | the walk's |
+|  | ``dflash_info.compute_dflash_correct_drafts_and_bonus`` | ``target_predict`` replaced by those predictions |
 
 One more way in, not a hook: ``install_canary`` (from the hook after
 ``ModelRunner.init_memory_pool``) wraps each guarded runner's ``model.forward`` on the instance
@@ -562,6 +562,17 @@ def _verify(original, self, batch, *args, **kwargs):
     return verify_with_oracle(original, self, batch, *args, **kwargs)
 
 
+def _dflash_verify(original, self, *args, batch, **kwargs):
+    """``DFlashVerifyInput.verify`` (its arguments keyword-only): the token oracle's
+    predictions, as for the other verifies (:func:`_verify`)."""
+    from sglang.srt.kv_canary.token_oracle.spec_verify import verify_with_oracle
+
+    def call(spec_info, verify_batch, *rest, **kw):
+        return original(spec_info, *rest, batch=verify_batch, **kw)
+
+    return verify_with_oracle(call, self, batch, *args, **kwargs)
+
+
 def _greedy_walk(original, *args, **kwargs):
     from sglang.srt.kv_canary.token_oracle.spec_verify import greedy_walk_with_oracle
 
@@ -615,6 +626,8 @@ HOOKS = (
     (seam.HOOK_EAGLE_V1_VERIFY, _verify, "AROUND"),
     (seam.HOOK_EAGLE_V2_VERIFY_SAMPLE, _verify, "AROUND"),
     (seam.HOOK_NGRAM_VERIFY, _verify, "AROUND"),
+    (seam.HOOK_DFLASH_VERIFY, _dflash_verify, "AROUND"),
+    (seam.HOOK_DFLASH_GREEDY_WALK, _greedy_walk, "AROUND"),
     (seam.HOOK_EAGLE_V1_GREEDY_WALK, _greedy_walk, "AROUND"),
     (seam.HOOK_EAGLE_V2_GREEDY_WALK, _greedy_walk, "AROUND"),
 )

@@ -102,7 +102,7 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
     target's pool: it has no draft model) and FROZEN_KV_MTP (the target's pool: its draft
     writes no KV) and DFLASH (its draft pool mapped through the target's ``req_to_token``,
     with or without ``--speculative-draft-window-size``), at any page size, are guarded, also
-    with the token oracle (DFLASH without it)
+    with the token oracle
     (docs/user_guide.md, "Speculative decoding"); the rest is refused with the flag to
     change."""
     spec = sglang_seam.speculative_facts(server_args)
@@ -142,7 +142,7 @@ def _check_speculative(server_args: "ServerArgs", config: CanaryConfig) -> None:
     # docs/speculative_multilayer_adaptive_dflash_mtp.md, "1.5 Tests and open questions"
     _check_multi_layer_eagle(server_args, spec, config)
     if config.enable_token_oracle or config.enable_write_input_assert:
-        _check_token_oracle_speculative(config, spec.algorithm)
+        _check_token_oracle_speculative(config)
 
 
 def _check_multi_layer_eagle(server_args: "ServerArgs", spec, config: CanaryConfig) -> None:
@@ -179,20 +179,12 @@ def _check_multi_layer_eagle(server_args: "ServerArgs", spec, config: CanaryConf
         )
 
 
-def _check_token_oracle_speculative(config: CanaryConfig, algorithm: str) -> None:
-    """The token oracle with speculative decoding: every covered algorithm's verify but
-    DFLASH's commits the oracle's tokens (``token_oracle.spec_verify``;
-    docs/speculative_coverage.md, "The token oracle with speculative decoding"). DFLASH's own
-    verify (``DFlashVerifyInput.verify``) is not hooked, and sglang's simulated acceptance
-    replaces the verify's tokens with a constant: both refused naming the flag or variable."""
-    if algorithm == "DFLASH":
-        raise ValueError(
-            "the token oracle (--sampling-backend token_oracle, SGLANG_KV_CANARY_ENABLE_TOKEN_"
-            "ORACLE, SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT) does not work with "
-            "--speculative-algorithm DFLASH yet: its verify commits the target's greedy tokens, "
-            "not the oracle's; drop the token oracle (or use EAGLE, EAGLE3, NEXTN, STANDALONE, "
-            "NGRAM or FROZEN_KV_MTP)"
-        )
+def _check_token_oracle_speculative(config: CanaryConfig) -> None:
+    """The token oracle with speculative decoding: every covered algorithm's verify commits
+    the oracle's tokens (``token_oracle.spec_verify``; docs/speculative_coverage.md, "The token
+    oracle with speculative decoding"). sglang's simulated acceptance replaces the verify's
+    tokens with a constant, and the next-token swap on the draft model alone injects nothing:
+    both refused naming the variable."""
     simulated = sglang_seam.simulated_acceptance_length()
     if simulated > 0:
         raise ValueError(

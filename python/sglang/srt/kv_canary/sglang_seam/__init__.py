@@ -112,6 +112,8 @@ from sglang.srt.kv_canary.sglang_seam.dflash import (
     dflash_append_inputs,
     dflash_append_batch,
     dflash_init_target_req_to_token,
+    HOOK_DFLASH_VERIFY,
+    HOOK_DFLASH_GREEDY_WALK,
 )
 from sglang.srt.kv_canary.sglang_seam.pool_sizing import (
     PoolFamily,
@@ -251,6 +253,8 @@ __all__ = [
     "dflash_append_inputs",
     "dflash_append_batch",
     "dflash_init_target_req_to_token",
+    "HOOK_DFLASH_VERIFY",
+    "HOOK_DFLASH_GREEDY_WALK",
     "ForwardMode",
     "HOOK_SERVER_ARGS_INIT",
     "HOOK_SERVER_ARGS_ADD_CLI_ARGS",

@@ -6,6 +6,7 @@
 | ``DFlashWorker._append_target_hidden_to_draft_kv(batch, draft_input)`` (hooked, AROUND) | reads, before the call (which zeroes ``ctx_lens``), ``draft_input.target_hidden.shape[0]`` / ``.ctx_lens``, ``batch.req_pool_indices`` / ``.seq_lens`` / ``.input_ids`` / ``.forward_mode`` (and, after a verify, ``batch.spec_info.draft_token_num``); after it, the written positions' records: :func:`dflash_append_batch` | ``plugin`` |
 | ``DFlashWorker._prepare_for_speculative_decoding(batch, draft_input)`` (hooked, AROUND) | ``batch.reqs`` (``schedule_batch_reqs``): the requests of the ``ForwardBatch`` it builds by hand (no ``ForwardBatch.init_new``) for its draft block | ``plugin`` |
 | ``DFlashWorker._append_target_hidden_sequential`` / ``._append_target_hidden_fused(ctx_hidden, ctx_positions, ctx_cache_loc)`` (hooked, AROUND) | the positions and slots sglang really wrote (the records follow them, not the canary's own reckoning) | ``plugin`` |
+| ``DFlashVerifyInput.verify(*, batch, logits_output, page_size)`` (hooked, AROUND, keyword-only), ``dflash_info.compute_dflash_correct_drafts_and_bonus`` (hooked, AROUND: the module attribute the verify calls, with the keyword ``target_predict``) | the token oracle's predictions in place of the target's argmax (``token_oracle.spec_verify``) | ``plugin`` |
 | ``ForwardBatch(...)`` (the constructor, as ``DFlashWorker`` itself builds one) | an ``EXTEND`` batch describing an append, for the draft canary's write-only launch | ``plugin`` |
 
 Design: docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4 Changes to the canary".
@@ -28,6 +29,11 @@ _DFLASH = "sglang.srt.speculative.dflash_worker.DFlashWorker"
 HOOK_DFLASH_INIT = f"{_DFLASH}.__init__"
 HOOK_DFLASH_APPEND = f"{_DFLASH}._append_target_hidden_to_draft_kv"
 HOOK_DFLASH_PREPARE = f"{_DFLASH}._prepare_for_speculative_decoding"
+# the token oracle: DFLASH's verify and the acceptance walk it looks up in its module
+HOOK_DFLASH_VERIFY = "sglang.srt.speculative.dflash_info.DFlashVerifyInput.verify"
+HOOK_DFLASH_GREEDY_WALK = (
+    "sglang.srt.speculative.dflash_info.compute_dflash_correct_drafts_and_bonus"
+)
 # the two paths that write the projected KV: (ctx_hidden, ctx_positions, ctx_cache_loc)
 HOOK_DFLASH_WRITE_SEQUENTIAL = f"{_DFLASH}._append_target_hidden_sequential"
 HOOK_DFLASH_WRITE_FUSED = f"{_DFLASH}._append_target_hidden_fused"

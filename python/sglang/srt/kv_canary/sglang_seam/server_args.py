@@ -71,6 +71,15 @@ class SpeculativeFacts:
         return not self.multi_layer_eagle
 
     @property
+    def draft_write_input_check(self) -> bool:
+        """Whether a draft canary's forwards may run the token oracle's write-input check: not
+        where its token checks are off, nor for DFLASH, whose draft forwards are blocks that
+        write no records (its records come from the appends of committed tokens, which the
+        next block's token checks compare with the request's: docs/speculative_coverage.md,
+        "The token oracle with speculative decoding")."""
+        return self.draft_token_checks and self.algorithm != "DFLASH"
+
+    @property
     def has_draft_pool(self) -> bool:
         """A draft model whose runner writes a KV pool of its own (the draft canary's): every
         algorithm but NGRAM (its drafts come from an n-gram corpus; its worker's

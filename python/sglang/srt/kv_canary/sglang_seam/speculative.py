@@ -2,10 +2,10 @@
 
 | sglang internal (0.5.12) | what the canary does with it | used by |
 | --- | --- | --- |
-| ``EagleVerifyInput`` (v1 ``verify``, v2 ``EagleVerifyInputV2Mixin.sample``; FROZEN_KV_MTP's ``verify`` calls EAGLE's), ``NgramVerifyInput`` (``verify``) | reads ``positions`` (each tree node's position), ``draft_token_num``, ``retrieve_index`` (its rows: the requests) | ``token_oracle.spec_verify`` |
+| ``EagleVerifyInput`` (v1 ``verify``, v2 ``EagleVerifyInputV2Mixin.sample``; FROZEN_KV_MTP's ``verify`` calls EAGLE's), ``NgramVerifyInput`` (``verify``), ``DFlashVerifyInput`` (``verify``) | reads ``positions`` (each tree node's position), ``draft_token_num``, ``retrieve_index`` (its rows: the requests; DFLASH has none: ``draft_token``'s length over ``draft_token_num``, a chain per request) | ``token_oracle.spec_verify`` |
 | their ``batch`` argument (``ScheduleBatch`` v1 / NGRAM, ``ModelWorkerBatch`` v2) | reads ``forward_mode.is_idle()``, ``sampling_info`` | ``token_oracle.spec_verify`` |
 | ``SamplingBatchInfo.is_all_greedy`` | set True for the verify call while the oracle runs (the greedy walk), then restored | ``token_oracle.spec_verify`` |
-| ``eagle_info.verify_tree_greedy_func``, ``eagle_info_v2.verify_tree_greedy_func``, ``ngram_info.verify_tree_greedy`` (sgl-kernel's op, bound only on CUDA / MUSA / HIP) | the ``target_predict`` keyword replaced by the oracle's (the greedy walk; called with keywords only) | ``token_oracle.spec_verify`` |
+| ``eagle_info.verify_tree_greedy_func``, ``eagle_info_v2.verify_tree_greedy_func``, ``ngram_info.verify_tree_greedy`` (sgl-kernel's op, bound only on CUDA / MUSA / HIP), ``dflash_info.compute_dflash_correct_drafts_and_bonus`` | the ``target_predict`` keyword replaced by the oracle's (the greedy walk; called with keywords only) | ``token_oracle.spec_verify`` |
 | ``sglang.srt.environ.envs.SGLANG_SIMULATE_ACC_LEN`` | read at start-up: the token oracle refuses sglang's simulated acceptance | ``startup_checks`` |
 | ``ForwardBatch.spec_info.num_accept_tokens`` of a ``DRAFT_EXTEND_V2`` forward | how many of each request's ``draft_token_num`` entries hold accepted tokens | ``token_oracle.expected_tokens`` |
 """
@@ -34,8 +34,13 @@ def verify_sampling_info(batch):
 
 
 def verify_rows(spec_info) -> int:
-    """Requests of the verify (``retrieve_index`` ``[bs, draft_token_num]``)."""
-    return int(spec_info.retrieve_index.shape[0])
+    """Requests of the verify: ``retrieve_index`` ``[bs, draft_token_num]``'s rows, or (DFLASH's
+    ``DFlashVerifyInput``, a chain of ``draft_token_num`` per request, no ``retrieve_index``)
+    ``draft_token``'s length over ``draft_token_num``."""
+    index = getattr(spec_info, "retrieve_index", None)
+    if index is not None:
+        return int(index.shape[0])
+    return int(spec_info.draft_token.numel()) // int(spec_info.draft_token_num)
 
 
 def verify_draft_token_num(spec_info) -> int:
