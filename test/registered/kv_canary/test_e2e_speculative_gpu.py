@@ -1011,7 +1011,8 @@ def test_dflash_paged_every_fault_class_is_caught_in_each_pool(dflash_models, wo
 # DFLASH with a draft window: the draft runner keeps its own compact req_to_token (a request's
 # last W' = min(16, L) committed positions, widened to a page boundary at page size 16); its
 # blocks carry seq_lens W' and the absolute positions, and the draft canary maps positions
-# through the target's table (docs/speculative_multilayer_adaptive_dflash_mtp.md, "3.4")
+# through the target's table (docs/speculative_multilayer_adaptive_dflash_mtp.md,
+# "3.4 Changes to the canary")
 WINDOW_DFLASH = dict(DFLASH, speculative_draft_window_size=16)
 
 
