@@ -147,8 +147,9 @@ def with_plugin_hooks(monkeypatch, *, skip_walk_hook: bool = False):
         if target in hooks and not skip_walk_hook:
             walk = _wrap_fn(greedy_walk_stand_in, *hooks[target])
         monkeypatch.setattr(module, name, walk, raising=False)
-    # DFLASH's acceptance rule is torch: sglang's own function, under the hook
-    dflash_walk = dflash_utils.compute_dflash_correct_drafts_and_bonus
+    # DFLASH's acceptance rule is torch: sglang's own function, under the hook (unwrapped: a
+    # HookRegistry applied in this process propagates its patch to dflash_utils too)
+    dflash_walk = inspect.unwrap(dflash_utils.compute_dflash_correct_drafts_and_bonus)
     if not skip_walk_hook:
         dflash_walk = _wrap_fn(dflash_walk, *hooks[seam.HOOK_DFLASH_GREEDY_WALK])
     monkeypatch.setattr(dflash_info, "compute_dflash_correct_drafts_and_bonus", dflash_walk)
