@@ -22,13 +22,20 @@ Servers: ``python -m sglang.launch_server`` (the CLI path), one per config of
 ``bench_serving_overhead.py``'s ``CONFIGS`` (``off``, ``raise``, ``raise+token``, ...: the
 same model, settings and canary flags, token checks through
 ``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT`` in that server's environment), started one
-after the other. Their memory: sglang sizes a server's memory as if it were alone on the GPU
-(``--mem-fraction-static`` of the total, minus what is in use when it starts), so server i
-(from 0) gets ``(i + 1) * --gpu-share`` (default ``0.8 / number of configs``): each ends up
-with about one share. ``--max-total-tokens`` defaults to what the scenarios need. The model's
-weights are loaded once per server: the Qwen3-0.6B shape fits five times on one H100; the
-Qwen3-30B-A3B shape (about 61 GB) does not fit twice on one GPU, so its rows stay with
-``bench_serving_overhead.py``.
+after the other (``--start serial``, the default) or all at once (``--start together``: the
+servers' start-ups, about a minute each, overlap). Their memory: sglang sizes a server's
+memory as if it were alone on the GPU (``--mem-fraction-static`` of the total, minus what is
+in use when it starts), so started one after the other server i (from 0) gets ``(i + 1) *
+--gpu-share`` (default ``0.8 / number of configs``): each ends up with about one share;
+started together, each gets the whole run's fraction and is held to its share by the KV
+pool's cap, ``--max-total-tokens`` (default: what the scenarios need), and a run whose
+servers report pools of different sizes (``/server_info``'s ``max_total_num_tokens``) is
+refused (serial: the sizes are printed). The model's weights are loaded once per server:
+the Qwen3-0.6B shape fits five times on one H100; the Qwen3-30B-A3B shape (about 61 GB) does
+not fit twice on one GPU, so its rows stay with ``bench_serving_overhead.py``. ``--osl N``
+sets every decode scenario's output length (a mode whose decode is slow, such as
+``multi-layer`` without CUDA graphs, fits its rounds in a device call); each record holds the
+``osl`` it ran.
 
 The A/A control (on unless ``--no-control``): a second server of the baseline's config
 (``<baseline>~aa``) runs beside the others and is measured like them. Its paired difference
@@ -131,6 +138,7 @@ that the script works (CPU CI runs it: ``test/registered/kv_canary/test_bench_in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -139,7 +147,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -157,6 +165,7 @@ from common import (  # noqa: E402  (a sibling module)
     UPSTREAM_SITE_DIR,
     UPSTREAM_STACK,
     EngineSettings,
+    Scenario,
     append_jsonl,
     gpu_name,
     now_utc,
@@ -172,12 +181,14 @@ from interleaved_servers import (  # noqa: E402  (the servers: configs, start-up
     CONFIG_TABLE,
     IDLE_MODES,
     INSTALLED_LINE,
+    START_MODES,
     SIDE_FORK_LINE,
     Server,
     canary_install_problem,
     check_upstream,
     http_json,
     memory_fractions,
+    pool_problem,
     server_config,
     server_env,
     server_facts,
@@ -218,6 +229,9 @@ __all__ = [
     "main",
     "measure",
     "memory_fractions",
+    "pool_problem",
+    "start_servers",
+    "with_osl",
     "paired_overhead",
     "resolved",
     "rotated",
@@ -251,6 +265,71 @@ def graph_batch_sizes(args, scenarios: Sequence) -> tuple:
     return tuple(sorted({1} | {sc.bs for sc in scenarios if sc.osl > 1}))
 
 
+def with_osl(scenarios: Sequence[Scenario], osl: int | None) -> list[Scenario]:
+    """``scenarios`` with every decode scenario's output length set to ``osl`` (``--osl``;
+    None: as they are); prefill scenarios (one output token) stay as they are. Refused: an
+    ``osl`` under 2 (one token is a prefill) or one no chosen scenario would use."""
+    if osl is None:
+        return list(scenarios)
+    if osl < 2:
+        raise SystemExit(f"--osl {osl}: a decode scenario's output length, allowed: 2 or more")
+    if not any(sc.kind == "decode" for sc in scenarios):
+        raise SystemExit(
+            f"--osl {osl}: no decode scenario in --scenarios "
+            f"({', '.join(sc.name for sc in scenarios)}) to apply it to"
+        )
+    return [dataclasses.replace(sc, osl=osl) if sc.kind == "decode" else sc for sc in scenarios]
+
+
+def start_servers(
+    order: Sequence[str],
+    launch: Callable[[str], Server],
+    up: Callable[[Server, float], None],
+    start: str,
+    started: dict[str, Server],
+) -> None:
+    """Launch the servers named in ``order`` (``launch(name)``), each into ``started`` as soon
+    as its process exists (the caller stops them, however the start ends), and wait for each
+    (``up(server, launched)``, ``launched`` its ``time.perf_counter()`` at launch): ``serial``
+    waits for each before launching the next; ``together`` launches all, then waits for each
+    in ``order``."""
+    if start not in START_MODES:
+        raise ValueError(f"--start {start!r}: allowed {', '.join(START_MODES)}")
+    launched = {}
+    for name in order:
+        launched[name] = time.perf_counter()
+        started[name] = launch(name)
+        if start == "serial":
+            up(started[name], launched[name])
+    if start == "together":
+        for name in order:
+            up(started[name], launched[name])
+
+
+def server_up(srv: Server, args, launched: float, frac: float | None) -> None:
+    """Wait for ``srv`` (launched at ``launched``, ``time.perf_counter``) to answer, within
+    ``--start-timeout`` of its launch, then refuse it if its canary is not what its config
+    says; prints how long it took."""
+    srv.wait_ready(max(1.0, args.start_timeout - (time.perf_counter() - launched)))
+    cfg = srv.cfg
+    problem = canary_install_problem(
+        srv.log(),
+        canary_on=cfg.canary_on,
+        speculative=args.speculative,
+        stack=cfg.stack,
+        side_fork=cfg.side_fork,
+    )
+    if problem:
+        raise SystemExit(
+            f"[{srv.name}] {problem} (log {srv.log_path}); its results would be invalid"
+        )
+    print(
+        f"[{srv.name}] up in {time.perf_counter() - launched:.0f} s on port {srv.port} "
+        f"(mem fraction {frac}; log {srv.log_path})",
+        flush=True,
+    )
+
+
 def run(args) -> int:
     names = parse_names(args.configs, CONFIG_TABLE, "--configs")
     if args.baseline not in names:
@@ -281,7 +360,9 @@ def run(args) -> int:
     )
     table_of = SMOKE_SCENARIOS if smoke else SCENARIOS
     scenario_names = args.scenarios or DEFAULT_SCENARIOS[args.speculative]
-    scenarios = [table_of[n] for n in parse_names(scenario_names, SCENARIOS, "--scenarios")]
+    scenarios = with_osl(
+        [table_of[n] for n in parse_names(scenario_names, SCENARIOS, "--scenarios")], args.osl
+    )
     gpu = gpu_name(smoke)
     invocation = uuid.uuid4().hex[:12]
     tmp = tempfile.mkdtemp(prefix="kv_canary_interleaved_")
@@ -339,7 +420,9 @@ def run(args) -> int:
     )
     start_order = rotated(server_names, rotation)
     if not smoke:
-        fracs = memory_fractions(len(server_names), args.gpu_share or 0.8 / len(server_names))
+        fracs = memory_fractions(
+            len(server_names), args.gpu_share or 0.8 / len(server_names), args.start
+        )
     else:
         fracs = [None] * len(server_names)
     base_env.pop("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", None)  # per config below
@@ -352,7 +435,8 @@ def run(args) -> int:
             else ""
         )
         + (f", twins {args.twins}" if args.twins else "")
-        + f") — started in the order {', '.join(start_order)} — {args.rounds} rounds after "
+        + f") — started {'together' if args.start == 'together' else 'one after the other'}, "
+        f"in the order {', '.join(start_order)} — {args.rounds} rounds after "
         f"{args.warmup} warm-up — idle schedulers: {args.idle}"
         + (" — every other server paused during a request" if args.isolate else "")
         + f" — results to {out}",
@@ -360,37 +444,35 @@ def run(args) -> int:
     )
     started: dict[str, Server] = {}
     try:
-        for name, frac in zip(start_order, fracs):
+        frac_of = dict(zip(start_order, fracs))
+
+        def launch(name: str) -> Server:
             cfg = server_config(name)
             kwargs = server_kwargs(
                 settings.engine_kwargs(model_dir, smoke=smoke, draft_dir=draft_dir),
                 cfg,
-                mem_fraction=frac,
+                mem_fraction=frac_of[name],
                 idle=args.idle,
             )
             log_path = f"{out}.{name.replace('+', '_').replace('~', '_').replace(':', '_')}.log"
-            t0 = time.perf_counter()
-            srv = Server(name, cfg, kwargs, server_env(base_env, cfg, args.upstream_site), log_path)
-            started[name] = srv
-            srv.wait_ready(args.start_timeout)
-            problem = canary_install_problem(
-                srv.log(),
-                canary_on=cfg.canary_on,
-                speculative=args.speculative,
-                stack=cfg.stack,
-                side_fork=cfg.side_fork,
+            return Server(
+                name, cfg, kwargs, server_env(base_env, cfg, args.upstream_site), log_path
             )
-            if problem:
-                raise SystemExit(
-                    f"[{name}] {problem} (log {log_path}); its results would be invalid"
-                )
-            print(
-                f"[{name}] up in {time.perf_counter() - t0:.0f} s on port {srv.port} "
-                f"(mem fraction {frac}; log {log_path})",
-                flush=True,
-            )
+
+        start_servers(
+            start_order,
+            launch,
+            lambda srv, launched: server_up(srv, args, launched, frac_of[srv.name]),
+            args.start,
+            started,
+        )
         servers = {name: started[name] for name in server_names}  # rounds rotate from here
         facts = {name: server_facts(srv.port) for name, srv in servers.items()}
+        pools = pool_problem(facts, args.start)
+        if pools and args.start == "together":
+            raise SystemExit(pools)
+        if pools:
+            print(pools, flush=True)
         versions = {name: f["version"] for name, f in facts.items()}
         upstream = {n for n in server_names if server_config(n).stack == UPSTREAM_STACK}
         ours = {versions[n] for n in server_names if n not in upstream}
@@ -411,6 +493,7 @@ def run(args) -> int:
             warmup_rounds=args.warmup,
             order=server_names,
             start_order=start_order,
+            start=args.start,
             idle=args.idle,
             piecewise=args.piecewise,
             cuda_graph_bs=list(settings.cuda_graph_bs),
@@ -547,7 +630,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="pause (SIGSTOP) every server but the one being sent a request, so it has the "
         "host to itself; the servers are continued when the rounds end",
     )
-    ap.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S)
+    ap.add_argument(
+        "--start",
+        default="serial",
+        choices=START_MODES,
+        help="serial (default): each server started once the one before answers, its memory "
+        "fraction the shares so far; together: all at once, each held to its share by "
+        "--max-total-tokens (a run whose pools differ is refused)",
+    )
+    ap.add_argument(
+        "--osl",
+        type=int,
+        default=None,
+        help="the output length of every decode scenario run (default: each scenario's own, "
+        "1024); recorded as each record's osl",
+    )
+    ap.add_argument(
+        "--start-timeout",
+        type=float,
+        default=START_TIMEOUT_S,
+        help="seconds from a server's launch until it must answer",
+    )
     ap.add_argument(
         "--upstream-site",
         default=None,

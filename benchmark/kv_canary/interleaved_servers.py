@@ -170,16 +170,46 @@ class Server(ServerProcess):
         return ms, outs
 
 
-def memory_fractions(n: int, share: float) -> list[float]:
-    """``--mem-fraction-static`` of each of ``n`` servers started one after the other (see
-    ``bench_interleaved.py``'s docstring)."""
-    fracs = [round((i + 1) * share, 4) for i in range(n)]
-    if fracs[-1] > 0.95:
+START_MODES = ("serial", "together")
+
+
+def memory_fractions(n: int, share: float, start: str = "serial") -> list[float]:
+    """``--mem-fraction-static`` of each of ``n`` servers (``bench_interleaved.py``'s
+    docstring, "Memory"). sglang sizes a server as if it were alone on the GPU, minus what is
+    in use when it starts: started one after the other (``serial``), server i gets
+    ``(i + 1) * share``; started together (``together``), every server gets ``n * share``, the
+    whole run's, and the pool cap (``--max-total-tokens``) keeps each pool to its share
+    (:func:`pool_problem` refuses a run whose pools came out unequal)."""
+    if start not in START_MODES:
+        raise ValueError(f"--start {start!r}: allowed {', '.join(START_MODES)}")
+    total = round(n * share, 4)
+    if total > 0.95:
         raise ValueError(
-            f"--gpu-share {share} x {n} servers = {fracs[-1]} of the GPU; "
+            f"--gpu-share {share} x {n} servers = {total} of the GPU; "
             "allowed: at most 0.95 in all (lower --gpu-share)"
         )
-    return fracs
+    if start == "together":
+        return [total] * n
+    return [round((i + 1) * share, 4) for i in range(n)]
+
+
+def pool_problem(facts: dict[str, dict], start: str) -> str | None:
+    """Whether the servers' KV pools (``max_total_num_tokens`` of each :func:`server_facts`)
+    differ: ``None`` if they are equal; else a line naming each server's pool, which for
+    servers started ``together`` refuses the run (their memory profiles raced: the cap did not
+    hold) and for ``serial`` ones is printed beside the results (a pool sized by the memory
+    profile rather than the cap)."""
+    pools = {name: f.get("max_total_num_tokens") for name, f in facts.items()}
+    if len(set(pools.values())) <= 1:
+        return None
+    listed = ", ".join(f"{name} {tokens}" for name, tokens in pools.items())
+    if start == "together":
+        return (
+            f"the servers' KV pools differ ({listed} tokens): started together, a memory "
+            "profile was not capped by --max-total-tokens; rerun with --start serial or a "
+            "smaller --max-total-tokens"
+        )
+    return f"note: the servers' KV pools differ ({listed} tokens)"
 
 
 def tokens_needed(scenarios: Sequence[Scenario], chunk: int) -> int:
@@ -254,9 +284,14 @@ def server_env(
 
 def server_facts(port: int) -> dict:
     """What a server's ``/server_info`` says of its stack: ``version`` (sglang's, None if it
-    gave none) and ``kv_canary_info`` (whether it carries a ``kv_canary`` entry, which this
-    project's plugin adds on every server it runs in)."""
+    gave none), ``kv_canary_info`` (whether it carries a ``kv_canary`` entry, which this
+    project's plugin adds on every server it runs in) and ``max_total_num_tokens`` (its KV
+    pool, from its scheduler's start-up; None if it gave none)."""
     status, info = http_json(port, "GET", "/server_info")
     if status != 200 or not isinstance(info, dict):
-        return dict(version=None, kv_canary_info=None)
-    return dict(version=info.get("version"), kv_canary_info="kv_canary" in info)
+        return dict(version=None, kv_canary_info=None, max_total_num_tokens=None)
+    return dict(
+        version=info.get("version"),
+        kv_canary_info="kv_canary" in info,
+        max_total_num_tokens=info.get("max_total_num_tokens"),
+    )

@@ -3,7 +3,11 @@
 # (benchmark/results/speculative_h200.md, "Overhead per mode"), the modes dealt over the GPUs
 # in turn, one mode at a time per GPU (the interleaved servers of one mode share its GPU only).
 #   bash benchmark/kv_canary/speculative_overhead_all.sh OUTDIR [MODE ...]
-# Default modes: every mode of bench_interleaved.py --speculative but none. ROUNDS (default 8).
+# Default modes: every mode of bench_interleaved.py --speculative but none. ROUNDS (default 8);
+# START (default together: a mode's three servers start at once, bench_interleaved.py --start);
+# every server but the one measured paused during a request (--isolate, the latency method).
+# multi-layer decodes without CUDA graphs (about 25 tokens/s on an H200 with the Step-3.5
+# shape: a 1024-token request takes 40 s), so its requests are 256 tokens long (--osl 256).
 # Per mode: OUTDIR/spec_MODE.jsonl (the records) and OUTDIR/spec_MODE.log; prints one line per
 # mode with its exit status, then the table of every record (bench_interleaved.py --report).
 set -u
@@ -12,6 +16,8 @@ modes=("$@")
 [ ${#modes[@]} -gt 0 ] || modes=(eagle eagle-tree eagle3 standalone ngram dflash adaptive nextn frozen-kv-mtp multi-layer)
 rounds=${ROUNDS:-8}
 case "$rounds" in ""|*[!0-9]*|0) echo "$0: ROUNDS=$rounds: a whole number above 0" >&2; exit 2 ;; esac
+start=${START:-together}
+case "$start" in serial|together) ;; *) echo "$0: START=$start: allowed serial, together" >&2; exit 2 ;; esac
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader)
@@ -19,9 +25,12 @@ mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader)
 run_gpu() {  # GPU, then its modes
   local gpu=$1; shift
   for m in "$@"; do
+    osl=()
+    [ "$m" = multi-layer ] && osl=(--osl 256)
     # on the target the mode's draft is made for (bench_interleaved.py's default --model)
     CUDA_VISIBLE_DEVICES=$gpu python3 "$here/bench_interleaved.py" --speculative "$m" \
       --configs off,raise --scenarios decode_bs1,decode_bs32 --rounds "$rounds" --warmup 1 \
+      --start "$start" --isolate "${osl[@]}" \
       --out "$out/spec_$m.jsonl" > "$out/spec_$m.log" 2>&1
     echo "speculative_overhead: $m on GPU $gpu: rc=$?"
   done

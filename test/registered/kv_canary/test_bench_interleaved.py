@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -65,6 +66,85 @@ def test_rounds_rotate_each_server_through_each_place_and_memory_shares_accumula
     assert bi.memory_fractions(3, 0.2) == [0.2, 0.4, 0.6]
     with pytest.raises(ValueError, match="--gpu-share 0.3 x 4 servers = 1.2 of the GPU"):
         bi.memory_fractions(4, 0.3)
+
+
+class _StartLog:
+    """``start_servers``'s launch and wait callables, writing what happened in order."""
+
+    def __init__(self, fail_up: str | None = None):
+        self.events: list[tuple[str, str]] = []
+        self.fail_up = fail_up
+
+    def launch(self, name):
+        self.events.append(("launch", name))
+        return types.SimpleNamespace(name=name)
+
+    def up(self, srv, launched):
+        assert isinstance(launched, float)
+        self.events.append(("up", srv.name))
+        if srv.name == self.fail_up:
+            raise RuntimeError(f"{srv.name} died")
+
+
+def test_servers_start_one_after_the_other_or_together_with_their_memory_held_by_the_cap():
+    """``--start serial`` waits for each server before launching the next, its memory
+    fraction the shares so far; ``--start together`` launches every server, then waits for
+    each, every server given the run's whole fraction (the pool cap keeps each to its share),
+    and a run whose servers' pools came out unequal is refused; a server that fails to come
+    up leaves every launched one in ``started`` for the caller to stop."""
+    order = ["raise", "off~aa", "off"]
+    serial, together = _StartLog(), _StartLog()
+    started_serial, started_together = {}, {}
+    bi.start_servers(order, serial.launch, serial.up, "serial", started_serial)
+    bi.start_servers(order, together.launch, together.up, "together", started_together)
+    assert serial.events == [(what, n) for n in order for what in ("launch", "up")]
+    assert together.events == [("launch", n) for n in order] + [("up", n) for n in order]
+    assert list(started_serial) == list(started_together) == order
+    failing, started = _StartLog(fail_up="off~aa"), {}
+    with pytest.raises(RuntimeError, match="off~aa died"):
+        bi.start_servers(order, failing.launch, failing.up, "together", started)
+    assert list(started) == order  # all launched: the caller stops all three
+    with pytest.raises(ValueError, match="--start 'parallel': allowed serial, together"):
+        bi.start_servers(order, serial.launch, serial.up, "parallel", {})
+
+    assert bi.memory_fractions(3, 0.2, "together") == [0.6, 0.6, 0.6]
+    with pytest.raises(ValueError, match="= 1.2 of the GPU"):
+        bi.memory_fractions(4, 0.3, "together")
+    with pytest.raises(ValueError, match="--start 'parallel'"):
+        bi.memory_fractions(3, 0.2, "parallel")
+    same = {n: {"version": "0.5.12", "max_total_num_tokens": 10112} for n in order}
+    assert bi.pool_problem(same, "together") is None and bi.pool_problem(same, "serial") is None
+    differ = {**same, "raise": {"version": "0.5.12", "max_total_num_tokens": 9000}}
+    refused = bi.pool_problem(differ, "together")
+    assert "raise 9000, off~aa 10112, off 10112 tokens" in refused
+    assert "--start serial" in refused and not refused.startswith("note")
+    assert bi.pool_problem(differ, "serial").startswith("note: the servers' KV pools differ")
+    unreported = {**same, "off": {"version": None, "max_total_num_tokens": None}}
+    assert "off None" in bi.pool_problem(unreported, "together")
+
+
+def test_osl_sets_every_decode_scenario_s_output_length_and_leaves_prefills_alone():
+    chosen = [
+        bi.SCENARIOS["decode_bs1"],
+        bi.SCENARIOS["prefill_bs1_512"],
+        bi.SCENARIOS["decode_bs32"],
+    ]
+    assert bi.with_osl(chosen, None) == chosen
+    cut = bi.with_osl(chosen, 256)
+    assert [(sc.name, sc.bs, sc.isl, sc.osl) for sc in cut] == [
+        ("decode_bs1", 1, 512, 256),
+        ("prefill_bs1_512", 1, 512, 1),
+        ("decode_bs32", 32, 512, 256),
+    ]
+    assert bi.SCENARIOS["decode_bs1"].osl == 1024  # the table itself unchanged
+    # the pool the run sizes follows the shorter outputs
+    assert interleaved_servers.tokens_needed(cut, 512) < interleaved_servers.tokens_needed(
+        chosen, 512
+    )
+    with pytest.raises(SystemExit, match="--osl 1: a decode scenario's output length"):
+        bi.with_osl(chosen, 1)
+    with pytest.raises(SystemExit, match="--osl 64: no decode scenario in --scenarios"):
+        bi.with_osl([bi.SCENARIOS["prefill_bs1_4k"]], 64)
 
 
 def test_decode_time_is_sglangs_own_and_the_control_decides_what_is_resolved():
@@ -953,8 +1033,10 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
     """The baseline with its A/A control and an ``up:`` server whose upstream site is a
     stand-in (an empty directory: the machine's sglang 0.5.12 runs there, with this project
     kept out by the isolation folder); ``--isolate``: the servers paused between their
-    requests. (A canary-on server's install check: the refusal table above; a canary-on
-    config is served like the baseline, with its flags: ``test_engine_kwargs_become_launch_server_flags``.)"""
+    requests; ``--start together``: the three launched at once, their KV pools equal; ``--osl``:
+    the decode scenario's outputs that long. (A canary-on server's install check: the refusal
+    table above; a canary-on config is served like the baseline, with its flags:
+    ``test_engine_kwargs_become_launch_server_flags``.)"""
     out = tmp_path / "i.jsonl"
     stand_in = tmp_path / "upstream_site"
     stand_in.mkdir()
@@ -968,7 +1050,11 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
             "--upstream-site",
             str(stand_in),
             "--scenarios",
-            "prefill_bs1_512",
+            "prefill_bs1_512,decode_bs1",
+            "--osl",
+            "5",
+            "--start",
+            "together",
             "--rounds",
             "2",
             "--warmup",
@@ -989,15 +1075,25 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [
-        (r["server_name"], r["config"], r["control"], r["baseline"], r["stack"]) for r in recs
+        (r["scenario"], r["osl"], r["server_name"], r["config"], r["control"], r["baseline"])
+        for r in recs
     ] == [
-        ("off", "off", False, "off", "project"),
-        ("up:off", "up:off", False, "up:off", "upstream"),
-        ("off~aa", "off", True, "off", "project"),
+        (scenario, osl, *server)
+        for scenario, osl in (("prefill_bs1_512", 1), ("decode_bs1", 5))
+        for server in (
+            ("off", "off", False, "off"),
+            ("up:off", "up:off", False, "up:off"),
+            ("off~aa", "off", True, "off"),
+        )
     ]
+    assert [r["stack"] for r in recs[:3]] == ["project", "upstream", "project"]
+    # launched together, each pool held to the same size (the run refuses unequal ones)
+    assert all(r["start"] == "together" for r in recs) and "started together" in proc.stdout
+    assert len({r["max_total_num_tokens"] for r in recs}) == 1
+    assert recs[0]["max_total_num_tokens"] > 0
     # each server's sglang; this project's plugin answered on its servers only
     assert all(r["version"] for r in recs)
-    assert [r["kv_canary_info"] for r in recs] == [True, False, True]
+    assert [r["kv_canary_info"] for r in recs] == [True, False, True] * 2
     assert {r["kind"] for r in recs} == {"interleaved"} and len(
         {r["invocation"] for r in recs}
     ) == 1
@@ -1012,10 +1108,12 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
     for r in recs:
         assert r["rounds"] == 2 and len(r["wall_runs_ms"]) == 2 and r["mismatched_rounds"] == 0
         assert len(r["server_runs_ms"]) == 2 and all(t > 0 for t in r["server_runs_ms"])
-    assert "wall_overhead" not in recs[0] and "wall_overhead" not in recs[1]  # the baselines
-    assert len(recs[2]["wall_overhead"]) == 3 and len(recs[2]["server_overhead"]) == 3
+    for k in (0, 3):  # each scenario's baselines, then its A/A control
+        assert "wall_overhead" not in recs[k] and "wall_overhead" not in recs[k + 1]
+        assert len(recs[k + 2]["wall_overhead"]) == 3 and len(recs[k + 2]["server_overhead"]) == 3
     assert "| prefill_bs1_512 (bs1 isl16 osl1) | up:off | 2 |" in proc.stdout
     assert "| prefill_bs1_512 (bs1 isl16 osl1) | off (A/A control) | 2 |" in proc.stdout
+    assert "| decode_bs1 (bs1 isl16 osl5) | off (A/A control) | 2 |" in proc.stdout
     # each server was a canary-off launch_server, and is gone (its port closed)
     for name in ("off", "off_aa", "up_off"):
         assert "kv_canary installed" not in (tmp_path / f"i.jsonl.{name}.log").read_text()
