@@ -112,13 +112,16 @@ def resume_group(proc) -> None:
 
 class Server(ServerProcess):
     """One ``python -m sglang.launch_server`` process of config ``cfg`` (own session, log in
-    ``log_path``)."""
+    ``log_path``), its HTTP port and its ``nccl_port`` (unless ``kwargs`` names one) picked
+    here (:func:`free_port`: left to sglang, ``nccl_port`` is an ephemeral port bound only
+    later, which another server starting beside it may take first)."""
 
     def __init__(
         self, name: str, cfg: BenchConfig, kwargs: dict, env: dict[str, str], log_path: str
     ):
         self.cfg = cfg
         port = free_port()
+        kwargs = {"nccl_port": free_port(), **kwargs}
         super().__init__(
             name,
             [sys.executable, "-m", "sglang.launch_server", *launch_server_flags(port, kwargs)],

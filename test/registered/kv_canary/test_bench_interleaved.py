@@ -200,6 +200,31 @@ def test_engine_kwargs_become_launch_server_flags():
     ]
 
 
+def test_each_server_gets_its_own_nccl_port_unless_its_kwargs_name_one(monkeypatch):
+    """Left to sglang, ``nccl_port`` is an ephemeral port bound late, which a server starting
+    beside it (``--start together``) may take first: every server's is picked here."""
+    argvs = []
+
+    def record(self, name, argv, *, port, env, log_path):
+        argvs.append(argv)
+
+    monkeypatch.setattr(interleaved_servers.ServerProcess, "__init__", record)
+    cfg = interleaved_servers.server_config("off")
+    for _ in range(2):
+        interleaved_servers.Server("off", cfg, {"model_path": "/m"}, {}, "/dev/null")
+    interleaved_servers.Server(
+        "off", cfg, {"model_path": "/m", "nccl_port": 23456}, {}, "/dev/null"
+    )
+
+    def flag(argv, name):
+        return int(argv[argv.index(name) + 1])
+
+    ports = [(flag(a, "--port"), flag(a, "--nccl-port")) for a in argvs]
+    picked = [p for pair in ports[:2] for p in pair]
+    assert len(set(picked)) == 4  # two servers, four distinct ports
+    assert ports[2][1] == 23456
+
+
 def test_measure_sends_each_round_to_every_server_in_rotating_order():
     calls = []
 
