@@ -178,7 +178,7 @@ START_MODES = ("serial", "together")
 
 def memory_fractions(n: int, share: float, start: str = "serial") -> list[float]:
     """``--mem-fraction-static`` of each of ``n`` servers (``bench_interleaved.py``'s
-    docstring, "Memory"). sglang sizes a server as if it were alone on the GPU, minus what is
+    docstring, "What it measures"). sglang sizes a server as if alone on the GPU, minus what is
     in use when it starts: started one after the other (``serial``), server i gets
     ``(i + 1) * share``; started together (``together``), every server gets ``n * share``, the
     whole run's, and the pool cap (``--max-total-tokens``) keeps each pool to its share
