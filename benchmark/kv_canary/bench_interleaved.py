@@ -58,6 +58,12 @@ paced by the host, and a scheduler woken from a blocking poll runs it on a core 
 been idle. (Pinning each server to three cores of its own, tried with sleeping schedulers,
 did not bring the servers closer.) The choice is in every record (``idle``).
 
+Repeats (``--repeat K``): each server is sent the round's request K times in a row (each
+after a radix-cache flush) and its figures of the round are the medians of the K: a short
+prefill's own noise (a request that meets a busy core) shrinks while every round still pairs
+the servers at one moment; with ``--isolate`` a server is continued once for its K requests.
+The choice is in every record (``repeat``).
+
 Isolation (``--isolate``): every server but the one being sent a request is paused
 (SIGSTOP to its process group: its scheduler, spinning or not, its tokenizer and detokenizer
 stop), continued 50 ms before its request and paused again after it. A short prefill is paced
@@ -338,9 +344,10 @@ def run(args) -> int:
         )
     if len(names) < 2:
         raise SystemExit("--configs: name the baseline and at least one more config")
-    if args.rounds < 1 or args.warmup < 0:
+    if args.rounds < 1 or args.warmup < 0 or args.repeat < 1:
         raise SystemExit(
-            f"--rounds must be >= 1 and --warmup >= 0 (got {args.rounds}, {args.warmup})"
+            f"--rounds and --repeat must be >= 1 and --warmup >= 0 (got {args.rounds}, "
+            f"{args.repeat}, {args.warmup})"
         )
     smoke = args.smoke_cpu
     if args.speculative != "none" and smoke:
@@ -494,6 +501,7 @@ def run(args) -> int:
             order=server_names,
             start_order=start_order,
             start=args.start,
+            repeat=args.repeat,
             idle=args.idle,
             piecewise=args.piecewise,
             cuda_graph_bs=list(settings.cuda_graph_bs),
@@ -509,6 +517,7 @@ def run(args) -> int:
                 warmup=args.warmup,
                 vocab=vocab,
                 isolate=args.isolate,
+                repeat=args.repeat,
             )
             recs = scenario_records(
                 sc,
@@ -637,6 +646,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="serial (default): each server started once the one before answers, its memory "
         "fraction the shares so far; together: all at once, each held to its share by "
         "--max-total-tokens (a run whose pools differ is refused)",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="requests per server per round, sent one after the other; the round's figures "
+        "are their medians (default 1)",
     )
     ap.add_argument(
         "--osl",

@@ -104,13 +104,19 @@ def measure(
     warmup: int,
     vocab: int,
     isolate: bool = False,
+    repeat: int = 1,
 ) -> tuple[dict[str, list[float]], dict[str, list], dict[str, list], int]:
     """Warm-up rounds, then ``rounds`` rounds of ``sc`` over ``servers``: per server the wall
     ms, the server's prefill ms and its decode ms per round (None where sglang gave none), and
     the number of rounds whose outputs disagreed between servers of one stack (another sglang's
-    outputs differ by design). ``isolate``: every server but the one being sent a request is
-    paused (``Server.pause``; continued ``ISOLATE_SETTLE_S`` before its request, paused after
-    it), and all are continued when the rounds end, however they end."""
+    outputs differ by design). ``repeat``: each server is sent the round's request that many
+    times in a row, and its figures of the round are the medians of those requests' (a
+    request's own noise shrinks, the rounds' pairing stays). ``isolate``: every server but the
+    one being sent its requests is paused (``Server.pause``; continued ``ISOLATE_SETTLE_S``
+    before them, paused after them), and all are continued when the rounds end, however they
+    end."""
+    if repeat < 1:
+        raise ValueError(f"--repeat {repeat}: allowed 1 or more")
     wall = {n: [] for n in servers}
     server = {n: [] for n in servers}
     decode = {n: [] for n in servers}
@@ -121,7 +127,15 @@ def measure(
     try:
         for k in range(-warmup, rounds):
             mismatched += _one_round(
-                servers, sc, k, vocab, isolate=isolate, wall=wall, server=server, decode=decode
+                servers,
+                sc,
+                k,
+                vocab,
+                isolate=isolate,
+                repeat=repeat,
+                wall=wall,
+                server=server,
+                decode=decode,
             )
     finally:
         if isolate:
@@ -130,27 +144,34 @@ def measure(
     return wall, server, decode, mismatched
 
 
-def _one_round(servers, sc, k, vocab, *, isolate, wall, server, decode) -> int:
-    """Round ``k`` of :func:`measure`: 1 if its outputs disagreed within a stack, else 0."""
+def _median_or_none(values: list) -> float | None:
+    """The median of ``values``, None if any is None (sglang gave no such figure)."""
+    return None if None in values else statistics.median(values)
+
+
+def _one_round(servers, sc, k, vocab, *, isolate, repeat, wall, server, decode) -> int:
+    """Round ``k`` of :func:`measure`: 1 if its outputs disagreed within a stack (between
+    servers, or between one server's ``repeat`` requests), else 0."""
     ids = make_inputs(sc, k, vocab)
-    outputs = {}
+    by_stack: dict[str, set] = {}
     for name in round_order(list(servers), k):
         if isolate:
             servers[name].resume()
             time.sleep(ISOLATE_SETTLE_S)
+        answers = []
         try:
-            ms, outs = servers[name].generate(ids, sc.osl)
+            for _ in range(repeat):
+                answers.append(servers[name].generate(ids, sc.osl))
         finally:
             if isolate:
                 servers[name].pause()
-        outputs[name] = [o["output_ids"] for o in outs]
+        seen = by_stack.setdefault(server_config(name).stack, set())
+        for _, outs in answers:
+            seen.add(json.dumps([o["output_ids"] for o in outs]))
         if k >= 0:
-            wall[name].append(ms)
-            server[name].append(server_prefill_ms(outs))
-            decode[name].append(server_decode_ms(outs))
-    by_stack: dict[str, set] = {}
-    for name, v in outputs.items():
-        by_stack.setdefault(server_config(name).stack, set()).add(json.dumps(v))
+            wall[name].append(statistics.median(ms for ms, _ in answers))
+            server[name].append(_median_or_none([server_prefill_ms(o) for _, o in answers]))
+            decode[name].append(_median_or_none([server_decode_ms(o) for _, o in answers]))
     return int(k >= 0 and any(len(seen) > 1 for seen in by_stack.values()))
 
 

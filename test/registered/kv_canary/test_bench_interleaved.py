@@ -259,6 +259,60 @@ def test_measure_sends_each_round_to_every_server_in_rotating_order():
     assert bi.measure(servers, sc, rounds=2, warmup=0, vocab=512)[3] == 0
 
 
+def test_repeated_requests_give_each_round_their_medians_and_one_pause_each(monkeypatch):
+    """``--repeat 3``: each server answers the round's request three times in a row (continued
+    once for them with ``--isolate``), its round's figures the medians of the three; a server
+    whose repeated answers differ counts the round as mismatched."""
+    events = []
+
+    class FakeServer:
+        def __init__(self, name, walls):
+            self.name, self.walls, self.sent, self.tokens = name, walls, 0, [7, 7, 7]
+
+        def generate(self, ids, osl):
+            events.append(("generate", self.name))
+            i = self.sent % 3
+            self.sent += 1
+            meta = {"forward_entry_time": 1.0, "prefill_finished_time": 1.0 + self.walls[i] / 1e3}
+            return self.walls[i], [{"output_ids": [self.tokens[i]], "meta_info": meta}]
+
+        def pause(self):
+            events.append(("pause", self.name))
+
+        def resume(self):
+            events.append(("resume", self.name))
+
+    monkeypatch.setattr(interleaved_rounds, "ISOLATE_SETTLE_S", 0.0)
+    sc = bi.SMOKE_SCENARIOS["prefill_bs1_512"]
+    servers = {
+        "off": FakeServer("off", [10.0, 30.0, 11.0]),
+        "raise": FakeServer("raise", [50.0, 12.0, 13.0]),
+    }
+    wall, server, _, mismatched = bi.measure(
+        servers, sc, rounds=2, warmup=0, vocab=512, isolate=True, repeat=3
+    )
+    assert wall == {"off": [11.0, 11.0], "raise": [13.0, 13.0]} and mismatched == 0
+    assert server["off"] == pytest.approx([11.0, 11.0]) and server["raise"] == pytest.approx(
+        [13.0] * 2
+    )
+    visit = lambda n: [("resume", n)] + [("generate", n)] * 3 + [("pause", n)]  # noqa: E731
+    paused_first = [("pause", "off"), ("pause", "raise")]
+    continued_last = [("resume", "off"), ("resume", "raise")]
+    assert (
+        events
+        == paused_first
+        + visit("off")
+        + visit("raise")
+        + visit("raise")
+        + visit("off")
+        + continued_last
+    )
+    servers["raise"].tokens = [7, 8, 7]  # one of raise's three answers differs
+    assert bi.measure(servers, sc, rounds=2, warmup=0, vocab=512, repeat=3)[3] == 2
+    with pytest.raises(ValueError, match="--repeat 0: allowed 1 or more"):
+        bi.measure(servers, sc, rounds=1, warmup=0, vocab=512, repeat=0)
+
+
 def test_upstream_configs_take_the_same_flags_and_their_own_baseline():
     """``up:`` configs: upstream's canary under this project's flags (none for a canary-off
     server, no per-layer fingerprints, no abort mode), each compared with its own stack's
@@ -1058,10 +1112,10 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
     """The baseline with its A/A control and an ``up:`` server whose upstream site is a
     stand-in (an empty directory: the machine's sglang 0.5.12 runs there, with this project
     kept out by the isolation folder); ``--isolate``: the servers paused between their
-    requests; ``--start together``: the three launched at once, their KV pools equal; ``--osl``:
-    the decode scenario's outputs that long. (A canary-on server's install check: the refusal
-    table above; a canary-on config is served like the baseline, with its flags:
-    ``test_engine_kwargs_become_launch_server_flags``.)"""
+    requests; ``--start together``: the three launched at once, their KV pools equal;
+    ``--osl``: the decode scenario's outputs that long; ``--repeat 2``: two requests per server
+    and round. (A canary-on server's install check: the refusal table above; a canary-on config
+    is served like the baseline, with its flags: ``test_engine_kwargs_become_launch_server_flags``.)"""
     out = tmp_path / "i.jsonl"
     stand_in = tmp_path / "upstream_site"
     stand_in.mkdir()
@@ -1080,6 +1134,8 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
             "5",
             "--start",
             "together",
+            "--repeat",
+            "2",
             "--rounds",
             "2",
             "--warmup",
@@ -1114,6 +1170,7 @@ def test_smoke_run_on_cpu_servers_with_the_aa_control(tmp_path):
     assert [r["stack"] for r in recs[:3]] == ["project", "upstream", "project"]
     # launched together, each pool held to the same size (the run refuses unequal ones)
     assert all(r["start"] == "together" for r in recs) and "started together" in proc.stdout
+    assert all(r["repeat"] == 2 for r in recs)
     assert len({r["max_total_num_tokens"] for r in recs}) == 1
     assert recs[0]["max_total_num_tokens"] > 0
     # each server's sglang; this project's plugin answered on its servers only
