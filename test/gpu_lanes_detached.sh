@@ -10,7 +10,8 @@
 #        JOBS=20 bash test/gpu_lanes_detached.sh start && bash test/gpu_lanes_detached.sh wait 480
 #   calls 3.., at once, carrying nothing, until it prints the summary:
 #        bash test/gpu_lanes_detached.sh wait 560
-# LANES="a b" runs only those lanes; JOBS=N sets the lanes at once (default: cores - 2);
+# LANES="a b" runs only those lanes, LANES=none none (a detached AFTER or STORMS alone: a
+# measurement that outlives the calls); JOBS=N sets the lanes at once (default: cores - 2);
 # GPUS=0,1 (or a count) the GPUs to spread them over (default: all). STORMS=SECONDS: after the
 # lanes, heal mode's storm (benchmark/kv_canary/abort_storm.py, streaming clients) at page
 # sizes 1 and 16 for that long, side by side on the first two GPUs (one after the other on
@@ -60,6 +61,10 @@ case "${1:-}" in
       0|1) ;;
       *) echo "gpu_lanes_detached: STORMS_WITH_LANES=$STORMS_WITH_LANES: 0 or 1" >&2; exit 2 ;;
     esac
+    if [ "${LANES:-}" = none ] && [ -z "${AFTER:-}" ] && [ -z "${STORMS:-}" ]; then
+      echo "gpu_lanes_detached: LANES=none runs no lane: give AFTER='command' or STORMS=SECONDS" >&2
+      exit 2
+    fi
     storms_at=after; [ -n "${STORMS:-}" ] && [ "${STORMS_WITH_LANES:-0}" = 1 ] && storms_at=with
     if [ "$storms_at" = with ] && [ "$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)" -lt 2 ]; then
       echo "gpu_lanes_detached: STORMS_WITH_LANES=1 needs 2 GPUs or more (the alone lanes keep the first): drop it" >&2
@@ -92,7 +97,8 @@ EOF
       top -bn1 -o %CPU -c -w 200 | sed -n 7,22p; sleep 15; done' > "$R/monitor.txt" 2>&1 < /dev/null &
     setsid nohup bash -c 'date -u +%FT%TZ > '"$R"'/start.txt
       [ "'"$storms_at"'" = with ] && { bash test/gpu_lanes_detached.sh storms '"${STORMS:-0}"' beside > '"$R"'/storms.txt 2>&1 & }
-      bash test/gpu_lanes.sh '"${LANES:-}"' > '"$R"'/summary.txt 2>&1; echo "rc=$?" >> '"$R"'/summary.txt
+      if [ "'"${LANES:-}"'" = none ]; then echo "gpu_lanes_detached: no lanes (LANES=none)" > '"$R"'/summary.txt
+      else bash test/gpu_lanes.sh '"${LANES:-}"' > '"$R"'/summary.txt 2>&1; echo "rc=$?" >> '"$R"'/summary.txt; fi
       [ -n "'"${STORMS:-}"'" ] && [ "'"$storms_at"'" = after ] && bash test/gpu_lanes_detached.sh storms '"${STORMS:-0}"' >> '"$R"'/summary.txt 2>&1
       wait; [ -f '"$R"'/storms.txt ] && cat '"$R"'/storms.txt >> '"$R"'/summary.txt
       if [ -n "$GPU_LANES_AFTER" ]; then
