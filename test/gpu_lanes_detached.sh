@@ -23,7 +23,8 @@
 # ended, in the lanes' copy of the tree (a measurement that needs quiet GPUs, in the same
 # detached job: no call to start it, nothing to poll); $AFTER_OUT is its folder (in the
 # tarball), its output's tail goes into summary.txt.
-# monitor.txt samples the load, the GPUs and the busiest processes every 15 s while it runs.
+# monitor.txt samples the load, the host's memory (free -m), the GPUs and the busiest processes
+# every 15 s while it runs.
 # Each device call re-sends the tree, replacing its files: `start` runs the lanes from a copy
 # of it (/tmp/gpu_lanes_tree, this project installed editable from there), so a later call
 # cannot pull a file from under a running lane.
@@ -93,6 +94,7 @@ EOF
     [ -n "${JOBS:-}" ] && export GPU_LANES_JOBS="$JOBS"
     [ -n "${GPUS:-}" ] && export GPU_LANES_GPUS="$GPUS"
     setsid nohup bash -c 'while [ ! -f '"$R"'/end.txt ]; do date -u +%T; cat /proc/loadavg
+      free -m | sed -n 2p
       nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
       top -bn1 -o %CPU -c -w 200 | sed -n 7,22p; sleep 15; done' > "$R/monitor.txt" 2>&1 < /dev/null &
     setsid nohup bash -c 'date -u +%FT%TZ > '"$R"'/start.txt
