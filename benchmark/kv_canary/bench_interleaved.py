@@ -194,7 +194,7 @@ from interleaved_servers import (  # noqa: E402  (the servers: configs, start-up
     check_upstream,
     http_json,
     memory_fractions,
-    pool_problem,
+    pool_note,
     server_config,
     server_env,
     server_facts,
@@ -235,7 +235,7 @@ __all__ = [
     "main",
     "measure",
     "memory_fractions",
-    "pool_problem",
+    "pool_note",
     "start_servers",
     "with_osl",
     "paired_overhead",
@@ -475,11 +475,9 @@ def run(args) -> int:
         )
         servers = {name: started[name] for name in server_names}  # rounds rotate from here
         facts = {name: server_facts(srv.port) for name, srv in servers.items()}
-        pools = pool_problem(facts, args.start)
-        if pools and args.start == "together":
-            raise SystemExit(pools)
-        if pools:
-            print(pools, flush=True)
+        note = pool_note(facts, args.start)
+        if note:
+            print(note, flush=True)
         versions = {name: f["version"] for name, f in facts.items()}
         upstream = {n for n in server_names if server_config(n).stack == UPSTREAM_STACK}
         ours = {versions[n] for n in server_names if n not in upstream}

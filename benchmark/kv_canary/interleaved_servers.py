@@ -182,7 +182,7 @@ def memory_fractions(n: int, share: float, start: str = "serial") -> list[float]
     in use when it starts: started one after the other (``serial``), server i gets
     ``(i + 1) * share``; started together (``together``), every server gets ``n * share``, the
     whole run's, and the pool cap (``--max-total-tokens``) keeps each pool to its share
-    (:func:`pool_problem` refuses a run whose pools came out unequal)."""
+    (:func:`pool_note` refuses a run whose pools came out unequal)."""
     if start not in START_MODES:
         raise ValueError(f"--start {start!r}: allowed {', '.join(START_MODES)}")
     total = round(n * share, 4)
@@ -196,18 +196,18 @@ def memory_fractions(n: int, share: float, start: str = "serial") -> list[float]
     return [round((i + 1) * share, 4) for i in range(n)]
 
 
-def pool_problem(facts: dict[str, dict], start: str) -> str | None:
-    """Whether the servers' KV pools (``max_total_num_tokens`` of each :func:`server_facts`)
-    differ: ``None`` if they are equal; else a line naming each server's pool, which for
-    servers started ``together`` refuses the run (their memory profiles raced: the cap did not
-    hold) and for ``serial`` ones is printed beside the results (a pool sized by the memory
-    profile rather than the cap)."""
+def pool_note(facts: dict[str, dict], start: str) -> str | None:
+    """The servers' KV pools (``max_total_num_tokens`` of each :func:`server_facts`) checked:
+    ``None`` if they are equal; if they differ, servers started ``together`` refuse the run
+    (``SystemExit``: their memory profiles raced, the cap did not hold) and ``serial`` ones
+    give a line naming each server's pool, printed beside the results (a pool sized by the
+    memory profile rather than the cap)."""
     pools = {name: f.get("max_total_num_tokens") for name, f in facts.items()}
     if len(set(pools.values())) <= 1:
         return None
     listed = ", ".join(f"{name} {tokens}" for name, tokens in pools.items())
     if start == "together":
-        return (
+        raise SystemExit(
             f"the servers' KV pools differ ({listed} tokens): started together, a memory "
             "profile was not capped by --max-total-tokens; rerun with --start serial or a "
             "smaller --max-total-tokens"

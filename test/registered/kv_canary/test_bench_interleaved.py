@@ -113,14 +113,17 @@ def test_servers_start_one_after_the_other_or_together_with_their_memory_held_by
     with pytest.raises(ValueError, match="--start 'parallel'"):
         bi.memory_fractions(3, 0.2, "parallel")
     same = {n: {"version": "0.5.12", "max_total_num_tokens": 10112} for n in order}
-    assert bi.pool_problem(same, "together") is None and bi.pool_problem(same, "serial") is None
+    assert bi.pool_note(same, "together") is None and bi.pool_note(same, "serial") is None
     differ = {**same, "raise": {"version": "0.5.12", "max_total_num_tokens": 9000}}
-    refused = bi.pool_problem(differ, "together")
-    assert "raise 9000, off~aa 10112, off 10112 tokens" in refused
-    assert "--start serial" in refused and not refused.startswith("note")
-    assert bi.pool_problem(differ, "serial").startswith("note: the servers' KV pools differ")
+    with pytest.raises(SystemExit, match="raise 9000, off~aa 10112, off 10112 tokens") as refused:
+        bi.pool_note(differ, "together")
+    assert "--start serial" in str(refused.value)
+    assert bi.pool_note(differ, "serial") == (
+        "note: the servers' KV pools differ (raise 9000, off~aa 10112, off 10112 tokens)"
+    )
     unreported = {**same, "off": {"version": None, "max_total_num_tokens": None}}
-    assert "off None" in bi.pool_problem(unreported, "together")
+    with pytest.raises(SystemExit, match="off None"):
+        bi.pool_note(unreported, "together")
 
 
 def test_osl_sets_every_decode_scenario_s_output_length_and_leaves_prefills_alone():
