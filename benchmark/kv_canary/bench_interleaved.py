@@ -100,7 +100,8 @@ to start, then seconds per scenario)::
 ``--speculative MODE`` (``eagle``, ``eagle-tree``, ``eagle3``, ``standalone``, ``ngram``,
 ``dflash``, ``adaptive``: ``bench_serving_overhead.py``'s modes and drafts, Qwen3-0.6B shapes
 only; ``nextn`` on ``--model deepseek-v3-mtp`` (its default), whose MTP layer drafts; ``frozen-kv-mtp``
-on ``--model gemma4-mtp``, whose KV its Gemma4 assistant reads; ``multi-layer`` on ``--model
+on ``--model gemma4-mtp``, whose KV its Gemma4 assistant reads (piecewise prefill graphs off:
+sglang 0.5.12 cannot capture its KV-sharing layers, ``common.MODELS_WITHOUT_PIECEWISE``); ``multi-layer`` on ``--model
 step3p5-mtp``, whose three MTP layers sglang runs as multi-layer EAGLE, CUDA graphs off): every
 server decodes with that mode; default scenarios decode bs 1 and bs 32, decode
 graphs for bs 1 and 32. A canary-on server must log the canary installed on the target and,
@@ -162,6 +163,7 @@ from common import (  # noqa: E402  (a sibling module)
     DEFAULT_SCENARIOS as SERVING_DEFAULT_SCENARIOS,
     DRAFT_WORKERS_HELP,
     MODELS,
+    MODELS_WITHOUT_PIECEWISE,
     SCENARIOS,
     SMOKE_SCENARIOS,
     SMOKE_SETTINGS,
@@ -180,6 +182,7 @@ from common import (  # noqa: E402  (a sibling module)
     read_jsonl,
     speculative_mode,
     speculative_model,
+    piecewise_setting,
     speculative_model_problem,
     write_speculative_files,
 )
@@ -356,6 +359,7 @@ def run(args) -> int:
             "sglang 0.5.12's CPU server has no speculative decoding"
         )
     args.model = speculative_model(args.speculative, args.model)
+    args.piecewise = piecewise_setting(args.model, args.piecewise)
     problem = speculative_model_problem(args.speculative, args.model)
     if problem:
         raise SystemExit(problem)
@@ -613,10 +617,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--piecewise",
-        default="on",
+        default=None,
         choices=("on", "off"),
         help="sglang's piecewise CUDA graphs for prefill, every server alike "
-        "(default on, sglang's default)",
+        "(default on, sglang's default; off for a --model sglang 0.5.12 cannot capture: "
+        + ", ".join(MODELS_WITHOUT_PIECEWISE)
+        + ")",
     )
     ap.add_argument(
         "--idle",

@@ -167,6 +167,7 @@ from common import (
     DEFAULT_SCENARIOS,
     DRAFT_WORKERS_HELP,
     MODELS,
+    MODELS_WITHOUT_PIECEWISE,
     RESULT_PREFIX,
     SCENARIOS,
     SMOKE_SCENARIOS,
@@ -190,6 +191,7 @@ from common import (
     server_stats,
     speculative_mode,
     speculative_model,
+    piecewise_setting,
     speculative_model_problem,
     write_speculative_files,
 )
@@ -562,10 +564,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--piecewise",
-        default="on",
+        default=None,
         choices=("on", "off"),
         help="sglang's piecewise CUDA graphs for prefill, for every config (default "
-        "on, sglang's default; results before 2026-11-24 ran with them off)",
+        "on, sglang's default; off for a --model sglang 0.5.12 cannot capture: "
+        + ", ".join(MODELS_WITHOUT_PIECEWISE)
+        + "; results before 2026-11-24 ran with them off)",
     )
     ap.add_argument(
         "--model",
@@ -684,6 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "engine has no speculative decoding (docs/user_guide.md, \"Speculative decoding\")"
         )
     args.model = speculative_model(args.speculative, args.model)
+    args.piecewise = piecewise_setting(args.model, args.piecewise)
     problem = speculative_model_problem(args.speculative, args.model)
     if problem:
         ap.error(problem)

@@ -454,6 +454,34 @@ def speculative_model_problem(speculative: str, model: str) -> str | None:
     )
 
 
+# the models whose prefill sglang 0.5.12's piecewise CUDA graphs cannot capture, canary on or
+# off, and sglang's own error (its servers stop at start-up with it)
+MODELS_WITHOUT_PIECEWISE = {
+    "gemma4-mtp": (
+        "sglang 0.5.12's piecewise capture stops on the model's KV-sharing layers "
+        "(num_kv_shared_layers, whose attention gets no key: \"Piecewise CUDA Graph failed "
+        "with error: 'NoneType' object is not subscriptable\" in radix_attention.py, "
+        "canary off too)"
+    ),
+}
+
+
+def piecewise_setting(model: str, piecewise: str | None) -> str:
+    """``--piecewise``'s value (``on``/``off``) for ``--model model``: as given, else sglang's
+    default (on) where sglang can capture the model's prefill, off where it cannot
+    (:data:`MODELS_WITHOUT_PIECEWISE`); ``on`` for such a model is refused (SystemExit)."""
+    if piecewise not in (None, "on", "off"):
+        raise SystemExit(f"--piecewise {piecewise}: allowed on, off")
+    why = MODELS_WITHOUT_PIECEWISE.get(model)
+    if why is None:
+        return piecewise or "on"
+    if piecewise == "on":
+        raise SystemExit(
+            f"--piecewise on cannot serve --model {model}: {why}; pass --piecewise off"
+        )
+    return "off"
+
+
 def write_speculative_files(speculative: str, draft_dir: str) -> str | None:
     """Write mode ``speculative``'s draft ``config.json`` (and, for ``adaptive``, its
     ADAPTIVE_CONFIG_FILE) into ``draft_dir``, created; returns ``draft_dir``, or None (nothing

@@ -4,6 +4,7 @@
 # in turn, one mode at a time per GPU (the interleaved servers of one mode share its GPU only).
 #   bash benchmark/kv_canary/speculative_overhead_all.sh OUTDIR [MODE ...]
 # Default modes: every mode of bench_interleaved.py --speculative but none. ROUNDS (default 8);
+# SCENARIOS (default decode_bs1,decode_bs32; e.g. decode_bs32 for a mode whose bs 1 row is in);
 # START (default together: a mode's three servers start at once, bench_interleaved.py --start);
 # every server but the one measured paused during a request (--isolate, the latency method).
 # multi-layer decodes without CUDA graphs (about 25 tokens/s on an H200 with the Step-3.5
@@ -17,6 +18,13 @@ modes=("$@")
 rounds=${ROUNDS:-8}
 case "$rounds" in ""|*[!0-9]*|0) echo "$0: ROUNDS=$rounds: a whole number above 0" >&2; exit 2 ;; esac
 start=${START:-together}
+scenarios=${SCENARIOS:-decode_bs1,decode_bs32}
+case ",$scenarios," in
+  *,,*|*[!a-z0-9_,]*) echo "$0: SCENARIOS=$scenarios: a comma-separated list of decode_bs1, decode_bs32" >&2; exit 2 ;;
+esac
+for sc in ${scenarios//,/ }; do
+  case "$sc" in decode_bs1|decode_bs32) ;; *) echo "$0: SCENARIOS=$scenarios: $sc is not one of decode_bs1, decode_bs32" >&2; exit 2 ;; esac
+done
 case "$start" in serial|together) ;; *) echo "$0: START=$start: allowed serial, together" >&2; exit 2 ;; esac
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
@@ -29,7 +37,7 @@ run_gpu() {  # GPU, then its modes
     [ "$m" = multi-layer ] && osl=(--osl 256)
     # on the target the mode's draft is made for (bench_interleaved.py's default --model)
     CUDA_VISIBLE_DEVICES=$gpu python3 "$here/bench_interleaved.py" --speculative "$m" \
-      --configs off,raise --scenarios decode_bs1,decode_bs32 --rounds "$rounds" --warmup 1 \
+      --configs off,raise --scenarios "$scenarios" --rounds "$rounds" --warmup 1 \
       --start "$start" --isolate "${osl[@]}" \
       --out "$out/spec_$m.jsonl" > "$out/spec_$m.log" 2>&1
     echo "speculative_overhead: $m on GPU $gpu: rc=$?"

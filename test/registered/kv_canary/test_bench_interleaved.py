@@ -668,7 +668,8 @@ def test_idle_schedulers_sleep_or_spin_as_told(tmp_path):
     assert kw["kv_canary"] == "raise"
     # the command line's defaults: spinning schedulers (sglang's own), piecewise graphs on
     defaults = bi.build_parser().parse_args([])
-    assert (defaults.idle, defaults.piecewise) == ("spin", "on")
+    assert (defaults.idle, defaults.piecewise) == ("spin", None)  # None: on where sglang can
+    assert common.piecewise_setting(common.DEFAULT_MODEL, defaults.piecewise) == "on"
     with pytest.raises(ValueError, match="--idle 'nap': allowed sleep, spin"):
         bi.server_kwargs(base, bi.CONFIGS["off"], mem_fraction=None, idle="nap")
 
@@ -807,6 +808,38 @@ def test_every_speculative_mode_refuses_what_it_cannot_measure(monkeypatch, mode
     args = bi.build_parser().parse_args(["--speculative", mode])
     assert args.speculative == mode
     assert bi.DEFAULT_SCENARIOS[mode] == "decode_bs1,decode_bs32"
+
+
+@pytest.mark.parametrize("mode", [m for m in common.SPECULATIVE if m != "none"])
+def test_piecewise_graphs_where_sglang_captures_the_target(monkeypatch, mode):
+    """``--piecewise``: sglang's default (on) for a mode's target unless sglang 0.5.12 cannot
+    capture its prefill (``common.MODELS_WITHOUT_PIECEWISE``: the Gemma4 target of
+    ``frozen-kv-mtp``, whose KV-sharing layers stop the capture, canary off too), off there,
+    and ``--piecewise on`` for it refused before any server starts; the value reaches every
+    server's command line."""
+    seen = []
+
+    def first_server(name, cfg, kwargs, *args):
+        seen.append(kwargs["disable_piecewise_cuda_graph"])
+        raise AssertionError(f"server {name} started")
+
+    monkeypatch.setattr(bi, "Server", first_server)
+    model = common.SPECULATIVE_MODELS[mode]
+    cannot = model in common.MODELS_WITHOUT_PIECEWISE
+    for piecewise in (None, "on", "off"):
+        argv = ["--configs", "off,raise", "--speculative", mode]
+        argv += ["--piecewise", piecewise] if piecewise else []
+        if cannot and piecewise == "on":
+            with pytest.raises(SystemExit, match=f"--piecewise on cannot serve --model {model}"):
+                bi.main(argv)
+            continue
+        with pytest.raises(AssertionError, match="started"):
+            bi.main(argv)
+        assert seen.pop() is (cannot or piecewise == "off"), (mode, piecewise)
+    assert common.piecewise_setting(model, None) == ("off" if cannot else "on")
+    assert common.piecewise_setting(model, "off") == "off"
+    with pytest.raises(SystemExit, match="--piecewise maybe: allowed on, off"):
+        common.piecewise_setting(model, "maybe")
 
 
 @pytest.mark.parametrize("bad", ["frozen_kv_mtp", "multi_layer", "EAGLE", "eagle-chain", ""])
@@ -1354,3 +1387,87 @@ def test_the_multi_layer_target_and_its_mtp_drafts_are_read_by_sglang_as_the_mod
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def _fake_tools(tmp_path, gpus):
+    """A PATH dir with an ``nvidia-smi`` listing ``gpus`` and a ``python3`` that logs each call
+    (``CUDA_VISIBLE_DEVICES`` and argv, one JSON line) and writes its ``--out`` file."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.jsonl"
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + "".join(f"echo {g}\n" for g in gpus))
+    (bin_dir / "python3").write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys\n"
+        f"with open({str(calls)!r}, 'a') as f:\n"
+        "    f.write(json.dumps([os.environ.get('CUDA_VISIBLE_DEVICES'), sys.argv[1:]]) + '\\n')\n"
+        "if '--out' in sys.argv:\n"
+        "    open(sys.argv[sys.argv.index('--out') + 1], 'w').close()\n"
+    )
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return bin_dir, calls
+
+
+@pytest.mark.parametrize("scenarios", [None, "decode_bs32", "decode_bs1,decode_bs32"])
+def test_speculative_overhead_all_deals_modes_over_gpus(tmp_path, scenarios):
+    """``speculative_overhead_all.sh``: one mode at a time per GPU, the modes dealt in turn;
+    each mode's run gets ROUNDS, START, SCENARIOS (default bs 1 and bs 32), ``--isolate`` and,
+    for multi-layer only, ``--osl 256``; then one report of every record."""
+    bin_dir, calls = _fake_tools(tmp_path, ["0", "1"])
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ROUNDS": "3"}
+    env.pop("SCENARIOS", None)
+    if scenarios:
+        env["SCENARIOS"] = scenarios
+    out = tmp_path / "out"
+    modes = ["eagle", "nextn", "multi-layer"]
+    script = BENCH_DIR / "speculative_overhead_all.sh"
+    res = subprocess.run(
+        ["bash", str(script), str(out), *modes], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    runs = [json.loads(line) for line in calls.read_text().splitlines()]
+    report = [argv for _, argv in runs if "--report" in argv]
+    bench = {
+        argv[argv.index("--speculative") + 1]: (gpu, argv)
+        for gpu, argv in runs
+        if "--speculative" in argv
+    }
+    assert sorted(bench) == sorted(modes) and len(report) == 1
+    assert {m: gpu for m, (gpu, _) in bench.items()} == {
+        "eagle": "0",
+        "nextn": "1",
+        "multi-layer": "0",
+    }
+    for mode, (_, argv) in bench.items():
+        opts = dict(zip(argv, argv[1:]))
+        assert opts["--scenarios"] == (scenarios or "decode_bs1,decode_bs32")
+        assert (opts["--rounds"], opts["--start"]) == ("3", "together")
+        assert "--isolate" in argv
+        assert opts.get("--osl") == ("256" if mode == "multi-layer" else None)
+        assert opts["--out"] == str(out / f"spec_{mode}.jsonl")
+    assert sorted(report[0][2:]) == sorted(str(out / f"spec_{m}.jsonl") for m in modes)
+    assert [f"speculative_overhead: {m} on GPU" in res.stdout for m in modes] == [True] * 3
+
+
+@pytest.mark.parametrize(
+    "var, value, message",
+    [
+        ("SCENARIOS", "decode_bs64", "decode_bs64 is not one of decode_bs1, decode_bs32"),
+        ("SCENARIOS", "decode_bs1,,decode_bs32", "a comma-separated list"),
+        ("ROUNDS", "0", "ROUNDS=0: a whole number above 0"),
+        ("START", "staggered", "START=staggered: allowed serial, together"),
+    ],
+)
+def test_speculative_overhead_all_refuses_bad_settings(tmp_path, var, value, message):
+    bin_dir, calls = _fake_tools(tmp_path, ["0"])
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", var: value}
+    script = BENCH_DIR / "speculative_overhead_all.sh"
+    res = subprocess.run(
+        ["bash", str(script), str(tmp_path / "out"), "eagle"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 2 and message in res.stderr
+    assert not calls.exists()  # refused before any run

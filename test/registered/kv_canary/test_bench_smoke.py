@@ -867,7 +867,8 @@ def test_bench_serving_overhead_refuses_what_a_speculative_mode_cannot_measure(
 ):
     """Each mode: no CPU dry run (sglang 0.5.12's CPU engine has no speculative decoding), the
     target its draft is made for only, each refusal naming the mode (before any Engine);
-    without ``--model`` the Engines get that target."""
+    without ``--model`` the Engines get that target, with piecewise prefill graphs unless
+    sglang 0.5.12 cannot capture it."""
     bso = _serving_overhead()
     started = []
 
@@ -890,3 +891,10 @@ def test_bench_serving_overhead_refuses_what_a_speculative_mode_cannot_measure(
     with pytest.raises(AssertionError, match="Engines started"):
         bso.main(["--speculative", mode])
     assert started[-1].model == model and started[-1].settings.model == model
+    # piecewise prefill graphs: sglang's default, off where sglang cannot capture the target
+    cannot = model in common.MODELS_WITHOUT_PIECEWISE
+    assert started[-1].piecewise == ("off" if cannot else "on")
+    assert started[-1].settings.piecewise is not cannot
+    if cannot:
+        with pytest.raises(SystemExit, match=f"--piecewise on cannot serve --model {model}"):
+            bso.main(["--speculative", mode, "--piecewise", "on"])
