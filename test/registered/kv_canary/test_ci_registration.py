@@ -17,7 +17,7 @@ import pytest
 
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=145, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=85, suite="stage-a-test-cpu")
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "test"))
@@ -585,3 +585,28 @@ def test_cpu_kinds(comm, cmd, kind):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_the_files_registered_longest_are_handed_out_first():
+    """CI's two workers take whole files in collection order (``--no-loadscope-reorder``:
+    not xdist's order by test count), and the collection puts the longest registered files
+    first, each file's tests together in their own order; a file without a CPU registration
+    last."""
+    import types
+
+    import conftest
+
+    addopts = (REPO / "pyproject.toml").read_text()
+    assert "--dist loadfile --no-loadscope-reorder" in addopts
+    here = pathlib.Path(__file__).parent
+    files = ["test_packaging.py", "test_storm_server.py", "kernel_oracle.py", "test_radix_sweep.py"]
+    seconds = [conftest._registered_cpu_seconds(str(here / f)) for f in files]
+    assert seconds[1] > seconds[0] > seconds[3] > seconds[2] == 0
+    items = [
+        types.SimpleNamespace(path=here / f, nodeid=f"{f}::t{i}", keywords={}, add_marker=print)
+        for f in files
+        for i in range(2)
+    ]
+    conftest.pytest_collection_modifyitems(None, items)
+    order = [f"{f}::t{i}" for f in (files[1], files[0], files[3], files[2]) for i in range(2)]
+    assert [item.nodeid for item in items] == order

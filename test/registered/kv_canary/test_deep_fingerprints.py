@@ -37,7 +37,7 @@ from sglang.jit_kernel.kv_canary.types import (
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=85, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=65, suite="stage-a-test-cpu")
 
 NUM_SLOTS, LAYERS, HEADS, DIM = 40, 3, 2, 8  # bf16 rows of 32 bytes
 

@@ -25,7 +25,7 @@ from sglang.srt.kv_canary.demo.server_harness import (
 from sglang.srt.kv_canary.token_oracle import oracle_tokens, request_oracle_key
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=165, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=210, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 

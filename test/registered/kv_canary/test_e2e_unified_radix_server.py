@@ -24,7 +24,7 @@ from sglang.srt.kv_canary.demo.server_harness import (
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.slow
 

@@ -33,7 +33,7 @@ from kernel_oracle import (
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 
 
 def test_write_skips_negative_and_out_of_range_slots(impl):

@@ -42,7 +42,7 @@ from sglang.jit_kernel.kv_canary.consts import (
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
 SEED, ORPHAN = TREE_PARENT_SEED, TREE_PARENT_ORPHAN
 

@@ -21,7 +21,7 @@ from canary_support.tiny_models import write_tiny_step3p5
 from sglang.srt.kv_canary.demo.server_harness import build_libcuda_stub, cpu_server_env
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=105, suite="stage-a-test-cpu")
 
 # no plugin of this name exists: sglang's load_plugins loads none of this project's
 NOT_LOADED = {"SGLANG_PLUGINS": "no_plugin_of_this_name"}

@@ -16,7 +16,7 @@ import sglang.jit_kernel.kv_canary as kernels
 import sglang.srt.kv_canary as runtime
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=1, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 

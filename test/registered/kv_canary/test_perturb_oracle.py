@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=55, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
 
 def _server_args(mode="raise", real_data="partial", sweep=0, sampling_backend="pytorch"):

@@ -28,7 +28,7 @@ from sglang.srt.kv_canary.single_forward_manager import CanaryPhaseError
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=80, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
 

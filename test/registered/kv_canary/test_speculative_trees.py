@@ -23,10 +23,18 @@ from sglang.srt.kv_canary.plan_input import LaneLayout, PlanInput
 from sglang.srt.kv_canary.violations.lines import parse_violation_lines
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=130, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=70, suite="stage-a-test-cpu")
+
+# the canary's kernels as the torch references (the kernel suites byte-compare the Triton
+# kernels with them); the tests marked triton_interpreter run the Triton kernels interpreted
+pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
+INTERPRETED = pytest.mark.triton_interpreter
 
 
-@pytest.mark.parametrize("topk, steps, num_draft", [(2, 3, 6), (4, 2, 9), (2, 1, 3), (3, 4, 12)])
+@pytest.mark.parametrize(
+    "topk, steps, num_draft",
+    [(2, 3, 6), (4, 2, 9), pytest.param(2, 1, 3, marks=INTERPRETED), (3, 4, 12)],
+)
 def test_tree_rounds_run_clean_with_token_checks(topk, steps, num_draft, caplog):
     """Raise mode, real-data fingerprints and token checks: rounds of random trees (orphans
     included) over both pools report nothing, with nodes accepted past the first child."""
@@ -299,7 +307,11 @@ def test_page_size_1_lanes_keep_their_static_shift():
 
 @pytest.mark.parametrize(
     "page_size, topk, steps, num_draft, replay, aligned",
-    [(4, 2, 3, 6, False, 1), (4, 3, 2, 8, True, 0), (16, 4, 3, 12, False, 0)],
+    [
+        (4, 2, 3, 6, False, 1),
+        (4, 3, 2, 8, True, 0),
+        pytest.param(16, 4, 3, 12, False, 0, marks=INTERPRETED),
+    ],
 )
 def test_paged_tree_rounds_run_clean(page_size, topk, steps, num_draft, replay, aligned, caplog):
     """Raise mode, real data and token checks at page size 4 and 16: the draft lanes laid out
@@ -405,3 +417,21 @@ def test_sglang_0_5_12_stale_lane_columns_of_a_two_page_lane_are_reported():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+@INTERPRETED
+def test_a_marked_test_keeps_the_triton_kernels_of_the_run():
+    """``triton_interpreter`` leaves the dispatch as the run set it (the interpreter on CPU
+    tensors in CI); the module's other tests get the torch references (below)."""
+    import triton
+
+    from sglang.jit_kernel.kv_canary import _launch
+
+    assert _launch.TRITON_INTERPRET is bool(triton.knobs.runtime.interpret)
+
+
+def test_the_module_s_other_tests_run_the_torch_references():
+    from sglang.jit_kernel.kv_canary import _launch
+
+    assert _launch.TRITON_INTERPRET is False
+    assert not _launch.use_triton(torch.device("cpu"))
