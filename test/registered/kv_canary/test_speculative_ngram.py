@@ -24,14 +24,13 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 
-# the canary's kernels as the torch references (the kernel suites byte-compare the Triton
-# kernels with them); the tests marked triton_interpreter run the Triton kernels interpreted
+# the canary's kernels as the torch references but in the tests marked triton_interpreter
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
-INTERPRETED = pytest.mark.triton_interpreter
 
 
 @pytest.mark.parametrize(
-    "num_draft, breadth", [pytest.param(2, 1, marks=INTERPRETED), (6, 1), (6, 3), (12, 10)]
+    "num_draft, breadth",
+    [pytest.param(2, 1, marks=pytest.mark.triton_interpreter), (6, 1), (6, 3), (12, 10)],
 )
 def test_ngram_rounds_run_clean_with_token_checks(num_draft, breadth, caplog):
     """Raise mode, real-data fingerprints and token checks: rounds of corpus-shaped trees

@@ -52,10 +52,8 @@ from kernel_oracle import sglang_tree_lists
 
 register_cpu_ci(est_time=35, suite="stage-a-test-cpu")
 
-# the canary's kernels as the torch references (the kernel suites byte-compare the Triton
-# kernels with them); the tests marked triton_interpreter run the Triton kernels interpreted
+# the canary's kernels as the torch references but in the tests marked triton_interpreter
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
-INTERPRETED = pytest.mark.triton_interpreter
 
 VOCAB = 97
 
@@ -719,7 +717,11 @@ def test_the_oracle_refuses_simulated_acceptance_and_a_draft_only_swap(monkeypat
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(v2=False), dict(v2=True), pytest.param(dict(steps=1), marks=INTERPRETED)],
+    [
+        dict(v2=False),
+        dict(v2=True),
+        pytest.param(dict(steps=1), marks=pytest.mark.triton_interpreter),
+    ],
     ids=["spec_v1", "spec_v2", "one_step"],
 )
 def test_speculative_rounds_pass_the_write_input_check(kw):

@@ -25,15 +25,13 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=70, suite="stage-a-test-cpu")
 
-# the canary's kernels as the torch references (the kernel suites byte-compare the Triton
-# kernels with them); the tests marked triton_interpreter run the Triton kernels interpreted
+# the canary's kernels as the torch references but in the tests marked triton_interpreter
 pytestmark = pytest.mark.usefixtures("reference_kernels_on_cpu")
-INTERPRETED = pytest.mark.triton_interpreter
 
 
 @pytest.mark.parametrize(
     "topk, steps, num_draft",
-    [(2, 3, 6), (4, 2, 9), pytest.param(2, 1, 3, marks=INTERPRETED), (3, 4, 12)],
+    [(2, 3, 6), (4, 2, 9), pytest.param(2, 1, 3, marks=pytest.mark.triton_interpreter), (3, 4, 12)],
 )
 def test_tree_rounds_run_clean_with_token_checks(topk, steps, num_draft, caplog):
     """Raise mode, real-data fingerprints and token checks: rounds of random trees (orphans
@@ -310,7 +308,7 @@ def test_page_size_1_lanes_keep_their_static_shift():
     [
         (4, 2, 3, 6, False, 1),
         (4, 3, 2, 8, True, 0),
-        pytest.param(16, 4, 3, 12, False, 0, marks=INTERPRETED),
+        pytest.param(16, 4, 3, 12, False, 0, marks=pytest.mark.triton_interpreter),
     ],
 )
 def test_paged_tree_rounds_run_clean(page_size, topk, steps, num_draft, replay, aligned, caplog):
@@ -415,11 +413,7 @@ def test_sglang_0_5_12_stale_lane_columns_of_a_two_page_lane_are_reported():
     assert any("verify_position" in v.fail_reasons for v in seen), seen
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-v"]))
-
-
-@INTERPRETED
+@pytest.mark.triton_interpreter
 def test_a_marked_test_keeps_the_triton_kernels_of_the_run():
     """``triton_interpreter`` leaves the dispatch as the run set it (the interpreter on CPU
     tensors in CI); the module's other tests get the torch references (below)."""
@@ -435,3 +429,7 @@ def test_the_module_s_other_tests_run_the_torch_references():
 
     assert _launch.TRITON_INTERPRET is False
     assert not _launch.use_triton(torch.device("cpu"))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
