@@ -9,6 +9,8 @@
 # every server but the one measured paused during a request (--isolate, the latency method).
 # multi-layer decodes without CUDA graphs (about 25 tokens/s on an H200 with the Step-3.5
 # shape: a 1024-token request takes 40 s), so its requests are 256 tokens long (--osl 256).
+# OSL=N: every mode's requests N tokens long (--osl N, multi-layer's too; unset: 1024, and
+# 256 for multi-layer), to fit a mode's rounds into one device call.
 # Per mode: OUTDIR/spec_MODE.jsonl (the records) and OUTDIR/spec_MODE.log; prints one line per
 # mode with its exit status, then the table of every record (bench_interleaved.py --report).
 set -u
@@ -26,6 +28,11 @@ for sc in ${scenarios//,/ }; do
   case "$sc" in decode_bs1|decode_bs32) ;; *) echo "$0: SCENARIOS=$scenarios: $sc is not one of decode_bs1, decode_bs32" >&2; exit 2 ;; esac
 done
 case "$start" in serial|together) ;; *) echo "$0: START=$start: allowed serial, together" >&2; exit 2 ;; esac
+osl_all=${OSL:-}
+case "$osl_all" in
+  "") ;;
+  *[!0-9]*|0*) echo "$0: OSL=$osl_all: a whole number above 0 (tokens per request)" >&2; exit 2 ;;
+esac
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader)
@@ -34,7 +41,7 @@ run_gpu() {  # GPU, then its modes
   local gpu=$1; shift
   for m in "$@"; do
     osl=()
-    [ "$m" = multi-layer ] && osl=(--osl 256)
+    if [ -n "$osl_all" ]; then osl=(--osl "$osl_all"); elif [ "$m" = multi-layer ]; then osl=(--osl 256); fi
     # on the target the mode's draft is made for (bench_interleaved.py's default --model)
     CUDA_VISIBLE_DEVICES=$gpu python3 "$here/bench_interleaved.py" --speculative "$m" \
       --configs off,raise --scenarios "$scenarios" --rounds "$rounds" --warmup 1 \

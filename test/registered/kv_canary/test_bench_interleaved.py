@@ -1409,16 +1409,23 @@ def _fake_tools(tmp_path, gpus):
     return bin_dir, calls
 
 
-@pytest.mark.parametrize("scenarios", [None, "decode_bs32", "decode_bs1,decode_bs32"])
-def test_speculative_overhead_all_deals_modes_over_gpus(tmp_path, scenarios):
+@pytest.mark.parametrize(
+    "scenarios, osl",
+    [(None, None), ("decode_bs32", None), ("decode_bs1,decode_bs32", None), ("decode_bs32", "512")],
+)
+def test_speculative_overhead_all_deals_modes_over_gpus(tmp_path, scenarios, osl):
     """``speculative_overhead_all.sh``: one mode at a time per GPU, the modes dealt in turn;
-    each mode's run gets ROUNDS, START, SCENARIOS (default bs 1 and bs 32), ``--isolate`` and,
-    for multi-layer only, ``--osl 256``; then one report of every record."""
+    each mode's run gets ROUNDS, START, SCENARIOS (default bs 1 and bs 32), ``--isolate`` and
+    ``--osl OSL`` (unset: none, but ``--osl 256`` for multi-layer); then one report of every
+    record."""
     bin_dir, calls = _fake_tools(tmp_path, ["0", "1"])
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ROUNDS": "3"}
     env.pop("SCENARIOS", None)
+    env.pop("OSL", None)
     if scenarios:
         env["SCENARIOS"] = scenarios
+    if osl:
+        env["OSL"] = osl
     out = tmp_path / "out"
     modes = ["eagle", "nextn", "multi-layer"]
     script = BENCH_DIR / "speculative_overhead_all.sh"
@@ -1444,7 +1451,7 @@ def test_speculative_overhead_all_deals_modes_over_gpus(tmp_path, scenarios):
         assert opts["--scenarios"] == (scenarios or "decode_bs1,decode_bs32")
         assert (opts["--rounds"], opts["--start"]) == ("3", "together")
         assert "--isolate" in argv
-        assert opts.get("--osl") == ("256" if mode == "multi-layer" else None)
+        assert opts.get("--osl") == (osl or ("256" if mode == "multi-layer" else None))
         assert opts["--out"] == str(out / f"spec_{mode}.jsonl")
     assert sorted(report[0][2:]) == sorted(str(out / f"spec_{m}.jsonl") for m in modes)
     assert [f"speculative_overhead: {m} on GPU" in res.stdout for m in modes] == [True] * 3
@@ -1457,6 +1464,8 @@ def test_speculative_overhead_all_deals_modes_over_gpus(tmp_path, scenarios):
         ("SCENARIOS", "decode_bs1,,decode_bs32", "a comma-separated list"),
         ("ROUNDS", "0", "ROUNDS=0: a whole number above 0"),
         ("START", "staggered", "START=staggered: allowed serial, together"),
+        ("OSL", "0", "OSL=0: a whole number above 0"),
+        ("OSL", "512t", "OSL=512t: a whole number above 0"),
     ],
 )
 def test_speculative_overhead_all_refuses_bad_settings(tmp_path, var, value, message):
