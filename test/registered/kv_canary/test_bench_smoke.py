@@ -120,6 +120,30 @@ def test_bench_chain_walk_compares_two_kernels_only_when_they_write_the_same(tmp
     assert proc.returncode != 0 and "kernel_run_counter differ" in proc.stdout + proc.stderr
 
 
+def test_bench_chain_scan_times_the_scan_only_when_it_writes_the_reference_chain(tmp_path):
+    """The scan prototype's records are checked against its serial Python reference before
+    anything is timed: this tree's script passes (a prefill of three blocks: the carry between
+    them), a copy whose blocks do not carry the chain state stops with the difference named."""
+    out = _run("bench_chain_scan.py", "--smoke-cpu", interpret=True)
+    assert out.count("the scan's records equal the reference's") == 2, out
+    text = (BENCH_DIR / "bench_chain_scan.py").read_text()
+    carry = "state_h = tl.sum(tl.where(last, after_h, 0), axis=0)"
+    assert text.count(carry) == 1
+    bad = tmp_path / "bench_chain_scan.py"
+    bad.write_text(text.replace(carry, "state_h = state_h"))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCH_DIR), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(bad), "--smoke-cpu"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "the scan's records differ from the reference" in proc.stdout + proc.stderr
+
+
 def test_bench_sweep_smoke_sweeps_a_clean_cache_in_every_mode(tmp_path):
     out = tmp_path / "sweep.md"
     _run("bench_sweep.py", "--smoke", "--layers", "2", "--out", str(out))
