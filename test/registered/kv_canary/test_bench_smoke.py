@@ -123,9 +123,8 @@ def test_bench_chain_walk_compares_two_kernels_only_when_they_write_the_same(tmp
 def test_bench_chain_scan_times_the_scan_only_when_it_writes_the_reference_chain(tmp_path):
     """The scan prototype's records are checked against its serial Python reference before
     anything is timed: this tree's script passes (a prefill of three blocks: the carry between
-    them), a copy whose blocks do not carry the chain state stops with the difference named."""
-    out = _run("bench_chain_scan.py", "--smoke-cpu", interpret=True)
-    assert out.count("the scan's records equal the reference's") == 2, out
+    them), a copy whose blocks do not carry the chain state stops with the difference named.
+    The copy runs beside this tree's script."""
     text = (BENCH_DIR / "bench_chain_scan.py").read_text()
     carry = "state_h = tl.sum(tl.where(last, after_h, 0), axis=0)"
     assert text.count(carry) == 1
@@ -133,15 +132,18 @@ def test_bench_chain_scan_times_the_scan_only_when_it_writes_the_reference_chain
     bad.write_text(text.replace(carry, "state_h = state_h"))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(BENCH_DIR), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
+    with subprocess.Popen(
         [sys.executable, str(bad), "--smoke-cpu"],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=600,
         env=env,
-    )
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert "the scan's records differ from the reference" in proc.stdout + proc.stderr
+    ) as proc:
+        out = _run("bench_chain_scan.py", "--smoke-cpu", interpret=True)
+        bad_out, _ = proc.communicate(timeout=600)
+    assert out.count("the scan's records equal the reference's") == 2, out
+    assert proc.returncode != 0, bad_out
+    assert "the scan's records differ from the reference" in bad_out
 
 
 def test_bench_sweep_smoke_sweeps_a_clean_cache_in_every_mode(tmp_path):
