@@ -1,26 +1,28 @@
-"""A chain a parallel scan computes, against this tree's serial chain walk, paired and
-interleaved on one GPU: the measurement that decides docs/chain_scan_design.md.
+"""A chain a parallel scan computes, against this tree's chain write, paired and interleaved on
+one GPU: the measurement that decides docs/chain_scan_design.md (on a tree with the serial
+walk; on one with the design built, the same run compares the prototype with the kernel).
 
     python benchmark/kv_canary/bench_chain_scan.py [--tokens 512,4096,16384]
         [--decode-bs 32,256] [--rounds 30] [--out F.jsonl]
 
-The serial walk (A, and A' its A/A control) is this tree's ``launch_canary_chain_writes`` on
+This tree's chain write (A, and A' its A/A control) is its ``launch_canary_chain_writes`` on
 ``bench_chain_walk.Case``'s inputs: two buffers (HEAD K and TAIL K of one group), a prefill of
 N new tokens at batch size 1 and a decode step (one token per request, each seeded by its
 prefix's last slot). The scan (B) is a prototype, not the canary: ``_chain_scan_kernel`` writes
 the same records (token, position, prev_hash, real_kv_hash 0) of the same slots in both buffers,
 with the chain of the design document, ``H(r) = r.prev_hash * CHAIN_SCAN_MUL + e(r.token,
-r.position) mod 2**64``, ``e(t, p) = splitmix64(splitmix64(t) ^ p)``; a lane's prev_hash values
-are an affine recurrence, so one program per request computes them a block of ``BLOCK`` steps
-at a time with ``tl.associative_scan`` and carries the last state into the next block. It
-checks what the serial walk's clean path checks (each step's position is its predecessor's plus
-one, from the seed record's on) and appends a failed step's ring row as the walk does (a clean
-run appends none). Before timing, the scan's records must equal
-:func:`reference_records` (a serial Python loop over the same definition) byte for byte, and
-the walk must report nothing. Each round times A, A' and B in an order shuffled per round, each
-the median of 5 launches between CUDA events; printed per shape: the medians and B/A, A'/A
-with a 95 % bootstrap interval. ``--smoke-cpu`` runs the equality checks on the CPU (Triton's
-interpreter) with tiny shapes (a 37-step prefill in blocks of 16: the carry between blocks) and times nothing.
+r.position) mod 2**64``, ``e(t, p) = splitmix64(splitmix64(t) ^ p)``; a request's prev_hash
+values are an affine recurrence, so one program per request computes them a block of ``BLOCK``
+steps at a time with ``tl.associative_scan`` and carries the last state into the next block. It
+checks each step's position against its predecessor's plus one (from the seed record's on; the
+kernel does so only from a real seed) and appends a failed step's ring row (a clean run appends
+none). Before timing, the scan's records must equal :func:`reference_records` (a
+serial Python loop over the same definition) byte for byte, and this tree's write must report
+nothing. Each round times A, A' and B in an order shuffled per round, each the median of 5
+launches between CUDA events; printed per shape: the medians and B/A, A'/A with a 95 %
+bootstrap interval. ``--smoke-cpu`` runs the equality checks on the CPU (Triton's interpreter)
+with tiny shapes (a 37-step prefill in blocks of 16: the carry between blocks) and times
+nothing.
 """
 
 from __future__ import annotations
@@ -235,7 +237,7 @@ def launch_scan(case: Case, contexts, block: int) -> None:
 
 def check_scan(case: Case, block: int) -> None:
     """The scan's records equal the serial reference's in both buffers, nothing counted as
-    failed; the serial walk reports nothing on the same inputs."""
+    failed; this tree's chain write reports nothing on the same inputs."""
     expected = reference_records(case)
     contexts = case.contexts()
     launch_scan(case, contexts, block)
@@ -247,7 +249,7 @@ def check_scan(case: Case, block: int) -> None:
     walk = case.contexts()
     case.launch(this_write, walk)
     if int(walk[0].violation_write_index[0]) != 0:
-        raise SystemExit(f"{case.shape.name}: the serial walk reported violations")
+        raise SystemExit(f"{case.shape.name}: this tree's chain write reported violations")
 
 
 def check_scan_catches_a_position_gap(case: Case, block: int) -> None:
@@ -286,7 +288,7 @@ def main() -> None:
         shapes = [Shape(f"prefill 1 x {n}", 1, n, 0) for n in tokens]
         shapes += [Shape(f"decode {bs} x 1", bs, 1, 511) for bs in decode_bs]
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"chain: serial walk (A, A') vs scan prototype (B); {gpu}; {now_utc()}")
+    print(f"chain: this tree's write (A, A') vs the scan prototype (B); {gpu}; {now_utc()}")
     for shape in shapes:
         case = Case(shape, device)
         block = block_for(shape, max_block=16 if a.smoke_cpu else 1024)
