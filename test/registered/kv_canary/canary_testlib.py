@@ -130,3 +130,44 @@ def assert_plans_equal(a, b) -> None:
 
 def u64(x: int) -> int:
     return to_int64(x)
+
+
+def chain_writes(records: torch.Tensor, plan, input_ids, positions, out_cache_loc, **_) -> dict:
+    """Every record a write of these inputs stores, as ``{slot: [(token, position, prev_hash),
+    ...]}`` in step order (``records``: the int64 ``[slots, 4]`` records before the launch;
+    every chain starts from them, SPEC §5). A slot listed more than once was written by
+    several steps of the launch, which may run in parallel: it holds one of them."""
+    from sglang.jit_kernel.kv_canary.consts import canary_chain_head_hash, canary_chain_step
+
+    recs = records.cpu().tolist()
+    num_slots = len(recs)
+    nreq = min(max(int(plan.write_num_valid_reqs[0]), 0), plan.req_capacity)
+    offsets = plan.write_offsets.cpu().tolist()
+    seeds = plan.write_seed_slot_indices.cpu().tolist()
+    ids, pos, loc = (t.cpu().tolist() for t in (input_ids, positions, out_cache_loc))
+    out: dict = {}
+    for r in range(nreq):
+        seed = seeds[r]
+        if 0 <= seed < num_slots:
+            running = canary_chain_step(recs[seed][2], recs[seed][0], recs[seed][1])
+        else:
+            running = canary_chain_head_hash()
+        for i in range(offsets[r], offsets[r + 1]):
+            if not 0 <= i < len(ids):
+                continue
+            if 0 <= loc[i] < num_slots:
+                out.setdefault(loc[i], []).append((ids[i], pos[i], to_int64(running)))
+            running = canary_chain_step(running, ids[i], pos[i])
+    return out
+
+
+def adopt_rewritten_slots(got: VerifyOrWriteContext, want: VerifyOrWriteContext, writes) -> None:
+    """For each slot ``writes`` (:func:`chain_writes`) lists more than once: ``got``'s record
+    must be one of those writes; ``want`` takes it (token, position, prev_hash), so that the
+    two contexts can be compared byte for byte after it."""
+    for slot, candidates in writes.items():
+        if len(candidates) < 2:
+            continue
+        held = tuple(got.canary_words[slot, :3].cpu().tolist())
+        assert held in candidates, f"slot {slot} holds {held}, none of its writes {candidates}"
+        want.canary_words[slot, :3] = got.canary_words[slot, :3].to(want.canary_words.device)

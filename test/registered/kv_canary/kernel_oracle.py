@@ -48,7 +48,7 @@ from sglang.jit_kernel.kv_canary.consts import (
     NO_KV_LAYER,
     canary_chain_head_hash,
     splitmix64,
-    splitmix64_mix3,
+    canary_chain_step,
     to_int64,
 )
 
@@ -137,8 +137,8 @@ def make_impl(name: str, device, monkeypatch) -> Impl:
 
 
 def rec_hash(rec) -> int:
-    """H(record) = mix3(prev_hash, token, position), u64."""
-    return splitmix64_mix3(rec[2] & MASK64, rec[0] & MASK64, rec[1] & MASK64)
+    """H(record) = prev_hash * CANARY_CHAIN_MUL + e(token, position) mod 2**64."""
+    return canary_chain_step(rec[2] & MASK64, rec[0] & MASK64, rec[1] & MASK64)
 
 
 def slot_bytes(src: RealKvSource, slot: int, nbytes: int) -> bytes:
@@ -337,7 +337,7 @@ class Oracle:
                                 slot, pos, tok, etok, running, epos, bits, pos, plan.write_rows[r]
                             )
                         )
-                running = splitmix64_mix3(running, tok, pos)
+                running = canary_chain_step(running, tok, pos)
                 prev_pos = pos
         for slot in stored:
             self.recs[slot][3] = to_int64(oracle_fingerprint(self.sources, self.mode, slot))

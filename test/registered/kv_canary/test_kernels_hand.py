@@ -43,7 +43,7 @@ from sglang.jit_kernel.kv_canary.consts import (
     NO_KV_LAYER,
     canary_chain_head_hash,
     splitmix64,
-    splitmix64_mix3,
+    canary_chain_step,
     to_int64,
 )
 from kernel_oracle import (
@@ -74,9 +74,8 @@ def test_hash_primitives_match_spec():
     for x in (0, 1, 2, 0xDEADBEEF, MASK64, 1 << 63, CANARY_CHAIN_ANCHOR, -1, -12345):
         assert splitmix64(x) == sm64_spec(x)
     for a, b, c in ((0, 0, 0), (1, 2, 3), (MASK64, -1, 7), (HEAD, 12345, -9)):
-        assert splitmix64_mix3(a, b, c) == sm64_spec(
-            sm64_spec(sm64_spec(a) ^ (b & MASK64)) ^ (c & MASK64)
-        )
+        key = sm64_spec(sm64_spec(b & MASK64) ^ (c & MASK64))
+        assert canary_chain_step(a, b, c) == ((a & MASK64) * 0xD1342543DE82EF95 + key) & MASK64
     assert CANARY_CHAIN_ANCHOR == 0xC0FFEE1234567890
     assert canary_chain_head_hash() == sm64_spec(0xC0FFEE1234567890)
     assert to_int64(MASK64) == -1 and to_int64(5) == 5 and to_int64(1 << 63) == -(1 << 63)
@@ -155,7 +154,7 @@ def test_single_request_extend_then_decode(impl):
     rows6 = c.write(p, toks[:6], range(6), slots[:6])
     assert rows6 == []
     assert c.record(5) == [101, 0, to_int64(HEAD), 0]  # position 0: prev_hash == H(none)
-    assert c.record(9)[2] == to_int64(splitmix64_mix3(HEAD, 101, 0))
+    assert c.record(9)[2] == to_int64(canary_chain_step(HEAD, 101, 0))
 
     # Decode on top: seed = slot of position prefix-1, whole prefix verified.
     p = run_plan(impl, rpi=[3], prefix=[6], ext=[1], r2t=r2t, write_req_capacity=4)
@@ -393,11 +392,11 @@ def test_swa_window_with_evicted_slots(impl):
         4,
         2,
         to_int64(
-            splitmix64_mix3(
-                splitmix64_mix3(
-                    splitmix64_mix3(
-                        splitmix64_mix3(
-                            splitmix64_mix3(splitmix64_mix3(HEAD, 11, 0), 12, 1), 13, 2
+            canary_chain_step(
+                canary_chain_step(
+                    canary_chain_step(
+                        canary_chain_step(
+                            canary_chain_step(canary_chain_step(HEAD, 11, 0), 12, 1), 13, 2
                         ),
                         14,
                         3,
@@ -551,7 +550,7 @@ def test_expected_tokens_plan_and_verify(impl, offset):
         for pp in range(n):
             t = history[rp][pp + offset]
             c.set_record(r2t[rp][pp], [t, pp, to_int64(running), 0])
-            running = splitmix64_mix3(running, t, pp)
+            running = canary_chain_step(running, t, pp)
     for check in (False, True):
         assert c.verify(p, check_token=check) == []
     # Wrong token where the expected token is known (request 1, position 0) and where it is

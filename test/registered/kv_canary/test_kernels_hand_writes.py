@@ -14,7 +14,7 @@ import torch
 
 
 from sglang.jit_kernel.kv_canary import CanaryLaunchTag, RealKvHashMode, RealKvSource
-from sglang.jit_kernel.kv_canary.consts import splitmix64_mix3, to_int64
+from sglang.jit_kernel.kv_canary.consts import canary_chain_step, to_int64
 from kernel_oracle import (
     perm_slots,
     r2t_table,
@@ -46,9 +46,9 @@ def test_write_skips_negative_and_out_of_range_slots(impl):
     loc = [2, -1, 3, 16, 4, 5, -7]
     assert c.write(p, ids, pos, loc) == []
     assert int(c.ctx.slot_run_counter[0]) == 4
-    h = splitmix64_mix3(splitmix64_mix3(rec_hash([5, 3, 0x77, 0]), 10, 4), 11, 5)
+    h = canary_chain_step(canary_chain_step(rec_hash([5, 3, 0x77, 0]), 10, 4), 11, 5)
     assert c.record(3) == [12, 6, to_int64(h), 0]
-    assert c.record(5)[2] == to_int64(splitmix64_mix3(HEAD, 20, 0))
+    assert c.record(5)[2] == to_int64(canary_chain_step(HEAD, 20, 0))
 
 
 # =============================================================================================
@@ -124,7 +124,7 @@ def test_write_over_its_own_seed_reports_the_hash_it_walked(impl):
     c.set_record(1, seed_rec)
     p = hand_write_plan(impl, [2], [1])
     rows = c.write(p, [10, 11], [4, 9], [1, 2])
-    walked = splitmix64_mix3(rec_hash(seed_rec), 10, 4)
+    walked = canary_chain_step(rec_hash(seed_rec), 10, 4)
     assert [(r[1], r[5], r[7]) for r in rows] == [(2, to_int64(walked), BIT_WRITE_POS)]
     assert c.record(1) == [10, 4, to_int64(rec_hash(seed_rec)), 0]
 
@@ -177,7 +177,7 @@ def test_slot_zero_entries_skipped(impl):
     for pp, s in enumerate(r2t[1][:5]):
         if s:
             c.set_record(s, [50 + pp, pp, to_int64(running), 0])
-        running = splitmix64_mix3(running, 50 + pp, pp)
+        running = canary_chain_step(running, 50 + pp, pp)
     p = run_plan(impl, rpi=[1], prefix=[5], ext=[1], r2t=r2t)
     assert p.exp.entries[2] == (0, -1, 2, 5) and p.exp.entries[3] == (6, -1, 3, 0)
     assert c.verify(p) == []  # slot 0 (garbage) skipped; its successor's chain unchecked

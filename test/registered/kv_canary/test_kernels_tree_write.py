@@ -37,7 +37,7 @@ from sglang.jit_kernel.kv_canary import (
 from sglang.jit_kernel.kv_canary.consts import (
     TREE_PARENT_ORPHAN,
     TREE_PARENT_SEED,
-    splitmix64_mix3,
+    canary_chain_step,
     to_int64,
 )
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -103,7 +103,7 @@ def oracle_tree_write(
                 epos = -1
             else:
                 for a in reversed(path[1:]):
-                    running = splitmix64_mix3(running, ids[lo + a], pos[lo + a])
+                    running = canary_chain_step(running, ids[lo + a], pos[lo + a])
                 prev = pos[lo + path[1]] if len(path) > 1 else seed_pos
                 if has_seed and oracle.chain_assert == 1 and p_i != prev + 1:
                     bits |= BIT_WRITE_POS
@@ -196,13 +196,13 @@ def test_each_node_is_chained_from_its_path_root_first(impl):
     pos = [10 + d for d in DEPTHS]
     loc = [20, 21, 22, 23, 24, 25, 26]
     assert tree_write(c, hand_write_plan(impl, [7], [1], rows=[3]), TOKENS, pos, loc, TREE, 4) == []
-    path_of_6 = splitmix64_mix3(splitmix64_mix3(splitmix64_mix3(h, 40, 10), 41, 11), 43, 12)
+    path_of_6 = canary_chain_step(canary_chain_step(canary_chain_step(h, 40, 10), 41, 11), 43, 12)
     assert c.record(26) == [46, 13, to_int64(path_of_6), 0]
     # siblings share their parent's chain; the root's is the seed's hash itself
     assert (
         c.record(23)[2]
         == c.record(24)[2]
-        == to_int64(splitmix64_mix3(splitmix64_mix3(h, 40, 10), 41, 11))
+        == to_int64(canary_chain_step(canary_chain_step(h, 40, 10), 41, 11))
     )
     assert c.record(20)[2] == to_int64(h)
     assert int(c.ctx.slot_run_counter[0]) == 7

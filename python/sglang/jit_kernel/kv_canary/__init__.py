@@ -10,7 +10,8 @@ from sglang.jit_kernel.kv_canary.consts import (
     FailReason,
     RealKvHashMode,
     splitmix64,
-    splitmix64_mix3,
+    canary_chain_key,
+    canary_chain_step,
 )
 from sglang.jit_kernel.kv_canary.plan import launch_canary_plan_kernels
 from sglang.jit_kernel.kv_canary.plan_ref import launch_canary_plan_kernels_torch_reference
@@ -67,5 +68,6 @@ __all__ = [
     "scatter_packed_token_ids_torch_reference",
     "scatter_req_token_ids_torch_reference",
     "splitmix64",
-    "splitmix64_mix3",
+    "canary_chain_key",
+    "canary_chain_step",
 ]

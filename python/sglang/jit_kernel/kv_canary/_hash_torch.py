@@ -11,6 +11,7 @@ import torch
 
 from sglang.jit_kernel.kv_canary.consts import (
     CANARY_CHAIN_ANCHOR,
+    CANARY_CHAIN_MUL,
     CANARY_FIELD_POSITION,
     CANARY_FIELD_PREV_HASH,
     CANARY_FIELD_TOKEN,
@@ -22,6 +23,7 @@ from sglang.jit_kernel.kv_canary.consts import (
 
 _MUL1 = to_int64(SPLITMIX64_MUL1)
 _MUL2 = to_int64(SPLITMIX64_MUL2)
+_CHAIN_MUL = to_int64(CANARY_CHAIN_MUL)
 CHAIN_HEAD_HASH_I64 = to_int64(canary_chain_head_hash())
 CHAIN_ANCHOR_I64 = to_int64(CANARY_CHAIN_ANCHOR)
 
@@ -39,14 +41,20 @@ def splitmix64_t(x: torch.Tensor) -> torch.Tensor:
     return x ^ _lsr(x, 31)
 
 
-def mix3_t(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Element-wise ``mix3(a, b, c)``; arguments broadcast, all int64."""
-    return splitmix64_t(splitmix64_t(splitmix64_t(a) ^ b) ^ c)
+def chain_key_t(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Element-wise ``e(token, position)``; arguments broadcast, all int64."""
+    return splitmix64_t(splitmix64_t(tok) ^ pos)
+
+
+def chain_step_t(prev: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Element-wise ``H = prev * CANARY_CHAIN_MUL + e(tok, pos)`` (wrapping int64 arithmetic
+    is arithmetic mod 2**64); arguments broadcast, all int64."""
+    return prev * _CHAIN_MUL + chain_key_t(tok, pos)
 
 
 def record_hash_t(records: torch.Tensor) -> torch.Tensor:
     """``H(record)`` for an int64 ``[n, 4]`` block of records → int64 ``[n]``."""
-    return mix3_t(
+    return chain_step_t(
         records[:, CANARY_FIELD_PREV_HASH],
         records[:, CANARY_FIELD_TOKEN],
         records[:, CANARY_FIELD_POSITION],

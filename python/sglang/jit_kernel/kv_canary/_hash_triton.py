@@ -11,6 +11,7 @@ import triton.language as tl
 
 from sglang.jit_kernel.kv_canary._kernel_consts import (
     CHAIN_ANCHOR,
+    CHAIN_MUL,
     FIELD_POSITION,
     FIELD_PREV_HASH,
     FIELD_TOKEN,
@@ -36,8 +37,15 @@ def splitmix64(x):
 
 
 @triton.jit
-def mix3(a, b, c):
-    return splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)
+def chain_key(tok, pos):
+    """``e(token, position)`` of u64 token and position values."""
+    return splitmix64(splitmix64(tok) ^ pos)
+
+
+@triton.jit
+def chain_step(prev, tok, pos):
+    """``H(record) = prev * CHAIN_MUL + e(tok, pos)`` (u64; docs/chain_scan_design.md)."""
+    return prev * CHAIN_MUL + chain_key(tok, pos)
 
 
 @triton.jit
@@ -63,7 +71,7 @@ def record_hash(canary_ptr, slot, mask):
     tok = tl.load(base + FIELD_TOKEN, mask=mask, other=0)
     pos = tl.load(base + FIELD_POSITION, mask=mask, other=0)
     prev = tl.load(base + FIELD_PREV_HASH, mask=mask, other=0)
-    return mix3(as_u64(prev), as_u64(tok), as_u64(pos))
+    return chain_step(as_u64(prev), as_u64(tok), as_u64(pos))
 
 
 @triton.jit

@@ -14,6 +14,8 @@ import triton.language as tl
 from sglang.jit_kernel.kv_canary import consts as _consts
 from sglang.jit_kernel.kv_canary.consts import (
     CANARY_CHAIN_ANCHOR,
+    CANARY_CHAIN_MUL,
+    CANARY_CHAIN_MUL_INV,
     CANARY_FIELD_POSITION,
     CANARY_FIELD_PREV_HASH,
     CANARY_FIELD_REAL_KV_HASH,
@@ -83,6 +85,8 @@ TREE_PARENT_ORPHAN = tl.constexpr(_TREE_PARENT_ORPHAN)
 
 # Hash constants (u64 values >= 2**63: Triton types them uint64, as it does the same literals).
 CHAIN_ANCHOR = tl.constexpr(CANARY_CHAIN_ANCHOR)
+CHAIN_MUL = tl.constexpr(CANARY_CHAIN_MUL)
+CHAIN_MUL_INV = tl.constexpr(CANARY_CHAIN_MUL_INV)
 SPLITMIX_MUL1 = tl.constexpr(SPLITMIX64_MUL1)
 SPLITMIX_MUL2 = tl.constexpr(SPLITMIX64_MUL2)
 

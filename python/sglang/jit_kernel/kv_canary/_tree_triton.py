@@ -140,7 +140,9 @@ def tree_write_kernel(
                     anc = tl.where(up, tl.load(parent_ptr + start + anc, mask=up, other=0), anc)
                 a_tok = tl.load(input_ids_ptr + start + anc, mask=fold, other=0).to(tl.int64)
                 a_pos = tl.load(positions_ptr + start + anc, mask=fold, other=0).to(tl.int64)
-                running = tl.where(fold, H.mix3(running, H.as_u64(a_tok), H.as_u64(a_pos)), running)
+                running = tl.where(
+                    fold, H.chain_step(running, H.as_u64(a_tok), H.as_u64(a_pos)), running
+                )
             has_parent = rooted & (depth > 1)
             parent_pos = tl.load(positions_ptr + start + parent, mask=has_parent, other=0).to(
                 tl.int64

@@ -21,6 +21,10 @@ MASK64 = (1 << 64) - 1
 CANARY_CHAIN_ANCHOR = 0xC0FFEE1234567890
 SPLITMIX64_MUL1 = 0xBF58476D1CE4E5B9
 SPLITMIX64_MUL2 = 0x94D049BB133111EB
+# The chain step's multiplier (docs/chain_scan_design.md): odd, so a step is a bijection of the
+# chain state mod 2**64 and has an inverse; a full-period LCG multiplier (Steele and Vigna, 2021).
+CANARY_CHAIN_MUL = 0xD1342543DE82EF95
+CANARY_CHAIN_MUL_INV = pow(CANARY_CHAIN_MUL, -1, 1 << 64)
 
 # Record fields (int64 index into a 32-byte row).
 CANARY_FIELD_BYTES = 8  # each field is one little-endian int64
@@ -125,9 +129,17 @@ def splitmix64(x: int) -> int:
     return x
 
 
-def splitmix64_mix3(a: int, b: int, c: int) -> int:
-    """``mix3(a, b, c) = splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)`` mod 2**64."""
-    return splitmix64(splitmix64(splitmix64(a) ^ (b & MASK64)) ^ (c & MASK64))
+def canary_chain_key(token: int, position: int) -> int:
+    """``e(token, position) = splitmix64(splitmix64(token) ^ position)`` mod 2**64: for a fixed
+    position a bijection of the token, for a fixed token one of the position."""
+    return splitmix64(splitmix64(token) ^ (position & MASK64))
+
+
+def canary_chain_step(prev_hash: int, token: int, position: int) -> int:
+    """``H(record) = prev_hash * CANARY_CHAIN_MUL + e(token, position)`` mod 2**64: the state
+    after a record (an affine map of the state before it, so a parallel scan computes a chain:
+    docs/chain_scan_design.md)."""
+    return ((prev_hash & MASK64) * CANARY_CHAIN_MUL + canary_chain_key(token, position)) & MASK64
 
 
 def canary_chain_head_hash() -> int:

@@ -22,13 +22,10 @@ import triton.language as tl
 from sglang.jit_kernel.kv_canary import _hash_triton as H
 from sglang.jit_kernel.kv_canary import validation, write_ref
 from sglang.jit_kernel.kv_canary._kernel_consts import (
-    FIELD_POSITION,
     FIELD_REAL_KV_HASH,
-    NO_REQ_TO_TOKEN_ROW,
-    NO_SEED_SLOT,
     RECORD_WORDS,
 )
-from sglang.jit_kernel.kv_canary._chain_triton import chain_walk
+from sglang.jit_kernel.kv_canary._chain_triton import scan_block, seed_state, store_block
 from sglang.jit_kernel.kv_canary._tree_triton import tree_write_kernel
 from sglang.jit_kernel.kv_canary._launch import grid_size, use_triton
 from sglang.jit_kernel.kv_canary.types import VerifyOrWriteContext, WriteTree
@@ -44,11 +41,6 @@ __all__ = [
     "launch_canary_chain_writes",
     "launch_canary_write_kernel",
 ]
-
-
-# warps of a chain-only launch: a program's lanes are one warp (WRITE_REQ_BLOCK = 32), so more
-# warps would only hold copies of them (and sync on every violation-ring append)
-CHAIN_NUM_WARPS = 1
 
 
 @triton.jit
@@ -90,7 +82,7 @@ def _canary_write_kernel(
     INPUT_ASSERT: tl.constexpr,
     NUM_SOURCES: tl.constexpr,
     NUM_BUFS: tl.constexpr,
-    RBLOCK: tl.constexpr,
+    SBLOCK: tl.constexpr,
     FBLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -108,66 +100,93 @@ def _canary_write_kernel(
                 tl.atomic_add(kc3_ptr, 1)
         chain_assert_on = tl.load(chain_assert_ptr) == 1
         head = H.chain_head_hash()
-        lane = tl.arange(0, RBLOCK)
-        buf = lane % NUM_BUFS
-        canary_ptr = tl.where(
-            buf == 0, c0_ptr, tl.where(buf == 1, c1_ptr, tl.where(buf == 2, c2_ptr, c3_ptr))
-        )
-        kernel_kind = tl.where(
-            buf == 0, kind0, tl.where(buf == 1, kind1, tl.where(buf == 2, kind2, kind3))
-        )
-        reqs_per_block = RBLOCK // NUM_BUFS
-        lane_ok = lane < reqs_per_block * NUM_BUFS
-        written = tl.zeros([RBLOCK], dtype=tl.int64)
-        for rstart in range(pid * reqs_per_block, num_reqs, num_chain_programs * reqs_per_block):
-            r = rstart + lane // NUM_BUFS
-            rmask = lane_ok & (r < num_reqs)
-            start = tl.load(offsets_ptr + r, mask=rmask, other=0)
-            end = tl.load(offsets_ptr + r + 1, mask=rmask, other=0)
-            length = tl.where(rmask, tl.maximum(end - start, 0), 0)
-            seed = tl.load(seeds_ptr + r, mask=rmask, other=NO_SEED_SLOT)
-            req_row = tl.load(rows_ptr + r, mask=rmask, other=NO_REQ_TO_TOKEN_ROW)
-            seed_ok = rmask & (seed >= 0) & (seed < num_slots)
-            running = tl.where(seed_ok, H.record_hash(canary_ptr, seed, seed_ok), head)
-            prev_pos = tl.load(
-                canary_ptr + seed * RECORD_WORDS + FIELD_POSITION, mask=seed_ok, other=0
-            )
+        idx = tl.arange(0, SBLOCK)
+        written = tl.zeros([], dtype=tl.int64)
+        ring = (ring_ptr, ring_index_ptr, ring_capacity)
+        # ---- chains: one request per program at a time, its steps SBLOCK at a time (one
+        # scan composes a block's steps); the NUM_BUFS buffers share the scan, each from its
+        # own seed record's state ----
+        for r in range(pid, num_reqs, num_chain_programs):
+            start = tl.load(offsets_ptr + r)
+            length = tl.maximum(tl.load(offsets_ptr + r + 1) - start, 0)
+            seed = tl.load(seeds_ptr + r)
+            req_row = tl.load(rows_ptr + r)
+            seed_ok = (seed >= 0) & (seed < num_slots)
             # slot 0 (an evicted SWA predecessor) holds no real record: no position to follow
             check_pos = seed_ok & (seed > 0) & chain_assert_on
-            # The walk stores and checks without appending: the ring append's atomic would
-            # split every step into branches. Only a block with a failed step walks again from
-            # the same start (the records already stored are not read) to append its rows.
-            walk = (
-                canary_ptr,
-                num_slots,
-                start,
-                length,
-                input_ids_ptr,
-                positions_ptr,
-                loc_ptr,
-                num_tokens,
-                exp_tok_ptr,
-                exp_pos_ptr,
-                running,
-                prev_pos,
-                check_pos,
-                ring_ptr,
-                ring_index_ptr,
-                ring_capacity,
-                kernel_kind,
-                req_row,
-            )
-            stored, failed = chain_walk(*walk, INPUT_ASSERT, NUM_SOURCES, False)
-            written += stored
-            if tl.max(failed.to(tl.int32), axis=0) != 0:
-                chain_walk(*walk, INPUT_ASSERT, NUM_SOURCES, True)
-        tl.atomic_add(sc0_ptr, tl.sum(tl.where(buf == 0, written, 0), axis=0))
+            st0, sp0 = seed_state(c0_ptr, seed, seed_ok, head)
+            st1, sp1 = seed_state(c1_ptr, seed, seed_ok, head)
+            st2, sp2 = seed_state(c2_ptr, seed, seed_ok, head)
+            st3, sp3 = seed_state(c3_ptr, seed, seed_ok, head)
+            for jb in range(0, length, SBLOCK):
+                j = jb + idx
+                i = start + j
+                act = (j < length) & (i >= 0) & (i < num_tokens)
+                tok = tl.load(input_ids_ptr + i, mask=act, other=0).to(tl.int64)
+                pos = tl.load(positions_ptr + i, mask=act, other=0).to(tl.int64)
+                slot = tl.load(loc_ptr + i, mask=act, other=-1).to(tl.int64)
+                # the step before (its position; before the first, the seed record's)
+                use_before = act & (j > 0) & (i > 0)
+                before = tl.load(positions_ptr + i - 1, mask=use_before, other=0).to(tl.int64)
+                if INPUT_ASSERT:
+                    exp_tok = tl.load(exp_tok_ptr + i, mask=act, other=0).to(tl.int64)
+                    exp_pos = tl.load(exp_pos_ptr + i, mask=act, other=0).to(tl.int64)
+                else:
+                    exp_tok = tok
+                    exp_pos = pos
+                store_ok = act & (slot >= 0) & (slot < num_slots)
+                written += tl.sum(store_ok.to(tl.int64), axis=0)
+                a, b, key = scan_block(tok, pos, act)
+                step = (a, b, key, j, tok, pos, slot, exp_tok, exp_pos, before, use_before)
+                st0 = store_block(
+                    c0_ptr, st0, sp0, *step, store_ok, check_pos, *ring, kind0, req_row, NUM_SOURCES
+                )
+                if NUM_BUFS > 1:
+                    st1 = store_block(
+                        c1_ptr,
+                        st1,
+                        sp1,
+                        *step,
+                        store_ok,
+                        check_pos,
+                        *ring,
+                        kind1,
+                        req_row,
+                        NUM_SOURCES,
+                    )
+                if NUM_BUFS > 2:
+                    st2 = store_block(
+                        c2_ptr,
+                        st2,
+                        sp2,
+                        *step,
+                        store_ok,
+                        check_pos,
+                        *ring,
+                        kind2,
+                        req_row,
+                        NUM_SOURCES,
+                    )
+                if NUM_BUFS > 3:
+                    st3 = store_block(
+                        c3_ptr,
+                        st3,
+                        sp3,
+                        *step,
+                        store_ok,
+                        check_pos,
+                        *ring,
+                        kind3,
+                        req_row,
+                        NUM_SOURCES,
+                    )
+        tl.atomic_add(sc0_ptr, written)
         if NUM_BUFS > 1:
-            tl.atomic_add(sc1_ptr, tl.sum(tl.where(buf == 1, written, 0), axis=0))
+            tl.atomic_add(sc1_ptr, written)
         if NUM_BUFS > 2:
-            tl.atomic_add(sc2_ptr, tl.sum(tl.where(buf == 2, written, 0), axis=0))
+            tl.atomic_add(sc2_ptr, written)
         if NUM_BUFS > 3:
-            tl.atomic_add(sc3_ptr, tl.sum(tl.where(buf == 3, written, 0), axis=0))
+            tl.atomic_add(sc3_ptr, written)
     else:
         # ---- real-KV fingerprints of every written slot, in parallel ----
         if NUM_SOURCES > 0:
@@ -183,7 +202,12 @@ def _canary_write_kernel(
                 tl.store(c0_ptr + slot * RECORD_WORDS + FIELD_REAL_KV_HASH, H.as_i64(fp), mask=ok)
 
 
-WRITE_REQ_BLOCK = 32
+# a chain block's steps: a power of two from CHAIN_MIN_BLOCK to CHAIN_MAX_BLOCK, the launch's
+# tokens per request of its capacity rounded up (decode: one step per request; a prefill
+# graph's capacity-padded tokens: hundreds), a warp per 32 steps up to CHAIN_MAX_WARPS
+CHAIN_MIN_BLOCK = 16
+CHAIN_MAX_BLOCK = 1024
+CHAIN_MAX_WARPS = 4
 MAX_CHAIN_WRITE_BUFFERS = 4  # the kernel's buffer arguments (a group's K/V x HEAD/TAIL)
 WRITE_FINGERPRINT_BLOCK = 128
 
@@ -208,7 +232,7 @@ def launch_canary_write_kernel(
     as ``plan.write_offsets`` says (SWA callers pass translated slots). Per live request,
     serially, from ``running = H(record[seed])`` or ``H(none)``: a slot < 0 is skipped (no store,
     no check; the chain still advances); else store ``(token, position, running, fingerprint)``
-    and advance ``running = mix3(running, token, position)``. Checks: token / position against
+    and advance ``running = H(record)`` (an affine step of the state: docs/chain_scan_design.md). Checks: token / position against
     ``expected_input_*`` (``enable_write_input_assert``) and, with a real seed (``seed > 0``) and
     ``context.enable_chain_position_assert == 1``, position == previous + 1 (from the seed's).
     Violation rows (docs/architecture.md, "Record format"): ``expected_token`` is
@@ -235,7 +259,7 @@ def launch_canary_write_kernel(
         return write_ref.run_canary_write_reference(**kwargs)
     num_tokens = input_ids.shape[0]
     num_sources = len(context.real_kv_sources) if context.fingerprint_mode else 0
-    n_chain = grid_size(context.device, plan.req_capacity, WRITE_REQ_BLOCK)
+    n_chain = grid_size(context.device, plan.req_capacity, 1)
     n_fp = grid_size(context.device, num_tokens, WRITE_FINGERPRINT_BLOCK) if num_sources else 0
     if parts == WriteParts.CHAIN:
         num_sources, n_fp = 0, 0  # the chain part then stores real_kv_hash = 0
@@ -354,7 +378,7 @@ def launch_canary_chain_writes(
             zero_fp=True,
         )
         return
-    n_chain = grid_size(first.device, plan.req_capacity * len(contexts), WRITE_REQ_BLOCK)
+    n_chain = grid_size(first.device, plan.req_capacity, 1)
     _launch(
         contexts,
         plan,
@@ -427,8 +451,10 @@ def _launch(
     n_chain,
     n_fp,
 ):
-    """One write launch on validated arguments: the chain part for every context (lanes of
-    (request, context)), the fingerprint part (``n_fp`` programs) for the first."""
+    """One write launch on validated arguments: the chain part for every context (a program
+    per request, the contexts sharing its scan), the fingerprint part (``n_fp`` programs) for
+    the first."""
+    sblock = chain_block(input_ids.shape[0], plan.req_capacity)
     _canary_write_kernel[(n_chain + n_fp,)](
         *_write_args(
             contexts,
@@ -445,10 +471,17 @@ def _launch(
         INPUT_ASSERT=enable_write_input_assert,
         NUM_SOURCES=num_sources,
         NUM_BUFS=len(contexts),
-        RBLOCK=WRITE_REQ_BLOCK,
+        SBLOCK=sblock,
         FBLOCK=WRITE_FINGERPRINT_BLOCK,
-        num_warps=CHAIN_NUM_WARPS if n_fp == 0 else 4,
+        num_warps=max(min(sblock // 32, CHAIN_MAX_WARPS), 1) if n_fp == 0 else 4,
     )
+
+
+def chain_block(num_tokens: int, req_capacity: int) -> int:
+    """The chain part's steps per block for a launch of ``num_tokens`` tokens (its capacity,
+    host-known) over at most ``req_capacity`` requests."""
+    per_req = triton.cdiv(max(num_tokens, 1), max(req_capacity, 1))
+    return max(CHAIN_MIN_BLOCK, min(CHAIN_MAX_BLOCK, triton.next_power_of_2(per_req)))
 
 
 TREE_ENTRY_BLOCK = 32  # entries of one request a tree-write program walks at once

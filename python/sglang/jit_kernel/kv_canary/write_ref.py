@@ -16,7 +16,7 @@ import torch
 from sglang.jit_kernel.kv_canary import validation
 from sglang.jit_kernel.kv_canary._hash_torch import (
     CHAIN_HEAD_HASH_I64,
-    mix3_t,
+    chain_step_t,
     real_kv_fingerprint_t,
     record_hash_t,
 )
@@ -165,7 +165,7 @@ def _chain(
         _append(
             context, ok & (bits != 0), slot, pos, tok, exp_tok, running, exp_pos, bits, req_rows
         )
-        running = torch.where(act, mix3_t(running, tok, pos), running)
+        running = torch.where(act, chain_step_t(running, tok, pos), running)
         prev_pos = torch.where(act, pos, prev_pos)
     context.slot_run_counter.add_(written)
 
@@ -243,7 +243,7 @@ def _tree_chain(
             for hop in range(depth_bound):
                 anc = torch.where(hop < depth - 1 - level, parent_of(anc), anc)
             fold = rooted & (level < depth - 1)
-            running = torch.where(fold, mix3_t(running, tok[anc], pos[anc]), running)
+            running = torch.where(fold, chain_step_t(running, tok[anc], pos[anc]), running)
         seed_pos = int(records[seed, CANARY_FIELD_POSITION].item()) if seed_ok else 0
         has_parent = rooted & (depth > 1)
         prev_pos = torch.where(has_parent, pos[parent_of(local).clamp_min(0)], seed_pos)
