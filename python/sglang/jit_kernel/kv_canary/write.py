@@ -1,11 +1,12 @@
-"""Canary write kernels (docs/architecture.md, "Write"; the chain walk: docs/architecture.md,
-"One forward").
+"""Canary write kernels (docs/architecture.md, "Write"; the chain part: docs/architecture.md,
+"One forward", and docs/chain_scan_design.md).
 
 ``launch_canary_write_kernel`` stores a fresh record for every slot a forward writes: token,
-position, the request's running chain hash and (TAIL) the real-KV fingerprint; one part of the
-grid walks each request's chain serially (lanes = requests), the other fingerprints all written
-slots in parallel. ``launch_canary_chain_writes`` walks the chains of up to four buffers of one
-pool group in one launch (lanes = request x buffer); the walk itself is
+position, the request's chain hash before it and (TAIL) the real-KV fingerprint; one part of
+the grid takes each request's chain a block of steps at a time (a program per request, one
+parallel scan per block), the other fingerprints all written slots in parallel.
+``launch_canary_chain_writes`` writes the chains of up to four buffers of one pool group in one
+launch (the buffers share each block's scan); the block's device functions are
 :mod:`~sglang.jit_kernel.kv_canary._chain_triton`. Graph-safe on CUDA. :class:`WriteParts` and
 :class:`WritePlan` live in :mod:`~sglang.jit_kernel.kv_canary.types` (no Triton); they are
 re-exported here.
@@ -88,8 +89,7 @@ def _canary_write_kernel(
     pid = tl.program_id(0)
     num_reqs = tl.minimum(tl.maximum(tl.load(num_reqs_ptr), 0), req_capacity)
     if pid < num_chain_programs:
-        # ---- serial chains: lanes are (request, buffer) pairs, the loop walks chain steps;
-        # the NUM_BUFS buffers of one request walk side by side, each from its own seed ----
+        # ---- the chains: kernel counters once per launch ----
         if pid == 0:
             tl.atomic_add(kc0_ptr, 1)
             if NUM_BUFS > 1:
@@ -312,10 +312,10 @@ def launch_canary_chain_writes(
 ) -> None:
     """The chain part (:attr:`WriteParts.CHAIN`) of :func:`launch_canary_write_kernel` for up
     to ``MAX_CHAIN_WRITE_BUFFERS`` canary buffers of one pool group at once, byte for byte what
-    one launch per context writes (violation rows may come in another order). One launch:
-    each request's buffers walk their chains side by side (lanes of one program), each from
-    its own seed record, so the serial walk of a long prefill costs one SM the time of one
-    walk, not one walk per buffer. The contexts must be distinct buffers of one pool (same
+    one launch per context writes (violation rows may come in another order; a slot written by
+    several steps of the launch holds one of those writes). One launch: each request's
+    buffers share its program and each block's scan, each buffer from its own seed record.
+    The contexts must be distinct buffers of one pool (same
     slot count) sharing one violation ring and chain-position flag. Graph-safe on CUDA."""
     contexts = list(contexts)
     if not 1 <= len(contexts) <= MAX_CHAIN_WRITE_BUFFERS:
