@@ -115,9 +115,13 @@ def _canary_write_kernel(
             # slot 0 (an evicted SWA predecessor) holds no real record: no position to follow
             check_pos = seed_ok & (seed > 0) & chain_assert_on
             st0, sp0 = seed_state(c0_ptr, seed, seed_ok, head)
-            st1, sp1 = seed_state(c1_ptr, seed, seed_ok, head)
-            st2, sp2 = seed_state(c2_ptr, seed, seed_ok, head)
-            st3, sp3 = seed_state(c3_ptr, seed, seed_ok, head)
+            st1, sp1, st2, sp2, st3, sp3 = st0, sp0, st0, sp0, st0, sp0  # buffers not launched
+            if NUM_BUFS > 1:
+                st1, sp1 = seed_state(c1_ptr, seed, seed_ok, head)
+            if NUM_BUFS > 2:
+                st2, sp2 = seed_state(c2_ptr, seed, seed_ok, head)
+            if NUM_BUFS > 3:
+                st3, sp3 = seed_state(c3_ptr, seed, seed_ok, head)
             for jb in range(0, length, SBLOCK):
                 j = jb + idx
                 i = start + j
