@@ -135,8 +135,9 @@ def u64(x: int) -> int:
 def chain_writes(records: torch.Tensor, plan, input_ids, positions, out_cache_loc, **_) -> dict:
     """Every record a write of these inputs stores, as ``{slot: [(token, position, prev_hash),
     ...]}`` in step order (``records``: the int64 ``[slots, 4]`` records before the launch;
-    every chain starts from them, SPEC §5). A slot listed more than once was written by
-    several steps of the launch, which may run in parallel: it holds one of them."""
+    every chain starts from them: docs/architecture.md, "Write"). A slot listed more than once
+    was written by several steps of the launch, which may run in parallel: it holds one of
+    them."""
     from sglang.jit_kernel.kv_canary.consts import canary_chain_head_hash, canary_chain_step
 
     recs = records.cpu().tolist()
