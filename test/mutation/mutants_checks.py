@@ -151,26 +151,23 @@ MUTANTS_CHECKS = (
     ),
     Mutant(
         id="kernel-write-failed-steps-unreported",
-        path=f"{_KN}/write.py",
-        old="if tl.max(failed.to(tl.int32), axis=0) != 0:",
-        new="if tl.max(failed.to(tl.int32), axis=0) > 1:",
+        path=f"{_KN}/_chain_triton.py",
+        old="if tl.max(bad.to(tl.int32), axis=0) != 0:",
+        new="if tl.max(bad.to(tl.int32), axis=0) > 1:",
         selection=f"{_T}/test_kernels_hand_writes.py::"
         "test_write_over_its_own_seed_reports_the_hash_it_walked[triton]",
         speed="quick",
         what="the chain write stores its records but appends no failed step's row",
     ),
     Mutant(
-        id="kernel-write-report-walk-from-overwritten-seed",
-        path=f"{_KN}/write.py",
-        old="chain_walk(*walk, INPUT_ASSERT, NUM_SOURCES, True)",
-        new="chain_walk(\n                    *walk[:10],\n                    tl.where(seed_ok, "
-        "H.record_hash(canary_ptr, seed, seed_ok), head),\n                    *walk[11:],\n"
-        "                    INPUT_ASSERT,\n                    NUM_SOURCES,\n"
-        "                    True,\n                )",
+        id="kernel-write-report-hash-after-the-step",
+        path=f"{_KN}/_chain_triton.py",
+        old="            H.as_i64(prev),\n            tl.where(chain_bad, expected_pos, exp_pos),",
+        new="            H.as_i64(after),\n            tl.where(chain_bad, expected_pos, exp_pos),",
         selection=f"{_T}/test_kernels_hand_writes.py::"
         "test_write_over_its_own_seed_reports_the_hash_it_walked[triton]",
         speed="quick",
-        what="the report walk re-reads a seed record the forward has overwritten",
+        what="a failed step's ring row carries the chain state after the step, not its record's",
     ),
     Mutant(
         id="ref-plan-swa-window-short",
