@@ -45,12 +45,15 @@ def seed_state(canary_ptr, seed, seed_ok, head):
 @triton.jit
 def scan_block(tok, pos, act):
     """One block's steps composed from its first: per step ``(a, b)`` such that the state after
-    it is ``state_before_block * a + b`` (inactive steps are the identity), and each step's
-    key ``e(tok, pos)`` (0 where inactive)."""
+    it is ``state_before_block * a + b`` (inactive steps are the identity), each step's key
+    ``e(tok, pos)`` (0 where inactive), and the whole block's ``(a, b)`` (u64 scalars: past a
+    request's last step the steps are the identity, so the block's last element is the state
+    after its last active step)."""
     key = tl.where(act, H.chain_key(H.as_u64(tok), H.as_u64(pos)), 0)
     mul = tl.where(act, tl.full([], CHAIN_MUL, tl.uint64), tl.full([], 1, tl.uint64))
     a, b = tl.associative_scan((mul, key), 0, _affine)
-    return a, b, key
+    last = tl.arange(0, a.shape[0]) == a.shape[0] - 1
+    return a, b, key, tl.sum(tl.where(last, a, 0), axis=0), tl.sum(tl.where(last, b, 0), axis=0)
 
 
 @triton.jit
@@ -61,7 +64,8 @@ def store_block(
     a,
     b,
     key,
-    j,
+    a_block,
+    b_block,
     tok,
     pos,
     slot,
@@ -82,7 +86,8 @@ def store_block(
     where ``store_ok``; a step failing the input check (``exp_*``: the expected token and
     position, or the actual ones) or, with ``check_pos``, the chain-position check (position =
     the previous step's, the seed record's for the first: ``before`` / ``use_before``) appends
-    its ring row. Returns the state after the block (u64 scalar)."""
+    its ring row. ``a_block`` / ``b_block``: the whole block's step (:func:`scan_block`).
+    Returns the state after the block (u64 scalar)."""
     after = state * a + b
     prev = (after - key) * CHAIN_MUL_INV  # the state before each step: its prev_hash
     expected_pos = tl.where(use_before, before, seed_pos) + 1
@@ -114,6 +119,4 @@ def store_block(
             req_row,
             NO_KV_LAYER,
         )
-    # past a request's last step the steps are the identity: the block's last state is the
-    # request's state after its last step so far
-    return tl.sum(tl.where(j == tl.max(j, axis=0), after, 0), axis=0)
+    return state * a_block + b_block

@@ -140,8 +140,21 @@ def _canary_write_kernel(
                     exp_pos = pos
                 store_ok = act & (slot >= 0) & (slot < num_slots)
                 written += tl.sum(store_ok.to(tl.int64), axis=0)
-                a, b, key = scan_block(tok, pos, act)
-                step = (a, b, key, j, tok, pos, slot, exp_tok, exp_pos, before, use_before)
+                a, b, key, a_blk, b_blk = scan_block(tok, pos, act)
+                step = (
+                    a,
+                    b,
+                    key,
+                    a_blk,
+                    b_blk,
+                    tok,
+                    pos,
+                    slot,
+                    exp_tok,
+                    exp_pos,
+                    before,
+                    use_before,
+                )
                 st0 = store_block(
                     c0_ptr, st0, sp0, *step, store_ok, check_pos, *ring, kind0, req_row, NUM_SOURCES
                 )
