@@ -3,6 +3,7 @@ forward path"), this tree's kernel against another tree's, paired and interleave
 
     python benchmark/kv_canary/bench_chain_walk.py --against OTHER/python/sglang/jit_kernel/kv_canary/write.py
         [--tokens 512,4096,16384] [--decode-bs 32,256] [--rounds 30] [--out F.jsonl]
+        [--req-capacity R] [--token-capacity T] [--graph]
 
 ``--against`` loads another revision's ``write.py`` (e.g. from ``git show REV:FILE``) as its
 own module beside this tree's, on this tree's other kernel modules (hashes, constants,
@@ -14,8 +15,12 @@ kernels write the same inputs into separate buffers and the records, rings and c
 be byte-identical. Each round times, in an order shuffled per round, this tree (A), this tree
 again (A', the A/A control) and the other tree (B), each as the median of 5 launches between
 CUDA events; printed per shape: the medians and the paired ratios B/A and A'/A with a 95 %
-bootstrap interval. ``--smoke-cpu`` runs the equality check on the CPU (Triton's interpreter)
-with tiny shapes and times nothing.
+bootstrap interval. ``--req-capacity`` / ``--token-capacity`` lay the launch out as a server's
+(its write plan sized for R requests, its input tensors padded to T tokens: what an eager
+forward's graph launches; default: the shape's own requests and tokens). ``--graph`` captures
+each launch in a CUDA graph and times its replay: the device time alone (a server replays these
+launches in graphs), not the host's launch work. ``--smoke-cpu`` runs the equality check on
+the CPU (Triton's interpreter) with tiny shapes and times nothing.
 """
 
 from __future__ import annotations
@@ -71,24 +76,34 @@ class Case:
     """One shape's inputs and two buffers' contexts per kernel (separate records, ring and
     counters for each kernel, so their results can be compared)."""
 
-    def __init__(self, shape: Shape, device: torch.device, seed: int = 0):
+    def __init__(
+        self,
+        shape: Shape,
+        device: torch.device,
+        seed: int = 0,
+        *,
+        req_capacity: int = 0,
+        token_capacity: int = 0,
+    ):
         g = torch.Generator().manual_seed(seed)
         bs, n = shape.bs, shape.new_per_req
         total_slots = bs * (shape.prefix + n) + 1
         self.shape = shape
         self.device = device
         num_tokens = bs * n
+        pad = max(token_capacity - num_tokens, 0)  # padding entries: slot 0, in no request
         perm = torch.randperm(total_slots - 1, generator=g) + 1  # slot 0: the padding slot
-        self.input_ids = torch.randint(0, 150_000, (num_tokens,), generator=g).to(device)
+        ids = torch.randint(0, 150_000, (num_tokens,), generator=g)
+        self.input_ids = torch.nn.functional.pad(ids, (0, pad)).to(device)
         pos = torch.arange(shape.prefix, shape.prefix + n).repeat(bs)
-        self.positions = pos.to(device)
+        self.positions = torch.nn.functional.pad(pos, (0, pad)).to(device)
         new_slots = perm[:num_tokens]
-        self.out_cache_loc = new_slots.to(device)
+        self.out_cache_loc = torch.nn.functional.pad(new_slots, (0, pad)).to(device)
         seeds = perm[num_tokens : num_tokens + bs] if shape.prefix else torch.full((bs,), -1)
-        self.plan = WritePlan.allocate(write_req_capacity=bs, device=device)
-        self.plan.write_offsets.copy_(torch.arange(0, bs + 1) * n)
-        self.plan.write_seed_slot_indices.copy_(seeds)
-        self.plan.write_req_to_token_rows.copy_(torch.arange(bs))
+        self.plan = WritePlan.allocate(write_req_capacity=max(bs, req_capacity), device=device)
+        self.plan.write_offsets[: bs + 1].copy_(torch.arange(0, bs + 1) * n)
+        self.plan.write_seed_slot_indices[:bs].copy_(seeds)
+        self.plan.write_req_to_token_rows[:bs].copy_(torch.arange(bs))
         self.plan.write_num_valid_reqs.fill_(bs)
         self.num_slots = total_slots
         # a seed record at position prefix - 1 (decode): what the prefix's last write left
@@ -139,9 +154,23 @@ def check_equal(case: Case, a_module, b_module) -> None:
         raise SystemExit(f"{case.shape.name}: the clean walk reported violations")
 
 
-def time_us(case: Case, module, contexts, reps: int = 5) -> float:
-    """Median device time of ``reps`` launches, each between two CUDA events."""
-    times = cuda_event_ms(lambda: case.launch(module, contexts), reps)
+def launcher(case: Case, module, contexts, *, graph: bool = False):
+    """A callable that runs ``module``'s launch on ``contexts``: the launch itself, or (``graph``)
+    the replay of a CUDA graph holding it (captured here, after a warm-up launch)."""
+    if not graph:
+        return lambda: case.launch(module, contexts)
+    case.launch(module, contexts)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        case.launch(module, contexts)
+    return g.replay
+
+
+def time_us(case: Case, module, contexts, reps: int = 5, *, run=None) -> float:
+    """Median device time of ``reps`` launches (or calls of ``run``, a :func:`launcher`), each
+    between two CUDA events."""
+    times = cuda_event_ms(run or (lambda: case.launch(module, contexts)), reps)
     return statistics.median([ms * 1000.0 for ms in times])
 
 
@@ -158,9 +187,13 @@ def main() -> None:
     ap.add_argument("--decode-bs", default="32,256")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--out", default=None, help="JSON lines file (appended)")
+    ap.add_argument("--req-capacity", type=int, default=0, help="the write plan's requests")
+    ap.add_argument("--token-capacity", type=int, default=0, help="the inputs' padded tokens")
+    ap.add_argument("--graph", action="store_true", help="time CUDA graph replays")
     ap.add_argument("--smoke-cpu", action="store_true")
     a = ap.parse_args()
     other = load_write_module(a.against)
+    layout = dict(req_capacity=a.req_capacity, token_capacity=a.token_capacity)
     tokens, decode_bs = parse_ints(a.tokens, "--tokens"), parse_ints(a.decode_bs, "--decode-bs")
     if a.smoke_cpu:
         device = torch.device("cpu")
@@ -172,9 +205,12 @@ def main() -> None:
         shapes = [Shape(f"prefill 1 x {n}", 1, n, 0) for n in tokens]
         shapes += [Shape(f"decode {bs} x 1", bs, 1, 511) for bs in decode_bs]
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"chain walk: this tree (A) vs {a.against} (B); {gpu}; {now_utc()}")
+    print(
+        f"chain walk: this tree (A) vs {a.against} (B); {gpu}; {now_utc()}; "
+        f"capacities {layout}; {'graph replays' if a.graph else 'launches'}"
+    )
     for shape in shapes:
-        case = Case(shape, device)
+        case = Case(shape, device, **layout)
         check_equal(case, this_write, other)
         if device.type != "cuda":
             print(f"{shape.name}: records, ring and counters identical (CPU: not timed)")
@@ -185,14 +221,15 @@ def main() -> None:
             for _ in range(3):
                 case.launch(mods[k], ctx[k])
         torch.cuda.synchronize()
+        runs = {k: launcher(case, mods[k], ctx[k], graph=a.graph) for k in ctx}
         t = {k: [] for k in ctx}
         order = list(ctx)
         rng = random.Random(1)
         for _ in range(a.rounds):
             rng.shuffle(order)
             for k in order:
-                t[k].append(time_us(case, mods[k], ctx[k]))
-        row = {"shape": shape.name, "gpu": gpu, "date": now_utc()}
+                t[k].append(time_us(case, mods[k], ctx[k], run=runs[k]))
+        row = {"shape": shape.name, "gpu": gpu, "date": now_utc(), "graph": a.graph, **layout}
         for k in ctx:
             row[f"{k}_us"] = statistics.median(t[k])
         for k in ("B", "A'"):
