@@ -53,7 +53,8 @@
 #   spec_standalone_radix_keys test/registered/kv_canary/test_e2e_speculative_gpu.py -k standalone and radix_keys
 #   spec_tree_clean      test/registered/kv_canary/test_e2e_speculative_gpu.py -k tree and clean and not paged
 #   spec_tree_faults     test/registered/kv_canary/test_e2e_speculative_gpu.py -k tree and every_fault and not paged
-#   spec_tree_paged      test/registered/kv_canary/test_e2e_speculative_gpu.py -k tree and paged and not every_fault
+#   spec_tree_paged      test/registered/kv_canary/test_e2e_speculative_gpu.py -k tree and paged and clean
+#   spec_tree_paged_rounds test/registered/kv_canary/test_e2e_speculative_gpu.py -k tree and paged and rounds
 #   spec_tree_paged_faults test/registered/kv_canary/test_e2e_speculative_gpu.py -k tree and paged and every_fault
 #   spec_ngram_clean     test/registered/kv_canary/test_e2e_speculative_gpu.py -k ngram and clean and not paged
 #   spec_ngram_faults    test/registered/kv_canary/test_e2e_speculative_gpu.py -k ngram and every_fault and not paged

@@ -70,7 +70,7 @@ from canary_support.tiny_models import (
 )
 from sglang.test.ci.ci_register import register_cuda_ci
 
-register_cuda_ci(est_time=10570, stage="base-b", runner_config="1-gpu-small")
+register_cuda_ci(est_time=11170, stage="base-b", runner_config="1-gpu-small")
 # its lanes in the GPU suite (test/gpu_lanes.py): name -> (pytest -k, est. seconds)
 GPU_LANES = {
     "spec_clean_v2": ("clean and spec_v2 and not standalone", 190),
@@ -94,11 +94,12 @@ GPU_LANES = {
     "spec_standalone_radix_keys": ("standalone and radix_keys", 200),
     "spec_tree_clean": ("tree and clean and not paged", 220),
     "spec_tree_faults": ("tree and every_fault and not paged", 180),
-    "spec_tree_paged": ("tree and paged and not every_fault", 300),
+    "spec_tree_paged": ("tree and paged and clean", 420),
+    "spec_tree_paged_rounds": ("tree and paged and rounds", 300),
     "spec_tree_paged_faults": ("tree and paged and every_fault", 220),
     "spec_ngram_clean": ("ngram and clean and not paged", 220),
     "spec_ngram_faults": ("ngram and every_fault and not paged", 150),
-    "spec_ngram_paged": ("ngram and paged", 300),
+    "spec_ngram_paged": ("ngram and paged", 480),
     "spec_dflash_clean": ("dflash and clean and not paged and not window", 300),
     "spec_dflash_faults": ("dflash and every_fault and not paged and not window", 250),
     "spec_dflash_paged": ("dflash and paged", 320),
