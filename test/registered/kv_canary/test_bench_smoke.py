@@ -85,7 +85,8 @@ def test_bench_kernels_smoke_checks_every_kernel_in_every_mode(tmp_path):
 
 def test_bench_chain_walk_compares_two_kernels_only_when_they_write_the_same(tmp_path):
     """The paired walk benchmark first checks that the two kernels leave the same bytes: a
-    copy of this tree's kernel passes, one that counts its launches twice stops it."""
+    copy of this tree's kernel passes (laid out as a server's launch: a larger plan, padded
+    inputs), one that counts its launches twice stops it."""
     own = BENCH_DIR.parents[1] / "python/sglang/jit_kernel/kv_canary/write.py"
     out = _run(
         "bench_chain_walk.py",
@@ -94,8 +95,13 @@ def test_bench_chain_walk_compares_two_kernels_only_when_they_write_the_same(tmp
         "--smoke-cpu",
         "--tokens",
         "64",
+        "--req-capacity",
+        "40",
+        "--token-capacity",
+        "300",
         interpret=True,
     )
+    assert "capacities {'req_capacity': 40, 'token_capacity': 300}" in out, out
     assert out.count("records, ring and counters identical") == 2, out
     bad_flag = subprocess.run(
         [sys.executable, str(BENCH_DIR / "bench_chain_walk.py"), "--against", str(own)]
