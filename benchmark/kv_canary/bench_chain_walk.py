@@ -192,6 +192,11 @@ def main() -> None:
     ap.add_argument("--graph", action="store_true", help="time CUDA graph replays")
     ap.add_argument("--smoke-cpu", action="store_true")
     a = ap.parse_args()
+    for flag, value in (("--req-capacity", a.req_capacity), ("--token-capacity", a.token_capacity)):
+        if value < 0:
+            ap.error(
+                f"{flag}: a count of requests or tokens, >= 0 (0: the shape's own), got {value}"
+            )
     other = load_write_module(a.against)
     layout = dict(req_capacity=a.req_capacity, token_capacity=a.token_capacity)
     tokens, decode_bs = parse_ints(a.tokens, "--tokens"), parse_ints(a.decode_bs, "--decode-bs")
