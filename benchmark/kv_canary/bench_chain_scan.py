@@ -10,7 +10,7 @@ This tree's chain write (A, and A' its A/A control) is its ``launch_canary_chain
 N new tokens at batch size 1 and a decode step (one token per request, each seeded by its
 prefix's last slot). The scan (B) is a prototype, not the canary: ``_chain_scan_kernel`` writes
 the same records (token, position, prev_hash, real_kv_hash 0) of the same slots in both buffers,
-with the chain of the design document, ``H(r) = r.prev_hash * CHAIN_SCAN_MUL + e(r.token,
+with the chain of the design document, ``H(r) = r.prev_hash * CANARY_CHAIN_MUL + e(r.token,
 r.position) mod 2**64``, ``e(t, p) = splitmix64(splitmix64(t) ^ p)``; a request's prev_hash
 values are an affine recurrence, so one program per request computes them a block of ``BLOCK``
 steps at a time with ``tl.associative_scan`` and carries the last state into the next block. It
@@ -57,19 +57,19 @@ from sglang.jit_kernel.kv_canary.consts import (  # noqa: E402
     CANARY_FIELD_PREV_HASH,
     CANARY_FIELD_REAL_KV_HASH,
     CANARY_FIELD_TOKEN,
+    CANARY_CHAIN_MUL,
+    CANARY_CHAIN_MUL_INV,
     CANARY_NUM_FIELDS,
-    MASK64,
     VIOLATION_FIELD_POSITION,
     canary_chain_head_hash,
-    splitmix64,
+    canary_chain_step,
+    to_int64,
 )
 
-# The scan chain's multiplier: odd (so a step is a bijection of the state mod 2**64 and has an
-# inverse), a full-period LCG multiplier with good spectral figures (Steele and Vigna, 2021).
-CHAIN_SCAN_MUL = 0xD1342543DE82EF95
-CHAIN_SCAN_MUL_INV = pow(CHAIN_SCAN_MUL, -1, 1 << 64)
-_MUL = tl.constexpr(CHAIN_SCAN_MUL)
-_MUL_INV = tl.constexpr(CHAIN_SCAN_MUL_INV)
+# The scan chain is the canary's own since it landed (docs/chain_scan_design.md): the host
+# reference below steps it with ``consts.canary_chain_step``, the prototype with its multiplier.
+_MUL = tl.constexpr(CANARY_CHAIN_MUL)
+_MUL_INV = tl.constexpr(CANARY_CHAIN_MUL_INV)
 _WORDS = tl.constexpr(CANARY_NUM_FIELDS)
 _F_TOKEN = tl.constexpr(CANARY_FIELD_TOKEN)
 _F_POSITION = tl.constexpr(CANARY_FIELD_POSITION)
@@ -77,20 +77,13 @@ _F_PREV = tl.constexpr(CANARY_FIELD_PREV_HASH)
 _F_REAL_KV = tl.constexpr(CANARY_FIELD_REAL_KV_HASH)
 
 
-def element_key(token: int, position: int) -> int:
-    """``e(t, p)``: for a fixed position a bijection of the token (splitmix64 is one)."""
-    return splitmix64(splitmix64(token & MASK64) ^ (position & MASK64))
-
-
 def record_hash(record) -> int:
-    """``H(record)`` of the scan chain, a u64 int from an int64 ``[4]`` record."""
-    prev = int(record[CANARY_FIELD_PREV_HASH]) & MASK64
-    key = element_key(int(record[CANARY_FIELD_TOKEN]), int(record[CANARY_FIELD_POSITION]))
-    return (prev * CHAIN_SCAN_MUL + key) & MASK64
-
-
-def _as_i64(x: int) -> int:
-    return x - (1 << 64) if x >= 1 << 63 else x
+    """``H(record)``, a u64 int from an int64 ``[4]`` record."""
+    return canary_chain_step(
+        int(record[CANARY_FIELD_PREV_HASH]),
+        int(record[CANARY_FIELD_TOKEN]),
+        int(record[CANARY_FIELD_POSITION]),
+    )
 
 
 def reference_records(case: Case) -> torch.Tensor:
@@ -105,8 +98,8 @@ def reference_records(case: Case) -> torch.Tensor:
         seed = seeds[r]
         running = record_hash(records[seed]) if seed >= 0 else canary_chain_head_hash()
         for i in range(offsets[r], offsets[r + 1]):
-            records[locs[i]] = torch.tensor([ids[i], pos[i], _as_i64(running), 0])
-            running = (running * CHAIN_SCAN_MUL + element_key(ids[i], pos[i])) & MASK64
+            records[locs[i]] = torch.tensor([ids[i], pos[i], to_int64(running), 0])
+            running = canary_chain_step(running, ids[i], pos[i])
     return records
 
 
@@ -118,7 +111,7 @@ def _affine(a1, b1, a2, b2):
 
 @triton.jit
 def _key(tok, pos):
-    return H.splitmix64(H.splitmix64(H.as_u64(tok)) ^ H.as_u64(pos))
+    return H.chain_key(H.as_u64(tok), H.as_u64(pos))
 
 
 @triton.jit
