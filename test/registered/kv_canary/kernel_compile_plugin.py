@@ -35,6 +35,7 @@ _DTYPES = {
     torch.float32: "fp32",
     torch.float16: "fp16",
     torch.bfloat16: "bf16",
+    **{getattr(torch, n): t for n, t in (("uint16", "u16"), ("uint32", "u32"), ("uint64", "u64"))},
 }
 _OPTIONS = ("num_warps", "num_stages")
 
@@ -74,7 +75,13 @@ def compile_instead_of_run(self: JITFunction, *args, grid, warmup, **kwargs):
         if p.is_constexpr or value is None:
             signature[p.name], constexprs[p.name] = "constexpr", value
         else:
-            signature[p.name] = _arg_type(value)
+            try:
+                signature[p.name] = _arg_type(value)
+            except (KeyError, TypeError) as e:  # this plugin's gap, named in the report
+                failures.append(
+                    {"kernel": kernel_name(self), "constexprs": p.name, "error": repr(e)}
+                )
+                return None
     key = (
         kernel_name(self),
         tuple(signature.items()),
