@@ -103,22 +103,18 @@ def test_bench_chain_walk_compares_two_kernels_only_when_they_write_the_same(tmp
     )
     assert "capacities {'req_capacity': 40, 'token_capacity': 300}" in out, out
     assert out.count("records, ring and counters identical") == 2, out
-    bad_flag = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "bench_chain_walk.py"), "--against", str(own)]
-        + ["--smoke-cpu", "--tokens", "5x"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert bad_flag.returncode != 0 and "--tokens: expected" in bad_flag.stderr
-    bad_capacity = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "bench_chain_walk.py"), "--against", str(own)]
-        + ["--smoke-cpu", "--req-capacity", "-4"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert bad_capacity.returncode != 0 and "--req-capacity: a count" in bad_capacity.stderr
+    for flags, said in (
+        (["--tokens", "5x"], "--tokens: expected"),
+        (["--req-capacity", "-4"], "--req-capacity: a count"),
+    ):
+        refused = subprocess.run(
+            [sys.executable, str(BENCH_DIR / "bench_chain_walk.py"), "--against", str(own)]
+            + ["--smoke-cpu", *flags],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert refused.returncode != 0 and said in refused.stderr, (flags, refused.stderr)
     bad = tmp_path / "write.py"
     text = own.read_text()
     count = "tl.atomic_add(kc0_ptr, 1)"
