@@ -13,12 +13,14 @@ import concurrent.futures
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import pytest
 
 from canary_support.script_run import run_support_script
 from cli_server import CliServer, http_call
+from sglang.srt.kv_canary.manager.stats import STATS_LINE_PREFIX
 from sglang.srt.kv_canary.perturb.report import parse_perturb_line
 from sglang.srt.kv_canary.violations.containment import (
     PREFIX_ABORT_MESSAGE,
@@ -44,6 +46,8 @@ SERVER_ARGS = dict(
     chunked_prefill_size=32, max_total_tokens=384, max_running_requests=8, log_level="info"
 )
 MAX_NEW = 16
+CLEAN_WAVES = 3
+WAVE_SIZE = 6  # concurrent requests a wave
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +75,7 @@ def generate(port: int, rid: str, input_ids) -> tuple:
     return status, body.decode(errors="replace")
 
 
-def wave(port: int, tag: str, prefix_len: int = 40, n: int = 6) -> dict:
+def wave(port: int, tag: str, prefix_len: int = 40, n: int = WAVE_SIZE) -> dict:
     """``n`` concurrent requests sharing a prefix: rid -> (status, body)."""
     prefix = list(range(10, 10 + prefix_len))
     jobs = {f"{tag}-{i}": prefix + [200 + i, 300 + len(tag) + i] for i in range(n)}
@@ -98,9 +102,38 @@ def check_aborts(errors: dict, log: str) -> None:
     assert direct <= named and shared <= by_prefix, (direct, named, shared, by_prefix)
 
 
-# the faults start after this many forwards: past the clean phase's three waves (about 20
-# forwards each), checked by the log holding no injection when that phase ends
-CLEAN_PHASE_WARMUP_STEPS = 120
+def clean_prefix_len(w: int) -> int:
+    return 40 + 8 * w
+
+
+def fault_prefix_len(w: int) -> int:
+    return 32 + 4 * (w % 8)
+
+
+def most_forwards(prompt_len: int) -> int:
+    """The most forwards one request of ``prompt_len`` tokens can take: each forward serves
+    at least one of its prefill chunks or decoded tokens (the first comes with the prefill)."""
+    chunk = SERVER_ARGS["chunked_prefill_size"]
+    return -(-prompt_len // chunk) + MAX_NEW - 1
+
+
+# the faults start after this many forwards: past every forward the clean phase can take
+# however sglang batches its requests (sglang's warm-up request of 8 tokens, then the clean
+# waves one request after another; about 60 as they are batched), checked by the stats lines
+# (one per forward) and the log holding no injection when that phase ends
+CLEAN_PHASE_WARMUP_STEPS = 8 + sum(
+    WAVE_SIZE * most_forwards(clean_prefix_len(w) + 2) for w in range(CLEAN_WAVES)
+)
+# a fault wave takes at least MAX_NEW forwards (its requests decode one token a forward): the
+# waves that reach the warm-up, and room for both faults after it
+FAULT_WAVES = -(-CLEAN_PHASE_WARMUP_STEPS // MAX_NEW) + 10
+
+
+def stats_steps(log: str) -> list:
+    """The steps of the stats lines in ``log`` (one a forward here)."""
+    return [
+        int(m.group(1)) for m in re.finditer(re.escape(STATS_LINE_PREFIX) + r" step=(\d+) ", log)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +147,7 @@ def abort_run(server):
         SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB="0.5",
         SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS=str(CLEAN_PHASE_WARMUP_STEPS),
         SGLANG_KV_CANARY_PERTURB_MAX_FAULTS="2",
+        SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS="1",
     )
     srv = CliServer(
         "abort",
@@ -137,8 +171,8 @@ def abort_run(server):
         srv.wait_ready()
         run["first"] = metric_series(srv.port)
         clean = {}
-        for w in range(3):
-            clean.update(wave(srv.port, f"clean{w}", prefix_len=40 + 8 * w))
+        for w in range(CLEAN_WAVES):
+            clean.update(wave(srv.port, f"clean{w}", prefix_len=clean_prefix_len(w)))
         run["clean"] = clean
         run["second"] = metric_series(srv.port)
         status, body = http_call(srv.port, "GET", "/server_info", timeout=60)
@@ -146,8 +180,8 @@ def abort_run(server):
         run["clean_health"] = http_call(srv.port, "GET", "/health", timeout=60)[0]
         run["clean_log"] = srv.log()
         results = {}
-        for w in range(20):  # until both faults are injected and contained
-            results.update(wave(srv.port, f"f{w}", prefix_len=32 + 4 * w))
+        for w in range(FAULT_WAVES):  # until both faults are injected and contained
+            results.update(wave(srv.port, f"f{w}", prefix_len=fault_prefix_len(w)))
             if len([f for f in map(parse_perturb_line, srv.log().splitlines()) if f]) >= 2:
                 break
         run["results"] = results
@@ -166,10 +200,13 @@ def test_abort_server_clean_phase_exports_metrics_and_settings(abort_run):
     (the log then), the counters grow, none of violations, aborts or drops, sglang's scheduler
     labels, and the settings in ``/server_info`` and sglang's ``server_args`` line."""
     run = abort_run
-    assert all(completed(*r) for r in run["clean"].values()), run["clean"]
     clean_log = run["clean_log"]
+    steps = stats_steps(clean_log)
+    assert steps == list(range(1, len(steps) + 1)), steps
+    assert 0 < len(steps) < CLEAN_PHASE_WARMUP_STEPS, (len(steps), CLEAN_PHASE_WARMUP_STEPS)
     assert not [f for f in map(parse_perturb_line, clean_log.splitlines()) if f], clean_log[-3000:]
     assert parse_violation_lines(clean_log) == [] and "Traceback" not in clean_log
+    assert all(completed(*r) for r in run["clean"].values()), run["clean"]
     first, second, info = run["first"], run["second"], run["info"]
     assert run["info_status"] == 200 and run["clean_health"] == 200
     verified = "sglang:kv_canary_verified_slots_total"
