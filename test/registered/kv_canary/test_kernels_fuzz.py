@@ -45,6 +45,11 @@ from sglang.jit_kernel.kv_canary import (
     scatter_packed_token_ids_torch_reference,
     scatter_req_token_ids_torch_reference,
 )
+from sglang.jit_kernel.kv_canary.consts import (
+    VIOLATION_FIELD_EXPECTED_AUX,
+    VIOLATION_FIELD_POSITION,
+    VIOLATION_FIELD_SLOT_IDX,
+)
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
@@ -425,6 +430,139 @@ def test_chain_writes_of_more_requests_than_one_program_holds(num_bufs, device):
         assert words[1:, 1].tolist() == positions.cpu().tolist()
         assert int(c.slot_run_counter[0]) == 2 * reqs and int(c.kernel_run_counter[0]) == 1
     assert int(first.violation_write_index[0]) == 0
+
+
+class _GridSpy:
+    """Stands in for a Triton kernel: records each launch's grid, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+def test_a_decode_launch_over_a_large_plan_takes_one_chain_program_a_token(device, monkeypatch):
+    """A server's write plan holds ``--max-running-requests`` requests while a decode graph
+    launches for a few: the chain part gets a program per token the launch holds (at most one
+    request with work each), not one per plan row, and writes what the host walk says (a
+    64-program device, so the plan's 48 rows would fit)."""
+    from sglang.jit_kernel.kv_canary import _launch, write
+
+    monkeypatch.setattr(_launch, "_max_programs", lambda *_: 64)
+    spy = _GridSpy(write._canary_write_kernel)
+    monkeypatch.setattr(write, "_canary_write_kernel", spy)
+    reqs, capacity = 5, 48
+    wp = WritePlan.allocate(write_req_capacity=capacity, device=device)
+    wp.write_offsets.copy_(torch.arange(capacity + 1).clamp(max=reqs))
+    wp.write_seed_slot_indices.fill_(-1)
+    wp.write_req_to_token_rows.copy_(torch.arange(capacity))
+    wp.write_num_valid_reqs.fill_(reqs)
+    kwargs = dict(
+        input_ids=torch.arange(reqs, device=device) + 100,
+        positions=torch.arange(reqs, device=device) + 7,
+        out_cache_loc=torch.arange(reqs, device=device) + 1,
+        enable_write_input_assert=False,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+    )
+    ctx = make_context(reqs + 1, device=device)
+    writes = chain_writes(ctx.canary_words.clone(), wp, **kwargs)
+    launch_canary_write_kernel(context=ctx, plan=wp, parts=WriteParts.CHAIN, **kwargs)
+    second = make_context(reqs + 1, device=device)
+    launch_canary_chain_writes(contexts=[second], plan=wp, **kwargs)
+    assert spy.grids == [(reqs,), (reqs,)]
+    for c in (ctx, second):
+        words = c.canary_words.cpu()
+        for slot, [(tok, pos, prev)] in writes.items():
+            assert words[slot, :3].tolist() == [tok, pos, prev], slot
+        assert int(c.slot_run_counter[0]) == reqs and int(c.violation_write_index[0]) == 0
+
+
+def _mixed_lengths_case(device):
+    """423 requests: 420 of one step (seeded by random records, the head or slot 0; about one
+    in twenty at a wrong position or token, a few after a seed record at another position),
+    one of 1100 steps from a seed (a wrong position
+    after its first 1024), one of 5 from the head, one of none; every token a new slot, the
+    input assert on."""
+    g = torch.Generator().manual_seed(7)
+    lengths = [1100] + [1] * 420 + [0, 5]
+    reqs, total, seeded = len(lengths), sum(lengths), 600
+    num_slots = seeded + total + 1
+    words = torch.randint(-(2**62), 2**62, (num_slots, 4), generator=g)
+    words[seeded + 1 :] = 0
+    seeds = torch.randperm(seeded, generator=g)[:reqs] + 1  # each its own seed record
+    seeds[421:] = -1  # the last two from the head
+    seeds[1:421:37] = -1
+    seeds[2:421:41] = 0  # an evicted SWA predecessor: no position to follow
+    positions, tokens = [], []
+    for r, n in enumerate(lengths):
+        first = 0
+        if seeds[r] > 0:
+            first = 1 + r % 50
+            words[seeds[r], 1] = first - 1
+        positions += list(range(first, first + n))
+        tokens += torch.randint(0, 150_000, (n,), generator=g).tolist()
+    positions, tokens = torch.tensor(positions), torch.tensor(tokens)
+    stale = seeds[9:421:29]  # seed records at another position: only the chain check sees it
+    words[stale[stale > 0], 1] += 5
+    exp_tok, exp_pos = tokens.clone(), positions.clone()
+    positions[1050] += 3  # the long request's second block
+    singles = torch.arange(1100, 1520)
+    positions[singles[::19]] += 1
+    exp_tok[singles[5::23]] += 1
+    wp = WritePlan.allocate(write_req_capacity=reqs + 7, device="cpu")
+    wp.write_offsets[: reqs + 1].copy_(torch.tensor([0] + lengths).cumsum(0))
+    wp.write_seed_slot_indices[:reqs].copy_(seeds)
+    wp.write_req_to_token_rows[:reqs].copy_(torch.arange(reqs) + 3)
+    wp.write_num_valid_reqs.fill_(reqs)
+    kwargs = dict(
+        input_ids=tokens,
+        positions=positions,
+        out_cache_loc=torch.arange(total) + seeded + 1,
+        enable_write_input_assert=True,
+        expected_input_tokens=exp_tok,
+        expected_input_positions=exp_pos,
+    )
+    return num_slots, words, wp, kwargs
+
+
+def test_chain_writes_of_one_step_and_long_requests_match_reference(device):
+    """One-step requests (a lane each, several blocks of them per program) beside a request
+    longer than a block (its state carried into the next) and a short one, in two buffers with
+    different seed records: records, violation rows and counters as one reference launch per
+    buffer, and the violations of both kinds of request are there."""
+    num_slots, words, wp, kwargs = _mixed_lengths_case(device)
+    refs, tris = [], []
+    for b, tag in enumerate((CanaryLaunchTag.HEAD_K_FULL, CanaryLaunchTag.TAIL_K_FULL)):
+        buf = words.clone()
+        buf[1:600, 2] += b  # the second buffer's seed records differ
+        buf = buf.view(torch.uint8)
+        ring = dict(ring_capacity=1024, kind=tag)
+        refs.append(make_context(num_slots, device="cpu", canary_buf=buf.clone(), **ring))
+        tris.append(make_context(num_slots, device=device, canary_buf=buf.to(device), **ring))
+    refs[1] = _sharing(refs[0], refs[1].canary_buf, refs[1].kernel_kind)
+    tris[1] = _sharing(tris[0], tris[1].canary_buf, tris[1].kernel_kind)
+    for c in refs:
+        launch_canary_write_kernel_torch_reference(
+            context=c, plan=wp, parts=WriteParts.CHAIN, **kwargs
+        )
+    launch_canary_chain_writes(
+        contexts=tris, plan=clone_dataclass_tensors(wp, device), **_to(kwargs, device)
+    )
+    for tri, ref in zip(tris, refs):
+        assert_contexts_equal(tri, ref)
+    num_rows = int(refs[0].violation_write_index[0])
+    assert num_rows <= 1024  # every row kept
+    rows = refs[0].violation_ring[:num_rows]
+    slots = set(rows[:, VIOLATION_FIELD_SLOT_IDX].tolist())
+    assert 600 + 1 + 1050 in slots  # the long request, after its first block
+    assert len(slots & set(range(601 + 1100, 601 + 1520))) >= 20  # one-step requests
+    chain_only = rows[
+        rows[:, VIOLATION_FIELD_POSITION] == rows[:, VIOLATION_FIELD_EXPECTED_AUX] - 5
+    ]
+    assert len(chain_only) >= 10  # the stale seeds' steps, caught by the chain check alone
 
 
 def test_chain_writes_refuse_contexts_they_cannot_run_together():

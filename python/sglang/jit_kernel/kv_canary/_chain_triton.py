@@ -1,8 +1,9 @@
 """The chain part of the write kernel, as Triton device functions (docs/chain_scan_design.md):
 a request's chain steps ``SBLOCK`` at a time, each block's composed chain steps computed by one
-parallel scan (a step is the affine map ``x -> x * CHAIN_MUL + e(token, position)``), each
-buffer's records stored from its own chain state and its failed steps' ring rows appended.
-Called by ``write._canary_write_kernel`` only.
+parallel scan (a step is the affine map ``x -> x * CHAIN_MUL + e(token, position)``), or the
+single steps of a block of one-step requests (decode) side by side, a lane each; each buffer's
+records stored from its own chain state and its failed steps' ring rows appended. Called by
+``write._canary_write_kernel`` (:func:`load_expected` also by ``_tree_triton``).
 """
 
 from __future__ import annotations
@@ -43,14 +44,44 @@ def seed_state(canary_ptr, seed, seed_ok, head):
 
 
 @triton.jit
+def load_expected(exp_tok_ptr, exp_pos_ptr, i, act, tok, pos, INPUT_ASSERT: tl.constexpr):
+    """Each step's expected token and position (int64 lanes like ``tok`` / ``pos``): loaded at
+    ``i`` where ``act`` with the write's input assert, the actual ones without."""
+    if INPUT_ASSERT:
+        exp_tok = tl.load(exp_tok_ptr + i, mask=act, other=0).to(tl.int64)
+        exp_pos = tl.load(exp_pos_ptr + i, mask=act, other=0).to(tl.int64)
+    else:
+        exp_tok = tok
+        exp_pos = pos
+    return exp_tok, exp_pos
+
+
+@triton.jit
+def _steps(tok, pos, act):
+    """Each step's map ``x -> x * mul + key``: ``(CHAIN_MUL, e(tok, pos))``, the identity
+    ``(1, 0)`` where inactive (u64 lanes)."""
+    key = tl.where(act, H.chain_key(H.as_u64(tok), H.as_u64(pos)), 0)
+    mul = tl.where(act, tl.full([], CHAIN_MUL, tl.uint64), tl.full([], 1, tl.uint64))
+    return mul, key
+
+
+@triton.jit
+def single_steps(tok, pos, act):
+    """:func:`scan_block`'s outputs for lanes that are each a whole request's one step (no
+    scan): per lane ``(a, b)`` of its step (the identity where inactive), its key, and the
+    same ``(a, b)`` as the "block's" step (lanes, not a scalar)."""
+    mul, key = _steps(tok, pos, act)
+    return mul, key, key, mul, key
+
+
+@triton.jit
 def scan_block(tok, pos, act):
     """One block's steps composed from its first: per step ``(a, b)`` such that the state after
     it is ``state_before_block * a + b`` (inactive steps are the identity), each step's key
     ``e(tok, pos)`` (0 where inactive), and the whole block's ``(a, b)`` (u64 scalars: past a
     request's last step the steps are the identity, so the block's last element is the state
     after its last active step)."""
-    key = tl.where(act, H.chain_key(H.as_u64(tok), H.as_u64(pos)), 0)
-    mul = tl.where(act, tl.full([], CHAIN_MUL, tl.uint64), tl.full([], 1, tl.uint64))
+    mul, key = _steps(tok, pos, act)
     a, b = tl.associative_scan((mul, key), 0, _affine)
     last = tl.arange(0, a.shape[0]) == a.shape[0] - 1
     return a, b, key, tl.sum(tl.where(last, a, 0), axis=0), tl.sum(tl.where(last, b, 0), axis=0)
@@ -86,8 +117,10 @@ def store_block(
     where ``store_ok``; a step failing the input check (``exp_*``: the expected token and
     position, or the actual ones) or, with ``check_pos``, the chain-position check (position =
     the previous step's, the seed record's for the first: ``before`` / ``use_before``) appends
-    its ring row. ``a_block`` / ``b_block``: the whole block's step (:func:`scan_block`).
-    Returns the state after the block (u64 scalar)."""
+    its ring row. ``a_block`` / ``b_block``: the whole block's step (:func:`scan_block`), or
+    each lane's own (:func:`single_steps`: ``state``, ``seed_pos``, ``check_pos`` and
+    ``req_row`` are then lanes too). Returns the state after the block (u64, ``state``'s
+    shape)."""
     after = state * a + b
     prev = (after - key) * CHAIN_MUL_INV  # the state before each step: its prev_hash
     expected_pos = tl.where(use_before, before, seed_pos) + 1

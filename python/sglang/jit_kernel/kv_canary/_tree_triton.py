@@ -25,6 +25,7 @@ from sglang.jit_kernel.kv_canary._kernel_consts import (
     TREE_PARENT_ORPHAN,
     TREE_PARENT_SEED,
 )
+from sglang.jit_kernel.kv_canary._chain_triton import load_expected
 from sglang.jit_kernel.kv_canary._ring_triton import append_violations
 
 # an entry's walk up its path: still walking, reached the seed, below an orphan, a bad link
@@ -150,12 +151,9 @@ def tree_write_kernel(
             prev_pos = tl.where(has_parent, parent_pos, seed_pos)
 
             in_range = (slot >= 0) & (slot < num_slots)
-            if INPUT_ASSERT:
-                exp_tok = tl.load(exp_tok_ptr + g, mask=act, other=0).to(tl.int64)
-                exp_pos = tl.load(exp_pos_ptr + g, mask=act, other=0).to(tl.int64)
-            else:
-                exp_tok = tok
-                exp_pos = pos
+            exp_tok, exp_pos = load_expected(
+                exp_tok_ptr, exp_pos_ptr, g, act, tok, pos, INPUT_ASSERT
+            )
             bits = tl.where(tok != exp_tok, FAIL_WRITE_TOKEN, 0)
             bits |= tl.where(pos != exp_pos, FAIL_WRITE_POSITION, 0)
             chain_bad = rooted & check_pos & (pos != prev_pos + 1)

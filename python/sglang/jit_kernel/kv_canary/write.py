@@ -3,8 +3,9 @@
 
 ``launch_canary_write_kernel`` stores a fresh record for every slot a forward writes: token,
 position, the request's chain hash before it and (TAIL) the real-KV fingerprint; one part of
-the grid takes each request's chain a block of steps at a time (a program per request, one
-parallel scan per block), the other fingerprints all written slots in parallel.
+the grid takes the requests' chains (one-step requests side by side, a lane each; a longer
+request in a program of its own, a block of steps at a time, one parallel scan per block), the
+other fingerprints all written slots in parallel.
 ``launch_canary_chain_writes`` writes the chains of up to four buffers of one pool group in one
 launch (the buffers share each block's scan); the block's device functions are
 :mod:`~sglang.jit_kernel.kv_canary._chain_triton`. Graph-safe on CUDA. :class:`WriteParts` and
@@ -26,7 +27,13 @@ from sglang.jit_kernel.kv_canary._kernel_consts import (
     FIELD_REAL_KV_HASH,
     RECORD_WORDS,
 )
-from sglang.jit_kernel.kv_canary._chain_triton import scan_block, seed_state, store_block
+from sglang.jit_kernel.kv_canary._chain_triton import (
+    load_expected,
+    scan_block,
+    seed_state,
+    single_steps,
+    store_block,
+)
 from sglang.jit_kernel.kv_canary._tree_triton import tree_write_kernel
 from sglang.jit_kernel.kv_canary._launch import grid_size, use_triton
 from sglang.jit_kernel.kv_canary.types import VerifyOrWriteContext, WriteTree
@@ -84,6 +91,7 @@ def _canary_write_kernel(
     NUM_SOURCES: tl.constexpr,
     NUM_BUFS: tl.constexpr,
     SBLOCK: tl.constexpr,
+    RBLOCK: tl.constexpr,
     FBLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -100,103 +108,101 @@ def _canary_write_kernel(
                 tl.atomic_add(kc3_ptr, 1)
         chain_assert_on = tl.load(chain_assert_ptr) == 1
         head = H.chain_head_hash()
-        idx = tl.arange(0, SBLOCK)
         written = tl.zeros([], dtype=tl.int64)
-        ring = (ring_ptr, ring_index_ptr, ring_capacity)
-        # ---- chains: one request per program at a time, its steps SBLOCK at a time (one
+        # ---- one-step requests (decode): RBLOCK side by side, a lane each, no scan ----
+        lanes = tl.arange(0, RBLOCK)
+        for rb in range(pid * RBLOCK, num_reqs, num_chain_programs * RBLOCK):
+            r = rb + lanes
+            live = r < num_reqs
+            i = tl.load(offsets_ptr + r, mask=live, other=0)
+            live &= tl.load(offsets_ptr + r + 1, mask=live, other=0) - i == 1
+            seed = tl.load(seeds_ptr + r, mask=live, other=-1)
+            req_row = tl.load(rows_ptr + r, mask=live, other=0)
+            seed_ok = live & (seed >= 0) & (seed < num_slots)
+            # slot 0 (an evicted SWA predecessor) holds no real record: no position to follow
+            check_pos = seed_ok & (seed > 0) & chain_assert_on
+            act = live & (i >= 0) & (i < num_tokens)
+            tok = tl.load(input_ids_ptr + i, mask=act, other=0).to(tl.int64)
+            pos = tl.load(positions_ptr + i, mask=act, other=0).to(tl.int64)
+            slot = tl.load(loc_ptr + i, mask=act, other=-1).to(tl.int64)
+            exp_tok, exp_pos = load_expected(
+                exp_tok_ptr, exp_pos_ptr, i, act, tok, pos, INPUT_ASSERT
+            )
+            store_ok = act & (slot >= 0) & (slot < num_slots)
+            written += tl.sum(store_ok.to(tl.int64), axis=0)
+            a, b, key, a_blk, b_blk = single_steps(tok, pos, act)
+            no_before = tl.zeros_like(pos)  # a request's first step follows its seed record
+            step = (a, b, key, a_blk, b_blk, tok, pos, slot, exp_tok, exp_pos, no_before)
+            flags = (no_before != 0, store_ok, check_pos, ring_ptr, ring_index_ptr, ring_capacity)
+            st, sp = seed_state(c0_ptr, seed, seed_ok, head)
+            store_block(c0_ptr, st, sp, *step, *flags, kind0, req_row, NUM_SOURCES)
+            if NUM_BUFS > 1:
+                st, sp = seed_state(c1_ptr, seed, seed_ok, head)
+                store_block(c1_ptr, st, sp, *step, *flags, kind1, req_row, NUM_SOURCES)
+            if NUM_BUFS > 2:
+                st, sp = seed_state(c2_ptr, seed, seed_ok, head)
+                store_block(c2_ptr, st, sp, *step, *flags, kind2, req_row, NUM_SOURCES)
+            if NUM_BUFS > 3:
+                st, sp = seed_state(c3_ptr, seed, seed_ok, head)
+                store_block(c3_ptr, st, sp, *step, *flags, kind3, req_row, NUM_SOURCES)
+        # ---- longer requests: one per program at a time, its steps SBLOCK at a time (one
         # scan composes a block's steps); the NUM_BUFS buffers share the scan, each from its
         # own seed record's state ----
+        idx = tl.arange(0, SBLOCK)
         for r in range(pid, num_reqs, num_chain_programs):
             start = tl.load(offsets_ptr + r)
             length = tl.maximum(tl.load(offsets_ptr + r + 1) - start, 0)
-            seed = tl.load(seeds_ptr + r)
-            req_row = tl.load(rows_ptr + r)
-            seed_ok = (seed >= 0) & (seed < num_slots)
-            # slot 0 (an evicted SWA predecessor) holds no real record: no position to follow
-            check_pos = seed_ok & (seed > 0) & chain_assert_on
-            st0, sp0 = seed_state(c0_ptr, seed, seed_ok, head)
-            st1, sp1, st2, sp2, st3, sp3 = st0, sp0, st0, sp0, st0, sp0  # buffers not launched
-            if NUM_BUFS > 1:
-                st1, sp1 = seed_state(c1_ptr, seed, seed_ok, head)
-            if NUM_BUFS > 2:
-                st2, sp2 = seed_state(c2_ptr, seed, seed_ok, head)
-            if NUM_BUFS > 3:
-                st3, sp3 = seed_state(c3_ptr, seed, seed_ok, head)
-            for jb in range(0, length, SBLOCK):
-                j = jb + idx
-                i = start + j
-                act = (j < length) & (i >= 0) & (i < num_tokens)
-                tok = tl.load(input_ids_ptr + i, mask=act, other=0).to(tl.int64)
-                pos = tl.load(positions_ptr + i, mask=act, other=0).to(tl.int64)
-                slot = tl.load(loc_ptr + i, mask=act, other=-1).to(tl.int64)
-                # the step before (its position; before the first, the seed record's)
-                use_before = act & (j > 0) & (i > 0)
-                before = tl.load(positions_ptr + i - 1, mask=use_before, other=0).to(tl.int64)
-                if INPUT_ASSERT:
-                    exp_tok = tl.load(exp_tok_ptr + i, mask=act, other=0).to(tl.int64)
-                    exp_pos = tl.load(exp_pos_ptr + i, mask=act, other=0).to(tl.int64)
-                else:
-                    exp_tok = tok
-                    exp_pos = pos
-                store_ok = act & (slot >= 0) & (slot < num_slots)
-                written += tl.sum(store_ok.to(tl.int64), axis=0)
-                a, b, key, a_blk, b_blk = scan_block(tok, pos, act)
-                step = (
-                    a,
-                    b,
-                    key,
-                    a_blk,
-                    b_blk,
-                    tok,
-                    pos,
-                    slot,
-                    exp_tok,
-                    exp_pos,
-                    before,
-                    use_before,
-                )
-                st0 = store_block(
-                    c0_ptr, st0, sp0, *step, store_ok, check_pos, *ring, kind0, req_row, NUM_SOURCES
-                )
+            if length > 1:
+                seed = tl.load(seeds_ptr + r)
+                req_row = tl.load(rows_ptr + r)
+                seed_ok = (seed >= 0) & (seed < num_slots)
+                check_pos = seed_ok & (seed > 0) & chain_assert_on
+                st0, sp0 = seed_state(c0_ptr, seed, seed_ok, head)
+                st1, sp1, st2, sp2, st3, sp3 = st0, sp0, st0, sp0, st0, sp0  # not launched
                 if NUM_BUFS > 1:
-                    st1 = store_block(
-                        c1_ptr,
-                        st1,
-                        sp1,
-                        *step,
-                        store_ok,
-                        check_pos,
-                        *ring,
-                        kind1,
-                        req_row,
-                        NUM_SOURCES,
-                    )
+                    st1, sp1 = seed_state(c1_ptr, seed, seed_ok, head)
                 if NUM_BUFS > 2:
-                    st2 = store_block(
-                        c2_ptr,
-                        st2,
-                        sp2,
-                        *step,
-                        store_ok,
-                        check_pos,
-                        *ring,
-                        kind2,
-                        req_row,
-                        NUM_SOURCES,
-                    )
+                    st2, sp2 = seed_state(c2_ptr, seed, seed_ok, head)
                 if NUM_BUFS > 3:
-                    st3 = store_block(
-                        c3_ptr,
-                        st3,
-                        sp3,
-                        *step,
+                    st3, sp3 = seed_state(c3_ptr, seed, seed_ok, head)
+                for jb in range(0, length, SBLOCK):
+                    j = jb + idx
+                    i = start + j
+                    act = (j < length) & (i >= 0) & (i < num_tokens)
+                    tok = tl.load(input_ids_ptr + i, mask=act, other=0).to(tl.int64)
+                    pos = tl.load(positions_ptr + i, mask=act, other=0).to(tl.int64)
+                    slot = tl.load(loc_ptr + i, mask=act, other=-1).to(tl.int64)
+                    # the step before (its position; before the first, the seed record's)
+                    use_before = act & (j > 0) & (i > 0)
+                    before = tl.load(positions_ptr + i - 1, mask=use_before, other=0).to(tl.int64)
+                    exp_tok, exp_pos = load_expected(
+                        exp_tok_ptr, exp_pos_ptr, i, act, tok, pos, INPUT_ASSERT
+                    )
+                    store_ok = act & (slot >= 0) & (slot < num_slots)
+                    written += tl.sum(store_ok.to(tl.int64), axis=0)
+                    a, b, key, a_blk, b_blk = scan_block(tok, pos, act)
+                    step = (a, b, key, a_blk, b_blk, tok, pos, slot, exp_tok, exp_pos, before)
+                    flags = (
+                        use_before,
                         store_ok,
                         check_pos,
-                        *ring,
-                        kind3,
-                        req_row,
-                        NUM_SOURCES,
+                        ring_ptr,
+                        ring_index_ptr,
+                        ring_capacity,
                     )
+                    st0 = store_block(c0_ptr, st0, sp0, *step, *flags, kind0, req_row, NUM_SOURCES)
+                    if NUM_BUFS > 1:
+                        st1 = store_block(
+                            c1_ptr, st1, sp1, *step, *flags, kind1, req_row, NUM_SOURCES
+                        )
+                    if NUM_BUFS > 2:
+                        st2 = store_block(
+                            c2_ptr, st2, sp2, *step, *flags, kind2, req_row, NUM_SOURCES
+                        )
+                    if NUM_BUFS > 3:
+                        st3 = store_block(
+                            c3_ptr, st3, sp3, *step, *flags, kind3, req_row, NUM_SOURCES
+                        )
         tl.atomic_add(sc0_ptr, written)
         if NUM_BUFS > 1:
             tl.atomic_add(sc1_ptr, written)
@@ -219,12 +225,15 @@ def _canary_write_kernel(
                 tl.store(c0_ptr + slot * RECORD_WORDS + FIELD_REAL_KV_HASH, H.as_i64(fp), mask=ok)
 
 
-# a chain block's steps: a power of two from CHAIN_MIN_BLOCK to CHAIN_MAX_BLOCK, the launch's
-# tokens per request of its capacity rounded up (decode: one step per request; a prefill
-# graph's capacity-padded tokens: hundreds), a warp per 32 steps up to CHAIN_MAX_WARPS
+# the chain part's tiles: a request of several steps takes them a block at a time, a power of
+# two from CHAIN_MIN_BLOCK to CHAIN_MAX_BLOCK (the launch's tokens rounded up: its requests'
+# lengths are known only on the device, and the eager graphs are captured once for every
+# batch), a warp per 32 steps up to CHAIN_MAX_WARPS; one-step requests (decode)
+# CHAIN_STEP_LANES at a time, a lane each
 CHAIN_MIN_BLOCK = 16
 CHAIN_MAX_BLOCK = 1024
 CHAIN_MAX_WARPS = 4
+CHAIN_STEP_LANES = 128
 MAX_CHAIN_WRITE_BUFFERS = 4  # the kernel's buffer arguments (a group's K/V x HEAD/TAIL)
 WRITE_FINGERPRINT_BLOCK = 128
 
@@ -259,8 +268,7 @@ def launch_canary_write_kernel(
     chained from its tree path instead (the seed, then its ancestors root first), its position
     checked against its parent's, all entries in parallel (``_tree_triton``).
     """
-    kwargs = dict(
-        context=context,
+    inputs = dict(
         plan=plan,
         input_ids=input_ids,
         positions=positions,
@@ -268,15 +276,15 @@ def launch_canary_write_kernel(
         enable_write_input_assert=enable_write_input_assert,
         expected_input_tokens=expected_input_tokens,
         expected_input_positions=expected_input_positions,
-        parts=parts,
-        tree=tree,
     )
-    validation.validate_write_args(**kwargs)
+    validation.validate_write_args(context=context, parts=parts, tree=tree, **inputs)
     if not use_triton(context.device):
-        return write_ref.run_canary_write_reference(**kwargs)
+        return write_ref.run_canary_write_reference(
+            context=context, parts=parts, tree=tree, **inputs
+        )
     num_tokens = input_ids.shape[0]
     num_sources = len(context.real_kv_sources) if context.fingerprint_mode else 0
-    n_chain = grid_size(context.device, plan.req_capacity, 1)
+    n_chain = chain_programs(context.device, plan, num_tokens)
     n_fp = grid_size(context.device, num_tokens, WRITE_FINGERPRINT_BLOCK) if num_sources else 0
     if parts == WriteParts.CHAIN:
         num_sources, n_fp = 0, 0  # the chain part then stores real_kv_hash = 0
@@ -285,34 +293,11 @@ def launch_canary_write_kernel(
             return
         n_chain = 0
     if tree is not None and n_chain:
-        _launch_tree(
-            [context],
-            plan,
-            tree,
-            input_ids,
-            positions,
-            out_cache_loc,
-            enable_write_input_assert,
-            expected_input_tokens,
-            expected_input_positions,
-            zero_fp=num_sources == 0,
-        )
+        _launch_tree([context], tree, inputs, zero_fp=num_sources == 0)
         if not n_fp:
             return
         n_chain = 0
-    _launch(
-        [context],
-        plan,
-        input_ids,
-        positions,
-        out_cache_loc,
-        enable_write_input_assert,
-        expected_input_tokens,
-        expected_input_positions,
-        num_sources=num_sources,
-        n_chain=n_chain,
-        n_fp=n_fp,
-    )
+    _launch([context], inputs, num_sources=num_sources, n_chain=n_chain, n_fp=n_fp)
 
 
 def launch_canary_chain_writes(
@@ -331,7 +316,7 @@ def launch_canary_chain_writes(
     to ``MAX_CHAIN_WRITE_BUFFERS`` canary buffers of one pool group at once, byte for byte what
     one launch per context writes (violation rows may come in another order; a slot written by
     several steps of the launch holds one of those writes). One launch: each request's
-    buffers share its program and each block's scan, each buffer from its own seed record.
+    buffers share its lanes and each block's scan, each buffer from its own seed record.
     The contexts must be distinct buffers of one pool (same
     slot count) sharing one violation ring and chain-position flag. Graph-safe on CUDA."""
     contexts = list(contexts)
@@ -340,19 +325,17 @@ def launch_canary_chain_writes(
             f"launch_canary_chain_writes takes 1 to {MAX_CHAIN_WRITE_BUFFERS} "
             f"contexts, got {len(contexts)}"
         )
+    inputs = dict(
+        plan=plan,
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        enable_write_input_assert=enable_write_input_assert,
+        expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions,
+    )
     for c in contexts:
-        validation.validate_write_args(
-            context=c,
-            plan=plan,
-            input_ids=input_ids,
-            positions=positions,
-            out_cache_loc=out_cache_loc,
-            enable_write_input_assert=enable_write_input_assert,
-            expected_input_tokens=expected_input_tokens,
-            expected_input_positions=expected_input_positions,
-            parts=WriteParts.CHAIN,
-            tree=tree,
-        )
+        validation.validate_write_args(context=c, parts=WriteParts.CHAIN, tree=tree, **inputs)
     first = contexts[0]
     for name in ("violation_ring", "violation_write_index", "enable_chain_position_assert"):
         if any(getattr(c, name) is not getattr(first, name) for c in contexts[1:]):
@@ -369,50 +352,19 @@ def launch_canary_chain_writes(
     if not use_triton(first.device):
         for c in contexts:
             write_ref.run_canary_write_reference(
-                context=c,
-                plan=plan,
-                input_ids=input_ids,
-                positions=positions,
-                out_cache_loc=out_cache_loc,
-                enable_write_input_assert=enable_write_input_assert,
-                expected_input_tokens=expected_input_tokens,
-                expected_input_positions=expected_input_positions,
-                parts=WriteParts.CHAIN,
-                tree=tree,
+                context=c, parts=WriteParts.CHAIN, tree=tree, **inputs
             )
         return
     if tree is not None:
-        _launch_tree(
-            contexts,
-            plan,
-            tree,
-            input_ids,
-            positions,
-            out_cache_loc,
-            enable_write_input_assert,
-            expected_input_tokens,
-            expected_input_positions,
-            zero_fp=True,
-        )
+        _launch_tree(contexts, tree, inputs, zero_fp=True)
         return
-    n_chain = grid_size(first.device, plan.req_capacity, 1)
-    _launch(
-        contexts,
-        plan,
-        input_ids,
-        positions,
-        out_cache_loc,
-        enable_write_input_assert,
-        expected_input_tokens,
-        expected_input_positions,
-        num_sources=0,
-        n_chain=n_chain,
-        n_fp=0,
-    )
+    n_chain = chain_programs(first.device, plan, input_ids.shape[0])
+    _launch(contexts, inputs, num_sources=0, n_chain=n_chain, n_fp=0)
 
 
 def _write_args(
     contexts,
+    *,
     plan,
     input_ids,
     positions,
@@ -454,85 +406,53 @@ def _write_args(
     )
 
 
-def _launch(
-    contexts,
-    plan,
-    input_ids,
-    positions,
-    out_cache_loc,
-    enable_write_input_assert,
-    expected_input_tokens,
-    expected_input_positions,
-    *,
-    num_sources,
-    n_chain,
-    n_fp,
-):
-    """One write launch on validated arguments: the chain part for every context (a program
-    per request, the contexts sharing its scan), the fingerprint part (``n_fp`` programs) for
-    the first."""
-    sblock = chain_block(input_ids.shape[0], plan.req_capacity)
+def _launch(contexts, inputs: dict, *, num_sources, n_chain, n_fp):
+    """One write launch on validated arguments (``inputs``: the keyword arguments of
+    :func:`_write_args`): the chain part for every context (``n_chain`` programs; the contexts
+    share each request's lanes and scans), the fingerprint part (``n_fp`` programs) for the
+    first."""
+    sblock = chain_block(inputs["input_ids"].shape[0])
     _canary_write_kernel[(n_chain + n_fp,)](
-        *_write_args(
-            contexts,
-            plan,
-            input_ids,
-            positions,
-            out_cache_loc,
-            enable_write_input_assert,
-            expected_input_tokens,
-            expected_input_positions,
-        ),
+        *_write_args(contexts, **inputs),
         contexts[0].source_descriptors,
         n_chain,
-        INPUT_ASSERT=enable_write_input_assert,
+        INPUT_ASSERT=inputs["enable_write_input_assert"],
         NUM_SOURCES=num_sources,
         NUM_BUFS=len(contexts),
         SBLOCK=sblock,
+        RBLOCK=CHAIN_STEP_LANES,
         FBLOCK=WRITE_FINGERPRINT_BLOCK,
         num_warps=max(min(sblock // 32, CHAIN_MAX_WARPS), 1) if n_fp == 0 else 4,
     )
 
 
-def chain_block(num_tokens: int, req_capacity: int) -> int:
-    """The chain part's steps per block for a launch of ``num_tokens`` tokens (its capacity,
-    host-known) over at most ``req_capacity`` requests."""
-    per_req = triton.cdiv(max(num_tokens, 1), max(req_capacity, 1))
-    return max(CHAIN_MIN_BLOCK, min(CHAIN_MAX_BLOCK, triton.next_power_of_2(per_req)))
+def chain_programs(device: torch.device, plan: WritePlan, num_tokens: int) -> int:
+    """Programs of the chain part (and of a tree write) for a launch of ``num_tokens`` tokens
+    (its capacity, host-known) over ``plan``: a request with work has one of them, so at most
+    ``min(plan.req_capacity, num_tokens)`` requests have any (a decode graph captured for 32
+    requests gets 32 programs, not one per row of a ``--max-running-requests`` plan). The loops
+    are grid-stride: any count writes the same records."""
+    return grid_size(device, min(plan.req_capacity, num_tokens), 1)
+
+
+def chain_block(num_tokens: int) -> int:
+    """The chain part's steps per block of a request for a launch of ``num_tokens`` tokens
+    (its capacity, host-known)."""
+    return max(CHAIN_MIN_BLOCK, min(CHAIN_MAX_BLOCK, triton.next_power_of_2(max(num_tokens, 1))))
 
 
 TREE_ENTRY_BLOCK = 32  # entries of one request a tree-write program walks at once
 
 
-def _launch_tree(
-    contexts,
-    plan,
-    tree,
-    input_ids,
-    positions,
-    out_cache_loc,
-    enable_write_input_assert,
-    expected_input_tokens,
-    expected_input_positions,
-    *,
-    zero_fp,
-):
-    """The chain part over a draft tree on validated arguments: one program per request
-    (grid-stride), one grid column per context."""
-    n_prog = grid_size(contexts[0].device, plan.req_capacity, 1)
+def _launch_tree(contexts, tree, inputs: dict, *, zero_fp):
+    """The chain part over a draft tree on validated arguments (``inputs``: the keyword
+    arguments of :func:`_write_args`): one program per request (grid-stride), one grid column
+    per context."""
+    n_prog = chain_programs(contexts[0].device, inputs["plan"], inputs["input_ids"].shape[0])
     tree_write_kernel[(n_prog, len(contexts))](
-        *_write_args(
-            contexts,
-            plan,
-            input_ids,
-            positions,
-            out_cache_loc,
-            enable_write_input_assert,
-            expected_input_tokens,
-            expected_input_positions,
-        ),
+        *_write_args(contexts, **inputs),
         tree.parent,
-        INPUT_ASSERT=enable_write_input_assert,
+        INPUT_ASSERT=inputs["enable_write_input_assert"],
         ZERO_FP=zero_fp,
         MAX_DEPTH=tree.max_depth,
         TBLOCK=TREE_ENTRY_BLOCK,
