@@ -1480,3 +1480,115 @@ def test_speculative_overhead_all_refuses_bad_settings(tmp_path, var, value, mes
     )
     assert res.returncode == 2 and message in res.stderr
     assert not calls.exists()  # refused before any run
+
+
+# latency_table.sh: each part's scenarios and configs (the latency targets, latency_h200.md)
+LATENCY_PARTS = {
+    "prefill": ("prefill_bs1_512,prefill_bs1_4k,prefill_bs1_16k", "off,raise,raise+token+partial"),
+    "prefill-bs32": ("prefill_bs32", "off,raise,raise+token+partial"),
+    "decode": (
+        "decode_bs1,decode_bs32,decode_bs128",
+        "off,raise,raise+token+partial,off+sidekernel",
+    ),
+    "eagle": ("decode_bs1,decode_bs32", "off,raise,raise+token+partial"),
+}
+
+
+def _checked_latency_run(argv):
+    """One run's arguments as ``bench_interleaved.py`` reads them, its names checked as
+    ``run`` checks them before any server starts (a typo fails here, not on the device)."""
+    args = bi.build_parser().parse_args(argv)
+    configs = common.parse_names(args.configs, bi.CONFIG_TABLE, "--configs")
+    scenarios = common.parse_names(args.scenarios, bi.SCENARIOS, "--scenarios")
+    model = common.speculative_model(args.speculative, args.model)
+    assert common.speculative_model_problem(args.speculative, model) is None
+    assert args.baseline == "off" and args.baseline in configs and args.control
+    assert args.isolate and args.start == "together"
+    return args, configs, scenarios
+
+
+@pytest.mark.parametrize("num_gpus", [1, 2])
+def test_latency_table_runs_every_target_scenario_paired_with_its_control(tmp_path, num_gpus):
+    """``latency_table.sh``: the four parts (prefill bs 1 with --repeat, prefill bs 32, decode
+    with the side-kernel baseline too, EAGLE decode) dealt over the GPUs in turn, every run
+    isolated, started together, against off with its A/A twin; ROUNDS / REPEAT / OSL / WARMUP
+    passed on; then one report of every record."""
+    gpus = [str(g) for g in range(num_gpus)]
+    bin_dir, calls = _fake_tools(tmp_path, gpus)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.update(ROUNDS="7", REPEAT="3", OSL="128", WARMUP="0")
+    out = tmp_path / "out"
+    script = BENCH_DIR / "latency_table.sh"
+    res = subprocess.run(["bash", str(script), str(out)], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    runs = [json.loads(line) for line in calls.read_text().splitlines()]
+    report = [argv for _, argv in runs if "--report" in argv]
+    bench = {}
+    for gpu, argv in runs:
+        if "--report" in argv:
+            continue
+        assert argv[0] == str(BENCH_DIR / "bench_interleaved.py")
+        args, configs, scenarios = _checked_latency_run(argv[1:])
+        part = pathlib.Path(args.out).name.removeprefix("latency_").removesuffix(".jsonl")
+        bench[part] = (gpu, args, configs, scenarios)
+    assert sorted(bench) == sorted(LATENCY_PARTS)
+    order = list(LATENCY_PARTS)
+    for part, (gpu, args, configs, scenarios) in bench.items():
+        want_scenarios, want_configs = LATENCY_PARTS[part]
+        assert (",".join(scenarios), ",".join(configs)) == (want_scenarios, want_configs), part
+        assert gpu == gpus[order.index(part) % num_gpus], part
+        assert (args.rounds, args.warmup) == (7, 0)
+        assert args.repeat == (3 if part == "prefill" else 1), part
+        assert args.osl == (128 if part in ("decode", "eagle") else None), part
+        assert args.speculative == ("eagle" if part == "eagle" else "none"), part
+        assert args.out == str(out / f"latency_{part}.jsonl")
+    assert len(report) == 1
+    assert sorted(report[0][2:]) == sorted(str(out / f"latency_{p}.jsonl") for p in LATENCY_PARTS)
+    assert [f"latency_table: {p} on GPU" in res.stdout for p in LATENCY_PARTS] == [True] * 4
+
+
+def test_latency_table_runs_only_the_parts_named(tmp_path):
+    bin_dir, calls = _fake_tools(tmp_path, ["0"])
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    for var in ("ROUNDS", "REPEAT", "OSL", "WARMUP"):
+        env.pop(var, None)
+    script = BENCH_DIR / "latency_table.sh"
+    res = subprocess.run(
+        ["bash", str(script), str(tmp_path / "out"), "decode"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr
+    runs = [argv for _, argv in map(json.loads, calls.read_text().splitlines())]
+    assert len(runs) == 2 and "--report" in runs[1]
+    args, _, _ = _checked_latency_run(runs[0][1:])
+    # the defaults: 30 rounds after 2 warm-up rounds, 256-token decodes
+    assert (args.rounds, args.warmup, args.osl, args.repeat) == (30, 2, 256, 1)
+
+
+@pytest.mark.parametrize(
+    "var, value, message",
+    [
+        ("ROUNDS", "0", "ROUNDS=0: a whole number above 0"),
+        ("REPEAT", "five", "REPEAT=five: a whole number above 0"),
+        ("OSL", "256t", "OSL=256t: a whole number above 0"),
+        ("WARMUP", "-1", "WARMUP=-1: a whole number (0: none)"),
+        ("PART", "prefill_bs1_512", "part prefill_bs1_512: allowed prefill, prefill-bs32, decode"),
+    ],
+)
+def test_latency_table_refuses_bad_settings(tmp_path, var, value, message):
+    bin_dir, calls = _fake_tools(tmp_path, ["0"])
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    parts = [value] if var == "PART" else []
+    if var != "PART":
+        env[var] = value
+    script = BENCH_DIR / "latency_table.sh"
+    res = subprocess.run(
+        ["bash", str(script), str(tmp_path / "out"), *parts],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    assert not calls.exists()  # refused before any run
