@@ -22,7 +22,7 @@ import types
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=125, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=150, suite="stage-a-test-cpu")
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parents[3] / "benchmark" / "kv_canary"
 sys.path.insert(0, str(BENCH_DIR))
