@@ -8,7 +8,10 @@
 # Parts (default: all four, in this order):
 #   prefill        prefill bs 1 at 512, 4096 and 16384 tokens; off, raise, raise+token+partial;
 #                  REPEAT requests per server and round (--repeat: a short prefill's own noise)
-#   prefill-bs32   prefill bs 32 x 16384; the same configs, one request per round
+#   prefill-bs32   prefill bs 32 x 16384; the same configs, one request per round (four
+#                  servers on one H200 get about 25 GiB of KV each, some 230k tokens of
+#                  Qwen3-0.6B: the batch's 32 requests are admitted as others finish; its
+#                  chunks are the same forwards either way)
 #   decode         decode bs 1, 32 and 128; the same configs and off+sidekernel (the second
 #                  baseline: a canary-off decode graph with one side-stream kernel, latency_h200.md,
 #                  thirty-fifth session); OSL tokens per request
