@@ -41,9 +41,8 @@ osl=${OSL:-256}; whole OSL "$osl"
 warmup=${WARMUP:-2}
 case "$warmup" in ""|*[!0-9]*) echo "$0: WARMUP=$warmup: a whole number (0: none)" >&2; exit 2 ;; esac
 here=$(cd "$(dirname "$0")" && pwd)
+. "$here/gpu_deal.sh"
 mkdir -p "$out"
-mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader)
-[ ${#gpus[@]} -gt 0 ] || { echo "$0: no GPU (nvidia-smi lists none)" >&2; exit 1; }
 canary=off,raise,raise+token+partial
 part_args() {  # PART: its bench_interleaved.py arguments
   case "$1" in
@@ -63,12 +62,7 @@ run_gpu() {  # GPU, then its parts
     echo "latency_table: $p on GPU $gpu: rc=$?"
   done
 }
-for i in "${!gpus[@]}"; do
-  mine=()
-  for j in "${!parts[@]}"; do [ $(( j % ${#gpus[@]} )) -eq "$i" ] && mine+=("${parts[$j]}"); done
-  [ ${#mine[@]} -gt 0 ] && run_gpu "${gpus[$i]}" "${mine[@]}" &
-done
-wait
+deal_over_gpus run_gpu "${parts[@]}"
 shopt -s nullglob
 records=("$out"/latency_*.jsonl)
 [ ${#records[@]} -gt 0 ] && python3 "$here/bench_interleaved.py" --report "${records[@]}"

@@ -34,9 +34,8 @@ case "$osl_all" in
   *[!0-9]*|0*) echo "$0: OSL=$osl_all: a whole number above 0 (tokens per request)" >&2; exit 2 ;;
 esac
 here=$(cd "$(dirname "$0")" && pwd)
+. "$here/gpu_deal.sh"
 mkdir -p "$out"
-mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader)
-[ ${#gpus[@]} -gt 0 ] || { echo "$0: no GPU (nvidia-smi lists none)" >&2; exit 1; }
 run_gpu() {  # GPU, then its modes
   local gpu=$1; shift
   for m in "$@"; do
@@ -50,12 +49,7 @@ run_gpu() {  # GPU, then its modes
     echo "speculative_overhead: $m on GPU $gpu: rc=$?"
   done
 }
-for i in "${!gpus[@]}"; do
-  mine=()
-  for j in "${!modes[@]}"; do [ $(( j % ${#gpus[@]} )) -eq "$i" ] && mine+=("${modes[$j]}"); done
-  [ ${#mine[@]} -gt 0 ] && run_gpu "${gpus[$i]}" "${mine[@]}" &
-done
-wait
+deal_over_gpus run_gpu "${modes[@]}"
 shopt -s nullglob
 records=("$out"/spec_*.jsonl)
 [ ${#records[@]} -gt 0 ] && python3 "$here/bench_interleaved.py" --report "${records[@]}"

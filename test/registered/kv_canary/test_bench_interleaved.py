@@ -1592,3 +1592,20 @@ def test_latency_table_refuses_bad_settings(tmp_path, var, value, message):
     )
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert not calls.exists()  # refused before any run
+
+
+@pytest.mark.parametrize("script", ["latency_table.sh", "speculative_overhead_all.sh"])
+def test_gpu_drivers_stop_when_no_gpu_is_listed(tmp_path, script):
+    """``gpu_deal.sh``'s ``deal_over_gpus``: no GPU listed by nvidia-smi -> exit 1, nothing run."""
+    bin_dir, calls = _fake_tools(tmp_path, [])
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    for var in ("ROUNDS", "REPEAT", "OSL", "WARMUP", "SCENARIOS", "START"):
+        env.pop(var, None)
+    res = subprocess.run(
+        ["bash", str(BENCH_DIR / script), str(tmp_path / "out")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 1 and "no GPU (nvidia-smi lists none)" in res.stderr, res.stderr
+    assert not calls.exists()
